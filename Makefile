@@ -1,0 +1,31 @@
+# make run    train the embedded default (tiny model, arithmetic, SFT warm-up then GRPO) on CPU
+# make test   run the whole test suite
+# Both create or refresh .venv first; nothing else needs installing by hand.
+
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: run test venv clean
+
+venv: $(STAMP)
+
+# The CPU build of torch goes in first: a bare `torch` requirement would pull a multi-GB CUDA build.
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[test]'
+	# torchvision does not import beside the CPU torch build, and breaks transformers' imports
+	$(PY) -m pip uninstall --quiet --yes torchvision 2>/dev/null || true
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(PY) run.py
+
+test: $(STAMP)
+	$(PY) -m pytest tests
+
+clean:
+	rm -rf $(VENV) checkpoints outputs multirun

@@ -1,0 +1,44 @@
+"""Loss aggregation: the one place that turns a per-token loss into a scalar.
+
+The normalisers (`num_seqs`, `num_tokens`) are those of the whole mini-batch, not of the
+micro-batch being computed: summing the micro-batch results then gives exactly the loss (and
+gradient) of the whole mini-batch, whatever the micro-batch token counts. Dividing each
+micro-batch by its own token count instead is a classic silent bug (micro-batches with few
+tokens get too much weight).
+"""
+
+from __future__ import annotations
+
+import torch
+
+AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+
+
+def agg_loss(
+    loss: torch.Tensor,
+    mask: torch.Tensor,
+    mode: str,
+    num_seqs: int,
+    num_tokens: int,
+    max_len: int,
+) -> torch.Tensor:
+    """Aggregate loss [n, T] under mask [n, T] into this micro-batch's share of the scalar.
+
+    token-mean:              sum(l * m) / num_tokens                        (DAPO)
+    seq-mean-token-sum:      sum_i sum_t l_it m_it / num_seqs
+    seq-mean-token-mean:     sum_i (sum_t l_it m_it / sum_t m_it) / num_seqs  (original GRPO)
+    seq-mean-token-sum-norm: sum(l * m) / (num_seqs * max_len)              (Dr. GRPO)
+
+    A fully masked row contributes 0 in every mode.
+    """
+    masked = loss * mask
+    if mode == "token-mean":
+        return masked.sum() / max(num_tokens, 1)
+    if mode == "seq-mean-token-sum":
+        return masked.sum() / max(num_seqs, 1)
+    if mode == "seq-mean-token-mean":
+        per_seq = masked.sum(-1) / mask.sum(-1).clamp(min=1)
+        return per_seq.sum() / max(num_seqs, 1)
+    if mode == "seq-mean-token-sum-norm":
+        return masked.sum() / (max(num_seqs, 1) * max_len)
+    raise ValueError(f"unknown loss_agg_mode {mode!r}; choose one of {AGG_MODES}")

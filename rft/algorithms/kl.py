@@ -1,0 +1,36 @@
+"""KL estimators of KL(pi || ref), per token: `fn(logp, ref_logp) -> [N, T]`.
+
+J. Schulman, "Approximating KL divergence" (2020); x = logp - ref_logp on tokens sampled from pi.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def k1(logp, ref_logp):
+    """k1 = x (unbiased, high variance, can be negative)."""
+    return logp - ref_logp
+
+
+def k2(logp, ref_logp):
+    """k2 = x^2 / 2 (biased, low variance)."""
+    return 0.5 * (logp - ref_logp) ** 2
+
+
+def k3(logp, ref_logp):
+    """k3 = exp(-x) - (-x) - 1 (unbiased, low variance; verl's low_var_kl).
+
+    The input is clamped to +-20 and the output to +-10, as verl does, so one wild token cannot
+    dominate the loss.
+    """
+    neg_x = torch.clamp(ref_logp - logp, -20.0, 20.0)
+    return torch.clamp(torch.exp(neg_x) - neg_x - 1.0, -10.0, 10.0)
+
+
+def abs_kl(logp, ref_logp):
+    """|x|."""
+    return (logp - ref_logp).abs()
+
+
+KL_FNS = {"k1": k1, "kl": k1, "k2": k2, "mse": k2, "k3": k3, "low_var_kl": k3, "abs": abs_kl}

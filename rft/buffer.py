@@ -1,0 +1,70 @@
+"""Buffers: the only thing the explorer and the trainer share.
+
+- `QueueBuffer` (storage_type=queue): experiences in memory, first in first out.
+- `DatasetReader` (storage_type=file): a dataset of prompt/response rows read as experiences,
+  for training without an explorer (an SFT stage).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections import deque
+
+from rft.errors import ConfigError
+from rft.experience import Experience
+from rft.tasks import load_rows, rows_to_messages
+from rft.workflows import encode_prompt
+
+
+class QueueBuffer:
+    def __init__(self):
+        self._items: deque[Experience] = deque()
+
+    def put(self, exps: list[Experience]) -> None:
+        self._items.extend(exps)
+
+    def get(self, n: int, timeout: float) -> list[Experience]:
+        deadline = time.monotonic() + timeout
+        while len(self._items) < n:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the buffer held {len(self._items)} experiences after {timeout}s; wanted {n}")
+            time.sleep(0.01)
+        return [self._items.popleft() for _ in range(n)]
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+class DatasetReader:
+    """Prompt/response rows as experiences; step k's batch is a function of (seed, k)."""
+
+    def __init__(self, buf_cfg, tokenizer, max_prompt_tokens: int, max_response_tokens: int, seed: int):
+        where = "buffer.trainer_input.experience_buffer"
+        if not buf_cfg.path:
+            raise ConfigError(f"{where}.storage_type=file needs {where}.path (a dataset of prompt/response rows).")
+        rows = load_rows(buf_cfg.path, buf_cfg.split, key=f"{where}.path")
+        fmt = buf_cfg.format
+        self.items = []
+        for i, row in enumerate(rows):
+            messages = rows_to_messages(row, fmt, where, i, buf_cfg.path)
+            if row.get(fmt.response_key) is None:
+                raise ConfigError(
+                    f"{where}: row {i} of {buf_cfg.path!r} has no {fmt.response_key!r} "
+                    f"(format.response_key); its keys are {sorted(row)}."
+                )
+            prompt = encode_prompt(tokenizer, messages, max_prompt_tokens)
+            response = tokenizer.encode(str(row[fmt.response_key]), add_special_tokens=False)
+            response = response[: max_response_tokens - 1] + [tokenizer.eos_token_id]
+            self.items.append(Experience(prompt + response, len(prompt), [], task_id=f"{buf_cfg.name}/{i}", group_id=str(i)))
+        self.seed = seed
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def batch(self, step: int, size: int) -> list[Experience]:
+        per_epoch = len(self.items) // size
+        epoch, pos = divmod(step, per_epoch)
+        order = list(range(len(self.items)))
+        random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
+        return [self.items[i] for i in order[pos * size : (pos + 1) * size]]

@@ -1,0 +1,262 @@
+"""Typed schemas for every config group, stored in Hydra's ConfigStore.
+
+`conf/config.yaml` starts its defaults list with `rft_schema` (the `Config` dataclass below), so
+every group file and every command-line override is merged into a typed, struct-mode config: a
+misspelt key or a wrong type fails when Hydra composes the config, before anything starts.
+
+Key names follow Trinity-RFT's configuration guide where one exists (`buffer.batch_size`,
+`algorithm.repeat_times`, `explorer.rollout_model.engine_num`, `synchronizer.sync_interval`,
+`trainer.save_interval`, ...). Where we rename, the field comment says the old name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, List, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+
+@dataclass
+class OptimizerConfig:
+    lr: float = 1e-6
+    betas: List[float] = field(default_factory=lambda: [0.9, 0.999])
+    weight_decay: float = 0.01
+    # linear warm-up over this many optimizer steps (verl: lr_warmup_steps)
+    warmup_steps: int = 0
+    # after warm-up: constant | cosine (Trinity: warmup_style)
+    warmup_style: str = "constant"
+    # cosine decays to lr * min_lr_ratio
+    min_lr_ratio: float = 0.0
+
+
+@dataclass
+class AlgorithmConfig:
+    # a label for logs and checkpoints; behaviour comes from the *_fn keys below
+    algorithm_type: str = "grpo"
+    # rollouts per task (ROLL: num_return_sequences_in_group, LightRFT: n_samples_per_prompt)
+    repeat_times: int = 8
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    # name in rft.algorithms.ADVANTAGE_FNS
+    advantage_fn: str = "grpo"
+    # name in rft.algorithms.POLICY_LOSS_FNS
+    policy_loss_fn: str = "ppo_clip"
+    # token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm
+    loss_agg_mode: str = "token-mean"
+    # PPO clip range: ratio is clipped to [1 - clip_ratio_low, 1 + clip_ratio_high]
+    clip_ratio_low: float = 0.2
+    clip_ratio_high: float = 0.2
+    # KL to a frozen reference model as a loss term: none | k1 | k2 | k3 | abs
+    kl_loss_fn: str = "none"
+    kl_loss_coef: float = 0.001
+    # entropy bonus: loss -= entropy_coef * entropy
+    entropy_coef: float = 0.0
+
+
+@dataclass
+class ModelConfig:
+    # hub id or local directory in Hugging Face format
+    model_path: str = MISSING
+    # "tiny": the project builds the model at model_path on first use (see rft/models.py)
+    builder: Optional[str] = None
+    # jinja chat template that replaces the tokenizer's own
+    custom_chat_template: Optional[str] = None
+    max_prompt_tokens: int = 1024
+    max_response_tokens: int = 1024
+    # defaults to max_prompt_tokens + max_response_tokens
+    max_model_len: Optional[int] = None
+    # float32 | bfloat16 | float16
+    dtype: str = "bfloat16"
+    trust_remote_code: bool = False
+
+
+@dataclass
+class FormatConfig:
+    # plaintext: the prompt is a string in prompt_key; messages: a list of chat messages
+    prompt_type: str = "plaintext"
+    prompt_key: str = "question"
+    response_key: str = "answer"
+    messages_key: str = "messages"
+    system_prompt: Optional[str] = None
+
+
+@dataclass
+class RolloutArgs:
+    # 0 means greedy
+    temperature: float = 1.0
+    top_p: float = 1.0
+    # -1 disables top-k
+    top_k: int = -1
+    # defaults to model.max_response_tokens
+    max_tokens: Optional[int] = None
+
+
+@dataclass
+class TasksetConfig:
+    name: str = "taskset"
+    # file: a JSONL/Parquet file, a directory of them, or a Hugging Face dataset id
+    storage_type: str = "file"
+    path: str = MISSING
+    # datasets.load_dataset(name=...)
+    subset_name: Optional[str] = None
+    split: str = "train"
+    format: FormatConfig = field(default_factory=FormatConfig)
+    rollout_args: RolloutArgs = field(default_factory=RolloutArgs)
+    # rollouts per task; defaults to algorithm.repeat_times (taskset) or 1 (eval tasksets)
+    repeat_times: Optional[int] = None
+    # name in rft.rewards.REWARD_FNS; defaults to explorer_input.default_reward_fn_type
+    reward_fn: Optional[str] = None
+
+
+@dataclass
+class ExplorerInputConfig:
+    taskset: TasksetConfig = field(default_factory=TasksetConfig)
+    eval_tasksets: List[TasksetConfig] = field(default_factory=list)
+    default_reward_fn_type: str = "exact_match"
+    # name in rft.tasks.GENERATORS: writes the taskset files when they are missing
+    generator: Optional[str] = None
+
+
+@dataclass
+class ExperienceBufferConfig:
+    name: str = "experience_buffer"
+    # queue: in memory between explorer and trainer;
+    # file: a dataset of prompt/response rows (an SFT stage reads its data this way)
+    storage_type: str = "queue"
+    path: Optional[str] = None
+    split: str = "train"
+    format: FormatConfig = field(default_factory=FormatConfig)
+    # seconds the trainer waits for a full batch
+    max_read_timeout: float = 1800.0
+
+
+@dataclass
+class TrainerInputConfig:
+    experience_buffer: ExperienceBufferConfig = field(default_factory=ExperienceBufferConfig)
+
+
+@dataclass
+class BufferConfig:
+    # tasks per step; do not multiply by algorithm.repeat_times yourself
+    batch_size: int = 32
+    # experiences per step; defaults to batch_size * algorithm.repeat_times
+    train_batch_size: Optional[int] = None
+    total_epochs: int = 1
+    # if set, total_epochs is ignored
+    total_steps: Optional[int] = None
+    explorer_input: ExplorerInputConfig = field(default_factory=ExplorerInputConfig)
+    trainer_input: TrainerInputConfig = field(default_factory=TrainerInputConfig)
+
+
+@dataclass
+class RolloutModelConfig:
+    # hf: transformers generate (the CPU default)
+    engine_type: str = "hf"
+    engine_num: int = 1
+    tensor_parallel_size: int = 1
+    # sequences per generate() call inside the engine
+    generate_batch_size: int = 256
+
+
+@dataclass
+class ExplorerConfig:
+    name: str = "explorer"
+    rollout_model: RolloutModelConfig = field(default_factory=RolloutModelConfig)
+    # evaluate on buffer.explorer_input.eval_tasksets every this many steps (and after the last)
+    eval_interval: int = 100
+    # evaluate before the first step (skipped on resume)
+    eval_on_startup: bool = True
+
+
+@dataclass
+class TrainerConfig:
+    name: str = "trainer"
+    # torch: one process
+    trainer_strategy: str = "torch"
+    # save a resumable checkpoint every this many steps (and after the last)
+    save_interval: int = 100
+    # experiences per optimizer step (verl: ppo_mini_batch_size); defaults to train_batch_size
+    mini_batch_size: Optional[int] = None
+    # experiences per forward/backward (verl: ppo_micro_batch_size_per_gpu)
+    micro_batch_size_per_gpu: int = 8
+    # passes over each step's experiences (verl: ppo_epochs)
+    ppo_epochs: int = 1
+    grad_clip: float = 1.0
+    gradient_checkpointing: bool = False
+
+
+@dataclass
+class SynchronizerConfig:
+    # memory: through the Ray object store; checkpoint: through safetensors files on disk
+    sync_method: str = "memory"
+    # steps between weight syncs from trainer to explorer
+    sync_interval: int = 1
+    # seconds to wait for a sync before failing
+    sync_timeout: float = 1200.0
+
+
+@dataclass
+class MonitorConfig:
+    # any of: tensorboard, wandb (console and metrics.jsonl are always on)
+    monitor_type: List[str] = field(default_factory=lambda: ["tensorboard"])
+    # metrics shown beside the progress bar
+    console_keys: List[str] = field(
+        default_factory=lambda: ["reward/mean", "eval/accuracy", "loss/policy", "timing/step_s"]
+    )
+
+
+@dataclass
+class ClusterConfig:
+    # ray: explorer and trainer are Ray actors; inline: the same objects in this process
+    backend: str = "ray"
+    # None starts a local Ray instance; "auto" joins a running cluster; or "host:port"
+    ray_address: Optional[str] = None
+    # CPUs for a locally started Ray instance (None: all of them)
+    num_cpus: Optional[int] = None
+    node_num: int = 1
+    gpu_per_node: int = 0
+    # CPUs reserved by each actor; also its torch thread count
+    cpus_per_actor: int = 1
+
+
+@dataclass
+class LogConfig:
+    # DEBUG | INFO | WARNING | ERROR, for log/<actor>.log
+    level: str = "INFO"
+
+
+@dataclass
+class Config:
+    project: str = "rft"
+    name: str = "run"
+    # both: explorer + trainer; train: trainer only, from trainer_input.experience_buffer
+    mode: str = "both"
+    seed: int = 42
+    checkpoint_root_dir: str = "./checkpoints"
+    # where built models and generated datasets are cached (outside the repo)
+    cache_dir: str = "~/.cache/rft"
+    # resume from the latest checkpoint in <checkpoint_root_dir>/<project>/<name>/
+    continue_from_checkpoint: bool = True
+    # print the batch plan and exit, without starting Ray or loading a model
+    dry_run: bool = False
+    # each stage is a dict merged onto this config (stage_name required); run in order
+    stages: List[Any] = field(default_factory=list)
+    # the stage name, filled in per stage
+    stage_name: Optional[str] = None
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    buffer: BufferConfig = field(default_factory=BufferConfig)
+    explorer: ExplorerConfig = field(default_factory=ExplorerConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    synchronizer: SynchronizerConfig = field(default_factory=SynchronizerConfig)
+    monitor: MonitorConfig = field(default_factory=MonitorConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+
+
+def register_configs() -> None:
+    ConfigStore.instance().store(name="rft_schema", node=Config)
+
+
+register_configs()

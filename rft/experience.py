@@ -1,0 +1,42 @@
+"""The Experience: what an explorer hands the trainer for one sampled response."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class Experience:
+    tokens: list[int]  # prompt + response token ids
+    prompt_length: int
+    logprobs: list[float]  # sampling log-prob of each response token (empty for SFT data)
+    reward: float = 0.0
+    group_id: str = ""  # rollouts of the same task in the same step share it
+    task_id: str = ""
+    policy_version: int = 0  # the weights version that generated it
+    info: dict = field(default_factory=dict)
+
+    @property
+    def response_length(self) -> int:
+        return len(self.tokens) - self.prompt_length
+
+
+def collate(exps: list[Experience], pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-pad a list of experiences into tensors.
+
+    Returns input_ids/attention_mask [n, L] and, aligned with the next-token targets
+    input_ids[:, 1:], response_mask [n, L-1] (1 where the target is a response token).
+    """
+    L = max(len(e.tokens) for e in exps)
+    n = len(exps)
+    input_ids = torch.full((n, L), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((n, L), dtype=torch.long)
+    response_mask = torch.zeros((n, L - 1), dtype=torch.float32)
+    for i, e in enumerate(exps):
+        input_ids[i, : len(e.tokens)] = torch.tensor(e.tokens)
+        attention_mask[i, : len(e.tokens)] = 1
+        # target position t predicts token t+1: response tokens sit at prompt_length..len-1
+        response_mask[i, e.prompt_length - 1 : len(e.tokens) - 1] = 1.0
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "response_mask": response_mask}

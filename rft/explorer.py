@@ -1,0 +1,132 @@
+"""The explorer: a rollout engine plus workflows, turning tasks into experiences.
+
+It holds no state that is not derived from the step number and the weights it was last given:
+the tasks of step k and the sampling seed of step k are functions of (seed, k). That is what
+makes a resumed run sample exactly what an uninterrupted one would.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+
+import torch
+from omegaconf import OmegaConf
+
+from rft.engine import ENGINES
+from rft.models import load_tokenizer
+from rft.rewards import REWARD_FNS
+from rft.tasks import load_tasks
+from rft.workflows import WORKFLOWS, WorkflowContext
+
+log = logging.getLogger(__name__)
+
+
+def step_seed(seed: int, step: int, salt: int = 0) -> int:
+    return (seed * 1_000_003 + step * 7919 + salt) % (2**31)
+
+
+class Explorer:
+    def __init__(self, cfg, weights_path: str | None = None):
+        self.cfg = cfg
+        torch.set_num_threads(cfg.cluster.cpus_per_actor)
+        self.tokenizer = load_tokenizer(cfg.model)
+        rollout = cfg.explorer.rollout_model
+        self.engine = ENGINES[rollout.engine_type](cfg.model, rollout, self.tokenizer, weights_path)
+        inp = cfg.buffer.explorer_input
+        self.taskset = load_tasks(inp.taskset, "buffer.explorer_input.taskset")
+        self.eval_tasksets = [
+            (ts, load_tasks(ts, f"buffer.explorer_input.eval_tasksets[{i}]"))
+            for i, ts in enumerate(inp.eval_tasksets)
+        ]
+        self.version = 0
+        self.workflow = WORKFLOWS["single_turn"]
+        log.info("explorer ready: %d tasks, %d eval tasksets", len(self.taskset), len(self.eval_tasksets))
+
+    def _reward(self, ts_cfg):
+        name = ts_cfg.reward_fn or self.cfg.buffer.explorer_input.default_reward_fn_type
+        return name, REWARD_FNS[name]
+
+    def _rollout_args(self, ts_cfg):
+        args = OmegaConf.to_object(ts_cfg.rollout_args) if OmegaConf.is_config(ts_cfg.rollout_args) else ts_cfg.rollout_args
+        return args
+
+    def tasks_for_step(self, step: int):
+        """The batch of tasks for `step`: epoch-wise shuffles of the taskset, seeded by (seed, epoch)."""
+        bs = self.cfg.buffer.batch_size
+        per_epoch = len(self.taskset) // bs
+        epoch, pos = divmod(step, per_epoch)
+        order = list(range(len(self.taskset)))
+        random.Random(step_seed(self.cfg.seed, epoch, salt=1)).shuffle(order)
+        return [self.taskset[i] for i in order[pos * bs : (pos + 1) * bs]]
+
+    def explore(self, step: int):
+        t0 = time.perf_counter()
+        ts = self.cfg.buffer.explorer_input.taskset
+        name, reward_fn = self._reward(ts)
+        ctx = WorkflowContext(
+            tokenizer=self.tokenizer,
+            n=ts.repeat_times or self.cfg.algorithm.repeat_times,
+            rollout_args=ts.rollout_args,
+            max_prompt_tokens=self.cfg.model.max_prompt_tokens,
+            policy_version=self.version,
+            seed=step_seed(self.cfg.seed, step),
+            step=step,
+            reward_name=name,
+        )
+        exps = self.workflow(self.tasks_for_step(step), self.engine, reward_fn, ctx)
+        elapsed = time.perf_counter() - t0
+        rewards = torch.tensor([e.reward for e in exps])
+        lengths = torch.tensor([e.response_length for e in exps], dtype=torch.float32)
+        metrics = {
+            "reward/mean": rewards.mean().item(),
+            "reward/std": rewards.std().item() if len(exps) > 1 else 0.0,
+            "response_length/mean": lengths.mean().item(),
+            "response_length/max": lengths.max().item(),
+            "rollout/truncated_frac": sum(e.info["finish_reason"] == "length" for e in exps) / len(exps),
+            "rollout/tokens_per_s": lengths.sum().item() / max(elapsed, 1e-9),
+        }
+        return exps, metrics
+
+    def evaluate(self, step: int) -> dict:
+        """Mean reward on each eval taskset (`eval/<name>/accuracy`; the first one also as `eval/accuracy`)."""
+        metrics = {}
+        for i, (ts, tasks) in enumerate(self.eval_tasksets):
+            name, reward_fn = self._reward(ts)
+            ctx = WorkflowContext(
+                tokenizer=self.tokenizer,
+                n=ts.repeat_times or 1,
+                rollout_args=ts.rollout_args,
+                max_prompt_tokens=self.cfg.model.max_prompt_tokens,
+                policy_version=self.version,
+                seed=step_seed(self.cfg.seed, step, salt=2),
+                step=step,
+                reward_name=name,
+            )
+            exps = self.workflow(tasks, self.engine, reward_fn, ctx)
+            acc = sum(e.reward for e in exps) / len(exps)
+            metrics[f"eval/{ts.name}/accuracy"] = acc
+            if i == 0:
+                metrics["eval/accuracy"] = acc
+        return metrics
+
+    def update_weights(self, state_dict, version: int, expected_fingerprint: str) -> str:
+        self.engine.update_weights(state_dict)
+        return self._check(version, expected_fingerprint)
+
+    def load_weights(self, path: str, version: int, expected_fingerprint: str) -> str:
+        from safetensors.torch import load_file
+
+        self.engine.update_weights(load_file(path))
+        return self._check(version, expected_fingerprint)
+
+    def _check(self, version: int, expected: str) -> str:
+        got = self.engine.fingerprint()
+        if got != expected:
+            raise RuntimeError(
+                f"weight sync to version {version} failed: the explorer now serves weights with "
+                f"fingerprint {got}, the trainer sent {expected}"
+            )
+        self.version = version
+        return got

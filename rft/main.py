@@ -1,0 +1,162 @@
+"""The entry point behind run.py: stages, the batch plan, Ray, and clean errors.
+
+`main(cfg)` splits the composed config into stages (each stage dict merged onto the global
+config), checks every stage's batch plan before anything heavy starts, then runs the stages in
+order, each starting from the previous stage's final model.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import shutil
+import sys
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from rft.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def main(cfg: DictConfig) -> float | None:
+    """Run the configured job; returns the last eval accuracy (a sweeper's objective)."""
+    try:
+        return _main(cfg)
+    except ConfigError as e:
+        # raised inside a Ray actor it arrives wrapped; its cause holds the message
+        print(f"\nrft: configuration error: {getattr(e, 'cause', e)}\n", file=sys.stderr)
+        sys.exit(2)
+
+
+def run_dir_of(cfg: DictConfig) -> Path:
+    from hydra.core.hydra_config import HydraConfig
+
+    if HydraConfig.initialized():
+        return Path(HydraConfig.get().runtime.output_dir)
+    return Path(os.path.expanduser(cfg.checkpoint_root_dir)) / cfg.project / cfg.name
+
+
+def stage_configs(cfg: DictConfig) -> list[DictConfig]:
+    """One config per stage: the global config with the stage's dict merged on top."""
+    base = cfg.copy()
+    OmegaConf.resolve(base)
+    stages = list(base.stages)
+    base.stages = []
+    if not stages:
+        return [base]
+    out, names = [], set()
+    for i, stage in enumerate(stages):
+        if not isinstance(stage, DictConfig) or "stage_name" not in stage:
+            raise ConfigError(f"stages[{i}] must be a mapping with a stage_name (got {stage!r}).")
+        try:
+            merged = OmegaConf.merge(base, stage)
+            OmegaConf.resolve(merged)
+        except OmegaConfBaseException as e:
+            raise ConfigError(f"stages[{i}] ({stage.get('stage_name')}): {_first_line(e)}") from e
+        if merged.stage_name in names:
+            raise ConfigError(f"stages[{i}].stage_name={merged.stage_name!r} is used twice; stage names must be unique.")
+        names.add(merged.stage_name)
+        out.append(merged)
+    return out
+
+
+def _first_line(e: Exception) -> str:
+    return " ".join(str(e).split("\n")[:2])
+
+
+def dataset_size(cfg: DictConfig) -> int:
+    """Rows the stage iterates over: the taskset (mode=both) or the training dataset (mode=train)."""
+    from rft.tasks import ensure_task_data, load_rows, load_tasks
+
+    inp = cfg.buffer.explorer_input
+    ensure_task_data(inp)
+    if cfg.mode == "both":
+        # load every taskset here, in the driver, so a bad row fails before anything starts
+        size = len(load_tasks(inp.taskset, "buffer.explorer_input.taskset"))
+        for i, ts in enumerate(inp.eval_tasksets):
+            load_tasks(ts, f"buffer.explorer_input.eval_tasksets[{i}]")
+        return size
+    eb = cfg.buffer.trainer_input.experience_buffer
+    if eb.storage_type != "file" or not eb.path:
+        raise ConfigError(
+            "mode=train reads its data from buffer.trainer_input.experience_buffer: set its "
+            "storage_type=file and path=<dataset of prompt/response rows>."
+        )
+    return len(load_rows(eb.path, eb.split, key="buffer.trainer_input.experience_buffer.path"))
+
+
+def _move_aside(run_dir: Path) -> None:
+    """continue_from_checkpoint=false on a used directory: keep the old outputs, start clean."""
+    old = [p for p in run_dir.iterdir() if p.name not in (".hydra",) and not p.name.endswith(".log")]
+    if not old:
+        return
+    backup = run_dir / f"previous_{datetime.datetime.now():%Y%m%d_%H%M%S}"
+    backup.mkdir()
+    for p in old:
+        if not p.name.startswith("previous_"):
+            shutil.move(str(p), backup / p.name)
+    print(f"continue_from_checkpoint=false: moved the earlier outputs to {backup}")
+
+
+def _start_ray(cfg: DictConfig) -> bool:
+    import ray
+
+    if ray.is_initialized():
+        return False
+    ray.init(
+        address=cfg.cluster.ray_address,
+        num_cpus=cfg.cluster.num_cpus if cfg.cluster.ray_address is None else None,
+        include_dashboard=False,
+        log_to_driver=False,
+        namespace=f"{cfg.project}/{cfg.name}",
+        logging_level=logging.WARNING,
+    )
+    return True
+
+
+def _main(cfg: DictConfig) -> float | None:
+    from rft.models import ensure_model
+    from rft.plan import format_plan, make_plan
+
+    stages = stage_configs(cfg)
+    plans = []
+    for s in stages:
+        try:
+            plans.append(make_plan(s, dataset_size(s)))
+        except ConfigError as e:
+            raise ConfigError(f"stage {s.stage_name}: {e}" if s.stage_name else str(e)) from e
+    if cfg.dry_run:
+        for s, p in zip(stages, plans):
+            print(format_plan(p, title=f"batch plan: stage {s.stage_name or s.name} ({s.algorithm.algorithm_type})"))
+            print()
+        return None
+
+    from rft.monitor import read_metrics
+    from rft.runner import run_stage
+
+    run_dir = run_dir_of(cfg)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if not cfg.continue_from_checkpoint:
+        _move_aside(run_dir)
+    ensure_model(stages[0].model)
+    started_ray = stages[0].cluster.backend == "ray" and _start_ray(stages[0])
+    try:
+        init_path = None
+        for s, plan in zip(stages, plans):
+            stage_dir = run_dir / s.stage_name if s.stage_name else run_dir
+            title = s.stage_name or s.algorithm.algorithm_type
+            init_path = str(run_stage(s, plan, stage_dir, init_path, title))
+    finally:
+        if started_ray:
+            import ray
+
+            ray.shutdown()
+    evals = [m["eval/accuracy"] for m in read_metrics(stage_dir / "metrics.jsonl") if "eval/accuracy" in m]
+    print(f"outputs: {run_dir}")
+    return evals[-1] if evals else None

@@ -1,0 +1,147 @@
+"""Loading models and tokenizers, and building the embedded tiny model.
+
+Every model, the tiny one included, is loaded through `AutoModelForCausalLM.from_pretrained` and
+`AutoTokenizer.from_pretrained` from a hub id or a local directory. `model=tiny` only adds a step
+before that: if its directory does not exist yet, `build_tiny_model` writes a small, randomly
+initialised Qwen2-architecture model and a character-level tokenizer there, in Hugging Face format.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import string
+from pathlib import Path
+
+import torch
+from filelock import FileLock
+
+from rft.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+# Bump when the tiny model's architecture or tokenizer changes: the cache is keyed on it.
+TINY_VERSION = "v1"
+
+# One token per character keeps the arithmetic task short and the vocabulary tiny. Role names
+# are single tokens so the chat template costs few positions.
+_SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>"]
+_ROLE_TOKENS = ["system", "user", "assistant"]
+_CHARS = list(string.digits + string.ascii_letters + string.punctuation + " \n")
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+# head_dim must be >= 32: vLLM's CPU attention rejects smaller heads.
+TINY_ARCH = dict(
+    hidden_size=128,
+    intermediate_size=512,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    head_dim=32,
+    max_position_embeddings=256,
+    tie_word_embeddings=True,
+)
+
+
+def _quiet_transformers() -> None:
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+
+
+def build_tiny_model(path: str | Path, seed: int = 0) -> Path:
+    """Write the tiny Qwen2 model and its tokenizer to `path` (atomically; safe to race)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen2Config
+
+    _quiet_transformers()
+    path = Path(path).expanduser()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(path) + ".lock"):
+        if (path / "config.json").exists():
+            return path
+        vocab = {tok: i for i, tok in enumerate(_SPECIAL_TOKENS + _ROLE_TOKENS + _CHARS)}
+        backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+        backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+        backend.decoder = decoders.Fuse()
+        tokenizer = PreTrainedTokenizerFast(
+            tokenizer_object=backend,
+            eos_token="<|im_end|>",
+            pad_token="<|endoftext|>",
+            unk_token="<unk>",
+            additional_special_tokens=["<|im_start|>"],
+            chat_template=CHAT_TEMPLATE,
+        )
+        tokenizer.add_tokens(_ROLE_TOKENS)
+        config = Qwen2Config(
+            vocab_size=len(tokenizer),
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+            bos_token_id=None,
+            **TINY_ARCH,
+        )
+        with torch.random.fork_rng():
+            torch.manual_seed(seed)
+            model = AutoModelForCausalLM.from_config(config)
+        tmp = path.with_name(path.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        os.replace(tmp, path)
+        n = sum(p.numel() for p in model.parameters())
+        log.info("built the tiny model (%d parameters) at %s", n, path)
+    return path
+
+
+BUILDERS = {"tiny": build_tiny_model}
+
+
+def ensure_model(model_cfg) -> None:
+    """Build the model if its config names a builder and the directory is missing."""
+    if model_cfg.builder is None:
+        return
+    if model_cfg.builder not in BUILDERS:
+        raise ConfigError(
+            f"model.builder={model_cfg.builder!r} is not a known builder; "
+            f"choose one of {sorted(BUILDERS)} or set model.builder=null for a hub id or local path."
+        )
+    BUILDERS[model_cfg.builder](model_cfg.model_path)
+
+
+def _dtype(name: str) -> torch.dtype:
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def load_tokenizer(model_cfg):
+    from transformers import AutoTokenizer
+
+    _quiet_transformers()
+    tok = AutoTokenizer.from_pretrained(
+        os.path.expanduser(model_cfg.model_path), trust_remote_code=model_cfg.trust_remote_code
+    )
+    if model_cfg.custom_chat_template:
+        tok.chat_template = model_cfg.custom_chat_template
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def load_model(model_cfg, path: str | None = None):
+    """Load a causal LM from `path` (default: model.model_path)."""
+    from transformers import AutoModelForCausalLM
+
+    _quiet_transformers()
+    model = AutoModelForCausalLM.from_pretrained(
+        os.path.expanduser(path or model_cfg.model_path),
+        dtype=_dtype(model_cfg.dtype),
+        trust_remote_code=model_cfg.trust_remote_code,
+    )
+    # Dropout would make recomputed log-probs differ from the sampling ones.
+    model.eval()
+    return model

@@ -1,0 +1,172 @@
+"""The batch plan: every batch number derived and checked in one place, before anything starts.
+
+    tasks per step           = buffer.batch_size
+    rollouts per task        = algorithm.repeat_times
+    experiences per step     = buffer.train_batch_size (default batch_size * repeat_times)
+    optimizer steps per step = train_batch_size / mini_batch_size * ppo_epochs
+    micro-batches per update = mini_batch_size / (micro_batch_size_per_gpu * data-parallel size)
+
+Each violated constraint is a ConfigError that names the keys, their values and the fix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from rft.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    mode: str
+    dataset_size: int  # tasks (mode=both) or training rows (mode=train)
+    tasks_per_step: int
+    rollouts_per_task: int
+    experiences_per_step: int
+    mini_batch_size: int
+    ppo_epochs: int
+    optimizer_steps_per_step: int
+    micro_batch_size: int
+    micro_batches_per_update: int
+    dp_size: int
+    steps_per_epoch: int
+    total_steps: int
+    total_optimizer_steps: int
+    warmup_steps: int
+
+
+def make_plan(cfg, dataset_size: int) -> BatchPlan:
+    buf, algo, tr = cfg.buffer, cfg.algorithm, cfg.trainer
+    dp = 1  # trainer_strategy=torch is one process
+    if cfg.mode not in ("both", "train"):
+        raise ConfigError(f"mode={cfg.mode!r} is not supported; choose both or train.")
+    if buf.batch_size < 1:
+        raise ConfigError(f"buffer.batch_size={buf.batch_size} must be >= 1 (tasks per step).")
+    if algo.repeat_times < 1:
+        raise ConfigError(f"algorithm.repeat_times={algo.repeat_times} must be >= 1 (rollouts per task).")
+    if cfg.mode == "both" and algo.advantage_fn == "grpo" and algo.repeat_times < 2:
+        raise ConfigError(
+            f"algorithm.advantage_fn=grpo compares rollouts within a group, but "
+            f"algorithm.repeat_times={algo.repeat_times} gives groups of one (every advantage 0). "
+            f"Set algorithm.repeat_times to 2 or more (8 is common)."
+        )
+
+    if cfg.mode == "both":
+        produced = buf.batch_size * algo.repeat_times
+        train_bs = buf.train_batch_size or produced
+        if train_bs != produced:
+            raise ConfigError(
+                f"buffer.train_batch_size={train_bs} must equal buffer.batch_size ({buf.batch_size}) x "
+                f"algorithm.repeat_times ({algo.repeat_times}) = {produced} in mode=both: each step "
+                f"trains on exactly the experiences the explorer produced. Remove "
+                f"buffer.train_batch_size (it defaults to the product) or set it to {produced}."
+            )
+        per_epoch = dataset_size // buf.batch_size
+        unit, unit_key = buf.batch_size, "buffer.batch_size"
+    else:
+        train_bs = buf.train_batch_size or buf.batch_size
+        per_epoch = dataset_size // train_bs
+        unit, unit_key = train_bs, "buffer.train_batch_size"
+    if per_epoch == 0:
+        raise ConfigError(
+            f"the dataset has {dataset_size} rows, fewer than {unit_key}={unit}: one epoch "
+            f"would be 0 steps. Lower {unit_key} or use a larger dataset."
+        )
+
+    mini = tr.mini_batch_size or train_bs
+    if mini < 1 or train_bs % mini:
+        raise ConfigError(
+            f"trainer.mini_batch_size={mini} must divide buffer.train_batch_size={train_bs} "
+            f"(experiences per step) into whole optimizer steps. Choose a divisor of {train_bs}, "
+            f"e.g. {_divisor_near(train_bs, mini)}."
+        )
+    micro = tr.micro_batch_size_per_gpu
+    if micro < 1 or mini % (micro * dp):
+        raise ConfigError(
+            f"trainer.micro_batch_size_per_gpu={micro} x data-parallel size {dp} must divide "
+            f"trainer.mini_batch_size={mini}. Choose a divisor of {mini // dp}, "
+            f"e.g. {_divisor_near(mini // dp, micro)}."
+        )
+    if tr.ppo_epochs < 1:
+        raise ConfigError(f"trainer.ppo_epochs={tr.ppo_epochs} must be >= 1.")
+
+    if buf.total_steps is not None:
+        if buf.total_steps < 1:
+            raise ConfigError(f"buffer.total_steps={buf.total_steps} must be >= 1 (or null to use total_epochs).")
+        total = buf.total_steps
+    else:
+        if buf.total_epochs < 1:
+            raise ConfigError(f"buffer.total_epochs={buf.total_epochs} must be >= 1.")
+        total = buf.total_epochs * per_epoch
+    opt_per_step = train_bs // mini * tr.ppo_epochs
+    warmup = algo.optimizer.warmup_steps
+    if not 0 <= warmup <= total * opt_per_step:
+        raise ConfigError(
+            f"algorithm.optimizer.warmup_steps={warmup} must be between 0 and the run's "
+            f"{total * opt_per_step} optimizer steps ({total} steps x {opt_per_step} per step)."
+        )
+    for key, value in [
+        ("trainer.save_interval", tr.save_interval),
+        ("explorer.eval_interval", cfg.explorer.eval_interval),
+        ("synchronizer.sync_interval", cfg.synchronizer.sync_interval),
+    ]:
+        if value < 1:
+            raise ConfigError(f"{key}={value} must be >= 1 (in steps).")
+    model = cfg.model
+    need = model.max_prompt_tokens + model.max_response_tokens
+    if model.max_model_len is not None and model.max_model_len < need:
+        raise ConfigError(
+            f"model.max_model_len={model.max_model_len} is smaller than model.max_prompt_tokens "
+            f"({model.max_prompt_tokens}) + model.max_response_tokens ({model.max_response_tokens}) "
+            f"= {need}. Raise max_model_len or lower the token budgets."
+        )
+    return BatchPlan(
+        mode=cfg.mode,
+        dataset_size=dataset_size,
+        tasks_per_step=buf.batch_size if cfg.mode == "both" else 0,
+        rollouts_per_task=algo.repeat_times if cfg.mode == "both" else 0,
+        experiences_per_step=train_bs,
+        mini_batch_size=mini,
+        ppo_epochs=tr.ppo_epochs,
+        optimizer_steps_per_step=opt_per_step,
+        micro_batch_size=micro,
+        micro_batches_per_update=mini // (micro * dp),
+        dp_size=dp,
+        steps_per_epoch=per_epoch,
+        total_steps=total,
+        total_optimizer_steps=total * opt_per_step,
+        warmup_steps=warmup,
+    )
+
+
+def _divisor_near(n: int, target: int) -> int:
+    return min((d for d in range(1, n + 1) if n % d == 0), key=lambda d: (abs(d - target), d))
+
+
+def format_plan(plan: BatchPlan, title: str = "batch plan") -> str:
+    rows = [
+        ("mode", plan.mode, "mode"),
+        ("dataset rows", plan.dataset_size, "taskset / experience_buffer"),
+        ("tasks per step", plan.tasks_per_step, "buffer.batch_size"),
+        ("rollouts per task", plan.rollouts_per_task, "algorithm.repeat_times"),
+        ("experiences per step", plan.experiences_per_step, "buffer.train_batch_size"),
+        ("experiences per optimizer step", plan.mini_batch_size, "trainer.mini_batch_size"),
+        ("passes per step", plan.ppo_epochs, "trainer.ppo_epochs"),
+        ("optimizer steps per step", plan.optimizer_steps_per_step, "derived"),
+        ("experiences per micro-batch", plan.micro_batch_size, "trainer.micro_batch_size_per_gpu"),
+        ("micro-batches per optimizer step", plan.micro_batches_per_update, "derived"),
+        ("data-parallel size", plan.dp_size, "trainer.trainer_strategy"),
+        ("steps per epoch", plan.steps_per_epoch, "derived"),
+        ("total steps", plan.total_steps, "buffer.total_steps / total_epochs"),
+        ("total optimizer steps", plan.total_optimizer_steps, "derived"),
+        ("warm-up optimizer steps", plan.warmup_steps, "algorithm.optimizer.warmup_steps"),
+    ]
+    w0 = max(len(r[0]) for r in rows)
+    w1 = max(len(str(r[1])) for r in rows)
+    lines = [title, "-" * (w0 + w1 + 30)]
+    lines += [f"{a:<{w0}}  {str(b):>{w1}}  {c}" for a, b, c in rows]
+    return "\n".join(lines)
+
+
+def plan_dict(plan: BatchPlan) -> dict:
+    return asdict(plan)

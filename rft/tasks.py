@@ -1,0 +1,166 @@
+"""Tasksets: loading them through `datasets`, and generating the embedded arithmetic task.
+
+A task is one dataset row turned into a prompt (chat messages) and the reference answer that the
+reward function checks. The row's keys are named by the taskset's `format` (`prompt_key`,
+`response_key`), as in Trinity-RFT.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from filelock import FileLock
+
+from rft.errors import ConfigError
+
+_FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+
+
+@dataclass
+class Task:
+    task_id: str
+    messages: list[dict]
+    answer: Any
+    row: dict
+
+
+# ---------------------------------------------------------------- the embedded arithmetic task
+
+def generate_arithmetic(
+    path: str | Path,
+    seed: int = 0,
+    digits: int = 3,
+    n_train: int = 2000,
+    n_test: int = 200,
+    teacher_error_rate: float = 0.6,
+) -> Path:
+    """Write `train.jsonl` and `test.jsonl` of additions without carries: "042+315" -> "357".
+
+    Both operands and the answer have `digits` digits (leading zeros kept), and every column sums
+    to at most 9, so each answer digit is the sum of the two digits above it. The skill is the
+    same for every problem, so it can be learned from some problems and checked on others:
+    test.jsonl holds problems that train.jsonl does not.
+
+    Each row also has `teacher_answer`: a sloppy teacher's demonstration, whose last digit is one
+    too high (mod 10) in `teacher_error_rate` of the rows. Imitating it (SFT) learns the habit, so
+    greedy decoding repeats the mistake; RL against the exact `answer` can remove it.
+    """
+    path = Path(path).expanduser()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(path) + ".lock"):
+        if (path / "test.jsonl").exists():
+            return path
+        rng = random.Random(seed)
+        problems: dict[str, str] = {}
+        while len(problems) < n_train + n_test:
+            a = [rng.randint(0, 9) for _ in range(digits)]
+            b = [rng.randint(0, 9 - x) for x in a]
+            question = "".join(map(str, a)) + "+" + "".join(map(str, b))
+            problems[question] = "".join(str(x + y) for x, y in zip(a, b))
+        items = list(problems.items())
+        splits = {"test": items[:n_test], "train": items[n_test:]}
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.mkdir(parents=True, exist_ok=True)
+        for split, rows in splits.items():
+            with open(tmp / f"{split}.jsonl", "w") as f:
+                for question, answer in rows:
+                    teacher = answer
+                    if rng.random() < teacher_error_rate:
+                        teacher = answer[:-1] + str((int(answer[-1]) + 1) % 10)
+                    row = {"question": question, "answer": answer, "teacher_answer": teacher}
+                    f.write(json.dumps(row) + "\n")
+        os.replace(tmp, path)
+    return path
+
+
+GENERATORS = {"arithmetic": generate_arithmetic}
+
+
+def ensure_task_data(explorer_input_cfg) -> None:
+    gen = explorer_input_cfg.generator
+    if gen is None:
+        return
+    if gen not in GENERATORS:
+        raise ConfigError(
+            f"buffer.explorer_input.generator={gen!r} is not a known generator; choose one of "
+            f"{sorted(GENERATORS)} or set it to null for a dataset you provide."
+        )
+    GENERATORS[gen](explorer_input_cfg.taskset.path)
+
+
+# ---------------------------------------------------------------- loading
+
+
+def load_rows(path: str, split: str = "train", subset_name: str | None = None, key: str = "path"):
+    """Load a dataset split through `datasets`: a file, a directory of files, or a hub id."""
+    import datasets
+
+    datasets.disable_progress_bars()
+    datasets.logging.set_verbosity_error()
+    local = Path(os.path.expanduser(path))
+    try:
+        if local.suffix in _FILE_BUILDERS:
+            if not local.is_file():
+                raise FileNotFoundError(path)
+            return datasets.load_dataset(
+                _FILE_BUILDERS[local.suffix], data_files=str(local), split="train"
+            )
+        if local.is_dir():
+            return datasets.load_dataset(str(local), name=subset_name, split=split)
+        if path.startswith((".", "/", "~")) or local.exists():
+            raise FileNotFoundError(path)
+    except FileNotFoundError as e:
+        raise ConfigError(
+            f"{key}={path!r}: no such file or directory. Point it at a JSONL/Parquet file, a "
+            f"directory of them, or a Hugging Face dataset id (this machine may not reach the hub)."
+        ) from e
+    except ValueError as e:  # datasets' message for an unknown split
+        raise ConfigError(f"{key}={path!r}, split={split!r}: {e}") from e
+    try:  # not a local path: a Hugging Face hub id
+        return datasets.load_dataset(path, name=subset_name, split=split)
+    except Exception as e:
+        raise ConfigError(
+            f"{key}={path!r} is not a local file or directory, and loading it as a Hugging Face "
+            f"dataset id failed ({type(e).__name__}: {e}). Download it first and point {key} at "
+            f"the local copy."
+        ) from e
+
+
+def _line_hint(path: str, index: int) -> str:
+    if path.endswith(".jsonl") or Path(os.path.expanduser(path)).is_dir():
+        return f"row {index} (line {index + 1} of its JSONL file)"
+    return f"row {index}"
+
+
+def rows_to_messages(row: dict, fmt, where: str, index: int, path: str) -> list[dict]:
+    """The chat messages for one row, or a ConfigError naming the row and the missing key."""
+    key = fmt.messages_key if fmt.prompt_type == "messages" else fmt.prompt_key
+    value = row.get(key)
+    if value is None:
+        raise ConfigError(
+            f"{where}: {_line_hint(path, index)} of {path!r} has no {key!r} "
+            f"(format.{'messages_key' if fmt.prompt_type == 'messages' else 'prompt_key'}); its keys "
+            f"are {sorted(k for k, v in row.items() if v is not None)}. Fix the row, or set "
+            f"{where}.format.prompt_key to the column that holds the prompt."
+        )
+    if fmt.prompt_type == "messages":
+        return list(value)
+    messages = [{"role": "system", "content": fmt.system_prompt}] if fmt.system_prompt else []
+    return messages + [{"role": "user", "content": str(value)}]
+
+
+def load_tasks(ts_cfg, where: str) -> list[Task]:
+    """Every row of a taskset as a Task; fails on the first row that lacks the prompt key."""
+    rows = load_rows(ts_cfg.path, ts_cfg.split, ts_cfg.subset_name, key=f"{where}.path")
+    if len(rows) == 0:
+        raise ConfigError(f"{where}.path={ts_cfg.path!r} (split {ts_cfg.split!r}) has no rows.")
+    tasks = []
+    for i, row in enumerate(rows):
+        messages = rows_to_messages(row, ts_cfg.format, where, i, ts_cfg.path)
+        tasks.append(Task(f"{ts_cfg.name}/{i}", messages, row.get(ts_cfg.format.response_key), row))
+    return tasks

@@ -1,0 +1,212 @@
+"""The trainer: the policy, its optimizer, and one RL step of updates from a batch of experiences.
+
+One `train_step`:
+  1. collate the experiences, compute advantages (ADVANTAGE_FNS[algorithm.advantage_fn]);
+  2. recompute the log-probs of the current weights ("old", no grad) and, with a KL loss, of the
+     reference model;
+  3. for each of ppo_epochs, for each mini-batch: accumulate gradients over micro-batches, each
+     micro-batch loss normalised by the whole mini-batch's counts (`agg_loss`), clip, step.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+
+import torch
+from transformers import get_scheduler
+
+from rft.algorithms import ADVANTAGE_FNS, KL_FNS, POLICY_LOSS_FNS, agg_loss
+from rft.engine import fingerprint
+from rft.experience import Experience, collate
+from rft.models import load_model, load_tokenizer
+
+log = logging.getLogger(__name__)
+
+
+def token_logprobs(model, input_ids, attention_mask):
+    """Log-prob of each next token and the entropy of each next-token distribution, [n, L-1]."""
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+    logits = logits[:, :-1].float()
+    logsm = torch.log_softmax(logits, dim=-1)
+    logp = logsm.gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+    entropy = -(logsm.exp() * logsm).sum(-1)
+    return logp, entropy
+
+
+class Trainer:
+    def __init__(self, cfg, plan, init_path: str | None = None):
+        self.cfg = cfg
+        self.plan = plan
+        torch.set_num_threads(cfg.cluster.cpus_per_actor)
+        torch.manual_seed(cfg.seed)
+        algo = cfg.algorithm
+        self.tokenizer = load_tokenizer(cfg.model)
+        self.model = load_model(cfg.model, init_path)
+        if cfg.trainer.gradient_checkpointing:
+            self.model.gradient_checkpointing_enable()
+        self.ref_model = None
+        if algo.kl_loss_fn != "none":
+            self.ref_model = load_model(cfg.model, init_path)
+            self.ref_model.requires_grad_(False)
+        # names are looked up once, here; the update below never branches on them
+        self.advantage_fn = ADVANTAGE_FNS[algo.advantage_fn]
+        self.policy_loss_fn = POLICY_LOSS_FNS[algo.policy_loss_fn]
+        self.kl_fn = KL_FNS.get(algo.kl_loss_fn)
+        opt = algo.optimizer
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=opt.lr, betas=tuple(opt.betas), weight_decay=opt.weight_decay
+        )
+        total = plan.total_steps * plan.optimizer_steps_per_step
+        if opt.warmup_style == "cosine":
+            self.scheduler = get_scheduler(
+                "cosine_with_min_lr", self.optimizer, opt.warmup_steps, total,
+                scheduler_specific_kwargs={"min_lr_rate": opt.min_lr_ratio},
+            )
+        else:
+            self.scheduler = get_scheduler("constant_with_warmup", self.optimizer, opt.warmup_steps, total)
+        self.version = 0  # number of RL steps trained
+
+    # ------------------------------------------------------------------ one step
+
+    def _micro_batches(self, start: int, end: int):
+        for s in range(start, end, self.plan.micro_batch_size):
+            yield s, min(s + self.plan.micro_batch_size, end)
+
+    def _forward(self, model, full, s, e):
+        # trim the right padding shared by this micro-batch's rows
+        L = int(full["attention_mask"][s:e].sum(-1).max())
+        return token_logprobs(model, full["input_ids"][s:e, :L], full["attention_mask"][s:e, :L]), L
+
+    def train_step(self, exps: list[Experience]) -> dict:
+        t0 = time.perf_counter()
+        algo = self.cfg.algorithm
+        full = collate(exps, self.tokenizer.pad_token_id)
+        mask = full["response_mask"]
+        groups = {g: i for i, g in enumerate(dict.fromkeys(e.group_id for e in exps))}
+        batch = {
+            "rewards": torch.tensor([e.reward for e in exps], dtype=torch.float32),
+            "group_index": torch.tensor([groups[e.group_id] for e in exps]),
+            "response_mask": mask,
+        }
+        adv = self.advantage_fn(batch, algo)
+
+        n = len(exps)
+        old_logp = torch.zeros_like(mask)
+        ref_logp = torch.zeros_like(mask) if self.ref_model is not None else None
+        with torch.no_grad():
+            for s, e in self._micro_batches(0, n):
+                (lp, _), L = self._forward(self.model, full, s, e)
+                old_logp[s:e, : L - 1] = lp
+                if ref_logp is not None:
+                    (lp, _), L = self._forward(self.ref_model, full, s, e)
+                    ref_logp[s:e, : L - 1] = lp
+
+        sums = {"loss/policy": 0.0, "actor/entropy": 0.0, "actor/kl": 0.0}
+        pm_sums: dict[str, float] = {}
+        grad_norms = []
+        mini = self.plan.mini_batch_size
+        max_len = self.cfg.model.max_response_tokens
+        for _ in range(self.cfg.trainer.ppo_epochs):
+            for m0 in range(0, n, mini):
+                m1 = min(m0 + mini, n)
+                num_tokens = int(mask[m0:m1].sum())
+                self.optimizer.zero_grad(set_to_none=True)
+                for s, e in self._micro_batches(m0, m1):
+                    (logp, entropy), L = self._forward(self.model, full, s, e)
+                    m = mask[s:e, : L - 1]
+                    loss_mat, pm = self.policy_loss_fn(logp, old_logp[s:e, : L - 1], adv[s:e, : L - 1], m, algo)
+                    for k, v in pm.items():
+                        pm_sums[k] = pm_sums.get(k, 0.0) + v
+                    if self.kl_fn is not None:
+                        kl = self.kl_fn(logp, ref_logp[s:e, : L - 1])
+                        loss_mat = loss_mat + algo.kl_loss_coef * kl
+                        sums["actor/kl"] += (kl.detach() * m).sum().item()
+                    if algo.entropy_coef:
+                        loss_mat = loss_mat - algo.entropy_coef * entropy
+                    loss = agg_loss(loss_mat, m, algo.loss_agg_mode, m1 - m0, num_tokens, max_len)
+                    loss.backward()
+                    sums["loss/policy"] += loss.item()
+                    sums["actor/entropy"] += (entropy.detach() * m).sum().item()
+                grad_norms.append(
+                    torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.trainer.grad_clip).item()
+                )
+                self.optimizer.step()
+                self.scheduler.step()
+        self.version += 1
+
+        updates = len(grad_norms)
+        total_tokens = mask.sum().item() * self.cfg.trainer.ppo_epochs
+        metrics = {
+            "loss/policy": sums["loss/policy"] / updates,
+            "actor/entropy": sums["actor/entropy"] / total_tokens,
+            "actor/grad_norm": sum(grad_norms) / updates,
+            "actor/lr": self.scheduler.get_last_lr()[0],
+            "advantage/mean": (adv.sum() / mask.sum()).item(),
+            "advantage/abs_mean": ((adv.abs() * mask).sum() / mask.sum()).item(),
+            "train/experiences": n,
+            "train/tokens_per_s": mask.sum().item() * self.cfg.trainer.ppo_epochs / (time.perf_counter() - t0),
+        }
+        metrics.update({k: v / total_tokens for k, v in pm_sums.items()})
+        if self.kl_fn is not None:
+            metrics["actor/kl"] = sums["actor/kl"] / total_tokens
+        return metrics
+
+    # ------------------------------------------------------------------ weights and checkpoints
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+
+    def fingerprint(self) -> str:
+        return fingerprint(self.model.state_dict())
+
+    def save_weights(self, path: str) -> str:
+        """Write the weights as one safetensors file (for checkpoint sync); returns the fingerprint."""
+        from safetensors.torch import save_file
+
+        sd = self.model.state_dict()
+        # tied embeddings share storage; safetensors wants each tensor once
+        save_file({k: v.contiguous() for k, v in _untie(sd).items()}, path + ".tmp")
+        os.replace(path + ".tmp", path)
+        return fingerprint(sd)
+
+    def save(self, directory: str) -> None:
+        """A resumable checkpoint: the model in HF format (hf/) and the optimizer state."""
+        d = Path(directory)
+        self.model.save_pretrained(d / "hf")
+        self.tokenizer.save_pretrained(d / "hf")
+        torch.save(
+            {
+                "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(),
+                "version": self.version,
+                "rng": torch.get_rng_state(),
+            },
+            d / "trainer_state.pt",
+        )
+
+    def load(self, directory: str) -> None:
+        from safetensors.torch import load_file
+
+        d = Path(directory)
+        missing, unexpected = self.model.load_state_dict(load_file(d / "hf" / "model.safetensors"), strict=False)
+        # tied weights are saved once; anything else missing is a broken checkpoint
+        tied = set(getattr(self.model, "_tied_weights_keys", None) or [])
+        if unexpected or any(k not in tied for k in missing):
+            raise RuntimeError(f"checkpoint {d} does not match the model: missing {missing}, unexpected {unexpected}")
+        state = torch.load(d / "trainer_state.pt", weights_only=False)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.version = state["version"]
+        torch.set_rng_state(state["rng"])
+
+
+def _untie(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    seen, out = set(), {}
+    for k, v in sd.items():
+        key = (v.data_ptr(), v.shape)
+        out[k] = v.clone() if key in seen else v
+        seen.add(key)
+    return out

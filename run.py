@@ -1,0 +1,22 @@
+"""Run one RL fine-tuning job: `python run.py [group=option ...] [key=value ...]`.
+
+    python run.py                                  # the embedded default (tiny model, CPU)
+    python run.py dry_run=true                     # print the batch plan and exit
+    python run.py -m algorithm.optimizer.lr=1e-3,3e-3 seed=1,2    # a sweep
+"""
+
+import hydra
+from omegaconf import DictConfig
+
+import rft.config  # noqa: F401  (registers the typed schema with Hydra's ConfigStore)
+
+
+@hydra.main(version_base="1.3", config_path="conf", config_name="config")
+def main(cfg: DictConfig) -> float | None:
+    from rft.main import main as run
+
+    return run(cfg)
+
+
+if __name__ == "__main__":
+    main()

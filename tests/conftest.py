@@ -1,0 +1,44 @@
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import open_dict
+
+import rft.config  # noqa: F401  (registers the schema)
+
+ROOT = Path(__file__).resolve().parents[1]
+CONF = ROOT / "conf"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def cache_dir(tmp_path_factory):
+    """One cache (tiny model, generated data) for the whole session, never the user's own."""
+    d = tmp_path_factory.mktemp("rft-cache")
+    os.environ["RFT_CACHE_DIR"] = str(d)
+    return d
+
+
+def compose_cfg(overrides=(), keep_hydra: bool = False):
+    """The config exactly as `python run.py <overrides>` composes it (HydraConfig set, as in a run)."""
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose("config", overrides=list(overrides), return_hydra_config=True)
+    HydraConfig.instance().set_config(cfg)
+    if not keep_hydra:
+        with open_dict(cfg):
+            del cfg["hydra"]
+    return cfg
+
+
+def run_cli(*args, env=None, timeout=600):
+    """`python run.py *args` in a subprocess; returns the CompletedProcess (text)."""
+    full_env = {**os.environ, **(env or {})}
+    return subprocess.run(
+        [sys.executable, str(ROOT / "run.py"), *args],
+        cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout,
+    )

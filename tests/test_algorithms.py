@@ -1,0 +1,157 @@
+"""Hand-computed values for the GRPO advantage, the clipped loss, KL estimators and aggregation."""
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from rft.algorithms import ADVANTAGE_FNS, KL_FNS, POLICY_LOSS_FNS, agg_loss
+
+grpo = ADVANTAGE_FNS["grpo"]
+ppo_clip = POLICY_LOSS_FNS["ppo_clip"]
+CLIP = SimpleNamespace(clip_ratio_low=0.2, clip_ratio_high=0.2)
+
+
+def adv_of(rewards, groups, T=1):
+    batch = {
+        "rewards": torch.tensor(rewards, dtype=torch.float32),
+        "group_index": torch.tensor(groups),
+        "response_mask": torch.ones(len(rewards), T),
+    }
+    return grpo(batch, None)
+
+
+def test_grpo_advantage_hand_computed():
+    # group 0: rewards [1, 0, 0, 1] -> mean 0.5; unbiased std = sqrt((4 * 0.25) / 3) = 0.57735
+    # A = +-0.5 / (0.57735 + 1e-6) = +-0.866024
+    # group 1: rewards [2, 4] -> mean 3, std = sqrt((1 + 1) / 1) = 1.41421 -> A = -+0.707106
+    adv = adv_of([1, 0, 0, 1, 2, 4], [0, 0, 0, 0, 1, 1])[:, 0]
+    s = math.sqrt(1 / 3)
+    expected = [0.5 / (s + 1e-6), -0.5 / (s + 1e-6), -0.5 / (s + 1e-6), 0.5 / (s + 1e-6),
+                -1 / (math.sqrt(2) + 1e-6), 1 / (math.sqrt(2) + 1e-6)]
+    torch.testing.assert_close(adv, torch.tensor(expected), rtol=1e-5, atol=1e-6)
+
+
+def test_grpo_group_of_one_and_equal_rewards_give_zero():
+    # group 0 has one member (no baseline: A = 0, not A = R); group 1 all equal (std 0: A = 0)
+    adv = adv_of([5.0, 1.0, 1.0, 1.0], [0, 1, 1, 1])
+    assert torch.equal(adv, torch.zeros(4, 1))
+
+
+def test_grpo_advantage_broadcasts_over_response_tokens_only():
+    batch = {
+        "rewards": torch.tensor([1.0, 0.0]),
+        "group_index": torch.tensor([0, 0]),
+        "response_mask": torch.tensor([[0.0, 1.0, 1.0], [0.0, 1.0, 0.0]]),
+    }
+    # mean 0.5, std sqrt(0.5) = 0.70711 -> A = +-0.70711 on the masked-in tokens, 0 elsewhere
+    a = 0.5 / (math.sqrt(0.5) + 1e-6)
+    torch.testing.assert_close(grpo(batch, None), torch.tensor([[0.0, a, a], [0.0, -a, 0.0]]))
+
+
+def test_ppo_clip_hand_computed():
+    # log-ratios [0, ln 1.5, ln 0.5] -> ratios [1, 1.5, 0.5]
+    old = torch.zeros(1, 3)
+    logp = torch.log(torch.tensor([[1.0, 1.5, 0.5]]))
+    mask = torch.ones(1, 3)
+    # A = +1: pg1 = -[1, 1.5, 0.5]; clipped ratio [1, 1.2, 0.8] -> pg2 = -[1, 1.2, 0.8]
+    # max -> [-1, -1.2, -0.5]; token 1 is clipped (pg2 > pg1)
+    loss, m = ppo_clip(logp, old, torch.ones(1, 3), mask, CLIP)
+    torch.testing.assert_close(loss, torch.tensor([[-1.0, -1.2, -0.5]]))
+    assert m["actor/clip_frac"] == 1.0  # a sum over tokens: one clipped token
+    # A = -1: pg1 = [1, 1.5, 0.5]; pg2 = [1, 1.2, 0.8] -> max [1, 1.5, 0.8]; token 2 clipped
+    loss, m = ppo_clip(logp, old, -torch.ones(1, 3), mask, CLIP)
+    torch.testing.assert_close(loss, torch.tensor([[1.0, 1.5, 0.8]]))
+    assert m["actor/clip_frac"] == 1.0
+
+
+def test_ppo_clip_gradient_vanishes_when_clipped():
+    # ratio 1.5 with A > 0 is clipped at 1.2: the loss is constant there, so no gradient
+    logp = torch.log(torch.tensor([[1.5, 1.1]])).requires_grad_()
+    loss, _ = ppo_clip(logp, torch.zeros(1, 2), torch.ones(1, 2), torch.ones(1, 2), CLIP)
+    loss.sum().backward()
+    # d(-A r)/d logp = -A r: token 0 clipped -> 0; token 1 unclipped -> -1.1
+    torch.testing.assert_close(logp.grad, torch.tensor([[0.0, -1.1]]))
+
+
+def test_ppo_clip_huge_log_ratio_stays_finite():
+    logp = torch.tensor([[1000.0, -1000.0]])
+    loss, m = ppo_clip(logp, torch.zeros(1, 2), torch.tensor([[-1.0, 1.0]]), torch.ones(1, 2), CLIP)
+    # log-ratio clamped to +-20: A=-1 -> max(e^20, 1.2) = e^20; A=+1 -> max(-e^-20, -0.8) = -e^-20
+    torch.testing.assert_close(loss, torch.tensor([[math.exp(20), -math.exp(-20)]]))
+    assert math.isfinite(m["actor/approx_kl"])
+
+
+def test_sft_loss_is_negative_logp():
+    logp = torch.tensor([[-0.5, -2.0]])
+    loss, _ = POLICY_LOSS_FNS["sft"](logp, None, None, torch.ones(1, 2), None)
+    torch.testing.assert_close(loss, torch.tensor([[0.5, 2.0]]))
+
+
+def test_kl_estimators_hand_computed():
+    # x = logp - ref = ln 2 -> k1 = 0.693147, k2 = 0.240227, k3 = e^-x + x - 1 = 0.5 + 0.693147 - 1
+    logp, ref = torch.tensor([[math.log(2.0)]]), torch.zeros(1, 1)
+    assert KL_FNS["k1"](logp, ref).item() == pytest.approx(0.693147, abs=1e-6)
+    assert KL_FNS["k2"](logp, ref).item() == pytest.approx(0.5 * math.log(2) ** 2, abs=1e-6)
+    assert KL_FNS["k3"](logp, ref).item() == pytest.approx(0.193147, abs=1e-6)
+    assert KL_FNS["abs"](-logp, ref).item() == pytest.approx(0.693147, abs=1e-6)
+    # k3 clamps: x = -100 -> input clamped to 20 -> e^20 - 20 - 1, then output clamped to 10
+    assert KL_FNS["k3"](torch.tensor([[-100.0]]), torch.zeros(1, 1)).item() == 10.0
+
+
+LOSS = torch.tensor([[1.0, 2.0, 3.0], [4.0, 0.0, 0.0], [5.0, 6.0, 0.0]])
+MASK = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0], [0.0, 0.0, 0.0]])  # row 2 fully masked
+
+
+@pytest.mark.parametrize(
+    "mode, expected",
+    [
+        # (1 + 2 + 3 + 4) / 4 tokens
+        ("token-mean", 10 / 4),
+        # (6 + 4 + 0) / 3 sequences
+        ("seq-mean-token-sum", 10 / 3),
+        # (6/3 + 4/1 + 0) / 3 sequences
+        ("seq-mean-token-mean", 6 / 3),
+        # (6 + 4 + 0) / (3 sequences * max_len 5)
+        ("seq-mean-token-sum-norm", 10 / 15),
+    ],
+)
+def test_aggregation_modes_hand_computed(mode, expected):
+    got = agg_loss(LOSS, MASK, mode, num_seqs=3, num_tokens=4, max_len=5)
+    assert got.item() == pytest.approx(expected)
+
+
+def test_unknown_aggregation_mode_names_the_choices():
+    with pytest.raises(ValueError, match="unknown loss_agg_mode 'mean'"):
+        agg_loss(LOSS, MASK, "mean", 3, 4, 5)
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_micro_batches_of_unequal_tokens_accumulate_to_the_full_batch_gradient(mode):
+    """Gradient accumulation over micro-batches with 1 and 6 tokens equals the one-batch gradient."""
+    torch.manual_seed(0)
+    w = torch.randn(4, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(3, 5, 4, dtype=torch.float64)
+    adv = torch.tensor([[1.0], [-0.5], [2.0]], dtype=torch.float64).expand(3, 5)
+    mask = torch.tensor([[1, 0, 0, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]], dtype=torch.float64)
+    cfg = SimpleNamespace(clip_ratio_low=0.2, clip_ratio_high=0.2)
+    old = (x @ w).detach() - 0.1
+
+    def share(rows):
+        logp = x[rows] @ w
+        loss, _ = ppo_clip(logp, old[rows], adv[rows], mask[rows], cfg)
+        return agg_loss(loss, mask[rows], mode, num_seqs=3, num_tokens=int(mask.sum()), max_len=5)
+
+    (g_full,) = torch.autograd.grad(share(slice(0, 3)), w)
+    # micro-batches: row 0 (1 token), rows 1-2 (6 tokens)
+    (g_acc,) = torch.autograd.grad(share(slice(0, 1)) + share(slice(1, 3)), w)
+    torch.testing.assert_close(g_acc, g_full, rtol=1e-12, atol=1e-12)
+    # the classic bug, normalising each micro-batch by its own token count, gives another gradient
+    if mode == "token-mean":
+        def own(rows):
+            logp = x[rows] @ w
+            loss, _ = ppo_clip(logp, old[rows], adv[rows], mask[rows], cfg)
+            return agg_loss(loss, mask[rows], mode, 3, int(mask[rows].sum()), 5) / 2
+        (g_bug,) = torch.autograd.grad(own(slice(0, 1)) + own(slice(1, 3)), w)
+        assert not torch.allclose(g_bug, g_full)

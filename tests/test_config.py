@@ -1,0 +1,87 @@
+"""Every YAML under conf/ composes against the typed schema; the batch plan's values and errors."""
+
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from conftest import CONF, compose_cfg
+from rft.errors import ConfigError
+from rft.main import stage_configs
+from rft.plan import format_plan, make_plan
+
+GROUP_OPTIONS = sorted(
+    (p.parent.name, p.stem) for p in CONF.glob("*/*.yaml") if p.parent.name != "hydra"
+)
+
+
+def test_every_group_has_options():
+    groups = {g for g, _ in GROUP_OPTIONS}
+    assert {"algorithm", "model", "task", "buffer", "explorer", "trainer", "sync", "monitor", "cluster"} <= groups
+
+
+@pytest.mark.parametrize("group, option", GROUP_OPTIONS)
+def test_every_yaml_composes(group, option):
+    cfg = compose_cfg([f"{group}={option}"])
+    stages = stage_configs(cfg)
+    assert stages, "composes to at least one stage"
+    for s in stages:
+        # every value resolves and fits the schema
+        OmegaConf.to_container(s, resolve=True, throw_on_missing=True)
+
+
+def test_default_is_sft_warmup_then_grpo_on_the_tiny_model():
+    cfg = compose_cfg()
+    assert cfg.name == "grpo-tiny-arithmetic"
+    sft, rl = stage_configs(cfg)
+    assert (sft.stage_name, sft.mode, sft.algorithm.policy_loss_fn) == ("sft_warmup", "train", "sft")
+    assert (rl.stage_name, rl.mode, rl.algorithm.advantage_fn) == ("grpo", "both", "grpo")
+    # the stage inherits what it does not set
+    assert sft.model.model_path == rl.model.model_path
+    assert sft.buffer.trainer_input.experience_buffer.path == rl.buffer.explorer_input.taskset.path
+
+
+def test_misspelt_key_in_a_stage_is_a_config_error():
+    cfg = compose_cfg(["+stages.0.trainer.save_intervall=3"])
+    with pytest.raises(ConfigError, match=r"stages\[0\] \(sft_warmup\): Key 'save_intervall' not in 'TrainerConfig'"):
+        stage_configs(cfg)
+
+
+def plan_for(overrides, size=2000):
+    return make_plan(stage_configs(compose_cfg(overrides))[-1], size)
+
+
+def test_batch_plan_values():
+    plan = plan_for(["buffer.batch_size=16", "algorithm.repeat_times=8", "trainer.mini_batch_size=64",
+                     "trainer.micro_batch_size_per_gpu=16", "trainer.ppo_epochs=2", "buffer.total_steps=null",
+                     "buffer.total_epochs=3"])
+    # 16 tasks x 8 rollouts = 128 experiences; 128 / 64 = 2 mini-batches x 2 epochs = 4 updates
+    assert plan.experiences_per_step == 128
+    assert plan.optimizer_steps_per_step == 4
+    # 64 / 16 = 4 micro-batches per update; 2000 // 16 = 125 steps per epoch x 3 epochs
+    assert plan.micro_batches_per_update == 4
+    assert (plan.steps_per_epoch, plan.total_steps, plan.total_optimizer_steps) == (125, 375, 1500)
+    table = format_plan(plan)
+    assert "optimizer steps per step" in table and "trainer.micro_batch_size_per_gpu" in table
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["trainer.mini_batch_size=48"],
+         "trainer.mini_batch_size=48 must divide buffer.train_batch_size=128 (experiences per step) "
+         "into whole optimizer steps. Choose a divisor of 128, e.g. 32."),
+        (["trainer.micro_batch_size_per_gpu=24"],
+         "trainer.micro_batch_size_per_gpu=24 x data-parallel size 1 must divide trainer.mini_batch_size=128"),
+        (["buffer.train_batch_size=100"],
+         "buffer.train_batch_size=100 must equal buffer.batch_size (16) x algorithm.repeat_times (8) = 128"),
+        (["algorithm.repeat_times=1"], "algorithm.repeat_times=1 gives groups of one"),
+        (["algorithm.optimizer.warmup_steps=500"], "algorithm.optimizer.warmup_steps=500 must be between 0 and the run's 40"),
+        (["buffer.batch_size=4000", "buffer.total_steps=null"],
+         "the dataset has 2000 rows, fewer than buffer.batch_size=4000"),
+    ],
+)
+def test_batch_plan_errors_name_keys_values_and_fix(overrides, message):
+    with pytest.raises(ConfigError) as e:
+        plan_for(overrides)
+    assert message in str(e.value)
