@@ -12,8 +12,6 @@ import random
 import time
 
 import torch
-from omegaconf import OmegaConf
-
 from rft.engine import ENGINES
 from rft.models import load_tokenizer
 from rft.rewards import REWARD_FNS
@@ -47,10 +45,6 @@ class Explorer:
     def _reward(self, ts_cfg):
         name = ts_cfg.reward_fn or self.cfg.buffer.explorer_input.default_reward_fn_type
         return name, REWARD_FNS[name]
-
-    def _rollout_args(self, ts_cfg):
-        args = OmegaConf.to_object(ts_cfg.rollout_args) if OmegaConf.is_config(ts_cfg.rollout_args) else ts_cfg.rollout_args
-        return args
 
     def tasks_for_step(self, step: int):
         """The batch of tasks for `step`: epoch-wise shuffles of the taskset, seeded by (seed, epoch)."""

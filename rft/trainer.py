@@ -26,10 +26,14 @@ from rft.models import load_model, load_tokenizer
 log = logging.getLogger(__name__)
 
 
-def token_logprobs(model, input_ids, attention_mask):
-    """Log-prob of each next token and the entropy of each next-token distribution, [n, L-1]."""
+def token_logprobs(model, input_ids, attention_mask, temperature: float = 1.0):
+    """Log-prob of each next token and the entropy of each next-token distribution, [n, L-1].
+
+    Logits are divided by the sampling temperature, so the log-probs are those of the
+    distribution the explorer sampled from (as verl does).
+    """
     logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
-    logits = logits[:, :-1].float()
+    logits = logits[:, :-1].float() / temperature
     logsm = torch.log_softmax(logits, dim=-1)
     logp = logsm.gather(-1, input_ids[:, 1:, None]).squeeze(-1)
     entropy = -(logsm.exp() * logsm).sum(-1)
@@ -68,6 +72,8 @@ class Trainer:
         else:
             self.scheduler = get_scheduler("constant_with_warmup", self.optimizer, opt.warmup_steps, total)
         self.version = 0  # number of RL steps trained
+        sampling_t = cfg.buffer.explorer_input.taskset.rollout_args.temperature
+        self.temperature = sampling_t if cfg.mode == "both" and sampling_t > 0 else 1.0
 
     # ------------------------------------------------------------------ one step
 
@@ -78,7 +84,7 @@ class Trainer:
     def _forward(self, model, full, s, e):
         # trim the right padding shared by this micro-batch's rows
         L = int(full["attention_mask"][s:e].sum(-1).max())
-        return token_logprobs(model, full["input_ids"][s:e, :L], full["attention_mask"][s:e, :L]), L
+        return token_logprobs(model, full["input_ids"][s:e, :L], full["attention_mask"][s:e, :L], self.temperature), L
 
     def train_step(self, exps: list[Experience]) -> dict:
         t0 = time.perf_counter()

@@ -1,0 +1,100 @@
+"""End-to-end runs of the real entry point: the default learns, and a killed run resumes exactly."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import ROOT, run_cli
+from rft.monitor import read_metrics
+
+pytestmark = pytest.mark.slow
+
+
+def evals(metrics):
+    return [m["eval/accuracy"] for m in metrics if "eval/accuracy" in m]
+
+
+def test_shortened_default_learns_through_ray(tmp_path):
+    """The default (Ray actors, SFT warm-up then GRPO) with a shorter GRPO stage raises eval accuracy."""
+    r = run_cli("buffer.total_steps=30", "explorer.eval_interval=30", "trainer.save_interval=30",
+                env={"RFT_CHECKPOINT_ROOT_DIR": str(tmp_path)})
+    assert r.returncode == 0, r.stderr[-3000:]
+    run = tmp_path / "rft" / "grpo-tiny-arithmetic"
+    grpo = read_metrics(run / "grpo" / "metrics.jsonl")
+    start, end = evals(grpo)
+    assert end >= start + 0.3, (start, end)
+    assert f"[grpo] eval accuracy: start {start:.3f} -> end {end:.3f}" in r.stdout
+    # the warm-up trained too, and every step was logged
+    sft = read_metrics(run / "sft_warmup" / "metrics.jsonl")
+    assert sft[-1]["loss/policy"] < sft[0]["loss/policy"]
+    assert [m["step"] for m in grpo] == list(range(0, 31))
+    for key in ["reward/mean", "reward/std", "response_length/mean", "actor/entropy", "actor/clip_frac",
+                "actor/approx_kl", "actor/grad_norm", "actor/lr", "timing/rollout_s", "timing/train_s",
+                "timing/sync_s", "rollout/tokens_per_s"]:
+        assert key in grpo[1], key
+    # one log per actor, TensorBoard files, an HF-format model that from_pretrained loads
+    assert (run / "grpo" / "log" / "grpo_explorer.log").exists()
+    assert (run / "grpo" / "log" / "grpo_trainer.log").exists()
+    assert list((run / "grpo" / "tensorboard").glob("events.out.tfevents.*"))
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    final = run / "grpo" / "checkpoints" / "step_30" / "hf"
+    assert AutoModelForCausalLM.from_pretrained(final).config.model_type == "qwen2"
+    assert AutoTokenizer.from_pretrained(final).chat_template
+
+
+RESUME_ARGS = [
+    "cluster=inline", "monitor=console", "stages.0.buffer.total_steps=150",
+    "buffer.total_steps=8", "trainer.save_interval=4", "explorer.eval_interval=4",
+]
+VOLATILE = ("timing/", "tokens_per_s")
+
+
+def stable(metrics, first):
+    return [{k: v for k, v in m.items() if not k.startswith(VOLATILE) and not k.endswith(VOLATILE)}
+            for m in metrics if m["step"] >= first]
+
+
+def test_killed_run_resumes_bit_exactly(tmp_path):
+    env = {**os.environ, "RFT_CHECKPOINT_ROOT_DIR": str(tmp_path)}
+    straight = run_cli(*RESUME_ARGS, "name=straight", env=env)
+    assert straight.returncode == 0, straight.stderr[-3000:]
+
+    # the same command, killed with SIGKILL once the step-4 checkpoint of the GRPO stage exists
+    cmd = [sys.executable, str(ROOT / "run.py"), *RESUME_ARGS, "name=killed"]
+    grpo_dir = tmp_path / "rft" / "killed" / "grpo"
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    while not (grpo_dir / "checkpoints" / "step_4" / "state.json").exists():
+        assert proc.poll() is None and time.time() < deadline, "the run ended before its step-4 checkpoint"
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    assert proc.wait() == -signal.SIGKILL
+    assert not (grpo_dir / "checkpoints" / "step_8").exists(), "killed too late to test anything"
+
+    resumed = run_cli(*RESUME_ARGS, "name=killed", env=env)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "[sft_warmup] already finished" in resumed.stdout
+
+    a = load_file(tmp_path / "rft" / "straight" / "grpo" / "checkpoints" / "step_8" / "hf" / "model.safetensors")
+    b = load_file(grpo_dir / "checkpoints" / "step_8" / "hf" / "model.safetensors")
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    # the weights did move in the second half, so equality above means something
+    mid = load_file(grpo_dir / "checkpoints" / "step_4" / "hf" / "model.safetensors")
+    assert any(not torch.equal(a[k], mid[k]) for k in a)
+
+    ma = read_metrics(tmp_path / "rft" / "straight" / "grpo" / "metrics.jsonl")
+    mb = read_metrics(grpo_dir / "metrics.jsonl")
+    assert [m["step"] for m in mb] == list(range(0, 9))
+    assert stable(ma, 5) == stable(mb, 5)
+    assert any(m["reward/mean"] > 0 for m in stable(mb, 5))

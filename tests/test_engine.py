@@ -1,0 +1,92 @@
+"""The hf rollout engine, experience collation and the weight fingerprint, on the tiny model."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from rft.engine import HFEngine, fingerprint
+from rft.experience import Experience, collate
+from rft.models import build_tiny_model, load_tokenizer
+from rft.trainer import token_logprobs
+from rft.workflows import encode_prompt
+
+
+@pytest.fixture(scope="module")
+def tiny(cache_dir):
+    path = build_tiny_model(cache_dir / "models" / "tiny-qwen2-v1")
+    model_cfg = OmegaConf.create(dict(model_path=str(path), dtype="float32", trust_remote_code=False,
+                                      custom_chat_template=None, max_response_tokens=6))
+    tok = load_tokenizer(model_cfg)
+    engine = HFEngine(model_cfg, SimpleNamespace(generate_batch_size=5), tok)
+    prompts = [encode_prompt(tok, [{"role": "user", "content": q}], 24) for q in ["123+456", "7+2", "000+000"]]
+    return tok, engine, prompts
+
+
+def args(t):
+    return SimpleNamespace(temperature=t, top_p=1.0, top_k=-1, max_tokens=None)
+
+
+def test_tiny_model_is_an_hf_model_with_a_chat_template(tiny):
+    tok, engine, prompts = tiny
+    assert engine.model.config.model_type == "qwen2"
+    assert engine.model.config.head_dim >= 32  # vLLM's CPU attention needs it
+    text = tok.apply_chat_template([{"role": "user", "content": "1+2"}], tokenize=False, add_generation_prompt=True)
+    assert text == "<|im_start|>user\n1+2<|im_end|>\n<|im_start|>assistant\n"
+    # one token per character: "1+2" is three tokens between the role's newline and <|im_end|>
+    assert len(prompts[1]) == len(prompts[0]) - 4
+
+
+def test_generate_shapes_and_finish_reasons(tiny):
+    tok, engine, prompts = tiny
+    out = engine.generate(prompts, n=4, args=args(1.0), seed=0)
+    assert [len(g) for g in out] == [4, 4, 4]
+    for group in out:
+        for s in group:
+            assert len(s.token_ids) == len(s.logprobs) >= 1
+            if s.finish_reason == "stop":
+                assert s.token_ids[-1] == tok.eos_token_id and tok.eos_token_id not in s.token_ids[:-1]
+            else:
+                assert s.finish_reason == "length" and len(s.token_ids) == 6
+
+
+def test_seeded_sampling_is_reproducible_and_seeds_differ(tiny):
+    _, engine, prompts = tiny
+    ids = lambda out: [s.token_ids for g in out for s in g]
+    a = engine.generate(prompts, 4, args(1.0), seed=3)
+    assert ids(a) == ids(engine.generate(prompts, 4, args(1.0), seed=3))
+    assert ids(a) != ids(engine.generate(prompts, 4, args(1.0), seed=4))
+
+
+def test_sampling_logprobs_match_the_trainers_recomputation(tiny):
+    """The engine's sampling log-probs equal the trainer's forward pass on the same tokens."""
+    tok, engine, prompts = tiny
+    for t in (1.0, 0.7):
+        out = engine.generate(prompts, 2, args(t), seed=1)
+        exps = [Experience(p + s.token_ids, len(p), s.logprobs) for p, g in zip(prompts, out) for s in g]
+        batch = collate(exps, tok.pad_token_id)
+        with torch.no_grad():
+            logp, _ = token_logprobs(engine.model, batch["input_ids"], batch["attention_mask"], temperature=t)
+        for i, e in enumerate(exps):
+            got = logp[i][batch["response_mask"][i].bool()]
+            torch.testing.assert_close(got, torch.tensor(e.logprobs), atol=1e-4, rtol=1e-4)
+
+
+def test_collate_masks_exactly_the_response_targets():
+    # tokens [5, 6, 7 | 8, 9] (prompt of 3) and [5 | 6] (prompt of 1), pad 0
+    b = collate([Experience([5, 6, 7, 8, 9], 3, [0.0, 0.0]), Experience([5, 6], 1, [0.0])], pad_id=0)
+    assert b["input_ids"].tolist() == [[5, 6, 7, 8, 9], [5, 6, 0, 0, 0]]
+    assert b["attention_mask"].tolist() == [[1, 1, 1, 1, 1], [1, 1, 0, 0, 0]]
+    # targets are input_ids[:, 1:] = [6, 7, 8, 9] and [6, 0, 0, 0]: responses are 8, 9 and 6
+    assert b["response_mask"].tolist() == [[0, 0, 1, 1], [1, 0, 0, 0]]
+
+
+def test_fingerprint_catches_a_changed_weight(tiny):
+    _, engine, _ = tiny
+    sd = {k: v.clone() for k, v in engine.model.state_dict().items()}
+    before = fingerprint(sd)
+    assert fingerprint({k: v.clone() for k, v in sd.items()}) == before
+    name = next(iter(sd))
+    sd[name].view(-1)[0] += 1e-3
+    assert fingerprint(sd) != before
