@@ -13,6 +13,7 @@ import time
 
 import torch
 from rft.engine import ENGINES
+from rft.errors import ConfigError
 from rft.models import load_tokenizer
 from rft.rewards import REWARD_FNS
 from rft.tasks import load_tasks
@@ -29,6 +30,8 @@ class Explorer:
     def __init__(self, cfg, weights_path: str | None = None):
         self.cfg = cfg
         torch.set_num_threads(cfg.cluster.cpus_per_actor)
+        # denormal floats (tiny Adam moments, decayed weights) make CPU math many times slower
+        torch.set_flush_denormal(True)
         self.tokenizer = load_tokenizer(cfg.model)
         rollout = cfg.explorer.rollout_model
         self.engine = ENGINES[rollout.engine_type](cfg.model, rollout, self.tokenizer, weights_path)
@@ -42,10 +45,6 @@ class Explorer:
         self.workflow = WORKFLOWS["single_turn"]
         log.info("explorer ready: %d tasks, %d eval tasksets", len(self.taskset), len(self.eval_tasksets))
 
-    def _reward(self, ts_cfg):
-        name = ts_cfg.reward_fn or self.cfg.buffer.explorer_input.default_reward_fn_type
-        return name, REWARD_FNS[name]
-
     def tasks_for_step(self, step: int):
         """The batch of tasks for `step`: epoch-wise shuffles of the taskset, seeded by (seed, epoch)."""
         bs = self.cfg.buffer.batch_size
@@ -55,21 +54,28 @@ class Explorer:
         random.Random(step_seed(self.cfg.seed, epoch, salt=1)).shuffle(order)
         return [self.taskset[i] for i in order[pos * bs : (pos + 1) * bs]]
 
-    def explore(self, step: int):
-        t0 = time.perf_counter()
-        ts = self.cfg.buffer.explorer_input.taskset
-        name, reward_fn = self._reward(ts)
+    def _run(self, ts_cfg, tasks, n: int, step: int, salt: int):
+        """Run the workflow on `tasks` with the taskset's rollout args and reward function."""
+        name = ts_cfg.reward_fn or self.cfg.buffer.explorer_input.default_reward_fn_type
+        if name not in REWARD_FNS:
+            raise ConfigError(f"reward function {name!r} of taskset {ts_cfg.name!r} is not one of {sorted(REWARD_FNS)}.")
         ctx = WorkflowContext(
             tokenizer=self.tokenizer,
-            n=ts.repeat_times or self.cfg.algorithm.repeat_times,
-            rollout_args=ts.rollout_args,
+            n=n,
+            rollout_args=ts_cfg.rollout_args,
             max_prompt_tokens=self.cfg.model.max_prompt_tokens,
             policy_version=self.version,
-            seed=step_seed(self.cfg.seed, step),
+            seed=step_seed(self.cfg.seed, step, salt),
             step=step,
             reward_name=name,
         )
-        exps = self.workflow(self.tasks_for_step(step), self.engine, reward_fn, ctx)
+        return self.workflow(tasks, self.engine, REWARD_FNS[name], ctx)
+
+    def explore(self, step: int):
+        t0 = time.perf_counter()
+        ts = self.cfg.buffer.explorer_input.taskset
+        n = ts.repeat_times or self.cfg.algorithm.repeat_times
+        exps = self._run(ts, self.tasks_for_step(step), n, step, salt=0)
         elapsed = time.perf_counter() - t0
         rewards = torch.tensor([e.reward for e in exps])
         lengths = torch.tensor([e.response_length for e in exps], dtype=torch.float32)
@@ -87,18 +93,7 @@ class Explorer:
         """Mean reward on each eval taskset (`eval/<name>/accuracy`; the first one also as `eval/accuracy`)."""
         metrics = {}
         for i, (ts, tasks) in enumerate(self.eval_tasksets):
-            name, reward_fn = self._reward(ts)
-            ctx = WorkflowContext(
-                tokenizer=self.tokenizer,
-                n=ts.repeat_times or 1,
-                rollout_args=ts.rollout_args,
-                max_prompt_tokens=self.cfg.model.max_prompt_tokens,
-                policy_version=self.version,
-                seed=step_seed(self.cfg.seed, step, salt=2),
-                step=step,
-                reward_name=name,
-            )
-            exps = self.workflow(tasks, self.engine, reward_fn, ctx)
+            exps = self._run(ts, tasks, ts.repeat_times or 1, step, salt=2)
             acc = sum(e.reward for e in exps) / len(exps)
             metrics[f"eval/{ts.name}/accuracy"] = acc
             if i == 0:

@@ -38,6 +38,7 @@ class BatchPlan:
 def make_plan(cfg, dataset_size: int) -> BatchPlan:
     buf, algo, tr = cfg.buffer, cfg.algorithm, cfg.trainer
     dp = 1  # trainer_strategy=torch is one process
+    _check_names(cfg)
     if cfg.mode not in ("both", "train"):
         raise ConfigError(f"mode={cfg.mode!r} is not supported; choose both or train.")
     if buf.batch_size < 1:
@@ -137,6 +138,38 @@ def make_plan(cfg, dataset_size: int) -> BatchPlan:
         total_optimizer_steps=total * opt_per_step,
         warmup_steps=warmup,
     )
+
+
+def _check_names(cfg) -> None:
+    """Every registry name in the config exists (a typo fails here, not mid-run)."""
+    from rft.actors import ACTOR_BACKENDS
+    from rft.algorithms import ADVANTAGE_FNS, AGG_MODES, KL_FNS, POLICY_LOSS_FNS
+    from rft.engine import ENGINES
+    from rft.rewards import REWARD_FNS
+    from rft.sync import SYNC_METHODS
+
+    inp = cfg.buffer.explorer_input
+    checks = [
+        ("algorithm.advantage_fn", cfg.algorithm.advantage_fn, ADVANTAGE_FNS),
+        ("algorithm.policy_loss_fn", cfg.algorithm.policy_loss_fn, POLICY_LOSS_FNS),
+        ("algorithm.kl_loss_fn", cfg.algorithm.kl_loss_fn, {"none": None, **KL_FNS}),
+        ("algorithm.loss_agg_mode", cfg.algorithm.loss_agg_mode, AGG_MODES),
+        ("algorithm.optimizer.warmup_style", cfg.algorithm.optimizer.warmup_style, ("constant", "cosine")),
+        ("explorer.rollout_model.engine_type", cfg.explorer.rollout_model.engine_type, ENGINES),
+        ("synchronizer.sync_method", cfg.synchronizer.sync_method, SYNC_METHODS),
+        ("cluster.backend", cfg.cluster.backend, ACTOR_BACKENDS),
+        ("trainer.trainer_strategy", cfg.trainer.trainer_strategy, ("torch",)),
+        ("buffer.trainer_input.experience_buffer.storage_type",
+         cfg.buffer.trainer_input.experience_buffer.storage_type, ("queue", "file")),
+        ("buffer.explorer_input.default_reward_fn_type", inp.default_reward_fn_type, REWARD_FNS),
+    ]
+    for i, ts in enumerate([inp.taskset, *inp.eval_tasksets]):
+        if ts.reward_fn is not None:
+            where = "taskset" if i == 0 else f"eval_tasksets[{i - 1}]"
+            checks.append((f"buffer.explorer_input.{where}.reward_fn", ts.reward_fn, REWARD_FNS))
+    for key, value, known in checks:
+        if value not in known:
+            raise ConfigError(f"{key}={value!r} is not one of {sorted(known)}.")
 
 
 def _divisor_near(n: int, target: int) -> int:

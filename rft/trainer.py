@@ -46,6 +46,8 @@ class Trainer:
         self.plan = plan
         torch.set_num_threads(cfg.cluster.cpus_per_actor)
         torch.manual_seed(cfg.seed)
+        # denormal floats (tiny Adam moments, decayed weights) make CPU math many times slower
+        torch.set_flush_denormal(True)
         algo = cfg.algorithm
         self.tokenizer = load_tokenizer(cfg.model)
         self.model = load_model(cfg.model, init_path)

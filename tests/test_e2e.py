@@ -98,3 +98,19 @@ def test_killed_run_resumes_bit_exactly(tmp_path):
     assert [m["step"] for m in mb] == list(range(0, 9))
     assert stable(ma, 5) == stable(mb, 5)
     assert any(m["reward/mean"] > 0 for m in stable(mb, 5))
+
+
+def test_checkpoint_sync_wandb_offline_and_inline_cluster(tmp_path):
+    """The other sync method and monitor, in one process: a short run completes and logs."""
+    r = run_cli("stages=[]", "cluster=inline", "sync=checkpoint", "monitor=wandb", "buffer.total_steps=2",
+                "explorer.eval_interval=1", "name=other",
+                env={"RFT_CHECKPOINT_ROOT_DIR": str(tmp_path), "WANDB_MODE": "offline", "WANDB_SILENT": "true"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    run = tmp_path / "rft" / "other"
+    metrics = read_metrics(run / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == [0, 1, 2]
+    assert all("eval/accuracy" in m for m in metrics)
+    assert metrics[2]["sync/version"] == 2
+    assert (run / "sync" / "model.safetensors").exists()
+    assert list((run / "wandb").glob("offline-run-*"))
+    assert list((run / "tensorboard").glob("events.out.tfevents.*"))
