@@ -50,7 +50,7 @@ class Monitor:
         if self.wandb is not None:
             self.wandb.log(metrics, step=step)
         self.shown.update({k: metrics[k] for k in self.keys if k in metrics})
-        self.bar.set_postfix({k.split("/")[-1] if k != "eval/accuracy" else "eval_acc": f"{v:.3g}" for k, v in self.shown.items()}, refresh=False)
+        self.bar.set_postfix({k.replace("/", "."): f"{v:.3g}" for k, v in self.shown.items()}, refresh=False)
         if advance:
             self.bar.update(step - self.bar.n)
 
