@@ -27,7 +27,7 @@ def step_seed(seed: int, step: int, salt: int = 0) -> int:
 
 
 class Explorer:
-    def __init__(self, cfg, weights_path: str | None = None):
+    def __init__(self, cfg, weights_path: str | None = None, version: int = 0):
         self.cfg = cfg
         torch.set_num_threads(cfg.cluster.cpus_per_actor)
         # denormal floats (tiny Adam moments, decayed weights) make CPU math many times slower
@@ -41,7 +41,7 @@ class Explorer:
             (ts, load_tasks(ts, f"buffer.explorer_input.eval_tasksets[{i}]"))
             for i, ts in enumerate(inp.eval_tasksets)
         ]
-        self.version = 0
+        self.version = version  # the trainer step whose weights this explorer serves
         self.workflow = WORKFLOWS["single_turn"]
         log.info("explorer ready: %d tasks, %d eval tasksets", len(self.taskset), len(self.eval_tasksets))
 

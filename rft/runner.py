@@ -78,7 +78,7 @@ def run_stage(cfg, plan, stage_dir: Path, init_path: str | None, title: str) -> 
         log.info("resumed %s from %s", title, latest.path)
     explorer = None
     if cfg.mode == "both":
-        explorer = Actor(Explorer, cfg, weights, name=f"{title}_{cfg.explorer.name}", **common)
+        explorer = Actor(Explorer, cfg, weights, start, name=f"{title}_{cfg.explorer.name}", **common)
         source = None
     else:
         from rft.models import load_tokenizer

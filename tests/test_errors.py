@@ -41,10 +41,10 @@ def test_wrong_type(run_root):
 def test_non_divisible_batch(run_root):
     r = run_cli("trainer.mini_batch_size=48", env=run_root)
     assert r.returncode == 2
-    # the override applies to both stages; the first stage (32 experiences per step) fails first
+    # the override applies to both stages; the first stage (64 experiences per step) fails first
     assert (
         "rft: configuration error: stage sft_warmup: trainer.mini_batch_size=48 must divide "
-        "buffer.train_batch_size=32 (experiences per step) into whole optimizer steps."
+        "buffer.train_batch_size=64 (experiences per step) into whole optimizer steps."
     ) in r.stderr
     assert "Traceback" not in r.stderr
     assert_nothing_started(run_root)
