@@ -47,6 +47,14 @@ class AlgorithmConfig:
     # PPO clip range: ratio is clipped to [1 - clip_ratio_low, 1 + clip_ratio_high]
     clip_ratio_low: float = 0.2
     clip_ratio_high: float = 0.2
+    # dual clip for A < 0 (verl: clip_ratio_c, usually 3.0); null disables it
+    clip_ratio_c: Optional[float] = None
+    # discount of per-token returns (reinforce_pp)
+    gamma: float = 1.0
+    # OPMD temperature: loss / (1 + tau), and the logavgexp baseline's temperature
+    tau: float = 1.0
+    # OPMD baseline: mean | logavgexp
+    opmd_baseline: str = "mean"
     # KL to a frozen reference model as a loss term: none | k1 | k2 | k3 | abs
     kl_loss_fn: str = "none"
     kl_loss_coef: float = 0.001

@@ -38,7 +38,10 @@ def run_dir_of(cfg: DictConfig) -> Path:
     from hydra.core.hydra_config import HydraConfig
 
     if HydraConfig.initialized():
-        return Path(HydraConfig.get().runtime.output_dir)
+        try:
+            return Path(HydraConfig.get().runtime.output_dir)
+        except Exception:  # composed without a run (tests, notebooks): no output dir chosen
+            pass
     return Path(os.path.expanduser(cfg.checkpoint_root_dir)) / cfg.project / cfg.name
 
 

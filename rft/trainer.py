@@ -153,7 +153,10 @@ class Trainer:
             "actor/grad_norm": sum(grad_norms) / updates,
             "actor/lr": self.scheduler.get_last_lr()[0],
             "advantage/mean": (adv.sum() / mask.sum()).item(),
+            "advantage/std": adv[mask.bool()].std().item() if mask.sum() > 1 else 0.0,
             "advantage/abs_mean": ((adv.abs() * mask).sum() / mask.sum()).item(),
+            # groups whose rollouts all got the same reward carry no signal for group baselines
+            "train/zero_variance_group_frac": _zero_variance_frac(batch["rewards"], batch["group_index"]),
             "train/experiences": n,
             "train/tokens_per_s": mask.sum().item() * self.cfg.trainer.ppo_epochs / (time.perf_counter() - t0),
         }
@@ -209,6 +212,12 @@ class Trainer:
         self.scheduler.load_state_dict(state["scheduler"])
         self.version = state["version"]
         torch.set_rng_state(state["rng"])
+
+
+def _zero_variance_frac(rewards: torch.Tensor, group_index: torch.Tensor) -> float:
+    groups = group_index.unique()
+    flat = sum(bool((rewards[group_index == g] == rewards[group_index == g][0]).all()) for g in groups)
+    return flat / len(groups)
 
 
 def _untie(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

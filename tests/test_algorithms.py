@@ -1,16 +1,22 @@
 """Hand-computed values for the GRPO advantage, the clipped loss, KL estimators and aggregation."""
 
 import math
-from types import SimpleNamespace
-
 import pytest
 import torch
 
+from omegaconf import OmegaConf
+
 from rft.algorithms import ADVANTAGE_FNS, KL_FNS, POLICY_LOSS_FNS, agg_loss
+from rft.config import AlgorithmConfig
 
 grpo = ADVANTAGE_FNS["grpo"]
 ppo_clip = POLICY_LOSS_FNS["ppo_clip"]
-CLIP = SimpleNamespace(clip_ratio_low=0.2, clip_ratio_high=0.2)
+def algo(**overrides):
+    """The algorithm config with its schema defaults (clip 0.2/0.2, no dual clip, tau 1, gamma 1)."""
+    return OmegaConf.structured(AlgorithmConfig(**overrides))
+
+
+CLIP = algo()
 
 
 def adv_of(rewards, groups, T=1):
@@ -135,7 +141,7 @@ def test_micro_batches_of_unequal_tokens_accumulate_to_the_full_batch_gradient(m
     x = torch.randn(3, 5, 4, dtype=torch.float64)
     adv = torch.tensor([[1.0], [-0.5], [2.0]], dtype=torch.float64).expand(3, 5)
     mask = torch.tensor([[1, 0, 0, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]], dtype=torch.float64)
-    cfg = SimpleNamespace(clip_ratio_low=0.2, clip_ratio_high=0.2)
+    cfg = algo()
     old = (x @ w).detach() - 0.1
 
     def share(rows):

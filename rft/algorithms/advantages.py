@@ -39,9 +39,87 @@ def grpo_advantage(batch: dict, cfg) -> torch.Tensor:
     return adv[:, None] * mask
 
 
+def dr_grpo_advantage(batch: dict, cfg) -> torch.Tensor:
+    """Dr. GRPO (arXiv 2503.20783): A_i = R_i - mean_g, no division by the group std.
+
+    Pair it with loss_agg_mode=seq-mean-token-sum-norm (a constant length normaliser), as the paper
+    does: together they remove GRPO's length and difficulty biases. A group of one gets A = 0.
+    """
+    rewards, mask = batch["rewards"], batch["response_mask"]
+    mean, _, _ = _group_stats(rewards, batch["group_index"])
+    return (rewards - mean)[:, None] * mask
+
+
+def rloo_advantage(batch: dict, cfg) -> torch.Tensor:
+    """RLOO (arXiv 2402.14740): A_i = R_i - mean_{j != i} R_j = G / (G - 1) * (R_i - mean_g).
+
+    Each rollout's baseline is the mean of the others in its group (unbiased). A group of one has
+    no others: A = 0.
+    """
+    rewards, mask = batch["rewards"], batch["response_mask"]
+    mean, _, count = _group_stats(rewards, batch["group_index"])
+    scale = torch.where(count > 1, count / (count - 1).clamp(min=1), torch.zeros_like(count))
+    return (scale * (rewards - mean))[:, None] * mask
+
+
+def opmd_advantage(batch: dict, cfg) -> torch.Tensor:
+    """OPMD (Trinity-RFT, arXiv 2505.17826): A = R - baseline_g.
+
+    baseline = group mean (`opmd_baseline: mean`), or the soft maximum
+    tau * (logsumexp(R / tau) - log G) (`opmd_baseline: logavgexp`), which tends to the group max as
+    tau -> 0 and to the mean as tau -> inf.
+    """
+    rewards, mask, gi = batch["rewards"], batch["response_mask"], batch["group_index"]
+    if cfg.opmd_baseline == "mean":
+        baseline, _, _ = _group_stats(rewards, gi)
+    else:
+        n_groups = int(gi.max()) + 1
+        baseline = torch.empty(n_groups)
+        for g in range(n_groups):
+            r = rewards[gi == g]
+            baseline[g] = cfg.tau * (torch.logsumexp(r / cfg.tau, 0) - torch.log(torch.tensor(float(len(r)))))
+        baseline = baseline[gi]
+    return (rewards - baseline)[:, None] * mask
+
+
+def _discounted_whitened(rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
+    """The reward sits on each sequence's last response token; return_t = gamma^(last - t) * R;
+    then whiten over every response token of the batch."""
+    last = mask.cumsum(-1).max(-1, keepdim=True).values  # response length per row
+    pos = mask.cumsum(-1)  # 1..len on response tokens
+    returns = rewards[:, None] * gamma ** (last - pos) * mask
+    n = mask.sum().clamp(min=1)
+    mean = returns.sum() / n
+    var = (((returns - mean) * mask) ** 2).sum() / (n - 1).clamp(min=1)
+    return (returns - mean) / (var.sqrt() + EPS) * mask
+
+
+def reinforce_pp_advantage(batch: dict, cfg) -> torch.Tensor:
+    """REINFORCE++ (arXiv 2501.03262): gamma-discounted per-token return, whitened over the batch.
+
+    Departure: the paper also folds a per-token KL penalty into the reward; here KL is available as
+    a loss term (kl_loss_fn) instead.
+    """
+    return _discounted_whitened(batch["rewards"], batch["response_mask"], cfg.gamma)
+
+
+def reinforce_pp_baseline_advantage(batch: dict, cfg) -> torch.Tensor:
+    """REINFORCE++-baseline: subtract the group mean reward first, then as reinforce_pp."""
+    mean, _, _ = _group_stats(batch["rewards"], batch["group_index"])
+    return _discounted_whitened(batch["rewards"] - mean, batch["response_mask"], cfg.gamma)
+
+
 def no_advantage(batch: dict, cfg) -> torch.Tensor:
     """For losses that ignore advantages (SFT): zeros."""
     return torch.zeros_like(batch["response_mask"], dtype=torch.float32)
 
 
-ADVANTAGE_FNS = {"grpo": grpo_advantage, "none": no_advantage}
+ADVANTAGE_FNS = {
+    "grpo": grpo_advantage,
+    "dr_grpo": dr_grpo_advantage,
+    "rloo": rloo_advantage,
+    "opmd": opmd_advantage,
+    "reinforce_pp": reinforce_pp_advantage,
+    "reinforce_pp_baseline": reinforce_pp_baseline_advantage,
+    "none": no_advantage,
+}

@@ -7,10 +7,25 @@ sums with their token count, so callers can add them up across micro-batches exa
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 # exp() of a log-ratio beyond this overflows nothing but means the sample is useless; clamp it
 LOG_RATIO_CLAMP = 20.0
+
+
+def _ratio_metrics(log_ratio, ratio, pg_loss1, pg_loss2, advantages, mask) -> dict:
+    """Clip fractions (low and high bound separately, as clip-higher users watch) and approx KL."""
+    clipped = (pg_loss2 > pg_loss1).float() * mask
+    # approx KL(old || new): Schulman's k3 on the ratio
+    approx_kl = (ratio - 1.0 - log_ratio).detach()
+    return {
+        "actor/clip_frac": clipped.sum().item(),
+        "actor/clip_frac_low": (clipped * (advantages < 0)).sum().item(),
+        "actor/clip_frac_high": (clipped * (advantages > 0)).sum().item(),
+        "actor/approx_kl": (approx_kl * mask).sum().item(),
+    }
 
 
 def ppo_clip_loss(logp, old_logp, advantages, mask, cfg):
@@ -19,20 +34,82 @@ def ppo_clip_loss(logp, old_logp, advantages, mask, cfg):
     ratio = exp(logp - old_logp); pg_loss1 = -A * ratio;
     pg_loss2 = -A * clip(ratio, 1 - clip_ratio_low, 1 + clip_ratio_high);
     loss = max(pg_loss1, pg_loss2). The log-ratio is clamped to +-20 first.
+    Dual clip (arXiv 1912.09729), when clip_ratio_c is set: for A < 0 the loss is capped at
+    -A * clip_ratio_c, so a huge ratio on a bad token cannot dominate.
     """
     log_ratio = torch.clamp(logp - old_logp, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     ratio = torch.exp(log_ratio)
     pg_loss1 = -advantages * ratio
     pg_loss2 = -advantages * torch.clamp(ratio, 1.0 - cfg.clip_ratio_low, 1.0 + cfg.clip_ratio_high)
     loss = torch.maximum(pg_loss1, pg_loss2)
-    clipped = (pg_loss2 > pg_loss1).float()
-    # approx KL(old || new), Schulman's k3 on the ratio
-    approx_kl = ratio - 1.0 - log_ratio
+    if cfg.clip_ratio_c is not None:
+        loss = torch.where(advantages < 0, torch.minimum(loss, -advantages * cfg.clip_ratio_c), loss)
+    return loss, _ratio_metrics(log_ratio, ratio, pg_loss1, pg_loss2, advantages, mask)
+
+
+def gspo_loss(logp, old_logp, advantages, mask, cfg):
+    """GSPO (arXiv 2507.18071): one importance ratio per sequence, clipped per sequence.
+
+    s_i = exp(mean_t (logp - old_logp)) over the response tokens of sequence i. The token form
+    s_it = sg[s_i] * exp(logp_t - sg[logp_t]) has the value s_i and the gradient of the sequence
+    ratio, so the usual clipped surrogate on s_it is GSPO. Use loss_agg_mode=seq-mean-token-mean
+    and the paper's small clip ranges (3e-4, 4e-4).
+    """
+    seq_log_ratio = ((logp - old_logp) * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+    log_ratio = logp - logp.detach() + seq_log_ratio.detach()[:, None]
+    log_ratio = torch.clamp(log_ratio, max=10.0)
+    ratio = torch.exp(log_ratio)
+    pg_loss1 = -advantages * ratio
+    pg_loss2 = -advantages * torch.clamp(ratio, 1.0 - cfg.clip_ratio_low, 1.0 + cfg.clip_ratio_high)
+    loss = torch.maximum(pg_loss1, pg_loss2)
+    return loss, _ratio_metrics(log_ratio, ratio, pg_loss1, pg_loss2, advantages, mask)
+
+
+def gmpo_loss(logp, old_logp, advantages, mask, cfg):
+    """GMPO (arXiv 2507.20673): the geometric mean of the token ratios, clipped in log space.
+
+    Per token, the log-ratio is clipped to [-clip_ratio_low, clip_ratio_high] pessimistically for
+    the sign of A (min of clipped and unclipped for A > 0, max for A < 0); the sequence ratio is
+    exp(mean_t clipped log-ratio) and the sequence loss -A * ratio. Here clip_ratio_low/high are
+    bounds on the *log*-ratio (the paper uses 0.4). The per-token loss returned is the sequence's
+    loss on each of its tokens: use loss_agg_mode=seq-mean-token-mean.
+    """
+    log_ratio = torch.clamp(logp - old_logp, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    sign = torch.sign(advantages)
+    clipped = torch.clamp(log_ratio, -cfg.clip_ratio_low, cfg.clip_ratio_high)
+    pessimistic = sign * torch.minimum(sign * log_ratio, sign * clipped)
+    seq_ratio = torch.exp((pessimistic * mask).sum(-1) / mask.sum(-1).clamp(min=1))
+    seq_adv = (advantages * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+    loss = (-seq_adv * seq_ratio)[:, None].expand_as(logp)
+    ratio = torch.exp(log_ratio)
     metrics = {
-        "actor/clip_frac": (clipped * mask).sum().item(),
-        "actor/approx_kl": (approx_kl.detach() * mask).sum().item(),
+        "actor/clip_frac": ((clipped != log_ratio).float() * mask).sum().item(),
+        "actor/approx_kl": ((ratio - 1.0 - log_ratio).detach() * mask).sum().item(),
     }
     return loss, metrics
+
+
+def cpgd_loss(logp, old_logp, advantages, mask, cfg):
+    """CPGD (arXiv 2505.12504): a policy-gradient loss on a clamped log-prob.
+
+    logp_c = min(logp, old + log(1 + clip_ratio_high)) where A > 0,
+             max(logp, old + log(1 - clip_ratio_low))  where A < 0;
+    loss = -A * logp_c. Once a token's probability has moved far enough it gets no more gradient.
+    """
+    upper = old_logp + math.log1p(cfg.clip_ratio_high)
+    lower = old_logp + math.log1p(-cfg.clip_ratio_low)
+    clamped = torch.where(advantages > 0, torch.minimum(logp, upper), torch.maximum(logp, lower))
+    log_ratio = torch.clamp(logp - old_logp, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    metrics = {
+        "actor/clip_frac": ((clamped != logp).float() * mask).sum().item(),
+        "actor/approx_kl": ((torch.exp(log_ratio) - 1.0 - log_ratio).detach() * mask).sum().item(),
+    }
+    return -advantages * clamped, metrics
+
+
+def opmd_loss(logp, old_logp, advantages, mask, cfg):
+    """OPMD (Trinity-RFT, arXiv 2505.17826): -A * logp / (1 + tau), no importance ratio."""
+    return -advantages * logp / (1.0 + cfg.tau), {}
 
 
 def sft_loss(logp, old_logp, advantages, mask, cfg):
@@ -40,4 +117,11 @@ def sft_loss(logp, old_logp, advantages, mask, cfg):
     return -logp, {}
 
 
-POLICY_LOSS_FNS = {"ppo_clip": ppo_clip_loss, "sft": sft_loss}
+POLICY_LOSS_FNS = {
+    "ppo_clip": ppo_clip_loss,
+    "gspo": gspo_loss,
+    "gmpo": gmpo_loss,
+    "cpgd": cpgd_loss,
+    "opmd": opmd_loss,
+    "sft": sft_loss,
+}
