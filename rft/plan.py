@@ -143,15 +143,16 @@ def make_plan(cfg, dataset_size: int) -> BatchPlan:
 def _check_names(cfg) -> None:
     """Every registry name in the config exists (a typo fails here, not mid-run)."""
     from rft.actors import ACTOR_BACKENDS
-    from rft.algorithms import ADVANTAGE_FNS, AGG_MODES, KL_FNS, POLICY_LOSS_FNS
+    from rft.algorithms import ADVANTAGE_FNS, AGG_MODES, KL_FNS, POLICY_LOSS_FNS, resolve
     from rft.engine import ENGINES
     from rft.rewards import REWARD_FNS
     from rft.sync import SYNC_METHODS
 
     inp = cfg.buffer.explorer_input
+    # advantage and policy-loss functions may also be dotted paths to the user's own
+    resolve(ADVANTAGE_FNS, cfg.algorithm.advantage_fn, "algorithm.advantage_fn")
+    resolve(POLICY_LOSS_FNS, cfg.algorithm.policy_loss_fn, "algorithm.policy_loss_fn")
     checks = [
-        ("algorithm.advantage_fn", cfg.algorithm.advantage_fn, ADVANTAGE_FNS),
-        ("algorithm.policy_loss_fn", cfg.algorithm.policy_loss_fn, POLICY_LOSS_FNS),
         ("algorithm.kl_loss_fn", cfg.algorithm.kl_loss_fn, {"none": None, **KL_FNS}),
         ("algorithm.loss_agg_mode", cfg.algorithm.loss_agg_mode, AGG_MODES),
         ("algorithm.optimizer.warmup_style", cfg.algorithm.optimizer.warmup_style, ("constant", "cosine")),

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from transformers import get_scheduler
 
-from rft.algorithms import ADVANTAGE_FNS, KL_FNS, POLICY_LOSS_FNS, agg_loss
+from rft.algorithms import ADVANTAGE_FNS, KL_FNS, POLICY_LOSS_FNS, agg_loss, resolve
 from rft.engine import fingerprint
 from rft.experience import Experience, collate
 from rft.models import load_model, load_tokenizer
@@ -58,8 +58,8 @@ class Trainer:
             self.ref_model = load_model(cfg.model, init_path)
             self.ref_model.requires_grad_(False)
         # names are looked up once, here; the update below never branches on them
-        self.advantage_fn = ADVANTAGE_FNS[algo.advantage_fn]
-        self.policy_loss_fn = POLICY_LOSS_FNS[algo.policy_loss_fn]
+        self.advantage_fn = resolve(ADVANTAGE_FNS, algo.advantage_fn, "algorithm.advantage_fn")
+        self.policy_loss_fn = resolve(POLICY_LOSS_FNS, algo.policy_loss_fn, "algorithm.policy_loss_fn")
         self.kl_fn = KL_FNS.get(algo.kl_loss_fn)
         opt = algo.optimizer
         self.optimizer = torch.optim.AdamW(

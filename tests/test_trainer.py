@@ -80,3 +80,20 @@ def test_kl_loss_uses_a_frozen_reference():
     second = trainer.train_step(batch)
     assert second["actor/kl"] > 0
     assert all(not p.requires_grad for p in trainer.ref_model.parameters())
+
+
+def scaled_grpo(batch, cfg):
+    """A custom advantage function, given to the trainer by dotted path."""
+    from rft.algorithms import ADVANTAGE_FNS
+
+    return 2.0 * ADVANTAGE_FNS["grpo"](batch, cfg)
+
+
+def test_custom_advantage_function_by_dotted_path():
+    trainer = make_trainer(128, ["algorithm.advantage_fn=test_trainer.scaled_grpo"])
+    assert trainer.advantage_fn is scaled_grpo
+    default = make_trainer(128)
+    batch = experiences()
+    # advantages doubled: |A| mean doubles (the GRPO advantages of this batch are not all zero)
+    a, b = trainer.train_step(batch), default.train_step(batch)
+    assert a["advantage/abs_mean"] == pytest.approx(2 * b["advantage/abs_mean"]) and b["advantage/abs_mean"] > 0
