@@ -58,8 +58,19 @@ class AlgorithmConfig:
     # KL to a frozen reference model as a loss term: none | k1 | k2 | k3 | abs
     kl_loss_fn: str = "none"
     kl_loss_coef: float = 0.001
+    # KL to the reference subtracted from the reward (sum over the response): none | k1 | k2 | k3 | abs
+    kl_penalty_fn: str = "none"
+    kl_penalty_coef: float = 0.001
     # entropy bonus: loss -= entropy_coef * entropy
     entropy_coef: float = 0.0
+    # DAPO dynamic sampling: draw up to this many task batches per step to fill it with groups
+    # whose rewards differ (0 or 1: off)
+    dynamic_sampling_max_tries: int = 0
+    # DAPO overlong shaping: responses in the last overlong_buffer_frac of the response budget
+    # are penalised linearly, down to -overlong_penalty_factor at the limit (0: off; the paper's
+    # 4096 of 20480 tokens is 0.2; verl sets the length in tokens: overlong_buffer.len)
+    overlong_buffer_frac: float = 0.0
+    overlong_penalty_factor: float = 1.0
 
 
 @dataclass

@@ -15,7 +15,7 @@ import torch
 from rft.engine import ENGINES
 from rft.errors import ConfigError
 from rft.models import load_tokenizer
-from rft.rewards import REWARD_FNS
+from rft.rewards import REWARD_FNS, overlong_penalty
 from rft.tasks import load_tasks
 from rft.workflows import WORKFLOWS, WorkflowContext
 
@@ -71,11 +71,38 @@ class Explorer:
         )
         return self.workflow(tasks, self.engine, REWARD_FNS[name], ctx)
 
+    def _rollouts(self, tasks, n: int, step: int, salt: int) -> list[list]:
+        """Training rollouts, reward-shaped, as one list per task (a group)."""
+        ts, algo = self.cfg.buffer.explorer_input.taskset, self.cfg.algorithm
+        exps = self._run(ts, tasks, n, step, salt)
+        if algo.overlong_buffer_frac > 0:
+            max_len = ts.rollout_args.max_tokens or self.cfg.model.max_response_tokens
+            buffer_len = max(1, round(algo.overlong_buffer_frac * max_len))
+            for e in exps:
+                e.reward += overlong_penalty(e.response_length, max_len, buffer_len, algo.overlong_penalty_factor)
+        return [exps[i : i + n] for i in range(0, len(exps), n)]
+
     def explore(self, step: int):
         t0 = time.perf_counter()
         ts = self.cfg.buffer.explorer_input.taskset
         n = ts.repeat_times or self.cfg.algorithm.repeat_times
-        exps = self._run(ts, self.tasks_for_step(step), n, step, salt=0)
+        groups = self._rollouts(self.tasks_for_step(step), n, step, salt=0)
+        tries = 1
+        max_tries = self.cfg.algorithm.dynamic_sampling_max_tries
+        if max_tries > 1:
+            # DAPO dynamic sampling: groups whose rewards are all equal carry no signal; draw more
+            # tasks until the batch is full of groups that do, or the tries run out (then the
+            # batch is topped up with flat groups, so its size never changes)
+            keep = [g for g in groups if len({e.reward for e in g}) > 1]
+            flat = [g for g in groups if len({e.reward for e in g}) == 1]
+            while len(keep) < len(groups) and tries < max_tries:
+                extra = random.Random(step_seed(self.cfg.seed, step, salt=100 + tries)).sample(self.taskset, len(groups))
+                more = self._rollouts(extra, n, step, salt=100 + tries)
+                keep += [g for g in more if len({e.reward for e in g}) > 1]
+                flat += [g for g in more if len({e.reward for e in g}) == 1]
+                tries += 1
+            groups = (keep + flat)[: len(groups)]
+        exps = [e for g in groups for e in g]
         elapsed = time.perf_counter() - t0
         rewards = torch.tensor([e.reward for e in exps])
         lengths = torch.tensor([e.response_length for e in exps], dtype=torch.float32)
@@ -86,6 +113,8 @@ class Explorer:
             "response_length/max": lengths.max().item(),
             "rollout/truncated_frac": sum(e.info["finish_reason"] == "length" for e in exps) / len(exps),
             "rollout/tokens_per_s": lengths.sum().item() / max(elapsed, 1e-9),
+            "rollout/sampling_tries": tries,
+            "rollout/zero_variance_group_frac": sum(len({e.reward for e in g}) == 1 for g in groups) / len(groups),
         }
         return exps, metrics
 

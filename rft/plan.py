@@ -154,6 +154,7 @@ def _check_names(cfg) -> None:
     resolve(POLICY_LOSS_FNS, cfg.algorithm.policy_loss_fn, "algorithm.policy_loss_fn")
     checks = [
         ("algorithm.kl_loss_fn", cfg.algorithm.kl_loss_fn, {"none": None, **KL_FNS}),
+        ("algorithm.kl_penalty_fn", cfg.algorithm.kl_penalty_fn, {"none": None, **KL_FNS}),
         ("algorithm.loss_agg_mode", cfg.algorithm.loss_agg_mode, AGG_MODES),
         ("algorithm.optimizer.warmup_style", cfg.algorithm.optimizer.warmup_style, ("constant", "cosine")),
         ("explorer.rollout_model.engine_type", cfg.explorer.rollout_model.engine_type, ENGINES),

@@ -54,13 +54,14 @@ class Trainer:
         if cfg.trainer.gradient_checkpointing:
             self.model.gradient_checkpointing_enable()
         self.ref_model = None
-        if algo.kl_loss_fn != "none":
+        if algo.kl_loss_fn != "none" or algo.kl_penalty_fn != "none":
             self.ref_model = load_model(cfg.model, init_path)
             self.ref_model.requires_grad_(False)
         # names are looked up once, here; the update below never branches on them
         self.advantage_fn = resolve(ADVANTAGE_FNS, algo.advantage_fn, "algorithm.advantage_fn")
         self.policy_loss_fn = resolve(POLICY_LOSS_FNS, algo.policy_loss_fn, "algorithm.policy_loss_fn")
         self.kl_fn = KL_FNS.get(algo.kl_loss_fn)
+        self.kl_penalty_fn = KL_FNS.get(algo.kl_penalty_fn)
         opt = algo.optimizer
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=opt.lr, betas=tuple(opt.betas), weight_decay=opt.weight_decay
@@ -93,14 +94,6 @@ class Trainer:
         algo = self.cfg.algorithm
         full = collate(exps, self.tokenizer.pad_token_id)
         mask = full["response_mask"]
-        groups = {g: i for i, g in enumerate(dict.fromkeys(e.group_id for e in exps))}
-        batch = {
-            "rewards": torch.tensor([e.reward for e in exps], dtype=torch.float32),
-            "group_index": torch.tensor([groups[e.group_id] for e in exps]),
-            "response_mask": mask,
-        }
-        adv = self.advantage_fn(batch, algo)
-
         n = len(exps)
         old_logp = torch.zeros_like(mask)
         ref_logp = torch.zeros_like(mask) if self.ref_model is not None else None
@@ -111,6 +104,20 @@ class Trainer:
                 if ref_logp is not None:
                     (lp, _), L = self._forward(self.ref_model, full, s, e)
                     ref_logp[s:e, : L - 1] = lp
+
+        groups = {g: i for i, g in enumerate(dict.fromkeys(e.group_id for e in exps))}
+        batch = {
+            "rewards": torch.tensor([e.reward for e in exps], dtype=torch.float32),
+            "group_index": torch.tensor([groups[e.group_id] for e in exps]),
+            "response_mask": mask,
+        }
+        kl_penalty = None
+        if self.kl_penalty_fn is not None:
+            # KL of the sampled response to the reference, summed over its tokens, off the reward.
+            # Departure from REINFORCE++'s per-token placement: one sum per sequence.
+            kl_penalty = (self.kl_penalty_fn(old_logp, ref_logp) * mask).sum(-1)
+            batch["rewards"] = batch["rewards"] - algo.kl_penalty_coef * kl_penalty
+        adv = self.advantage_fn(batch, algo)
 
         sums = {"loss/policy": 0.0, "actor/entropy": 0.0, "actor/kl": 0.0}
         pm_sums: dict[str, float] = {}
@@ -163,6 +170,8 @@ class Trainer:
         metrics.update({k: v / total_tokens for k, v in pm_sums.items()})
         if self.kl_fn is not None:
             metrics["actor/kl"] = sums["actor/kl"] / total_tokens
+        if kl_penalty is not None:
+            metrics["reward/kl_penalty"] = kl_penalty.mean().item()
         return metrics
 
     # ------------------------------------------------------------------ weights and checkpoints

@@ -55,7 +55,8 @@ def single_turn(tasks, engine, reward_fn, ctx: WorkflowContext) -> list[Experien
                     prompt_length=len(prompt),
                     logprobs=s.logprobs,
                     reward=reward,
-                    group_id=f"{ctx.step}/{task.task_id}",
+                    # the seed tells apart two draws of the same task in one step
+                    group_id=f"{ctx.step}/{ctx.seed}/{task.task_id}",
                     task_id=task.task_id,
                     policy_version=ctx.policy_version,
                     info={"finish_reason": s.finish_reason},

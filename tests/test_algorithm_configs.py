@@ -26,6 +26,14 @@ def test_algorithm_runs_two_steps(algorithm, tmp_path):
         # 4 tasks x 4 rollouts = 16 experiences; 16 / 8 = 2 optimizer steps per step
         assert m["train/experiences"] == 16
         assert "actor/entropy" in m and "advantage/std" in m
+        if algorithm == "dapo":
+            # the untrained model is rarely right; only the overlong penalty makes rewards differ.
+            # Dynamic sampling either filled the batch with groups that carry signal, or used all
+            # 4 draws and topped it up with flat groups (the size never changes)
+            tries, flat = m["rollout/sampling_tries"], m["rollout/zero_variance_group_frac"]
+            assert 1 <= tries <= 4 and (flat == 0.0 or tries == 4)
+        else:
+            assert m["rollout/sampling_tries"] == 1
 
 
 def test_sft_algorithm_trains_from_a_dataset(tmp_path):

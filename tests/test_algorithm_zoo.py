@@ -147,3 +147,18 @@ def test_every_loss_is_finite_on_a_huge_log_ratio_and_a_masked_row(name):
     (loss * mask).sum().backward()
     assert torch.isfinite(loss).all() and torch.isfinite(logp.grad).all()
     assert torch.equal(logp.grad[1], torch.zeros(2))
+
+
+@pytest.mark.parametrize(
+    "length, expected",
+    [
+        (10, 0.0),  # well inside the budget
+        (16, 0.0),  # max 20 - buffer 4 = 16: the buffer starts after here
+        (18, -0.5),  # -(18 - 16) / 4 * 1
+        (20, -1.0),  # at the limit: -factor
+    ],
+)
+def test_dapo_overlong_penalty(length, expected):
+    from rft.rewards import overlong_penalty
+
+    assert overlong_penalty(length, max_len=20, buffer_len=4, factor=1.0) == pytest.approx(expected)

@@ -97,3 +97,14 @@ def test_custom_advantage_function_by_dotted_path():
     # advantages doubled: |A| mean doubles (the GRPO advantages of this batch are not all zero)
     a, b = trainer.train_step(batch), default.train_step(batch)
     assert a["advantage/abs_mean"] == pytest.approx(2 * b["advantage/abs_mean"]) and b["advantage/abs_mean"] > 0
+
+
+def test_kl_penalty_comes_off_the_reward():
+    trainer = make_trainer(128, ["algorithm.kl_penalty_fn=k1", "algorithm.kl_penalty_coef=0.5",
+                                 "algorithm.optimizer.lr=1e-2"])
+    batch = experiences()
+    # before any update the policy is the reference: sum of k1 = 0, rewards unchanged
+    assert trainer.train_step(batch)["reward/kl_penalty"] == pytest.approx(0.0, abs=1e-6)
+    # after one update the sampled responses' log-probs moved from the reference's
+    second = trainer.train_step(batch)
+    assert second["reward/kl_penalty"] != pytest.approx(0.0, abs=1e-4)
