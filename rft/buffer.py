@@ -45,26 +45,35 @@ class DatasetReader:
             raise ConfigError(f"{where}.storage_type=file needs {where}.path (a dataset of prompt/response rows).")
         rows = load_rows(buf_cfg.path, buf_cfg.split, key=f"{where}.path")
         fmt = buf_cfg.format
-        self.items = []
+        # with chosen_key and rejected_key set, each row is a preference pair: two experiences,
+        # chosen then rejected, always kept next to each other
+        keys = [fmt.chosen_key, fmt.rejected_key] if fmt.chosen_key and fmt.rejected_key else [fmt.response_key]
+        self.items = []  # one entry per row: the list of its experiences
         for i, row in enumerate(rows):
             messages = rows_to_messages(row, fmt, where, i, buf_cfg.path)
-            if row.get(fmt.response_key) is None:
-                raise ConfigError(
-                    f"{where}: row {i} of {buf_cfg.path!r} has no {fmt.response_key!r} "
-                    f"(format.response_key); its keys are {sorted(row)}."
-                )
             prompt = encode_prompt(tokenizer, messages, max_prompt_tokens)
-            response = tokenizer.encode(str(row[fmt.response_key]), add_special_tokens=False)
-            response = response[: max_response_tokens - 1] + [tokenizer.eos_token_id]
-            self.items.append(Experience(prompt + response, len(prompt), [], task_id=f"{buf_cfg.name}/{i}", group_id=str(i)))
+            item = []
+            for key in keys:
+                if row.get(key) is None:
+                    raise ConfigError(
+                        f"{where}: row {i} of {buf_cfg.path!r} has no {key!r} (in {where}.format); "
+                        f"its keys are {sorted(k for k, v in row.items() if v is not None)}."
+                    )
+                response = tokenizer.encode(str(row[key]), add_special_tokens=False)
+                response = response[: max_response_tokens - 1] + [tokenizer.eos_token_id]
+                item.append(Experience(prompt + response, len(prompt), [], task_id=f"{buf_cfg.name}/{i}", group_id=str(i)))
+            self.items.append(item)
+        self.rows_per_item = len(keys)
         self.seed = seed
 
     def __len__(self) -> int:
         return len(self.items)
 
     def batch(self, step: int, size: int) -> list[Experience]:
-        per_epoch = len(self.items) // size
+        """`size` experiences (size / 2 pairs for preference data), epoch-wise shuffled rows."""
+        rows = size // self.rows_per_item
+        per_epoch = len(self.items) // rows
         epoch, pos = divmod(step, per_epoch)
         order = list(range(len(self.items)))
         random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
-        return [self.items[i] for i in order[pos * size : (pos + 1) * size]]
+        return [e for i in order[pos * rows : (pos + 1) * rows] for e in self.items[i]]

@@ -61,6 +61,8 @@ class AlgorithmConfig:
     # KL to the reference subtracted from the reward (sum over the response): none | k1 | k2 | k3 | abs
     kl_penalty_fn: str = "none"
     kl_penalty_coef: float = 0.001
+    # DPO's beta: the strength of the implicit KL to the reference
+    dpo_beta: float = 0.1
     # entropy bonus: loss -= entropy_coef * entropy
     entropy_coef: float = 0.0
     # DAPO dynamic sampling: draw up to this many task batches per step to fill it with groups
@@ -98,6 +100,9 @@ class FormatConfig:
     response_key: str = "answer"
     messages_key: str = "messages"
     system_prompt: Optional[str] = None
+    # preference pairs (DPO): columns of the preferred and the dispreferred response
+    chosen_key: Optional[str] = None
+    rejected_key: Optional[str] = None
 
 
 @dataclass

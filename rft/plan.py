@@ -88,6 +88,16 @@ def make_plan(cfg, dataset_size: int) -> BatchPlan:
             f"trainer.mini_batch_size={mini}. Choose a divisor of {mini // dp}, "
             f"e.g. {_divisor_near(mini // dp, micro)}."
         )
+    fmt = buf.trainer_input.experience_buffer.format
+    if cfg.mode == "train" and fmt.chosen_key and fmt.rejected_key:
+        # preference pairs (two rows each) must not be split across batches
+        for key, value in [("buffer.train_batch_size", train_bs), ("trainer.mini_batch_size", mini),
+                           ("trainer.micro_batch_size_per_gpu", micro)]:
+            if value % 2:
+                raise ConfigError(
+                    f"{key}={value} must be even with preference pairs (format.chosen_key and "
+                    f"rejected_key set): each pair is two experiences that stay together."
+                )
     if tr.ppo_epochs < 1:
         raise ConfigError(f"trainer.ppo_epochs={tr.ppo_epochs} must be >= 1.")
 

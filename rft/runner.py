@@ -77,10 +77,11 @@ def run_stage(cfg, plan, stage_dir: Path, init_path: str | None, title: str) -> 
         trainer.call("load", str(latest.path))
         log.info("resumed %s from %s", title, latest.path)
     explorer = None
-    if cfg.mode == "both":
+    # mode=both explores with it; mode=train still evaluates with it when there are eval tasksets
+    if cfg.mode == "both" or cfg.buffer.explorer_input.eval_tasksets:
         explorer = Actor(Explorer, cfg, weights, start, name=f"{title}_{cfg.explorer.name}", **common)
-        source = None
-    else:
+    source = None
+    if cfg.mode == "train":
         from rft.models import load_tokenizer
 
         source = DatasetReader(
@@ -110,7 +111,7 @@ def run_stage(cfg, plan, stage_dir: Path, init_path: str | None, title: str) -> 
         for step in range(start + 1, plan.total_steps + 1):
             t_step = time.perf_counter()
             metrics = {}
-            if explorer is not None:
+            if source is None:
                 t0 = time.perf_counter()
                 exps, m = explorer.call("explore", step - 1)
                 metrics.update(m)
@@ -127,8 +128,10 @@ def run_stage(cfg, plan, stage_dir: Path, init_path: str | None, title: str) -> 
             last = step == plan.total_steps
             want_eval = explorer is not None and (step % cfg.explorer.eval_interval == 0 or last)
             want_save = step % cfg.trainer.save_interval == 0 or last
-            # a checkpoint or an eval needs the explorer on the trainer's weights
-            if explorer is not None and (step % cfg.synchronizer.sync_interval == 0 or want_eval or want_save):
+            # an eval needs the explorer on the trainer's weights; so does a checkpoint, for a
+            # resumed run to explore from the weights an uninterrupted one would have
+            explores = source is None
+            if want_eval or (explores and (step % cfg.synchronizer.sync_interval == 0 or want_save)):
                 t0 = time.perf_counter()
                 sync(trainer, explorer, step)
                 synced = step

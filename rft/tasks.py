@@ -48,7 +48,9 @@ def generate_arithmetic(
 
     Each row also has `teacher_answer`: a sloppy teacher's demonstration, whose last digit is one
     too high (mod 10) in `teacher_error_rate` of the rows. Imitating it (SFT) learns the habit, so
-    greedy decoding repeats the mistake; RL against the exact `answer` can remove it.
+    greedy decoding repeats the mistake; RL against the exact `answer` can remove it. And
+    `rejected`: the answer with that mistake, for preference pairs (chosen `answer`, rejected
+    `rejected`).
     """
     path = Path(path).expanduser()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -69,10 +71,9 @@ def generate_arithmetic(
         for split, rows in splits.items():
             with open(tmp / f"{split}.jsonl", "w") as f:
                 for question, answer in rows:
-                    teacher = answer
-                    if rng.random() < teacher_error_rate:
-                        teacher = answer[:-1] + str((int(answer[-1]) + 1) % 10)
-                    row = {"question": question, "answer": answer, "teacher_answer": teacher}
+                    wrong = answer[:-1] + str((int(answer[-1]) + 1) % 10)
+                    teacher = wrong if rng.random() < teacher_error_rate else answer
+                    row = {"question": question, "answer": answer, "teacher_answer": teacher, "rejected": wrong}
                     f.write(json.dumps(row) + "\n")
         os.replace(tmp, path)
     return path

@@ -19,6 +19,7 @@ import torch
 from transformers import get_scheduler
 
 from rft.algorithms import ADVANTAGE_FNS, KL_FNS, POLICY_LOSS_FNS, agg_loss, resolve
+from rft.algorithms.losses import NEEDS_REFERENCE
 from rft.engine import fingerprint
 from rft.experience import Experience, collate
 from rft.models import load_model, load_tokenizer
@@ -54,7 +55,7 @@ class Trainer:
         if cfg.trainer.gradient_checkpointing:
             self.model.gradient_checkpointing_enable()
         self.ref_model = None
-        if algo.kl_loss_fn != "none" or algo.kl_penalty_fn != "none":
+        if algo.kl_loss_fn != "none" or algo.kl_penalty_fn != "none" or algo.policy_loss_fn in NEEDS_REFERENCE:
             self.ref_model = load_model(cfg.model, init_path)
             self.ref_model.requires_grad_(False)
         # names are looked up once, here; the update below never branches on them
@@ -132,7 +133,12 @@ class Trainer:
                 for s, e in self._micro_batches(m0, m1):
                     (logp, entropy), L = self._forward(self.model, full, s, e)
                     m = mask[s:e, : L - 1]
-                    loss_mat, pm = self.policy_loss_fn(logp, old_logp[s:e, : L - 1], adv[s:e, : L - 1], m, algo)
+                    loss_mat, pm = self.policy_loss_fn(logp, {
+                        "old_logp": old_logp[s:e, : L - 1],
+                        "advantages": adv[s:e, : L - 1],
+                        "response_mask": m,
+                        "ref_logp": None if ref_logp is None else ref_logp[s:e, : L - 1],
+                    }, algo)
                     for k, v in pm.items():
                         pm_sums[k] = pm_sums.get(k, 0.0) + v
                     if self.kl_fn is not None:

@@ -8,7 +8,8 @@ import rft.main
 from conftest import CONF, compose_cfg
 from rft.monitor import read_metrics
 
-RL_ALGORITHMS = sorted(p.stem for p in (CONF / "algorithm").glob("*.yaml") if p.stem != "sft")
+OFFLINE = {"sft", "dpo"}  # they train from a dataset (mode=train), tested below
+RL_ALGORITHMS = sorted(p.stem for p in (CONF / "algorithm").glob("*.yaml") if p.stem not in OFFLINE)
 
 
 @pytest.mark.parametrize("algorithm", RL_ALGORITHMS)
@@ -36,13 +37,41 @@ def test_algorithm_runs_two_steps(algorithm, tmp_path):
             assert m["rollout/sampling_tries"] == 1
 
 
+OFFLINE_DATA = ["mode=train", "stages=[]", "cluster=inline", "monitor=console", "buffer.total_steps=3",
+                "buffer.train_batch_size=8", "trainer.micro_batch_size_per_gpu=4",
+                "explorer.eval_interval=3", "buffer.trainer_input.experience_buffer.storage_type=file",
+                "buffer.trainer_input.experience_buffer.path=${buffer.explorer_input.taskset.path}"]
+
+
 def test_sft_algorithm_trains_from_a_dataset(tmp_path):
-    cfg = compose_cfg(["algorithm=sft", "mode=train", "stages=[]", "cluster=inline", "monitor=console",
-                       "buffer.total_steps=3", "buffer.train_batch_size=8", "trainer.micro_batch_size_per_gpu=4",
-                       "buffer.trainer_input.experience_buffer.storage_type=file",
-                       "buffer.trainer_input.experience_buffer.path=${buffer.explorer_input.taskset.path}",
-                       f"checkpoint_root_dir={tmp_path}"])
+    cfg = compose_cfg(["algorithm=sft", *OFFLINE_DATA, f"checkpoint_root_dir={tmp_path}"])
     rft.main.main(cfg)
     steps = read_metrics(tmp_path / "rft" / cfg.name / "metrics.jsonl")
-    assert [m["step"] for m in steps] == [1, 2, 3]
-    assert all(m["loss/policy"] > 0 for m in steps)
+    # eval at 0 and 3 (mode=train still evaluates on the eval tasksets)
+    assert [m["step"] for m in steps] == [0, 1, 2, 3]
+    assert "eval/accuracy" in steps[0] and "eval/accuracy" in steps[3]
+    assert all(m["loss/policy"] > 0 for m in steps[1:])
+
+
+def test_dpo_algorithm_trains_from_preference_pairs(tmp_path):
+    cfg = compose_cfg(["algorithm=dpo", *OFFLINE_DATA, f"checkpoint_root_dir={tmp_path}",
+                       "buffer.trainer_input.experience_buffer.format.chosen_key=answer",
+                       "buffer.trainer_input.experience_buffer.format.rejected_key=rejected"])
+    rft.main.main(cfg)
+    steps = read_metrics(tmp_path / "rft" / cfg.name / "metrics.jsonl")[1:]
+    # 8 experiences = 4 pairs per step; the first step's policy is the reference: margin 0,
+    # loss log 2 = 0.693147 per pair
+    assert all(m["train/experiences"] == 8 for m in steps)
+    assert steps[0]["dpo/reward_margin"] == pytest.approx(0.0, abs=1e-6)
+    assert steps[0]["loss/policy"] == pytest.approx(math.log(2), abs=1e-5)
+
+
+def test_odd_batch_with_preference_pairs_is_a_config_error(tmp_path):
+    from rft.errors import ConfigError
+
+    cfg = compose_cfg(["algorithm=dpo", *OFFLINE_DATA, "buffer.train_batch_size=6",
+                       "trainer.micro_batch_size_per_gpu=3",
+                       "buffer.trainer_input.experience_buffer.format.chosen_key=answer",
+                       "buffer.trainer_input.experience_buffer.format.rejected_key=rejected"])
+    with pytest.raises(ConfigError, match="trainer.micro_batch_size_per_gpu=3 must be even with preference pairs"):
+        rft.main._main(cfg)

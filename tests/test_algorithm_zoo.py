@@ -10,6 +10,11 @@ from rft.algorithms import ADVANTAGE_FNS, POLICY_LOSS_FNS
 from rft.config import AlgorithmConfig
 
 
+def loss_fn(name, logp, old, adv, mask, cfg, ref=None):
+    """Call a registered policy loss with its batch dict."""
+    return POLICY_LOSS_FNS[name](logp, {"old_logp": old, "advantages": adv, "response_mask": mask, "ref_logp": ref}, cfg)
+
+
 def algo(**overrides):
     return OmegaConf.structured(AlgorithmConfig(**overrides))
 
@@ -74,16 +79,16 @@ def test_reinforce_pp_baseline_subtracts_the_group_mean_first():
 def test_ppo_dual_clip_caps_negative_advantage_losses():
     # ratio e^2 = 7.389 with A = -1: max(7.389, 1.2) = 7.389, capped at -A * 3 = 3
     logp, old, mask = torch.tensor([[2.0]]), torch.zeros(1, 1), torch.ones(1, 1)
-    loss, _ = POLICY_LOSS_FNS["ppo_clip"](logp, old, -torch.ones(1, 1), mask, algo(clip_ratio_c=3.0))
+    loss, _ = loss_fn("ppo_clip", logp, old, -torch.ones(1, 1), mask, algo(clip_ratio_c=3.0))
     assert loss.item() == pytest.approx(3.0)
-    loss, _ = POLICY_LOSS_FNS["ppo_clip"](logp, old, -torch.ones(1, 1), mask, algo())
+    loss, _ = loss_fn("ppo_clip", logp, old, -torch.ones(1, 1), mask, algo())
     assert loss.item() == pytest.approx(math.exp(2))
 
 
 def test_ppo_clip_higher_counts_low_and_high_clips_separately():
     # ratios [1.25, 0.7]: eps_high 0.28 leaves 1.25 unclipped for A > 0; 0.7 < 0.8 clips for A < 0
     logp = torch.log(torch.tensor([[1.25, 0.7]]))
-    loss, m = POLICY_LOSS_FNS["ppo_clip"](logp, torch.zeros(1, 2), torch.tensor([[1.0, -1.0]]),
+    loss, m = loss_fn("ppo_clip", logp, torch.zeros(1, 2), torch.tensor([[1.0, -1.0]]),
                                           torch.ones(1, 2), algo(clip_ratio_high=0.28))
     # A=+1: max(-1.25, -1.25) = -1.25; A=-1: max(0.7, 0.8) = 0.8 (clipped, low side)
     torch.testing.assert_close(loss, torch.tensor([[-1.25, 0.8]]))
@@ -96,11 +101,11 @@ def test_gspo_uses_one_ratio_per_sequence():
     old, mask = torch.zeros(1, 2), torch.ones(1, 2)
     cfg = algo(clip_ratio_low=0.2, clip_ratio_high=0.2)
     # A = +1: max(-1.414214, -1.2) = -1.2 (clipped: no gradient)
-    loss, _ = POLICY_LOSS_FNS["gspo"](logp, old, torch.ones(1, 2), mask, cfg)
+    loss, _ = loss_fn("gspo", logp, old, torch.ones(1, 2), mask, cfg)
     torch.testing.assert_close(loss, torch.tensor([[-1.2, -1.2]]))
     # A = -1: max(1.414214, 1.2) = 1.414214; d loss_t / d logp_t = -A * s = 1.414214 per token, and
     # the mean over the two tokens is exactly the gradient of the sequence ratio -A * s
-    loss, _ = POLICY_LOSS_FNS["gspo"](logp, old, -torch.ones(1, 2), mask, cfg)
+    loss, _ = loss_fn("gspo", logp, old, -torch.ones(1, 2), mask, cfg)
     torch.testing.assert_close(loss.detach(), torch.full((1, 2), math.sqrt(2)))
     loss.sum().backward()
     torch.testing.assert_close(logp.grad, torch.full((1, 2), math.sqrt(2)))
@@ -110,13 +115,13 @@ def test_gmpo_geometric_mean_with_sign_aware_log_clipping():
     old, mask, cfg = torch.zeros(1, 2), torch.ones(1, 2), algo(clip_ratio_low=0.4, clip_ratio_high=0.4)
     logp = torch.tensor([[0.6, -0.2]])
     # A = +1: clipped [0.4, -0.2], min with unclipped [0.4, -0.2], mean 0.1 -> loss -e^0.1 = -1.105171
-    loss, _ = POLICY_LOSS_FNS["gmpo"](logp, old, torch.ones(1, 2), mask, cfg)
+    loss, _ = loss_fn("gmpo", logp, old, torch.ones(1, 2), mask, cfg)
     torch.testing.assert_close(loss, torch.full((1, 2), -math.exp(0.1)))
     # A = -1: max with unclipped [0.6, -0.2], mean 0.2 -> loss +e^0.2 = 1.221403
-    loss, _ = POLICY_LOSS_FNS["gmpo"](logp, old, -torch.ones(1, 2), mask, cfg)
+    loss, _ = loss_fn("gmpo", logp, old, -torch.ones(1, 2), mask, cfg)
     torch.testing.assert_close(loss, torch.full((1, 2), math.exp(0.2)))
     # A = +1 with log-ratios [-0.6, 0.1]: min(-0.6, -0.4) = -0.6, 0.1 -> mean -0.25 -> -e^-0.25
-    loss, _ = POLICY_LOSS_FNS["gmpo"](torch.tensor([[-0.6, 0.1]]), old, torch.ones(1, 2), mask, cfg)
+    loss, _ = loss_fn("gmpo", torch.tensor([[-0.6, 0.1]]), old, torch.ones(1, 2), mask, cfg)
     torch.testing.assert_close(loss, torch.full((1, 2), -math.exp(-0.25)))
 
 
@@ -124,17 +129,17 @@ def test_cpgd_clamps_the_log_prob():
     logp = torch.log(torch.tensor([[1.5, 0.5]]))
     old, mask, cfg = torch.zeros(1, 2), torch.ones(1, 2), algo()
     # A = +1: min(logp, ln 1.2) = [ln 1.2, ln 0.5] -> loss [-0.182322, 0.693147]
-    loss, m = POLICY_LOSS_FNS["cpgd"](logp, old, torch.ones(1, 2), mask, cfg)
+    loss, m = loss_fn("cpgd", logp, old, torch.ones(1, 2), mask, cfg)
     torch.testing.assert_close(loss, torch.tensor([[-math.log(1.2), math.log(2.0)]]))
     assert m["actor/clip_frac"] == 1.0
     # A = -1: max(logp, ln 0.8) = [ln 1.5, ln 0.8] -> loss [0.405465, -0.223144]
-    loss, _ = POLICY_LOSS_FNS["cpgd"](logp, old, -torch.ones(1, 2), mask, cfg)
+    loss, _ = loss_fn("cpgd", logp, old, -torch.ones(1, 2), mask, cfg)
     torch.testing.assert_close(loss, torch.tensor([[math.log(1.5), math.log(0.8)]]))
 
 
 def test_opmd_loss():
     # -A * logp / (1 + tau) = -2 * -0.5 / 2 = 0.5
-    loss, _ = POLICY_LOSS_FNS["opmd"](torch.tensor([[-0.5]]), None, torch.tensor([[2.0]]), None, algo(tau=1.0))
+    loss, _ = loss_fn("opmd", torch.tensor([[-0.5]]), None, torch.tensor([[2.0]]), None, algo(tau=1.0))
     assert loss.item() == pytest.approx(0.5)
 
 
@@ -143,7 +148,7 @@ def test_every_loss_is_finite_on_a_huge_log_ratio_and_a_masked_row(name):
     logp = torch.tensor([[60.0, -60.0], [0.3, 0.1]], requires_grad=True)
     old = torch.zeros(2, 2)
     mask = torch.tensor([[1.0, 1.0], [0.0, 0.0]])  # the second row is fully masked
-    loss, _ = POLICY_LOSS_FNS[name](logp, old, torch.tensor([[1.0, 1.0], [-1.0, -1.0]]), mask, algo())
+    loss, _ = loss_fn(name, logp, old, torch.tensor([[1.0, 1.0], [-1.0, -1.0]]), mask, algo(), ref=old)
     (loss * mask).sum().backward()
     assert torch.isfinite(loss).all() and torch.isfinite(logp.grad).all()
     assert torch.equal(logp.grad[1], torch.zeros(2))
@@ -162,3 +167,23 @@ def test_dapo_overlong_penalty(length, expected):
     from rft.rewards import overlong_penalty
 
     assert overlong_penalty(length, max_len=20, buffer_len=4, factor=1.0) == pytest.approx(expected)
+
+
+def test_dpo_loss_hand_computed():
+    # one pair: chosen row 0 (2 tokens), rejected row 1 (1 token); beta 0.5
+    # chosen: sum logp -1.0 - ref -2.0 = +1.0; rejected: sum logp -3.0 - ref -1.0 = -2.0
+    # margin = 0.5 * (1.0 - (-2.0)) = 1.5; loss = -log sigmoid(1.5) = log(1 + e^-1.5) = 0.201413
+    logp = torch.tensor([[-0.25, -0.75], [-3.0, 0.0]], requires_grad=True)
+    ref = torch.tensor([[-1.0, -1.0], [-1.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
+    loss, m = loss_fn("dpo", logp, None, None, mask, algo(dpo_beta=0.5), ref=ref)
+    pair = math.log1p(math.exp(-1.5))
+    # spread over each row's tokens: row 0 gets pair/2 per token, row 1 pair on its one token
+    torch.testing.assert_close(loss.detach(), torch.tensor([[pair / 2, pair / 2], [pair, 0.0]]))
+    assert m["dpo/accuracy"] / 3 == pytest.approx(1.0)  # token sums: 3 response tokens
+    assert m["dpo/reward_margin"] / 3 == pytest.approx(1.5)
+    # seq-mean-token-sum over the 2 rows = (pair + pair) / 2 = pair; its gradient on the chosen
+    # row's tokens: -beta * (1 - sigmoid(1.5)) = -0.5 * 0.182426 = -0.091213 each
+    (loss * mask).sum().div(2).backward()
+    g = -0.5 * (1 - 1 / (1 + math.exp(-1.5)))
+    torch.testing.assert_close(logp.grad, torch.tensor([[g, g], [-g, 0.0]]))

@@ -1,22 +1,28 @@
 """Hand-computed values for the GRPO advantage, the clipped loss, KL estimators and aggregation."""
 
 import math
+
 import pytest
 import torch
-
 from omegaconf import OmegaConf
 
 from rft.algorithms import ADVANTAGE_FNS, KL_FNS, POLICY_LOSS_FNS, agg_loss
 from rft.config import AlgorithmConfig
 
 grpo = ADVANTAGE_FNS["grpo"]
-ppo_clip = POLICY_LOSS_FNS["ppo_clip"]
+
+
 def algo(**overrides):
     """The algorithm config with its schema defaults (clip 0.2/0.2, no dual clip, tau 1, gamma 1)."""
     return OmegaConf.structured(AlgorithmConfig(**overrides))
 
 
 CLIP = algo()
+
+
+def loss_fn(name, logp, old, adv, mask, cfg, ref=None):
+    """Call a registered policy loss with its batch dict."""
+    return POLICY_LOSS_FNS[name](logp, {"old_logp": old, "advantages": adv, "response_mask": mask, "ref_logp": ref}, cfg)
 
 
 def adv_of(rewards, groups, T=1):
@@ -63,11 +69,11 @@ def test_ppo_clip_hand_computed():
     mask = torch.ones(1, 3)
     # A = +1: pg1 = -[1, 1.5, 0.5]; clipped ratio [1, 1.2, 0.8] -> pg2 = -[1, 1.2, 0.8]
     # max -> [-1, -1.2, -0.5]; token 1 is clipped (pg2 > pg1)
-    loss, m = ppo_clip(logp, old, torch.ones(1, 3), mask, CLIP)
+    loss, m = loss_fn("ppo_clip", logp, old, torch.ones(1, 3), mask, CLIP)
     torch.testing.assert_close(loss, torch.tensor([[-1.0, -1.2, -0.5]]))
     assert m["actor/clip_frac"] == 1.0  # a sum over tokens: one clipped token
     # A = -1: pg1 = [1, 1.5, 0.5]; pg2 = [1, 1.2, 0.8] -> max [1, 1.5, 0.8]; token 2 clipped
-    loss, m = ppo_clip(logp, old, -torch.ones(1, 3), mask, CLIP)
+    loss, m = loss_fn("ppo_clip", logp, old, -torch.ones(1, 3), mask, CLIP)
     torch.testing.assert_close(loss, torch.tensor([[1.0, 1.5, 0.8]]))
     assert m["actor/clip_frac"] == 1.0
 
@@ -75,7 +81,7 @@ def test_ppo_clip_hand_computed():
 def test_ppo_clip_gradient_vanishes_when_clipped():
     # ratio 1.5 with A > 0 is clipped at 1.2: the loss is constant there, so no gradient
     logp = torch.log(torch.tensor([[1.5, 1.1]])).requires_grad_()
-    loss, _ = ppo_clip(logp, torch.zeros(1, 2), torch.ones(1, 2), torch.ones(1, 2), CLIP)
+    loss, _ = loss_fn("ppo_clip", logp, torch.zeros(1, 2), torch.ones(1, 2), torch.ones(1, 2), CLIP)
     loss.sum().backward()
     # d(-A r)/d logp = -A r: token 0 clipped -> 0; token 1 unclipped -> -1.1
     torch.testing.assert_close(logp.grad, torch.tensor([[0.0, -1.1]]))
@@ -83,7 +89,7 @@ def test_ppo_clip_gradient_vanishes_when_clipped():
 
 def test_ppo_clip_huge_log_ratio_stays_finite():
     logp = torch.tensor([[1000.0, -1000.0]])
-    loss, m = ppo_clip(logp, torch.zeros(1, 2), torch.tensor([[-1.0, 1.0]]), torch.ones(1, 2), CLIP)
+    loss, m = loss_fn("ppo_clip", logp, torch.zeros(1, 2), torch.tensor([[-1.0, 1.0]]), torch.ones(1, 2), CLIP)
     # log-ratio clamped to +-20: A=-1 -> max(e^20, 1.2) = e^20; A=+1 -> max(-e^-20, -0.8) = -e^-20
     torch.testing.assert_close(loss, torch.tensor([[math.exp(20), -math.exp(-20)]]))
     assert math.isfinite(m["actor/approx_kl"])
@@ -91,7 +97,7 @@ def test_ppo_clip_huge_log_ratio_stays_finite():
 
 def test_sft_loss_is_negative_logp():
     logp = torch.tensor([[-0.5, -2.0]])
-    loss, _ = POLICY_LOSS_FNS["sft"](logp, None, None, torch.ones(1, 2), None)
+    loss, _ = loss_fn("sft", logp, None, None, torch.ones(1, 2), None)
     torch.testing.assert_close(loss, torch.tensor([[0.5, 2.0]]))
 
 
@@ -146,7 +152,7 @@ def test_micro_batches_of_unequal_tokens_accumulate_to_the_full_batch_gradient(m
 
     def share(rows):
         logp = x[rows] @ w
-        loss, _ = ppo_clip(logp, old[rows], adv[rows], mask[rows], cfg)
+        loss, _ = loss_fn("ppo_clip", logp, old[rows], adv[rows], mask[rows], cfg)
         return agg_loss(loss, mask[rows], mode, num_seqs=3, num_tokens=int(mask.sum()), max_len=5)
 
     (g_full,) = torch.autograd.grad(share(slice(0, 3)), w)
@@ -157,7 +163,7 @@ def test_micro_batches_of_unequal_tokens_accumulate_to_the_full_batch_gradient(m
     if mode == "token-mean":
         def own(rows):
             logp = x[rows] @ w
-            loss, _ = ppo_clip(logp, old[rows], adv[rows], mask[rows], cfg)
+            loss, _ = loss_fn("ppo_clip", logp, old[rows], adv[rows], mask[rows], cfg)
             return agg_loss(loss, mask[rows], mode, 3, int(mask[rows].sum()), 5) / 2
         (g_bug,) = torch.autograd.grad(own(slice(0, 1)) + own(slice(1, 3)), w)
         assert not torch.allclose(g_bug, g_full)

@@ -38,3 +38,32 @@ def test_algorithm_learns_from_the_warm_start(algorithm, warm_start, tmp_path):
              if "eval/accuracy" in m]
     start, end = evals[0], evals[-1]
     assert end >= start + 0.2, (algorithm, start, end)
+
+
+OFFLINE_DATA = ["mode=train", "buffer.train_batch_size=64", "trainer.micro_batch_size_per_gpu=64",
+                "buffer.trainer_input.experience_buffer.storage_type=file",
+                "buffer.trainer_input.experience_buffer.path=${buffer.explorer_input.taskset.path}"]
+
+
+@pytest.mark.parametrize(
+    "algorithm, extra",
+    [
+        # imitation of the correct answers (the warm-up imitated the sloppy teacher's)
+        ("sft", ["buffer.trainer_input.experience_buffer.format.response_key=answer"]),
+        # 32 pairs a step: the correct answer over the teacher's habitual mistake. DPO
+        # over-optimises this tiny model past ~15 steps at this lr (see experiments/algorithms)
+        ("dpo", ["buffer.trainer_input.experience_buffer.format.chosen_key=answer",
+                 "buffer.trainer_input.experience_buffer.format.rejected_key=rejected",
+                 "algorithm.optimizer.lr=5e-5"]),
+    ],
+)
+def test_offline_algorithm_learns_from_the_warm_start(algorithm, extra, warm_start, tmp_path):
+    cfg = compose_cfg([f"algorithm={algorithm}", "stages=[]", f"model.model_path={warm_start}",
+                       "model.builder=null", "buffer.total_steps=10", "explorer.eval_interval=10",
+                       "cluster=inline", "monitor=console", f"checkpoint_root_dir={tmp_path}",
+                       *OFFLINE_DATA, *extra])
+    rft.main.main(cfg)
+    evals = [m["eval/accuracy"] for m in read_metrics(tmp_path / "rft" / cfg.name / "metrics.jsonl")
+             if "eval/accuracy" in m]
+    start, end = evals[0], evals[-1]
+    assert end >= start + 0.2, (algorithm, start, end)

@@ -1,7 +1,7 @@
 """The algorithm registries: pure tensor functions, one signature per registry.
 
     ADVANTAGE_FNS[name](batch, cfg) -> advantages [N, T]
-    POLICY_LOSS_FNS[name](logp, old_logp, advantages, mask, cfg) -> (loss [N, T], metrics)
+    POLICY_LOSS_FNS[name](logp, batch, cfg) -> (loss [N, T], metrics)
     KL_FNS[name](logp, ref_logp) -> kl [N, T]
     agg_loss(loss, mask, mode, num_seqs, num_tokens, max_len) -> scalar
 

@@ -1,8 +1,11 @@
-"""Policy losses: `fn(logp, old_logp, advantages, mask, cfg) -> (loss [N, T], metrics)`.
+"""Policy losses: `fn(logp, batch, cfg) -> (loss [N, T], metrics)`.
 
-All tensors are [N, T] over response positions. The returned loss is per token, before
-aggregation (`rft.algorithms.aggregation.agg_loss` owns the normaliser). Metrics are masked
-sums with their token count, so callers can add them up across micro-batches exactly.
+`logp` [N, T] is the current policy's log-prob of each target token (with gradient). `batch`
+holds, also [N, T] over the same positions: `old_logp` (the policy before this step's updates),
+`advantages`, `response_mask`, and `ref_logp` (the frozen reference; None unless a KL term or the
+loss itself needs it). The returned loss is per token, before aggregation
+(`rft.algorithms.aggregation.agg_loss` owns the normaliser). Metrics are masked sums over tokens,
+so callers can add them up across micro-batches exactly.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ def _ratio_metrics(log_ratio, ratio, pg_loss1, pg_loss2, advantages, mask) -> di
     }
 
 
-def ppo_clip_loss(logp, old_logp, advantages, mask, cfg):
+def ppo_clip_loss(logp, batch, cfg):
     """PPO clipped surrogate (Schulman et al. 2017), with DAPO's clip-higher bounds.
 
     ratio = exp(logp - old_logp); pg_loss1 = -A * ratio;
@@ -37,6 +40,7 @@ def ppo_clip_loss(logp, old_logp, advantages, mask, cfg):
     Dual clip (arXiv 1912.09729), when clip_ratio_c is set: for A < 0 the loss is capped at
     -A * clip_ratio_c, so a huge ratio on a bad token cannot dominate.
     """
+    old_logp, advantages, mask = batch["old_logp"], batch["advantages"], batch["response_mask"]
     log_ratio = torch.clamp(logp - old_logp, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     ratio = torch.exp(log_ratio)
     pg_loss1 = -advantages * ratio
@@ -47,7 +51,7 @@ def ppo_clip_loss(logp, old_logp, advantages, mask, cfg):
     return loss, _ratio_metrics(log_ratio, ratio, pg_loss1, pg_loss2, advantages, mask)
 
 
-def gspo_loss(logp, old_logp, advantages, mask, cfg):
+def gspo_loss(logp, batch, cfg):
     """GSPO (arXiv 2507.18071): one importance ratio per sequence, clipped per sequence.
 
     s_i = exp(mean_t (logp - old_logp)) over the response tokens of sequence i. The token form
@@ -55,6 +59,7 @@ def gspo_loss(logp, old_logp, advantages, mask, cfg):
     ratio, so the usual clipped surrogate on s_it is GSPO. Use loss_agg_mode=seq-mean-token-mean
     and the paper's small clip ranges (3e-4, 4e-4).
     """
+    old_logp, advantages, mask = batch["old_logp"], batch["advantages"], batch["response_mask"]
     seq_log_ratio = ((logp - old_logp) * mask).sum(-1) / mask.sum(-1).clamp(min=1)
     log_ratio = logp - logp.detach() + seq_log_ratio.detach()[:, None]
     log_ratio = torch.clamp(log_ratio, max=10.0)
@@ -65,7 +70,7 @@ def gspo_loss(logp, old_logp, advantages, mask, cfg):
     return loss, _ratio_metrics(log_ratio, ratio, pg_loss1, pg_loss2, advantages, mask)
 
 
-def gmpo_loss(logp, old_logp, advantages, mask, cfg):
+def gmpo_loss(logp, batch, cfg):
     """GMPO (arXiv 2507.20673): the geometric mean of the token ratios, clipped in log space.
 
     Per token, the log-ratio is clipped to [-clip_ratio_low, clip_ratio_high] pessimistically for
@@ -74,6 +79,7 @@ def gmpo_loss(logp, old_logp, advantages, mask, cfg):
     bounds on the *log*-ratio (the paper uses 0.4). The per-token loss returned is the sequence's
     loss on each of its tokens: use loss_agg_mode=seq-mean-token-mean.
     """
+    old_logp, advantages, mask = batch["old_logp"], batch["advantages"], batch["response_mask"]
     log_ratio = torch.clamp(logp - old_logp, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     sign = torch.sign(advantages)
     clipped = torch.clamp(log_ratio, -cfg.clip_ratio_low, cfg.clip_ratio_high)
@@ -89,13 +95,14 @@ def gmpo_loss(logp, old_logp, advantages, mask, cfg):
     return loss, metrics
 
 
-def cpgd_loss(logp, old_logp, advantages, mask, cfg):
+def cpgd_loss(logp, batch, cfg):
     """CPGD (arXiv 2505.12504): a policy-gradient loss on a clamped log-prob.
 
     logp_c = min(logp, old + log(1 + clip_ratio_high)) where A > 0,
              max(logp, old + log(1 - clip_ratio_low))  where A < 0;
     loss = -A * logp_c. Once a token's probability has moved far enough it gets no more gradient.
     """
+    old_logp, advantages, mask = batch["old_logp"], batch["advantages"], batch["response_mask"]
     upper = old_logp + math.log1p(cfg.clip_ratio_high)
     lower = old_logp + math.log1p(-cfg.clip_ratio_low)
     clamped = torch.where(advantages > 0, torch.minimum(logp, upper), torch.maximum(logp, lower))
@@ -107,14 +114,46 @@ def cpgd_loss(logp, old_logp, advantages, mask, cfg):
     return -advantages * clamped, metrics
 
 
-def opmd_loss(logp, old_logp, advantages, mask, cfg):
+def opmd_loss(logp, batch, cfg):
     """OPMD (Trinity-RFT, arXiv 2505.17826): -A * logp / (1 + tau), no importance ratio."""
-    return -advantages * logp / (1.0 + cfg.tau), {}
+    return -batch["advantages"] * logp / (1.0 + cfg.tau), {}
 
 
-def sft_loss(logp, old_logp, advantages, mask, cfg):
+def sft_loss(logp, batch, cfg):
     """Supervised fine-tuning: -log p(token) on response tokens."""
     return -logp, {}
+
+
+def dpo_loss(logp, batch, cfg):
+    """DPO (arXiv 2305.18290): -log sigmoid(beta * ((lp_c - ref_c) - (lp_r - ref_r))).
+
+    Rows come in pairs, chosen then rejected (rows 2k and 2k+1; `rft.buffer.DatasetReader` with
+    format.chosen_key/rejected_key builds them), and lp / ref are sequence log-probs (sums over
+    response tokens). Each pair's loss is spread evenly over the tokens of both its rows, so
+    loss_agg_mode=seq-mean-token-sum gives the mean over pairs (dpo.yaml sets it).
+    """
+    mask, ref = batch["response_mask"], batch["ref_logp"]
+    seq = (logp * mask).sum(-1)
+    seq_ref = (ref * mask).sum(-1)
+    chosen_reward = cfg.dpo_beta * (seq[0::2] - seq_ref[0::2])
+    rejected_reward = cfg.dpo_beta * (seq[1::2] - seq_ref[1::2])
+    pair_loss = -torch.nn.functional.logsigmoid(chosen_reward - rejected_reward)
+    per_row = pair_loss.repeat_interleave(2)
+    loss = (per_row / mask.sum(-1).clamp(min=1))[:, None] * mask
+    pairs_tokens = (mask[0::2].sum(-1) + mask[1::2].sum(-1)).repeat_interleave(2)
+    margin = (chosen_reward - rejected_reward).detach()
+    # metrics are token sums: spread each pair's value over its tokens so the trainer's per-token
+    # average is the per-pair mean
+    weights = mask / pairs_tokens[:, None].clamp(min=1)
+    metrics = {
+        "dpo/reward_margin": (margin.repeat_interleave(2)[:, None] * weights).sum().item() * mask.sum().item() / len(margin),
+        "dpo/accuracy": ((margin > 0).float().repeat_interleave(2)[:, None] * weights).sum().item() * mask.sum().item() / len(margin),
+    }
+    return loss, metrics
+
+
+# losses that need the frozen reference model's log-probs in batch["ref_logp"]
+NEEDS_REFERENCE = {"dpo"}
 
 
 POLICY_LOSS_FNS = {
@@ -124,4 +163,5 @@ POLICY_LOSS_FNS = {
     "cpgd": cpgd_loss,
     "opmd": opmd_loss,
     "sft": sft_loss,
+    "dpo": dpo_loss,
 }
