@@ -32,9 +32,13 @@ def test_shortened_default_learns_through_ray(tmp_path):
     start, end = evals(grpo)
     assert end >= start + 0.3, (start, end)
     assert f"[grpo] eval accuracy: start {start:.3f} -> end {end:.3f}" in r.stdout
-    # the warm-up trained too, and every step was logged
+    # the warm-up trained too, and alone it stays below where GRPO ends
     sft = read_metrics(run / "sft_warmup" / "metrics.jsonl")
-    assert sft[-1]["loss/policy"] < sft[0]["loss/policy"]
+    losses = [m["loss/policy"] for m in sft if "loss/policy" in m]
+    assert len(losses) == 400 and losses[-1] < losses[0]
+    sft_start, sft_end = evals(sft)[0], evals(sft)[-1]
+    assert sft_end == start and sft_end < end - 0.3
+    assert f"[sft_warmup] eval accuracy: start {sft_start:.3f} -> end {sft_end:.3f}" in r.stdout
     assert [m["step"] for m in grpo] == list(range(0, 31))
     for key in ["reward/mean", "reward/std", "response_length/mean", "actor/entropy", "actor/clip_frac",
                 "actor/approx_kl", "actor/grad_norm", "actor/lr", "timing/rollout_s", "timing/train_s",
