@@ -22,7 +22,7 @@ from pathlib import Path
 from rft.actors import ACTOR_BACKENDS
 from rft.buffer import DatasetReader, QueueBuffer
 from rft.explorer import Explorer
-from rft.monitor import Monitor
+from rft.monitor import Monitor, read_metrics
 from rft.sync import SYNC_METHODS
 from rft.trainer import Trainer
 
@@ -98,20 +98,19 @@ def run_stage(cfg, plan, stage_dir: Path, init_path: str | None, title: str) -> 
         t0 = time.perf_counter()
         metrics = explorer.call("evaluate", step)
         metrics["timing/eval_s"] = time.perf_counter() - t0
+        if "eval/accuracy" in metrics:
+            monitor.print(f"[{title}] step {step}: eval accuracy {metrics['eval/accuracy']:.3f}")
         return metrics
 
-    first_eval = last_eval = None
+    explores = source is None
     try:
         if explorer is not None and start == 0 and cfg.explorer.eval_on_startup:
-            metrics = evaluate(0)
-            first_eval = metrics.get("eval/accuracy")
-            monitor.print(f"[{title}] step 0: eval accuracy {first_eval:.3f}")
-            monitor.log(0, metrics, advance=False)
+            monitor.log(0, evaluate(0), advance=False)
         synced = start
         for step in range(start + 1, plan.total_steps + 1):
             t_step = time.perf_counter()
             metrics = {}
-            if source is None:
+            if explores:
                 t0 = time.perf_counter()
                 exps, m = explorer.call("explore", step - 1)
                 metrics.update(m)
@@ -130,7 +129,6 @@ def run_stage(cfg, plan, stage_dir: Path, init_path: str | None, title: str) -> 
             want_save = step % cfg.trainer.save_interval == 0 or last
             # an eval needs the explorer on the trainer's weights; so does a checkpoint, for a
             # resumed run to explore from the weights an uninterrupted one would have
-            explores = source is None
             if want_eval or (explores and (step % cfg.synchronizer.sync_interval == 0 or want_save)):
                 t0 = time.perf_counter()
                 sync(trainer, explorer, step)
@@ -140,8 +138,6 @@ def run_stage(cfg, plan, stage_dir: Path, init_path: str | None, title: str) -> 
             metrics["timing/step_s"] = time.perf_counter() - t_step
             if want_eval:
                 metrics.update(evaluate(step))
-                last_eval = metrics.get("eval/accuracy")
-                monitor.print(f"[{title}] step {step}: eval accuracy {last_eval:.3f}")
             if want_save:
                 t0 = time.perf_counter()
                 ckpt = _save(trainer, stage_dir, step)
@@ -152,6 +148,8 @@ def run_stage(cfg, plan, stage_dir: Path, init_path: str | None, title: str) -> 
         for actor in (trainer, explorer):
             if actor is not None:
                 actor.kill()
-    if first_eval is not None and last_eval is not None:
-        print(f"[{title}] eval accuracy: start {first_eval:.3f} -> end {last_eval:.3f}")
+    # read back from the log, so a resumed run reports its whole stage too
+    evals = [m["eval/accuracy"] for m in read_metrics(stage_dir / "metrics.jsonl") if "eval/accuracy" in m]
+    if len(evals) > 1:
+        print(f"[{title}] eval accuracy: start {evals[0]:.3f} -> end {evals[-1]:.3f}")
     return ckpt.hf_path
