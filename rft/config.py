@@ -61,6 +61,12 @@ class AlgorithmConfig:
     # KL to the reference subtracted from the reward (sum over the response): none | k1 | k2 | k3 | abs
     kl_penalty_fn: str = "none"
     kl_penalty_coef: float = 0.001
+    # PPO's critic (advantage_fn=gae): learning rate, value clipping, GAE lambda, and how many
+    # first steps train only the critic
+    critic_lr: float = 1e-5
+    value_clip: float = 0.5
+    lam: float = 1.0
+    critic_warmup: int = 0
     # DPO's beta: the strength of the implicit KL to the reference
     dpo_beta: float = 0.1
     # entropy bonus: loss -= entropy_coef * entropy
@@ -81,6 +87,8 @@ class ModelConfig:
     model_path: str = MISSING
     # "tiny": the project builds the model at model_path on first use (see rft/models.py)
     builder: Optional[str] = None
+    # the critic's starting checkpoint (PPO); defaults to model_path
+    critic_model_path: Optional[str] = None
     # jinja chat template that replaces the tokenizer's own
     custom_chat_template: Optional[str] = None
     max_prompt_tokens: int = 1024

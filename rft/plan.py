@@ -45,9 +45,9 @@ def make_plan(cfg, dataset_size: int) -> BatchPlan:
         raise ConfigError(f"buffer.batch_size={buf.batch_size} must be >= 1 (tasks per step).")
     if algo.repeat_times < 1:
         raise ConfigError(f"algorithm.repeat_times={algo.repeat_times} must be >= 1 (rollouts per task).")
-    if cfg.mode == "both" and algo.advantage_fn == "grpo" and algo.repeat_times < 2:
+    if cfg.mode == "both" and algo.advantage_fn in ("grpo", "rloo", "dr_grpo") and algo.repeat_times < 2:
         raise ConfigError(
-            f"algorithm.advantage_fn=grpo compares rollouts within a group, but "
+            f"algorithm.advantage_fn={algo.advantage_fn} compares rollouts within a group, but "
             f"algorithm.repeat_times={algo.repeat_times} gives groups of one (every advantage 0). "
             f"Set algorithm.repeat_times to 2 or more (8 is common)."
         )
@@ -81,7 +81,8 @@ def make_plan(cfg, dataset_size: int) -> BatchPlan:
             f"(experiences per step) into whole optimizer steps. Choose a divisor of {train_bs}, "
             f"e.g. {_divisor_near(train_bs, mini)}."
         )
-    micro = tr.micro_batch_size_per_gpu
+    # a micro-batch larger than the mini-batch means "the whole mini-batch at once"
+    micro = min(tr.micro_batch_size_per_gpu, mini // dp)
     if micro < 1 or mini % (micro * dp):
         raise ConfigError(
             f"trainer.micro_batch_size_per_gpu={micro} x data-parallel size {dp} must divide "

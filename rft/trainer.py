@@ -19,7 +19,9 @@ import torch
 from transformers import get_scheduler
 
 from rft.algorithms import ADVANTAGE_FNS, KL_FNS, POLICY_LOSS_FNS, agg_loss, resolve
+from rft.algorithms.advantages import NEEDS_CRITIC, gae_returns
 from rft.algorithms.losses import NEEDS_REFERENCE
+from rft.critic import Critic, explained_variance
 from rft.engine import fingerprint
 from rft.experience import Experience, collate
 from rft.models import load_model, load_tokenizer
@@ -61,6 +63,9 @@ class Trainer:
         # names are looked up once, here; the update below never branches on them
         self.advantage_fn = resolve(ADVANTAGE_FNS, algo.advantage_fn, "algorithm.advantage_fn")
         self.policy_loss_fn = resolve(POLICY_LOSS_FNS, algo.policy_loss_fn, "algorithm.policy_loss_fn")
+        self.critic = None
+        if algo.advantage_fn in NEEDS_CRITIC:
+            self.critic = Critic(cfg, os.path.expanduser(cfg.model.critic_model_path or init_path or cfg.model.model_path))
         self.kl_fn = KL_FNS.get(algo.kl_loss_fn)
         self.kl_penalty_fn = KL_FNS.get(algo.kl_penalty_fn)
         opt = algo.optimizer
@@ -84,6 +89,10 @@ class Trainer:
     def _micro_batches(self, start: int, end: int):
         for s in range(start, end, self.plan.micro_batch_size):
             yield s, min(s + self.plan.micro_batch_size, end)
+
+    def _with_lengths(self, full, start: int, end: int):
+        """Micro-batches of rows start..end as (first row, end row, their longest length)."""
+        return [(s, e, int(full["attention_mask"][s:e].sum(-1).max())) for s, e in self._micro_batches(start, end)]
 
     def _forward(self, model, full, s, e):
         # trim the right padding shared by this micro-batch's rows
@@ -118,9 +127,15 @@ class Trainer:
             # Departure from REINFORCE++'s per-token placement: one sum per sequence.
             kl_penalty = (self.kl_penalty_fn(old_logp, ref_logp) * mask).sum(-1)
             batch["rewards"] = batch["rewards"] - algo.kl_penalty_coef * kl_penalty
+        if self.critic is not None:
+            batch["values"] = self.critic.values(full, self._with_lengths(full, 0, n))
+            _, returns = gae_returns(batch["rewards"], batch["values"], mask, algo.gamma, algo.lam)
         adv = self.advantage_fn(batch, algo)
+        # PPO's critic warm-up: the first critic_warmup steps train only the critic
+        train_actor = self.critic is None or self.version >= algo.critic_warmup
 
         sums = {"loss/policy": 0.0, "actor/entropy": 0.0, "actor/kl": 0.0}
+        critic_sums: dict[str, float] = {}
         pm_sums: dict[str, float] = {}
         grad_norms = []
         mini = self.plan.mini_batch_size
@@ -129,6 +144,12 @@ class Trainer:
             for m0 in range(0, n, mini):
                 m1 = min(m0 + mini, n)
                 num_tokens = int(mask[m0:m1].sum())
+                if self.critic is not None:
+                    cm = self.critic.update(full, returns, batch["values"], self._with_lengths(full, m0, m1), num_tokens)
+                    for k, v in cm.items():
+                        critic_sums[k] = critic_sums.get(k, 0.0) + v
+                if not train_actor:
+                    continue
                 self.optimizer.zero_grad(set_to_none=True)
                 for s, e in self._micro_batches(m0, m1):
                     (logp, entropy), L = self._forward(self.model, full, s, e)
@@ -158,7 +179,7 @@ class Trainer:
                 self.scheduler.step()
         self.version += 1
 
-        updates = len(grad_norms)
+        updates = max(len(grad_norms), 1)
         total_tokens = mask.sum().item() * self.cfg.trainer.ppo_epochs
         metrics = {
             "loss/policy": sums["loss/policy"] / updates,
@@ -178,6 +199,13 @@ class Trainer:
             metrics["actor/kl"] = sums["actor/kl"] / total_tokens
         if kl_penalty is not None:
             metrics["reward/kl_penalty"] = kl_penalty.mean().item()
+        if self.critic is not None:
+            critic_updates = self.plan.optimizer_steps_per_step
+            metrics["critic/value_loss"] = critic_sums["critic/value_loss"] / critic_updates
+            metrics["critic/vf_clip_frac"] = critic_sums["critic/vf_clip_tokens"] / total_tokens
+            # how much of the return variance the values (before this step's updates) explained
+            metrics["critic/explained_variance"] = explained_variance(returns, batch["values"], mask)
+            metrics["critic/values_mean"] = (batch["values"].sum() / mask.sum()).item()
         return metrics
 
     # ------------------------------------------------------------------ weights and checkpoints
@@ -209,6 +237,7 @@ class Trainer:
                 "scheduler": self.scheduler.state_dict(),
                 "version": self.version,
                 "rng": torch.get_rng_state(),
+                "critic": None if self.critic is None else self.critic.state_dict(),
             },
             d / "trainer_state.pt",
         )
@@ -227,6 +256,8 @@ class Trainer:
         self.scheduler.load_state_dict(state["scheduler"])
         self.version = state["version"]
         torch.set_rng_state(state["rng"])
+        if self.critic is not None:
+            self.critic.load_state_dict(state["critic"])
 
 
 def _zero_variance_frac(rewards: torch.Tensor, group_index: torch.Tensor) -> float:

@@ -187,3 +187,34 @@ def test_dpo_loss_hand_computed():
     (loss * mask).sum().div(2).backward()
     g = -0.5 * (1 - 1 / (1 + math.exp(-1.5)))
     torch.testing.assert_close(logp.grad, torch.tensor([[g, g], [-g, 0.0]]))
+
+
+def test_gae_hand_computed():
+    from rft.algorithms.advantages import gae_returns
+
+    # one row, prompt position 0 masked out, response at positions 1..3, reward 1 on position 3
+    mask = torch.tensor([[0.0, 1.0, 1.0, 1.0]])
+    values = torch.tensor([[9.0, 0.5, 0.25, 0.75]])  # the prompt's value must not leak in
+    # gamma 1, lam 1: A_t = R - V_t (Monte Carlo): [0.5, 0.75, 0.25]; returns = 1 on every token
+    adv, ret = gae_returns(torch.tensor([1.0]), values, mask, gamma=1.0, lam=1.0)
+    torch.testing.assert_close(adv, torch.tensor([[0.0, 0.5, 0.75, 0.25]]))
+    torch.testing.assert_close(ret, torch.tensor([[0.0, 1.0, 1.0, 1.0]]))
+    # lam 0 (one-step TD): delta_3 = 1 - 0.75 = 0.25; delta_2 = 0.75 - 0.25 = 0.5;
+    # delta_1 = 0.25 - 0.5 = -0.25
+    adv, _ = gae_returns(torch.tensor([1.0]), values, mask, gamma=1.0, lam=0.0)
+    torch.testing.assert_close(adv, torch.tensor([[0.0, -0.25, 0.5, 0.25]]))
+    # gamma 0.5, lam 1: delta_3 = 0.25; delta_2 = 0.5 * 0.75 - 0.25 = 0.125;
+    # delta_1 = 0.5 * 0.25 - 0.5 = -0.375; A_3 = 0.25, A_2 = 0.125 + 0.5 * 0.25 = 0.25,
+    # A_1 = -0.375 + 0.5 * 0.25 = -0.25
+    adv, _ = gae_returns(torch.tensor([1.0]), values, mask, gamma=0.5, lam=1.0)
+    torch.testing.assert_close(adv, torch.tensor([[0.0, -0.25, 0.25, 0.25]]))
+
+
+def test_explained_variance():
+    from rft.critic import explained_variance
+
+    mask = torch.ones(1, 4)
+    returns = torch.tensor([[1.0, 2.0, 3.0, 4.0]])
+    assert explained_variance(returns, returns, mask) == pytest.approx(1.0)
+    # a constant critic explains nothing: Var(R - c) = Var(R)
+    assert explained_variance(returns, torch.full((1, 4), 2.5), mask) == pytest.approx(0.0)

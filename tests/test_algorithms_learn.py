@@ -13,7 +13,7 @@ from rft.monitor import read_metrics
 
 pytestmark = pytest.mark.slow
 
-ALGORITHMS = ["grpo", "dr_grpo", "dapo", "gspo", "gmpo", "cpgd", "rloo", "reinforce_pp",
+ALGORITHMS = ["grpo", "dr_grpo", "dapo", "gspo", "gmpo", "cpgd", "rloo", "reinforce_pp", "ppo",
               "reinforce_pp_baseline", "opmd"]
 
 

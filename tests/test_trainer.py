@@ -108,3 +108,27 @@ def test_kl_penalty_comes_off_the_reward():
     # after one update the sampled responses' log-probs moved from the reference's
     second = trainer.train_step(batch)
     assert second["reward/kl_penalty"] != pytest.approx(0.0, abs=1e-4)
+
+
+def test_ppo_critic_is_saved_and_restored(tmp_path):
+    trainer = make_trainer(128, ["algorithm=ppo", "algorithm.critic_lr=1e-3"])
+    start = {k: v.clone() for k, v in trainer.critic.model.state_dict().items()}
+    metrics = trainer.train_step(experiences())
+    assert metrics["critic/value_loss"] > 0 and "critic/explained_variance" in metrics
+    trained = trainer.critic.model.state_dict()
+    assert any(not torch.equal(start[k], trained[k]) for k in start)
+    trainer.save(str(tmp_path))
+    restored = make_trainer(128, ["algorithm=ppo", "algorithm.critic_lr=1e-3"])
+    restored.load(str(tmp_path))
+    for k, v in restored.critic.model.state_dict().items():
+        assert torch.equal(v, trained[k]), k
+    assert restored.critic.optimizer.state_dict()["state"]  # Adam moments came back too
+
+
+def test_ppo_critic_warmup_trains_only_the_critic():
+    trainer = make_trainer(128, ["algorithm=ppo", "algorithm.critic_warmup=1"])
+    before = torch.nn.utils.parameters_to_vector(trainer.model.parameters()).clone()
+    trainer.train_step(experiences())
+    assert torch.equal(before, torch.nn.utils.parameters_to_vector(trainer.model.parameters()))
+    trainer.train_step(experiences())
+    assert not torch.equal(before, torch.nn.utils.parameters_to_vector(trainer.model.parameters()))

@@ -109,6 +109,40 @@ def reinforce_pp_baseline_advantage(batch: dict, cfg) -> torch.Tensor:
     return _discounted_whitened(batch["rewards"] - mean, batch["response_mask"], cfg.gamma)
 
 
+def gae_returns(rewards, values, mask, gamma: float, lam: float):
+    """GAE (arXiv 1506.02438) with the sequence reward on its last response token.
+
+    delta_t = r_t + gamma V_{t+1} - V_t;  A_t = delta_t + gamma lam A_{t+1};  returns = A + V.
+    V_{t+1} and A_{t+1} are 0 after the last response token. Returns (advantages, returns), [N, T].
+    """
+    T = mask.shape[1]
+    last = (mask * torch.arange(T)).argmax(-1)  # index of each row's last response token
+    token_rewards = torch.zeros_like(mask)
+    token_rewards[torch.arange(len(rewards)), last] = rewards * (mask.sum(-1) > 0)
+    adv = torch.zeros_like(mask)
+    next_adv = torch.zeros(len(rewards))
+    next_value = torch.zeros(len(rewards))
+    for t in reversed(range(T)):
+        delta = token_rewards[:, t] + gamma * next_value - values[:, t]
+        adv[:, t] = (delta + gamma * lam * next_adv) * mask[:, t]
+        next_adv, next_value = adv[:, t], values[:, t] * mask[:, t]
+    return adv, (adv + values) * mask
+
+
+def gae_advantage(batch: dict, cfg) -> torch.Tensor:
+    """PPO's advantages: GAE on the critic's values (batch["values"]), whitened over the batch."""
+    mask = batch["response_mask"]
+    adv, _ = gae_returns(batch["rewards"], batch["values"], mask, cfg.gamma, cfg.lam)
+    n = mask.sum().clamp(min=1)
+    mean = adv.sum() / n
+    std = torch.sqrt((((adv - mean) * mask) ** 2).sum() / (n - 1).clamp(min=1))
+    return (adv - mean) / (std + EPS) * mask
+
+
+# advantage functions that need a critic's values in batch["values"]
+NEEDS_CRITIC = {"gae"}
+
+
 def no_advantage(batch: dict, cfg) -> torch.Tensor:
     """For losses that ignore advantages (SFT): zeros."""
     return torch.zeros_like(batch["response_mask"], dtype=torch.float32)
@@ -121,5 +155,6 @@ ADVANTAGE_FNS = {
     "opmd": opmd_advantage,
     "reinforce_pp": reinforce_pp_advantage,
     "reinforce_pp_baseline": reinforce_pp_baseline_advantage,
+    "gae": gae_advantage,
     "none": no_advantage,
 }

@@ -1,0 +1,83 @@
+"""The critic for PPO: a value head on a transformer, its optimizer, and its clipped value loss."""
+
+from __future__ import annotations
+
+import torch
+
+from rft.algorithms import agg_loss
+
+
+class ValueModel(torch.nn.Module):
+    """The base transformer of a causal LM checkpoint with a linear value head.
+
+    values[:, t] estimates the return from target position t (after reading tokens 0..t), so it
+    lines up with the actor's log-probs of token t + 1.
+    """
+
+    def __init__(self, path: str, dtype: torch.dtype, trust_remote_code: bool):
+        from transformers import AutoModel
+
+        super().__init__()
+        self.base = AutoModel.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
+        self.head = torch.nn.Linear(self.base.config.hidden_size, 1, dtype=dtype)
+        # a zero head starts every value at 0: the first advantages are the whitened returns
+        torch.nn.init.zeros_(self.head.weight)
+        torch.nn.init.zeros_(self.head.bias)
+
+    def forward(self, input_ids, attention_mask):
+        hidden = self.base(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+        return self.head(hidden[:, :-1]).squeeze(-1).float()
+
+
+class Critic:
+    def __init__(self, cfg, path: str):
+        from rft.models import _dtype
+
+        algo = cfg.algorithm
+        self.cfg = cfg
+        self.model = ValueModel(path, _dtype(cfg.model.dtype), cfg.model.trust_remote_code)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=algo.critic_lr,
+                                           weight_decay=algo.optimizer.weight_decay)
+
+    def values(self, full, micro_batches) -> torch.Tensor:
+        values = torch.zeros_like(full["response_mask"])
+        with torch.no_grad():
+            for s, e, L in micro_batches:
+                values[s:e, : L - 1] = self.model(full["input_ids"][s:e, :L], full["attention_mask"][s:e, :L])
+        return values * full["response_mask"]
+
+    def update(self, full, returns, old_values, micro_batches, num_tokens: int) -> dict:
+        """One optimizer step on a mini-batch: 0.5 * max((V - R)^2, (V_clipped - R)^2), token-mean.
+
+        V_clipped = V_old + clip(V - V_old, -value_clip, value_clip) (PPO's value clipping).
+        """
+        c = self.cfg.algorithm.value_clip
+        self.optimizer.zero_grad(set_to_none=True)
+        total, clipped = 0.0, 0.0
+        for s, e, L in micro_batches:
+            m = full["response_mask"][s:e, : L - 1]
+            v = self.model(full["input_ids"][s:e, :L], full["attention_mask"][s:e, :L])
+            r, v_old = returns[s:e, : L - 1], old_values[s:e, : L - 1]
+            v_clipped = v_old + torch.clamp(v - v_old, -c, c)
+            loss1, loss2 = (v - r) ** 2, (v_clipped - r) ** 2
+            loss = agg_loss(0.5 * torch.maximum(loss1, loss2), m, "token-mean", e - s, num_tokens, 1)
+            loss.backward()
+            total += loss.item()
+            clipped += ((loss2 > loss1).float() * m).sum().item()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.trainer.grad_clip)
+        self.optimizer.step()
+        return {"critic/value_loss": total, "critic/vf_clip_tokens": clipped}
+
+    def state_dict(self) -> dict:
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+
+
+def explained_variance(returns: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> float:
+    """1 - Var(R - V) / Var(R) over response tokens: 1 is a perfect critic, <= 0 a useless one."""
+    r, v = returns[mask.bool()], values[mask.bool()]
+    var = r.var()
+    return float(1 - (r - v).var() / var) if var > 0 else 0.0
