@@ -39,8 +39,8 @@ class QueueBuffer:
 class DatasetReader:
     """Prompt/response rows as experiences; step k's batch is a function of (seed, k)."""
 
-    def __init__(self, buf_cfg, tokenizer, max_prompt_tokens: int, max_response_tokens: int, seed: int):
-        where = "buffer.trainer_input.experience_buffer"
+    def __init__(self, buf_cfg, tokenizer, max_prompt_tokens: int, max_response_tokens: int, seed: int,
+                 where: str = "buffer.trainer_input.experience_buffer"):
         if not buf_cfg.path:
             raise ConfigError(f"{where}.storage_type=file needs {where}.path (a dataset of prompt/response rows).")
         rows = load_rows(buf_cfg.path, buf_cfg.split, key=f"{where}.path")

@@ -12,7 +12,7 @@ Key names follow Trinity-RFT's configuration guide where one exists (`buffer.bat
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
@@ -67,6 +67,11 @@ class AlgorithmConfig:
     value_clip: float = 0.5
     lam: float = 1.0
     critic_warmup: int = 0
+    # mix: loss = RL loss + sft_loss_weight * SFT loss on sft_batch_size rows a step from the
+    # auxiliary buffer named sft_buffer (0: off)
+    sft_loss_weight: float = 0.0
+    sft_buffer: str = "sft_dataset"
+    sft_batch_size: int = 32
     # DPO's beta: the strength of the implicit KL to the reference
     dpo_beta: float = 0.1
     # entropy bonus: loss -= entropy_coef * entropy
@@ -166,6 +171,10 @@ class ExperienceBufferConfig:
 @dataclass
 class TrainerInputConfig:
     experience_buffer: ExperienceBufferConfig = field(default_factory=ExperienceBufferConfig)
+    # extra datasets the trainer reads by name (algorithm=mix reads algorithm.sft_buffer from here);
+    # each value has the keys of experience_buffer (checked when read; typed dict values cannot be
+    # added from the command line)
+    auxiliary_buffers: Dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass

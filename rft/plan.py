@@ -180,6 +180,13 @@ def _check_names(cfg) -> None:
         if ts.reward_fn is not None:
             where = "taskset" if i == 0 else f"eval_tasksets[{i - 1}]"
             checks.append((f"buffer.explorer_input.{where}.reward_fn", ts.reward_fn, REWARD_FNS))
+    aux = cfg.buffer.trainer_input.auxiliary_buffers
+    if cfg.algorithm.sft_loss_weight > 0 and cfg.algorithm.sft_buffer not in aux:
+        raise ConfigError(
+            f"algorithm.sft_loss_weight={cfg.algorithm.sft_loss_weight} needs the auxiliary buffer "
+            f"algorithm.sft_buffer={cfg.algorithm.sft_buffer!r} in buffer.trainer_input.auxiliary_buffers "
+            f"(it has {sorted(aux)}). Add +buffer.trainer_input.auxiliary_buffers.{cfg.algorithm.sft_buffer}.path=<dataset>."
+        )
     for key, value, known in checks:
         if value not in known:
             raise ConfigError(f"{key}={value!r} is not one of {sorted(known)}.")

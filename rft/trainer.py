@@ -16,13 +16,17 @@ import time
 from pathlib import Path
 
 import torch
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 from transformers import get_scheduler
 
 from rft.algorithms import ADVANTAGE_FNS, KL_FNS, POLICY_LOSS_FNS, agg_loss, resolve
 from rft.algorithms.advantages import NEEDS_CRITIC, gae_returns
 from rft.algorithms.losses import NEEDS_REFERENCE
+from rft.config import ExperienceBufferConfig
 from rft.critic import Critic, explained_variance
 from rft.engine import fingerprint
+from rft.errors import ConfigError
 from rft.experience import Experience, collate
 from rft.models import load_model, load_tokenizer
 
@@ -66,6 +70,18 @@ class Trainer:
         self.critic = None
         if algo.advantage_fn in NEEDS_CRITIC:
             self.critic = Critic(cfg, os.path.expanduser(cfg.model.critic_model_path or init_path or cfg.model.model_path))
+        self.sft_reader = None
+        if algo.sft_loss_weight > 0:
+            from rft.buffer import DatasetReader
+
+            aux = cfg.buffer.trainer_input.auxiliary_buffers  # its presence is checked by the plan
+            where = f"buffer.trainer_input.auxiliary_buffers.{algo.sft_buffer}"
+            try:
+                buf_cfg = OmegaConf.merge(OmegaConf.structured(ExperienceBufferConfig), aux[algo.sft_buffer])
+            except OmegaConfBaseException as e:
+                raise ConfigError(f"{where}: {e}".split("\n")[0]) from e
+            self.sft_reader = DatasetReader(buf_cfg, self.tokenizer, cfg.model.max_prompt_tokens,
+                                            cfg.model.max_response_tokens, cfg.seed, where=where)
         self.kl_fn = KL_FNS.get(algo.kl_loss_fn)
         self.kl_penalty_fn = KL_FNS.get(algo.kl_penalty_fn)
         opt = algo.optimizer
@@ -172,6 +188,8 @@ class Trainer:
                     loss.backward()
                     sums["loss/policy"] += loss.item()
                     sums["actor/entropy"] += (entropy.detach() * m).sum().item()
+                if self.sft_reader is not None:
+                    sums["loss/sft"] = sums.get("loss/sft", 0.0) + self._sft_backward()
                 grad_norms.append(
                     torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.trainer.grad_clip).item()
                 )
@@ -199,6 +217,8 @@ class Trainer:
             metrics["actor/kl"] = sums["actor/kl"] / total_tokens
         if kl_penalty is not None:
             metrics["reward/kl_penalty"] = kl_penalty.mean().item()
+        if "loss/sft" in sums:
+            metrics["loss/sft"] = sums["loss/sft"] / updates
         if self.critic is not None:
             critic_updates = self.plan.optimizer_steps_per_step
             metrics["critic/value_loss"] = critic_sums["critic/value_loss"] / critic_updates
@@ -207,6 +227,21 @@ class Trainer:
             metrics["critic/explained_variance"] = explained_variance(returns, batch["values"], mask)
             metrics["critic/values_mean"] = (batch["values"].sum() / mask.sum()).item()
         return metrics
+
+    def _sft_backward(self) -> float:
+        """mix: add sft_loss_weight x (token-mean -log p) of this step's auxiliary rows to the gradient."""
+        algo = self.cfg.algorithm
+        exps = self.sft_reader.batch(self.version, algo.sft_batch_size)
+        aux = collate(exps, self.tokenizer.pad_token_id)
+        num_tokens = int(aux["response_mask"].sum())
+        total = 0.0
+        for s, e in self._micro_batches(0, len(exps)):
+            (logp, _), L = self._forward(self.model, aux, s, e)
+            m = aux["response_mask"][s:e, : L - 1]
+            loss = algo.sft_loss_weight * agg_loss(-logp, m, "token-mean", len(exps), num_tokens, 1)
+            loss.backward()
+            total += loss.item()
+        return total
 
     # ------------------------------------------------------------------ weights and checkpoints
 

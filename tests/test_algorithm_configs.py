@@ -12,9 +12,14 @@ OFFLINE = {"sft", "dpo"}  # they train from a dataset (mode=train), tested below
 RL_ALGORITHMS = sorted(p.stem for p in (CONF / "algorithm").glob("*.yaml") if p.stem not in OFFLINE)
 
 
+MIX_DATA = ["+buffer.trainer_input.auxiliary_buffers.sft_dataset.path=${buffer.explorer_input.taskset.path}",
+            "+buffer.trainer_input.auxiliary_buffers.sft_dataset.format.response_key=answer"]
+EXTRA = {"mix": MIX_DATA}
+
+
 @pytest.mark.parametrize("algorithm", RL_ALGORITHMS)
 def test_algorithm_runs_two_steps(algorithm, tmp_path):
-    cfg = compose_cfg([f"algorithm={algorithm}", "stages=[]", "cluster=inline", "monitor=console",
+    cfg = compose_cfg([f"algorithm={algorithm}", *EXTRA.get(algorithm, []), "stages=[]", "cluster=inline", "monitor=console",
                        "buffer.total_steps=2", "buffer.batch_size=4", "algorithm.repeat_times=4",
                        "trainer.mini_batch_size=8", "trainer.micro_batch_size_per_gpu=4",
                        f"checkpoint_root_dir={tmp_path}", "explorer.eval_on_startup=false",
@@ -74,4 +79,24 @@ def test_odd_batch_with_preference_pairs_is_a_config_error(tmp_path):
                        "buffer.trainer_input.experience_buffer.format.chosen_key=answer",
                        "buffer.trainer_input.experience_buffer.format.rejected_key=rejected"])
     with pytest.raises(ConfigError, match="trainer.micro_batch_size_per_gpu=3 must be even with preference pairs"):
+        rft.main._main(cfg)
+
+
+def test_mix_adds_a_weighted_sft_loss_from_an_auxiliary_buffer(tmp_path):
+    cfg = compose_cfg(["algorithm=mix", "stages=[]", "cluster=inline", "monitor=console",
+                       "buffer.total_steps=2", "buffer.batch_size=4", "algorithm.repeat_times=4",
+                       "explorer.eval_on_startup=false", f"checkpoint_root_dir={tmp_path}", *MIX_DATA])
+    rft.main.main(cfg)
+    steps = read_metrics(tmp_path / "rft" / cfg.name / "metrics.jsonl")
+    # the untrained model: -log p of a 4-token answer is ~ln(103 tokens) = 4.6 per token, x 0.1
+    assert all(0.2 < m["loss/sft"] < 0.6 for m in steps)
+
+
+def test_mix_without_its_auxiliary_buffer_is_a_config_error(tmp_path):
+    from rft.errors import ConfigError
+
+    cfg = compose_cfg(["algorithm=mix", "stages=[]", "cluster=inline", "monitor=console",
+                       "buffer.total_steps=1", f"checkpoint_root_dir={tmp_path}"])
+    with pytest.raises(ConfigError, match=r"algorithm.sft_loss_weight=0.1 needs the auxiliary buffer "
+                                          r"algorithm.sft_buffer='sft_dataset' in buffer.trainer_input.auxiliary_buffers"):
         rft.main._main(cfg)

@@ -14,7 +14,10 @@ from rft.monitor import read_metrics
 pytestmark = pytest.mark.slow
 
 ALGORITHMS = ["grpo", "dr_grpo", "dapo", "gspo", "gmpo", "cpgd", "rloo", "reinforce_pp", "ppo",
-              "reinforce_pp_baseline", "opmd"]
+              "reinforce_pp_baseline", "opmd", "mix"]
+# mix adds an SFT loss on the correct answers, read from an auxiliary buffer
+EXTRA = {"mix": ["+buffer.trainer_input.auxiliary_buffers.sft_dataset.path=${buffer.explorer_input.taskset.path}",
+                 "+buffer.trainer_input.auxiliary_buffers.sft_dataset.format.response_key=answer"]}
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +35,8 @@ def warm_start(tmp_path_factory):
 def test_algorithm_learns_from_the_warm_start(algorithm, warm_start, tmp_path):
     cfg = compose_cfg([f"algorithm={algorithm}", "stages=[]", f"model.model_path={warm_start}",
                        "model.builder=null", "buffer.total_steps=10", "explorer.eval_interval=10",
-                       "cluster=inline", "monitor=console", f"checkpoint_root_dir={tmp_path}"])
+                       "cluster=inline", "monitor=console", f"checkpoint_root_dir={tmp_path}",
+                       *EXTRA.get(algorithm, [])])
     rft.main.main(cfg)
     evals = [m["eval/accuracy"] for m in read_metrics(tmp_path / "rft" / cfg.name / "metrics.jsonl")
              if "eval/accuracy" in m]
