@@ -1,0 +1,69 @@
+"""Tasksets and offline data: the format keys, messages prompts, preference pairs, the generator."""
+
+import json
+
+from omegaconf import OmegaConf
+
+from rft.buffer import DatasetReader
+from rft.config import ExperienceBufferConfig, TasksetConfig
+from rft.tasks import generate_arithmetic, load_tasks
+
+
+def test_arithmetic_rows_are_correct_and_test_is_held_out(tmp_path):
+    path = generate_arithmetic(tmp_path / "arith")
+    rows = {s: [json.loads(l) for l in (path / f"{s}.jsonl").read_text().splitlines()] for s in ("train", "test")}
+    assert (len(rows["train"]), len(rows["test"])) == (2000, 200)
+    assert not {r["question"] for r in rows["train"]} & {r["question"] for r in rows["test"]}
+    for r in rows["train"][:50]:
+        a, b = r["question"].split("+")
+        assert int(a) + int(b) == int(r["answer"]) and len(r["answer"]) == 3
+        assert r["rejected"] != r["answer"] and r["teacher_answer"] in (r["answer"], r["rejected"])
+    wrong = sum(r["teacher_answer"] != r["answer"] for r in rows["train"]) / 2000
+    assert 0.55 < wrong < 0.65  # teacher_error_rate 0.6
+
+
+def test_messages_prompts(tmp_path):
+    data = tmp_path / "chat.jsonl"
+    data.write_text(json.dumps({"messages": [{"role": "system", "content": "Be brief."},
+                                             {"role": "user", "content": "1+1"}], "answer": "2"}) + "\n")
+    ts = OmegaConf.structured(TasksetConfig(path=str(data)))
+    ts.format.prompt_type = "messages"
+    (task,) = load_tasks(ts, "buffer.explorer_input.taskset")
+    assert task.messages == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "1+1"}]
+    assert task.answer == "2"
+
+
+def test_plaintext_prompt_gets_the_system_prompt(tmp_path):
+    data = tmp_path / "q.jsonl"
+    data.write_text(json.dumps({"q": "2+2", "a": "4"}) + "\n")
+    ts = OmegaConf.structured(TasksetConfig(path=str(data)))
+    ts.format.prompt_key, ts.format.response_key, ts.format.system_prompt = "q", "a", "Answer only."
+    (task,) = load_tasks(ts, "buffer.explorer_input.taskset")
+    assert task.messages == [{"role": "system", "content": "Answer only."}, {"role": "user", "content": "2+2"}]
+    assert task.answer == "4"
+
+
+class CharTokenizer:
+    """Enough of a tokenizer for the reader: one id per character, eos 0."""
+
+    eos_token_id = 0
+
+    def apply_chat_template(self, messages, tokenize, add_generation_prompt):
+        return [ord(c) for c in messages[-1]["content"]]
+
+    def encode(self, text, add_special_tokens):
+        return [ord(c) for c in text]
+
+
+def test_preference_pairs_stay_together(tmp_path):
+    data = tmp_path / "pairs.jsonl"
+    data.write_text("".join(json.dumps({"question": f"{i}", "good": "y", "bad": "n"}) + "\n" for i in range(6)))
+    buf = OmegaConf.structured(ExperienceBufferConfig(storage_type="file", path=str(data)))
+    buf.format.chosen_key, buf.format.rejected_key = "good", "bad"
+    reader = DatasetReader(buf, CharTokenizer(), 8, 4, seed=0)
+    batch = reader.batch(0, 4)  # 4 experiences = 2 pairs
+    assert len(batch) == 4
+    for chosen, rejected in zip(batch[0::2], batch[1::2]):
+        assert chosen.group_id == rejected.group_id
+        assert chosen.tokens[chosen.prompt_length:] == [ord("y"), 0]
+        assert rejected.tokens[rejected.prompt_length:] == [ord("n"), 0]
