@@ -72,7 +72,9 @@ def run_stage(cfg, plan, stage_dir: Path, init_path: str | None, title: str) -> 
 
     Actor = ACTOR_BACKENDS[cfg.cluster.backend]
     common = dict(log_dir=str(stage_dir / "log"), level=cfg.log.level, num_cpus=cfg.cluster.cpus_per_actor)
-    trainer = Actor(Trainer, cfg, plan, weights, name=f"{title}_{cfg.trainer.name}", **common)
+    # the trainer starts from the stage's starting model (its reference model, if any, must be
+    # that one), then a resumed run loads the checkpoint over it
+    trainer = Actor(Trainer, cfg, plan, init_path, name=f"{title}_{cfg.trainer.name}", **common)
     if latest is not None:
         trainer.call("load", str(latest.path))
         log.info("resumed %s from %s", title, latest.path)

@@ -132,3 +132,17 @@ def test_ppo_critic_warmup_trains_only_the_critic():
     assert torch.equal(before, torch.nn.utils.parameters_to_vector(trainer.model.parameters()))
     trainer.train_step(experiences())
     assert not torch.equal(before, torch.nn.utils.parameters_to_vector(trainer.model.parameters()))
+
+
+def test_resumed_trainer_keeps_the_stage_start_as_its_reference(tmp_path):
+    trainer = make_trainer(128, ["algorithm.kl_loss_fn=k3", "algorithm.optimizer.lr=1e-3"])
+    start = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    trainer.train_step(experiences())
+    trainer.save(str(tmp_path))
+    resumed = make_trainer(128, ["algorithm.kl_loss_fn=k3", "algorithm.optimizer.lr=1e-3"])
+    resumed.load(str(tmp_path))
+    for k, v in resumed.ref_model.state_dict().items():
+        assert torch.equal(v, start[k]), k
+    trained = trainer.model.state_dict()
+    assert all(torch.equal(v, trained[k]) for k, v in resumed.model.state_dict().items())
+    assert any(not torch.equal(trained[k], start[k]) for k in start)
