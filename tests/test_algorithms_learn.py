@@ -1,4 +1,4 @@
-"""Every RL algorithm raises eval accuracy from the same warm-started checkpoint (slow).
+"""Every algorithm raises eval accuracy from the same warm-started checkpoint (slow).
 
 Budget per algorithm: 10 steps x 16 tasks x 8 rollouts on the tiny model, after the default's
 SFT warm-up (400 steps), evaluated greedily on the 200 held-out problems.
@@ -31,16 +31,20 @@ def warm_start(tmp_path_factory):
     return root / "rft" / cfg.name / "sft_warmup" / "checkpoints" / "step_400" / "hf"
 
 
-@pytest.mark.parametrize("algorithm", ALGORITHMS)
-def test_algorithm_learns_from_the_warm_start(algorithm, warm_start, tmp_path):
+def eval_start_end(algorithm, warm_start, tmp_path, extra):
+    """Run `algorithm` for 10 steps from the warm start; eval accuracy before and after."""
     cfg = compose_cfg([f"algorithm={algorithm}", "stages=[]", f"model.model_path={warm_start}",
                        "model.builder=null", "buffer.total_steps=10", "explorer.eval_interval=10",
-                       "cluster=inline", "monitor=console", f"checkpoint_root_dir={tmp_path}",
-                       *EXTRA.get(algorithm, [])])
+                       "cluster=inline", "monitor=console", f"checkpoint_root_dir={tmp_path}", *extra])
     rft.main.main(cfg)
     evals = [m["eval/accuracy"] for m in read_metrics(tmp_path / "rft" / cfg.name / "metrics.jsonl")
              if "eval/accuracy" in m]
-    start, end = evals[0], evals[-1]
+    return evals[0], evals[-1]
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_algorithm_learns_from_the_warm_start(algorithm, warm_start, tmp_path):
+    start, end = eval_start_end(algorithm, warm_start, tmp_path, EXTRA.get(algorithm, []))
     assert end >= start + 0.2, (algorithm, start, end)
 
 
@@ -62,12 +66,5 @@ OFFLINE_DATA = ["mode=train", "buffer.train_batch_size=64", "trainer.micro_batch
     ],
 )
 def test_offline_algorithm_learns_from_the_warm_start(algorithm, extra, warm_start, tmp_path):
-    cfg = compose_cfg([f"algorithm={algorithm}", "stages=[]", f"model.model_path={warm_start}",
-                       "model.builder=null", "buffer.total_steps=10", "explorer.eval_interval=10",
-                       "cluster=inline", "monitor=console", f"checkpoint_root_dir={tmp_path}",
-                       *OFFLINE_DATA, *extra])
-    rft.main.main(cfg)
-    evals = [m["eval/accuracy"] for m in read_metrics(tmp_path / "rft" / cfg.name / "metrics.jsonl")
-             if "eval/accuracy" in m]
-    start, end = evals[0], evals[-1]
+    start, end = eval_start_end(algorithm, warm_start, tmp_path, [*OFFLINE_DATA, *extra])
     assert end >= start + 0.2, (algorithm, start, end)
