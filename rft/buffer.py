@@ -17,6 +17,17 @@ from rft.tasks import load_rows, rows_to_messages
 from rft.workflows import encode_prompt
 
 
+def epoch_batch(n_items: int, per_step: int, step: int, epoch_seed) -> list[int]:
+    """Indices of step `step`'s batch: each epoch is a fresh shuffle seeded by epoch_seed(epoch).
+
+    A pure function of the step, so a resumed run reads exactly what an uninterrupted one would.
+    """
+    epoch, pos = divmod(step, n_items // per_step)
+    order = list(range(n_items))
+    random.Random(epoch_seed(epoch)).shuffle(order)
+    return order[pos * per_step : (pos + 1) * per_step]
+
+
 class QueueBuffer:
     def __init__(self):
         self._items: deque[Experience] = deque()
@@ -71,9 +82,5 @@ class DatasetReader:
 
     def batch(self, step: int, size: int) -> list[Experience]:
         """`size` experiences (size / 2 pairs for preference data), epoch-wise shuffled rows."""
-        rows = size // self.rows_per_item
-        per_epoch = len(self.items) // rows
-        epoch, pos = divmod(step, per_epoch)
-        order = list(range(len(self.items)))
-        random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
-        return [e for i in order[pos * rows : (pos + 1) * rows] for e in self.items[i]]
+        rows = epoch_batch(len(self.items), size // self.rows_per_item, step, lambda epoch: self.seed * 1_000_003 + epoch)
+        return [e for i in rows for e in self.items[i]]

@@ -12,6 +12,7 @@ import random
 import time
 
 import torch
+from rft.buffer import epoch_batch
 from rft.engine import ENGINES
 from rft.errors import ConfigError
 from rft.models import load_tokenizer
@@ -20,6 +21,11 @@ from rft.tasks import load_tasks
 from rft.workflows import WORKFLOWS, WorkflowContext
 
 log = logging.getLogger(__name__)
+
+
+def _flat(group) -> bool:
+    """All rollouts of the group got the same reward: no signal for a group baseline."""
+    return len({e.reward for e in group}) == 1
 
 
 def step_seed(seed: int, step: int, salt: int = 0) -> int:
@@ -47,12 +53,9 @@ class Explorer:
 
     def tasks_for_step(self, step: int):
         """The batch of tasks for `step`: epoch-wise shuffles of the taskset, seeded by (seed, epoch)."""
-        bs = self.cfg.buffer.batch_size
-        per_epoch = len(self.taskset) // bs
-        epoch, pos = divmod(step, per_epoch)
-        order = list(range(len(self.taskset)))
-        random.Random(step_seed(self.cfg.seed, epoch, salt=1)).shuffle(order)
-        return [self.taskset[i] for i in order[pos * bs : (pos + 1) * bs]]
+        rows = epoch_batch(len(self.taskset), self.cfg.buffer.batch_size, step,
+                           lambda epoch: step_seed(self.cfg.seed, epoch, salt=1))
+        return [self.taskset[i] for i in rows]
 
     def _run(self, ts_cfg, tasks, n: int, step: int, salt: int):
         """Run the workflow on `tasks` with the taskset's rollout args and reward function."""
@@ -93,13 +96,13 @@ class Explorer:
             # DAPO dynamic sampling: groups whose rewards are all equal carry no signal; draw more
             # tasks until the batch is full of groups that do, or the tries run out (then the
             # batch is topped up with flat groups, so its size never changes)
-            keep = [g for g in groups if len({e.reward for e in g}) > 1]
-            flat = [g for g in groups if len({e.reward for e in g}) == 1]
+            keep = [g for g in groups if not _flat(g)]
+            flat = [g for g in groups if _flat(g)]
             while len(keep) < len(groups) and tries < max_tries:
                 extra = random.Random(step_seed(self.cfg.seed, step, salt=100 + tries)).sample(self.taskset, len(groups))
                 more = self._rollouts(extra, n, step, salt=100 + tries)
-                keep += [g for g in more if len({e.reward for e in g}) > 1]
-                flat += [g for g in more if len({e.reward for e in g}) == 1]
+                keep += [g for g in more if not _flat(g)]
+                flat += [g for g in more if _flat(g)]
                 tries += 1
             groups = (keep + flat)[: len(groups)]
         exps = [e for g in groups for e in g]
@@ -114,7 +117,7 @@ class Explorer:
             "rollout/truncated_frac": sum(e.info["finish_reason"] == "length" for e in exps) / len(exps),
             "rollout/tokens_per_s": lengths.sum().item() / max(elapsed, 1e-9),
             "rollout/sampling_tries": tries,
-            "rollout/zero_variance_group_frac": sum(len({e.reward for e in g}) == 1 for g in groups) / len(groups),
+            "rollout/zero_variance_group_frac": sum(map(_flat, groups)) / len(groups),
         }
         return exps, metrics
 

@@ -114,7 +114,7 @@ def ensure_model(model_cfg) -> None:
     BUILDERS[model_cfg.builder](model_cfg.model_path)
 
 
-def _dtype(name: str) -> torch.dtype:
+def torch_dtype(name: str) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
@@ -139,7 +139,7 @@ def load_model(model_cfg, path: str | None = None):
     _quiet_transformers()
     model = AutoModelForCausalLM.from_pretrained(
         os.path.expanduser(path or model_cfg.model_path),
-        dtype=_dtype(model_cfg.dtype),
+        dtype=torch_dtype(model_cfg.dtype),
         trust_remote_code=model_cfg.trust_remote_code,
     )
     # Dropout would make recomputed log-probs differ from the sampling ones.

@@ -11,7 +11,7 @@ Each violated constraint is a ConfigError that names the keys, their values and 
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 from rft.errors import ConfigError
 
@@ -219,7 +219,3 @@ def format_plan(plan: BatchPlan, title: str = "batch plan") -> str:
     lines = [title, "-" * (w0 + w1 + 30)]
     lines += [f"{a:<{w0}}  {str(b):>{w1}}  {c}" for a, b, c in rows]
     return "\n".join(lines)
-
-
-def plan_dict(plan: BatchPlan) -> dict:
-    return asdict(plan)
