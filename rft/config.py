@@ -156,16 +156,33 @@ class ExplorerInputConfig:
 
 
 @dataclass
+class ReplayBufferConfig:
+    # put experiences back after they are read, to be read again (queue buffers only)
+    enable: bool = False
+    # seconds before a read experience can be read again
+    reuse_cooldown_time: Optional[float] = None
+    # name in rft.buffer.PRIORITY_FNS: which ready experience is read first
+    priority_fn: str = "linear_decay"
+    # linear_decay: priority = policy_version - decay * times_used
+    priority_fn_args: Dict[str, Any] = field(default_factory=lambda: {"decay": 2.0})
+
+
+@dataclass
 class ExperienceBufferConfig:
     name: str = "experience_buffer"
-    # queue: in memory between explorer and trainer;
-    # file: a dataset of prompt/response rows (an SFT stage reads its data this way)
+    # queue: in memory between explorer and trainer (bounded by capacity);
+    # sql: a SQLite database at path (durable, several writers, a read cursor that survives restarts);
+    # file: a JSONL file at path. As the trainer's input, a file that is not one of stored
+    #       experiences is read as a dataset of prompt/response rows (an SFT or DPO stage)
     storage_type: str = "queue"
     path: Optional[str] = None
     split: str = "train"
     format: FormatConfig = field(default_factory=FormatConfig)
-    # seconds the trainer waits for a full batch
+    # seconds the trainer waits for a full batch; then it trains on what arrived (none: an error)
     max_read_timeout: float = 1800.0
+    # queue: most experiences held; a writer waits for room (back-pressure)
+    capacity: int = 100_000
+    replay_buffer: ReplayBufferConfig = field(default_factory=ReplayBufferConfig)
 
 
 @dataclass
@@ -201,9 +218,26 @@ class RolloutModelConfig:
 
 
 @dataclass
+class OverRolloutConfig:
+    # each step waits for (1 - ratio) of its tasks, then at most wait_after_min seconds for the rest;
+    # the rest are dropped and counted (rollout/over_rollout_dropped)
+    ratio: float = 0.0
+    wait_after_min: float = 30.0
+
+
+@dataclass
 class ExplorerConfig:
     name: str = "explorer"
     rollout_model: RolloutModelConfig = field(default_factory=RolloutModelConfig)
+    # concurrent workflow runners per engine: tasks whose reward functions run at the same time
+    runner_per_model: int = 8
+    # seconds a task's workflow (reward included) may take before it counts as failed
+    max_timeout: float = 900.0
+    # a failed or timed-out task is retried this many times, then recorded as failed
+    max_retry_times: int = 2
+    over_rollout: OverRolloutConfig = field(default_factory=OverRolloutConfig)
+    # mode=bench: evaluate only the newest checkpoint (false: every checkpoint and the starting model)
+    bench_on_latest_checkpoint: bool = False
     # evaluate on buffer.explorer_input.eval_tasksets every this many steps (and after the last)
     eval_interval: int = 100
     # evaluate before the first step (skipped on resume)
@@ -229,12 +263,25 @@ class TrainerConfig:
 
 @dataclass
 class SynchronizerConfig:
-    # memory: through the Ray object store; checkpoint: through safetensors files on disk
+    # memory: through the Ray object store; checkpoint: through safetensors files on disk;
+    # collective: torch.distributed broadcast (nccl on GPU, gloo on CPU) (Trinity: nccl)
     sync_method: str = "memory"
     # steps between weight syncs from trainer to explorer
     sync_interval: int = 1
+    # the explorer runs this many steps ahead of the trainer (bounded off-policy; 0: on-policy)
+    sync_offset: int = 0
+    # fixed: sync every sync_interval trainer steps;
+    # dynamic_by_explorer: the explorer takes the newest trained weights every sync_interval of
+    # its own steps, without waiting for a particular trainer step
+    sync_style: str = "fixed"
     # seconds to wait for a sync before failing
     sync_timeout: float = 1200.0
+    # the staleness bound: experiences generated more than this many trainer steps ago are
+    # dropped and counted (staleness/dropped); null: no bound
+    max_staleness: Optional[int] = None
+    # mode=explore: take new weights from the newest checkpoint under this directory (a train-mode
+    # run's <stage>/checkpoints) every sync_interval steps; null: keep the starting weights
+    checkpoint_dir: Optional[str] = None
 
 
 @dataclass
@@ -245,6 +292,8 @@ class MonitorConfig:
     console_keys: List[str] = field(
         default_factory=lambda: ["reward/mean", "eval/accuracy", "loss/policy", "timing/step_s"]
     )
+    # write <stage>/monitor/timeline.json (open in Perfetto or chrome://tracing); Ray only
+    enable_ray_timeline: bool = False
 
 
 @dataclass
@@ -259,6 +308,11 @@ class ClusterConfig:
     gpu_per_node: int = 0
     # CPUs reserved by each actor; also its torch thread count
     cpus_per_actor: int = 1
+    # explorers and trainer share devices (true) or get their own (false); on GPU, the trainer
+    # gets the node_num x gpu_per_node GPUs the explorers' engines do not take
+    colocate: bool = False
+    # times Ray restarts a dead explorer actor (its weights are re-synced, its step re-run)
+    max_actor_restarts: int = 3
 
 
 @dataclass
@@ -271,7 +325,8 @@ class LogConfig:
 class Config:
     project: str = "rft"
     name: str = "run"
-    # both: explorer + trainer; train: trainer only, from trainer_input.experience_buffer
+    # both: explorer + trainer; explore: explorer only, writing buffer.trainer_input.experience_buffer;
+    # train: trainer only, from that buffer (or a dataset); bench: evaluate saved checkpoints
     mode: str = "both"
     seed: int = 42
     checkpoint_root_dir: str = "./checkpoints"
