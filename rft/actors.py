@@ -9,6 +9,7 @@ travels between the actors directly (the object store), not through this process
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 
@@ -20,6 +21,8 @@ def setup_actor_logging(log_dir: str, name: str, level: str) -> None:
     handler = logging.FileHandler(Path(log_dir) / f"{name}.log")
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     logger.addHandler(handler)
+    # the pid lets a person (or a test) find, inspect or kill this actor's process
+    logger.info("%s started in process %d", name, os.getpid())
 
 
 def _build(cls, log_dir, name, level, args):
@@ -28,7 +31,8 @@ def _build(cls, log_dir, name, level, args):
 
 
 class InlineActor:
-    def __init__(self, cls, *args, name: str, log_dir: str, level: str, num_cpus: int = 1):
+    def __init__(self, cls, *args, name: str, log_dir: str, level: str, **resources):
+        self.name = name
         self.obj = _build(cls, log_dir, name, level, args)
 
     def submit(self, method: str, *args):
@@ -55,12 +59,20 @@ class _Host:
 
 
 class RayActor:
-    def __init__(self, cls, *args, name: str, log_dir: str, level: str, num_cpus: int = 1):
+    """A Ray actor running `cls(*args)`.
+
+    `resources`: num_cpus, num_gpus, max_restarts (Ray re-runs the constructor with the same
+    arguments after the process dies; calls in flight fail and the caller decides what to redo),
+    scheduling_strategy (a placement group bundle, see rft.placement).
+    """
+
+    def __init__(self, cls, *args, name: str, log_dir: str, level: str, **resources):
         import ray
 
         self._ray = ray
-        host = ray.remote(num_cpus=num_cpus, max_concurrency=1)(_Host)
-        self.actor = host.options(name=name).remote(cls, log_dir, name, level, args)
+        self.name = name
+        host = ray.remote(max_concurrency=1)(_Host)
+        self.actor = host.options(name=name, **resources).remote(cls, log_dir, name, level, args)
 
     def submit(self, method: str, *args):
         return self.actor.run.remote(method, *args)

@@ -2,19 +2,27 @@
 
 It holds no state that is not derived from the step number and the weights it was last given:
 the tasks of step k and the sampling seed of step k are functions of (seed, k). That is what
-makes a resumed run sample exactly what an uninterrupted one would.
+makes a resumed run sample exactly what an uninterrupted one would, and what lets a restarted
+explorer redo a step. With several explorers (explorer.rollout_model.engine_num), explorer i of E
+takes tasks i, i+E, i+2E, ... of each step.
 """
 
 from __future__ import annotations
 
 import logging
+import math
+import os
+import queue
 import random
+import threading
 import time
+from pathlib import Path
 
 import torch
+
+from rft.algorithms import resolve
 from rft.buffer import epoch_batch
 from rft.engine import ENGINES
-from rft.errors import ConfigError
 from rft.models import load_tokenizer
 from rft.rewards import REWARD_FNS, overlong_penalty
 from rft.tasks import load_tasks
@@ -32,8 +40,94 @@ def step_seed(seed: int, step: int, salt: int = 0) -> int:
     return (seed * 1_000_003 + step * 7919 + salt) % (2**31)
 
 
+def run_jobs(fn, jobs: list, runners: int, timeout: float, retries: int,
+             min_done: int | None = None, wait_after_min: float = 0.0):
+    """`fn(job)` for every job on at most `runners` threads at once; returns (results, counters).
+
+    A call that raises, or runs longer than `timeout` seconds, is retried up to `retries` times;
+    then its result is None. A timed-out call is abandoned, not killed (Python cannot stop a
+    thread): it keeps its thread until it returns, but no longer holds a runner or the step.
+    With `min_done`, once that many jobs have finished the rest get `wait_after_min` seconds more
+    and are then dropped (explorer.over_rollout).
+    """
+    results: list = [None] * len(jobs)
+    tries = [0] * len(jobs)
+    counters = {"errors": 0, "timeouts": 0, "retries": 0, "failed": 0, "over_rollout_dropped": 0}
+    todo = list(range(len(jobs)))
+    running: dict[int, float] = {}  # job -> start time
+    finished: queue.Queue = queue.Queue()  # (job, attempt, ok, value)
+    done = 0
+    min_reached_at = None
+
+    def call(i: int, attempt: int) -> None:
+        try:
+            finished.put((i, attempt, True, fn(jobs[i])))
+        except Exception as e:  # a failing reward function must not end the run
+            finished.put((i, attempt, False, e))
+
+    def failed(i: int) -> None:
+        nonlocal done
+        if tries[i] <= retries:
+            counters["retries"] += 1
+            todo.append(i)
+        else:
+            counters["failed"] += 1
+            done += 1
+
+    while todo or running:
+        while todo and len(running) < runners:
+            i = todo.pop(0)
+            tries[i] += 1
+            running[i] = time.monotonic()
+            threading.Thread(target=call, args=(i, tries[i]), daemon=True).start()
+        try:
+            i, attempt, ok, value = finished.get(timeout=0.01)
+            if i in running and attempt == tries[i]:  # not a late answer from an abandoned call
+                del running[i]
+                if ok:
+                    results[i] = value
+                    done += 1
+                else:
+                    counters["errors"] += 1
+                    log.warning("job %d attempt %d raised %s: %s", i, attempt, type(value).__name__, value)
+                    failed(i)
+        except queue.Empty:
+            pass
+        now = time.monotonic()
+        for i, t0 in list(running.items()):
+            if now - t0 > timeout:
+                del running[i]
+                counters["timeouts"] += 1
+                log.warning("job %d attempt %d timed out after %.1f s", i, tries[i], timeout)
+                failed(i)
+        if min_done is not None and done >= min_done:
+            min_reached_at = min_reached_at or now
+            if now - min_reached_at >= wait_after_min and (todo or running):
+                counters["over_rollout_dropped"] = len(todo) + len(running)
+                break
+    return results, counters
+
+
+def rollout_metrics(exps: list, groups: list, counters: dict, elapsed: float) -> dict:
+    """Metrics of one step's rollouts (from all explorers)."""
+    rewards = torch.tensor([e.reward for e in exps]) if exps else torch.zeros(1)
+    lengths = torch.tensor([e.response_length for e in exps], dtype=torch.float32) if exps else torch.zeros(1)
+    m = {
+        "reward/mean": rewards.mean().item(),
+        "reward/std": rewards.std().item() if len(exps) > 1 else 0.0,
+        "response_length/mean": lengths.mean().item(),
+        "response_length/max": lengths.max().item(),
+        "rollout/truncated_frac": sum(e.info["finish_reason"] == "length" for e in exps) / max(len(exps), 1),
+        "rollout/tokens_per_s": lengths.sum().item() / max(elapsed, 1e-9),
+        "rollout/zero_variance_group_frac": sum(map(_flat, groups)) / max(len(groups), 1),
+        "rollout/experiences": len(exps),
+    }
+    m.update({f"rollout/{k}": v for k, v in counters.items()})
+    return m
+
+
 class Explorer:
-    def __init__(self, cfg, weights_path: str | None = None, version: int = 0):
+    def __init__(self, cfg, weights_path: str | None = None, version: int = 0, shard: int = 0):
         self.cfg = cfg
         torch.set_num_threads(cfg.cluster.cpus_per_actor)
         # denormal floats (tiny Adam moments, decayed weights) make CPU math many times slower
@@ -48,20 +142,39 @@ class Explorer:
             for i, ts in enumerate(inp.eval_tasksets)
         ]
         self.version = version  # the trainer step whose weights this explorer serves
+        self.shard, self.num_shards = shard, rollout.engine_num
         self.workflow = WORKFLOWS["single_turn"]
-        log.info("explorer ready: %d tasks, %d eval tasksets", len(self.taskset), len(self.eval_tasksets))
+        log.info("explorer %d/%d ready: %d tasks, %d eval tasksets", shard, self.num_shards,
+                 len(self.taskset), len(self.eval_tasksets))
+
+    def ping(self) -> int:
+        return os.getpid()
 
     def tasks_for_step(self, step: int):
-        """The batch of tasks for `step`: epoch-wise shuffles of the taskset, seeded by (seed, epoch)."""
+        """This explorer's share of step `step`'s tasks (epoch-wise shuffles seeded by (seed, epoch))."""
         rows = epoch_batch(len(self.taskset), self.cfg.buffer.batch_size, step,
                            lambda epoch: step_seed(self.cfg.seed, epoch, salt=1))
-        return [self.taskset[i] for i in rows]
+        return [self.taskset[i] for i in rows[self.shard :: self.num_shards]]
 
-    def _run(self, ts_cfg, tasks, n: int, step: int, salt: int):
-        """Run the workflow on `tasks` with the taskset's rollout args and reward function."""
+    def _run(self, ts_cfg, tasks, n: int, step: int, salt: int, counters: dict, min_done=None):
+        """Run the workflow on `tasks`; returns one list of experiences per task (None: failed)."""
         name = ts_cfg.reward_fn or self.cfg.buffer.explorer_input.default_reward_fn_type
-        if name not in REWARD_FNS:
-            raise ConfigError(f"reward function {name!r} of taskset {ts_cfg.name!r} is not one of {sorted(REWARD_FNS)}.")
+        reward_fn = resolve(REWARD_FNS, name, "reward_fn")
+        ex = self.cfg.explorer
+
+        def score(jobs):
+            def one(job):
+                prompt, responses, task = job
+                return [float(reward_fn(prompt, r, task)) for r in responses]
+
+            t0 = time.perf_counter()
+            results, c = run_jobs(one, jobs, ex.runner_per_model, ex.max_timeout, ex.max_retry_times,
+                                  min_done, ex.over_rollout.wait_after_min)
+            counters["reward_s"] = counters.get("reward_s", 0.0) + time.perf_counter() - t0
+            for k, v in c.items():
+                counters[k] = counters.get(k, 0) + v
+            return results
+
         ctx = WorkflowContext(
             tokenizer=self.tokenizer,
             n=n,
@@ -70,26 +183,36 @@ class Explorer:
             policy_version=self.version,
             seed=step_seed(self.cfg.seed, step, salt),
             step=step,
-            reward_name=name,
+            score=score,
         )
-        return self.workflow(tasks, self.engine, REWARD_FNS[name], ctx)
+        t0 = time.perf_counter()
+        out = self.workflow(tasks, self.engine, ctx)
+        counters["workflow_s"] = counters.get("workflow_s", 0.0) + time.perf_counter() - t0
+        return out
 
-    def _rollouts(self, tasks, n: int, step: int, salt: int) -> list[list]:
-        """Training rollouts, reward-shaped, as one list per task (a group)."""
+    def _rollouts(self, tasks, n: int, step: int, salt: int, counters: dict) -> list[list]:
+        """Training rollouts, reward-shaped, as one list per task (a group); failed tasks left out."""
         ts, algo = self.cfg.buffer.explorer_input.taskset, self.cfg.algorithm
-        exps = self._run(ts, tasks, n, step, salt)
+        ratio = self.cfg.explorer.over_rollout.ratio
+        min_done = math.ceil((1 - ratio) * len(tasks)) if ratio > 0 else None
+        groups = [g for g in self._run(ts, tasks, n, step, salt, counters, min_done) if g is not None]
         if algo.overlong_buffer_frac > 0:
             max_len = ts.rollout_args.max_tokens or self.cfg.model.max_response_tokens
             buffer_len = max(1, round(algo.overlong_buffer_frac * max_len))
-            for e in exps:
+            for e in (e for g in groups for e in g):
                 e.reward += overlong_penalty(e.response_length, max_len, buffer_len, algo.overlong_penalty_factor)
-        return [exps[i : i + n] for i in range(0, len(exps), n)]
+        return groups
 
     def explore(self, step: int):
+        """This explorer's experiences of step `step` and its counters (summed over explorers)."""
         t0 = time.perf_counter()
         ts = self.cfg.buffer.explorer_input.taskset
         n = ts.repeat_times or self.cfg.algorithm.repeat_times
-        groups = self._rollouts(self.tasks_for_step(step), n, step, salt=0)
+        counters: dict = {}
+        tasks = self.tasks_for_step(step)
+        # salts keep the explorers' sampling seeds apart (shard 0 keeps the single-explorer seeds)
+        salt = 1000 * self.shard
+        groups = self._rollouts(tasks, n, step, salt, counters)
         tries = 1
         max_tries = self.cfg.algorithm.dynamic_sampling_max_tries
         if max_tries > 1:
@@ -98,39 +221,35 @@ class Explorer:
             # batch is topped up with flat groups, so its size never changes)
             keep = [g for g in groups if not _flat(g)]
             flat = [g for g in groups if _flat(g)]
-            while len(keep) < len(groups) and tries < max_tries:
-                extra = random.Random(step_seed(self.cfg.seed, step, salt=100 + tries)).sample(self.taskset, len(groups))
-                more = self._rollouts(extra, n, step, salt=100 + tries)
+            while len(keep) < len(tasks) and tries < max_tries:
+                rng = random.Random(step_seed(self.cfg.seed, step, salt=100 + tries + salt))
+                more = self._rollouts(rng.sample(self.taskset, len(tasks)), n, step, 100 + tries + salt, counters)
                 keep += [g for g in more if not _flat(g)]
                 flat += [g for g in more if _flat(g)]
                 tries += 1
-            groups = (keep + flat)[: len(groups)]
-        exps = [e for g in groups for e in g]
-        elapsed = time.perf_counter() - t0
-        rewards = torch.tensor([e.reward for e in exps])
-        lengths = torch.tensor([e.response_length for e in exps], dtype=torch.float32)
-        metrics = {
-            "reward/mean": rewards.mean().item(),
-            "reward/std": rewards.std().item() if len(exps) > 1 else 0.0,
-            "response_length/mean": lengths.mean().item(),
-            "response_length/max": lengths.max().item(),
-            "rollout/truncated_frac": sum(e.info["finish_reason"] == "length" for e in exps) / len(exps),
-            "rollout/tokens_per_s": lengths.sum().item() / max(elapsed, 1e-9),
-            "rollout/sampling_tries": tries,
-            "rollout/zero_variance_group_frac": sum(map(_flat, groups)) / len(groups),
-        }
-        return exps, metrics
+            groups = (keep + flat)[: len(tasks)]
+        counters["sampling_tries"] = tries
+        counters["failed_tasks"] = counters.pop("failed", 0)
+        counters["explore_s"] = time.perf_counter() - t0
+        return [e for g in groups for e in g], counters
 
     def evaluate(self, step: int) -> dict:
-        """Mean reward on each eval taskset (`eval/<name>/accuracy`; the first one also as `eval/accuracy`)."""
+        """Mean reward on each eval taskset (`eval/<name>/accuracy`; the first one also as `eval/accuracy`).
+
+        A failed task counts as reward 0.
+        """
         metrics = {}
         for i, (ts, tasks) in enumerate(self.eval_tasksets):
-            exps = self._run(ts, tasks, ts.repeat_times or 1, step, salt=2)
-            acc = sum(e.reward for e in exps) / len(exps)
+            n = ts.repeat_times or 1
+            counters: dict = {}
+            groups = self._run(ts, tasks, n, step, 2, counters)
+            acc = sum(e.reward for g in groups if g for e in g) / (len(tasks) * n)
             metrics[f"eval/{ts.name}/accuracy"] = acc
             if i == 0:
                 metrics["eval/accuracy"] = acc
         return metrics
+
+    # ------------------------------------------------------------------ weights
 
     def update_weights(self, state_dict, version: int, expected_fingerprint: str) -> str:
         self.engine.update_weights(state_dict)
@@ -141,6 +260,32 @@ class Explorer:
 
         self.engine.update_weights(load_file(path))
         return self._check(version, expected_fingerprint)
+
+    def load_checkpoint(self, hf_dir: str, version: int, expected_fingerprint: str | None) -> str:
+        """Serve a saved checkpoint's weights (mode=explore picks up the trainer's, mode=bench)."""
+        from rft.models import load_hf_weights
+
+        load_hf_weights(self.engine.model, Path(hf_dir))
+        if expected_fingerprint is None:
+            self.version = version
+            return self.engine.fingerprint()
+        return self._check(version, expected_fingerprint)
+
+    def collective_init(self, address: str, port: int, world: int, rank: int) -> None:
+        from rft.sync import collective_init
+
+        collective_init(address, port, world, rank, self.cfg.synchronizer.sync_timeout)
+
+    def collective_receive(self, version: int, expected_fingerprint: str) -> str:
+        from rft.sync import broadcast_model
+
+        broadcast_model(self.engine.model)
+        return self._check(version, expected_fingerprint)
+
+    def collective_destroy(self) -> None:
+        from rft.sync import collective_destroy
+
+        collective_destroy()
 
     def _check(self, version: int, expected: str) -> str:
         got = self.engine.fingerprint()

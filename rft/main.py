@@ -17,7 +17,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from rft.errors import ConfigError
+from rft.errors import ConfigError, RunError
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +32,9 @@ def main(cfg: DictConfig) -> float | None:
         # raised inside a Ray actor it arrives wrapped; its cause holds the message
         print(f"\nrft: configuration error: {getattr(e, 'cause', e)}\n", file=sys.stderr)
         sys.exit(2)
+    except RunError as e:
+        print(f"\nrft: the run stopped: {e}\n", file=sys.stderr)
+        sys.exit(1)
 
 
 def run_dir_of(cfg: DictConfig) -> Path:
@@ -74,22 +77,35 @@ def _first_line(e: Exception) -> str:
 
 
 def dataset_size(cfg: DictConfig) -> int:
-    """Rows the stage iterates over: the taskset (mode=both) or the training dataset (mode=train)."""
+    """Rows the stage iterates over: the taskset (mode=both|explore), the stored experiences or
+    the training dataset (mode=train)."""
+    from rft.plan import stored_experiences
     from rft.tasks import ensure_task_data, load_rows, load_tasks
 
     inp = cfg.buffer.explorer_input
     ensure_task_data(inp)
-    if cfg.mode == "both":
+    eb = cfg.buffer.trainer_input.experience_buffer
+    if cfg.mode == "train" and eb.storage_type in ("sql", "file") and eb.path and stored_experiences(eb):
+        from rft.buffer import count_experiences
+
+        n = count_experiences(eb.path)
+        if n == 0 and cfg.buffer.total_steps is None:
+            raise ConfigError(
+                f"buffer.trainer_input.experience_buffer.path={eb.path!r} holds no experiences yet. "
+                f"Run mode=explore first, or set buffer.total_steps to train while one writes them."
+            )
+        return n
+    if cfg.mode in ("both", "explore"):
         # load every taskset here, in the driver, so a bad row fails before anything starts
         size = len(load_tasks(inp.taskset, "buffer.explorer_input.taskset"))
         for i, ts in enumerate(inp.eval_tasksets):
             load_tasks(ts, f"buffer.explorer_input.eval_tasksets[{i}]")
         return size
-    eb = cfg.buffer.trainer_input.experience_buffer
-    if eb.storage_type != "file" or not eb.path:
+    if eb.storage_type not in ("sql", "file") or not eb.path:
         raise ConfigError(
-            "mode=train reads its data from buffer.trainer_input.experience_buffer: set its "
-            "storage_type=file and path=<dataset of prompt/response rows>."
+            "mode=train reads its data from buffer.trainer_input.experience_buffer: use buffer=sql "
+            "(experiences a mode=explore run stored), or set its storage_type=file and "
+            "path=<dataset of prompt/response rows>."
         )
     return len(load_rows(eb.path, eb.split, key="buffer.trainer_input.experience_buffer.path"))
 
@@ -127,6 +143,10 @@ def _main(cfg: DictConfig) -> float | None:
     from rft.models import ensure_model
     from rft.plan import format_plan, make_plan
 
+    if cfg.mode == "bench":
+        from rft.bench import bench
+
+        return bench(cfg, run_dir_of(cfg))
     stages = stage_configs(cfg)
     plans = []
     for s in stages:

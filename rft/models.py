@@ -145,3 +145,17 @@ def load_model(model_cfg, path: str | None = None):
     # Dropout would make recomputed log-probs differ from the sampling ones.
     model.eval()
     return model
+
+
+def load_hf_weights(model, hf_dir) -> None:
+    """Load a checkpoint's `hf/model.safetensors` into `model` in place.
+
+    save_pretrained writes tied weights once, so those may be missing; anything else missing or
+    unexpected means the checkpoint is of another model.
+    """
+    from safetensors.torch import load_file
+
+    missing, unexpected = model.load_state_dict(load_file(Path(hf_dir) / "model.safetensors"), strict=False)
+    tied = set(getattr(model, "_tied_weights_keys", None) or [])
+    if unexpected or any(k not in tied for k in missing):
+        raise RuntimeError(f"checkpoint {hf_dir} does not match the model: missing {missing}, unexpected {unexpected}")

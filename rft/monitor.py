@@ -21,9 +21,9 @@ class Monitor:
         self.keys = list(cfg.monitor.console_keys)
         self.path = run_dir / "metrics.jsonl"
         # a resumed run rewrites the steps after its checkpoint: drop what the killed run logged
-        kept = [m for m in read_metrics(self.path) if m["step"] <= start_step]
-        self.path.write_text("".join(json.dumps(m) + "\n" for m in kept))
-        self.file = open(self.path, "a")
+        self.file = _reopen(self.path, start_step)
+        # what each step trained on: group ids, policy versions and a digest of the tokens
+        self.batches = _reopen(run_dir / "batches.jsonl", start_step)
         self.bar = tqdm(total=total_steps, initial=start_step, desc=stage, dynamic_ncols=True, leave=True)
         self.shown: dict[str, float] = {}
         self.tb = None
@@ -54,16 +54,40 @@ class Monitor:
         if advance:
             self.bar.update(step - self.bar.n)
 
+    def record_batch(self, step: int, exps: list) -> None:
+        import hashlib
+
+        digest = hashlib.sha1(json.dumps([[e.tokens, e.reward] for e in exps]).encode()).hexdigest()[:16]
+        record = {"step": step, "groups": sorted({e.group_id for e in exps}),
+                  "versions": sorted(e.policy_version for e in exps), "digest": digest}
+        self.batches.write(json.dumps(record) + "\n")
+        self.batches.flush()
+
+    def histogram(self, step: int, name: str, values: list) -> None:
+        if self.tb is not None and values:
+            import torch
+
+            self.tb.add_histogram(name, torch.tensor(values, dtype=torch.float32), step)
+
     def print(self, text: str) -> None:
         self.bar.write(text)
 
     def close(self) -> None:
         self.bar.close()
         self.file.close()
+        self.batches.close()
         if self.tb is not None:
             self.tb.close()
         if self.wandb is not None:
             self.wandb.finish()
+
+
+def _reopen(path: Path, start_step: int):
+    """Open a per-step JSONL log for appending; a resumed run drops what the killed run logged
+    after its checkpoint (those steps are run again)."""
+    kept = [m for m in read_metrics(path) if m["step"] <= start_step]
+    path.write_text("".join(json.dumps(m) + "\n" for m in kept))
+    return open(path, "a")
 
 
 def _wandb_id(run_dir: Path) -> str:

@@ -39,20 +39,35 @@ def make_plan(cfg, dataset_size: int) -> BatchPlan:
     buf, algo, tr = cfg.buffer, cfg.algorithm, cfg.trainer
     dp = 1  # trainer_strategy=torch is one process
     _check_names(cfg)
-    if cfg.mode not in ("both", "train"):
-        raise ConfigError(f"mode={cfg.mode!r} is not supported; choose both or train.")
+    if cfg.mode not in ("both", "explore", "train"):
+        raise ConfigError(f"mode={cfg.mode!r} is not supported; choose both, explore, train or bench.")
+    _check_runtime(cfg)
     if buf.batch_size < 1:
         raise ConfigError(f"buffer.batch_size={buf.batch_size} must be >= 1 (tasks per step).")
     if algo.repeat_times < 1:
         raise ConfigError(f"algorithm.repeat_times={algo.repeat_times} must be >= 1 (rollouts per task).")
-    if cfg.mode == "both" and algo.advantage_fn in ("grpo", "rloo", "dr_grpo") and algo.repeat_times < 2:
+    if cfg.mode in ("both", "explore") and algo.advantage_fn in ("grpo", "rloo", "dr_grpo") and algo.repeat_times < 2:
         raise ConfigError(
             f"algorithm.advantage_fn={algo.advantage_fn} compares rollouts within a group, but "
             f"algorithm.repeat_times={algo.repeat_times} gives groups of one (every advantage 0). "
             f"Set algorithm.repeat_times to 2 or more (8 is common)."
         )
 
-    if cfg.mode == "both":
+    explores = cfg.mode in ("both", "explore")
+    stored = cfg.mode == "train" and stored_experiences(buf.trainer_input.experience_buffer)
+    if stored:
+        # RL from experiences an explorer stored: whole groups per step, as in mode=both
+        produced = buf.batch_size * algo.repeat_times
+        train_bs = buf.train_batch_size or produced
+        if algo.advantage_fn in ("grpo", "rloo", "dr_grpo", "opmd") and train_bs % algo.repeat_times:
+            raise ConfigError(
+                f"buffer.train_batch_size={train_bs} must be a multiple of algorithm.repeat_times "
+                f"({algo.repeat_times}) so that each step reads whole groups of rollouts."
+            )
+        # with total_steps set the trainer may read experiences still being written
+        per_epoch = dataset_size // train_bs or (1 if buf.total_steps else 0)
+        unit, unit_key = train_bs, "buffer.train_batch_size"
+    elif explores:
         produced = buf.batch_size * algo.repeat_times
         train_bs = buf.train_batch_size or produced
         if train_bs != produced:
@@ -135,8 +150,8 @@ def make_plan(cfg, dataset_size: int) -> BatchPlan:
     return BatchPlan(
         mode=cfg.mode,
         dataset_size=dataset_size,
-        tasks_per_step=buf.batch_size if cfg.mode == "both" else 0,
-        rollouts_per_task=algo.repeat_times if cfg.mode == "both" else 0,
+        tasks_per_step=buf.batch_size if explores else 0,
+        rollouts_per_task=algo.repeat_times if explores else 0,
         experiences_per_step=train_bs,
         mini_batch_size=mini,
         ppo_epochs=tr.ppo_epochs,
@@ -149,6 +164,65 @@ def make_plan(cfg, dataset_size: int) -> BatchPlan:
         total_optimizer_steps=total * opt_per_step,
         warmup_steps=warmup,
     )
+
+
+def stored_experiences(buf_cfg) -> bool:
+    """The trainer's input is experiences an explorer stored (not a dataset of prompt/response rows)."""
+    from rft.buffer import is_experience_file
+
+    return buf_cfg.storage_type == "sql" or (
+        buf_cfg.storage_type == "file" and bool(buf_cfg.path) and is_experience_file(buf_cfg.path)
+    )
+
+
+def _check_runtime(cfg) -> None:
+    """Modes, buffers, the synchronizer's schedule and staleness bound, runners, placement."""
+    from rft.placement import check_placement
+
+    sc, ex, eb = cfg.synchronizer, cfg.explorer, cfg.buffer.trainer_input.experience_buffer
+    key = "buffer.trainer_input.experience_buffer"
+    if cfg.mode == "explore" and eb.storage_type not in ("sql", "file"):
+        raise ConfigError(
+            f"mode=explore stores experiences for a later or separate mode=train run, so "
+            f"{key}.storage_type must be sql or file (it is {eb.storage_type}): add buffer=sql."
+        )
+    if cfg.mode == "train" and eb.storage_type == "queue":
+        raise ConfigError(
+            f"mode=train reads {key}, and a queue has no writer without an explorer: use "
+            f"buffer=sql (experiences a mode=explore run stored) or storage_type=file with a path."
+        )
+    if sc.sync_offset < 0:
+        raise ConfigError(f"synchronizer.sync_offset={sc.sync_offset} must be >= 0 (steps the explorer runs ahead).")
+    if sc.sync_style != "fixed":
+        raise ConfigError(
+            f"synchronizer.sync_style={sc.sync_style!r} is not implemented yet; use fixed (with "
+            f"sync_offset for an explorer that runs ahead of the trainer)."
+        )
+    if sc.sync_method == "collective" and (cfg.cluster.backend != "ray" or cfg.mode != "both"):
+        raise ConfigError(
+            f"synchronizer.sync_method=collective broadcasts between the trainer's and the explorers' "
+            f"processes, so it needs cluster.backend=ray and mode=both (here {cfg.cluster.backend}, "
+            f"{cfg.mode}). Use sync=memory or sync=checkpoint."
+        )
+    # with a fixed schedule the staleness of every experience is known: offset + interval - 1 at
+    # most. A bound below that would drop experiences every step, so it is an error here.
+    worst = sc.sync_offset + sc.sync_interval - 1
+    if cfg.mode == "both" and sc.max_staleness is not None and worst > sc.max_staleness:
+        raise ConfigError(
+            f"synchronizer.max_staleness={sc.max_staleness} is below the staleness this schedule "
+            f"produces: sync_offset ({sc.sync_offset}) + sync_interval ({sc.sync_interval}) - 1 = "
+            f"{worst}, so experiences would be dropped every step. Raise max_staleness to {worst} "
+            f"or lower sync_offset / sync_interval."
+        )
+    for k, v, lo in [("explorer.runner_per_model", ex.runner_per_model, 1),
+                     ("explorer.max_retry_times", ex.max_retry_times, 0)]:
+        if v < lo:
+            raise ConfigError(f"{k}={v} must be >= {lo}.")
+    if ex.max_timeout <= 0:
+        raise ConfigError(f"explorer.max_timeout={ex.max_timeout} must be > 0 (seconds).")
+    if not 0 <= ex.over_rollout.ratio < 1:
+        raise ConfigError(f"explorer.over_rollout.ratio={ex.over_rollout.ratio} must be in [0, 1).")
+    check_placement(cfg)
 
 
 def _check_names(cfg) -> None:
@@ -173,13 +247,15 @@ def _check_names(cfg) -> None:
         ("cluster.backend", cfg.cluster.backend, ACTOR_BACKENDS),
         ("trainer.trainer_strategy", cfg.trainer.trainer_strategy, ("torch",)),
         ("buffer.trainer_input.experience_buffer.storage_type",
-         cfg.buffer.trainer_input.experience_buffer.storage_type, ("queue", "file")),
-        ("buffer.explorer_input.default_reward_fn_type", inp.default_reward_fn_type, REWARD_FNS),
+         cfg.buffer.trainer_input.experience_buffer.storage_type, ("queue", "sql", "file")),
+        ("synchronizer.sync_style", cfg.synchronizer.sync_style, ("fixed", "dynamic_by_explorer")),
     ]
+    # reward functions may also be dotted paths to the user's own
+    resolve(REWARD_FNS, inp.default_reward_fn_type, "buffer.explorer_input.default_reward_fn_type")
     for i, ts in enumerate([inp.taskset, *inp.eval_tasksets]):
         if ts.reward_fn is not None:
             where = "taskset" if i == 0 else f"eval_tasksets[{i - 1}]"
-            checks.append((f"buffer.explorer_input.{where}.reward_fn", ts.reward_fn, REWARD_FNS))
+            resolve(REWARD_FNS, ts.reward_fn, f"buffer.explorer_input.{where}.reward_fn")
     aux = cfg.buffer.trainer_input.auxiliary_buffers
     if cfg.algorithm.sft_loss_weight > 0 and cfg.algorithm.sft_buffer not in aux:
         raise ConfigError(

@@ -28,7 +28,7 @@ from rft.critic import Critic, explained_variance
 from rft.engine import fingerprint
 from rft.errors import ConfigError
 from rft.experience import Experience, collate
-from rft.models import load_model, load_tokenizer
+from rft.models import load_hf_weights, load_model, load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -251,6 +251,36 @@ class Trainer:
     def fingerprint(self) -> str:
         return fingerprint(self.model.state_dict())
 
+    def collective_address(self) -> tuple[str, int]:
+        from rft.sync import free_address
+
+        return free_address()
+
+    def collective_init(self, address: str, port: int, world: int, rank: int) -> None:
+        from rft.sync import collective_init
+
+        collective_init(address, port, world, rank, self.cfg.synchronizer.sync_timeout)
+
+    def collective_send(self) -> None:
+        from rft.sync import broadcast_model
+
+        broadcast_model(self.model)
+
+    def collective_destroy(self) -> None:
+        from rft.sync import collective_destroy
+
+        collective_destroy()
+
+    def ping(self) -> int:
+        return os.getpid()
+
+    def get_version(self) -> int:
+        return self.version
+
+    def skip_step(self) -> None:
+        """A step whose experiences were all dropped (too stale) still counts as a step."""
+        self.version += 1
+
     def save_weights(self, path: str) -> str:
         """Write the weights as one safetensors file (for checkpoint sync); returns the fingerprint."""
         from safetensors.torch import save_file
@@ -278,14 +308,8 @@ class Trainer:
         )
 
     def load(self, directory: str) -> None:
-        from safetensors.torch import load_file
-
         d = Path(directory)
-        missing, unexpected = self.model.load_state_dict(load_file(d / "hf" / "model.safetensors"), strict=False)
-        # tied weights are saved once; anything else missing is a broken checkpoint
-        tied = set(getattr(self.model, "_tied_weights_keys", None) or [])
-        if unexpected or any(k not in tied for k in missing):
-            raise RuntimeError(f"checkpoint {d} does not match the model: missing {missing}, unexpected {unexpected}")
+        load_hf_weights(self.model, d / "hf")
         state = torch.load(d / "trainer_state.pt", weights_only=False)
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])

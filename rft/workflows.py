@@ -1,14 +1,17 @@
-"""Workflows: `fn(tasks, engine, reward_fn, ctx) -> list[Experience]`.
+"""Workflows: `fn(tasks, engine, ctx) -> list[list[Experience] | None]`, one entry per task.
 
 A workflow turns tasks into experiences: prompt -> n rollouts -> rewards. It takes a batch of
-tasks (not one) so the engine can sample them all in one batched call.
+tasks (not one) so the engine can sample them all in one batched call. Rewards go through
+`ctx.score(jobs)`, which the explorer runs on its workflow runners: each task's reward call is
+bounded by `explorer.max_timeout` and retried `explorer.max_retry_times` times; a task that still
+fails comes back as None (no experiences), and the explorer counts it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
-from rft.errors import ConfigError
 from rft.experience import Experience
 
 
@@ -21,7 +24,8 @@ class WorkflowContext:
     policy_version: int
     seed: int
     step: int
-    reward_name: str
+    # score([(prompt_text, [response_text, ...], task), ...]) -> [[reward, ...] | None, ...]
+    score: Callable
 
 
 def encode_prompt(tokenizer, messages: list[dict], max_prompt_tokens: int) -> list[int]:
@@ -32,37 +36,35 @@ def encode_prompt(tokenizer, messages: list[dict], max_prompt_tokens: int) -> li
     return list(ids)[-max_prompt_tokens:]
 
 
-def single_turn(tasks, engine, reward_fn, ctx: WorkflowContext) -> list[Experience]:
+def single_turn(tasks, engine, ctx: WorkflowContext) -> list[list[Experience] | None]:
     """One prompt per task, `ctx.n` sampled responses, one scalar reward each."""
     tok = ctx.tokenizer
     prompts = [encode_prompt(tok, t.messages, ctx.max_prompt_tokens) for t in tasks]
     samples = engine.generate(prompts, ctx.n, ctx.rollout_args, seed=ctx.seed)
-    exps = []
-    for task, prompt, group in zip(tasks, prompts, samples):
-        prompt_text = tok.decode(prompt, skip_special_tokens=True)
-        for s in group:
-            response = tok.decode(s.token_ids, skip_special_tokens=True)
-            try:
-                reward = float(reward_fn(prompt_text, response, task))
-            except Exception as e:
-                raise ConfigError(
-                    f"reward function {ctx.reward_name!r} raised {type(e).__name__}: {e} on task "
-                    f"{task.task_id} with response {response!r}. Fix the reward function."
-                ) from e
-            exps.append(
-                Experience(
-                    tokens=prompt + s.token_ids,
-                    prompt_length=len(prompt),
-                    logprobs=s.logprobs,
-                    reward=reward,
-                    # the seed tells apart two draws of the same task in one step
-                    group_id=f"{ctx.step}/{ctx.seed}/{task.task_id}",
-                    task_id=task.task_id,
-                    policy_version=ctx.policy_version,
-                    info={"finish_reason": s.finish_reason},
-                )
+    prompt_texts = [tok.decode(p, skip_special_tokens=True) for p in prompts]
+    responses = [[tok.decode(s.token_ids, skip_special_tokens=True) for s in group] for group in samples]
+    rewards = ctx.score(list(zip(prompt_texts, responses, tasks)))
+    out = []
+    for task, prompt, text, group, texts, rs in zip(tasks, prompts, prompt_texts, samples, responses, rewards):
+        if rs is None:
+            out.append(None)
+            continue
+        out.append([
+            Experience(
+                tokens=prompt + s.token_ids,
+                prompt_length=len(prompt),
+                logprobs=s.logprobs,
+                reward=float(r),
+                # the seed tells apart two draws of the same task in one step
+                group_id=f"{ctx.step}/{ctx.seed}/{task.task_id}",
+                task_id=task.task_id,
+                policy_version=ctx.policy_version,
+                # the texts are for people reading a stored buffer (python -m rft.buffer)
+                info={"finish_reason": s.finish_reason, "prompt": text, "response": response},
             )
-    return exps
+            for s, response, r in zip(group, texts, rs)
+        ])
+    return out
 
 
 WORKFLOWS = {"single_turn": single_turn}

@@ -5,7 +5,6 @@ SFT warm-up (400 steps), evaluated greedily on the 200 held-out problems.
 """
 
 import pytest
-from omegaconf import open_dict
 
 import rft.main
 from conftest import compose_cfg
@@ -18,17 +17,6 @@ ALGORITHMS = ["grpo", "dr_grpo", "dapo", "gspo", "gmpo", "cpgd", "rloo", "reinfo
 # mix adds an SFT loss on the correct answers, read from an auxiliary buffer
 EXTRA = {"mix": ["+buffer.trainer_input.auxiliary_buffers.sft_dataset.path=${buffer.explorer_input.taskset.path}",
                  "+buffer.trainer_input.auxiliary_buffers.sft_dataset.format.response_key=answer"]}
-
-
-@pytest.fixture(scope="module")
-def warm_start(tmp_path_factory):
-    """The default's SFT warm-up stage alone; returns its final HF-format model."""
-    root = tmp_path_factory.mktemp("warm")
-    cfg = compose_cfg(["cluster=inline", "monitor=console", f"checkpoint_root_dir={root}"])
-    with open_dict(cfg):
-        cfg.stages = cfg.stages[:1]
-    rft.main.main(cfg)
-    return root / "rft" / cfg.name / "sft_warmup" / "checkpoints" / "step_400" / "hf"
 
 
 def eval_start_end(algorithm, warm_start, tmp_path, extra):

@@ -1,0 +1,121 @@
+"""Where the actors run: devices per actor, checked against the config and then against Ray.
+
+    devices      = cluster.node_num x cluster.gpu_per_node GPUs (0: a CPU-only cluster)
+    explorers    = explorer.rollout_model.engine_num engines x tensor_parallel_size GPUs each
+    trainer      = the GPUs the explorers do not take (colocate=false), or all of them shared
+                   (colocate=true); trainer_strategy=torch is one process on one of them
+    on CPU       = each actor reserves cluster.cpus_per_actor CPUs (colocate=true: they share one
+                   set of cpus_per_actor)
+
+`check_placement(cfg)` runs with the batch plan, before Ray starts: a device mapping that cannot
+fit is a ConfigError naming the keys (the case the seeds know as a `node2pg` KeyError).
+`placement_for(cfg)` then reserves the devices as one Ray placement group and returns each actor's
+Ray options; a cluster too small for it is a ConfigError too, not a job waiting forever.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rft.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Placement:
+    explorer_gpus: int  # per explorer (= tensor_parallel_size) or 0
+    trainer_gpus: int  # GPUs the trainer takes (0 on CPU)
+    bundles: list  # one Ray resource bundle per actor: trainer first, then each explorer
+    # with colocate=true the actors share bundle 0, each asking for this fraction of it
+    share: float
+
+
+def check_placement(cfg) -> Placement:
+    c, rm = cfg.cluster, cfg.explorer.rollout_model
+    engines = rm.engine_num if cfg.mode in ("both", "explore", "bench") else 0
+    if c.node_num < 1:
+        raise ConfigError(f"cluster.node_num={c.node_num} must be >= 1.")
+    if rm.engine_num < 1:
+        raise ConfigError(f"explorer.rollout_model.engine_num={rm.engine_num} must be >= 1.")
+    if c.cpus_per_actor < 1:
+        raise ConfigError(f"cluster.cpus_per_actor={c.cpus_per_actor} must be >= 1.")
+    trainer = 1 if cfg.mode in ("both", "train") else 0
+    actors = trainer + engines
+    if c.gpu_per_node == 0:  # CPU only: every actor reserves its CPUs
+        if c.colocate:
+            return Placement(0, 0, [{"CPU": c.cpus_per_actor}], share=1 / actors)
+        return Placement(0, 0, [{"CPU": c.cpus_per_actor}] * actors, share=1.0)
+
+    total = c.node_num * c.gpu_per_node
+    tp = rm.tensor_parallel_size
+    if engines and tp > c.gpu_per_node:
+        raise ConfigError(
+            f"explorer.rollout_model.tensor_parallel_size={tp} is more than cluster.gpu_per_node="
+            f"{c.gpu_per_node}: one engine's tensor-parallel ranks must share a node. Lower "
+            f"tensor_parallel_size to at most {c.gpu_per_node}."
+        )
+    explorer_total = engines * tp
+    if c.colocate:
+        if explorer_total > total:
+            raise ConfigError(
+                f"the explorers need engine_num ({engines}) x tensor_parallel_size ({tp}) = "
+                f"{explorer_total} GPUs but cluster.node_num x gpu_per_node = {total}."
+            )
+        # trainer and explorers time-share the same GPUs (the engines sleep while it trains)
+        return Placement(tp, 1 if trainer else 0, [{"GPU": 1, "CPU": c.cpus_per_actor}], share=1 / actors)
+    left = total - explorer_total
+    if trainer and left < 1:
+        raise ConfigError(
+            f"cluster.node_num x gpu_per_node = {total} GPUs, and the explorers take all of them "
+            f"(engine_num {engines} x tensor_parallel_size {tp} = {explorer_total}), leaving none "
+            f"for the trainer. Lower explorer.rollout_model.engine_num, add nodes, or set "
+            f"cluster.colocate=true to share the GPUs."
+        )
+    bundles = [{"GPU": 1, "CPU": c.cpus_per_actor}] * trainer + [{"GPU": tp, "CPU": c.cpus_per_actor}] * engines
+    return Placement(tp, 1 if trainer else 0, bundles, share=1.0)
+
+
+def placement_for(cfg, timeout_s: float = 60.0):
+    """Reserve the actors' resources as one placement group; returns (group, options per actor).
+
+    options[0] is the trainer's (when there is one), then one per explorer.
+    """
+    import ray
+    from ray.util.placement_group import placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    p = check_placement(cfg)
+    c = cfg.cluster
+    have = ray.cluster_resources()
+    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    if c.node_num > len(nodes):
+        raise ConfigError(
+            f"cluster.node_num={c.node_num} but the Ray cluster has {len(nodes)} node(s). Start "
+            f"Ray on every node of the allocation, or set cluster.node_num={len(nodes)}."
+        )
+    need: dict[str, float] = {}
+    for b in p.bundles:
+        for k, v in b.items():
+            need[k] = need.get(k, 0) + v
+    for k, v in need.items():
+        if have.get(k, 0) < v:
+            raise ConfigError(
+                f"the actors need {v:g} {k} (cluster.cpus_per_actor={c.cpus_per_actor}, "
+                f"gpu_per_node={c.gpu_per_node}, explorer.rollout_model.engine_num="
+                f"{cfg.explorer.rollout_model.engine_num}, colocate={c.colocate}) but the Ray "
+                f"cluster has {have.get(k, 0):g}. Lower those, or start Ray with more "
+                f"(cluster.num_cpus for a local instance)."
+            )
+    pg = placement_group(p.bundles, strategy="PACK")
+    ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
+    if not ready:
+        ray.util.remove_placement_group(pg)
+        raise ConfigError(f"Ray could not place the bundles {p.bundles} within {timeout_s:g} s.")
+    opts = []
+    for i, b in enumerate(p.bundles if p.share == 1.0 else [p.bundles[0]] * round(1 / p.share)):
+        index = i if p.share == 1.0 else 0
+        opts.append(dict(
+            num_cpus=b["CPU"] * p.share,
+            num_gpus=b.get("GPU", 0) * p.share,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index),
+        ))
+    return pg, opts

@@ -1,0 +1,230 @@
+"""The runtime end to end: modes, durable buffers, async (sync_offset) runs and their resume, faults,
+killed actors, several explorers with collective sync, the Ray timeline.
+
+Every run starts from the session's SFT warm start (conftest.warm_start), without the warm-up stage.
+"""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import ROOT, compose_cfg, run_cli
+from faulty_reward import fault_class
+from rft.buffer import epoch_batch
+from rft.explorer import step_seed
+from rft.monitor import read_metrics
+from rft.tasks import load_tasks
+
+pytestmark = pytest.mark.slow
+
+
+def base(warm_start, name, *extra):
+    return ["stages=[]", f"model.model_path={warm_start}", "model.builder=null", "monitor=console",
+            f"name={name}", *extra]
+
+
+def evals(metrics):
+    return [m["eval/accuracy"] for m in metrics if "eval/accuracy" in m]
+
+
+def env_for(tmp_path):
+    return {"RFT_CHECKPOINT_ROOT_DIR": str(tmp_path)}
+
+
+def test_explore_writes_sql_then_train_learns_from_it_then_bench(warm_start, tmp_path):
+    db = tmp_path / "exp.db"
+    sql = ["buffer=sql", f"buffer.trainer_input.experience_buffer.path={db}"]
+    r = run_cli(*base(warm_start, "explorer", "cluster=inline", "mode=explore", "buffer.total_steps=10", *sql),
+                env=env_for(tmp_path))
+    assert r.returncode == 0, r.stderr[-3000:]
+    listing = subprocess.run([sys.executable, "-m", "rft.buffer", str(db), "--limit", "2"],
+                             capture_output=True, text=True, cwd=ROOT)
+    assert listing.returncode == 0 and "reward" in listing.stdout, listing.stdout + listing.stderr
+
+    # 10 steps x 16 tasks x 8 rollouts = 1280 stored experiences = 10 training steps of 128
+    r = run_cli(*base(warm_start, "learner", "cluster=inline", "mode=train", "explorer.eval_interval=10",
+                      "trainer.save_interval=5", *sql), env=env_for(tmp_path))
+    assert r.returncode == 0, r.stderr[-3000:]
+    metrics = read_metrics(tmp_path / "rft" / "learner" / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == list(range(11))
+    start, end = evals(metrics)
+    assert end >= start + 0.2, (start, end)
+    # stored experiences carry the version that made them (0: the explorer never got new weights),
+    # so the k-th step trains on experiences k - 1 steps stale
+    assert [m["staleness/max"] for m in metrics[1:]] == list(range(10))
+
+    r = run_cli(*base(warm_start, "learner", "mode=bench"), env=env_for(tmp_path))
+    assert r.returncode == 0, r.stderr[-3000:]
+    bench = tmp_path / "rft" / "learner" / "bench"
+    rows = (bench / "results.csv").read_text().splitlines()
+    assert rows[0].startswith("stage,step,eval/")
+    assert [row.split(",")[1] for row in rows[1:]] == ["0", "5", "10"]
+    # greedy evaluation of the same weights: bench agrees with the training run's own evals
+    acc = {int(row.split(",")[1]): float(row.split(",")[2]) for row in rows[1:]}
+    assert acc[0] == pytest.approx(start) and acc[10] == pytest.approx(end)
+    assert "| stage | step |" in (bench / "results.md").read_text()
+
+
+def test_async_run_learns_through_ray_with_a_timeline(warm_start, tmp_path):
+    """sync_offset=1: the explorer samples step k+1 while the trainer trains step k."""
+    r = run_cli(*base(warm_start, "async", "synchronizer.sync_offset=1", "synchronizer.max_staleness=1",
+                      "buffer.total_steps=12", "explorer.eval_interval=12", "monitor.enable_ray_timeline=true"),
+                env=env_for(tmp_path))
+    assert r.returncode == 0, r.stderr[-3000:]
+    run = tmp_path / "rft" / "async"
+    metrics = read_metrics(run / "metrics.jsonl")
+    start, end = evals(metrics)
+    assert end >= start + 0.2, (start, end)
+    # step 1 trains on step 0's rollouts of the starting weights (stale by 0); every later step
+    # on rollouts of the weights one step older than the trainer's (stale by 1)
+    assert metrics[1]["staleness/count_0"] == 128
+    assert all(m["staleness/count_1"] == 128 and m["staleness/dropped"] == 0 for m in metrics[2:])
+    timeline = json.loads((run / "monitor" / "timeline.json").read_text())
+    names = {e.get("name", "") for e in timeline}
+    assert any("explore" in n or "run" in n for n in names), sorted(names)[:20]
+
+
+ASYNC = ["cluster=inline", "synchronizer.sync_offset=1", "buffer.total_steps=8", "trainer.save_interval=4",
+         "explorer.eval_interval=4"]
+
+
+def test_killed_async_run_resumes_on_the_same_experiences(warm_start, tmp_path):
+    env = {**os.environ, **env_for(tmp_path)}
+    straight = run_cli(*base(warm_start, "straight", *ASYNC), env=env)
+    assert straight.returncode == 0, straight.stderr[-3000:]
+
+    run = tmp_path / "rft" / "killed"
+    proc = subprocess.Popen([sys.executable, str(ROOT / "run.py"), *base(warm_start, "killed", *ASYNC)],
+                            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    while not (run / "checkpoints" / "step_4" / "state.json").exists():
+        assert proc.poll() is None and time.time() < deadline, "the run ended before its step-4 checkpoint"
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not (run / "checkpoints" / "step_8").exists(), "killed too late to test anything"
+    # the checkpoint holds the step explored ahead (step index 4), not yet trained on
+    state = json.loads((run / "checkpoints" / "step_4" / "state.json").read_text())
+    assert state["next_explore"] == 5 and len(state["buffer"]["items"]) == 128
+
+    resumed = run_cli(*base(warm_start, "killed", *ASYNC), env=env)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resuming from step 4" in resumed.stdout
+    a = read_metrics(tmp_path / "rft" / "straight" / "batches.jsonl")
+    b = read_metrics(run / "batches.jsonl")
+    assert [x["step"] for x in b] == list(range(1, 9))
+    assert a == b  # the same groups, policy versions and token digests, step by step
+    wa = load_file(tmp_path / "rft" / "straight" / "checkpoints" / "step_8" / "hf" / "model.safetensors")
+    wb = load_file(run / "checkpoints" / "step_8" / "hf" / "model.safetensors")
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_failing_and_hanging_reward_is_retried_counted_and_the_run_goes_on(warm_start, tmp_path):
+    r = run_cli(*base(warm_start, "faulty", "cluster=inline", "buffer.total_steps=3", "explorer.eval_interval=3",
+                      "buffer.explorer_input.default_reward_fn_type=faulty_reward.flaky",
+                      "explorer.max_timeout=0.5", "explorer.max_retry_times=1"),
+                env={**env_for(tmp_path), "PYTHONPATH": str(ROOT / "tests")}, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    metrics = read_metrics(tmp_path / "rft" / "faulty" / "metrics.jsonl")
+    batches = read_metrics(tmp_path / "rft" / "faulty" / "batches.jsonl")
+    cfg = compose_cfg(base(warm_start, "faulty"))
+    tasks = load_tasks(cfg.buffer.explorer_input.taskset, "taskset")
+    for m, b in zip(metrics[1:], batches):
+        step = m["step"] - 1
+        ids = [tasks[i].task_id for i in epoch_batch(len(tasks), 16, step, lambda e: step_seed(42, e, salt=1))]
+        kinds = [fault_class(t) for t in ids]
+        trained = {g.split("/", 2)[2] for g in b["groups"]}
+        assert trained == {t for t, k in zip(ids, kinds) if k == "ok"}
+        # each failing task: tried twice (max_retry_times=1), then recorded as failed
+        assert m["rollout/failed_tasks"] == kinds.count("raise") + kinds.count("hang")
+        assert m["rollout/errors"] == 2 * kinds.count("raise")
+        assert m["rollout/timeouts"] == 2 * kinds.count("hang")
+        assert m["rollout/retries"] == kinds.count("raise") + kinds.count("hang")
+        assert m["train/experiences"] == 8 * kinds.count("ok")
+    assert sum(m["rollout/failed_tasks"] for m in metrics[1:]) > 0
+
+
+def _pid(log_file: Path) -> int:
+    return int(re.findall(r"started in process (\d+)", log_file.read_text())[-1])
+
+
+def _wait_for_step(proc, metrics_file: Path, step: int, timeout: float = 300) -> None:
+    deadline = time.time() + timeout
+    while not any(m["step"] >= step for m in read_metrics(metrics_file)):
+        assert proc.poll() is None and time.time() < deadline, "the run ended early"
+        time.sleep(0.1)
+
+
+def test_killed_explorer_is_restarted_and_the_run_completes(warm_start, tmp_path):
+    run = tmp_path / "rft" / "phoenix"
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "run.py"), *base(warm_start, "phoenix", "buffer.total_steps=10",
+                                                     "explorer.eval_interval=100")],
+        cwd=ROOT, env={**os.environ, **env_for(tmp_path)}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    _wait_for_step(proc, run / "metrics.jsonl", 3)
+    os.kill(_pid(run / "log" / "grpo_explorer.log"), signal.SIGKILL)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out[-3000:]
+    assert "grpo_explorer died" in out and "grpo_explorer is back" in out
+    metrics = read_metrics(run / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == list(range(11))
+    assert all(m["rollout/experiences"] == 128 for m in metrics[1:])
+    assert len(re.findall(r"started in process", (run / "log" / "grpo_explorer.log").read_text())) == 2
+
+
+def test_killed_trainer_leaves_a_resumable_checkpoint(warm_start, tmp_path):
+    run = tmp_path / "rft" / "fragile"
+    args = base(warm_start, "fragile", "buffer.total_steps=6", "trainer.save_interval=2", "explorer.eval_interval=100")
+    proc = subprocess.Popen([sys.executable, str(ROOT / "run.py"), *args], cwd=ROOT,
+                            env={**os.environ, **env_for(tmp_path)}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 300
+    while not (run / "checkpoints" / "step_2" / "state.json").exists():
+        assert proc.poll() is None and time.time() < deadline
+        time.sleep(0.05)
+    os.kill(_pid(run / "log" / "grpo_trainer.log"), signal.SIGKILL)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 1, err[-3000:]
+    assert "rft: the run stopped: the trainer actor died" in err
+    assert "Run the same command again to resume from it." in err
+    assert "Traceback" not in err
+
+    again = run_cli(*args, env=env_for(tmp_path))
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert re.search(r"resuming from step [2-5] ", again.stdout)
+    assert [m["step"] for m in read_metrics(run / "metrics.jsonl")] == list(range(7))
+
+
+def test_two_explorers_with_collective_sync(warm_start, tmp_path):
+    """Two explorer actors share each step's tasks; weights reach both by a gloo broadcast."""
+    r = run_cli(*base(warm_start, "collective", "sync=collective", "explorer.rollout_model.engine_num=2",
+                      "cluster.num_cpus=3", "buffer.total_steps=3", "explorer.eval_interval=3"),
+                env=env_for(tmp_path))
+    assert r.returncode == 0, r.stderr[-3000:]
+    run = tmp_path / "rft" / "collective"
+    metrics = read_metrics(run / "metrics.jsonl")
+    assert [m["sync/version"] for m in metrics[1:]] == [1, 2, 3]
+    assert all(m["rollout/experiences"] == 128 for m in metrics[1:])
+    batches = read_metrics(run / "batches.jsonl")
+    # 16 distinct tasks a step, 8 from each explorer (their sampling seeds differ)
+    assert all(len(b["groups"]) == 16 for b in batches)
+    assert len({g.split("/")[1] for g in batches[0]["groups"]}) == 2
+    for i in (0, 1):
+        assert "started in process" in (run / "log" / f"grpo_explorer_{i}.log").read_text()
+
+
+def test_a_cluster_too_small_for_the_actors_is_a_config_error(warm_start, tmp_path):
+    r = run_cli(*base(warm_start, "small", "explorer.rollout_model.engine_num=2", "cluster.num_cpus=2",
+                      "buffer.total_steps=1"), env=env_for(tmp_path))
+    assert r.returncode == 2
+    assert ("the actors need 3 CPU (cluster.cpus_per_actor=1, gpu_per_node=0, "
+            "explorer.rollout_model.engine_num=2, colocate=False) but the Ray cluster has 2.") in r.stderr

@@ -1,0 +1,177 @@
+"""Runtime pieces without a run: workflow runners, the fingerprint check on every sync path, and
+the config errors of modes, schedules and placement."""
+
+import threading
+import time
+
+import pytest
+import torch
+
+from conftest import compose_cfg
+from rft.errors import ConfigError
+from rft.explorer import Explorer, run_jobs
+from rft.placement import check_placement
+from rft.plan import make_plan
+
+
+# ---------------------------------------------------------------- runners
+
+
+def test_run_jobs_retries_then_records_failures_in_order():
+    calls = {}
+    lock = threading.Lock()
+
+    def fn(x):
+        with lock:
+            calls[x] = calls.get(x, 0) + 1
+        if x == 3:
+            raise ValueError("always")
+        if x == 5 and calls[x] == 1:
+            raise ValueError("only the first time")
+        return x * 10
+
+    results, c = run_jobs(fn, list(range(8)), runners=3, timeout=5.0, retries=2)
+    # job 3 fails 3 times (1 + 2 retries) -> None; job 5 succeeds on its retry
+    assert results == [0, 10, 20, None, 40, 50, 60, 70]
+    assert calls[3] == 3 and calls[5] == 2 and calls[0] == 1
+    assert c == {"errors": 4, "timeouts": 0, "retries": 3, "failed": 1, "over_rollout_dropped": 0}
+
+
+def test_run_jobs_abandons_a_hung_call_without_waiting_for_it():
+    release = threading.Event()
+
+    def fn(x):
+        if x == 0:
+            release.wait(30)  # hangs until the test lets it go
+        return x
+
+    t0 = time.monotonic()
+    results, c = run_jobs(fn, [0, 1, 2], runners=2, timeout=0.2, retries=1)
+    elapsed = time.monotonic() - t0
+    release.set()
+    assert results == [None, 1, 2]
+    assert c["timeouts"] == 2 and c["failed"] == 1 and c["retries"] == 1
+    assert elapsed < 10  # two timeouts of 0.2 s, not the 30 s hang
+
+
+def test_run_jobs_over_rollout_drops_the_slowest():
+    release = threading.Event()
+
+    def fn(x):
+        if x >= 6:
+            release.wait(30)
+        return x
+
+    # ratio 0.25 of 8 tasks: wait for ceil(0.75 * 8) = 6, then 0.1 s more, then drop the rest
+    results, c = run_jobs(fn, list(range(8)), runners=8, timeout=60, retries=0, min_done=6, wait_after_min=0.1)
+    release.set()
+    assert results == [0, 1, 2, 3, 4, 5, None, None]
+    assert c["over_rollout_dropped"] == 2 and c["failed"] == 0
+
+
+# ---------------------------------------------------------------- the fingerprint check
+
+
+@pytest.fixture(scope="module")
+def explorer():
+    from rft.models import ensure_model
+    from rft.tasks import ensure_task_data
+
+    cfg = compose_cfg(["cluster=inline"])
+    ensure_model(cfg.model)
+    ensure_task_data(cfg.buffer.explorer_input)
+    return Explorer(cfg)
+
+
+def _trainer_side(explorer):
+    from rft.engine import fingerprint
+
+    sd = {k: v.clone() + 0.01 for k, v in explorer.engine.model.state_dict().items()}
+    return sd, fingerprint(sd)
+
+
+def test_a_corrupted_memory_sync_is_caught(explorer):
+    sd, expected = _trainer_side(explorer)
+    corrupted = dict(sd)
+    name = sorted(sd)[0]
+    corrupted[name] = sd[name].clone()
+    corrupted[name].view(-1)[0] += 1.0  # one garbled number in transit
+    with pytest.raises(RuntimeError, match=r"weight sync to version 7 failed: the explorer now serves weights with fingerprint"):
+        explorer.update_weights(corrupted, 7, expected)
+    assert explorer.update_weights(sd, 7, expected) == expected and explorer.version == 7
+
+
+def test_a_corrupted_collective_sync_is_caught(explorer, monkeypatch):
+    import rft.sync
+
+    sd, expected = _trainer_side(explorer)
+
+    def garbled_broadcast(model):
+        # what a receive would do, with one tensor left stale (a dropped message)
+        with torch.no_grad():
+            for k, v in model.state_dict().items():
+                if k != sorted(sd)[-1]:
+                    v.copy_(sd[k])
+
+    monkeypatch.setattr(rft.sync, "broadcast_model", garbled_broadcast)
+    with pytest.raises(RuntimeError, match="weight sync to version 8 failed"):
+        explorer.collective_receive(8, expected)
+
+
+# ---------------------------------------------------------------- config errors
+
+
+def plan_error(*overrides) -> str:
+    with pytest.raises(ConfigError) as e:
+        make_plan(compose_cfg(["stages=[]", *overrides]), 2000)
+    return str(e.value)
+
+
+def test_a_staleness_bound_below_the_schedule_is_an_error():
+    assert plan_error("synchronizer.sync_offset=1", "synchronizer.sync_interval=2", "synchronizer.max_staleness=1") == (
+        "synchronizer.max_staleness=1 is below the staleness this schedule produces: sync_offset (1) + "
+        "sync_interval (2) - 1 = 2, so experiences would be dropped every step. Raise max_staleness to 2 "
+        "or lower sync_offset / sync_interval."
+    )
+
+
+def test_modes_need_a_buffer_that_outlives_them():
+    assert plan_error("mode=explore").startswith(
+        "mode=explore stores experiences for a later or separate mode=train run, so "
+        "buffer.trainer_input.experience_buffer.storage_type must be sql or file (it is queue)")
+    assert plan_error("mode=train").startswith("mode=train reads buffer.trainer_input.experience_buffer, and a queue has no writer")
+
+
+def test_collective_sync_needs_ray_processes():
+    assert plan_error("sync=collective", "cluster=inline").startswith(
+        "synchronizer.sync_method=collective broadcasts between the trainer's and the explorers' processes")
+
+
+def test_dynamic_sync_style_says_it_is_not_implemented():
+    assert "sync_style='dynamic_by_explorer' is not implemented yet" in plan_error("synchronizer.sync_style=dynamic_by_explorer")
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["cluster.gpu_per_node=2", "explorer.rollout_model.tensor_parallel_size=4"],
+     "explorer.rollout_model.tensor_parallel_size=4 is more than cluster.gpu_per_node=2: one engine's "
+     "tensor-parallel ranks must share a node. Lower tensor_parallel_size to at most 2."),
+    (["cluster.gpu_per_node=4", "cluster.node_num=1", "explorer.rollout_model.engine_num=2",
+      "explorer.rollout_model.tensor_parallel_size=2"],
+     "cluster.node_num x gpu_per_node = 4 GPUs, and the explorers take all of them (engine_num 2 x "
+     "tensor_parallel_size 2 = 4), leaving none for the trainer. Lower explorer.rollout_model.engine_num, "
+     "add nodes, or set cluster.colocate=true to share the GPUs."),
+])
+def test_a_device_mapping_that_does_not_fit_is_an_error(overrides, message):
+    assert plan_error(*overrides) == message
+
+
+def test_placement_on_gpus_and_cpus():
+    # 2 nodes x 4 GPUs, 3 engines of TP 2: 6 GPUs for explorers, the trainer takes 1 of the other 2
+    p = check_placement(compose_cfg(["cluster.node_num=2", "cluster.gpu_per_node=4",
+                                     "explorer.rollout_model.engine_num=3",
+                                     "explorer.rollout_model.tensor_parallel_size=2"]))
+    assert p.bundles == [{"GPU": 1, "CPU": 1}] + [{"GPU": 2, "CPU": 1}] * 3 and p.share == 1.0
+    # CPU only, colocated: trainer and 2 explorers share one bundle of 2 CPUs, a third each
+    p = check_placement(compose_cfg(["cluster.colocate=true", "cluster.cpus_per_actor=2",
+                                     "explorer.rollout_model.engine_num=2"]))
+    assert p.bundles == [{"CPU": 2}] and p.share == pytest.approx(1 / 3)
