@@ -8,6 +8,7 @@ sampling distribution (after temperature/top-p/top-k), and a finish reason.
 from __future__ import annotations
 
 import hashlib
+import time
 from dataclasses import dataclass
 
 import torch
@@ -43,9 +44,17 @@ class HFEngine:
         self.tokenizer = tokenizer
         self.batch_size = rollout_cfg.generate_batch_size
         self.max_response_tokens = model_cfg.max_response_tokens
+        self.busy_s = 0.0  # seconds spent generating (the runtime benchmark's "model compute")
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], n: int, args, seed: int) -> list[list[Sample]]:
+        t0 = time.perf_counter()
+        try:
+            return self._generate(prompts, n, args, seed)
+        finally:
+            self.busy_s += time.perf_counter() - t0
+
+    def _generate(self, prompts: list[list[int]], n: int, args, seed: int) -> list[list[Sample]]:
         flat = [p for p in prompts for _ in range(n)]
         samples: list[Sample] = []
         with torch.random.fork_rng():

@@ -205,7 +205,7 @@ class Explorer:
 
     def explore(self, step: int):
         """This explorer's experiences of step `step` and its counters (summed over explorers)."""
-        t0 = time.perf_counter()
+        t0, busy0 = time.perf_counter(), self.engine.busy_s
         ts = self.cfg.buffer.explorer_input.taskset
         n = ts.repeat_times or self.cfg.algorithm.repeat_times
         counters: dict = {}
@@ -231,6 +231,7 @@ class Explorer:
         counters["sampling_tries"] = tries
         counters["failed_tasks"] = counters.pop("failed", 0)
         counters["explore_s"] = time.perf_counter() - t0
+        counters["generate_s"] = self.engine.busy_s - busy0
         return [e for g in groups for e in g], counters
 
     def evaluate(self, step: int) -> dict:

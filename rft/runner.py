@@ -186,8 +186,10 @@ class StageRun:
             groups.setdefault(e.group_id, []).append(e)
         m = rollout_metrics(exps, list(groups.values()), counters, counters.get("explore_s", 0.0) / max(len(futures), 1))
         m["timing/rollout_s"] = time.perf_counter() - t0
-        m["timing/reward_s"] = counters.get("reward_s", 0.0) / max(len(futures), 1)
-        for k in ("explore_s", "reward_s", "workflow_s"):
+        # per explorer (they run side by side)
+        for k in ("reward_s", "generate_s"):
+            m[f"timing/{k}"] = counters.get(k, 0.0) / max(len(futures), 1)
+        for k in ("explore_s", "reward_s", "workflow_s", "generate_s"):
             m.pop(f"rollout/{k}", None)
         self.explore_metrics[step] = m
         if exps:

@@ -211,6 +211,8 @@ class Trainer:
             "train/zero_variance_group_frac": _zero_variance_frac(batch["rewards"], batch["group_index"]),
             "train/experiences": n,
             "train/tokens_per_s": mask.sum().item() * self.cfg.trainer.ppo_epochs / (time.perf_counter() - t0),
+            # inside the trainer's process: the runtime benchmark's "model compute"
+            "timing/train_compute_s": time.perf_counter() - t0,
         }
         metrics.update({k: v / total_tokens for k, v in pm_sums.items()})
         if self.kl_fn is not None:

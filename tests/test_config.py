@@ -84,7 +84,7 @@ def test_batch_plan_values():
         (["algorithm.advantage_fn=my_study.nowhere.fn"],
          "algorithm.advantage_fn='my_study.nowhere.fn': cannot import it (ModuleNotFoundError: No module named 'my_study')."),
         (["buffer.explorer_input.default_reward_fn_type=exact"],
-         "buffer.explorer_input.default_reward_fn_type='exact' is not one of ['exact_match', 'last_number']."),
+         "buffer.explorer_input.default_reward_fn_type='exact' is not one of ['exact_match', 'last_number']; give a registered name or the dotted path of a function with the same signature (module.function)."),
         (["buffer.batch_size=4000", "buffer.total_steps=null"],
          "the dataset has 2000 rows, fewer than buffer.batch_size=4000"),
     ],
