@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
-import torch
+import copy
+from dataclasses import dataclass, field, fields
 
 
 @dataclass
@@ -22,6 +21,28 @@ class Experience:
     def response_length(self) -> int:
         return len(self.tokens) - self.prompt_length
 
+    def to_dict(self) -> dict:
+        """A JSON-able plain dict of every field: what the sql and file buffers store.
+
+        Numbers are made plain Python ints and floats (an engine may hand out numpy or torch
+        scalars); JSON writes floats in their shortest exact form, so they read back bit for bit.
+        """
+        return {
+            "tokens": [int(t) for t in self.tokens],
+            "prompt_length": int(self.prompt_length),
+            "logprobs": [float(x) for x in self.logprobs],
+            "reward": float(self.reward),
+            "group_id": self.group_id,
+            "task_id": self.task_id,
+            "policy_version": int(self.policy_version),
+            "info": copy.deepcopy(self.info),
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Experience":
+        """The inverse of `to_dict`; keys that are not fields (a newer writer's) are ignored."""
+        return cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d})
+
 
 def collate(exps: list[Experience], pad_id: int) -> dict[str, torch.Tensor]:
     """Right-pad a list of experiences into tensors.
@@ -29,6 +50,8 @@ def collate(exps: list[Experience], pad_id: int) -> dict[str, torch.Tensor]:
     Returns input_ids/attention_mask [n, L] and, aligned with the next-token targets
     input_ids[:, 1:], response_mask [n, L-1] (1 where the target is a response token).
     """
+    import torch  # here, so storing and viewing experiences does not pay for importing torch
+
     L = max(len(e.tokens) for e in exps)
     n = len(exps)
     input_ids = torch.full((n, L), pad_id, dtype=torch.long)

@@ -1,0 +1,355 @@
+"""The experience buffers: one interface over queue, sql and file storage; replay; the viewer."""
+
+import json
+import pickle
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import fields
+
+import pytest
+from omegaconf import OmegaConf
+
+from conftest import ROOT
+from rft.buffer import (BUFFERS, FileBuffer, QueueBuffer, SQLBuffer, count_experiences, is_experience_file,
+                        make_buffer, read_experiences)
+from rft.config import ExperienceBufferConfig
+from rft.errors import ConfigError
+from rft.experience import Experience
+
+WHERE = "buffer.trainer_input.experience_buffer"
+
+
+def buf_cfg(storage_type="queue", **keys):
+    """The schema's buffer config with dotted `keys` set, e.g. **{"replay_buffer.enable": True}."""
+    cfg = OmegaConf.structured(ExperienceBufferConfig(storage_type=storage_type))
+    for key, value in keys.items():
+        OmegaConf.update(cfg, key, value)
+    return cfg
+
+
+def exps(n, start=0):
+    return [
+        Experience(tokens=[i, i + 1, i + 2, i + 3], prompt_length=2, logprobs=[-0.1 * i, -1 / 3],
+                   reward=i / 7, group_id=f"g{i // 2}", task_id=f"t{i}", policy_version=i)
+        for i in range(start, start + n)
+    ]
+
+
+def ids(batch):
+    return [e.task_id for e in batch]
+
+
+@pytest.fixture(params=sorted(BUFFERS))
+def storage(request, tmp_path):
+    """A fresh buffer of each storage type."""
+    path = {"queue": None, "sql": str(tmp_path / "b.db"), "file": str(tmp_path / "b.jsonl")}[request.param]
+    buf = make_buffer(buf_cfg(request.param, path=path))
+    yield buf
+    buf.close()
+
+
+def test_experience_round_trip_is_exact():
+    e = Experience(tokens=[5, 6, 7], prompt_length=1, logprobs=[0.1 + 0.2, -1e-300, -2 / 3], reward=1 / 3,
+                   group_id="g", task_id="t", policy_version=4, info={"prompt": "1+1", "nested": [1.5, {"a": None}]})
+    d = json.loads(json.dumps(e.to_dict()))
+    assert set(d) == {f.name for f in fields(Experience)}  # every field, whatever is added later
+    back = Experience.from_dict(d)
+    assert back == e
+    assert back.logprobs[0] == 0.30000000000000004 and back.reward == 1 / 3  # bit for bit
+
+
+def test_put_then_get_in_order(storage):
+    storage.put(exps(4))
+    storage.put(exps(6, start=4))
+    assert len(storage) == 10
+    got = storage.get(10, timeout=1)
+    assert got == exps(10)
+    assert len(storage) == 0
+
+
+def test_get_returns_what_is_there_after_the_timeout(storage):
+    storage.put(exps(3))
+    t0 = time.monotonic()
+    got = storage.get(5, timeout=0.3)
+    assert ids(got) == ["t0", "t1", "t2"]
+    assert time.monotonic() - t0 >= 0.3
+
+
+def test_get_on_empty_is_a_timeout_error(storage):
+    message = (f"buffer 'experience_buffer': no experiences arrived within 0.1s (wanted 2). The writer "
+               f"(explorer) may have stopped or be slow; raise {WHERE}.max_read_timeout to wait longer.")
+    with pytest.raises(TimeoutError) as e:
+        storage.get(2, timeout=0.1)
+    assert str(e.value) == message
+
+
+def test_state_and_restore(storage):
+    storage.put(exps(10))
+    assert ids(storage.get(3, timeout=1)) == ["t0", "t1", "t2"]
+    state = json.loads(json.dumps(storage.state()))  # what a checkpoint stores
+    assert ids(storage.get(2, timeout=1)) == ["t3", "t4"]
+    storage.restore(state)
+    assert len(storage) == 7
+    assert ids(storage.get(7, timeout=1)) == [f"t{i}" for i in range(3, 10)]
+
+
+def test_sql_state_values(tmp_path):
+    buf = SQLBuffer(buf_cfg("sql", path=str(tmp_path / "b.db")))
+    assert buf.state() == {"cursor": 0, "last_id": 0}
+    buf.put(exps(5))
+    buf.get(2, timeout=1)
+    assert buf.state() == {"cursor": 2, "last_id": 5}
+
+
+def test_sql_cursor_survives_a_restart(tmp_path):
+    cfg = buf_cfg("sql", path=str(tmp_path / "b.db"))
+    first = SQLBuffer(cfg)
+    first.put(exps(10))
+    assert ids(first.get(4, timeout=1)) == ["t0", "t1", "t2", "t3"]
+    first.close()
+    again = SQLBuffer(cfg)  # a restarted reader
+    assert len(again) == 6
+    assert ids(again.get(2, timeout=1)) == ["t4", "t5"]
+    # a reader of another name has its own cursor
+    other = SQLBuffer(buf_cfg("sql", path=str(tmp_path / "b.db"), name="other"))
+    assert ids(other.get(1, timeout=1)) == ["t0"]
+    # read_experiences and count_experiences read without moving any cursor
+    assert ids(read_experiences(str(tmp_path / "b.db"), limit=3, offset=1)) == ["t1", "t2", "t3"]
+    assert count_experiences(str(tmp_path / "b.db")) == 10
+    assert ids(again.get(1, timeout=1)) == ["t6"]
+
+
+def test_sql_truncate_after(tmp_path):
+    buf = SQLBuffer(buf_cfg("sql", path=str(tmp_path / "b.db")))
+    buf.put(exps(5))
+    checkpoint = buf.state()
+    assert checkpoint["last_id"] == 5
+    buf.put(exps(3, start=5))  # written after the checkpoint
+    assert buf.truncate_after(checkpoint["last_id"]) == 3
+    assert buf.truncate_after(checkpoint["last_id"]) == 0
+    buf.put(exps(2, start=100))  # rewritten: new ids, never the deleted ones
+    assert buf.state()["last_id"] == 10
+    assert ids(buf.get(10, timeout=0.2)) == ["t0", "t1", "t2", "t3", "t4", "t100", "t101"]
+
+
+def test_sql_path_forms(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    SQLBuffer(buf_cfg("sql", path="~/deep/dir/b.db")).put(exps(1))
+    assert (tmp_path / "deep" / "dir" / "b.db").is_file()
+    buf = SQLBuffer(buf_cfg("sql", path=f"sqlite:///{tmp_path}/u/b.db"))
+    buf.put(exps(2))
+    assert ids(read_experiences(f"sqlite:///{tmp_path}/u/b.db", limit=5)) == ["t0", "t1"]
+
+
+def test_sql_and_file_buffers_survive_pickling(tmp_path):
+    """A copy sent to another process (a Ray actor) opens the same storage and reads on."""
+    for buf in (SQLBuffer(buf_cfg("sql", path=str(tmp_path / "b.db"))),
+                FileBuffer(buf_cfg("file", path=str(tmp_path / "b.jsonl")))):
+        buf.put(exps(4))
+        buf.get(1, timeout=1)
+        copy = pickle.loads(pickle.dumps(buf))
+        assert ids(copy.get(1, timeout=1)) == ["t1"]
+
+
+def test_file_buffer_waits_for_a_half_written_line(tmp_path):
+    path = tmp_path / "b.jsonl"
+    buf = FileBuffer(buf_cfg("file", path=str(path)))
+    buf.put(exps(2))
+    line = json.dumps(exps(1, start=2)[0].to_dict()) + "\n"
+    with open(path, "a") as f:  # another writer, half way through its line
+        f.write(line[:10])
+    assert len(buf) == 2
+    assert ids(buf.get(3, timeout=0.2)) == ["t0", "t1"]
+    with pytest.raises(TimeoutError):
+        buf.get(1, timeout=0.1)
+    with open(path, "a") as f:
+        f.write(line[10:])
+    assert ids(buf.get(1, timeout=0.2)) == ["t2"]
+
+
+def test_file_buffer_cuts_a_line_left_by_a_killed_writer(tmp_path):
+    path = tmp_path / "b.jsonl"
+    buf = FileBuffer(buf_cfg("file", path=str(path)))
+    buf.put(exps(1))
+    with open(path, "a") as f:
+        f.write('{"tokens": [1, 2')  # a writer killed mid-line; the next put holds the lock
+    buf.put(exps(1, start=1))
+    assert [json.loads(line)["task_id"] for line in path.read_text().splitlines()] == ["t0", "t1"]
+    assert ids(buf.get(5, timeout=0.1)) == ["t0", "t1"]
+
+
+def test_queue_put_waits_for_room(tmp_path):
+    buf = QueueBuffer(buf_cfg(capacity=4, max_read_timeout=10))
+    buf.put(exps(4))
+    writer = threading.Thread(target=buf.put, args=(exps(2, start=4),))
+    writer.start()
+    time.sleep(0.2)
+    assert writer.is_alive() and len(buf) == 4  # blocked: 4 + 2 > capacity
+    assert ids(buf.get(2, timeout=1)) == ["t0", "t1"]
+    writer.join(timeout=5)
+    assert not writer.is_alive()
+    assert ids(buf.get(4, timeout=1)) == ["t2", "t3", "t4", "t5"]
+
+
+def test_queue_put_without_a_reader_times_out():
+    buf = QueueBuffer(buf_cfg(capacity=4, max_read_timeout=0.2))
+    buf.put(exps(3))
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError) as e:
+        buf.put(exps(2, start=3))
+    assert time.monotonic() - t0 >= 0.2
+    assert str(e.value) == (
+        f"buffer 'experience_buffer' is full (4 unread experiences) and no reader made room within 0.2s. "
+        f"The trainer may have stopped; raise {WHERE}.capacity or {WHERE}.max_read_timeout if it is only slow."
+    )
+    assert len(buf) == 3  # nothing of the failed put went in
+
+
+def test_queue_put_larger_than_capacity_is_a_config_error():
+    buf = QueueBuffer(buf_cfg(capacity=4))
+    with pytest.raises(ConfigError) as e:
+        buf.put(exps(5))
+    assert str(e.value) == (
+        f"{WHERE}.capacity=4 is smaller than one write of 5 experiences, which could never fit. "
+        f"Raise {WHERE}.capacity to at least 5."
+    )
+
+
+class FakeClock:
+    def __init__(self):
+        self.t = 1000.0
+
+    def __call__(self):
+        return self.t
+
+
+def replay_buffer(clock, cooldown, **keys):
+    cfg = buf_cfg(**{"replay_buffer.enable": True, "replay_buffer.reuse_cooldown_time": cooldown, **keys})
+    return QueueBuffer(cfg, clock=clock)
+
+
+def test_replay_cooldown():
+    clock = FakeClock()
+    buf = replay_buffer(clock, cooldown=10.0)
+    buf.put(exps(1))
+    assert ids(buf.get(1, timeout=0)) == ["t0"]
+    assert len(buf) == 0  # read, now cooling down
+    with pytest.raises(TimeoutError):
+        buf.get(1, timeout=0.1)
+    clock.t += 9.9
+    with pytest.raises(TimeoutError):
+        buf.get(1, timeout=0.1)
+    clock.t += 0.2
+    assert ids(buf.get(1, timeout=0)) == ["t0"]
+
+
+def test_replay_without_cooldown_reads_once():
+    buf = replay_buffer(FakeClock(), cooldown=None)
+    buf.put(exps(2))
+    assert ids(buf.get(2, timeout=0)) == ["t1", "t0"]  # policy_version 1 before 0
+    with pytest.raises(TimeoutError):
+        buf.get(1, timeout=0.1)
+
+
+def test_replay_linear_decay_priority():
+    buf = replay_buffer(FakeClock(), cooldown=0.0, **{"replay_buffer.priority_fn_args": {"decay": 2.0}})
+    a, b, c = exps(3)
+    a.policy_version, b.policy_version, c.policy_version = 5, 4, 1
+    buf.put([a, b, c])
+    # priority = policy_version - 2 * times_used: a 5, b 4, c 1
+    assert ids(buf.get(2, timeout=0)) == ["t0", "t1"]
+    # a 5-2=3, b 4-2=2, c 1
+    assert ids(buf.get(3, timeout=0)) == ["t0", "t1", "t2"]
+    # a 5-4=1, b 4-4=0, c 1-2=-1, and a new d (version 1) ties with a: the older, a, first
+    d = exps(1, start=3)[0]
+    d.policy_version = 1
+    buf.put([d])
+    assert ids(buf.get(4, timeout=0)) == ["t0", "t3", "t1", "t2"]
+
+
+def test_replay_used_experiences_make_room():
+    """Over capacity, the lowest-priority used experiences go; unread ones are never dropped."""
+    buf = replay_buffer(FakeClock(), cooldown=0.0, capacity=3, max_read_timeout=0.1)
+    buf.put(exps(3))  # versions 0, 1, 2
+    buf.get(3, timeout=0)  # all used once: priorities -2, -1, 0
+    buf.put(exps(2, start=3))  # drops t0 and t1, the lowest
+    assert ids(buf.get(5, timeout=0.1)) == ["t4", "t3", "t2"]
+
+
+def test_unknown_priority_fn():
+    with pytest.raises(ConfigError) as e:
+        QueueBuffer(buf_cfg(**{"replay_buffer.enable": True, "replay_buffer.priority_fn": "fifo"}))
+    assert str(e.value) == f"{WHERE}.replay_buffer.priority_fn='fifo' is not known; choose one of ['linear_decay']."
+
+
+def test_make_buffer_errors(tmp_path):
+    with pytest.raises(ConfigError) as e:
+        make_buffer(buf_cfg("redis"))
+    assert str(e.value) == f"{WHERE}.storage_type='redis' is not a storage type; choose one of queue, sql, file."
+    with pytest.raises(ConfigError) as e:
+        make_buffer(buf_cfg("sql"))
+    assert str(e.value) == (
+        f"{WHERE}.storage_type=sql needs {WHERE}.path: the SQLite file that holds the experiences. "
+        f"Set it, e.g. {WHERE}.path=~/rft-buffers/experience_buffer.db, or set {WHERE}.storage_type=queue."
+    )
+    with pytest.raises(ConfigError) as e:
+        make_buffer(buf_cfg("file"), where="here")
+    assert str(e.value) == (
+        "here.storage_type=file needs here.path: the JSONL file that holds the experiences. "
+        "Set it, e.g. here.path=~/rft-buffers/experience_buffer.jsonl, or set here.storage_type=queue."
+    )
+    with pytest.raises(ConfigError, match=r"replay_buffer.enable=true works with .*storage_type=queue only"):
+        make_buffer(buf_cfg("sql", path=str(tmp_path / "b.db"), **{"replay_buffer.enable": True}))
+
+
+def test_is_experience_file(tmp_path):
+    stored = tmp_path / "stored.jsonl"
+    FileBuffer(buf_cfg("file", path=str(stored))).put(exps(1))
+    dataset = tmp_path / "rows.jsonl"
+    dataset.write_text('\n{"question": "1+1", "answer": "2"}\n')
+    (tmp_path / "empty.jsonl").write_text("")
+    (tmp_path / "junk.jsonl").write_text("not json\n")
+    (tmp_path / "stored.json").write_text(stored.read_text())
+    assert is_experience_file(stored)
+    for other in ("rows.jsonl", "empty.jsonl", "junk.jsonl", "stored.json", "missing.jsonl"):
+        assert not is_experience_file(tmp_path / other), other
+
+
+def view(*args):
+    return subprocess.run([sys.executable, "-m", "rft.buffer", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=60)
+
+
+def test_viewer_prints_prompts_and_responses(tmp_path):
+    rows = exps(3)
+    for i, e in enumerate(rows):
+        e.info = {"prompt": f"{i}+1=", "response": f"{i + 1}"}
+    path = str(tmp_path / "b.db")
+    SQLBuffer(buf_cfg("sql", path=path)).put(rows)
+    r = view(path, "--limit", "2")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines()[0] == f"{path}: 3 experiences; showing 2 from offset 0"
+    assert "[1] task_id=t0 group_id=g0 policy_version=0 reward=0" in r.stdout
+    assert "prompt:   '0+1='" in r.stdout and "response: '1'" in r.stdout
+    assert "prompt:   '1+1='" in r.stdout and "response: '2'" in r.stdout
+    assert "2+1=" not in r.stdout  # the third is past --limit
+
+
+def test_viewer_shows_token_ids_without_texts(tmp_path):
+    path = str(tmp_path / "b.jsonl")
+    FileBuffer(buf_cfg("file", path=path)).put(exps(3))
+    assert count_experiences(path) == 3
+    r = view(path, "--limit", "1", "--offset", "2")
+    assert r.returncode == 0, r.stderr
+    assert "[2] task_id=t2 group_id=g1 policy_version=2" in r.stdout
+    assert "prompt:   token ids [2, 3]" in r.stdout and "response: token ids [4, 5]" in r.stdout
+
+
+def test_viewer_missing_path(tmp_path):
+    path = str(tmp_path / "nope.db")
+    r = view(path)
+    assert r.returncode == 2
+    assert r.stderr == f"rft.buffer: {path}: no such file\n"
+    assert not (tmp_path / "nope.db").exists()  # looking did not create it
