@@ -279,8 +279,8 @@ class SynchronizerConfig:
     # the staleness bound: experiences generated more than this many trainer steps ago are
     # dropped and counted (staleness/dropped); null: no bound
     max_staleness: Optional[int] = None
-    # mode=explore: take new weights from the newest checkpoint under this directory (a train-mode
-    # run's <stage>/checkpoints) every sync_interval steps; null: keep the starting weights
+    # mode=explore: take new weights from the newest checkpoint of this train-mode stage directory
+    # (<run>/<stage>, or its checkpoints/) every sync_interval steps; null: keep the starting weights
     checkpoint_dir: Optional[str] = None
 
 
