@@ -434,10 +434,25 @@ class FileBuffer:
         return [Experience.from_dict(json.loads(line)) for line in lines]
 
     def state(self) -> dict:
-        return {"offset": self.offset}
+        # last_id: the write position, as for SQLBuffer (here the length of the whole lines)
+        end = 0
+        if self.path.exists():
+            with open(self.path, "rb") as f:
+                end = _whole_lines_end(f, f.seek(0, os.SEEK_END))
+        return {"offset": self.offset, "last_id": end}
 
     def restore(self, state: dict) -> None:
         self.offset = int(state["offset"])
+
+    def truncate_after(self, last_id: int) -> int:
+        """Cut the file back to `last_id` bytes (a state's write position); returns lines removed."""
+        if not self.path.exists():
+            return 0
+        with self.lock, open(self.path, "rb+") as f:
+            f.seek(last_id)
+            dropped = sum(1 for line in f if line.strip())
+            f.truncate(last_id)
+        return dropped
 
     def close(self) -> None:
         pass

@@ -103,9 +103,10 @@ def dataset_size(cfg: DictConfig) -> int:
         return size
     if eb.storage_type not in ("sql", "file") or not eb.path:
         raise ConfigError(
-            "mode=train reads its data from buffer.trainer_input.experience_buffer: use buffer=sql "
-            "(experiences a mode=explore run stored), or set its storage_type=file and "
-            "path=<dataset of prompt/response rows>."
+            "mode=train reads its data from buffer.trainer_input.experience_buffer.path, which is "
+            "not set: give the buffer a mode=explore run wrote (buffer=sql "
+            "buffer.trainer_input.experience_buffer.path=<its buffer.db>), or a dataset of "
+            "prompt/response rows (storage_type=file path=<dataset>)."
         )
     return len(load_rows(eb.path, eb.split, key="buffer.trainer_input.experience_buffer.path"))
 

@@ -28,6 +28,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from omegaconf import open_dict
+
 from rft.actors import ACTOR_BACKENDS
 from rft.buffer import DatasetReader, is_experience_file, make_buffer
 from rft.errors import RunError
@@ -129,6 +131,9 @@ class StageRun:
                                             **options[i % len(options)], **restarts))
 
         eb = cfg.buffer.trainer_input.experience_buffer
+        if eb.storage_type in ("sql", "file") and not eb.path:
+            with open_dict(cfg):
+                eb.path = str(stage_dir / ("buffer.db" if eb.storage_type == "sql" else "experiences.jsonl"))
         if mode == "train" and eb.storage_type == "file" and not is_experience_file(eb.path):
             from rft.models import load_tokenizer
 
@@ -146,8 +151,8 @@ class StageRun:
                     log.info("dropped %d experiences written after the checkpoint", dropped)
             if state:
                 self.buffer.restore(state)
-            elif hasattr(self.buffer, "truncate_after"):
-                self.buffer.restore({"cursor": 0, "last_id": 0})  # a fresh run reads from the start
+            elif eb.storage_type == "sql":
+                self.buffer.restore({"cursor": 0})  # a fresh run reads from the start
         self.sync = SYNC_METHODS[cfg.synchronizer.sync_method](stage_dir, cfg.synchronizer)
         # the version the explorers serve (mode=explore: what it picks up; see loop)
         self.synced = 0 if mode == "explore" else saved.get("version", self.start)
@@ -155,6 +160,8 @@ class StageRun:
         self.pending: deque = deque()  # (explore step, one future per explorer)
         self.explore_metrics = {int(k): v for k, v in saved.get("explore_metrics", {}).items()}
         self.monitor = Monitor(cfg, stage_dir, plan.total_steps, self.start, title)
+        if mode == "explore":
+            self.monitor.print(f"[{title}] experiences go to {eb.path} (view them: python -m rft.buffer {eb.path})")
         if self.start:
             self.monitor.print(f"[{title}] resuming from step {self.start} ({latest.path})")
 
@@ -268,12 +275,18 @@ class StageRun:
                 f"Run the same command again to resume from it."
             ) from e
 
-    def _read_batch(self, step: int) -> tuple[list, dict]:
-        """This step's experiences, without those staler than synchronizer.max_staleness."""
+    def _read_batch(self, step: int, produced: int | None) -> tuple[list, dict]:
+        """This step's experiences, without those staler than synchronizer.max_staleness.
+
+        `produced`: in mode=both, how many the explorers made for this step (fewer than planned
+        when tasks failed), so the read never waits for experiences that will not come.
+        """
         if self.source is not None:
             return self.source.batch(step - 1, self.plan.experiences_per_step), {}
+        if produced == 0:
+            return [], {}
         eb = self.cfg.buffer.trainer_input.experience_buffer
-        batch = self.buffer.get(self.plan.experiences_per_step, eb.max_read_timeout)
+        batch = self.buffer.get(produced or self.plan.experiences_per_step, eb.max_read_timeout)
         # staleness: trainer steps between the weights that generated an experience and the
         # weights about to learn from it (step - 1 of them are trained so far)
         stale = [step - 1 - e.policy_version for e in batch]
@@ -310,7 +323,7 @@ class StageRun:
                 metrics.update(self.explore_metrics.pop(step - 1, {}))
             if self.trains:
                 t0 = time.perf_counter()
-                batch, m = self._read_batch(step)
+                batch, m = self._read_batch(step, metrics.get("rollout/experiences"))
                 metrics.update(m)
                 metrics["timing/read_s"] = time.perf_counter() - t0
                 t0 = time.perf_counter()

@@ -134,6 +134,18 @@ def test_sql_truncate_after(tmp_path):
     assert ids(buf.get(10, timeout=0.2)) == ["t0", "t1", "t2", "t3", "t4", "t100", "t101"]
 
 
+def test_file_truncate_after(tmp_path):
+    buf = FileBuffer(buf_cfg("file", path=str(tmp_path / "b.jsonl")))
+    buf.put(exps(5))
+    checkpoint = buf.state()
+    assert checkpoint["last_id"] == (tmp_path / "b.jsonl").stat().st_size
+    buf.put(exps(3, start=5))  # written after the checkpoint
+    assert buf.truncate_after(checkpoint["last_id"]) == 3
+    assert buf.truncate_after(checkpoint["last_id"]) == 0
+    buf.put(exps(2, start=100))
+    assert ids(buf.get(10, timeout=0.2)) == ["t0", "t1", "t2", "t3", "t4", "t100", "t101"]
+
+
 def test_sql_path_forms(tmp_path, monkeypatch):
     monkeypatch.setenv("HOME", str(tmp_path))
     SQLBuffer(buf_cfg("sql", path="~/deep/dir/b.db")).put(exps(1))
