@@ -240,6 +240,7 @@ def _check_names(cfg) -> None:
     checks = [
         ("algorithm.kl_loss_fn", cfg.algorithm.kl_loss_fn, {"none": None, **KL_FNS}),
         ("algorithm.kl_penalty_fn", cfg.algorithm.kl_penalty_fn, {"none": None, **KL_FNS}),
+        ("algorithm.off_policy_correction", cfg.algorithm.off_policy_correction, ("decoupled", "behavior", "none")),
         ("algorithm.loss_agg_mode", cfg.algorithm.loss_agg_mode, AGG_MODES),
         ("algorithm.optimizer.warmup_style", cfg.algorithm.optimizer.warmup_style, ("constant", "cosine")),
         ("explorer.rollout_model.engine_type", cfg.explorer.rollout_model.engine_type, ENGINES),

@@ -11,6 +11,7 @@ One `train_step`:
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 from pathlib import Path
@@ -131,6 +132,7 @@ class Trainer:
                     (lp, _), L = self._forward(self.ref_model, full, s, e)
                     ref_logp[s:e, : L - 1] = lp
 
+        behavior_w = self._off_policy_correction(exps, old_logp, mask)
         groups = {g: i for i, g in enumerate(dict.fromkeys(e.group_id for e in exps))}
         batch = {
             "rewards": torch.tensor([e.reward for e in exps], dtype=torch.float32),
@@ -182,6 +184,8 @@ class Trainer:
                         kl = self.kl_fn(logp, ref_logp[s:e, : L - 1])
                         loss_mat = loss_mat + algo.kl_loss_coef * kl
                         sums["actor/kl"] += (kl.detach() * m).sum().item()
+                    if behavior_w is not None:
+                        loss_mat = loss_mat * behavior_w[s:e, : L - 1]
                     if algo.entropy_coef:
                         loss_mat = loss_mat - algo.entropy_coef * entropy
                     loss = agg_loss(loss_mat, m, algo.loss_agg_mode, m1 - m0, num_tokens, max_len)
@@ -219,6 +223,11 @@ class Trainer:
             metrics["actor/kl"] = sums["actor/kl"] / total_tokens
         if kl_penalty is not None:
             metrics["reward/kl_penalty"] = kl_penalty.mean().item()
+        if behavior_w is not None:
+            stale_mask = mask * (behavior_w != 1.0)
+            metrics["actor/behavior_weight_mean"] = ((behavior_w * mask).sum() / mask.sum()).item()
+            metrics["actor/behavior_weight_capped_frac"] = (
+                ((behavior_w >= algo.behavior_weight_cap) * mask).sum() / stale_mask.sum().clamp(min=1)).item()
         if "loss/sft" in sums:
             metrics["loss/sft"] = sums["loss/sft"] / updates
         if self.critic is not None:
@@ -229,6 +238,30 @@ class Trainer:
             metrics["critic/explained_variance"] = explained_variance(returns, batch["values"], mask)
             metrics["critic/values_mean"] = (batch["values"].sum() / mask.sum()).item()
         return metrics
+
+    def _off_policy_correction(self, exps, old_logp, mask):
+        """algorithm.off_policy_correction for experiences sampled by older weights.
+
+        behavior: their rows of old_logp become the sampling log-probs the explorer stored (in
+        place); returns None. decoupled: returns per-token weights pi_prox / pi_behav (old_logp,
+        recomputed by the current weights, over the sampling log-prob), capped. Fresh experiences
+        are left alone, so on-policy runs are unchanged.
+        """
+        algo = self.cfg.algorithm
+        stale = [i for i, e in enumerate(exps) if e.policy_version < self.version and e.logprobs]
+        if algo.off_policy_correction == "none" or not stale:
+            return None
+        w = torch.ones_like(mask)
+        cap = math.log(algo.behavior_weight_cap)
+        for i in stale:
+            e = exps[i]
+            start, end = e.prompt_length - 1, e.prompt_length - 1 + len(e.logprobs)
+            behav = torch.tensor(e.logprobs, dtype=old_logp.dtype)
+            if algo.off_policy_correction == "behavior":
+                old_logp[i, start:end] = behav
+            else:
+                w[i, start:end] = torch.exp((old_logp[i, start:end] - behav).clamp(max=cap))
+        return None if algo.off_policy_correction == "behavior" else w
 
     def _sft_backward(self) -> float:
         """mix: add sft_loss_weight x (token-mean -log p) of this step's auxiliary rows to the gradient."""

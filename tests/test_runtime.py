@@ -52,15 +52,17 @@ def test_explore_writes_sql_then_train_learns_from_it_then_bench(warm_start, tmp
 
     # 10 steps x 16 tasks x 8 rollouts = 1280 stored experiences = 10 training steps of 128
     r = run_cli(*base(warm_start, "learner", "cluster=inline", "mode=train", "explorer.eval_interval=10",
-                      "trainer.save_interval=5", *sql), env=env_for(tmp_path))
+                      "buffer.total_steps=10", "trainer.save_interval=5", *sql), env=env_for(tmp_path))
     assert r.returncode == 0, r.stderr[-3000:]
     metrics = read_metrics(tmp_path / "rft" / "learner" / "metrics.jsonl")
     assert [m["step"] for m in metrics] == list(range(11))
     start, end = evals(metrics)
     assert end >= start + 0.2, (start, end)
     # stored experiences carry the version that made them (0: the explorer never got new weights),
-    # so the k-th step trains on experiences k - 1 steps stale
+    # so the k-th step trains on experiences k - 1 steps stale; PPO's ratio is then taken against
+    # their sampling log-probs (algorithm.off_policy_correction=behavior), and the clip binds
     assert [m["staleness/max"] for m in metrics[1:]] == list(range(10))
+    assert metrics[1]["actor/clip_frac"] == 0 and max(m["actor/clip_frac"] for m in metrics[2:]) > 0
 
     r = run_cli(*base(warm_start, "learner", "mode=bench"), env=env_for(tmp_path))
     assert r.returncode == 0, r.stderr[-3000:]
