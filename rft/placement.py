@@ -31,7 +31,11 @@ class Placement:
 
 def check_placement(cfg) -> Placement:
     c, rm = cfg.cluster, cfg.explorer.rollout_model
-    engines = rm.engine_num if cfg.mode in ("both", "explore", "bench") else 0
+    # mode=train still runs one explorer for evaluation when there are eval tasksets
+    if cfg.mode in ("both", "explore"):
+        engines = rm.engine_num
+    else:
+        engines = 1 if cfg.buffer.explorer_input.eval_tasksets else 0
     if c.node_num < 1:
         raise ConfigError(f"cluster.node_num={c.node_num} must be >= 1.")
     if rm.engine_num < 1:

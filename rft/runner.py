@@ -128,7 +128,7 @@ class StageRun:
                 name = f"{title}_{cfg.explorer.name}" + (f"_{i}" if n > 1 else "")
                 restarts = dict(max_restarts=cfg.cluster.max_actor_restarts) if cfg.cluster.backend == "ray" else {}
                 self.explorers.append(Actor(Explorer, cfg, weights, self.start if resumed else 0, i, name=name, **common,
-                                            **options[i % len(options)], **restarts))
+                                            **options[i], **restarts))
 
         eb = cfg.buffer.trainer_input.experience_buffer
         if eb.storage_type in ("sql", "file") and not eb.path:
@@ -167,7 +167,7 @@ class StageRun:
 
     def _placement(self) -> list[dict]:
         if self.cfg.cluster.backend != "ray":
-            return [{}, {}]
+            return [{}] * (1 + self.cfg.explorer.rollout_model.engine_num)
         from rft.placement import placement_for
 
         self.pg, options = placement_for(self.cfg)
@@ -336,7 +336,9 @@ class StageRun:
 
             last = step == plan.total_steps
             want_eval = bool(self.explorers) and cfg.mode != "explore" and (step % cfg.explorer.eval_interval == 0 or last)
-            want_save = step % cfg.trainer.save_interval == 0 or last
+            # mode=explore saves its place every step (a small state.json): a resumed explorer
+            # writes again at most the step it was killed in
+            want_save = step % cfg.trainer.save_interval == 0 or last or cfg.mode == "explore"
             if cfg.mode == "explore":
                 if step % sc.sync_interval == 0:
                     self._pick_up_checkpoint(self.explorers)
@@ -392,6 +394,9 @@ class StageRun:
         (tmp / "state.json").write_text(json.dumps(state))
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
+        if self.trainer is None:  # an explorer's place: only the newest matters
+            for old in list_checkpoints(self.dir)[:-1]:
+                shutil.rmtree(old.path, ignore_errors=True)
 
     def close(self) -> None:
         if self.monitor is not None:
