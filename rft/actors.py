@@ -38,7 +38,7 @@ class InlineActor:
     def submit(self, method: str, *args):
         return getattr(self.obj, method)(*args)
 
-    def get(self, future):
+    def get(self, future, timeout: float | None = None):
         return future
 
     def call(self, method: str, *args):
@@ -77,8 +77,12 @@ class RayActor:
     def submit(self, method: str, *args):
         return self.actor.run.remote(method, *args)
 
-    def get(self, future):
-        return self._ray.get(future)
+    def get(self, future, timeout: float | None = None):
+        """The call's result; raises TimeoutError after `timeout` seconds (None: wait)."""
+        try:
+            return self._ray.get(future, timeout=timeout)
+        except self._ray.exceptions.GetTimeoutError as e:
+            raise TimeoutError(f"{self.name} did not answer within {timeout} s") from e
 
     def call(self, method: str, *args):
         return self.get(self.submit(method, *args))

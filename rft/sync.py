@@ -19,30 +19,42 @@ from pathlib import Path
 
 import torch
 
+from rft.errors import RunError
+
+
+def _wait(pairs, timeout: float) -> None:
+    """Wait for every (actor, future) of one sync, each within synchronizer.sync_timeout."""
+    for actor, future in pairs:
+        try:
+            actor.get(future, timeout)
+        except TimeoutError as e:
+            raise RunError(
+                f"a weight sync did not finish within synchronizer.sync_timeout={timeout:g} s ({e}). "
+                f"The newest checkpoint is kept; raise sync_timeout if the model is large, then run "
+                f"the same command again to resume."
+            ) from e
+
 
 class MemorySync:
     def __init__(self, stage_dir: Path, cfg):
-        pass
+        self.timeout = cfg.sync_timeout
 
     def __call__(self, trainer, explorers, version: int) -> None:
         expected = trainer.call("fingerprint")
         weights = trainer.submit("weights")  # with Ray: travels trainer -> explorers directly
-        futures = [e.submit("update_weights", weights, version, expected) for e in explorers]
-        for e, f in zip(explorers, futures):
-            e.get(f)
+        _wait([(e, e.submit("update_weights", weights, version, expected)) for e in explorers], self.timeout)
 
 
 class CheckpointSync:
     def __init__(self, stage_dir: Path, cfg):
         self.dir = stage_dir / "sync"
         self.dir.mkdir(parents=True, exist_ok=True)
+        self.timeout = cfg.sync_timeout
 
     def __call__(self, trainer, explorers, version: int) -> None:
         path = str(self.dir / "model.safetensors")
         expected = trainer.call("save_weights", path)
-        futures = [e.submit("load_weights", path, version, expected) for e in explorers]
-        for e, f in zip(explorers, futures):
-            e.get(f)
+        _wait([(e, e.submit("load_weights", path, version, expected)) for e in explorers], self.timeout)
 
 
 class CollectiveSync:
@@ -50,6 +62,7 @@ class CollectiveSync:
 
     def __init__(self, stage_dir: Path, cfg):
         self.members = None
+        self.timeout = cfg.sync_timeout
 
     def setup(self, trainer, explorers) -> None:
         address, port = trainer.call("collective_address")
@@ -57,8 +70,7 @@ class CollectiveSync:
         # every member joins at once: init_process_group blocks until all have
         futures = [(trainer, trainer.submit("collective_init", address, port, world, 0))]
         futures += [(e, e.submit("collective_init", address, port, world, i + 1)) for i, e in enumerate(explorers)]
-        for actor, f in futures:
-            actor.get(f)
+        _wait(futures, self.timeout)
         self.members = (trainer, *explorers)
 
     def reset(self, trainer, explorers) -> None:
@@ -76,8 +88,7 @@ class CollectiveSync:
         expected = trainer.call("fingerprint")
         futures = [(trainer, trainer.submit("collective_send"))]
         futures += [(e, e.submit("collective_receive", version, expected)) for e in explorers]
-        for actor, f in futures:
-            actor.get(f)
+        _wait(futures, self.timeout)
 
 
 SYNC_METHODS = {"memory": MemorySync, "checkpoint": CheckpointSync, "collective": CollectiveSync}

@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 
 from conftest import ROOT, compose_cfg, run_cli
 from faulty_reward import fault_class
-from rft.buffer import epoch_batch
+from rft.buffer import epoch_batch, read_experiences
 from rft.explorer import step_seed
 from rft.monitor import read_metrics
 from rft.tasks import load_tasks
@@ -74,6 +74,15 @@ def test_explore_writes_sql_then_train_learns_from_it_then_bench(warm_start, tmp
     acc = {int(row.split(",")[1]): float(row.split(",")[2]) for row in rows[1:]}
     assert acc[0] == pytest.approx(start) and acc[10] == pytest.approx(end)
     assert "| stage | step |" in (bench / "results.md").read_text()
+
+    # an explorer that follows a trainer's checkpoints serves (and stamps) the newest one
+    db2 = tmp_path / "exp2.db"
+    r = run_cli(*base(warm_start, "follower", "cluster=inline", "mode=explore", "buffer.total_steps=1", "buffer=sql",
+                      f"buffer.trainer_input.experience_buffer.path={db2}",
+                      f"synchronizer.checkpoint_dir={tmp_path / 'rft' / 'learner'}"), env=env_for(tmp_path))
+    assert r.returncode == 0, r.stderr[-3000:]
+    stored = read_experiences(str(db2), limit=1000)
+    assert len(stored) == 128 and {e.policy_version for e in stored} == {10}
 
 
 def test_async_run_learns_through_ray_with_a_timeline(warm_start, tmp_path):

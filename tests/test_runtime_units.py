@@ -201,3 +201,30 @@ def test_placement_on_gpus_and_cpus():
     p = check_placement(compose_cfg(["cluster.colocate=true", "cluster.cpus_per_actor=2",
                                      "explorer.rollout_model.engine_num=2"]))
     assert p.bundles == [{"CPU": 2}] and p.share == pytest.approx(1 / 3)
+
+
+def test_a_sync_past_sync_timeout_is_a_clear_error(tmp_path):
+    from omegaconf import OmegaConf
+
+    from rft.errors import RunError
+    from rft.sync import MemorySync
+
+    class Stuck:  # an actor that never answers
+        name = "grpo_explorer"
+
+        def call(self, method, *args):
+            return "fingerprint"
+
+        def submit(self, method, *args):
+            return None
+
+        def get(self, future, timeout=None):
+            raise TimeoutError(f"{self.name} did not answer within {timeout} s")
+
+    sync = MemorySync(tmp_path, OmegaConf.create({"sync_timeout": 2.5}))
+    with pytest.raises(RunError) as e:
+        sync(Stuck(), [Stuck()], 3)
+    assert str(e.value) == (
+        "a weight sync did not finish within synchronizer.sync_timeout=2.5 s (grpo_explorer did not answer "
+        "within 2.5 s). The newest checkpoint is kept; raise sync_timeout if the model is large, then run "
+        "the same command again to resume.")
