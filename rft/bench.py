@@ -48,7 +48,7 @@ def bench(cfg, run_dir: Path) -> float | None:
     for stage, ckpt in found:
         if not ckpt.hf_path.exists():
             continue  # an explore-mode stage saves no model
-        explorer.load_checkpoint(str(ckpt.hf_path), ckpt.step, ckpt.state.get("fingerprint"))
+        explorer.load_weights(str(ckpt.hf_path), ckpt.step, ckpt.state.get("fingerprint"))
         rows.append({"stage": stage, "step": ckpt.step, "checkpoint": str(ckpt.path), **explorer.evaluate(ckpt.step)})
         print(f"[bench] {stage} step {ckpt.step}: eval accuracy {rows[-1].get('eval/accuracy', float('nan')):.3f}")
 

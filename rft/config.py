@@ -136,6 +136,8 @@ class RolloutArgs:
     top_k: int = -1
     # defaults to model.max_response_tokens
     max_tokens: Optional[int] = None
+    # strings that end a response (kept in it); the end-of-sequence token always does
+    stop: List[str] = field(default_factory=list)
 
 
 @dataclass
@@ -218,12 +220,26 @@ class BufferConfig:
 
 @dataclass
 class RolloutModelConfig:
-    # hf: transformers generate (the CPU default)
+    # hf: transformers generate (the CPU default); vllm: vLLM (pip install -e .[vllm])
     engine_type: str = "hf"
     engine_num: int = 1
     tensor_parallel_size: int = 1
-    # sequences per generate() call inside the engine
+    # hf: sequences per generate() call inside the engine
     generate_batch_size: int = 256
+    # vllm: the share of GPU memory the engine may take (weights + KV cache)
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = False
+    # vllm: no CUDA graphs (faster start, slower decoding; CPU needs true)
+    enforce_eager: bool = True
+    # vllm: float32 | bfloat16 | float16; null: model.dtype
+    dtype: Optional[str] = None
+    # vllm: the engine's seed; null: the global seed
+    seed: Optional[int] = None
+    # vllm on GPU: release weights and KV cache while the trainer trains (colocated explorer and
+    # trainer, sync_offset=0); not available on CPU
+    enable_sleep_mode: bool = False
+    # vllm on CPU: GiB of memory for the KV cache (VLLM_CPU_KVCACHE_SPACE)
+    cpu_kvcache_space_gb: int = 1
 
 
 @dataclass

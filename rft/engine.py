@@ -23,17 +23,36 @@ class Sample:
     finish_reason: str  # "stop" (end of sequence) or "length" (hit max_tokens)
 
 
-def fingerprint(state_dict: dict[str, torch.Tensor]) -> str:
-    """A short hash of the weights, identical on both sides of a sync iff the weights are.
+def fingerprint(tensors) -> str:
+    """A short summary of weights, equal on both sides of a sync iff the weights are.
 
-    It hashes each tensor's float64 sum and sum of squares: cheap for large models, and any
-    realistic corruption (a missing, stale or garbled tensor) changes it.
+    `tensors`: a state dict, or any iterable of tensors (e.g. `model.parameters()`). It is the
+    float64 sum, sum of absolute values and sum of squares over every distinct tensor (shared
+    ones, like tied embeddings, count once). Being independent of names and layout, it is the same
+    for the trainer's weights and for an engine that stores them differently (vLLM fuses q/k/v and
+    pads the vocabulary with zeros); any realistic corruption (a missing, stale or garbled tensor)
+    changes it. Compare two with `same_weights`.
     """
-    h = hashlib.sha1()
-    for name in sorted(state_dict):
-        t = state_dict[name].detach().to(torch.float64)
-        h.update(f"{name}:{t.sum().item():.17g}:{(t * t).sum().item():.17g}".encode())
-    return h.hexdigest()[:16]
+    if isinstance(tensors, dict):
+        tensors = tensors.values()
+    seen, s, sa, sq = set(), 0.0, 0.0, 0.0
+    for t in tensors:
+        key = (t.data_ptr(), t.numel())
+        if key in seen:
+            continue
+        seen.add(key)
+        t = t.detach().to(torch.float64)
+        s += t.sum().item()
+        sa += t.abs().sum().item()
+        sq += (t * t).sum().item()
+    return f"{s:.15e}/{sa:.15e}/{sq:.15e}"
+
+
+def same_weights(a: str, b: str, rtol: float = 1e-9) -> bool:
+    """Two fingerprints agree up to float64 summation order (one changed weight is far above it)."""
+    (s1, a1, q1), (s2, a2, q2) = (map(float, x.split("/")) for x in (a, b))
+    scale = max(a1, a2, 1e-30)
+    return abs(s1 - s2) <= rtol * scale and abs(a1 - a2) <= rtol * scale and abs(q1 - q2) <= rtol * max(q1, q2, 1e-30)
 
 
 class HFEngine:
@@ -103,11 +122,51 @@ class HFEngine:
             result.append(Sample(ids[:end], logprobs[i, :end].tolist(), reason))
         return result
 
+    # ------------------------------------------------------------------ weights, in place
+
     def update_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         self.model.load_state_dict(state_dict, strict=True)
 
+    def load_weights_file(self, path: str) -> None:
+        """A safetensors file of the trainer's weights, or a checkpoint's hf/ directory."""
+        from pathlib import Path
+
+        from rft.models import load_hf_weights
+
+        if Path(path).is_dir():
+            load_hf_weights(self.model, path)
+        else:
+            from safetensors.torch import load_file
+
+            self.update_weights(load_file(path))
+
+    def collective_init(self, address: str, port: int, world: int, rank: int, timeout_s: float, manifest) -> None:
+        from rft.sync import open_group
+
+        self.group = open_group(address, port, world, rank, timeout_s)
+
+    @torch.no_grad()
+    def collective_receive(self) -> None:
+        """The trainer's broadcast, straight into this model's parameters (same names, same order)."""
+        from rft.sync import broadcast
+
+        broadcast(self.group, [p for _, p in sorted(self.model.named_parameters())])
+
     def fingerprint(self) -> str:
-        return fingerprint(self.model.state_dict())
+        return fingerprint(self.model.parameters())
+
+    def sleep(self) -> None:
+        """Free the device for training (colocation): nothing to free for this engine."""
+
+    def wake_up(self) -> None:
+        pass
 
 
-ENGINES = {"hf": HFEngine}
+def _vllm_engine(*args, **kwargs):
+    # imported only when chosen: vLLM is an optional dependency (pip install -e .[vllm])
+    from rft.vllm_engine import VLLMEngine
+
+    return VLLMEngine(*args, **kwargs)
+
+
+ENGINES = {"hf": HFEngine, "vllm": _vllm_engine}

@@ -22,7 +22,7 @@ import torch
 
 from rft.algorithms import resolve
 from rft.buffer import epoch_batch
-from rft.engine import ENGINES
+from rft.engine import ENGINES, same_weights
 from rft.models import load_tokenizer
 from rft.rewards import REWARD_FNS, overlong_penalty
 from rft.tasks import load_tasks
@@ -256,41 +256,30 @@ class Explorer:
         self.engine.update_weights(state_dict)
         return self._check(version, expected_fingerprint)
 
-    def load_weights(self, path: str, version: int, expected_fingerprint: str) -> str:
-        from safetensors.torch import load_file
-
-        self.engine.update_weights(load_file(path))
-        return self._check(version, expected_fingerprint)
-
-    def load_checkpoint(self, hf_dir: str, version: int, expected_fingerprint: str | None) -> str:
-        """Serve a saved checkpoint's weights (mode=explore picks up the trainer's, mode=bench)."""
-        from rft.models import load_hf_weights
-
-        load_hf_weights(self.engine.model, Path(hf_dir))
-        if expected_fingerprint is None:
+    def load_weights(self, path: str, version: int, expected_fingerprint: str | None) -> str:
+        """A safetensors file (sync=checkpoint) or a checkpoint's hf/ directory (mode=explore, bench)."""
+        self.engine.load_weights_file(path)
+        if expected_fingerprint is None:  # a checkpoint saved before fingerprints were recorded
             self.version = version
             return self.engine.fingerprint()
         return self._check(version, expected_fingerprint)
 
-    def collective_init(self, address: str, port: int, world: int, rank: int) -> None:
-        from rft.sync import collective_init
-
-        collective_init(address, port, world, rank, self.cfg.synchronizer.sync_timeout)
+    def collective_init(self, address: str, port: int, world: int, rank: int, manifest) -> None:
+        self.engine.collective_init(address, port, world, rank, self.cfg.synchronizer.sync_timeout, manifest)
 
     def collective_receive(self, version: int, expected_fingerprint: str) -> str:
-        from rft.sync import broadcast_model
-
-        broadcast_model(self.engine.model)
+        self.engine.collective_receive()
         return self._check(version, expected_fingerprint)
 
-    def collective_destroy(self) -> None:
-        from rft.sync import collective_destroy
+    def sleep(self) -> None:
+        self.engine.sleep()
 
-        collective_destroy()
+    def wake_up(self) -> None:
+        self.engine.wake_up()
 
     def _check(self, version: int, expected: str) -> str:
         got = self.engine.fingerprint()
-        if got != expected:
+        if not same_weights(got, expected):
             raise RuntimeError(
                 f"weight sync to version {version} failed: the explorer now serves weights with "
                 f"fingerprint {got}, the trainer sent {expected}"

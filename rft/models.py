@@ -55,8 +55,11 @@ def _quiet_transformers() -> None:
     transformers.utils.logging.disable_progress_bar()
 
 
-def build_tiny_model(path: str | Path, seed: int = 0) -> Path:
-    """Write the tiny Qwen2 model and its tokenizer to `path` (atomically; safe to race)."""
+def build_tiny_model(path: str | Path, seed: int = 0, arch: dict | None = None) -> Path:
+    """Write the tiny Qwen2 model and its tokenizer to `path` (atomically; safe to race).
+
+    `arch` overrides entries of TINY_ARCH (a larger model for benchmarks, a narrow one for tests).
+    """
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen2Config
 
@@ -84,7 +87,7 @@ def build_tiny_model(path: str | Path, seed: int = 0) -> Path:
             eos_token_id=tokenizer.eos_token_id,
             pad_token_id=tokenizer.pad_token_id,
             bos_token_id=None,
-            **TINY_ARCH,
+            **{**TINY_ARCH, **(arch or {})},
         )
         with torch.random.fork_rng():
             torch.manual_seed(seed)

@@ -220,6 +220,18 @@ def _check_runtime(cfg) -> None:
             raise ConfigError(f"{k}={v} must be >= {lo}.")
     if ex.max_timeout <= 0:
         raise ConfigError(f"explorer.max_timeout={ex.max_timeout} must be > 0 (seconds).")
+    rm = ex.rollout_model
+    if rm.enable_sleep_mode and (sc.sync_offset > 0 or not cfg.cluster.colocate):
+        raise ConfigError(
+            f"explorer.rollout_model.enable_sleep_mode=true frees the GPU for a trainer on the same "
+            f"GPUs while it trains, so it needs cluster.colocate=true and synchronizer.sync_offset=0 "
+            f"(here colocate={cfg.cluster.colocate}, sync_offset={sc.sync_offset})."
+        )
+    if rm.engine_type == "vllm" and sc.sync_method == "collective" and rm.tensor_parallel_size > 1:
+        raise ConfigError(
+            "synchronizer.sync_method=collective with explorer=vllm supports tensor_parallel_size=1 "
+            "for now (each tensor-parallel worker would need a rank of its own): use sync=checkpoint."
+        )
     if not 0 <= ex.over_rollout.ratio < 1:
         raise ConfigError(f"explorer.over_rollout.ratio={ex.over_rollout.ratio} must be in [0, 1).")
     check_placement(cfg)

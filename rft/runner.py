@@ -158,6 +158,7 @@ class StageRun:
         self.synced = 0 if mode == "explore" else saved.get("version", self.start)
         self.next_explore = saved.get("next_explore", self.start)
         self.pending: deque = deque()  # (explore step, one future per explorer)
+        self.asleep = False
         self.explore_metrics = {int(k): v for k, v in saved.get("explore_metrics", {}).items()}
         self.monitor = Monitor(cfg, stage_dir, plan.total_steps, self.start, title)
         if mode == "explore":
@@ -175,7 +176,15 @@ class StageRun:
 
     # ------------------------------------------------------------------ explorers
 
+    def _awake(self, awake: bool) -> None:
+        """explorer.rollout_model.enable_sleep_mode: the engines give the GPU to the trainer while it trains."""
+        if self.cfg.explorer.rollout_model.enable_sleep_mode and self.asleep == awake:
+            for e in self.explorers:
+                e.call("wake_up" if awake else "sleep")
+            self.asleep = not awake
+
     def _submit_explore(self, step: int) -> None:
+        self._awake(True)
         self.pending.append((step, [e.submit("explore", step) for e in self.explorers], time.perf_counter()))
 
     def _collect(self) -> None:
@@ -256,7 +265,7 @@ class StageRun:
         if newest is None or (newest.step <= self.synced and not force) or not newest.hf_path.exists():
             return
         for e in explorers:
-            e.call("load_checkpoint", str(newest.hf_path), newest.step, newest.state.get("fingerprint"))
+            e.call("load_weights", str(newest.hf_path), newest.step, newest.state.get("fingerprint"))
         self.synced = newest.step
         log.info("explorers now serve checkpoint step %d", newest.step)
 
@@ -322,6 +331,8 @@ class StageRun:
                 metrics["timing/wait_rollout_s"] = time.perf_counter() - t0
                 metrics.update(self.explore_metrics.pop(step - 1, {}))
             if self.trains:
+                if self.explores:
+                    self._awake(False)
                 t0 = time.perf_counter()
                 batch, m = self._read_batch(step, metrics.get("rollout/experiences"))
                 metrics.update(m)
@@ -361,6 +372,7 @@ class StageRun:
             self.monitor.log(step, metrics)
 
     def _sync_all(self, version: int) -> None:
+        self._awake(True)
         for attempt in range(self.cfg.cluster.max_actor_restarts + 1):
             try:
                 self.sync(self.trainer, self.explorers, version)

@@ -8,7 +8,8 @@ silently stale weights.
 - checkpoint: through a safetensors file on disk; works when explorer and trainer share only a
   filesystem.
 - collective: a torch.distributed broadcast from the trainer (rank 0) to the explorers (ranks
-  1..E): nccl on GPU, gloo on CPU. Each tensor is received straight into the engine's parameters.
+  1..E) in a process group of its own: nccl on GPU, gloo on CPU. The hf engine receives each
+  tensor straight into its parameters; vLLM receives and loads them tensor by tensor.
 """
 
 from __future__ import annotations
@@ -66,20 +67,19 @@ class CollectiveSync:
 
     def setup(self, trainer, explorers) -> None:
         address, port = trainer.call("collective_address")
+        # what the trainer sends, in order: an engine that lays weights out its own way (vLLM)
+        # receives into buffers of these names and shapes, then loads them
+        manifest = trainer.call("weights_manifest")
         world = 1 + len(explorers)
-        # every member joins at once: init_process_group blocks until all have
+        # every member joins at once: the rendezvous waits until all have
         futures = [(trainer, trainer.submit("collective_init", address, port, world, 0))]
-        futures += [(e, e.submit("collective_init", address, port, world, i + 1)) for i, e in enumerate(explorers)]
+        futures += [(e, e.submit("collective_init", address, port, world, i + 1, manifest))
+                    for i, e in enumerate(explorers)]
         _wait(futures, self.timeout)
         self.members = (trainer, *explorers)
 
     def reset(self, trainer, explorers) -> None:
-        """After an explorer died: the old group is broken; every member leaves it, then a new one forms."""
-        for actor in (trainer, *explorers):
-            try:
-                actor.call("collective_destroy")
-            except Exception:  # the restarted explorer never joined the old group
-                pass
+        """After an explorer died the old group is broken: a new one forms (new port, every member)."""
         self.setup(trainer, explorers)
 
     def __call__(self, trainer, explorers, version: int) -> None:
@@ -110,36 +110,24 @@ def free_address() -> tuple[str, int]:
         return host, s.getsockname()[1]
 
 
-def collective_init(address: str, port: int, world: int, rank: int, timeout_s: float) -> None:
+def open_group(address: str, port: int, world: int, rank: int, timeout_s: float):
+    """A process group of its own (not torch.distributed's default one, which a trainer's FSDP or
+    vLLM's tensor parallelism may hold): the trainer is rank 0 and hosts the rendezvous store."""
     import torch.distributed as dist
 
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    dist.init_process_group(
-        backend="nccl" if torch.cuda.is_available() else "gloo",
-        init_method=f"tcp://{address}:{port}",
-        world_size=world,
-        rank=rank,
-        timeout=datetime.timedelta(seconds=timeout_s),
-    )
-
-
-def collective_destroy() -> None:
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = dist.TCPStore(address, port, world, is_master=rank == 0, timeout=timeout)
+    if torch.cuda.is_available():
+        return dist.ProcessGroupNCCL(store, rank, world)
+    return dist.ProcessGroupGloo(store, rank, world, timeout)
 
 
 @torch.no_grad()
-def broadcast_model(model) -> None:
-    """Rank 0 sends every tensor of `model`'s state dict; the other ranks receive into theirs.
-
-    Both sides hold the same architecture, so sorted names give the same order. Tied tensors
-    (an embedding shared with the output layer) appear twice and are simply sent twice.
-    """
+def broadcast(group, tensors) -> None:
+    """Rank 0's tensors into every other rank's tensors of the same shapes, in order."""
     import torch.distributed as dist
 
-    sd = model.state_dict()
-    for name in sorted(sd):
-        dist.broadcast(sd[name], src=0)
+    opts = dist.BroadcastOptions()
+    opts.rootRank = 0
+    for t in tensors:
+        group.broadcast([t], opts).wait()

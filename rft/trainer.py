@@ -284,27 +284,26 @@ class Trainer:
         return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
 
     def fingerprint(self) -> str:
-        return fingerprint(self.model.state_dict())
+        return fingerprint(self.model.parameters())
 
     def collective_address(self) -> tuple[str, int]:
         from rft.sync import free_address
 
         return free_address()
 
-    def collective_init(self, address: str, port: int, world: int, rank: int) -> None:
-        from rft.sync import collective_init
+    def weights_manifest(self) -> list[tuple[str, list[int], str]]:
+        """(name, shape, dtype) of what collective_send sends, in order."""
+        return [(n, list(p.shape), str(p.dtype).removeprefix("torch.")) for n, p in sorted(self.model.named_parameters())]
 
-        collective_init(address, port, world, rank, self.cfg.synchronizer.sync_timeout)
+    def collective_init(self, address: str, port: int, world: int, rank: int) -> None:
+        from rft.sync import open_group
+
+        self.group = open_group(address, port, world, rank, self.cfg.synchronizer.sync_timeout)
 
     def collective_send(self) -> None:
-        from rft.sync import broadcast_model
+        from rft.sync import broadcast
 
-        broadcast_model(self.model)
-
-    def collective_destroy(self) -> None:
-        from rft.sync import collective_destroy
-
-        collective_destroy()
+        broadcast(self.group, [p.data for _, p in sorted(self.model.named_parameters())])
 
     def ping(self) -> int:
         return os.getpid()
@@ -324,7 +323,7 @@ class Trainer:
         # tied embeddings share storage; safetensors wants each tensor once
         save_file({k: v.contiguous() for k, v in _untie(sd).items()}, path + ".tmp")
         os.replace(path + ".tmp", path)
-        return fingerprint(sd)
+        return fingerprint(self.model.parameters())
 
     def save(self, directory: str) -> None:
         """A resumable checkpoint: the model in HF format (hf/) and the optimizer state."""

@@ -87,7 +87,8 @@ def _trainer_side(explorer):
     from rft.engine import fingerprint
 
     sd = {k: v.clone() + 0.01 for k, v in explorer.engine.model.state_dict().items()}
-    return sd, fingerprint(sd)
+    # the trainer fingerprints its parameters: a tied output layer counts once
+    return sd, fingerprint([sd[n] for n, _ in explorer.engine.model.named_parameters()])
 
 
 def test_a_corrupted_memory_sync_is_caught(explorer):
@@ -105,15 +106,16 @@ def test_a_corrupted_collective_sync_is_caught(explorer, monkeypatch):
     import rft.sync
 
     sd, expected = _trainer_side(explorer)
+    names = [n for n, _ in sorted(explorer.engine.model.named_parameters())]
 
-    def garbled_broadcast(model):
-        # what a receive would do, with one tensor left stale (a dropped message)
+    def garbled_broadcast(group, tensors):
+        # what a receive does, with the last tensor left stale (a dropped message)
         with torch.no_grad():
-            for k, v in model.state_dict().items():
-                if k != sorted(sd)[-1]:
-                    v.copy_(sd[k])
+            for name, t in zip(names[:-1], tensors):
+                t.copy_(sd[name])
 
-    monkeypatch.setattr(rft.sync, "broadcast_model", garbled_broadcast)
+    monkeypatch.setattr(rft.sync, "broadcast", garbled_broadcast)
+    explorer.engine.group = None
     with pytest.raises(RuntimeError, match="weight sync to version 8 failed"):
         explorer.collective_receive(8, expected)
 
