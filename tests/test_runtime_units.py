@@ -230,3 +230,20 @@ def test_a_sync_past_sync_timeout_is_a_clear_error(tmp_path):
         "a weight sync did not finish within synchronizer.sync_timeout=2.5 s (grpo_explorer did not answer "
         "within 2.5 s). The newest checkpoint is kept; raise sync_timeout if the model is large, then run "
         "the same command again to resume.")
+
+
+def test_sleep_mode_frees_the_engines_only_while_the_trainer_trains():
+    from types import SimpleNamespace
+
+    from rft.runner import StageRun
+
+    calls = []
+    explorer = SimpleNamespace(call=lambda method: calls.append(method))
+    run = SimpleNamespace(cfg=compose_cfg(["explorer.rollout_model.enable_sleep_mode=true"]),
+                          explorers=[explorer, explorer], asleep=False)
+    for awake in (True, False, False, True, True):  # explore, train, (again), sync, explore
+        StageRun._awake(run, awake)
+    assert calls == ["sleep", "sleep", "wake_up", "wake_up"]  # two engines, each once per change
+    run.cfg = compose_cfg([])  # off: never touched
+    StageRun._awake(run, False)
+    assert len(calls) == 4
