@@ -143,6 +143,12 @@ class VLLMEngine:
     def fingerprint(self) -> str:
         return self.llm.collective_rpc("rft_fingerprint")[0]
 
+    def shutdown(self) -> None:
+        """Stop vLLM's engine process now (rather than at interpreter exit, when logs are closed)."""
+        core = getattr(getattr(self.llm, "llm_engine", None), "engine_core", None)
+        if core is not None:
+            core.shutdown()
+
     # ------------------------------------------------------------------ colocation
 
     def sleep(self) -> None:

@@ -39,7 +39,8 @@ def engines():
     prompts = [encode_prompt(tok, t.messages, cfg.model.max_prompt_tokens) for t in tasks]
     hf = HFEngine(cfg.model, cfg.explorer.rollout_model, tok)
     vllm = VLLMEngine(cfg.model, cfg.explorer.rollout_model, tok)
-    return cfg, hf, vllm, prompts
+    yield cfg, hf, vllm, prompts
+    vllm.shutdown()
 
 
 def greedy(cfg):
