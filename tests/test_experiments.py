@@ -1,0 +1,138 @@
+"""Experiment overlays (conf/experiment/): each composes, runs on a tiny budget, and a real
+`python run.py -m` sweep of tiny_seeds ends in a sweep report."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import yaml
+from omegaconf import OmegaConf
+
+import rft.main
+from conftest import CONF, ROOT, compose_cfg, run_cli
+from rft.monitor import read_metrics
+
+EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
+
+
+def selected(name: str) -> str:
+    """`experiment=NAME` once conf/config.yaml's defaults list has `experiment: null`; until then
+    the group is appended with `+experiment=NAME`."""
+    defaults = yaml.safe_load((CONF / "config.yaml").read_text())["defaults"]
+    listed = any(isinstance(d, dict) and "experiment" in d for d in defaults)
+    return f"{'' if listed else '+'}experiment={name}"
+
+
+def test_the_overlays_are_there():
+    assert {"tiny_arithmetic", "qwen_gsm8k", "tiny_seeds"} <= set(EXPERIMENTS)
+
+
+@pytest.mark.parametrize("name", EXPERIMENTS)
+def test_overlay_composes_and_documents_its_command(name):
+    text = (CONF / "experiment" / f"{name}.yaml").read_text()
+    first, second = text.splitlines()[:2]
+    assert first == "# @package _global_", f"{name}.yaml must start with '# @package _global_'"
+    assert re.fullmatch(rf"# python run\.py (-m )?experiment={name}", second), second
+    cfg = compose_cfg([selected(name)])
+    # its outputs go to a directory of its own
+    assert cfg.name == name
+    readme = ROOT / "experiments" / name / "README.md"
+    assert readme.exists(), f"experiments/{name}/README.md: the command and the results"
+    assert f"experiment={name}" in "\n".join(readme.read_text().splitlines()[:6])
+    # the command line still wins over the overlay
+    cfg = compose_cfg([selected(name), "algorithm=dr_grpo", "seed=7"])
+    assert (cfg.algorithm.algorithm_type, cfg.seed) == ("dr_grpo", 7)
+
+
+def test_tiny_arithmetic_is_the_default_under_its_own_name():
+    default = OmegaConf.to_container(compose_cfg([]))
+    overlay = OmegaConf.to_container(compose_cfg([selected("tiny_arithmetic")]))
+    assert overlay.pop("name") == "tiny_arithmetic"
+    default.pop("name")
+    assert overlay == default
+
+
+def test_qwen_gsm8k_is_a_gpu_run():
+    cfg = compose_cfg([selected("qwen_gsm8k")])
+    assert cfg.model.model_path.endswith("Qwen2.5-0.5B-Instruct") or "RFT_MODEL_PATH" in os.environ
+    assert cfg.buffer.explorer_input.default_reward_fn_type == "last_number"
+    assert cfg.explorer.rollout_model.engine_type == "vllm"
+    assert cfg.synchronizer.sync_method == "collective"
+    assert cfg.cluster.gpu_per_node == 2 and cfg.stages == []
+
+
+def test_tiny_seeds_sweeps_three_seeds():
+    cfg = compose_cfg([selected("tiny_seeds")], keep_hydra=True)
+    assert cfg.hydra.sweeper.params == {"seed": "1,2,3"}
+    assert cfg.cluster.backend == "inline"
+
+
+# ---------------------------------------------------------------- runs on a tiny budget
+
+# two RL steps of 4 tasks x 2 rollouts, one eval; the SFT warm-up (where there is one) 2 steps
+TINY = ["cluster=inline", "monitor=console", "buffer.batch_size=4", "algorithm.repeat_times=2",
+        "buffer.total_steps=2", "explorer.eval_interval=2", "trainer.save_interval=2"]
+SHORT_WARMUP = ["stages.0.buffer.total_steps=2", "stages.0.algorithm.optimizer.warmup_steps=0",
+                "stages.0.buffer.train_batch_size=8", "stages.0.explorer.eval_interval=2"]
+
+
+@pytest.mark.slow
+def test_tiny_arithmetic_runs(tmp_path):
+    cfg = compose_cfg([selected("tiny_arithmetic"), *TINY, *SHORT_WARMUP, f"checkpoint_root_dir={tmp_path}"])
+    rft.main.main(cfg)
+    run = tmp_path / "rft" / "tiny_arithmetic"
+    assert [m["step"] for m in read_metrics(run / "sft_warmup" / "metrics.jsonl")] == [0, 1, 2]
+    assert [m["step"] for m in read_metrics(run / "grpo" / "metrics.jsonl")] == [0, 1, 2]
+
+
+GSM8K_ROWS = [(f"Sam has {a} apples and buys {b} more. How many apples does Sam have now?",
+               f"Sam has {a} + {b} = {a + b} apples.\n#### {a + b}") for a in range(1, 5) for b in range(2, 5)]
+
+
+@pytest.mark.slow
+def test_qwen_gsm8k_runs_with_the_tiny_model(tmp_path, monkeypatch):
+    """The GPU overlay with the tiny model, the hf engine and memory sync, on a local GSM8K-format
+    copy (RFT_GSM8K_PATH): what `experiment=qwen_gsm8k` needs to run on a CPU."""
+    data = tmp_path / "gsm8k"
+    data.mkdir()
+    for split, rows in {"train": GSM8K_ROWS[:8], "test": GSM8K_ROWS[8:]}.items():
+        (data / f"{split}.jsonl").write_text("".join(json.dumps({"question": q, "answer": a}) + "\n" for q, a in rows))
+    monkeypatch.setenv("RFT_GSM8K_PATH", str(data))
+    cfg = compose_cfg([
+        selected("qwen_gsm8k"), *TINY, f"checkpoint_root_dir={tmp_path}",
+        "model=tiny", "stages=[]", "explorer=hf", "sync=memory", "cluster.gpu_per_node=0",
+        "trainer.mini_batch_size=null", "trainer.micro_batch_size_per_gpu=8",
+        # a local directory of JSONL files has no "main" subset (the hub's copy has)
+        "buffer.explorer_input.taskset.subset_name=null", "buffer.explorer_input.eval_tasksets.0.subset_name=null",
+    ])
+    assert cfg.algorithm.kl_loss_fn == "k3"  # the overlay's GRPO settings are kept
+    rft.main.main(cfg)
+    metrics = read_metrics(tmp_path / "rft" / "qwen_gsm8k" / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == [0, 1, 2]
+    assert "actor/kl" in metrics[1]  # the KL to the reference model was computed
+
+
+@pytest.mark.slow
+def test_a_multirun_of_tiny_seeds_and_its_report(tmp_path):
+    """`python run.py -m experiment=tiny_seeds seed=1,2` (two jobs, one process), then the report.
+    buffer=sql: the SQLite buffer defaults to the job's own stage directory, so jobs never share one."""
+    r = run_cli("-m", selected("tiny_seeds"), "seed=1,2", *TINY, *SHORT_WARMUP, "buffer=sql",
+                env={"RFT_CHECKPOINT_ROOT_DIR": str(tmp_path)})
+    assert r.returncode == 0, r.stderr[-3000:]
+    (sweep,) = (tmp_path / "rft" / "tiny_seeds" / "multirun").iterdir()
+    # each job in a directory of its own: metrics, buffer, logs and checkpoints
+    for job in ("0", "1"):
+        for path in ("metrics.jsonl", "buffer.db", "log/grpo_trainer.log", "checkpoints/step_2"):
+            assert (sweep / job / "grpo" / path).exists(), f"{job}/grpo/{path}"
+    assert not (tmp_path / "rft" / "tiny_seeds" / "grpo").exists()
+
+    r = subprocess.run([sys.executable, "-m", "rft.report", str(sweep)], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    rows = [line for line in (sweep / "report.md").read_text().splitlines() if line.startswith("| ")]
+    assert rows[0].startswith("| job | seed | stage | status | steps |")
+    assert [row.split(" | ")[:5] for row in rows[1:]] == [["| 0", "1", "grpo", "done", "2"],
+                                                         ["| 1", "2", "grpo", "done", "2"]]
+    assert (sweep / "rewards.png").stat().st_size > 10_000
