@@ -3,12 +3,16 @@
     python run.py                                  # the embedded default (tiny model, CPU)
     python run.py dry_run=true                     # print the batch plan and exit
     python run.py -m algorithm.optimizer.lr=1e-3,3e-3 seed=1,2    # a sweep
+    python run.py -m hydra/launcher=slurm seed=1,2,3               # a sweep on Slurm
 """
 
 import hydra
 from omegaconf import DictConfig
 
 import rft.config  # noqa: F401  (registers the typed schema with Hydra's ConfigStore)
+import rft.sweep
+
+rft.sweep.install()  # a sweep job that died under Slurm: one paragraph, not a traceback
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")

@@ -162,7 +162,10 @@ def _main(cfg: DictConfig) -> float | None:
         return None
 
     from rft.monitor import read_metrics
+    from rft.placement import check_allocation
     from rft.runner import run_stage
+
+    check_allocation(cfg)
 
     run_dir = run_dir_of(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -123,3 +123,33 @@ def placement_for(cfg, timeout_s: float = 60.0):
             scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index),
         ))
     return pg, opts
+
+
+def check_allocation(cfg, env=None) -> None:
+    """Inside a Slurm job, cluster.node_num and gpu_per_node must be what Slurm allocated.
+
+    Slurm tells the job through its environment (SLURM_JOB_NUM_NODES, SLURM_GPUS_ON_NODE). A
+    mismatch would otherwise show up late: Ray waiting for nodes that never join, or actors
+    asking for GPUs the job does not have. Outside Slurm this checks nothing.
+    """
+    import os
+
+    env = os.environ if env is None else env
+    if "SLURM_JOB_ID" not in env:
+        return
+    c, job = cfg.cluster, env["SLURM_JOB_ID"]
+    nodes = int(env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES") or 1)
+    gpus = int(env.get("SLURM_GPUS_ON_NODE") or 0)
+    if c.node_num != nodes:
+        raise ConfigError(
+            f"cluster.node_num={c.node_num} but this Slurm job ({job}) has {nodes} node(s) "
+            f"(SLURM_JOB_NUM_NODES). Set cluster.node_num={nodes}, or ask Slurm for "
+            f"{c.node_num} node(s) (sbatch --nodes={c.node_num} launchers/ray_slurm.sbatch ...)."
+        )
+    if c.gpu_per_node != gpus:
+        raise ConfigError(
+            f"cluster.gpu_per_node={c.gpu_per_node} but this Slurm job ({job}) has {gpus} GPU(s) "
+            f"on each node (SLURM_GPUS_ON_NODE). Set cluster.gpu_per_node={gpus}, or ask Slurm "
+            f"for {c.gpu_per_node} (sbatch --gpus-per-node={c.gpu_per_node}, or "
+            f"hydra.launcher.gpus_per_node={c.gpu_per_node} in a sweep)."
+        )

@@ -8,7 +8,6 @@ import subprocess
 import sys
 
 import pytest
-import yaml
 from omegaconf import OmegaConf
 
 import rft.main
@@ -16,14 +15,6 @@ from conftest import CONF, ROOT, compose_cfg, run_cli
 from rft.monitor import read_metrics
 
 EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
-
-
-def selected(name: str) -> str:
-    """`experiment=NAME` once conf/config.yaml's defaults list has `experiment: null`; until then
-    the group is appended with `+experiment=NAME`."""
-    defaults = yaml.safe_load((CONF / "config.yaml").read_text())["defaults"]
-    listed = any(isinstance(d, dict) and "experiment" in d for d in defaults)
-    return f"{'' if listed else '+'}experiment={name}"
 
 
 def test_the_overlays_are_there():
@@ -36,27 +27,27 @@ def test_overlay_composes_and_documents_its_command(name):
     first, second = text.splitlines()[:2]
     assert first == "# @package _global_", f"{name}.yaml must start with '# @package _global_'"
     assert re.fullmatch(rf"# python run\.py (-m )?experiment={name}", second), second
-    cfg = compose_cfg([selected(name)])
+    cfg = compose_cfg([f"experiment={name}"])
     # its outputs go to a directory of its own
     assert cfg.name == name
     readme = ROOT / "experiments" / name / "README.md"
     assert readme.exists(), f"experiments/{name}/README.md: the command and the results"
     assert f"experiment={name}" in "\n".join(readme.read_text().splitlines()[:6])
     # the command line still wins over the overlay
-    cfg = compose_cfg([selected(name), "algorithm=dr_grpo", "seed=7"])
+    cfg = compose_cfg([f"experiment={name}", "algorithm=dr_grpo", "seed=7"])
     assert (cfg.algorithm.algorithm_type, cfg.seed) == ("dr_grpo", 7)
 
 
 def test_tiny_arithmetic_is_the_default_under_its_own_name():
     default = OmegaConf.to_container(compose_cfg([]))
-    overlay = OmegaConf.to_container(compose_cfg([selected("tiny_arithmetic")]))
+    overlay = OmegaConf.to_container(compose_cfg(["experiment=tiny_arithmetic"]))
     assert overlay.pop("name") == "tiny_arithmetic"
     default.pop("name")
     assert overlay == default
 
 
 def test_qwen_gsm8k_is_a_gpu_run():
-    cfg = compose_cfg([selected("qwen_gsm8k")])
+    cfg = compose_cfg(["experiment=qwen_gsm8k"])
     assert cfg.model.model_path.endswith("Qwen2.5-0.5B-Instruct") or "RFT_MODEL_PATH" in os.environ
     assert cfg.buffer.explorer_input.default_reward_fn_type == "last_number"
     assert cfg.explorer.rollout_model.engine_type == "vllm"
@@ -65,7 +56,7 @@ def test_qwen_gsm8k_is_a_gpu_run():
 
 
 def test_tiny_seeds_sweeps_three_seeds():
-    cfg = compose_cfg([selected("tiny_seeds")], keep_hydra=True)
+    cfg = compose_cfg(["experiment=tiny_seeds"], keep_hydra=True)
     assert cfg.hydra.sweeper.params == {"seed": "1,2,3"}
     assert cfg.cluster.backend == "inline"
 
@@ -81,7 +72,7 @@ SHORT_WARMUP = ["stages.0.buffer.total_steps=2", "stages.0.algorithm.optimizer.w
 
 @pytest.mark.slow
 def test_tiny_arithmetic_runs(tmp_path):
-    cfg = compose_cfg([selected("tiny_arithmetic"), *TINY, *SHORT_WARMUP, f"checkpoint_root_dir={tmp_path}"])
+    cfg = compose_cfg(["experiment=tiny_arithmetic", *TINY, *SHORT_WARMUP, f"checkpoint_root_dir={tmp_path}"])
     rft.main.main(cfg)
     run = tmp_path / "rft" / "tiny_arithmetic"
     assert [m["step"] for m in read_metrics(run / "sft_warmup" / "metrics.jsonl")] == [0, 1, 2]
@@ -102,7 +93,7 @@ def test_qwen_gsm8k_runs_with_the_tiny_model(tmp_path, monkeypatch):
         (data / f"{split}.jsonl").write_text("".join(json.dumps({"question": q, "answer": a}) + "\n" for q, a in rows))
     monkeypatch.setenv("RFT_GSM8K_PATH", str(data))
     cfg = compose_cfg([
-        selected("qwen_gsm8k"), *TINY, f"checkpoint_root_dir={tmp_path}",
+        "experiment=qwen_gsm8k", *TINY, f"checkpoint_root_dir={tmp_path}",
         "model=tiny", "stages=[]", "explorer=hf", "sync=memory", "cluster.gpu_per_node=0",
         "trainer.mini_batch_size=null", "trainer.micro_batch_size_per_gpu=8",
         # a local directory of JSONL files has no "main" subset (the hub's copy has)
@@ -119,7 +110,7 @@ def test_qwen_gsm8k_runs_with_the_tiny_model(tmp_path, monkeypatch):
 def test_a_multirun_of_tiny_seeds_and_its_report(tmp_path):
     """`python run.py -m experiment=tiny_seeds seed=1,2` (two jobs, one process), then the report.
     buffer=sql: the SQLite buffer defaults to the job's own stage directory, so jobs never share one."""
-    r = run_cli("-m", selected("tiny_seeds"), "seed=1,2", *TINY, *SHORT_WARMUP, "buffer=sql",
+    r = run_cli("-m", "experiment=tiny_seeds", "seed=1,2", *TINY, *SHORT_WARMUP, "buffer=sql",
                 env={"RFT_CHECKPOINT_ROOT_DIR": str(tmp_path)})
     assert r.returncode == 0, r.stderr[-3000:]
     (sweep,) = (tmp_path / "rft" / "tiny_seeds" / "multirun").iterdir()

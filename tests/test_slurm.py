@@ -1,0 +1,191 @@
+"""Sweeps on a real Slurm cluster (hydra/launcher=slurm through submitit), a job that dies under
+Slurm, and one run over a Slurm allocation with launchers/ray_slurm.sbatch.
+
+The Slurm tests need a cluster that answers `sinfo` and keeps accounting (`sacct`): on a Debian
+machine, as root, `launchers/slurm_local.sh start` makes one on localhost (.ci/run does). Without
+one they skip and say so; with RFT_REQUIRE_SLURM=1 (set by .ci/run) they fail instead.
+"""
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import CONF, ROOT, compose_cfg, run_cli
+from rft.errors import ConfigError
+from rft.monitor import read_metrics
+from rft.placement import check_allocation
+from rft.sweep import explain, log_tail
+
+# two RL steps of 4 tasks x 2 rollouts from the built tiny model, everything in the job's process
+TINY = ["stages=[]", "cluster=inline", "monitor=console", "buffer.batch_size=4", "algorithm.repeat_times=2",
+        "buffer.total_steps=2", "explorer.eval_interval=2", "trainer.save_interval=2",
+        "hydra.launcher.timeout_min=10"]
+
+
+def _slurm_problem() -> str | None:
+    """None when a Slurm cluster with accounting answers here, else why not."""
+    for tool in ("sbatch", "sinfo", "sacct", "scancel"):
+        if shutil.which(tool) is None:
+            return f"no `{tool}` on PATH"
+    try:
+        states = subprocess.run(["sinfo", "-h", "-o", "%t"], capture_output=True, text=True, timeout=20)
+        if not re.search(r"^(idle|mix|alloc)", states.stdout, re.M):
+            return f"sinfo shows no node taking jobs: {(states.stdout + states.stderr).strip()!r}"
+        acct = subprocess.run(["sacct", "-n", "-X", "-S", "now-1minutes"], capture_output=True, text=True, timeout=20)
+        if acct.returncode != 0:
+            return f"sacct fails (no accounting: a dead job would never be noticed): {acct.stderr.strip()!r}"
+    except subprocess.TimeoutExpired:
+        return "sinfo/sacct did not answer within 20 s"
+    return None
+
+
+@pytest.fixture(scope="module")
+def slurm():
+    problem = _slurm_problem()
+    if problem:
+        msg = (f"no usable Slurm cluster ({problem}); start one on this machine with "
+               f"`sudo launchers/slurm_local.sh start` (Debian, root), as .ci/run does")
+        if os.environ.get("RFT_REQUIRE_SLURM") == "1":
+            pytest.fail(msg)
+        pytest.skip(msg)
+
+
+def sweep_jobs(sweep) -> dict[str, str]:
+    """{array task id: Slurm state} from sacct, for the jobs in the sweep's submitit folder."""
+    ids = sorted(p.name for p in (sweep / ".submitit").iterdir() if re.fullmatch(r"\d+_\d+", p.name))
+    (array,) = {i.split("_")[0] for i in ids}  # one Slurm job array for the whole sweep
+    for _ in range(30):  # accounting can lag the job's end by a moment
+        out = subprocess.run(["sacct", "-n", "-X", "-P", "-o", "JobID,State", "-j", array],
+                             capture_output=True, text=True, check=True).stdout
+        states = dict(line.split("|", 1) for line in out.splitlines() if line)
+        if set(states) >= set(ids) and all(not s.startswith(("RUNNING", "PENDING")) for s in states.values()):
+            return states
+        time.sleep(1)
+    return states
+
+
+# ---------------------------------------------------------------- the launcher configs
+
+@pytest.mark.parametrize("launcher, target", [("slurm", "SlurmLauncher"), ("local", "LocalLauncher")])
+def test_launcher_configs_compose(launcher, target):
+    cfg = compose_cfg([f"hydra/launcher={launcher}"], keep_hydra=True)
+    assert cfg.hydra.launcher._target_ == f"hydra_plugins.hydra_submitit_launcher.submitit_launcher.{target}"
+    assert cfg.hydra.launcher.timeout_min == 240
+    # each job's submitit logs sit inside the sweep's own directory
+    assert (CONF / "hydra" / "launcher" / f"{launcher}.yaml").read_text().count("submitit_folder: ${hydra.sweep.dir}")
+
+
+def test_allocation_must_match_the_config():
+    cfg = compose_cfg(["cluster.node_num=2", "cluster.gpu_per_node=0"])
+    check_allocation(cfg, env={})  # not inside Slurm: nothing to check
+    check_allocation(cfg, env={"SLURM_JOB_ID": "7", "SLURM_JOB_NUM_NODES": "2"})
+    with pytest.raises(ConfigError) as e:
+        check_allocation(cfg, env={"SLURM_JOB_ID": "7", "SLURM_JOB_NUM_NODES": "1"})
+    assert str(e.value) == (
+        "cluster.node_num=2 but this Slurm job (7) has 1 node(s) (SLURM_JOB_NUM_NODES). Set "
+        "cluster.node_num=1, or ask Slurm for 2 node(s) (sbatch --nodes=2 launchers/ray_slurm.sbatch ...).")
+    cfg = compose_cfg(["cluster.gpu_per_node=8"])
+    with pytest.raises(ConfigError) as e:
+        check_allocation(cfg, env={"SLURM_JOB_ID": "7", "SLURM_JOB_NUM_NODES": "1", "SLURM_GPUS_ON_NODE": "4"})
+    assert str(e.value).startswith("cluster.gpu_per_node=8 but this Slurm job (7) has 4 GPU(s) on each node")
+    assert "hydra.launcher.gpus_per_node=8" in str(e.value)
+
+
+def test_a_dead_jobs_error_names_the_job_state_and_log(tmp_path):
+    folder = tmp_path / ".submitit" / "12_1"
+    folder.mkdir(parents=True)
+    # tqdm redraws with carriage returns; only the last lines that are not progress bars are kept
+    (folder / "12_1_0_log.err").write_text(
+        "grpo:   0%|   | 0/400 [00:00<?, ?it/s]\n\n"
+        "grpo:   1%|   | 4/400 [00:01<01:52,  3.51it/s]\rgrpo:   2%| | 8/400\n"
+        "slurmstepd-vm: error: *** JOB 12 ON vm CANCELLED AT 2026-11-22T12:39:12 ***\n"
+        "srun: Force Terminated StepId=12.0\n")
+    error = Exception(f"Job 12_1 (task: 0) with path {folder}/12_1_0_result.pkl\n"
+                      "has not produced any output (state: CANCELLED by 0)\nError stream produced:\n...")
+    text = explain(error, str(tmp_path))
+    assert text.startswith("rft: the sweep stopped: job 12_1 ended with state CANCELLED by 0 and no result")
+    assert ("\n    slurmstepd-vm: error: *** JOB 12 ON vm CANCELLED AT 2026-11-22T12:39:12 ***\n"
+            "    srun: Force Terminated StepId=12.0\n") in text
+    assert "it/s" not in text and f"{folder}/12_1_0_log.err" in text
+    assert f"hydra.sweep.dir={tmp_path} resumes each job" in text
+    assert log_tail(tmp_path / "missing.err") == []
+
+
+# ---------------------------------------------------------------- on the real cluster
+
+@pytest.mark.slow
+def test_a_sweep_of_two_tiny_runs_on_slurm_and_its_report(slurm, tmp_path):
+    sweep = tmp_path / "sweep"
+    r = run_cli("-m", "hydra/launcher=slurm", "seed=1,2", *TINY, f"hydra.sweep.dir={sweep}")
+    assert r.returncode == 0, r.stderr[-3000:]
+    # one Slurm array of two tasks, both finished, as accounting records them
+    states = sweep_jobs(sweep)
+    assert sorted(states.values()) == ["COMPLETED", "COMPLETED"], states
+    # each job wrote its own metrics under its own number, with its own seed
+    for num, seed in (("0", 1), ("1", 2)):
+        assert [m["step"] for m in read_metrics(sweep / num / "metrics.jsonl")] == [0, 1, 2]
+        assert (sweep / num / ".hydra" / "overrides.yaml").read_text().count(f"seed={seed}") == 1
+    r = subprocess.run([sys.executable, "-m", "rft.report", str(sweep)], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    rows = [line for line in (sweep / "report.md").read_text().splitlines() if line.startswith("| ")]
+    assert [row.split(" | ")[:5] for row in rows[1:]] == [["| 0", "1", "", "done", "2"], ["| 1", "2", "", "done", "2"]]
+    assert (sweep / "rewards.png").stat().st_size > 10_000
+
+
+@pytest.mark.slow
+def test_a_killed_slurm_job_ends_the_sweep_with_a_clear_error(slurm, tmp_path):
+    """Job 1 (2000 steps) is cancelled while it trains; job 0 (2 steps) finishes. The sweep ends
+    with one paragraph naming the job and its state, not a traceback, and not a wait forever."""
+    sweep = tmp_path / "sweep"
+    args = [sys.executable, str(ROOT / "run.py"), "-m", "hydra/launcher=slurm", *TINY,
+            "buffer.total_steps=2,2000", "trainer.save_interval=1000", f"hydra.sweep.dir={sweep}"]
+    proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not (sweep / "1" / "metrics.jsonl").exists():  # job 1 is training
+            assert proc.poll() is None and time.monotonic() < deadline, "job 1 never started"
+            time.sleep(0.5)
+        (task,) = [p.name for p in (sweep / ".submitit").iterdir() if p.name.endswith("_1")]
+        subprocess.run(["scancel", task], check=True)
+        _, stderr = proc.communicate(timeout=300)  # a hang fails here
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 1, stderr[-3000:]
+    assert f"rft: the sweep stopped: job {task} ended with state CANCELLED" in stderr, stderr[-3000:]
+    assert "*** JOB" in stderr and f"{task}_0_log.err" in stderr
+    assert "Traceback" not in stderr and "it/s" not in stderr
+    assert sweep_jobs(sweep)[task].startswith("CANCELLED")
+    # the other job's outputs are kept
+    assert [m["step"] for m in read_metrics(sweep / "0" / "metrics.jsonl")] == [0, 1, 2]
+
+
+@pytest.mark.slow
+def test_ray_on_slurm_launcher_trains_on_a_one_node_allocation(slurm, warm_start, tmp_path):
+    """launchers/ray_slurm.sbatch: Ray head on the allocation's node, the driver joined to it,
+    10 GRPO steps from the warm start learn."""
+    out = tmp_path / "job.out"
+    env = {**os.environ, "RFT_PYTHON": sys.executable, "RFT_RAY_WAIT_S": "120"}
+    r = subprocess.run(
+        ["sbatch", "--wait", "--cpus-per-task=2", f"--output={out}", "launchers/ray_slurm.sbatch",
+         "stages=[]", f"model.model_path={warm_start}", "model.builder=null", "monitor=console", "name=on_slurm",
+         "buffer.total_steps=10", "explorer.eval_interval=10", f"checkpoint_root_dir={tmp_path}"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    log = out.read_text() if out.exists() else ""
+    assert r.returncode == 0, (r.stdout + r.stderr + log)[-4000:]
+    job = re.search(r"Submitted batch job (\d+)", r.stdout)[1]
+    assert "ray_slurm: 1 Ray node(s) up" in log and "run.py exited with status 0" in log
+    states = subprocess.run(["sacct", "-n", "-X", "-P", "-o", "State", "-j", job], capture_output=True, text=True).stdout
+    assert states.split() == ["COMPLETED"]
+    metrics = read_metrics(tmp_path / "rft" / "on_slurm" / "metrics.jsonl")
+    start, end = [m["eval/accuracy"] for m in metrics if "eval/accuracy" in m]
+    assert end >= start + 0.2, (start, end)
+    # the driver joined the Ray cluster the script started (cluster=ray at the head's address)
+    head = re.search(r"Ray head at (\S+)\n", log)[1]
+    overrides = (tmp_path / "rft" / "on_slurm" / ".hydra" / "overrides.yaml").read_text()
+    assert "- cluster=ray\n" in overrides and f"- cluster.ray_address={head}\n" in overrides
