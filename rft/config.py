@@ -361,6 +361,9 @@ class Config:
     continue_from_checkpoint: bool = True
     # print the batch plan and exit, without starting Ray or loading a model
     dry_run: bool = False
+    # the metric whose last value (in the last stage's metrics.jsonl) the run returns: what a
+    # Hydra sweeper such as hydra-optuna-sweeper optimizes
+    objective: str = "eval/accuracy"
     # each stage is a dict merged onto this config (stage_name required); run in order
     stages: List[Any] = field(default_factory=list)
     # the stage name, filled in per stage

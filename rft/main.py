@@ -25,7 +25,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
 def main(cfg: DictConfig) -> float | None:
-    """Run the configured job; returns the last eval accuracy (a sweeper's objective)."""
+    """Run the configured job; returns the last value of the metric `objective` (a sweeper's
+    objective; eval/accuracy by default)."""
     try:
         return _main(cfg)
     except ConfigError as e:
@@ -124,7 +125,15 @@ def _move_aside(run_dir: Path) -> None:
     print(f"continue_from_checkpoint=false: moved the earlier outputs to {backup}")
 
 
-def _start_ray(cfg: DictConfig) -> bool:
+def ray_namespace(cfg: DictConfig, run_dir: Path) -> str:
+    """Actor names are unique within a Ray namespace: runs sharing one Ray cluster (a sweep's jobs
+    often have the same name, differing by seed) each get their own, from their output dir."""
+    import hashlib
+
+    return f"{cfg.project}/{cfg.name}/{hashlib.sha1(str(run_dir.resolve()).encode()).hexdigest()[:8]}"
+
+
+def _start_ray(cfg: DictConfig, run_dir: Path) -> bool:
     import ray
 
     if ray.is_initialized():
@@ -134,7 +143,7 @@ def _start_ray(cfg: DictConfig) -> bool:
         num_cpus=cfg.cluster.num_cpus if cfg.cluster.ray_address is None else None,
         include_dashboard=False,
         log_to_driver=False,
-        namespace=f"{cfg.project}/{cfg.name}",
+        namespace=ray_namespace(cfg, run_dir),
         logging_level=logging.WARNING,
     )
     return True
@@ -172,7 +181,7 @@ def _main(cfg: DictConfig) -> float | None:
     if not cfg.continue_from_checkpoint:
         _move_aside(run_dir)
     ensure_model(stages[0].model)
-    started_ray = stages[0].cluster.backend == "ray" and _start_ray(stages[0])
+    started_ray = stages[0].cluster.backend == "ray" and _start_ray(stages[0], run_dir)
     try:
         init_path = None
         for s, plan in zip(stages, plans):
@@ -184,6 +193,11 @@ def _main(cfg: DictConfig) -> float | None:
             import ray
 
             ray.shutdown()
-    evals = [m["eval/accuracy"] for m in read_metrics(stage_dir / "metrics.jsonl") if "eval/accuracy" in m]
     print(f"outputs: {run_dir}")
-    return evals[-1] if evals else None
+    values = [m[cfg.objective] for m in read_metrics(stage_dir / "metrics.jsonl") if cfg.objective in m]
+    if not values:
+        print(f"rft: warning: objective={cfg.objective} was never logged in {stage_dir / 'metrics.jsonl'}, "
+              f"so the run returns None; set objective to one of its metric names (e.g. reward/mean).",
+              file=sys.stderr)
+        return None
+    return values[-1]

@@ -112,7 +112,14 @@ def load_rows(path: str, split: str = "train", subset_name: str | None = None, k
                 _FILE_BUILDERS[local.suffix], data_files=str(local), split="train"
             )
         if local.is_dir():
-            return datasets.load_dataset(str(local), name=subset_name, split=split)
+            try:
+                return datasets.load_dataset(str(local), name=subset_name, split=split)
+            except ValueError as e:
+                # a plain directory of data files has no named subsets (a hub snapshot has), so
+                # gsm8k's subset_name=main must not stop a local copy
+                if subset_name is None or "BuilderConfig" not in str(e):
+                    raise
+                return datasets.load_dataset(str(local), split=split)
         if path.startswith((".", "/", "~")) or local.exists():
             raise FileNotFoundError(path)
     except FileNotFoundError as e:

@@ -73,10 +73,13 @@ SHORT_WARMUP = ["stages.0.buffer.total_steps=2", "stages.0.algorithm.optimizer.w
 @pytest.mark.slow
 def test_tiny_arithmetic_runs(tmp_path):
     cfg = compose_cfg(["experiment=tiny_arithmetic", *TINY, *SHORT_WARMUP, f"checkpoint_root_dir={tmp_path}"])
-    rft.main.main(cfg)
+    objective = rft.main.main(cfg)
     run = tmp_path / "rft" / "tiny_arithmetic"
     assert [m["step"] for m in read_metrics(run / "sft_warmup" / "metrics.jsonl")] == [0, 1, 2]
-    assert [m["step"] for m in read_metrics(run / "grpo" / "metrics.jsonl")] == [0, 1, 2]
+    grpo = read_metrics(run / "grpo" / "metrics.jsonl")
+    assert [m["step"] for m in grpo] == [0, 1, 2]
+    # the run returns its objective (eval/accuracy by default): the last stage's last value
+    assert objective == grpo[2]["eval/accuracy"]
 
 
 GSM8K_ROWS = [(f"Sam has {a} apples and buys {b} more. How many apples does Sam have now?",
@@ -86,7 +89,8 @@ GSM8K_ROWS = [(f"Sam has {a} apples and buys {b} more. How many apples does Sam 
 @pytest.mark.slow
 def test_qwen_gsm8k_runs_with_the_tiny_model(tmp_path, monkeypatch):
     """The GPU overlay with the tiny model, the hf engine and memory sync, on a local GSM8K-format
-    copy (RFT_GSM8K_PATH): what `experiment=qwen_gsm8k` needs to run on a CPU."""
+    copy (RFT_GSM8K_PATH): what `experiment=qwen_gsm8k` needs to run on a CPU. The task's
+    subset_name=main (the hub's subset) is kept: a plain local directory loads without it."""
     data = tmp_path / "gsm8k"
     data.mkdir()
     for split, rows in {"train": GSM8K_ROWS[:8], "test": GSM8K_ROWS[8:]}.items():
@@ -96,13 +100,13 @@ def test_qwen_gsm8k_runs_with_the_tiny_model(tmp_path, monkeypatch):
         "experiment=qwen_gsm8k", *TINY, f"checkpoint_root_dir={tmp_path}",
         "model=tiny", "stages=[]", "explorer=hf", "sync=memory", "cluster.gpu_per_node=0",
         "trainer.mini_batch_size=null", "trainer.micro_batch_size_per_gpu=8",
-        # a local directory of JSONL files has no "main" subset (the hub's copy has)
-        "buffer.explorer_input.taskset.subset_name=null", "buffer.explorer_input.eval_tasksets.0.subset_name=null",
+        "objective=reward/mean",
     ])
     assert cfg.algorithm.kl_loss_fn == "k3"  # the overlay's GRPO settings are kept
-    rft.main.main(cfg)
+    objective = rft.main.main(cfg)
     metrics = read_metrics(tmp_path / "rft" / "qwen_gsm8k" / "metrics.jsonl")
     assert [m["step"] for m in metrics] == [0, 1, 2]
+    assert objective == metrics[2]["reward/mean"]  # objective=reward/mean: its last value
     assert "actor/kl" in metrics[1]  # the KL to the reference model was computed
 
 

@@ -17,6 +17,7 @@ import pytest
 
 from conftest import CONF, ROOT, compose_cfg, run_cli
 from rft.errors import ConfigError
+from rft.main import ray_namespace
 from rft.monitor import read_metrics
 from rft.placement import check_allocation
 from rft.sweep import explain, log_tail
@@ -94,6 +95,15 @@ def test_allocation_must_match_the_config():
         check_allocation(cfg, env={"SLURM_JOB_ID": "7", "SLURM_JOB_NUM_NODES": "1", "SLURM_GPUS_ON_NODE": "4"})
     assert str(e.value).startswith("cluster.gpu_per_node=8 but this Slurm job (7) has 4 GPU(s) on each node")
     assert "hydra.launcher.gpus_per_node=8" in str(e.value)
+
+
+def test_sweep_jobs_sharing_a_ray_cluster_have_namespaces_of_their_own(tmp_path):
+    """Jobs of one sweep share the name (grpo-tiny-arithmetic) and differ by output dir: their
+    named actors (grpo_trainer, ...) must not collide on one Ray cluster."""
+    cfg = compose_cfg([])
+    a, b = ray_namespace(cfg, tmp_path / "0"), ray_namespace(cfg, tmp_path / "1")
+    assert a.startswith("rft/grpo-tiny-arithmetic/") and b.startswith("rft/grpo-tiny-arithmetic/")
+    assert a != b and a == ray_namespace(cfg, tmp_path / "x" / ".." / "0")  # the same dir, spelt otherwise
 
 
 def test_a_dead_jobs_error_names_the_job_state_and_log(tmp_path):
