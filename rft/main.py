@@ -138,9 +138,13 @@ def _start_ray(cfg: DictConfig, run_dir: Path) -> bool:
 
     if ray.is_initialized():
         return False
+    local = cfg.cluster.ray_address is None
     ray.init(
-        address=cfg.cluster.ray_address,
-        num_cpus=cfg.cluster.num_cpus if cfg.cluster.ray_address is None else None,
+        # "local": always a new instance of our own. With None, Ray joins the cluster named in
+        # /tmp/ray/ray_current_cluster (the last `ray start` here), and waits forever if that one
+        # died without `ray stop`
+        address="local" if local else cfg.cluster.ray_address,
+        num_cpus=cfg.cluster.num_cpus if local else None,
         include_dashboard=False,
         log_to_driver=False,
         namespace=ray_namespace(cfg, run_dir),

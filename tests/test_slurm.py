@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -106,6 +107,21 @@ def test_sweep_jobs_sharing_a_ray_cluster_have_namespaces_of_their_own(tmp_path)
     assert a != b and a == ray_namespace(cfg, tmp_path / "x" / ".." / "0")  # the same dir, spelt otherwise
 
 
+def test_cluster_local_always_starts_its_own_ray(tmp_path, monkeypatch):
+    """address=None would join the cluster of the last `ray start` on this machine (its address
+    file outlives a killed cluster, and ray.init then waits forever); "local" never does."""
+    import ray
+
+    import rft.main
+
+    calls = []
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **kw: calls.append(kw))
+    assert rft.main._start_ray(compose_cfg(["cluster=local", "cluster.num_cpus=3"]), tmp_path)
+    assert rft.main._start_ray(compose_cfg(["cluster=ray"]), tmp_path)
+    assert [(c["address"], c["num_cpus"]) for c in calls] == [("local", 3), ("auto", None)]
+
+
 def test_a_dead_jobs_error_names_the_job_state_and_log(tmp_path):
     folder = tmp_path / ".submitit" / "12_1"
     folder.mkdir(parents=True)
@@ -190,12 +206,16 @@ def test_ray_on_slurm_launcher_trains_on_a_one_node_allocation(slurm, warm_start
     assert r.returncode == 0, (r.stdout + r.stderr + log)[-4000:]
     job = re.search(r"Submitted batch job (\d+)", r.stdout)[1]
     assert "ray_slurm: 1 Ray node(s) up" in log and "run.py exited with status 0" in log
+    # the job's Ray kept its files in a temp dir of its own: a later plain ray.init() on this
+    # node must not find (and wait on) the job's dead cluster
+    head = re.search(r"Ray head at (\S+)\n", log)[1]
+    current = Path("/tmp/ray/ray_current_cluster")
+    assert not current.exists() or head not in current.read_text()
     states = subprocess.run(["sacct", "-n", "-X", "-P", "-o", "State", "-j", job], capture_output=True, text=True).stdout
     assert states.split() == ["COMPLETED"]
     metrics = read_metrics(tmp_path / "rft" / "on_slurm" / "metrics.jsonl")
     start, end = [m["eval/accuracy"] for m in metrics if "eval/accuracy" in m]
     assert end >= start + 0.2, (start, end)
     # the driver joined the Ray cluster the script started (cluster=ray at the head's address)
-    head = re.search(r"Ray head at (\S+)\n", log)[1]
     overrides = (tmp_path / "rft" / "on_slurm" / ".hydra" / "overrides.yaml").read_text()
     assert "- cluster=ray\n" in overrides and f"- cluster.ray_address={head}\n" in overrides
