@@ -23,6 +23,17 @@ class Sample:
     finish_reason: str  # "stop" (end of sequence) or "length" (hit max_tokens)
 
 
+def for_safetensors(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The state dict as safetensors can save it: each tensor contiguous, and a tied tensor (the
+    embedding shared with the output layer) cloned, since safetensors refuses shared storage."""
+    seen, out = set(), {}
+    for k, v in state_dict.items():
+        key = (v.data_ptr(), v.shape)
+        out[k] = (v.clone() if key in seen else v).contiguous()
+        seen.add(key)
+    return out
+
+
 def fingerprint(tensors) -> str:
     """A short summary of weights, equal on both sides of a sync iff the weights are.
 

@@ -26,7 +26,7 @@ from rft.algorithms.advantages import NEEDS_CRITIC, gae_returns
 from rft.algorithms.losses import NEEDS_REFERENCE
 from rft.config import ExperienceBufferConfig
 from rft.critic import Critic, explained_variance
-from rft.engine import fingerprint
+from rft.engine import fingerprint, for_safetensors
 from rft.errors import ConfigError
 from rft.experience import Experience, collate
 from rft.models import load_hf_weights, load_model, load_tokenizer
@@ -320,8 +320,7 @@ class Trainer:
         from safetensors.torch import save_file
 
         sd = self.model.state_dict()
-        # tied embeddings share storage; safetensors wants each tensor once
-        save_file({k: v.contiguous() for k, v in _untie(sd).items()}, path + ".tmp")
+        save_file(for_safetensors(sd), path + ".tmp")
         os.replace(path + ".tmp", path)
         return fingerprint(self.model.parameters())
 
@@ -357,12 +356,3 @@ def _zero_variance_frac(rewards: torch.Tensor, group_index: torch.Tensor) -> flo
     groups = group_index.unique()
     flat = sum(bool((rewards[group_index == g] == rewards[group_index == g][0]).all()) for g in groups)
     return flat / len(groups)
-
-
-def _untie(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    seen, out = set(), {}
-    for k, v in sd.items():
-        key = (v.data_ptr(), v.shape)
-        out[k] = v.clone() if key in seen else v
-        seen.add(key)
-    return out

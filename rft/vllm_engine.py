@@ -121,11 +121,11 @@ class VLLMEngine:
     def update_weights(self, state_dict) -> None:
         from safetensors.torch import save
 
-        from rft.trainer import _untie
+        from rft.engine import for_safetensors
 
         # as safetensors bytes through vLLM's own messaging (its encoder does not carry a dict of
         # tensors): fine for small models; use sync=collective or checkpoint for large ones
-        blob = save({k: v.contiguous() for k, v in _untie(state_dict).items()})
+        blob = save(for_safetensors(state_dict))
         self.llm.collective_rpc("rft_load_weights", args=(blob,))
         self.llm.reset_prefix_cache()
 

@@ -90,3 +90,19 @@ def test_fingerprint_catches_a_changed_weight(tiny):
     name = next(iter(sd))
     sd[name].view(-1)[0] += 1e-3
     assert fingerprint(sd) != before
+
+
+def test_for_safetensors_clones_tied_tensors_and_makes_them_contiguous():
+    from safetensors.torch import load, save
+
+    from rft.engine import for_safetensors
+
+    emb = torch.arange(6.0).reshape(2, 3)
+    sd = {"embed.weight": emb, "lm_head.weight": emb, "proj.weight": torch.arange(6.0).reshape(3, 2).T}
+    with pytest.raises(RuntimeError):  # what the function is for: shared storage is refused
+        save(sd)
+    out = for_safetensors(sd)
+    assert out["embed.weight"] is emb  # the first occurrence is kept as it is
+    assert out["lm_head.weight"].data_ptr() != emb.data_ptr() and torch.equal(out["lm_head.weight"], emb)
+    assert out["proj.weight"].is_contiguous() and torch.equal(out["proj.weight"], sd["proj.weight"])
+    assert {k: v.tolist() for k, v in load(save(out)).items()} == {k: v.tolist() for k, v in sd.items()}

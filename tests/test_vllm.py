@@ -104,11 +104,11 @@ def test_weights_update_in_the_running_engine_by_every_sync_path(engines, tmp_pa
     # sync=checkpoint: a safetensors file (as Trainer.save_weights writes it)
     from safetensors.torch import save_file
 
-    from rft.trainer import _untie
+    from rft.engine import for_safetensors
 
     sd = _perturbed(hf, 2)
     hf.update_weights(sd)
-    save_file({k: v.contiguous() for k, v in _untie(hf.model.state_dict()).items()}, tmp_path / "w.safetensors")
+    save_file(for_safetensors(hf.model.state_dict()), tmp_path / "w.safetensors")
     vllm.load_weights_file(str(tmp_path / "w.safetensors"))
     assert same_weights(vllm.fingerprint(), hf.fingerprint())
     after_file = assert_same_outputs(cfg, hf, vllm, prompts)
