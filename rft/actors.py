@@ -92,3 +92,41 @@ class RayActor:
 
 
 ACTOR_BACKENDS = {"ray": RayActor, "inline": InlineActor}
+
+
+class ActorGroup:
+    """The ranks of a data-parallel trainer (rft.fsdp), used like one actor.
+
+    A call goes to every rank (each must take part in the collectives inside it); its future, and
+    its result, are rank 0's. `get` also waits for the other ranks' calls made since the last
+    `get`, so an error on any rank surfaces, and no rank falls behind the others' calls.
+    """
+
+    def __init__(self, actors: list, keep=None):
+        self.actors = actors
+        self.name = actors[0].name
+        self._keep = keep  # something the group needs alive as long as it is (the ranks' store)
+        self._others: list = []
+
+    def submit(self, method: str, *args):
+        futures = [a.submit(method, *args) for a in self.actors]
+        self._others += list(zip(self.actors[1:], futures[1:]))
+        return futures[0]
+
+    def get(self, future, timeout: float | None = None):
+        result = self.actors[0].get(future, timeout)
+        others, self._others = self._others, []
+        for actor, f in others:
+            actor.get(f, timeout)
+        return result
+
+    def call(self, method: str, *args):
+        return self.get(self.submit(method, *args))
+
+    def kill(self) -> None:
+        try:  # leave the process group while its store (self._keep) still answers
+            self.get(self.submit("close"), timeout=30)
+        except Exception:
+            pass
+        for a in self.actors:
+            a.kill()

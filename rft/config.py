@@ -272,8 +272,11 @@ class ExplorerConfig:
 @dataclass
 class TrainerConfig:
     name: str = "trainer"
-    # torch: one process
+    # torch: one process; fsdp2: `ranks` data-parallel processes, the weights, gradients and
+    # optimizer state sharded over them (torch FSDP2: nccl on GPU, gloo on CPU)
     trainer_strategy: str = "torch"
+    # fsdp2: trainer processes; null: one per GPU the explorers leave (2 on a CPU-only cluster)
+    ranks: Optional[int] = None
     # save a resumable checkpoint every this many steps (and after the last)
     save_interval: int = 100
     # experiences per optimizer step (verl: ppo_mini_batch_size); defaults to train_batch_size

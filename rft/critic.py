@@ -30,12 +30,12 @@ class ValueModel(torch.nn.Module):
 
 
 class Critic:
-    def __init__(self, cfg, path: str):
+    def __init__(self, cfg, path: str, device="cpu"):
         from rft.models import torch_dtype
 
         algo = cfg.algorithm
         self.cfg = cfg
-        self.model = ValueModel(path, torch_dtype(cfg.model.dtype), cfg.model.trust_remote_code)
+        self.model = ValueModel(path, torch_dtype(cfg.model.dtype), cfg.model.trust_remote_code).to(device)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=algo.critic_lr,
                                            weight_decay=algo.optimizer.weight_decay)
 

@@ -44,6 +44,12 @@ def fingerprint(tensors) -> str:
     pads the vocabulary with zeros); any realistic corruption (a missing, stale or garbled tensor)
     changes it. Compare two with `same_weights`.
     """
+    return format_fingerprint(weight_sums(tensors))
+
+
+def weight_sums(tensors) -> list[float]:
+    """[sum, sum of |x|, sum of x^2] in float64 over the distinct tensors. Each is a sum, so a
+    data-parallel trainer adds up its ranks' shards (rft.fsdp) to get the whole model's."""
     if isinstance(tensors, dict):
         tensors = tensors.values()
     seen, s, sa, sq = set(), 0.0, 0.0, 0.0
@@ -56,6 +62,11 @@ def fingerprint(tensors) -> str:
         s += t.sum().item()
         sa += t.abs().sum().item()
         sq += (t * t).sum().item()
+    return [s, sa, sq]
+
+
+def format_fingerprint(sums) -> str:
+    s, sa, sq = sums
     return f"{s:.15e}/{sa:.15e}/{sq:.15e}"
 
 
@@ -67,10 +78,11 @@ def same_weights(a: str, b: str, rtol: float = 1e-9) -> bool:
 
 
 class HFEngine:
-    """transformers `generate` on the local device."""
+    """transformers `generate` on `device` (the explorer's rft.models.local_device)."""
 
-    def __init__(self, model_cfg, rollout_cfg, tokenizer, path: str | None = None):
-        self.model = load_model(model_cfg, path)
+    def __init__(self, model_cfg, rollout_cfg, tokenizer, path: str | None = None, device="cpu"):
+        self.device = torch.device(device)
+        self.model = load_model(model_cfg, path).to(self.device)
         self.tokenizer = tokenizer
         self.batch_size = rollout_cfg.generate_batch_size
         self.max_response_tokens = model_cfg.max_response_tokens
@@ -109,8 +121,8 @@ class HFEngine:
             top_k=args.top_k if args.top_k > 0 else None,
         )
         out = self.model.generate(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
+            input_ids=input_ids.to(self.device),
+            attention_mask=attention_mask.to(self.device),
             do_sample=not greedy,
             max_new_tokens=args.max_tokens or self.max_response_tokens,
             eos_token_id=tok.eos_token_id,

@@ -23,7 +23,7 @@ import torch
 from rft.algorithms import resolve
 from rft.buffer import epoch_batch
 from rft.engine import ENGINES, same_weights
-from rft.models import load_tokenizer
+from rft.models import load_tokenizer, local_device
 from rft.rewards import REWARD_FNS, overlong_penalty
 from rft.tasks import load_tasks
 from rft.workflows import WORKFLOWS, WorkflowContext
@@ -134,7 +134,8 @@ class Explorer:
         torch.set_flush_denormal(True)
         self.tokenizer = load_tokenizer(cfg.model)
         rollout = cfg.explorer.rollout_model
-        self.engine = ENGINES[rollout.engine_type](cfg.model, rollout, self.tokenizer, weights_path)
+        self.engine = ENGINES[rollout.engine_type](cfg.model, rollout, self.tokenizer, weights_path,
+                                                   device=local_device(cfg.cluster))
         inp = cfg.buffer.explorer_input
         self.taskset = load_tasks(inp.taskset, "buffer.explorer_input.taskset")
         self.eval_tasksets = [

@@ -121,6 +121,14 @@ def torch_dtype(name: str) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
+def local_device(cluster_cfg) -> torch.device:
+    """Where this process computes: the GPU it sees on a GPU cluster (cluster.gpu_per_node > 0;
+    Ray shows each actor only the GPUs the placement gave it), else the CPU."""
+    if cluster_cfg.gpu_per_node > 0 and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def load_tokenizer(model_cfg):
     from transformers import AutoTokenizer
 

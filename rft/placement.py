@@ -3,7 +3,8 @@
     devices      = cluster.node_num x cluster.gpu_per_node GPUs (0: a CPU-only cluster)
     explorers    = explorer.rollout_model.engine_num engines x tensor_parallel_size GPUs each
     trainer      = the GPUs the explorers do not take (colocate=false), or all of them shared
-                   (colocate=true); trainer_strategy=torch is one process on one of them
+                   (colocate=true); trainer_strategy=torch is one process on one of them,
+                   fsdp2 is trainer.ranks processes with a GPU each (rft.fsdp.trainer_ranks)
     on CPU       = each actor reserves cluster.cpus_per_actor CPUs (colocate=true: they share one
                    set of cpus_per_actor)
 
@@ -42,7 +43,15 @@ def check_placement(cfg) -> Placement:
         raise ConfigError(f"explorer.rollout_model.engine_num={rm.engine_num} must be >= 1.")
     if c.cpus_per_actor < 1:
         raise ConfigError(f"cluster.cpus_per_actor={c.cpus_per_actor} must be >= 1.")
-    trainer = 1 if cfg.mode in ("both", "train") else 0
+    from rft.fsdp import trainer_ranks
+
+    trainer = trainer_ranks(cfg) if cfg.mode in ("both", "train") else 0
+    if trainer > 1 and c.backend != "ray":
+        raise ConfigError(
+            f"trainer.ranks={trainer} (trainer_strategy=fsdp2) needs a process per rank, but "
+            f"cluster.backend={c.backend} runs everything in this one process. Use cluster=local "
+            f"(or cluster=ray), or trainer.ranks=1."
+        )
     actors = trainer + engines
     if c.gpu_per_node == 0:  # CPU only: every actor reserves its CPUs
         if c.colocate:
@@ -59,6 +68,11 @@ def check_placement(cfg) -> Placement:
         )
     explorer_total = engines * tp
     if c.colocate:
+        if trainer > 1:
+            raise ConfigError(
+                f"cluster.colocate=true shares one GPU between the trainer and the explorers, so "
+                f"trainer.ranks={trainer} cannot each have one. Set trainer.ranks=1 or colocate=false."
+            )
         if explorer_total > total:
             raise ConfigError(
                 f"the explorers need engine_num ({engines}) x tensor_parallel_size ({tp}) = "
@@ -67,6 +81,12 @@ def check_placement(cfg) -> Placement:
         # trainer and explorers time-share the same GPUs (the engines sleep while it trains)
         return Placement(tp, 1 if trainer else 0, [{"GPU": 1, "CPU": c.cpus_per_actor}], share=1 / actors)
     left = total - explorer_total
+    if trainer > 1 and left < trainer:
+        raise ConfigError(
+            f"trainer.ranks={trainer} needs a GPU each, but the explorers (engine_num {engines} x "
+            f"tensor_parallel_size {tp} = {explorer_total}) leave {left} of cluster.node_num x "
+            f"gpu_per_node = {total}. Lower trainer.ranks (null takes what is left) or engine_num."
+        )
     if trainer and left < 1:
         raise ConfigError(
             f"cluster.node_num x gpu_per_node = {total} GPUs, and the explorers take all of them "
@@ -75,7 +95,7 @@ def check_placement(cfg) -> Placement:
             f"cluster.colocate=true to share the GPUs."
         )
     bundles = [{"GPU": 1, "CPU": c.cpus_per_actor}] * trainer + [{"GPU": tp, "CPU": c.cpus_per_actor}] * engines
-    return Placement(tp, 1 if trainer else 0, bundles, share=1.0)
+    return Placement(tp, trainer, bundles, share=1.0)
 
 
 def placement_for(cfg, timeout_s: float = 60.0):

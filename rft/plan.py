@@ -37,8 +37,16 @@ class BatchPlan:
 
 def make_plan(cfg, dataset_size: int) -> BatchPlan:
     buf, algo, tr = cfg.buffer, cfg.algorithm, cfg.trainer
-    dp = 1  # trainer_strategy=torch is one process
     _check_names(cfg)
+    from rft.algorithms.advantages import NEEDS_CRITIC
+    from rft.fsdp import trainer_ranks
+
+    dp = trainer_ranks(cfg)  # trainer_strategy=torch is one process
+    if tr.trainer_strategy == "fsdp2" and algo.advantage_fn in NEEDS_CRITIC:
+        raise ConfigError(
+            f"algorithm.advantage_fn={algo.advantage_fn} trains a critic, which trainer=fsdp2 does "
+            f"not shard yet. Use trainer=torch for it."
+        )
     if cfg.mode not in ("both", "explore", "train"):
         raise ConfigError(f"mode={cfg.mode!r} is not supported; choose both, explore, train or bench.")
     _check_runtime(cfg)
@@ -258,7 +266,7 @@ def _check_names(cfg) -> None:
         ("explorer.rollout_model.engine_type", cfg.explorer.rollout_model.engine_type, ENGINES),
         ("synchronizer.sync_method", cfg.synchronizer.sync_method, SYNC_METHODS),
         ("cluster.backend", cfg.cluster.backend, ACTOR_BACKENDS),
-        ("trainer.trainer_strategy", cfg.trainer.trainer_strategy, ("torch",)),
+        ("trainer.trainer_strategy", cfg.trainer.trainer_strategy, ("torch", "fsdp2")),
         ("buffer.trainer_input.experience_buffer.storage_type",
          cfg.buffer.trainer_input.experience_buffer.storage_type, ("queue", "sql", "file")),
         ("synchronizer.sync_style", cfg.synchronizer.sync_style, ("fixed", "dynamic_by_explorer")),

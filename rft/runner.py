@@ -36,7 +36,7 @@ from rft.errors import RunError
 from rft.explorer import Explorer, rollout_metrics
 from rft.monitor import Monitor, read_metrics
 from rft.sync import SYNC_METHODS
-from rft.trainer import Trainer
+from rft.fsdp import start_trainer, trainer_ranks
 
 log = logging.getLogger(__name__)
 
@@ -114,8 +114,8 @@ class StageRun:
         if self.trains:
             # the trainer starts from the stage's starting model (its reference model, if any,
             # must be that one), then a resumed run loads the checkpoint over it
-            self.trainer = Actor(Trainer, cfg, self.plan, init_path, name=f"{title}_{cfg.trainer.name}",
-                                 **common, **options.pop(0))
+            ranks = [options.pop(0) for _ in range(trainer_ranks(cfg))]
+            self.trainer = start_trainer(Actor, cfg, self.plan, init_path, f"{title}_{cfg.trainer.name}", common, ranks)
             if latest is not None:
                 self.trainer.call("load", str(latest.path))
                 log.info("resumed %s from %s", title, latest.path)
@@ -168,7 +168,7 @@ class StageRun:
 
     def _placement(self) -> list[dict]:
         if self.cfg.cluster.backend != "ray":
-            return [{}] * (1 + self.cfg.explorer.rollout_model.engine_num)
+            return [{}] * (trainer_ranks(self.cfg) + self.cfg.explorer.rollout_model.engine_num)
         from rft.placement import placement_for
 
         self.pg, options = placement_for(self.cfg)

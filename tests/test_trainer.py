@@ -59,8 +59,8 @@ def test_grpo_step_raises_the_likelihood_of_rewarded_responses():
     from rft.experience import collate
     from rft.trainer import token_logprobs
 
-    full = collate(batch, trainer.tokenizer.pad_token_id)
-    adv = torch.tensor([e.reward for e in batch]) - 0.5
+    full = {k: v.to(trainer.device) for k, v in collate(batch, trainer.tokenizer.pad_token_id).items()}
+    adv = torch.tensor([e.reward for e in batch], device=trainer.device) - 0.5
     with torch.no_grad():
         logp, _ = token_logprobs(trainer.model, full["input_ids"], full["attention_mask"])
     score_after = ((logp * full["response_mask"]).sum(-1) * adv).sum()

@@ -7,6 +7,8 @@ broadcast their value over the response tokens; masked positions are 0.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 EPS = 1e-6
@@ -15,10 +17,10 @@ EPS = 1e-6
 def _group_stats(rewards: torch.Tensor, group_index: torch.Tensor):
     """Per-sequence group mean, unbiased group std and group size."""
     n_groups = int(group_index.max()) + 1
-    count = torch.zeros(n_groups, dtype=rewards.dtype).index_add_(0, group_index, torch.ones_like(rewards))
-    total = torch.zeros(n_groups, dtype=rewards.dtype).index_add_(0, group_index, rewards)
+    count = rewards.new_zeros(n_groups).index_add_(0, group_index, torch.ones_like(rewards))
+    total = rewards.new_zeros(n_groups).index_add_(0, group_index, rewards)
     mean = total / count
-    sq = torch.zeros(n_groups, dtype=rewards.dtype).index_add_(
+    sq = rewards.new_zeros(n_groups).index_add_(
         0, group_index, (rewards - mean[group_index]) ** 2
     )
     # unbiased (N - 1); a group of one has no spread to measure
@@ -74,10 +76,10 @@ def opmd_advantage(batch: dict, cfg) -> torch.Tensor:
         baseline, _, _ = _group_stats(rewards, gi)
     else:
         n_groups = int(gi.max()) + 1
-        baseline = torch.empty(n_groups)
+        baseline = rewards.new_empty(n_groups)
         for g in range(n_groups):
             r = rewards[gi == g]
-            baseline[g] = cfg.tau * (torch.logsumexp(r / cfg.tau, 0) - torch.log(torch.tensor(float(len(r)))))
+            baseline[g] = cfg.tau * (torch.logsumexp(r / cfg.tau, 0) - math.log(len(r)))
         baseline = baseline[gi]
     return (rewards - baseline)[:, None] * mask
 
@@ -116,12 +118,12 @@ def gae_returns(rewards, values, mask, gamma: float, lam: float):
     V_{t+1} and A_{t+1} are 0 after the last response token. Returns (advantages, returns), [N, T].
     """
     T = mask.shape[1]
-    last = (mask * torch.arange(T)).argmax(-1)  # index of each row's last response token
+    last = (mask * torch.arange(T, device=mask.device)).argmax(-1)  # index of each row's last response token
     token_rewards = torch.zeros_like(mask)
-    token_rewards[torch.arange(len(rewards)), last] = rewards * (mask.sum(-1) > 0)
+    token_rewards[torch.arange(len(rewards), device=mask.device), last] = rewards * (mask.sum(-1) > 0)
     adv = torch.zeros_like(mask)
-    next_adv = torch.zeros(len(rewards))
-    next_value = torch.zeros(len(rewards))
+    next_adv = rewards.new_zeros(len(rewards))
+    next_value = rewards.new_zeros(len(rewards))
     for t in reversed(range(T)):
         delta = token_rewards[:, t] + gamma * next_value - values[:, t]
         adv[:, t] = (delta + gamma * lam * next_adv) * mask[:, t]

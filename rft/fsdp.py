@@ -1,0 +1,229 @@
+"""trainer=fsdp2: the trainer as `ranks` data-parallel processes with torch FSDP2 (fully_shard).
+
+Every rank gets the whole batch (advantages need whole groups, and it is small next to the
+model) and trains on its share of each mini-batch:
+
+    rows per rank  = ceil(mini-batch rows / ranks), rounded up to whole preference pairs
+    rank r's rows  = a contiguous block of the mini-batch; the last ranks may get fewer or none
+    passes         = the same count on every rank (FSDP gathers and reduces inside each forward
+                     and backward, so a rank that skipped one would hang the others): a rank
+                     short of rows runs "dead" micro-batches whose loss is multiplied by 0
+
+Each rank's loss is its rows' part of the one-process loss (normalised by the whole
+mini-batch's counts), times the number of ranks because FSDP averages gradients; so one
+update equals trainer=torch's up to float summation order (tests/test_fsdp.py checks it).
+
+Weights leave the trainer whole: syncs, checkpoints (`hf/` in Hugging Face format and a full
+optimizer state, loadable by trainer=torch too) gather them on rank 0. A fingerprint adds up
+each rank's shard sums instead of gathering anything.
+
+The ranks meet through a TCPStore that the driver hosts (`start_trainer`), so no rank has to
+be started before the others to learn an address.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import os
+from pathlib import Path
+
+import torch
+
+from rft.engine import format_fingerprint, weight_sums
+from rft.errors import ConfigError
+from rft.models import local_device
+from rft.trainer import Trainer
+
+
+def trainer_ranks(cfg) -> int:
+    """Processes of the trainer: 1 for trainer=torch; trainer.ranks (or its default) for fsdp2."""
+    tr, c = cfg.trainer, cfg.cluster
+    if tr.trainer_strategy != "fsdp2":
+        return 1
+    if tr.ranks is not None:
+        if tr.ranks < 1:
+            raise ConfigError(f"trainer.ranks={tr.ranks} must be >= 1 (or null for the default).")
+        return tr.ranks
+    if c.gpu_per_node == 0:
+        return 2
+    if c.colocate:
+        return 1
+    rm = cfg.explorer.rollout_model
+    engines = rm.engine_num if cfg.mode in ("both", "explore") else (1 if cfg.buffer.explorer_input.eval_tasksets else 0)
+    return max(c.node_num * c.gpu_per_node - engines * rm.tensor_parallel_size, 1)
+
+
+class FSDPTrainer(Trainer):
+    def __init__(self, cfg, plan, init_path, rank: int, world: int, store_address: tuple[str, int]):
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+
+        self.rank, self.world = rank, world
+        cuda = local_device(cfg.cluster).type == "cuda"
+        if dist.is_initialized():  # cluster=inline: the previous stage's trainer lived in this process
+            dist.destroy_process_group()
+        host, port = store_address
+        timeout = datetime.timedelta(seconds=cfg.synchronizer.sync_timeout)
+        store = dist.TCPStore(host, port, is_master=False, timeout=timeout)
+        dist.init_process_group("nccl" if cuda else "gloo", store=dist.PrefixStore("fsdp", store),
+                                rank=rank, world_size=world, timeout=timeout)
+        self.mesh = init_device_mesh("cuda" if cuda else "cpu", (world,))
+        self.loss_scale = world
+        super().__init__(cfg, plan, init_path)
+
+    # ------------------------------------------------------------------ data-parallel hooks
+
+    def _wrap(self, model):
+        """Shard each transformer block (transformers names them in _no_split_modules), then the rest."""
+        from torch.distributed.fsdp import fully_shard
+
+        blocks = set(getattr(model, "_no_split_modules", None) or [])
+        for module in model.modules():
+            if type(module).__name__ in blocks:
+                fully_shard(module, mesh=self.mesh)
+        fully_shard(model, mesh=self.mesh)
+        return model
+
+    def _my_micro_batches(self, start: int, end: int):
+        unit = 2 if self.cfg.algorithm.policy_loss_fn == "dpo" else 1  # preference pairs stay together
+        micro = self.plan.micro_batch_size
+        share = math.ceil((end - start) / (self.world * unit)) * unit
+        a = min(start + self.rank * share, end)
+        b = min(a + share, end)
+        for i in range(math.ceil(share / micro)):
+            s = a + i * micro
+            if s < b:
+                yield s, min(s + micro, b), True
+            else:  # a dead pass on real rows, weighted 0
+                yield start, min(start + unit, end), False
+
+    def _all_sum(self, t: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+
+        dist.all_reduce(t)
+        return t
+
+    def close(self) -> None:
+        """Leave the ranks' process group (before the driver's store goes away)."""
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    # ------------------------------------------------------------------ whole weights
+
+    def _full_state(self) -> dict:
+        """The whole model's state dict on rank 0 (CPU), {} on the others; every rank must call it."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        return self._full_state()
+
+    def fingerprint(self) -> str:
+        local = [p.to_local() for p in self.model.parameters()]
+        return format_fingerprint(self._all_sum(torch.tensor(weight_sums(local), dtype=torch.float64,
+                                                             device=self.device)).tolist())
+
+    def collective_address(self):
+        return super().collective_address() if self.rank == 0 else None
+
+    def collective_init(self, address: str, port: int, world: int, rank: int) -> None:
+        # only rank 0 is in the trainer -> explorers group
+        if self.rank == 0:
+            super().collective_init(address, port, world, rank)
+
+    def collective_send(self) -> None:
+        from rft.sync import broadcast
+
+        for _, p in sorted(self.model.named_parameters()):
+            full = p.full_tensor()  # every rank takes part in the gather
+            if self.rank == 0:
+                broadcast(self.group, [full])
+
+    def save_weights(self, path: str) -> str:
+        from safetensors.torch import save_file
+
+        from rft.engine import for_safetensors
+
+        sd = self._full_state()
+        if self.rank == 0:
+            save_file(for_safetensors(sd), path + ".tmp")
+            os.replace(path + ".tmp", path)
+        return self.fingerprint()
+
+    def save(self, directory: str) -> None:
+        """The same checkpoint as trainer=torch's (whole model, whole optimizer state), by rank 0."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        sd = self._full_state()
+        optim = get_optimizer_state_dict(self.model, self.optimizer,
+                                         options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if self.rank != 0:
+            return
+        d = Path(directory)
+        self.model.save_pretrained(d / "hf", state_dict=sd)
+        self.tokenizer.save_pretrained(d / "hf")
+        torch.save({"optimizer": optim, "scheduler": self.scheduler.state_dict(), "version": self.version,
+                    "rng": torch.get_rng_state(), "critic": None}, d / "trainer_state.pt")
+
+    def load(self, directory: str) -> None:
+        """Every rank reads the whole checkpoint (a filesystem all nodes share) and keeps its shard."""
+        from safetensors.torch import load_file
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        d = Path(directory)
+        # tied weights are saved once (save_pretrained): strict=False lets the tie fill them
+        set_model_state_dict(self.model, load_file(d / "hf" / "model.safetensors"),
+                             options=StateDictOptions(full_state_dict=True, strict=False))
+        state = torch.load(d / "trainer_state.pt", weights_only=False)
+        set_optimizer_state_dict(self.model, self.optimizer, _by_name(state["optimizer"], self.model),
+                                 options=StateDictOptions(full_state_dict=True))
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.version = state["version"]
+        torch.set_rng_state(state["rng"])
+
+
+def _by_name(optim: dict, model) -> dict:
+    """An optimizer state dict keyed by parameter name, as torch.distributed.checkpoint loads it.
+
+    trainer=torch saves torch's own form, parameters numbered in model.parameters() order (a
+    checkpoint written by FSDP ranks is keyed by name already; torch loads both alike)."""
+    groups = optim["param_groups"]
+    if all(isinstance(i, str) for g in groups for i in g["params"]):
+        return optim
+    names = [n for n, _ in model.named_parameters()]
+    return {
+        "state": {names[i]: v for i, v in optim["state"].items()},
+        "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in groups],
+    }
+
+
+def start_trainer(Actor, cfg, plan, init_path, name: str, common: dict, options: list[dict]):
+    """The trainer actor: one Trainer (trainer=torch), or an ActorGroup of FSDPTrainer ranks.
+
+    `options`: Ray options per rank (from rft.placement), one per rank.
+    """
+    from rft.actors import ActorGroup
+
+    if cfg.trainer.trainer_strategy != "fsdp2":
+        return Actor(Trainer, cfg, plan, init_path, name=name, **common, **options[0])
+    import torch.distributed as dist
+
+    from rft.sync import free_address
+
+    host, _ = free_address()
+    # the ranks' meeting point lives in this (the driver's) process for the trainer's lifetime
+    store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=cfg.synchronizer.sync_timeout))
+    world = len(options)
+    ranks = [Actor(FSDPTrainer, cfg, plan, init_path, r, world, (host, store.port),
+                   name=f"{name}_{r}" if world > 1 else name, **common, **options[r])
+             for r in range(world)]
+    return ActorGroup(ranks, keep=store)

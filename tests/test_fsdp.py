@@ -1,0 +1,149 @@
+"""trainer=fsdp2: two gloo ranks of FSDP2 train exactly as one trainer=torch process does, their
+checkpoints are trainer=torch's, and a run with them learns (weights reach the explorers by a
+collective broadcast from rank 0)."""
+
+import pytest
+import ray
+import torch
+from safetensors.torch import load_file
+
+from conftest import compose_cfg, run_cli
+from rft.actors import ActorGroup, RayActor
+from rft.engine import same_weights
+from rft.errors import ConfigError
+from rft.fsdp import start_trainer, trainer_ranks
+from rft.main import stage_configs
+from rft.models import ensure_model
+from rft.monitor import read_metrics
+from rft.plan import make_plan
+from rft.placement import check_placement
+from rft.trainer import Trainer
+from test_runtime import base, env_for, evals
+from test_trainer import experiences
+
+
+def configs(*extra):
+    common = ["stages=[]", "trainer.micro_batch_size_per_gpu=4", "algorithm.optimizer.lr=1e-3", *extra]
+    one = stage_configs(compose_cfg([*common, "cluster=inline"]))[0]
+    two = stage_configs(compose_cfg([*common, "trainer=fsdp2", "trainer.ranks=2"]))[0]
+    ensure_model(one.model)
+    return (one, make_plan(one, 2000)), (two, make_plan(two, 2000))
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def fsdp_group(cfg, plan, tmp_path, init_path=None) -> ActorGroup:
+    common = dict(log_dir=str(tmp_path / "log"), level="INFO")
+    group = start_trainer(RayActor, cfg, plan, init_path, "trainer", common, [dict(num_cpus=1)] * 2)
+    assert isinstance(group, ActorGroup) and [a.name for a in group.actors] == ["trainer_0", "trainer_1"]
+    return group
+
+
+def assert_same_model(weights: dict, model, rtol=1e-4, atol=1e-6):
+    own = model.state_dict()
+    assert set(weights) == set(own)
+    for k, v in own.items():
+        torch.testing.assert_close(weights[k], v, rtol=rtol, atol=atol, msg=k)
+
+
+def test_two_ranks_update_the_model_as_one_process_does(local_ray, tmp_path):
+    (one_cfg, one_plan), (two_cfg, two_plan) = configs()
+    # 128 experiences, micro-batches of 4: each rank 64 rows in 16 passes
+    assert (one_plan.micro_batches_per_update, two_plan.micro_batches_per_update, two_plan.dp_size) == (32, 16, 2)
+    one = Trainer(one_cfg, one_plan)
+    two = fsdp_group(two_cfg, two_plan, tmp_path)
+    # the shards' sums add up to the whole model's fingerprint
+    assert same_weights(two.call("fingerprint"), one.fingerprint())
+    batch = experiences()
+    # 128 rows, then 9: ceil(9 / 2) = 5 rows per rank; rank 0 takes 4 + 1, rank 1 takes 4 and
+    # runs one dead pass so that both run 2 (otherwise the ranks' collectives would not pair up)
+    for rows in (batch, batch[:9]):
+        m_one, m_two = one.train_step(rows), two.call("train_step", rows)
+        for key in ("loss/policy", "actor/grad_norm", "actor/entropy", "actor/clip_frac", "actor/approx_kl"):
+            assert m_two[key] == pytest.approx(m_one[key], rel=1e-4, abs=1e-6), key
+        assert m_two["train/experiences"] == len(rows)
+        assert_same_model(two.call("weights"), one.model)
+    assert m_one["actor/grad_norm"] > 0.01  # the steps did move the weights
+
+
+def test_checkpoints_are_trainer_torch_checkpoints_both_ways(local_ray, tmp_path):
+    (one_cfg, one_plan), (two_cfg, two_plan) = configs()
+    one = Trainer(one_cfg, one_plan)
+    two = fsdp_group(two_cfg, two_plan, tmp_path)
+    batch = experiences()
+    one.train_step(batch)
+    two.call("train_step", batch)
+    (tmp_path / "from_fsdp").mkdir()
+    two.call("save", str(tmp_path / "from_fsdp"))
+    # trainer=torch resumes the FSDP checkpoint: same weights, same Adam moments
+    resumed = Trainer(one_cfg, one_plan)
+    resumed.load(str(tmp_path / "from_fsdp"))
+    assert resumed.version == 1
+    assert_same_model(resumed.model.state_dict(), one.model)
+    for (a, b) in zip(resumed.optimizer.state.values(), one.optimizer.state.values()):
+        torch.testing.assert_close(a["exp_avg_sq"], b["exp_avg_sq"], rtol=1e-3, atol=1e-12)
+    # and the ranks resume trainer=torch's checkpoint: the next step matches one's
+    (tmp_path / "from_torch").mkdir()
+    one.save(str(tmp_path / "from_torch"))
+    two.call("load", str(tmp_path / "from_torch"))
+    assert two.call("get_version") == 1
+    assert_same_model(two.call("weights"), one.model, rtol=0, atol=0)
+    m_one, m_two = one.train_step(batch[:64]), two.call("train_step", batch[:64])
+    assert m_two["loss/policy"] == pytest.approx(m_one["loss/policy"], rel=1e-4, abs=1e-6)
+    assert_same_model(two.call("weights"), one.model)
+    # checkpoint sync: rank 0 writes the whole model; the fingerprint is the whole model's
+    fp = two.call("save_weights", str(tmp_path / "sync.safetensors"))
+    assert fp == two.call("fingerprint")
+    saved, whole = load_file(tmp_path / "sync.safetensors"), two.call("weights")
+    assert all(torch.equal(saved[k], whole[k]) for k in saved) and "model.norm.weight" in saved
+
+
+def test_fsdp2_ranks_and_their_errors():
+    # CPU-only: two ranks by default, each a Ray actor with its CPUs
+    cfg = compose_cfg(["stages=[]", "trainer=fsdp2"])
+    assert trainer_ranks(cfg) == 2
+    assert len(check_placement(cfg).bundles) == 3  # two ranks + one explorer
+    # on GPUs: one rank per GPU the explorers leave (2 nodes x 4 GPUs - 2 engines x TP 2 = 4)
+    gpu = ["cluster.node_num=2", "cluster.gpu_per_node=4", "explorer.rollout_model.engine_num=2",
+           "explorer.rollout_model.tensor_parallel_size=2"]
+    cfg = compose_cfg(["stages=[]", "trainer=fsdp2", *gpu])
+    assert trainer_ranks(cfg) == 4 and check_placement(cfg).trainer_gpus == 4
+
+    def error(*overrides):
+        with pytest.raises(ConfigError) as e:
+            make_plan(compose_cfg(["stages=[]", "trainer=fsdp2", *overrides]), 2000)
+        return str(e.value)
+
+    assert error("cluster=inline") == (
+        "trainer.ranks=2 (trainer_strategy=fsdp2) needs a process per rank, but cluster.backend=inline "
+        "runs everything in this one process. Use cluster=local (or cluster=ray), or trainer.ranks=1.")
+    assert error(*gpu, "trainer.ranks=5") == (
+        "trainer.ranks=5 needs a GPU each, but the explorers (engine_num 2 x tensor_parallel_size 2 = 4) "
+        "leave 4 of cluster.node_num x gpu_per_node = 8. Lower trainer.ranks (null takes what is left) or "
+        "engine_num.")
+    assert error("algorithm=ppo") == (
+        "algorithm.advantage_fn=gae trains a critic, which trainer=fsdp2 does not shard yet. Use "
+        "trainer=torch for it.")
+    assert error("trainer.ranks=0") == "trainer.ranks=0 must be >= 1 (or null for the default)."
+
+
+@pytest.mark.slow
+def test_a_grpo_run_with_two_fsdp2_ranks_learns(warm_start, tmp_path):
+    r = run_cli(*base(warm_start, "fsdp2", "trainer=fsdp2", "sync=collective", "cluster.num_cpus=3",
+                      "buffer.total_steps=6", "explorer.eval_interval=6", "trainer.save_interval=6"),
+                env=env_for(tmp_path))
+    assert r.returncode == 0, r.stderr[-3000:]
+    run = tmp_path / "rft" / "fsdp2"
+    metrics = read_metrics(run / "metrics.jsonl")
+    assert [m["sync/version"] for m in metrics[1:]] == [1, 2, 3, 4, 5, 6]
+    first, last = evals(metrics)[0], evals(metrics)[-1]
+    assert last >= first + 0.1, (first, last)
+    for rank in (0, 1):
+        assert "started in process" in (run / "log" / f"grpo_trainer_{rank}.log").read_text()
+    # the checkpoint is an ordinary Hugging Face model
+    assert (run / "checkpoints" / "step_6" / "hf" / "model.safetensors").exists()

@@ -1,0 +1,65 @@
+"""On a CUDA machine: the trainer, trainer=fsdp2 (nccl) and the hf engine run on the GPU and agree
+with the CPU. Skipped where no GPU is visible (CI has none; run `pytest tests/test_gpu.py` on one).
+"""
+
+import pytest
+import torch
+
+from conftest import compose_cfg
+from rft.actors import InlineActor
+from rft.engine import HFEngine, same_weights
+from rft.fsdp import start_trainer
+from rft.main import stage_configs
+from rft.models import ensure_model, load_tokenizer
+from rft.plan import make_plan
+from rft.trainer import Trainer
+from test_trainer import experiences
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none visible)")
+
+# gpu_per_node=2 only so that the plan leaves the trainer a GPU beside the explorer's
+COMMON = ["stages=[]", "cluster=inline", "trainer.micro_batch_size_per_gpu=16", "algorithm.optimizer.lr=1e-3"]
+
+
+def trainer(*extra):
+    cfg = stage_configs(compose_cfg([*COMMON, *extra]))[0]
+    ensure_model(cfg.model)
+    return cfg, make_plan(cfg, 2000)
+
+
+def test_the_trainer_and_one_fsdp2_rank_train_on_the_gpu_as_on_the_cpu(tmp_path):
+    cpu = Trainer(*trainer())
+    gpu = Trainer(*trainer("cluster.gpu_per_node=2"))
+    cfg, plan = trainer("cluster.gpu_per_node=2", "trainer=fsdp2", "trainer.ranks=1")
+    fsdp = start_trainer(InlineActor, cfg, plan, None, "t", dict(log_dir=str(tmp_path), level="INFO"), [{}])
+    assert gpu.device.type == "cuda" and next(gpu.model.parameters()).is_cuda
+    assert same_weights(fsdp.call("fingerprint"), cpu.fingerprint(), rtol=1e-7)
+    batch = experiences()
+    for rows in (batch, batch[:9], batch):
+        m_cpu, m_gpu, m_fsdp = cpu.train_step(rows), gpu.train_step(rows), fsdp.call("train_step", rows)
+        for key in ("loss/policy", "actor/grad_norm", "actor/entropy"):
+            assert m_gpu[key] == pytest.approx(m_cpu[key], rel=1e-4, abs=1e-6), key
+            assert m_fsdp[key] == pytest.approx(m_gpu[key], rel=1e-5, abs=1e-7), key
+    for weights in (gpu.weights(), fsdp.call("weights")):
+        assert all(not w.is_cuda for w in weights.values())  # what a sync sends is on the CPU
+        for k, v in cpu.model.state_dict().items():
+            torch.testing.assert_close(weights[k], v, rtol=1e-3, atol=1e-4, msg=lambda m, k=k: f"{k}: {m}")
+    # checkpoints cross devices and strategies
+    fsdp.call("save", str(tmp_path))
+    back = Trainer(*trainer())
+    back.load(str(tmp_path))
+    assert same_weights(back.fingerprint(), fsdp.call("fingerprint"), rtol=1e-7)
+    fsdp.kill()
+
+
+def test_the_hf_engine_generates_on_the_gpu_and_takes_cpu_weights():
+    cfg, _ = trainer("cluster.gpu_per_node=2")
+    tok = load_tokenizer(cfg.model)
+    engine = HFEngine(cfg.model, cfg.explorer.rollout_model, tok, device="cuda")
+    assert next(engine.model.parameters()).is_cuda
+    args = cfg.buffer.explorer_input.taskset.rollout_args
+    out = engine.generate([tok.encode("1+2=")], 4, args, seed=0)
+    assert len(out[0]) == 4 and all(len(s.token_ids) == len(s.logprobs) > 0 for s in out[0])
+    cpu = Trainer(*trainer())
+    engine.update_weights(cpu.weights())
+    assert same_weights(engine.fingerprint(), cpu.fingerprint(), rtol=1e-7)
