@@ -114,19 +114,44 @@ class ActorGroup:
         return futures[0]
 
     def get(self, future, timeout: float | None = None):
-        result = self.actors[0].get(future, timeout)
-        others, self._others = self._others, []
-        for actor, f in others:
-            actor.get(f, timeout)
-        return result
+        pending, self._others = [(self.actors[0], future), *self._others], []
+        if isinstance(self.actors[0], RayActor):
+            self._fail_fast([f for _, f in pending], timeout)
+        return [actor.get(f, timeout) for actor, f in pending][0]
+
+    def _fail_fast(self, futures: list, timeout: float | None) -> None:
+        """Raise as soon as any rank's call fails: the others may be waiting for it inside a
+        collective, and would only notice after the process group's timeout."""
+        import time
+
+        ray = self.actors[0]._ray
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while futures:
+            left = None if deadline is None else max(deadline - time.monotonic(), 0)
+            ready, futures = ray.wait(futures, num_returns=1, timeout=left)
+            if not ready:
+                raise TimeoutError(f"{self.name} did not answer within {timeout} s")
+            try:
+                ray.get(ready[0])
+            except ray.exceptions.RayActorError:
+                raise  # a dead rank: the runner reports the trainer as dead, with its checkpoint
+            except Exception as e:
+                # a live rank's collective failing is most often a symptom of another rank's
+                # death (gloo: connection reset); report the death, the cause, when there is one
+                for f in futures:
+                    try:
+                        ray.get(f, timeout=5)
+                    except ray.exceptions.RayActorError as died:
+                        raise died from e
+                    except Exception:
+                        pass
+                raise
 
     def call(self, method: str, *args):
         return self.get(self.submit(method, *args))
 
     def kill(self) -> None:
-        try:  # leave the process group while its store (self._keep) still answers
-            self.get(self.submit("close"), timeout=30)
-        except Exception:
-            pass
         for a in self.actors:
+            if isinstance(a, InlineActor) and a.obj is not None:
+                a.obj.close()  # leave the process group while its store (self._keep) is alive
             a.kill()

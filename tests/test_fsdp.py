@@ -71,6 +71,18 @@ def test_two_ranks_update_the_model_as_one_process_does(local_ray, tmp_path):
     assert m_one["actor/grad_norm"] > 0.01  # the steps did move the weights
 
 
+def test_a_dead_rank_is_reported_as_a_dead_actor(local_ray, tmp_path):
+    # not as rank 0's failed collective (gloo: "connection reset by peer"; nccl would wait out the
+    # timeout): RayActorError is what makes the runner say "the trainer actor died ... resume"
+    _, (cfg, plan) = configs("synchronizer.sync_timeout=60")
+    group = fsdp_group(cfg, plan, tmp_path)
+    group.call("get_version")
+    ray.kill(group.actors[1].actor)
+    with pytest.raises(ray.exceptions.RayActorError):
+        group.call("train_step", experiences())
+    group.kill()
+
+
 def test_checkpoints_are_trainer_torch_checkpoints_both_ways(local_ray, tmp_path):
     (one_cfg, one_plan), (two_cfg, two_plan) = configs()
     one = Trainer(one_cfg, one_plan)
