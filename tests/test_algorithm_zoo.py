@@ -6,7 +6,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from rft.algorithms import ADVANTAGE_FNS, POLICY_LOSS_FNS
+from rft.algorithms import ADVANTAGE_FNS, POLICY_LOSS_FNS, agg_loss
 from rft.config import AlgorithmConfig
 
 
@@ -74,6 +74,107 @@ def test_reinforce_pp_baseline_subtracts_the_group_mean_first():
     adv = ADVANTAGE_FNS["reinforce_pp_baseline"](b, algo())
     a = 0.5 / math.sqrt(1 / 3)
     torch.testing.assert_close(adv, torch.tensor([[a, a], [-a, -a]]), atol=1e-5, rtol=0)
+
+
+# Equal rewards carry no signal: every estimator must give exactly 0 for them, whatever the value.
+# None of these is exact in binary: a float mean of n copies of 0.9 is one rounding step off 0.9
+# (in float64 too), which GRPO's std then blows up to advantages of +-0.05..0.3.
+EQUAL_REWARDS = (0.9, -0.9, 1.9350059, 0.1, 1 / 3, 1e6 + 0.1, -3.7e-5)
+DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+# name -> (advantage fn, config); gae: values 0 and gamma = lam = 1 make A_t = R on every token
+ESTIMATORS = {
+    "grpo": ("grpo", {}),
+    "dr_grpo": ("dr_grpo", {}),
+    "rloo": ("rloo", {}),
+    "opmd_mean": ("opmd", {"opmd_baseline": "mean"}),
+    "opmd_logavgexp": ("opmd", {"opmd_baseline": "logavgexp", "tau": 1.0}),
+    "opmd_logavgexp_cold": ("opmd", {"opmd_baseline": "logavgexp", "tau": 0.01}),
+    "reinforce_pp": ("reinforce_pp", {"gamma": 1.0}),
+    "reinforce_pp_baseline": ("reinforce_pp_baseline", {"gamma": 0.9}),
+    "gae": ("gae", {"gamma": 1.0, "lam": 1.0}),
+}
+# those that baseline each group on its own (reinforce_pp_baseline whitens over the batch after)
+GROUPWISE = ("grpo", "dr_grpo", "rloo", "opmd_mean", "opmd_logavgexp", "opmd_logavgexp_cold")
+
+
+def response_mask(n):
+    """Rows of 2, 1 and 0 response tokens (in turn) after a prompt token."""
+    shapes = ([0.0, 1.0, 1.0], [0.0, 1.0, 0.0], [0.0, 0.0, 0.0])
+    return torch.tensor([shapes[i % 3] for i in range(n)])
+
+
+def advantages_in(estimator, rewards, groups, dtype):
+    """The estimator's advantages [N, 3] for rewards given in dtype, on `response_mask` rows."""
+    name, cfg = ESTIMATORS[estimator]
+    b = {"rewards": torch.tensor(rewards, dtype=dtype), "group_index": torch.tensor(groups),
+         "response_mask": response_mask(len(rewards)), "values": torch.zeros(len(rewards), 3, dtype=dtype)}
+    adv = ADVANTAGE_FNS[name](b, algo(**cfg))
+    assert adv.dtype in (torch.float32, torch.float64, dtype)
+    return adv
+
+
+def representable(value, dtype):
+    return bool(torch.isfinite(torch.tensor(value, dtype=dtype)))  # 1e6 overflows float16
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize("estimator", ESTIMATORS)
+def test_equal_rewards_give_exactly_zero_advantages(estimator, dtype):
+    for value in filter(lambda v: representable(v, dtype), EQUAL_REWARDS):
+        for size in range(1, 9):  # one group of `size` equal rewards
+            adv = advantages_in(estimator, [value] * size, [0] * size, dtype)
+            assert torch.equal(adv, torch.zeros(size, 3)), (value, size, adv)
+        # groups of sizes 1..8 in one batch, interleaved: 36 equal rewards
+        groups = [g for g in range(8) for _ in range(g + 1)]
+        groups = [groups[(i * 7) % 36] for i in range(36)]  # 7 is prime to 36: a permutation
+        adv = advantages_in(estimator, [value] * 36, groups, dtype)
+        assert torch.equal(adv, torch.zeros(36, 3)), (value, adv)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize("estimator", GROUPWISE + ("reinforce_pp_baseline",))
+def test_groups_of_equal_rewards_give_zero_whatever_each_group_value(estimator, dtype):
+    # every group flat at its own value, group g of size g + 1: the group baselines leave exactly 0
+    values = [v for v in EQUAL_REWARDS if representable(v, dtype)]
+    groups = [g for g in range(len(values)) for _ in range(g + 1)]
+    adv = advantages_in(estimator, [values[g] for g in groups], groups, dtype)
+    assert torch.equal(adv, torch.zeros(len(groups), 3)), adv
+
+
+# the non-flat groups of the mixed batch below: [1, 0] (group 1) and [0.5, 2, 1.25] (group 4);
+# dyadic, so that they are exact in every dtype
+MIXED_EXPECTED = {
+    # [1, 0]: mean 0.5, std sqrt(0.5 / 1); [0.5, 2, 1.25]: mean 1.25, deviations -0.75, 0.75, 0,
+    # std sqrt((0.5625 + 0.5625) / 2) = 0.75
+    "grpo": ([0.5 / (math.sqrt(0.5) + 1e-6), -0.5 / (math.sqrt(0.5) + 1e-6)],
+             [-0.75 / (0.75 + 1e-6), 0.75 / (0.75 + 1e-6), 0.0]),
+    "dr_grpo": ([0.5, -0.5], [-0.75, 0.75, 0.0]),
+    # 1 - 0, 0 - 1; 0.5 - (2 + 1.25) / 2 = -1.125, 2 - (0.5 + 1.25) / 2 = 1.125, 1.25 - 1.25 = 0
+    "rloo": ([1.0, -1.0], [-1.125, 1.125, 0.0]),
+    "opmd_mean": ([0.5, -0.5], [-0.75, 0.75, 0.0]),
+    # tau 1: ln((e + 1) / 2) = 0.620115; ln((e^0.5 + e^2 + e^1.25) / 3) = ln(12.528120 / 3) = 1.429363
+    "opmd_logavgexp": ([1 - 0.620115, -0.620115], [0.5 - 1.429363, 2 - 1.429363, 1.25 - 1.429363]),
+    # tau 0.01: 0.01 * ln((e^100 + 1) / 2) = 1 - 0.01 ln 2 = 0.993069 (to 1e-44);
+    # 0.01 * ln((e^50 + e^200 + e^125) / 3) = 2 - 0.01 ln 3 = 1.989014 (to 1e-35)
+    "opmd_logavgexp_cold": ([1 - 0.993069, -0.993069], [0.5 - 1.989014, 2 - 1.989014, 1.25 - 1.989014]),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize("estimator", GROUPWISE)
+def test_flat_groups_get_zero_beside_groups_with_signal(estimator, dtype):
+    # groups 0, 3, 5 flat (sizes 3, 5, 8), 2 a group of one, 1 and 4 with signal; rows shuffled
+    values = {0: [0.9] * 3, 1: [1.0, 0.0], 2: [-0.9], 3: [1.9350059] * 5, 4: [0.5, 2.0, 1.25], 5: [1 / 3] * 8}
+    expected = {g: [0.0] * len(v) for g, v in values.items()}
+    expected[1], expected[4] = MIXED_EXPECTED[estimator]
+    rows = [(g, r, a) for g in values for r, a in zip(values[g], expected[g])]
+    rows = [rows[(i * 5) % len(rows)] for i in range(len(rows))]  # 5 is prime to 22 rows
+    groups, rewards, want = zip(*rows)
+    adv = advantages_in(estimator, list(rewards), list(groups), dtype)
+    flat = torch.tensor([g in (0, 2, 3, 5) for g in groups])
+    assert torch.equal(adv[flat], torch.zeros(int(flat.sum()), 3)), adv
+    want = torch.tensor(want, dtype=adv.dtype)[:, None] * response_mask(len(rows)).to(adv.dtype)
+    torch.testing.assert_close(adv, want, rtol=1e-5, atol=1e-6)
 
 
 def test_ppo_dual_clip_caps_negative_advantage_losses():
@@ -178,8 +279,8 @@ def test_dpo_loss_hand_computed():
     mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
     loss, m = loss_fn("dpo", logp, None, None, mask, algo(dpo_beta=0.5), ref=ref)
     pair = math.log1p(math.exp(-1.5))
-    # spread over each row's tokens: row 0 gets pair/2 per token, row 1 pair on its one token
-    torch.testing.assert_close(loss.detach(), torch.tensor([[pair / 2, pair / 2], [pair, 0.0]]))
+    # spread over the pair's 3 tokens, twice (seq-mean-token-sum counts 2 rows per pair): 2 pair / 3
+    torch.testing.assert_close(loss.detach(), torch.tensor([[2 * pair / 3, 2 * pair / 3], [2 * pair / 3, 0.0]]))
     assert m["dpo/accuracy"] / 3 == pytest.approx(1.0)  # token sums: 3 response tokens
     assert m["dpo/reward_margin"] / 3 == pytest.approx(1.5)
     # seq-mean-token-sum over the 2 rows = (pair + pair) / 2 = pair; its gradient on the chosen
@@ -187,6 +288,45 @@ def test_dpo_loss_hand_computed():
     (loss * mask).sum().div(2).backward()
     g = -0.5 * (1 - 1 / (1 + math.exp(-1.5)))
     torch.testing.assert_close(logp.grad, torch.tensor([[g, g], [-g, 0.0]]))
+
+
+def test_dpo_pair_with_an_empty_row_counts_as_a_whole_pair():
+    # two pairs, one token per row, beta 0.5
+    # pair A: chosen lp -1.0 - ref -2.0 = +1; rejected lp -2.0 - ref -1.0 = -1 -> margin 0.5 * 2 = 1.0
+    # pair B: chosen lp -0.5 - ref -1.5 = +1; rejected row empty (0 - 0) -> margin 0.5 * 1 = 0.5
+    # l_A = log(1 + e^-1) = 0.313262, l_B = log(1 + e^-0.5) = 0.474077; their mean 0.393669
+    logp = torch.tensor([[-1.0], [-2.0], [-0.5], [0.0]], requires_grad=True)
+    ref = torch.tensor([[-2.0], [-1.0], [-1.5], [0.0]])
+    mask = torch.tensor([[1.0], [1.0], [1.0], [0.0]])
+    loss, m = loss_fn("dpo", logp, None, None, mask, algo(dpo_beta=0.5), ref=ref)
+    l_a, l_b = math.log1p(math.exp(-1.0)), math.log1p(math.exp(-0.5))
+    # each token of a pair carries 2 * l / (pair's tokens): A's two tokens 2 l_A / 2, B's one 2 l_B / 1
+    torch.testing.assert_close(loss.detach(), torch.tensor([[l_a], [l_a], [2 * l_b], [0.0]]))
+    # seq-mean-token-sum over the 4 rows: (l_A + l_A + 2 l_B) / 4 = (l_A + l_B) / 2, the mean over
+    # pairs (spreading over each row's own tokens gave (l_A + l_A + l_B) / 4 = 0.275150)
+    total = agg_loss(loss, mask, "seq-mean-token-sum", num_seqs=4, num_tokens=3, max_len=1)
+    assert total.item() == pytest.approx((l_a + l_b) / 2)
+    # d total / d lp_c = 1/2 (pairs) * -beta * sigmoid(-margin) for the pair's chosen row, + for its rejected:
+    # A: -0.5 * 0.5 * sigmoid(-1.0) = -0.25 * 0.268941 = -0.067235
+    # B: -0.5 * 0.5 * sigmoid(-0.5) = -0.25 * 0.377541 = -0.094385 (-0.047193 when B counted half)
+    total.backward()
+    g_a, g_b = -0.25 / (1 + math.exp(1.0)), -0.25 / (1 + math.exp(0.5))
+    torch.testing.assert_close(logp.grad, torch.tensor([[g_a], [-g_a], [g_b], [0.0]]))
+    # metrics are token sums the trainer divides by the 3 response tokens: the per-pair means,
+    # margin (1.0 + 0.5) / 2 = 0.75 and accuracy 1 (both margins > 0)
+    assert m["dpo/reward_margin"] / 3 == pytest.approx(0.75)
+    assert m["dpo/accuracy"] / 3 == pytest.approx(1.0)
+
+
+def test_dpo_pair_without_tokens_contributes_nothing():
+    # both rows empty: no token can carry the pair's loss (log 2: margin 0); it adds 0, not NaN
+    logp = torch.tensor([[-1.0], [-2.0]], requires_grad=True)
+    mask = torch.zeros(2, 1)
+    loss, m = loss_fn("dpo", logp, None, None, mask, algo(dpo_beta=0.5), ref=torch.zeros(2, 1))
+    agg_loss(loss, mask, "seq-mean-token-sum", num_seqs=2, num_tokens=0, max_len=1).backward()
+    assert torch.equal(loss.detach(), torch.zeros(2, 1))
+    assert torch.equal(logp.grad, torch.zeros(2, 1))
+    assert (m["dpo/reward_margin"], m["dpo/accuracy"]) == (0.0, 0.0)
 
 
 def test_gae_hand_computed():

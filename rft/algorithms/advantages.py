@@ -3,29 +3,51 @@
 `batch` holds `rewards` [N] (one scalar per sequence), `group_index` [N] (which task's group
 each sequence belongs to, as 0..G-1) and `response_mask` [N, T]. Sequence-level estimators
 broadcast their value over the response tokens; masked positions are 0.
+
+Equal rewards give advantages of exactly 0, whatever the value and dtype. Means are not enough for
+that: the float mean of three 0.9s is one rounding step off 0.9 (in float64 too), and dividing by
+the std that step makes gives advantages of +-0.05..0.3 from nothing. So every mean here is taken
+of deviations from a member of the set (mean = ref + mean(x - ref)), in float64: equal values then
+have deviations of exactly 0. The result is float32, or float64 for float64 inputs.
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 
 EPS = 1e-6
 
 
+def _out_dtype(*tensors) -> torch.dtype:
+    """float32, or wider where an input is wider (bfloat16 and float16 rewards give float32)."""
+    dtype = torch.float32
+    for t in tensors:
+        dtype = torch.promote_types(dtype, t.dtype)
+    return dtype
+
+
+def _group_max(x: torch.Tensor, group_index: torch.Tensor, n_groups: int) -> torch.Tensor:
+    """Each sequence's group maximum: a member of the group, the reference value deviations are
+    taken from."""
+    top = x.new_zeros(n_groups).scatter_reduce(0, group_index, x, "amax", include_self=False)
+    return top[group_index]
+
+
 def _group_stats(rewards: torch.Tensor, group_index: torch.Tensor):
-    """Per-sequence group mean, unbiased group std and group size."""
+    """Per sequence, in float64: R_i - mean_g, the unbiased group std, and the group size.
+
+    The mean is of the deviations from the group's maximum, so a group of equal rewards gives
+    centred rewards and std of exactly 0.
+    """
+    r = rewards.double()
     n_groups = int(group_index.max()) + 1
-    count = rewards.new_zeros(n_groups).index_add_(0, group_index, torch.ones_like(rewards))
-    total = rewards.new_zeros(n_groups).index_add_(0, group_index, rewards)
-    mean = total / count
-    sq = rewards.new_zeros(n_groups).index_add_(
-        0, group_index, (rewards - mean[group_index]) ** 2
-    )
+    dev = r - _group_max(r, group_index, n_groups)
+    count = r.new_zeros(n_groups).index_add_(0, group_index, torch.ones_like(r))
+    centred = dev - (r.new_zeros(n_groups).index_add_(0, group_index, dev) / count)[group_index]
+    sq = r.new_zeros(n_groups).index_add_(0, group_index, centred**2)
     # unbiased (N - 1); a group of one has no spread to measure
     std = torch.sqrt(sq / (count - 1).clamp(min=1))
-    return mean[group_index], std[group_index], count[group_index]
+    return centred, std[group_index], count[group_index]
 
 
 def grpo_advantage(batch: dict, cfg) -> torch.Tensor:
@@ -36,9 +58,9 @@ def grpo_advantage(batch: dict, cfg) -> torch.Tensor:
     rewards are all equal gets A = 0.
     """
     rewards, mask = batch["rewards"], batch["response_mask"]
-    mean, std, count = _group_stats(rewards, batch["group_index"])
-    adv = torch.where(count > 1, (rewards - mean) / (std + EPS), torch.zeros_like(rewards))
-    return adv[:, None] * mask
+    centred, std, count = _group_stats(rewards, batch["group_index"])
+    adv = torch.where(count > 1, centred / (std + EPS), torch.zeros_like(centred))
+    return adv.to(_out_dtype(rewards))[:, None] * mask
 
 
 def dr_grpo_advantage(batch: dict, cfg) -> torch.Tensor:
@@ -48,8 +70,8 @@ def dr_grpo_advantage(batch: dict, cfg) -> torch.Tensor:
     does: together they remove GRPO's length and difficulty biases. A group of one gets A = 0.
     """
     rewards, mask = batch["rewards"], batch["response_mask"]
-    mean, _, _ = _group_stats(rewards, batch["group_index"])
-    return (rewards - mean)[:, None] * mask
+    centred, _, _ = _group_stats(rewards, batch["group_index"])
+    return centred.to(_out_dtype(rewards))[:, None] * mask
 
 
 def rloo_advantage(batch: dict, cfg) -> torch.Tensor:
@@ -59,9 +81,9 @@ def rloo_advantage(batch: dict, cfg) -> torch.Tensor:
     no others: A = 0.
     """
     rewards, mask = batch["rewards"], batch["response_mask"]
-    mean, _, count = _group_stats(rewards, batch["group_index"])
+    centred, _, count = _group_stats(rewards, batch["group_index"])
     scale = torch.where(count > 1, count / (count - 1).clamp(min=1), torch.zeros_like(count))
-    return (scale * (rewards - mean))[:, None] * mask
+    return (scale * centred).to(_out_dtype(rewards))[:, None] * mask
 
 
 def opmd_advantage(batch: dict, cfg) -> torch.Tensor:
@@ -69,31 +91,45 @@ def opmd_advantage(batch: dict, cfg) -> torch.Tensor:
 
     baseline = group mean (`opmd_baseline: mean`), or the soft maximum
     tau * (logsumexp(R / tau) - log G) (`opmd_baseline: logavgexp`), which tends to the group max as
-    tau -> 0 and to the mean as tau -> inf.
+    tau -> 0 and to the mean as tau -> inf. The soft maximum is computed as
+    M + tau * log(mean_g exp((R - M) / tau)) with M the group max: no overflow however small tau,
+    and a group of equal rewards (a group of one too) gets exactly M, so A = 0.
     """
     rewards, mask, gi = batch["rewards"], batch["response_mask"], batch["group_index"]
     if cfg.opmd_baseline == "mean":
-        baseline, _, _ = _group_stats(rewards, gi)
+        adv, _, _ = _group_stats(rewards, gi)
     else:
+        r = rewards.double()
         n_groups = int(gi.max()) + 1
-        baseline = rewards.new_empty(n_groups)
-        for g in range(n_groups):
-            r = rewards[gi == g]
-            baseline[g] = cfg.tau * (torch.logsumexp(r / cfg.tau, 0) - math.log(len(r)))
-        baseline = baseline[gi]
-    return (rewards - baseline)[:, None] * mask
+        dev = r - _group_max(r, gi, n_groups)  # <= 0, and 0 for the max itself: the sum below >= 1
+        count = r.new_zeros(n_groups).index_add_(0, gi, torch.ones_like(r))
+        mean_exp = r.new_zeros(n_groups).index_add_(0, gi, torch.exp(dev / cfg.tau)) / count
+        adv = dev - cfg.tau * torch.log(mean_exp)[gi]
+    return adv.to(_out_dtype(rewards))[:, None] * mask
+
+
+def _whiten(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """(x - mean) / (std + eps) over the masked-in entries of the whole batch (unbiased std), in
+    float64; masked entries 0. The mean is of the deviations from one masked-in entry, so equal
+    entries whiten to exactly 0."""
+    x, m = x.double(), mask.double()
+    # the first masked-in entry (entry 0 when there is none: nothing is kept then); take() keeps it
+    # on the device, where indexing with a 0-d tensor would wait for the host
+    ref = x.take((m.flatten() != 0).to(torch.uint8).argmax())
+    dev = (x - ref) * m
+    n = m.sum().clamp(min=1)
+    centred = (dev - dev.sum() / n) * m
+    std = torch.sqrt((centred**2).sum() / (n - 1).clamp(min=1))
+    return centred / (std + EPS)
 
 
 def _discounted_whitened(rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
     """The reward sits on each sequence's last response token; return_t = gamma^(last - t) * R;
     then whiten over every response token of the batch."""
-    last = mask.cumsum(-1).max(-1, keepdim=True).values  # response length per row
-    pos = mask.cumsum(-1)  # 1..len on response tokens
-    returns = rewards[:, None] * gamma ** (last - pos) * mask
-    n = mask.sum().clamp(min=1)
-    mean = returns.sum() / n
-    var = (((returns - mean) * mask) ** 2).sum() / (n - 1).clamp(min=1)
-    return (returns - mean) / (var.sqrt() + EPS) * mask
+    pos = mask.double().cumsum(-1)  # 1..len on response tokens
+    last = pos.max(-1, keepdim=True).values  # response length per row
+    returns = rewards.double()[:, None] * gamma ** (last - pos)
+    return _whiten(returns, mask)
 
 
 def reinforce_pp_advantage(batch: dict, cfg) -> torch.Tensor:
@@ -102,13 +138,19 @@ def reinforce_pp_advantage(batch: dict, cfg) -> torch.Tensor:
     Departure: the paper also folds a per-token KL penalty into the reward; here KL is available as
     a loss term (kl_loss_fn) instead.
     """
-    return _discounted_whitened(batch["rewards"], batch["response_mask"], cfg.gamma)
+    rewards, mask = batch["rewards"], batch["response_mask"]
+    return _discounted_whitened(rewards, mask, cfg.gamma).to(_out_dtype(rewards, mask))
 
 
 def reinforce_pp_baseline_advantage(batch: dict, cfg) -> torch.Tensor:
-    """REINFORCE++-baseline: subtract the group mean reward first, then as reinforce_pp."""
-    mean, _, _ = _group_stats(batch["rewards"], batch["group_index"])
-    return _discounted_whitened(batch["rewards"] - mean, batch["response_mask"], cfg.gamma)
+    """REINFORCE++-baseline: subtract the group mean reward first, then as reinforce_pp.
+
+    A batch whose groups are each flat gets A = 0. In a batch with signal, a flat group's tokens
+    get (0 - batch mean) / batch std, as in the reference implementations' whitening.
+    """
+    rewards, mask = batch["rewards"], batch["response_mask"]
+    centred, _, _ = _group_stats(rewards, batch["group_index"])
+    return _discounted_whitened(centred, mask, cfg.gamma).to(_out_dtype(rewards, mask))
 
 
 def gae_returns(rewards, values, mask, gamma: float, lam: float):
@@ -120,7 +162,7 @@ def gae_returns(rewards, values, mask, gamma: float, lam: float):
     T = mask.shape[1]
     last = (mask * torch.arange(T, device=mask.device)).argmax(-1)  # index of each row's last response token
     token_rewards = torch.zeros_like(mask)
-    token_rewards[torch.arange(len(rewards), device=mask.device), last] = rewards * (mask.sum(-1) > 0)
+    token_rewards[torch.arange(len(rewards), device=mask.device), last] = (rewards * (mask.sum(-1) > 0)).to(mask.dtype)
     adv = torch.zeros_like(mask)
     next_adv = rewards.new_zeros(len(rewards))
     next_value = rewards.new_zeros(len(rewards))
@@ -132,13 +174,13 @@ def gae_returns(rewards, values, mask, gamma: float, lam: float):
 
 
 def gae_advantage(batch: dict, cfg) -> torch.Tensor:
-    """PPO's advantages: GAE on the critic's values (batch["values"]), whitened over the batch."""
+    """PPO's advantages: GAE on the critic's values (batch["values"]), whitened over the batch.
+
+    Equal GAE advantages (equal rewards with gamma = lam = 1 and constant values) whiten to 0.
+    """
     mask = batch["response_mask"]
     adv, _ = gae_returns(batch["rewards"], batch["values"], mask, cfg.gamma, cfg.lam)
-    n = mask.sum().clamp(min=1)
-    mean = adv.sum() / n
-    std = torch.sqrt((((adv - mean) * mask) ** 2).sum() / (n - 1).clamp(min=1))
-    return (adv - mean) / (std + EPS) * mask
+    return _whiten(adv, mask).to(_out_dtype(adv))
 
 
 # advantage functions that need a critic's values in batch["values"]

@@ -129,8 +129,11 @@ def dpo_loss(logp, batch, cfg):
 
     Rows come in pairs, chosen then rejected (rows 2k and 2k+1; `rft.buffer.DatasetReader` with
     format.chosen_key/rejected_key builds them), and lp / ref are sequence log-probs (sums over
-    response tokens). Each pair's loss is spread evenly over the tokens of both its rows, so
-    loss_agg_mode=seq-mean-token-sum gives the mean over pairs (dpo.yaml sets it).
+    response tokens). Each pair's loss l_k is spread evenly over the n_k tokens of both its rows,
+    2 * l_k / n_k on each, so that loss_agg_mode=seq-mean-token-sum (which divides by the number of
+    rows, two per pair) gives the mean over pairs, also when one row of a pair has no response
+    tokens (dpo.yaml sets that mode). A pair with no response tokens at all has nowhere to put its
+    loss: it contributes 0 (its rows still count in the normaliser).
     """
     mask, ref = batch["response_mask"], batch["ref_logp"]
     seq = (logp * mask).sum(-1)
@@ -138,13 +141,13 @@ def dpo_loss(logp, batch, cfg):
     chosen_reward = cfg.dpo_beta * (seq[0::2] - seq_ref[0::2])
     rejected_reward = cfg.dpo_beta * (seq[1::2] - seq_ref[1::2])
     pair_loss = -torch.nn.functional.logsigmoid(chosen_reward - rejected_reward)
-    per_row = pair_loss.repeat_interleave(2)
-    loss = (per_row / mask.sum(-1).clamp(min=1))[:, None] * mask
+    # spread over the pair's tokens, not each row's own: a row without tokens must not take half
     pairs_tokens = (mask[0::2].sum(-1) + mask[1::2].sum(-1)).repeat_interleave(2)
+    weights = mask / pairs_tokens[:, None].clamp(min=1)  # sums to 1 over a pair's tokens
+    loss = 2 * pair_loss.repeat_interleave(2)[:, None] * weights
     margin = (chosen_reward - rejected_reward).detach()
     # metrics are token sums: spread each pair's value over its tokens so the trainer's per-token
     # average is the per-pair mean
-    weights = mask / pairs_tokens[:, None].clamp(min=1)
     metrics = {
         "dpo/reward_margin": (margin.repeat_interleave(2)[:, None] * weights).sum().item() * mask.sum().item() / len(margin),
         "dpo/accuracy": ((margin > 0).float().repeat_interleave(2)[:, None] * weights).sum().item() * mask.sum().item() / len(margin),
@@ -154,6 +157,8 @@ def dpo_loss(logp, batch, cfg):
 
 # losses that need the frozen reference model's log-probs in batch["ref_logp"]
 NEEDS_REFERENCE = {"dpo"}
+# losses that learn from preference pairs (rows 2k, 2k+1: chosen, rejected) of a dataset
+NEEDS_PAIRS = {"dpo"}
 
 
 POLICY_LOSS_FNS = {
