@@ -3,11 +3,20 @@
 `hf` (transformers `generate`, batched with a KV cache) is the CPU default. Every engine returns,
 for each prompt, `n` samples of response token ids, the log-prob of each token under the
 sampling distribution (after temperature/top-p/top-k), and a finish reason.
+
+Stop strings (`rollout_args.stop`) end a sample the same way in every engine: at the first token
+after which the decoded response contains one of them. That token is kept, so the sample's tokens
+are exactly those sampled (the trainer trains on them, one log-prob each) and its text contains
+the stop string; later tokens are dropped; the finish reason is "stop". The response is decoded
+as vLLM's detokenizer does (incrementally, after the prompt, special tokens skipped). A token
+that completes a stop string and goes on past it is kept whole: with stop "ss" and a token
+"assistant", the response ends with "assistant". With a tokenizer of multi-character tokens (BPE)
+a response can so end a few characters past its stop string; with the tiny model's
+character-level one, only at its role-name tokens.
 """
 
 from __future__ import annotations
 
-import hashlib
 import time
 from dataclasses import dataclass
 
@@ -20,7 +29,7 @@ from rft.models import load_model
 class Sample:
     token_ids: list[int]
     logprobs: list[float]
-    finish_reason: str  # "stop" (end of sequence) or "length" (hit max_tokens)
+    finish_reason: str  # "stop" (end of sequence or a stop string) or "length" (hit max_tokens)
 
 
 def for_safetensors(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -77,6 +86,40 @@ def same_weights(a: str, b: str, rtol: float = 1e-9) -> bool:
     return abs(s1 - s2) <= rtol * scale and abs(a1 - a2) <= rtol * scale and abs(q1 - q2) <= rtol * max(q1, q2, 1e-30)
 
 
+class StopStrings:
+    """A `generate` stopping criterion: row i ends at the first response token after which its
+    decoded response contains one of `stop`; `ends[i]` is then the number of response tokens it
+    keeps (that token included), else None.
+
+    Each response is decoded as vLLM decodes it (the tokenizers library's DecodeStream, started
+    after the prompt, special tokens skipped), so both engines cut at the same token.
+    `start`: the column of `input_ids` where responses begin.
+    """
+
+    def __init__(self, tokenizer, prompts: list[list[int]], stop: list[str], start: int):
+        from tokenizers.decoders import DecodeStream
+
+        self.backend = tokenizer.backend_tokenizer
+        self.stop, self.start = list(stop), start
+        self.streams = [DecodeStream(ids=p, skip_special_tokens=True) for p in prompts]
+        self.texts = [""] * len(prompts)
+        self.seen = 0  # response tokens looked at so far (as many in every row)
+        self.ends: list[int | None] = [None] * len(prompts)
+
+    def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
+        new = input_ids[:, self.start + self.seen :].tolist()
+        for i, tokens in enumerate(new):
+            for j, t in enumerate(tokens):
+                if self.ends[i] is None:
+                    old = len(self.texts[i])
+                    self.texts[i] += self.streams[i].step(self.backend, t) or ""
+                    # only occurrences that end in the new text: earlier ones would have stopped it
+                    if any(s in self.texts[i][max(0, old - len(s) + 1) :] for s in self.stop):
+                        self.ends[i] = self.seen + j + 1
+        self.seen += len(new[0])
+        return torch.tensor([e is not None for e in self.ends], device=input_ids.device)
+
+
 class HFEngine:
     """transformers `generate` on `device` (the explorer's rft.models.local_device)."""
 
@@ -120,6 +163,8 @@ class HFEngine:
             top_p=args.top_p,
             top_k=args.top_k if args.top_k > 0 else None,
         )
+        stop = getattr(args, "stop", None)  # RolloutArgs has it; args built by hand may not
+        stops = StopStrings(tok, prompts, stop, L) if stop else None
         out = self.model.generate(
             input_ids=input_ids.to(self.device),
             attention_mask=attention_mask.to(self.device),
@@ -129,6 +174,7 @@ class HFEngine:
             pad_token_id=tok.pad_token_id,
             output_scores=True,
             return_dict_in_generate=True,
+            stopping_criteria=[stops] if stops else None,
             **sampling,
         )
         # scores are the processed logits the sampler drew from: their log-softmax is the
@@ -138,10 +184,13 @@ class HFEngine:
         result = []
         for i in range(len(prompts)):
             ids = new_tokens[i].tolist()
+            stop_end = stops.ends[i] if stops else None
+            if stop_end is not None:
+                ids = ids[:stop_end]  # padding follows a stop string
             if tok.eos_token_id in ids:
                 end, reason = ids.index(tok.eos_token_id) + 1, "stop"
             else:
-                end, reason = len(ids), "length"
+                end, reason = len(ids), "length" if stop_end is None else "stop"
             result.append(Sample(ids[:end], logprobs[i, :end].tolist(), reason))
         return result
 

@@ -7,6 +7,11 @@ Prompts go in as token ids; each sample comes back with its token ids, the log-p
 token under the sampling distribution (`logprobs_mode="processed_logprobs"`: after temperature,
 top-k and top-p, as the hf engine reports) and a finish reason.
 
+Stop strings end a sample as in the hf engine (see rft.engine): vLLM checks its incrementally
+detokenized response after each token, keeps the token that completes a stop string and drops
+the tokens after it, with their log-probs. (`include_stop_str_in_output=True` keeps the stop
+string in vLLM's text as well, which by default it cuts off; the token ids keep it either way.)
+
 New weights are loaded into the running engine, never by restarting it: every vLLM worker gets
 the methods of `rft.vllm_worker.WorkerExtension` and the engine calls them through
 `collective_rpc` (weights as tensors for sync=memory, a file path for sync=checkpoint, a
@@ -22,6 +27,7 @@ import time
 
 from rft.engine import Sample
 from rft.errors import ConfigError
+from rft.models import canonical_dtype
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +66,7 @@ class VLLMEngine:
         try:
             self.llm = LLM(
                 model=model_path,
-                dtype=rollout_cfg.dtype or model_cfg.dtype,
+                dtype=canonical_dtype(rollout_cfg.dtype or model_cfg.dtype),  # vLLM takes "bfloat16", not "bf16"
                 max_model_len=max_len,
                 tensor_parallel_size=rollout_cfg.tensor_parallel_size,
                 gpu_memory_utilization=rollout_cfg.gpu_memory_utilization,

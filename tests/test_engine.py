@@ -6,7 +6,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from rft.engine import HFEngine, fingerprint
+from rft.engine import HFEngine, StopStrings, fingerprint
 from rft.experience import Experience, collate
 from rft.models import build_tiny_model, load_tokenizer
 from rft.trainer import token_logprobs
@@ -24,8 +24,17 @@ def tiny(cache_dir):
     return tok, engine, prompts
 
 
-def args(t):
-    return SimpleNamespace(temperature=t, top_p=1.0, top_k=-1, max_tokens=None)
+def args(t, stop=()):
+    return SimpleNamespace(temperature=t, top_p=1.0, top_k=-1, max_tokens=None, stop=list(stop))
+
+
+def stop_cut(tok, ids, stop):
+    """How many of `ids` the stop strings keep: up to the first token after which the decoded
+    response contains one; None if none does. Decodes every prefix, unlike the engines."""
+    for k in range(1, len(ids) + 1):
+        if any(s in tok.decode(ids[:k], skip_special_tokens=True) for s in stop):
+            return k
+    return None
 
 
 def test_tiny_model_is_an_hf_model_with_a_chat_template(tiny):
@@ -71,6 +80,59 @@ def test_sampling_logprobs_match_the_trainers_recomputation(tiny):
         for i, e in enumerate(exps):
             got = logp[i][batch["response_mask"][i].bool()]
             torch.testing.assert_close(got, torch.tensor(e.logprobs), atol=1e-4, rtol=1e-4)
+
+
+def test_a_stop_string_ends_a_greedy_response_right_after_it(tiny):
+    tok, engine, prompts = tiny
+    base = engine.generate(prompts, 1, args(0), seed=0)
+    ids, logprobs = base[0][0].token_ids, base[0][0].logprobs
+    text = tok.decode(ids, skip_special_tokens=True)
+    first = len(tok.decode(ids[:1], skip_special_tokens=True))
+    # the response's 2nd-3rd characters, and four across the boundary of its first two tokens
+    for stop in (text[1:3], text[first - 1 : first + 3]):
+        k = stop_cut(tok, ids, [stop])
+        assert k is not None and k < len(ids)  # the premise: the stop string cuts the response
+        s = engine.generate(prompts, 1, args(0, [stop]), seed=0)[0][0]
+        assert s.token_ids == ids[:k] and s.finish_reason == "stop", (stop, s)
+        assert stop in tok.decode(s.token_ids, skip_special_tokens=True)
+        # one log-prob per kept token, those of the uncut response
+        torch.testing.assert_close(torch.tensor(s.logprobs), torch.tensor(logprobs[:k]))
+
+
+def test_a_stop_string_ending_inside_a_token_keeps_the_whole_token(tiny):
+    tok, _, prompts = tiny
+    p = prompts[0]
+    # "assistant" is a single token of the tiny vocabulary (a role name); the others are characters
+    rows = [["a", "assistant", "b"], ["x", "s", "s"], ["a", "b", "c"]]
+    ids = torch.tensor([p + tok.convert_tokens_to_ids(r) for r in rows])
+    stops = StopStrings(tok, [p] * 3, ["ss"], len(p))
+    done = [stops(ids[:, : len(p) + n], None).tolist() for n in (1, 2, 3)]  # as generate calls it
+    assert done == [[False, False, False], [True, False, False], [True, True, False]]
+    assert stops.ends == [2, 3, None]
+
+
+def test_stop_strings_end_sampled_responses(tiny):
+    tok, engine, prompts = tiny
+    stop = list("0123456789") + ["ss"]
+    out = engine.generate(prompts, 4, args(1.0, stop), seed=0)
+    kinds = set()
+    for group in out:
+        for s in group:
+            assert len(s.token_ids) == len(s.logprobs) >= 1
+            assert tok.eos_token_id not in s.token_ids[:-1]
+            k = stop_cut(tok, s.token_ids, stop)
+            if k is not None:  # a stop string, completed by the last token and by no earlier one
+                assert k == len(s.token_ids) and s.finish_reason == "stop", (tok.decode(s.token_ids), s)
+                kinds.add("stop string")
+            elif s.token_ids[-1] == tok.eos_token_id:
+                assert s.finish_reason == "stop"
+                kinds.add("eos")
+            else:
+                assert s.finish_reason == "length" and len(s.token_ids) == 6
+                kinds.add("length")
+    # the fixed seed gives samples cut by a stop string and samples of full length, so both
+    # branches ran (the untrained model rarely samples eos)
+    assert {"stop string", "length"} <= kinds, kinds
 
 
 def test_collate_masks_exactly_the_response_targets():

