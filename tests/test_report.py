@@ -55,36 +55,58 @@ def sweep(tmp_path):
     return d
 
 
+def tables(md):
+    """report.md's tables: lists of their `|` lines (header, ---, rows)."""
+    out, current = [], []
+    for line in md.read_text().splitlines() + [""]:
+        if line.startswith("|"):
+            current.append(line)
+        elif current:
+            out, current = out + [current], []
+    return out
+
+
 def test_rows_hold_the_final_and_best_metrics_of_the_last_stage(sweep):
     out = report.report(sweep)
     assert {k: p.name for k, p in out.items()} == {"md": "report.md", "csv": "report.csv", "png": "rewards.png"}
     lines = out["md"].read_text().splitlines()
     assert "Common to all jobs: `cluster=inline`" in lines
-    table = [line for line in lines if line.startswith("|")]
+    table, by_config = tables(out["md"])
     assert table[0] == ("| job | seed | algorithm | stage | status | steps | final reward/mean | final eval/accuracy"
-                        " | best eval/accuracy | best at step | time_s |")
+                        " | best eval/accuracy | best eval/accuracy at step | time_s |")
     # time: every stage's steps, evals and saves (SFT 3.25 s; GRPO 8.5 s, or 6 s up to step 2)
     assert table[2] == "| 0 | 1 | grpo | grpo | done | 3 | 0.700 | 0.500 | 0.600 | 2 | 11.750 |"
     assert table[3] == "| 1 | 2 | dr_grpo | dr_grpo | incomplete (2/3 steps) | 2 | 0.500 | 0.600 | 0.600 | 2 | 9.250 |"
     assert table[4].startswith("| 2 | 3 | grpo |  | no metrics")
     assert len(table) == 5
+    # jobs 0 and 2 differ only in seed: one configuration, whose one seed with metrics is its value
+    # (no ±); job 2's missing metrics show in its status and n
+    assert by_config == [
+        "| algorithm | seed | stage | status | n | final reward/mean | final eval/accuracy | best eval/accuracy | time_s |",
+        "|---|---|---|---|---|---|---|---|---|",
+        "| grpo | 1,3 | grpo | 1/2 done | 1 | 0.700 | 0.500 | 0.600 | 11.750 |",
+        "| dr_grpo | 2 | dr_grpo | incomplete (2/3 steps) | 1 | 0.500 | 0.600 | 0.600 | 9.250 |"]
 
     rows = list(csv.DictReader(out["csv"].open()))
-    assert [r["job"] for r in rows] == ["0", "1", "2"]
+    assert [r["job"] for r in rows] == ["0", "1", "2", "", ""]
     assert rows[0]["seed"] == "1" and rows[1]["algorithm"] == "dr_grpo"
     assert float(rows[0]["final reward/mean"]) == 0.7 and float(rows[0]["time_s"]) == 11.75
-    assert rows[1]["best at step"] == "2" and rows[1]["status"] == "incomplete (2/3 steps)"
+    assert rows[1]["best eval/accuracy at step"] == "2" and rows[1]["status"] == "incomplete (2/3 steps)"
     assert rows[2]["final reward/mean"] == "" and rows[2]["status"].startswith("no metrics")
+    assert rows[0]["n"] == rows[0]["final reward/mean mean"] == ""  # job rows leave the group columns empty
+    assert (rows[3]["seed"], rows[3]["n"], rows[3]["final reward/mean mean"], rows[3]["final reward/mean std"]) == \
+        ("1,3", "1", "0.7", "")  # one seed: no std
 
 
 def test_the_png_has_one_curve_per_job_with_metrics(sweep):
-    jobs = [report.read_job(p) for p in report.find_jobs(sweep)]
+    jobs = report.read_jobs(sweep)
     keys = report.differing_keys(jobs)
-    fig = report.plot(jobs, keys, "test")
+    fig = report.plot(jobs, keys, "test", group=False)
     reward_ax, eval_ax = fig.axes
     assert [line.get_label() for line in reward_ax.lines] == ["seed=1 algorithm=grpo", "seed=2 algorithm=dr_grpo"]
     assert list(reward_ax.lines[0].get_xdata()) == [1, 2, 3]
     assert list(eval_ax.lines[1].get_ydata()) == [0.2, 0.6]
+    assert not reward_ax.collections  # one job each: no band
 
     png = report.report(sweep)["png"]
     data = png.read_bytes()
@@ -94,9 +116,217 @@ def test_the_png_has_one_curve_per_job_with_metrics(sweep):
     img = Image.open(png).convert("RGB")
     assert img.size == (1200, 450)
     colors = {c for _, c in img.getcolors(maxcolors=1 << 20)}
-    # matplotlib's first two cycle colours are drawn (jobs 0 and 1), the third (job 2) is not
+    # matplotlib's first two cycle colours are drawn (configurations grpo and dr_grpo); the third
+    # is not: job 2 (no metrics) is counted with grpo, not drawn as a configuration of its own
     assert (0x1F, 0x77, 0xB4) in colors and (0xFF, 0x7F, 0x0E) in colors
     assert (0x2C, 0xA0, 0x2C) not in colors
+
+
+# ---------------------------------------------------------------- seeds, stages, metrics, runs
+
+LR = "algorithm.optimizer.lr"
+# per lr, per seed 1, 2, 3: the final (step 3) reward/mean and the accuracy on the two eval sets
+FINALS = {"1e-4": [(0.5, 0.6, 0.1), (0.7, 0.6, 0.2), (0.9, 0.9, 0.3)],
+          "3e-4": [(0.2, 0.3, 0.0), (0.4, 0.5, 0.0), (0.9, 0.7, 0.3)]}
+
+
+def grpo_with_two_eval_sets(reward, arith, hard):
+    """GRPO's metrics as the explorer logs them: eval/<set>/accuracy per set, and the first set's
+    also as eval/accuracy; reward 0.2 below its final at step 1, 0.1 below at step 2."""
+    def evals(a, h):
+        return {"eval/arith/accuracy": a, "eval/accuracy": a, "eval/hard/accuracy": h, "timing/eval_s": 1.0}
+    return [{"step": 0, **evals(0.1, 0.0)},
+            {"step": 1, "reward/mean": reward - 0.2, "timing/step_s": 2.0},
+            {"step": 2, "reward/mean": reward - 0.1, "timing/step_s": 2.0},
+            {"step": 3, "reward/mean": reward, "timing/step_s": 2.0, **evals(arith, hard)}]
+
+
+@pytest.fixture
+def lr_sweep(tmp_path):
+    """`python run.py -m algorithm.optimizer.lr=1e-4,3e-4 seed=1,2,3`: 6 jobs, all done.
+    Time per job: SFT 3.25 s + GRPO 3 steps x 2 s + 2 evals x 1 s = 11.25 s."""
+    d = tmp_path / "lr_sweep"
+    num = 0
+    for lr, finals in FINALS.items():
+        for seed, final in enumerate(finals, 1):
+            write_job(d, num, [f"{LR}={lr}", f"seed={seed}"], "grpo",
+                      {"sft_warmup": SFT, "grpo": grpo_with_two_eval_sets(*final)})
+            num += 1
+    return d
+
+
+def test_seeds_are_grouped_into_mean_and_std_per_configuration(lr_sweep):
+    out = report.report(lr_sweep)
+    table, by_config = tables(out["md"])
+    # default metrics: reward/mean and each eval set (eval/accuracy repeats arith: left out)
+    assert table[0] == (f"| job | {LR} | seed | stage | status | steps | final reward/mean"
+                        " | final eval/arith/accuracy | best eval/arith/accuracy | best eval/arith/accuracy at step"
+                        " | final eval/hard/accuracy | best eval/hard/accuracy | best eval/hard/accuracy at step | time_s |")
+    assert table[2] == "| 0 | 1e-4 | 1 | grpo | done | 3 | 0.500 | 0.600 | 0.600 | 3 | 0.100 | 0.100 | 3 | 11.250 |"
+    assert len(table) == 2 + 6
+    assert by_config[0] == (f"| {LR} | seed | stage | status | n | final reward/mean | final eval/arith/accuracy"
+                            " | best eval/arith/accuracy | final eval/hard/accuracy | best eval/hard/accuracy | time_s |")
+    # lr=1e-4: reward 0.5 0.7 0.9 -> mean 0.7, std sqrt((0.04 + 0 + 0.04) / 2) = 0.2
+    #          arith 0.6 0.6 0.9 -> mean 0.7, std sqrt((0.01 + 0.01 + 0.04) / 2) = 0.173
+    #          hard 0.1 0.2 0.3 -> mean 0.2, std 0.1; time 11.25 each -> std 0
+    # lr=3e-4: reward 0.2 0.4 0.9 -> mean 0.5, std sqrt((0.09 + 0.01 + 0.16) / 2) = 0.361
+    #          arith 0.3 0.5 0.7 -> mean 0.5, std 0.2; hard 0 0 0.3 -> mean 0.1, std 0.173
+    assert by_config[2:] == [
+        "| 1e-4 | 1,2,3 | grpo | done | 3 | 0.700 ± 0.200 | 0.700 ± 0.173 | 0.700 ± 0.173 | 0.200 ± 0.100"
+        " | 0.200 ± 0.100 | 11.250 ± 0.000 |",
+        "| 3e-4 | 1,2,3 | grpo | done | 3 | 0.500 ± 0.361 | 0.500 ± 0.200 | 0.500 ± 0.200 | 0.100 ± 0.173"
+        " | 0.100 ± 0.173 | 11.250 ± 0.000 |"]
+
+    rows = list(csv.DictReader(out["csv"].open()))
+    groups = [r for r in rows if r["job"] == ""]
+    assert [(r[LR], r["seed"], r["n"]) for r in groups] == [("1e-4", "1,2,3", "3"), ("3e-4", "1,2,3", "3")]
+    assert float(groups[0]["final reward/mean mean"]) == pytest.approx(0.7)
+    assert float(groups[0]["final reward/mean std"]) == pytest.approx(0.2)
+    assert float(groups[1]["final reward/mean std"]) == pytest.approx((0.26 / 2) ** 0.5)
+
+    # --no-group: the six job rows only
+    out = report.report(lr_sweep, group=False)
+    assert len(tables(out["md"])) == 1
+    assert [r["job"] for r in csv.DictReader(out["csv"].open())] == ["0", "1", "2", "3", "4", "5"]
+
+
+def test_the_plot_draws_a_mean_curve_and_a_std_band_per_configuration(lr_sweep):
+    jobs = report.read_jobs(lr_sweep)
+    keys = report.differing_keys(jobs)
+    fig = report.plot(jobs, keys, "t", report.choose_metrics(jobs, None))
+    assert [ax.get_title() for ax in fig.axes] == ["reward/mean", "eval/arith/accuracy", "eval/hard/accuracy"]
+    reward_ax = fig.axes[0]
+    assert [line.get_label() for line in reward_ax.lines] == [f"{LR}=1e-4 (3 seeds)", f"{LR}=3e-4 (3 seeds)"]
+    assert all(len(ax.lines) == 2 and len(ax.collections) == 2 for ax in fig.axes)  # a line and a band each
+    # lr=1e-4 at steps 1, 2, 3: every seed 0.2 and 0.1 below its final -> means 0.5 0.6 0.7, std 0.2
+    assert list(reward_ax.lines[0].get_xdata()) == [1, 2, 3]
+    assert list(reward_ax.lines[0].get_ydata()) == pytest.approx([0.5, 0.6, 0.7])
+    band = reward_ax.collections[0].get_paths()[0].vertices[:, 1]
+    assert (band.min(), band.max()) == pytest.approx((0.5 - 0.2, 0.7 + 0.2))
+    # the two configurations keep their colours in every panel
+    assert len({ax.lines[0].get_color() for ax in fig.axes}) == 1
+    assert reward_ax.lines[0].get_color() != reward_ax.lines[1].get_color()
+
+    fig = report.plot(jobs, keys, "t", ["reward/mean"], group=False)
+    (ax,) = fig.axes
+    assert len(ax.lines) == 6 and not ax.collections
+    assert ax.lines[0].get_label() == f"{LR}=1e-4 seed=1"
+
+
+def test_a_seed_that_stopped_early_and_one_without_metrics(tmp_path):
+    """Seeds only (like experiment=tiny_seeds): the band covers the steps every seed logged, and n
+    counts the seeds with metrics."""
+    d = tmp_path / "seeds"
+    write_job(d, 0, ["seed=1"], "grpo", {"sft_warmup": SFT, "grpo": GRPO})
+    write_job(d, 1, ["seed=2"], "grpo", {"sft_warmup": SFT, "grpo": GRPO[:3]})  # killed after step 2
+    write_job(d, 2, ["seed=3"], "grpo")  # failed at start-up
+    out = report.report(d)
+    _, by_config = tables(out["md"])
+    # final reward 0.7 and 0.5 -> mean 0.6, std sqrt((0.01 + 0.01) / 1) = 0.141;
+    # final eval 0.5 and 0.6 -> 0.55 ± 0.071; best eval 0.6 both; time 11.75 and 9.25 -> 10.5 ± 1.768
+    assert by_config[2] == "| 1,2,3 | grpo | 1/3 done | 2 | 0.600 ± 0.141 | 0.550 ± 0.071 | 0.600 ± 0.000 | 10.500 ± 1.768 |"
+    jobs = report.read_jobs(d)
+    fig = report.plot(jobs, ["seed"], "t", ["reward/mean"])
+    (line,) = fig.axes[0].lines
+    # seed 1 logged reward at steps 1 2 3, seed 2 at 1 2: the mean at 1 and 2 (0.3, 0.5 both)
+    assert line.get_label() == "seed=1,2,3 (2 seeds)"
+    assert list(line.get_xdata()) == [1, 2] and list(line.get_ydata()) == pytest.approx([0.3, 0.5])
+
+    # seed 4 stopped after the warm-up: by default its last stage is its own row, not averaged with GRPO's
+    write_job(d, 3, ["seed=4"], "grpo", {"sft_warmup": SFT})
+    _, by_config = tables(report.report(d)["md"])
+    assert [row.split(" | ")[:5] for row in by_config[2:]] == [["| 1,2,3", "grpo", "1/3 done", "2", "0.600 ± 0.141"],
+                                                             ["| 4", "sft_warmup", "stopped before stage grpo", "1", ""]]
+    fig = report.plot(report.read_jobs(d), ["seed"], "t", ["eval/accuracy"])
+    assert [line.get_label() for line in fig.axes[0].lines] == ["seed=1,2,3 (2 seeds)", "seed=4 (stage sft_warmup)"]
+    # --stage grpo: seed 4 has no GRPO metrics, so it counts among the seeds not done
+    _, by_config = tables(report.report(d, stage="grpo")["md"])
+    assert by_config[2].startswith("| 1,2,3,4 | grpo | 1/4 done | 2 | 0.600 ± 0.141 |")
+    rows = list(csv.DictReader((d / "report.csv").open()))
+    assert (rows[3]["job"], rows[3]["status"]) == ("3", "stopped before stage grpo")
+
+
+def test_stage_picks_the_warm_up_or_every_stage(lr_sweep):
+    out = report.report(lr_sweep, stage="sft_warmup")
+    table, by_config = tables(out["md"])
+    # the warm-up logged eval/accuracy only (no reward, no eval sets): final 0.2, best 0.2 at step 2
+    # of its 2 planned steps; time_s stays the job's, both stages (11.25)
+    assert table[0] == (f"| job | {LR} | seed | stage | status | steps | final eval/accuracy | best eval/accuracy"
+                        " | best eval/accuracy at step | time_s |")
+    assert table[2] == "| 0 | 1e-4 | 1 | sft_warmup | done | 2 | 0.200 | 0.200 | 2 | 11.250 |"
+    assert by_config[2] == "| 1e-4 | 1,2,3 | sft_warmup | done | 3 | 0.200 ± 0.000 | 0.200 ± 0.000 | 11.250 ± 0.000 |"
+
+    out = report.report(lr_sweep, stage="sft_warmup", metrics="loss/policy")
+    table, _ = tables(out["md"])
+    assert table[0].endswith("| steps | final loss/policy | time_s |") and "| 2 | 1.000 | 11.250 |" in table[2]
+
+    out = report.report(lr_sweep, stage="all", metrics=["eval/accuracy", "reward/mean"])
+    table, by_config = tables(out["md"])
+    # a row per job and stage: the 6 warm-ups first, then the 6 GRPO stages
+    assert [row.split(" | ")[:4] for row in table[2:]] == \
+        [[f"| {n}", lr, str(seed), stage] for stage in ("sft_warmup", "grpo") for n, (lr, seed) in
+         enumerate((lr, seed) for lr in FINALS for seed in (1, 2, 3))]
+    assert [row.split(" | ")[:3] for row in by_config[2:]] == \
+        [["| 1e-4", "1,2,3", "sft_warmup"], ["| 3e-4", "1,2,3", "sft_warmup"], ["| 1e-4", "1,2,3", "grpo"],
+         ["| 3e-4", "1,2,3", "grpo"]]
+    # the grpo mean of eval/accuracy (arith's) is 0.7 for lr=1e-4, as in the default report
+    assert by_config[4].split(" | ")[5] == "0.700 ± 0.173"
+
+    jobs = report.read_jobs(lr_sweep, "all")
+    fig = report.plot(jobs, report.differing_keys(jobs), "t", ["eval/accuracy", "reward/mean"])
+    # a row of panels per stage; the warm-up logged no reward: that panel is empty
+    assert [ax.get_title() for ax in fig.axes] == ["sft_warmup: eval/accuracy", "sft_warmup: reward/mean",
+                                                   "grpo: eval/accuracy", "grpo: reward/mean"]
+    assert [(len(ax.lines), len(ax.collections)) for ax in fig.axes] == [(2, 2), (0, 0), (2, 2), (2, 2)]
+    assert list(fig.axes[0].lines[0].get_ydata()) == pytest.approx([0.0, 0.2])  # SFT eval at steps 0, 2
+
+
+def test_mistakes_in_stage_and_metrics_are_one_paragraph(lr_sweep, capsys):
+    assert report.main([str(lr_sweep), "--stage", "warmup"]) == 2
+    assert capsys.readouterr().err == (
+        f"rft.report: --stage warmup: no job in {lr_sweep} has a stage of that name. The stages found: "
+        "sft_warmup, grpo. Give one of them, or --stage all for every stage.\n")
+    assert report.main([str(lr_sweep), "--metrics", "reward/mean,eval/acc"]) == 2
+    assert capsys.readouterr().err == (
+        "rft.report: --metrics eval/acc: not logged by any job in the stage reported. The metrics found: "
+        "eval/arith/accuracy, eval/accuracy, eval/hard/accuracy, timing/eval_s, reward/mean, timing/step_s. "
+        "Give a comma-separated list of them, e.g. --metrics reward/mean,eval/arith/accuracy,eval/hard/accuracy.\n")
+    assert not (lr_sweep / "report.md").exists()  # nothing written on a mistake
+
+    with pytest.raises(SystemExit):
+        report.main(["--help"])
+    help_text = capsys.readouterr().out
+    assert all(option in help_text for option in ("--stage STAGE", "--metrics METRICS", "--no-group"))
+
+
+def test_a_directory_of_runs(tmp_path):
+    """checkpoints/rft/: a run per directory (one or two levels down), each a job named by its path;
+    the multirun directory beside them (three levels down to a job) and previous_* are not looked in."""
+    root = tmp_path / "rft"
+    write_job(root, "grpo-tiny-arithmetic", [], "grpo", {"sft_warmup": SFT, "grpo": GRPO})
+    write_job(root, "dr_grpo-tiny-arithmetic", [], "dr_grpo", {"sft_warmup": SFT, "dr_grpo": GRPO[:3]})
+    (root / "dr_grpo-tiny-arithmetic" / ".hydra" / "overrides.yaml").unlink()  # named by its directory
+    write_job(root / "older", "grpo-qwen", ["model=qwen"], "grpo", {"grpo": GRPO})
+    write_job(root / "multirun" / "2026-11-22_10-00-00", 0, ["seed=1"], "grpo", {"grpo": GRPO})
+    # a stage-less run's outputs moved aside by continue_from_checkpoint=false
+    (root / "grpo-tiny-arithmetic" / "previous_20261122_100000").mkdir()
+    (root / "grpo-tiny-arithmetic" / "previous_20261122_100000" / "metrics.jsonl").write_text(json.dumps(GRPO[0]))
+
+    out = report.report(root)
+    table, = tables(out["md"])  # no configuration has two seeds: no second table
+    assert [row.split(" | ")[:5] for row in table[2:]] == [
+        ["| dr_grpo-tiny-arithmetic", "", "dr_grpo", "incomplete (2/3 steps)", "2"],
+        ["| grpo-tiny-arithmetic", "", "grpo", "done", "3"],
+        ["| older/grpo-qwen", "qwen", "grpo", "done", "3"]]  # its warm-up's outputs are gone; grpo is done
+
+    jobs = report.read_jobs(root, "all")
+    # every configured stage of every run (grpo-tiny-arithmetic's previous_* is not a stage); the
+    # warm-up older/grpo-qwen plans but has no metrics of, though its next stage has, was skipped
+    assert [(j.num, j.stage, j.status) for j in jobs] == [
+        ("dr_grpo-tiny-arithmetic", "sft_warmup", "done"), ("grpo-tiny-arithmetic", "sft_warmup", "done"),
+        ("older/grpo-qwen", "sft_warmup", "no metrics in this stage"),
+        ("dr_grpo-tiny-arithmetic", "dr_grpo", "incomplete (2/3 steps)"), ("grpo-tiny-arithmetic", "grpo", "done"),
+        ("older/grpo-qwen", "grpo", "done")]
 
 
 def test_a_single_run_without_stages(tmp_path):
@@ -109,6 +339,10 @@ def test_a_single_run_without_stages(tmp_path):
     row = list(csv.DictReader(out["csv"].open()))[0]
     assert (row["stage"], row["status"], row["steps"], row["final eval/accuracy"]) == ("", "done", "3", "0.5")
     assert list(report.plot([report.read_job(run)], [], "one").axes[1].lines[0].get_xdata()) == [0, 2, 3]
+    with pytest.raises(report.ReportError) as e:
+        report.report(run, stage="grpo")
+    assert str(e.value) == (f"--stage grpo: the jobs in {run} have no stages (each one's metrics.jsonl sits in "
+                            "its own directory). Leave --stage out.")
 
 
 def test_the_command_line(sweep, tmp_path):
