@@ -21,6 +21,7 @@ from rft.errors import ConfigError
 from rft.main import ray_namespace
 from rft.monitor import read_metrics
 from rft.placement import check_allocation
+from rft.runner import latest_checkpoint
 from rft.sweep import explain, log_tail
 
 # two RL steps of 4 tasks x 2 rollouts from the built tiny model, everything in the job's process
@@ -139,6 +140,8 @@ def test_a_dead_jobs_error_names_the_job_state_and_log(tmp_path):
             "    srun: Force Terminated StepId=12.0\n") in text
     assert "it/s" not in text and f"{folder}/12_1_0_log.err" in text
     assert f"hydra.sweep.dir={tmp_path} resumes each job" in text
+    # the driver waited for the other jobs before saying so
+    assert "The other jobs ran to their end (the lines above say how each ended)" in text
     assert log_tail(tmp_path / "missing.err") == []
 
 
@@ -152,6 +155,17 @@ def test_a_sweep_of_two_tiny_runs_on_slurm_and_its_report(slurm, tmp_path):
     # one Slurm array of two tasks, both finished, as accounting records them
     states = sweep_jobs(sweep)
     assert sorted(states.values()) == ["COMPLETED", "COMPLETED"], states
+    # the driver named each task, its outputs and its log as it submitted them, then each as it ended
+    (array,) = {task.split("_")[0] for task in states}
+    for num in (0, 1):
+        task = f"{array}_{num}"
+        log = sweep / ".submitit" / task / f"{task}_0_log.out"
+        assert (f"[sweep] job {num} is {task} (seed={num + 1}): outputs in {sweep}/{num}, log in {log} and .err\n"
+                in r.stdout), r.stdout
+        metrics = read_metrics(sweep / str(num) / "metrics.jsonl")
+        objective = [m["eval/accuracy"] for m in metrics if "eval/accuracy" in m][-1]
+        finished = rf"^\[sweep\] job {num} \({task}\) finished, eval/accuracy = {objective:.4g} \[[12]/2 ended\]$"
+        assert re.search(finished, r.stdout, re.M), r.stdout
     # each job wrote its own metrics under its own number, with its own seed
     for num, seed in (("0", 1), ("1", 2)):
         assert [m["step"] for m in read_metrics(sweep / num / "metrics.jsonl")] == [0, 1, 2]
@@ -159,26 +173,34 @@ def test_a_sweep_of_two_tiny_runs_on_slurm_and_its_report(slurm, tmp_path):
     r = subprocess.run([sys.executable, "-m", "rft.report", str(sweep)], cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     rows = [line for line in (sweep / "report.md").read_text().splitlines() if line.startswith("| ")]
-    assert [row.split(" | ")[:5] for row in rows[1:]] == [["| 0", "1", "", "done", "2"], ["| 1", "2", "", "done", "2"]]
+    assert [row.split(" | ")[:5] for row in rows[1:3]] == [["| 0", "1", "", "done", "2"], ["| 1", "2", "", "done", "2"]]
+    assert rows[4].startswith("| 1,2 |  | done | 2 |")  # the two seeds grouped: mean ± std
     assert (sweep / "rewards.png").stat().st_size > 10_000
 
 
 @pytest.mark.slow
-def test_a_killed_slurm_job_ends_the_sweep_with_a_clear_error(slurm, tmp_path):
-    """Job 1 (2000 steps) is cancelled while it trains; job 0 (2 steps) finishes. The sweep ends
-    with one paragraph naming the job and its state, not a traceback, and not a wait forever."""
+def test_a_killed_slurm_job_ends_the_sweep_with_a_clear_error_and_the_same_sweep_resumes_it(slurm, tmp_path):
+    """Job 1 (200 steps, a checkpoint every 10) is cancelled while it trains; job 0 (2 steps)
+    finishes. The sweep ends with one paragraph naming the job and its state, not a traceback, and
+    not a wait forever. The same sweep again skips job 0, resumes job 1 from its newest checkpoint,
+    and job 1's metrics end up whole: each step once.
+
+    submitit's job ignores scancel's SIGTERM; Slurm kills it KillWait seconds later (5 with
+    launchers/slurm_local.sh), so job 1 must have well more than that left to run when cancelled."""
     sweep = tmp_path / "sweep"
-    args = [sys.executable, str(ROOT / "run.py"), "-m", "hydra/launcher=slurm", *TINY,
-            "buffer.total_steps=2,2000", "trainer.save_interval=1000", f"hydra.sweep.dir={sweep}"]
-    proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    args = ["-m", "hydra/launcher=slurm", *TINY, "buffer.total_steps=2,200", "trainer.save_interval=10",
+            "explorer.eval_interval=200", f"hydra.sweep.dir={sweep}"]
+    proc = subprocess.Popen([sys.executable, str(ROOT / "run.py"), *args], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 300
-        while not (sweep / "1" / "metrics.jsonl").exists():  # job 1 is training
-            assert proc.poll() is None and time.monotonic() < deadline, "job 1 never started"
-            time.sleep(0.5)
+        # job 1 has a checkpoint and trains past it
+        while not any(m["step"] >= 11 for m in read_metrics(sweep / "1" / "metrics.jsonl")):
+            assert proc.poll() is None and time.monotonic() < deadline, "job 1 never got to step 11"
+            time.sleep(0.2)
         (task,) = [p.name for p in (sweep / ".submitit").iterdir() if p.name.endswith("_1")]
         subprocess.run(["scancel", task], check=True)
-        _, stderr = proc.communicate(timeout=300)  # a hang fails here
+        stdout, stderr = proc.communicate(timeout=300)  # a hang fails here
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -187,8 +209,21 @@ def test_a_killed_slurm_job_ends_the_sweep_with_a_clear_error(slurm, tmp_path):
     assert "*** JOB" in stderr and f"{task}_0_log.err" in stderr
     assert "Traceback" not in stderr and "it/s" not in stderr
     assert sweep_jobs(sweep)[task].startswith("CANCELLED")
+    assert re.search(rf"^\[sweep\] job 1 \({task}\) ended with state CANCELLED.* and no result", stdout, re.M), stdout
+    assert re.search(r"^\[sweep\] job 0 \(\S+_0\) finished, eval/accuracy = ", stdout, re.M), stdout
     # the other job's outputs are kept
     assert [m["step"] for m in read_metrics(sweep / "0" / "metrics.jsonl")] == [0, 1, 2]
+    newest = latest_checkpoint(sweep / "1").step
+    assert 10 <= newest < 200
+
+    r = run_cli(*args)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    submitted = r"^\[sweep\] job (\d+) is \S+ \(.*\): outputs in .*, log in (\S+) and \.err$"
+    logs = dict(re.findall(submitted, r.stdout, re.M))
+    assert "[grpo] already finished (step 2)" in Path(logs["0"]).read_text()
+    assert f"[grpo] resuming from step {newest} (" in Path(logs["1"]).read_text()
+    assert [m["step"] for m in read_metrics(sweep / "0" / "metrics.jsonl")] == [0, 1, 2]
+    assert [m["step"] for m in read_metrics(sweep / "1" / "metrics.jsonl")] == list(range(201))
 
 
 @pytest.mark.slow

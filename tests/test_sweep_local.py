@@ -1,0 +1,169 @@
+"""Sweeps with hydra/launcher=local (submitit, one subprocess per job, no Slurm): what the driver
+prints while it waits, jobs running side by side, and a sweep with a killed job resumed.
+
+The same driver code waits for Slurm jobs; tests/test_slurm.py runs it against a real cluster.
+"""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+
+import pytest
+from hydra.core.utils import JobReturn, JobStatus
+from omegaconf import OmegaConf
+from submitit.core.utils import JobPaths, UncompletedJobError
+
+from conftest import ROOT, run_cli
+from rft.monitor import read_metrics
+from rft.runner import latest_checkpoint
+from rft.sweep import watch
+
+# two RL steps of 4 tasks x 2 rollouts from the built tiny model, everything in the job's process
+TINY = ["stages=[]", "cluster=inline", "monitor=console", "buffer.batch_size=4", "algorithm.repeat_times=2",
+        "buffer.total_steps=2", "explorer.eval_interval=2", "trainer.save_interval=2",
+        "hydra.launcher.timeout_min=10"]
+
+
+# ---------------------------------------------------------------- the driver's wait, with stand-in jobs
+
+class FakeJob:
+    """A submitit job as the driver sees it: done after `polls` calls of done(), then its result."""
+
+    def __init__(self, job_id, folder, polls, outcome):
+        self.job_id, self.paths, self.polls, self.outcome = job_id, JobPaths(folder, job_id, 0), polls, outcome
+
+    def done(self):
+        self.polls -= 1
+        return self.polls <= 0
+
+    def results(self):
+        assert self.polls <= 0, "results() asked for before the job ended"
+        if isinstance(self.outcome, Exception):
+            raise self.outcome
+        return [self.outcome]
+
+
+def test_the_driver_reports_jobs_as_they_end_and_raises_for_a_dead_one_after_the_others(tmp_path, capsys):
+    sweep, folder = tmp_path, tmp_path / ".submitit" / "%j"
+    cfg = OmegaConf.create({"objective": "eval/accuracy"})
+    dead = UncompletedJobError(f"Job 7_1 (task: 0) with path {sweep}/.submitit/7_1/7_1_0_result.pkl\n"
+                               "has not produced any output (state: CANCELLED by 0)\nError stream produced:\n...")
+    jobs = [
+        FakeJob("7_0", folder, 3, JobReturn(cfg=cfg, status=JobStatus.COMPLETED, _return_value=0.3125)),
+        FakeJob("7_1", folder, 2, dead),
+        FakeJob("7_2", folder, 1, JobReturn(cfg=cfg, status=JobStatus.FAILED,
+                                            _return_value=RuntimeError("boom\nmore of it"))),
+    ]
+    overrides = [[f"seed={s}", "lr=0.1", "hydra.launcher.timeout_min=10"] for s in (1, 2, 3)]
+    with pytest.raises(UncompletedJobError) as e:
+        watch(jobs, overrides, 4, str(sweep), poll_s=0.01)
+    assert e.value is dead  # raised once every job ended: the last to end (7_0) is reported above
+    assert capsys.readouterr().out.splitlines() == [
+        f"[sweep] job 4 is 7_0 (seed=1): outputs in {sweep}/4, log in {sweep}/.submitit/7_0/7_0_0_log.out and .err",
+        f"[sweep] job 5 is 7_1 (seed=2): outputs in {sweep}/5, log in {sweep}/.submitit/7_1/7_1_0_log.out and .err",
+        f"[sweep] job 6 is 7_2 (seed=3): outputs in {sweep}/6, log in {sweep}/.submitit/7_2/7_2_0_log.out and .err",
+        "[sweep] job 6 (7_2) failed: RuntimeError: boom [1/3 ended]",
+        "[sweep] job 5 (7_1) ended with state CANCELLED by 0 and no result [2/3 ended]",
+        "[sweep] job 4 (7_0) finished, eval/accuracy = 0.3125 [3/3 ended]",
+    ]
+
+
+# ---------------------------------------------------------------- real sweeps
+
+def _submitted(stdout: str) -> dict[int, tuple[str, Path]]:
+    """{job number: (submitit job id, its stdout log)} from the driver's lines."""
+    found = re.findall(r"^\[sweep\] job (\d+) is (\S+) \(.*\): outputs in .*, log in (\S+) and \.err$", stdout, re.M)
+    return {int(num): (job_id, Path(log)) for num, job_id, log in found}
+
+
+def _log_time(log: Path, pattern: str) -> datetime:
+    """When submitit's line matching `pattern` was written to a job's log."""
+    stamp = re.search(r"submitit INFO \((\S+ \S+)\) - " + pattern, log.read_text())[1]
+    return datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S,%f")
+
+
+@pytest.fixture(scope="module")
+def two_job_sweep(tmp_path_factory):
+    sweep = tmp_path_factory.mktemp("local") / "sweep"
+    r = run_cli("-m", "hydra/launcher=local", "seed=1,2", *TINY, f"hydra.sweep.dir={sweep}")
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    return sweep, r.stdout
+
+
+@pytest.mark.slow
+def test_the_driver_says_where_each_job_is_and_how_it_ended(two_job_sweep):
+    sweep, stdout = two_job_sweep
+    jobs = _submitted(stdout)
+    assert sorted(jobs) == [0, 1]
+    for num, (job_id, log) in jobs.items():
+        # the local launcher's job id is the process id of the job's controller
+        assert log == sweep / ".submitit" / job_id / f"{job_id}_0_log.out" and log.exists()
+        assert log.with_suffix(".err").exists()
+        assert f"[sweep] job {num} is {job_id} (seed={num + 1}): outputs in {sweep}/{num}, " in stdout
+        assert f"outputs: {sweep}/{num}\n" in log.read_text()  # the job's own last word, in its log
+        metrics = read_metrics(sweep / str(num) / "metrics.jsonl")
+        objective = [m["eval/accuracy"] for m in metrics if "eval/accuracy" in m][-1]
+        assert re.search(rf"^\[sweep\] job {num} \({job_id}\) finished, eval/accuracy = {objective:.4g} "
+                         rf"\[[12]/2 ended\]$", stdout, re.M), stdout
+    # every job is listed before any has ended
+    assert stdout.index("[sweep] job 1 is") < stdout.index(") finished, ")
+
+
+@pytest.mark.slow
+def test_the_local_launcher_runs_the_jobs_side_by_side(two_job_sweep):
+    """Each job's time span, from submitit's own log lines: the second began before the first ended."""
+    sweep, stdout = two_job_sweep
+    spans = [(_log_time(log, "Starting with JobEnvironment"), _log_time(log, "Job completed successfully"))
+             for _, log in _submitted(stdout).values()]
+    assert len(spans) == 2 and max(start for start, _ in spans) < min(end for _, end in spans), spans
+
+
+def _task_pid(job_dir: Path) -> int:
+    """The process running the job (cluster=inline: its trainer is in it)."""
+    return int(re.findall(r"started in process (\d+)", (job_dir / "log" / "grpo_trainer.log").read_text())[-1])
+
+
+@pytest.mark.slow
+def test_a_killed_local_job_ends_the_sweep_and_the_same_sweep_resumes_it(tmp_path):
+    """Job 1 (20 steps, a checkpoint every 2) is killed while it trains; job 0 (2 steps) finishes.
+    The sweep ends with one paragraph; the same sweep again skips job 0 and resumes job 1 from its
+    newest checkpoint, and job 1's metrics end up whole: each step once."""
+    sweep = tmp_path / "sweep"
+    args = ["-m", "hydra/launcher=local", *TINY, "buffer.total_steps=2,20", "explorer.eval_interval=20",
+            f"hydra.sweep.dir={sweep}"]
+    proc = subprocess.Popen([sys.executable, str(ROOT / "run.py"), *args], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        # job 1 has a checkpoint and trains past it
+        while not any(m["step"] >= 3 for m in read_metrics(sweep / "1" / "metrics.jsonl")):
+            assert proc.poll() is None and time.monotonic() < deadline, "job 1 never got to step 3"
+            time.sleep(0.1)
+        os.kill(_task_pid(sweep / "1"), signal.SIGKILL)
+        stdout, stderr = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 1, stdout[-2000:] + stderr[-3000:]
+    jobs = _submitted(stdout)
+    dead = jobs[1][0]
+    assert f"rft: the sweep stopped: job {dead} ended with state " in stderr and "Traceback" not in stderr
+    assert f"{dead}_0_log.err" in stderr and f"hydra.sweep.dir={sweep} resumes each job" in stderr
+    assert re.search(rf"^\[sweep\] job 0 \({jobs[0][0]}\) finished, eval/accuracy = ", stdout, re.M)
+    assert re.search(rf"^\[sweep\] job 1 \({dead}\) ended with state \S+ and no result", stdout, re.M)
+    newest = latest_checkpoint(sweep / "1").step
+    assert 2 <= newest < 20
+
+    r = run_cli(*args)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    again = _submitted(r.stdout)
+    assert "[grpo] already finished (step 2)" in again[0][1].read_text()
+    assert f"[grpo] resuming from step {newest} (" in again[1][1].read_text()
+    assert [m["step"] for m in read_metrics(sweep / "0" / "metrics.jsonl")] == [0, 1, 2]
+    assert [m["step"] for m in read_metrics(sweep / "1" / "metrics.jsonl")] == list(range(21))
+    assert [m["step"] for m in read_metrics(sweep / "1" / "batches.jsonl")] == list(range(1, 21))
