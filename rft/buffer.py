@@ -36,7 +36,7 @@ from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from rft.errors import ConfigError
 from rft.experience import Experience
 from rft.tasks import load_rows, rows_to_messages
-from rft.workflows import encode_prompt
+from rft.workflows import chat_ids
 
 WHERE = "buffer.trainer_input.experience_buffer"
 POLL_S = 0.05  # how often a waiting reader looks again where no writer can wake it
@@ -86,13 +86,28 @@ def _no_replay(buf_cfg, where: str) -> None:
 
 # ---------------------------------------------------------------- queue (in memory)
 
-def linear_decay(exp: Experience, times_used: int, args: dict) -> float:
+def linear_decay(exp: Experience, times_used: int, decay: float = 2.0) -> float:
     """Newer policies first, and each reuse costs `decay` versions of priority."""
-    return exp.policy_version - args.get("decay", 2.0) * times_used
+    return exp.policy_version - decay * times_used
 
 
-# name -> fn(exp, times_used, args) -> priority; the highest is read first
+# name -> fn(exp, times_used, **priority_fn_args) -> priority; the highest is read first
 PRIORITY_FNS = {"linear_decay": linear_decay}
+
+
+def check_priority_fn(name: str, args, where: str) -> None:
+    """replay_buffer.priority_fn names a known function, and priority_fn_args are arguments it takes."""
+    import inspect
+
+    if name not in PRIORITY_FNS:
+        raise ConfigError(f"{where}.priority_fn={name!r} is not known; choose one of {sorted(PRIORITY_FNS)}.")
+    params = list(inspect.signature(PRIORITY_FNS[name]).parameters)[2:]
+    unknown = sorted(set(args or {}) - set(params))
+    if unknown:
+        raise ConfigError(
+            f"{where}.priority_fn_args has {unknown}, which priority_fn={name} does not take; "
+            f"its arguments are {params}."
+        )
 
 
 class QueueBuffer:
@@ -118,11 +133,7 @@ class QueueBuffer:
         rb = buf_cfg.replay_buffer
         self.replay = rb.enable
         self.cooldown = rb.reuse_cooldown_time
-        if rb.priority_fn not in PRIORITY_FNS:
-            raise ConfigError(
-                f"{where}.replay_buffer.priority_fn={rb.priority_fn!r} is not known; "
-                f"choose one of {sorted(PRIORITY_FNS)}."
-            )
+        check_priority_fn(rb.priority_fn, rb.priority_fn_args, f"{where}.replay_buffer")
         self.priority_fn, self.priority_args = PRIORITY_FNS[rb.priority_fn], dict(rb.priority_fn_args or {})
         self.clock = clock
         self._cond = threading.Condition()
@@ -170,7 +181,7 @@ class QueueBuffer:
     def _rank(self, entry) -> tuple:
         """Sort key: larger is read first (higher priority, then older)."""
         seq, used, _, exp = entry
-        return (self.priority_fn(exp, used, self.priority_args), -seq)
+        return (self.priority_fn(exp, used, **self.priority_args), -seq)
 
     def _ready(self) -> list:
         now = self.clock()
@@ -241,6 +252,7 @@ _experiences = sa.Table(
     sa.Column("tokens", sa.Text, nullable=False),  # JSON
     sa.Column("logprobs", sa.Text, nullable=False),  # JSON
     sa.Column("info", sa.Text, nullable=False),  # JSON
+    sa.Column("sampling", sa.Text),  # JSON: temperature, top_p, top_k (absent in older files)
     # for people reading the database, not for the trainer
     sa.Column("prompt_text", sa.Text),
     sa.Column("response_text", sa.Text),
@@ -280,6 +292,7 @@ def _row(exp: Experience, now: float) -> dict:
         created_at=now, policy_version=d["policy_version"], task_id=d["task_id"], group_id=d["group_id"],
         reward=d["reward"], prompt_length=d["prompt_length"], response_length=exp.response_length,
         tokens=json.dumps(d["tokens"]), logprobs=json.dumps(d["logprobs"]), info=json.dumps(d["info"]),
+        sampling=json.dumps(d["sampling"]),
         prompt_text=None if prompt is None else str(prompt), response_text=None if response is None else str(response),
     )
 
@@ -288,8 +301,22 @@ def _experience(row) -> Experience:
     return Experience(
         tokens=json.loads(row.tokens), prompt_length=row.prompt_length, logprobs=json.loads(row.logprobs),
         reward=row.reward, group_id=row.group_id, task_id=row.task_id, policy_version=row.policy_version,
-        info=json.loads(row.info),
+        sampling=json.loads(getattr(row, "sampling", None) or "{}"), info=json.loads(row.info),
     )
+
+
+def _add_missing_columns(c) -> None:
+    """A buffer written by an older version lacks newer (nullable) columns: add them."""
+    have = {r[1] for r in c.exec_driver_sql("PRAGMA table_info(experiences)")}
+    for col in _experiences.columns:
+        if col.name not in have:
+            c.exec_driver_sql(f"ALTER TABLE experiences ADD COLUMN {col.name} {col.type.compile()}")
+
+
+def _select_experiences(c):
+    """SELECT of the experience columns this file has (a read-only reader cannot add any)."""
+    have = {r[1] for r in c.exec_driver_sql("PRAGMA table_info(experiences)")}
+    return sa.select(*[col for col in _experiences.columns if col.name in have])
 
 
 class SQLBuffer:
@@ -309,10 +336,19 @@ class SQLBuffer:
         self.cfg, self.where, self.name = buf_cfg, where, buf_cfg.name
         self.path = _needs_path(buf_cfg, where, "SQLite file", ".db")
         self.engine = _engine(self.path)
-        with self.engine.begin() as c:  # IF NOT EXISTS: several processes may create it at once
-            for table in _metadata.sorted_tables:
-                c.execute(sa.schema.CreateTable(table, if_not_exists=True))
-            pos = c.execute(sa.select(_cursors.c.position).where(_cursors.c.name == self.name)).scalar()
+        try:
+            with self.engine.begin() as c:  # IF NOT EXISTS: several processes may create it at once
+                for table in _metadata.sorted_tables:
+                    c.execute(sa.schema.CreateTable(table, if_not_exists=True))
+                _add_missing_columns(c)
+                pos = c.execute(sa.select(_cursors.c.position).where(_cursors.c.name == self.name)).scalar()
+        except sa.exc.DatabaseError as e:
+            self.engine.dispose()
+            raise ConfigError(
+                f"{where}.path={str(buf_cfg.path)!r} is not a SQLite database of experiences, or it is "
+                f"damaged ({e.orig}). Move the file away (a new buffer is then started there) or point "
+                f"{where}.path at another file."
+            ) from e
         self.cursor = pos or 0
 
     def __reduce__(self):
@@ -532,7 +568,7 @@ def _stored(path: str, limit: int, offset: int) -> tuple[int, list[tuple[int, Ex
         try:
             with engine.connect() as c:
                 total = c.execute(sa.select(sa.func.count()).select_from(_experiences)).scalar()
-                query = sa.select(_experiences).order_by(_experiences.c.id).limit(limit).offset(offset)
+                query = _select_experiences(c).order_by(_experiences.c.id).limit(limit).offset(offset)
                 return total, [(r.id, _experience(r)) for r in c.execute(query)]
         except sa.exc.DatabaseError as e:
             raise ConfigError(f"{path} is not a database of stored experiences ({e.orig}).") from e
@@ -560,9 +596,12 @@ def read_experiences(path: str, limit: int, offset: int = 0) -> list[Experience]
     return [e for _, e in _stored(path, limit, offset)[1]]
 
 
-def count_experiences(path: str) -> int:
+def count_experiences(path: str, key: str = "path") -> int:
     """How many experiences a sql or file buffer holds (read or not)."""
-    return _stored(path, 0, 0)[0]
+    try:
+        return _stored(path, 0, 0)[0]
+    except FileNotFoundError as e:
+        raise ConfigError(f"{key}={path!r}: no such file (relative paths are relative to {os.getcwd()}).") from e
 
 
 class DatasetReader:
@@ -580,7 +619,9 @@ class DatasetReader:
         self.items = []  # one entry per row: the list of its experiences
         for i, row in enumerate(rows):
             messages = rows_to_messages(row, fmt, where, i, buf_cfg.path)
-            prompt = encode_prompt(tokenizer, messages, max_prompt_tokens)
+            full_prompt = chat_ids(tokenizer, messages)
+            # an over-long prompt keeps its end (the question and the generation prompt sit there)
+            prompt = full_prompt[-max_prompt_tokens:]
             item = []
             for key in keys:
                 if row.get(key) is None:
@@ -588,9 +629,12 @@ class DatasetReader:
                         f"{where}: row {i} of {buf_cfg.path!r} has no {key!r} (in {where}.format); "
                         f"its keys are {sorted(k for k, v in row.items() if v is not None)}."
                     )
-                response = tokenizer.encode(str(row[key]), add_special_tokens=False)
-                response = response[: max_response_tokens - 1] + [tokenizer.eos_token_id]
-                item.append(Experience(prompt + response, len(prompt), [], task_id=f"{buf_cfg.name}/{i}", group_id=str(i)))
+                full = tokenizer.encode(str(row[key]), add_special_tokens=False)
+                response = full[: max_response_tokens - 1] + [tokenizer.eos_token_id]
+                # counted in the step's metrics (train/truncated_prompts, train/truncated_responses)
+                cut = {"prompt_truncated": len(full_prompt) > len(prompt), "response_truncated": len(full) >= max_response_tokens}
+                item.append(Experience(prompt + response, len(prompt), [], task_id=f"{buf_cfg.name}/{i}",
+                                       group_id=str(i), info=cut))
             self.items.append(item)
         self.rows_per_item = len(keys)
         self.seed = seed

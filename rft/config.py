@@ -119,7 +119,9 @@ class FormatConfig:
     # plaintext: the prompt is a string in prompt_key; messages: a list of chat messages
     prompt_type: str = "plaintext"
     prompt_key: str = "question"
-    response_key: str = "answer"
+    # the reference answer (a taskset: task.answer, what the reward function checks; a training
+    # dataset: the response to learn); null for a taskset whose reward needs none
+    response_key: Optional[str] = "answer"
     messages_key: str = "messages"
     system_prompt: Optional[str] = None
     # preference pairs (DPO): columns of the preferred and the dispreferred response
@@ -267,6 +269,11 @@ class ExplorerConfig:
     eval_interval: int = 100
     # evaluate before the first step (skipped on resume)
     eval_on_startup: bool = True
+    # stop the run after this many steps in a row in which every task failed (its reward function
+    # raised or timed out each time): nothing can be learned from them (0: never stop)
+    max_failed_steps: int = 3
+    # seconds to wait for Ray to restart a dead explorer before the run stops
+    restart_timeout: float = 300.0
 
 
 @dataclass
@@ -362,6 +369,12 @@ class Config:
     cache_dir: str = "~/.cache/rft"
     # resume from the latest checkpoint in <checkpoint_root_dir>/<project>/<name>/
     continue_from_checkpoint: bool = True
+    # resume even though the config differs from the one the run was started with (the run stops
+    # and lists the differences otherwise); the accepted changes go to <stage>/config_changes.log
+    resume_with_changes: bool = False
+    # finished stages are published here and reused by any later stage with the same config,
+    # starting model and data (a sweep's shared warm-up runs once); null: no reuse
+    stage_cache_dir: Optional[str] = None
     # print the batch plan and exit, without starting Ray or loading a model
     dry_run: bool = False
     # the metric whose last value (in the last stage's metrics.jsonl) the run returns: what a
@@ -387,3 +400,77 @@ def register_configs() -> None:
 
 
 register_configs()
+
+
+def schema_keys() -> list[str]:
+    """Every dotted key of the schema (nodes and leaves)."""
+    from omegaconf import DictConfig, OmegaConf
+
+    out = []
+
+    def walk(node, prefix):
+        for k in node.keys():
+            out.append(prefix + k)
+            child = node._get_node(k)
+            if isinstance(child, DictConfig) and OmegaConf.get_type(child) not in (dict, None):
+                walk(child, prefix + k + ".")
+
+    walk(OmegaConf.structured(Config), "")
+    return out
+
+
+def misspelt_override(args: list[str], groups: set[str]) -> str | None:
+    """The message for the first command-line override whose key the schema does not have, naming
+    the nearest keys; None when every key exists. Group choices (`algorithm=grpo`, `hydra/...`),
+    hydra.* keys, additions (+key), deletions (~key) and keys inside dict- or list-typed values
+    (auxiliary_buffers, stages) are left to Hydra."""
+    import difflib
+
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from omegaconf import DictConfig, ListConfig, OmegaConf
+
+    candidates = [a for a in args if "=" in a and not a.startswith("-")]
+    try:
+        overrides = OverridesParser.create().parse_overrides(candidates)
+    except Exception:  # Hydra reports syntax errors itself
+        return None
+    schema = OmegaConf.structured(Config)
+    for o in overrides:
+        key = o.key_or_group
+        if o.is_add() or o.is_force_add() or o.is_delete() or "/" in key or key.split(".")[0] in ("hydra",):
+            continue
+        if key in groups:
+            continue
+        node, parts = schema, key.split(".")
+        for i, part in enumerate(parts):
+            if isinstance(node, ListConfig) or (isinstance(node, DictConfig) and OmegaConf.get_type(node) is dict):
+                break  # free-form values below: checked when planning
+            if not isinstance(node, DictConfig) or part not in node.keys():
+                parent = ".".join(parts[:i])
+                keys = schema_keys()
+                siblings = [k for k in keys if k.rpartition(".")[0] == parent]
+                # the same name under another parent (trainer.lr -> algorithm.optimizer.lr), then
+                # the nearest names at the same level (a typo)
+                near = [k for k in keys if k.rpartition(".")[2] == parts[-1] and len(parts) == i + 1][:2]
+                near += [k for k in difflib.get_close_matches(key, siblings, n=2, cutoff=0.6) if k not in near]
+                where = f"'{OmegaConf.get_type(node).__name__}'"
+                hint = f" Did you mean {' or '.join(near[:3])}?" if near else ""
+                return (
+                    f"Could not override '{key}': Key '{part}' not in {where}.{hint} The keys, each "
+                    f"with a comment, are in rft/config.py; `python run.py --cfg job` prints the "
+                    f"composed config."
+                )
+            node = node._get_node(part)
+    return None
+
+
+def exit_on_misspelt_key(args: list[str], conf_dir) -> None:
+    """run.py's check before Hydra composes: a misspelt key exits with status 2 and one paragraph."""
+    import sys
+    from pathlib import Path
+
+    groups = {p.name for p in Path(conf_dir).iterdir() if p.is_dir()}
+    message = misspelt_override(args, groups)
+    if message:
+        print(f"\nrft: configuration error: {message}\n", file=sys.stderr)
+        sys.exit(2)

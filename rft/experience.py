@@ -15,6 +15,10 @@ class Experience:
     group_id: str = ""  # rollouts of the same task in the same step share it
     task_id: str = ""
     policy_version: int = 0  # the weights version that generated it
+    # how it was sampled: {"temperature", "top_p", "top_k"} (rollout_args); the trainer computes
+    # log-probs under the same distribution. Empty: unknown (a dataset row, an old buffer):
+    # temperature 1, no truncation
+    sampling: dict = field(default_factory=dict)
     info: dict = field(default_factory=dict)
 
     @property
@@ -35,6 +39,7 @@ class Experience:
             "group_id": self.group_id,
             "task_id": self.task_id,
             "policy_version": int(self.policy_version),
+            "sampling": dict(self.sampling),
             "info": copy.deepcopy(self.info),
         }
 
@@ -48,7 +53,9 @@ def collate(exps: list[Experience], pad_id: int) -> dict[str, torch.Tensor]:
     """Right-pad a list of experiences into tensors.
 
     Returns input_ids/attention_mask [n, L] and, aligned with the next-token targets
-    input_ids[:, 1:], response_mask [n, L-1] (1 where the target is a response token).
+    input_ids[:, 1:], response_mask [n, L-1] (1 where the target is a response token); and the
+    sampling parameters per row [n]: temperature (greedy and unknown count as 1), top_p, top_k
+    (<= 0: off).
     """
     import torch  # here, so storing and viewing experiences does not pay for importing torch
 
@@ -62,4 +69,15 @@ def collate(exps: list[Experience], pad_id: int) -> dict[str, torch.Tensor]:
         attention_mask[i, : len(e.tokens)] = 1
         # target position t predicts token t+1: response tokens sit at prompt_length..len-1
         response_mask[i, e.prompt_length - 1 : len(e.tokens) - 1] = 1.0
-    return {"input_ids": input_ids, "attention_mask": attention_mask, "response_mask": response_mask}
+    params = [sampling_params(e.sampling) for e in exps]
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "response_mask": response_mask,
+            "temperature": torch.tensor([p[0] for p in params], dtype=torch.float32),
+            "top_p": torch.tensor([p[1] for p in params], dtype=torch.float32),
+            "top_k": torch.tensor([p[2] for p in params], dtype=torch.long)}
+
+
+def sampling_params(sampling: dict) -> tuple[float, float, int]:
+    """(temperature, top_p, top_k) of an experience's sampling. Greedy sampling (temperature 0)
+    counts as temperature 1: its stored log-probs are those of the untempered distribution."""
+    t = float(sampling.get("temperature", 1.0) or 1.0)
+    return t, float(sampling.get("top_p", 1.0)), int(sampling.get("top_k", -1))

@@ -53,6 +53,7 @@ def run_jobs(fn, jobs: list, runners: int, timeout: float, retries: int,
     results: list = [None] * len(jobs)
     tries = [0] * len(jobs)
     counters = {"errors": 0, "timeouts": 0, "retries": 0, "failed": 0, "over_rollout_dropped": 0}
+    last_error = None
     todo = list(range(len(jobs)))
     running: dict[int, float] = {}  # job -> start time
     finished: queue.Queue = queue.Queue()  # (job, attempt, ok, value)
@@ -89,7 +90,8 @@ def run_jobs(fn, jobs: list, runners: int, timeout: float, retries: int,
                     done += 1
                 else:
                     counters["errors"] += 1
-                    log.warning("job %d attempt %d raised %s: %s", i, attempt, type(value).__name__, value)
+                    last_error = f"{type(value).__name__}: {value}"
+                    log.warning("job %d attempt %d raised %s", i, attempt, last_error)
                     failed(i)
         except queue.Empty:
             pass
@@ -105,21 +107,27 @@ def run_jobs(fn, jobs: list, runners: int, timeout: float, retries: int,
             if now - min_reached_at >= wait_after_min and (todo or running):
                 counters["over_rollout_dropped"] = len(todo) + len(running)
                 break
+    if last_error is not None:
+        counters["last_error"] = last_error  # a string: for the message when every task fails
     return results, counters
 
 
 def rollout_metrics(exps: list, groups: list, counters: dict, elapsed: float) -> dict:
     """Metrics of one step's rollouts (from all explorers)."""
-    rewards = torch.tensor([e.reward for e in exps]) if exps else torch.zeros(1)
+    rewards = torch.tensor([e.reward for e in exps], dtype=torch.float64) if exps else torch.zeros(1)
     lengths = torch.tensor([e.response_length for e in exps], dtype=torch.float32) if exps else torch.zeros(1)
     m = {
         "reward/mean": rewards.mean().item(),
         "reward/std": rewards.std().item() if len(exps) > 1 else 0.0,
+        "reward/min": rewards.min().item(),
+        "reward/max": rewards.max().item(),
         "response_length/mean": lengths.mean().item(),
         "response_length/max": lengths.max().item(),
         "rollout/truncated_frac": sum(e.info["finish_reason"] == "length" for e in exps) / max(len(exps), 1),
         "rollout/tokens_per_s": lengths.sum().item() / max(elapsed, 1e-9),
         "rollout/zero_variance_group_frac": sum(map(_flat, groups)) / max(len(groups), 1),
+        # prompts longer than model.max_prompt_tokens, cut from the left (one per task)
+        "rollout/truncated_prompts": sum(bool(g[0].info.get("prompt_truncated")) for g in groups),
         "rollout/experiences": len(exps),
     }
     m.update({f"rollout/{k}": v for k, v in counters.items()})
@@ -172,6 +180,8 @@ class Explorer:
             results, c = run_jobs(one, jobs, ex.runner_per_model, ex.max_timeout, ex.max_retry_times,
                                   min_done, ex.over_rollout.wait_after_min)
             counters["reward_s"] = counters.get("reward_s", 0.0) + time.perf_counter() - t0
+            if "last_error" in c:
+                counters["last_error"] = c.pop("last_error")
             for k, v in c.items():
                 counters[k] = counters.get(k, 0) + v
             return results
@@ -238,7 +248,9 @@ class Explorer:
     def evaluate(self, step: int) -> dict:
         """Mean reward on each eval taskset (`eval/<name>/accuracy`; the first one also as `eval/accuracy`).
 
-        A failed task counts as reward 0.
+        A task whose reward failed (raised or timed out after its retries) counts as reward 0 and
+        is counted in `eval/<name>/failed_tasks`; when every task of a set failed, the accuracy
+        means nothing, and the log says so.
         """
         metrics = {}
         for i, (ts, tasks) in enumerate(self.eval_tasksets):
@@ -246,9 +258,15 @@ class Explorer:
             counters: dict = {}
             groups = self._run(ts, tasks, n, step, 2, counters)
             acc = sum(e.reward for g in groups if g for e in g) / (len(tasks) * n)
+            failed = sum(g is None for g in groups)
             metrics[f"eval/{ts.name}/accuracy"] = acc
+            metrics[f"eval/{ts.name}/failed_tasks"] = failed
+            if failed == len(tasks):
+                log.warning("every task of eval set %s failed at step %d (the last error: %s)", ts.name, step,
+                            counters.get("last_error", "timeouts"))
             if i == 0:
                 metrics["eval/accuracy"] = acc
+                metrics["eval/failed_tasks"] = failed
         return metrics
 
     # ------------------------------------------------------------------ weights

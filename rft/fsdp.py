@@ -33,7 +33,7 @@ import torch
 from rft.engine import format_fingerprint, weight_sums
 from rft.errors import ConfigError
 from rft.models import local_device
-from rft.trainer import Trainer
+from rft.trainer import Trainer, written_fingerprint
 
 
 def trainer_ranks(cfg) -> int:
@@ -154,20 +154,22 @@ class FSDPTrainer(Trainer):
             os.replace(path + ".tmp", path)
         return self.fingerprint()
 
-    def save(self, directory: str) -> None:
-        """The same checkpoint as trainer=torch's (whole model, whole optimizer state), by rank 0."""
+    def save(self, directory: str) -> str | None:
+        """The same checkpoint as trainer=torch's (whole model, whole optimizer state), by rank 0;
+        returns the fingerprint of the weights written (rank 0; None on the others)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
         sd = self._full_state()
         optim = get_optimizer_state_dict(self.model, self.optimizer,
                                          options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if self.rank != 0:
-            return
+            return None
         d = Path(directory)
         self.model.save_pretrained(d / "hf", state_dict=sd)
         self.tokenizer.save_pretrained(d / "hf")
         torch.save({"optimizer": optim, "scheduler": self.scheduler.state_dict(), "version": self.version,
                     "rng": torch.get_rng_state(), "critic": None}, d / "trainer_state.pt")
+        return written_fingerprint(sd, d / "hf")
 
     def load(self, directory: str) -> None:
         """Every rank reads the whole checkpoint (a filesystem all nodes share) and keeps its shard."""
@@ -179,13 +181,15 @@ class FSDPTrainer(Trainer):
         )
 
         d = Path(directory)
+        # the state first: a damaged file then leaves the model as it was (the runner falls back)
+        state = torch.load(d / "trainer_state.pt", weights_only=False)
         # tied weights are saved once (save_pretrained): strict=False lets the tie fill them
         set_model_state_dict(self.model, load_file(d / "hf" / "model.safetensors"),
                              options=StateDictOptions(full_state_dict=True, strict=False))
-        state = torch.load(d / "trainer_state.pt", weights_only=False)
         set_optimizer_state_dict(self.model, self.optimizer, _by_name(state["optimizer"], self.model),
                                  options=StateDictOptions(full_state_dict=True))
         self.scheduler.load_state_dict(state["scheduler"])
+        self._configured_optimizer()
         self.version = state["version"]
         torch.set_rng_state(state["rng"])
 

@@ -7,16 +7,15 @@ order, each starting from the previous stage's final model.
 
 from __future__ import annotations
 
-import datetime
 import logging
 import os
-import shutil
 import sys
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from rft import rundir
 from rft.errors import ConfigError, RunError
 
 log = logging.getLogger(__name__)
@@ -77,27 +76,49 @@ def _first_line(e: Exception) -> str:
     return " ".join(str(e).split("\n")[:2])
 
 
-def dataset_size(cfg: DictConfig) -> int:
-    """Rows the stage iterates over: the taskset (mode=both|explore), the stored experiences or
-    the training dataset (mode=train)."""
-    from rft.plan import stored_experiences
-    from rft.tasks import ensure_task_data, load_rows, load_tasks
+def stage_sources(cfg: DictConfig) -> list[dict[str, str]]:
+    """Per stage, the keys its dict sets by interpolation ({key: "${other.key}"}), so that an error
+    about a value can name the key the user set (the warm-up's dataset path is the taskset's)."""
+    out = []
+    for stage in cfg.stages or [{}]:
+        raw = OmegaConf.to_container(stage, resolve=False) if isinstance(stage, DictConfig) else {}
+        out.append({k: v[2:-1] for k, v in rundir.flat(raw).items()
+                    if isinstance(v, str) and v.startswith("${") and v.endswith("}")})
+    return out
 
+
+def _label(sources: dict, key: str) -> str:
+    return f"{sources[key]} (read by {key})" if key in sources else key
+
+
+def dataset_size(cfg: DictConfig, sources: dict | None = None) -> int:
+    """Rows the stage iterates over: the taskset (mode=both|explore), the stored experiences or
+    the training dataset (mode=train). Every dataset the stage reads is loaded and checked here,
+    in the driver, so a bad path, row or column fails before anything starts."""
+    from rft.plan import stored_experiences
+    from rft.tasks import check_columns, ensure_task_data, load_rows, load_tasks
+
+    sources = sources or {}
     inp = cfg.buffer.explorer_input
     ensure_task_data(inp)
     eb = cfg.buffer.trainer_input.experience_buffer
+    ebk = "buffer.trainer_input.experience_buffer"
+    if cfg.algorithm.sft_loss_weight > 0:
+        from rft.plan import sft_buffer_config
+
+        aux, where = sft_buffer_config(cfg)
+        check_columns(load_rows(aux.path, aux.split, key=f"{where}.path"), aux.format, where, aux.path)
     if cfg.mode == "train" and eb.storage_type in ("sql", "file") and eb.path and stored_experiences(eb):
         from rft.buffer import count_experiences
 
-        n = count_experiences(eb.path)
+        n = count_experiences(eb.path, key=f"{ebk}.path")
         if n == 0 and cfg.buffer.total_steps is None:
             raise ConfigError(
-                f"buffer.trainer_input.experience_buffer.path={eb.path!r} holds no experiences yet. "
-                f"Run mode=explore first, or set buffer.total_steps to train while one writes them."
+                f"{ebk}.path={eb.path!r} holds no experiences yet. Run mode=explore first, or set "
+                f"buffer.total_steps to train while one writes them."
             )
         return n
     if cfg.mode in ("both", "explore"):
-        # load every taskset here, in the driver, so a bad row fails before anything starts
         size = len(load_tasks(inp.taskset, "buffer.explorer_input.taskset"))
         for i, ts in enumerate(inp.eval_tasksets):
             load_tasks(ts, f"buffer.explorer_input.eval_tasksets[{i}]")
@@ -109,20 +130,36 @@ def dataset_size(cfg: DictConfig) -> int:
             "buffer.trainer_input.experience_buffer.path=<its buffer.db>), or a dataset of "
             "prompt/response rows (storage_type=file path=<dataset>)."
         )
-    return len(load_rows(eb.path, eb.split, key="buffer.trainer_input.experience_buffer.path"))
+    for i, ts in enumerate(inp.eval_tasksets):
+        load_tasks(ts, f"buffer.explorer_input.eval_tasksets[{i}]")
+    rows = load_rows(eb.path, eb.split, key=_label(sources, f"{ebk}.path"))
+    check_columns(rows, eb.format, ebk, eb.path, pairs=True, sources=sources)
+    return len(rows)
 
 
-def _move_aside(run_dir: Path) -> None:
-    """continue_from_checkpoint=false on a used directory: keep the old outputs, start clean."""
-    old = [p for p in run_dir.iterdir() if p.name not in (".hydra",) and not p.name.endswith(".log")]
-    if not old:
-        return
-    backup = run_dir / f"previous_{datetime.datetime.now():%Y%m%d_%H%M%S}"
-    backup.mkdir()
-    for p in old:
-        if not p.name.startswith("previous_"):
-            shutil.move(str(p), backup / p.name)
-    print(f"continue_from_checkpoint=false: moved the earlier outputs to {backup}")
+def check_token_budgets(cfg: DictConfig, title: str, say) -> None:
+    """Warn once per dataset when its first prompts (or, for a training dataset, responses) are
+    longer than the model's token budgets: they will be cut, and a run would not say so."""
+    from rft.models import load_tokenizer
+    from rft.tasks import budget_report
+
+    tok = load_tokenizer(cfg.model)
+    inp = cfg.buffer.explorer_input
+    eb = cfg.buffer.trainer_input.experience_buffer
+    todo = []
+    if cfg.mode in ("both", "explore"):
+        todo.append((inp.taskset, "buffer.explorer_input.taskset", False))
+    if cfg.mode in ("both", "train"):
+        todo += [(ts, f"buffer.explorer_input.eval_tasksets[{i}]", False) for i, ts in enumerate(inp.eval_tasksets)]
+    if cfg.mode == "train" and eb.storage_type == "file" and eb.path:
+        from rft.plan import stored_experiences
+
+        if not stored_experiences(eb):
+            todo.append((eb, "buffer.trainer_input.experience_buffer", True))
+    for ds, where, responses in todo:
+        text = budget_report(ds, tok, cfg.model, responses, where)
+        if text:
+            say(f"rft: warning: stage {title}: {text}")
 
 
 def ray_namespace(cfg: DictConfig, run_dir: Path) -> str:
@@ -150,28 +187,54 @@ def _start_ray(cfg: DictConfig, run_dir: Path) -> bool:
         namespace=ray_namespace(cfg, run_dir),
         logging_level=logging.WARNING,
     )
+    if local:
+        _start_reaper()
     return True
+
+
+_reaper = None
+
+
+def _start_reaper() -> None:
+    """Once per process: a watcher that stops what a SIGKILL of this process would leave of Ray."""
+    global _reaper
+    if _reaper is None or _reaper.poll() is not None:
+        import subprocess
+
+        _reaper = subprocess.Popen([sys.executable, "-m", "rft.reaper", str(os.getpid())], start_new_session=True,
+                                   stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+MODES = ("both", "explore", "train", "bench")
 
 
 def _main(cfg: DictConfig) -> float | None:
     from rft.models import ensure_model
-    from rft.plan import format_plan, make_plan
+    from rft.plan import describe, format_plan, make_plan
 
+    for key, mode in [("mode", cfg.mode)] + [(f"stages[{i}].mode", s.get("mode")) for i, s in enumerate(cfg.stages or [])]:
+        if mode is not None and mode not in MODES:
+            raise ConfigError(f"{key}={mode!r} is not a mode; choose one of {', '.join(MODES)}.")
     if cfg.mode == "bench":
         from rft.bench import bench
 
         return bench(cfg, run_dir_of(cfg))
     stages = stage_configs(cfg)
+    sources = stage_sources(cfg)
     plans = []
-    for s in stages:
+    for s, src in zip(stages, sources):
         try:
-            plans.append(make_plan(s, dataset_size(s)))
+            plans.append(make_plan(s, dataset_size(s, src)))
         except ConfigError as e:
             raise ConfigError(f"stage {s.stage_name}: {e}" if s.stage_name else str(e)) from e
+    run_dir = run_dir_of(cfg)
+    stage_dirs = [run_dir / s.stage_name if s.stage_name else run_dir for s in stages]
     if cfg.dry_run:
-        for s, p in zip(stages, plans):
+        for s, p, d in zip(stages, plans, stage_dirs):
             print(format_plan(p, title=f"batch plan: stage {s.stage_name or s.name} ({s.algorithm.algorithm_type})"))
+            print(describe(s, d))
             print()
+        _remove_if_empty(run_dir)  # Hydra made it; a dry run leaves nothing behind
         return None
 
     from rft.monitor import read_metrics
@@ -179,19 +242,43 @@ def _main(cfg: DictConfig) -> float | None:
     from rft.runner import run_stage
 
     check_allocation(cfg)
-
-    run_dir = run_dir_of(cfg)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    rundir.check_writable(run_dir)
     if not cfg.continue_from_checkpoint:
-        _move_aside(run_dir)
+        moved = rundir.move_aside(run_dir)
+        if moved:
+            print(f"continue_from_checkpoint=false: moved the earlier outputs to {moved}")
+    changes = rundir.check_unchanged(cfg, stages, stage_dirs, run_dir)
+    cache = cfg.stage_cache_dir and Path(os.path.expanduser(cfg.stage_cache_dir))
+    if cache:
+        rundir.check_writable(cache, "stage_cache_dir")
+    rundir.write_record(cfg, run_dir)
     ensure_model(stages[0].model)
+    for s in stages:
+        check_token_budgets(s, s.stage_name or s.algorithm.algorithm_type, print)
     started_ray = stages[0].cluster.backend == "ray" and _start_ray(stages[0], run_dir)
     try:
-        init_path = None
-        for s, plan in zip(stages, plans):
-            stage_dir = run_dir / s.stage_name if s.stage_name else run_dir
+        init_path, start = None, rundir.start_identity(stages[0].model)
+        for s, plan, stage_dir in zip(stages, plans, stage_dirs):
             title = s.stage_name or s.algorithm.algorithm_type
-            init_path = str(run_stage(s, plan, stage_dir, init_path, title))
+            if title in changes:
+                rundir.note_changes(stage_dir, changes[title])
+            key = rundir.cache_key(s, start)
+            start = f"stage:{key}"
+            entry = cache / key if cache and rundir.cacheable(s) else None
+            with rundir.stage_lock(entry, title, print):
+                reused = None
+                if entry is not None and cfg.continue_from_checkpoint and not rundir.has_outputs(stage_dir):
+                    reused = rundir.reuse(entry, stage_dir, title, print)
+                if reused is not None:
+                    init_path = str(reused)
+                    continue
+                if title in changes or rundir.saved_config(stage_dir) is None or not rundir.has_outputs(stage_dir):
+                    rundir.write_config(s, stage_dir)
+                final = run_stage(s, plan, stage_dir, init_path, title)
+                if entry is not None and final is not None:
+                    rundir.publish(entry, stage_dir, final.parent)
+                if final is not None:
+                    init_path = str(final)
     finally:
         if started_ray:
             import ray
@@ -205,3 +292,10 @@ def _main(cfg: DictConfig) -> float | None:
               file=sys.stderr)
         return None
     return values[-1]
+
+
+def _remove_if_empty(path: Path) -> None:
+    try:
+        path.rmdir()  # only succeeds when empty
+    except OSError:
+        pass

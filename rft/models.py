@@ -117,8 +117,21 @@ def ensure_model(model_cfg) -> None:
     BUILDERS[model_cfg.builder](model_cfg.model_path)
 
 
+# model.dtype: the names and their common aliases
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+          "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
+
+
 def torch_dtype(name: str) -> torch.dtype:
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+    if name not in DTYPES:
+        raise ConfigError(f"model.dtype={name!r} is not a dtype; choose one of {', '.join(DTYPES)}.")
+    return DTYPES[name]
+
+
+def canonical_dtype(name: str) -> str:
+    """"bf16" -> "bfloat16": the name other libraries (vLLM) take."""
+    return str(torch_dtype(name)).removeprefix("torch.")
 
 
 def local_device(cluster_cfg) -> torch.device:
@@ -129,13 +142,24 @@ def local_device(cluster_cfg) -> torch.device:
     return torch.device("cpu")
 
 
+def _not_loadable(path: str, e: Exception) -> ConfigError:
+    return ConfigError(
+        f"model.model_path={path!r} could not be loaded ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}). "
+        f"Give a local directory in Hugging Face format (relative paths are relative to {os.getcwd()}) "
+        f"or a hub id this machine can reach."
+    )
+
+
 def load_tokenizer(model_cfg):
     from transformers import AutoTokenizer
 
     _quiet_transformers()
-    tok = AutoTokenizer.from_pretrained(
-        os.path.expanduser(model_cfg.model_path), trust_remote_code=model_cfg.trust_remote_code
-    )
+    try:
+        tok = AutoTokenizer.from_pretrained(
+            os.path.expanduser(model_cfg.model_path), trust_remote_code=model_cfg.trust_remote_code
+        )
+    except OSError as e:  # transformers' "not a local folder and not a valid model identifier"
+        raise _not_loadable(model_cfg.model_path, e) from e
     if model_cfg.custom_chat_template:
         tok.chat_template = model_cfg.custom_chat_template
     if tok.pad_token_id is None:
@@ -148,11 +172,14 @@ def load_model(model_cfg, path: str | None = None):
     from transformers import AutoModelForCausalLM
 
     _quiet_transformers()
-    model = AutoModelForCausalLM.from_pretrained(
-        os.path.expanduser(path or model_cfg.model_path),
-        dtype=torch_dtype(model_cfg.dtype),
-        trust_remote_code=model_cfg.trust_remote_code,
-    )
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            os.path.expanduser(path or model_cfg.model_path),
+            dtype=torch_dtype(model_cfg.dtype),
+            trust_remote_code=model_cfg.trust_remote_code,
+        )
+    except OSError as e:
+        raise _not_loadable(path or model_cfg.model_path, e) from e
     # Dropout would make recomputed log-probs differ from the sampling ones.
     model.eval()
     return model

@@ -1,19 +1,57 @@
-"""Metrics: a progress bar on the console, metrics.jsonl always, TensorBoard and wandb on request."""
+"""Metrics: progress on the console, metrics.jsonl always, TensorBoard and wandb on request."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
+import sys
 from pathlib import Path
 
 from tqdm import tqdm
 
 
 def read_metrics(path: str | Path) -> list[dict]:
-    path = Path(path)
+    """The records of a per-step JSONL log (metrics.jsonl, batches.jsonl), in order."""
+    return [record for _, record in _read(Path(path)) if record is not None]
+
+
+def _read(path: Path) -> list[tuple[str, dict | None]]:
+    """Each line of a JSONL log with its record, None where the line is not one.
+
+    Each record is written and flushed whole before the next, so a kill can cut short only the
+    last line: that one is left out without a word (a resumed run logs its step again). A bad
+    line before the last is damage from elsewhere (two runs writing one directory, an edit by
+    hand). It is left out too, since one bad line must not hide a whole run's metrics, but never
+    silently: each read warns, naming the file and line, and rft never deletes it (see _reopen),
+    so what it held can still be recovered by hand.
+    """
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    lines = [(n, line) for n, line in enumerate(path.read_text(errors="replace").splitlines(), 1) if line.strip()]
+    out = []
+    for i, (n, line) in enumerate(lines):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            record = None
+        if not (isinstance(record, dict) and "step" in record):
+            record = None
+            if i < len(lines) - 1:
+                print(f"rft: warning: {path} line {n} is not a JSON record (a kill cuts only the last line, "
+                      f"so something else damaged it); it is left out of what is read and kept in the file. "
+                      f"Repair or delete that line to silence this warning.", file=sys.stderr)
+        out.append((line, record))
+    return out
+
+
+def _line_every(total_steps: int) -> int:
+    """Steps between two progress lines: 1, 2 or 5 times a power of ten, so that a run prints
+    10 to 20 of them (every step of a run of up to 20)."""
+    for power in itertools.count():
+        for m in (1, 2, 5):
+            if total_steps <= 20 * m * 10**power:
+                return m * 10**power
 
 
 class Monitor:
@@ -24,13 +62,19 @@ class Monitor:
         self.file = _reopen(self.path, start_step)
         # what each step trained on: group ids, policy versions and a digest of the tokens
         self.batches = _reopen(run_dir / "batches.jsonl", start_step)
-        self.bar = tqdm(total=total_steps, initial=start_step, desc=stage, dynamic_ncols=True, leave=True)
+        # on a terminal a bar; in a file (a Slurm log, `> run.log`, CI) the bar's carriage-return
+        # redraws would pile up, so there one plain line every few steps, the first and the last
+        self.stage, self.total, self.every, self.first = stage, total_steps, _line_every(total_steps), True
+        self.bar = None
+        if sys.stderr.isatty():
+            self.bar = tqdm(total=total_steps, initial=start_step, desc=stage, dynamic_ncols=True, leave=True)
         self.shown: dict[str, float] = {}
         self.tb = None
         if "tensorboard" in cfg.monitor.monitor_type:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tb = SummaryWriter(str(run_dir / "tensorboard"), purge_step=start_step + 1)
+            # TensorBoard hides what a killed run logged from purge_step on: the steps run again
+            self.tb = SummaryWriter(str(run_dir / "tensorboard"), purge_step=start_step + 1 if start_step else 0)
         self.wandb = None
         if "wandb" in cfg.monitor.monitor_type:
             import wandb
@@ -50,9 +94,20 @@ class Monitor:
         if self.wandb is not None:
             self.wandb.log(metrics, step=step)
         self.shown.update({k: metrics[k] for k in self.keys if k in metrics})
-        self.bar.set_postfix({k.replace("/", "."): f"{v:.3g}" for k, v in self.shown.items()}, refresh=False)
-        if advance:
-            self.bar.update(step - self.bar.n)
+        shown = {k.replace("/", "."): f"{self.shown[k]:.3g}" for k in self.keys if k in self.shown}
+        if self.bar is not None:
+            self.bar.set_postfix(shown, refresh=False)
+            if advance:
+                self.bar.update(step - self.bar.n)
+        elif self.first or step % self.every == 0 or step == self.total:
+            self.print(f"[{self.stage}] step {step}/{self.total}  " + " ".join(f"{k}={v}" for k, v in shown.items()))
+        self.first = False
+
+    def ensure_logged(self, step: int, metrics: dict | None) -> None:
+        """A resumed run's first step: the checkpoint's own row, if a kill came between saving the
+        checkpoint and logging its step (the checkpoint keeps a copy)."""
+        if metrics is not None and not any(m["step"] == step for m in read_metrics(self.path)):
+            self.log(step, metrics, advance=False)
 
     def record_batch(self, step: int, exps: list) -> None:
         import hashlib
@@ -70,10 +125,14 @@ class Monitor:
             self.tb.add_histogram(name, torch.tensor(values, dtype=torch.float32), step)
 
     def print(self, text: str) -> None:
-        self.bar.write(text)
+        if self.bar is not None:
+            self.bar.write(text)  # above the bar, which is drawn again below
+        else:
+            print(text, flush=True)  # a file written in blocks would hold it back
 
     def close(self) -> None:
-        self.bar.close()
+        if self.bar is not None:
+            self.bar.close()
         self.file.close()
         self.batches.close()
         if self.tb is not None:
@@ -83,10 +142,15 @@ class Monitor:
 
 
 def _reopen(path: Path, start_step: int):
-    """Open a per-step JSONL log for appending; a resumed run drops what the killed run logged
-    after its checkpoint (those steps are run again)."""
-    kept = [m for m in read_metrics(path) if m["step"] <= start_step]
-    path.write_text("".join(json.dumps(m) + "\n" for m in kept))
+    """Open a per-step JSONL log for appending, for a run that starts after the checkpoint of
+    `start_step`, or from nothing when it is 0 (step 0, the startup eval, included). It logs those
+    steps again, so what a killed run logged of them goes, and so does a last line it cut short. A
+    damaged line, whose step is unknown, stays as it is unless the run starts from nothing (see _read)."""
+    lines = _read(path)
+    if lines and lines[-1][1] is None:
+        lines.pop()
+    kept = [line for line, m in lines if start_step > 0 and (m is None or m["step"] <= start_step)]
+    path.write_text("".join(line + "\n" for line in kept))
     return open(path, "a")
 
 

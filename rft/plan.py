@@ -11,6 +11,7 @@ Each violated constraint is a ConfigError that names the keys, their values and 
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from rft.errors import ConfigError
@@ -113,6 +114,17 @@ def make_plan(cfg, dataset_size: int) -> BatchPlan:
             f"e.g. {_divisor_near(mini // dp, micro)}."
         )
     fmt = buf.trainer_input.experience_buffer.format
+    from rft.algorithms.losses import NEEDS_PAIRS
+
+    if algo.policy_loss_fn in NEEDS_PAIRS and (cfg.mode != "train" or stored or not (fmt.chosen_key and fmt.rejected_key)):
+        raise ConfigError(
+            f"algorithm.policy_loss_fn={algo.policy_loss_fn} learns from preference pairs in a dataset "
+            f"(mode=train, buffer.trainer_input.experience_buffer.storage_type=file with format.chosen_key "
+            f"and format.rejected_key set), but this stage has mode={cfg.mode}, storage_type="
+            f"{buf.trainer_input.experience_buffer.storage_type}, chosen_key={fmt.chosen_key}, "
+            f"rejected_key={fmt.rejected_key}. Give it a dataset of pairs (a taskset whose format sets "
+            f"chosen_key and rejected_key serves by default)."
+        )
     if cfg.mode == "train" and fmt.chosen_key and fmt.rejected_key:
         # preference pairs (two rows each) must not be split across batches
         for key, value in [("buffer.train_batch_size", train_bs), ("trainer.mini_batch_size", mini),
@@ -148,6 +160,7 @@ def make_plan(cfg, dataset_size: int) -> BatchPlan:
         if value < 1:
             raise ConfigError(f"{key}={value} must be >= 1 (in steps).")
     model = cfg.model
+    _check_model(model)
     need = model.max_prompt_tokens + model.max_response_tokens
     if model.max_model_len is not None and model.max_model_len < need:
         raise ConfigError(
@@ -172,6 +185,76 @@ def make_plan(cfg, dataset_size: int) -> BatchPlan:
         total_optimizer_steps=total * opt_per_step,
         warmup_steps=warmup,
     )
+
+
+def _check_model(model) -> None:
+    from rft.models import DTYPES
+
+    for key in ("max_prompt_tokens", "max_response_tokens"):
+        if model[key] < 1:
+            raise ConfigError(f"model.{key}={model[key]} must be >= 1 (tokens).")
+    if model.dtype not in DTYPES:
+        raise ConfigError(f"model.dtype={model.dtype!r} is not a dtype; choose one of {', '.join(DTYPES)}.")
+    path = os.path.expanduser(model.model_path)
+    # a hub id ("org/name") cannot be checked here (no hub may be reachable); a local path can
+    looks_local = path.startswith(("/", ".")) or path.count("/") > 1
+    if model.builder is None and looks_local and not os.path.isdir(path):
+        raise ConfigError(
+            f"model.model_path={model.model_path!r}: no such directory (relative paths are relative "
+            f"to {os.getcwd()}). Give a local directory in Hugging Face format or a hub id "
+            f"(e.g. Qwen/Qwen2.5-0.5B-Instruct)."
+        )
+
+
+def sft_buffer_config(cfg):
+    """The expert data algorithm.sft_loss_weight > 0 (mix) learns from, as (ExperienceBufferConfig,
+    the key to name in errors): buffer.trainer_input.auxiliary_buffers[algorithm.sft_buffer], or,
+    when there is no such entry, the taskset's own prompts and reference answers."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    from rft.config import ExperienceBufferConfig
+
+    aux, name = cfg.buffer.trainer_input.auxiliary_buffers, cfg.algorithm.sft_buffer
+    if name in aux:
+        where = f"buffer.trainer_input.auxiliary_buffers.{name}"
+        return _typed_buffer(aux[name], where), where
+    ts = cfg.buffer.explorer_input.taskset
+    where = "buffer.explorer_input.taskset"
+    if not ts.format.response_key:
+        raise ConfigError(
+            f"algorithm.sft_loss_weight={cfg.algorithm.sft_loss_weight} needs expert data: an auxiliary "
+            f"buffer algorithm.sft_buffer={name!r} in buffer.trainer_input.auxiliary_buffers (it has "
+            f"{sorted(aux)}), or a taskset with reference answers ({where}.format.response_key is null). "
+            f"Add +buffer.trainer_input.auxiliary_buffers.{name}.path=<dataset of prompt/response rows>."
+        )
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(ExperienceBufferConfig),
+                                 {"name": name, "storage_type": "file", "path": ts.path, "split": ts.split,
+                                  "format": ts.format})
+    except OmegaConfBaseException as e:  # pragma: no cover - the taskset's format is typed already
+        raise ConfigError(f"{where}: {str(e).splitlines()[0]}") from e
+    return merged, where
+
+
+def _typed_buffer(value, where: str):
+    """An auxiliary buffer's dict as an ExperienceBufferConfig: a misspelt key fails here, naming it."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    from rft.config import ExperienceBufferConfig
+
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(ExperienceBufferConfig), value)
+    except OmegaConfBaseException as e:
+        keys = sorted(OmegaConf.structured(ExperienceBufferConfig).keys())
+        raise ConfigError(
+            f"{where}: {str(e).splitlines()[0]}. Its keys are those of "
+            f"buffer.trainer_input.experience_buffer: {keys}."
+        ) from e
+    if not merged.path:
+        raise ConfigError(f"{where}.path is not set: give the dataset of prompt/response rows it reads.")
+    return merged
 
 
 def stored_experiences(buf_cfg) -> bool:
@@ -206,11 +289,12 @@ def _check_runtime(cfg) -> None:
             f"synchronizer.sync_style={sc.sync_style!r} is not implemented yet; use fixed (with "
             f"sync_offset for an explorer that runs ahead of the trainer)."
         )
-    if sc.sync_method == "collective" and (cfg.cluster.backend != "ray" or cfg.mode != "both"):
+    # mode=explore never syncs from a trainer (it reads checkpoints), so any method is fine there
+    if sc.sync_method == "collective" and cfg.cluster.backend != "ray" and cfg.mode != "explore":
         raise ConfigError(
             f"synchronizer.sync_method=collective broadcasts between the trainer's and the explorers' "
-            f"processes, so it needs cluster.backend=ray and mode=both (here {cfg.cluster.backend}, "
-            f"{cfg.mode}). Use sync=memory or sync=checkpoint."
+            f"processes, so it needs cluster.backend=ray (here {cfg.cluster.backend}). Use cluster=local, "
+            f"or sync=memory or sync=checkpoint."
         )
     # with a fixed schedule the staleness of every experience is known: offset + interval - 1 at
     # most. A bound below that would drop experiences every step, so it is an error here.
@@ -240,6 +324,10 @@ def _check_runtime(cfg) -> None:
             "synchronizer.sync_method=collective with explorer=vllm supports tensor_parallel_size=1 "
             "for now (each tensor-parallel worker would need a rank of its own): use sync=checkpoint."
         )
+    from rft.models import DTYPES
+
+    if rm.dtype is not None and rm.dtype not in DTYPES:
+        raise ConfigError(f"explorer.rollout_model.dtype={rm.dtype!r} is not a dtype; choose one of {', '.join(DTYPES)} (or null: model.dtype).")
     if not 0 <= ex.over_rollout.ratio < 1:
         raise ConfigError(f"explorer.over_rollout.ratio={ex.over_rollout.ratio} must be in [0, 1).")
     check_placement(cfg)
@@ -277,13 +365,15 @@ def _check_names(cfg) -> None:
         if ts.reward_fn is not None:
             where = "taskset" if i == 0 else f"eval_tasksets[{i - 1}]"
             resolve(REWARD_FNS, ts.reward_fn, f"buffer.explorer_input.{where}.reward_fn")
-    aux = cfg.buffer.trainer_input.auxiliary_buffers
-    if cfg.algorithm.sft_loss_weight > 0 and cfg.algorithm.sft_buffer not in aux:
-        raise ConfigError(
-            f"algorithm.sft_loss_weight={cfg.algorithm.sft_loss_weight} needs the auxiliary buffer "
-            f"algorithm.sft_buffer={cfg.algorithm.sft_buffer!r} in buffer.trainer_input.auxiliary_buffers "
-            f"(it has {sorted(aux)}). Add +buffer.trainer_input.auxiliary_buffers.{cfg.algorithm.sft_buffer}.path=<dataset>."
-        )
+    # dict-typed keys hold typed values too: a typo fails here, not inside an actor
+    for name, value in cfg.buffer.trainer_input.auxiliary_buffers.items():
+        _typed_buffer(value, f"buffer.trainer_input.auxiliary_buffers.{name}")
+    if cfg.algorithm.sft_loss_weight > 0:
+        sft_buffer_config(cfg)
+    rb = cfg.buffer.trainer_input.experience_buffer.replay_buffer
+    from rft.buffer import check_priority_fn
+
+    check_priority_fn(rb.priority_fn, rb.priority_fn_args, "buffer.trainer_input.experience_buffer.replay_buffer")
     for key, value, known in checks:
         if value not in known:
             raise ConfigError(f"{key}={value!r} is not one of {sorted(known)}.")
@@ -291,6 +381,45 @@ def _check_names(cfg) -> None:
 
 def _divisor_near(n: int, target: int) -> int:
     return min((d for d in range(1, n + 1) if n % d == 0), key=lambda d: (abs(d - target), d))
+
+
+def describe(cfg, stage_dir) -> str:
+    """What the dry run says besides the numbers: the functions, the data, the outputs."""
+    algo, inp = cfg.algorithm, cfg.buffer.explorer_input
+    eb = cfg.buffer.trainer_input.experience_buffer
+    opt = algo.optimizer
+    extra = "".join(f", {k}={algo[k]}" for k in ("kl_loss_fn", "kl_penalty_fn") if algo[k] != "none")
+    extra += f", entropy_coef={algo.entropy_coef}" if algo.entropy_coef else ""
+    extra += f", sft_loss_weight={algo.sft_loss_weight}" if algo.sft_loss_weight else ""
+    rows = [("algorithm", f"{algo.algorithm_type}: advantage_fn={algo.advantage_fn}, policy_loss_fn="
+                          f"{algo.policy_loss_fn}, loss_agg_mode={algo.loss_agg_mode}{extra}"),
+            ("learning rate", f"{opt.lr:g} (algorithm.optimizer.lr), {opt.warmup_steps} warm-up optimizer "
+                              f"steps, then {opt.warmup_style}")]
+
+    def data(ds) -> str:
+        return f"{ds.name} ({ds.path}, split {ds.split})"
+
+    if cfg.mode in ("both", "explore"):
+        reward = inp.taskset.reward_fn or inp.default_reward_fn_type
+        args = inp.taskset.rollout_args
+        rows.append(("rollouts", f"{data(inp.taskset)}: prompt_key={inp.taskset.format.prompt_key}, "
+                                 f"temperature {args.temperature:g}, top_p {args.top_p:g}, top_k {args.top_k}"))
+        rows.append(("reward", f"{reward}(prompt, response, task) with task.answer = column "
+                               f"{inp.taskset.format.response_key!r}"))
+    else:
+        fmt = eb.format
+        what = (f"pairs of {fmt.chosen_key!r} over {fmt.rejected_key!r}" if fmt.chosen_key and fmt.rejected_key
+                else f"responses in {fmt.response_key!r}")
+        rows.append(("trains on", f"{eb.path} ({eb.storage_type}; {what}, prompts in {fmt.prompt_key!r})"))
+    if algo.sft_loss_weight > 0:
+        sft, where = sft_buffer_config(cfg)
+        rows.append(("sft data", f"{sft.path} (column {sft.format.response_key!r}; {where})"))
+    evals = [f"{data(ts)}: {ts.reward_fn or inp.default_reward_fn_type}" for ts in inp.eval_tasksets]
+    if cfg.mode != "explore":
+        rows.append(("eval sets", "; ".join(evals) + f", every {cfg.explorer.eval_interval} steps" if evals else "none"))
+    rows.append(("outputs", str(stage_dir)))
+    w = max(len(r[0]) for r in rows)
+    return "\n".join(f"{a:<{w}}  {b}" for a, b in rows)
 
 
 def format_plan(plan: BatchPlan, title: str = "batch plan") -> str:

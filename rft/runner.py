@@ -33,6 +33,7 @@ from omegaconf import open_dict
 from rft.actors import ACTOR_BACKENDS
 from rft.buffer import DatasetReader, is_experience_file, make_buffer
 from rft.errors import RunError
+from rft.engine import fingerprint, same_weights
 from rft.explorer import Explorer, rollout_metrics
 from rft.monitor import Monitor, read_metrics
 from rft.sync import SYNC_METHODS
@@ -53,18 +54,73 @@ class Checkpoint:
 
 
 def list_checkpoints(stage_dir: Path) -> list[Checkpoint]:
-    """Complete checkpoints, oldest first (state.json is written last, so a killed save is ignored)."""
+    """Complete checkpoints, oldest first: state.json is written last, so a killed save (no
+    state.json) is not one; neither is a state.json that does not parse (use_checkpoint says why)."""
     found = []
     for d in (Path(stage_dir) / "checkpoints").glob("step_*"):
-        if (d / "state.json").exists():
+        if not d.name[5:].isdigit() or not (d / "state.json").exists():
+            continue
+        try:
             state = json.loads((d / "state.json").read_text())
-            found.append(Checkpoint(state["step"], d, state))
+        except (ValueError, OSError):
+            state = {"step": int(d.name[5:]), "damaged": "state.json does not parse"}
+        found.append(Checkpoint(state["step"], d, state))
     return sorted(found, key=lambda c: c.step)
 
 
 def latest_checkpoint(stage_dir: Path) -> Checkpoint | None:
-    found = list_checkpoints(stage_dir)
+    found = [c for c in list_checkpoints(stage_dir) if "damaged" not in c.state]
     return found[-1] if found else None
+
+
+def damage(ckpt: Checkpoint, has_model: bool) -> str | None:
+    """What is wrong with a checkpoint (naming the file), or None. With a model: hf/config.json
+    parses, trainer_state.pt is there, and hf/model.safetensors holds the weights whose
+    fingerprint the save recorded in state.json (a file with zeroed or flipped bytes loads fine
+    and trains on; this catches it)."""
+    if "damaged" in ckpt.state:
+        return f"{ckpt.path / 'state.json'}: {ckpt.state['damaged']}"
+    if not has_model:
+        return None
+    cfg_file, weights = ckpt.hf_path / "config.json", ckpt.hf_path / "model.safetensors"
+    try:
+        json.loads(cfg_file.read_text())
+    except (OSError, ValueError) as e:
+        return f"{cfg_file}: {'missing' if isinstance(e, FileNotFoundError) else 'does not parse'}"
+    if not (ckpt.path / "trainer_state.pt").is_file():
+        return f"{ckpt.path / 'trainer_state.pt'}: missing"
+    try:
+        from safetensors.torch import load_file
+
+        got = fingerprint({k: v for f in sorted(ckpt.hf_path.glob("*.safetensors")) for k, v in load_file(f).items()})
+        if not weights.exists() and not (ckpt.hf_path / "model.safetensors.index.json").exists():
+            raise FileNotFoundError(weights)
+    except Exception as e:  # missing, truncated, a damaged header
+        return f"{weights}: {'missing' if not weights.exists() else f'does not load ({type(e).__name__})'}"
+    expected = ckpt.state.get("saved_fingerprint")
+    if expected is not None and not same_weights(got, expected):
+        return f"{weights}: its weights are not the ones saved (fingerprint {got}, state.json has {expected})"
+    return None
+
+
+def usable_checkpoint(stage_dir: Path, has_model: bool, title: str, say, before: int | None = None):
+    """The newest checkpoint (older than step `before`) that is whole. Damaged ones are moved
+    aside to checkpoints/step_N.damaged-<time> and named on the console."""
+    for ckpt in reversed(list_checkpoints(stage_dir)):
+        if before is not None and ckpt.step >= before:
+            continue
+        why = damage(ckpt, has_model)
+        if why is None:
+            return ckpt
+        set_aside(ckpt, why, title, say)
+    return None
+
+
+def set_aside(ckpt: Checkpoint, why: str, title: str, say) -> None:
+    aside = ckpt.path.with_name(f"{ckpt.path.name}.damaged-{time.strftime('%Y%m%d_%H%M%S')}")
+    os.replace(ckpt.path, aside)
+    say(f"[{title}] checkpoint step {ckpt.step} is damaged ({why}); moved it to {aside.name} and "
+        f"falling back to the previous complete checkpoint")
 
 
 def _actor_died(e: Exception) -> bool:
@@ -76,12 +132,14 @@ def _actor_died(e: Exception) -> bool:
 
 
 def run_stage(cfg, plan, stage_dir: Path, init_path: str | None, title: str) -> Path | None:
-    """Run one stage to its last step; returns the directory of its final HF-format model."""
+    """Run one stage to its last step; returns its final HF-format model's directory (None for a
+    stage that trains nothing: mode=explore)."""
     stage_dir.mkdir(parents=True, exist_ok=True)
-    latest = latest_checkpoint(stage_dir) if cfg.continue_from_checkpoint else None
+    trains = cfg.mode in ("both", "train")
+    latest = usable_checkpoint(stage_dir, trains, title, print) if cfg.continue_from_checkpoint else None
     if latest is not None and latest.step >= plan.total_steps:
         print(f"[{title}] already finished (step {latest.step}); outputs in {stage_dir}")
-        return latest.hf_path if latest.hf_path.exists() else init_path
+        return latest.hf_path if trains else None
     stage = StageRun(cfg, plan, stage_dir, init_path, title, latest)
     try:
         stage.loop()
@@ -91,22 +149,35 @@ def run_stage(cfg, plan, stage_dir: Path, init_path: str | None, title: str) -> 
     evals = [m["eval/accuracy"] for m in read_metrics(stage_dir / "metrics.jsonl") if "eval/accuracy" in m]
     if len(evals) > 1:
         print(f"[{title}] eval accuracy: start {evals[0]:.3f} -> end {evals[-1]:.3f}")
-    final = latest_checkpoint(stage_dir)
-    return final.hf_path if final.hf_path.exists() else init_path
+    return latest_checkpoint(stage_dir).hf_path if trains else None
+
+
+@dataclass
+class Pending:
+    """An explore step submitted to the explorers, with the weights version they serve for it."""
+    step: int
+    futures: list
+    version: int
+    t0: float
 
 
 class StageRun:
     def __init__(self, cfg, plan, stage_dir: Path, init_path, title: str, latest: Checkpoint | None):
         self.cfg, self.plan, self.dir, self.title = cfg, plan, stage_dir, title
         self.init_path = init_path
-        self.latest = latest
-        self.start = latest.step if latest else 0
-        saved = latest.state if latest else {}
+        self.trainer, self.explorers, self.source, self.pg, self.buffer = None, [], None, None, None
+        self.monitor = None
+        try:
+            self._start(latest)
+        except BaseException:
+            self.close()  # what started before the error: actors, the buffer's file, the placement
+            raise
+
+    def _start(self, latest: Checkpoint | None) -> None:
+        cfg, plan, stage_dir, title, init_path = self.cfg, self.plan, self.dir, self.title, self.init_path
         mode = cfg.mode
         self.explores = mode in ("both", "explore")
         self.trains = mode in ("both", "train")
-        self.trainer, self.explorers, self.source, self.pg = None, [], None, None
-        self.monitor = None
 
         Actor = ACTOR_BACKENDS[cfg.cluster.backend]
         common = dict(log_dir=str(stage_dir / "log"), level=cfg.log.level)
@@ -116,9 +187,10 @@ class StageRun:
             # must be that one), then a resumed run loads the checkpoint over it
             ranks = [options.pop(0) for _ in range(trainer_ranks(cfg))]
             self.trainer = start_trainer(Actor, cfg, self.plan, init_path, f"{title}_{cfg.trainer.name}", common, ranks)
-            if latest is not None:
-                self.trainer.call("load", str(latest.path))
-                log.info("resumed %s from %s", title, latest.path)
+            latest = self._load(latest)
+        self.latest = latest
+        self.start = latest.step if latest else 0
+        saved = latest.state if latest else {}
         # mode=train still evaluates with an explorer when there are eval tasksets
         if self.explores or cfg.buffer.explorer_input.eval_tasksets:
             resumed = latest is not None and latest.hf_path.exists()
@@ -139,32 +211,75 @@ class StageRun:
 
             self.source = DatasetReader(eb, load_tokenizer(cfg.model), cfg.model.max_prompt_tokens,
                                         cfg.model.max_response_tokens, cfg.seed)
-            self.buffer = None
         else:
             self.buffer = make_buffer(eb)
-            state = saved.get("buffer")
-            if mode == "both" and hasattr(self.buffer, "truncate_after"):
-                # this run is the only writer: what it wrote after its checkpoint (or, with no
-                # checkpoint, at all) is written again, identically
-                dropped = self.buffer.truncate_after(state["last_id"] if state else 0)
-                if dropped:
-                    log.info("dropped %d experiences written after the checkpoint", dropped)
-            if state:
-                self.buffer.restore(state)
-            elif eb.storage_type == "sql":
-                self.buffer.restore({"cursor": 0})  # a fresh run reads from the start
+            self._restore_buffer(saved.get("buffer"), latest)
         self.sync = SYNC_METHODS[cfg.synchronizer.sync_method](stage_dir, cfg.synchronizer)
         # the version the explorers serve (mode=explore: what it picks up; see loop)
         self.synced = 0 if mode == "explore" else saved.get("version", self.start)
         self.next_explore = saved.get("next_explore", self.start)
-        self.pending: deque = deque()  # (explore step, one future per explorer)
+        self.pending: deque[Pending] = deque()
         self.asleep = False
         self.explore_metrics = {int(k): v for k, v in saved.get("explore_metrics", {}).items()}
+        # steps in a row in which every task failed (explorer.max_failed_steps stops the run)
+        self.failed_steps = 0
+        self.first_rewards: set = set()  # the rewards of the first steps (all equal: a warning)
+        sc = cfg.synchronizer
+        # weights snapshots for restarted explorers (see _serve); not needed when the explorers
+        # always serve the trainer's current weights, nor when nothing can restart
+        self.snapshots = (mode == "both" and cfg.cluster.backend == "ray" and cfg.cluster.max_actor_restarts > 0
+                          and (sc.sync_offset > 0 or sc.sync_interval > 1))
         self.monitor = Monitor(cfg, stage_dir, plan.total_steps, self.start, title)
+        if self.start:
+            self.monitor.ensure_logged(self.start, saved.get("metrics"))
         if mode == "explore":
             self.monitor.print(f"[{title}] experiences go to {eb.path} (view them: python -m rft.buffer {eb.path})")
         if self.start:
             self.monitor.print(f"[{title}] resuming from step {self.start} ({latest.path})")
+
+    def _load(self, latest: Checkpoint | None) -> Checkpoint | None:
+        """Load the newest whole checkpoint into the trainer; a trainer_state.pt that does not load
+        sets that checkpoint aside and the one before is tried (None: start from the beginning)."""
+        while latest is not None:
+            try:
+                self.trainer.call("load", str(latest.path))
+                log.info("resumed %s from %s", self.title, latest.path)
+                return latest
+            except Exception as e:
+                if _actor_died(e):
+                    raise
+                why = f"{latest.path / 'trainer_state.pt'} does not load: {type(getattr(e, 'cause', e)).__name__}"
+                set_aside(latest, why, self.title, print)
+                latest = usable_checkpoint(self.dir, True, self.title, print, before=latest.step)
+        return None
+
+    def _restore_buffer(self, state: dict | None, latest: Checkpoint | None) -> None:
+        """Put the buffer back where the checkpoint left it, and make sure it still holds what the
+        checkpoint counts on: the experiences explored ahead and not yet read."""
+        eb = self.cfg.buffer.trainer_input.experience_buffer
+        if self.cfg.mode == "both" and hasattr(self.buffer, "truncate_after"):
+            # this run is the only writer: what it wrote after its checkpoint (or, with no
+            # checkpoint, at all) is written again, identically
+            dropped = self.buffer.truncate_after(state["last_id"] if state else 0)
+            if dropped:
+                log.info("dropped %d experiences written after the checkpoint", dropped)
+            if state and self.buffer.state()["last_id"] < state["last_id"]:
+                # the file was deleted, replaced or cut since the checkpoint
+                if state.get("cursor", state.get("offset")) != state["last_id"]:
+                    raise RunError(
+                        f"the buffer {eb.path} no longer holds the experiences checkpoint step "
+                        f"{latest.step} explored ahead and had not trained on yet (it was deleted, "
+                        f"replaced or cut since). Put the file back, or start this stage again "
+                        f"(continue_from_checkpoint=false)."
+                    )
+                print(f"[{self.title}] the buffer {eb.path} was deleted or cut since the checkpoint; "
+                      f"nothing in it was still to be read, so the run goes on")
+                state = self.buffer.state()  # read from its (new) end
+                state = {**state, "cursor": state["last_id"], "offset": state["last_id"]}
+        if state:
+            self.buffer.restore(state)
+        elif eb.storage_type == "sql":
+            self.buffer.restore({"cursor": 0})  # a fresh run reads from the start
 
     def _placement(self) -> list[dict]:
         if self.cfg.cluster.backend != "ray":
@@ -185,34 +300,74 @@ class StageRun:
 
     def _submit_explore(self, step: int) -> None:
         self._awake(True)
-        self.pending.append((step, [e.submit("explore", step) for e in self.explorers], time.perf_counter()))
+        futures = [e.submit("explore", step) for e in self.explorers]
+        self.pending.append(Pending(step, futures, self.synced, time.perf_counter()))
 
     def _collect(self) -> None:
         """Wait for the oldest explore step; its experiences go into the buffer."""
-        step, futures, t0 = self.pending.popleft()
-        exps, counters = [], {}
-        for i, f in enumerate(futures):
-            e, c = self._explorer_result(i, f, "explore", step)
+        p = self.pending.popleft()
+        exps, counters, last_error = [], {}, None
+        for i, f in enumerate(p.futures):
+            e, c = self._explorer_result(i, f, "explore", p.step, version=p.version)
             exps += e
+            last_error = c.pop("last_error", None) or last_error
             for k, v in c.items():
                 counters[k] = counters.get(k, 0) + v
         # groups of this step: explorers return whole groups, one after another
         groups = {}
         for e in exps:
             groups.setdefault(e.group_id, []).append(e)
-        m = rollout_metrics(exps, list(groups.values()), counters, counters.get("explore_s", 0.0) / max(len(futures), 1))
-        m["timing/rollout_s"] = time.perf_counter() - t0
+        m = rollout_metrics(exps, list(groups.values()), counters, counters.get("explore_s", 0.0) / max(len(p.futures), 1))
+        m["timing/rollout_s"] = time.perf_counter() - p.t0
         # per explorer (they run side by side)
         for k in ("reward_s", "generate_s"):
-            m[f"timing/{k}"] = counters.get(k, 0.0) / max(len(futures), 1)
+            m[f"timing/{k}"] = counters.get(k, 0.0) / max(len(p.futures), 1)
         for k in ("explore_s", "reward_s", "workflow_s", "generate_s"):
             m.pop(f"rollout/{k}", None)
-        self.explore_metrics[step] = m
+        self.explore_metrics[p.step] = m
+        self._check_signal(p.step, m, last_error)
         if exps:
             self.buffer.put(exps)
 
-    def _explorer_result(self, i: int, future, method: str, *args):
-        """The result of explorer i's call; if its process died, Ray restarts it and the call is redone."""
+    def _check_signal(self, step: int, m: dict, last_error: str | None) -> None:
+        """A run that cannot learn must not run to the end and exit 0: stop after
+        explorer.max_failed_steps steps in a row in which every task failed; warn loudly when every
+        reward of the first steps is the same (no advantage, no learning)."""
+        cfg, inp = self.cfg, self.cfg.buffer.explorer_input
+        reward = inp.taskset.reward_fn or inp.default_reward_fn_type
+        if m["rollout/experiences"] == 0 and m.get("rollout/failed_tasks", 0) > 0:
+            self.failed_steps += 1
+        else:
+            self.failed_steps = 0
+        limit = cfg.explorer.max_failed_steps
+        if limit and self.failed_steps >= limit:
+            latest = latest_checkpoint(self.dir)
+            where = f"step {latest.step} ({latest.path})" if latest else "none yet"
+            raise RunError(
+                f"every task of the last {self.failed_steps} steps failed (reward function {reward!r}: "
+                f"{m.get('rollout/errors', 0)} errors and {m.get('rollout/timeouts', 0)} timeouts in the "
+                f"last step; the last error: {last_error or 'none recorded (timeouts)'}), so nothing "
+                f"can be learned. Each explorer's log in {self.dir / 'log'} has the details. Fix the "
+                f"reward function (or raise explorer.max_timeout if it is only slow), then run the same "
+                f"command again to resume from the newest checkpoint: {where}. "
+                f"explorer.max_failed_steps={limit} sets how many such steps stop a run (0: never)."
+            )
+        first = min(3, self.plan.total_steps)
+        if self.start == 0 and step < first and m["rollout/experiences"]:
+            self.first_rewards.update({m["reward/min"], m["reward/max"]})
+            if step == first - 1 and len(self.first_rewards) == 1:
+                value = self.first_rewards.pop()
+                msg = (f"[{self.title}] WARNING: every reward of the first {first} steps was {value:g}: the "
+                       f"advantages are all 0 and nothing is learned. Check the reward function ({reward!r}) "
+                       f"and that buffer.explorer_input.taskset.format.response_key="
+                       f"{inp.taskset.format.response_key!r} names the column of reference answers "
+                       f"(task.answer).")
+                self.monitor.print(msg)
+
+    def _explorer_result(self, i: int, future, method: str, *args, version: int | None = None):
+        """The result of explorer i's call. If its process died, Ray restarts it and the call is
+        redone, on the weights the schedule gave it (`version`: the version the explorers served
+        when the call was made; an explore made before a sync is redone on the older weights)."""
         for attempt in range(self.cfg.cluster.max_actor_restarts + 1):
             try:
                 return self.explorers[i].get(future)
@@ -220,38 +375,63 @@ class StageRun:
                 if not _actor_died(e) or attempt == self.cfg.cluster.max_actor_restarts:
                     raise
                 self._revive(i, e)
+                redo_on = version if version is not None and self.trainer is not None else self.synced
+                if redo_on != self.synced:
+                    self._serve(i, redo_on)
                 future = self.explorers[i].submit(method, *args)
+                if redo_on != self.synced:
+                    self._serve(i, self.synced)  # calls run in order: the explore uses redo_on
 
     def _revive(self, i: int, error: Exception) -> None:
+        """Wait for Ray to restart explorer i, then give it the weights the explorers serve now."""
         explorer = self.explorers[i]
         self.monitor.print(f"[{self.title}] {explorer.name} died ({type(error).__name__}); waiting for Ray to restart it")
-        deadline = time.monotonic() + 300
+        deadline = time.monotonic() + self.cfg.explorer.restart_timeout
         while True:
             try:
                 pid = explorer.call("ping")
                 break
             except Exception as e:
                 if not _actor_died(e) or time.monotonic() > deadline:
-                    raise RunError(f"{explorer.name} died and did not come back within 300 s ({e}).") from e
+                    raise RunError(
+                        f"{explorer.name} died and did not come back within explorer.restart_timeout="
+                        f"{self.cfg.explorer.restart_timeout:g} s ({e})."
+                    ) from e
                 time.sleep(1.0)
         if self.trainer is not None:
-            # it restarted on the stage's starting weights: give it the trainer's current ones
-            version = self.trainer.call("get_version")
+            # it restarted on the stage's starting weights
             if hasattr(self.sync, "reset"):
-                self.sync.reset(self.trainer, self.explorers)
-                self.sync(self.trainer, self.explorers, version)
-            else:
-                self.sync(self.trainer, [explorer], version)
+                self.sync.reset(self.trainer, self.explorers)  # the old group lost a member
+            self._serve(i, self.synced)
         else:
             self._pick_up_checkpoint([explorer], force=True)
         self.monitor.print(f"[{self.title}] {explorer.name} is back (process {pid}); redoing its work")
+
+    def _serve(self, i: int, version: int) -> None:
+        """Explorer i gets the weights of `version`: the trainer's own if it is at that version,
+        else the snapshot it kept (an explorer restarted while the trainer was ahead)."""
+        explorer = self.explorers[i]
+        if version == self._trainer("get_version"):
+            weights, expected = self.trainer.submit("weights"), self._trainer("fingerprint")
+        else:
+            weights, expected = self.trainer.submit("snapshot_weights", version), self._trainer("snapshot_fingerprint", version)
+        explorer.get(explorer.submit("update_weights", weights, version, expected))
+
+    def _keep_snapshots(self) -> None:
+        """With the explorers behind the trainer (sync_offset > 0 or sync_interval > 1), the trainer
+        keeps the weights they serve, and those pending explores were made on, for a restart."""
+        if self.snapshots:
+            self._trainer("snapshot", self.synced)
+            self._trainer("drop_snapshots", sorted({self.synced, *(p.version for p in self.pending)}))
 
     def _evaluate(self, step: int) -> dict:
         t0 = time.perf_counter()
         metrics = self._explorer_result(0, self.explorers[0].submit("evaluate", step), "evaluate", step)
         metrics["timing/eval_s"] = time.perf_counter() - t0
         if "eval/accuracy" in metrics:
-            self.monitor.print(f"[{self.title}] step {step}: eval accuracy {metrics['eval/accuracy']:.3f}")
+            failed = metrics.get("eval/failed_tasks", 0)
+            note = f" ({failed} eval tasks failed and count as 0; see {self.dir / 'log'})" if failed else ""
+            self.monitor.print(f"[{self.title}] step {step}: eval accuracy {metrics['eval/accuracy']:.3f}{note}")
         return metrics
 
     def _pick_up_checkpoint(self, explorers, force: bool = False) -> None:
@@ -291,7 +471,9 @@ class StageRun:
         when tasks failed), so the read never waits for experiences that will not come.
         """
         if self.source is not None:
-            return self.source.batch(step - 1, self.plan.experiences_per_step), {}
+            batch = self.source.batch(step - 1, self.plan.experiences_per_step)
+            return batch, {f"train/truncated_{k}s": sum(bool(e.info.get(f"{k}_truncated")) for e in batch)
+                           for k in ("prompt", "response")}
         if produced == 0:
             return [], {}
         eb = self.cfg.buffer.trainer_input.experience_buffer
@@ -317,6 +499,7 @@ class StageRun:
             self.monitor.log(0, self._evaluate(0), advance=False)
         if cfg.mode == "explore":
             self._pick_up_checkpoint(self.explorers, force=True)
+        self._keep_snapshots()
         for step in range(self.start + 1, plan.total_steps + 1):
             t_step = time.perf_counter()
             metrics: dict = {}
@@ -326,7 +509,7 @@ class StageRun:
                     self._submit_explore(self.next_explore)
                     self.next_explore += 1
                 t0 = time.perf_counter()
-                while self.pending and self.pending[0][0] <= step - 1:
+                while self.pending and self.pending[0].step <= step - 1:
                     self._collect()
                 metrics["timing/wait_rollout_s"] = time.perf_counter() - t0
                 metrics.update(self.explore_metrics.pop(step - 1, {}))
@@ -367,7 +550,7 @@ class StageRun:
                 metrics.update(self._evaluate(step))
             if want_save:
                 t0 = time.perf_counter()
-                self._save(step)
+                self._save(step, metrics)
                 metrics["timing/save_s"] = time.perf_counter() - t0
             self.monitor.log(step, metrics)
 
@@ -386,9 +569,11 @@ class StageRun:
                     except Exception as dead:
                         self._revive(i, dead)
         self.synced = version
+        self._keep_snapshots()
 
-    def _save(self, step: int) -> None:
-        """A checkpoint: the trainer (if any), then state.json, written last, with the buffer state."""
+    def _save(self, step: int, metrics: dict) -> None:
+        """A checkpoint: the trainer (if any), then state.json, written last, with the buffer state
+        and the step's metrics (logged after the save: a kill between the two must not lose them)."""
         # explores started ahead are finished and kept: a resumed run trains on them, not on new ones
         while self.pending:
             self._collect()
@@ -397,9 +582,11 @@ class StageRun:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         state = {"step": step, "version": self.synced, "next_explore": self.next_explore,
-                 "explore_metrics": self.explore_metrics}
+                 "explore_metrics": self.explore_metrics, "metrics": metrics}
         if self.trainer is not None:
-            self._trainer("save", str(tmp))
+            # the fingerprint of what was written (checked when resuming) and of the parameters
+            # (what an explorer serving this checkpoint is checked against)
+            state["saved_fingerprint"] = self._trainer("save", str(tmp))
             state["fingerprint"] = self._trainer("fingerprint")
         if self.buffer is not None:
             state["buffer"] = self.buffer.state()

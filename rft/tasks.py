@@ -102,30 +102,37 @@ def load_rows(path: str, split: str = "train", subset_name: str | None = None, k
     import datasets
 
     datasets.disable_progress_bars()
-    datasets.logging.set_verbosity_error()
+    # its own error lines would repeat the ConfigError below
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)
     local = Path(os.path.expanduser(path))
     try:
         if local.suffix in _FILE_BUILDERS:
             if not local.is_file():
                 raise FileNotFoundError(path)
-            return datasets.load_dataset(
-                _FILE_BUILDERS[local.suffix], data_files=str(local), split="train"
-            )
+            return _checked(lambda: datasets.load_dataset(_FILE_BUILDERS[local.suffix], data_files=str(local),
+                                                          split="train"), [local], key, path)
         if local.is_dir():
+            files = sorted(f for f in local.rglob("*") if f.suffix in _FILE_BUILDERS)
             try:
-                return datasets.load_dataset(str(local), name=subset_name, split=split)
+                return _checked(lambda: datasets.load_dataset(str(local), name=subset_name, split=split),
+                                files, key, path)
             except ValueError as e:
                 # a plain directory of data files has no named subsets (a hub snapshot has), so
                 # gsm8k's subset_name=main must not stop a local copy
                 if subset_name is None or "BuilderConfig" not in str(e):
                     raise
-                return datasets.load_dataset(str(local), split=split)
-        if path.startswith((".", "/", "~")) or local.exists():
+                return _checked(lambda: datasets.load_dataset(str(local), split=split), files, key, path)
+        if local.is_file():
+            raise ConfigError(
+                f"{key}={path!r} is a file, but not one of the dataset formats "
+                f"({', '.join(_FILE_BUILDERS)}): give a JSONL, JSON, Parquet or CSV file, or a directory of them."
+            )
+        if path.startswith((".", "/", "~")):
             raise FileNotFoundError(path)
     except FileNotFoundError as e:
         raise ConfigError(
-            f"{key}={path!r}: no such file or directory. Point it at a JSONL/Parquet file, a "
-            f"directory of them, or a Hugging Face dataset id (this machine may not reach the hub)."
+            f"{key}={path!r}: no such file or directory{_relative_to(path)}. Point it at a JSONL/Parquet "
+            f"file, a directory of them, or a Hugging Face dataset id (this machine may not reach the hub)."
         ) from e
     except ValueError as e:  # datasets' message for an unknown split
         raise ConfigError(f"{key}={path!r}, split={split!r}: {e}") from e
@@ -133,10 +140,105 @@ def load_rows(path: str, split: str = "train", subset_name: str | None = None, k
         return datasets.load_dataset(path, name=subset_name, split=split)
     except Exception as e:
         raise ConfigError(
-            f"{key}={path!r} is not a local file or directory, and loading it as a Hugging Face "
-            f"dataset id failed ({type(e).__name__}: {e}). Download it first and point {key} at "
-            f"the local copy."
+            f"{key}={path!r}: there is no such local file or directory{_relative_to(path)}, and loading "
+            f"it as a Hugging Face dataset id failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}). "
+            f"Give the local path (absolute, or relative to the directory you run from), or download "
+            f"the dataset first and point {key} at the local copy."
         ) from e
+
+
+def _relative_to(path: str) -> str:
+    return "" if os.path.isabs(os.path.expanduser(path)) else f" (relative to {os.getcwd()})"
+
+
+def _checked(load, files: list[Path], key: str, path: str):
+    """`load()`, with the first unreadable line of a JSON file named when it fails, and an empty
+    dataset called one."""
+    try:
+        rows = load()
+    except Exception as e:
+        for f in files:
+            bad = _first_bad_json_line(f) if f.suffix in (".jsonl", ".json") else None
+            if bad:
+                line, err = bad
+                raise ConfigError(
+                    f"{key}={path!r}: line {line} of {f} is not valid JSON ({err}). Each line of a JSONL "
+                    f"file must be one JSON object, e.g. {{\"question\": \"1+1\", \"answer\": \"2\"}}; fix "
+                    f"or remove that line."
+                ) from e
+        if files and all(f.stat().st_size == 0 for f in files):
+            raise ConfigError(f"{key}={path!r} is empty: it holds no rows.") from e
+        if isinstance(e, (ValueError, KeyError)):  # an unknown split or subset: the caller's to word
+            raise
+        raise ConfigError(f"{key}={path!r} could not be read as a dataset ({type(e).__name__}: {e}).") from e
+    if len(rows) == 0:
+        raise ConfigError(f"{key}={path!r} is empty: it holds no rows.")
+    return rows
+
+
+def _first_bad_json_line(f: Path):
+    if f.suffix == ".json":
+        try:
+            json.loads(f.read_text())
+            return None
+        except ValueError as e:
+            return getattr(e, "lineno", 1), str(e)
+    with open(f) as fh:
+        for i, line in enumerate(fh, 1):
+            if line.strip():
+                try:
+                    if not isinstance(json.loads(line), dict):
+                        return i, "not a JSON object"
+                except ValueError as e:
+                    return i, str(e)
+    return None
+
+
+def check_columns(rows, fmt, where: str, path: str, pairs: bool = False, sources: dict | None = None) -> None:
+    """The dataset has every column its format names (prompt, response, or chosen and rejected)."""
+    keys = [("messages_key" if fmt.prompt_type == "messages" else "prompt_key",
+             fmt.messages_key if fmt.prompt_type == "messages" else fmt.prompt_key)]
+    if pairs and fmt.chosen_key and fmt.rejected_key:
+        keys += [("chosen_key", fmt.chosen_key), ("rejected_key", fmt.rejected_key)]
+    elif fmt.response_key:
+        keys.append(("response_key", fmt.response_key))
+    columns = list(rows.column_names)
+    for name, col in keys:
+        if col not in columns:
+            key = f"{where}.format.{name}"
+            via = f" (it is {sources[key]})" if sources and key in sources else ""
+            raise ConfigError(
+                f"{where}.path={path!r} has no column {col!r} ({key}{via}); its columns are "
+                f"{sorted(columns)}. Add the column to the data, or set {key} to the column that holds it."
+            )
+
+
+def budget_report(ds, tokenizer, model_cfg, responses: bool, where: str, first: int = 256) -> str | None:
+    """How many of the first rows' prompts (and, for a training dataset, responses) exceed the
+    model's token budgets, as one sentence; None when all fit."""
+    from rft.workflows import chat_ids
+
+    rows = load_rows(ds.path, ds.split, getattr(ds, "subset_name", None), key=f"{where}.path")
+    rows = rows.select(range(min(first, len(rows))))
+    fmt = ds.format
+    prompts = [len(chat_ids(tokenizer, rows_to_messages(r, fmt, where, i, ds.path))) for i, r in enumerate(rows)]
+    parts = []
+    over = [n for n in prompts if n > model_cfg.max_prompt_tokens]
+    if over:
+        parts.append(f"{len(over)} of the first {len(prompts)} prompts of {where} ({ds.path}) are longer "
+                     f"than model.max_prompt_tokens={model_cfg.max_prompt_tokens} tokens (the longest has "
+                     f"{max(over)}, chat template included) and will be cut from the left")
+    keys = [fmt.chosen_key, fmt.rejected_key] if fmt.chosen_key and fmt.rejected_key else [fmt.response_key]
+    if responses and all(keys):
+        lens = [len(tokenizer.encode(str(r[k]), add_special_tokens=False)) + 1 for r in rows for k in keys if r.get(k) is not None]
+        long = [n for n in lens if n > model_cfg.max_response_tokens]
+        if long:
+            parts.append(f"{len(long)} of its first {len(lens)} responses are longer than "
+                         f"model.max_response_tokens={model_cfg.max_response_tokens} (end-of-sequence token "
+                         f"included; the longest has {max(long)}) and will be cut")
+    if not parts:
+        return None
+    return "; ".join(parts) + ". Raise the budget or shorten the data (metrics: rollout/truncated_prompts, train/truncated_*)."
 
 
 def _line_hint(path: str, index: int) -> str:
@@ -163,12 +265,19 @@ def rows_to_messages(row: dict, fmt, where: str, index: int, path: str) -> list[
 
 
 def load_tasks(ts_cfg, where: str) -> list[Task]:
-    """Every row of a taskset as a Task; fails on the first row that lacks the prompt key."""
+    """Every row of a taskset as a Task; fails on the first row that lacks the prompt key or
+    (unless format.response_key is null) the reference answer the reward function reads."""
     rows = load_rows(ts_cfg.path, ts_cfg.split, ts_cfg.subset_name, key=f"{where}.path")
-    if len(rows) == 0:
-        raise ConfigError(f"{where}.path={ts_cfg.path!r} (split {ts_cfg.split!r}) has no rows.")
+    check_columns(rows, ts_cfg.format, where, ts_cfg.path)
+    answer_key = ts_cfg.format.response_key
     tasks = []
     for i, row in enumerate(rows):
         messages = rows_to_messages(row, ts_cfg.format, where, i, ts_cfg.path)
-        tasks.append(Task(f"{ts_cfg.name}/{i}", messages, row.get(ts_cfg.format.response_key), row))
+        if answer_key and row.get(answer_key) is None:
+            raise ConfigError(
+                f"{where}: {_line_hint(ts_cfg.path, i)} of {ts_cfg.path!r} has no {answer_key!r} "
+                f"(format.response_key: the reference answer the reward function reads as task.answer). "
+                f"Fix the row, or set {where}.format.response_key=null if your reward needs no answer."
+            )
+        tasks.append(Task(f"{ts_cfg.name}/{i}", messages, row.get(answer_key) if answer_key else None, row))
     return tasks

@@ -17,35 +17,68 @@ import time
 from pathlib import Path
 
 import torch
-from omegaconf import OmegaConf
-from omegaconf.errors import OmegaConfBaseException
 from transformers import get_scheduler
 
 from rft.algorithms import ADVANTAGE_FNS, KL_FNS, POLICY_LOSS_FNS, agg_loss, resolve
 from rft.algorithms.advantages import NEEDS_CRITIC, gae_returns
 from rft.algorithms.losses import NEEDS_REFERENCE
-from rft.config import ExperienceBufferConfig
 from rft.critic import Critic, explained_variance
 from rft.engine import fingerprint, for_safetensors
-from rft.errors import ConfigError
 from rft.experience import Experience, collate
 from rft.models import load_hf_weights, load_model, load_tokenizer, local_device
 
 log = logging.getLogger(__name__)
 
 
-def token_logprobs(model, input_ids, attention_mask, temperature: float = 1.0):
+def token_logprobs(model, input_ids, attention_mask, temperature=1.0, top_p=None, top_k=None):
     """Log-prob of each next token and the entropy of each next-token distribution, [n, L-1].
 
-    Logits are divided by the sampling temperature, so the log-probs are those of the
-    distribution the explorer sampled from (as verl does).
+    The distribution is the one the explorer sampled from (as verl does for the temperature):
+    logits divided by `temperature`, then cut to the `top_k` most likely tokens and to the
+    smallest set whose probability reaches `top_p`, renormalised (the order of transformers'
+    and vLLM's samplers). Each may be a number or a tensor [n] of per-row values (top_k <= 0,
+    top_p >= 1: no cut). A target token is never cut (the sampler drew it, so it was in the set;
+    an engine's float rounding at the set's edge must not give it probability 0).
     """
     logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
-    logits = logits[:, :-1].float() / temperature
+    logits = logits[:, :-1].float()
+    n = logits.shape[0]
+    targets = input_ids[:, 1:, None]
+    temperature = torch.as_tensor(temperature, dtype=logits.dtype, device=logits.device).expand(n)
+    logits = logits / temperature[:, None, None]
+    keep = None
+    if top_k is not None or top_p is not None:
+        keep = _sampling_set(logits, targets, top_p, top_k)
+        if keep is not None:
+            logits = logits.masked_fill(~keep, float("-inf"))
     logsm = torch.log_softmax(logits, dim=-1)
-    logp = logsm.gather(-1, input_ids[:, 1:, None]).squeeze(-1)
-    entropy = -(logsm.exp() * logsm).sum(-1)
+    logp = logsm.gather(-1, targets).squeeze(-1)
+    # tokens outside the set have probability 0 and contribute 0 (not 0 * -inf)
+    finite = logsm if keep is None else logsm.masked_fill(~keep, 0.0)
+    entropy = -(logsm.exp() * finite).sum(-1)
     return logp, entropy
+
+
+def _sampling_set(logits, targets, top_p, top_k):
+    """[n, T, V] mask of the tokens top-k then top-p sampling may draw (None: every token)."""
+    n = logits.shape[0]
+    dev = logits.device
+    k = torch.as_tensor(-1 if top_k is None else top_k, device=dev).expand(n)
+    p = torch.as_tensor(1.0 if top_p is None else top_p, dtype=logits.dtype, device=dev).expand(n)
+    cut_k, cut_p = (k > 0) & (k < logits.shape[-1]), p < 1.0
+    if not (cut_k.any() or cut_p.any()):
+        return None
+    ordered, order = logits.sort(-1, descending=True)
+    rank = torch.arange(logits.shape[-1], device=dev)
+    # top-k: the k first in descending order
+    in_k = ~cut_k[:, None, None] | (rank < k.clamp(min=1)[:, None, None])
+    # top-p over the top-k distribution: keep a token while the probability of the tokens before
+    # it is below p (so the set reaches p, and the most likely token always stays)
+    probs = torch.softmax(ordered.masked_fill(~in_k, float("-inf")), dim=-1)
+    before = probs.cumsum(-1) - probs
+    in_p = ~cut_p[:, None, None] | (before < p[:, None, None])
+    keep = torch.zeros_like(logits, dtype=torch.bool).scatter_(-1, order, in_k & in_p)
+    return keep.scatter_(-1, targets, True)
 
 
 class Trainer:
@@ -81,13 +114,9 @@ class Trainer:
         self.sft_reader = None
         if algo.sft_loss_weight > 0:
             from rft.buffer import DatasetReader
+            from rft.plan import sft_buffer_config
 
-            aux = cfg.buffer.trainer_input.auxiliary_buffers  # its presence is checked by the plan
-            where = f"buffer.trainer_input.auxiliary_buffers.{algo.sft_buffer}"
-            try:
-                buf_cfg = OmegaConf.merge(OmegaConf.structured(ExperienceBufferConfig), aux[algo.sft_buffer])
-            except OmegaConfBaseException as e:
-                raise ConfigError(f"{where}: {e}".split("\n")[0]) from e
+            buf_cfg, where = sft_buffer_config(cfg)  # checked by the plan already
             self.sft_reader = DatasetReader(buf_cfg, self.tokenizer, cfg.model.max_prompt_tokens,
                                             cfg.model.max_response_tokens, cfg.seed, where=where)
         self.kl_fn = KL_FNS.get(algo.kl_loss_fn)
@@ -105,8 +134,7 @@ class Trainer:
         else:
             self.scheduler = get_scheduler("constant_with_warmup", self.optimizer, opt.warmup_steps, total)
         self.version = 0  # number of RL steps trained
-        sampling_t = cfg.buffer.explorer_input.taskset.rollout_args.temperature
-        self.temperature = sampling_t if cfg.mode == "both" and sampling_t > 0 else 1.0
+        self._snapshots: dict[int, tuple[dict, str]] = {}  # version -> (weights, fingerprint)
 
     # ------------------------------------------------------------------ data-parallel hooks
 
@@ -143,7 +171,9 @@ class Trainer:
     def _forward(self, model, full, s, e):
         # trim the right padding shared by this micro-batch's rows
         L = int(full["attention_mask"][s:e].sum(-1).max())
-        return token_logprobs(model, full["input_ids"][s:e, :L], full["attention_mask"][s:e, :L], self.temperature), L
+        # each row's log-probs under the distribution it was sampled from (its sampling params)
+        return token_logprobs(model, full["input_ids"][s:e, :L], full["attention_mask"][s:e, :L],
+                              full["temperature"][s:e], full["top_p"][s:e], full["top_k"][s:e]), L
 
     def train_step(self, exps: list[Experience]) -> dict:
         t0 = time.perf_counter()
@@ -365,10 +395,12 @@ class Trainer:
         os.replace(path + ".tmp", path)
         return fingerprint(self.model.parameters())
 
-    def save(self, directory: str) -> None:
-        """A resumable checkpoint: the model in HF format (hf/) and the optimizer state."""
+    def save(self, directory: str) -> str:
+        """A resumable checkpoint: the model in HF format (hf/) and the optimizer state. Returns
+        the fingerprint of the weights written (the runner checks the files against it on resume)."""
         d = Path(directory)
-        self.model.save_pretrained(d / "hf")
+        sd = self.model.state_dict()
+        self.model.save_pretrained(d / "hf", state_dict=sd)
         self.tokenizer.save_pretrained(d / "hf")
         torch.save(
             {
@@ -380,17 +412,60 @@ class Trainer:
             },
             d / "trainer_state.pt",
         )
+        return written_fingerprint(sd, d / "hf")
 
     def load(self, directory: str) -> None:
         d = Path(directory)
-        load_hf_weights(self.model, d / "hf")
+        # the state first: a damaged file then leaves the model as it was (the runner falls back)
         state = torch.load(d / "trainer_state.pt", weights_only=False)
+        load_hf_weights(self.model, d / "hf")
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
+        self._configured_optimizer()
         self.version = state["version"]
         torch.set_rng_state(state["rng"])
         if self.critic is not None:
             self.critic.load_state_dict(state["critic"])
+
+    def _configured_optimizer(self) -> None:
+        """After loading a checkpoint: the config's optimizer settings, not the checkpoint's. They
+        are the same unless the run resumed with changes (resume_with_changes=true) or runs longer;
+        the schedule is this run's (its step count restored, its length this plan's)."""
+        opt = self.cfg.algorithm.optimizer
+        self.scheduler.base_lrs = [opt.lr for _ in self.optimizer.param_groups]
+        for group, fn in zip(self.optimizer.param_groups, self.scheduler.lr_lambdas):
+            group.update(initial_lr=opt.lr, lr=opt.lr * fn(self.scheduler.last_epoch),
+                         betas=tuple(opt.betas), weight_decay=opt.weight_decay)
+        self.scheduler._last_lr = [g["lr"] for g in self.optimizer.param_groups]
+
+    # ------------------------------------------------------------------ snapshots for restarted explorers
+
+    def snapshot(self, version: int) -> None:
+        """Keep a CPU copy of the current weights as `version` (see rft.runner StageRun._serve)."""
+        self._snapshots[version] = (self.weights(), self.fingerprint())
+
+    def snapshot_weights(self, version: int) -> dict[str, torch.Tensor]:
+        return self._snapshots[version][0]
+
+    def snapshot_fingerprint(self, version: int) -> str:
+        return self._snapshots[version][1]
+
+    def drop_snapshots(self, keep: list[int]) -> None:
+        for v in [v for v in self._snapshots if v not in keep]:
+            del self._snapshots[v]
+
+
+def written_fingerprint(state_dict: dict, hf_dir: Path) -> str:
+    """The fingerprint of the tensors save_pretrained wrote from `state_dict` (it leaves out tied
+    copies; the files' headers say which names it kept, without reading the weights)."""
+    from safetensors import safe_open
+
+    files = sorted(Path(hf_dir).glob("*.safetensors"))
+    names = set()
+    for f in files:
+        with safe_open(str(f), "pt") as h:
+            names.update(h.keys())
+    return fingerprint({k: v for k, v in state_dict.items() if k in names})
 
 
 def _zero_variance_frac(rewards: torch.Tensor, group_index: torch.Tensor) -> float:

@@ -28,24 +28,32 @@ class WorkflowContext:
     score: Callable
 
 
-def encode_prompt(tokenizer, messages: list[dict], max_prompt_tokens: int) -> list[int]:
+def chat_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """The prompt's token ids: the chat template with the generation prompt."""
     ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
     if hasattr(ids, "keys"):  # transformers may return a BatchEncoding
         ids = ids["input_ids"]
+    return list(ids)
+
+
+def encode_prompt(tokenizer, messages: list[dict], max_prompt_tokens: int) -> list[int]:
     # keep the end of an over-long prompt: the question and the generation prompt sit there
-    return list(ids)[-max_prompt_tokens:]
+    return chat_ids(tokenizer, messages)[-max_prompt_tokens:]
 
 
 def single_turn(tasks, engine, ctx: WorkflowContext) -> list[list[Experience] | None]:
     """One prompt per task, `ctx.n` sampled responses, one scalar reward each."""
     tok = ctx.tokenizer
-    prompts = [encode_prompt(tok, t.messages, ctx.max_prompt_tokens) for t in tasks]
+    full = [chat_ids(tok, t.messages) for t in tasks]
+    prompts = [ids[-ctx.max_prompt_tokens:] for ids in full]
     samples = engine.generate(prompts, ctx.n, ctx.rollout_args, seed=ctx.seed)
     prompt_texts = [tok.decode(p, skip_special_tokens=True) for p in prompts]
     responses = [[tok.decode(s.token_ids, skip_special_tokens=True) for s in group] for group in samples]
     rewards = ctx.score(list(zip(prompt_texts, responses, tasks)))
+    args = ctx.rollout_args
+    sampling = {"temperature": float(args.temperature), "top_p": float(args.top_p), "top_k": int(args.top_k)}
     out = []
-    for task, prompt, text, group, texts, rs in zip(tasks, prompts, prompt_texts, samples, responses, rewards):
+    for task, prompt, whole, text, group, texts, rs in zip(tasks, prompts, full, prompt_texts, samples, responses, rewards):
         if rs is None:
             out.append(None)
             continue
@@ -59,8 +67,10 @@ def single_turn(tasks, engine, ctx: WorkflowContext) -> list[list[Experience] | 
                 group_id=f"{ctx.step}/{ctx.seed}/{task.task_id}",
                 task_id=task.task_id,
                 policy_version=ctx.policy_version,
+                sampling=dict(sampling),
                 # the texts are for people reading a stored buffer (python -m rft.buffer)
-                info={"finish_reason": s.finish_reason, "prompt": text, "response": response},
+                info={"finish_reason": s.finish_reason, "prompt": text, "response": response,
+                      "prompt_truncated": len(whole) > len(prompt)},
             )
             for s, response, r in zip(group, texts, rs)
         ])

@@ -22,3 +22,17 @@ def flaky(prompt, response, task):
     if kind == "hang":
         time.sleep(3.0)
     return exact_match(prompt, response, task)
+
+
+def always_raises(prompt, response, task):
+    raise ValueError(f"no reward for {task.task_id}")
+
+
+def hangs(prompt, response, task):
+    time.sleep(5.0)
+    return 0.0
+
+
+def constant(prompt, response, task):
+    """The same non-dyadic value for every response: no signal at all."""
+    return 0.9

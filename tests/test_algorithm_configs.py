@@ -18,6 +18,7 @@ EXTRA = {"mix": MIX_DATA}
 
 
 @pytest.mark.parametrize("algorithm", RL_ALGORITHMS)
+@pytest.mark.slow  # a real engine, Ray or training run
 def test_algorithm_runs_two_steps(algorithm, tmp_path):
     cfg = compose_cfg([f"algorithm={algorithm}", *EXTRA.get(algorithm, []), "stages=[]", "cluster=inline", "monitor=console",
                        "buffer.total_steps=2", "buffer.batch_size=4", "algorithm.repeat_times=4",
@@ -48,6 +49,7 @@ OFFLINE_DATA = ["mode=train", "stages=[]", "cluster=inline", "monitor=console", 
                 "buffer.trainer_input.experience_buffer.path=${buffer.explorer_input.taskset.path}"]
 
 
+@pytest.mark.slow  # a real engine, Ray or training run
 def test_sft_algorithm_trains_from_a_dataset(tmp_path):
     cfg = compose_cfg(["algorithm=sft", *OFFLINE_DATA, f"checkpoint_root_dir={tmp_path}"])
     rft.main.main(cfg)
@@ -58,6 +60,7 @@ def test_sft_algorithm_trains_from_a_dataset(tmp_path):
     assert all(m["loss/policy"] > 0 for m in steps[1:])
 
 
+@pytest.mark.slow  # a real engine, Ray or training run
 def test_dpo_algorithm_trains_from_preference_pairs(tmp_path):
     cfg = compose_cfg(["algorithm=dpo", *OFFLINE_DATA, f"checkpoint_root_dir={tmp_path}",
                        "buffer.trainer_input.experience_buffer.format.chosen_key=answer",
@@ -82,6 +85,7 @@ def test_odd_batch_with_preference_pairs_is_a_config_error(tmp_path):
         rft.main._main(cfg)
 
 
+@pytest.mark.slow  # a real engine, Ray or training run
 def test_mix_adds_a_weighted_sft_loss_from_an_auxiliary_buffer(tmp_path):
     cfg = compose_cfg(["algorithm=mix", "stages=[]", "cluster=inline", "monitor=console",
                        "buffer.total_steps=2", "buffer.batch_size=4", "algorithm.repeat_times=4",
@@ -92,11 +96,18 @@ def test_mix_adds_a_weighted_sft_loss_from_an_auxiliary_buffer(tmp_path):
     assert all(0.2 < m["loss/sft"] < 0.6 for m in steps)
 
 
-def test_mix_without_its_auxiliary_buffer_is_a_config_error(tmp_path):
+def test_mix_without_an_auxiliary_buffer_learns_from_the_tasksets_answers(tmp_path):
     from rft.errors import ConfigError
+    from rft.plan import sft_buffer_config
 
     cfg = compose_cfg(["algorithm=mix", "stages=[]", "cluster=inline", "monitor=console",
                        "buffer.total_steps=1", f"checkpoint_root_dir={tmp_path}"])
-    with pytest.raises(ConfigError, match=r"algorithm.sft_loss_weight=0.1 needs the auxiliary buffer "
-                                          r"algorithm.sft_buffer='sft_dataset' in buffer.trainer_input.auxiliary_buffers"):
-        rft.main._main(cfg)
+    sft, where = sft_buffer_config(cfg)
+    ts = cfg.buffer.explorer_input.taskset
+    assert (sft.path, sft.split, sft.format.prompt_key, sft.format.response_key, where) == (
+        ts.path, "train", "question", "answer", "buffer.explorer_input.taskset")
+    # no answers to learn from either: the error names both ways to give it some
+    cfg = compose_cfg(["algorithm=mix", "stages=[]", "buffer.explorer_input.taskset.format.response_key=null"])
+    with pytest.raises(ConfigError, match=r"algorithm.sft_loss_weight=0.1 needs expert data: an auxiliary "
+                                          r"buffer algorithm.sft_buffer='sft_dataset' in buffer.trainer_input.auxiliary_buffers"):
+        sft_buffer_config(cfg)

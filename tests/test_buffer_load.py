@@ -6,6 +6,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 import sqlalchemy as sa
 from omegaconf import OmegaConf
 
@@ -58,6 +59,7 @@ def split(task_id):
     return writer, int(i)
 
 
+@pytest.mark.slow  # a real engine, Ray or training run
 def test_four_writers_one_reader(tmp_path):
     path, n, writers = tmp_path / "b.db", 10_000, ["w0", "w1", "w2", "w3"]
     t0 = time.monotonic()
@@ -105,6 +107,7 @@ def kill_mid_write(path, writer, fraction):
     return int(lines[-1]) if lines else reported
 
 
+@pytest.mark.slow  # a real engine, Ray or training run
 def test_killed_writers_leave_whole_transactions(tmp_path):
     path = tmp_path / "b.db"
     victims = {"k0": None, "k1": 0.3, "k2": 0.7}

@@ -56,7 +56,8 @@ def test_shortened_default_learns_through_ray(tmp_path):
 
 
 RESUME_ARGS = [
-    "cluster=inline", "monitor=console", "stages.0.buffer.total_steps=150",
+    # no stage cache: the second run must train, not copy the first one's stages
+    "cluster=inline", "monitor=console", "stages.0.buffer.total_steps=150", "stage_cache_dir=null",
     "buffer.total_steps=8", "trainer.save_interval=4", "explorer.eval_interval=4",
 ]
 VOLATILE = ("timing/", "tokens_per_s")

@@ -1,6 +1,7 @@
 """User mistakes end in one clear paragraph, a non-zero exit, and nothing started."""
 
 import json
+import os
 import re
 
 import pytest
@@ -97,3 +98,177 @@ def test_dry_run_never_touches_ray_or_a_model(monkeypatch):
     monkeypatch.setattr(rft.models, "load_model", boom)
     monkeypatch.setattr(rft.models, "ensure_model", boom)
     assert rft.main.main(compose_cfg(["dry_run=true"])) is None
+
+
+# ---------------------------------------------------------------- caught while planning, named
+
+
+def plan_error(tmp_path, *overrides) -> str:
+    """The ConfigError `python run.py <overrides>` stops with, before anything starts."""
+    with pytest.raises(rft.main.ConfigError) as e:
+        rft.main._main(compose_cfg([f"checkpoint_root_dir={tmp_path / 'ck'}", *overrides]))
+    assert not (tmp_path / "ck").exists()  # nothing written
+    return str(e.value)
+
+
+def write_jsonl(path, rows):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def taskset(path):
+    return ["buffer.explorer_input.generator=null", f"buffer.explorer_input.taskset.path={path}", "stages=[]",
+            "buffer.explorer_input.eval_tasksets=[]", "buffer.batch_size=2"]
+
+
+def test_empty_and_malformed_datasets_name_the_file_and_line(tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    assert plan_error(tmp_path, *taskset(empty)) == (
+        f"buffer.explorer_input.taskset.path='{empty}' is empty: it holds no rows.")
+    bad = write_jsonl(tmp_path / "bad.jsonl", [{"question": "1+1", "answer": "2"}])
+    bad.write_text(bad.read_text() + '{"question": "2+2", "answer": 4\n')
+    assert plan_error(tmp_path, *taskset(bad)).startswith(
+        f"buffer.explorer_input.taskset.path='{bad}': line 2 of {bad} is not valid JSON (")
+
+
+def test_a_relative_path_says_relative_to_what(tmp_path):
+    msg = plan_error(tmp_path, *taskset("./nowhere/tasks.jsonl"))
+    assert msg.startswith(f"buffer.explorer_input.taskset.path='./nowhere/tasks.jsonl': no such file or directory "
+                          f"(relative to {os.getcwd()}).")
+
+
+def test_a_hub_id_that_cannot_be_loaded_says_no_local_path_first(tmp_path, monkeypatch):
+    import datasets
+
+    def offline(*a, **k):
+        raise ConnectionError("Couldn't reach 'data/tasks' on the Hub")
+
+    monkeypatch.setattr(datasets, "load_dataset", offline)
+    assert plan_error(tmp_path, *taskset("data/tasks")).startswith(
+        f"buffer.explorer_input.taskset.path='data/tasks': there is no such local file or directory (relative to "
+        f"{os.getcwd()}), and loading it as a Hugging Face dataset id failed (ConnectionError: Couldn't reach")
+
+
+def test_a_dataset_missing_a_column_a_stage_needs_fails_the_dry_run(tmp_path):
+    # the default's warm-up imitates `teacher_answer`; a taskset of the user's own may lack it
+    d = tmp_path / "mytask"
+    write_jsonl(d / "train.jsonl", [{"question": "1+1", "answer": "2"}] * 64)
+    write_jsonl(d / "test.jsonl", [{"question": "1+2", "answer": "3"}] * 4)
+    msg = plan_error(tmp_path, "dry_run=true", "buffer.explorer_input.generator=null",
+                     f"buffer.explorer_input.taskset.path={d}", f"buffer.explorer_input.eval_tasksets.0.path={d}")
+    assert msg == (
+        f"stage sft_warmup: buffer.trainer_input.experience_buffer.path='{d}' has no column 'teacher_answer' "
+        f"(buffer.trainer_input.experience_buffer.format.response_key); its columns are ['answer', 'question']. "
+        f"Add the column to the data, or set buffer.trainer_input.experience_buffer.format.response_key to the "
+        f"column that holds it."
+    )
+
+
+def test_a_taskset_without_its_answer_column_is_an_error_not_a_run_of_zero_rewards(tmp_path):
+    data = write_jsonl(tmp_path / "t.jsonl", [{"question": "1+1", "solution": "2"}] * 4)
+    assert plan_error(tmp_path, *taskset(data)) == (
+        f"buffer.explorer_input.taskset.path='{data}' has no column 'answer' "
+        f"(buffer.explorer_input.taskset.format.response_key); its columns are ['question', 'solution']. Add "
+        f"the column to the data, or set buffer.explorer_input.taskset.format.response_key to the column that holds it."
+    )
+
+
+def test_a_bad_taskset_path_is_named_by_the_key_the_user_set(tmp_path):
+    # the warm-up stage reads the taskset's files by interpolation: name that key, not its own
+    msg = plan_error(tmp_path, "buffer.explorer_input.generator=null", "buffer.explorer_input.taskset.path=/nowhere/data")
+    assert msg.startswith("stage sft_warmup: buffer.explorer_input.taskset.path (read by "
+                          "buffer.trainer_input.experience_buffer.path)='/nowhere/data': no such file or directory.")
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["mode=foo"], "mode='foo' is not a mode; choose one of both, explore, train, bench."),
+    (["model.max_response_tokens=0"], "stage sft_warmup: model.max_response_tokens=0 must be >= 1 (tokens)."),
+    (["model.dtype=bf8"], "stage sft_warmup: model.dtype='bf8' is not a dtype; choose one of float32, fp32, float, "
+                          "bfloat16, bf16, float16, fp16, half."),
+    (["stages=[]", "model.builder=null", "model.model_path=/nowhere/model"],
+     "model.model_path='/nowhere/model': no such directory (relative paths are relative to {cwd}). Give a local "
+     "directory in Hugging Face format or a hub id (e.g. Qwen/Qwen2.5-0.5B-Instruct)."),
+    (["stages=[]", "+buffer.trainer_input.auxiliary_buffers.extra.pathh=x.jsonl"],
+     "buffer.trainer_input.auxiliary_buffers.extra: Key 'pathh' not in 'ExperienceBufferConfig'. Its keys are those "
+     "of buffer.trainer_input.experience_buffer: ['capacity', 'format', 'max_read_timeout', 'name', 'path', "
+     "'replay_buffer', 'split', 'storage_type']."),
+    (["stages=[]", "+buffer.trainer_input.experience_buffer.replay_buffer.priority_fn_args.decayy=3"],
+     "buffer.trainer_input.experience_buffer.replay_buffer.priority_fn_args has ['decayy'], which "
+     "priority_fn=linear_decay does not take; its arguments are ['decay']."),
+])
+def test_user_mistakes_found_while_planning(tmp_path, overrides, message):
+    assert plan_error(tmp_path, *overrides) == message.format(cwd=os.getcwd())
+
+
+def test_dtype_aliases_are_accepted():
+    from rft.models import canonical_dtype, torch_dtype
+
+    assert torch_dtype("bf16") is torch_dtype("bfloat16") and canonical_dtype("fp16") == "float16"
+    rft.main._main(compose_cfg(["model.dtype=bf16", "dry_run=true"]))
+
+
+def test_an_existing_file_that_is_not_a_dataset_is_not_called_missing(tmp_path):
+    f = tmp_path / "experiences.db"
+    f.write_text("x")
+    msg = plan_error(tmp_path, "stages=[]", "mode=train", "buffer=file", f"buffer.trainer_input.experience_buffer.path={f}")
+    assert msg == (f"buffer.trainer_input.experience_buffer.path='{f}' is a file, but not one of the dataset formats "
+                   f"(.jsonl, .json, .parquet, .csv): give a JSONL, JSON, Parquet or CSV file, or a directory of them.")
+
+
+def test_an_unwritable_output_directory_fails_before_any_step(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    with pytest.raises(rft.main.ConfigError) as e:
+        rft.main._main(compose_cfg(["stages=[]", "cluster=inline", f"checkpoint_root_dir={blocker}/out"]))
+    run = blocker / "out" / "rft" / "grpo-tiny-arithmetic"
+    assert str(e.value).startswith(f"cannot write to {run} (NotADirectoryError: ")
+    assert str(e.value).endswith("Point checkpoint_root_dir (or RFT_CHECKPOINT_ROOT_DIR) at a writable directory.")
+
+
+def test_misspelt_keys_get_the_nearest_names(run_root):
+    r = run_cli("trainer.lr=1e-3", env=run_root)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "Could not override 'trainer.lr': Key 'lr' not in 'TrainerConfig'. Did you mean algorithm.optimizer.lr" in r.stderr
+
+
+def test_two_algorithms_print_different_dry_runs(capsys):
+    rft.main._main(compose_cfg(["dry_run=true", "stages=[]"]))
+    grpo = capsys.readouterr().out
+    rft.main._main(compose_cfg(["dry_run=true", "stages=[]", "algorithm=dr_grpo"]))
+    dr = capsys.readouterr().out
+    assert "algorithm      grpo: advantage_fn=grpo, policy_loss_fn=ppo_clip, loss_agg_mode=token-mean" in grpo
+    assert "advantage_fn=dr_grpo" in dr and "loss_agg_mode=seq-mean-token-sum-norm" in dr
+    for out in (grpo, dr):
+        assert "reward         exact_match(prompt, response, task) with task.answer = column 'answer'" in out
+        assert "eval sets      arithmetic_test (" in out and "learning rate  0.0002 (algorithm.optimizer.lr)" in out
+        assert "outputs        " in out
+
+
+@pytest.mark.slow  # a real engine, Ray or training run
+def test_prompts_and_responses_past_the_token_budgets_are_counted_and_warned_about(tmp_path, capsys):
+    # the tiny model's chat template takes 5 tokens (<|im_start|> user ... <|im_end|> <|im_start|>
+    # assistant; its tokenizer drops whitespace) around one token per other character: the long
+    # question's 24 characters make 29 > max_prompt_tokens=24. An answer keeps
+    # max_response_tokens=6 - 1 tokens (then the end token): "4444444444" + end = 11 > 6
+    rows = [{"question": "1+1", "answer": "2"}, {"question": "what is 1+1 plus 2+2 plus 3+3?", "answer": "12"},
+            {"question": "2+2", "answer": "4444444444"}, {"question": "3+3", "answer": "6"}]
+    data = write_jsonl(tmp_path / "t.jsonl", rows)
+    common = ["buffer.explorer_input.generator=null", f"buffer.explorer_input.taskset.path={data}",
+              "buffer.explorer_input.eval_tasksets=[]", "cluster=inline", "monitor=console", "buffer.total_steps=1",
+              f"checkpoint_root_dir={tmp_path}", "stage_cache_dir=null"]
+    rft.main.main(compose_cfg([*common, "stages=[]", "buffer.batch_size=4", "algorithm.repeat_times=2", "name=rl"]))
+    out = capsys.readouterr().out
+    assert (f"rft: warning: stage grpo: 1 of the first 4 prompts of buffer.explorer_input.taskset ({data}) are "
+            f"longer than model.max_prompt_tokens=24 tokens (the longest has 29, chat template included) and "
+            f"will be cut from the left") in out
+    from rft.monitor import read_metrics
+
+    assert read_metrics(tmp_path / "rft" / "rl" / "metrics.jsonl")[-1]["rollout/truncated_prompts"] == 1
+    rft.main.main(compose_cfg([*common, "algorithm=sft", "stages=[]", "buffer.train_batch_size=4", "name=sft"]))
+    out = capsys.readouterr().out
+    assert "1 of its first 4 responses are longer than model.max_response_tokens=6 (end-of-sequence token included; " \
+           "the longest has 11) and will be cut" in out
+    m = read_metrics(tmp_path / "rft" / "sft" / "metrics.jsonl")[-1]
+    assert (m["train/truncated_prompts"], m["train/truncated_responses"]) == (1, 1)

@@ -44,13 +44,17 @@ def fsdp_group(cfg, plan, tmp_path, init_path=None) -> ActorGroup:
     return group
 
 
-def assert_same_model(weights: dict, model, rtol=1e-4, atol=1e-6):
+def assert_same_model(weights: dict, model, rtol=1e-4, atol=1e-5):
+    """Equal up to summation order. Adam divides each gradient by its own magnitude, so an element
+    whose gradient is near 0 moves by an amount summation order can change: a few such elements
+    differ by ~3e-6 after an lr 1e-3 step (atol 1e-5: 1% of a step)."""
     own = model.state_dict()
     assert set(weights) == set(own)
     for k, v in own.items():
         torch.testing.assert_close(weights[k], v, rtol=rtol, atol=atol, msg=k)
 
 
+@pytest.mark.slow  # a real engine, Ray or training run
 def test_two_ranks_update_the_model_as_one_process_does(local_ray, tmp_path):
     (one_cfg, one_plan), (two_cfg, two_plan) = configs()
     # 128 experiences, micro-batches of 4: each rank 64 rows in 16 passes
@@ -71,6 +75,7 @@ def test_two_ranks_update_the_model_as_one_process_does(local_ray, tmp_path):
     assert m_one["actor/grad_norm"] > 0.01  # the steps did move the weights
 
 
+@pytest.mark.slow  # a real engine, Ray or training run
 def test_a_dead_rank_is_reported_as_a_dead_actor(local_ray, tmp_path):
     # not as rank 0's failed collective (gloo: "connection reset by peer"; nccl would wait out the
     # timeout): RayActorError is what makes the runner say "the trainer actor died ... resume"
@@ -83,6 +88,7 @@ def test_a_dead_rank_is_reported_as_a_dead_actor(local_ray, tmp_path):
     group.kill()
 
 
+@pytest.mark.slow  # a real engine, Ray or training run
 def test_checkpoints_are_trainer_torch_checkpoints_both_ways(local_ray, tmp_path):
     (one_cfg, one_plan), (two_cfg, two_plan) = configs()
     one = Trainer(one_cfg, one_plan)

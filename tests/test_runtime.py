@@ -28,8 +28,9 @@ pytestmark = pytest.mark.slow
 
 
 def base(warm_start, name, *extra):
+    # no stage cache: runs here are compared with each other, so each must train for itself
     return ["stages=[]", f"model.model_path={warm_start}", "model.builder=null", "monitor=console",
-            f"name={name}", *extra]
+            f"name={name}", "stage_cache_dir=null", *extra]
 
 
 def evals(metrics):
@@ -239,3 +240,104 @@ def test_a_cluster_too_small_for_the_actors_is_a_config_error(warm_start, tmp_pa
     assert r.returncode == 2
     assert ("the actors need 3 CPU (cluster.cpus_per_actor=1, gpu_per_node=0, "
             "explorer.rollout_model.engine_num=2, colocate=False) but the Ray cluster has 2.") in r.stderr
+
+
+OFFSET_SQL = ["synchronizer.sync_offset=1", "buffer=sql", "buffer.total_steps=8", "trainer.save_interval=100",
+              "explorer.eval_interval=100"]
+
+
+def test_killed_explorer_with_sync_offset_redoes_its_step_on_the_scheduled_weights(warm_start, tmp_path):
+    """The explorer runs one step ahead; killed while it explores step k on the weights of version
+    k - 1 (the trainer is at k already), it is restarted and redoes step k on version k - 1: the
+    run ends bit-identical to the uninterrupted one."""
+    env = {**os.environ, **env_for(tmp_path)}
+    straight = run_cli(*base(warm_start, "straight", *OFFSET_SQL), env=env)
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    run = tmp_path / "rft" / "killed"
+    proc = subprocess.Popen([sys.executable, str(ROOT / "run.py"), *base(warm_start, "killed", *OFFSET_SQL)],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    _wait_for_step(proc, run / "metrics.jsonl", 3)
+    os.kill(_pid(run / "log" / "grpo_explorer.log"), signal.SIGKILL)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out[-3000:]
+    assert "grpo_explorer died" in out and "grpo_explorer is back" in out
+    a = read_metrics(tmp_path / "rft" / "straight" / "batches.jsonl")
+    b = read_metrics(run / "batches.jsonl")
+    assert [x["step"] for x in b] == list(range(1, 9))
+    assert a == b  # the same groups, the same policy versions (staleness 1 after step 1), the same tokens
+    assert all(set(x["versions"]) == {x["step"] - 2} for x in b[1:])
+    wa = load_file(tmp_path / "rft" / "straight" / "checkpoints" / "step_8" / "hf" / "model.safetensors")
+    wb = load_file(run / "checkpoints" / "step_8" / "hf" / "model.safetensors")
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_stale_stored_experiences_beyond_max_staleness_are_dropped_in_mode_train(warm_start, tmp_path):
+    db = tmp_path / "exp.db"
+    sql = ["buffer=sql", f"buffer.trainer_input.experience_buffer.path={db}", "buffer.batch_size=4",
+           "algorithm.repeat_times=2", "cluster=inline"]
+    r = run_cli(*base(warm_start, "explorer", "mode=explore", "buffer.total_steps=5", *sql), env=env_for(tmp_path))
+    assert r.returncode == 0, r.stderr[-3000:]
+    # 5 stored steps of 8, all made by version 0; trained at steps 1..5 they are 0..4 steps stale
+    r = run_cli(*base(warm_start, "learner", "mode=train", "buffer.total_steps=5", "synchronizer.max_staleness=2",
+                      "explorer.eval_interval=100", *sql), env=env_for(tmp_path))
+    assert r.returncode == 0, r.stderr[-3000:]
+    metrics = read_metrics(tmp_path / "rft" / "learner" / "metrics.jsonl")[1:]
+    assert [m["staleness/max"] for m in metrics] == [0, 1, 2, 3, 4]
+    assert [m["staleness/dropped"] for m in metrics] == [0, 0, 0, 8, 8]
+    # steps 4 and 5 trained on nothing: they count as steps, but no experiences were trained on
+    assert ["train/experiences" in m for m in metrics] == [True, True, True, False, False]
+    batches = read_metrics(tmp_path / "rft" / "learner" / "batches.jsonl")
+    assert [b["step"] for b in batches] == [1, 2, 3]
+
+
+FAILING = ["cluster=inline", "buffer.batch_size=4", "algorithm.repeat_times=2", "buffer.total_steps=10",
+           "explorer.eval_interval=100", "explorer.max_retry_times=0", "explorer.eval_on_startup=false"]
+
+
+@pytest.mark.parametrize("reward,last_error", [
+    ("faulty_reward.always_raises", "the last error: ValueError: no reward for arithmetic_train/"),
+    ("faulty_reward.hangs", "the last error: none recorded (timeouts)"),
+])
+def test_a_run_whose_every_task_fails_stops_instead_of_finishing_with_nothing_learned(warm_start, tmp_path,
+                                                                                      reward, last_error):
+    r = run_cli(*base(warm_start, "nothing", *FAILING, f"buffer.explorer_input.default_reward_fn_type={reward}",
+                      "explorer.max_timeout=0.2"),
+                env={**env_for(tmp_path), "PYTHONPATH": str(ROOT / "tests")}, timeout=300)
+    assert r.returncode == 1, r.stderr[-3000:]
+    assert "rft: the run stopped: every task of the last 3 steps failed (reward function " in r.stderr
+    assert last_error in r.stderr and "Traceback" not in r.stderr
+    assert "explorer.max_failed_steps=3 sets how many such steps stop a run (0: never)" in r.stderr
+    metrics = read_metrics(tmp_path / "rft" / "nothing" / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == [1, 2]  # the third failed step stopped the run before its log
+
+
+def test_identical_rewards_and_failed_eval_tasks_are_reported(warm_start, tmp_path):
+    r = run_cli(*base(warm_start, "flat", *FAILING, "buffer.total_steps=3", "explorer.eval_interval=3",
+                      "buffer.explorer_input.default_reward_fn_type=faulty_reward.constant",
+                      "buffer.explorer_input.eval_tasksets.0.reward_fn=faulty_reward.always_raises"),
+                env={**env_for(tmp_path), "PYTHONPATH": str(ROOT / "tests")}, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert ("[grpo] WARNING: every reward of the first 3 steps was 0.9: the advantages are all 0 and nothing "
+            "is learned.") in r.stdout
+    metrics = read_metrics(tmp_path / "rft" / "flat" / "metrics.jsonl")
+    assert all(m["advantage/abs_mean"] == 0.0 for m in metrics)  # exactly: equal rewards, no signal
+    assert metrics[-1]["eval/failed_tasks"] == 200 and metrics[-1]["eval/accuracy"] == 0.0
+    assert "(200 eval tasks failed and count as 0; see" in r.stdout
+
+
+def test_a_killed_driver_leaves_no_ray_process_behind(tmp_path):
+    import psutil
+
+    run = tmp_path / "rft" / "orphans"
+    proc = subprocess.Popen([sys.executable, str(ROOT / "run.py"), "stages=[]", "name=orphans", "monitor=console",
+                             "buffer.batch_size=4", "algorithm.repeat_times=2", "buffer.total_steps=200"],
+                            cwd=ROOT, env={**os.environ, **env_for(tmp_path)}, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    _wait_for_step(proc, run / "metrics.jsonl", 1)
+    started = psutil.Process(proc.pid).children(recursive=True)
+    names = {p.name() for p in started}
+    assert any("raylet" in n for n in names), names
+    proc.kill()
+    proc.wait()
+    gone, alive = psutil.wait_procs(started, timeout=30)
+    assert not alive, [(p.pid, p.name()) for p in alive]  # the dashboard and runtime-env agents too

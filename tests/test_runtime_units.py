@@ -34,7 +34,9 @@ def test_run_jobs_retries_then_records_failures_in_order():
     # job 3 fails 3 times (1 + 2 retries) -> None; job 5 succeeds on its retry
     assert results == [0, 10, 20, None, 40, 50, 60, 70]
     assert calls[3] == 3 and calls[5] == 2 and calls[0] == 1
-    assert c == {"errors": 4, "timeouts": 0, "retries": 3, "failed": 1, "over_rollout_dropped": 0}
+    # the last error's text comes with the counts (for the message when every task fails)
+    assert c == {"errors": 4, "timeouts": 0, "retries": 3, "failed": 1, "over_rollout_dropped": 0,
+                 "last_error": "ValueError: always"}
 
 
 def test_run_jobs_abandons_a_hung_call_without_waiting_for_it():

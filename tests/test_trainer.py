@@ -1,5 +1,6 @@
 """The trainer's update: micro-batching does not change the gradient; a GRPO step moves the policy."""
 
+import math
 import random
 
 import pytest
@@ -146,3 +147,71 @@ def test_resumed_trainer_keeps_the_stage_start_as_its_reference(tmp_path):
     trained = trainer.model.state_dict()
     assert all(torch.equal(v, trained[k]) for k, v in resumed.model.state_dict().items())
     assert any(not torch.equal(trained[k], start[k]) for k in start)
+
+
+# ---------------------------------------------------------------- the sampling distribution
+
+
+def sampled(trainer, t, top_p=1.0, top_k=-1, n=8):
+    """Experiences the stage's own weights sampled with these rollout args (an hf engine on the
+    trainer's model), each carrying its sampling params as the explorer stores them."""
+    from types import SimpleNamespace
+
+    from rft.engine import HFEngine
+    from rft.workflows import encode_prompt
+
+    tok = trainer.tokenizer
+    engine = HFEngine(trainer.cfg.model, SimpleNamespace(generate_batch_size=64), tok)
+    args = SimpleNamespace(temperature=t, top_p=top_p, top_k=top_k, max_tokens=None)
+    prompts = [encode_prompt(tok, [{"role": "user", "content": q}], 24) for q in ["123+456", "7+2", "301+402", "5+5"]]
+    out = engine.generate(prompts, n, args, seed=5)
+    rng = random.Random(0)
+    return [Experience(p + s.token_ids, len(p), s.logprobs, reward=float(rng.random() < 0.5), group_id=str(i),
+                       sampling={"temperature": t, "top_p": top_p, "top_k": top_k})
+            for i, (p, g) in enumerate(zip(prompts, out)) for s in g]
+
+
+@pytest.mark.parametrize("t,top_p,top_k", [(0.7, 1.0, -1), (1.3, 0.8, -1), (0.9, 1.0, 4), (0.7, 0.9, 6)])
+def test_log_probs_are_recomputed_under_the_distribution_each_experience_was_sampled_from(t, top_p, top_k):
+    from rft.experience import collate
+    from rft.trainer import token_logprobs
+
+    trainer = make_trainer(128)
+    exps = sampled(trainer, t, top_p, top_k)
+    full = collate(exps, trainer.tokenizer.pad_token_id)
+    with torch.no_grad():
+        logp, entropy = token_logprobs(trainer.model, full["input_ids"], full["attention_mask"],
+                                       full["temperature"], full["top_p"], full["top_k"])
+    for i, e in enumerate(exps):
+        got = logp[i][full["response_mask"][i].bool()]
+        torch.testing.assert_close(got, torch.tensor(e.logprobs), atol=1e-4, rtol=1e-4)
+    assert torch.isfinite(entropy).all()
+    if top_k > 0:  # a sampled token's distribution spans at most k tokens: entropy <= log(k)
+        assert entropy[full["response_mask"].bool()].max() <= math.log(top_k) + 1e-5
+
+
+def test_stale_experiences_sampled_at_another_temperature_start_at_ratio_one():
+    # mode=train on a stored buffer sampled at T=0.7: the stale rows' ratio is taken against their
+    # stored sampling log-probs (off_policy_correction=behavior); recomputed at T=0.7 with the
+    # same weights it is exp(0) = 1 on every token: nothing clipped, approx KL 0. At T=1 it was not.
+    trainer = make_trainer(128)
+    exps = sampled(trainer, 0.7, top_p=0.9)
+    trainer.version = 1  # the weights that sampled them are version 0: one step stale
+    m = trainer.train_step(exps)
+    assert m["actor/clip_frac"] == 0.0
+    assert m["actor/approx_kl"] == pytest.approx(0.0, abs=1e-8)
+
+
+def test_sampling_params_survive_every_buffer(tmp_path):
+    from omegaconf import OmegaConf
+
+    from rft.buffer import make_buffer, read_experiences
+    from rft.config import ExperienceBufferConfig
+
+    e = Experience([1, 2, 3], 2, [-0.5], sampling={"temperature": 0.7, "top_p": 0.9, "top_k": 5})
+    for kind, path in [("sql", tmp_path / "b.db"), ("file", tmp_path / "b.jsonl")]:
+        buf = make_buffer(OmegaConf.structured(ExperienceBufferConfig(storage_type=kind, path=str(path))))
+        buf.put([e])
+        assert buf.get(1, 1.0)[0].sampling == e.sampling
+        assert read_experiences(str(path), 1)[0].sampling == e.sampling
+        buf.close()

@@ -61,6 +61,7 @@ def assert_same_outputs(cfg, hf, vllm, prompts):
     return tokens(b)
 
 
+@pytest.mark.slow  # a real engine, Ray or training run
 def test_greedy_tokens_and_logprobs_match_the_hf_engine(engines):
     cfg, hf, vllm, prompts = engines
     assert_same_outputs(cfg, hf, vllm, prompts)
@@ -69,6 +70,7 @@ def test_greedy_tokens_and_logprobs_match_the_hf_engine(engines):
     assert [len(g) for g in two] == [2, 2] and two[0][0].token_ids == two[0][1].token_ids
 
 
+@pytest.mark.slow  # a real engine, Ray or training run
 def test_stop_strings_cut_greedy_responses_at_the_same_token_in_both_engines(engines):
     cfg, hf, vllm, prompts = engines
     tok = hf.tokenizer
@@ -88,6 +90,7 @@ def test_stop_strings_cut_greedy_responses_at_the_same_token_in_both_engines(eng
         assert max(abs(x - y) for x, y in zip(s.logprobs, base.logprobs[:k])) < LOGPROB_TOL and len(s.logprobs) == k
 
 
+@pytest.mark.slow  # a real engine, Ray or training run
 def test_sampling_logprobs_are_those_the_trainer_recomputes(engines):
     """At temperature 1 the engine's per-token log-probs are the sampling distribution's: the PPO
     ratio of a fresh experience starts at 1."""
@@ -108,6 +111,7 @@ def _perturbed(hf, seed):
     return sd
 
 
+@pytest.mark.slow  # a real engine, Ray or training run
 def test_weights_update_in_the_running_engine_by_every_sync_path(engines, tmp_path):
     cfg, hf, vllm, prompts = engines
     llm = vllm.llm
@@ -154,6 +158,7 @@ def test_weights_update_in_the_running_engine_by_every_sync_path(engines, tmp_pa
     assert vllm.llm is llm  # the same engine throughout: never restarted
 
 
+@pytest.mark.slow  # a real engine, Ray or training run
 def test_a_head_size_the_cpu_backend_rejects_is_a_config_error(tmp_path):
     from rft.models import build_tiny_model
     from rft.vllm_engine import VLLMEngine

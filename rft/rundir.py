@@ -1,0 +1,310 @@
+"""What a run directory holds, and what running the same name again does with it.
+
+    <run>/.hydra/            config.yaml (as composed), overrides.yaml, hydra.yaml. Written here
+                             (conf/config.yaml sets hydra.output_subdir=null) once the run is
+                             about to start: a dry run writes nothing, and a run moved aside by
+                             continue_from_checkpoint=false keeps its own record
+    <stage>/config.yaml      the stage's resolved config, its fingerprint on the first line
+    <stage>/config_changes.log  what resume_with_changes=true accepted, and when
+    <stage>/reused_from      the stage cache entry this stage was copied from
+
+Running a name again resumes it. A stage that already has outputs must be asked for with the same
+config, except for the keys that say where the run is written, where it runs and how it is
+watched (`WHERE_AND_HOW`) and `buffer.total_steps` going up: otherwise the run stops before
+anything starts, listing the differences and the three ways on.
+
+The stage cache (`stage_cache_dir`): a finished stage's final checkpoint and logs are published
+under `<stage_cache_dir>/<key>/`; a later stage with the same key (the same config except
+`WHERE_AND_HOW`, the same starting model and the same data files) is copied from there instead of
+trained again: a sweep over the RL stage's learning rate runs its shared SFT warm-up once per
+seed. Files are hard-linked where the filesystem allows. A lock per key makes concurrent jobs (a
+sweep on Slurm, on a filesystem with working file locks) wait for the one that trains the stage.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import logging
+import os
+import shutil
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import yaml
+from omegaconf import OmegaConf
+
+from rft.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+# where a run is written, where it runs, how it is watched: may change between a run and its
+# resume, and never make two stages' results differ
+WHERE_AND_HOW = (
+    "name", "project", "checkpoint_root_dir", "cache_dir", "stage_cache_dir", "dry_run",
+    "continue_from_checkpoint", "resume_with_changes", "objective", "monitor", "log", "cluster",
+    "synchronizer.sync_timeout", "buffer.trainer_input.experience_buffer.max_read_timeout",
+)
+# may go up on resume (a longer run); anything else that differs is a change
+MAY_GROW = ("buffer.total_steps",)
+
+
+# ---------------------------------------------------------------- fingerprints
+
+
+def flat(cfg) -> dict[str, Any]:
+    """A resolved config as {dotted key: value}; lists are values."""
+    tree = OmegaConf.to_container(cfg, resolve=True) if not isinstance(cfg, dict) else cfg
+    out: dict[str, Any] = {}
+
+    def walk(node, prefix):
+        if isinstance(node, dict) and node:
+            for k, v in node.items():
+                walk(v, f"{prefix}{k}.")
+        else:
+            out[prefix[:-1]] = node
+
+    walk(tree, "")
+    return out
+
+
+def identity(cfg) -> dict[str, Any]:
+    """What determines a stage's results: its flat config without WHERE_AND_HOW."""
+    return {k: v for k, v in flat(cfg).items()
+            if not any(k == w or k.startswith(w + ".") for w in WHERE_AND_HOW)}
+
+
+def fingerprint(obj) -> str:
+    return hashlib.sha1(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def path_identity(path: str | None) -> Any:
+    """A local file or directory by its files' names, sizes and modification times; anything
+    else (a hub id) by its name."""
+    if not path:
+        return None
+    p = Path(os.path.expanduser(str(path).removeprefix("sqlite:///")))
+    if p.is_file():
+        st = p.stat()
+        return [str(p), st.st_size, st.st_mtime_ns]
+    if p.is_dir():
+        files = sorted(f for f in p.rglob("*") if f.is_file() and not f.name.endswith(".lock"))
+        return [str(p)] + [[str(f.relative_to(p)), f.stat().st_size, f.stat().st_mtime_ns] for f in files]
+    return str(path)
+
+
+def data_paths(cfg) -> list:
+    inp, tin = cfg.buffer.explorer_input, cfg.buffer.trainer_input
+    paths = [inp.taskset.path, *(ts.path for ts in inp.eval_tasksets), tin.experience_buffer.path]
+    paths += [v.get("path") if hasattr(v, "get") else None for v in tin.auxiliary_buffers.values()]
+    return paths
+
+
+def cacheable(cfg) -> bool:
+    """Stages that train from data that stays put: not one reading a buffer another job may still
+    be writing (mode=train on sql), not an explorer (no model of its own)."""
+    eb = cfg.buffer.trainer_input.experience_buffer
+    return cfg.mode == "both" or (cfg.mode == "train" and eb.storage_type == "file")
+
+
+def cache_key(cfg, start: str) -> str:
+    """The stage's key: its identity, its starting point (the model's files, or the previous
+    stage's key) and the identity of every data file it reads."""
+    return fingerprint({"stage": identity(cfg), "start": start,
+                        "data": [path_identity(p) for p in data_paths(cfg)]})
+
+
+def start_identity(model_cfg) -> str:
+    return fingerprint(path_identity(model_cfg.model_path))
+
+
+# ---------------------------------------------------------------- a stage's config on disk
+
+
+def has_outputs(stage_dir: Path) -> bool:
+    metrics, checkpoints = stage_dir / "metrics.jsonl", stage_dir / "checkpoints"
+    return (checkpoints.is_dir() and any(checkpoints.iterdir())) or (metrics.exists() and metrics.stat().st_size > 0)
+
+
+def saved_config(stage_dir: Path) -> dict | None:
+    path = stage_dir / "config.yaml"
+    if not path.exists():
+        return None
+    try:
+        return yaml.safe_load(path.read_text())
+    except yaml.YAMLError:
+        return None  # damaged: nothing to compare with
+
+
+def write_config(cfg, stage_dir: Path) -> None:
+    stage_dir.mkdir(parents=True, exist_ok=True)
+    text = OmegaConf.to_yaml(cfg, resolve=True)
+    tmp = stage_dir / "config.yaml.tmp"
+    tmp.write_text(f"# fingerprint: {fingerprint(identity(cfg))}\n{text}")
+    os.replace(tmp, stage_dir / "config.yaml")
+
+
+def differences(old: dict, new: dict) -> list[str]:
+    """'key: old -> new' for each key whose value differs, but for MAY_GROW keys going up."""
+    missing = "(absent)"
+    out = []
+    for k in sorted(set(old) | set(new)):
+        a, b = old.get(k, missing), new.get(k, missing)
+        if a == b:
+            continue
+        if k in MAY_GROW and isinstance(a, int) and isinstance(b, int) and b > a:
+            continue
+        out.append(f"{k}: {a!r} -> {b!r}")
+    return out
+
+
+def check_unchanged(cfg, stages, stage_dirs, run_dir: Path) -> dict[str, list[str]]:
+    """The differences between each started stage's saved config and this run's; a ConfigError
+    unless there are none or resume_with_changes=true (then returned, to be logged)."""
+    found = {}
+    for s, d in zip(stages, stage_dirs):
+        old = saved_config(d)
+        if old is None or not has_outputs(d):
+            continue
+        diff = differences(identity(old), identity(s))
+        if diff:
+            found[s.stage_name or s.algorithm.algorithm_type] = diff
+    if found and not cfg.resume_with_changes:
+        listed = "; ".join(f"stage {name}: " + ", ".join(diff) for name, diff in found.items())
+        raise ConfigError(
+            f"the run directory {run_dir} holds a run made with another configuration ({listed}). "
+            f"Running the same name resumes that run, so the change would be skipped or mixed in "
+            f"silently. Either give this run another name (name=...), start this one again "
+            f"(continue_from_checkpoint=false: the old outputs move to {run_dir}/previous_<time>/), "
+            f"or continue it with the new values from its newest checkpoint (resume_with_changes=true)."
+        )
+    return found
+
+
+def note_changes(stage_dir: Path, diff: list[str]) -> None:
+    with open(stage_dir / "config_changes.log", "a") as f:
+        f.write(f"{datetime.datetime.now():%Y-%m-%d %H:%M:%S} resume_with_changes=true: " + "; ".join(diff) + "\n")
+
+
+# ---------------------------------------------------------------- the run's record
+
+
+def check_writable(run_dir: Path, key: str = "checkpoint_root_dir") -> None:
+    """Fail now, not at the first checkpoint after training steps are lost."""
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        probe = run_dir / f".write_test_{os.getpid()}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError(
+            f"cannot write to {run_dir} ({type(e).__name__}: {e.strerror or e}). Point {key} (or "
+            f"RFT_CHECKPOINT_ROOT_DIR) at a writable directory."
+        ) from e
+
+
+def move_aside(run_dir: Path) -> Path | None:
+    """continue_from_checkpoint=false on a used directory: every earlier output, its .hydra/
+    record and logs included, moves to previous_<time>/."""
+    old = [p for p in run_dir.iterdir() if not p.name.startswith("previous_")]
+    if not old:
+        return None
+    backup = run_dir / f"previous_{datetime.datetime.now():%Y%m%d_%H%M%S}"
+    backup.mkdir()
+    for p in old:
+        shutil.move(str(p), backup / p.name)
+    # a log file this process has open (Hydra's run.log) moved with the rest: let its handler
+    # start a new one at the old path on its next line
+    for h in logging.getLogger().handlers:
+        if isinstance(h, logging.FileHandler) and Path(h.baseFilename).parent == run_dir:
+            h.close()
+    return backup
+
+
+def write_record(cfg, run_dir: Path) -> None:
+    """The run's .hydra/ record, as Hydra writes it (Hydra's own writing is turned off)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    d = run_dir / ".hydra"
+    d.mkdir(parents=True, exist_ok=True)
+    OmegaConf.save(cfg, d / "config.yaml")
+    if HydraConfig.initialized():
+        hydra_cfg = HydraConfig.instance().cfg
+        OmegaConf.save(hydra_cfg, d / "hydra.yaml")
+        OmegaConf.save(hydra_cfg.hydra.overrides.task, d / "overrides.yaml")
+
+
+# ---------------------------------------------------------------- the stage cache
+
+
+def _link_tree(src: Path, dst: Path) -> None:
+    """A copy of src at dst, hard-linking files where the filesystem allows."""
+    def link(s, d):
+        try:
+            os.link(s, d)
+        except OSError:
+            shutil.copy2(s, d)
+
+    shutil.copytree(src, dst, copy_function=link)
+
+
+@contextmanager
+def stage_lock(entry: Path | None, title: str, say):
+    """Hold the cache key's lock while the stage is reused or trained: another job with the same
+    stage waits here (and says so once) instead of training it a second time."""
+    if entry is None:
+        yield
+        return
+    from filelock import FileLock, Timeout
+
+    entry.parent.mkdir(parents=True, exist_ok=True)
+    lock = FileLock(str(entry) + ".lock")
+    try:
+        lock.acquire(timeout=1)
+    except Timeout:
+        say(f"[{title}] waiting for another job that trains the same stage (lock {entry}.lock)")
+        t0 = time.monotonic()
+        lock.acquire()
+        say(f"[{title}] the other job finished after {time.monotonic() - t0:.0f} s")
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+def reuse(entry: Path, stage_dir: Path, title: str, say) -> Path | None:
+    """Copy a published stage into stage_dir; returns its final model's directory (None: no entry)."""
+    if not (entry / "checkpoint" / "state.json").exists():
+        return None
+    state = json.loads((entry / "checkpoint" / "state.json").read_text())
+    stage_dir.mkdir(parents=True, exist_ok=True)
+    final = stage_dir / "checkpoints" / f"step_{state['step']}"
+    shutil.rmtree(final, ignore_errors=True)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    _link_tree(entry / "checkpoint", final)
+    for name in ("metrics.jsonl", "batches.jsonl", "config.yaml"):
+        if (entry / name).exists():
+            shutil.copy2(entry / name, stage_dir / name)
+    source = (entry / "source").read_text().strip() if (entry / "source").exists() else "?"
+    (stage_dir / "reused_from").write_text(f"{entry}\n{source}\n")
+    say(f"[{title}] reused: the same stage (same config, starting model and data) finished in "
+        f"{source}; copied from the stage cache {entry}")
+    return final / "hf"
+
+
+def publish(entry: Path, stage_dir: Path, final: Path) -> None:
+    """Put a finished stage's final checkpoint and logs into the cache (if not there yet)."""
+    if entry.exists() or not (final / "state.json").exists():
+        return
+    tmp = entry.with_name(entry.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    _link_tree(final, tmp / "checkpoint")
+    for name in ("metrics.jsonl", "batches.jsonl", "config.yaml"):
+        if (stage_dir / name).exists():
+            shutil.copy2(stage_dir / name, tmp / name)
+    (tmp / "source").write_text(f"{stage_dir}\n")
+    os.replace(tmp, entry)

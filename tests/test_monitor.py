@@ -1,0 +1,148 @@
+"""rft/monitor.py: progress on a terminal and in a log file, and the per-step JSONL logs of a run
+that was killed (a line cut short, a resume with and without a checkpoint)."""
+
+import io
+import json
+import sys
+
+from conftest import compose_cfg
+from rft.monitor import Monitor, read_metrics
+
+
+def _cfg():
+    return compose_cfg(["monitor=console"])  # console_keys: reward/mean eval/accuracy loss/policy timing/step_s
+
+
+def _run(monitor, steps, start=0):
+    """What the runner logs: the startup eval at step 0 (fresh runs only), then each step, with an eval
+    every 20 steps; a message half-way."""
+    if start == 0:
+        monitor.log(0, {"eval/accuracy": 0.25}, advance=False)
+    for step in range(start + 1, steps + 1):
+        metrics = {"reward/mean": step / 100, "loss/policy": 0.0123, "timing/step_s": 0.51, "other": 1.0}
+        if step % 20 == 0:
+            metrics["eval/accuracy"] = 0.35
+        monitor.log(step, metrics)
+        if step == 30:
+            monitor.print("[grpo] a message")
+    monitor.close()
+
+
+def test_progress_is_plain_lines_in_a_log_file_and_a_bar_on_a_terminal(tmp_path, capsys, monkeypatch):
+    # capsys: stdout and stderr are not terminals, as in a Slurm log or `> run.log`
+    _run(Monitor(_cfg(), _new(tmp_path, "a"), 60, 0, "grpo"), 60)
+    out, err = capsys.readouterr()
+    assert err == "" and "\r" not in out
+    lines = out.splitlines()
+    # 60 steps: a line every 5 (about 10 to 20 lines), the first (step 0, the startup eval) and the last
+    steps = [int(line.split()[2].split("/")[0]) for line in lines if line.startswith("[grpo] step ")]
+    assert steps == [0, 5, 10, 15, 20, 25, 30, 35, 40, 45, 50, 55, 60]
+    assert lines[0] == "[grpo] step 0/60  eval.accuracy=0.25"
+    assert "[grpo] step 20/60  reward.mean=0.2 eval.accuracy=0.35 loss.policy=0.0123 timing.step_s=0.51" in lines
+    assert lines.index("[grpo] a message") == lines.index("[grpo] step 30/60  reward.mean=0.3 eval.accuracy=0.35 "
+                                                          "loss.policy=0.0123 timing.step_s=0.51") + 1
+
+    # resumed from the checkpoint of step 7: its first step (8), then every 5, then the last
+    _run(Monitor(_cfg(), _new(tmp_path, "b"), 60, 7, "grpo"), 60, start=7)
+    out = capsys.readouterr().out
+    assert [int(line.split()[2].split("/")[0]) for line in out.splitlines() if " step " in line] == [
+        8, 10, 15, 20, 25, 30, 35, 40, 45, 50, 55, 60]
+
+    # a short run: every step
+    _run(Monitor(_cfg(), _new(tmp_path, "c"), 4, 0, "sft"), 4)
+    assert [line.split()[2] for line in capsys.readouterr().out.splitlines()] == ["0/4", "1/4", "2/4", "3/4", "4/4"]
+
+    # on a terminal: tqdm's bar (redrawn with carriage returns) and the messages as lines above it
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    terminal = Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    _run(Monitor(_cfg(), _new(tmp_path, "d"), 60, 0, "grpo"), 60)
+    assert "\r" in terminal.getvalue() and "grpo: 100%" in terminal.getvalue() and "60/60" in terminal.getvalue()
+    assert "[grpo] step" not in terminal.getvalue() + capsys.readouterr().out
+
+
+def _new(tmp_path, name):
+    (tmp_path / name).mkdir()
+    return tmp_path / name
+
+
+def _write(path, text):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
+def _rows(*steps):
+    return "".join(json.dumps({"step": s, "reward/mean": s / 10}) + "\n" for s in steps)
+
+
+def test_a_last_line_cut_short_by_a_kill_is_skipped_and_dropped_on_resume(tmp_path, capsys):
+    run = tmp_path / "grpo"
+    cut = '{"step": 3, "reward/me'
+    _write(run / "metrics.jsonl", _rows(0, 1, 2) + cut)
+    _write(run / "batches.jsonl", _rows(1, 2) + cut)
+    assert [m["step"] for m in read_metrics(run / "metrics.jsonl")] == [0, 1, 2]
+    assert capsys.readouterr().err == ""  # what a kill leaves is expected: no warning
+
+    # resumed from the checkpoint of step 2: the cut line is gone, the run appends step 3 after step 2
+    monitor = Monitor(_cfg(), run, 4, 2, "grpo")
+    monitor.log(3, {"reward/mean": 0.3})
+    monitor.close()
+    assert (run / "metrics.jsonl").read_text() == _rows(0, 1, 2) + json.dumps({"step": 3, "reward/mean": 0.3}) + "\n"
+    assert (run / "batches.jsonl").read_text() == _rows(1, 2)
+    assert capsys.readouterr().err == ""
+
+
+def test_a_damaged_line_inside_the_file_is_kept_and_warned_about(tmp_path, capsys):
+    """A kill cuts only the last line; a bad line before it is damage from elsewhere (two runs
+    writing one directory, an edit): readers skip it with a warning naming the file and line, and a
+    resume keeps it in the file as it is."""
+    run = tmp_path / "grpo"
+    damaged = '{"step": 2, "rew{"step": 2, "reward/mean": 0.2}\n'  # line 4, after a blank line
+    _write(run / "metrics.jsonl", _rows(0, 1) + "\n" + damaged + _rows(3, 4))
+    assert [m["step"] for m in read_metrics(run / "metrics.jsonl")] == [0, 1, 3, 4]
+    err = capsys.readouterr().err
+    assert f"rft: warning: {run / 'metrics.jsonl'} line 4 is not a JSON record" in err and err.count("\n") == 1
+
+    Monitor(_cfg(), run, 6, 3, "grpo").close()  # resumed from the checkpoint of step 3
+    assert (run / "metrics.jsonl").read_text() == _rows(0, 1) + damaged + _rows(3)
+    assert "line 4 is not a JSON record" in capsys.readouterr().err
+
+
+def test_a_run_killed_before_its_first_checkpoint_starts_its_logs_afresh(tmp_path):
+    """No checkpoint: the run starts again at step 0 (the startup eval included), so nothing the
+    killed run logged is kept; from the checkpoint of step s, the rows up to s are."""
+    run = tmp_path / "grpo"
+    _write(run / "metrics.jsonl", _rows(0, 1))
+    _write(run / "batches.jsonl", _rows(1))
+    monitor = Monitor(_cfg(), run, 4, 0, "grpo")
+    monitor.log(0, {"reward/mean": 0.0}, advance=False)
+    monitor.close()
+    assert [m["step"] for m in read_metrics(run / "metrics.jsonl")] == [0]
+    assert read_metrics(run / "batches.jsonl") == []
+
+    _write(run / "metrics.jsonl", _rows(0, 1, 2, 3))
+    Monitor(_cfg(), run, 4, 2, "grpo").close()
+    assert (run / "metrics.jsonl").read_text() == _rows(0, 1, 2)
+
+
+def test_tensorboard_drops_the_step_0_of_a_run_killed_before_its_first_checkpoint(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    cfg = compose_cfg(["monitor=tensorboard"])
+    killed = Monitor(cfg, tmp_path, 4, 0, "grpo")
+    killed.log(0, {"eval/accuracy": 0.1}, advance=False)
+    killed.close()
+    # TensorBoard reads a directory's event files in the order of their names (the second they were
+    # made in, then a counter): the killed run's file must come first
+    (old,) = (tmp_path / "tensorboard").iterdir()
+    old.rename(old.with_name("events.out.tfevents.0000000001.host.1.0"))
+    again = Monitor(cfg, tmp_path, 4, 0, "grpo")
+    again.log(0, {"eval/accuracy": 0.2}, advance=False)
+    again.log(1, {"eval/accuracy": 0.3})
+    again.close()
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [(e.step, round(e.value, 3)) for e in events.Scalars("eval/accuracy")] == [(0, 0.2), (1, 0.3)]

@@ -1,0 +1,149 @@
+"""What running a name again does: a changed config stops the run (or is accepted on request), a
+dry run writes nothing, a restart keeps the old run's whole record, and a finished stage is
+reused by another run with the same stage, once, even by concurrent jobs."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import rft.main
+from conftest import ROOT, compose_cfg, run_cli
+from rft.errors import ConfigError
+from rft.monitor import read_metrics
+from rft.rundir import differences, identity
+
+# a single stage that trains in a few seconds in this process
+TINY = ["stages=[]", "cluster=inline", "monitor=console", "buffer.batch_size=4", "algorithm.repeat_times=2",
+        "buffer.total_steps=2", "explorer.eval_interval=2", "trainer.save_interval=2", "explorer.eval_on_startup=false"]
+# the default's two stages on a budget: 4 warm-up steps, then 2 GRPO steps
+TWO_STAGES = ["cluster=inline", "monitor=console", "stages.0.buffer.total_steps=4",
+              "stages.0.algorithm.optimizer.warmup_steps=0", "buffer.total_steps=2", "buffer.batch_size=4",
+              "algorithm.repeat_times=2", "explorer.eval_interval=2", "explorer.eval_on_startup=false"]
+
+
+def steps(path):
+    return [m["step"] for m in read_metrics(path)]
+
+
+def test_differences_allow_only_a_longer_run():
+    old = identity({"seed": 1, "buffer": {"total_steps": 4}, "monitor": {"monitor_type": ["tensorboard"]},
+                    "algorithm": {"optimizer": {"lr": 2e-4}}})
+    grown = identity({"seed": 1, "buffer": {"total_steps": 6}, "monitor": {"monitor_type": []},
+                      "algorithm": {"optimizer": {"lr": 2e-4}}})
+    # where the run is watched (monitor) is not part of what it computes; a longer run is allowed
+    assert differences(old, grown) == []
+    shrunk = identity({"seed": 2, "buffer": {"total_steps": 3}, "algorithm": {"optimizer": {"lr": 1e-3}}})
+    assert differences(old, shrunk) == ["algorithm.optimizer.lr: 0.0002 -> 0.001", "buffer.total_steps: 4 -> 3",
+                                        "seed: 1 -> 2"]
+
+
+@pytest.mark.slow  # a real engine, Ray or training run
+def test_a_changed_config_under_the_same_name_stops_and_lists_the_changes(tmp_path):
+    args = [*TINY, f"checkpoint_root_dir={tmp_path}", "name=study", "stage_cache_dir=null"]
+    rft.main.main(compose_cfg(args))
+    run = tmp_path / "rft" / "study"
+    assert (run / "config.yaml").read_text().startswith("# fingerprint: ")
+    with pytest.raises(ConfigError) as e:
+        rft.main._main(compose_cfg([*args, "algorithm.optimizer.lr=1e-3"]))
+    assert str(e.value) == (
+        f"the run directory {run} holds a run made with another configuration (stage grpo: "
+        f"algorithm.optimizer.lr: 0.0002 -> 0.001). Running the same name resumes that run, so the change "
+        f"would be skipped or mixed in silently. Either give this run another name (name=...), start this "
+        f"one again (continue_from_checkpoint=false: the old outputs move to {run}/previous_<time>/), or "
+        f"continue it with the new values from its newest checkpoint (resume_with_changes=true)."
+    )
+    assert steps(run / "metrics.jsonl") == [1, 2]  # nothing ran
+    # a longer run is no change: it goes on from step 2
+    rft.main.main(compose_cfg([*args, "buffer.total_steps=4"]))
+    assert steps(run / "metrics.jsonl") == [1, 2, 3, 4]
+    # asked for, a change is accepted, and recorded with the stage
+    rft.main.main(compose_cfg([*args, "buffer.total_steps=5", "algorithm.optimizer.lr=1e-3", "resume_with_changes=true"]))
+    assert steps(run / "metrics.jsonl") == [1, 2, 3, 4, 5]
+    log = (run / "config_changes.log").read_text()
+    assert "resume_with_changes=true: algorithm.optimizer.lr: 0.0002 -> 0.001" in log
+    assert "lr: 0.001" in (run / "config.yaml").read_text()
+    assert read_metrics(run / "metrics.jsonl")[-1]["actor/lr"] == pytest.approx(1e-3)
+
+
+def snapshot(d):
+    return {str(p.relative_to(d)): (p.stat().st_mtime_ns, p.stat().st_size) for p in d.rglob("*")}
+
+
+@pytest.mark.slow
+def test_a_dry_run_writes_nothing_and_a_restart_keeps_the_old_record(tmp_path):
+    env = {"RFT_CHECKPOINT_ROOT_DIR": str(tmp_path)}
+    run = tmp_path / "rft" / "rec"
+    r = run_cli(*TINY, "name=rec", "seed=3", env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "seed=3" in (run / ".hydra" / "overrides.yaml").read_text()
+    assert (run / ".hydra" / "config.yaml").exists() and (run / "run.log").exists()
+    before = snapshot(run)
+
+    r = run_cli(*TINY, "name=rec", "seed=3", "dry_run=true", env=env)
+    assert r.returncode == 0, r.stderr
+    assert "batch plan" in r.stdout and f"outputs        {run}" in r.stdout
+    assert snapshot(run) == before  # not one file added, changed or touched
+    r = run_cli(*TINY, "name=never_run", "dry_run=true", env=env)
+    assert r.returncode == 0 and not (tmp_path / "rft" / "never_run").exists()
+
+    r = run_cli(*TINY, "name=rec", "seed=4", "continue_from_checkpoint=false", env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    (old,) = run.glob("previous_*")
+    assert "moved the earlier outputs to" in r.stdout
+    # the old run whole: its record, log, metrics and checkpoints; the new one beside it
+    assert "seed=3" in (old / ".hydra" / "overrides.yaml").read_text()
+    assert (old / "run.log").exists() and (old / "checkpoints" / "step_2" / "hf").is_dir()
+    assert steps(old / "metrics.jsonl") == [1, 2]
+    assert "seed=4" in (run / ".hydra" / "overrides.yaml").read_text()
+    assert steps(run / "metrics.jsonl") == [1, 2]
+    assert (run / "run.log").exists() and "seed: 4" in (run / "config.yaml").read_text()
+
+
+@pytest.mark.slow  # a real engine, Ray or training run
+def test_a_finished_stage_is_reused_by_another_run_with_the_same_stage(tmp_path, capsys):
+    common = [*TWO_STAGES, f"checkpoint_root_dir={tmp_path}"]
+    rft.main.main(compose_cfg([*common, "name=first"]))
+    rft.main.main(compose_cfg([*common, "name=second", "algorithm.optimizer.lr=1e-3"]))
+    out = capsys.readouterr().out
+    first, second = tmp_path / "rft" / "first", tmp_path / "rft" / "second"
+    # the warm-up (its own lr) is the same stage: copied; the RL stage (another lr) trained
+    assert out.count("[sft_warmup] reused: the same stage") == 1
+    assert f"finished in {first / 'sft_warmup'}" in out
+    assert (second / "sft_warmup" / "reused_from").exists() and not (second / "grpo" / "reused_from").exists()
+    a = load_file(first / "sft_warmup" / "checkpoints" / "step_4" / "hf" / "model.safetensors")
+    b = load_file(second / "sft_warmup" / "checkpoints" / "step_4" / "hf" / "model.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert steps(second / "sft_warmup" / "metrics.jsonl") == steps(first / "sft_warmup" / "metrics.jsonl")
+    assert steps(second / "grpo" / "metrics.jsonl") == [1, 2]
+    assert read_metrics(second / "grpo" / "metrics.jsonl")[-1]["actor/lr"] == pytest.approx(1e-3)
+    # another seed is another warm-up: trained, not reused; with the cache off, nothing is reused
+    rft.main.main(compose_cfg([*common, "name=third", "seed=7"]))
+    rft.main.main(compose_cfg([*common, "name=fourth", "stage_cache_dir=null"]))
+    out = capsys.readouterr().out
+    assert "reused" not in out
+    assert not (tmp_path / "rft" / "third" / "sft_warmup" / "reused_from").exists()
+
+
+@pytest.mark.slow
+def test_concurrent_jobs_with_the_same_stage_train_it_once(tmp_path):
+    env = {**os.environ, "RFT_CHECKPOINT_ROOT_DIR": str(tmp_path)}
+    procs = [subprocess.Popen([sys.executable, str(ROOT / "run.py"), *TWO_STAGES, f"name=job{i}",
+                               f"algorithm.optimizer.lr={lr}", "stages.0.buffer.total_steps=40"],
+                              cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for i, lr in enumerate(["1e-4", "3e-4"])]
+    outs = [p.communicate(timeout=600)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    # one trained the warm-up while the other waited for it, then copied it
+    waited = [o for o in outs if "waiting for another job that trains the same stage" in o]
+    assert len(waited) == 1 and "[sft_warmup] reused" in waited[0]
+    trained = [o for o in outs if o not in waited][0]
+    assert "reused" not in trained
+    a, b = (load_file(tmp_path / "rft" / f"job{i}" / "sft_warmup" / "checkpoints" / "step_40" / "hf" /
+                      "model.safetensors") for i in (0, 1))
+    assert all(torch.equal(a[k], b[k]) for k in a)
