@@ -30,7 +30,8 @@ def bench(cfg, run_dir: Path) -> float | None:
     found = []  # (stage name, checkpoint)
     for s in stages:
         stage_dir = run_dir / s.stage_name if s.stage_name else run_dir
-        found += [(s.stage_name or s.algorithm.algorithm_type, c) for c in list_checkpoints(stage_dir)]
+        found += [(s.stage_name or s.algorithm.algorithm_type, c) for c in list_checkpoints(stage_dir)
+                  if "damaged" not in c.state]
     if not found:
         raise ConfigError(
             f"mode=bench found no checkpoints under {run_dir}. Give the trained run's name "

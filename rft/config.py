@@ -372,8 +372,9 @@ class Config:
     # resume even though the config differs from the one the run was started with (the run stops
     # and lists the differences otherwise); the accepted changes go to <stage>/config_changes.log
     resume_with_changes: bool = False
-    # finished stages are published here and reused by any later stage with the same config,
-    # starting model and data (a sweep's shared warm-up runs once); null: no reuse
+    # finished stages that a later stage starts from (warm-ups; never a run's last stage) are
+    # published here and reused by any stage with the same config, starting model and data (a
+    # sweep's shared warm-up runs once per seed); null: no reuse
     stage_cache_dir: Optional[str] = None
     # print the batch plan and exit, without starting Ray or loading a model
     dry_run: bool = False

@@ -16,7 +16,6 @@ import queue
 import random
 import threading
 import time
-from pathlib import Path
 
 import torch
 

@@ -212,7 +212,8 @@ def _main(cfg: DictConfig) -> float | None:
     from rft.models import ensure_model
     from rft.plan import describe, format_plan, make_plan
 
-    for key, mode in [("mode", cfg.mode)] + [(f"stages[{i}].mode", s.get("mode")) for i, s in enumerate(cfg.stages or [])]:
+    stage_modes = [(f"stages[{i}].mode", s.get("mode")) for i, s in enumerate(cfg.stages or []) if isinstance(s, DictConfig)]
+    for key, mode in [("mode", cfg.mode), *stage_modes]:
         if mode is not None and mode not in MODES:
             raise ConfigError(f"{key}={mode!r} is not a mode; choose one of {', '.join(MODES)}.")
     if cfg.mode == "bench":
@@ -239,7 +240,6 @@ def _main(cfg: DictConfig) -> float | None:
 
     from rft.monitor import read_metrics
     from rft.placement import check_allocation
-    from rft.runner import run_stage
 
     check_allocation(cfg)
     rundir.check_writable(run_dir)
@@ -258,27 +258,16 @@ def _main(cfg: DictConfig) -> float | None:
     started_ray = stages[0].cluster.backend == "ray" and _start_ray(stages[0], run_dir)
     try:
         init_path, start = None, rundir.start_identity(stages[0].model)
-        for s, plan, stage_dir in zip(stages, plans, stage_dirs):
+        for i, (s, plan, stage_dir) in enumerate(zip(stages, plans, stage_dirs)):
             title = s.stage_name or s.algorithm.algorithm_type
-            if title in changes:
-                rundir.note_changes(stage_dir, changes[title])
             key = rundir.cache_key(s, start)
-            start = f"stage:{key}"
-            entry = cache / key if cache and rundir.cacheable(s) else None
-            with rundir.stage_lock(entry, title, print):
-                reused = None
-                if entry is not None and cfg.continue_from_checkpoint and not rundir.has_outputs(stage_dir):
-                    reused = rundir.reuse(entry, stage_dir, title, print)
-                if reused is not None:
-                    init_path = str(reused)
-                    continue
-                if title in changes or rundir.saved_config(stage_dir) is None or not rundir.has_outputs(stage_dir):
-                    rundir.write_config(s, stage_dir)
-                final = run_stage(s, plan, stage_dir, init_path, title)
-                if entry is not None and final is not None:
-                    rundir.publish(entry, stage_dir, final.parent)
-                if final is not None:
-                    init_path = str(final)
+            start = f"stage:{key}"  # the next stage starts where this one ends
+            # a stage another one starts from (a warm-up), not the run's own last stage: a re-run
+            # of a whole config (a benchmark, a check of reproducibility) trains, not copies
+            shared = i < len(stages) - 1 and rundir.cacheable(s)
+            entry = cache / key if cache and shared else None
+            final = _run_or_reuse(s, plan, stage_dir, init_path, title, entry, changes.get(title))
+            init_path = str(final) if final is not None else init_path
     finally:
         if started_ray:
             import ray
@@ -292,6 +281,26 @@ def _main(cfg: DictConfig) -> float | None:
               file=sys.stderr)
         return None
     return values[-1]
+
+
+def _run_or_reuse(cfg, plan, stage_dir: Path, init_path, title: str, entry: Path | None, changes: list | None):
+    """Run a stage, or copy it from the stage cache (`entry`, None: no cache) if it finished
+    there and this run has not started it; returns its final model's directory (None: none)."""
+    from rft.runner import run_stage
+
+    with rundir.stage_lock(entry, title, print):
+        if entry is not None and cfg.continue_from_checkpoint and not rundir.has_outputs(stage_dir):
+            reused = rundir.reuse(entry, stage_dir, title, print)
+            if reused is not None:
+                return reused
+        if changes:
+            rundir.note_changes(stage_dir, changes)
+        if changes or rundir.saved_config(stage_dir) is None or not rundir.has_outputs(stage_dir):
+            rundir.write_config(cfg, stage_dir)
+        final = run_stage(cfg, plan, stage_dir, init_path, title)
+        if entry is not None and final is not None:
+            rundir.publish(entry, stage_dir, final.parent)
+        return final
 
 
 def _remove_if_empty(path: Path) -> None:

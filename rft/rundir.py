@@ -13,11 +13,12 @@ config, except for the keys that say where the run is written, where it runs and
 watched (`WHERE_AND_HOW`) and `buffer.total_steps` going up: otherwise the run stops before
 anything starts, listing the differences and the three ways on.
 
-The stage cache (`stage_cache_dir`): a finished stage's final checkpoint and logs are published
-under `<stage_cache_dir>/<key>/`; a later stage with the same key (the same config except
-`WHERE_AND_HOW`, the same starting model and the same data files) is copied from there instead of
-trained again: a sweep over the RL stage's learning rate runs its shared SFT warm-up once per
-seed. Files are hard-linked where the filesystem allows. A lock per key makes concurrent jobs (a
+The stage cache (`stage_cache_dir`): a finished stage that a later stage starts from (a warm-up;
+not a run's last stage, which a re-run of the same config means to train) is published with its
+final checkpoint and logs under `<stage_cache_dir>/<key>/`; a stage with the same key (the same
+config except `WHERE_AND_HOW`, the same starting model and the same data files) is copied from
+there instead of trained again: a sweep over the RL stage's learning rate runs its shared SFT
+warm-up once per seed. Files are hard-linked where the filesystem allows. A lock per key makes concurrent jobs (a
 sweep on Slurm, on a filesystem with working file locks) wait for the one that trains the stage.
 """
 

@@ -382,8 +382,9 @@ class StageRun:
                 if redo_on != self.synced:
                     self._serve(i, self.synced)  # calls run in order: the explore uses redo_on
 
-    def _revive(self, i: int, error: Exception) -> None:
-        """Wait for Ray to restart explorer i, then give it the weights the explorers serve now."""
+    def _revive(self, i: int, error: Exception, serve: bool = True) -> None:
+        """Wait for Ray to restart explorer i, then give it the weights the explorers serve now
+        (serve=False: the caller is about to sync every explorer anyway)."""
         explorer = self.explorers[i]
         self.monitor.print(f"[{self.title}] {explorer.name} died ({type(error).__name__}); waiting for Ray to restart it")
         deadline = time.monotonic() + self.cfg.explorer.restart_timeout
@@ -402,7 +403,8 @@ class StageRun:
             # it restarted on the stage's starting weights
             if hasattr(self.sync, "reset"):
                 self.sync.reset(self.trainer, self.explorers)  # the old group lost a member
-            self._serve(i, self.synced)
+            if serve:
+                self._serve(i, self.synced)
         else:
             self._pick_up_checkpoint([explorer], force=True)
         self.monitor.print(f"[{self.title}] {explorer.name} is back (process {pid}); redoing its work")
@@ -567,7 +569,7 @@ class StageRun:
                     try:
                         explorer.call("ping")
                     except Exception as dead:
-                        self._revive(i, dead)
+                        self._revive(i, dead, serve=False)
         self.synced = version
         self._keep_snapshots()
 

@@ -33,11 +33,17 @@ def warm_start(tmp_path_factory):
     import rft.main
 
     root = tmp_path_factory.mktemp("warm")
-    cfg = compose_cfg(["cluster=inline", "monitor=console", f"checkpoint_root_dir={root}"])
-    with open_dict(cfg):
-        cfg.stages = cfg.stages[:1]
+    # the default with one GRPO step: the warm-up, a stage the next one starts from, goes into the
+    # stage cache <root>/rft/stage_cache, where a test of the whole default reuses it (warm_cache)
+    cfg = compose_cfg(["cluster=inline", "monitor=console", f"checkpoint_root_dir={root}", "buffer.total_steps=1"])
     rft.main.main(cfg)
     return root / "rft" / cfg.name / "sft_warmup" / "checkpoints" / "step_400" / "hf"
+
+
+@pytest.fixture(scope="session")
+def warm_cache(warm_start):
+    """The stage cache holding the default's warm-up (stage_cache_dir=<this>: it is not run again)."""
+    return warm_start.parents[4] / "stage_cache"
 
 
 def compose_cfg(overrides=(), keep_hydra: bool = False):

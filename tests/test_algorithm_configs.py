@@ -1,4 +1,5 @@
-"""Every conf/algorithm/*.yaml runs two steps on the tiny model: finite losses, metrics, the plan kept."""
+"""Every conf/algorithm/*.yaml trains on the default study with only that override (on a budget:
+two warm-up steps, then two steps of the algorithm): finite losses, metrics, the plan kept."""
 
 import math
 
@@ -8,32 +9,38 @@ import rft.main
 from conftest import CONF, compose_cfg
 from rft.monitor import read_metrics
 
-OFFLINE = {"sft", "dpo"}  # they train from a dataset (mode=train), tested below
-RL_ALGORITHMS = sorted(p.stem for p in (CONF / "algorithm").glob("*.yaml") if p.stem not in OFFLINE)
-
+ALGORITHMS = sorted(p.stem for p in (CONF / "algorithm").glob("*.yaml"))
+OFFLINE = {"sft", "dpo"}  # they set mode=train and read the taskset's answers / pairs
 
 MIX_DATA = ["+buffer.trainer_input.auxiliary_buffers.sft_dataset.path=${buffer.explorer_input.taskset.path}",
             "+buffer.trainer_input.auxiliary_buffers.sft_dataset.format.response_key=answer"]
-EXTRA = {"mix": MIX_DATA}
+# the default study on a budget: 2 warm-up steps, then 2 steps of 4 tasks x 4 rollouts (or 16 rows)
+BUDGET = ["stages.0.buffer.total_steps=2", "stages.0.algorithm.optimizer.warmup_steps=0", "buffer.total_steps=2",
+          "buffer.batch_size=4", "algorithm.repeat_times=4", "trainer.mini_batch_size=8",
+          "trainer.micro_batch_size_per_gpu=4", "cluster=inline", "monitor=console", "explorer.eval_interval=2",
+          "explorer.eval_on_startup=false"]
 
 
-@pytest.mark.parametrize("algorithm", RL_ALGORITHMS)
-@pytest.mark.slow  # a real engine, Ray or training run
-def test_algorithm_runs_two_steps(algorithm, tmp_path):
-    cfg = compose_cfg([f"algorithm={algorithm}", *EXTRA.get(algorithm, []), "stages=[]", "cluster=inline", "monitor=console",
-                       "buffer.total_steps=2", "buffer.batch_size=4", "algorithm.repeat_times=4",
-                       "trainer.mini_batch_size=8", "trainer.micro_batch_size_per_gpu=4",
-                       f"checkpoint_root_dir={tmp_path}", "explorer.eval_on_startup=false",
-                       "explorer.eval_interval=100"])
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@pytest.mark.slow  # a training run
+def test_every_algorithm_trains_on_the_default_study(algorithm, tmp_path):
+    extra = ["buffer.train_batch_size=16"] if algorithm in OFFLINE else []
+    cfg = compose_cfg([f"algorithm={algorithm}", *BUDGET, *extra, f"checkpoint_root_dir={tmp_path}"])
     rft.main.main(cfg)
-    steps = read_metrics(tmp_path / "rft" / cfg.name / "metrics.jsonl")
-    assert [m["step"] for m in steps] == [1, 2]
+    run = tmp_path / "rft" / cfg.name
+    assert [m["step"] for m in read_metrics(run / "sft_warmup" / "metrics.jsonl")] == [1, 2]
+    steps = read_metrics(run / algorithm / "metrics.jsonl")
+    assert [m["step"] for m in steps] == [1, 2] and "eval/accuracy" in steps[-1]
     for m in steps:
         assert math.isfinite(m["loss/policy"]) and math.isfinite(m["actor/grad_norm"])
-        # 4 tasks x 4 rollouts = 16 experiences; 16 / 8 = 2 optimizer steps per step
+        # 4 tasks x 4 rollouts = 16 experiences (16 rows offline); 16 / 8 = 2 optimizer steps per step
         assert m["train/experiences"] == 16
         assert "actor/entropy" in m and "advantage/std" in m
-        if algorithm == "dapo":
+        if algorithm in OFFLINE:
+            # two warm-up steps leave the model answering nothing right: RL gets no signal, but
+            # the supervised algorithms learn from their data
+            assert m["loss/policy"] > 0 and m["actor/grad_norm"] > 0
+        elif algorithm == "dapo":
             # the untrained model is rarely right; only the overlong penalty makes rewards differ.
             # Dynamic sampling either filled the batch with groups that carry signal, or used all
             # 4 draws and topped it up with flat groups (the size never changes)
@@ -41,6 +48,8 @@ def test_algorithm_runs_two_steps(algorithm, tmp_path):
             assert 1 <= tries <= 4 and (flat == 0.0 or tries == 4)
         else:
             assert m["rollout/sampling_tries"] == 1
+        if algorithm == "mix":  # its SFT term on the taskset's answers: 0.1 x -log p, at most
+            assert 0.0 < m["loss/sft"] < 0.6  # ~ 0.1 x ln(103 tokens) = 0.46 untrained
 
 
 OFFLINE_DATA = ["mode=train", "stages=[]", "cluster=inline", "monitor=console", "buffer.total_steps=3",

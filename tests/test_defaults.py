@@ -1,7 +1,6 @@
 """Every option of every config group works on the embedded default with only that override:
-each plans (dry run), and each algorithm and sync method trains a few steps of the default study."""
-
-import math
+each plans (dry run), and each sync method trains a few steps of the default study (each
+algorithm: tests/test_algorithm_configs.py)."""
 
 import pytest
 
@@ -39,38 +38,19 @@ def test_every_option_plans_on_the_default(group, option, tmp_path, monkeypatch,
     assert "batch plan: stage" in out and "outputs        " in out
 
 
-# the default study on a budget: 2 warm-up steps, then 2 steps of the algorithm
+# the default study on a budget: 2 warm-up steps, then 2 GRPO steps (every algorithm on it:
+# tests/test_algorithm_configs.py)
 BUDGET = ["stages.0.buffer.total_steps=2", "stages.0.algorithm.optimizer.warmup_steps=0", "buffer.total_steps=2",
           "buffer.batch_size=4", "algorithm.repeat_times=2", "explorer.eval_interval=2", "monitor=console"]
-
-
-def algorithms():
-    return sorted(p.stem for p in (CONF / "algorithm").glob("*.yaml"))
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("algorithm", algorithms())
-def test_every_algorithm_trains_on_the_default_study(algorithm, tmp_path):
-    cfg = compose_cfg([f"algorithm={algorithm}", *BUDGET, "cluster=inline", f"checkpoint_root_dir={tmp_path}"])
-    rft.main.main(cfg)
-    run = tmp_path / "rft" / cfg.name
-    warm = read_metrics(run / "sft_warmup" / "metrics.jsonl")
-    steps = read_metrics(run / algorithm / "metrics.jsonl")
-    assert [m["step"] for m in warm] == [0, 1, 2] and [m["step"] for m in steps] == [0, 1, 2]
-    for m in steps[1:]:
-        assert math.isfinite(m["loss/policy"]) and math.isfinite(m["actor/grad_norm"])
-        # two warm-up steps leave the model answering nothing right: RL gets no signal, but the
-        # supervised algorithms learn from their data
-        if algorithm in ("sft", "dpo"):
-            assert m["actor/grad_norm"] > 0 and m["loss/policy"] > 0
-    assert "eval/accuracy" in steps[-1]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("sync", sorted(p.stem for p in (CONF / "sync").glob("*.yaml")))
 def test_every_sync_method_trains_on_the_default_study(sync, tmp_path):
-    # through Ray (cluster=local, the default), as collective needs
-    cfg = compose_cfg([f"sync={sync}", *BUDGET, f"checkpoint_root_dir={tmp_path}"])
+    # collective broadcasts between processes: through Ray (cluster=local, the default); the
+    # others in this process
+    where = [] if sync == "collective" else ["cluster=inline"]
+    cfg = compose_cfg([f"sync={sync}", *BUDGET, *where, f"checkpoint_root_dir={tmp_path}"])
     rft.main.main(cfg)
     steps = read_metrics(tmp_path / "rft" / cfg.name / "grpo" / "metrics.jsonl")
     assert [m["sync/version"] for m in steps[1:]] == [1, 2]

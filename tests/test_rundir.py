@@ -2,11 +2,9 @@
 dry run writes nothing, a restart keeps the old run's whole record, and a finished stage is
 reused by another run with the same stage, once, even by concurrent jobs."""
 
-import json
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
