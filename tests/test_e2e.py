@@ -1,12 +1,10 @@
 """End-to-end runs of the real entry point: the default learns, and a killed run resumes exactly."""
 
-import json
 import os
 import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -39,7 +37,7 @@ def test_shortened_default_learns_through_ray(tmp_path, warm_cache):
     assert len(losses) == 400 and losses[-1] < losses[0]
     sft_end = evals(sft)[-1]
     assert sft_end == start and sft_end < end - 0.3
-    assert f"[sft_warmup] reused: the same stage (same config, starting model and data) finished in " in r.stdout
+    assert "[sft_warmup] reused: the same stage (same config, starting model and data) finished in " in r.stdout
     assert [m["step"] for m in grpo] == list(range(0, 31))
     for key in ["reward/mean", "reward/std", "response_length/mean", "actor/entropy", "actor/clip_frac",
                 "actor/approx_kl", "actor/grad_norm", "actor/lr", "timing/rollout_s", "timing/train_s",
