@@ -28,8 +28,8 @@ no per-set accuracy). An eval accuracy's best is its highest.
 Seeds: jobs whose overrides are the same but for `seed` are one configuration (--no-group: none
 are). `n` counts its jobs with metrics in the stage; std is the sample std (N-1) over them, and
 the curves' band covers the steps every one of them logged.
-`time_s` is the seconds the job's metrics account for (steps, evals and saves of every stage; not
-process start or model loading). A job without metrics is a row that says so; directories named
+`time_s` is the seconds the job's metrics account for (steps, evals and saves of every stage it
+trained itself, not of one reused from the stage cache; not process start or model loading). A job without metrics is a row that says so; directories named
 `previous_*` (earlier outputs moved aside) are ignored.
 """
 
@@ -188,7 +188,8 @@ def read_job(job_dir: Path, stage: str | None = None, name: str | None = None) -
         return job
     plan = planned_stages(job_dir)
     order = [s for s, _ in plan]
-    every = [m for p in logged.values() for m in read_jsonl(p)]
+    # a stage copied from the stage cache (reused_from) cost this job nothing: its time is another's
+    every = [m for p in logged.values() if not (p.parent / "reused_from").exists() for m in read_jsonl(p)]
     job.time_s = sum(m.get(k, 0.0) for m in every for k in TIMING_KEYS) or None
     if stage is None:  # the last configured stage that logged; else the one written last
         job.stage = [s for s in job_stages(job_dir) if s in logged][-1]
@@ -389,7 +390,8 @@ def write_markdown(path: Path, sweep_dir: Path, jobs: list[Job], keys: list[str]
     if by_config:
         lines += ["", "## By configuration: mean ± std over seeds", ""] + _md_table(by_config)
     lines += ["", "![the metrics over steps](rewards.png)", "",
-              "`time_s`: seconds in steps, evals and saves, all stages (not start-up or model loading)."
+              "`time_s`: seconds in steps, evals and saves of the stages the job trained (not reused "
+              "ones, start-up or model loading)."
               + (" `n`: the seeds with metrics in the stage; std over them (N-1)." if by_config else ""), ""]
     path.write_text("\n".join(lines))
 

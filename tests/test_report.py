@@ -358,3 +358,12 @@ def test_the_command_line(sweep, tmp_path):
     r = subprocess.run([sys.executable, "-m", "rft.report", str(tmp_path / "empty")], cwd=ROOT,
                        capture_output=True, text=True)
     assert r.returncode == 2 and "holds no job directories" in r.stderr
+
+
+def test_a_stage_reused_from_the_stage_cache_costs_the_job_no_time(sweep):
+    # job 0: SFT 0.5 + 1 + 1 + 0.5 + 0.25 = 3.25 s, GRPO 1 + 2 + 2 + 1 + 2 + 0.5 = 8.5 s: 11.75 s in
+    # all; with its warm-up copied from another job, only its own GRPO's 8.5 s
+    (sweep / "0" / "sft_warmup" / "reused_from").write_text("<cache entry>\n<the job that trained it>\n")
+    report.report(sweep)
+    rows = list(csv.DictReader((sweep / "report.csv").open()))
+    assert float(rows[0]["time_s"]) == 8.5
