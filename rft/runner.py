@@ -33,7 +33,7 @@ from omegaconf import open_dict
 from rft.actors import ACTOR_BACKENDS
 from rft.buffer import DatasetReader, is_experience_file, make_buffer
 from rft.errors import RunError
-from rft.engine import fingerprint, same_weights
+from rft.engine import format_fingerprint, same_weights, weight_sums
 from rft.explorer import Explorer, rollout_metrics
 from rft.monitor import Monitor, read_metrics
 from rft.sync import SYNC_METHODS
@@ -90,17 +90,28 @@ def damage(ckpt: Checkpoint, has_model: bool) -> str | None:
     if not (ckpt.path / "trainer_state.pt").is_file():
         return f"{ckpt.path / 'trainer_state.pt'}: missing"
     try:
-        from safetensors.torch import load_file
-
-        got = fingerprint({k: v for f in sorted(ckpt.hf_path.glob("*.safetensors")) for k, v in load_file(f).items()})
         if not weights.exists() and not (ckpt.hf_path / "model.safetensors.index.json").exists():
             raise FileNotFoundError(weights)
+        got = _file_fingerprint(sorted(ckpt.hf_path.glob("*.safetensors")))
     except Exception as e:  # missing, truncated, a damaged header
         return f"{weights}: {'missing' if not weights.exists() else f'does not load ({type(e).__name__})'}"
     expected = ckpt.state.get("saved_fingerprint")
     if expected is not None and not same_weights(got, expected):
         return f"{weights}: its weights are not the ones saved (fingerprint {got}, state.json has {expected})"
     return None
+
+
+def _file_fingerprint(files) -> str:
+    """The fingerprint of the tensors in safetensors files, read one tensor at a time (a large
+    model's weights never sit in this process whole)."""
+    from safetensors import safe_open
+
+    total = [0.0, 0.0, 0.0]
+    for f in files:
+        with safe_open(str(f), "pt") as h:
+            for k in h.keys():
+                total = [a + b for a, b in zip(total, weight_sums([h.get_tensor(k)]))]
+    return format_fingerprint(total)
 
 
 def usable_checkpoint(stage_dir: Path, has_model: bool, title: str, say, before: int | None = None):
@@ -188,7 +199,6 @@ class StageRun:
             ranks = [options.pop(0) for _ in range(trainer_ranks(cfg))]
             self.trainer = start_trainer(Actor, cfg, self.plan, init_path, f"{title}_{cfg.trainer.name}", common, ranks)
             latest = self._load(latest)
-        self.latest = latest
         self.start = latest.step if latest else 0
         saved = latest.state if latest else {}
         # mode=train still evaluates with an explorer when there are eval tasksets
