@@ -8,9 +8,12 @@ travels between the actors directly (the object store), not through this process
 
 from __future__ import annotations
 
+import datetime
 import logging
 import os
 from pathlib import Path
+
+from rft.errors import ConfigError
 
 
 def setup_actor_logging(log_dir: str, name: str, level: str) -> None:
@@ -155,3 +158,79 @@ class ActorGroup:
             if isinstance(a, InlineActor) and a.obj is not None:
                 a.obj.close()  # leave the process group while its store (self._keep) is alive
             a.kill()
+
+
+# ---------------------------------------------------------------- building the actor set
+
+def placement_for(cfg, timeout_s: float = 60.0):
+    """Reserve the actors' resources as one placement group; returns (group, options per actor).
+
+    options[0] is the trainer's (when there is one), then one per explorer.
+    """
+    import ray
+    from ray.util.placement_group import placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from rft.placement import check_placement
+
+    p = check_placement(cfg)
+    c = cfg.cluster
+    have = ray.cluster_resources()
+    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    if c.node_num > len(nodes):
+        raise ConfigError(
+            f"cluster.node_num={c.node_num} but the Ray cluster has {len(nodes)} node(s). Start "
+            f"Ray on every node of the allocation, or set cluster.node_num={len(nodes)}."
+        )
+    need: dict[str, float] = {}
+    for b in p.bundles:
+        for k, v in b.items():
+            need[k] = need.get(k, 0) + v
+    for k, v in need.items():
+        if have.get(k, 0) < v:
+            raise ConfigError(
+                f"the actors need {v:g} {k} (cluster.cpus_per_actor={c.cpus_per_actor}, "
+                f"gpu_per_node={c.gpu_per_node}, explorer.rollout_model.engine_num="
+                f"{cfg.explorer.rollout_model.engine_num}, colocate={c.colocate}) but the Ray "
+                f"cluster has {have.get(k, 0):g}. Lower those, or start Ray with more "
+                f"(cluster.num_cpus for a local instance)."
+            )
+    pg = placement_group(p.bundles, strategy="PACK")
+    ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
+    if not ready:
+        ray.util.remove_placement_group(pg)
+        raise ConfigError(f"Ray could not place the bundles {p.bundles} within {timeout_s:g} s.")
+    opts = []
+    for i, b in enumerate(p.bundles if p.share == 1.0 else [p.bundles[0]] * round(1 / p.share)):
+        index = i if p.share == 1.0 else 0
+        opts.append(dict(
+            num_cpus=b["CPU"] * p.share,
+            num_gpus=b.get("GPU", 0) * p.share,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index),
+        ))
+    return pg, opts
+
+
+def start_trainer(Actor, cfg, plan, init_path, name: str, common: dict, options: list[dict]):
+    """The trainer actor: one Trainer (trainer=torch), or an ActorGroup of FSDPTrainer ranks.
+
+    `options`: Ray options per rank (from placement_for), one per rank.
+    """
+    from rft.fsdp import FSDPTrainer
+    from rft.trainer import Trainer
+
+    if cfg.trainer.trainer_strategy != "fsdp2":
+        return Actor(Trainer, cfg, plan, init_path, name=name, **common, **options[0])
+    import torch.distributed as dist
+
+    from rft.sync import free_address
+
+    host, _ = free_address()
+    # the ranks' meeting point lives in this (the driver's) process for the trainer's lifetime
+    store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=cfg.synchronizer.sync_timeout))
+    world = len(options)
+    ranks = [Actor(FSDPTrainer, cfg, plan, init_path, r, world, (host, store.port),
+                   name=f"{name}_{r}" if world > 1 else name, **common, **options[r])
+             for r in range(world)]
+    return ActorGroup(ranks, keep=store)

@@ -18,7 +18,7 @@ from rft.errors import ConfigError
 
 def bench(cfg, run_dir: Path) -> float | None:
     from rft.explorer import Explorer
-    from rft.main import stage_configs
+    from rft.plan import stage_configs
     from rft.models import ensure_model
     from rft.runner import list_checkpoints
     from rft.tasks import ensure_task_data

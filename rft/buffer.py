@@ -22,7 +22,6 @@ import argparse
 import heapq
 import json
 import os
-import random
 import sys
 import threading
 import time
@@ -33,24 +32,11 @@ import sqlalchemy as sa
 from filelock import FileLock
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 
+from rft.data import WHERE, is_experience_file
 from rft.errors import ConfigError
-from rft.experience import Experience
-from rft.tasks import load_rows, rows_to_messages
-from rft.workflows import chat_ids
+from rft.experience import PRIORITY_FNS, Experience, check_priority_fn
 
-WHERE = "buffer.trainer_input.experience_buffer"
 POLL_S = 0.05  # how often a waiting reader looks again where no writer can wake it
-
-
-def epoch_batch(n_items: int, per_step: int, step: int, epoch_seed) -> list[int]:
-    """Indices of step `step`'s batch: each epoch is a fresh shuffle seeded by epoch_seed(epoch).
-
-    A pure function of the step, so a resumed run reads exactly what an uninterrupted one would.
-    """
-    epoch, pos = divmod(step, n_items // per_step)
-    order = list(range(n_items))
-    random.Random(epoch_seed(epoch)).shuffle(order)
-    return order[pos * per_step : (pos + 1) * per_step]
 
 
 def _timeout(name: str, n: int, timeout: float, where: str) -> TimeoutError:
@@ -85,30 +71,6 @@ def _no_replay(buf_cfg, where: str) -> None:
 
 
 # ---------------------------------------------------------------- queue (in memory)
-
-def linear_decay(exp: Experience, times_used: int, decay: float = 2.0) -> float:
-    """Newer policies first, and each reuse costs `decay` versions of priority."""
-    return exp.policy_version - decay * times_used
-
-
-# name -> fn(exp, times_used, **priority_fn_args) -> priority; the highest is read first
-PRIORITY_FNS = {"linear_decay": linear_decay}
-
-
-def check_priority_fn(name: str, args, where: str) -> None:
-    """replay_buffer.priority_fn names a known function, and priority_fn_args are arguments it takes."""
-    import inspect
-
-    if name not in PRIORITY_FNS:
-        raise ConfigError(f"{where}.priority_fn={name!r} is not known; choose one of {sorted(PRIORITY_FNS)}.")
-    params = list(inspect.signature(PRIORITY_FNS[name]).parameters)[2:]
-    unknown = sorted(set(args or {}) - set(params))
-    if unknown:
-        raise ConfigError(
-            f"{where}.priority_fn_args has {unknown}, which priority_fn={name} does not take; "
-            f"its arguments are {params}."
-        )
-
 
 class QueueBuffer:
     """Experiences in this process's memory, shared by the threads that put and get.
@@ -540,23 +502,6 @@ def make_buffer(buf_cfg, where: str = WHERE):
 SQL_SUFFIXES = (".db", ".sqlite", ".sqlite3")
 
 
-def is_experience_file(path) -> bool:
-    """True for a JSONL file written by `FileBuffer` (its first line has "tokens"), false for
-    anything else, such as a dataset of prompt/response rows."""
-    path = Path(os.path.expanduser(str(path)))
-    if path.suffix != ".jsonl" or not path.is_file():
-        return False
-    with open(path, "rb") as f:
-        for line in f:
-            if line.strip():
-                try:
-                    row = json.loads(line)
-                except ValueError:  # not JSON
-                    return False
-                return isinstance(row, dict) and "tokens" in row
-    return False
-
-
 def _stored(path: str, limit: int, offset: int) -> tuple[int, list[tuple[int, Experience]]]:
     """(how many are stored, [(id, experience)] of up to `limit` after the first `offset`)."""
     path = str(path)
@@ -602,50 +547,6 @@ def count_experiences(path: str, key: str = "path") -> int:
         return _stored(path, 0, 0)[0]
     except FileNotFoundError as e:
         raise ConfigError(f"{key}={path!r}: no such file (relative paths are relative to {os.getcwd()}).") from e
-
-
-class DatasetReader:
-    """Prompt/response rows as experiences; step k's batch is a function of (seed, k)."""
-
-    def __init__(self, buf_cfg, tokenizer, max_prompt_tokens: int, max_response_tokens: int, seed: int,
-                 where: str = WHERE):
-        if not buf_cfg.path:
-            raise ConfigError(f"{where}.storage_type=file needs {where}.path (a dataset of prompt/response rows).")
-        rows = load_rows(buf_cfg.path, buf_cfg.split, key=f"{where}.path")
-        fmt = buf_cfg.format
-        # with chosen_key and rejected_key set, each row is a preference pair: two experiences,
-        # chosen then rejected, always kept next to each other
-        keys = [fmt.chosen_key, fmt.rejected_key] if fmt.chosen_key and fmt.rejected_key else [fmt.response_key]
-        self.items = []  # one entry per row: the list of its experiences
-        for i, row in enumerate(rows):
-            messages = rows_to_messages(row, fmt, where, i, buf_cfg.path)
-            full_prompt = chat_ids(tokenizer, messages)
-            # an over-long prompt keeps its end (the question and the generation prompt sit there)
-            prompt = full_prompt[-max_prompt_tokens:]
-            item = []
-            for key in keys:
-                if row.get(key) is None:
-                    raise ConfigError(
-                        f"{where}: row {i} of {buf_cfg.path!r} has no {key!r} (in {where}.format); "
-                        f"its keys are {sorted(k for k, v in row.items() if v is not None)}."
-                    )
-                full = tokenizer.encode(str(row[key]), add_special_tokens=False)
-                response = full[: max_response_tokens - 1] + [tokenizer.eos_token_id]
-                # counted in the step's metrics (train/truncated_prompts, train/truncated_responses)
-                cut = {"prompt_truncated": len(full_prompt) > len(prompt), "response_truncated": len(full) >= max_response_tokens}
-                item.append(Experience(prompt + response, len(prompt), [], task_id=f"{buf_cfg.name}/{i}",
-                                       group_id=str(i), info=cut))
-            self.items.append(item)
-        self.rows_per_item = len(keys)
-        self.seed = seed
-
-    def __len__(self) -> int:
-        return len(self.items)
-
-    def batch(self, step: int, size: int) -> list[Experience]:
-        """`size` experiences (size / 2 pairs for preference data), epoch-wise shuffled rows."""
-        rows = epoch_batch(len(self.items), size // self.rows_per_item, step, lambda epoch: self.seed * 1_000_003 + epoch)
-        return [e for i in rows for e in self.items[i]]
 
 
 # ---------------------------------------------------------------- python -m rft.buffer <path>

@@ -17,6 +17,21 @@ from typing import Any, Dict, List, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
+# Closed sets of names, checked when planning (rft.plan) before anything starts; the runtime
+# modules that implement them (engines, synchronizers, actor backends) have exactly these keys.
+MODES = ("both", "explore", "train", "bench")
+ENGINE_TYPES = ("hf", "vllm")
+SYNC_METHODS = ("memory", "checkpoint", "collective")
+BACKENDS = ("ray", "inline")
+TRAINER_STRATEGIES = ("torch", "fsdp2")
+STORAGE_TYPES = ("queue", "sql", "file")
+OFF_POLICY_CORRECTIONS = ("behavior", "decoupled", "none")
+WARMUP_STYLES = ("constant", "cosine")
+AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+# model.dtype and its aliases -> the torch / vLLM name
+DTYPES = {"float32": "float32", "fp32": "float32", "float": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
+          "float16": "float16", "fp16": "float16", "half": "float16"}
+
 
 @dataclass
 class OptimizerConfig:
@@ -145,8 +160,7 @@ class RolloutArgs:
 @dataclass
 class TasksetConfig:
     name: str = "taskset"
-    # file: a JSONL/Parquet file, a directory of them, or a Hugging Face dataset id
-    storage_type: str = "file"
+    # a JSONL/Parquet file, a directory of them, or a Hugging Face dataset id
     path: str = MISSING
     # datasets.load_dataset(name=...)
     subset_name: Optional[str] = None
@@ -157,6 +171,10 @@ class TasksetConfig:
     repeat_times: Optional[int] = None
     # name in rft.rewards.REWARD_FNS; defaults to explorer_input.default_reward_fn_type
     reward_fn: Optional[str] = None
+    # name in rft.workflows.WORKFLOWS (or module.function): how a task becomes experiences
+    workflow: str = "single_turn"
+    # keyword arguments the workflow takes (ctx.args)
+    workflow_args: Dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -174,7 +192,7 @@ class ReplayBufferConfig:
     enable: bool = False
     # seconds before a read experience can be read again
     reuse_cooldown_time: Optional[float] = None
-    # name in rft.buffer.PRIORITY_FNS: which ready experience is read first
+    # name in rft.experience.PRIORITY_FNS: which ready experience is read first
     priority_fn: str = "linear_decay"
     # linear_decay: priority = policy_version - decay * times_used
     priority_fn_args: Dict[str, Any] = field(default_factory=lambda: {"decay": 2.0})
@@ -305,10 +323,6 @@ class SynchronizerConfig:
     sync_interval: int = 1
     # the explorer runs this many steps ahead of the trainer (bounded off-policy; 0: on-policy)
     sync_offset: int = 0
-    # fixed: sync every sync_interval trainer steps;
-    # dynamic_by_explorer: the explorer takes the newest trained weights every sync_interval of
-    # its own steps, without waiting for a particular trainer step
-    sync_style: str = "fixed"
     # seconds to wait for a sync before failing
     sync_timeout: float = 1200.0
     # the staleness bound: experiences generated more than this many trainer steps ago are

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from rft.models import load_model
+from rft.sync import fingerprint
 
 
 @dataclass
@@ -30,60 +31,6 @@ class Sample:
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: str  # "stop" (end of sequence or a stop string) or "length" (hit max_tokens)
-
-
-def for_safetensors(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The state dict as safetensors can save it: each tensor contiguous, and a tied tensor (the
-    embedding shared with the output layer) cloned, since safetensors refuses shared storage."""
-    seen, out = set(), {}
-    for k, v in state_dict.items():
-        key = (v.data_ptr(), v.shape)
-        out[k] = (v.clone() if key in seen else v).contiguous()
-        seen.add(key)
-    return out
-
-
-def fingerprint(tensors) -> str:
-    """A short summary of weights, equal on both sides of a sync iff the weights are.
-
-    `tensors`: a state dict, or any iterable of tensors (e.g. `model.parameters()`). It is the
-    float64 sum, sum of absolute values and sum of squares over every distinct tensor (shared
-    ones, like tied embeddings, count once). Being independent of names and layout, it is the same
-    for the trainer's weights and for an engine that stores them differently (vLLM fuses q/k/v and
-    pads the vocabulary with zeros); any realistic corruption (a missing, stale or garbled tensor)
-    changes it. Compare two with `same_weights`.
-    """
-    return format_fingerprint(weight_sums(tensors))
-
-
-def weight_sums(tensors) -> list[float]:
-    """[sum, sum of |x|, sum of x^2] in float64 over the distinct tensors. Each is a sum, so a
-    data-parallel trainer adds up its ranks' shards (rft.fsdp) to get the whole model's."""
-    if isinstance(tensors, dict):
-        tensors = tensors.values()
-    seen, s, sa, sq = set(), 0.0, 0.0, 0.0
-    for t in tensors:
-        key = (t.data_ptr(), t.numel())
-        if key in seen:
-            continue
-        seen.add(key)
-        t = t.detach().to(torch.float64)
-        s += t.sum().item()
-        sa += t.abs().sum().item()
-        sq += (t * t).sum().item()
-    return [s, sa, sq]
-
-
-def format_fingerprint(sums) -> str:
-    s, sa, sq = sums
-    return f"{s:.15e}/{sa:.15e}/{sq:.15e}"
-
-
-def same_weights(a: str, b: str, rtol: float = 1e-9) -> bool:
-    """Two fingerprints agree up to float64 summation order (one changed weight is far above it)."""
-    (s1, a1, q1), (s2, a2, q2) = (map(float, x.split("/")) for x in (a, b))
-    scale = max(a1, a2, 1e-30)
-    return abs(s1 - s2) <= rtol * scale and abs(a1 - a2) <= rtol * scale and abs(q1 - q2) <= rtol * max(q1, q2, 1e-30)
 
 
 class StopStrings:
@@ -232,13 +179,3 @@ class HFEngine:
 
     def wake_up(self) -> None:
         pass
-
-
-def _vllm_engine(*args, **kwargs):
-    # imported only when chosen: vLLM is an optional dependency (pip install -e .[vllm])
-    from rft.vllm_engine import VLLMEngine
-
-    return VLLMEngine(*args, **kwargs)
-
-
-ENGINES = {"hf": HFEngine, "vllm": _vllm_engine}

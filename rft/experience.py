@@ -5,6 +5,8 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass, field, fields
 
+from rft.errors import ConfigError
+
 
 @dataclass
 class Experience:
@@ -49,7 +51,7 @@ class Experience:
         return cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d})
 
 
-def collate(exps: list[Experience], pad_id: int) -> dict[str, torch.Tensor]:
+def collate(exps: list[Experience], pad_id: int) -> dict:
     """Right-pad a list of experiences into tensors.
 
     Returns input_ids/attention_mask [n, L] and, aligned with the next-token targets
@@ -81,3 +83,29 @@ def sampling_params(sampling: dict) -> tuple[float, float, int]:
     counts as temperature 1: its stored log-probs are those of the untempered distribution."""
     t = float(sampling.get("temperature", 1.0) or 1.0)
     return t, float(sampling.get("top_p", 1.0)), int(sampling.get("top_k", -1))
+
+
+# ---------------------------------------------------------------- replay priority
+
+def linear_decay(exp: Experience, times_used: int, decay: float = 2.0) -> float:
+    """Newer policies first, and each reuse costs `decay` versions of priority."""
+    return exp.policy_version - decay * times_used
+
+
+# name -> fn(exp, times_used, **priority_fn_args) -> priority; the highest is read first
+PRIORITY_FNS = {"linear_decay": linear_decay}
+
+
+def check_priority_fn(name: str, args, where: str) -> None:
+    """replay_buffer.priority_fn names a known function, and priority_fn_args are arguments it takes."""
+    import inspect
+
+    if name not in PRIORITY_FNS:
+        raise ConfigError(f"{where}.priority_fn={name!r} is not known; choose one of {sorted(PRIORITY_FNS)}.")
+    params = list(inspect.signature(PRIORITY_FNS[name]).parameters)[2:]
+    unknown = sorted(set(args or {}) - set(params))
+    if unknown:
+        raise ConfigError(
+            f"{where}.priority_fn_args has {unknown}, which priority_fn={name} does not take; "
+            f"its arguments are {params}."
+        )

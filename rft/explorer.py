@@ -20,8 +20,8 @@ import time
 import torch
 
 from rft.algorithms import resolve
-from rft.buffer import epoch_batch
-from rft.engine import ENGINES, same_weights
+from rft.data import epoch_batch, step_seed
+from rft.sync import same_weights
 from rft.models import load_tokenizer, local_device
 from rft.rewards import REWARD_FNS, overlong_penalty
 from rft.tasks import load_tasks
@@ -35,8 +35,15 @@ def _flat(group) -> bool:
     return len({e.reward for e in group}) == 1
 
 
-def step_seed(seed: int, step: int, salt: int = 0) -> int:
-    return (seed * 1_000_003 + step * 7919 + salt) % (2**31)
+# explorer.rollout_model.engine_type -> the engine class, imported when chosen (vLLM is optional)
+ENGINES = {"hf": "rft.engine.HFEngine", "vllm": "rft.vllm_engine.VLLMEngine"}
+
+
+def engine_class(engine_type: str):
+    import importlib
+
+    module, _, name = ENGINES[engine_type].rpartition(".")
+    return getattr(importlib.import_module(module), name)
 
 
 def run_jobs(fn, jobs: list, runners: int, timeout: float, retries: int,
@@ -141,7 +148,7 @@ class Explorer:
         torch.set_flush_denormal(True)
         self.tokenizer = load_tokenizer(cfg.model)
         rollout = cfg.explorer.rollout_model
-        self.engine = ENGINES[rollout.engine_type](cfg.model, rollout, self.tokenizer, weights_path,
+        self.engine = engine_class(rollout.engine_type)(cfg.model, rollout, self.tokenizer, weights_path,
                                                    device=local_device(cfg.cluster))
         inp = cfg.buffer.explorer_input
         self.taskset = load_tasks(inp.taskset, "buffer.explorer_input.taskset")

@@ -30,28 +30,9 @@ from pathlib import Path
 
 import torch
 
-from rft.engine import format_fingerprint, weight_sums
-from rft.errors import ConfigError
+from rft.sync import format_fingerprint, weight_sums
 from rft.models import local_device
 from rft.trainer import Trainer, written_fingerprint
-
-
-def trainer_ranks(cfg) -> int:
-    """Processes of the trainer: 1 for trainer=torch; trainer.ranks (or its default) for fsdp2."""
-    tr, c = cfg.trainer, cfg.cluster
-    if tr.trainer_strategy != "fsdp2":
-        return 1
-    if tr.ranks is not None:
-        if tr.ranks < 1:
-            raise ConfigError(f"trainer.ranks={tr.ranks} must be >= 1 (or null for the default).")
-        return tr.ranks
-    if c.gpu_per_node == 0:
-        return 2
-    if c.colocate:
-        return 1
-    rm = cfg.explorer.rollout_model
-    engines = rm.engine_num if cfg.mode in ("both", "explore") else (1 if cfg.buffer.explorer_input.eval_tasksets else 0)
-    return max(c.node_num * c.gpu_per_node - engines * rm.tensor_parallel_size, 1)
 
 
 class FSDPTrainer(Trainer):
@@ -146,7 +127,7 @@ class FSDPTrainer(Trainer):
     def save_weights(self, path: str) -> str:
         from safetensors.torch import save_file
 
-        from rft.engine import for_safetensors
+        from rft.sync import for_safetensors
 
         sd = self._full_state()
         if self.rank == 0:
@@ -207,27 +188,3 @@ def _by_name(optim: dict, model) -> dict:
         "state": {names[i]: v for i, v in optim["state"].items()},
         "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in groups],
     }
-
-
-def start_trainer(Actor, cfg, plan, init_path, name: str, common: dict, options: list[dict]):
-    """The trainer actor: one Trainer (trainer=torch), or an ActorGroup of FSDPTrainer ranks.
-
-    `options`: Ray options per rank (from rft.placement), one per rank.
-    """
-    from rft.actors import ActorGroup
-
-    if cfg.trainer.trainer_strategy != "fsdp2":
-        return Actor(Trainer, cfg, plan, init_path, name=name, **common, **options[0])
-    import torch.distributed as dist
-
-    from rft.sync import free_address
-
-    host, _ = free_address()
-    # the ranks' meeting point lives in this (the driver's) process for the trainer's lifetime
-    store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=cfg.synchronizer.sync_timeout))
-    world = len(options)
-    ranks = [Actor(FSDPTrainer, cfg, plan, init_path, r, world, (host, store.port),
-                   name=f"{name}_{r}" if world > 1 else name, **common, **options[r])
-             for r in range(world)]
-    return ActorGroup(ranks, keep=store)

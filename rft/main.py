@@ -12,8 +12,7 @@ import os
 import sys
 from pathlib import Path
 
-from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf import DictConfig
 
 from rft import rundir
 from rft.errors import ConfigError, RunError
@@ -48,54 +47,11 @@ def run_dir_of(cfg: DictConfig) -> Path:
     return Path(os.path.expanduser(cfg.checkpoint_root_dir)) / cfg.project / cfg.name
 
 
-def stage_configs(cfg: DictConfig) -> list[DictConfig]:
-    """One config per stage: the global config with the stage's dict merged on top."""
-    base = cfg.copy()
-    OmegaConf.resolve(base)
-    stages = list(base.stages)
-    base.stages = []
-    if not stages:
-        return [base]
-    out, names = [], set()
-    for i, stage in enumerate(stages):
-        if not isinstance(stage, DictConfig) or "stage_name" not in stage:
-            raise ConfigError(f"stages[{i}] must be a mapping with a stage_name (got {stage!r}).")
-        try:
-            merged = OmegaConf.merge(base, stage)
-            OmegaConf.resolve(merged)
-        except OmegaConfBaseException as e:
-            raise ConfigError(f"stages[{i}] ({stage.get('stage_name')}): {_first_line(e)}") from e
-        if merged.stage_name in names:
-            raise ConfigError(f"stages[{i}].stage_name={merged.stage_name!r} is used twice; stage names must be unique.")
-        names.add(merged.stage_name)
-        out.append(merged)
-    return out
-
-
-def _first_line(e: Exception) -> str:
-    return " ".join(str(e).split("\n")[:2])
-
-
-def stage_sources(cfg: DictConfig) -> list[dict[str, str]]:
-    """Per stage, the keys its dict sets by interpolation ({key: "${other.key}"}), so that an error
-    about a value can name the key the user set (the warm-up's dataset path is the taskset's)."""
-    out = []
-    for stage in cfg.stages or [{}]:
-        raw = OmegaConf.to_container(stage, resolve=False) if isinstance(stage, DictConfig) else {}
-        out.append({k: v[2:-1] for k, v in rundir.flat(raw).items()
-                    if isinstance(v, str) and v.startswith("${") and v.endswith("}")})
-    return out
-
-
-def _label(sources: dict, key: str) -> str:
-    return f"{sources[key]} (read by {key})" if key in sources else key
-
-
 def dataset_size(cfg: DictConfig, sources: dict | None = None) -> int:
     """Rows the stage iterates over: the taskset (mode=both|explore), the stored experiences or
     the training dataset (mode=train). Every dataset the stage reads is loaded and checked here,
     in the driver, so a bad path, row or column fails before anything starts."""
-    from rft.plan import stored_experiences
+    from rft.plan import label, stored_experiences
     from rft.tasks import check_columns, ensure_task_data, load_rows, load_tasks
 
     sources = sources or {}
@@ -132,7 +88,7 @@ def dataset_size(cfg: DictConfig, sources: dict | None = None) -> int:
         )
     for i, ts in enumerate(inp.eval_tasksets):
         load_tasks(ts, f"buffer.explorer_input.eval_tasksets[{i}]")
-    rows = load_rows(eb.path, eb.split, key=_label(sources, f"{ebk}.path"))
+    rows = load_rows(eb.path, eb.split, key=label(sources, f"{ebk}.path"))
     check_columns(rows, eb.format, ebk, eb.path, pairs=True, sources=sources)
     return len(rows)
 
@@ -141,7 +97,7 @@ def check_token_budgets(cfg: DictConfig, title: str, say) -> None:
     """Warn once per dataset when its first prompts (or, for a training dataset, responses) are
     longer than the model's token budgets: they will be cut, and a run would not say so."""
     from rft.models import load_tokenizer
-    from rft.tasks import budget_report
+    from rft.data import budget_report
 
     tok = load_tokenizer(cfg.model)
     inp = cfg.buffer.explorer_input
@@ -205,39 +161,49 @@ def _start_reaper() -> None:
                                    stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
-MODES = ("both", "explore", "train", "bench")
-
-
-def _main(cfg: DictConfig) -> float | None:
-    from rft.models import ensure_model
-    from rft.plan import describe, format_plan, make_plan
+def plan_stages(cfg: DictConfig) -> tuple[list, list, list[Path]]:
+    """Every stage's config, batch plan and output directory, each checked against its data; the
+    whole of what a dry run does. Imports nothing that trains (no torch, no Ray)."""
+    from rft.config import MODES
+    from rft.plan import make_plan, stage_configs, stage_sources
 
     stage_modes = [(f"stages[{i}].mode", s.get("mode")) for i, s in enumerate(cfg.stages or []) if isinstance(s, DictConfig)]
     for key, mode in [("mode", cfg.mode), *stage_modes]:
         if mode is not None and mode not in MODES:
             raise ConfigError(f"{key}={mode!r} is not a mode; choose one of {', '.join(MODES)}.")
-    if cfg.mode == "bench":
-        from rft.bench import bench
-
-        return bench(cfg, run_dir_of(cfg))
     stages = stage_configs(cfg)
-    sources = stage_sources(cfg)
     plans = []
-    for s, src in zip(stages, sources):
+    for s, src in zip(stages, stage_sources(cfg)):
         try:
             plans.append(make_plan(s, dataset_size(s, src)))
         except ConfigError as e:
             raise ConfigError(f"stage {s.stage_name}: {e}" if s.stage_name else str(e)) from e
     run_dir = run_dir_of(cfg)
-    stage_dirs = [run_dir / s.stage_name if s.stage_name else run_dir for s in stages]
+    return stages, plans, [run_dir / s.stage_name if s.stage_name else run_dir for s in stages]
+
+
+def _main(cfg: DictConfig) -> float | None:
+    if cfg.mode == "bench":
+        from rft.bench import bench
+
+        return bench(cfg, run_dir_of(cfg))
+    stages, plans, stage_dirs = plan_stages(cfg)
+    run_dir = run_dir_of(cfg)
     if cfg.dry_run:
+        from rft.plan import describe, format_plan
+
         for s, p, d in zip(stages, plans, stage_dirs):
             print(format_plan(p, title=f"batch plan: stage {s.stage_name or s.name} ({s.algorithm.algorithm_type})"))
             print(describe(s, d))
             print()
         _remove_if_empty(run_dir)  # Hydra made it; a dry run leaves nothing behind
         return None
+    return _run(cfg, stages, plans, stage_dirs, run_dir)
 
+
+def _run(cfg: DictConfig, stages: list, plans: list, stage_dirs: list[Path], run_dir: Path) -> float | None:
+    """Check the outputs' place, start Ray, run the stages in order (each from the one before)."""
+    from rft.models import ensure_model
     from rft.monitor import read_metrics
     from rft.placement import check_allocation
 

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 from filelock import FileLock
 
+from rft.config import DTYPES as CONFIG_DTYPES
 from rft.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -118,9 +119,8 @@ def ensure_model(model_cfg) -> None:
 
 
 # model.dtype: the names and their common aliases
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
-          "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-          "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
+# model.dtype and its aliases (rft.config.DTYPES) -> the torch dtype
+DTYPES = {alias: getattr(torch, name) for alias, name in CONFIG_DTYPES.items()}
 
 
 def torch_dtype(name: str) -> torch.dtype:

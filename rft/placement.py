@@ -4,14 +4,14 @@
     explorers    = explorer.rollout_model.engine_num engines x tensor_parallel_size GPUs each
     trainer      = the GPUs the explorers do not take (colocate=false), or all of them shared
                    (colocate=true); trainer_strategy=torch is one process on one of them,
-                   fsdp2 is trainer.ranks processes with a GPU each (rft.fsdp.trainer_ranks)
+                   fsdp2 is trainer.ranks processes with a GPU each (`trainer_ranks`)
     on CPU       = each actor reserves cluster.cpus_per_actor CPUs (colocate=true: they share one
                    set of cpus_per_actor)
 
 `check_placement(cfg)` runs with the batch plan, before Ray starts: a device mapping that cannot
 fit is a ConfigError naming the keys (the case the seeds know as a `node2pg` KeyError).
-`placement_for(cfg)` then reserves the devices as one Ray placement group and returns each actor's
-Ray options; a cluster too small for it is a ConfigError too, not a job waiting forever.
+`rft.actors.placement_for(cfg)` then reserves the devices as one Ray placement group. This module
+is part of planning: it imports nothing that runs (no torch, no Ray).
 """
 
 from __future__ import annotations
@@ -30,21 +30,41 @@ class Placement:
     share: float
 
 
+def explorer_count(cfg) -> int:
+    """Explorer actors: engine_num when the stage explores; mode=train still runs one to evaluate
+    when there are eval tasksets."""
+    if cfg.mode in ("both", "explore"):
+        return cfg.explorer.rollout_model.engine_num
+    return 1 if cfg.buffer.explorer_input.eval_tasksets else 0
+
+
+def trainer_ranks(cfg) -> int:
+    """Processes of the trainer: 1 for trainer=torch; trainer.ranks (or its default) for fsdp2."""
+    tr, c = cfg.trainer, cfg.cluster
+    if tr.trainer_strategy != "fsdp2":
+        return 1
+    if tr.ranks is not None:
+        if tr.ranks < 1:
+            raise ConfigError(f"trainer.ranks={tr.ranks} must be >= 1 (or null for the default).")
+        return tr.ranks
+    if c.gpu_per_node == 0:
+        return 2
+    if c.colocate:
+        return 1
+    rm = cfg.explorer.rollout_model
+    return max(c.node_num * c.gpu_per_node - explorer_count(cfg) * rm.tensor_parallel_size, 1)
+
+
 def check_placement(cfg) -> Placement:
     c, rm = cfg.cluster, cfg.explorer.rollout_model
     # mode=train still runs one explorer for evaluation when there are eval tasksets
-    if cfg.mode in ("both", "explore"):
-        engines = rm.engine_num
-    else:
-        engines = 1 if cfg.buffer.explorer_input.eval_tasksets else 0
+    engines = explorer_count(cfg)
     if c.node_num < 1:
         raise ConfigError(f"cluster.node_num={c.node_num} must be >= 1.")
     if rm.engine_num < 1:
         raise ConfigError(f"explorer.rollout_model.engine_num={rm.engine_num} must be >= 1.")
     if c.cpus_per_actor < 1:
         raise ConfigError(f"cluster.cpus_per_actor={c.cpus_per_actor} must be >= 1.")
-    from rft.fsdp import trainer_ranks
-
     trainer = trainer_ranks(cfg) if cfg.mode in ("both", "train") else 0
     if trainer > 1 and c.backend != "ray":
         raise ConfigError(
@@ -96,53 +116,6 @@ def check_placement(cfg) -> Placement:
         )
     bundles = [{"GPU": 1, "CPU": c.cpus_per_actor}] * trainer + [{"GPU": tp, "CPU": c.cpus_per_actor}] * engines
     return Placement(tp, trainer, bundles, share=1.0)
-
-
-def placement_for(cfg, timeout_s: float = 60.0):
-    """Reserve the actors' resources as one placement group; returns (group, options per actor).
-
-    options[0] is the trainer's (when there is one), then one per explorer.
-    """
-    import ray
-    from ray.util.placement_group import placement_group
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-    p = check_placement(cfg)
-    c = cfg.cluster
-    have = ray.cluster_resources()
-    nodes = [n for n in ray.nodes() if n.get("Alive")]
-    if c.node_num > len(nodes):
-        raise ConfigError(
-            f"cluster.node_num={c.node_num} but the Ray cluster has {len(nodes)} node(s). Start "
-            f"Ray on every node of the allocation, or set cluster.node_num={len(nodes)}."
-        )
-    need: dict[str, float] = {}
-    for b in p.bundles:
-        for k, v in b.items():
-            need[k] = need.get(k, 0) + v
-    for k, v in need.items():
-        if have.get(k, 0) < v:
-            raise ConfigError(
-                f"the actors need {v:g} {k} (cluster.cpus_per_actor={c.cpus_per_actor}, "
-                f"gpu_per_node={c.gpu_per_node}, explorer.rollout_model.engine_num="
-                f"{cfg.explorer.rollout_model.engine_num}, colocate={c.colocate}) but the Ray "
-                f"cluster has {have.get(k, 0):g}. Lower those, or start Ray with more "
-                f"(cluster.num_cpus for a local instance)."
-            )
-    pg = placement_group(p.bundles, strategy="PACK")
-    ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
-    if not ready:
-        ray.util.remove_placement_group(pg)
-        raise ConfigError(f"Ray could not place the bundles {p.bundles} within {timeout_s:g} s.")
-    opts = []
-    for i, b in enumerate(p.bundles if p.share == 1.0 else [p.bundles[0]] * round(1 / p.share)):
-        index = i if p.share == 1.0 else 0
-        opts.append(dict(
-            num_cpus=b["CPU"] * p.share,
-            num_gpus=b.get("GPU", 0) * p.share,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index),
-        ))
-    return pg, opts
 
 
 def check_allocation(cfg, env=None) -> None:

@@ -14,8 +14,63 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from rft.errors import ConfigError
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
+from rft import config as C
+from rft.algorithms import ADVANTAGE_FNS, KL_FNS, POLICY_LOSS_FNS, Needs, algorithm_needs
+from rft.errors import ConfigError
+from rft.placement import check_placement, explorer_count, trainer_ranks
+
+
+# ---------------------------------------------------------------- stages
+
+def stage_configs(cfg: DictConfig) -> list[DictConfig]:
+    """One config per stage: the global config with the stage's dict merged on top."""
+    base = cfg.copy()
+    OmegaConf.resolve(base)
+    stages = list(base.stages)
+    base.stages = []
+    if not stages:
+        return [base]
+    out, names = [], set()
+    for i, stage in enumerate(stages):
+        if not isinstance(stage, DictConfig) or "stage_name" not in stage:
+            raise ConfigError(f"stages[{i}] must be a mapping with a stage_name (got {stage!r}).")
+        try:
+            merged = OmegaConf.merge(base, stage)
+            OmegaConf.resolve(merged)
+        except OmegaConfBaseException as e:
+            raise ConfigError(f"stages[{i}] ({stage.get('stage_name')}): {_first_line(e)}") from e
+        if merged.stage_name in names:
+            raise ConfigError(f"stages[{i}].stage_name={merged.stage_name!r} is used twice; stage names must be unique.")
+        names.add(merged.stage_name)
+        out.append(merged)
+    return out
+
+
+def _first_line(e: Exception) -> str:
+    return " ".join(str(e).split("\n")[:2])
+
+
+def stage_sources(cfg: DictConfig) -> list[dict[str, str]]:
+    """Per stage, the keys its dict sets by interpolation ({key: "${other.key}"}), so that an error
+    about a value can name the key the user set (the warm-up's dataset path is the taskset's)."""
+    from rft.rundir import flat
+
+    out = []
+    for stage in cfg.stages or [{}]:
+        raw = OmegaConf.to_container(stage, resolve=False) if isinstance(stage, DictConfig) else {}
+        out.append({k: v[2:-1] for k, v in flat(raw).items()
+                    if isinstance(v, str) and v.startswith("${") and v.endswith("}")})
+    return out
+
+
+def label(sources: dict, key: str) -> str:
+    return f"{sources[key]} (read by {key})" if key in sources else key
+
+
+# ---------------------------------------------------------------- the batch plan
 
 @dataclass(frozen=True)
 class BatchPlan:
@@ -29,46 +84,110 @@ class BatchPlan:
     optimizer_steps_per_step: int
     micro_batch_size: int
     micro_batches_per_update: int
-    dp_size: int
+    dp_size: int  # the trainer's data-parallel ranks (processes)
     steps_per_epoch: int
     total_steps: int
     total_optimizer_steps: int
     warmup_steps: int
+    # what the trainer reads (`input_kind`): rollouts | experiences | dataset | none
+    input_kind: str = "rollouts"
+    explorers: int = 1  # explorer actors (mode=train: 1 to evaluate, or 0)
+    needs: Needs = Needs()  # what the algorithm needs (a reference model, a critic, ...)
+
+
+def input_kind(cfg) -> str:
+    """What the trainer learns from, decided once here: `rollouts` (this stage's explorers),
+    `experiences` (a buffer an explorer stored: mode=train from sql, or a file of experiences),
+    `dataset` (prompt/response rows or preference pairs: mode=train from any other file), or
+    `none` (mode=explore trains nothing)."""
+    if cfg.mode == "explore":
+        return "none"
+    if cfg.mode != "train":
+        return "rollouts"
+    return "experiences" if stored_experiences(cfg.buffer.trainer_input.experience_buffer) else "dataset"
 
 
 def make_plan(cfg, dataset_size: int) -> BatchPlan:
-    buf, algo, tr = cfg.buffer, cfg.algorithm, cfg.trainer
-    _check_names(cfg)
-    from rft.algorithms.advantages import NEEDS_CRITIC
-    from rft.fsdp import trainer_ranks
-
+    check_config(cfg)
+    needs = algorithm_needs(cfg.algorithm)
+    kind = input_kind(cfg)
     dp = trainer_ranks(cfg)  # trainer_strategy=torch is one process
-    if tr.trainer_strategy == "fsdp2" and algo.advantage_fn in NEEDS_CRITIC:
-        raise ConfigError(
-            f"algorithm.advantage_fn={algo.advantage_fn} trains a critic, which trainer=fsdp2 does "
-            f"not shard yet. Use trainer=torch for it."
-        )
+    _check_algorithm(cfg, needs)
+    train_bs, per_epoch = _step_batch(cfg, dataset_size, kind, needs)
+    mini, micro = _mini_batches(cfg.trainer, train_bs, dp)
+    _check_pairs(cfg, needs, kind, [("buffer.train_batch_size", train_bs), ("trainer.mini_batch_size", mini),
+                                     ("trainer.micro_batch_size_per_gpu", micro)])
+    total, opt_per_step = _length(cfg, per_epoch, train_bs // mini * cfg.trainer.ppo_epochs)
+    explores = cfg.mode in ("both", "explore")
+    return BatchPlan(
+        mode=cfg.mode,
+        dataset_size=dataset_size,
+        tasks_per_step=cfg.buffer.batch_size if explores else 0,
+        rollouts_per_task=cfg.algorithm.repeat_times if explores else 0,
+        experiences_per_step=train_bs,
+        mini_batch_size=mini,
+        ppo_epochs=cfg.trainer.ppo_epochs,
+        optimizer_steps_per_step=opt_per_step,
+        micro_batch_size=micro,
+        micro_batches_per_update=mini // (micro * dp),
+        dp_size=dp,
+        steps_per_epoch=per_epoch,
+        total_steps=total,
+        total_optimizer_steps=total * opt_per_step,
+        warmup_steps=cfg.algorithm.optimizer.warmup_steps,
+        input_kind=kind,
+        explorers=explorer_count(cfg),
+        needs=needs,
+    )
+
+
+def check_config(cfg) -> None:
+    """Everything about a stage's config that needs no dataset: names, modes, the schedule, the
+    placement and the model's budgets."""
     if cfg.mode not in ("both", "explore", "train"):
         raise ConfigError(f"mode={cfg.mode!r} is not supported; choose both, explore, train or bench.")
+    _check_names(cfg)
     _check_runtime(cfg)
+    buf, algo = cfg.buffer, cfg.algorithm
     if buf.batch_size < 1:
         raise ConfigError(f"buffer.batch_size={buf.batch_size} must be >= 1 (tasks per step).")
     if algo.repeat_times < 1:
         raise ConfigError(f"algorithm.repeat_times={algo.repeat_times} must be >= 1 (rollouts per task).")
-    if cfg.mode in ("both", "explore") and algo.advantage_fn in ("grpo", "rloo", "dr_grpo") and algo.repeat_times < 2:
+    if cfg.trainer.ppo_epochs < 1:
+        raise ConfigError(f"trainer.ppo_epochs={cfg.trainer.ppo_epochs} must be >= 1.")
+    for key, value in [
+        ("trainer.save_interval", cfg.trainer.save_interval),
+        ("explorer.eval_interval", cfg.explorer.eval_interval),
+        ("synchronizer.sync_interval", cfg.synchronizer.sync_interval),
+    ]:
+        if value < 1:
+            raise ConfigError(f"{key}={value} must be >= 1 (in steps).")
+    _check_model(cfg.model)
+
+
+def _check_algorithm(cfg, needs: Needs) -> None:
+    algo = cfg.algorithm
+    if cfg.trainer.trainer_strategy == "fsdp2" and needs.critic:
+        raise ConfigError(
+            f"algorithm.advantage_fn={algo.advantage_fn} trains a critic, which trainer=fsdp2 does "
+            f"not shard yet. Use trainer=torch for it."
+        )
+    if cfg.mode in ("both", "explore") and needs.grouped and algo.repeat_times < 2:
         raise ConfigError(
             f"algorithm.advantage_fn={algo.advantage_fn} compares rollouts within a group, but "
             f"algorithm.repeat_times={algo.repeat_times} gives groups of one (every advantage 0). "
             f"Set algorithm.repeat_times to 2 or more (8 is common)."
         )
 
-    explores = cfg.mode in ("both", "explore")
-    stored = cfg.mode == "train" and stored_experiences(buf.trainer_input.experience_buffer)
-    if stored:
+
+def _step_batch(cfg, dataset_size: int, kind: str, needs: Needs) -> tuple[int, int]:
+    """(experiences per step, steps per epoch)."""
+    buf, algo = cfg.buffer, cfg.algorithm
+    produced = buf.batch_size * algo.repeat_times
+    if kind == "experiences":
         # RL from experiences an explorer stored: whole groups per step, as in mode=both
-        produced = buf.batch_size * algo.repeat_times
         train_bs = buf.train_batch_size or produced
-        if algo.advantage_fn in ("grpo", "rloo", "dr_grpo", "opmd") and train_bs % algo.repeat_times:
+        if needs.grouped and train_bs % algo.repeat_times:
             raise ConfigError(
                 f"buffer.train_batch_size={train_bs} must be a multiple of algorithm.repeat_times "
                 f"({algo.repeat_times}) so that each step reads whole groups of rollouts."
@@ -76,8 +195,7 @@ def make_plan(cfg, dataset_size: int) -> BatchPlan:
         # with total_steps set the trainer may read experiences still being written
         per_epoch = dataset_size // train_bs or (1 if buf.total_steps else 0)
         unit, unit_key = train_bs, "buffer.train_batch_size"
-    elif explores:
-        produced = buf.batch_size * algo.repeat_times
+    elif cfg.mode in ("both", "explore"):
         train_bs = buf.train_batch_size or produced
         if train_bs != produced:
             raise ConfigError(
@@ -97,7 +215,11 @@ def make_plan(cfg, dataset_size: int) -> BatchPlan:
             f"the dataset has {dataset_size} rows, fewer than {unit_key}={unit}: one epoch "
             f"would be 0 steps. Lower {unit_key} or use a larger dataset."
         )
+    return train_bs, per_epoch
 
+
+def _mini_batches(tr, train_bs: int, dp: int) -> tuple[int, int]:
+    """(experiences per optimizer step, experiences per micro-batch on each rank)."""
     mini = tr.mini_batch_size or train_bs
     if mini < 1 or train_bs % mini:
         raise ConfigError(
@@ -113,30 +235,36 @@ def make_plan(cfg, dataset_size: int) -> BatchPlan:
             f"trainer.mini_batch_size={mini}. Choose a divisor of {mini // dp}, "
             f"e.g. {_divisor_near(mini // dp, micro)}."
         )
-    fmt = buf.trainer_input.experience_buffer.format
-    from rft.algorithms.losses import NEEDS_PAIRS
+    return mini, micro
 
-    if algo.policy_loss_fn in NEEDS_PAIRS and (cfg.mode != "train" or stored or not (fmt.chosen_key and fmt.rejected_key)):
+
+def _check_pairs(cfg, needs: Needs, kind: str, sizes: list[tuple[str, int]]) -> None:
+    """A loss that learns from preference pairs gets a dataset of them, in whole pairs."""
+    eb = cfg.buffer.trainer_input.experience_buffer
+    fmt = eb.format
+    pairs = kind == "dataset" and bool(fmt.chosen_key and fmt.rejected_key)
+    if needs.paired and not pairs:
         raise ConfigError(
-            f"algorithm.policy_loss_fn={algo.policy_loss_fn} learns from preference pairs in a dataset "
+            f"algorithm.policy_loss_fn={cfg.algorithm.policy_loss_fn} learns from preference pairs in a dataset "
             f"(mode=train, buffer.trainer_input.experience_buffer.storage_type=file with format.chosen_key "
             f"and format.rejected_key set), but this stage has mode={cfg.mode}, storage_type="
-            f"{buf.trainer_input.experience_buffer.storage_type}, chosen_key={fmt.chosen_key}, "
+            f"{eb.storage_type}, chosen_key={fmt.chosen_key}, "
             f"rejected_key={fmt.rejected_key}. Give it a dataset of pairs (a taskset whose format sets "
             f"chosen_key and rejected_key serves by default)."
         )
     if cfg.mode == "train" and fmt.chosen_key and fmt.rejected_key:
         # preference pairs (two rows each) must not be split across batches
-        for key, value in [("buffer.train_batch_size", train_bs), ("trainer.mini_batch_size", mini),
-                           ("trainer.micro_batch_size_per_gpu", micro)]:
+        for key, value in sizes:
             if value % 2:
                 raise ConfigError(
                     f"{key}={value} must be even with preference pairs (format.chosen_key and "
                     f"rejected_key set): each pair is two experiences that stay together."
                 )
-    if tr.ppo_epochs < 1:
-        raise ConfigError(f"trainer.ppo_epochs={tr.ppo_epochs} must be >= 1.")
 
+
+def _length(cfg, per_epoch: int, opt_per_step: int) -> tuple[int, int]:
+    """(total steps, optimizer steps per step), with the warm-up checked against them."""
+    buf = cfg.buffer
     if buf.total_steps is not None:
         if buf.total_steps < 1:
             raise ConfigError(f"buffer.total_steps={buf.total_steps} must be >= 1 (or null to use total_epochs).")
@@ -145,56 +273,21 @@ def make_plan(cfg, dataset_size: int) -> BatchPlan:
         if buf.total_epochs < 1:
             raise ConfigError(f"buffer.total_epochs={buf.total_epochs} must be >= 1.")
         total = buf.total_epochs * per_epoch
-    opt_per_step = train_bs // mini * tr.ppo_epochs
-    warmup = algo.optimizer.warmup_steps
+    warmup = cfg.algorithm.optimizer.warmup_steps
     if not 0 <= warmup <= total * opt_per_step:
         raise ConfigError(
             f"algorithm.optimizer.warmup_steps={warmup} must be between 0 and the run's "
             f"{total * opt_per_step} optimizer steps ({total} steps x {opt_per_step} per step)."
         )
-    for key, value in [
-        ("trainer.save_interval", tr.save_interval),
-        ("explorer.eval_interval", cfg.explorer.eval_interval),
-        ("synchronizer.sync_interval", cfg.synchronizer.sync_interval),
-    ]:
-        if value < 1:
-            raise ConfigError(f"{key}={value} must be >= 1 (in steps).")
-    model = cfg.model
-    _check_model(model)
-    need = model.max_prompt_tokens + model.max_response_tokens
-    if model.max_model_len is not None and model.max_model_len < need:
-        raise ConfigError(
-            f"model.max_model_len={model.max_model_len} is smaller than model.max_prompt_tokens "
-            f"({model.max_prompt_tokens}) + model.max_response_tokens ({model.max_response_tokens}) "
-            f"= {need}. Raise max_model_len or lower the token budgets."
-        )
-    return BatchPlan(
-        mode=cfg.mode,
-        dataset_size=dataset_size,
-        tasks_per_step=buf.batch_size if explores else 0,
-        rollouts_per_task=algo.repeat_times if explores else 0,
-        experiences_per_step=train_bs,
-        mini_batch_size=mini,
-        ppo_epochs=tr.ppo_epochs,
-        optimizer_steps_per_step=opt_per_step,
-        micro_batch_size=micro,
-        micro_batches_per_update=mini // (micro * dp),
-        dp_size=dp,
-        steps_per_epoch=per_epoch,
-        total_steps=total,
-        total_optimizer_steps=total * opt_per_step,
-        warmup_steps=warmup,
-    )
+    return total, opt_per_step
 
 
 def _check_model(model) -> None:
-    from rft.models import DTYPES
-
     for key in ("max_prompt_tokens", "max_response_tokens"):
         if model[key] < 1:
             raise ConfigError(f"model.{key}={model[key]} must be >= 1 (tokens).")
-    if model.dtype not in DTYPES:
-        raise ConfigError(f"model.dtype={model.dtype!r} is not a dtype; choose one of {', '.join(DTYPES)}.")
+    if model.dtype not in C.DTYPES:
+        raise ConfigError(f"model.dtype={model.dtype!r} is not a dtype; choose one of {', '.join(C.DTYPES)}.")
     path = os.path.expanduser(model.model_path)
     # a hub id ("org/name") cannot be checked here (no hub may be reachable); a local path can
     looks_local = path.startswith(("/", ".")) or path.count("/") > 1
@@ -204,17 +297,19 @@ def _check_model(model) -> None:
             f"to {os.getcwd()}). Give a local directory in Hugging Face format or a hub id "
             f"(e.g. Qwen/Qwen2.5-0.5B-Instruct)."
         )
+    need = model.max_prompt_tokens + model.max_response_tokens
+    if model.max_model_len is not None and model.max_model_len < need:
+        raise ConfigError(
+            f"model.max_model_len={model.max_model_len} is smaller than model.max_prompt_tokens "
+            f"({model.max_prompt_tokens}) + model.max_response_tokens ({model.max_response_tokens}) "
+            f"= {need}. Raise max_model_len or lower the token budgets."
+        )
 
 
 def sft_buffer_config(cfg):
     """The expert data algorithm.sft_loss_weight > 0 (mix) learns from, as (ExperienceBufferConfig,
     the key to name in errors): buffer.trainer_input.auxiliary_buffers[algorithm.sft_buffer], or,
     when there is no such entry, the taskset's own prompts and reference answers."""
-    from omegaconf import OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
-
-    from rft.config import ExperienceBufferConfig
-
     aux, name = cfg.buffer.trainer_input.auxiliary_buffers, cfg.algorithm.sft_buffer
     if name in aux:
         where = f"buffer.trainer_input.auxiliary_buffers.{name}"
@@ -229,7 +324,7 @@ def sft_buffer_config(cfg):
             f"Add +buffer.trainer_input.auxiliary_buffers.{name}.path=<dataset of prompt/response rows>."
         )
     try:
-        merged = OmegaConf.merge(OmegaConf.structured(ExperienceBufferConfig),
+        merged = OmegaConf.merge(OmegaConf.structured(C.ExperienceBufferConfig),
                                  {"name": name, "storage_type": "file", "path": ts.path, "split": ts.split,
                                   "format": ts.format})
     except OmegaConfBaseException as e:  # pragma: no cover - the taskset's format is typed already
@@ -239,15 +334,10 @@ def sft_buffer_config(cfg):
 
 def _typed_buffer(value, where: str):
     """An auxiliary buffer's dict as an ExperienceBufferConfig: a misspelt key fails here, naming it."""
-    from omegaconf import OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
-
-    from rft.config import ExperienceBufferConfig
-
     try:
-        merged = OmegaConf.merge(OmegaConf.structured(ExperienceBufferConfig), value)
+        merged = OmegaConf.merge(OmegaConf.structured(C.ExperienceBufferConfig), value)
     except OmegaConfBaseException as e:
-        keys = sorted(OmegaConf.structured(ExperienceBufferConfig).keys())
+        keys = sorted(OmegaConf.structured(C.ExperienceBufferConfig).keys())
         raise ConfigError(
             f"{where}: {str(e).splitlines()[0]}. Its keys are those of "
             f"buffer.trainer_input.experience_buffer: {keys}."
@@ -259,7 +349,7 @@ def _typed_buffer(value, where: str):
 
 def stored_experiences(buf_cfg) -> bool:
     """The trainer's input is experiences an explorer stored (not a dataset of prompt/response rows)."""
-    from rft.buffer import is_experience_file
+    from rft.data import is_experience_file
 
     return buf_cfg.storage_type == "sql" or (
         buf_cfg.storage_type == "file" and bool(buf_cfg.path) and is_experience_file(buf_cfg.path)
@@ -268,8 +358,6 @@ def stored_experiences(buf_cfg) -> bool:
 
 def _check_runtime(cfg) -> None:
     """Modes, buffers, the synchronizer's schedule and staleness bound, runners, placement."""
-    from rft.placement import check_placement
-
     sc, ex, eb = cfg.synchronizer, cfg.explorer, cfg.buffer.trainer_input.experience_buffer
     key = "buffer.trainer_input.experience_buffer"
     if cfg.mode == "explore" and eb.storage_type not in ("sql", "file"):
@@ -284,11 +372,6 @@ def _check_runtime(cfg) -> None:
         )
     if sc.sync_offset < 0:
         raise ConfigError(f"synchronizer.sync_offset={sc.sync_offset} must be >= 0 (steps the explorer runs ahead).")
-    if sc.sync_style != "fixed":
-        raise ConfigError(
-            f"synchronizer.sync_style={sc.sync_style!r} is not implemented yet; use fixed (with "
-            f"sync_offset for an explorer that runs ahead of the trainer)."
-        )
     # mode=explore never syncs from a trainer (it reads checkpoints), so any method is fine there
     if sc.sync_method == "collective" and cfg.cluster.backend != "ray" and cfg.mode != "explore":
         raise ConfigError(
@@ -324,59 +407,71 @@ def _check_runtime(cfg) -> None:
             "synchronizer.sync_method=collective with explorer=vllm supports tensor_parallel_size=1 "
             "for now (each tensor-parallel worker would need a rank of its own): use sync=checkpoint."
         )
-    from rft.models import DTYPES
-
-    if rm.dtype is not None and rm.dtype not in DTYPES:
-        raise ConfigError(f"explorer.rollout_model.dtype={rm.dtype!r} is not a dtype; choose one of {', '.join(DTYPES)} (or null: model.dtype).")
+    if rm.dtype is not None and rm.dtype not in C.DTYPES:
+        raise ConfigError(f"explorer.rollout_model.dtype={rm.dtype!r} is not a dtype; choose one of {', '.join(C.DTYPES)} (or null: model.dtype).")
     if not 0 <= ex.over_rollout.ratio < 1:
         raise ConfigError(f"explorer.over_rollout.ratio={ex.over_rollout.ratio} must be in [0, 1).")
     check_placement(cfg)
 
 
 def _check_names(cfg) -> None:
-    """Every registry name in the config exists (a typo fails here, not mid-run)."""
-    from rft.actors import ACTOR_BACKENDS
-    from rft.algorithms import ADVANTAGE_FNS, AGG_MODES, KL_FNS, POLICY_LOSS_FNS, resolve
-    from rft.engine import ENGINES
+    """Every registry name in the config exists (a typo fails here, not mid-run). Only a dotted
+    path (a study's own function) is imported."""
+    from rft.experience import check_priority_fn
+    from rft.algorithms import resolve
     from rft.rewards import REWARD_FNS
-    from rft.sync import SYNC_METHODS
 
-    inp = cfg.buffer.explorer_input
-    # advantage and policy-loss functions may also be dotted paths to the user's own
-    resolve(ADVANTAGE_FNS, cfg.algorithm.advantage_fn, "algorithm.advantage_fn")
-    resolve(POLICY_LOSS_FNS, cfg.algorithm.policy_loss_fn, "algorithm.policy_loss_fn")
+    algo, inp = cfg.algorithm, cfg.buffer.explorer_input
+    ADVANTAGE_FNS.check(algo.advantage_fn)
+    POLICY_LOSS_FNS.check(algo.policy_loss_fn)
+    kl = ("none", *KL_FNS)
     checks = [
-        ("algorithm.kl_loss_fn", cfg.algorithm.kl_loss_fn, {"none": None, **KL_FNS}),
-        ("algorithm.kl_penalty_fn", cfg.algorithm.kl_penalty_fn, {"none": None, **KL_FNS}),
-        ("algorithm.off_policy_correction", cfg.algorithm.off_policy_correction, ("decoupled", "behavior", "none")),
-        ("algorithm.loss_agg_mode", cfg.algorithm.loss_agg_mode, AGG_MODES),
-        ("algorithm.optimizer.warmup_style", cfg.algorithm.optimizer.warmup_style, ("constant", "cosine")),
-        ("explorer.rollout_model.engine_type", cfg.explorer.rollout_model.engine_type, ENGINES),
-        ("synchronizer.sync_method", cfg.synchronizer.sync_method, SYNC_METHODS),
-        ("cluster.backend", cfg.cluster.backend, ACTOR_BACKENDS),
-        ("trainer.trainer_strategy", cfg.trainer.trainer_strategy, ("torch", "fsdp2")),
+        ("algorithm.kl_loss_fn", algo.kl_loss_fn, kl),
+        ("algorithm.kl_penalty_fn", algo.kl_penalty_fn, kl),
+        ("algorithm.off_policy_correction", algo.off_policy_correction, C.OFF_POLICY_CORRECTIONS),
+        ("algorithm.loss_agg_mode", algo.loss_agg_mode, C.AGG_MODES),
+        ("algorithm.optimizer.warmup_style", algo.optimizer.warmup_style, C.WARMUP_STYLES),
+        ("explorer.rollout_model.engine_type", cfg.explorer.rollout_model.engine_type, C.ENGINE_TYPES),
+        ("synchronizer.sync_method", cfg.synchronizer.sync_method, C.SYNC_METHODS),
+        ("cluster.backend", cfg.cluster.backend, C.BACKENDS),
+        ("trainer.trainer_strategy", cfg.trainer.trainer_strategy, C.TRAINER_STRATEGIES),
         ("buffer.trainer_input.experience_buffer.storage_type",
-         cfg.buffer.trainer_input.experience_buffer.storage_type, ("queue", "sql", "file")),
-        ("synchronizer.sync_style", cfg.synchronizer.sync_style, ("fixed", "dynamic_by_explorer")),
+         cfg.buffer.trainer_input.experience_buffer.storage_type, C.STORAGE_TYPES),
     ]
-    # reward functions may also be dotted paths to the user's own
+    # reward functions and workflows may also be dotted paths to the user's own
     resolve(REWARD_FNS, inp.default_reward_fn_type, "buffer.explorer_input.default_reward_fn_type")
     for i, ts in enumerate([inp.taskset, *inp.eval_tasksets]):
+        where = "buffer.explorer_input." + ("taskset" if i == 0 else f"eval_tasksets[{i - 1}]")
         if ts.reward_fn is not None:
-            where = "taskset" if i == 0 else f"eval_tasksets[{i - 1}]"
-            resolve(REWARD_FNS, ts.reward_fn, f"buffer.explorer_input.{where}.reward_fn")
+            resolve(REWARD_FNS, ts.reward_fn, f"{where}.reward_fn")
+        check_workflow(ts.workflow, f"{where}.workflow")
     # dict-typed keys hold typed values too: a typo fails here, not inside an actor
     for name, value in cfg.buffer.trainer_input.auxiliary_buffers.items():
         _typed_buffer(value, f"buffer.trainer_input.auxiliary_buffers.{name}")
-    if cfg.algorithm.sft_loss_weight > 0:
+    if algo.sft_loss_weight > 0:
         sft_buffer_config(cfg)
     rb = cfg.buffer.trainer_input.experience_buffer.replay_buffer
-    from rft.buffer import check_priority_fn
-
     check_priority_fn(rb.priority_fn, rb.priority_fn_args, "buffer.trainer_input.experience_buffer.replay_buffer")
     for key, value, known in checks:
         if value not in known:
             raise ConfigError(f"{key}={value!r} is not one of {sorted(known)}.")
+
+
+# the workflows rft.workflows registers (that module encodes prompts: it is not imported to plan)
+WORKFLOW_NAMES = ("single_turn",)
+
+
+def check_workflow(name: str, key: str) -> None:
+    if name in WORKFLOW_NAMES:
+        return
+    if "." not in name:
+        raise ConfigError(
+            f"{key}={name!r} is not one of {list(WORKFLOW_NAMES)}; give a registered name or the dotted "
+            f"path of a workflow function (module.function, see rft/workflows.py)."
+        )
+    from rft.algorithms import resolve
+
+    resolve({}, name, key)
 
 
 def _divisor_near(n: int, target: int) -> int:

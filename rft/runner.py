@@ -30,14 +30,15 @@ from pathlib import Path
 
 from omegaconf import open_dict
 
-from rft.actors import ACTOR_BACKENDS
-from rft.buffer import DatasetReader, is_experience_file, make_buffer
+from rft.actors import ACTOR_BACKENDS, start_trainer
+from rft.buffer import make_buffer
+from rft.data import DatasetReader, is_experience_file
 from rft.errors import RunError
-from rft.engine import format_fingerprint, same_weights, weight_sums
+from rft.sync import format_fingerprint, same_weights, weight_sums
 from rft.explorer import Explorer, rollout_metrics
 from rft.monitor import Monitor, read_metrics
 from rft.sync import SYNC_METHODS
-from rft.fsdp import start_trainer, trainer_ranks
+from rft.placement import trainer_ranks
 
 log = logging.getLogger(__name__)
 
@@ -294,7 +295,7 @@ class StageRun:
     def _placement(self) -> list[dict]:
         if self.cfg.cluster.backend != "ray":
             return [{}] * (trainer_ranks(self.cfg) + self.cfg.explorer.rollout_model.engine_num)
-        from rft.placement import placement_for
+        from rft.actors import placement_for
 
         self.pg, options = placement_for(self.cfg)
         return options

@@ -213,34 +213,6 @@ def check_columns(rows, fmt, where: str, path: str, pairs: bool = False, sources
             )
 
 
-def budget_report(ds, tokenizer, model_cfg, responses: bool, where: str, first: int = 256) -> str | None:
-    """How many of the first rows' prompts (and, for a training dataset, responses) exceed the
-    model's token budgets, as one sentence; None when all fit."""
-    from rft.workflows import chat_ids
-
-    rows = load_rows(ds.path, ds.split, getattr(ds, "subset_name", None), key=f"{where}.path")
-    rows = rows.select(range(min(first, len(rows))))
-    fmt = ds.format
-    prompts = [len(chat_ids(tokenizer, rows_to_messages(r, fmt, where, i, ds.path))) for i, r in enumerate(rows)]
-    parts = []
-    over = [n for n in prompts if n > model_cfg.max_prompt_tokens]
-    if over:
-        parts.append(f"{len(over)} of the first {len(prompts)} prompts of {where} ({ds.path}) are longer "
-                     f"than model.max_prompt_tokens={model_cfg.max_prompt_tokens} tokens (the longest has "
-                     f"{max(over)}, chat template included) and will be cut from the left")
-    keys = [fmt.chosen_key, fmt.rejected_key] if fmt.chosen_key and fmt.rejected_key else [fmt.response_key]
-    if responses and all(keys):
-        lens = [len(tokenizer.encode(str(r[k]), add_special_tokens=False)) + 1 for r in rows for k in keys if r.get(k) is not None]
-        long = [n for n in lens if n > model_cfg.max_response_tokens]
-        if long:
-            parts.append(f"{len(long)} of its first {len(lens)} responses are longer than "
-                         f"model.max_response_tokens={model_cfg.max_response_tokens} (end-of-sequence token "
-                         f"included; the longest has {max(long)}) and will be cut")
-    if not parts:
-        return None
-    return "; ".join(parts) + ". Raise the budget or shorten the data (metrics: rollout/truncated_prompts, train/truncated_*)."
-
-
 def _line_hint(path: str, index: int) -> str:
     if path.endswith(".jsonl") or Path(os.path.expanduser(path)).is_dir():
         return f"row {index} (line {index + 1} of its JSONL file)"

@@ -19,11 +19,11 @@ from pathlib import Path
 import torch
 from transformers import get_scheduler
 
-from rft.algorithms import ADVANTAGE_FNS, KL_FNS, POLICY_LOSS_FNS, agg_loss, resolve
-from rft.algorithms.advantages import NEEDS_CRITIC, gae_returns
-from rft.algorithms.losses import NEEDS_REFERENCE
+from rft.algorithms import ADVANTAGE_FNS, KL_FNS, POLICY_LOSS_FNS, resolve
+from rft.algorithms.advantages import gae_returns
+from rft.algorithms.aggregation import agg_loss
 from rft.critic import Critic, explained_variance
-from rft.engine import fingerprint, for_safetensors
+from rft.sync import fingerprint, for_safetensors
 from rft.experience import Experience, collate
 from rft.models import load_hf_weights, load_model, load_tokenizer, local_device
 
@@ -100,7 +100,7 @@ class Trainer:
             model.gradient_checkpointing_enable()
         self.model = self._wrap(model)
         self.ref_model = None
-        if algo.kl_loss_fn != "none" or algo.kl_penalty_fn != "none" or algo.policy_loss_fn in NEEDS_REFERENCE:
+        if plan.needs.reference:
             ref = load_model(cfg.model, init_path).to(self.device)
             ref.requires_grad_(False)
             self.ref_model = self._wrap(ref)
@@ -108,12 +108,12 @@ class Trainer:
         self.advantage_fn = resolve(ADVANTAGE_FNS, algo.advantage_fn, "algorithm.advantage_fn")
         self.policy_loss_fn = resolve(POLICY_LOSS_FNS, algo.policy_loss_fn, "algorithm.policy_loss_fn")
         self.critic = None
-        if algo.advantage_fn in NEEDS_CRITIC:
+        if plan.needs.critic:
             self.critic = Critic(cfg, os.path.expanduser(cfg.model.critic_model_path or init_path or cfg.model.model_path),
                                  self.device)
         self.sft_reader = None
         if algo.sft_loss_weight > 0:
-            from rft.buffer import DatasetReader
+            from rft.data import DatasetReader
             from rft.plan import sft_buffer_config
 
             buf_cfg, where = sft_buffer_config(cfg)  # checked by the plan already

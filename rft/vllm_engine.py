@@ -128,7 +128,7 @@ class VLLMEngine:
     def update_weights(self, state_dict) -> None:
         from safetensors.torch import save
 
-        from rft.engine import for_safetensors
+        from rft.sync import for_safetensors
 
         # as safetensors bytes through vLLM's own messaging (its encoder does not carry a dict of
         # tensors): fine for small models; use sync=collective or checkpoint for large ones

@@ -18,7 +18,7 @@ import torch
 
 class WorkerExtension:
     def _reload(self, named_tensors) -> None:
-        from rft.engine import fingerprint
+        from rft.sync import fingerprint
 
         tied = getattr(self.model_runner.model_config.hf_config, "tie_word_embeddings", False)
         seen = []
@@ -79,7 +79,7 @@ class WorkerExtension:
 
     def rft_fingerprint(self) -> str:
         """Of the weights last loaded; before any update, of the parameters as they are."""
-        from rft.engine import fingerprint
+        from rft.sync import fingerprint
 
         value = getattr(self, "rft_fingerprint_value", None)
         return value or fingerprint(self.model_runner.model.parameters())

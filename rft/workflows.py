@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+from rft.data import chat_ids
 from rft.experience import Experience
 
 
@@ -26,19 +27,6 @@ class WorkflowContext:
     step: int
     # score([(prompt_text, [response_text, ...], task), ...]) -> [[reward, ...] | None, ...]
     score: Callable
-
-
-def chat_ids(tokenizer, messages: list[dict]) -> list[int]:
-    """The prompt's token ids: the chat template with the generation prompt."""
-    ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
-    if hasattr(ids, "keys"):  # transformers may return a BatchEncoding
-        ids = ids["input_ids"]
-    return list(ids)
-
-
-def encode_prompt(tokenizer, messages: list[dict], max_prompt_tokens: int) -> list[int]:
-    # keep the end of an over-long prompt: the question and the generation prompt sit there
-    return chat_ids(tokenizer, messages)[-max_prompt_tokens:]
 
 
 def single_turn(tasks, engine, ctx: WorkflowContext) -> list[list[Experience] | None]:

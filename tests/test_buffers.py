@@ -12,8 +12,8 @@ import pytest
 from omegaconf import OmegaConf
 
 from conftest import ROOT
-from rft.buffer import (BUFFERS, FileBuffer, QueueBuffer, SQLBuffer, count_experiences, is_experience_file,
-                        make_buffer, read_experiences)
+from rft.buffer import BUFFERS, FileBuffer, QueueBuffer, SQLBuffer, count_experiences, make_buffer, read_experiences
+from rft.data import is_experience_file
 from rft.config import ExperienceBufferConfig
 from rft.errors import ConfigError
 from rft.experience import Experience

@@ -7,7 +7,7 @@ from omegaconf import OmegaConf
 
 from conftest import CONF, compose_cfg
 from rft.errors import ConfigError
-from rft.main import stage_configs
+from rft.plan import stage_configs
 from rft.plan import format_plan, make_plan
 
 GROUP_OPTIONS = sorted(

@@ -6,11 +6,12 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from rft.engine import HFEngine, StopStrings, fingerprint
+from rft.engine import HFEngine, StopStrings
+from rft.sync import fingerprint
 from rft.experience import Experience, collate
 from rft.models import build_tiny_model, load_tokenizer
 from rft.trainer import token_logprobs
-from rft.workflows import encode_prompt
+from rft.data import encode_prompt
 
 
 @pytest.fixture(scope="module")
@@ -157,7 +158,7 @@ def test_fingerprint_catches_a_changed_weight(tiny):
 def test_for_safetensors_clones_tied_tensors_and_makes_them_contiguous():
     from safetensors.torch import load, save
 
-    from rft.engine import for_safetensors
+    from rft.sync import for_safetensors
 
     emb = torch.arange(6.0).reshape(2, 3)
     sd = {"embed.weight": emb, "lm_head.weight": emb, "proj.weight": torch.arange(6.0).reshape(3, 2).T}

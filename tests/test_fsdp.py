@@ -9,14 +9,14 @@ from safetensors.torch import load_file
 
 from conftest import compose_cfg, run_cli
 from rft.actors import ActorGroup, RayActor
-from rft.engine import same_weights
+from rft.sync import same_weights
 from rft.errors import ConfigError
-from rft.fsdp import start_trainer, trainer_ranks
-from rft.main import stage_configs
+from rft.actors import start_trainer
+from rft.plan import stage_configs
 from rft.models import ensure_model
 from rft.monitor import read_metrics
 from rft.plan import make_plan
-from rft.placement import check_placement
+from rft.placement import check_placement, trainer_ranks
 from rft.trainer import Trainer
 from test_runtime import base, env_for, evals
 from test_trainer import experiences

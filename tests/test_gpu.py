@@ -7,9 +7,10 @@ import torch
 
 from conftest import compose_cfg
 from rft.actors import InlineActor
-from rft.engine import HFEngine, same_weights
-from rft.fsdp import start_trainer
-from rft.main import stage_configs
+from rft.engine import HFEngine
+from rft.sync import same_weights
+from rft.actors import start_trainer
+from rft.plan import stage_configs
 from rft.models import ensure_model, load_tokenizer
 from rft.plan import make_plan
 from rft.trainer import Trainer

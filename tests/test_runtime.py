@@ -19,8 +19,8 @@ from safetensors.torch import load_file
 
 from conftest import ROOT, compose_cfg, run_cli
 from faulty_reward import fault_class
-from rft.buffer import epoch_batch, read_experiences
-from rft.explorer import step_seed
+from rft.buffer import read_experiences
+from rft.data import epoch_batch, step_seed
 from rft.monitor import read_metrics
 from rft.tasks import load_tasks
 

@@ -86,7 +86,7 @@ def explorer():
 
 
 def _trainer_side(explorer):
-    from rft.engine import fingerprint
+    from rft.sync import fingerprint
 
     sd = {k: v.clone() + 0.01 for k, v in explorer.engine.model.state_dict().items()}
     # the trainer fingerprints its parameters: a tied output layer counts once
@@ -175,10 +175,6 @@ def test_modes_need_a_buffer_that_outlives_them():
 def test_collective_sync_needs_ray_processes():
     assert plan_error("sync=collective", "cluster=inline").startswith(
         "synchronizer.sync_method=collective broadcasts between the trainer's and the explorers' processes")
-
-
-def test_dynamic_sync_style_says_it_is_not_implemented():
-    assert "sync_style='dynamic_by_explorer' is not implemented yet" in plan_error("synchronizer.sync_style=dynamic_by_explorer")
 
 
 @pytest.mark.parametrize("overrides, message", [

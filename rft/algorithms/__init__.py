@@ -1,29 +1,148 @@
-"""The algorithm registries: pure tensor functions, one signature per registry.
+"""The algorithm registries: pure tensor functions, one signature per registry, and their needs.
 
     ADVANTAGE_FNS[name](batch, cfg) -> advantages [N, T]
     POLICY_LOSS_FNS[name](logp, batch, cfg) -> (loss [N, T], metrics)
     KL_FNS[name](logp, ref_logp) -> kl [N, T]
     agg_loss(loss, mask, mode, num_seqs, num_tokens, max_len) -> scalar
 
-The trainer looks each name up once (`rft.trainer`, through `resolve`); nothing else branches on
-algorithm names. To add an algorithm: write the function, add it to the dict, add a
+Each entry says what the function needs besides the batch (`Needs`: a frozen reference model, a
+critic, whole groups of rollouts, preference pairs from a dataset). The plan checks a config
+against them and the trainer builds what they ask for; nothing else branches on algorithm names.
+
+This module imports no torch: the tables below name where each function lives, and a function is
+imported when it is first looked up, so planning a run (and `dry_run`) stays light.
+
+To add an algorithm: write the function, add a line to the table, add a
 `conf/algorithm/<name>.yaml`, and a test with hand-computed values. To try one without touching
-the package, give a dotted path instead of a name: `algorithm.advantage_fn=my_study.adv.my_fn`.
+the package, give a dotted path instead of a name (`algorithm.policy_loss_fn=my_study.losses.fn`)
+and declare its needs on it with the `needs` decorator:
+
+    from rft.algorithms import needs
+
+    @needs(reference=True)
+    def my_loss(logp, batch, cfg): ...   # batch["ref_logp"] is filled
 """
 
-import importlib
+from __future__ import annotations
 
+import importlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from rft.config import AGG_MODES
 from rft.errors import ConfigError
 
-from rft.algorithms.advantages import ADVANTAGE_FNS
-from rft.algorithms.aggregation import AGG_MODES, agg_loss
-from rft.algorithms.kl import KL_FNS
-from rft.algorithms.losses import POLICY_LOSS_FNS
 
-__all__ = ["ADVANTAGE_FNS", "AGG_MODES", "KL_FNS", "POLICY_LOSS_FNS", "agg_loss", "resolve"]
+@dataclass(frozen=True)
+class Needs:
+    # batch["ref_logp"]: log-probs of the frozen starting model (DPO, a KL term)
+    reference: bool = False
+    # batch["values"]: a value model trained beside the policy (PPO's GAE)
+    critic: bool = False
+    # compares the rollouts of one task: algorithm.repeat_times >= 2 and whole groups per step
+    grouped: bool = False
+    # rows 2k, 2k+1 are a preference pair (chosen, rejected) read from a dataset
+    paired: bool = False
 
 
-def resolve(registry: dict, name: str, key: str):
+def needs(**kwargs):
+    """Declare what a function given as a dotted path needs (see Needs)."""
+    spec = Needs(**kwargs)
+
+    def mark(fn):
+        fn.needs = spec
+        return fn
+
+    return mark
+
+
+class Registry(Mapping):
+    """name -> function, imported on first use from the "module.attribute" the table gives."""
+
+    def __init__(self, key: str, table: dict[str, tuple[str, Needs]]):
+        self.key, self._table, self._loaded = key, table, {}
+
+    def __getitem__(self, name: str):
+        if name not in self._loaded:
+            path = self._table[name][0]
+            module, _, attr = path.rpartition(".")
+            self._loaded[name] = getattr(importlib.import_module(module), attr)
+        return self._loaded[name]
+
+    def __iter__(self):
+        return iter(self._table)
+
+    def __len__(self) -> int:
+        return len(self._table)
+
+    def needs(self, name: str) -> Needs:
+        """What `name` needs: from the table, or from a dotted-path function's `needs` decorator
+        (importing it: a study's own module). Errors name the config key."""
+        if name in self._table:
+            return self._table[name][1]
+        return getattr(resolve(self, name, self.key), "needs", Needs())
+
+    def check(self, name: str) -> None:
+        """A misspelt name fails here, without importing anything (dotted paths are imported)."""
+        if name not in self._table:
+            resolve(self, name, self.key)
+
+
+_ADV = "rft.algorithms.advantages."
+ADVANTAGE_FNS = Registry("algorithm.advantage_fn", {
+    "grpo": (_ADV + "grpo_advantage", Needs(grouped=True)),
+    "dr_grpo": (_ADV + "dr_grpo_advantage", Needs(grouped=True)),
+    "rloo": (_ADV + "rloo_advantage", Needs(grouped=True)),
+    "opmd": (_ADV + "opmd_advantage", Needs(grouped=True)),
+    "reinforce_pp": (_ADV + "reinforce_pp_advantage", Needs()),
+    "reinforce_pp_baseline": (_ADV + "reinforce_pp_baseline_advantage", Needs(grouped=True)),
+    "gae": (_ADV + "gae_advantage", Needs(critic=True)),
+    "none": (_ADV + "no_advantage", Needs()),
+})
+
+_LOSS = "rft.algorithms.losses."
+POLICY_LOSS_FNS = Registry("algorithm.policy_loss_fn", {
+    "ppo_clip": (_LOSS + "ppo_clip_loss", Needs()),
+    "gspo": (_LOSS + "gspo_loss", Needs()),
+    "gmpo": (_LOSS + "gmpo_loss", Needs()),
+    "cpgd": (_LOSS + "cpgd_loss", Needs()),
+    "opmd": (_LOSS + "opmd_loss", Needs()),
+    "sft": (_LOSS + "sft_loss", Needs()),
+    "dpo": (_LOSS + "dpo_loss", Needs(reference=True, paired=True)),
+})
+
+_KL = "rft.algorithms.kl."
+# every KL function needs the reference model: the config's "none" turns the term off
+KL_FNS = Registry("algorithm.kl_loss_fn", {
+    name: (_KL + fn, Needs(reference=True))
+    for name, fn in [("k1", "k1"), ("kl", "k1"), ("k2", "k2"), ("mse", "k2"), ("k3", "k3"),
+                     ("low_var_kl", "k3"), ("abs", "abs_kl")]
+})
+
+
+
+def __getattr__(name: str):
+    # agg_loss is a torch function: imported when asked for, not with the registries
+    if name == "agg_loss":
+        from rft.algorithms.aggregation import agg_loss
+
+        return agg_loss
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def algorithm_needs(algo) -> Needs:
+    """What an algorithm config needs, over all its functions (advantage, loss, KL terms)."""
+    parts = [ADVANTAGE_FNS.needs(algo.advantage_fn), POLICY_LOSS_FNS.needs(algo.policy_loss_fn)]
+    if algo.kl_loss_fn != "none" or algo.kl_penalty_fn != "none":
+        parts.append(Needs(reference=True))
+    return Needs(**{f: any(getattr(p, f) for p in parts) for f in Needs.__dataclass_fields__})
+
+
+__all__ = ["ADVANTAGE_FNS", "AGG_MODES", "KL_FNS", "POLICY_LOSS_FNS", "Needs", "Registry", "agg_loss",
+           "algorithm_needs", "needs", "resolve"]
+
+
+def resolve(registry: Mapping, name: str, key: str):
     """The function registered as `name`, or the one at dotted path `name` (module.function)."""
     if name in registry:
         return registry[name]

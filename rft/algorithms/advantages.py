@@ -184,21 +184,9 @@ def gae_advantage(batch: dict, cfg) -> torch.Tensor:
 
 
 # advantage functions that need a critic's values in batch["values"]
-NEEDS_CRITIC = {"gae"}
 
 
 def no_advantage(batch: dict, cfg) -> torch.Tensor:
     """For losses that ignore advantages (SFT): zeros."""
     return torch.zeros_like(batch["response_mask"], dtype=torch.float32)
 
-
-ADVANTAGE_FNS = {
-    "grpo": grpo_advantage,
-    "dr_grpo": dr_grpo_advantage,
-    "rloo": rloo_advantage,
-    "opmd": opmd_advantage,
-    "reinforce_pp": reinforce_pp_advantage,
-    "reinforce_pp_baseline": reinforce_pp_baseline_advantage,
-    "gae": gae_advantage,
-    "none": no_advantage,
-}

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+from rft.config import AGG_MODES
 
 
 def agg_loss(

@@ -32,5 +32,3 @@ def abs_kl(logp, ref_logp):
     """|x|."""
     return (logp - ref_logp).abs()
 
-
-KL_FNS = {"k1": k1, "kl": k1, "k2": k2, "mse": k2, "k3": k3, "low_var_kl": k3, "abs": abs_kl}

@@ -127,7 +127,7 @@ def sft_loss(logp, batch, cfg):
 def dpo_loss(logp, batch, cfg):
     """DPO (arXiv 2305.18290): -log sigmoid(beta * ((lp_c - ref_c) - (lp_r - ref_r))).
 
-    Rows come in pairs, chosen then rejected (rows 2k and 2k+1; `rft.buffer.DatasetReader` with
+    Rows come in pairs, chosen then rejected (rows 2k and 2k+1; `rft.data.DatasetReader` with
     format.chosen_key/rejected_key builds them), and lp / ref are sequence log-probs (sums over
     response tokens). Each pair's loss l_k is spread evenly over the n_k tokens of both its rows,
     2 * l_k / n_k on each, so that loss_agg_mode=seq-mean-token-sum (which divides by the number of
@@ -154,19 +154,3 @@ def dpo_loss(logp, batch, cfg):
     }
     return loss, metrics
 
-
-# losses that need the frozen reference model's log-probs in batch["ref_logp"]
-NEEDS_REFERENCE = {"dpo"}
-# losses that learn from preference pairs (rows 2k, 2k+1: chosen, rejected) of a dataset
-NEEDS_PAIRS = {"dpo"}
-
-
-POLICY_LOSS_FNS = {
-    "ppo_clip": ppo_clip_loss,
-    "gspo": gspo_loss,
-    "gmpo": gmpo_loss,
-    "cpgd": cpgd_loss,
-    "opmd": opmd_loss,
-    "sft": sft_loss,
-    "dpo": dpo_loss,
-}

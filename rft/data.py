@@ -1,0 +1,138 @@
+"""Data for the trainer and the explorer: reading datasets, epoch batches, encoding prompts.
+
+- `step_seed` and `epoch_batch`: what a step reads is a pure function of (seed, step), so a
+  resumed run reads exactly what an uninterrupted one would.
+- `chat_ids` / `encode_prompt`: a prompt's token ids (the chat template, over-long prompts keep
+  their end).
+- `DatasetReader`: a dataset of prompt/response rows (or preference pairs) as experiences, for
+  training without an explorer (an SFT or DPO stage, algorithm=mix's auxiliary data).
+- `is_experience_file`: tells such a dataset from a file buffer's stored experiences.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from pathlib import Path
+
+from rft.errors import ConfigError
+from rft.experience import Experience
+from rft.tasks import load_rows, rows_to_messages
+
+WHERE = "buffer.trainer_input.experience_buffer"
+
+
+def step_seed(seed: int, step: int, salt: int = 0) -> int:
+    return (seed * 1_000_003 + step * 7919 + salt) % (2**31)
+
+
+def epoch_batch(n_items: int, per_step: int, step: int, epoch_seed) -> list[int]:
+    """Indices of step `step`'s batch: each epoch is a fresh shuffle seeded by epoch_seed(epoch).
+
+    A pure function of the step, so a resumed run reads exactly what an uninterrupted one would.
+    """
+    epoch, pos = divmod(step, n_items // per_step)
+    order = list(range(n_items))
+    random.Random(epoch_seed(epoch)).shuffle(order)
+    return order[pos * per_step : (pos + 1) * per_step]
+
+
+def chat_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """The prompt's token ids: the chat template with the generation prompt."""
+    ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+    if hasattr(ids, "keys"):  # transformers may return a BatchEncoding
+        ids = ids["input_ids"]
+    return list(ids)
+
+
+def encode_prompt(tokenizer, messages: list[dict], max_prompt_tokens: int) -> list[int]:
+    # keep the end of an over-long prompt: the question and the generation prompt sit there
+    return chat_ids(tokenizer, messages)[-max_prompt_tokens:]
+
+
+def is_experience_file(path) -> bool:
+    """True for a JSONL file written by `FileBuffer` (its first line has "tokens"), false for
+    anything else, such as a dataset of prompt/response rows."""
+    path = Path(os.path.expanduser(str(path)))
+    if path.suffix != ".jsonl" or not path.is_file():
+        return False
+    with open(path, "rb") as f:
+        for line in f:
+            if line.strip():
+                try:
+                    row = json.loads(line)
+                except ValueError:  # not JSON
+                    return False
+                return isinstance(row, dict) and "tokens" in row
+    return False
+
+
+class DatasetReader:
+    """Prompt/response rows as experiences; step k's batch is a function of (seed, k)."""
+
+    def __init__(self, buf_cfg, tokenizer, max_prompt_tokens: int, max_response_tokens: int, seed: int,
+                 where: str = WHERE):
+        if not buf_cfg.path:
+            raise ConfigError(f"{where}.storage_type=file needs {where}.path (a dataset of prompt/response rows).")
+        rows = load_rows(buf_cfg.path, buf_cfg.split, key=f"{where}.path")
+        fmt = buf_cfg.format
+        # with chosen_key and rejected_key set, each row is a preference pair: two experiences,
+        # chosen then rejected, always kept next to each other
+        keys = [fmt.chosen_key, fmt.rejected_key] if fmt.chosen_key and fmt.rejected_key else [fmt.response_key]
+        self.items = []  # one entry per row: the list of its experiences
+        for i, row in enumerate(rows):
+            messages = rows_to_messages(row, fmt, where, i, buf_cfg.path)
+            full_prompt = chat_ids(tokenizer, messages)
+            # an over-long prompt keeps its end (the question and the generation prompt sit there)
+            prompt = full_prompt[-max_prompt_tokens:]
+            item = []
+            for key in keys:
+                if row.get(key) is None:
+                    raise ConfigError(
+                        f"{where}: row {i} of {buf_cfg.path!r} has no {key!r} (in {where}.format); "
+                        f"its keys are {sorted(k for k, v in row.items() if v is not None)}."
+                    )
+                full = tokenizer.encode(str(row[key]), add_special_tokens=False)
+                response = full[: max_response_tokens - 1] + [tokenizer.eos_token_id]
+                # counted in the step's metrics (train/truncated_prompts, train/truncated_responses)
+                cut = {"prompt_truncated": len(full_prompt) > len(prompt), "response_truncated": len(full) >= max_response_tokens}
+                item.append(Experience(prompt + response, len(prompt), [], task_id=f"{buf_cfg.name}/{i}",
+                                       group_id=str(i), info=cut))
+            self.items.append(item)
+        self.rows_per_item = len(keys)
+        self.seed = seed
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def batch(self, step: int, size: int) -> list[Experience]:
+        """`size` experiences (size / 2 pairs for preference data), epoch-wise shuffled rows."""
+        rows = epoch_batch(len(self.items), size // self.rows_per_item, step, lambda epoch: step_seed(self.seed, 0, salt=epoch))
+        return [e for i in rows for e in self.items[i]]
+
+
+def budget_report(ds, tokenizer, model_cfg, responses: bool, where: str, first: int = 256) -> str | None:
+    """How many of the first rows' prompts (and, for a training dataset, responses) exceed the
+    model's token budgets, as one sentence; None when all fit."""
+    rows = load_rows(ds.path, ds.split, getattr(ds, "subset_name", None), key=f"{where}.path")
+    rows = rows.select(range(min(first, len(rows))))
+    fmt = ds.format
+    prompts = [len(chat_ids(tokenizer, rows_to_messages(r, fmt, where, i, ds.path))) for i, r in enumerate(rows)]
+    parts = []
+    over = [n for n in prompts if n > model_cfg.max_prompt_tokens]
+    if over:
+        parts.append(f"{len(over)} of the first {len(prompts)} prompts of {where} ({ds.path}) are longer "
+                     f"than model.max_prompt_tokens={model_cfg.max_prompt_tokens} tokens (the longest has "
+                     f"{max(over)}, chat template included) and will be cut from the left")
+    keys = [fmt.chosen_key, fmt.rejected_key] if fmt.chosen_key and fmt.rejected_key else [fmt.response_key]
+    if responses and all(keys):
+        lens = [len(tokenizer.encode(str(r[k]), add_special_tokens=False)) + 1 for r in rows for k in keys if r.get(k) is not None]
+        long = [n for n in lens if n > model_cfg.max_response_tokens]
+        if long:
+            parts.append(f"{len(long)} of its first {len(lens)} responses are longer than "
+                         f"model.max_response_tokens={model_cfg.max_response_tokens} (end-of-sequence token "
+                         f"included; the longest has {max(long)}) and will be cut")
+    if not parts:
+        return None
+    return "; ".join(parts) + ". Raise the budget or shorten the data (metrics: rollout/truncated_prompts, train/truncated_*)."
