@@ -215,6 +215,7 @@ _experiences = sa.Table(
     sa.Column("logprobs", sa.Text, nullable=False),  # JSON
     sa.Column("info", sa.Text, nullable=False),  # JSON
     sa.Column("sampling", sa.Text),  # JSON: temperature, top_p, top_k (absent in older files)
+    sa.Column("extra", sa.Text),  # JSON: every other Experience field (loss_mask, ...)
     # for people reading the database, not for the trainer
     sa.Column("prompt_text", sa.Text),
     sa.Column("response_text", sa.Text),
@@ -247,10 +248,16 @@ def _engine(path: Path, read_only: bool = False) -> sa.Engine:
     return engine
 
 
+# Experience fields kept in columns of their own; every other field goes into `extra` (JSON), so a
+# new field (a workflow's loss_mask) needs no new column
+_COLUMN_FIELDS = ("tokens", "prompt_length", "logprobs", "reward", "group_id", "task_id", "policy_version",
+                  "sampling", "info")
+
+
 def _row(exp: Experience, now: float) -> dict:
     d = exp.to_dict()
     prompt, response = exp.info.get("prompt"), exp.info.get("response")
-    return dict(
+    return dict(extra=json.dumps({k: v for k, v in d.items() if k not in _COLUMN_FIELDS}),
         created_at=now, policy_version=d["policy_version"], task_id=d["task_id"], group_id=d["group_id"],
         reward=d["reward"], prompt_length=d["prompt_length"], response_length=exp.response_length,
         tokens=json.dumps(d["tokens"]), logprobs=json.dumps(d["logprobs"]), info=json.dumps(d["info"]),
@@ -260,11 +267,13 @@ def _row(exp: Experience, now: float) -> dict:
 
 
 def _experience(row) -> Experience:
-    return Experience(
-        tokens=json.loads(row.tokens), prompt_length=row.prompt_length, logprobs=json.loads(row.logprobs),
-        reward=row.reward, group_id=row.group_id, task_id=row.task_id, policy_version=row.policy_version,
-        sampling=json.loads(getattr(row, "sampling", None) or "{}"), info=json.loads(row.info),
-    )
+    return Experience.from_dict({
+        **json.loads(getattr(row, "extra", None) or "{}"),
+        "tokens": json.loads(row.tokens), "prompt_length": row.prompt_length, "logprobs": json.loads(row.logprobs),
+        "reward": row.reward, "group_id": row.group_id, "task_id": row.task_id,
+        "policy_version": row.policy_version, "sampling": json.loads(getattr(row, "sampling", None) or "{}"),
+        "info": json.loads(row.info),
+    })
 
 
 def _add_missing_columns(c) -> None:

@@ -12,7 +12,10 @@ from rft.errors import ConfigError
 class Experience:
     tokens: list[int]  # prompt + response token ids
     prompt_length: int
-    logprobs: list[float]  # sampling log-prob of each response token (empty for SFT data)
+    # sampling log-prob of each response token (empty for SFT data). The "response" is everything
+    # after the first prompt: in a multi-turn workflow it holds later turns of the user or an
+    # environment too (their log-probs are not used: loss_mask leaves them out)
+    logprobs: list[float]
     reward: float = 0.0
     group_id: str = ""  # rollouts of the same task in the same step share it
     task_id: str = ""
@@ -22,6 +25,9 @@ class Experience:
     # temperature 1, no truncation
     sampling: dict = field(default_factory=dict)
     info: dict = field(default_factory=dict)
+    # one entry per response token: 1 where the model is trained on the token, 0 where not (a
+    # multi-turn workflow's user or tool turns). Empty: every response token
+    loss_mask: list[int] = field(default_factory=list)
 
     @property
     def response_length(self) -> int:
@@ -43,6 +49,7 @@ class Experience:
             "policy_version": int(self.policy_version),
             "sampling": dict(self.sampling),
             "info": copy.deepcopy(self.info),
+            "loss_mask": [int(m) for m in self.loss_mask],
         }
 
     @classmethod
@@ -55,7 +62,8 @@ def collate(exps: list[Experience], pad_id: int) -> dict:
     """Right-pad a list of experiences into tensors.
 
     Returns input_ids/attention_mask [n, L] and, aligned with the next-token targets
-    input_ids[:, 1:], response_mask [n, L-1] (1 where the target is a response token); and the
+    input_ids[:, 1:], response_mask [n, L-1] (1 where the target is a response token the loss
+    counts: the experience's loss_mask, all of them when it is empty); and the
     sampling parameters per row [n]: temperature (greedy and unknown count as 1), top_p, top_k
     (<= 0: off).
     """
@@ -70,7 +78,13 @@ def collate(exps: list[Experience], pad_id: int) -> dict:
         input_ids[i, : len(e.tokens)] = torch.tensor(e.tokens)
         attention_mask[i, : len(e.tokens)] = 1
         # target position t predicts token t+1: response tokens sit at prompt_length..len-1
-        response_mask[i, e.prompt_length - 1 : len(e.tokens) - 1] = 1.0
+        if e.loss_mask:
+            if len(e.loss_mask) != e.response_length:
+                raise ValueError(f"experience {e.task_id!r}: loss_mask has {len(e.loss_mask)} entries for "
+                                 f"{e.response_length} response tokens (one per token after the prompt)")
+            response_mask[i, e.prompt_length - 1 : len(e.tokens) - 1] = torch.tensor(e.loss_mask, dtype=torch.float32)
+        else:
+            response_mask[i, e.prompt_length - 1 : len(e.tokens) - 1] = 1.0
     params = [sampling_params(e.sampling) for e in exps]
     return {"input_ids": input_ids, "attention_mask": attention_mask, "response_mask": response_mask,
             "temperature": torch.tensor([p[0] for p in params], dtype=torch.float32),

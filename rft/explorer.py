@@ -129,7 +129,7 @@ def rollout_metrics(exps: list, groups: list, counters: dict, elapsed: float) ->
         "reward/max": rewards.max().item(),
         "response_length/mean": lengths.mean().item(),
         "response_length/max": lengths.max().item(),
-        "rollout/truncated_frac": sum(e.info["finish_reason"] == "length" for e in exps) / max(len(exps), 1),
+        "rollout/truncated_frac": sum(e.info.get("finish_reason") == "length" for e in exps) / max(len(exps), 1),
         "rollout/tokens_per_s": lengths.sum().item() / max(elapsed, 1e-9),
         "rollout/zero_variance_group_frac": sum(map(_flat, groups)) / max(len(groups), 1),
         # prompts longer than model.max_prompt_tokens, cut from the left (one per task)
@@ -158,7 +158,6 @@ class Explorer:
         ]
         self.version = version  # the trainer step whose weights this explorer serves
         self.shard, self.num_shards = shard, rollout.engine_num
-        self.workflow = WORKFLOWS["single_turn"]
         log.info("explorer %d/%d ready: %d tasks, %d eval tasksets", shard, self.num_shards,
                  len(self.taskset), len(self.eval_tasksets))
 
@@ -201,9 +200,11 @@ class Explorer:
             seed=step_seed(self.cfg.seed, step, salt),
             step=step,
             score=score,
+            args=dict(ts_cfg.workflow_args),
         )
+        workflow = resolve(WORKFLOWS, ts_cfg.workflow, "workflow")
         t0 = time.perf_counter()
-        out = self.workflow(tasks, self.engine, ctx)
+        out = workflow(tasks, self.engine, ctx)
         counters["workflow_s"] = counters.get("workflow_s", 0.0) + time.perf_counter() - t0
         return out
 

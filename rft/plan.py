@@ -420,6 +420,7 @@ def _check_names(cfg) -> None:
     from rft.experience import check_priority_fn
     from rft.algorithms import resolve
     from rft.rewards import REWARD_FNS
+    from rft.workflows import WORKFLOWS
 
     algo, inp = cfg.algorithm, cfg.buffer.explorer_input
     ADVANTAGE_FNS.check(algo.advantage_fn)
@@ -444,7 +445,7 @@ def _check_names(cfg) -> None:
         where = "buffer.explorer_input." + ("taskset" if i == 0 else f"eval_tasksets[{i - 1}]")
         if ts.reward_fn is not None:
             resolve(REWARD_FNS, ts.reward_fn, f"{where}.reward_fn")
-        check_workflow(ts.workflow, f"{where}.workflow")
+        resolve(WORKFLOWS, ts.workflow, f"{where}.workflow")
     # dict-typed keys hold typed values too: a typo fails here, not inside an actor
     for name, value in cfg.buffer.trainer_input.auxiliary_buffers.items():
         _typed_buffer(value, f"buffer.trainer_input.auxiliary_buffers.{name}")
@@ -455,23 +456,6 @@ def _check_names(cfg) -> None:
     for key, value, known in checks:
         if value not in known:
             raise ConfigError(f"{key}={value!r} is not one of {sorted(known)}.")
-
-
-# the workflows rft.workflows registers (that module encodes prompts: it is not imported to plan)
-WORKFLOW_NAMES = ("single_turn",)
-
-
-def check_workflow(name: str, key: str) -> None:
-    if name in WORKFLOW_NAMES:
-        return
-    if "." not in name:
-        raise ConfigError(
-            f"{key}={name!r} is not one of {list(WORKFLOW_NAMES)}; give a registered name or the dotted "
-            f"path of a workflow function (module.function, see rft/workflows.py)."
-        )
-    from rft.algorithms import resolve
-
-    resolve({}, name, key)
 
 
 def _divisor_near(n: int, target: int) -> int:

@@ -1,7 +1,14 @@
 """Workflows: `fn(tasks, engine, ctx) -> list[list[Experience] | None]`, one entry per task.
 
 A workflow turns tasks into experiences: prompt -> n rollouts -> rewards. It takes a batch of
-tasks (not one) so the engine can sample them all in one batched call. Rewards go through
+tasks (not one) so the engine can sample them all in one batched call. A taskset chooses its
+workflow by name (`workflow`, a key of WORKFLOWS, or the dotted path of a function of the same
+signature) and gives it keyword arguments (`workflow_args`, in `ctx.args`).
+
+A multi-turn workflow puts the whole conversation after the first prompt into one experience and
+says which of its tokens the model is trained on (`Experience.loss_mask`: 0 for the user's or an
+environment's turns, whose `logprobs` entries are then ignored). The buffers and the trainer need
+nothing else. Rewards go through
 `ctx.score(jobs)`, which the explorer runs on its workflow runners: each task's reward call is
 bounded by `explorer.max_timeout` and retried `explorer.max_retry_times` times; a task that still
 fails comes back as None (no experiences), and the explorer counts it.
@@ -9,7 +16,7 @@ fails comes back as None (no experiences), and the explorer counts it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 from rft.data import chat_ids
@@ -27,6 +34,8 @@ class WorkflowContext:
     step: int
     # score([(prompt_text, [response_text, ...], task), ...]) -> [[reward, ...] | None, ...]
     score: Callable
+    # the taskset's workflow_args
+    args: dict = field(default_factory=dict)
 
 
 def single_turn(tasks, engine, ctx: WorkflowContext) -> list[list[Experience] | None]:

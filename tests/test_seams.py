@@ -1,0 +1,126 @@
+"""The seams a study extends without touching rft/: a workflow of its own (here two turns, the
+second user turn masked out of the loss) and an algorithm of its own that needs a reference model,
+each given as a dotted path to a function in the study's module (this one)."""
+
+import pytest
+import torch
+
+from conftest import compose_cfg
+from rft.algorithms import needs
+from rft.algorithms.losses import ppo_clip_loss
+from rft.buffer import read_experiences
+from rft.data import encode_prompt
+from rft.experience import Experience, collate
+
+SECOND_TURN = "+0="  # the fixed user turn between the model's two answers
+SEEN: dict[str, list] = {"masks": [], "exps": [], "ref_logp": [], "old_logp": []}
+
+
+def two_turn(tasks, engine, ctx):
+    """Answer, hear a fixed second user turn, answer again; the reward checks the last answer.
+    The second user turn's tokens sit inside the response, with loss_mask 0."""
+    tok = ctx.tokenizer
+    user = tok.encode(ctx.args.get("second_turn", SECOND_TURN), add_special_tokens=False)
+    prompts = [encode_prompt(tok, t.messages, ctx.max_prompt_tokens) for t in tasks]
+    first = engine.generate(prompts, ctx.n, ctx.rollout_args, seed=ctx.seed)
+    convs = [(i, p + s.token_ids + user, s) for i, (p, group) in enumerate(zip(prompts, first)) for s in group]
+    second = engine.generate([c for _, c, _ in convs], 1, ctx.rollout_args, seed=ctx.seed + 1)
+    texts = [[] for _ in tasks]
+    for (i, _, _), (s2,) in zip(convs, second):
+        texts[i].append(tok.decode(s2.token_ids, skip_special_tokens=True))
+    rewards = ctx.score([(tok.decode(p), t, task) for p, t, task in zip(prompts, texts, tasks)])
+    out = [[] if r is not None else None for r in rewards]
+    for k, ((i, conv, s1), (s2,)) in enumerate(zip(convs, second)):
+        if rewards[i] is None:
+            continue
+        out[i].append(Experience(
+            tokens=conv + s2.token_ids, prompt_length=len(prompts[i]),
+            logprobs=s1.logprobs + [0.0] * len(user) + s2.logprobs,
+            loss_mask=[1] * len(s1.token_ids) + [0] * len(user) + [1] * len(s2.token_ids),
+            reward=rewards[i][k % ctx.n], group_id=f"{ctx.step}/{ctx.seed}/{tasks[i].task_id}",
+            task_id=tasks[i].task_id, policy_version=ctx.policy_version,
+        ))
+    return out
+
+
+def recording_loss(logp, batch, cfg):
+    """PPO's loss, recording the mask the trainer hands it."""
+    SEEN["masks"].append(batch["response_mask"].detach().clone())
+    return ppo_clip_loss(logp, batch, cfg)
+
+
+@needs(reference=True)
+def anchored_loss(logp, batch, cfg):
+    """A study's algorithm: PPO, plus imitating its own samples (so the policy moves even when every
+    reward is 0, as on the untrained tiny model), plus a squared pull towards the reference."""
+    SEEN["ref_logp"].append(batch["ref_logp"].detach().clone())
+    SEEN["old_logp"].append(batch["old_logp"].detach().clone())
+    loss, metrics = ppo_clip_loss(logp, batch, cfg)
+    return loss - logp + 0.1 * (logp - batch["ref_logp"]) ** 2, metrics
+
+
+def test_collate_takes_the_loss_mask_and_checks_its_length():
+    e = Experience([5, 6, 7, 8, 9], 2, [-1.0, -1.0, -1.0], loss_mask=[1, 0, 1])
+    # targets are tokens 1..4; the response tokens 7, 8, 9 are targets 1, 2, 3
+    assert collate([e], 0)["response_mask"].tolist() == [[0.0, 1.0, 0.0, 1.0]]
+    plain = Experience([5, 6, 7, 8, 9], 2, [-1.0, -1.0, -1.0])
+    assert collate([plain], 0)["response_mask"].tolist() == [[0.0, 1.0, 1.0, 1.0]]
+    with pytest.raises(ValueError, match="loss_mask has 2 entries for 3 response tokens"):
+        collate([Experience([5, 6, 7, 8, 9], 2, [], loss_mask=[1, 0])], 0)
+
+
+def _run(tmp_path, *overrides):
+    import rft.main
+
+    for v in SEEN.values():
+        v.clear()
+    cfg = compose_cfg(["stages=[]", "cluster=inline", "monitor=console", f"checkpoint_root_dir={tmp_path}",
+                       "buffer.batch_size=4", "algorithm.repeat_times=2", "buffer.total_steps=2",
+                       "explorer.eval_on_startup=false", "buffer.explorer_input.eval_tasksets=[]",
+                       "model.max_response_tokens=4", *overrides])
+    rft.main.main(cfg)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("buffer", ["queue", "sql"])
+def test_a_two_turn_workflow_runs_through_the_buffer_into_the_trainer(tmp_path, buffer):
+    _run(tmp_path, f"buffer={buffer}", "buffer.explorer_input.taskset.workflow=test_seams.two_turn",
+         f"+buffer.explorer_input.taskset.workflow_args.second_turn='{SECOND_TURN}'",
+         "algorithm.policy_loss_fn=test_seams.recording_loss", "name=two_turn")
+    # 2 steps x 4 tasks x 2 rollouts, one micro-batch per step (micro_batch_size_per_gpu >= 8)
+    assert len(SEEN["masks"]) == 2
+    if buffer == "sql":
+        from rft.models import load_tokenizer
+
+        user_ids = load_tokenizer(compose_cfg().model).encode(SECOND_TURN, add_special_tokens=False)
+        stored = read_experiences(str(tmp_path / "rft" / "two_turn" / "buffer.db"), 100)
+        assert len(stored) == 16
+        for e in stored:
+            assert e.loss_mask.count(0) == len(user_ids) and len(e.loss_mask) == e.response_length
+            # the zeros are one block, and it holds the second user turn's tokens
+            first = e.loss_mask.index(0)
+            assert e.loss_mask[first:first + len(user_ids)] == [0] * len(user_ids)
+            assert e.tokens[e.prompt_length + first:e.prompt_length + first + len(user_ids)] == user_ids
+        # the trainer's mask of step 1 is the workflow's, token for token
+        mask = SEEN["masks"][0]
+        for row, e in zip(mask, stored[:8]):
+            want = torch.zeros(row.shape[0])
+            want[e.prompt_length - 1:e.prompt_length - 1 + len(e.loss_mask)] = torch.tensor(e.loss_mask, dtype=torch.float32)
+            assert torch.equal(row, want)
+    else:
+        for mask in SEEN["masks"]:
+            # every row masks out exactly the second user turn's tokens between its answered ones
+            assert mask.shape[0] == 8
+            for row in mask:
+                ones = row.nonzero().flatten().tolist()
+                assert len(ones) >= 2 and (ones[-1] - ones[0] + 1) - len(ones) == len(SECOND_TURN)
+
+
+@pytest.mark.slow
+def test_an_algorithm_that_needs_a_reference_model_given_as_a_dotted_path(tmp_path):
+    _run(tmp_path, "algorithm.policy_loss_fn=test_seams.anchored_loss", "name=anchored", "algorithm.optimizer.lr=1e-2")
+    assert len(SEEN["ref_logp"]) == 2
+    # step 1 trains the starting weights: the reference (the starting model) gives the same
+    # log-probs as the current weights; by step 2 the policy has moved away from it
+    assert torch.allclose(SEEN["ref_logp"][0], SEEN["old_logp"][0], atol=1e-6)
+    assert (SEEN["ref_logp"][1] - SEEN["old_logp"][1]).abs().max() > 1e-3
