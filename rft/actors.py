@@ -234,3 +234,14 @@ def start_trainer(Actor, cfg, plan, init_path, name: str, common: dict, options:
                    name=f"{name}_{r}" if world > 1 else name, **common, **options[r])
              for r in range(world)]
     return ActorGroup(ranks, keep=store)
+
+
+def start_explorers(Actor, cfg, count: int, weights: str | None, version: int, title: str, common: dict,
+                    options: list[dict]) -> list:
+    """`count` explorer actors serving `weights` (a checkpoint's hf/ or the starting model) as
+    `version`; explorer i takes tasks i, i+count, ... of each step. Ray restarts a dead one."""
+    from rft.explorer import Explorer
+
+    restarts = dict(max_restarts=cfg.cluster.max_actor_restarts) if cfg.cluster.backend == "ray" else {}
+    return [Actor(Explorer, cfg, weights, version, i, name=f"{title}_{cfg.explorer.name}" + (f"_{i}" if count > 1 else ""),
+                  **common, **options[i], **restarts) for i in range(count)]

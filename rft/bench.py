@@ -20,7 +20,7 @@ def bench(cfg, run_dir: Path) -> float | None:
     from rft.explorer import Explorer
     from rft.plan import stage_configs
     from rft.models import ensure_model
-    from rft.runner import list_checkpoints
+    from rft.checkpoint import list_checkpoints
     from rft.tasks import ensure_task_data
 
     stages = stage_configs(cfg)

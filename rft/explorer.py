@@ -23,7 +23,8 @@ from rft.algorithms import resolve
 from rft.data import epoch_batch, step_seed
 from rft.sync import same_weights
 from rft.models import load_tokenizer, local_device
-from rft.rewards import REWARD_FNS, overlong_penalty
+from rft.algorithms.shaping import apply_overlong
+from rft.rewards import REWARD_FNS
 from rft.tasks import load_tasks
 from rft.workflows import WORKFLOWS, WorkflowContext
 
@@ -137,6 +138,23 @@ def rollout_metrics(exps: list, groups: list, counters: dict, elapsed: float) ->
         "rollout/experiences": len(exps),
     }
     m.update({f"rollout/{k}": v for k, v in counters.items()})
+    if exps and "overlong_penalty" in exps[0].info:  # rft.algorithms.shaping
+        m["reward/overlong_penalty"] = sum(e.info["overlong_penalty"] for e in exps) / len(exps)
+    return m
+
+
+def step_metrics(exps: list, counters: dict, explorers: int) -> dict:
+    """One explore step's metrics from what its explorers returned (their counters summed)."""
+    # groups of this step: explorers return whole groups, one after another
+    groups: dict = {}
+    for e in exps:
+        groups.setdefault(e.group_id, []).append(e)
+    m = rollout_metrics(exps, list(groups.values()), counters, counters.get("explore_s", 0.0) / max(explorers, 1))
+    # per explorer (they run side by side)
+    for k in ("reward_s", "generate_s"):
+        m[f"timing/{k}"] = counters.get(k, 0.0) / max(explorers, 1)
+    for k in ("explore_s", "reward_s", "workflow_s", "generate_s"):
+        m.pop(f"rollout/{k}", None)
     return m
 
 
@@ -214,11 +232,7 @@ class Explorer:
         ratio = self.cfg.explorer.over_rollout.ratio
         min_done = math.ceil((1 - ratio) * len(tasks)) if ratio > 0 else None
         groups = [g for g in self._run(ts, tasks, n, step, salt, counters, min_done) if g is not None]
-        if algo.overlong_buffer_frac > 0:
-            max_len = ts.rollout_args.max_tokens or self.cfg.model.max_response_tokens
-            buffer_len = max(1, round(algo.overlong_buffer_frac * max_len))
-            for e in (e for g in groups for e in g):
-                e.reward += overlong_penalty(e.response_length, max_len, buffer_len, algo.overlong_penalty_factor)
+        apply_overlong([e for g in groups for e in g], algo, ts.rollout_args.max_tokens or self.cfg.model.max_response_tokens)
         return groups
 
     def explore(self, step: int):

@@ -27,13 +27,4 @@ def last_number(prompt: str, response: str, task) -> float:
     return float(bool(got) and bool(want) and float(got[-1]) == float(want[-1]))
 
 
-def overlong_penalty(length: int, max_len: int, buffer_len: int, factor: float) -> float:
-    """DAPO's soft overlong punishment (arXiv 2503.14476), added to the reward.
-
-    0 up to max_len - buffer_len tokens, then falling linearly to -factor at max_len:
-    min(-(length - (max_len - buffer_len)) / buffer_len * factor, 0).
-    """
-    return min(-(length - (max_len - buffer_len)) / buffer_len * factor, 0.0)
-
-
 REWARD_FNS = {"exact_match": exact_match, "last_number": last_number}

@@ -19,120 +19,27 @@ read position and its unread experiences (those explored ahead), and the next st
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-import shutil
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from omegaconf import open_dict
 
-from rft.actors import ACTOR_BACKENDS, start_trainer
+from rft import checkpoint
+from rft.actors import ACTOR_BACKENDS, start_explorers, start_trainer
+from rft.algorithms.off_policy import staleness
 from rft.buffer import make_buffer
-from rft.data import DatasetReader, is_experience_file
+from rft.checkpoint import Checkpoint, latest_checkpoint, set_aside, usable_checkpoint
+from rft.data import DatasetReader
 from rft.errors import RunError
-from rft.sync import format_fingerprint, same_weights, weight_sums
-from rft.explorer import Explorer, rollout_metrics
+from rft.explorer import step_metrics
 from rft.monitor import Monitor, read_metrics
 from rft.sync import SYNC_METHODS
-from rft.placement import trainer_ranks
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class Checkpoint:
-    step: int
-    path: Path
-    state: dict = field(default_factory=dict)
-
-    @property
-    def hf_path(self) -> Path:
-        return self.path / "hf"
-
-
-def list_checkpoints(stage_dir: Path) -> list[Checkpoint]:
-    """Complete checkpoints, oldest first: state.json is written last, so a killed save (no
-    state.json) is not one; neither is a state.json that does not parse (use_checkpoint says why)."""
-    found = []
-    for d in (Path(stage_dir) / "checkpoints").glob("step_*"):
-        if not d.name[5:].isdigit() or not (d / "state.json").exists():
-            continue
-        try:
-            state = json.loads((d / "state.json").read_text())
-        except (ValueError, OSError):
-            state = {"step": int(d.name[5:]), "damaged": "state.json does not parse"}
-        found.append(Checkpoint(state["step"], d, state))
-    return sorted(found, key=lambda c: c.step)
-
-
-def latest_checkpoint(stage_dir: Path) -> Checkpoint | None:
-    found = [c for c in list_checkpoints(stage_dir) if "damaged" not in c.state]
-    return found[-1] if found else None
-
-
-def damage(ckpt: Checkpoint, has_model: bool) -> str | None:
-    """What is wrong with a checkpoint (naming the file), or None. With a model: hf/config.json
-    parses, trainer_state.pt is there, and hf/model.safetensors holds the weights whose
-    fingerprint the save recorded in state.json (a file with zeroed or flipped bytes loads fine
-    and trains on; this catches it)."""
-    if "damaged" in ckpt.state:
-        return f"{ckpt.path / 'state.json'}: {ckpt.state['damaged']}"
-    if not has_model:
-        return None
-    cfg_file, weights = ckpt.hf_path / "config.json", ckpt.hf_path / "model.safetensors"
-    try:
-        json.loads(cfg_file.read_text())
-    except (OSError, ValueError) as e:
-        return f"{cfg_file}: {'missing' if isinstance(e, FileNotFoundError) else 'does not parse'}"
-    if not (ckpt.path / "trainer_state.pt").is_file():
-        return f"{ckpt.path / 'trainer_state.pt'}: missing"
-    try:
-        if not weights.exists() and not (ckpt.hf_path / "model.safetensors.index.json").exists():
-            raise FileNotFoundError(weights)
-        got = _file_fingerprint(sorted(ckpt.hf_path.glob("*.safetensors")))
-    except Exception as e:  # missing, truncated, a damaged header
-        return f"{weights}: {'missing' if not weights.exists() else f'does not load ({type(e).__name__})'}"
-    expected = ckpt.state.get("saved_fingerprint")
-    if expected is not None and not same_weights(got, expected):
-        return f"{weights}: its weights are not the ones saved (fingerprint {got}, state.json has {expected})"
-    return None
-
-
-def _file_fingerprint(files) -> str:
-    """The fingerprint of the tensors in safetensors files, read one tensor at a time (a large
-    model's weights never sit in this process whole)."""
-    from safetensors import safe_open
-
-    total = [0.0, 0.0, 0.0]
-    for f in files:
-        with safe_open(str(f), "pt") as h:
-            for k in h.keys():
-                total = [a + b for a, b in zip(total, weight_sums([h.get_tensor(k)]))]
-    return format_fingerprint(total)
-
-
-def usable_checkpoint(stage_dir: Path, has_model: bool, title: str, say, before: int | None = None):
-    """The newest checkpoint (older than step `before`) that is whole. Damaged ones are moved
-    aside to checkpoints/step_N.damaged-<time> and named on the console."""
-    for ckpt in reversed(list_checkpoints(stage_dir)):
-        if before is not None and ckpt.step >= before:
-            continue
-        why = damage(ckpt, has_model)
-        if why is None:
-            return ckpt
-        set_aside(ckpt, why, title, say)
-    return None
-
-
-def set_aside(ckpt: Checkpoint, why: str, title: str, say) -> None:
-    aside = ckpt.path.with_name(f"{ckpt.path.name}.damaged-{time.strftime('%Y%m%d_%H%M%S')}")
-    os.replace(ckpt.path, aside)
-    say(f"[{title}] checkpoint step {ckpt.step} is damaged ({why}); moved it to {aside.name} and "
-        f"falling back to the previous complete checkpoint")
 
 
 def _actor_died(e: Exception) -> bool:
@@ -186,38 +93,50 @@ class StageRun:
             raise
 
     def _start(self, latest: Checkpoint | None) -> None:
-        cfg, plan, stage_dir, title, init_path = self.cfg, self.plan, self.dir, self.title, self.init_path
-        mode = cfg.mode
+        cfg, mode = self.cfg, self.cfg.mode
         self.explores = mode in ("both", "explore")
         self.trains = mode in ("both", "train")
-
+        self._default_buffer_path()  # before any actor gets its copy of the config
         Actor = ACTOR_BACKENDS[cfg.cluster.backend]
-        common = dict(log_dir=str(stage_dir / "log"), level=cfg.log.level)
+        common = dict(log_dir=str(self.dir / "log"), level=cfg.log.level)
         options = self._placement()
         if self.trains:
             # the trainer starts from the stage's starting model (its reference model, if any,
             # must be that one), then a resumed run loads the checkpoint over it
-            ranks = [options.pop(0) for _ in range(trainer_ranks(cfg))]
-            self.trainer = start_trainer(Actor, cfg, self.plan, init_path, f"{title}_{cfg.trainer.name}", common, ranks)
+            ranks = [options.pop(0) for _ in range(self.plan.dp_size)]
+            self.trainer = start_trainer(Actor, cfg, self.plan, self.init_path, f"{self.title}_{cfg.trainer.name}",
+                                         common, ranks)
             latest = self._load(latest)
         self.start = latest.step if latest else 0
         saved = latest.state if latest else {}
-        # mode=train still evaluates with an explorer when there are eval tasksets
-        if self.explores or cfg.buffer.explorer_input.eval_tasksets:
-            resumed = latest is not None and latest.hf_path.exists()
-            weights = str(latest.hf_path) if resumed else init_path
-            n = cfg.explorer.rollout_model.engine_num if self.explores else 1
-            for i in range(n):
-                name = f"{title}_{cfg.explorer.name}" + (f"_{i}" if n > 1 else "")
-                restarts = dict(max_restarts=cfg.cluster.max_actor_restarts) if cfg.cluster.backend == "ray" else {}
-                self.explorers.append(Actor(Explorer, cfg, weights, self.start if resumed else 0, i, name=name, **common,
-                                            **options[i], **restarts))
+        # mode=train still evaluates with an explorer when there are eval tasksets (plan.explorers)
+        resumed = latest is not None and latest.hf_path.exists()
+        self.explorers = start_explorers(Actor, cfg, self.plan.explorers, str(latest.hf_path) if resumed else self.init_path,
+                                         self.start if resumed else 0, self.title, common, options)
+        self._open_input(saved, latest)
+        self.sync = SYNC_METHODS[cfg.synchronizer.sync_method](self.dir, cfg.synchronizer)
+        self._schedule_state(saved)
+        self.monitor = Monitor(cfg, self.dir, self.plan.total_steps, self.start, self.title)
+        if self.start:
+            self.monitor.ensure_logged(self.start, saved.get("metrics"))
+        if mode == "explore":
+            eb = cfg.buffer.trainer_input.experience_buffer
+            self.monitor.print(f"[{self.title}] experiences go to {eb.path} (view them: python -m rft.buffer {eb.path})")
+        if self.start:
+            self.monitor.print(f"[{self.title}] resuming from step {self.start} ({latest.path})")
 
-        eb = cfg.buffer.trainer_input.experience_buffer
+    def _default_buffer_path(self) -> None:
+        """A sql or file buffer without a path lives in the stage directory."""
+        eb = self.cfg.buffer.trainer_input.experience_buffer
         if eb.storage_type in ("sql", "file") and not eb.path:
-            with open_dict(cfg):
-                eb.path = str(stage_dir / ("buffer.db" if eb.storage_type == "sql" else "experiences.jsonl"))
-        if mode == "train" and eb.storage_type == "file" and not is_experience_file(eb.path):
+            with open_dict(self.cfg):
+                eb.path = str(self.dir / ("buffer.db" if eb.storage_type == "sql" else "experiences.jsonl"))
+
+    def _open_input(self, saved: dict, latest: Checkpoint | None) -> None:
+        """What the trainer reads (plan.input_kind): a dataset, or the buffer, put back where the
+        checkpoint left it."""
+        cfg, eb = self.cfg, self.cfg.buffer.trainer_input.experience_buffer
+        if self.plan.input_kind == "dataset":
             from rft.models import load_tokenizer
 
             self.source = DatasetReader(eb, load_tokenizer(cfg.model), cfg.model.max_prompt_tokens,
@@ -225,9 +144,12 @@ class StageRun:
         else:
             self.buffer = make_buffer(eb)
             self._restore_buffer(saved.get("buffer"), latest)
-        self.sync = SYNC_METHODS[cfg.synchronizer.sync_method](stage_dir, cfg.synchronizer)
+
+    def _schedule_state(self, saved: dict) -> None:
+        """Where the schedule stands: a fresh stage, or what the checkpoint saved."""
+        cfg, sc = self.cfg, self.cfg.synchronizer
         # the version the explorers serve (mode=explore: what it picks up; see loop)
-        self.synced = 0 if mode == "explore" else saved.get("version", self.start)
+        self.synced = 0 if cfg.mode == "explore" else saved.get("version", self.start)
         self.next_explore = saved.get("next_explore", self.start)
         self.pending: deque[Pending] = deque()
         self.asleep = False
@@ -235,18 +157,10 @@ class StageRun:
         # steps in a row in which every task failed (explorer.max_failed_steps stops the run)
         self.failed_steps = 0
         self.first_rewards: set = set()  # the rewards of the first steps (all equal: a warning)
-        sc = cfg.synchronizer
         # weights snapshots for restarted explorers (see _serve); not needed when the explorers
         # always serve the trainer's current weights, nor when nothing can restart
-        self.snapshots = (mode == "both" and cfg.cluster.backend == "ray" and cfg.cluster.max_actor_restarts > 0
+        self.snapshots = (cfg.mode == "both" and cfg.cluster.backend == "ray" and cfg.cluster.max_actor_restarts > 0
                           and (sc.sync_offset > 0 or sc.sync_interval > 1))
-        self.monitor = Monitor(cfg, stage_dir, plan.total_steps, self.start, title)
-        if self.start:
-            self.monitor.ensure_logged(self.start, saved.get("metrics"))
-        if mode == "explore":
-            self.monitor.print(f"[{title}] experiences go to {eb.path} (view them: python -m rft.buffer {eb.path})")
-        if self.start:
-            self.monitor.print(f"[{title}] resuming from step {self.start} ({latest.path})")
 
     def _load(self, latest: Checkpoint | None) -> Checkpoint | None:
         """Load the newest whole checkpoint into the trainer; a trainer_state.pt that does not load
@@ -294,7 +208,7 @@ class StageRun:
 
     def _placement(self) -> list[dict]:
         if self.cfg.cluster.backend != "ray":
-            return [{}] * (trainer_ranks(self.cfg) + self.cfg.explorer.rollout_model.engine_num)
+            return [{}] * (self.plan.dp_size + self.plan.explorers)
         from rft.actors import placement_for
 
         self.pg, options = placement_for(self.cfg)
@@ -324,17 +238,8 @@ class StageRun:
             last_error = c.pop("last_error", None) or last_error
             for k, v in c.items():
                 counters[k] = counters.get(k, 0) + v
-        # groups of this step: explorers return whole groups, one after another
-        groups = {}
-        for e in exps:
-            groups.setdefault(e.group_id, []).append(e)
-        m = rollout_metrics(exps, list(groups.values()), counters, counters.get("explore_s", 0.0) / max(len(p.futures), 1))
+        m = step_metrics(exps, counters, len(p.futures))
         m["timing/rollout_s"] = time.perf_counter() - p.t0
-        # per explorer (they run side by side)
-        for k in ("reward_s", "generate_s"):
-            m[f"timing/{k}"] = counters.get(k, 0.0) / max(len(p.futures), 1)
-        for k in ("explore_s", "reward_s", "workflow_s", "generate_s"):
-            m.pop(f"rollout/{k}", None)
         self.explore_metrics[p.step] = m
         self._check_signal(p.step, m, last_error)
         if exps:
@@ -491,9 +396,8 @@ class StageRun:
             return [], {}
         eb = self.cfg.buffer.trainer_input.experience_buffer
         batch = self.buffer.get(produced or self.plan.experiences_per_step, eb.max_read_timeout)
-        # staleness: trainer steps between the weights that generated an experience and the
-        # weights about to learn from it (step - 1 of them are trained so far)
-        stale = [step - 1 - e.policy_version for e in batch]
+        # step - 1 trainer steps are trained so far: the version about to learn from them
+        stale = [staleness(e.policy_version, step - 1) for e in batch]
         bound = self.cfg.synchronizer.max_staleness
         kept = [e for e, s in zip(batch, stale) if bound is None or s <= bound]
         m = {"staleness/mean": sum(stale) / len(stale), "staleness/max": max(stale),
@@ -506,66 +410,76 @@ class StageRun:
     # ------------------------------------------------------------------ the loop
 
     def loop(self) -> None:
-        cfg, plan, sc = self.cfg, self.plan, self.cfg.synchronizer
-        offset = sc.sync_offset if cfg.mode == "both" else 0
+        cfg = self.cfg
         if self.explorers and self.start == 0 and cfg.explorer.eval_on_startup and cfg.mode != "explore":
             self.monitor.log(0, self._evaluate(0), advance=False)
         if cfg.mode == "explore":
             self._pick_up_checkpoint(self.explorers, force=True)
         self._keep_snapshots()
-        for step in range(self.start + 1, plan.total_steps + 1):
+        for step in range(self.start + 1, self.plan.total_steps + 1):
             t_step = time.perf_counter()
             metrics: dict = {}
             if self.explores:
-                # keep the explorers `offset` steps ahead of the trainer
-                while self.next_explore <= min(step - 1 + offset, plan.total_steps - 1):
-                    self._submit_explore(self.next_explore)
-                    self.next_explore += 1
-                t0 = time.perf_counter()
-                while self.pending and self.pending[0].step <= step - 1:
-                    self._collect()
-                metrics["timing/wait_rollout_s"] = time.perf_counter() - t0
-                metrics.update(self.explore_metrics.pop(step - 1, {}))
+                metrics.update(self._explore_until(step))
             if self.trains:
-                if self.explores:
-                    self._awake(False)
-                t0 = time.perf_counter()
-                batch, m = self._read_batch(step, metrics.get("rollout/experiences"))
-                metrics.update(m)
-                metrics["timing/read_s"] = time.perf_counter() - t0
-                t0 = time.perf_counter()
-                if batch:
-                    metrics.update(self._trainer("train_step", batch))
-                    self.monitor.record_batch(step, batch)
-                else:
-                    self._trainer("skip_step")
-                metrics["timing/train_s"] = time.perf_counter() - t0
+                metrics.update(self._train(step, metrics.get("rollout/experiences")))
+            self._end_step(step, metrics, t_step)
 
-            last = step == plan.total_steps
-            want_eval = bool(self.explorers) and cfg.mode != "explore" and (step % cfg.explorer.eval_interval == 0 or last)
-            # mode=explore saves its place every step (a small state.json): a resumed explorer
-            # writes again at most the step it was killed in
-            want_save = step % cfg.trainer.save_interval == 0 or last or cfg.mode == "explore"
-            if cfg.mode == "explore":
-                if step % sc.sync_interval == 0:
-                    self._pick_up_checkpoint(self.explorers)
-            # an eval needs the explorer on the trainer's weights; so does a checkpoint, for a
-            # resumed run to explore from the weights an uninterrupted one would have
-            elif self.trainer is not None and self.explorers and (
-                want_eval or (self.explores and (step % sc.sync_interval == 0 or want_save))
-            ):
-                t0 = time.perf_counter()
-                self._sync_all(step)
-                metrics["timing/sync_s"] = time.perf_counter() - t0
-            metrics["sync/version"] = self.synced
-            metrics["timing/step_s"] = time.perf_counter() - t_step
-            if want_eval:
-                metrics.update(self._evaluate(step))
-            if want_save:
-                t0 = time.perf_counter()
-                self._save(step, metrics)
-                metrics["timing/save_s"] = time.perf_counter() - t0
-            self.monitor.log(step, metrics)
+    def _explore_until(self, step: int) -> dict:
+        """Keep the explorers synchronizer.sync_offset steps ahead of the trainer; wait for the
+        explore step this training step learns from (step - 1); its metrics."""
+        offset = self.cfg.synchronizer.sync_offset if self.cfg.mode == "both" else 0
+        while self.next_explore <= min(step - 1 + offset, self.plan.total_steps - 1):
+            self._submit_explore(self.next_explore)
+            self.next_explore += 1
+        t0 = time.perf_counter()
+        while self.pending and self.pending[0].step <= step - 1:
+            self._collect()
+        return {"timing/wait_rollout_s": time.perf_counter() - t0, **self.explore_metrics.pop(step - 1, {})}
+
+    def _train(self, step: int, produced: int | None) -> dict:
+        if self.explores:
+            self._awake(False)
+        t0 = time.perf_counter()
+        batch, metrics = self._read_batch(step, produced)
+        metrics["timing/read_s"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        if batch:
+            metrics.update(self._trainer("train_step", batch))
+            self.monitor.record_batch(step, batch)
+        else:
+            self._trainer("skip_step")
+        metrics["timing/train_s"] = time.perf_counter() - t0
+        return metrics
+
+    def _end_step(self, step: int, metrics: dict, t_step: float) -> None:
+        """Sync, evaluate and save when the schedule says so, then log the step."""
+        cfg, sc = self.cfg, self.cfg.synchronizer
+        last = step == self.plan.total_steps
+        want_eval = bool(self.explorers) and cfg.mode != "explore" and (step % cfg.explorer.eval_interval == 0 or last)
+        # mode=explore saves its place every step (a small state.json): a resumed explorer
+        # writes again at most the step it was killed in
+        want_save = step % cfg.trainer.save_interval == 0 or last or cfg.mode == "explore"
+        if cfg.mode == "explore":
+            if step % sc.sync_interval == 0:
+                self._pick_up_checkpoint(self.explorers)
+        # an eval needs the explorer on the trainer's weights; so does a checkpoint, for a
+        # resumed run to explore from the weights an uninterrupted one would have
+        elif self.trainer is not None and self.explorers and (
+            want_eval or (self.explores and (step % sc.sync_interval == 0 or want_save))
+        ):
+            t0 = time.perf_counter()
+            self._sync_all(step)
+            metrics["timing/sync_s"] = time.perf_counter() - t0
+        metrics["sync/version"] = self.synced
+        metrics["timing/step_s"] = time.perf_counter() - t_step
+        if want_eval:
+            metrics.update(self._evaluate(step))
+        if want_save:
+            t0 = time.perf_counter()
+            self._save(step, metrics)
+            metrics["timing/save_s"] = time.perf_counter() - t0
+        self.monitor.log(step, metrics)
 
     def _sync_all(self, version: int) -> None:
         self._awake(True)
@@ -590,25 +504,19 @@ class StageRun:
         # explores started ahead are finished and kept: a resumed run trains on them, not on new ones
         while self.pending:
             self._collect()
-        final = self.dir / "checkpoints" / f"step_{step}"
-        tmp = final.with_name(final.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        state = {"step": step, "version": self.synced, "next_explore": self.next_explore,
+        state = {"version": self.synced, "next_explore": self.next_explore,
                  "explore_metrics": self.explore_metrics, "metrics": metrics}
-        if self.trainer is not None:
-            # the fingerprint of what was written (checked when resuming) and of the parameters
-            # (what an explorer serving this checkpoint is checked against)
-            state["saved_fingerprint"] = self._trainer("save", str(tmp))
-            state["fingerprint"] = self._trainer("fingerprint")
         if self.buffer is not None:
             state["buffer"] = self.buffer.state()
-        (tmp / "state.json").write_text(json.dumps(state))
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        if self.trainer is None:  # an explorer's place: only the newest matters
-            for old in list_checkpoints(self.dir)[:-1]:
-                shutil.rmtree(old.path, ignore_errors=True)
+
+        def save_trainer(tmp: Path) -> dict:
+            # the fingerprint of what was written (checked when resuming) and of the parameters
+            # (what an explorer serving this checkpoint is checked against)
+            return {"saved_fingerprint": self._trainer("save", str(tmp)), "fingerprint": self._trainer("fingerprint")}
+
+        # an explorer's place (mode=explore): only the newest matters
+        checkpoint.write(self.dir, step, state, save_trainer if self.trainer is not None else None,
+                         keep_only_newest=self.trainer is None)
 
     def close(self) -> None:
         if self.monitor is not None:

@@ -1,25 +1,31 @@
 """The trainer: the policy, its optimizer, and one RL step of updates from a batch of experiences.
 
-One `train_step`:
-  1. collate the experiences, compute advantages (ADVANTAGE_FNS[algorithm.advantage_fn]);
-  2. recompute the log-probs of the current weights ("old", no grad) and, with a KL loss, of the
-     reference model;
-  3. for each of ppo_epochs, for each mini-batch: accumulate gradients over micro-batches, each
-     micro-batch loss normalised by the whole mini-batch's counts (`agg_loss`), clip, step.
+One `train_step` = prepare -> update -> metrics, each a method below:
+  1. `_prepare`: collate the experiences; log-probs of the current weights ("old", no grad) and,
+     when the algorithm needs it, of the reference model; the off-policy correction
+     (rft.algorithms.off_policy); the KL penalty on the reward (rft.algorithms.shaping); the
+     critic's values; the advantages (ADVANTAGE_FNS[algorithm.advantage_fn]).
+  2. `_update`: for each of ppo_epochs, for each mini-batch: the critic's update, then the
+     policy's: gradients accumulated over micro-batches, each micro-batch loss normalised by the
+     whole mini-batch's counts (`agg_loss`), clip, step. The per-token loss is the policy loss
+     plus the optional terms the config turns on (`self.terms`: KL, behaviour weights, entropy),
+     and algorithm=mix's SFT loss.
+  3. `_metrics`.
+trainer=fsdp2 (rft.fsdp.FSDPTrainer) runs the same step; it overrides only the data-parallel hooks.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import os
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from transformers import get_scheduler
 
-from rft.algorithms import ADVANTAGE_FNS, KL_FNS, POLICY_LOSS_FNS, resolve
+from rft.algorithms import ADVANTAGE_FNS, KL_FNS, POLICY_LOSS_FNS, off_policy, resolve, shaping
 from rft.algorithms.advantages import gae_returns
 from rft.algorithms.aggregation import agg_loss
 from rft.critic import Critic, explained_variance
@@ -81,6 +87,40 @@ def _sampling_set(logits, targets, top_p, top_k):
     return keep.scatter_(-1, targets, True)
 
 
+@dataclass
+class Step:
+    """One train_step's batch and what is derived from it, then its running sums."""
+    full: dict  # collated tensors: input_ids, attention_mask, response_mask, sampling params
+    mask: torch.Tensor  # response_mask [n, L-1]: the tokens the loss counts
+    n: int
+    old_logp: torch.Tensor | None = None
+    ref_logp: torch.Tensor | None = None
+    behavior_w: torch.Tensor | None = None
+    batch: dict = field(default_factory=dict)  # what advantage functions read
+    kl_penalty: torch.Tensor | None = None
+    returns: torch.Tensor | None = None
+    adv: torch.Tensor | None = None
+    sums: dict = field(default_factory=lambda: {"loss/policy": 0.0, "actor/entropy": 0.0, "actor/kl": 0.0})
+    loss_metric_sums: dict = field(default_factory=dict)  # the policy loss's metrics, token sums
+    critic_sums: dict = field(default_factory=dict)
+    grad_norms: list = field(default_factory=list)
+
+
+class _Rows:
+    """rows(t): rows s..e of a [n, L-1] tensor, trimmed to this micro-batch's length L."""
+
+    def __init__(self, s: int, e: int, L: int):
+        self.s, self.e, self.L = s, e, L
+
+    def __call__(self, t: torch.Tensor) -> torch.Tensor:
+        return t[self.s:self.e, : self.L - 1]
+
+
+def _add(sums: dict, values: dict) -> None:
+    for k, v in values.items():
+        sums[k] = sums.get(k, 0.0) + v
+
+
 class Trainer:
     """trainer_strategy=torch: one process. rft.fsdp.FSDPTrainer is its data-parallel subclass;
     the hooks it overrides are marked "(data parallel)" below."""
@@ -121,6 +161,9 @@ class Trainer:
                                             cfg.model.max_response_tokens, cfg.seed, where=where)
         self.kl_fn = KL_FNS.get(algo.kl_loss_fn)
         self.kl_penalty_fn = KL_FNS.get(algo.kl_penalty_fn)
+        # the optional per-token loss terms this config turns on, composed by _actor_update
+        self.terms = [t for t, on in [(self._kl_term, self.kl_fn is not None), (self._behavior_term, True),
+                                      (self._entropy_term, bool(algo.entropy_coef))] if on]
         opt = algo.optimizer
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=opt.lr, betas=tuple(opt.betas), weight_decay=opt.weight_decay
@@ -176,15 +219,44 @@ class Trainer:
                               full["temperature"][s:e], full["top_p"][s:e], full["top_k"][s:e]), L
 
     def train_step(self, exps: list[Experience]) -> dict:
+        """One RL step: prepare the batch -> update (ppo_epochs x mini-batches) -> metrics."""
         t0 = time.perf_counter()
+        step = self._prepare(exps)
+        self._update(step)
+        self.version += 1
+        return self._metrics(step, time.perf_counter() - t0)
+
+    # ------------------------------------------------------------------ 1. prepare
+
+    def _prepare(self, exps: list[Experience]) -> "Step":
+        """Collate; log-probs of the current weights ("old") and of the reference; the off-policy
+        correction; reward shaping (KL penalty); the critic's values; the advantages."""
         algo = self.cfg.algorithm
         full = {k: v.to(self.device) for k, v in collate(exps, self.tokenizer.pad_token_id).items()}
-        mask = full["response_mask"]
-        n = len(exps)
+        step = Step(full=full, mask=full["response_mask"], n=len(exps))
+        step.old_logp, step.ref_logp = self._old_and_ref_logp(full, step.mask)
+        step.behavior_w = off_policy.correct(exps, step.old_logp, step.mask, self.version, algo)
+        groups = {g: i for i, g in enumerate(dict.fromkeys(e.group_id for e in exps))}
+        step.batch = {
+            "rewards": torch.tensor([e.reward for e in exps], dtype=torch.float32, device=self.device),
+            "group_index": torch.tensor([groups[e.group_id] for e in exps], device=self.device),
+            "response_mask": step.mask,
+        }
+        if self.kl_penalty_fn is not None:
+            step.kl_penalty = shaping.kl_penalty(self.kl_penalty_fn, step.old_logp, step.ref_logp, step.mask)
+            step.batch["rewards"] = step.batch["rewards"] - algo.kl_penalty_coef * step.kl_penalty
+        if self.critic is not None:
+            step.batch["values"] = self.critic.values(full, self._with_lengths(full, 0, step.n))
+            _, step.returns = gae_returns(step.batch["rewards"], step.batch["values"], step.mask, algo.gamma, algo.lam)
+        step.adv = self.advantage_fn(step.batch, algo)
+        return step
+
+    def _old_and_ref_logp(self, full, mask):
+        """Log-probs of the current weights and (when needed) of the reference model, no grad."""
         old_logp = torch.zeros_like(mask)
         ref_logp = torch.zeros_like(mask) if self.ref_model is not None else None
         with torch.no_grad():
-            for s, e, live in self._my_micro_batches(0, n):
+            for s, e, live in self._my_micro_batches(0, mask.shape[0]):
                 (lp, _), L = self._forward(self.model, full, s, e)
                 if live:
                     old_logp[s:e, : L - 1] = lp
@@ -193,145 +265,122 @@ class Trainer:
                     if live:
                         ref_logp[s:e, : L - 1] = lp
         # every rank computed its own rows: the sum over ranks is the whole batch's
-        old_logp = self._all_sum(old_logp)
-        ref_logp = None if ref_logp is None else self._all_sum(ref_logp)
+        return self._all_sum(old_logp), None if ref_logp is None else self._all_sum(ref_logp)
 
-        behavior_w = self._off_policy_correction(exps, old_logp, mask)
-        groups = {g: i for i, g in enumerate(dict.fromkeys(e.group_id for e in exps))}
-        batch = {
-            "rewards": torch.tensor([e.reward for e in exps], dtype=torch.float32, device=self.device),
-            "group_index": torch.tensor([groups[e.group_id] for e in exps], device=self.device),
-            "response_mask": mask,
-        }
-        kl_penalty = None
-        if self.kl_penalty_fn is not None:
-            # KL of the sampled response to the reference, summed over its tokens, off the reward.
-            # Departure from REINFORCE++'s per-token placement: one sum per sequence.
-            kl_penalty = (self.kl_penalty_fn(old_logp, ref_logp) * mask).sum(-1)
-            batch["rewards"] = batch["rewards"] - algo.kl_penalty_coef * kl_penalty
-        if self.critic is not None:
-            batch["values"] = self.critic.values(full, self._with_lengths(full, 0, n))
-            _, returns = gae_returns(batch["rewards"], batch["values"], mask, algo.gamma, algo.lam)
-        adv = self.advantage_fn(batch, algo)
+    # ------------------------------------------------------------------ 2. update
+
+    def _update(self, step: "Step") -> None:
+        """For each of ppo_epochs, for each mini-batch: the critic's update, then the policy's
+        (gradients accumulated over micro-batches, normalised by the whole mini-batch's counts)."""
         # PPO's critic warm-up: the first critic_warmup steps train only the critic
-        train_actor = self.critic is None or self.version >= algo.critic_warmup
-
-        sums = {"loss/policy": 0.0, "actor/entropy": 0.0, "actor/kl": 0.0}
-        critic_sums: dict[str, float] = {}
-        pm_sums: dict[str, float] = {}
-        grad_norms = []
+        train_actor = self.critic is None or self.version >= self.cfg.algorithm.critic_warmup
         mini = self.plan.mini_batch_size
-        max_len = self.cfg.model.max_response_tokens
         for _ in range(self.cfg.trainer.ppo_epochs):
-            for m0 in range(0, n, mini):
-                m1 = min(m0 + mini, n)
-                num_tokens = int(mask[m0:m1].sum())
+            for m0 in range(0, step.n, mini):
+                m1 = min(m0 + mini, step.n)
+                num_tokens = int(step.mask[m0:m1].sum())
                 if self.critic is not None:
-                    cm = self.critic.update(full, returns, batch["values"], self._with_lengths(full, m0, m1), num_tokens)
-                    for k, v in cm.items():
-                        critic_sums[k] = critic_sums.get(k, 0.0) + v
-                if not train_actor:
-                    continue
-                self.optimizer.zero_grad(set_to_none=True)
-                for s, e, live in self._my_micro_batches(m0, m1):
-                    (logp, entropy), L = self._forward(self.model, full, s, e)
-                    m = mask[s:e, : L - 1] * live
-                    loss_mat, pm = self.policy_loss_fn(logp, {
-                        "old_logp": old_logp[s:e, : L - 1],
-                        "advantages": adv[s:e, : L - 1],
-                        "response_mask": m,
-                        "ref_logp": None if ref_logp is None else ref_logp[s:e, : L - 1],
-                    }, algo)
-                    for k, v in pm.items():
-                        pm_sums[k] = pm_sums.get(k, 0.0) + v
-                    if self.kl_fn is not None:
-                        kl = self.kl_fn(logp, ref_logp[s:e, : L - 1])
-                        loss_mat = loss_mat + algo.kl_loss_coef * kl
-                        sums["actor/kl"] += (kl.detach() * m).sum().item()
-                    if behavior_w is not None:
-                        loss_mat = loss_mat * behavior_w[s:e, : L - 1]
-                    if algo.entropy_coef:
-                        loss_mat = loss_mat - algo.entropy_coef * entropy
-                    loss = agg_loss(loss_mat, m, algo.loss_agg_mode, m1 - m0, num_tokens, max_len)
-                    (loss * self.loss_scale).backward()
-                    sums["loss/policy"] += loss.item()
-                    sums["actor/entropy"] += (entropy.detach() * m).sum().item()
-                if self.sft_reader is not None:
-                    sums["loss/sft"] = sums.get("loss/sft", 0.0) + self._sft_backward()
-                norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.trainer.grad_clip)
-                # sharded parameters give a DTensor: the norm over every rank's shards
-                grad_norms.append((norm.full_tensor() if hasattr(norm, "full_tensor") else norm).item())
-                self.optimizer.step()
-                self.scheduler.step()
-        self.version += 1
+                    cm = self.critic.update(step.full, step.returns, step.batch["values"],
+                                            self._with_lengths(step.full, m0, m1), num_tokens)
+                    _add(step.critic_sums, cm)
+                if train_actor:
+                    self._actor_update(step, m0, m1, num_tokens)
+
+    def _actor_update(self, step: "Step", m0: int, m1: int, num_tokens: int) -> None:
+        algo = self.cfg.algorithm
+        self.optimizer.zero_grad(set_to_none=True)
+        for s, e, live in self._my_micro_batches(m0, m1):
+            (logp, entropy), L = self._forward(self.model, step.full, s, e)
+            rows = _Rows(s, e, L)
+            m = rows(step.mask) * live
+            loss_mat, pm = self.policy_loss_fn(logp, {
+                "old_logp": rows(step.old_logp),
+                "advantages": rows(step.adv),
+                "response_mask": m,
+                "ref_logp": None if step.ref_logp is None else rows(step.ref_logp),
+            }, algo)
+            _add(step.loss_metric_sums, pm)
+            for term in self.terms:
+                loss_mat = term(loss_mat, logp, entropy, m, rows, step)
+            loss = agg_loss(loss_mat, m, algo.loss_agg_mode, m1 - m0, num_tokens, self.cfg.model.max_response_tokens)
+            (loss * self.loss_scale).backward()
+            step.sums["loss/policy"] += loss.item()
+            step.sums["actor/entropy"] += (entropy.detach() * m).sum().item()
+        if self.sft_reader is not None:
+            step.sums["loss/sft"] = step.sums.get("loss/sft", 0.0) + self._sft_backward()
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.trainer.grad_clip)
+        # sharded parameters give a DTensor: the norm over every rank's shards
+        step.grad_norms.append((norm.full_tensor() if hasattr(norm, "full_tensor") else norm).item())
+        self.optimizer.step()
+        self.scheduler.step()
+
+    # the optional terms of the per-token loss, each `term(loss, logp, entropy, mask, rows, step)`
+
+    def _kl_term(self, loss, logp, entropy, m, rows, step):
+        """algorithm.kl_loss_fn: + kl_loss_coef x KL(policy || reference) per token."""
+        kl = self.kl_fn(logp, rows(step.ref_logp))
+        step.sums["actor/kl"] += (kl.detach() * m).sum().item()
+        return loss + self.cfg.algorithm.kl_loss_coef * kl
+
+    def _behavior_term(self, loss, logp, entropy, m, rows, step):
+        """off_policy_correction=decoupled: each token's loss weighted by pi_prox / pi_behav."""
+        return loss if step.behavior_w is None else loss * rows(step.behavior_w)
+
+    def _entropy_term(self, loss, logp, entropy, m, rows, step):
+        """algorithm.entropy_coef: - entropy_coef x entropy (a bonus for exploring)."""
+        return loss - self.cfg.algorithm.entropy_coef * entropy
+
+    # ------------------------------------------------------------------ 3. metrics
+
+    def _metrics(self, step: "Step", elapsed: float) -> dict:
+        algo, mask, adv = self.cfg.algorithm, step.mask, step.adv
         # each rank summed its own rows' parts
+        sums, pm_sums = step.sums, step.loss_metric_sums
         names = sorted(sums) + sorted(pm_sums)
         total = self._all_sum(torch.tensor([sums.get(k, pm_sums.get(k)) for k in names], dtype=torch.float64,
                                            device=self.device)).tolist()
         for k, v in zip(names, total):
             (sums if k in sums else pm_sums)[k] = v
-
-        updates = max(len(grad_norms), 1)
+        updates = max(len(step.grad_norms), 1)
         total_tokens = mask.sum().item() * self.cfg.trainer.ppo_epochs
         metrics = {
             "loss/policy": sums["loss/policy"] / updates,
             "actor/entropy": sums["actor/entropy"] / total_tokens,
-            "actor/grad_norm": sum(grad_norms) / updates,
+            "actor/grad_norm": sum(step.grad_norms) / updates,
             "actor/lr": self.scheduler.get_last_lr()[0],
             "advantage/mean": (adv.sum() / mask.sum()).item(),
             "advantage/std": adv[mask.bool()].std().item() if mask.sum() > 1 else 0.0,
             "advantage/abs_mean": ((adv.abs() * mask).sum() / mask.sum()).item(),
-            # groups whose rollouts all got the same reward carry no signal for group baselines
-            "train/zero_variance_group_frac": _zero_variance_frac(batch["rewards"], batch["group_index"]),
-            "train/experiences": n,
-            "train/tokens_per_s": mask.sum().item() * self.cfg.trainer.ppo_epochs / (time.perf_counter() - t0),
+            "train/experiences": step.n,
+            "train/tokens_per_s": total_tokens / elapsed,
             # inside the trainer's process: the runtime benchmark's "model compute"
-            "timing/train_compute_s": time.perf_counter() - t0,
+            "timing/train_compute_s": elapsed,
         }
         metrics.update({k: v / total_tokens for k, v in pm_sums.items()})
         if self.kl_fn is not None:
             metrics["actor/kl"] = sums["actor/kl"] / total_tokens
-        if kl_penalty is not None:
-            metrics["reward/kl_penalty"] = kl_penalty.mean().item()
-        if behavior_w is not None:
-            stale_mask = mask * (behavior_w != 1.0)
-            metrics["actor/behavior_weight_mean"] = ((behavior_w * mask).sum() / mask.sum()).item()
+        if step.kl_penalty is not None:
+            metrics["reward/kl_penalty"] = step.kl_penalty.mean().item()
+        if step.behavior_w is not None:
+            w = step.behavior_w
+            metrics["actor/behavior_weight_mean"] = ((w * mask).sum() / mask.sum()).item()
             metrics["actor/behavior_weight_capped_frac"] = (
-                ((behavior_w >= algo.behavior_weight_cap) * mask).sum() / stale_mask.sum().clamp(min=1)).item()
+                ((w >= algo.behavior_weight_cap) * mask).sum() / (mask * (w != 1.0)).sum().clamp(min=1)).item()
         if "loss/sft" in sums:
             metrics["loss/sft"] = sums["loss/sft"] / updates
         if self.critic is not None:
-            critic_updates = self.plan.optimizer_steps_per_step
-            metrics["critic/value_loss"] = critic_sums["critic/value_loss"] / critic_updates
-            metrics["critic/vf_clip_frac"] = critic_sums["critic/vf_clip_tokens"] / total_tokens
-            # how much of the return variance the values (before this step's updates) explained
-            metrics["critic/explained_variance"] = explained_variance(returns, batch["values"], mask)
-            metrics["critic/values_mean"] = (batch["values"].sum() / mask.sum()).item()
+            metrics.update(self._critic_metrics(step, total_tokens))
         return metrics
 
-    def _off_policy_correction(self, exps, old_logp, mask):
-        """algorithm.off_policy_correction for experiences sampled by older weights.
-
-        behavior: their rows of old_logp become the sampling log-probs the explorer stored (in
-        place); returns None. decoupled: returns per-token weights pi_prox / pi_behav (old_logp,
-        recomputed by the current weights, over the sampling log-prob), capped. Fresh experiences
-        are left alone, so on-policy runs are unchanged.
-        """
-        algo = self.cfg.algorithm
-        stale = [i for i, e in enumerate(exps) if e.policy_version < self.version and e.logprobs]
-        if algo.off_policy_correction == "none" or not stale:
-            return None
-        w = torch.ones_like(mask)
-        cap = math.log(algo.behavior_weight_cap)
-        for i in stale:
-            e = exps[i]
-            start, end = e.prompt_length - 1, e.prompt_length - 1 + len(e.logprobs)
-            behav = torch.tensor(e.logprobs, dtype=old_logp.dtype, device=old_logp.device)
-            if algo.off_policy_correction == "behavior":
-                old_logp[i, start:end] = behav
-            else:
-                w[i, start:end] = torch.exp((old_logp[i, start:end] - behav).clamp(max=cap))
-        return None if algo.off_policy_correction == "behavior" else w
+    def _critic_metrics(self, step: "Step", total_tokens: float) -> dict:
+        values, mask = step.batch["values"], step.mask
+        return {
+            "critic/value_loss": step.critic_sums["critic/value_loss"] / self.plan.optimizer_steps_per_step,
+            "critic/vf_clip_frac": step.critic_sums["critic/vf_clip_tokens"] / total_tokens,
+            # how much of the return variance the values (before this step's updates) explained
+            "critic/explained_variance": explained_variance(step.returns, values, mask),
+            "critic/values_mean": (values.sum() / mask.sum()).item(),
+        }
 
     def _sft_backward(self) -> float:
         """mix: add sft_loss_weight x (token-mean -log p) of this step's auxiliary rows to the gradient."""
@@ -466,9 +515,3 @@ def written_fingerprint(state_dict: dict, hf_dir: Path) -> str:
         with safe_open(str(f), "pt") as h:
             names.update(h.keys())
     return fingerprint({k: v for k, v in state_dict.items() if k in names})
-
-
-def _zero_variance_frac(rewards: torch.Tensor, group_index: torch.Tensor) -> float:
-    groups = group_index.unique()
-    flat = sum(bool((rewards[group_index == g] == rewards[group_index == g][0]).all()) for g in groups)
-    return flat / len(groups)

@@ -265,7 +265,7 @@ def test_every_loss_is_finite_on_a_huge_log_ratio_and_a_masked_row(name):
     ],
 )
 def test_dapo_overlong_penalty(length, expected):
-    from rft.rewards import overlong_penalty
+    from rft.algorithms.shaping import overlong_penalty
 
     assert overlong_penalty(length, max_len=20, buffer_len=4, factor=1.0) == pytest.approx(expected)
 

@@ -95,3 +95,24 @@ def test_a_dry_run_loads_neither_torch_nor_transformers_nor_ray(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     assert "batch plan: stage sft_warmup" in out.stdout  # it planned both stages
     assert "LOADED []" in out.stdout
+
+
+def test_the_closed_sets_of_names_are_the_runtime_registries():
+    from rft import config
+    from rft.actors import ACTOR_BACKENDS
+    from rft.explorer import ENGINES
+    from rft.models import DTYPES
+    from rft.sync import SYNC_METHODS
+
+    assert set(config.SYNC_METHODS) == set(SYNC_METHODS)
+    assert set(config.ENGINE_TYPES) == set(ENGINES)
+    assert set(config.BACKENDS) == set(ACTOR_BACKENDS)
+    assert set(config.DTYPES) == set(DTYPES)
+
+
+def test_every_registered_algorithm_function_imports():
+    from rft.algorithms import ADVANTAGE_FNS, KL_FNS, POLICY_LOSS_FNS
+
+    for registry in (ADVANTAGE_FNS, POLICY_LOSS_FNS, KL_FNS):
+        for name in registry:
+            assert callable(registry[name]), name

@@ -21,7 +21,7 @@ from rft.errors import ConfigError
 from rft.main import ray_namespace
 from rft.monitor import read_metrics
 from rft.placement import check_allocation
-from rft.runner import latest_checkpoint
+from rft.checkpoint import latest_checkpoint
 from rft.sweep import explain, log_tail
 
 # two RL steps of 4 tasks x 2 rollouts from the built tiny model, everything in the job's process
