@@ -18,7 +18,7 @@ from pathlib import Path
 
 from rft.errors import ConfigError
 from rft.experience import Experience
-from rft.tasks import load_rows, rows_to_messages
+from rft.tasks import load_rows, plain, rows_to_messages
 
 WHERE = "buffer.trainer_input.experience_buffer"
 
@@ -76,7 +76,7 @@ class DatasetReader:
         if not buf_cfg.path:
             raise ConfigError(f"{where}.storage_type=file needs {where}.path (a dataset of prompt/response rows).")
         rows = load_rows(buf_cfg.path, buf_cfg.split, key=f"{where}.path")
-        fmt = buf_cfg.format
+        fmt = plain(buf_cfg.format)
         # with chosen_key and rejected_key set, each row is a preference pair: two experiences,
         # chosen then rejected, always kept next to each other
         keys = [fmt.chosen_key, fmt.rejected_key] if fmt.chosen_key and fmt.rejected_key else [fmt.response_key]

@@ -219,6 +219,16 @@ def _line_hint(path: str, index: int) -> str:
     return f"row {index}"
 
 
+def plain(fmt):
+    """A format config as a plain object: read once per row, a config node's attribute lookups
+    cost more than the row itself."""
+    from types import SimpleNamespace
+
+    from omegaconf import DictConfig, OmegaConf
+
+    return SimpleNamespace(**OmegaConf.to_container(fmt)) if isinstance(fmt, DictConfig) else fmt
+
+
 def rows_to_messages(row: dict, fmt, where: str, index: int, path: str) -> list[dict]:
     """The chat messages for one row, or a ConfigError naming the row and the missing key."""
     key = fmt.messages_key if fmt.prompt_type == "messages" else fmt.prompt_key
@@ -241,15 +251,16 @@ def load_tasks(ts_cfg, where: str) -> list[Task]:
     (unless format.response_key is null) the reference answer the reward function reads."""
     rows = load_rows(ts_cfg.path, ts_cfg.split, ts_cfg.subset_name, key=f"{where}.path")
     check_columns(rows, ts_cfg.format, where, ts_cfg.path)
-    answer_key = ts_cfg.format.response_key
+    fmt, path, name = plain(ts_cfg.format), ts_cfg.path, ts_cfg.name
+    answer_key = fmt.response_key
     tasks = []
     for i, row in enumerate(rows):
-        messages = rows_to_messages(row, ts_cfg.format, where, i, ts_cfg.path)
+        messages = rows_to_messages(row, fmt, where, i, path)
         if answer_key and row.get(answer_key) is None:
             raise ConfigError(
-                f"{where}: {_line_hint(ts_cfg.path, i)} of {ts_cfg.path!r} has no {answer_key!r} "
+                f"{where}: {_line_hint(path, i)} of {path!r} has no {answer_key!r} "
                 f"(format.response_key: the reference answer the reward function reads as task.answer). "
                 f"Fix the row, or set {where}.format.response_key=null if your reward needs no answer."
             )
-        tasks.append(Task(f"{ts_cfg.name}/{i}", messages, row.get(answer_key) if answer_key else None, row))
+        tasks.append(Task(f"{name}/{i}", messages, row.get(answer_key) if answer_key else None, row))
     return tasks
