@@ -12,21 +12,82 @@ Key names follow Trinity-RFT's configuration guide where one exists (`buffer.bat
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any, Dict, List, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
-# Closed sets of names, checked when planning (rft.plan) before anything starts; the runtime
-# modules that implement them (engines, synchronizers, actor backends) have exactly these keys.
-MODES = ("both", "explore", "train", "bench")
-ENGINE_TYPES = ("hf", "vllm")
-SYNC_METHODS = ("memory", "checkpoint", "collective")
-BACKENDS = ("ray", "inline")
-TRAINER_STRATEGIES = ("torch", "fsdp2")
-STORAGE_TYPES = ("queue", "sql", "file")
-OFF_POLICY_CORRECTIONS = ("behavior", "decoupled", "none")
-WARMUP_STYLES = ("constant", "cosine")
+# Closed sets of names are Enum fields: a value outside the set fails when Hydra composes the config
+# ("Invalid value 'x', expected one of [...]"), before anything starts. They are StrEnums, so a
+# value compares, prints and hashes as its string (cfg.mode == "both"). The runtime modules that
+# implement a set (engines, synchronizers, actor backends) have exactly these keys (tested).
+
+
+class Mode(StrEnum):
+    both = "both"
+    explore = "explore"
+    train = "train"
+    bench = "bench"
+
+
+class EngineType(StrEnum):
+    hf = "hf"
+    vllm = "vllm"
+
+
+class SyncMethod(StrEnum):
+    memory = "memory"
+    checkpoint = "checkpoint"
+    collective = "collective"
+
+
+class Backend(StrEnum):
+    ray = "ray"
+    inline = "inline"
+
+
+class TrainerStrategy(StrEnum):
+    torch = "torch"
+    fsdp2 = "fsdp2"
+
+
+class StorageType(StrEnum):
+    queue = "queue"
+    sql = "sql"
+    file = "file"
+
+
+class OffPolicyCorrection(StrEnum):
+    behavior = "behavior"
+    decoupled = "decoupled"
+    none = "none"
+
+
+class WarmupStyle(StrEnum):
+    constant = "constant"
+    cosine = "cosine"
+
+
+class PromptType(StrEnum):
+    plaintext = "plaintext"
+    messages = "messages"
+
+
+class OpmdBaseline(StrEnum):
+    mean = "mean"
+    logavgexp = "logavgexp"
+
+
+MODES = tuple(Mode)
+ENGINE_TYPES = tuple(EngineType)
+SYNC_METHODS = tuple(SyncMethod)
+BACKENDS = tuple(Backend)
+TRAINER_STRATEGIES = tuple(TrainerStrategy)
+STORAGE_TYPES = tuple(StorageType)
+OFF_POLICY_CORRECTIONS = tuple(OffPolicyCorrection)
+WARMUP_STYLES = tuple(WarmupStyle)
+# names with hyphens cannot be Enum members: checked when planning
 AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 # model.dtype and its aliases -> the torch / vLLM name
 DTYPES = {"float32": "float32", "fp32": "float32", "float": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
@@ -41,7 +102,7 @@ class OptimizerConfig:
     # linear warm-up over this many optimizer steps (verl: lr_warmup_steps)
     warmup_steps: int = 0
     # after warm-up: constant | cosine (Trinity: warmup_style)
-    warmup_style: str = "constant"
+    warmup_style: WarmupStyle = WarmupStyle.constant
     # cosine decays to lr * min_lr_ratio
     min_lr_ratio: float = 0.0
 
@@ -69,7 +130,7 @@ class AlgorithmConfig:
     # OPMD temperature: loss / (1 + tau), and the logavgexp baseline's temperature
     tau: float = 1.0
     # OPMD baseline: mean | logavgexp
-    opmd_baseline: str = "mean"
+    opmd_baseline: OpmdBaseline = OpmdBaseline.mean
     # KL to a frozen reference model as a loss term: none | k1 | k2 | k3 | abs
     kl_loss_fn: str = "none"
     kl_loss_coef: float = 0.001
@@ -96,7 +157,7 @@ class AlgorithmConfig:
     #   weighted by pi_prox / pi_behav capped at behavior_weight_cap (AReaL's decoupled PPO,
     #   arXiv 2505.24298); none: stale experiences are treated as fresh. On this repo's offline
     #   test (10 steps on 10 stored steps) behavior went 0.155 -> 0.885, decoupled -> 0.205, none -> 0.005
-    off_policy_correction: str = "behavior"
+    off_policy_correction: OffPolicyCorrection = OffPolicyCorrection.behavior
     behavior_weight_cap: float = 5.0
     # entropy bonus: loss -= entropy_coef * entropy
     entropy_coef: float = 0.0
@@ -132,7 +193,7 @@ class ModelConfig:
 @dataclass
 class FormatConfig:
     # plaintext: the prompt is a string in prompt_key; messages: a list of chat messages
-    prompt_type: str = "plaintext"
+    prompt_type: PromptType = PromptType.plaintext
     prompt_key: str = "question"
     # the reference answer (a taskset: task.answer, what the reward function checks; a training
     # dataset: the response to learn); null for a taskset whose reward needs none
@@ -205,7 +266,7 @@ class ExperienceBufferConfig:
     # sql: a SQLite database at path (durable, several writers, a read cursor that survives restarts);
     # file: a JSONL file at path. As the trainer's input, a file that is not one of stored
     #       experiences is read as a dataset of prompt/response rows (an SFT or DPO stage)
-    storage_type: str = "queue"
+    storage_type: StorageType = StorageType.queue
     path: Optional[str] = None
     split: str = "train"
     format: FormatConfig = field(default_factory=FormatConfig)
@@ -241,7 +302,7 @@ class BufferConfig:
 @dataclass
 class RolloutModelConfig:
     # hf: transformers generate (the CPU default); vllm: vLLM (pip install -e .[vllm])
-    engine_type: str = "hf"
+    engine_type: EngineType = EngineType.hf
     engine_num: int = 1
     tensor_parallel_size: int = 1
     # hf: sequences per generate() call inside the engine
@@ -299,7 +360,7 @@ class TrainerConfig:
     name: str = "trainer"
     # torch: one process; fsdp2: `ranks` data-parallel processes, the weights, gradients and
     # optimizer state sharded over them (torch FSDP2: nccl on GPU, gloo on CPU)
-    trainer_strategy: str = "torch"
+    trainer_strategy: TrainerStrategy = TrainerStrategy.torch
     # fsdp2: trainer processes; null: one per GPU the explorers leave (2 on a CPU-only cluster)
     ranks: Optional[int] = None
     # save a resumable checkpoint every this many steps (and after the last)
@@ -318,7 +379,7 @@ class TrainerConfig:
 class SynchronizerConfig:
     # memory: through the Ray object store; checkpoint: through safetensors files on disk;
     # collective: torch.distributed broadcast (nccl on GPU, gloo on CPU) (Trinity: nccl)
-    sync_method: str = "memory"
+    sync_method: SyncMethod = SyncMethod.memory
     # steps between weight syncs from trainer to explorer
     sync_interval: int = 1
     # the explorer runs this many steps ahead of the trainer (bounded off-policy; 0: on-policy)
@@ -348,7 +409,7 @@ class MonitorConfig:
 @dataclass
 class ClusterConfig:
     # ray: explorer and trainer are Ray actors; inline: the same objects in this process
-    backend: str = "ray"
+    backend: Backend = Backend.ray
     # None starts a local Ray instance; "auto" joins a running cluster; or "host:port"
     ray_address: Optional[str] = None
     # CPUs for a locally started Ray instance (None: all of them)
@@ -376,7 +437,7 @@ class Config:
     name: str = "run"
     # both: explorer + trainer; explore: explorer only, writing buffer.trainer_input.experience_buffer;
     # train: trainer only, from that buffer (or a dataset); bench: evaluate saved checkpoints
-    mode: str = "both"
+    mode: Mode = Mode.both
     seed: int = 42
     checkpoint_root_dir: str = "./checkpoints"
     # where built models and generated datasets are cached (outside the repo)

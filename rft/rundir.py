@@ -58,7 +58,7 @@ MAY_GROW = ("buffer.total_steps",)
 
 def flat(cfg) -> dict[str, Any]:
     """A resolved config as {dotted key: value}; lists are values."""
-    tree = OmegaConf.to_container(cfg, resolve=True) if not isinstance(cfg, dict) else cfg
+    tree = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True) if not isinstance(cfg, dict) else cfg
     out: dict[str, Any] = {}
 
     def walk(node, prefix):

@@ -183,7 +183,7 @@ def test_a_bad_taskset_path_is_named_by_the_key_the_user_set(tmp_path):
 
 
 @pytest.mark.parametrize("overrides,message", [
-    (["mode=foo"], "mode='foo' is not a mode; choose one of both, explore, train, bench."),
+    (["stages.0.mode=foo"], "stages[0].mode='foo' is not a mode; choose one of both, explore, train, bench."),
     (["model.max_response_tokens=0"], "stage sft_warmup: model.max_response_tokens=0 must be >= 1 (tokens)."),
     (["model.dtype=bf8"], "stage sft_warmup: model.dtype='bf8' is not a dtype; choose one of float32, fp32, float, "
                           "bfloat16, bf16, float16, fp16, half."),
@@ -200,6 +200,20 @@ def test_a_bad_taskset_path_is_named_by_the_key_the_user_set(tmp_path):
 ])
 def test_user_mistakes_found_while_planning(tmp_path, overrides, message):
     assert plan_error(tmp_path, *overrides) == message.format(cwd=os.getcwd())
+
+
+@pytest.mark.parametrize("override, choices", [
+    ("mode=foo", "[both, explore, train, bench]"),
+    ("buffer.trainer_input.experience_buffer.storage_type=redis", "[queue, sql, file]"),
+    ("explorer.rollout_model.engine_type=sglang", "[hf, vllm]"),
+    ("sync=memory synchronizer.sync_method=nccl", "[memory, checkpoint, collective]"),
+])
+def test_a_closed_set_of_names_fails_when_the_config_is_composed(override, choices):
+    from hydra.errors import ConfigCompositionException
+
+    with pytest.raises(ConfigCompositionException) as e:
+        compose_cfg(override.split())
+    assert f"expected one of {choices}" in str(e.value.__cause__ or e.value)
 
 
 def test_dtype_aliases_are_accepted():
