@@ -93,11 +93,11 @@ def dataset_size(cfg: DictConfig, sources: dict | None = None) -> int:
     return len(rows)
 
 
-def check_token_budgets(cfg: DictConfig, title: str, say) -> None:
+def check_token_budgets(cfg: DictConfig, plan, title: str, say) -> None:
     """Warn once per dataset when its first prompts (or, for a training dataset, responses) are
     longer than the model's token budgets: they will be cut, and a run would not say so."""
-    from rft.models import load_tokenizer
     from rft.data import budget_report
+    from rft.models import load_tokenizer
 
     tok = load_tokenizer(cfg.model)
     inp = cfg.buffer.explorer_input
@@ -107,11 +107,8 @@ def check_token_budgets(cfg: DictConfig, title: str, say) -> None:
         todo.append((inp.taskset, "buffer.explorer_input.taskset", False))
     if cfg.mode in ("both", "train"):
         todo += [(ts, f"buffer.explorer_input.eval_tasksets[{i}]", False) for i, ts in enumerate(inp.eval_tasksets)]
-    if cfg.mode == "train" and eb.storage_type == "file" and eb.path:
-        from rft.plan import stored_experiences
-
-        if not stored_experiences(eb):
-            todo.append((eb, "buffer.trainer_input.experience_buffer", True))
+    if plan.input_kind == "dataset":
+        todo.append((eb, "buffer.trainer_input.experience_buffer", True))
     for ds, where, responses in todo:
         text = budget_report(ds, tok, cfg.model, responses, where)
         if text:
@@ -219,8 +216,8 @@ def _run(cfg: DictConfig, stages: list, plans: list, stage_dirs: list[Path], run
         rundir.check_writable(cache, "stage_cache_dir")
     rundir.write_record(cfg, run_dir)
     ensure_model(stages[0].model)
-    for s in stages:
-        check_token_budgets(s, s.stage_name or s.algorithm.algorithm_type, print)
+    for s, p in zip(stages, plans):
+        check_token_budgets(s, p, s.stage_name or s.algorithm.algorithm_type, print)
     started_ray = stages[0].cluster.backend == "ray" and _start_ray(stages[0], run_dir)
     try:
         init_path, start = None, rundir.start_identity(stages[0].model)
