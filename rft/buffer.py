@@ -10,7 +10,8 @@ by `storage_type` and built by `make_buffer`:
 - `FileBuffer` (file): a JSONL file of experiences, appended under a file lock.
 
 `DatasetReader` reads a dataset of prompt/response rows as experiences, for training without an
-explorer (an SFT or DPO stage); `is_experience_file` tells such a dataset from a `FileBuffer`'s file.
+explorer (an SFT or DPO stage); `rft.experience.is_experience_file` tells such a dataset from a
+`FileBuffer`'s file.
 
 `read_experiences` and `count_experiences` look into a sql or file buffer without moving its
 reader; `python -m rft.buffer <path>` prints what it holds.
@@ -32,9 +33,8 @@ import sqlalchemy as sa
 from filelock import FileLock
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 
-from rft.data import WHERE, is_experience_file
 from rft.errors import ConfigError
-from rft.experience import PRIORITY_FNS, Experience, check_priority_fn
+from rft.experience import PRIORITY_FNS, WHERE, Experience, check_priority_fn, is_experience_file
 
 POLL_S = 0.05  # how often a waiting reader looks again where no writer can wake it
 

@@ -550,3 +550,21 @@ def exit_on_misspelt_key(args: list[str], conf_dir) -> None:
     if message:
         print(f"\nrft: configuration error: {message}\n", file=sys.stderr)
         sys.exit(2)
+
+
+def flat(cfg) -> dict[str, Any]:
+    """A resolved config as {dotted key: value}; lists are values."""
+    from omegaconf import OmegaConf
+
+    tree = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True) if not isinstance(cfg, dict) else cfg
+    out: dict[str, Any] = {}
+
+    def walk(node, prefix):
+        if isinstance(node, dict) and node:
+            for k, v in node.items():
+                walk(v, f"{prefix}{k}.")
+        else:
+            out[prefix[:-1]] = node
+
+    walk(tree, "")
+    return out

@@ -6,21 +6,16 @@
   their end).
 - `DatasetReader`: a dataset of prompt/response rows (or preference pairs) as experiences, for
   training without an explorer (an SFT or DPO stage, algorithm=mix's auxiliary data).
-- `is_experience_file`: tells such a dataset from a file buffer's stored experiences.
 """
 
 from __future__ import annotations
 
-import json
-import os
 import random
-from pathlib import Path
 
 from rft.errors import ConfigError
-from rft.experience import Experience
+from rft.experience import WHERE, Experience
 from rft.tasks import load_rows, plain, rows_to_messages
 
-WHERE = "buffer.trainer_input.experience_buffer"
 
 
 def step_seed(seed: int, step: int, salt: int = 0) -> int:
@@ -49,23 +44,6 @@ def chat_ids(tokenizer, messages: list[dict]) -> list[int]:
 def encode_prompt(tokenizer, messages: list[dict], max_prompt_tokens: int) -> list[int]:
     # keep the end of an over-long prompt: the question and the generation prompt sit there
     return chat_ids(tokenizer, messages)[-max_prompt_tokens:]
-
-
-def is_experience_file(path) -> bool:
-    """True for a JSONL file written by `FileBuffer` (its first line has "tokens"), false for
-    anything else, such as a dataset of prompt/response rows."""
-    path = Path(os.path.expanduser(str(path)))
-    if path.suffix != ".jsonl" or not path.is_file():
-        return False
-    with open(path, "rb") as f:
-        for line in f:
-            if line.strip():
-                try:
-                    row = json.loads(line)
-                except ValueError:  # not JSON
-                    return False
-                return isinstance(row, dict) and "tokens" in row
-    return False
 
 
 class DatasetReader:

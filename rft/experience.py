@@ -3,9 +3,16 @@
 from __future__ import annotations
 
 import copy
+import json
+import os
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 
 from rft.errors import ConfigError
+
+
+# the config key of the trainer's input, named in errors about it
+WHERE = "buffer.trainer_input.experience_buffer"
 
 
 @dataclass
@@ -90,6 +97,23 @@ def collate(exps: list[Experience], pad_id: int) -> dict:
             "temperature": torch.tensor([p[0] for p in params], dtype=torch.float32),
             "top_p": torch.tensor([p[1] for p in params], dtype=torch.float32),
             "top_k": torch.tensor([p[2] for p in params], dtype=torch.long)}
+
+
+def is_experience_file(path) -> bool:
+    """True for a JSONL file written by `FileBuffer` (its first line has "tokens"), false for
+    anything else, such as a dataset of prompt/response rows."""
+    path = Path(os.path.expanduser(str(path)))
+    if path.suffix != ".jsonl" or not path.is_file():
+        return False
+    with open(path, "rb") as f:
+        for line in f:
+            if line.strip():
+                try:
+                    row = json.loads(line)
+                except ValueError:  # not JSON
+                    return False
+                return isinstance(row, dict) and "tokens" in row
+    return False
 
 
 def sampling_params(sampling: dict) -> tuple[float, float, int]:

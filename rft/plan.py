@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -56,7 +57,7 @@ def _first_line(e: Exception) -> str:
 def stage_sources(cfg: DictConfig) -> list[dict[str, str]]:
     """Per stage, the keys its dict sets by interpolation ({key: "${other.key}"}), so that an error
     about a value can name the key the user set (the warm-up's dataset path is the taskset's)."""
-    from rft.rundir import flat
+    from rft.config import flat
 
     out = []
     for stage in cfg.stages or [{}]:
@@ -93,6 +94,8 @@ class BatchPlan:
     input_kind: str = "rollouts"
     explorers: int = 1  # explorer actors (mode=train: 1 to evaluate, or 0)
     needs: Needs = Needs()  # what the algorithm needs (a reference model, a critic, ...)
+    # algorithm.sft_loss_weight > 0: the expert data (an ExperienceBufferConfig) and its config key
+    sft_data: Any = None
 
 
 def input_kind(cfg) -> str:
@@ -138,6 +141,7 @@ def make_plan(cfg, dataset_size: int) -> BatchPlan:
         input_kind=kind,
         explorers=explorer_count(cfg),
         needs=needs,
+        sft_data=sft_buffer_config(cfg) if cfg.algorithm.sft_loss_weight > 0 else None,
     )
 
 
@@ -349,7 +353,7 @@ def _typed_buffer(value, where: str):
 
 def stored_experiences(buf_cfg) -> bool:
     """The trainer's input is experiences an explorer stored (not a dataset of prompt/response rows)."""
-    from rft.data import is_experience_file
+    from rft.experience import is_experience_file
 
     return buf_cfg.storage_type == "sql" or (
         buf_cfg.storage_type == "file" and bool(buf_cfg.path) and is_experience_file(buf_cfg.path)

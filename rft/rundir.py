@@ -38,6 +38,7 @@ from typing import Any
 import yaml
 from omegaconf import OmegaConf
 
+from rft.config import flat
 from rft.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -54,22 +55,6 @@ MAY_GROW = ("buffer.total_steps",)
 
 
 # ---------------------------------------------------------------- fingerprints
-
-
-def flat(cfg) -> dict[str, Any]:
-    """A resolved config as {dotted key: value}; lists are values."""
-    tree = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True) if not isinstance(cfg, dict) else cfg
-    out: dict[str, Any] = {}
-
-    def walk(node, prefix):
-        if isinstance(node, dict) and node:
-            for k, v in node.items():
-                walk(v, f"{prefix}{k}.")
-        else:
-            out[prefix[:-1]] = node
-
-    walk(tree, "")
-    return out
 
 
 def identity(cfg) -> dict[str, Any]:

@@ -154,9 +154,8 @@ class Trainer:
         self.sft_reader = None
         if algo.sft_loss_weight > 0:
             from rft.data import DatasetReader
-            from rft.plan import sft_buffer_config
 
-            buf_cfg, where = sft_buffer_config(cfg)  # checked by the plan already
+            buf_cfg, where = plan.sft_data  # the plan resolved and checked it
             self.sft_reader = DatasetReader(buf_cfg, self.tokenizer, cfg.model.max_prompt_tokens,
                                             cfg.model.max_response_tokens, cfg.seed, where=where)
         self.kl_fn = KL_FNS.get(algo.kl_loss_fn)

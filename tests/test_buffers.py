@@ -15,9 +15,8 @@ from omegaconf.errors import ValidationError
 from conftest import ROOT
 from rft.buffer import BUFFERS, FileBuffer, QueueBuffer, SQLBuffer, count_experiences, make_buffer, read_experiences
 from rft.config import ExperienceBufferConfig
-from rft.data import is_experience_file
 from rft.errors import ConfigError
-from rft.experience import Experience
+from rft.experience import Experience, is_experience_file
 
 WHERE = "buffer.trainer_input.experience_buffer"
 
