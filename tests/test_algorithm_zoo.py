@@ -270,6 +270,25 @@ def test_dapo_overlong_penalty(length, expected):
     assert overlong_penalty(length, max_len=20, buffer_len=4, factor=1.0) == pytest.approx(expected)
 
 
+def test_the_overlong_penalty_changes_the_reward_and_is_logged():
+    from types import SimpleNamespace
+
+    from rft.algorithms.shaping import apply_overlong
+    from rft.experience import Experience
+    from rft.explorer import rollout_metrics
+
+    algo = SimpleNamespace(overlong_buffer_frac=0.2, overlong_penalty_factor=1.0)  # 20 tokens: buffer 4
+    long = Experience(list(range(2 + 18)), 2, [0.0] * 18, reward=1.0, group_id="g")  # 18 tokens: -0.5
+    short = Experience(list(range(2 + 10)), 2, [0.0] * 10, reward=0.0, group_id="g")  # 10 tokens: 0
+    apply_overlong([long, short], algo, max_len=20)
+    assert (long.reward, short.reward) == (0.5, 0.0)
+    m = rollout_metrics([long, short], [[long, short]], {}, 1.0)
+    assert m["reward/overlong_penalty"] == -0.25  # (-0.5 + 0) / 2
+    assert m["reward/mean"] == 0.25  # after the penalty: (0.5 + 0) / 2
+    apply_overlong([long], SimpleNamespace(overlong_buffer_frac=0.0, overlong_penalty_factor=1.0), max_len=20)
+    assert long.reward == 0.5  # off: unchanged
+
+
 def test_dpo_loss_hand_computed():
     # one pair: chosen row 0 (2 tokens), rejected row 1 (1 token); beta 0.5
     # chosen: sum logp -1.0 - ref -2.0 = +1.0; rejected: sum logp -3.0 - ref -1.0 = -2.0
