@@ -26,7 +26,7 @@ from rft.models import load_tokenizer, local_device
 from rft.algorithms.shaping import apply_overlong
 from rft.rewards import REWARD_FNS
 from rft.tasks import load_tasks
-from rft.workflows import WORKFLOWS, WorkflowContext
+from rft.workflows import WORKFLOWS, WorkflowContext, check_output
 
 log = logging.getLogger(__name__)
 
@@ -223,6 +223,7 @@ class Explorer:
         workflow = resolve(WORKFLOWS, ts_cfg.workflow, "workflow")
         t0 = time.perf_counter()
         out = workflow(tasks, self.engine, ctx)
+        check_output(out, tasks, ts_cfg.workflow)
         counters["workflow_s"] = counters.get("workflow_s", 0.0) + time.perf_counter() - t0
         return out
 

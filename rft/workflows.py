@@ -75,3 +75,26 @@ def single_turn(tasks, engine, ctx: WorkflowContext) -> list[list[Experience] | 
 
 
 WORKFLOWS = {"single_turn": single_turn}
+
+
+def check_output(out, tasks, name: str) -> None:
+    """What a workflow returned has the shape the buffers and the trainer rely on; a workflow of
+    a study's own gets one clear message naming it, not a failure later in the trainer."""
+    from rft.errors import ConfigError
+
+    if not isinstance(out, list) or len(out) != len(tasks):
+        raise ConfigError(
+            f"workflow {name!r} returned {type(out).__name__} of {len(out) if hasattr(out, '__len__') else '?'} "
+            f"entries for {len(tasks)} tasks; it must return one entry per task: a list of Experience, "
+            f"or None for a task that failed."
+        )
+    for group in out:
+        for e in group or []:
+            for field_name in ("logprobs", "loss_mask"):
+                n = len(getattr(e, field_name))
+                if n and n != e.response_length:
+                    raise ConfigError(
+                        f"workflow {name!r} returned an experience (task {e.task_id!r}) whose {field_name} has "
+                        f"{n} entries for its {e.response_length} response tokens: it needs one per token "
+                        f"after the prompt (tokens[prompt_length:]), or none."
+                    )

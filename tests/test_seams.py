@@ -69,6 +69,31 @@ def test_collate_takes_the_loss_mask_and_checks_its_length():
         collate([Experience([5, 6, 7, 8, 9], 2, [], loss_mask=[1, 0])], 0)
 
 
+def test_a_workflow_that_returns_the_wrong_shape_is_named():
+    from rft.errors import ConfigError
+    from rft.workflows import check_output
+
+    good = Experience([5, 6, 7, 8], 2, [-1.0, -1.0], loss_mask=[1, 0], task_id="t/0")
+    check_output([[good], None], [0, 1], "my.workflow")  # None: a failed task
+    bad = Experience([5, 6, 7, 8], 2, [-1.0, -1.0], loss_mask=[1, 0, 1], task_id="t/1")
+    with pytest.raises(ConfigError) as e:
+        check_output([[bad]], [0], "my.workflow")
+    assert str(e.value) == (
+        "workflow 'my.workflow' returned an experience (task 't/1') whose loss_mask has 3 entries for its 2 "
+        "response tokens: it needs one per token after the prompt (tokens[prompt_length:]), or none.")
+    with pytest.raises(ConfigError, match="returned list of 1 entries for 2 tasks; it must return one entry per task"):
+        check_output([[good]], [0, 1], "my.workflow")
+
+
+def test_a_misspelt_workflow_fails_while_planning():
+    from rft.errors import ConfigError
+    from rft.plan import make_plan
+
+    with pytest.raises(ConfigError, match=r"buffer.explorer_input.taskset.workflow='single_turns' is not one of "
+                                          r"\['single_turn'\]; give a registered name or the dotted path"):
+        make_plan(compose_cfg(["stages=[]", "buffer.explorer_input.taskset.workflow=single_turns"]), 2000)
+
+
 def _run(tmp_path, *overrides):
     import rft.main
 
