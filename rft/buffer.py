@@ -496,14 +496,9 @@ BUFFERS = {"queue": QueueBuffer, "sql": SQLBuffer, "file": FileBuffer}
 
 
 def make_buffer(buf_cfg, where: str = WHERE):
-    """The buffer that `buf_cfg.storage_type` names, configured by `buf_cfg` (found at `where`)."""
-    cls = BUFFERS.get(buf_cfg.storage_type)
-    if cls is None:
-        raise ConfigError(
-            f"{where}.storage_type={buf_cfg.storage_type!r} is not a storage type; "
-            f"choose one of {', '.join(BUFFERS)}."
-        )
-    return cls(buf_cfg, where)
+    """The buffer that `buf_cfg.storage_type` names (rft.config.StorageType), configured by
+    `buf_cfg` (found at `where`)."""
+    return BUFFERS[buf_cfg.storage_type](buf_cfg, where)
 
 
 # ---------------------------------------------------------------- reading stored experiences

@@ -83,10 +83,6 @@ MODES = tuple(Mode)
 ENGINE_TYPES = tuple(EngineType)
 SYNC_METHODS = tuple(SyncMethod)
 BACKENDS = tuple(Backend)
-TRAINER_STRATEGIES = tuple(TrainerStrategy)
-STORAGE_TYPES = tuple(StorageType)
-OFF_POLICY_CORRECTIONS = tuple(OffPolicyCorrection)
-WARMUP_STYLES = tuple(WarmupStyle)
 # names with hyphens cannot be Enum members: checked when planning
 AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 # model.dtype and its aliases -> the torch / vLLM name

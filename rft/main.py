@@ -164,8 +164,9 @@ def plan_stages(cfg: DictConfig) -> tuple[list, list, list[Path]]:
     from rft.config import MODES
     from rft.plan import make_plan, stage_configs, stage_sources
 
+    # cfg.mode is an Enum field (checked when composed); a stage's dict is merged later
     stage_modes = [(f"stages[{i}].mode", s.get("mode")) for i, s in enumerate(cfg.stages or []) if isinstance(s, DictConfig)]
-    for key, mode in [("mode", cfg.mode), *stage_modes]:
+    for key, mode in stage_modes:
         if mode is not None and mode not in MODES:
             raise ConfigError(f"{key}={mode!r} is not a mode; choose one of {', '.join(MODES)}.")
     stages = stage_configs(cfg)
