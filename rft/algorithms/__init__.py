@@ -69,6 +69,9 @@ class Registry(Mapping):
             self._loaded[name] = getattr(importlib.import_module(module), attr)
         return self._loaded[name]
 
+    def __contains__(self, name) -> bool:  # without importing the function (Mapping's would)
+        return name in self._table
+
     def __iter__(self):
         return iter(self._table)
 
