@@ -21,6 +21,7 @@ import torch
 
 from rft.algorithms import resolve
 from rft.data import epoch_batch, step_seed
+from rft.errors import RunError
 from rft.sync import same_weights
 from rft.models import load_tokenizer, local_device
 from rft.algorithms.shaping import apply_overlong
@@ -222,7 +223,17 @@ class Explorer:
         )
         workflow = resolve(WORKFLOWS, ts_cfg.workflow, "workflow")
         t0 = time.perf_counter()
-        out = workflow(tasks, self.engine, ctx)
+        try:
+            out = workflow(tasks, self.engine, ctx)
+        except Exception as e:
+            # a reward that raises is one failed task (ctx.score retries it); a workflow that
+            # raises has no task to blame: the step cannot be made
+            log.exception("workflow %s raised at step %d", ts_cfg.workflow, step)
+            raise RunError(
+                f"workflow {ts_cfg.workflow!r} raised {type(e).__name__}: {e} (at step {step}; the traceback "
+                f"is in the explorer's log under <stage>/log/). Fix the workflow, then run the same "
+                f"command again to resume from the newest checkpoint."
+            ) from None
         check_output(out, tasks, ts_cfg.workflow)
         counters["workflow_s"] = counters.get("workflow_s", 0.0) + time.perf_counter() - t0
         return out

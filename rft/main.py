@@ -32,7 +32,8 @@ def main(cfg: DictConfig) -> float | None:
         print(f"\nrft: configuration error: {getattr(e, 'cause', e)}\n", file=sys.stderr)
         sys.exit(2)
     except RunError as e:
-        print(f"\nrft: the run stopped: {e}\n", file=sys.stderr)
+        # raised inside a Ray actor it arrives wrapped too
+        print(f"\nrft: the run stopped: {getattr(e, 'cause', e)}\n", file=sys.stderr)
         sys.exit(1)
 
 

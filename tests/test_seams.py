@@ -2,6 +2,8 @@
 second user turn masked out of the loss) and an algorithm of its own that needs a reference model,
 each given as a dotted path to a function in the study's module (this one)."""
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -41,6 +43,10 @@ def two_turn(tasks, engine, ctx):
             task_id=tasks[i].task_id, policy_version=ctx.policy_version,
         ))
     return out
+
+
+def raising_workflow(tasks, engine, ctx):
+    raise KeyError("no such tool")
 
 
 def recording_loss(logp, batch, cfg):
@@ -149,3 +155,17 @@ def test_an_algorithm_that_needs_a_reference_model_given_as_a_dotted_path(tmp_pa
     # log-probs as the current weights; by step 2 the policy has moved away from it
     assert torch.allclose(SEEN["ref_logp"][0], SEEN["old_logp"][0], atol=1e-6)
     assert (SEEN["ref_logp"][1] - SEEN["old_logp"][1]).abs().max() > 1e-3
+
+
+@pytest.mark.slow
+def test_a_workflow_that_raises_stops_the_run_with_one_paragraph(tmp_path, capsys, monkeypatch):
+    # under Ray, as a real run: the explorer's process imports this module from the path
+    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).parent))
+    with pytest.raises(SystemExit) as e:
+        _run(tmp_path, "buffer.explorer_input.taskset.workflow=test_seams.raising_workflow", "name=raising",
+             "cluster=local")
+    assert e.value.code == 1
+    err = capsys.readouterr().err
+    assert ("rft: the run stopped: workflow 'test_seams.raising_workflow' raised KeyError: 'no such tool' "
+            "(at step 0; the traceback is in the explorer's log under <stage>/log/).") in err
+    assert "Traceback" not in err
