@@ -1,4 +1,10 @@
-"""The batch plan: every batch number derived and checked in one place, before anything starts.
+"""Planning, the bottom layer: the stages, and each stage's batch plan, derived and checked in one
+place before anything starts. It imports nothing that runs (no torch, no engine, no actor): a dry
+run is this module and the datasets it reads.
+
+A plan holds, besides the numbers below, what everything later reads instead of deciding again:
+what the trainer learns from (`input_kind`), the algorithm's needs (a reference model, a critic,
+groups, pairs), the number of explorer actors and trainer ranks, algorithm=mix's expert data.
 
     tasks per step           = buffer.batch_size
     rollouts per task        = algorithm.repeat_times
