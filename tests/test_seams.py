@@ -169,3 +169,17 @@ def test_a_workflow_that_raises_stops_the_run_with_one_paragraph(tmp_path, capsy
     assert ("rft: the run stopped: workflow 'test_seams.raising_workflow' raised KeyError: 'no such tool' "
             "(at step 0; the traceback is in the explorer's log under <stage>/log/).") in err
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("overrides, want", [
+    ([], dict(grouped=True)),  # grpo
+    (["algorithm.kl_loss_fn=k3"], dict(grouped=True, reference=True)),
+    (["algorithm.kl_penalty_fn=k1"], dict(grouped=True, reference=True)),
+    (["algorithm=dpo"], dict(reference=True, paired=True)),
+    (["algorithm=ppo"], dict(critic=True)),
+    (["algorithm.policy_loss_fn=test_seams.anchored_loss"], dict(grouped=True, reference=True)),
+])
+def test_an_algorithm_config_needs_what_its_functions_declare(overrides, want):
+    from rft.algorithms import Needs, algorithm_needs
+
+    assert algorithm_needs(compose_cfg(overrides).algorithm) == Needs(**want)

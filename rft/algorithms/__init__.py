@@ -136,8 +136,7 @@ def __getattr__(name: str):
 def algorithm_needs(algo) -> Needs:
     """What an algorithm config needs, over all its functions (advantage, loss, KL terms)."""
     parts = [ADVANTAGE_FNS.needs(algo.advantage_fn), POLICY_LOSS_FNS.needs(algo.policy_loss_fn)]
-    if algo.kl_loss_fn != "none" or algo.kl_penalty_fn != "none":
-        parts.append(Needs(reference=True))
+    parts += [KL_FNS.needs(name) for name in (algo.kl_loss_fn, algo.kl_penalty_fn) if name != "none"]
     return Needs(**{f: any(getattr(p, f) for p in parts) for f in Needs.__dataclass_fields__})
 
 
