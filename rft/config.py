@@ -369,6 +369,10 @@ class TrainerConfig:
     ppo_epochs: int = 1
     grad_clip: float = 1.0
     gradient_checkpointing: bool = False
+    # an exactly on-policy update (one optimizer step from the weights that sampled) does not
+    # forward the rows whose advantages are all 0 when the loss declares that such a row adds
+    # nothing (GRPO's groups whose rewards are all equal): same gradient, less compute
+    skip_zero_advantage: bool = True
 
 
 @dataclass

@@ -87,23 +87,46 @@ class HFEngine:
             self.busy_s += time.perf_counter() - t0
 
     def _generate(self, prompts: list[list[int]], n: int, args, seed: int) -> list[list[Sample]]:
-        flat = [p for p in prompts for _ in range(n)]
+        # whole groups per chunk (generate_batch_size rows, at least one group): a group's n
+        # samples share their prompt's prefill
+        per_chunk = max(1, self.batch_size // n)
         samples: list[Sample] = []
         with torch.random.fork_rng():
             torch.manual_seed(seed)
-            for start in range(0, len(flat), self.batch_size):
-                samples += self._generate_chunk(flat[start : start + self.batch_size], args)
+            for start in range(0, len(prompts), per_chunk):
+                samples += self._generate_chunk(prompts[start : start + per_chunk], n, args)
         return [samples[i * n : (i + 1) * n] for i in range(len(prompts))]
 
-    def _generate_chunk(self, prompts: list[list[int]], args) -> list[Sample]:
+    def _prefill(self, input_ids, attention_mask, n: int):
+        """The KV cache of each prompt but its last token, computed once and repeated for its n
+        samples (rows i*n..i*n+n-1), or None when there is nothing to share. `generate` then
+        runs only the last prompt token and the new ones: the prefill of a group costs one
+        sample's, not n (vLLM's prefix caching does the same)."""
+        if n == 1 or input_ids.shape[1] < 2:
+            return None
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=self.model.config)
+        mask = attention_mask[:, :-1]
+        position_ids = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)  # as generate numbers left-padded rows
+        self.model(input_ids=input_ids[:, :-1], attention_mask=mask, position_ids=position_ids,
+                   past_key_values=cache, use_cache=True)
+        cache.batch_repeat_interleave(n)
+        return cache
+
+    def _generate_chunk(self, groups: list[list[int]], n: int, args) -> list[Sample]:
         tok = self.tokenizer
-        L = max(len(p) for p in prompts)
+        L = max(len(p) for p in groups)
         # left padding: every prompt ends at the same position, where generation starts
-        input_ids = torch.full((len(prompts), L), tok.pad_token_id, dtype=torch.long)
-        attention_mask = torch.zeros((len(prompts), L), dtype=torch.long)
-        for i, p in enumerate(prompts):
+        input_ids = torch.full((len(groups), L), tok.pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(groups), L), dtype=torch.long)
+        for i, p in enumerate(groups):
             input_ids[i, L - len(p) :] = torch.tensor(p)
             attention_mask[i, L - len(p) :] = 1
+        input_ids, attention_mask = input_ids.to(self.device), attention_mask.to(self.device)
+        cache = self._prefill(input_ids, attention_mask, n)
+        input_ids, attention_mask = input_ids.repeat_interleave(n, 0), attention_mask.repeat_interleave(n, 0)
+        prompts = [p for p in groups for _ in range(n)]
         greedy = args.temperature == 0
         sampling = {} if greedy else dict(
             temperature=args.temperature,
@@ -113,8 +136,9 @@ class HFEngine:
         stop = getattr(args, "stop", None)  # RolloutArgs has it; args built by hand may not
         stops = StopStrings(tok, prompts, stop, L) if stop else None
         out = self.model.generate(
-            input_ids=input_ids.to(self.device),
-            attention_mask=attention_mask.to(self.device),
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            past_key_values=cache,
             do_sample=not greedy,
             max_new_tokens=args.max_tokens or self.max_response_tokens,
             eos_token_id=tok.eos_token_id,

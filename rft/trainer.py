@@ -1,8 +1,9 @@
 """The trainer: the policy, its optimizer, and one RL step of updates from a batch of experiences.
 
 One `train_step` = prepare -> update -> metrics, each a method below:
-  1. `_prepare`: collate the experiences; log-probs of the current weights ("old", no grad) and,
-     when the algorithm needs it, of the reference model; the off-policy correction
+  1. `_prepare`: collate the experiences; log-probs of the current weights ("old", no grad; not
+     recomputed when the update is exactly on-policy, see `_on_policy`) and, when the algorithm
+     needs it, of the reference model; the off-policy correction
      (rft.algorithms.off_policy); the KL penalty on the reward (rft.algorithms.shaping); the
      critic's values; the advantages (ADVANTAGE_FNS[algorithm.advantage_fn]).
   2. `_update`: for each of ppo_epochs, for each mini-batch: the critic's update, then the
@@ -36,7 +37,8 @@ from rft.models import load_hf_weights, load_model, load_tokenizer, local_device
 log = logging.getLogger(__name__)
 
 
-def token_logprobs(model, input_ids, attention_mask, temperature=1.0, top_p=None, top_k=None):
+def token_logprobs(model, input_ids, attention_mask, temperature=1.0, top_p=None, top_k=None,
+                   with_entropy_grad=True):
     """Log-prob of each next token and the entropy of each next-token distribution, [n, L-1].
 
     The distribution is the one the explorer sampled from (as verl does for the temperature):
@@ -45,6 +47,7 @@ def token_logprobs(model, input_ids, attention_mask, temperature=1.0, top_p=None
     and vLLM's samplers). Each may be a number or a tensor [n] of per-row values (top_k <= 0,
     top_p >= 1: no cut). A target token is never cut (the sampler drew it, so it was in the set;
     an engine's float rounding at the set's edge must not give it probability 0).
+    `with_entropy_grad=False`: the entropy is only a metric (no gradient kept for it).
     """
     logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
     logits = logits[:, :-1].float()
@@ -57,11 +60,15 @@ def token_logprobs(model, input_ids, attention_mask, temperature=1.0, top_p=None
         keep = _sampling_set(logits, targets, top_p, top_k)
         if keep is not None:
             logits = logits.masked_fill(~keep, float("-inf"))
-    logsm = torch.log_softmax(logits, dim=-1)
-    logp = logsm.gather(-1, targets).squeeze(-1)
-    # tokens outside the set have probability 0 and contribute 0 (not 0 * -inf)
-    finite = logsm if keep is None else logsm.masked_fill(~keep, 0.0)
-    entropy = -(logsm.exp() * finite).sum(-1)
+    # log p(target) = logit(target) - logsumexp(logits): no [tokens, vocab] log-softmax is kept
+    # for the backward pass, only the logsumexp's softmax
+    lse = torch.logsumexp(logits, dim=-1)
+    logp = logits.gather(-1, targets).squeeze(-1) - lse
+    with torch.set_grad_enabled(torch.is_grad_enabled() and with_entropy_grad):
+        # entropy = lse - sum p * logit; tokens outside the set have p = 0 and add 0 (not 0 * -inf)
+        probs = torch.softmax(logits, dim=-1)
+        finite = logits if keep is None else logits.masked_fill(~keep, 0.0)
+        entropy = lse - (probs * finite).sum(-1)
     return logp, entropy
 
 
@@ -93,17 +100,55 @@ class Step:
     full: dict  # collated tensors: input_ids, attention_mask, response_mask, sampling params
     mask: torch.Tensor  # response_mask [n, L-1]: the tokens the loss counts
     n: int
-    old_logp: torch.Tensor | None = None
+    old_logp: torch.Tensor | None = None  # None: exactly on-policy, the update's own detached log-probs
+    engine_logp: torch.Tensor | None = None  # the explorer's sampling log-probs, [n, L-1]
+    engine_mask: torch.Tensor | None = None  # the tokens that have one, in fresh experiences
+    trained: int = 0  # the actor update forwards rows 0..trained-1 (the rest: advantages all 0)
     ref_logp: torch.Tensor | None = None
     behavior_w: torch.Tensor | None = None
     batch: dict = field(default_factory=dict)  # what advantage functions read
     kl_penalty: torch.Tensor | None = None
     returns: torch.Tensor | None = None
     adv: torch.Tensor | None = None
-    sums: dict = field(default_factory=lambda: {"loss/policy": 0.0, "actor/entropy": 0.0, "actor/kl": 0.0})
+    sums: dict = field(default_factory=lambda: {"loss/policy": 0.0, "actor/entropy": 0.0, "actor/kl": 0.0,
+                                                "rollout/logprob_diff": 0.0})
     loss_metric_sums: dict = field(default_factory=dict)  # the policy loss's metrics, token sums
     critic_sums: dict = field(default_factory=dict)
     grad_norms: list = field(default_factory=list)
+
+
+def _engine_logp(exps: list[Experience], mask: torch.Tensor, version: int):
+    """The sampling log-probs the explorer stored, placed like the trainer's [n, L-1], and the mask
+    of the tokens that have one in fresh (staleness 0) experiences: what the trainer's own
+    log-probs of the same weights are compared with."""
+    logp, have = torch.zeros_like(mask), torch.zeros_like(mask)
+    for i, e in enumerate(exps):
+        if e.logprobs and off_policy.staleness(e.policy_version, version) == 0:
+            start = e.prompt_length - 1
+            logp[i, start:start + len(e.logprobs)] = torch.tensor(e.logprobs, dtype=mask.dtype)
+            have[i, start:start + len(e.logprobs)] = 1
+    # tokens the loss counts (a workflow's environment turns are masked out, their entries unused)
+    return logp, have * (mask > 0)
+
+
+def _zero_advantage_rows_last(step: "Step") -> None:
+    """Put the rows whose advantages are all 0 last, in every per-row tensor of the step, and set
+    step.trained to the number of the others (the order of rows changes no sum in the update)."""
+    signal = (step.adv != 0).any(-1)
+    order = torch.cat([signal.nonzero().flatten(), (~signal).nonzero().flatten()])
+    step.trained = int(signal.sum())
+    if step.trained == step.n:
+        return
+    pick = lambda t: None if t is None else t.index_select(0, order)  # noqa: E731
+    step.full = {k: pick(v) for k, v in step.full.items()}
+    step.batch = {k: pick(v) for k, v in step.batch.items()}
+    step.mask = step.full["response_mask"]
+    for name in ("ref_logp", "behavior_w", "engine_logp", "engine_mask", "kl_penalty", "returns", "adv"):
+        setattr(step, name, pick(getattr(step, name)))
+
+
+def _abs_diff(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> float:
+    return ((a - b).abs() * mask).sum().item()
 
 
 class _Rows:
@@ -159,6 +204,11 @@ class Trainer:
             self.sft_reader = DatasetReader(buf_cfg, self.tokenizer, cfg.model.max_prompt_tokens,
                                             cfg.model.max_response_tokens, cfg.seed, where=where)
         self.kl_fn = KL_FNS.get(algo.kl_loss_fn)
+        # rows whose advantages are all 0 add nothing to an on-policy update of a loss that says
+        # so, as long as no other term (KL, entropy bonus) reads them
+        self.skip_zero_advantage = (cfg.trainer.skip_zero_advantage and algo.kl_loss_fn == "none"
+                                    and not algo.entropy_coef
+                                    and POLICY_LOSS_FNS.needs(algo.policy_loss_fn).zero_at_zero_advantage)
         self.kl_penalty_fn = KL_FNS.get(algo.kl_penalty_fn)
         # the optional per-token loss terms this config turns on, composed by _actor_update
         self.terms = [t for t, on in [(self._kl_term, self.kl_fn is not None), (self._behavior_term, True),
@@ -215,7 +265,18 @@ class Trainer:
         L = int(full["attention_mask"][s:e].sum(-1).max())
         # each row's log-probs under the distribution it was sampled from (its sampling params)
         return token_logprobs(model, full["input_ids"][s:e, :L], full["attention_mask"][s:e, :L],
-                              full["temperature"][s:e], full["top_p"][s:e], full["top_k"][s:e]), L
+                              full["temperature"][s:e], full["top_p"][s:e], full["top_k"][s:e],
+                              with_entropy_grad=bool(self.cfg.algorithm.entropy_coef)), L
+
+    def _on_policy(self, exps: list[Experience]) -> bool:
+        """Whether this step's update is exactly on-policy: one optimizer step (one mini-batch, one
+        epoch) by the weights that sampled every experience (staleness 0, live rollouts). Then the
+        "old" log-probs are the current weights' own, so the update uses the detached log-probs of
+        its forward (the ratio is exactly 1) instead of recomputing them in a forward of their own.
+        A KL penalty on the reward needs them before the advantages, so it keeps that forward."""
+        return (self.plan.input_kind == "rollouts" and self.plan.optimizer_steps_per_step == 1
+                and self.kl_penalty_fn is None
+                and all(off_policy.staleness(e.policy_version, self.version) == 0 for e in exps))
 
     def train_step(self, exps: list[Experience]) -> dict:
         """One RL step: prepare the batch -> update (ppo_epochs x mini-batches) -> metrics."""
@@ -233,8 +294,13 @@ class Trainer:
         algo = self.cfg.algorithm
         full = {k: v.to(self.device) for k, v in collate(exps, self.tokenizer.pad_token_id).items()}
         step = Step(full=full, mask=full["response_mask"], n=len(exps))
-        step.old_logp, step.ref_logp = self._old_and_ref_logp(full, step.mask)
-        step.behavior_w = off_policy.correct(exps, step.old_logp, step.mask, self.version, algo)
+        step.engine_logp, step.engine_mask = _engine_logp(exps, step.mask, self.version)
+        step.old_logp, step.ref_logp = self._old_and_ref_logp(full, step.mask, old=not self._on_policy(exps))
+        if step.old_logp is not None:
+            step.behavior_w = off_policy.correct(exps, step.old_logp, step.mask, self.version, algo)
+            # every rank holds the whole batch's log-probs here and _metrics sums over ranks:
+            # each adds its 1/ranks share (loss_scale is the number of ranks)
+            step.sums["rollout/logprob_diff"] = _abs_diff(step.old_logp, step.engine_logp, step.engine_mask) / self.loss_scale
         groups = {g: i for i, g in enumerate(dict.fromkeys(e.group_id for e in exps))}
         step.batch = {
             "rewards": torch.tensor([e.reward for e in exps], dtype=torch.float32, device=self.device),
@@ -248,23 +314,25 @@ class Trainer:
             step.batch["values"] = self.critic.values(full, self._with_lengths(full, 0, step.n))
             _, step.returns = gae_returns(step.batch["rewards"], step.batch["values"], step.mask, algo.gamma, algo.lam)
         step.adv = self.advantage_fn(step.batch, algo)
+        step.trained = step.n
+        if self.skip_zero_advantage and step.old_logp is None:
+            _zero_advantage_rows_last(step)
         return step
 
-    def _old_and_ref_logp(self, full, mask):
-        """Log-probs of the current weights and (when needed) of the reference model, no grad."""
-        old_logp = torch.zeros_like(mask)
-        ref_logp = torch.zeros_like(mask) if self.ref_model is not None else None
+    def _old_and_ref_logp(self, full, mask, old: bool = True):
+        """Log-probs of the current weights (unless `old` is False: None) and, when needed, of the
+        reference model; no grad."""
+        out = [(m, torch.zeros_like(mask)) for m, on in [(self.model, old), (self.ref_model, self.ref_model is not None)]
+               if on]
         with torch.no_grad():
             for s, e, live in self._my_micro_batches(0, mask.shape[0]):
-                (lp, _), L = self._forward(self.model, full, s, e)
-                if live:
-                    old_logp[s:e, : L - 1] = lp
-                if ref_logp is not None:
-                    (lp, _), L = self._forward(self.ref_model, full, s, e)
+                for model, logp in out:
+                    (lp, _), L = self._forward(model, full, s, e)
                     if live:
-                        ref_logp[s:e, : L - 1] = lp
+                        logp[s:e, : L - 1] = lp
         # every rank computed its own rows: the sum over ranks is the whole batch's
-        return self._all_sum(old_logp), None if ref_logp is None else self._all_sum(ref_logp)
+        sums = iter([self._all_sum(logp) for _, logp in out])
+        return next(sums) if old else None, next(sums) if self.ref_model is not None else None
 
     # ------------------------------------------------------------------ 2. update
 
@@ -288,12 +356,19 @@ class Trainer:
     def _actor_update(self, step: "Step", m0: int, m1: int, num_tokens: int) -> None:
         algo = self.cfg.algorithm
         self.optimizer.zero_grad(set_to_none=True)
-        for s, e, live in self._my_micro_batches(m0, m1):
+        # rows from step.trained on have advantages all 0 and were set aside (_prepare); they
+        # still count in the normaliser (m1 - m0 rows, num_tokens)
+        for s, e, live in self._my_micro_batches(m0, min(m1, step.trained)):
             (logp, entropy), L = self._forward(self.model, step.full, s, e)
             rows = _Rows(s, e, L)
             m = rows(step.mask) * live
+            if step.old_logp is None:  # exactly on-policy (_on_policy): the ratio is 1
+                old_logp = logp.detach()
+                step.sums["rollout/logprob_diff"] += _abs_diff(old_logp, rows(step.engine_logp), rows(step.engine_mask) * live)
+            else:
+                old_logp = rows(step.old_logp)
             loss_mat, pm = self.policy_loss_fn(logp, {
-                "old_logp": rows(step.old_logp),
+                "old_logp": old_logp,
                 "advantages": rows(step.adv),
                 "response_mask": m,
                 "ref_logp": None if step.ref_logp is None else rows(step.ref_logp),
@@ -307,6 +382,9 @@ class Trainer:
             step.sums["actor/entropy"] += (entropy.detach() * m).sum().item()
         if self.sft_reader is not None:
             step.sums["loss/sft"] = step.sums.get("loss/sft", 0.0) + self._sft_backward()
+        for p in self.model.parameters():
+            if p.grad is None:  # no row had a signal: still a step (weight decay, Adam's moments)
+                p.grad = torch.zeros_like(p)
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.trainer.grad_clip)
         # sharded parameters give a DTensor: the norm over every rank's shards
         step.grad_norms.append((norm.full_tensor() if hasattr(norm, "full_tensor") else norm).item())
@@ -342,9 +420,9 @@ class Trainer:
             (sums if k in sums else pm_sums)[k] = v
         updates = max(len(step.grad_norms), 1)
         total_tokens = mask.sum().item() * self.cfg.trainer.ppo_epochs
+        trained_tokens = mask[:step.trained].sum().item() * self.cfg.trainer.ppo_epochs
         metrics = {
             "loss/policy": sums["loss/policy"] / updates,
-            "actor/entropy": sums["actor/entropy"] / total_tokens,
             "actor/grad_norm": sum(step.grad_norms) / updates,
             "actor/lr": self.scheduler.get_last_lr()[0],
             "advantage/mean": (adv.sum() / mask.sum()).item(),
@@ -356,6 +434,16 @@ class Trainer:
             "timing/train_compute_s": elapsed,
         }
         metrics.update({k: v / total_tokens for k, v in pm_sums.items()})
+        if trained_tokens:
+            # over the tokens the update computed (rows set aside for a zero advantage are not)
+            metrics["actor/entropy"] = sums["actor/entropy"] / trained_tokens
+        metrics["train/zero_advantage_rows_skipped"] = step.n - step.trained
+        engine_tokens = step.engine_mask[:step.trained].sum().item()
+        if engine_tokens:
+            # |trainer log-prob - engine log-prob| per token of the fresh experiences: the two
+            # computations of one distribution should agree (a large value: a sampler, dtype or
+            # weight-sync mismatch)
+            metrics["rollout/logprob_diff"] = sums["rollout/logprob_diff"] / engine_tokens
         if self.kl_fn is not None:
             metrics["actor/kl"] = sums["actor/kl"] / total_tokens
         if step.kl_penalty is not None:

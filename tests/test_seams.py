@@ -172,11 +172,12 @@ def test_a_workflow_that_raises_stops_the_run_with_one_paragraph(tmp_path, capsy
 
 
 @pytest.mark.parametrize("overrides, want", [
-    ([], dict(grouped=True)),  # grpo
-    (["algorithm.kl_loss_fn=k3"], dict(grouped=True, reference=True)),
-    (["algorithm.kl_penalty_fn=k1"], dict(grouped=True, reference=True)),
+    # ppo_clip declares that a row with advantages all 0 adds nothing (an on-policy update skips it)
+    ([], dict(grouped=True, zero_at_zero_advantage=True)),  # grpo
+    (["algorithm.kl_loss_fn=k3"], dict(grouped=True, reference=True, zero_at_zero_advantage=True)),
+    (["algorithm.kl_penalty_fn=k1"], dict(grouped=True, reference=True, zero_at_zero_advantage=True)),
     (["algorithm=dpo"], dict(reference=True, paired=True)),
-    (["algorithm=ppo"], dict(critic=True)),
+    (["algorithm=ppo"], dict(critic=True, zero_at_zero_advantage=True)),
     (["algorithm.policy_loss_fn=test_seams.anchored_loss"], dict(grouped=True, reference=True)),
 ])
 def test_an_algorithm_config_needs_what_its_functions_declare(overrides, want):

@@ -43,6 +43,11 @@ class Needs:
     grouped: bool = False
     # rows 2k, 2k+1 are a preference pair (chosen, rejected) read from a dataset
     paired: bool = False
+    # (a loss's declaration, not a need) each token's loss is its advantage times a finite term
+    # whose ratio parts are 1 on-policy: a row whose advantages are all 0 adds nothing to the loss,
+    # the gradient or the loss's metrics, so an on-policy update may skip it
+    # (trainer.skip_zero_advantage)
+    zero_at_zero_advantage: bool = False
 
 
 def needs(**kwargs):
@@ -105,11 +110,11 @@ ADVANTAGE_FNS = Registry("algorithm.advantage_fn", {
 
 _LOSS = "rft.algorithms.losses."
 POLICY_LOSS_FNS = Registry("algorithm.policy_loss_fn", {
-    "ppo_clip": (_LOSS + "ppo_clip_loss", Needs()),
-    "gspo": (_LOSS + "gspo_loss", Needs()),
-    "gmpo": (_LOSS + "gmpo_loss", Needs()),
-    "cpgd": (_LOSS + "cpgd_loss", Needs()),
-    "opmd": (_LOSS + "opmd_loss", Needs()),
+    "ppo_clip": (_LOSS + "ppo_clip_loss", Needs(zero_at_zero_advantage=True)),
+    "gspo": (_LOSS + "gspo_loss", Needs(zero_at_zero_advantage=True)),
+    "gmpo": (_LOSS + "gmpo_loss", Needs(zero_at_zero_advantage=True)),
+    "cpgd": (_LOSS + "cpgd_loss", Needs(zero_at_zero_advantage=True)),
+    "opmd": (_LOSS + "opmd_loss", Needs(zero_at_zero_advantage=True)),
     "sft": (_LOSS + "sft_loss", Needs()),
     "dpo": (_LOSS + "dpo_loss", Needs(reference=True, paired=True)),
 })
