@@ -28,15 +28,19 @@ def setup_actor_logging(log_dir: str, name: str, level: str) -> None:
     logger.info("%s started in process %d", name, os.getpid())
 
 
-def _build(cls, log_dir, name, level, args):
+def _build(cls, log_dir, name, level, threads, args):
     setup_actor_logging(log_dir, name, level)
+    import torch
+
+    # torch's thread count, chosen for the actor by rft.placement.torch_threads
+    torch.set_num_threads(threads)
     return cls(*args)
 
 
 class InlineActor:
-    def __init__(self, cls, *args, name: str, log_dir: str, level: str, **resources):
+    def __init__(self, cls, *args, name: str, log_dir: str, level: str, threads: int = 1, **resources):
         self.name = name
-        self.obj = _build(cls, log_dir, name, level, args)
+        self.obj = _build(cls, log_dir, name, level, threads, args)
 
     def submit(self, method: str, *args):
         return getattr(self.obj, method)(*args)
@@ -54,8 +58,8 @@ class InlineActor:
 class _Host:
     """The Ray-side shell: builds the object after setting up its log file, forwards calls."""
 
-    def __init__(self, cls, log_dir, name, level, args):
-        self.obj = _build(cls, log_dir, name, level, args)
+    def __init__(self, cls, log_dir, name, level, threads, args):
+        self.obj = _build(cls, log_dir, name, level, threads, args)
 
     def run(self, method, *args):
         return getattr(self.obj, method)(*args)
@@ -69,13 +73,13 @@ class RayActor:
     scheduling_strategy (a placement group bundle, see rft.placement).
     """
 
-    def __init__(self, cls, *args, name: str, log_dir: str, level: str, **resources):
+    def __init__(self, cls, *args, name: str, log_dir: str, level: str, threads: int = 1, **resources):
         import ray
 
         self._ray = ray
         self.name = name
         host = ray.remote(max_concurrency=1)(_Host)
-        self.actor = host.options(name=name, **resources).remote(cls, log_dir, name, level, args)
+        self.actor = host.options(name=name, **resources).remote(cls, log_dir, name, level, threads, args)
 
     def submit(self, method: str, *args):
         return self.actor.run.remote(method, *args)

@@ -369,9 +369,9 @@ class TrainerConfig:
     ppo_epochs: int = 1
     grad_clip: float = 1.0
     gradient_checkpointing: bool = False
-    # an exactly on-policy update (one optimizer step from the weights that sampled) does not
-    # forward the rows whose advantages are all 0 when the loss declares that such a row adds
-    # nothing (GRPO's groups whose rewards are all equal): same gradient, less compute
+    # an update in one optimizer step (its ratio starts at exactly 1) does not forward the rows
+    # whose advantages are all 0 when the loss declares that such a row adds nothing (GRPO's
+    # groups whose rewards are all equal): same gradient, less compute
     skip_zero_advantage: bool = True
 
 
@@ -404,6 +404,9 @@ class MonitorConfig:
     )
     # write <stage>/monitor/timeline.json (open in Perfetto or chrome://tracing); Ray only
     enable_ray_timeline: bool = False
+    # a local Ray instance with its dashboard (http://127.0.0.1:8265) and metrics export; off,
+    # Ray's processes leave the cores to the explorer and trainer
+    ray_dashboard: bool = False
 
 
 @dataclass
@@ -418,6 +421,11 @@ class ClusterConfig:
     gpu_per_node: int = 0
     # CPUs reserved by each actor; also its torch thread count
     cpus_per_actor: int = 1
+    # torch threads in each explorer and trainer actor; null: cpus_per_actor, except with Ray on
+    # CPU and synchronizer.sync_offset=0, where the actors take turns (the explorer waits while
+    # the trainer trains, and back) and each uses the CPUs they reserve together
+    # (rft.placement.torch_threads)
+    threads_per_actor: Optional[int] = None
     # explorers and trainer share devices (true) or get their own (false); on GPU, the trainer
     # gets the node_num x gpu_per_node GPUs the explorers' engines do not take
     colocate: bool = False

@@ -22,7 +22,7 @@ import torch
 from rft.algorithms import resolve
 from rft.data import epoch_batch, step_seed
 from rft.errors import RunError
-from rft.sync import same_weights
+from rft.sync import from_arrays, same_weights
 from rft.models import load_tokenizer, local_device
 from rft.algorithms.shaping import apply_overlong
 from rft.rewards import REWARD_FNS
@@ -162,7 +162,6 @@ def step_metrics(exps: list, counters: dict, explorers: int) -> dict:
 class Explorer:
     def __init__(self, cfg, weights_path: str | None = None, version: int = 0, shard: int = 0):
         self.cfg = cfg
-        torch.set_num_threads(cfg.cluster.cpus_per_actor)
         # denormal floats (tiny Adam moments, decayed weights) make CPU math many times slower
         torch.set_flush_denormal(True)
         self.tokenizer = load_tokenizer(cfg.model)
@@ -307,6 +306,11 @@ class Explorer:
     def update_weights(self, state_dict, version: int, expected_fingerprint: str) -> str:
         self.engine.update_weights(state_dict)
         return self._check(version, expected_fingerprint)
+
+    def receive_weights(self, payload: tuple[dict, str], version: int) -> str:
+        """Memory sync: the trainer's `sync_payload` (weights as numpy arrays, fingerprint)."""
+        arrays, expected = payload
+        return self.update_weights(from_arrays(arrays), version, expected)
 
     def load_weights(self, path: str, version: int, expected_fingerprint: str | None) -> str:
         """A safetensors file (sync=checkpoint) or a checkpoint's hf/ directory (mode=explore, bench)."""

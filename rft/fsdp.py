@@ -103,6 +103,9 @@ class FSDPTrainer(Trainer):
     def weights(self) -> dict[str, torch.Tensor]:
         return self._full_state()
 
+    def _sync_state(self) -> dict[str, torch.Tensor]:
+        return self._full_state()
+
     def fingerprint(self) -> str:
         local = [p.to_local() for p in self.model.parameters()]
         return format_fingerprint(self._all_sum(torch.tensor(weight_sums(local), dtype=torch.float64,

@@ -130,13 +130,18 @@ def _start_ray(cfg: DictConfig, run_dir: Path) -> bool:
     if ray.is_initialized():
         return False
     local = cfg.cluster.ray_address is None
+    if local and not cfg.monitor.ray_dashboard:
+        # Ray's own config, read from the environment by every process the instance starts: no
+        # metrics export from each worker to the node's metrics agent (CPU time taken from the
+        # explorer and trainer on a small machine). A value the user set is kept.
+        os.environ.setdefault("RAY_enable_metrics_collection", "0")
     ray.init(
         # "local": always a new instance of our own. With None, Ray joins the cluster named in
         # /tmp/ray/ray_current_cluster (the last `ray start` here), and waits forever if that one
         # died without `ray stop`
         address="local" if local else cfg.cluster.ray_address,
         num_cpus=cfg.cluster.num_cpus if local else None,
-        include_dashboard=False,
+        include_dashboard=cfg.monitor.ray_dashboard if local else None,
         log_to_driver=False,
         namespace=ray_namespace(cfg, run_dir),
         logging_level=logging.WARNING,

@@ -55,6 +55,23 @@ def trainer_ranks(cfg) -> int:
     return max(c.node_num * c.gpu_per_node - explorer_count(cfg) * rm.tensor_parallel_size, 1)
 
 
+def torch_threads(cfg) -> int:
+    """torch threads in each explorer and trainer actor: cluster.threads_per_actor, or by default
+    cpus_per_actor, except where the actors take turns on CPUs of their own (Ray on CPU,
+    synchronizer.sync_offset=0 in mode=both, not colocated): then the explorers generate while
+    the trainer waits and back, so each phase may use the CPUs all of them reserve (split among
+    the actors that run at once: the explorers, or the trainer's ranks)."""
+    c = cfg.cluster
+    if c.threads_per_actor is not None:
+        if c.threads_per_actor < 1:
+            raise ConfigError(f"cluster.threads_per_actor={c.threads_per_actor} must be >= 1 (or null).")
+        return c.threads_per_actor
+    if c.backend != "ray" or c.gpu_per_node or c.colocate or cfg.mode != "both" or cfg.synchronizer.sync_offset:
+        return c.cpus_per_actor
+    e, r = explorer_count(cfg), trainer_ranks(cfg)
+    return max(c.cpus_per_actor * (e + r) // max(e, r), c.cpus_per_actor)
+
+
 def check_placement(cfg) -> Placement:
     c, rm = cfg.cluster, cfg.explorer.rollout_model
     # mode=train still runs one explorer for evaluation when there are eval tasksets
@@ -65,6 +82,7 @@ def check_placement(cfg) -> Placement:
         raise ConfigError(f"explorer.rollout_model.engine_num={rm.engine_num} must be >= 1.")
     if c.cpus_per_actor < 1:
         raise ConfigError(f"cluster.cpus_per_actor={c.cpus_per_actor} must be >= 1.")
+    torch_threads(cfg)  # checks cluster.threads_per_actor
     trainer = trainer_ranks(cfg) if cfg.mode in ("both", "train") else 0
     if trainer > 1 and c.backend != "ray":
         raise ConfigError(

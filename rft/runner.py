@@ -36,6 +36,7 @@ from rft.checkpoint import Checkpoint, latest_checkpoint, set_aside, usable_chec
 from rft.data import DatasetReader
 from rft.errors import RunError
 from rft.explorer import step_metrics
+from rft.placement import torch_threads
 from rft.monitor import Monitor, read_metrics
 from rft.sync import SYNC_METHODS
 
@@ -98,7 +99,7 @@ class StageRun:
         self.trains = mode in ("both", "train")
         self._default_buffer_path()  # before any actor gets its copy of the config
         Actor = ACTOR_BACKENDS[cfg.cluster.backend]
-        common = dict(log_dir=str(self.dir / "log"), level=cfg.log.level)
+        common = dict(log_dir=str(self.dir / "log"), level=cfg.log.level, threads=torch_threads(cfg))
         options = self._placement()
         if self.trains:
             # the trainer starts from the stage's starting model (its reference model, if any,

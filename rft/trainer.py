@@ -2,7 +2,7 @@
 
 One `train_step` = prepare -> update -> metrics, each a method below:
   1. `_prepare`: collate the experiences; log-probs of the current weights ("old", no grad; not
-     recomputed when the update is exactly on-policy, see `_on_policy`) and, when the algorithm
+     recomputed when they equal the update's own, see `_old_is_current`) and, when the algorithm
      needs it, of the reference model; the off-policy correction
      (rft.algorithms.off_policy); the KL penalty on the reward (rft.algorithms.shaping); the
      critic's values; the advantages (ADVANTAGE_FNS[algorithm.advantage_fn]).
@@ -30,7 +30,7 @@ from rft.algorithms import ADVANTAGE_FNS, KL_FNS, POLICY_LOSS_FNS, off_policy, r
 from rft.algorithms.advantages import gae_returns
 from rft.algorithms.aggregation import agg_loss
 from rft.critic import Critic, explained_variance
-from rft.sync import fingerprint, for_safetensors
+from rft.sync import fingerprint, for_safetensors, to_arrays
 from rft.experience import Experience, collate
 from rft.models import load_hf_weights, load_model, load_tokenizer, local_device
 
@@ -100,7 +100,7 @@ class Step:
     full: dict  # collated tensors: input_ids, attention_mask, response_mask, sampling params
     mask: torch.Tensor  # response_mask [n, L-1]: the tokens the loss counts
     n: int
-    old_logp: torch.Tensor | None = None  # None: exactly on-policy, the update's own detached log-probs
+    old_logp: torch.Tensor | None = None  # None: the update's own detached log-probs (_old_is_current)
     engine_logp: torch.Tensor | None = None  # the explorer's sampling log-probs, [n, L-1]
     engine_mask: torch.Tensor | None = None  # the tokens that have one, in fresh experiences
     trained: int = 0  # the actor update forwards rows 0..trained-1 (the rest: advantages all 0)
@@ -173,7 +173,6 @@ class Trainer:
     def __init__(self, cfg, plan, init_path: str | None = None):
         self.cfg = cfg
         self.plan = plan
-        torch.set_num_threads(cfg.cluster.cpus_per_actor)
         torch.manual_seed(cfg.seed)
         # denormal floats (tiny Adam moments, decayed weights) make CPU math many times slower
         torch.set_flush_denormal(True)
@@ -204,8 +203,9 @@ class Trainer:
             self.sft_reader = DatasetReader(buf_cfg, self.tokenizer, cfg.model.max_prompt_tokens,
                                             cfg.model.max_response_tokens, cfg.seed, where=where)
         self.kl_fn = KL_FNS.get(algo.kl_loss_fn)
-        # rows whose advantages are all 0 add nothing to an on-policy update of a loss that says
-        # so, as long as no other term (KL, entropy bonus) reads them
+        # rows whose advantages are all 0 add nothing to an update whose ratio starts at 1 (old
+        # log-probs = its own) for a loss that says so, as long as no other term (KL, entropy
+        # bonus) reads them
         self.skip_zero_advantage = (cfg.trainer.skip_zero_advantage and algo.kl_loss_fn == "none"
                                     and not algo.entropy_coef
                                     and POLICY_LOSS_FNS.needs(algo.policy_loss_fn).zero_at_zero_advantage)
@@ -268,15 +268,18 @@ class Trainer:
                               full["temperature"][s:e], full["top_p"][s:e], full["top_k"][s:e],
                               with_entropy_grad=bool(self.cfg.algorithm.entropy_coef)), L
 
-    def _on_policy(self, exps: list[Experience]) -> bool:
-        """Whether this step's update is exactly on-policy: one optimizer step (one mini-batch, one
-        epoch) by the weights that sampled every experience (staleness 0, live rollouts). Then the
-        "old" log-probs are the current weights' own, so the update uses the detached log-probs of
-        its forward (the ratio is exactly 1) instead of recomputing them in a forward of their own.
-        A KL penalty on the reward needs them before the advantages, so it keeps that forward."""
-        return (self.plan.input_kind == "rollouts" and self.plan.optimizer_steps_per_step == 1
-                and self.kl_penalty_fn is None
-                and all(off_policy.staleness(e.policy_version, self.version) == 0 for e in exps))
+    def _old_is_current(self, exps: list[Experience]) -> bool:
+        """Whether the "old" log-probs (the current weights', before this step's updates) are the
+        update's own: with one optimizer step per RL step (one mini-batch, one epoch) the weights
+        do not move before the update's forward, so its detached log-probs are the old ones (the
+        ratio is exactly 1), and the forward that would recompute them is skipped. Not when a KL
+        penalty on the reward needs them before the advantages, nor when a stale experience's
+        correction (algorithm.off_policy_correction) replaces or reweights them."""
+        algo = self.cfg.algorithm
+        return (self.plan.optimizer_steps_per_step == 1 and self.kl_penalty_fn is None
+                and (algo.off_policy_correction == "none"
+                     or not any(off_policy.staleness(e.policy_version, self.version) > 0 and e.logprobs
+                                for e in exps)))
 
     def train_step(self, exps: list[Experience]) -> dict:
         """One RL step: prepare the batch -> update (ppo_epochs x mini-batches) -> metrics."""
@@ -295,7 +298,7 @@ class Trainer:
         full = {k: v.to(self.device) for k, v in collate(exps, self.tokenizer.pad_token_id).items()}
         step = Step(full=full, mask=full["response_mask"], n=len(exps))
         step.engine_logp, step.engine_mask = _engine_logp(exps, step.mask, self.version)
-        step.old_logp, step.ref_logp = self._old_and_ref_logp(full, step.mask, old=not self._on_policy(exps))
+        step.old_logp, step.ref_logp = self._old_and_ref_logp(full, step.mask, old=not self._old_is_current(exps))
         if step.old_logp is not None:
             step.behavior_w = off_policy.correct(exps, step.old_logp, step.mask, self.version, algo)
             # every rank holds the whole batch's log-probs here and _metrics sums over ranks:
@@ -362,7 +365,7 @@ class Trainer:
             (logp, entropy), L = self._forward(self.model, step.full, s, e)
             rows = _Rows(s, e, L)
             m = rows(step.mask) * live
-            if step.old_logp is None:  # exactly on-policy (_on_policy): the ratio is 1
+            if step.old_logp is None:  # the update's own are the old ones (_old_is_current)
                 old_logp = logp.detach()
                 step.sums["rollout/logprob_diff"] += _abs_diff(old_logp, rows(step.engine_logp), rows(step.engine_mask) * live)
             else:
@@ -492,6 +495,15 @@ class Trainer:
 
     def fingerprint(self) -> str:
         return fingerprint(self.model.parameters())
+
+    def _sync_state(self) -> dict[str, torch.Tensor]:
+        """(data parallel) The weights memory sync sends: the model's own tensors, not copied (the
+        object store copies them once; in-process, the explorer's load does)."""
+        return self.model.state_dict()
+
+    def sync_payload(self) -> tuple[dict, str]:
+        """What memory sync sends, in one call: the weights as numpy arrays and their fingerprint."""
+        return to_arrays(self._sync_state()), self.fingerprint()
 
     def collective_address(self) -> tuple[str, int]:
         from rft.sync import free_address

@@ -44,8 +44,9 @@ class Needs:
     # rows 2k, 2k+1 are a preference pair (chosen, rejected) read from a dataset
     paired: bool = False
     # (a loss's declaration, not a need) each token's loss is its advantage times a finite term
-    # whose ratio parts are 1 on-policy: a row whose advantages are all 0 adds nothing to the loss,
-    # the gradient or the loss's metrics, so an on-policy update may skip it
+    # whose ratio parts are 1 when old log-probs are the update's own: a row whose advantages are
+    # all 0 adds nothing to the loss, the gradient or the loss's metrics, so such an update may
+    # skip it
     # (trainer.skip_zero_advantage)
     zero_at_zero_advantage: bool = False
 

@@ -1,0 +1,211 @@
+"""rft against TRL's GRPOTrainer on the same cores, warm start, prompts per step, loss and settings.
+
+    .venv/bin/python experiments/trl_comparison/benchmark.py [--seeds 1 2 3] [--steps 30] [--arms ...]
+
+1. Makes `.venv-trl` on first use (TRL in a venv of its own: never a dependency of rft).
+2. Makes the warm start once: rft's default SFT warm-up stage (conf/model/tiny.yaml), whose last
+   checkpoint both sides start from (eval accuracy 0.18).
+3. Runs the arms interleaved, seed by seed (A B C ... A B C ...), each in a fresh process:
+   - `rft-inline`: `cluster=inline` (one process, torch given 1 thread);
+   - `rft-ray`: `cluster=local` as the default study runs it (Ray: explorer and trainer actors
+     reserving 1 CPU each, taking turns, each with torch given both CPUs: rft.placement.torch_threads);
+   - `rft-ray-overlap`: the same with the explorer one step ahead (`synchronizer.sync_offset=1`,
+     the default off-policy correction), each actor on its own CPU;
+   - `trl-1`, `trl-2`: experiments/trl_comparison/trl_arm.py with torch given 1 and 2 threads.
+   Every arm evaluates every --eval-interval steps (greedy, the 200 held-out problems); eval time
+   is left out of step times.
+4. Prints, per arm, medians over seeds of: s per RL step (median over steps 3..N), the engine's
+   generate and the trainer's compute per step, the framework overhead of a synchronous step
+   (1 - (generate + train compute) / step), time to the first eval >= 0.9 (the sum of the step
+   times up to it), and peak memory of the process tree (PSS: shared pages such as torch's
+   libraries count once across processes, as they occupy memory once); then the ratios the
+   README quotes.
+
+Timings on a shared machine are noisy: compare the ratios of one invocation, not numbers across
+machines. Outputs go to --out (default: a temporary directory, removed at the end).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+TRL_VENV = ROOT / ".venv-trl"
+ARMS = ("rft-inline", "rft-ray", "rft-ray-overlap", "trl-1", "trl-2")
+
+
+def ensure_trl_venv() -> Path:
+    py = TRL_VENV / "bin" / "python"
+    if py.exists() and subprocess.run([str(py), "-c", "import trl"], capture_output=True).returncode == 0:
+        return py
+    print(f"making {TRL_VENV} (torch, rft, trl; a few minutes, once)", flush=True)
+    subprocess.run([sys.executable, "-m", "venv", str(TRL_VENV)], check=True)
+    pip = [str(py), "-m", "pip", "install", "--quiet"]
+    subprocess.run([*pip, "--upgrade", "pip"], check=True)
+    subprocess.run([*pip, "torch==2.13.0"], check=True)  # the CPU build, as the Makefile installs it
+    subprocess.run([*pip, "-e", str(ROOT), "trl==1.16.*"], check=True)
+    subprocess.run([str(py), "-m", "pip", "uninstall", "--quiet", "--yes", "torchvision"], check=False)
+    return py
+
+
+def tree_pss(pid: int) -> int:
+    """Bytes of PSS of a process and all its descendants (0 for those already gone)."""
+    import psutil
+
+    try:
+        procs = [psutil.Process(pid)]
+        procs += procs[0].children(recursive=True)
+    except psutil.NoSuchProcess:
+        return 0
+    total = 0
+    for p in procs:
+        try:
+            total += p.memory_full_info().pss
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            pass
+    return total
+
+
+def run_measured(cmd: list[str], log: Path, env: dict | None = None) -> int:
+    """Run `cmd` (output to `log`); returns the peak PSS of its process tree, sampled every 0.2 s."""
+    peak = [0]
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+
+        def sample():
+            while proc.poll() is None:
+                peak[0] = max(peak[0], tree_pss(proc.pid))
+                time.sleep(0.2)
+
+        t = threading.Thread(target=sample, daemon=True)
+        t.start()
+        rc = proc.wait()
+        t.join()
+    if rc != 0:
+        sys.exit(f"{' '.join(cmd[:4])} ... failed (exit {rc}); its output: {log}")
+    return peak[0]
+
+
+def warm_start(out: Path) -> Path:
+    """The last checkpoint of rft's default SFT warm-up (one GRPO step after it, not used)."""
+    root = out / "warm"
+    hf = sorted((root / "rft" / "warm" / "sft_warmup" / "checkpoints").glob("step_*/hf"),
+                key=lambda p: int(p.parent.name.split("_")[1]))
+    if not hf:
+        print("warm start: rft's SFT warm-up stage (about a minute)", flush=True)
+        run_measured([sys.executable, "run.py", "name=warm", f"checkpoint_root_dir={root}", "monitor=console",
+                      "buffer.total_steps=1", "explorer.eval_on_startup=false"], out / "warm.log")
+        hf = sorted((root / "rft" / "warm" / "sft_warmup" / "checkpoints").glob("step_*/hf"),
+                    key=lambda p: int(p.parent.name.split("_")[1]))
+    return hf[-1]
+
+
+def rft_arm(arm: str, seed: int, args, warm: Path, out: Path) -> dict:
+    name = f"{arm}-s{seed}"
+    cmd = [sys.executable, "run.py", "stages=[]", f"name={name}", f"seed={seed}", f"checkpoint_root_dir={out}",
+           "monitor=console", f"model.model_path={warm}", "model.builder=null", f"buffer.total_steps={args.steps}",
+           f"explorer.eval_interval={args.eval_interval}", f"trainer.save_interval={args.steps * 10}",
+           "cluster=inline" if arm == "rft-inline" else "cluster=local"]
+    if arm == "rft-ray-overlap":
+        cmd.append("synchronizer.sync_offset=1")
+    peak = run_measured(cmd, out / f"{name}.log")
+    from rft.monitor import read_metrics
+
+    steps, evals = [], {}
+    for m in read_metrics(out / "rft" / name / "metrics.jsonl"):
+        if "eval/accuracy" in m:
+            evals[m["step"]] = m["eval/accuracy"]
+        if "timing/step_s" in m:
+            steps.append({"step": m["step"], "step_s": m["timing/step_s"], "generate_s": m.get("timing/generate_s", 0.0),
+                          "train_s": m.get("timing/train_compute_s", 0.0)})
+    return {"steps": steps, "evals": evals, "start": evals.get(0), "peak": peak}
+
+
+def trl_arm(arm: str, seed: int, args, warm: Path, out: Path, py: Path) -> dict:
+    threads = int(arm.split("-")[1])
+    name = f"{arm}-s{seed}"
+    res = out / f"{name}.json"
+    data = Path(os.path.expanduser(os.environ.get("RFT_CACHE_DIR", "~/.cache/rft"))) / "data" / "arithmetic-v4"
+    cmd = [str(py), str(Path(__file__).with_name("trl_arm.py")), "--model", str(warm), "--data", str(data),
+           "--out", str(res), "--seed", str(seed), "--steps", str(args.steps), "--eval-interval",
+           str(args.eval_interval), "--threads", str(threads)]
+    env = {"OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
+    peak = run_measured(cmd, out / f"{name}.log", env)
+    d = json.loads(res.read_text())
+    steps = [{"step": r["step"], "step_s": r["step_s"], "generate_s": r["generate_s"],
+              "train_s": r["step_s"] - r["score_s"]} for r in d["steps"]]
+    evals = {r["step"]: r["eval_accuracy"] for r in d["steps"] if "eval_accuracy" in r}
+    return {"steps": steps, "evals": evals, "start": d["start_accuracy"], "peak": peak}
+
+
+def summarize(run: dict, target: float) -> dict:
+    steady = [s for s in run["steps"] if s["step"] >= 3] or run["steps"]
+    med = {k: statistics.median(s[k] for s in steady) for k in ("step_s", "generate_s", "train_s")}
+    reached = next((k for k in sorted(run["evals"]) if k > 0 and run["evals"][k] >= target), None)
+    to_target = None if reached is None else sum(s["step_s"] for s in run["steps"] if s["step"] <= reached)
+    return {**med, "overhead": 1 - (med["generate_s"] + med["train_s"]) / med["step_s"],
+            "to_target_s": to_target, "to_target_step": reached, "peak_gb": run["peak"] / 2**30,
+            "final": run["evals"][max(run["evals"])], "start": run["start"]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--eval-interval", type=int, default=2)
+    ap.add_argument("--target", type=float, default=0.9, help="the eval accuracy 'time to' is measured to")
+    ap.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS)
+    ap.add_argument("--out", help="keep the runs here (default: a temporary directory)")
+    args = ap.parse_args()
+    sys.path.insert(0, str(ROOT))
+    py = ensure_trl_venv() if any(a.startswith("trl") for a in args.arms) else None
+    tmp = None if args.out else tempfile.TemporaryDirectory()
+    out = Path(args.out or tmp.name).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    warm = warm_start(out)
+    print(f"warm start: {warm}", flush=True)
+    results: dict[str, list[dict]] = {a: [] for a in args.arms}
+    for seed in args.seeds:
+        for arm in args.arms:
+            run = (trl_arm(arm, seed, args, warm, out, py) if arm.startswith("trl")
+                   else rft_arm(arm, seed, args, warm, out))
+            s = summarize(run, args.target)
+            results[arm].append(s)
+            print(f"  seed {seed} {arm:13s} {s['step_s']:.3f} s/step, eval {s['start']:.3f} -> {s['final']:.3f}, "
+                  f">= {args.target} at step {s['to_target_step']}", flush=True)
+
+    def med(arm, key):
+        vals = [r[key] for r in results[arm] if r[key] is not None]
+        return statistics.median(vals) if len(vals) == len(results[arm]) else None
+
+    fmt = lambda v, f: "never" if v is None else format(v, f)  # noqa: E731
+    print(f"\nmedians over seeds {args.seeds} ({args.steps} RL steps each, steps 3..{args.steps} for per-step times)")
+    print(f"| arm | s / RL step | generate s | train s | overhead (sync step) | time to eval >= {args.target} s "
+          "| peak PSS of the process tree GB |")
+    print("|---|---|---|---|---|---|---|")
+    for arm in args.arms:
+        overhead = fmt(med(arm, "overhead"), ".0%") if arm in ("rft-inline", "rft-ray") else "–"
+        print(f"| {arm} | {med(arm, 'step_s'):.3f} | {med(arm, 'generate_s'):.3f} | {med(arm, 'train_s'):.3f} | "
+              f"{overhead} | {fmt(med(arm, 'to_target_s'), '.2f')} | {med(arm, 'peak_gb'):.2f} |")
+    print()
+    pairs = [("rft-inline", "trl-1", "step_s"), ("rft-ray", "trl-2", "step_s"), ("rft-ray-overlap", "trl-2", "step_s"),
+             ("rft-inline", "trl-1", "to_target_s"), ("rft-ray", "trl-2", "to_target_s"),
+             ("rft-ray", "rft-inline", "peak_gb")]
+    for a, b, key in pairs:
+        if a in results and b in results and med(a, key) and med(b, key):
+            print(f"{a} / {b} ({key}): {med(a, key) / med(b, key):.2f}x")
+    if tmp:
+        tmp.cleanup()
+
+
+if __name__ == "__main__":
+    main()
