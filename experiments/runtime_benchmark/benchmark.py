@@ -2,8 +2,9 @@
 
     .venv/bin/python experiments/runtime_benchmark/benchmark.py [--steps 20] [--repeats 2] [extra overrides]
 
-Runs the default GRPO stage (tiny model, Ray actors, no SFT warm-up) synchronously
-(sync_offset=0) and asynchronously (sync_offset=1), alternating `--repeats` times, and prints:
+Runs the default GRPO stage (tiny model, Ray actors) from the default SFT warm-up's last
+checkpoint (made once, first) synchronously (sync_offset=0) and asynchronously (sync_offset=1),
+alternating `--repeats` times, and prints:
 
 - per step, medians over steps 3..N (the first steps warm up): rollout wait, train, sync, the rest;
 - the framework's overhead: the share of a synchronous step not spent in model compute
@@ -44,7 +45,8 @@ def run(overrides: list[str], root: str) -> list[dict]:
     with open_dict(cfg):
         del cfg["hydra"]
     rft.main.main(cfg)
-    return read_metrics(Path(root) / "rft" / cfg.name / "metrics.jsonl")
+    path = Path(root) / "rft" / cfg.name / "metrics.jsonl"  # a run of several stages has one per stage
+    return read_metrics(path) if path.exists() else []
 
 
 def med(metrics: list[dict], key: str) -> float:
@@ -57,17 +59,31 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("overrides", nargs="*", help="extra Hydra overrides for both runs")
     args = ap.parse_args()
-    common = ["stages=[]", "monitor=console", f"buffer.total_steps={args.steps}",
+    with tempfile.TemporaryDirectory() as tmp:
+        # from random weights every reward is 0 and every advantage too: nothing to train. The
+        # warm start is the default SFT stage's last checkpoint, as `python run.py` trains from.
+        run(["name=warm", "monitor=console", "buffer.total_steps=1", "explorer.eval_on_startup=false"], tmp)
+        warm = sorted(Path(tmp, "rft", "warm", "sft_warmup", "checkpoints").glob("step_*/hf"),
+                      key=lambda p: int(p.parent.name.split("_")[1]))[-1]
+        results = measure(args, warm, tmp)
+    report(args, results)
+
+
+def measure(args, warm: Path, tmp: str) -> dict[int, list[dict]]:
+    common = ["stages=[]", "monitor=console", f"model.model_path={warm}", "model.builder=null",
+              f"buffer.total_steps={args.steps}",
               f"explorer.eval_interval={args.steps * 10}", "explorer.eval_on_startup=false",
               f"trainer.save_interval={args.steps * 10}", *args.overrides]
     results: dict[int, list[dict]] = {0: [], 1: []}
-    with tempfile.TemporaryDirectory() as tmp:
-        for r in range(args.repeats):
-            for offset in (0, 1):
-                metrics = run([*common, f"synchronizer.sync_offset={offset}", f"name=bench{offset}_{r}"], tmp)
-                # steps 3.. (warm-up excluded); the last step also saves a checkpoint
-                results[offset] += [m for m in metrics if 3 <= m["step"] < args.steps]
+    for r in range(args.repeats):
+        for offset in (0, 1):
+            metrics = run([*common, f"synchronizer.sync_offset={offset}", f"name=bench{offset}_{r}"], tmp)
+            # steps 3.. (warm-up excluded); the last step also saves a checkpoint
+            results[offset] += [m for m in metrics if 3 <= m["step"] < args.steps]
+    return results
 
+
+def report(args, results: dict[int, list[dict]]) -> None:
     rows = []
     for offset, ms in results.items():
         parts = {k: med(ms, f"timing/{k}") for k in ("wait_rollout_s", "read_s", "train_s", "sync_s")}

@@ -76,7 +76,9 @@ def tree_pss(pid: int) -> int:
 
 
 def run_measured(cmd: list[str], log: Path, env: dict | None = None) -> int:
-    """Run `cmd` (output to `log`); returns the peak PSS of its process tree, sampled every 0.2 s."""
+    """Run `cmd` (output to `log`); returns the peak PSS of its process tree, sampled every 2 s
+    (reading PSS walks each process's page tables: sampled every 0.2 s it took enough CPU from a
+    2-core machine to slow a Ray run by a third)."""
     peak = [0]
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
@@ -84,7 +86,7 @@ def run_measured(cmd: list[str], log: Path, env: dict | None = None) -> int:
         def sample():
             while proc.poll() is None:
                 peak[0] = max(peak[0], tree_pss(proc.pid))
-                time.sleep(0.2)
+                time.sleep(2.0)
 
         t = threading.Thread(target=sample, daemon=True)
         t.start()

@@ -1,0 +1,109 @@
+"""What a run spends outside the model (issue 14): torch threads per actor, the memory sync's
+payload, Ray's metrics export, and the TRL comparison's arithmetic."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import compose_cfg
+from rft.errors import ConfigError
+from rft.placement import torch_threads
+from rft.sync import fingerprint, from_arrays, same_weights, to_arrays, weight_sums
+
+
+@pytest.mark.parametrize("overrides, want", [
+    # Ray on CPU, synchronous: explorer and trainer take turns, each uses the 1 + 1 CPUs they reserve
+    ([], 2),
+    (["cluster.cpus_per_actor=2"], 4),
+    # the explorer one step ahead: both run at once, each on its own CPUs
+    (["synchronizer.sync_offset=1"], 1),
+    # one process: the CPUs it is given
+    (["cluster=inline"], 1),
+    # 2 explorers then 1 trainer take turns over 3 CPUs: 3 // 2 each
+    (["explorer.rollout_model.engine_num=2"], 1),
+    (["explorer.rollout_model.engine_num=3"], 1),
+    # 1 explorer, 2 fsdp2 ranks: 3 CPUs, 2 at once in the trainer's phase
+    (["trainer=fsdp2"], 1),
+    (["cluster.threads_per_actor=3"], 3),
+    (["cluster.colocate=true"], 1),
+])
+def test_torch_threads_per_actor(overrides, want):
+    assert torch_threads(compose_cfg(["stages=[]", *overrides])) == want
+
+
+def test_threads_per_actor_below_one_is_a_config_error():
+    with pytest.raises(ConfigError) as e:
+        torch_threads(compose_cfg(["stages=[]", "cluster.threads_per_actor=0"]))
+    assert str(e.value) == "cluster.threads_per_actor=0 must be >= 1 (or null)."
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_memory_sync_payload_round_trips_bit_for_bit(dtype):
+    torch.manual_seed(0)
+    sd = {"a": torch.randn(3, 4).to(dtype), "b": torch.randn(5).to(dtype)}
+    arrays = to_arrays(sd)
+    back = from_arrays(arrays)
+    for k in sd:
+        assert back[k].dtype == dtype
+        assert torch.equal(back[k].view(torch.uint8), sd[k].view(torch.uint8))
+    # the CPU tensors are viewed, not copied: the payload costs no copy before the object store's
+    assert arrays["a"][0].__array_interface__["data"][0] == sd["a"].data_ptr()
+
+
+def test_the_fingerprint_sums_in_float64():
+    t = torch.tensor([1.0, -2.0, 3.0])
+    # sum 2, sum |x| 6, sum x^2 1 + 4 + 9 = 14
+    assert weight_sums([t]) == [2.0, 6.0, 14.0]
+    # a tensor listed twice (tied weights) counts once
+    assert weight_sums({"emb": t, "head": t}) == [2.0, 6.0, 14.0]
+    assert weight_sums([]) == [0.0, 0.0, 0.0]
+    # 1e8 + 1 - 1e8 is 0 in float32 sums, 1 in float64
+    big = torch.tensor([1e8, 1.0, -1e8])
+    assert weight_sums([big])[0] == 1.0
+    # one changed weight out of a million changes it
+    w = torch.randn(1_000_000, generator=torch.Generator().manual_seed(1))
+    w2 = w.clone()
+    w2[123] += 1e-3
+    assert same_weights(fingerprint([w]), fingerprint([w.clone()]))
+    assert not same_weights(fingerprint([w]), fingerprint([w2]))
+
+
+def test_a_local_ray_instance_exports_no_metrics_unless_asked(monkeypatch, tmp_path):
+    import rft.main
+
+    calls = []
+    monkeypatch.delenv("RAY_enable_metrics_collection", raising=False)
+    monkeypatch.setattr("ray.is_initialized", lambda: False)
+    monkeypatch.setattr("ray.init", lambda **kw: calls.append((kw, os.environ.get("RAY_enable_metrics_collection"))))
+    monkeypatch.setattr(rft.main, "_start_reaper", lambda: None)
+    rft.main._start_ray(compose_cfg(["stages=[]"]), tmp_path)
+    assert calls[-1][0]["include_dashboard"] is False and calls[-1][1] == "0"
+    monkeypatch.delenv("RAY_enable_metrics_collection", raising=False)
+    rft.main._start_ray(compose_cfg(["stages=[]", "monitor.ray_dashboard=true"]), tmp_path)
+    assert calls[-1][0]["include_dashboard"] is True and calls[-1][1] is None
+
+
+def _bench():
+    path = Path(__file__).resolve().parents[1] / "experiments" / "trl_comparison" / "benchmark.py"
+    spec = importlib.util.spec_from_file_location("trl_comparison_benchmark", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_the_trl_comparison_summarizes_by_hand():
+    steps = [{"step": k, "step_s": s, "generate_s": 0.1, "train_s": 0.2}
+             for k, s in [(1, 1.0), (2, 0.5), (3, 0.4), (4, 0.5), (5, 0.6)]]
+    run = {"steps": steps, "evals": {0: 0.1, 2: 0.85, 4: 0.92}, "start": 0.1, "peak": 2**30}
+    s = _bench().summarize(run, 0.9)
+    # steps 3..5: median of 0.4, 0.5, 0.6 = 0.5; overhead 1 - (0.1 + 0.2) / 0.5 = 0.4
+    assert s["step_s"] == pytest.approx(0.5) and s["overhead"] == pytest.approx(0.4)
+    # first eval >= 0.9 at step 4: steps 1..4 took 1.0 + 0.5 + 0.4 + 0.5 = 2.4 s
+    assert s["to_target_step"] == 4 and s["to_target_s"] == pytest.approx(2.4)
+    assert s["final"] == 0.92 and s["peak_gb"] == 1.0
+    assert _bench().summarize({**run, "evals": {0: 0.1, 2: 0.5}}, 0.9)["to_target_s"] is None
