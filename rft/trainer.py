@@ -385,9 +385,12 @@ class Trainer:
             step.sums["actor/entropy"] += (entropy.detach() * m).sum().item()
         if self.sft_reader is not None:
             step.sums["loss/sft"] = step.sums.get("loss/sft", 0.0) + self._sft_backward()
-        for p in self.model.parameters():
-            if p.grad is None:  # no row had a signal: still a step (weight decay, Adam's moments)
-                p.grad = torch.zeros_like(p)
+        if step.trained == 0 and self.sft_reader is None:
+            # no row had a signal, so no backward ran: still a step (weight decay, Adam's moments
+            # move), with the zero gradient that backward would have given the trained weights
+            for p in self.model.parameters():
+                if p.requires_grad and p.grad is None:
+                    p.grad = torch.zeros_like(p)
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.trainer.grad_clip)
         # sharded parameters give a DTensor: the norm over every rank's shards
         step.grad_norms.append((norm.full_tensor() if hasattr(norm, "full_tensor") else norm).item())

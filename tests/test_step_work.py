@@ -392,3 +392,16 @@ def test_grouped_generation_with_a_chunk_smaller_than_a_group(tiny_engine, monke
     monkeypatch.setattr(engine, "batch_size", 4)
     flat = engine.generate([p for p in prompts for _ in range(n)], 1, rollout_args(1.0), seed=3)
     assert_same_samples(grouped_out, flat, n)
+
+
+def test_a_batch_without_signal_leaves_frozen_weights_alone():
+    # a frozen weight gets no gradient from a backward either, so AdamW never touches it; the
+    # zero gradient filled in for a batch without signal is for the trained weights only
+    exps = grouped(ALL_FLAT)
+    trainer = make_trainer(4)
+    frozen = trainer.model.model.norm.weight
+    frozen.requires_grad_(False)
+    before = frozen.detach().clone()
+    trainer.train_step(exps)
+    assert frozen.grad is None
+    assert torch.equal(frozen.detach(), before)
