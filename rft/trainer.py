@@ -104,6 +104,8 @@ class Step:
     engine_logp: torch.Tensor | None = None  # the explorer's sampling log-probs, [n, L-1]
     engine_mask: torch.Tensor | None = None  # the tokens that have one, in fresh experiences
     trained: int = 0  # the actor update forwards rows 0..trained-1 (the rest: advantages all 0)
+    exps: list = field(default_factory=list)  # the experiences, in the order of the rows
+    correct_in_update: bool = False  # the off-policy correction is applied in _actor_update
     ref_logp: torch.Tensor | None = None
     behavior_w: torch.Tensor | None = None
     batch: dict = field(default_factory=dict)  # what advantage functions read
@@ -143,6 +145,7 @@ def _zero_advantage_rows_last(step: "Step") -> None:
     step.full = {k: pick(v) for k, v in step.full.items()}
     step.batch = {k: pick(v) for k, v in step.batch.items()}
     step.mask = step.full["response_mask"]
+    step.exps = [step.exps[i] for i in order.tolist()]
     for name in ("ref_logp", "behavior_w", "engine_logp", "engine_mask", "kl_penalty", "returns", "adv"):
         setattr(step, name, pick(getattr(step, name)))
 
@@ -268,18 +271,16 @@ class Trainer:
                               full["temperature"][s:e], full["top_p"][s:e], full["top_k"][s:e],
                               with_entropy_grad=bool(self.cfg.algorithm.entropy_coef)), L
 
-    def _old_is_current(self, exps: list[Experience]) -> bool:
+    def _old_is_current(self, stale_fix: bool) -> bool:
         """Whether the "old" log-probs (the current weights', before this step's updates) are the
         update's own: with one optimizer step per RL step (one mini-batch, one epoch) the weights
         do not move before the update's forward, so its detached log-probs are the old ones (the
         ratio is exactly 1), and the forward that would recompute them is skipped. Not when a KL
-        penalty on the reward needs them before the advantages, nor when a stale experience's
-        correction (algorithm.off_policy_correction) replaces or reweights them."""
-        algo = self.cfg.algorithm
+        penalty on the reward needs them before the advantages. A stale experience's correction
+        (`stale_fix`) is then applied in the update, micro-batch by micro-batch, in one process
+        (data-parallel ranks keep the forward: the correction's metrics are over every rank's rows)."""
         return (self.plan.optimizer_steps_per_step == 1 and self.kl_penalty_fn is None
-                and (algo.off_policy_correction == "none"
-                     or not any(off_policy.staleness(e.policy_version, self.version) > 0 and e.logprobs
-                                for e in exps)))
+                and (not stale_fix or self.plan.dp_size == 1))
 
     def train_step(self, exps: list[Experience]) -> dict:
         """One RL step: prepare the batch -> update (ppo_epochs x mini-batches) -> metrics."""
@@ -296,9 +297,16 @@ class Trainer:
         correction; reward shaping (KL penalty); the critic's values; the advantages."""
         algo = self.cfg.algorithm
         full = {k: v.to(self.device) for k, v in collate(exps, self.tokenizer.pad_token_id).items()}
-        step = Step(full=full, mask=full["response_mask"], n=len(exps))
+        step = Step(full=full, mask=full["response_mask"], n=len(exps), exps=list(exps))
         step.engine_logp, step.engine_mask = _engine_logp(exps, step.mask, self.version)
-        step.old_logp, step.ref_logp = self._old_and_ref_logp(full, step.mask, old=not self._old_is_current(exps))
+        # stale experiences whose algorithm.off_policy_correction replaces or reweights old log-probs
+        stale_fix = algo.off_policy_correction != "none" and any(
+            off_policy.staleness(e.policy_version, self.version) > 0 and e.logprobs for e in exps)
+        step.old_logp, step.ref_logp = self._old_and_ref_logp(full, step.mask, old=not self._old_is_current(stale_fix))
+        if step.old_logp is None and stale_fix:
+            step.correct_in_update = True
+            if algo.off_policy_correction == "decoupled":
+                step.behavior_w = torch.ones_like(step.mask)  # filled by _actor_update
         if step.old_logp is not None:
             step.behavior_w = off_policy.correct(exps, step.old_logp, step.mask, self.version, algo)
             # every rank holds the whole batch's log-probs here and _metrics sums over ranks:
@@ -318,7 +326,9 @@ class Trainer:
             _, step.returns = gae_returns(step.batch["rewards"], step.batch["values"], step.mask, algo.gamma, algo.lam)
         step.adv = self.advantage_fn(step.batch, algo)
         step.trained = step.n
-        if self.skip_zero_advantage and step.old_logp is None:
+        # not with a correction of stale rows: a skipped row's behaviour weight or ratio (and so
+        # the correction's metrics, approx KL) would go uncomputed
+        if self.skip_zero_advantage and step.old_logp is None and not step.correct_in_update:
             _zero_advantage_rows_last(step)
         return step
 
@@ -368,6 +378,11 @@ class Trainer:
             if step.old_logp is None:  # the update's own are the old ones (_old_is_current)
                 old_logp = logp.detach()
                 step.sums["rollout/logprob_diff"] += _abs_diff(old_logp, rows(step.engine_logp), rows(step.engine_mask) * live)
+                if step.correct_in_update:  # what _prepare's correction does, on these rows
+                    old_logp = old_logp.clone()
+                    w = off_policy.correct(step.exps[s:e], old_logp, rows(step.mask), self.version, algo)
+                    if w is not None:
+                        step.behavior_w[s:e, : L - 1] = w
             else:
                 old_logp = rows(step.old_logp)
             loss_mat, pm = self.policy_loss_fn(logp, {

@@ -138,22 +138,16 @@ def test_old_forward_forced_runs_two_forwards_per_micro_batch(monkeypatch):
     assert forwards.calls == [(4, False), (4, False), (4, True), (4, True)]
 
 
-@pytest.mark.parametrize("case", ["all stale", "one stale", "two epochs", "two mini-batches", "kl penalty"])
+@pytest.mark.parametrize("case", ["two epochs", "two mini-batches", "kl penalty"])
 def test_not_exactly_on_policy_keeps_the_old_forward(monkeypatch, case):
-    """Stale experiences (under the default off_policy_correction=behavior, which replaces their
-    old log-probs), more than one optimizer step per RL step, or a KL penalty on the reward (which
-    needs the old log-probs before the advantages): the old log-probs get their own forward."""
+    """More than one optimizer step per RL step, or a KL penalty on the reward (which needs the old
+    log-probs before the advantages): the old log-probs get their own forward."""
     extra = {"two epochs": ["trainer.ppo_epochs=2"], "two mini-batches": ["trainer.mini_batch_size=64"],
              "kl penalty": ["algorithm.kl_penalty_fn=k1", "algorithm.kl_penalty_coef=0.1"]}.get(case, [])
     trainer = make_trainer(4, extra)
-    assert trainer.cfg.algorithm.off_policy_correction == "behavior"
     assert trainer.plan.optimizer_steps_per_step == (2 if "two" in case else 1)
     trainer.version = 1
     exps = grouped(MIXED, policy_version=1)  # sampled by version 1: fresh
-    if case == "all stale":
-        exps = grouped(MIXED, policy_version=0)  # staleness 1
-    elif case == "one stale":
-        exps[5].policy_version = 0
     forwards = Forwards(monkeypatch)
     trainer.train_step(exps)
     # two micro-batches of 4 rows without grad (and the reference's, for the KL penalty) ...
@@ -405,3 +399,46 @@ def test_a_batch_without_signal_leaves_frozen_weights_alone():
     trainer.train_step(exps)
     assert frozen.grad is None
     assert torch.equal(frozen.detach(), before)
+
+
+@pytest.mark.parametrize("correction", ["behavior", "decoupled"])
+@pytest.mark.parametrize("stale", ["all stale", "one stale"])
+def test_stale_rows_are_corrected_in_the_update_without_the_old_forward(monkeypatch, correction, stale):
+    """One optimizer step per RL step in one process: a stale experience's correction (behavior:
+    its sampling log-probs replace the old ones; decoupled: weights pi_prox / pi_behav) is applied
+    micro-batch by micro-batch to the update's own detached log-probs, which equal what the old
+    forward computes; so the step equals the one with the old forward, exactly (same kernels on
+    the same rows), weights and metrics, with one forward fewer per micro-batch."""
+    extra = [f"algorithm.off_policy_correction={correction}"]
+    fast, forced = make_trainer(4, extra), make_trainer(4, extra)
+    force_old_forward(monkeypatch, forced)
+    # ONE_FLAT: a group of equal rewards, which must not be skipped (its rows' weights count in
+    # the correction's metrics)
+    exps = grouped(ONE_FLAT, policy_version=0)
+    for t in (fast, forced):
+        t.version = 1
+    if stale == "one stale":
+        exps = grouped(ONE_FLAT, policy_version=1)
+        exps[5].policy_version = 0
+    # the stored sampling log-probs differ from the trainer's, so the correction does something
+    for i, e in enumerate(exps):
+        e.logprobs = [lp - 0.05 * (1 + (i + j) % 3) for j, lp in enumerate(e.logprobs)]
+    forwards = Forwards(monkeypatch)
+    m_fast = fast.train_step([e for e in exps])
+    assert forwards.no_grad == []
+    assert forwards.with_grad == [(4, True), (4, True)]
+    m_forced = forced.train_step([e for e in exps])
+    assert m_fast["train/zero_advantage_rows_skipped"] == 0
+    for k, v in params(forced).items():
+        assert torch.equal(params(fast)[k], v), k
+    keys = {"loss/policy", "actor/grad_norm", "actor/approx_kl", "actor/clip_frac"}
+    if correction == "decoupled":
+        keys |= {"actor/behavior_weight_mean", "actor/behavior_weight_capped_frac"}
+    for k in keys:
+        assert m_fast[k] == m_forced[k], k
+    # the correction changed the step: a stale row's ratio is not 1 (behavior) or its weight
+    # not 1 (decoupled)
+    if correction == "behavior":
+        assert m_fast["actor/approx_kl"] > 0
+    else:
+        assert m_fast["actor/behavior_weight_mean"] != 1.0
