@@ -14,15 +14,19 @@ from rft.trainer import token_logprobs
 from rft.data import encode_prompt
 
 
-@pytest.fixture(scope="module")
-def tiny(cache_dir):
+def tiny_engine_and_prompts(cache_dir, generate_batch_size: int, questions: list[str]):
+    """The tiny model's HF engine and the questions' encoded prompts (also used by test_step_work)."""
     path = build_tiny_model(cache_dir / "models" / "tiny-qwen2-v1")
     model_cfg = OmegaConf.create(dict(model_path=str(path), dtype="float32", trust_remote_code=False,
                                       custom_chat_template=None, max_response_tokens=6))
     tok = load_tokenizer(model_cfg)
-    engine = HFEngine(model_cfg, SimpleNamespace(generate_batch_size=5), tok)
-    prompts = [encode_prompt(tok, [{"role": "user", "content": q}], 24) for q in ["123+456", "7+2", "000+000"]]
-    return tok, engine, prompts
+    engine = HFEngine(model_cfg, SimpleNamespace(generate_batch_size=generate_batch_size), tok)
+    return tok, engine, [encode_prompt(tok, [{"role": "user", "content": q}], 24) for q in questions]
+
+
+@pytest.fixture(scope="module")
+def tiny(cache_dir):
+    return tiny_engine_and_prompts(cache_dir, 5, ["123+456", "7+2", "000+000"])
 
 
 def args(t, stop=()):

@@ -16,14 +16,11 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 
 import rft.trainer
-from rft.data import encode_prompt
-from rft.engine import HFEngine
 from rft.experience import Experience, collate
-from rft.models import build_tiny_model, load_tokenizer
 from rft.trainer import token_logprobs
+from test_engine import tiny_engine_and_prompts
 from test_trainer import make_trainer
 
 
@@ -313,13 +310,8 @@ def test_logprob_diff_skip_path_leaves_out_zero_advantage_rows():
 
 @pytest.fixture(scope="module")
 def tiny_engine(cache_dir):
-    path = build_tiny_model(cache_dir / "models" / "tiny-qwen2-v1")
-    model_cfg = OmegaConf.create(dict(model_path=str(path), dtype="float32", trust_remote_code=False,
-                                      custom_chat_template=None, max_response_tokens=6))
-    tok = load_tokenizer(model_cfg)
-    engine = HFEngine(model_cfg, SimpleNamespace(generate_batch_size=12), tok)
     # different lengths: left padding in a chunk
-    prompts = [encode_prompt(tok, [{"role": "user", "content": q}], 24) for q in ["123+456", "7+2", "30+41"]]
+    _, engine, prompts = tiny_engine_and_prompts(cache_dir, 12, ["123+456", "7+2", "30+41"])
     assert len({len(p) for p in prompts}) == 3
     return engine, prompts
 
