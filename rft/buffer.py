@@ -576,6 +576,8 @@ def main(argv=None) -> int:
     for i, e in rows:
         print(f"\n[{i}] task_id={e.task_id} group_id={e.group_id} policy_version={e.policy_version} "
               f"reward={e.reward:g}")
+        if e.reward_parts:
+            print("  parts:    " + ", ".join(f"{k}={v:g}" for k, v in e.reward_parts.items()))
         print(f"  prompt:   {_text(e, 'prompt', e.tokens[:e.prompt_length])}")
         print(f"  response: {_text(e, 'response', e.tokens[e.prompt_length:])}")
     return 0

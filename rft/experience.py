@@ -35,6 +35,15 @@ class Experience:
     # one entry per response token: 1 where the model is trained on the token, 0 where not (a
     # multi-turn workflow's user or tool turns). Empty: every response token
     loss_mask: list[int] = field(default_factory=list)
+    # each reward part's value before weighting (rft/scoring.py): {"countdown": 1.0, "format": 1.0};
+    # `reward` is their weighted sum
+    reward_parts: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        # a workflow passes on what ctx.score gave it (rft.scoring.Reward: a float with its parts)
+        if not self.reward_parts and getattr(self.reward, "parts", None):
+            self.reward_parts = dict(self.reward.parts)
+        self.reward = float(self.reward)
 
     @property
     def response_length(self) -> int:
@@ -57,6 +66,7 @@ class Experience:
             "sampling": dict(self.sampling),
             "info": copy.deepcopy(self.info),
             "loss_mask": [int(m) for m in self.loss_mask],
+            "reward_parts": {str(k): float(v) for k, v in self.reward_parts.items()},
         }
 
     @classmethod

@@ -25,7 +25,7 @@ from rft.errors import RunError
 from rft.sync import from_arrays, same_weights
 from rft.models import load_tokenizer, local_device
 from rft.algorithms.shaping import apply_overlong
-from rft.rewards import REWARD_FNS
+from rft.scoring import build as build_scorer, part_metrics, spec_of
 from rft.tasks import load_tasks
 from rft.workflows import WORKFLOWS, WorkflowContext, check_output
 
@@ -138,9 +138,10 @@ def rollout_metrics(exps: list, groups: list, counters: dict, elapsed: float) ->
         "rollout/truncated_prompts": sum(bool(g[0].info.get("prompt_truncated")) for g in groups),
         "rollout/experiences": len(exps),
     }
-    m.update({f"rollout/{k}": v for k, v in counters.items()})
-    if exps and "overlong_penalty" in exps[0].info:  # rft.algorithms.shaping
-        m["reward/overlong_penalty"] = sum(e.info["overlong_penalty"] for e in exps) / len(exps)
+    # served rewards' counters (rft/scoring.py) are named already: reward/<part>/<counter>
+    m.update({k if k.startswith("reward/") else f"rollout/{k}": v for k, v in counters.items()})
+    # each reward part (rft/scoring.py), shaping's overlong penalty included
+    m.update(part_metrics(exps))
     return m
 
 
@@ -170,8 +171,11 @@ class Explorer:
                                                    device=local_device(cfg.cluster))
         inp = cfg.buffer.explorer_input
         self.taskset = load_tasks(inp.taskset, "buffer.explorer_input.taskset")
+        # each taskset's reward (rft/scoring.py; served rewards connect here, once)
+        self.scorer = build_scorer(spec_of(inp.taskset.reward_fn, inp.default_reward_fn_type), "buffer.explorer_input.taskset.reward_fn")
         self.eval_tasksets = [
-            (ts, load_tasks(ts, f"buffer.explorer_input.eval_tasksets[{i}]"))
+            (ts, load_tasks(ts, f"buffer.explorer_input.eval_tasksets[{i}]"),
+             build_scorer(spec_of(ts.reward_fn, inp.default_reward_fn_type), f"buffer.explorer_input.eval_tasksets[{i}].reward_fn"))
             for i, ts in enumerate(inp.eval_tasksets)
         ]
         self.version = version  # the trainer step whose weights this explorer serves
@@ -188,24 +192,18 @@ class Explorer:
                            lambda epoch: step_seed(self.cfg.seed, epoch, salt=1))
         return [self.taskset[i] for i in rows[self.shard :: self.num_shards]]
 
-    def _run(self, ts_cfg, tasks, n: int, step: int, salt: int, counters: dict, min_done=None):
+    def _run(self, ts_cfg, scorer, tasks, n: int, step: int, salt: int, counters: dict, min_done=None):
         """Run the workflow on `tasks`; returns one list of experiences per task (None: failed)."""
-        name = ts_cfg.reward_fn or self.cfg.buffer.explorer_input.default_reward_fn_type
-        reward_fn = resolve(REWARD_FNS, name, "reward_fn")
         ex = self.cfg.explorer
 
         def score(jobs):
-            def one(job):
-                prompt, responses, task = job
-                return [float(reward_fn(prompt, r, task)) for r in responses]
-
             t0 = time.perf_counter()
-            results, c = run_jobs(one, jobs, ex.runner_per_model, ex.max_timeout, ex.max_retry_times,
+            results, c = run_jobs(lambda job: scorer(*job), jobs, ex.runner_per_model, ex.max_timeout, ex.max_retry_times,
                                   min_done, ex.over_rollout.wait_after_min)
             counters["reward_s"] = counters.get("reward_s", 0.0) + time.perf_counter() - t0
             if "last_error" in c:
                 counters["last_error"] = c.pop("last_error")
-            for k, v in c.items():
+            for k, v in [*c.items(), *scorer.take_counters().items()]:
                 counters[k] = counters.get(k, 0) + v
             return results
 
@@ -242,7 +240,7 @@ class Explorer:
         ts, algo = self.cfg.buffer.explorer_input.taskset, self.cfg.algorithm
         ratio = self.cfg.explorer.over_rollout.ratio
         min_done = math.ceil((1 - ratio) * len(tasks)) if ratio > 0 else None
-        groups = [g for g in self._run(ts, tasks, n, step, salt, counters, min_done) if g is not None]
+        groups = [g for g in self._run(ts, self.scorer, tasks, n, step, salt, counters, min_done) if g is not None]
         apply_overlong([e for g in groups for e in g], algo, ts.rollout_args.max_tokens or self.cfg.model.max_response_tokens)
         return groups
 
@@ -285,13 +283,17 @@ class Explorer:
         means nothing, and the log says so.
         """
         metrics = {}
-        for i, (ts, tasks) in enumerate(self.eval_tasksets):
+        for i, (ts, tasks, scorer) in enumerate(self.eval_tasksets):
             n = ts.repeat_times or 1
             counters: dict = {}
-            groups = self._run(ts, tasks, n, step, 2, counters)
+            groups = self._run(ts, scorer, tasks, n, step, 2, counters)
             acc = sum(e.reward for g in groups if g for e in g) / (len(tasks) * n)
             failed = sum(g is None for g in groups)
             metrics[f"eval/{ts.name}/accuracy"] = acc
+            # a reward of several parts: each part's mean too
+            parts = part_metrics([e for g in groups if g for e in g], prefix=f"eval/{ts.name}")
+            if len(parts) > 1:
+                metrics.update(parts)
             metrics[f"eval/{ts.name}/failed_tasks"] = failed
             if failed == len(tasks):
                 log.warning("every task of eval set %s failed at step %d (the last error: %s)", ts.name, step,

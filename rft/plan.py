@@ -176,7 +176,10 @@ def check_config(cfg) -> None:
 
 
 def _check_algorithm(cfg, needs: Needs) -> None:
+    from rft.algorithms import rollout_is
+
     algo = cfg.algorithm
+    rollout_is.check_config(algo)
     if cfg.trainer.trainer_strategy == "fsdp2" and needs.critic:
         raise ConfigError(
             f"algorithm.advantage_fn={algo.advantage_fn} trains a critic, which trainer=fsdp2 does "
@@ -429,7 +432,7 @@ def _check_names(cfg) -> None:
     path (a study's own function) is imported."""
     from rft.experience import check_priority_fn
     from rft.algorithms import resolve
-    from rft.rewards import REWARD_FNS
+    from rft.scoring import check as check_reward, spec_of
     from rft.workflows import WORKFLOWS
 
     algo, inp = cfg.algorithm, cfg.buffer.explorer_input
@@ -444,11 +447,11 @@ def _check_names(cfg) -> None:
         ("algorithm.loss_agg_mode", algo.loss_agg_mode, C.AGG_MODES),
     ]
     # reward functions and workflows may also be dotted paths to the user's own
-    resolve(REWARD_FNS, inp.default_reward_fn_type, "buffer.explorer_input.default_reward_fn_type")
+    check_reward(spec_of(inp.default_reward_fn_type), "buffer.explorer_input.default_reward_fn_type")
     for i, ts in enumerate([inp.taskset, *inp.eval_tasksets]):
         where = "buffer.explorer_input." + ("taskset" if i == 0 else f"eval_tasksets[{i - 1}]")
         if ts.reward_fn is not None:
-            resolve(REWARD_FNS, ts.reward_fn, f"{where}.reward_fn")
+            check_reward(spec_of(ts.reward_fn), f"{where}.reward_fn")
         resolve(WORKFLOWS, ts.workflow, f"{where}.workflow")
     # dict-typed keys hold typed values too: a typo fails here, not inside an actor
     for name, value in cfg.buffer.trainer_input.auxiliary_buffers.items():
@@ -468,6 +471,8 @@ def _divisor_near(n: int, target: int) -> int:
 
 def describe(cfg, stage_dir) -> str:
     """What the dry run says besides the numbers: the functions, the data, the outputs."""
+    from rft.scoring import describe as describe_reward, spec_of
+
     algo, inp = cfg.algorithm, cfg.buffer.explorer_input
     eb = cfg.buffer.trainer_input.experience_buffer
     opt = algo.optimizer
@@ -483,11 +488,11 @@ def describe(cfg, stage_dir) -> str:
         return f"{ds.name} ({ds.path}, split {ds.split})"
 
     if cfg.mode in ("both", "explore"):
-        reward = inp.taskset.reward_fn or inp.default_reward_fn_type
+        reward = describe_reward(spec_of(inp.taskset.reward_fn, inp.default_reward_fn_type))
         args = inp.taskset.rollout_args
         rows.append(("rollouts", f"{data(inp.taskset)}: prompt_key={inp.taskset.format.prompt_key}, "
                                  f"temperature {args.temperature:g}, top_p {args.top_p:g}, top_k {args.top_k}"))
-        rows.append(("reward", f"{reward}(prompt, response, task) with task.answer = column "
+        rows.append(("reward", f"{reward} (prompt, response, task) with task.answer = column "
                                f"{inp.taskset.format.response_key!r}"))
     else:
         fmt = eb.format
@@ -497,7 +502,7 @@ def describe(cfg, stage_dir) -> str:
     if algo.sft_loss_weight > 0:
         sft, where = sft_buffer_config(cfg)
         rows.append(("sft data", f"{sft.path} (column {sft.format.response_key!r}; {where})"))
-    evals = [f"{data(ts)}: {ts.reward_fn or inp.default_reward_fn_type}" for ts in inp.eval_tasksets]
+    evals = [f"{data(ts)}: {describe_reward(spec_of(ts.reward_fn, inp.default_reward_fn_type))}" for ts in inp.eval_tasksets]
     if cfg.mode != "explore":
         rows.append(("eval sets", "; ".join(evals) + f", every {cfg.explorer.eval_interval} steps" if evals else "none"))
     rows.append(("outputs", str(stage_dir)))

@@ -32,7 +32,8 @@ class WorkflowContext:
     policy_version: int
     seed: int
     step: int
-    # score([(prompt_text, [response_text, ...], task), ...]) -> [[reward, ...] | None, ...]
+    # score([(prompt_text, [response_text, ...], task), ...]) -> [[reward, ...] | None, ...]; each
+    # reward is an rft.scoring.Reward: a float that carries its parts into the Experience built with it
     score: Callable
     # the taskset's workflow_args
     args: dict = field(default_factory=dict)
@@ -59,7 +60,7 @@ def single_turn(tasks, engine, ctx: WorkflowContext) -> list[list[Experience] | 
                 tokens=prompt + s.token_ids,
                 prompt_length=len(prompt),
                 logprobs=s.logprobs,
-                reward=float(r),
+                reward=r,  # with its parts (Experience.reward_parts)
                 # the seed tells apart two draws of the same task in one step
                 group_id=f"{ctx.step}/{ctx.seed}/{task.task_id}",
                 task_id=task.task_id,

@@ -283,7 +283,8 @@ def test_the_overlong_penalty_changes_the_reward_and_is_logged():
     apply_overlong([long, short], algo, max_len=20)
     assert (long.reward, short.reward) == (0.5, 0.0)
     m = rollout_metrics([long, short], [[long, short]], {}, 1.0)
-    assert m["reward/overlong_penalty"] == -0.25  # (-0.5 + 0) / 2
+    assert m["reward/overlong/mean"] == -0.25  # (-0.5 + 0) / 2
+    assert long.reward_parts == {"overlong": -0.5}  # stored with the experience
     assert m["reward/mean"] == 0.25  # after the penalty: (0.5 + 0) / 2
     apply_overlong([long], SimpleNamespace(overlong_buffer_frac=0.0, overlong_penalty_factor=1.0), max_len=20)
     assert long.reward == 0.5  # off: unchanged

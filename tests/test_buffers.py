@@ -60,6 +60,20 @@ def test_experience_round_trip_is_exact():
     assert back.logprobs[0] == 0.30000000000000004 and back.reward == 1 / 3  # bit for bit
 
 
+def test_every_storage_keeps_the_reward_parts(storage):
+    # rft/scoring.py: the reward is the weighted sum, the parts are stored beside it
+    batch = exps(3)
+    for e in batch:
+        e.reward_parts = {"exact_match": 1.0, "format/tags": 0.5}
+    storage.put(batch)
+    if isinstance(storage, QueueBuffer):  # a checkpoint of a queue holds its unread experiences
+        restored = make_buffer(buf_cfg("queue"))
+        restored.restore(pickle.loads(pickle.dumps(storage.state())))
+        assert [e.reward_parts for e in restored.get(3, timeout=1)] == [e.reward_parts for e in batch]
+    got = storage.get(3, timeout=1)
+    assert [e.reward_parts for e in got] == [{"exact_match": 1.0, "format/tags": 0.5}] * 3
+
+
 def test_put_then_get_in_order(storage):
     storage.put(exps(4))
     storage.put(exps(6, start=4))
@@ -337,6 +351,7 @@ def test_viewer_prints_prompts_and_responses(tmp_path):
     rows = exps(3)
     for i, e in enumerate(rows):
         e.info = {"prompt": f"{i}+1=", "response": f"{i + 1}"}
+    rows[1].reward_parts = {"exact_match": 1.0, "format": 0.5}
     path = str(tmp_path / "b.db")
     SQLBuffer(buf_cfg("sql", path=path)).put(rows)
     r = view(path, "--limit", "2")
@@ -345,6 +360,8 @@ def test_viewer_prints_prompts_and_responses(tmp_path):
     assert "[1] task_id=t0 group_id=g0 policy_version=0 reward=0" in r.stdout
     assert "prompt:   '0+1='" in r.stdout and "response: '1'" in r.stdout
     assert "prompt:   '1+1='" in r.stdout and "response: '2'" in r.stdout
+    assert "  parts:    exact_match=1, format=0.5\n" in r.stdout  # only the row that has parts
+    assert r.stdout.count("parts:") == 1
     assert "2+1=" not in r.stdout  # the third is past --limit
 
 

@@ -2,7 +2,8 @@
 
 Two optional components, each logged as its own metric:
 - DAPO's overlong penalty (`algorithm.overlong_buffer_frac`), applied by the explorer to each
-  rollout's reward: `reward/overlong_penalty` (mean over the step's rollouts, <= 0).
+  rollout's reward as the reward part `overlong` (rft/scoring.py: stored in
+  Experience.reward_parts, logged as `reward/overlong/mean`, <= 0).
 - the KL penalty to the reference model (`algorithm.kl_penalty_fn`), applied by the trainer, which
   has the reference log-probs: `reward/kl_penalty` (mean KL sum per sequence, before the coefficient).
 """
@@ -19,15 +20,15 @@ def overlong_penalty(length: int, max_len: int, buffer_len: int, factor: float) 
     return min(-(length - (max_len - buffer_len)) / buffer_len * factor, 0.0)
 
 
-def apply_overlong(exps, algo, max_len: int) -> float:
-    """Add the overlong penalty to each experience's reward (and note it in info.overlong_penalty)."""
+def apply_overlong(exps, algo, max_len: int) -> None:
+    """Add the overlong penalty to each experience's reward, as its part `overlong`."""
+    from rft.scoring import add_part
+
     if algo.overlong_buffer_frac <= 0:
         return
     buffer_len = max(1, round(algo.overlong_buffer_frac * max_len))
     for e in exps:
-        p = overlong_penalty(e.response_length, max_len, buffer_len, algo.overlong_penalty_factor)
-        e.reward += p
-        e.info["overlong_penalty"] = p
+        add_part(e, "overlong", overlong_penalty(e.response_length, max_len, buffer_len, algo.overlong_penalty_factor))
 
 
 def kl_penalty(kl_fn, old_logp, ref_logp, mask):

@@ -1,0 +1,157 @@
+"""Rewards of several parts (rft/scoring.py): the weighted sum, the parts logged and stored, the
+config errors, running normalisation, and a run whose stored experiences carry the parts."""
+
+import json
+import pickle
+from types import SimpleNamespace
+
+import pytest
+
+import rft.main
+from conftest import compose_cfg
+from rft.buffer import read_experiences
+from rft.errors import ConfigError
+from rft.experience import Experience
+from rft.monitor import read_metrics
+from rft.scoring import Reward, RunningNorm, add_part, build, check, part_metrics
+
+TASK = SimpleNamespace(task_id="t/0", answer="357", row={})
+
+
+def short(prompt, response, task, limit=3):
+    """A test part: 1 when the response has at most `limit` characters."""
+    return float(len(response) <= limit)
+
+
+def split(prompt, response, task):
+    """A test part that returns a dict: its value is the sum of its entries."""
+    return {"digits": sum(c.isdigit() for c in response) / 10, "spaces": float(" " in response)}
+
+
+def test_a_list_of_parts_is_their_weighted_sum_and_keeps_each_part():
+    scorer = build([{"fn": "exact_match", "weight": 1.0},
+                    {"fn": "test_scoring.short", "weight": 0.5, "args": {"limit": 3}}], "reward_fn")
+    got = scorer("042+315", ["357", "3570", "12"], TASK)
+    # "357": exact 1, short 1 -> 1 + 0.5 = 1.5; "3570": 0 + 0 = 0; "12": 0 + 0.5 * 1 = 0.5
+    assert [float(r) for r in got] == [1.5, 0.0, 0.5]
+    assert got[0].parts == {"exact_match": 1.0, "short": 1.0}
+    assert got[1].parts == {"exact_match": 0.0, "short": 0.0}
+
+
+def test_a_dict_reward_is_the_sum_of_its_entries_each_stored_under_name_slash_key():
+    scorer = build([{"fn": "test_scoring.split", "weight": 2.0, "name": "shape"}], "reward_fn")
+    (r,) = scorer("p", ["12 3"], TASK)
+    # digits 3/10 = 0.3, spaces 1 -> 2 * (0.3 + 1) = 2.6
+    assert float(r) == pytest.approx(2.6)
+    assert r.parts == {"shape/digits": pytest.approx(0.3), "shape/spaces": 1.0}
+
+
+def test_a_single_name_is_one_part_of_weight_one():
+    (r,) = build("exact_match", "reward_fn")("p", ["357"], TASK)
+    assert float(r) == 1.0 and r.parts == {"exact_match": 1.0}
+
+
+def test_the_reward_carries_its_parts_into_the_experience_and_through_pickle_and_json():
+    r = Reward(1.5, {"exact_match": 1.0, "short": 1.0})
+    r2 = pickle.loads(pickle.dumps(r))  # how it reaches a Ray actor
+    assert float(r2) == 1.5 and r2.parts == r.parts
+    e = Experience([1, 2, 3], 1, [-0.1, -0.2], reward=r2)
+    assert type(e.reward) is float and e.reward_parts == {"exact_match": 1.0, "short": 1.0}
+    back = Experience.from_dict(json.loads(json.dumps(e.to_dict())))
+    assert back.reward_parts == e.reward_parts and back.reward == 1.5
+    # an experience written before parts existed reads with none
+    old = e.to_dict()
+    del old["reward_parts"]
+    assert Experience.from_dict(old).reward_parts == {}
+
+
+def test_shaping_adds_a_part_and_the_parts_are_logged():
+    a = Experience([1, 2], 1, [0.0], reward=Reward(1.0, {"exact_match": 1.0}))
+    b = Experience([1, 2], 1, [0.0], reward=Reward(0.0, {"exact_match": 0.0}))
+    add_part(a, "overlong", -0.25)
+    assert a.reward == 0.75 and a.reward_parts == {"exact_match": 1.0, "overlong": -0.25}
+    # means over the experiences that have the part: exact (1 + 0) / 2; overlong only a's
+    assert part_metrics([a, b]) == {"reward/exact_match/mean": 0.5, "reward/overlong/mean": -0.25}
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ([{"fn": "exact_match", "wieght": 1}],
+         "reward_fn[0] has ['wieght'], which a reward part does not take; its keys are "
+         "['fn', 'weight', 'args', 'name', 'normalize']."),
+        ([{"fn": "exact_match"}, {"fn": "exact_match"}],
+         "reward_fn[1]: two parts are named 'exact_match'; give one a `name` of its own"),
+        ([{"fn": "exact_match", "weight": "high"}], "reward_fn[0].weight='high' is not a number."),
+        ([{"fn": "test_scoring.short", "args": {"limt": 3}}],
+         "reward_fn[0].args has ['limt'], which test_scoring.short does not take; its arguments are ['limit']."),
+        ([{"fn": "exact_match", "name": "a/b"}], "reward_fn[0].name='a/b': a part's name cannot contain '/'"),
+        ([{"weight": 1.0}], "reward_fn[0]={'weight': 1.0}: each part is a name or a dict with at least `fn`"),
+        ([], "reward_fn=[]: give a reward name (e.g. exact_match), a dotted path (module.function), or a list of parts"),
+        ([{"fn": "exact"}], "reward_fn[0].fn='exact' is not one of"),
+    ],
+)
+def test_reward_config_errors_name_the_key_and_the_fix(spec, message):
+    with pytest.raises(ConfigError) as e:
+        check(spec, "reward_fn")
+    assert message in str(e.value)
+
+
+def test_a_reward_that_returns_no_number_is_an_error_of_that_task():
+    scorer = build("test_scoring.bad", "reward_fn")
+    with pytest.raises(ValueError, match="reward 'bad' returned str 'yes', not a number"):
+        scorer("p", ["x"], TASK)
+
+
+def bad(prompt, response, task):
+    return "yes"
+
+
+def test_running_normalisation_hand_computed_and_resumable():
+    norm = RunningNorm({"exact_match": 1.0, "short": 0.5}, ["short"])
+    exps = [Experience([1, 2], 1, [0.0], reward=Reward(1.0 + 0.5 * s, {"exact_match": 1.0, "short": s}))
+            for s in (0.0, 2.0)]
+    m = norm.apply(exps)
+    # short's values 0, 2: mean 1, std (population) 1 -> normalised -1, +1
+    assert m == {"reward/short/running_mean": 1.0, "reward/short/running_std": 1.0}
+    assert [e.reward for e in exps] == [1.0 - 0.5, 1.0 + 0.5]  # exact 1 + 0.5 * (-1 | +1)
+    assert exps[0].reward_parts["short"] == 0.0  # the raw value stays
+    # a second step joins the statistics: values 0, 2, 4 -> mean 2, var (4 + 0 + 4) / 3
+    saved = norm.state()
+    more = [Experience([1, 2], 1, [0.0], reward=Reward(2.0, {"exact_match": 0.0, "short": 4.0}))]
+    norm.apply(more)
+    std = (8 / 3) ** 0.5
+    assert more[0].reward == pytest.approx(0.5 * (4.0 - 2.0) / std)
+    # a resumed run loads the saved statistics and normalises the same
+    again = RunningNorm({"exact_match": 1.0, "short": 0.5}, ["short"])
+    again.load(json.loads(json.dumps(saved)))
+    same = [Experience([1, 2], 1, [0.0], reward=Reward(2.0, {"exact_match": 0.0, "short": 4.0}))]
+    again.apply(same)
+    assert same[0].reward == more[0].reward
+
+
+@pytest.mark.slow
+def test_a_two_part_reward_run_logs_each_part_and_stores_them(warm_start, tmp_path):
+    """Three GRPO steps from the warm start with exact_match + 0.5 * short (a response of at most 3
+    characters): each part and the weighted sum are logged, and the stored experiences carry the
+    parts (the sql buffer here; test_buffers checks every storage keeps them)."""
+    reward = "[{fn: exact_match, weight: 1.0}, {fn: test_scoring.short, weight: 0.5, args: {limit: 3}}]"
+    cfg = compose_cfg(["stages=[]", f"model.model_path={warm_start}", "model.builder=null",
+                       "buffer.total_steps=3", "explorer.eval_interval=3", "buffer.batch_size=4",
+                       "cluster=inline", "monitor=console", f"checkpoint_root_dir={tmp_path}",
+                       "buffer=sql",
+                       f"buffer.explorer_input.taskset.reward_fn={reward}"])
+    rft.main.main(cfg)
+    stage = tmp_path / "rft" / cfg.name
+    steps = [m for m in read_metrics(stage / "metrics.jsonl") if "reward/mean" in m]
+    assert len(steps) == 3
+    for m in steps:
+        assert m["reward/mean"] == pytest.approx(m["reward/exact_match/mean"] + 0.5 * m["reward/short/mean"])
+    # the eval logs each part of its reward too (the eval set uses the default, one part: no parts)
+    exps = read_experiences(str(stage / "buffer.db"), limit=1000)
+    assert len(exps) == 3 * 4 * 8
+    assert len({e.reward for e in exps}) > 1  # the parts vary: the test can see a wrong sum
+    for e in exps:
+        assert set(e.reward_parts) == {"exact_match", "short"}
+        assert e.reward == e.reward_parts["exact_match"] + 0.5 * e.reward_parts["short"]
+        assert e.reward_parts["short"] == float(len(e.info["response"]) <= 3)
