@@ -103,6 +103,13 @@ class OptimizerConfig:
     min_lr_ratio: float = 0.0
 
 
+class RolloutIS(StrEnum):
+    """algorithm.rollout_is (rft/algorithms/rollout_is.py)."""
+    none = "none"
+    tis = "tis"
+    mis = "mis"
+
+
 @dataclass
 class AlgorithmConfig:
     # a label for logs and checkpoints; behaviour comes from the *_fn keys below
@@ -155,6 +162,19 @@ class AlgorithmConfig:
     #   test (10 steps on 10 stored steps) behavior went 0.155 -> 0.885, decoupled -> 0.205, none -> 0.005
     off_policy_correction: OffPolicyCorrection = OffPolicyCorrection.behavior
     behavior_weight_cap: float = 5.0
+    # the rollout engine's sampling log-probs (Experience.logprobs) differ from the trainer's
+    # log-probs of the same weights (vLLM vs HF kernels, bf16), which makes on-policy training
+    # silently off-policy. Each token's policy loss (not the KL or entropy terms; not sft or dpo)
+    # is weighted, without gradient, by r = pi_trainer / pi_engine: tis: min(r, rollout_is_cap)
+    # (truncated IS, Yao et al. 2025; TRL's vllm_importance_sampling_correction, cap 2); mis: r,
+    # or 0 (the token masked) where r > rollout_is_cap (verl's rollout_is mask mode, IcePop);
+    # none: off. Only tokens with sampling log-probs whose old log-probs off_policy_correction
+    # left alone (fresh experiences; stale ones too with off_policy_correction=none): one
+    # importance weight per token, never two. With the hf engine r is 1 to ~1e-5. Logged (also
+    # with none): actor/tis_weight_mean|max (uncapped r), actor/tis_capped_frac (r > cap)
+    rollout_is: RolloutIS = RolloutIS.tis
+    # C above: must be > 1 (float noise alone puts r on both sides of 1)
+    rollout_is_cap: float = 2.0
     # entropy bonus: loss -= entropy_coef * entropy
     entropy_coef: float = 0.0
     # DAPO dynamic sampling: draw up to this many task batches per step to fill it with groups
@@ -226,8 +246,12 @@ class TasksetConfig:
     rollout_args: RolloutArgs = field(default_factory=RolloutArgs)
     # rollouts per task; defaults to algorithm.repeat_times (taskset) or 1 (eval tasksets)
     repeat_times: Optional[int] = None
-    # name in rft.rewards.REWARD_FNS; defaults to explorer_input.default_reward_fn_type
-    reward_fn: Optional[str] = None
+    # the reward (rft/scoring.py): a name in rft.rewards.REWARD_FNS (or a served reward: remote,
+    # judge, reward_model; or module.function), or a list of parts
+    # [{fn, weight, args, name, normalize}, ...] whose weighted sum is the reward and whose parts are
+    # logged (reward/<name>/mean) and stored (Experience.reward_parts); defaults to
+    # explorer_input.default_reward_fn_type
+    reward_fn: Any = None
     # name in rft.workflows.WORKFLOWS (or module.function): how a task becomes experiences
     workflow: str = "single_turn"
     # keyword arguments the workflow takes (ctx.args)
@@ -238,7 +262,8 @@ class TasksetConfig:
 class ExplorerInputConfig:
     taskset: TasksetConfig = field(default_factory=TasksetConfig)
     eval_tasksets: List[TasksetConfig] = field(default_factory=list)
-    default_reward_fn_type: str = "exact_match"
+    # the reward of a taskset without reward_fn (a name, or a list of parts as reward_fn takes)
+    default_reward_fn_type: Any = "exact_match"
     # name in rft.tasks.GENERATORS: writes the taskset files when they are missing
     generator: Optional[str] = None
 

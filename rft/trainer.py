@@ -9,8 +9,9 @@ One `train_step` = prepare -> update -> metrics, each a method below:
   2. `_update`: for each of ppo_epochs, for each mini-batch: the critic's update, then the
      policy's: gradients accumulated over micro-batches, each micro-batch loss normalised by the
      whole mini-batch's counts (`agg_loss`), clip, step. The per-token loss is the policy loss
-     plus the optional terms the config turns on (`self.terms`: KL, behaviour weights, entropy),
-     and algorithm=mix's SFT loss.
+     times its rollout IS weight (`algorithm.rollout_is`, rft.algorithms.rollout_is) plus the
+     optional terms the config turns on (`self.terms`: KL, behaviour weights, entropy), and
+     algorithm=mix's SFT loss.
   3. `_metrics`.
 trainer=fsdp2 (rft.fsdp.FSDPTrainer) runs the same step; it overrides only the data-parallel hooks.
 """
@@ -26,7 +27,7 @@ from pathlib import Path
 import torch
 from transformers import get_scheduler
 
-from rft.algorithms import ADVANTAGE_FNS, KL_FNS, POLICY_LOSS_FNS, off_policy, resolve, shaping
+from rft.algorithms import ADVANTAGE_FNS, KL_FNS, POLICY_LOSS_FNS, off_policy, resolve, rollout_is, shaping
 from rft.algorithms.advantages import gae_returns
 from rft.algorithms.aggregation import agg_loss
 from rft.critic import Critic, explained_variance
@@ -103,6 +104,9 @@ class Step:
     old_logp: torch.Tensor | None = None  # None: the update's own detached log-probs (_old_is_current)
     engine_logp: torch.Tensor | None = None  # the explorer's sampling log-probs, [n, L-1]
     engine_mask: torch.Tensor | None = None  # the tokens that have one, in fresh experiences
+    is_mask: torch.Tensor | None = None  # the tokens algorithm.rollout_is weights (rollout_is.weighted_rows)
+    is_rows: bool = False  # whether any row has such tokens
+    is_max: float = 0.0  # the largest rollout IS ratio the update saw
     trained: int = 0  # the actor update forwards rows 0..trained-1 (the rest: advantages all 0)
     exps: list = field(default_factory=list)  # the experiences, in the order of the rows
     correct_in_update: bool = False  # the off-policy correction is applied in _actor_update
@@ -112,25 +116,33 @@ class Step:
     kl_penalty: torch.Tensor | None = None
     returns: torch.Tensor | None = None
     adv: torch.Tensor | None = None
+    # the same keys on every data-parallel rank (_metrics sums them over the ranks in one tensor)
     sums: dict = field(default_factory=lambda: {"loss/policy": 0.0, "actor/entropy": 0.0, "actor/kl": 0.0,
-                                                "rollout/logprob_diff": 0.0})
+                                                "rollout/logprob_diff": 0.0, "rollout_is/weight_sum": 0.0,
+                                                "rollout_is/capped": 0.0, "rollout_is/tokens": 0.0})
     loss_metric_sums: dict = field(default_factory=dict)  # the policy loss's metrics, token sums
     critic_sums: dict = field(default_factory=dict)
     grad_norms: list = field(default_factory=list)
 
 
-def _engine_logp(exps: list[Experience], mask: torch.Tensor, version: int):
-    """The sampling log-probs the explorer stored, placed like the trainer's [n, L-1], and the mask
-    of the tokens that have one in fresh (staleness 0) experiences: what the trainer's own
-    log-probs of the same weights are compared with."""
+def _engine_logp(exps: list[Experience], mask: torch.Tensor, version: int, algo):
+    """The sampling log-probs the explorer stored, placed like the trainer's [n, L-1]; the mask of
+    the tokens that have one in fresh (staleness 0) experiences: what the trainer's own log-probs
+    of the same weights are compared with (rollout/logprob_diff); and the mask of the tokens
+    algorithm.rollout_is weights (the fresh ones, and the stale ones when off_policy_correction
+    leaves their old log-probs alone: rft.algorithms.rollout_is.weighted_rows)."""
     logp, have = torch.zeros_like(mask), torch.zeros_like(mask)
     for i, e in enumerate(exps):
-        if e.logprobs and off_policy.staleness(e.policy_version, version) == 0:
+        if e.logprobs:
             start = e.prompt_length - 1
             logp[i, start:start + len(e.logprobs)] = torch.tensor(e.logprobs, dtype=mask.dtype)
             have[i, start:start + len(e.logprobs)] = 1
     # tokens the loss counts (a workflow's environment turns are masked out, their entries unused)
-    return logp, have * (mask > 0)
+    have = have * (mask > 0)
+    fresh = [off_policy.staleness(e.policy_version, version) == 0 for e in exps]
+    weighted = rollout_is.weighted_rows(exps, version, algo)
+    rows = lambda flags: torch.tensor(flags, dtype=mask.dtype, device=mask.device)[:, None]  # noqa: E731
+    return logp, have * rows(fresh), have * rows(weighted)
 
 
 def _zero_advantage_rows_last(step: "Step") -> None:
@@ -146,7 +158,7 @@ def _zero_advantage_rows_last(step: "Step") -> None:
     step.batch = {k: pick(v) for k, v in step.batch.items()}
     step.mask = step.full["response_mask"]
     step.exps = [step.exps[i] for i in order.tolist()]
-    for name in ("ref_logp", "behavior_w", "engine_logp", "engine_mask", "kl_penalty", "returns", "adv"):
+    for name in ("ref_logp", "behavior_w", "engine_logp", "engine_mask", "is_mask", "kl_penalty", "returns", "adv"):
         setattr(step, name, pick(getattr(step, name)))
 
 
@@ -213,6 +225,10 @@ class Trainer:
                                     and not algo.entropy_coef
                                     and POLICY_LOSS_FNS.needs(algo.policy_loss_fn).zero_at_zero_advantage)
         self.kl_penalty_fn = KL_FNS.get(algo.kl_penalty_fn)
+        # algorithm.rollout_is: the weights' mode ("none" for a loss that is no policy gradient
+        # over sampled tokens: the metrics are still logged)
+        rollout_is.check_config(algo)
+        self.rollout_is_mode = "none" if algo.policy_loss_fn in rollout_is.NOT_WEIGHTED_LOSSES else str(algo.rollout_is)
         # the optional per-token loss terms this config turns on, composed by _actor_update
         self.terms = [t for t, on in [(self._kl_term, self.kl_fn is not None), (self._behavior_term, True),
                                       (self._entropy_term, bool(algo.entropy_coef))] if on]
@@ -247,6 +263,15 @@ class Trainer:
 
     def _all_sum(self, t: torch.Tensor) -> torch.Tensor:
         """(data parallel) The sum of `t` over the ranks (each holds its rows' part)."""
+        return t
+
+    def _all_max(self, t: torch.Tensor) -> torch.Tensor:
+        """(data parallel) The max of `t` over the ranks: one process holds it; ranks (a process
+        group of more than one) reduce it."""
+        import torch.distributed as dist
+
+        if self.loss_scale > 1 and dist.is_available() and dist.is_initialized():
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return t
 
     # a rank's loss is its rows' part of the mini-batch loss; FSDP averages gradients over ranks,
@@ -298,7 +323,8 @@ class Trainer:
         algo = self.cfg.algorithm
         full = {k: v.to(self.device) for k, v in collate(exps, self.tokenizer.pad_token_id).items()}
         step = Step(full=full, mask=full["response_mask"], n=len(exps), exps=list(exps))
-        step.engine_logp, step.engine_mask = _engine_logp(exps, step.mask, self.version)
+        step.engine_logp, step.engine_mask, step.is_mask = _engine_logp(exps, step.mask, self.version, algo)
+        step.is_rows = any(rollout_is.weighted_rows(exps, self.version, algo))
         # stale experiences whose algorithm.off_policy_correction replaces or reweights old log-probs
         stale_fix = algo.off_policy_correction != "none" and any(
             off_policy.staleness(e.policy_version, self.version) > 0 and e.logprobs for e in exps)
@@ -392,6 +418,7 @@ class Trainer:
                 "ref_logp": None if step.ref_logp is None else rows(step.ref_logp),
             }, algo)
             _add(step.loss_metric_sums, pm)
+            loss_mat = self._rollout_is_weight(loss_mat, old_logp, rows, live, step)
             for term in self.terms:
                 loss_mat = term(loss_mat, logp, entropy, m, rows, step)
             loss = agg_loss(loss_mat, m, algo.loss_agg_mode, m1 - m0, num_tokens, self.cfg.model.max_response_tokens)
@@ -411,6 +438,24 @@ class Trainer:
         step.grad_norms.append((norm.full_tensor() if hasattr(norm, "full_tensor") else norm).item())
         self.optimizer.step()
         self.scheduler.step()
+
+    def _rollout_is_weight(self, loss, old_logp, rows, live, step):
+        """algorithm.rollout_is: the policy loss of each weighted token (step.is_mask) times its
+        weight, from r = exp(old_logp - sampling log-prob): min(r, cap) (tis) or r, 0 beyond the
+        cap (mis); see rft.algorithms.rollout_is. Applied here, to the policy loss alone, before
+        the optional terms (the KL to the reference and the entropy bonus are not weighted), for
+        every loss of the registry. `old_logp` is the policy loss's own: the old forward's, or
+        on-policy (_old_is_current) the update's own detached log-probs, which are the old ones on
+        its first and only pass; the rows a stale correction changed are not weighted. A weight
+        is finite, so a row of zero advantages still adds nothing (skip_zero_advantage). Also
+        with rollout_is=none, the sums of the metrics."""
+        if not step.is_rows:  # no sampling log-probs to compare with (dataset rows): weight 1
+            return loss
+        w, stats = rollout_is.weights(old_logp, rows(step.engine_logp), rows(step.is_mask) * live,
+                                      self.rollout_is_mode, self.cfg.algorithm.rollout_is_cap)
+        step.is_max = max(step.is_max, stats.pop("rollout_is/max"))
+        _add(step.sums, stats)
+        return loss if w is None else loss * w
 
     # the optional terms of the per-token loss, each `term(loss, logp, entropy, mask, rows, step)`
 
@@ -465,6 +510,14 @@ class Trainer:
             # computations of one distribution should agree (a large value: a sampler, dtype or
             # weight-sync mismatch)
             metrics["rollout/logprob_diff"] = sums["rollout/logprob_diff"] / engine_tokens
+        if sums["rollout_is/tokens"]:  # the same on every rank (summed over them)
+            # algorithm.rollout_is, over the weighted tokens of every update pass (like the other
+            # actor/* metrics, an average over the step): the uncapped r = pi_trainer / pi_engine
+            n_is = sums["rollout_is/tokens"]
+            metrics["actor/tis_weight_mean"] = sums["rollout_is/weight_sum"] / n_is
+            metrics["actor/tis_weight_max"] = self._all_max(
+                torch.tensor(step.is_max, dtype=torch.float64, device=self.device)).item()
+            metrics["actor/tis_capped_frac"] = sums["rollout_is/capped"] / n_is
         if self.kl_fn is not None:
             metrics["actor/kl"] = sums["actor/kl"] / total_tokens
         if step.kl_penalty is not None:

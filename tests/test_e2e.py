@@ -43,6 +43,15 @@ def test_shortened_default_learns_through_ray(tmp_path, warm_cache):
                 "actor/approx_kl", "actor/grad_norm", "actor/lr", "timing/rollout_s", "timing/train_s",
                 "timing/sync_s", "rollout/tokens_per_s"]:
         assert key in grpo[1], key
+    # the engine samples (temperature 1) what the trainer recomputes: hf and the trainer share the
+    # model and the float32 math, so the gap is ~0 and the rollout-IS weights ~1 (rft.algorithms.rollout_is)
+    # (a step whose groups all got equal rewards trains no row and measures nothing)
+    measured = [m for m in grpo[1:] if "actor/tis_weight_mean" in m]
+    assert len(measured) >= 20, len(measured)
+    for m in measured:
+        assert abs(m["rollout/logprob_diff"]) < 1e-4, m["rollout/logprob_diff"]
+        assert abs(m["actor/tis_weight_mean"] - 1) < 1e-4 and m["actor/tis_weight_max"] < 1 + 1e-3
+        assert m["actor/tis_capped_frac"] == 0
     # one log per actor, TensorBoard files, an HF-format model that from_pretrained loads
     assert (run / "grpo" / "log" / "grpo_explorer.log").exists()
     assert (run / "grpo" / "log" / "grpo_trainer.log").exists()
