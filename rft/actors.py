@@ -169,7 +169,8 @@ class ActorGroup:
 def placement_for(cfg, timeout_s: float = 60.0):
     """Reserve the actors' resources as one placement group; returns (group, options per actor).
 
-    options[0] is the trainer's (when there is one), then one per explorer.
+    options[0] is the trainer's (when there is one), then one per explorer, then one per reward
+    model worker (rft.placement.reward_models).
     """
     import ray
     from ray.util.placement_group import placement_group
@@ -195,7 +196,8 @@ def placement_for(cfg, timeout_s: float = 60.0):
             raise ConfigError(
                 f"the actors need {v:g} {k} (cluster.cpus_per_actor={c.cpus_per_actor}, "
                 f"gpu_per_node={c.gpu_per_node}, explorer.rollout_model.engine_num="
-                f"{cfg.explorer.rollout_model.engine_num}, colocate={c.colocate}) but the Ray "
+                f"{cfg.explorer.rollout_model.engine_num}, colocate={c.colocate}"
+                + (f", reward model workers={len(p.reward_models)}" if p.reward_models else "") + ") but the Ray "
                 f"cluster has {have.get(k, 0):g}. Lower those, or start Ray with more "
                 f"(cluster.num_cpus for a local instance)."
             )
@@ -205,11 +207,11 @@ def placement_for(cfg, timeout_s: float = 60.0):
         ray.util.remove_placement_group(pg)
         raise ConfigError(f"Ray could not place the bundles {p.bundles} within {timeout_s:g} s.")
     opts = []
-    for i, b in enumerate(p.bundles if p.share == 1.0 else [p.bundles[0]] * round(1 / p.share)):
-        index = i if p.share == 1.0 else 0
+    for index, share in p.slots:  # trainer ranks, explorers, then reward models (rft.placement)
+        b = p.bundles[index]
         opts.append(dict(
-            num_cpus=b["CPU"] * p.share,
-            num_gpus=b.get("GPU", 0) * p.share,
+            num_cpus=b["CPU"] * share,
+            num_gpus=b.get("GPU", 0) * share,
             scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index),
         ))
     return pg, opts
@@ -249,3 +251,53 @@ def start_explorers(Actor, cfg, count: int, weights: str | None, version: int, t
     restarts = dict(max_restarts=cfg.cluster.max_actor_restarts) if cfg.cluster.backend == "ray" else {}
     return [Actor(Explorer, cfg, weights, version, i, name=f"{title}_{cfg.explorer.name}" + (f"_{i}" if count > 1 else ""),
                   **common, **options[i], **restarts) for i in range(count)]
+
+
+def start_reward_models(Actor, cfg, common: dict, options: list[dict]) -> list:
+    """One Ray actor per reward-model worker of the stage (rft/reward_model.py), named so the
+    explorers' clients find it; takes their options off the end of `options` (from placement_for).
+    With the inline backend nothing starts: each client builds its worker in-process. The actors
+    load their models while the caller goes on; `wait_reward_models` waits for them."""
+    from rft.placement import reward_models
+    from rft.reward_model import start_worker
+
+    if cfg.cluster.backend != "ray":
+        return []
+    places = reward_models(cfg)
+    if not places:
+        return []
+    mine = options[len(options) - len(places):]
+    del options[len(options) - len(places):]
+    workers = []
+    for place, opts in zip(places, mine):
+        actor = Actor(start_worker, place.args, name=place.name, **{**common, "threads": place.args["num_cpus"] or 1},
+                      **opts, max_restarts=cfg.cluster.max_actor_restarts)
+        actor.place = place
+        workers.append(actor)
+    return workers
+
+
+def wait_reward_models(workers: list) -> None:
+    """Wait until every reward-model worker has loaded; one that did not is a ConfigError naming
+    its key and path."""
+    for w in workers:
+        try:
+            info = w.call("info")
+        except Exception as e:
+            raise ConfigError(
+                f"{w.place.where}: the reward model worker {w.name} for {w.place.args['model_path']!r} did not "
+                f"start: {_why(e)} (its log: <stage>/log/{w.name}.log)"
+            ) from None
+        logging.getLogger(__name__).info("reward model worker %s ready: %s", w.name, info)
+
+
+def _why(e: Exception) -> str:
+    """The error behind a Ray actor's death (its constructor raised): the traceback's last line."""
+    import re
+
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(getattr(e, "cause", None) or e))
+    for marker in ("ConfigError: ",):
+        if marker in text:
+            return text[text.rindex(marker) + len(marker):].strip().splitlines()[0]
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return lines[-1] if lines else type(e).__name__

@@ -7,6 +7,11 @@
                    fsdp2 is trainer.ranks processes with a GPU each (`trainer_ranks`)
     on CPU       = each actor reserves cluster.cpus_per_actor CPUs (colocate=true: they share one
                    set of cpus_per_actor)
+    reward models = a worker per distinct reward_model part (`reward_models`, rft/reward_model.py),
+                   placed like an engine: a bundle of its own after the explorers' (CPU: args.num_cpus,
+                   default 1; GPU: one GPU, taken before the trainer's), or with args.colocate=true a
+                   share of bundle 0 (the trainer's, or the first explorer's), which its actors split
+                   evenly; with cluster.colocate=true, one more actor sharing the one bundle
 
 `check_placement(cfg)` runs with the batch plan, before Ray starts: a device mapping that cannot
 fit is a ConfigError naming the keys (the case the seeds know as a `node2pg` KeyError).
@@ -28,6 +33,18 @@ class Placement:
     bundles: list  # one Ray resource bundle per actor: trainer first, then each explorer
     # with colocate=true the actors share bundle 0, each asking for this fraction of it
     share: float
+    # (bundle index, fraction of it) per actor: trainer ranks, explorers, then reward models
+    slots: tuple = ()
+    # the reward-model workers (RewardModelPlace), in the order of their slots
+    reward_models: tuple = ()
+
+
+@dataclass(frozen=True)
+class RewardModelPlace:
+    """A reward-model worker the stage starts (rft/reward_model.py)."""
+    name: str  # its Ray actor's name (rft.scoring.worker_name)
+    where: str  # the config key of the first part that uses it
+    args: dict  # the part's args, checked, defaults filled in (rft.scoring.worker_args)
 
 
 def explorer_count(cfg) -> int:
@@ -36,6 +53,36 @@ def explorer_count(cfg) -> int:
     if cfg.mode in ("both", "explore"):
         return cfg.explorer.rollout_model.engine_num
     return 1 if cfg.buffer.explorer_input.eval_tasksets else 0
+
+
+def reward_models(cfg) -> list[RewardModelPlace]:
+    """One worker per distinct `args` among the reward_model parts of the reward configs the stage's
+    explorers use: the taskset's when it explores, the eval tasksets' when it evaluates (not in
+    mode=explore). Checks the args (a ConfigError names the part's key)."""
+    from rft.scoring import worker_args, worker_name
+    from rft.scoring import entries, spec_of
+
+    if not explorer_count(cfg):
+        return []
+    inp = cfg.buffer.explorer_input
+    configs = []
+    if cfg.mode in ("both", "explore"):
+        configs.append(("buffer.explorer_input.taskset.reward_fn", inp.taskset.reward_fn))
+    if cfg.mode in ("both", "train"):
+        configs += [(f"buffer.explorer_input.eval_tasksets[{i}].reward_fn", ts.reward_fn)
+                    for i, ts in enumerate(inp.eval_tasksets)]
+    out: dict[str, RewardModelPlace] = {}
+    for where, reward_fn in configs:
+        for i, e in enumerate(entries(spec_of(reward_fn, inp.default_reward_fn_type), where)):
+            if e["fn"] != "reward_model":
+                continue
+            key = f"{where}[{i}].args"
+            try:
+                args = worker_args(**e["args"])
+            except (ConfigError, TypeError) as err:
+                raise ConfigError(f"{key}: {err}") from None
+            out.setdefault(worker_name(args), RewardModelPlace(worker_name(args), key, args))
+    return list(out.values())
 
 
 def trainer_ranks(cfg) -> int:
@@ -52,7 +99,8 @@ def trainer_ranks(cfg) -> int:
     if c.colocate:
         return 1
     rm = cfg.explorer.rollout_model
-    return max(c.node_num * c.gpu_per_node - explorer_count(cfg) * rm.tensor_parallel_size, 1)
+    own_gpu = sum(not r.args["colocate"] for r in reward_models(cfg))  # reward models' GPUs
+    return max(c.node_num * c.gpu_per_node - explorer_count(cfg) * rm.tensor_parallel_size - own_gpu, 1)
 
 
 def torch_threads(cfg) -> int:
@@ -91,10 +139,16 @@ def check_placement(cfg) -> Placement:
             f"(or cluster=ray), or trainer.ranks=1."
         )
     actors = trainer + engines
+    rms = reward_models(cfg)
+    if c.colocate:  # one bundle, shared evenly by every actor, reward models included
+        n = actors + len(rms)
+        bundle = {"CPU": c.cpus_per_actor} if c.gpu_per_node == 0 else {"GPU": 1, "CPU": c.cpus_per_actor}
+        slots = ((0, 1 / n),) * n
     if c.gpu_per_node == 0:  # CPU only: every actor reserves its CPUs
         if c.colocate:
-            return Placement(0, 0, [{"CPU": c.cpus_per_actor}], share=1 / actors)
-        return Placement(0, 0, [{"CPU": c.cpus_per_actor}] * actors, share=1.0)
+            return Placement(0, 0, [bundle], share=1 / n, slots=slots, reward_models=tuple(rms))
+        bundles = [{"CPU": c.cpus_per_actor}] * actors
+        return _with_reward_models(Placement(0, 0, bundles, share=1.0), rms, {})
 
     total = c.node_num * c.gpu_per_node
     tp = rm.tensor_parallel_size
@@ -117,8 +171,17 @@ def check_placement(cfg) -> Placement:
                 f"{explorer_total} GPUs but cluster.node_num x gpu_per_node = {total}."
             )
         # trainer and explorers time-share the same GPUs (the engines sleep while it trains)
-        return Placement(tp, 1 if trainer else 0, [{"GPU": 1, "CPU": c.cpus_per_actor}], share=1 / actors)
-    left = total - explorer_total
+        return Placement(tp, 1 if trainer else 0, [bundle], share=1 / n, slots=slots, reward_models=tuple(rms))
+    own_gpu = sum(not r.args["colocate"] for r in rms)
+    if own_gpu and total - explorer_total - trainer < own_gpu:
+        raise ConfigError(
+            f"the reward models ({', '.join(r.where for r in rms if not r.args['colocate'])}) need a GPU "
+            f"each ({own_gpu}), but cluster.node_num x gpu_per_node = {total} GPUs leave "
+            f"{max(total - explorer_total - trainer, 0)} after the explorers ({explorer_total}) and the "
+            f"trainer ({trainer}). Give them colocate: true in their args (a share of the trainer's GPU), "
+            f"lower explorer.rollout_model.engine_num, or add GPUs."
+        )
+    left = total - explorer_total - own_gpu
     if trainer > 1 and left < trainer:
         raise ConfigError(
             f"trainer.ranks={trainer} needs a GPU each, but the explorers (engine_num {engines} x "
@@ -133,7 +196,29 @@ def check_placement(cfg) -> Placement:
             f"cluster.colocate=true to share the GPUs."
         )
     bundles = [{"GPU": 1, "CPU": c.cpus_per_actor}] * trainer + [{"GPU": tp, "CPU": c.cpus_per_actor}] * engines
-    return Placement(tp, trainer, bundles, share=1.0)
+    return _with_reward_models(Placement(tp, trainer, bundles, share=1.0), rms, {"GPU": 1})
+
+
+def _with_reward_models(p: Placement, rms: list, gpu: dict) -> Placement:
+    """Not colocated: each actor has its bundle; a reward model gets one after them ({"CPU":
+    num_cpus or 1, **gpu}), or with args.colocate a share of bundle 0, split evenly among its actors."""
+    actors = len(p.bundles)
+    shared = sum(r.args["colocate"] for r in rms)
+    first = 1 / (1 + shared)
+    if shared and p.bundles[0].get("GPU", 0) > 1:
+        raise ConfigError(
+            f"a reward model with colocate: true shares bundle 0's GPU, but that bundle has "
+            f"{p.bundles[0]['GPU']} GPUs (the first explorer's tensor_parallel_size, with no trainer in "
+            f"this mode). Drop colocate from its args (a GPU of its own)."
+        )
+    bundles, slots = list(p.bundles), [(0, first)] + [(i, 1.0) for i in range(1, actors)]
+    for r in rms:
+        if r.args["colocate"]:
+            slots.append((0, first))
+        else:
+            slots.append((len(bundles), 1.0))
+            bundles.append({**gpu, "CPU": r.args["num_cpus"] or 1})
+    return Placement(p.explorer_gpus, p.trainer_gpus, bundles, p.share, tuple(slots), tuple(rms))
 
 
 def check_allocation(cfg, env=None) -> None:

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from omegaconf import open_dict
 
-from rft import checkpoint
+from rft import checkpoint, scoring
 from rft.actors import ACTOR_BACKENDS, start_explorers, start_trainer
 from rft.algorithms.off_policy import staleness
 from rft.buffer import make_buffer
@@ -36,6 +36,7 @@ from rft.checkpoint import Checkpoint, latest_checkpoint, set_aside, usable_chec
 from rft.data import DatasetReader
 from rft.errors import RunError
 from rft.explorer import step_metrics
+from rft.scoring import describe as describe_reward, spec_of
 from rft.placement import torch_threads
 from rft.monitor import Monitor, read_metrics
 from rft.sync import SYNC_METHODS
@@ -110,10 +111,16 @@ class StageRun:
             latest = self._load(latest)
         self.start = latest.step if latest else 0
         saved = latest.state if latest else {}
+        # reward models on workers of their own (rft/reward_model.py), found by name by the
+        # explorers' reward clients; with cluster=inline none: each client builds its own
+        from rft.actors import start_reward_models, wait_reward_models
+
+        self.reward_models = start_reward_models(Actor, cfg, common, options)
         # mode=train still evaluates with an explorer when there are eval tasksets (plan.explorers)
         resumed = latest is not None and latest.hf_path.exists()
         self.explorers = start_explorers(Actor, cfg, self.plan.explorers, str(latest.hf_path) if resumed else self.init_path,
                                          self.start if resumed else 0, self.title, common, options)
+        wait_reward_models(self.reward_models)  # a model that does not load: a ConfigError naming it
         self._open_input(saved, latest)
         self.sync = SYNC_METHODS[cfg.synchronizer.sync_method](self.dir, cfg.synchronizer)
         self._schedule_state(saved)
@@ -155,6 +162,12 @@ class StageRun:
         self.pending: deque[Pending] = deque()
         self.asleep = False
         self.explore_metrics = {int(k): v for k, v in saved.get("explore_metrics", {}).items()}
+        inp = cfg.buffer.explorer_input
+        parts = scoring.entries(scoring.spec_of(inp.taskset.reward_fn, inp.default_reward_fn_type),
+                                "buffer.explorer_input.taskset.reward_fn")
+        self.reward_norm = scoring.RunningNorm({e["name"]: e["weight"] for e in parts},
+                                               [e["name"] for e in parts if e["normalize"]])
+        self.reward_norm.load(saved.get("reward_norm"))
         # steps in a row in which every task failed (explorer.max_failed_steps stops the run)
         self.failed_steps = 0
         self.first_rewards: set = set()  # the rewards of the first steps (all equal: a warning)
@@ -240,6 +253,8 @@ class StageRun:
             for k, v in c.items():
                 counters[k] = counters.get(k, 0) + v
         m = step_metrics(exps, counters, len(p.futures))
+        # parts marked normalize: true (rft/scoring.py), in step order: a resumed run normalises the same
+        m.update(self.reward_norm.apply(exps))
         m["timing/rollout_s"] = time.perf_counter() - p.t0
         self.explore_metrics[p.step] = m
         self._check_signal(p.step, m, last_error)
@@ -251,7 +266,7 @@ class StageRun:
         explorer.max_failed_steps steps in a row in which every task failed; warn loudly when every
         reward of the first steps is the same (no advantage, no learning)."""
         cfg, inp = self.cfg, self.cfg.buffer.explorer_input
-        reward = inp.taskset.reward_fn or inp.default_reward_fn_type
+        reward = describe_reward(spec_of(inp.taskset.reward_fn, inp.default_reward_fn_type))
         if m["rollout/experiences"] == 0 and m.get("rollout/failed_tasks", 0) > 0:
             self.failed_steps += 1
         else:
@@ -506,7 +521,8 @@ class StageRun:
         while self.pending:
             self._collect()
         state = {"version": self.synced, "next_explore": self.next_explore,
-                 "explore_metrics": self.explore_metrics, "metrics": metrics}
+                 "explore_metrics": self.explore_metrics, "metrics": metrics,
+                 "reward_norm": self.reward_norm.state()}
         if self.buffer is not None:
             state["buffer"] = self.buffer.state()
 
@@ -527,7 +543,7 @@ class StageRun:
 
             (self.dir / "monitor").mkdir(exist_ok=True)
             ray.timeline(filename=str(self.dir / "monitor" / "timeline.json"))
-        for actor in (self.trainer, *self.explorers):
+        for actor in (self.trainer, *self.explorers, *getattr(self, "reward_models", [])):
             if actor is not None:
                 try:
                     actor.kill()
