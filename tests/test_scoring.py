@@ -132,10 +132,12 @@ def test_running_normalisation_hand_computed_and_resumable():
 
 @pytest.mark.slow
 def test_a_two_part_reward_run_logs_each_part_and_stores_them(warm_start, tmp_path):
-    """Three GRPO steps from the warm start with exact_match + 0.5 * short (a response of at most 3
-    characters): each part and the weighted sum are logged, and the stored experiences carry the
-    parts (the sql buffer here; test_buffers checks every storage keeps them)."""
-    reward = "[{fn: exact_match, weight: 1.0}, {fn: test_scoring.short, weight: 0.5, args: {limit: 3}}]"
+    """Three GRPO steps from the warm start with exact_match (normalised by running statistics) +
+    0.5 * short (a response of at most 3 characters): each part and the weighted sum are logged, and
+    the stored experiences carry the raw parts (the sql buffer here; test_buffers checks every
+    storage keeps them) and the reward computed from the step's running statistics."""
+    reward = ("[{fn: exact_match, weight: 1.0, normalize: true}, "
+              "{fn: test_scoring.short, weight: 0.5, args: {limit: 3}}]")
     cfg = compose_cfg(["stages=[]", f"model.model_path={warm_start}", "model.builder=null",
                        "buffer.total_steps=3", "explorer.eval_interval=3", "buffer.batch_size=4",
                        "cluster=inline", "monitor=console", f"checkpoint_root_dir={tmp_path}",
@@ -145,13 +147,21 @@ def test_a_two_part_reward_run_logs_each_part_and_stores_them(warm_start, tmp_pa
     stage = tmp_path / "rft" / cfg.name
     steps = [m for m in read_metrics(stage / "metrics.jsonl") if "reward/mean" in m]
     assert len(steps) == 3
-    for m in steps:
+    for m in steps:  # reward/mean is before normalisation
         assert m["reward/mean"] == pytest.approx(m["reward/exact_match/mean"] + 0.5 * m["reward/short/mean"])
+    by_step = {m["step"]: m for m in steps}
     # the eval logs each part of its reward too (the eval set uses the default, one part: no parts)
     exps = read_experiences(str(stage / "buffer.db"), limit=1000)
     assert len(exps) == 3 * 4 * 8
     assert len({e.reward for e in exps}) > 1  # the parts vary: the test can see a wrong sum
     for e in exps:
         assert set(e.reward_parts) == {"exact_match", "short"}
-        assert e.reward == e.reward_parts["exact_match"] + 0.5 * e.reward_parts["short"]
         assert e.reward_parts["short"] == float(len(e.info["response"]) <= 3)
+        # explored at step s (group_id "s/..."), logged with training step s + 1
+        m = by_step[int(e.group_id.split("/")[0]) + 1]
+        mean, std = m["reward/exact_match/running_mean"], m["reward/exact_match/running_std"]
+        assert 0 < std < 1  # the warm start is right on some problems, wrong on others
+        assert e.reward == pytest.approx((e.reward_parts["exact_match"] - mean) / std + 0.5 * e.reward_parts["short"])
+    # the statistics run over the whole run: step 3's count all 3 * 32 values, so its mean is theirs
+    assert by_step[3]["reward/exact_match/running_mean"] == pytest.approx(
+        sum(e.reward_parts["exact_match"] for e in exps) / len(exps))
