@@ -1,0 +1,356 @@
+"""The reward server (`python -m rft.reward_server`) and its client `remote`, over real HTTP on loopback.
+
+Each test starts a server in a background thread (uvicorn on 127.0.0.1, port 0) serving a reward
+config through `rft.scoring.build`, as the command does; the rewards below are named by dotted path
+(`test_reward_server.<fn>`: this directory is on sys.path, as for test_scoring). Two tests start the
+command itself as a subprocess. All of it, with the judge's (tests/test_judge.py), takes ~30 s:
+
+    .venv/bin/python -m pytest tests/test_reward_server.py tests/test_judge.py
+"""
+
+import contextlib
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+import uvicorn
+
+from conftest import ROOT, compose_cfg
+from rft.errors import ConfigError
+from rft.explorer import run_jobs
+from rft.reward_server import RemoteReward, RewardRequestError, make_app
+from rft.scoring import build
+from rft.tasks import Task
+
+TOKEN = "test-token-1234"
+
+
+# ---------------------------------------------------------------- rewards the servers serve
+
+class Calls:
+    """What the server side saw: calls, and the most calls in flight at once."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.reset()
+
+    def reset(self):
+        self.n = self.now = self.most = 0
+
+    def enter(self) -> int:
+        with self.lock:
+            self.n += 1
+            self.now += 1
+            self.most = max(self.most, self.now)
+            return self.n
+
+    def leave(self):
+        with self.lock:
+            self.now -= 1
+
+
+CALLS = Calls()
+
+
+def slow_first(prompt, response, task, sleep=1.0, slow_calls=1):
+    """Sleeps `sleep` seconds on the first `slow_calls` calls, then answers exact_match at once."""
+    n = CALLS.enter()
+    try:
+        if n <= slow_calls:
+            time.sleep(sleep)
+        return float(response.strip() == str(task.answer).strip())
+    finally:
+        CALLS.leave()
+
+
+def always_raises(prompt, response, task):
+    CALLS.enter()
+    CALLS.leave()
+    raise ValueError(f"no reward for {task.task_id}")
+
+
+def slow(prompt, response, task, sleep=0.3):
+    CALLS.enter()
+    time.sleep(sleep)
+    CALLS.leave()
+    return 1.0
+
+
+def refused(task_id: str) -> bool:
+    """Whether `refuses_some` refuses the task: the last number of its id is a multiple of 5."""
+    return int(re.findall(r"\d+", task_id)[-1]) % 5 == 0
+
+
+def refuses_some(prompt, response, task):
+    """Raises for the tasks `refused` names, else exact_match."""
+    if refused(task.task_id):
+        raise ValueError(f"refused task {task.task_id}")
+    return float(response.strip() == str(task.answer).strip())
+
+
+@pytest.fixture(autouse=True)
+def fresh_calls(monkeypatch):
+    CALLS.reset()
+    monkeypatch.delenv("RFT_REWARD_TOKEN", raising=False)
+
+
+@contextlib.contextmanager
+def serving(spec, token=TOKEN):
+    """A reward server for `spec` on 127.0.0.1 (a free port) in a background thread; yields its URL."""
+    with serving_app(make_app(build(spec, "spec"), token)) as url:
+        yield url
+
+
+@contextlib.contextmanager
+def serving_app(app):
+    """An ASGI app on 127.0.0.1 (a free port) in a background thread; yields its URL (test_judge too)."""
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.01)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+def task(task_id="t1", answer="357"):
+    return Task(task_id=task_id, messages=[{"role": "user", "content": "042+315"}], answer=answer,
+                row={"question": "042+315", "answer": answer})
+
+
+# ---------------------------------------------------------------- scoring
+
+def test_a_group_is_scored_as_the_reward_would_score_it_here():
+    responses = ["357", " 357 ", "358", "the answer is 357"]
+    with serving("exact_match") as url:
+        client = RemoteReward(url, token=TOKEN)
+        assert client("042+315", responses, task()) == [1.0, 1.0, 0.0, 0.0]
+        assert client("042+315", [], task()) == []
+        assert client.take_counters() == {"requests": 1, "retries": 0, "timeouts": 0, "failures": 0}
+        assert client.take_counters() == {"requests": 0, "retries": 0, "timeouts": 0, "failures": 0}
+    # two parts: each part's weight * value, which sum to the server's reward
+    with serving([{"fn": "exact_match"}, {"fn": "last_number", "weight": 0.5}]) as url:
+        client = RemoteReward(url, token=TOKEN)
+        assert client("042+315", responses, task()) == [
+            {"exact_match": 1.0, "last_number": 0.5},  # 1 + 0.5 * 1
+            {"exact_match": 1.0, "last_number": 0.5},
+            {"exact_match": 0.0, "last_number": 0.0},  # 358 != 357
+            {"exact_match": 0.0, "last_number": 0.5},  # last number 357
+        ]
+        # as a part of the run's own reward config (the registry name `remote`), weight 2
+        scorer = build([{"fn": "remote", "weight": 2.0, "args": {"url": url, "token": TOKEN}}], "reward_fn")
+        rewards = scorer("042+315", responses, task())
+        assert [float(r) for r in rewards] == [3.0, 3.0, 0.0, 1.0]
+        assert rewards[3].parts == {"remote/exact_match": 0.0, "remote/last_number": 0.5}
+        assert scorer.take_counters() == {"reward/remote/requests": 1, "reward/remote/retries": 0,
+                                          "reward/remote/timeouts": 0, "reward/remote/failures": 0}
+
+
+def test_a_missing_or_wrong_token_is_refused_at_once(monkeypatch):
+    with serving("test_reward_server.slow_first") as url:
+        for token in [None, "wrong"]:
+            # the run checks its token before it starts
+            with pytest.raises(ConfigError, match=rf"the remote reward at {url} cannot be used: GET {url}/health was "
+                                                  rf"refused \(401\): refused: .* Give the token the server printed"):
+                RemoteReward(url, token=token)
+            client = RemoteReward(url, token=token, check=False, retries=3, backoff=1.0)
+            t0 = time.monotonic()
+            with pytest.raises(RewardRequestError, match=rf"POST {url}/score was refused \(401\): refused: "
+                                                         rf"(no Authorization header|a wrong token)\..* set \$RFT_REWARD_TOKEN"):
+                client("042+315", ["357"], task())
+            assert time.monotonic() - t0 < 0.9  # no backoff sleep: not retried
+            assert client.take_counters() == {"requests": 1, "retries": 0, "timeouts": 0, "failures": 1}
+        # what a client without one sees, raw
+        r = httpx.post(url + "/score", json={"prompt": "p", "responses": ["357"], "task": {}})
+        assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
+        assert r.json() == {"detail": "refused: no Authorization header. Send 'Authorization: Bearer <token>', the "
+                                      "token this server was started with (--token or $RFT_REWARD_TOKEN)."}
+        assert httpx.get(url + "/health").status_code == 401
+        assert httpx.get(url + "/health", headers={"Authorization": "Bearer " + TOKEN}).json() == {
+            "status": "ok", "reward": "1 * slow_first"}
+        # the token from the environment
+        monkeypatch.setenv("RFT_REWARD_TOKEN", TOKEN)
+        assert RemoteReward(url)("042+315", ["357"], task()) == [1.0]
+    assert CALLS.n == 1  # only the last request reached the reward
+
+
+def test_a_malformed_request_is_a_422_and_not_retried():
+    with serving("exact_match") as url:
+        auth = {"Authorization": "Bearer " + TOKEN}
+        r = httpx.post(url + "/score", json={"prompt": "p", "responses": "357"}, headers=auth)
+        assert r.status_code == 422 and r.json() == {"detail": "malformed request: 'responses' must be a list of strings"}
+
+
+def test_an_answer_of_the_wrong_shape_fails_the_request():
+    """The client checks one value per response (a server of another version, a proxy's page...)."""
+    from fastapi import FastAPI
+
+    app = FastAPI()
+    answers = iter([{"rewards": [1.0]}, {"rewards": [1.0, "high"]}, {"scores": [1.0, 1.0]}])
+    app.get("/health")(lambda: {"status": "ok"})
+    app.post("/score")(lambda: next(answers))
+    with serving_app(app) as url:
+        client = RemoteReward(url, token=TOKEN, backoff=0.01)
+        for message in ["the answer has 1 rewards for 2 responses", "a reward is 'high', not a number",
+                        "the answer has no list 'rewards'"]:
+            with pytest.raises(RewardRequestError, match=rf"POST {url}/score: {message}"):
+                client("p", ["357", "358"], task())
+        assert client.take_counters() == {"requests": 3, "retries": 0, "timeouts": 0, "failures": 3}
+    # a server-side reward (any callable) with the wrong count is a 500
+    with serving_app(make_app(lambda prompt, responses, task: [1.0], TOKEN)) as url:
+        with pytest.raises(RewardRequestError, match="the last answered 500: ValueError: the reward returned 1 "
+                                                     "values for 2 responses"):
+            RemoteReward(url, token=TOKEN, retries=0)("p", ["357", "358"], task())
+
+
+def test_a_slow_answer_times_out_and_the_retry_gets_it():
+    with serving("test_reward_server.slow_first") as url:
+        client = RemoteReward(url, token=TOKEN, timeout=0.3, retries=2, backoff=0.05)
+        assert client("042+315", ["357"], task()) == [1.0]
+        assert client.take_counters() == {"requests": 1, "retries": 1, "timeouts": 1, "failures": 0}
+    assert CALLS.n == 2  # the first try (it slept past the timeout), then the retry
+
+
+def test_a_failing_reward_is_retried_then_raises():
+    with serving("test_reward_server.always_raises") as url:
+        client = RemoteReward(url, token=TOKEN, retries=2, backoff=0.01)
+        with pytest.raises(RewardRequestError, match=rf"POST {url}/score failed after 3 tries; the last answered "
+                                                     rf"500: ValueError: no reward for t1"):
+            client("042+315", ["357"], task())
+        assert client.take_counters() == {"requests": 1, "retries": 2, "timeouts": 0, "failures": 1}
+    assert CALLS.n == 3
+
+
+def test_bad_client_args_fail_when_built():
+    with pytest.raises(ConfigError, match=r"url='127.0.0.1:8000': give the reward server's URL"):
+        RemoteReward("127.0.0.1:8000", token=TOKEN)
+    with pytest.raises(ConfigError, match=r"retries=-1 must be an integer >= 0"):
+        RemoteReward("http://127.0.0.1:8000", token=TOKEN, retries=-1, check=False)
+    with pytest.raises(ConfigError, match=r"timeout=0 must be a number > 0"):
+        RemoteReward("http://127.0.0.1:8000", token=TOKEN, timeout=0, check=False)
+    with pytest.raises(ConfigError, match=r"args has \['retry'\], which remote does not take; its arguments are "
+                                          r"\['url', 'token', 'timeout', 'retries', 'backoff', 'max_backoff', "
+                                          r"'max_concurrency', 'check'\]"):
+        build([{"fn": "remote", "args": {"url": "http://127.0.0.1:8000", "retry": 1}}], "reward_fn")
+
+
+def test_a_server_that_is_not_there():
+    with serving("exact_match") as url:
+        pass  # stopped: its port is free now
+    with pytest.raises(ConfigError, match=rf"{url} cannot be used: GET {url}/health failed after 2 tries; the last "
+                                          rf"could not connect.*Start it with `python -m rft.reward_server"):
+        RemoteReward(url, token=TOKEN, retries=1, backoff=0.01)
+    client = RemoteReward(url, token=TOKEN, retries=1, backoff=0.01, check=False)
+    with pytest.raises(RewardRequestError, match="failed after 2 tries; the last could not connect"):
+        client("p", ["357"], task())
+    assert client.take_counters() == {"requests": 1, "retries": 1, "timeouts": 0, "failures": 1}
+
+
+def test_failing_remote_rewards_are_failed_tasks_and_the_others_go_on():
+    """run_jobs, as the explorer scores a step: a task whose remote reward fails is retried
+    (max_retry_times=1), then counted as failed; the other tasks get their rewards."""
+    tasks = [task(f"t{i}") for i in range(1, 7)]  # t5 is refused
+    with serving("test_reward_server.refuses_some") as url:
+        scorer = build([{"fn": "remote", "args": {"url": url, "token": TOKEN, "retries": 1, "backoff": 0.01}}], "r")
+        results, counters = run_jobs(lambda job: scorer(*job), [("042+315", ["357", "1"], t) for t in tasks],
+                                     runners=3, timeout=10, retries=1)
+        assert [None if r is None else [float(x) for x in r] for r in results] == [[1.0, 0.0]] * 4 + [None, [1.0, 0.0]]
+        assert counters == {"errors": 2, "timeouts": 0, "retries": 1, "failed": 1, "over_rollout_dropped": 0,
+                            "last_error": f"RewardRequestError: POST {url}/score failed after 2 tries; the last "
+                                          f"answered 500: ValueError: refused task t5"}
+        # 5 tasks of one request; 1 task of 2 tries (run_jobs) of a request of 2 tries each
+        assert scorer.take_counters() == {"reward/remote/requests": 5 + 2, "reward/remote/retries": 2,
+                                          "reward/remote/timeouts": 0, "reward/remote/failures": 2}
+
+
+def test_an_explorer_step_with_a_remote_reward_part(tmp_path):
+    """An explorer built from the documented override scores through the server: the tasks the
+    server refuses are failed tasks, the others' experiences carry the remote part, and the client's
+    counters reach the step's counters."""
+    from rft.explorer import Explorer
+    from rft.models import ensure_model
+    from rft.tasks import ensure_task_data
+
+    with serving("test_reward_server.refuses_some") as url:
+        cfg = compose_cfg([
+            "cluster=inline", "buffer.batch_size=4", "algorithm.repeat_times=2", "explorer.max_retry_times=1",
+            f'buffer.explorer_input.taskset.reward_fn=[{{fn: remote, args: {{url: "{url}", token: {TOKEN}, '
+            f'retries: 0}}}}, {{fn: exact_match, name: local}}]',
+        ])
+        ensure_model(cfg.model)
+        ensure_task_data(cfg.buffer.explorer_input)
+        explorer = Explorer(cfg)
+        refused_ids = {t.task_id for t in explorer.tasks_for_step(0) if refused(t.task_id)}
+        exps, counters = explorer.explore(0)
+    assert len(refused_ids) == 2  # arithmetic_train/1095 and /1755 of the 4 (/33, /797)
+    assert counters["failed_tasks"] == 2
+    assert len(exps) == 2 * 2 and not refused_ids & {e.task_id for e in exps}
+    for e in exps:
+        assert set(e.reward_parts) == {"remote", "local"}
+        assert e.reward_parts["remote"] == e.reward_parts["local"]  # both exact_match
+        assert e.reward == 2 * e.reward_parts["local"]
+    assert counters["reward/remote/requests"] == 2 + 2 * 2  # each refused task tried twice
+    assert counters["reward/remote/failures"] == 2 * 2
+
+
+def test_concurrent_requests_are_bounded_by_max_concurrency():
+    with serving("test_reward_server.slow") as url:
+        for limit, most in [(2, 2), (6, 6)]:  # the server itself does serve 6 at once
+            CALLS.reset()
+            client = RemoteReward(url, token=TOKEN, max_concurrency=limit)
+            threads = [threading.Thread(target=client, args=("p", ["r"], task(f"t{i}"))) for i in range(6)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(30)
+            assert CALLS.n == 6 and CALLS.most == most, (limit, CALLS.most)
+            assert client.take_counters()["requests"] == 6
+
+
+def test_the_command(tmp_path):
+    """`python -m rft.reward_server` on its default host prints its URL, answers, and stops."""
+    proc = subprocess.Popen([sys.executable, "-m", "rft.reward_server", "--reward", "exact_match", "--port", "0",
+                             "--token", "t", "--log-level", "warning"],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("rft.reward_server: serving exact_match at http://127.0.0.1:"), line + proc.stderr.read()
+        url = line.split(" at ")[1].split()[0]
+        assert RemoteReward(url, token="t")("042+315", ["357", "35"], task()) == [1.0, 0.0]
+    finally:
+        proc.terminate()
+        proc.wait(10)
+    assert "WARNING" not in proc.stderr.read()  # loopback: no warning
+
+
+def test_the_command_generates_a_token_and_warns_off_loopback():
+    proc = subprocess.Popen([sys.executable, "-m", "rft.reward_server", "--reward",
+                             '[{"fn": "exact_match"}, {"fn": "last_number", "weight": 0.5}]', "--host", "0.0.0.0",
+                             "--port", "0", "--log-level", "warning"],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={k: v for k, v in os.environ.items() if k != "RFT_REWARD_TOKEN"})
+    try:
+        generated = proc.stdout.readline()
+        assert generated.startswith("rft.reward_server: generated token (give it to the clients as $RFT_REWARD_TOKEN): ")
+        token = generated.rsplit(" ", 1)[1].strip()
+        assert len(token) >= 40
+        serving_line = proc.stdout.readline()
+        assert "serving 1 * exact_match + 0.5 * last_number at http://0.0.0.0:" in serving_line
+        port = serving_line.split("http://0.0.0.0:")[1].split()[0]
+        assert RemoteReward(f"http://127.0.0.1:{port}", token=token)("p", ["357"], task()) == [
+            {"exact_match": 1.0, "last_number": 0.5}]
+    finally:
+        proc.terminate()
+        proc.wait(10)
+    assert "WARNING: listening on 0.0.0.0, not loopback" in proc.stderr.read()
