@@ -492,7 +492,8 @@ def describe(cfg, stage_dir) -> str:
         args = inp.taskset.rollout_args
         rows.append(("rollouts", f"{data(inp.taskset)}: prompt_key={inp.taskset.format.prompt_key}, "
                                  f"temperature {args.temperature:g}, top_p {args.top_p:g}, top_k {args.top_k}"))
-        rows.append(("reward", f"{reward} (prompt, response, task) with task.answer = column "
+        call = f"{reward}(prompt, response, task)" if "*" not in reward else f"{reward}, each fn(prompt, response, task),"
+        rows.append(("reward", f"{call} with task.answer = column "
                                f"{inp.taskset.format.response_key!r}"))
     else:
         fmt = eb.format
