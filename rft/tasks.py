@@ -1,4 +1,4 @@
-"""Tasksets: loading them through `datasets`, and generating the embedded arithmetic task.
+"""Tasksets: loading them through `datasets`, and generating the embedded arithmetic and countdown tasks.
 
 A task is one dataset row turned into a prompt (chat messages) and the reference answer that the
 reward function checks. The row's keys are named by the taskset's `format` (`prompt_key`,
@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -79,7 +80,114 @@ def generate_arithmetic(
     return path
 
 
-GENERATORS = {"arithmetic": generate_arithmetic}
+# ---------------------------------------------------------------- the embedded countdown task
+
+
+def countdown_problems(n_numbers: int = 3, max_number: int = 9, ops: str = "+-*",
+                       max_target: int = 99) -> dict[tuple[tuple[int, ...], int], str]:
+    """Every Countdown problem with a short solution: (sorted numbers, target) -> one solution.
+
+    The numbers are `n_numbers` of 1..max_number (repeats allowed); a solution uses each once,
+    all of them, in any order, with the binary operators `ops` and no parentheses (standard
+    precedence), e.g. `2+3*7`; the target is its value, a whole number in 1..max_target (with
+    `/`, only divisions that come out whole). Of the solutions of one problem, the first in a
+    fixed order is kept (permutations of the sorted numbers in lexicographic order, then operators
+    in the order of `ops`): one answer per problem, the same whatever the seed.
+    """
+    import itertools
+
+    from rft.rewards import check_countdown, countdown_value
+
+    problems: dict[tuple[tuple[int, ...], int], str] = {}
+    for numbers in itertools.combinations_with_replacement(range(1, max_number + 1), n_numbers):
+        for order in sorted(set(itertools.permutations(numbers))):
+            for chosen in itertools.product(ops, repeat=n_numbers - 1):
+                expr = str(order[0]) + "".join(o + str(n) for o, n in zip(chosen, order[1:]))
+                value = countdown_value(expr)
+                if value is None or value.denominator != 1 or not 1 <= value <= max_target:
+                    continue
+                problems.setdefault((numbers, int(value)), expr)
+    # every solution verifies (and shows that the generator and the verifier agree on the rules)
+    assert all(check_countdown(e, n, t, integer_steps=True)[1] == "ok" for (n, t), e in list(problems.items())[:50])
+    return problems
+
+
+def countdown_prompt(numbers, target: int) -> str:
+    """"2,3,7->23": the numbers (commas: the tiny model's tokenizer drops spaces), then the target."""
+    return ",".join(map(str, numbers)) + "->" + str(target)
+
+
+def generate_countdown(
+    path: str | Path,
+    seed: int = 0,
+    n_numbers: int = 3,
+    max_number: int = 9,
+    ops: str = "+-*",
+    max_target: int = 99,
+    n_train: int | None = None,
+    n_test: int = 200,
+    teacher_error_rate: float = 0.6,
+    order: str = "solution",
+) -> Path:
+    """Write `train.jsonl` and `test.jsonl` of Countdown problems: "2,3,7->23" -> "2+3*7".
+
+    Reach the target (after "->") with the numbers, each once and all of them, and `+ - *`
+    (`countdown_problems`: 3 numbers of 1..9, targets 1..99 that a solution without parentheses
+    reaches; 1313 problems in all). With these defaults the stored answers are 5 characters: the
+    tiny model's budget (5 characters and the end-of-sequence token). test.jsonl holds `n_test` problems that
+    train.jsonl does not (no (sorted numbers, target) pair in both); train.jsonl the other
+    `n_train` (default: all the others, 1113).
+
+    `order` is how the prompt lists the numbers: "solution" (the default) in the order of the
+    stored solution, read left to right, so the puzzle is which operators to put between them;
+    "sorted" in increasing order, so it is also which order (the TV game). The reward accepts any
+    order, and parentheses and `/`, either way. The tiny model (~0.5M parameters) learns the first:
+    the default warm-up (400 SFT steps) on the correct `answer` column solves 50% of the held-out
+    problems, against 22% sorted (seed 42); with the sloppy teacher and then GRPO, ~0.15 -> ~0.55
+    against ~0.05 -> ~0.3 sorted (seeds 42, 1, 2).
+
+    Columns: `question` (the prompt), `numbers` (as shown) and `target` (what the `countdown`
+    reward checks), `answer` (one solution), `teacher_answer` (a sloppy teacher's demonstration:
+    in `teacher_error_rate` of the rows its last number is one too high, 9 -> 1, so the expression
+    uses a number it was not given; imitation learns the habit, the verifier removes it), and
+    `rejected` (the answer with that mistake, for preference pairs).
+    """
+    if order not in ("solution", "sorted"):
+        raise ConfigError(f"generate_countdown: order={order!r}; choose 'solution' or 'sorted'.")
+    path = Path(path).expanduser()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(path) + ".lock"):
+        if (path / "test.jsonl").exists():
+            return path
+        problems = sorted(countdown_problems(n_numbers, max_number, ops, max_target).items())
+        rng = random.Random(seed)
+        rng.shuffle(problems)
+        if n_train is None:
+            n_train = len(problems) - n_test
+        if n_train <= 0 or n_train + n_test > len(problems):
+            raise ConfigError(
+                f"generate_countdown: {n_train} train + {n_test} test problems asked for, but there "
+                f"are only {len(problems)} with {n_numbers} numbers of 1..{max_number}, ops {ops!r} "
+                f"and targets up to {max_target}."
+            )
+        splits = {"test": problems[:n_test], "train": problems[n_test:n_test + n_train]}
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.mkdir(parents=True, exist_ok=True)
+        for split, rows in splits.items():
+            with open(tmp / f"{split}.jsonl", "w") as f:
+                for (numbers, target), answer in rows:
+                    last = re.search(r"\d+$", answer)
+                    wrong = answer[:last.start()] + str(int(last.group()) % max_number + 1)
+                    teacher = wrong if rng.random() < teacher_error_rate else answer
+                    shown = list(numbers) if order == "sorted" else [int(x) for x in re.findall(r"\d+", answer)]
+                    row = {"question": countdown_prompt(shown, target), "numbers": shown, "target": target,
+                           "answer": answer, "teacher_answer": teacher, "rejected": wrong}
+                    f.write(json.dumps(row) + "\n")
+        os.replace(tmp, path)
+    return path
+
+
+GENERATORS = {"arithmetic": generate_arithmetic, "countdown": generate_countdown}
 
 
 def ensure_task_data(explorer_input_cfg) -> None:

@@ -12,6 +12,8 @@ GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir() and p.name not in (
 OPTIONS = [(g, p.stem) for g in GROUPS for p in sorted((CONF / g).glob("*.yaml"))]
 # options whose data or model only a hub has: on a machine without it, a clear error
 NEEDS_HUB = {("task", "gsm8k")}
+# options that read a local copy the user provides (task=math: RFT_MATH_PATH): a clear error without it
+NEEDS_LOCAL = {("task", "math")}
 
 
 @pytest.mark.slow  # ~40 s for all of them
@@ -31,6 +33,10 @@ def test_every_option_plans_on_the_default(group, option, tmp_path, monkeypatch,
     if (group, option) in NEEDS_HUB:
         with pytest.raises(rft.main.ConfigError, match="there is no such local file or directory .*, and loading "
                                                        "it as a Hugging Face dataset id failed"):
+            rft.main._main(cfg)
+        return
+    if (group, option) in NEEDS_LOCAL:
+        with pytest.raises(rft.main.ConfigError, match=r"\.path='.*': no such file or directory"):
             rft.main._main(cfg)
         return
     assert rft.main._main(cfg) is None

@@ -46,6 +46,30 @@ def test_a_dict_reward_is_the_sum_of_its_entries_each_stored_under_name_slash_ke
     assert r.parts == {"shape/digits": pytest.approx(0.3), "shape/spaces": 1.0}
 
 
+@pytest.mark.parametrize("response, pattern, expected", [
+    ("<answer>2+3*7</answer>", None, 1.0),  # the default: the answer inside <answer> tags
+    ("  <answer>\n7\n</answer> ", None, 1.0),  # stripped; `.` crosses lines
+    ("2+3*7", None, 0.0),  # no tags
+    ("<answer>7</answer> and more", None, 0.0),  # the whole response must match
+    ("2+3*7", r"[0-9+\-*/() ]+", 1.0),  # an expression and nothing else
+    ("2+3*7=23", r"[0-9+\-*/() ]+", 0.0),
+])
+def test_the_format_reward(response, pattern, expected):
+    from rft.rewards import REWARD_FNS
+
+    args = {} if pattern is None else {"pattern": pattern}
+    assert REWARD_FNS["format"]("p", response, TASK, **args) == expected
+
+
+def test_a_format_part_beside_a_verifier():
+    scorer = build([{"fn": "countdown"}, {"fn": "format", "weight": 0.1, "args": {"pattern": r"[0-9+\-*]+"}}],
+                   "reward_fn")
+    task = SimpleNamespace(task_id="c/0", answer="2+3*7", row={"numbers": [2, 3, 7], "target": 23})
+    got = scorer("2,3,7->23", ["2+3*7", "2+3*8", "23!"], task)
+    # right: 1 + 0.1; wrong number but well-formed: 0 + 0.1; malformed: 0 + 0
+    assert [float(r) for r in got] == pytest.approx([1.1, 0.1, 0.0])
+
+
 def test_a_single_name_is_one_part_of_weight_one():
     (r,) = build("exact_match", "reward_fn")("p", ["357"], TASK)
     assert float(r) == 1.0 and r.parts == {"exact_match": 1.0}

@@ -1,0 +1,276 @@
+"""The verifiers of rft/rewards.py on hand-written cases (math, countdown, last_number), the math
+task's config on a small MATH-format file, and the countdown generator's answers."""
+
+import json
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from conftest import compose_cfg
+from rft.errors import ConfigError
+from rft.rewards import REWARD_FNS, check_countdown, countdown, last_boxed, last_number
+from rft.rewards import math as math_reward
+from rft.tasks import countdown_problems, countdown_prompt, generate_countdown, load_tasks
+
+
+def task(answer, **row):
+    return SimpleNamespace(answer=answer, row={"answer": answer, **row}, task_id="t/0")
+
+
+# ---------------------------------------------------------------- math
+
+MATH_CASES = [
+    # (reference, response, score, why)
+    (r"So the answer is $\boxed{\frac{1}{2}}$.", r"\boxed{0.5}", 1.0, "a fraction equals its decimal"),
+    (r"\frac{1}{2}", r"The answer is \boxed{1/2}.", 1.0, "a plain LaTeX reference; a slash fraction"),
+    (r"\boxed{\frac12}", r"$\boxed{\dfrac{1}{2}}$", 1.0, r"\frac12 shorthand and \dfrac are the same fraction"),
+    ("0.5", r"\boxed{\frac{2}{4}}", 1.0, "an unreduced fraction equals the reference's value"),
+    (r"\boxed{2\sqrt{2}}", r"\boxed{\sqrt{8}}", 1.0, "equivalent radicals are simplified to the same value"),
+    ("3", r"so \boxed{x=3}", 1.0, "an assignment counts as its value"),
+    ("x=3", r"\boxed{3}", 1.0, "and the other way round"),
+    (r"\boxed{(x+1)^2}", r"\boxed{x^2+2x+1}", 1.0, "symbolically equal polynomials"),
+    (r"\boxed{\{1,2\}}", r"\boxed{\{2,1\}}", 1.0, "a set in another order"),
+    (r"\boxed{3, 5}", r"\boxed{5, 3}", 1.0, "several answers in another order"),
+    (r"\boxed{[1,3)}", r"\boxed{[1,3)}", 1.0, "an interval"),
+    (r"\boxed{(1,3)}", r"\boxed{(1,3]}", 0.0, "an interval with the wrong bracket is another interval"),
+    ("5", r"\boxed{5\text{ cm}}", 1.0, "units text is dropped before comparing"),
+    ("5 cm", r"\boxed{5 \text{ m}}", 1.0, "documented: math_verify drops units, it does not convert them"),
+    (r"The total is $\boxed{1,000}$", r"\boxed{1000}", 1.0, "a thousands comma"),
+    (r"\boxed{10\%}", r"\boxed{10}", 1.0, "a percent sign is dropped"),
+    (r"\boxed{90^\circ}", r"\boxed{90}", 1.0, "a degree sign is dropped"),
+    (42, r"\boxed{42}", 1.0, "a number (not a string) as the reference"),
+    (r"\boxed{\frac{\pi}{4}}", r"\boxed{\pi/4}", 1.0, "pi in two notations"),
+    (r"\boxed{-3}", r"\boxed{3}", 0.0, "a wrong sign is wrong"),
+    (r"\boxed{\frac{1}{2}}", r"\boxed{\frac{1}{3}}", 0.0, "a wrong fraction is wrong"),
+    (r"\boxed{10}", r"\boxed{0.1}", 0.0, "10% is not read as 0.1 when the reference is 10"),
+    (r"\boxed{2\sqrt{2}}", r"\boxed{2\sqrt{3}}", 0.0, "a wrong radical is wrong"),
+    ("42", "I have no idea.", 0.0, "no parseable answer scores 0"),
+    ("42", "", 0.0, "an empty response scores 0"),
+    ("7", r"First \boxed{7}, no wait, \boxed{8}", 0.0, "only the last box counts"),
+    ("8", r"First \boxed{7}, no wait, \boxed{8}", 1.0, "... and it is the one taken"),
+    ("7", r"It is \boxed{7} but then \boxed{", 0.0, "a last box never closed is no answer, not the earlier one"),
+    ("7", "The final answer is 7.", 1.0, "without a box, math_verify finds the final number in the text"),
+    (r"First $\boxed{2}$, then the answer is $\boxed{\frac{3}{4}}$.", r"\boxed{0.75}", 1.0,
+     "the reference's last box is its answer"),
+    ("Sam has 3 + 4 = 7 apples.\n#### 7", r"\boxed{7}", 1.0, "a GSM8K-style reference: the answer after ####"),
+]
+
+
+@pytest.mark.parametrize("reference,response,score,why", MATH_CASES, ids=[c[3] for c in MATH_CASES])
+def test_math_cases(reference, response, score, why):
+    assert math_reward("", response, task(reference)) == score, why
+
+
+@pytest.mark.parametrize("response", [None, "}}}{{{", r"\boxed{}", r"\boxed{\frac{", "$" * 500, r"\left(" * 300,
+                                      "\x00\xff", r"\boxed{\begin{matrix}}"])
+def test_math_garbage_scores_zero_without_raising(response):
+    # whatever a model emits, the verifier answers 0 (an exception would cost retries and a task)
+    assert math_reward("", response, task("42")) == 0.0
+
+
+def test_last_boxed_balances_braces():
+    # the content may hold braces of its own
+    assert last_boxed(r"x \boxed{\frac{1}{2}} y \boxed{\sqrt{\frac{a}{b}}}") == r"\sqrt{\frac{a}{b}}"
+    assert last_boxed("no box") is None
+    assert last_boxed(r"\boxed{1} \boxed{2") is None
+
+
+def test_math_from_worker_threads_agrees_with_the_main_thread():
+    """The explorer calls rewards from threads, where math_verify's signal timeouts raise: there the
+    call runs in a child process (rft.rewards._MathWorkers; two threads at once, two processes)
+    and gives the same scores."""
+    cases = MATH_CASES[:8] + MATH_CASES[19:24]
+    results = {}
+
+    def score(part):
+        for i in part:
+            ref, resp, _, _ = cases[i]
+            results[i] = math_reward("", resp, task(ref))
+
+    threads = [threading.Thread(target=score, args=(range(k, len(cases), 2),)) for k in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert results == {i: c[2] for i, c in enumerate(cases)}
+
+
+@pytest.mark.parametrize("bomb", [r"\boxed{9^{9^{9}}}", r"\boxed{\binom{1000000000}{500000000}}"])
+def test_math_bounds_a_slow_answer_on_a_worker_thread(bomb):
+    """An answer whose value sympy cannot compute in time (a power tower: a C-level big-integer
+    power that holds the GIL) scores 0 within about timeout_seconds, from a thread too."""
+    math_reward("", r"\boxed{1}", task("1"))  # warm a worker process up: its start is not the answer's time
+    out = {}
+
+    def call():
+        t0 = time.monotonic()
+        out["score"] = math_reward("", bomb, task("3"), timeout_seconds=4)
+        out["s"] = time.monotonic() - t0
+
+    t = threading.Thread(target=call)
+    t.start()
+    t.join(60)
+    assert out["score"] == 0.0 and out["s"] < 15, out
+
+
+# ---------------------------------------------------------------- countdown
+
+COUNTDOWN_CASES = [
+    # (expression, numbers, target, reason, why)
+    ("2+3*7", [2, 3, 7], 23, "ok", "precedence: 2+21"),
+    ("(2+3)*7", [2, 3, 7], 35, "ok", "parentheses are allowed"),
+    (" 7*3 + 2 ", [2, 3, 7], 23, "ok", "any order of the numbers, spaces allowed"),
+    ("5+5-1", [5, 1, 5], 9, "ok", "a number given twice is used twice"),
+    ("8/(3-8/3)", [8, 3, 8, 3], 24, "ok", "fractions in between are exact (8/3), as in TinyZero"),
+    ("2+3", [2, 3, 7], 5, "wrong numbers", "all the numbers must be used"),
+    ("2+3*3", [2, 3, 7], 11, "wrong numbers", "a number used twice (and 7 not at all)"),
+    ("2+3*8", [2, 3, 7], 26, "wrong numbers", "a number that was not given (the teacher's mistake)"),
+    ("23+7", [2, 3, 7], 30, "wrong numbers", "digits may not be glued into a new number"),
+    ("2+3*7", [2, 3, 7], 35, "wrong value", "the right numbers but not the target"),
+    ("7/(3-3)+2", [2, 3, 3, 7], 1, "division by zero", "division by zero is caught, not raised"),
+    ("2**3+7", [2, 3, 7], 15, "malformed", "no powers"),
+    ("7//3+2", [2, 3, 7], 4, "malformed", "no floor division"),
+    ("-2+3*7", [2, 3, 7], 19, "malformed", "no unary minus"),
+    ("2+3*7=23", [2, 3, 7], 23, "malformed", "the expression only, no equation"),
+    ("2.0+3*7", [2, 3, 7], 23, "malformed", "integers only"),
+    ("(2+3*7", [2, 3, 7], 23, "malformed", "unbalanced parentheses"),
+    ("__import__('os')", [2, 3, 7], 23, "malformed", "anything else is refused before parsing"),
+    ("07+3*2", [2, 3, 7], 13, "malformed", "a leading zero is not a Python integer"),
+    ("", [2, 3, 7], 23, "empty", "an empty answer"),
+    ("(" * 150 + "2" + ")" * 150 + "+3*7", [2, 3, 7], 23, "malformed", "longer than 200 characters"),
+]
+
+
+@pytest.mark.parametrize("expression,numbers,target,reason,why", COUNTDOWN_CASES, ids=[c[4] for c in COUNTDOWN_CASES])
+def test_countdown_cases(expression, numbers, target, reason, why):
+    assert check_countdown(expression, numbers, target) == (float(reason == "ok"), reason), why
+
+
+def test_countdown_integer_steps():
+    # the TV game's rule, on request: 8/3 is not a whole number
+    assert check_countdown("8/(3-8/3)", [8, 3, 8, 3], 24, integer_steps=True) == (0.0, "non-integer step")
+    assert check_countdown("(8-2)/3*7", [8, 2, 3, 7], 14, integer_steps=True) == (1.0, "ok")
+
+
+def test_countdown_reward_reads_the_row_and_answer_tags():
+    t = task("2+3*7", numbers=[2, 3, 7], target=23)
+    assert REWARD_FNS["countdown"] is countdown
+    assert countdown("2,3,7->23", "7*3+2", t) == 1.0  # any solution, not only the stored one
+    assert countdown("", "<think>...</think><answer>(3*7)+2</answer>", t) == 1.0
+    assert countdown("", "2+3*8", t) == 0.0
+    with pytest.raises(ValueError, match="'numbers' and 'target'"):
+        countdown("", "2+3*7", task("2+3*7"))
+
+
+def test_countdown_problems_are_all_solvable_and_unique():
+    problems = countdown_problems()
+    assert len(problems) == 1313
+    for (numbers, target), answer in problems.items():
+        assert check_countdown(answer, numbers, target, integer_steps=True) == (1.0, "ok")
+        assert len(answer) == 5 and 1 <= target <= 99 and list(numbers) == sorted(numbers)
+
+
+def read_splits(path):
+    return {s: [json.loads(l) for l in (path / f"{s}.jsonl").read_text().splitlines()] for s in ("train", "test")}
+
+
+def test_countdown_generator_answers_verify_and_the_teacher_errs_at_its_rate(tmp_path):
+    rows = read_splits(generate_countdown(tmp_path / "countdown"))
+    assert (len(rows["train"]), len(rows["test"])) == (1113, 200)
+    key = lambda r: (tuple(sorted(r["numbers"])), r["target"])  # noqa: E731
+    assert not {key(r) for r in rows["train"]} & {key(r) for r in rows["test"]}  # held out
+    for split in rows.values():
+        for r in split:
+            t = SimpleNamespace(answer=r["answer"], row=r, task_id="t")
+            assert countdown(r["question"], r["answer"], t) == 1.0
+            assert check_countdown(r["rejected"], r["numbers"], r["target"])[1] == "wrong numbers"
+            assert r["teacher_answer"] in (r["answer"], r["rejected"])
+            # the prompt shows the numbers in the order of the stored solution, then the target
+            assert r["question"] == countdown_prompt(r["numbers"], r["target"])
+            assert r["answer"][::2] == "".join(map(str, r["numbers"]))
+    teacher = [countdown("", r["teacher_answer"], SimpleNamespace(answer=None, row=r, task_id="t"))
+               for r in rows["train"]]
+    assert 0.55 < 1 - sum(teacher) / len(teacher) < 0.65  # teacher_error_rate 0.6
+
+
+def test_countdown_generator_sorted_order_and_sizes(tmp_path):
+    # the TV game's presentation: sorted numbers, the solution's order is the model's to find
+    rows = read_splits(generate_countdown(tmp_path / "sorted", order="sorted", n_train=100, n_test=20))
+    assert (len(rows["train"]), len(rows["test"])) == (100, 20)
+    for r in rows["train"]:
+        assert r["numbers"] == sorted(r["numbers"])
+        assert check_countdown(r["answer"], r["numbers"], r["target"]) == (1.0, "ok")
+    with pytest.raises(ConfigError, match="only 1313"):
+        generate_countdown(tmp_path / "too_many", n_train=2000)
+
+
+def test_countdown_prompts_and_answers_fit_the_tiny_model():
+    """The tiny model's budget (conf/model/tiny.yaml): 24 prompt tokens (5 of them the chat
+    template), 6 response tokens (5 characters and the end-of-sequence token)."""
+    assert countdown_prompt([8, 2, 3], 3) == "8,2,3->3"  # commas: the tokenizer drops spaces
+    problems = countdown_problems()
+    assert max(len(countdown_prompt(numbers, target)) for numbers, target in problems) + 5 <= 24
+    assert max(len(a) for a in problems.values()) + 1 <= 6
+
+
+# ---------------------------------------------------------------- last_number
+
+LAST_NUMBER_CASES = [
+    # (reference, response, score, why)
+    ("Natalia sold 48/2 = 24 clips in May.\n#### 72", "So she sold 72 clips.", 1.0, "a GSM8K reference: the number after ####"),
+    ("#### 72", "48 + 24 = 72", 1.0, "the response's last number"),
+    ("#### 72", "72 clips, since 48 + 24", 0.0, "... and only its last number"),
+    ("#### 1,234", "The total is 1234.", 1.0, "a thousands comma in the reference"),
+    ("#### 1234", "The total is $1,234.", 1.0, "and in the response"),
+    ("#### -5", "The temperature fell to -5 degrees.", 1.0, "a negative number"),
+    ("#### 5", "The temperature fell to -5 degrees.", 0.0, "the sign counts"),
+    ("#### 2.5", "It takes 2.50 hours.", 1.0, "decimals compare as numbers"),
+    ("#### 3", "3.0", 1.0, "an integer and its decimal form are equal"),
+    ("#### 3", "3.5", 0.0, "a decimal is not cut to its integer part"),
+    ("#### 42", "I do not know.", 0.0, "a response without a number scores 0"),
+    ("no number here", "42", 0.0, "a reference without a number matches nothing"),
+    (42, "42", 1.0, "a number as the reference"),
+]
+
+
+@pytest.mark.parametrize("reference,response,score,why", LAST_NUMBER_CASES, ids=[c[3] for c in LAST_NUMBER_CASES])
+def test_last_number_cases(reference, response, score, why):
+    assert last_number("", response, task(reference)) == score, why
+
+
+# ---------------------------------------------------------------- the math task's config
+
+
+MATH_ROWS = [
+    {"problem": "What is $1+1$?", "solution": r"We add: $1+1=\boxed{2}$.", "level": "Level 1", "type": "Prealgebra"},
+    {"problem": "Simplify $\\frac{2}{4}$.", "solution": r"Divide both by 2: $\boxed{\frac{1}{2}}$.",
+     "level": "Level 1", "type": "Prealgebra"},
+    {"problem": "Solve $2x=6$.", "solution": r"So $x=\boxed{3}$.", "level": "Level 2", "type": "Algebra"},
+    {"problem": "Simplify $\\sqrt{8}$.", "solution": r"$\sqrt{8}=\sqrt{4\cdot 2}=\boxed{2\sqrt{2}}$.",
+     "level": "Level 2", "type": "Algebra"},
+]
+MATH_RESPONSES = [r"\boxed{2}", r"\boxed{0.5}", r"x = \boxed{3}", r"\boxed{\sqrt{8}}"]
+
+
+def test_math_task_reads_a_local_math_file_and_its_reward_scores_the_rows(tmp_path, monkeypatch):
+    data = tmp_path / "math"
+    data.mkdir()
+    for split, rows in {"train": MATH_ROWS[:3], "test": MATH_ROWS[3:]}.items():
+        (data / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    monkeypatch.setenv("RFT_MATH_PATH", str(data))
+    cfg = compose_cfg(["task=math"])
+    ei = cfg.buffer.explorer_input
+    assert ei.default_reward_fn_type == "math" and ei.generator is None
+    tasks = load_tasks(ei.taskset, "buffer.explorer_input.taskset")
+    (test_task,) = load_tasks(ei.eval_tasksets[0], "buffer.explorer_input.eval_tasksets[0]")
+    assert [t.answer for t in tasks + [test_task]] == [r["solution"] for r in MATH_ROWS]
+    system, user = tasks[0].messages
+    assert system["role"] == "system" and r"\boxed{}" in system["content"]
+    assert user == {"role": "user", "content": "What is $1+1$?"}
+    assert tasks[0].row["level"] == "Level 1" and tasks[0].row["type"] == "Prealgebra"
+    reward = REWARD_FNS[ei.default_reward_fn_type]
+    for t, right in zip(tasks + [test_task], MATH_RESPONSES):
+        assert reward(t.messages[-1]["content"], right, t) == 1.0
+        assert reward(t.messages[-1]["content"], r"\boxed{7}", t) == 0.0
