@@ -18,12 +18,12 @@ import importlib
 import logging
 import os
 import re
-import string
 import threading
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 
 from rft.errors import ConfigError
 from rft.reward_server import RetryingHTTP
+from rft.scoring import check_template
 
 log = logging.getLogger(__name__)
 
@@ -214,14 +214,4 @@ def _parser(parse):
 
 
 def _check_template(template) -> None:
-    if not isinstance(template, str):
-        raise ConfigError(f"template={template!r} must be a string with {{response}} (and {{question}}, {{answer}}).")
-    try:
-        fields = {f for _, f, _, _ in string.Formatter().parse(template) if f is not None}
-    except ValueError as e:
-        raise ConfigError(f"template={template!r} is not a format string ({e}); write a literal brace as {{{{ or }}}}.") from None
-    if fields - FIELDS:
-        raise ConfigError(f"template={template!r} has {sorted(fields - FIELDS)}; it may use "
-                          f"{', '.join('{' + f + '}' for f in sorted(FIELDS))}.")
-    if "response" not in fields:
-        raise ConfigError(f"template={template!r} has no {{response}}: the judge would not see what it grades.")
+    check_template(template, FIELDS, "the judge")

@@ -381,20 +381,25 @@ def worker_args(model_path=None, kind="classifier", batch_size=8, template=None,
         if yes_token == no_token:
             raise ConfigError(f"yes_token and no_token are both {yes_token!r}.")
     if template is not None:
-        if not isinstance(template, str):
-            raise ConfigError(f"template={template!r} must be a string with {{prompt}}, {{response}}, {{answer}}.")
-        try:
-            fields = {f for _, f, _, _ in string.Formatter().parse(template) if f is not None}
-        except ValueError as e:
-            raise ConfigError(f"template={template!r} is not a format string ({e}); write a literal brace as {{{{ or }}}}.") from None
-        if fields - _FIELDS:
-            raise ConfigError(f"template={template!r} has {sorted(fields - _FIELDS)}; it may use {{prompt}}, "
-                              f"{{response}} and {{answer}}.")
-        if "response" not in fields:
-            raise ConfigError(f"template={template!r} has no {{response}}: the model would not see what it scores.")
+        check_template(template, _FIELDS, "the model")
     return {"model_path": model_path, "kind": kind, "batch_size": batch_size, "template": template,
             "yes_token": yes_token, "no_token": no_token, "chat_template": chat_template, "max_length": max_length,
             "dtype": dtype, "num_cpus": num_cpus, "colocate": colocate}
+
+
+def check_template(template, allowed: set, reader: str) -> None:
+    """A served reward's prompt template: a format string of the `allowed` fields, with {response}."""
+    listed = ", ".join("{" + f + "}" for f in sorted(allowed))
+    if not isinstance(template, str):
+        raise ConfigError(f"template={template!r} must be a string with some of {listed}, {{response}} among them.")
+    try:
+        fields = {f for _, f, _, _ in string.Formatter().parse(template) if f is not None}
+    except ValueError as e:
+        raise ConfigError(f"template={template!r} is not a format string ({e}); write a literal brace as {{{{ or }}}}.") from None
+    if fields - allowed:
+        raise ConfigError(f"template={template!r} has {sorted(fields - allowed)}; it may use {listed}.")
+    if "response" not in fields:
+        raise ConfigError(f"template={template!r} has no {{response}}: {reader} would not see what it scores.")
 
 
 # args that say where the worker runs, not what it computes

@@ -159,7 +159,7 @@ def test_a_chat_template_wraps_the_tasks_question(engineered_classifier, tiny):
 
 @pytest.mark.parametrize("args, message", [
     ({"kind": "regression"}, "kind='regression' is not a reward model kind; choose one of ['classifier', 'yes_no']"),
-    ({"template": "{prompt} {reply}"}, "template='{prompt} {reply}' has ['reply']; it may use {prompt}, {response} and {answer}"),
+    ({"template": "{prompt} {reply}"}, "template='{prompt} {reply}' has ['reply']; it may use {answer}, {prompt}, {response}"),
     ({"template": "{prompt}"}, "has no {response}"),
     ({"batch_size": 0}, "batch_size=0 must be an integer >= 1."),
     ({"yes_token": "y"}, "yes_token and no_token are for kind=yes_no"),
