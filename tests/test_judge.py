@@ -15,6 +15,9 @@ from rft.scoring import build, spec_of
 from rft.tasks import Task
 from test_reward_server import serving_app
 
+# real HTTP servers and subprocesses: in `make test`, out of the fast tier
+pytestmark = pytest.mark.slow
+
 TASK = Task(task_id="t1", messages=[{"role": "system", "content": "Add."}, {"role": "user", "content": "042+315"}],
             answer="357", row={"question": "042+315", "answer": "357"})
 

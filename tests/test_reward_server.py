@@ -27,6 +27,9 @@ from rft.reward_server import RemoteReward, RewardRequestError, make_app
 from rft.scoring import build
 from rft.tasks import Task
 
+# real HTTP servers and subprocesses: in `make test`, out of the fast tier
+pytestmark = pytest.mark.slow
+
 TOKEN = "test-token-1234"
 
 
