@@ -269,7 +269,7 @@ class RunningNorm:
 
     Each step's values join the statistics first (Chan et al.'s parallel update, float64), then
     each normalised part becomes (value - mean) / max(std, eps) and the reward is the weighted sum
-    again. The parts keep their raw values; `reward_normalized` on the experience says it was done.
+    again. While every value so far is equal (std 0), the part contributes 0: it carries no signal. The parts keep their raw values; `reward_normalized` on the experience says it was done.
     """
 
     def __init__(self, weights: dict[str, float], names: list[str], eps: float = 1e-6):
