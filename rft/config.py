@@ -215,6 +215,10 @@ class FormatConfig:
     # dataset: the response to learn); null for a taskset whose reward needs none
     response_key: Optional[str] = "answer"
     messages_key: str = "messages"
+    # a training dataset of `messages` rows (whole conversations): train on every assistant turn
+    # of a row at once, as one sequence (the others' turns and the template's tokens masked
+    # out), rather than on a prompt and one response (rft/multi_turn.py conversation_ids)
+    enable_concatenated_multi_turn: bool = False
     system_prompt: Optional[str] = None
     # preference pairs (DPO): columns of the preferred and the dispreferred response
     chosen_key: Optional[str] = None
@@ -345,6 +349,16 @@ class RolloutModelConfig:
 
 
 @dataclass
+class AuxiliaryModelConfig:
+    # what a workflow calls it: ctx.auxiliary[name]
+    name: str = MISSING
+    # model_path, builder, dtype, max_response_tokens, ... as the policy's `model`
+    model: ModelConfig = field(default_factory=ModelConfig)
+    # engine_type, and the engine's settings, as explorer.rollout_model
+    rollout_model: RolloutModelConfig = field(default_factory=RolloutModelConfig)
+
+
+@dataclass
 class OverRolloutConfig:
     # each step waits for (1 - ratio) of its tasks, then at most wait_after_min seconds for the rest;
     # the rest are dropped and counted (rollout/over_rollout_dropped)
@@ -356,6 +370,9 @@ class OverRolloutConfig:
 class ExplorerConfig:
     name: str = "explorer"
     rollout_model: RolloutModelConfig = field(default_factory=RolloutModelConfig)
+    # extra engines a workflow may call (a judge, a teacher, a user simulator): each explorer
+    # loads them beside its rollout engine, on its device; never trained, never synced
+    auxiliary_models: List[AuxiliaryModelConfig] = field(default_factory=list)
     # concurrent workflow runners per engine: tasks whose reward functions run at the same time
     runner_per_model: int = 8
     # seconds a task's workflow (reward included) may take before it counts as failed

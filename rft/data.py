@@ -59,6 +59,12 @@ class DatasetReader:
         # chosen then rejected, always kept next to each other
         keys = [fmt.chosen_key, fmt.rejected_key] if fmt.chosen_key and fmt.rejected_key else [fmt.response_key]
         self.items = []  # one entry per row: the list of its experiences
+        if getattr(fmt, "enable_concatenated_multi_turn", False):
+            self.items = [[conversation_experience(row, fmt, tokenizer, max_prompt_tokens + max_response_tokens,
+                                                   f"{buf_cfg.name}/{i}", where, i, buf_cfg.path)]
+                          for i, row in enumerate(rows)]
+            rows = []
+            keys = [None]
         for i, row in enumerate(rows):
             messages = rows_to_messages(row, fmt, where, i, buf_cfg.path)
             full_prompt = chat_ids(tokenizer, messages)
@@ -90,12 +96,50 @@ class DatasetReader:
         return [e for i in rows for e in self.items[i]]
 
 
+def conversation_experience(row: dict, fmt, tokenizer, max_tokens: int, task_id: str, where: str, index: int,
+                            path: str) -> Experience:
+    """A `messages` row (a whole conversation) as one experience that trains on every assistant
+    turn (format.enable_concatenated_multi_turn; rft/multi_turn.py conversation_ids). A
+    conversation longer than `max_tokens` (model.max_prompt_tokens + max_response_tokens) keeps
+    its beginning."""
+    from rft.multi_turn import conversation_ids
+    from rft.tasks import _line_hint
+
+    if fmt.prompt_type != "messages":
+        raise ConfigError(f"{where}.format.enable_concatenated_multi_turn=true needs {where}.format.prompt_type=messages "
+                          f"(rows of whole conversations in format.messages_key).")
+    messages = row.get(fmt.messages_key)
+    if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
+        raise ConfigError(f"{where}: {_line_hint(path, index)} of {path!r}: {fmt.messages_key!r} must be a list of "
+                          f"messages ({{'role': ..., 'content': ...}}); got {str(messages)[:80]!r}.")
+    try:
+        ids, prompt_length, mask = conversation_ids(tokenizer, messages)
+    except ConfigError as e:
+        raise ConfigError(f"{where}: {_line_hint(path, index)} of {path!r}: {e}") from None
+    cut = len(ids) > max_tokens
+    if cut:
+        ids, mask = ids[:max_tokens], mask[: max(max_tokens - prompt_length, 0)]
+    return Experience(ids, prompt_length, [], task_id=task_id, group_id=str(index), loss_mask=mask,
+                      info={"prompt_truncated": False, "response_truncated": cut})
+
+
 def budget_report(ds, tokenizer, model_cfg, responses: bool, where: str, first: int = 256) -> str | None:
     """How many of the first rows' prompts (and, for a training dataset, responses) exceed the
     model's token budgets, as one sentence; None when all fit."""
     rows = load_rows(ds.path, ds.split, getattr(ds, "subset_name", None), key=f"{where}.path")
     rows = rows.select(range(min(first, len(rows))))
     fmt = ds.format
+    if getattr(fmt, "enable_concatenated_multi_turn", False):  # whole conversations: one budget
+        from rft.multi_turn import conversation_ids
+
+        budget = model_cfg.max_prompt_tokens + model_cfg.max_response_tokens
+        lens = [len(conversation_ids(tokenizer, list(r[fmt.messages_key]))[0]) for r in rows]
+        long = [n for n in lens if n > budget]
+        if not long:
+            return None
+        return (f"{len(long)} of the first {len(lens)} conversations of {where} ({ds.path}) are longer than "
+                f"model.max_prompt_tokens + max_response_tokens = {budget} tokens (the longest has {max(long)}) "
+                f"and will be cut. Raise the budget or shorten the data (metric: train/truncated_responses).")
     prompts = [len(chat_ids(tokenizer, rows_to_messages(r, fmt, where, i, ds.path))) for i, r in enumerate(rows)]
     parts = []
     over = [n for n in prompts if n > model_cfg.max_prompt_tokens]

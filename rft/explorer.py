@@ -142,7 +142,25 @@ def rollout_metrics(exps: list, groups: list, counters: dict, elapsed: float) ->
     m.update({k if k.startswith("reward/") else f"rollout/{k}": v for k, v in counters.items()})
     # each reward part (rft/scoring.py), shaping's overlong penalty included
     m.update(part_metrics(exps))
+    m.update(conversation_metrics(exps))
     return m
+
+
+def conversation_metrics(exps: list, prefix: str = "rollout") -> dict:
+    """Multi-turn conversations (rft/multi_turn.py): turns, tool calls, drift, budget and turn limits."""
+    convs = [e for e in exps if "turns" in e.info]
+    if not convs:
+        return {}
+    n = len(convs)
+    return {
+        f"{prefix}/turns_mean": sum(e.info["turns"] for e in convs) / n,
+        f"{prefix}/tool_calls_mean": sum(e.info.get("tool_calls", 0) for e in convs) / n,
+        f"{prefix}/tool_failures_mean": sum(e.info.get("tool_failures", 0) for e in convs) / n,
+        # conversations whose held ids the chat template does not render (rft/multi_turn.py)
+        f"{prefix}/drift_frac": sum(bool(e.info.get("drift")) for e in convs) / n,
+        f"{prefix}/budget_truncated_frac": sum(bool(e.info.get("budget_truncated")) for e in convs) / n,
+        f"{prefix}/turn_limit_frac": sum(bool(e.info.get("turn_limit")) for e in convs) / n,
+    }
 
 
 def step_metrics(exps: list, counters: dict, explorers: int) -> dict:
@@ -160,6 +178,21 @@ def step_metrics(exps: list, counters: dict, explorers: int) -> dict:
     return m
 
 
+def save_trajectories(exps: list, path: str) -> None:
+    """One JSON line per conversation: the task, its messages (tool calls and answers as the
+    model and the tools wrote them), the reward and its parts, and the conversation's counters."""
+    import json
+
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    keys = ("turns", "tool_calls", "tool_failures", "tool_errors", "finish_reason", "drift", "budget_truncated", "turn_limit")
+    with open(path + ".tmp", "w") as f:
+        for e in exps:
+            row = {"task_id": e.task_id, "reward": e.reward, "reward_parts": e.reward_parts,
+                   "messages": e.info.get("conversation"), **{k: e.info[k] for k in keys if k in e.info}}
+            f.write(json.dumps(row) + "\n")
+    os.replace(path + ".tmp", path)
+
+
 class Explorer:
     def __init__(self, cfg, weights_path: str | None = None, version: int = 0, shard: int = 0):
         self.cfg = cfg
@@ -169,6 +202,17 @@ class Explorer:
         rollout = cfg.explorer.rollout_model
         self.engine = engine_class(rollout.engine_type)(cfg.model, rollout, self.tokenizer, weights_path,
                                                    device=local_device(cfg.cluster))
+        # explorer.auxiliary_models: engines a workflow may call, on this explorer's device
+        self.auxiliary = {}
+        for aux in cfg.explorer.auxiliary_models:
+            from rft.models import ensure_model
+            from rft.workflows import Auxiliary
+
+            ensure_model(aux.model)
+            tok = load_tokenizer(aux.model)
+            engine = engine_class(aux.rollout_model.engine_type)(aux.model, aux.rollout_model, tok, None,
+                                                               device=local_device(cfg.cluster))
+            self.auxiliary[aux.name] = Auxiliary(aux.name, engine, tok, aux.model.max_response_tokens)
         inp = cfg.buffer.explorer_input
         self.taskset = load_tasks(inp.taskset, "buffer.explorer_input.taskset")
         # each taskset's reward (rft/scoring.py; served rewards connect here, once)
@@ -196,15 +240,28 @@ class Explorer:
         """Run the workflow on `tasks`; returns one list of experiences per task (None: failed)."""
         ex = self.cfg.explorer
 
+        dropped = 0  # tasks over_rollout dropped (None, but not failed)
+
+        def merge(c: dict) -> None:
+            nonlocal dropped
+            if "last_error" in c:
+                counters["last_error"] = c.pop("last_error")
+            c.pop("failed", None)  # counted below, once per task, from what the workflow returned
+            dropped += c.get("over_rollout_dropped", 0)
+            for k, v in [*c.items(), *scorer.take_counters().items()]:
+                counters[k] = counters.get(k, 0) + v
+
         def score(jobs):
             t0 = time.perf_counter()
             results, c = run_jobs(lambda job: scorer(*job), jobs, ex.runner_per_model, ex.max_timeout, ex.max_retry_times,
                                   min_done, ex.over_rollout.wait_after_min)
             counters["reward_s"] = counters.get("reward_s", 0.0) + time.perf_counter() - t0
-            if "last_error" in c:
-                counters["last_error"] = c.pop("last_error")
-            for k, v in [*c.items(), *scorer.take_counters().items()]:
-                counters[k] = counters.get(k, 0) + v
+            merge(c)
+            return results
+
+        def call(fn, jobs):
+            results, c = run_jobs(fn, jobs, ex.runner_per_model, ex.max_timeout, 0)
+            merge(c)
             return results
 
         ctx = WorkflowContext(
@@ -217,6 +274,9 @@ class Explorer:
             step=step,
             score=score,
             args=dict(ts_cfg.workflow_args),
+            max_response_tokens=self.cfg.model.max_response_tokens,
+            call=call,
+            auxiliary=self.auxiliary,
         )
         workflow = resolve(WORKFLOWS, ts_cfg.workflow, "workflow")
         t0 = time.perf_counter()
@@ -232,6 +292,7 @@ class Explorer:
                 f"command again to resume from the newest checkpoint."
             ) from None
         check_output(out, tasks, ts_cfg.workflow)
+        counters["failed"] = counters.get("failed", 0) + sum(g is None for g in out) - dropped
         counters["workflow_s"] = counters.get("workflow_s", 0.0) + time.perf_counter() - t0
         return out
 
@@ -275,12 +336,13 @@ class Explorer:
         counters["generate_s"] = self.engine.busy_s - busy0
         return [e for g in groups for e in g], counters
 
-    def evaluate(self, step: int) -> dict:
+    def evaluate(self, step: int, save_dir: str | None = None) -> dict:
         """Mean reward on each eval taskset (`eval/<name>/accuracy`; the first one also as `eval/accuracy`).
 
         A task whose reward failed (raised or timed out after its retries) counts as reward 0 and
         is counted in `eval/<name>/failed_tasks`; when every task of a set failed, the accuracy
-        means nothing, and the log says so.
+        means nothing, and the log says so. With `save_dir`, the conversations of a multi-turn
+        eval (their turns, tool calls and rewards) go to <save_dir>/step_<step>/<name>.jsonl.
         """
         metrics = {}
         for i, (ts, tasks, scorer) in enumerate(self.eval_tasksets):
@@ -295,6 +357,10 @@ class Explorer:
             if len(parts) > 1:
                 metrics.update(parts)
             metrics[f"eval/{ts.name}/failed_tasks"] = failed
+            exps = [e for g in groups if g for e in g]
+            metrics.update(conversation_metrics(exps, prefix=f"eval/{ts.name}"))
+            if save_dir and any("conversation" in e.info for e in exps):
+                save_trajectories(exps, os.path.join(save_dir, f"step_{step}", f"{ts.name}.jsonl"))
             if failed == len(tasks):
                 log.warning("every task of eval set %s failed at step %d (the last error: %s)", ts.name, step,
                             counters.get("last_error", "timeouts"))

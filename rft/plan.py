@@ -453,6 +453,10 @@ def _check_names(cfg) -> None:
         if ts.reward_fn is not None:
             check_reward(spec_of(ts.reward_fn), f"{where}.reward_fn")
         resolve(WORKFLOWS, ts.workflow, f"{where}.workflow")
+        if ts.workflow == "multi_turn":
+            from rft.multi_turn import check_args
+
+            check_args(dict(ts.workflow_args), f"{where}.workflow_args")
     # dict-typed keys hold typed values too: a typo fails here, not inside an actor
     for name, value in cfg.buffer.trainer_input.auxiliary_buffers.items():
         _typed_buffer(value, f"buffer.trainer_input.auxiliary_buffers.{name}")

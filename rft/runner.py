@@ -360,7 +360,7 @@ class StageRun:
 
     def _evaluate(self, step: int) -> dict:
         t0 = time.perf_counter()
-        metrics = self._explorer_result(0, self.explorers[0].submit("evaluate", step), "evaluate", step)
+        metrics = self._explorer_result(0, self.explorers[0].submit("evaluate", step, str(self.dir / "eval_trajectories")), "evaluate", step)
         metrics["timing/eval_s"] = time.perf_counter() - t0
         if "eval/accuracy" in metrics:
             failed = metrics.get("eval/failed_tasks", 0)

@@ -37,6 +37,41 @@ class WorkflowContext:
     score: Callable
     # the taskset's workflow_args
     args: dict = field(default_factory=dict)
+    # model.max_response_tokens (a multi-turn conversation's budget is prompt + response tokens)
+    max_response_tokens: int = 0
+    # call(fn, jobs) -> [fn(job) | None, ...]: jobs on the explorer's workflow runners (at most
+    # explorer.runner_per_model at once), each bounded by explorer.max_timeout and not retried; a
+    # job that raised or timed out gives None (an environment's step, a tool call)
+    call: Callable | None = None
+    # explorer.auxiliary_models: name -> engine (the same `generate` as the rollout engine; never trained)
+    auxiliary: dict = field(default_factory=dict)
+
+
+class Auxiliary:
+    """An auxiliary model (explorer.auxiliary_models) as a workflow sees it: `ctx.auxiliary[name]`.
+
+    `generate` is the engine's (token ids in, samples out), one call at a time (engines are not
+    thread-safe, and environments step on several runner threads); `chat` is the short way to
+    ask it something: messages in, the reply's text out (greedy unless told otherwise)."""
+
+    def __init__(self, name: str, engine, tokenizer, max_tokens: int):
+        import threading
+
+        self.name, self.engine, self.tokenizer, self.max_tokens = name, engine, tokenizer, max_tokens
+        self.lock = threading.Lock()
+
+    def generate(self, prompts, n, args, seed):
+        with self.lock:
+            return self.engine.generate(prompts, n, args, seed=seed)
+
+    def chat(self, messages: list[dict], temperature: float = 0.0, max_tokens: int | None = None,
+             seed: int = 0, stop: list[str] | tuple = ()) -> str:
+        from types import SimpleNamespace
+
+        args = SimpleNamespace(temperature=temperature, top_p=1.0, top_k=-1, stop=list(stop),
+                               max_tokens=max_tokens or self.max_tokens)
+        sample = self.generate([chat_ids(self.tokenizer, messages)], 1, args, seed)[0][0]
+        return self.tokenizer.decode(sample.token_ids, skip_special_tokens=True)
 
 
 def single_turn(tasks, engine, ctx: WorkflowContext) -> list[list[Experience] | None]:
@@ -75,7 +110,14 @@ def single_turn(tasks, engine, ctx: WorkflowContext) -> list[list[Experience] | 
     return out
 
 
-WORKFLOWS = {"single_turn": single_turn}
+def _multi_turn(tasks, engine, ctx):
+    from rft.multi_turn import multi_turn
+
+    return multi_turn(tasks, engine, ctx)
+
+
+# single_turn: one prompt, n responses; multi_turn: conversations with an environment (rft/multi_turn.py)
+WORKFLOWS = {"single_turn": single_turn, "multi_turn": _multi_turn}
 
 
 def check_output(out, tasks, name: str) -> None:

@@ -105,6 +105,43 @@ def test_sampling_logprobs_are_those_the_trainer_recomputes(engines):
             assert max(abs(x - y) for x, y in zip(recomputed, s.logprobs)) < LOGPROB_TOL
 
 
+def test_the_multi_turn_workflow_runs_on_vllm_token_exactly(engines):
+    """explorer=vllm runs the multi-turn workflow (rft/multi_turn.py): conversations of the tiny
+    model with an environment that answers every turn, at temperature 1. Every sampled token's
+    log-prob, recomputed by the trainer's forward on the held ids, equals vLLM's within
+    LOGPROB_TOL, and the mask leaves out what the engine did not sample."""
+    from test_multi_turn import GoOn
+
+    import rft.environments as envs
+    from rft.experience import collate
+    from rft.multi_turn import multi_turn
+    from rft.workflows import WorkflowContext
+
+    cfg, hf, vllm, prompts = engines
+    tasks = load_tasks(cfg.buffer.explorer_input.eval_tasksets[0], "eval")[:4]
+    ctx = WorkflowContext(tokenizer=vllm.tokenizer, n=2, rollout_args=cfg.buffer.explorer_input.taskset.rollout_args,
+                          max_prompt_tokens=cfg.model.max_prompt_tokens, policy_version=0, seed=3, step=0, score=None,
+                          # the module's engine has 30 positions (24 + 6): a prompt, a turn, "go on", a turn
+                          args={"env": "_go_on", "max_turns": 3}, max_response_tokens=cfg.model.max_response_tokens)
+    envs.ENVIRONMENTS["_go_on"] = GoOn
+    try:
+        out = multi_turn(tasks, vllm, ctx)
+    finally:
+        del envs.ENVIRONMENTS["_go_on"]
+    exps = [e for g in out for e in g]
+    # (an untrained model samples special tokens such as <|im_start|>, which its text drops: those
+    # conversations count as drift, and still train on exactly the sampled ids)
+    assert all(e.info["turns"] >= 2 for e in exps)
+    batch = collate(exps, vllm.tokenizer.pad_token_id)
+    with torch.no_grad():
+        logp, _ = token_logprobs(hf.model, batch["input_ids"], batch["attention_mask"])
+    for i, e in enumerate(exps):
+        mask = torch.tensor(e.loss_mask, dtype=torch.bool)
+        got = logp[i, e.prompt_length - 1 : len(e.tokens) - 1][mask]
+        assert (got - torch.tensor(e.logprobs)[mask]).abs().max().item() < LOGPROB_TOL
+        assert sum(e.loss_mask) < e.response_length  # "go on" and the template's ids are not trained
+
+
 def _perturbed(hf, seed):
     g = torch.Generator().manual_seed(seed)
     sd = {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in hf.model.state_dict().items()}

@@ -1,0 +1,358 @@
+"""Multi-turn conversations held as token ids: the `multi_turn` workflow and SFT on conversations.
+
+Token in, token out. A conversation is never re-tokenised from its text: re-encoding what the
+model wrote can give other ids than it sampled (BPE merges across a turn boundary, a newline the
+template drops; verl#3720, verl#6921), and the trainer would then compute log-probs of tokens the
+engine never sampled. So the workflow holds the ids and appends:
+
+- an assistant turn: exactly the ids the engine sampled, with their log-probs (loss mask 1);
+- the rest of that turn's rendering: what the chat template writes after the sampled ids (the
+  newline after <|im_end|>; <|im_end|> itself when a stop string ended the turn) (mask 0);
+- an environment's message (a tool's answer, a user's reply): the ids the chat template adds for
+  it, the next generation prompt included (`message_ids`, the difference of two renderings) (mask 0).
+
+The trainer sees `Experience.tokens` = the first prompt, then all of that, and `loss_mask` is 1
+exactly on the sampled tokens: it learns only what the model itself said.
+
+Drift check. At the end the whole conversation (its messages as text) is rendered by the chat
+template and compared with the ids held. A template that renders a turn differently once later
+turns exist (Qwen3 drops earlier <think> blocks), or text that re-encodes to other ids, shows up
+as a mismatch: counted (`rollout/drift_frac`, info["drift"] names the turn and token), and with
+workflow_args.strict=true the run stops naming the turn and the first differing token.
+
+workflow_args of `multi_turn`:
+    env              a name in rft.environments.ENVIRONMENTS or a class's dotted path (required)
+    env_args         keyword arguments of the environment's constructor
+    max_turns        assistant turns at most (default 4); a conversation that reaches it ends,
+                     info["turn_limit"] is set, and its reward is what the environment gave so far
+    max_total_tokens the whole conversation's budget (default model.max_prompt_tokens +
+                     model.max_response_tokens): an assistant turn is cut to what is left (finish
+                     reason "length"), and a message that does not fit ends the conversation
+                     before it (info["budget_truncated"]); never an error
+    stop             strings that end every assistant turn (besides rollout_args.stop and the
+                     environment's own `stop`)
+    strict           true: a drift stops the run (default false: counted)
+
+Batching: each turn, the active conversations of all tasks go to the engine in one `generate`
+call (the first turn as `n` samples of each prompt, sharing its prefill); their environments step
+on the explorer's workflow runners (`ctx.call`: explorer.max_timeout each). An environment that
+raises or times out fails its task (no experiences; counted in rollout/failed_tasks).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from types import SimpleNamespace
+
+from rft.errors import ConfigError, RunError
+from rft.experience import Experience
+
+log = logging.getLogger(__name__)
+
+
+# ---------------------------------------------------------------- the chat template, incrementally
+
+def render(tok, messages: list[dict], generation_prompt: bool = False) -> list[int]:
+    ids = tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=generation_prompt)
+    if hasattr(ids, "keys"):  # transformers may return a BatchEncoding
+        ids = ids["input_ids"]
+    return list(ids)
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+def message_ids(tok, history: list[dict], message: dict, generation_prompt: bool) -> list[int]:
+    """The ids the chat template adds for `message` after `history` (and the next generation
+    prompt): the rendering of history + [message] after that of history. A template whose
+    rendering of the history changes once the message is added cannot be held incrementally: a
+    ConfigError naming the message."""
+    before = render(tok, history)
+    after = render(tok, history + [message], generation_prompt)
+    if after[: len(before)] != before:
+        at = common_prefix(before, after)
+        raise ConfigError(
+            f"the chat template renders the conversation's first {len(history)} messages differently once a "
+            f"{message.get('role')!r} message follows (they differ at token {at}), so the conversation cannot be "
+            f"held as token ids turn by turn. Use a template that renders each message on its own "
+            f"(model.custom_chat_template)."
+        )
+    return after[len(before):]
+
+
+def closing_ids(tok, history: list[dict], sampled: list[int], text: str) -> tuple[list[int], int | None]:
+    """What the template writes after an assistant turn's sampled ids, and where (if anywhere) its
+    rendering of the turn's text departs from them (None: it does not).
+
+    The template renders history + [assistant: text]; after the generation prompt come the turn's
+    ids: the sampled ones when the text re-encodes to them, then the rest (the newline after
+    <|im_end|>, or <|im_end|> too when a stop string ended the turn)."""
+    start = render(tok, history, generation_prompt=True)
+    full = render(tok, history + [{"role": "assistant", "content": text}])
+    turn = full[len(start):] if full[: len(start)] == start else full[common_prefix(start, full):]
+    same = common_prefix(turn, sampled)
+    if same == len(sampled):
+        return turn[same:], None
+    # the rendering departs from the sampled ids: keep them (what the engine sampled) and close
+    # the turn with what the template puts after its last end-of-turn token
+    eos = tok.eos_token_id
+    tail = turn[len(turn) - 1 - turn[::-1].index(eos) + 1 :] if eos in turn else []
+    return ([] if sampled and sampled[-1] == eos else [eos]) + tail, same
+
+
+def conversation_ids(tok, messages: list[dict]) -> tuple[list[int], int, list[int]]:
+    """A whole conversation (an SFT row's `messages`) as (ids, prompt_length, loss_mask): the loss
+    mask (one entry per id after the prompt) is 1 on each assistant turn's content and its
+    end-of-turn token, 0 on everything the template adds around them and on other roles' turns.
+    The prompt is everything before the first assistant turn's content (its generation prompt
+    included)."""
+    if not any(m.get("role") == "assistant" for m in messages):
+        raise ConfigError("the conversation has no assistant message to learn from")
+    ids: list[int] = []
+    mask: list[int] = []
+    prompt_length = None
+    for i, m in enumerate(messages):
+        if m.get("role") == "assistant":
+            start = render(tok, messages[:i], generation_prompt=True) if i else render(tok, [], True)
+            head = start[len(ids):] if start[: len(ids)] == ids else None
+            full = render(tok, messages[: i + 1])
+            if head is None or full[: len(start)] != start:
+                raise ConfigError(
+                    f"the chat template renders messages[{i}] (assistant) so that the conversation before it "
+                    f"changes; it cannot be trained turn by turn (use model.custom_chat_template)."
+                )
+            turn = full[len(start):]
+            # train on the content and its end-of-turn token, not on what the template adds after it
+            eos = tok.eos_token_id
+            trained = len(turn) - turn[::-1].index(eos) if eos in turn else len(turn)
+            ids += head
+            mask += [0] * len(head)
+            if prompt_length is None:
+                prompt_length = len(ids)
+            ids += turn
+            mask += [1] * trained + [0] * (len(turn) - trained)
+        else:
+            delta = message_ids(tok, messages[:i], m, generation_prompt=False) if i else render(tok, [m])
+            ids += delta
+            mask += [0] * len(delta)
+    return ids, prompt_length, mask[prompt_length:]
+
+
+# ---------------------------------------------------------------- the workflow
+
+class Conversation:
+    """One rollout: the ids held so far, which of them were sampled, and the messages as text."""
+
+    def __init__(self, task, env, messages: list[dict], prompt: list[int]):
+        self.task, self.env = task, env
+        self.messages = messages
+        self.ids = list(prompt)
+        self.prompt_length = len(prompt)
+        self.mask: list[int] = []
+        self.logprobs: list[float] = []
+        # (start, end, turn number, role) of each appended span: where a drift sits
+        self.spans: list[tuple[int, int, int, str]] = [(0, len(prompt), 0, "prompt")]
+        self.parts: dict[str, float] = {}
+        self.turns = 0
+        self.done = False
+        self.failed: str | None = None
+        self.finish_reason = "stop"
+        self.info: dict = {}
+
+    def add(self, ids: list[int], sampled: bool, role: str, logprobs=None) -> None:
+        self.spans.append((len(self.ids), len(self.ids) + len(ids), self.turns, role))
+        self.ids += ids
+        self.mask += [int(sampled)] * len(ids)
+        self.logprobs += list(logprobs) if sampled else [0.0] * len(ids)
+
+
+def _env_class(name: str, key: str):
+    from rft.algorithms import resolve
+    from rft.environments import ENVIRONMENTS
+
+    return resolve(ENVIRONMENTS, name, key)
+
+
+def _first_messages(first) -> list[dict]:
+    if isinstance(first, str):
+        return [{"role": "user", "content": first}]
+    if isinstance(first, dict):
+        return [dict(first)]
+    return [dict(m) for m in first]
+
+
+def _as_message(msg) -> dict:
+    return {"role": "user", "content": msg} if isinstance(msg, str) else dict(msg)
+
+
+def drift_at(tok, conv: Conversation) -> tuple[int, int, str] | None:
+    """(token index, turn, role) of the first id where the template's rendering of the whole
+    conversation departs from the ids held; None when the held ids are what it renders (up to the
+    closing tokens of a last turn that ended the conversation)."""
+    rendered = render(tok, conv.messages)
+    at = common_prefix(rendered, conv.ids)
+    if at == len(conv.ids):
+        return None
+    turn, role = next(((t, r) for s, e, t, r in conv.spans if s <= at < e), (conv.turns, "?"))
+    return at, turn, role
+
+
+def drift_message(tok, conv: Conversation, at: int, turn: int, role: str) -> str:
+    rendered = render(tok, conv.messages)
+    held = conv.ids[at] if at < len(conv.ids) else None
+    want = rendered[at] if at < len(rendered) else None
+    show = lambda t: "nothing" if t is None else f"{t} ({tok.decode([t])!r})"  # noqa: E731
+    return (f"task {conv.task.task_id!r}: the chat template renders turn {turn} ({role}) differently from the "
+            f"token ids the conversation holds: at token {at} it holds {show(held)}, the template gives "
+            f"{show(want)}. The trainer trains on the held ids (what the engine sampled); set "
+            f"workflow_args.strict=false to count such conversations (rollout/drift_frac) instead of "
+            f"stopping, or fix the template (model.custom_chat_template).")
+
+
+ARGS = {"env", "env_args", "max_turns", "max_total_tokens", "stop", "strict"}
+
+
+def check_args(args, where: str = "workflow_args"):
+    """The workflow_args of `multi_turn` (checked when planning, and again by the workflow);
+    returns the environment class."""
+    if "env" not in args:
+        raise ConfigError(f"workflow multi_turn needs {where}.env: a name in rft.environments.ENVIRONMENTS "
+                          f"(calculator, python) or the dotted path of an environment class.")
+    if set(args) - ARGS:
+        raise ConfigError(f"{where} has {sorted(set(args) - ARGS)}, which workflow multi_turn does not take; "
+                          f"its arguments are {sorted(ARGS)}.")
+    return _env_class(args["env"], f"{where}.env")
+
+
+def multi_turn(tasks, engine, ctx) -> list[list[Experience] | None]:
+    """`ctx.n` conversations per task between the model and an environment (module docstring)."""
+    tok, a = ctx.tokenizer, dict(ctx.args)
+    env_cls = check_args(a)
+    max_turns = int(a.get("max_turns", 4))
+    budget = int(a.get("max_total_tokens") or ctx.max_prompt_tokens + ctx.max_response_tokens)
+    strict = bool(a.get("strict", False))
+    call = ctx.call or (lambda fn, jobs: [fn(j) for j in jobs])
+
+    # one conversation per rollout; reset on the runners (an environment may do work there)
+    def start(task):
+        env = env_cls(**dict(a.get("env_args") or {}))
+        messages = _first_messages(env.reset(task))
+        return Conversation(task, env, messages, render(tok, messages, generation_prompt=True))
+
+    jobs = [t for t in tasks for _ in range(ctx.n)]
+    convs: list[Conversation] = []
+    for task, c in zip(jobs, call(start, jobs)):
+        if c is None:
+            c = Conversation(task, None, [], [])
+            c.failed = "the environment's reset raised or timed out"
+        convs.append(c)
+    r = ctx.rollout_args
+    stop = list(getattr(r, "stop", []) or []) + list(a.get("stop") or [])
+    stop += [s for s in getattr(env_cls, "stop", []) if s not in stop]
+    args = SimpleNamespace(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, stop=stop,
+                           max_tokens=r.max_tokens or ctx.max_response_tokens)
+    sampling = {"temperature": float(r.temperature), "top_p": float(r.top_p), "top_k": int(r.top_k)}
+
+    for turn in range(max_turns):
+        active = [c for c in convs if not c.done and not c.failed]
+        if not active:
+            break
+        seed = (ctx.seed + 7919 * turn) % (2**31)
+        if turn == 0:
+            # n samples of each prompt: the group shares its prefill
+            first = [c for c in convs[:: ctx.n]]
+            groups = engine.generate([c.ids for c in first], ctx.n, args, seed=seed)
+            samples = [s for g in groups for s in g]
+            samples = [s for s, c in zip(samples, convs) if not c.failed]
+        else:
+            samples = [g[0] for g in engine.generate([c.ids for c in active], 1, args, seed=seed)]
+        for c, s in zip(active, samples):
+            ids, lps, reason = list(s.token_ids), list(s.logprobs), s.finish_reason
+            room = budget - len(c.ids)
+            if len(ids) > room:  # the conversation's budget ends inside this turn
+                ids, lps, reason = ids[:max(room, 0)], lps[:max(room, 0)], "length"
+                c.info["budget_truncated"] = True
+            c.turns += 1
+            history = list(c.messages)
+            text = tok.decode(ids, skip_special_tokens=True)
+            c.add(ids, True, "assistant", lps)
+            c.messages.append({"role": "assistant", "content": text})
+            c.finish_reason = reason
+            c.pending = (history, ids, text)
+            if c.info.get("budget_truncated"):
+                c.done = True
+        stepping = [c for c in active if not c.done]
+
+        def step(c):
+            return c.env.step(c.messages[-1]["content"])
+
+        for c, result in zip(stepping, call(step, stepping)):
+            if result is None:
+                c.failed = f"the environment's step raised or timed out at turn {c.turns}"
+                continue
+            msg, parts, done = result
+            for k, v in (parts or {}).items():
+                c.parts[k] = c.parts.get(k, 0.0) + float(v)
+            history, ids, text = c.pending
+            if done or msg is None:
+                c.done = True
+                continue
+            closing, departs = closing_ids(tok, history, ids, text)
+            if departs is not None:
+                c.info.setdefault("drift_turns", []).append(c.turns)
+            msg = _as_message(msg)
+            try:
+                delta = message_ids(tok, c.messages, msg, generation_prompt=True)
+            except ConfigError as e:
+                raise ConfigError(f"task {c.task.task_id!r}, turn {c.turns}: {e}") from None
+            if len(c.ids) + len(closing) + len(delta) >= budget:  # no room for the reply and an answer
+                c.info["budget_truncated"] = True
+                c.done = True
+                continue
+            c.add(closing, False, "assistant")
+            c.add(delta, False, msg.get("role", "user"))
+            c.messages.append(msg)
+    for c in convs:
+        if not c.done and not c.failed:
+            c.info["turn_limit"] = True
+
+    # rewards, drift, experiences
+    out = []
+    for i, task in enumerate(tasks):
+        group = convs[i * ctx.n : (i + 1) * ctx.n]
+        bad = next((c for c in group if c.failed), None)
+        if bad is not None:
+            log.warning("task %s failed: %s", task.task_id, bad.failed)
+            out.append(None)
+            continue
+        exps = []
+        for c in group:
+            drift = drift_at(tok, c)
+            if drift is not None and strict:
+                raise RunError(drift_message(tok, c, *drift))
+            from rft.scoring import Reward
+
+            info = {**{k: v for k, v in (c.env.info or {}).items()}, **c.info}
+            info.update({
+                "finish_reason": c.finish_reason, "turns": c.turns, "drift": drift is not None,
+                "prompt": tok.decode(c.ids[: c.prompt_length], skip_special_tokens=True),
+                "response": tok.decode(c.ids[c.prompt_length :], skip_special_tokens=True),
+                # the turns as text, for people and for saved eval trajectories
+                "conversation": copy.deepcopy(c.messages), "prompt_truncated": False,
+            })
+            if drift is not None:
+                info["drift_at"] = {"token": drift[0], "turn": drift[1], "role": drift[2]}
+            exps.append(Experience(
+                tokens=c.ids, prompt_length=c.prompt_length, logprobs=c.logprobs,
+                reward=Reward(sum(c.parts.values()), c.parts),
+                group_id=f"{ctx.step}/{ctx.seed}/{task.task_id}", task_id=task.task_id,
+                policy_version=ctx.policy_version, sampling=dict(sampling), info=info, loss_mask=c.mask,
+            ))
+        out.append(exps)
+    return out
