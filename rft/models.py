@@ -23,7 +23,7 @@ from rft.errors import ConfigError
 log = logging.getLogger(__name__)
 
 # Bump when the tiny model's architecture or tokenizer changes: the cache is keyed on it.
-TINY_VERSION = "v1"
+TINY_VERSION = "v1"  # tiny_tools has its own directory name (conf/model/tiny_tools.yaml)
 
 # One token per character keeps the arithmetic task short and the vocabulary tiny. Role names
 # are single tokens so the chat template costs few positions.
@@ -56,10 +56,20 @@ def _quiet_transformers() -> None:
     transformers.utils.logging.disable_progress_bar()
 
 
-def build_tiny_model(path: str | Path, seed: int = 0, arch: dict | None = None) -> Path:
+# model=tiny_tools: the same model with a "tool" role, <tool_call> </tool_call>, and the calculator
+# call's JSON around its expression as two tokens, as a BPE vocabulary merges frequent strings: a
+# call costs 4 tokens and the expression's characters, so the digits the model copies from the
+# question sit a dozen positions back, a distance the tiny model learns (at ~50, one character
+# per token, 200 warm-up steps did not). The chat template renders every role alike, the tool's
+# answers included: <|im_start|>tool\n{answer}<|im_end|>\n
+_TOOL_TOKENS = ["tool", "<tool_call>", "</tool_call>", '{"name":"calculator","arguments":{"expression":"', '"}}']
+
+
+def build_tiny_model(path: str | Path, seed: int = 0, arch: dict | None = None, tools: bool = False) -> Path:
     """Write the tiny Qwen2 model and its tokenizer to `path` (atomically; safe to race).
 
-    `arch` overrides entries of TINY_ARCH (a larger model for benchmarks, a narrow one for tests).
+    `arch` overrides entries of TINY_ARCH (a larger model for benchmarks, a narrow one for tests);
+    `tools` adds the tool role and tool-call tokens (model=tiny_tools).
     """
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen2Config
@@ -82,7 +92,8 @@ def build_tiny_model(path: str | Path, seed: int = 0, arch: dict | None = None) 
             additional_special_tokens=["<|im_start|>"],
             chat_template=CHAT_TEMPLATE,
         )
-        tokenizer.add_tokens(_ROLE_TOKENS)
+        # plain (not special) tokens: decoding with skip_special_tokens keeps them in the text
+        tokenizer.add_tokens(_ROLE_TOKENS + (_TOOL_TOKENS if tools else []))
         config = Qwen2Config(
             vocab_size=len(tokenizer),
             eos_token_id=tokenizer.eos_token_id,
@@ -103,7 +114,7 @@ def build_tiny_model(path: str | Path, seed: int = 0, arch: dict | None = None) 
     return path
 
 
-BUILDERS = {"tiny": build_tiny_model}
+BUILDERS = {"tiny": build_tiny_model, "tiny_tools": lambda path: build_tiny_model(path, tools=True)}
 
 
 def ensure_model(model_cfg) -> None:

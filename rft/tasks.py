@@ -187,7 +187,56 @@ def generate_countdown(
     return path
 
 
-GENERATORS = {"arithmetic": generate_arithmetic, "countdown": generate_countdown}
+def tool_call_text(name: str, arguments: dict) -> str:
+    """A tool call as Qwen and Hermes write it (what rft.environments.parse_tool_calls reads),
+    compact JSON: the tiny tokenizer drops spaces, and model=tiny_tools has the calculator's JSON
+    as tokens of their own."""
+    return "<tool_call>" + json.dumps({"name": name, "arguments": arguments}, separators=(",", ":")) + "</tool_call>"
+
+
+def generate_calculator(path: str | Path, seed: int = 0, n_train: int = 2000, n_test: int = 200,
+                        teacher_error_rate: float = 0.6) -> Path:
+    """Write `train.jsonl` and `test.jsonl` of two-digit multiplications for the calculator tool:
+    "37*48" -> "1776", which the tiny model cannot compute but can learn to ask the calculator
+    (both numbers 32..99, so every product has 4 digits).
+
+    Columns: `question`, `answer`, and `messages`: a demonstration conversation for the SFT
+    warm-up (format.enable_concatenated_multi_turn): the user's question, the assistant's
+    calculator call, the tool's answer, the assistant's final answer. Its teacher is sloppy: in
+    `teacher_error_rate` of the rows it types the second number's last digit one too high (48 ->
+    49; 9 -> 0; 32..99 kept) and then copies the calculator's (so wrong) answer; imitation learns the habit, the
+    exact-match reward of the RL stage removes it. test.jsonl has no (a, b) pair of train.jsonl.
+    """
+    path = Path(path).expanduser()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(path) + ".lock"):
+        if (path / "test.jsonl").exists():
+            return path
+        # 32..99: every product has 4 digits, so each copied digit sits at the same distance
+        # from its source in every conversation (the tiny model learns fixed offsets far faster)
+        pairs = [(a, b) for a in range(32, 100) for b in range(32, 100)]
+        rng = random.Random(seed)
+        rng.shuffle(pairs)
+        splits = {"test": pairs[:n_test], "train": pairs[n_test:n_test + n_train]}
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.mkdir(parents=True, exist_ok=True)
+        for split, rows in splits.items():
+            with open(tmp / f"{split}.jsonl", "w") as f:
+                for a, b in rows:
+                    typed = b if rng.random() >= teacher_error_rate else b - b % 10 + (b % 10 + 1) % 10
+                    typed = typed if typed >= 32 else typed + 10  # 39 -> 30 would give 3 digits
+                    messages = [
+                        {"role": "user", "content": f"{a}*{b}"},
+                        {"role": "assistant", "content": tool_call_text("calculator", {"expression": f"{a}*{typed}"})},
+                        {"role": "tool", "content": str(a * typed)},
+                        {"role": "assistant", "content": str(a * typed)},
+                    ]
+                    f.write(json.dumps({"question": f"{a}*{b}", "answer": str(a * b), "messages": messages}) + "\n")
+        os.replace(tmp, path)
+    return path
+
+
+GENERATORS = {"arithmetic": generate_arithmetic, "countdown": generate_countdown, "calculator": generate_calculator}
 
 
 def ensure_task_data(explorer_input_cfg) -> None:
