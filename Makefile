@@ -33,7 +33,7 @@ run: $(STAMP)
 	$(PY) run.py
 
 test: $(VLLM_STAMP)
-	$(PY) -m pytest tests
+	$(PY) -m pytest tests --durations=30
 
 test-fast: $(VLLM_STAMP)
 	$(PY) -m pytest tests -m "not slow"
