@@ -217,7 +217,7 @@ class FormatConfig:
     messages_key: str = "messages"
     # a training dataset of `messages` rows (whole conversations): train on every assistant turn
     # of a row at once, as one sequence (the others' turns and the template's tokens masked
-    # out), rather than on a prompt and one response (rft/multi_turn.py conversation_ids)
+    # out), rather than on a prompt and one response (rft/chat.py conversation_ids)
     enable_concatenated_multi_turn: bool = False
     system_prompt: Optional[str] = None
     # preference pairs (DPO): columns of the preferred and the dispreferred response

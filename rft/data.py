@@ -99,10 +99,10 @@ class DatasetReader:
 def conversation_experience(row: dict, fmt, tokenizer, max_tokens: int, task_id: str, where: str, index: int,
                             path: str) -> Experience:
     """A `messages` row (a whole conversation) as one experience that trains on every assistant
-    turn (format.enable_concatenated_multi_turn; rft/multi_turn.py conversation_ids). A
+    turn (format.enable_concatenated_multi_turn; rft/chat.py conversation_ids). A
     conversation longer than `max_tokens` (model.max_prompt_tokens + max_response_tokens) keeps
     its beginning."""
-    from rft.multi_turn import conversation_ids
+    from rft.chat import conversation_ids
     from rft.tasks import _line_hint
 
     if fmt.prompt_type != "messages":
@@ -130,7 +130,7 @@ def budget_report(ds, tokenizer, model_cfg, responses: bool, where: str, first: 
     rows = rows.select(range(min(first, len(rows))))
     fmt = ds.format
     if getattr(fmt, "enable_concatenated_multi_turn", False):  # whole conversations: one budget
-        from rft.multi_turn import conversation_ids
+        from rft.chat import conversation_ids
 
         budget = model_cfg.max_prompt_tokens + model_cfg.max_response_tokens
         lens = [len(conversation_ids(tokenizer, list(r[fmt.messages_key]))[0]) for r in rows]

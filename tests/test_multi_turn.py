@@ -17,7 +17,8 @@ from rft.engine import HFEngine, Sample
 from rft.environments import CalculatorEnv, ToolCall, ToolError, calculate, parse_tool_calls
 from rft.errors import ConfigError, RunError
 from rft.models import build_tiny_model, load_tokenizer
-from rft.multi_turn import conversation_ids, multi_turn
+from rft.chat import conversation_ids
+from rft.multi_turn import multi_turn
 from rft.tasks import Task, tool_call_text
 from rft.workflows import WorkflowContext
 
