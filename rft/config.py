@@ -346,11 +346,18 @@ class RolloutModelConfig:
     enable_sleep_mode: bool = False
     # vllm on CPU: GiB of memory for the KV cache (VLLM_CPU_KVCACHE_SPACE)
     cpu_kvcache_space_gb: int = 1
+    # serve /v1/chat/completions and /v1/completions from this engine (rft/openai_api.py) on
+    # 127.0.0.1 with a per-explorer token, for agent code written against the OpenAI client
+    # (workflow: openai_agent); the auxiliary models are served too, under their names
+    enable_openai_api: bool = False
+    # record every policy call's prompt ids, sampled ids and log-probs: the openai_agent
+    # workflow's experiences (false: served only, nothing to train on)
+    enable_history: bool = True
 
 
 @dataclass
 class AuxiliaryModelConfig:
-    # what a workflow calls it: ctx.auxiliary[name]
+    # what a workflow calls it: ctx.auxiliary[name], or `model=name` on the OpenAI endpoint
     name: str = MISSING
     # model_path, builder, dtype, max_response_tokens, ... as the policy's `model`
     model: ModelConfig = field(default_factory=ModelConfig)

@@ -213,6 +213,7 @@ class Explorer:
             engine = engine_class(aux.rollout_model.engine_type)(aux.model, aux.rollout_model, tok, None,
                                                                device=local_device(cfg.cluster))
             self.auxiliary[aux.name] = Auxiliary(aux.name, engine, tok, aux.model.max_response_tokens)
+        self._openai = None
         inp = cfg.buffer.explorer_input
         self.taskset = load_tasks(inp.taskset, "buffer.explorer_input.taskset")
         # each taskset's reward (rft/scoring.py; served rewards connect here, once)
@@ -226,6 +227,23 @@ class Explorer:
         self.shard, self.num_shards = shard, rollout.engine_num
         log.info("explorer %d/%d ready: %d tasks, %d eval tasksets", shard, self.num_shards,
                  len(self.taskset), len(self.eval_tasksets))
+
+    def openai_server(self):
+        """The OpenAI-compatible server (explorer.rollout_model.enable_openai_api), started on first
+        use and kept for the explorer's life; None when it is off."""
+        rollout = self.cfg.explorer.rollout_model
+        if not rollout.enable_openai_api:
+            return None
+        if self._openai is None:
+            from rft.openai_api import OpenAIServer
+
+            models = {"policy": (self.engine, self.tokenizer)}
+            # an Auxiliary's generate takes its lock: the server and workflows share the engine
+            models.update({name: (a, a.tokenizer) for name, a in self.auxiliary.items()})
+            self._openai = OpenAIServer(models, "policy", self.cfg.buffer.explorer_input.taskset.rollout_args,
+                                        self.cfg.model.max_response_tokens, history=rollout.enable_history).start()
+            log.info("OpenAI-compatible endpoint at %s (token not logged)", self._openai.url)
+        return self._openai
 
     def ping(self) -> int:
         return os.getpid()
@@ -276,6 +294,7 @@ class Explorer:
             args=dict(ts_cfg.workflow_args),
             max_response_tokens=self.cfg.model.max_response_tokens,
             call=call,
+            openai=self.openai_server(),
             auxiliary=self.auxiliary,
         )
         workflow = resolve(WORKFLOWS, ts_cfg.workflow, "workflow")

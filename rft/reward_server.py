@@ -60,19 +60,7 @@ def make_app(scorer, token: str):
     app = FastAPI(title="rft reward server", docs_url=None, redoc_url=None, openapi_url=None)
 
     def refused(request):
-        """None for a request with the right token, else the 401 response."""
-        header = request.headers.get("authorization")
-        if header is None:
-            why = "no Authorization header"
-        else:
-            scheme, _, given = header.partition(" ")
-            if scheme.lower() == "bearer" and secrets.compare_digest(given.strip().encode(), expected):
-                return None
-            why = "a wrong token" if scheme.lower() == "bearer" else "an Authorization header that is not Bearer"
-        return JSONResponse(
-            {"detail": f"refused: {why}. Send 'Authorization: Bearer <token>', the token this server was started "
-                       f"with (--token or ${TOKEN_ENV})."},
-            status_code=401, headers={"WWW-Authenticate": "Bearer"})
+        return bearer_refusal(request, expected, f"the token this server was started with (--token or ${TOKEN_ENV})")
 
     @app.get("/health")
     async def health(request: Request):
@@ -95,6 +83,23 @@ def make_app(scorer, token: str):
             return JSONResponse({"detail": f"{type(e).__name__}: {e}"}, status_code=500)
 
     return app
+
+
+def bearer_refusal(request, expected: bytes, which: str):
+    """None for a request whose `Authorization: Bearer` token is `expected`, else the 401 response
+    (JSON `{"detail": ...}`) saying what was wrong; `which` says which token to send."""
+    from fastapi.responses import JSONResponse
+
+    header = request.headers.get("authorization")
+    if header is None:
+        why = "no Authorization header"
+    else:
+        scheme, _, given = header.partition(" ")
+        if scheme.lower() == "bearer" and secrets.compare_digest(given.strip().encode(), expected):
+            return None
+        why = "a wrong token" if scheme.lower() == "bearer" else "an Authorization header that is not Bearer"
+    return JSONResponse({"detail": f"refused: {why}. Send 'Authorization: Bearer <token>', {which}."},
+                        status_code=401, headers={"WWW-Authenticate": "Bearer"})
 
 
 def _summary(scorer) -> str:

@@ -43,6 +43,9 @@ class WorkflowContext:
     # explorer.runner_per_model at once), each bounded by explorer.max_timeout and not retried; a
     # job that raised or timed out gives None (an environment's step, a tool call)
     call: Callable | None = None
+    # explorer.rollout_model.enable_openai_api: the explorer's OpenAI-compatible server
+    # (rft.openai_api.OpenAIServer), else None
+    openai: object = None
     # explorer.auxiliary_models: name -> engine (the same `generate` as the rollout engine; never trained)
     auxiliary: dict = field(default_factory=dict)
 
@@ -116,8 +119,15 @@ def _multi_turn(tasks, engine, ctx):
     return multi_turn(tasks, engine, ctx)
 
 
-# single_turn: one prompt, n responses; multi_turn: conversations with an environment (rft/multi_turn.py)
-WORKFLOWS = {"single_turn": single_turn, "multi_turn": _multi_turn}
+def _openai_agent(tasks, engine, ctx):
+    from rft.openai_api import openai_agent
+
+    return openai_agent(tasks, engine, ctx)
+
+
+# single_turn: one prompt, n responses; multi_turn: conversations with an environment (rft/multi_turn.py);
+# openai_agent: agent code against the explorer's OpenAI-compatible endpoint (rft/openai_api.py)
+WORKFLOWS = {"single_turn": single_turn, "multi_turn": _multi_turn, "openai_agent": _openai_agent}
 
 
 def check_output(out, tasks, name: str) -> None:

@@ -96,7 +96,7 @@ def test_a_misspelt_workflow_fails_while_planning():
     from rft.plan import make_plan
 
     with pytest.raises(ConfigError, match=r"buffer.explorer_input.taskset.workflow='single_turns' is not one of "
-                                          r"\['multi_turn', 'single_turn'\]; give a registered name or the dotted path"):
+                                          r"\['multi_turn', 'openai_agent', 'single_turn'\]; give a registered name or the dotted path"):
         make_plan(compose_cfg(["stages=[]", "buffer.explorer_input.taskset.workflow=single_turns"]), 2000)
 
 

@@ -142,6 +142,29 @@ def test_the_multi_turn_workflow_runs_on_vllm_token_exactly(engines):
         assert sum(e.loss_mask) < e.response_length  # "go on" and the template's ids are not trained
 
 
+def test_the_openai_endpoint_serves_the_vllm_engine(engines):
+    """The explorer's OpenAI-compatible endpoint (rft/openai_api.py) in front of vLLM: the official
+    client's seeded chat call gets exactly what vllm.generate gives with that seed."""
+    import openai
+
+    from rft.chat import render
+    from rft.openai_api import OpenAIServer
+
+    cfg, hf, vllm, prompts = engines
+    args = cfg.buffer.explorer_input.taskset.rollout_args
+    server = OpenAIServer({"policy": (vllm, vllm.tokenizer)}, "policy", args, cfg.model.max_response_tokens).start()
+    try:
+        messages = [{"role": "user", "content": "12+34"}]
+        client = openai.OpenAI(base_url=server.url, api_key=server.token, max_retries=0)
+        reply = client.chat.completions.create(model="policy", messages=messages, n=2, seed=9)
+        direct = vllm.generate([render(vllm.tokenizer, messages, generation_prompt=True)], 2, args, seed=9)[0]
+        assert [c.token_ids for c in server.take_history("")] == [s.token_ids for s in direct]
+        assert [ch.message.content for ch in reply.choices] == [
+            vllm.tokenizer.decode(s.token_ids, skip_special_tokens=True) for s in direct]
+    finally:
+        server.stop()
+
+
 def _perturbed(hf, seed):
     g = torch.Generator().manual_seed(seed)
     sd = {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in hf.model.state_dict().items()}

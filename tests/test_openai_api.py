@@ -1,0 +1,202 @@
+"""The explorer's OpenAI-compatible endpoint (rft/openai_api.py) and the openai_agent workflow:
+the official `openai` client against a real server (uvicorn on 127.0.0.1) on the tiny model."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import httpx
+import openai
+import pytest
+from omegaconf import OmegaConf
+
+from rft.chat import render
+from rft.engine import HFEngine
+from rft.errors import ConfigError
+from rft.models import build_tiny_model, load_tokenizer
+from rft.openai_api import Call, OpenAIServer, experiences_of, openai_agent
+from rft.scoring import Reward
+from rft.tasks import Task
+from rft.workflows import WorkflowContext
+
+ARGS = SimpleNamespace(temperature=1.0, top_p=1.0, top_k=-1, max_tokens=6, stop=[])
+MESSAGES = [{"role": "user", "content": "12+34"}]
+
+
+def engine_for(path):
+    cfg = OmegaConf.create(dict(model_path=str(path), dtype="float32", trust_remote_code=False,
+                                custom_chat_template=None, max_response_tokens=6))
+    tok = load_tokenizer(cfg)
+    return HFEngine(cfg, SimpleNamespace(generate_batch_size=64), tok), tok
+
+
+@pytest.fixture(scope="module")
+def served(cache_dir, tmp_path_factory):
+    engine, tok = engine_for(build_tiny_model(cache_dir / "models" / "tiny-qwen2-v1"))
+    judge, judge_tok = engine_for(build_tiny_model(tmp_path_factory.mktemp("judge") / "m", seed=1))
+    server = OpenAIServer({"policy": (engine, tok), "judge": (judge, judge_tok)}, "policy", ARGS, 6).start()
+    yield server, engine, tok
+    server.stop()
+
+
+def client(server, **kw):
+    return openai.OpenAI(base_url=server.url, api_key=kw.pop("api_key", server.token), max_retries=0, **kw)
+
+
+def test_the_client_gets_exactly_what_the_engine_samples_with_the_same_seed(served):
+    server, engine, tok = served
+    reply = client(server).chat.completions.create(model="policy", messages=MESSAGES, n=2, seed=7, logprobs=True)
+    calls = server.take_history("")
+    prompt = render(tok, MESSAGES, generation_prompt=True)
+    direct = engine.generate([prompt], 2, ARGS, seed=7)[0]
+    assert [c.token_ids for c in calls] == [s.token_ids for s in direct]
+    assert [c.logprobs for c in calls] == [s.logprobs for s in direct]
+    assert all(c.prompt_ids == prompt for c in calls)
+    assert [ch.message.content for ch in reply.choices] == [tok.decode(s.token_ids, skip_special_tokens=True) for s in direct]
+    assert [lp.logprob for lp in reply.choices[0].logprobs.content] == direct[0].logprobs
+    assert reply.usage.prompt_tokens == len(prompt)
+    assert reply.usage.completion_tokens == sum(len(s.token_ids) for s in direct)
+    # /v1/completions: a text prompt (encoded without the chat template) and a prompt of ids
+    text = client(server).completions.create(model="policy", prompt="12+34=", seed=3, max_tokens=4)
+    ids = tok.encode("12+34=", add_special_tokens=False)
+    [s] = engine.generate([ids], 1, SimpleNamespace(**{**vars(ARGS), "max_tokens": 4}), seed=3)[0]
+    assert text.choices[0].text == tok.decode(s.token_ids, skip_special_tokens=True)
+    by_ids = client(server).completions.create(model="policy", prompt=ids, seed=3, max_tokens=4)
+    assert by_ids.choices[0].text == text.choices[0].text
+    assert [c.token_ids for c in server.take_history("")] == [s.token_ids, s.token_ids]
+
+
+def test_the_token_is_required_and_the_server_listens_on_loopback(served):
+    server, _, _ = served
+    assert server.url.startswith("http://127.0.0.1:") and server.server.config.host == "127.0.0.1"
+    r = httpx.post(server.url + "/chat/completions", json={"messages": MESSAGES})
+    assert r.status_code == 401 and r.json()["error"]["message"].startswith("refused: no Authorization header")
+    r = httpx.post(server.url + "/chat/completions", json={"messages": MESSAGES}, headers={"Authorization": "Bearer nope"})
+    assert r.status_code == 401 and r.json()["error"]["message"].startswith("refused: a wrong token")
+    with pytest.raises(openai.AuthenticationError):
+        client(server, api_key="nope").chat.completions.create(model="policy", messages=MESSAGES)
+    with pytest.raises(openai.NotFoundError, match=r"model 'gpt-4' is not served here; the models are \['judge', 'policy'\]"):
+        client(server).chat.completions.create(model="gpt-4", messages=MESSAGES)
+    assert server.take_history("") == []  # nothing refused was sampled
+
+
+def test_an_auxiliary_model_is_served_and_not_recorded(served):
+    server, engine, tok = served
+    reply = client(server).chat.completions.create(model="judge", messages=MESSAGES, seed=7)
+    assert reply.model == "judge" and server.take_history("") == []
+    policy = client(server).chat.completions.create(model="policy", messages=MESSAGES, seed=7)
+    # another model (built with seed 1): other weights, another answer to the same seeded request
+    assert reply.choices[0].message.content != policy.choices[0].message.content
+    server.take_history("")
+
+
+# ---------------------------------------------------------------- the workflow
+
+def one_call(client, task, model, seed):
+    """An agent as a user writes it: one chat call, its answer's length as the reward."""
+    r = client.chat.completions.create(model=model, messages=task.messages, seed=seed)
+    return float(len(r.choices[0].message.content))
+
+
+def scored_by_the_taskset(client, task, model, seed):
+    client.chat.completions.create(model=model, messages=task.messages, seed=seed)
+    return None
+
+
+def continues_its_ids(client, task, model, seed, tok_path):
+    """Two /v1/completions calls, the second's prompt the first's prompt + answer + "=": one experience."""
+    tok = load_tokenizer(OmegaConf.create(dict(model_path=tok_path, trust_remote_code=False, custom_chat_template=None)))
+    prompt = render(tok, task.messages, generation_prompt=True)
+    first = client.completions.create(model=model, prompt=prompt, seed=seed, max_tokens=3, logprobs=0)
+    ids = tok.encode(first.choices[0].text, add_special_tokens=False)
+    client.completions.create(model=model, prompt=prompt + ids + tok.encode("=", add_special_tokens=False), seed=seed + 1, max_tokens=2)
+    return {"a": 1.0, "b": 0.5}
+
+
+def ctx_for(server, agent, n=2, score=None, **args):
+    return WorkflowContext(tokenizer=None, n=n, rollout_args=ARGS, max_prompt_tokens=24, policy_version=1, seed=11,
+                           step=4, score=score, args={"agent": agent, **args}, openai=server)
+
+
+def test_the_workflows_experiences_are_the_direct_engine_calls(served):
+    server, engine, tok = served
+    tasks = [Task(f"t/{i}", [{"role": "user", "content": q}], "x", {}) for i, q in enumerate(["12+34", "7+2"])]
+    out = openai_agent(tasks, engine, ctx_for(server, "test_openai_api.one_call"))
+    for i, (task, group) in enumerate(zip(tasks, out)):
+        prompt = render(tok, task.messages, generation_prompt=True)
+        for j, e in enumerate(group):
+            # the agent's seed: the step's seed + the rollout's index in the step (11 + 2i + j)
+            [s] = engine.generate([prompt], 1, ARGS, seed=11 + 2 * i + j)[0]
+            assert (e.tokens, e.prompt_length, e.logprobs) == (prompt + s.token_ids, len(prompt), s.logprobs)
+            assert e.sampling == {"temperature": 1.0, "top_p": 1.0, "top_k": -1} and e.loss_mask == [1] * len(s.token_ids)
+            assert e.reward == float(len(tok.decode(s.token_ids, skip_special_tokens=True)))
+            assert e.group_id == f"4/11/{task.task_id}" and e.policy_version == 1
+    # None: the taskset's reward scores the last answer
+    seen = []
+
+    def score(jobs):
+        seen.extend(jobs)
+        return [[Reward(0.25, {"exact_match": 0.25})] for _ in jobs]
+
+    [[a, b]] = openai_agent(tasks[:1], engine, ctx_for(server, "test_openai_api.scored_by_the_taskset", score=score))
+    assert (a.reward, a.reward_parts) == (0.25, {"exact_match": 0.25}) and len(seen) == 2
+    assert seen[0][1] == [a.info["response"]] and seen[0][2] is tasks[0]
+
+
+def test_an_agent_that_continues_its_own_ids_makes_one_experience(served):
+    server, engine, tok = served
+    path = engine.model.name_or_path
+    [[e]] = openai_agent([Task("t/0", MESSAGES, "x", {})], engine,
+                         ctx_for(server, "test_openai_api.continues_its_ids", n=1, tok_path=path))
+    prompt = render(tok, MESSAGES, generation_prompt=True)
+    [first] = engine.generate([prompt], 1, SimpleNamespace(**{**vars(ARGS), "max_tokens": 3}), seed=11)[0]
+    ids = tok.encode(tok.decode(first.token_ids, skip_special_tokens=True), add_special_tokens=False)
+    eq = tok.encode("=", add_special_tokens=False)
+    [second] = engine.generate([prompt + ids + eq], 1, SimpleNamespace(**{**vars(ARGS), "max_tokens": 2}), seed=12)[0]
+    if ids != first.token_ids:  # the text re-encodes to other ids (a special token): two experiences then
+        pytest.skip("the first answer does not re-encode to its ids")
+    assert e.tokens == prompt + first.token_ids + eq + second.token_ids
+    assert e.loss_mask == [1] * len(first.token_ids) + [0] * len(eq) + [1] * len(second.token_ids)
+    assert e.logprobs == first.logprobs + [0.0] * len(eq) + second.logprobs
+    assert (e.reward, e.reward_parts) == (1.5, {"a": 1.0, "b": 0.5})
+
+
+def test_calls_merge_only_on_an_exact_prefix():
+    c = lambda p, t: Call(p, t, [-0.5] * len(t), "stop", {}, "", "", "r")  # noqa: E731
+    # the second call's prompt continues the first (1 2 | 3 4 | 9), the third starts over
+    [(t1, p1, l1, m1, _), (t2, p2, _, m2, _)] = experiences_of([c([1, 2], [3, 4]), c([1, 2, 3, 4, 9], [5]), c([1, 7], [8])])
+    assert (t1, p1, m1) == ([1, 2, 3, 4, 9, 5], 2, [1, 1, 0, 1]) and l1 == [-0.5, -0.5, 0.0, -0.5]
+    assert (t2, p2, m2) == ([1, 7, 8], 2, [1])
+
+
+def test_the_workflow_says_what_is_missing():
+    with pytest.raises(ConfigError, match="set explorer.rollout_model.enable_openai_api=true"):
+        openai_agent([], None, ctx_for(None, "x.y"))
+    server = SimpleNamespace()
+    with pytest.raises(ConfigError, match=r"workflow_args.agent='nope.agent': cannot import it"):
+        openai_agent([], None, ctx_for(server, "nope.agent"))
+
+
+@pytest.mark.slow  # a training run (inline, ~15 s)
+def test_an_agent_trains_through_the_explorers_endpoint(tmp_path):
+    """explorer.rollout_model.enable_openai_api=true and workflow openai_agent in the loop: each
+    step's experiences are the agent's recorded calls, rewarded by the agent."""
+    import rft.main
+    from conftest import compose_cfg
+    from rft.buffer import read_experiences
+    from rft.monitor import read_metrics
+
+    cfg = compose_cfg([
+        "stages=[]", "cluster=inline", "monitor=console", f"checkpoint_root_dir={tmp_path}", "buffer=sql",
+        "buffer.total_steps=2", "buffer.batch_size=4", "algorithm.repeat_times=4", "explorer.eval_on_startup=false",
+        "buffer.explorer_input.eval_tasksets=[]", "explorer.rollout_model.enable_openai_api=true",
+        "buffer.explorer_input.taskset.workflow=openai_agent",
+        "+buffer.explorer_input.taskset.workflow_args.agent=test_openai_api.one_call",
+    ])
+    rft.main.main(cfg)
+    steps = [m for m in read_metrics(tmp_path / "rft" / cfg.name / "metrics.jsonl") if "reward/mean" in m]
+    assert len(steps) == 2
+    exps = read_experiences(str(tmp_path / "rft" / cfg.name / "buffer.db"), limit=100)
+    assert len(exps) == 2 * 4 * 4
+    for e in exps:
+        assert e.reward == float(len(e.info["response"])) and e.loss_mask == [1] * e.response_length
