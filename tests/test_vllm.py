@@ -105,6 +105,7 @@ def test_sampling_logprobs_are_those_the_trainer_recomputes(engines):
             assert max(abs(x - y) for x, y in zip(recomputed, s.logprobs)) < LOGPROB_TOL
 
 
+@pytest.mark.slow  # the module's vLLM engine (~35 s to start)
 def test_the_multi_turn_workflow_runs_on_vllm_token_exactly(engines):
     """explorer=vllm runs the multi-turn workflow (rft/multi_turn.py): conversations of the tiny
     model with an environment that answers every turn, at temperature 1. Every sampled token's
@@ -142,6 +143,7 @@ def test_the_multi_turn_workflow_runs_on_vllm_token_exactly(engines):
         assert sum(e.loss_mask) < e.response_length  # "go on" and the template's ids are not trained
 
 
+@pytest.mark.slow  # the module's vLLM engine
 def test_the_openai_endpoint_serves_the_vllm_engine(engines):
     """The explorer's OpenAI-compatible endpoint (rft/openai_api.py) in front of vLLM: the official
     client's seeded chat call gets exactly what vllm.generate gives with that seed."""
