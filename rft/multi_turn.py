@@ -160,6 +160,11 @@ def multi_turn(tasks, engine, ctx) -> list[list[Experience] | None]:
             c = Conversation(task, None, [], [])
             c.failed = "the environment's reset raised or timed out"
         convs.append(c)
+    groups = [convs[i : i + ctx.n] for i in range(0, len(convs), ctx.n)]
+    for g in groups:  # a task fails as a whole: its group is incomplete
+        bad = next((c.failed for c in g if c.failed), None)
+        for c in g:
+            c.failed = c.failed or bad
     r = ctx.rollout_args
     stop = list(getattr(r, "stop", []) or []) + list(a.get("stop") or [])
     stop += [s for s in getattr(env_cls, "stop", []) if s not in stop]
@@ -172,12 +177,11 @@ def multi_turn(tasks, engine, ctx) -> list[list[Experience] | None]:
         if not active:
             break
         seed = (ctx.seed + 7919 * turn) % (2**31)
-        if turn == 0:
-            # n samples of each prompt: the group shares its prefill
-            first = [c for c in convs[:: ctx.n]]
-            groups = engine.generate([c.ids for c in first], ctx.n, args, seed=seed)
-            samples = [s for g in groups for s in g]
-            samples = [s for s, c in zip(samples, convs) if not c.failed]
+        live = [g for g in groups if not g[0].failed]
+        if turn == 0 and all(c.ids == g[0].ids for g in live for c in g):
+            # n samples of each prompt: the group shares its prefill (an environment whose reset
+            # differs between a task's conversations takes the general path below)
+            samples = [s for g in engine.generate([g[0].ids for g in live], ctx.n, args, seed=seed) for s in g]
         else:
             samples = [g[0] for g in engine.generate([c.ids for c in active], 1, args, seed=seed)]
         for c, s in zip(active, samples):

@@ -200,7 +200,8 @@ def generate_calculator(path: str | Path, seed: int = 0, n_train: int = 2000, n_
     "37*48" -> "1776", which the tiny model cannot compute but can learn to ask the calculator
     (both numbers 32..99, so every product has 4 digits).
 
-    Columns: `question`, `answer`, and `messages`: a demonstration conversation for the SFT
+    Columns: `question`, `answer`, `teacher_answer` (the teacher's final answer alone: what the
+    default single-turn warm-up of model=tiny reads), and `messages`: a demonstration conversation for the SFT
     warm-up (format.enable_concatenated_multi_turn): the user's question, the assistant's
     calculator call, the tool's answer, the assistant's final answer. Its teacher is sloppy: in
     `teacher_error_rate` of the rows it types the second number's last digit one too high (48 ->
@@ -231,7 +232,8 @@ def generate_calculator(path: str | Path, seed: int = 0, n_train: int = 2000, n_
                         {"role": "tool", "content": str(a * typed)},
                         {"role": "assistant", "content": str(a * typed)},
                     ]
-                    f.write(json.dumps({"question": f"{a}*{b}", "answer": str(a * b), "messages": messages}) + "\n")
+                    f.write(json.dumps({"question": f"{a}*{b}", "answer": str(a * b), "messages": messages,
+                                        "teacher_answer": str(a * typed)}) + "\n")
         os.replace(tmp, path)
     return path
 
