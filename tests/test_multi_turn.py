@@ -56,6 +56,17 @@ class Scripted:
         return [[Sample(list(ids), [-0.01 * (i + 1) for i in range(len(ids))], reason) for _ in range(n)] for _ in prompts]
 
 
+def runners(fn, jobs):
+    """What the explorer's ctx.call does, in this thread: a job that raises gives None."""
+    out = []
+    for j in jobs:
+        try:
+            out.append(fn(j))
+        except Exception:
+            out.append(None)
+    return out
+
+
 def ctx_for(tok, args, n=1, **kw):
     call = kw.pop("call", None)
     return WorkflowContext(tokenizer=tok, n=n, rollout_args=SimpleNamespace(temperature=1.0, top_p=1.0, top_k=-1, max_tokens=None, stop=[]),
@@ -140,15 +151,6 @@ def test_the_turn_limit_ends_a_conversation_that_keeps_calling(tools_model):
 def test_an_environment_that_raises_fails_its_task_only(tools_model):
     tok = tokenizer(tools_model)
 
-    def call(fn, jobs):  # the explorer's runners: a job that raises gives None
-        out = []
-        for j in jobs:
-            try:
-                out.append(fn(j))
-            except Exception:
-                out.append(None)
-        return out
-
     class Broken(CalculatorEnv):
         def step(self, text):
             if self.task.answer == "boom":
@@ -160,7 +162,7 @@ def test_an_environment_that_raises_fails_its_task_only(tools_model):
     envs.ENVIRONMENTS["_broken"] = Broken
     try:
         engine = Scripted(tok, [(CALL, "stop"), ("56", "stop")])
-        out = multi_turn([task(a="boom"), task()], engine, ctx_for(tok, {"env": "_broken"}, n=2, call=call))
+        out = multi_turn([task(a="boom"), task()], engine, ctx_for(tok, {"env": "_broken"}, n=2, call=runners))
     finally:
         del envs.ENVIRONMENTS["_broken"]
     assert out[0] is None
@@ -378,20 +380,11 @@ def test_a_reset_that_fails_fails_its_task_and_different_starts_are_sampled_apar
 
     tok = tokenizer(tools_model)
 
-    def call(fn, jobs):
-        out = []
-        for j in jobs:
-            try:
-                out.append(fn(j))
-            except Exception:
-                out.append(None)
-        return out
-
     envs.ENVIRONMENTS["_numbered"] = Numbered
     Numbered.made = 0
     try:
         engine = Scripted(tok, [(CALL, "stop"), ("56", "stop")])
-        out = multi_turn([task(), task(a="56")], engine, ctx_for(tok, {"env": "_numbered"}, n=2, call=call))
+        out = multi_turn([task(), task(a="56")], engine, ctx_for(tok, {"env": "_numbered"}, n=2, call=runners))
     finally:
         del envs.ENVIRONMENTS["_numbered"]
     # conversations 1, 2 (task 0) start; 3 fails, so task 1 fails whole and is not sampled
