@@ -188,6 +188,19 @@ class AlgorithmConfig:
 
 
 @dataclass
+class LoraConfig:
+    # the adapters' rank; 0: no LoRA
+    rank: int = 0
+    # the scale of the update is alpha / rank
+    alpha: float = 16.0
+    # module names to adapt (a list, or "all-linear": every linear layer but the output layer)
+    target_modules: Any = "all-linear"
+    # dropout on the adapters' input: must stay 0 (the trainer computes without dropout, so that
+    # its log-probs are the engine's; the plan refuses another value)
+    dropout: float = 0.0
+
+
+@dataclass
 class ModelConfig:
     # hub id or local directory in Hugging Face format
     model_path: str = MISSING
@@ -204,6 +217,13 @@ class ModelConfig:
     # float32 | bfloat16 | float16
     dtype: str = "bfloat16"
     trust_remote_code: bool = False
+    # the attention kernel: sdpa | flash_attention_2 | eager; null: transformers' default (sdpa)
+    attn_implementation: Optional[str] = None
+    # the trainer's output layer (logits, log-probs) in float32 for a bfloat16/float16 model:
+    # narrows the gap between the trainer's and the engine's log-probs
+    fp32_lm_head: bool = False
+    # LoRA adapters (PEFT) on a frozen base; rank 0: train every weight (rft/lora.py)
+    lora: LoraConfig = field(default_factory=lambda: LoraConfig())
 
 
 @dataclass
@@ -417,7 +437,25 @@ class TrainerConfig:
     # passes over each step's experiences (verl: ppo_epochs)
     ppo_epochs: int = 1
     grad_clip: float = 1.0
+    # recompute each transformer block's activations in the backward (memory for compute)
     gradient_checkpointing: bool = False
+    # pack each micro-batch's sequences end to end, attention never crossing from one to the
+    # next, instead of padding every row to the longest: same log-probs, no compute on padding
+    use_remove_padding: bool = True
+    # micro-batches by token count (max_token_len_per_gpu) instead of micro_batch_size_per_gpu
+    # rows, and data-parallel ranks' shares balanced by tokens (verl: use_dynamic_bsz)
+    use_dynamic_bsz: bool = False
+    # tokens per micro-batch with use_dynamic_bsz (counted as computed: with use_remove_padding
+    # the rows' lengths, else rows x the longest); null: micro_batch_size_per_gpu x max_model_len
+    max_token_len_per_gpu: Optional[int] = None
+    # trainer=fsdp2: keep the sharded weights and gradients in CPU memory (the optimizer then
+    # steps on the CPU); each block's shard goes to the device for its forward and backward
+    param_offload: bool = False
+    # trainer=fsdp2: keep Adam's moments in CPU memory between steps
+    optimizer_offload: bool = False
+    # compute log-probs and entropy this many tokens at a time, each chunk's logits recomputed in
+    # the backward: the [tokens, vocab] float32 logits never exist whole; null: all at once
+    logprob_chunk_size: Optional[int] = None
     # an update in one optimizer step (its ratio starts at exactly 1) does not forward the rows
     # whose advantages are all 0 when the loss declares that such a row adds nothing (GRPO's
     # groups whose rewards are all equal): same gradient, less compute

@@ -30,42 +30,57 @@ class ValueModel(torch.nn.Module):
 
 
 class Critic:
-    def __init__(self, cfg, path: str, device="cpu"):
+    """The value model and its optimizer. It trains on the micro-batches the trainer gives it, as
+    (first row, end row, live): a data-parallel rank's share (trainer=fsdp2, the model sharded by
+    `wrap` like the actor), with dead passes weighted 0 so every rank runs as many."""
+
+    def __init__(self, cfg, path: str, device="cpu", wrap=None):
         from rft.models import torch_dtype
 
         algo = cfg.algorithm
         self.cfg = cfg
         self.model = ValueModel(path, torch_dtype(cfg.model.dtype), cfg.model.trust_remote_code).to(device)
+        if wrap is not None:
+            self.model = wrap(self.model)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=algo.critic_lr,
                                            weight_decay=algo.optimizer.weight_decay)
 
-    def values(self, full, micro_batches) -> torch.Tensor:
+    def values(self, full, micro_batches, all_sum=lambda t: t) -> torch.Tensor:
+        """The values of every row: each rank computes its micro-batches' rows, `all_sum` adds up
+        the ranks' parts."""
         values = torch.zeros_like(full["response_mask"])
         with torch.no_grad():
-            for s, e, L in micro_batches:
-                values[s:e, : L - 1] = self.model(full["input_ids"][s:e, :L], full["attention_mask"][s:e, :L])
-        return values * full["response_mask"]
+            for s, e, live in micro_batches:
+                L = _longest(full, s, e)
+                v = self.model(full["input_ids"][s:e, :L], full["attention_mask"][s:e, :L])
+                if live:
+                    values[s:e, : L - 1] = v
+        return all_sum(values) * full["response_mask"]
 
-    def update(self, full, returns, old_values, micro_batches, num_tokens: int) -> dict:
-        """One optimizer step on a mini-batch: 0.5 * max((V - R)^2, (V_clipped - R)^2), token-mean.
+    def update(self, full, returns, old_values, micro_batches, num_tokens: int, loss_scale: int = 1,
+               optimizer_step=None) -> dict:
+        """One optimizer step on a mini-batch: 0.5 * max((V - R)^2, (V_clipped - R)^2), token-mean
+        over the mini-batch's `num_tokens` (a rank's loss is its rows' part, times `loss_scale`,
+        the number of ranks, as FSDP averages gradients). The metrics are this rank's part.
 
         V_clipped = V_old + clip(V - V_old, -value_clip, value_clip) (PPO's value clipping).
         """
         c = self.cfg.algorithm.value_clip
         self.optimizer.zero_grad(set_to_none=True)
         total, clipped = 0.0, 0.0
-        for s, e, L in micro_batches:
-            m = full["response_mask"][s:e, : L - 1]
+        for s, e, live in micro_batches:
+            L = _longest(full, s, e)
+            m = full["response_mask"][s:e, : L - 1] * live
             v = self.model(full["input_ids"][s:e, :L], full["attention_mask"][s:e, :L])
             r, v_old = returns[s:e, : L - 1], old_values[s:e, : L - 1]
             v_clipped = v_old + torch.clamp(v - v_old, -c, c)
             loss1, loss2 = (v - r) ** 2, (v_clipped - r) ** 2
             loss = agg_loss(0.5 * torch.maximum(loss1, loss2), m, "token-mean", e - s, num_tokens, 1)
-            loss.backward()
+            (loss * loss_scale).backward()
             total += loss.item()
             clipped += ((loss2 > loss1).float() * m).sum().item()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.trainer.grad_clip)
-        self.optimizer.step()
+        (optimizer_step or (lambda o: o.step()))(self.optimizer)
         return {"critic/value_loss": total, "critic/vf_clip_tokens": clipped}
 
     def state_dict(self) -> dict:
@@ -74,6 +89,11 @@ class Critic:
     def load_state_dict(self, state: dict) -> None:
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
+
+
+def _longest(full, s: int, e: int) -> int:
+    """The longest row of s..e (the micro-batch is trimmed to it: rows are right-padded)."""
+    return int(full["attention_mask"][s:e].sum(-1).max())
 
 
 def explained_variance(returns: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> float:

@@ -24,7 +24,6 @@ be started before the others to learn an address.
 from __future__ import annotations
 
 import datetime
-import math
 import os
 from pathlib import Path
 
@@ -32,7 +31,8 @@ import torch
 
 from rft.sync import format_fingerprint, weight_sums
 from rft.models import local_device
-from rft.trainer import Trainer, written_fingerprint
+from rft import micro_batches
+from rft.trainer import Trainer, _lengths, written_fingerprint
 
 
 class FSDPTrainer(Trainer):
@@ -57,25 +57,40 @@ class FSDPTrainer(Trainer):
 
     def _wrap(self, model):
         """Shard each transformer block (transformers names them in _no_split_modules), then the rest."""
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
-        blocks = set(getattr(model, "_no_split_modules", None) or [])
+        # trainer.param_offload: the shards of weights and gradients live in CPU memory, copied to
+        # the device block by block for each forward and backward; the optimizer steps on the CPU
+        cuda = self.device.type == "cuda"
+        offload = CPUOffloadPolicy(pin_memory=cuda) if self.cfg.trainer.param_offload else OffloadPolicy()
+        # (the critic's ValueModel holds the transformer as .base: its blocks are named there)
+        blocks = {b for m in model.modules() for b in (getattr(m, "_no_split_modules", None) or [])}
         for module in model.modules():
             if type(module).__name__ in blocks:
-                fully_shard(module, mesh=self.mesh)
-        fully_shard(model, mesh=self.mesh)
+                fully_shard(module, mesh=self.mesh, offload_policy=offload)
+        fully_shard(model, mesh=self.mesh, offload_policy=offload)
         return model
 
-    def _my_micro_batches(self, start: int, end: int):
-        unit = 2 if self.cfg.algorithm.policy_loss_fn == "dpo" else 1  # preference pairs stay together
-        micro = self.plan.micro_batch_size
-        share = math.ceil((end - start) / (self.world * unit)) * unit
-        a = min(start + self.rank * share, end)
-        b = min(a + share, end)
-        for i in range(math.ceil(share / micro)):
-            s = a + i * micro
-            if s < b:
-                yield s, min(s + micro, b), True
+    def _optimizer_step(self, optimizer) -> None:
+        """trainer.optimizer_offload (without param_offload, which steps on the CPU anyway): Adam's
+        moments wait in CPU memory between steps, on the device only for the step itself."""
+        if not (self.cfg.trainer.optimizer_offload and not self.cfg.trainer.param_offload):
+            return optimizer.step()
+        _move_optimizer_state(optimizer, self.device)
+        optimizer.step()
+        _move_optimizer_state(optimizer, torch.device("cpu"))
+
+    def _my_micro_batches(self, full, start: int, end: int):
+        unit, lengths = self._unit, _lengths(full)
+        if self.cfg.trainer.use_dynamic_bsz:  # shares of about equal token counts
+            blocks = micro_batches.balanced_blocks(lengths, start, end, self.world, unit)
+        else:
+            blocks = [micro_batches.fixed_share(start, end, r, self.world, unit) for r in range(self.world)]
+        # every rank knows every rank's micro-batches (each holds the whole batch): as many passes as the most
+        mine = [self._micro_batches(lengths, a, b) for a, b in blocks]
+        for i in range(max(len(m) for m in mine)):
+            if i < len(mine[self.rank]):
+                yield *mine[self.rank][i], True
             else:  # a dead pass on real rows, weighted 0
                 yield start, min(start + unit, end), False
 
@@ -141,18 +156,26 @@ class FSDPTrainer(Trainer):
     def save(self, directory: str) -> str | None:
         """The same checkpoint as trainer=torch's (whole model, whole optimizer state), by rank 0;
         returns the fingerprint of the weights written (rank 0; None on the others)."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+        )
 
         sd = self._full_state()
-        optim = get_optimizer_state_dict(self.model, self.optimizer,
-                                         options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        whole = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        optim = get_optimizer_state_dict(self.model, self.optimizer, options=whole)
+        critic = None
+        if self.critic is not None:  # gathered like the actor's, in trainer=torch's form
+            critic = {"model": get_model_state_dict(self.critic.model, options=whole),
+                      "optimizer": get_optimizer_state_dict(self.critic.model, self.critic.optimizer, options=whole)}
         if self.rank != 0:
             return None
         d = Path(directory)
         self.model.save_pretrained(d / "hf", state_dict=sd)
         self.tokenizer.save_pretrained(d / "hf")
         torch.save({"optimizer": optim, "scheduler": self.scheduler.state_dict(), "version": self.version,
-                    "rng": torch.get_rng_state(), "critic": None}, d / "trainer_state.pt")
+                    "rng": torch.get_rng_state(), "critic": critic}, d / "trainer_state.pt")
         return written_fingerprint(sd, d / "hf")
 
     def load(self, directory: str) -> None:
@@ -172,10 +195,22 @@ class FSDPTrainer(Trainer):
                              options=StateDictOptions(full_state_dict=True, strict=False))
         set_optimizer_state_dict(self.model, self.optimizer, _by_name(state["optimizer"], self.model),
                                  options=StateDictOptions(full_state_dict=True))
+        if self.critic is not None:
+            c = state["critic"]
+            set_model_state_dict(self.critic.model, c["model"], options=StateDictOptions(full_state_dict=True))
+            set_optimizer_state_dict(self.critic.model, self.critic.optimizer, _by_name(c["optimizer"], self.critic.model),
+                                     options=StateDictOptions(full_state_dict=True))
         self.scheduler.load_state_dict(state["scheduler"])
         self._configured_optimizer()
         self.version = state["version"]
         torch.set_rng_state(state["rng"])
+
+
+def _move_optimizer_state(optimizer, device) -> None:
+    for state in optimizer.state.values():
+        for k, v in state.items():
+            if isinstance(v, torch.Tensor) and k != "step":  # Adam keeps `step` on the CPU
+                state[k] = v.to(device, non_blocking=True)
 
 
 def _by_name(optim: dict, model) -> dict:

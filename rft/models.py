@@ -188,12 +188,45 @@ def load_model(model_cfg, path: str | None = None):
             os.path.expanduser(path or model_cfg.model_path),
             dtype=torch_dtype(model_cfg.dtype),
             trust_remote_code=model_cfg.trust_remote_code,
+            # (a config built by hand may lack the key: transformers' default)
+            **({"attn_implementation": a} if (a := model_cfg.get("attn_implementation")) else {}),
         )
     except OSError as e:
         raise _not_loadable(path or model_cfg.model_path, e) from e
     # Dropout would make recomputed log-probs differ from the sampling ones.
     model.eval()
     return model
+
+
+def enable_gradient_checkpointing(model) -> None:
+    """Recompute each transformer block's activations in the backward instead of keeping them.
+
+    transformers checkpoints a block only in training mode, and our models stay in eval mode
+    (no dropout: recomputed log-probs must equal the sampling ones). So the flag is set on the
+    blocks alone, not on their children: a block's `training` gates nothing but checkpointing,
+    the attention and MLP inside stay in eval mode. Non-reentrant, as FSDP2 needs."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    blocks = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    if not blocks:
+        raise ConfigError(f"trainer.gradient_checkpointing=true: {type(model).__name__} has no blocks that "
+                          f"transformers can checkpoint. Set trainer.gradient_checkpointing=false.")
+    for m in blocks:
+        m.training = True
+
+
+# dense bf16 peak FLOP/s of GPUs by name (vendors' datasheets), for the MFU estimate
+_PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "H800": 989e12, "A100": 312e12, "A800": 312e12,
+               "L40S": 362e12, "L4": 121e12, "A10": 125e12, "RTX 4090": 165e12}
+
+
+def peak_flops(device) -> float | None:
+    """The device's peak (None where unknown, e.g. a CPU: no perf/mfu then)."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in _PEAK_FLOPS.items() if k in name), None)
 
 
 def load_hf_weights(model, hf_dir) -> None:

@@ -17,9 +17,10 @@ Each violated constraint is a ConfigError that names the keys, their values and 
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -28,6 +29,8 @@ from rft import config as C
 from rft.algorithms import ADVANTAGE_FNS, KL_FNS, POLICY_LOSS_FNS, Needs, algorithm_needs
 from rft.errors import ConfigError
 from rft.placement import check_placement, explorer_count, trainer_ranks
+
+log = logging.getLogger(__name__)
 
 
 # ---------------------------------------------------------------- stages
@@ -102,6 +105,8 @@ class BatchPlan:
     needs: Needs = Needs()  # what the algorithm needs (a reference model, a critic, ...)
     # algorithm.sft_loss_weight > 0: the expert data (an ExperienceBufferConfig) and its config key
     sft_data: Any = None
+    # trainer.use_dynamic_bsz: tokens per micro-batch (rft.micro_batches); None: fixed row counts
+    max_token_len_per_gpu: Optional[int] = None
 
 
 def input_kind(cfg) -> str:
@@ -148,6 +153,7 @@ def make_plan(cfg, dataset_size: int) -> BatchPlan:
         explorers=explorer_count(cfg),
         needs=needs,
         sft_data=sft_buffer_config(cfg) if cfg.algorithm.sft_loss_weight > 0 else None,
+        max_token_len_per_gpu=_token_budget(cfg, micro),
     )
 
 
@@ -180,10 +186,15 @@ def _check_algorithm(cfg, needs: Needs) -> None:
 
     algo = cfg.algorithm
     rollout_is.check_config(algo)
-    if cfg.trainer.trainer_strategy == "fsdp2" and needs.critic:
+    for key in ("param_offload", "optimizer_offload"):
+        if cfg.trainer[key] and cfg.trainer.trainer_strategy != "fsdp2":
+            raise ConfigError(f"trainer.{key}=true needs trainer=fsdp2 (FSDP2 moves the shards between CPU and "
+                              f"device; trainer=torch keeps everything on its device). Use trainer=fsdp2 "
+                              f"(trainer.ranks=1 for one process) or set trainer.{key}=false.")
+    if cfg.trainer.trainer_strategy == "fsdp2" and cfg.model.lora.rank:
         raise ConfigError(
-            f"algorithm.advantage_fn={algo.advantage_fn} trains a critic, which trainer=fsdp2 does "
-            f"not shard yet. Use trainer=torch for it."
+            f"model.lora.rank={cfg.model.lora.rank}: LoRA trains with trainer=torch only for now (trainer=fsdp2 "
+            f"does not shard adapters yet). Use trainer=torch; a LoRA step needs a fraction of the memory."
         )
     if cfg.mode in ("both", "explore") and needs.grouped and algo.repeat_times < 2:
         raise ConfigError(
@@ -310,6 +321,15 @@ def _check_model(model) -> None:
             f"to {os.getcwd()}). Give a local directory in Hugging Face format or a hub id "
             f"(e.g. Qwen/Qwen2.5-0.5B-Instruct)."
         )
+    if model.lora.rank < 0:
+        raise ConfigError(f"model.lora.rank={model.lora.rank} must be >= 0 (0: no LoRA, train every weight).")
+    if model.lora.rank and model.lora.dropout:
+        raise ConfigError(f"model.lora.dropout={model.lora.dropout}: the trainer computes without dropout so that its "
+                          f"log-probs are the ones the engine sampled with (the policy ratio's denominator). Set "
+                          f"model.lora.dropout=0.")
+    if model.attn_implementation is not None and model.attn_implementation not in ATTN_IMPLEMENTATIONS:
+        raise ConfigError(f"model.attn_implementation={model.attn_implementation!r} is not an attention kernel; "
+                          f"choose one of {', '.join(ATTN_IMPLEMENTATIONS)} (or null for transformers' default, sdpa).")
     need = model.max_prompt_tokens + model.max_response_tokens
     if model.max_model_len is not None and model.max_model_len < need:
         raise ConfigError(
@@ -317,6 +337,26 @@ def _check_model(model) -> None:
             f"({model.max_prompt_tokens}) + model.max_response_tokens ({model.max_response_tokens}) "
             f"= {need}. Raise max_model_len or lower the token budgets."
         )
+
+
+ATTN_IMPLEMENTATIONS = ("sdpa", "flash_attention_2", "flash_attention_3", "eager", "flex_attention")
+
+
+def _token_budget(cfg, micro: int) -> int | None:
+    """trainer.use_dynamic_bsz: the tokens per micro-batch (default: what micro_batch_size_per_gpu
+    rows of max_model_len tokens would hold)."""
+    t, model = cfg.trainer, cfg.model
+    if not t.use_dynamic_bsz:
+        return None
+    longest = model.max_model_len or model.max_prompt_tokens + model.max_response_tokens
+    budget = t.max_token_len_per_gpu or micro * longest
+    if budget < 1:
+        raise ConfigError(f"trainer.max_token_len_per_gpu={budget} must be >= 1 (tokens per micro-batch).")
+    if budget < longest:
+        log.warning("trainer.max_token_len_per_gpu=%d is below the longest sequence (%d tokens: "
+                    "model.max_model_len or max_prompt_tokens + max_response_tokens); a longer sequence "
+                    "is a micro-batch of its own, over the budget.", budget, longest)
+    return budget
 
 
 def sft_buffer_config(cfg):
@@ -525,7 +565,9 @@ def format_plan(plan: BatchPlan, title: str = "batch plan") -> str:
         ("experiences per optimizer step", plan.mini_batch_size, "trainer.mini_batch_size"),
         ("passes per step", plan.ppo_epochs, "trainer.ppo_epochs"),
         ("optimizer steps per step", plan.optimizer_steps_per_step, "derived"),
-        ("experiences per micro-batch", plan.micro_batch_size, "trainer.micro_batch_size_per_gpu"),
+        ("experiences per micro-batch", plan.micro_batch_size, "trainer.micro_batch_size_per_gpu")
+        if plan.max_token_len_per_gpu is None else
+        ("tokens per micro-batch", plan.max_token_len_per_gpu, "trainer.max_token_len_per_gpu"),
         ("micro-batches per optimizer step", plan.micro_batches_per_update, "derived"),
         ("data-parallel size", plan.dp_size, "trainer.trainer_strategy"),
         ("steps per epoch", plan.steps_per_epoch, "derived"),

@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -33,66 +34,11 @@ from rft.algorithms.aggregation import agg_loss
 from rft.critic import Critic, explained_variance
 from rft.sync import fingerprint, for_safetensors, to_arrays
 from rft.experience import Experience, collate
-from rft.models import load_hf_weights, load_model, load_tokenizer, local_device
+from rft import lora, micro_batches
+from rft.logprobs import token_logprobs
+from rft.models import enable_gradient_checkpointing, load_hf_weights, load_model, load_tokenizer, local_device, peak_flops
 
 log = logging.getLogger(__name__)
-
-
-def token_logprobs(model, input_ids, attention_mask, temperature=1.0, top_p=None, top_k=None,
-                   with_entropy_grad=True):
-    """Log-prob of each next token and the entropy of each next-token distribution, [n, L-1].
-
-    The distribution is the one the explorer sampled from (as verl does for the temperature):
-    logits divided by `temperature`, then cut to the `top_k` most likely tokens and to the
-    smallest set whose probability reaches `top_p`, renormalised (the order of transformers'
-    and vLLM's samplers). Each may be a number or a tensor [n] of per-row values (top_k <= 0,
-    top_p >= 1: no cut). A target token is never cut (the sampler drew it, so it was in the set;
-    an engine's float rounding at the set's edge must not give it probability 0).
-    `with_entropy_grad=False`: the entropy is only a metric (no gradient kept for it).
-    """
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
-    logits = logits[:, :-1].float()
-    n = logits.shape[0]
-    targets = input_ids[:, 1:, None]
-    temperature = torch.as_tensor(temperature, dtype=logits.dtype, device=logits.device).expand(n)
-    logits = logits / temperature[:, None, None]
-    keep = None
-    if top_k is not None or top_p is not None:
-        keep = _sampling_set(logits, targets, top_p, top_k)
-        if keep is not None:
-            logits = logits.masked_fill(~keep, float("-inf"))
-    # log p(target) = logit(target) - logsumexp(logits): no [tokens, vocab] log-softmax is kept
-    # for the backward pass, only the logsumexp's softmax
-    lse = torch.logsumexp(logits, dim=-1)
-    logp = logits.gather(-1, targets).squeeze(-1) - lse
-    with torch.set_grad_enabled(torch.is_grad_enabled() and with_entropy_grad):
-        # entropy = lse - sum p * logit; tokens outside the set have p = 0 and add 0 (not 0 * -inf)
-        probs = torch.softmax(logits, dim=-1)
-        finite = logits if keep is None else logits.masked_fill(~keep, 0.0)
-        entropy = lse - (probs * finite).sum(-1)
-    return logp, entropy
-
-
-def _sampling_set(logits, targets, top_p, top_k):
-    """[n, T, V] mask of the tokens top-k then top-p sampling may draw (None: every token)."""
-    n = logits.shape[0]
-    dev = logits.device
-    k = torch.as_tensor(-1 if top_k is None else top_k, device=dev).expand(n)
-    p = torch.as_tensor(1.0 if top_p is None else top_p, dtype=logits.dtype, device=dev).expand(n)
-    cut_k, cut_p = (k > 0) & (k < logits.shape[-1]), p < 1.0
-    if not (cut_k.any() or cut_p.any()):
-        return None
-    ordered, order = logits.sort(-1, descending=True)
-    rank = torch.arange(logits.shape[-1], device=dev)
-    # top-k: the k first in descending order
-    in_k = ~cut_k[:, None, None] | (rank < k.clamp(min=1)[:, None, None])
-    # top-p over the top-k distribution: keep a token while the probability of the tokens before
-    # it is below p (so the set reaches p, and the most likely token always stays)
-    probs = torch.softmax(ordered.masked_fill(~in_k, float("-inf")), dim=-1)
-    before = probs.cumsum(-1) - probs
-    in_p = ~cut_p[:, None, None] | (before < p[:, None, None])
-    keep = torch.zeros_like(logits, dtype=torch.bool).scatter_(-1, order, in_k & in_p)
-    return keep.scatter_(-1, targets, True)
 
 
 @dataclass
@@ -162,6 +108,16 @@ def _zero_advantage_rows_last(step: "Step") -> None:
         setattr(step, name, pick(getattr(step, name)))
 
 
+# the tokens a step's forwards computed, summed over the ranks: real ones with and without a
+# gradient, and what the forwards paid for (padding included); see _forward and _perf_metrics
+WORK = ("perf/grad_tokens", "perf/nograd_tokens", "perf/computed_tokens")
+
+
+def _lengths(full) -> list[int]:
+    """Each row's token count (rows are right-padded)."""
+    return full["attention_mask"].sum(-1).tolist()
+
+
 def _abs_diff(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> float:
     return ((a - b).abs() * mask).sum().item()
 
@@ -195,11 +151,17 @@ class Trainer:
         self.device = local_device(cfg.cluster)
         self.tokenizer = load_tokenizer(cfg.model)
         model = load_model(cfg.model, init_path).to(self.device)
+        # for the FLOPs estimate (perf/mfu): counted before sharding, tied weights once
+        self.n_params = sum(p.numel() for p in model.parameters())
         if cfg.trainer.gradient_checkpointing:
-            model.gradient_checkpointing_enable()
+            enable_gradient_checkpointing(model)
+        if lora.enabled(cfg.model):  # adapters on a frozen base (rft/lora.py)
+            model = lora.apply(model, cfg.model.lora)
         self.model = self._wrap(model)
+        # the reference model: a frozen copy, or with LoRA the base itself (adapters off, no copy)
         self.ref_model = None
-        if plan.needs.reference:
+        self.has_reference = plan.needs.reference
+        if plan.needs.reference and not lora.is_lora(self.model):
             ref = load_model(cfg.model, init_path).to(self.device)
             ref.requires_grad_(False)
             self.ref_model = self._wrap(ref)
@@ -209,7 +171,7 @@ class Trainer:
         self.critic = None
         if plan.needs.critic:
             self.critic = Critic(cfg, os.path.expanduser(cfg.model.critic_model_path or init_path or cfg.model.model_path),
-                                 self.device)
+                                 self.device, wrap=self._wrap)
         self.sft_reader = None
         if algo.sft_loss_weight > 0:
             from rft.data import DatasetReader
@@ -234,7 +196,8 @@ class Trainer:
                                       (self._entropy_term, bool(algo.entropy_coef))] if on]
         opt = algo.optimizer
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=opt.lr, betas=tuple(opt.betas), weight_decay=opt.weight_decay
+            [p for p in self.model.parameters() if p.requires_grad],  # with LoRA: the adapters
+            lr=opt.lr, betas=tuple(opt.betas), weight_decay=opt.weight_decay
         )
         total = plan.total_steps * plan.optimizer_steps_per_step
         if opt.warmup_style == "cosine":
@@ -245,6 +208,7 @@ class Trainer:
         else:
             self.scheduler = get_scheduler("constant_with_warmup", self.optimizer, opt.warmup_steps, total)
         self.version = 0  # number of RL steps trained
+        self._work = dict.fromkeys(WORK, 0.0)  # this step's tokens forwarded (see _forward)
         self._snapshots: dict[int, tuple[dict, str]] = {}  # version -> (weights, fingerprint)
 
     # ------------------------------------------------------------------ data-parallel hooks
@@ -253,13 +217,18 @@ class Trainer:
         """(data parallel) The model as this strategy trains it: as loaded for one process."""
         return model
 
-    def _my_micro_batches(self, start: int, end: int):
-        """(data parallel) This process's micro-batches of rows start..end, as (s, e, live).
+    def _my_micro_batches(self, full, start: int, end: int):
+        """(data parallel) This process's micro-batches of rows start..end of the collated batch
+        `full`, as (s, e, live).
 
         One process takes them all. A data-parallel rank takes its share, padded with dead ones
         (live=False: computed, then weighted 0) so that every rank runs as many passes."""
-        for s, e in self._micro_batches(start, end):
+        for s, e in self._micro_batches(_lengths(full), start, end):
             yield s, e, True
+
+    def _optimizer_step(self, optimizer) -> None:
+        """(data parallel) The optimizer's step (FSDP2 may keep its state in CPU memory between steps)."""
+        optimizer.step()
 
     def _all_sum(self, t: torch.Tensor) -> torch.Tensor:
         """(data parallel) The sum of `t` over the ranks (each holds its rows' part)."""
@@ -280,21 +249,34 @@ class Trainer:
 
     # ------------------------------------------------------------------ one step
 
-    def _micro_batches(self, start: int, end: int):
-        for s in range(start, end, self.plan.micro_batch_size):
-            yield s, min(s + self.plan.micro_batch_size, end)
+    # rows that stay in one micro-batch (and on one rank): DPO's preference pairs
+    @property
+    def _unit(self) -> int:
+        return 2 if self.cfg.algorithm.policy_loss_fn == "dpo" else 1
 
-    def _with_lengths(self, full, start: int, end: int):
-        """Micro-batches of rows start..end as (first row, end row, their longest length)."""
-        return [(s, e, int(full["attention_mask"][s:e].sum(-1).max())) for s, e in self._micro_batches(start, end)]
+    def _micro_batches(self, lengths: list[int], start: int, end: int) -> list[tuple[int, int]]:
+        """Rows start..end as micro-batches (s, e): a fixed row count, or a token budget
+        (trainer.use_dynamic_bsz; rft.micro_batches)."""
+        t = self.cfg.trainer
+        if t.use_dynamic_bsz:
+            return micro_batches.token_budget(lengths, start, end, self.plan.max_token_len_per_gpu,
+                                              t.use_remove_padding, self._unit)
+        return micro_batches.fixed(start, end, self.plan.micro_batch_size)
 
     def _forward(self, model, full, s, e):
         # trim the right padding shared by this micro-batch's rows
-        L = int(full["attention_mask"][s:e].sum(-1).max())
+        lengths = _lengths(full)[s:e]
+        L = max(lengths)
+        t = self.cfg.trainer
+        grad = "grad" if torch.is_grad_enabled() else "nograd"
+        self._work[f"perf/{grad}_tokens"] += sum(lengths)
+        self._work["perf/computed_tokens"] += micro_batches.cost(lengths, t.use_remove_padding)
         # each row's log-probs under the distribution it was sampled from (its sampling params)
         return token_logprobs(model, full["input_ids"][s:e, :L], full["attention_mask"][s:e, :L],
                               full["temperature"][s:e], full["top_p"][s:e], full["top_k"][s:e],
-                              with_entropy_grad=bool(self.cfg.algorithm.entropy_coef)), L
+                              with_entropy_grad=bool(self.cfg.algorithm.entropy_coef),
+                              packed=t.use_remove_padding, chunk_size=t.logprob_chunk_size,
+                              fp32_head=self.cfg.model.fp32_lm_head), L
 
     def _old_is_current(self, stale_fix: bool) -> bool:
         """Whether the "old" log-probs (the current weights', before this step's updates) are the
@@ -310,9 +292,13 @@ class Trainer:
     def train_step(self, exps: list[Experience]) -> dict:
         """One RL step: prepare the batch -> update (ppo_epochs x mini-batches) -> metrics."""
         t0 = time.perf_counter()
+        self._work = dict.fromkeys(WORK, 0.0)
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
         step = self._prepare(exps)
         self._update(step)
         self.version += 1
+        step.sums.update(self._work)
         return self._metrics(step, time.perf_counter() - t0)
 
     # ------------------------------------------------------------------ 1. prepare
@@ -348,7 +334,7 @@ class Trainer:
             step.kl_penalty = shaping.kl_penalty(self.kl_penalty_fn, step.old_logp, step.ref_logp, step.mask)
             step.batch["rewards"] = step.batch["rewards"] - algo.kl_penalty_coef * step.kl_penalty
         if self.critic is not None:
-            step.batch["values"] = self.critic.values(full, self._with_lengths(full, 0, step.n))
+            step.batch["values"] = self.critic.values(full, list(self._my_micro_batches(full, 0, step.n)), self._all_sum)
             _, step.returns = gae_returns(step.batch["rewards"], step.batch["values"], step.mask, algo.gamma, algo.lam)
         step.adv = self.advantage_fn(step.batch, algo)
         step.trained = step.n
@@ -361,17 +347,19 @@ class Trainer:
     def _old_and_ref_logp(self, full, mask, old: bool = True):
         """Log-probs of the current weights (unless `old` is False: None) and, when needed, of the
         reference model; no grad."""
-        out = [(m, torch.zeros_like(mask)) for m, on in [(self.model, old), (self.ref_model, self.ref_model is not None)]
-               if on]
+        roles = [(self.model, nullcontext, old),
+                 (self.ref_model or self.model, lambda: lora.reference(self.model), self.has_reference)]
+        out = [(m, ctx, torch.zeros_like(mask)) for m, ctx, on in roles if on]
         with torch.no_grad():
-            for s, e, live in self._my_micro_batches(0, mask.shape[0]):
-                for model, logp in out:
-                    (lp, _), L = self._forward(model, full, s, e)
+            for s, e, live in self._my_micro_batches(full, 0, mask.shape[0]):
+                for model, ctx, logp in out:
+                    with ctx():
+                        (lp, _), L = self._forward(model, full, s, e)
                     if live:
                         logp[s:e, : L - 1] = lp
         # every rank computed its own rows: the sum over ranks is the whole batch's
-        sums = iter([self._all_sum(logp) for _, logp in out])
-        return next(sums) if old else None, next(sums) if self.ref_model is not None else None
+        sums = iter([self._all_sum(logp) for _, _, logp in out])
+        return next(sums) if old else None, next(sums) if self.has_reference else None
 
     # ------------------------------------------------------------------ 2. update
 
@@ -387,7 +375,8 @@ class Trainer:
                 num_tokens = int(step.mask[m0:m1].sum())
                 if self.critic is not None:
                     cm = self.critic.update(step.full, step.returns, step.batch["values"],
-                                            self._with_lengths(step.full, m0, m1), num_tokens)
+                                            list(self._my_micro_batches(step.full, m0, m1)), num_tokens, self.loss_scale,
+                                            self._optimizer_step)
                     _add(step.critic_sums, cm)
                 if train_actor:
                     self._actor_update(step, m0, m1, num_tokens)
@@ -397,7 +386,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         # rows from step.trained on have advantages all 0 and were set aside (_prepare); they
         # still count in the normaliser (m1 - m0 rows, num_tokens)
-        for s, e, live in self._my_micro_batches(m0, min(m1, step.trained)):
+        for s, e, live in self._my_micro_batches(step.full, m0, min(m1, step.trained)):
             (logp, entropy), L = self._forward(self.model, step.full, s, e)
             rows = _Rows(s, e, L)
             m = rows(step.mask) * live
@@ -436,7 +425,7 @@ class Trainer:
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.trainer.grad_clip)
         # sharded parameters give a DTensor: the norm over every rank's shards
         step.grad_norms.append((norm.full_tensor() if hasattr(norm, "full_tensor") else norm).item())
-        self.optimizer.step()
+        self._optimizer_step(self.optimizer)
         self.scheduler.step()
 
     def _rollout_is_weight(self, loss, old_logp, rows, live, step):
@@ -478,12 +467,11 @@ class Trainer:
     def _metrics(self, step: "Step", elapsed: float) -> dict:
         algo, mask, adv = self.cfg.algorithm, step.mask, step.adv
         # each rank summed its own rows' parts
-        sums, pm_sums = step.sums, step.loss_metric_sums
-        names = sorted(sums) + sorted(pm_sums)
-        total = self._all_sum(torch.tensor([sums.get(k, pm_sums.get(k)) for k in names], dtype=torch.float64,
-                                           device=self.device)).tolist()
-        for k, v in zip(names, total):
-            (sums if k in sums else pm_sums)[k] = v
+        sums, pm_sums, c_sums = step.sums, step.loss_metric_sums, step.critic_sums
+        names = [(d, k) for d in (sums, pm_sums, c_sums) for k in sorted(d)]
+        total = self._all_sum(torch.tensor([d[k] for d, k in names], dtype=torch.float64, device=self.device)).tolist()
+        for (d, k), v in zip(names, total):
+            d[k] = v
         updates = max(len(step.grad_norms), 1)
         total_tokens = mask.sum().item() * self.cfg.trainer.ppo_epochs
         trained_tokens = mask[:step.trained].sum().item() * self.cfg.trainer.ppo_epochs
@@ -499,6 +487,7 @@ class Trainer:
             # inside the trainer's process: the runtime benchmark's "model compute"
             "timing/train_compute_s": elapsed,
         }
+        metrics.update(self._perf_metrics(sums, elapsed))
         metrics.update({k: v / total_tokens for k, v in pm_sums.items()})
         if trained_tokens:
             # over the tokens the update computed (rows set aside for a zero advantage are not)
@@ -533,6 +522,30 @@ class Trainer:
             metrics.update(self._critic_metrics(step, total_tokens))
         return metrics
 
+    def _perf_metrics(self, sums: dict, elapsed: float) -> dict:
+        """Throughput of the step's policy forwards (every rank's; the critic's not counted):
+        real tokens per second, the share of computed tokens that were padding, the model FLOPs
+        (2 x parameters per token forward, 4 more with a backward; attention's own FLOPs left
+        out, as in the usual MFU) against the devices' peak where it is known, and the peak
+        memory of the busiest rank."""
+        real = sums["perf/grad_tokens"] + sums["perf/nograd_tokens"]
+        out = {"perf/trainer_tokens_per_s": real / elapsed,
+               "perf/padding_frac": 1.0 - real / sums["perf/computed_tokens"] if sums["perf/computed_tokens"] else 0.0}
+        flops = self.n_params * (2 * sums["perf/nograd_tokens"] + 6 * sums["perf/grad_tokens"])
+        out["perf/tflops"] = flops / elapsed / 1e12
+        peak = peak_flops(self.device)
+        if peak:
+            out["perf/mfu"] = flops / elapsed / (peak * self.loss_scale)
+        if self.device.type == "cuda":
+            mem = torch.cuda.max_memory_allocated(self.device)
+        else:  # the process's peak resident set (Linux reports KiB)
+            import resource
+
+            mem = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        out["perf/max_memory_gb"] = self._all_max(torch.tensor(float(mem), dtype=torch.float64,
+                                                               device=self.device)).item() / 2**30
+        return out
+
     def _critic_metrics(self, step: "Step", total_tokens: float) -> dict:
         values, mask = step.batch["values"], step.mask
         return {
@@ -550,7 +563,7 @@ class Trainer:
         aux = {k: v.to(self.device) for k, v in collate(exps, self.tokenizer.pad_token_id).items()}
         num_tokens = int(aux["response_mask"].sum())
         total = 0.0
-        for s, e, live in self._my_micro_batches(0, len(exps)):
+        for s, e, live in self._my_micro_batches(aux, 0, len(exps)):
             (logp, _), L = self._forward(self.model, aux, s, e)
             m = aux["response_mask"][s:e, : L - 1] * live
             loss = algo.sft_loss_weight * agg_loss(-logp, m, "token-mean", len(exps), num_tokens, 1)
@@ -562,15 +575,27 @@ class Trainer:
 
     def weights(self) -> dict[str, torch.Tensor]:
         """A CPU copy of the weights (what memory sync sends)."""
-        return {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
+        return {k: v.detach().to("cpu", copy=True) for k, v in self._state_dict().items()}
+
+    def _state_dict(self) -> dict[str, torch.Tensor]:
+        """The model's weights as the engines and checkpoints know them: with LoRA, merged."""
+        return lora.merged_state_dict(self.model) if lora.is_lora(self.model) else self.model.state_dict()
+
+    def _named_parameters(self) -> list[tuple[str, torch.Tensor]]:
+        """(name, tensor) of each distinct weight (tied ones once), sorted: with LoRA, merged."""
+        if not lora.is_lora(self.model):
+            return sorted(self.model.named_parameters())
+        merged = self._state_dict()
+        names = {n.replace(".base_layer.", ".") for n, _ in self.model.get_base_model().named_parameters() if ".lora_" not in n}
+        return sorted((n, t) for n, t in merged.items() if n in names)
 
     def fingerprint(self) -> str:
-        return fingerprint(self.model.parameters())
+        return fingerprint(t for _, t in self._named_parameters())
 
     def _sync_state(self) -> dict[str, torch.Tensor]:
         """(data parallel) The weights memory sync sends: the model's own tensors, not copied (the
         object store copies them once; in-process, the explorer's load does)."""
-        return self.model.state_dict()
+        return self._state_dict()
 
     def sync_payload(self) -> tuple[dict, str]:
         """What memory sync sends, in one call: the weights as numpy arrays and their fingerprint."""
@@ -583,7 +608,7 @@ class Trainer:
 
     def weights_manifest(self) -> list[tuple[str, list[int], str]]:
         """(name, shape, dtype) of what collective_send sends, in order."""
-        return [(n, list(p.shape), str(p.dtype).removeprefix("torch.")) for n, p in sorted(self.model.named_parameters())]
+        return [(n, list(p.shape), str(p.dtype).removeprefix("torch.")) for n, p in self._named_parameters()]
 
     def collective_init(self, address: str, port: int, world: int, rank: int) -> None:
         from rft.sync import open_group
@@ -593,7 +618,7 @@ class Trainer:
     def collective_send(self) -> None:
         from rft.sync import broadcast
 
-        broadcast(self.group, [p.data for _, p in sorted(self.model.named_parameters())])
+        broadcast(self.group, [p.data for _, p in self._named_parameters()])
 
     def ping(self) -> int:
         return os.getpid()
@@ -609,18 +634,23 @@ class Trainer:
         """Write the weights as one safetensors file (for checkpoint sync); returns the fingerprint."""
         from safetensors.torch import save_file
 
-        sd = {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
+        sd = {k: v.detach().cpu() for k, v in self._state_dict().items()}
         save_file(for_safetensors(sd), path + ".tmp")
         os.replace(path + ".tmp", path)
-        return fingerprint(self.model.parameters())
+        return self.fingerprint()
 
     def save(self, directory: str) -> str:
         """A resumable checkpoint: the model in HF format (hf/) and the optimizer state. Returns
         the fingerprint of the weights written (the runner checks the files against it on resume)."""
         d = Path(directory)
-        sd = self.model.state_dict()
-        self.model.save_pretrained(d / "hf", state_dict=sd)
+        sd = self._state_dict()
+        # with LoRA: the merged model as an ordinary HF model, and the adapter alone (adapter/, PEFT's
+        # format: what resume reads, the base being the stage's starting model)
+        hf_model = self.model.get_base_model() if lora.is_lora(self.model) else self.model
+        hf_model.save_pretrained(d / "hf", state_dict=sd)
         self.tokenizer.save_pretrained(d / "hf")
+        if lora.is_lora(self.model):
+            self.model.save_pretrained(d / "adapter")
         torch.save(
             {
                 "optimizer": self.optimizer.state_dict(),
@@ -637,7 +667,12 @@ class Trainer:
         d = Path(directory)
         # the state first: a damaged file then leaves the model as it was (the runner falls back)
         state = torch.load(d / "trainer_state.pt", weights_only=False)
-        load_hf_weights(self.model, d / "hf")
+        if lora.is_lora(self.model):
+            from safetensors.torch import load_file
+
+            lora.load_adapter(self.model, load_file(d / "adapter" / "adapter_model.safetensors"))
+        else:
+            load_hf_weights(self.model, d / "hf")
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self._configured_optimizer()

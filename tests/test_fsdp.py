@@ -23,8 +23,9 @@ from test_trainer import experiences
 
 
 def configs(*extra):
+    """One process and two fsdp2 ranks; the trainer.*_offload keys in `extra` for the ranks only."""
     common = ["stages=[]", "trainer.micro_batch_size_per_gpu=4", "algorithm.optimizer.lr=1e-3", *extra]
-    one = stage_configs(compose_cfg([*common, "cluster=inline"]))[0]
+    one = stage_configs(compose_cfg([*[o for o in common if "_offload=" not in o], "cluster=inline"]))[0]
     two = stage_configs(compose_cfg([*common, "trainer=fsdp2", "trainer.ranks=2"]))[0]
     ensure_model(one.model)
     return (one, make_plan(one, 2000)), (two, make_plan(two, 2000))
@@ -37,10 +38,10 @@ def local_ray():
     ray.shutdown()
 
 
-def fsdp_group(cfg, plan, tmp_path, init_path=None) -> ActorGroup:
+def fsdp_group(cfg, plan, tmp_path, init_path=None, num_cpus=1, name="trainer") -> ActorGroup:
     common = dict(log_dir=str(tmp_path / "log"), level="INFO")
-    group = start_trainer(RayActor, cfg, plan, init_path, "trainer", common, [dict(num_cpus=1)] * 2)
-    assert isinstance(group, ActorGroup) and [a.name for a in group.actors] == ["trainer_0", "trainer_1"]
+    group = start_trainer(RayActor, cfg, plan, init_path, name, common, [dict(num_cpus=num_cpus)] * 2)
+    assert isinstance(group, ActorGroup) and [a.name for a in group.actors] == [f"{name}_0", f"{name}_1"]
     return group
 
 
@@ -55,9 +56,14 @@ def assert_same_model(weights: dict, model, rtol=1e-4, atol=1e-5):
 
 
 @pytest.mark.slow  # a real engine, Ray or training run
-def test_two_ranks_update_the_model_as_one_process_does(local_ray, tmp_path):
-    (one_cfg, one_plan), (two_cfg, two_plan) = configs()
-    # 128 experiences, micro-batches of 4: each rank 64 rows in 16 passes
+@pytest.mark.parametrize("extra", [[], ["trainer.param_offload=true", "trainer.optimizer_offload=true",
+                                        "trainer.use_dynamic_bsz=true", "trainer.max_token_len_per_gpu=60"],
+                                   ["algorithm=ppo", "algorithm.critic_warmup=0"]],
+                         ids=["plain", "offload+token_budget", "ppo"])
+def test_two_ranks_update_the_model_as_one_process_does(local_ray, tmp_path, extra):
+    (one_cfg, one_plan), (two_cfg, two_plan) = configs(*extra)
+    # 128 experiences, micro-batches of 4: each rank 64 rows in 16 passes (or, with a budget of
+    # 60 tokens, about 3 rows of 16-21 tokens a pass, the ranks' shares balanced by tokens)
     assert (one_plan.micro_batches_per_update, two_plan.micro_batches_per_update, two_plan.dp_size) == (32, 16, 2)
     one = Trainer(one_cfg, one_plan)
     two = fsdp_group(two_cfg, two_plan, tmp_path)
@@ -68,7 +74,9 @@ def test_two_ranks_update_the_model_as_one_process_does(local_ray, tmp_path):
     # runs one dead pass so that both run 2 (otherwise the ranks' collectives would not pair up)
     for rows in (batch, batch[:9]):
         m_one, m_two = one.train_step(rows), two.call("train_step", rows)
-        for key in ("loss/policy", "actor/grad_norm", "actor/entropy", "actor/clip_frac", "actor/approx_kl"):
+        critic = [k for k in ("critic/value_loss", "critic/values_mean", "critic/explained_variance") if k in m_one]
+        assert len(critic) == (3 if "algorithm=ppo" in extra else 0)
+        for key in ("loss/policy", "actor/grad_norm", "actor/entropy", "actor/clip_frac", "actor/approx_kl", *critic):
             assert m_two[key] == pytest.approx(m_one[key], rel=1e-4, abs=1e-6), key
         assert m_two["train/experiences"] == len(rows)
         assert_same_model(two.call("weights"), one.model)
@@ -98,7 +106,17 @@ def test_checkpoints_are_trainer_torch_checkpoints_both_ways(local_ray, tmp_path
     two.call("train_step", batch)
     (tmp_path / "from_fsdp").mkdir()
     two.call("save", str(tmp_path / "from_fsdp"))
-    # trainer=torch resumes the FSDP checkpoint: same weights, same Adam moments
+    # 2 fresh ranks resume it: the whole model and Adam state, each rank keeping its shard
+    again = fsdp_group(two_cfg, two_plan, tmp_path / "again", num_cpus=0, name="again")  # beside `two` on 2 CPUs
+    again.call("load", str(tmp_path / "from_fsdp"))
+    assert again.call("get_version") == 1 and same_weights(again.call("fingerprint"), two.call("fingerprint"))
+    m_two, m_again = two.call("train_step", batch[:64]), again.call("train_step", batch[:64])
+    assert m_again["loss/policy"] == pytest.approx(m_two["loss/policy"], rel=1e-5, abs=1e-7)
+    w_again, w_two = again.call("weights"), two.call("weights")
+    for k in w_two:
+        torch.testing.assert_close(w_again[k], w_two[k], rtol=1e-5, atol=1e-6, msg=k)
+    again.kill()
+    # trainer=torch resumes the FSDP checkpoint (one rank): same weights, same Adam moments
     resumed = Trainer(one_cfg, one_plan)
     resumed.load(str(tmp_path / "from_fsdp"))
     assert resumed.version == 1
@@ -144,9 +162,10 @@ def test_fsdp2_ranks_and_their_errors():
         "trainer.ranks=5 needs a GPU each, but the explorers (engine_num 2 x tensor_parallel_size 2 = 4) "
         "leave 4 of cluster.node_num x gpu_per_node = 8. Lower trainer.ranks (null takes what is left) or "
         "engine_num.")
-    assert error("algorithm=ppo") == (
-        "algorithm.advantage_fn=gae trains a critic, which trainer=fsdp2 does not shard yet. Use "
-        "trainer=torch for it.")
+    assert error("trainer=torch", "trainer.param_offload=true") == (
+        "trainer.param_offload=true needs trainer=fsdp2 (FSDP2 moves the shards between CPU and device; "
+        "trainer=torch keeps everything on its device). Use trainer=fsdp2 (trainer.ranks=1 for one process) "
+        "or set trainer.param_offload=false.")
     assert error("trainer.ranks=0") == "trainer.ranks=0 must be >= 1 (or null for the default)."
 
 
@@ -165,3 +184,18 @@ def test_a_grpo_run_with_two_fsdp2_ranks_learns(warm_start, tmp_path):
         assert "started in process" in (run / "log" / f"grpo_trainer_{rank}.log").read_text()
     # the checkpoint is an ordinary Hugging Face model
     assert (run / "checkpoints" / "step_6" / "hf" / "model.safetensors").exists()
+
+
+@pytest.mark.slow
+def test_ppo_runs_on_two_fsdp2_ranks_with_a_sharded_critic(warm_start, tmp_path):
+    # from the warm start: some rollouts are rewarded, so the returns and the value loss are not 0
+    r = run_cli(*base(warm_start, "ppo2", "algorithm=ppo", "trainer=fsdp2", "cluster.num_cpus=3",
+                      "buffer.total_steps=2", "explorer.eval_interval=100", "trainer.save_interval=2"),
+                env=env_for(tmp_path))
+    assert r.returncode == 0, r.stderr[-3000:]
+    metrics = read_metrics(tmp_path / "rft" / "ppo2" / "metrics.jsonl")
+    trained = [m for m in metrics if "critic/value_loss" in m]
+    assert len(trained) == 2 and all(m["critic/value_loss"] > 0 for m in trained)
+    # the checkpoint holds the critic too (gathered from the ranks), so the run can resume
+    state = torch.load(tmp_path / "rft" / "ppo2" / "checkpoints" / "step_2" / "trainer_state.pt", weights_only=False)
+    assert state["critic"] is not None and "head.weight" in state["critic"]["model"]

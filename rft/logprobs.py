@@ -1,0 +1,156 @@
+"""Per-token log-probs and entropies of a causal LM, as the trainer computes them.
+
+`token_logprobs` takes right-padded rows and returns [n, L-1] tensors (0 where a position has no
+next token of its row). How it gets there, each choice giving the same numbers:
+
+- packed (`trainer.use_remove_padding`): the rows' real tokens are laid end to end in one row
+  with position ids restarting at 0 for each; transformers then builds attention that never
+  crosses from one sequence into another (a block-diagonal causal mask for sdpa and eager,
+  sequence boundaries for flash-attention), so no compute goes to padding.
+- chunked (`trainer.logprob_chunk_size`): the output layer runs inside the model's forward on
+  `chunk` positions at a time, each chunk under activation checkpointing, so the float32
+  [positions, vocab] logits never exist whole, neither in the forward nor kept for the backward
+  (it is recomputed chunk by chunk). Only the positions that predict a token of their own row
+  go through the output layer.
+- `fp32_head` (`model.fp32_lm_head`): the output layer's matmul in float32 for a bfloat16 model.
+
+The distribution is the one the explorer sampled from (as verl does for the temperature):
+logits divided by `temperature`, then cut to the `top_k` most likely tokens and to the smallest
+set whose probability reaches `top_p`, renormalised (the order of transformers' and vLLM's
+samplers). Each may be a number or a tensor [n] of per-row values (top_k <= 0, top_p >= 1: no
+cut). A target token is never cut (the sampler drew it, so it was in the set; an engine's float
+rounding at the set's edge must not give it probability 0).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+
+def token_logprobs(model, input_ids, attention_mask, temperature=1.0, top_p=None, top_k=None,
+                   with_entropy_grad=True, packed=False, chunk_size=None, fp32_head=False):
+    """Log-prob of each next token and the entropy of each next-token distribution, [n, L-1].
+
+    `with_entropy_grad=False`: the entropy is only a metric (no gradient kept for it).
+    """
+    n, L = input_ids.shape
+    dev = input_ids.device
+    lengths = attention_mask.sum(-1)
+    # the positions that predict a token of their own row: t < length - 1, as (row, t)
+    has_next = torch.arange(L - 1, device=dev)[None, :] < (lengths[:, None] - 1)
+    rows, cols = has_next.nonzero(as_tuple=True)
+    targets = input_ids[rows, cols + 1]
+    per_row = lambda v, dtype: torch.as_tensor(v, dtype=dtype, device=dev).expand(n)[rows]  # noqa: E731
+    sampling = (per_row(temperature, torch.float32),
+                None if top_p is None else per_row(top_p, torch.float32),
+                None if top_k is None else per_row(top_k, torch.long))
+    if packed:
+        # row i's tokens follow row i-1's; position ids count from 0 in each
+        real = attention_mask.bool()
+        flat_ids = input_ids[real][None]
+        positions = (torch.cumsum(attention_mask, -1) - 1)[real][None]
+        starts = torch.cumsum(lengths, 0) - lengths  # where each row begins in the packed row
+        select = starts[rows] + cols
+        kwargs = {"input_ids": flat_ids, "position_ids": positions}
+    else:
+        select = rows * L + cols
+        kwargs = {"input_ids": input_ids, "attention_mask": attention_mask}
+    head = model.get_output_embeddings()
+    if getattr(model.config, "final_logit_softcapping", None) or head is None:
+        # the model reshapes its logits after the output layer (Gemma's soft-capping): take them whole
+        logits = model(**kwargs, use_cache=False).logits.flatten(0, 1)[select]
+        logp, entropy = _from_logits(logits.float(), targets, *sampling, with_entropy_grad)
+    else:
+        out = {}
+        with _head_replaced(head, lambda h: _head_logprobs(h, head, select, targets, sampling, out,
+                                                            chunk_size, fp32_head, with_entropy_grad)):
+            model(**kwargs, use_cache=False)
+        logp, entropy = out["logp"], out["entropy"]
+    full_logp = torch.zeros((n, L - 1), dtype=logp.dtype, device=dev)
+    full_entropy = torch.zeros((n, L - 1), dtype=entropy.dtype, device=dev)
+    return full_logp.index_put((rows, cols), logp), full_entropy.index_put((rows, cols), entropy)
+
+
+@contextmanager
+def _head_replaced(head, fn):
+    """The output layer's forward replaced by `fn` for one model call. Inside the model's own
+    forward, so a sharded model (FSDP) has gathered the layer's weights and reduces their
+    gradients as it would for its logits."""
+    head.forward = fn
+    try:
+        yield
+    finally:
+        del head.forward  # back to the class's forward
+
+
+def _head_logprobs(hidden, head, select, targets, sampling, out, chunk_size, fp32_head, with_entropy_grad):
+    h = hidden.flatten(0, 1)[select]
+    weight, bias = head.weight, getattr(head, "bias", None)
+    if fp32_head:
+        h, weight = h.float(), weight.float()
+        bias = None if bias is None else bias.float()
+    N = h.shape[0]
+    chunk = N if not chunk_size or chunk_size >= N else int(chunk_size)
+    parts = []
+    for a in range(0, N, chunk):
+        b = min(a + chunk, N)
+        args = (h[a:b], weight, bias, targets[a:b], *(None if s is None else s[a:b] for s in sampling))
+        if chunk < N and torch.is_grad_enabled():
+            # keep only this chunk's hidden states for the backward; its logits are recomputed
+            parts.append(checkpoint(_chunk_logprobs, *args, with_entropy_grad, use_reentrant=False))
+        else:
+            parts.append(_chunk_logprobs(*args, with_entropy_grad))
+    out["logp"] = torch.cat([p[0] for p in parts])
+    out["entropy"] = torch.cat([p[1] for p in parts])
+    # what the model returns as its logits (unused): a small tensor, not [positions, vocab]
+    return hidden.new_zeros(hidden.shape[:-1] + (1,))
+
+
+def _chunk_logprobs(h, weight, bias, targets, temperature, top_p, top_k, with_entropy_grad):
+    return _from_logits(F.linear(h, weight, bias).float(), targets, temperature, top_p, top_k, with_entropy_grad)
+
+
+def _from_logits(logits, targets, temperature, top_p, top_k, with_entropy_grad):
+    """logits [N, V] float32 and targets [N] -> log p(target) [N], entropy [N]."""
+    logits = logits / temperature[:, None]
+    keep = None
+    if top_k is not None or top_p is not None:
+        keep = sampling_set(logits, targets, top_p, top_k)
+        if keep is not None:
+            logits = logits.masked_fill(~keep, float("-inf"))
+    # log p(target) = logit(target) - logsumexp(logits): no [tokens, vocab] log-softmax is kept
+    # for the backward pass, only the logsumexp's softmax
+    lse = torch.logsumexp(logits, dim=-1)
+    logp = logits.gather(-1, targets[:, None]).squeeze(-1) - lse
+    with torch.set_grad_enabled(torch.is_grad_enabled() and with_entropy_grad):
+        # entropy = lse - sum p * logit; tokens outside the set have p = 0 and add 0 (not 0 * -inf)
+        probs = torch.softmax(logits, dim=-1)
+        finite = logits if keep is None else logits.masked_fill(~keep, 0.0)
+        entropy = lse - (probs * finite).sum(-1)
+    return logp, entropy
+
+
+def sampling_set(logits, targets, top_p, top_k):
+    """[N, V] mask of the tokens top-k then top-p sampling may draw (None: every token)."""
+    N, V = logits.shape
+    dev = logits.device
+    k = torch.full((N,), -1, device=dev) if top_k is None else top_k
+    p = torch.ones(N, dtype=logits.dtype, device=dev) if top_p is None else top_p.to(logits.dtype)
+    cut_k, cut_p = (k > 0) & (k < V), p < 1.0
+    if not (cut_k.any() or cut_p.any()):
+        return None
+    ordered, order = logits.sort(-1, descending=True)
+    rank = torch.arange(V, device=dev)
+    # top-k: the k first in descending order
+    in_k = ~cut_k[:, None] | (rank < k.clamp(min=1)[:, None])
+    # top-p over the top-k distribution: keep a token while the probability of the tokens before
+    # it is below p (so the set reaches p, and the most likely token always stays)
+    probs = torch.softmax(ordered.masked_fill(~in_k, float("-inf")), dim=-1)
+    before = probs.cumsum(-1) - probs
+    in_p = ~cut_p[:, None] | (before < p[:, None])
+    keep = torch.zeros_like(logits, dtype=torch.bool).scatter_(-1, order, in_k & in_p)
+    return keep.scatter_(-1, targets[:, None], True)
