@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rft.sync import format_fingerprint, same_weights, weight_sums
+from rft.sync import format_fingerprint, hf_weight_files, same_weights, weight_sums
 
 
 @dataclass
@@ -36,16 +36,45 @@ class Checkpoint:
 def list_checkpoints(stage_dir: Path) -> list[Checkpoint]:
     """Complete checkpoints, oldest first: state.json is written last, so a killed save (no
     state.json) is not one; neither is a state.json that does not parse (use_checkpoint says why)."""
-    found = []
-    for d in (Path(stage_dir) / "checkpoints").glob("step_*"):
-        if not d.name[5:].isdigit() or not (d / "state.json").exists():
-            continue
-        try:
-            state = json.loads((d / "state.json").read_text())
-        except (ValueError, OSError):
-            state = {"step": int(d.name[5:]), "damaged": "state.json does not parse"}
-        found.append(Checkpoint(state["step"], d, state))
-    return sorted(found, key=lambda c: c.step)
+    found = [read_checkpoint(d) for d in (Path(stage_dir) / "checkpoints").glob("step_*") if d.name[5:].isdigit()]
+    return sorted((c for c in found if c is not None), key=lambda c: c.step)
+
+
+def read_checkpoint(d: Path) -> Checkpoint | None:
+    """The checkpoint in directory `d` (step_<N>), or None when it is not one (no state.json)."""
+    d = Path(d)
+    if not (d / "state.json").exists():
+        return None
+    try:
+        state = json.loads((d / "state.json").read_text())
+    except (ValueError, OSError):
+        state = {"step": int(d.name[5:]) if d.name[5:].isdigit() else -1, "damaged": "state.json does not parse"}
+    return Checkpoint(state["step"], d, state)
+
+
+def chosen_checkpoint(stage_dir: Path, path: str, has_model: bool, title: str, say) -> Checkpoint:
+    """trainer.resume_from_path: that checkpoint, whole, or a ConfigError naming what is wrong.
+    Newer checkpoints of this stage belong to the run it goes back on: they are moved aside
+    (step_<N>.superseded-<time>), never deleted."""
+    from rft.errors import ConfigError
+
+    d = Path(os.path.expanduser(path))
+    ckpt = read_checkpoint(d) if d.is_dir() else None
+    if ckpt is None:
+        have = ", ".join(str(c.path) for c in list_checkpoints(stage_dir)) or "none yet"
+        what = "no such directory" if not d.is_dir() else "not a checkpoint (no state.json: not a step_<N> directory, or a save that did not finish)"
+        raise ConfigError(f"trainer.resume_from_path={path!r}: {what}. Give a directory <run>/<stage>/checkpoints/"
+                          f"step_<N>; this stage's checkpoints: {have}. Or leave it null to resume from the newest.")
+    why = damage(ckpt, has_model)
+    if why is not None:
+        raise ConfigError(f"trainer.resume_from_path={path!r} is damaged: {why}. Choose another checkpoint.")
+    if d.resolve().parent == (Path(stage_dir) / "checkpoints").resolve():
+        for newer in [c for c in list_checkpoints(stage_dir) if c.step > ckpt.step]:
+            aside = newer.path.with_name(f"{newer.path.name}.superseded-{time.strftime('%Y%m%d_%H%M%S')}")
+            os.replace(newer.path, aside)
+            say(f"[{title}] trainer.resume_from_path: resuming from step {ckpt.step}; the newer checkpoint "
+                f"step {newer.step} is moved to {aside.name}")
+    return ckpt
 
 
 def latest_checkpoint(stage_dir: Path) -> Checkpoint | None:
@@ -55,14 +84,17 @@ def latest_checkpoint(stage_dir: Path) -> Checkpoint | None:
 
 def damage(ckpt: Checkpoint, has_model: bool) -> str | None:
     """What is wrong with a checkpoint (naming the file), or None. With a model: hf/config.json
-    parses, trainer_state.pt is there, and hf/model.safetensors holds the weights whose
-    fingerprint the save recorded in state.json (a file with zeroed or flipped bytes loads fine
-    and trains on; this catches it)."""
+    parses, trainer_state.pt is there, and hf/'s safetensors (model.safetensors or the shards its
+    index lists) hold the weights whose fingerprint the save recorded in state.json (a file with
+    zeroed or flipped bytes loads fine and trains on; this catches it). A LoRA checkpoint saved
+    without hf/ (trainer.save_hf_checkpoint) is checked the same way on its adapter/."""
     if "damaged" in ckpt.state:
         return f"{ckpt.path / 'state.json'}: {ckpt.state['damaged']}"
     if not has_model:
         return None
-    cfg_file, weights = ckpt.hf_path / "config.json", ckpt.hf_path / "model.safetensors"
+    adapter_only = not ckpt.hf_path.exists() and (ckpt.path / "adapter").is_dir()
+    folder = ckpt.path / "adapter" if adapter_only else ckpt.hf_path
+    cfg_file = folder / ("adapter_config.json" if adapter_only else "config.json")
     try:
         json.loads(cfg_file.read_text())
     except (OSError, ValueError) as e:
@@ -70,28 +102,32 @@ def damage(ckpt: Checkpoint, has_model: bool) -> str | None:
     if not (ckpt.path / "trainer_state.pt").is_file():
         return f"{ckpt.path / 'trainer_state.pt'}: missing"
     try:
-        if not weights.exists() and not (ckpt.hf_path / "model.safetensors.index.json").exists():
-            raise FileNotFoundError(weights)
-        got = _file_fingerprint(sorted(ckpt.hf_path.glob("*.safetensors")))
-    except Exception as e:  # missing, truncated, a damaged header
-        return f"{weights}: {'missing' if not weights.exists() else f'does not load ({type(e).__name__})'}"
-    expected = ckpt.state.get("saved_fingerprint")
+        files = [folder / "adapter_model.safetensors"] if adapter_only else hf_weight_files(folder)
+    except (OSError, ValueError, KeyError):  # no weights, or an index that does not parse
+        return f"{folder / 'model.safetensors'}: missing"
+    total = [0.0, 0.0, 0.0]
+    for f in files:
+        try:
+            total = [a + b for a, b in zip(total, _file_sums(f))]
+        except Exception as e:  # missing, truncated, a damaged header
+            return f"{f}: {'missing' if not f.exists() else f'does not load ({type(e).__name__})'}"
+    got, expected = format_fingerprint(total), ckpt.state.get("saved_fingerprint")
     if expected is not None and not same_weights(got, expected):
-        return f"{weights}: its weights are not the ones saved (fingerprint {got}, state.json has {expected})"
+        where = files[0] if len(files) == 1 else folder
+        return f"{where}: its weights are not the ones saved (fingerprint {got}, state.json has {expected})"
     return None
 
 
-def _file_fingerprint(files) -> str:
-    """The fingerprint of the tensors in safetensors files, read one tensor at a time (a large
+def _file_sums(f: Path) -> list[float]:
+    """weight_sums of the tensors in a safetensors file, read one tensor at a time (a large
     model's weights never sit in this process whole)."""
     from safetensors import safe_open
 
     total = [0.0, 0.0, 0.0]
-    for f in files:
-        with safe_open(str(f), "pt") as h:
-            for k in h.keys():
-                total = [a + b for a, b in zip(total, weight_sums([h.get_tensor(k)]))]
-    return format_fingerprint(total)
+    with safe_open(str(f), "pt") as h:
+        for k in h.keys():
+            total = [a + b for a, b in zip(total, weight_sums([h.get_tensor(k)]))]
+    return total
 
 
 def usable_checkpoint(stage_dir: Path, has_model: bool, title: str, say, before: int | None = None):
@@ -114,9 +150,11 @@ def set_aside(ckpt: Checkpoint, why: str, title: str, say) -> None:
         f"falling back to the previous complete checkpoint")
 
 
-def write(stage_dir: Path, step: int, state: dict, save_model=None, keep_only_newest: bool = False) -> Path:
+def write(stage_dir: Path, step: int, state: dict, save_model=None, keep: int | None = None) -> Path:
     """Write checkpoint `step`: `save_model(tmp_dir) -> dict` (the trainer's files; what it returns
-    joins the state), then state.json, then the directory is moved into place in one rename."""
+    joins the state), then state.json, then the directory is moved into place in one rename.
+    Then only the newest `keep` complete checkpoints stay (None: all; trainer.max_ckpt_to_keep;
+    mode=explore keeps 1); damaged ones moved aside are never touched."""
     final = Path(stage_dir) / "checkpoints" / f"step_{step}"
     tmp = final.with_name(final.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -127,7 +165,8 @@ def write(stage_dir: Path, step: int, state: dict, save_model=None, keep_only_ne
     (tmp / "state.json").write_text(json.dumps(state))
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
-    if keep_only_newest:
-        for old in list_checkpoints(stage_dir)[:-1]:
+    if keep is not None:
+        others = [c for c in list_checkpoints(stage_dir) if c.step != step]  # oldest first
+        for old in others[:max(0, len(others) + 1 - keep)]:
             shutil.rmtree(old.path, ignore_errors=True)
     return final

@@ -453,6 +453,16 @@ class TrainerConfig:
     param_offload: bool = False
     # trainer=fsdp2: keep Adam's moments in CPU memory between steps
     optimizer_offload: bool = False
+    # keep only the newest this many checkpoints of a stage (null: all); the oldest are deleted
+    # after each save
+    max_ckpt_to_keep: Optional[int] = None
+    # LoRA runs: write the merged model (hf/) at every save (always), only at the stage's last
+    # step (last), or never; the adapter (adapter/, what resume reads) is always written. Full
+    # fine-tuning writes hf/ at every save: it is what resume reads
+    save_hf_checkpoint: str = "always"
+    # resume from this checkpoint (<run>/<stage>/checkpoints/step_<N>) instead of the newest;
+    # newer ones of the stage are moved aside (step_<N>.superseded-<time>)
+    resume_from_path: Optional[str] = None
     # compute log-probs and entropy this many tokens at a time, each chunk's logits recomputed in
     # the backward: the [tokens, vocab] float32 logits never exist whole; null: all at once
     logprob_chunk_size: Optional[int] = None

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from rft.sync import format_fingerprint, weight_sums
+from rft.sync import format_fingerprint, hf_tensors, weight_sums
 from rft.models import local_device
 from rft import micro_batches
 from rft.trainer import Trainer, _lengths, written_fingerprint
@@ -153,9 +153,10 @@ class FSDPTrainer(Trainer):
             os.replace(path + ".tmp", path)
         return self.fingerprint()
 
-    def save(self, directory: str) -> str | None:
+    def save(self, directory: str, with_hf: bool = True) -> str | None:
         """The same checkpoint as trainer=torch's (whole model, whole optimizer state), by rank 0;
-        returns the fingerprint of the weights written (rank 0; None on the others)."""
+        returns the fingerprint of the weights written (rank 0; None on the others). Always with
+        hf/ (`with_hf` is for LoRA, which trains with trainer=torch)."""
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
             get_model_state_dict,
@@ -180,7 +181,6 @@ class FSDPTrainer(Trainer):
 
     def load(self, directory: str) -> None:
         """Every rank reads the whole checkpoint (a filesystem all nodes share) and keeps its shard."""
-        from safetensors.torch import load_file
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
             set_model_state_dict,
@@ -191,7 +191,7 @@ class FSDPTrainer(Trainer):
         # the state first: a damaged file then leaves the model as it was (the runner falls back)
         state = torch.load(d / "trainer_state.pt", weights_only=False)
         # tied weights are saved once (save_pretrained): strict=False lets the tie fill them
-        set_model_state_dict(self.model, load_file(d / "hf" / "model.safetensors"),
+        set_model_state_dict(self.model, dict(hf_tensors(d / "hf")),
                              options=StateDictOptions(full_state_dict=True, strict=False))
         set_optimizer_state_dict(self.model, self.optimizer, _by_name(state["optimizer"], self.model),
                                  options=StateDictOptions(full_state_dict=True))

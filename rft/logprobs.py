@@ -3,10 +3,12 @@
 `token_logprobs` takes right-padded rows and returns [n, L-1] tensors (0 where a position has no
 next token of its row). How it gets there, each choice giving the same numbers:
 
-- packed (`trainer.use_remove_padding`): the rows' real tokens are laid end to end in one row
-  with position ids restarting at 0 for each; transformers then builds attention that never
-  crosses from one sequence into another (a block-diagonal causal mask for sdpa and eager,
-  sequence boundaries for flash-attention), so no compute goes to padding.
+- packed (`trainer.use_remove_padding`): the rows' real tokens are laid end to end with
+  position ids restarting at 0 for each; transformers then builds attention that never crosses
+  from one sequence into another (a block-diagonal causal mask for sdpa and eager, sequence
+  boundaries for flash-attention). With flash-attention every sequence goes in one row; sdpa and
+  eager compute a row's whole masked square, so their rows are as wide as the longest sequence,
+  filled first-fit (`pack`): no compute on padding but a bin's unused end.
 - chunked (`trainer.logprob_chunk_size`): the output layer runs inside the model's forward on
   `chunk` positions at a time, each chunk under activation checkpointing, so the float32
   [positions, vocab] logits never exist whole, neither in the forward nor kept for the backward
@@ -30,6 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from rft.micro_batches import first_fit
+
 
 def token_logprobs(model, input_ids, attention_mask, temperature=1.0, top_p=None, top_k=None,
                    with_entropy_grad=True, packed=False, chunk_size=None, fp32_head=False):
@@ -49,13 +53,9 @@ def token_logprobs(model, input_ids, attention_mask, temperature=1.0, top_p=None
                 None if top_p is None else per_row(top_p, torch.float32),
                 None if top_k is None else per_row(top_k, torch.long))
     if packed:
-        # row i's tokens follow row i-1's; position ids count from 0 in each
-        real = attention_mask.bool()
-        flat_ids = input_ids[real][None]
-        positions = (torch.cumsum(attention_mask, -1) - 1)[real][None]
-        starts = torch.cumsum(lengths, 0) - lengths  # where each row begins in the packed row
+        packed_ids, positions, starts = pack(input_ids, lengths.tolist(), one_row(model))
         select = starts[rows] + cols
-        kwargs = {"input_ids": flat_ids, "position_ids": positions}
+        kwargs = {"input_ids": packed_ids, "position_ids": positions}
     else:
         select = rows * L + cols
         kwargs = {"input_ids": input_ids, "attention_mask": attention_mask}
@@ -73,6 +73,32 @@ def token_logprobs(model, input_ids, attention_mask, temperature=1.0, top_p=None
     full_logp = torch.zeros((n, L - 1), dtype=logp.dtype, device=dev)
     full_entropy = torch.zeros((n, L - 1), dtype=entropy.dtype, device=dev)
     return full_logp.index_put((rows, cols), logp), full_entropy.index_put((rows, cols), entropy)
+
+
+def one_row(model) -> bool:
+    """Whether to pack every sequence into one row: with flash-attention, whose varlen kernel
+    computes nothing across sequences. sdpa and eager compute the whole masked square of a row,
+    so they get rows no longer than the longest sequence."""
+    return str(getattr(model.config, "_attn_implementation", "")).startswith("flash_attention")
+
+
+def pack(input_ids, lengths: list[int], one_row: bool = False):
+    """Right-padded rows [n, L] -> packed rows [B, W] (first-fit, longest first, in bins as wide as
+    the longest sequence; or one row), their position ids (0.. for each sequence, and for the
+    unused end of a bin, a filler sequence of its own that nothing reads), and where each
+    sequence starts in the flattened [B * W]."""
+    where, bins = first_fit(lengths, sum(lengths) if one_row else max(lengths))
+    width = max(bins)
+    ids = input_ids.new_zeros((len(bins), width))
+    positions = input_ids.new_zeros((len(bins), width))
+    arange = torch.arange(width, device=input_ids.device)
+    for i, (b, o) in enumerate(where):
+        ids[b, o:o + lengths[i]] = input_ids[i, :lengths[i]]
+        positions[b, o:o + lengths[i]] = arange[:lengths[i]]
+    for b, used in enumerate(bins):
+        positions[b, used:] = arange[:width - used]
+    starts = torch.tensor([b * width + o for b, o in where], device=input_ids.device)
+    return ids, positions, starts
 
 
 @contextmanager

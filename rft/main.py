@@ -225,6 +225,11 @@ def _run(cfg: DictConfig, stages: list, plans: list, stage_dirs: list[Path], run
     ensure_model(stages[0].model)
     for s, p in zip(stages, plans):
         check_token_budgets(s, p, s.stage_name or s.algorithm.algorithm_type, print)
+    for s in stages[:-1]:
+        if s.trainer.save_hf_checkpoint == "never" and s.mode != "explore":
+            raise ConfigError(f"stage {s.stage_name or s.algorithm.algorithm_type!r}: trainer.save_hf_checkpoint=never "
+                              f"leaves no model for the next stage to start from. Use last (the merged model of "
+                              f"its final step only).")
     started_ray = stages[0].cluster.backend == "ray" and _start_ray(stages[0], run_dir)
     try:
         init_path, start = None, rundir.start_identity(stages[0].model)

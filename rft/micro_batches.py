@@ -8,8 +8,8 @@ normalised by the whole mini-batch's counts (rft.algorithms.aggregation), and th
 
 - fixed (`trainer.micro_batch_size_per_gpu`): `micro` rows per micro-batch.
 - token budget (`trainer.use_dynamic_bsz`, `trainer.max_token_len_per_gpu`): as many rows as fit
-  the budget, counted as the forward computes them: the sum of the rows' lengths when they are
-  packed (`trainer.use_remove_padding`), rows x the longest row when they are padded. A unit
+  the budget: the sum of the rows' lengths when they are packed (`trainer.use_remove_padding`),
+  rows x the longest row when they are padded. A unit
   longer than the budget alone is a micro-batch of its own (never dropped; the plan warns
   when max_model_len exceeds the budget).
 """
@@ -24,6 +24,27 @@ def cost(lengths: list[int], packed: bool) -> int:
     if not lengths:
         return 0
     return sum(lengths) if packed else len(lengths) * max(lengths)
+
+
+def first_fit(lengths: list[int], capacity: int) -> tuple[list[tuple[int, int]], list[int]]:
+    """Sequences into bins of `capacity` tokens, longest first, each into the first bin it fits:
+    (bin, offset) of each sequence, and each bin's tokens used."""
+    bins, where = [], [(0, 0)] * len(lengths)
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        b = next((b for b, used in enumerate(bins) if used + lengths[i] <= capacity), len(bins))
+        if b == len(bins):
+            bins.append(0)
+        where[i] = (b, bins[b])
+        bins[b] += lengths[i]
+    return where, bins
+
+
+def packed_shape(lengths: list[int], one_row: bool) -> tuple[int, int]:
+    """(rows, width) of packed sequences (rft.logprobs.pack): one row, or rows as wide as the longest."""
+    if one_row:
+        return 1, sum(lengths)
+    _, bins = first_fit(lengths, max(lengths))
+    return len(bins), max(bins)
 
 
 def fixed(start: int, end: int, micro: int) -> list[tuple[int, int]]:

@@ -230,14 +230,14 @@ def peak_flops(device) -> float | None:
 
 
 def load_hf_weights(model, hf_dir) -> None:
-    """Load a checkpoint's `hf/model.safetensors` into `model` in place.
+    """Load a checkpoint's `hf/` weights (one file or shards) into `model` in place.
 
     save_pretrained writes tied weights once, so those may be missing; anything else missing or
     unexpected means the checkpoint is of another model.
     """
-    from safetensors.torch import load_file
+    from rft.sync import hf_tensors
 
-    missing, unexpected = model.load_state_dict(load_file(Path(hf_dir) / "model.safetensors"), strict=False)
+    missing, unexpected = model.load_state_dict(dict(hf_tensors(hf_dir)), strict=False)
     tied = set(getattr(model, "_tied_weights_keys", None) or [])
     if unexpected or any(k not in tied for k in missing):
         raise RuntimeError(f"checkpoint {hf_dir} does not match the model: missing {missing}, unexpected {unexpected}")

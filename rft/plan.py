@@ -186,6 +186,16 @@ def _check_algorithm(cfg, needs: Needs) -> None:
 
     algo = cfg.algorithm
     rollout_is.check_config(algo)
+    t = cfg.trainer
+    if t.max_ckpt_to_keep is not None and t.max_ckpt_to_keep < 1:
+        raise ConfigError(f"trainer.max_ckpt_to_keep={t.max_ckpt_to_keep} must be >= 1 (or null to keep every "
+                          f"checkpoint): a run resumes from its newest.")
+    if t.save_hf_checkpoint not in ("always", "last", "never"):
+        raise ConfigError(f"trainer.save_hf_checkpoint={t.save_hf_checkpoint!r}: choose always, last or never.")
+    if t.save_hf_checkpoint != "always" and not cfg.model.lora.rank:
+        raise ConfigError(f"trainer.save_hf_checkpoint={t.save_hf_checkpoint}: only a LoRA run (model.lora.rank > 0) "
+                          f"can leave out hf/, as it resumes from its adapter/; full fine-tuning resumes from hf/, "
+                          f"written at every save. Use trainer.max_ckpt_to_keep to bound the disk instead.")
     for key in ("param_offload", "optimizer_offload"):
         if cfg.trainer[key] and cfg.trainer.trainer_strategy != "fsdp2":
             raise ConfigError(f"trainer.{key}=true needs trainer=fsdp2 (FSDP2 moves the shards between CPU and "

@@ -49,6 +49,8 @@ WHERE_AND_HOW = (
     "name", "project", "checkpoint_root_dir", "cache_dir", "stage_cache_dir", "dry_run",
     "continue_from_checkpoint", "resume_with_changes", "objective", "monitor", "log", "cluster",
     "synchronizer.sync_timeout", "buffer.trainer_input.experience_buffer.max_read_timeout",
+    # which checkpoint a run resumes from, how many it keeps and which of them hold hf/
+    "trainer.resume_from_path", "trainer.max_ckpt_to_keep", "trainer.save_hf_checkpoint",
 )
 # may go up on resume (a longer run); anything else that differs is a change
 MAY_GROW = ("buffer.total_steps",)

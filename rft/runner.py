@@ -57,7 +57,10 @@ def run_stage(cfg, plan, stage_dir: Path, init_path: str | None, title: str) -> 
     stage that trains nothing: mode=explore)."""
     stage_dir.mkdir(parents=True, exist_ok=True)
     trains = cfg.mode in ("both", "train")
-    latest = usable_checkpoint(stage_dir, trains, title, print) if cfg.continue_from_checkpoint else None
+    if cfg.trainer.resume_from_path:
+        latest = checkpoint.chosen_checkpoint(stage_dir, cfg.trainer.resume_from_path, trains, title, print)
+    else:
+        latest = usable_checkpoint(stage_dir, trains, title, print) if cfg.continue_from_checkpoint else None
     if latest is not None and latest.step >= plan.total_steps:
         print(f"[{title}] already finished (step {latest.step}); outputs in {stage_dir}")
         return latest.hf_path if trains else None
@@ -132,6 +135,12 @@ class StageRun:
             self.monitor.print(f"[{self.title}] experiences go to {eb.path} (view them: python -m rft.buffer {eb.path})")
         if self.start:
             self.monitor.print(f"[{self.title}] resuming from step {self.start} ({latest.path})")
+        if self.start and self.trains and self.explorers and not resumed:
+            # a LoRA checkpoint without hf/ (trainer.save_hf_checkpoint): the explorers started from
+            # the stage's starting model; the trainer gives them the resumed weights, as hf/ would
+            synced = self.synced
+            self._sync_all(self.start)
+            self.synced = synced
 
     def _default_buffer_path(self) -> None:
         """A sql or file buffer without a path lives in the stage directory."""
@@ -529,11 +538,18 @@ class StageRun:
         def save_trainer(tmp: Path) -> dict:
             # the fingerprint of what was written (checked when resuming) and of the parameters
             # (what an explorer serving this checkpoint is checked against)
-            return {"saved_fingerprint": self._trainer("save", str(tmp)), "fingerprint": self._trainer("fingerprint")}
+            out = {"saved_fingerprint": self._trainer("save", str(tmp), with_hf),
+                   "fingerprint": self._trainer("fingerprint")}
+            if self.cfg.model.lora.rank:  # the base the adapter goes on (python -m rft.export merges them)
+                out["lora_base"] = os.path.abspath(os.path.expanduser(self.init_path or self.cfg.model.model_path))
+            return out
 
+        # LoRA (trainer.save_hf_checkpoint): the merged model in hf/ at every save, the last, or never
+        when = self.cfg.trainer.save_hf_checkpoint
+        with_hf = when == "always" or (when == "last" and step >= self.plan.total_steps)
         # an explorer's place (mode=explore): only the newest matters
         checkpoint.write(self.dir, step, state, save_trainer if self.trainer is not None else None,
-                         keep_only_newest=self.trainer is None)
+                         keep=1 if self.trainer is None else self.cfg.trainer.max_ckpt_to_keep)
 
     def close(self) -> None:
         if self.monitor is not None:

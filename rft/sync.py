@@ -33,6 +33,31 @@ from rft.errors import RunError
 # ---------------------------------------------------------------- the contract: what both sides agree on
 
 
+def hf_weight_files(hf_dir) -> list[Path]:
+    """The safetensors files of a Hugging Face model folder: model.safetensors, or the shards its
+    model.safetensors.index.json lists (save_pretrained shards a model above max_shard_size)."""
+    import json
+
+    d = Path(hf_dir)
+    index = d / "model.safetensors.index.json"
+    if index.exists():
+        return [d / f for f in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+    if (d / "model.safetensors").exists():
+        return [d / "model.safetensors"]
+    raise FileNotFoundError(f"{d} holds no model weights (neither model.safetensors nor "
+                            f"model.safetensors.index.json with its shards)")
+
+
+def hf_tensors(path):
+    """(name, tensor) of a safetensors file, or of every shard of a Hugging Face folder, one file
+    at a time (a large model's weights need not sit in memory twice)."""
+    from safetensors.torch import load_file
+
+    p = Path(path)
+    for f in hf_weight_files(p) if p.is_dir() else [p]:
+        yield from load_file(f).items()
+
+
 def for_safetensors(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The state dict as safetensors can save it: each tensor contiguous, and a tied tensor (the
     embedding shared with the output layer) cloned, since safetensors refuses shared storage."""

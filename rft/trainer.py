@@ -35,7 +35,7 @@ from rft.critic import Critic, explained_variance
 from rft.sync import fingerprint, for_safetensors, to_arrays
 from rft.experience import Experience, collate
 from rft import lora, micro_batches
-from rft.logprobs import token_logprobs
+from rft.logprobs import one_row, token_logprobs
 from rft.models import enable_gradient_checkpointing, load_hf_weights, load_model, load_tokenizer, local_device, peak_flops
 
 log = logging.getLogger(__name__)
@@ -270,7 +270,11 @@ class Trainer:
         t = self.cfg.trainer
         grad = "grad" if torch.is_grad_enabled() else "nograd"
         self._work[f"perf/{grad}_tokens"] += sum(lengths)
-        self._work["perf/computed_tokens"] += micro_batches.cost(lengths, t.use_remove_padding)
+        if t.use_remove_padding:  # the packed rows' unused ends are the padding
+            rows, width = micro_batches.packed_shape(lengths, one_row(model))
+            self._work["perf/computed_tokens"] += rows * width
+        else:
+            self._work["perf/computed_tokens"] += len(lengths) * L
         # each row's log-probs under the distribution it was sampled from (its sampling params)
         return token_logprobs(model, full["input_ids"][s:e, :L], full["attention_mask"][s:e, :L],
                               full["temperature"][s:e], full["top_p"][s:e], full["top_k"][s:e],
@@ -639,18 +643,25 @@ class Trainer:
         os.replace(path + ".tmp", path)
         return self.fingerprint()
 
-    def save(self, directory: str) -> str:
+    def save(self, directory: str, with_hf: bool = True) -> str:
         """A resumable checkpoint: the model in HF format (hf/) and the optimizer state. Returns
-        the fingerprint of the weights written (the runner checks the files against it on resume)."""
+        the fingerprint of the weights written (the runner checks the files against it on resume).
+        With LoRA also the adapter alone (adapter/, PEFT's format: what resume reads, the base
+        being the stage's starting model), and hf/ (the merged model) only `with_hf`."""
         d = Path(directory)
+        if lora.is_lora(self.model):
+            self.model.save_pretrained(d / "adapter")
+            if not with_hf:
+                self._save_state(d)
+                return written_fingerprint(lora.adapter_state_dict(self.model), d / "adapter")
         sd = self._state_dict()
-        # with LoRA: the merged model as an ordinary HF model, and the adapter alone (adapter/, PEFT's
-        # format: what resume reads, the base being the stage's starting model)
         hf_model = self.model.get_base_model() if lora.is_lora(self.model) else self.model
         hf_model.save_pretrained(d / "hf", state_dict=sd)
         self.tokenizer.save_pretrained(d / "hf")
-        if lora.is_lora(self.model):
-            self.model.save_pretrained(d / "adapter")
+        self._save_state(d)
+        return written_fingerprint(sd, d / "hf")
+
+    def _save_state(self, d: Path) -> None:
         torch.save(
             {
                 "optimizer": self.optimizer.state_dict(),
@@ -661,7 +672,6 @@ class Trainer:
             },
             d / "trainer_state.pt",
         )
-        return written_fingerprint(sd, d / "hf")
 
     def load(self, directory: str) -> None:
         d = Path(directory)

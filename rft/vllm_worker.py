@@ -48,13 +48,10 @@ class WorkerExtension:
         self._reload(load(blob).items())
 
     def rft_load_file(self, path: str) -> None:
-        """A safetensors file, or a checkpoint's hf/ directory (its model.safetensors)."""
-        from pathlib import Path
+        """A safetensors file, or a checkpoint's hf/ directory (one file or shards)."""
+        from rft.sync import hf_tensors
 
-        from safetensors.torch import load_file
-
-        p = Path(path)
-        self._reload(load_file(p / "model.safetensors" if p.is_dir() else p).items())
+        self._reload(hf_tensors(path))
 
     def rft_collective_init(self, address, port, world, rank, timeout_s, manifest) -> None:
         from rft.sync import open_group

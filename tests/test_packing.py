@@ -166,18 +166,35 @@ def test_gradient_checkpointing_recomputes_each_block_and_keeps_the_gradient():
 
 
 def test_the_step_reports_padding_and_throughput():
-    # 2 rows of 16 and 21 tokens: padded, a forward computes 2 x 21 = 42 for 37 real tokens
-    exps = experiences(1, 2)
-    exps[0].tokens, exps[1].tokens = exps[0].tokens[:16], exps[1].tokens[:15] + [7, 8, 9, 10, 11, 2]
-    exps[0].logprobs, exps[1].logprobs = [0.0], [0.0] * 6
-    exps[0].reward, exps[1].reward = 0.0, 1.0
+    # rows of 16, 16 and 32 tokens. Padded, a forward computes 3 x 32 = 96 for 64 real tokens;
+    # packed, the two short ones share a row as wide as the long one: 2 x 32 = 64, no padding
+    exps = experiences(1, 3)
+    for e, n in zip(exps, (16, 16, 32)):
+        e.tokens = e.tokens[:15] + [7 + i % 9 for i in range(n - 16)] + [2]
+        e.logprobs, e.reward = [0.0] * (n - 15), float(n > 16)
     padded = make_trainer(8, ["trainer.use_remove_padding=false"]).train_step(exps)
     packed = make_trainer(8).train_step(exps)
-    assert padded["perf/padding_frac"] == pytest.approx(1 - 37 / 42)
+    assert padded["perf/padding_frac"] == pytest.approx(1 - 64 / 96)
     assert packed["perf/padding_frac"] == 0.0
     for m in (padded, packed):
         assert m["perf/trainer_tokens_per_s"] > 0 and m["perf/tflops"] > 0 and m["perf/max_memory_gb"] > 0
         assert "perf/mfu" not in m  # a CPU's peak is unknown
+
+
+def test_packing_fills_rows_as_wide_as_the_longest_first_fit():
+    from rft.logprobs import pack
+
+    lengths = [3, 5, 2, 1]
+    ids = torch.tensor([[11, 12, 13, 0, 0], [21, 22, 23, 24, 25], [31, 32, 0, 0, 0], [41, 0, 0, 0, 0]])
+    packed, positions, starts = pack(ids, lengths)
+    # longest first into rows of 5: [5] | [3, 2] | and 1 fits nowhere (5+1, 3+2+1 > 5): its own row,
+    # whose unused end is a filler sequence (positions from 0 again)
+    assert packed.tolist() == [[21, 22, 23, 24, 25], [11, 12, 13, 31, 32], [41, 0, 0, 0, 0]]
+    assert positions.tolist() == [[0, 1, 2, 3, 4], [0, 1, 2, 0, 1], [0, 0, 1, 2, 3]]
+    assert starts.tolist() == [5, 0, 8, 10]
+    one, pos1, starts1 = pack(ids, lengths, one_row=True)
+    assert one.tolist() == [[21, 22, 23, 24, 25, 11, 12, 13, 31, 32, 41]] and starts1.tolist() == [5, 0, 8, 10]
+    assert micro_batches.packed_shape(lengths, False) == (3, 5) and micro_batches.packed_shape(lengths, True) == (1, 11)
 
 
 def test_plan_shows_the_token_budget_and_checks_the_attention_kernel():
@@ -248,3 +265,44 @@ def test_the_readme_7b_recipes_compose_and_place():
         check_config(cfg)
         assert trainer_ranks(cfg) == ranks and check_placement(cfg).trainer_gpus == ranks
         assert cfg.trainer.use_dynamic_bsz and cfg.trainer.gradient_checkpointing and cfg.trainer.logprob_chunk_size == 2048
+
+
+def _benchmark():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "experiments" / "trainer_benchmark" / "benchmark.py"
+    spec = importlib.util.spec_from_file_location("trainer_benchmark", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module, path
+
+
+def test_the_trainer_benchmark_summarizes_by_hand():
+    bench, _ = _benchmark()
+    rows = [{"arm": "padded", "tokens_per_s": 100.0, "peak_mb": 900.0, "padding_frac": 0.5, "micro_batches": 4, "logits_mb": 10.0},
+            {"arm": "padded", "tokens_per_s": 120.0, "peak_mb": 1100.0, "padding_frac": 0.5, "micro_batches": 4, "logits_mb": 10.0},
+            {"arm": "packed", "tokens_per_s": 200.0, "peak_mb": 500.0, "padding_frac": 0.0, "micro_batches": 4, "logits_mb": 10.0},
+            {"arm": "packed", "tokens_per_s": 240.0, "peak_mb": 700.0, "padding_frac": 0.0, "micro_batches": 4, "logits_mb": 10.0}]
+    table = bench.summarize(rows)
+    # medians: padded 110 tok/s, 1000 MB; packed 220, 600: 2.0x
+    assert table["padded"]["tokens_per_s"] == 110 and table["padded"]["peak_mb"] == 1000
+    assert table["packed"]["speedup"] == pytest.approx(2.0) and table["packed"]["peak_mb"] == 600
+    # long-tailed lengths: within the cut, a few long ones
+    lengths = bench.lengths(32, 512)
+    assert min(lengths) >= 8 and max(lengths) <= 480 and sorted(lengths)[16] < max(lengths) / 3
+
+
+@pytest.mark.slow
+def test_the_trainer_benchmark_runs_every_arm():
+    import json
+    import subprocess
+    import sys
+
+    _, path = _benchmark()
+    r = subprocess.run([sys.executable, str(path), "--small", "--repeats", "1"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    table = json.loads(r.stdout.strip().splitlines()[-1])
+    assert list(table) == ["padded", "packed", "packed+budget", "+chunked"]
+    assert table["padded"]["padding_frac"] > 0.2 and table["packed"]["padding_frac"] < table["padded"]["padding_frac"]
+    assert all(v["tokens_per_s"] > 0 and v["peak_mb"] > 0 for v in table.values())

@@ -201,6 +201,15 @@ def test_weights_update_in_the_running_engine_by_every_sync_path(engines, tmp_pa
     after_file = assert_same_outputs(cfg, hf, vllm, prompts)
     assert after_file != after_memory
 
+    # a checkpoint's hf/ sharded by save_pretrained (an index and several files), as a large
+    # model's is: mode=explore's pickup and a resumed run read it so
+    hf.update_weights(_perturbed(hf, 4))
+    hf.model.save_pretrained(tmp_path / "sharded", max_shard_size="200KB")
+    assert len(list((tmp_path / "sharded").glob("model-*.safetensors"))) > 1
+    vllm.load_weights_file(str(tmp_path / "sharded"))
+    assert same_weights(vllm.fingerprint(), hf.fingerprint())
+    assert assert_same_outputs(cfg, hf, vllm, prompts) != after_file
+
     # sync=collective: this process plays the trainer (rank 0) and broadcasts its parameters;
     # a tied output layer is sent once, as the embedding
     hf.update_weights(_perturbed(hf, 3))
