@@ -150,11 +150,11 @@ def set_aside(ckpt: Checkpoint, why: str, title: str, say) -> None:
         f"falling back to the previous complete checkpoint")
 
 
-def write(stage_dir: Path, step: int, state: dict, save_model=None, keep: int | None = None) -> Path:
+def write(stage_dir: Path, step: int, state: dict, save_model=None, keep: int | None = None, say=None) -> Path:
     """Write checkpoint `step`: `save_model(tmp_dir) -> dict` (the trainer's files; what it returns
     joins the state), then state.json, then the directory is moved into place in one rename.
     Then only the newest `keep` complete checkpoints stay (None: all; trainer.max_ckpt_to_keep;
-    mode=explore keeps 1); damaged ones moved aside are never touched."""
+    mode=explore keeps 1), each one deleted told to `say`; damaged ones moved aside are never touched."""
     final = Path(stage_dir) / "checkpoints" / f"step_{step}"
     tmp = final.with_name(final.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -169,4 +169,6 @@ def write(stage_dir: Path, step: int, state: dict, save_model=None, keep: int | 
         others = [c for c in list_checkpoints(stage_dir) if c.step != step]  # oldest first
         for old in others[:max(0, len(others) + 1 - keep)]:
             shutil.rmtree(old.path, ignore_errors=True)
+            if say is not None:
+                say(f"deleted checkpoint step {old.step} ({old.path}): keeping the newest {keep}")
     return final

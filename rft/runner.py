@@ -547,9 +547,12 @@ class StageRun:
         # LoRA (trainer.save_hf_checkpoint): the merged model in hf/ at every save, the last, or never
         when = self.cfg.trainer.save_hf_checkpoint
         with_hf = when == "always" or (when == "last" and step >= self.plan.total_steps)
-        # an explorer's place (mode=explore): only the newest matters
-        checkpoint.write(self.dir, step, state, save_trainer if self.trainer is not None else None,
-                         keep=1 if self.trainer is None else self.cfg.trainer.max_ckpt_to_keep)
+        # an explorer's place (mode=explore): only the newest matters, its pruning not worth a line
+        if self.trainer is None:
+            checkpoint.write(self.dir, step, state, keep=1)
+        else:
+            checkpoint.write(self.dir, step, state, save_trainer, keep=self.cfg.trainer.max_ckpt_to_keep,
+                             say=lambda m: self.monitor.print(f"[{self.title}] trainer.max_ckpt_to_keep: {m}"))
 
     def close(self) -> None:
         if self.monitor is not None:

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import rft.main
 from conftest import ROOT, compose_cfg
@@ -19,11 +19,13 @@ from rft.checkpoint import damage, list_checkpoints, read_checkpoint
 from rft.engine import HFEngine
 from rft.errors import ConfigError
 from rft.experience import collate
+from rft.export import export
 from rft.logprobs import token_logprobs
 from rft.models import load_hf_weights, load_model
 from rft.monitor import read_metrics
 from rft.plan import make_plan, stage_configs
 from rft.sync import hf_weight_files, same_weights
+from test_fsdp import configs, fsdp_group, local_ray  # noqa: F401 (local_ray: a fixture)
 from test_trainer import experiences, make_trainer
 
 
@@ -65,6 +67,20 @@ def test_sharded_weights_load_into_the_trainer_the_engine_and_pass_the_damage_ch
     assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), t.model.state_dict().values()))
 
 
+def test_a_folder_without_weights_is_named(trained, tmp_path):
+    _, d = trained
+    with pytest.raises(FileNotFoundError) as e:
+        load_hf_weights(torch.nn.Linear(1, 1), tmp_path)
+    assert str(e.value) == (f"{tmp_path} holds no model weights (neither model.safetensors nor "
+                            f"model.safetensors.index.json with its shards)")
+    copy = tmp_path / "checkpoints" / "step_1"
+    shutil.copytree(d, copy)
+    for f in hf_weight_files(copy / "hf"):
+        f.unlink()
+    (copy / "hf" / "model.safetensors.index.json").unlink()
+    assert damage(read_checkpoint(copy), True) == f"{copy / 'hf' / 'model.safetensors'}: missing"
+
+
 def test_a_damaged_or_missing_shard_is_named(trained, tmp_path):
     _, d = trained
     copy = tmp_path / "checkpoints" / "step_1"
@@ -88,8 +104,11 @@ def fake_checkpoints(stage, steps):
 def test_max_ckpt_to_keep_deletes_the_oldest_after_a_save(tmp_path):
     fake_checkpoints(tmp_path, [10, 20, 30])
     (tmp_path / "checkpoints" / "step_5.damaged-20260101_000000").mkdir()
-    checkpoint.write(tmp_path, 40, {}, keep=2)
+    said = []
+    checkpoint.write(tmp_path, 40, {}, keep=2, say=said.append)
     assert [c.step for c in list_checkpoints(tmp_path)] == [30, 40]
+    assert said == [f"deleted checkpoint step {s} ({tmp_path / 'checkpoints' / f'step_{s}'}): keeping the newest 2"
+                    for s in (10, 20)]
     assert (tmp_path / "checkpoints" / "step_5.damaged-20260101_000000").exists()  # never touched
     checkpoint.write(tmp_path, 50, {}, keep=None)
     assert [c.step for c in list_checkpoints(tmp_path)] == [30, 40, 50]
@@ -110,9 +129,14 @@ def test_resume_from_path_picks_that_checkpoint_and_moves_newer_ones_aside(tmp_p
         f"trainer.resume_from_path={str(tmp_path / 'nope')!r}: no such directory. Give a directory "
         f"<run>/<stage>/checkpoints/step_<N>; this stage's checkpoints: {tmp_path / 'checkpoints' / 'step_1'}, "
         f"{tmp_path / 'checkpoints' / 'step_2'}. Or leave it null to resume from the newest.")
+    (tmp_path / "checkpoints" / "step_4.tmp").mkdir()  # a save that was killed: no state.json
     with pytest.raises(ConfigError) as e:
-        checkpoint.chosen_checkpoint(tmp_path, str(tmp_path / "checkpoints"), False, "grpo", said.append)
-    assert "not a checkpoint (no state.json" in str(e.value)
+        checkpoint.chosen_checkpoint(tmp_path, str(tmp_path / "checkpoints" / "step_4.tmp"), False, "grpo", said.append)
+    assert str(e.value) == (
+        f"trainer.resume_from_path={str(tmp_path / 'checkpoints' / 'step_4.tmp')!r}: not a checkpoint (no state.json: "
+        f"not a step_<N> directory, or a save that did not finish). Give a directory <run>/<stage>/checkpoints/"
+        f"step_<N>; this stage's checkpoints: {tmp_path / 'checkpoints' / 'step_1'}, "
+        f"{tmp_path / 'checkpoints' / 'step_2'}. Or leave it null to resume from the newest.")
 
 
 def test_checkpoint_settings_are_checked():
@@ -138,7 +162,7 @@ def logprobs(model, tok):
 
 
 @pytest.mark.slow
-def test_a_lora_run_saves_adapters_resumes_from_a_chosen_one_and_exports(warm_start, tmp_path):
+def test_a_lora_run_saves_adapters_resumes_from_a_chosen_one_and_exports(warm_start, tmp_path, capsys):
     # from the warm start, so that rewards vary and every step moves the adapters
     lora = ["model.lora.rank=4", "model.lora.alpha=8", "algorithm.optimizer.lr=1e-2",
             f"model.model_path={warm_start}", "model.builder=null", "trainer.save_hf_checkpoint=last",
@@ -149,6 +173,9 @@ def test_a_lora_run_saves_adapters_resumes_from_a_chosen_one_and_exports(warm_st
     ckpts = {c.step: c for c in list_checkpoints(stage)}
     # 4 saves, the newest 3 kept; only the last holds the merged model, every one the adapter
     assert sorted(ckpts) == [2, 3, 4]
+    printed = capsys.readouterr()
+    assert (f"[grpo] trainer.max_ckpt_to_keep: deleted checkpoint step 1 ({stage / 'checkpoints' / 'step_1'}): "
+            f"keeping the newest 3\n") in printed.out + printed.err
     assert [ckpts[s].hf_path.exists() for s in (2, 3, 4)] == [False, False, True]
     assert all((ckpts[s].path / "adapter" / "adapter_model.safetensors").exists() for s in (2, 3, 4))
     assert all(damage(c, True) is None for c in ckpts.values())
@@ -180,3 +207,58 @@ def test_export_refuses_what_is_not_a_checkpoint(tmp_path):
     assert r.returncode == 2
     assert r.stderr == (f"error: {tmp_path} is not a checkpoint: a checkpoint is a directory <run>/<stage>/"
                         f"checkpoints/step_<N> with a state.json (one without it is a save that did not finish).\n")
+
+
+def logits(model, tok):
+    ids = collate(experiences(2, 2, seed=5), tok.pad_token_id)["input_ids"]
+    with torch.no_grad():
+        return model.eval()(ids).logits
+
+
+def test_export_writes_a_sharded_checkpoint_as_a_model_from_pretrained_loads(trained, tmp_path):
+    t, d = trained
+    out = export(d, tmp_path / "out", max_shard_size="100KB")
+    assert len(hf_weight_files(out)) > 1  # the export shards as asked
+    torch.testing.assert_close(logits(AutoModelForCausalLM.from_pretrained(out), t.tokenizer),
+                               logits(t.model, t.tokenizer), rtol=0, atol=0)
+    assert AutoTokenizer.from_pretrained(out)("12+34=").input_ids == t.tokenizer("12+34=").input_ids
+
+
+def test_a_lora_checkpoint_without_hf_resumes_and_exports_the_merged_model(tmp_path):
+    lora = ["model.lora.rank=4", "model.lora.alpha=8", "algorithm.optimizer.lr=1e-2"]
+    t = make_trainer(128, lora)
+    t.train_step(experiences())
+    d = tmp_path / "checkpoints" / "step_1"
+    d.mkdir(parents=True)
+    saved = t.save(str(d), False)  # trainer.save_hf_checkpoint=last|never, not the last step
+    assert not (d / "hf").exists() and (d / "adapter" / "adapter_model.safetensors").exists()
+    (d / "state.json").write_text(json.dumps({"step": 1, "saved_fingerprint": saved,
+                                              "lora_base": t.cfg.model.model_path}))
+    assert damage(read_checkpoint(d), True) is None
+    resumed = make_trainer(128, lora)
+    resumed.load(str(d))
+    assert resumed.version == 1 and same_weights(resumed.fingerprint(), t.fingerprint())
+    want = logits(t.model, t.tokenizer)
+    got = logits(AutoModelForCausalLM.from_pretrained(export(d, tmp_path / "out")), t.tokenizer)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    base = logits(load_model(t.cfg.model), t.tokenizer)
+    assert (got - base).abs().max() > 1e-3  # the adapter is in it: not the base model
+
+
+@pytest.mark.slow  # Ray and two trainer=fsdp2 ranks
+def test_export_writes_a_trainer_fsdp2_checkpoint(local_ray, tmp_path):
+    (one_cfg, _), (two_cfg, two_plan) = configs()
+    two = fsdp_group(two_cfg, two_plan, tmp_path)
+    try:
+        two.call("train_step", experiences())
+        d = tmp_path / "checkpoints" / "step_1"
+        d.mkdir(parents=True)
+        (d / "state.json").write_text(json.dumps({"step": 1, "saved_fingerprint": two.call("save", str(d))}))
+        whole = load_model(one_cfg.model)
+        whole.load_state_dict(two.call("weights"))  # the ranks' shards gathered
+    finally:
+        two.kill()
+    tok = AutoTokenizer.from_pretrained(one_cfg.model.model_path)
+    got = logits(AutoModelForCausalLM.from_pretrained(export(d, tmp_path / "out")), tok)
+    torch.testing.assert_close(got, logits(whole, tok), rtol=0, atol=0)
+    assert (got - logits(load_model(one_cfg.model), tok)).abs().max() > 1e-4  # trained: not the starting model
