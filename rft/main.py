@@ -186,6 +186,15 @@ def plan_stages(cfg: DictConfig) -> tuple[list, list, list[Path]]:
     return stages, plans, [run_dir / s.stage_name if s.stage_name else run_dir for s in stages]
 
 
+def plan_text(stages: list, plans: list, stage_dirs: list[Path]) -> str:
+    """What a dry run prints (and the studio shows): each stage's batch plan and description."""
+    from rft.plan import describe, format_plan
+
+    return "\n".join(
+        format_plan(p, title=f"batch plan: stage {s.stage_name or s.name} ({s.algorithm.algorithm_type})")
+        + "\n" + describe(s, d) + "\n" for s, p, d in zip(stages, plans, stage_dirs))
+
+
 def _main(cfg: DictConfig) -> float | None:
     if cfg.mode == "bench":
         from rft.bench import bench
@@ -194,12 +203,7 @@ def _main(cfg: DictConfig) -> float | None:
     stages, plans, stage_dirs = plan_stages(cfg)
     run_dir = run_dir_of(cfg)
     if cfg.dry_run:
-        from rft.plan import describe, format_plan
-
-        for s, p, d in zip(stages, plans, stage_dirs):
-            print(format_plan(p, title=f"batch plan: stage {s.stage_name or s.name} ({s.algorithm.algorithm_type})"))
-            print(describe(s, d))
-            print()
+        print(plan_text(stages, plans, stage_dirs))
         _remove_if_empty(run_dir)  # Hydra made it; a dry run leaves nothing behind
         return None
     return _run(cfg, stages, plans, stage_dirs, run_dir)

@@ -1,0 +1,268 @@
+"""The studio's compose page, without the page: config groups and their options read from `conf/`,
+every key of the typed schema with its type, default and comment, and one composition (Hydra's
+compose API, the same `conf/` and schema as `python run.py`) with its batch plan or its error.
+
+Nothing here keeps a second copy of the config: the groups are the directories of `conf/`, an
+option's text is its file's first comment, a key's comment is the one above its field in
+rft/config.py, and a composition is Hydra's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import inspect
+import json
+import re
+import shlex
+import threading
+import typing
+from pathlib import Path
+from typing import Any
+
+import yaml
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from rft import config as C
+
+# groups the page offers; hydra/ (launchers) is chosen on the launch form
+SKIP_GROUPS = {"hydra"}
+NONE = "null"  # the choice "no option" (experiment: null)
+# Hydra's compose API and HydraConfig are process-wide singletons: one composition at a time
+_LOCK = threading.Lock()
+
+
+def first_comment(path: Path) -> str:
+    """The file's first comment that says what the option is: its opening comment lines, less the
+    `# @package` line and the `# python run.py ...` usage lines."""
+    out = []
+    for line in path.read_text().splitlines():
+        if not line.startswith("#"):
+            if out or line.strip():
+                break
+            continue
+        text = line[1:].strip()
+        if text.startswith("@package") or text.startswith("python ") or (not text and not out):
+            if out:
+                break
+            continue
+        out.append(text)
+    return " ".join(out)
+
+
+def groups(conf_dir: Path) -> dict[str, list[dict]]:
+    """{group: [{"name": option, "comment": first comment}, ...]} for every group directory."""
+    out = {}
+    for d in sorted(p for p in Path(conf_dir).iterdir() if p.is_dir() and p.name not in SKIP_GROUPS):
+        options = [{"name": f.stem, "comment": first_comment(f)} for f in sorted(d.glob("*.yaml"))]
+        if d.name == "experiment":
+            options.insert(0, {"name": NONE, "comment": "no named study"})
+        out[d.name] = options
+    return out
+
+
+# ---------------------------------------------------------------- the schema
+
+
+def _field_comments(cls) -> dict[str, str]:
+    """{field: the comment lines just above it (or at the end of its line)} in cls's source."""
+    comments, pending = {}, []
+    for line in inspect.getsource(cls).splitlines()[1:]:
+        stripped = line.strip()
+        if stripped.startswith("#"):
+            pending.append(stripped[1:].strip())
+            continue
+        m = re.match(r"\s+(\w+)\s*:", line)
+        if m and not stripped.startswith(("def ", "@")):
+            inline = line.split("#", 1)[1].strip() if "#" in line and "=" in line.split("#", 1)[0] else ""
+            comments[m.group(1)] = " ".join(pending + ([inline] if inline else []))
+        pending = []
+    return comments
+
+
+def _type_name(hint) -> str:
+    if isinstance(hint, type) and issubclass(hint, enum.Enum):
+        return "one of " + " | ".join(e.value for e in hint)
+    text = getattr(hint, "__name__", None) if isinstance(hint, type) else None
+    return text or str(hint).replace("typing.", "")
+
+
+def _override_text(value) -> str:
+    """A value as a command-line override writes it (what the page's inputs hold)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, (list, dict)):
+        return json.dumps(value)
+    return str(value)
+
+
+def schema() -> list[dict]:
+    """Every leaf key of the typed schema, in its order: {"key", "type", "choices" (an enum's or a
+    bool's values, else None), "default" (the schema's, as override text), "comment"}."""
+    out = []
+
+    def walk(cls, prefix):
+        hints = typing.get_type_hints(cls)
+        comments = _field_comments(cls)
+        for f in dataclasses.fields(cls):
+            hint = hints[f.name]
+            if dataclasses.is_dataclass(hint):
+                walk(hint, f"{prefix}{f.name}.")
+                continue
+            inner = [a for a in typing.get_args(hint) if a is not type(None)]
+            base = inner[0] if typing.get_origin(hint) is typing.Union and len(inner) == 1 else hint
+            if isinstance(base, type) and issubclass(base, enum.Enum):
+                choices = [e.value for e in base]
+            elif base is bool:
+                choices = ["true", "false"]
+            else:
+                choices = None
+            if f.default is not dataclasses.MISSING:
+                default = f.default
+            elif f.default_factory is not dataclasses.MISSING:
+                default = f.default_factory()
+            else:
+                default = None
+            default = "???" if default == "???" else _override_text(default)
+            out.append({"key": prefix + f.name, "type": _type_name(hint), "choices": choices,
+                        "default": default, "comment": comments.get(f.name, "")})
+
+    walk(C.Config, "")
+    return out
+
+
+# ---------------------------------------------------------------- one composition
+
+
+@dataclasses.dataclass
+class Composition:
+    choices: dict[str, str]  # group -> option, as composed (the defaults filled in)
+    overrides: list[str]  # what the command line says: changed groups, then keys
+    command: str  # python run.py <overrides>, quoted for a POSIX shell
+    values: dict[str, str]  # every schema key's composed value, as override text
+    yaml: str  # the composed config, as `python run.py <overrides> --cfg job` prints it
+    plan: str  # the batch plan (the dry run's text), or "" when there is an error
+    error: str  # the configuration error, one paragraph, or ""
+
+
+def overrides_of(choices: dict[str, str], keys: dict[str, str], default_choices: dict[str, str]) -> list[str]:
+    """Command-line overrides: each group whose option differs from conf/config.yaml's default,
+    then each key=value the page set."""
+    out = [f"{g}={o}" for g, o in choices.items() if o and default_choices.get(g) != o]
+    return out + [f"{k}={v}" for k, v in keys.items()]
+
+
+def _compose(conf_dir: Path, overrides: list[str]) -> DictConfig:
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.hydra_config import HydraConfig
+
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(Path(conf_dir).resolve()), version_base="1.3"):
+        cfg = compose("config", overrides=overrides, return_hydra_config=True)
+    HydraConfig.instance().set_config(cfg)  # ${hydra:runtime.choices.model} in `name` resolves
+    return cfg
+
+
+def _message(e: Exception) -> str:
+    """The error as one paragraph: its text and its cause's (Hydra's "Error merging override
+    mode=x" says why in its cause), less OmegaConf's "full_key: ... object_type=..." lines."""
+    parts = []
+    while e is not None and len(parts) < 3:
+        text = str(getattr(e, "cause", None) or e).strip()
+        text = " ".join(line.strip() for line in text.splitlines()
+                        if not re.match(r"\s*(full_key|reference_type|object_type)\s*[:=]", line))
+        if text and not any(text in p for p in parts):
+            parts.append(text)
+        e = e.__cause__
+    return ": ".join(parts)
+
+
+def default_choices(conf_dir: Path) -> dict[str, str]:
+    """conf/config.yaml's option for each group."""
+    return compose(conf_dir, {}, {}, {}, plan=False).choices
+
+
+def compose(conf_dir: Path, choices: dict[str, str], keys: dict[str, str],
+            defaults: dict[str, str] | None = None, plan: bool = True) -> Composition:
+    """Compose `python run.py <overrides>` and plan it, as a dry run would. Never raises for a
+    mistake in the values: the error's one paragraph comes back in `.error`."""
+    from rft.config import misspelt_override
+    from rft.errors import ConfigError
+
+    conf_dir = Path(conf_dir)
+    with _LOCK:
+        if defaults is None:
+            defaults = dict(_compose(conf_dir, []).hydra.runtime.choices) if (choices or keys) else {}
+        overrides = overrides_of(choices, keys, defaults)
+        command = "python run.py " + " ".join(shlex.quote(o) for o in overrides) if overrides else "python run.py"
+        misspelt = misspelt_override(overrides, set(groups(conf_dir)) | {"hydra"})
+        if misspelt:
+            return Composition(dict(choices), overrides, command, {}, "", "", misspelt)
+        try:
+            cfg = _compose(conf_dir, overrides)
+        except Exception as e:  # Hydra's override and validation errors name the key
+            return Composition(dict(choices), overrides, command, {}, "", "", _message(e))
+        chosen = {g: (o if o is not None else NONE) for g, o in cfg.hydra.runtime.choices.items() if "/" not in g}
+        job = cfg.copy()
+        OmegaConf.set_readonly(job, False)
+        with open_dict(job):  # what `--cfg job` prints, and what rft.main receives
+            del job["hydra"]
+        text = OmegaConf.to_yaml(job)
+        written = C.flat(OmegaConf.to_container(job, resolve=False, enum_to_str=True))
+        values = {f["key"]: _override_text(written.get(f["key"])) for f in schema()}
+        if not plan:
+            return Composition(chosen, overrides, command, values, text, "", "")
+        from rft.main import plan_stages, plan_text
+
+        try:
+            stages, plans, dirs = plan_stages(job)
+            return Composition(chosen, overrides, command, values, text, plan_text(stages, plans, dirs), "")
+        except ConfigError as e:
+            return Composition(chosen, overrides, command, values, text, "", _message(e))
+        except Exception as e:  # an interpolation that does not resolve, a dataset that is not there
+            return Composition(chosen, overrides, command, values, text, "", f"{type(e).__name__}: {_message(e)}")
+
+
+# ---------------------------------------------------------------- save as study
+
+
+STUDY_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+
+
+def save_study(conf_dir: Path, name: str, comp: Composition, defaults: dict[str, str],
+               overwrite: bool = False) -> Path:
+    """Write conf/experiment/<name>.yaml: its command line first (after Hydra's header), then the composition's groups as
+    `override /group: option` and its keys as nested values. `python run.py experiment=<name>`
+    composes what the page composed (with `name` set to the study's)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    if not STUDY_NAME.match(name or ""):
+        raise ValueError(f"study name {name!r}: use letters, digits, '_', '-' or '.', starting with a letter or digit.")
+    path = Path(conf_dir) / "experiment" / f"{name}.yaml"
+    if path.exists() and not overwrite:
+        raise FileExistsError(f"{path} exists: choose another name, or tick 'overwrite'.")
+    groups_ = [(g, o) for g, o in comp.choices.items() if g != "experiment" and defaults.get(g) != o]
+    keys = [o.split("=", 1) for o in comp.overrides if "=" in o and o.split("=", 1)[0] not in comp.choices]
+    body: dict = {}
+    for key, text in keys:
+        node = body
+        *parents, leaf = key.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        # the value as the command line reads it (1e-3 a float, [1,2] a list, null None)
+        node[leaf] = OverridesParser.create().parse_override(f"{key}={text}").value()
+    # Hydra reads the @package header only on the first line; the command line comes next, as in
+    # every study of conf/experiment
+    lines = ["# @package _global_", f"# python run.py experiment={name}",
+             f"# saved by the studio from: {comp.command}", "defaults:"]
+    lines += [f"  - override /{g}: {o}" for g, o in groups_] + ["  - _self_", "", f"name: {name}"]
+    if body:
+        lines.append(yaml.safe_dump(body, sort_keys=False).rstrip())
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines) + "\n")
+    return path

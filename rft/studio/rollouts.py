@@ -1,0 +1,101 @@
+"""The studio's rollouts page, without the page: what a run's policy wrote. The sources are the
+run's stored experiences (sql and file buffers: `buffer.db`, `experiences.jsonl`, read with
+rft.buffer's reader) and its saved eval trajectories (`eval_trajectories/step_N/<set>.jsonl`,
+written for multi-turn evals). A queue buffer (the default) keeps no experiences: run with
+`buffer=sql` or `buffer=file` to read them here.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from rft.buffer import SQL_SUFFIXES, count_experiences, read_experiences
+
+# at most this many rows are read for one view (filters apply within them)
+MAX_ROWS = 5000
+
+
+def sources(run: Path) -> list[dict]:
+    """{"path" (relative to the run), "kind": "experiences" | "eval", "count"} for each source."""
+    run = Path(run)
+    out = []
+    for p in sorted(run.rglob("*")):
+        rel = p.relative_to(run)
+        if not p.is_file() or any(part.startswith("previous_") or part == "checkpoints" for part in rel.parts):
+            continue
+        if "eval_trajectories" in rel.parts and p.suffix == ".jsonl":
+            with open(p, "rb") as f:
+                out.append({"path": rel.as_posix(), "kind": "eval", "count": sum(1 for line in f if line.strip())})
+        elif p.suffix in SQL_SUFFIXES or p.name.endswith("experiences.jsonl"):
+            try:
+                out.append({"path": rel.as_posix(), "kind": "experiences", "count": count_experiences(str(p))})
+            except Exception:  # a database that is not a buffer, a dataset: not a source
+                continue
+    return out
+
+
+def _turns(messages, mask_roles=("assistant",)) -> list[dict]:
+    """A conversation's turns, each marked trained (the assistant's sampled tokens: loss mask 1)
+    or masked (the prompt, tool and user turns: in the context, never in the loss)."""
+    return [{"role": m.get("role", "?"), "content": m.get("content") or "",
+             "tool_calls": m.get("tool_calls"), "trained": m.get("role") in mask_roles}
+            for m in messages or [] if isinstance(m, dict)]
+
+
+def _experience_row(i: int, e) -> dict:
+    info = e.info or {}
+    conversation = info.get("conversation")
+    row = {"i": i, "step": e.policy_version, "task_id": e.task_id, "reward": e.reward,
+           "parts": e.reward_parts or {}, "length": e.response_length,
+           "prompt": info.get("prompt", f"token ids {e.tokens[:e.prompt_length]}"),
+           "response": info.get("response", f"token ids {e.tokens[e.prompt_length:]}"),
+           "trained_tokens": sum(e.loss_mask) if e.loss_mask else e.response_length,
+           "turns": _turns(conversation) if conversation else None}
+    if conversation:
+        # the first turns up to the first assistant turn are the prompt: masked, as the prompt is
+        first = next((k for k, t in enumerate(row["turns"]) if t["role"] == "assistant"), len(row["turns"]))
+        for t in row["turns"][:first]:
+            t["trained"] = False
+    return row
+
+
+def _eval_row(i: int, step: int | None, d: dict) -> dict:
+    messages = d.get("messages") or []
+    turns = _turns(messages)
+    prompt = next((t["content"] for t in turns if t["role"] == "user"), "")
+    response = "\n".join(t["content"] for t in turns if t["role"] == "assistant")
+    return {"i": i, "step": step, "task_id": d.get("task_id", ""), "reward": d.get("reward"),
+            "parts": d.get("reward_parts") or {}, "length": None, "prompt": prompt, "response": response,
+            "trained_tokens": None, "turns": turns}
+
+
+def read(run: Path, source: str, min_reward: float | None = None, max_reward: float | None = None,
+         step: int | None = None, limit: int = 200) -> dict:
+    """The source's rows that pass the filters (reward within [min, max], policy version or eval
+    step equal to `step`), at most `limit`; {"rows", "matched", "total"}."""
+    from rft.studio.runs import inside
+
+    path = inside(run, source)
+    rows = []
+    if "eval_trajectories" in Path(source).parts:
+        step_dir = path.parent.name
+        at = int(step_dir[5:]) if step_dir.startswith("step_") and step_dir[5:].isdigit() else None
+        with open(path) as f:
+            for i, line in enumerate(f):
+                if line.strip():
+                    rows.append(_eval_row(i, at, json.loads(line)))
+    else:
+        rows = [_experience_row(i, e) for i, e in enumerate(read_experiences(str(path), MAX_ROWS))]
+    total = len(rows)
+
+    def keep(r):
+        reward = r["reward"] if isinstance(r["reward"], (int, float)) else None
+        if min_reward is not None and (reward is None or reward < min_reward):
+            return False
+        if max_reward is not None and (reward is None or reward > max_reward):
+            return False
+        return step is None or r["step"] == step
+
+    matched = [r for r in rows if keep(r)]
+    return {"rows": matched[:limit], "matched": len(matched), "total": total}

@@ -1,0 +1,430 @@
+"""The studio (python -m rft.studio): its pieces by value, and its pages in a real browser
+(Debian's headless Chromium driven by Playwright), exercised as a person would.
+
+Browser tests need /usr/bin/chromium (`make test` installs it where it can: apt, as root); without
+it they skip, unless RFT_REQUIRE_BROWSER=1 (CI), where they fail. Screenshots of each page go to
+tests/artifacts/studio/ (not tracked).
+"""
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from rft.studio import compose as C
+from rft.studio import rollouts as R
+from rft.studio import runs as U
+
+ROOT = Path(__file__).resolve().parents[1]
+CONF = ROOT / "conf"
+ARTIFACTS = ROOT / "tests" / "artifacts" / "studio"
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+
+
+# ---------------------------------------------------------------- the pieces, no browser
+
+
+def test_an_options_first_comment_leaves_out_the_package_and_usage_lines(tmp_path):
+    f = tmp_path / "x.yaml"
+    f.write_text("# @package _global_\n# python run.py algorithm=x\n# First line of what it is,\n# second line.\n"
+                 "# python run.py algorithm=x seed=2\nkey: 1\n# later comment\n")
+    assert C.first_comment(f) == "First line of what it is, second line."
+    groups = C.groups(CONF)
+    assert "hydra" not in groups and set(groups) >= {"algorithm", "model", "buffer", "trainer", "experiment"}
+    dapo = next(o for o in groups["algorithm"] if o["name"] == "dapo")
+    assert dapo["comment"].startswith("DAPO (arXiv 2503.14476)")
+    assert groups["experiment"][0]["name"] == "null"
+
+
+def test_the_schema_lists_every_leaf_key_with_type_default_and_comment():
+    import rft.config
+
+    fields = {f["key"]: f for f in C.schema()}
+    from omegaconf import OmegaConf
+
+    # every leaf of the typed schema, and nothing else; a dict-typed field is one value (edited as JSON)
+    leaves = set(rft.config.flat(OmegaConf.to_container(OmegaConf.structured(rft.config.Config))))
+    args = "buffer.trainer_input.experience_buffer.replay_buffer.priority_fn_args"
+    assert set(fields) == leaves - {args + ".decay"} | {args}
+    assert fields[args]["default"] == json.dumps({"decay": 2.0}) or fields[args]["default"].startswith("{")
+    rank = fields["model.lora.rank"]
+    assert (rank["type"], rank["default"], rank["comment"]) == ("int", "0", "the adapters' rank; 0: no LoRA")
+    mode = fields["mode"]
+    assert mode["choices"] == ["both", "explore", "train", "bench"] and mode["default"] == "both"
+    assert fields["dry_run"]["choices"] == ["true", "false"]
+    assert fields["model.attn_implementation"]["type"] == "Optional[str]"
+
+
+def test_compose_shows_the_plan_error_naming_the_key_then_the_plan():
+    defaults = C.default_choices(CONF)
+    bad = C.compose(CONF, {**defaults, "algorithm": "dapo"}, {"buffer.batch_size": "0"}, defaults)
+    assert bad.command == "python run.py algorithm=dapo buffer.batch_size=0"
+    assert "buffer.batch_size=0 must be >= 1" in bad.error and bad.plan == ""
+    good = C.compose(CONF, {**defaults, "algorithm": "dapo"}, {"buffer.batch_size": "4"}, defaults)
+    assert good.error == "" and "tasks per step" in good.plan and "stage grpo (dapo)" not in good.plan
+    assert "(dapo)" in good.plan and good.values["buffer.batch_size"] == "4"
+    assert good.choices["algorithm"] == "dapo"
+
+
+def test_compose_errors_are_one_paragraph_naming_the_key():
+    defaults = C.default_choices(CONF)
+    assert C.compose(CONF, defaults, {"mode": "both2"}, defaults).error == (
+        "Error merging override mode=both2: Invalid value 'both2', expected one of [both, explore, train, bench]")
+    misspelt = C.compose(CONF, defaults, {"buffer.batch_sze": "8"}, defaults).error
+    assert misspelt.startswith("Could not override 'buffer.batch_sze'") and "buffer.batch_size" in misspelt
+    assert "could not be converted to Integer" in C.compose(CONF, defaults, {"seed": "abc"}, defaults).error
+
+
+def test_a_saved_study_composes_what_the_page_composed(tmp_path):
+    conf = tmp_path / "conf"
+    shutil.copytree(CONF, conf)
+    defaults = C.default_choices(conf)
+    comp = C.compose(conf, {**defaults, "algorithm": "dapo", "buffer": "sql"},
+                     {"buffer.batch_size": "4", "algorithm.optimizer.lr": "1e-3", "model.lora.target_modules": "[q_proj,v_proj]"},
+                     defaults, plan=False)
+    path = C.save_study(conf, "my_study", comp, defaults)
+    text = path.read_text()
+    assert text.splitlines()[:2] == ["# @package _global_", "# python run.py experiment=my_study"]
+    study = C.compose(conf, {**defaults, "experiment": "my_study"}, {}, defaults, plan=False)
+    page = yaml.safe_load(comp.yaml)
+    saved = yaml.safe_load(study.yaml)
+    assert saved.pop("name") == "my_study"
+    page.pop("name")
+    assert saved == page and saved["algorithm"]["optimizer"]["lr"] == 0.001
+    with pytest.raises(FileExistsError, match="exists: choose another name"):
+        C.save_study(conf, "my_study", comp, defaults)
+    with pytest.raises(ValueError, match="study name '../x'"):
+        C.save_study(conf, "../x", comp, defaults)
+
+
+def _fake_run(root: Path, rel: str, metrics: list[dict], overrides=(), stage="grpo"):
+    run = root / rel
+    (run / ".hydra").mkdir(parents=True)
+    (run / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(list(overrides)))
+    (run / ".hydra" / "config.yaml").write_text(yaml.safe_dump({"stages": [{"stage_name": stage, "buffer": {"total_steps": metrics[-1]["step"]}}]}))
+    (run / stage).mkdir()
+    (run / stage / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics))
+    return run
+
+
+def test_runs_lists_runs_and_sweeps_with_their_curves_and_table(tmp_path):
+    _fake_run(tmp_path, "rft/a", [{"step": 1, "eval/accuracy": 0.1, "reward/mean": 0.2}, {"step": 2, "eval/accuracy": 0.5}])
+    for n, (seed, acc) in enumerate([(1, 0.4), (2, 0.6)]):
+        _fake_run(tmp_path, f"rft/multirun/2026-01-01_00-00-00/{n}", [{"step": 1, "eval/accuracy": acc}], [f"seed={seed}"])
+    (tmp_path / "rft" / "stage_cache" / "x" / ".hydra").mkdir(parents=True)  # never listed
+    listing = U.listing(tmp_path)
+    ids = sorted(r["id"] for r in listing["runs"])
+    assert ids == ["rft/a", "rft/multirun/2026-01-01_00-00-00/0", "rft/multirun/2026-01-01_00-00-00/1"]
+    a = next(r for r in listing["runs"] if r["id"] == "rft/a")
+    assert (a["stage"], a["steps"], a["last_eval"]) == ("grpo", 2, 0.5)
+    assert listing["sweeps"] == [{"id": "rft/multirun/2026-01-01_00-00-00", "jobs": 2}]
+    traces = U.curves(tmp_path, ["rft/a", "rft/multirun/2026-01-01_00-00-00/1"], "eval/accuracy")
+    assert [(t["x"], t["y"]) for t in traces] == [([1, 2], [0.1, 0.5]), ([1], [0.6])]
+    assert U.metric_names(tmp_path, ["rft/a"])[:2] == ["eval/accuracy", "reward/mean"]
+    table = U.sweep_table(tmp_path, "rft/multirun/2026-01-01_00-00-00")
+    assert [r["job"] for r in table["jobs"]] == ["0", "1"]
+    # one configuration over two seeds: mean 0.5, sample std sqrt(((0.4-0.5)^2 + (0.6-0.5)^2) / 1) = 0.1414
+    assert len(table["configs"]) == 1 and table["configs"][0]["final eval/accuracy"] == "0.5 ± 0.14"
+    with pytest.raises(ValueError, match="not under the checkpoint root"):
+        U.curves(tmp_path, ["../../etc"], "eval/accuracy")
+
+
+def _sql_buffer(run: Path):
+    """A sql buffer of 4 experiences with rewards 0, 0.5, 1, 1 (versions 1, 1, 2, 2) and one multi-turn."""
+    from omegaconf import OmegaConf
+
+    from rft.buffer import SQLBuffer
+    from rft.config import ExperienceBufferConfig
+    from rft.experience import Experience
+
+    (run / "grpo").mkdir(parents=True, exist_ok=True)
+    buf = SQLBuffer(OmegaConf.structured(ExperienceBufferConfig(storage_type="sql", path=str(run / "grpo" / "buffer.db"))))
+    exps = [Experience(tokens=[1, 2, 3, 4], prompt_length=2, logprobs=[-0.1, -0.2], reward=r, task_id=f"t{i}", policy_version=v,
+                       info={"prompt": f"p{i}", "response": f"r{i}"}) for i, (r, v) in enumerate([(0, 1), (0.5, 1), (1, 2), (1, 2)])]
+    exps.append(Experience(tokens=[1, 2, 3, 4, 5, 6], prompt_length=2, logprobs=[-0.1] * 4, reward=1.0, task_id="mt", policy_version=2,
+                           loss_mask=[1, 0, 0, 1], reward_parts={"correct": 1.0},
+                           info={"conversation": [{"role": "user", "content": "37*48"}, {"role": "assistant", "content": "<tool_call>x</tool_call>"},
+                                                  {"role": "tool", "content": "1776"}, {"role": "assistant", "content": "1776"}]}))
+    buf.put(exps)
+    return run
+
+
+def test_rollouts_reads_a_buffer_with_filters_and_masked_turns(tmp_path):
+    run = _sql_buffer(tmp_path / "rft" / "r")
+    assert R.sources(run) == [{"path": "grpo/buffer.db", "kind": "experiences", "count": 5}]
+    everything = R.read(run, "grpo/buffer.db")
+    assert (everything["total"], everything["matched"]) == (5, 5)
+    assert [r["reward"] for r in R.read(run, "grpo/buffer.db", min_reward=0.5)["rows"]] == [0.5, 1.0, 1.0, 1.0]
+    assert [r["task_id"] for r in R.read(run, "grpo/buffer.db", max_reward=0.5, step=1)["rows"]] == ["t0", "t1"]
+    mt = R.read(run, "grpo/buffer.db", step=2)["rows"][-1]
+    assert [(t["role"], t["trained"]) for t in mt["turns"]] == [("user", False), ("assistant", True), ("tool", False), ("assistant", True)]
+    assert mt["trained_tokens"] == 2 and mt["parts"] == {"correct": 1.0}
+
+
+def test_saved_eval_trajectories_are_a_source_turn_by_turn(tmp_path):
+    run = tmp_path / "rft" / "r"
+    d = run / "grpo" / "eval_trajectories" / "step_4"
+    d.mkdir(parents=True)
+    rows = [{"task_id": "0", "reward": 1.0, "reward_parts": {"correct": 1.0}, "turns": 2, "tool_calls": 1,
+             "messages": [{"role": "user", "content": "37*48"}, {"role": "assistant", "content": "<tool_call>{}</tool_call>"},
+                          {"role": "tool", "content": "1776"}, {"role": "assistant", "content": "1776"}]},
+            {"task_id": "1", "reward": 0.0, "reward_parts": {"correct": 0.0}, "messages": [{"role": "user", "content": "12*10"},
+                                                                                          {"role": "assistant", "content": "100"}]}]
+    (d / "calculator_test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert R.sources(run) == [{"path": "grpo/eval_trajectories/step_4/calculator_test.jsonl", "kind": "eval", "count": 2}]
+    got = R.read(run, "grpo/eval_trajectories/step_4/calculator_test.jsonl", min_reward=0.5)
+    assert (got["matched"], got["total"]) == (1, 2)
+    row = got["rows"][0]
+    assert (row["step"], row["prompt"], row["response"]) == (4, "37*48", "<tool_call>{}</tool_call>\n1776")
+    assert [t["trained"] for t in row["turns"]] == [False, True, False, True]
+    assert R.read(run, "grpo/eval_trajectories/step_4/calculator_test.jsonl", step=3)["matched"] == 0
+
+
+def test_a_launch_command_is_run_py_with_the_overrides_and_for_a_sweep_its_values_and_launcher():
+    from rft.studio.launch import command
+
+    assert command(["algorithm=dapo", "buffer.batch_size=4"]) == ["algorithm=dapo", "buffer.batch_size=4"]
+    # a single run ignores the sweep fields
+    assert command(["seed=3"], False, "seed=1,2", "slurm") == ["seed=3"]
+    assert command(["algorithm=dapo"], True, "seed=1,2,3 'algorithm.optimizer.lr=1e-3,3e-3'", "slurm") == [
+        "-m", "algorithm=dapo", "seed=1,2,3", "algorithm.optimizer.lr=1e-3,3e-3", "hydra/launcher=slurm"]
+    assert command([], True, "seed=1,2", "basic") == ["-m", "seed=1,2"]
+
+
+# ---------------------------------------------------------------- in a browser
+
+
+def _studio(root: Path, conf: Path = CONF, extra_env=None):
+    proc = subprocess.Popen([sys.executable, "-m", "rft.studio", "--port", "0", "--root", str(root), "--conf", str(conf)],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, **(extra_env or {})})
+    lines = []
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        line = proc.stdout.readline()
+        lines.append(line)
+        m = re.search(r"open (http://127\.0\.0\.1:(\d+))/compose\?token=(\S+)", line)
+        if m:
+            return proc, m.group(1), m.group(3)
+        if not line and proc.poll() is not None:
+            break
+    proc.kill()
+    raise AssertionError("the studio did not start:\n" + "".join(lines))
+
+
+@pytest.fixture
+def browser():
+    if not Path(CHROMIUM).exists():
+        if os.environ.get("RFT_REQUIRE_BROWSER"):
+            pytest.fail(f"{CHROMIUM} is missing (RFT_REQUIRE_BROWSER=1): apt-get install chromium")
+        pytest.skip("no Chromium here: apt-get install chromium (make test does, as root)")
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=[
+            "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
+            "--disable-component-update", "--disable-sync"])
+        yield b
+        b.close()
+
+
+def _shot(page, name: str) -> None:
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    page.evaluate("() => { window.scrollTo(0, 0); document.querySelectorAll('.col').forEach(c => c.scrollTop = 0); }")
+    page.screenshot(path=str(ARTIFACTS / f"{name}.png"), full_page=False)
+
+
+def _stop(proc):
+    proc.terminate()
+    try:
+        proc.wait(20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+def test_the_studio_refuses_requests_without_its_token_and_binds_loopback(tmp_path):
+    import httpx
+
+    proc, url, token = _studio(tmp_path)
+    try:
+        assert url.startswith("http://127.0.0.1:")
+        port = int(url.rsplit(":", 1)[1])
+        for path in ("/compose", "/api/runs", "/static/plotly.min.js"):
+            r = httpx.get(url + path)
+            assert r.status_code == 401 and "needs its token" in r.text, path
+        assert httpx.get(url + "/api/runs", headers={"Authorization": "Bearer wrong"}).status_code == 401
+        assert httpx.get(url + "/api/runs", headers={"Authorization": f"Bearer {token}"}).json() == {"runs": [], "sweeps": []}
+        page = httpx.get(f"{url}/compose?token={token}")
+        assert page.status_code == 200 and page.cookies.get("rft_studio_token") == token
+        # loopback only: the port does not answer on this machine's other addresses
+        import socket
+
+        others = {a[4][0] for a in socket.getaddrinfo(socket.gethostname(), None, socket.AF_INET)} - {"127.0.0.1", "127.0.1.1"}
+        for addr in others:
+            with pytest.raises(httpx.ConnectError):
+                httpx.get(f"http://{addr}:{port}/compose?token={token}", timeout=5)
+        out = subprocess.run(["ss", "-ltn"], capture_output=True, text=True).stdout if shutil.which("ss") else ""
+        listening = [line for line in out.splitlines() if f":{port} " in line]
+        assert all("127.0.0.1:" in line for line in listening), listening
+    finally:
+        _stop(proc)
+
+
+def test_compose_page_shows_the_plan_error_then_the_plan_and_its_command_composes_the_same(browser, tmp_path):
+    conf = tmp_path / "conf"
+    shutil.copytree(CONF, conf)  # "save as study" writes here, not into the repo
+    proc, url, token = _studio(tmp_path, conf)
+    try:
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        page.goto(f"{url}/compose?token={token}")
+        page.wait_for_function("document.body.dataset.composed")
+        page.select_option("#group-algorithm", "dapo")
+        page.fill('[data-key="buffer.batch_size"]', "0")
+        page.wait_for_function("!document.querySelector('#error').hidden")
+        error = page.text_content("#error")
+        assert "buffer.batch_size=0 must be >= 1" in error
+        _shot(page, "compose-error")
+        page.fill('[data-key="buffer.batch_size"]', "4")
+        page.wait_for_function("document.querySelector('#error').hidden && document.querySelector('#plan').textContent.includes('tasks per step')")
+        command = page.text_content("#command")
+        assert command == "python run.py algorithm=dapo buffer.batch_size=4"
+        shown_yaml = yaml.safe_load(page.text_content("#yaml"))
+        _shot(page, "compose")
+        # the shown command, run in a shell, composes the same config
+        r = subprocess.run(command + " --cfg job", shell=True, cwd=ROOT, capture_output=True, text=True,
+                           env={**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}, timeout=120)
+        assert r.returncode == 0, r.stderr
+        assert yaml.safe_load(r.stdout) == shown_yaml
+        assert shown_yaml["algorithm"]["algorithm_type"] == "dapo" and shown_yaml["buffer"]["batch_size"] == 4
+        # save as study: the file opens with its command line, and composes the same (but its name)
+        page.fill("#study-name", "from_the_page")
+        page.click("#save-study")
+        page.wait_for_function("document.querySelector('#study-result').textContent.startsWith('saved')")
+        study = conf / "experiment" / "from_the_page.yaml"
+        assert study.read_text().splitlines()[1] == "# python run.py experiment=from_the_page"
+        page.click("#save-study")  # again: refused, the file is kept
+        page.wait_for_function("document.querySelector('#study-result').textContent.includes('exists')")
+        defaults = C.default_choices(conf)
+        saved = yaml.safe_load(C.compose(conf, {**defaults, "experiment": "from_the_page"}, {}, defaults, plan=False).yaml)
+        assert saved.pop("name") == "from_the_page" and shown_yaml.pop("name")
+        assert saved == shown_yaml
+    finally:
+        _stop(proc)
+
+
+def test_rollouts_page_lists_experiences_and_filters_by_reward(browser, tmp_path):
+    run = _fake_run(tmp_path, "rft/r", [{"step": 1, "eval/accuracy": 0.1}])
+    _sql_buffer(run)
+    proc, url, token = _studio(tmp_path)
+    try:
+        page = browser.new_page(viewport={"width": 1400, "height": 900})
+        page.goto(f"{url}/rollouts?run=rft/r&token={token}")
+        page.wait_for_selector("#rollouts tbody tr")
+        assert len(page.query_selector_all("#rollouts tbody tr")) == 5
+        assert page.text_content("#rollout-count").startswith("5 of 5")
+        page.fill("#min-reward", "0.75")
+        page.click("#filter")
+        page.wait_for_function("document.querySelector('#rollout-count').textContent.startsWith('3 of 5')")
+        rewards = [float(tr.get_attribute("data-reward")) for tr in page.query_selector_all("#rollouts tbody tr")]
+        assert rewards == [1.0, 1.0, 1.0]
+        turns = page.query_selector_all("#rollouts tbody tr:last-child .turn")
+        assert [t.get_attribute("class") for t in turns] == ["turn masked", "turn trained", "turn masked", "turn trained"]
+        _shot(page, "rollouts")
+    finally:
+        _stop(proc)
+
+
+def _set_key(page, key: str, value: str) -> None:
+    """As a person would: find the key with the filter (which opens its section), type the value."""
+    page.fill("#key-filter", key)
+    page.fill(f'[data-key="{key}"]', value)
+
+
+def _chart(page) -> list[dict]:
+    """The chart's own data: plotly keeps its traces on the div."""
+    return page.evaluate("() => (document.getElementById('chart').data || []).map(t => ({name: t.name, x: Array.from(t.x), y: Array.from(t.y)}))")
+
+
+def test_runs_page_overlays_two_runs_and_shows_a_sweep_table(browser, tmp_path):
+    _fake_run(tmp_path, "rft/a", [{"step": 1, "eval/accuracy": 0.1}, {"step": 2, "eval/accuracy": 0.5}])
+    _fake_run(tmp_path, "rft/b", [{"step": 1, "eval/accuracy": 0.2}, {"step": 2, "eval/accuracy": 0.3}])
+    for n, seed in enumerate([1, 2, 3]):
+        _fake_run(tmp_path, f"rft/multirun/2026-01-01_00-00-00/{n}", [{"step": 1, "eval/accuracy": 0.1 * seed}], [f"seed={seed}"])
+    proc, url, token = _studio(tmp_path)
+    try:
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        page.goto(f"{url}/runs?token={token}")
+        page.wait_for_selector('[data-pick="rft/a"]')
+        page.check('[data-pick="rft/a"]')
+        page.check('[data-pick="rft/b"]')
+        page.wait_for_function("(document.getElementById('chart').data || []).length == 2")
+        traces = sorted(_chart(page), key=lambda t: t["name"])
+        assert traces == [{"name": "rft/a (grpo)", "x": [1, 2], "y": [0.1, 0.5]}, {"name": "rft/b (grpo)", "x": [1, 2], "y": [0.2, 0.3]}]
+        page.select_option("#sweep-choice", "rft/multirun/2026-01-01_00-00-00")
+        page.wait_for_selector("#table-jobs tbody tr")
+        assert len(page.query_selector_all("#table-jobs tbody tr")) == 3
+        assert len(page.query_selector_all("#table-configs tbody tr")) == 1
+        _shot(page, "runs")
+    finally:
+        _stop(proc)
+
+
+@pytest.mark.slow
+def test_a_run_launched_from_the_page_trains_its_curve_grows_and_stop_works(browser, tmp_path, warm_start):
+    proc, url, token = _studio(tmp_path)
+    try:
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        page.goto(f"{url}/compose?token={token}")
+        page.wait_for_function("document.body.dataset.composed")
+        # GRPO from the default's warm-up, in one process: ~10 steps, an eval every 2
+        for key, value in [("stages", "[]"), ("model.model_path", str(warm_start)), ("model.builder", "null"),
+                           ("buffer.total_steps", "10"), ("explorer.eval_interval", "2"),
+                           ("name", "from_the_page")]:
+            _set_key(page, key, value)
+        page.select_option("#group-cluster", "inline")
+        page.select_option("#group-monitor", "console")
+        page.wait_for_function("document.querySelector('#error').hidden && document.querySelector('#plan').textContent.includes('grpo')",
+                               timeout=60000)
+        page.click("#launch")
+        page.wait_for_function("document.querySelector('#launch-status').dataset.status == 'running'")
+        # the runs page: the run appears, its eval curve grows while it trains
+        runs = browser.new_page(viewport={"width": 1400, "height": 1000})
+        runs.goto(f"{url}/runs?token={token}")
+        runs.wait_for_selector('[data-pick="rft/from_the_page"]', timeout=120000)
+        runs.check('[data-pick="rft/from_the_page"]')
+        seen = []
+        deadline = time.time() + 400
+        while time.time() < deadline:
+            data = _chart(runs)
+            if data and data[0]["x"] and (not seen or len(data[0]["x"]) > len(seen[-1]["x"])):
+                seen.append(data[0])
+            if page.get_attribute("#launch-status", "data-status") != "running":
+                break
+            time.sleep(1)
+        page.wait_for_function("document.querySelector('#launch-status').dataset.status == 'finished'", timeout=60000)
+        time.sleep(3)  # one more refresh of the chart
+        final = _chart(runs)[0]
+        _shot(runs, "runs-launched")
+        _shot(page, "launch")
+        assert "rft: " not in page.text_content("#console")  # no configuration or run error
+        # seen while it trained: the curve had fewer points than at the end, and grew
+        assert len(seen) >= 2 and len(seen[0]["x"]) < len(final["x"]), seen
+        assert final["x"] == [0, 2, 4, 6, 8, 10] and final["y"][-1] >= final["y"][0] + 0.2, final
+        # stop: a second launch, stopped while it runs
+        _set_key(page, "name", "stopped_from_the_page")
+        _set_key(page, "buffer.total_steps", "1000")
+        page.wait_for_function("document.querySelector('#command').textContent.includes('stopped_from_the_page')")
+        page.click("#launch")
+        page.wait_for_function("document.querySelector('#console').textContent.length > 0 && "
+                               "document.querySelector('#launch-status').dataset.status == 'running'", timeout=60000)
+        page.click("#stop")
+        page.wait_for_function("document.querySelector('#launch-status').dataset.status == 'stopped'", timeout=60000)
+    finally:
+        _stop(proc)
