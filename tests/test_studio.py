@@ -73,6 +73,24 @@ def test_compose_shows_the_plan_error_naming_the_key_then_the_plan():
     assert good.choices["algorithm"] == "dapo"
 
 
+@pytest.mark.parametrize("groups", [{}, {"model": "tiny_tools", "task": "calculator"}, {"experiment": "algorithms_countdown"}])
+def test_every_value_the_page_shows_is_an_override_that_composes_to_itself(groups):
+    """What an input shows is what it would send: all of them sent back compose the same config."""
+    defaults = C.default_choices(CONF)
+    first = C.compose(CONF, {**defaults, **groups}, {}, defaults, plan=False)
+    assert first.error == ""
+    again = C.compose(CONF, {**defaults, **groups}, dict(first.values), defaults, plan=False)
+    assert again.error == "" and yaml.safe_load(again.yaml) == yaml.safe_load(first.yaml)
+    assert again.values == first.values
+
+
+def test_override_text_is_hydras_grammar_quoting_where_needed():
+    text = C._override_text
+    assert text({"decay": 2.0, "names": ["a b", "null", "1.5", "x'y"]}) == "{decay: 2.0, names: ['a b', 'null', '1.5', 'x\\'y']}"
+    assert (text(None), text(True), text(1e-3), text("all-linear"), text("${a.b}-${c}")) == (
+        "null", "true", "0.001", "all-linear", "${a.b}-${c}")
+
+
 def test_compose_errors_are_one_paragraph_naming_the_key():
     defaults = C.default_choices(CONF)
     assert C.compose(CONF, defaults, {"mode": "both2"}, defaults).error == (

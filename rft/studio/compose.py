@@ -87,17 +87,37 @@ def _type_name(hint) -> str:
     return text or str(hint).replace("typing.", "")
 
 
+SAFE = re.compile(r"^[\w./:@+\-~]+$")
+WORDS = {"null", "true", "false", "nan", "inf", "-inf"}
+
+
 def _override_text(value) -> str:
-    """A value as a command-line override writes it (what the page's inputs hold)."""
+    """A value as a command-line override writes it (what the page's inputs hold): Hydra's
+    grammar, which is not JSON (a dict's keys are bare), with strings quoted where needed."""
     if value is None:
         return "null"
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, enum.Enum):
         return value.value
-    if isinstance(value, (list, dict)):
-        return json.dumps(value)
-    return str(value)
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_override_text(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k}: {_override_text(v)}" for k, v in value.items()) + "}"
+    text = str(value)
+    if "${" in text or (SAFE.match(text) and text.lower() not in WORDS and not _number(text)):
+        return text  # interpolations are Hydra's own grammar, quoted or not
+    return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+def _number(text: str) -> bool:
+    try:
+        float(text)
+        return True
+    except ValueError:
+        return False
 
 
 def schema() -> list[dict]:
@@ -147,6 +167,12 @@ class Composition:
     yaml: str  # the composed config, as `python run.py <overrides> --cfg job` prints it
     plan: str  # the batch plan (the dry run's text), or "" when there is an error
     error: str  # the configuration error, one paragraph, or ""
+
+
+def _get(tree: dict, key: str):
+    for part in key.split("."):
+        tree = tree.get(part) if isinstance(tree, dict) else None
+    return tree
 
 
 def overrides_of(choices: dict[str, str], keys: dict[str, str], default_choices: dict[str, str]) -> list[str]:
@@ -213,8 +239,8 @@ def compose(conf_dir: Path, choices: dict[str, str], keys: dict[str, str],
         with open_dict(job):  # what `--cfg job` prints, and what rft.main receives
             del job["hydra"]
         text = OmegaConf.to_yaml(job)
-        written = C.flat(OmegaConf.to_container(job, resolve=False, enum_to_str=True))
-        values = {f["key"]: _override_text(written.get(f["key"])) for f in schema()}
+        written = OmegaConf.to_container(job, resolve=False, enum_to_str=True)  # `${...}` kept, as the files say
+        values = {f["key"]: _override_text(_get(written, f["key"])) for f in schema()}
         if not plan:
             return Composition(chosen, overrides, command, values, text, "", "")
         from rft.main import plan_stages, plan_text
