@@ -186,6 +186,14 @@ def test_rollouts_reads_a_buffer_with_filters_and_masked_turns(tmp_path):
     assert mt["trained_tokens"] == 2 and mt["parts"] == {"correct": 1.0}
 
 
+def test_rollouts_say_when_the_filters_saw_only_the_first_rows(tmp_path, monkeypatch):
+    run = _sql_buffer(tmp_path / "rft" / "r")
+    monkeypatch.setattr(R, "MAX_ROWS", 3)
+    got = R.read(run, "grpo/buffer.db", min_reward=0.5)
+    # the first 3 stored (rewards 0, 0.5, 1) were read, of 5; 2 of them pass
+    assert (got["matched"], got["read"], got["total"]) == (2, 3, 5)
+
+
 def test_saved_eval_trajectories_are_a_source_turn_by_turn(tmp_path):
     run = tmp_path / "rft" / "r"
     d = run / "grpo" / "eval_trajectories" / "step_4"
@@ -346,7 +354,7 @@ def test_rollouts_page_lists_experiences_and_filters_by_reward(browser, tmp_path
         page.goto(f"{url}/rollouts?run=rft/r&token={token}")
         page.wait_for_selector("#rollouts tbody tr")
         assert len(page.query_selector_all("#rollouts tbody tr")) == 5
-        assert page.text_content("#rollout-count").startswith("5 of 5")
+        assert page.text_content("#rollout-count") == "5 of 5 match"
         page.fill("#min-reward", "0.75")
         page.click("#filter")
         page.wait_for_function("document.querySelector('#rollout-count').textContent.startsWith('3 of 5')")

@@ -73,7 +73,8 @@ def _eval_row(i: int, step: int | None, d: dict) -> dict:
 def read(run: Path, source: str, min_reward: float | None = None, max_reward: float | None = None,
          step: int | None = None, limit: int = 200) -> dict:
     """The source's rows that pass the filters (reward within [min, max], policy version or eval
-    step equal to `step`), at most `limit`; {"rows", "matched", "total"}."""
+    step equal to `step`), at most `limit`; {"rows", "matched", "read", "total"}: the filters
+    apply to the first MAX_ROWS stored ("read") of the "total"."""
     from rft.studio.runs import inside
 
     path = inside(run, source)
@@ -85,9 +86,10 @@ def read(run: Path, source: str, min_reward: float | None = None, max_reward: fl
             for i, line in enumerate(f):
                 if line.strip():
                     rows.append(_eval_row(i, at, json.loads(line)))
+        total = len(rows)
     else:
         rows = [_experience_row(i, e) for i, e in enumerate(read_experiences(str(path), MAX_ROWS))]
-    total = len(rows)
+        total = count_experiences(str(path))
 
     def keep(r):
         reward = r["reward"] if isinstance(r["reward"], (int, float)) else None
@@ -98,4 +100,4 @@ def read(run: Path, source: str, min_reward: float | None = None, max_reward: fl
         return step is None or r["step"] == step
 
     matched = [r for r in rows if keep(r)]
-    return {"rows": matched[:limit], "matched": len(matched), "total": total}
+    return {"rows": matched[:limit], "matched": len(matched), "read": len(rows), "total": total}

@@ -223,7 +223,8 @@ const rollouts = {
     let r;
     try { r = await api("/api/rollouts?" + p); }
     catch (e) { $("#rollout-count").textContent = e.message; return; }
-    $("#rollout-count").textContent = `${r.matched} of ${r.total} match` + (r.rows.length < r.matched ? ` (the first ${r.rows.length} shown)` : "");
+    $("#rollout-count").textContent = `${r.matched} of ${r.read} match` + (r.read < r.total ? ` (the first ${r.read} of ${r.total} stored read)` : "") +
+      (r.rows.length < r.matched ? `; the first ${r.rows.length} shown` : "");
     $("#rollouts tbody").innerHTML = r.rows.map(x => {
       const parts = Object.entries(x.parts || {}).map(([k, v]) => `${esc(k)}=${fmt(v)}`).join(" ");
       const response = x.turns ? x.turns.map(t => `<div class="turn ${t.trained ? "trained" : "masked"}" title="${t.trained ? "trained (loss mask 1)" : "masked (context only)"}">` +
