@@ -384,6 +384,21 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
+def listening_socket(host: str, port: int, prog: str) -> tuple[socket.socket, str, int]:
+    """A socket bound and listening on host:port (0: any free port), for uvicorn to serve on:
+    (socket, the host as a URL writes it, the port). A port in use exits with one line."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        raise SystemExit(f"{prog}: cannot listen on {host}:{port}: {e}. Choose another --port (0: any free one).")
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock, f"[{host}]" if family == socket.AF_INET6 else host, sock.getsockname()[1]
+
+
 def _parse_spec(text: str):
     """--reward: a name or dotted path as it is; a list or dict as JSON (or YAML flow: [{fn: math}])."""
     text = text.strip()
@@ -437,17 +452,7 @@ def main(argv=None) -> None:
 
     import uvicorn
 
-    family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((args.host, args.port))
-    except OSError as e:
-        raise SystemExit(f"rft.reward_server: cannot listen on {args.host}:{args.port}: {e}")
-    sock.listen(2048)
-    sock.set_inheritable(True)
-    port = sock.getsockname()[1]
-    host = f"[{args.host}]" if family == socket.AF_INET6 else args.host
+    sock, host, port = listening_socket(args.host, args.port, "rft.reward_server")
     print(f"rft.reward_server: serving {describe(spec)} at http://{host}:{port} (POST /score, GET /health)", flush=True)
     config = uvicorn.Config(make_app(scorer, token), log_level=args.log_level, access_log=args.access_log)
     uvicorn.Server(config).run(sockets=[sock])

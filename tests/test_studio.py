@@ -454,3 +454,14 @@ def test_a_run_launched_from_the_page_trains_its_curve_grows_and_stop_works(brow
         page.wait_for_function("document.querySelector('#launch-status').dataset.status == 'stopped'", timeout=60000)
     finally:
         _stop(proc)
+
+
+def test_a_port_in_use_is_one_line_naming_it():
+    from rft.reward_server import listening_socket
+
+    sock, host, port = listening_socket("127.0.0.1", 0, "rft.studio")
+    try:
+        with pytest.raises(SystemExit, match=rf"^rft.studio: cannot listen on 127.0.0.1:{port}: .*Choose another --port"):
+            listening_socket("127.0.0.1", port, "rft.studio")
+    finally:
+        sock.close()

@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import os
 import secrets
-import socket
 import sys
 from pathlib import Path
 
@@ -35,7 +34,7 @@ def main(argv=None) -> None:
     except ImportError as e:
         raise SystemExit(f"rft.studio: {e.name} is not installed: the studio is an optional extra. "
                          f"Install it with `pip install -e '.[studio]'` (make test does).")
-    from rft.reward_server import _is_loopback
+    from rft.reward_server import _is_loopback, listening_socket
     from rft.studio.app import make_app
 
     root = Path(os.path.expanduser(args.root)).resolve()
@@ -49,17 +48,7 @@ def main(argv=None) -> None:
     os.environ["RFT_CHECKPOINT_ROOT_DIR"] = str(root)
     app = make_app(token, root, Path(args.conf), REPO, launch_env=env)
 
-    family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((args.host, args.port))
-    except OSError as e:
-        raise SystemExit(f"rft.studio: cannot listen on {args.host}:{args.port}: {e}. Choose another --port "
-                         f"(0: any free one).")
-    sock.listen(128)
-    port = sock.getsockname()[1]
-    host = f"[{args.host}]" if family == socket.AF_INET6 else args.host
+    sock, host, port = listening_socket(args.host, args.port, "rft.studio")
     if not _is_loopback(args.host):
         print(f"rft.studio: WARNING: listening on {args.host}, not loopback: anyone who can reach this port and "
               f"has the token can launch runs, and the traffic is plain HTTP.", file=sys.stderr, flush=True)
