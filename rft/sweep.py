@@ -39,8 +39,14 @@ class SweepJobError(CompactHydraException):
     """Hydra prints a CompactHydraException as its message alone and exits with status 1."""
 
 
+# what Slurm writes into a job's log when it ends it: "*** JOB 12 ON vm CANCELLED AT ... ***"
+SCHEDULER_LINE = re.compile(r"\*\*\* (JOB|STEP) \S+ ON .* \*\*\*")
+
+
 def log_tail(path: Path, lines: int = 8) -> list[str]:
-    """The last lines of a job's log, without progress bars (carriage-return redraws) or blanks."""
+    """The last lines of a job's log, without progress bars (carriage-return redraws) or blanks;
+    Slurm's own lines saying why it ended the job come first when the job printed more after them
+    (it goes on until Slurm's KillWait runs out)."""
     if not path.exists():
         return []
     kept = []
@@ -48,7 +54,9 @@ def log_tail(path: Path, lines: int = 8) -> list[str]:
         line = line.split("\r")[-1].strip()
         if line and "it/s" not in line and "s/it" not in line and "%|" not in line:
             kept.append(line)
-    return kept[-lines:]
+    tail = kept[-lines:]
+    said = [line for line in kept[:-lines] if SCHEDULER_LINE.search(line)]
+    return said + tail
 
 
 def explain(error: Exception, sweep_dir: str) -> str:

@@ -145,6 +145,17 @@ def test_a_dead_jobs_error_names_the_job_state_and_log(tmp_path):
     assert log_tail(tmp_path / "missing.err") == []
 
 
+def test_slurms_reason_stays_in_the_tail_when_the_job_printed_on_after_it(tmp_path):
+    # submitit ignores scancel's SIGTERM, so the job prints on until KillWait runs out
+    log = tmp_path / "12_1_0_log.err"
+    log.write_text("slurmstepd-vm: error: *** STEP 12.0 ON vm CANCELLED AT 2026-11-22T12:39:12 ***\n"
+                   "slurmstepd-vm: error: *** JOB 12 ON vm CANCELLED AT 2026-11-22T12:39:12 ***\n"
+                   + "".join(f"warning {i}\n" for i in range(20)) + "srun: error: vm: task 0: Killed\n")
+    assert log_tail(log, 3) == ["slurmstepd-vm: error: *** STEP 12.0 ON vm CANCELLED AT 2026-11-22T12:39:12 ***",
+                                "slurmstepd-vm: error: *** JOB 12 ON vm CANCELLED AT 2026-11-22T12:39:12 ***",
+                                "warning 18", "warning 19", "srun: error: vm: task 0: Killed"]
+
+
 # ---------------------------------------------------------------- on the real cluster
 
 @pytest.mark.slow
@@ -180,16 +191,17 @@ def test_a_sweep_of_two_tiny_runs_on_slurm_and_its_report(slurm, tmp_path):
 
 @pytest.mark.slow
 def test_a_killed_slurm_job_ends_the_sweep_with_a_clear_error_and_the_same_sweep_resumes_it(slurm, tmp_path):
-    """Job 1 (200 steps, a checkpoint every 10) is cancelled while it trains; job 0 (2 steps)
+    """Job 1 (1000 steps, a checkpoint every 10) is cancelled while it trains; job 0 (2 steps)
     finishes. The sweep ends with one paragraph naming the job and its state, not a traceback, and
     not a wait forever. The same sweep again skips job 0, resumes job 1 from its newest checkpoint,
     and job 1's metrics end up whole: each step once.
 
     submitit's job ignores scancel's SIGTERM; Slurm kills it KillWait seconds later (5 with
-    launchers/slurm_local.sh), so job 1 must have well more than that left to run when cancelled."""
+    launchers/slurm_local.sh), so job 1 must have well more than that left to run when cancelled:
+    a tiny step takes ~0.02 s on 2 cores, so 200 steps were not enough on a quiet machine."""
     sweep = tmp_path / "sweep"
-    args = ["-m", "hydra/launcher=slurm", *TINY, "buffer.total_steps=2,200", "trainer.save_interval=10",
-            "explorer.eval_interval=200", f"hydra.sweep.dir={sweep}"]
+    args = ["-m", "hydra/launcher=slurm", *TINY, "buffer.total_steps=2,1000", "trainer.save_interval=10",
+            "explorer.eval_interval=1000", f"hydra.sweep.dir={sweep}"]
     proc = subprocess.Popen([sys.executable, str(ROOT / "run.py"), *args], cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -214,7 +226,7 @@ def test_a_killed_slurm_job_ends_the_sweep_with_a_clear_error_and_the_same_sweep
     # the other job's outputs are kept
     assert [m["step"] for m in read_metrics(sweep / "0" / "metrics.jsonl")] == [0, 1, 2]
     newest = latest_checkpoint(sweep / "1").step
-    assert 10 <= newest < 200
+    assert 10 <= newest < 1000
 
     r = run_cli(*args)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
@@ -223,7 +235,7 @@ def test_a_killed_slurm_job_ends_the_sweep_with_a_clear_error_and_the_same_sweep
     assert "[grpo] already finished (step 2)" in Path(logs["0"]).read_text()
     assert f"[grpo] resuming from step {newest} (" in Path(logs["1"]).read_text()
     assert [m["step"] for m in read_metrics(sweep / "0" / "metrics.jsonl")] == [0, 1, 2]
-    assert [m["step"] for m in read_metrics(sweep / "1" / "metrics.jsonl")] == list(range(201))
+    assert [m["step"] for m in read_metrics(sweep / "1" / "metrics.jsonl")] == list(range(1001))
 
 
 @pytest.mark.slow

@@ -465,3 +465,40 @@ def test_a_port_in_use_is_one_line_naming_it():
             listening_socket("127.0.0.1", port, "rft.studio")
     finally:
         sock.close()
+
+
+@pytest.mark.slow
+def test_a_sweep_launched_from_the_page_runs_each_job_and_its_table_has_a_row_each(browser, tmp_path, warm_start):
+    proc, url, token = _studio(tmp_path)
+    try:
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        page.goto(f"{url}/compose?token={token}")
+        page.wait_for_function("document.body.dataset.composed")
+        for key, value in [("stages", "[]"), ("model.model_path", str(warm_start)), ("model.builder", "null"),
+                           ("buffer.total_steps", "2"), ("explorer.eval_interval", "2"), ("name", "swept")]:
+            _set_key(page, key, value)
+        page.select_option("#group-cluster", "inline")
+        page.select_option("#group-monitor", "console")
+        page.wait_for_function("document.querySelector('#error').hidden && document.querySelector('#command').textContent.includes('swept')",
+                               timeout=60000)
+        page.check("#sweep")
+        page.fill("#sweep-params", "seed=1,2")
+        page.select_option("#launcher", "basic")
+        page.click("#launch")
+        page.wait_for_function("document.querySelector('#launch-status').textContent.includes('python run.py -m ')")
+        page.wait_for_function("document.querySelector('#launch-status').dataset.status == 'finished'", timeout=400000)
+        assert "seed=1,2" in page.text_content("#launch-status")
+        runs = browser.new_page(viewport={"width": 1400, "height": 1000})
+        runs.goto(f"{url}/runs?token={token}")
+        runs.wait_for_function("document.querySelectorAll('#sweep-choice option').length == 2")
+        sweep = runs.eval_on_selector("#sweep-choice", "s => s.options[1].value")
+        assert re.fullmatch(r"rft/multirun/[0-9_-]+", sweep), sweep
+        runs.select_option("#sweep-choice", sweep)
+        runs.wait_for_selector("#table-jobs tbody tr")
+        rows = [[td.text_content() for td in tr.query_selector_all("td")] for tr in runs.query_selector_all("#table-jobs tbody tr")]
+        header = [th.text_content() for th in runs.query_selector_all("#table-jobs thead th")]
+        assert len(rows) == 2 and header[:2] == ["job", "seed"], (header, rows)
+        assert [r[1] for r in rows] == ["1", "2"] and all(r[header.index("status")] == "done" for r in rows)
+        _shot(runs, "runs-sweep")
+    finally:
+        _stop(proc)
