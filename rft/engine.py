@@ -67,6 +67,14 @@ class StopStrings:
         return torch.tensor([e is not None for e in self.ends], device=input_ids.device)
 
 
+def cache_keyword(model) -> str:
+    """The name a model takes its KV cache by: `cache` since transformers renamed it (5.2x; the
+    old name then warns on every call), `past_key_values` before."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
+
+
 class HFEngine:
     """transformers `generate` on `device` (the explorer's rft.models.local_device)."""
 
@@ -110,7 +118,7 @@ class HFEngine:
         mask = attention_mask[:, :-1]
         position_ids = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)  # as generate numbers left-padded rows
         self.model(input_ids=input_ids[:, :-1], attention_mask=mask, position_ids=position_ids,
-                   past_key_values=cache, use_cache=True)
+                   **{cache_keyword(self.model): cache}, use_cache=True)
         cache.batch_repeat_interleave(n)
         return cache
 
@@ -138,7 +146,7 @@ class HFEngine:
         out = self.model.generate(
             input_ids=input_ids,
             attention_mask=attention_mask,
-            past_key_values=cache,
+            **{cache_keyword(self.model): cache},
             do_sample=not greedy,
             max_new_tokens=args.max_tokens or self.max_response_tokens,
             eos_token_id=tok.eos_token_id,

@@ -73,6 +73,21 @@ def test_seeded_sampling_is_reproducible_and_seeds_differ(tiny):
     assert ids(a) != ids(engine.generate(prompts, 4, args(1.0), seed=4))
 
 
+def test_generation_passes_the_kv_cache_by_the_name_this_transformers_takes(tiny):
+    """transformers renamed past_key_values to cache; the old name warns on every generate there
+    (hundreds of lines in a run's log). Shared prompts (n > 1) take the prefill path too."""
+    import warnings
+
+    from rft.engine import cache_keyword
+
+    tok, engine, prompts = tiny
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        groups = engine.generate(prompts, 4, args(1.0), seed=0)
+    assert len(groups) == 3 and all(len(g) == 4 for g in groups)
+    assert cache_keyword(engine.model) in ("cache", "past_key_values")
+
+
 def test_sampling_logprobs_match_the_trainers_recomputation(tiny):
     """The engine's sampling log-probs equal the trainer's forward pass on the same tokens."""
     tok, engine, prompts = tiny
