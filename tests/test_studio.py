@@ -227,8 +227,8 @@ def test_a_launch_command_is_run_py_with_the_overrides_and_for_a_sweep_its_value
 # ---------------------------------------------------------------- in a browser
 
 
-def _studio(root: Path, conf: Path = CONF, extra_env=None):
-    proc = subprocess.Popen([sys.executable, "-m", "rft.studio", "--port", "0", "--root", str(root), "--conf", str(conf)],
+def _studio(root: Path, conf: Path = CONF, extra_env=None, args=()):
+    proc = subprocess.Popen([sys.executable, "-m", "rft.studio", "--port", "0", "--root", str(root), "--conf", str(conf), *args],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, **(extra_env or {})})
     lines = []
@@ -238,6 +238,7 @@ def _studio(root: Path, conf: Path = CONF, extra_env=None):
         lines.append(line)
         m = re.search(r"open (http://127\.0\.0\.1:(\d+))/compose\?token=(\S+)", line)
         if m:
+            proc.said = "".join(lines)
             return proc, m.group(1), m.group(3)
         if not line and proc.poll() is not None:
             break
@@ -500,5 +501,55 @@ def test_a_sweep_launched_from_the_page_runs_each_job_and_its_table_has_a_row_ea
         assert len(rows) == 2 and header[:2] == ["job", "seed"], (header, rows)
         assert [r[1] for r in rows] == ["1", "2"] and all(r[header.index("status")] == "done" for r in rows)
         _shot(runs, "runs-sweep")
+    finally:
+        _stop(proc)
+
+
+def test_runs_started_from_the_studio_stop_with_it_and_the_plan_reads_datasets_offline(tmp_path):
+    import httpx
+
+    proc, url, token = _studio(tmp_path, extra_env={"RFT_STUDIO_TOKEN": "fixed-token"})
+    try:
+        assert token == "fixed-token"
+        auth = {"Authorization": f"Bearer {token}"}
+        # a hub dataset is an error at once, not a minute of retries
+        r = httpx.post(url + "/api/compose", json={"choices": {"task": "gsm8k"}, "keys": {}}, headers=auth, timeout=120)
+        assert "OfflineModeIsEnabled" in r.json()["error"] and "openai/gsm8k" in r.json()["error"]
+        # a run that errors in planning is not started: the page says why
+        r = httpx.post(url + "/api/launch", json={"choices": {"algorithm": "dapo"}, "keys": {"buffer.batch_size": "0"}},
+                       headers=auth, timeout=120)
+        assert r.status_code == 400 and r.json()["detail"].startswith("not launched: stage sft_warmup: buffer.batch_size=0")
+        long_run = {"choices": {"cluster": "inline", "monitor": "console"}, "keys": {"stages": "[]", "buffer.total_steps": "100000"}}
+        launched = httpx.post(url + "/api/launch", json=long_run, headers=auth, timeout=120).json()
+        assert launched["status"] == "running" and launched["command"].startswith("python run.py cluster=inline")
+        child = launched["pid"]
+        metrics = tmp_path / "rft" / "grpo-tiny-arithmetic" / "metrics.jsonl"
+        deadline = time.time() + 120
+        while not (metrics.exists() and metrics.read_text().count("\n") >= 2) and time.time() < deadline:
+            time.sleep(0.2)
+        state = httpx.get(f"{url}/api/launch/{launched['id']}", headers=auth).json()
+        assert state["status"] == "running" and _alive(child), state["text"][-2000:]  # it trains
+    finally:
+        _stop(proc)
+    deadline = time.time() + 30
+    while _alive(child) and time.time() < deadline:
+        time.sleep(0.2)
+    if _alive(child):
+        os.kill(child, 9)
+        raise AssertionError("the run the studio started outlived the studio")
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie waiting for its reaper has ended)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+def test_a_studio_bound_beyond_loopback_warns(tmp_path):
+    proc, url, token = _studio(tmp_path, args=("--host", "0.0.0.0"))
+    try:
+        assert "WARNING: listening on 0.0.0.0, not loopback" in proc.said
     finally:
         _stop(proc)

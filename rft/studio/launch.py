@@ -35,7 +35,8 @@ class Launch:
     def state(self) -> dict:
         code = self.proc.poll()
         status = "running" if code is None else "stopped" if self.stopped else "finished" if code == 0 else f"failed (exit {code})"
-        return {"id": self.id, "command": self.command, "status": status, "returncode": code, "started": self.started}
+        return {"id": self.id, "command": self.command, "status": status, "returncode": code, "started": self.started,
+                "pid": self.proc.pid}
 
 
 def command(overrides: list[str], sweep: bool = False, sweep_params: str = "", launcher: str | None = None) -> list[str]:
