@@ -152,6 +152,27 @@ def test_runs_lists_runs_and_sweeps_with_their_curves_and_table(tmp_path):
     assert len(table["configs"]) == 1 and table["configs"][0]["final eval/accuracy"] == "0.5 ± 0.14"
     with pytest.raises(ValueError, match="not under the checkpoint root"):
         U.curves(tmp_path, ["../../etc"], "eval/accuracy")
+    # a run of two stages: its last by default, one named, or each
+    _two_stage_run(tmp_path, "rft/two")
+    assert U.stages(tmp_path, ["rft/two", "rft/a"]) == ["sft_warmup", "grpo"]
+    assert [(t["stage"], t["y"]) for t in U.curves(tmp_path, ["rft/two"], "eval/accuracy")] == [("grpo", [0.15, 0.9])]
+    assert [(t["stage"], t["y"]) for t in U.curves(tmp_path, ["rft/two"], "eval/accuracy", "sft_warmup")] == [("sft_warmup", [0.0, 0.15])]
+    assert [t["name"] for t in U.curves(tmp_path, ["rft/two", "rft/a"], "eval/accuracy", "all")] == [
+        "rft/two (sft_warmup)", "rft/two (grpo)", "rft/a (grpo)"]
+    assert U.curves(tmp_path, ["rft/a"], "eval/accuracy", "sft_warmup") == []  # a has no such stage
+
+
+def _two_stage_run(root: Path, rel: str) -> Path:
+    run = root / rel
+    (run / ".hydra").mkdir(parents=True)
+    (run / ".hydra" / "overrides.yaml").write_text("[]\n")
+    (run / ".hydra" / "config.yaml").write_text(yaml.safe_dump({"stages": [
+        {"stage_name": "sft_warmup", "buffer": {"total_steps": 2}}, {"stage_name": "grpo", "buffer": {"total_steps": 2}}]}))
+    for stage, accs in (("sft_warmup", [0.0, 0.15]), ("grpo", [0.15, 0.9])):
+        (run / stage).mkdir()
+        (run / stage / "metrics.jsonl").write_text("".join(json.dumps({"step": 2 * k, "eval/accuracy": a}) + "\n"
+                                                          for k, a in enumerate(accs)))
+    return run
 
 
 def _sql_buffer(run: Path):
@@ -382,6 +403,7 @@ def _chart(page) -> list[dict]:
 def test_runs_page_overlays_two_runs_and_shows_a_sweep_table(browser, tmp_path):
     _fake_run(tmp_path, "rft/a", [{"step": 1, "eval/accuracy": 0.1}, {"step": 2, "eval/accuracy": 0.5}])
     _fake_run(tmp_path, "rft/b", [{"step": 1, "eval/accuracy": 0.2}, {"step": 2, "eval/accuracy": 0.3}])
+    _two_stage_run(tmp_path, "rft/two")
     for n, seed in enumerate([1, 2, 3]):
         _fake_run(tmp_path, f"rft/multirun/2026-01-01_00-00-00/{n}", [{"step": 1, "eval/accuracy": 0.1 * seed}], [f"seed={seed}"])
     proc, url, token = _studio(tmp_path)
@@ -394,6 +416,12 @@ def test_runs_page_overlays_two_runs_and_shows_a_sweep_table(browser, tmp_path):
         page.wait_for_function("(document.getElementById('chart').data || []).length == 2")
         traces = sorted(_chart(page), key=lambda t: t["name"])
         assert traces == [{"name": "rft/a (grpo)", "x": [1, 2], "y": [0.1, 0.5]}, {"name": "rft/b (grpo)", "x": [1, 2], "y": [0.2, 0.3]}]
+        # a run of two stages: every stage of it, each a trace of its own
+        page.uncheck('[data-pick="rft/b"]')
+        page.check('[data-pick="rft/two"]')
+        page.select_option("#stage", "all")
+        page.wait_for_function("(document.getElementById('chart').data || []).length == 3")
+        assert sorted(t["name"] for t in _chart(page)) == ["rft/a (grpo)", "rft/two (grpo)", "rft/two (sft_warmup)"]
         page.select_option("#sweep-choice", "rft/multirun/2026-01-01_00-00-00")
         page.wait_for_selector("#table-jobs tbody tr")
         assert len(page.query_selector_all("#table-jobs tbody tr")) == 3

@@ -175,10 +175,17 @@ def make_app(token: str, root: Path, conf_dir: Path, repo: Path, launch_env: dic
         except (ValueError, OSError) as e:
             return bad(e)
 
-    @app.get("/api/curves")
-    async def api_curves(request: Request, metric: str = "eval/accuracy"):
+    @app.get("/api/stages")
+    async def api_stages(request: Request):
         try:
-            return await run_in_threadpool(U.curves, root, request.query_params.getlist("run"), metric)
+            return await run_in_threadpool(U.stages, root, request.query_params.getlist("run"))
+        except (ValueError, OSError) as e:
+            return bad(e)
+
+    @app.get("/api/curves")
+    async def api_curves(request: Request, metric: str = "eval/accuracy", stage: str = ""):
+        try:
+            return await run_in_threadpool(U.curves, root, request.query_params.getlist("run"), metric, stage)
         except (ValueError, OSError) as e:
             return bad(e)
 

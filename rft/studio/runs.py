@@ -84,14 +84,30 @@ def metric_names(root: Path, ids: list[str]) -> list[str]:
     return [m for m in FIRST_METRICS if m in found] + [m for m in found if m not in FIRST_METRICS]
 
 
-def curves(root: Path, ids: list[str], metric: str) -> list[dict]:
-    """One trace per run: its last logged stage's `metric` over steps, {"name", "x", "y"}."""
+def stages(root: Path, ids: list[str]) -> list[str]:
+    """The stages the runs logged, in order (a run without stages logs in its own directory: none)."""
+    return list(dict.fromkeys(s for i in ids for s in report.job_stages(inside(root, i))
+                              if s and s in report.logged_stages(inside(root, i))))
+
+
+def curves(root: Path, ids: list[str], metric: str, stage: str = "") -> list[dict]:
+    """Each run's `metric` over steps, {"name", "run", "stage", "x", "y"}: one trace per run from
+    its last logged stage (stage ""), from the stage named, or one per logged stage ("all")."""
     out = []
     for i in ids:
-        job = report.read_job(inside(root, i), None, i)
-        points = [(m["step"], _num(m.get(metric))) for m in job.metrics if _num(m.get(metric)) is not None]
-        out.append({"name": f"{i} ({job.stage})" if job.stage else i, "run": i,
-                    "x": [p[0] for p in points], "y": [p[1] for p in points]})
+        run = inside(root, i)
+        logged = report.logged_stages(run)
+        if stage == "all":
+            wanted = [s for s in report.job_stages(run) if s in logged] or [None]
+        else:
+            wanted = [stage or None]
+        for s in wanted:
+            if s is not None and s not in logged:
+                continue  # this run has no such stage
+            job = report.read_job(run, s, i)
+            points = [(m["step"], _num(m.get(metric))) for m in job.metrics if _num(m.get(metric)) is not None]
+            out.append({"name": f"{i} ({job.stage})" if job.stage else i, "run": i, "stage": job.stage,
+                        "x": [p[0] for p in points], "y": [p[1] for p in points]})
     return out
 
 

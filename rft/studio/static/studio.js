@@ -161,8 +161,17 @@ const runs = {
     if (!names.includes(this.metric) && names.length) { this.metric = names[0]; sel.value = this.metric; }
   },
 
+  async stages() {
+    if (!this.checked.size) return;
+    const names = await api("/api/stages?" + this.query());
+    const sel = $("#stage");
+    const known = new Set($$("option", sel).map(o => o.value));
+    names.forEach(n => { if (!known.has(n)) sel.add(new Option(n, n)); });
+  },
+
   async chart() {
-    const traces = this.checked.size ? await api(`/api/curves?metric=${encodeURIComponent(this.metric)}&` + this.query()) : [];
+    const q = `metric=${encodeURIComponent(this.metric)}&stage=${encodeURIComponent($("#stage").value)}&`;
+    const traces = this.checked.size ? await api("/api/curves?" + q + this.query()) : [];
     const data = traces.map(t => ({x: t.x, y: t.y, name: t.name, mode: "lines+markers", type: "scatter"}));
     Plotly.react("chart", data, {title: {text: this.metric}, xaxis: {title: {text: "step"}}, yaxis: {title: {text: this.metric}},
                                  margin: {t: 40}, legend: {orientation: "h"}}, {displaylogo: false});
@@ -180,10 +189,11 @@ const runs = {
 
   init() {
     $("#metric").addEventListener("change", e => { this.metric = e.target.value; this.chart(); });
+    $("#stage").addEventListener("change", () => this.chart());
     $("#sweep-choice").addEventListener("change", () => this.sweep());
     // a run that trains logs new metrics (eval first, then the step's): list, then draw, every 2 s
     const tick = async () => {
-      try { await this.refresh(); await this.metrics(); await this.chart(); } finally { setTimeout(tick, 2000); }
+      try { await this.refresh(); await this.metrics(); await this.stages(); await this.chart(); } finally { setTimeout(tick, 2000); }
     };
     tick();
   },
