@@ -207,6 +207,32 @@ def test_rollouts_reads_a_buffer_with_filters_and_masked_turns(tmp_path):
     assert mt["trained_tokens"] == 2 and mt["parts"] == {"correct": 1.0}
 
 
+def test_with_the_stages_tokenizer_a_response_shows_its_loss_mask_token_exact(tmp_path, cache_dir):
+    from omegaconf import OmegaConf
+    from transformers import AutoTokenizer
+
+    from rft.buffer import SQLBuffer
+    from rft.config import ExperienceBufferConfig
+    from rft.experience import Experience
+    from rft.models import build_tiny_model
+
+    tok = AutoTokenizer.from_pretrained(build_tiny_model(cache_dir / "models" / "tiny-qwen2-v1"))
+    run = tmp_path / "rft" / "r"
+    tok.save_pretrained(run / "grpo" / "checkpoints" / "step_2" / "hf")
+    ids = lambda text: tok.encode(text, add_special_tokens=False)  # noqa: E731
+    response = ids("12") + ids("+3=") + ids("15")
+    # the model wrote "12" and "15"; "+3=" came from a tool: loss mask 0 (character tokens: 3 of them)
+    mask = [1] * len(ids("12")) + [0] * len(ids("+3=")) + [1] * len(ids("15"))
+    buf = SQLBuffer(OmegaConf.structured(ExperienceBufferConfig(storage_type="sql", path=str(run / "grpo" / "buffer.db"))))
+    buf.put([Experience(tokens=ids("q?") + response, prompt_length=len(ids("q?")), logprobs=[0.0] * len(response),
+                        reward=1.0, loss_mask=mask),
+             Experience(tokens=ids("q?") + ids("7"), prompt_length=len(ids("q?")), logprobs=[0.0], reward=0.0)])
+    rows = R.read(run, "grpo/buffer.db")["rows"]
+    assert rows[0]["segments"] == [{"text": "12", "trained": True}, {"text": "+3=", "trained": False},
+                                   {"text": "15", "trained": True}]
+    assert rows[1]["segments"] == [{"text": "7", "trained": True}]  # no mask: every response token trained
+
+
 def test_rollouts_say_when_the_filters_saw_only_the_first_rows(tmp_path, monkeypatch):
     run = _sql_buffer(tmp_path / "rft" / "r")
     monkeypatch.setattr(R, "MAX_ROWS", 3)

@@ -2,11 +2,13 @@
 run's stored experiences (sql and file buffers: `buffer.db`, `experiences.jsonl`, read with
 rft.buffer's reader) and its saved eval trajectories (`eval_trajectories/step_N/<set>.jsonl`,
 written for multi-turn evals). A queue buffer (the default) keeps no experiences: run with
-`buffer=sql` or `buffer=file` to read them here.
+`buffer=sql` or `buffer=file` to read them here. Where the stage saved a checkpoint, its tokenizer decodes each
+experience's response in runs of equal loss mask: what was trained on, token-exact.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -43,7 +45,37 @@ def _turns(messages, mask_roles=("assistant",)) -> list[dict]:
             for m in messages or [] if isinstance(m, dict)]
 
 
-def _experience_row(i: int, e) -> dict:
+def tokenizer_for(stage_dir: Path):
+    """The tokenizer saved with the stage's newest checkpoint (hf/), or None: it turns stored token
+    ids back into text piece by piece, so the loss mask can be shown token-exact."""
+    found = sorted(Path(stage_dir).glob("checkpoints/step_*/hf/tokenizer_config.json"),
+                   key=lambda p: int(p.parents[1].name[5:]) if p.parents[1].name[5:].isdigit() else -1)
+    return _load_tokenizer(str(found[-1].parent)) if found else None
+
+
+@functools.lru_cache(maxsize=8)
+def _load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except Exception:  # a tokenizer that needs remote code or is damaged: the text view stays
+        return None
+
+
+def segments(tok, e) -> list[dict]:
+    """The response's tokens in runs of equal loss mask, each decoded: {"text", "trained"}."""
+    ids = e.tokens[e.prompt_length:]
+    mask = list(e.loss_mask) if e.loss_mask else [1] * len(ids)
+    out, start = [], 0
+    for k in range(1, len(ids) + 1):
+        if k == len(ids) or mask[k] != mask[start]:
+            out.append({"text": tok.decode(ids[start:k]), "trained": bool(mask[start])})
+            start = k
+    return out
+
+
+def _experience_row(i: int, e, tok=None) -> dict:
     info = e.info or {}
     conversation = info.get("conversation")
     row = {"i": i, "step": e.policy_version, "task_id": e.task_id, "reward": e.reward,
@@ -51,7 +83,8 @@ def _experience_row(i: int, e) -> dict:
            "prompt": info.get("prompt", f"token ids {e.tokens[:e.prompt_length]}"),
            "response": info.get("response", f"token ids {e.tokens[e.prompt_length:]}"),
            "trained_tokens": sum(e.loss_mask) if e.loss_mask else e.response_length,
-           "turns": _turns(conversation) if conversation else None}
+           "turns": _turns(conversation) if conversation else None,
+           "segments": segments(tok, e) if tok is not None and e.response_length else None}
     if conversation:
         # the first turns up to the first assistant turn are the prompt: masked, as the prompt is
         first = next((k for k, t in enumerate(row["turns"]) if t["role"] == "assistant"), len(row["turns"]))
@@ -88,7 +121,8 @@ def read(run: Path, source: str, min_reward: float | None = None, max_reward: fl
                     rows.append(_eval_row(i, at, json.loads(line)))
         total = len(rows)
     else:
-        rows = [_experience_row(i, e) for i, e in enumerate(read_experiences(str(path), MAX_ROWS))]
+        tok = tokenizer_for(path.parent)
+        rows = [_experience_row(i, e, tok) for i, e in enumerate(read_experiences(str(path), MAX_ROWS))]
         total = count_experiences(str(path))
 
     def keep(r):

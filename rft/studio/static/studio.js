@@ -237,7 +237,9 @@ const rollouts = {
       (r.rows.length < r.matched ? `; the first ${r.rows.length} shown` : "");
     $("#rollouts tbody").innerHTML = r.rows.map(x => {
       const parts = Object.entries(x.parts || {}).map(([k, v]) => `${esc(k)}=${fmt(v)}`).join(" ");
-      const response = x.turns ? x.turns.map(t => `<div class="turn ${t.trained ? "trained" : "masked"}" title="${t.trained ? "trained (loss mask 1)" : "masked (context only)"}">` +
+      const response = x.segments ? `<div class="turn">` + x.segments.map(g =>
+          `<span class="${g.trained ? "trained" : "masked"}" title="${g.trained ? "trained (loss mask 1)" : "masked (loss mask 0)"}">${esc(g.text)}</span>`).join("") + "</div>"
+        : x.turns ? x.turns.map(t => `<div class="turn ${t.trained ? "trained" : "masked"}" title="${t.trained ? "trained (loss mask 1)" : "masked (context only)"}">` +
         `<span class="role">${esc(t.role)}</span>${esc(t.content)}${t.tool_calls ? " " + esc(JSON.stringify(t.tool_calls)) : ""}</div>`).join("")
         : `<div class="turn trained">${esc(x.response)}</div>`;
       return `<tr data-reward="${x.reward}"><td>${x.i}</td><td>${fmt(x.step)}</td><td>${esc(x.task_id)}</td><td class="reward">${fmt(x.reward)}</td>` +
