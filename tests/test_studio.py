@@ -233,6 +233,23 @@ def test_with_the_stages_tokenizer_a_response_shows_its_loss_mask_token_exact(tm
     assert rows[1]["segments"] == [{"text": "7", "trained": True}]  # no mask: every response token trained
 
 
+def test_a_damaged_buffer_is_listed_with_why_and_reading_it_says_so(tmp_path):
+    import httpx
+
+    run = tmp_path / "rft" / "r"
+    (run / "grpo").mkdir(parents=True)
+    (run / "grpo" / "buffer.db").write_bytes(b"not a database at all" * 100)
+    (listed,) = R.sources(run)
+    assert (listed["path"], listed["count"]) == ("grpo/buffer.db", None) and "is not a database" in listed["error"]
+    proc, url, token = _studio(tmp_path)
+    try:
+        r = httpx.get(f"{url}/api/rollouts", params={"run": "rft/r", "source": "grpo/buffer.db"},
+                      headers={"Authorization": f"Bearer {token}"})
+        assert r.status_code == 400 and "is not a database of stored experiences" in r.json()["detail"]
+    finally:
+        _stop(proc)
+
+
 def test_rollouts_say_when_the_filters_saw_only_the_first_rows(tmp_path, monkeypatch):
     run = _sql_buffer(tmp_path / "rft" / "r")
     monkeypatch.setattr(R, "MAX_ROWS", 3)

@@ -161,6 +161,11 @@ def make_app(token: str, root: Path, conf_dir: Path, repo: Path, launch_env: dic
 
     # ------------------------------------------------------------ runs and rollouts
 
+    from rft.errors import ConfigError
+
+    # a path outside the root, a missing or damaged file: the page shows the message
+    USER_ERRORS = (ValueError, OSError, ConfigError)
+
     def bad(e: Exception):
         return JSONResponse({"detail": str(e)}, status_code=400)
 
@@ -172,35 +177,35 @@ def make_app(token: str, root: Path, conf_dir: Path, repo: Path, launch_env: dic
     async def api_metrics(request: Request):
         try:
             return await run_in_threadpool(U.metric_names, root, request.query_params.getlist("run"))
-        except (ValueError, OSError) as e:
+        except USER_ERRORS as e:
             return bad(e)
 
     @app.get("/api/stages")
     async def api_stages(request: Request):
         try:
             return await run_in_threadpool(U.stages, root, request.query_params.getlist("run"))
-        except (ValueError, OSError) as e:
+        except USER_ERRORS as e:
             return bad(e)
 
     @app.get("/api/curves")
     async def api_curves(request: Request, metric: str = "eval/accuracy", stage: str = ""):
         try:
             return await run_in_threadpool(U.curves, root, request.query_params.getlist("run"), metric, stage)
-        except (ValueError, OSError) as e:
+        except USER_ERRORS as e:
             return bad(e)
 
     @app.get("/api/sweep")
     async def api_sweep(sweep: str):
         try:
             return await run_in_threadpool(U.sweep_table, root, sweep)
-        except (ValueError, OSError) as e:
+        except USER_ERRORS as e:
             return bad(e)
 
     @app.get("/api/rollouts/sources")
     async def api_sources(run: str):
         try:
             return await run_in_threadpool(R.sources, U.inside(root, run))
-        except (ValueError, OSError) as e:
+        except USER_ERRORS as e:
             return bad(e)
 
     @app.get("/api/rollouts")
@@ -211,7 +216,7 @@ def make_app(token: str, root: Path, conf_dir: Path, repo: Path, launch_env: dic
             hi = float(max_reward) if max_reward.strip() else None
             at = int(step) if step.strip() else None
             return await run_in_threadpool(R.read, U.inside(root, run), source, lo, hi, at, limit)
-        except (ValueError, OSError) as e:
+        except USER_ERRORS as e:
             return bad(e)
 
     return app

@@ -19,7 +19,8 @@ MAX_ROWS = 5000
 
 
 def sources(run: Path) -> list[dict]:
-    """{"path" (relative to the run), "kind": "experiences" | "eval", "count"} for each source."""
+    """{"path" (relative to the run), "kind": "experiences" | "eval", "count"} for each source; one
+    that cannot be read has count None and its "error"."""
     run = Path(run)
     out = []
     for p in sorted(run.rglob("*")):
@@ -32,8 +33,8 @@ def sources(run: Path) -> list[dict]:
         elif p.suffix in SQL_SUFFIXES or p.name.endswith("experiences.jsonl"):
             try:
                 out.append({"path": rel.as_posix(), "kind": "experiences", "count": count_experiences(str(p))})
-            except Exception:  # a database that is not a buffer, a dataset: not a source
-                continue
+            except Exception as e:  # damaged, or not a buffer: listed, saying why it cannot be read
+                out.append({"path": rel.as_posix(), "kind": "experiences", "count": None, "error": str(e)})
     return out
 
 

@@ -222,7 +222,7 @@ const rollouts = {
     sel.innerHTML = "";
     if (!run) return;
     const list = await api("/api/rollouts/sources?run=" + encodeURIComponent(run));
-    list.forEach(s => sel.add(new Option(`${s.path} (${s.kind}, ${s.count})`, s.path)));
+    list.forEach(s => sel.add(new Option(`${s.path} (${s.kind}, ${s.error ? "unreadable" : s.count})`, s.path)));
     if (!list.length) $("#rollout-count").textContent = "this run stored no experiences and no eval trajectories";
     else await this.show();
   },
