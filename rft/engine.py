@@ -17,6 +17,7 @@ character-level one, only at its role-name tokens.
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 
@@ -70,9 +71,14 @@ class StopStrings:
 def cache_keyword(model) -> str:
     """The name a model takes its KV cache by: `cache` since transformers renamed it (5.2x; the
     old name then warns on every call), `past_key_values` before."""
+    return _cache_keyword(type(model))
+
+
+@functools.lru_cache(maxsize=None)
+def _cache_keyword(cls) -> str:  # once per model class, not per generate call
     import inspect
 
-    return "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
+    return "cache" if "cache" in inspect.signature(cls.forward).parameters else "past_key_values"
 
 
 class HFEngine:

@@ -438,6 +438,19 @@ def _set_key(page, key: str, value: str) -> None:
     page.fill(f'[data-key="{key}"]', value)
 
 
+def _grpo_from_warm_start(browser, url: str, token: str, warm_start, name: str, steps: int):
+    """The compose page set, as a person would, to GRPO from the warm start in one process."""
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    page.goto(f"{url}/compose?token={token}")
+    page.wait_for_function("document.body.dataset.composed")
+    for key, value in [("stages", "[]"), ("model.model_path", str(warm_start)), ("model.builder", "null"),
+                       ("buffer.total_steps", str(steps)), ("explorer.eval_interval", "2"), ("name", name)]:
+        _set_key(page, key, value)
+    page.select_option("#group-cluster", "inline")
+    page.select_option("#group-monitor", "console")
+    return page
+
+
 def _chart(page) -> list[dict]:
     """The chart's own data: plotly keeps its traces on the div."""
     return page.evaluate("() => (document.getElementById('chart').data || []).map(t => ({name: t.name, x: Array.from(t.x), y: Array.from(t.y)}))")
@@ -478,16 +491,8 @@ def test_runs_page_overlays_two_runs_and_shows_a_sweep_table(browser, tmp_path):
 def test_a_run_launched_from_the_page_trains_its_curve_grows_and_stop_works(browser, tmp_path, warm_start):
     proc, url, token = _studio(tmp_path)
     try:
-        page = browser.new_page(viewport={"width": 1400, "height": 1000})
-        page.goto(f"{url}/compose?token={token}")
-        page.wait_for_function("document.body.dataset.composed")
         # GRPO from the default's warm-up, in one process: ~10 steps, an eval every 2
-        for key, value in [("stages", "[]"), ("model.model_path", str(warm_start)), ("model.builder", "null"),
-                           ("buffer.total_steps", "10"), ("explorer.eval_interval", "2"),
-                           ("name", "from_the_page")]:
-            _set_key(page, key, value)
-        page.select_option("#group-cluster", "inline")
-        page.select_option("#group-monitor", "console")
+        page = _grpo_from_warm_start(browser, url, token, warm_start, "from_the_page", 10)
         page.wait_for_function("document.querySelector('#error').hidden && document.querySelector('#plan').textContent.includes('grpo')",
                                timeout=60000)
         page.click("#launch")
@@ -543,14 +548,7 @@ def test_a_port_in_use_is_one_line_naming_it():
 def test_a_sweep_launched_from_the_page_runs_each_job_and_its_table_has_a_row_each(browser, tmp_path, warm_start):
     proc, url, token = _studio(tmp_path)
     try:
-        page = browser.new_page(viewport={"width": 1400, "height": 1000})
-        page.goto(f"{url}/compose?token={token}")
-        page.wait_for_function("document.body.dataset.composed")
-        for key, value in [("stages", "[]"), ("model.model_path", str(warm_start)), ("model.builder", "null"),
-                           ("buffer.total_steps", "2"), ("explorer.eval_interval", "2"), ("name", "swept")]:
-            _set_key(page, key, value)
-        page.select_option("#group-cluster", "inline")
-        page.select_option("#group-monitor", "console")
+        page = _grpo_from_warm_start(browser, url, token, warm_start, "swept", 2)
         page.wait_for_function("document.querySelector('#error').hidden && document.querySelector('#command').textContent.includes('swept')",
                                timeout=60000)
         page.check("#sweep")

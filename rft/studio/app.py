@@ -33,6 +33,7 @@ def make_app(token: str, root: Path, conf_dir: Path, repo: Path, launch_env: dic
     from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, PlainTextResponse, RedirectResponse
     from jinja2 import Environment, FileSystemLoader, select_autoescape
 
+    from rft.errors import ConfigError
     from rft.studio import compose as C
     from rft.studio import rollouts as R
     from rft.studio import runs as U
@@ -161,62 +162,47 @@ def make_app(token: str, root: Path, conf_dir: Path, repo: Path, launch_env: dic
 
     # ------------------------------------------------------------ runs and rollouts
 
-    from rft.errors import ConfigError
-
-    # a path outside the root, a missing or damaged file: the page shows the message
-    USER_ERRORS = (ValueError, OSError, ConfigError)
-
-    def bad(e: Exception):
-        return JSONResponse({"detail": str(e)}, status_code=400)
+    async def answer(fn, *args):
+        """fn(*args) on a worker thread; a path outside the root or a missing or damaged file is
+        a 400 whose message the page shows."""
+        try:
+            return await run_in_threadpool(fn, *args)
+        except (ValueError, OSError, ConfigError) as e:
+            return JSONResponse({"detail": str(e)}, status_code=400)
 
     @app.get("/api/runs")
     async def api_runs():
-        return await run_in_threadpool(U.listing, root)
+        return await answer(U.listing, root)
 
     @app.get("/api/metrics")
     async def api_metrics(request: Request):
-        try:
-            return await run_in_threadpool(U.metric_names, root, request.query_params.getlist("run"))
-        except USER_ERRORS as e:
-            return bad(e)
+        return await answer(U.metric_names, root, request.query_params.getlist("run"))
 
     @app.get("/api/stages")
     async def api_stages(request: Request):
-        try:
-            return await run_in_threadpool(U.stages, root, request.query_params.getlist("run"))
-        except USER_ERRORS as e:
-            return bad(e)
+        return await answer(U.stages, root, request.query_params.getlist("run"))
 
     @app.get("/api/curves")
     async def api_curves(request: Request, metric: str = "eval/accuracy", stage: str = ""):
-        try:
-            return await run_in_threadpool(U.curves, root, request.query_params.getlist("run"), metric, stage)
-        except USER_ERRORS as e:
-            return bad(e)
+        return await answer(U.curves, root, request.query_params.getlist("run"), metric, stage)
 
     @app.get("/api/sweep")
     async def api_sweep(sweep: str):
-        try:
-            return await run_in_threadpool(U.sweep_table, root, sweep)
-        except USER_ERRORS as e:
-            return bad(e)
+        return await answer(U.sweep_table, root, sweep)
 
     @app.get("/api/rollouts/sources")
     async def api_sources(run: str):
-        try:
-            return await run_in_threadpool(R.sources, U.inside(root, run))
-        except USER_ERRORS as e:
-            return bad(e)
+        return await answer(lambda: R.sources(U.inside(root, run)))
 
     @app.get("/api/rollouts")
     async def api_rollouts(run: str, source: str, min_reward: str = "", max_reward: str = "", step: str = "",
                            limit: int = 200):
-        try:
+        def read():
             lo = float(min_reward) if min_reward.strip() else None
             hi = float(max_reward) if max_reward.strip() else None
             at = int(step) if step.strip() else None
-            return await run_in_threadpool(R.read, U.inside(root, run), source, lo, hi, at, limit)
-        except USER_ERRORS as e:
-            return bad(e)
+            return R.read(U.inside(root, run), source, lo, hi, at, limit)
+
+        return await answer(read)
 
     return app

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import inspect
 import json
 import re
@@ -120,9 +121,11 @@ def _number(text: str) -> bool:
         return False
 
 
+@functools.lru_cache(maxsize=1)
 def schema() -> list[dict]:
     """Every leaf key of the typed schema, in its order: {"key", "type", "choices" (an enum's or a
-    bool's values, else None), "default" (the schema's, as override text), "comment"}."""
+    bool's values, else None), "default" (the schema's, as override text), "comment"}. Read from
+    rft/config.py's source once per process (every composition lists its values): do not change it."""
     out = []
 
     def walk(cls, prefix):
@@ -226,7 +229,8 @@ def compose(conf_dir: Path, choices: dict[str, str], keys: dict[str, str],
             defaults = dict(_compose(conf_dir, []).hydra.runtime.choices) if (choices or keys) else {}
         overrides = overrides_of(choices, keys, defaults)
         command = "python run.py " + " ".join(shlex.quote(o) for o in overrides) if overrides else "python run.py"
-        misspelt = misspelt_override(overrides, set(groups(conf_dir)) | {"hydra"})
+        # group names only (as run.py's check): the options' comments are not needed per keystroke
+        misspelt = misspelt_override(overrides, {p.name for p in conf_dir.iterdir() if p.is_dir()})
         if misspelt:
             return Composition(dict(choices), overrides, command, {}, "", "", misspelt)
         try:
