@@ -29,8 +29,16 @@ def setup_actor_logging(log_dir: str, name: str, level: str) -> None:
 
 
 def _build(cls, log_dir, name, level, threads, args):
+    """`cls`: a class, or "module:Class" to import here (the trainer: the driver of a Ray run
+    never imports torch, saving a third of a GB)."""
     setup_actor_logging(log_dir, name, level)
     import torch
+
+    if isinstance(cls, str):
+        import importlib
+
+        module, _, attr = cls.partition(":")
+        cls = getattr(importlib.import_module(module), attr)
 
     # torch's thread count, chosen for the actor by rft.placement.torch_threads
     torch.set_num_threads(threads)
@@ -222,12 +230,11 @@ def start_trainer(Actor, cfg, plan, init_path, name: str, common: dict, options:
 
     `options`: Ray options per rank (from placement_for), one per rank.
     """
-    from rft.fsdp import FSDPTrainer
-    from rft.trainer import Trainer
-
     if cfg.trainer.trainer_strategy != "fsdp2":
-        return Actor(Trainer, cfg, plan, init_path, name=name, **common, **options[0])
+        return Actor("rft.trainer:Trainer", cfg, plan, init_path, name=name, **common, **options[0])
     import torch.distributed as dist
+
+    from rft.fsdp import FSDPTrainer
 
     from rft.sync import free_address
 

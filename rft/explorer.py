@@ -14,10 +14,9 @@ import math
 import os
 import queue
 import random
+import statistics
 import threading
 import time
-
-import torch
 
 from rft.algorithms import resolve
 from rft.data import epoch_batch, step_seed
@@ -122,17 +121,18 @@ def run_jobs(fn, jobs: list, runners: int, timeout: float, retries: int,
 
 def rollout_metrics(exps: list, groups: list, counters: dict, elapsed: float) -> dict:
     """Metrics of one step's rollouts (from all explorers)."""
-    rewards = torch.tensor([e.reward for e in exps], dtype=torch.float64) if exps else torch.zeros(1)
-    lengths = torch.tensor([e.response_length for e in exps], dtype=torch.float32) if exps else torch.zeros(1)
+    # plain Python, not torch: the runner computes these in a process that never imports torch
+    rewards = [float(e.reward) for e in exps] or [0.0]
+    lengths = [e.response_length for e in exps] or [0]
     m = {
-        "reward/mean": rewards.mean().item(),
-        "reward/std": rewards.std().item() if len(exps) > 1 else 0.0,
-        "reward/min": rewards.min().item(),
-        "reward/max": rewards.max().item(),
-        "response_length/mean": lengths.mean().item(),
-        "response_length/max": lengths.max().item(),
+        "reward/mean": math.fsum(rewards) / len(rewards),
+        "reward/std": statistics.stdev(rewards) if len(exps) > 1 else 0.0,  # n - 1 in the denominator
+        "reward/min": min(rewards),
+        "reward/max": max(rewards),
+        "response_length/mean": sum(lengths) / len(lengths),
+        "response_length/max": float(max(lengths)),
         "rollout/truncated_frac": sum(e.info.get("finish_reason") == "length" for e in exps) / max(len(exps), 1),
-        "rollout/tokens_per_s": lengths.sum().item() / max(elapsed, 1e-9),
+        "rollout/tokens_per_s": sum(lengths) / max(elapsed, 1e-9),
         "rollout/zero_variance_group_frac": sum(map(_flat, groups)) / max(len(groups), 1),
         # prompts longer than model.max_prompt_tokens, cut from the left (one per task)
         "rollout/truncated_prompts": sum(bool(g[0].info.get("prompt_truncated")) for g in groups),
@@ -195,6 +195,8 @@ def save_trajectories(exps: list, path: str) -> None:
 
 class Explorer:
     def __init__(self, cfg, weights_path: str | None = None, version: int = 0, shard: int = 0):
+        import torch
+
         self.cfg = cfg
         # denormal floats (tiny Adam moments, decayed weights) make CPU math many times slower
         torch.set_flush_denormal(True)

@@ -14,7 +14,6 @@ import shutil
 import string
 from pathlib import Path
 
-import torch
 from filelock import FileLock
 
 from rft.config import DTYPES as CONFIG_DTYPES
@@ -71,6 +70,7 @@ def build_tiny_model(path: str | Path, seed: int = 0, arch: dict | None = None, 
     `arch` overrides entries of TINY_ARCH (a larger model for benchmarks, a narrow one for tests);
     `tools` adds the tool role and tool-call tokens (model=tiny_tools).
     """
+    import torch
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen2Config
 
@@ -129,15 +129,13 @@ def ensure_model(model_cfg) -> None:
     BUILDERS[model_cfg.builder](model_cfg.model_path)
 
 
-# model.dtype: the names and their common aliases
-# model.dtype and its aliases (rft.config.DTYPES) -> the torch dtype
-DTYPES = {alias: getattr(torch, name) for alias, name in CONFIG_DTYPES.items()}
-
-
 def torch_dtype(name: str) -> torch.dtype:
-    if name not in DTYPES:
-        raise ConfigError(f"model.dtype={name!r} is not a dtype; choose one of {', '.join(DTYPES)}.")
-    return DTYPES[name]
+    """model.dtype or one of its aliases (rft.config.DTYPES) -> the torch dtype."""
+    import torch
+
+    if name not in CONFIG_DTYPES:
+        raise ConfigError(f"model.dtype={name!r} is not a dtype; choose one of {', '.join(CONFIG_DTYPES)}.")
+    return getattr(torch, CONFIG_DTYPES[name])
 
 
 def canonical_dtype(name: str) -> str:
@@ -148,6 +146,8 @@ def canonical_dtype(name: str) -> str:
 def local_device(cluster_cfg) -> torch.device:
     """Where this process computes: the GPU it sees on a GPU cluster (cluster.gpu_per_node > 0;
     Ray shows each actor only the GPUs the placement gave it), else the CPU."""
+    import torch
+
     if cluster_cfg.gpu_per_node > 0 and torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
@@ -225,6 +225,8 @@ def peak_flops(device) -> float | None:
     """The device's peak (None where unknown, e.g. a CPU: no perf/mfu then)."""
     if device.type != "cuda":
         return None
+    import torch
+
     name = torch.cuda.get_device_name(device)
     return next((v for k, v in _PEAK_FLOPS.items() if k in name), None)
 

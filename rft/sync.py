@@ -25,8 +25,6 @@ import datetime
 import socket
 from pathlib import Path
 
-import torch
-
 from rft.errors import RunError
 
 
@@ -85,6 +83,8 @@ def fingerprint(tensors) -> str:
 def weight_sums(tensors) -> list[float]:
     """[sum, sum of |x|, sum of x^2] in float64 over the distinct tensors. Each is a sum, so a
     data-parallel trainer adds up its ranks' shards (rft.fsdp) to get the whole model's."""
+    import torch
+
     if isinstance(tensors, dict):
         tensors = tensors.values()
     seen, parts = set(), []
@@ -110,10 +110,13 @@ def to_arrays(state_dict: dict[str, torch.Tensor]) -> dict[str, tuple]:
     maps numpy arrays into the reader's process without a copy, where torch tensors are unpickled
     by copying. CPU tensors are viewed, not copied; dtypes numpy lacks (bfloat16) travel as
     same-size integers."""
+    import torch
+
+    same_size_int = {torch.bfloat16: torch.int16, torch.float8_e4m3fn: torch.int8, torch.float8_e5m2: torch.int8}
     out = {}
     for k, v in state_dict.items():
         v = v.detach().cpu()
-        raw = v.view(_SAME_SIZE_INT[v.dtype]) if v.dtype in _SAME_SIZE_INT else v
+        raw = v.view(same_size_int[v.dtype]) if v.dtype in same_size_int else v
         out[k] = (raw.numpy(), str(v.dtype).removeprefix("torch."))
     return out
 
@@ -121,6 +124,8 @@ def to_arrays(state_dict: dict[str, torch.Tensor]) -> dict[str, tuple]:
 def from_arrays(arrays: dict[str, tuple]) -> dict[str, torch.Tensor]:
     """`to_arrays`'s weights as tensors (views of the arrays: loading them copies once)."""
     import warnings
+
+    import torch
 
     out = {}
     with warnings.catch_warnings():
@@ -130,9 +135,6 @@ def from_arrays(arrays: dict[str, tuple]) -> dict[str, torch.Tensor]:
             t = torch.from_numpy(arr)
             out[k] = t.view(getattr(torch, dtype)) if t.dtype != getattr(torch, dtype) else t
     return out
-
-
-_SAME_SIZE_INT = {torch.bfloat16: torch.int16, torch.float8_e4m3fn: torch.int8, torch.float8_e5m2: torch.int8}
 
 
 def format_fingerprint(sums) -> str:
@@ -241,6 +243,7 @@ def free_address() -> tuple[str, int]:
 def open_group(address: str, port: int, world: int, rank: int, timeout_s: float):
     """A process group of its own (not torch.distributed's default one, which a trainer's FSDP or
     vLLM's tensor parallelism may hold): the trainer is rank 0 and hosts the rendezvous store."""
+    import torch
     import torch.distributed as dist
 
     timeout = datetime.timedelta(seconds=timeout_s)
@@ -250,12 +253,13 @@ def open_group(address: str, port: int, world: int, rank: int, timeout_s: float)
     return dist.ProcessGroupGloo(store, rank, world, timeout)
 
 
-@torch.no_grad()
 def broadcast(group, tensors) -> None:
     """Rank 0's tensors into every other rank's tensors of the same shapes, in order."""
+    import torch
     import torch.distributed as dist
 
     opts = dist.BroadcastOptions()
     opts.rootRank = 0
-    for t in tensors:
-        group.broadcast([t], opts).wait()
+    with torch.no_grad():
+        for t in tensors:
+            group.broadcast([t], opts).wait()

@@ -101,13 +101,15 @@ def test_the_closed_sets_of_names_are_the_runtime_registries():
     from rft import config
     from rft.actors import ACTOR_BACKENDS
     from rft.explorer import ENGINES
-    from rft.models import DTYPES
+    from rft.models import torch_dtype
     from rft.sync import SYNC_METHODS
 
     assert set(config.SYNC_METHODS) == set(SYNC_METHODS)
     assert set(config.ENGINE_TYPES) == set(ENGINES)
     assert set(config.BACKENDS) == set(ACTOR_BACKENDS)
-    assert set(config.DTYPES) == set(DTYPES)
+    # every dtype name the config accepts is a torch dtype, and aliases agree with their names
+    assert {str(torch_dtype(a)) for a in config.DTYPES} == {"torch.float32", "torch.bfloat16", "torch.float16"}
+    assert all(str(torch_dtype(a)) == f"torch.{n}" for a, n in config.DTYPES.items())
 
 
 def test_every_registered_algorithm_function_imports():

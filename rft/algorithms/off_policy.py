@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import math
 
-import torch
-
 
 def staleness(policy_version: int, trainer_version: int) -> int:
     """Trainer steps the weights have moved since they sampled: 0 is on-policy."""
@@ -25,6 +23,8 @@ def correct(exps, old_logp: torch.Tensor, mask: torch.Tensor, version: int, cfg)
     the current weights, over the sampling log-prob), capped at behavior_weight_cap. Fresh
     experiences are left alone, so on-policy runs are unchanged.
     """
+    import torch  # here: the runner (no torch in its process) imports `staleness` from this module
+
     stale = [i for i, e in enumerate(exps) if staleness(e.policy_version, version) > 0 and e.logprobs]
     if cfg.off_policy_correction == "none" or not stale:
         return None
