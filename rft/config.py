@@ -442,6 +442,10 @@ class TrainerConfig:
     # pack each micro-batch's sequences end to end, attention never crossing from one to the
     # next, instead of padding every row to the longest: same log-probs, no compute on padding
     use_remove_padding: bool = True
+    # with use_remove_padding and sdpa or eager attention: the rows of a group (same prompt ids)
+    # are one sequence, the prompt computed once and each response attending to it (rft/logprobs.py);
+    # for groups whose prompt is at least as long as their mean response. Same log-probs
+    share_prompts: bool = True
     # micro-batches by token count (max_token_len_per_gpu) instead of micro_batch_size_per_gpu
     # rows, and data-parallel ranks' shares balanced by tokens (verl: use_dynamic_bsz)
     use_dynamic_bsz: bool = False

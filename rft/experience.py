@@ -82,7 +82,7 @@ def collate(exps: list[Experience], pad_id: int) -> dict:
     input_ids[:, 1:], response_mask [n, L-1] (1 where the target is a response token the loss
     counts: the experience's loss_mask, all of them when it is empty); and the
     sampling parameters per row [n]: temperature (greedy and unknown count as 1), top_p, top_k
-    (<= 0: off).
+    (<= 0: off); and prompt_length [n].
     """
     import torch  # here, so storing and viewing experiences does not pay for importing torch
 
@@ -106,7 +106,8 @@ def collate(exps: list[Experience], pad_id: int) -> dict:
     return {"input_ids": input_ids, "attention_mask": attention_mask, "response_mask": response_mask,
             "temperature": torch.tensor([p[0] for p in params], dtype=torch.float32),
             "top_p": torch.tensor([p[1] for p in params], dtype=torch.float32),
-            "top_k": torch.tensor([p[2] for p in params], dtype=torch.long)}
+            "top_k": torch.tensor([p[2] for p in params], dtype=torch.long),
+            "prompt_length": torch.tensor([e.prompt_length for e in exps], dtype=torch.long)}
 
 
 def is_experience_file(path) -> bool:

@@ -9,6 +9,14 @@ next token of its row). How it gets there, each choice giving the same numbers:
   boundaries for flash-attention). With flash-attention every sequence goes in one row; sdpa and
   eager compute a row's whole masked square, so their rows are as wide as the longest sequence,
   filled first-fit (`pack`): no compute on padding but a bin's unused end.
+- shared prompts (packed, given each row's prompt length, sdpa or eager attention without sliding
+  windows): rows with the same prompt ids (a GRPO group) go in as one sequence, the prompt once
+  and each row's response after it, every response attending to the prompt and to itself only
+  (a mask of our own, `share_prompts`). The prompt's hidden states do not depend on what follows
+  them, so each row's log-probs are those of its own sequence, and the gradient through the
+  shared prompt is the sum of the rows'. Done for a group whose prompt is at least as long as
+  its mean response: the tokens computed drop by more than (n - 1) / 2n, and the denser
+  attention of one long sequence stays cheap next to them.
 - chunked (`trainer.logprob_chunk_size`): the output layer runs inside the model's forward on
   `chunk` positions at a time, each chunk under activation checkpointing, so the float32
   [positions, vocab] logits never exist whole, neither in the forward nor kept for the backward
@@ -36,10 +44,11 @@ from rft.micro_batches import first_fit
 
 
 def token_logprobs(model, input_ids, attention_mask, temperature=1.0, top_p=None, top_k=None,
-                   with_entropy_grad=True, packed=False, chunk_size=None, fp32_head=False):
+                   with_entropy_grad=True, packed=False, chunk_size=None, fp32_head=False, prompt_lengths=None):
     """Log-prob of each next token and the entropy of each next-token distribution, [n, L-1].
 
     `with_entropy_grad=False`: the entropy is only a metric (no gradient kept for it).
+    `prompt_lengths` ([n], with `packed`): rows sharing a prompt compute it once (module doc).
     """
     n, L = input_ids.shape
     dev = input_ids.device
@@ -52,7 +61,14 @@ def token_logprobs(model, input_ids, attention_mask, temperature=1.0, top_p=None
     sampling = (per_row(temperature, torch.float32),
                 None if top_p is None else per_row(top_p, torch.float32),
                 None if top_k is None else per_row(top_k, torch.long))
-    if packed:
+    shared = None
+    if packed and prompt_lengths is not None and can_share_prompts(model):
+        shared = share_prompts(input_ids, lengths.tolist(), [int(p) for p in prompt_lengths], model.dtype)
+    if shared is not None:
+        packed_ids, positions, mask, where = shared
+        select = where[rows, cols]
+        kwargs = {"input_ids": packed_ids, "position_ids": positions, "attention_mask": mask}
+    elif packed:
         packed_ids, positions, starts = pack(input_ids, lengths.tolist(), one_row(model))
         select = starts[rows] + cols
         kwargs = {"input_ids": packed_ids, "position_ids": positions}
@@ -99,6 +115,82 @@ def pack(input_ids, lengths: list[int], one_row: bool = False):
         positions[b, used:] = arange[:width - used]
     starts = torch.tensor([b * width + o for b, o in where], device=input_ids.device)
     return ids, positions, starts
+
+
+def can_share_prompts(model) -> bool:
+    """A model whose attention takes our mask as it is: sdpa or eager, causal over every position
+    (no sliding window). flash-attention's varlen kernel knows only whole sequences."""
+    c = model.config
+    if str(getattr(c, "_attn_implementation", "")) not in ("sdpa", "eager"):
+        return False
+    if any(t != "full_attention" for t in getattr(c, "layer_types", None) or []):
+        return False
+    return getattr(c, "sliding_window", None) is None or getattr(c, "use_sliding_window", None) is False
+
+
+def prompt_units(input_ids, lengths: list[int], prompt_lengths: list[int]):
+    """The sequences `share_prompts` lays out: (prompt length, rows) for each group of rows with
+    the same prompt ids whose prompt is at least as long as their mean response, (length, [row])
+    for every other row (all prompt); with each one's size in tokens. None when no row shares."""
+    groups: dict = {}
+    for i in range(len(lengths)):
+        p = min(prompt_lengths[i], lengths[i])
+        groups.setdefault((p, tuple(input_ids[i, :p].tolist())), []).append(i)
+    units = []
+    for (p, _), members in groups.items():
+        responses = sum(lengths[r] - p for r in members)
+        if len(members) > 1 and p > 0 and p * len(members) >= responses:
+            units.append((p, members))
+        else:
+            units += [(lengths[r], [r]) for r in members]
+    if len(units) == len(lengths):
+        return None
+    return units, [p + sum(lengths[r] - p for r in members) for p, members in units]
+
+
+def share_prompts(input_ids, lengths: list[int], prompt_lengths: list[int], dtype):
+    """Right-padded rows [n, L] -> packed rows [B, W] in which the rows of a group (the same prompt
+    ids) hold their prompt once, followed by each row's response: their ids, position ids (each
+    response continues from its prompt's length), an additive attention mask [B, 1, W, W] (a
+    response sees its prompt and itself, causally; a prompt only itself), and `where` [n, L]:
+    the flat position in [B * W] of each row's token t. None where `prompt_units` is None
+    (`pack` serves then)."""
+    shared = prompt_units(input_ids, lengths, prompt_lengths)
+    if shared is None:
+        return None
+    units, sizes = shared
+    placed, bins = first_fit(sizes, max(sizes))
+    B, W = len(bins), max(bins)
+    dev = input_ids.device
+    ids = input_ids.new_zeros((B, W))
+    positions = input_ids.new_zeros((B, W))
+    unit = torch.full((B, W), -1, dtype=torch.long, device=dev)  # which unit a position is of
+    part = torch.zeros((B, W), dtype=torch.long, device=dev)  # 0: a prompt, k: the unit's k-th response
+    where = torch.zeros_like(input_ids)
+    arange = torch.arange(W, device=dev)
+    for u, ((p, members), (b, o)) in enumerate(zip(units, placed)):
+        ids[b, o:o + p] = input_ids[members[0], :p]
+        positions[b, o:o + p] = arange[:p]
+        unit[b, o:o + sizes[u]] = u
+        for r in members:
+            where[r, :p] = b * W + o + arange[:p]
+        at = o + p
+        for k, r in enumerate(members, start=1):
+            m = lengths[r] - p
+            ids[b, at:at + m] = input_ids[r, p:lengths[r]]
+            positions[b, at:at + m] = arange[p:p + m]
+            part[b, at:at + m] = k
+            where[r, p:lengths[r]] = b * W + at + arange[:m]
+            at += m
+    for b, used in enumerate(bins):  # a bin's unused end: a filler sequence of its own
+        positions[b, used:] = arange[:W - used]
+        unit[b, used:] = len(units) + b
+    same_unit = unit[:, :, None] == unit[:, None, :]
+    # query j sees key k: the same unit, k a prompt position or of j's own response, k <= j
+    sees = same_unit & ((part[:, None, :] == 0) | (part[:, :, None] == part[:, None, :]))
+    sees &= torch.ones((W, W), dtype=torch.bool, device=dev).tril()
+    mask = torch.zeros((B, 1, W, W), dtype=dtype, device=dev).masked_fill(~sees[:, None], torch.finfo(dtype).min)
+    return ids, positions, mask, where
 
 
 @contextmanager

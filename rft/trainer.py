@@ -35,7 +35,7 @@ from rft.critic import Critic, explained_variance
 from rft.sync import fingerprint, for_safetensors, to_arrays
 from rft.experience import Experience, collate
 from rft import lora, micro_batches
-from rft.logprobs import one_row, token_logprobs
+from rft.logprobs import can_share_prompts, one_row, prompt_units, token_logprobs
 from rft.models import enable_gradient_checkpointing, load_hf_weights, load_model, load_tokenizer, local_device, peak_flops
 
 log = logging.getLogger(__name__)
@@ -110,7 +110,9 @@ def _zero_advantage_rows_last(step: "Step") -> None:
 
 # the tokens a step's forwards computed, summed over the ranks: real ones with and without a
 # gradient, and what the forwards paid for (padding included); see _forward and _perf_metrics
-WORK = ("perf/grad_tokens", "perf/nograd_tokens", "perf/computed_tokens")
+# tokens forwarded with and without grad (each computed once), row tokens a shared prompt saved
+# computing again (trainer.share_prompts), and positions computed, padding included
+WORK = ("perf/grad_tokens", "perf/nograd_tokens", "perf/shared_tokens", "perf/computed_tokens")
 
 
 def _lengths(full) -> list[int]:
@@ -268,10 +270,15 @@ class Trainer:
         lengths = _lengths(full)[s:e]
         L = max(lengths)
         t = self.cfg.trainer
+        share = t.use_remove_padding and t.share_prompts and can_share_prompts(model)
+        prompts = full["prompt_length"][s:e].tolist() if share else None
+        units = prompts and prompt_units(full["input_ids"][s:e], lengths, prompts)
+        sequences = units[1] if units else lengths  # what is computed: a shared prompt once
         grad = "grad" if torch.is_grad_enabled() else "nograd"
-        self._work[f"perf/{grad}_tokens"] += sum(lengths)
+        self._work[f"perf/{grad}_tokens"] += sum(sequences)
+        self._work["perf/shared_tokens"] += sum(lengths) - sum(sequences)
         if t.use_remove_padding:  # the packed rows' unused ends are the padding
-            rows, width = micro_batches.packed_shape(lengths, one_row(model))
+            rows, width = micro_batches.packed_shape(sequences, one_row(model))
             self._work["perf/computed_tokens"] += rows * width
         else:
             self._work["perf/computed_tokens"] += len(lengths) * L
@@ -280,7 +287,7 @@ class Trainer:
                               full["temperature"][s:e], full["top_p"][s:e], full["top_k"][s:e],
                               with_entropy_grad=bool(self.cfg.algorithm.entropy_coef),
                               packed=t.use_remove_padding, chunk_size=t.logprob_chunk_size,
-                              fp32_head=self.cfg.model.fp32_lm_head), L
+                              fp32_head=self.cfg.model.fp32_lm_head, prompt_lengths=prompts), L
 
     def _old_is_current(self, stale_fix: bool) -> bool:
         """Whether the "old" log-probs (the current weights', before this step's updates) are the
@@ -528,13 +535,16 @@ class Trainer:
 
     def _perf_metrics(self, sums: dict, elapsed: float) -> dict:
         """Throughput of the step's policy forwards (every rank's; the critic's not counted):
-        real tokens per second, the share of computed tokens that were padding, the model FLOPs
+        the rows' tokens per second, the share of computed positions that were padding, the share
+        of the rows' tokens a shared prompt saved computing (trainer.share_prompts), the model FLOPs
         (2 x parameters per token forward, 4 more with a backward; attention's own FLOPs left
         out, as in the usual MFU) against the devices' peak where it is known, and the peak
         memory of the busiest rank."""
-        real = sums["perf/grad_tokens"] + sums["perf/nograd_tokens"]
+        computed = sums["perf/grad_tokens"] + sums["perf/nograd_tokens"]  # a shared prompt once
+        real = computed + sums["perf/shared_tokens"]  # the rows' tokens
         out = {"perf/trainer_tokens_per_s": real / elapsed,
-               "perf/padding_frac": 1.0 - real / sums["perf/computed_tokens"] if sums["perf/computed_tokens"] else 0.0}
+               "perf/padding_frac": 1.0 - computed / sums["perf/computed_tokens"] if sums["perf/computed_tokens"] else 0.0,
+               "perf/shared_prompt_frac": sums["perf/shared_tokens"] / real if real else 0.0}
         flops = self.n_params * (2 * sums["perf/nograd_tokens"] + 6 * sums["perf/grad_tokens"])
         out["perf/tflops"] = flops / elapsed / 1e12
         peak = peak_flops(self.device)

@@ -306,3 +306,123 @@ def test_the_trainer_benchmark_runs_every_arm():
     assert list(table) == ["padded", "packed", "packed+budget", "+chunked"]
     assert table["padded"]["padding_frac"] > 0.2 and table["packed"]["padding_frac"] < table["padded"]["padding_frac"]
     assert all(v["tokens_per_s"] > 0 and v["peak_mb"] > 0 for v in table.values())
+
+
+# ---------------------------------------------------------------- shared prompts (trainer.share_prompts)
+
+def _mixed_batch():
+    """Groups sharing a prompt, shuffled among each other; a group whose responses are longer than
+    its prompt (not shared); a lone row; a row with an empty response; another prompt length."""
+    import random
+
+    from rft.experience import Experience
+
+    exps = batch(3, 4)
+    rng = random.Random(1)
+    long_prompt = [1, 5, 102, 9, 2, 102, 1, 6, 102]  # 9 tokens, responses of 12: not worth sharing
+    exps += [Experience(long_prompt + [rng.randint(7, 16) for _ in range(11)] + [2], 9, [0.0] * 12, group_id="long")
+             for _ in range(3)]
+    short = [1, 5, 102, 12, 13, 2, 102, 1, 6, 102]  # 10 tokens, shared by two rows, one of them prompt only
+    exps += [Experience(short + [8, 9, 2], 10, [0.0] * 3, group_id="short"), Experience(short, 10, [], group_id="short")]
+    exps.append(Experience([1, 5, 102, 7, 2, 102, 1, 6, 102, 11, 2], 9, [0.0] * 2, group_id="alone"))
+    rng.shuffle(exps)
+    for i, e in enumerate(exps):
+        e.sampling = SAMPLING[i % len(SAMPLING)]
+    return exps
+
+
+@pytest.mark.parametrize("kw", [{}, {"chunk_size": 5}, {"fp32_head": True}])
+def test_shared_prompts_give_the_padded_log_probs_and_gradients(trainer, kw):
+    from rft.logprobs import prompt_units
+
+    full = collate(_mixed_batch(), trainer.tokenizer.pad_token_id)
+    lengths = full["attention_mask"].sum(-1).tolist()
+    units, sizes = prompt_units(full["input_ids"], lengths, full["prompt_length"].tolist())
+    # the 3 groups of 4 and "short" are shared; "long" (3 rows of 21) and "alone" are not: 3 + 1 + 3 + 1
+    assert sorted(len(m) for _, m in units) == [1, 1, 1, 1, 2, 4, 4, 4]
+    assert sum(sizes) == sum(lengths) - 3 * 3 * 15 - 10  # each shared group's prompt once
+    ref_logp, ref_ent, ref_g = logprobs_and_grads(trainer.model, full)
+    logp, ent, g = logprobs_and_grads(trainer.model, full, packed=True, prompt_lengths=full["prompt_length"], **kw)
+    torch.testing.assert_close(logp, ref_logp, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ent, ref_ent, rtol=1e-5, atol=1e-5)
+    for name in ref_g:
+        assert (g[name] - ref_g[name]).abs().max() <= 1e-5 * ref_g[name].abs().max(), name
+
+
+def test_a_shared_prompt_layout_by_hand():
+    from rft.logprobs import share_prompts
+
+    # rows 0 and 2 share the prompt [5, 6, 7] (responses [8, 9] and [4]); row 1 has another prompt
+    ids = torch.tensor([[5, 6, 7, 8, 9], [5, 6, 3, 1, 0], [5, 6, 7, 4, 0]])
+    packed, positions, mask, where = share_prompts(ids, [5, 4, 4], [3, 3, 3], torch.float32)
+    # units: the group (3 + 2 + 1 = 6 tokens) and row 1 alone (4): first-fit in bins of 6
+    assert packed.tolist() == [[5, 6, 7, 8, 9, 4], [5, 6, 3, 1, 0, 0]]
+    # each response goes on from the prompt's length; the bin's unused end is a filler from 0
+    assert positions.tolist() == [[0, 1, 2, 3, 4, 3], [0, 1, 2, 3, 0, 1]]
+    # row r's token t sits at flat position where[r, t] (padding: 0, never read)
+    assert where.tolist() == [[0, 1, 2, 3, 4], [6, 7, 8, 9, 0], [0, 1, 2, 5, 0]]
+    sees = (mask[:, 0] == 0).int().tolist()
+    assert sees[0] == [[1, 0, 0, 0, 0, 0],
+                       [1, 1, 0, 0, 0, 0],
+                       [1, 1, 1, 0, 0, 0],
+                       [1, 1, 1, 1, 0, 0],   # row 0's response: the prompt and itself
+                       [1, 1, 1, 1, 1, 0],
+                       [1, 1, 1, 0, 0, 1]]   # row 2's response: the prompt, not row 0's response
+    assert sees[1] == [[1, 0, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0], [1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 0, 0],
+                       [0, 0, 0, 0, 1, 0], [0, 0, 0, 0, 1, 1]]  # the filler sees only itself
+    assert share_prompts(ids[:2], [5, 4], [3, 3], torch.float32) is None  # nothing shared: `pack` serves
+
+
+def test_responses_sharing_a_prompt_never_attend_to_each_other(trainer):
+    full = collate(batch(1, 3), trainer.tokenizer.pad_token_id)
+    kw = dict(packed=True, prompt_lengths=full["prompt_length"])
+    logp, _ = token_logprobs(trainer.model, full["input_ids"], full["attention_mask"], **kw)
+    # row 0's response changed: it is laid out before rows 1 and 2's, whose log-probs stay put
+    changed = full["input_ids"].clone()
+    p, n0 = int(full["prompt_length"][0]), int(full["attention_mask"][0].sum())
+    changed[0, p:n0] = torch.randint(7, 17, (n0 - p,))
+    logp2, _ = token_logprobs(trainer.model, changed, full["attention_mask"], **kw)
+    assert not torch.allclose(logp2[0, p - 1:n0 - 1], logp[0, p - 1:n0 - 1])
+    torch.testing.assert_close(logp2[1:], logp[1:], rtol=0, atol=1e-6)
+
+
+def test_prompts_are_shared_only_where_our_mask_is_what_attention_uses(trainer):
+    from types import SimpleNamespace
+
+    from rft.logprobs import can_share_prompts
+
+    def model(**config):
+        return SimpleNamespace(config=SimpleNamespace(**config))
+
+    assert can_share_prompts(trainer.model)  # the tiny Qwen2: sdpa, no sliding window
+    assert can_share_prompts(model(_attn_implementation="eager"))
+    assert not can_share_prompts(model(_attn_implementation="flash_attention_2"))  # varlen: whole sequences
+    assert not can_share_prompts(model(_attn_implementation="sdpa", sliding_window=4096))  # Mistral
+    assert can_share_prompts(model(_attn_implementation="sdpa", sliding_window=4096, use_sliding_window=False))
+    assert not can_share_prompts(model(_attn_implementation="sdpa", layer_types=["full_attention", "sliding_attention"]))
+
+
+def test_a_train_step_with_shared_prompts_equals_one_without():
+    from test_trainer import experiences
+
+    exps = experiences(4, 8)
+    for e in exps[:8]:
+        e.reward = 1.0  # group 0: all rewards equal, its rows not forwarded
+    shared, plain = make_trainer(128), make_trainer(128, ["trainer.share_prompts=false"])
+    m_shared, m_plain = shared.train_step(exps), plain.train_step(exps)
+    # the same gradient (compared, not the weights: Adam's first step is lr x the gradient's sign,
+    # which float noise flips on entries near 0)
+    for (name, a), (_, b) in zip(plain.model.named_parameters(), shared.model.named_parameters()):
+        assert (b.grad - a.grad).abs().max() <= 1e-5 * a.grad.abs().max(), name
+    assert m_shared["loss/policy"] == pytest.approx(m_plain["loss/policy"], abs=1e-6)
+    # each forwarded group's 15-token prompt computed once instead of 8 times: 7 * 15 tokens saved
+    # per group whose rewards differ (the others' rows are not forwarded: skip_zero_advantage)
+    groups: dict = {}
+    for e in exps:
+        groups.setdefault(e.group_id, []).append(e)
+    mixed = [g for g in groups.values() if len({e.reward for e in g}) > 1]
+    assert len(mixed) == 3
+    rows_tokens = sum(len(e.tokens) for g in mixed for e in g)
+    assert m_shared["perf/shared_prompt_frac"] == pytest.approx(7 * 15 * len(mixed) / rows_tokens)
+    assert m_plain["perf/shared_prompt_frac"] == 0.0
+    assert 0.0 <= m_shared["perf/padding_frac"] < 1.0
