@@ -483,8 +483,10 @@ class SynchronizerConfig:
     sync_method: SyncMethod = SyncMethod.memory
     # steps between weight syncs from trainer to explorer
     sync_interval: int = 1
-    # the explorer runs this many steps ahead of the trainer (bounded off-policy; 0: on-policy)
-    sync_offset: int = 0
+    # the explorer runs this many steps ahead of the trainer (bounded off-policy; 0: on-policy);
+    # null: 1 where explorers and trainer have resources of their own and so can run side by side
+    # (Ray, mode=both, not colocated), else 0 (rft.placement.sync_offset)
+    sync_offset: Optional[int] = None
     # seconds to wait for a sync before failing
     sync_timeout: float = 1200.0
     # the staleness bound: experiences generated more than this many trainer steps ago are

@@ -103,6 +103,19 @@ def trainer_ranks(cfg) -> int:
     return max(c.node_num * c.gpu_per_node - explorer_count(cfg) * rm.tensor_parallel_size - own_gpu, 1)
 
 
+def sync_offset(cfg) -> int:
+    """synchronizer.sync_offset, or where it is null: 1 when the explorers and the trainer can run
+    side by side, each on resources of its own (Ray, mode=both, not colocated: on CPU each actor
+    reserves its CPUs, on GPUs the explorers have theirs), so the explorers generate the next step
+    while the trainer learns from this one (one step stale: algorithm.off_policy_correction
+    applies); else 0. On the default study, 2 CPU cores: 0.061 s a step against 0.068, the same
+    eval curve within the seeds' spread (experiments/trl_comparison/)."""
+    sc, c = cfg.synchronizer, cfg.cluster
+    if sc.sync_offset is not None:
+        return sc.sync_offset
+    return int(c.backend == "ray" and cfg.mode == "both" and not c.colocate)
+
+
 def torch_threads(cfg) -> int:
     """torch threads in each explorer and trainer actor: cluster.threads_per_actor, or by default
     cpus_per_actor, except where the actors take turns on CPUs of their own (Ray on CPU,
@@ -114,7 +127,7 @@ def torch_threads(cfg) -> int:
         if c.threads_per_actor < 1:
             raise ConfigError(f"cluster.threads_per_actor={c.threads_per_actor} must be >= 1 (or null).")
         return c.threads_per_actor
-    if c.backend != "ray" or c.gpu_per_node or c.colocate or cfg.mode != "both" or cfg.synchronizer.sync_offset:
+    if c.backend != "ray" or c.gpu_per_node or c.colocate or cfg.mode != "both" or sync_offset(cfg):
         return c.cpus_per_actor
     e, r = explorer_count(cfg), trainer_ranks(cfg)
     return max(c.cpus_per_actor * (e + r) // max(e, r), c.cpus_per_actor)

@@ -28,7 +28,7 @@ from omegaconf.errors import OmegaConfBaseException
 from rft import config as C
 from rft.algorithms import ADVANTAGE_FNS, KL_FNS, POLICY_LOSS_FNS, Needs, algorithm_needs
 from rft.errors import ConfigError
-from rft.placement import check_placement, explorer_count, trainer_ranks
+from rft.placement import check_placement, explorer_count, sync_offset, trainer_ranks
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +42,7 @@ def stage_configs(cfg: DictConfig) -> list[DictConfig]:
     stages = list(base.stages)
     base.stages = []
     if not stages:
-        return [base]
+        return [_settled(base)]
     out, names = [], set()
     for i, stage in enumerate(stages):
         if not isinstance(stage, DictConfig) or "stage_name" not in stage:
@@ -55,8 +55,15 @@ def stage_configs(cfg: DictConfig) -> list[DictConfig]:
         if merged.stage_name in names:
             raise ConfigError(f"stages[{i}].stage_name={merged.stage_name!r} is used twice; stage names must be unique.")
         names.add(merged.stage_name)
-        out.append(merged)
+        out.append(_settled(merged))
     return out
+
+
+def _settled(cfg: DictConfig) -> DictConfig:
+    """A stage's config with the values that default to "decide from the rest" decided: a null
+    synchronizer.sync_offset (rft.placement.sync_offset)."""
+    cfg.synchronizer.sync_offset = sync_offset(cfg)
+    return cfg
 
 
 def _first_line(e: Exception) -> str:
@@ -433,6 +440,8 @@ def _check_runtime(cfg) -> None:
             f"mode=train reads {key}, and a queue has no writer without an explorer: use "
             f"buffer=sql (experiences a mode=explore run stored) or storage_type=file with a path."
         )
+    if sc.sync_offset is None:  # a config not from stage_configs (tests, notebooks)
+        sc = OmegaConf.merge(sc, {"sync_offset": sync_offset(cfg)})
     if sc.sync_offset < 0:
         raise ConfigError(f"synchronizer.sync_offset={sc.sync_offset} must be >= 0 (steps the explorer runs ahead).")
     # mode=explore never syncs from a trainer (it reads checkpoints), so any method is fine there
@@ -549,6 +558,11 @@ def describe(cfg, stage_dir) -> str:
         call = f"{reward}(prompt, response, task)" if "*" not in reward else f"{reward}, each fn(prompt, response, task),"
         rows.append(("reward", f"{call} with task.answer = column "
                                f"{inp.taskset.format.response_key!r}"))
+        if cfg.mode == "both":
+            o = cfg.synchronizer.sync_offset
+            rows.append(("explorer", f"{o} step{'s' * (o != 1)} ahead of the trainer (synchronizer.sync_offset; stale "
+                                     f"experiences: off_policy_correction={algo.off_policy_correction})" if o else
+                                     "on-policy: generates, then waits while the trainer learns (synchronizer.sync_offset=0)"))
     else:
         fmt = eb.format
         what = (f"pairs of {fmt.chosen_key!r} over {fmt.rejected_key!r}" if fmt.chosen_key and fmt.rejected_key

@@ -18,10 +18,12 @@ from rft.sync import fingerprint, from_arrays, same_weights, to_arrays, weight_s
 
 @pytest.mark.parametrize("overrides, want", [
     # Ray on CPU, synchronous: explorer and trainer take turns, each uses the 1 + 1 CPUs they reserve
-    ([], 2),
-    (["cluster.cpus_per_actor=2"], 4),
-    # the explorer one step ahead: both run at once, each on its own CPUs
+    (["synchronizer.sync_offset=0"], 2),
+    (["synchronizer.sync_offset=0", "cluster.cpus_per_actor=2"], 4),
+    # the explorer one step ahead (by default with Ray): both run at once, each on its own CPUs
+    ([], 1),
     (["synchronizer.sync_offset=1"], 1),
+    (["cluster.cpus_per_actor=2"], 2),
     # one process: the CPUs it is given
     (["cluster=inline"], 1),
     # 2 explorers then 1 trainer take turns over 3 CPUs: 3 // 2 each
@@ -34,6 +36,34 @@ from rft.sync import fingerprint, from_arrays, same_weights, to_arrays, weight_s
 ])
 def test_torch_threads_per_actor(overrides, want):
     assert torch_threads(compose_cfg(["stages=[]", *overrides])) == want
+
+
+@pytest.mark.parametrize("overrides,want", [
+    ([], 1),  # Ray, mode=both, explorer and trainer on CPUs of their own: side by side
+    (["cluster=inline"], 0),  # one process: nothing runs side by side
+    (["cluster.colocate=true"], 0),  # one bundle shared: they take turns
+    (["mode=train", "buffer=sql"], 0),  # no explorer to run ahead
+    (["synchronizer.sync_offset=0"], 0),  # what the user sets is kept
+    (["synchronizer.sync_offset=2"], 2),
+])
+def test_a_null_sync_offset_is_settled_per_stage(overrides, want):
+    from rft.placement import sync_offset
+    from rft.plan import check_config, stage_configs
+
+    cfg = compose_cfg(["stages=[]", *overrides])
+    assert cfg.synchronizer.sync_offset in (None, want)  # null unless set
+    assert sync_offset(cfg) == want
+    (stage,) = stage_configs(cfg)
+    assert stage.synchronizer.sync_offset == want
+    check_config(cfg)  # an unsettled config is checked as its stage would be
+
+
+def test_the_default_study_runs_its_explorer_one_step_ahead():
+    from rft.plan import stage_configs
+
+    warmup, grpo = stage_configs(compose_cfg([]))
+    # the warm-up (mode=train) has no explorer to run ahead; the GRPO stage's runs one step ahead
+    assert (warmup.synchronizer.sync_offset, grpo.synchronizer.sync_offset) == (0, 1)
 
 
 def test_threads_per_actor_below_one_is_a_config_error():

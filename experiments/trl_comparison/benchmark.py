@@ -8,9 +8,11 @@
 3. Runs the arms interleaved, seed by seed (A B C ... A B C ...), each in a fresh process:
    - `rft-inline`: `cluster=inline` (one process, torch given 1 thread);
    - `rft-ray`: `cluster=local` as the default study runs it (Ray: explorer and trainer actors
-     reserving 1 CPU each, taking turns, each with torch given both CPUs: rft.placement.torch_threads);
-   - `rft-ray-overlap`: the same with the explorer one step ahead (`synchronizer.sync_offset=1`,
-     the default off-policy correction), each actor on its own CPU;
+     reserving 1 CPU each and running side by side, the explorer one step ahead: a null
+     `synchronizer.sync_offset` is 1 here, rft.placement.sync_offset; the default off-policy
+     correction; torch given 1 thread in each);
+   - `rft-ray-sync`: the same with `synchronizer.sync_offset=0`: the actors take turns, each with
+     torch given both CPUs (rft.placement.torch_threads);
    - `trl-1`, `trl-2`: experiments/trl_comparison/trl_arm.py with torch given 1 and 2 threads.
    Every arm evaluates every --eval-interval steps (greedy, the 200 held-out problems); eval time
    is left out of step times.
@@ -40,7 +42,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 TRL_VENV = ROOT / ".venv-trl"
-ARMS = ("rft-inline", "rft-ray", "rft-ray-overlap", "trl-1", "trl-2")
+ARMS = ("rft-inline", "rft-ray", "rft-ray-sync", "trl-1", "trl-2")
 
 
 def ensure_trl_venv() -> Path:
@@ -117,8 +119,8 @@ def rft_arm(arm: str, seed: int, args, warm: Path, out: Path) -> dict:
            "monitor=console", f"model.model_path={warm}", "model.builder=null", f"buffer.total_steps={args.steps}",
            f"explorer.eval_interval={args.eval_interval}", f"trainer.save_interval={args.steps * 10}",
            "cluster=inline" if arm == "rft-inline" else "cluster=local"]
-    if arm == "rft-ray-overlap":
-        cmd.append("synchronizer.sync_offset=1")
+    if arm == "rft-ray-sync":
+        cmd.append("synchronizer.sync_offset=0")
     peak = run_measured(cmd, out / f"{name}.log")
     from rft.monitor import read_metrics
 
@@ -195,11 +197,11 @@ def main() -> None:
           "| peak PSS of the process tree GB |")
     print("|---|---|---|---|---|---|---|")
     for arm in args.arms:
-        overhead = fmt(med(arm, "overhead"), ".0%") if arm in ("rft-inline", "rft-ray") else "–"
+        overhead = fmt(med(arm, "overhead"), ".0%") if arm in ("rft-inline", "rft-ray-sync") else "–"
         print(f"| {arm} | {med(arm, 'step_s'):.3f} | {med(arm, 'generate_s'):.3f} | {med(arm, 'train_s'):.3f} | "
               f"{overhead} | {fmt(med(arm, 'to_target_s'), '.2f')} | {med(arm, 'peak_gb'):.2f} |")
     print()
-    pairs = [("rft-inline", "trl-1", "step_s"), ("rft-ray", "trl-2", "step_s"), ("rft-ray-overlap", "trl-2", "step_s"),
+    pairs = [("rft-inline", "trl-1", "step_s"), ("rft-ray", "trl-2", "step_s"), ("rft-ray-sync", "trl-2", "step_s"),
              ("rft-inline", "trl-1", "to_target_s"), ("rft-ray", "trl-2", "to_target_s"),
              ("rft-ray", "rft-inline", "peak_gb")]
     for a, b, key in pairs:
