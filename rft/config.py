@@ -470,9 +470,9 @@ class TrainerConfig:
     # compute log-probs and entropy this many tokens at a time, each chunk's logits recomputed in
     # the backward: the [tokens, vocab] float32 logits never exist whole; null: all at once
     logprob_chunk_size: Optional[int] = None
-    # an update in one optimizer step (its ratio starts at exactly 1) does not forward the rows
-    # whose advantages are all 0 when the loss declares that such a row adds nothing (GRPO's
-    # groups whose rewards are all equal): same gradient, less compute
+    # an update in one optimizer step does not forward the rows whose advantages are all 0 when
+    # the loss declares that such a row adds nothing (GRPO's groups whose rewards are all equal),
+    # fresh or stale: same gradient, less compute; the ratio's metrics are over the rows forwarded
     skip_zero_advantage: bool = True
 
 

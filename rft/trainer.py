@@ -349,9 +349,10 @@ class Trainer:
             _, step.returns = gae_returns(step.batch["rewards"], step.batch["values"], step.mask, algo.gamma, algo.lam)
         step.adv = self.advantage_fn(step.batch, algo)
         step.trained = step.n
-        # not with a correction of stale rows: a skipped row's behaviour weight or ratio (and so
-        # the correction's metrics, approx KL) would go uncomputed
-        if self.skip_zero_advantage and step.old_logp is None and not step.correct_in_update:
+        # stale rows too (their correction applied in the update): a zero-advantage row adds 0 to
+        # the loss and the gradient whatever its ratio; the ratio's metrics (approx KL, clip
+        # fractions, behaviour weights) are then over the rows the update forwarded
+        if self.skip_zero_advantage and step.old_logp is None:
             _zero_advantage_rows_last(step)
         return step
 
@@ -499,7 +500,9 @@ class Trainer:
             "timing/train_compute_s": elapsed,
         }
         metrics.update(self._perf_metrics(sums, elapsed))
-        metrics.update({k: v / total_tokens for k, v in pm_sums.items()})
+        # the loss's ratio metrics, over the tokens the update computed (a row set aside for a
+        # zero advantage has none; on-policy its ratio is 1 and would add 0 anyway)
+        metrics.update({k: v / max(trained_tokens, 1) for k, v in pm_sums.items()})
         if trained_tokens:
             # over the tokens the update computed (rows set aside for a zero advantage are not)
             metrics["actor/entropy"] = sums["actor/entropy"] / trained_tokens
@@ -522,11 +525,11 @@ class Trainer:
             metrics["actor/kl"] = sums["actor/kl"] / total_tokens
         if step.kl_penalty is not None:
             metrics["reward/kl_penalty"] = step.kl_penalty.mean().item()
-        if step.behavior_w is not None:
-            w = step.behavior_w
-            metrics["actor/behavior_weight_mean"] = ((w * mask).sum() / mask.sum()).item()
+        if step.behavior_w is not None and step.trained:
+            w, m = step.behavior_w[:step.trained], mask[:step.trained]  # the rows the update forwarded
+            metrics["actor/behavior_weight_mean"] = ((w * m).sum() / m.sum().clamp(min=1)).item()
             metrics["actor/behavior_weight_capped_frac"] = (
-                ((w >= algo.behavior_weight_cap) * mask).sum() / (mask * (w != 1.0)).sum().clamp(min=1)).item()
+                ((w >= algo.behavior_weight_cap) * m).sum() / (m * (w != 1.0)).sum().clamp(min=1)).item()
         if "loss/sft" in sums:
             metrics["loss/sft"] = sums["loss/sft"] / updates
         if self.critic is not None:

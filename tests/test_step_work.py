@@ -238,13 +238,43 @@ def test_nothing_is_skipped_when_another_term_reads_the_rows(monkeypatch, extra)
     assert forwards.with_grad == [(4, True), (4, True)]  # every row forwarded for the update
 
 
-def test_stale_rows_are_not_skipped():
-    # stale rows under the default off_policy_correction=behavior: the old log-probs are the
-    # stored ones, the ratio does not start at 1, a zero-advantage row is not known to add nothing
-    trainer = make_trainer(4)
-    trainer.version = 1
-    m = trainer.train_step(grouped(ONE_FLAT, policy_version=0))
-    assert m["train/zero_advantage_rows_skipped"] == 0
+@pytest.mark.parametrize("correction", ["behavior", "decoupled"])
+def test_stale_zero_advantage_rows_are_skipped_with_the_same_gradient(monkeypatch, correction):
+    """Experiences one step stale (the explorer one step ahead): the correction is applied in the
+    update, and a row whose advantages are all 0 adds 0 to the loss and to the gradient whatever
+    its ratio, so it is not forwarded; the ratio's metrics are over the rows that were."""
+    no_clip = ["trainer.grad_clip=1e9", "trainer.use_remove_padding=false",
+               f"algorithm.off_policy_correction={correction}"]
+    skip, full = make_trainer(4, no_clip), make_trainer(4, ["trainer.skip_zero_advantage=false", *no_clip])
+    # sampled by version 0, with sampling log-probs 0.3 below the current ones (ratios e^0.3)
+    exps = with_engine_logprobs(skip, grouped(ONE_FLAT, policy_version=0), [-0.3] * 8)
+    skip.version = full.version = 1
+    before = params(skip)
+    forwards = Forwards(monkeypatch)
+    m_skip = skip.train_step(exps)
+    skipped_calls, forwards.calls = forwards.calls, []
+    m_full = full.train_step(exps)
+    # group 0 (rewards all 1) is set aside: one micro-batch of group 1's 4 rows, no old forward
+    assert skipped_calls == [(4, True)] and forwards.calls == [(4, True), (4, True)]
+    assert m_skip["train/zero_advantage_rows_skipped"] == 4 and m_full["train/zero_advantage_rows_skipped"] == 0
+    # group 1's micro-batch is the same 4 rows in both: the same gradient, to float rounding
+    g_skip, g_full = grads(skip), grads(full)
+    for k in before:
+        torch.testing.assert_close(g_skip[k], g_full[k], rtol=1e-6, atol=1e-9, msg=k)
+    assert m_skip["loss/policy"] == pytest.approx(m_full["loss/policy"], rel=1e-6)
+    if correction == "behavior":
+        # the ratio to the sampling log-probs is e^0.3 on every token: approx KL (k3) = r - 1 - log r,
+        # the same over any rows (over all rows with the skipped ones counted as 0 it would be 4/15 less)
+        k3 = torch.exp(torch.tensor(0.3, dtype=torch.float64)).item() - 1 - 0.3
+        assert m_skip["actor/approx_kl"] == pytest.approx(k3, rel=1e-4)
+        assert m_full["actor/approx_kl"] == pytest.approx(k3, rel=1e-4)
+    else:
+        # the ratio is to the current weights (1); the behaviour weight pi_prox / pi_behav is e^0.3
+        # on the forwarded rows (the skipped ones, never computed, do not count as 1)
+        assert m_skip["actor/approx_kl"] == m_full["actor/approx_kl"] == 0.0
+        w = torch.exp(torch.tensor(0.3)).item()
+        assert m_skip["actor/behavior_weight_mean"] == pytest.approx(w, rel=1e-4)
+        assert m_full["actor/behavior_weight_mean"] == pytest.approx(w, rel=1e-4)
 
 
 # ---------------------------------------------------------------- 3. rollout/logprob_diff
@@ -404,11 +434,12 @@ def test_stale_rows_are_corrected_in_the_update_without_the_old_forward(monkeypa
     micro-batch by micro-batch to the update's own detached log-probs, which equal what the old
     forward computes; so the step equals the one with the old forward, exactly (same kernels on
     the same rows), weights and metrics, with one forward fewer per micro-batch."""
-    extra = [f"algorithm.off_policy_correction={correction}"]
+    # every row forwarded (no skip_zero_advantage), so the correction's metrics cover the same rows
+    # in both (the skip of stale rows: test_stale_zero_advantage_rows_are_skipped_with_the_same_gradient)
+    extra = [f"algorithm.off_policy_correction={correction}", "trainer.skip_zero_advantage=false"]
     fast, forced = make_trainer(4, extra), make_trainer(4, extra)
     force_old_forward(monkeypatch, forced)
-    # ONE_FLAT: a group of equal rewards, which must not be skipped (its rows' weights count in
-    # the correction's metrics)
+    # ONE_FLAT: a group of equal rewards
     exps = grouped(ONE_FLAT, policy_version=0)
     for t in (fast, forced):
         t.version = 1

@@ -43,10 +43,9 @@ class Needs:
     grouped: bool = False
     # rows 2k, 2k+1 are a preference pair (chosen, rejected) read from a dataset
     paired: bool = False
-    # (a loss's declaration, not a need) each token's loss is its advantage times a finite term
-    # whose ratio parts are 1 when old log-probs are the update's own: a row whose advantages are
-    # all 0 adds nothing to the loss, the gradient or the loss's metrics, so such an update may
-    # skip it
+    # (a loss's declaration, not a need) each token's loss is its advantage times a finite term:
+    # a row whose advantages are all 0 adds nothing to the loss or the gradient, whatever its
+    # ratio, so an update may skip it (its ratio metrics are then over the other rows)
     # (trainer.skip_zero_advantage)
     zero_at_zero_advantage: bool = False
 
