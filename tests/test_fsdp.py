@@ -76,7 +76,16 @@ def test_two_ranks_update_the_model_as_one_process_does(local_ray, tmp_path, ext
         m_one, m_two = one.train_step(rows), two.call("train_step", rows)
         critic = [k for k in ("critic/value_loss", "critic/values_mean", "critic/explained_variance") if k in m_one]
         assert len(critic) == (3 if "algorithm=ppo" in extra else 0)
-        for key in ("loss/policy", "actor/grad_norm", "actor/entropy", "actor/clip_frac", "actor/approx_kl", *critic):
+        keys = ["loss/policy", "actor/grad_norm", *critic]
+        # the second step's rows are one step stale: one process corrects them in the update and
+        # still sets aside the zero-advantage rows, the ranks forward every row for the old
+        # log-probs (rft.trainer._old_is_current); the same gradient, but the metrics over the
+        # tokens computed (entropy, clip fraction, approx KL) then cover other rows
+        if m_one["train/zero_advantage_rows_skipped"] == m_two["train/zero_advantage_rows_skipped"]:
+            keys += ["actor/entropy", "actor/clip_frac", "actor/approx_kl"]
+        else:
+            assert rows is not batch and m_two["train/zero_advantage_rows_skipped"] == 0
+        for key in keys:
             assert m_two[key] == pytest.approx(m_one[key], rel=1e-4, abs=1e-6), key
         assert m_two["train/experiences"] == len(rows)
         assert_same_model(two.call("weights"), one.model)
