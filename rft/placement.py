@@ -108,8 +108,8 @@ def sync_offset(cfg) -> int:
     side by side, each on resources of its own (Ray, mode=both, not colocated: on CPU each actor
     reserves its CPUs, on GPUs the explorers have theirs), so the explorers generate the next step
     while the trainer learns from this one (one step stale: algorithm.off_policy_correction
-    applies); else 0. On the default study, 2 CPU cores: 0.061 s a step against 0.068, the same
-    eval curve within the seeds' spread (experiments/trl_comparison/)."""
+    applies); else 0. On the default study, 2 CPU cores: 0.053 s a step against 0.073, the same
+    eval curve within the seeds' spread from step 4 on (experiments/trl_comparison/)."""
     sc, c = cfg.synchronizer, cfg.cluster
     if sc.sync_offset is not None:
         return sc.sync_offset
