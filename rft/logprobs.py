@@ -161,30 +161,33 @@ def share_prompts(input_ids, lengths: list[int], prompt_lengths: list[int], dtyp
     units, sizes = shared
     placed, bins = first_fit(sizes, max(sizes))
     B, W = len(bins), max(bins)
-    dev = input_ids.device
-    ids = input_ids.new_zeros((B, W))
-    positions = input_ids.new_zeros((B, W))
-    unit = torch.full((B, W), -1, dtype=torch.long, device=dev)  # which unit a position is of
-    part = torch.zeros((B, W), dtype=torch.long, device=dev)  # 0: a prompt, k: the unit's k-th response
-    where = torch.zeros_like(input_ids)
-    arange = torch.arange(W, device=dev)
+    n, L = input_ids.shape
+    # built as Python lists, then one tensor each: a few hundred small tensor writes cost ~10 ms
+    rows = input_ids.tolist()
+    ids, positions, part = [0] * (B * W), [0] * (B * W), [0] * (B * W)  # part 0: a prompt, k: the k-th response
+    unit = [-1] * (B * W)  # which unit a position is of
+    where = [[0] * L for _ in range(n)]
     for u, ((p, members), (b, o)) in enumerate(zip(units, placed)):
-        ids[b, o:o + p] = input_ids[members[0], :p]
-        positions[b, o:o + p] = arange[:p]
-        unit[b, o:o + sizes[u]] = u
+        at = b * W + o
+        ids[at:at + p] = rows[members[0]][:p]
+        positions[at:at + p] = range(p)
+        unit[at:at + sizes[u]] = [u] * sizes[u]
         for r in members:
-            where[r, :p] = b * W + o + arange[:p]
-        at = o + p
+            where[r][:p] = range(at, at + p)
+        at += p
         for k, r in enumerate(members, start=1):
             m = lengths[r] - p
-            ids[b, at:at + m] = input_ids[r, p:lengths[r]]
-            positions[b, at:at + m] = arange[p:p + m]
-            part[b, at:at + m] = k
-            where[r, p:lengths[r]] = b * W + at + arange[:m]
+            ids[at:at + m] = rows[r][p:lengths[r]]
+            positions[at:at + m] = range(p, p + m)
+            part[at:at + m] = [k] * m
+            where[r][p:lengths[r]] = range(at, at + m)
             at += m
     for b, used in enumerate(bins):  # a bin's unused end: a filler sequence of its own
-        positions[b, used:] = arange[:W - used]
-        unit[b, used:] = len(units) + b
+        positions[b * W + used:(b + 1) * W] = range(W - used)
+        unit[b * W + used:(b + 1) * W] = [len(units) + b] * (W - used)
+    dev = input_ids.device
+    ids, positions, unit, part = (torch.tensor(v, dtype=torch.long, device=dev).view(B, W) for v in (ids, positions, unit, part))
+    where = torch.tensor(where, dtype=torch.long, device=dev)
     same_unit = unit[:, :, None] == unit[:, None, :]
     # query j sees key k: the same unit, k a prompt position or of j's own response, k <= j
     sees = same_unit & ((part[:, None, :] == 0) | (part[:, :, None] == part[:, None, :]))
