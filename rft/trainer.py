@@ -108,10 +108,9 @@ def _zero_advantage_rows_last(step: "Step") -> None:
         setattr(step, name, pick(getattr(step, name)))
 
 
-# the tokens a step's forwards computed, summed over the ranks: real ones with and without a
-# gradient, and what the forwards paid for (padding included); see _forward and _perf_metrics
-# tokens forwarded with and without grad (each computed once), row tokens a shared prompt saved
-# computing again (trainer.share_prompts), and positions computed, padding included
+# the tokens a step's forwards computed, summed over the ranks (see _forward and _perf_metrics):
+# with and without a gradient (a shared prompt counted once), the rows' tokens a shared prompt
+# saved computing again (trainer.share_prompts), and what the forwards paid for (padding included)
 WORK = ("perf/grad_tokens", "perf/nograd_tokens", "perf/shared_tokens", "perf/computed_tokens")
 
 
