@@ -400,12 +400,13 @@ class StageRun:
         except Exception as e:
             if not _actor_died(e):
                 raise
-            latest = latest_checkpoint(self.dir)
-            where = f"step {latest.step} ({latest.path})" if latest else "none yet (the stage restarts from its beginning)"
-            raise RunError(
-                f"the trainer actor died ({type(e).__name__}). Its newest checkpoint: {where}. "
-                f"Run the same command again to resume from it."
-            ) from e
+            raise self._trainer_died(e) from e
+
+    def _trainer_died(self, e: Exception) -> RunError:
+        latest = latest_checkpoint(self.dir)
+        where = f"step {latest.step} ({latest.path})" if latest else "none yet (the stage restarts from its beginning)"
+        return RunError(f"the trainer actor died ({type(e).__name__}). Its newest checkpoint: {where}. "
+                        f"Run the same command again to resume from it.")
 
     def _read_batch(self, step: int, produced: int | None) -> tuple[list, dict]:
         """This step's experiences, without those staler than synchronizer.max_staleness.
@@ -513,13 +514,19 @@ class StageRun:
                 self.sync(self.trainer, self.explorers, version)
                 break
             except Exception as e:
-                if not _actor_died(e) or attempt == self.cfg.cluster.max_actor_restarts:
+                if not _actor_died(e):
                     raise
+                revived = False
                 for i, explorer in enumerate(self.explorers):
                     try:
                         explorer.call("ping")
                     except Exception as dead:
+                        if attempt == self.cfg.cluster.max_actor_restarts:
+                            raise e from dead
                         self._revive(i, dead, serve=False)
+                        revived = True
+                if not revived:  # every explorer answers: the actor that died is the trainer
+                    raise self._trainer_died(e) from e
         self.synced = version
         self._keep_snapshots()
 

@@ -283,3 +283,36 @@ def test_rollout_metrics_by_hand():
     assert one["reward/std"] == 0.0 and one["reward/mean"] == 1.0
     none = rollout_metrics([], [], {}, 1.0)
     assert none["reward/mean"] == 0.0 and none["rollout/experiences"] == 0
+
+
+def test_a_trainer_that_dies_during_a_sync_is_named_with_its_checkpoint(tmp_path):
+    """With the explorer one step ahead a trainer's death is often first seen by the weight sync (the
+    explorer's call reads the dead trainer's payload): the run stops with the trainer's message, not
+    a raw Ray error, and no explorer is restarted for it."""
+    from types import SimpleNamespace
+
+    from ray.exceptions import RayActorError
+
+    from rft.errors import RunError
+    from rft.runner import StageRun
+
+    class Explorer:
+        pings = 0
+
+        def call(self, method):
+            assert method == "ping"
+            Explorer.pings += 1
+            return 1
+
+    def sync(trainer, explorers, version):
+        raise RayActorError(error_msg="The actor died unexpectedly")
+
+    run = SimpleNamespace(dir=tmp_path, cfg=SimpleNamespace(cluster=SimpleNamespace(max_actor_restarts=1)),
+                          sync=sync, trainer=object(), explorers=[Explorer()], _awake=lambda awake: None,
+                          _revive=lambda *a, **k: pytest.fail("no explorer died"))
+    run._trainer_died = lambda e: StageRun._trainer_died(run, e)
+    with pytest.raises(RunError) as e:
+        StageRun._sync_all(run, 3)
+    assert str(e.value) == ("the trainer actor died (RayActorError). Its newest checkpoint: none yet (the stage "
+                            "restarts from its beginning). Run the same command again to resume from it.")
+    assert Explorer.pings == 1
