@@ -87,21 +87,27 @@ def collate(exps: list[Experience], pad_id: int) -> dict:
     import torch  # here, so storing and viewing experiences does not pay for importing torch
 
     L = max(len(e.tokens) for e in exps)
-    n = len(exps)
-    input_ids = torch.full((n, L), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((n, L), dtype=torch.long)
-    response_mask = torch.zeros((n, L - 1), dtype=torch.float32)
-    for i, e in enumerate(exps):
-        input_ids[i, : len(e.tokens)] = torch.tensor(e.tokens)
-        attention_mask[i, : len(e.tokens)] = 1
+    # as padded Python lists, then one tensor each (a tensor write per row cost ~2 ms for 128 rows)
+    ids, attention, response = [], [], []
+    for e in exps:
+        t, pad = len(e.tokens), L - len(e.tokens)
+        ids.append(list(e.tokens) + [pad_id] * pad)
+        attention.append([1] * t + [0] * pad)
         # target position t predicts token t+1: response tokens sit at prompt_length..len-1
+        if e.prompt_length < 1:
+            raise ValueError(f"experience {e.task_id!r}: prompt_length {e.prompt_length}: a response needs a "
+                             f"prompt of at least one token to be predicted from")
         if e.loss_mask:
             if len(e.loss_mask) != e.response_length:
                 raise ValueError(f"experience {e.task_id!r}: loss_mask has {len(e.loss_mask)} entries for "
                                  f"{e.response_length} response tokens (one per token after the prompt)")
-            response_mask[i, e.prompt_length - 1 : len(e.tokens) - 1] = torch.tensor(e.loss_mask, dtype=torch.float32)
+            counted = [float(m) for m in e.loss_mask]
         else:
-            response_mask[i, e.prompt_length - 1 : len(e.tokens) - 1] = 1.0
+            counted = [1.0] * (t - e.prompt_length)
+        response.append([0.0] * (e.prompt_length - 1) + counted + [0.0] * pad)
+    input_ids = torch.tensor(ids, dtype=torch.long)
+    attention_mask = torch.tensor(attention, dtype=torch.long)
+    response_mask = torch.tensor(response, dtype=torch.float32)
     params = [sampling_params(e.sampling) for e in exps]
     return {"input_ids": input_ids, "attention_mask": attention_mask, "response_mask": response_mask,
             "temperature": torch.tensor([p[0] for p in params], dtype=torch.float32),

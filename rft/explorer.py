@@ -47,6 +47,36 @@ def engine_class(engine_type: str):
     return getattr(importlib.import_module(module), name)
 
 
+class _Threads:
+    """Daemon threads kept between calls of run_jobs: starting a thread per reward call cost
+    ~0.1 ms each (~1.5 ms a step of 16 tasks, more inside a Ray actor). A call that hangs keeps
+    its thread; the next call that finds no idle thread starts one, so a hung call never blocks
+    another and the count of threads is at most the most calls ever running (or hung) at once."""
+
+    def __init__(self):
+        self.work: queue.SimpleQueue = queue.SimpleQueue()
+        self.idle = 0
+        self.lock = threading.Lock()
+
+    def start(self, fn, *args) -> None:
+        with self.lock:
+            spawn = self.idle == 0
+            self.idle -= not spawn
+        if spawn:
+            threading.Thread(target=self._serve, daemon=True, name="rft-job").start()
+        self.work.put((fn, args))
+
+    def _serve(self) -> None:
+        while True:
+            fn, args = self.work.get()
+            fn(*args)  # never raises: run_jobs' call() catches every exception
+            with self.lock:
+                self.idle += 1
+
+
+_THREADS = _Threads()
+
+
 def run_jobs(fn, jobs: list, runners: int, timeout: float, retries: int,
              min_done: int | None = None, wait_after_min: float = 0.0):
     """`fn(job)` for every job on at most `runners` threads at once; returns (results, counters).
@@ -54,6 +84,7 @@ def run_jobs(fn, jobs: list, runners: int, timeout: float, retries: int,
     A call that raises, or runs longer than `timeout` seconds, is retried up to `retries` times;
     then its result is None. A timed-out call is abandoned, not killed (Python cannot stop a
     thread): it keeps its thread until it returns, but no longer holds a runner or the step.
+    The calls run on `_THREADS`, threads kept from one call of run_jobs to the next.
     With `min_done`, once that many jobs have finished the rest get `wait_after_min` seconds more
     and are then dropped (explorer.over_rollout).
     """
@@ -87,7 +118,7 @@ def run_jobs(fn, jobs: list, runners: int, timeout: float, retries: int,
             i = todo.pop(0)
             tries[i] += 1
             running[i] = time.monotonic()
-            threading.Thread(target=call, args=(i, tries[i]), daemon=True).start()
+            _THREADS.start(call, i, tries[i])
         try:
             i, attempt, ok, value = finished.get(timeout=0.01)
             if i in running and attempt == tries[i]:  # not a late answer from an abandoned call

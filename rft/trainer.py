@@ -78,11 +78,18 @@ def _engine_logp(exps: list[Experience], mask: torch.Tensor, version: int, algo)
     algorithm.rollout_is weights (the fresh ones, and the stale ones when off_policy_correction
     leaves their old log-probs alone: rft.algorithms.rollout_is.weighted_rows)."""
     logp, have = torch.zeros_like(mask), torch.zeros_like(mask)
+    # every row's entries in one indexed write (a write per row cost ~2 ms for 128 rows)
+    rows, cols, values = [], [], []
     for i, e in enumerate(exps):
         if e.logprobs:
             start = e.prompt_length - 1
-            logp[i, start:start + len(e.logprobs)] = torch.tensor(e.logprobs, dtype=mask.dtype)
-            have[i, start:start + len(e.logprobs)] = 1
+            rows += [i] * len(e.logprobs)
+            cols += range(start, start + len(e.logprobs))
+            values += e.logprobs
+    if values:
+        where = (torch.tensor(rows, device=mask.device), torch.tensor(cols, device=mask.device))
+        logp[where] = torch.tensor(values, dtype=mask.dtype, device=mask.device)
+        have[where] = 1
     # tokens the loss counts (a workflow's environment turns are masked out, their entries unused)
     have = have * (mask > 0)
     fresh = [off_policy.staleness(e.policy_version, version) == 0 for e in exps]

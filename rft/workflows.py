@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
-from rft.data import chat_ids
+from rft.data import chat_ids, prompt_ids
 from rft.experience import Experience
 
 
@@ -80,7 +80,7 @@ class Auxiliary:
 def single_turn(tasks, engine, ctx: WorkflowContext) -> list[list[Experience] | None]:
     """One prompt per task, `ctx.n` sampled responses, one scalar reward each."""
     tok = ctx.tokenizer
-    full = [chat_ids(tok, t.messages) for t in tasks]
+    full = prompt_ids(tok, [t.messages for t in tasks])
     prompts = [ids[-ctx.max_prompt_tokens:] for ids in full]
     samples = engine.generate(prompts, ctx.n, ctx.rollout_args, seed=ctx.seed)
     prompt_texts = [tok.decode(p, skip_special_tokens=True) for p in prompts]

@@ -188,3 +188,43 @@ def test_for_safetensors_clones_tied_tensors_and_makes_them_contiguous():
     assert out["lm_head.weight"].data_ptr() != emb.data_ptr() and torch.equal(out["lm_head.weight"], emb)
     assert out["proj.weight"].is_contiguous() and torch.equal(out["proj.weight"], sd["proj.weight"])
     assert {k: v.tolist() for k, v in load(save(out)).items()} == {k: v.tolist() for k, v in sd.items()}
+
+
+def test_chat_ids_remembers_prompts_but_never_serves_stale_ones(tiny, monkeypatch):
+    import rft.data as data
+
+    tok = tiny[0]
+    msgs = [{"role": "user", "content": "042+315"}]
+    render = tok.apply_chat_template
+    plain = lambda m: list(render(m, tokenize=True, add_generation_prompt=True)["input_ids"])  # noqa: E731
+    first = data.chat_ids(tok, msgs)
+    assert first == plain(msgs)
+    first.append(-1)  # the caller's list is its own: the cache is not changed through it
+    rendered = []
+
+    def counted(c, **k):  # records how many conversations each call rendered
+        batched = isinstance(c[0], list)
+        rendered.append(len(c) if batched else 1)
+        return [plain(m) for m in c] if batched else plain(c)
+
+    monkeypatch.setattr(tok, "apply_chat_template", counted)
+    assert data.chat_ids(tok, msgs) == plain(msgs) and rendered == []  # remembered: not rendered again
+    assert data.chat_ids(tok, [{"role": "user", "content": "042+316"}]) == plain([{"role": "user", "content": "042+316"}])
+    assert rendered == [1]
+    # a step's prompts: the ones not seen lately in one call, in order among the remembered ones
+    step = [[{"role": "user", "content": q}] for q in ("9+9", "042+315", "8+8")]
+    assert data.prompt_ids(tok, step) == [plain(m) for m in step]
+    assert rendered == [1, 2]
+    # another template renders again (the key holds the template)
+    monkeypatch.setattr(tok, "chat_template", (tok.chat_template or "") + "{# changed #}")
+    data.chat_ids(tok, msgs)
+    assert rendered == [1, 2, 1]
+    # past _PROMPTS_KEPT tokens the least recently used prompts go (room for exactly two of them)
+    q = lambda text: [{"role": "user", "content": text}]  # noqa: E731
+    monkeypatch.setattr(data, "_PROMPTS_KEPT", len(plain(q("3+3"))) + len(plain(q("1+1"))))
+    data._PROMPT_IDS.pop(tok)
+    for text in ("1+1", "2+2", "3+3", "1+1"):
+        data.chat_ids(tok, q(text))
+    cache = data._PROMPT_IDS[tok]
+    assert [k[1] for k in cache.items] == [data.json.dumps(q(text), sort_keys=True) for text in ("3+3", "1+1")]
+    assert cache.tokens == sum(len(v) for v in cache.items.values())

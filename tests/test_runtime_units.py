@@ -56,6 +56,26 @@ def test_run_jobs_abandons_a_hung_call_without_waiting_for_it():
     assert elapsed < 10  # two timeouts of 0.2 s, not the 30 s hang
 
 
+def test_run_jobs_keeps_its_threads_and_replaces_a_hung_one():
+    def job_threads():
+        return {t for t in threading.enumerate() if t.name == "rft-job"}
+
+    run_jobs(lambda x: x, list(range(4)), runners=4, timeout=5.0, retries=0)
+    kept = job_threads()
+    assert kept  # the threads outlive the call
+    for _ in range(20):  # 20 more steps of 4 jobs: no thread started (one per job would be 80)
+        results, _ = run_jobs(lambda x: x + 1, list(range(4)), runners=4, timeout=5.0, retries=0)
+        assert results == [1, 2, 3, 4]
+    assert job_threads() == kept
+    release = threading.Event()
+    results, c = run_jobs(lambda x: release.wait(30) if x == 0 else x, [0, 1], runners=2, timeout=0.2, retries=0)
+    assert results == [None, 1] and c["timeouts"] == 1
+    # the hung call still holds its thread: the next call runs on the others (or a new one)
+    results, _ = run_jobs(lambda x: x * 2, list(range(len(kept) + 2)), runners=len(kept) + 2, timeout=5.0, retries=0)
+    assert results == [x * 2 for x in range(len(kept) + 2)]
+    release.set()
+
+
 def test_run_jobs_over_rollout_drops_the_slowest():
     release = threading.Event()
 
@@ -72,6 +92,21 @@ def test_run_jobs_over_rollout_drops_the_slowest():
 
 
 # ---------------------------------------------------------------- the fingerprint check
+
+
+def test_weight_sums_over_cache_sized_chunks_are_the_float64_sums():
+    from rft.sync import _CPU_CHUNK, weight_sums
+
+    g = torch.Generator().manual_seed(0)
+    big = torch.randn(3 * _CPU_CHUNK + 5, generator=g)  # four chunks, the last of 5 elements
+    small = torch.tensor([[1.5, -2.0], [0.25, 3.0]])
+    # by hand for `small`: sum 2.75, |x| 6.75, x^2 2.25 + 4 + 0.0625 + 9 = 15.3125
+    assert weight_sums([small]) == [2.75, 6.75, 15.3125]
+    d = big.double()
+    want = [d.sum().item() + 2.75, d.abs().sum().item() + 6.75, d.dot(d).item() + 15.3125]
+    # `small` twice (a tied tensor) counts once
+    got = weight_sums([big, small, small])
+    assert got == pytest.approx(want, rel=1e-12)
 
 
 @pytest.fixture(scope="module")

@@ -73,6 +73,15 @@ def test_collate_takes_the_loss_mask_and_checks_its_length():
     assert collate([plain], 0)["response_mask"].tolist() == [[0.0, 1.0, 1.0, 1.0]]
     with pytest.raises(ValueError, match="loss_mask has 2 entries for 3 response tokens"):
         collate([Experience([5, 6, 7, 8, 9], 2, [], loss_mask=[1, 0])], 0)
+    # rows of other lengths are right-padded: ids with the pad id, masks with 0
+    short = Experience([5, 6, 7], 1, [-1.0, -1.0])
+    out = collate([plain, short], 0)
+    assert out["input_ids"].tolist() == [[5, 6, 7, 8, 9], [5, 6, 7, 0, 0]]
+    assert out["attention_mask"].tolist() == [[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]]
+    assert out["response_mask"].tolist() == [[0.0, 1.0, 1.0, 1.0], [1.0, 1.0, 0.0, 0.0]]
+    assert out["prompt_length"].tolist() == [2, 1]
+    with pytest.raises(ValueError, match="prompt_length 0: a response needs a prompt of at least one token"):
+        collate([Experience([5, 6, 7], 0, [])], 0)
 
 
 def test_a_workflow_that_returns_the_wrong_shape_is_named():

@@ -83,8 +83,8 @@ def weighted_rows(exps, version: int, cfg) -> list[bool]:
     fresh, or the correction is none)."""
     from rft.algorithms.off_policy import staleness
 
-    return [bool(e.logprobs) and (cfg.off_policy_correction == "none" or staleness(e.policy_version, version) <= 0)
-            for e in exps]
+    every = cfg.off_policy_correction == "none"  # read once: a config lookup costs ~10 us a row
+    return [bool(e.logprobs) and (every or staleness(e.policy_version, version) <= 0) for e in exps]
 
 
 def weights(old_logp: torch.Tensor, sampling_logp: torch.Tensor, mask: torch.Tensor, mode: str, cap: float):
