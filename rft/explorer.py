@@ -21,7 +21,7 @@ import time
 from rft.algorithms import resolve
 from rft.data import epoch_batch, step_seed
 from rft.errors import RunError
-from rft.sync import from_arrays, same_weights
+from rft.sync import from_payload, node_id, one_thread, same_weights
 from rft.models import load_tokenizer, local_device
 from rft.algorithms.shaping import apply_overlong
 from rft.scoring import build as build_scorer, part_metrics, spec_of
@@ -427,10 +427,15 @@ class Explorer:
         self.engine.update_weights(state_dict)
         return self._check(version, expected_fingerprint)
 
-    def receive_weights(self, payload: tuple[dict, str], version: int) -> str:
-        """Memory sync: the trainer's `sync_payload` (weights as numpy arrays, fingerprint)."""
-        arrays, expected = payload
-        return self.update_weights(from_arrays(arrays), version, expected)
+    def receive_weights(self, payload: tuple, version: int) -> str:
+        """Memory sync: the trainer's `sync_payload` (the weights as numpy arrays or where they lie
+        in shared memory; their fingerprint)."""
+        weights, expected = payload
+        with one_thread():
+            return self.update_weights(from_payload(weights), version, expected)
+
+    def node(self) -> str:
+        return node_id()
 
     def load_weights(self, path: str, version: int, expected_fingerprint: str | None) -> str:
         """A safetensors file (sync=checkpoint) or a checkpoint's hf/ directory (mode=explore, bench)."""

@@ -569,6 +569,11 @@ class StageRun:
 
             (self.dir / "monitor").mkdir(exist_ok=True)
             ray.timeline(filename=str(self.dir / "monitor" / "timeline.json"))
+        if self.trainer is not None and hasattr(getattr(self, "sync", None), "close"):
+            try:
+                self.sync.close(self.trainer)
+            except Exception:  # a dead trainer: its resource tracker unlinks the segment
+                pass
         for actor in (self.trainer, *self.explorers, *getattr(self, "reward_models", [])):
             if actor is not None:
                 try:

@@ -32,7 +32,7 @@ from rft.algorithms import ADVANTAGE_FNS, KL_FNS, POLICY_LOSS_FNS, off_policy, r
 from rft.algorithms.advantages import gae_returns
 from rft.algorithms.aggregation import agg_loss
 from rft.critic import Critic, explained_variance
-from rft.sync import fingerprint, for_safetensors, to_arrays
+from rft.sync import SharedWriter, fingerprint, for_safetensors, node_id, one_thread, shared_fits, to_arrays
 from rft.experience import Experience, collate
 from rft import lora, micro_batches
 from rft.logprobs import can_share_prompts, one_row, prompt_units, token_logprobs
@@ -152,6 +152,7 @@ class Trainer:
     def __init__(self, cfg, plan, init_path: str | None = None):
         self.cfg = cfg
         self.plan = plan
+        self._shared = None  # memory sync's shared-memory segment (sync_payload), made when first used
         torch.manual_seed(cfg.seed)
         # denormal floats (tiny Adam moments, decayed weights) make CPU math many times slower
         torch.set_flush_denormal(True)
@@ -620,9 +621,25 @@ class Trainer:
         object store copies them once; in-process, the explorer's load does)."""
         return self._state_dict()
 
-    def sync_payload(self) -> tuple[dict, str]:
-        """What memory sync sends, in one call: the weights as numpy arrays and their fingerprint."""
-        return to_arrays(self._sync_state()), self.fingerprint()
+    def sync_payload(self, shared: str | None = None) -> tuple:
+        """What memory sync sends, in one call: the weights and their fingerprint. The weights as
+        numpy arrays, or with `shared` (the explorers are on this node: the segment's name prefix)
+        written into this trainer's shared-memory segment, if /dev/shm has room (rft.sync.SharedWeights)."""
+        state = self._sync_state()  # {} on the ranks of a data-parallel trainer other than 0
+        if shared and state and shared_fits(sum(v.numel() * v.element_size() for v in state.values())):
+            if self._shared is None:
+                self._shared = SharedWriter(shared)
+            with one_thread():
+                return self._shared.write(state), self.fingerprint()
+        return to_arrays(state), self.fingerprint()
+
+    def close_shared(self) -> None:
+        if self._shared is not None:
+            self._shared.close()
+            self._shared = None
+
+    def node(self) -> str:
+        return node_id()
 
     def collective_address(self) -> tuple[str, int]:
         from rft.sync import free_address

@@ -5,6 +5,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -59,6 +60,11 @@ def test_shortened_default_learns_through_ray(tmp_path, warm_cache):
     # one log per actor, TensorBoard files, an HF-format model that from_pretrained loads
     assert (run / "grpo" / "log" / "grpo_explorer.log").exists()
     assert (run / "grpo" / "log" / "grpo_trainer.log").exists()
+    # the weights went to the explorer through a shared-memory segment (one node), unlinked at the end
+    import re
+
+    made = re.findall(r"memory sync through shared memory: segment (\S+),", (run / "grpo" / "log" / "grpo_trainer.log").read_text())
+    assert len(made) == 1 and not (Path("/dev/shm") / made[0]).exists()
     assert list((run / "grpo" / "tensorboard").glob("events.out.tfevents.*"))
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

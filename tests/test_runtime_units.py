@@ -139,6 +139,100 @@ def test_a_corrupted_memory_sync_is_caught(explorer):
     assert explorer.update_weights(sd, 7, expected) == expected and explorer.version == 7
 
 
+def test_memory_sync_through_shared_memory_serves_the_trainers_weights(explorer):
+    from pathlib import Path
+
+    from rft.sync import SharedWeights, SharedWriter, read_shared, same_weights, shared_fits
+
+    sd, expected = _trainer_side(explorer)
+    writer = SharedWriter()
+    try:
+        weights = writer.write(sd)
+        assert isinstance(weights, SharedWeights) and Path("/dev/shm", weights.segment).exists()
+        # what an explorer reads are the trainer's numbers, and the sync passes its check
+        got = read_shared(weights)
+        assert all(torch.equal(got[k], v) for k, v in sd.items())
+        assert same_weights(explorer.receive_weights((weights, expected), 8), expected) and explorer.version == 8
+        # the next sync writes the same segment again (an explorer reads the new numbers)
+        sd2 = {k: v + 0.5 for k, v in sd.items()}
+        again = writer.write(sd2)
+        assert again.segment == weights.segment
+        assert all(torch.equal(t, sd2[k]) for k, t in read_shared(again).items())
+        # other dtypes and an empty tensor; a new layout is a new segment, the old one unlinked
+        other = {"a": torch.arange(5, dtype=torch.bfloat16), "b": torch.tensor([3, -1]), "c": torch.zeros(0, 4)}
+        moved = writer.write(other)
+        assert moved.segment != weights.segment and not Path("/dev/shm", weights.segment).exists()
+        got = read_shared(moved)
+        assert [got[k].dtype for k in "abc"] == [torch.bfloat16, torch.int64, torch.float32]
+        assert got["a"].tolist() == [0, 1, 2, 3, 4] and got["b"].tolist() == [3, -1] and got["c"].shape == (0, 4)
+    finally:
+        writer.close()
+    assert writer.shm is None and not Path("/dev/shm", moved.segment).exists()
+    # a model too large for the node's shared memory goes through the object store instead
+    assert shared_fits(1 << 20) and not shared_fits(1 << 60)
+
+
+def test_segments_left_by_killed_runs_are_swept():
+    import os
+    import subprocess
+    from pathlib import Path
+
+    from rft.sync import sweep
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()  # a pid no process has now
+    mine, gone, other = (Path(f"/dev/shm/rft_{os.getpid()}_0a1b"), Path(f"/dev/shm/rft_{dead.pid}_0a1b"),
+                         Path("/dev/shm/not_rft_1_0a1b"))
+    for p in (mine, gone, other):
+        p.write_bytes(b"x")
+    try:
+        sweep()  # a new run: segments of drivers that are gone
+        assert mine.exists() and not gone.exists() and other.exists()
+        sweep(f"rft_{os.getpid()}_")  # this run's own, at its end
+        assert not mine.exists() and other.exists()
+    finally:
+        for p in (mine, gone, other):
+            p.unlink(missing_ok=True)
+
+
+def test_memory_sync_shares_memory_only_with_ray_actors_on_the_trainers_node(monkeypatch):
+    import os
+    from types import SimpleNamespace
+
+    from rft.sync import MemorySync
+
+    sent = []
+
+    class Ray:  # a Ray actor handle as the synchronizer sees one
+        def __init__(self, node):
+            self.node = node
+
+        def call(self, method, *args):
+            assert method == "node"
+            return self.node
+
+        def submit(self, method, *args):
+            sent.append((method, args))
+            return args
+
+        def get(self, future, timeout=None):
+            return future
+
+    sync = MemorySync(None, SimpleNamespace(sync_timeout=5))
+    sync(Ray("n1"), [Ray("n1"), Ray("n1")], 3)
+    assert sent[0] == ("sync_payload", (sync.prefix,)) and sync.prefix == f"rft_{os.getpid()}_"
+    sent.clear()
+    sync(Ray("n1"), [Ray("n1"), Ray("n2")], 4)  # one explorer elsewhere: the object store for all
+    assert sent[0] == ("sync_payload", (None,))
+    sent.clear()
+    from rft.actors import InlineActor
+
+    inline = InlineActor.__new__(InlineActor)
+    inline.obj = SimpleNamespace(sync_payload=lambda shared: sent.append(shared) or ({}, "fp"))
+    sync(inline, [], 5)  # in one process the arrays are views: nothing to share
+    assert sent == [None]
+
+
 def test_a_corrupted_collective_sync_is_caught(explorer, monkeypatch):
     import rft.sync
 
