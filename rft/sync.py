@@ -24,6 +24,7 @@ from __future__ import annotations
 import datetime
 import logging
 import secrets
+import weakref
 from contextlib import contextmanager
 import socket
 from dataclasses import dataclass
@@ -352,20 +353,19 @@ class MemorySync:
         import os
 
         self.timeout = cfg.sync_timeout
-        self.nodes: dict = {}  # id of an actor handle -> its node (an explorer restarted is a new handle)
+        # actor handle -> its Ray node ("" in one process); a restarted explorer is a new handle
+        self.nodes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.prefix = f"rft_{os.getpid()}_"  # the trainer's segments: this driver's to clean up
         sweep()  # those of runs killed before they could
 
     def _node(self, actor) -> str:
-        if id(actor) not in self.nodes:
-            self.nodes[id(actor)] = actor.call("node")
-        return self.nodes[id(actor)]
+        if actor not in self.nodes:
+            self.nodes[actor] = actor.call("node")
+        return self.nodes[actor]
 
     def __call__(self, trainer, explorers, version: int) -> None:
-        from rft.actors import InlineActor
-
-        inline = isinstance(getattr(trainer, "actors", [trainer])[0], InlineActor)  # ActorGroup: its ranks
-        shared = not inline and all(self._node(e) == self._node(trainer) for e in explorers)
+        node = self._node(trainer)  # "": one process (cluster=inline), where the arrays are views
+        shared = bool(node) and all(self._node(e) == node for e in explorers)
         payload = trainer.submit("sync_payload", self.prefix if shared else None)
         _wait([(e, e.submit("receive_weights", payload, version)) for e in explorers], self.timeout)
 
