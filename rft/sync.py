@@ -24,9 +24,9 @@ from __future__ import annotations
 import datetime
 import logging
 import secrets
+import socket
 import weakref
 from contextlib import contextmanager
-import socket
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -282,9 +282,18 @@ def node_id() -> str:
         return ""
 
 
+def segment_prefix() -> str:
+    """rft_<driver pid>_<driver host>_: what the trainer's segments of this run are named after
+    (a pid means something only on its own host)."""
+    import hashlib
+    import os
+
+    return f"rft_{os.getpid()}_{hashlib.sha1(socket.gethostname().encode()).hexdigest()[:6]}_"
+
+
 def sweep(prefix: str | None = None) -> None:
-    """Unlink the segments of this run (`prefix`) or, with None, those of runs whose driver is
-    gone (rft_<driver pid>_...): a trainer killed with its process group leaves its segment."""
+    """Unlink the segments of this run (`prefix`) or, with None, those of runs whose driver was
+    on this host and is gone: a trainer killed with its process group leaves its segment."""
     import os
     import re
 
@@ -292,11 +301,14 @@ def sweep(prefix: str | None = None) -> None:
         names = os.listdir("/dev/shm")
     except OSError:
         return
+    here = segment_prefix().split("_")[2]
     for name in names:
-        m = re.fullmatch(r"rft_(\d+)_[0-9a-f]+", name)
+        m = re.fullmatch(r"rft_(\d+)_([0-9a-f]{6})_[0-9a-f]+", name)
         if not m or (prefix is not None and not name.startswith(prefix)):
             continue
         if prefix is None:
+            if m.group(2) != here:
+                continue  # a driver elsewhere (its trainer on this node): not ours to judge
             try:
                 os.kill(int(m.group(1)), 0)
                 continue  # its driver is alive
@@ -350,12 +362,10 @@ class MemorySync:
     else through the object store (mapped, not copied, into each explorer)."""
 
     def __init__(self, stage_dir: Path, cfg):
-        import os
-
         self.timeout = cfg.sync_timeout
         # actor handle -> its Ray node ("" in one process); a restarted explorer is a new handle
         self.nodes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-        self.prefix = f"rft_{os.getpid()}_"  # the trainer's segments: this driver's to clean up
+        self.prefix = segment_prefix()  # the trainer's segments: this driver's to clean up
         sweep()  # those of runs killed before they could
 
     def _node(self, actor) -> str:

@@ -143,6 +143,12 @@ def check_output(out, tasks, name: str) -> None:
         )
     for group in out:
         for e in group or []:
+            if e.prompt_length < 1:
+                raise ConfigError(
+                    f"workflow {name!r} returned an experience (task {e.task_id!r}) with prompt_length "
+                    f"{e.prompt_length}: the response's first token is predicted from the prompt, so "
+                    f"prompt_length must be at least 1 (the prompt's token count: tokens[:prompt_length])."
+                )
             for field_name in ("logprobs", "loss_mask"):
                 n = len(getattr(e, field_name))
                 if n and n != e.response_length:

@@ -177,21 +177,25 @@ def test_segments_left_by_killed_runs_are_swept():
     import subprocess
     from pathlib import Path
 
-    from rft.sync import sweep
+    from rft.sync import segment_prefix, sweep
 
     dead = subprocess.Popen(["true"])
     dead.wait()  # a pid no process has now
-    mine, gone, other = (Path(f"/dev/shm/rft_{os.getpid()}_0a1b"), Path(f"/dev/shm/rft_{dead.pid}_0a1b"),
-                         Path("/dev/shm/not_rft_1_0a1b"))
-    for p in (mine, gone, other):
+    host = segment_prefix().split("_")[2]
+    assert segment_prefix() == f"rft_{os.getpid()}_{host}_"
+    mine, gone = Path(f"/dev/shm/{segment_prefix()}0a1b"), Path(f"/dev/shm/rft_{dead.pid}_{host}_0a1b")
+    # a driver on another host (its trainer here): its pid means nothing on this one
+    elsewhere = Path(f"/dev/shm/rft_{dead.pid}_{'0' * 6 if host != '0' * 6 else '1' * 6}_0a1b")
+    other = Path("/dev/shm/not_rft_1_0a1b")
+    for p in (mine, gone, elsewhere, other):
         p.write_bytes(b"x")
     try:
-        sweep()  # a new run: segments of drivers that are gone
-        assert mine.exists() and not gone.exists() and other.exists()
-        sweep(f"rft_{os.getpid()}_")  # this run's own, at its end
-        assert not mine.exists() and other.exists()
+        sweep()  # a new run: segments of this host's drivers that are gone
+        assert mine.exists() and not gone.exists() and elsewhere.exists() and other.exists()
+        sweep(segment_prefix())  # this run's own, at its end
+        assert not mine.exists() and elsewhere.exists() and other.exists()
     finally:
-        for p in (mine, gone, other):
+        for p in (mine, gone, elsewhere, other):
             p.unlink(missing_ok=True)
 
 
@@ -220,7 +224,7 @@ def test_memory_sync_shares_memory_only_with_ray_actors_on_the_trainers_node(mon
 
     sync = MemorySync(None, SimpleNamespace(sync_timeout=5))
     sync(Ray("n1"), [Ray("n1"), Ray("n1")], 3)
-    assert sent[0] == ("sync_payload", (sync.prefix,)) and sync.prefix == f"rft_{os.getpid()}_"
+    assert sent[0] == ("sync_payload", (sync.prefix,)) and sync.prefix.startswith(f"rft_{os.getpid()}_")
     sent.clear()
     # one explorer elsewhere: the object store for all (handles made afresh each time: a handle
     # freed and another made may share an id(), never an entry of the synchronizer's cache)

@@ -98,6 +98,12 @@ def test_a_workflow_that_returns_the_wrong_shape_is_named():
         "response tokens: it needs one per token after the prompt (tokens[prompt_length:]), or none.")
     with pytest.raises(ConfigError, match="returned list of 1 entries for 2 tasks; it must return one entry per task"):
         check_output([[good]], [0, 1], "my.workflow")
+    with pytest.raises(ConfigError) as e:
+        check_output([[Experience([5, 6], 0, [], task_id="t/2")]], [0], "my.workflow")
+    assert str(e.value) == (
+        "workflow 'my.workflow' returned an experience (task 't/2') with prompt_length 0: the response's "
+        "first token is predicted from the prompt, so prompt_length must be at least 1 (the prompt's "
+        "token count: tokens[:prompt_length]).")
 
 
 def test_a_misspelt_workflow_fails_while_planning():
