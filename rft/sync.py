@@ -214,6 +214,8 @@ _ATTACHED: dict = {}  # segment name -> SharedMemory, in an explorer
 def read_shared(weights: SharedWeights) -> dict:
     """The tensors of `weights`, as views of the segment (load them, which copies, before the
     trainer's next sync writes it again)."""
+    from math import prod
+
     import torch
 
     shm = _ATTACHED.get(weights.segment)
@@ -224,16 +226,9 @@ def read_shared(weights: SharedWeights) -> dict:
             except BufferError:  # a view still held somewhere: the mapping goes with it
                 pass
         shm = _ATTACHED[weights.segment] = _segment(name=weights.segment)
-    return {k: torch.frombuffer(shm.buf, dtype=getattr(torch, dtype), count=_numel(shape), offset=off).view(shape)
-            if _numel(shape) else torch.empty(shape, dtype=getattr(torch, dtype))
+    return {k: torch.frombuffer(shm.buf, dtype=getattr(torch, dtype), count=prod(shape), offset=off).view(shape)
+            if prod(shape) else torch.empty(shape, dtype=getattr(torch, dtype))
             for k, off, shape, dtype in weights.layout}
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def _segment(name: str | None = None, create: bool = False, size: int = 0, prefix: str = "rft_"):
