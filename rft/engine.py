@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from rft.models import load_model
-from rft.sync import fingerprint
+from rft.sync import fingerprint, same_bits
 
 
 @dataclass
@@ -182,7 +182,21 @@ class HFEngine:
     # ------------------------------------------------------------------ weights, in place
 
     def update_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
-        self.model.load_state_dict(state_dict, strict=True)
+        own = self.model.state_dict()  # views of the parameters: copying into one changes the model
+        if own.keys() != state_dict.keys() or any(own[k].shape != v.shape for k, v in state_dict.items()):
+            self.model.load_state_dict(state_dict, strict=True)  # its error names what does not match
+            return
+        # the same copies as load_state_dict, a quarter of its time (no walk of the modules)
+        with torch.no_grad():
+            for k, v in state_dict.items():
+                own[k].copy_(v)
+
+    def differs(self, state_dict: dict[str, torch.Tensor]) -> list[str]:
+        """The names of `state_dict` whose tensor this engine does not hold bit for bit (memory
+        sync in one process checks what it loaded against the trainer's own tensors: exact, and
+        a third of the cost of fingerprinting both sides)."""
+        own = self.model.state_dict()
+        return [k for k, v in state_dict.items() if k not in own or not same_bits(own[k], v)]
 
     def load_weights_file(self, path: str) -> None:
         """A safetensors file of the trainer's weights, or a checkpoint's hf/ directory."""

@@ -17,11 +17,13 @@ import random
 import statistics
 import threading
 import time
+from collections import deque
 
 from rft.algorithms import resolve
+from rft.config import frozen
 from rft.data import epoch_batch, step_seed
 from rft.errors import RunError
-from rft.sync import from_payload, node_id, one_thread, same_weights
+from rft.sync import fingerprint, from_payload, node_id, one_thread, same_weights
 from rft.models import load_tokenizer, local_device
 from rft.algorithms.shaping import apply_overlong
 from rft.scoring import build as build_scorer, part_metrics, spec_of
@@ -84,69 +86,84 @@ def run_jobs(fn, jobs: list, runners: int, timeout: float, retries: int,
     A call that raises, or runs longer than `timeout` seconds, is retried up to `retries` times;
     then its result is None. A timed-out call is abandoned, not killed (Python cannot stop a
     thread): it keeps its thread until it returns, but no longer holds a runner or the step.
-    The calls run on `_THREADS`, threads kept from one call of run_jobs to the next.
+    The runners are workers on `_THREADS` (threads kept from one call to the next), each taking
+    the next job when it finishes one; the caller wakes when all are done, and every 10 ms to
+    look for calls past their timeout (one hand-over per job between the caller and a thread
+    cost ~30 us each, more inside a Ray actor).
     With `min_done`, once that many jobs have finished the rest get `wait_after_min` seconds more
     and are then dropped (explorer.over_rollout).
     """
     results: list = [None] * len(jobs)
     tries = [0] * len(jobs)
     counters = {"errors": 0, "timeouts": 0, "retries": 0, "failed": 0, "over_rollout_dropped": 0}
-    last_error = None
-    todo = list(range(len(jobs)))
-    running: dict[int, float] = {}  # job -> start time
-    finished: queue.Queue = queue.Queue()  # (job, attempt, ok, value)
-    done = 0
-    min_reached_at = None
-
-    def call(i: int, attempt: int) -> None:
-        try:
-            finished.put((i, attempt, True, fn(jobs[i])))
-        except Exception as e:  # a failing reward function must not end the run
-            finished.put((i, attempt, False, e))
+    todo = deque(range(len(jobs)))
+    running: dict[int, tuple[int, float]] = {}  # job -> (attempt, start time)
+    state = {"done": 0, "workers": 0, "last_error": None, "over": False}
+    cond = threading.Condition()  # guards all of the above
 
     def failed(i: int) -> None:
-        nonlocal done
         if tries[i] <= retries:
             counters["retries"] += 1
             todo.append(i)
         else:
             counters["failed"] += 1
-            done += 1
+            state["done"] += 1
 
-    while todo or running:
-        while todo and len(running) < runners:
-            i = todo.pop(0)
-            tries[i] += 1
-            running[i] = time.monotonic()
-            _THREADS.start(call, i, tries[i])
-        try:
-            i, attempt, ok, value = finished.get(timeout=0.01)
-            if i in running and attempt == tries[i]:  # not a late answer from an abandoned call
+    def work() -> None:
+        while True:
+            with cond:
+                if state["over"] or not todo:
+                    state["workers"] -= 1
+                    return
+                i = todo.popleft()
+                tries[i] += 1
+                attempt = tries[i]
+                running[i] = (attempt, time.monotonic())
+            try:
+                ok, value = True, fn(jobs[i])
+            except Exception as e:  # a failing reward function must not end the run
+                ok, value = False, e
+            with cond:
+                if running.get(i, (0, 0.0))[0] != attempt:
+                    return  # abandoned (timed out, or the call is over): another worker took its place
                 del running[i]
                 if ok:
                     results[i] = value
-                    done += 1
+                    state["done"] += 1
                 else:
                     counters["errors"] += 1
-                    last_error = f"{type(value).__name__}: {value}"
-                    log.warning("job %d attempt %d raised %s", i, attempt, last_error)
+                    state["last_error"] = f"{type(value).__name__}: {value}"
+                    log.warning("job %d attempt %d raised %s", i, attempt, state["last_error"])
                     failed(i)
-        except queue.Empty:
-            pass
-        now = time.monotonic()
-        for i, t0 in list(running.items()):
-            if now - t0 > timeout:
-                del running[i]
-                counters["timeouts"] += 1
-                log.warning("job %d attempt %d timed out after %.1f s", i, tries[i], timeout)
-                failed(i)
-        if min_done is not None and done >= min_done:
-            min_reached_at = min_reached_at or now
-            if now - min_reached_at >= wait_after_min and (todo or running):
-                counters["over_rollout_dropped"] = len(todo) + len(running)
+                if (not todo and not running) or (min_done is not None and state["done"] >= min_done):
+                    cond.notify()
+
+    min_reached_at = None
+    with cond:
+        while True:
+            while todo and state["workers"] < min(runners, len(todo) + len(running)):
+                state["workers"] += 1
+                _THREADS.start(work)
+            if not todo and not running:
                 break
-    if last_error is not None:
-        counters["last_error"] = last_error  # a string: for the message when every task fails
+            cond.wait(0.01)
+            now = time.monotonic()
+            for i, (attempt, t0) in list(running.items()):
+                if now - t0 > timeout:
+                    del running[i]
+                    state["workers"] -= 1  # its thread stays with the hung call
+                    counters["timeouts"] += 1
+                    log.warning("job %d attempt %d timed out after %.1f s", i, attempt, timeout)
+                    failed(i)
+            if min_done is not None and state["done"] >= min_done:
+                min_reached_at = min_reached_at or now
+                if now - min_reached_at >= wait_after_min and (todo or running):
+                    counters["over_rollout_dropped"] = len(todo) + len(running)
+                    break
+        state["over"] = True
+        running.clear()  # a call still running ends without writing into `results`
+    if state["last_error"] is not None:
+        counters["last_error"] = state["last_error"]  # a string: for the message when every task fails
     return results, counters
 
 
@@ -228,7 +245,7 @@ class Explorer:
     def __init__(self, cfg, weights_path: str | None = None, version: int = 0, shard: int = 0):
         import torch
 
-        self.cfg = cfg
+        self.cfg = cfg = frozen(cfg)  # read many times a step: plain dicts, not OmegaConf lookups
         # denormal floats (tiny Adam moments, decayed weights) make CPU math many times slower
         torch.set_flush_denormal(True)
         self.tokenizer = load_tokenizer(cfg.model)
@@ -427,12 +444,27 @@ class Explorer:
         self.engine.update_weights(state_dict)
         return self._check(version, expected_fingerprint)
 
-    def receive_weights(self, payload: tuple, version: int) -> str:
+    def receive_weights(self, payload: tuple, version: int) -> str | None:
         """Memory sync: the trainer's `sync_payload` (the weights as numpy arrays or where they lie
-        in shared memory; their fingerprint)."""
+        in shared memory; their fingerprint, None in one process: there the arrays are views of
+        the trainer's own tensors, and what the engine loaded is checked against them bit for bit)."""
         weights, expected = payload
         with one_thread():
-            return self.update_weights(from_payload(weights), version, expected)
+            state = from_payload(weights)
+            if expected is not None:
+                return self.update_weights(state, version, expected)
+            self.engine.update_weights(state)
+            differs = getattr(self.engine, "differs", None)
+            if differs is None:  # an engine that keeps the weights elsewhere (vLLM's own process)
+                return self._check(version, fingerprint(state))
+            wrong = differs(state)
+            if wrong:
+                raise RuntimeError(
+                    f"weight sync to version {version} failed: after loading, the explorer's {wrong[0]} "
+                    f"(and {len(wrong) - 1} more of {len(state)} tensors) differ from the trainer's"
+                )
+            self.version = version
+            return None
 
     def node(self) -> str:
         return node_id()

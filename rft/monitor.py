@@ -111,8 +111,15 @@ class Monitor:
 
     def record_batch(self, step: int, exps: list) -> None:
         import hashlib
+        import struct
+        from array import array
 
-        digest = hashlib.sha1(json.dumps([[e.tokens, e.reward] for e in exps]).encode()).hexdigest()[:16]
+        # of each experience's tokens and reward, as bytes (a third of the time of hashing them as JSON)
+        h = hashlib.sha1()
+        for e in exps:
+            h.update(struct.pack("<qd", len(e.tokens), float(e.reward)))
+            h.update(array("q", e.tokens).tobytes())
+        digest = h.hexdigest()[:16]
         record = {"step": step, "groups": sorted({e.group_id for e in exps}),
                   "versions": sorted(e.policy_version for e in exps), "digest": digest}
         self.batches.write(json.dumps(record) + "\n")

@@ -275,7 +275,7 @@ class StageRun:
         explorer.max_failed_steps steps in a row in which every task failed; warn loudly when every
         reward of the first steps is the same (no advantage, no learning)."""
         cfg, inp = self.cfg, self.cfg.buffer.explorer_input
-        reward = describe_reward(spec_of(inp.taskset.reward_fn, inp.default_reward_fn_type))
+        reward = lambda: describe_reward(spec_of(inp.taskset.reward_fn, inp.default_reward_fn_type))  # noqa: E731
         if m["rollout/experiences"] == 0 and m.get("rollout/failed_tasks", 0) > 0:
             self.failed_steps += 1
         else:
@@ -285,7 +285,7 @@ class StageRun:
             latest = latest_checkpoint(self.dir)
             where = f"step {latest.step} ({latest.path})" if latest else "none yet"
             raise RunError(
-                f"every task of the last {self.failed_steps} steps failed (reward function {reward!r}: "
+                f"every task of the last {self.failed_steps} steps failed (reward function {reward()!r}: "
                 f"{m.get('rollout/errors', 0)} errors and {m.get('rollout/timeouts', 0)} timeouts in the "
                 f"last step; the last error: {last_error or 'none recorded (timeouts)'}), so nothing "
                 f"can be learned. Each explorer's log in {self.dir / 'log'} has the details. Fix the "
@@ -299,7 +299,7 @@ class StageRun:
             if step == first - 1 and len(self.first_rewards) == 1:
                 value = self.first_rewards.pop()
                 msg = (f"[{self.title}] WARNING: every reward of the first {first} steps was {value:g}: the "
-                       f"advantages are all 0 and nothing is learned. Check the reward function ({reward!r}) "
+                       f"advantages are all 0 and nothing is learned. Check the reward function ({reward()!r}) "
                        f"and that buffer.explorer_input.taskset.format.response_key="
                        f"{inp.taskset.format.response_key!r} names the column of reference answers "
                        f"(task.answer).")

@@ -107,6 +107,16 @@ def weight_sums(tensors) -> list[float]:
     return torch.stack([p.cpu() for p in parts]).sum(0).tolist() if parts else [0.0, 0.0, 0.0]
 
 
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal shape, dtype and bits (a NaN equals the same NaN: compared as same-size integers)."""
+    import torch
+
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    as_int = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}.get(a.element_size())
+    return torch.equal(a.view(as_int), b.view(as_int)) if as_int is not None and not a.is_complex() else torch.equal(a, b)
+
+
 _CHUNK = 1 << 24  # elements: a 128 MiB float64 copy at most (on a GPU: few kernel launches)
 # on a CPU, a copy that stays in cache while the three sums read it: 6x faster than _CHUNK
 # (64M float32 elements: 74 ms against 460 ms, 1 thread)
@@ -269,10 +279,11 @@ def one_thread():
 
 def node_id() -> str:
     """This process's Ray node ("" outside Ray): memory sync shares memory within one."""
-    try:
-        import ray
+    import sys
 
-        return ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
+    ray = sys.modules.get("ray")  # not imported: not in Ray (importing it to ask costs 50 MB)
+    try:
+        return ray.get_runtime_context().get_node_id() if ray is not None and ray.is_initialized() else ""
     except Exception:
         return ""
 
@@ -352,7 +363,8 @@ def _wait(pairs, timeout: float) -> None:
 
 class MemorySync:
     """The weights and their fingerprint in one trainer call, handed to each explorer: in one
-    process (cluster=inline) the trainer's tensors as numpy views; with Ray, through a
+    process (cluster=inline) the trainer's tensors as numpy views (no fingerprint: the explorer
+    compares what it loaded with those tensors, bit for bit); with Ray, through a
     shared-memory segment when every explorer is on the trainer's node (and /dev/shm has room),
     else through the object store (mapped, not copied, into each explorer)."""
 
@@ -370,8 +382,11 @@ class MemorySync:
 
     def __call__(self, trainer, explorers, version: int) -> None:
         node = self._node(trainer)  # "": one process (cluster=inline), where the arrays are views
-        shared = bool(node) and all(self._node(e) == node for e in explorers)
-        payload = trainer.submit("sync_payload", self.prefix if shared else None)
+        if not node:  # of the trainer's tensors, which the explorer checks its engine against
+            payload = trainer.submit("sync_payload", None, False)
+        else:
+            shared = all(self._node(e) == node for e in explorers)
+            payload = trainer.submit("sync_payload", self.prefix if shared else None)
         _wait([(e, e.submit("receive_weights", payload, version)) for e in explorers], self.timeout)
 
     def close(self, trainer) -> None:

@@ -31,6 +31,7 @@ from transformers import get_scheduler
 from rft.algorithms import ADVANTAGE_FNS, KL_FNS, POLICY_LOSS_FNS, off_policy, resolve, rollout_is, shaping
 from rft.algorithms.advantages import gae_returns
 from rft.algorithms.aggregation import agg_loss
+from rft.config import frozen
 from rft.critic import Critic, explained_variance
 from rft.sync import SharedWriter, fingerprint, for_safetensors, node_id, one_thread, shared_fits, to_arrays
 from rft.experience import Experience, collate
@@ -150,7 +151,7 @@ class Trainer:
     the hooks it overrides are marked "(data parallel)" below."""
 
     def __init__(self, cfg, plan, init_path: str | None = None):
-        self.cfg = cfg
+        self.cfg = cfg = frozen(cfg)  # read many times a step: plain dicts, not OmegaConf lookups
         self.plan = plan
         self._shared = None  # memory sync's shared-memory segment (sync_payload), made when first used
         torch.manual_seed(cfg.seed)
@@ -621,17 +622,19 @@ class Trainer:
         object store copies them once; in-process, the explorer's load does)."""
         return self._state_dict()
 
-    def sync_payload(self, shared: str | None = None) -> tuple:
+    def sync_payload(self, shared: str | None = None, with_fingerprint: bool = True) -> tuple:
         """What memory sync sends, in one call: the weights and their fingerprint. The weights as
         numpy arrays, or with `shared` (the explorers are on this node: the segment's name prefix)
-        written into this trainer's shared-memory segment, if /dev/shm has room (rft.sync.SharedWeights)."""
+        written into this trainer's shared-memory segment, if /dev/shm has room (rft.sync.SharedWeights).
+        `with_fingerprint=False` (one process: the arrays are views of these tensors, which the
+        explorer compares what it loaded with): None in its place."""
         state = self._sync_state()  # {} on the ranks of a data-parallel trainer other than 0
         if shared and state and shared_fits(sum(v.numel() * v.element_size() for v in state.values())):
             if self._shared is None:
                 self._shared = SharedWriter(shared)
             with one_thread():
-                return self._shared.write(state), self.fingerprint()
-        return to_arrays(state), self.fingerprint()
+                return self._shared.write(state), self.fingerprint() if with_fingerprint else None
+        return to_arrays(state), self.fingerprint() if with_fingerprint else None
 
     def close_shared(self) -> None:
         if self._shared is not None:

@@ -146,3 +146,27 @@ def test_tensorboard_drops_the_step_0_of_a_run_killed_before_its_first_checkpoin
     events = EventAccumulator(str(tmp_path / "tensorboard"))
     events.Reload()
     assert [(e.step, round(e.value, 3)) for e in events.Scalars("eval/accuracy")] == [(0, 0.2), (1, 0.3)]
+
+
+def test_batches_record_what_each_step_trained_on_with_a_digest_of_tokens_and_rewards(tmp_path):
+    from rft.experience import Experience
+
+    def exp(tokens, reward, group="g0", version=0):
+        return Experience(tokens=tokens, prompt_length=1, logprobs=[0.0] * (len(tokens) - 1), reward=reward,
+                          group_id=group, policy_version=version)
+
+    batches = [
+        [exp([1, 2, 3], 1.0), exp([1, 4], 0.0, "g1", 1)],
+        [exp([1, 2, 3], 1.0), exp([1, 4], 0.0, "g1", 1)],  # the same: the same digest
+        [exp([1, 2], 1.0), exp([3, 1, 4], 0.0, "g1", 1)],  # one token moved to the next experience
+        [exp([1, 2, 3], 1.0), exp([1, 4], 0.5, "g1", 1)],  # one reward changed
+        [exp([1, 2, 3], 1.0), exp([1, 5], 0.0, "g1", 1)],  # one token changed
+    ]
+    monitor = Monitor(_cfg(), tmp_path, len(batches), 0, "grpo")
+    for step, b in enumerate(batches, 1):
+        monitor.record_batch(step, b)
+    monitor.close()
+    rows = read_metrics(tmp_path / "batches.jsonl")
+    assert rows[0]["groups"] == ["g0", "g1"] and rows[0]["versions"] == [0, 1] and len(rows[0]["digest"]) == 16
+    digests = [r["digest"] for r in rows]
+    assert digests[0] == digests[1] and len(set(digests[1:])) == 4

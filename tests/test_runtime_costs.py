@@ -127,12 +127,15 @@ def _bench():
 
 
 def test_the_trl_comparison_summarizes_by_hand():
-    steps = [{"step": k, "step_s": s, "generate_s": 0.1, "train_s": 0.2}
-             for k, s in [(1, 1.0), (2, 0.5), (3, 0.4), (4, 0.5), (5, 0.6)]]
+    steps = [{"step": k, "step_s": s, "generate_s": g, "train_s": 0.2}
+             for k, s, g in [(1, 1.0, 0.1), (2, 0.5, 0.1), (3, 0.4, 0.05), (4, 0.5, 0.25), (5, 0.6, 0.1)]]
     run = {"steps": steps, "evals": {0: 0.1, 2: 0.85, 4: 0.92}, "start": 0.1, "peak": 2**30}
     s = _bench().summarize(run, 0.9)
-    # steps 3..5: median of 0.4, 0.5, 0.6 = 0.5; overhead 1 - (0.1 + 0.2) / 0.5 = 0.4
-    assert s["step_s"] == pytest.approx(0.5) and s["overhead"] == pytest.approx(0.4)
+    # steps 3..5: median of 0.4, 0.5, 0.6 = 0.5; generate median 0.1
+    assert s["step_s"] == pytest.approx(0.5) and s["generate_s"] == pytest.approx(0.1)
+    # each step's overhead: 1 - 0.25/0.4 = 0.375, 1 - 0.45/0.5 = 0.1, 1 - 0.3/0.6 = 0.5 -> median 0.375
+    # (not 1 - (0.1 + 0.2) / 0.5 = 0.4 from the medians taken apart); in ms: 150, 50, 300 -> 150
+    assert s["overhead"] == pytest.approx(0.375) and s["overhead_ms"] == pytest.approx(150)
     # first eval >= 0.9 at step 4: steps 1..4 took 1.0 + 0.5 + 0.4 + 0.5 = 2.4 s
     assert s["to_target_step"] == 4 and s["to_target_s"] == pytest.approx(2.4)
     assert s["final"] == 0.92 and s["peak_gb"] == 1.0

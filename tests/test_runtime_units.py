@@ -39,6 +39,24 @@ def test_run_jobs_retries_then_records_failures_in_order():
                  "last_error": "ValueError: always"}
 
 
+def test_run_jobs_runs_at_most_runners_calls_at_once():
+    lock, now, most = threading.Lock(), [0], [0]
+
+    def fn(x):
+        with lock:
+            now[0] += 1
+            most[0] = max(most[0], now[0])
+        time.sleep(0.02)
+        with lock:
+            now[0] -= 1
+        return -x
+
+    results, c = run_jobs(fn, list(range(12)), runners=3, timeout=5.0, retries=0)
+    assert results == [-x for x in range(12)] and most[0] == 3 and c["failed"] == 0
+    assert run_jobs(fn, [], runners=3, timeout=5.0, retries=0) == ([], {"errors": 0, "timeouts": 0, "retries": 0,
+                                                                         "failed": 0, "over_rollout_dropped": 0})
+
+
 def test_run_jobs_abandons_a_hung_call_without_waiting_for_it():
     release = threading.Event()
 
@@ -139,6 +157,88 @@ def test_a_corrupted_memory_sync_is_caught(explorer):
     assert explorer.update_weights(sd, 7, expected) == expected and explorer.version == 7
 
 
+def test_memory_sync_in_one_process_checks_the_loaded_weights_bit_for_bit(explorer, monkeypatch):
+    """cluster=inline: the trainer sends its tensors (as numpy views) and no fingerprint; the
+    explorer compares what its engine holds after loading with those tensors, exactly."""
+    from rft.sync import to_arrays
+
+    sd, _ = _trainer_side(explorer)
+    assert explorer.receive_weights((to_arrays(sd), None), 9) is None and explorer.version == 9
+    held = explorer.engine.model.state_dict()
+    assert all(torch.equal(held[k], v) for k, v in sd.items())
+    # a load that leaves one tensor stale (and one that garbles one number) is caught, naming the tensor
+    real = type(explorer.engine).update_weights
+    name = sorted(sd)[-1]
+
+    def stale_one(self, state):
+        real(self, {k: (held[k].clone() if k == name else v) for k, v in state.items()})
+
+    sd2 = {k: v + 0.25 for k, v in sd.items()}
+    monkeypatch.setattr(type(explorer.engine), "update_weights", stale_one)
+    with pytest.raises(RuntimeError, match=rf"weight sync to version 10 failed: after loading, the explorer's {name} "
+                                           rf"\(and 0 more of {len(sd2)} tensors\) differ from the trainer's"):
+        explorer.receive_weights((to_arrays(sd2), None), 10)
+    assert explorer.version == 9
+
+    def garble(self, state):
+        real(self, state)
+        self.model.state_dict()[name].view(-1)[0] += 1e-6
+
+    monkeypatch.setattr(type(explorer.engine), "update_weights", garble)
+    with pytest.raises(RuntimeError, match="version 11 failed"):
+        explorer.receive_weights((to_arrays(sd2), None), 11)
+    monkeypatch.setattr(type(explorer.engine), "update_weights", real)
+    assert explorer.receive_weights((to_arrays(sd2), None), 12) is None and explorer.version == 12
+    # an engine that cannot compare tensors (vLLM keeps them in its own process): the explorer
+    # fingerprints the trainer's state dict (a tied output layer is one tensor there, counted once)
+    import copy
+
+    from rft.sync import fingerprint, same_weights
+
+    model = copy.deepcopy(explorer.engine.model)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.5)
+    state = model.state_dict()
+    monkeypatch.delattr(type(explorer.engine), "differs")
+    assert same_weights(explorer.receive_weights((to_arrays(state), None), 13), fingerprint(model.parameters()))
+    assert explorer.version == 13
+    state[name] = state[name].clone()
+    monkeypatch.setattr(type(explorer.engine), "update_weights", stale_one)
+    with pytest.raises(RuntimeError, match="weight sync to version 14 failed: the explorer now serves weights with fingerprint"):
+        explorer.receive_weights((to_arrays({k: v + 1 for k, v in state.items()}), None), 14)
+
+
+def test_same_bits_tells_apart_what_equality_does_not():
+    from rft.sync import same_bits
+
+    nan = torch.tensor([float("nan"), 1.0])
+    assert same_bits(nan, nan.clone())  # torch.equal says False: NaN != NaN
+    assert not torch.equal(nan, nan.clone())
+    assert not same_bits(torch.tensor([0.0]), torch.tensor([-0.0]))  # equal as numbers, not as bits
+    assert not same_bits(torch.ones(2), torch.ones(2, dtype=torch.float64))  # a dtype change
+    assert not same_bits(torch.ones(2), torch.ones(1, 2))  # a shape change
+    assert same_bits(torch.arange(4, dtype=torch.bfloat16), torch.arange(4, dtype=torch.bfloat16))
+    assert same_bits(torch.tensor([True, False]), torch.tensor([True, False]))
+    assert same_bits(torch.tensor([1 + 2j]), torch.tensor([1 + 2j]))
+
+
+def test_engine_update_weights_copies_in_place_and_refuses_a_wrong_state_dict(explorer):
+    sd, _ = _trainer_side(explorer)
+    params = {n: p for n, p in explorer.engine.model.named_parameters()}
+    before = {n: p.data_ptr() for n, p in params.items()}
+    explorer.engine.update_weights(sd)
+    # the same parameter tensors, now holding the new numbers (a tied output layer included)
+    assert {n: p.data_ptr() for n, p in explorer.engine.model.named_parameters()} == before
+    held = explorer.engine.model.state_dict()
+    assert all(torch.equal(held[k], v) for k, v in sd.items())
+    name = sorted(sd)[0]
+    with pytest.raises(RuntimeError, match=rf"Missing key\(s\) in state_dict: \"{name}\""):
+        explorer.engine.update_weights({k: v for k, v in sd.items() if k != name})
+    with pytest.raises(RuntimeError, match=rf"size mismatch for {name}"):
+        explorer.engine.update_weights({**sd, name: sd[name][:1]})
+
+
 def test_memory_sync_through_shared_memory_serves_the_trainers_weights(explorer):
     from pathlib import Path
 
@@ -235,9 +335,12 @@ def test_memory_sync_shares_memory_only_with_ray_actors_on_the_trainers_node(mon
     from rft.actors import InlineActor
 
     inline = InlineActor.__new__(InlineActor)
-    inline.obj = SimpleNamespace(sync_payload=lambda shared: sent.append(shared) or ({}, "fp"), node=lambda: "")
-    sync(inline, [], 5)  # in one process (no Ray node) the arrays are views: nothing to share
-    assert sent == [None]
+    inline.obj = SimpleNamespace(sync_payload=lambda shared, with_fingerprint: sent.append((shared, with_fingerprint)) or ({}, None),
+                                 node=lambda: "")
+    # in one process (no Ray node) the arrays are views: nothing to share, and no fingerprint (the
+    # explorer checks what it loaded against the trainer's own tensors)
+    sync(inline, [], 5)
+    assert sent == [(None, False)]
 
 
 def test_a_corrupted_collective_sync_is_caught(explorer, monkeypatch):
@@ -452,3 +555,14 @@ def test_a_trainer_that_dies_during_a_sync_is_named_with_its_checkpoint(tmp_path
     assert str(e.value) == ("the trainer actor died (RayActorError). Its newest checkpoint: none yet (the stage "
                             "restarts from its beginning). Run the same command again to resume from it.")
     assert Explorer.pings == 1
+
+
+def test_asking_for_the_ray_node_outside_ray_does_not_import_ray():
+    """Memory sync asks each actor for its Ray node; in one process (cluster=inline) the answer is
+    "" without importing Ray (~50 MB and ~0.2 s of a run that never uses it)."""
+    import subprocess
+    import sys
+
+    code = "import sys; from rft.sync import node_id; print(repr(node_id()), 'ray' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["''", "False"]

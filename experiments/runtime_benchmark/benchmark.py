@@ -87,15 +87,18 @@ def report(args, results: dict[int, list[dict]]) -> None:
     rows = []
     for offset, ms in results.items():
         parts = {k: med(ms, f"timing/{k}") for k in ("wait_rollout_s", "read_s", "train_s", "sync_s")}
+        # each step's own overhead (its time minus its own generate and compute), then the median
+        overhead = statistics.median(1 - (m.get("timing/generate_s", 0.0) + m.get("timing/train_compute_s", 0.0))
+                                     / m["timing/step_s"] for m in ms)
         rows.append((offset, med(ms, "timing/step_s"), parts, med(ms, "timing/generate_s"),
-                     med(ms, "timing/train_compute_s")))
+                     med(ms, "timing/train_compute_s"), overhead))
     print(f"\nmedians over {len(results[0])} steps per mode (steps 3..{args.steps - 1}, {args.repeats} runs each)")
     print("| sync_offset | step s | rollout wait s | train s | sync s | other s | generate s | train compute s | overhead |")
     print("|---|---|---|---|---|---|---|---|---|")
-    for offset, step, p, gen, train in rows:
+    for offset, step, p, gen, train, share in rows:
         other = step - sum(p.values())
         # with the explorer ahead, generation overlaps training: no single critical path to split
-        overhead = f"{1 - (gen + train) / step:.0%}" if offset == 0 else "overlapped"
+        overhead = f"{share:.0%}" if offset == 0 else "overlapped"
         print(f"| {offset} | {step:.3f} | {p['wait_rollout_s']:.3f} | {p['train_s']:.3f} | {p['sync_s']:.3f} | "
               f"{other:.3f} | {gen:.3f} | {train:.3f} | {overhead} |")
     print(f"\nthroughput of sync_offset=1 vs 0 (ratio of median step times): {rows[0][1] / rows[1][1]:.2f}x")

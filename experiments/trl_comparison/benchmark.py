@@ -18,10 +18,10 @@
    is left out of step times.
 4. Prints, per arm, medians over seeds of: s per RL step (median over steps 3..N), the engine's
    generate and the trainer's compute per step, the framework overhead of a synchronous step
-   (1 - (generate + train compute) / step), time to the first eval >= 0.9 (the sum of the step
-   times up to it), and peak memory of the process tree (PSS: shared pages such as torch's
-   libraries count once across processes, as they occupy memory once); then the ratios the
-   README quotes.
+   (each step's 1 - (generate + train compute) / step, the median over steps), time to the first
+   eval >= 0.9 (the sum of the step times up to it), and peak memory of the process tree (PSS:
+   shared pages such as torch's libraries count once across processes, as they occupy memory
+   once); then the ratios the README quotes.
 
 Timings on a shared machine are noisy: compare the ratios of one invocation, not numbers across
 machines. Outputs go to --out (default: a temporary directory, removed at the end).
@@ -156,7 +156,11 @@ def summarize(run: dict, target: float) -> dict:
     med = {k: statistics.median(s[k] for s in steady) for k in ("step_s", "generate_s", "train_s")}
     reached = next((k for k in sorted(run["evals"]) if k > 0 and run["evals"][k] >= target), None)
     to_target = None if reached is None else sum(s["step_s"] for s in run["steps"] if s["step"] <= reached)
-    return {**med, "overhead": 1 - (med["generate_s"] + med["train_s"]) / med["step_s"],
+    # a step's overhead is its own time minus its own generate and compute (the three are paired
+    # per step; the difference of three medians taken apart mixes steps and is twice as noisy)
+    overhead = statistics.median(1 - (s["generate_s"] + s["train_s"]) / s["step_s"] for s in steady)
+    return {**med, "overhead": overhead, "overhead_ms": statistics.median(
+                s["step_s"] - s["generate_s"] - s["train_s"] for s in steady) * 1000,
             "to_target_s": to_target, "to_target_step": reached, "peak_gb": run["peak"] / 2**30,
             "final": run["evals"][max(run["evals"])], "start": run["start"]}
 
@@ -197,7 +201,8 @@ def main() -> None:
           "| peak PSS of the process tree GB |")
     print("|---|---|---|---|---|---|---|")
     for arm in args.arms:
-        overhead = fmt(med(arm, "overhead"), ".0%") if arm in ("rft-inline", "rft-ray-sync") else "–"
+        overhead = (f"{med(arm, 'overhead'):.1%} ({med(arm, 'overhead_ms'):.1f} ms)"
+                    if arm in ("rft-inline", "rft-ray-sync") else "–")
         print(f"| {arm} | {med(arm, 'step_s'):.3f} | {med(arm, 'generate_s'):.3f} | {med(arm, 'train_s'):.3f} | "
               f"{overhead} | {fmt(med(arm, 'to_target_s'), '.2f')} | {med(arm, 'peak_gb'):.2f} |")
     print()
