@@ -685,7 +685,8 @@ class Frozen(dict):
     """A resolved config node as a dict whose keys also read as attributes (`cfg.trainer.grad_clip`),
     read-only. The explorer and trainer read their config many times a step, and each level of an
     OmegaConf lookup costs ~6 us (~0.5 ms a step in all); they never change it, so they keep it
-    as this (rft.config.frozen) and a read costs what a dict lookup does."""
+    as this (rft.config.frozen) and a read costs what a dict lookup does. A key named like a dict
+    method (`items`, `get`, ...) reads only as `cfg["items"]`; the schema has none."""
 
     __slots__ = ()
 
