@@ -13,6 +13,7 @@ import logging
 import os
 from pathlib import Path
 
+from rft.config import frozen
 from rft.errors import ConfigError
 
 
@@ -230,6 +231,7 @@ def start_trainer(Actor, cfg, plan, init_path, name: str, common: dict, options:
 
     `options`: Ray options per rank (from placement_for), one per rank.
     """
+    cfg = frozen(cfg)  # the component's reads, many a step, as plain dicts (rft.config.Frozen)
     if cfg.trainer.trainer_strategy != "fsdp2":
         return Actor("rft.trainer:Trainer", cfg, plan, init_path, name=name, **common, **options[0])
     import torch.distributed as dist
@@ -255,6 +257,7 @@ def start_explorers(Actor, cfg, count: int, weights: str | None, version: int, t
     `version`; explorer i takes tasks i, i+count, ... of each step. Ray restarts a dead one."""
     from rft.explorer import Explorer
 
+    cfg = frozen(cfg)  # the component's reads, many a step, as plain dicts (rft.config.Frozen)
     restarts = dict(max_restarts=cfg.cluster.max_actor_restarts) if cfg.cluster.backend == "ray" else {}
     return [Actor(Explorer, cfg, weights, version, i, name=f"{title}_{cfg.explorer.name}" + (f"_{i}" if count > 1 else ""),
                   **common, **options[i], **restarts) for i in range(count)]

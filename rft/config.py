@@ -684,9 +684,11 @@ def flat(cfg) -> dict[str, Any]:
 class Frozen(dict):
     """A resolved config node as a dict whose keys also read as attributes (`cfg.trainer.grad_clip`),
     read-only. The explorer and trainer read their config many times a step, and each level of an
-    OmegaConf lookup costs ~6 us (~0.5 ms a step in all); they never change it, so they keep it
+    OmegaConf lookup costs ~6 us (~0.5 ms a step in all); they never change it, so they get it
     as this (rft.config.frozen) and a read costs what a dict lookup does. A key named like a dict
-    method (`items`, `get`, ...) reads only as `cfg["items"]`; the schema has none."""
+    method (`items`, `get`, ...) reads only as `cfg["items"]`; the schema has none. The runtime
+    hands it to them (rft.actors.start_trainer, start_explorers); built directly, they take a
+    DictConfig as well."""
 
     __slots__ = ()
 

@@ -20,7 +20,6 @@ import time
 from collections import deque
 
 from rft.algorithms import resolve
-from rft.config import frozen
 from rft.data import epoch_batch, step_seed
 from rft.errors import RunError
 from rft.sync import fingerprint, from_payload, node_id, one_thread, same_weights
@@ -245,7 +244,7 @@ class Explorer:
     def __init__(self, cfg, weights_path: str | None = None, version: int = 0, shard: int = 0):
         import torch
 
-        self.cfg = cfg = frozen(cfg)  # read many times a step: plain dicts, not OmegaConf lookups
+        self.cfg = cfg
         # denormal floats (tiny Adam moments, decayed weights) make CPU math many times slower
         torch.set_flush_denormal(True)
         self.tokenizer = load_tokenizer(cfg.model)

@@ -31,7 +31,6 @@ from transformers import get_scheduler
 from rft.algorithms import ADVANTAGE_FNS, KL_FNS, POLICY_LOSS_FNS, off_policy, resolve, rollout_is, shaping
 from rft.algorithms.advantages import gae_returns
 from rft.algorithms.aggregation import agg_loss
-from rft.config import frozen
 from rft.critic import Critic, explained_variance
 from rft.sync import SharedWriter, fingerprint, for_safetensors, node_id, one_thread, shared_fits, to_arrays
 from rft.experience import Experience, collate
@@ -151,7 +150,7 @@ class Trainer:
     the hooks it overrides are marked "(data parallel)" below."""
 
     def __init__(self, cfg, plan, init_path: str | None = None):
-        self.cfg = cfg = frozen(cfg)  # read many times a step: plain dicts, not OmegaConf lookups
+        self.cfg = cfg
         self.plan = plan
         self._shared = None  # memory sync's shared-memory segment (sync_payload), made when first used
         torch.manual_seed(cfg.seed)

@@ -232,10 +232,11 @@ def test_fp32_lm_head_computes_the_output_layer_in_float32():
 
 
 def test_eager_attention_packs_the_same_as_sdpa(trainer):
-    from rft.config import frozen
+    from omegaconf import OmegaConf
+
     from rft.models import load_model
 
-    cfg = frozen({**trainer.cfg.model, "attn_implementation": "eager"})
+    cfg = OmegaConf.merge(trainer.cfg.model, {"attn_implementation": "eager"})
     eager = load_model(cfg)
     assert eager.config._attn_implementation == "eager"
     full = collate(batch(), trainer.tokenizer.pad_token_id)
