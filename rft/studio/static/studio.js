@@ -170,8 +170,12 @@ const runs = {
   },
 
   async chart() {
+    // the 2 s refresh and a changed choice can each have a request out: only the newest call draws
+    // (an older answer arriving last would put back the curves of the choice before)
+    const ticket = this.chartTicket = (this.chartTicket || 0) + 1;
     const q = `metric=${encodeURIComponent(this.metric)}&stage=${encodeURIComponent($("#stage").value)}&`;
     const traces = this.checked.size ? await api("/api/curves?" + q + this.query()) : [];
+    if (ticket !== this.chartTicket) return;
     const data = traces.map(t => ({x: t.x, y: t.y, name: t.name, mode: "lines+markers", type: "scatter"}));
     Plotly.react("chart", data, {title: {text: this.metric}, xaxis: {title: {text: "step"}}, yaxis: {title: {text: this.metric}},
                                  margin: {t: 40}, legend: {orientation: "h"}}, {displaylogo: false});
