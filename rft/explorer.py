@@ -17,7 +17,6 @@ import random
 import statistics
 import threading
 import time
-from collections import deque
 
 from rft.algorithms import resolve
 from rft.data import epoch_batch, step_seed
@@ -85,84 +84,69 @@ def run_jobs(fn, jobs: list, runners: int, timeout: float, retries: int,
     A call that raises, or runs longer than `timeout` seconds, is retried up to `retries` times;
     then its result is None. A timed-out call is abandoned, not killed (Python cannot stop a
     thread): it keeps its thread until it returns, but no longer holds a runner or the step.
-    The runners are workers on `_THREADS` (threads kept from one call to the next), each taking
-    the next job when it finishes one; the caller wakes when all are done, and every 10 ms to
-    look for calls past their timeout (one hand-over per job between the caller and a thread
-    cost ~30 us each, more inside a Ray actor).
+    The calls run on `_THREADS`, threads kept from one call of run_jobs to the next.
     With `min_done`, once that many jobs have finished the rest get `wait_after_min` seconds more
     and are then dropped (explorer.over_rollout).
     """
     results: list = [None] * len(jobs)
     tries = [0] * len(jobs)
     counters = {"errors": 0, "timeouts": 0, "retries": 0, "failed": 0, "over_rollout_dropped": 0}
-    todo = deque(range(len(jobs)))
-    running: dict[int, tuple[int, float]] = {}  # job -> (attempt, start time)
-    state = {"done": 0, "workers": 0, "last_error": None, "over": False}
-    cond = threading.Condition()  # guards all of the above
+    last_error = None
+    todo = list(range(len(jobs)))
+    running: dict[int, float] = {}  # job -> start time
+    finished: queue.Queue = queue.Queue()  # (job, attempt, ok, value)
+    done = 0
+    min_reached_at = None
+
+    def call(i: int, attempt: int) -> None:
+        try:
+            finished.put((i, attempt, True, fn(jobs[i])))
+        except Exception as e:  # a failing reward function must not end the run
+            finished.put((i, attempt, False, e))
 
     def failed(i: int) -> None:
+        nonlocal done
         if tries[i] <= retries:
             counters["retries"] += 1
             todo.append(i)
         else:
             counters["failed"] += 1
-            state["done"] += 1
+            done += 1
 
-    def work() -> None:
-        while True:
-            with cond:
-                if state["over"] or not todo:
-                    state["workers"] -= 1
-                    return
-                i = todo.popleft()
-                tries[i] += 1
-                attempt = tries[i]
-                running[i] = (attempt, time.monotonic())
-            try:
-                ok, value = True, fn(jobs[i])
-            except Exception as e:  # a failing reward function must not end the run
-                ok, value = False, e
-            with cond:
-                if running.get(i, (0, 0.0))[0] != attempt:
-                    return  # abandoned (timed out, or the call is over): another worker took its place
+    while todo or running:
+        while todo and len(running) < runners:
+            i = todo.pop(0)
+            tries[i] += 1
+            running[i] = time.monotonic()
+            _THREADS.start(call, i, tries[i])
+        try:
+            i, attempt, ok, value = finished.get(timeout=0.01)
+            if i in running and attempt == tries[i]:  # not a late answer from an abandoned call
                 del running[i]
                 if ok:
                     results[i] = value
-                    state["done"] += 1
+                    done += 1
                 else:
                     counters["errors"] += 1
-                    state["last_error"] = f"{type(value).__name__}: {value}"
-                    log.warning("job %d attempt %d raised %s", i, attempt, state["last_error"])
+                    last_error = f"{type(value).__name__}: {value}"
+                    log.warning("job %d attempt %d raised %s", i, attempt, last_error)
                     failed(i)
-                if (not todo and not running) or (min_done is not None and state["done"] >= min_done):
-                    cond.notify()
-
-    min_reached_at = None
-    with cond:
-        while True:
-            while todo and state["workers"] < min(runners, len(todo) + len(running)):
-                state["workers"] += 1
-                _THREADS.start(work)
-            if not todo and not running:
+        except queue.Empty:
+            pass
+        now = time.monotonic()
+        for i, t0 in list(running.items()):
+            if now - t0 > timeout:
+                del running[i]
+                counters["timeouts"] += 1
+                log.warning("job %d attempt %d timed out after %.1f s", i, tries[i], timeout)
+                failed(i)
+        if min_done is not None and done >= min_done:
+            min_reached_at = min_reached_at or now
+            if now - min_reached_at >= wait_after_min and (todo or running):
+                counters["over_rollout_dropped"] = len(todo) + len(running)
                 break
-            cond.wait(0.01)
-            now = time.monotonic()
-            for i, (attempt, t0) in list(running.items()):
-                if now - t0 > timeout:
-                    del running[i]
-                    state["workers"] -= 1  # its thread stays with the hung call
-                    counters["timeouts"] += 1
-                    log.warning("job %d attempt %d timed out after %.1f s", i, attempt, timeout)
-                    failed(i)
-            if min_done is not None and state["done"] >= min_done:
-                min_reached_at = min_reached_at or now
-                if now - min_reached_at >= wait_after_min and (todo or running):
-                    counters["over_rollout_dropped"] = len(todo) + len(running)
-                    break
-        state["over"] = True
-        running.clear()  # a call still running ends without writing into `results`
-    if state["last_error"] is not None:
-        counters["last_error"] = state["last_error"]  # a string: for the message when every task fails
+    if last_error is not None:
+        counters["last_error"] = last_error  # a string: for the message when every task fails
     return results, counters
 
 
