@@ -19,7 +19,7 @@ import threading
 import time
 
 from rft.algorithms import resolve
-from rft.data import epoch_batch, step_seed
+from rft.data import budget_report, epoch_batch, step_seed
 from rft.errors import RunError
 from rft.sync import fingerprint, from_payload, node_id, one_thread, same_weights
 from rft.models import load_tokenizer, local_device
@@ -280,6 +280,18 @@ class Explorer:
 
     def ping(self) -> int:
         return os.getpid()
+
+    def token_budget_warnings(self) -> list[str]:
+        """One sentence per taskset whose first prompts are longer than model.max_prompt_tokens
+        (they will be cut, and a run would not say so). Checked here, where the tokenizer is
+        loaded anyway: in the driver it would cost the driver of a Ray run torch's memory."""
+        inp, todo = self.cfg.buffer.explorer_input, []
+        if self.cfg.mode in ("both", "explore"):
+            todo.append((inp.taskset, "buffer.explorer_input.taskset"))
+        if self.cfg.mode in ("both", "train"):
+            todo += [(ts, f"buffer.explorer_input.eval_tasksets[{i}]") for i, ts in enumerate(inp.eval_tasksets)]
+        texts = (budget_report(ds, self.tokenizer, self.cfg.model, False, where) for ds, where in todo)
+        return [t for t in texts if t]
 
     def tasks_for_step(self, step: int):
         """This explorer's share of step `step`'s tasks (epoch-wise shuffles seeded by (seed, epoch))."""

@@ -94,28 +94,6 @@ def dataset_size(cfg: DictConfig, sources: dict | None = None) -> int:
     return len(rows)
 
 
-def check_token_budgets(cfg: DictConfig, plan, title: str, say) -> None:
-    """Warn once per dataset when its first prompts (or, for a training dataset, responses) are
-    longer than the model's token budgets: they will be cut, and a run would not say so."""
-    from rft.data import budget_report
-    from rft.models import load_tokenizer
-
-    tok = load_tokenizer(cfg.model)
-    inp = cfg.buffer.explorer_input
-    eb = cfg.buffer.trainer_input.experience_buffer
-    todo = []
-    if cfg.mode in ("both", "explore"):
-        todo.append((inp.taskset, "buffer.explorer_input.taskset", False))
-    if cfg.mode in ("both", "train"):
-        todo += [(ts, f"buffer.explorer_input.eval_tasksets[{i}]", False) for i, ts in enumerate(inp.eval_tasksets)]
-    if plan.input_kind == "dataset":
-        todo.append((eb, "buffer.trainer_input.experience_buffer", True))
-    for ds, where, responses in todo:
-        text = budget_report(ds, tok, cfg.model, responses, where)
-        if text:
-            say(f"rft: warning: stage {title}: {text}")
-
-
 def ray_namespace(cfg: DictConfig, run_dir: Path) -> str:
     """Actor names are unique within a Ray namespace: runs sharing one Ray cluster (a sweep's jobs
     often have the same name, differing by seed) each get their own, from their output dir."""
@@ -227,8 +205,6 @@ def _run(cfg: DictConfig, stages: list, plans: list, stage_dirs: list[Path], run
         rundir.check_writable(cache, "stage_cache_dir")
     rundir.write_record(cfg, run_dir)
     ensure_model(stages[0].model)
-    for s, p in zip(stages, plans):
-        check_token_budgets(s, p, s.stage_name or s.algorithm.algorithm_type, print)
     for s in stages[:-1]:
         if s.trainer.save_hf_checkpoint == "never" and s.mode != "explore":
             raise ConfigError(f"stage {s.stage_name or s.algorithm.algorithm_type!r}: trainer.save_hf_checkpoint=never "

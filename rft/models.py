@@ -70,12 +70,14 @@ def build_tiny_model(path: str | Path, seed: int = 0, arch: dict | None = None, 
     `arch` overrides entries of TINY_ARCH (a larger model for benchmarks, a narrow one for tests);
     `tools` adds the tool role and tool-call tokens (model=tiny_tools).
     """
+    path = Path(path).expanduser()
+    if (path / "config.json").exists():  # built: the driver of a Ray run need not import torch
+        return path
     import torch
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen2Config
 
     _quiet_transformers()
-    path = Path(path).expanduser()
     path.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(path) + ".lock"):
         if (path / "config.json").exists():

@@ -6,6 +6,7 @@ import itertools
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 from tqdm import tqdm
@@ -71,10 +72,8 @@ class Monitor:
         self.shown: dict[str, float] = {}
         self.tb = None
         if "tensorboard" in cfg.monitor.monitor_type:
-            from torch.utils.tensorboard import SummaryWriter
-
             # TensorBoard hides what a killed run logged from purge_step on: the steps run again
-            self.tb = SummaryWriter(str(run_dir / "tensorboard"), purge_step=start_step + 1 if start_step else 0)
+            self.tb = TensorBoard(run_dir / "tensorboard", purge_step=start_step + 1 if start_step else 0)
         self.wandb = None
         if "wandb" in cfg.monitor.monitor_type:
             import wandb
@@ -90,7 +89,7 @@ class Monitor:
         self.file.flush()
         if self.tb is not None:
             for k, v in metrics.items():
-                self.tb.add_scalar(k, v, step)
+                self.tb.scalar(k, v, step)
         if self.wandb is not None:
             self.wandb.log(metrics, step=step)
         self.shown.update({k: metrics[k] for k in self.keys if k in metrics})
@@ -127,9 +126,7 @@ class Monitor:
 
     def histogram(self, step: int, name: str, values: list) -> None:
         if self.tb is not None and values:
-            import torch
-
-            self.tb.add_histogram(name, torch.tensor(values, dtype=torch.float32), step)
+            self.tb.histogram(name, values, step)
 
     def print(self, text: str) -> None:
         if self.bar is not None:
@@ -146,6 +143,42 @@ class Monitor:
             self.tb.close()
         if self.wandb is not None:
             self.wandb.finish()
+
+
+class TensorBoard:
+    """Event files through the tensorboard package's own writer and protos: what torch's
+    SummaryWriter wraps, without importing torch into the driver of a Ray run (~0.2 GB there)."""
+
+    def __init__(self, log_dir: Path, purge_step: int):
+        from tensorboard.compat.proto import event_pb2, summary_pb2
+        from tensorboard.summary.writer.event_file_writer import EventFileWriter
+
+        self.pb, self.summary = event_pb2, summary_pb2
+        self.writer = EventFileWriter(str(log_dir))
+        # a session start at purge_step: TensorBoard drops what earlier files logged from it on
+        self._event(purge_step, file_version="brain.Event:2")
+        self._event(purge_step, session_log=event_pb2.SessionLog(status=event_pb2.SessionLog.START))
+
+    def _event(self, step: int, **fields) -> None:
+        self.writer.add_event(self.pb.Event(wall_time=time.time(), step=int(step), **fields))
+
+    def scalar(self, tag: str, value: float, step: int) -> None:
+        self._event(step, summary=self.summary.Summary(value=[self.summary.Summary.Value(tag=tag, simple_value=float(value))]))
+
+    def histogram(self, tag: str, values: list[int], step: int) -> None:
+        """Whole-number values (staleness), one bucket per number: k counts into (k - 0.5, k + 0.5].
+        TensorBoard's buckets are given by their right limits, so an empty first one sets the left."""
+        lo, hi = min(values), max(values)
+        counts = [0] * (hi - lo + 2)
+        for v in values:
+            counts[v - lo + 1] += 1
+        histo = self.summary.HistogramProto(
+            min=lo, max=hi, num=len(values), sum=sum(values), sum_squares=sum(v * v for v in values),
+            bucket_limit=[lo - 0.5 + i for i in range(len(counts))], bucket=counts)
+        self._event(step, summary=self.summary.Summary(value=[self.summary.Summary.Value(tag=tag, histo=histo)]))
+
+    def close(self) -> None:
+        self.writer.close()
 
 
 def _reopen(path: Path, start_step: int):

@@ -124,6 +124,9 @@ class StageRun:
         self.explorers = start_explorers(Actor, cfg, self.plan.explorers, str(latest.hf_path) if resumed else self.init_path,
                                          self.start if resumed else 0, self.title, common, options)
         wait_reward_models(self.reward_models)  # a model that does not load: a ConfigError naming it
+        if self.explorers:
+            for text in self.explorers[0].call("token_budget_warnings"):
+                print(f"rft: warning: stage {self.title}: {text}", flush=True)
         self._open_input(saved, latest)
         self.sync = SYNC_METHODS[cfg.synchronizer.sync_method](self.dir, cfg.synchronizer)
         self._schedule_state(saved)
@@ -154,10 +157,14 @@ class StageRun:
         checkpoint left it."""
         cfg, eb = self.cfg, self.cfg.buffer.trainer_input.experience_buffer
         if self.plan.input_kind == "dataset":
+            from rft.data import budget_report
             from rft.models import load_tokenizer
 
-            self.source = DatasetReader(eb, load_tokenizer(cfg.model), cfg.model.max_prompt_tokens,
-                                        cfg.model.max_response_tokens, cfg.seed)
+            tok = load_tokenizer(cfg.model)
+            text = budget_report(eb, tok, cfg.model, True, "buffer.trainer_input.experience_buffer")
+            if text:  # its prompts and responses; the explorer's tasksets: token_budget_warnings
+                print(f"rft: warning: stage {self.title}: {text}", flush=True)
+            self.source = DatasetReader(eb, tok, cfg.model.max_prompt_tokens, cfg.model.max_response_tokens, cfg.seed)
         else:
             self.buffer = make_buffer(eb)
             self._restore_buffer(saved.get("buffer"), latest)

@@ -148,6 +148,26 @@ def test_tensorboard_drops_the_step_0_of_a_run_killed_before_its_first_checkpoin
     assert [(e.step, round(e.value, 3)) for e in events.Scalars("eval/accuracy")] == [(0, 0.2), (1, 0.3)]
 
 
+def test_tensorboard_reads_the_scalars_and_the_staleness_histogram(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    monitor = Monitor(compose_cfg(["monitor=tensorboard"]), tmp_path, 4, 0, "grpo")
+    monitor.log(1, {"reward/mean": 0.25, "staleness/max": 2})
+    monitor.histogram(1, "staleness", [1, 0, 2, 2, 2])
+    monitor.histogram(2, "staleness", [])  # nothing trained: nothing drawn
+    monitor.close()
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("reward/mean")] == [(1, 0.25)]
+    assert [(e.step, e.value) for e in events.Scalars("staleness/max")] == [(1, 2.0)]
+    (h,) = events.Histograms("staleness")
+    v = h.histogram_value
+    # one bucket per whole number, given by right limits after an empty one that sets the left:
+    # (-inf, -0.5] 0, (-0.5, 0.5] one 0, (0.5, 1.5] one 1, (1.5, 2.5] three 2s; sum 7, squares 1+4*3=13
+    assert (h.step, v.min, v.max, v.num, v.sum, v.sum_squares) == (1, 0, 2, 5, 7, 13)
+    assert list(v.bucket_limit) == [-0.5, 0.5, 1.5, 2.5] and list(v.bucket) == [0, 1, 1, 3]
+
+
 def test_batches_record_what_each_step_trained_on_with_a_digest_of_tokens_and_rewards(tmp_path):
     from rft.experience import Experience
 

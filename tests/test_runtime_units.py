@@ -486,8 +486,8 @@ def test_sleep_mode_frees_the_engines_only_while_the_trainer_trains():
 def test_the_driver_of_a_ray_run_does_not_import_the_trainer():
     """The runner (the driver's loop) needs neither torch nor the trainer's transformers and peft
     modules: each would be a copy in the driver besides the actors' (about 0.1 GB for the trainer's
-    modules, measured with PSS). torch still comes in with the tokenizer the driver checks token
-    budgets with (transformers imports it), so only the runner's own imports are held to none."""
+    modules, measured with PSS). A whole Ray run's driver is checked in
+    tests/test_e2e.py::test_shortened_default_learns_through_ray."""
     import subprocess
     import sys
 
