@@ -19,6 +19,7 @@ read position and its unread experiences (those explored ahead), and the next st
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import time
@@ -29,7 +30,7 @@ from pathlib import Path
 from omegaconf import open_dict
 
 from rft import checkpoint, scoring
-from rft.actors import ACTOR_BACKENDS, start_explorers, start_trainer
+from rft.actors import ACTOR_BACKENDS, long_lived, start_explorers, start_trainer
 from rft.algorithms.off_policy import staleness
 from rft.buffer import make_buffer
 from rft.checkpoint import Checkpoint, latest_checkpoint, set_aside, usable_checkpoint
@@ -64,7 +65,8 @@ def run_stage(cfg, plan, stage_dir: Path, init_path: str | None, title: str) -> 
     if latest is not None and latest.step >= plan.total_steps:
         print(f"[{title}] already finished (step {latest.step}); outputs in {stage_dir}")
         return latest.hf_path if trains else None
-    stage = StageRun(cfg, plan, stage_dir, init_path, title, latest)
+    with long_lived():  # the driver's modules, datasets and buffer: frozen for its collections
+        stage = StageRun(cfg, plan, stage_dir, init_path, title, latest)
     try:
         stage.loop()
     finally:
@@ -593,3 +595,4 @@ class StageRun:
             from ray.util.placement_group import remove_placement_group
 
             remove_placement_group(self.pg)
+        gc.unfreeze()  # what the stage froze (rft.actors.long_lived) can be collected again

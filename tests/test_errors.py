@@ -274,6 +274,9 @@ def test_prompts_and_responses_past_the_token_budgets_are_counted_and_warned_abo
               f"checkpoint_root_dir={tmp_path}", "stage_cache_dir=null"]
     rft.main.main(compose_cfg([*common, "stages=[]", "buffer.batch_size=4", "algorithm.repeat_times=2", "name=rl"]))
     out = capsys.readouterr().out
+    import gc
+
+    assert gc.get_freeze_count() == 0  # what the stage froze (rft.actors.long_lived), unfrozen at its end
     assert (f"rft: warning: stage grpo: 1 of the first 4 prompts of buffer.explorer_input.taskset ({data}) are "
             f"longer than model.max_prompt_tokens=24 tokens (the longest has 29, chat template included) and "
             f"will be cut from the left") in out

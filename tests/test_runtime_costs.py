@@ -129,7 +129,8 @@ def _bench():
 def test_the_trl_comparison_summarizes_by_hand():
     steps = [{"step": k, "step_s": s, "generate_s": g, "train_s": 0.2}
              for k, s, g in [(1, 1.0, 0.1), (2, 0.5, 0.1), (3, 0.4, 0.05), (4, 0.5, 0.25), (5, 0.6, 0.1)]]
-    run = {"steps": steps, "evals": {0: 0.1, 2: 0.85, 4: 0.92}, "start": 0.1, "peak": 2**30}
+    run = {"steps": steps, "evals": {0: 0.1, 2: 0.85, 4: 0.92}, "start": 0.1,
+           "peak": {"driver": 2**29, "actors": 2**28, "ray": 2**28}}
     s = _bench().summarize(run, 0.9)
     # steps 3..5: median of 0.4, 0.5, 0.6 = 0.5; generate median 0.1
     assert s["step_s"] == pytest.approx(0.5) and s["generate_s"] == pytest.approx(0.1)
@@ -138,5 +139,9 @@ def test_the_trl_comparison_summarizes_by_hand():
     assert s["overhead"] == pytest.approx(0.375) and s["overhead_ms"] == pytest.approx(150)
     # first eval >= 0.9 at step 4: steps 1..4 took 1.0 + 0.5 + 0.4 + 0.5 = 2.4 s
     assert s["to_target_step"] == 4 and s["to_target_s"] == pytest.approx(2.4)
-    assert s["final"] == 0.92 and s["peak_gb"] == 1.0
+    # peak PSS by role: 0.5 + 0.25 + 0.25 GB = 1 GB in all
+    assert s["final"] == 0.92 and s["peak_gb"] == 1.0 and (s["driver_gb"], s["actors_gb"], s["ray_gb"]) == (0.5, 0.25, 0.25)
+    bench = _bench()
+    assert bench.role(["ray::_Host.run"], False) == "actors" and bench.role(["ray::DashboardAgent"], False) == "ray"
+    assert bench.role(["/venv/bin/python", "run.py"], True) == "driver" and bench.role(["raylet"], False) == "ray"
     assert _bench().summarize({**run, "evals": {0: 0.1, 2: 0.5}}, 0.9)["to_target_s"] is None

@@ -566,3 +566,32 @@ def test_asking_for_the_ray_node_outside_ray_does_not_import_ray():
     code = "import sys; from rft.sync import node_id; print(repr(node_id()), 'ray' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["''", "False"]
+
+
+def test_long_lived_freezes_what_is_made_inside_and_gives_the_collector_back():
+    """rft.actors.long_lived: no collections while an actor is built, then its objects frozen."""
+    import gc
+
+    from rft.actors import long_lived
+
+    gc.unfreeze()
+    assert gc.isenabled() and gc.get_freeze_count() == 0
+    with long_lived():
+        assert not gc.isenabled()
+        kept = [[i] for i in range(1000)]  # 1001 lists, each tracked by the collector
+    try:
+        assert gc.isenabled() and gc.get_freeze_count() >= 1001
+        # frozen: in no generation, so a full collection does not scan them
+        assert gc.is_tracked(kept[0]) and id(kept[0]) not in {id(o) for o in gc.get_objects(generation=2)}
+        with pytest.raises(ValueError, match="bad build"):
+            with long_lived():
+                raise ValueError("bad build")
+        assert gc.isenabled()  # an actor that failed to build leaves the collector on
+        gc.disable()
+        with long_lived():
+            pass
+        assert not gc.isenabled()  # a caller's disabled collector stays so
+    finally:
+        gc.enable()
+        gc.unfreeze()
+    del kept

@@ -21,7 +21,8 @@
    (each step's 1 - (generate + train compute) / step, the median over steps), time to the first
    eval >= 0.9 (the sum of the step times up to it), and peak memory of the process tree (PSS:
    shared pages such as torch's libraries count once across processes, as they occupy memory
-   once); then the ratios the README quotes.
+   once), and for the Ray arms how it splits between the driver, the actors and Ray's own
+   processes; then the ratios the README quotes.
 
 Timings on a shared machine are noisy: compare the ratios of one invocation, not numbers across
 machines. Outputs go to --out (default: a temporary directory, removed at the end).
@@ -59,35 +60,46 @@ def ensure_trl_venv() -> Path:
     return py
 
 
-def tree_pss(pid: int) -> int:
-    """Bytes of PSS of a process and all its descendants (0 for those already gone)."""
+def role(cmdline: list[str], top: bool) -> str:
+    """Whose a process of the tree is: the driver (the command run), an rft actor (Ray names its
+    workers' processes "ray::<class>", ours are all rft.actors._Host), or Ray's own and helpers
+    (GCS, raylet, dashboard and agents, monitors, rft's reaper, multiprocessing's trackers)."""
+    if top:
+        return "driver"
+    return "actors" if cmdline and cmdline[0].startswith("ray::_Host") else "ray"
+
+
+def tree_pss(pid: int) -> dict[str, int]:
+    """Bytes of PSS of a process and all its descendants (0 for those already gone), by role."""
     import psutil
 
     try:
         procs = [psutil.Process(pid)]
         procs += procs[0].children(recursive=True)
     except psutil.NoSuchProcess:
-        return 0
-    total = 0
+        return {}
+    parts = {"driver": 0, "actors": 0, "ray": 0}
     for p in procs:
         try:
-            total += p.memory_full_info().pss
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            parts[role(p.cmdline(), p.pid == pid)] += p.memory_full_info().pss
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             pass
-    return total
+    return parts
 
 
-def run_measured(cmd: list[str], log: Path, env: dict | None = None) -> int:
-    """Run `cmd` (output to `log`); returns the peak PSS of its process tree, sampled every 2 s
-    (reading PSS walks each process's page tables: sampled every 0.2 s it took enough CPU from a
-    2-core machine to slow a Ray run by a third)."""
-    peak = [0]
+def run_measured(cmd: list[str], log: Path, env: dict | None = None) -> dict[str, int]:
+    """Run `cmd` (output to `log`); returns the PSS of its process tree by role (tree_pss) when
+    the whole was largest, sampled every 2 s (reading PSS walks each process's page tables:
+    sampled every 0.2 s it took enough CPU from a 2-core machine to slow a Ray run by a third)."""
+    peak: list[dict] = [{}]
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
 
         def sample():
             while proc.poll() is None:
-                peak[0] = max(peak[0], tree_pss(proc.pid))
+                parts = tree_pss(proc.pid)
+                if sum(parts.values()) > sum(peak[0].values()):
+                    peak[0] = parts
                 time.sleep(2.0)
 
         t = threading.Thread(target=sample, daemon=True)
@@ -161,7 +173,8 @@ def summarize(run: dict, target: float) -> dict:
     overhead = statistics.median(1 - (s["generate_s"] + s["train_s"]) / s["step_s"] for s in steady)
     return {**med, "overhead": overhead, "overhead_ms": statistics.median(
                 s["step_s"] - s["generate_s"] - s["train_s"] for s in steady) * 1000,
-            "to_target_s": to_target, "to_target_step": reached, "peak_gb": run["peak"] / 2**30,
+            "to_target_s": to_target, "to_target_step": reached, "peak_gb": sum(run["peak"].values()) / 2**30,
+            **{f"{k}_gb": v / 2**30 for k, v in run["peak"].items()},
             "final": run["evals"][max(run["evals"])], "start": run["start"]}
 
 
@@ -192,7 +205,7 @@ def main() -> None:
                   f">= {args.target} at step {s['to_target_step']}", flush=True)
 
     def med(arm, key):
-        vals = [r[key] for r in results[arm] if r[key] is not None]
+        vals = [r.get(key) for r in results[arm] if r.get(key) is not None]
         return statistics.median(vals) if len(vals) == len(results[arm]) else None
 
     fmt = lambda v, f: "never" if v is None else format(v, f)  # noqa: E731
@@ -205,6 +218,11 @@ def main() -> None:
                     if arm in ("rft-inline", "rft-ray-sync") else "–")
         print(f"| {arm} | {med(arm, 'step_s'):.3f} | {med(arm, 'generate_s'):.3f} | {med(arm, 'train_s'):.3f} | "
               f"{overhead} | {fmt(med(arm, 'to_target_s'), '.2f')} | {med(arm, 'peak_gb'):.2f} |")
+    print("\npeak PSS by process (GB): the driver, rft's actors, Ray's own processes and helpers")
+    for arm in args.arms:
+        if arm.startswith("rft-ray"):
+            print(f"  {arm}: driver {med(arm, 'driver_gb'):.2f}, actors {med(arm, 'actors_gb'):.2f}, "
+                  f"Ray {med(arm, 'ray_gb'):.2f}")
     print()
     pairs = [("rft-inline", "trl-1", "step_s"), ("rft-ray", "trl-2", "step_s"), ("rft-ray-sync", "trl-2", "step_s"),
              ("rft-inline", "trl-1", "to_target_s"), ("rft-ray", "trl-2", "to_target_s"),
