@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from rft.config import frozen
-from rft.errors import ConfigError
+from rft.errors import ConfigError, RunError
 
 
 def setup_actor_logging(log_dir: str, name: str, level: str) -> None:
@@ -109,6 +109,7 @@ class RayActor:
 
         self._ray = ray
         self.name = name
+        self.log = Path(log_dir) / f"{name}.log"
         host = ray.remote(max_concurrency=1)(_Host)
         self.actor = host.options(name=name, **resources).remote(cls, log_dir, name, level, threads, args)
 
@@ -121,6 +122,9 @@ class RayActor:
             return self._ray.get(future, timeout=timeout)
         except self._ray.exceptions.GetTimeoutError as e:
             raise TimeoutError(f"{self.name} did not answer within {timeout} s") from e
+        except self._ray.exceptions.RayActorError as e:
+            raise not_started(e, self.name, self.log) or e
+
 
     def call(self, method: str, *args):
         return self.get(self.submit(method, *args))
@@ -154,15 +158,17 @@ class ActorGroup:
     def get(self, future, timeout: float | None = None):
         pending, self._others = [(self.actors[0], future), *self._others], []
         if isinstance(self.actors[0], RayActor):
-            self._fail_fast([f for _, f in pending], timeout)
+            self._fail_fast(pending, timeout)
         return [actor.get(f, timeout) for actor, f in pending][0]
 
-    def _fail_fast(self, futures: list, timeout: float | None) -> None:
+    def _fail_fast(self, pending: list, timeout: float | None) -> None:
         """Raise as soon as any rank's call fails: the others may be waiting for it inside a
         collective, and would only notice after the process group's timeout."""
         import time
 
         ray = self.actors[0]._ray
+        owner = {f: actor for actor, f in pending}
+        futures = list(owner)
         deadline = None if timeout is None else time.monotonic() + timeout
         while futures:
             left = None if deadline is None else max(deadline - time.monotonic(), 0)
@@ -171,8 +177,10 @@ class ActorGroup:
                 raise TimeoutError(f"{self.name} did not answer within {timeout} s")
             try:
                 ray.get(ready[0])
-            except ray.exceptions.RayActorError:
-                raise  # a dead rank: the runner reports the trainer as dead, with its checkpoint
+            except ray.exceptions.RayActorError as e:
+                # a dead rank: the runner reports the trainer as dead, with its checkpoint
+                actor = owner[ready[0]]
+                raise not_started(e, actor.name, actor.log) or e
             except Exception as e:
                 # a live rank's collective failing is most often a symptom of another rank's
                 # death (gloo: connection reset); report the death, the cause, when there is one
@@ -321,6 +329,17 @@ def wait_reward_models(workers: list) -> None:
                 f"start: {_why(e)} (its log: <stage>/log/{w.name}.log)"
             ) from None
         logging.getLogger(__name__).info("reward model worker %s ready: %s", w.name, info)
+
+
+def not_started(e: Exception, name: str, log: Path) -> Exception | None:
+    """The error to report for an actor whose constructor raised (None for one that died later,
+    which Ray may restart): its ConfigError as it is (a bad model path, dataset or reward), any
+    other error as a RunError naming the actor. Restarting would only raise it again."""
+    if not getattr(e, "actor_init_failed", False):
+        return None
+    if "ConfigError: " in str(e):
+        return ConfigError(_why(e))
+    return RunError(f"{name} did not start: {_why(e)} (the traceback is in {log})")
 
 
 def _why(e: Exception) -> str:

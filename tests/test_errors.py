@@ -3,6 +3,7 @@
 import json
 import os
 import re
+from pathlib import Path
 
 import pytest
 
@@ -30,6 +31,19 @@ def test_misspelt_key(run_root):
     assert "Key 'repeat_time' not in 'AlgorithmConfig'" in r.stderr
     assert "Traceback" not in r.stderr
     assert_nothing_started(run_root)
+
+
+@pytest.mark.slow  # a real engine, Ray or training run
+def test_a_model_the_ray_actors_cannot_load_is_a_configuration_error_not_a_traceback(run_root):
+    # the driver of a Ray run loads no tokenizer (it holds no torch): the explorer's constructor is
+    # the first to find the hub id unreachable (offline), and its ConfigError reaches the user as is
+    r = run_cli("stages=[]", "model.model_path=someorg/nomodel", "model.builder=null", "buffer.total_steps=2",
+                "cluster=local", env={**run_root, "HF_HUB_OFFLINE": "1"})
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert "rft: configuration error: model.model_path='someorg/nomodel' could not be loaded (OSError: " in r.stderr
+    assert "or a hub id this machine can reach." in r.stderr
+    assert "Traceback" not in r.stderr
+    assert not list(Path(run_root["RFT_CHECKPOINT_ROOT_DIR"]).rglob("checkpoints"))
 
 
 def test_wrong_type(run_root):

@@ -595,3 +595,28 @@ def test_long_lived_freezes_what_is_made_inside_and_gives_the_collector_back():
         gc.enable()
         gc.unfreeze()
     del kept
+
+
+def test_an_actor_whose_constructor_raised_is_reported_by_its_error():
+    """rft.actors.not_started: what Ray raises for a call to an actor whose __init__ raised."""
+    from pathlib import Path
+
+    from rft.actors import not_started
+    from rft.errors import ConfigError, RunError
+
+    class Died(Exception):
+        def __init__(self, text, init_failed):
+            super().__init__(text)
+            self.actor_init_failed = init_failed
+
+    creation = ("The actor died because of an error raised in its creation task, ray::_Host.__init__() "
+                "(pid=7)\n  File \"rft/explorer.py\", line 234, in __init__\n{}\n")
+    e = not_started(Died(creation.format("rft.errors.ConfigError: model.model_path='x' could not be loaded."), True),
+                    "grpo_explorer", Path("run/log/grpo_explorer.log"))
+    assert type(e) is ConfigError and str(e) == "model.model_path='x' could not be loaded."
+    e = not_started(Died(creation.format("RuntimeError: out of memory"), True), "grpo_trainer",
+                    Path("run/log/grpo_trainer.log"))
+    assert type(e) is RunError
+    assert str(e) == "grpo_trainer did not start: RuntimeError: out of memory (the traceback is in run/log/grpo_trainer.log)"
+    # one that died later (killed, out of memory): Ray may restart it, the runner decides
+    assert not_started(Died("The actor died unexpectedly before finishing this task.", False), "x", Path("x.log")) is None
