@@ -5,7 +5,8 @@
 - `chat_ids` / `encode_prompt`: a prompt's token ids (the chat template, over-long prompts keep
   their end).
 - `DatasetReader`: a dataset of prompt/response rows (or preference pairs) as experiences, for
-  training without an explorer (an SFT or DPO stage, algorithm=mix's auxiliary data).
+  training without an explorer (an SFT or DPO stage, algorithm=mix's auxiliary data); the
+  trainer reads it, with its tokenizer (Trainer.train_dataset_step).
 """
 
 from __future__ import annotations

@@ -116,6 +116,21 @@ def collate(exps: list[Experience], pad_id: int) -> dict:
             "prompt_length": torch.tensor([e.prompt_length for e in exps], dtype=torch.long)}
 
 
+def batch_record(step: int, exps: list[Experience]) -> dict:
+    """What step `step` trained on, for batches.jsonl: its groups, the policy versions, and a
+    digest of each experience's tokens and reward (hashed as bytes: a third of the time of JSON)."""
+    import hashlib
+    import struct
+    from array import array
+
+    h = hashlib.sha1()
+    for e in exps:
+        h.update(struct.pack("<qd", len(e.tokens), float(e.reward)))
+        h.update(array("q", e.tokens).tobytes())
+    return {"step": step, "groups": sorted({e.group_id for e in exps}),
+            "versions": sorted(e.policy_version for e in exps), "digest": h.hexdigest()[:16]}
+
+
 def is_experience_file(path) -> bool:
     """True for a JSONL file written by `FileBuffer` (its first line has "tokens"), false for
     anything else, such as a dataset of prompt/response rows."""

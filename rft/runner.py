@@ -34,7 +34,7 @@ from rft.actors import ACTOR_BACKENDS, long_lived, start_explorers, start_traine
 from rft.algorithms.off_policy import staleness
 from rft.buffer import make_buffer
 from rft.checkpoint import Checkpoint, latest_checkpoint, set_aside, usable_checkpoint
-from rft.data import DatasetReader
+from rft.experience import batch_record
 from rft.errors import RunError
 from rft.explorer import step_metrics
 from rft.scoring import describe as describe_reward, spec_of
@@ -91,7 +91,7 @@ class StageRun:
     def __init__(self, cfg, plan, stage_dir: Path, init_path, title: str, latest: Checkpoint | None):
         self.cfg, self.plan, self.dir, self.title = cfg, plan, stage_dir, title
         self.init_path = init_path
-        self.trainer, self.explorers, self.source, self.pg, self.buffer = None, [], None, None, None
+        self.trainer, self.explorers, self.pg, self.buffer = None, [], None, None
         self.monitor = None
         try:
             self._start(latest)
@@ -126,8 +126,10 @@ class StageRun:
         self.explorers = start_explorers(Actor, cfg, self.plan.explorers, str(latest.hf_path) if resumed else self.init_path,
                                          self.start if resumed else 0, self.title, common, options)
         wait_reward_models(self.reward_models)  # a model that does not load: a ConfigError naming it
-        if self.explorers:
-            for text in self.explorers[0].call("token_budget_warnings"):
+        # prompts (and a training dataset's responses) past the token budgets, checked where the
+        # tokenizers are: the explorer's tasksets, the trainer's dataset
+        for actor in (*self.explorers[:1], self.trainer):
+            for text in actor.call("token_budget_warnings") if actor is not None else []:
                 print(f"rft: warning: stage {self.title}: {text}", flush=True)
         self._open_input(saved, latest)
         self.sync = SYNC_METHODS[cfg.synchronizer.sync_method](self.dir, cfg.synchronizer)
@@ -155,20 +157,10 @@ class StageRun:
                 eb.path = str(self.dir / ("buffer.db" if eb.storage_type == "sql" else "experiences.jsonl"))
 
     def _open_input(self, saved: dict, latest: Checkpoint | None) -> None:
-        """What the trainer reads (plan.input_kind): a dataset, or the buffer, put back where the
-        checkpoint left it."""
-        cfg, eb = self.cfg, self.cfg.buffer.trainer_input.experience_buffer
-        if self.plan.input_kind == "dataset":
-            from rft.data import budget_report
-            from rft.models import load_tokenizer
-
-            tok = load_tokenizer(cfg.model)
-            text = budget_report(eb, tok, cfg.model, True, "buffer.trainer_input.experience_buffer")
-            if text:  # its prompts and responses; the explorer's tasksets: token_budget_warnings
-                print(f"rft: warning: stage {self.title}: {text}", flush=True)
-            self.source = DatasetReader(eb, tok, cfg.model.max_prompt_tokens, cfg.model.max_response_tokens, cfg.seed)
-        else:
-            self.buffer = make_buffer(eb)
+        """What the trainer reads (plan.input_kind): the buffer, put back where the checkpoint left
+        it (a dataset the trainer reads itself: Trainer.train_dataset_step)."""
+        if self.plan.input_kind != "dataset":
+            self.buffer = make_buffer(self.cfg.buffer.trainer_input.experience_buffer)
             self._restore_buffer(saved.get("buffer"), latest)
 
     def _schedule_state(self, saved: dict) -> None:
@@ -423,10 +415,6 @@ class StageRun:
         `produced`: in mode=both, how many the explorers made for this step (fewer than planned
         when tasks failed), so the read never waits for experiences that will not come.
         """
-        if self.source is not None:
-            batch = self.source.batch(step - 1, self.plan.experiences_per_step)
-            return batch, {f"train/truncated_{k}s": sum(bool(e.info.get(f"{k}_truncated")) for e in batch)
-                           for k in ("prompt", "response")}
         if produced == 0:
             return [], {}
         eb = self.cfg.buffer.trainer_input.experience_buffer
@@ -475,13 +463,19 @@ class StageRun:
     def _train(self, step: int, produced: int | None) -> dict:
         if self.explores:
             self._awake(False)
+        if self.plan.input_kind == "dataset":
+            t0 = time.perf_counter()
+            metrics, record = self._trainer("train_dataset_step", step, self.plan.experiences_per_step)
+            metrics["timing/train_s"] = time.perf_counter() - t0
+            self.monitor.record_batch(record)
+            return metrics
         t0 = time.perf_counter()
         batch, metrics = self._read_batch(step, produced)
         metrics["timing/read_s"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         if batch:
             metrics.update(self._trainer("train_step", batch))
-            self.monitor.record_batch(step, batch)
+            self.monitor.record_batch(batch_record(step, batch))
         else:
             self._trainer("skip_step")
         metrics["timing/train_s"] = time.perf_counter() - t0

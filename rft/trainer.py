@@ -33,7 +33,7 @@ from rft.algorithms.advantages import gae_returns
 from rft.algorithms.aggregation import agg_loss
 from rft.critic import Critic, explained_variance
 from rft.sync import SharedWriter, fingerprint, for_safetensors, node_id, one_thread, shared_fits, to_arrays
-from rft.experience import Experience, collate
+from rft.experience import WHERE, Experience, batch_record, collate
 from rft import lora, micro_batches
 from rft.logprobs import can_share_prompts, one_row, prompt_units, token_logprobs
 from rft.models import enable_gradient_checkpointing, load_hf_weights, load_model, load_tokenizer, local_device, peak_flops
@@ -181,6 +181,15 @@ class Trainer:
         if plan.needs.critic:
             self.critic = Critic(cfg, os.path.expanduser(cfg.model.critic_model_path or init_path or cfg.model.model_path),
                                  self.device, wrap=self._wrap)
+        # a stage that trains from a dataset (plan.input_kind) reads it here, where the tokenizer
+        # is: the driver then imports neither transformers nor torch. A bad row is a ConfigError
+        # naming it (rft.actors.not_started reports it as one through Ray)
+        self.dataset = None
+        if plan.input_kind == "dataset":
+            from rft.data import DatasetReader
+
+            self.dataset = DatasetReader(cfg.buffer.trainer_input.experience_buffer, self.tokenizer,
+                                         cfg.model.max_prompt_tokens, cfg.model.max_response_tokens, cfg.seed)
         self.sft_reader = None
         if algo.sft_loss_weight > 0:
             from rft.data import DatasetReader
@@ -306,6 +315,26 @@ class Trainer:
         (data-parallel ranks keep the forward: the correction's metrics are over every rank's rows)."""
         return (self.plan.optimizer_steps_per_step == 1 and self.kl_penalty_fn is None
                 and (not stale_fix or self.plan.dp_size == 1))
+
+    def train_dataset_step(self, step: int, size: int) -> tuple[dict, dict]:
+        """Step `step` of a stage that trains from a dataset: its `size` experiences (a function of
+        (seed, step): rft.data.DatasetReader.batch), trained. Returns the step's metrics and what
+        it trained on (rft.experience.batch_record, for batches.jsonl)."""
+        batch = self.dataset.batch(step - 1, size)
+        metrics = {f"train/truncated_{k}s": sum(bool(e.info.get(f"{k}_truncated")) for e in batch)
+                   for k in ("prompt", "response")}
+        metrics.update(self.train_step(batch))
+        return metrics, batch_record(step, batch)
+
+    def token_budget_warnings(self) -> list[str]:
+        """A sentence when the training dataset's first prompts or responses are longer than the
+        model's token budgets (they will be cut); the explorer checks the tasksets."""
+        if self.dataset is None:
+            return []
+        from rft.data import budget_report
+
+        text = budget_report(self.cfg.buffer.trainer_input.experience_buffer, self.tokenizer, self.cfg.model, True, WHERE)
+        return [text] if text else []
 
     def train_step(self, exps: list[Experience]) -> dict:
         """One RL step: prepare the batch -> update (ppo_epochs x mini-batches) -> metrics."""

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 import rft.main
+from rft.monitor import read_metrics
 from conftest import compose_cfg, run_cli
 
 
@@ -44,6 +45,33 @@ def test_a_model_the_ray_actors_cannot_load_is_a_configuration_error_not_a_trace
     assert "or a hub id this machine can reach." in r.stderr
     assert "Traceback" not in r.stderr
     assert not list(Path(run_root["RFT_CHECKPOINT_ROOT_DIR"]).rglob("checkpoints"))
+
+
+@pytest.mark.slow  # a real engine, Ray or training run
+def test_a_dataset_stage_through_ray_reads_its_dataset_in_the_trainer(tmp_path, run_root):
+    """SFT from a file with Ray: the trainer tokenizes the dataset (the driver imports no torch),
+    a bad row stops the run with the ConfigError naming it, and a good file trains."""
+    good = [{"question": f"{a}+{b}", "answer": str(a + b)} for a in range(4) for b in range(2)]
+    bad = write_jsonl(tmp_path / "bad.jsonl", good[:2] + [{"question": "2+2", "answer": None}] + good[3:])
+    common = ["stages=[]", "algorithm=sft", "buffer.explorer_input.generator=null", "buffer.explorer_input.eval_tasksets=[]",
+              "buffer.train_batch_size=4", "buffer.total_steps=2", "cluster=local", "monitor=console"]
+    r = run_cli(*common, f"buffer.explorer_input.taskset.path={bad}", "name=bad", env=run_root)
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert (f"rft: configuration error: buffer.trainer_input.experience_buffer: row 2 of '{bad}' has no 'answer'"
+            in r.stderr) and "Traceback" not in r.stderr
+    data = write_jsonl(tmp_path / "good.jsonl", good)
+    r = run_cli(*common, f"buffer.explorer_input.taskset.path={data}", "name=good",
+                env={**run_root, "PYTHONPROFILEIMPORTTIME": "1"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    driver = {line.rsplit("|", 1)[1].strip() for line in r.stderr.splitlines() if line.startswith("import time:")}
+    assert "ray" in driver and "torch" not in driver and "transformers" not in driver
+    run = Path(run_root["RFT_CHECKPOINT_ROOT_DIR"]) / "rft" / "good"
+    metrics = [m for m in read_metrics(run / "metrics.jsonl") if "loss/policy" in m]
+    # 8 rows, 4 a step: each step trains on 4 whole rows, none cut (3-character questions, 1-digit answers)
+    assert [m["step"] for m in metrics] == [1, 2]
+    assert all((m["train/truncated_prompts"], m["train/truncated_responses"]) == (0, 0) for m in metrics)
+    batches = read_metrics(run / "batches.jsonl")
+    assert [b["step"] for b in batches] == [1, 2] and all(len(b["groups"]) == 4 for b in batches)
 
 
 def test_wrong_type(run_root):

@@ -169,7 +169,7 @@ def test_tensorboard_reads_the_scalars_and_the_staleness_histogram(tmp_path):
 
 
 def test_batches_record_what_each_step_trained_on_with_a_digest_of_tokens_and_rewards(tmp_path):
-    from rft.experience import Experience
+    from rft.experience import Experience, batch_record
 
     def exp(tokens, reward, group="g0", version=0):
         return Experience(tokens=tokens, prompt_length=1, logprobs=[0.0] * (len(tokens) - 1), reward=reward,
@@ -184,7 +184,7 @@ def test_batches_record_what_each_step_trained_on_with_a_digest_of_tokens_and_re
     ]
     monitor = Monitor(_cfg(), tmp_path, len(batches), 0, "grpo")
     for step, b in enumerate(batches, 1):
-        monitor.record_batch(step, b)
+        monitor.record_batch(batch_record(step, b))
     monitor.close()
     rows = read_metrics(tmp_path / "batches.jsonl")
     assert rows[0]["groups"] == ["g0", "g1"] and rows[0]["versions"] == [0, 1] and len(rows[0]["digest"]) == 16
