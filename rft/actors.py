@@ -37,17 +37,22 @@ def long_lived():
     garbage collection while it is made, one after, and then it is frozen (gc.freeze), so later
     full collections scan only what the steps make. Without this a Ray actor spent ~1.5 s of its
     start on 2 CPUs in full collections over its growing heap, and the last of them landed in
-    the first steps (a 355 ms pause inside an explore call). Cycles among frozen objects are not
-    collected until gc.unfreeze (StageRun.close, for the next stage of a one-process run)."""
-    enabled = gc.isenabled()
-    gc.disable()
+    the first steps (a 355 ms pause inside an explore call). Young collections go on inside (they
+    free the loading code's short-lived cycles, which may hold tensors). Cycles among frozen
+    objects are not collected until gc.unfreeze (StageRun.close, for the next stage of a
+    one-process run)."""
+    young, middle, full = gc.get_threshold()
+    gc.set_threshold(young, middle, FULL_COLLECTIONS_OFF)
     try:
         yield
     finally:
+        gc.set_threshold(young, middle, full)
         gc.collect()
         gc.freeze()
-        if enabled:
-            gc.enable()
+
+
+# a third threshold no build reaches: a full collection runs after that many middle ones
+FULL_COLLECTIONS_OFF = 10**9
 
 
 def _build(cls, log_dir, name, level, threads, args):
