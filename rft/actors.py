@@ -31,6 +31,10 @@ def setup_actor_logging(log_dir: str, name: str, level: str) -> None:
     logger.info("%s started in process %d", name, os.getpid())
 
 
+# a third threshold no build reaches: a full collection runs after that many middle ones
+FULL_COLLECTIONS_OFF = 10**9
+
+
 @contextmanager
 def long_lived():
     """What is made inside lives as long as the process (modules, the model, the tasks): no full
@@ -49,10 +53,6 @@ def long_lived():
         gc.set_threshold(young, middle, full)
         gc.collect()
         gc.freeze()
-
-
-# a third threshold no build reaches: a full collection runs after that many middle ones
-FULL_COLLECTIONS_OFF = 10**9
 
 
 def _build(cls, log_dir, name, level, threads, args):

@@ -128,9 +128,9 @@ class StageRun:
         wait_reward_models(self.reward_models)  # a model that does not load: a ConfigError naming it
         # prompts (and a training dataset's responses) past the token budgets, checked where the
         # tokenizers are: the explorer's tasksets, the trainer's dataset
-        for actor in (*self.explorers[:1], self.trainer):
-            for text in actor.call("token_budget_warnings") if actor is not None else []:
-                print(f"rft: warning: stage {self.title}: {text}", flush=True)
+        checkers = self.explorers[:1] + ([self.trainer] if self.trainer is not None else [])
+        for text in (t for actor in checkers for t in actor.call("token_budget_warnings")):
+            print(f"rft: warning: stage {self.title}: {text}", flush=True)
         self._open_input(saved, latest)
         self.sync = SYNC_METHODS[cfg.synchronizer.sync_method](self.dir, cfg.synchronizer)
         self._schedule_state(saved)
