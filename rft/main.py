@@ -142,9 +142,10 @@ def _start_reaper() -> None:
                                    stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
-def plan_stages(cfg: DictConfig) -> tuple[list, list, list[Path]]:
+def plan_stages(cfg: DictConfig, isolated: bool = False) -> tuple[list, list, list[Path]]:
     """Every stage's config, batch plan and output directory, each checked against its data; the
-    whole of what a dry run does. Imports nothing that trains (no torch, no Ray)."""
+    whole of what a dry run does. Imports nothing that trains (no torch, no Ray). `isolated`: the
+    datasets are read in a child process (`dataset_sizes_in_child`)."""
     from rft.config import MODES
     from rft.plan import make_plan, stage_configs, stage_sources
 
@@ -153,15 +154,76 @@ def plan_stages(cfg: DictConfig) -> tuple[list, list, list[Path]]:
     for key, mode in stage_modes:
         if mode is not None and mode not in MODES:
             raise ConfigError(f"{key}={mode!r} is not a mode; choose one of {', '.join(MODES)}.")
-    stages = stage_configs(cfg)
+    stages, sources = stage_configs(cfg), stage_sources(cfg)
+    sizes = (dataset_sizes_in_child if isolated else dataset_sizes)(stages, sources)
     plans = []
-    for s, src in zip(stages, stage_sources(cfg)):
+    for s, size in zip(stages, sizes):
         try:
-            plans.append(make_plan(s, dataset_size(s, src)))
+            plans.append(make_plan(s, size))
         except ConfigError as e:
-            raise ConfigError(f"stage {s.stage_name}: {e}" if s.stage_name else str(e)) from e
+            raise ConfigError(in_stage(s, e)) from e
     run_dir = run_dir_of(cfg)
     return stages, plans, [run_dir / s.stage_name if s.stage_name else run_dir for s in stages]
+
+
+def in_stage(stage: DictConfig, e: Exception) -> str:
+    return f"stage {stage.stage_name}: {e}" if stage.stage_name else str(e)
+
+
+def dataset_sizes(stages: list, sources: list) -> list[int]:
+    """`dataset_size` of each stage (a ConfigError names the stage)."""
+    sizes = []
+    for s, src in zip(stages, sources):
+        try:
+            sizes.append(dataset_size(s, src))
+        except ConfigError as e:
+            raise ConfigError(in_stage(s, e)) from e
+    return sizes
+
+
+def dataset_sizes_in_child(stages: list, sources: list) -> list[int]:
+    """`dataset_sizes` in a child process, for a driver that stays small: reading the datasets
+    imports `datasets` (with pandas and pyarrow: 108 MB of the Ray driver's 173 MB), which the
+    driver of a Ray run would otherwise hold to its end, while the actors read the data again.
+    The child has this process's working directory and environment, so relative paths and the
+    caches are the same; its ConfigError is raised here, unchanged."""
+    import json
+    import subprocess
+    import tempfile
+
+    from omegaconf import OmegaConf
+
+    with tempfile.TemporaryDirectory(prefix="rft_sizes_") as tmp:
+        ask, answer = Path(tmp) / "stages.json", Path(tmp) / "sizes.json"
+        ask.write_text(json.dumps({"stages": [OmegaConf.to_container(s, resolve=True, enum_to_str=True) for s in stages],
+                                   "sources": sources}))
+        # the child imports this package from where this process did (a study run from another
+        # directory may not have it installed)
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+            [str(Path(__file__).resolve().parents[1]), *filter(None, [os.environ.get("PYTHONPATH")])])}
+        rc = subprocess.run([sys.executable, "-m", "rft.main", str(ask), str(answer)], env=env,
+                            stdin=subprocess.DEVNULL).returncode
+        got = json.loads(answer.read_text()) if answer.is_file() else None
+    if got is None:
+        raise RunError(f"checking the stages' datasets in a child process failed (exit {rc}); its "
+                       f"traceback is above.")
+    if "error" in got:
+        raise ConfigError(got["error"])
+    return got["sizes"]
+
+
+def _sizes_of(ask: Path, answer: Path) -> None:
+    """The child's side of `dataset_sizes_in_child`."""
+    import json
+
+    from omegaconf import OmegaConf
+
+    d = json.loads(ask.read_text())
+    try:
+        got = {"sizes": dataset_sizes([OmegaConf.create(s) for s in d["stages"]], d["sources"])}
+    except ConfigError as e:
+        got = {"error": str(e)}
+    answer.write_text(json.dumps(got))
 
 
 def plan_text(stages: list, plans: list, stage_dirs: list[Path]) -> str:
@@ -178,7 +240,8 @@ def _main(cfg: DictConfig) -> float | None:
         from rft.bench import bench
 
         return bench(cfg, run_dir_of(cfg))
-    stages, plans, stage_dirs = plan_stages(cfg)
+    # a Ray driver waits on its actors to the end of the run: it reads no dataset itself
+    stages, plans, stage_dirs = plan_stages(cfg, isolated=cfg.cluster.backend == "ray" and not cfg.dry_run)
     run_dir = run_dir_of(cfg)
     if cfg.dry_run:
         print(plan_text(stages, plans, stage_dirs))
@@ -263,3 +326,7 @@ def _remove_if_empty(path: Path) -> None:
         path.rmdir()  # only succeeds when empty
     except OSError:
         pass
+
+
+if __name__ == "__main__":  # dataset_sizes_in_child's child
+    _sizes_of(Path(sys.argv[1]), Path(sys.argv[2]))

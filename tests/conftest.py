@@ -58,6 +58,21 @@ def compose_cfg(overrides=(), keep_hydra: bool = False):
     return cfg
 
 
+def driver_modules_env(tmp_path: Path) -> tuple[dict, Path]:
+    """An env under which run.py, at its exit, writes the names of the modules it holds to the
+    returned file: a sitecustomize on PYTHONPATH, which every process of the run reads (the driver,
+    the child reading the datasets, Ray's and the actors'), acting in run.py's process alone."""
+    hook, out = tmp_path / "driver_hook", tmp_path / "driver_modules.txt"
+    hook.mkdir(exist_ok=True)
+    (hook / "sitecustomize.py").write_text(
+        "import atexit, sys\n"
+        "def _dump():\n"
+        "    if sys.argv and sys.argv[0].endswith('run.py'):\n"
+        f"        open({str(out)!r}, 'w').write(' '.join(sorted(sys.modules)))\n"
+        "atexit.register(_dump)\n")
+    return {"PYTHONPATH": os.pathsep.join([str(hook), str(ROOT)])}, out
+
+
 def run_cli(*args, env=None, timeout=600):
     """`python run.py *args` in a subprocess; returns the CompletedProcess (text)."""
     full_env = {**os.environ, **(env or {})}

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import ROOT, run_cli
+from conftest import ROOT, driver_modules_env, run_cli
 from rft.monitor import read_metrics
 
 pytestmark = pytest.mark.slow
@@ -24,16 +24,18 @@ def evals(metrics):
 def test_shortened_default_learns_through_ray(tmp_path, warm_cache):
     """The default (Ray actors, SFT warm-up then GRPO) with a shorter GRPO stage raises eval accuracy.
     Its warm-up is the session's (conftest.warm_start), taken from the stage cache."""
-    # PYTHONPROFILEIMPORTTIME: the driver writes a line per module it imports to its stderr (the
-    # actors' own stay in their log files)
+    hook_env, modules = driver_modules_env(tmp_path)
     r = run_cli("buffer.total_steps=30", "explorer.eval_interval=30", "trainer.save_interval=30",
                 f"stage_cache_dir={warm_cache}", env={"RFT_CHECKPOINT_ROOT_DIR": str(tmp_path),
-                                                      "PYTHONPROFILEIMPORTTIME": "1"})
+                                                      **hook_env})
     assert r.returncode == 0, r.stderr[-3000:]
-    # the driver (the model built, the warm-up reused, the budgets checked by the explorer) holds
-    # neither torch nor transformers: each would be a second copy (~0.3 GB) besides the actors'
-    driver = {line.rsplit("|", 1)[1].strip() for line in r.stderr.splitlines() if line.startswith("import time:")}
-    assert "ray" in driver and "torch" not in driver and "transformers" not in driver
+    # the driver (the model built, the warm-up reused, the datasets read by a child, the budgets
+    # checked by the explorer) holds neither torch nor transformers nor datasets: each would be a
+    # second copy (~0.3 GB for torch and transformers, 0.1 GB for datasets) besides the actors'
+    driver = set(modules.read_text().split())
+    assert "ray" in driver and "rft.main" in driver
+    heavy = driver & {"torch", "transformers", "datasets", "pandas"}
+    assert not heavy, heavy
     run = tmp_path / "rft" / "grpo-tiny-arithmetic"
     grpo = read_metrics(run / "grpo" / "metrics.jsonl")
     start, end = evals(grpo)

@@ -9,7 +9,7 @@ import pytest
 
 import rft.main
 from rft.monitor import read_metrics
-from conftest import compose_cfg, run_cli
+from conftest import compose_cfg, driver_modules_env, run_cli
 
 
 @pytest.fixture
@@ -60,11 +60,11 @@ def test_a_dataset_stage_through_ray_reads_its_dataset_in_the_trainer(tmp_path, 
     assert (f"rft: configuration error: buffer.trainer_input.experience_buffer: row 2 of '{bad}' has no 'answer'"
             in r.stderr) and "Traceback" not in r.stderr
     data = write_jsonl(tmp_path / "good.jsonl", good)
-    r = run_cli(*common, f"buffer.explorer_input.taskset.path={data}", "name=good",
-                env={**run_root, "PYTHONPROFILEIMPORTTIME": "1"})
+    hook_env, modules = driver_modules_env(tmp_path)
+    r = run_cli(*common, f"buffer.explorer_input.taskset.path={data}", "name=good", env={**run_root, **hook_env})
     assert r.returncode == 0, r.stderr[-3000:]
-    driver = {line.rsplit("|", 1)[1].strip() for line in r.stderr.splitlines() if line.startswith("import time:")}
-    assert "ray" in driver and "torch" not in driver and "transformers" not in driver
+    driver = set(modules.read_text().split())
+    assert "ray" in driver and not driver & {"torch", "transformers", "datasets"}
     run = Path(run_root["RFT_CHECKPOINT_ROOT_DIR"]) / "rft" / "good"
     metrics = [m for m in read_metrics(run / "metrics.jsonl") if "loss/policy" in m]
     # 8 rows, 4 a step: each step trains on 4 whole rows, none cut (3-character questions, 1-digit answers)
@@ -116,6 +116,33 @@ def test_row_without_prompt_key(run_root, tmp_path):
     ) in r.stderr
     assert "Traceback" not in r.stderr
     assert_nothing_started(run_root)
+
+
+def test_a_ray_driver_reads_the_datasets_in_a_child_with_the_same_plans_and_errors(tmp_path):
+    """plan_stages(isolated=True), as a Ray run's driver calls it, reads the datasets in a child
+    process (the driver then holds no `datasets`): the same batch plans as in-process, and a
+    dataset's ConfigError word for word, stage name included."""
+    from rft.errors import ConfigError
+    from rft.main import plan_stages
+
+    # the default: the warm-up's generated dataset, then the generated tasks
+    cfg = compose_cfg()
+    inline, child = plan_stages(cfg)[1], plan_stages(cfg, isolated=True)[1]
+    assert child == inline and len(child) == 2 and all(p.dataset_size > 0 for p in child)
+    rows = [{"question": f"{a}+1", "answer": str(a + 1)} for a in range(10)]
+    data = tmp_path / "tasks.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = compose_cfg(["stages=[]", "buffer.explorer_input.generator=null", f"buffer.explorer_input.taskset.path={data}",
+                       "buffer.explorer_input.eval_tasksets=[]", "buffer.batch_size=2"])
+    assert [p.dataset_size for p in plan_stages(cfg, isolated=True)[1]] == [10]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows[:3] + [{"question": "9+9"}] + rows[4:]))
+    errors = []
+    for isolated in (False, True):
+        with pytest.raises(ConfigError) as e:
+            plan_stages(cfg, isolated=isolated)
+        errors.append(str(e.value))
+    assert errors[0] == errors[1]
+    assert errors[1].startswith(f"buffer.explorer_input.taskset: row 3 (line 4 of its JSONL file) of '{data}' has no 'answer'")
 
 
 def test_dry_run_prints_the_plan_and_starts_nothing(run_root):
