@@ -365,8 +365,7 @@ class StageRun:
         """With the explorers behind the trainer (sync_offset > 0 or sync_interval > 1), the trainer
         keeps the weights they serve, and those pending explores were made on, for a restart."""
         if self.snapshots:
-            self._trainer("snapshot", self.synced)
-            self._trainer("drop_snapshots", sorted({self.synced, *(p.version for p in self.pending)}))
+            self._trainer("keep_snapshots", self.synced, sorted({self.synced, *(p.version for p in self.pending)}))
 
     def _evaluate(self, step: int) -> dict:
         t0 = time.perf_counter()

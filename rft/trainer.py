@@ -771,19 +771,19 @@ class Trainer:
 
     # ------------------------------------------------------------------ snapshots for restarted explorers
 
-    def snapshot(self, version: int) -> None:
-        """Keep a CPU copy of the current weights as `version` (see rft.runner StageRun._serve)."""
-        self._snapshots[version] = (self.weights(), self.fingerprint())
+    def keep_snapshots(self, version: int, keep: list[int]) -> None:
+        """Keep a CPU copy of the current weights as `version` (see rft.runner StageRun._serve),
+        unless one is kept already (the same version's weights), and drop those not in `keep`."""
+        if version not in self._snapshots:
+            self._snapshots[version] = (self.weights(), self.fingerprint())
+        for v in [v for v in self._snapshots if v != version and v not in keep]:
+            del self._snapshots[v]
 
     def snapshot_weights(self, version: int) -> dict[str, torch.Tensor]:
         return self._snapshots[version][0]
 
     def snapshot_fingerprint(self, version: int) -> str:
         return self._snapshots[version][1]
-
-    def drop_snapshots(self, keep: list[int]) -> None:
-        for v in [v for v in self._snapshots if v not in keep]:
-            del self._snapshots[v]
 
 
 def written_fingerprint(state_dict: dict, hf_dir: Path) -> str:
