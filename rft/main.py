@@ -51,7 +51,8 @@ def run_dir_of(cfg: DictConfig) -> Path:
 def dataset_size(cfg: DictConfig, sources: dict | None = None) -> int:
     """Rows the stage iterates over: the taskset (mode=both|explore), the stored experiences or
     the training dataset (mode=train). Every dataset the stage reads is loaded and checked here,
-    in the driver, so a bad path, row or column fails before anything starts."""
+    before anything starts, so a bad path, row or column fails first (in the driver, or for a Ray
+    run in a child process of it: `dataset_sizes_in_child`)."""
     from rft.plan import label, stored_experiences
     from rft.tasks import check_columns, ensure_task_data, load_rows, load_tasks
 
