@@ -213,7 +213,8 @@ def check(spec, where: str) -> list[dict]:
     """A reward config's parts exist and take the args they are given (what the plan checks)."""
     parts = entries(spec, where)
     for i, e in enumerate(parts):
-        fn = resolve_fn(e["fn"], f"{where}[{i}].fn" if isinstance(spec, (list, tuple)) else where)
+        key = f"{where}[{i}].fn" if isinstance(spec, (list, tuple)) else where
+        fn = resolve_fn(e["fn"], key)
         target = fn.__init__ if isinstance(fn, type) else fn
         params = inspect.signature(target).parameters
         if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
@@ -224,6 +225,15 @@ def check(spec, where: str) -> list[dict]:
                 raise ConfigError(
                     f"{where}[{i}].args has {unknown}, which {e['fn']} does not take; its arguments are {known}."
                 )
+        if not isinstance(fn, type):
+            try:  # what _per_response calls it with: a function of the wrong shape fails here, not in every task
+                inspect.signature(fn).bind("prompt", "response", "task", **e["args"])
+            except TypeError as err:
+                raise ConfigError(
+                    f"{key}={e['fn']!r} cannot be called as fn(prompt, response, task, **args) "
+                    f"({err}); its signature is {e['fn']}{inspect.signature(fn)}. A reward function takes the "
+                    f"prompt, the response and the task, then any args, and returns a float or a dict of parts."
+                ) from None
     return parts
 
 

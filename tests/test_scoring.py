@@ -98,6 +98,14 @@ def test_shaping_adds_a_part_and_the_parts_are_logged():
     assert part_metrics([a, b]) == {"reward/exact_match/mean": 0.5, "reward/overlong/mean": -0.25}
 
 
+def response_only(response):
+    return 1.0
+
+
+def needs_limit(prompt, response, task, limit):
+    return float(len(response) <= limit)
+
+
 @pytest.mark.parametrize(
     "spec, message",
     [
@@ -113,6 +121,13 @@ def test_shaping_adds_a_part_and_the_parts_are_logged():
         ([{"weight": 1.0}], "reward_fn[0]={'weight': 1.0}: each part is a name or a dict with at least `fn`"),
         ([], "reward_fn=[]: give a reward name (e.g. exact_match), a dotted path (module.function), or a list of parts"),
         ([{"fn": "exact"}], "reward_fn[0].fn='exact' is not one of"),
+        # a function that cannot take (prompt, response, task): found before the run, not in every task
+        ("test_scoring.response_only",
+         "reward_fn='test_scoring.response_only' cannot be called as fn(prompt, response, task, **args) (too many "
+         "positional arguments); its signature is test_scoring.response_only(response). A reward function takes"),
+        ([{"fn": "test_scoring.needs_limit"}],
+         "reward_fn[0].fn='test_scoring.needs_limit' cannot be called as fn(prompt, response, task, **args) "
+         "(missing a required argument: 'limit'); its signature is test_scoring.needs_limit(prompt, response, task, limit)"),
     ],
 )
 def test_reward_config_errors_name_the_key_and_the_fix(spec, message):
