@@ -486,6 +486,21 @@ def _check_runtime(cfg) -> None:
     check_placement(cfg)
 
 
+def _check_workflow(fn, name: str, key: str) -> None:
+    """A workflow of a study's own takes what the explorer calls it with: a function of the wrong
+    shape fails here, not in every task of the run."""
+    import inspect
+
+    try:
+        inspect.signature(fn).bind("tasks", "engine", "ctx")
+    except TypeError as e:
+        raise ConfigError(
+            f"{key}={name!r} cannot be called as fn(tasks, engine, ctx) ({e}); its signature is "
+            f"{name}{inspect.signature(fn)}. A workflow takes the step's tasks, the engine and the context "
+            f"(ctx.args holds workflow_args) and returns one list of Experience (or None) per task."
+        ) from None
+
+
 def _check_names(cfg) -> None:
     """Every registry name in the config exists (a typo fails here, not mid-run). Only a dotted
     path (a study's own function) is imported."""
@@ -511,7 +526,7 @@ def _check_names(cfg) -> None:
         where = "buffer.explorer_input." + ("taskset" if i == 0 else f"eval_tasksets[{i - 1}]")
         if ts.reward_fn is not None:
             check_reward(spec_of(ts.reward_fn), f"{where}.reward_fn")
-        resolve(WORKFLOWS, ts.workflow, f"{where}.workflow")
+        _check_workflow(resolve(WORKFLOWS, ts.workflow, f"{where}.workflow"), ts.workflow, f"{where}.workflow")
         if ts.workflow == "multi_turn":
             from rft.multi_turn import check_args
 

@@ -115,6 +115,30 @@ def test_a_misspelt_workflow_fails_while_planning():
         make_plan(compose_cfg(["stages=[]", "buffer.explorer_input.taskset.workflow=single_turns"]), 2000)
 
 
+def no_context(tasks, engine):
+    return [None for _ in tasks]
+
+
+def test_a_workflow_of_the_wrong_shape_fails_while_planning():
+    """A study's workflow must take (tasks, engine, ctx): one that cannot is found before the run,
+    not as a failure of every task."""
+    from rft.algorithms import resolve
+    from rft.errors import ConfigError
+    from rft.plan import _check_workflow, make_plan
+    from rft.workflows import WORKFLOWS
+
+    with pytest.raises(ConfigError) as e:
+        make_plan(compose_cfg(["stages=[]", "buffer.explorer_input.taskset.workflow=test_seams.no_context"]), 2000)
+    assert str(e.value) == (
+        "buffer.explorer_input.taskset.workflow='test_seams.no_context' cannot be called as fn(tasks, engine, ctx) "
+        "(too many positional arguments); its signature is test_seams.no_context(tasks, engine). A workflow takes "
+        "the step's tasks, the engine and the context (ctx.args holds workflow_args) and returns one list of "
+        "Experience (or None) per task.")
+    # the registered ones and the test's own two-turn workflow pass
+    for wf in ("single_turn", "multi_turn", "openai_agent", "test_seams.two_turn"):
+        _check_workflow(resolve(WORKFLOWS, wf, "workflow"), wf, "workflow")
+
+
 def _run(tmp_path, *overrides):
     import rft.main
 
