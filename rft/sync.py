@@ -348,8 +348,9 @@ def same_weights(a: str, b: str, rtol: float = 1e-9) -> bool:
 # ---------------------------------------------------------------- the synchronizers (driver side)
 
 
-def _wait(pairs, timeout: float) -> None:
-    """Wait for every (actor, future) of one sync, each within synchronizer.sync_timeout."""
+def wait(pairs, timeout: float) -> None:
+    """Wait for every (actor, future) of one sync (what a sync method returns), each within
+    synchronizer.sync_timeout; an explorer's failed check raises here."""
     for actor, future in pairs:
         try:
             actor.get(future, timeout)
@@ -359,6 +360,12 @@ def _wait(pairs, timeout: float) -> None:
                 f"The newest checkpoint is kept; raise sync_timeout if the model is large, then run "
                 f"the same command again to resume."
             ) from e
+
+
+# A sync method, called as sync(trainer, explorers, version), makes the calls of one sync and returns
+# the (actor, future) pairs that finish it, not waited for: an explorer runs its calls in order, so
+# an explore submitted after them runs on the new weights, and the driver (rft.runner) waits for
+# them with `wait` when it next needs the explorers, while they load the weights.
 
 
 class MemorySync:
@@ -380,14 +387,14 @@ class MemorySync:
             self.nodes[actor] = actor.call("node")
         return self.nodes[actor]
 
-    def __call__(self, trainer, explorers, version: int) -> None:
+    def __call__(self, trainer, explorers, version: int) -> list:
         node = self._node(trainer)  # "": one process (cluster=inline), where the arrays are views
         if not node:  # of the trainer's tensors, which the explorer checks its engine against
             payload = trainer.submit("sync_payload", None, False)
         else:
             shared = all(self._node(e) == node for e in explorers)
             payload = trainer.submit("sync_payload", self.prefix if shared else None)
-        _wait([(e, e.submit("receive_weights", payload, version)) for e in explorers], self.timeout)
+        return [(e, e.submit("receive_weights", payload, version)) for e in explorers]
 
     def close(self, trainer) -> None:
         """Unlink the trainer's segment (`sweep` after it, for a trainer that died first)."""
@@ -403,10 +410,10 @@ class CheckpointSync:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.timeout = cfg.sync_timeout
 
-    def __call__(self, trainer, explorers, version: int) -> None:
-        path = str(self.dir / "model.safetensors")
+    def __call__(self, trainer, explorers, version: int) -> list:
+        path = str(self.dir / "model.safetensors")  # the next sync writes it after this one's loads
         expected = trainer.call("save_weights", path)
-        _wait([(e, e.submit("load_weights", path, version, expected)) for e in explorers], self.timeout)
+        return [(e, e.submit("load_weights", path, version, expected)) for e in explorers]
 
 
 class CollectiveSync:
@@ -426,20 +433,19 @@ class CollectiveSync:
         futures = [(trainer, trainer.submit("collective_init", address, port, world, 0))]
         futures += [(e, e.submit("collective_init", address, port, world, i + 1, manifest))
                     for i, e in enumerate(explorers)]
-        _wait(futures, self.timeout)
+        wait(futures, self.timeout)
         self.members = (trainer, *explorers)
 
     def reset(self, trainer, explorers) -> None:
         """After an explorer died the old group is broken: a new one forms (new port, every member)."""
         self.setup(trainer, explorers)
 
-    def __call__(self, trainer, explorers, version: int) -> None:
+    def __call__(self, trainer, explorers, version: int) -> list:
         if self.members is None:
             self.setup(trainer, explorers)
         expected = trainer.call("fingerprint")
         futures = [(trainer, trainer.submit("collective_send"))]
-        futures += [(e, e.submit("collective_receive", version, expected)) for e in explorers]
-        _wait(futures, self.timeout)
+        return futures + [(e, e.submit("collective_receive", version, expected)) for e in explorers]
 
 
 SYNC_METHODS = {"memory": MemorySync, "checkpoint": CheckpointSync, "collective": CollectiveSync}

@@ -443,7 +443,7 @@ def test_a_sync_past_sync_timeout_is_a_clear_error(tmp_path):
     from omegaconf import OmegaConf
 
     from rft.errors import RunError
-    from rft.sync import MemorySync
+    from rft.sync import MemorySync, wait
 
     class Stuck:  # an actor that never answers
         name = "grpo_explorer"
@@ -459,11 +459,49 @@ def test_a_sync_past_sync_timeout_is_a_clear_error(tmp_path):
 
     sync = MemorySync(tmp_path, OmegaConf.create({"sync_timeout": 2.5}))
     with pytest.raises(RunError) as e:
-        sync(Stuck(), [Stuck()], 3)
+        wait(sync(Stuck(), [Stuck()], 3), 2.5)
     assert str(e.value) == (
         "a weight sync did not finish within synchronizer.sync_timeout=2.5 s (grpo_explorer did not answer "
         "within 2.5 s). The newest checkpoint is kept; raise sync_timeout if the model is large, then run "
         "the same command again to resume.")
+
+
+def test_a_sync_is_waited_for_before_an_explorers_result_counts_and_a_failed_check_stops_the_run():
+    """The driver starts a sync and goes on (the explorers load the weights meanwhile); it waits for
+    it before it takes any explorer's result, trains again, evaluates or saves: an explore queued
+    after a sync whose check failed ran on the old weights and must never count."""
+    from types import SimpleNamespace
+
+    from rft.runner import StageRun
+
+    made = []
+
+    class Explorer:
+        def submit(self, method, *args):
+            made.append((method, args))
+            return method
+
+        def get(self, future, timeout=None):
+            assert timeout == 7.0  # synchronizer.sync_timeout
+            raise RuntimeError("weight sync to version 3 failed: the explorer now serves weights with ...")
+
+    explorer = Explorer()
+    run = SimpleNamespace(cfg=compose_cfg(["synchronizer.sync_timeout=7"]), explorers=[explorer], trainer=object(),
+                          asleep=False, snapshots=False, unfinished_sync=None, synced=2, pending=None,
+                          sync=lambda trainer, explorers, version: [(e, e.submit("receive_weights", version)) for e in explorers])
+    for name in ("_finish_sync", "_synced_to", "_awake", "_keep_snapshots"):
+        setattr(run, name, getattr(StageRun, name).__get__(run))
+    StageRun._sync_all(run, 3)  # submitted, not waited for
+    assert made == [("receive_weights", (3,))] and run.synced == 3 and run.unfinished_sync is not None
+    # the next collect waits for it first (run.pending=None: taking the explore result would raise
+    # AttributeError), and the failed check stops the run
+    with pytest.raises(RuntimeError, match="weight sync to version 3 failed"):
+        StageRun._collect(run)
+    assert run.unfinished_sync is None
+    for method in (StageRun._train, StageRun._evaluate, StageRun._save):
+        run.unfinished_sync = (3, [(explorer, "receive_weights")])
+        with pytest.raises(RuntimeError, match="weight sync to version 3 failed"):
+            method(run, 3, None) if method is not StageRun._evaluate else method(run, 3)
 
 
 def test_sleep_mode_frees_the_engines_only_while_the_trainer_trains():
@@ -543,18 +581,32 @@ def test_a_trainer_that_dies_during_a_sync_is_named_with_its_checkpoint(tmp_path
             Explorer.pings += 1
             return 1
 
-    def sync(trainer, explorers, version):
+        def get(self, future, timeout=None):  # the explorer's receive, which read the dead trainer's payload
+            raise RayActorError(error_msg="The actor died unexpectedly")
+
+    def raising_sync(trainer, explorers, version):  # a sync whose own trainer call finds it dead
         raise RayActorError(error_msg="The actor died unexpectedly")
 
-    run = SimpleNamespace(dir=tmp_path, cfg=SimpleNamespace(cluster=SimpleNamespace(max_actor_restarts=1)),
-                          sync=sync, trainer=object(), explorers=[Explorer()], _awake=lambda awake: None,
-                          _revive=lambda *a, **k: pytest.fail("no explorer died"))
-    run._trainer_died = lambda e: StageRun._trainer_died(run, e)
-    with pytest.raises(RunError) as e:
-        StageRun._sync_all(run, 3)
-    assert str(e.value) == ("the trainer actor died (RayActorError). Its newest checkpoint: none yet (the stage "
-                            "restarts from its beginning). Run the same command again to resume from it.")
-    assert Explorer.pings == 1
+    def sync(trainer, explorers, version):
+        return [(e, "receive_weights") for e in explorers]
+
+    expected = ("the trainer actor died (RayActorError). Its newest checkpoint: none yet (the stage "
+                "restarts from its beginning). Run the same command again to resume from it.")
+    for sync_method in (raising_sync, sync):
+        run = SimpleNamespace(dir=tmp_path, cfg=SimpleNamespace(cluster=SimpleNamespace(max_actor_restarts=1),
+                                                                synchronizer=SimpleNamespace(sync_timeout=5)),
+                              sync=sync_method, trainer=object(), explorers=[Explorer()], _awake=lambda awake: None,
+                              _revive=lambda *a, **k: pytest.fail("no explorer died"), unfinished_sync=None,
+                              snapshots=False)
+        run._trainer_died = lambda e: StageRun._trainer_died(run, e)
+        for name in ("_finish_sync", "_synced_to", "_keep_snapshots"):
+            setattr(run, name, getattr(StageRun, name).__get__(run))
+        Explorer.pings = 0
+        with pytest.raises(RunError) as e:
+            StageRun._sync_all(run, 3)  # raising_sync: at once
+            run._finish_sync()  # sync: when the driver waits for it
+        assert str(e.value) == expected
+        assert Explorer.pings == 1
 
 
 def test_asking_for_the_ray_node_outside_ray_does_not_import_ray():
