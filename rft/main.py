@@ -104,11 +104,17 @@ def ray_namespace(cfg: DictConfig, run_dir: Path) -> str:
 
 
 def _start_ray(cfg: DictConfig, run_dir: Path) -> bool:
+    local = cfg.cluster.ray_address is None
+    if local and "ray" not in sys.modules:
+        # an instance of our own takes a token on its ports (Ray's default for a new local
+        # instance, the token in ~/.ray/auth_token), chosen here explicitly: Ray then does not warn
+        # on every run how to turn it off. Ray reads it when imported, so only before that; a value
+        # the user set is kept
+        os.environ.setdefault("RAY_AUTH_MODE", "token")
     import ray
 
     if ray.is_initialized():
         return False
-    local = cfg.cluster.ray_address is None
     if local and not cfg.monitor.ray_dashboard:
         # Ray's own config, read from the environment by every process the instance starts: no
         # metrics export from each worker to the node's metrics agent (CPU time taken from the

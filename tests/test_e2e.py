@@ -29,6 +29,9 @@ def test_shortened_default_learns_through_ray(tmp_path, warm_cache):
                 f"stage_cache_dir={warm_cache}", env={"RFT_CHECKPOINT_ROOT_DIR": str(tmp_path),
                                                       **hook_env})
     assert r.returncode == 0, r.stderr[-3000:]
+    # token authentication on (RAY_AUTH_MODE=token, set before Ray is imported), without Ray's
+    # warning on how to turn it off
+    assert "Token authentication" not in r.stderr
     # the driver (the model built, the warm-up reused, the datasets read by a child, the budgets
     # checked by the explorer) holds neither torch nor transformers nor datasets: each would be a
     # second copy (~0.3 GB for torch and transformers, 0.1 GB for datasets) besides the actors'
