@@ -204,12 +204,11 @@ def dataset_sizes_in_child(stages: list, sources: list) -> list[int]:
         ask, answer = Path(tmp) / "stages.json", Path(tmp) / "sizes.json"
         ask.write_text(json.dumps({"stages": [OmegaConf.to_container(s, resolve=True, enum_to_str=True) for s in stages],
                                    "sources": sources}))
-        # the child imports this package from where this process did (a study run from another
-        # directory may not have it installed)
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-            [str(Path(__file__).resolve().parents[1]), *filter(None, [os.environ.get("PYTHONPATH")])])}
-        rc = subprocess.run([sys.executable, "-m", "rft.main", str(ask), str(answer)], env=env,
-                            stdin=subprocess.DEVNULL).returncode
+        # the child imports this package from where this process did, ahead of anything of the
+        # same name in the working directory (a study run from another directory, or another copy)
+        root = str(Path(__file__).resolve().parents[1])
+        code = f"import sys; sys.path.insert(0, {root!r}); from rft.main import _sizes_of; _sizes_of(*sys.argv[1:])"
+        rc = subprocess.run([sys.executable, "-c", code, str(ask), str(answer)], stdin=subprocess.DEVNULL).returncode
         got = json.loads(answer.read_text()) if answer.is_file() else None
     if got is None:
         raise RunError(f"checking the stages' datasets in a child process failed (exit {rc}); its "
@@ -219,18 +218,18 @@ def dataset_sizes_in_child(stages: list, sources: list) -> list[int]:
     return got["sizes"]
 
 
-def _sizes_of(ask: Path, answer: Path) -> None:
+def _sizes_of(ask: str, answer: str) -> None:
     """The child's side of `dataset_sizes_in_child`."""
     import json
 
     from omegaconf import OmegaConf
 
-    d = json.loads(ask.read_text())
+    d = json.loads(Path(ask).read_text())
     try:
         got = {"sizes": dataset_sizes([OmegaConf.create(s) for s in d["stages"]], d["sources"])}
     except ConfigError as e:
         got = {"error": str(e)}
-    answer.write_text(json.dumps(got))
+    Path(answer).write_text(json.dumps(got))
 
 
 def plan_text(stages: list, plans: list, stage_dirs: list[Path]) -> str:
@@ -333,7 +332,3 @@ def _remove_if_empty(path: Path) -> None:
         path.rmdir()  # only succeeds when empty
     except OSError:
         pass
-
-
-if __name__ == "__main__":  # dataset_sizes_in_child's child
-    _sizes_of(Path(sys.argv[1]), Path(sys.argv[2]))
