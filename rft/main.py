@@ -163,29 +163,25 @@ def plan_stages(cfg: DictConfig, isolated: bool = False) -> tuple[list, list, li
             raise ConfigError(f"{key}={mode!r} is not a mode; choose one of {', '.join(MODES)}.")
     stages, sources = stage_configs(cfg), stage_sources(cfg)
     sizes = (dataset_sizes_in_child if isolated else dataset_sizes)(stages, sources)
-    plans = []
-    for s, size in zip(stages, sizes):
-        try:
-            plans.append(make_plan(s, size))
-        except ConfigError as e:
-            raise ConfigError(in_stage(s, e)) from e
+    plans = per_stage(make_plan, stages, sizes)
     run_dir = run_dir_of(cfg)
     return stages, plans, [run_dir / s.stage_name if s.stage_name else run_dir for s in stages]
 
 
-def in_stage(stage: DictConfig, e: Exception) -> str:
-    return f"stage {stage.stage_name}: {e}" if stage.stage_name else str(e)
+def per_stage(fn, stages: list, args: list) -> list:
+    """fn(stage, arg) for each stage and its arg; a ConfigError names the stage."""
+    out = []
+    for s, arg in zip(stages, args):
+        try:
+            out.append(fn(s, arg))
+        except ConfigError as e:
+            raise ConfigError(f"stage {s.stage_name}: {e}" if s.stage_name else str(e)) from e
+    return out
 
 
 def dataset_sizes(stages: list, sources: list) -> list[int]:
     """`dataset_size` of each stage (a ConfigError names the stage)."""
-    sizes = []
-    for s, src in zip(stages, sources):
-        try:
-            sizes.append(dataset_size(s, src))
-        except ConfigError as e:
-            raise ConfigError(in_stage(s, e)) from e
-    return sizes
+    return per_stage(dataset_size, stages, sources)
 
 
 def dataset_sizes_in_child(stages: list, sources: list) -> list[int]:
