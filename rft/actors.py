@@ -19,8 +19,9 @@ from rft.config import frozen
 from rft.errors import ConfigError, RunError
 
 
-def setup_actor_logging(log_dir: str, name: str, level: str) -> None:
-    """Send this process's `rft` logs to <run>/log/<name>.log (one file per actor)."""
+def setup_actor_logging(log_dir: str, name: str, level: str) -> logging.Handler:
+    """Send this process's `rft` logs to <run>/log/<name>.log (one file per actor); the handler,
+    for an actor that ends before its process does (cluster=inline) to take away."""
     Path(log_dir).mkdir(parents=True, exist_ok=True)
     logger = logging.getLogger("rft")
     logger.setLevel(level)
@@ -29,6 +30,7 @@ def setup_actor_logging(log_dir: str, name: str, level: str) -> None:
     logger.addHandler(handler)
     # the pid lets a person (or a test) find, inspect or kill this actor's process
     logger.info("%s started in process %d", name, os.getpid())
+    return handler
 
 
 # a third threshold no build reaches: a full collection runs after that many middle ones
@@ -55,10 +57,9 @@ def long_lived():
         gc.freeze()
 
 
-def _build(cls, log_dir, name, level, threads, args):
+def _build(cls, threads, args):
     """`cls`: a class, or "module:Class" to import here (the trainer: the driver of a Ray run
     never imports torch, saving a third of a GB)."""
-    setup_actor_logging(log_dir, name, level)
     with long_lived():
         import torch
 
@@ -76,7 +77,14 @@ def _build(cls, log_dir, name, level, threads, args):
 class InlineActor:
     def __init__(self, cls, *args, name: str, log_dir: str, level: str, threads: int = 1, **resources):
         self.name = name
-        self.obj = _build(cls, log_dir, name, level, threads, args)
+        # taken away by kill: one process may run stage after stage (a sweep's jobs under Hydra's
+        # basic launcher), and a later run's lines must not land in an earlier run's files
+        self.log_handler = setup_actor_logging(log_dir, name, level)
+        try:
+            self.obj = _build(cls, threads, args)
+        except BaseException:
+            self.kill()
+            raise
 
     def submit(self, method: str, *args):
         return getattr(self.obj, method)(*args)
@@ -89,13 +97,16 @@ class InlineActor:
 
     def kill(self) -> None:
         self.obj = None
+        logging.getLogger("rft").removeHandler(self.log_handler)
+        self.log_handler.close()
 
 
 class _Host:
     """The Ray-side shell: builds the object after setting up its log file, forwards calls."""
 
     def __init__(self, cls, log_dir, name, level, threads, args):
-        self.obj = _build(cls, log_dir, name, level, threads, args)
+        setup_actor_logging(log_dir, name, level)  # for the life of the process
+        self.obj = _build(cls, threads, args)
 
     def run(self, method, *args):
         return getattr(self.obj, method)(*args)

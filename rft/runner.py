@@ -22,6 +22,7 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import sys
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -46,11 +47,10 @@ log = logging.getLogger(__name__)
 
 
 def _actor_died(e: Exception) -> bool:
-    try:
-        from ray.exceptions import RayActorError
-    except ImportError:
-        return False
-    return isinstance(e, RayActorError)
+    # without Ray imported no Ray actor ran (cluster=inline): importing it here, on an error of a
+    # run in one process, would cost ~50 MB and set up Ray's logging for nothing
+    exceptions = sys.modules.get("ray.exceptions")
+    return exceptions is not None and isinstance(e, exceptions.RayActorError)
 
 
 def run_stage(cfg, plan, stage_dir: Path, init_path: str | None, title: str) -> Path | None:

@@ -618,6 +618,43 @@ def test_asking_for_the_ray_node_outside_ray_does_not_import_ray():
     code = "import sys; from rft.sync import node_id; print(repr(node_id()), 'ray' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["''", "False"]
+    # nor does asking whether a failed call's actor died (the runner asks on every error)
+    code = ("import sys; from rft.runner import _actor_died; "
+            "print(_actor_died(RuntimeError('a user error')), 'ray' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["False", "False"]
+
+
+def test_an_inline_actor_takes_its_log_file_away_when_it_ends(tmp_path):
+    """One process can run run after run (a sweep's jobs under Hydra's basic launcher): an inline
+    actor's log handler goes with the actor, also one whose object failed to build, so a later
+    run's lines never land in an earlier run's files (nor leak its file)."""
+    import logging
+
+    from rft.actors import InlineActor
+
+    class Fails:
+        def __init__(self):
+            raise ValueError("no model here")
+
+    log, threads = logging.getLogger("rft"), torch.get_num_threads()
+    before = list(log.handlers)
+    try:
+        first = InlineActor(dict, name="first", log_dir=str(tmp_path / "a"), level="INFO")
+        log.info("during the first")
+        first.kill()
+        with pytest.raises(ValueError, match="no model here"):
+            InlineActor(Fails, name="failed", log_dir=str(tmp_path / "b"), level="INFO")
+        second = InlineActor(dict, name="second", log_dir=str(tmp_path / "c"), level="INFO")
+        logging.getLogger("rft.explorer").info("during the second")
+        second.kill()
+    finally:
+        torch.set_num_threads(threads)
+    assert log.handlers == before and first.log_handler.stream is None  # closed
+    first_log, second_log = (tmp_path / "a" / "first.log").read_text(), (tmp_path / "c" / "second.log").read_text()
+    assert "during the first" in first_log and "during the second" not in first_log
+    assert "during the second" in second_log and "during the first" not in second_log
+    assert "failed started" in (tmp_path / "b" / "failed.log").read_text()
 
 
 def test_long_lived_freezes_what_is_made_inside_and_gives_the_collector_back():
