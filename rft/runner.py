@@ -363,11 +363,11 @@ class StageRun:
             weights, expected = self.trainer.submit("snapshot_weights", version), self._trainer("snapshot_fingerprint", version)
         explorer.get(explorer.submit("update_weights", weights, version, expected))
 
-    def _keep_snapshots(self) -> None:
+    def _snapshots_kept(self) -> tuple[int, list[int]]:
         """With the explorers behind the trainer (sync_offset > 0 or sync_interval > 1), the trainer
-        keeps the weights they serve, and those pending explores were made on, for a restart."""
-        if self.snapshots:
-            self._trainer("keep_snapshots", self.synced, sorted({self.synced, *(p.version for p in self.pending)}))
+        keeps the weights they serve, and those pending explores were made on, for a restart: the
+        trainer's keep_snapshots arguments."""
+        return self.synced, sorted({self.synced, *(p.version for p in self.pending)})
 
     def _evaluate(self, step: int) -> dict:
         t0 = time.perf_counter()
@@ -398,8 +398,11 @@ class StageRun:
     # ------------------------------------------------------------------ trainer
 
     def _trainer(self, method: str, *args):
+        return self._trainer_result(self.trainer.submit(method, *args))
+
+    def _trainer_result(self, future):
         try:
-            return self.trainer.call(method, *args)
+            return self.trainer.get(future)
         except Exception as e:
             if not _actor_died(e):
                 raise
@@ -440,7 +443,8 @@ class StageRun:
             self.monitor.log(0, self._evaluate(0), advance=False)
         if cfg.mode == "explore":
             self._pick_up_checkpoint(self.explorers, force=True)
-        self._keep_snapshots()
+        if self.snapshots:
+            self._trainer("keep_snapshots", *self._snapshots_kept())
         for step in range(self.start + 1, self.plan.total_steps + 1):
             t_step = time.perf_counter()
             metrics: dict = {}
@@ -450,13 +454,17 @@ class StageRun:
                 metrics.update(self._train(step, metrics.get("rollout/experiences")))
             self._end_step(step, metrics, t_step)
 
-    def _explore_until(self, step: int) -> dict:
-        """Keep the explorers synchronizer.sync_offset steps ahead of the trainer; wait for the
-        explore step this training step learns from (step - 1); its metrics."""
+    def _submit_explores(self, step: int) -> None:
+        """Submit the explore steps due by training step `step`: synchronizer.sync_offset ahead."""
         offset = self.cfg.synchronizer.sync_offset if self.cfg.mode == "both" else 0
         while self.next_explore <= min(step - 1 + offset, self.plan.total_steps - 1):
             self._submit_explore(self.next_explore)
             self.next_explore += 1
+
+    def _explore_until(self, step: int) -> dict:
+        """Keep the explorers synchronizer.sync_offset steps ahead of the trainer; wait for the
+        explore step this training step learns from (step - 1); its metrics."""
+        self._submit_explores(step)
         t0 = time.perf_counter()
         while self.pending and self.pending[0].step <= step - 1:
             self._collect()
@@ -476,30 +484,33 @@ class StageRun:
         batch, metrics = self._read_batch(step, produced)
         metrics["timing/read_s"] = time.perf_counter() - t0
         t0 = time.perf_counter()
+        future = self.trainer.submit("train_step" if batch else "skip_step", *([batch] if batch else []))
+        if self._syncs_at(step) and self.sync_behind_step:
+            # queued behind the step on each actor: the trainer hands over its new weights, the
+            # explorers load them and explore the next step, without waiting for the driver to take
+            # this step's result first (~2 ms a synchronous step, experiments/trl_comparison)
+            t1 = time.perf_counter()
+            self._sync_all(step)
+            metrics["timing/sync_s"] = time.perf_counter() - t1
+            # not before an eval (it would wait behind that explore) or a checkpoint (it would
+            # wait to keep that explore's experiences)
+            if not (self._wants_eval(step) or self._wants_save(step)):
+                self._submit_explores(step + 1)
+        result = self._trainer_result(future)
         if batch:
-            metrics.update(self._trainer("train_step", batch))
+            metrics.update(result)
             self.monitor.record_batch(batch_record(step, batch))
-        else:
-            self._trainer("skip_step")
-        metrics["timing/train_s"] = time.perf_counter() - t0
+        metrics["timing/train_s"] = time.perf_counter() - t0 - metrics.get("timing/sync_s", 0.0)  # each once
         return metrics
 
     def _end_step(self, step: int, metrics: dict, t_step: float) -> None:
         """Sync, evaluate and save when the schedule says so, then log the step."""
-        cfg, sc = self.cfg, self.cfg.synchronizer
-        last = step == self.plan.total_steps
-        want_eval = bool(self.explorers) and cfg.mode != "explore" and (step % cfg.explorer.eval_interval == 0 or last)
-        # mode=explore saves its place every step (a small state.json): a resumed explorer
-        # writes again at most the step it was killed in
-        want_save = step % cfg.trainer.save_interval == 0 or last or cfg.mode == "explore"
+        cfg = self.cfg
+        want_eval, want_save = self._wants_eval(step), self._wants_save(step)
         if cfg.mode == "explore":
-            if step % sc.sync_interval == 0:
+            if step % cfg.synchronizer.sync_interval == 0:
                 self._pick_up_checkpoint(self.explorers)
-        # an eval needs the explorer on the trainer's weights; so does a checkpoint, for a
-        # resumed run to explore from the weights an uninterrupted one would have
-        elif self.trainer is not None and self.explorers and (
-            want_eval or (self.explores and (step % sc.sync_interval == 0 or want_save))
-        ):
+        elif self._syncs_at(step) and self.synced != step:  # not started by _train already
             t0 = time.perf_counter()
             self._sync_all(step)
             # starting it: the explorers load the weights while the driver goes on, and the driver's
@@ -515,6 +526,32 @@ class StageRun:
             metrics["timing/save_s"] = time.perf_counter() - t0
         self.monitor.log(step, metrics)
 
+    def _wants_eval(self, step: int) -> bool:
+        cfg = self.cfg
+        return bool(self.explorers) and cfg.mode != "explore" and (step % cfg.explorer.eval_interval == 0
+                                                                   or step == self.plan.total_steps)
+
+    def _wants_save(self, step: int) -> bool:
+        # mode=explore saves its place every step (a small state.json): a resumed explorer
+        # writes again at most the step it was killed in
+        cfg = self.cfg
+        return step % cfg.trainer.save_interval == 0 or step == self.plan.total_steps or cfg.mode == "explore"
+
+    @property
+    def sync_behind_step(self) -> bool:
+        """Whether a sync is queued on the actors behind the train step it follows (`_train`): with
+        Ray actors (in one process a call runs when it is made) whose engines stay awake while the
+        trainer trains (sleep mode gives the trainer the GPU until the sync)."""
+        return self.cfg.cluster.backend == "ray" and not self.cfg.explorer.rollout_model.enable_sleep_mode
+
+    def _syncs_at(self, step: int) -> bool:
+        """Whether the explorers get the trainer's weights after training step `step`: every
+        synchronizer.sync_interval steps; before an eval, which is of the trainer's weights; and
+        before a checkpoint, for a resumed run to explore from the weights an uninterrupted one would."""
+        return (self.trainer is not None and bool(self.explorers) and self.cfg.mode != "explore" and (
+            self._wants_eval(step)
+            or (self.explores and (step % self.cfg.synchronizer.sync_interval == 0 or self._wants_save(step)))))
+
     def _sync_all(self, version: int) -> None:
         """Start the sync of every explorer to the trainer's weights, `version`: the driver goes on
         while they load them (`_finish_sync` waits, before the driver next needs an explorer's
@@ -522,9 +559,11 @@ class StageRun:
         where the trainer is the longer half: 43 -> 39 ms a step (experiments/trl_comparison)."""
         self._finish_sync()
         self._awake(True)
-        self.unfinished_sync = (version, self._synced_to(version, None, wait=False))
+        pairs = self._synced_to(version, None, wait=False)
         self.synced = version
-        self._keep_snapshots()
+        if self.snapshots:  # waited for with the sync: the trainer may still be in the step it follows
+            pairs.append((self.trainer, self.trainer.submit("keep_snapshots", *self._snapshots_kept())))
+        self.unfinished_sync = (version, pairs)
 
     def _finish_sync(self) -> None:
         """Wait for the explorers' side of the sync `_sync_all` started (a check that failed, or a

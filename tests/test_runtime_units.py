@@ -489,7 +489,7 @@ def test_a_sync_is_waited_for_before_an_explorers_result_counts_and_a_failed_che
     run = SimpleNamespace(cfg=compose_cfg(["synchronizer.sync_timeout=7"]), explorers=[explorer], trainer=object(),
                           asleep=False, snapshots=False, unfinished_sync=None, synced=2, pending=None,
                           sync=lambda trainer, explorers, version: [(e, e.submit("receive_weights", version)) for e in explorers])
-    for name in ("_finish_sync", "_synced_to", "_awake", "_keep_snapshots"):
+    for name in ("_finish_sync", "_synced_to", "_awake"):
         setattr(run, name, getattr(StageRun, name).__get__(run))
     StageRun._sync_all(run, 3)  # submitted, not waited for
     assert made == [("receive_weights", (3,))] and run.synced == 3 and run.unfinished_sync is not None
@@ -502,6 +502,79 @@ def test_a_sync_is_waited_for_before_an_explorers_result_counts_and_a_failed_che
         run.unfinished_sync = (3, [(explorer, "receive_weights")])
         with pytest.raises(RuntimeError, match="weight sync to version 3 failed"):
             method(run, 3, None) if method is not StageRun._evaluate else method(run, 3)
+
+
+def test_a_syncing_step_queues_the_sync_and_the_next_explore_behind_the_train_step():
+    """Each actor runs its calls in order: at a step that syncs, the driver submits the trainer's
+    step, the sync and the next explore before it takes the step's result, so the explorer loads
+    the new weights and explores as soon as the trainer is done. Not at a step that evaluates or
+    saves: the eval and the checkpoint come first. A step that does not sync only trains; so does
+    every step in one process, or in sleep mode."""
+    from collections import deque
+    from types import SimpleNamespace
+
+    from rft.experience import Experience
+    from rft.runner import StageRun
+
+    log = []
+
+    class Actor:
+        def __init__(self, name):
+            self.name = name
+
+        def submit(self, method, *args):
+            log.append(("submit", self.name, method))
+            return self.name, method
+
+        def get(self, future, timeout=None):
+            log.append(("get", *future))
+            return {"loss/policy": 0.5} if future[1] == "train_step" else None
+
+        def call(self, method):
+            log.append(("call", self.name, method))
+
+    def make(overrides):
+        run = object.__new__(StageRun)
+        run.cfg = compose_cfg(["synchronizer.sync_offset=0", "explorer.eval_interval=5", "trainer.save_interval=10",
+                               *overrides])
+        run.plan = SimpleNamespace(total_steps=20, input_kind="tasks")
+        run.trainer, run.explorers = Actor("trainer"), [Actor("explorer")]
+        run.sync = lambda trainer, explorers, version: [
+            (e, e.submit("receive_weights", trainer.submit("sync_payload"), version)) for e in explorers]
+        run.explores = run.trains = True
+        run.snapshots, run.unfinished_sync, run.asleep = False, None, False
+        run.pending, run.explore_metrics = deque(), {}
+        run.monitor = SimpleNamespace(record_batch=lambda record: None)
+        batch = [Experience(tokens=[1, 2, 3], prompt_length=1, logprobs=[0.0, 0.0])]
+        run._read_batch = lambda step, produced: (batch, {})
+        return run
+
+    run = make([])
+    for step in (3, 5, 10):  # explore step s - 1 was collected; training step s learns from it
+        run.synced, run.next_explore = step - 1, step
+        log.clear()
+        metrics = StageRun._train(run, step, None)
+        assert metrics["loss/policy"] == 0.5 and run.synced == step
+        queued = [("submit", "trainer", "train_step"), ("submit", "trainer", "sync_payload"),
+                  ("submit", "explorer", "receive_weights")]
+        if step == 3:  # sync_offset=0: explore step 3 (training step 4 learns from it), on version 3
+            queued.append(("submit", "explorer", "explore"))
+            assert run.next_explore == 4 and run.pending[-1].step == 3 and run.pending[-1].version == 3
+        else:  # step 5 evaluates (eval_interval=5), step 10 saves (save_interval=10)
+            assert run.next_explore == step
+        assert log == [*queued, ("get", "trainer", "train_step")]
+        run.unfinished_sync = None  # (waited for by the next step's collect)
+
+    # in one process (cluster=inline) a call runs when submitted, and in sleep mode the engines
+    # sleep while the trainer trains (the GPU is the trainer's): the sync waits for _end_step
+    trains = [("submit", "trainer", "train_step"), ("get", "trainer", "train_step")]
+    for overrides, expected in ((["synchronizer.sync_interval=2"], trains), (["cluster=inline"], trains),
+                                (["explorer.rollout_model.enable_sleep_mode=true"], [("call", "explorer", "sleep"), *trains])):
+        run = make(overrides)
+        run.synced, run.next_explore = 2, 3
+        log.clear()
+        StageRun._train(run, 3, None)
+        assert log == expected and run.synced == 2 and run.next_explore == 3, overrides
 
 
 def test_sleep_mode_frees_the_engines_only_while_the_trainer_trains():
@@ -599,7 +672,7 @@ def test_a_trainer_that_dies_during_a_sync_is_named_with_its_checkpoint(tmp_path
                               _revive=lambda *a, **k: pytest.fail("no explorer died"), unfinished_sync=None,
                               snapshots=False)
         run._trainer_died = lambda e: StageRun._trainer_died(run, e)
-        for name in ("_finish_sync", "_synced_to", "_keep_snapshots"):
+        for name in ("_finish_sync", "_synced_to"):
             setattr(run, name, getattr(StageRun, name).__get__(run))
         Explorer.pings = 0
         with pytest.raises(RunError) as e:
