@@ -370,6 +370,29 @@ def test_gae_hand_computed():
     torch.testing.assert_close(adv, torch.tensor([[0.0, -0.25, 0.25, 0.25]]))
 
 
+def test_gae_steps_over_tokens_the_loss_does_not_count():
+    from rft.algorithms.advantages import gae_returns
+
+    # a multi-turn row: turn 1 at position 0, an environment token at 1 (mask 0, a value of 9 that
+    # must not be read), turn 2 at 2 with the reward 1
+    mask = torch.tensor([[1.0, 0.0, 1.0]])
+    values = torch.tensor([[0.5, 9.0, 0.25]])
+    # gamma 1, lam 1: A_2 = 1 - 0.25 = 0.75; position 1 is stepped over, so for position 0
+    # V_next = 0.25, A_next = 0.75: delta_0 = 0.25 - 0.5 = -0.25, A_0 = -0.25 + 0.75 = 0.5 = R - V_0
+    adv, ret = gae_returns(torch.tensor([1.0]), values, mask, gamma=1.0, lam=1.0)
+    torch.testing.assert_close(adv, torch.tensor([[0.5, 0.0, 0.75]]))
+    torch.testing.assert_close(ret, torch.tensor([[1.0, 0.0, 1.0]]))
+    # gamma 0.5, lam 1: delta_0 = 0.5 * 0.25 - 0.5 = -0.375, A_0 = -0.375 + 0.5 * 0.75 = 0.0
+    # (the return discounted over counted tokens only: 0.5 * 1 = 0.5 = V_0)
+    adv, _ = gae_returns(torch.tensor([1.0]), values, mask, gamma=0.5, lam=1.0)
+    torch.testing.assert_close(adv, torch.tensor([[0.0, 0.0, 0.75]]))
+    # V = 0, gamma 0.99, lam 0.95, gap of two tokens: A = (0.9405^2, 0.9405, 0, 0, 1)
+    mask = torch.tensor([[1.0, 1.0, 0.0, 0.0, 1.0]], dtype=torch.float64)
+    adv, _ = gae_returns(torch.tensor([1.0], dtype=torch.float64), torch.zeros(1, 5, dtype=torch.float64), mask,
+                         gamma=0.99, lam=0.95)
+    torch.testing.assert_close(adv, torch.tensor([[0.9405**2, 0.9405, 0.0, 0.0, 1.0]], dtype=torch.float64))
+
+
 def test_explained_variance():
     from rft.critic import explained_variance
 

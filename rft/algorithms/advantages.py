@@ -157,7 +157,10 @@ def gae_returns(rewards, values, mask, gamma: float, lam: float):
     """GAE (arXiv 1506.02438) with the sequence reward on its last response token.
 
     delta_t = r_t + gamma V_{t+1} - V_t;  A_t = delta_t + gamma lam A_{t+1};  returns = A + V.
-    V_{t+1} and A_{t+1} are 0 after the last response token. Returns (advantages, returns), [N, T].
+    V_{t+1} and A_{t+1} are 0 after the last response token. t+1 is the next token the loss counts:
+    tokens outside the mask inside a response (a multi-turn row's environment or user turns) are
+    stepped over, so an earlier turn sees the reward and the values after them, as in verl's
+    multi-turn GAE. Returns (advantages, returns), [N, T].
     """
     T = mask.shape[1]
     last = (mask * torch.arange(T, device=mask.device)).argmax(-1)  # index of each row's last response token
@@ -167,9 +170,13 @@ def gae_returns(rewards, values, mask, gamma: float, lam: float):
     next_adv = rewards.new_zeros(len(rewards))
     next_value = rewards.new_zeros(len(rewards))
     for t in reversed(range(T)):
+        counted = mask[:, t] > 0
         delta = token_rewards[:, t] + gamma * next_value - values[:, t]
-        adv[:, t] = (delta + gamma * lam * next_adv) * mask[:, t]
-        next_adv, next_value = adv[:, t], values[:, t] * mask[:, t]
+        a = delta + gamma * lam * next_adv
+        adv[:, t] = torch.where(counted, a, 0.0)
+        # a token the loss does not count passes the next counted token's advantage and value on
+        next_adv = torch.where(counted, a, next_adv)
+        next_value = torch.where(counted, values[:, t], next_value)
     return adv, (adv + values) * mask
 
 
