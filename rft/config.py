@@ -182,7 +182,8 @@ class AlgorithmConfig:
     dynamic_sampling_max_tries: int = 0
     # DAPO overlong shaping: responses in the last overlong_buffer_frac of the response budget
     # are penalised linearly, down to -overlong_penalty_factor at the limit (0: off; the paper's
-    # 4096 of 20480 tokens is 0.2; verl sets the length in tokens: overlong_buffer.len)
+    # 4096 of 20480 tokens is 0.2; verl sets the length in tokens: overlong_buffer.len). A
+    # multi-turn row is measured by its longest assistant turn (each turn has the limit)
     overlong_buffer_frac: float = 0.0
     overlong_penalty_factor: float = 1.0
 

@@ -290,6 +290,26 @@ def test_the_overlong_penalty_changes_the_reward_and_is_logged():
     assert long.reward == 0.5  # off: unchanged
 
 
+def test_overlong_penalty_measures_a_multi_turn_row_by_its_longest_turn():
+    from types import SimpleNamespace
+
+    from rft.algorithms.shaping import apply_overlong
+    from rft.experience import Experience
+
+    # per-turn limit 100, buffer 0.2 * 100 = 20: the penalty starts past 80 tokens
+    algo = SimpleNamespace(overlong_buffer_frac=0.2, overlong_penalty_factor=1.0)
+    # three assistant turns of 60, 90 and 60 tokens with two tool answers of 50 between (loss mask 0):
+    # 310 tokens after the prompt, but the longest turn is 90: -(90 - 80) / 20 = -0.5
+    mask = [1] * 60 + [0] * 50 + [1] * 90 + [0] * 50 + [1] * 60
+    e = Experience([0] * (10 + len(mask)), 10, [0.0] * len(mask), reward=1.0, loss_mask=mask)
+    apply_overlong([e], algo, max_len=100)
+    assert e.reward_parts["overlong"] == -0.5 and e.reward == 0.5
+    # a response past the limit (a workflow's own) is penalised -factor, no lower: 130 tokens would be -2.5
+    long = Experience([0] * (2 + 130), 2, [0.0] * 130, reward=1.0)
+    apply_overlong([long], algo, max_len=100)
+    assert long.reward_parts["overlong"] == -1.0
+
+
 def test_dpo_loss_hand_computed():
     # one pair: chosen row 0 (2 tokens), rejected row 1 (1 token); beta 0.5
     # chosen: sum logp -1.0 - ref -2.0 = +1.0; rejected: sum logp -3.0 - ref -1.0 = -2.0
