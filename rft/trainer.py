@@ -67,6 +67,7 @@ class Step:
                                                 "rollout/logprob_diff": 0.0, "rollout_is/weight_sum": 0.0,
                                                 "rollout_is/capped": 0.0, "rollout_is/tokens": 0.0})
     loss_metric_sums: dict = field(default_factory=dict)  # the policy loss's metrics, token sums
+    loss_metric_counts: dict = field(default_factory=dict)  # the counts of those given as (sum, count)
     critic_sums: dict = field(default_factory=dict)
     grad_norms: list = field(default_factory=list)
 
@@ -143,6 +144,15 @@ class _Rows:
 def _add(sums: dict, values: dict) -> None:
     for k, v in values.items():
         sums[k] = sums.get(k, 0.0) + v
+
+
+def _add_loss_metrics(step: "Step", metrics: dict) -> None:
+    """A micro-batch's policy-loss metrics: token sums, or (sum, count) pairs (rft.algorithms.losses)."""
+    for k, v in metrics.items():
+        if isinstance(v, tuple):
+            v, count = v
+            step.loss_metric_counts[k] = step.loss_metric_counts.get(k, 0.0) + count
+        step.loss_metric_sums[k] = step.loss_metric_sums.get(k, 0.0) + v
 
 
 class Trainer:
@@ -454,7 +464,7 @@ class Trainer:
                 "response_mask": m,
                 "ref_logp": None if step.ref_logp is None else rows(step.ref_logp),
             }, algo)
-            _add(step.loss_metric_sums, pm)
+            _add_loss_metrics(step, pm)
             loss_mat = self._rollout_is_weight(loss_mat, old_logp, rows, live, step)
             for term in self.terms:
                 loss_mat = term(loss_mat, logp, entropy, m, rows, step)
@@ -515,8 +525,8 @@ class Trainer:
     def _metrics(self, step: "Step", elapsed: float) -> dict:
         algo, mask, adv = self.cfg.algorithm, step.mask, step.adv
         # each rank summed its own rows' parts
-        sums, pm_sums, c_sums = step.sums, step.loss_metric_sums, step.critic_sums
-        names = [(d, k) for d in (sums, pm_sums, c_sums) for k in sorted(d)]
+        sums, pm_sums, pm_counts, c_sums = step.sums, step.loss_metric_sums, step.loss_metric_counts, step.critic_sums
+        names = [(d, k) for d in (sums, pm_sums, pm_counts, c_sums) for k in sorted(d)]
         total = self._all_sum(torch.tensor([d[k] for d, k in names], dtype=torch.float64, device=self.device)).tolist()
         for (d, k), v in zip(names, total):
             d[k] = v
@@ -537,8 +547,13 @@ class Trainer:
         }
         metrics.update(self._perf_metrics(sums, elapsed))
         # the loss's ratio metrics, over the tokens the update computed (a row set aside for a
-        # zero advantage has none; on-policy its ratio is 1 and would add 0 anyway)
-        metrics.update({k: v / max(trained_tokens, 1) for k, v in pm_sums.items()})
+        # zero advantage has none; on-policy its ratio is 1 and would add 0 anyway); those given
+        # as (sum, count) over their own count (none counted: not logged)
+        for k, v in pm_sums.items():
+            if k not in pm_counts:
+                metrics[k] = v / max(trained_tokens, 1)
+            elif pm_counts[k]:
+                metrics[k] = v / pm_counts[k]
         if trained_tokens:
             # over the tokens the update computed (rows set aside for a zero advantage are not)
             metrics["actor/entropy"] = sums["actor/entropy"] / trained_tokens

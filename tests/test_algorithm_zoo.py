@@ -321,8 +321,9 @@ def test_dpo_loss_hand_computed():
     pair = math.log1p(math.exp(-1.5))
     # spread over the pair's 3 tokens, twice (seq-mean-token-sum counts 2 rows per pair): 2 pair / 3
     torch.testing.assert_close(loss.detach(), torch.tensor([[2 * pair / 3, 2 * pair / 3], [2 * pair / 3, 0.0]]))
-    assert m["dpo/accuracy"] / 3 == pytest.approx(1.0)  # token sums: 3 response tokens
-    assert m["dpo/reward_margin"] / 3 == pytest.approx(1.5)
+    # (sum, count) over the pairs: one pair, margin 1.5 > 0
+    assert m["dpo/accuracy"] == (1.0, 1.0)
+    assert m["dpo/reward_margin"] == (pytest.approx(1.5), 1.0)
     # seq-mean-token-sum over the 2 rows = (pair + pair) / 2 = pair; its gradient on the chosen
     # row's tokens: -beta * (1 - sigmoid(1.5)) = -0.5 * 0.182426 = -0.091213 each
     (loss * mask).sum().div(2).backward()
@@ -352,10 +353,10 @@ def test_dpo_pair_with_an_empty_row_counts_as_a_whole_pair():
     total.backward()
     g_a, g_b = -0.25 / (1 + math.exp(1.0)), -0.25 / (1 + math.exp(0.5))
     torch.testing.assert_close(logp.grad, torch.tensor([[g_a], [-g_a], [g_b], [0.0]]))
-    # metrics are token sums the trainer divides by the 3 response tokens: the per-pair means,
-    # margin (1.0 + 0.5) / 2 = 0.75 and accuracy 1 (both margins > 0)
-    assert m["dpo/reward_margin"] / 3 == pytest.approx(0.75)
-    assert m["dpo/accuracy"] / 3 == pytest.approx(1.0)
+    # metrics are (sum, count) over the 2 pairs: margin 1.0 + 0.5 = 1.5 (a mean of 0.75),
+    # accuracy 2 of 2 (both margins > 0)
+    assert m["dpo/reward_margin"] == (pytest.approx(1.5), 2.0)
+    assert m["dpo/accuracy"] == (2.0, 2.0)
 
 
 def test_dpo_pair_without_tokens_contributes_nothing():
@@ -366,7 +367,7 @@ def test_dpo_pair_without_tokens_contributes_nothing():
     agg_loss(loss, mask, "seq-mean-token-sum", num_seqs=2, num_tokens=0, max_len=1).backward()
     assert torch.equal(loss.detach(), torch.zeros(2, 1))
     assert torch.equal(logp.grad, torch.zeros(2, 1))
-    assert (m["dpo/reward_margin"], m["dpo/accuracy"]) == (0.0, 0.0)
+    assert (m["dpo/reward_margin"], m["dpo/accuracy"]) == ((0.0, 0.0), (0.0, 0.0))  # no pair counted
 
 
 def test_gae_hand_computed():

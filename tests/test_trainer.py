@@ -215,3 +215,37 @@ def test_sampling_params_survive_every_buffer(tmp_path):
         assert buf.get(1, 1.0)[0].sampling == e.sampling
         assert read_experiences(str(path), 1)[0].sampling == e.sampling
         buf.close()
+
+
+def test_dpo_metrics_are_per_pair_means_whatever_the_micro_batches():
+    from rft.tasks import ensure_task_data
+
+    data = "${buffer.explorer_input.taskset.path}"
+    extra = ["algorithm=dpo", "mode=train", "buffer.train_batch_size=4",
+             "buffer.trainer_input.experience_buffer.storage_type=file",
+             f"buffer.trainer_input.experience_buffer.path={data}",
+             "buffer.trainer_input.experience_buffer.format.chosen_key=answer",
+             "buffer.trainer_input.experience_buffer.format.rejected_key=rejected"]
+    prompt = [1, 5, 102, 9, 2, 102, 1, 6, 102]
+    # two pairs of unequal length: 1 response token a row, then 5
+    pairs = [Experience(prompt + r, len(prompt), [], group_id=g)
+             for r, g in [([7], "a"), ([8], "a"), ([9, 10, 11, 12, 13], "b"), ([13, 12, 11, 10, 9], "b")]]
+    metrics = []
+    for micro in (2, 4):  # a pair per micro-batch, or both in one
+        cfg = stage_configs(compose_cfg(["stages=[]", "cluster=inline", f"trainer.micro_batch_size_per_gpu={micro}",
+                                         *extra]))[0]
+        ensure_model(cfg.model)
+        ensure_task_data(cfg.buffer.explorer_input)
+        trainer = Trainer(cfg, make_plan(cfg, 2000))
+        with torch.no_grad():  # move the policy off its reference, the same way in both
+            gen = torch.Generator().manual_seed(0)
+            for p in trainer.model.parameters():
+                p.add_(torch.randn(p.shape, generator=gen) * 0.05)
+        metrics.append(trainer.train_step(pairs))
+    one_each, both = metrics
+    assert both["dpo/reward_margin"] != 0.0
+    # a mean over the 2 pairs, not weighted by their tokens: the same for both splits (before, a
+    # micro-batch's tokens-per-pair scaled it: 0.074 against 0.056)
+    assert one_each["dpo/reward_margin"] == pytest.approx(both["dpo/reward_margin"], rel=1e-5)
+    assert one_each["dpo/accuracy"] == pytest.approx(both["dpo/accuracy"]) and both["dpo/accuracy"] in (0.0, 0.5, 1.0)
+    assert one_each["loss/policy"] == pytest.approx(both["loss/policy"], rel=1e-5)

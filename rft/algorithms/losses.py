@@ -5,7 +5,8 @@ holds, also [N, T] over the same positions: `old_logp` (the policy before this s
 `advantages`, `response_mask`, and `ref_logp` (the frozen reference; None unless a KL term or the
 loss itself needs it). The returned loss is per token, before aggregation
 (`rft.algorithms.aggregation.agg_loss` owns the normaliser). Metrics are masked sums over tokens,
-so callers can add them up across micro-batches exactly.
+so callers can add them up across micro-batches exactly; a metric averaged over something else
+is a (sum, count) pair, added up the same way (DPO's, over preference pairs).
 """
 
 from __future__ import annotations
@@ -146,11 +147,13 @@ def dpo_loss(logp, batch, cfg):
     weights = mask / pairs_tokens[:, None].clamp(min=1)  # sums to 1 over a pair's tokens
     loss = 2 * pair_loss.repeat_interleave(2)[:, None] * weights
     margin = (chosen_reward - rejected_reward).detach()
-    # metrics are token sums: spread each pair's value over its tokens so the trainer's per-token
-    # average is the per-pair mean
+    # means over the pairs that have tokens (a data-parallel rank's padding pairs have none), as
+    # (sum, count): the same whatever the micro-batches
+    counted = (pairs_tokens[0::2] > 0).to(margin.dtype)
+    n = counted.sum().item()
     metrics = {
-        "dpo/reward_margin": (margin.repeat_interleave(2)[:, None] * weights).sum().item() * mask.sum().item() / len(margin),
-        "dpo/accuracy": ((margin > 0).float().repeat_interleave(2)[:, None] * weights).sum().item() * mask.sum().item() / len(margin),
+        "dpo/reward_margin": ((margin * counted).sum().item(), n),
+        "dpo/accuracy": (((margin > 0).to(margin.dtype) * counted).sum().item(), n),
     }
     return loss, metrics
 
