@@ -222,8 +222,13 @@ def test_gmpo_geometric_mean_with_sign_aware_log_clipping():
     loss, _ = loss_fn("gmpo", logp, old, -torch.ones(1, 2), mask, cfg)
     torch.testing.assert_close(loss, torch.full((1, 2), math.exp(0.2)))
     # A = +1 with log-ratios [-0.6, 0.1]: min(-0.6, -0.4) = -0.6, 0.1 -> mean -0.25 -> -e^-0.25
-    loss, _ = loss_fn("gmpo", torch.tensor([[-0.6, 0.1]]), old, torch.ones(1, 2), mask, cfg)
+    loss, m = loss_fn("gmpo", torch.tensor([[-0.6, 0.1]]), old, torch.ones(1, 2), mask, cfg)
     torch.testing.assert_close(loss, torch.full((1, 2), -math.exp(-0.25)))
+    # -0.6 is past the lower bound, which binds only for A < 0: no token clipped here
+    assert m["actor/clip_frac"] == 0.0
+    # A = -1 with the same log-ratios: max(-0.6, -0.4) = -0.4 binds on the first token
+    _, m = loss_fn("gmpo", torch.tensor([[-0.6, 0.1]]), old, -torch.ones(1, 2), mask, cfg)
+    assert m["actor/clip_frac"] == 1.0
 
 
 def test_cpgd_clamps_the_log_prob():
@@ -234,8 +239,12 @@ def test_cpgd_clamps_the_log_prob():
     torch.testing.assert_close(loss, torch.tensor([[-math.log(1.2), math.log(2.0)]]))
     assert m["actor/clip_frac"] == 1.0
     # A = -1: max(logp, ln 0.8) = [ln 1.5, ln 0.8] -> loss [0.405465, -0.223144]
-    loss, _ = loss_fn("cpgd", logp, old, -torch.ones(1, 2), mask, cfg)
+    loss, m = loss_fn("cpgd", logp, old, -torch.ones(1, 2), mask, cfg)
     torch.testing.assert_close(loss, torch.tensor([[math.log(1.5), math.log(0.8)]]))
+    assert m["actor/clip_frac"] == 1.0  # ln 0.5 < ln 0.8: the second token's
+    # A = 0: no bound binds (the loss is 0 whatever the log-prob)
+    _, m = loss_fn("cpgd", logp, old, torch.zeros(1, 2), mask, cfg)
+    assert m["actor/clip_frac"] == 0.0
 
 
 def test_opmd_loss():

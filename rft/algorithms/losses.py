@@ -90,7 +90,8 @@ def gmpo_loss(logp, batch, cfg):
     loss = (-seq_adv * seq_ratio)[:, None].expand_as(logp)
     ratio = torch.exp(log_ratio)
     metrics = {
-        "actor/clip_frac": ((clipped != log_ratio).float() * mask).sum().item(),
+        # the tokens whose clip binds: the upper bound for A > 0, the lower for A < 0
+        "actor/clip_frac": ((pessimistic != log_ratio).float() * (sign != 0) * mask).sum().item(),
         "actor/approx_kl": ((ratio - 1.0 - log_ratio).detach() * mask).sum().item(),
     }
     return loss, metrics
@@ -109,7 +110,8 @@ def cpgd_loss(logp, batch, cfg):
     clamped = torch.where(advantages > 0, torch.minimum(logp, upper), torch.maximum(logp, lower))
     log_ratio = torch.clamp(logp - old_logp, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     metrics = {
-        "actor/clip_frac": ((clamped != logp).float() * mask).sum().item(),
+        # the tokens whose clamp binds (an advantage of 0 has no bound)
+        "actor/clip_frac": ((clamped != logp).float() * (advantages != 0) * mask).sum().item(),
         "actor/approx_kl": ((torch.exp(log_ratio) - 1.0 - log_ratio).detach() * mask).sum().item(),
     }
     return -advantages * clamped, metrics
