@@ -156,9 +156,10 @@ class AlgorithmConfig:
     # experiences from older weights (staleness >= 1, see synchronizer.max_staleness):
     # behavior: the PPO ratio is taken against the sampling log-probs the explorer stored, so
     #   the clip bounds the update around the weights that sampled (fresh experiences keep the
-    #   recomputed ones); decoupled: the ratio against the recomputed log-probs, each token's loss
-    #   weighted by pi_prox / pi_behav capped at behavior_weight_cap (AReaL's decoupled PPO,
-    #   arXiv 2505.24298); none: stale experiences are treated as fresh. On this repo's offline
+    #   recomputed ones); decoupled: the ratio against the recomputed log-probs, each token's
+    #   policy loss (not the KL or entropy terms) weighted by pi_prox / pi_behav capped at
+    #   behavior_weight_cap (AReaL's decoupled PPO, arXiv 2505.24298); none: stale
+    #   experiences are treated as fresh. On this repo's offline
     #   test (10 steps on 10 stored steps) behavior went 0.155 -> 0.885, decoupled -> 0.205, none -> 0.005
     off_policy_correction: OffPolicyCorrection = OffPolicyCorrection.behavior
     behavior_weight_cap: float = 5.0

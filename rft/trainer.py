@@ -219,8 +219,9 @@ class Trainer:
         # over sampled tokens: the metrics are still logged)
         rollout_is.check_config(algo)
         self.rollout_is_mode = "none" if algo.policy_loss_fn in rollout_is.NOT_WEIGHTED_LOSSES else str(algo.rollout_is)
-        # the optional per-token loss terms this config turns on, composed by _actor_update
-        self.terms = [t for t, on in [(self._kl_term, self.kl_fn is not None), (self._behavior_term, True),
+        # the per-token loss terms this config turns on, composed in this order by _actor_update:
+        # the behaviour weight first, so that it weights the policy loss alone (as rollout_is does)
+        self.terms = [t for t, on in [(self._behavior_term, True), (self._kl_term, self.kl_fn is not None),
                                       (self._entropy_term, bool(algo.entropy_coef))] if on]
         opt = algo.optimizer
         self.optimizer = torch.optim.AdamW(
@@ -513,7 +514,8 @@ class Trainer:
         return loss + self.cfg.algorithm.kl_loss_coef * kl
 
     def _behavior_term(self, loss, logp, entropy, m, rows, step):
-        """off_policy_correction=decoupled: each token's loss weighted by pi_prox / pi_behav."""
+        """off_policy_correction=decoupled: each token's policy loss weighted by pi_prox / pi_behav
+        (not the KL to the reference nor the entropy bonus, which come after it)."""
         return loss if step.behavior_w is None else loss * rows(step.behavior_w)
 
     def _entropy_term(self, loss, logp, entropy, m, rows, step):

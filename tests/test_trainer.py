@@ -249,3 +249,20 @@ def test_dpo_metrics_are_per_pair_means_whatever_the_micro_batches():
     assert one_each["dpo/reward_margin"] == pytest.approx(both["dpo/reward_margin"], rel=1e-5)
     assert one_each["dpo/accuracy"] == pytest.approx(both["dpo/accuracy"]) and both["dpo/accuracy"] in (0.0, 0.5, 1.0)
     assert one_each["loss/policy"] == pytest.approx(both["loss/policy"], rel=1e-5)
+
+
+def test_the_decoupled_behaviour_weight_weights_the_policy_loss_alone():
+    # off_policy_correction=decoupled with a KL loss and an entropy bonus: the trainer's terms in
+    # its own order, on one token with policy loss 1, behaviour weight 5, KL (k1) 0.2, entropy 0.3
+    from types import SimpleNamespace
+
+    from rft.trainer import _Rows
+
+    trainer = make_trainer(128, ["algorithm.off_policy_correction=decoupled", "algorithm.kl_loss_fn=k1",
+                                 "algorithm.kl_loss_coef=1.0", "algorithm.entropy_coef=1.0"])
+    step = SimpleNamespace(behavior_w=torch.full((1, 2), 5.0), ref_logp=torch.zeros(1, 2), sums={"actor/kl": 0.0})
+    loss = torch.ones(1, 1)
+    for term in trainer.terms:
+        loss = term(loss, torch.full((1, 1), 0.2), torch.full((1, 1), 0.3), torch.ones(1, 1), _Rows(0, 1, 2), step)
+    # 5 * 1 + 1.0 * 0.2 - 1.0 * 0.3 = 4.9 (the KL weighted too would give 5 * 1.2 - 0.3 = 5.7)
+    assert loss.item() == pytest.approx(4.9)
