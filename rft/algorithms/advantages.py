@@ -135,8 +135,9 @@ def _discounted_whitened(rewards: torch.Tensor, mask: torch.Tensor, gamma: float
 def reinforce_pp_advantage(batch: dict, cfg) -> torch.Tensor:
     """REINFORCE++ (arXiv 2501.03262): gamma-discounted per-token return, whitened over the batch.
 
-    Departure: the paper also folds a per-token KL penalty into the reward; here KL is available as
-    a loss term (kl_loss_fn) instead.
+    Departure: the paper folds a per-token KL penalty into each token's reward; here
+    algorithm.kl_penalty_fn subtracts one sum per sequence from the reward before the advantages
+    (rft.algorithms.shaping.kl_penalty), or KL is a loss term (kl_loss_fn).
     """
     rewards, mask = batch["rewards"], batch["response_mask"]
     return _discounted_whitened(rewards, mask, cfg.gamma).to(_out_dtype(rewards, mask))

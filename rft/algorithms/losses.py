@@ -58,7 +58,9 @@ def gspo_loss(logp, batch, cfg):
     s_i = exp(mean_t (logp - old_logp)) over the response tokens of sequence i. The token form
     s_it = sg[s_i] * exp(logp_t - sg[logp_t]) has the value s_i and the gradient of the sequence
     ratio, so the usual clipped surrogate on s_it is GSPO. Use loss_agg_mode=seq-mean-token-mean
-    and the paper's small clip ranges (3e-4, 4e-4).
+    and the paper's small clip ranges (3e-4, 4e-4). Departure (as verl): the log-ratio is capped
+    at 10 before exp, so a sequence far off the old policy with A < 0 costs at most -A e^10, with
+    no gradient, instead of overflowing.
     """
     old_logp, advantages, mask = batch["old_logp"], batch["advantages"], batch["response_mask"]
     seq_log_ratio = ((logp - old_logp) * mask).sum(-1) / mask.sum(-1).clamp(min=1)
