@@ -35,6 +35,21 @@ def main(cfg: DictConfig) -> float | None:
         # raised inside a Ray actor it arrives wrapped too
         print(f"\nrft: the run stopped: {getattr(e, 'cause', e)}\n", file=sys.stderr)
         sys.exit(1)
+    except KeyboardInterrupt:
+        # Ctrl-C: what was saved is safe (checkpoints are written whole, then renamed into place)
+        newest = _newest_checkpoint(run_dir_of(cfg))
+        where = f"the newest checkpoint: {newest}" if newest else "no checkpoint was saved yet: the run starts over"
+        print(f"\nrft: interrupted. Run the same command again to resume ({where}).\n", file=sys.stderr)
+        sys.exit(130)
+
+
+def _newest_checkpoint(run_dir: Path) -> Path | None:
+    """The newest checkpoint of any stage of the run in `run_dir` (None: none yet)."""
+    from rft.checkpoint import latest_checkpoint
+
+    found = [c for d in [run_dir, *sorted(p for p in run_dir.glob("*") if p.is_dir())]
+             if (c := latest_checkpoint(d)) is not None]
+    return max(found, key=lambda c: c.path.stat().st_mtime).path if found else None
 
 
 def run_dir_of(cfg: DictConfig) -> Path:

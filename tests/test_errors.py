@@ -358,3 +358,33 @@ def test_prompts_and_responses_past_the_token_budgets_are_counted_and_warned_abo
            "the longest has 11) and will be cut" in out
     m = read_metrics(tmp_path / "rft" / "sft" / "metrics.jsonl")[-1]
     assert (m["train/truncated_prompts"], m["train/truncated_responses"]) == (1, 1)
+
+
+@pytest.mark.slow  # a real engine, Ray or training run
+def test_ctrl_c_says_how_to_resume_without_a_traceback(run_root):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from conftest import ROOT
+
+    env = {**os.environ, **run_root}
+    args = ["stages=[]", "cluster=inline", "monitor=console", "name=stopped", "buffer.total_steps=400",
+            "trainer.save_interval=2", "explorer.eval_interval=1000"]
+    proc = subprocess.Popen([sys.executable, str(ROOT / "run.py"), *args], cwd=ROOT, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    step_2 = Path(run_root["RFT_CHECKPOINT_ROOT_DIR"]) / "rft" / "stopped" / "checkpoints" / "step_2"
+    deadline = time.time() + 300
+    while not (step_2 / "state.json").exists():
+        assert proc.poll() is None and time.time() < deadline, "the run ended before its step-2 checkpoint"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)  # what Ctrl-C sends
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-3000:]
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
+    newest = re.search(r"rft: interrupted\. Run the same command again to resume \(the newest checkpoint: (\S+)\)\.",
+                       err)
+    assert newest, err[-3000:]
+    # the newest at the moment of the interrupt: step 2 or a later one
+    assert Path(newest.group(1)).parent == step_2.parent and (Path(newest.group(1)) / "state.json").exists()
