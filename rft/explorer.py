@@ -405,7 +405,8 @@ class Explorer:
 
         A task whose reward failed (raised or timed out after its retries) counts as reward 0 and
         is counted in `eval/<name>/failed_tasks`; when every task of a set failed, the accuracy
-        means nothing, and the log says so. With `save_dir`, the conversations of a multi-turn
+        means nothing: `eval_failed` (not a metric) then names the set and its last error, for the
+        runner to stop the run (StageRun._evaluate). With `save_dir`, the conversations of a multi-turn
         eval (their turns, tool calls and rewards) go to <save_dir>/step_<step>/<name>.jsonl.
         """
         metrics = {}
@@ -425,9 +426,10 @@ class Explorer:
             metrics.update(conversation_metrics(exps, prefix=f"eval/{ts.name}"))
             if save_dir and any("conversation" in e.info for e in exps):
                 save_trajectories(exps, os.path.join(save_dir, f"step_{step}", f"{ts.name}.jsonl"))
-            if failed == len(tasks):
-                log.warning("every task of eval set %s failed at step %d (the last error: %s)", ts.name, step,
-                            counters.get("last_error", "timeouts"))
+            if tasks and failed == len(tasks):
+                last = counters.get("last_error", "none recorded (timeouts)")
+                log.warning("every task of eval set %s failed at step %d (the last error: %s)", ts.name, step, last)
+                metrics.setdefault("eval_failed", (f"buffer.explorer_input.eval_tasksets[{i}] ({ts.name})", last))
             if i == 0:
                 metrics["eval/accuracy"] = acc
                 metrics["eval/failed_tasks"] = failed

@@ -374,6 +374,19 @@ class StageRun:
         self._finish_sync()  # the eval is of the weights just synced: the explorers must hold them
         metrics = self._explorer_result(0, self.explorers[0].submit("evaluate", step, str(self.dir / "eval_trajectories")), "evaluate", step)
         metrics["timing/eval_s"] = time.perf_counter() - t0
+        failed = metrics.pop("eval_failed", None)
+        if failed and self.cfg.explorer.max_failed_steps:
+            # a reward that fails on every eval task fails on every training task too: say so now,
+            # not after a stage (an SFT warm-up) trained to its end with evals of 0
+            latest = latest_checkpoint(self.dir)
+            where = f"step {latest.step} ({latest.path})" if latest else "none yet"
+            raise RunError(
+                f"every task of the eval set {failed[0]} failed at step {step} (the last error: {failed[1]}), "
+                f"so the eval measures nothing. Each explorer's log in {self.dir / 'log'} has the details. "
+                f"Fix its reward function (or raise explorer.max_timeout if it is only slow), then run the "
+                f"same command again to resume from the newest checkpoint: {where}. "
+                f"explorer.max_failed_steps=0 lets a run go on regardless."
+            )
         if "eval/accuracy" in metrics:
             failed = metrics.get("eval/failed_tasks", 0)
             note = f" ({failed} eval tasks failed and count as 0; see {self.dir / 'log'})" if failed else ""

@@ -294,7 +294,9 @@ def test_a_run_whose_every_task_fails_stops_instead_of_finishing_with_nothing_le
 
 
 def test_identical_rewards_and_failed_eval_tasks_are_reported(warm_start, tmp_path):
+    # explorer.max_failed_steps=0: an eval whose every task failed is logged as 0, and the run goes on
     r = run_cli(*base(warm_start, "flat", *FAILING, "buffer.total_steps=3", "explorer.eval_interval=3",
+                      "explorer.max_failed_steps=0",
                       "buffer.explorer_input.default_reward_fn_type=faulty_reward.constant",
                       "buffer.explorer_input.eval_tasksets.0.reward_fn=faulty_reward.always_raises"),
                 env={**env_for(tmp_path), "PYTHONPATH": str(ROOT / "tests")}, timeout=300)
@@ -305,6 +307,19 @@ def test_identical_rewards_and_failed_eval_tasks_are_reported(warm_start, tmp_pa
     assert all(m["advantage/abs_mean"] == 0.0 for m in metrics)  # exactly: equal rewards, no signal
     assert metrics[-1]["eval/failed_tasks"] == 200 and metrics[-1]["eval/accuracy"] == 0.0
     assert "(200 eval tasks failed and count as 0; see" in r.stdout
+
+
+def test_an_eval_whose_every_task_fails_stops_the_run_before_it_trains(warm_start, tmp_path):
+    # a broken reward found by the first eval, not after a whole stage of evals of 0
+    r = run_cli(*base(warm_start, "broken", *FAILING, "explorer.eval_on_startup=true",
+                      "buffer.explorer_input.default_reward_fn_type=faulty_reward.always_raises"),
+                env={**env_for(tmp_path), "PYTHONPATH": str(ROOT / "tests")}, timeout=300)
+    assert r.returncode == 1, r.stderr[-3000:]
+    assert ("rft: the run stopped: every task of the eval set buffer.explorer_input.eval_tasksets[0] "
+            "(arithmetic_test) failed at step 0 (the last error: ValueError: no reward for arithmetic_test/") in r.stderr
+    assert "resume from the newest checkpoint: none yet. explorer.max_failed_steps=0 lets a run go on" in r.stderr
+    assert "Traceback" not in r.stderr
+    assert not (tmp_path / "rft" / "broken" / "checkpoints").exists()  # nothing trained
 
 
 def test_a_killed_driver_leaves_no_ray_process_behind(tmp_path):
