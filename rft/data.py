@@ -21,7 +21,7 @@ from collections import OrderedDict
 
 from rft.errors import ConfigError
 from rft.experience import WHERE, Experience
-from rft.tasks import load_rows, plain, rows_to_messages
+from rft.tasks import load_rows, missing_value, plain, rows_to_messages
 
 
 
@@ -132,11 +132,9 @@ class DatasetReader:
             prompt = full_prompt[-max_prompt_tokens:]
             item = []
             for key in keys:
-                if row.get(key) is None:
-                    raise ConfigError(
-                        f"{where}: row {i} of {buf_cfg.path!r} has no {key!r} (in {where}.format); "
-                        f"its keys are {sorted(k for k, v in row.items() if v is not None)}."
-                    )
+                if row.get(key) is None:  # rft.main.dataset_size's check_columns finds it first
+                    name = next(n for n in ("chosen_key", "rejected_key", "response_key") if getattr(fmt, n) == key)
+                    raise ConfigError(missing_value(where, buf_cfg.path, i, key, name, row))
                 full = tokenizer.encode(str(row[key]), add_special_tokens=False)
                 response = full[: max_response_tokens - 1] + [tokenizer.eos_token_id]
                 # counted in the step's metrics (train/truncated_prompts, train/truncated_responses)

@@ -80,7 +80,7 @@ def dataset_size(cfg: DictConfig, sources: dict | None = None) -> int:
         from rft.plan import sft_buffer_config
 
         aux, where = sft_buffer_config(cfg)
-        check_columns(load_rows(aux.path, aux.split, key=f"{where}.path"), aux.format, where, aux.path)
+        check_columns(load_rows(aux.path, aux.split, key=f"{where}.path"), aux.format, where, aux.path, every_row=True)
     if cfg.mode == "train" and eb.storage_type in ("sql", "file") and eb.path and stored_experiences(eb):
         from rft.buffer import count_experiences
 
@@ -106,7 +106,7 @@ def dataset_size(cfg: DictConfig, sources: dict | None = None) -> int:
     for i, ts in enumerate(inp.eval_tasksets):
         load_tasks(ts, f"buffer.explorer_input.eval_tasksets[{i}]")
     rows = load_rows(eb.path, eb.split, key=label(sources, f"{ebk}.path"))
-    check_columns(rows, eb.format, ebk, eb.path, pairs=True, sources=sources)
+    check_columns(rows, eb.format, ebk, eb.path, pairs=True, sources=sources, every_row=True)
     return len(rows)
 
 

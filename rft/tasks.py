@@ -286,11 +286,15 @@ def load_rows(path: str, split: str = "train", subset_name: str | None = None, k
                 f"{key}={path!r} is a file, but not one of the dataset formats "
                 f"({', '.join(_FILE_BUILDERS)}): give a JSONL, JSON, Parquet or CSV file, or a directory of them."
             )
-        if path.startswith((".", "/", "~")):
+        # a path that starts like a local one (data/vowel with a data/ here) is not tried on the hub
+        # (a mistyped local path would wait on the network's retries first)
+        if path.startswith((".", "/", "~")) or (len(local.parts) > 1 and Path(local.parts[0]).is_dir()):
             raise FileNotFoundError(path)
     except FileNotFoundError as e:
+        hub = "" if path.startswith((".", "/", "~")) else (f"; it is read as a local path because "
+                                                           f"{local.parts[0]}/ is a directory here")
         raise ConfigError(
-            f"{key}={path!r}: no such file or directory{_relative_to(path)}. Point it at a JSONL/Parquet "
+            f"{key}={path!r}: no such file or directory{_relative_to(path)}{hub}. Point it at a JSONL/Parquet "
             f"file, a directory of them, or a Hugging Face dataset id (this machine may not reach the hub)."
         ) from e
     except ValueError as e:  # datasets' message for an unknown split
@@ -353,8 +357,11 @@ def _first_bad_json_line(f: Path):
     return None
 
 
-def check_columns(rows, fmt, where: str, path: str, pairs: bool = False, sources: dict | None = None) -> None:
-    """The dataset has every column its format names (prompt, response, or chosen and rejected)."""
+def check_columns(rows, fmt, where: str, path: str, pairs: bool = False, sources: dict | None = None,
+                  every_row: bool = False) -> None:
+    """The dataset has every column its format names (prompt, response, or chosen and rejected);
+    `every_row`: and every row a value in them (a training dataset, which the trainer reads row by
+    row as it goes: its gap is found here, before the run, not when a step reaches it)."""
     keys = [("messages_key" if fmt.prompt_type == "messages" else "prompt_key",
              fmt.messages_key if fmt.prompt_type == "messages" else fmt.prompt_key)]
     if pairs and fmt.chosen_key and fmt.rejected_key:
@@ -370,6 +377,20 @@ def check_columns(rows, fmt, where: str, path: str, pairs: bool = False, sources
                 f"{where}.path={path!r} has no column {col!r} ({key}{via}); its columns are "
                 f"{sorted(columns)}. Add the column to the data, or set {key} to the column that holds it."
             )
+    for name, col in keys if every_row else []:
+        values = rows.data.column(col)  # load_rows' dataset: its arrow table, row for row
+        if values.null_count:  # a JSONL row without the key reads as null
+            import pyarrow.compute as pc
+
+            i = pc.index(pc.is_null(values), True).as_py()
+            raise ConfigError(missing_value(where, path, i, col, name, rows[i]))
+
+
+def missing_value(where: str, path: str, index: int, col: str, name: str, row: dict) -> str:
+    """The message for a row of a training dataset without a value in column `col` (format.`name`)."""
+    return (f"{where}: {_line_hint(path, index)} of {path!r} has no {col!r} (format.{name}); its keys are "
+            f"{sorted(k for k, v in row.items() if v is not None)}. Fix the row (or leave it out), or set "
+            f"{where}.format.{name} to the column that holds it.")
 
 
 def _line_hint(path: str, index: int) -> str:

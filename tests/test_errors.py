@@ -48,7 +48,7 @@ def test_a_model_the_ray_actors_cannot_load_is_a_configuration_error_not_a_trace
 
 
 @pytest.mark.slow  # a real engine, Ray or training run
-def test_a_dataset_stage_through_ray_reads_its_dataset_in_the_trainer(tmp_path, run_root):
+def test_a_dataset_stage_through_ray_reads_its_dataset_in_the_trainer(tmp_path, run_root, monkeypatch):
     """SFT from a file with Ray: the trainer tokenizes the dataset (the driver imports no torch),
     a bad row stops the run with the ConfigError naming it, and a good file trains."""
     good = [{"question": f"{a}+{b}", "answer": str(a + b)} for a in range(4) for b in range(2)]
@@ -57,9 +57,17 @@ def test_a_dataset_stage_through_ray_reads_its_dataset_in_the_trainer(tmp_path, 
               "buffer.train_batch_size=4", "buffer.total_steps=2", "cluster=local", "monitor=console"]
     r = run_cli(*common, f"buffer.explorer_input.taskset.path={bad}", "name=bad", env=run_root)
     assert r.returncode == 2, r.stderr[-3000:]
-    assert (f"rft: configuration error: buffer.trainer_input.experience_buffer: row 2 of '{bad}' has no 'answer'"
-            in r.stderr) and "Traceback" not in r.stderr
+    assert (f"rft: configuration error: buffer.trainer_input.experience_buffer: row 2 (line 3 of its JSONL file) "
+            f"of '{bad}' has no 'answer' (format.response_key); its keys are ['question']. Fix the row (or leave "
+            f"it out), or set buffer.trainer_input.experience_buffer.format.response_key to the column that "
+            f"holds it." in r.stderr) and "Traceback" not in r.stderr
     data = write_jsonl(tmp_path / "good.jsonl", good)
+    # the tiny model built, as after any first run: the driver finds it before importing torch (the
+    # bad row above now stops the run in planning, before any process built it)
+    from rft.models import ensure_model
+
+    monkeypatch.setenv("RFT_CACHE_DIR", run_root["RFT_CACHE_DIR"])
+    ensure_model(compose_cfg().model)
     hook_env, modules = driver_modules_env(tmp_path)
     r = run_cli(*common, f"buffer.explorer_input.taskset.path={data}", "name=good", env={**run_root, **hook_env})
     assert r.returncode == 0, r.stderr[-3000:]
@@ -99,6 +107,24 @@ def test_missing_dataset_file(run_root, tmp_path):
                 "stages=[]", env=run_root)
     assert r.returncode == 2
     assert f"buffer.explorer_input.taskset.path='{missing}': no such file or directory." in r.stderr
+    assert "Traceback" not in r.stderr
+    assert_nothing_started(run_root)
+
+
+def test_a_warm_up_dataset_row_without_its_response_fails_the_dry_run(run_root, tmp_path):
+    # the default's SFT warm-up reads the taskset's teacher_answer; one row lacks it, another has null
+    rows = [{"question": f"{a}+1", "answer": str(a + 1), "teacher_answer": str(a + 1)} for a in range(8)]
+    rows[5].pop("teacher_answer")
+    rows[6]["teacher_answer"] = None
+    data = tmp_path / "tasks.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    r = run_cli("dry_run=true", "buffer.explorer_input.generator=null", f"buffer.explorer_input.taskset.path={data}",
+                "buffer.explorer_input.eval_tasksets=[]", "buffer.batch_size=2", "stages.0.buffer.train_batch_size=2",
+                env=run_root)
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert (f"rft: configuration error: stage sft_warmup: buffer.trainer_input.experience_buffer: row 5 (line 6 "
+            f"of its JSONL file) of '{data}' has no 'teacher_answer' (format.response_key); its keys are "
+            f"['answer', 'question']. Fix the row (or leave it out)") in r.stderr
     assert "Traceback" not in r.stderr
     assert_nothing_started(run_root)
 

@@ -67,3 +67,20 @@ def test_preference_pairs_stay_together(tmp_path):
         assert chosen.group_id == rejected.group_id
         assert chosen.tokens[chosen.prompt_length:] == [ord("y"), 0]
         assert rejected.tokens[rejected.prompt_length:] == [ord("n"), 0]
+
+
+def test_a_mistyped_local_path_fails_at_once_instead_of_trying_the_hub(tmp_path, monkeypatch):
+    import pytest
+
+    from rft.errors import ConfigError
+    from rft.tasks import load_rows
+
+    # data/ is here, data/vowel is not: a local path mistyped, not a hub id to download
+    (tmp_path / "data").mkdir()
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    with pytest.raises(ConfigError) as e:
+        load_rows("data/vowel", key="buffer.explorer_input.taskset.path")
+    assert str(e.value).startswith(
+        f"buffer.explorer_input.taskset.path='data/vowel': no such file or directory (relative to {tmp_path}); it is "
+        f"read as a local path because data/ is a directory here.")
