@@ -15,7 +15,7 @@ from omegaconf import DictConfig
 import rft.config  # registers the typed schema with Hydra's ConfigStore
 import rft.sweep
 
-rft.config.exit_on_misspelt_key(sys.argv[1:], Path(__file__).parent / "conf")  # names the nearest keys
+rft.config.exit_on_config_mistakes(sys.argv[1:], Path(__file__).parent / "conf")  # bad YAML, misspelt keys
 rft.sweep.install()  # a sweep job that died under Slurm: one paragraph, not a traceback
 
 

@@ -414,3 +414,25 @@ def test_ctrl_c_says_how_to_resume_without_a_traceback(run_root):
     assert newest, err[-3000:]
     # the newest at the moment of the interrupt: step 2 or a later one
     assert Path(newest.group(1)).parent == step_2.parent and (Path(newest.group(1)) / "state.json").exists()
+
+
+def test_an_overlay_that_is_not_yaml_is_one_paragraph_not_a_traceback(run_root, tmp_path):
+    import shutil
+    import subprocess
+    import sys
+
+    from conftest import CONF, ROOT
+
+    # a study's copy of run.py and conf/, with an overlay indented wrongly on its line 4
+    shutil.copy(ROOT / "run.py", tmp_path / "run.py")
+    shutil.copytree(CONF, tmp_path / "conf")
+    (tmp_path / "conf" / "experiment" / "mine.yaml").write_text(
+        "# @package _global_\nbuffer:\n  total_steps: 20\n   batch_size: 4\n")
+    r = subprocess.run([sys.executable, "run.py", "experiment=mine"], cwd=tmp_path, capture_output=True, text=True,
+                       env={**os.environ, **run_root}, timeout=120)
+    assert r.returncode == 2
+    assert ("rft: configuration error: conf/experiment/mine.yaml is not valid YAML: mapping values are not allowed "
+            "in this context at line 4, column 14. Fix the file (a common cause: the keys of one mapping "
+            "indented by different numbers of spaces, or a tab).") in r.stderr
+    assert "Traceback" not in r.stderr
+    assert_nothing_started(run_root)
