@@ -179,7 +179,10 @@ def _reopen(path: Path, start_step: int):
     if lines and lines[-1][1] is None:
         lines.pop()
     kept = [line for line, m in lines if start_step > 0 and (m is None or m["step"] <= start_step)]
-    path.write_text("".join(line + "\n" for line in kept))
+    # written aside, then renamed over the log: a kill in between leaves the old log whole
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(line + "\n" for line in kept))
+    os.replace(tmp, path)
     return open(path, "a")
 
 

@@ -64,6 +64,12 @@ def run_stage(cfg, plan, stage_dir: Path, init_path: str | None, title: str) -> 
         latest = usable_checkpoint(stage_dir, trains, title, print) if cfg.continue_from_checkpoint else None
     if latest is not None and latest.step >= plan.total_steps:
         print(f"[{title}] already finished (step {latest.step}); outputs in {stage_dir}")
+        metrics = latest.state.get("metrics")
+        if metrics is not None and not any(m["step"] == latest.step for m in read_metrics(stage_dir / "metrics.jsonl")):
+            # killed between its last checkpoint and logging that step: the checkpoint kept the row
+            monitor = Monitor(cfg, stage_dir, plan.total_steps, latest.step, title)
+            monitor.ensure_logged(latest.step, metrics)
+            monitor.close()
         return latest.hf_path if trains else None
     with long_lived():  # the driver's modules, datasets and buffer: frozen for its collections
         stage = StageRun(cfg, plan, stage_dir, init_path, title, latest)

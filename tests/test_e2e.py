@@ -150,3 +150,26 @@ def test_checkpoint_sync_wandb_offline_and_inline_cluster(tmp_path):
     assert (run / "sync" / "model.safetensors").exists()
     assert list((run / "wandb").glob("offline-run-*"))
     assert list((run / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def test_a_finished_stage_killed_before_its_last_row_was_logged_logs_it_on_the_rerun(tmp_path):
+    """A kill after the last checkpoint and before its step's row reached metrics.jsonl: the rerun
+    finds the stage finished and writes the row from the checkpoint (the run's objective, the final
+    eval, comes from it)."""
+    env = {"RFT_CHECKPOINT_ROOT_DIR": str(tmp_path)}
+    args = ["stages=[]", "cluster=inline", "monitor=console", "name=cut", "buffer.total_steps=2",
+            "explorer.eval_interval=1", "trainer.save_interval=2"]
+    r = run_cli(*args, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    path = tmp_path / "rft" / "cut" / "metrics.jsonl"
+    rows = read_metrics(path)
+    assert [m["step"] for m in rows] == [0, 1, 2] and "eval/accuracy" in rows[2]
+    # what the kill leaves: the step-2 checkpoint, and the log without its row
+    path.write_text("".join(line + "\n" for line in path.read_text().splitlines()[:2]))
+    r = run_cli(*args, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "already finished (step 2)" in r.stdout
+    again = read_metrics(path)
+    assert [m["step"] for m in again] == [0, 1, 2]
+    # the row the checkpoint kept: as the first run logged it, less the save's own time (taken after)
+    assert again[2] == {k: v for k, v in rows[2].items() if k != "timing/save_s"}
