@@ -239,9 +239,14 @@ def generate_calculator(path: str | Path, seed: int = 0, n_train: int = 2000, n_
 
 
 GENERATORS = {"arithmetic": generate_arithmetic, "countdown": generate_countdown, "calculator": generate_calculator}
+# the directory each writes (conf/task/<name>.yaml's path: its name carries the data's version)
+GENERATED = {"arithmetic": "arithmetic-v4", "countdown": "countdown-v1", "calculator": "calculator-v4"}
 
 
 def ensure_task_data(explorer_input_cfg) -> None:
+    """Write the task's generated data when it is missing, into a directory of the generator's own
+    name only: a taskset path of another name is data of the user's (a mistyped one must fail, not
+    fill with generated problems; an existing one must not be written into)."""
     gen = explorer_input_cfg.generator
     if gen is None:
         return
@@ -250,7 +255,17 @@ def ensure_task_data(explorer_input_cfg) -> None:
             f"buffer.explorer_input.generator={gen!r} is not a known generator; choose one of "
             f"{sorted(GENERATORS)} or set it to null for a dataset you provide."
         )
-    GENERATORS[gen](explorer_input_cfg.taskset.path)
+    path = explorer_input_cfg.taskset.path
+    if Path(os.path.expanduser(path)).name != GENERATED[gen]:
+        if not Path(os.path.expanduser(path)).exists():
+            raise ConfigError(
+                f"buffer.explorer_input.taskset.path={path!r}: no such file or directory{_relative_to(path)}. "
+                f"The task's generator ({gen}) writes its data only into a directory named {GENERATED[gen]!r}: "
+                f"point the path at your data (and set buffer.explorer_input.generator=null), or at a "
+                f"{GENERATED[gen]!r} directory to generate there."
+            )
+        return  # the user's own data: read as it is
+    GENERATORS[gen](path)
 
 
 # ---------------------------------------------------------------- loading

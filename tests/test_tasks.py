@@ -84,3 +84,28 @@ def test_a_mistyped_local_path_fails_at_once_instead_of_trying_the_hub(tmp_path,
     assert str(e.value).startswith(
         f"buffer.explorer_input.taskset.path='data/vowel': no such file or directory (relative to {tmp_path}); it is "
         f"read as a local path because data/ is a directory here.")
+
+
+def test_the_generator_writes_only_its_own_directory(tmp_path):
+    import pytest
+
+    from rft.errors import ConfigError
+    from rft.tasks import ensure_task_data
+
+    def inp(path):
+        return OmegaConf.create({"generator": "arithmetic", "taskset": {"path": str(path)}})
+
+    # a mistyped path: an error naming it, not a directory of generated problems to train on
+    with pytest.raises(ConfigError, match=r"taskset.path='.*my_taks': no such file or directory\. The task's "
+                                          r"generator \(arithmetic\) writes its data only into a directory named "
+                                          r"'arithmetic-v4'"):
+        ensure_task_data(inp(tmp_path / "my_taks"))
+    assert not (tmp_path / "my_taks").exists()
+    # the user's own data under another name: left as it is (nothing written beside it)
+    mine = tmp_path / "mine.jsonl"
+    mine.write_text('{"question": "1+1", "answer": "2"}\n')
+    ensure_task_data(inp(mine))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine.jsonl"]
+    # its own directory: generated there
+    ensure_task_data(inp(tmp_path / "arithmetic-v4"))
+    assert (tmp_path / "arithmetic-v4" / "train.jsonl").exists() and (tmp_path / "arithmetic-v4" / "test.jsonl").exists()
