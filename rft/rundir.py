@@ -118,13 +118,31 @@ def has_outputs(stage_dir: Path) -> bool:
 
 
 def saved_config(stage_dir: Path) -> dict | None:
+    """The config a stage ran with, as write_config saved it (None: none, or damaged: record_problem)."""
     path = stage_dir / "config.yaml"
     if not path.exists():
         return None
     try:
-        return yaml.safe_load(path.read_text())
+        cfg = yaml.safe_load(path.read_text())
     except yaml.YAMLError:
-        return None  # damaged: nothing to compare with
+        return None
+    return cfg if isinstance(cfg, dict) else None
+
+
+def record_problem(stage_dir: Path) -> str | None:
+    """What is wrong with a started stage's config.yaml, or None: missing, not YAML, or not what
+    was saved (its first line's fingerprint, of the config below it, no longer matches: cut short
+    or edited)."""
+    path = stage_dir / "config.yaml"
+    if not path.exists():
+        return "is missing"
+    cfg = saved_config(stage_dir)
+    if cfg is None:
+        return "does not parse as a config"
+    head = path.read_text().split("\n", 1)[0]
+    if head != f"# fingerprint: {fingerprint(identity(cfg))}":
+        return "is not the one saved (its first line's fingerprint does not match what follows: cut short or edited)"
+    return None
 
 
 def write_config(cfg, stage_dir: Path) -> None:
@@ -154,12 +172,21 @@ def check_unchanged(cfg, stages, stage_dirs, run_dir: Path) -> dict[str, list[st
     unless there are none or resume_with_changes=true (then returned, to be logged)."""
     found = {}
     for s, d in zip(stages, stage_dirs):
-        old = saved_config(d)
-        if old is None or not has_outputs(d):
+        if not has_outputs(d):
             continue
-        diff = differences(identity(old), identity(s))
+        name = s.stage_name or s.algorithm.algorithm_type
+        problem = record_problem(d)
+        if problem and not cfg.resume_with_changes:
+            raise ConfigError(
+                f"{d / 'config.yaml'}, the record of the configuration stage {name} ran with, {problem}, so rft "
+                f"cannot tell whether this run's configuration is the same. Put the file back (the whole "
+                f"run's config is in {run_dir / '.hydra' / 'config.yaml'}), go on with this run's configuration "
+                f"from the newest checkpoint (resume_with_changes=true), or start over "
+                f"(continue_from_checkpoint=false: the old outputs move to {run_dir}/previous_<time>/)."
+            )
+        diff = [f"config.yaml {problem}: written anew"] if problem else differences(identity(saved_config(d)), identity(s))
         if diff:
-            found[s.stage_name or s.algorithm.algorithm_type] = diff
+            found[name] = diff
     if found and not cfg.resume_with_changes:
         listed = "; ".join(f"stage {name}: " + ", ".join(diff) for name, diff in found.items())
         raise ConfigError(

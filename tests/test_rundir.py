@@ -69,6 +69,36 @@ def test_a_changed_config_under_the_same_name_stops_and_lists_the_changes(tmp_pa
     assert read_metrics(run / "metrics.jsonl")[-1]["actor/lr"] == pytest.approx(1e-3)
 
 
+@pytest.mark.slow  # a real engine, Ray or training run
+def test_a_damaged_or_missing_config_record_stops_a_resume_instead_of_skipping_the_check(tmp_path):
+    args = [*TINY, f"checkpoint_root_dir={tmp_path}", "name=study", "stage_cache_dir=null"]
+    rft.main.main(compose_cfg(args))
+    run = tmp_path / "rft" / "study"
+    record = run / "config.yaml"
+    text = record.read_text()
+    lines = text.splitlines(keepends=True)
+    for damaged, problem in [
+        ("garbage: [", "does not parse as a config"),
+        ("".join(lines[: len(lines) // 2]), "is not the one saved (its first line's fingerprint does not match"),
+        (None, "is missing"),
+    ]:
+        if damaged is None:
+            record.unlink()
+        else:
+            record.write_text(damaged)
+        # a changed lr would otherwise be taken on silently from the checkpoint
+        with pytest.raises(ConfigError) as e:
+            rft.main._main(compose_cfg([*args, "buffer.total_steps=4", "algorithm.optimizer.lr=5e-2"]))
+        assert str(e.value).startswith(f"{record}, the record of the configuration stage grpo ran with, {problem}"), str(e.value)
+        assert "resume_with_changes=true" in str(e.value)
+        assert steps(run / "metrics.jsonl") == [1, 2]  # nothing ran
+    # asked for, the run goes on with its own configuration, which it records
+    rft.main.main(compose_cfg([*args, "buffer.total_steps=4", "resume_with_changes=true"]))
+    assert steps(run / "metrics.jsonl") == [1, 2, 3, 4]
+    assert "resume_with_changes=true: config.yaml is missing: written anew" in (run / "config_changes.log").read_text()
+    assert record.read_text().startswith("# fingerprint: ")
+
+
 def snapshot(d):
     return {str(p.relative_to(d)): (p.stat().st_mtime_ns, p.stat().st_size) for p in d.rglob("*")}
 
