@@ -6,8 +6,8 @@
         trainer_state.pt   optimizer, scheduler, step, RNG, critic
 
 A damaged checkpoint (state.json that does not parse, weights whose fingerprint is not the one
-the save recorded, a missing file) is moved aside to step_<N>.damaged-<time> and the one before is
-used; mode=explore keeps only its newest (a small state.json: its place in the schedule).
+the save recorded, a trainer_state.pt whose checksums fail, a missing file) is moved aside to
+step_<N>.damaged-<time> and the one before is used; mode=explore keeps only its newest (a small state.json: its place in the schedule).
 """
 
 from __future__ import annotations
@@ -47,8 +47,11 @@ def read_checkpoint(d: Path) -> Checkpoint | None:
         return None
     try:
         state = json.loads((d / "state.json").read_text())
+        why = None if isinstance(state, dict) and isinstance(state.get("step"), int) else "state.json holds no step"
     except (ValueError, OSError):
-        state = {"step": int(d.name[5:]) if d.name[5:].isdigit() else -1, "damaged": "state.json does not parse"}
+        why = "state.json does not parse"
+    if why:
+        state = {"step": int(d.name[5:]) if d.name[5:].isdigit() else -1, "damaged": why}
     return Checkpoint(state["step"], d, state)
 
 
@@ -82,12 +85,14 @@ def latest_checkpoint(stage_dir: Path) -> Checkpoint | None:
     return found[-1] if found else None
 
 
-def damage(ckpt: Checkpoint, has_model: bool) -> str | None:
+def damage(ckpt: Checkpoint, has_model: bool, trainer_state: bool = True) -> str | None:
     """What is wrong with a checkpoint (naming the file), or None. With a model: hf/config.json
-    parses, trainer_state.pt is there, and hf/'s safetensors (model.safetensors or the shards its
-    index lists) hold the weights whose fingerprint the save recorded in state.json (a file with
-    zeroed or flipped bytes loads fine and trains on; this catches it). A LoRA checkpoint saved
-    without hf/ (trainer.save_hf_checkpoint) is checked the same way on its adapter/."""
+    parses, trainer_state.pt is there and its checksums hold (unless `trainer_state` is False: a
+    finished stage another starts from, which reads only the model), and hf/'s safetensors
+    (model.safetensors or the shards its index lists) hold the weights whose fingerprint the save
+    recorded in state.json (a file with zeroed or flipped bytes loads fine and trains on; this
+    catches it). A LoRA checkpoint saved without hf/ (trainer.save_hf_checkpoint) is checked the
+    same way on its adapter/."""
     if "damaged" in ckpt.state:
         return f"{ckpt.path / 'state.json'}: {ckpt.state['damaged']}"
     if not has_model:
@@ -99,8 +104,11 @@ def damage(ckpt: Checkpoint, has_model: bool) -> str | None:
         json.loads(cfg_file.read_text())
     except (OSError, ValueError) as e:
         return f"{cfg_file}: {'missing' if isinstance(e, FileNotFoundError) else 'does not parse'}"
-    if not (ckpt.path / "trainer_state.pt").is_file():
+    if trainer_state and not (ckpt.path / "trainer_state.pt").is_file():
         return f"{ckpt.path / 'trainer_state.pt'}: missing"
+    why = trainer_state and _zip_damage(ckpt.path / "trainer_state.pt")
+    if why:
+        return f"{ckpt.path / 'trainer_state.pt'}: {why}"
     try:
         files = [folder / "adapter_model.safetensors"] if adapter_only else hf_weight_files(folder)
     except (OSError, ValueError, KeyError):  # no weights, or an index that does not parse
@@ -116,6 +124,20 @@ def damage(ckpt: Checkpoint, has_model: bool) -> str | None:
         where = files[0] if len(files) == 1 else folder
         return f"{where}: its weights are not the ones saved (fingerprint {got}, state.json has {expected})"
     return None
+
+
+def _zip_damage(f: Path) -> str | None:
+    """torch.save writes a zip archive with a CRC-32 of each entry, which torch.load does not check:
+    a flipped or zeroed block inside the optimizer's state loads and trains on. Checked here (one
+    read of the file, when a checkpoint is about to be used)."""
+    import zipfile
+
+    try:
+        with zipfile.ZipFile(f) as z:
+            bad = z.testzip()
+    except (zipfile.BadZipFile, OSError, EOFError, ValueError) as e:
+        return f"does not read as the archive torch.save writes ({type(e).__name__}: cut short?)"
+    return f"its entry {bad} does not match the checksum written with it" if bad else None
 
 
 def _file_sums(f: Path) -> list[float]:

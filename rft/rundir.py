@@ -291,12 +291,22 @@ def stage_lock(entry: Path | None, title: str, say):
 
 
 def reuse(entry: Path, stage_dir: Path, title: str, say) -> Path | None:
-    """Copy a published stage into stage_dir; returns its final model's directory (None: no entry)."""
-    if not (entry / "checkpoint" / "state.json").exists():
+    """Copy a published stage into stage_dir; returns its final model's directory (None: no entry,
+    or a damaged one, which is moved aside to <entry>.damaged-<time>: the stage runs, and publishes anew)."""
+    from rft.checkpoint import damage, read_checkpoint
+
+    ckpt = read_checkpoint(entry / "checkpoint")
+    if ckpt is None:
         return None
-    state = json.loads((entry / "checkpoint" / "state.json").read_text())
+    why = damage(ckpt, has_model=True, trainer_state=False)
+    if why is not None:
+        aside = entry.with_name(f"{entry.name}.damaged-{datetime.datetime.now():%Y%m%d_%H%M%S}")
+        os.replace(entry, aside)
+        say(f"[{title}] the stage cache's copy of this stage is damaged ({why}); moved it to {aside} "
+            f"and running the stage")
+        return None
     stage_dir.mkdir(parents=True, exist_ok=True)
-    final = stage_dir / "checkpoints" / f"step_{state['step']}"
+    final = stage_dir / "checkpoints" / f"step_{ckpt.step}"
     shutil.rmtree(final, ignore_errors=True)
     final.parent.mkdir(parents=True, exist_ok=True)
     _link_tree(entry / "checkpoint", final)

@@ -24,20 +24,24 @@ TINY = ["stages=[]", "cluster=inline", "monitor=console", "buffer.batch_size=4",
 
 
 @pytest.fixture(scope="module")
-def made(tmp_path_factory):
-    """A run of 3 steps (checkpoints 1, 2, 3) to damage copies of, and an undamaged run of 4."""
+def made(tmp_path_factory, warm_start):
+    """A run of 3 steps (checkpoints 1, 2, 3) to damage copies of, and an undamaged run of 4; from
+    the warm start, whose rewards differ, so the optimizer's moments are not all zero."""
+    from types import SimpleNamespace
+
     root = tmp_path_factory.mktemp("damage")
-    rft.main.main(compose_cfg([*TINY, f"checkpoint_root_dir={root}", "name=base", "buffer.total_steps=3"]))
-    rft.main.main(compose_cfg([*TINY, f"checkpoint_root_dir={root}", "name=whole", "buffer.total_steps=4"]))
-    return root
+    args = [*TINY, f"model.model_path={warm_start}", "model.builder=null"]
+    rft.main.main(compose_cfg([*args, f"checkpoint_root_dir={root}", "name=base", "buffer.total_steps=3"]))
+    rft.main.main(compose_cfg([*args, f"checkpoint_root_dir={root}", "name=whole", "buffer.total_steps=4"]))
+    return SimpleNamespace(root=root, args=args)
 
 
 def resume_damaged(made, tmp_path, name, damage, capsys):
     """Copy the 3-step run, damage it, resume it to step 4; returns (console, run dir)."""
     run = tmp_path / "rft" / name
-    shutil.copytree(made / "rft" / "base", run)
+    shutil.copytree(made.root / "rft" / "base", run)
     damage(run / "checkpoints" / "step_3")
-    rft.main.main(compose_cfg([*TINY, f"checkpoint_root_dir={tmp_path}", f"name={name}", "buffer.total_steps=4",
+    rft.main.main(compose_cfg([*made.args, f"checkpoint_root_dir={tmp_path}", f"name={name}", "buffer.total_steps=4",
                                "resume_with_changes=true"]))
     return capsys.readouterr().out, run
 
@@ -46,6 +50,21 @@ def zero_bytes(ckpt):
     path = ckpt / "hf" / "model.safetensors"
     data = bytearray(path.read_bytes())
     data[-4096:-2048] = bytes(2048)  # inside the last tensor's data: the file still loads
+    path.write_bytes(data)
+
+
+def zero_optimizer_bytes(ckpt):
+    """2 KiB of the largest Adam moment in trainer_state.pt zeroed where it is not zero already:
+    the file still loads (zeros are floats like any), and would train on."""
+    path = ckpt / "trainer_state.pt"
+    moments = [t for st in torch.load(path, weights_only=False)["optimizer"]["state"].values()
+               for k, t in st.items() if k == "exp_avg"]
+    raw = max(moments, key=lambda t: t.numel()).contiguous().numpy().tobytes()
+    data = bytearray(path.read_bytes())
+    at = data.find(raw)  # its bytes as stored in the archive
+    assert at >= 0
+    start = at + next(a for a in range(0, len(raw) - 2048, 2048) if any(raw[a: a + 2048]))
+    data[start: start + 2048] = bytes(2048)
     path.write_bytes(data)
 
 
@@ -66,7 +85,9 @@ DAMAGES = {
     "missing_weights": (delete("hf/model.safetensors"), "model.safetensors: missing"),
     "missing_hf_config": (delete("hf/config.json"), "config.json: missing"),
     "truncated_hf_config": (truncate("hf/config.json"), "config.json: does not parse"),
-    "truncated_trainer_state": (truncate("trainer_state.pt"), "trainer_state.pt does not load"),
+    "truncated_trainer_state": (truncate("trainer_state.pt"), "trainer_state.pt: does not read as the archive"),
+    "zeroed_trainer_state": (zero_optimizer_bytes, "trainer_state.pt: its entry trainer_state/data/"),
+    "state_json_without_step": (lambda ckpt: (ckpt / "state.json").write_text("{}"), "state.json holds no step"),
     "missing_trainer_state": (delete("trainer_state.pt"), "trainer_state.pt: missing"),
     "truncated_state_json": (truncate("state.json"), "state.json: state.json does not parse"),
 }
@@ -82,7 +103,7 @@ def test_a_damaged_checkpoint_falls_back_to_the_previous_one(made, tmp_path, kin
     (aside,) = (run / "checkpoints").glob("step_3.damaged-*")  # kept for a look, out of the way
     # steps 3 and 4 were run again: the log and the weights are those of an undamaged run
     assert [m["step"] for m in read_metrics(run / "metrics.jsonl")] == [1, 2, 3, 4]
-    a = load_file(made / "rft" / "whole" / "checkpoints" / "step_4" / "hf" / "model.safetensors")
+    a = load_file(made.root / "rft" / "whole" / "checkpoints" / "step_4" / "hf" / "model.safetensors")
     b = load_file(run / "checkpoints" / "step_4" / "hf" / "model.safetensors")
     assert all(torch.equal(a[k], b[k]) for k in a)
 

@@ -159,6 +159,31 @@ def test_a_finished_stage_is_reused_by_another_run_with_the_same_stage(tmp_path,
 
 
 @pytest.mark.slow
+def test_a_damaged_stage_cache_entry_is_set_aside_and_the_stage_runs(tmp_path, capsys):
+    common = [*TWO_STAGES, f"checkpoint_root_dir={tmp_path}"]
+    rft.main.main(compose_cfg([*common, "name=first"]))
+    (entry,) = [p for p in (tmp_path / "rft" / "stage_cache").iterdir() if p.is_dir()]
+    weights = entry / "checkpoint" / "hf" / "model.safetensors"
+    # a copy of the file, not the hard link the first run's checkpoint shares, zeroed at its end
+    data = bytearray(weights.read_bytes())
+    data[-4096:-2048] = bytes(2048)
+    weights.unlink()
+    weights.write_bytes(data)
+    capsys.readouterr()
+    rft.main.main(compose_cfg([*common, "name=second", "algorithm.optimizer.lr=1e-3"]))
+    out = capsys.readouterr().out
+    assert "[sft_warmup] the stage cache's copy of this stage is damaged (" in out and "its weights are not the ones saved" in out
+    assert "reused" not in out
+    second = tmp_path / "rft" / "second" / "sft_warmup"
+    assert not (second / "reused_from").exists()
+    # trained again: the first run's warm-up, bit for bit; and published anew beside the damaged copy
+    a = load_file(tmp_path / "rft" / "first" / "sft_warmup" / "checkpoints" / "step_4" / "hf" / "model.safetensors")
+    b = load_file(second / "checkpoints" / "step_4" / "hf" / "model.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert entry.is_dir() and list(entry.parent.glob(f"{entry.name}.damaged-*"))
+
+
+@pytest.mark.slow
 def test_concurrent_jobs_with_the_same_stage_train_it_once(tmp_path):
     env = {**os.environ, "RFT_CHECKPOINT_ROOT_DIR": str(tmp_path)}
     procs = [subprocess.Popen([sys.executable, str(ROOT / "run.py"), *TWO_STAGES, f"name=job{i}",
