@@ -101,7 +101,9 @@ def run_jobs(fn, jobs: list, runners: int, timeout: float, retries: int,
     def call(i: int, attempt: int) -> None:
         try:
             finished.put((i, attempt, True, fn(jobs[i])))
-        except Exception as e:  # a failing reward function must not end the run
+        except BaseException as e:  # a failing reward function must not end the run; nor its
+            # sys.exit() or KeyboardInterrupt (Ctrl-C reaches the main thread only): an error of
+            # the call, not a thread that dies and a call that times out
             finished.put((i, attempt, False, e))
 
     def failed(i: int) -> None:

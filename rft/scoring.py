@@ -126,8 +126,8 @@ def _number(v, name: str) -> float:
         x = float(v)
     except (TypeError, ValueError):
         raise ValueError(f"reward {name!r} returned {type(v).__name__} {v!r}, not a number") from None
-    if math.isnan(x):
-        raise ValueError(f"reward {name!r} returned NaN")
+    if not math.isfinite(x):  # one inf makes every mean, std and advantage of its step inf or NaN
+        raise ValueError(f"reward {name!r} returned {x}, not a finite number")
     return x
 
 

@@ -39,6 +39,24 @@ def test_run_jobs_retries_then_records_failures_in_order():
                  "last_error": "ValueError: always"}
 
 
+def test_a_reward_that_calls_sys_exit_or_raises_keyboardinterrupt_is_an_error_not_a_timeout():
+    import sys
+
+    def fn(x):
+        if x == 1:
+            sys.exit(3)
+        if x == 2:
+            raise KeyboardInterrupt
+        return x
+
+    t0 = time.monotonic()
+    results, c = run_jobs(fn, [0, 1, 2], runners=2, timeout=30.0, retries=1)
+    assert time.monotonic() - t0 < 25  # answered, not waited for until the timeout
+    assert results == [0, None, None]
+    assert (c["errors"], c["timeouts"], c["failed"]) == (4, 0, 2)
+    assert c["last_error"] in ("SystemExit: 3", "KeyboardInterrupt: ")
+
+
 def test_run_jobs_runs_at_most_runners_calls_at_once():
     lock, now, most = threading.Lock(), [0], [0]
 

@@ -146,6 +146,25 @@ def bad(prompt, response, task):
     return "yes"
 
 
+def test_a_reward_that_is_not_finite_is_an_error_of_that_task():
+    # one inf would make its step's mean, std and every advantage of the group inf or NaN
+    for value in ["inf", "-inf", "nan"]:
+        scorer = build([{"fn": "test_scoring.not_finite", "args": {"value": value}}], "reward_fn")
+        with pytest.raises(ValueError, match=f"reward 'not_finite' returned {value}, not a finite number"):
+            scorer("p", ["x"], TASK)
+    scorer = build("test_scoring.inf_part", "reward_fn")
+    with pytest.raises(ValueError, match="reward 'inf_part/b' returned inf, not a finite number"):
+        scorer("p", ["x"], TASK)
+
+
+def not_finite(prompt, response, task, value):
+    return float(value)
+
+
+def inf_part(prompt, response, task):
+    return {"a": 1.0, "b": float("inf")}
+
+
 def test_running_normalisation_hand_computed_and_resumable():
     norm = RunningNorm({"exact_match": 1.0, "short": 0.5}, ["short"])
     exps = [Experience([1, 2], 1, [0.0], reward=Reward(1.0 + 0.5 * s, {"exact_match": 1.0, "short": s}))
