@@ -27,13 +27,14 @@ import sys
 import threading
 import time
 from collections import deque
+from contextlib import contextmanager
 from pathlib import Path
 
 import sqlalchemy as sa
 from filelock import FileLock
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 
-from rft.errors import ConfigError
+from rft.errors import ConfigError, RunError
 from rft.experience import PRIORITY_FNS, WHERE, Experience, check_priority_fn, is_experience_file
 
 POLL_S = 0.05  # how often a waiting reader looks again where no writer can wake it
@@ -326,10 +327,24 @@ class SQLBuffer:
         # a copy sent to another process (a Ray actor) opens the same file; its cursor is in there
         return (type(self), (self.cfg, self.where))
 
+    @contextmanager
+    def _damage_named(self):
+        """A database damaged while the run uses it (a page, not the header, which opening finds):
+        one paragraph naming the file, not SQLAlchemy's traceback."""
+        try:
+            yield
+        except sa.exc.DatabaseError as e:
+            raise RunError(
+                f"the buffer {self.path} is damaged ({e.orig}), so its experiences cannot be read or "
+                f"written. Restore the file from a copy and run the same command again to resume from the "
+                f"newest checkpoint; without one, move the file away first (the resume then says whether "
+                f"the checkpoint needed anything from it)."
+            ) from None
+
     def put(self, exps: list[Experience]) -> None:
         if exps:
             now = time.time()
-            with self.engine.begin() as c:  # one transaction: all rows or none
+            with self._damage_named(), self.engine.begin() as c:  # one transaction: all rows or none
                 c.execute(_experiences.insert(), [_row(e, now) for e in exps])
 
     def _save_cursor(self, c) -> None:
@@ -340,23 +355,24 @@ class SQLBuffer:
         deadline = time.monotonic() + timeout
         query = sa.select(_experiences).order_by(_experiences.c.id).limit(n)
         while True:
-            with self.engine.connect() as c:
+            with self._damage_named(), self.engine.connect() as c:
                 rows = c.execute(query.where(_experiences.c.id > self.cursor)).all()
             if len(rows) >= n or time.monotonic() >= deadline:
                 break
             time.sleep(POLL_S)
         if not rows:
             raise _timeout(self.name, n, timeout, self.where)
+        exps = [_experience(r) for r in rows]
         self.cursor = rows[-1].id
-        with self.engine.begin() as c:
+        with self._damage_named(), self.engine.begin() as c:
             self._save_cursor(c)
-        return [_experience(r) for r in rows]
+        return exps
 
     def state(self) -> dict:
         return {"cursor": self.cursor, "last_id": self._last_id()}
 
     def _last_id(self) -> int:
-        with self.engine.connect() as c:
+        with self._damage_named(), self.engine.connect() as c:
             return c.execute(sa.select(sa.func.max(_experiences.c.id))).scalar() or 0
 
     def restore(self, state: dict) -> None:
@@ -437,8 +453,28 @@ class FileBuffer:
             time.sleep(POLL_S)
         if not lines:
             raise _timeout(self.name, n, timeout, self.where)
+        exps = []
+        for line in lines:
+            try:
+                exps.append(Experience.from_dict(json.loads(line)))
+            except (ValueError, TypeError) as e:  # not JSON, or not an experience's fields
+                raise RunError(
+                    f"the buffer {self.path}: line {self._line_number(line)} is not a stored experience "
+                    f"({type(e).__name__}: {str(e)[:200]}); a writer's kill leaves only a last line cut "
+                    f"short, so something else damaged the file. Repair or delete that line, then run the "
+                    f"same command again to resume from the newest checkpoint."
+                ) from None
         self.offset = offset
-        return [Experience.from_dict(json.loads(line)) for line in lines]
+        return exps
+
+    def _line_number(self, line: bytes) -> int:
+        """The number of the first line after the read offset equal to `line` (for a message)."""
+        with open(self.path, "rb") as f:
+            before = f.read(self.offset).count(b"\n")
+            for n, candidate in enumerate(f, before + 1):
+                if candidate == line:
+                    return n
+        return before + 1
 
     def state(self) -> dict:
         # last_id: the write position, as for SQLBuffer (here the length of the whole lines)

@@ -206,6 +206,51 @@ def test_file_buffer_cuts_a_line_left_by_a_killed_writer(tmp_path):
     assert ids(buf.get(5, timeout=0.1)) == ["t0", "t1"]
 
 
+def test_a_damaged_line_of_a_file_buffer_is_named_and_nothing_is_read_past_it(tmp_path):
+    from rft.errors import RunError
+
+    path = tmp_path / "b.jsonl"
+    buf = FileBuffer(buf_cfg("file", path=str(path)))
+    buf.put(exps(2))
+    lines = path.read_text().splitlines(keepends=True)
+    buf.put(exps(2, start=2))
+    assert ids(buf.get(2, timeout=0.1)) == ["t0", "t1"]
+    # line 4 (t3), not yet read, damaged in the middle of the file's unread part
+    text = path.read_text().splitlines(keepends=True)
+    text[3] = text[3][:20] + "#" + text[3][21:]
+    path.write_text("".join(text))
+    with pytest.raises(RunError) as e:
+        buf.get(2, timeout=0.1)
+    assert str(e.value).startswith(f"the buffer {path}: line 4 is not a stored experience (JSONDecodeError: ")
+    assert buf.state()["offset"] == len("".join(lines))  # the read did not move past t2 and t3
+    # a line that is JSON but not an experience
+    text[3] = '{"tokenz": [1, 2]}\n'
+    path.write_text("".join(text))
+    with pytest.raises(RunError, match=r"line 4 is not a stored experience \(TypeError: "):
+        buf.get(2, timeout=0.1)
+
+
+def test_a_sql_buffer_damaged_while_in_use_is_named(tmp_path):
+    from rft.errors import RunError
+
+    path = tmp_path / "b.db"
+    buf = SQLBuffer(buf_cfg("sql", path=str(path)))
+    big = [Experience(list(range(50)), 10, [0.0] * 40, task_id=f"t{i}", info={"pad": "x" * 200}) for i in range(200)]
+    buf.put(big)
+    buf.close()
+    # the last pages (rows), not the header or the schema that opening reads, overwritten
+    data = bytearray(path.read_bytes())
+    for page in range(len(data) // 4096 - 3, len(data) // 4096):
+        data[page * 4096: page * 4096 + 100] = b"\xff" * 100
+    path.write_bytes(data)
+    buf = SQLBuffer(buf_cfg("sql", path=str(path)))
+    with pytest.raises(RunError) as e:
+        buf.get(200, timeout=0.1)
+    assert str(e.value).startswith(f"the buffer {path} is damaged (database disk image is malformed), so its "
+                                   f"experiences cannot be read or written.")
+    assert buf.cursor == 0  # nothing counted as read
+
+
 def test_queue_put_waits_for_room(tmp_path):
     buf = QueueBuffer(buf_cfg(capacity=4, max_read_timeout=10))
     buf.put(exps(4))
