@@ -182,9 +182,25 @@ def write(stage_dir: Path, step: int, state: dict, save_model=None, keep: int | 
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     state = {"step": step, **state}
-    if save_model is not None:
-        state.update(save_model(tmp))
-    (tmp / "state.json").write_text(json.dumps(state))
+    try:
+        if save_model is not None:
+            state.update(save_model(tmp))
+        (tmp / "state.json").write_text(json.dumps(state))
+    except Exception as e:
+        shutil.rmtree(tmp, ignore_errors=True)  # no half-written step_N.tmp left behind
+        from rft.errors import RunError
+
+        if isinstance(e, RunError):  # the trainer died: its own message
+            raise
+        free = shutil.disk_usage(stage_dir).free / 2**30
+        previous = [c.step for c in list_checkpoints(stage_dir)]
+        cause = getattr(e, "cause", None) or e  # raised in a Ray actor, it arrives wrapped
+        raise RunError(
+            f"writing checkpoint step {step} to {tmp} failed ({type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}); "
+            f"that disk has {free:.1f} GiB free (a full disk fails this way). Make room, or point "
+            f"checkpoint_root_dir at another disk, then run the same command again to resume from the "
+            f"newest checkpoint ({f'step {previous[-1]}' if previous else 'none yet: the stage starts over'})."
+        ) from e
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
     if keep is not None:

@@ -799,3 +799,23 @@ def test_an_actor_whose_constructor_raised_is_reported_by_its_error():
     assert str(e) == "grpo_trainer did not start: RuntimeError: out of memory (the traceback is in run/log/grpo_trainer.log)"
     # one that died later (killed, out of memory): Ray may restart it, the runner decides
     assert not_started(Died("The actor died unexpectedly before finishing this task.", False), "x", Path("x.log")) is None
+
+
+def test_a_checkpoint_that_cannot_be_written_stops_the_run_naming_the_disk_and_leaves_no_tmp(tmp_path):
+    import errno
+
+    from rft import checkpoint
+    from rft.errors import RunError
+
+    checkpoint.write(tmp_path, 2, {"version": 2})
+
+    def full_disk(tmp):
+        (tmp / "trainer_state.pt").write_bytes(b"half")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with pytest.raises(RunError) as e:
+        checkpoint.write(tmp_path, 4, {"version": 4}, full_disk)
+    assert str(e.value).startswith(f"writing checkpoint step 4 to {tmp_path / 'checkpoints' / 'step_4.tmp'} failed "
+                                   f"(OSError: [Errno 28] No space left on device); that disk has ")
+    assert str(e.value).endswith("run the same command again to resume from the newest checkpoint (step 2).")
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_2"]
