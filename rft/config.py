@@ -627,8 +627,11 @@ def misspelt_override(args: list[str], groups: set[str]) -> str | None:
     schema = OmegaConf.structured(Config)
     for o in overrides:
         key = o.key_or_group
-        if o.is_add() or o.is_force_add() or o.is_delete() or "/" in key or key.split(".")[0] in ("hydra",):
+        if o.is_delete() or "/" in key or key.split(".")[0] in ("hydra",):
             continue
+        # +key adds a key: to a free-form dict or list (stages, auxiliary_buffers, a reward's args)
+        # that is the way, but the schema's own sections have every key they take already
+        adding = o.is_add() or o.is_force_add()
         if key in groups:
             continue
         node, parts = schema, key.split(".")
@@ -645,8 +648,11 @@ def misspelt_override(args: list[str], groups: set[str]) -> str | None:
                 near += [k for k in difflib.get_close_matches(key, siblings, n=2, cutoff=0.6) if k not in near]
                 where = f"'{OmegaConf.get_type(node).__name__}'"
                 hint = f" Did you mean {' or '.join(near[:3])}?" if near else ""
+                verb = "add" if adding else "override"
+                also = (f" ({where} is a section of the schema: a + adds keys only to free-form ones such as "
+                        f"stages)") if adding else ""
                 return (
-                    f"Could not override '{key}': Key '{part}' not in {where}.{hint} The keys, each "
+                    f"Could not {verb} '{key}': Key '{part}' not in {where}{also}.{hint} The keys, each "
                     f"with a comment, are in rft/config.py; `python run.py --cfg job` prints the "
                     f"composed config."
                 )

@@ -314,7 +314,11 @@ def _length(cfg, per_epoch: int, opt_per_step: int) -> tuple[int, int]:
         if buf.total_epochs < 1:
             raise ConfigError(f"buffer.total_epochs={buf.total_epochs} must be >= 1.")
         total = buf.total_epochs * per_epoch
-    warmup = cfg.algorithm.optimizer.warmup_steps
+    opt = cfg.algorithm.optimizer
+    if not opt.lr >= 0 or not opt.weight_decay >= 0:  # (not >=: NaN too) a negative lr ascends the loss
+        key, value = ("lr", opt.lr) if not opt.lr >= 0 else ("weight_decay", opt.weight_decay)
+        raise ConfigError(f"algorithm.optimizer.{key}={value} must be >= 0.")
+    warmup = opt.warmup_steps
     if not 0 <= warmup <= total * opt_per_step:
         raise ConfigError(
             f"algorithm.optimizer.warmup_steps={warmup} must be between 0 and the run's "

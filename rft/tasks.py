@@ -437,6 +437,12 @@ def rows_to_messages(row: dict, fmt, where: str, index: int, path: str) -> list[
         )
     if fmt.prompt_type == "messages":
         return list(value)
+    if isinstance(value, (list, dict)):  # str() would make "['1', '2']" the prompt, without a word
+        raise ConfigError(
+            f"{where}: {_line_hint(path, index)} of {path!r} has a {type(value).__name__} in {key!r} "
+            f"(format.prompt_key), not a text. For chat messages set {where}.format.prompt_type=messages "
+            f"(and format.messages_key); else make the column text."
+        )
     messages = [{"role": "system", "content": fmt.system_prompt}] if fmt.system_prompt else []
     return messages + [{"role": "user", "content": str(value)}]
 

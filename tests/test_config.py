@@ -77,6 +77,8 @@ def test_batch_plan_values():
          "buffer.train_batch_size=100 must equal buffer.batch_size (16) x algorithm.repeat_times (8) = 128"),
         (["algorithm.repeat_times=1"], "algorithm.repeat_times=1 gives groups of one"),
         (["algorithm.optimizer.warmup_steps=500"], "algorithm.optimizer.warmup_steps=500 must be between 0 and the run's 60 optimizer steps (60 steps x 1 per step)."),
+        (["algorithm.optimizer.lr=-1e-3"], "algorithm.optimizer.lr=-0.001 must be >= 0."),
+        (["algorithm.optimizer.weight_decay=-0.1"], "algorithm.optimizer.weight_decay=-0.1 must be >= 0."),
         (["algorithm.advantage_fn=grpoo"],
          "algorithm.advantage_fn='grpoo' is not one of ['dr_grpo', 'gae', 'grpo', 'none', 'opmd', 'reinforce_pp', "
          "'reinforce_pp_baseline', 'rloo']; give a registered name or the dotted path of a function with the "

@@ -34,6 +34,20 @@ def test_misspelt_key(run_root):
     assert_nothing_started(run_root)
 
 
+def test_a_misspelt_key_added_with_plus_is_caught_too(run_root):
+    # +key adds a key where Hydra would take it silently: into the schema's own sections too
+    r = run_cli("+trainer.save_intervall=1", env=run_root)
+    assert r.returncode == 2
+    assert ("Could not add 'trainer.save_intervall': Key 'save_intervall' not in 'TrainerConfig' ('TrainerConfig' "
+            "is a section of the schema: a + adds keys only to free-form ones such as stages). Did you mean "
+            "trainer.save_interval") in r.stderr
+    assert "Traceback" not in r.stderr
+    assert_nothing_started(run_root)
+    # into a free-form list or dict it is the way: planned like any stage key
+    r = run_cli("+stages.0.trainer.save_interval=2", "dry_run=true", env=run_root)
+    assert r.returncode == 0, r.stderr[-2000:]
+
+
 @pytest.mark.slow  # a real engine, Ray or training run
 def test_a_model_the_ray_actors_cannot_load_is_a_configuration_error_not_a_traceback(run_root):
     # the driver of a Ray run loads no tokenizer (it holds no torch): the explorer's constructor is

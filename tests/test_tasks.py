@@ -109,3 +109,17 @@ def test_the_generator_writes_only_its_own_directory(tmp_path):
     # its own directory: generated there
     ensure_task_data(inp(tmp_path / "arithmetic-v4"))
     assert (tmp_path / "arithmetic-v4" / "train.jsonl").exists() and (tmp_path / "arithmetic-v4" / "test.jsonl").exists()
+
+
+def test_a_prompt_that_is_a_list_is_an_error_naming_the_row(tmp_path):
+    import pytest
+
+    from rft.errors import ConfigError
+
+    data = tmp_path / "t.jsonl"
+    data.write_text('{"question": "1+1", "answer": "2"}\n{"question": ["1", "2"], "answer": "3"}\n')
+    ts = OmegaConf.structured(TasksetConfig(name="t", path=str(data)))
+    with pytest.raises(ConfigError) as e:
+        load_tasks(ts, "buffer.explorer_input.taskset")
+    assert str(e.value).startswith(f"buffer.explorer_input.taskset: row 1 (line 2 of its JSONL file) of '{data}' has "
+                                   f"a list in 'question' (format.prompt_key), not a text.")
