@@ -217,6 +217,7 @@ def test_sampling_params_survive_every_buffer(tmp_path):
         buf.close()
 
 
+@pytest.mark.slow  # two trainers built (~10 s)
 def test_dpo_metrics_are_per_pair_means_whatever_the_micro_batches():
     from rft.tasks import ensure_task_data
 
