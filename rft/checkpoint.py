@@ -7,7 +7,8 @@
 
 A damaged checkpoint (state.json that does not parse, weights whose fingerprint is not the one
 the save recorded, a trainer_state.pt whose checksums fail, a missing file) is moved aside to
-step_<N>.damaged-<time> and the one before is used; mode=explore keeps only its newest (a small state.json: its place in the schedule).
+step_<N>.damaged-<time> and the one before is used; mode=explore keeps only its newest (a small
+state.json: its place in the schedule).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from rft.errors import RunError
 from rft.sync import format_fingerprint, hf_weight_files, same_weights, weight_sums
 
 
@@ -104,11 +106,12 @@ def damage(ckpt: Checkpoint, has_model: bool, trainer_state: bool = True) -> str
         json.loads(cfg_file.read_text())
     except (OSError, ValueError) as e:
         return f"{cfg_file}: {'missing' if isinstance(e, FileNotFoundError) else 'does not parse'}"
-    if trainer_state and not (ckpt.path / "trainer_state.pt").is_file():
-        return f"{ckpt.path / 'trainer_state.pt'}: missing"
-    why = trainer_state and _zip_damage(ckpt.path / "trainer_state.pt")
-    if why:
-        return f"{ckpt.path / 'trainer_state.pt'}: {why}"
+    if trainer_state:
+        if not (ckpt.path / "trainer_state.pt").is_file():
+            return f"{ckpt.path / 'trainer_state.pt'}: missing"
+        why = _zip_damage(ckpt.path / "trainer_state.pt")
+        if why:
+            return f"{ckpt.path / 'trainer_state.pt'}: {why}"
     try:
         files = [folder / "adapter_model.safetensors"] if adapter_only else hf_weight_files(folder)
     except (OSError, ValueError, KeyError):  # no weights, or an index that does not parse
@@ -188,15 +191,14 @@ def write(stage_dir: Path, step: int, state: dict, save_model=None, keep: int | 
         (tmp / "state.json").write_text(json.dumps(state))
     except Exception as e:
         shutil.rmtree(tmp, ignore_errors=True)  # no half-written step_N.tmp left behind
-        from rft.errors import RunError
-
         if isinstance(e, RunError):  # the trainer died: its own message
             raise
         free = shutil.disk_usage(stage_dir).free / 2**30
         previous = [c.step for c in list_checkpoints(stage_dir)]
         cause = getattr(e, "cause", None) or e  # raised in a Ray actor, it arrives wrapped
+        what = f"{type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}"
         raise RunError(
-            f"writing checkpoint step {step} to {tmp} failed ({type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}); "
+            f"writing checkpoint step {step} to {tmp} failed ({what}); "
             f"that disk has {free:.1f} GiB free (a full disk fails this way). Make room, or point "
             f"checkpoint_root_dir at another disk, then run the same command again to resume from the "
             f"newest checkpoint ({f'step {previous[-1]}' if previous else 'none yet: the stage starts over'})."

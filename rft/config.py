@@ -159,8 +159,8 @@ class AlgorithmConfig:
     #   recomputed ones); decoupled: the ratio against the recomputed log-probs, each token's
     #   policy loss (not the KL or entropy terms) weighted by pi_prox / pi_behav capped at
     #   behavior_weight_cap (AReaL's decoupled PPO, arXiv 2505.24298); none: stale
-    #   experiences are treated as fresh. On this repo's offline
-    #   test (10 steps on 10 stored steps) behavior went 0.155 -> 0.885, decoupled -> 0.205, none -> 0.005
+    #   experiences are treated as fresh. On this repo's offline test (10 steps on 10 stored
+    #   steps) behavior went 0.155 -> 0.885, decoupled -> 0.205, none -> 0.005
     off_policy_correction: OffPolicyCorrection = OffPolicyCorrection.behavior
     behavior_weight_cap: float = 5.0
     # the rollout engine's sampling log-probs (Experience.logprobs) differ from the trainer's

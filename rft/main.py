@@ -47,8 +47,8 @@ def _newest_checkpoint(run_dir: Path) -> Path | None:
     """The newest checkpoint of any stage of the run in `run_dir` (None: none yet)."""
     from rft.checkpoint import latest_checkpoint
 
-    found = [c for d in [run_dir, *sorted(p for p in run_dir.glob("*") if p.is_dir())]
-             if (c := latest_checkpoint(d)) is not None]
+    stages = [p for p in run_dir.glob("*") if p.is_dir() and not p.name.startswith("previous_")]
+    found = [c for d in [run_dir, *stages] if (c := latest_checkpoint(d)) is not None]
     return max(found, key=lambda c: c.path.stat().st_mtime).path if found else None
 
 

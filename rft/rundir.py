@@ -292,7 +292,8 @@ def stage_lock(entry: Path | None, title: str, say):
 
 def reuse(entry: Path, stage_dir: Path, title: str, say) -> Path | None:
     """Copy a published stage into stage_dir; returns its final model's directory (None: no entry,
-    or a damaged one, which is moved aside to <entry>.damaged-<time>: the stage runs, and publishes anew)."""
+    or a damaged one, which is moved aside to <entry>.damaged-<time>: the stage runs, and publishes
+    anew)."""
     from rft.checkpoint import damage, read_checkpoint
 
     ckpt = read_checkpoint(entry / "checkpoint")

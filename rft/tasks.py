@@ -256,8 +256,9 @@ def ensure_task_data(explorer_input_cfg) -> None:
             f"{sorted(GENERATORS)} or set it to null for a dataset you provide."
         )
     path = explorer_input_cfg.taskset.path
-    if Path(os.path.expanduser(path)).name != GENERATED[gen]:
-        if not Path(os.path.expanduser(path)).exists():
+    local = Path(os.path.expanduser(path))
+    if local.name != GENERATED[gen]:
+        if not local.exists():
             raise ConfigError(
                 f"buffer.explorer_input.taskset.path={path!r}: no such file or directory{_relative_to(path)}. "
                 f"The task's generator ({gen}) writes its data only into a directory named {GENERATED[gen]!r}: "
