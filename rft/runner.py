@@ -279,6 +279,11 @@ class StageRun:
         if exps:
             self.buffer.put(exps)
 
+    def _resume_point(self) -> str:
+        """The checkpoint a rerun of the same command resumes from, for a message."""
+        latest = latest_checkpoint(self.dir)
+        return f"step {latest.step} ({latest.path})" if latest else "none yet"
+
     def _check_signal(self, step: int, m: dict, last_error: str | None) -> None:
         """A run that cannot learn must not run to the end and exit 0: stop after
         explorer.max_failed_steps steps in a row in which every task failed; warn loudly when every
@@ -291,8 +296,7 @@ class StageRun:
             self.failed_steps = 0
         limit = cfg.explorer.max_failed_steps
         if limit and self.failed_steps >= limit:
-            latest = latest_checkpoint(self.dir)
-            where = f"step {latest.step} ({latest.path})" if latest else "none yet"
+            where = self._resume_point()
             raise RunError(
                 f"every task of the last {self.failed_steps} steps failed (reward function {reward()!r}: "
                 f"{m.get('rollout/errors', 0)} errors and {m.get('rollout/timeouts', 0)} timeouts in the "
@@ -384,13 +388,11 @@ class StageRun:
         if failed and self.cfg.explorer.max_failed_steps:
             # a reward that fails on every eval task fails on every training task too: say so now,
             # not after a stage (an SFT warm-up) trained to its end with evals of 0
-            latest = latest_checkpoint(self.dir)
-            where = f"step {latest.step} ({latest.path})" if latest else "none yet"
             raise RunError(
                 f"every task of the eval set {failed[0]} failed at step {step} (the last error: {failed[1]}), "
                 f"so the eval measures nothing. Each explorer's log in {self.dir / 'log'} has the details. "
                 f"Fix its reward function (or raise explorer.max_timeout if it is only slow), then run the "
-                f"same command again to resume from the newest checkpoint: {where}. "
+                f"same command again to resume from the newest checkpoint: {self._resume_point()}. "
                 f"explorer.max_failed_steps=0 lets a run go on regardless."
             )
         if "eval/accuracy" in metrics:
