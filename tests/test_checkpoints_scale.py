@@ -262,3 +262,38 @@ def test_export_writes_a_trainer_fsdp2_checkpoint(local_ray, tmp_path):
     got = logits(AutoModelForCausalLM.from_pretrained(export(d, tmp_path / "out")), tok)
     torch.testing.assert_close(got, logits(whole, tok), rtol=0, atol=0)
     assert (got - logits(load_model(one_cfg.model), tok)).abs().max() > 1e-4  # trained: not the starting model
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_the_damage_check_reads_weights_with_numpy_as_torch_sums_them(tmp_path, dtype):
+    """checkpoint._file_sums (numpy, so that a Ray driver checking checkpoints and the stage cache
+    imports no torch) gives the fingerprint the trainer's torch sums give (rft.sync.weight_sums)."""
+    from safetensors.torch import save_file
+
+    from rft.checkpoint import _file_sums
+    from rft.sync import format_fingerprint, weight_sums
+
+    gen = torch.Generator().manual_seed(0)
+    weights = {"w": torch.randn(700, 300, generator=gen).to(dtype), "b": torch.randn(5, generator=gen).to(dtype),
+               "empty": torch.zeros(0, dtype=dtype)}
+    save_file(weights, tmp_path / "model.safetensors")
+    got, want = format_fingerprint(_file_sums(tmp_path / "model.safetensors")), format_fingerprint(weight_sums(weights))
+    assert same_weights(got, want), (got, want)
+    # one weight changed is far outside the tolerance
+    weights["w"][3, 4] += 1
+    save_file(weights, tmp_path / "other.safetensors")
+    assert not same_weights(format_fingerprint(_file_sums(tmp_path / "other.safetensors")), want)
+    # cut short: an error (the damage check says "does not load"), not the sums of what is left
+    data = (tmp_path / "model.safetensors").read_bytes()
+    (tmp_path / "cut.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match="the file is cut short"):
+        _file_sums(tmp_path / "cut.safetensors")
+
+
+def test_checking_a_checkpoint_imports_no_torch(trained):
+    """The Ray driver checks the checkpoint it resumes from and the stage cache entry it reuses."""
+    _, d = trained  # hf/ in shards, trainer_state.pt beside it
+    code = (f"import sys; from rft.checkpoint import damage, read_checkpoint; "
+            f"print(damage(read_checkpoint({str(d)!r}), True), 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True).stdout
+    assert out.split() == ["None", "False"]
