@@ -127,3 +127,34 @@ def test_an_actors_frozen_config_reads_as_the_resolved_config_and_cannot_change(
         f.trainer["grad_clip"] = 1.0
     again = pickle.loads(pickle.dumps(f))  # as a Ray actor receives it
     assert again == f and isinstance(again.trainer, Frozen) and frozen(f) is f
+
+
+def test_an_overlays_stages_list_replaces_the_models_and_the_command_line_changes_one_key(tmp_path):
+    """README "Stages": Hydra replaces a list, it does not merge one. An overlay's stage that names only
+    what it changes loses the model's warm-up (its algorithm, mode and data): the stage is then the
+    run's own algorithm, as the dry run's plan shows."""
+    import shutil
+
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    conf = tmp_path / "conf"
+    shutil.copytree(CONF, conf)
+    (conf / "experiment" / "short_warmup.yaml").write_text(
+        "# @package _global_\n# python run.py experiment=short_warmup\n"
+        "stages:\n  - stage_name: sft_warmup\n    buffer: {total_steps: 150}\n  - stage_name: grpo\n")
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import open_dict
+
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
+        cfg = compose("config", overrides=["experiment=short_warmup"], return_hydra_config=True)
+    HydraConfig.instance().set_config(cfg)  # as conftest.compose_cfg does
+    with open_dict(cfg):
+        del cfg["hydra"]
+    warmup = stage_configs(cfg)[0]
+    assert (warmup.stage_name, warmup.buffer.total_steps) == ("sft_warmup", 150)
+    assert (warmup.mode, warmup.algorithm.algorithm_type) == ("both", "grpo")  # not the model's sft stage
+    # one key on the command line keeps the rest of the model's stage
+    warmup = stage_configs(compose_cfg(["stages.0.buffer.total_steps=150"]))[0]
+    assert (warmup.buffer.total_steps, warmup.mode, warmup.algorithm.algorithm_type) == (150, "train", "sft")

@@ -819,3 +819,21 @@ def test_a_checkpoint_that_cannot_be_written_stops_the_run_naming_the_disk_and_l
                                    f"(OSError: [Errno 28] No space left on device); that disk has ")
     assert str(e.value).endswith("run the same command again to resume from the newest checkpoint (step 2).")
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_2"]
+
+
+def score_one_and_a_half(prompt, response, task):
+    return 1.5
+
+
+@pytest.mark.slow  # an engine: 200 greedy eval rollouts
+def test_eval_accuracy_is_the_mean_reward_and_may_pass_one():
+    """README: "accuracy" is the mean reward over the eval set (with a 0/1 reward, the share solved)."""
+    from rft.models import ensure_model
+    from rft.tasks import ensure_task_data
+
+    cfg = compose_cfg(["cluster=inline", "buffer.explorer_input.eval_tasksets.0.reward_fn=test_runtime_units.score_one_and_a_half"])
+    ensure_model(cfg.model)
+    ensure_task_data(cfg.buffer.explorer_input)
+    m = Explorer(cfg).evaluate(0)
+    # every one of the 200 eval tasks scored 1.5: the mean, 1.5, not a share of tasks solved
+    assert m["eval/accuracy"] == 1.5 and m["eval/failed_tasks"] == 0

@@ -123,3 +123,34 @@ def test_a_prompt_that_is_a_list_is_an_error_naming_the_row(tmp_path):
         load_tasks(ts, "buffer.explorer_input.taskset")
     assert str(e.value).startswith(f"buffer.explorer_input.taskset: row 1 (line 2 of its JSONL file) of '{data}' has "
                                    f"a list in 'question' (format.prompt_key), not a text.")
+
+
+def test_a_reward_sees_the_prompt_as_the_model_saw_it():
+    """README "Rewards and tasks": the prompt text handed to a reward is the chat template's text with
+    its special tokens left out; the question as written is task.row[prompt_key]."""
+    from types import SimpleNamespace
+
+    from conftest import compose_cfg
+    from rft.engine import Sample
+    from rft.models import ensure_model, load_tokenizer
+    from rft.tasks import Task
+    from rft.workflows import WorkflowContext, single_turn
+
+    cfg = compose_cfg()
+    ensure_model(cfg.model)
+    tok = load_tokenizer(cfg.model)
+    seen = []
+
+    def score(jobs):
+        seen.extend(jobs)
+        return [[0.0] * len(responses) for _, responses, _ in jobs]
+
+    engine = SimpleNamespace(generate=lambda prompts, n, args, seed=None: [
+        [Sample(tok.encode("357", add_special_tokens=False), [-0.1] * 3, "stop")] for _ in prompts])
+    args = SimpleNamespace(temperature=1.0, top_p=1.0, top_k=-1, max_tokens=None, stop=[])
+    ctx = WorkflowContext(tokenizer=tok, n=1, rollout_args=args, max_prompt_tokens=24, policy_version=0, seed=0,
+                          step=1, score=score)
+    row = {"question": "042+315", "answer": "357"}
+    single_turn([Task("t/0", [{"role": "user", "content": row["question"]}], row["answer"], row)], engine, ctx)
+    (prompt, responses, task), = seen
+    assert (prompt, responses, task.row["question"]) == ("user042+315assistant", ["357"], "042+315")
