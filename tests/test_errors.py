@@ -255,7 +255,9 @@ def test_a_hub_id_that_cannot_be_loaded_says_no_local_path_first(tmp_path, monke
         raise ConnectionError("Couldn't reach 'data/tasks' on the Hub")
 
     monkeypatch.setattr(datasets, "load_dataset", offline)
-    assert plan_error(tmp_path, *taskset("data/tasks")).startswith(
+    # planned in this process (cluster=inline), where the patch is: a Ray run's planning child would
+    # wait ~20 s on the hub's retries before the same message
+    assert plan_error(tmp_path, "cluster=inline", *taskset("data/tasks")).startswith(
         f"buffer.explorer_input.taskset.path='data/tasks': there is no such local file or directory (relative to "
         f"{os.getcwd()}), and loading it as a Hugging Face dataset id failed (ConnectionError: Couldn't reach")
 
