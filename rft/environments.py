@@ -20,8 +20,8 @@ and gets their answers as a "tool" message, or answers, which ends the conversat
 against the task's answer. A tool is a plain function of its JSON arguments returning a string; it
 raises `ToolError(reason)` for a call that fails (the reason goes back to the model, and the call
 is counted in info["tool_failures"]). Two worked environments: `CalculatorEnv` (an arithmetic
-evaluator, no eval) and `PythonEnv`, whose code runs in a sandboxed subprocess (rft/sandbox.py),
-never in the explorer's process.
+evaluator, no eval) and `PythonEnv`, whose code runs in a sandbox (rft/sandbox.py), never in
+the explorer's process.
 """
 
 from __future__ import annotations
@@ -199,12 +199,12 @@ class CalculatorEnv(ToolEnv):
     tools = {"calculator": calculate}
 
 
-def run_python(code: str, timeout_s: float = 5.0, memory_mb: int = 512) -> str:
-    """The `python` tool: runs `code` in a sandboxed subprocess (rft/sandbox.py) and answers its
-    output; a run that fails, is killed or is refused answers the reason (a failed tool call)."""
+def run_python(code: str, timeout_s: float = 5.0, memory_mb: int = 512, allow_unisolated: bool = False) -> str:
+    """The `python` tool: runs `code` in the sandbox (rft/sandbox.py) and answers its output; a run
+    that fails, is killed or is refused answers the reason (a failed tool call)."""
     from rft import sandbox
 
-    r = sandbox.run_python(str(code), timeout_s=timeout_s, memory_mb=memory_mb)
+    r = sandbox.run_python(str(code), timeout_s=timeout_s, memory_mb=memory_mb, allow_unisolated=allow_unisolated)
     if not r.ok:
         raise ToolError(r.reason)
     return r.stdout.strip()
@@ -212,12 +212,18 @@ def run_python(code: str, timeout_s: float = 5.0, memory_mb: int = 512) -> str:
 
 class PythonEnv(ToolEnv):
     """The code tool: `{"name": "python", "arguments": {"code": "print(37*48)"}}`; the code runs in
-    a sandboxed subprocess (time, memory and file limits, no network, its own temporary directory).
+    a sandbox (rft/sandbox.py: namespaces, time, memory, process and output limits, no network).
+    Where this machine cannot make one, building the environment raises ConfigError saying how to
+    get it, unless `allow_unisolated` (a trusted machine only: rlimits and the audit hook alone).
     """
 
-    def __init__(self, max_tool_calls: int = 4, timeout_s: float = 5.0, memory_mb: int = 512):
+    def __init__(self, max_tool_calls: int = 4, timeout_s: float = 5.0, memory_mb: int = 512,
+                 allow_unisolated: bool = False):
+        from rft import sandbox
+
         super().__init__(max_tool_calls)
-        self.tools = {"python": lambda code: run_python(code, timeout_s, memory_mb)}
+        sandbox.check(allow_unisolated)
+        self.tools = {"python": lambda code: run_python(code, timeout_s, memory_mb, allow_unisolated)}
 
 
 # workflow_args.env: a name here, or the dotted path of a class with the same methods
