@@ -370,9 +370,11 @@ def run_python(code: str, timeout_s: float = 5.0, memory_mb: int = 512, max_outp
                 "1" if _guard else "0"]
         uid = str((1 << 30) + secrets.randbelow((1 << 30) - 1))
         cmd = _bwrap_args(shutil.which(_BWRAP), mode, uid) + boot if mode else boot
-        p = subprocess.Popen(cmd, cwd=work, stdin=inp, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             pass_fds=(src.fileno(),), start_new_session=True,
-                             env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": work})
+        # its stdin read-only: the file is on the caller's disk
+        with open(f"/proc/self/fd/{inp.fileno()}", "rb") as stdin_ro:
+            p = subprocess.Popen(cmd, cwd=work, stdin=stdin_ro, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                 pass_fds=(src.fileno(),), start_new_session=True,
+                                 env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": work})
         fds = p.stdout.fileno(), p.stderr.fileno()
         try:
             kept, read, wall = _watch(p, mode is not None, timeout_s, memory_mb << 20, max_output_bytes, output_limit_bytes)

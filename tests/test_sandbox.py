@@ -148,6 +148,9 @@ def test_it_sees_little_writes_only_its_small_tmpfs_and_runs_unprivileged(no_gua
             "os.remove('big')\nn = 0\ntry:\n    while True:\n        open(f'f{n}', 'wb').write(b'x' * (15 << 20))\n"
             "        n += 1\nexcept OSError as e:\n    print(n, e.errno)")
     assert r.stdout == "27\n4 28\n"
+    # its stdin is read-only (the file behind it is on the caller's disk)
+    r = run("import os\ntry:\n    os.write(0, b'x')\nexcept OSError as e:\n    print(e.errno)", stdin="abc")
+    assert r.stdout == "9\n"  # EBADF
 
 
 # ---------------------------------------------------------------- the review's escapes, as attacks
