@@ -194,6 +194,9 @@ def test_the_hosts_files_and_processes_cannot_be_read(tmp_path):
     r = run(f"for p in {paths!r}:\n    try:\n        print(p, open(p).read()[:10])\n"
             "    except OSError as e:\n        print(p, type(e).__name__)")
     assert r.stdout == "".join(f"{p} FileNotFoundError\n" for p in paths)
+    # the standard library only: neither the project nor the venv's packages
+    assert run("import rft").reason == "exited with status 1: ModuleNotFoundError: No module named 'rft'"
+    assert run("import pytest").reason == "exited with status 1: ModuleNotFoundError: No module named 'pytest'"
     # a host process with a token on its command line: the sandbox sees only its own two processes
     marker = f"--token=rft-{uuid.uuid4().hex}"
     host = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", marker])
