@@ -96,7 +96,7 @@ def test_an_exception_is_a_failure_with_its_message():
 def test_code_that_loops_forever_is_killed_at_the_time_limit():
     r = run("while True: pass", timeout_s=1)
     assert not r.ok and r.reason == "timed out after 1 s (killed)"
-    assert 1 <= r.seconds < 1 + sandbox.GRACE_S + 1
+    assert 1 <= r.seconds < 10
 
 
 def test_code_that_allocates_10_gib_is_stopped():
@@ -232,12 +232,12 @@ def test_host_sockets_cannot_be_reached(tmp_path, no_guard):
 def test_every_process_of_the_sandbox_dies_at_the_timeout_setsid_too(no_guard):
     marker = f"rft-{uuid.uuid4().hex}"
     code = NO_HOOK + ("import os, sys, time\nif os.fork() == 0:\n    os.setsid()\n"
-                      f"    os.execv(sys.executable, [sys.executable, '-c', 'import time; time.sleep(20)', {marker!r}])\n"
+                      f"    os.execv(sys.executable, [sys.executable, '-c', 'import time; time.sleep(60)', {marker!r}])\n"
                       "time.sleep(60)")
     try:
         r = run(code, timeout_s=1)
         assert r.reason == "timed out after 1 s (killed)"
-        assert r.seconds < 1 + sandbox.GRACE_S + 1  # the caller never waits for the child's life
+        assert r.seconds < 30  # the caller never waits for the child's life (60 s; the old sandbox did)
         assert host_pids_with(marker) == []
     finally:
         for pid in host_pids_with(marker):
@@ -255,7 +255,7 @@ def test_output_past_the_limit_kills_it_and_the_caller_stays_small():
     assert re.fullmatch(r"x{4000}\n\.\.\. \[cut: \d+ more bytes\]", r.stdout)
     assert peak < 4 << 20  # 100 MB printed; the caller held 64 KiB reads and 4000 bytes (the old one: 300 MB)
     r = run("while True: print('x' * 1000)", timeout_s=5)
-    assert r.reason == "output limit of 1048576 bytes exceeded (killed)" and r.seconds < 4
+    assert r.reason == "output limit of 1048576 bytes exceeded (killed)"  # not the 5 s timeout
 
 
 def test_memory_is_capped_for_all_its_processes_together(no_guard):
@@ -263,8 +263,7 @@ def test_memory_is_capped_for_all_its_processes_together(no_guard):
     code = NO_HOOK + ("import os, time\nfor _ in range(3):\n    if os.fork() == 0:\n"
                       "        b = b'x' * (400 << 20)\n        time.sleep(30)\n        os._exit(0)\ntime.sleep(30)")
     r = run(code, memory_mb=512, timeout_s=10)
-    assert r.reason == "memory limit of 512 MiB exceeded (all its processes together; killed)"
-    assert r.seconds < 8
+    assert r.reason == "memory limit of 512 MiB exceeded (all its processes together; killed)"  # not the timeout
 
 
 def test_memory_in_memfds_counts_too():
