@@ -148,7 +148,7 @@ class OpenAIServer:
         from fastapi.concurrency import run_in_threadpool
         from fastapi.responses import JSONResponse
 
-        from rft.reward_server import bearer_refusal
+        from rft.serving import bearer_refusal
 
         app = FastAPI(title="rft OpenAI-compatible endpoint", docs_url=None, redoc_url=None, openapi_url=None)
         expected = self.token.encode()
