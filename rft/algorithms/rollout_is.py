@@ -22,10 +22,12 @@ is never above e^20 (LOG_RATIO_CLAMP, the bound the policy losses put on their r
 C: with C = inf a token 100 nats off would otherwise weigh e^100, inf in float32, and a
 zero-advantage token's loss 0 * inf would be NaN. mis compares the true log r with log C (a token
 of r = e^21 is masked by C = e^20.5 although its bounded weight would be e^20); a token whose two
-log-probs are both -inf has no measurable r and counts as beyond the cap. The trainer multiplies the policy loss by w right after the
-policy loss function (one place, every loss of the registry), before the optional terms (KL to
-the reference, behaviour weights, entropy bonus), as TRL and verl weight the policy-gradient
-term only. Not for losses that are not policy gradients over sampled tokens (sft, dpo).
+log-probs are both -inf has no measurable r and counts as beyond the cap.
+
+The trainer multiplies the policy loss by w right after the policy loss function (one place,
+every loss of the registry), before the optional terms (KL to the reference, behaviour weights,
+entropy bonus), as TRL and verl weight the policy-gradient term only. Not for losses that are
+not policy gradients over sampled tokens (sft, dpo).
 
 Which tokens are weighted (`weighted_rows`): response tokens the loss counts (response_mask 1) of
 experiences that carry sampling log-probs (dataset rows have none: weight 1), whose old log-probs
