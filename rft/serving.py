@@ -145,7 +145,8 @@ class TimedH11(H11Protocol):
             self.transport.close()
 
 
-def server_config(app, *, request_timeout: float = REQUEST_TIMEOUT, max_connections: int = MAX_CONNECTIONS, **kwargs):
+def server_config(app, *, request_timeout: float = REQUEST_TIMEOUT, max_connections: int = MAX_CONNECTIONS,
+                  **kwargs):
     """The uvicorn.Config of a server of this project: TimedH11 with `request_timeout`, uvicorn's
     limit_concurrency at `max_connections`, h11's head limit; `kwargs` go to uvicorn.Config."""
     import uvicorn
