@@ -304,7 +304,7 @@ class OpenAIServer:
             raise Refusal(401, "refused: " + denied.body.decode().split("refused: ", 1)[-1].rstrip('"}'))
         try:
             body = await request.json()
-        except ValueError as e:  # json.JSONDecodeError, UnicodeDecodeError
+        except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError; nested too deep
             raise Invalid("body", f"malformed JSON: {e}") from None
         req = parsed(kind, body)
         req.model = req.model or self.policy

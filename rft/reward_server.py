@@ -83,7 +83,7 @@ def make_app(scorer, token: str, max_body: int | None = None):
             return denied
         try:
             prompt, responses, task = _request(await request.json())
-        except ValueError as e:  # json.JSONDecodeError included
+        except (ValueError, RecursionError) as e:  # json.JSONDecodeError; JSON nested too deep
             return JSONResponse({"detail": f"malformed request: {e}"}, status_code=422)
         try:
             values = await run_in_threadpool(scorer, prompt, responses, task)

@@ -151,6 +151,10 @@ def test_a_body_that_is_not_an_object_or_not_json_is_a_400(served):
     r = httpx.post(server.url + "/chat/completions", content=b"{not json",
                    headers={"Authorization": f"Bearer {server.token}"})
     assert r.status_code == 400 and r.json()["error"]["message"].startswith("malformed JSON: Expecting property name")
+    r = httpx.post(server.url + "/chat/completions", content=b"[" * 100_000,
+                   headers={"Authorization": f"Bearer {server.token}"})
+    refused(r, 400, "body", "malformed JSON: maximum recursion depth exceeded while decoding a JSON array from a "
+                            "unicode string")
     # NaN is JSON to Python's reader, not a temperature
     r = httpx.post(server.url + "/chat/completions", content=b'{"messages": [{"role": "user", "content": "1"}], '
                    b'"temperature": NaN}', headers={"Authorization": f"Bearer {server.token}"})

@@ -196,6 +196,11 @@ def test_a_malformed_request_is_a_422_and_not_retried():
         auth = {"Authorization": "Bearer " + TOKEN}
         r = httpx.post(url + "/score", json={"prompt": "p", "responses": "357"}, headers=auth)
         assert r.status_code == 422 and r.json() == {"detail": "malformed request: 'responses' must be a list of strings"}
+        # JSON nested deeper than Python's reader goes (a 500 at 0ef6a02: RecursionError)
+        r = httpx.post(url + "/score", content=b"[" * 100_000, headers=auth)
+        assert r.status_code == 422 and r.json() == {
+            "detail": "malformed request: maximum recursion depth exceeded while decoding a JSON array from a "
+                      "unicode string"}
 
 
 def test_an_answer_of_the_wrong_shape_fails_the_request():
