@@ -181,6 +181,14 @@ def test_a_prompt_id_outside_the_vocabulary_or_the_context_is_a_400_before_the_e
     assert post(server, "/completions", {"prompt": [5] * 250, "max_tokens": 6, "seed": 1}).status_code == 200
 
 
+def test_a_temperature_near_zero_samples_greedily(served):
+    server, _, _ = served
+    # logits / 1e-40 overflow to inf and sampling fails (a 500 at 0ef6a02); below 1e-5 is greedy, as in vLLM
+    tiny = post(server, "/chat/completions", {**CHAT, "temperature": 1e-40, "seed": 1})
+    greedy = post(server, "/chat/completions", {**CHAT, "temperature": 0, "seed": 2})
+    assert tiny.status_code == 200 and tiny.json()["choices"] == greedy.json()["choices"]
+
+
 def test_a_chat_template_that_cannot_render_the_messages_is_a_400(served, monkeypatch):
     server, _, tok = served
     # a template that refuses what it cannot render, as real ones do with raise_exception
