@@ -32,7 +32,7 @@ import torch
 from rft.sync import format_fingerprint, hf_tensors, weight_sums
 from rft.models import local_device
 from rft import micro_batches
-from rft.trainer import Trainer, _lengths, written_fingerprint
+from rft.trainer import Trainer, _lengths, load_state, written_fingerprint
 
 
 class FSDPTrainer(Trainer):
@@ -189,7 +189,7 @@ class FSDPTrainer(Trainer):
 
         d = Path(directory)
         # the state first: a damaged file then leaves the model as it was (the runner falls back)
-        state = torch.load(d / "trainer_state.pt", weights_only=False)
+        state = load_state(d / "trainer_state.pt")
         # tied weights are saved once (save_pretrained): strict=False lets the tie fill them
         set_model_state_dict(self.model, dict(hf_tensors(d / "hf")),
                              options=StateDictOptions(full_state_dict=True, strict=False))

@@ -28,7 +28,16 @@ through /v1/completions): then they are one experience, the loss mask 1 on both 
 tokens and 0 between. A chat agent re-sends text, which the chat template re-renders (after
 <|im_end|> it adds a newline the model never sampled), so its calls are separate experiences; the
 token-exact multi-turn alternative is the multi_turn workflow (rft/multi_turn.py). Every
-experience of a rollout gets the rollout's reward.
+experience of a rollout gets the rollout's reward. A call under a rollout the workflow did not
+open (no header, or one already taken) is answered and not recorded; at most MAX_OPEN_ROLLOUTS
+rollouts are open at once, and opening one more drops the oldest's calls, counted and warned
+about (an agent still running after the explorer gave up on its task).
+
+Requests (OpenAI's error shape, `param` naming the field): n from 1 to 128 (OpenAI's cap),
+max_tokens at most the model's model.max_response_tokens, prompt ids inside the vocabulary (an id
+outside it would take the engine down on CUDA), prompt + max_tokens within the model's context,
+and every other field of the right type and range, else 400; a body over 32 MiB 413
+(rft.serving, with the same timeouts and connection cap as the reward server).
 
 Seeds. A request's `seed` is passed to the engine: the same seed, prompt and sampling give the
 same tokens as a direct `engine.generate(...)` call (the test compares them). The workflow hands
@@ -43,8 +52,12 @@ import logging
 import secrets
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from types import SimpleNamespace
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from rft.chat import render
 from rft.errors import ConfigError
@@ -53,6 +66,10 @@ from rft.experience import Experience
 log = logging.getLogger(__name__)
 
 ROLLOUT_HEADER = "X-RFT-Rollout"
+MAX_N = 128  # OpenAI's own cap on n: what an agent written against its API may ask for
+MAX_STOP = 4  # OpenAI's cap on stop sequences
+MAX_OPEN_ROLLOUTS = 1024  # rollouts in flight are the explorer's runner threads: far fewer
+GREEDY_BELOW = 1e-5  # a temperature this small samples greedily (as vLLM does): 1e-40 overflows logits / t
 
 
 @dataclass
@@ -68,18 +85,140 @@ class Call:
     rollout: str
 
 
+# ---------------------------------------------------------------- what a request may say
+
+class Sampling(BaseModel):
+    """The fields of a request the endpoint reads, with OpenAI's ranges (strict types: "5" is not
+    5); other fields a client sends are ignored. A field out of range is a 400 naming it."""
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
+    model: str | None = None
+    n: int = Field(1, ge=1, le=MAX_N)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1)
+    seed: int | None = None
+    stop: list[str] | None = Field(None, max_length=MAX_STOP)
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _one_stop(cls, v):
+        return [v] if isinstance(v, str) else v
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    role: str
+
+
+class ChatRequest(Sampling):
+    messages: list[Message] = Field(min_length=1)
+    logprobs: bool | None = None
+
+
+class CompletionRequest(Sampling):
+    prompt: Any = None  # text or token ids: checked against the tokenizer (prompt_ids)
+    logprobs: int | None = Field(None, ge=0, le=5)
+
+
+class Refusal(Exception):
+    """A request the endpoint answers with an error, in OpenAI's shape (`param` names the field)."""
+
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None):
+        super().__init__(message)
+        self.status, self.kind, self.param = status, kind, param
+
+
+class Invalid(Refusal):
+    """A request field the endpoint refuses: a 400 naming it."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(400, message, param=param)
+
+
+def parsed(kind: type[Sampling], body) -> Sampling:
+    """The request `body` (parsed JSON) as `kind`, or Invalid naming the first field that is wrong."""
+    if not isinstance(body, dict):
+        raise Invalid("body", f"the request body must be a JSON object, not {type(body).__name__}")
+    try:
+        return kind.model_validate(body)
+    except ValidationError as e:
+        err = e.errors()[0]
+        where = "".join(f"[{x}]" if isinstance(x, int) else f".{x}" for x in err["loc"]).lstrip(".")
+        raise Invalid(str(err["loc"][0]) if err["loc"] else "body",
+                      f"{where}: {err['msg']} (got {str(err.get('input'))[:100]})") from None
+
+
+def prompt_ids(tok, prompt) -> list[int]:
+    """/v1/completions' prompt as token ids: text (encoded without special tokens), or ids, or
+    either as a one-entry list (what the client sends for one prompt)."""
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, str) and prompt:
+        return tok.encode(prompt, add_special_tokens=False)
+    if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
+        return prompt
+    raise Invalid("prompt", f"prompt must be one non-empty text or list of token ids (one prompt per request), "
+                            f"not {str(prompt)[:100]}")
+
+
+@dataclass
+class Limits:
+    """What a served model takes: `budget` new tokens at most (its max_response_tokens), ids below
+    `vocab`, prompt + new tokens within `context` (None: its engine does not say)."""
+    budget: int
+    vocab: int
+    context: int | None
+
+    @classmethod
+    def of(cls, engine, tok, default_budget: int) -> "Limits":
+        inner = getattr(engine, "engine", engine)  # an auxiliary model wraps its engine
+        budget = getattr(inner, "max_response_tokens", None) or getattr(engine, "max_tokens", None) or default_budget
+        llm_config = getattr(getattr(inner, "llm", None), "model_config", None)  # vLLM
+        hf_config = getattr(getattr(inner, "model", None), "config", None)
+        vocab = min(len(tok), getattr(hf_config, "vocab_size", None) or len(tok))
+        if llm_config is not None:
+            vocab = min(vocab, llm_config.get_vocab_size())
+            return cls(budget, vocab, llm_config.max_model_len)
+        return cls(budget, vocab, getattr(hf_config, "max_position_embeddings", None))
+
+    def check(self, prompt: list[int], max_tokens: int, asked: bool) -> None:
+        """Invalid when the request would index outside the model (a CUDA device assert takes the
+        explorer down) or run past its budget or context."""
+        if asked and max_tokens > self.budget:
+            raise Invalid("max_tokens", f"max_tokens={max_tokens} is over this model's budget of {self.budget} new "
+                                        f"tokens (model.max_response_tokens)")
+        bad = next((t for t in prompt if not 0 <= t < self.vocab), None)
+        if bad is not None:
+            raise Invalid("prompt", f"prompt: token id {bad} is outside the vocabulary (0 <= id < {self.vocab})")
+        if self.context is not None and len(prompt) + max_tokens > self.context:
+            raise Invalid("max_tokens" if asked else "prompt",
+                          f"the prompt's {len(prompt)} tokens and max_tokens={max_tokens} are over the model's "
+                          f"context of {self.context} tokens")
+
+
+# ---------------------------------------------------------------- the server
+
 class OpenAIServer:
     """`models`: name -> (engine, tokenizer); `policy` the trained one (its calls are recorded);
-    `defaults` the sampling of requests that do not set it; `max_tokens` the default budget."""
+    `defaults` the sampling of requests that do not set it; `max_tokens` the default budget.
+
+    History: `open(key)` before a rollout, `take_history(key)` after. The calls of a key nobody
+    opened are served and not recorded; at most `max_rollouts` keys are open: opening one more drops
+    the oldest (counted in `dropped_rollouts`, with a warning), a rollout whose history was never
+    taken (its agent still running past the explorer's timeout)."""
 
     def __init__(self, models: dict, policy: str, defaults, max_tokens: int, history: bool = True,
-                 host: str = "127.0.0.1", port: int = 0, token: str | None = None):
+                 host: str = "127.0.0.1", port: int = 0, token: str | None = None,
+                 max_rollouts: int = MAX_OPEN_ROLLOUTS):
         self.models, self.policy, self.defaults, self.max_tokens = models, policy, defaults, max_tokens
         self.history_on, self.host, self.port = history, host, port
         self.token = token or secrets.token_urlsafe(32)
         self.locks = {name: threading.Lock() for name in models}
-        self.history: dict[str, list[Call]] = {}
-        self.rollout_defaults: dict[str, object] = {}
+        self.limits = {name: Limits.of(engine, tok, max_tokens) for name, (engine, tok) in models.items()}
+        self.rollouts: OrderedDict[str, tuple[object, list[Call]]] = OrderedDict()  # key -> (defaults, calls)
+        self.max_rollouts, self.dropped_rollouts = max_rollouts, 0
         self.seeds = itertools.count(1)
         self.guard = threading.Lock()
         self.server = None
@@ -93,7 +232,9 @@ class OpenAIServer:
     def start(self) -> "OpenAIServer":
         import uvicorn
 
-        self.server = uvicorn.Server(uvicorn.Config(self.app(), host=self.host, port=self.port, log_level="warning"))
+        from rft.serving import server_config
+
+        self.server = uvicorn.Server(server_config(self.app(), host=self.host, port=self.port, log_level="warning"))
         threading.Thread(target=self.server.run, daemon=True, name="openai-api").start()
         t0 = time.monotonic()
         while not self.server.started:
@@ -110,78 +251,88 @@ class OpenAIServer:
     # ------------------------------------------------------------ history
 
     def open(self, rollout: str, defaults) -> None:
-        """The calls of `rollout` are sampled with `defaults` where they do not say otherwise."""
+        """Record the policy calls of `rollout`, sampled with `defaults` where they do not say otherwise."""
         with self.guard:
-            self.rollout_defaults[rollout] = defaults
-            self.history[rollout] = []
+            self.rollouts[rollout] = (defaults, [])
+            self.rollouts.move_to_end(rollout)
+            while len(self.rollouts) > self.max_rollouts:
+                oldest, (_, calls) = self.rollouts.popitem(last=False)
+                self.dropped_rollouts += 1
+                log.warning("OpenAI endpoint: rollout %r was opened and its calls never taken; dropped its %d calls "
+                            "to keep %d rollouts open at most (%d dropped so far)", oldest, len(calls),
+                            self.max_rollouts, self.dropped_rollouts)
 
     def take_history(self, rollout: str) -> list[Call]:
         """The policy calls `rollout` made, in order (and forget them)."""
         with self.guard:
-            self.rollout_defaults.pop(rollout, None)
-            return self.history.pop(rollout, [])
+            return self.rollouts.pop(rollout, (None, []))[1]
 
     # ------------------------------------------------------------ serving
 
-    def _sample(self, model: str, prompt: list[int], body: dict, rollout: str) -> list[Call]:
+    def _sample(self, req: Sampling, prompt: list[int], rollout: str) -> list[Call]:
+        model = req.model
         engine, tok = self.models[model]
-        base = self.rollout_defaults.get(rollout, self.defaults)
-        stop = body.get("stop") if body.get("stop") is not None else list(getattr(base, "stop", []) or [])
+        with self.guard:
+            base = self.rollouts[rollout][0] if rollout in self.rollouts else self.defaults
+        stop = req.stop if req.stop is not None else list(getattr(base, "stop", []) or [])
+        temperature = base.temperature if req.temperature is None else req.temperature
+        asked = req.max_completion_tokens or req.max_tokens
         args = SimpleNamespace(
-            temperature=float(body.get("temperature", base.temperature)), top_p=float(body.get("top_p", base.top_p)),
-            top_k=int(body.get("top_k", base.top_k)), stop=[stop] if isinstance(stop, str) else list(stop),
-            max_tokens=int(body.get("max_completion_tokens") or body.get("max_tokens") or base.max_tokens or self.max_tokens))
-        seed = int(body["seed"]) if body.get("seed") is not None else next(self.seeds)
+            temperature=0.0 if temperature < GREEDY_BELOW else temperature,
+            top_p=base.top_p if req.top_p is None else req.top_p, top_k=base.top_k if req.top_k is None else req.top_k,
+            stop=list(stop), max_tokens=asked or base.max_tokens or self.max_tokens)
+        self.limits[model].check(prompt, args.max_tokens, bool(asked))
+        seed = req.seed if req.seed is not None else next(self.seeds)
         with self.locks[model]:
-            [group] = engine.generate([prompt], int(body.get("n", 1)), args, seed=seed % (2**31))
+            [group] = engine.generate([prompt], req.n, args, seed=seed % (2**31))
         sampling = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k}
         prompt_text = tok.decode(prompt, skip_special_tokens=True)
         calls = [Call(list(prompt), list(s.token_ids), list(s.logprobs), s.finish_reason, dict(sampling), prompt_text,
                       tok.decode(s.token_ids, skip_special_tokens=True), rollout) for s in group]
         if model == self.policy and self.history_on:
             with self.guard:
-                self.history.setdefault(rollout, []).extend(calls)
+                if rollout in self.rollouts:
+                    self.rollouts[rollout][1].extend(calls)
         return calls
+
+    async def _checked(self, request, kind: type[Sampling], expected: bytes) -> Sampling:
+        """The request as `kind`, its model set; a Refusal for a 401, 404 or 400."""
+        from rft.serving import bearer_refusal
+
+        denied = bearer_refusal(request, expected, "the explorer's token (the workflow's client has it)")
+        if denied is not None:
+            raise Refusal(401, "refused: " + denied.body.decode().split("refused: ", 1)[-1].rstrip('"}'))
+        try:
+            body = await request.json()
+        except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError; nested too deep
+            raise Invalid("body", f"malformed JSON: {e}") from None
+        req = parsed(kind, body)
+        req.model = req.model or self.policy
+        if req.model not in self.models:
+            raise Refusal(404, f"model {req.model!r} is not served here; the models are {sorted(self.models)}",
+                          "not_found_error", "model")
+        return req
 
     def app(self):
         from fastapi import FastAPI, Request
         from fastapi.concurrency import run_in_threadpool
-        from fastapi.responses import JSONResponse
 
-        from rft.reward_server import bearer_refusal
+        from rft.serving import MAX_BODY, BodyLimit, BodyTooLarge, bearer_refusal
 
         app = FastAPI(title="rft OpenAI-compatible endpoint", docs_url=None, redoc_url=None, openapi_url=None)
+        app.add_middleware(BodyLimit, limit=MAX_BODY)
         expected = self.token.encode()
 
-        def error(status: int, message: str, kind: str):
-            return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
+        @app.exception_handler(BodyTooLarge)
+        async def too_large(request, e):
+            return _error(Refusal(413, e.detail), headers=e.headers)
 
-        async def checked(request: Request):
-            denied = bearer_refusal(request, expected, "the explorer's token (the workflow's client has it)")
-            if denied is not None:
-                return None, error(401, "refused: " + denied.body.decode().split("refused: ", 1)[-1].rstrip('"}'),
-                                   "invalid_request_error")
-            try:
-                body = await request.json()
-            except ValueError as e:
-                return None, error(400, f"malformed JSON: {e}", "invalid_request_error")
-            model = body.get("model") or self.policy
-            if model not in self.models:
-                return None, error(404, f"model {model!r} is not served here; the models are {sorted(self.models)}",
-                                   "not_found_error")
-            body["model"] = model
-            return body, None
+        @app.exception_handler(Refusal)
+        async def refused(request, e):
+            return _error(e)
 
-        def usage(prompt, calls):
-            done = sum(len(c.token_ids) for c in calls)
-            return {"prompt_tokens": len(prompt), "completion_tokens": done, "total_tokens": len(prompt) + done}
-
-        def logprobs_of(tok, c, chat: bool):
-            if chat:
-                return {"content": [{"token": tok.decode([t]), "logprob": lp, "bytes": None, "top_logprobs": []}
-                                    for t, lp in zip(c.token_ids, c.logprobs)]}
-            return {"tokens": [tok.decode([t]) for t in c.token_ids], "token_logprobs": c.logprobs,
-                    "top_logprobs": None, "text_offset": None}
+        async def sampled(request: Request, req: Sampling, ids: list[int]) -> list[Call]:
+            return await run_in_threadpool(self._sample, req, ids, request.headers.get(ROLLOUT_HEADER, ""))
 
         @app.get("/v1/models")
         async def models(request: Request):
@@ -190,37 +341,59 @@ class OpenAIServer:
 
         @app.post("/v1/chat/completions")
         async def chat(request: Request):
-            body, denied = await checked(request)
-            if denied is not None:
-                return denied
-            tok = self.models[body["model"]][1]
-            prompt = render(tok, list(body.get("messages") or []), generation_prompt=True)
-            calls = await run_in_threadpool(self._sample, body["model"], prompt, body, request.headers.get(ROLLOUT_HEADER, ""))
+            req = await self._checked(request, ChatRequest, expected)
+            tok = self.models[req.model][1]
+            prompt = chat_prompt(tok, req.messages)
+            calls = await sampled(request, req, prompt)
             return {"id": f"chatcmpl-{secrets.token_hex(8)}", "object": "chat.completion", "created": int(time.time()),
-                    "model": body["model"], "usage": usage(prompt, calls),
+                    "model": req.model, "usage": _usage(prompt, calls),
                     "choices": [{"index": i, "message": {"role": "assistant", "content": c.response_text},
                                  "finish_reason": c.finish_reason,
-                                 "logprobs": logprobs_of(tok, c, True) if body.get("logprobs") else None}
+                                 "logprobs": _logprobs(tok, c, True) if req.logprobs else None}
                                 for i, c in enumerate(calls)]}
 
         @app.post("/v1/completions")
         async def completions(request: Request):
-            body, denied = await checked(request)
-            if denied is not None:
-                return denied
-            tok = self.models[body["model"]][1]
-            p = body.get("prompt")
-            if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
-                p = p[0]  # the client sends one prompt as a one-entry list
-            prompt = list(p) if isinstance(p, list) else tok.encode(str(p or ""), add_special_tokens=False)
-            calls = await run_in_threadpool(self._sample, body["model"], prompt, body, request.headers.get(ROLLOUT_HEADER, ""))
+            req = await self._checked(request, CompletionRequest, expected)
+            tok = self.models[req.model][1]
+            prompt = prompt_ids(tok, req.prompt)
+            calls = await sampled(request, req, prompt)
             return {"id": f"cmpl-{secrets.token_hex(8)}", "object": "text_completion", "created": int(time.time()),
-                    "model": body["model"], "usage": usage(prompt, calls),
+                    "model": req.model, "usage": _usage(prompt, calls),
                     "choices": [{"index": i, "text": c.response_text, "finish_reason": c.finish_reason,
-                                 "logprobs": logprobs_of(tok, c, False) if body.get("logprobs") is not None else None}
+                                 "logprobs": _logprobs(tok, c, False) if req.logprobs is not None else None}
                                 for i, c in enumerate(calls)]}
 
         return app
+
+
+def _error(e: Refusal, headers=None):
+    from fastapi.responses import JSONResponse
+
+    return JSONResponse({"error": {"message": str(e), "type": e.kind, "param": e.param, "code": e.status}},
+                        status_code=e.status, headers=headers)
+
+
+def _usage(prompt, calls) -> dict:
+    done = sum(len(c.token_ids) for c in calls)
+    return {"prompt_tokens": len(prompt), "completion_tokens": done, "total_tokens": len(prompt) + done}
+
+
+def _logprobs(tok, c: Call, chat: bool) -> dict:
+    if chat:
+        return {"content": [{"token": tok.decode([t]), "logprob": lp, "bytes": None, "top_logprobs": []}
+                            for t, lp in zip(c.token_ids, c.logprobs)]}
+    return {"tokens": [tok.decode([t]) for t in c.token_ids], "token_logprobs": c.logprobs,
+            "top_logprobs": None, "text_offset": None}
+
+
+def chat_prompt(tok, messages: list[Message]) -> list[int]:
+    """The chat template's ids of `messages` and the generation prompt; a template that cannot
+    render them (a Jinja error, a content it does not take) is the request's error."""
+    try:
+        return render(tok, [m.model_dump() for m in messages], generation_prompt=True)
+    except Exception as e:
+        raise Invalid("messages", f"messages: the chat template cannot render them: {type(e).__name__}: {e}") from None
 
 
 # ---------------------------------------------------------------- the workflow
@@ -268,9 +441,10 @@ def openai_agent(tasks, engine, ctx) -> list[list[Experience] | None]:
                                default_headers={ROLLOUT_HEADER: key})
         try:
             result = agent(client, task, model=server.policy, seed=(ctx.seed + i * ctx.n + j) % (2**31), **args)
-        finally:
+        finally:  # an agent that raises leaves no history behind
             client.close()
-        return result, server.take_history(key)
+            calls = server.take_history(key)
+        return result, calls
 
     results = (ctx.call or (lambda fn, js: [fn(x) for x in js]))(run, jobs)
     out: list = [[] for _ in tasks]

@@ -1,13 +1,17 @@
 """Any registered reward served over HTTP (`python -m rft.reward_server`), and its client, the served reward `remote`.
 
     python -m rft.reward_server --reward math --port 8000       # prints its URL, and a token it generated
-    RFT_REWARD_TOKEN=<token> python run.py 'buffer.explorer_input.taskset.reward_fn=[{fn: remote, args: {url: "http://127.0.0.1:8000"}}]'
+    export RFT_REWARD_TOKEN=<that token>                         # where the run starts
+    python run.py 'buffer.explorer_input.taskset.reward_fn=[{fn: remote, args: {url: "http://127.0.0.1:8000"}}]'
 
 `--reward` takes what a taskset's reward_fn takes (a name, a dotted path, or a JSON list of parts such as
 '[{"fn": "math"}, {"fn": "reward_model", "weight": 0.5, "args": {...}}]'), built by rft.scoring.build.
 The server binds 127.0.0.1 unless --host says otherwise and answers only `Authorization: Bearer <token>`
-(--token, else $RFT_REWARD_TOKEN, else a generated one). The client's token defaults to $RFT_REWARD_TOKEN
-(or `args: {url: ..., token: ...}`; the config is saved with the run). Protocol: `make_app`; args: `RemoteReward`.
+(the first line of --token-file, else $RFT_REWARD_TOKEN, else a generated one: never on the command line,
+where `ps` shows it to every local user). It accepts bodies up to --max-body-mb (32), requests that arrive
+whole within --request-timeout seconds (10) and --max-connections (256) connections at once (rft.serving).
+The client's token defaults to $RFT_REWARD_TOKEN (or `args: {url: ..., token: ...}`; the config is saved
+with the run). Protocol: `make_app`; args: `RemoteReward`.
 """
 
 import argparse
@@ -31,9 +35,10 @@ TOKEN_ENV = "RFT_REWARD_TOKEN"
 
 # ---------------------------------------------------------------- the server
 
-def make_app(scorer, token: str):
+def make_app(scorer, token: str, max_body: int | None = None):
     """The FastAPI app that serves `scorer` (an `rft.scoring.Scorer`, or any callable
-    `(prompt, responses, task) -> list[float | dict]`) to clients holding `token`.
+    `(prompt, responses, task) -> list[float | dict]`) to clients holding `token`, reading request
+    bodies of at most `max_body` bytes (default rft.serving.MAX_BODY).
 
     POST /score   {"prompt": str, "responses": [str, ...],
                    "task": {"task_id": str, "answer": any, "row": {...}, "messages": [...] (optional)}}
@@ -45,22 +50,27 @@ def make_app(scorer, token: str):
                   too (a client checks its token with it before a run starts; it tells nothing to
                   anyone else).
 
-    Errors are JSON `{"detail": "..."}`: 401 without the right token, 422 for a malformed body,
-    500 with the exception's text when the reward raises (the client retries, then fails the task).
+    Errors are JSON `{"detail": "..."}`: 401 without the right token, 413 for a body over the limit,
+    422 for a malformed body, 500 with the exception's text when the reward raises (the client
+    retries, then fails the task).
     Each request is scored on a worker thread, so a slow reward does not hold up the others.
     """
     from fastapi import FastAPI, Request
     from fastapi.concurrency import run_in_threadpool
     from fastapi.responses import JSONResponse
 
+    from rft.serving import MAX_BODY, BodyLimit, bearer_refusal
+
     if not token:
         raise ValueError("the reward server needs a token")
     expected = token.encode()
     summary = _summary(scorer)
     app = FastAPI(title="rft reward server", docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(BodyLimit, limit=max_body or MAX_BODY, hint=" (--max-body-mb)")
 
     def refused(request):
-        return bearer_refusal(request, expected, f"the token this server was started with (--token or ${TOKEN_ENV})")
+        return bearer_refusal(request, expected,
+                              f"the token this server was started with (--token-file or ${TOKEN_ENV})")
 
     @app.get("/health")
     async def health(request: Request):
@@ -73,7 +83,7 @@ def make_app(scorer, token: str):
             return denied
         try:
             prompt, responses, task = _request(await request.json())
-        except ValueError as e:  # json.JSONDecodeError included
+        except (ValueError, RecursionError) as e:  # json.JSONDecodeError; JSON nested too deep
             return JSONResponse({"detail": f"malformed request: {e}"}, status_code=422)
         try:
             values = await run_in_threadpool(scorer, prompt, responses, task)
@@ -83,23 +93,6 @@ def make_app(scorer, token: str):
             return JSONResponse({"detail": f"{type(e).__name__}: {e}"}, status_code=500)
 
     return app
-
-
-def bearer_refusal(request, expected: bytes, which: str):
-    """None for a request whose `Authorization: Bearer` token is `expected`, else the 401 response
-    (JSON `{"detail": ...}`) saying what was wrong; `which` says which token to send."""
-    from fastapi.responses import JSONResponse
-
-    header = request.headers.get("authorization")
-    if header is None:
-        why = "no Authorization header"
-    else:
-        scheme, _, given = header.partition(" ")
-        if scheme.lower() == "bearer" and secrets.compare_digest(given.strip().encode(), expected):
-            return None
-        why = "a wrong token" if scheme.lower() == "bearer" else "an Authorization header that is not Bearer"
-    return JSONResponse({"detail": f"refused: {why}. Send 'Authorization: Bearer <token>', {which}."},
-                        status_code=401, headers={"WWW-Authenticate": "Bearer"})
 
 
 def _summary(scorer) -> str:
@@ -412,7 +405,18 @@ def _parse_spec(text: str):
     return text
 
 
-def main(argv=None) -> None:
+def _positive(kind):
+    def parse(text: str):
+        value = kind(text)
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"{text} must be > 0")
+        return value
+    return parse
+
+
+def _parser() -> argparse.ArgumentParser:
+    from rft.serving import MAX_BODY, MAX_CONNECTIONS, REQUEST_TIMEOUT
+
     p = argparse.ArgumentParser(
         prog="python -m rft.reward_server", description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -421,16 +425,45 @@ def main(argv=None) -> None:
                         "list of parts [{\"fn\": ..., \"weight\": ..., \"args\": {...}}], as a taskset's reward_fn")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000, help="port (0: any free one; default 8000)")
-    p.add_argument("--token", default=None,
-                   help=f"the token clients must send (default ${TOKEN_ENV}; without either, one is generated and printed)")
+    p.add_argument("--token-file", default=None,
+                   help=f"a file whose first line is the token clients must send (default ${TOKEN_ENV}; without "
+                        f"either, one is generated and printed)")
+    p.add_argument("--token", help=argparse.SUPPRESS)  # refused with a message: see main
+    p.add_argument("--max-body-mb", type=_positive(float), default=MAX_BODY / 2**20,
+                   help=f"largest request body in MiB; a larger one is answered 413 (default {MAX_BODY / 2**20:g})")
+    p.add_argument("--request-timeout", type=_positive(float), default=REQUEST_TIMEOUT,
+                   help=f"seconds a request has to arrive whole; a slower one's connection is closed "
+                        f"(default {REQUEST_TIMEOUT:g})")
+    p.add_argument("--max-connections", type=_positive(int), default=MAX_CONNECTIONS,
+                   help=f"connections at once; beyond, requests are answered 503 (default {MAX_CONNECTIONS})")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--access-log", action="store_true", help="log every request")
-    args = p.parse_args(argv)
+    return p
+
+
+def _token(args) -> str:
+    from rft.serving import read_token
+
+    if args.token is not None:
+        raise SystemExit(f"rft.reward_server: --token is not taken: a token on the command line is visible to every "
+                         f"local user in `ps`. Set ${TOKEN_ENV}, or write it on the first line of a file only you can "
+                         f"read and give --token-file <file>.")
+    token = read_token(TOKEN_ENV, args.token_file, "rft.reward_server")
+    if not token:
+        token = secrets.token_urlsafe(32)
+        print(f"rft.reward_server: generated token (give it to the clients as ${TOKEN_ENV}): {token}", flush=True)
+    return token
+
+
+def main(argv=None) -> None:
+    args = _parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s: %(message)s")
 
     from rft.errors import ConfigError
     from rft.scoring import build, describe
+    from rft.serving import server_config
 
+    token = _token(args)
     spec = _parse_spec(args.reward)
     if isinstance(spec, list) and any(isinstance(e, dict) and e.get("normalize") for e in spec):
         raise SystemExit("rft.reward_server: normalize is done by the run's driver over the whole run; set "
@@ -439,11 +472,6 @@ def main(argv=None) -> None:
         scorer = build(spec, "--reward")
     except ConfigError as e:
         raise SystemExit(f"rft.reward_server: {e}")
-
-    token = args.token or os.environ.get(TOKEN_ENV)
-    if not token:
-        token = secrets.token_urlsafe(32)
-        print(f"rft.reward_server: generated token (give it to the clients as ${TOKEN_ENV}): {token}", flush=True)
 
     if not _is_loopback(args.host):
         print(f"rft.reward_server: WARNING: listening on {args.host}, not loopback: anyone who can reach this port "
@@ -454,7 +482,9 @@ def main(argv=None) -> None:
 
     sock, host, port = listening_socket(args.host, args.port, "rft.reward_server")
     print(f"rft.reward_server: serving {describe(spec)} at http://{host}:{port} (POST /score, GET /health)", flush=True)
-    config = uvicorn.Config(make_app(scorer, token), log_level=args.log_level, access_log=args.access_log)
+    app = make_app(scorer, token, max_body=int(args.max_body_mb * 2**20))
+    config = server_config(app, request_timeout=args.request_timeout, max_connections=args.max_connections,
+                           log_level=args.log_level, access_log=args.access_log)
     uvicorn.Server(config).run(sockets=[sock])
 
 

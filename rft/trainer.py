@@ -760,7 +760,7 @@ class Trainer:
     def load(self, directory: str) -> None:
         d = Path(directory)
         # the state first: a damaged file then leaves the model as it was (the runner falls back)
-        state = torch.load(d / "trainer_state.pt", weights_only=False)
+        state = load_state(d / "trainer_state.pt")
         if lora.is_lora(self.model):
             from safetensors.torch import load_file
 
@@ -801,6 +801,26 @@ class Trainer:
 
     def snapshot_fingerprint(self, version: int) -> str:
         return self._snapshots[version][1]
+
+
+def load_state(path: Path) -> dict:
+    """trainer_state.pt, read with weights_only=True: tensors, numbers, strings and containers of
+    them, which is all the trainer saves. Unpickling anything else would call code named by the
+    file, so such a file is refused with an UnpicklingError saying so (the runner then sets the
+    checkpoint aside, as a damaged one)."""
+    import pickle
+    import re
+
+    try:
+        return torch.load(path, weights_only=True)
+    except pickle.UnpicklingError as e:
+        found = re.search(r"GLOBAL (\S+)", str(e))  # torch names what the file would call
+        what = f"a call of {found.group(1)}" if found else "an object"
+        raise pickle.UnpicklingError(
+            f"{path} is refused: it holds {what}, which is not a tensor, number, string or container of them, "
+            f"and loading it would run that code. A trainer_state.pt the trainer wrote never holds one: this file "
+            f"was replaced or written by other code. Move this checkpoint away to resume from the one before it, "
+            f"or start the stage again (continue_from_checkpoint=false).") from None
 
 
 def written_fingerprint(state_dict: dict, hf_dir: Path) -> str:

@@ -206,5 +206,5 @@ def test_ppo_runs_on_two_fsdp2_ranks_with_a_sharded_critic(warm_start, tmp_path)
     trained = [m for m in metrics if "critic/value_loss" in m]
     assert len(trained) == 2 and all(m["critic/value_loss"] > 0 for m in trained)
     # the checkpoint holds the critic too (gathered from the ranks), so the run can resume
-    state = torch.load(tmp_path / "rft" / "ppo2" / "checkpoints" / "step_2" / "trainer_state.pt", weights_only=False)
+    state = torch.load(tmp_path / "rft" / "ppo2" / "checkpoints" / "step_2" / "trainer_state.pt", weights_only=True)
     assert state["critic"] is not None and "head.weight" in state["critic"]["model"]

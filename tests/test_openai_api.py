@@ -14,7 +14,7 @@ from rft.chat import render
 from rft.engine import HFEngine
 from rft.errors import ConfigError
 from rft.models import build_tiny_model, load_tokenizer
-from rft.openai_api import Call, OpenAIServer, experiences_of, openai_agent
+from rft.openai_api import ROLLOUT_HEADER, Call, OpenAIServer, experiences_of, openai_agent
 from rft.scoring import Reward
 from rft.tasks import Task
 from rft.workflows import WorkflowContext
@@ -45,6 +45,7 @@ def client(server, **kw):
 
 def test_the_client_gets_exactly_what_the_engine_samples_with_the_same_seed(served):
     server, engine, tok = served
+    server.open("", ARGS)  # calls without a rollout header are recorded under ""
     reply = client(server).chat.completions.create(model="policy", messages=MESSAGES, n=2, seed=7, logprobs=True)
     calls = server.take_history("")
     prompt = render(tok, MESSAGES, generation_prompt=True)
@@ -57,6 +58,7 @@ def test_the_client_gets_exactly_what_the_engine_samples_with_the_same_seed(serv
     assert reply.usage.prompt_tokens == len(prompt)
     assert reply.usage.completion_tokens == sum(len(s.token_ids) for s in direct)
     # /v1/completions: a text prompt (encoded without the chat template) and a prompt of ids
+    server.open("", ARGS)
     text = client(server).completions.create(model="policy", prompt="12+34=", seed=3, max_tokens=4)
     ids = tok.encode("12+34=", add_special_tokens=False)
     [s] = engine.generate([ids], 1, SimpleNamespace(**{**vars(ARGS), "max_tokens": 4}), seed=3)[0]
@@ -68,6 +70,7 @@ def test_the_client_gets_exactly_what_the_engine_samples_with_the_same_seed(serv
 
 def test_the_token_is_required_and_the_server_listens_on_loopback(served):
     server, _, _ = served
+    server.open("", ARGS)
     assert server.url.startswith("http://127.0.0.1:") and server.server.config.host == "127.0.0.1"
     r = httpx.post(server.url + "/chat/completions", json={"messages": MESSAGES})
     assert r.status_code == 401 and r.json()["error"]["message"].startswith("refused: no Authorization header")
@@ -82,12 +85,172 @@ def test_the_token_is_required_and_the_server_listens_on_loopback(served):
 
 def test_an_auxiliary_model_is_served_and_not_recorded(served):
     server, engine, tok = served
+    server.open("", ARGS)
     reply = client(server).chat.completions.create(model="judge", messages=MESSAGES, seed=7)
     assert reply.model == "judge" and server.take_history("") == []
+    server.open("", ARGS)
     policy = client(server).chat.completions.create(model="policy", messages=MESSAGES, seed=7)
     # another model (built with seed 1): other weights, another answer to the same seeded request
     assert reply.choices[0].message.content != policy.choices[0].message.content
-    server.take_history("")
+    assert len(server.take_history("")) == 1  # the policy's call alone
+
+
+# ---------------------------------------------------------------- what a request may ask
+
+def post(server, path, body, token=None):
+    return httpx.post(server.url + path, json=body, headers={"Authorization": f"Bearer {token or server.token}"})
+
+
+def refused(r, status, param, message):
+    assert r.status_code == status, r.text
+    assert r.json() == {"error": {"message": message, "type": "invalid_request_error", "param": param, "code": status}}
+
+
+CHAT = {"model": "policy", "messages": MESSAGES}
+
+
+@pytest.mark.parametrize("field,value,param,message", [
+    # measured at 0ef6a02: n=1,000,000 and max_tokens=1e9 were passed to the engine
+    ("n", 1_000_000, "n", "n: Input should be less than or equal to 128 (got 1000000)"),
+    ("n", 0, "n", "n: Input should be greater than or equal to 1 (got 0)"),
+    # the tiny model's budget is model.max_response_tokens = 6 here
+    ("max_tokens", 10**9, "max_tokens", "max_tokens=1000000000 is over this model's budget of 6 new tokens "
+                                        "(model.max_response_tokens)"),
+    ("max_completion_tokens", 7, "max_tokens", "max_tokens=7 is over this model's budget of 6 new tokens "
+                                               "(model.max_response_tokens)"),
+    ("max_tokens", 0, "max_tokens", "max_tokens: Input should be greater than or equal to 1 (got 0)"),
+    ("temperature", "hot", "temperature", "temperature: Input should be a valid number (got hot)"),
+    ("temperature", 3, "temperature", "temperature: Input should be less than or equal to 2 (got 3)"),
+    ("top_p", 0, "top_p", "top_p: Input should be greater than 0 (got 0)"),
+    ("top_k", -2, "top_k", "top_k: Input should be greater than or equal to -1 (got -2)"),
+    ("seed", "7", "seed", "seed: Input should be a valid integer (got 7)"),
+    ("n", True, "n", "n: Input should be a valid integer (got True)"),
+    ("stop", ["a", "b", "c", "d", "e"], "stop", "stop: List should have at most 4 items after validation, not 5 "
+                                                "(got ['a', 'b', 'c', 'd', 'e'])"),
+    ("stop", [1], "stop", "stop[0]: Input should be a valid string (got 1)"),
+    ("messages", [], "messages", "messages: List should have at least 1 item after validation, not 0 (got [])"),
+    ("messages", "hi", "messages", "messages: Input should be a valid list (got hi)"),
+    ("messages", [{"content": "hi"}], "messages", "messages[0].role: Field required (got {'content': 'hi'})"),
+    ("model", ["policy"], "model", "model: Input should be a valid string (got ['policy'])"),
+    ("logprobs", 3, "logprobs", "logprobs: Input should be a valid boolean (got 3)"),
+])
+def test_a_field_out_of_range_is_a_400_naming_it_and_nothing_is_sampled(served, field, value, param, message):
+    server, _, _ = served
+    server.open("", ARGS)
+    refused(post(server, "/chat/completions", {**CHAT, field: value}), 400, param, message)
+    assert server.take_history("") == []
+
+
+def test_a_body_that_is_not_an_object_or_not_json_is_a_400(served):
+    server, _, _ = served
+    # measured at 0ef6a02: a JSON list was a 500 ('list' object has no attribute 'get')
+    for body, got in [(b'[{"messages": []}]', "list"), (b'"hello"', "str"), (b"null", "NoneType")]:
+        r = httpx.post(server.url + "/chat/completions", content=body,
+                       headers={"Authorization": f"Bearer {server.token}"})
+        refused(r, 400, "body", f"the request body must be a JSON object, not {got}")
+    r = httpx.post(server.url + "/chat/completions", content=b"{not json",
+                   headers={"Authorization": f"Bearer {server.token}"})
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith("malformed JSON: Expecting property name")
+    r = httpx.post(server.url + "/chat/completions", content=b"[" * 100_000,
+                   headers={"Authorization": f"Bearer {server.token}"})
+    refused(r, 400, "body", "malformed JSON: maximum recursion depth exceeded while decoding a JSON array from a "
+                            "unicode string")
+    # NaN is JSON to Python's reader, not a temperature
+    r = httpx.post(server.url + "/chat/completions", content=b'{"messages": [{"role": "user", "content": "1"}], '
+                   b'"temperature": NaN}', headers={"Authorization": f"Bearer {server.token}"})
+    refused(r, 400, "temperature", "temperature: Input should be a finite number (got nan)")
+
+
+def test_a_prompt_id_outside_the_vocabulary_or_the_context_is_a_400_before_the_engine(served, monkeypatch):
+    server, engine, tok = served
+    # the engine is never called: an id past the embedding would be a device assert on CUDA
+    monkeypatch.setattr(engine, "generate", lambda *a, **k: pytest.fail("the engine was called"))
+    vocab = len(tok)
+    for bad in [vocab, -1, 10**12]:
+        # measured at 0ef6a02: an id of len(tokenizer) was a 500 (IndexError in the embedding)
+        refused(post(server, "/completions", {"prompt": [5, bad]}), 400, "prompt",
+                f"prompt: token id {bad} is outside the vocabulary (0 <= id < {vocab})")
+    for prompt, shown in [([5, True], "[5, True]"), ([], "[]"), ("", ""), ({"a": 1}, "{'a': 1}"),
+                          (["12+", "34"], "['12+', '34']"), ([[5], [6]], "[[5], [6]]")]:
+        refused(post(server, "/completions", {"prompt": prompt}), 400, "prompt",
+                f"prompt must be one non-empty text or list of token ids (one prompt per request), not {shown}")
+    # the tiny model's context is 256 positions: 251 prompt ids + 6 new tokens do not fit, 250 do
+    refused(post(server, "/completions", {"prompt": [5] * 251, "max_tokens": 6}), 400, "max_tokens",
+            "the prompt's 251 tokens and max_tokens=6 are over the model's context of 256 tokens")
+    monkeypatch.undo()
+    assert post(server, "/completions", {"prompt": [5] * 250, "max_tokens": 6, "seed": 1}).status_code == 200
+
+
+def test_a_temperature_near_zero_samples_greedily(served):
+    server, _, _ = served
+    # logits / 1e-40 overflow to inf and sampling fails (a 500 at 0ef6a02); below 1e-5 is greedy, as in vLLM
+    tiny = post(server, "/chat/completions", {**CHAT, "temperature": 1e-40, "seed": 1})
+    greedy = post(server, "/chat/completions", {**CHAT, "temperature": 0, "seed": 2})
+    assert tiny.status_code == 200 and tiny.json()["choices"] == greedy.json()["choices"]
+
+
+def test_a_chat_template_that_cannot_render_the_messages_is_a_400(served, monkeypatch):
+    server, _, tok = served
+    # a template that refuses what it cannot render, as real ones do with raise_exception
+    monkeypatch.setattr(tok, "chat_template", "{% for m in messages %}{% if m['content'] is not string %}"
+                        "{{ raise_exception('content must be text') }}{% endif %}{{ m['content'] }}{% endfor %}")
+    refused(post(server, "/chat/completions", {"messages": [{"role": "user", "content": {"a": 1}}]}), 400,
+            "messages", "messages: the chat template cannot render them: TemplateError: content must be text")
+
+
+def test_a_body_over_32_mib_is_a_413(served):
+    server, _, _ = served
+    r = httpx.post(server.url + "/chat/completions", content=b"x" * (33 * 2**20),
+                   headers={"Authorization": f"Bearer {server.token}"})
+    refused(r, 413, None, "the request body is over the 32 MiB this server accepts.")
+
+
+def test_the_history_of_rollouts_nobody_opens_or_takes_is_bounded(cache_dir, caplog):
+    engine, tok = engine_for(build_tiny_model(cache_dir / "models" / "tiny-qwen2-v1"))
+    server = OpenAIServer({"policy": (engine, tok)}, "policy", ARGS, 6, max_rollouts=2).start()
+    try:
+        c = lambda key: client(server, default_headers={ROLLOUT_HEADER: key})  # noqa: E731
+        # measured at 0ef6a02: each key nobody opened kept its calls for the server's life
+        for key in ["a", "b", "c"]:
+            c(key).chat.completions.create(model="policy", messages=MESSAGES, max_tokens=2)
+        assert server.rollouts == {} and server.take_history("a") == []
+        # opened and never taken: the third one opened drops the oldest, counted and warned about
+        server.open("r1", ARGS)
+        c("r1").chat.completions.create(model="policy", messages=MESSAGES, max_tokens=2)
+        server.open("r2", ARGS)
+        server.open("r3", ARGS)
+        assert list(server.rollouts) == ["r2", "r3"] and server.dropped_rollouts == 1
+        assert "rollout 'r1' was opened and its calls never taken; dropped its 1 calls to keep 2 rollouts open " \
+               "at most (1 dropped so far)" in caplog.text
+        c("r3").chat.completions.create(model="policy", messages=MESSAGES, max_tokens=2)
+        assert len(server.take_history("r3")) == 1 and list(server.rollouts) == ["r2"]
+    finally:
+        server.stop()
+
+
+def raises(client, task, model, seed):
+    client.chat.completions.create(model=model, messages=task.messages, seed=seed)
+    raise RuntimeError("the agent failed")
+
+
+def test_an_agent_that_raises_leaves_no_history_behind(served):
+    server, engine, _ = served
+    jobs = []
+
+    def call(fn, js):  # as run_jobs: a job that raises is a failed task (None)
+        out = []
+        for j in js:
+            try:
+                out.append(fn(j))
+            except RuntimeError:
+                out.append(None)
+            jobs.append(j)
+        return out
+
+    ctx = ctx_for(server, "test_openai_api.raises")
+    ctx.call = call
+    assert openai_agent([Task("t/0", MESSAGES, "x", {})], engine, ctx) == [None]
+    assert len(jobs) == 2 and server.rollouts == {}  # at 0ef6a02 both rollouts' calls stayed
 
 
 # ---------------------------------------------------------------- the workflow

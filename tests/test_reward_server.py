@@ -11,6 +11,7 @@ command itself as a subprocess. All of it, with the judge's (tests/test_judge.py
 import contextlib
 import os
 import re
+import socket
 import subprocess
 import sys
 import threading
@@ -25,6 +26,7 @@ from rft.errors import ConfigError
 from rft.explorer import run_jobs
 from rft.reward_server import RemoteReward, RewardRequestError, make_app
 from rft.scoring import build
+from rft.serving import server_config
 from rft.tasks import Task
 
 # real HTTP servers and subprocesses: in `make test`, out of the fast tier
@@ -103,16 +105,17 @@ def fresh_calls(monkeypatch):
 
 
 @contextlib.contextmanager
-def serving(spec, token=TOKEN):
+def serving(spec, token=TOKEN, **limits):
     """A reward server for `spec` on 127.0.0.1 (a free port) in a background thread; yields its URL."""
-    with serving_app(make_app(build(spec, "spec"), token)) as url:
+    with serving_app(make_app(build(spec, "spec"), token), **limits) as url:
         yield url
 
 
 @contextlib.contextmanager
-def serving_app(app):
-    """An ASGI app on 127.0.0.1 (a free port) in a background thread; yields its URL (test_judge too)."""
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+def serving_app(app, **limits):
+    """An ASGI app on 127.0.0.1 (a free port) in a background thread, served as the command serves
+    (rft.serving.server_config, `limits` its arguments); yields its URL (test_judge too)."""
+    server = uvicorn.Server(server_config(app, host="127.0.0.1", port=0, log_level="warning", **limits))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 10
@@ -178,7 +181,7 @@ def test_a_missing_or_wrong_token_is_refused_at_once(monkeypatch):
         r = httpx.post(url + "/score", json={"prompt": "p", "responses": ["357"], "task": {}})
         assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
         assert r.json() == {"detail": "refused: no Authorization header. Send 'Authorization: Bearer <token>', the "
-                                      "token this server was started with (--token or $RFT_REWARD_TOKEN)."}
+                                      "token this server was started with (--token-file or $RFT_REWARD_TOKEN)."}
         assert httpx.get(url + "/health").status_code == 401
         assert httpx.get(url + "/health", headers={"Authorization": "Bearer " + TOKEN}).json() == {
             "status": "ok", "reward": "1 * slow_first"}
@@ -193,6 +196,11 @@ def test_a_malformed_request_is_a_422_and_not_retried():
         auth = {"Authorization": "Bearer " + TOKEN}
         r = httpx.post(url + "/score", json={"prompt": "p", "responses": "357"}, headers=auth)
         assert r.status_code == 422 and r.json() == {"detail": "malformed request: 'responses' must be a list of strings"}
+        # JSON nested deeper than Python's reader goes (a 500 at 0ef6a02: RecursionError)
+        r = httpx.post(url + "/score", content=b"[" * 100_000, headers=auth)
+        assert r.status_code == 422 and r.json() == {
+            "detail": "malformed request: maximum recursion depth exceeded while decoding a JSON array from a "
+                      "unicode string"}
 
 
 def test_an_answer_of_the_wrong_shape_fails_the_request():
@@ -321,20 +329,32 @@ def test_concurrent_requests_are_bounded_by_max_concurrency():
             assert client.take_counters()["requests"] == 6
 
 
+def command(*args, env=None):
+    """`python -m rft.reward_server --reward exact_match --port 0 *args` with $RFT_REWARD_TOKEN=TOKEN
+    (or `env`); its process, once it printed its serving line, and its URL."""
+    env = {**os.environ, "RFT_REWARD_TOKEN": TOKEN} if env is None else env
+    proc = subprocess.Popen([sys.executable, "-m", "rft.reward_server", "--reward", "exact_match", "--port", "0",
+                             "--log-level", "warning", *args],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    line = proc.stdout.readline()
+    assert "serving" in line, line + proc.stderr.read()
+    return proc, line.split(" at ")[1].split()[0]
+
+
+def stopped(proc) -> str:
+    proc.terminate()
+    proc.wait(10)
+    return proc.stderr.read()
+
+
 def test_the_command(tmp_path):
     """`python -m rft.reward_server` on its default host prints its URL, answers, and stops."""
-    proc = subprocess.Popen([sys.executable, "-m", "rft.reward_server", "--reward", "exact_match", "--port", "0",
-                             "--token", "t", "--log-level", "warning"],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc, url = command()
     try:
-        line = proc.stdout.readline()
-        assert line.startswith("rft.reward_server: serving exact_match at http://127.0.0.1:"), line + proc.stderr.read()
-        url = line.split(" at ")[1].split()[0]
-        assert RemoteReward(url, token="t")("042+315", ["357", "35"], task()) == [1.0, 0.0]
+        assert url.startswith("http://127.0.0.1:")
+        assert RemoteReward(url, token=TOKEN)("042+315", ["357", "35"], task()) == [1.0, 0.0]
     finally:
-        proc.terminate()
-        proc.wait(10)
-    assert "WARNING" not in proc.stderr.read()  # loopback: no warning
+        assert "WARNING" not in stopped(proc)  # loopback: no warning
 
 
 def test_the_command_generates_a_token_and_warns_off_loopback():
@@ -357,3 +377,142 @@ def test_the_command_generates_a_token_and_warns_off_loopback():
         proc.terminate()
         proc.wait(10)
     assert "WARNING: listening on 0.0.0.0, not loopback" in proc.stderr.read()
+
+
+# ---------------------------------------------------------------- tokens off the command line
+
+def test_a_token_on_the_command_line_is_refused_and_nothing_is_served():
+    proc = subprocess.run([sys.executable, "-m", "rft.reward_server", "--reward", "exact_match", "--port", "0",
+                           "--token", "t0ken-in-ps"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1 and proc.stdout == ""
+    assert proc.stderr == (
+        "rft.reward_server: --token is not taken: a token on the command line is visible to every local user in "
+        "`ps`. Set $RFT_REWARD_TOKEN, or write it on the first line of a file only you can read and give "
+        "--token-file <file>.\n")
+
+
+def test_the_token_from_a_file_and_what_a_bad_file_says(tmp_path):
+    path = tmp_path / "token"
+    path.write_text("from-the-file-0123456789\n")
+    path.chmod(0o600)
+    env = {k: v for k, v in os.environ.items() if k != "RFT_REWARD_TOKEN"}
+    proc, url = command("--token-file", str(path), env=env)
+    try:
+        assert RemoteReward(url, token="from-the-file-0123456789")("p", ["357"], task()) == [1.0]
+        with pytest.raises(ConfigError, match="refused"):
+            RemoteReward(url, token=TOKEN)
+    finally:
+        assert stopped(proc) == ""  # a file only its owner reads: no warning
+    path.chmod(0o644)
+    proc, url = command("--token-file", str(path), env=env)
+    assert stopped(proc) == (f"rft.reward_server: WARNING: {path} can be read by other users (mode 644); "
+                             f"`chmod 600 {path}` keeps the token yours.\n")
+    for bad, why in [(tmp_path / "missing", "cannot read it (No such file or directory). Write the token on its "
+                                             "first line, or set $RFT_REWARD_TOKEN instead."),
+                     (tmp_path, "cannot read it (Is a directory). Write the token on its first line, or set "
+                                "$RFT_REWARD_TOKEN instead.")]:
+        r = subprocess.run([sys.executable, "-m", "rft.reward_server", "--reward", "exact_match", "--token-file",
+                            str(bad)], cwd=ROOT, capture_output=True, text=True, timeout=60)
+        assert (r.returncode, r.stderr) == (1, f"rft.reward_server: --token-file {bad}: {why}\n")
+    path.write_text("\n")
+    r = subprocess.run([sys.executable, "-m", "rft.reward_server", "--reward", "exact_match", "--token-file",
+                        str(path)], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.stderr == f"rft.reward_server: --token-file {path} is empty: write the token on its first line.\n"
+
+
+# ---------------------------------------------------------------- limits: body, slow requests, connections
+
+def peak_mib(pid: int) -> float:
+    """The process's peak resident memory (VmHWM), MiB."""
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmHWM")
+
+
+def test_a_200_mb_body_is_a_413_and_never_held():
+    """Measured at 0ef6a02 (no limit): the server read and parsed it, 200, its peak memory 59 -> 660
+    MiB. Now 413 at once, from the Content-Length, and the peak does not move (60 -> 60 MiB)."""
+    proc, url = command()
+    try:
+        time.sleep(0.3)
+        before = peak_mib(proc.pid)
+        body = b'{"prompt": "' + b"x" * (200 * 2**20) + b'", "responses": ["1"], "task": {}}'
+        r = httpx.post(url + "/score", content=body, headers={"Authorization": "Bearer " + TOKEN}, timeout=60)
+        assert r.status_code == 413 and r.json() == {
+            "detail": "the request body is over the 32 MiB this server accepts (--max-body-mb)."}
+        assert peak_mib(proc.pid) - before < 20
+    finally:
+        stopped(proc)
+
+
+def test_a_chunked_body_is_cut_at_the_limit_and_one_below_it_is_served():
+    def chunks(n):  # no Content-Length: the server counts what arrives
+        for _ in range(n):
+            yield b" " * 2**16
+
+    with serving_app(make_app(build("exact_match", "spec"), TOKEN, max_body=2**20)) as url:
+        auth = {"Authorization": "Bearer " + TOKEN}
+        r = httpx.post(url + "/score", content=chunks(32), headers=auth)  # 2 MiB
+        assert r.status_code == 413 and r.json()["detail"].startswith("the request body is over the 1 MiB")
+        # 1 MiB less the JSON around it: served
+        body = b'{"prompt": "p", "responses": ["357"], "task": {"answer": "357"}}'
+        r = httpx.post(url + "/score", content=body + b" " * (2**20 - len(body)), headers=auth)
+        assert r.status_code == 200 and r.json() == {"rewards": [1.0]}
+        # without the token nothing of the body is read: 401, not 413
+        assert httpx.post(url + "/score", content=chunks(32)).status_code == 401
+
+
+def raw(url: str, data: bytes):
+    host, port = url.split("//")[1].split(":")
+    s = socket.create_connection((host, int(port)))
+    s.sendall(data)
+    return s
+
+
+def closed_by_server(s, wait: float) -> bool:
+    """Whether the server closed the connection within `wait` seconds (an answer then EOF counts)."""
+    s.settimeout(wait)
+    try:
+        while s.recv(65536):
+            pass
+        return True
+    except (socket.timeout, TimeoutError):
+        return False
+    except ConnectionResetError:
+        return True
+
+
+def test_half_sent_requests_are_dropped_and_connections_are_capped():
+    """Measured at 0ef6a02: 200 requests whose head never ends were all still open after 15 s. Now
+    each connection has --request-timeout seconds for its request to arrive whole; meanwhile no more
+    than --max-connections are served (503 beyond: RemoteReward retries it)."""
+    proc, url = command("--request-timeout", "1", "--max-connections", "8")
+    try:
+        t0 = time.monotonic()
+        slow_heads = [raw(url, b"POST /score HTTP/1.1\r\nHost: x\r\nX-Slow: ") for _ in range(20)]
+        slow_body = raw(url, b"POST /score HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + TOKEN.encode()
+                        + b"\r\nContent-Length: 100\r\n\r\n{")
+        time.sleep(0.2)
+        r = httpx.get(url + "/health", headers={"Authorization": "Bearer " + TOKEN})
+        assert r.status_code == 503  # 21 connections held, 8 allowed
+        assert all(closed_by_server(s, 3.0) for s in slow_heads + [slow_body])
+        assert time.monotonic() - t0 < 3.0  # dropped after ~1 s
+        r = httpx.get(url + "/health", headers={"Authorization": "Bearer " + TOKEN})
+        assert r.status_code == 200
+        # a head growing past 16 KiB unfinished: 400 from h11's limit at once, and closed (what one
+        # read brings in whole, up to 64 KiB, is parsed)
+        s = raw(url, b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 20000)
+        s.settimeout(3)
+        assert s.recv(100).startswith(b"HTTP/1.1 400") and closed_by_server(s, 3.0)
+    finally:
+        stopped(proc)
+
+
+def test_a_slow_reward_is_not_cut_by_the_request_timeout():
+    # the deadline is for the request to arrive: the reward's 1.5 s after it are its own
+    with serving("test_reward_server.slow_first", request_timeout=0.5) as url:
+        fn = RemoteReward(url, token=TOKEN, retries=0)
+        assert fn("p", ["357"], task()) == [1.0] and CALLS.n == 1
+        time.sleep(0.7)  # an idle kept-alive connection past the deadline: closed, and the next call reconnects
+        assert fn("p", ["357"], task()) == [1.0]

@@ -65,6 +65,76 @@ def test_weights_carry_no_gradient_and_survive_a_broken_sample():
         assert stats["rollout_is/capped"] == 2
 
 
+E = math.exp
+# log r = 0, 19, 21, 100, -100 on five counted tokens. The weight never exceeds e^20 (LOG_RATIO_CLAMP,
+# the bound on every ratio of the losses), so cap=inf (plain IS) stays finite: in float32 e^100 is inf
+# (float32 ends at 3.4e38 = e^88.7), and a zero-advantage token's loss 0 * inf would be NaN.
+# cap inf: tis min(r, inf) bounded at e^20 = 1, e^19, e^20, e^20, e^-100;
+#          mis r (log r <= inf everywhere) bounded the same way: the same five
+# cap 2:   tis min(r, 2) = 1, 2, 2, 2, e^-100; mis r or 0 beyond 2 = 1, 0, 0, 0, e^-100
+EXTREMES = [0.0, 19.0, 21.0, 100.0, -100.0]
+EXPECTED = {("tis", math.inf): [1.0, E(19), E(20), E(20), E(-100)],
+            ("mis", math.inf): [1.0, E(19), E(20), E(20), E(-100)],
+            ("tis", 2.0): [1.0, 2.0, 2.0, 2.0, E(-100)],
+            ("mis", 2.0): [1.0, 0.0, 0.0, 0.0, E(-100)]}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("mode,cap", list(EXPECTED))
+def test_weights_at_extreme_ratios_are_finite_and_by_hand(dtype, mode, cap):
+    sampling = torch.full((1, 5), -120.0, dtype=dtype)
+    old = sampling + torch.tensor([EXTREMES], dtype=dtype)
+    w, stats = rollout_is.weights(old, sampling, torch.ones(1, 5, dtype=dtype), mode, cap)
+    assert w.dtype == dtype and torch.isfinite(w).all()
+    # e^-100 is a float32 subnormal (3.7e-44, a step of 1.4e-45): compared as float32 computes it
+    expected = torch.tensor([EXPECTED[mode, cap]], dtype=torch.float64).to(dtype)
+    torch.testing.assert_close(w, expected, rtol=1e-6, atol=0)
+    # the metrics: r bounded at e^20 the same way, sum 1 + e^19 + 2 e^20 + e^-100, max e^20;
+    # beyond the cap: none at inf, three (19, 21, 100) at 2
+    assert stats["rollout_is/weight_sum"] == pytest.approx(1 + E(19) + 2 * E(20), rel=1e-6)
+    assert stats["rollout_is/max"] == pytest.approx(E(20), rel=1e-6)
+    assert stats["rollout_is/capped"] == (0 if cap == math.inf else 3) and stats["rollout_is/tokens"] == 5
+
+
+def test_mis_compares_the_true_log_ratio_with_the_cap():
+    # cap e^20.5, between the weight's bound e^20 and r = e^21: r is beyond the cap, masked (0),
+    # though its bounded value e^20 is not; r = e^20.2 is within it, weight e^20 (the bound)
+    sampling = torch.zeros(1, 2, dtype=torch.float64)
+    old = torch.tensor([[21.0, 20.2]], dtype=torch.float64)
+    w, stats = rollout_is.weights(old, sampling, torch.ones(1, 2, dtype=torch.float64), "mis", E(20.5))
+    assert w.tolist() == [[0.0, pytest.approx(E(20), rel=1e-12)]]
+    assert stats["rollout_is/capped"] == 1
+
+
+@pytest.mark.parametrize("mode,expected", [("tis", 2.0), ("mis", 0.0)])
+def test_a_token_whose_two_logprobs_are_minus_inf_is_beyond_the_cap(mode, expected):
+    # -inf - -inf is NaN: no measurable r, taken as beyond the cap 2 (truncated to 2, or masked)
+    minus_inf = torch.full((1, 1), -math.inf)
+    w, stats = rollout_is.weights(minus_inf, minus_inf, torch.ones(1, 1), mode, 2.0)
+    assert w.tolist() == [[expected]]
+    assert stats["rollout_is/capped"] == 1 and stats["rollout_is/max"] == pytest.approx(E(20), rel=1e-6)
+
+
+def test_a_zero_advantage_token_beyond_any_ratio_adds_nothing_with_cap_inf():
+    """cap=inf (plain IS) and a token whose sampling log-prob is 100 below the trainer's (r = e^100,
+    inf in float32): the step's loss and weights stay finite, and the zero-advantage row (rewards
+    1, 0, 0.5, 0.5: mean 0.5, rows 2 and 3 have advantage 0) adds 0, as without the token's weight.
+    Zero-advantage rows are computed here (skip_zero_advantage=false), as with a KL or entropy term."""
+    extra = ["algorithm.rollout_is=tis", "algorithm.rollout_is_cap=inf", "trainer.skip_zero_advantage=false"]
+    a, b = make_trainer(4, extra), make_trainer(4, extra)
+    rewards = [[1, 0, 0.5, 0.5], [0, 1, 1, 1]]
+    exps = with_ratios(a, grouped(rewards), [1.0] * 8)
+    exps[2].logprobs[0] -= 100.0  # row 2, advantage 0: r = e^100 on its first response token
+    m = a.train_step(exps)
+    assert math.isfinite(m["loss/policy"]) and all(torch.isfinite(p).all() for p in params(a).values())
+    # the same step with row 2's sampling log-probs equal to the trainer's (r = 1): the same update
+    same = with_ratios(b, grouped(rewards), [1.0] * 8)
+    m_b = b.train_step(same)
+    assert m["loss/policy"] == pytest.approx(m_b["loss/policy"], rel=1e-6, abs=1e-9)
+    for k, v in params(b).items():
+        torch.testing.assert_close(params(a)[k], v, rtol=1e-6, atol=1e-9, msg=k)
+
+
 # ---------------------------------------------------------------- the loss and gradient of a step
 
 

@@ -1,6 +1,7 @@
 """The trainer's update: micro-batching does not change the gradient; a GRPO step moves the policy."""
 
 import math
+import pickle
 import random
 
 import pytest
@@ -147,6 +148,61 @@ def test_resumed_trainer_keeps_the_stage_start_as_its_reference(tmp_path):
     trained = trainer.model.state_dict()
     assert all(torch.equal(v, trained[k]) for k, v in resumed.model.state_dict().items())
     assert any(not torch.equal(trained[k], start[k]) for k in start)
+
+
+class RunsCode:
+    """A pickled object whose unpickling calls open(marker, "w"): any call would do."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return open, (self.marker, "w")
+
+
+def test_a_trainer_state_that_would_run_code_is_refused_and_the_code_never_runs(tmp_path):
+    trainer = make_trainer(128)
+    trainer.train_step(experiences())
+    trainer.save(str(tmp_path))
+    path, marker = tmp_path / "trainer_state.pt", tmp_path / "the_code_ran"
+    state = torch.load(path, weights_only=True)
+    torch.save({**state, "optimizer": RunsCode(marker)}, path)
+    fresh = make_trainer(128)
+    before = {k: v.clone() for k, v in fresh.model.state_dict().items()}
+    with pytest.raises(pickle.UnpicklingError) as e:
+        fresh.load(str(tmp_path))
+    assert not marker.exists()
+    assert str(e.value) == (
+        f"{path} is refused: it holds a call of io.open, which is not a tensor, number, string "
+        f"or container of them, and loading it would run that code. A trainer_state.pt the trainer wrote never "
+        f"holds one: this file was replaced or written by other code. Move this checkpoint away to resume from "
+        f"the one before it, or start the stage again (continue_from_checkpoint=false).")
+    # nothing of the checkpoint was loaded: the state is read first
+    assert all(torch.equal(v, before[k]) for k, v in fresh.model.state_dict().items()) and fresh.version == 0
+
+
+@pytest.mark.parametrize("extra", [[], ["algorithm=ppo"], ["model.lora.rank=4", "model.lora.alpha=8"],
+                                   ["algorithm.optimizer.warmup_style=cosine", "algorithm.optimizer.warmup_steps=1"]],
+                         ids=["grpo", "ppo-critic", "lora", "cosine"])
+def test_every_trainer_state_loads_as_tensors_and_plain_data_and_resumes_exactly(tmp_path, extra):
+    """What the trainer saves (Adam moments and step counts, the scheduler, the RNG, the critic
+    and its optimizer, LoRA's adapters' optimizer state) is tensors and plain data: it loads with
+    weights_only=True and the resumed trainer's next step is the saved trainer's, bit for bit."""
+    trainer = make_trainer(128, extra)
+    trainer.train_step(experiences())
+    trainer.save(str(tmp_path))
+    state = torch.load(tmp_path / "trainer_state.pt", weights_only=True)
+    assert set(state) == {"optimizer", "scheduler", "version", "rng", "critic"}
+    assert (state["critic"] is not None) == ("algorithm=ppo" in extra)
+    resumed = make_trainer(128, extra)
+    resumed.load(str(tmp_path))
+    assert resumed.version == 1 and torch.equal(torch.get_rng_state(), state["rng"])
+    assert resumed.scheduler.state_dict() == trainer.scheduler.state_dict()
+    torch.set_rng_state(state["rng"])  # the saved trainer's next step draws what the resumed one does
+    m_t = trainer.train_step(experiences(seed=1))
+    torch.set_rng_state(state["rng"])
+    m_r = resumed.train_step(experiences(seed=1))
+    assert m_r["loss/policy"] == m_t["loss/policy"] and resumed.fingerprint() == trainer.fingerprint()
 
 
 # ---------------------------------------------------------------- the sampling distribution

@@ -156,6 +156,7 @@ def test_the_openai_endpoint_serves_the_vllm_engine(engines):
     args = cfg.buffer.explorer_input.taskset.rollout_args
     server = OpenAIServer({"policy": (vllm, vllm.tokenizer)}, "policy", args, cfg.model.max_response_tokens).start()
     try:
+        server.open("", args)  # calls without a rollout header are recorded under ""
         messages = [{"role": "user", "content": "12+34"}]
         client = openai.OpenAI(base_url=server.url, api_key=server.token, max_retries=0)
         reply = client.chat.completions.create(model="policy", messages=messages, n=2, seed=9)
@@ -163,6 +164,14 @@ def test_the_openai_endpoint_serves_the_vllm_engine(engines):
         assert [c.token_ids for c in server.take_history("")] == [s.token_ids for s in direct]
         assert [ch.message.content for ch in reply.choices] == [
             vllm.tokenizer.decode(s.token_ids, skip_special_tokens=True) for s in direct]
+        # the limits read from vLLM's engine: its max_model_len, and a prompt id past the vocabulary
+        # is answered 400 before it reaches the engine (on CUDA a device assert)
+        limits = server.limits["policy"]
+        assert (limits.budget, limits.vocab, limits.context) == (
+            cfg.model.max_response_tokens, len(vllm.tokenizer),
+            cfg.model.max_model_len or cfg.model.max_prompt_tokens + cfg.model.max_response_tokens)
+        with pytest.raises(openai.BadRequestError, match=rf"token id {limits.vocab} is outside the vocabulary"):
+            client.completions.create(model="policy", prompt=[5, limits.vocab])
     finally:
         server.stop()
 

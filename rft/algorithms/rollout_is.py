@@ -17,10 +17,17 @@ slime#179). Each token's policy loss is weighted, without gradient, by
                                                        normaliser, as a weight of 0 does)
     none: w = 1
 
-with C = algorithm.rollout_is_cap. The trainer multiplies the policy loss by w right after the
-policy loss function (one place, every loss of the registry), before the optional terms (KL to
-the reference, behaviour weights, entropy bonus), as TRL and verl weight the policy-gradient
-term only. Not for losses that are not policy gradients over sampled tokens (sft, dpo).
+with C = algorithm.rollout_is_cap (inf: plain IS). Where this departs from the formulas: a weight
+is never above e^20 (LOG_RATIO_CLAMP, the bound the policy losses put on their ratio), whatever
+C: with C = inf a token 100 nats off would otherwise weigh e^100, inf in float32, and a
+zero-advantage token's loss 0 * inf would be NaN. mis compares the true log r with log C (a token
+of r = e^21 is masked by C = e^20.5 although its bounded weight would be e^20); a token whose two
+log-probs are both -inf has no measurable r and counts as beyond the cap.
+
+The trainer multiplies the policy loss by w right after the policy loss function (one place,
+every loss of the registry), before the optional terms (KL to the reference, behaviour weights,
+entropy bonus), as TRL and verl weight the policy-gradient term only. Not for losses that are
+not policy gradients over sampled tokens (sft, dpo).
 
 Which tokens are weighted (`weighted_rows`): response tokens the loss counts (response_mask 1) of
 experiences that carry sampling log-probs (dataset rows have none: weight 1), whose old log-probs
@@ -102,11 +109,16 @@ def weights(old_logp: torch.Tensor, sampling_logp: torch.Tensor, mask: torch.Ten
 
     counted = mask > 0
     log_ratio = (old_logp.detach() - sampling_logp).masked_fill(~counted, 0.0)
+    # both log-probs -inf (a broken sample): a ratio nobody can measure is beyond any cap
+    log_ratio = torch.where(log_ratio.isnan(), math.inf, log_ratio)
     log_cap = math.log(cap)
-    ratio = torch.exp(log_ratio.clamp(max=LOG_RATIO_CLAMP))  # uncapped r, for the metrics
-    over = (log_ratio > log_cap) & counted  # in log space: the same test for weights and metrics
+    # every weight is at most e^LOG_RATIO_CLAMP, the losses' bound on a ratio: with cap=inf r = e^100
+    # would be inf in float32, and a zero-advantage token's loss 0 * inf NaN
+    bounded = log_ratio.clamp(max=LOG_RATIO_CLAMP)
+    ratio = torch.exp(bounded)  # uncapped r, for the metrics
+    over = (log_ratio > log_cap) & counted  # the true log-ratio: the same test for weights and metrics
     if mode == "tis":
-        w = torch.exp(log_ratio.clamp(max=log_cap))
+        w = torch.exp(bounded.clamp(max=log_cap))
     elif mode == "mis":
         w = torch.where(over, torch.zeros_like(ratio), ratio)
     else:
