@@ -169,6 +169,60 @@ def test_an_environment_that_raises_fails_its_task_only(tools_model):
     assert [e.reward for e in out[1]] == [1.0, 1.0]
 
 
+class Answers(CalculatorEnv):
+    """An environment whose step (or reset) answers `Answers.result` as it is."""
+
+    result = None
+
+    def step(self, text):
+        return Answers.result
+
+
+@pytest.mark.parametrize("result, wrong", [
+    (3, "returned int 3"),
+    ((None, {"correct": 1.0}), "returned tuple (None, {'correct': 1.0})"),
+    ((None, {"correct": "yes"}, True), "returned the reward part 'correct'='yes', not a finite number"),
+    ((None, 1.0, True), "returned the reward parts 1.0, not a dict"),
+    ((None, {"correct": float("nan")}, True), "returned the reward part 'correct'=nan, not a finite number"),
+    (([1, 2], {}, False), "returned the message [1, 2]: a str, a message dict with a str 'content', or None"),
+])
+def test_an_environment_whose_step_answers_the_wrong_shape_is_named(tools_model, result, wrong):
+    # each was a TypeError or ValueError inside the workflow: a traceback that never named the class
+    import rft.environments as envs
+
+    tok = tokenizer(tools_model)
+    Answers.result = result
+    envs.ENVIRONMENTS["_answers"] = Answers
+    try:
+        with pytest.raises(ConfigError) as e:
+            multi_turn([task()], Scripted(tok, [("56", "stop")]), ctx_for(tok, {"env": "_answers"}, call=runners))
+    finally:
+        del envs.ENVIRONMENTS["_answers"]
+    assert str(e.value) == (
+        f"test_multi_turn.Answers.step(text) (turn 1) {wrong}; it must return (message | None, "
+        f"{{part name: number}}, done), e.g. (None, {{'correct': 1.0}}, True) (rft/environments.py).")
+
+
+def test_an_environment_whose_reset_answers_nothing_is_named(tools_model):
+    import rft.environments as envs
+
+    class Silent(CalculatorEnv):
+        def reset(self, task):
+            self.task = task  # and returns None: no first message
+
+    tok = tokenizer(tools_model)
+    envs.ENVIRONMENTS["_silent"] = Silent
+    try:
+        with pytest.raises(ConfigError) as e:
+            multi_turn([task()], Scripted(tok, [("56", "stop")]), ctx_for(tok, {"env": "_silent"}, call=runners))
+    finally:
+        del envs.ENVIRONMENTS["_silent"]
+    assert str(e.value) == (
+        "test_multi_turn.test_an_environment_whose_reset_answers_nothing_is_named.<locals>.Silent.reset(task) "
+        "returned NoneType None; it must return the first message(s): a str (a user message), a message dict "
+        "with a str 'content', or a non-empty list of message dicts (rft/environments.py).")
+
+
 def test_workflow_args_are_checked(tools_model):
     tok = tokenizer(tools_model)
     with pytest.raises(ConfigError, match="needs workflow_args.env"):
