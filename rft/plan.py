@@ -18,6 +18,7 @@ Each violated constraint is a ConfigError that names the keys, their values and 
 from __future__ import annotations
 
 import logging
+import math
 import os
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -185,7 +186,56 @@ def check_config(cfg) -> None:
     ]:
         if value < 1:
             raise ConfigError(f"{key}={value} must be >= 1 (in steps).")
+    _check_limits(cfg)
     _check_model(cfg.model)
+    if cfg.mode in ("both", "explore"):
+        _check_rollouts(cfg)
+
+
+def _check_limits(cfg) -> None:
+    """Counts and durations that a run would only trip over later (or never say were wrong)."""
+    ex, sc = cfg.explorer, cfg.synchronizer
+    if ex.max_failed_steps < 0:
+        raise ConfigError(f"explorer.max_failed_steps={ex.max_failed_steps} must be >= 0 (0: never stop a run "
+                          f"whose tasks all fail).")
+    for key, value in [("synchronizer.sync_timeout", sc.sync_timeout), ("explorer.restart_timeout", ex.restart_timeout)]:
+        if not value > 0:  # (not >: NaN too)
+            raise ConfigError(f"{key}={value} must be > 0 (seconds).")
+    if cfg.cluster.num_cpus is not None and cfg.cluster.num_cpus < 1:
+        raise ConfigError(f"cluster.num_cpus={cfg.cluster.num_cpus} must be >= 1 (or null: every CPU of this "
+                          f"machine); with none, no actor could ever be placed and the run would wait forever.")
+    # clip_grad_norm_ scales the gradient by grad_clip / norm: 0 zeroes every update, a negative
+    # value reverses it (the model would unlearn the reward, without a word)
+    if not cfg.trainer.grad_clip > 0:
+        raise ConfigError(f"trainer.grad_clip={cfg.trainer.grad_clip} must be > 0 (the largest gradient norm; "
+                          f"inf: no clipping). 0 would zero every update and a negative value reverse it.")
+
+
+def _check_rollouts(cfg) -> None:
+    """The sampling settings of every taskset, and the training taskset's rollouts per task."""
+    inp, algo = cfg.buffer.explorer_input, cfg.algorithm
+    ts_keys = [("buffer.explorer_input.taskset", inp.taskset)]
+    ts_keys += [(f"buffer.explorer_input.eval_tasksets[{i}]", ts) for i, ts in enumerate(inp.eval_tasksets)]
+    for where, ts in ts_keys:
+        r = ts.rollout_args
+        # temperature 0 is greedy decoding (the eval sets' default); below 0 no engine samples
+        if not 0 <= r.temperature < math.inf:
+            raise ConfigError(f"{where}.rollout_args.temperature={r.temperature} must be >= 0 (0: greedy).")
+        if not 0 < r.top_p <= 1:
+            raise ConfigError(f"{where}.rollout_args.top_p={r.top_p} must be in (0, 1] (1: no nucleus cut).")
+        if r.max_tokens is not None and r.max_tokens < 1:
+            raise ConfigError(f"{where}.rollout_args.max_tokens={r.max_tokens} must be >= 1 (or null: "
+                              f"model.max_response_tokens).")
+        if ts.repeat_times is not None and ts.repeat_times < 1:
+            raise ConfigError(f"{where}.repeat_times={ts.repeat_times} must be >= 1 (or null: the default, "
+                              f"algorithm.repeat_times for the taskset, 1 for an eval set).")
+    n = inp.taskset.repeat_times
+    if n is not None and n != algo.repeat_times:
+        # the plan (experiences per step, whole groups) counts algorithm.repeat_times
+        raise ConfigError(f"buffer.explorer_input.taskset.repeat_times={n} differs from algorithm.repeat_times="
+                          f"{algo.repeat_times}, which the batch plan counts (each step trains on batch_size x "
+                          f"algorithm.repeat_times experiences). Set algorithm.repeat_times={n} and leave the "
+                          f"taskset's repeat_times null.")
 
 
 def _check_algorithm(cfg, needs: Needs) -> None:
@@ -344,6 +394,11 @@ def _check_model(model) -> None:
         )
     if model.lora.rank < 0:
         raise ConfigError(f"model.lora.rank={model.lora.rank} must be >= 0 (0: no LoRA, train every weight).")
+    # the update is (alpha / rank) B A: with alpha 0 the adapters train but never change the model
+    if model.lora.rank and not 0 < model.lora.alpha < math.inf:
+        raise ConfigError(f"model.lora.alpha={model.lora.alpha} must be > 0 with model.lora.rank={model.lora.rank}: "
+                          f"the adapters' update is scaled by alpha / rank, so 0 leaves the model as it started. "
+                          f"16 or 2 x rank is common.")
     if model.lora.rank and model.lora.dropout:
         raise ConfigError(f"model.lora.dropout={model.lora.dropout}: the trainer computes without dropout so that its "
                           f"log-probs are the ones the engine sampled with (the policy ratio's denominator). Set "
@@ -351,6 +406,8 @@ def _check_model(model) -> None:
     if model.attn_implementation is not None and model.attn_implementation not in ATTN_IMPLEMENTATIONS:
         raise ConfigError(f"model.attn_implementation={model.attn_implementation!r} is not an attention kernel; "
                           f"choose one of {', '.join(ATTN_IMPLEMENTATIONS)} (or null for transformers' default, sdpa).")
+    if model.custom_chat_template is not None:
+        check_template(model.custom_chat_template, "model.custom_chat_template")
     need = model.max_prompt_tokens + model.max_response_tokens
     if model.max_model_len is not None and model.max_model_len < need:
         raise ConfigError(
@@ -358,6 +415,31 @@ def _check_model(model) -> None:
             f"({model.max_prompt_tokens}) + model.max_response_tokens ({model.max_response_tokens}) "
             f"= {need}. Raise max_model_len or lower the token budgets."
         )
+
+
+def check_template(template, key: str) -> None:
+    """A chat template parses as Jinja the way transformers compiles it (loop controls, and its
+    `{% generation %}` blocks); parsed only, with jinja2 alone: planning imports no transformers."""
+    import jinja2
+    from jinja2.ext import Extension, loopcontrols
+
+    class Generation(Extension):  # transformers' AssistantTracker tag, as far as parsing goes
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.Scope(body).set_lineno(lineno)
+
+    if not isinstance(template, str) or not template.strip():
+        raise ConfigError(f"{key}={template!r}: give the Jinja text of a chat template (or null: the tokenizer's own).")
+    try:
+        jinja2.Environment(extensions=[Generation, loopcontrols]).parse(template)
+    except jinja2.TemplateSyntaxError as e:
+        line = template.splitlines()[e.lineno - 1] if 0 < e.lineno <= len(template.splitlines()) else ""
+        raise ConfigError(f"{key} is not a valid Jinja template: at its line {e.lineno} ({line.strip()[:80]!r}): "
+                          f"{(e.message or '').rstrip('.')}. Fix the template; transformers' chat templating docs "
+                          f"show the syntax.") from None
 
 
 ATTN_IMPLEMENTATIONS = ("sdpa", "flash_attention_2", "flash_attention_3", "eager", "flex_attention")

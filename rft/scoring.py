@@ -181,6 +181,9 @@ def entries(spec, where: str) -> list[dict]:
             weight = float(e.get("weight", 1.0))
         except (TypeError, ValueError):
             raise ConfigError(f"{key}.weight={e.get('weight')!r} is not a number.") from None
+        if not math.isfinite(weight):  # one NaN or inf weight makes every reward of the run NaN or inf
+            raise ConfigError(f"{key}.weight={weight} is not a finite number; give a weight such as 1.0 (0 turns "
+                              f"the part off).")
         args = e.get("args") or {}
         if not isinstance(args, dict):
             raise ConfigError(f"{key}.args={args!r}: give the function's keyword arguments as a dict.")
