@@ -244,7 +244,7 @@ class Explorer:
             from rft.workflows import Auxiliary
 
             ensure_model(aux.model)
-            tok = load_tokenizer(aux.model)
+            tok = load_tokenizer(aux.model, chat=False)  # a workflow may prompt it with plain text
             engine = engine_class(aux.rollout_model.engine_type)(aux.model, aux.rollout_model, tok, None,
                                                                device=local_device(cfg.cluster))
             self.auxiliary[aux.name] = Auxiliary(aux.name, engine, tok, aux.model.max_response_tokens)

@@ -446,3 +446,24 @@ def test_a_reset_that_fails_fails_its_task_and_different_starts_are_sampled_apar
     # the two starts differ (p1, p2): one prompt each, not n samples of the first
     assert len(engine.calls[0]) == 2 and engine.calls[0][0] != engine.calls[0][1]
     assert [e.info["conversation"][0]["content"] for e in out[0]] == ["p1", "p2"]
+
+
+def test_a_tokenizer_without_a_working_chat_template_fails_when_loaded(tools_model, tmp_path):
+    """Every prompt is rendered with the chat template: transformers raised at the first one, a
+    raw traceback in the explorer (no template: "Cannot use chat template functions because
+    tokenizer.chat_template is not set")."""
+    tok = tokenizer(tools_model)
+    tok.chat_template = None
+    tok.save_pretrained(tmp_path / "base")  # a base model's tokenizer: no template
+    with pytest.raises(ConfigError) as e:
+        tokenizer(tmp_path / "base")
+    assert str(e.value).startswith(
+        f"model.model_path='{tmp_path / 'base'}': its tokenizer has no chat template, and every prompt is rendered "
+        f"with one (a base model's tokenizer often has none). Set model.custom_chat_template to a Jinja template")
+    # a template that parses but fails when rendered (a study's own raise_exception)
+    with pytest.raises(ConfigError) as e:
+        tokenizer(tools_model, "{{ raise_exception('system messages only') }}")
+    assert str(e.value) == (
+        "model.custom_chat_template fails on a one-message conversation (TemplateError: system messages only). "
+        "Fix the template (or set model.custom_chat_template to one that renders).")
+    tokenizer(tmp_path / "base", HASH_TEMPLATE)  # a template of its own makes it usable
