@@ -242,6 +242,63 @@ def test_empty_and_malformed_datasets_name_the_file_and_line(tmp_path):
         f"buffer.explorer_input.taskset.path='{bad}': line 2 of {bad} is not valid JSON (")
 
 
+def test_a_file_that_is_not_utf8_names_its_line_and_byte(tmp_path):
+    # a latin-1 "café" on line 3 (its é the 18th byte of '{"question": "café"'): pyarrow read it
+    # without a word, and the first read of that row raised UnicodeDecodeError as a raw traceback
+    f = write_jsonl(tmp_path / "tasks.jsonl", [{"question": "1+1", "answer": "2"}] * 2)
+    f.write_bytes(f.read_bytes() + '{"question": "café", "answer": "1"}\n'.encode("latin-1"))
+    assert plan_error(tmp_path, "dry_run=true", *taskset(f)) == (
+        f"buffer.explorer_input.taskset.path='{f}': line 3 of {f} is not UTF-8 text (byte b'\\xe9' at column 18); "
+        f"datasets are read as UTF-8. Convert the file (e.g. iconv -f latin1 -t utf-8 tasks.jsonl > "
+        f"tasks.utf8.jsonl) or fix the line.")
+
+
+def test_empty_prompts_are_an_error_naming_the_rows(tmp_path):
+    # rows 1, 3, 5, 7 and 9 of 10 have "" or blanks: those tasks asked the model nothing (exit 0)
+    rows = [{"question": "" if i % 2 else f"{i}+1", "answer": str(i + 1)} for i in range(10)]
+    rows[3]["question"] = "  "
+    f = write_jsonl(tmp_path / "tasks.jsonl", rows)
+    assert plan_error(tmp_path, "dry_run=true", *taskset(f)) == (
+        f"buffer.explorer_input.taskset: 5 of the 10 rows of '{f}' have an empty prompt in 'question' "
+        f"(format.prompt_key): rows 1, 3, 5, 7, 9 (lines 2, 4, 6, 8, 10 of the file). Fill or remove those rows, "
+        f"or set buffer.explorer_input.taskset.format.prompt_key to the column that holds the prompts.")
+    # a training dataset (an SFT stage) is checked before the run too
+    rows += [{"question": "", "answer": "1"}] * 3
+    f = write_jsonl(tmp_path / "sft.jsonl", rows)
+    assert plan_error(tmp_path, "dry_run=true", "stages=[]", "algorithm=sft", "buffer.explorer_input.eval_tasksets=[]",
+                      f"buffer.trainer_input.experience_buffer.path={f}", "buffer.batch_size=2") == (
+        f"buffer.trainer_input.experience_buffer: 8 of the 13 rows of '{f}' have an empty prompt in 'question' "
+        f"(format.prompt_key): rows 1, 3, 5, 7, 9 and 3 more (lines 2, 4, 6, 8, 10 and 3 more of the file). Fill "
+        f"or remove those rows, or set buffer.trainer_input.experience_buffer.format.prompt_key to the column "
+        f"that holds the prompts.")
+
+
+def test_a_split_a_single_file_is_not_named_for_is_an_error(tmp_path):
+    # an eval set of split=validation on the training file read its training rows (exit 0)
+    f = write_jsonl(tmp_path / "tasks.jsonl", [{"question": "1+1", "answer": "2"}] * 4)
+    assert plan_error(tmp_path, "dry_run=true", *taskset(f), "buffer.explorer_input.taskset.split=validation") == (
+        f"buffer.explorer_input.taskset.path='{f}' is a single file, read whole, so split='validation' cannot pick "
+        f"rows from it (they would be its rows, whatever the split). Point the path at the file that holds the "
+        f"'validation' rows (a file whose name says 'validation', or a directory with validation.jsonl beside "
+        f"train.jsonl), or set split=train to read this file as it is.")
+    # a file named for its split is read for it
+    test = write_jsonl(tmp_path / "gsm8k_test.jsonl", [{"question": "1+2", "answer": "3"}] * 4)
+    rft.main._main(compose_cfg([f"checkpoint_root_dir={tmp_path / 'ck'}", "dry_run=true", *taskset(f),
+                                f"+buffer.explorer_input.eval_tasksets=[{{path: {test}, split: test}}]"]))
+
+
+def test_a_directory_without_data_files_says_what_it_holds(tmp_path):
+    # its notes.txt was read as a dataset of one column 'text'
+    d = tmp_path / "data"
+    d.mkdir()
+    (d / "notes.txt").write_text("the tasks are elsewhere")
+    (d / "plot.png").write_bytes(b"\x89PNG")
+    assert plan_error(tmp_path, "dry_run=true", *taskset(d)) == (
+        f"buffer.explorer_input.taskset.path='{d}' is a directory with no JSONL, JSON, Parquet or CSV file in it "
+        f"(it holds notes.txt, plot.png). Point it at a dataset file, a directory of them (train.jsonl, "
+        f"test.jsonl), or a Hugging Face dataset id.")
+
+
 def test_a_relative_path_says_relative_to_what(tmp_path):
     msg = plan_error(tmp_path, *taskset("./nowhere/tasks.jsonl"))
     assert msg.startswith(f"buffer.explorer_input.taskset.path='./nowhere/tasks.jsonl': no such file or directory "
