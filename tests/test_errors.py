@@ -509,3 +509,51 @@ def test_an_overlay_that_is_not_yaml_is_one_paragraph_not_a_traceback(run_root, 
             "indented by different numbers of spaces, or a tab).") in r.stderr
     assert "Traceback" not in r.stderr
     assert_nothing_started(run_root)
+
+
+def test_an_override_hydra_cannot_read_says_how_to_quote_it(run_root):
+    # Hydra said only "LexerNoViableAltException: name=résumé" under a caret
+    r = run_cli("name=résumé", "dry_run=true", env=run_root)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert ("rft: configuration error: the override 'name=résumé' does not parse: Hydra's override grammar takes "
+            "only ASCII letters in a value that is not quoted. Quote the value, with single quotes around the "
+            "whole for the shell: 'name=\"résumé\"'.") in r.stderr
+    r = run_cli('name="résumé"', "stages=[]", "dry_run=true", env=run_root)
+    assert r.returncode == 0 and "/rft/résumé" in r.stdout
+
+
+def test_an_overlay_naming_a_missing_option_names_its_file_and_line(run_root, tmp_path):
+    import shutil
+    import subprocess
+    import sys
+
+    from conftest import CONF, ROOT
+
+    # Hydra said "In 'config': Could not find 'model/tinyy'", without the overlay's file
+    shutil.copy(ROOT / "run.py", tmp_path / "run.py")
+    shutil.copytree(CONF, tmp_path / "conf")
+    (tmp_path / "conf" / "experiment" / "mine.yaml").write_text(
+        "# @package _global_\ndefaults:\n  - base\n  - _self_\n")
+    (tmp_path / "conf" / "experiment" / "base.yaml").write_text(
+        "# @package _global_\ndefaults:\n  - override /algorithm: grpo\n  - override /model: tinyy\n")
+    r = subprocess.run([sys.executable, "run.py", "experiment=mine"], cwd=tmp_path, capture_output=True, text=True,
+                       env={**os.environ, **run_root}, timeout=120)
+    assert r.returncode == 2
+    assert ("rft: configuration error: conf/experiment/base.yaml, line 4: its defaults list names 'model/tinyy', "
+            "but there is no conf/model/tinyy.yaml (the options of 'model' are qwen2.5-0.5b, qwen7b, tiny, "
+            "tiny_tools). Fix the name in that file.") in r.stderr
+    assert_nothing_started(run_root)
+
+
+def test_a_checkpoint_root_under_a_file_is_one_paragraph_before_hydra_makes_the_run_dir(run_root, tmp_path):
+    # Hydra made the run's directory before rft's check: NotADirectoryError under its traceback
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    r = run_cli("stages=[]", f"checkpoint_root_dir={blocker}/out", env=run_root)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert (f"rft: configuration error: cannot write to {blocker}/out/rft/grpo-tiny-arithmetic (NotADirectoryError: "
+            f"Not a directory). Point checkpoint_root_dir (or RFT_CHECKPOINT_ROOT_DIR) at a writable directory.") in r.stderr
+    # a sweep's directory too (Hydra's sweeper makes it)
+    r = run_cli("-m", "stages=[]", "seed=1,2", f"checkpoint_root_dir={blocker}/out", env=run_root)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert f"rft: configuration error: cannot write to {blocker}/out/rft/multirun/" in r.stderr
