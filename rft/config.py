@@ -416,8 +416,8 @@ class ExplorerConfig:
     # evaluate before the first step (skipped on resume)
     eval_on_startup: bool = True
     # stop the run after this many steps in a row in which every task failed (its reward function
-    # raised or timed out each time), or at an eval in which every task of a set failed: nothing
-    # can be learned or measured (0: never stop)
+    # or environment raised or timed out each time; a run of fewer steps: after all of them), or at
+    # an eval in which every task of a set failed: nothing can be learned or measured (0: never stop)
     max_failed_steps: int = 3
     # seconds to wait for Ray to restart a dead explorer before the run stops
     restart_timeout: float = 300.0
