@@ -3,7 +3,8 @@ rft runs, which would otherwise end in its traceback or after work was done.
 
 - a run's directory (hydra.run.dir, under checkpoint_root_dir) or a sweep's (hydra.sweep.dir)
   that cannot be written: Hydra makes it before rft runs, so a checkpoint_root_dir under a file
-  or in a read-only place raised NotADirectoryError or PermissionError from Hydra's mkdir;
+  or in a read-only place raised NotADirectoryError or PermissionError from Hydra's mkdir (and a
+  name of '..' parts made a directory outside the project's);
 - a sweep whose job cannot plan (`-m buffer.batch_size=4,0`): every job is planned before the
   first starts (rft.sweep.plan_jobs), not when its turn comes after the others trained.
 
@@ -35,8 +36,10 @@ class Checks(Callback):
 
 def _check_dir(config: DictConfig, key: str) -> None:
     from rft import rundir
+    from rft.plan import check_run_name
 
     HydraConfig.instance().set_config(config)  # the directory's name reads hydra's choices
+    check_run_name(config)  # name=../.. would make a directory outside the project's
     rundir.check_writable(Path(str(OmegaConf.select(config, key))))
 
 

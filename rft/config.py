@@ -673,6 +673,10 @@ def unparsable_override(args: list[str]) -> str | None:
         except OverrideParseException as e:
             key, _, value = arg.partition("=")
             quoted = f"'{key}=\"{value}\"'"
+            if value.startswith(("[", "{")) and not value.rstrip().endswith(("]", "}")):
+                return (f"the override {arg!r} does not parse: its list or dict is not closed, most likely because the "
+                        f"shell split it at a space. Put the whole override in single quotes: "
+                        f"'{key}={value} ...'.")
             if not value.isascii():
                 return (f"the override {arg!r} does not parse: Hydra's override grammar takes only ASCII letters "
                         f"in a value that is not quoted. Quote the value, with single quotes around the whole "

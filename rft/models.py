@@ -173,7 +173,9 @@ def load_tokenizer(model_cfg, chat: bool = True):
         tok = AutoTokenizer.from_pretrained(
             os.path.expanduser(model_cfg.model_path), trust_remote_code=model_cfg.trust_remote_code
         )
-    except OSError as e:  # transformers' "not a local folder and not a valid model identifier"
+    # OSError: transformers' "not a local folder and not a valid model identifier"; ValueError: a
+    # folder without tokenizer files ("Couldn't instantiate the backend tokenizer")
+    except (OSError, ValueError) as e:
         raise _not_loadable(model_cfg.model_path, e) from e
     if model_cfg.custom_chat_template:
         tok.chat_template = model_cfg.custom_chat_template

@@ -170,6 +170,8 @@ def check_config(cfg) -> None:
     placement and the model's budgets."""
     if cfg.mode not in ("both", "explore", "train"):
         raise ConfigError(f"mode={cfg.mode!r} is not supported; choose both, explore, train or bench.")
+    check_run_name(cfg)
+    _check_no_nan(cfg)
     _check_names(cfg)
     _check_runtime(cfg)
     buf, algo = cfg.buffer, cfg.algorithm
@@ -190,6 +192,29 @@ def check_config(cfg) -> None:
     _check_model(cfg.model)
     if cfg.mode in ("both", "explore"):
         _check_rollouts(cfg)
+
+
+def check_run_name(cfg) -> None:
+    """`project` and `name` name the run's directory, <checkpoint_root_dir>/<project>/<name>/: each a
+    relative path that stays below the one before ("" or ".." would make the run's directory the
+    project's or the root's, whose other runs continue_from_checkpoint=false moves aside)."""
+    for key in ("project", "name"):
+        value = str(cfg[key])
+        parts = value.replace("\\", "/").split("/")
+        if not value.strip() or value.startswith(("/", "~")) or any(p in ("", ".", "..") for p in parts):
+            raise ConfigError(f"{key}={value!r}: the run's outputs go to <checkpoint_root_dir>/<project>/<name>/, so "
+                              f"{key} must be a non-empty relative name without '.', '..' or empty parts (a/b is "
+                              f"fine). Choose another {key}.")
+
+
+def _check_no_nan(cfg) -> None:
+    """NaN is no setting anywhere (a NaN coefficient or learning rate trains a model of NaNs, with exit 0)."""
+    from rft.config import flat
+
+    for key, value in flat(cfg).items():
+        if isinstance(value, float) and math.isnan(value):
+            raise ConfigError(f"{key}=nan is not a number; give it a value (`python run.py --cfg job` shows the "
+                              f"defaults).")
 
 
 def _check_limits(cfg) -> None:
@@ -226,9 +251,24 @@ def _check_rollouts(cfg) -> None:
         if r.max_tokens is not None and r.max_tokens < 1:
             raise ConfigError(f"{where}.rollout_args.max_tokens={r.max_tokens} must be >= 1 (or null: "
                               f"model.max_response_tokens).")
+        if any(not isinstance(x, str) or not x for x in r.stop):  # "" is in every text: one-token responses
+            raise ConfigError(f"{where}.rollout_args.stop={list(r.stop)!r}: every stop string must be a non-empty "
+                              f"text (an empty one ends each response after its first token).")
+        fmt = ts.format
+        if fmt.prompt_type == "plaintext" and fmt.prompt_key == fmt.response_key:
+            raise ConfigError(f"{where}.format.prompt_key and response_key both name the column {fmt.prompt_key!r}: "
+                              f"the model would be shown the answer it is scored against. Point response_key at the "
+                              f"reference answers (or null if the reward needs none).")
         if ts.repeat_times is not None and ts.repeat_times < 1:
             raise ConfigError(f"{where}.repeat_times={ts.repeat_times} must be >= 1 (or null: the default, "
                               f"algorithm.repeat_times for the taskset, 1 for an eval set).")
+    train = (inp.taskset.path, inp.taskset.split, inp.taskset.subset_name)
+    for where, ts in ts_keys[1:]:
+        if (ts.path, ts.split, ts.subset_name) == train:
+            # allowed (a check that a run fits its own data), but never by accident
+            log.warning("%s (%s) reads the rows the run trains on (path %s, split %s): its accuracy measures "
+                        "fitting the training set, not what was learned. Give it the held-out split to measure that.",
+                        where, ts.name, ts.path, ts.split)
     n = inp.taskset.repeat_times
     if n is not None and n != algo.repeat_times:
         # the plan (experiences per step, whole groups) counts algorithm.repeat_times
@@ -365,9 +405,9 @@ def _length(cfg, per_epoch: int, opt_per_step: int) -> tuple[int, int]:
             raise ConfigError(f"buffer.total_epochs={buf.total_epochs} must be >= 1.")
         total = buf.total_epochs * per_epoch
     opt = cfg.algorithm.optimizer
-    if not opt.lr >= 0 or not opt.weight_decay >= 0:  # (not >=: NaN too) a negative lr ascends the loss
-        key, value = ("lr", opt.lr) if not opt.lr >= 0 else ("weight_decay", opt.weight_decay)
-        raise ConfigError(f"algorithm.optimizer.{key}={value} must be >= 0.")
+    if not 0 <= opt.lr < math.inf or not opt.weight_decay >= 0:  # (not >=: NaN too) a negative lr ascends the loss
+        key, value = ("lr", opt.lr) if not 0 <= opt.lr < math.inf else ("weight_decay", opt.weight_decay)
+        raise ConfigError(f"algorithm.optimizer.{key}={value} must be >= 0{' and finite' * (key == 'lr')}.")
     warmup = opt.warmup_steps
     if not 0 <= warmup <= total * opt_per_step:
         raise ConfigError(
@@ -391,6 +431,13 @@ def _check_model(model) -> None:
             f"model.model_path={model.model_path!r}: no such directory (relative paths are relative "
             f"to {os.getcwd()}). Give a local directory in Hugging Face format or a hub id "
             f"(e.g. Qwen/Qwen2.5-0.5B-Instruct)."
+        )
+    if model.builder is None and os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
+        held = sorted(os.listdir(path))
+        raise ConfigError(
+            f"model.model_path={model.model_path!r} is a directory, but not a model in Hugging Face format: it has no "
+            f"config.json ({'it holds ' + ', '.join(held[:5]) + (' ...' if len(held) > 5 else '') if held else 'it is empty'}). "
+            f"Point it at the model's own directory (config.json, the weights, the tokenizer files)."
         )
     if model.lora.rank < 0:
         raise ConfigError(f"model.lora.rank={model.lora.rank} must be >= 0 (0: no LoRA, train every weight).")

@@ -77,7 +77,8 @@ def test_batch_plan_values():
          "buffer.train_batch_size=100 must equal buffer.batch_size (16) x algorithm.repeat_times (8) = 128"),
         (["algorithm.repeat_times=1"], "algorithm.repeat_times=1 gives groups of one"),
         (["algorithm.optimizer.warmup_steps=500"], "algorithm.optimizer.warmup_steps=500 must be between 0 and the run's 60 optimizer steps (60 steps x 1 per step)."),
-        (["algorithm.optimizer.lr=-1e-3"], "algorithm.optimizer.lr=-0.001 must be >= 0."),
+        (["algorithm.optimizer.lr=-1e-3"], "algorithm.optimizer.lr=-0.001 must be >= 0 and finite."),
+        (["algorithm.optimizer.lr=inf"], "algorithm.optimizer.lr=inf must be >= 0 and finite."),
         (["algorithm.optimizer.weight_decay=-0.1"], "algorithm.optimizer.weight_decay=-0.1 must be >= 0."),
         (["algorithm.advantage_fn=grpoo"],
          "algorithm.advantage_fn='grpoo' is not one of ['dr_grpo', 'gae', 'grpo', 'none', 'opmd', 'reinforce_pp', "
@@ -154,11 +155,46 @@ TS = "buffer.explorer_input.taskset"
     ([*CALC, f"+{TS}.workflow_args.env_args.max_calls=2"],
      f"{TS}.workflow_args.env_args={{'max_calls': 2}} does not fit calculator(max_tool_calls: 'int' = 4) (got an "
      f"unexpected keyword argument 'max_calls'). Give the keyword arguments its constructor takes."),
+    # a NaN coefficient trains a model of NaNs with exit 0
+    (["algorithm.entropy_coef=nan"],
+     "algorithm.entropy_coef=nan is not a number; give it a value (`python run.py --cfg job` shows the defaults)."),
+    # "" is in every text: each response ended after its first token
+    ([f"{TS}.rollout_args.stop=['']"],
+     f"{TS}.rollout_args.stop=['']: every stop string must be a non-empty text (an empty one ends each response "
+     f"after its first token)."),
+    ([f"{TS}.format.prompt_key=answer"],
+     f"{TS}.format.prompt_key and response_key both name the column 'answer': the model would be shown the answer "
+     f"it is scored against. Point response_key at the reference answers (or null if the reward needs none)."),
+    # every task failed at run time on "'CalculatorEnv' object is not callable"
+    (["buffer.explorer_input.default_reward_fn_type=rft.environments.CalculatorEnv"],
+     "buffer.explorer_input.default_reward_fn_type='rft.environments.CalculatorEnv' is a class whose instances "
+     "cannot be called: a served reward is a class with __call__(prompt, responses, task) -> list of rewards "
+     "(rft/scoring.py); a plain reward is a function fn(prompt, response, task)."),
+    # the run's directory was <checkpoint_root_dir>/rft/.. : the root, whose runs continue_from_checkpoint=false
+    # would move aside
+    (["name=.."],
+     "name='..': the run's outputs go to <checkpoint_root_dir>/<project>/<name>/, so name must be a non-empty "
+     "relative name without '.', '..' or empty parts (a/b is fine). Choose another name."),
+    (["project=/srv"],
+     "project='/srv': the run's outputs go to <checkpoint_root_dir>/<project>/<name>/, so project must be a "
+     "non-empty relative name without '.', '..' or empty parts (a/b is fine). Choose another project."),
 ])
 def test_settings_no_run_can_use_fail_the_plan(overrides, message):
     with pytest.raises(ConfigError) as e:
         plan_for(["stages=[]", *overrides])
     assert str(e.value) == message
+
+
+def test_an_eval_set_that_reads_the_training_rows_is_warned_about(caplog):
+    plan_for(["stages=[]", "buffer.explorer_input.eval_tasksets.0.split=train"])
+    [warning] = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert warning.startswith("buffer.explorer_input.eval_tasksets[0] (arithmetic_test) reads the rows the run trains "
+                              "on (path ")
+    assert warning.endswith(", split train): its accuracy measures fitting the training set, not what was learned. "
+                            "Give it the held-out split to measure that.")
+    caplog.clear()
+    plan_for(["stages=[]"])  # the default's eval set is the held-out split
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]
 
 
 def test_sampling_settings_at_their_limits_plan():

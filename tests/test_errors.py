@@ -299,6 +299,16 @@ def test_a_directory_without_data_files_says_what_it_holds(tmp_path):
         f"test.jsonl), or a Hugging Face dataset id.")
 
 
+def test_a_model_directory_without_a_model_is_named_when_planning(tmp_path):
+    # transformers raised "Couldn't instantiate the backend tokenizer" in the explorer, a raw traceback
+    d = tmp_path / "mymodel"
+    d.mkdir()
+    (d / "notes.txt").write_text("weights to come")
+    assert plan_error(tmp_path, "dry_run=true", "stages=[]", "model.builder=null", f"model.model_path={d}") == (
+        f"model.model_path='{d}' is a directory, but not a model in Hugging Face format: it has no config.json (it "
+        f"holds notes.txt). Point it at the model's own directory (config.json, the weights, the tokenizer files).")
+
+
 def test_a_relative_path_says_relative_to_what(tmp_path):
     msg = plan_error(tmp_path, *taskset("./nowhere/tasks.jsonl"))
     assert msg.startswith(f"buffer.explorer_input.taskset.path='./nowhere/tasks.jsonl': no such file or directory "
@@ -520,6 +530,12 @@ def test_an_override_hydra_cannot_read_says_how_to_quote_it(run_root):
             "whole for the shell: 'name=\"résumé\"'.") in r.stderr
     r = run_cli('name="résumé"', "stages=[]", "dry_run=true", env=run_root)
     assert r.returncode == 0 and "/rft/résumé" in r.stdout
+    # a dict the shell split at its space: Hydra's "no viable alternative at input '{path:'"
+    r = run_cli("stages=[]", "+buffer.explorer_input.eval_tasksets.1={path:", "data.jsonl}", env=run_root)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert ("the override '+buffer.explorer_input.eval_tasksets.1={path:' does not parse: its list or dict is not "
+            "closed, most likely because the shell split it at a space. Put the whole override in single quotes: "
+            "'+buffer.explorer_input.eval_tasksets.1={path: ...'.") in r.stderr
 
 
 def test_an_overlay_naming_a_missing_option_names_its_file_and_line(run_root, tmp_path):
@@ -553,6 +569,10 @@ def test_a_checkpoint_root_under_a_file_is_one_paragraph_before_hydra_makes_the_
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
     assert (f"rft: configuration error: cannot write to {blocker}/out/rft/grpo-tiny-arithmetic (NotADirectoryError: "
             f"Not a directory). Point checkpoint_root_dir (or RFT_CHECKPOINT_ROOT_DIR) at a writable directory.") in r.stderr
+    # a name that climbs out of the project's directory is refused before Hydra makes it
+    r = run_cli("stages=[]", f"checkpoint_root_dir={tmp_path}/ck", "name=../../escaped", env=run_root)
+    assert r.returncode == 2 and "rft: configuration error: name='../../escaped': the run's outputs go to" in r.stderr
+    assert not (tmp_path / "escaped").exists()
     # a sweep's directory too (Hydra's sweeper makes it)
     r = run_cli("-m", "stages=[]", "seed=1,2", f"checkpoint_root_dir={blocker}/out", env=run_root)
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]

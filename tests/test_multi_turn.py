@@ -467,3 +467,9 @@ def test_a_tokenizer_without_a_working_chat_template_fails_when_loaded(tools_mod
         "model.custom_chat_template fails on a one-message conversation (TemplateError: system messages only). "
         "Fix the template (or set model.custom_chat_template to one that renders).")
     tokenizer(tmp_path / "base", HASH_TEMPLATE)  # a template of its own makes it usable
+    # a folder without a model: transformers' ValueError ("Couldn't instantiate the backend tokenizer") was a
+    # raw traceback
+    (tmp_path / "no_tok").mkdir()
+    (tmp_path / "no_tok" / "notes.txt").write_text("weights to come")
+    with pytest.raises(ConfigError, match=rf"^model.model_path='{tmp_path / 'no_tok'}' could not be loaded \(ValueError: "):
+        tokenizer(tmp_path / "no_tok")
