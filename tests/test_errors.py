@@ -569,6 +569,14 @@ def test_a_checkpoint_root_under_a_file_is_one_paragraph_before_hydra_makes_the_
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
     assert (f"rft: configuration error: cannot write to {blocker}/out/rft/grpo-tiny-arithmetic (NotADirectoryError: "
             f"Not a directory). Point checkpoint_root_dir (or RFT_CHECKPOINT_ROOT_DIR) at a writable directory.") in r.stderr
+    # a read-only place: Hydra's PermissionError (root writes anywhere chmod forbids; sysfs refuses it too)
+    read_only = tmp_path / "read_only"
+    read_only.mkdir(mode=0o555)
+    root = Path("/sys") if os.geteuid() == 0 else read_only
+    r = run_cli("stages=[]", f"checkpoint_root_dir={root}/out", env=run_root)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert (f"rft: configuration error: cannot write to {root}/out/rft/grpo-tiny-arithmetic (PermissionError: "
+            in r.stderr)
     # a name that climbs out of the project's directory is refused before Hydra makes it
     r = run_cli("stages=[]", f"checkpoint_root_dir={tmp_path}/ck", "name=../../escaped", env=run_root)
     assert r.returncode == 2 and "rft: configuration error: name='../../escaped': the run's outputs go to" in r.stderr
