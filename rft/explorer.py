@@ -347,25 +347,29 @@ class Explorer:
             openai=self.openai_server(),
             auxiliary=self.auxiliary,
         )
-        workflow = resolve(WORKFLOWS, ts_cfg.workflow, "workflow")
         t0 = time.perf_counter()
+        out = self._call_workflow(ts_cfg.workflow, tasks, ctx, step)
+        counters["failed"] = counters.get("failed", 0) + sum(g is None for g in out) - dropped
+        counters["workflow_s"] = counters.get("workflow_s", 0.0) + time.perf_counter() - t0
+        return out
+
+    def _call_workflow(self, name: str, tasks, ctx, step: int) -> list:
+        """The workflow's output for `tasks`, checked; an error of its own stops the run."""
         try:
-            out = workflow(tasks, self.engine, ctx)
+            out = resolve(WORKFLOWS, name, "workflow")(tasks, self.engine, ctx)
         except ConfigError:
             raise  # a mistake of the study's own code, named (an environment's wrong answer): as it is
         except Exception as e:
             # a reward that raises is one failed task (ctx.score retries it); a workflow that
             # raises has no task to blame: the step cannot be made. The traceback goes to the
             # log file only (INFO): the terminal gets the one paragraph below
-            log.info("workflow %s raised at step %d", ts_cfg.workflow, step, exc_info=True)
+            log.info("workflow %s raised at step %d", name, step, exc_info=True)
             raise RunError(
-                f"workflow {ts_cfg.workflow!r} raised {type(e).__name__}: {e} (at step {step}; the traceback "
+                f"workflow {name!r} raised {type(e).__name__}: {e} (at step {step}; the traceback "
                 f"is in the explorer's log under <stage>/log/). Fix the workflow, then run the same "
                 f"command again to resume from the newest checkpoint."
             ) from None
-        check_output(out, tasks, ts_cfg.workflow)
-        counters["failed"] = counters.get("failed", 0) + sum(g is None for g in out) - dropped
-        counters["workflow_s"] = counters.get("workflow_s", 0.0) + time.perf_counter() - t0
+        check_output(out, tasks, name)
         return out
 
     def _rollouts(self, tasks, n: int, step: int, salt: int, counters: dict) -> list[list]:

@@ -93,6 +93,17 @@ class Pending:
     t0: float
 
 
+def culprit(inp, ts, source: str | None) -> tuple[str, str]:
+    """(what failed, its fix) when every task of taskset `ts` failed: the reward function, or,
+    when the workflow's own jobs failed (`source`), the environment (multi_turn) or the workflow."""
+    if source == "workflow" and ts.workflow == "multi_turn":
+        return f"environment {ts.workflow_args.get('env')!r} (workflow_args.env)", "Fix the environment's reset or step"
+    if source == "workflow":
+        return f"workflow {ts.workflow!r}, in the jobs it ran", "Fix the workflow"
+    reward = describe_reward(spec_of(ts.reward_fn, inp.default_reward_fn_type))
+    return f"reward function {reward!r}", "Fix the reward function"
+
+
 class StageRun:
     def __init__(self, cfg, plan, stage_dir: Path, init_path, title: str, latest: Checkpoint | None):
         self.cfg, self.plan, self.dir, self.title = cfg, plan, stage_dir, title
@@ -284,18 +295,6 @@ class StageRun:
         latest = latest_checkpoint(self.dir)
         return f"step {latest.step} ({latest.path})" if latest else "none yet"
 
-    def _culprit(self, ts, source: str | None) -> tuple[str, str]:
-        """(what failed, its fix) when every task of taskset `ts` failed: the reward function, or,
-        when the workflow's own jobs failed, the environment (multi_turn) or the workflow."""
-        inp = self.cfg.buffer.explorer_input
-        if source == "workflow" and ts.workflow == "multi_turn":
-            return (f"environment {ts.workflow_args.get('env')!r} (workflow_args.env)",
-                    "Fix the environment's reset or step")
-        if source == "workflow":
-            return f"workflow {ts.workflow!r}, in the jobs it ran", "Fix the workflow"
-        reward = describe_reward(spec_of(ts.reward_fn, inp.default_reward_fn_type))
-        return f"reward function {reward!r}", "Fix the reward function"
-
     def _check_signal(self, step: int, m: dict, last_error: tuple | None) -> None:
         """A run that cannot learn must not run to the end and exit 0: stop after
         explorer.max_failed_steps steps in a row in which every task failed (or after every step of
@@ -312,7 +311,7 @@ class StageRun:
         limit = min(cfg.explorer.max_failed_steps, self.plan.total_steps - self.start)
         if limit > 0 and self.failed_steps >= limit:
             source, last = last_error or (None, None)
-            what, fix = self._culprit(inp.taskset, source)
+            what, fix = culprit(inp, inp.taskset, source)
             raise RunError(
                 f"every task of the last {self.failed_steps} steps failed ({what}: "
                 f"{m.get('rollout/errors', 0)} errors and {m.get('rollout/timeouts', 0)} timeouts in the "
@@ -407,7 +406,7 @@ class StageRun:
             # not after a stage (an SFT warm-up) trained to its end with evals of 0
             i, last, source = failed
             ts = self.cfg.buffer.explorer_input.eval_tasksets[i]
-            what, fix = self._culprit(ts, source)
+            what, fix = culprit(self.cfg.buffer.explorer_input, ts, source)
             raise RunError(
                 f"every task of the eval set buffer.explorer_input.eval_tasksets[{i}] ({ts.name}) failed at "
                 f"step {step} (the last error: {last}; from its {what}), so the eval measures nothing. Each "

@@ -846,12 +846,8 @@ def stage_run_of(cfg, tmp_path, total_steps: int, start: int = 0):
     """A StageRun standing in for one whose steps are all collected: what _check_signal reads."""
     from types import SimpleNamespace
 
-    from rft.runner import StageRun
-
-    run = SimpleNamespace(cfg=cfg, plan=SimpleNamespace(total_steps=total_steps), start=start, failed_steps=0,
-                          dir=tmp_path, title="grpo", first_rewards=set(), _resume_point=lambda: "none yet")
-    run._culprit = lambda ts, source: StageRun._culprit(run, ts, source)
-    return run
+    return SimpleNamespace(cfg=cfg, plan=SimpleNamespace(total_steps=total_steps), start=start, failed_steps=0,
+                           dir=tmp_path, title="grpo", first_rewards=set(), _resume_point=lambda: "none yet")
 
 
 def test_a_run_shorter_than_max_failed_steps_whose_every_step_failed_stops_naming_the_environment(tmp_path):
