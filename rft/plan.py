@@ -172,6 +172,11 @@ def check_config(cfg) -> None:
         raise ConfigError(f"mode={cfg.mode!r} is not supported; choose both, explore, train or bench.")
     check_run_name(cfg)
     _check_no_nan(cfg)
+    names = [ts.name for ts in cfg.buffer.explorer_input.eval_tasksets]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:  # their metrics (eval/<name>/accuracy) would overwrite each other's
+        raise ConfigError(f"buffer.explorer_input.eval_tasksets: the name {twice[0]!r} is given to {names.count(twice[0])} "
+                          f"eval sets; each needs a name of its own (their metrics are eval/<name>/...).")
     _check_names(cfg)
     _check_runtime(cfg)
     buf, algo = cfg.buffer, cfg.algorithm

@@ -456,10 +456,10 @@ def check_columns(rows, fmt, where: str, path: str, pairs: bool = False, sources
 
             i = pc.index(pc.is_null(values), True).as_py()
             raise ConfigError(missing_value(where, path, i, col, name, rows[i]))
-        if name in ("prompt_key", "messages_key"):
-            empty = _empty_rows(values)
-            if empty:
-                raise ConfigError(empty_prompts(where, path, plain(fmt), empty, len(rows)))
+        # a blank response teaches the model to say nothing, a blank prompt asks it nothing
+        empty = _empty_rows(values)
+        if empty:
+            raise ConfigError(empty_values(where, path, name, col, empty, len(rows)))
 
 
 def _empty_rows(values) -> list[int]:
@@ -542,18 +542,20 @@ def load_tasks(ts_cfg, where: str) -> list[Task]:
             )
         tasks.append(Task(f"{name}/{i}", messages, row.get(answer_key) if answer_key else None, row))
     if empty:
-        raise ConfigError(empty_prompts(where, path, fmt, empty, len(rows)))
+        key = "messages_key" if fmt.prompt_type == "messages" else "prompt_key"
+        raise ConfigError(empty_values(where, path, key, getattr(fmt, key), empty, len(rows)))
     return tasks
 
 
-def empty_prompts(where: str, path: str, fmt, empty: list[int], total: int) -> str:
-    """The message for rows whose prompt is empty. Any is an error, not a share: the model would
-    be asked nothing but the chat template's scaffolding, and its answers scored as if asked the
-    task (a column of mostly blanks, a prompt_key naming the wrong column) -- without a word."""
-    key = "messages_key" if fmt.prompt_type == "messages" else "prompt_key"
+def empty_values(where: str, path: str, key: str, column: str, empty: list[int], total: int) -> str:
+    """The message for rows whose prompt (or, in a training dataset, response) in `column`
+    (format.`key`) is empty or blank. Any is an error, not a share: a blank prompt asks the model
+    nothing but the chat template's scaffolding, and its answers are scored as if it were asked the
+    task (a column of mostly blanks, a key naming the wrong column) -- without a word."""
+    what = "prompt" if key in ("prompt_key", "messages_key") else "response"
     more = f" and {len(empty) - 5} more" if len(empty) > 5 else ""
     rows = ", ".join(str(i) for i in empty[:5]) + more
     lines = f" (lines {', '.join(str(i + 1) for i in empty[:5])}{more} of the file)" if path.endswith(".jsonl") else ""
-    return (f"{where}: {len(empty)} of the {total} rows of {path!r} have an empty prompt in {getattr(fmt, key)!r} "
+    return (f"{where}: {len(empty)} of the {total} rows of {path!r} have an empty {what} in {column!r} "
             f"(format.{key}): rows {rows}{lines}. Fill or remove those rows, or set {where}.format.{key} to the "
-            f"column that holds the prompts.")
+            f"column that holds the {what}s.")

@@ -273,6 +273,25 @@ def test_empty_prompts_are_an_error_naming_the_rows(tmp_path):
         f"that holds the prompts.")
 
 
+def test_blank_responses_of_a_training_dataset_are_an_error_naming_the_rows(tmp_path):
+    # an SFT stage on them taught the model to answer nothing (exit 0)
+    rows = [{"question": f"{i}+1", "answer": "" if i in (2, 5) else str(i + 1)} for i in range(8)]
+    f = write_jsonl(tmp_path / "sft.jsonl", rows)
+    assert plan_error(tmp_path, "dry_run=true", "stages=[]", "algorithm=sft", "buffer.explorer_input.eval_tasksets=[]",
+                      f"buffer.trainer_input.experience_buffer.path={f}", "buffer.batch_size=2") == (
+        f"buffer.trainer_input.experience_buffer: 2 of the 8 rows of '{f}' have an empty response in 'answer' "
+        f"(format.response_key): rows 2, 5 (lines 3, 6 of the file). Fill or remove those rows, or set "
+        f"buffer.trainer_input.experience_buffer.format.response_key to the column that holds the responses.")
+
+
+def test_eval_sets_of_one_name_are_an_error(tmp_path):
+    # their metrics, eval/<name>/accuracy, overwrote each other's
+    ev = "{name: ev, path: ${cache_dir}/data/arithmetic-v4, split: test}"
+    assert plan_error(tmp_path, "dry_run=true", "stages=[]", f"buffer.explorer_input.eval_tasksets=[{ev},{ev}]") == (
+        "buffer.explorer_input.eval_tasksets: the name 'ev' is given to 2 eval sets; each needs a name of its own "
+        "(their metrics are eval/<name>/...).")
+
+
 def test_a_split_a_single_file_is_not_named_for_is_an_error(tmp_path):
     # an eval set of split=validation on the training file read its training rows (exit 0)
     f = write_jsonl(tmp_path / "tasks.jsonl", [{"question": "1+1", "answer": "2"}] * 4)
