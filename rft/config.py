@@ -636,6 +636,12 @@ def misspelt_override(args: list[str], groups: set[str]) -> str | None:
             continue
         node, parts = schema, key.split(".")
         for i, part in enumerate(parts):
+            if isinstance(node, ListConfig) and not part.lstrip("-").isdigit():
+                # Hydra raised a TypeError ("Index 'sft_warmup' (str) is not an int") under a traceback
+                parent = ".".join(parts[:i])
+                return (f"Could not {'add' if adding else 'override'} '{key}': {parent} is a list, so its items are "
+                        f"addressed by their index ({parent}.0.<key> for the first), not by a name ('{part}'). "
+                        f"`python run.py --cfg job -p {parent}` prints it.")
             if isinstance(node, ListConfig) or (isinstance(node, DictConfig) and OmegaConf.get_type(node) is dict):
                 break  # free-form values below: checked when planning
             if not isinstance(node, DictConfig) or part not in node.keys():

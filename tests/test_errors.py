@@ -604,3 +604,13 @@ def test_a_checkpoint_root_under_a_file_is_one_paragraph_before_hydra_makes_the_
     r = run_cli("-m", "stages=[]", "seed=1,2", f"checkpoint_root_dir={blocker}/out", env=run_root)
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
     assert f"rft: configuration error: cannot write to {blocker}/out/rft/multirun/" in r.stderr
+
+
+def test_a_list_addressed_by_a_name_says_to_use_an_index(run_root):
+    # Hydra raised "TypeError: Index 'sft_warmup' (str) is not an int" under a traceback
+    r = run_cli("stages.sft_warmup.buffer.total_steps=10", "dry_run=true", env=run_root)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert ("rft: configuration error: Could not override 'stages.sft_warmup.buffer.total_steps': stages is a list, so "
+            "its items are addressed by their index (stages.0.<key> for the first), not by a name ('sft_warmup'). "
+            "`python run.py --cfg job -p stages` prints it.") in r.stderr
+    assert_nothing_started(run_root)
