@@ -416,8 +416,8 @@ class ExplorerConfig:
     # evaluate before the first step (skipped on resume)
     eval_on_startup: bool = True
     # stop the run after this many steps in a row in which every task failed (its reward function
-    # raised or timed out each time), or at an eval in which every task of a set failed: nothing
-    # can be learned or measured (0: never stop)
+    # or environment raised or timed out each time; a run of fewer steps: after all of them), or at
+    # an eval in which every task of a set failed: nothing can be learned or measured (0: never stop)
     max_failed_steps: int = 3
     # seconds to wait for Ray to restart a dead explorer before the run stops
     restart_timeout: float = 300.0
@@ -636,6 +636,12 @@ def misspelt_override(args: list[str], groups: set[str]) -> str | None:
             continue
         node, parts = schema, key.split(".")
         for i, part in enumerate(parts):
+            if isinstance(node, ListConfig) and not part.lstrip("-").isdigit():
+                # Hydra raised a TypeError ("Index 'sft_warmup' (str) is not an int") under a traceback
+                parent = ".".join(parts[:i])
+                return (f"Could not {'add' if adding else 'override'} '{key}': {parent} is a list, so its items are "
+                        f"addressed by their index ({parent}.0.<key> for the first), not by a name ('{part}'). "
+                        f"`python run.py --cfg job -p {parent}` prints it.")
             if isinstance(node, ListConfig) or (isinstance(node, DictConfig) and OmegaConf.get_type(node) is dict):
                 break  # free-form values below: checked when planning
             if not isinstance(node, DictConfig) or part not in node.keys():
@@ -660,14 +666,102 @@ def misspelt_override(args: list[str], groups: set[str]) -> str | None:
     return None
 
 
+def unparsable_override(args: list[str]) -> str | None:
+    """The message for the first command-line override Hydra's grammar cannot read (Hydra says
+    only "LexerNoViableAltException: name=résumé" and a caret), with how to quote it."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import OverrideParseException
+
+    parser = OverridesParser.create()
+    for arg in (a for a in args if "=" in a and not a.startswith("-")):
+        try:
+            parser.parse_overrides([arg])
+        except OverrideParseException as e:
+            key, _, value = arg.partition("=")
+            quoted = f"'{key}=\"{value}\"'"
+            if value.startswith(("[", "{")) and not value.rstrip().endswith(("]", "}")):
+                return (f"the override {arg!r} does not parse: its list or dict is not closed, most likely because the "
+                        f"shell split it at a space. Put the whole override in single quotes: "
+                        f"'{key}={value} ...'.")
+            if not value.isascii():
+                return (f"the override {arg!r} does not parse: Hydra's override grammar takes only ASCII letters "
+                        f"in a value that is not quoted. Quote the value, with single quotes around the whole "
+                        f"for the shell: {quoted}.")
+            return (f"the override {arg!r} does not parse ({str(e).splitlines()[0]}). A value holding any of "
+                    f"( ) [ ] {{ }} , : = ' \" is quoted: {quoted}; a list is [a,b] and a dict {{k: v}} "
+                    f"(Hydra's override grammar).")
+    return None
+
+
+def missing_option(args: list[str], conf_dir) -> str | None:
+    """The message for a config chosen on the command line (experiment=NAME, or any group=option)
+    whose defaults list names an option that does not exist, naming the file and line (Hydra says
+    only "In 'config': Could not find 'model/tinyy'"). Options Hydra itself names (on the command
+    line, hydra/...) are left to Hydra."""
+    from pathlib import Path
+
+    conf_dir = Path(conf_dir)
+    todo = [conf_dir / g / f"{o}.yaml" for g, _, o in (a.partition("=") for a in args if "=" in a and not a.startswith(("-", "+", "~")))
+            if (conf_dir / g).is_dir() and not g.startswith("hydra")]
+    seen: set = set()
+    while todo:
+        path = todo.pop()
+        if path in seen or not path.is_file():
+            continue
+        seen.add(path)
+        for line, group, option in _defaults_entries(path, conf_dir):
+            target = conf_dir / group / f"{option}.yaml"
+            if group.startswith("hydra") or target.is_file():
+                todo.append(target)
+                continue
+            there = sorted(p.stem for p in (conf_dir / group).glob("*.yaml"))
+            options = f"the options of '{group}' are {', '.join(there)}" if there else f"there is no group '{group}'"
+            return (f"{path.relative_to(conf_dir.parent)}, line {line}: its defaults list names '{group}/{option}', "
+                    f"but there is no {target.relative_to(conf_dir.parent)} ({options}). Fix the name in that file.")
+    return None
+
+
+def _defaults_entries(path, conf_dir) -> list[tuple[int, str, str]]:
+    """(line, group, option) of each entry of a config file's defaults list that names a config:
+    `override /group: option`, `/group: option`, `group: option` (relative to the file's group),
+    or a bare `name` (a config of the file's own group)."""
+    import yaml
+
+    try:
+        root = yaml.compose(path.read_text())
+    except yaml.YAMLError:
+        return []  # bad_yaml names it
+    own = str(path.parent.relative_to(conf_dir)).replace("\\", "/")
+    own = "" if own == "." else own
+    defaults = next((v for k, v in getattr(root, "value", []) or [] if getattr(k, "value", None) == "defaults"), None)
+    out = []
+    for item in getattr(defaults, "value", []) if isinstance(defaults, yaml.SequenceNode) else []:
+        line = item.start_mark.line + 1
+        if isinstance(item, yaml.ScalarNode) and item.value not in ("_self_",):
+            out.append((line, own, item.value))
+        elif isinstance(item, yaml.MappingNode) and len(item.value) == 1:
+            k, v = item.value[0]
+            key = k.value.removeprefix("override ").strip()
+            if key.startswith("optional ") or not isinstance(v, yaml.ScalarNode) or v.value in ("", "null", "~") \
+                    or "${" in v.value:
+                continue
+            group = key.split("@")[0]
+            group = group[1:] if group.startswith("/") else f"{own}/{group}".strip("/")
+            out.append((line, group, v.value))
+    return out
+
+
 def exit_on_config_mistakes(args: list[str], conf_dir) -> None:
     """run.py's check before Hydra composes: a config file that is not YAML (Hydra would print a
-    traceback of a hundred lines) or a misspelt key on the command line exits with status 2 and
-    one paragraph."""
+    traceback of a hundred lines), an override its grammar cannot read, a misspelt key on the
+    command line, or an overlay naming an option that does not exist exits with status 2 and one
+    paragraph."""
     import sys
     from pathlib import Path
 
-    message = bad_yaml(Path(conf_dir)) or misspelt_override(args, {p.name for p in Path(conf_dir).iterdir() if p.is_dir()})
+    groups = {p.name for p in Path(conf_dir).iterdir() if p.is_dir()}
+    message = (bad_yaml(Path(conf_dir)) or unparsable_override(args) or misspelt_override(args, groups)
+               or missing_option(args, conf_dir))
     if message:
         print(f"\nrft: configuration error: {message}\n", file=sys.stderr)
         sys.exit(2)

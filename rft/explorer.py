@@ -20,7 +20,7 @@ import time
 
 from rft.algorithms import resolve
 from rft.data import budget_report, epoch_batch, step_seed
-from rft.errors import RunError
+from rft.errors import ConfigError, RunError
 from rft.sync import fingerprint, from_payload, node_id, one_thread, same_weights
 from rft.models import load_tokenizer, local_device
 from rft.algorithms.shaping import apply_overlong
@@ -244,7 +244,7 @@ class Explorer:
             from rft.workflows import Auxiliary
 
             ensure_model(aux.model)
-            tok = load_tokenizer(aux.model)
+            tok = load_tokenizer(aux.model, chat=False)  # a workflow may prompt it with plain text
             engine = engine_class(aux.rollout_model.engine_type)(aux.model, aux.rollout_model, tok, None,
                                                                device=local_device(cfg.cluster))
             self.auxiliary[aux.name] = Auxiliary(aux.name, engine, tok, aux.model.max_response_tokens)
@@ -307,10 +307,13 @@ class Explorer:
 
         dropped = 0  # tasks over_rollout dropped (None, but not failed)
 
-        def merge(c: dict) -> None:
+        def merge(c: dict, source: str) -> None:
             nonlocal dropped
-            if "last_error" in c:
-                counters["last_error"] = c.pop("last_error")
+            if c.get("errors") or c.get("timeouts"):
+                # whose failure: the reward's, or the workflow's own jobs' (a multi-turn
+                # environment); the message None: timeouts only
+                counters["last_error"] = (source, c.pop("last_error", None))
+            c.pop("last_error", None)
             c.pop("failed", None)  # counted below, once per task, from what the workflow returned
             dropped += c.get("over_rollout_dropped", 0)
             for k, v in [*c.items(), *scorer.take_counters().items()]:
@@ -321,12 +324,12 @@ class Explorer:
             results, c = run_jobs(lambda job: scorer(*job), jobs, ex.runner_per_model, ex.max_timeout, ex.max_retry_times,
                                   min_done, ex.over_rollout.wait_after_min)
             counters["reward_s"] = counters.get("reward_s", 0.0) + time.perf_counter() - t0
-            merge(c)
+            merge(c, "reward")
             return results
 
         def call(fn, jobs):
             results, c = run_jobs(fn, jobs, ex.runner_per_model, ex.max_timeout, 0)
-            merge(c)
+            merge(c, "workflow")
             return results
 
         ctx = WorkflowContext(
@@ -344,22 +347,29 @@ class Explorer:
             openai=self.openai_server(),
             auxiliary=self.auxiliary,
         )
-        workflow = resolve(WORKFLOWS, ts_cfg.workflow, "workflow")
         t0 = time.perf_counter()
+        out = self._call_workflow(ts_cfg.workflow, tasks, ctx, step)
+        counters["failed"] = counters.get("failed", 0) + sum(g is None for g in out) - dropped
+        counters["workflow_s"] = counters.get("workflow_s", 0.0) + time.perf_counter() - t0
+        return out
+
+    def _call_workflow(self, name: str, tasks, ctx, step: int) -> list:
+        """The workflow's output for `tasks`, checked; an error of its own stops the run."""
         try:
-            out = workflow(tasks, self.engine, ctx)
+            out = resolve(WORKFLOWS, name, "workflow")(tasks, self.engine, ctx)
+        except ConfigError:
+            raise  # a mistake of the study's own code, named (an environment's wrong answer): as it is
         except Exception as e:
             # a reward that raises is one failed task (ctx.score retries it); a workflow that
-            # raises has no task to blame: the step cannot be made
-            log.exception("workflow %s raised at step %d", ts_cfg.workflow, step)
+            # raises has no task to blame: the step cannot be made. The traceback goes to the
+            # log file only (INFO): the terminal gets the one paragraph below
+            log.info("workflow %s raised at step %d", name, step, exc_info=True)
             raise RunError(
-                f"workflow {ts_cfg.workflow!r} raised {type(e).__name__}: {e} (at step {step}; the traceback "
+                f"workflow {name!r} raised {type(e).__name__}: {e} (at step {step}; the traceback "
                 f"is in the explorer's log under <stage>/log/). Fix the workflow, then run the same "
                 f"command again to resume from the newest checkpoint."
             ) from None
-        check_output(out, tasks, ts_cfg.workflow)
-        counters["failed"] = counters.get("failed", 0) + sum(g is None for g in out) - dropped
-        counters["workflow_s"] = counters.get("workflow_s", 0.0) + time.perf_counter() - t0
+        check_output(out, tasks, name)
         return out
 
     def _rollouts(self, tasks, n: int, step: int, salt: int, counters: dict) -> list[list]:
@@ -429,9 +439,10 @@ class Explorer:
             if save_dir and any("conversation" in e.info for e in exps):
                 save_trajectories(exps, os.path.join(save_dir, f"step_{step}", f"{ts.name}.jsonl"))
             if tasks and failed == len(tasks):
-                last = counters.get("last_error", "none recorded (timeouts)")
+                source, last = counters.get("last_error") or (None, None)
+                last = last or "none recorded (timeouts)"
                 log.warning("every task of eval set %s failed at step %d (the last error: %s)", ts.name, step, last)
-                metrics.setdefault("eval_failed", (f"buffer.explorer_input.eval_tasksets[{i}] ({ts.name})", last))
+                metrics.setdefault("eval_failed", (i, last, source))
             if i == 0:
                 metrics["eval/accuracy"] = acc
                 metrics["eval/failed_tasks"] = failed

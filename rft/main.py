@@ -168,19 +168,26 @@ def plan_stages(cfg: DictConfig, isolated: bool = False) -> tuple[list, list, li
     """Every stage's config, batch plan and output directory, each checked against its data; the
     whole of what a dry run does. Imports nothing that trains (no torch, no Ray). `isolated`: the
     datasets are read in a child process (`dataset_sizes_in_child`)."""
+    from rft.plan import make_plan
+
+    stages, sources = split_stages(cfg)
+    sizes = (dataset_sizes_in_child if isolated else dataset_sizes)(stages, sources)
+    plans = per_stage(make_plan, stages, sizes)
+    run_dir = run_dir_of(cfg)
+    return stages, plans, [run_dir / s.stage_name if s.stage_name else run_dir for s in stages]
+
+
+def split_stages(cfg: DictConfig) -> tuple[list, list]:
+    """Every stage's config and the keys its dict sets by interpolation (rft.plan.stage_sources)."""
     from rft.config import MODES
-    from rft.plan import make_plan, stage_configs, stage_sources
+    from rft.plan import stage_configs, stage_sources
 
     # cfg.mode is an Enum field (checked when composed); a stage's dict is merged later
     stage_modes = [(f"stages[{i}].mode", s.get("mode")) for i, s in enumerate(cfg.stages or []) if isinstance(s, DictConfig)]
     for key, mode in stage_modes:
         if mode is not None and mode not in MODES:
             raise ConfigError(f"{key}={mode!r} is not a mode; choose one of {', '.join(MODES)}.")
-    stages, sources = stage_configs(cfg), stage_sources(cfg)
-    sizes = (dataset_sizes_in_child if isolated else dataset_sizes)(stages, sources)
-    plans = per_stage(make_plan, stages, sizes)
-    run_dir = run_dir_of(cfg)
-    return stages, plans, [run_dir / s.stage_name if s.stage_name else run_dir for s in stages]
+    return stage_configs(cfg), stage_sources(cfg)
 
 
 def per_stage(fn, stages: list, args: list) -> list:
@@ -205,6 +212,13 @@ def dataset_sizes_in_child(stages: list, sources: list) -> list[int]:
     driver of a Ray run would otherwise hold to its end, while the actors read the data again.
     The child has this process's working directory and environment, so relative paths and the
     caches are the same; its ConfigError is raised here, unchanged."""
+    return job_sizes_in_child([(stages, sources)])[0]
+
+
+def job_sizes_in_child(jobs: list[tuple[list, list]]) -> list[list[int]]:
+    """`dataset_sizes` of each job's (stages, sources), all in one child process (a sweep's jobs
+    are planned before the first starts); a ConfigError is raised here, with `.job` the index of
+    the job at fault."""
     import json
     import subprocess
     import tempfile
@@ -213,8 +227,9 @@ def dataset_sizes_in_child(stages: list, sources: list) -> list[int]:
 
     with tempfile.TemporaryDirectory(prefix="rft_sizes_") as tmp:
         ask, answer = Path(tmp) / "stages.json", Path(tmp) / "sizes.json"
-        ask.write_text(json.dumps({"stages": [OmegaConf.to_container(s, resolve=True, enum_to_str=True) for s in stages],
-                                   "sources": sources}))
+        ask.write_text(json.dumps({"jobs": [
+            {"stages": [OmegaConf.to_container(s, resolve=True, enum_to_str=True) for s in stages], "sources": sources}
+            for stages, sources in jobs]}))
         # the child imports this package from where this process did, ahead of anything of the
         # same name in the working directory (a study run from another directory, or another copy)
         root = str(Path(__file__).resolve().parents[1])
@@ -225,21 +240,33 @@ def dataset_sizes_in_child(stages: list, sources: list) -> list[int]:
         raise RunError(f"checking the stages' datasets in a child process failed (exit {rc}); its "
                        f"traceback is above.")
     if "error" in got:
-        raise ConfigError(got["error"])
+        error = ConfigError(got["error"])
+        error.job = got["job"]
+        raise error
     return got["sizes"]
 
 
 def _sizes_of(ask: str, answer: str) -> None:
-    """The child's side of `dataset_sizes_in_child`."""
+    """The child's side of `job_sizes_in_child`."""
     import json
 
     from omegaconf import OmegaConf
 
-    d = json.loads(Path(ask).read_text())
-    try:
-        got = {"sizes": dataset_sizes([OmegaConf.create(s) for s in d["stages"]], d["sources"])}
-    except ConfigError as e:
-        got = {"error": str(e)}
+    sizes, known = [], {}
+    got: dict = {"sizes": sizes}
+    for i, job in enumerate(json.loads(Path(ask).read_text())["jobs"]):
+        # a sweep's jobs mostly differ in what dataset_size does not read (seeds, algorithms): a
+        # stage is read once per distinct (mode, buffer, auxiliary SFT data, sources)
+        keys = [json.dumps([s["mode"], s["buffer"], s["algorithm"]["sft_loss_weight"], s["algorithm"]["sft_buffer"],
+                            src], sort_keys=True) for s, src in zip(job["stages"], job["sources"])]
+        try:
+            todo = [(s, src, k) for s, src, k in zip(job["stages"], job["sources"], keys) if k not in known]
+            done = dataset_sizes([OmegaConf.create(s) for s, _, _ in todo], [src for _, src, _ in todo])
+            known.update({k: n for (_, _, k), n in zip(todo, done)})
+            sizes.append([known[k] for k in keys])
+        except ConfigError as e:
+            got = {"error": str(e), "job": i}
+            break
     Path(answer).write_text(json.dumps(got))
 
 

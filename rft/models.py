@@ -163,7 +163,9 @@ def _not_loadable(path: str, e: Exception) -> ConfigError:
     )
 
 
-def load_tokenizer(model_cfg):
+def load_tokenizer(model_cfg, chat: bool = True):
+    """The model's tokenizer; `chat`: every prompt is rendered with its chat template, so one that
+    is missing or fails on a plain conversation is an error here, before any step."""
     from transformers import AutoTokenizer
 
     _quiet_transformers()
@@ -171,13 +173,38 @@ def load_tokenizer(model_cfg):
         tok = AutoTokenizer.from_pretrained(
             os.path.expanduser(model_cfg.model_path), trust_remote_code=model_cfg.trust_remote_code
         )
-    except OSError as e:  # transformers' "not a local folder and not a valid model identifier"
+    # OSError: transformers' "not a local folder and not a valid model identifier"; ValueError: a
+    # folder without tokenizer files ("Couldn't instantiate the backend tokenizer")
+    except (OSError, ValueError) as e:
         raise _not_loadable(model_cfg.model_path, e) from e
     if model_cfg.custom_chat_template:
         tok.chat_template = model_cfg.custom_chat_template
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
+    if chat:
+        check_chat_template(tok, model_cfg)
     return tok
+
+
+def check_chat_template(tok, model_cfg) -> None:
+    """The tokenizer renders a one-question conversation (transformers would raise a ValueError or a
+    Jinja error at the first prompt, as a traceback)."""
+    whose = ("model.custom_chat_template" if model_cfg.custom_chat_template else
+             f"the chat template of model.model_path={model_cfg.model_path!r}")
+    if not tok.chat_template:
+        raise ConfigError(
+            f"model.model_path={model_cfg.model_path!r}: its tokenizer has no chat template, and every prompt is "
+            f"rendered with one (a base model's tokenizer often has none). Set model.custom_chat_template to a "
+            f"Jinja template, e.g. \"{{% for m in messages %}}{{{{ m['role'] }}}}: {{{{ m['content'] }}}}\\n"
+            f"{{% endfor %}}{{% if add_generation_prompt %}}assistant: {{% endif %}}\", or use the model's "
+            f"instruct variant.")
+    try:
+        tok.apply_chat_template([{"role": "user", "content": "1+1"}], tokenize=False, add_generation_prompt=True)
+    except Exception as e:  # jinja2's TemplateError, or what the template raises itself
+        at = f" at line {e.lineno}" if getattr(e, "lineno", None) else ""
+        raise ConfigError(
+            f"{whose} fails on a one-message conversation ({type(e).__name__}{at}: {e}). Fix the template "
+            f"(or set model.custom_chat_template to one that renders).") from None
 
 
 def load_model(model_cfg, path: str | None = None):

@@ -43,6 +43,8 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
+from collections.abc import Mapping
 from types import SimpleNamespace
 
 from rft.chat import closing_ids, common_prefix, message_ids, render
@@ -87,12 +89,48 @@ def _env_class(name: str, key: str):
     return resolve(ENVIRONMENTS, name, key)
 
 
-def _first_messages(first) -> list[dict]:
+def _env_name(env_cls) -> str:
+    return f"{env_cls.__module__}.{env_cls.__qualname__}"
+
+
+def _first_messages(first, env_cls) -> list[dict]:
+    """reset()'s answer as messages; anything else is the environment's mistake, named (a run
+    would otherwise fail every task and blame them)."""
     if isinstance(first, str):
         return [{"role": "user", "content": first}]
-    if isinstance(first, dict):
+    if isinstance(first, dict) and isinstance(first.get("content"), str):
         return [dict(first)]
-    return [dict(m) for m in first]
+    if isinstance(first, (list, tuple)) and first and all(isinstance(m, dict) for m in first):
+        return [dict(m) for m in first]
+    raise ConfigError(f"{_env_name(env_cls)}.reset(task) returned {type(first).__name__} {_short(first)}; it must "
+                      f"return the first message(s): a str (a user message), a message dict with a str "
+                      f"'content', or a non-empty list of message dicts (rft/environments.py).")
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _step_result(result, env_cls, turn: int) -> tuple:
+    """step()'s answer as (message | None, {part: float}, done), checked: a wrong shape is the
+    environment's mistake, named with its class, not a TypeError in the workflow."""
+    shape = ("it must return (message | None, {part name: number}, done), e.g. (None, {'correct': 1.0}, True) "
+             "(rft/environments.py)")
+    where = f"{_env_name(env_cls)}.step(text) (turn {turn})"
+    if not isinstance(result, (tuple, list)) or len(result) != 3:
+        raise ConfigError(f"{where} returned {type(result).__name__} {_short(result)}; {shape}.")
+    msg, parts, done = result
+    if not (msg is None or isinstance(msg, str) or (isinstance(msg, dict) and isinstance(msg.get("content"), str))):
+        raise ConfigError(f"{where} returned the message {_short(msg)}: a str, a message dict with a str "
+                          f"'content', or None; {shape}.")
+    if not isinstance(parts or {}, dict):
+        raise ConfigError(f"{where} returned the reward parts {_short(parts)}, not a dict; {shape}.")
+    for k, v in (parts or {}).items():
+        # bool is an int: True counts 1 (a check passed)
+        if not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise ConfigError(f"{where} returned the reward part {k!r}={_short(v)}, not a finite number; {shape}.")
+    return msg, parts or {}, bool(done)
 
 
 def _as_message(msg) -> dict:
@@ -135,7 +173,35 @@ def check_args(args, where: str = "workflow_args"):
     if set(args) - ARGS:
         raise ConfigError(f"{where} has {sorted(set(args) - ARGS)}, which workflow multi_turn does not take; "
                           f"its arguments are {sorted(ARGS)}.")
-    return _env_class(args["env"], f"{where}.env")
+    # max_turns 0 would end every conversation before the model speaks: empty responses, reward 0
+    for key, default, least in [("max_turns", 4, 1), ("max_total_tokens", None, 1)]:
+        value = args.get(key, default)
+        if value is not None and (type(value) is not int or value < least):
+            raise ConfigError(f"{where}.{key}={value!r} must be a whole number >= {least}"
+                              f"{' (or null: the model budgets)' if default is None else ''}.")
+    if not isinstance(args.get("env_args") or {}, Mapping):
+        raise ConfigError(f"{where}.env_args={args['env_args']!r}: give the environment's keyword arguments as a dict.")
+    env_cls = _env_class(args["env"], f"{where}.env")
+    _check_env_class(env_cls, args, where)
+    return env_cls
+
+
+def _check_env_class(env_cls, args, where: str) -> None:
+    """The environment is a class with reset and step that takes env_args (else each conversation
+    would fail, and the run would blame its tasks)."""
+    import inspect
+
+    name = args["env"]
+    missing = [m for m in ("reset", "step") if not callable(getattr(env_cls, m, None))]
+    if not isinstance(env_cls, type) or missing:
+        raise ConfigError(f"{where}.env={name!r} is not an environment: it needs to be a class with reset(task) and "
+                          f"step(text) methods (rft/environments.py), and "
+                          f"{'is a ' + type(env_cls).__name__ if not isinstance(env_cls, type) else 'has no ' + ' or '.join(missing)}.")
+    try:
+        inspect.signature(env_cls).bind(**dict(args.get("env_args") or {}))
+    except TypeError as e:
+        raise ConfigError(f"{where}.env_args={dict(args.get('env_args') or {})!r} does not fit {name}{inspect.signature(env_cls)} "
+                          f"({e}). Give the keyword arguments its constructor takes.") from None
 
 
 def multi_turn(tasks, engine, ctx) -> list[list[Experience] | None]:
@@ -150,15 +216,17 @@ def multi_turn(tasks, engine, ctx) -> list[list[Experience] | None]:
     # one conversation per rollout; reset on the runners (an environment may do work there)
     def start(task):
         env = env_cls(**dict(a.get("env_args") or {}))
-        messages = _first_messages(env.reset(task))
-        return Conversation(task, env, messages, render(tok, messages, generation_prompt=True))
+        return env, env.reset(task)
 
     jobs = [t for t in tasks for _ in range(ctx.n)]
     convs: list[Conversation] = []
-    for task, c in zip(jobs, call(start, jobs)):
-        if c is None:
+    for task, got in zip(jobs, call(start, jobs)):
+        if got is None:
             c = Conversation(task, None, [], [])
             c.failed = "the environment's reset raised or timed out"
+        else:
+            messages = _first_messages(got[1], env_cls)
+            c = Conversation(task, got[0], messages, render(tok, messages, generation_prompt=True))
         convs.append(c)
     groups = [convs[i : i + ctx.n] for i in range(0, len(convs), ctx.n)]
     for g in groups:  # a task fails as a whole: its group is incomplete
@@ -208,8 +276,8 @@ def multi_turn(tasks, engine, ctx) -> list[list[Experience] | None]:
             if result is None:
                 c.failed = f"the environment's step raised or timed out at turn {c.turns}"
                 continue
-            msg, parts, done = result
-            for k, v in (parts or {}).items():
+            msg, parts, done = _step_result(result, env_cls, c.turns)
+            for k, v in parts.items():
                 c.parts[k] = c.parts.get(k, 0.0) + float(v)
             history, ids, text = c.pending
             if done or msg is None:

@@ -18,6 +18,7 @@ Each violated constraint is a ConfigError that names the keys, their values and 
 from __future__ import annotations
 
 import logging
+import math
 import os
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -169,6 +170,13 @@ def check_config(cfg) -> None:
     placement and the model's budgets."""
     if cfg.mode not in ("both", "explore", "train"):
         raise ConfigError(f"mode={cfg.mode!r} is not supported; choose both, explore, train or bench.")
+    check_run_name(cfg)
+    _check_no_nan(cfg)
+    names = [ts.name for ts in cfg.buffer.explorer_input.eval_tasksets]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:  # their metrics (eval/<name>/accuracy) would overwrite each other's
+        raise ConfigError(f"buffer.explorer_input.eval_tasksets: the name {twice[0]!r} is given to {names.count(twice[0])} "
+                          f"eval sets; each needs a name of its own (their metrics are eval/<name>/...).")
     _check_names(cfg)
     _check_runtime(cfg)
     buf, algo = cfg.buffer, cfg.algorithm
@@ -185,7 +193,94 @@ def check_config(cfg) -> None:
     ]:
         if value < 1:
             raise ConfigError(f"{key}={value} must be >= 1 (in steps).")
+    _check_limits(cfg)
     _check_model(cfg.model)
+    if cfg.mode in ("both", "explore"):
+        _check_rollouts(cfg)
+
+
+def check_run_name(cfg) -> None:
+    """`project` and `name` name the run's directory, <checkpoint_root_dir>/<project>/<name>/: each a
+    relative path that stays below the one before ("" or ".." would make the run's directory the
+    project's or the root's, whose other runs continue_from_checkpoint=false moves aside)."""
+    for key in ("project", "name"):
+        value = str(cfg[key])
+        parts = value.replace("\\", "/").split("/")
+        if not value.strip() or value.startswith(("/", "~")) or any(p in ("", ".", "..") for p in parts):
+            raise ConfigError(f"{key}={value!r}: the run's outputs go to <checkpoint_root_dir>/<project>/<name>/, so "
+                              f"{key} must be a non-empty relative name without '.', '..' or empty parts (a/b is "
+                              f"fine). Choose another {key}.")
+
+
+def _check_no_nan(cfg) -> None:
+    """NaN is no setting anywhere (a NaN coefficient or learning rate trains a model of NaNs, with exit 0)."""
+    from rft.config import flat
+
+    for key, value in flat(cfg).items():
+        if isinstance(value, float) and math.isnan(value):
+            raise ConfigError(f"{key}=nan is not a number; give it a value (`python run.py --cfg job` shows the "
+                              f"defaults).")
+
+
+def _check_limits(cfg) -> None:
+    """Counts and durations that a run would only trip over later (or never say were wrong)."""
+    ex, sc = cfg.explorer, cfg.synchronizer
+    if ex.max_failed_steps < 0:
+        raise ConfigError(f"explorer.max_failed_steps={ex.max_failed_steps} must be >= 0 (0: never stop a run "
+                          f"whose tasks all fail).")
+    for key, value in [("synchronizer.sync_timeout", sc.sync_timeout), ("explorer.restart_timeout", ex.restart_timeout)]:
+        if not value > 0:  # (not >: NaN too)
+            raise ConfigError(f"{key}={value} must be > 0 (seconds).")
+    if cfg.cluster.num_cpus is not None and cfg.cluster.num_cpus < 1:
+        raise ConfigError(f"cluster.num_cpus={cfg.cluster.num_cpus} must be >= 1 (or null: every CPU of this "
+                          f"machine); with none, no actor could ever be placed and the run would wait forever.")
+    # clip_grad_norm_ scales the gradient by grad_clip / norm: 0 zeroes every update, a negative
+    # value reverses it (the model would unlearn the reward, without a word)
+    if not cfg.trainer.grad_clip > 0:
+        raise ConfigError(f"trainer.grad_clip={cfg.trainer.grad_clip} must be > 0 (the largest gradient norm; "
+                          f"inf: no clipping). 0 would zero every update and a negative value reverse it.")
+
+
+def _check_rollouts(cfg) -> None:
+    """The sampling settings of every taskset, and the training taskset's rollouts per task."""
+    inp, algo = cfg.buffer.explorer_input, cfg.algorithm
+    ts_keys = [("buffer.explorer_input.taskset", inp.taskset)]
+    ts_keys += [(f"buffer.explorer_input.eval_tasksets[{i}]", ts) for i, ts in enumerate(inp.eval_tasksets)]
+    for where, ts in ts_keys:
+        r = ts.rollout_args
+        # temperature 0 is greedy decoding (the eval sets' default); below 0 no engine samples
+        if not 0 <= r.temperature < math.inf:
+            raise ConfigError(f"{where}.rollout_args.temperature={r.temperature} must be >= 0 (0: greedy).")
+        if not 0 < r.top_p <= 1:
+            raise ConfigError(f"{where}.rollout_args.top_p={r.top_p} must be in (0, 1] (1: no nucleus cut).")
+        if r.max_tokens is not None and r.max_tokens < 1:
+            raise ConfigError(f"{where}.rollout_args.max_tokens={r.max_tokens} must be >= 1 (or null: "
+                              f"model.max_response_tokens).")
+        if any(not isinstance(x, str) or not x for x in r.stop):  # "" is in every text: one-token responses
+            raise ConfigError(f"{where}.rollout_args.stop={list(r.stop)!r}: every stop string must be a non-empty "
+                              f"text (an empty one ends each response after its first token).")
+        fmt = ts.format
+        if fmt.prompt_type == "plaintext" and fmt.prompt_key == fmt.response_key:
+            raise ConfigError(f"{where}.format.prompt_key and response_key both name the column {fmt.prompt_key!r}: "
+                              f"the model would be shown the answer it is scored against. Point response_key at the "
+                              f"reference answers (or null if the reward needs none).")
+        if ts.repeat_times is not None and ts.repeat_times < 1:
+            raise ConfigError(f"{where}.repeat_times={ts.repeat_times} must be >= 1 (or null: the default, "
+                              f"algorithm.repeat_times for the taskset, 1 for an eval set).")
+    train = (inp.taskset.path, inp.taskset.split, inp.taskset.subset_name)
+    for where, ts in ts_keys[1:]:
+        if (ts.path, ts.split, ts.subset_name) == train:
+            # allowed (a check that a run fits its own data), but never by accident
+            log.warning("%s (%s) reads the rows the run trains on (path %s, split %s): its accuracy measures "
+                        "fitting the training set, not what was learned. Give it the held-out split to measure that.",
+                        where, ts.name, ts.path, ts.split)
+    n = inp.taskset.repeat_times
+    if n is not None and n != algo.repeat_times:
+        # the plan (experiences per step, whole groups) counts algorithm.repeat_times
+        raise ConfigError(f"buffer.explorer_input.taskset.repeat_times={n} differs from algorithm.repeat_times="
+                          f"{algo.repeat_times}, which the batch plan counts (each step trains on batch_size x "
+                          f"algorithm.repeat_times experiences). Set algorithm.repeat_times={n} and leave the "
+                          f"taskset's repeat_times null.")
 
 
 def _check_algorithm(cfg, needs: Needs) -> None:
@@ -315,9 +410,9 @@ def _length(cfg, per_epoch: int, opt_per_step: int) -> tuple[int, int]:
             raise ConfigError(f"buffer.total_epochs={buf.total_epochs} must be >= 1.")
         total = buf.total_epochs * per_epoch
     opt = cfg.algorithm.optimizer
-    if not opt.lr >= 0 or not opt.weight_decay >= 0:  # (not >=: NaN too) a negative lr ascends the loss
-        key, value = ("lr", opt.lr) if not opt.lr >= 0 else ("weight_decay", opt.weight_decay)
-        raise ConfigError(f"algorithm.optimizer.{key}={value} must be >= 0.")
+    if not 0 <= opt.lr < math.inf or not opt.weight_decay >= 0:  # (not >=: NaN too) a negative lr ascends the loss
+        key, value = ("lr", opt.lr) if not 0 <= opt.lr < math.inf else ("weight_decay", opt.weight_decay)
+        raise ConfigError(f"algorithm.optimizer.{key}={value} must be >= 0{' and finite' * (key == 'lr')}.")
     warmup = opt.warmup_steps
     if not 0 <= warmup <= total * opt_per_step:
         raise ConfigError(
@@ -342,8 +437,20 @@ def _check_model(model) -> None:
             f"to {os.getcwd()}). Give a local directory in Hugging Face format or a hub id "
             f"(e.g. Qwen/Qwen2.5-0.5B-Instruct)."
         )
+    if model.builder is None and os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
+        held = sorted(os.listdir(path))
+        raise ConfigError(
+            f"model.model_path={model.model_path!r} is a directory, but not a model in Hugging Face format: it has no "
+            f"config.json ({'it holds ' + ', '.join(held[:5]) + (' ...' if len(held) > 5 else '') if held else 'it is empty'}). "
+            f"Point it at the model's own directory (config.json, the weights, the tokenizer files)."
+        )
     if model.lora.rank < 0:
         raise ConfigError(f"model.lora.rank={model.lora.rank} must be >= 0 (0: no LoRA, train every weight).")
+    # the update is (alpha / rank) B A: with alpha 0 the adapters train but never change the model
+    if model.lora.rank and not 0 < model.lora.alpha < math.inf:
+        raise ConfigError(f"model.lora.alpha={model.lora.alpha} must be > 0 with model.lora.rank={model.lora.rank}: "
+                          f"the adapters' update is scaled by alpha / rank, so 0 leaves the model as it started. "
+                          f"16 or 2 x rank is common.")
     if model.lora.rank and model.lora.dropout:
         raise ConfigError(f"model.lora.dropout={model.lora.dropout}: the trainer computes without dropout so that its "
                           f"log-probs are the ones the engine sampled with (the policy ratio's denominator). Set "
@@ -351,6 +458,8 @@ def _check_model(model) -> None:
     if model.attn_implementation is not None and model.attn_implementation not in ATTN_IMPLEMENTATIONS:
         raise ConfigError(f"model.attn_implementation={model.attn_implementation!r} is not an attention kernel; "
                           f"choose one of {', '.join(ATTN_IMPLEMENTATIONS)} (or null for transformers' default, sdpa).")
+    if model.custom_chat_template is not None:
+        check_template(model.custom_chat_template, "model.custom_chat_template")
     need = model.max_prompt_tokens + model.max_response_tokens
     if model.max_model_len is not None and model.max_model_len < need:
         raise ConfigError(
@@ -358,6 +467,31 @@ def _check_model(model) -> None:
             f"({model.max_prompt_tokens}) + model.max_response_tokens ({model.max_response_tokens}) "
             f"= {need}. Raise max_model_len or lower the token budgets."
         )
+
+
+def check_template(template, key: str) -> None:
+    """A chat template parses as Jinja the way transformers compiles it (loop controls, and its
+    `{% generation %}` blocks); parsed only, with jinja2 alone: planning imports no transformers."""
+    import jinja2
+    from jinja2.ext import Extension, loopcontrols
+
+    class Generation(Extension):  # transformers' AssistantTracker tag, as far as parsing goes
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.Scope(body).set_lineno(lineno)
+
+    if not isinstance(template, str) or not template.strip():
+        raise ConfigError(f"{key}={template!r}: give the Jinja text of a chat template (or null: the tokenizer's own).")
+    try:
+        jinja2.Environment(extensions=[Generation, loopcontrols]).parse(template)
+    except jinja2.TemplateSyntaxError as e:
+        line = template.splitlines()[e.lineno - 1] if 0 < e.lineno <= len(template.splitlines()) else ""
+        raise ConfigError(f"{key} is not a valid Jinja template: at its line {e.lineno} ({line.strip()[:80]!r}): "
+                          f"{(e.message or '').rstrip('.')}. Fix the template; transformers' chat templating docs "
+                          f"show the syntax.") from None
 
 
 ATTN_IMPLEMENTATIONS = ("sdpa", "flash_attention_2", "flash_attention_3", "eager", "flex_attention")

@@ -93,6 +93,17 @@ class Pending:
     t0: float
 
 
+def culprit(inp, ts, source: str | None) -> tuple[str, str]:
+    """(what failed, its fix) when every task of taskset `ts` failed: the reward function, or,
+    when the workflow's own jobs failed (`source`), the environment (multi_turn) or the workflow."""
+    if source == "workflow" and ts.workflow == "multi_turn":
+        return f"environment {ts.workflow_args.get('env')!r} (workflow_args.env)", "Fix the environment's reset or step"
+    if source == "workflow":
+        return f"workflow {ts.workflow!r}, in the jobs it ran", "Fix the workflow"
+    reward = describe_reward(spec_of(ts.reward_fn, inp.default_reward_fn_type))
+    return f"reward function {reward!r}", "Fix the reward function"
+
+
 class StageRun:
     def __init__(self, cfg, plan, stage_dir: Path, init_path, title: str, latest: Checkpoint | None):
         self.cfg, self.plan, self.dir, self.title = cfg, plan, stage_dir, title
@@ -284,27 +295,32 @@ class StageRun:
         latest = latest_checkpoint(self.dir)
         return f"step {latest.step} ({latest.path})" if latest else "none yet"
 
-    def _check_signal(self, step: int, m: dict, last_error: str | None) -> None:
+    def _check_signal(self, step: int, m: dict, last_error: tuple | None) -> None:
         """A run that cannot learn must not run to the end and exit 0: stop after
-        explorer.max_failed_steps steps in a row in which every task failed; warn loudly when every
-        reward of the first steps is the same (no advantage, no learning)."""
+        explorer.max_failed_steps steps in a row in which every task failed (or after every step of
+        a run shorter than that); warn loudly when every reward of the first steps is the same (no
+        advantage, no learning)."""
         cfg, inp = self.cfg, self.cfg.buffer.explorer_input
         reward = lambda: describe_reward(spec_of(inp.taskset.reward_fn, inp.default_reward_fn_type))  # noqa: E731
         if m["rollout/experiences"] == 0 and m.get("rollout/failed_tasks", 0) > 0:
             self.failed_steps += 1
         else:
             self.failed_steps = 0
-        limit = cfg.explorer.max_failed_steps
-        if limit and self.failed_steps >= limit:
-            where = self._resume_point()
+        # a run of fewer steps than max_failed_steps whose every step failed trained on nothing:
+        # it must not save the unchanged model and exit 0
+        limit = min(cfg.explorer.max_failed_steps, self.plan.total_steps - self.start)
+        if limit > 0 and self.failed_steps >= limit:
+            source, last = last_error or (None, None)
+            what, fix = culprit(inp, inp.taskset, source)
             raise RunError(
-                f"every task of the last {self.failed_steps} steps failed (reward function {reward()!r}: "
+                f"every task of the last {self.failed_steps} steps failed ({what}: "
                 f"{m.get('rollout/errors', 0)} errors and {m.get('rollout/timeouts', 0)} timeouts in the "
-                f"last step; the last error: {last_error or 'none recorded (timeouts)'}), so nothing "
-                f"can be learned. Each explorer's log in {self.dir / 'log'} has the details. Fix the "
-                f"reward function (or raise explorer.max_timeout if it is only slow), then run the same "
-                f"command again to resume from the newest checkpoint: {where}. "
-                f"explorer.max_failed_steps={limit} sets how many such steps stop a run (0: never)."
+                f"last step; the last error: {last or 'none recorded (timeouts)'}), so nothing "
+                f"can be learned. Each explorer's log in {self.dir / 'log'} has the details. {fix} "
+                f"(or raise explorer.max_timeout if it is only slow), then run the same "
+                f"command again to resume from the newest checkpoint: {self._resume_point()}. "
+                f"explorer.max_failed_steps={cfg.explorer.max_failed_steps} sets how many such steps stop a "
+                f"run (0: never)."
             )
         first = min(3, self.plan.total_steps)
         if self.start == 0 and step < first and m["rollout/experiences"]:
@@ -388,12 +404,15 @@ class StageRun:
         if failed and self.cfg.explorer.max_failed_steps:
             # a reward that fails on every eval task fails on every training task too: say so now,
             # not after a stage (an SFT warm-up) trained to its end with evals of 0
+            i, last, source = failed
+            ts = self.cfg.buffer.explorer_input.eval_tasksets[i]
+            what, fix = culprit(self.cfg.buffer.explorer_input, ts, source)
             raise RunError(
-                f"every task of the eval set {failed[0]} failed at step {step} (the last error: {failed[1]}), "
-                f"so the eval measures nothing. Each explorer's log in {self.dir / 'log'} has the details. "
-                f"Fix its reward function (or raise explorer.max_timeout if it is only slow), then run the "
-                f"same command again to resume from the newest checkpoint: {self._resume_point()}. "
-                f"explorer.max_failed_steps=0 lets a run go on regardless."
+                f"every task of the eval set buffer.explorer_input.eval_tasksets[{i}] ({ts.name}) failed at "
+                f"step {step} (the last error: {last}; from its {what}), so the eval measures nothing. Each "
+                f"explorer's log in {self.dir / 'log'} has the details. {fix} (or raise explorer.max_timeout "
+                f"if it is only slow), then run the same command again to resume from the newest checkpoint: "
+                f"{self._resume_point()}. explorer.max_failed_steps=0 lets a run go on regardless."
             )
         if "eval/accuracy" in metrics:
             failed = metrics.get("eval/failed_tasks", 0)

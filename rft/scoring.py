@@ -181,6 +181,9 @@ def entries(spec, where: str) -> list[dict]:
             weight = float(e.get("weight", 1.0))
         except (TypeError, ValueError):
             raise ConfigError(f"{key}.weight={e.get('weight')!r} is not a number.") from None
+        if not math.isfinite(weight):  # one NaN or inf weight makes every reward of the run NaN or inf
+            raise ConfigError(f"{key}.weight={weight} is not a finite number; give a weight such as 1.0 (0 turns "
+                              f"the part off).")
         args = e.get("args") or {}
         if not isinstance(args, dict):
             raise ConfigError(f"{key}.args={args!r}: give the function's keyword arguments as a dict.")
@@ -215,6 +218,10 @@ def check(spec, where: str) -> list[dict]:
     for i, e in enumerate(parts):
         key = f"{where}[{i}].fn" if isinstance(spec, (list, tuple)) else where
         fn = resolve_fn(e["fn"], key)
+        if isinstance(fn, type) and not any("__call__" in vars(k) for k in fn.__mro__[:-1]):
+            raise ConfigError(f"{key}={e['fn']!r} is a class whose instances cannot be called: a served reward is a "
+                              f"class with __call__(prompt, responses, task) -> list of rewards (rft/scoring.py); a "
+                              f"plain reward is a function fn(prompt, response, task).")
         target = fn.__init__ if isinstance(fn, type) else fn
         params = inspect.signature(target).parameters
         if not any(p.kind is p.VAR_KEYWORD for p in params.values()):

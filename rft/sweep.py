@@ -166,3 +166,64 @@ def install() -> None:
 
     launch_and_watch.rft_watches = True
     BaseSubmititLauncher.launch = launch_and_watch
+
+
+# ---------------------------------------------------------------- every job planned first
+
+
+def sweep_jobs(config) -> list[list[str]]:
+    """Each job's overrides, as Hydra's basic sweeper will launch them (its params in the config,
+    then the command line's); [] for another sweeper (it chooses values as it goes)."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    if config.hydra.sweeper.get("_target_") != f"{BasicSweeper.__module__}.{BasicSweeper.__name__}":
+        return []
+    params = [f"{k}={v}" for k, v in (config.hydra.sweeper.get("params") or {}).items()]
+    args = params + list(OmegaConf.to_container(config.hydra.overrides.task, resolve=False))
+    return [job for batch in BasicSweeper.split_arguments(OverridesParser.create().parse_overrides(args), None)
+            for job in batch]
+
+
+def plan_jobs(config, config_name: str | None) -> str | None:
+    """The message for the first job of a sweep whose plan fails (a batch size of 0 among the
+    values); None when every job plans. A job's mistake would otherwise be found when it starts,
+    after the jobs before it trained. The datasets of all jobs are read in one child process."""
+    from hydra import compose
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import open_dict
+
+    from rft.errors import ConfigError
+    from rft.main import job_sizes_in_child, per_stage, split_stages
+    from rft.plan import make_plan
+
+    jobs = sweep_jobs(config)
+    if len(jobs) < 2:
+        return None  # a lone job plans itself before it starts anything
+    saved, own, planned = HydraConfig.instance().cfg, _distinct(jobs), []
+    try:
+        for i, job in enumerate(jobs):
+            cfg = compose(config_name=config_name, overrides=job, return_hydra_config=True)
+            HydraConfig.instance().set_config(cfg)  # the run's name reads hydra's choices
+            with open_dict(cfg):
+                del cfg["hydra"]
+            if cfg.mode != "bench":
+                try:
+                    planned.append((i, *split_stages(cfg)))
+                except ConfigError as e:
+                    return _job_error(i, own[i], e)
+    finally:
+        HydraConfig.instance().cfg = saved
+    try:
+        sizes = job_sizes_in_child([(stages, sources) for _, stages, sources in planned])
+        for (i, stages, _), n in zip(planned, sizes):
+            per_stage(make_plan, stages, n)
+    except ConfigError as e:
+        i = planned[e.job][0] if hasattr(e, "job") else i
+        return _job_error(i, own[i], e)
+    return None
+
+
+def _job_error(i: int, overrides: list[str], error: Exception) -> str:
+    return (f"job {i} of the sweep ({' '.join(overrides) or 'no overrides'}): {error} No job has started: "
+            f"every job is planned first.")

@@ -284,10 +284,12 @@ def load_rows(path: str, split: str = "train", subset_name: str | None = None, k
         if local.suffix in _FILE_BUILDERS:
             if not local.is_file():
                 raise FileNotFoundError(path)
+            _check_split_of_file(local, split, key, path)
             return _checked(lambda: datasets.load_dataset(_FILE_BUILDERS[local.suffix], data_files=str(local),
                                                           split="train"), [local], key, path)
         if local.is_dir():
             files = sorted(f for f in local.rglob("*") if f.suffix in _FILE_BUILDERS)
+            _check_holds_data(local, files, key, path)
             try:
                 return _checked(lambda: datasets.load_dataset(str(local), name=subset_name, split=split),
                                 files, key, path)
@@ -326,6 +328,49 @@ def load_rows(path: str, split: str = "train", subset_name: str | None = None, k
         ) from e
 
 
+def _check_split_of_file(f: Path, split: str, key: str, path: str) -> None:
+    """A single file is one split, read whole: a split it is not named for (an eval set's
+    split=test on the training file) would silently read the training rows."""
+    words = re.split(r"[^A-Za-z0-9]+", f.stem.lower())
+    if split != "train" and split.lower() not in words:
+        raise ConfigError(
+            f"{key}={path!r} is a single file, read whole, so split={split!r} cannot pick rows from it (they "
+            f"would be its rows, whatever the split). Point the path at the file that holds the {split!r} rows "
+            f"(a file whose name says {split!r}, or a directory with {split}.jsonl beside train.jsonl), or "
+            f"set split=train to read this file as it is."
+        )
+
+
+def _check_holds_data(d: Path, files: list[Path], key: str, path: str) -> None:
+    """A local directory holds data files `datasets` reads as ours (else it would read notes.txt
+    as a column 'text', or say only that it found no data files)."""
+    if files or any(f.suffix in (".arrow", ".py") for f in d.rglob("*")):  # save_to_disk, a loading script
+        return
+    held = sorted(str(f.relative_to(d)) for f in d.rglob("*") if f.is_file())
+    shown = ", ".join(held[:5]) + (f" and {len(held) - 5} more" if len(held) > 5 else "")
+    raise ConfigError(
+        f"{key}={path!r} is a directory with no JSONL, JSON, Parquet or CSV file in it "
+        f"({'it holds ' + shown if held else 'it is empty'}). Point it at a dataset file, a directory of "
+        f"them (train.jsonl, test.jsonl), or a Hugging Face dataset id."
+    )
+
+
+def _first_non_utf8(f: Path) -> tuple[int, int, bytes] | None:
+    """(line, column, the byte) of the first byte of text file `f` that is not UTF-8; None if all are.
+    Read in blocks of whole lines, so a large file costs about what reading it does."""
+    line = 1
+    with open(f, "rb") as fh:
+        while block := fh.read(1 << 24):
+            block += fh.readline()
+            try:
+                block.decode("utf-8")
+            except UnicodeDecodeError as e:
+                start = block.rfind(b"\n", 0, e.start) + 1
+                return line + block.count(b"\n", 0, e.start), e.start - start + 1, block[e.start:e.start + 1]
+            line += block.count(b"\n")
+    return None
+
+
 def _relative_to(path: str) -> str:
     return "" if os.path.isabs(os.path.expanduser(path)) else f" (relative to {os.getcwd()})"
 
@@ -333,6 +378,17 @@ def _relative_to(path: str) -> str:
 def _checked(load, files: list[Path], key: str, path: str):
     """`load()`, with the first unreadable line of a JSON file named when it fails, and an empty
     dataset called one."""
+    for f in files:
+        # pyarrow reads such bytes without a word; the row that holds them raises UnicodeDecodeError
+        # when it is read (a raw traceback mid-run, or at the first task)
+        bad = _first_non_utf8(f) if f.suffix in (".jsonl", ".json", ".csv") else None
+        if bad:
+            line, col, byte = bad
+            raise ConfigError(
+                f"{key}={path!r}: line {line} of {f} is not UTF-8 text (byte {byte!r} at column {col}); "
+                f"datasets are read as UTF-8. Convert the file (e.g. iconv -f latin1 -t utf-8 {f.name} > "
+                f"{f.stem}.utf8{f.suffix}) or fix the line."
+            )
     try:
         rows = load()
     except Exception as e:
@@ -400,6 +456,24 @@ def check_columns(rows, fmt, where: str, path: str, pairs: bool = False, sources
 
             i = pc.index(pc.is_null(values), True).as_py()
             raise ConfigError(missing_value(where, path, i, col, name, rows[i]))
+        # a blank response teaches the model to say nothing, a blank prompt asks it nothing
+        empty = _empty_rows(values)
+        if empty:
+            raise ConfigError(empty_values(where, path, name, col, empty, len(rows)))
+
+
+def _empty_rows(values) -> list[int]:
+    """The rows of an arrow column that hold an empty (or blank) text or an empty list."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    if pa.types.is_string(values.type) or pa.types.is_large_string(values.type):
+        blank = pc.equal(pc.utf8_trim_whitespace(values), "")
+    elif pa.types.is_list(values.type) or pa.types.is_large_list(values.type):
+        blank = pc.equal(pc.list_value_length(values), 0)
+    else:
+        return []
+    return pc.indices_nonzero(pc.fill_null(blank, False)).to_pylist()
 
 
 def missing_value(where: str, path: str, index: int, col: str, name: str, row: dict) -> str:
@@ -455,9 +529,11 @@ def load_tasks(ts_cfg, where: str) -> list[Task]:
     check_columns(rows, ts_cfg.format, where, ts_cfg.path)
     fmt, path, name = plain(ts_cfg.format), ts_cfg.path, ts_cfg.name
     answer_key = fmt.response_key
-    tasks = []
+    tasks, empty = [], []
     for i, row in enumerate(rows):
         messages = rows_to_messages(row, fmt, where, i, path)
+        if not any(str(m.get("content") or "").strip() for m in messages if m.get("role") != "system"):
+            empty.append(i)
         if answer_key and row.get(answer_key) is None:
             raise ConfigError(
                 f"{where}: {_line_hint(path, i)} of {path!r} has no {answer_key!r} "
@@ -465,4 +541,21 @@ def load_tasks(ts_cfg, where: str) -> list[Task]:
                 f"Fix the row, or set {where}.format.response_key=null if your reward needs no answer."
             )
         tasks.append(Task(f"{name}/{i}", messages, row.get(answer_key) if answer_key else None, row))
+    if empty:
+        key = "messages_key" if fmt.prompt_type == "messages" else "prompt_key"
+        raise ConfigError(empty_values(where, path, key, getattr(fmt, key), empty, len(rows)))
     return tasks
+
+
+def empty_values(where: str, path: str, key: str, column: str, empty: list[int], total: int) -> str:
+    """The message for rows whose prompt (or, in a training dataset, response) in `column`
+    (format.`key`) is empty or blank. Any is an error, not a share: a blank prompt asks the model
+    nothing but the chat template's scaffolding, and its answers are scored as if it were asked the
+    task (a column of mostly blanks, a key naming the wrong column) -- without a word."""
+    what = "prompt" if key in ("prompt_key", "messages_key") else "response"
+    more = f" and {len(empty) - 5} more" if len(empty) > 5 else ""
+    rows = ", ".join(str(i) for i in empty[:5]) + more
+    lines = f" (lines {', '.join(str(i + 1) for i in empty[:5])}{more} of the file)" if path.endswith(".jsonl") else ""
+    return (f"{where}: {len(empty)} of the {total} rows of {path!r} have an empty {what} in {column!r} "
+            f"(format.{key}): rows {rows}{lines}. Fill or remove those rows, or set {where}.format.{key} to the "
+            f"column that holds the {what}s.")

@@ -77,7 +77,8 @@ def test_batch_plan_values():
          "buffer.train_batch_size=100 must equal buffer.batch_size (16) x algorithm.repeat_times (8) = 128"),
         (["algorithm.repeat_times=1"], "algorithm.repeat_times=1 gives groups of one"),
         (["algorithm.optimizer.warmup_steps=500"], "algorithm.optimizer.warmup_steps=500 must be between 0 and the run's 60 optimizer steps (60 steps x 1 per step)."),
-        (["algorithm.optimizer.lr=-1e-3"], "algorithm.optimizer.lr=-0.001 must be >= 0."),
+        (["algorithm.optimizer.lr=-1e-3"], "algorithm.optimizer.lr=-0.001 must be >= 0 and finite."),
+        (["algorithm.optimizer.lr=inf"], "algorithm.optimizer.lr=inf must be >= 0 and finite."),
         (["algorithm.optimizer.weight_decay=-0.1"], "algorithm.optimizer.weight_decay=-0.1 must be >= 0."),
         (["algorithm.advantage_fn=grpoo"],
          "algorithm.advantage_fn='grpoo' is not one of ['dr_grpo', 'gae', 'grpo', 'none', 'opmd', 'reinforce_pp', "
@@ -99,6 +100,107 @@ def test_batch_plan_errors_name_keys_values_and_fix(overrides, message):
     with pytest.raises(ConfigError) as e:
         plan_for(overrides)
     assert message in str(e.value)
+
+
+CALC = ["model=tiny_tools", "task=calculator"]
+TS = "buffer.explorer_input.taskset"
+
+
+@pytest.mark.parametrize("overrides, message", [
+    # the engine raised mid-run (transformers: "`temperature` (=-1.0) has to be a strictly positive float")
+    ([f"{TS}.rollout_args.temperature=-1"], f"{TS}.rollout_args.temperature=-1.0 must be >= 0 (0: greedy)."),
+    (["buffer.explorer_input.eval_tasksets.0.rollout_args.top_p=0"],
+     "buffer.explorer_input.eval_tasksets[0].rollout_args.top_p=0.0 must be in (0, 1] (1: no nucleus cut)."),
+    ([f"{TS}.rollout_args.max_tokens=0"],
+     f"{TS}.rollout_args.max_tokens=0 must be >= 1 (or null: model.max_response_tokens)."),
+    (["buffer.explorer_input.eval_tasksets.0.repeat_times=-1"],
+     "buffer.explorer_input.eval_tasksets[0].repeat_times=-1 must be >= 1 (or null: the default, "
+     "algorithm.repeat_times for the taskset, 1 for an eval set)."),
+    # the explorer sampled 16 x 4 = 64 experiences a step, the plan said 128 (exit 0)
+    ([f"{TS}.repeat_times=4"],
+     f"{TS}.repeat_times=4 differs from algorithm.repeat_times=8, which the batch plan counts (each step trains "
+     f"on batch_size x algorithm.repeat_times experiences). Set algorithm.repeat_times=4 and leave the taskset's "
+     f"repeat_times null."),
+    # the merged model equalled the warm start (exit 0)
+    (["model.lora.rank=4", "model.lora.alpha=0"],
+     "model.lora.alpha=0.0 must be > 0 with model.lora.rank=4: the adapters' update is scaled by alpha / rank, "
+     "so 0 leaves the model as it started. 16 or 2 x rank is common."),
+    (["explorer.max_failed_steps=-1"],
+     "explorer.max_failed_steps=-1 must be >= 0 (0: never stop a run whose tasks all fail)."),
+    (["synchronizer.sync_timeout=0"], "synchronizer.sync_timeout=0.0 must be > 0 (seconds)."),
+    (["cluster.num_cpus=0"],
+     "cluster.num_cpus=0 must be >= 1 (or null: every CPU of this machine); with none, no actor could ever be "
+     "placed and the run would wait forever."),
+    # clip_grad_norm_ with a negative max_norm reverses every update (exit 0, a worse model)
+    (["trainer.grad_clip=-1"],
+     "trainer.grad_clip=-1.0 must be > 0 (the largest gradient norm; inf: no clipping). 0 would zero every "
+     "update and a negative value reverse it."),
+    (["buffer.explorer_input.default_reward_fn_type=os.sep"],
+     "buffer.explorer_input.default_reward_fn_type='os.sep' is a str, not a function or class; give the dotted "
+     "path of a function (module.function) or a registered name."),
+    # NaN made statistics.stdev raise in the driver, a raw traceback after the first step
+    (["buffer.explorer_input.default_reward_fn_type=[{fn: exact_match, weight: nan}]"],
+     "buffer.explorer_input.default_reward_fn_type[0].weight=nan is not a finite number; give a weight such "
+     "as 1.0 (0 turns the part off)."),
+    (["model.custom_chat_template='{% for m in messages %}{{ m.content }\n{% endfor %}'"],
+     "model.custom_chat_template is not a valid Jinja template: at its line 1 ('{% for m in messages %}{{ "
+     "m.content }'): unexpected '}'. Fix the template; transformers' chat templating docs show the syntax."),
+    # every response was empty and the warning blamed the reward (exit 0)
+    ([*CALC, f"{TS}.workflow_args.max_turns=0"], f"{TS}.workflow_args.max_turns=0 must be a whole number >= 1."),
+    ([*CALC, "buffer.explorer_input.eval_tasksets.0.workflow_args.max_turns=two"],
+     "buffer.explorer_input.eval_tasksets[0].workflow_args.max_turns='two' must be a whole number >= 1."),
+    ([*CALC, f"{TS}.workflow_args.env=rft.rewards.exact_match"],
+     f"{TS}.workflow_args.env='rft.rewards.exact_match' is not an environment: it needs to be a class with "
+     f"reset(task) and step(text) methods (rft/environments.py), and is a function."),
+    ([*CALC, f"+{TS}.workflow_args.env_args.max_calls=2"],
+     f"{TS}.workflow_args.env_args={{'max_calls': 2}} does not fit calculator(max_tool_calls: 'int' = 4) (got an "
+     f"unexpected keyword argument 'max_calls'). Give the keyword arguments its constructor takes."),
+    # a NaN coefficient trains a model of NaNs with exit 0
+    (["algorithm.entropy_coef=nan"],
+     "algorithm.entropy_coef=nan is not a number; give it a value (`python run.py --cfg job` shows the defaults)."),
+    # "" is in every text: each response ended after its first token
+    ([f"{TS}.rollout_args.stop=['']"],
+     f"{TS}.rollout_args.stop=['']: every stop string must be a non-empty text (an empty one ends each response "
+     f"after its first token)."),
+    ([f"{TS}.format.prompt_key=answer"],
+     f"{TS}.format.prompt_key and response_key both name the column 'answer': the model would be shown the answer "
+     f"it is scored against. Point response_key at the reference answers (or null if the reward needs none)."),
+    # every task failed at run time on "'CalculatorEnv' object is not callable"
+    (["buffer.explorer_input.default_reward_fn_type=rft.environments.CalculatorEnv"],
+     "buffer.explorer_input.default_reward_fn_type='rft.environments.CalculatorEnv' is a class whose instances "
+     "cannot be called: a served reward is a class with __call__(prompt, responses, task) -> list of rewards "
+     "(rft/scoring.py); a plain reward is a function fn(prompt, response, task)."),
+    # the run's directory was <checkpoint_root_dir>/rft/.. : the root, whose runs continue_from_checkpoint=false
+    # would move aside
+    (["name=.."],
+     "name='..': the run's outputs go to <checkpoint_root_dir>/<project>/<name>/, so name must be a non-empty "
+     "relative name without '.', '..' or empty parts (a/b is fine). Choose another name."),
+    (["project=/srv"],
+     "project='/srv': the run's outputs go to <checkpoint_root_dir>/<project>/<name>/, so project must be a "
+     "non-empty relative name without '.', '..' or empty parts (a/b is fine). Choose another project."),
+])
+def test_settings_no_run_can_use_fail_the_plan(overrides, message):
+    with pytest.raises(ConfigError) as e:
+        plan_for(["stages=[]", *overrides])
+    assert str(e.value) == message
+
+
+def test_an_eval_set_that_reads_the_training_rows_is_warned_about(caplog):
+    plan_for(["stages=[]", "buffer.explorer_input.eval_tasksets.0.split=train"])
+    [warning] = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert warning.startswith("buffer.explorer_input.eval_tasksets[0] (arithmetic_test) reads the rows the run trains "
+                              "on (path ")
+    assert warning.endswith(", split train): its accuracy measures fitting the training set, not what was learned. "
+                            "Give it the held-out split to measure that.")
+    caplog.clear()
+    plan_for(["stages=[]"])  # the default's eval set is the held-out split
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]
+
+
+def test_sampling_settings_at_their_limits_plan():
+    # temperature 0 is greedy decoding, top_p 1 no cut, top_k 0 or -1 no top-k: all valid
+    plan_for(["stages=[]", f"{TS}.rollout_args.temperature=0", f"{TS}.rollout_args.top_p=1", f"{TS}.rollout_args.top_k=0",
+              "model.lora.rank=4", "model.lora.alpha=8", "trainer.grad_clip=inf", "explorer.max_failed_steps=0"])
 
 
 def test_an_actors_frozen_config_reads_as_the_resolved_config_and_cannot_change():

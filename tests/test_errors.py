@@ -242,6 +242,92 @@ def test_empty_and_malformed_datasets_name_the_file_and_line(tmp_path):
         f"buffer.explorer_input.taskset.path='{bad}': line 2 of {bad} is not valid JSON (")
 
 
+def test_a_file_that_is_not_utf8_names_its_line_and_byte(tmp_path):
+    # a latin-1 "café" on line 3 (its é the 18th byte of '{"question": "café"'): pyarrow read it
+    # without a word, and the first read of that row raised UnicodeDecodeError as a raw traceback
+    f = write_jsonl(tmp_path / "tasks.jsonl", [{"question": "1+1", "answer": "2"}] * 2)
+    f.write_bytes(f.read_bytes() + '{"question": "café", "answer": "1"}\n'.encode("latin-1"))
+    assert plan_error(tmp_path, "dry_run=true", *taskset(f)) == (
+        f"buffer.explorer_input.taskset.path='{f}': line 3 of {f} is not UTF-8 text (byte b'\\xe9' at column 18); "
+        f"datasets are read as UTF-8. Convert the file (e.g. iconv -f latin1 -t utf-8 tasks.jsonl > "
+        f"tasks.utf8.jsonl) or fix the line.")
+
+
+def test_empty_prompts_are_an_error_naming_the_rows(tmp_path):
+    # rows 1, 3, 5, 7 and 9 of 10 have "" or blanks: those tasks asked the model nothing (exit 0)
+    rows = [{"question": "" if i % 2 else f"{i}+1", "answer": str(i + 1)} for i in range(10)]
+    rows[3]["question"] = "  "
+    f = write_jsonl(tmp_path / "tasks.jsonl", rows)
+    assert plan_error(tmp_path, "dry_run=true", *taskset(f)) == (
+        f"buffer.explorer_input.taskset: 5 of the 10 rows of '{f}' have an empty prompt in 'question' "
+        f"(format.prompt_key): rows 1, 3, 5, 7, 9 (lines 2, 4, 6, 8, 10 of the file). Fill or remove those rows, "
+        f"or set buffer.explorer_input.taskset.format.prompt_key to the column that holds the prompts.")
+    # a training dataset (an SFT stage) is checked before the run too
+    rows += [{"question": "", "answer": "1"}] * 3
+    f = write_jsonl(tmp_path / "sft.jsonl", rows)
+    assert plan_error(tmp_path, "dry_run=true", "stages=[]", "algorithm=sft", "buffer.explorer_input.eval_tasksets=[]",
+                      f"buffer.trainer_input.experience_buffer.path={f}", "buffer.batch_size=2") == (
+        f"buffer.trainer_input.experience_buffer: 8 of the 13 rows of '{f}' have an empty prompt in 'question' "
+        f"(format.prompt_key): rows 1, 3, 5, 7, 9 and 3 more (lines 2, 4, 6, 8, 10 and 3 more of the file). Fill "
+        f"or remove those rows, or set buffer.trainer_input.experience_buffer.format.prompt_key to the column "
+        f"that holds the prompts.")
+
+
+def test_blank_responses_of_a_training_dataset_are_an_error_naming_the_rows(tmp_path):
+    # an SFT stage on them taught the model to answer nothing (exit 0)
+    rows = [{"question": f"{i}+1", "answer": "" if i in (2, 5) else str(i + 1)} for i in range(8)]
+    f = write_jsonl(tmp_path / "sft.jsonl", rows)
+    assert plan_error(tmp_path, "dry_run=true", "stages=[]", "algorithm=sft", "buffer.explorer_input.eval_tasksets=[]",
+                      f"buffer.trainer_input.experience_buffer.path={f}", "buffer.batch_size=2") == (
+        f"buffer.trainer_input.experience_buffer: 2 of the 8 rows of '{f}' have an empty response in 'answer' "
+        f"(format.response_key): rows 2, 5 (lines 3, 6 of the file). Fill or remove those rows, or set "
+        f"buffer.trainer_input.experience_buffer.format.response_key to the column that holds the responses.")
+
+
+def test_eval_sets_of_one_name_are_an_error(tmp_path):
+    # their metrics, eval/<name>/accuracy, overwrote each other's
+    ev = "{name: ev, path: ${cache_dir}/data/arithmetic-v4, split: test}"
+    assert plan_error(tmp_path, "dry_run=true", "stages=[]", f"buffer.explorer_input.eval_tasksets=[{ev},{ev}]") == (
+        "buffer.explorer_input.eval_tasksets: the name 'ev' is given to 2 eval sets; each needs a name of its own "
+        "(their metrics are eval/<name>/...).")
+
+
+def test_a_split_a_single_file_is_not_named_for_is_an_error(tmp_path):
+    # an eval set of split=validation on the training file read its training rows (exit 0)
+    f = write_jsonl(tmp_path / "tasks.jsonl", [{"question": "1+1", "answer": "2"}] * 4)
+    assert plan_error(tmp_path, "dry_run=true", *taskset(f), "buffer.explorer_input.taskset.split=validation") == (
+        f"buffer.explorer_input.taskset.path='{f}' is a single file, read whole, so split='validation' cannot pick "
+        f"rows from it (they would be its rows, whatever the split). Point the path at the file that holds the "
+        f"'validation' rows (a file whose name says 'validation', or a directory with validation.jsonl beside "
+        f"train.jsonl), or set split=train to read this file as it is.")
+    # a file named for its split is read for it
+    test = write_jsonl(tmp_path / "gsm8k_test.jsonl", [{"question": "1+2", "answer": "3"}] * 4)
+    rft.main._main(compose_cfg([f"checkpoint_root_dir={tmp_path / 'ck'}", "dry_run=true", *taskset(f),
+                                f"+buffer.explorer_input.eval_tasksets=[{{path: {test}, split: test}}]"]))
+
+
+def test_a_directory_without_data_files_says_what_it_holds(tmp_path):
+    # its notes.txt was read as a dataset of one column 'text'
+    d = tmp_path / "data"
+    d.mkdir()
+    (d / "notes.txt").write_text("the tasks are elsewhere")
+    (d / "plot.png").write_bytes(b"\x89PNG")
+    assert plan_error(tmp_path, "dry_run=true", *taskset(d)) == (
+        f"buffer.explorer_input.taskset.path='{d}' is a directory with no JSONL, JSON, Parquet or CSV file in it "
+        f"(it holds notes.txt, plot.png). Point it at a dataset file, a directory of them (train.jsonl, "
+        f"test.jsonl), or a Hugging Face dataset id.")
+
+
+def test_a_model_directory_without_a_model_is_named_when_planning(tmp_path):
+    # transformers raised "Couldn't instantiate the backend tokenizer" in the explorer, a raw traceback
+    d = tmp_path / "mymodel"
+    d.mkdir()
+    (d / "notes.txt").write_text("weights to come")
+    assert plan_error(tmp_path, "dry_run=true", "stages=[]", "model.builder=null", f"model.model_path={d}") == (
+        f"model.model_path='{d}' is a directory, but not a model in Hugging Face format: it has no config.json (it "
+        f"holds notes.txt). Point it at the model's own directory (config.json, the weights, the tokenizer files).")
+
+
 def test_a_relative_path_says_relative_to_what(tmp_path):
     msg = plan_error(tmp_path, *taskset("./nowhere/tasks.jsonl"))
     assert msg.startswith(f"buffer.explorer_input.taskset.path='./nowhere/tasks.jsonl': no such file or directory "
@@ -451,4 +537,80 @@ def test_an_overlay_that_is_not_yaml_is_one_paragraph_not_a_traceback(run_root, 
             "in this context at line 4, column 14. Fix the file (a common cause: the keys of one mapping "
             "indented by different numbers of spaces, or a tab).") in r.stderr
     assert "Traceback" not in r.stderr
+    assert_nothing_started(run_root)
+
+
+def test_an_override_hydra_cannot_read_says_how_to_quote_it(run_root):
+    # Hydra said only "LexerNoViableAltException: name=résumé" under a caret
+    r = run_cli("name=résumé", "dry_run=true", env=run_root)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert ("rft: configuration error: the override 'name=résumé' does not parse: Hydra's override grammar takes "
+            "only ASCII letters in a value that is not quoted. Quote the value, with single quotes around the "
+            "whole for the shell: 'name=\"résumé\"'.") in r.stderr
+    r = run_cli('name="résumé"', "stages=[]", "dry_run=true", env=run_root)
+    assert r.returncode == 0 and "/rft/résumé" in r.stdout
+    # a dict the shell split at its space: Hydra's "no viable alternative at input '{path:'"
+    r = run_cli("stages=[]", "+buffer.explorer_input.eval_tasksets.1={path:", "data.jsonl}", env=run_root)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert ("the override '+buffer.explorer_input.eval_tasksets.1={path:' does not parse: its list or dict is not "
+            "closed, most likely because the shell split it at a space. Put the whole override in single quotes: "
+            "'+buffer.explorer_input.eval_tasksets.1={path: ...'.") in r.stderr
+
+
+def test_an_overlay_naming_a_missing_option_names_its_file_and_line(run_root, tmp_path):
+    import shutil
+    import subprocess
+    import sys
+
+    from conftest import CONF, ROOT
+
+    # Hydra said "In 'config': Could not find 'model/tinyy'", without the overlay's file
+    shutil.copy(ROOT / "run.py", tmp_path / "run.py")
+    shutil.copytree(CONF, tmp_path / "conf")
+    (tmp_path / "conf" / "experiment" / "mine.yaml").write_text(
+        "# @package _global_\ndefaults:\n  - base\n  - _self_\n")
+    (tmp_path / "conf" / "experiment" / "base.yaml").write_text(
+        "# @package _global_\ndefaults:\n  - override /algorithm: grpo\n  - override /model: tinyy\n")
+    r = subprocess.run([sys.executable, "run.py", "experiment=mine"], cwd=tmp_path, capture_output=True, text=True,
+                       env={**os.environ, **run_root}, timeout=120)
+    assert r.returncode == 2
+    assert ("rft: configuration error: conf/experiment/base.yaml, line 4: its defaults list names 'model/tinyy', "
+            "but there is no conf/model/tinyy.yaml (the options of 'model' are qwen2.5-0.5b, qwen7b, tiny, "
+            "tiny_tools). Fix the name in that file.") in r.stderr
+    assert_nothing_started(run_root)
+
+
+def test_a_checkpoint_root_under_a_file_is_one_paragraph_before_hydra_makes_the_run_dir(run_root, tmp_path):
+    # Hydra made the run's directory before rft's check: NotADirectoryError under its traceback
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    r = run_cli("stages=[]", f"checkpoint_root_dir={blocker}/out", env=run_root)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert (f"rft: configuration error: cannot write to {blocker}/out/rft/grpo-tiny-arithmetic (NotADirectoryError: "
+            f"Not a directory). Point checkpoint_root_dir (or RFT_CHECKPOINT_ROOT_DIR) at a writable directory.") in r.stderr
+    # a read-only place: Hydra's PermissionError (root writes anywhere chmod forbids; sysfs refuses it too)
+    read_only = tmp_path / "read_only"
+    read_only.mkdir(mode=0o555)
+    root = Path("/sys") if os.geteuid() == 0 else read_only
+    r = run_cli("stages=[]", f"checkpoint_root_dir={root}/out", env=run_root)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert (f"rft: configuration error: cannot write to {root}/out/rft/grpo-tiny-arithmetic (PermissionError: "
+            in r.stderr)
+    # a name that climbs out of the project's directory is refused before Hydra makes it
+    r = run_cli("stages=[]", f"checkpoint_root_dir={tmp_path}/ck", "name=../../escaped", env=run_root)
+    assert r.returncode == 2 and "rft: configuration error: name='../../escaped': the run's outputs go to" in r.stderr
+    assert not (tmp_path / "escaped").exists()
+    # a sweep's directory too (Hydra's sweeper makes it)
+    r = run_cli("-m", "stages=[]", "seed=1,2", f"checkpoint_root_dir={blocker}/out", env=run_root)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert f"rft: configuration error: cannot write to {blocker}/out/rft/multirun/" in r.stderr
+
+
+def test_a_list_addressed_by_a_name_says_to_use_an_index(run_root):
+    # Hydra raised "TypeError: Index 'sft_warmup' (str) is not an int" under a traceback
+    r = run_cli("stages.sft_warmup.buffer.total_steps=10", "dry_run=true", env=run_root)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert ("rft: configuration error: Could not override 'stages.sft_warmup.buffer.total_steps': stages is a list, so "
+            "its items are addressed by their index (stages.0.<key> for the first), not by a name ('sft_warmup'). "
+            "`python run.py --cfg job -p stages` prints it.") in r.stderr
     assert_nothing_started(run_root)

@@ -169,6 +169,60 @@ def test_an_environment_that_raises_fails_its_task_only(tools_model):
     assert [e.reward for e in out[1]] == [1.0, 1.0]
 
 
+class Answers(CalculatorEnv):
+    """An environment whose step (or reset) answers `Answers.result` as it is."""
+
+    result = None
+
+    def step(self, text):
+        return Answers.result
+
+
+@pytest.mark.parametrize("result, wrong", [
+    (3, "returned int 3"),
+    ((None, {"correct": 1.0}), "returned tuple (None, {'correct': 1.0})"),
+    ((None, {"correct": "yes"}, True), "returned the reward part 'correct'='yes', not a finite number"),
+    ((None, 1.0, True), "returned the reward parts 1.0, not a dict"),
+    ((None, {"correct": float("nan")}, True), "returned the reward part 'correct'=nan, not a finite number"),
+    (([1, 2], {}, False), "returned the message [1, 2]: a str, a message dict with a str 'content', or None"),
+])
+def test_an_environment_whose_step_answers_the_wrong_shape_is_named(tools_model, result, wrong):
+    # each was a TypeError or ValueError inside the workflow: a traceback that never named the class
+    import rft.environments as envs
+
+    tok = tokenizer(tools_model)
+    Answers.result = result
+    envs.ENVIRONMENTS["_answers"] = Answers
+    try:
+        with pytest.raises(ConfigError) as e:
+            multi_turn([task()], Scripted(tok, [("56", "stop")]), ctx_for(tok, {"env": "_answers"}, call=runners))
+    finally:
+        del envs.ENVIRONMENTS["_answers"]
+    assert str(e.value) == (
+        f"test_multi_turn.Answers.step(text) (turn 1) {wrong}; it must return (message | None, "
+        f"{{part name: number}}, done), e.g. (None, {{'correct': 1.0}}, True) (rft/environments.py).")
+
+
+def test_an_environment_whose_reset_answers_nothing_is_named(tools_model):
+    import rft.environments as envs
+
+    class Silent(CalculatorEnv):
+        def reset(self, task):
+            self.task = task  # and returns None: no first message
+
+    tok = tokenizer(tools_model)
+    envs.ENVIRONMENTS["_silent"] = Silent
+    try:
+        with pytest.raises(ConfigError) as e:
+            multi_turn([task()], Scripted(tok, [("56", "stop")]), ctx_for(tok, {"env": "_silent"}, call=runners))
+    finally:
+        del envs.ENVIRONMENTS["_silent"]
+    assert str(e.value) == (
+        "test_multi_turn.test_an_environment_whose_reset_answers_nothing_is_named.<locals>.Silent.reset(task) "
+        "returned NoneType None; it must return the first message(s): a str (a user message), a message dict "
+        "with a str 'content', or a non-empty list of message dicts (rft/environments.py).")
+
+
 def test_workflow_args_are_checked(tools_model):
     tok = tokenizer(tools_model)
     with pytest.raises(ConfigError, match="needs workflow_args.env"):
@@ -392,3 +446,30 @@ def test_a_reset_that_fails_fails_its_task_and_different_starts_are_sampled_apar
     # the two starts differ (p1, p2): one prompt each, not n samples of the first
     assert len(engine.calls[0]) == 2 and engine.calls[0][0] != engine.calls[0][1]
     assert [e.info["conversation"][0]["content"] for e in out[0]] == ["p1", "p2"]
+
+
+def test_a_tokenizer_without_a_working_chat_template_fails_when_loaded(tools_model, tmp_path):
+    """Every prompt is rendered with the chat template: transformers raised at the first one, a
+    raw traceback in the explorer (no template: "Cannot use chat template functions because
+    tokenizer.chat_template is not set")."""
+    tok = tokenizer(tools_model)
+    tok.chat_template = None
+    tok.save_pretrained(tmp_path / "base")  # a base model's tokenizer: no template
+    with pytest.raises(ConfigError) as e:
+        tokenizer(tmp_path / "base")
+    assert str(e.value).startswith(
+        f"model.model_path='{tmp_path / 'base'}': its tokenizer has no chat template, and every prompt is rendered "
+        f"with one (a base model's tokenizer often has none). Set model.custom_chat_template to a Jinja template")
+    # a template that parses but fails when rendered (a study's own raise_exception)
+    with pytest.raises(ConfigError) as e:
+        tokenizer(tools_model, "{{ raise_exception('system messages only') }}")
+    assert str(e.value) == (
+        "model.custom_chat_template fails on a one-message conversation (TemplateError: system messages only). "
+        "Fix the template (or set model.custom_chat_template to one that renders).")
+    tokenizer(tmp_path / "base", HASH_TEMPLATE)  # a template of its own makes it usable
+    # a folder without a model: transformers' ValueError ("Couldn't instantiate the backend tokenizer") was a
+    # raw traceback
+    (tmp_path / "no_tok").mkdir()
+    (tmp_path / "no_tok" / "notes.txt").write_text("weights to come")
+    with pytest.raises(ConfigError, match=rf"^model.model_path='{tmp_path / 'no_tok'}' could not be loaded \(ValueError: "):
+        tokenizer(tmp_path / "no_tok")

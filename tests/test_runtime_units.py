@@ -837,3 +837,74 @@ def test_eval_accuracy_is_the_mean_reward_and_may_pass_one():
     m = Explorer(cfg).evaluate(0)
     # every one of the 200 eval tasks scored 1.5: the mean, 1.5, not a share of tasks solved
     assert m["eval/accuracy"] == 1.5 and m["eval/failed_tasks"] == 0
+
+
+FAILED_STEP = {"rollout/experiences": 0, "rollout/failed_tasks": 4, "rollout/errors": 8, "rollout/timeouts": 0}
+
+
+def stage_run_of(cfg, tmp_path, total_steps: int, start: int = 0):
+    """A StageRun standing in for one whose steps are all collected: what _check_signal reads."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(cfg=cfg, plan=SimpleNamespace(total_steps=total_steps), start=start, failed_steps=0,
+                           dir=tmp_path, title="grpo", first_rewards=set(), _resume_point=lambda: "none yet")
+
+
+def test_a_run_shorter_than_max_failed_steps_whose_every_step_failed_stops_naming_the_environment(tmp_path):
+    """2 steps, max_failed_steps 3: both failed, and the run saved the unchanged model with exit 0;
+    the message blamed the reward function when the environment had raised."""
+    from rft.errors import RunError
+    from rft.runner import StageRun
+
+    cfg = compose_cfg(["stages=[]", "model=tiny_tools", "task=calculator", "buffer.total_steps=2"])
+    run = stage_run_of(cfg, tmp_path, total_steps=2)
+    StageRun._check_signal(run, 0, FAILED_STEP, ("workflow", "TypeError: boom"))  # 1 of 2: it goes on
+    with pytest.raises(RunError) as e:
+        StageRun._check_signal(run, 1, FAILED_STEP, ("workflow", "TypeError: boom"))
+    assert str(e.value) == (
+        f"every task of the last 2 steps failed (environment 'calculator' (workflow_args.env): 8 errors and 0 "
+        f"timeouts in the last step; the last error: TypeError: boom), so nothing can be learned. Each explorer's "
+        f"log in {tmp_path / 'log'} has the details. Fix the environment's reset or step (or raise "
+        f"explorer.max_timeout if it is only slow), then run the same command again to resume from the newest "
+        f"checkpoint: none yet. explorer.max_failed_steps=3 sets how many such steps stop a run (0: never).")
+    # resumed at step 9 of 10: its one step failed, and it is all this run does
+    run = stage_run_of(compose_cfg(["stages=[]"]), tmp_path, total_steps=10, start=9)
+    with pytest.raises(RunError, match=r"^every task of the last 1 steps failed \(reward function 'exact_match': "):
+        StageRun._check_signal(run, 9, FAILED_STEP, ("reward", "ValueError: no"))
+    # a longer run goes on until max_failed_steps in a row
+    run = stage_run_of(compose_cfg(["stages=[]"]), tmp_path, total_steps=10)
+    for step in range(2):
+        StageRun._check_signal(run, step, FAILED_STEP, ("reward", "ValueError: no"))
+
+
+class ReturnsAnInt:
+    """An environment whose step answers 1 (a reward) instead of (message, parts, done)."""
+
+    stop: list = []
+
+    def __init__(self):
+        self.info = {}
+
+    def reset(self, task):
+        return task.messages
+
+    def step(self, text):
+        return 1
+
+
+@pytest.mark.slow  # an engine
+def test_an_environment_of_the_wrong_shape_stops_the_explorer_with_its_name_not_a_traceback(caplog):
+    """The explorer wrapped the workflow's error in "workflow 'multi_turn' raised TypeError: cannot
+    unpack non-iterable int object" and printed its traceback on the console."""
+    from rft.models import ensure_model
+    from rft.tasks import ensure_task_data
+
+    cfg = compose_cfg(["stages=[]", "cluster=inline", "model=tiny_tools", "task=calculator", "buffer.batch_size=2",
+                       "algorithm.repeat_times=2", "buffer.explorer_input.eval_tasksets=[]",
+                       "buffer.explorer_input.taskset.workflow_args.env=test_runtime_units.ReturnsAnInt"])
+    ensure_model(cfg.model)
+    ensure_task_data(cfg.buffer.explorer_input)
+    with pytest.raises(ConfigError) as e:
+        Explorer(cfg).explore(0)
+    assert str(e.value).startswith("test_runtime_units.ReturnsAnInt.step(text) (turn 1) returned int 1; it must return")
+    assert not [r for r in caplog.records if r.levelno >= 30 and r.exc_info]  # no traceback for the console

@@ -116,3 +116,38 @@ def test_the_local_launcher_runs_the_jobs_side_by_side(two_job_sweep):
     spans = [(_log_time(log, "Starting with JobEnvironment"), _log_time(log, "Job completed successfully"))
              for _, log in _submitted(stdout).values()]
     assert len(spans) == 2 and max(start for start, _ in spans) < min(end for _, end in spans), spans
+
+
+# ---------------------------------------------------------------- every job planned before the first starts
+
+def test_a_sweep_value_that_cannot_plan_stops_the_sweep_before_any_job_runs(tmp_path):
+    # job 0 trained to its end before job 1 (batch size 0) was found out
+    env = {"RFT_CHECKPOINT_ROOT_DIR": str(tmp_path)}
+    r = run_cli("-m", *TINY[:-1], "buffer.batch_size=4,0", env=env)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert ("rft: configuration error: job 1 of the sweep (buffer.batch_size=0): buffer.batch_size=0 must be >= 1 "
+            "(tasks per step). No job has started: every job is planned first.") in r.stderr
+    assert not list(tmp_path.rglob("metrics.jsonl"))
+    # a value that fits no dataset is found too: the datasets of every job are read first
+    r = run_cli("-m", *TINY[:-1], "buffer.total_steps=null", "buffer.batch_size=4,4000", env=env)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert ("rft: configuration error: job 1 of the sweep (buffer.batch_size=4000): the dataset has 2000 rows, fewer "
+            "than buffer.batch_size=4000: one epoch would be 0 steps.") in r.stderr
+    assert not list(tmp_path.rglob("metrics.jsonl"))
+
+
+def test_a_sweeps_jobs_are_its_params_and_the_command_lines_values():
+    from omegaconf import read_write
+
+    from conftest import compose_cfg
+    from rft.sweep import sweep_jobs
+
+    cfg = compose_cfg(["experiment=tiny_seeds"], keep_hydra=True)
+    with read_write(cfg.hydra.overrides.task):  # as `-m experiment=tiny_seeds algorithm=grpo,dr_grpo`
+        cfg.hydra.overrides.task.append("algorithm=grpo,dr_grpo")
+    # tiny_seeds' params (seed: 1,2,3) x the command line's 2 algorithms = 6 jobs, seeds outermost
+    jobs = sweep_jobs(cfg)
+    assert [j[:2] for j in jobs] == [["seed=1", "experiment=tiny_seeds"], ["seed=1", "experiment=tiny_seeds"],
+                                     ["seed=2", "experiment=tiny_seeds"], ["seed=2", "experiment=tiny_seeds"],
+                                     ["seed=3", "experiment=tiny_seeds"], ["seed=3", "experiment=tiny_seeds"]]
+    assert [j[2] for j in jobs] == ["algorithm=grpo", "algorithm=dr_grpo"] * 3

@@ -156,9 +156,13 @@ def resolve(registry: Mapping, name: str, key: str):
     if "." in name:
         module, _, attr = name.rpartition(".")
         try:
-            return getattr(importlib.import_module(module), attr)
+            found = getattr(importlib.import_module(module), attr)
         except (ImportError, AttributeError) as e:
             raise ConfigError(f"{key}={name!r}: cannot import it ({type(e).__name__}: {e}).") from e
+        if not callable(found):  # a module, a constant, a registry dict: nothing to call
+            raise ConfigError(f"{key}={name!r} is a {type(found).__name__}, not a function or class; give the "
+                              f"dotted path of a function (module.function) or a registered name.")
+        return found
     raise ConfigError(
         f"{key}={name!r} is not one of {sorted(registry)}; give a registered name or the dotted "
         f"path of a function with the same signature (module.function)."
