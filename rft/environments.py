@@ -222,8 +222,17 @@ class PythonEnv(ToolEnv):
         from rft import sandbox
 
         super().__init__(max_tool_calls)
-        sandbox.check(allow_unisolated)
+        self.check_config(allow_unisolated=allow_unisolated)
         self.tools = {"python": lambda code: run_python(code, timeout_s, memory_mb, allow_unisolated)}
+
+
+    @staticmethod
+    def check_config(allow_unisolated: bool = False, **_) -> None:
+        """Called with env_args when the run is planned (rft.multi_turn.check_args), so a machine
+        without a sandbox stops before anything starts, not after max_failed_steps of failed tasks."""
+        from rft import sandbox
+
+        sandbox.check(allow_unisolated)
 
 
 # workflow_args.env: a name here, or the dotted path of a class with the same methods

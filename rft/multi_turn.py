@@ -202,6 +202,9 @@ def _check_env_class(env_cls, args, where: str) -> None:
     except TypeError as e:
         raise ConfigError(f"{where}.env_args={dict(args.get('env_args') or {})!r} does not fit {name}{inspect.signature(env_cls)} "
                           f"({e}). Give the keyword arguments its constructor takes.") from None
+    # an environment may check its arguments against this machine too (python: is there a sandbox?)
+    if callable(getattr(env_cls, "check_config", None)):
+        env_cls.check_config(**dict(args.get("env_args") or {}))
 
 
 def multi_turn(tasks, engine, ctx) -> list[list[Experience] | None]:

@@ -381,3 +381,15 @@ def tools_model(cache_dir):
     from rft.models import build_tiny_model
 
     return build_tiny_model(cache_dir / "models" / "tiny-qwen2-tools-v2", tools=True)
+
+
+def test_a_run_with_the_python_environment_on_a_machine_without_a_sandbox_stops_when_planned(no_bwrap):
+    # before, the plan passed; every conversation's environment then failed to build, and the run
+    # stopped only after explorer.max_failed_steps steps of failed tasks, blaming its tasks
+    from test_config import CALC, TS, plan_for
+
+    with pytest.raises(ConfigError, match=r"^The python environment runs model-written code only inside an "
+                                          r"isolated sandbox, and this machine cannot make one: bubblewrap"):
+        plan_for(["stages=[]", *CALC, f"{TS}.workflow_args.env=python"])
+    plan_for(["stages=[]", *CALC, f"{TS}.workflow_args.env=python",
+              f"+{TS}.workflow_args.env_args.allow_unisolated=true"])  # the opt-out plans
