@@ -172,6 +172,8 @@ def test_requests_that_change_state_need_json_the_header_token_and_the_studios_o
         assert r.status_code == 413 and r.text == f"refused: a body of {(1 << 20) + 1} bytes; the studio takes at most {1 << 20}."
         r = post(content=b"{not json")
         assert r.status_code == 400 and r.json()["detail"].startswith("the request body is not JSON (Expecting property name")
+        r = post(content=b"[" * 100_000)
+        assert r.status_code == 400 and r.json()["detail"] == "the request body nests too deep; send a JSON object of groups and keys."
         r = post(content=b"[]")
         assert r.status_code == 400 and r.json()["detail"].startswith("the request body is a JSON list; send a JSON object")
         r = post(content=json.dumps({"choices": {"algorithm": "../../etc/passwd"}}))
@@ -311,6 +313,8 @@ def test_a_launch_that_imports_from_outside_runs_only_once_those_paths_are_confi
         refusals = [
             ({"keys": {"hydra.job.env_set.LD_PRELOAD": "/tmp/x.so"}},
              "keys['hydra.job.env_set.LD_PRELOAD']: the studio does not change Hydra's own settings"),
+            ({"keys": {"+experiment@hydra.job.env_set": "tiny_seeds"}},
+             "keys['+experiment@hydra.job.env_set']: the studio does not change Hydra's own settings"),
             ({"sweep": True, "sweep_params": "seed=1,2 +hydra.callbacks.x._target_=os.system"},
              "sweep_params '+hydra.callbacks.x._target_=os.system': the studio does not change"),
             ({"sweep": True, "sweep_params": "--experimental-rerun=/tmp/x.pickle"},
@@ -383,5 +387,29 @@ def test_the_token_is_never_on_the_command_line(tmp_path):
     proc, url, token = _studio(tmp_path, args=("--token-file", str(f)))
     try:
         assert token == "a-token-from-a-file-0123" and "WARNING" not in proc.said
+    finally:
+        _stop(proc)
+
+
+def test_what_a_run_directory_holds_is_shown_as_text_never_run_as_script(browser, tmp_path):  # noqa: F811
+    """A run directory is data (one copied from elsewhere included): a script in it, run by the page,
+    could read the token and drive the studio."""
+    from test_studio import _fake_run
+
+    run = _fake_run(tmp_path, "rft/r", [{"step": 1, "eval/accuracy": 0.1}])
+    d = run / "grpo" / "eval_trajectories" / "step_4"
+    d.mkdir(parents=True)
+    evil = '<img src=x onerror="window.pwned = 1">'
+    (d / "set.jsonl").write_text(json.dumps({"task_id": "0", "reward": evil, "reward_parts": {"p": evil},
+                                             "messages": [{"role": "user", "content": "q"}]}) + "\n")
+    proc, url, token = _studio(tmp_path)
+    try:
+        page = browser.new_page()
+        page.goto(f"{url}/rollouts?run=rft/r#token={token}")
+        page.wait_for_selector("#rollouts tbody tr")
+        page.wait_for_load_state("networkidle")
+        assert page.evaluate("window.pwned") is None
+        assert page.inner_text("#rollouts tbody td.reward") == evil and page.get_attribute("#rollouts tbody tr", "data-reward") == evil
+        assert f"p={evil}" in page.inner_text("#rollouts tbody")
     finally:
         _stop(proc)

@@ -13,9 +13,10 @@ from pathlib import Path
 
 from rft.studio.compose import control_character
 
-# Hydra's own settings, in any override form (hydra.job.env_set.X, +hydra..., hydra/launcher=...):
-# they reach logging handlers' classes, callbacks' `_target_`s and the job's environment
-HYDRA_KEY = re.compile(r"^[+~]*hydra([./@]|$)")
+# Hydra's own settings, in any override form (hydra.job.env_set.X, +hydra..., hydra/launcher=...,
+# a group put there: +experiment@hydra.job.env_set=x): they reach logging handlers' classes,
+# callbacks' `_target_`s and the job's environment
+HYDRA_KEY = re.compile(r"^[+~]*hydra([./@]|$)|@(_global_\.)?hydra([./]|$)")
 
 
 def parse(raw: bytes) -> dict:
@@ -23,6 +24,8 @@ def parse(raw: bytes) -> dict:
         body = json.loads(raw)
     except ValueError as e:
         raise ValueError(f"the request body is not JSON ({e}); send a JSON object.") from None
+    except RecursionError:
+        raise ValueError("the request body nests too deep; send a JSON object of groups and keys.") from None
     if not isinstance(body, dict):
         raise ValueError(f"the request body is a JSON {type(body).__name__}; send a JSON object "
                          f'({{"choices": {{group: option}}, "keys": {{key: value}}}}).')
@@ -40,7 +43,7 @@ def _key(where: str, key: str) -> None:
     control_character(where, key)
     if key.startswith("-"):
         raise ValueError(f"{where}: a key is a config key, not a command-line flag; take out the leading '-'.")
-    if HYDRA_KEY.match(key):
+    if HYDRA_KEY.search(key):
         raise ValueError(f"{where}: the studio does not change Hydra's own settings (hydra.*: its logging, callbacks, "
                          f"launcher, the job's environment); set them in a file under conf/, the launcher on the form.")
 

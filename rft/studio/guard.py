@@ -28,8 +28,11 @@ MAX_BODY = 1 << 20
 LOOPBACK = frozenset({"127.0.0.1", "localhost", "::1"})
 READS = ("GET", "HEAD")
 # on every answer: no other page may frame the studio (a click on "launch" through a transparent
-# frame), send its address on, or have a JSON answer read as a script
-HEADERS = {"X-Frame-Options": "DENY", "Content-Security-Policy": "frame-ancestors 'none'",
+# frame); only the studio's own script files run (text from a run's files that slipped into the
+# page unescaped would not: it could read the token); no address is sent on; no answer is sniffed
+CSP = ("default-src 'self'; script-src 'self'; style-src 'self' 'unsafe-inline'; img-src 'self' data:; "
+       "frame-ancestors 'none'; base-uri 'none'; form-action 'none'")
+HEADERS = {"X-Frame-Options": "DENY", "Content-Security-Policy": CSP,
            "Referrer-Policy": "no-referrer", "X-Content-Type-Options": "nosniff"}
 
 

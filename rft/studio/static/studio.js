@@ -32,10 +32,11 @@ function esc(s) {
   return String(s ?? "").replace(/[&<>"]/g, c => ({"&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;"}[c]));
 }
 
+// a value as HTML text: escaped, whatever a file under the root put there (a run's files are data)
 function fmt(v) {
   if (v === null || v === undefined) return "";
   if (typeof v === "number") return Number.isInteger(v) ? String(v) : v.toPrecision(4);
-  return String(v);
+  return esc(v);
 }
 
 // ------------------------------------------------------------------ compose
@@ -241,7 +242,7 @@ function table(id, rows) {
   if (!rows.length) return "<p>no rows</p>";
   const cols = Object.keys(rows[0]);
   return `<table class="list" id="table-${id}"><thead><tr>${cols.map(c => `<th>${esc(c)}</th>`).join("")}</tr></thead><tbody>` +
-    rows.map(r => `<tr>${cols.map(c => `<td>${esc(fmt(r[c]))}</td>`).join("")}</tr>`).join("") + "</tbody></table>";
+    rows.map(r => `<tr>${cols.map(c => `<td>${fmt(r[c])}</td>`).join("")}</tr>`).join("") + "</tbody></table>";
 }
 
 // ------------------------------------------------------------------ rollouts
@@ -280,7 +281,7 @@ const rollouts = {
         : x.turns ? x.turns.map(t => `<div class="turn ${t.trained ? "trained" : "masked"}" title="${t.trained ? "trained (loss mask 1)" : "masked (context only)"}">` +
         `<span class="role">${esc(t.role)}</span>${esc(t.content)}${t.tool_calls ? " " + esc(JSON.stringify(t.tool_calls)) : ""}</div>`).join("")
         : `<div class="turn trained">${esc(x.response)}</div>`;
-      return `<tr data-reward="${x.reward}"><td>${x.i}</td><td>${fmt(x.step)}</td><td>${esc(x.task_id)}</td><td class="reward">${fmt(x.reward)}</td>` +
+      return `<tr data-reward="${esc(x.reward)}"><td>${fmt(x.i)}</td><td>${fmt(x.step)}</td><td>${esc(x.task_id)}</td><td class="reward">${fmt(x.reward)}</td>` +
              `<td>${parts}</td><td>${fmt(x.length)}</td><td class="text">${esc(x.prompt)}</td><td class="text">${response}</td></tr>`;
     }).join("");
   },
