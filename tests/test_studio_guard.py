@@ -176,6 +176,8 @@ def test_requests_that_change_state_need_json_the_header_token_and_the_studios_o
         assert r.status_code == 400 and r.json()["detail"] == "the request body nests too deep; send a JSON object of groups and keys."
         r = post(content=b"[]")
         assert r.status_code == 400 and r.json()["detail"].startswith("the request body is a JSON list; send a JSON object")
+        r = post(content=json.dumps({"choices": []}))
+        assert r.status_code == 400 and r.json()["detail"] == "choices: a JSON object of choices is expected, not a list."
         r = post(content=json.dumps({"choices": {"algorithm": "../../etc/passwd"}}))
         assert r.status_code == 400 and r.json()["detail"].startswith("choices.algorithm='../../etc/passwd' is not a file of conf/algorithm/")
         # no page may frame the studio (a click on "launch" through a transparent frame)
@@ -411,5 +413,29 @@ def test_what_a_run_directory_holds_is_shown_as_text_never_run_as_script(browser
         assert page.evaluate("window.pwned") is None
         assert page.inner_text("#rollouts tbody td.reward") == evil and page.get_attribute("#rollouts tbody tr", "data-reward") == evil
         assert f"p={evil}" in page.inner_text("#rollouts tbody")
+    finally:
+        _stop(proc)
+
+
+def test_rollout_filters_that_are_not_numbers_are_a_400_naming_them(tmp_path):
+    import httpx
+
+    from test_studio import _sql_buffer
+
+    _sql_buffer(tmp_path / "rft" / "r")
+    proc, url, token = _studio(tmp_path)
+    try:
+        def rows(**params):
+            return httpx.get(url + "/api/rollouts", params={"run": "rft/r", "source": "grpo/buffer.db", **params},
+                             headers={"Authorization": f"Bearer {token}"})
+
+        assert rows(min_reward="0.5").json()["matched"] == 4  # rewards 0, 0.5, 1, 1, 1: four at or above 0.5
+        for params, said in [({"min_reward": "x"}, "min_reward='x' is not a number"),
+                             ({"max_reward": "nan"}, "max_reward='nan' is not a number"),  # it would keep every row
+                             ({"step": "1.5"}, "step='1.5' is not a whole number"),
+                             ({"limit": "0"}, "limit=0: give 1 to 5000 rows.")]:
+            r = rows(**params)
+            assert r.status_code == 400 and r.json()["detail"].startswith(said), (params, r.text)
+        assert rows(run="../..").json()["detail"] == "'../..' is not under the checkpoint root"
     finally:
         _stop(proc)

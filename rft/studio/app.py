@@ -32,7 +32,10 @@ def _number(name: str, text: str, kind: type):
     if not text.strip():
         return None
     try:
-        return kind(text)
+        value = kind(text)
+        if value != value:  # nan: every comparison false, so the filter would keep every row
+            raise ValueError
+        return value
     except ValueError:
         raise ValueError(f"{name}={text!r} is not {'a number' if kind is float else 'a whole number'}; "
                          f"leave it empty for no filter.") from None

@@ -33,7 +33,9 @@ def parse(raw: bytes) -> dict:
 
 
 def _mapping(body: dict, field: str) -> dict:
-    value = body.get(field) or {}
+    value = body.get(field)
+    if value is None:
+        return {}
     if not isinstance(value, dict):
         raise ValueError(f"{field}: a JSON object of {field} is expected, not a {type(value).__name__}.")
     return value
