@@ -315,6 +315,9 @@ def _studio(root: Path, conf: Path = CONF, extra_env=None, args=()):
 
 @pytest.fixture
 def browser():
+    """Headless Chromium. The studio's Content-Security-Policy runs only its own script files, while
+    Playwright's wait_for_function evaluates its condition as a string (eval): pages that wait so
+    are opened with bypass_csp=True; tests/test_studio_guard.py shows the pages work under the CSP."""
     if not Path(CHROMIUM).exists():
         if os.environ.get("RFT_REQUIRE_BROWSER"):
             pytest.fail(f"{CHROMIUM} is missing (RFT_REQUIRE_BROWSER=1): apt-get install chromium")
@@ -378,7 +381,7 @@ def test_compose_page_shows_the_plan_error_then_the_plan_and_its_command_compose
     shutil.copytree(CONF, conf)  # "save as study" writes here, not into the repo
     proc, url, token = _studio(tmp_path, conf)
     try:
-        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        page = browser.new_page(bypass_csp=True, viewport={"width": 1400, "height": 1000})
         page.goto(f"{url}/compose#token={token}")
         page.wait_for_function("document.body.dataset.composed")
         page.select_option("#group-algorithm", "dapo")
@@ -420,7 +423,7 @@ def test_rollouts_page_lists_experiences_and_filters_by_reward(browser, tmp_path
     _sql_buffer(run)
     proc, url, token = _studio(tmp_path)
     try:
-        page = browser.new_page(viewport={"width": 1400, "height": 900})
+        page = browser.new_page(bypass_csp=True, viewport={"width": 1400, "height": 900})
         page.goto(f"{url}/rollouts?run=rft/r#token={token}")
         page.wait_for_selector("#rollouts tbody tr")
         assert len(page.query_selector_all("#rollouts tbody tr")) == 5
@@ -445,7 +448,7 @@ def _set_key(page, key: str, value: str) -> None:
 
 def _grpo_from_warm_start(browser, url: str, token: str, warm_start, name: str, steps: int):
     """The compose page set, as a person would, to GRPO from the warm start in one process."""
-    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    page = browser.new_page(bypass_csp=True, viewport={"width": 1400, "height": 1000})
     page.goto(f"{url}/compose#token={token}")
     page.wait_for_function("document.body.dataset.composed")
     for key, value in [("stages", "[]"), ("model.model_path", str(warm_start)), ("model.builder", "null"),
@@ -469,7 +472,7 @@ def test_runs_page_overlays_two_runs_and_shows_a_sweep_table(browser, tmp_path):
         _fake_run(tmp_path, f"rft/multirun/2026-01-01_00-00-00/{n}", [{"step": 1, "eval/accuracy": 0.1 * seed}], [f"seed={seed}"])
     proc, url, token = _studio(tmp_path)
     try:
-        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        page = browser.new_page(bypass_csp=True, viewport={"width": 1400, "height": 1000})
         page.goto(f"{url}/runs#token={token}")
         page.wait_for_selector('[data-pick="rft/a"]')
         page.check('[data-pick="rft/a"]')
@@ -504,7 +507,7 @@ def test_a_run_launched_from_the_page_trains_its_curve_grows_and_stop_works(brow
         page.click("#launch")
         page.wait_for_function("document.querySelector('#launch-status').dataset.status == 'running'")
         # the runs page: the run appears, its eval curve grows while it trains
-        runs = browser.new_page(viewport={"width": 1400, "height": 1000})
+        runs = browser.new_page(bypass_csp=True, viewport={"width": 1400, "height": 1000})
         runs.goto(f"{url}/runs#token={token}")
         runs.wait_for_selector('[data-pick="rft/from_the_page"]', timeout=120000)
         runs.check('[data-pick="rft/from_the_page"]')
@@ -564,7 +567,7 @@ def test_a_sweep_launched_from_the_page_runs_each_job_and_its_table_has_a_row_ea
         page.wait_for_function("document.querySelector('#launch-status').textContent.includes('python run.py -m ')")
         page.wait_for_function("document.querySelector('#launch-status').dataset.status == 'finished'", timeout=400000)
         assert "seed=1,2" in page.text_content("#launch-status")
-        runs = browser.new_page(viewport={"width": 1400, "height": 1000})
+        runs = browser.new_page(bypass_csp=True, viewport={"width": 1400, "height": 1000})
         runs.goto(f"{url}/runs#token={token}")
         runs.wait_for_function("document.querySelectorAll('#sweep-choice option').length == 2")
         sweep = runs.eval_on_selector("#sweep-choice", "s => s.options[1].value")

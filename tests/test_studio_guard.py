@@ -93,7 +93,7 @@ def test_a_page_on_another_port_can_neither_launch_save_nor_stop_and_gets_no_tok
         running = httpx.post(url + "/api/launch", json=LONG_RUN, headers=auth, timeout=120).json()
         assert running["status"] == "running"
         attacker = _Attacker(_attack_page(url, running["id"]))
-        context = browser.new_context()
+        context = browser.new_context(bypass_csp=True)
         studio = context.new_page()
         studio.goto(proc.link)  # the user has the studio open, as printed
         studio.wait_for_function("document.body.dataset.composed")
@@ -338,7 +338,7 @@ def test_a_launch_that_imports_from_outside_runs_only_once_those_paths_are_confi
 def test_the_compose_page_lists_foreign_imports_and_asks_before_it_launches(browser, tmp_path):  # noqa: F811
     proc, url, token = _studio(tmp_path)
     try:
-        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        page = browser.new_page(bypass_csp=True, viewport={"width": 1400, "height": 1000})
         page.goto(proc.link)
         page.wait_for_function("document.body.dataset.composed")
         assert page.url == f"{url}/compose"  # the token left the address bar (it is in this origin's localStorage)
@@ -437,5 +437,37 @@ def test_rollout_filters_that_are_not_numbers_are_a_400_naming_them(tmp_path):
             r = rows(**params)
             assert r.status_code == 400 and r.json()["detail"].startswith(said), (params, r.text)
         assert rows(run="../..").json()["detail"] == "'../..' is not under the checkpoint root"
+    finally:
+        _stop(proc)
+
+
+def test_the_pages_work_under_their_content_security_policy(browser, tmp_path):  # noqa: F811
+    """No bypass here: the pages' own scripts and plotly run with only 'self' scripts allowed."""
+    from test_studio import _fake_run
+
+    _fake_run(tmp_path, "rft/a", [{"step": 1, "eval/accuracy": 0.1}, {"step": 2, "eval/accuracy": 0.5}])
+    proc, url, token = _studio(tmp_path)
+    try:
+        page = browser.new_page()
+        blocked = []
+        page.on("console", lambda m: blocked.append(m.text) if "Content Security Policy" in m.text else None)
+        page.goto(proc.link)
+
+        def until(expression: str):  # page.evaluate runs outside the page's CSP, unlike wait_for_function
+            deadline = time.time() + 60
+            while not page.evaluate(expression) and time.time() < deadline:
+                time.sleep(0.2)
+            return page.evaluate(expression)
+
+        assert until("document.body.dataset.composed") and "tasks per step" in page.text_content("#plan")
+        page.goto(f"{url}/runs")  # the token is kept in this origin's localStorage
+        page.wait_for_selector('[data-pick="rft/a"]')
+        page.check('[data-pick="rft/a"]')
+        assert until("(document.getElementById('chart').data || []).map(t => Array.from(t.y).join(',')).join(';')") == "0.1,0.5"
+        assert page.query_selector("#chart .main-svg") is not None and blocked == []  # plotly drew its SVG
+        import httpx
+
+        csp = httpx.get(url + "/runs").headers["content-security-policy"]
+        assert "script-src 'self';" in csp and "frame-ancestors 'none'" in csp
     finally:
         _stop(proc)
