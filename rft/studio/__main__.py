@@ -1,7 +1,9 @@
-"""python -m rft.studio [--host 127.0.0.1] [--port 8765] [--root ./checkpoints]
+"""python -m rft.studio [--host 127.0.0.1] [--port 8765] [--root ./checkpoints] [--token-file FILE]
 
-Serves the studio on loopback with a fresh token in the printed URL; --host to share it
-deliberately (plain HTTP: anyone who can reach the port and has the token can launch runs).
+Serves the studio on loopback with a fresh token in the printed URL (or the one in
+$RFT_STUDIO_TOKEN or --token-file: never on the command line, where `ps` shows it to every local
+user); --host to share it deliberately (plain HTTP: anyone who can reach the port and has the
+token can launch runs).
 """
 
 from __future__ import annotations
@@ -9,11 +11,51 @@ from __future__ import annotations
 import argparse
 import os
 import secrets
+import socket
 import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 TOKEN_ENV = "RFT_STUDIO_TOKEN"
+# a shorter token can be guessed by trying: the studio answers as fast as it can
+MIN_TOKEN = 16
+
+
+def read_token(path: str | None) -> str:
+    """The token from --token-file, else $RFT_STUDIO_TOKEN, else a fresh one; a SystemExit naming
+    the source when it is unreadable, empty or short."""
+    if path:
+        file = Path(path).expanduser()
+        try:
+            token, source = file.read_text().strip(), f"--token-file {path}"
+        except OSError as e:
+            raise SystemExit(f"rft.studio: --token-file {path}: cannot read it ({e.strerror}).")
+        if file.stat().st_mode & 0o077:
+            print(f"rft.studio: WARNING: --token-file {path} is readable by other users: chmod 600 {path}",
+                  file=sys.stderr, flush=True)
+    elif os.environ.get(TOKEN_ENV):
+        token, source = os.environ[TOKEN_ENV], f"${TOKEN_ENV}"
+    else:
+        return secrets.token_urlsafe(24)
+    if len(token) < MIN_TOKEN or any(c.isspace() or not c.isprintable() for c in token):
+        raise SystemExit(f"rft.studio: the token in {source} is shorter than {MIN_TOKEN} characters or holds spaces; "
+                         f"make one with python -c 'import secrets; print(secrets.token_urlsafe(24))'.")
+    return token
+
+
+def host_names(host: str) -> frozenset[str]:
+    """The names a request's Host may give: loopback's, the address bound, and where that is every
+    address (0.0.0.0, ::), this machine's name and addresses."""
+    from rft.studio.guard import LOOPBACK
+
+    names = set(LOOPBACK) | {host}
+    if host in ("0.0.0.0", "::"):
+        names |= {socket.gethostname(), socket.getfqdn()}
+        try:
+            names |= {a[4][0] for a in socket.getaddrinfo(socket.gethostname(), None)}
+        except OSError:
+            pass
+    return frozenset(n.lower() for n in names)
 
 
 def main(argv=None) -> None:
@@ -25,8 +67,13 @@ def main(argv=None) -> None:
                    help="the checkpoint root whose runs and sweeps the studio shows, and where runs it "
                         "launches write (default $RFT_CHECKPOINT_ROOT_DIR or ./checkpoints, as run.py)")
     p.add_argument("--conf", default=str(REPO / "conf"), help="the config groups (default: this repo's conf/)")
-    p.add_argument("--token", default=None, help=f"the token (default ${TOKEN_ENV}; without either, a fresh one)")
+    p.add_argument("--token-file", default=None,
+                   help=f"a file holding the token (default ${TOKEN_ENV}; without either, a fresh one)")
+    p.add_argument("--token", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.token is not None:
+        raise SystemExit(f"rft.studio: --token is refused: a command line is visible to every local user (ps). Put "
+                         f"the token in a file only you can read and pass --token-file FILE, or set ${TOKEN_ENV}.")
 
     try:
         import jinja2  # noqa: F401
@@ -38,7 +85,8 @@ def main(argv=None) -> None:
     from rft.studio.app import make_app
 
     root = Path(os.path.expanduser(args.root)).resolve()
-    token = args.token or os.environ.get(TOKEN_ENV) or secrets.token_urlsafe(24)
+    token = read_token(args.token_file)
+    os.environ.pop(TOKEN_ENV, None)  # nothing the studio starts (a run, the plan's children) needs it
     # launched runs write where the studio reads, whatever directory they run from
     env = {**os.environ, "RFT_CHECKPOINT_ROOT_DIR": str(root)}
     # the live plan loads each change's datasets: offline, a hub dataset that is not downloaded
@@ -46,7 +94,7 @@ def main(argv=None) -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     os.environ["RFT_CHECKPOINT_ROOT_DIR"] = str(root)
-    app = make_app(token, root, Path(args.conf), REPO, launch_env=env)
+    app = make_app(token, root, Path(args.conf), REPO, launch_env=env, hosts=host_names(args.host))
 
     sock, host, port = listening_socket(args.host, args.port, "rft.studio")
     if not _is_loopback(args.host):
@@ -54,7 +102,8 @@ def main(argv=None) -> None:
               f"has the token can launch runs, and the traffic is plain HTTP.", file=sys.stderr, flush=True)
     shown = "127.0.0.1" if args.host in ("0.0.0.0", "::") else host
     print(f"rft.studio: runs under {root}", flush=True)
-    print(f"rft.studio: open http://{shown}:{port}/compose?token={token}", flush=True)
+    # the token after '#': the browser keeps it from every request, log and Referer
+    print(f"rft.studio: open http://{shown}:{port}/compose#token={token}", flush=True)
 
     import uvicorn
 

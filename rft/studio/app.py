@@ -2,17 +2,19 @@
 already use) with pages rendered by Jinja2, a little JavaScript of our own for live updates, and
 plotly.js (served from the `plotly` package, no CDN) for the curves.
 
-Every request needs the token: `?token=` in the URL the studio prints (which also sets a cookie,
-so the page's own requests carry it), the cookie, or `Authorization: Bearer <token>`.
+Every API request needs the token in `Authorization: Bearer <token>`; the page keeps it from the
+URL the studio prints (`#token=...`, which never reaches a server) and sends it. What else a
+request must be (its Host, Origin, content type, size) is guard.py's; what a body may say is
+bodies.py's. The pages are shells without data: each fills itself from /api/page/<name>.
 """
 
 
 import contextlib
-import secrets
 from pathlib import Path
 
+from rft.studio import guard as G
+
 HERE = Path(__file__).parent
-COOKIE = "rft_studio_token"
 PAGES = ("compose", "runs", "rollouts")
 
 
@@ -25,24 +27,73 @@ def plotly_js() -> Path:
     return path
 
 
-def make_app(token: str, root: Path, conf_dir: Path, repo: Path, launch_env: dict | None = None):
+def _number(name: str, text: str, kind: type):
+    """A filter's value: None when left empty."""
+    if not text.strip():
+        return None
+    try:
+        value = kind(text)
+        if value != value:  # nan: every comparison false, so the filter would keep every row
+            raise ValueError
+        return value
+    except ValueError:
+        raise ValueError(f"{name}={text!r} is not {'a number' if kind is float else 'a whole number'}; "
+                         f"leave it empty for no filter.") from None
+
+
+class Refused(Exception):
+    def __init__(self, status: int, detail: str, **more):
+        self.status, self.answer = status, {"detail": detail, **more}
+
+
+def launch_args(conf_dir: Path, defaults: dict, body: dict, choices: dict, keys: dict) -> list[str]:
+    """run.py's arguments for a launch body, composed and planned; Refused (400) for a mistake or
+    a plan error, (409) for dotted paths imported from outside the project that the body did not
+    confirm (every job of a sweep composed and checked)."""
+    from rft.studio import bodies as B
+    from rft.studio import compose as C
+    from rft.studio.launch import command
+
+    sweep = bool(body.get("sweep"))
+    try:
+        sweep_args = B.sweep_args(body) if sweep else []
+        launcher = B.launcher(body, B.launcher_options(conf_dir)) if sweep else None
+        confirmed = B.confirmed(body)
+        comp = C.compose(conf_dir, choices, keys, defaults)
+        if comp.error:  # the run would stop at the same place: say it here
+            raise ValueError(comp.error)
+        imports = C.sweep_imports(conf_dir, comp.overrides, sweep_args) if sweep else comp.imports
+    except ValueError as e:
+        raise Refused(400, f"not launched: {e}") from None
+    unconfirmed = [i for i in imports if i["path"] not in confirmed]
+    if unconfirmed:
+        listed = "; ".join(f"{i['path']} ({i['key']})" for i in unconfirmed)
+        raise Refused(409, f"not launched: it imports from outside rft and this repository: {listed}. Launch it "
+                           f"only if you trust that code: confirm each path (confirm_imports).", imports=unconfirmed)
+    return command(comp.overrides, sweep, sweep_args, launcher)
+
+
+def make_app(token: str, root: Path, conf_dir: Path, repo: Path, launch_env: dict | None = None,
+             hosts: frozenset[str] = G.LOOPBACK):
     """The app for checkpoint root `root`, config groups in `conf_dir`, runs launched with
-    `repo`/run.py; `launch_env`: the launched runs' environment (default: the studio's)."""
-    from fastapi import FastAPI, Request
+    `repo`/run.py; `launch_env`: the launched runs' environment (default: the studio's); `hosts`:
+    the names a request's Host may give (this machine's; guard.py)."""
+    from fastapi import FastAPI, HTTPException, Request
     from fastapi.concurrency import run_in_threadpool
     from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, PlainTextResponse, RedirectResponse
     from jinja2 import Environment, FileSystemLoader, select_autoescape
 
     from rft.errors import ConfigError
+    from rft.studio import bodies as B
     from rft.studio import compose as C
     from rft.studio import rollouts as R
     from rft.studio import runs as U
-    from rft.studio.launch import Launches, command
+    from rft.studio.launch import Launches
 
     if not token:
         raise ValueError("the studio needs a token")
-    expected = token.encode()
     root, conf_dir, repo = Path(root), Path(conf_dir), Path(repo)
+    hosts = frozenset(h.lower() for h in hosts)
     launches = Launches(repo, root / ".studio", launch_env)
 
     @contextlib.asynccontextmanager
@@ -56,43 +107,33 @@ def make_app(token: str, root: Path, conf_dir: Path, repo: Path, launch_env: dic
     defaults = C.default_choices(conf_dir)
     schema = C.schema()
 
-    def allowed(request: Request) -> bool:
-        given = [request.query_params.get("token"), request.cookies.get(COOKIE)]
-        scheme, _, bearer = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() == "bearer":
-            given.append(bearer.strip())
-        return any(g and secrets.compare_digest(g.encode(), expected) for g in given)
-
     @app.middleware("http")
-    async def check_token(request: Request, call_next):
-        if not allowed(request):
-            return PlainTextResponse(
-                "refused: the rft studio needs its token. Open the URL `python -m rft.studio` printed "
-                "(http://...?token=...), or send 'Authorization: Bearer <token>'.", status_code=401)
-        response = await call_next(request)
-        if request.query_params.get("token"):  # the page's own requests carry it from now on
-            response.set_cookie(COOKIE, token, httponly=True, samesite="strict")
+    async def guard(request: Request, call_next):
+        refused = G.refusal(request.method, request.url.path, request.headers, hosts, token)
+        response = PlainTextResponse(refused[1], status_code=refused[0]) if refused else await call_next(request)
+        response.headers.update(G.HEADERS)
+        if request.url.path.startswith("/api/"):
+            response.headers["Cache-Control"] = "no-store"  # answers from the token's data stay out of caches
         return response
 
-    def page(name: str, **data) -> HTMLResponse:
-        return HTMLResponse(jinja.get_template(f"{name}.html").render(page=name, pages=PAGES, **data))
+    def render(template: str, page: str, **data) -> str:
+        return jinja.get_template(f"{template}.html").render(page=page, pages=PAGES, **data)
 
     @app.get("/")
     async def index():
         return RedirectResponse("/compose")
 
-    @app.get("/compose")
-    async def compose_page():
-        return page("compose", groups=C.groups(conf_dir), defaults=defaults, schema=schema,
-                    sections=list(dict.fromkeys(f["key"].split(".")[0] if "." in f["key"] else "(top level)" for f in schema)))
+    for name in PAGES:  # each page's shell: no data, no token; its script fetches /api/page/<name>
+        app.add_api_route(f"/{name}", lambda name=name: HTMLResponse(render("base", name)), methods=["GET"])
 
-    @app.get("/runs")
-    async def runs_page():
-        return page("runs", root=str(root))
-
-    @app.get("/rollouts")
-    async def rollouts_page(run: str = ""):
-        return page("rollouts", root=str(root), run=run)
+    @app.get("/api/page/{name}")
+    async def page_part(name: str, run: str = ""):
+        if name == "compose":
+            return HTMLResponse(render("compose", name, groups=C.groups(conf_dir), defaults=defaults, schema=schema, sections=list(
+                dict.fromkeys(f["key"].split(".")[0] if "." in f["key"] else "(top level)" for f in schema))))
+        if name in PAGES:
+            return HTMLResponse(render(name, name, root=str(root), run=run))
+        return JSONResponse({"detail": f"no page {name!r}; the pages are {list(PAGES)}"}, status_code=404)
 
     @app.get("/static/plotly.min.js")
     async def plotly():
@@ -100,28 +141,31 @@ def make_app(token: str, root: Path, conf_dir: Path, repo: Path, launch_env: dic
 
     @app.get("/static/{name}")
     async def static(name: str):
-        path = HERE / "static" / name
         if name not in ("studio.js", "studio.css"):
             return PlainTextResponse("not found", status_code=404)
-        return FileResponse(path, media_type="text/javascript" if name.endswith(".js") else "text/css")
+        return FileResponse(HERE / "static" / name, media_type="text/javascript" if name.endswith(".js") else "text/css")
 
     # ------------------------------------------------------------ compose and launch
 
-    def body_choices(body: dict) -> tuple[dict, dict]:
-        choices = {g: str(o) for g, o in (body.get("choices") or {}).items() if g in defaults}
-        keys = {str(k): str(v) for k, v in (body.get("keys") or {}).items()}
-        return {**defaults, **choices}, keys
+    async def read(request: Request) -> tuple[dict, dict, dict]:
+        """(body, choices with the defaults filled in, keys); a 400 naming what is wrong."""
+        try:
+            body = B.parse(await request.body())
+            options = {g: [o["name"] for o in opts] for g, opts in C.groups(conf_dir).items()}
+            choices, keys = B.composition(body, options)
+        except ValueError as e:
+            raise HTTPException(400, str(e)) from None
+        return body, {**defaults, **choices}, keys
 
     @app.post("/api/compose")
     async def api_compose(request: Request):
-        choices, keys = body_choices(await request.json())
+        _, choices, keys = await read(request)
         comp = await run_in_threadpool(C.compose, conf_dir, choices, keys, defaults)
         return comp.__dict__
 
     @app.post("/api/study")
     async def api_study(request: Request):
-        body = await request.json()
-        choices, keys = body_choices(body)
+        body, choices, keys = await read(request)
         comp = await run_in_threadpool(C.compose, conf_dir, choices, keys, defaults, False)
         if comp.error:
             return JSONResponse({"detail": f"not saved: {comp.error}"}, status_code=400)
@@ -133,13 +177,11 @@ def make_app(token: str, root: Path, conf_dir: Path, repo: Path, launch_env: dic
 
     @app.post("/api/launch")
     async def api_launch(request: Request):
-        body = await request.json()
-        choices, keys = body_choices(body)
-        comp = await run_in_threadpool(C.compose, conf_dir, choices, keys, defaults)
-        if comp.error:  # the run would stop at the same place: say it here
-            return JSONResponse({"detail": f"not launched: {comp.error}"}, status_code=400)
-        args = command(comp.overrides, bool(body.get("sweep")), str(body.get("sweep_params") or ""),
-                       body.get("launcher") or None)
+        body, choices, keys = await read(request)
+        try:
+            args = await run_in_threadpool(launch_args, conf_dir, defaults, body, choices, keys)
+        except Refused as e:
+            return JSONResponse(e.answer, status_code=e.status)
         return launches.start(args).state()
 
     @app.get("/api/launches")
@@ -152,6 +194,8 @@ def make_app(token: str, root: Path, conf_dir: Path, repo: Path, launch_env: dic
             return launches.read(n, offset)
         except KeyError as e:
             return JSONResponse({"detail": str(e)}, status_code=404)
+        except (ValueError, OSError) as e:  # an offset outside the log; a log deleted under the studio
+            return JSONResponse({"detail": str(e)}, status_code=400)
 
     @app.post("/api/launch/{n}/stop")
     async def api_stop(n: int):
@@ -197,12 +241,12 @@ def make_app(token: str, root: Path, conf_dir: Path, repo: Path, launch_env: dic
     @app.get("/api/rollouts")
     async def api_rollouts(run: str, source: str, min_reward: str = "", max_reward: str = "", step: str = "",
                            limit: int = 200):
-        def read():
-            lo = float(min_reward) if min_reward.strip() else None
-            hi = float(max_reward) if max_reward.strip() else None
-            at = int(step) if step.strip() else None
-            return R.read(U.inside(root, run), source, lo, hi, at, limit)
+        def rows():
+            if not 1 <= limit <= R.MAX_ROWS:
+                raise ValueError(f"limit={limit}: give 1 to {R.MAX_ROWS} rows.")
+            lo, hi = _number("min_reward", min_reward, float), _number("max_reward", max_reward, float)
+            return R.read(U.inside(root, run), source, lo, hi, _number("step", step, int), limit)
 
-        return await answer(read)
+        return await answer(rows)
 
     return app

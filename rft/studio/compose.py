@@ -9,15 +9,16 @@ rft/config.py, and a composition is Hydra's.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import functools
 import inspect
-import json
 import re
 import shlex
 import threading
 import typing
+import unicodedata
 from pathlib import Path
 from typing import Any
 
@@ -25,12 +26,15 @@ import yaml
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from rft import config as C
+from rft.studio import imports as I
 
 # groups the page offers; hydra/ (launchers) is chosen on the launch form
 SKIP_GROUPS = {"hydra"}
 NONE = "null"  # the choice "no option" (experiment: null)
 # Hydra's compose API and HydraConfig are process-wide singletons: one composition at a time
 _LOCK = threading.Lock()
+REPO = Path(__file__).resolve().parents[2]
+ENV_REF = re.compile(r"\$\{oc\.env:\s*([A-Za-z_]\w*)")
 
 
 def first_comment(path: Path) -> str:
@@ -170,6 +174,8 @@ class Composition:
     yaml: str  # the composed config, as `python run.py <overrides> --cfg job` prints it
     plan: str  # the batch plan (the dry run's text), or "" when there is an error
     error: str  # the configuration error, one paragraph, or ""
+    # the dotted paths the run would import from outside rft and the repository (imports.foreign)
+    imports: list[dict] = dataclasses.field(default_factory=list)
 
 
 def _get(tree: dict, key: str):
@@ -211,6 +217,34 @@ def _message(e: Exception) -> str:
     return ": ".join(parts)
 
 
+@functools.lru_cache(maxsize=4)
+def conf_env_names(conf_dir: str) -> frozenset[str]:
+    """The environment variables conf/'s files read (`${oc.env:NAME...}`), as they were when first
+    asked (the studio asks as it starts): the only ones the preview reads."""
+    return frozenset(n for f in Path(conf_dir).rglob("*.yaml") for n in ENV_REF.findall(f.read_text()))
+
+
+@contextlib.contextmanager
+def _env_as_written(names: frozenset[str]):
+    """`${oc.env:NAME}` resolves as written unless conf/ reads NAME: a value typed on the page
+    cannot show the studio's environment (a token, a key) in the preview. OmegaConf's resolvers
+    are process-wide: callers hold _LOCK."""
+    from omegaconf.resolvers import oc
+
+    unset = object()
+
+    def env(key, default=unset):
+        if key in names:
+            return oc.env(key) if default is unset else oc.env(key, default)
+        return f"${{oc.env:{key}}}" if default is unset else f"${{oc.env:{key},{default}}}"
+
+    OmegaConf.register_new_resolver("oc.env", env, replace=True)
+    try:
+        yield
+    finally:
+        OmegaConf.register_new_resolver("oc.env", oc.env, replace=True)
+
+
 def default_choices(conf_dir: Path) -> dict[str, str]:
     """conf/config.yaml's option for each group."""
     return compose(conf_dir, {}, {}, {}, plan=False).choices
@@ -220,23 +254,32 @@ def compose(conf_dir: Path, choices: dict[str, str], keys: dict[str, str],
             defaults: dict[str, str] | None = None, plan: bool = True) -> Composition:
     """Compose `python run.py <overrides>` and plan it, as a dry run would. Never raises for a
     mistake in the values: the error's one paragraph comes back in `.error`."""
-    from rft.config import misspelt_override
-    from rft.errors import ConfigError
-
     conf_dir = Path(conf_dir)
     with _LOCK:
         if defaults is None:
             defaults = dict(_compose(conf_dir, []).hydra.runtime.choices) if (choices or keys) else {}
-        overrides = overrides_of(choices, keys, defaults)
-        command = "python run.py " + " ".join(shlex.quote(o) for o in overrides) if overrides else "python run.py"
-        # group names only (as run.py's check): the options' comments are not needed per keystroke
-        misspelt = misspelt_override(overrides, {p.name for p in conf_dir.iterdir() if p.is_dir()})
-        if misspelt:
-            return Composition(dict(choices), overrides, command, {}, "", "", misspelt)
+        return _composition(conf_dir, overrides_of(choices, keys, defaults), dict(choices), plan)
+
+
+def compose_overrides(conf_dir: Path, overrides: list[str]) -> Composition:
+    """`python run.py <overrides>` composed, not planned (one job of a sweep)."""
+    with _LOCK:
+        return _composition(Path(conf_dir), list(overrides), {}, False)
+
+
+def _composition(conf_dir: Path, overrides: list[str], choices: dict[str, str], plan: bool) -> Composition:
+    from rft.config import misspelt_override
+
+    command = "python run.py " + " ".join(shlex.quote(o) for o in overrides) if overrides else "python run.py"
+    # group names only (as run.py's check): the options' comments are not needed per keystroke
+    misspelt = misspelt_override(overrides, {p.name for p in conf_dir.iterdir() if p.is_dir()})
+    if misspelt:
+        return Composition(choices, overrides, command, {}, "", "", misspelt)
+    with _env_as_written(conf_env_names(str(conf_dir.resolve()))):
         try:
             cfg = _compose(conf_dir, overrides)
         except Exception as e:  # Hydra's override and validation errors name the key
-            return Composition(dict(choices), overrides, command, {}, "", "", _message(e))
+            return Composition(choices, overrides, command, {}, "", "", _message(e))
         chosen = {g: (o if o is not None else NONE) for g, o in cfg.hydra.runtime.choices.items() if "/" not in g}
         job = cfg.copy()
         OmegaConf.set_readonly(job, False)
@@ -245,17 +288,66 @@ def compose(conf_dir: Path, choices: dict[str, str], keys: dict[str, str],
         text = OmegaConf.to_yaml(job)
         written = OmegaConf.to_container(job, resolve=False, enum_to_str=True)  # `${...}` kept, as the files say
         values = {f["key"]: _override_text(_get(written, f["key"])) for f in schema()}
-        if not plan:
-            return Composition(chosen, overrides, command, values, text, "", "")
-        from rft.main import plan_stages, plan_text
+        try:  # a path may be put together by interpolations: the run imports the resolved value
+            imports = I.foreign(OmegaConf.to_container(job, resolve=True, enum_to_str=True), REPO)
+        except Exception:  # one that does not resolve: the plan says which
+            imports = I.foreign(written, REPO)
+        comp = Composition(chosen, overrides, command, values, text, "", "", imports)
+        if plan:
+            comp.plan, comp.error = _plan(job)
+        return comp
 
-        try:
-            stages, plans, dirs = plan_stages(job)
-            return Composition(chosen, overrides, command, values, text, plan_text(stages, plans, dirs), "")
-        except ConfigError as e:
-            return Composition(chosen, overrides, command, values, text, "", _message(e))
-        except Exception as e:  # an interpolation that does not resolve, a dataset that is not there
-            return Composition(chosen, overrides, command, values, text, "", f"{type(e).__name__}: {_message(e)}")
+
+def _plan(job: DictConfig) -> tuple[str, str]:
+    """(the batch plan's text, "") or ("", the error's one paragraph)."""
+    from rft.errors import ConfigError
+    from rft.main import plan_stages, plan_text
+
+    try:
+        stages, plans, dirs = plan_stages(job)
+        return plan_text(stages, plans, dirs), ""
+    except ConfigError as e:
+        return "", _message(e)
+    except Exception as e:  # an interpolation that does not resolve, a dataset that is not there
+        return "", f"{type(e).__name__}: {_message(e)}"
+
+
+# a sweep's jobs are composed one by one before it starts (~0.2 s each): beyond this, from a shell
+MAX_SWEEP_JOBS = 64
+
+
+def sweep_imports(conf_dir: Path, overrides: list[str], sweep_args: list[str]) -> list[dict]:
+    """imports.foreign of every job of `python run.py -m <overrides> <sweep_args>`, each job
+    composed as Hydra's basic sweeper splits the sweep. A ValueError for a sweep that does not
+    split or compose, or has more than MAX_SWEEP_JOBS jobs."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    try:
+        (jobs,) = BasicSweeper.split_arguments(OverridesParser.create().parse_overrides(overrides + sweep_args), None)
+    except Exception as e:
+        raise ValueError(f"sweep_params: {_message(e)}") from None
+    if len(jobs) > MAX_SWEEP_JOBS:
+        raise ValueError(f"sweep_params: {len(jobs)} jobs; the studio checks each job's imports before a sweep starts, "
+                         f"up to {MAX_SWEEP_JOBS}: start a bigger sweep from a shell (python run.py -m ...).")
+    found = {}
+    for job in jobs:
+        comp = compose_overrides(conf_dir, job)
+        if comp.error:
+            raise ValueError(f"sweep job {' '.join(job)}: {comp.error}")
+        for i in comp.imports:
+            found.setdefault((i["key"], i["path"]), i)
+    return list(found.values())
+
+
+def control_character(where: str, text: str) -> None:
+    """A ValueError naming `where` when text holds a line break or another control or format
+    character (YAML also breaks lines at U+0085, U+2028 and U+2029): such a value could end a
+    comment line of a saved study and start lines of its own."""
+    for c in text:
+        if unicodedata.category(c) in ("Cc", "Cf", "Zl", "Zp"):
+            raise ValueError(f"{where}: holds {c!r} (U+{ord(c):04X}), a line break or another control character; "
+                             f"a value is one line of printable text: take it out.")
 
 
 # ---------------------------------------------------------------- save as study
@@ -276,6 +368,8 @@ def save_study(conf_dir: Path, name: str, comp: Composition, defaults: dict[str,
     path = Path(conf_dir) / "experiment" / f"{name}.yaml"
     if path.exists() and not overwrite:
         raise FileExistsError(f"{path} exists: choose another name, or tick 'overwrite'.")
+    for o in comp.overrides:  # the command line becomes a comment line: it must stay one
+        control_character(o.split("=", 1)[0] if "=" in o else o, o)
     groups_ = [(g, o) for g, o in comp.choices.items() if g != "experiment" and defaults.get(g) != o]
     keys = [o.split("=", 1) for o in comp.overrides if "=" in o and o.split("=", 1)[0] not in comp.choices]
     body: dict = {}

@@ -39,13 +39,13 @@ class Launch:
                 "pid": self.proc.pid}
 
 
-def command(overrides: list[str], sweep: bool = False, sweep_params: str = "", launcher: str | None = None) -> list[str]:
+def command(overrides: list[str], sweep: bool = False, sweep_args: list[str] = (), launcher: str | None = None) -> list[str]:
     """run.py's arguments: `-m` for a sweep, the composed overrides, the sweep's values
-    (`seed=1,2,3 algorithm.optimizer.lr=1e-3,3e-3`), `hydra/launcher=<launcher>`."""
+    (`seed=1,2,3`, `algorithm.optimizer.lr=1e-3,3e-3`), `hydra/launcher=<launcher>`."""
     args = ["-m"] if sweep else []
     args += overrides
     if sweep:
-        args += shlex.split(sweep_params or "")
+        args += list(sweep_args)
         if launcher and launcher != "basic":
             args.append(f"hydra/launcher={launcher}")
     return args
@@ -80,8 +80,13 @@ class Launches:
 
     def read(self, n: int, offset: int = 0) -> dict:
         """The console from byte `offset` on: {"text", "offset" (the next one), **state}. A
-        progress bar's carriage returns keep only the bar's newest form."""
+        progress bar's carriage returns keep only the bar's newest form. An offset before the
+        start or past the end is a ValueError."""
         launch = self.get(n)
+        size = launch.log.stat().st_size
+        if not 0 <= offset <= size:
+            raise ValueError(f"offset={offset}: launch {n}'s console has {size} bytes; give an offset from 0 to {size} "
+                             f"(the `offset` the last answer returned).")
         with open(launch.log, "rb") as f:
             f.seek(offset)
             data = f.read(1 << 20)

@@ -1,15 +1,30 @@
-// rft studio: the pages' live parts. Every request goes to the studio's own JSON API (app.py);
-// the token travels in the cookie the first page load set.
+// rft studio: the pages' live parts. Every request goes to the studio's own JSON API (app.py)
+// with the token in an Authorization header. The token comes once in the printed URL's fragment
+// (#token=..., never sent to a server) and is kept in this origin's localStorage, which a page
+// on another port cannot read; the studio sets no cookie.
 "use strict";
 
 const $ = (sel, el = document) => el.querySelector(sel);
 const $$ = (sel, el = document) => Array.from(el.querySelectorAll(sel));
 
+const TOKEN_KEY = "rft-studio-token";
+(() => {
+  const m = location.hash.match(/token=([^&]+)/);
+  if (!m) return;
+  localStorage.setItem(TOKEN_KEY, decodeURIComponent(m[1]));
+  history.replaceState(null, "", location.pathname + location.search);  // out of the address bar and history
+})();
+
+const auth = () => ({"Authorization": "Bearer " + (localStorage.getItem(TOKEN_KEY) || "")});
+
 async function api(path, body) {
-  const opts = body === undefined ? {} : {method: "POST", headers: {"Content-Type": "application/json"}, body: JSON.stringify(body)};
+  const headers = auth();
+  const opts = body === undefined ? {headers} : {method: "POST", headers: {...headers, "Content-Type": "application/json"}, body: JSON.stringify(body)};
   const r = await fetch(path, opts);
-  const data = await r.json().catch(() => ({detail: r.statusText}));
-  if (!r.ok) throw new Error(data.detail || r.statusText);
+  const text = await r.text();
+  let data;
+  try { data = JSON.parse(text); } catch (e) { data = {detail: text || r.statusText}; }  // a refusal is one line of text
+  if (!r.ok) throw Object.assign(new Error(data.detail || r.statusText), {status: r.status, data});
   return data;
 }
 
@@ -17,10 +32,11 @@ function esc(s) {
   return String(s ?? "").replace(/[&<>"]/g, c => ({"&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;"}[c]));
 }
 
+// a value as HTML text: escaped, whatever a file under the root put there (a run's files are data)
 function fmt(v) {
   if (v === null || v === undefined) return "";
   if (typeof v === "number") return Number.isInteger(v) ? String(v) : v.toPrecision(4);
-  return String(v);
+  return esc(v);
 }
 
 // ------------------------------------------------------------------ compose
@@ -58,6 +74,7 @@ const compose = {
     const err = $("#error");
     err.hidden = !r.error;
     err.textContent = r.error ? "configuration error: " + r.error : "";
+    this.showImports(r.imports || []);
     for (const [key, value] of Object.entries(r.values || {})) {
       const input = $(`[data-key="${CSS.escape(key)}"]`);
       if (!input || key in this.keys || document.activeElement === input) continue;
@@ -69,6 +86,31 @@ const compose = {
     for (const row of $$("tr[data-row]")) row.classList.toggle("edited", row.dataset.row in this.keys);
     delete document.body.dataset.composing;
     document.body.dataset.composed = String(seq);
+  },
+
+  showImports(imports) {
+    const box = $("#imports");
+    box.hidden = !imports.length;
+    box.innerHTML = imports.length ? "<b>imports from outside rft and this repository</b> (the run will import and run this code; " +
+      "launch asks first):<ul>" + imports.map(i => `<li><code>${esc(i.path)}</code> (${esc(i.key)})</li>`).join("") + "</ul>" : "";
+  },
+
+  async start(confirmed = []) {
+    const body = {...this.body(), sweep: $("#sweep").checked, sweep_params: $("#sweep-params").value,
+                  launcher: $("#launcher").value, confirm_imports: confirmed};
+    try {
+      const r = await api("/api/launch", body);
+      this.launch = r.id; this.offset = 0; $("#console").textContent = "";
+      this.poll();
+    } catch (e) {
+      const imports = e.status === 409 && e.data.imports;
+      if (imports && !confirmed.length) this.showImports(imports);
+      if (imports && !confirmed.length && window.confirm("This run imports code from outside rft and this repository:\n\n" +
+          imports.map(i => `${i.path}  (${i.key})`).join("\n") + "\n\nLaunch it only if you trust that code. Launch?")) {
+        return this.start(imports.map(i => i.path));
+      }
+      $("#launch-status").textContent = e.message; $("#launch-status").dataset.status = "refused";
+    }
   },
 
   comments() {
@@ -112,14 +154,7 @@ const compose = {
         out.className = ""; out.textContent = `saved ${r.path}: ${r.command}`;
       } catch (e) { out.className = "error"; out.textContent = e.message; }
     });
-    $("#launch").addEventListener("click", async () => {
-      try {
-        const r = await api("/api/launch", {...this.body(), sweep: $("#sweep").checked,
-                                            sweep_params: $("#sweep-params").value, launcher: $("#launcher").value});
-        this.launch = r.id; this.offset = 0; $("#console").textContent = "";
-        this.poll();
-      } catch (e) { $("#launch-status").textContent = e.message; $("#launch-status").dataset.status = "refused"; }
-    });
+    $("#launch").addEventListener("click", () => this.start());
     $("#stop").addEventListener("click", () => { if (this.launch !== null) api(`/api/launch/${this.launch}/stop`, {}); });
     this.comments();
     this.refresh();
@@ -207,7 +242,7 @@ function table(id, rows) {
   if (!rows.length) return "<p>no rows</p>";
   const cols = Object.keys(rows[0]);
   return `<table class="list" id="table-${id}"><thead><tr>${cols.map(c => `<th>${esc(c)}</th>`).join("")}</tr></thead><tbody>` +
-    rows.map(r => `<tr>${cols.map(c => `<td>${esc(fmt(r[c]))}</td>`).join("")}</tr>`).join("") + "</tbody></table>";
+    rows.map(r => `<tr>${cols.map(c => `<td>${fmt(r[c])}</td>`).join("")}</tr>`).join("") + "</tbody></table>";
 }
 
 // ------------------------------------------------------------------ rollouts
@@ -246,7 +281,7 @@ const rollouts = {
         : x.turns ? x.turns.map(t => `<div class="turn ${t.trained ? "trained" : "masked"}" title="${t.trained ? "trained (loss mask 1)" : "masked (context only)"}">` +
         `<span class="role">${esc(t.role)}</span>${esc(t.content)}${t.tool_calls ? " " + esc(JSON.stringify(t.tool_calls)) : ""}</div>`).join("")
         : `<div class="turn trained">${esc(x.response)}</div>`;
-      return `<tr data-reward="${x.reward}"><td>${x.i}</td><td>${fmt(x.step)}</td><td>${esc(x.task_id)}</td><td class="reward">${fmt(x.reward)}</td>` +
+      return `<tr data-reward="${esc(x.reward)}"><td>${fmt(x.i)}</td><td>${fmt(x.step)}</td><td>${esc(x.task_id)}</td><td class="reward">${fmt(x.reward)}</td>` +
              `<td>${parts}</td><td>${fmt(x.length)}</td><td class="text">${esc(x.prompt)}</td><td class="text">${response}</td></tr>`;
     }).join("");
   },
@@ -259,4 +294,17 @@ const rollouts = {
   },
 };
 
-({compose, runs, rollouts})[document.body.dataset.page]?.init();
+// the page's own part comes from the API (with the token), then starts
+(async () => {
+  const page = document.body.dataset.page;
+  try {
+    $("#main").innerHTML = await (await fetchPage(page)).text();
+  } catch (e) { $("#main").innerHTML = `<p class="error">${esc(e.message)}</p>`; return; }
+  ({compose, runs, rollouts})[page]?.init();
+})();
+
+async function fetchPage(page) {
+  const r = await fetch(`/api/page/${page}${location.search}`, {headers: auth()});
+  if (!r.ok) throw new Error((await r.text()) || r.statusText);
+  return r;
+}

@@ -1,0 +1,473 @@
+"""What the studio refuses: a page on another port of 127.0.0.1 (same-site for the browser) posting
+forms and fetches at it, a foreign Host (DNS rebinding), requests without the header token, bodies
+that are not JSON or too big; and what the compose page warns of before a launch (the dotted paths
+the config will import from outside rft and this repository).
+
+The attacks run in Debian's headless Chromium (tests/test_studio.py's fixtures): the browser has the
+studio open, as its user would, and then visits a page served from another port.
+"""
+
+import http.server
+import json
+import os
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from rft.studio import compose as C
+from test_studio import CONF, ROOT, _studio, _stop, browser  # noqa: F401  (browser: a fixture)
+
+# a run that trains long enough to be seen running (the stop attack needs one)
+LONG_RUN = {"choices": {"cluster": "inline", "monitor": "console"}, "keys": {"stages": "[]", "buffer.total_steps": "100000"}}
+
+
+class _Attacker:
+    """A page on another port of 127.0.0.1, as a notebook or `python -m http.server` serves one; it
+    records the headers every request to it carried (a cookie for 127.0.0.1 reaches it too)."""
+
+    def __init__(self, html: str):
+        seen = self.headers = []
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):
+                seen.append(dict(self.headers))
+                body = html.encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "text/html")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def _form(action: str, body: dict) -> str:
+    """A plain HTML form whose text/plain encoding (name=value) is the JSON `body`: the name holds
+    all of it but its last string's closing, the value closes it."""
+    text = json.dumps({**body, "pad": ""})
+    name, value = text[:-2], text[-2:]  # ...,"pad": "  |  "}
+    return (f'<form method="POST" action="{action}" enctype="text/plain">'
+            f"<input name='{name}' value='{value}'></form>")
+
+
+def _attack_page(studio: str, launch_id: int) -> str:
+    forms = {"launch": _form(f"{studio}/api/launch", LONG_RUN),
+             "study": _form(f"{studio}/api/study", {"choices": {}, "keys": {}, "name": "pwned"}),
+             "stop": _form(f"{studio}/api/launch/{launch_id}/stop", {})}
+    fetches = [f"fetch('{studio}/api/launch', {{method: 'POST', credentials: 'include', mode: 'no-cors', "
+               f"headers: {{'Content-Type': 'text/plain'}}, body: {json.dumps(json.dumps(LONG_RUN))}}})",
+               f"fetch('{studio}/api/study', {{method: 'POST', credentials: 'include', "
+               f"headers: {{'Content-Type': 'application/json'}}, body: '{{\"name\": \"pwned2\"}}'}})",
+               f"fetch('{studio}/api/launch/{launch_id}/stop', {{method: 'POST', credentials: 'include', mode: 'no-cors', body: '{{}}'}})"]
+    script = "window.attack = () => Promise.allSettled([" + ", ".join(fetches) + "]);"
+    return "".join(f'<div id="{k}">{v}</div>' for k, v in forms.items()) + f"<script>{script}</script>"
+
+
+def _launches(url, token):
+    import httpx
+
+    return httpx.get(url + "/api/launches", headers={"Authorization": f"Bearer {token}"}).json()
+
+
+def test_a_page_on_another_port_can_neither_launch_save_nor_stop_and_gets_no_token(browser, tmp_path):  # noqa: F811
+    import httpx
+
+    conf = tmp_path / "conf"
+    shutil.copytree(CONF, conf)
+    proc, url, token = _studio(tmp_path, conf)
+    attacker = None
+    try:
+        auth = {"Authorization": f"Bearer {token}"}
+        running = httpx.post(url + "/api/launch", json=LONG_RUN, headers=auth, timeout=120).json()
+        assert running["status"] == "running"
+        attacker = _Attacker(_attack_page(url, running["id"]))
+        context = browser.new_context(bypass_csp=True)
+        studio = context.new_page()
+        studio.goto(proc.link)  # the user has the studio open, as printed
+        studio.wait_for_function("document.body.dataset.composed")
+        page = context.new_page()
+        answers = []
+        page.on("response", lambda r: answers.append((r.url, r.status)))
+        page.goto(attacker.url)
+        page.evaluate("window.attack()")
+        time.sleep(1)
+        said = []
+        for form in ("launch", "study", "stop"):
+            page.goto(attacker.url)
+            with page.expect_navigation() as nav:
+                page.eval_on_selector(f"#{form} form", "f => f.submit()")
+            said.append((form, nav.value.status, page.inner_text("body")))
+        # the three fetches (one refused at its preflight) and the three forms: each refused
+        refused = [(u, s) for u, s in answers if u.startswith(url)]
+        assert len(refused) >= 5 and all(s == 403 for u, s in refused), refused
+        for form, status, text in said:
+            assert status == 403 and "\n" not in text.strip() and text.startswith("refused: "), (form, status, text)
+        assert [launch["id"] for launch in _launches(url, token)] == [running["id"]]  # no run started
+        assert httpx.get(f"{url}/api/launch/{running['id']}", headers=auth).json()["status"] == "running"  # not stopped
+        assert not list((conf / "experiment").glob("pwned*"))  # no study written
+        # the page's own server saw no token: the studio sets no cookie for it to receive
+        assert attacker.headers and not any(token in json.dumps(h) for h in attacker.headers), attacker.headers
+        httpx.post(f"{url}/api/launch/{running['id']}/stop", json={}, headers=auth)
+    finally:
+        if attacker:
+            attacker.close()
+        _stop(proc)
+
+
+def test_requests_that_change_state_need_json_the_header_token_and_the_studios_own_origin(tmp_path):
+    import httpx
+
+    proc, url, token = _studio(tmp_path)
+    try:
+        host = url.removeprefix("http://")
+        auth = {"Authorization": f"Bearer {token}"}
+        body = json.dumps({"choices": {}, "keys": {}})
+
+        def post(path="/api/compose", content=body, **headers):
+            return httpx.post(url + path, content=content, headers={"Content-Type": "application/json", **auth, **headers},
+                              timeout=120)
+
+        assert post().status_code == 200 and "plan" in post().json()  # the studio's own page's request
+        # a page reached through a name that resolves to 127.0.0.1 (DNS rebinding): refused, reads too
+        for r in (post(Host=f"rebind.example:{url.rsplit(':', 1)[1]}"),
+                  httpx.get(url + "/api/runs", headers={**auth, "Host": "rebind.example"})):
+            assert r.status_code == 403 and r.text.startswith("refused: Host 'rebind.example") and "\n" not in r.text
+        r = post(Origin="http://127.0.0.1:8888")  # a page on another port
+        assert r.status_code == 403 and r.text == (
+            f"refused: a request from the page at http://127.0.0.1:8888, not from the studio's own page (http://{host}); "
+            f"other pages, other ports of this host included, cannot use the studio.")
+        assert post(Origin=f"http://{host}").status_code == 200
+        for site in ("same-site", "cross-site", "none"):
+            r = post(**{"Sec-Fetch-Site": site})
+            assert r.status_code == 403 and r.text.startswith(f"refused: a {site} request (Sec-Fetch-Site)"), site
+        assert post(**{"Sec-Fetch-Site": "same-origin"}).status_code == 200
+        # reads: a typed URL ("none") or the page itself; another port's fetch is same-site, refused
+        assert httpx.get(url + "/api/runs", headers={**auth, "Sec-Fetch-Site": "none"}).status_code == 200
+        assert httpx.get(url + "/api/runs", headers={**auth, "Sec-Fetch-Site": "same-site"}).status_code == 403
+        # what a plain form can send: not JSON
+        for kind in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x"):
+            r = post(**{"Content-Type": kind})
+            assert r.status_code == 415 and r.text == (f"refused: Content-Type {kind.split(';')[0]!r}; send the body as JSON, "
+                                                       f"with Content-Type: application/json."), kind
+        # the token: in the header; a cookie or the URL's query alone is nothing
+        no_header = {"Content-Type": "application/json"}
+        for r in (httpx.post(url + "/api/compose", content=body, headers=no_header, cookies={"rft_studio_token": token}),
+                  httpx.post(f"{url}/api/compose?token={token}", content=body, headers=no_header),
+                  httpx.get(url + "/api/runs", cookies={"rft_studio_token": token})):
+            assert r.status_code == 401 and r.text.startswith("refused: the rft studio needs its token in 'Authorization: Bearer")
+        # bodies: at most 1 MiB, and a JSON object
+        r = post(content=b" " * ((1 << 20) + 1))
+        assert r.status_code == 413 and r.text == f"refused: a body of {(1 << 20) + 1} bytes; the studio takes at most {1 << 20}."
+        r = post(content=b"{not json")
+        assert r.status_code == 400 and r.json()["detail"].startswith("the request body is not JSON (Expecting property name")
+        r = post(content=b"[" * 100_000)
+        assert r.status_code == 400 and r.json()["detail"] == "the request body nests too deep; send a JSON object of groups and keys."
+        r = post(content=b"[]")
+        assert r.status_code == 400 and r.json()["detail"].startswith("the request body is a JSON list; send a JSON object")
+        r = post(content=json.dumps({"choices": []}))
+        assert r.status_code == 400 and r.json()["detail"] == "choices: a JSON object of choices is expected, not a list."
+        r = post(content=json.dumps({"choices": {"algorithm": "../../etc/passwd"}}))
+        assert r.status_code == 400 and r.json()["detail"].startswith("choices.algorithm='../../etc/passwd' is not a file of conf/algorithm/")
+        # no page may frame the studio (a click on "launch" through a transparent frame)
+        assert httpx.get(url + "/compose").headers["x-frame-options"] == "DENY"
+    finally:
+        _stop(proc)
+
+
+def test_a_launch_log_offset_outside_the_log_is_a_400_saying_so(tmp_path):
+    import httpx
+
+    proc, url, token = _studio(tmp_path)
+    try:
+        auth = {"Authorization": f"Bearer {token}"}
+        launched = httpx.post(url + "/api/launch", json={"choices": {}, "keys": {"dry_run": "true"}}, headers=auth, timeout=120).json()
+        log = f"{url}/api/launch/{launched['id']}"
+        deadline = time.time() + 120
+        while httpx.get(log, headers=auth).json()["status"] == "running" and time.time() < deadline:
+            time.sleep(0.5)
+        whole = httpx.get(log, headers=auth).json()
+        size = whole["offset"]  # the dry run printed its plan: `size` bytes
+        assert size > 0 and "batch plan" in whole["text"]
+        assert httpx.get(log, params={"offset": size}, headers=auth).json()["text"] == ""
+        for offset in (-1, size + 1, 10**30):
+            r = httpx.get(log, params={"offset": offset}, headers=auth)
+            assert r.status_code == 400 and r.json()["detail"] == (
+                f"offset={offset}: launch {launched['id']}'s console has {size} bytes; give an offset from 0 to {size} "
+                f"(the `offset` the last answer returned)."), offset
+        assert httpx.get(f"{url}/api/launch/99", headers=auth).status_code == 404
+    finally:
+        _stop(proc)
+
+
+def test_a_value_with_a_line_break_cannot_write_yaml_into_a_saved_study(tmp_path):
+    import httpx
+    import yaml
+
+    conf = tmp_path / "conf"
+    shutil.copytree(CONF, conf)
+    defaults = C.default_choices(conf)
+    # Hydra takes a quoted value with a newline: the study's comment line would end there
+    comp = C.compose(conf, defaults, {"project": "'x\nevil: 1'"}, defaults, plan=False)
+    assert comp.error == ""
+    with pytest.raises(ValueError, match=r"^project: holds '\\n' \(U\+000A\), a line break or another control character"):
+        C.save_study(conf, "broken", comp, defaults)
+    assert not (conf / "experiment" / "broken.yaml").exists()
+    proc, url, token = _studio(tmp_path, conf)
+    try:
+        auth = {"Authorization": f"Bearer {token}"}
+        # a newline; YAML's other line break; a right-to-left override (the shown command would read otherwise)
+        for value, char in [("'x\nevil: 1'", "'\\n' (U+000A)"), ("'x\u2028evil: 1'", "'\\u2028' (U+2028)"),
+                            ("'x\u202eevil'", "'\\u202e' (U+202E)")]:
+            r = httpx.post(url + "/api/study", json={"choices": {}, "keys": {"project": value}, "name": "broken"}, headers=auth, timeout=120)
+            assert r.status_code == 400 and r.json()["detail"] == (
+                f"keys['project']: holds {char}, a line break or another control character; a value is one line of printable "
+                f"text: take it out.")
+        assert not (conf / "experiment" / "broken.yaml").exists()
+        # YAML's own characters in a value are the value's: the file holds its three comment lines and the keys set
+        r = httpx.post(url + "/api/study", json={"choices": {}, "keys": {"project": "'a: b # c'"}, "name": "quoted"}, headers=auth,
+                       timeout=120)
+        assert r.status_code == 200, r.text
+        text = (conf / "experiment" / "quoted.yaml").read_text()
+        assert [line for line in text.splitlines() if line.startswith("#")] == [
+            "# @package _global_", "# python run.py experiment=quoted", "# saved by the studio from: python run.py 'project='\"'\"'a: b # c'\"'\"''"]
+        assert yaml.safe_load(text) == {"defaults": ["_self_"], "name": "quoted", "project": "a: b # c"}
+    finally:
+        _stop(proc)
+
+
+def test_the_preview_shows_an_environment_variable_typed_on_the_page_as_written(monkeypatch, cache_dir):
+    monkeypatch.setenv("RFT_TEST_SECRET", "hunter2")
+    monkeypatch.delenv("RFT_TEST_UNSET", raising=False)
+    defaults = C.default_choices(CONF)
+    comp = C.compose(CONF, defaults, {"name": "${oc.env:RFT_TEST_SECRET}-${oc.env:RFT_TEST_UNSET}"}, defaults)
+    assert comp.error == ""  # an unset one is no error either: nothing was looked up
+    assert "hunter2" not in comp.plan + comp.yaml + json.dumps(comp.values)
+    assert "/rft/${oc.env:RFT_TEST_SECRET}-${oc.env:RFT_TEST_UNSET}/grpo" in comp.plan
+    with_default = C.compose(CONF, defaults, {"name": "${oc.env:RFT_TEST_SECRET,x}"}, defaults)
+    assert "/rft/${oc.env:RFT_TEST_SECRET,x}/grpo" in with_default.plan
+    # the variables conf/ reads are read, as the run reads them: the data lies under $RFT_CACHE_DIR
+    assert f"trains on      {cache_dir}/data/arithmetic-v4" in comp.plan
+    # and the resolver is OmegaConf's own again outside the studio's compositions
+    from omegaconf import OmegaConf
+
+    assert OmegaConf.create({"a": "${oc.env:RFT_TEST_SECRET}"}).a == "hunter2"
+
+
+def test_compose_lists_each_dotted_path_it_imports_from_outside_rft_and_this_repository():
+    defaults = C.default_choices(CONF)
+    ts = "buffer.explorer_input.taskset"
+    comp = C.compose(CONF, defaults, {
+        f"+{ts}.workflow_args.env": "subprocess.Popen", f"+{ts}.workflow_args.env_args": "{args: 'touch x', shell: true}",
+        "algorithm.policy_loss_fn": "builtins.eval",
+        f"{ts}.reward_fn": "[{fn: os.system}, {fn: rft.sandbox.subprocess}, {fn: exact_match}, {fn: rft.rewards.exact_match}, "
+                           "{fn: tests.faulty_reward.flaky, args: {parse: json.loads}}]",
+        f"{ts}.split": "test.jsonl"}, defaults, plan=False)
+    assert comp.error == ""
+    assert comp.imports == [
+        {"key": "algorithm.policy_loss_fn", "path": "builtins.eval", "module": "builtins"},
+        {"key": f"{ts}.reward_fn[0].fn", "path": "os.system", "module": "os"},
+        # rft.sandbox only imports subprocess: not rft's own
+        {"key": f"{ts}.reward_fn[1].fn", "path": "rft.sandbox.subprocess", "module": "subprocess"},
+        # a key the runtime may import under any name: json exists, so it is listed
+        {"key": f"{ts}.reward_fn[4].args.parse", "path": "json.loads", "module": "json"},
+        {"key": f"{ts}.workflow_args.env", "path": "subprocess.Popen", "module": "subprocess"}]
+    # registry names, rft's and the repository's own functions, and file names are not listed
+    assert C.compose(CONF, defaults, {}, defaults, plan=False).imports == []
+
+
+
+def test_a_launch_that_imports_from_outside_runs_only_once_those_paths_are_confirmed(tmp_path):
+    import httpx
+
+    proc, url, token = _studio(tmp_path)
+    try:
+        auth = {"Authorization": f"Bearer {token}"}
+        ts = "buffer.explorer_input.taskset"
+        # os.path.join takes (prompt, response, task) as a reward function would: the plan passes; a dry run calls nothing
+        body = {"choices": {}, "keys": {f"{ts}.reward_fn": "os.path.join", "dry_run": "true"}}
+
+        def launch(**extra):
+            return httpx.post(url + "/api/launch", json={**body, **extra}, headers=auth, timeout=120)
+
+        r = launch()
+        assert r.status_code == 409 and r.json() == {
+            "detail": f"not launched: it imports from outside rft and this repository: os.path.join ({ts}.reward_fn). "
+                      f"Launch it only if you trust that code: confirm each path (confirm_imports).",
+            "imports": [{"key": f"{ts}.reward_fn", "path": "os.path.join", "module": "os.path"}]}
+        assert launch(confirm_imports=["os.system"]).status_code == 409  # a confirmation is of the paths listed
+        # each job of a sweep is checked: the second value of this one imports
+        r = launch(sweep=True, sweep_params=f"{ts}.reward_fn=exact_match,os.system", confirm_imports=["os.path.join"])
+        assert r.status_code == 409 and [i["path"] for i in r.json()["imports"]] == ["os.system"]
+        assert _launches(url, token) == []
+        # Hydra's own settings and command-line flags are not the page's to set
+        refusals = [
+            ({"keys": {"hydra.job.env_set.LD_PRELOAD": "/tmp/x.so"}},
+             "keys['hydra.job.env_set.LD_PRELOAD']: the studio does not change Hydra's own settings"),
+            ({"keys": {"+experiment@hydra.job.env_set": "tiny_seeds"}},
+             "keys['+experiment@hydra.job.env_set']: the studio does not change Hydra's own settings"),
+            ({"sweep": True, "sweep_params": "seed=1,2 +hydra.callbacks.x._target_=os.system"},
+             "sweep_params '+hydra.callbacks.x._target_=os.system': the studio does not change"),
+            ({"sweep": True, "sweep_params": "--experimental-rerun=/tmp/x.pickle"},
+             "sweep_params '--experimental-rerun=/tmp/x.pickle': a key is a config key, not a command-line flag"),
+            ({"sweep": True, "sweep_params": "seed=1,2", "launcher": "../../x"},
+             "launcher='../../x': choose one of ['basic', 'local', 'slurm']"),
+            ({"sweep": True, "sweep_params": "seed='1"}, "sweep_params: No closing quotation")]
+        for extra, said in refusals:
+            r = httpx.post(url + "/api/launch", json={**body, **extra}, headers=auth, timeout=120)
+            detail = r.json()["detail"]
+            assert r.status_code == 400 and (detail.startswith(said) or detail.startswith("not launched: " + said)), (extra, detail)
+        assert _launches(url, token) == []
+        launched = launch(confirm_imports=["os.path.join"]).json()
+        assert launched["status"] == "running" and f"{ts}.reward_fn=os.path.join" in launched["command"]
+    finally:
+        _stop(proc)
+
+
+def test_the_compose_page_lists_foreign_imports_and_asks_before_it_launches(browser, tmp_path):  # noqa: F811
+    proc, url, token = _studio(tmp_path)
+    try:
+        page = browser.new_page(bypass_csp=True, viewport={"width": 1400, "height": 1000})
+        page.goto(proc.link)
+        page.wait_for_function("document.body.dataset.composed")
+        assert page.url == f"{url}/compose"  # the token left the address bar (it is in this origin's localStorage)
+        assert page.is_hidden("#imports")
+        for key, value in [("buffer.explorer_input.taskset.reward_fn", "os.path.join"), ("dry_run", "true")]:
+            page.fill("#key-filter", key)
+            page.fill(f'[data-key="{key}"]', value) if key != "dry_run" else page.select_option(f'[data-key="{key}"]', value)
+        page.wait_for_function("!document.querySelector('#imports').hidden")
+        assert page.inner_text("#imports li") == "os.path.join (buffer.explorer_input.taskset.reward_fn)"
+        asked = []
+        answer = {"accept": False}
+        page.on("dialog", lambda d: (asked.append(d.message), d.accept() if answer["accept"] else d.dismiss()))
+        page.click("#launch")
+        page.wait_for_function("document.querySelector('#launch-status').dataset.status == 'refused'")
+        assert len(asked) == 1 and "os.path.join  (buffer.explorer_input.taskset.reward_fn)" in asked[0]
+        assert page.text_content("#launch-status").startswith("not launched: it imports from outside rft")
+        assert _launches(url, token) == []
+        answer["accept"] = True
+        page.click("#launch")
+        page.wait_for_function("['running', 'finished'].includes(document.querySelector('#launch-status').dataset.status)")
+        assert len(asked) == 2 and [launch["id"] for launch in _launches(url, token)] == [1]
+        from test_studio import _shot
+
+        _shot(page, "compose-imports")
+    finally:
+        _stop(proc)
+
+
+def test_the_token_is_never_on_the_command_line(tmp_path):
+    import subprocess
+    import sys
+
+    def studio(*args, **env):
+        return subprocess.run([sys.executable, "-m", "rft.studio", "--port", "0", "--root", str(tmp_path), *args], cwd=ROOT,
+                              capture_output=True, text=True, timeout=60, env={**os.environ, **env})
+
+    r = studio("--token", "a-token-anyone-can-read-in-ps")
+    assert r.returncode == 1 and r.stderr.strip() == (
+        "rft.studio: --token is refused: a command line is visible to every local user (ps). Put the token in a file "
+        "only you can read and pass --token-file FILE, or set $RFT_STUDIO_TOKEN.")
+    r = studio(RFT_STUDIO_TOKEN="short")
+    assert r.returncode == 1 and "shorter than 16 characters" in r.stderr
+    r = studio("--token-file", str(tmp_path / "missing"))
+    assert r.returncode == 1 and r.stderr.strip() == f"rft.studio: --token-file {tmp_path / 'missing'}: cannot read it (No such file or directory)."
+    f = tmp_path / "token"
+    f.write_text("a-token-from-a-file-0123\n")
+    f.chmod(0o600)
+    proc, url, token = _studio(tmp_path, args=("--token-file", str(f)))
+    try:
+        assert token == "a-token-from-a-file-0123" and "WARNING" not in proc.said
+    finally:
+        _stop(proc)
+
+
+def test_what_a_run_directory_holds_is_shown_as_text_never_run_as_script(browser, tmp_path):  # noqa: F811
+    """A run directory is data (one copied from elsewhere included): a script in it, run by the page,
+    could read the token and drive the studio."""
+    from test_studio import _fake_run
+
+    run = _fake_run(tmp_path, "rft/r", [{"step": 1, "eval/accuracy": 0.1}])
+    d = run / "grpo" / "eval_trajectories" / "step_4"
+    d.mkdir(parents=True)
+    evil = '<img src=x onerror="window.pwned = 1">'
+    (d / "set.jsonl").write_text(json.dumps({"task_id": "0", "reward": evil, "reward_parts": {"p": evil},
+                                             "messages": [{"role": "user", "content": "q"}]}) + "\n")
+    proc, url, token = _studio(tmp_path)
+    try:
+        page = browser.new_page()
+        page.goto(f"{url}/rollouts?run=rft/r#token={token}")
+        page.wait_for_selector("#rollouts tbody tr")
+        page.wait_for_load_state("networkidle")
+        assert page.evaluate("window.pwned") is None
+        assert page.inner_text("#rollouts tbody td.reward") == evil and page.get_attribute("#rollouts tbody tr", "data-reward") == evil
+        assert f"p={evil}" in page.inner_text("#rollouts tbody")
+    finally:
+        _stop(proc)
+
+
+def test_rollout_filters_that_are_not_numbers_are_a_400_naming_them(tmp_path):
+    import httpx
+
+    from test_studio import _sql_buffer
+
+    _sql_buffer(tmp_path / "rft" / "r")
+    proc, url, token = _studio(tmp_path)
+    try:
+        def rows(**params):
+            return httpx.get(url + "/api/rollouts", params={"run": "rft/r", "source": "grpo/buffer.db", **params},
+                             headers={"Authorization": f"Bearer {token}"})
+
+        assert rows(min_reward="0.5").json()["matched"] == 4  # rewards 0, 0.5, 1, 1, 1: four at or above 0.5
+        for params, said in [({"min_reward": "x"}, "min_reward='x' is not a number"),
+                             ({"max_reward": "nan"}, "max_reward='nan' is not a number"),  # it would keep every row
+                             ({"step": "1.5"}, "step='1.5' is not a whole number"),
+                             ({"limit": "0"}, "limit=0: give 1 to 5000 rows.")]:
+            r = rows(**params)
+            assert r.status_code == 400 and r.json()["detail"].startswith(said), (params, r.text)
+        assert rows(run="../..").json()["detail"] == "'../..' is not under the checkpoint root"
+    finally:
+        _stop(proc)
+
+
+def test_the_pages_work_under_their_content_security_policy(browser, tmp_path):  # noqa: F811
+    """No bypass here: the pages' own scripts and plotly run with only 'self' scripts allowed."""
+    from test_studio import _fake_run
+
+    _fake_run(tmp_path, "rft/a", [{"step": 1, "eval/accuracy": 0.1}, {"step": 2, "eval/accuracy": 0.5}])
+    proc, url, token = _studio(tmp_path)
+    try:
+        page = browser.new_page()
+        blocked = []
+        page.on("console", lambda m: blocked.append(m.text) if "Content Security Policy" in m.text else None)
+        page.goto(proc.link)
+
+        def until(expression: str):  # page.evaluate runs outside the page's CSP, unlike wait_for_function
+            deadline = time.time() + 60
+            while not page.evaluate(expression) and time.time() < deadline:
+                time.sleep(0.2)
+            return page.evaluate(expression)
+
+        assert until("document.body.dataset.composed") and "tasks per step" in page.text_content("#plan")
+        page.goto(f"{url}/runs")  # the token is kept in this origin's localStorage
+        page.wait_for_selector('[data-pick="rft/a"]')
+        page.check('[data-pick="rft/a"]')
+        assert until("(document.getElementById('chart').data || []).map(t => Array.from(t.y).join(',')).join(';')") == "0.1,0.5"
+        assert page.query_selector("#chart .main-svg") is not None and blocked == []  # plotly drew its SVG
+        import httpx
+
+        csp = httpx.get(url + "/runs").headers["content-security-policy"]
+        assert "script-src 'self';" in csp and "frame-ancestors 'none'" in csp
+    finally:
+        _stop(proc)
