@@ -81,7 +81,7 @@ def read_checkpoint(d: Path) -> Checkpoint | None:
     try:
         state = json.loads((d / "state.json").read_text())
         problem = None if isinstance(state, dict) and isinstance(state.get("step"), int) else "holds no step"
-    except (ValueError, OSError) as e:
+    except (ValueError, OSError, RecursionError) as e:
         state, problem = {}, "missing" if isinstance(e, FileNotFoundError) else "does not parse"
     state = state if isinstance(state, dict) else {}
     problem = problem and f"{d / 'state.json'}: {problem}"

@@ -337,7 +337,7 @@ def _run_or_reuse(cfg, plan, stage_dir: Path, init_path, owner, entry: Path | No
             rundir.write_config(cfg, stage_dir)
         final = run_stage(cfg, plan, stage_dir, init_path, title, owner)
         if entry is not None and final is not None:
-            rundir.publish(entry, stage_dir, final.parent)
+            rundir.publish(entry, stage_dir, final.parent, print)
         return final
 
 

@@ -107,7 +107,7 @@ def read(d: Path) -> tuple[dict | None, str | None]:
         m = json.loads(path.read_bytes())
     except FileNotFoundError:
         return None, None
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):  # RecursionError: nested ten thousand deep
         return None, "does not parse (cut short or overwritten)"
     if not (isinstance(m, dict) and isinstance(m.get("identity"), dict) and isinstance(m.get("files"), dict)
             and all(isinstance(v, list) and len(v) == 2 and isinstance(v[0], int) and isinstance(v[1], str)

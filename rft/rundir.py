@@ -327,16 +327,13 @@ def reuse(entry: Path, stage_dir: Path, owner: Owner, title: str, say) -> Path |
         say(f"[{title}] the stage cache's copy of this stage is damaged ({why}); moved it to {aside} "
             f"and running the stage")
         return None
-    stage_dir.mkdir(parents=True, exist_ok=True)
     final = stage_dir / "checkpoints" / f"step_{ckpt.step}"
-    shutil.rmtree(final, ignore_errors=True)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    _link_tree(entry / "checkpoint", final)
-    sealed, _ = manifest.read(final)
-    manifest.seal(final, owner.identity(ckpt.step), known=sealed["files"])  # replaces the link, not the entry's file
-    for name in ("metrics.jsonl", "batches.jsonl", "config.yaml"):
-        if (entry / name).exists():
-            shutil.copy2(entry / name, stage_dir / name)
+    try:
+        _copy_entry(entry, stage_dir, final, owner.identity(ckpt.step))
+    except OSError as e:  # a full disk, most likely: the stage's own run then says so at its first save
+        shutil.rmtree(final, ignore_errors=True)
+        say(f"[{title}] copying the stage cache's {entry} failed ({type(e).__name__}: {e}); running the stage")
+        return None
     source = (entry / "source").read_text().strip() if (entry / "source").exists() else "?"
     (stage_dir / "reused_from").write_text(f"{entry}\n{source}\n")
     say(f"[{title}] reused: the same stage (same config, starting model and data) finished in "
@@ -344,21 +341,40 @@ def reuse(entry: Path, stage_dir: Path, owner: Owner, title: str, say) -> Path |
     return final / "hf"
 
 
-def publish(entry: Path, stage_dir: Path, final: Path) -> None:
+def _copy_entry(entry: Path, stage_dir: Path, final: Path, identity: dict) -> None:
+    """The entry's checkpoint as `final`, its manifest naming this run (written anew, which
+    replaces the link: the entry's own file stays), and its logs into `stage_dir`."""
+    stage_dir.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(final, ignore_errors=True)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    _link_tree(entry / "checkpoint", final)
+    sealed, _ = manifest.read(final)
+    manifest.seal(final, identity, known=sealed["files"])
+    for name in ("metrics.jsonl", "batches.jsonl", "config.yaml"):
+        if (entry / name).exists():
+            shutil.copy2(entry / name, stage_dir / name)
+
+
+def publish(entry: Path, stage_dir: Path, final: Path, say) -> None:
     """Put a finished stage's final checkpoint and logs into the cache (if not there yet), sealed:
-    the checkpoint's digests are its manifest's (the files are links to it), the logs' are new."""
+    the checkpoint's digests are its manifest's (the files are links to it), the logs' are new.
+    One that cannot be written is said and left out: the run has its outputs."""
     ckpt = read_checkpoint(final)
     if entry.exists() or ckpt is None or not ckpt.identity:
         return
     tmp = entry.with_name(entry.name + f".tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    _link_tree(final, tmp / "checkpoint")
-    for name in ("metrics.jsonl", "batches.jsonl", "config.yaml"):
-        if (stage_dir / name).exists():
-            shutil.copy2(stage_dir / name, tmp / name)
-    (tmp / "source").write_text(f"{stage_dir}\n")
-    sealed, _ = manifest.read(final)
-    known = {f"checkpoint/{rel}": v for rel, v in sealed["files"].items()}
-    manifest.seal(tmp, ckpt.identity, known=known)
-    os.replace(tmp, entry)
+    try:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        _link_tree(final, tmp / "checkpoint")
+        for name in ("metrics.jsonl", "batches.jsonl", "config.yaml"):
+            if (stage_dir / name).exists():
+                shutil.copy2(stage_dir / name, tmp / name)
+        (tmp / "source").write_text(f"{stage_dir}\n")
+        sealed, _ = manifest.read(final)
+        manifest.seal(tmp, ckpt.identity, known={f"checkpoint/{rel}": v for rel, v in sealed["files"].items()})
+        os.replace(tmp, entry)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        say(f"rft: warning: the stage cache {entry.parent} did not take this stage ({type(e).__name__}: {e}); "
+            f"a later run with the same stage trains it again")

@@ -100,6 +100,8 @@ DAMAGES = {  # what is done to step_2 -> what damage() says, after "<step_2>/"
     "manifest_cut": (lambda d: (d / "manifest.json").write_text('{"format": 1, "files": {"hf/'),
                      "manifest.json: does not parse (cut short or overwritten)"),
     "manifest_missing": (lambda d: (d / "manifest.json").unlink(), "manifest.json: missing"),
+    "manifest_nested_deep": (lambda d: (d / "manifest.json").write_text("[" * 100000 + "]" * 100000),
+                             "manifest.json: does not parse (cut short or overwritten)"),
     "manifest_linked": (lambda d: (os.replace(d / "manifest.json", d.parents[2] / "m.json"),
                                    os.symlink(d.parents[2] / "m.json", d / "manifest.json")),
                         "manifest.json: is not a manifest (too large, or not a regular file)"),
@@ -299,7 +301,7 @@ def published(stage, tmp_path):
     (stage / "metrics.jsonl").write_text('{"step": 2}\n')
     entry = tmp_path / "cache" / "key"
     entry.parent.mkdir()
-    rundir.publish(entry, stage, stage / "checkpoints" / "step_2")
+    rundir.publish(entry, stage, stage / "checkpoints" / "step_2", print)
     return entry
 
 
@@ -341,6 +343,19 @@ def test_a_damaged_stage_cache_entry_is_set_aside_naming_the_file(stage, tmp_pat
     assert lines == [f"[{title}] the stage cache's copy of this stage is damaged ({why}); moved it to {aside} and "
                      f"running the stage"]
     assert not (tmp_path / "second").exists()  # nothing copied
+
+
+def test_a_stage_cache_that_cannot_take_a_stage_is_said_not_raised(stage, tmp_path, monkeypatch):
+    def full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(manifest, "seal", full)
+    (tmp_path / "cache").mkdir()
+    lines, say = said()
+    rundir.publish(tmp_path / "cache" / "key", stage, stage / "checkpoints" / "step_2", say)
+    assert lines == [f"rft: warning: the stage cache {tmp_path / 'cache'} did not take this stage (OSError: [Errno 28] "
+                     f"No space left on device); a later run with the same stage trains it again"]
+    assert list((tmp_path / "cache").iterdir()) == []  # no half-written entry
 
 
 def test_manifest_command_checks_a_folder(stage):
