@@ -16,9 +16,10 @@ moved aside to step_<N>.damaged-<time> and the one before is used. One of anothe
 configuration stops the run, naming both (resume_with_changes=true accepts another model or
 configuration, as it accepts a changed config).
 
-Checkpoints written before manifests existed (a state.json, no manifest.json) are used with a
-one-line warning and without a check of their files; a stage-cache entry of that age is set aside
-and the stage trained again.
+Checkpoints written before manifests existed (a state.json, no manifest.json) are resumed with a
+one-line warning and without a check of their files; as trainer.resume_from_path from outside the
+stage's own checkpoints/ (whose they are cannot be told) only with resume_with_changes=true; a
+stage-cache entry of that age is set aside and the stage trained again.
 """
 
 from __future__ import annotations
