@@ -20,7 +20,7 @@ def bench(cfg, run_dir: Path) -> float | None:
     from rft.explorer import Explorer
     from rft.plan import stage_configs
     from rft.models import ensure_model
-    from rft.checkpoint import list_checkpoints
+    from rft.checkpoint import damage, list_checkpoints
     from rft.tasks import ensure_task_data
 
     stages = stage_configs(cfg)
@@ -31,7 +31,7 @@ def bench(cfg, run_dir: Path) -> float | None:
     for s in stages:
         stage_dir = run_dir / s.stage_name if s.stage_name else run_dir
         found += [(s.stage_name or s.algorithm.algorithm_type, c) for c in list_checkpoints(stage_dir)
-                  if "damaged" not in c.state]
+                  if c.problem is None]
     if not found:
         raise ConfigError(
             f"mode=bench found no checkpoints under {run_dir}. Give the trained run's name "
@@ -49,6 +49,10 @@ def bench(cfg, run_dir: Path) -> float | None:
     for stage, ckpt in found:
         if not ckpt.hf_path.exists():
             continue  # an explore-mode stage saves no model
+        why = damage(ckpt, skip=("trainer_state.pt",))  # its files against its manifest: only hf/ is read
+        if why is not None:
+            print(f"[bench] {stage} step {ckpt.step}: damaged ({why}); not evaluated")
+            continue
         explorer.load_weights(str(ckpt.hf_path), ckpt.step, ckpt.state.get("fingerprint"))
         rows.append({"stage": stage, "step": ckpt.step, "checkpoint": str(ckpt.path), **explorer.evaluate(ckpt.step)})
         print(f"[bench] {stage} step {ckpt.step}: eval accuracy {rows[-1].get('eval/accuracy', float('nan')):.3f}")

@@ -2,11 +2,13 @@
 
     python -m rft.export <run>/<stage>/checkpoints/step_<N> <out dir> [--max-shard-size 5GB]
 
-Any trainer checkpoint works (trainer=torch or fsdp2, full or LoRA): it is checked first (the
-fingerprint its save recorded), then written with its tokenizer as `save_pretrained` writes it,
-loadable with `AutoModelForCausalLM.from_pretrained`. A checkpoint's hf/ is the whole model (LoRA:
-merged); a LoRA checkpoint saved without hf/ (trainer.save_hf_checkpoint) is merged here from its
-adapter/ and the base model its state.json names.
+Any trainer checkpoint works (trainer=torch or fsdp2, full or LoRA): its files are checked first
+against its manifest, then the model is written with its tokenizer as `save_pretrained` writes it,
+loadable with `AutoModelForCausalLM.from_pretrained`, into a new (or empty) folder, sealed with a
+manifest of its own (the checkpoint's identity and where it came from: `python -m rft.manifest
+<out dir>` checks it). A checkpoint's hf/ is the whole model (LoRA: merged); a LoRA checkpoint
+saved without hf/ (trainer.save_hf_checkpoint) is merged here from its adapter/ and the base model
+its state.json names.
 """
 
 from __future__ import annotations
@@ -21,20 +23,28 @@ from rft.errors import ConfigError
 def export(checkpoint_dir: str | Path, out_dir: str | Path, max_shard_size: str = "5GB") -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from rft import manifest
     from rft.checkpoint import damage, read_checkpoint
 
     ckpt_dir = Path(checkpoint_dir).expanduser()
     ckpt = read_checkpoint(ckpt_dir) if ckpt_dir.is_dir() else None
     if ckpt is None:
         raise ConfigError(f"{ckpt_dir} is not a checkpoint: a checkpoint is a directory <run>/<stage>/checkpoints/"
-                          f"step_<N> with a state.json (one without it is a save that did not finish).")
+                          f"step_<N> with a manifest.json (one without it is a save that did not finish).")
+    out = Path(out_dir).expanduser()
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ConfigError(f"{out} is not an empty folder: the export is sealed with a manifest of every file in "
+                          f"its folder. Give a new folder (or empty this one).")
     adapter = ckpt.path / "adapter"
     if not ckpt.hf_path.is_dir() and not adapter.is_dir():
         raise ConfigError(f"{ckpt_dir} holds no model (no hf/, no adapter/): a mode=explore checkpoint records "
                           f"only its place in the schedule. Export a checkpoint of a run that trains.")
-    why = damage(ckpt, has_model=True)
+    why = damage(ckpt, skip=("trainer_state.pt",))  # the optimizer's state is not exported
     if why is not None:
         raise ConfigError(f"{ckpt_dir} is damaged: {why}. Export another checkpoint.")
+    if ckpt.identity is None:
+        print(f"warning: {ckpt_dir} has no manifest.json (written by an rft from before checkpoints carried one): "
+              f"exported without a check of its files", file=sys.stderr)
     if ckpt.hf_path.is_dir():
         model, tokenizer_dir = AutoModelForCausalLM.from_pretrained(ckpt.hf_path), ckpt.hf_path
     else:
@@ -46,9 +56,9 @@ def export(checkpoint_dir: str | Path, out_dir: str | Path, max_shard_size: str 
                               f"alone is in {adapter} (PEFT's format, for PeftModel.from_pretrained on that base).")
         model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), adapter).merge_and_unload()
         tokenizer_dir = base
-    out = Path(out_dir).expanduser()
     model.save_pretrained(out, max_shard_size=max_shard_size)
     AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(out)
+    manifest.seal(out, {**(ckpt.identity or {"step": ckpt.step}), "exported_from": str(ckpt_dir.resolve())})
     return out
 
 

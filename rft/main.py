@@ -319,16 +319,18 @@ def _run(cfg: DictConfig, stages: list, plans: list, stage_dirs: list[Path], run
                               f"its final step only).")
     started_ray = stages[0].cluster.backend == "ray" and _start_ray(stages[0], run_dir)
     try:
-        init_path, start = None, rundir.start_identity(stages[0].model)
+        init_path, start, before = None, rundir.start_identity(stages[0].model), None
         for i, (s, plan, stage_dir) in enumerate(zip(stages, plans, stage_dirs)):
             title = s.stage_name or s.algorithm.algorithm_type
+            owner = rundir.owner(s, title, before)  # whose checkpoints the stage writes and resumes
+            before = title
             key = rundir.cache_key(s, start)
             start = f"stage:{key}"  # the next stage starts where this one ends
             # a stage another one starts from (a warm-up), not the run's own last stage: a re-run
             # of a whole config (a benchmark, a check of reproducibility) trains, not copies
             shared = i < len(stages) - 1 and rundir.cacheable(s)
             entry = cache / key if cache and shared else None
-            final = _run_or_reuse(s, plan, stage_dir, init_path, title, entry, changes.get(title))
+            final = _run_or_reuse(s, plan, stage_dir, init_path, owner, entry, changes.get(title))
             init_path = str(final) if final is not None else init_path
     finally:
         if started_ray:
@@ -345,23 +347,24 @@ def _run(cfg: DictConfig, stages: list, plans: list, stage_dirs: list[Path], run
     return values[-1]
 
 
-def _run_or_reuse(cfg, plan, stage_dir: Path, init_path, title: str, entry: Path | None, changes: list | None):
-    """Run a stage, or copy it from the stage cache (`entry`, None: no cache) if it finished
-    there and this run has not started it; returns its final model's directory (None: none)."""
+def _run_or_reuse(cfg, plan, stage_dir: Path, init_path, owner, entry: Path | None, changes: list | None):
+    """Run stage `owner.stage`, or copy it from the stage cache (`entry`, None: no cache) if it
+    finished there and this run has not started it; returns its final model's directory (None: none)."""
     from rft.runner import run_stage
 
+    title = owner.stage
     with rundir.stage_lock(entry, title, print):
         if entry is not None and cfg.continue_from_checkpoint and not rundir.has_outputs(stage_dir):
-            reused = rundir.reuse(entry, stage_dir, title, print)
+            reused = rundir.reuse(entry, stage_dir, owner, title, print)
             if reused is not None:
                 return reused
         if changes:
             rundir.note_changes(stage_dir, changes)
         if changes or rundir.saved_config(stage_dir) is None or not rundir.has_outputs(stage_dir):
             rundir.write_config(cfg, stage_dir)
-        final = run_stage(cfg, plan, stage_dir, init_path, title)
+        final = run_stage(cfg, plan, stage_dir, init_path, title, owner)
         if entry is not None and final is not None:
-            rundir.publish(entry, stage_dir, final.parent)
+            rundir.publish(entry, stage_dir, final.parent, print)
         return final
 
 

@@ -20,6 +20,8 @@ config except `WHERE_AND_HOW`, the same starting model and the same data files) 
 there instead of trained again: a sweep over the RL stage's learning rate runs its shared SFT
 warm-up once per seed. Files are hard-linked where the filesystem allows. A lock per key makes concurrent jobs (a
 sweep on Slurm, on a filesystem with working file locks) wait for the one that trains the stage.
+An entry is sealed like a checkpoint (rft/manifest.py: every file's size and digest, and whose
+stage it is) and checked before it is copied: a damaged one is moved aside and the stage trains.
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ from typing import Any
 import yaml
 from omegaconf import OmegaConf
 
+from rft import manifest
+from rft.checkpoint import Owner, describe, put_aside, read_checkpoint
 from rft.config import flat
 from rft.errors import ConfigError
 
@@ -67,6 +71,21 @@ def identity(cfg) -> dict[str, Any]:
 
 def fingerprint(obj) -> str:
     return hashlib.sha1(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def config_fingerprint(cfg) -> str:
+    """The fingerprint a stage's checkpoints carry: its identity, less the keys that may grow on
+    resume (what check_unchanged lets pass without resume_with_changes)."""
+    return fingerprint({k: v for k, v in identity(cfg).items() if k not in MAY_GROW})
+
+
+def owner(cfg, title: str, after: str | None) -> Owner:
+    """Whose checkpoints stage `title` writes: this run, this stage, its config, and what it starts
+    from (model.model_path, then the stage `after`, whose final model a later stage starts from)."""
+    model = os.path.expanduser(str(cfg.model.model_path))
+    return Owner(run=f"{cfg.project}/{cfg.name}", stage=title, config=config_fingerprint(cfg),
+                 model=model if after is None else f"{model}, then stage {after}",
+                 changes_ok=bool(cfg.resume_with_changes))
 
 
 def path_identity(path: str | None) -> Any:
@@ -290,30 +309,31 @@ def stage_lock(entry: Path | None, title: str, say):
         lock.release()
 
 
-def reuse(entry: Path, stage_dir: Path, title: str, say) -> Path | None:
+def reuse(entry: Path, stage_dir: Path, owner: Owner, title: str, say) -> Path | None:
     """Copy a published stage into stage_dir; returns its final model's directory (None: no entry,
-    or a damaged one, which is moved aside to <entry>.damaged-<time>: the stage runs, and publishes
-    anew)."""
-    from rft.checkpoint import damage, read_checkpoint
-
+    or one that is damaged or not this stage's, which is moved aside to <entry>.damaged-<time>:
+    the stage runs, and publishes anew). The copy's manifest names this run."""
     ckpt = read_checkpoint(entry / "checkpoint")
     if ckpt is None:
         return None
-    why = damage(ckpt, has_model=True, trainer_state=False)
+    # its trainer_state.pt is not read here: checked by size (and in full if this stage ever resumes)
+    why = manifest.verify(entry, skip=("checkpoint/trainer_state.pt",))
+    if manifest.read(entry) == (None, None):
+        why = f"{entry / manifest.MANIFEST}: missing (written by an rft from before entries carried one: it cannot be checked)"
+    if why is None and ckpt.identity is not None and owner.differences(ckpt.identity):
+        why = f"it is {describe(ckpt.identity)}, and this stage is {describe(owner.identity(ckpt.step))}"
     if why is not None:
-        aside = entry.with_name(f"{entry.name}.damaged-{datetime.datetime.now():%Y%m%d_%H%M%S}")
-        os.replace(entry, aside)
+        aside = put_aside(entry, "damaged")
         say(f"[{title}] the stage cache's copy of this stage is damaged ({why}); moved it to {aside} "
             f"and running the stage")
         return None
-    stage_dir.mkdir(parents=True, exist_ok=True)
     final = stage_dir / "checkpoints" / f"step_{ckpt.step}"
-    shutil.rmtree(final, ignore_errors=True)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    _link_tree(entry / "checkpoint", final)
-    for name in ("metrics.jsonl", "batches.jsonl", "config.yaml"):
-        if (entry / name).exists():
-            shutil.copy2(entry / name, stage_dir / name)
+    try:
+        _copy_entry(entry, stage_dir, final, owner.identity(ckpt.step))
+    except OSError as e:  # a full disk, most likely: the stage's own run then says so at its first save
+        shutil.rmtree(final, ignore_errors=True)
+        say(f"[{title}] copying the stage cache's {entry} failed ({type(e).__name__}: {e}); running the stage")
+        return None
     source = (entry / "source").read_text().strip() if (entry / "source").exists() else "?"
     (stage_dir / "reused_from").write_text(f"{entry}\n{source}\n")
     say(f"[{title}] reused: the same stage (same config, starting model and data) finished in "
@@ -321,16 +341,40 @@ def reuse(entry: Path, stage_dir: Path, title: str, say) -> Path | None:
     return final / "hf"
 
 
-def publish(entry: Path, stage_dir: Path, final: Path) -> None:
-    """Put a finished stage's final checkpoint and logs into the cache (if not there yet)."""
-    if entry.exists() or not (final / "state.json").exists():
+def _copy_entry(entry: Path, stage_dir: Path, final: Path, identity: dict) -> None:
+    """The entry's checkpoint as `final`, its manifest naming this run (written anew, which
+    replaces the link: the entry's own file stays), and its logs into `stage_dir`."""
+    stage_dir.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(final, ignore_errors=True)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    _link_tree(entry / "checkpoint", final)
+    sealed, _ = manifest.read(final)
+    manifest.seal(final, identity, known=sealed["files"])
+    for name in ("metrics.jsonl", "batches.jsonl", "config.yaml"):
+        if (entry / name).exists():
+            shutil.copy2(entry / name, stage_dir / name)
+
+
+def publish(entry: Path, stage_dir: Path, final: Path, say) -> None:
+    """Put a finished stage's final checkpoint and logs into the cache (if not there yet), sealed:
+    the checkpoint's digests are its manifest's (the files are links to it), the logs' are new.
+    One that cannot be written is said and left out: the run has its outputs."""
+    ckpt = read_checkpoint(final)
+    if entry.exists() or ckpt is None or not ckpt.identity:
         return
     tmp = entry.with_name(entry.name + f".tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    _link_tree(final, tmp / "checkpoint")
-    for name in ("metrics.jsonl", "batches.jsonl", "config.yaml"):
-        if (stage_dir / name).exists():
-            shutil.copy2(stage_dir / name, tmp / name)
-    (tmp / "source").write_text(f"{stage_dir}\n")
-    os.replace(tmp, entry)
+    try:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        _link_tree(final, tmp / "checkpoint")
+        for name in ("metrics.jsonl", "batches.jsonl", "config.yaml"):
+            if (stage_dir / name).exists():
+                shutil.copy2(stage_dir / name, tmp / name)
+        (tmp / "source").write_text(f"{stage_dir}\n")
+        sealed, _ = manifest.read(final)
+        manifest.seal(tmp, ckpt.identity, known={f"checkpoint/{rel}": v for rel, v in sealed["files"].items()})
+        os.replace(tmp, entry)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        say(f"rft: warning: the stage cache {entry.parent} did not take this stage ({type(e).__name__}: {e}); "
+            f"a later run with the same stage trains it again")

@@ -34,7 +34,7 @@ from rft import checkpoint, scoring
 from rft.actors import ACTOR_BACKENDS, long_lived, start_explorers, start_trainer
 from rft.algorithms.off_policy import staleness
 from rft.buffer import make_buffer
-from rft.checkpoint import Checkpoint, latest_checkpoint, set_aside, usable_checkpoint
+from rft.checkpoint import Checkpoint, Owner, latest_checkpoint, served_checkpoint, set_aside, usable_checkpoint
 from rft.experience import batch_record
 from rft.errors import RunError
 from rft.explorer import step_metrics
@@ -53,15 +53,16 @@ def _actor_died(e: Exception) -> bool:
     return exceptions is not None and isinstance(e, exceptions.RayActorError)
 
 
-def run_stage(cfg, plan, stage_dir: Path, init_path: str | None, title: str) -> Path | None:
+def run_stage(cfg, plan, stage_dir: Path, init_path: str | None, title: str, owner: Owner) -> Path | None:
     """Run one stage to its last step; returns its final HF-format model's directory (None for a
-    stage that trains nothing: mode=explore)."""
+    stage that trains nothing: mode=explore). `owner`: the identity its checkpoints carry, and the
+    one those it resumes from must have (rft.checkpoint)."""
     stage_dir.mkdir(parents=True, exist_ok=True)
     trains = cfg.mode in ("both", "train")
     if cfg.trainer.resume_from_path:
-        latest = checkpoint.chosen_checkpoint(stage_dir, cfg.trainer.resume_from_path, trains, title, print)
+        latest = checkpoint.chosen_checkpoint(stage_dir, cfg.trainer.resume_from_path, owner, title, print)
     else:
-        latest = usable_checkpoint(stage_dir, trains, title, print) if cfg.continue_from_checkpoint else None
+        latest = usable_checkpoint(stage_dir, owner, title, print) if cfg.continue_from_checkpoint else None
     if latest is not None and latest.step >= plan.total_steps:
         print(f"[{title}] already finished (step {latest.step}); outputs in {stage_dir}")
         metrics = latest.state.get("metrics")
@@ -72,7 +73,7 @@ def run_stage(cfg, plan, stage_dir: Path, init_path: str | None, title: str) -> 
             monitor.close()
         return latest.hf_path if trains else None
     with long_lived():  # the driver's modules, datasets and buffer: frozen for its collections
-        stage = StageRun(cfg, plan, stage_dir, init_path, title, latest)
+        stage = StageRun(cfg, plan, stage_dir, init_path, title, latest, owner)
     try:
         stage.loop()
     finally:
@@ -105,9 +106,10 @@ def culprit(inp, ts, source: str | None) -> tuple[str, str]:
 
 
 class StageRun:
-    def __init__(self, cfg, plan, stage_dir: Path, init_path, title: str, latest: Checkpoint | None):
+    def __init__(self, cfg, plan, stage_dir: Path, init_path, title: str, latest: Checkpoint | None, owner: Owner):
         self.cfg, self.plan, self.dir, self.title = cfg, plan, stage_dir, title
-        self.init_path = init_path
+        self.init_path, self.owner = init_path, owner
+        self.not_served: set = set()  # mode=explore: the damaged checkpoints of the train run, named once
         self.trainer, self.explorers, self.pg, self.buffer = None, [], None, None
         self.unfinished_sync = None  # (version, the sync's pairs) while explorers may be loading it
         self.monitor = None
@@ -217,7 +219,7 @@ class StageRun:
                     raise
                 why = f"{latest.path / 'trainer_state.pt'} does not load: {type(getattr(e, 'cause', e)).__name__}"
                 set_aside(latest, why, self.title, print)
-                latest = usable_checkpoint(self.dir, True, self.title, print, before=latest.step)
+                latest = usable_checkpoint(self.dir, self.owner, self.title, print, before=latest.step)
         return None
 
     def _restore_buffer(self, state: dict | None, latest: Checkpoint | None) -> None:
@@ -427,8 +429,9 @@ class StageRun:
             return
         ckpt_dir = Path(os.path.expanduser(ckpt_dir))
         # the train-mode run's stage directory, or the checkpoints/ directory in it
-        newest = latest_checkpoint(ckpt_dir.parent if ckpt_dir.name == "checkpoints" else ckpt_dir)
-        if newest is None or (newest.step <= self.synced and not force) or not newest.hf_path.exists():
+        newest = served_checkpoint(ckpt_dir.parent if ckpt_dir.name == "checkpoints" else ckpt_dir, self.owner,
+                                   -1 if force else self.synced, self.not_served, self.title, self.monitor.print)
+        if newest is None:
             return
         for e in explorers:
             e.call("load_weights", str(newest.hf_path), newest.step, newest.state.get("fingerprint"))
@@ -653,10 +656,10 @@ class StageRun:
             state["buffer"] = self.buffer.state()
 
         def save_trainer(tmp: Path) -> dict:
-            # the fingerprint of what was written (checked when resuming) and of the parameters
-            # (what an explorer serving this checkpoint is checked against)
-            out = {"saved_fingerprint": self._trainer("save", str(tmp), with_hf),
-                   "fingerprint": self._trainer("fingerprint")}
+            # the parameters' fingerprint: what an explorer serving this checkpoint checks its load
+            # against (the files themselves are checked by the manifest checkpoint.write adds)
+            self._trainer("save", str(tmp), with_hf)
+            out = {"fingerprint": self._trainer("fingerprint")}
             if self.cfg.model.lora.rank:  # the base the adapter goes on (python -m rft.export merges them)
                 out["lora_base"] = os.path.abspath(os.path.expanduser(self.init_path or self.cfg.model.model_path))
             return out
@@ -666,10 +669,11 @@ class StageRun:
         with_hf = when == "always" or (when == "last" and step >= self.plan.total_steps)
         # an explorer's place (mode=explore): only the newest matters, its pruning not worth a line
         if self.trainer is None:
-            checkpoint.write(self.dir, step, state, keep=1)
+            checkpoint.write(self.dir, step, state, keep=1, owner=self.owner)
         else:
             checkpoint.write(self.dir, step, state, save_trainer, keep=self.cfg.trainer.max_ckpt_to_keep,
-                             say=lambda m: self.monitor.print(f"[{self.title}] trainer.max_ckpt_to_keep: {m}"))
+                             say=lambda m: self.monitor.print(f"[{self.title}] trainer.max_ckpt_to_keep: {m}"),
+                             owner=self.owner)
 
     def close(self) -> None:
         if self.monitor is not None:

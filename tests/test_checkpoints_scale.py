@@ -1,6 +1,7 @@
 """Checkpoints that scale: sharded safetensors read everywhere weights are read, pruning
 (trainer.max_ckpt_to_keep), a chosen checkpoint to resume from (trainer.resume_from_path), LoRA
-checkpoints without the merged model (trainer.save_hf_checkpoint), and `python -m rft.export`."""
+checkpoints without the merged model (trainer.save_hf_checkpoint), and `python -m rft.export`.
+(What a checkpoint's manifest catches: test_checkpoints_manifest.py.)"""
 
 import json
 import shutil
@@ -14,8 +15,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import rft.main
 from conftest import ROOT, compose_cfg
-from rft import checkpoint
-from rft.checkpoint import damage, list_checkpoints, read_checkpoint
+from rft import checkpoint, manifest
+from rft.checkpoint import Owner, damage, list_checkpoints, read_checkpoint
 from rft.engine import HFEngine
 from rft.errors import ConfigError
 from rft.experience import collate
@@ -25,8 +26,16 @@ from rft.models import load_hf_weights, load_model
 from rft.monitor import read_metrics
 from rft.plan import make_plan, stage_configs
 from rft.sync import hf_weight_files, same_weights
+
+OWNER = Owner(run="rft/t", stage="grpo", config="c0ffee", model="tiny")
 from test_fsdp import configs, fsdp_group, local_ray  # noqa: F401 (local_ray: a fixture)
 from test_trainer import experiences, make_trainer
+
+
+def seal(d, step=1, **state):
+    """state.json and the manifest, as checkpoint.write adds them after the trainer's save."""
+    (d / "state.json").write_text(json.dumps({"step": step, **state, "manifest": manifest.FORMAT}))
+    manifest.seal(d, OWNER.identity(step))
 
 
 def shard(hf_dir, model, size="100KB"):
@@ -46,15 +55,15 @@ def trained(tmp_path_factory):
     t.train_step(experiences())
     d = tmp_path_factory.mktemp("stage") / "checkpoints" / "step_1"
     d.mkdir(parents=True)
-    saved = t.save(str(d))
+    t.save(str(d))
     shard(d / "hf", t.model)
-    (d / "state.json").write_text(json.dumps({"step": 1, "saved_fingerprint": saved}))
+    seal(d)
     return t, d
 
 
 def test_sharded_weights_load_into_the_trainer_the_engine_and_pass_the_damage_check(trained):
     t, d = trained
-    assert damage(read_checkpoint(d), has_model=True) is None
+    assert damage(read_checkpoint(d)) is None
     # resume (Trainer.load) and mode=explore's pickup (the engine's load) read every shard
     resumed = make_trainer(128)
     resumed.load(str(d))
@@ -75,10 +84,11 @@ def test_a_folder_without_weights_is_named(trained, tmp_path):
                             f"model.safetensors.index.json with its shards)")
     copy = tmp_path / "checkpoints" / "step_1"
     shutil.copytree(d, copy)
-    for f in hf_weight_files(copy / "hf"):
+    shards = hf_weight_files(copy / "hf")
+    for f in shards:
         f.unlink()
     (copy / "hf" / "model.safetensors.index.json").unlink()
-    assert damage(read_checkpoint(copy), True) == f"{copy / 'hf' / 'model.safetensors'}: missing"
+    assert damage(read_checkpoint(copy)) == f"{shards[0]}: missing"  # the first the manifest lists
 
 
 def test_a_damaged_or_missing_shard_is_named(trained, tmp_path):
@@ -86,19 +96,18 @@ def test_a_damaged_or_missing_shard_is_named(trained, tmp_path):
     copy = tmp_path / "checkpoints" / "step_1"
     shutil.copytree(d, copy)
     files = hf_weight_files(copy / "hf")
-    # flipped bytes in the middle of a shard: it loads, but its sums are not the saved ones
+    # zeroed bytes in the middle of a shard: it loads, but it is not what was saved
     data = bytearray(files[-1].read_bytes())
     data[-64:-32] = bytes(32)
     files[-1].write_bytes(bytes(data))
-    assert damage(read_checkpoint(copy), True).startswith(f"{copy / 'hf'}: its weights are not the ones saved")
+    assert damage(read_checkpoint(copy)) == f"{files[-1]}: its contents are not the ones saved (their digest differs)"
     files[0].unlink()
-    assert damage(read_checkpoint(copy), True) == f"{files[0]}: missing"
+    assert damage(read_checkpoint(copy)) == f"{files[0]}: missing"
 
 
 def fake_checkpoints(stage, steps):
     for s in steps:
-        (stage / "checkpoints" / f"step_{s}").mkdir(parents=True)
-        (stage / "checkpoints" / f"step_{s}" / "state.json").write_text(json.dumps({"step": s}))
+        checkpoint.write(stage, s, {}, owner=OWNER)
 
 
 def test_max_ckpt_to_keep_deletes_the_oldest_after_a_save(tmp_path):
@@ -119,21 +128,21 @@ def test_max_ckpt_to_keep_deletes_the_oldest_after_a_save(tmp_path):
 def test_resume_from_path_picks_that_checkpoint_and_moves_newer_ones_aside(tmp_path):
     fake_checkpoints(tmp_path, [1, 2, 3])
     said = []
-    ckpt = checkpoint.chosen_checkpoint(tmp_path, str(tmp_path / "checkpoints" / "step_2"), False, "grpo", said.append)
+    ckpt = checkpoint.chosen_checkpoint(tmp_path, str(tmp_path / "checkpoints" / "step_2"), OWNER, "grpo", said.append)
     assert ckpt.step == 2 and [c.step for c in list_checkpoints(tmp_path)] == [1, 2]
     assert len(said) == 1 and said[0].startswith("[grpo] trainer.resume_from_path: resuming from step 2; the newer "
                                                  "checkpoint step 3 is moved to step_3.superseded-")
     with pytest.raises(ConfigError) as e:
-        checkpoint.chosen_checkpoint(tmp_path, str(tmp_path / "nope"), False, "grpo", said.append)
+        checkpoint.chosen_checkpoint(tmp_path, str(tmp_path / "nope"), OWNER, "grpo", said.append)
     assert str(e.value) == (
         f"trainer.resume_from_path={str(tmp_path / 'nope')!r}: no such directory. Give a directory "
         f"<run>/<stage>/checkpoints/step_<N>; this stage's checkpoints: {tmp_path / 'checkpoints' / 'step_1'}, "
         f"{tmp_path / 'checkpoints' / 'step_2'}. Or leave it null to resume from the newest.")
-    (tmp_path / "checkpoints" / "step_4.tmp").mkdir()  # a save that was killed: no state.json
+    (tmp_path / "checkpoints" / "step_4.tmp").mkdir()  # a save that was killed: no manifest.json
     with pytest.raises(ConfigError) as e:
-        checkpoint.chosen_checkpoint(tmp_path, str(tmp_path / "checkpoints" / "step_4.tmp"), False, "grpo", said.append)
+        checkpoint.chosen_checkpoint(tmp_path, str(tmp_path / "checkpoints" / "step_4.tmp"), OWNER, "grpo", said.append)
     assert str(e.value) == (
-        f"trainer.resume_from_path={str(tmp_path / 'checkpoints' / 'step_4.tmp')!r}: not a checkpoint (no state.json: "
+        f"trainer.resume_from_path={str(tmp_path / 'checkpoints' / 'step_4.tmp')!r}: not a checkpoint (no manifest.json: "
         f"not a step_<N> directory, or a save that did not finish). Give a directory <run>/<stage>/checkpoints/"
         f"step_<N>; this stage's checkpoints: {tmp_path / 'checkpoints' / 'step_1'}, "
         f"{tmp_path / 'checkpoints' / 'step_2'}. Or leave it null to resume from the newest.")
@@ -178,7 +187,7 @@ def test_a_lora_run_saves_adapters_resumes_from_a_chosen_one_and_exports(warm_st
             f"keeping the newest 3\n") in printed.out + printed.err
     assert [ckpts[s].hf_path.exists() for s in (2, 3, 4)] == [False, False, True]
     assert all((ckpts[s].path / "adapter" / "adapter_model.safetensors").exists() for s in (2, 3, 4))
-    assert all(damage(c, True) is None for c in ckpts.values())
+    assert all(damage(c) is None for c in ckpts.values())
     # export: step 4 from its hf/ (the trainer's merge), step 3 from its adapter and base (PEFT's
     # merge), against a LoRA trainer that resumed step 3 (the trainer's merge)
     for step in (4, 3):
@@ -206,7 +215,7 @@ def test_export_refuses_what_is_not_a_checkpoint(tmp_path):
                        capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 2
     assert r.stderr == (f"error: {tmp_path} is not a checkpoint: a checkpoint is a directory <run>/<stage>/"
-                        f"checkpoints/step_<N> with a state.json (one without it is a save that did not finish).\n")
+                        f"checkpoints/step_<N> with a manifest.json (one without it is a save that did not finish).\n")
 
 
 def logits(model, tok):
@@ -219,6 +228,13 @@ def test_export_writes_a_sharded_checkpoint_as_a_model_from_pretrained_loads(tra
     t, d = trained
     out = export(d, tmp_path / "out", max_shard_size="100KB")
     assert len(hf_weight_files(out)) > 1  # the export shards as asked
+    # sealed: whole now, and saying where it came from
+    assert manifest.verify(out) is None
+    assert manifest.read(out)[0]["identity"] == {**OWNER.identity(1), "exported_from": str(d.resolve())}
+    with pytest.raises(ConfigError) as e:  # a manifest of a folder holding other things would seal them too
+        export(d, out)
+    assert str(e.value) == (f"{out} is not an empty folder: the export is sealed with a manifest of every file in "
+                            f"its folder. Give a new folder (or empty this one).")
     torch.testing.assert_close(logits(AutoModelForCausalLM.from_pretrained(out), t.tokenizer),
                                logits(t.model, t.tokenizer), rtol=0, atol=0)
     assert AutoTokenizer.from_pretrained(out)("12+34=").input_ids == t.tokenizer("12+34=").input_ids
@@ -230,11 +246,10 @@ def test_a_lora_checkpoint_without_hf_resumes_and_exports_the_merged_model(tmp_p
     t.train_step(experiences())
     d = tmp_path / "checkpoints" / "step_1"
     d.mkdir(parents=True)
-    saved = t.save(str(d), False)  # trainer.save_hf_checkpoint=last|never, not the last step
+    t.save(str(d), False)  # trainer.save_hf_checkpoint=last|never, not the last step
     assert not (d / "hf").exists() and (d / "adapter" / "adapter_model.safetensors").exists()
-    (d / "state.json").write_text(json.dumps({"step": 1, "saved_fingerprint": saved,
-                                              "lora_base": t.cfg.model.model_path}))
-    assert damage(read_checkpoint(d), True) is None
+    seal(d, lora_base=t.cfg.model.model_path)
+    assert damage(read_checkpoint(d)) is None
     resumed = make_trainer(128, lora)
     resumed.load(str(d))
     assert resumed.version == 1 and same_weights(resumed.fingerprint(), t.fingerprint())
@@ -253,7 +268,8 @@ def test_export_writes_a_trainer_fsdp2_checkpoint(local_ray, tmp_path):
         two.call("train_step", experiences())
         d = tmp_path / "checkpoints" / "step_1"
         d.mkdir(parents=True)
-        (d / "state.json").write_text(json.dumps({"step": 1, "saved_fingerprint": two.call("save", str(d))}))
+        two.call("save", str(d))
+        seal(d)
         whole = load_model(one_cfg.model)
         whole.load_state_dict(two.call("weights"))  # the ranks' shards gathered
     finally:
@@ -264,36 +280,10 @@ def test_export_writes_a_trainer_fsdp2_checkpoint(local_ray, tmp_path):
     assert (got - logits(load_model(one_cfg.model), tok)).abs().max() > 1e-4  # trained: not the starting model
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_the_damage_check_reads_weights_with_numpy_as_torch_sums_them(tmp_path, dtype):
-    """checkpoint._file_sums (numpy, so that a Ray driver checking checkpoints and the stage cache
-    imports no torch) gives the fingerprint the trainer's torch sums give (rft.sync.weight_sums)."""
-    from safetensors.torch import save_file
-
-    from rft.checkpoint import _file_sums
-    from rft.sync import format_fingerprint, weight_sums
-
-    gen = torch.Generator().manual_seed(0)
-    weights = {"w": torch.randn(700, 300, generator=gen).to(dtype), "b": torch.randn(5, generator=gen).to(dtype),
-               "empty": torch.zeros(0, dtype=dtype)}
-    save_file(weights, tmp_path / "model.safetensors")
-    got, want = format_fingerprint(_file_sums(tmp_path / "model.safetensors")), format_fingerprint(weight_sums(weights))
-    assert same_weights(got, want), (got, want)
-    # one weight changed is far outside the tolerance
-    weights["w"][3, 4] += 1
-    save_file(weights, tmp_path / "other.safetensors")
-    assert not same_weights(format_fingerprint(_file_sums(tmp_path / "other.safetensors")), want)
-    # cut short: an error (the damage check says "does not load"), not the sums of what is left
-    data = (tmp_path / "model.safetensors").read_bytes()
-    (tmp_path / "cut.safetensors").write_bytes(data[: len(data) // 2])
-    with pytest.raises(ValueError, match="the file is cut short"):
-        _file_sums(tmp_path / "cut.safetensors")
-
-
 def test_checking_a_checkpoint_imports_no_torch(trained):
     """The Ray driver checks the checkpoint it resumes from and the stage cache entry it reuses."""
     _, d = trained  # hf/ in shards, trainer_state.pt beside it
-    code = (f"import sys; from rft.checkpoint import damage, read_checkpoint; "
-            f"print(damage(read_checkpoint({str(d)!r}), True), 'torch' in sys.modules)")
+    code = (f"import sys; import rft.rundir; from rft.checkpoint import damage, read_checkpoint; "
+            f"print(damage(read_checkpoint({str(d)!r})), 'torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True).stdout
     assert out.split() == ["None", "False"]

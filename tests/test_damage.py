@@ -4,6 +4,7 @@ undamaged run ends; a damaged or missing buffer is named, never waited on; a fin
 without its model is redone from its previous checkpoint, never handed on as "None"."""
 
 import json
+import os
 import shutil
 
 import pytest
@@ -17,33 +18,59 @@ from rft.monitor import read_metrics
 
 pytestmark = pytest.mark.slow
 
-# steps 1..3 with a checkpoint after each; the resumed runs go on to step 4
+# steps 1..3 with a checkpoint after each; the resumed runs go on to step 4. The reward is
+# normalised by running statistics, which state.json carries.
 TINY = ["stages=[]", "cluster=inline", "monitor=console", "buffer.batch_size=4", "algorithm.repeat_times=2",
         "explorer.eval_interval=2", "trainer.save_interval=1", "explorer.eval_on_startup=false",
-        "stage_cache_dir=null", "algorithm.optimizer.lr=1e-3"]
+        "stage_cache_dir=null", "algorithm.optimizer.lr=1e-3",
+        "buffer.explorer_input.taskset.reward_fn=[{fn: exact_match, weight: 1.0, normalize: true}]"]
+LORA = ["model.lora.rank=4", "model.lora.alpha=8", "algorithm.optimizer.lr=1e-2"]
 
 
-@pytest.fixture(scope="module")
-def made(tmp_path_factory, warm_start):
-    """A run of 3 steps (checkpoints 1, 2, 3) to damage copies of, and an undamaged run of 4; from
-    the warm start, whose rewards differ, so the optimizer's moments are not all zero."""
+def make_runs(root, args):
+    """A run of 3 steps (checkpoints 1, 2, 3) to damage copies of, and an undamaged run of 4."""
     from types import SimpleNamespace
 
-    root = tmp_path_factory.mktemp("damage")
-    args = [*TINY, f"model.model_path={warm_start}", "model.builder=null"]
     rft.main.main(compose_cfg([*args, f"checkpoint_root_dir={root}", "name=base", "buffer.total_steps=3"]))
     rft.main.main(compose_cfg([*args, f"checkpoint_root_dir={root}", "name=whole", "buffer.total_steps=4"]))
     return SimpleNamespace(root=root, args=args)
 
 
+@pytest.fixture(scope="module")
+def made(tmp_path_factory, warm_start):
+    """From the warm start, whose rewards differ, so the optimizer's moments are not all zero."""
+    return make_runs(tmp_path_factory.mktemp("damage"), [*TINY, f"model.model_path={warm_start}", "model.builder=null"])
+
+
+@pytest.fixture(scope="module")
+def made_lora(tmp_path_factory, warm_start):
+    """The same with LoRA adapters: hf/ (the merged model) and adapter/ (what resume reads) in each."""
+    return make_runs(tmp_path_factory.mktemp("damage_lora"),
+                     [*TINY, *LORA, f"model.model_path={warm_start}", "model.builder=null"])
+
+
 def resume_damaged(made, tmp_path, name, damage, capsys):
     """Copy the 3-step run, damage it, resume it to step 4; returns (console, run dir)."""
     run = tmp_path / "rft" / name
-    shutil.copytree(made.root / "rft" / "base", run)
+    shutil.copytree(made.root / "rft" / "base", run, symlinks=True)
     damage(run / "checkpoints" / "step_3")
     rft.main.main(compose_cfg([*made.args, f"checkpoint_root_dir={tmp_path}", f"name={name}", "buffer.total_steps=4",
                                "resume_with_changes=true"]))
     return capsys.readouterr().out, run
+
+
+def falls_back(out, run, whole, files=("hf/model.safetensors",)):
+    """The run said why step 3 is damaged, resumed from step 2, and ended as the undamaged run."""
+    assert "[grpo] checkpoint step 3 is damaged (" in out
+    assert "falling back to the previous complete checkpoint" in out
+    assert "resuming from step 2" in out
+    (aside,) = (run / "checkpoints").glob("step_3.damaged-*")  # kept for a look, out of the way
+    # steps 3 and 4 were run again: the log and the weights are those of an undamaged run
+    assert [m["step"] for m in read_metrics(run / "metrics.jsonl")] == [1, 2, 3, 4]
+    for f in files:
+        a = load_file(whole / "checkpoints" / "step_4" / f)
+        b = load_file(run / "checkpoints" / "step_4" / f)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def zero_bytes(ckpt):
@@ -79,17 +106,70 @@ def delete(relative):
     return lambda ckpt: (ckpt / relative).unlink()
 
 
+def alter_reward_statistics(ckpt):
+    """One digit of the running count of the normalised reward part changed: state.json still
+    parses, the same size, and a resume would normalise rewards by other statistics."""
+    path = ckpt / "state.json"
+    state = json.loads(path.read_text())
+    assert state["reward_norm"]["exact_match"][0] == 24  # 3 steps x 4 tasks x 2 rollouts
+    text = path.read_text()
+    at = text.index('"reward_norm": {"exact_match": [24,') + len('"reward_norm": {"exact_match": [')
+    path.write_text(text[:at] + "31" + text[at + 2:])
+
+
+def trainer_state_of_step_2(ckpt):
+    """A valid trainer_state.pt, of another step: its archive's checksums all hold."""
+    shutil.copy2(ckpt.parent / "step_2" / "trainer_state.pt", ckpt / "trainer_state.pt")
+
+
+def step_2_as_step_3(ckpt):
+    """A whole, valid checkpoint copied over another."""
+    shutil.rmtree(ckpt)
+    shutil.copytree(ckpt.parent / "step_2", ckpt)
+
+
+def add_outside_entry(ckpt):
+    path = ckpt / "manifest.json"
+    sealed = json.loads(path.read_text())
+    sealed["files"]["../x"] = [1, "0" * 32]
+    path.write_text(json.dumps(sealed))
+
+
+def link_tokenizer_outside(ckpt):
+    """hf/tokenizer.json a link to a copy outside the checkpoint (the same bytes)."""
+    outside = ckpt.parents[2] / "elsewhere.json"
+    shutil.copy2(ckpt / "hf" / "tokenizer.json", outside)
+    (ckpt / "hf" / "tokenizer.json").unlink()
+    os.symlink(outside, ckpt / "hf" / "tokenizer.json")
+
+
+CUT = "when saved (cut short or written over)"
+CHANGED = "its contents are not the ones saved (their digest differs)"
 DAMAGES = {
-    "zeroed_weights": (zero_bytes, "model.safetensors: its weights are not the ones saved"),
-    "truncated_weights": (truncate("hf/model.safetensors"), "model.safetensors: does not load"),
-    "missing_weights": (delete("hf/model.safetensors"), "model.safetensors: missing"),
-    "missing_hf_config": (delete("hf/config.json"), "config.json: missing"),
-    "truncated_hf_config": (truncate("hf/config.json"), "config.json: does not parse"),
-    "truncated_trainer_state": (truncate("trainer_state.pt"), "trainer_state.pt: does not read as the archive"),
-    "zeroed_trainer_state": (zero_optimizer_bytes, "trainer_state.pt: its entry trainer_state/data/"),
-    "state_json_without_step": (lambda ckpt: (ckpt / "state.json").write_text("{}"), "state.json holds no step"),
-    "missing_trainer_state": (delete("trainer_state.pt"), "trainer_state.pt: missing"),
-    "truncated_state_json": (truncate("state.json"), "state.json: state.json does not parse"),
+    "zeroed_weights": (zero_bytes, f"step_3/hf/model.safetensors: {CHANGED}"),
+    "truncated_weights": (truncate("hf/model.safetensors"), "step_3/hf/model.safetensors: "),
+    "missing_weights": (delete("hf/model.safetensors"), "step_3/hf/model.safetensors: missing"),
+    "missing_hf_config": (delete("hf/config.json"), "step_3/hf/config.json: missing"),
+    "truncated_hf_config": (truncate("hf/config.json"), "step_3/hf/config.json: "),
+    "truncated_trainer_state": (truncate("trainer_state.pt"), "step_3/trainer_state.pt: "),
+    "zeroed_trainer_state": (zero_optimizer_bytes, f"step_3/trainer_state.pt: {CHANGED}"),
+    "state_json_without_step": (lambda ckpt: (ckpt / "state.json").write_text("{}"), f"step_3/state.json: 2 bytes, "),
+    "missing_trainer_state": (delete("trainer_state.pt"), "step_3/trainer_state.pt: missing"),
+    "truncated_state_json": (truncate("state.json"), "step_3/state.json: "),
+    # each of these resumed before checkpoints carried a manifest
+    "altered_reward_statistics": (alter_reward_statistics, f"step_3/state.json: {CHANGED}"),
+    "trainer_state_of_another_step": (trainer_state_of_step_2, "step_3/trainer_state.pt: "),
+    "missing_tokenizer": (delete("hf/tokenizer.json"), "step_3/hf/tokenizer.json: missing"),
+    "added_file": (lambda ckpt: (ckpt / "hf" / "notes.txt").write_text("x"),
+                   "step_3/hf/notes.txt: not in manifest.json (added after the save)"),
+    "linked_file": (link_tokenizer_outside, "step_3/hf/tokenizer.json: a link or other special file"),
+    "another_checkpoint_copied_over": (step_2_as_step_3, "step_3/manifest.json: it is the checkpoint of step 2, "
+                                                         "in the directory of step 3"),
+    "manifest_not_json": (lambda ckpt: (ckpt / "manifest.json").write_text('{"format": 1, "files": {"hf/'),
+                          "step_3/manifest.json: does not parse"),
+    "manifest_outside_entry": (add_outside_entry, "step_3/manifest.json: lists '../x', which is not a path "
+                                                  "inside its directory (not followed)"),
+    "missing_manifest": (delete("manifest.json"), "step_3/manifest.json: missing"),
 }
 
 
@@ -97,15 +177,24 @@ DAMAGES = {
 def test_a_damaged_checkpoint_falls_back_to_the_previous_one(made, tmp_path, kind, capsys):
     damage, why = DAMAGES[kind]
     out, run = resume_damaged(made, tmp_path, kind, damage, capsys)
-    assert "[grpo] checkpoint step 3 is damaged (" in out and why in out, out
-    assert "falling back to the previous complete checkpoint" in out
-    assert "resuming from step 2" in out
-    (aside,) = (run / "checkpoints").glob("step_3.damaged-*")  # kept for a look, out of the way
-    # steps 3 and 4 were run again: the log and the weights are those of an undamaged run
-    assert [m["step"] for m in read_metrics(run / "metrics.jsonl")] == [1, 2, 3, 4]
-    a = load_file(made.root / "rft" / "whole" / "checkpoints" / "step_4" / "hf" / "model.safetensors")
-    b = load_file(run / "checkpoints" / "step_4" / "hf" / "model.safetensors")
-    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert why in out, out
+    if kind.startswith(("truncated", "state_json")):
+        assert CUT in out
+    falls_back(out, run, made.root / "rft" / "whole")
+
+
+def test_a_lora_adapter_zeroed_falls_back_to_the_previous_checkpoint(made_lora, tmp_path, capsys):
+    """A LoRA run resumes from adapter/, not hf/: a zeroed block there is caught too."""
+    def zero_adapter(ckpt):
+        path = ckpt / "adapter" / "adapter_model.safetensors"
+        data = bytearray(path.read_bytes())
+        data[-1024:-512] = bytes(512)  # inside the last tensor's data: the file still loads
+        path.write_bytes(data)
+
+    out, run = resume_damaged(made_lora, tmp_path, "lora", zero_adapter, capsys)
+    assert f"step_3/adapter/adapter_model.safetensors: {CHANGED}" in out, out
+    falls_back(out, run, made_lora.root / "rft" / "whole",
+               files=("adapter/adapter_model.safetensors", "hf/model.safetensors"))
 
 
 def test_every_checkpoint_damaged_starts_the_stage_again(made, tmp_path, capsys):

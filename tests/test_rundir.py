@@ -158,29 +158,46 @@ def test_a_finished_stage_is_reused_by_another_run_with_the_same_stage(tmp_path,
     assert not (tmp_path / "rft" / "third" / "sft_warmup" / "reused_from").exists()
 
 
-@pytest.mark.slow
-def test_a_damaged_stage_cache_entry_is_set_aside_and_the_stage_runs(tmp_path, capsys):
-    common = [*TWO_STAGES, f"checkpoint_root_dir={tmp_path}"]
-    rft.main.main(compose_cfg([*common, "name=first"]))
-    (entry,) = [p for p in (tmp_path / "rft" / "stage_cache").iterdir() if p.is_dir()]
+def zero_weights(entry):
     weights = entry / "checkpoint" / "hf" / "model.safetensors"
     # a copy of the file, not the hard link the first run's checkpoint shares, zeroed at its end
     data = bytearray(weights.read_bytes())
     data[-4096:-2048] = bytes(2048)
     weights.unlink()
     weights.write_bytes(data)
-    capsys.readouterr()
-    rft.main.main(compose_cfg([*common, "name=second", "algorithm.optimizer.lr=1e-3"]))
-    out = capsys.readouterr().out
-    assert "[sft_warmup] the stage cache's copy of this stage is damaged (" in out and "its weights are not the ones saved" in out
-    assert "reused" not in out
-    second = tmp_path / "rft" / "second" / "sft_warmup"
-    assert not (second / "reused_from").exists()
-    # trained again: the first run's warm-up, bit for bit; and published anew beside the damaged copy
-    a = load_file(tmp_path / "rft" / "first" / "sft_warmup" / "checkpoints" / "step_4" / "hf" / "model.safetensors")
-    b = load_file(second / "checkpoints" / "step_4" / "hf" / "model.safetensors")
-    assert all(torch.equal(a[k], b[k]) for k in a)
-    assert entry.is_dir() and list(entry.parent.glob(f"{entry.name}.damaged-*"))
+    return f"{weights}: its contents are not the ones saved (their digest differs)"
+
+
+def cut_tokenizer(entry):
+    """Before manifests this entry was reused, and its cut tokenizer copied into the next run."""
+    tokenizer = entry / "checkpoint" / "hf" / "tokenizer.json"
+    data = tokenizer.read_bytes()
+    tokenizer.unlink()
+    tokenizer.write_bytes(data[: len(data) // 2])
+    return f"{tokenizer}: {len(data) // 2} bytes, {len(data)} when saved (cut short or written over)"
+
+
+@pytest.mark.slow
+def test_a_damaged_stage_cache_entry_is_set_aside_and_the_stage_runs(tmp_path, capsys):
+    common = [*TWO_STAGES, f"checkpoint_root_dir={tmp_path}"]
+    rft.main.main(compose_cfg([*common, "name=first"]))
+    first = tmp_path / "rft" / "first" / "sft_warmup" / "checkpoints" / "step_4" / "hf" / "model.safetensors"
+    for i, damage in enumerate([zero_weights, cut_tokenizer]):
+        (entry,) = [p for p in (tmp_path / "rft" / "stage_cache").iterdir() if p.is_dir() and "." not in p.name]
+        why = damage(entry)
+        capsys.readouterr()
+        rft.main.main(compose_cfg([*common, f"name=second{i}", "algorithm.optimizer.lr=1e-3"]))
+        out = capsys.readouterr().out
+        assert f"[sft_warmup] the stage cache's copy of this stage is damaged ({why}); moved it to {entry}.damaged-" in out
+        assert "reused" not in out
+        second = tmp_path / "rft" / f"second{i}" / "sft_warmup"
+        assert not (second / "reused_from").exists()
+        # trained again: the first run's warm-up, bit for bit; and published anew beside the damaged copy
+        a, b = load_file(first), load_file(second / "checkpoints" / "step_4" / "hf" / "model.safetensors")
+        assert all(torch.equal(a[k], b[k]) for k in a)
+        assert (second / "checkpoints" / "step_4" / "hf" / "tokenizer.json").read_bytes() == \
+            (first.parent / "tokenizer.json").read_bytes()
+        assert entry.is_dir() and len(list(entry.parent.glob(f"{entry.name}.damaged-*"))) == i + 1
 
 
 @pytest.mark.slow
