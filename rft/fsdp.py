@@ -32,7 +32,7 @@ import torch
 from rft.sync import format_fingerprint, hf_tensors, weight_sums
 from rft.models import local_device
 from rft import micro_batches
-from rft.trainer import Trainer, _lengths, load_state, written_fingerprint
+from rft.trainer import Trainer, _lengths, load_state
 
 
 class FSDPTrainer(Trainer):
@@ -153,10 +153,9 @@ class FSDPTrainer(Trainer):
             os.replace(path + ".tmp", path)
         return self.fingerprint()
 
-    def save(self, directory: str, with_hf: bool = True) -> str | None:
-        """The same checkpoint as trainer=torch's (whole model, whole optimizer state), by rank 0;
-        returns the fingerprint of the weights written (rank 0; None on the others). Always with
-        hf/ (`with_hf` is for LoRA, which trains with trainer=torch)."""
+    def save(self, directory: str, with_hf: bool = True) -> None:
+        """The same checkpoint as trainer=torch's (whole model, whole optimizer state), written by
+        rank 0. Always with hf/ (`with_hf` is for LoRA, which trains with trainer=torch)."""
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
             get_model_state_dict,
@@ -171,13 +170,12 @@ class FSDPTrainer(Trainer):
             critic = {"model": get_model_state_dict(self.critic.model, options=whole),
                       "optimizer": get_optimizer_state_dict(self.critic.model, self.critic.optimizer, options=whole)}
         if self.rank != 0:
-            return None
+            return
         d = Path(directory)
         self.model.save_pretrained(d / "hf", state_dict=sd)
         self.tokenizer.save_pretrained(d / "hf")
         torch.save({"optimizer": optim, "scheduler": self.scheduler.state_dict(), "version": self.version,
                     "rng": torch.get_rng_state(), "critic": critic}, d / "trainer_state.pt")
-        return written_fingerprint(sd, d / "hf")
 
     def load(self, directory: str) -> None:
         """Every rank reads the whole checkpoint (a filesystem all nodes share) and keeps its shard."""

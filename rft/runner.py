@@ -217,7 +217,10 @@ class StageRun:
             except Exception as e:
                 if _actor_died(e):
                     raise
-                why = f"{latest.path / 'trainer_state.pt'} does not load: {type(getattr(e, 'cause', e)).__name__}"
+                cause = getattr(e, "cause", e)
+                # a refused pickle says why itself (rft.trainer.load_state: it would run code)
+                why = (str(cause).split(". ")[0] if type(cause).__name__ == "UnpicklingError" and "is refused" in str(cause)
+                       else f"{latest.path / 'trainer_state.pt'} does not load: {type(cause).__name__}")
                 set_aside(latest, why, self.title, print)
                 latest = usable_checkpoint(self.dir, self.owner, self.title, print, before=latest.step)
         return None

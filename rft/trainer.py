@@ -727,9 +727,9 @@ class Trainer:
         os.replace(path + ".tmp", path)
         return self.fingerprint()
 
-    def save(self, directory: str, with_hf: bool = True) -> str:
-        """A resumable checkpoint: the model in HF format (hf/) and the optimizer state. Returns
-        the fingerprint of the weights written (the runner checks the files against it on resume).
+    def save(self, directory: str, with_hf: bool = True) -> None:
+        """A resumable checkpoint: the model in HF format (hf/) and the optimizer state (the
+        checkpoint's manifest, written after, proves the files: rft/manifest.py).
         With LoRA also the adapter alone (adapter/, PEFT's format: what resume reads, the base
         being the stage's starting model), and hf/ (the merged model) only `with_hf`."""
         d = Path(directory)
@@ -737,13 +737,12 @@ class Trainer:
             self.model.save_pretrained(d / "adapter")
             if not with_hf:
                 self._save_state(d)
-                return written_fingerprint(lora.adapter_state_dict(self.model), d / "adapter")
+                return
         sd = self._state_dict()
         hf_model = self.model.get_base_model() if lora.is_lora(self.model) else self.model
         hf_model.save_pretrained(d / "hf", state_dict=sd)
         self.tokenizer.save_pretrained(d / "hf")
         self._save_state(d)
-        return written_fingerprint(sd, d / "hf")
 
     def _save_state(self, d: Path) -> None:
         torch.save(
@@ -821,16 +820,3 @@ def load_state(path: Path) -> dict:
             f"and loading it would run that code. A trainer_state.pt the trainer wrote never holds one: this file "
             f"was replaced or written by other code. Move this checkpoint away to resume from the one before it, "
             f"or start the stage again (continue_from_checkpoint=false).") from None
-
-
-def written_fingerprint(state_dict: dict, hf_dir: Path) -> str:
-    """The fingerprint of the tensors save_pretrained wrote from `state_dict` (it leaves out tied
-    copies; the files' headers say which names it kept, without reading the weights)."""
-    from safetensors import safe_open
-
-    files = sorted(Path(hf_dir).glob("*.safetensors"))
-    names = set()
-    for f in files:
-        with safe_open(str(f), "pt") as h:
-            names.update(h.keys())
-    return fingerprint({k: v for k, v in state_dict.items() if k in names})

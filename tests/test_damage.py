@@ -267,3 +267,34 @@ def test_a_deleted_buffer_with_nothing_left_to_read_is_no_loss(tmp_path, capsys)
     rft.main.main(compose_cfg([*on_policy, f"checkpoint_root_dir={tmp_path}", "name=b", "buffer.total_steps=4"]))
     assert "was deleted or cut since the checkpoint; nothing in it was still to be read" in capsys.readouterr().out
     assert [m["step"] for m in read_metrics(run / "metrics.jsonl")] == [1, 2, 3, 4]
+
+
+class _RunsCode:
+    """Unpickled, it would create the file `marker` (a stand-in for any code a file can name)."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return open, (self.marker, "w")
+
+
+def test_a_trainer_state_that_would_run_code_falls_back_and_the_code_never_runs(made, tmp_path, capsys):
+    """Replaced together with its manifest (the digest cannot catch that): refused when loaded,
+    named with why, and the run falls back as for any damage."""
+    from rft import manifest
+
+    marker = tmp_path / "the_code_ran"
+
+    def replace(ckpt):
+        path = ckpt / "trainer_state.pt"
+        state = torch.load(path, weights_only=True)
+        torch.save({**state, "optimizer": _RunsCode(marker)}, path)
+        sealed = json.loads((ckpt / "manifest.json").read_text())
+        manifest.seal(ckpt, sealed["identity"])
+
+    out, run = resume_damaged(made, tmp_path, "runs_code", replace, capsys)
+    assert not marker.exists()
+    assert (f"step_3/trainer_state.pt is refused: it holds a call of io.open, which is not a tensor, number, "
+            f"string or container of them, and loading it would run that code") in out, out
+    falls_back(out, run, made.root / "rft" / "whole")

