@@ -17,9 +17,11 @@ configuration stops the run, naming both (resume_with_changes=true accepts anoth
 configuration, as it accepts a changed config).
 
 Checkpoints written before manifests existed (a state.json, no manifest.json) are resumed with a
-one-line warning and without a check of their files; as trainer.resume_from_path from outside the
-stage's own checkpoints/ (whose they are cannot be told) only with resume_with_changes=true; a
-stage-cache entry of that age is set aside and the stage trained again.
+one-line warning and without a check of their files, but for their state.json being of the step
+their directory names (another step's checkpoint copied over one is set aside as damaged); as
+trainer.resume_from_path from outside the stage's own checkpoints/ (whose they are cannot be told)
+only with resume_with_changes=true; a stage-cache entry of that age is set aside and the stage
+trained again.
 """
 
 from __future__ import annotations
@@ -91,6 +93,9 @@ def read_checkpoint(d: Path) -> Checkpoint | None:
         problem, identity = f"{d / manifest.MANIFEST}: {why}", {}
     elif sealed is None and state.get("manifest"):  # written with one, which is gone: not legacy
         problem, identity = f"{d / manifest.MANIFEST}: missing", {}
+    elif sealed is None and problem is None and named is not None and state["step"] != named:
+        # legacy: its state.json is all that can tell another step's checkpoint copied over this one
+        problem = f"{d / 'state.json'}: it is the state of step {state['step']}, in the directory of step {named} (copied over it?)"
     step = named if named is not None else (identity or state).get("step", -1)
     return Checkpoint(step if isinstance(step, int) else -1, d, state, identity, problem)
 
