@@ -246,7 +246,11 @@ def move_aside(run_dir: Path) -> Path | None:
     old = [p for p in run_dir.iterdir() if not p.name.startswith("previous_")]
     if not old:
         return None
-    backup = run_dir / f"previous_{datetime.datetime.now():%Y%m%d_%H%M%S}"
+    stamp = f"previous_{datetime.datetime.now():%Y%m%d_%H%M%S}"
+    backup, n = run_dir / stamp, 1
+    while backup.exists():  # twice in one second, or the clock set back
+        n += 1
+        backup = run_dir / f"{stamp}-{n}"
     backup.mkdir()
     for p in old:
         shutil.move(str(p), backup / p.name)
