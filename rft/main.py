@@ -295,13 +295,20 @@ def _main(cfg: DictConfig) -> float | None:
 
 
 def _run(cfg: DictConfig, stages: list, plans: list, stage_dirs: list[Path], run_dir: Path) -> float | None:
-    """Check the outputs' place, start Ray, run the stages in order (each from the one before)."""
-    from rft.models import ensure_model
-    from rft.monitor import read_metrics
+    """Check the outputs' place and take it (rundir.run_lock), start Ray, run the stages in order
+    (each from the one before)."""
     from rft.placement import check_allocation
 
     check_allocation(cfg)
     rundir.check_writable(run_dir)
+    with rundir.run_lock(run_dir):
+        return _run_locked(cfg, stages, plans, stage_dirs, run_dir)
+
+
+def _run_locked(cfg: DictConfig, stages: list, plans: list, stage_dirs: list[Path], run_dir: Path) -> float | None:
+    from rft.models import ensure_model
+    from rft.monitor import read_metrics
+
     if not cfg.continue_from_checkpoint:
         moved = rundir.move_aside(run_dir)
         if moved:

@@ -1,5 +1,6 @@
 """What a run directory holds, and what running the same name again does with it.
 
+    <run>/.run.lock          held by the run writing the directory (run_lock)
     <run>/.hydra/            config.yaml (as composed), overrides.yaml, hydra.yaml. Written here
                              (conf/config.yaml sets hydra.output_subdir=null) once the run is
                              about to start: a dry run writes nothing, and a run moved aside by
@@ -43,7 +44,7 @@ from omegaconf import OmegaConf
 from rft import manifest
 from rft.checkpoint import Owner, describe, put_aside, read_checkpoint
 from rft.config import flat
-from rft.errors import ConfigError
+from rft.errors import ConfigError, RunError
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +59,8 @@ WHERE_AND_HOW = (
 )
 # may go up on resume (a longer run); anything else that differs is a change
 MAY_GROW = ("buffer.total_steps",)
+# in the run directory: held by the run writing it (run_lock)
+RUN_LOCK = ".run.lock"
 
 
 # ---------------------------------------------------------------- fingerprints
@@ -240,10 +243,38 @@ def check_writable(run_dir: Path, key: str = "checkpoint_root_dir") -> None:
         ) from e
 
 
+@contextmanager
+def run_lock(run_dir: Path):
+    """Held while a run writes `run_dir`: a second run of the same directory (the same command
+    started twice, a job requeued while it still runs) stops before it moves or writes anything,
+    naming the process that holds it. An flock, released by the kernel when the holder dies."""
+    import fcntl
+    import socket
+
+    path = run_dir / RUN_LOCK
+    with open(path, "a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            holder = f.read().strip() or "a process that has not said its id yet"
+            raise RunError(
+                f"another rft process ({holder}) is running in {run_dir} (it holds {path}); two runs writing one "
+                f"directory overwrite each other's checkpoints and logs. Wait for it to end (or stop it), or give "
+                f"this run another name (name=...).") from None
+        except OSError as e:  # a filesystem without locks: the run goes on unguarded, as it did before
+            log.warning("could not lock %s (%s): a second run of this name at once would not be stopped", path, e)
+        f.seek(0)
+        f.truncate()
+        f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+        f.flush()
+        yield
+
+
 def move_aside(run_dir: Path) -> Path | None:
     """continue_from_checkpoint=false on a used directory: every earlier output, its .hydra/
-    record and logs included, moves to previous_<time>/."""
-    old = [p for p in run_dir.iterdir() if not p.name.startswith("previous_")]
+    record and logs included, moves to previous_<time>/ (not the lock this run holds)."""
+    old = [p for p in run_dir.iterdir() if not p.name.startswith("previous_") and p.name != RUN_LOCK]
     if not old:
         return None
     stamp = f"previous_{datetime.datetime.now():%Y%m%d_%H%M%S}"

@@ -6,13 +6,47 @@ different result. (Damage to checkpoints themselves: test_damage.py, test_checkp
 
 import datetime
 import json
+import os
 import shutil
+import socket
+import subprocess
+import sys
+import time
 from types import SimpleNamespace
 
+import pytest
+
+import rft.main
+from conftest import ROOT, compose_cfg
 from rft import checkpoint, rundir
 from rft.checkpoint import Owner, usable_checkpoint
+from rft.errors import RunError
+from rft.monitor import read_metrics
 
 OWNER = Owner(run="rft/study", stage="grpo", config="c0ffee00c0ffee00", model="/models/tiny")
+
+
+# a run of 2 steps in this process, in a few seconds (the tiny model; nothing learns, which no test here needs)
+TINY = ["stages=[]", "cluster=inline", "monitor=console", "buffer.batch_size=4", "algorithm.repeat_times=2",
+        "buffer.total_steps=2", "trainer.save_interval=1", "explorer.eval_on_startup=false",
+        "explorer.eval_interval=2", "stage_cache_dir=null"]
+
+
+def hooked(tmp_path, code: str) -> dict:
+    """The environment of a subprocess that runs `code` first (a sitecustomize on PYTHONPATH): a
+    hook that kills the process, or pauses it, at a chosen point."""
+    hook = tmp_path / "hook"
+    hook.mkdir(exist_ok=True)
+    (hook / "sitecustomize.py").write_text(code)
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(hook), str(ROOT)])}
+
+
+def wait_for(path, proc, timeout=300):
+    t0 = time.monotonic()
+    while not path.exists():
+        assert proc.poll() is None, proc.communicate()[0][-3000:]
+        assert time.monotonic() - t0 < timeout
+        time.sleep(0.2)
 
 
 def said():
@@ -57,3 +91,46 @@ def test_outputs_moved_aside_twice_in_one_second_keep_both(tmp_path, monkeypatch
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "previous_20261126_120000", "previous_20261126_120000-2", "previous_20261126_120000-3"]
     assert (tmp_path / "previous_20261126_120000-3" / "metrics.jsonl").read_text() == "2\n"
+
+
+PAUSE_AT_FIRST_SAVE = """
+import os, time
+import rft.checkpoint as c
+real = c.write
+def write(*a, **k):
+    open({paused!r}, "w").close()
+    while not os.path.exists({go!r}):
+        time.sleep(0.1)
+    c.write = real
+    return real(*a, **k)
+c.write = write
+"""
+
+
+@pytest.mark.slow
+def test_a_second_run_of_a_running_name_stops_and_touches_nothing(tmp_path):
+    """The same command started again while the first runs (a second terminal, a job requeued while
+    it still ran): it trained into the same directory, and with continue_from_checkpoint=false it
+    first moved the running run's outputs away; the two then overwrote each other's logs."""
+    paused, go = tmp_path / "paused", tmp_path / "go"
+    args = [*TINY, f"checkpoint_root_dir={tmp_path}", "name=same"]
+    env = hooked(tmp_path, PAUSE_AT_FIRST_SAVE.format(paused=str(paused), go=str(go)))
+    first = subprocess.Popen([sys.executable, str(ROOT / "run.py"), *args], cwd=ROOT, env=env, text=True,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        wait_for(paused, first)  # trained step 1, about to save it
+        run = tmp_path / "rft" / "same"
+        before = sorted(p.name for p in run.iterdir())
+        with pytest.raises(RunError) as e:
+            rft.main._main(compose_cfg([*args, "continue_from_checkpoint=false"]))
+        assert str(e.value) == (
+            f"another rft process (pid {first.pid} on {socket.gethostname()}) is running in {run} (it holds "
+            f"{run / '.run.lock'}); two runs writing one directory overwrite each other's checkpoints and logs. "
+            f"Wait for it to end (or stop it), or give this run another name (name=...).")
+        assert sorted(p.name for p in run.iterdir()) == before  # nothing moved aside, nothing written
+    finally:
+        go.touch()
+        out = first.communicate(timeout=300)[0]
+    assert first.returncode == 0, out[-3000:]
+    assert [m["step"] for m in read_metrics(tmp_path / "rft" / "same" / "metrics.jsonl")] == [1, 2]
+    rft.main._main(compose_cfg(args))  # once it ended, the name is free: its resume finds it finished
