@@ -7,8 +7,10 @@ order, each starting from the previous stage's final model.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -37,10 +39,34 @@ def main(cfg: DictConfig) -> float | None:
         sys.exit(1)
     except KeyboardInterrupt:
         # Ctrl-C: what was saved is safe (checkpoints are written whole, then renamed into place)
-        newest = _newest_checkpoint(run_dir_of(cfg))
-        where = f"the newest checkpoint: {newest}" if newest else "no checkpoint was saved yet: the run starts over"
-        print(f"\nrft: interrupted. Run the same command again to resume ({where}).\n", file=sys.stderr)
+        print(f"\nrft: interrupted. Run the same command again to resume ({_resume_point(cfg)}).\n", file=sys.stderr)
         sys.exit(130)
+    except OSError as e:
+        # a disk that fills (or turns read-only) while a log, buffer or record is written; a
+        # checkpoint's save says so itself (rft.checkpoint.write)
+        cause = getattr(e, "cause", None) or e  # raised in a Ray actor, it arrives wrapped
+        if getattr(cause, "errno", None) not in (errno.ENOSPC, errno.EDQUOT, errno.EROFS):
+            raise
+        print(f"\nrft: the run stopped: {_disk_failed(cfg, cause)}\n", file=sys.stderr)
+        sys.exit(1)
+
+
+def _resume_point(cfg: DictConfig) -> str:
+    newest = _newest_checkpoint(run_dir_of(cfg))
+    return f"the newest checkpoint: {newest}" if newest else "no checkpoint was saved yet: the run starts over"
+
+
+def _disk_failed(cfg: DictConfig, e: OSError) -> str:
+    run_dir = run_dir_of(cfg)
+    try:
+        free = f"{shutil.disk_usage(e.filename or run_dir).free / 2**30:.1f} GiB free"
+    except (OSError, TypeError):
+        free = "an unknown amount of space free"
+    what = f"OSError: [Errno {e.errno}] {e.strerror}"
+    return (f"writing {'in ' + str(run_dir) if e.filename is None else e.filename} failed ({what}); that disk has "
+            f"{free}. {'Make it writable' if e.errno == errno.EROFS else 'Make room'} (or point checkpoint_root_dir "
+            f"at another disk), then run the same command again to "
+            f"resume ({_resume_point(cfg)}).")
 
 
 def _newest_checkpoint(run_dir: Path) -> Path | None:

@@ -5,6 +5,7 @@ uninterrupted one, or in one paragraph saying what to do; none in a traceback or
 different result. (Damage to checkpoints themselves: test_damage.py, test_checkpoints_manifest.py.)"""
 
 import datetime
+import errno
 import json
 import os
 import shutil
@@ -134,3 +135,33 @@ def test_a_second_run_of_a_running_name_stops_and_touches_nothing(tmp_path):
     assert first.returncode == 0, out[-3000:]
     assert [m["step"] for m in read_metrics(tmp_path / "rft" / "same" / "metrics.jsonl")] == [1, 2]
     rft.main._main(compose_cfg(args))  # once it ended, the name is free: its resume finds it finished
+
+
+@pytest.mark.slow
+def test_a_disk_that_fills_outside_a_checkpoint_save_stops_in_one_paragraph(tmp_path, monkeypatch, capsys):
+    """The disk fills (another job's files) just after checkpoint step 2 is saved, as the step's
+    metrics line is written: an OSError under a traceback before (a save that fails says so
+    itself: test_checkpoints_manifest.py)."""
+    from rft.monitor import Monitor
+
+    real = Monitor.log
+
+    def log(self, step, metrics, advance=True):
+        if step == 2:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(self, step, metrics, advance)
+
+    monkeypatch.setattr(Monitor, "log", log)
+    args = [*TINY, f"checkpoint_root_dir={tmp_path}", "name=full"]
+    run = tmp_path / "rft" / "full"
+    with pytest.raises(SystemExit) as e:
+        rft.main.main(compose_cfg(args))
+    assert e.value.code == 1
+    err = capsys.readouterr().err
+    free = shutil.disk_usage(run).free / 2**30
+    assert err == (f"\nrft: the run stopped: writing in {run} failed (OSError: [Errno 28] No space left on device); "
+                   f"that disk has {free:.1f} GiB free. Make room (or point checkpoint_root_dir at another disk), then "
+                   f"run the same command again to resume (the newest checkpoint: {run / 'checkpoints' / 'step_2'}).\n\n")
+    monkeypatch.setattr(Monitor, "log", real)  # room made
+    rft.main.main(compose_cfg(args))
+    assert [m["step"] for m in read_metrics(run / "metrics.jsonl")] == [1, 2]  # step 2's row, from its checkpoint
