@@ -382,12 +382,14 @@ def _run_locked(cfg: DictConfig, stages: list, plans: list, stage_dirs: list[Pat
 
 def _run_or_reuse(cfg, plan, stage_dir: Path, init_path, owner, entry: Path | None, changes: list | None):
     """Run stage `owner.stage`, or copy it from the stage cache (`entry`, None: no cache) if it
-    finished there and this run has not started it; returns its final model's directory (None: none)."""
+    finished there and this run has no checkpoint of it (without one it would start from its
+    beginning); returns its final model's directory (None: none)."""
+    from rft.checkpoint import list_checkpoints
     from rft.runner import run_stage
 
     title = owner.stage
     with rundir.stage_lock(entry, title, print):
-        if entry is not None and cfg.continue_from_checkpoint and not rundir.has_outputs(stage_dir):
+        if entry is not None and cfg.continue_from_checkpoint and not list_checkpoints(stage_dir):
             reused = rundir.reuse(entry, stage_dir, owner, title, print)
             if reused is not None:
                 return reused

@@ -366,7 +366,7 @@ def reuse(entry: Path, stage_dir: Path, owner: Owner, title: str, say) -> Path |
     try:
         _copy_entry(entry, stage_dir, final, owner.identity(ckpt.step))
     except OSError as e:  # a full disk, most likely: the stage's own run then says so at its first save
-        shutil.rmtree(final, ignore_errors=True)
+        shutil.rmtree(final.with_name(final.name + ".tmp"), ignore_errors=True)
         say(f"[{title}] copying the stage cache's {entry} failed ({type(e).__name__}: {e}); running the stage")
         return None
     source = (entry / "source").read_text().strip() if (entry / "source").exists() else "?"
@@ -377,17 +377,24 @@ def reuse(entry: Path, stage_dir: Path, owner: Owner, title: str, say) -> Path |
 
 
 def _copy_entry(entry: Path, stage_dir: Path, final: Path, identity: dict) -> None:
-    """The entry's checkpoint as `final`, its manifest naming this run (written anew, which
-    replaces the link: the entry's own file stays), and its logs into `stage_dir`."""
+    """The entry's logs into `stage_dir` (config.yaml first, each whole or not at all), then its
+    checkpoint as `final`, its manifest naming this run (written anew, which replaces the link: the
+    entry's own file stays), moved into place last. A copy killed midway leaves no checkpoint, and a
+    stage without one is copied again (_run_or_reuse); the checkpoint alone was a stage without its
+    config.yaml, whose resume stopped."""
     stage_dir.mkdir(parents=True, exist_ok=True)
-    shutil.rmtree(final, ignore_errors=True)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    _link_tree(entry / "checkpoint", final)
-    sealed, _ = manifest.read(final)
-    manifest.seal(final, identity, known=sealed["files"])
-    for name in ("metrics.jsonl", "batches.jsonl", "config.yaml"):
+    for name in ("config.yaml", "metrics.jsonl", "batches.jsonl"):
         if (entry / name).exists():
-            shutil.copy2(entry / name, stage_dir / name)
+            shutil.copy2(entry / name, stage_dir / f"{name}.tmp")
+            os.replace(stage_dir / f"{name}.tmp", stage_dir / name)
+    tmp = final.with_name(final.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.parent.mkdir(parents=True, exist_ok=True)
+    _link_tree(entry / "checkpoint", tmp)
+    sealed, _ = manifest.read(tmp)
+    manifest.seal(tmp, identity, known=sealed["files"])
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
 
 
 def publish(entry: Path, stage_dir: Path, final: Path, say) -> None:

@@ -16,6 +16,8 @@ import time
 from types import SimpleNamespace
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
 import rft.main
 from conftest import ROOT, compose_cfg
@@ -165,3 +167,45 @@ def test_a_disk_that_fills_outside_a_checkpoint_save_stops_in_one_paragraph(tmp_
     monkeypatch.setattr(Monitor, "log", real)  # room made
     rft.main.main(compose_cfg(args))
     assert [m["step"] for m in read_metrics(run / "metrics.jsonl")] == [1, 2]  # step 2's row, from its checkpoint
+
+
+# the default's two stages on a budget: 4 warm-up steps (a stage the stage cache takes), 1 GRPO step
+TWO_STAGES = ["cluster=inline", "monitor=console", "stages.0.buffer.total_steps=4",
+              "stages.0.algorithm.optimizer.warmup_steps=0", "buffer.total_steps=1", "buffer.batch_size=4",
+              "algorithm.repeat_times=2", "explorer.eval_on_startup=false"]
+
+KILL_AT_FIRST_SEAL_UNDER = """
+import os
+import rft.manifest as m
+real = m.seal
+def seal(d, *a, **k):
+    if {under!r} in str(d):
+        os.kill(os.getpid(), 9)
+    return real(d, *a, **k)
+m.seal = seal
+"""
+
+
+@pytest.mark.slow
+def test_a_copy_from_the_stage_cache_killed_midway_is_copied_again(tmp_path, capsys):
+    """Killed after the entry's checkpoint was linked in, before its manifest was written anew and the
+    logs copied: the same command then stopped ("config.yaml ... is missing"), and with
+    resume_with_changes=true went on with the warm-up's metrics.jsonl cut to its last row."""
+    common = [*TWO_STAGES, f"checkpoint_root_dir={tmp_path}"]
+    rft.main.main(compose_cfg([*common, "name=first"]))
+    first, second = tmp_path / "rft" / "first" / "sft_warmup", tmp_path / "rft" / "second" / "sft_warmup"
+    env = hooked(tmp_path, KILL_AT_FIRST_SEAL_UNDER.format(under=str(second)))
+    r = subprocess.run([sys.executable, str(ROOT / "run.py"), *common, "name=second"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == -9, r.stderr[-3000:]
+    capsys.readouterr()
+    rft.main.main(compose_cfg([*common, "name=second"]))
+    out = capsys.readouterr().out
+    assert "[sft_warmup] reused: the same stage" in out
+    assert read_metrics(second / "metrics.jsonl") == read_metrics(first / "metrics.jsonl")  # steps 1-4, whole
+    assert (second / "config.yaml").read_text() == (first / "config.yaml").read_text()
+    a = load_file(first / "checkpoints" / "step_4" / "hf" / "model.safetensors")
+    b = load_file(second / "checkpoints" / "step_4" / "hf" / "model.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert sorted(p.name for p in (second / "checkpoints").iterdir()) == ["step_4"]
+    assert checkpoint.read_checkpoint(second / "checkpoints" / "step_4").identity["run"] == "rft/second"
