@@ -16,6 +16,7 @@ from pathlib import Path
 
 from filelock import FileLock
 
+from rft import built, manifest
 from rft.config import DTYPES as CONFIG_DTYPES
 from rft.errors import ConfigError
 
@@ -65,13 +66,14 @@ _TOOL_TOKENS = ["tool", "<tool_call>", "</tool_call>", '{"name":"calculator","ar
 
 
 def build_tiny_model(path: str | Path, seed: int = 0, arch: dict | None = None, tools: bool = False) -> Path:
-    """Write the tiny Qwen2 model and its tokenizer to `path` (atomically; safe to race).
+    """Write the tiny Qwen2 model and its tokenizer to `path` (atomically, sealed: a damaged one is
+    built again, rft/built.py; safe to race).
 
     `arch` overrides entries of TINY_ARCH (a larger model for benchmarks, a narrow one for tests);
     `tools` adds the tool role and tool-call tokens (model=tiny_tools).
     """
     path = Path(path).expanduser()
-    if (path / "config.json").exists():  # built: the driver of a Ray run need not import torch
+    if manifest.verify(path) is None:  # built and whole: the driver of a Ray run need not import torch
         return path
     import torch
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
@@ -80,7 +82,7 @@ def build_tiny_model(path: str | Path, seed: int = 0, arch: dict | None = None, 
     _quiet_transformers()
     path.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(path) + ".lock"):
-        if (path / "config.json").exists():
+        if built.whole(path, "tiny model"):  # one damaged is moved aside
             return path
         vocab = {tok: i for i, tok in enumerate(_SPECIAL_TOKENS + _ROLE_TOKENS + _CHARS)}
         backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
@@ -110,7 +112,7 @@ def build_tiny_model(path: str | Path, seed: int = 0, arch: dict | None = None, 
         shutil.rmtree(tmp, ignore_errors=True)
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        os.replace(tmp, path)
+        built.install(tmp, path, "tiny model")
         n = sum(p.numel() for p in model.parameters())
         log.info("built the tiny model (%d parameters) at %s", n, path)
     return path

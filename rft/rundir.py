@@ -101,7 +101,9 @@ def path_identity(path: str | None) -> Any:
         st = p.stat()
         return [str(p), st.st_size, st.st_mtime_ns]
     if p.is_dir():
-        files = sorted(f for f in p.rglob("*") if f.is_file() and not f.name.endswith(".lock"))
+        # a manifest says what the other files are: sealing a directory in place (rft.built) keeps its identity
+        files = sorted(f for f in p.rglob("*") if f.is_file() and not f.name.endswith(".lock")
+                       and f.relative_to(p).as_posix() != manifest.MANIFEST)
         return [str(p)] + [[str(f.relative_to(p)), f.stat().st_size, f.stat().st_mtime_ns] for f in files]
     return str(path)
 

@@ -17,6 +17,7 @@ from typing import Any
 
 from filelock import FileLock
 
+from rft import built
 from rft.errors import ConfigError
 
 _FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
@@ -56,7 +57,7 @@ def generate_arithmetic(
     path = Path(path).expanduser()
     path.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(path) + ".lock"):
-        if (path / "test.jsonl").exists():
+        if built.whole(path, "generated task data"):
             return path
         rng = random.Random(seed)
         problems: dict[str, str] = {}
@@ -76,7 +77,7 @@ def generate_arithmetic(
                     teacher = wrong if rng.random() < teacher_error_rate else answer
                     row = {"question": question, "answer": answer, "teacher_answer": teacher, "rejected": wrong}
                     f.write(json.dumps(row) + "\n")
-        os.replace(tmp, path)
+        built.install(tmp, path, "generated task data")  # sealed: a cut file is generated again, not read
     return path
 
 
@@ -157,7 +158,7 @@ def generate_countdown(
     path = Path(path).expanduser()
     path.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(path) + ".lock"):
-        if (path / "test.jsonl").exists():
+        if built.whole(path, "generated task data"):
             return path
         problems = sorted(countdown_problems(n_numbers, max_number, ops, max_target).items())
         rng = random.Random(seed)
@@ -183,7 +184,7 @@ def generate_countdown(
                     row = {"question": countdown_prompt(shown, target), "numbers": shown, "target": target,
                            "answer": answer, "teacher_answer": teacher, "rejected": wrong}
                     f.write(json.dumps(row) + "\n")
-        os.replace(tmp, path)
+        built.install(tmp, path, "generated task data")  # sealed: a cut file is generated again, not read
     return path
 
 
@@ -211,7 +212,7 @@ def generate_calculator(path: str | Path, seed: int = 0, n_train: int = 2000, n_
     path = Path(path).expanduser()
     path.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(path) + ".lock"):
-        if (path / "test.jsonl").exists():
+        if built.whole(path, "generated task data"):
             return path
         # 32..99: every product has 4 digits, so each copied digit sits at the same distance
         # from its source in every conversation (the tiny model learns fixed offsets far faster)
@@ -234,7 +235,7 @@ def generate_calculator(path: str | Path, seed: int = 0, n_train: int = 2000, n_
                     ]
                     f.write(json.dumps({"question": f"{a}*{b}", "answer": str(a * b), "messages": messages,
                                         "teacher_answer": str(a * typed)}) + "\n")
-        os.replace(tmp, path)
+        built.install(tmp, path, "generated task data")  # sealed: a cut file is generated again, not read
     return path
 
 

@@ -209,3 +209,64 @@ def test_a_copy_from_the_stage_cache_killed_midway_is_copied_again(tmp_path, cap
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert sorted(p.name for p in (second / "checkpoints").iterdir()) == ["step_4"]
     assert checkpoint.read_checkpoint(second / "checkpoints" / "step_4").identity["run"] == "rft/second"
+
+
+def test_a_generated_taskset_cut_short_is_generated_again(tmp_path, capsys):
+    """train.jsonl cut at a line's end (a copy that stopped, a full disk): 100 rows of 2000 were
+    trained on, exit 0 (the dry run's plan said 'dataset rows 100', nothing else did)."""
+    from rft.tasks import generate_arithmetic
+
+    path = tmp_path / "data" / "arithmetic-v4"
+    generate_arithmetic(path)
+    train = path / "train.jsonl"
+    whole = train.read_bytes()
+    cut = b"".join(whole.splitlines(keepends=True)[:100])
+    train.write_bytes(cut)
+    generate_arithmetic(path)
+    assert train.read_bytes() == whole  # 2000 rows, the same ones
+    (aside,) = path.parent.glob("arithmetic-v4.damaged-*")
+    assert (aside / "train.jsonl").read_bytes() == cut  # kept for a look
+    assert capsys.readouterr().err == (
+        f"rft: warning: the generated task data in {path} is damaged ({train}: {len(cut)} bytes, {len(whole)} when "
+        f"saved (cut short or written over)); moved it to {aside.name} and building it again\n")
+
+
+def test_generated_data_from_before_manifests_is_kept_when_the_same_and_set_aside_when_not(tmp_path, capsys):
+    from rft import manifest
+    from rft.tasks import generate_countdown
+
+    path = tmp_path / "countdown-v1"
+    generate_countdown(path)
+    (path / "manifest.json").unlink()  # as an rft before manifests left it
+    key = rundir.path_identity(str(path))  # what a stage cache key holds of it
+    generate_countdown(path)
+    assert manifest.verify(path) is None and capsys.readouterr().err == ""
+    assert rundir.path_identity(str(path)) == key  # sealed in place: its files untouched, the key the same
+    (path / "manifest.json").unlink()
+    (path / "test.jsonl").write_text('{"numbers": [1, 2, 3], "target": 7, "answer": "1+2*3"}\n')
+    generate_countdown(path)
+    (aside,) = tmp_path.glob("countdown-v1.damaged-*")
+    assert capsys.readouterr().err.startswith(
+        f"rft: warning: the generated task data in {path}, from an rft before built files were checked, is not the "
+        f"one this rft builds ({path / 'test.jsonl'}: ")
+    assert manifest.verify(path) is None and len((path / "test.jsonl").read_text().splitlines()) > 1
+
+
+@pytest.mark.slow  # builds the tiny model three times (~7 s each)
+def test_the_built_tiny_model_damaged_is_built_again(tmp_path, capsys):
+    """A cut config.json said 'model.model_path=... could not be loaded; give a local directory in
+    Hugging Face format' of the folder rft itself built; a zeroed block of its weights was trained
+    from, exit 0."""
+    from rft.models import build_tiny_model
+
+    path = tmp_path / "models" / "tiny-qwen2-v1"
+    build_tiny_model(path)
+    files = {f.name: f.read_bytes() for f in path.iterdir()}
+    weights = bytearray(files["model.safetensors"])
+    weights[-4096:-2048] = bytes(2048)
+    for name, damaged in [("config.json", files["config.json"][:200]), ("model.safetensors", bytes(weights))]:
+        (path / name).write_bytes(damaged)
+        build_tiny_model(path)
+        assert {f.name: f.read_bytes() for f in path.iterdir()} == files  # the same model, built again
+        assert f"rft: warning: the tiny model in {path} is damaged ({path / name}: " in capsys.readouterr().err
+    assert len(list(path.parent.glob("tiny-qwen2-v1.damaged-*"))) == 2
