@@ -8,12 +8,14 @@ loadable with `AutoModelForCausalLM.from_pretrained`, into a new (or empty) fold
 manifest of its own (the checkpoint's identity and where it came from: `python -m rft.manifest
 <out dir>` checks it). A checkpoint's hf/ is the whole model (LoRA: merged); a LoRA checkpoint
 saved without hf/ (trainer.save_hf_checkpoint) is merged here from its adapter/ and the base model
-its state.json names.
+its state.json names. It is written in <out dir>.partial and renamed into place once sealed.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -56,9 +58,14 @@ def export(checkpoint_dir: str | Path, out_dir: str | Path, max_shard_size: str 
                               f"alone is in {adapter} (PEFT's format, for PeftModel.from_pretrained on that base).")
         model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), adapter).merge_and_unload()
         tokenizer_dir = base
-    model.save_pretrained(out, max_shard_size=max_shard_size)
-    AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(out)
-    manifest.seal(out, {**(ckpt.identity or {"step": ckpt.step}), "exported_from": str(ckpt_dir.resolve())})
+    # written beside it and renamed to `out` once sealed: a killed export leaves no `out` (one held a model
+    # without its tokenizer, which from_pretrained loads); the next export of `out` removes the rest
+    tmp = out.with_name(out.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp, max_shard_size=max_shard_size)
+    AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(tmp)
+    manifest.seal(tmp, {**(ckpt.identity or {"step": ckpt.step}), "exported_from": str(ckpt_dir.resolve())})
+    os.replace(tmp, out)  # over an empty folder too
     return out
 
 

@@ -270,3 +270,29 @@ def test_the_built_tiny_model_damaged_is_built_again(tmp_path, capsys):
         assert {f.name: f.read_bytes() for f in path.iterdir()} == files  # the same model, built again
         assert f"rft: warning: the tiny model in {path} is damaged ({path / name}: " in capsys.readouterr().err
     assert len(list(path.parent.glob("tiny-qwen2-v1.damaged-*"))) == 2
+
+
+@pytest.mark.slow  # an export in a subprocess, killed, then one that finishes (~20 s)
+def test_an_export_killed_midway_leaves_no_folder_that_looks_exported(tmp_path, cache_dir):
+    """Killed after the model was written, before its manifest: the folder held a model without a
+    tokenizer or manifest, which from_pretrained loads, and the same command then refused it as
+    'not an empty folder'."""
+    from rft.models import build_tiny_model
+
+    model = build_tiny_model(cache_dir / "models" / "tiny-qwen2-v1")
+    d = checkpoint.write(tmp_path / "grpo", 1, {},
+                         lambda tmp: shutil.copytree(model, tmp / "hf", ignore=shutil.ignore_patterns("manifest.json"))
+                         and {}, owner=OWNER)
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "rft.export", str(d), str(out)]
+    env = hooked(tmp_path, KILL_AT_FIRST_SEAL_UNDER.format(under=str(tmp_path / "out")))
+    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == -9, r.stderr[-3000:]
+    assert not out.exists()
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout == f"wrote {out} (load it with AutoModelForCausalLM.from_pretrained)\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["grpo", "hook", "out"]  # no half-written folder beside it
+    from rft import manifest
+    assert manifest.verify(out) is None
+    assert (out / "tokenizer.json").exists()
