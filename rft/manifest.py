@@ -167,6 +167,10 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: python -m rft.manifest DIR   (a checkpoint, a stage-cache entry or an export)", file=sys.stderr)
         return 2
     d = Path(args[0]).expanduser()
+    if not d.is_dir():  # verify would call a file's missing manifest.json "does not parse"
+        print(f"{d}: {'not a folder' if d.exists() else 'no such folder'}; give a checkpoint (step_<N>), a "
+              f"stage-cache entry or an export folder", file=sys.stderr)
+        return 2
     why = verify(d)
     if why is not None:
         print(f"damaged: {why}", file=sys.stderr)

@@ -296,3 +296,14 @@ def test_an_export_killed_midway_leaves_no_folder_that_looks_exported(tmp_path, 
     from rft import manifest
     assert manifest.verify(out) is None
     assert (out / "tokenizer.json").exists()
+
+
+def test_the_manifest_command_on_what_is_not_a_folder_says_so(tmp_path, capsys):
+    """A file was 'damaged: <file>/manifest.json: does not parse (cut short or overwritten)'."""
+    from rft import manifest
+
+    (tmp_path / "model.safetensors").write_bytes(b"\0" * 8)
+    for given, what in [(tmp_path / "model.safetensors", "not a folder"), (tmp_path / "nowhere", "no such folder")]:
+        assert manifest.main([str(given)]) == 2
+        assert capsys.readouterr().err == (f"{given}: {what}; give a checkpoint (step_<N>), a stage-cache entry or an "
+                                           f"export folder\n")
