@@ -114,12 +114,20 @@ def find_jobs(sweep_dir: Path) -> list[Path]:
     return jobs
 
 
-def parse_overrides(job_dir: Path) -> dict[str, str]:
+def parse_overrides(job_dir: Path, name: str) -> dict[str, str] | None:
+    """The job's overrides; None when its record is missing or does not read (cut short, edited):
+    the job is then a configuration of its own, and one damaged record does not stop the report."""
     path = job_dir / ".hydra" / "overrides.yaml"
     if not path.exists():
-        return {}
+        return None
+    try:
+        items = yaml.safe_load(path.read_text()) or []
+    except yaml.YAMLError as e:
+        print(f"rft.report: warning: {path} does not parse as YAML ({str(e).splitlines()[0]}); job {name} is "
+              f"reported as a configuration of its own, without its overrides.", file=sys.stderr)
+        return None
     out = {}
-    for item in yaml.safe_load(path.read_text()) or []:
+    for item in items if isinstance(items, list) else []:
         key, _, value = str(item).partition("=")
         out[key] = value
     return out
@@ -177,12 +185,11 @@ def read_jsonl(path: Path) -> list[dict]:
 
 def read_job(job_dir: Path, stage: str | None = None, name: str | None = None) -> Job:
     """The job's results in `stage`; None: its last configured stage that logged metrics."""
-    overrides = parse_overrides(job_dir)
     name = name or job_dir.name
+    overrides = parse_overrides(job_dir, name)
     # a run without an overrides file is a configuration of its own, whatever its (empty) overrides
-    config = tuple((k, v) for k, v in overrides.items() if k != "seed") \
-        if (job_dir / ".hydra" / "overrides.yaml").exists() else ("run", name)
-    job = Job(name, job_dir, overrides, config, stage or "")
+    config = ("run", name) if overrides is None else tuple((k, v) for k, v in overrides.items() if k != "seed")
+    job = Job(name, job_dir, overrides or {}, config, stage or "")
     logged = logged_stages(job_dir)
     if not logged:
         return job

@@ -4,6 +4,7 @@ a checkpoint from before manifests copied over another's step. Each ends in a ru
 uninterrupted one, or in one paragraph saying what to do; none in a traceback or a silently
 different result. (Damage to checkpoints themselves: test_damage.py, test_checkpoints_manifest.py.)"""
 
+import csv
 import datetime
 import errno
 import json
@@ -307,3 +308,23 @@ def test_the_manifest_command_on_what_is_not_a_folder_says_so(tmp_path, capsys):
         assert manifest.main([str(given)]) == 2
         assert capsys.readouterr().err == (f"{given}: {what}; give a checkpoint (step_<N>), a stage-cache entry or an "
                                            f"export folder\n")
+
+
+def test_a_report_over_a_job_whose_overrides_record_is_cut_reports_the_others(tmp_path, capsys):
+    """One job's .hydra/overrides.yaml cut short (a full disk as Hydra wrote it, a hand edit): the
+    whole sweep's report was a yaml ParserError traceback."""
+    from rft import report
+    from test_report import GRPO, SFT, write_job
+
+    d = tmp_path / "sweep"
+    write_job(d, 0, ["seed=1", "algorithm.optimizer.lr=1e-3"], "grpo", {"sft_warmup": SFT, "grpo": GRPO})
+    write_job(d, 1, ["seed=2", "algorithm.optimizer.lr=1e-3"], "grpo", {"sft_warmup": SFT, "grpo": GRPO})
+    cut = d / "1" / ".hydra" / "overrides.yaml"
+    cut.write_text("- seed=2\n- 'algorithm.optimizer.lr=1e")  # Hydra quotes a value with special characters
+    out = report.report(d)
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"rft.report: warning: {cut} does not parse as YAML (")
+    assert err.endswith("); job 1 is reported as a configuration of its own, without its overrides.\n")
+    rows = {r["job"]: r for r in csv.DictReader(out["csv"].open())}
+    assert rows["0"]["algorithm.optimizer.lr"] == "1e-3" and rows["1"]["algorithm.optimizer.lr"] == ""
+    assert rows["0"]["status"] == rows["1"]["status"] == "done"
