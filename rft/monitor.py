@@ -60,9 +60,10 @@ class Monitor:
         self.keys = list(cfg.monitor.console_keys)
         self.path = run_dir / "metrics.jsonl"
         # a resumed run rewrites the steps after its checkpoint: drop what the killed run logged
-        self.file = _reopen(self.path, start_step)
+        self.file, kept = _reopen(self.path, start_step)
+        _say_missing(self.path, kept, start_step)
         # what each step trained on: group ids, policy versions and a digest of the tokens
-        self.batches = _reopen(run_dir / "batches.jsonl", start_step)
+        self.batches, _ = _reopen(run_dir / "batches.jsonl", start_step)
         # on a terminal a bar; in a file (a Slurm log, `> run.log`, CI) the bar's carriage-return
         # redraws would pile up, so there one plain line every few steps, the first and the last
         self.stage, self.total, self.every, self.first = stage, total_steps, _line_every(total_steps), True
@@ -174,16 +175,35 @@ def _reopen(path: Path, start_step: int):
     """Open a per-step JSONL log for appending, for a run that starts after the checkpoint of
     `start_step`, or from nothing when it is 0 (step 0, the startup eval, included). It logs those
     steps again, so what a killed run logged of them goes, and so does a last line it cut short. A
-    damaged line, whose step is unknown, stays as it is unless the run starts from nothing (see _read)."""
+    damaged line, whose step is unknown, stays as it is unless the run starts from nothing (see _read).
+    Returns the file and the steps of the rows kept."""
     lines = _read(path)
     if lines and lines[-1][1] is None:
         lines.pop()
-    kept = [line for line, m in lines if start_step > 0 and (m is None or m["step"] <= start_step)]
+    kept = [(line, m) for line, m in lines if start_step > 0 and (m is None or m["step"] <= start_step)]
     # written aside, then renamed over the log: a kill in between leaves the old log whole
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(line + "\n" for line in kept))
+    tmp.write_text("".join(line + "\n" for line, _ in kept))
     os.replace(tmp, path)
-    return open(path, "a")
+    return open(path, "a"), {m["step"] for _, m in kept if m is not None}
+
+
+def _say_missing(path: Path, steps: set, start_step: int) -> None:
+    """A resumed run's log holds a row for each step before its checkpoint's (whose own row the
+    checkpoint restores: Monitor.ensure_logged); say which ones a cut or an edit took since, as no
+    checkpoint holds them."""
+    missing = [s for s in range(1, start_step) if s not in steps]
+    spans = []
+    for s in missing:
+        if spans and spans[-1][1] == s - 1:
+            spans[-1][1] = s
+        else:
+            spans.append([s, s])
+    if spans:
+        listed = ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
+        print(f"rft: warning: {path} has no row for step{'s' if len(missing) > 1 else ''} {listed}, which this run "
+              f"logged before its checkpoint of step {start_step}: the file was cut or edited since, and no "
+              f"checkpoint holds them, so the log goes on without them.", file=sys.stderr)
 
 
 def _wandb_id(run_dir: Path) -> str:

@@ -328,3 +328,21 @@ def test_a_report_over_a_job_whose_overrides_record_is_cut_reports_the_others(tm
     rows = {r["job"]: r for r in csv.DictReader(out["csv"].open())}
     assert rows["0"]["algorithm.optimizer.lr"] == "1e-3" and rows["1"]["algorithm.optimizer.lr"] == ""
     assert rows["0"]["status"] == rows["1"]["status"] == "done"
+
+
+def test_a_resume_says_which_steps_its_log_lost(tmp_path, capsys):
+    """metrics.jsonl cut to its first rows (or edited) before a resume from step 5: the run went on
+    without a word, and its log, the report and the 'eval accuracy: start' line then lacked them."""
+    from rft.monitor import Monitor
+    from test_monitor import _cfg, _rows, _write
+
+    run = tmp_path / "grpo"
+    _write(run / "metrics.jsonl", _rows(0, 1, 4))
+    Monitor(_cfg(), run, 8, 5, "grpo").close()
+    assert capsys.readouterr().err == (
+        f"rft: warning: {run / 'metrics.jsonl'} has no row for steps 2-3, which this run logged before its checkpoint "
+        f"of step 5: the file was cut or edited since, and no checkpoint holds them, so the log goes on without "
+        f"them.\n")
+    _write(run / "metrics.jsonl", _rows(0, 1, 2, 3, 4, 5, 6))  # whole, and a row the resume writes again
+    Monitor(_cfg(), run, 8, 5, "grpo").close()
+    assert capsys.readouterr().err == ""
