@@ -23,6 +23,7 @@ import argparse
 import heapq
 import json
 import os
+import sqlite3
 import sys
 import threading
 import time
@@ -334,6 +335,14 @@ class SQLBuffer:
         try:
             yield
         except sa.exc.DatabaseError as e:
+            code = getattr(e.orig, "sqlite_errorcode", None)
+            if code in (sqlite3.SQLITE_FULL, sqlite3.SQLITE_READONLY):  # the file is whole: moving it away loses it
+                why, fix = ("its disk is full", "make room") if code == sqlite3.SQLITE_FULL else \
+                    ("it or its disk is read-only", "make it writable")
+                raise RunError(
+                    f"the buffer {self.path} cannot be written: {why} ({e.orig}). The file is whole (the write "
+                    f"that failed left nothing in it): {fix}, then run the same command again to resume from the "
+                    f"newest checkpoint.") from None
             raise RunError(
                 f"the buffer {self.path} is damaged ({e.orig}), so its experiences cannot be read or "
                 f"written. Restore the file from a copy and run the same command again to resume from the "

@@ -25,6 +25,7 @@ from conftest import ROOT, compose_cfg
 from rft import checkpoint, rundir
 from rft.checkpoint import Owner, usable_checkpoint
 from rft.errors import RunError
+from rft.experience import Experience
 from rft.monitor import read_metrics
 
 OWNER = Owner(run="rft/study", stage="grpo", config="c0ffee00c0ffee00", model="/models/tiny")
@@ -346,3 +347,28 @@ def test_a_resume_says_which_steps_its_log_lost(tmp_path, capsys):
     _write(run / "metrics.jsonl", _rows(0, 1, 2, 3, 4, 5, 6))  # whole, and a row the resume writes again
     Monitor(_cfg(), run, 8, 5, "grpo").close()
     assert capsys.readouterr().err == ""
+
+
+def test_a_sql_buffer_on_a_full_disk_is_not_called_damaged(tmp_path):
+    """SQLite's 'database or disk is full' was reported as a damaged buffer, with the advice to move
+    the file away: for a mode=explore run, every experience it had written."""
+    import sqlalchemy as sa
+
+    from rft.buffer import SQLBuffer
+    from test_buffers import buf_cfg, exps
+
+    path = tmp_path / "b.db"
+    buf = SQLBuffer(buf_cfg("sql", path=str(path)))
+    buf.put(exps(4))
+    buf.engine.dispose()  # new connections, each with a disk that holds no more than the file's pages now
+    pages = path.stat().st_size // 4096
+    sa.event.listen(buf.engine, "connect", lambda conn, _: conn.execute(f"PRAGMA max_page_count = {pages}"))
+    big = [Experience(list(range(50)), 10, [0.0] * 40, task_id=f"t{i}", info={"pad": "x" * 2000}) for i in range(50)]
+    with pytest.raises(RunError) as e:
+        buf.put(big)
+    assert str(e.value) == (
+        f"the buffer {path} cannot be written: its disk is full (database or disk is full). The file is whole (the "
+        f"write that failed left nothing in it): make room, then run the same command again to resume from the "
+        f"newest checkpoint.")
+    buf.engine.dispose()
+    assert len(SQLBuffer(buf_cfg("sql", path=str(path)))) == 4  # nothing lost, nothing half-written
