@@ -408,7 +408,10 @@ def publish(entry: Path, stage_dir: Path, final: Path, say) -> None:
         return
     tmp = entry.with_name(entry.name + f".tmp{os.getpid()}")
     try:
-        shutil.rmtree(tmp, ignore_errors=True)
+        # under the key's lock (stage_lock) no other publish is under way: any <key>.tmp<pid> is what
+        # a killed one left
+        for left in entry.parent.glob(f"{entry.name}.tmp*"):
+            shutil.rmtree(left, ignore_errors=True)
         tmp.mkdir(parents=True)
         _link_tree(final, tmp / "checkpoint")
         for name in ("metrics.jsonl", "batches.jsonl", "config.yaml"):

@@ -372,3 +372,15 @@ def test_a_sql_buffer_on_a_full_disk_is_not_called_damaged(tmp_path):
         f"newest checkpoint.")
     buf.engine.dispose()
     assert len(SQLBuffer(buf_cfg("sql", path=str(path)))) == 4  # nothing lost, nothing half-written
+
+
+def test_what_a_publish_killed_midway_left_in_the_stage_cache_is_cleared_by_the_next(tmp_path):
+    """Killed before its rename, a publish left <key>.tmp<pid> (the logs copied, the checkpoint
+    linked) in the cache for good; the next publish of the key, under the key's lock, removes it."""
+    stage = tmp_path / "grpo"
+    final = checkpoint.write(stage, 2, {}, lambda tmp: (tmp / "weights.bin").write_bytes(b"w" * 64) and {}, owner=OWNER)
+    left = tmp_path / "cache" / "key.tmp4242"
+    (left / "checkpoint").mkdir(parents=True)
+    (left / "metrics.jsonl").write_text('{"step": 1}\n')
+    rundir.publish(tmp_path / "cache" / "key", stage, final, print)
+    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == ["key"]
