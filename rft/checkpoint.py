@@ -95,7 +95,8 @@ def read_checkpoint(d: Path) -> Checkpoint | None:
         problem, identity = f"{d / manifest.MANIFEST}: missing", {}
     elif sealed is None and problem is None and named is not None and state["step"] != named:
         # legacy: its state.json is all that can tell another step's checkpoint copied over this one
-        problem = f"{d / 'state.json'}: it is the state of step {state['step']}, in the directory of step {named} (copied over it?)"
+        problem = (f"{d / 'state.json'}: it is the state of step {state['step']}, in the directory of step {named} "
+                   f"(copied over it?)")
     step = named if named is not None else (identity or state).get("step", -1)
     return Checkpoint(step if isinstance(step, int) else -1, d, state, identity, problem)
 

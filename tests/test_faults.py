@@ -165,7 +165,8 @@ def test_a_disk_that_fills_outside_a_checkpoint_save_stops_in_one_paragraph(tmp_
     free = shutil.disk_usage(run).free / 2**30
     assert err == (f"\nrft: the run stopped: writing in {run} failed (OSError: [Errno 28] No space left on device); "
                    f"that disk has {free:.1f} GiB free. Make room (or point checkpoint_root_dir at another disk), then "
-                   f"run the same command again to resume (the newest checkpoint: {run / 'checkpoints' / 'step_2'}).\n\n")
+                   f"run the same command again to resume (the newest checkpoint: "
+                   f"{run / 'checkpoints' / 'step_2'}).\n\n")
     monkeypatch.setattr(Monitor, "log", real)  # room made
     rft.main.main(compose_cfg(args))
     assert [m["step"] for m in read_metrics(run / "metrics.jsonl")] == [1, 2]  # step 2's row, from its checkpoint
