@@ -1,8 +1,10 @@
-"""Faults outside a checkpoint's own files: a kill at a chosen point of a copy or an export, two
-runs of one name at once, a full disk away from the checkpoint, damaged caches rft built itself,
-a checkpoint from before manifests copied over another's step. Each ends in a run equal to an
-uninterrupted one, or in one paragraph saying what to do; none in a traceback or a silently
-different result. (Damage to checkpoints themselves: test_damage.py, test_checkpoints_manifest.py.)"""
+"""Faults outside a checkpoint's own files: a kill at a chosen point of a copy from the stage cache,
+a publish or an export; two runs of one name at once; a disk that fills away from the checkpoint
+(a log, the SQL buffer); damaged caches rft built itself; records read back cut short (a resumed
+log's rows, a sweep job's overrides); a checkpoint from before manifests copied over another's
+step. Each ends in a run equal to an uninterrupted one, or says what was lost or what to do in one
+paragraph; none in a traceback or a silently different result. (Damage to checkpoints
+themselves: test_damage.py, test_checkpoints_manifest.py.)"""
 
 import csv
 import datetime
