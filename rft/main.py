@@ -360,7 +360,9 @@ def _run_or_reuse(cfg, plan, stage_dir: Path, init_path, owner, entry: Path | No
                 return reused
         if changes:
             rundir.note_changes(stage_dir, changes)
-        if changes or rundir.saved_config(stage_dir) is None or not rundir.has_outputs(stage_dir):
+        saved = rundir.saved_config(stage_dir)
+        # a longer run is recorded too: a later stage's check reads how far this one went
+        if changes or saved is None or not rundir.has_outputs(stage_dir) or rundir.grown(saved, cfg):
             rundir.write_config(cfg, stage_dir)
         final = run_stage(cfg, plan, stage_dir, init_path, title, owner)
         if entry is not None and final is not None:

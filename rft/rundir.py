@@ -10,7 +10,8 @@
 
 Running a name again resumes it. A stage that already has outputs must be asked for with the same
 config, except for the keys that say where the run is written, where it runs and how it is
-watched (`WHERE_AND_HOW`) and `buffer.total_steps` going up: otherwise the run stops before
+watched (`WHERE_AND_HOW`) and `buffer.total_steps` going up (not on a stage a later stage has
+trained from: its result would stay that of the shorter stage): otherwise the run stops before
 anything starts, listing the differences and the three ways on.
 
 The stage cache (`stage_cache_dir`): a finished stage that a later stage starts from (a warm-up;
@@ -186,11 +187,18 @@ def differences(old: dict, new: dict) -> list[str]:
     return out
 
 
+def grown(saved: dict, cfg) -> list[tuple[str, int, int]]:
+    """(key, old, new) of each MAY_GROW key that went up since the saved config."""
+    old, new = identity(saved), identity(cfg)
+    return [(k, old[k], new[k]) for k in MAY_GROW
+            if isinstance(old.get(k), int) and isinstance(new.get(k), int) and new[k] > old[k]]
+
+
 def check_unchanged(cfg, stages, stage_dirs, run_dir: Path) -> dict[str, list[str]]:
     """The differences between each started stage's saved config and this run's; a ConfigError
     unless there are none or resume_with_changes=true (then returned, to be logged)."""
     found = {}
-    for s, d in zip(stages, stage_dirs):
+    for i, (s, d) in enumerate(zip(stages, stage_dirs)):
         if not has_outputs(d):
             continue
         name = s.stage_name or s.algorithm.algorithm_type
@@ -204,6 +212,12 @@ def check_unchanged(cfg, stages, stage_dirs, run_dir: Path) -> dict[str, list[st
                 f"(continue_from_checkpoint=false: the old outputs move to {run_dir}/previous_<time>/)."
             )
         diff = [f"config.yaml {problem}: written anew"] if problem else differences(identity(saved_config(d)), identity(s))
+        later = next((t.stage_name for t, e in zip(stages[i + 1:], stage_dirs[i + 1:]) if has_outputs(e)), None)
+        if later and not problem:
+            # a longer run of the last stage is allowed; of a stage another one started from, it
+            # changes what that stage started from
+            diff += [f"{k}: {a} -> {b}, but stage {later} already trained from its {a}-step model"
+                     for k, a, b in grown(saved_config(d), s)]
         if diff:
             found[name] = diff
     if found and not cfg.resume_with_changes:
