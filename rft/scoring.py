@@ -117,11 +117,16 @@ class Scorer:
 def _named(name: str, value) -> dict[str, float]:
     """A reward's value as {part: float}: a float is the part `name`, a dict's entries `name/key`."""
     if isinstance(value, dict):
+        if not value:  # its sum would be a reward of 0 that no part explains
+            raise ValueError(f"reward {name!r} returned an empty dict: give it at least one part, e.g. {{'correct': 0.0}}")
         return {f"{name}/{k}": _number(v, f"{name}/{k}") for k, v in value.items()}
     return {name: _number(value, name)}
 
 
 def _number(v, name: str) -> float:
+    if isinstance(v, (str, bytes)):  # float("357") would make a regex's match, the model's answer, the reward
+        raise ValueError(f"reward {name!r} returned {type(v).__name__} {v!r}, not a number (text is never read as "
+                         f"one: return a float, e.g. float(answer == task.answer))")
     try:
         x = float(v)
     except (TypeError, ValueError):
