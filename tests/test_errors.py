@@ -614,3 +614,21 @@ def test_a_list_addressed_by_a_name_says_to_use_an_index(run_root):
             "its items are addressed by their index (stages.0.<key> for the first), not by a name ('sft_warmup'). "
             "`python run.py --cfg job -p stages` prints it.") in r.stderr
     assert_nothing_started(run_root)
+
+
+def test_a_study_module_that_cannot_be_imported_names_its_file_and_line(tmp_path, monkeypatch):
+    # a syntax error, or code that raises at import, ended the dry run in a raw traceback
+    study = tmp_path / "my_broken_study"
+    study.mkdir()
+    (study / "__init__.py").write_text("")
+    (study / "syntax.py").write_text("def f(prompt, response, task)\n    return 1.0\n")
+    (study / "raises.py").write_text("import os\n\nKEY = os.environ['MY_STUDY_KEY']\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delenv("MY_STUDY_KEY", raising=False)
+    key = "buffer.explorer_input.default_reward_fn_type"
+    assert plan_error(tmp_path, "stages=[]", f"{key}=my_broken_study.syntax.f") == (
+        f"{key}='my_broken_study.syntax.f': cannot import it: {study / 'syntax.py'}, line 1: SyntaxError: "
+        f"expected ':'. Fix that line.")
+    assert plan_error(tmp_path, "stages=[]", f"{key}=my_broken_study.raises.f") == (
+        f"{key}='my_broken_study.raises.f': importing my_broken_study.raises raised KeyError: 'MY_STUDY_KEY' "
+        f"({study / 'raises.py'}, line 3). Fix the module: its top-level code runs when it is imported.")
