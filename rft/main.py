@@ -33,14 +33,33 @@ def main(cfg: DictConfig) -> float | None:
         sys.exit(2)
     except RunError as e:
         # raised inside a Ray actor it arrives wrapped too
-        print(f"\nrft: the run stopped: {getattr(e, 'cause', e)}\n", file=sys.stderr)
+        text = str(getattr(e, "cause", e))
+        sweep = _sweep_dir()
+        if sweep and "same command" in text:
+            text += (f" In this sweep, the same command is the sweep with hydra.sweep.dir={sweep} added; without "
+                     f"it, the sweep starts over in a new directory.")
+        print(f"\nrft: the run stopped: {text}\n", file=sys.stderr)
         sys.exit(1)
     except KeyboardInterrupt:
         # Ctrl-C: what was saved is safe (checkpoints are written whole, then renamed into place)
         newest = _newest_checkpoint(run_dir_of(cfg))
         where = f"the newest checkpoint: {newest}" if newest else "no checkpoint was saved yet: the run starts over"
-        print(f"\nrft: interrupted. Run the same command again to resume ({where}).\n", file=sys.stderr)
+        sweep = _sweep_dir()
+        how = (f"with hydra.sweep.dir={sweep} to resume this sweep ({where}); without it, the sweep starts over in "
+               f"a new directory." if sweep else f"to resume ({where}).")
+        print(f"\nrft: interrupted. Run the same command again {how}\n", file=sys.stderr)
         sys.exit(130)
+
+
+def _sweep_dir() -> str | None:
+    """The directory of the sweep (-m) this job is part of; None for a single run. Hydra names a
+    sweep's directory by the time it started, so the same command makes a new one."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN:
+        return None
+    return str(HydraConfig.get().sweep.dir)
 
 
 def _newest_checkpoint(run_dir: Path) -> Path | None:

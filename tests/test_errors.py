@@ -518,6 +518,45 @@ def test_ctrl_c_says_how_to_resume_without_a_traceback(run_root):
     assert Path(newest.group(1)).parent == step_2.parent and (Path(newest.group(1)) / "state.json").exists()
 
 
+@pytest.mark.slow  # a real engine, Ray or training run
+def test_ctrl_c_in_a_sweep_says_how_to_resume_that_sweep(run_root):
+    # it said "Run the same command again", which starts the sweep over in a new directory
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from conftest import ROOT
+
+    args = ["-m", "stages=[]", "cluster=inline", "monitor=console", "buffer.total_steps=400", "trainer.save_interval=2",
+            "explorer.eval_interval=1000", "seed=1,2"]
+    proc = subprocess.Popen([sys.executable, str(ROOT / "run.py"), *args], cwd=ROOT, env={**os.environ, **run_root},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    sweeps = Path(run_root["RFT_CHECKPOINT_ROOT_DIR"]) / "rft" / "multirun"
+    deadline = time.time() + 300
+    while not list(sweeps.glob("*/0/checkpoints/step_2/state.json")):
+        assert proc.poll() is None and time.time() < deadline, "the sweep ended before its step-2 checkpoint"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    [sweep] = sweeps.iterdir()
+    assert proc.returncode == 130 and "Traceback" not in err, err[-3000:]
+    assert (f"rft: interrupted. Run the same command again with hydra.sweep.dir={sweep} to resume this sweep (the "
+            f"newest checkpoint: {sweep}/0/checkpoints/step_") in err, err[-3000:]
+    assert "without it, the sweep starts over in a new directory." in err
+    # a job the run stops says so too
+    from conftest import run_cli
+
+    r = run_cli("-m", "stages=[]", "cluster=inline", "buffer.total_steps=2", "seed=1,2",
+                "buffer.explorer_input.default_reward_fn_type=faulty_reward.always_raises",
+                env={**run_root, "PYTHONPATH": str(ROOT / "tests")}, timeout=300)
+    [second] = [d for d in sweeps.iterdir() if d != sweep]
+    assert r.returncode == 1 and "rft: the run stopped: every task of the eval set" in r.stderr, r.stderr[-3000:]
+    assert (f"run the same command again to resume from the newest checkpoint: none yet. explorer.max_failed_steps=0 "
+            f"lets a run go on regardless. In this sweep, the same command is the sweep with "
+            f"hydra.sweep.dir={second} added; without it, the sweep starts over in a new directory.") in r.stderr
+
+
 def test_an_overlay_that_is_not_yaml_is_one_paragraph_not_a_traceback(run_root, tmp_path):
     import shutil
     import subprocess
