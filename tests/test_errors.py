@@ -671,3 +671,76 @@ def test_a_study_module_that_cannot_be_imported_names_its_file_and_line(tmp_path
     assert plan_error(tmp_path, "stages=[]", f"{key}=my_broken_study.raises.f") == (
         f"{key}='my_broken_study.raises.f': importing my_broken_study.raises raised KeyError: 'MY_STUDY_KEY' "
         f"({study / 'raises.py'}, line 3). Fix the module: its top-level code runs when it is imported.")
+
+
+MINE = "# @package _global_\n# python run.py experiment=mine\n"
+
+
+@pytest.mark.parametrize("files, args, message", [
+    # Hydra: "In 'experiment/mine': ConfigKeyError ... Key 'temprature' not in 'RolloutArgs'", no line, no nearby key
+    ({"experiment/mine.yaml": MINE + "buffer:\n  explorer_input:\n    taskset:\n      rollout_args:\n"
+                                     "        temprature: 0.7\n"},
+     ["experiment=mine"],
+     "conf/experiment/mine.yaml, line 7: buffer.explorer_input.taskset.rollout_args.temprature: Key 'temprature' "
+     "not in 'RolloutArgs'. Did you mean buffer.explorer_input.taskset.rollout_args.temperature"),
+    # Hydra: "Key 'experiment' not in 'Config'"
+    ({"experiment/mine.yaml": "defaults:\n  - override /task: countdown\n  - _self_\nname: mine\n"},
+     ["experiment=mine"],
+     "conf/experiment/mine.yaml has no `# @package` line, so Hydra puts its keys under 'experiment', which the "
+     "config does not have (it stopped with \"Key 'experiment' not in 'Config'\"). Make its first line "
+     "`# @package _global_`, as in the other files of conf/experiment/."),
+    ({"task/mine.yaml": "taskset:\n  path: data/mine\n"},
+     ["task=mine"],
+     "conf/task/mine.yaml has no `# @package` line, so Hydra puts its keys under 'task', which the config does not "
+     "have (it stopped with \"Key 'task' not in 'Config'\"). Make its first line `# @package buffer.explorer_input`, "
+     "as in the other files of conf/task/."),
+    # Hydra: "Multiple values for task. To override a value use 'override task: countdown'", which in an
+    # overlay names experiment/task/countdown
+    ({"experiment/mine.yaml": MINE + "defaults:\n  - /task: countdown\n  - _self_\n"},
+     ["experiment=mine"],
+     "conf/experiment/mine.yaml, line 4: its defaults list chooses '/task: countdown', but conf/config.yaml "
+     "chooses task already (Hydra: \"Multiple values for task\"). Write `override /task: countdown`."),
+    ({"experiment/mine.yaml": MINE + "defaults:\n  - override task: countdown\n  - _self_\n"},
+     ["experiment=mine"],
+     "conf/experiment/mine.yaml, line 4: its defaults list names 'experiment/task/countdown', but there is no "
+     "conf/experiment/task/countdown.yaml (there is no group 'experiment/task'; a group of the whole config takes "
+     "a leading /: `override /task: countdown`). Fix the name in that file."),
+    # composed without a word: grpo's values replaced the file's own (clip 0.2, algorithm_type grpo)
+    ({"algorithm/mine.yaml": "defaults:\n  - _self_\n  - grpo\nalgorithm_type: mine\nclip_ratio_high: 0.28\n"},
+     ["algorithm=mine"],
+     "conf/algorithm/mine.yaml, line 2: `_self_` comes before 'grpo' in its defaults list, so the values of "
+     "conf/algorithm/grpo.yaml replace this file's own (algorithm.algorithm_type, algorithm.clip_ratio_high): "
+     "Hydra merges the list in order. Put `_self_` last."),
+    # a sweep's option: Hydra warned from its callback ("Callback Checks.on_multirun_start raised
+    # MissingConfigException"), then printed the message twice
+    ({}, ["-m", "algorithm=grpo,drgrpo"],
+     "algorithm=drgrpo: there is no conf/algorithm/drgrpo.yaml (the options of 'algorithm' are cpgd, dapo, dpo, "
+     "dr_grpo, gmpo, grpo, gspo, mix, opmd, ppo, reinforce_pp, reinforce_pp_baseline, rloo, sft). Did you mean "
+     "algorithm=dr_grpo?"),
+])
+def test_a_studys_own_config_files_are_checked_before_hydra_composes_them(tmp_path, monkeypatch, capsys, files,
+                                                                         args, message):
+    import shutil
+
+    from conftest import CONF
+    from rft.config import exit_on_config_mistakes
+
+    conf = tmp_path / "conf"
+    shutil.copytree(CONF, conf)
+    for name, text in files.items():
+        (conf / name).write_text(text)
+    monkeypatch.chdir(tmp_path)  # the files are named relative to where run.py runs
+    with pytest.raises(SystemExit) as e:
+        exit_on_config_mistakes(args, conf)
+    assert e.value.code == 2
+    assert f"rft: configuration error: {message}" in capsys.readouterr().err
+
+
+def test_the_shipped_config_files_pass_the_checks_of_a_studys_own():
+    from conftest import CONF
+    from rft.overlays import check
+
+    for path in sorted(CONF.rglob("*.yaml")):
+        group = path.parent.relative_to(CONF).as_posix()
+        if group != ".":
+            assert check([f"{group}={path.stem}"], CONF) is None, path
