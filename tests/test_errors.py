@@ -242,6 +242,19 @@ def test_empty_and_malformed_datasets_name_the_file_and_line(tmp_path):
         f"buffer.explorer_input.taskset.path='{bad}': line 2 of {bad} is not valid JSON (")
 
 
+def test_an_empty_split_file_in_a_dataset_directory_is_named(tmp_path):
+    # datasets said only 'Instruction "test" corresponds to no data!'
+    data = tmp_path / "mine"
+    write_jsonl(data / "train.jsonl", [{"question": "1+1", "answer": "2"}] * 4)
+    for empty in ["", "\n\n"]:
+        (data / "test.jsonl").write_text(empty)
+        assert plan_error(tmp_path, *taskset(data)[:-2], f"buffer.explorer_input.eval_tasksets.0.path={data}",
+                          "buffer.batch_size=2") == (
+            f"buffer.explorer_input.eval_tasksets[0].path='{data}', split='test': {data / 'test.jsonl'} holds no rows "
+            f"(the file of that split in the directory). Put the split's rows in it, or point "
+            f"buffer.explorer_input.eval_tasksets[0].path at data that has them.")
+
+
 def test_a_file_that_is_not_utf8_names_its_line_and_byte(tmp_path):
     # a latin-1 "café" on line 3 (its é the 18th byte of '{"question": "café"'): pyarrow read it
     # without a word, and the first read of that row raised UnicodeDecodeError as a raw traceback
