@@ -46,6 +46,9 @@ REWARD_CLIENTS = {
 }
 
 _ENTRY_KEYS = ("fn", "weight", "args", "name", "normalize")
+# what a reward's third parameter is called by someone who expects the answer there, not the task
+_ANSWER_NAMES = {"answer", "answers", "ground_truth", "gt", "reference", "ref", "label", "target", "solution",
+                 "expected", "truth"}
 
 
 class Reward(float):
@@ -245,6 +248,12 @@ def check(spec, where: str) -> list[dict]:
                 raise ConfigError(
                     f"{where}[{i}].args has {unknown}, which {e['fn']} does not take; its arguments are {known}."
                 )
+        third = list(params.values())[2:3] if not isinstance(fn, type) else []
+        if third and third[0].name in _ANSWER_NAMES and third[0].kind is not third[0].VAR_POSITIONAL:
+            raise ConfigError(
+                f"{key}={e['fn']!r}: its third parameter is named {third[0].name!r}, but a reward function is called "
+                f"as fn(prompt, response, task, **args): it would receive the task. Name it task and read the "
+                f"reference answer as task.answer (task.row has the whole row).")
         if not isinstance(fn, type):
             try:  # what _per_response calls it with: a function of the wrong shape fails here, not in every task
                 inspect.signature(fn).bind("prompt", "response", "task", **e["args"])

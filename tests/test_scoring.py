@@ -128,6 +128,11 @@ def needs_limit(prompt, response, task, limit):
         ("test_scoring.response_only",
          "reward_fn='test_scoring.response_only' cannot be called as fn(prompt, response, task, **args) (too many "
          "positional arguments); its signature is test_scoring.response_only(response). A reward function takes"),
+        # called with the task as `answer`: `response == answer` was never true, a run of rewards 0 (exit 0)
+        ("test_scoring.answer_third",
+         "reward_fn='test_scoring.answer_third': its third parameter is named 'answer', but a reward function is "
+         "called as fn(prompt, response, task, **args): it would receive the task. Name it task and read the "
+         "reference answer as task.answer (task.row has the whole row)."),
         ([{"fn": "test_scoring.needs_limit"}],
          "reward_fn[0].fn='test_scoring.needs_limit' cannot be called as fn(prompt, response, task, **args) "
          "(missing a required argument: 'limit'); its signature is test_scoring.needs_limit(prompt, response, task, limit)"),
@@ -143,6 +148,10 @@ def test_a_reward_that_returns_no_number_is_an_error_of_that_task():
     scorer = build("test_scoring.bad", "reward_fn")
     with pytest.raises(ValueError, match="reward 'bad' returned str 'yes', not a number"):
         scorer("p", ["x"], TASK)
+
+
+def answer_third(prompt, response, answer):
+    return float(response == answer)
 
 
 def bad(prompt, response, task):
