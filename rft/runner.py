@@ -98,7 +98,7 @@ def culprit(inp, ts, source: str | None) -> tuple[str, str]:
     """(what failed, its fix) when every task of taskset `ts` failed: the reward function, or,
     when the workflow's own jobs failed (`source`), the environment (multi_turn) or the workflow."""
     if source == "workflow" and ts.workflow == "multi_turn":
-        return f"environment {ts.workflow_args.get('env')!r} (workflow_args.env)", "Fix the environment's reset or step"
+        return f"environment {ts.workflow_args.get('env')!r} (workflow_args.env)", "Fix the environment (its constructor, reset or step)"
     if source == "workflow":
         return f"workflow {ts.workflow!r}, in the jobs it ran", "Fix the workflow"
     reward = describe_reward(spec_of(ts.reward_fn, inp.default_reward_fn_type))
