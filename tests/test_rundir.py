@@ -245,3 +245,45 @@ def test_a_longer_warm_up_under_a_later_stage_that_already_trained_is_a_change(t
                            tmp_path) == {}
     (dirs[1] / "metrics.jsonl").unlink()
     assert check_unchanged(grown[0], grown, dirs, tmp_path) == {}
+
+
+def test_regenerated_data_under_a_started_stage_is_a_change(tmp_path):
+    """A study's generator run again (a bug fixed, another seed) wrote other rows under the same
+    path; the same command said "[grpo] already finished" and kept the results of the old rows, or
+    resumed a stage half trained on them and mixed the new ones in, with exit 0."""
+    import json as json_
+
+    from rft.plan import stage_configs
+    from rft.rundir import check_unchanged, write_config
+
+    data = tmp_path / "data"
+    data.mkdir()
+
+    def write(rows):
+        for split in ("train", "test"):
+            (data / f"{split}.jsonl").write_text("".join(json_.dumps(r) + "\n" for r in rows))
+
+    write([{"question": "1+1", "answer": "2"}] * 4)
+    overrides = [f"checkpoint_root_dir={tmp_path}", "name=study", "stages=[]", "buffer.explorer_input.generator=null",
+                 f"buffer.explorer_input.taskset.path={data}", f"buffer.explorer_input.eval_tasksets.0.path={data}"]
+    [stage] = stage_configs(compose_cfg(overrides))
+    d = tmp_path / "grpo"
+    write_config(stage, d)
+    (d / "metrics.jsonl").write_text('{"step": 1}\n')
+    assert check_unchanged(stage, [stage], [d], tmp_path) == {}
+    (data / "train.jsonl").touch()  # the same bytes, a new time (a checkout, a copy): no change
+    assert check_unchanged(stage, [stage], [d], tmp_path) == {}
+    write([{"question": "1+2", "answer": "3"}] * 4)
+    with pytest.raises(ConfigError) as e:
+        check_unchanged(stage, [stage], [d], tmp_path)
+    assert (f"holds a run made with another configuration (stage grpo: {data}: test.jsonl, train.jsonl changed "
+            f"since the stage started). Running the same name resumes that run") in str(e.value)
+    # asked for, the change is accepted, and the record then holds the new rows
+    accepted = stage_configs(compose_cfg([*overrides, "resume_with_changes=true"]))
+    assert check_unchanged(accepted[0], accepted, [d], tmp_path)["grpo"] == [
+        f"{data}: test.jsonl, train.jsonl changed since the stage started"]
+    (data / "test.jsonl").unlink()
+    (data / "valid.jsonl").write_text('{"question": "2+2", "answer": "4"}\n')
+    assert check_unchanged(accepted[0], accepted, [d], tmp_path)["grpo"] == [
+        f"{data}: train.jsonl changed since the stage started", f"{data}: valid.jsonl is new since the stage started",
+        f"{data}: test.jsonl is gone since the stage started"]
