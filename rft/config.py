@@ -645,6 +645,7 @@ def key_mistake(schema, key: str, adding: bool = False) -> str | None:
     import difflib
 
     from omegaconf import DictConfig, ListConfig, OmegaConf
+    from omegaconf._utils import is_structured_config
 
     node, parts = schema, key.split(".")
     for i, part in enumerate(parts):
@@ -653,12 +654,18 @@ def key_mistake(schema, key: str, adding: bool = False) -> str | None:
             parent = ".".join(parts[:i])
             return (f"{parent} is a list, so its items are addressed by their index ({parent}.0.<key> for the "
                     f"first), not by a name ('{part}'). `python run.py --cfg job -p {parent}` prints it.")
-        if isinstance(node, ListConfig) or (isinstance(node, DictConfig) and OmegaConf.get_type(node) is dict):
+        if isinstance(node, ListConfig):
+            element = node._metadata.element_type
+            if not is_structured_config(element):
+                return None  # free-form items (stages): checked when planning
+            node = OmegaConf.structured(element)  # a typed list's item (an eval set): its schema
+            continue
+        if isinstance(node, DictConfig) and OmegaConf.get_type(node) is dict:
             return None  # free-form values below: checked when planning
         if not isinstance(node, DictConfig) or part not in node.keys():
             parent = ".".join(parts[:i])
             keys = schema_keys()
-            siblings = [k for k in keys if k.rpartition(".")[0] == parent]
+            siblings = [f"{parent}.{k}".lstrip(".") for k in node.keys()] if isinstance(node, DictConfig) else []
             # the same name under another parent (trainer.lr -> algorithm.optimizer.lr), then
             # the nearest names at the same level (a typo)
             near = [k for k in keys if k.rpartition(".")[2] == parts[-1] and len(parts) == i + 1][:2]

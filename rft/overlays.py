@@ -164,6 +164,9 @@ def leaves(path: Path, conf_dir: Path) -> list[tuple[str, int]]:
             key = f"{prefix}{k.value}"
             if isinstance(v, yaml.MappingNode) and v.value:
                 walk(v, key + ".")
+            elif isinstance(v, yaml.SequenceNode) and any(isinstance(i, yaml.MappingNode) for i in v.value):
+                for i, item in enumerate(v.value):  # a list of dicts (eval sets): each item's keys
+                    walk(item, f"{key}.{i}.") if isinstance(item, yaml.MappingNode) else None
             else:
                 out.append((key, k.start_mark.line + 1))
 

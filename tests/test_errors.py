@@ -696,6 +696,15 @@ MINE = "# @package _global_\n# python run.py experiment=mine\n"
      ["experiment=mine"],
      "conf/experiment/mine.yaml, line 7: buffer.explorer_input.taskset.rollout_args.temprature: Key 'temprature' "
      "not in 'RolloutArgs'. Did you mean buffer.explorer_input.taskset.rollout_args.temperature"),
+    # inside an eval set: Hydra's full_key was "format.promt_key", without the eval set
+    ({"task/mine.yaml": "# @package buffer.explorer_input\ntaskset:\n  path: data/mine\neval_tasksets:\n"
+                        "  - name: mine_test\n    format:\n      promt_key: question\n"},
+     ["task=mine"],
+     "conf/task/mine.yaml, line 7: buffer.explorer_input.eval_tasksets.0.format.promt_key: Key 'promt_key' not in "
+     "'FormatConfig'. Did you mean buffer.explorer_input.eval_tasksets.0.format.prompt_key"),
+    ({}, ["buffer.explorer_input.eval_tasksets.0.format.promt_key=question"],
+     "Could not override 'buffer.explorer_input.eval_tasksets.0.format.promt_key': Key 'promt_key' not in "
+     "'FormatConfig'. Did you mean buffer.explorer_input.eval_tasksets.0.format.prompt_key"),
     # Hydra: "Key 'experiment' not in 'Config'"
     ({"experiment/mine.yaml": "defaults:\n  - override /task: countdown\n  - _self_\nname: mine\n"},
      ["experiment=mine"],
