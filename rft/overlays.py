@@ -75,9 +75,12 @@ def _choices(args: list[str], conf_dir: Path) -> tuple[list[Path], str | None]:
         group = o.key_or_group
         if o.is_delete() or group.startswith("hydra") or not (conf_dir / group).is_dir():
             continue
-        values = list(o.sweep_string_iterator()) if o.is_sweep_override() else [o.get_value_element_as_str()]
+        try:
+            values = list(o.sweep_string_iterator()) if o.is_sweep_override() else [o.get_value_element_as_str()]
+        except Exception:  # glob(*): Hydra expands it against the options itself
+            continue
         for option in values:
-            if option in ("null", "None"):
+            if option in ("null", "None") or "$" in option:
                 continue
             path = conf_dir / group / f"{option}.yaml"
             if not path.is_file():

@@ -766,3 +766,5 @@ def test_the_shipped_config_files_pass_the_checks_of_a_studys_own():
         group = path.parent.relative_to(CONF).as_posix()
         if group != ".":
             assert check([f"{group}={path.stem}"], CONF) is None, path
+    # what Hydra expands or resolves itself is left to it
+    assert check(["-m", "algorithm=glob(gr*)", "task=${oc.env:MY_TASK}"], CONF) is None
