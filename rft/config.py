@@ -795,8 +795,17 @@ def bad_yaml(conf_dir) -> str | None:
 
     loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
     for path in sorted(conf_dir.rglob("*.yaml")):
+        data = path.read_bytes()
         try:
-            yaml.load(path.read_text(), Loader=loader)  # noqa: S506 (a safe loader)
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as e:  # an editor's latin-1: a raw traceback of run.py otherwise
+            line = data.count(b"\n", 0, e.start) + 1
+            column = e.start - (data.rfind(b"\n", 0, e.start) + 1) + 1
+            return (f"{os.path.relpath(path)} is not UTF-8 text (byte {data[e.start:e.start + 1]!r} at line {line}, "
+                    f"column {column}); config files are read as UTF-8. Convert it (e.g. iconv -f latin1 -t utf-8 "
+                    f"{path.name} > {path.stem}.utf8.yaml, then rename it) or fix the line.")
+        try:
+            yaml.load(text, Loader=loader)  # noqa: S506 (a safe loader)
         except yaml.YAMLError as e:
             mark = getattr(e, "problem_mark", None)
             where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""

@@ -768,3 +768,22 @@ def test_the_shipped_config_files_pass_the_checks_of_a_studys_own():
             assert check([f"{group}={path.stem}"], CONF) is None, path
     # what Hydra expands or resolves itself is left to it
     assert check(["-m", "algorithm=glob(gr*)", "task=${oc.env:MY_TASK}"], CONF) is None
+
+
+def test_a_config_file_that_is_not_utf8_is_named_with_its_line(tmp_path, monkeypatch, capsys):
+    # an editor that saved "café" as latin-1: UnicodeDecodeError under a traceback of run.py
+    import shutil
+
+    from conftest import CONF
+    from rft.config import exit_on_config_mistakes
+
+    conf = tmp_path / "conf"
+    shutil.copytree(CONF, conf)
+    (conf / "experiment" / "mine.yaml").write_bytes("# @package _global_\n# café study\nname: cafe\n".encode("latin-1"))
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as e:
+        exit_on_config_mistakes(["experiment=mine"], conf)
+    assert e.value.code == 2
+    assert ("rft: configuration error: conf/experiment/mine.yaml is not UTF-8 text (byte b'\\xe9' at line 2, column "
+            "6); config files are read as UTF-8. Convert it (e.g. iconv -f latin1 -t utf-8 mine.yaml > "
+            "mine.utf8.yaml, then rename it) or fix the line.") in capsys.readouterr().err
