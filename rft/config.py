@@ -614,10 +614,8 @@ def misspelt_override(args: list[str], groups: set[str]) -> str | None:
     the nearest keys; None when every key exists. Group choices (`algorithm=grpo`, `hydra/...`),
     hydra.* keys, additions (+key), deletions (~key) and keys inside dict- or list-typed values
     (auxiliary_buffers, stages) are left to Hydra."""
-    import difflib
-
     from hydra.core.override_parser.overrides_parser import OverridesParser
-    from omegaconf import DictConfig, ListConfig, OmegaConf
+    from omegaconf import OmegaConf
 
     candidates = [a for a in args if "=" in a and not a.startswith("-")]
     try:
@@ -634,35 +632,51 @@ def misspelt_override(args: list[str], groups: set[str]) -> str | None:
         adding = o.is_add() or o.is_force_add()
         if key in groups:
             continue
-        node, parts = schema, key.split(".")
-        for i, part in enumerate(parts):
-            if isinstance(node, ListConfig) and not part.lstrip("-").isdigit():
-                # Hydra raised a TypeError ("Index 'sft_warmup' (str) is not an int") under a traceback
-                parent = ".".join(parts[:i])
-                return (f"Could not {'add' if adding else 'override'} '{key}': {parent} is a list, so its items are "
-                        f"addressed by their index ({parent}.0.<key> for the first), not by a name ('{part}'). "
-                        f"`python run.py --cfg job -p {parent}` prints it.")
-            if isinstance(node, ListConfig) or (isinstance(node, DictConfig) and OmegaConf.get_type(node) is dict):
-                break  # free-form values below: checked when planning
-            if not isinstance(node, DictConfig) or part not in node.keys():
-                parent = ".".join(parts[:i])
-                keys = schema_keys()
-                siblings = [k for k in keys if k.rpartition(".")[0] == parent]
-                # the same name under another parent (trainer.lr -> algorithm.optimizer.lr), then
-                # the nearest names at the same level (a typo)
-                near = [k for k in keys if k.rpartition(".")[2] == parts[-1] and len(parts) == i + 1][:2]
-                near += [k for k in difflib.get_close_matches(key, siblings, n=2, cutoff=0.6) if k not in near]
-                where = f"'{OmegaConf.get_type(node).__name__}'"
-                hint = f" Did you mean {' or '.join(near[:3])}?" if near else ""
-                verb = "add" if adding else "override"
-                also = (f" ({where} is a section of the schema: a + adds keys only to free-form ones such as "
-                        f"stages)") if adding else ""
-                return (
-                    f"Could not {verb} '{key}': Key '{part}' not in {where}{also}.{hint} The keys, each "
-                    f"with a comment, are in rft/config.py; `python run.py --cfg job` prints the "
-                    f"composed config."
-                )
-            node = node._get_node(part)
+        problem = key_mistake(schema, key, adding)
+        if problem:
+            return f"Could not {'add' if adding else 'override'} '{key}': {problem}"
+    return None
+
+
+def key_mistake(schema, key: str, adding: bool = False) -> str | None:
+    """Why the schema (OmegaConf.structured(Config)) has no dotted `key`, naming the nearest keys;
+    None when it has it, or when the key is inside a dict- or list-typed value (checked when
+    planning)."""
+    import difflib
+
+    from omegaconf import DictConfig, ListConfig, OmegaConf
+    from omegaconf._utils import is_structured_config
+
+    node, parts = schema, key.split(".")
+    for i, part in enumerate(parts):
+        if isinstance(node, ListConfig) and not part.lstrip("-").isdigit():
+            # Hydra raised a TypeError ("Index 'sft_warmup' (str) is not an int") under a traceback
+            parent = ".".join(parts[:i])
+            return (f"{parent} is a list, so its items are addressed by their index ({parent}.0.<key> for the "
+                    f"first), not by a name ('{part}'). `python run.py --cfg job -p {parent}` prints it.")
+        if isinstance(node, ListConfig):
+            element = node._metadata.element_type
+            if not is_structured_config(element):
+                return None  # free-form items (stages): checked when planning
+            node = OmegaConf.structured(element)  # a typed list's item (an eval set): its schema
+            continue
+        if isinstance(node, DictConfig) and OmegaConf.get_type(node) is dict:
+            return None  # free-form values below: checked when planning
+        if not isinstance(node, DictConfig) or part not in node.keys():
+            parent = ".".join(parts[:i])
+            keys = schema_keys()
+            siblings = [f"{parent}.{k}".lstrip(".") for k in node.keys()] if isinstance(node, DictConfig) else []
+            # the same name under another parent (trainer.lr -> algorithm.optimizer.lr), then
+            # the nearest names at the same level (a typo)
+            near = [k for k in keys if k.rpartition(".")[2] == parts[-1] and len(parts) == i + 1][:2]
+            near += [k for k in difflib.get_close_matches(key, siblings, n=2, cutoff=0.6) if k not in near]
+            where = f"'{OmegaConf.get_type(node).__name__}'"
+            hint = f" Did you mean {' or '.join(near[:3])}?" if near else ""
+            also = (f" ({where} is a section of the schema: a + adds keys only to free-form ones such as "
+                    f"stages)") if adding else ""
+            return (f"Key '{part}' not in {where}{also}.{hint} The keys, each with a comment, are in "
+                    f"rft/config.py; `python run.py --cfg job` prints the composed config.")
+        node = node._get_node(part)
     return None
 
 
@@ -716,6 +730,9 @@ def missing_option(args: list[str], conf_dir) -> str | None:
                 continue
             there = sorted(p.stem for p in (conf_dir / group).glob("*.yaml"))
             options = f"the options of '{group}' are {', '.join(there)}" if there else f"there is no group '{group}'"
+            top = group.rpartition("/")[2]
+            if not there and (conf_dir / top).is_dir():  # `task: mine` in an overlay is experiment/task/mine
+                options += f"; a group of the whole config takes a leading /: `override /{top}: {option}`"
             return (f"{path.relative_to(conf_dir.parent)}, line {line}: its defaults list names '{group}/{option}', "
                     f"but there is no {target.relative_to(conf_dir.parent)} ({options}). Fix the name in that file.")
     return None
@@ -754,14 +771,16 @@ def _defaults_entries(path, conf_dir) -> list[tuple[int, str, str]]:
 def exit_on_config_mistakes(args: list[str], conf_dir) -> None:
     """run.py's check before Hydra composes: a config file that is not YAML (Hydra would print a
     traceback of a hundred lines), an override its grammar cannot read, a misspelt key on the
-    command line, or an overlay naming an option that does not exist exits with status 2 and one
-    paragraph."""
+    command line, an overlay naming an option that does not exist, or the mistakes of a study's
+    own files (rft/overlays.py) exits with status 2 and one paragraph."""
     import sys
     from pathlib import Path
 
     groups = {p.name for p in Path(conf_dir).iterdir() if p.is_dir()}
+    from rft import overlays
+
     message = (bad_yaml(Path(conf_dir)) or unparsable_override(args) or misspelt_override(args, groups)
-               or missing_option(args, conf_dir))
+               or missing_option(args, conf_dir) or overlays.check(args, Path(conf_dir)))
     if message:
         print(f"\nrft: configuration error: {message}\n", file=sys.stderr)
         sys.exit(2)
@@ -776,8 +795,17 @@ def bad_yaml(conf_dir) -> str | None:
 
     loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
     for path in sorted(conf_dir.rglob("*.yaml")):
+        data = path.read_bytes()
         try:
-            yaml.load(path.read_text(), Loader=loader)  # noqa: S506 (a safe loader)
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as e:  # an editor's latin-1: a raw traceback of run.py otherwise
+            line = data.count(b"\n", 0, e.start) + 1
+            column = e.start - (data.rfind(b"\n", 0, e.start) + 1) + 1
+            return (f"{os.path.relpath(path)} is not UTF-8 text (byte {data[e.start:e.start + 1]!r} at line {line}, "
+                    f"column {column}); config files are read as UTF-8. Convert it (e.g. iconv -f latin1 -t utf-8 "
+                    f"{path.name} > {path.stem}.utf8.yaml, then rename it) or fix the line.")
+        try:
+            yaml.load(text, Loader=loader)  # noqa: S506 (a safe loader)
         except yaml.YAMLError as e:
             mark = getattr(e, "problem_mark", None)
             where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""

@@ -183,7 +183,7 @@ def conversation_experience(row: dict, fmt, tokenizer, max_tokens: int, task_id:
 
 def budget_report(ds, tokenizer, model_cfg, responses: bool, where: str, first: int = 256) -> str | None:
     """How many of the first rows' prompts (and, for a training dataset, responses) exceed the
-    model's token budgets, as one sentence; None when all fit."""
+    model's token budgets, and hold characters the tokenizer has no token for; None when all fit."""
     rows = load_rows(ds.path, ds.split, getattr(ds, "subset_name", None), key=f"{where}.path")
     rows = rows.select(range(min(first, len(rows))))
     fmt = ds.format
@@ -198,7 +198,8 @@ def budget_report(ds, tokenizer, model_cfg, responses: bool, where: str, first: 
         return (f"{len(long)} of the first {len(lens)} conversations of {where} ({ds.path}) are longer than "
                 f"model.max_prompt_tokens + max_response_tokens = {budget} tokens (the longest has {max(long)}) "
                 f"and will be cut. Raise the budget or shorten the data (metric: train/truncated_responses).")
-    prompts = [len(chat_ids(tokenizer, rows_to_messages(r, fmt, where, i, ds.path))) for i, r in enumerate(rows)]
+    messages = [rows_to_messages(r, fmt, where, i, ds.path) for i, r in enumerate(rows)]
+    prompts = [len(chat_ids(tokenizer, m)) for m in messages]
     parts = []
     over = [n for n in prompts if n > model_cfg.max_prompt_tokens]
     if over:
@@ -206,13 +207,45 @@ def budget_report(ds, tokenizer, model_cfg, responses: bool, where: str, first: 
                      f"than model.max_prompt_tokens={model_cfg.max_prompt_tokens} tokens (the longest has "
                      f"{max(over)}, chat template included) and will be cut from the left")
     keys = [fmt.chosen_key, fmt.rejected_key] if fmt.chosen_key and fmt.rejected_key else [fmt.response_key]
-    if responses and all(keys):
-        lens = [len(tokenizer.encode(str(r[k]), add_special_tokens=False)) + 1 for r in rows for k in keys if r.get(k) is not None]
-        long = [n for n in lens if n > model_cfg.max_response_tokens]
-        if long:
-            parts.append(f"{len(long)} of its first {len(lens)} responses are longer than "
-                         f"model.max_response_tokens={model_cfg.max_response_tokens} (end-of-sequence token "
-                         f"included; the longest has {max(long)}) and will be cut")
-    if not parts:
+    answers = [str(r[k]) for r in rows for k in keys if r.get(k) is not None] if responses and all(keys) else []
+    lens = [len(tokenizer.encode(a, add_special_tokens=False)) + 1 for a in answers]
+    long = [n for n in lens if n > model_cfg.max_response_tokens]
+    if long:
+        parts.append(f"{len(long)} of its first {len(lens)} responses are longer than "
+                     f"model.max_response_tokens={model_cfg.max_response_tokens} (end-of-sequence token "
+                     f"included; the longest has {max(long)}) and will be cut")
+    texts = [" ".join(str(m.get("content", "")) for m in ms) for ms in messages]
+    out = ["; ".join(parts) + ". Raise the budget or shorten the data (metrics: rollout/truncated_prompts, "
+           "train/truncated_*)."] if parts else []
+    out += [unknown_characters(tokenizer, texts, answers, f"of {where} ({ds.path})")]
+    return " ".join(t for t in out if t) or None
+
+
+def unknown_characters(tokenizer, prompts: list[str], responses: list[str], where: str) -> str | None:
+    """A sentence naming the characters of the prompts (and responses) that the tokenizer has no
+    token for (the tiny model's knows ASCII only, and drops the rest): the model does not see them,
+    and a run would not say so. None when it has a token for each (whitespace aside)."""
+    unk = tokenizer.unk_token_id
+    known: dict[str, bool] = {}
+
+    def unknown(text: str) -> list[str]:
+        for c in dict.fromkeys(text):
+            if c not in known:
+                ids = tokenizer.encode(c, add_special_tokens=False)
+                known[c] = c.isspace() or (bool(ids) and (unk is None or unk not in ids))
+        return [c for c in dict.fromkeys(text) if not known[c]]
+
+    phrases = []
+    for what, texts in (("prompts", prompts), ("responses", responses)):
+        found = [unknown(t) for t in texts]
+        chars = list(dict.fromkeys(c for f in found for c in f))
+        if chars:
+            shown = ", ".join(map(repr, chars[:8])) + (", ..." if len(chars) > 8 else "")
+            n = sum(map(bool, found))
+            phrases.append(f"{n} of its first {len(texts)} {what} ({shown})" if phrases else
+                           f"{n} of the first {len(texts)} {what} {where} hold characters the tokenizer has no "
+                           f"token for ({shown})")
+    if not phrases:
         return None
-    return "; ".join(parts) + ". Raise the budget or shorten the data (metrics: rollout/truncated_prompts, train/truncated_*)."
+    return (f"{'; '.join(phrases)}: the model does not see them (each is dropped or read as the one unknown "
+            f"token). Use a model whose tokenizer has them, or data without them.")

@@ -35,11 +35,20 @@ def main(cfg: DictConfig) -> float | None:
         sys.exit(2)
     except RunError as e:
         # raised inside a Ray actor it arrives wrapped too
-        print(f"\nrft: the run stopped: {getattr(e, 'cause', e)}\n", file=sys.stderr)
+        text = str(getattr(e, "cause", e))
+        sweep = _sweep_dir()
+        if sweep and "same command" in text:
+            text += (f" In this sweep, the same command is the sweep with hydra.sweep.dir={sweep} added; without "
+                     f"it, the sweep starts over in a new directory.")
+        print(f"\nrft: the run stopped: {text}\n", file=sys.stderr)
         sys.exit(1)
     except KeyboardInterrupt:
         # Ctrl-C: what was saved is safe (checkpoints are written whole, then renamed into place)
-        print(f"\nrft: interrupted. Run the same command again to resume ({_resume_point(cfg)}).\n", file=sys.stderr)
+        where = _resume_point(cfg)
+        sweep = _sweep_dir()
+        how = (f"with hydra.sweep.dir={sweep} to resume this sweep ({where}); without it, the sweep starts over in "
+               f"a new directory." if sweep else f"to resume ({where}).")
+        print(f"\nrft: interrupted. Run the same command again {how}\n", file=sys.stderr)
         sys.exit(130)
     except OSError as e:
         # a disk that fills (or turns read-only) while a log, buffer or record is written; a
@@ -67,6 +76,17 @@ def _disk_failed(cfg: DictConfig, e: OSError) -> str:
             f"{free}. {'Make it writable' if e.errno == errno.EROFS else 'Make room'} (or point checkpoint_root_dir "
             f"at another disk), then run the same command again to "
             f"resume ({_resume_point(cfg)}).")
+
+
+def _sweep_dir() -> str | None:
+    """The directory of the sweep (-m) this job is part of; None for a single run. Hydra names a
+    sweep's directory by the time it started, so the same command makes a new one."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN:
+        return None
+    return str(HydraConfig.get().sweep.dir)
 
 
 def _newest_checkpoint(run_dir: Path) -> Path | None:
@@ -395,7 +415,9 @@ def _run_or_reuse(cfg, plan, stage_dir: Path, init_path, owner, entry: Path | No
                 return reused
         if changes:
             rundir.note_changes(stage_dir, changes)
-        if changes or rundir.saved_config(stage_dir) is None or not rundir.has_outputs(stage_dir):
+        saved = rundir.saved_config(stage_dir)
+        # a longer run is recorded too: a later stage's check reads how far this one went
+        if changes or saved is None or not rundir.has_outputs(stage_dir) or rundir.grown(saved, cfg):
             rundir.write_config(cfg, stage_dir)
         final = run_stage(cfg, plan, stage_dir, init_path, title, owner)
         if entry is not None and final is not None:

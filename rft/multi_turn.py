@@ -44,6 +44,7 @@ from __future__ import annotations
 import copy
 import logging
 import math
+import numbers
 from collections.abc import Mapping
 from types import SimpleNamespace
 
@@ -127,10 +128,10 @@ def _step_result(result, env_cls, turn: int) -> tuple:
     if not isinstance(parts or {}, dict):
         raise ConfigError(f"{where} returned the reward parts {_short(parts)}, not a dict; {shape}.")
     for k, v in (parts or {}).items():
-        # bool is an int: True counts 1 (a check passed)
-        if not isinstance(v, (int, float)) or not math.isfinite(v):
+        # bool is an int: True counts 1 (a check passed); numpy's scalars are numbers.Real too
+        if not isinstance(v, numbers.Real) or not math.isfinite(v):
             raise ConfigError(f"{where} returned the reward part {k!r}={_short(v)}, not a finite number; {shape}.")
-    return msg, parts or {}, bool(done)
+    return msg, {k: float(v) for k, v in (parts or {}).items()}, bool(done)
 
 
 def _as_message(msg) -> dict:

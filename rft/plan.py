@@ -669,6 +669,12 @@ def _check_names(cfg) -> None:
             from rft.multi_turn import check_args
 
             check_args(dict(ts.workflow_args), f"{where}.workflow_args")
+            if ts.reward_fn is not None:
+                raise ConfigError(
+                    f"{where}.reward_fn={spec_of(ts.reward_fn)!r} would never be called: with workflow multi_turn "
+                    f"the reward is the parts the environment's step returns ({ts.workflow_args.get('env')}). "
+                    f"Score in the environment's step (rft/environments.py: ToolEnv scores its answer by exact "
+                    f"match), or set {where}.reward_fn=null.")
     # dict-typed keys hold typed values too: a typo fails here, not inside an actor
     for name, value in cfg.buffer.trainer_input.auxiliary_buffers.items():
         _typed_buffer(value, f"buffer.trainer_input.auxiliary_buffers.{name}")
@@ -687,7 +693,7 @@ def _divisor_near(n: int, target: int) -> int:
 
 def describe(cfg, stage_dir) -> str:
     """What the dry run says besides the numbers: the functions, the data, the outputs."""
-    from rft.scoring import describe as describe_reward, spec_of
+    from rft.scoring import source
 
     algo, inp = cfg.algorithm, cfg.buffer.explorer_input
     eb = cfg.buffer.trainer_input.experience_buffer
@@ -704,13 +710,14 @@ def describe(cfg, stage_dir) -> str:
         return f"{ds.name} ({ds.path}, split {ds.split})"
 
     if cfg.mode in ("both", "explore"):
-        reward = describe_reward(spec_of(inp.taskset.reward_fn, inp.default_reward_fn_type))
+        reward = source(inp.taskset, inp.default_reward_fn_type)
         args = inp.taskset.rollout_args
         rows.append(("rollouts", f"{data(inp.taskset)}: prompt_key={inp.taskset.format.prompt_key}, "
                                  f"temperature {args.temperature:g}, top_p {args.top_p:g}, top_k {args.top_k}"))
         call = f"{reward}(prompt, response, task)" if "*" not in reward else f"{reward}, each fn(prompt, response, task),"
-        rows.append(("reward", f"{call} with task.answer = column "
-                               f"{inp.taskset.format.response_key!r}"))
+        rows.append(("reward", f"the parts {reward} returns (workflow multi_turn; the reward function is not called)"
+                     if inp.taskset.workflow == "multi_turn" else
+                     f"{call} with task.answer = column {inp.taskset.format.response_key!r}"))
         if cfg.mode == "both":
             o = cfg.synchronizer.sync_offset
             rows.append(("explorer", f"{o} step{'s' * (o != 1)} ahead of the trainer (synchronizer.sync_offset; stale "
@@ -724,7 +731,7 @@ def describe(cfg, stage_dir) -> str:
     if algo.sft_loss_weight > 0:
         sft, where = sft_buffer_config(cfg)
         rows.append(("sft data", f"{sft.path} (column {sft.format.response_key!r}; {where})"))
-    evals = [f"{data(ts)}: {describe_reward(spec_of(ts.reward_fn, inp.default_reward_fn_type))}" for ts in inp.eval_tasksets]
+    evals = [f"{data(ts)}: {source(ts, inp.default_reward_fn_type)}" for ts in inp.eval_tasksets]
     if cfg.mode != "explore":
         rows.append(("eval sets", "; ".join(evals) + f", every {cfg.explorer.eval_interval} steps" if evals else "none"))
     rows.append(("outputs", str(stage_dir)))

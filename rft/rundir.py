@@ -6,13 +6,16 @@
                              about to start: a dry run writes nothing, and a run moved aside by
                              continue_from_checkpoint=false keeps its own record
     <stage>/config.yaml      the stage's resolved config, its fingerprint on the first line
+    <stage>/data.json        the digest of each local dataset file the stage reads
     <stage>/config_changes.log  what resume_with_changes=true accepted, and when
     <stage>/reused_from      the stage cache entry this stage was copied from
 
 Running a name again resumes it. A stage that already has outputs must be asked for with the same
 config, except for the keys that say where the run is written, where it runs and how it is
-watched (`WHERE_AND_HOW`) and `buffer.total_steps` going up: otherwise the run stops before
-anything starts, listing the differences and the three ways on.
+watched (`WHERE_AND_HOW`) and `buffer.total_steps` going up (not on a stage a later stage has
+trained from: its result would stay that of the shorter stage), and with the same bytes in its
+local datasets: otherwise the run stops before anything starts, listing the differences and the
+three ways on.
 
 The stage cache (`stage_cache_dir`): a finished stage that a later stage starts from (a warm-up;
 not a run's last stage, which a re-run of the same config means to train) is published with its
@@ -61,6 +64,9 @@ WHERE_AND_HOW = (
 MAY_GROW = ("buffer.total_steps",)
 # in the run directory: held by the run writing it (run_lock)
 RUN_LOCK = ".run.lock"
+# <stage>/data.json: the digest of every dataset file the stage reads, as it started (or was
+# last accepted with resume_with_changes=true)
+DATA_RECORD = "data.json"
 
 
 # ---------------------------------------------------------------- fingerprints
@@ -175,6 +181,49 @@ def write_config(cfg, stage_dir: Path) -> None:
     tmp = stage_dir / "config.yaml.tmp"
     tmp.write_text(f"# fingerprint: {fingerprint(identity(cfg))}\n{text}")
     os.replace(tmp, stage_dir / "config.yaml")
+    manifest.write_atomic(stage_dir / DATA_RECORD, json.dumps(data_digests(cfg), indent=1, sort_keys=True))
+
+
+def data_digests(cfg) -> dict[str, dict[str, str]]:
+    """{path: {file: digest}} of the local datasets a stage reads (its tasksets and eval sets, a
+    training dataset, auxiliary ones; not a buffer another job writes, not a hub id): what a re-run
+    compares, so rows written anew under the same path are not resumed as the old ones. By
+    content, so a copy or a checkout of the same bytes is no change."""
+    from rft.plan import stored_experiences
+
+    inp, tin = cfg.buffer.explorer_input, cfg.buffer.trainer_input
+    paths = [inp.taskset.path, *(ts.path for ts in inp.eval_tasksets)]
+    eb = tin.experience_buffer
+    if cfg.mode == "train" and eb.storage_type == "file" and eb.path and not stored_experiences(eb):
+        paths.append(eb.path)
+    paths += [aux.get("path") for aux in tin.auxiliary_buffers.values() if hasattr(aux, "get")]
+    out = {}
+    for path in dict.fromkeys(str(p) for p in paths if p):
+        p = Path(os.path.expanduser(path))
+        files = [p] if p.is_file() else sorted(f for f in p.rglob("*") if f.is_file()) if p.is_dir() else []
+        if files:
+            out[path] = {(f.name if f == p else f.relative_to(p).as_posix()): manifest.digest(f)
+                         for f in files if not f.name.endswith(".lock")}
+    return out
+
+
+def data_differences(stage_dir: Path, cfg) -> list[str]:
+    """'path: file, ... changed since the stage started' for each dataset whose files' bytes
+    differ from the stage's record (none for a stage recorded before there was one)."""
+    try:
+        old = json.loads((stage_dir / DATA_RECORD).read_text())
+    except (OSError, ValueError):
+        return []
+    new = data_digests(cfg)
+    out = []
+    for path in sorted(set(old) & set(new)):
+        names = sorted(set(old[path]) | set(new[path]))
+        for what, which in (("changed", lambda a, b: a and b and a != b), ("is new", lambda a, b: not a),
+                            ("is gone", lambda a, b: not b)):
+            hit = [n for n in names if which(old[path].get(n), new[path].get(n))]
+            if hit:
+                out.append(f"{path}: {', '.join(hit)} {what} since the stage started")
+    return out
 
 
 def differences(old: dict, new: dict) -> list[str]:
@@ -191,11 +240,18 @@ def differences(old: dict, new: dict) -> list[str]:
     return out
 
 
+def grown(saved: dict, cfg) -> list[tuple[str, int, int]]:
+    """(key, old, new) of each MAY_GROW key that went up since the saved config."""
+    old, new = identity(saved), identity(cfg)
+    return [(k, old[k], new[k]) for k in MAY_GROW
+            if isinstance(old.get(k), int) and isinstance(new.get(k), int) and new[k] > old[k]]
+
+
 def check_unchanged(cfg, stages, stage_dirs, run_dir: Path) -> dict[str, list[str]]:
     """The differences between each started stage's saved config and this run's; a ConfigError
     unless there are none or resume_with_changes=true (then returned, to be logged)."""
     found = {}
-    for s, d in zip(stages, stage_dirs):
+    for i, (s, d) in enumerate(zip(stages, stage_dirs)):
         if not has_outputs(d):
             continue
         name = s.stage_name or s.algorithm.algorithm_type
@@ -209,6 +265,13 @@ def check_unchanged(cfg, stages, stage_dirs, run_dir: Path) -> dict[str, list[st
                 f"(continue_from_checkpoint=false: the old outputs move to {run_dir}/previous_<time>/)."
             )
         diff = [f"config.yaml {problem}: written anew"] if problem else differences(identity(saved_config(d)), identity(s))
+        diff += data_differences(d, s)
+        later = next((t.stage_name for t, e in zip(stages[i + 1:], stage_dirs[i + 1:]) if has_outputs(e)), None)
+        if later and not problem:
+            # a longer run of the last stage is allowed; of a stage another one started from, it
+            # changes what that stage started from
+            diff += [f"{k}: {a} -> {b}, but stage {later} already trained from its {a}-step model"
+                     for k, a, b in grown(saved_config(d), s)]
         if diff:
             found[name] = diff
     if found and not cfg.resume_with_changes:

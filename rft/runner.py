@@ -98,7 +98,7 @@ def culprit(inp, ts, source: str | None) -> tuple[str, str]:
     """(what failed, its fix) when every task of taskset `ts` failed: the reward function, or,
     when the workflow's own jobs failed (`source`), the environment (multi_turn) or the workflow."""
     if source == "workflow" and ts.workflow == "multi_turn":
-        return f"environment {ts.workflow_args.get('env')!r} (workflow_args.env)", "Fix the environment's reset or step"
+        return f"environment {ts.workflow_args.get('env')!r} (workflow_args.env)", "Fix the environment (its constructor, reset or step)"
     if source == "workflow":
         return f"workflow {ts.workflow!r}, in the jobs it ran", "Fix the workflow"
     reward = describe_reward(spec_of(ts.reward_fn, inp.default_reward_fn_type))
@@ -306,7 +306,6 @@ class StageRun:
         a run shorter than that); warn loudly when every reward of the first steps is the same (no
         advantage, no learning)."""
         cfg, inp = self.cfg, self.cfg.buffer.explorer_input
-        reward = lambda: describe_reward(spec_of(inp.taskset.reward_fn, inp.default_reward_fn_type))  # noqa: E731
         if m["rollout/experiences"] == 0 and m.get("rollout/failed_tasks", 0) > 0:
             self.failed_steps += 1
         else:
@@ -333,7 +332,9 @@ class StageRun:
             if step == first - 1 and len(self.first_rewards) == 1:
                 value = self.first_rewards.pop()
                 msg = (f"[{self.title}] WARNING: every reward of the first {first} steps was {value:g}: the "
-                       f"advantages are all 0 and nothing is learned. Check the reward function ({reward()!r}) "
+                       f"advantages are all 0 and nothing is learned. Check the "
+                       f"{'environment' if inp.taskset.workflow == 'multi_turn' else 'reward function'} "
+                       f"({scoring.source(inp.taskset, inp.default_reward_fn_type)!r}) "
                        f"and that buffer.explorer_input.taskset.format.response_key="
                        f"{inp.taskset.format.response_key!r} names the column of reference answers "
                        f"(task.answer).")

@@ -46,6 +46,9 @@ REWARD_CLIENTS = {
 }
 
 _ENTRY_KEYS = ("fn", "weight", "args", "name", "normalize")
+# what a reward's third parameter is called by someone who expects the answer there, not the task
+_ANSWER_NAMES = {"answer", "answers", "ground_truth", "gt", "reference", "ref", "label", "target", "solution",
+                 "expected", "truth"}
 
 
 class Reward(float):
@@ -117,11 +120,16 @@ class Scorer:
 def _named(name: str, value) -> dict[str, float]:
     """A reward's value as {part: float}: a float is the part `name`, a dict's entries `name/key`."""
     if isinstance(value, dict):
+        if not value:  # its sum would be a reward of 0 that no part explains
+            raise ValueError(f"reward {name!r} returned an empty dict: give it at least one part, e.g. {{'correct': 0.0}}")
         return {f"{name}/{k}": _number(v, f"{name}/{k}") for k, v in value.items()}
     return {name: _number(value, name)}
 
 
 def _number(v, name: str) -> float:
+    if isinstance(v, (str, bytes)):  # float("357") would make a regex's match, the model's answer, the reward
+        raise ValueError(f"reward {name!r} returned {type(v).__name__} {v!r}, not a number (text is never read as "
+                         f"one: return a float, e.g. float(answer == task.answer))")
     try:
         x = float(v)
     except (TypeError, ValueError):
@@ -145,6 +153,14 @@ def describe(spec) -> str:
         return " + ".join(f"{e.get('weight', 1.0):g} * {e.get('name') or e.get('fn')}" if isinstance(e, dict) else str(e)
                           for e in spec)
     return str(spec)
+
+
+def source(ts, default) -> str:
+    """What scores taskset `ts`, for the dry run and messages: its reward config, or, for the
+    multi_turn workflow (which never calls one), its environment's step."""
+    if ts.workflow == "multi_turn":
+        return f"{ts.workflow_args.get('env')}.step(text)"
+    return describe(spec_of(ts.reward_fn, default))
 
 
 def entries(spec, where: str) -> list[dict]:
@@ -232,6 +248,12 @@ def check(spec, where: str) -> list[dict]:
                 raise ConfigError(
                     f"{where}[{i}].args has {unknown}, which {e['fn']} does not take; its arguments are {known}."
                 )
+        third = list(params.values())[2:3] if not isinstance(fn, type) else []
+        if third and third[0].name in _ANSWER_NAMES and third[0].kind is not third[0].VAR_POSITIONAL:
+            raise ConfigError(
+                f"{key}={e['fn']!r}: its third parameter is named {third[0].name!r}, but a reward function is called "
+                f"as fn(prompt, response, task, **args): it would receive the task. Name it task and read the "
+                f"reference answer as task.answer (task.row has the whole row).")
         if not isinstance(fn, type):
             try:  # what _per_response calls it with: a function of the wrong shape fails here, not in every task
                 inspect.signature(fn).bind("prompt", "response", "task", **e["args"])

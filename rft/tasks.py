@@ -316,7 +316,13 @@ def load_rows(path: str, split: str = "train", subset_name: str | None = None, k
             f"{key}={path!r}: no such file or directory{_relative_to(path)}{hub}. Point it at a JSONL/Parquet "
             f"file, a directory of them, or a Hugging Face dataset id (this machine may not reach the hub)."
         ) from e
-    except ValueError as e:  # datasets' message for an unknown split
+    except ValueError as e:  # datasets' message for an unknown split, or for one whose files are empty
+        empty = [f for f in _split_files(local, split) if not f.read_text(errors="replace").strip()]
+        if "corresponds to no data" in str(e) and empty:
+            raise ConfigError(
+                f"{key}={path!r}, split={split!r}: {', '.join(map(str, empty))} holds no rows (the file of that "
+                f"split in the directory). Put the split's rows in it, or point {key} at data that has them."
+            ) from e
         raise ConfigError(f"{key}={path!r}, split={split!r}: {e}") from e
     try:  # not a local path: a Hugging Face hub id
         return datasets.load_dataset(path, name=subset_name, split=split)
@@ -340,6 +346,14 @@ def _check_split_of_file(f: Path, split: str, key: str, path: str) -> None:
             f"(a file whose name says {split!r}, or a directory with {split}.jsonl beside train.jsonl), or "
             f"set split=train to read this file as it is."
         )
+
+
+def _split_files(d: Path, split: str) -> list[Path]:
+    """The data files of directory `d` whose name says `split` (test.jsonl, test-00000.parquet)."""
+    if not d.is_dir():
+        return []
+    return sorted(f for f in d.rglob("*") if f.suffix in _FILE_BUILDERS
+                  and split.lower() in re.split(r"[^A-Za-z0-9]+", f.stem.lower()))
 
 
 def _check_holds_data(d: Path, files: list[Path], key: str, path: str) -> None:

@@ -165,6 +165,11 @@ TS = "buffer.explorer_input.taskset"
     ([f"{TS}.format.prompt_key=answer"],
      f"{TS}.format.prompt_key and response_key both name the column 'answer': the model would be shown the answer "
      f"it is scored against. Point response_key at the reference answers (or null if the reward needs none)."),
+    # a multi-turn conversation is scored by its environment's step: the reward_fn was never called (exit 0)
+    ([*CALC, f"{TS}.reward_fn=countdown"],
+     f"{TS}.reward_fn='countdown' would never be called: with workflow multi_turn the reward is the parts the "
+     f"environment's step returns (calculator). Score in the environment's step (rft/environments.py: ToolEnv "
+     f"scores its answer by exact match), or set {TS}.reward_fn=null."),
     # every task failed at run time on "'CalculatorEnv' object is not callable"
     (["buffer.explorer_input.default_reward_fn_type=rft.environments.CalculatorEnv"],
      "buffer.explorer_input.default_reward_fn_type='rft.environments.CalculatorEnv' is a class whose instances "
@@ -260,3 +265,15 @@ def test_an_overlays_stages_list_replaces_the_models_and_the_command_line_change
     # one key on the command line keeps the rest of the model's stage
     warmup = stage_configs(compose_cfg(["stages.0.buffer.total_steps=150"]))[0]
     assert (warmup.buffer.total_steps, warmup.mode, warmup.algorithm.algorithm_type) == (150, "train", "sft")
+
+
+def test_a_multi_turn_dry_run_names_the_environment_as_the_reward(capsys):
+    """It said "reward exact_match(prompt, response, task)": the taskset's default, which a
+    multi-turn conversation never calls."""
+    import rft.main
+
+    rft.main._main(compose_cfg([*CALC, "stages=[]", "dry_run=true"]))
+    out = capsys.readouterr().out
+    assert ("reward         the parts calculator.step(text) returns (workflow multi_turn; the reward function is "
+            "not called)") in out
+    assert "eval sets      calculator_test (" in out and ": calculator.step(text), every 10 steps" in out

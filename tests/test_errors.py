@@ -242,6 +242,19 @@ def test_empty_and_malformed_datasets_name_the_file_and_line(tmp_path):
         f"buffer.explorer_input.taskset.path='{bad}': line 2 of {bad} is not valid JSON (")
 
 
+def test_an_empty_split_file_in_a_dataset_directory_is_named(tmp_path):
+    # datasets said only 'Instruction "test" corresponds to no data!'
+    data = tmp_path / "mine"
+    write_jsonl(data / "train.jsonl", [{"question": "1+1", "answer": "2"}] * 4)
+    for empty in ["", "\n\n"]:
+        (data / "test.jsonl").write_text(empty)
+        assert plan_error(tmp_path, *taskset(data)[:-2], f"buffer.explorer_input.eval_tasksets.0.path={data}",
+                          "buffer.batch_size=2") == (
+            f"buffer.explorer_input.eval_tasksets[0].path='{data}', split='test': {data / 'test.jsonl'} holds no rows "
+            f"(the file of that split in the directory). Put the split's rows in it, or point "
+            f"buffer.explorer_input.eval_tasksets[0].path at data that has them.")
+
+
 def test_a_file_that_is_not_utf8_names_its_line_and_byte(tmp_path):
     # a latin-1 "café" on line 3 (its é the 18th byte of '{"question": "café"'): pyarrow read it
     # without a word, and the first read of that row raised UnicodeDecodeError as a raw traceback
@@ -518,6 +531,45 @@ def test_ctrl_c_says_how_to_resume_without_a_traceback(run_root):
     assert Path(newest.group(1)).parent == step_2.parent and (Path(newest.group(1)) / "state.json").exists()
 
 
+@pytest.mark.slow  # a real engine, Ray or training run
+def test_ctrl_c_in_a_sweep_says_how_to_resume_that_sweep(run_root):
+    # it said "Run the same command again", which starts the sweep over in a new directory
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from conftest import ROOT
+
+    args = ["-m", "stages=[]", "cluster=inline", "monitor=console", "buffer.total_steps=400", "trainer.save_interval=2",
+            "explorer.eval_interval=1000", "seed=1,2"]
+    proc = subprocess.Popen([sys.executable, str(ROOT / "run.py"), *args], cwd=ROOT, env={**os.environ, **run_root},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    sweeps = Path(run_root["RFT_CHECKPOINT_ROOT_DIR"]) / "rft" / "multirun"
+    deadline = time.time() + 300
+    while not list(sweeps.glob("*/0/checkpoints/step_2/state.json")):
+        assert proc.poll() is None and time.time() < deadline, "the sweep ended before its step-2 checkpoint"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    [sweep] = sweeps.iterdir()
+    assert proc.returncode == 130 and "Traceback" not in err, err[-3000:]
+    assert (f"rft: interrupted. Run the same command again with hydra.sweep.dir={sweep} to resume this sweep (the "
+            f"newest checkpoint: {sweep}/0/checkpoints/step_") in err, err[-3000:]
+    assert "without it, the sweep starts over in a new directory." in err
+    # a job the run stops says so too
+    from conftest import run_cli
+
+    r = run_cli("-m", "stages=[]", "cluster=inline", "buffer.total_steps=2", "seed=1,2",
+                "buffer.explorer_input.default_reward_fn_type=faulty_reward.always_raises",
+                env={**run_root, "PYTHONPATH": str(ROOT / "tests")}, timeout=300)
+    [second] = [d for d in sweeps.iterdir() if d != sweep]
+    assert r.returncode == 1 and "rft: the run stopped: every task of the eval set" in r.stderr, r.stderr[-3000:]
+    assert (f"run the same command again to resume from the newest checkpoint: none yet. explorer.max_failed_steps=0 "
+            f"lets a run go on regardless. In this sweep, the same command is the sweep with "
+            f"hydra.sweep.dir={second} added; without it, the sweep starts over in a new directory.") in r.stderr
+
+
 def test_an_overlay_that_is_not_yaml_is_one_paragraph_not_a_traceback(run_root, tmp_path):
     import shutil
     import subprocess
@@ -614,3 +666,124 @@ def test_a_list_addressed_by_a_name_says_to_use_an_index(run_root):
             "its items are addressed by their index (stages.0.<key> for the first), not by a name ('sft_warmup'). "
             "`python run.py --cfg job -p stages` prints it.") in r.stderr
     assert_nothing_started(run_root)
+
+
+def test_a_study_module_that_cannot_be_imported_names_its_file_and_line(tmp_path, monkeypatch):
+    # a syntax error, or code that raises at import, ended the dry run in a raw traceback
+    study = tmp_path / "my_broken_study"
+    study.mkdir()
+    (study / "__init__.py").write_text("")
+    (study / "syntax.py").write_text("def f(prompt, response, task)\n    return 1.0\n")
+    (study / "raises.py").write_text("import os\n\nKEY = os.environ['MY_STUDY_KEY']\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delenv("MY_STUDY_KEY", raising=False)
+    key = "buffer.explorer_input.default_reward_fn_type"
+    assert plan_error(tmp_path, "stages=[]", f"{key}=my_broken_study.syntax.f") == (
+        f"{key}='my_broken_study.syntax.f': cannot import it: {study / 'syntax.py'}, line 1: SyntaxError: "
+        f"expected ':'. Fix that line.")
+    assert plan_error(tmp_path, "stages=[]", f"{key}=my_broken_study.raises.f") == (
+        f"{key}='my_broken_study.raises.f': importing my_broken_study.raises raised KeyError: 'MY_STUDY_KEY' "
+        f"({study / 'raises.py'}, line 3). Fix the module: its top-level code runs when it is imported.")
+
+
+MINE = "# @package _global_\n# python run.py experiment=mine\n"
+
+
+@pytest.mark.parametrize("files, args, message", [
+    # Hydra: "In 'experiment/mine': ConfigKeyError ... Key 'temprature' not in 'RolloutArgs'", no line, no nearby key
+    ({"experiment/mine.yaml": MINE + "buffer:\n  explorer_input:\n    taskset:\n      rollout_args:\n"
+                                     "        temprature: 0.7\n"},
+     ["experiment=mine"],
+     "conf/experiment/mine.yaml, line 7: buffer.explorer_input.taskset.rollout_args.temprature: Key 'temprature' "
+     "not in 'RolloutArgs'. Did you mean buffer.explorer_input.taskset.rollout_args.temperature"),
+    # inside an eval set: Hydra's full_key was "format.promt_key", without the eval set
+    ({"task/mine.yaml": "# @package buffer.explorer_input\ntaskset:\n  path: data/mine\neval_tasksets:\n"
+                        "  - name: mine_test\n    format:\n      promt_key: question\n"},
+     ["task=mine"],
+     "conf/task/mine.yaml, line 7: buffer.explorer_input.eval_tasksets.0.format.promt_key: Key 'promt_key' not in "
+     "'FormatConfig'. Did you mean buffer.explorer_input.eval_tasksets.0.format.prompt_key"),
+    ({}, ["buffer.explorer_input.eval_tasksets.0.format.promt_key=question"],
+     "Could not override 'buffer.explorer_input.eval_tasksets.0.format.promt_key': Key 'promt_key' not in "
+     "'FormatConfig'. Did you mean buffer.explorer_input.eval_tasksets.0.format.prompt_key"),
+    # Hydra: "Key 'experiment' not in 'Config'"
+    ({"experiment/mine.yaml": "defaults:\n  - override /task: countdown\n  - _self_\nname: mine\n"},
+     ["experiment=mine"],
+     "conf/experiment/mine.yaml has no `# @package` line, so Hydra puts its keys under 'experiment', which the "
+     "config does not have (it stopped with \"Key 'experiment' not in 'Config'\"). Make its first line "
+     "`# @package _global_`, as in the other files of conf/experiment/."),
+    ({"task/mine.yaml": "taskset:\n  path: data/mine\n"},
+     ["task=mine"],
+     "conf/task/mine.yaml has no `# @package` line, so Hydra puts its keys under 'task', which the config does not "
+     "have (it stopped with \"Key 'task' not in 'Config'\"). Make its first line `# @package buffer.explorer_input`, "
+     "as in the other files of conf/task/."),
+    # Hydra: "Multiple values for task. To override a value use 'override task: countdown'", which in an
+    # overlay names experiment/task/countdown
+    ({"experiment/mine.yaml": MINE + "defaults:\n  - /task: countdown\n  - _self_\n"},
+     ["experiment=mine"],
+     "conf/experiment/mine.yaml, line 4: its defaults list chooses '/task: countdown', but conf/config.yaml "
+     "chooses task already (Hydra: \"Multiple values for task\"). Write `override /task: countdown`."),
+    ({"experiment/mine.yaml": MINE + "defaults:\n  - override task: countdown\n  - _self_\n"},
+     ["experiment=mine"],
+     "conf/experiment/mine.yaml, line 4: its defaults list names 'experiment/task/countdown', but there is no "
+     "conf/experiment/task/countdown.yaml (there is no group 'experiment/task'; a group of the whole config takes "
+     "a leading /: `override /task: countdown`). Fix the name in that file."),
+    # composed without a word: grpo's values replaced the file's own (clip 0.2, algorithm_type grpo)
+    ({"algorithm/mine.yaml": "defaults:\n  - _self_\n  - grpo\nalgorithm_type: mine\nclip_ratio_high: 0.28\n"},
+     ["algorithm=mine"],
+     "conf/algorithm/mine.yaml, line 2: `_self_` comes before 'grpo' in its defaults list, so the values of "
+     "conf/algorithm/grpo.yaml replace this file's own (algorithm.algorithm_type, algorithm.clip_ratio_high): "
+     "Hydra merges the list in order. Put `_self_` last."),
+    # a sweep's option: Hydra warned from its callback ("Callback Checks.on_multirun_start raised
+    # MissingConfigException"), then printed the message twice
+    ({}, ["-m", "algorithm=grpo,drgrpo"],
+     "algorithm=drgrpo: there is no conf/algorithm/drgrpo.yaml (the options of 'algorithm' are cpgd, dapo, dpo, "
+     "dr_grpo, gmpo, grpo, gspo, mix, opmd, ppo, reinforce_pp, reinforce_pp_baseline, rloo, sft). Did you mean "
+     "algorithm=dr_grpo?"),
+])
+def test_a_studys_own_config_files_are_checked_before_hydra_composes_them(tmp_path, monkeypatch, capsys, files,
+                                                                         args, message):
+    import shutil
+
+    from conftest import CONF
+    from rft.config import exit_on_config_mistakes
+
+    conf = tmp_path / "conf"
+    shutil.copytree(CONF, conf)
+    for name, text in files.items():
+        (conf / name).write_text(text)
+    monkeypatch.chdir(tmp_path)  # the files are named relative to where run.py runs
+    with pytest.raises(SystemExit) as e:
+        exit_on_config_mistakes(args, conf)
+    assert e.value.code == 2
+    assert f"rft: configuration error: {message}" in capsys.readouterr().err
+
+
+def test_the_shipped_config_files_pass_the_checks_of_a_studys_own():
+    from conftest import CONF
+    from rft.overlays import check
+
+    for path in sorted(CONF.rglob("*.yaml")):
+        group = path.parent.relative_to(CONF).as_posix()
+        if group != ".":
+            assert check([f"{group}={path.stem}"], CONF) is None, path
+    # what Hydra expands or resolves itself is left to it
+    assert check(["-m", "algorithm=glob(gr*)", "task=${oc.env:MY_TASK}"], CONF) is None
+
+
+def test_a_config_file_that_is_not_utf8_is_named_with_its_line(tmp_path, monkeypatch, capsys):
+    # an editor that saved "café" as latin-1: UnicodeDecodeError under a traceback of run.py
+    import shutil
+
+    from conftest import CONF
+    from rft.config import exit_on_config_mistakes
+
+    conf = tmp_path / "conf"
+    shutil.copytree(CONF, conf)
+    (conf / "experiment" / "mine.yaml").write_bytes("# @package _global_\n# café study\nname: cafe\n".encode("latin-1"))
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as e:
+        exit_on_config_mistakes(["experiment=mine"], conf)
+    assert e.value.code == 2
+    assert ("rft: configuration error: conf/experiment/mine.yaml is not UTF-8 text (byte b'\\xe9' at line 2, column "
+            "6); config files are read as UTF-8. Convert it (e.g. iconv -f latin1 -t utf-8 mine.yaml > "
+            "mine.utf8.yaml, then rename it) or fix the line.") in capsys.readouterr().err

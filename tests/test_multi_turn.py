@@ -203,6 +203,19 @@ def test_an_environment_whose_step_answers_the_wrong_shape_is_named(tools_model,
         f"{{part name: number}}, done), e.g. (None, {{'correct': 1.0}}, True) (rft/environments.py).")
 
 
+def test_a_steps_reward_parts_of_numpy_or_bool_are_plain_floats():
+    # np.float32(1.0) stopped the run as "not a finite number"; the reward function's parts took it
+    import json
+
+    import numpy as np
+
+    from rft.multi_turn import _step_result
+
+    msg, parts, done = _step_result((None, {"correct": np.float32(0.5), "format": True}, 1), Answers, 1)
+    assert (msg, parts, done) == (None, {"correct": 0.5, "format": 1.0}, True)
+    assert json.dumps(parts) == '{"correct": 0.5, "format": 1.0}'  # stored by every buffer
+
+
 def test_an_environment_whose_reset_answers_nothing_is_named(tools_model):
     import rft.environments as envs
 

@@ -60,6 +60,7 @@ def test_a_changed_config_under_the_same_name_stops_and_lists_the_changes(tmp_pa
     # a longer run is no change: it goes on from step 2
     rft.main.main(compose_cfg([*args, "buffer.total_steps=4"]))
     assert steps(run / "metrics.jsonl") == [1, 2, 3, 4]
+    assert "  total_steps: 4\n" in (run / "config.yaml").read_text()  # the record says how far it went
     # asked for, a change is accepted, and recorded with the stage
     rft.main.main(compose_cfg([*args, "buffer.total_steps=5", "algorithm.optimizer.lr=1e-3", "resume_with_changes=true"]))
     assert steps(run / "metrics.jsonl") == [1, 2, 3, 4, 5]
@@ -217,3 +218,72 @@ def test_concurrent_jobs_with_the_same_stage_train_it_once(tmp_path):
     a, b = (load_file(tmp_path / "rft" / f"job{i}" / "sft_warmup" / "checkpoints" / "step_40" / "hf" /
                       "model.safetensors") for i in (0, 1))
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_longer_warm_up_under_a_later_stage_that_already_trained_is_a_change(tmp_path):
+    """A later stage starts from the warm-up's final model: a warm-up grown from 4 to 6 steps under
+    an RL stage that trained from its 4-step model made the run print "[grpo] already finished" and
+    exit 0, its RL result from a warm-up the config no longer says."""
+    from rft.plan import stage_configs
+    from rft.rundir import check_unchanged, write_config
+
+    def stage_dirs(overrides):
+        stages = stage_configs(compose_cfg([f"checkpoint_root_dir={tmp_path}", "name=study", *overrides]))
+        return stages, [tmp_path / s.stage_name for s in stages]
+
+    stages, dirs = stage_dirs(["stages.0.buffer.total_steps=4"])
+    for s, d in zip(stages, dirs):
+        write_config(s, d)
+        (d / "metrics.jsonl").write_text('{"step": 1}\n')
+    grown, _ = stage_dirs(["stages.0.buffer.total_steps=6"])
+    with pytest.raises(ConfigError) as e:
+        check_unchanged(grown[0], grown, dirs, tmp_path)
+    assert ("(stage sft_warmup: buffer.total_steps: 4 -> 6, but stage grpo already trained from its 4-step "
+            "model)") in str(e.value)
+    # the last stage growing is a longer run, as before; and a warm-up no later stage has started yet
+    assert check_unchanged(grown[0], *stage_dirs(["stages.0.buffer.total_steps=4", "buffer.total_steps=90"]),
+                           tmp_path) == {}
+    (dirs[1] / "metrics.jsonl").unlink()
+    assert check_unchanged(grown[0], grown, dirs, tmp_path) == {}
+
+
+def test_regenerated_data_under_a_started_stage_is_a_change(tmp_path):
+    """A study's generator run again (a bug fixed, another seed) wrote other rows under the same
+    path; the same command said "[grpo] already finished" and kept the results of the old rows, or
+    resumed a stage half trained on them and mixed the new ones in, with exit 0."""
+    import json as json_
+
+    from rft.plan import stage_configs
+    from rft.rundir import check_unchanged, write_config
+
+    data = tmp_path / "data"
+    data.mkdir()
+
+    def write(rows):
+        for split in ("train", "test"):
+            (data / f"{split}.jsonl").write_text("".join(json_.dumps(r) + "\n" for r in rows))
+
+    write([{"question": "1+1", "answer": "2"}] * 4)
+    overrides = [f"checkpoint_root_dir={tmp_path}", "name=study", "stages=[]", "buffer.explorer_input.generator=null",
+                 f"buffer.explorer_input.taskset.path={data}", f"buffer.explorer_input.eval_tasksets.0.path={data}"]
+    [stage] = stage_configs(compose_cfg(overrides))
+    d = tmp_path / "grpo"
+    write_config(stage, d)
+    (d / "metrics.jsonl").write_text('{"step": 1}\n')
+    assert check_unchanged(stage, [stage], [d], tmp_path) == {}
+    (data / "train.jsonl").touch()  # the same bytes, a new time (a checkout, a copy): no change
+    assert check_unchanged(stage, [stage], [d], tmp_path) == {}
+    write([{"question": "1+2", "answer": "3"}] * 4)
+    with pytest.raises(ConfigError) as e:
+        check_unchanged(stage, [stage], [d], tmp_path)
+    assert (f"holds a run made with another configuration (stage grpo: {data}: test.jsonl, train.jsonl changed "
+            f"since the stage started). Running the same name resumes that run") in str(e.value)
+    # asked for, the change is accepted, and the record then holds the new rows
+    accepted = stage_configs(compose_cfg([*overrides, "resume_with_changes=true"]))
+    assert check_unchanged(accepted[0], accepted, [d], tmp_path)["grpo"] == [
+        f"{data}: test.jsonl, train.jsonl changed since the stage started"]
+    (data / "test.jsonl").unlink()
+    (data / "valid.jsonl").write_text('{"question": "2+2", "answer": "4"}\n')
+    assert check_unchanged(accepted[0], accepted, [d], tmp_path)["grpo"] == [
+        f"{data}: train.jsonl changed since the stage started", f"{data}: valid.jsonl is new since the stage started",
+        f"{data}: test.jsonl is gone since the stage started"]

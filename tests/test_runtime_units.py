@@ -864,7 +864,7 @@ def test_a_run_shorter_than_max_failed_steps_whose_every_step_failed_stops_namin
     assert str(e.value) == (
         f"every task of the last 2 steps failed (environment 'calculator' (workflow_args.env): 8 errors and 0 "
         f"timeouts in the last step; the last error: TypeError: boom), so nothing can be learned. Each explorer's "
-        f"log in {tmp_path / 'log'} has the details. Fix the environment's reset or step (or raise "
+        f"log in {tmp_path / 'log'} has the details. Fix the environment (its constructor, reset or step) (or raise "
         f"explorer.max_timeout if it is only slow), then run the same command again to resume from the newest "
         f"checkpoint: none yet. explorer.max_failed_steps=3 sets how many such steps stop a run (0: never).")
     # resumed at step 9 of 10: its one step failed, and it is all this run does
@@ -875,6 +875,23 @@ def test_a_run_shorter_than_max_failed_steps_whose_every_step_failed_stops_namin
     run = stage_run_of(compose_cfg(["stages=[]"]), tmp_path, total_steps=10)
     for step in range(2):
         StageRun._check_signal(run, step, FAILED_STEP, ("reward", "ValueError: no"))
+
+
+def test_equal_rewards_of_a_multi_turn_run_name_the_environment_not_an_unused_reward(tmp_path):
+    # it said "Check the reward function ('exact_match')", which a multi-turn conversation never calls
+    from types import SimpleNamespace
+
+    from rft.runner import StageRun
+
+    run = stage_run_of(compose_cfg(["stages=[]", "model=tiny_tools", "task=calculator"]), tmp_path, total_steps=10)
+    printed = []
+    run.monitor = SimpleNamespace(print=printed.append)
+    for step in range(3):
+        StageRun._check_signal(run, step, {"rollout/experiences": 8, "reward/min": 0.0, "reward/max": 0.0}, None)
+    assert printed == ["[grpo] WARNING: every reward of the first 3 steps was 0: the advantages are all 0 and nothing "
+                       "is learned. Check the environment ('calculator.step(text)') and that "
+                       "buffer.explorer_input.taskset.format.response_key='answer' names the column of reference "
+                       "answers (task.answer)."]
 
 
 class ReturnsAnInt:

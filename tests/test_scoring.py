@@ -3,9 +3,12 @@ config errors, running normalisation, and a run whose stored experiences carry t
 
 import json
 import pickle
+import re
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
+import torch
 
 import rft.main
 from conftest import compose_cfg
@@ -125,6 +128,11 @@ def needs_limit(prompt, response, task, limit):
         ("test_scoring.response_only",
          "reward_fn='test_scoring.response_only' cannot be called as fn(prompt, response, task, **args) (too many "
          "positional arguments); its signature is test_scoring.response_only(response). A reward function takes"),
+        # called with the task as `answer`: `response == answer` was never true, a run of rewards 0 (exit 0)
+        ("test_scoring.answer_third",
+         "reward_fn='test_scoring.answer_third': its third parameter is named 'answer', but a reward function is "
+         "called as fn(prompt, response, task, **args): it would receive the task. Name it task and read the "
+         "reference answer as task.answer (task.row has the whole row)."),
         ([{"fn": "test_scoring.needs_limit"}],
          "reward_fn[0].fn='test_scoring.needs_limit' cannot be called as fn(prompt, response, task, **args) "
          "(missing a required argument: 'limit'); its signature is test_scoring.needs_limit(prompt, response, task, limit)"),
@@ -142,8 +150,42 @@ def test_a_reward_that_returns_no_number_is_an_error_of_that_task():
         scorer("p", ["x"], TASK)
 
 
+def answer_third(prompt, response, answer):
+    return float(response == answer)
+
+
 def bad(prompt, response, task):
     return "yes"
+
+
+def test_a_reward_that_returns_text_or_no_parts_is_an_error_not_a_number_read_from_it():
+    # float("1") read a regex's match as the reward (the model's own answer, 357 here: exit 0), and
+    # {} a reward of 0 with no parts
+    scorer = build("test_scoring.matched_text", "reward_fn")
+    with pytest.raises(ValueError) as e:
+        scorer("p", ["357"], TASK)
+    assert str(e.value) == ("reward 'matched_text' returned str '357', not a number (text is never read as one: "
+                            "return a float, e.g. float(answer == task.answer))")
+    scorer = build("test_scoring.no_parts", "reward_fn")
+    with pytest.raises(ValueError) as e:
+        scorer("p", ["357"], TASK)
+    assert str(e.value) == "reward 'no_parts' returned an empty dict: give it at least one part, e.g. {'correct': 0.0}"
+    # numbers of other types are numbers: numpy's, a one-element tensor's, a bool
+    for value, expected in [(np.float32(0.5), 0.5), (torch.tensor(0.25), 0.25), (True, 1.0)]:
+        scorer = build([{"fn": "test_scoring.given", "args": {"value": value}}], "reward_fn")
+        assert scorer("p", ["x"], TASK) == [expected]
+
+
+def matched_text(prompt, response, task):
+    return re.search(r"\d+", response).group()
+
+
+def no_parts(prompt, response, task):
+    return {}
+
+
+def given(prompt, response, task, value):
+    return value
 
 
 def test_a_reward_that_is_not_finite_is_an_error_of_that_task():

@@ -154,3 +154,29 @@ def test_a_reward_sees_the_prompt_as_the_model_saw_it():
     single_turn([Task("t/0", [{"role": "user", "content": row["question"]}], row["answer"], row)], engine, ctx)
     (prompt, responses, task), = seen
     assert (prompt, responses, task.row["question"]) == ("user042+315assistant", ["357"], "042+315")
+
+
+def test_characters_the_tokenizer_does_not_know_are_warned_about(tmp_path):
+    """The tiny model's tokenizer knows ASCII letters, digits and punctuation and drops the rest:
+    'Σ数 1+1 🙂' was '1+1' to the model, and the run said nothing."""
+    import json
+
+    from conftest import compose_cfg
+    from rft.data import budget_report
+    from rft.models import ensure_model, load_tokenizer
+
+    data = tmp_path / "t.jsonl"
+    rows = [{"question": "Σ数 1+1 🙂", "answer": "2"}, {"question": "1+2", "answer": "3"}, {"question": "2+2", "answer": "四"}]
+    data.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+    cfg = compose_cfg(["stages=[]", f"buffer.explorer_input.taskset.path={data}"])
+    ensure_model(cfg.model)
+    tok = load_tokenizer(cfg.model)
+    where = "buffer.explorer_input.taskset"
+    text = budget_report(cfg.buffer.explorer_input.taskset, tok, cfg.model, False, where)
+    assert text == (f"1 of the first 3 prompts of {where} ({data}) hold characters the tokenizer has no token for "
+                    f"('Σ', '数', '🙂'): the model does not see them (each is dropped or read as the one unknown "
+                    f"token). Use a model whose tokenizer has them, or data without them.")
+    # a training dataset's responses too
+    text = budget_report(cfg.buffer.explorer_input.taskset, tok, cfg.model, True, where)
+    assert text.endswith("; 1 of its first 3 responses ('四'): the model does not see them (each is dropped or "
+                         "read as the one unknown token). Use a model whose tokenizer has them, or data without them.")

@@ -26,6 +26,8 @@ and declare its needs on it with the `needs` decorator:
 from __future__ import annotations
 
 import importlib
+import sys
+import traceback
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -149,6 +151,14 @@ __all__ = ["ADVANTAGE_FNS", "AGG_MODES", "KL_FNS", "POLICY_LOSS_FNS", "Needs", "
            "algorithm_needs", "needs", "resolve"]
 
 
+def _study_frame(e: BaseException):
+    """The innermost frame of `e` in the study's own files: not the interpreter's, not the
+    installed packages' (a failed os.environ lookup is the line that made it)."""
+    installed = (sys.prefix, sys.base_prefix)
+    frames = traceback.extract_tb(e.__traceback__)
+    return next((f for f in reversed(frames) if not f.filename.startswith(("<", *installed))), frames[-1])
+
+
 def resolve(registry: Mapping, name: str, key: str):
     """The function registered as `name`, or the one at dotted path `name` (module.function)."""
     if name in registry:
@@ -159,6 +169,14 @@ def resolve(registry: Mapping, name: str, key: str):
             found = getattr(importlib.import_module(module), attr)
         except (ImportError, AttributeError) as e:
             raise ConfigError(f"{key}={name!r}: cannot import it ({type(e).__name__}: {e}).") from e
+        except SyntaxError as e:
+            raise ConfigError(f"{key}={name!r}: cannot import it: {e.filename}, line {e.lineno}: "
+                              f"{type(e).__name__}: {e.msg}. Fix that line.") from e
+        except Exception as e:  # the study's module raised while it was imported (a raw traceback)
+            where = _study_frame(e)
+            raise ConfigError(f"{key}={name!r}: importing {module} raised {type(e).__name__}: {e} "
+                              f"({where.filename}, line {where.lineno}). Fix the module: its top-level code "
+                              f"runs when it is imported.") from e
         if not callable(found):  # a module, a constant, a registry dict: nothing to call
             raise ConfigError(f"{key}={name!r} is a {type(found).__name__}, not a function or class; give the "
                               f"dotted path of a function (module.function) or a registered name.")
