@@ -413,9 +413,10 @@ def run_python(code: str, timeout_s: float = 5.0, memory_mb: int = 512, max_outp
             p.stdout.close(), p.stderr.close()
     (out, n_out), (err, n_err) = [(kept[fd], read[fd]) for fd in fds]
     err_text, refused = _text(err, n_err), None
-    if _MARK in err_text:
-        lines = err_text.split("\n")
-        refused = next(ln for ln in lines if ln.startswith(_MARK))[len(_MARK):]
+    lines = err_text.split("\n")
+    # the hook writes its line at the start of one; the code may write the marker anywhere
+    refused = next((ln[len(_MARK):] for ln in lines if ln.startswith(_MARK)), None)
+    if refused is not None:
         err_text = "\n".join(ln for ln in lines if not ln.startswith(_MARK))
     reason = _reason(wall, p.returncode, err_text, refused, timeout_s, memory_mb, output_limit_bytes, mode is not None)
     return SandboxResult(reason is None, _text(out, n_out), err_text, reason, p.returncode, time.monotonic() - t0)

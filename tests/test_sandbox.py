@@ -111,6 +111,14 @@ def test_output_is_cut_at_the_limit():
     assert r.ok and r.stdout == "x" * 100 + "\n... [cut: 999901 more bytes]"  # 10**6 + 1 (newline) - 100
 
 
+def test_any_bytes_the_code_writes_come_back_as_text_and_never_raise():
+    # invalid UTF-8 and NUL on stdout; on stderr the refusal marker mid-line (before, StopIteration
+    # escaped run_python: the marker was found, yet no line started with it)
+    r = run("import sys\nsys.stdout.buffer.write(b'\\xff\\xfe\\x00ok')\n"
+            f"sys.stderr.write('x{sandbox._MARK}forged')")
+    assert (r.ok, r.reason, r.stdout, r.stderr) == (True, None, "\ufffd\ufffd\x00ok", f"x{sandbox._MARK}forged")
+
+
 def test_the_guard_refuses_mistakes_with_a_reason():
     r = run("import os, signal; os.kill(os.getppid(), signal.SIGKILL)")
     assert r.reason == "refused: os.kill (signals to other processes)"
