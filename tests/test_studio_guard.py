@@ -288,6 +288,50 @@ def test_compose_lists_each_dotted_path_it_imports_from_outside_rft_and_this_rep
 
 
 
+HIDDEN_STUDY = """# @package _global_
+# a study that sets what the run imports in Hydra's own settings, which the page may not set
+hydra:
+  callbacks:
+    touch:
+      _target_: subprocess.Popen
+      args: [touch, pwned]
+  job_logging:
+    handlers:
+      file:
+        (): logging.config.fileConfig
+  job:
+    env_set:
+      LD_PRELOAD: /tmp/x.so
+  sweeper:
+    params:
+      buffer.explorer_input.taskset.reward_fn: exact_match,os.path.join
+"""
+
+
+def test_a_study_cannot_hide_what_the_run_imports_in_hydras_own_settings(tmp_path):
+    # Hydra instantiates hydra.callbacks, builds hydra.job_logging's handlers, puts hydra.job.env_set
+    # in the run's environment (LD_PRELOAD reaches every process the run starts) and sweeps
+    # hydra.sweeper.params; the page listed none of them (the hydra node was never read)
+    conf = tmp_path / "conf"
+    shutil.copytree(CONF, conf)
+    (conf / "experiment" / "hidden.yaml").write_text(HIDDEN_STUDY)
+    defaults = C.default_choices(conf)
+    comp = C.compose(conf, {**defaults, "experiment": "hidden"}, {}, defaults, plan=False)
+    assert comp.error == ""
+    assert comp.imports == [
+        {"key": "hydra.job_logging.handlers.file.()", "path": "logging.config.fileConfig", "module": "logging.config"},
+        {"key": "hydra.callbacks.touch._target_", "path": "subprocess.Popen", "module": "subprocess"},
+        {"key": "hydra.job.env_set.LD_PRELOAD", "path": "LD_PRELOAD=/tmp/x.so",
+         "module": "the environment of every process the run starts"}]
+    # the sweep's jobs are its sweeper's params and the page's values together: 2 x 2 jobs
+    found = C.sweep_imports(conf, comp.overrides, ["seed=1,2"])
+    assert [(i["key"], i["path"]) for i in found if i["key"].startswith("buffer")] == [
+        ("buffer.explorer_input.taskset.reward_fn", "os.path.join")]
+    # Hydra's own launchers, sweepers and default logging, and rft's own callback, are not listed
+    assert C.compose(conf, defaults, {}, defaults, plan=False).imports == []
+    assert C.compose(conf, {**defaults, "experiment": "tiny_seeds"}, {}, defaults, plan=False).imports == []
+
+
 def test_a_launch_that_imports_from_outside_runs_only_once_those_paths_are_confirmed(tmp_path):
     import httpx
 

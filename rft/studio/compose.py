@@ -288,14 +288,21 @@ def _composition(conf_dir: Path, overrides: list[str], choices: dict[str, str], 
         text = OmegaConf.to_yaml(job)
         written = OmegaConf.to_container(job, resolve=False, enum_to_str=True)  # `${...}` kept, as the files say
         values = {f["key"]: _override_text(_get(written, f["key"])) for f in schema()}
-        try:  # a path may be put together by interpolations: the run imports the resolved value
-            imports = I.foreign(OmegaConf.to_container(job, resolve=True, enum_to_str=True), REPO)
-        except Exception:  # one that does not resolve: the plan says which
-            imports = I.foreign(written, REPO)
+        imports = I.foreign(_container(job), REPO) + I.foreign_hydra(_container(cfg.hydra), REPO)
         comp = Composition(chosen, overrides, command, values, text, "", "", imports)
         if plan:
             comp.plan, comp.error = _plan(job)
         return comp
+
+
+def _container(node: DictConfig) -> dict:
+    """The node as plain values, resolved where it resolves: a dotted path may be put together by
+    interpolations, and the run imports the resolved value (one that does not resolve: the plan
+    says which)."""
+    try:
+        return OmegaConf.to_container(node, resolve=True, enum_to_str=True)
+    except Exception:
+        return OmegaConf.to_container(node, resolve=False, enum_to_str=True)
 
 
 def _plan(job: DictConfig) -> tuple[str, str]:
@@ -318,13 +325,18 @@ MAX_SWEEP_JOBS = 64
 
 def sweep_imports(conf_dir: Path, overrides: list[str], sweep_args: list[str]) -> list[dict]:
     """imports.foreign of every job of `python run.py -m <overrides> <sweep_args>`, each job
-    composed as Hydra's basic sweeper splits the sweep. A ValueError for a sweep that does not
+    composed as Hydra's basic sweeper splits the sweep (the composed config's
+    hydra.sweeper.params, as a study sets them, with the sweep's values). A ValueError for a sweep that does not
     split or compose, or has more than MAX_SWEEP_JOBS jobs."""
     from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     try:
-        (jobs,) = BasicSweeper.split_arguments(OverridesParser.create().parse_overrides(overrides + sweep_args), None)
+        with _LOCK, _env_as_written(conf_env_names(str(Path(conf_dir).resolve()))):
+            params = _compose(Path(conf_dir), overrides).hydra.sweeper.get("params") or {}
+        # as Hydra's basic sweeper reads them: the config's params first, then the command line's
+        args = [f"{k}={v}" for k, v in params.items()] + overrides + sweep_args
+        (jobs,) = BasicSweeper.split_arguments(OverridesParser.create().parse_overrides(args), None)
     except Exception as e:
         raise ValueError(f"sweep_params: {_message(e)}") from None
     if len(jobs) > MAX_SWEEP_JOBS:
