@@ -332,6 +332,21 @@ def test_a_study_cannot_hide_what_the_run_imports_in_hydras_own_settings(tmp_pat
     assert C.compose(conf, {**defaults, "experiment": "tiny_seeds"}, {}, defaults, plan=False).imports == []
 
 
+def test_a_model_whose_own_code_would_run_is_listed_with_the_imports():
+    # trust_remote_code runs the Python files of the model's folder (or hub repo): listed before,
+    # it launched unasked; the policy's and an auxiliary model's, each with its path
+    defaults = C.default_choices(CONF)
+    aux = "+explorer.auxiliary_models"
+    comp = C.compose(CONF, defaults, {"model.model_path": "someone/remote-code-model", "model.trust_remote_code": "true",
+                                      aux: "[{name: judge, model: {model_path: /models/judge, trust_remote_code: true}}]"},
+                     defaults, plan=False)
+    assert comp.error == ""
+    said = "the Python files of that model's folder or hub repository (trust_remote_code)"
+    assert comp.imports == [
+        {"key": "model.trust_remote_code", "path": "someone/remote-code-model", "module": said},
+        {"key": "explorer.auxiliary_models[0].model.trust_remote_code", "path": "/models/judge", "module": said}]
+
+
 def test_a_launch_that_imports_from_outside_runs_only_once_those_paths_are_confirmed(tmp_path):
     import httpx
 

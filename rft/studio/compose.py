@@ -288,7 +288,8 @@ def _composition(conf_dir: Path, overrides: list[str], choices: dict[str, str], 
         text = OmegaConf.to_yaml(job)
         written = OmegaConf.to_container(job, resolve=False, enum_to_str=True)  # `${...}` kept, as the files say
         values = {f["key"]: _override_text(_get(written, f["key"])) for f in schema()}
-        imports = I.foreign(_container(job), REPO) + I.foreign_hydra(_container(cfg.hydra), REPO)
+        resolved = _container(job)
+        imports = I.foreign(resolved, REPO) + I.remote_code(resolved) + I.foreign_hydra(_container(cfg.hydra), REPO)
         comp = Composition(chosen, overrides, command, values, text, "", "", imports)
         if plan:
             comp.plan, comp.error = _plan(job)

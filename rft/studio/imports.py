@@ -8,6 +8,7 @@ parser (rft.judge), and Hydra's `_target_`. Those keys are IMPORT_KEYS, wherever
 other string that reads as a dotted path into a module that exists is listed too, so a key added
 later is not a way around the list. Hydra's own settings are read as well (foreign_hydra): a config
 file may set callbacks and logging handlers there, and the run's environment.
+A model config with trust_remote_code runs its folder's Python files: listed too (remote_code).
 
 "Own" code is the project's package (`rft.*`) and what sits at the top of the repository, where
 `python run.py` imports a study's own code from (`my_study/rewards.py`, `experiments/...`); a name
@@ -93,6 +94,22 @@ def foreign(tree, repo: Path, key: str = "") -> list[dict]:
         if found and not own(found, repo):
             out.append({"key": key, "path": path, "module": found.rpartition(".")[0] or found})
     return out
+
+
+REMOTE_CODE = "the Python files of that model's folder or hub repository (trust_remote_code)"
+
+
+def remote_code(tree, key: str = "") -> list[dict]:
+    """{"key", "path", "module"} for each model config that sets trust_remote_code: transformers
+    then runs the Python files its model_path (and critic_model_path) hold."""
+    if isinstance(tree, list):
+        return [i for n, v in enumerate(tree) for i in remote_code(v, f"{key}[{n}]")]
+    if not isinstance(tree, dict):
+        return []
+    here = f"{key}.trust_remote_code" if key else "trust_remote_code"
+    out = [{"key": here, "path": str(tree[p]), "module": REMOTE_CODE}
+           for p in ("model_path", "critic_model_path") if tree.get("trust_remote_code") is True and tree.get(p)]
+    return out + [i for k, v in tree.items() for i in remote_code(v, f"{key}.{k}" if key else str(k))]
 
 
 # in the hydra node, what Hydra itself names: its launchers and sweepers (its plugins' too) and the
