@@ -347,6 +347,25 @@ def test_a_model_whose_own_code_would_run_is_listed_with_the_imports():
         {"key": "explorer.auxiliary_models[0].model.trust_remote_code", "path": "/models/judge", "module": said}]
 
 
+def test_a_sweep_too_big_to_check_is_refused_before_its_jobs_are_listed():
+    import tracemalloc
+
+    # range(0,100000000) took minutes and GBs before the refusal (each job's overrides were listed
+    # first: 2 million of them held 250 MB for 6 s); now the jobs are counted, not listed
+    for params in ["seed=range(0,2000000)", "seed=range(0,2000) +x=range(0,1000)", "+x=range(0,1e9,0.5)",
+                   "seed=range(0,100000000) +x=shuffle(range(0,100000000))", "seed=range(0,65)"]:
+        tracemalloc.start()
+        try:
+            with pytest.raises(ValueError) as e:
+                C.sweep_imports(CONF, [], params.split(" "))
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert str(e.value) == ("sweep_params: more than 64 jobs; the studio checks each job's imports before a sweep "
+                                "starts, up to 64: start a bigger sweep from a shell (python run.py -m ...)."), params
+        assert peak < 64 << 20, (params, peak)
+
+
 def test_a_launch_that_imports_from_outside_runs_only_once_those_paths_are_confirmed(tmp_path):
     import httpx
 

@@ -14,6 +14,8 @@ import dataclasses
 import enum
 import functools
 import inspect
+import itertools
+import math
 import re
 import shlex
 import threading
@@ -324,6 +326,24 @@ def _plan(job: DictConfig) -> tuple[str, str]:
 MAX_SWEEP_JOBS = 64
 
 
+def _job_count(overrides: list, cap: int) -> int:
+    """How many jobs Hydra's basic sweeper makes of these parsed overrides (a later override of a
+    key replaces an earlier one), counted without listing them: seed=range(0,100000000) listed
+    took minutes and GBs. A sweep that is not a plain range is counted up to cap + 1 values."""
+    from hydra.core.override_parser.types import RangeSweep
+
+    sizes = {}
+    for o in overrides:
+        value = o.value() if o.is_sweep_override() else None
+        if value is None:
+            sizes[o.get_key_element()] = 1
+        elif isinstance(value, RangeSweep) and isinstance(value.range(), range):
+            sizes[o.get_key_element()] = len(value.range())
+        else:
+            sizes[o.get_key_element()] = sum(1 for _ in itertools.islice(o.sweep_string_iterator(), cap + 1))
+    return math.prod(sizes.values())
+
+
 def sweep_imports(conf_dir: Path, overrides: list[str], sweep_args: list[str]) -> list[dict]:
     """imports.foreign of every job of `python run.py -m <overrides> <sweep_args>`, each job
     composed as Hydra's basic sweeper splits the sweep (the composed config's
@@ -336,13 +356,14 @@ def sweep_imports(conf_dir: Path, overrides: list[str], sweep_args: list[str]) -
         with _LOCK, _env_as_written(conf_env_names(str(Path(conf_dir).resolve()))):
             params = _compose(Path(conf_dir), overrides).hydra.sweeper.get("params") or {}
         # as Hydra's basic sweeper reads them: the config's params first, then the command line's
-        args = [f"{k}={v}" for k, v in params.items()] + overrides + sweep_args
-        (jobs,) = BasicSweeper.split_arguments(OverridesParser.create().parse_overrides(args), None)
+        parsed = OverridesParser.create().parse_overrides([f"{k}={v}" for k, v in params.items()] + overrides + sweep_args)
+        too_many = _job_count(parsed, MAX_SWEEP_JOBS) > MAX_SWEEP_JOBS
+        jobs = [] if too_many else BasicSweeper.split_arguments(parsed, None)[0]
     except Exception as e:
         raise ValueError(f"sweep_params: {_message(e)}") from None
-    if len(jobs) > MAX_SWEEP_JOBS:
-        raise ValueError(f"sweep_params: {len(jobs)} jobs; the studio checks each job's imports before a sweep starts, "
-                         f"up to {MAX_SWEEP_JOBS}: start a bigger sweep from a shell (python run.py -m ...).")
+    if too_many:
+        raise ValueError(f"sweep_params: more than {MAX_SWEEP_JOBS} jobs; the studio checks each job's imports before a "
+                         f"sweep starts, up to {MAX_SWEEP_JOBS}: start a bigger sweep from a shell (python run.py -m ...).")
     found = {}
     for job in jobs:
         comp = compose_overrides(conf_dir, job)
