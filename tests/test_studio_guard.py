@@ -495,6 +495,34 @@ def test_what_a_run_directory_holds_is_shown_as_text_never_run_as_script(browser
         _stop(proc)
 
 
+def test_eval_trajectories_of_any_shape_are_a_400_naming_the_line_or_shown_as_text(tmp_path, monkeypatch):
+    from rft.studio import rollouts as R
+
+    d = tmp_path / "grpo" / "eval_trajectories" / "step_1"
+    d.mkdir(parents=True)
+    source = "grpo/eval_trajectories/step_1/set.jsonl"
+    # a message's content as a list of parts (multimodal, or a tool's answer) is shown as its JSON
+    parts = [{"type": "text", "text": "hi"}]
+    (d / "set.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": parts},
+                                                          {"role": "assistant", "content": "ok"}]}) + "\n")
+    row = R.read(tmp_path, source)["rows"][0]
+    assert (row["prompt"], row["response"]) == (json.dumps(parts), "ok")
+    # a line that is not an object, or not JSON: a ValueError (the page's 400) naming the file and line;
+    # before, an AttributeError (a 500) for the first two
+    for line, said in [("[1]", "a JSON list, not an object"), ('"x"', "a JSON str, not an object"),
+                       ("{oops", "not JSON (Expecting property name enclosed in double quotes)")]:
+        (d / "set.jsonl").write_text('{"messages": []}\n' + line + "\n")
+        with pytest.raises(ValueError) as e:
+            R.read(tmp_path, source)
+        assert str(e.value) == f"{source}, line 2: {said}; each line is one conversation, a JSON object."
+    # as for stored experiences, the first MAX_ROWS rows are read (it read every line: 1.2 GB of
+    # them was 1.2 GB and more in the studio), and the rest counted
+    monkeypatch.setattr(R, "MAX_ROWS", 3)
+    (d / "set.jsonl").write_text("".join(json.dumps({"reward": r, "messages": []}) + "\n" for r in range(5)) + "[1]\n")
+    got = R.read(tmp_path, source, min_reward=1)
+    assert ([r["reward"] for r in got["rows"]], got["matched"], got["read"], got["total"]) == ([1, 2], 2, 3, 6)
+
+
 def test_rollout_filters_that_are_not_numbers_are_a_400_naming_them(tmp_path):
     import httpx
 
