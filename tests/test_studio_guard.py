@@ -11,6 +11,8 @@ import http.server
 import json
 import os
 import shutil
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -443,6 +445,37 @@ def test_the_compose_page_lists_foreign_imports_and_asks_before_it_launches(brow
         _shot(page, "compose-imports")
     finally:
         _stop(proc)
+
+
+def test_half_sent_requests_cannot_lock_the_studio_out(tmp_path):
+    """Measured before: any local user (no token needed) held 1010 connections whose request head
+    never ended, still open after 15 s; the studio's 1024 files were then spent and its own page's
+    requests were reset. Now, as the servers (rft.serving): each request has --request-timeout
+    seconds to arrive whole, and beyond --max-connections requests are answered 503."""
+    import socket
+
+    import httpx
+
+    proc, url, token = _studio(tmp_path, args=("--request-timeout", "1", "--max-connections", "8"))
+    try:
+        port = int(url.rsplit(":", 1)[1])
+        held = [socket.create_connection(("127.0.0.1", port)) for _ in range(20)]
+        for s in held:
+            s.sendall(b"GET /api/runs HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: ")
+        time.sleep(0.2)
+        auth = {"Authorization": f"Bearer {token}"}
+        assert httpx.get(url + "/api/runs", headers=auth).status_code == 503  # 20 held, 8 allowed
+        time.sleep(2)  # each dropped after ~1 s
+        for s in held:
+            s.settimeout(1)
+            assert s.recv(100) == b""  # closed by the studio
+            s.close()
+        assert httpx.get(url + "/api/runs", headers=auth).status_code == 200
+    finally:
+        _stop(proc)
+    r = subprocess.run([sys.executable, "-m", "rft.studio", "--max-connections", "0"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 2 and "argument --max-connections: 0 must be > 0" in r.stderr
 
 
 def test_the_token_is_never_on_the_command_line(tmp_path):
