@@ -198,6 +198,32 @@ def test_a_chat_template_that_cannot_render_the_messages_is_a_400(served, monkey
             "messages", "messages: the chat template cannot render them: TemplateError: content must be text")
 
 
+def test_a_prompt_that_takes_seconds_to_render_holds_up_no_other_request(served):
+    import threading
+    import time
+
+    server, _, _ = served
+    # 20,000 messages take seconds to render and tokenise (50,000: 21 s); that ran on the server's
+    # event loop, so every other agent's request, /v1/models too, waited for it (measured: 21 s)
+    big = {**CHAT, "messages": [{"role": "user", "content": "hello world " * 10}] * 20_000}
+    answers = []
+    slow = threading.Thread(target=lambda: answers.append(httpx.post(
+        server.url + "/chat/completions", json=big, headers={"Authorization": f"Bearer {server.token}"}, timeout=120)))
+    slow.start()
+    time.sleep(0.5)  # its body is in: the render has begun
+    waited = []
+    while slow.is_alive():
+        t = time.monotonic()
+        assert httpx.get(server.url + "/models", headers={"Authorization": f"Bearer {server.token}"},
+                         timeout=120).status_code == 200
+        waited.append(time.monotonic() - t)
+        time.sleep(0.1)
+    slow.join()
+    refused(answers[0], 400, "prompt", "the prompt's 2060002 tokens and max_tokens=6 are over the model's context "
+                                       "of 256 tokens")  # 20,000 x 103 tokens + 2 (the generation prompt)
+    assert waited and max(waited) < 1.0, waited
+
+
 def test_a_body_over_32_mib_is_a_413(served):
     server, _, _ = served
     r = httpx.post(server.url + "/chat/completions", content=b"x" * (33 * 2**20),
