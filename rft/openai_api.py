@@ -55,7 +55,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Any
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -99,7 +99,8 @@ class Sampling(BaseModel):
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=-1)
     seed: int | None = None
-    stop: list[str] | None = Field(None, max_length=MAX_STOP)
+    # "" is in every text: it would end each completion after its first token (rollout_args.stop refuses it too)
+    stop: list[Annotated[str, Field(min_length=1)]] | None = Field(None, max_length=MAX_STOP)
 
     @field_validator("stop", mode="before")
     @classmethod

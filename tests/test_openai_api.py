@@ -128,6 +128,10 @@ CHAT = {"model": "policy", "messages": MESSAGES}
     ("stop", ["a", "b", "c", "d", "e"], "stop", "stop: List should have at most 4 items after validation, not 5 "
                                                 "(got ['a', 'b', 'c', 'd', 'e'])"),
     ("stop", [1], "stop", "stop[0]: Input should be a valid string (got 1)"),
+    # "" is in every text: each completion ended after its first token, silently (as the plan refuses
+    # it in rollout_args.stop)
+    ("stop", "", "stop", "stop[0]: String should have at least 1 character (got )"),
+    ("stop", ["\n", ""], "stop", "stop[1]: String should have at least 1 character (got )"),
     ("messages", [], "messages", "messages: List should have at least 1 item after validation, not 0 (got [])"),
     ("messages", "hi", "messages", "messages: Input should be a valid list (got hi)"),
     ("messages", [{"content": "hi"}], "messages", "messages[0].role: Field required (got {'content': 'hi'})"),
