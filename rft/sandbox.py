@@ -6,7 +6,8 @@ it in `python -I -S` (the standard library only) inside bubblewrap (`bwrap`), be
 - files: a mount namespace whose root holds only /usr (and /bin, /lib...) and the interpreter's
   prefix, read-only, its own /proc, a minimal read-only /dev, and two tmpfs of TMPFS_BYTES each:
   /work (its working directory) and /tmp. The project, the venv, /etc, /home, the host's sockets:
-  not there. RLIMIT_FSIZE caps a file at FILE_BYTES.
+  not there. RLIMIT_FSIZE caps a file at FILE_BYTES. Its stdin is a sealed memfd (no one can write
+  it, and it counts in its memory).
 - processes: a pid namespace of its own (it sees only itself). At a wall, the caller kills the
   sandbox's pid 1 (the kernel then kills every process of the namespace, setsid or not) and then
   bwrap; `--die-with-parent` does the same if the caller dies. RLIMIT_NPROC caps its processes
@@ -51,6 +52,7 @@ caller can read.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import secrets
 import selectors
@@ -371,6 +373,20 @@ def _reason(wall, rc, err: str, refused, timeout_s, memory_mb, limit, isolated) 
     return None
 
 
+def _sealed(data: bytes):
+    """`data` in a sealed memfd, opened read-only: the code's stdin. A file on the caller's disk
+    could be opened again for writing through /proc/self/fd/0 by its owner, whose uid the code has
+    in user mode (it wrote 16 MiB there); a sealed memfd no one can write, and it is on no disk."""
+    fd = os.memfd_create("rft-sandbox-stdin", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        with open(fd, "wb", closefd=False) as f:
+            f.write(data)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_WRITE | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL)
+        return open(f"/proc/self/fd/{fd}", "rb")
+    finally:
+        os.close(fd)
+
+
 def run_python(code: str, timeout_s: float = 5.0, memory_mb: int = 512, max_output_bytes: int = 4000,
                stdin: str = "", max_processes: int = 32, output_limit_bytes: int = 1 << 20,
                allow_unisolated: bool = False) -> SandboxResult:
@@ -378,12 +394,11 @@ def run_python(code: str, timeout_s: float = 5.0, memory_mb: int = 512, max_outp
     ConfigError where no sandbox can be made and `allow_unisolated` is false."""
     mode = check(allow_unisolated)
     t0 = time.monotonic()
-    with tempfile.TemporaryFile() as src, tempfile.TemporaryFile() as inp, tempfile.TemporaryDirectory(
-            prefix="rft-sandbox-") as work:
-        # a lone surrogate (JSON allows "\ud800") becomes a SyntaxError of the code, not an error here
+    # a lone surrogate (JSON allows "\ud800") becomes a SyntaxError of the code, not an error here
+    with tempfile.TemporaryFile() as src, _sealed(stdin.encode(errors="surrogatepass")) as stdin_ro, \
+            tempfile.TemporaryDirectory(prefix="rft-sandbox-") as work:
         src.write(code.encode(errors="surrogatepass"))
-        inp.write(stdin.encode(errors="surrogatepass"))
-        src.seek(0), inp.seek(0)
+        src.seek(0)
         # one slot more in user mode: bwrap's pid 1 is in the user namespace whose processes count
         nproc = max_processes + (mode == "user")
         boot = [sys._base_executable, "-I", "-S", "-c", _BOOTSTRAP, str(memory_mb << 20), str(max(1, int(timeout_s) + 1)),
@@ -392,12 +407,10 @@ def run_python(code: str, timeout_s: float = 5.0, memory_mb: int = 512, max_outp
         uid = str((1 << 30) + secrets.randbelow((1 << 30) - 1))
         filter_fd = _filter_fd() if mode else -1
         cmd = _bwrap_args(shutil.which(_BWRAP), mode, uid, filter_fd) + boot if mode else boot
-        # its stdin read-only: the file is on the caller's disk
         try:
-            with open(f"/proc/self/fd/{inp.fileno()}", "rb") as stdin_ro:
-                p = subprocess.Popen(cmd, cwd=work, stdin=stdin_ro, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     pass_fds=(src.fileno(),) + ((filter_fd,) if mode else ()), start_new_session=True,
-                                     env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": work})
+            p = subprocess.Popen(cmd, cwd=work, stdin=stdin_ro, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                 pass_fds=(src.fileno(),) + ((filter_fd,) if mode else ()), start_new_session=True,
+                                 env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": work})
         finally:
             if mode:
                 os.close(filter_fd)

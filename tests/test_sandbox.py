@@ -17,6 +17,7 @@ import re
 import socket
 import subprocess
 import sys
+import time
 import tracemalloc
 import uuid
 from pathlib import Path
@@ -156,7 +157,7 @@ def test_it_sees_little_writes_only_its_small_tmpfs_and_runs_unprivileged(no_gua
             "os.remove('big')\nn = 0\ntry:\n    while True:\n        open(f'f{n}', 'wb').write(b'x' * (15 << 20))\n"
             "        n += 1\nexcept OSError as e:\n    print(n, e.errno)")
     assert r.stdout == "27\n4 28\n"
-    # its stdin is read-only (the file behind it is on the caller's disk)
+    # its stdin is read-only (and no one can write the memfd behind it: below)
     r = run("import os\ntry:\n    os.write(0, b'x')\nexcept OSError as e:\n    print(e.errno)", stdin="abc")
     assert r.stdout == "9\n"  # EBADF
 
@@ -372,6 +373,43 @@ def test_code_past_the_guard_reaches_no_keyring_namespace_or_shared_memory(tmp_p
     r = run("import threading\nt = threading.Thread(target=print, args=('thread',), kwargs={'flush': True})\nt.start()\nt.join()\n"
             + unguarded("print('fresh')"))
     assert (r.ok, r.stdout) == (True, "thread\nfresh\n")
+
+
+def test_no_one_can_write_the_file_behind_its_stdin():
+    # stdin was a temporary file on the caller's disk, opened read-only; through /proc/self/fd/0 the
+    # file could be opened again for writing by its owner: in user mode (a caller that is not root)
+    # the code's uid maps to the caller's, and it wrote 16 MiB there (measured as uid 65534). Here,
+    # as root, this process does what that code did, to the sandbox's stdin while it runs
+    import threading
+
+    def sandbox_pids():
+        out = []
+        for pid in host_pids_with(sandbox._MARK):  # the bootstrap's arguments hold the marker
+            ppid = pid
+            while ppid > 1 and ppid != os.getpid():
+                ppid = int(open(f"/proc/{ppid}/stat").read().rsplit(")", 1)[1].split()[1])
+            out += [pid] if ppid == os.getpid() else []
+        return out
+
+    done = []
+    t = threading.Thread(target=lambda: done.append(run("import time; time.sleep(3); print(input())", stdin="abc\n")))
+    t.start()
+    try:
+        for _ in range(100):
+            pids = sandbox_pids()
+            if pids:
+                break
+            time.sleep(0.05)
+        assert pids
+        fd = os.open(f"/proc/{pids[-1]}/fd/0", os.O_WRONLY)
+        try:
+            with pytest.raises(PermissionError):  # EPERM: a sealed memfd, in no one's disk
+                os.write(fd, b"x" * 1000)
+        finally:
+            os.close(fd)
+    finally:
+        t.join()
+    assert done[0].stdout == "abc\n"
 
 
 # ---------------------------------------------------------------- a machine without isolation
