@@ -12,7 +12,8 @@ it in `python -I -S` (the standard library only) inside bubblewrap (`bwrap`), be
   sandbox's pid 1 (the kernel then kills every process of the namespace, setsid or not) and then
   bwrap; `--die-with-parent` does the same if the caller dies. RLIMIT_NPROC caps its processes
   and threads at `max_processes`.
-- network: a network namespace with only its own loopback; also IPC and UTS namespaces.
+- network: a network namespace with only its own loopback; also IPC and UTS namespaces (its host
+  name is `sandbox`, not this machine's).
 - user: an unprivileged uid with no capabilities and no_new_privs.
 - kernel: a syscall filter (rft/seccomp.py) refuses what no namespace here separates or counts:
   namespaces of its own (a tmpfs there), SysV shared memory and message queues, the keyrings (the
@@ -211,9 +212,10 @@ def _filter_fd() -> int:
 
 def _bwrap_args(exe: str, mode: str, uid: str, filter_fd: int) -> list[str]:
     """bwrap's command line up to the command (module docstring: root mode runs it under `setpriv`)."""
-    a = [exe, "--seccomp", str(filter_fd), "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
-         "--die-with-parent", "--new-session", "--clearenv", "--setenv", "PATH", "/usr/bin:/bin",
-         "--setenv", "LANG", "C.UTF-8", "--setenv", "HOME", "/work", "--ro-bind", "/usr", "/usr"]
+    a = [exe, "--seccomp", str(filter_fd), "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts",
+         "--unshare-cgroup-try", "--die-with-parent", "--new-session", "--hostname", "sandbox", "--clearenv",
+         "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "LANG", "C.UTF-8", "--setenv", "HOME", "/work",
+         "--ro-bind", "/usr", "/usr"]
     if mode == "user":
         a[1:1] = ["--unshare-user", "--disable-userns", "--uid", "65534", "--gid", "65534"]
     for d in ("/bin", "/sbin", "/lib", "/lib32", "/lib64"):  # merged-/usr symlinks, or real directories

@@ -203,6 +203,8 @@ def test_the_hosts_files_and_processes_cannot_be_read(tmp_path):
     r = run(f"for p in {paths!r}:\n    try:\n        print(p, open(p).read()[:10])\n"
             "    except OSError as e:\n        print(p, type(e).__name__)")
     assert r.stdout == "".join(f"{p} FileNotFoundError\n" for p in paths)
+    # nor this machine's name (it saw it: its UTS namespace kept the host's)
+    assert run("import os; print(os.uname().nodename)").stdout == "sandbox\n"
     # the standard library only: neither the project nor the venv's packages
     assert run("import rft").reason == "exited with status 1: ModuleNotFoundError: No module named 'rft'"
     assert run("import pytest").reason == "exited with status 1: ModuleNotFoundError: No module named 'pytest'"
