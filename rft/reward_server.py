@@ -473,6 +473,9 @@ def _token(args) -> str:
                          f"local user in `ps`. Set ${TOKEN_ENV}, or write it on the first line of a file only you can "
                          f"read and give --token-file <file>.")
     token = read_token(TOKEN_ENV, args.token_file, "rft.reward_server")
+    if token and not sendable(token):
+        where = f"--token-file {args.token_file}" if args.token_file else f"${TOKEN_ENV}"
+        raise SystemExit(f"rft.reward_server: the token in {where} {UNSENDABLE}: {NEW_TOKEN}.")
     if not token:
         token = secrets.token_urlsafe(32)
         print(f"rft.reward_server: generated token (give it to the clients as ${TOKEN_ENV}): {token}", flush=True)

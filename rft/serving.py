@@ -54,14 +54,9 @@ def read_token(env: str, token_file: str | None, prog: str) -> str | None:
     """The token from `token_file` (its first line), else from $`env`, else None. Never from the
     command line: every local user sees a process's arguments in `ps`. A file that cannot be read
     or is empty exits with one line; one that other users can read is used, with a warning. The
-    spaces and line break around it are not part of it; one no HTTP header can carry exits too."""
-    from rft.reward_server import NEW_TOKEN, UNSENDABLE, sendable
-
+    spaces and line break around it are not part of it."""
     if token_file is None:
-        token = (os.environ.get(env) or "").strip()
-        if token and not sendable(token):
-            raise SystemExit(f"{prog}: the token in ${env} {UNSENDABLE}: {NEW_TOKEN}.")
-        return token or None
+        return (os.environ.get(env) or "").strip() or None
     try:
         with open(token_file, encoding="utf-8") as f:
             token = f.readline().strip()
@@ -71,8 +66,6 @@ def read_token(env: str, token_file: str | None, prog: str) -> str | None:
                          f"Write the token on its first line, or set ${env} instead.") from None
     if not token:
         raise SystemExit(f"{prog}: --token-file {token_file} is empty: write the token on its first line.")
-    if not sendable(token):
-        raise SystemExit(f"{prog}: the token in --token-file {token_file} {UNSENDABLE}: {NEW_TOKEN}.")
     if mode & (stat.S_IRWXG | stat.S_IRWXO):
         print(f"{prog}: WARNING: {token_file} can be read by other users (mode {stat.S_IMODE(mode):o}); "
               f"`chmod 600 {token_file}` keeps the token yours.", file=sys.stderr, flush=True)
