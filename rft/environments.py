@@ -67,6 +67,11 @@ def _call_of(obj) -> ToolCall:
     return ToolCall(obj["name"], args)
 
 
+def _why(e: Exception) -> str:
+    # a RecursionError, not a failed task: "[[[[..." is a model's (degenerate) text like any other
+    return "nested too deep" if isinstance(e, RecursionError) else e.args[0].split(":")[0]
+
+
 def parse_tool_calls(text: str) -> list[ToolCall]:
     """The tool calls in an assistant turn, in order; [] when it calls none.
 
@@ -79,16 +84,16 @@ def parse_tool_calls(text: str) -> list[ToolCall]:
     for body in _TAGGED.findall(text):
         try:
             calls.append(_call_of(json.loads(body.strip())))
-        except ValueError as e:
-            calls.append(ToolCall("", error=f"the tool call is not valid JSON ({e.args[0].split(':')[0]}): {body.strip()[:80]!r}"))
+        except (ValueError, RecursionError) as e:
+            calls.append(ToolCall("", error=f"the tool call is not valid JSON ({_why(e)}): {body.strip()[:80]!r}"))
     if calls:
         return calls
     m = _MISTRAL.search(text)
     if m:
         try:
             items = json.loads(m.group(1))
-        except ValueError as e:
-            return [ToolCall("", error=f"the tool calls are not valid JSON ({e.args[0].split(':')[0]})")]
+        except (ValueError, RecursionError) as e:
+            return [ToolCall("", error=f"the tool calls are not valid JSON ({_why(e)}): {m.group(1)[:80]!r}")]
         return [_call_of(o) for o in (items if isinstance(items, list) else [items])]
     return []
 
@@ -159,6 +164,9 @@ class ToolEnv(Environment):
         return None, {"correct": exact_match("", final_answer(text), self.task)}, True
 
 
+# the largest result the calculator computes: a tower of powers (((10**64)**64)**64)**64 ran for
+# hours in the explorer's process; 1000 digits are 3322 bits
+MAX_DIGITS, _MAX_BITS = 1000, 3322
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
         ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow,
         ast.USub: operator.neg, ast.UAdd: operator.pos}
@@ -177,6 +185,7 @@ def calculate(expression: str) -> str:
             left, right = ev(node.left), ev(node.right)
             if isinstance(node.op, ast.Pow) and abs(right) > 64:
                 raise ToolError("exponent too large (at most 64)")
+            _check_size(node.op, left, right)
             return _OPS[type(node.op)](left, right)
         if isinstance(node, ast.UnaryOp) and type(node.op) in _OPS:
             return _OPS[type(node.op)](ev(node.operand))
@@ -186,11 +195,30 @@ def calculate(expression: str) -> str:
         value = ev(ast.parse(str(expression), mode="eval"))
     except SyntaxError:
         raise ToolError(f"not an expression: {expression!r}") from None
+    except (RecursionError, MemoryError):  # the parser's or ev's stack: "-" * 100000 + "1"
+        raise ToolError("not an expression: nested too deep") from None
     except ZeroDivisionError:
         raise ToolError("division by zero") from None
+    except OverflowError as e:  # a float past 1.8e308, an int too large to divide as one
+        raise ToolError(f"the result is out of range ({e.args[-1]})") from None
     if isinstance(value, float) and value.is_integer():
         value = int(value)
     return str(value)
+
+
+def _check_size(op, left, right) -> None:
+    """ToolError before an integer product or power past MAX_DIGITS is computed (its bits
+    estimated from the operands')."""
+    if not (type(left) is int and type(right) is int):
+        return
+    if isinstance(op, ast.Pow) and right > 0:
+        bits = max(abs(left).bit_length() - 1, 0) * right
+    elif isinstance(op, ast.Mult):
+        bits = abs(left).bit_length() + abs(right).bit_length()
+    else:
+        return
+    if bits > _MAX_BITS:
+        raise ToolError(f"the result is too large (over {MAX_DIGITS} digits)")
 
 
 class CalculatorEnv(ToolEnv):

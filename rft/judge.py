@@ -22,7 +22,7 @@ import threading
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 
 from rft.errors import ConfigError
-from rft.reward_server import RetryingHTTP
+from rft.reward_server import RetryingHTTP, bearer_header
 from rft.scoring import check_template
 
 log = logging.getLogger(__name__)
@@ -137,12 +137,12 @@ class JudgeReward:
         self.url = base if base.endswith("/chat/completions") else base + "/chat/completions"
         self.model, self.template, self.system = model, template, system
         self.max_score, self.max_tokens, self.temperature = float(max_score), max_tokens, float(temperature)
-        key = _api_key(api_key)
+        headers = bearer_header(_api_key(api_key), "the judge's API key (api_key, or the variable it names)",
+                                "give the key as its provider issued it")
         hint = (f"Check the API key: api_key names an environment variable (now {api_key!r}) that must hold a key "
                 f"this server accepts.")
         self.http = RetryingHTTP(timeout=timeout, retries=retries, backoff=backoff, max_backoff=max_backoff,
-                                 max_concurrency=max_concurrency, auth_hint=hint,
-                                 headers={"Authorization": f"Bearer {key}"} if key else {})
+                                 max_concurrency=max_concurrency, auth_hint=hint, headers=headers)
         self._pool = ThreadPoolExecutor(max_concurrency, thread_name_prefix="judge")
         self._lock = threading.Lock()
         self._unparsed = 0

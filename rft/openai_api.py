@@ -55,7 +55,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Any
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -99,7 +99,8 @@ class Sampling(BaseModel):
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=-1)
     seed: int | None = None
-    stop: list[str] | None = Field(None, max_length=MAX_STOP)
+    # "" is in every text: it would end each completion after its first token (rollout_args.stop refuses it too)
+    stop: list[Annotated[str, Field(min_length=1)]] | None = Field(None, max_length=MAX_STOP)
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -331,8 +332,15 @@ class OpenAIServer:
         async def refused(request, e):
             return _error(e)
 
-        async def sampled(request: Request, req: Sampling, ids: list[int]) -> list[Call]:
-            return await run_in_threadpool(self._sample, req, ids, request.headers.get(ROLLOUT_HEADER, ""))
+        async def sampled(request: Request, req: Sampling, prompt) -> tuple[list[int], list[Call]]:
+            """(the prompt's ids, the calls): `prompt()` renders or tokenises it, which may take seconds
+            (20,000 messages: 5 s), on a worker thread as the engine call, never on the event loop
+            that every other agent's request waits on."""
+            def work():
+                ids = prompt()
+                return ids, self._sample(req, ids, request.headers.get(ROLLOUT_HEADER, ""))
+
+            return await run_in_threadpool(work)
 
         @app.get("/v1/models")
         async def models(request: Request):
@@ -343,8 +351,7 @@ class OpenAIServer:
         async def chat(request: Request):
             req = await self._checked(request, ChatRequest, expected)
             tok = self.models[req.model][1]
-            prompt = chat_prompt(tok, req.messages)
-            calls = await sampled(request, req, prompt)
+            prompt, calls = await sampled(request, req, lambda: chat_prompt(tok, req.messages))
             return {"id": f"chatcmpl-{secrets.token_hex(8)}", "object": "chat.completion", "created": int(time.time()),
                     "model": req.model, "usage": _usage(prompt, calls),
                     "choices": [{"index": i, "message": {"role": "assistant", "content": c.response_text},
@@ -356,8 +363,7 @@ class OpenAIServer:
         async def completions(request: Request):
             req = await self._checked(request, CompletionRequest, expected)
             tok = self.models[req.model][1]
-            prompt = prompt_ids(tok, req.prompt)
-            calls = await sampled(request, req, prompt)
+            prompt, calls = await sampled(request, req, lambda: prompt_ids(tok, req.prompt))
             return {"id": f"cmpl-{secrets.token_hex(8)}", "object": "text_completion", "created": int(time.time()),
                     "model": req.model, "usage": _usage(prompt, calls),
                     "choices": [{"index": i, "text": c.response_text, "finish_reason": c.finish_reason,

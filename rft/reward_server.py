@@ -159,6 +159,30 @@ class RewardRequestError(RuntimeError):
         self.status = status
 
 
+# a token travels in `Authorization: Bearer <token>`: HTTP headers are ASCII, and a space or a line
+# break inside would cut or break the header (httpx raises, echoing it)
+UNSENDABLE = "holds a character an HTTP header cannot carry (a letter outside ASCII, a space, a line break)"
+NEW_TOKEN = "make one with python -c 'import secrets; print(secrets.token_urlsafe(24))'"
+
+
+def sendable(token: str) -> bool:
+    return token.isascii() and token.isprintable() and not any(c.isspace() for c in token)
+
+
+def bearer_header(token: str | None, what: str, fix: str = NEW_TOKEN) -> dict:
+    """{"Authorization": "Bearer <token>"} ({} without a token), the token stripped of the spaces
+    and line break around it (a secret file's last line); a ConfigError naming `what`, never the
+    token, for one no header can carry."""
+    from rft.errors import ConfigError
+
+    token = token.strip() if isinstance(token, str) else token
+    if not token:
+        return {}
+    if not sendable(token):
+        raise ConfigError(f"{what} {UNSENDABLE}: {fix}.")
+    return {"Authorization": f"Bearer {token}"}
+
+
 # statuses worth another try: the server's errors, and "too many requests" / "request timeout"
 RETRY_STATUSES = (408, 429)
 
@@ -317,10 +341,10 @@ class RemoteReward:
         token = token if token is not None else os.environ.get(TOKEN_ENV)
         hint = (f"Give the token the server printed or was started with: set ${TOKEN_ENV} where the explorer runs, "
                 f"or args.token of the remote reward part.")
+        headers = bearer_header(token, f"the remote reward's token (args.token or ${TOKEN_ENV})")
         self.http = RetryingHTTP(timeout=timeout, retries=retries, backoff=backoff, max_backoff=max_backoff,
-                                 max_concurrency=max_concurrency, auth_hint=hint,
-                                 headers={"Authorization": f"Bearer {token}"} if token else {})
-        if not token:
+                                 max_concurrency=max_concurrency, auth_hint=hint, headers=headers)
+        if not headers:
             log.warning("remote reward %s: no token (args.token or $%s); the server will refuse the requests",
                         self.url, TOKEN_ENV)
         if check:
@@ -449,6 +473,9 @@ def _token(args) -> str:
                          f"local user in `ps`. Set ${TOKEN_ENV}, or write it on the first line of a file only you can "
                          f"read and give --token-file <file>.")
     token = read_token(TOKEN_ENV, args.token_file, "rft.reward_server")
+    if token and not sendable(token):
+        where = f"--token-file {args.token_file}" if args.token_file else f"${TOKEN_ENV}"
+        raise SystemExit(f"rft.reward_server: the token in {where} {UNSENDABLE}: {NEW_TOKEN}.")
     if not token:
         token = secrets.token_urlsafe(32)
         print(f"rft.reward_server: generated token (give it to the clients as ${TOKEN_ENV}): {token}", flush=True)

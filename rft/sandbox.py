@@ -6,13 +6,18 @@ it in `python -I -S` (the standard library only) inside bubblewrap (`bwrap`), be
 - files: a mount namespace whose root holds only /usr (and /bin, /lib...) and the interpreter's
   prefix, read-only, its own /proc, a minimal read-only /dev, and two tmpfs of TMPFS_BYTES each:
   /work (its working directory) and /tmp. The project, the venv, /etc, /home, the host's sockets:
-  not there. RLIMIT_FSIZE caps a file at FILE_BYTES.
+  not there. RLIMIT_FSIZE caps a file at FILE_BYTES. Its stdin is a sealed memfd (no one can write
+  it, and it counts in its memory).
 - processes: a pid namespace of its own (it sees only itself). At a wall, the caller kills the
   sandbox's pid 1 (the kernel then kills every process of the namespace, setsid or not) and then
   bwrap; `--die-with-parent` does the same if the caller dies. RLIMIT_NPROC caps its processes
   and threads at `max_processes`.
-- network: a network namespace with only its own loopback; also IPC and UTS namespaces.
+- network: a network namespace with only its own loopback; also IPC and UTS namespaces (its host
+  name is `sandbox`, not this machine's).
 - user: an unprivileged uid with no capabilities and no_new_privs.
+- kernel: a syscall filter (rft/seccomp.py) refuses what no namespace here separates or counts:
+  namespaces of its own (a tmpfs there), SysV shared memory and message queues, the keyrings (the
+  caller's session keyring among them).
 - time, memory, output: the caller reads stdout and stderr in chunks while the code runs, keeps at
   most `max_output_bytes` of each, and kills the sandbox at `timeout_s`, when the output passes
   `output_limit_bytes`, or when the resident memory of all its processes together passes
@@ -29,14 +34,15 @@ counts RLIMIT_NPROC per user namespace there (Linux 5.14 or newer).
 
 Why memory is summed from /proc rather than a cgroup: cgroups differ between machines (v1 or v2,
 delegated or not, writable only by root); /proc works for every caller. The sum counts each
-process's resident pages and the memfds it holds open; it misses SysV shared memory segments that
-no process maps any more (native code only), and an allocation faster than POLL_S is caught late.
+process's resident pages and the memfds it holds open (SysV shared memory, which no process's
+count holds once unmapped, is refused by the filter); an allocation faster than POLL_S is caught late.
 
 The audit hook (PEP 578) refuses, with a readable reason, what a model does by mistake:
 subprocesses, signals, ctypes, sockets, writes outside its directory. It is a guard against
 accidents, not a wall: its state lives in a closure that no module, global or frame the code can
-reach holds (the code runs in a fresh `__main__`; gc introspection is refused), but native code
-or an interpreter bug gets past it.
+reach holds (the code runs in a fresh `__main__`; gc introspection is refused), but a fresh
+interpreter started through `_posixsubprocess` (which raises no audit event) runs without it, and
+native code or an interpreter bug gets past it.
 
 Where bwrap is missing or cannot create namespaces, `run_python` refuses (ConfigError) unless the
 caller allows unisolated runs (`workflow_args.env_args.allow_unisolated: true` for the python
@@ -47,6 +53,7 @@ caller can read.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import secrets
 import selectors
@@ -59,6 +66,7 @@ import time
 from dataclasses import dataclass
 from functools import lru_cache
 
+from rft import seccomp
 from rft.errors import ConfigError
 
 FILE_BYTES = 16 << 20  # RLIMIT_FSIZE: the largest file the code may write
@@ -167,10 +175,16 @@ def isolation(bwrap: str) -> tuple[str | None, str]:
     if mode == "root" and shutil.which("setpriv") is None:
         return None, "setpriv (util-linux) is not installed"
     try:
-        p = subprocess.run(_bwrap_args(exe, mode, str(1 << 30)) + [sys._base_executable, "-I", "-S", "-c", "pass"],
-                           capture_output=True, text=True, timeout=30)
+        fd = _filter_fd()
+    except ValueError as e:
+        return None, str(e)
+    try:
+        p = subprocess.run(_bwrap_args(exe, mode, str(1 << 30), fd) + [sys._base_executable, "-I", "-S", "-c", "pass"],
+                           capture_output=True, text=True, timeout=30, pass_fds=(fd,))
     except (OSError, subprocess.TimeoutExpired) as e:
         return None, f"{exe} did not run ({e})"
+    finally:
+        os.close(fd)
     if p.returncode != 0:
         last = (p.stderr.strip().splitlines() or [f"exit status {p.returncode}"])[-1]
         return None, f"{exe} failed: {last}"
@@ -186,11 +200,22 @@ def check(allow_unisolated: bool = False) -> str | None:
     return mode
 
 
-def _bwrap_args(exe: str, mode: str, uid: str) -> list[str]:
+def _filter_fd() -> int:
+    """A pipe's read end holding the syscall filter (rft/seccomp.py), for bwrap's --seccomp; ValueError
+    on a machine it is not written for."""
+    program = seccomp.program()
+    r, w = os.pipe()
+    os.write(w, program)  # a few hundred bytes: within a pipe's buffer
+    os.close(w)
+    return r
+
+
+def _bwrap_args(exe: str, mode: str, uid: str, filter_fd: int) -> list[str]:
     """bwrap's command line up to the command (module docstring: root mode runs it under `setpriv`)."""
-    a = [exe, "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
-         "--die-with-parent", "--new-session", "--clearenv", "--setenv", "PATH", "/usr/bin:/bin",
-         "--setenv", "LANG", "C.UTF-8", "--setenv", "HOME", "/work", "--ro-bind", "/usr", "/usr"]
+    a = [exe, "--seccomp", str(filter_fd), "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts",
+         "--unshare-cgroup-try", "--die-with-parent", "--new-session", "--hostname", "sandbox", "--clearenv",
+         "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "LANG", "C.UTF-8", "--setenv", "HOME", "/work",
+         "--ro-bind", "/usr", "/usr"]
     if mode == "user":
         a[1:1] = ["--unshare-user", "--disable-userns", "--uid", "65534", "--gid", "65534"]
     for d in ("/bin", "/sbin", "/lib", "/lib32", "/lib64"):  # merged-/usr symlinks, or real directories
@@ -350,6 +375,20 @@ def _reason(wall, rc, err: str, refused, timeout_s, memory_mb, limit, isolated) 
     return None
 
 
+def _sealed(data: bytes):
+    """`data` in a sealed memfd, opened read-only: the code's stdin. A file on the caller's disk
+    could be opened again for writing through /proc/self/fd/0 by its owner, whose uid the code has
+    in user mode (it wrote 16 MiB there); a sealed memfd no one can write, and it is on no disk."""
+    fd = os.memfd_create("rft-sandbox-stdin", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        with open(fd, "wb", closefd=False) as f:
+            f.write(data)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_WRITE | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL)
+        return open(f"/proc/self/fd/{fd}", "rb")
+    finally:
+        os.close(fd)
+
+
 def run_python(code: str, timeout_s: float = 5.0, memory_mb: int = 512, max_output_bytes: int = 4000,
                stdin: str = "", max_processes: int = 32, output_limit_bytes: int = 1 << 20,
                allow_unisolated: bool = False) -> SandboxResult:
@@ -357,24 +396,26 @@ def run_python(code: str, timeout_s: float = 5.0, memory_mb: int = 512, max_outp
     ConfigError where no sandbox can be made and `allow_unisolated` is false."""
     mode = check(allow_unisolated)
     t0 = time.monotonic()
-    with tempfile.TemporaryFile() as src, tempfile.TemporaryFile() as inp, tempfile.TemporaryDirectory(
-            prefix="rft-sandbox-") as work:
-        # a lone surrogate (JSON allows "\ud800") becomes a SyntaxError of the code, not an error here
+    # a lone surrogate (JSON allows "\ud800") becomes a SyntaxError of the code, not an error here
+    with tempfile.TemporaryFile() as src, _sealed(stdin.encode(errors="surrogatepass")) as stdin_ro, \
+            tempfile.TemporaryDirectory(prefix="rft-sandbox-") as work:
         src.write(code.encode(errors="surrogatepass"))
-        inp.write(stdin.encode(errors="surrogatepass"))
-        src.seek(0), inp.seek(0)
+        src.seek(0)
         # one slot more in user mode: bwrap's pid 1 is in the user namespace whose processes count
         nproc = max_processes + (mode == "user")
         boot = [sys._base_executable, "-I", "-S", "-c", _BOOTSTRAP, str(memory_mb << 20), str(max(1, int(timeout_s) + 1)),
                 str(nproc), str(FILE_BYTES), str(OPEN_FILES), str(src.fileno()), "/work" if mode else work, _MARK,
                 "1" if _guard else "0"]
         uid = str((1 << 30) + secrets.randbelow((1 << 30) - 1))
-        cmd = _bwrap_args(shutil.which(_BWRAP), mode, uid) + boot if mode else boot
-        # its stdin read-only: the file is on the caller's disk
-        with open(f"/proc/self/fd/{inp.fileno()}", "rb") as stdin_ro:
+        filter_fd = _filter_fd() if mode else -1
+        cmd = _bwrap_args(shutil.which(_BWRAP), mode, uid, filter_fd) + boot if mode else boot
+        try:
             p = subprocess.Popen(cmd, cwd=work, stdin=stdin_ro, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                 pass_fds=(src.fileno(),), start_new_session=True,
+                                 pass_fds=(src.fileno(),) + ((filter_fd,) if mode else ()), start_new_session=True,
                                  env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": work})
+        finally:
+            if mode:
+                os.close(filter_fd)
         fds = p.stdout.fileno(), p.stderr.fileno()
         try:
             kept, read, wall = _watch(p, mode is not None, timeout_s, memory_mb << 20, max_output_bytes, output_limit_bytes)
@@ -387,9 +428,10 @@ def run_python(code: str, timeout_s: float = 5.0, memory_mb: int = 512, max_outp
             p.stdout.close(), p.stderr.close()
     (out, n_out), (err, n_err) = [(kept[fd], read[fd]) for fd in fds]
     err_text, refused = _text(err, n_err), None
-    if _MARK in err_text:
-        lines = err_text.split("\n")
-        refused = next(ln for ln in lines if ln.startswith(_MARK))[len(_MARK):]
+    lines = err_text.split("\n")
+    # the hook writes its line at the start of one; the code may write the marker anywhere
+    refused = next((ln[len(_MARK):] for ln in lines if ln.startswith(_MARK)), None)
+    if refused is not None:
         err_text = "\n".join(ln for ln in lines if not ln.startswith(_MARK))
     reason = _reason(wall, p.returncode, err_text, refused, timeout_s, memory_mb, output_limit_bytes, mode is not None)
     return SandboxResult(reason is None, _text(out, n_out), err_text, reason, p.returncode, time.monotonic() - t0)

@@ -53,9 +53,10 @@ def bearer_refusal(request, expected: bytes, which: str):
 def read_token(env: str, token_file: str | None, prog: str) -> str | None:
     """The token from `token_file` (its first line), else from $`env`, else None. Never from the
     command line: every local user sees a process's arguments in `ps`. A file that cannot be read
-    or is empty exits with one line; one that other users can read is used, with a warning."""
+    or is empty exits with one line; one that other users can read is used, with a warning. The
+    spaces and line break around it are not part of it."""
     if token_file is None:
-        return os.environ.get(env) or None
+        return (os.environ.get(env) or "").strip() or None
     try:
         with open(token_file, encoding="utf-8") as f:
             token = f.readline().strip()

@@ -351,6 +351,32 @@ def test_tool_calls_are_parsed_in_the_common_formats():
     assert noname.error == 'a tool call needs a JSON object with a "name"; got {"arguments": {}}'
 
 
+def test_model_text_that_breaks_the_parser_or_the_calculator_is_a_failed_tool_call():
+    # before, each raised out of env.step (RecursionError, ValueError, OverflowError, MemoryError):
+    # the conversation's whole task failed and was left out of training, so a degenerate output
+    # ("<tool_call>[[[[...") was never penalised; and a tower of powers, 64 at a time, ran in the
+    # explorer's process (((((10**64)**64)**64)**64)*0: 15 s; one level more: hours and GBs)
+    env = CalculatorEnv(max_tool_calls=10)
+    env.reset(task())
+    deep = "[" * 5000
+    for text in ["<tool_call>" + deep, "[TOOL_CALLS][" + deep + "]"]:
+        msg, parts, done = env.step(text)
+        said = "call is" if text.startswith("<") else "calls are"
+        assert msg["content"].startswith(f"error: the tool {said} not valid JSON (nested too deep): '[[[[")
+        assert (parts, done) == ({}, False)
+    call = lambda expression: tool_call_text("calculator", {"expression": expression})  # noqa: E731
+    for expression, said in [
+            ("((10**64)**64)**64", "the result is too large (over 1000 digits)"),  # 10**4096 ** 64
+            ("((((((10**64)**64)**64)**64)**64)**64)*0", "the result is too large (over 1000 digits)"),
+            ("((2**60)**50)*((2**60)**50)", "the result is too large (over 1000 digits)"),  # 2**3000 each: 903 digits
+            ("1e300**2", "the result is out of range (Numerical result out of range)"),
+            ("((10**60)**6)/3", "the result is out of range (integer division result too large for a float)"),
+            ("-" * 100000 + "1", "not an expression: nested too deep"),
+            ("(2**50)**20", str(2**1000))]:  # 302 digits: computed
+        msg = env.step(call(expression))[0]
+        assert msg["content"] == (said if said[0].isdigit() else f"error: {said}"), expression[:30]
+
+
 def test_the_calculator_computes_exactly_and_refuses_anything_else():
     assert calculate("37*48") == "1776"  # 37 * 48 = 1776
     assert calculate("(1+2)*-3") == "-9"

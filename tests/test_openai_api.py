@@ -128,6 +128,10 @@ CHAT = {"model": "policy", "messages": MESSAGES}
     ("stop", ["a", "b", "c", "d", "e"], "stop", "stop: List should have at most 4 items after validation, not 5 "
                                                 "(got ['a', 'b', 'c', 'd', 'e'])"),
     ("stop", [1], "stop", "stop[0]: Input should be a valid string (got 1)"),
+    # "" is in every text: each completion ended after its first token, silently (as the plan refuses
+    # it in rollout_args.stop)
+    ("stop", "", "stop", "stop[0]: String should have at least 1 character (got )"),
+    ("stop", ["\n", ""], "stop", "stop[1]: String should have at least 1 character (got )"),
     ("messages", [], "messages", "messages: List should have at least 1 item after validation, not 0 (got [])"),
     ("messages", "hi", "messages", "messages: Input should be a valid list (got hi)"),
     ("messages", [{"content": "hi"}], "messages", "messages[0].role: Field required (got {'content': 'hi'})"),
@@ -196,6 +200,32 @@ def test_a_chat_template_that_cannot_render_the_messages_is_a_400(served, monkey
                         "{{ raise_exception('content must be text') }}{% endif %}{{ m['content'] }}{% endfor %}")
     refused(post(server, "/chat/completions", {"messages": [{"role": "user", "content": {"a": 1}}]}), 400,
             "messages", "messages: the chat template cannot render them: TemplateError: content must be text")
+
+
+def test_a_prompt_that_takes_seconds_to_render_holds_up_no_other_request(served):
+    import threading
+    import time
+
+    server, _, _ = served
+    # 20,000 messages take seconds to render and tokenise (50,000: 21 s); that ran on the server's
+    # event loop, so every other agent's request, /v1/models too, waited for it (measured: 21 s)
+    big = {**CHAT, "messages": [{"role": "user", "content": "hello world " * 10}] * 20_000}
+    answers = []
+    slow = threading.Thread(target=lambda: answers.append(httpx.post(
+        server.url + "/chat/completions", json=big, headers={"Authorization": f"Bearer {server.token}"}, timeout=120)))
+    slow.start()
+    time.sleep(0.5)  # its body is in: the render has begun
+    waited = []
+    while slow.is_alive():
+        t = time.monotonic()
+        assert httpx.get(server.url + "/models", headers={"Authorization": f"Bearer {server.token}"},
+                         timeout=120).status_code == 200
+        waited.append(time.monotonic() - t)
+        time.sleep(0.1)
+    slow.join()
+    refused(answers[0], 400, "prompt", "the prompt's 2060002 tokens and max_tokens=6 are over the model's context "
+                                       "of 256 tokens")  # 20,000 x 103 tokens + 2 (the generation prompt)
+    assert waited and max(waited) < 1.0, waited
 
 
 def test_a_body_over_32_mib_is_a_413(served):

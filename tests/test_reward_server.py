@@ -420,6 +420,36 @@ def test_the_token_from_a_file_and_what_a_bad_file_says(tmp_path):
     assert r.stderr == f"rft.reward_server: --token-file {path} is empty: write the token on its first line.\n"
 
 
+def test_a_token_that_no_http_header_can_carry_is_refused_by_name_and_never_shown(tmp_path):
+    # HTTP headers are ASCII: before, a client with 'pässwörd...' raised a bare UnicodeEncodeError
+    # from httpx; one with a line break inside retried 4 times as a connection failure and then said
+    # "Illegal header value b'Bearer <the token>'", and a server could never match either
+    for secret in ["pässwörd-1234567890", "test-token\n1234", "test token 1234"]:
+        with pytest.raises(ConfigError) as e:
+            RemoteReward("http://127.0.0.1:1", token=secret)
+        assert str(e.value) == ("the remote reward's token (args.token or $RFT_REWARD_TOKEN) holds a character an "
+                                "HTTP header cannot carry (a letter outside ASCII, a space, a line break): make "
+                                "one with python -c 'import secrets; print(secrets.token_urlsafe(24))'.")
+        env = {**os.environ, "RFT_REWARD_TOKEN": secret}
+        r = subprocess.run([sys.executable, "-m", "rft.reward_server", "--reward", "exact_match", "--port", "0"],
+                           cwd=ROOT, capture_output=True, text=True, timeout=60, env=env)
+        assert (r.returncode, r.stderr) == (1, "rft.reward_server: the token in $RFT_REWARD_TOKEN holds a character "
+                                               "an HTTP header cannot carry (a letter outside ASCII, a space, a line "
+                                               "break): make one with python -c 'import secrets; "
+                                               "print(secrets.token_urlsafe(24))'.\n")
+    # the judge's API key goes the same way (a key given as itself is not shown either)
+    from rft.judge import JudgeReward
+
+    with pytest.raises(ConfigError) as e:
+        JudgeReward("http://127.0.0.1:1/v1", "m", api_key="sk-pässwörd")
+    assert str(e.value) == ("the judge's API key (api_key, or the variable it names) holds a character an HTTP "
+                            "header cannot carry (a letter outside ASCII, a space, a line break): give the key as "
+                            "its provider issued it.")
+    # around it, a line break (a secret file's last line, pasted) is not part of the token, on both sides
+    with serving("exact_match") as url:
+        assert RemoteReward(url, token=f"  {TOKEN}\n")("p", ["357"], task()) == [1.0]
+
+
 # ---------------------------------------------------------------- limits: body, slow requests, connections
 
 def peak_mib(pid: int) -> float:

@@ -17,13 +17,14 @@ import re
 import socket
 import subprocess
 import sys
+import time
 import tracemalloc
 import uuid
 from pathlib import Path
 
 import pytest
 
-from rft import sandbox
+from rft import sandbox, seccomp
 from rft.environments import PythonEnv
 from rft.errors import ConfigError
 from rft.tasks import Task, tool_call_text
@@ -111,6 +112,14 @@ def test_output_is_cut_at_the_limit():
     assert r.ok and r.stdout == "x" * 100 + "\n... [cut: 999901 more bytes]"  # 10**6 + 1 (newline) - 100
 
 
+def test_any_bytes_the_code_writes_come_back_as_text_and_never_raise():
+    # invalid UTF-8 and NUL on stdout; on stderr the refusal marker mid-line (before, StopIteration
+    # escaped run_python: the marker was found, yet no line started with it)
+    r = run("import sys\nsys.stdout.buffer.write(b'\\xff\\xfe\\x00ok')\n"
+            f"sys.stderr.write('x{sandbox._MARK}forged')")
+    assert (r.ok, r.reason, r.stdout, r.stderr) == (True, None, "\ufffd\ufffd\x00ok", f"x{sandbox._MARK}forged")
+
+
 def test_the_guard_refuses_mistakes_with_a_reason():
     r = run("import os, signal; os.kill(os.getppid(), signal.SIGKILL)")
     assert r.reason == "refused: os.kill (signals to other processes)"
@@ -148,7 +157,7 @@ def test_it_sees_little_writes_only_its_small_tmpfs_and_runs_unprivileged(no_gua
             "os.remove('big')\nn = 0\ntry:\n    while True:\n        open(f'f{n}', 'wb').write(b'x' * (15 << 20))\n"
             "        n += 1\nexcept OSError as e:\n    print(n, e.errno)")
     assert r.stdout == "27\n4 28\n"
-    # its stdin is read-only (the file behind it is on the caller's disk)
+    # its stdin is read-only (and no one can write the memfd behind it: below)
     r = run("import os\ntry:\n    os.write(0, b'x')\nexcept OSError as e:\n    print(e.errno)", stdin="abc")
     assert r.stdout == "9\n"  # EBADF
 
@@ -194,6 +203,8 @@ def test_the_hosts_files_and_processes_cannot_be_read(tmp_path):
     r = run(f"for p in {paths!r}:\n    try:\n        print(p, open(p).read()[:10])\n"
             "    except OSError as e:\n        print(p, type(e).__name__)")
     assert r.stdout == "".join(f"{p} FileNotFoundError\n" for p in paths)
+    # nor this machine's name (it saw it: its UTS namespace kept the host's)
+    assert run("import os; print(os.uname().nodename)").stdout == "sandbox\n"
     # the standard library only: neither the project nor the venv's packages
     assert run("import rft").reason == "exited with status 1: ModuleNotFoundError: No module named 'rft'"
     assert run("import pytest").reason == "exited with status 1: ModuleNotFoundError: No module named 'pytest'"
@@ -298,6 +309,111 @@ def test_a_fork_bomb_is_contained_and_leaves_nothing_behind(no_guard):
     assert left == []
 
 
+# ---------------------------------------------------------------- past the guard: the kernel's shared parts
+
+def unguarded(code: str) -> str:
+    """Sandbox code that runs `code` in a fresh interpreter: one started through _posixsubprocess
+    (which raises no audit event) has no audit hook, so ctypes is open to it; the walls are not."""
+    args = "-1, None, None, None, -1, None, True" if sys.version_info >= (3, 11) else "None, None, None, -1, None"
+    return ("import os, sys, _posixsubprocess\nr, w = os.pipe()\nexe = sys.executable.encode()\n"
+            f"pid = _posixsubprocess.fork_exec([exe, b'-I', b'-S', b'-c', {code.encode()!r}], [exe], True, (), None, "
+            f"None, -1, -1, -1, -1, -1, -1, r, w, False, False, {args})\nos.waitpid(pid, 0)\n")
+
+
+# add_key, keyctl (the caller's side of the keyring attack; the numbers of the native ABI)
+KEY_CALLS = {"x86_64": (248, 250), "aarch64": (217, 219)}
+NATIVE = r"""
+import ctypes, platform
+libc = ctypes.CDLL(None, use_errno=True)
+def show(what, ret):
+    print(what, ret, ctypes.get_errno() if ret == -1 else 0, flush=True)
+add_key, keyctl = {"x86_64": (248, 250), "aarch64": (217, 219)}[platform.machine()]
+# the caller's session keyring: KEYCTL_SEARCH (10) it for the caller's key, then KEYCTL_READ (11)
+buf = ctypes.create_string_buffer(64)
+kid = libc.syscall(keyctl, 10, -3, b"user", b"rft-secret", 0)
+show("search", kid)
+n = libc.syscall(keyctl, 11, kid, buf, 64)
+print("read", buf.raw[:max(0, n)])
+show("add_key", libc.syscall(add_key, b"user", b"rft-left-behind", b"x", 1, -3))
+# a user and mount namespace of its own: a tmpfs there would be memory no process counts
+show("unshare", libc.unshare(0x10000000 | 0x20000))
+# SysV shared memory: 4 x 50 MiB touched and unmapped, outside every process (memory_mb=128)
+libc.shmat.restype = ctypes.c_void_p
+for _ in range(4):
+    sid = libc.shmget(0, 50 << 20, 0o600)
+    if sid == -1:
+        break
+    p = libc.shmat(sid, None, 0)
+    ctypes.memset(p, 1, 50 << 20)
+    libc.shmdt(ctypes.c_void_p(p))
+show("shmget", sid)
+show("msgget", libc.msgget(0, 0o600))
+"""
+
+
+def test_code_past_the_guard_reaches_no_keyring_namespace_or_shared_memory(tmp_path):
+    # the caller holds a secret in its session keyring (a fresh one, in a process of its own, so
+    # this one's is left alone); the keyrings are the kernel's, in no namespace
+    caller = tmp_path / "caller.py"
+    caller.write_text(f"import ctypes, platform, sys\nfrom rft import sandbox\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+                      f"add_key, keyctl = {KEY_CALLS!r}[platform.machine()]\n"
+                      "assert libc.syscall(keyctl, 1, b'rft-test') > 0  # KEYCTL_JOIN_SESSION_KEYRING\n"
+                      "assert libc.syscall(add_key, b'user', b'rft-secret', b'hunter2', 7, -3) > 0\n"
+                      f"r = sandbox.run_python(sys.stdin.read(), memory_mb=128, timeout_s=10)\n"
+                      "print(r.stdout + str(r.reason), end='')\n"
+                      "print('\\nleft', libc.syscall(keyctl, 10, -3, b'user', b'rft-left-behind', 0) > 0)\n")
+    project = str(Path(sandbox.__file__).resolve().parents[1])
+    p = subprocess.run([sys.executable, str(caller)], input=unguarded(NATIVE), capture_output=True, text=True,
+                       timeout=60, env={**os.environ, "PYTHONPATH": project})
+    assert p.returncode == 0, p.stderr
+    # each refused (EPERM = 1): before, the search found the caller's key and read 'hunter2', the
+    # key was left in the caller's keyring, unshare succeeded (root), and 200 MiB sat in SysV
+    # segments of a sandbox of 128 MiB that was never stopped
+    assert p.stdout.splitlines() == ["search -1 1", "read b''", "add_key -1 1", "unshare -1 1", "shmget -1 1",
+                                     "msgget -1 1", "None", "left False"]
+    # fork, exec and threads still work (clone without a namespace flag; clone3 falls back to it)
+    r = run("import threading\nt = threading.Thread(target=print, args=('thread',), kwargs={'flush': True})\nt.start()\nt.join()\n"
+            + unguarded("print('fresh')"))
+    assert (r.ok, r.stdout) == (True, "thread\nfresh\n")
+
+
+def test_no_one_can_write_the_file_behind_its_stdin():
+    # stdin was a temporary file on the caller's disk, opened read-only; through /proc/self/fd/0 the
+    # file could be opened again for writing by its owner: in user mode (a caller that is not root)
+    # the code's uid maps to the caller's, and it wrote 16 MiB there (measured as uid 65534). Here,
+    # as root, this process does what that code did, to the sandbox's stdin while it runs
+    import threading
+
+    def sandbox_pids():
+        out = []
+        for pid in host_pids_with(sandbox._MARK):  # the bootstrap's arguments hold the marker
+            ppid = pid
+            while ppid > 1 and ppid != os.getpid():
+                ppid = int(open(f"/proc/{ppid}/stat").read().rsplit(")", 1)[1].split()[1])
+            out += [pid] if ppid == os.getpid() else []
+        return out
+
+    done = []
+    t = threading.Thread(target=lambda: done.append(run("import time; time.sleep(3); print(input())", stdin="abc\n")))
+    t.start()
+    try:
+        for _ in range(100):
+            pids = sandbox_pids()
+            if pids:
+                break
+            time.sleep(0.05)
+        assert pids
+        fd = os.open(f"/proc/{pids[-1]}/fd/0", os.O_WRONLY)
+        try:
+            with pytest.raises(PermissionError):  # EPERM: a sealed memfd, in no one's disk
+                os.write(fd, b"x" * 1000)
+        finally:
+            os.close(fd)
+    finally:
+        t.join()
+    assert done[0].stdout == "abc\n"
+
+
 # ---------------------------------------------------------------- a machine without isolation
 
 def test_without_bwrap_model_code_is_refused_with_one_paragraph(no_bwrap):
@@ -320,6 +436,21 @@ def test_a_bwrap_that_cannot_make_namespaces_is_refused_with_its_reason(tmp_path
     with pytest.raises(ConfigError, match=re.escape(f"cannot make one: {fake} failed: bwrap: No permissions to "
                                                     "create new namespace. Install bubblewrap")):
         sandbox.run_python("print(1)")
+
+
+def test_a_machine_the_syscall_filter_is_not_written_for_is_refused_with_its_reason(monkeypatch):
+    with pytest.raises(ValueError) as e:
+        seccomp.program("riscv64")
+    assert str(e.value) == ("no syscall filter is written for this machine's architecture (riscv64; there is "
+                            "one for x86_64, aarch64)")
+    monkeypatch.setattr(seccomp.platform, "machine", lambda: "riscv64")
+    sandbox.isolation.cache_clear()
+    try:
+        with pytest.raises(ConfigError, match=r"cannot make one: no syscall filter is written for this machine's "
+                                              r"architecture \(riscv64; there is one for x86_64, aarch64\)\. Install"):
+            sandbox.run_python("print(1)")
+    finally:
+        sandbox.isolation.cache_clear()
 
 
 def test_the_unisolated_opt_out_keeps_the_limits_and_the_guard(no_bwrap, tmp_path):

@@ -11,6 +11,8 @@ import http.server
 import json
 import os
 import shutil
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -288,6 +290,84 @@ def test_compose_lists_each_dotted_path_it_imports_from_outside_rft_and_this_rep
 
 
 
+HIDDEN_STUDY = """# @package _global_
+# a study that sets what the run imports in Hydra's own settings, which the page may not set
+hydra:
+  callbacks:
+    touch:
+      _target_: subprocess.Popen
+      args: [touch, pwned]
+  job_logging:
+    handlers:
+      file:
+        (): logging.config.fileConfig
+  job:
+    env_set:
+      LD_PRELOAD: /tmp/x.so
+  sweeper:
+    params:
+      buffer.explorer_input.taskset.reward_fn: exact_match,os.path.join
+"""
+
+
+def test_a_study_cannot_hide_what_the_run_imports_in_hydras_own_settings(tmp_path):
+    # Hydra instantiates hydra.callbacks, builds hydra.job_logging's handlers, puts hydra.job.env_set
+    # in the run's environment (LD_PRELOAD reaches every process the run starts) and sweeps
+    # hydra.sweeper.params; the page listed none of them (the hydra node was never read)
+    conf = tmp_path / "conf"
+    shutil.copytree(CONF, conf)
+    (conf / "experiment" / "hidden.yaml").write_text(HIDDEN_STUDY)
+    defaults = C.default_choices(conf)
+    comp = C.compose(conf, {**defaults, "experiment": "hidden"}, {}, defaults, plan=False)
+    assert comp.error == ""
+    assert comp.imports == [
+        {"key": "hydra.job_logging.handlers.file.()", "path": "logging.config.fileConfig", "module": "logging.config"},
+        {"key": "hydra.callbacks.touch._target_", "path": "subprocess.Popen", "module": "subprocess"},
+        {"key": "hydra.job.env_set.LD_PRELOAD", "path": "LD_PRELOAD=/tmp/x.so",
+         "module": "the environment of every process the run starts"}]
+    # the sweep's jobs are its sweeper's params and the page's values together: 2 x 2 jobs
+    found = C.sweep_imports(conf, comp.overrides, ["seed=1,2"])
+    assert [(i["key"], i["path"]) for i in found if i["key"].startswith("buffer")] == [
+        ("buffer.explorer_input.taskset.reward_fn", "os.path.join")]
+    # Hydra's own launchers, sweepers and default logging, and rft's own callback, are not listed
+    assert C.compose(conf, defaults, {}, defaults, plan=False).imports == []
+    assert C.compose(conf, {**defaults, "experiment": "tiny_seeds"}, {}, defaults, plan=False).imports == []
+
+
+def test_a_model_whose_own_code_would_run_is_listed_with_the_imports():
+    # trust_remote_code runs the Python files of the model's folder (or hub repo): listed before,
+    # it launched unasked; the policy's and an auxiliary model's, each with its path
+    defaults = C.default_choices(CONF)
+    aux = "+explorer.auxiliary_models"
+    comp = C.compose(CONF, defaults, {"model.model_path": "someone/remote-code-model", "model.trust_remote_code": "true",
+                                      aux: "[{name: judge, model: {model_path: /models/judge, trust_remote_code: true}}]"},
+                     defaults, plan=False)
+    assert comp.error == ""
+    said = "the Python files of that model's folder or hub repository (trust_remote_code)"
+    assert comp.imports == [
+        {"key": "model.trust_remote_code", "path": "someone/remote-code-model", "module": said},
+        {"key": "explorer.auxiliary_models[0].model.trust_remote_code", "path": "/models/judge", "module": said}]
+
+
+def test_a_sweep_too_big_to_check_is_refused_before_its_jobs_are_listed():
+    import tracemalloc
+
+    # range(0,100000000) took minutes and GBs before the refusal (each job's overrides were listed
+    # first: 2 million of them held 250 MB for 6 s); now the jobs are counted, not listed
+    for params in ["seed=range(0,2000000)", "seed=range(0,2000) +x=range(0,1000)", "+x=range(0,1e9,0.5)",
+                   "seed=range(0,100000000) +x=shuffle(range(0,100000000))", "seed=range(0,65)"]:
+        tracemalloc.start()
+        try:
+            with pytest.raises(ValueError) as e:
+                C.sweep_imports(CONF, [], params.split(" "))
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert str(e.value) == ("sweep_params: more than 64 jobs; the studio checks each job's imports before a sweep "
+                                "starts, up to 64: start a bigger sweep from a shell (python run.py -m ...)."), params
+        assert peak < 64 << 20, (params, peak)
+
+
 def test_a_launch_that_imports_from_outside_runs_only_once_those_paths_are_confirmed(tmp_path):
     import httpx
 
@@ -367,6 +447,37 @@ def test_the_compose_page_lists_foreign_imports_and_asks_before_it_launches(brow
         _stop(proc)
 
 
+def test_half_sent_requests_cannot_lock_the_studio_out(tmp_path):
+    """Measured before: any local user (no token needed) held 1010 connections whose request head
+    never ended, still open after 15 s; the studio's 1024 files were then spent and its own page's
+    requests were reset. Now, as the servers (rft.serving): each request has --request-timeout
+    seconds to arrive whole, and beyond --max-connections requests are answered 503."""
+    import socket
+
+    import httpx
+
+    proc, url, token = _studio(tmp_path, args=("--request-timeout", "1", "--max-connections", "8"))
+    try:
+        port = int(url.rsplit(":", 1)[1])
+        held = [socket.create_connection(("127.0.0.1", port)) for _ in range(20)]
+        for s in held:
+            s.sendall(b"GET /api/runs HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: ")
+        time.sleep(0.2)
+        auth = {"Authorization": f"Bearer {token}"}
+        assert httpx.get(url + "/api/runs", headers=auth).status_code == 503  # 20 held, 8 allowed
+        time.sleep(2)  # each dropped after ~1 s
+        for s in held:
+            s.settimeout(1)
+            assert s.recv(100) == b""  # closed by the studio
+            s.close()
+        assert httpx.get(url + "/api/runs", headers=auth).status_code == 200
+    finally:
+        _stop(proc)
+    r = subprocess.run([sys.executable, "-m", "rft.studio", "--max-connections", "0"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 2 and "argument --max-connections: 0 must be > 0" in r.stderr
+
+
 def test_the_token_is_never_on_the_command_line(tmp_path):
     import subprocess
     import sys
@@ -415,6 +526,34 @@ def test_what_a_run_directory_holds_is_shown_as_text_never_run_as_script(browser
         assert f"p={evil}" in page.inner_text("#rollouts tbody")
     finally:
         _stop(proc)
+
+
+def test_eval_trajectories_of_any_shape_are_a_400_naming_the_line_or_shown_as_text(tmp_path, monkeypatch):
+    from rft.studio import rollouts as R
+
+    d = tmp_path / "grpo" / "eval_trajectories" / "step_1"
+    d.mkdir(parents=True)
+    source = "grpo/eval_trajectories/step_1/set.jsonl"
+    # a message's content as a list of parts (multimodal, or a tool's answer) is shown as its JSON
+    parts = [{"type": "text", "text": "hi"}]
+    (d / "set.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": parts},
+                                                          {"role": "assistant", "content": "ok"}]}) + "\n")
+    row = R.read(tmp_path, source)["rows"][0]
+    assert (row["prompt"], row["response"]) == (json.dumps(parts), "ok")
+    # a line that is not an object, or not JSON: a ValueError (the page's 400) naming the file and line;
+    # before, an AttributeError (a 500) for the first two
+    for line, said in [("[1]", "a JSON list, not an object"), ('"x"', "a JSON str, not an object"),
+                       ("{oops", "not JSON (Expecting property name enclosed in double quotes)")]:
+        (d / "set.jsonl").write_text('{"messages": []}\n' + line + "\n")
+        with pytest.raises(ValueError) as e:
+            R.read(tmp_path, source)
+        assert str(e.value) == f"{source}, line 2: {said}; each line is one conversation, a JSON object."
+    # as for stored experiences, the first MAX_ROWS rows are read (it read every line: 1.2 GB of
+    # them was 1.2 GB and more in the studio), and the rest counted
+    monkeypatch.setattr(R, "MAX_ROWS", 3)
+    (d / "set.jsonl").write_text("".join(json.dumps({"reward": r, "messages": []}) + "\n" for r in range(5)) + "[1]\n")
+    got = R.read(tmp_path, source, min_reward=1)
+    assert ([r["reward"] for r in got["rows"]], got["matched"], got["read"], got["total"]) == ([1, 2], 2, 3, 6)
 
 
 def test_rollout_filters_that_are_not_numbers_are_a_400_naming_them(tmp_path):

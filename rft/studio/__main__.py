@@ -1,9 +1,12 @@
 """python -m rft.studio [--host 127.0.0.1] [--port 8765] [--root ./checkpoints] [--token-file FILE]
+                       [--request-timeout 10] [--max-connections 256]
 
 Serves the studio on loopback with a fresh token in the printed URL (or the one in
 $RFT_STUDIO_TOKEN or --token-file: never on the command line, where `ps` shows it to every local
 user); --host to share it deliberately (plain HTTP: anyone who can reach the port and has the
-token can launch runs).
+token can launch runs). As the project's servers (rft.serving), a request has --request-timeout
+seconds to arrive whole and at most --max-connections are served at once (503 beyond): connections
+held open half-sent, which need no token, cannot spend the studio's files.
 """
 
 from __future__ import annotations
@@ -59,6 +62,9 @@ def host_names(host: str) -> frozenset[str]:
 
 
 def main(argv=None) -> None:
+    from rft.reward_server import _positive
+    from rft.serving import MAX_CONNECTIONS, REQUEST_TIMEOUT
+
     p = argparse.ArgumentParser(prog="python -m rft.studio", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
@@ -70,6 +76,11 @@ def main(argv=None) -> None:
     p.add_argument("--token-file", default=None,
                    help=f"a file holding the token (default ${TOKEN_ENV}; without either, a fresh one)")
     p.add_argument("--token", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--request-timeout", type=_positive(float), default=REQUEST_TIMEOUT,
+                   help=f"seconds a request has to arrive whole; a slower one's connection is closed "
+                        f"(default {REQUEST_TIMEOUT:g})")
+    p.add_argument("--max-connections", type=_positive(int), default=MAX_CONNECTIONS,
+                   help=f"connections at once; beyond, requests are answered 503 (default {MAX_CONNECTIONS})")
     args = p.parse_args(argv)
     if args.token is not None:
         raise SystemExit(f"rft.studio: --token is refused: a command line is visible to every local user (ps). Put "
@@ -107,7 +118,11 @@ def main(argv=None) -> None:
 
     import uvicorn
 
-    uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[sock])
+    from rft.serving import server_config
+
+    config = server_config(app, request_timeout=args.request_timeout, max_connections=args.max_connections,
+                           log_level="warning")
+    uvicorn.Server(config).run(sockets=[sock])
 
 
 if __name__ == "__main__":

@@ -14,6 +14,8 @@ import dataclasses
 import enum
 import functools
 import inspect
+import itertools
+import math
 import re
 import shlex
 import threading
@@ -288,14 +290,22 @@ def _composition(conf_dir: Path, overrides: list[str], choices: dict[str, str], 
         text = OmegaConf.to_yaml(job)
         written = OmegaConf.to_container(job, resolve=False, enum_to_str=True)  # `${...}` kept, as the files say
         values = {f["key"]: _override_text(_get(written, f["key"])) for f in schema()}
-        try:  # a path may be put together by interpolations: the run imports the resolved value
-            imports = I.foreign(OmegaConf.to_container(job, resolve=True, enum_to_str=True), REPO)
-        except Exception:  # one that does not resolve: the plan says which
-            imports = I.foreign(written, REPO)
+        resolved = _container(job)
+        imports = I.foreign(resolved, REPO) + I.remote_code(resolved) + I.foreign_hydra(_container(cfg.hydra), REPO)
         comp = Composition(chosen, overrides, command, values, text, "", "", imports)
         if plan:
             comp.plan, comp.error = _plan(job)
         return comp
+
+
+def _container(node: DictConfig) -> dict:
+    """The node as plain values, resolved where it resolves: a dotted path may be put together by
+    interpolations, and the run imports the resolved value (one that does not resolve: the plan
+    says which)."""
+    try:
+        return OmegaConf.to_container(node, resolve=True, enum_to_str=True)
+    except Exception:
+        return OmegaConf.to_container(node, resolve=False, enum_to_str=True)
 
 
 def _plan(job: DictConfig) -> tuple[str, str]:
@@ -316,20 +326,44 @@ def _plan(job: DictConfig) -> tuple[str, str]:
 MAX_SWEEP_JOBS = 64
 
 
+def _job_count(overrides: list, cap: int) -> int:
+    """How many jobs Hydra's basic sweeper makes of these parsed overrides (a later override of a
+    key replaces an earlier one), counted without listing them: seed=range(0,100000000) listed
+    took minutes and GBs. A sweep that is not a plain range is counted up to cap + 1 values."""
+    from hydra.core.override_parser.types import RangeSweep
+
+    sizes = {}
+    for o in overrides:
+        value = o.value() if o.is_sweep_override() else None
+        if value is None:
+            sizes[o.get_key_element()] = 1
+        elif isinstance(value, RangeSweep) and isinstance(value.range(), range):
+            sizes[o.get_key_element()] = len(value.range())
+        else:
+            sizes[o.get_key_element()] = sum(1 for _ in itertools.islice(o.sweep_string_iterator(), cap + 1))
+    return math.prod(sizes.values())
+
+
 def sweep_imports(conf_dir: Path, overrides: list[str], sweep_args: list[str]) -> list[dict]:
     """imports.foreign of every job of `python run.py -m <overrides> <sweep_args>`, each job
-    composed as Hydra's basic sweeper splits the sweep. A ValueError for a sweep that does not
+    composed as Hydra's basic sweeper splits the sweep (the composed config's
+    hydra.sweeper.params, as a study sets them, with the sweep's values). A ValueError for a sweep that does not
     split or compose, or has more than MAX_SWEEP_JOBS jobs."""
     from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     try:
-        (jobs,) = BasicSweeper.split_arguments(OverridesParser.create().parse_overrides(overrides + sweep_args), None)
+        with _LOCK, _env_as_written(conf_env_names(str(Path(conf_dir).resolve()))):
+            params = _compose(Path(conf_dir), overrides).hydra.sweeper.get("params") or {}
+        # as Hydra's basic sweeper reads them: the config's params first, then the command line's
+        parsed = OverridesParser.create().parse_overrides([f"{k}={v}" for k, v in params.items()] + overrides + sweep_args)
+        too_many = _job_count(parsed, MAX_SWEEP_JOBS) > MAX_SWEEP_JOBS
+        jobs = [] if too_many else BasicSweeper.split_arguments(parsed, None)[0]
     except Exception as e:
         raise ValueError(f"sweep_params: {_message(e)}") from None
-    if len(jobs) > MAX_SWEEP_JOBS:
-        raise ValueError(f"sweep_params: {len(jobs)} jobs; the studio checks each job's imports before a sweep starts, "
-                         f"up to {MAX_SWEEP_JOBS}: start a bigger sweep from a shell (python run.py -m ...).")
+    if too_many:
+        raise ValueError(f"sweep_params: more than {MAX_SWEEP_JOBS} jobs; the studio checks each job's imports before a "
+                         f"sweep starts, up to {MAX_SWEEP_JOBS}: start a bigger sweep from a shell (python run.py -m ...).")
     found = {}
     for job in jobs:
         comp = compose_overrides(conf_dir, job)

@@ -6,7 +6,9 @@ algorithm's functions (rft.algorithms.resolve), reward functions and served rewa
 (rft.scoring.resolve_fn), workflows, a multi-turn workflow's environment, an agent, a judge's
 parser (rft.judge), and Hydra's `_target_`. Those keys are IMPORT_KEYS, wherever they sit; any
 other string that reads as a dotted path into a module that exists is listed too, so a key added
-later is not a way around the list.
+later is not a way around the list. Hydra's own settings are read as well (foreign_hydra): a config
+file may set callbacks and logging handlers there, and the run's environment.
+A model config with trust_remote_code runs its folder's Python files: listed too (remote_code).
 
 "Own" code is the project's package (`rft.*`) and what sits at the top of the repository, where
 `python run.py` imports a study's own code from (`my_study/rewards.py`, `experiments/...`); a name
@@ -82,13 +84,48 @@ def origin(path: str, repo: Path) -> str | None:
     return None
 
 
-def foreign(tree, repo: Path) -> list[dict]:
+def foreign(tree, repo: Path, key: str = "") -> list[dict]:
     """{"key", "path", "module"} for each dotted path in the config the run would import from
     outside the project: "module" is where what it names is defined."""
     repo = Path(repo).resolve()
     out = []
-    for key, path in paths_in(tree):
+    for key, path in paths_in(tree, key):
         found = path if not own(path, repo) else origin(path, repo)
         if found and not own(found, repo):
             out.append({"key": key, "path": path, "module": found.rpartition(".")[0] or found})
     return out
+
+
+REMOTE_CODE = "the Python files of that model's folder or hub repository (trust_remote_code)"
+
+
+def remote_code(tree, key: str = "") -> list[dict]:
+    """{"key", "path", "module"} for each model config that sets trust_remote_code: transformers
+    then runs the Python files its model_path (and critic_model_path) hold."""
+    if isinstance(tree, list):
+        return [i for n, v in enumerate(tree) for i in remote_code(v, f"{key}[{n}]")]
+    if not isinstance(tree, dict):
+        return []
+    here = f"{key}.trust_remote_code" if key else "trust_remote_code"
+    out = [{"key": here, "path": str(tree[p]), "module": REMOTE_CODE}
+           for p in ("model_path", "critic_model_path") if tree.get("trust_remote_code") is True and tree.get(p)]
+    return out + [i for k, v in tree.items() for i in remote_code(v, f"{key}.{k}" if key else str(k))]
+
+
+# in the hydra node, what Hydra itself names: its launchers and sweepers (its plugins' too) and the
+# handlers of its default logging config
+HYDRA_OWN = ("hydra.", "hydra_plugins.")
+HYDRA_LOGGING = frozenset({"logging.StreamHandler", "logging.FileHandler"})
+ENVIRONMENT = "the environment of every process the run starts"
+
+
+def foreign_hydra(node: dict, repo: Path) -> list[dict]:
+    """foreign() of the composed config's hydra node, where a config file (a study, a group's
+    option) may set what the page may not: Hydra instantiates its callbacks and builds its logging
+    handlers (classes and `()` factories); less Hydra's own. Then each variable hydra.job.env_set
+    puts in the run's environment (LD_PRELOAD, PYTHONPATH: code its processes load), as
+    "NAME=value"."""
+    env = dict((node.get("job") or {}).get("env_set") or {})
+    found = [i for i in foreign(node, repo, "hydra") if not i["path"].startswith(HYDRA_OWN)
+             and i["path"] not in HYDRA_LOGGING and not i["key"].startswith("hydra.job.env_set.")]
+    return found + [{"key": f"hydra.job.env_set.{k}", "path": f"{k}={v}", "module": ENVIRONMENT} for k, v in env.items()]

@@ -41,9 +41,14 @@ def sources(run: Path) -> list[dict]:
 def _turns(messages, mask_roles=("assistant",)) -> list[dict]:
     """A conversation's turns, each marked trained (the assistant's sampled tokens: loss mask 1)
     or masked (the prompt, tool and user turns: in the context, never in the loss)."""
-    return [{"role": m.get("role", "?"), "content": m.get("content") or "",
+    return [{"role": m.get("role", "?"), "content": _text(m.get("content")),
              "tool_calls": m.get("tool_calls"), "trained": m.get("role") in mask_roles}
             for m in messages or [] if isinstance(m, dict)]
+
+
+def _text(content) -> str:
+    """A message's content as the page shows it: its text, or the JSON of a list of parts."""
+    return content if isinstance(content, str) else "" if content is None else json.dumps(content)
 
 
 def tokenizer_for(stage_dir: Path):
@@ -104,6 +109,29 @@ def _eval_row(i: int, step: int | None, d: dict) -> dict:
             "trained_tokens": None, "turns": turns}
 
 
+def _eval_rows(path: Path, source: str, step: int | None) -> tuple[list[dict], int]:
+    """(the rows of an eval trajectory file's first MAX_ROWS conversations, how many it holds); a
+    ValueError naming the line that is not a JSON object."""
+    rows, total = [], 0
+    with open(path, "rb") as f:
+        for i, line in enumerate(f):
+            if not line.strip():
+                continue
+            total += 1
+            if len(rows) == MAX_ROWS:
+                continue
+            try:
+                d = json.loads(line)
+            except ValueError as e:
+                raise ValueError(f"{source}, line {i + 1}: not JSON ({str(e).split(':')[0]}); each line is one "
+                                 f"conversation, a JSON object.") from None
+            if not isinstance(d, dict):
+                raise ValueError(f"{source}, line {i + 1}: a JSON {type(d).__name__}, not an object; each line is one "
+                                 f"conversation, a JSON object.")
+            rows.append(_eval_row(i, step, d))
+    return rows, total
+
+
 def read(run: Path, source: str, min_reward: float | None = None, max_reward: float | None = None,
          step: int | None = None, limit: int = 200) -> dict:
     """The source's rows that pass the filters (reward within [min, max], policy version or eval
@@ -116,11 +144,7 @@ def read(run: Path, source: str, min_reward: float | None = None, max_reward: fl
     if "eval_trajectories" in Path(source).parts:
         step_dir = path.parent.name
         at = int(step_dir[5:]) if step_dir.startswith("step_") and step_dir[5:].isdigit() else None
-        with open(path) as f:
-            for i, line in enumerate(f):
-                if line.strip():
-                    rows.append(_eval_row(i, at, json.loads(line)))
-        total = len(rows)
+        rows, total = _eval_rows(path, source, at)
     else:
         tok = tokenizer_for(path.parent)
         rows = [_experience_row(i, e, tok) for i, e in enumerate(read_experiences(str(path), MAX_ROWS))]
