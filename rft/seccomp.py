@@ -13,56 +13,49 @@ fresh interpreter started through `_posixsubprocess` has no audit hook, and has 
 
 So these calls fail with EPERM: unshare, setns, clone with a namespace flag, the mount calls,
 shmget, msgget, add_key, request_key, keyctl. clone3, whose flags a filter cannot read, fails with
-ENOSYS, on which the C library falls back to clone. Calls of another ABI (x32, or 32-bit code on a
-64-bit kernel) fail with ENOSYS: the numbers below are the native ABI's.
+ENOSYS, on which the C library falls back to clone. The filter is compiled by libseccomp (through
+pyseccomp), which knows each architecture's syscall numbers; calls of another ABI than the
+machine's own (x32, or 32-bit code on a 64-bit kernel) fail with ENOSYS.
 """
 
 from __future__ import annotations
 
 import errno
-import platform
-import struct
+import tempfile
 
-# (AUDIT_ARCH, {name: number}) for the native ABI of each machine the filter is written for
-_X86_64 = {"unshare": 272, "setns": 308, "mount": 165, "umount2": 166, "pivot_root": 155, "shmget": 29,
-           "msgget": 68, "add_key": 248, "request_key": 249, "keyctl": 250, "clone": 56}
-_AARCH64 = {"unshare": 97, "setns": 268, "mount": 40, "umount2": 39, "pivot_root": 41, "shmget": 194,
-            "msgget": 186, "add_key": 217, "request_key": 218, "keyctl": 219, "clone": 220}
-# the same number on every architecture (the new mount API, clone3)
-_COMMON = {"open_tree": 428, "move_mount": 429, "fsopen": 430, "fsconfig": 431, "fsmount": 432, "fspick": 433,
-           "mount_setattr": 442}
-CLONE3 = 435
-ARCHES = {"x86_64": (0xC000003E, _X86_64), "aarch64": (0xC00000B7, _AARCH64)}
-X32_BIT = 0x40000000  # x86_64: a syscall number with this bit is the x32 ABI's
-# CLONE_NEWTIME, NEWNS, NEWCGROUP, NEWUTS, NEWIPC, NEWUSER, NEWPID, NEWNET
-CLONE_NAMESPACES = 0x80 | 0x20000 | 0x02000000 | 0x04000000 | 0x08000000 | 0x10000000 | 0x20000000 | 0x40000000
-
-_LD_ABS, _JEQ, _JGE, _JSET, _RET = 0x20, 0x15, 0x35, 0x45, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ|K, ..., BPF_RET|K
-_ALLOW, _ERRNO = 0x7FFF0000, 0x00050000
-# offsets in struct seccomp_data: nr, arch, args[0] (its low 32 bits: little-endian machines only)
-_NR, _ARCH, _ARG0 = 0, 4, 16
+DENIED = ("unshare", "setns", "mount", "umount2", "pivot_root", "open_tree", "move_mount", "fsopen", "fsconfig",
+          "fsmount", "fspick", "mount_setattr", "shmget", "msgget", "add_key", "request_key", "keyctl")
+# CLONE_NEWTIME, NEWNS, NEWCGROUP, NEWUTS, NEWIPC, NEWUSER, NEWPID, NEWNET: clone with any of them is
+# refused; fork and threads use clone without them
+CLONE_NAMESPACES = (0x80, 0x20000, 0x02000000, 0x04000000, 0x08000000, 0x10000000, 0x20000000, 0x40000000)
 
 
-def _op(code: int, k: int, jt: int = 0, jf: int = 0) -> bytes:
-    return struct.pack("=HBBI", code, jt, jf, k)
+def program() -> bytes:
+    """The filter as BPF (struct sock_filter[], as bwrap's --seccomp reads it); ValueError saying
+    why where libseccomp is missing or does not know a call on this machine."""
+    try:
+        import pyseccomp as sc
+    except (ImportError, OSError) as e:  # pyseccomp loads libseccomp.so.2 when imported
+        raise ValueError(f"libseccomp, which compiles the sandbox's syscall filter, does not load ({e}; "
+                         f"`apt-get install libseccomp2`, `pip install pyseccomp`)") from None
+    f = sc.SyscallFilter(sc.ALLOW)
+    f.set_attr(sc.Attr.ACT_BADARCH, sc.ERRNO(errno.ENOSYS))
+    try:
+        for name in DENIED:
+            f.add_rule(sc.ERRNO(errno.EPERM), name)
+        for flag in CLONE_NAMESPACES:
+            f.add_rule(sc.ERRNO(errno.EPERM), "clone", sc.Arg(_clone_flags_arg(), sc.MASKED_EQ, flag, flag))
+        f.add_rule(sc.ERRNO(errno.ENOSYS), "clone3")
+    except (OSError, ValueError, RuntimeError) as e:
+        raise ValueError(f"libseccomp cannot build the sandbox's syscall filter on this machine ({e})") from None
+    with tempfile.TemporaryFile() as out:
+        f.export_bpf(out)
+        out.seek(0)
+        return out.read()
 
 
-def program(machine: str | None = None) -> bytes:
-    """The filter for this machine (struct sock_filter[], as bwrap's --seccomp reads it); ValueError
-    naming the machine where there is none."""
-    machine = machine or platform.machine()
-    if machine not in ARCHES:
-        raise ValueError(f"no syscall filter is written for this machine's architecture ({machine}; "
-                         f"there is one for {', '.join(ARCHES)})")
-    arch, numbers = ARCHES[machine]
-    eperm, enosys = _ERRNO | errno.EPERM, _ERRNO | errno.ENOSYS
-    ops = [_op(_LD_ABS, _ARCH), _op(_JEQ, arch, jt=1), _op(_RET, enosys), _op(_LD_ABS, _NR)]
-    if machine == "x86_64":
-        ops += [_op(_JGE, X32_BIT, jf=1), _op(_RET, enosys)]
-    denied = [(n, eperm) for name, n in {**numbers, **_COMMON}.items() if name != "clone"] + [(CLONE3, enosys)]
-    for number, answer in denied:
-        ops += [_op(_JEQ, number, jf=1), _op(_RET, answer)]
-    # clone: refused only with a namespace flag (fork and threads use it without one)
-    ops += [_op(_JEQ, numbers["clone"], jf=3), _op(_LD_ABS, _ARG0), _op(_JSET, CLONE_NAMESPACES, jf=1),
-            _op(_RET, eperm), _op(_RET, _ALLOW)]
-    return b"".join(ops)
+def _clone_flags_arg() -> int:
+    """Which argument of clone holds its flags: the first, except on s390 (the second)."""
+    import platform
+
+    return 1 if platform.machine().startswith("s390") else 0
