@@ -120,6 +120,15 @@ def test_a_saved_study_composes_what_the_page_composed(tmp_path):
         C.save_study(conf, "my_study", comp, defaults)
     with pytest.raises(ValueError, match="study name '../x'"):
         C.save_study(conf, "../x", comp, defaults)
+    # `++seed=3` was saved as a key '++seed', and the study then failed to compose
+    comp = C.compose(conf, defaults, {"++seed": "3"}, defaults, plan=False)
+    assert not comp.error
+    C.save_study(conf, "forced", comp, defaults)
+    study = C.compose(conf, {**defaults, "experiment": "forced"}, {}, defaults, plan=False)
+    assert not study.error and yaml.safe_load(study.yaml)["seed"] == 3
+    comp = C.compose(conf, defaults, {"~seed": ""}, defaults, plan=False)
+    with pytest.raises(ValueError, match=r"^~seed=: a study file holds values, and a deletion has no form there"):
+        C.save_study(conf, "deleted", comp, defaults)
 
 
 def _fake_run(root: Path, rel: str, metrics: list[dict], overrides=(), stage="grpo"):

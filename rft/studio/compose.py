@@ -390,6 +390,15 @@ def control_character(where: str, text: str) -> None:
 STUDY_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
 
+def _study_key(key: str, text: str) -> str:
+    """An override's key as a study file writes it: `+x` and `++x` (add, force-add) are plain keys
+    there; a deletion (`~x`) or a package (`x@pkg`) has no form in a file of values."""
+    if key.startswith("~") or "@" in key:
+        raise ValueError(f"{key}={text}: a study file holds values, and {'a deletion' if key.startswith('~') else 'a package override'} "
+                         f"has no form there. Leave it out to save, or run it from the command line.")
+    return key.lstrip("+")
+
+
 def save_study(conf_dir: Path, name: str, comp: Composition, defaults: dict[str, str],
                overwrite: bool = False) -> Path:
     """Write conf/experiment/<name>.yaml: its command line first (after Hydra's header), then the composition's groups as
@@ -408,6 +417,7 @@ def save_study(conf_dir: Path, name: str, comp: Composition, defaults: dict[str,
     keys = [o.split("=", 1) for o in comp.overrides if "=" in o and o.split("=", 1)[0] not in comp.choices]
     body: dict = {}
     for key, text in keys:
+        key = _study_key(key, text)
         node = body
         *parents, leaf = key.split(".")
         for p in parents:
