@@ -610,3 +610,22 @@ def test_the_pages_work_under_their_content_security_policy(browser, tmp_path): 
         assert "script-src 'self';" in csp and "frame-ancestors 'none'" in csp
     finally:
         _stop(proc)
+
+
+def test_a_launch_log_is_a_new_file_no_one_could_name_first(tmp_path):
+    # its name was launch_<studio pid>_<n>.log, opened for writing: on a checkpoint root other users
+    # write to, a link planted there sent the console into any file the studio's user may write
+    from rft.studio.launch import Launches
+
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    (repo / "run.py").write_text("print('hello')\n")
+    logs, target = tmp_path / "logs", tmp_path / "victim.txt"
+    logs.mkdir()
+    target.write_text("mine")
+    os.symlink(target, logs / f"launch_{os.getpid()}_1.log")
+    launch = Launches(repo, logs).start([])
+    launch.proc.wait(timeout=60)
+    assert target.read_text() == "mine"
+    assert launch.log.parent == logs and launch.log.read_text() == "hello\n"
+    assert launch.log.name.startswith("launch_1_") and (launch.log.stat().st_mode & 0o777) == 0o600

@@ -11,6 +11,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -62,9 +63,12 @@ class Launches:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         with self._lock:
             n = max(self.all, default=0) + 1
-            log = self.log_dir / f"launch_{os.getpid()}_{n}.log"
+            # created here, never reopened: a name no one can guess and take first (the root may
+            # be a folder other users write to), readable by this user only
+            fd, log = tempfile.mkstemp(prefix=f"launch_{n}_", suffix=".log", dir=self.log_dir)
+            log = Path(log)
             argv = [sys.executable, str(self.repo / "run.py"), *args]
-            f = open(log, "wb")
+            f = os.fdopen(fd, "wb")
             # a session of its own: stop reaches the run's children (Ray, ranks) and the
             # studio's own Ctrl-C does not reach the run
             proc = subprocess.Popen(argv, cwd=self.repo, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
