@@ -1,6 +1,6 @@
 # make run        train the embedded default (tiny model, arithmetic, SFT warm-up then GRPO) on CPU
 # make test       run the whole test suite
-# make test-fast  the tests that start no training run, engine or Ray (a few minutes), to iterate
+# make test-fast  the tests of under a second each: no training run, engine, Ray, server or browser (~2 min), to iterate
 # make studio     the studio: compose, launch and watch runs in a local web page (python -m rft.studio)
 # Both create or refresh .venv first; nothing else needs installing by hand.
 
@@ -41,7 +41,7 @@ browser:
 	    { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q chromium >/dev/null 2>&1; }; }; } || \
 	  echo "make: Chromium is not installed (as root: apt-get install chromium); the studio's browser tests will skip"
 
-# the python environment runs model-written code in bubblewrap (rft/sandbox.py): installed here where
+# the python environment runs model-written code in bubblewrap (rft/rollout/environments/sandbox.py): installed here where
 # apt-get runs as root, else its isolation tests skip (RFT_REQUIRE_SANDBOX=1 makes them fail, as in CI)
 sandbox:
 	@command -v bwrap >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \

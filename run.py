@@ -13,15 +13,16 @@ import hydra
 from omegaconf import DictConfig
 
 import rft.config  # registers the typed schema with Hydra's ConfigStore
-import rft.sweep
+import rft.plan.overlays
+import rft.reporting.sweep
 
-rft.config.exit_on_config_mistakes(sys.argv[1:], Path(__file__).parent / "conf")  # bad YAML, misspelt keys
-rft.sweep.install()  # a sweep job that died under Slurm: one paragraph, not a traceback
+rft.plan.overlays.exit_on_config_mistakes(sys.argv[1:], Path(__file__).parent / "conf")  # bad YAML, misspelt keys
+rft.reporting.sweep.install()  # a sweep job that died under Slurm: one paragraph, not a traceback
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> float | None:
-    from rft.main import main as run
+    from rft.runtime.main import main as run
 
     return run(cfg)
 

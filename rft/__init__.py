@@ -1,8 +1,8 @@
 """rft: reinforcement fine-tuning of language models, driven by Hydra.
 
-Entry point: `rft.main.main(cfg)` (called by run.py). Planning, which imports nothing that runs:
-config (schemas, names), plan (stages, batch plan, checks), placement (actor counts), algorithms
-(registries and their needs), rewards, workflows, tasks, data. Running: main, runner (one stage's
-schedule), actors (Ray or inline), checkpoint, explorer, engine, trainer, fsdp, sync, buffer,
-monitor. README's "Layout" says what each holds.
+Entry point: `rft.runtime.main.main(cfg)` (called by run.py). The folders are the parts, each
+importing only those below it (tests/test_layers.py): plan (every number and check, before
+anything runs), algorithms, data, rewards, rollout (explorer, engines, workflows, environments),
+trainer, sync, runtime (stages, schedule, actors, checkpoints), serving (HTTP servers), reporting,
+studio. README's "Layout" says what each holds.
 """

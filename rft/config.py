@@ -224,7 +224,7 @@ class ModelConfig:
     # the trainer's output layer (logits, log-probs) in float32 for a bfloat16/float16 model:
     # narrows the gap between the trainer's and the engine's log-probs
     fp32_lm_head: bool = False
-    # LoRA adapters (PEFT) on a frozen base; rank 0: train every weight (rft/lora.py)
+    # LoRA adapters (PEFT) on a frozen base; rank 0: train every weight (rft/trainer/lora.py)
     lora: LoraConfig = field(default_factory=lambda: LoraConfig())
 
 
@@ -239,7 +239,7 @@ class FormatConfig:
     messages_key: str = "messages"
     # a training dataset of `messages` rows (whole conversations): train on every assistant turn
     # of a row at once, as one sequence (the others' turns and the template's tokens masked
-    # out), rather than on a prompt and one response (rft/chat.py conversation_ids)
+    # out), rather than on a prompt and one response (rft/data/chat.py conversation_ids)
     enable_concatenated_multi_turn: bool = False
     system_prompt: Optional[str] = None
     # preference pairs (DPO): columns of the preferred and the dispreferred response
@@ -272,13 +272,13 @@ class TasksetConfig:
     rollout_args: RolloutArgs = field(default_factory=RolloutArgs)
     # rollouts per task; defaults to algorithm.repeat_times (taskset) or 1 (eval tasksets)
     repeat_times: Optional[int] = None
-    # the reward (rft/scoring.py): a name in rft.rewards.REWARD_FNS (or a served reward: remote,
+    # the reward (rft/rewards/scoring.py): a name in rft.rewards.verifiers.REWARD_FNS (or a served reward: remote,
     # judge, reward_model; or module.function), or a list of parts
     # [{fn, weight, args, name, normalize}, ...] whose weighted sum is the reward and whose parts are
     # logged (reward/<name>/mean) and stored (Experience.reward_parts); defaults to
     # explorer_input.default_reward_fn_type
     reward_fn: Any = None
-    # name in rft.workflows.WORKFLOWS (or module.function): how a task becomes experiences
+    # name in rft.rollout.workflows.single_turn.WORKFLOWS (or module.function): how a task becomes experiences
     workflow: str = "single_turn"
     # keyword arguments the workflow takes (ctx.args)
     workflow_args: Dict[str, Any] = field(default_factory=dict)
@@ -290,7 +290,7 @@ class ExplorerInputConfig:
     eval_tasksets: List[TasksetConfig] = field(default_factory=list)
     # the reward of a taskset without reward_fn (a name, or a list of parts as reward_fn takes)
     default_reward_fn_type: Any = "exact_match"
-    # name in rft.tasks.GENERATORS: writes the taskset files when they are missing
+    # name in rft.data.tasks.GENERATORS: writes the taskset files when they are missing
     generator: Optional[str] = None
 
 
@@ -300,7 +300,7 @@ class ReplayBufferConfig:
     enable: bool = False
     # seconds before a read experience can be read again
     reuse_cooldown_time: Optional[float] = None
-    # name in rft.experience.PRIORITY_FNS: which ready experience is read first
+    # name in rft.data.experience.PRIORITY_FNS: which ready experience is read first
     priority_fn: str = "linear_decay"
     # linear_decay: priority = policy_version - decay * times_used
     priority_fn_args: Dict[str, Any] = field(default_factory=lambda: {"decay": 2.0})
@@ -368,7 +368,7 @@ class RolloutModelConfig:
     enable_sleep_mode: bool = False
     # vllm on CPU: GiB of memory for the KV cache (VLLM_CPU_KVCACHE_SPACE)
     cpu_kvcache_space_gb: int = 1
-    # serve /v1/chat/completions and /v1/completions from this engine (rft/openai_api.py) on
+    # serve /v1/chat/completions and /v1/completions from this engine (rft/serving/openai_api.py) on
     # 127.0.0.1 with a per-explorer token, for agent code written against the OpenAI client
     # (workflow: openai_agent); the auxiliary models are served too, under their names
     enable_openai_api: bool = False
@@ -446,7 +446,7 @@ class TrainerConfig:
     # next, instead of padding every row to the longest: same log-probs, no compute on padding
     use_remove_padding: bool = True
     # with use_remove_padding and sdpa or eager attention: the rows of a group (same prompt ids)
-    # are one sequence, the prompt computed once and each response attending to it (rft/logprobs.py);
+    # are one sequence, the prompt computed once and each response attending to it (rft/trainer/logprobs.py);
     # for groups whose prompt is at least as long as their mean response. Same log-probs
     share_prompts: bool = True
     # micro-batches by token count (max_token_len_per_gpu) instead of micro_batch_size_per_gpu
@@ -488,7 +488,7 @@ class SynchronizerConfig:
     sync_interval: int = 1
     # the explorer runs this many steps ahead of the trainer (bounded off-policy; 0: on-policy);
     # null: 1 where explorers and trainer have resources of their own and so can run side by side
-    # (Ray, mode=both, not colocated), else 0 (rft.placement.sync_offset)
+    # (Ray, mode=both, not colocated), else 0 (rft.plan.placement.sync_offset)
     sync_offset: Optional[int] = None
     # seconds to wait for a sync before failing
     sync_timeout: float = 1200.0
@@ -530,7 +530,7 @@ class ClusterConfig:
     # torch threads in each explorer and trainer actor; null: cpus_per_actor, except with Ray on
     # CPU and synchronizer.sync_offset=0, where the actors take turns (the explorer waits while
     # the trainer trains, and back) and each uses the CPUs they reserve together
-    # (rft.placement.torch_threads)
+    # (rft.plan.placement.torch_threads)
     threads_per_actor: Optional[int] = None
     # explorers and trainer share devices (true) or get their own (false); on GPU, the trainer
     # gets the node_num x gpu_per_node GPUs the explorers' engines do not take
@@ -609,35 +609,6 @@ def schema_keys() -> list[str]:
     return out
 
 
-def misspelt_override(args: list[str], groups: set[str]) -> str | None:
-    """The message for the first command-line override whose key the schema does not have, naming
-    the nearest keys; None when every key exists. Group choices (`algorithm=grpo`, `hydra/...`),
-    hydra.* keys, additions (+key), deletions (~key) and keys inside dict- or list-typed values
-    (auxiliary_buffers, stages) are left to Hydra."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-    from omegaconf import OmegaConf
-
-    candidates = [a for a in args if "=" in a and not a.startswith("-")]
-    try:
-        overrides = OverridesParser.create().parse_overrides(candidates)
-    except Exception:  # Hydra reports syntax errors itself
-        return None
-    schema = OmegaConf.structured(Config)
-    for o in overrides:
-        key = o.key_or_group
-        if o.is_delete() or "/" in key or key.split(".")[0] in ("hydra",):
-            continue
-        # +key adds a key: to a free-form dict or list (stages, auxiliary_buffers, a reward's args)
-        # that is the way, but the schema's own sections have every key they take already
-        adding = o.is_add() or o.is_force_add()
-        if key in groups:
-            continue
-        problem = key_mistake(schema, key, adding)
-        if problem:
-            return f"Could not {'add' if adding else 'override'} '{key}': {problem}"
-    return None
-
-
 def key_mistake(schema, key: str, adding: bool = False) -> str | None:
     """Why the schema (OmegaConf.structured(Config)) has no dotted `key`, naming the nearest keys;
     None when it has it, or when the key is inside a dict- or list-typed value (checked when
@@ -680,141 +651,6 @@ def key_mistake(schema, key: str, adding: bool = False) -> str | None:
     return None
 
 
-def unparsable_override(args: list[str]) -> str | None:
-    """The message for the first command-line override Hydra's grammar cannot read (Hydra says
-    only "LexerNoViableAltException: name=résumé" and a caret), with how to quote it."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-    from hydra.errors import OverrideParseException
-
-    parser = OverridesParser.create()
-    for arg in (a for a in args if "=" in a and not a.startswith("-")):
-        try:
-            parser.parse_overrides([arg])
-        except OverrideParseException as e:
-            key, _, value = arg.partition("=")
-            quoted = f"'{key}=\"{value}\"'"
-            if value.startswith(("[", "{")) and not value.rstrip().endswith(("]", "}")):
-                return (f"the override {arg!r} does not parse: its list or dict is not closed, most likely because the "
-                        f"shell split it at a space. Put the whole override in single quotes: "
-                        f"'{key}={value} ...'.")
-            if not value.isascii():
-                return (f"the override {arg!r} does not parse: Hydra's override grammar takes only ASCII letters "
-                        f"in a value that is not quoted. Quote the value, with single quotes around the whole "
-                        f"for the shell: {quoted}.")
-            return (f"the override {arg!r} does not parse ({str(e).splitlines()[0]}). A value holding any of "
-                    f"( ) [ ] {{ }} , : = ' \" is quoted: {quoted}; a list is [a,b] and a dict {{k: v}} "
-                    f"(Hydra's override grammar).")
-    return None
-
-
-def missing_option(args: list[str], conf_dir) -> str | None:
-    """The message for a config chosen on the command line (experiment=NAME, or any group=option)
-    whose defaults list names an option that does not exist, naming the file and line (Hydra says
-    only "In 'config': Could not find 'model/tinyy'"). Options Hydra itself names (on the command
-    line, hydra/...) are left to Hydra."""
-    from pathlib import Path
-
-    conf_dir = Path(conf_dir)
-    todo = [conf_dir / g / f"{o}.yaml" for g, _, o in (a.partition("=") for a in args if "=" in a and not a.startswith(("-", "+", "~")))
-            if (conf_dir / g).is_dir() and not g.startswith("hydra")]
-    seen: set = set()
-    while todo:
-        path = todo.pop()
-        if path in seen or not path.is_file():
-            continue
-        seen.add(path)
-        for line, group, option in _defaults_entries(path, conf_dir):
-            target = conf_dir / group / f"{option}.yaml"
-            if group.startswith("hydra") or target.is_file():
-                todo.append(target)
-                continue
-            there = sorted(p.stem for p in (conf_dir / group).glob("*.yaml"))
-            options = f"the options of '{group}' are {', '.join(there)}" if there else f"there is no group '{group}'"
-            top = group.rpartition("/")[2]
-            if not there and (conf_dir / top).is_dir():  # `task: mine` in an overlay is experiment/task/mine
-                options += f"; a group of the whole config takes a leading /: `override /{top}: {option}`"
-            return (f"{path.relative_to(conf_dir.parent)}, line {line}: its defaults list names '{group}/{option}', "
-                    f"but there is no {target.relative_to(conf_dir.parent)} ({options}). Fix the name in that file.")
-    return None
-
-
-def _defaults_entries(path, conf_dir) -> list[tuple[int, str, str]]:
-    """(line, group, option) of each entry of a config file's defaults list that names a config:
-    `override /group: option`, `/group: option`, `group: option` (relative to the file's group),
-    or a bare `name` (a config of the file's own group)."""
-    import yaml
-
-    try:
-        root = yaml.compose(path.read_text())
-    except yaml.YAMLError:
-        return []  # bad_yaml names it
-    own = str(path.parent.relative_to(conf_dir)).replace("\\", "/")
-    own = "" if own == "." else own
-    defaults = next((v for k, v in getattr(root, "value", []) or [] if getattr(k, "value", None) == "defaults"), None)
-    out = []
-    for item in getattr(defaults, "value", []) if isinstance(defaults, yaml.SequenceNode) else []:
-        line = item.start_mark.line + 1
-        if isinstance(item, yaml.ScalarNode) and item.value not in ("_self_",):
-            out.append((line, own, item.value))
-        elif isinstance(item, yaml.MappingNode) and len(item.value) == 1:
-            k, v = item.value[0]
-            key = k.value.removeprefix("override ").strip()
-            if key.startswith("optional ") or not isinstance(v, yaml.ScalarNode) or v.value in ("", "null", "~") \
-                    or "${" in v.value:
-                continue
-            group = key.split("@")[0]
-            group = group[1:] if group.startswith("/") else f"{own}/{group}".strip("/")
-            out.append((line, group, v.value))
-    return out
-
-
-def exit_on_config_mistakes(args: list[str], conf_dir) -> None:
-    """run.py's check before Hydra composes: a config file that is not YAML (Hydra would print a
-    traceback of a hundred lines), an override its grammar cannot read, a misspelt key on the
-    command line, an overlay naming an option that does not exist, or the mistakes of a study's
-    own files (rft/overlays.py) exits with status 2 and one paragraph."""
-    import sys
-    from pathlib import Path
-
-    groups = {p.name for p in Path(conf_dir).iterdir() if p.is_dir()}
-    from rft import overlays
-
-    message = (bad_yaml(Path(conf_dir)) or unparsable_override(args) or misspelt_override(args, groups)
-               or missing_option(args, conf_dir) or overlays.check(args, Path(conf_dir)))
-    if message:
-        print(f"\nrft: configuration error: {message}\n", file=sys.stderr)
-        sys.exit(2)
-
-
-def bad_yaml(conf_dir) -> str | None:
-    """The message for the first file under `conf_dir` that does not parse as YAML (None: all do);
-    ~50 small files, a few ms with libyaml."""
-    import os
-
-    import yaml
-
-    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
-    for path in sorted(conf_dir.rglob("*.yaml")):
-        data = path.read_bytes()
-        try:
-            text = data.decode("utf-8")
-        except UnicodeDecodeError as e:  # an editor's latin-1: a raw traceback of run.py otherwise
-            line = data.count(b"\n", 0, e.start) + 1
-            column = e.start - (data.rfind(b"\n", 0, e.start) + 1) + 1
-            return (f"{os.path.relpath(path)} is not UTF-8 text (byte {data[e.start:e.start + 1]!r} at line {line}, "
-                    f"column {column}); config files are read as UTF-8. Convert it (e.g. iconv -f latin1 -t utf-8 "
-                    f"{path.name} > {path.stem}.utf8.yaml, then rename it) or fix the line.")
-        try:
-            yaml.load(text, Loader=loader)  # noqa: S506 (a safe loader)
-        except yaml.YAMLError as e:
-            mark = getattr(e, "problem_mark", None)
-            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-            problem = getattr(e, "problem", None) or str(e).splitlines()[0]
-            return (f"{os.path.relpath(path)} is not valid YAML: {problem}{where}. Fix the file (a common cause: "
-                    f"the keys of one mapping indented by different numbers of spaces, or a tab).")
-    return None
-
-
 def flat(cfg) -> dict[str, Any]:
     """A resolved config as {dotted key: value}; lists are values."""
     from omegaconf import OmegaConf
@@ -839,7 +675,7 @@ class Frozen(dict):
     OmegaConf lookup costs ~6 us (~0.5 ms a step in all); they never change it, so they get it
     as this (rft.config.frozen) and a read costs what a dict lookup does. A key named like a dict
     method (`items`, `get`, ...) reads only as `cfg["items"]`; the schema has none. The runtime
-    hands it to them (rft.actors.start_trainer, start_explorers); built directly, they take a
+    hands it to them (rft.runtime.actors.start_trainer, start_explorers); built directly, they take a
     DictConfig as well."""
 
     __slots__ = ()

@@ -15,14 +15,25 @@ rewrite a file can rewrite the manifest beside it. So it is chosen for speed: xx
 ~5.3 GB/s on one core of these machines, where crc32 does 2.4, sha256 1.0 and blake2b 0.55
 (1 GiB from the page cache, 8 MiB reads), and its 128 bits leave a change unnoticed with odds of
 ~2^-128. `python -m rft.manifest DIR` checks a directory by hand.
+
+Directories rft builds itself on first use, in cache_dir (the tiny model, rft/models.py, and the
+generated task data, rft/data/tasks.py) are built in <dir>.tmp, sealed and renamed into place
+(`install`), and checked before each use (`whole`). A damaged one (a cut train.jsonl, a cut
+config.json, a zeroed block of weights) is moved aside to <dir>.damaged-<time>, said, and built
+again; its builder is deterministic, so the new one is the one that was damaged. Unchecked, a
+train.jsonl cut at a line's end was trained on as it was. One built by an rft from before these
+manifests is built again and compared: the same files are sealed where they are (their
+modification times, part of the stage cache's keys, kept); others are moved aside as damaged.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import stat
 import sys
+import time
 from pathlib import Path, PurePosixPath
 
 MANIFEST = "manifest.json"
@@ -159,6 +170,54 @@ def _compare(d: Path, listed: dict, skip: tuple[str, ...]) -> str | None:
         if rel not in skip and digest(d / rel) != want:
             return f"{d / rel}: its contents are not the ones saved (their digest differs)"
     return None
+
+
+# ---------------------------------------------------------------- moving aside, built directories
+
+def put_aside(path: Path, why: str) -> Path:
+    """Move `path` to <path>.<why>-<time> (-2, -3, ... after it when that is taken), never deleting."""
+    stamp = f"{path.name}.{why}-{time.strftime('%Y%m%d_%H%M%S')}"
+    aside, n = path.with_name(stamp), 1
+    while aside.exists():
+        n += 1
+        aside = path.with_name(f"{stamp}-{n}")
+    os.replace(path, aside)
+    return aside
+
+
+def whole(path: Path, what: str) -> bool:
+    """Whether built directory `path` is there and whole: nothing to build. A damaged one is moved
+    aside and said; one without a manifest (an older rft's) is left for `install` to compare. Call
+    it under the builder's lock."""
+    if not path.exists() or read(path) == (None, None):
+        return False
+    why = verify(path)
+    if why is None:
+        return True
+    aside = put_aside(path, "damaged")
+    _say(f"the {what} in {path} is damaged ({why}); moved it to {aside.name} and building it again")
+    return False
+
+
+def install(tmp: Path, path: Path, what: str) -> None:
+    """Seal the freshly built `tmp` and put it at `path`, where an older rft's build may be: kept
+    (and sealed) if its files are the same, else moved aside."""
+    seal(tmp, {"built": what})
+    if path.exists():
+        shutil.copy2(tmp / MANIFEST, path / MANIFEST)
+        why = verify(path)
+        if why is None:
+            shutil.rmtree(tmp)
+            return
+        (path / MANIFEST).unlink()
+        aside = put_aside(path, "damaged")
+        _say(f"the {what} in {path}, from an rft before built files were checked, is not the one this rft builds "
+             f"({why}: damaged, or built by other versions of its libraries); moved it to {aside.name}")
+    os.replace(tmp, path)
+
+
+def _say(text: str) -> None:
+    print(f"rft: warning: {text}", file=sys.stderr, flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:

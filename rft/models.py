@@ -16,7 +16,7 @@ from pathlib import Path
 
 from filelock import FileLock
 
-from rft import built, manifest
+from rft import manifest
 from rft.config import DTYPES as CONFIG_DTYPES
 from rft.errors import ConfigError
 
@@ -67,7 +67,7 @@ _TOOL_TOKENS = ["tool", "<tool_call>", "</tool_call>", '{"name":"calculator","ar
 
 def build_tiny_model(path: str | Path, seed: int = 0, arch: dict | None = None, tools: bool = False) -> Path:
     """Write the tiny Qwen2 model and its tokenizer to `path` (atomically, sealed: a damaged one is
-    built again, rft/built.py; safe to race).
+    built again, rft/manifest.py; safe to race).
 
     `arch` overrides entries of TINY_ARCH (a larger model for benchmarks, a narrow one for tests);
     `tools` adds the tool role and tool-call tokens (model=tiny_tools).
@@ -82,7 +82,7 @@ def build_tiny_model(path: str | Path, seed: int = 0, arch: dict | None = None, 
     _quiet_transformers()
     path.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(path) + ".lock"):
-        if built.whole(path, "tiny model"):  # one damaged is moved aside
+        if manifest.whole(path, "tiny model"):  # one damaged is moved aside
             return path
         vocab = {tok: i for i, tok in enumerate(_SPECIAL_TOKENS + _ROLE_TOKENS + _CHARS)}
         backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
@@ -112,7 +112,7 @@ def build_tiny_model(path: str | Path, seed: int = 0, arch: dict | None = None, 
         shutil.rmtree(tmp, ignore_errors=True)
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        built.install(tmp, path, "tiny model")
+        manifest.install(tmp, path, "tiny model")
         n = sum(p.numel() for p in model.parameters())
         log.info("built the tiny model (%d parameters) at %s", n, path)
     return path
@@ -268,7 +268,7 @@ def load_hf_weights(model, hf_dir) -> None:
     save_pretrained writes tied weights once, so those may be missing; anything else missing or
     unexpected means the checkpoint is of another model.
     """
-    from rft.sync import hf_tensors
+    from rft.sync.weights import hf_tensors
 
     missing, unexpected = model.load_state_dict(dict(hf_tensors(hf_dir)), strict=False)
     tied = set(getattr(model, "_tied_weights_keys", None) or [])

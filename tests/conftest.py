@@ -30,13 +30,13 @@ def warm_start(tmp_path_factory):
     Tests of RL behaviour start here: the model answers about 15% of held-out problems, so
     rewards vary within groups and a few RL steps visibly raise accuracy.
     """
-    import rft.main
+    import rft.runtime.main
 
     root = tmp_path_factory.mktemp("warm")
     # the default with one GRPO step: the warm-up, a stage the next one starts from, goes into the
     # stage cache <root>/rft/stage_cache, where a test of the whole default reuses it (warm_cache)
     cfg = compose_cfg(["cluster=inline", "monitor=console", f"checkpoint_root_dir={root}", "buffer.total_steps=1"])
-    rft.main.main(cfg)
+    rft.runtime.main.main(cfg)
     return root / "rft" / cfg.name / "sft_warmup" / "checkpoints" / "step_400" / "hf"
 
 

@@ -7,7 +7,7 @@ h < 10 raises, 10 <= h < 15 sleeps 3 s (past the test's explorer.max_timeout), e
 import hashlib
 import time
 
-from rft.rewards import exact_match
+from rft.rewards.verifiers import exact_match
 
 
 def fault_class(task_id: str) -> str:

@@ -4,10 +4,10 @@ two warm-up steps, then two steps of the algorithm): finite losses, metrics, the
 import math
 
 import pytest
-
-import rft.main
 from conftest import CONF, compose_cfg
-from rft.monitor import read_metrics
+
+import rft.runtime.main
+from rft.reporting.monitor import read_metrics
 
 ALGORITHMS = sorted(p.stem for p in (CONF / "algorithm").glob("*.yaml"))
 OFFLINE = {"sft", "dpo"}  # they set mode=train and read the taskset's answers / pairs
@@ -26,7 +26,7 @@ BUDGET = ["stages.0.buffer.total_steps=2", "stages.0.algorithm.optimizer.warmup_
 def test_every_algorithm_trains_on_the_default_study(algorithm, tmp_path):
     extra = ["buffer.train_batch_size=16"] if algorithm in OFFLINE else []
     cfg = compose_cfg([f"algorithm={algorithm}", *BUDGET, *extra, f"checkpoint_root_dir={tmp_path}"])
-    rft.main.main(cfg)
+    rft.runtime.main.main(cfg)
     run = tmp_path / "rft" / cfg.name
     assert [m["step"] for m in read_metrics(run / "sft_warmup" / "metrics.jsonl")] == [1, 2]
     steps = read_metrics(run / algorithm / "metrics.jsonl")
@@ -61,7 +61,7 @@ OFFLINE_DATA = ["mode=train", "stages=[]", "cluster=inline", "monitor=console", 
 @pytest.mark.slow  # a real engine, Ray or training run
 def test_sft_algorithm_trains_from_a_dataset(tmp_path):
     cfg = compose_cfg(["algorithm=sft", *OFFLINE_DATA, f"checkpoint_root_dir={tmp_path}"])
-    rft.main.main(cfg)
+    rft.runtime.main.main(cfg)
     steps = read_metrics(tmp_path / "rft" / cfg.name / "metrics.jsonl")
     # eval at 0 and 3 (mode=train still evaluates on the eval tasksets)
     assert [m["step"] for m in steps] == [0, 1, 2, 3]
@@ -74,7 +74,7 @@ def test_dpo_algorithm_trains_from_preference_pairs(tmp_path):
     cfg = compose_cfg(["algorithm=dpo", *OFFLINE_DATA, f"checkpoint_root_dir={tmp_path}",
                        "buffer.trainer_input.experience_buffer.format.chosen_key=answer",
                        "buffer.trainer_input.experience_buffer.format.rejected_key=rejected"])
-    rft.main.main(cfg)
+    rft.runtime.main.main(cfg)
     steps = read_metrics(tmp_path / "rft" / cfg.name / "metrics.jsonl")[1:]
     # 8 experiences = 4 pairs per step; the first step's policy is the reference: margin 0,
     # loss log 2 = 0.693147 per pair
@@ -91,7 +91,7 @@ def test_odd_batch_with_preference_pairs_is_a_config_error(tmp_path):
                        "buffer.trainer_input.experience_buffer.format.chosen_key=answer",
                        "buffer.trainer_input.experience_buffer.format.rejected_key=rejected"])
     with pytest.raises(ConfigError, match="trainer.micro_batch_size_per_gpu=3 must be even with preference pairs"):
-        rft.main._main(cfg)
+        rft.runtime.main._main(cfg)
 
 
 @pytest.mark.slow  # a real engine, Ray or training run
@@ -99,7 +99,7 @@ def test_mix_adds_a_weighted_sft_loss_from_an_auxiliary_buffer(tmp_path):
     cfg = compose_cfg(["algorithm=mix", "stages=[]", "cluster=inline", "monitor=console",
                        "buffer.total_steps=2", "buffer.batch_size=4", "algorithm.repeat_times=4",
                        "explorer.eval_on_startup=false", f"checkpoint_root_dir={tmp_path}", *MIX_DATA])
-    rft.main.main(cfg)
+    rft.runtime.main.main(cfg)
     steps = read_metrics(tmp_path / "rft" / cfg.name / "metrics.jsonl")
     # the untrained model: -log p of a 4-token answer is ~ln(103 tokens) = 4.6 per token, x 0.1
     assert all(0.2 < m["loss/sft"] < 0.6 for m in steps)
@@ -107,7 +107,7 @@ def test_mix_adds_a_weighted_sft_loss_from_an_auxiliary_buffer(tmp_path):
 
 def test_mix_without_an_auxiliary_buffer_learns_from_the_tasksets_answers(tmp_path):
     from rft.errors import ConfigError
-    from rft.plan import sft_buffer_config
+    from rft.plan.batch import sft_buffer_config
 
     cfg = compose_cfg(["algorithm=mix", "stages=[]", "cluster=inline", "monitor=console",
                        "buffer.total_steps=1", f"checkpoint_root_dir={tmp_path}"])

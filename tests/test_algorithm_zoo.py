@@ -283,8 +283,8 @@ def test_the_overlong_penalty_changes_the_reward_and_is_logged():
     from types import SimpleNamespace
 
     from rft.algorithms.shaping import apply_overlong
-    from rft.experience import Experience
-    from rft.explorer import rollout_metrics
+    from rft.data.experience import Experience
+    from rft.rollout.explorer import rollout_metrics
 
     algo = SimpleNamespace(overlong_buffer_frac=0.2, overlong_penalty_factor=1.0)  # 20 tokens: buffer 4
     long = Experience(list(range(2 + 18)), 2, [0.0] * 18, reward=1.0, group_id="g")  # 18 tokens: -0.5
@@ -303,7 +303,7 @@ def test_overlong_penalty_measures_a_multi_turn_row_by_its_longest_turn():
     from types import SimpleNamespace
 
     from rft.algorithms.shaping import apply_overlong
-    from rft.experience import Experience
+    from rft.data.experience import Experience
 
     # per-turn limit 100, buffer 0.2 * 100 = 20: the penalty starts past 80 tokens
     algo = SimpleNamespace(overlong_buffer_frac=0.2, overlong_penalty_factor=1.0)
@@ -424,7 +424,7 @@ def test_gae_steps_over_tokens_the_loss_does_not_count():
 
 
 def test_explained_variance():
-    from rft.critic import explained_variance
+    from rft.trainer.critic import explained_variance
 
     mask = torch.ones(1, 4)
     returns = torch.tensor([[1.0, 2.0, 3.0, 4.0]])

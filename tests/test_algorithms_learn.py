@@ -5,10 +5,10 @@ SFT warm-up (400 steps), evaluated greedily on the 200 held-out problems.
 """
 
 import pytest
-
-import rft.main
 from conftest import compose_cfg
-from rft.monitor import read_metrics
+
+import rft.runtime.main
+from rft.reporting.monitor import read_metrics
 
 pytestmark = pytest.mark.slow
 
@@ -24,7 +24,7 @@ def eval_start_end(algorithm, warm_start, tmp_path, extra):
     cfg = compose_cfg([f"algorithm={algorithm}", "stages=[]", f"model.model_path={warm_start}",
                        "model.builder=null", "buffer.total_steps=10", "explorer.eval_interval=10",
                        "cluster=inline", "monitor=console", f"checkpoint_root_dir={tmp_path}", *extra])
-    rft.main.main(cfg)
+    rft.runtime.main.main(cfg)
     evals = [m["eval/accuracy"] for m in read_metrics(tmp_path / "rft" / cfg.name / "metrics.jsonl")
              if "eval/accuracy" in m]
     return evals[0], evals[-1]

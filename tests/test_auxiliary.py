@@ -3,17 +3,17 @@
 from __future__ import annotations
 
 import pytest
-
 from conftest import compose_cfg
-from rft.monitor import read_metrics
-from rft.workflows import single_turn
+
+from rft.reporting.monitor import read_metrics
+from rft.rollout.workflows.single_turn import single_turn
 
 
 def judged(tasks, engine, ctx):
     """single_turn, then the auxiliary model `judge` reads each response: its reply's length
     (characters, at most 4) / 4 is the reward part `judge`; the reply and the judge's weights
     fingerprint go into the experience's info."""
-    from rft.scoring import add_part
+    from rft.data.experience import add_part
 
     out = single_turn(tasks, engine, ctx)
     judge = ctx.auxiliary["judge"]
@@ -29,8 +29,8 @@ def judged(tasks, engine, ctx):
 
 @pytest.mark.slow  # a training run (inline, ~20 s)
 def test_a_workflow_that_asks_an_auxiliary_model_runs_in_the_loop(tmp_path):
-    import rft.main
-    from rft.buffer import read_experiences
+    import rft.runtime.main
+    from rft.data.buffer import read_experiences
     from rft.models import build_tiny_model
 
     judge = build_tiny_model(tmp_path / "judge", seed=1)  # another model: other weights than the policy
@@ -42,7 +42,7 @@ def test_a_workflow_that_asks_an_auxiliary_model_runs_in_the_loop(tmp_path):
         "buffer=sql",
         f"explorer.auxiliary_models=[{{name: judge, model: {{model_path: '{judge}', dtype: float32, max_response_tokens: 4}}}}]",
     ])
-    rft.main.main(cfg)
+    rft.runtime.main.main(cfg)
     metrics = read_metrics(tmp_path / "rft" / cfg.name / "metrics.jsonl")
     steps = [m for m in metrics if "reward/judge/mean" in m]
     assert len(steps) == 3

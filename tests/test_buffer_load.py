@@ -8,11 +8,11 @@ import time
 
 import pytest
 import sqlalchemy as sa
+from conftest import ROOT
 from omegaconf import OmegaConf
 
-from conftest import ROOT
-from rft.buffer import SQLBuffer, read_experiences
 from rft.config import ExperienceBufferConfig
+from rft.data.buffer import SQLBuffer, read_experiences
 
 TXN = 100  # experiences per put (one transaction)
 
@@ -23,9 +23,9 @@ WRITER = """
 import sys, time
 import sqlalchemy as sa
 from omegaconf import OmegaConf
-from rft.buffer import SQLBuffer
+from rft.data.buffer import SQLBuffer
 from rft.config import ExperienceBufferConfig
-from rft.experience import Experience
+from rft.data.experience import Experience
 
 path, writer, count, txn, stall = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5] == "1"
 buf = SQLBuffer(OmegaConf.structured(ExperienceBufferConfig(storage_type="sql", path=path)))

@@ -9,14 +9,22 @@ import time
 from dataclasses import fields
 
 import pytest
+from conftest import ROOT
 from omegaconf import OmegaConf
 from omegaconf.errors import ValidationError
 
-from conftest import ROOT
-from rft.buffer import BUFFERS, FileBuffer, QueueBuffer, SQLBuffer, count_experiences, make_buffer, read_experiences
 from rft.config import ExperienceBufferConfig
+from rft.data.buffer import (
+    BUFFERS,
+    FileBuffer,
+    QueueBuffer,
+    SQLBuffer,
+    count_experiences,
+    make_buffer,
+    read_experiences,
+)
+from rft.data.experience import Experience, is_experience_file
 from rft.errors import ConfigError
-from rft.experience import Experience, is_experience_file
 
 WHERE = "buffer.trainer_input.experience_buffer"
 
@@ -61,7 +69,7 @@ def test_experience_round_trip_is_exact():
 
 
 def test_every_storage_keeps_the_reward_parts(storage):
-    # rft/scoring.py: the reward is the weighted sum, the parts are stored beside it
+    # rft/rewards/scoring.py: the reward is the weighted sum, the parts are stored beside it
     batch = exps(3)
     for e in batch:
         e.reward_parts = {"exact_match": 1.0, "format/tags": 0.5}
@@ -388,7 +396,7 @@ def test_is_experience_file(tmp_path):
 
 
 def view(*args):
-    return subprocess.run([sys.executable, "-m", "rft.buffer", *args], cwd=ROOT, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "rft.data.buffer", *args], cwd=ROOT, capture_output=True, text=True,
                           timeout=60)
 
 
@@ -424,5 +432,5 @@ def test_viewer_missing_path(tmp_path):
     path = str(tmp_path / "nope.db")
     r = view(path)
     assert r.returncode == 2
-    assert r.stderr == f"rft.buffer: {path}: no such file\n"
+    assert r.stderr == f"rft.data.buffer: {path}: no such file\n"
     assert not (tmp_path / "nope.db").exists()  # looking did not create it

@@ -12,11 +12,12 @@ import sys
 
 import pytest
 import xxhash
-
 from conftest import ROOT, run_cli
-from rft import checkpoint, manifest, rundir
-from rft.checkpoint import Owner, damage, read_checkpoint, served_checkpoint, usable_checkpoint
+
+from rft import manifest
 from rft.errors import ConfigError, RunError
+from rft.runtime import checkpoint, rundir
+from rft.runtime.checkpoint import Owner, damage, read_checkpoint, served_checkpoint, usable_checkpoint
 
 OWNER = Owner(run="rft/study", stage="grpo", config="c0ffee00c0ffee00", model="/models/tiny")
 WEIGHTS = bytes(range(256)) * 64  # 16384 bytes
@@ -148,10 +149,10 @@ def test_a_file_removed_while_it_is_checked_is_named_not_raised(stage, monkeypat
 
 
 def test_what_is_set_aside_twice_in_one_second_keeps_both(tmp_path, monkeypatch):
-    monkeypatch.setattr(checkpoint.time, "strftime", lambda fmt: "20261126_120000")
+    monkeypatch.setattr(manifest.time, "strftime", lambda fmt: "20261126_120000")
     for _ in range(3):
         (tmp_path / "entry").mkdir()
-        checkpoint.put_aside(tmp_path / "entry", "damaged")
+        manifest.put_aside(tmp_path / "entry", "damaged")
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "entry.damaged-20261126_120000", "entry.damaged-20261126_120000-2", "entry.damaged-20261126_120000-3"]
 
@@ -392,7 +393,7 @@ def test_resume_from_path_to_another_runs_warm_up_stops_with_one_paragraph(warm_
 
 
 def test_export_refuses_a_damaged_checkpoint(stage, tmp_path):
-    from rft.export import export
+    from rft.runtime.export import export
 
     d = stage / "checkpoints" / "step_2"
     zero_block(d)

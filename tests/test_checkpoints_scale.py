@@ -1,6 +1,6 @@
 """Checkpoints that scale: sharded safetensors read everywhere weights are read, pruning
 (trainer.max_ckpt_to_keep), a chosen checkpoint to resume from (trainer.resume_from_path), LoRA
-checkpoints without the merged model (trainer.save_hf_checkpoint), and `python -m rft.export`.
+checkpoints without the merged model (trainer.save_hf_checkpoint), and `python -m rft.runtime.export`.
 (What a checkpoint's manifest catches: test_checkpoints_manifest.py.)"""
 
 import json
@@ -11,21 +11,22 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import ROOT, compose_cfg
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-import rft.main
-from conftest import ROOT, compose_cfg
-from rft import checkpoint, manifest
-from rft.checkpoint import Owner, damage, list_checkpoints, read_checkpoint
-from rft.engine import HFEngine
+import rft.runtime.main
+from rft import manifest
+from rft.data.experience import collate
 from rft.errors import ConfigError
-from rft.experience import collate
-from rft.export import export
-from rft.logprobs import token_logprobs
 from rft.models import load_hf_weights, load_model
-from rft.monitor import read_metrics
-from rft.plan import make_plan, stage_configs
-from rft.sync import hf_weight_files, same_weights
+from rft.plan.batch import make_plan, stage_configs
+from rft.reporting.monitor import read_metrics
+from rft.rollout.engines.hf import HFEngine
+from rft.runtime import checkpoint
+from rft.runtime.checkpoint import Owner, damage, list_checkpoints, read_checkpoint
+from rft.runtime.export import export
+from rft.sync.weights import hf_weight_files, same_weights
+from rft.trainer.logprobs import token_logprobs
 
 OWNER = Owner(run="rft/t", stage="grpo", config="c0ffee", model="tiny")
 from test_fsdp import configs, fsdp_group, local_ray  # noqa: F401 (local_ray: a fixture)
@@ -177,7 +178,7 @@ def test_a_lora_run_saves_adapters_resumes_from_a_chosen_one_and_exports(warm_st
             f"model.model_path={warm_start}", "model.builder=null", "trainer.save_hf_checkpoint=last",
             "trainer.save_interval=1", "trainer.max_ckpt_to_keep=3", "stages=[]", "cluster=inline",
             "monitor=console", f"checkpoint_root_dir={tmp_path}", "explorer.eval_interval=100", "name=lora"]
-    rft.main.main(compose_cfg([*lora, "buffer.total_steps=4"]))
+    rft.runtime.main.main(compose_cfg([*lora, "buffer.total_steps=4"]))
     stage = tmp_path / "rft" / "lora"
     ckpts = {c.step: c for c in list_checkpoints(stage)}
     # 4 saves, the newest 3 kept; only the last holds the merged model, every one the adapter
@@ -191,7 +192,7 @@ def test_a_lora_run_saves_adapters_resumes_from_a_chosen_one_and_exports(warm_st
     # export: step 4 from its hf/ (the trainer's merge), step 3 from its adapter and base (PEFT's
     # merge), against a LoRA trainer that resumed step 3 (the trainer's merge)
     for step in (4, 3):
-        r = subprocess.run([sys.executable, "-m", "rft.export", str(ckpts[step].path), str(tmp_path / f"out{step}")],
+        r = subprocess.run([sys.executable, "-m", "rft.runtime.export", str(ckpts[step].path), str(tmp_path / f"out{step}")],
                            capture_output=True, text=True, cwd=ROOT)
         assert r.returncode == 0, r.stderr
     t = make_trainer(8, lora[:5])
@@ -202,7 +203,7 @@ def test_a_lora_run_saves_adapters_resumes_from_a_chosen_one_and_exports(warm_st
     four = logprobs(AutoModelForCausalLM.from_pretrained(tmp_path / "out4"), t.tokenizer)
     assert (four - want).abs().max() > 1e-3  # a step later: another model
     # resume from step 2 (adapter only) for 2 more steps: step 3 is redone, the old 3 and 4 set aside
-    rft.main.main(compose_cfg([*lora, "buffer.total_steps=4", f"trainer.resume_from_path={ckpts[2].path}"]))
+    rft.runtime.main.main(compose_cfg([*lora, "buffer.total_steps=4", f"trainer.resume_from_path={ckpts[2].path}"]))
     aside = sorted(p.name.split(".")[0] for p in (stage / "checkpoints").glob("*.superseded-*"))
     assert aside == ["step_3", "step_4"]
     assert [c.step for c in list_checkpoints(stage)] == [2, 3, 4]
@@ -210,8 +211,9 @@ def test_a_lora_run_saves_adapters_resumes_from_a_chosen_one_and_exports(warm_st
     assert steps[-2:] == [3, 4]
 
 
+@pytest.mark.slow
 def test_export_refuses_what_is_not_a_checkpoint(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "rft.export", str(tmp_path), str(tmp_path / "out")],
+    r = subprocess.run([sys.executable, "-m", "rft.runtime.export", str(tmp_path), str(tmp_path / "out")],
                        capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 2
     assert r.stderr == (f"error: {tmp_path} is not a checkpoint: a checkpoint is a directory <run>/<stage>/"
@@ -283,7 +285,7 @@ def test_export_writes_a_trainer_fsdp2_checkpoint(local_ray, tmp_path):
 def test_checking_a_checkpoint_imports_no_torch(trained):
     """The Ray driver checks the checkpoint it resumes from and the stage cache entry it reuses."""
     _, d = trained  # hf/ in shards, trainer_state.pt beside it
-    code = (f"import sys; import rft.rundir; from rft.checkpoint import damage, read_checkpoint; "
+    code = (f"import sys; import rft.runtime.rundir; from rft.runtime.checkpoint import damage, read_checkpoint; "
             f"print(damage(read_checkpoint({str(d)!r})), 'torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True).stdout
     assert out.split() == ["None", "False"]

@@ -3,12 +3,11 @@
 from pathlib import Path
 
 import pytest
+from conftest import CONF, compose_cfg
 from omegaconf import OmegaConf
 
-from conftest import CONF, compose_cfg
 from rft.errors import ConfigError
-from rft.plan import stage_configs
-from rft.plan import format_plan, make_plan
+from rft.plan.batch import format_plan, make_plan, stage_configs
 
 GROUP_OPTIONS = sorted(
     (p.parent.name, p.stem) for p in CONF.glob("*/*.yaml") if p.parent.name != "hydra"
@@ -149,9 +148,9 @@ TS = "buffer.explorer_input.taskset"
     ([*CALC, f"{TS}.workflow_args.max_turns=0"], f"{TS}.workflow_args.max_turns=0 must be a whole number >= 1."),
     ([*CALC, "buffer.explorer_input.eval_tasksets.0.workflow_args.max_turns=two"],
      "buffer.explorer_input.eval_tasksets[0].workflow_args.max_turns='two' must be a whole number >= 1."),
-    ([*CALC, f"{TS}.workflow_args.env=rft.rewards.exact_match"],
-     f"{TS}.workflow_args.env='rft.rewards.exact_match' is not an environment: it needs to be a class with "
-     f"reset(task) and step(text) methods (rft/environments.py), and is a function."),
+    ([*CALC, f"{TS}.workflow_args.env=rft.rewards.verifiers.exact_match"],
+     f"{TS}.workflow_args.env='rft.rewards.verifiers.exact_match' is not an environment: it needs to be a class with "
+     f"reset(task) and step(text) methods (rft/rollout/environments/tools.py), and is a function."),
     ([*CALC, f"+{TS}.workflow_args.env_args.max_calls=2"],
      f"{TS}.workflow_args.env_args={{'max_calls': 2}} does not fit calculator(max_tool_calls: 'int' = 4) (got an "
      f"unexpected keyword argument 'max_calls'). Give the keyword arguments its constructor takes."),
@@ -168,13 +167,13 @@ TS = "buffer.explorer_input.taskset"
     # a multi-turn conversation is scored by its environment's step: the reward_fn was never called (exit 0)
     ([*CALC, f"{TS}.reward_fn=countdown"],
      f"{TS}.reward_fn='countdown' would never be called: with workflow multi_turn the reward is the parts the "
-     f"environment's step returns (calculator). Score in the environment's step (rft/environments.py: ToolEnv "
+     f"environment's step returns (calculator). Score in the environment's step (rft/rollout/environments/tools.py: ToolEnv "
      f"scores its answer by exact match), or set {TS}.reward_fn=null."),
     # every task failed at run time on "'CalculatorEnv' object is not callable"
-    (["buffer.explorer_input.default_reward_fn_type=rft.environments.CalculatorEnv"],
-     "buffer.explorer_input.default_reward_fn_type='rft.environments.CalculatorEnv' is a class whose instances "
+    (["buffer.explorer_input.default_reward_fn_type=rft.rollout.environments.tools.CalculatorEnv"],
+     "buffer.explorer_input.default_reward_fn_type='rft.rollout.environments.tools.CalculatorEnv' is a class whose instances "
      "cannot be called: a served reward is a class with __call__(prompt, responses, task) -> list of rewards "
-     "(rft/scoring.py); a plain reward is a function fn(prompt, response, task)."),
+     "(rft/rewards/scoring.py); a plain reward is a function fn(prompt, response, task)."),
     # the run's directory was <checkpoint_root_dir>/rft/.. : the root, whose runs continue_from_checkpoint=false
     # would move aside
     (["name=.."],
@@ -216,7 +215,7 @@ def test_an_actors_frozen_config_reads_as_the_resolved_config_and_cannot_change(
     from omegaconf import OmegaConf
 
     from rft.config import Frozen, flat, frozen
-    from rft.main import plan_stages
+    from rft.runtime.main import plan_stages
 
     stages, _, _ = plan_stages(compose_cfg(["trainer.grad_clip=0.5"]))
     cfg = stages[-1]
@@ -270,9 +269,9 @@ def test_an_overlays_stages_list_replaces_the_models_and_the_command_line_change
 def test_a_multi_turn_dry_run_names_the_environment_as_the_reward(capsys):
     """It said "reward exact_match(prompt, response, task)": the taskset's default, which a
     multi-turn conversation never calls."""
-    import rft.main
+    import rft.runtime.main
 
-    rft.main._main(compose_cfg([*CALC, "stages=[]", "dry_run=true"]))
+    rft.runtime.main._main(compose_cfg([*CALC, "stages=[]", "dry_run=true"]))
     out = capsys.readouterr().out
     assert ("reward         the parts calculator.step(text) returns (workflow multi_turn; the reward function is "
             "not called)") in out

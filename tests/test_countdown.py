@@ -2,10 +2,10 @@
 then GRPO against the countdown verifier) learns the embedded Countdown task."""
 
 import pytest
-
 from conftest import run_cli
-from rft.monitor import read_metrics
 from test_e2e import evals
+
+from rft.reporting.monitor import read_metrics
 
 pytestmark = pytest.mark.slow
 

@@ -9,12 +9,12 @@ import shutil
 
 import pytest
 import torch
+from conftest import compose_cfg
 from safetensors.torch import load_file
 
-import rft.main
-from conftest import compose_cfg
+import rft.runtime.main
 from rft.errors import ConfigError, RunError
-from rft.monitor import read_metrics
+from rft.reporting.monitor import read_metrics
 
 pytestmark = pytest.mark.slow
 
@@ -31,8 +31,8 @@ def make_runs(root, args):
     """A run of 3 steps (checkpoints 1, 2, 3) to damage copies of, and an undamaged run of 4."""
     from types import SimpleNamespace
 
-    rft.main.main(compose_cfg([*args, f"checkpoint_root_dir={root}", "name=base", "buffer.total_steps=3"]))
-    rft.main.main(compose_cfg([*args, f"checkpoint_root_dir={root}", "name=whole", "buffer.total_steps=4"]))
+    rft.runtime.main.main(compose_cfg([*args, f"checkpoint_root_dir={root}", "name=base", "buffer.total_steps=3"]))
+    rft.runtime.main.main(compose_cfg([*args, f"checkpoint_root_dir={root}", "name=whole", "buffer.total_steps=4"]))
     return SimpleNamespace(root=root, args=args)
 
 
@@ -54,7 +54,7 @@ def resume_damaged(made, tmp_path, name, damage, capsys):
     run = tmp_path / "rft" / name
     shutil.copytree(made.root / "rft" / "base", run, symlinks=True)
     damage(run / "checkpoints" / "step_3")
-    rft.main.main(compose_cfg([*made.args, f"checkpoint_root_dir={tmp_path}", f"name={name}", "buffer.total_steps=4",
+    rft.runtime.main.main(compose_cfg([*made.args, f"checkpoint_root_dir={tmp_path}", f"name={name}", "buffer.total_steps=4",
                                "resume_with_changes=true"]))
     return capsys.readouterr().out, run
 
@@ -211,13 +211,13 @@ def test_a_finished_stage_without_its_model_is_redone_not_handed_on_as_none(tmp_
             "stages.0.algorithm.optimizer.warmup_steps=0", "buffer.total_steps=1", "buffer.batch_size=4",
             "algorithm.repeat_times=2", "explorer.eval_on_startup=false", f"checkpoint_root_dir={tmp_path}",
             "stage_cache_dir=null"]
-    rft.main.main(compose_cfg([*args, "name=two"]))
+    rft.runtime.main.main(compose_cfg([*args, "name=two"]))
     warm = tmp_path / "rft" / "two" / "sft_warmup" / "checkpoints"
     final = load_file(warm / "step_4" / "hf" / "model.safetensors")
     shutil.rmtree(warm / "step_4" / "hf")
     shutil.rmtree(tmp_path / "rft" / "two" / "grpo")
     capsys.readouterr()
-    rft.main.main(compose_cfg([*args, "name=two"]))
+    rft.runtime.main.main(compose_cfg([*args, "name=two"]))
     out = capsys.readouterr().out
     assert "[sft_warmup] checkpoint step 4 is damaged" in out and "resuming from step 2" in out
     again = load_file(warm / "step_4" / "hf" / "model.safetensors")
@@ -231,7 +231,7 @@ ASYNC_SQL = ["stages=[]", "cluster=inline", "monitor=console", "buffer.batch_siz
 
 
 def test_a_deleted_or_damaged_buffer_is_named_not_waited_for(tmp_path):
-    rft.main.main(compose_cfg([*ASYNC_SQL, f"checkpoint_root_dir={tmp_path}", "name=a"]))
+    rft.runtime.main.main(compose_cfg([*ASYNC_SQL, f"checkpoint_root_dir={tmp_path}", "name=a"]))
     run = tmp_path / "rft" / "a"
     shutil.rmtree(run / "checkpoints" / "step_4")  # as if killed before it: the resume starts at step 2
     state = json.loads((run / "checkpoints" / "step_2" / "state.json").read_text())
@@ -241,7 +241,7 @@ def test_a_deleted_or_damaged_buffer_is_named_not_waited_for(tmp_path):
         f.unlink()
     more = [*ASYNC_SQL, f"checkpoint_root_dir={tmp_path}", "name=a", "buffer.total_steps=4"]
     with pytest.raises(RunError) as e:
-        rft.main._main(compose_cfg(more))
+        rft.runtime.main._main(compose_cfg(more))
     assert str(e.value) == (
         f"the buffer {db} no longer holds the experiences checkpoint step 2 explored ahead and had not "
         f"trained on yet (it was deleted, replaced or cut since). Put the file back, or start this stage "
@@ -251,7 +251,7 @@ def test_a_deleted_or_damaged_buffer_is_named_not_waited_for(tmp_path):
         f.unlink()
     db.write_bytes(b"this is no database " * 200)  # what a damaged file reads as
     with pytest.raises(ConfigError) as e:
-        rft.main._main(compose_cfg(more))
+        rft.runtime.main._main(compose_cfg(more))
     assert str(e.value).startswith(
         f"buffer.trainer_input.experience_buffer.path='{db}' is not a SQLite database of experiences, or it is damaged (")
     assert str(e.value).endswith("Move the file away (a new buffer is then started there) or point "
@@ -260,11 +260,11 @@ def test_a_deleted_or_damaged_buffer_is_named_not_waited_for(tmp_path):
 
 def test_a_deleted_buffer_with_nothing_left_to_read_is_no_loss(tmp_path, capsys):
     on_policy = [a for a in ASYNC_SQL if not a.startswith("synchronizer.sync_offset")]
-    rft.main.main(compose_cfg([*on_policy, f"checkpoint_root_dir={tmp_path}", "name=b", "buffer.total_steps=2"]))
+    rft.runtime.main.main(compose_cfg([*on_policy, f"checkpoint_root_dir={tmp_path}", "name=b", "buffer.total_steps=2"]))
     run = tmp_path / "rft" / "b"
     for f in run.glob("buffer.db*"):
         f.unlink()
-    rft.main.main(compose_cfg([*on_policy, f"checkpoint_root_dir={tmp_path}", "name=b", "buffer.total_steps=4"]))
+    rft.runtime.main.main(compose_cfg([*on_policy, f"checkpoint_root_dir={tmp_path}", "name=b", "buffer.total_steps=4"]))
     assert "was deleted or cut since the checkpoint; nothing in it was still to be read" in capsys.readouterr().out
     assert [m["step"] for m in read_metrics(run / "metrics.jsonl")] == [1, 2, 3, 4]
 
@@ -283,7 +283,6 @@ def test_a_trainer_state_that_would_run_code_falls_back_and_the_code_never_runs(
     """Replaced together with its manifest (the digest cannot catch that): refused when loaded,
     named with why, and the run falls back as for any damage."""
     from rft import manifest
-
     marker = tmp_path / "the_code_ran"
 
     def replace(ckpt):

@@ -3,10 +3,10 @@ each plans (dry run), and each sync method trains a few steps of the default stu
 algorithm: tests/test_algorithm_configs.py)."""
 
 import pytest
-
-import rft.main
 from conftest import CONF, compose_cfg
-from rft.monitor import read_metrics
+
+import rft.runtime.main
+from rft.reporting.monitor import read_metrics
 
 GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir() and p.name not in ("hydra", "experiment"))
 OPTIONS = [(g, p.stem) for g in GROUPS for p in sorted((CONF / g).glob("*.yaml"))]
@@ -31,15 +31,15 @@ def test_every_option_plans_on_the_default(group, option, tmp_path, monkeypatch,
     monkeypatch.setattr(datasets, "load_dataset", no_hub)
     cfg = compose_cfg([f"{group}={option}", "dry_run=true", f"checkpoint_root_dir={tmp_path}"])
     if (group, option) in NEEDS_HUB:
-        with pytest.raises(rft.main.ConfigError, match="there is no such local file or directory .*, and loading "
+        with pytest.raises(rft.runtime.main.ConfigError, match="there is no such local file or directory .*, and loading "
                                                        "it as a Hugging Face dataset id failed"):
-            rft.main._main(cfg)
+            rft.runtime.main._main(cfg)
         return
     if (group, option) in NEEDS_LOCAL:
-        with pytest.raises(rft.main.ConfigError, match=r"\.path='.*': no such file or directory"):
-            rft.main._main(cfg)
+        with pytest.raises(rft.runtime.main.ConfigError, match=r"\.path='.*': no such file or directory"):
+            rft.runtime.main._main(cfg)
         return
-    assert rft.main._main(cfg) is None
+    assert rft.runtime.main._main(cfg) is None
     out = capsys.readouterr().out
     assert "batch plan: stage" in out and "outputs        " in out
 
@@ -57,7 +57,7 @@ def test_every_sync_method_trains_on_the_default_study(sync, tmp_path):
     # others in this process
     where = [] if sync == "collective" else ["cluster=inline"]
     cfg = compose_cfg([f"sync={sync}", *BUDGET, *where, f"checkpoint_root_dir={tmp_path}"])
-    rft.main.main(cfg)
+    rft.runtime.main.main(cfg)
     steps = read_metrics(tmp_path / "rft" / cfg.name / "grpo" / "metrics.jsonl")
     assert [m["sync/version"] for m in steps[1:]] == [1, 2]
     # mode=train (the warm-up) evaluates through the same sync method

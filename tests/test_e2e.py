@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import ROOT, driver_modules_env, run_cli
 from safetensors.torch import load_file
 
-from conftest import ROOT, driver_modules_env, run_cli
-from rft.monitor import read_metrics
+from rft.reporting.monitor import read_metrics
 
 pytestmark = pytest.mark.slow
 
@@ -36,7 +36,7 @@ def test_shortened_default_learns_through_ray(tmp_path, warm_cache):
     # checked by the explorer) holds neither torch nor transformers nor datasets: each would be a
     # second copy (~0.3 GB for torch and transformers, 0.1 GB for datasets) besides the actors'
     driver = set(modules.read_text().split())
-    assert "ray" in driver and "rft.main" in driver
+    assert "ray" in driver and "rft.runtime.main" in driver
     heavy = driver & {"torch", "transformers", "datasets", "pandas"}
     assert not heavy, heavy
     run = tmp_path / "rft" / "grpo-tiny-arithmetic"

@@ -6,12 +6,12 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from rft.engine import HFEngine, StopStrings
-from rft.sync import fingerprint
-from rft.experience import Experience, collate
+from rft.data.experience import Experience, collate
+from rft.data.readers import encode_prompt
 from rft.models import build_tiny_model, load_tokenizer
-from rft.trainer import token_logprobs
-from rft.data import encode_prompt
+from rft.rollout.engines.hf import HFEngine, StopStrings
+from rft.sync.weights import fingerprint
+from rft.trainer.trainer import token_logprobs
 
 
 def tiny_engine_and_prompts(cache_dir, generate_batch_size: int, questions: list[str]):
@@ -78,7 +78,7 @@ def test_generation_passes_the_kv_cache_by_the_name_this_transformers_takes(tiny
     (hundreds of lines in a run's log). Shared prompts (n > 1) take the prefill path too."""
     import warnings
 
-    from rft.engine import cache_keyword
+    from rft.rollout.engines.hf import cache_keyword
 
     tok, engine, prompts = tiny
     with warnings.catch_warnings():
@@ -177,7 +177,7 @@ def test_fingerprint_catches_a_changed_weight(tiny):
 def test_for_safetensors_clones_tied_tensors_and_makes_them_contiguous():
     from safetensors.torch import load, save
 
-    from rft.sync import for_safetensors
+    from rft.sync.weights import for_safetensors
 
     emb = torch.arange(6.0).reshape(2, 3)
     sd = {"embed.weight": emb, "lm_head.weight": emb, "proj.weight": torch.arange(6.0).reshape(3, 2).T}
@@ -191,7 +191,7 @@ def test_for_safetensors_clones_tied_tensors_and_makes_them_contiguous():
 
 
 def test_chat_ids_remembers_prompts_but_never_serves_stale_ones(tiny, monkeypatch):
-    import rft.data as data
+    import rft.data.readers as data
 
     tok = tiny[0]
     msgs = [{"role": "user", "content": "042+315"}]

@@ -6,10 +6,10 @@ import re
 from pathlib import Path
 
 import pytest
-
-import rft.main
-from rft.monitor import read_metrics
 from conftest import compose_cfg, driver_modules_env, run_cli
+
+import rft.runtime.main
+from rft.reporting.monitor import read_metrics
 
 
 @pytest.fixture
@@ -34,6 +34,7 @@ def test_misspelt_key(run_root):
     assert_nothing_started(run_root)
 
 
+@pytest.mark.slow
 def test_a_misspelt_key_added_with_plus_is_caught_too(run_root):
     # +key adds a key where Hydra would take it silently: into the schema's own sections too
     r = run_cli("+trainer.save_intervall=1", env=run_root)
@@ -103,6 +104,7 @@ def test_wrong_type(run_root):
     assert_nothing_started(run_root)
 
 
+@pytest.mark.slow
 def test_non_divisible_batch(run_root):
     r = run_cli("trainer.mini_batch_size=48", env=run_root)
     assert r.returncode == 2
@@ -115,6 +117,7 @@ def test_non_divisible_batch(run_root):
     assert_nothing_started(run_root)
 
 
+@pytest.mark.slow
 def test_missing_dataset_file(run_root, tmp_path):
     missing = tmp_path / "nowhere" / "train.jsonl"
     r = run_cli("buffer.explorer_input.generator=null", f"buffer.explorer_input.taskset.path={missing}",
@@ -125,6 +128,7 @@ def test_missing_dataset_file(run_root, tmp_path):
     assert_nothing_started(run_root)
 
 
+@pytest.mark.slow
 def test_a_warm_up_dataset_row_without_its_response_fails_the_dry_run(run_root, tmp_path):
     # the default's SFT warm-up reads the taskset's teacher_answer; one row lacks it, another has null
     rows = [{"question": f"{a}+1", "answer": str(a + 1), "teacher_answer": str(a + 1)} for a in range(8)]
@@ -143,6 +147,7 @@ def test_a_warm_up_dataset_row_without_its_response_fails_the_dry_run(run_root, 
     assert_nothing_started(run_root)
 
 
+@pytest.mark.slow
 def test_row_without_prompt_key(run_root, tmp_path):
     data = tmp_path / "tasks.jsonl"
     rows = [{"question": "1+1", "answer": "2"}, {"question": "2+2", "answer": "4"}, {"prompt": "3+3", "answer": "6"}]
@@ -158,12 +163,13 @@ def test_row_without_prompt_key(run_root, tmp_path):
     assert_nothing_started(run_root)
 
 
+@pytest.mark.slow
 def test_a_ray_driver_reads_the_datasets_in_a_child_with_the_same_plans_and_errors(tmp_path):
     """plan_stages(isolated=True), as a Ray run's driver calls it, reads the datasets in a child
     process (the driver then holds no `datasets`): the same batch plans as in-process, and a
     dataset's ConfigError word for word, stage name included."""
     from rft.errors import ConfigError
-    from rft.main import plan_stages
+    from rft.runtime.main import plan_stages
 
     # the default: the warm-up's generated dataset, then the generated tasks
     cfg = compose_cfg()
@@ -185,6 +191,7 @@ def test_a_ray_driver_reads_the_datasets_in_a_child_with_the_same_plans_and_erro
     assert errors[1].startswith(f"buffer.explorer_input.taskset: row 3 (line 4 of its JSONL file) of '{data}' has no 'answer'")
 
 
+@pytest.mark.slow
 def test_dry_run_prints_the_plan_and_starts_nothing(run_root):
     r = run_cli("dry_run=true", env=run_root)
     assert r.returncode == 0, r.stderr
@@ -206,7 +213,7 @@ def test_dry_run_never_touches_ray_or_a_model(monkeypatch):
     monkeypatch.setattr(ray, "init", boom)
     monkeypatch.setattr(rft.models, "load_model", boom)
     monkeypatch.setattr(rft.models, "ensure_model", boom)
-    assert rft.main.main(compose_cfg(["dry_run=true"])) is None
+    assert rft.runtime.main.main(compose_cfg(["dry_run=true"])) is None
 
 
 # ---------------------------------------------------------------- caught while planning, named
@@ -214,8 +221,8 @@ def test_dry_run_never_touches_ray_or_a_model(monkeypatch):
 
 def plan_error(tmp_path, *overrides) -> str:
     """The ConfigError `python run.py <overrides>` stops with, before anything starts."""
-    with pytest.raises(rft.main.ConfigError) as e:
-        rft.main._main(compose_cfg([f"checkpoint_root_dir={tmp_path / 'ck'}", *overrides]))
+    with pytest.raises(rft.runtime.main.ConfigError) as e:
+        rft.runtime.main._main(compose_cfg([f"checkpoint_root_dir={tmp_path / 'ck'}", *overrides]))
     assert not (tmp_path / "ck").exists()  # nothing written
     return str(e.value)
 
@@ -231,6 +238,7 @@ def taskset(path):
             "buffer.explorer_input.eval_tasksets=[]", "buffer.batch_size=2"]
 
 
+@pytest.mark.slow
 def test_empty_and_malformed_datasets_name_the_file_and_line(tmp_path):
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
@@ -242,6 +250,7 @@ def test_empty_and_malformed_datasets_name_the_file_and_line(tmp_path):
         f"buffer.explorer_input.taskset.path='{bad}': line 2 of {bad} is not valid JSON (")
 
 
+@pytest.mark.slow
 def test_an_empty_split_file_in_a_dataset_directory_is_named(tmp_path):
     # datasets said only 'Instruction "test" corresponds to no data!'
     data = tmp_path / "mine"
@@ -315,7 +324,7 @@ def test_a_split_a_single_file_is_not_named_for_is_an_error(tmp_path):
         f"train.jsonl), or set split=train to read this file as it is.")
     # a file named for its split is read for it
     test = write_jsonl(tmp_path / "gsm8k_test.jsonl", [{"question": "1+2", "answer": "3"}] * 4)
-    rft.main._main(compose_cfg([f"checkpoint_root_dir={tmp_path / 'ck'}", "dry_run=true", *taskset(f),
+    rft.runtime.main._main(compose_cfg([f"checkpoint_root_dir={tmp_path / 'ck'}", "dry_run=true", *taskset(f),
                                 f"+buffer.explorer_input.eval_tasksets=[{{path: {test}, split: test}}]"]))
 
 
@@ -341,6 +350,7 @@ def test_a_model_directory_without_a_model_is_named_when_planning(tmp_path):
         f"holds notes.txt). Point it at the model's own directory (config.json, the weights, the tokenizer files).")
 
 
+@pytest.mark.slow
 def test_a_relative_path_says_relative_to_what(tmp_path):
     msg = plan_error(tmp_path, *taskset("./nowhere/tasks.jsonl"))
     assert msg.startswith(f"buffer.explorer_input.taskset.path='./nowhere/tasks.jsonl': no such file or directory "
@@ -376,6 +386,7 @@ def test_a_dataset_missing_a_column_a_stage_needs_fails_the_dry_run(tmp_path):
     )
 
 
+@pytest.mark.slow
 def test_a_taskset_without_its_answer_column_is_an_error_not_a_run_of_zero_rewards(tmp_path):
     data = write_jsonl(tmp_path / "t.jsonl", [{"question": "1+1", "solution": "2"}] * 4)
     assert plan_error(tmp_path, *taskset(data)) == (
@@ -385,6 +396,7 @@ def test_a_taskset_without_its_answer_column_is_an_error_not_a_run_of_zero_rewar
     )
 
 
+@pytest.mark.slow
 def test_a_bad_taskset_path_is_named_by_the_key_the_user_set(tmp_path):
     # the warm-up stage reads the taskset's files by interpolation: name that key, not its own
     msg = plan_error(tmp_path, "buffer.explorer_input.generator=null", "buffer.explorer_input.taskset.path=/nowhere/data")
@@ -408,6 +420,7 @@ def test_a_bad_taskset_path_is_named_by_the_key_the_user_set(tmp_path):
      "buffer.trainer_input.experience_buffer.replay_buffer.priority_fn_args has ['decayy'], which "
      "priority_fn=linear_decay does not take; its arguments are ['decay']."),
 ])
+@pytest.mark.slow
 def test_user_mistakes_found_while_planning(tmp_path, overrides, message):
     assert plan_error(tmp_path, *overrides) == message.format(cwd=os.getcwd())
 
@@ -418,6 +431,7 @@ def test_user_mistakes_found_while_planning(tmp_path, overrides, message):
     ("explorer.rollout_model.engine_type=sglang", "[hf, vllm]"),
     ("sync=memory synchronizer.sync_method=nccl", "[memory, checkpoint, collective]"),
 ])
+@pytest.mark.slow
 def test_a_closed_set_of_names_fails_when_the_config_is_composed(override, choices):
     from hydra.errors import ConfigCompositionException
 
@@ -430,9 +444,10 @@ def test_dtype_aliases_are_accepted():
     from rft.models import canonical_dtype, torch_dtype
 
     assert torch_dtype("bf16") is torch_dtype("bfloat16") and canonical_dtype("fp16") == "float16"
-    rft.main._main(compose_cfg(["model.dtype=bf16", "dry_run=true"]))
+    rft.runtime.main._main(compose_cfg(["model.dtype=bf16", "dry_run=true"]))
 
 
+@pytest.mark.slow
 def test_an_existing_file_that_is_not_a_dataset_is_not_called_missing(tmp_path):
     f = tmp_path / "experiences.db"
     f.write_text("x")
@@ -444,8 +459,8 @@ def test_an_existing_file_that_is_not_a_dataset_is_not_called_missing(tmp_path):
 def test_an_unwritable_output_directory_fails_before_any_step(tmp_path):
     blocker = tmp_path / "a_file"
     blocker.write_text("")
-    with pytest.raises(rft.main.ConfigError) as e:
-        rft.main._main(compose_cfg(["stages=[]", "cluster=inline", f"checkpoint_root_dir={blocker}/out"]))
+    with pytest.raises(rft.runtime.main.ConfigError) as e:
+        rft.runtime.main._main(compose_cfg(["stages=[]", "cluster=inline", f"checkpoint_root_dir={blocker}/out"]))
     run = blocker / "out" / "rft" / "grpo-tiny-arithmetic"
     assert str(e.value).startswith(f"cannot write to {run} (NotADirectoryError: ")
     assert str(e.value).endswith("Point checkpoint_root_dir (or RFT_CHECKPOINT_ROOT_DIR) at a writable directory.")
@@ -458,9 +473,9 @@ def test_misspelt_keys_get_the_nearest_names(run_root):
 
 
 def test_two_algorithms_print_different_dry_runs(capsys):
-    rft.main._main(compose_cfg(["dry_run=true", "stages=[]"]))
+    rft.runtime.main._main(compose_cfg(["dry_run=true", "stages=[]"]))
     grpo = capsys.readouterr().out
-    rft.main._main(compose_cfg(["dry_run=true", "stages=[]", "algorithm=dr_grpo"]))
+    rft.runtime.main._main(compose_cfg(["dry_run=true", "stages=[]", "algorithm=dr_grpo"]))
     dr = capsys.readouterr().out
     assert "algorithm      grpo: advantage_fn=grpo, policy_loss_fn=ppo_clip, loss_agg_mode=token-mean" in grpo
     assert "advantage_fn=dr_grpo" in dr and "loss_agg_mode=seq-mean-token-sum-norm" in dr
@@ -482,18 +497,18 @@ def test_prompts_and_responses_past_the_token_budgets_are_counted_and_warned_abo
     common = ["buffer.explorer_input.generator=null", f"buffer.explorer_input.taskset.path={data}",
               "buffer.explorer_input.eval_tasksets=[]", "cluster=inline", "monitor=console", "buffer.total_steps=1",
               f"checkpoint_root_dir={tmp_path}", "stage_cache_dir=null"]
-    rft.main.main(compose_cfg([*common, "stages=[]", "buffer.batch_size=4", "algorithm.repeat_times=2", "name=rl"]))
+    rft.runtime.main.main(compose_cfg([*common, "stages=[]", "buffer.batch_size=4", "algorithm.repeat_times=2", "name=rl"]))
     out = capsys.readouterr().out
     import gc
 
-    assert gc.get_freeze_count() == 0  # what the stage froze (rft.actors.long_lived), unfrozen at its end
+    assert gc.get_freeze_count() == 0  # what the stage froze (rft.runtime.actors.long_lived), unfrozen at its end
     assert (f"rft: warning: stage grpo: 1 of the first 4 prompts of buffer.explorer_input.taskset ({data}) are "
             f"longer than model.max_prompt_tokens=24 tokens (the longest has 29, chat template included) and "
             f"will be cut from the left") in out
-    from rft.monitor import read_metrics
+    from rft.reporting.monitor import read_metrics
 
     assert read_metrics(tmp_path / "rft" / "rl" / "metrics.jsonl")[-1]["rollout/truncated_prompts"] == 1
-    rft.main.main(compose_cfg([*common, "algorithm=sft", "stages=[]", "buffer.train_batch_size=4", "name=sft"]))
+    rft.runtime.main.main(compose_cfg([*common, "algorithm=sft", "stages=[]", "buffer.train_batch_size=4", "name=sft"]))
     out = capsys.readouterr().out
     assert "1 of its first 4 responses are longer than model.max_response_tokens=6 (end-of-sequence token included; " \
            "the longest has 11) and will be cut" in out
@@ -592,6 +607,7 @@ def test_an_overlay_that_is_not_yaml_is_one_paragraph_not_a_traceback(run_root, 
     assert_nothing_started(run_root)
 
 
+@pytest.mark.slow
 def test_an_override_hydra_cannot_read_says_how_to_quote_it(run_root):
     # Hydra said only "LexerNoViableAltException: name=résumé" under a caret
     r = run_cli("name=résumé", "dry_run=true", env=run_root)
@@ -632,6 +648,7 @@ def test_an_overlay_naming_a_missing_option_names_its_file_and_line(run_root, tm
     assert_nothing_started(run_root)
 
 
+@pytest.mark.slow
 def test_a_checkpoint_root_under_a_file_is_one_paragraph_before_hydra_makes_the_run_dir(run_root, tmp_path):
     # Hydra made the run's directory before rft's check: NotADirectoryError under its traceback
     blocker = tmp_path / "a_file"
@@ -668,6 +685,7 @@ def test_a_list_addressed_by_a_name_says_to_use_an_index(run_root):
     assert_nothing_started(run_root)
 
 
+@pytest.mark.slow
 def test_a_study_module_that_cannot_be_imported_names_its_file_and_line(tmp_path, monkeypatch):
     # a syntax error, or code that raises at import, ended the dry run in a raw traceback
     study = tmp_path / "my_broken_study"
@@ -745,7 +763,8 @@ def test_a_studys_own_config_files_are_checked_before_hydra_composes_them(tmp_pa
     import shutil
 
     from conftest import CONF
-    from rft.config import exit_on_config_mistakes
+
+    from rft.plan.overlays import exit_on_config_mistakes
 
     conf = tmp_path / "conf"
     shutil.copytree(CONF, conf)
@@ -758,9 +777,11 @@ def test_a_studys_own_config_files_are_checked_before_hydra_composes_them(tmp_pa
     assert f"rft: configuration error: {message}" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_the_shipped_config_files_pass_the_checks_of_a_studys_own():
     from conftest import CONF
-    from rft.overlays import check
+
+    from rft.plan.overlays import check
 
     for path in sorted(CONF.rglob("*.yaml")):
         group = path.parent.relative_to(CONF).as_posix()
@@ -775,7 +796,8 @@ def test_a_config_file_that_is_not_utf8_is_named_with_its_line(tmp_path, monkeyp
     import shutil
 
     from conftest import CONF
-    from rft.config import exit_on_config_mistakes
+
+    from rft.plan.overlays import exit_on_config_mistakes
 
     conf = tmp_path / "conf"
     shutil.copytree(CONF, conf)

@@ -8,11 +8,11 @@ import subprocess
 import sys
 
 import pytest
+from conftest import CONF, ROOT, compose_cfg, run_cli
 from omegaconf import OmegaConf
 
-import rft.main
-from conftest import CONF, ROOT, compose_cfg, run_cli
-from rft.monitor import read_metrics
+import rft.runtime.main
+from rft.reporting.monitor import read_metrics
 
 EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
 
@@ -21,6 +21,7 @@ def test_the_overlays_are_there():
     assert {"tiny_arithmetic", "qwen_gsm8k", "tiny_seeds"} <= set(EXPERIMENTS)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", EXPERIMENTS)
 def test_overlay_composes_and_documents_its_command(name):
     text = (CONF / "experiment" / f"{name}.yaml").read_text()
@@ -73,7 +74,7 @@ SHORT_WARMUP = ["stages.0.buffer.total_steps=2", "stages.0.algorithm.optimizer.w
 @pytest.mark.slow
 def test_tiny_arithmetic_runs(tmp_path):
     cfg = compose_cfg(["experiment=tiny_arithmetic", *TINY, *SHORT_WARMUP, f"checkpoint_root_dir={tmp_path}"])
-    objective = rft.main.main(cfg)
+    objective = rft.runtime.main.main(cfg)
     run = tmp_path / "rft" / "tiny_arithmetic"
     assert [m["step"] for m in read_metrics(run / "sft_warmup" / "metrics.jsonl")] == [0, 1, 2]
     grpo = read_metrics(run / "grpo" / "metrics.jsonl")
@@ -103,7 +104,7 @@ def test_qwen_gsm8k_runs_with_the_tiny_model(tmp_path, monkeypatch):
         "objective=reward/mean",
     ])
     assert cfg.algorithm.kl_loss_fn == "k3"  # the overlay's GRPO settings are kept
-    objective = rft.main.main(cfg)
+    objective = rft.runtime.main.main(cfg)
     metrics = read_metrics(tmp_path / "rft" / "qwen_gsm8k" / "metrics.jsonl")
     assert [m["step"] for m in metrics] == [0, 1, 2]
     assert objective == metrics[2]["reward/mean"]  # objective=reward/mean: its last value
@@ -124,7 +125,7 @@ def test_a_multirun_of_tiny_seeds_and_its_report(tmp_path):
             assert (sweep / job / "grpo" / path).exists(), f"{job}/grpo/{path}"
     assert not (tmp_path / "rft" / "tiny_seeds" / "grpo").exists()
 
-    r = subprocess.run([sys.executable, "-m", "rft.report", str(sweep)], cwd=ROOT, capture_output=True, text=True)
+    r = subprocess.run([sys.executable, "-m", "rft.reporting.report", str(sweep)], cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     rows = [line for line in (sweep / "report.md").read_text().splitlines() if line.startswith("| ")]
     assert rows[0].startswith("| job | seed | stage | status | steps |")

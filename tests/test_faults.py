@@ -20,15 +20,15 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import ROOT, compose_cfg
 from safetensors.torch import load_file
 
-import rft.main
-from conftest import ROOT, compose_cfg
-from rft import checkpoint, rundir
-from rft.checkpoint import Owner, usable_checkpoint
+import rft.runtime.main
+from rft.data.experience import Experience
 from rft.errors import RunError
-from rft.experience import Experience
-from rft.monitor import read_metrics
+from rft.reporting.monitor import read_metrics
+from rft.runtime import checkpoint, rundir
+from rft.runtime.checkpoint import Owner, usable_checkpoint
 
 OWNER = Owner(run="rft/study", stage="grpo", config="c0ffee00c0ffee00", model="/models/tiny")
 
@@ -102,7 +102,7 @@ def test_outputs_moved_aside_twice_in_one_second_keep_both(tmp_path, monkeypatch
 
 PAUSE_AT_FIRST_SAVE = """
 import os, time
-import rft.checkpoint as c
+import rft.runtime.checkpoint as c
 real = c.write
 def write(*a, **k):
     open({paused!r}, "w").close()
@@ -129,7 +129,7 @@ def test_a_second_run_of_a_running_name_stops_and_touches_nothing(tmp_path):
         run = tmp_path / "rft" / "same"
         before = sorted(p.name for p in run.iterdir())
         with pytest.raises(RunError) as e:
-            rft.main._main(compose_cfg([*args, "continue_from_checkpoint=false"]))
+            rft.runtime.main._main(compose_cfg([*args, "continue_from_checkpoint=false"]))
         assert str(e.value) == (
             f"another rft process (pid {first.pid} on {socket.gethostname()}) is running in {run} (it holds "
             f"{run / '.run.lock'}); two runs writing one directory overwrite each other's checkpoints and logs. "
@@ -140,7 +140,7 @@ def test_a_second_run_of_a_running_name_stops_and_touches_nothing(tmp_path):
         out = first.communicate(timeout=300)[0]
     assert first.returncode == 0, out[-3000:]
     assert [m["step"] for m in read_metrics(tmp_path / "rft" / "same" / "metrics.jsonl")] == [1, 2]
-    rft.main._main(compose_cfg(args))  # once it ended, the name is free: its resume finds it finished
+    rft.runtime.main._main(compose_cfg(args))  # once it ended, the name is free: its resume finds it finished
 
 
 @pytest.mark.slow
@@ -148,7 +148,7 @@ def test_a_disk_that_fills_outside_a_checkpoint_save_stops_in_one_paragraph(tmp_
     """The disk fills (another job's files) just after checkpoint step 2 is saved, as the step's
     metrics line is written: an OSError under a traceback before (a save that fails says so
     itself: test_checkpoints_manifest.py)."""
-    from rft.monitor import Monitor
+    from rft.reporting.monitor import Monitor
 
     real = Monitor.log
 
@@ -161,7 +161,7 @@ def test_a_disk_that_fills_outside_a_checkpoint_save_stops_in_one_paragraph(tmp_
     args = [*TINY, f"checkpoint_root_dir={tmp_path}", "name=full"]
     run = tmp_path / "rft" / "full"
     with pytest.raises(SystemExit) as e:
-        rft.main.main(compose_cfg(args))
+        rft.runtime.main.main(compose_cfg(args))
     assert e.value.code == 1
     err = capsys.readouterr().err
     free = shutil.disk_usage(run).free / 2**30
@@ -170,7 +170,7 @@ def test_a_disk_that_fills_outside_a_checkpoint_save_stops_in_one_paragraph(tmp_
                    f"run the same command again to resume (the newest checkpoint: "
                    f"{run / 'checkpoints' / 'step_2'}).\n\n")
     monkeypatch.setattr(Monitor, "log", real)  # room made
-    rft.main.main(compose_cfg(args))
+    rft.runtime.main.main(compose_cfg(args))
     assert [m["step"] for m in read_metrics(run / "metrics.jsonl")] == [1, 2]  # step 2's row, from its checkpoint
 
 
@@ -197,14 +197,14 @@ def test_a_copy_from_the_stage_cache_killed_midway_is_copied_again(tmp_path, cap
     logs copied: the same command then stopped ("config.yaml ... is missing"), and with
     resume_with_changes=true went on with the warm-up's metrics.jsonl cut to its last row."""
     common = [*TWO_STAGES, f"checkpoint_root_dir={tmp_path}"]
-    rft.main.main(compose_cfg([*common, "name=first"]))
+    rft.runtime.main.main(compose_cfg([*common, "name=first"]))
     first, second = tmp_path / "rft" / "first" / "sft_warmup", tmp_path / "rft" / "second" / "sft_warmup"
     env = hooked(tmp_path, KILL_AT_FIRST_SEAL_UNDER.format(under=str(second)))
     r = subprocess.run([sys.executable, str(ROOT / "run.py"), *common, "name=second"], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == -9, r.stderr[-3000:]
     capsys.readouterr()
-    rft.main.main(compose_cfg([*common, "name=second"]))
+    rft.runtime.main.main(compose_cfg([*common, "name=second"]))
     out = capsys.readouterr().out
     assert "[sft_warmup] reused: the same stage" in out
     assert read_metrics(second / "metrics.jsonl") == read_metrics(first / "metrics.jsonl")  # steps 1-4, whole
@@ -219,7 +219,7 @@ def test_a_copy_from_the_stage_cache_killed_midway_is_copied_again(tmp_path, cap
 def test_a_generated_taskset_cut_short_is_generated_again(tmp_path, capsys):
     """train.jsonl cut at a line's end (a copy that stopped, a full disk): 100 rows of 2000 were
     trained on, exit 0 (the dry run's plan said 'dataset rows 100', nothing else did)."""
-    from rft.tasks import generate_arithmetic
+    from rft.data.tasks import generate_arithmetic
 
     path = tmp_path / "data" / "arithmetic-v4"
     generate_arithmetic(path)
@@ -238,7 +238,7 @@ def test_a_generated_taskset_cut_short_is_generated_again(tmp_path, capsys):
 
 def test_generated_data_from_before_manifests_is_kept_when_the_same_and_set_aside_when_not(tmp_path, capsys):
     from rft import manifest
-    from rft.tasks import generate_countdown
+    from rft.data.tasks import generate_countdown
 
     path = tmp_path / "countdown-v1"
     generate_countdown(path)
@@ -289,7 +289,7 @@ def test_an_export_killed_midway_leaves_no_folder_that_looks_exported(tmp_path, 
                          lambda tmp: shutil.copytree(model, tmp / "hf", ignore=shutil.ignore_patterns("manifest.json"))
                          and {}, owner=OWNER)
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "rft.export", str(d), str(out)]
+    cmd = [sys.executable, "-m", "rft.runtime.export", str(d), str(out)]
     env = hooked(tmp_path, KILL_AT_FIRST_SEAL_UNDER.format(under=str(tmp_path / "out")))
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == -9, r.stderr[-3000:]
@@ -306,7 +306,6 @@ def test_an_export_killed_midway_leaves_no_folder_that_looks_exported(tmp_path, 
 def test_the_manifest_command_on_what_is_not_a_folder_says_so(tmp_path, capsys):
     """A file was 'damaged: <file>/manifest.json: does not parse (cut short or overwritten)'."""
     from rft import manifest
-
     (tmp_path / "model.safetensors").write_bytes(b"\0" * 8)
     for given, what in [(tmp_path / "model.safetensors", "not a folder"), (tmp_path / "nowhere", "no such folder")]:
         assert manifest.main([str(given)]) == 2
@@ -317,8 +316,9 @@ def test_the_manifest_command_on_what_is_not_a_folder_says_so(tmp_path, capsys):
 def test_a_report_over_a_job_whose_overrides_record_is_cut_reports_the_others(tmp_path, capsys):
     """One job's .hydra/overrides.yaml cut short (a full disk as Hydra wrote it, a hand edit): the
     whole sweep's report was a yaml ParserError traceback."""
-    from rft import report
     from test_report import GRPO, SFT, write_job
+
+    from rft.reporting import report
 
     d = tmp_path / "sweep"
     write_job(d, 0, ["seed=1", "algorithm.optimizer.lr=1e-3"], "grpo", {"sft_warmup": SFT, "grpo": GRPO})
@@ -327,7 +327,7 @@ def test_a_report_over_a_job_whose_overrides_record_is_cut_reports_the_others(tm
     cut.write_text("- seed=2\n- 'algorithm.optimizer.lr=1e")  # Hydra quotes a value with special characters
     out = report.report(d)
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith(f"rft.report: warning: {cut} does not parse as YAML (")
+    assert err.count("\n") == 1 and err.startswith(f"rft.reporting.report: warning: {cut} does not parse as YAML (")
     assert err.endswith("); job 1 is reported as a configuration of its own, without its overrides.\n")
     rows = {r["job"]: r for r in csv.DictReader(out["csv"].open())}
     assert rows["0"]["algorithm.optimizer.lr"] == "1e-3" and rows["1"]["algorithm.optimizer.lr"] == ""
@@ -337,8 +337,9 @@ def test_a_report_over_a_job_whose_overrides_record_is_cut_reports_the_others(tm
 def test_a_resume_says_which_steps_its_log_lost(tmp_path, capsys):
     """metrics.jsonl cut to its first rows (or edited) before a resume from step 5: the run went on
     without a word, and its log, the report and the 'eval accuracy: start' line then lacked them."""
-    from rft.monitor import Monitor
     from test_monitor import _cfg, _rows, _write
+
+    from rft.reporting.monitor import Monitor
 
     run = tmp_path / "grpo"
     _write(run / "metrics.jsonl", _rows(0, 1, 4))
@@ -356,9 +357,9 @@ def test_a_sql_buffer_on_a_full_disk_is_not_called_damaged(tmp_path):
     """SQLite's 'database or disk is full' was reported as a damaged buffer, with the advice to move
     the file away: for a mode=explore run, every experience it had written."""
     import sqlalchemy as sa
-
-    from rft.buffer import SQLBuffer
     from test_buffers import buf_cfg, exps
+
+    from rft.data.buffer import SQLBuffer
 
     path = tmp_path / "b.db"
     buf = SQLBuffer(buf_cfg("sql", path=str(path)))

@@ -5,21 +5,19 @@ collective broadcast from rank 0)."""
 import pytest
 import ray
 import torch
-from safetensors.torch import load_file
-
 from conftest import compose_cfg, run_cli
-from rft.actors import ActorGroup, RayActor
-from rft.sync import same_weights
-from rft.errors import ConfigError
-from rft.actors import start_trainer
-from rft.plan import stage_configs
-from rft.models import ensure_model
-from rft.monitor import read_metrics
-from rft.plan import make_plan
-from rft.placement import check_placement, trainer_ranks
-from rft.trainer import Trainer
+from safetensors.torch import load_file
 from test_runtime import base, env_for, evals
 from test_trainer import experiences
+
+from rft.errors import ConfigError
+from rft.models import ensure_model
+from rft.plan.batch import make_plan, stage_configs
+from rft.plan.placement import check_placement, trainer_ranks
+from rft.reporting.monitor import read_metrics
+from rft.runtime.actors import ActorGroup, RayActor, start_trainer
+from rft.sync.weights import same_weights
+from rft.trainer.trainer import Trainer
 
 
 def configs(*extra):
@@ -79,7 +77,7 @@ def test_two_ranks_update_the_model_as_one_process_does(local_ray, tmp_path, ext
         keys = ["loss/policy", "actor/grad_norm", *critic]
         # the second step's rows are one step stale: one process corrects them in the update and
         # still sets aside the zero-advantage rows, the ranks forward every row for the old
-        # log-probs (rft.trainer._old_is_current); the same gradient, but the metrics over the
+        # log-probs (rft.trainer.trainer._old_is_current); the same gradient, but the metrics over the
         # tokens computed (entropy, clip fraction, approx KL) then cover other rows
         if m_one["train/zero_advantage_rows_skipped"] == m_two["train/zero_advantage_rows_skipped"]:
             keys += ["actor/entropy", "actor/clip_frac", "actor/approx_kl"]
@@ -148,6 +146,7 @@ def test_checkpoints_are_trainer_torch_checkpoints_both_ways(local_ray, tmp_path
     assert all(torch.equal(saved[k], whole[k]) for k in saved) and "model.norm.weight" in saved
 
 
+@pytest.mark.slow
 def test_fsdp2_ranks_and_their_errors():
     # CPU-only: two ranks by default, each a Ray actor with its CPUs
     cfg = compose_cfg(["stages=[]", "trainer=fsdp2"])

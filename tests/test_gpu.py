@@ -4,17 +4,15 @@ with the CPU. Skipped where no GPU is visible (CI has none; run `pytest tests/te
 
 import pytest
 import torch
-
 from conftest import compose_cfg
-from rft.actors import InlineActor
-from rft.engine import HFEngine
-from rft.sync import same_weights
-from rft.actors import start_trainer
-from rft.plan import stage_configs
-from rft.models import ensure_model, load_tokenizer
-from rft.plan import make_plan
-from rft.trainer import Trainer
 from test_trainer import experiences
+
+from rft.models import ensure_model, load_tokenizer
+from rft.plan.batch import make_plan, stage_configs
+from rft.rollout.engines.hf import HFEngine
+from rft.runtime.actors import InlineActor, start_trainer
+from rft.sync.weights import same_weights
+from rft.trainer.trainer import Trainer
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none visible)")
 

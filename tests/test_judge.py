@@ -1,19 +1,19 @@
-"""The LLM judge (`fn: judge`, rft/judge.py) against a fake OpenAI-compatible chat-completions server."""
+"""The LLM judge (`fn: judge`, rft/rewards/judge.py) against a fake OpenAI-compatible chat-completions server."""
 
 import threading
 import time
 
 import pytest
+from conftest import compose_cfg
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
-
-from conftest import compose_cfg
-from rft.errors import ConfigError
-from rft.judge import DEFAULT_SCORE_TEMPLATE, JudgeReward, parse_number, parse_yes_no
-from rft.reward_server import RewardRequestError
-from rft.scoring import build, spec_of
-from rft.tasks import Task
 from test_reward_server import serving_app
+
+from rft.data.tasks import Task
+from rft.errors import ConfigError
+from rft.rewards.judge import DEFAULT_SCORE_TEMPLATE, JudgeReward, parse_number, parse_yes_no
+from rft.rewards.remote import RewardRequestError
+from rft.rewards.scoring import build, spec_of
 
 # real HTTP servers and subprocesses: in `make test`, out of the fast tier
 pytestmark = pytest.mark.slow

@@ -1,7 +1,11 @@
 """The package's layers, read from its imports (every import statement, also those inside
-functions): no import cycles; planning imports nothing that runs; trainer and engines meet only in
-the sync contract; and a dry run loads neither torch nor transformers nor Ray."""
+functions). A part is a folder of rft/ (rollout/workflows and rollout/environments one part, the
+record and the buffer of data/ parts of their own); the ground floor is the files at the top.
+Each part imports only parts on floors below its own: so no cycles between parts, planning
+imports nothing that runs, the trainer and the rollout side meet only through the sync contract
+and the buffer, and a dry run loads neither torch, transformers, Ray nor a web server."""
 
+import pytest
 import ast
 import subprocess
 import sys
@@ -10,12 +14,33 @@ from pathlib import Path
 from conftest import ROOT
 
 PKG = ROOT / "rft"
-TRAINER_SIDE = {"rft.trainer", "rft.fsdp", "rft.critic"}
-ENGINE_SIDE = {"rft.engine", "rft.vllm_engine", "rft.vllm_worker"}
-# what planning may reach: configuration, names and data readers, nothing that trains or serves
-PLANNING = {"rft.plan", "rft.config"}
-RUNTIME = TRAINER_SIDE | ENGINE_SIDE | {"rft.explorer", "rft.runner", "rft.actors", "rft.sync", "rft.buffer",
-                                        "rft.models", "rft.monitor", "rft.bench"}
+# bottom to top: a part imports only the parts of lower floors (and itself)
+FLOORS = [
+    {"base"},                          # config.py errors.py registry.py manifest.py
+    {"experience", "sync", "reporting"},
+    {"buffer", "models", "algorithms"},
+    {"rewards"},
+    {"data"},                          # tasksets and generators check answers with verifiers
+    {"serving"},                       # servers score with rewards, render chats
+    {"workflows"},                     # handed an engine; call the OpenAI endpoint's helpers
+    {"plan", "trainer", "rollout"},    # side by side: none of them imports another
+    {"runtime"},
+    {"studio"},
+]
+FLOOR = {part: i for i, parts in enumerate(FLOORS) for part in parts}
+TOP_FILES = {"config": "base", "errors": "base", "registry": "base", "manifest": "base", "models": "models"}
+
+
+def part(module: str) -> str:
+    """The part a module of rft belongs to, from its folder."""
+    p = module.split(".") + [""]
+    if p[1] in TOP_FILES or p[1] == "":  # a file at the top, or rft/__init__.py
+        return TOP_FILES.get(p[1], "base")
+    if p[1] == "rollout" and p[2] in ("workflows", "environments"):
+        return "workflows"
+    if p[1] == "data" and p[2] in ("experience", "buffer"):
+        return p[2]
+    return p[1]
 
 
 def module_name(path: Path) -> str:
@@ -60,7 +85,22 @@ def reach(graph, start: str) -> set[str]:
 def test_the_import_graph_is_read():
     g = imports()
     # a known edge, so that an empty graph cannot pass the checks below
-    assert "rft.sync" in g["rft.trainer"] and "rft.plan" in g["rft.main"]
+    assert "rft.sync.weights" in g["rft.trainer.trainer"] and "rft.plan.batch" in g["rft.runtime.main"]
+
+
+def test_every_module_is_in_a_part_and_rft_shows_its_parts():
+    g = imports()
+    assert {m for m in g if m != "rft" and part(m) not in FLOOR} == set()
+    assert {p.name for p in PKG.iterdir() if p.is_dir() and p.name != "__pycache__"} == set(FLOOR) - {
+        "base", "workflows", "experience", "buffer", "models"}
+    assert len([p for p in PKG.iterdir() if p.name != "__pycache__"]) <= 18
+
+
+def test_each_part_imports_only_parts_below_it():
+    g = imports()
+    upward = sorted(f"{a} -> {b}" for a, bs in g.items() if a != "rft" for b in bs
+                    if part(a) != part(b) and FLOOR[part(b)] >= FLOOR[part(a)])
+    assert upward == []
 
 
 def test_no_import_cycles():
@@ -71,25 +111,27 @@ def test_no_import_cycles():
 
 def test_trainer_and_engines_meet_only_in_the_sync_contract():
     g = imports()
-    for t in TRAINER_SIDE:
-        assert not reach(g, t) & ENGINE_SIDE, t
-    for e in ENGINE_SIDE:
-        assert not reach(g, e) & TRAINER_SIDE, e
-    assert "rft.sync" in g["rft.trainer"] and "rft.sync" in g["rft.engine"]
+    for a, b in [("trainer", "rollout"), ("rollout", "trainer")]:
+        for m in (m for m in g if part(m) == a):
+            assert not {part(r) for r in reach(g, m)} & {b}, m
+    assert "rft.sync.weights" in g["rft.trainer.trainer"] and "rft.sync.weights" in g["rft.rollout.engines.hf"]
 
 
 def test_planning_imports_nothing_that_runs():
     g = imports()
-    for m in PLANNING:
-        assert not reach(g, m) & RUNTIME, m
+    runs = {"rollout", "trainer", "runtime", "sync", "buffer", "models"}
+    for m in (m for m in g if part(m) == "plan"):
+        assert not {part(r) for r in reach(g, m)} & runs, m
 
 
-def test_a_dry_run_loads_neither_torch_nor_transformers_nor_ray(tmp_path):
+@pytest.mark.slow
+def test_a_dry_run_loads_neither_torch_nor_transformers_nor_ray_nor_a_server(tmp_path):
     code = (
         "import runpy, sys\n"
         f"sys.argv = ['run.py', 'dry_run=true', 'checkpoint_root_dir={tmp_path}']\n"
         "try:\n    runpy.run_path('run.py', run_name='__main__')\nexcept SystemExit as e:\n    assert not e.code, e.code\n"
-        "print('LOADED', sorted(m for m in ('torch', 'transformers', 'ray', 'vllm') if m in sys.modules))\n"
+        "print('LOADED', sorted(m for m in ('torch', 'transformers', 'ray', 'vllm', 'fastapi', 'uvicorn', 'httpx') "
+        "if m in sys.modules))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
@@ -99,10 +141,10 @@ def test_a_dry_run_loads_neither_torch_nor_transformers_nor_ray(tmp_path):
 
 def test_the_closed_sets_of_names_are_the_runtime_registries():
     from rft import config
-    from rft.actors import ACTOR_BACKENDS
-    from rft.explorer import ENGINES
     from rft.models import torch_dtype
-    from rft.sync import SYNC_METHODS
+    from rft.rollout.explorer import ENGINES
+    from rft.runtime.actors import ACTOR_BACKENDS
+    from rft.sync.weights import SYNC_METHODS
 
     assert set(config.SYNC_METHODS) == set(SYNC_METHODS)
     assert set(config.ENGINE_TYPES) == set(ENGINES)

@@ -5,16 +5,16 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-
 from conftest import compose_cfg
-from rft.engine import HFEngine
-from rft.errors import ConfigError
-from rft.experience import collate
-from rft.logprobs import token_logprobs
-from rft.models import load_model
-from rft.plan import make_plan, stage_configs
-from rft.sync import same_weights
 from test_trainer import experiences, make_trainer
+
+from rft.data.experience import collate
+from rft.errors import ConfigError
+from rft.models import load_model
+from rft.plan.batch import make_plan, stage_configs
+from rft.rollout.engines.hf import HFEngine
+from rft.sync.weights import same_weights
+from rft.trainer.logprobs import token_logprobs
 
 LORA = ["model.lora.rank=4", "model.lora.alpha=8", "algorithm.optimizer.lr=1e-2"]
 KL = ["algorithm.kl_loss_fn=low_var_kl", "algorithm.kl_loss_coef=0.1"]
@@ -40,6 +40,7 @@ def test_only_the_adapters_train_and_the_base_stays_bitwise():
     assert all(not torch.equal(after[n], v) for n, v in adapters.items())
 
 
+@pytest.mark.slow
 def test_the_reference_is_the_base_with_no_second_copy():
     lora_kl, full_kl = make_trainer(128, [*LORA, *KL]), make_trainer(128, KL)
     assert lora_kl.ref_model is None and lora_kl.has_reference
@@ -68,7 +69,7 @@ def test_the_engine_gets_the_merged_model_and_computes_what_the_trainer_does():
     assert not any("lora_" in k or "base_layer" in k or k.startswith("base_model") for k in weights)
     engine = HFEngine(t.cfg.model, SimpleNamespace(generate_batch_size=4), t.tokenizer)
     engine.update_weights(weights)
-    # equal up to float64 summation order, as every sync checks it (rft.sync.same_weights)
+    # equal up to float64 summation order, as every sync checks it (rft.sync.weights.same_weights)
     assert same_weights(engine.fingerprint(), t.fingerprint())
     full = collate(experiences(4, 2, seed=7), t.tokenizer.pad_token_id)
     with torch.no_grad():
@@ -99,6 +100,7 @@ def test_lora_config_errors():
     assert str(e.value).startswith("model.lora.target_modules=['attn_q']: Target modules")
 
 
+@pytest.mark.slow
 def test_a_checkpoint_holds_the_merged_model_and_the_adapter_and_resumes(tmp_path):
     from transformers import AutoModelForCausalLM
 

@@ -1,4 +1,4 @@
-"""rft/monitor.py: progress on a terminal and in a log file, and the per-step JSONL logs of a run
+"""rft/reporting/monitor.py: progress on a terminal and in a log file, and the per-step JSONL logs of a run
 that was killed (a line cut short, a resume with and without a checkpoint)."""
 
 import io
@@ -6,7 +6,8 @@ import json
 import sys
 
 from conftest import compose_cfg
-from rft.monitor import Monitor, read_metrics
+
+from rft.reporting.monitor import Monitor, read_metrics
 
 
 def _cfg():
@@ -169,7 +170,7 @@ def test_tensorboard_reads_the_scalars_and_the_staleness_histogram(tmp_path):
 
 
 def test_batches_record_what_each_step_trained_on_with_a_digest_of_tokens_and_rewards(tmp_path):
-    from rft.experience import Experience, batch_record
+    from rft.data.experience import Experience, batch_record
 
     def exp(tokens, reward, group="g0", version=0):
         return Experience(tokens=tokens, prompt_length=1, logprobs=[0.0] * (len(tokens) - 1), reward=reward,

@@ -1,4 +1,4 @@
-"""Multi-turn conversations held as token ids (rft/multi_turn.py) and their environments (rft/environments.py).
+"""Multi-turn conversations held as token ids (rft/rollout/workflows/multi_turn.py) and their environments (rft/rollout/environments/tools.py).
 
 A scripted engine stands in for the model where a test needs to know what the model "says": the
 held ids, the loss mask and the log-probs are then checked position by position. The tiny
@@ -13,14 +13,14 @@ from types import SimpleNamespace
 import pytest
 from omegaconf import OmegaConf
 
-from rft.engine import HFEngine, Sample
-from rft.environments import CalculatorEnv, ToolCall, ToolError, calculate, parse_tool_calls
+from rft.data.chat import conversation_ids
+from rft.data.tasks import Task, tool_call_text
 from rft.errors import ConfigError, RunError
 from rft.models import build_tiny_model, load_tokenizer
-from rft.chat import conversation_ids
-from rft.multi_turn import multi_turn
-from rft.tasks import Task, tool_call_text
-from rft.workflows import WorkflowContext
+from rft.rollout.engines.hf import HFEngine, Sample
+from rft.rollout.environments.tools import CalculatorEnv, ToolCall, ToolError, calculate, parse_tool_calls
+from rft.rollout.workflows.multi_turn import multi_turn
+from rft.rollout.workflows.single_turn import WorkflowContext
 
 # the tiny tokenizer drops whitespace (transformers' Qwen2 pre-tokenizer on a character vocabulary),
 # so a template's newline after <|im_end|> is no token: this template puts a visible "#" there,
@@ -157,7 +157,7 @@ def test_an_environment_that_raises_fails_its_task_only(tools_model):
                 raise RuntimeError("boom")
             return super().step(text)
 
-    import rft.environments as envs
+    import rft.rollout.environments.tools as envs
 
     envs.ENVIRONMENTS["_broken"] = Broken
     try:
@@ -188,7 +188,7 @@ class Answers(CalculatorEnv):
 ])
 def test_an_environment_whose_step_answers_the_wrong_shape_is_named(tools_model, result, wrong):
     # each was a TypeError or ValueError inside the workflow: a traceback that never named the class
-    import rft.environments as envs
+    import rft.rollout.environments.tools as envs
 
     tok = tokenizer(tools_model)
     Answers.result = result
@@ -200,7 +200,7 @@ def test_an_environment_whose_step_answers_the_wrong_shape_is_named(tools_model,
         del envs.ENVIRONMENTS["_answers"]
     assert str(e.value) == (
         f"test_multi_turn.Answers.step(text) (turn 1) {wrong}; it must return (message | None, "
-        f"{{part name: number}}, done), e.g. (None, {{'correct': 1.0}}, True) (rft/environments.py).")
+        f"{{part name: number}}, done), e.g. (None, {{'correct': 1.0}}, True) (rft/rollout/environments/tools.py).")
 
 
 def test_a_steps_reward_parts_of_numpy_or_bool_are_plain_floats():
@@ -209,7 +209,7 @@ def test_a_steps_reward_parts_of_numpy_or_bool_are_plain_floats():
 
     import numpy as np
 
-    from rft.multi_turn import _step_result
+    from rft.rollout.workflows.multi_turn import _step_result
 
     msg, parts, done = _step_result((None, {"correct": np.float32(0.5), "format": True}, 1), Answers, 1)
     assert (msg, parts, done) == (None, {"correct": 0.5, "format": 1.0}, True)
@@ -217,7 +217,7 @@ def test_a_steps_reward_parts_of_numpy_or_bool_are_plain_floats():
 
 
 def test_an_environment_whose_reset_answers_nothing_is_named(tools_model):
-    import rft.environments as envs
+    import rft.rollout.environments.tools as envs
 
     class Silent(CalculatorEnv):
         def reset(self, task):
@@ -233,7 +233,7 @@ def test_an_environment_whose_reset_answers_nothing_is_named(tools_model):
     assert str(e.value) == (
         "test_multi_turn.test_an_environment_whose_reset_answers_nothing_is_named.<locals>.Silent.reset(task) "
         "returned NoneType None; it must return the first message(s): a str (a user message), a message dict "
-        "with a str 'content', or a non-empty list of message dicts (rft/environments.py).")
+        "with a str 'content', or a non-empty list of message dicts (rft/rollout/environments/tools.py).")
 
 
 def test_workflow_args_are_checked(tools_model):
@@ -255,15 +255,16 @@ class GoOn(CalculatorEnv):
         return "go on", {"turn": 1.0}, False
 
 
+@pytest.mark.slow
 def test_trainer_log_probs_of_sampled_tokens_match_the_engines(tools_model):
     """The untrained tiny model's own conversations (temperature 1, three turns each, a user
     message between them): the trainer's log-probs of every sampled token, on the held ids, equal
     the engine's within 1e-4 (measured: ~1e-6), and the mask is 1 exactly where the engine sampled."""
-    import rft.environments as envs
     import torch
 
-    from rft.experience import collate
-    from rft.trainer import token_logprobs
+    import rft.rollout.environments.tools as envs
+    from rft.data.experience import collate
+    from rft.trainer.trainer import token_logprobs
 
     tok = tokenizer(tools_model)
     cfg = OmegaConf.create(dict(model_path=str(tools_model), dtype="float32", trust_remote_code=False, max_response_tokens=48))
@@ -311,7 +312,7 @@ def test_conversation_ids_train_on_assistant_turns_only(tools_model):
 
 
 def test_a_dataset_of_conversations_reads_as_masked_experiences(tools_model, tmp_path):
-    from rft.data import DatasetReader
+    from rft.data.readers import DatasetReader
 
     tok = tokenizer(tools_model)
     messages = [{"role": "user", "content": "7*8"}, {"role": "assistant", "content": CALL},
@@ -433,7 +434,8 @@ def test_the_calculator_tool_run_learns_to_use_the_tool(tmp_path):
     Measured here: 0.295 -> 1.0 at step 10 (the full experiment: 0.055 -> 1.0,
     experiments/calculator_tool/README.md)."""
     from conftest import run_cli
-    from rft.monitor import read_metrics
+
+    from rft.reporting.monitor import read_metrics
 
     r = run_cli("experiment=calculator_tool", "buffer.total_steps=10", "cluster=inline", "monitor=console",
                 "stages.0.buffer.total_steps=120", "stages.0.explorer.eval_interval=1000",
@@ -469,7 +471,7 @@ class Numbered(CalculatorEnv):
 
 
 def test_a_reset_that_fails_fails_its_task_and_different_starts_are_sampled_apart(tools_model):
-    import rft.environments as envs
+    import rft.rollout.environments.tools as envs
 
     tok = tokenizer(tools_model)
 

@@ -1,4 +1,4 @@
-"""The explorer's OpenAI-compatible endpoint (rft/openai_api.py) and the openai_agent workflow:
+"""The explorer's OpenAI-compatible endpoint (rft/serving/openai_api.py) and the openai_agent workflow:
 the official `openai` client against a real server (uvicorn on 127.0.0.1) on the tiny model."""
 
 from __future__ import annotations
@@ -10,14 +10,14 @@ import openai
 import pytest
 from omegaconf import OmegaConf
 
-from rft.chat import render
-from rft.engine import HFEngine
+from rft.data.chat import render
+from rft.data.tasks import Task
 from rft.errors import ConfigError
 from rft.models import build_tiny_model, load_tokenizer
-from rft.openai_api import ROLLOUT_HEADER, Call, OpenAIServer, experiences_of, openai_agent
-from rft.scoring import Reward
-from rft.tasks import Task
-from rft.workflows import WorkflowContext
+from rft.rewards.scoring import Reward
+from rft.rollout.engines.hf import HFEngine
+from rft.rollout.workflows.single_turn import WorkflowContext
+from rft.serving.openai_api import ROLLOUT_HEADER, Call, OpenAIServer, experiences_of, openai_agent
 
 ARGS = SimpleNamespace(temperature=1.0, top_p=1.0, top_k=-1, max_tokens=6, stop=[])
 MESSAGES = [{"role": "user", "content": "12+34"}]
@@ -202,6 +202,7 @@ def test_a_chat_template_that_cannot_render_the_messages_is_a_400(served, monkey
             "messages", "messages: the chat template cannot render them: TemplateError: content must be text")
 
 
+@pytest.mark.slow
 def test_a_prompt_that_takes_seconds_to_render_holds_up_no_other_request(served):
     import threading
     import time
@@ -374,10 +375,11 @@ def test_the_workflow_says_what_is_missing():
 def test_an_agent_trains_through_the_explorers_endpoint(tmp_path):
     """explorer.rollout_model.enable_openai_api=true and workflow openai_agent in the loop: each
     step's experiences are the agent's recorded calls, rewarded by the agent."""
-    import rft.main
     from conftest import compose_cfg
-    from rft.buffer import read_experiences
-    from rft.monitor import read_metrics
+
+    import rft.runtime.main
+    from rft.data.buffer import read_experiences
+    from rft.reporting.monitor import read_metrics
 
     cfg = compose_cfg([
         "stages=[]", "cluster=inline", "monitor=console", f"checkpoint_root_dir={tmp_path}", "buffer=sql",
@@ -386,7 +388,7 @@ def test_an_agent_trains_through_the_explorers_endpoint(tmp_path):
         "buffer.explorer_input.taskset.workflow=openai_agent",
         "+buffer.explorer_input.taskset.workflow_args.agent=test_openai_api.one_call",
     ])
-    rft.main.main(cfg)
+    rft.runtime.main.main(cfg)
     steps = [m for m in read_metrics(tmp_path / "rft" / cfg.name / "metrics.jsonl") if "reward/mean" in m]
     assert len(steps) == 2
     exps = read_experiences(str(tmp_path / "rft" / cfg.name / "buffer.db"), limit=100)

@@ -5,15 +5,15 @@ plain padded computation. And the step's throughput metrics."""
 
 import pytest
 import torch
-
 from conftest import compose_cfg
-from rft import micro_batches
-from rft.errors import ConfigError
-from rft.experience import collate
-from rft.fsdp import FSDPTrainer
-from rft.logprobs import token_logprobs
-from rft.plan import format_plan, make_plan, stage_configs
 from test_trainer import experiences, make_trainer
+
+from rft.data.experience import collate
+from rft.errors import ConfigError
+from rft.plan.batch import format_plan, make_plan, stage_configs
+from rft.trainer import micro_batches
+from rft.trainer.fsdp import FSDPTrainer
+from rft.trainer.logprobs import token_logprobs
 
 # per-row sampling params as the explorer records them: plain, temperature, top-k, top-p, both
 SAMPLING = [{}, {"temperature": 0.7}, {"temperature": 1.0, "top_k": 5}, {"temperature": 1.3, "top_p": 0.8},
@@ -77,11 +77,11 @@ def test_packed_sequences_never_attend_to_each_other(trainer):
 
 
 def test_chunks_never_hold_more_positions_than_the_chunk_size(trainer, monkeypatch):
-    import rft.logprobs
+    import rft.trainer.logprobs
 
     seen = []
-    real = rft.logprobs._chunk_logprobs
-    monkeypatch.setattr(rft.logprobs, "_chunk_logprobs", lambda h, *a: seen.append(h.shape[0]) or real(h, *a))
+    real = rft.trainer.logprobs._chunk_logprobs
+    monkeypatch.setattr(rft.trainer.logprobs, "_chunk_logprobs", lambda h, *a: seen.append(h.shape[0]) or real(h, *a))
     full = collate(batch(), trainer.tokenizer.pad_token_id)
     logp, _ = token_logprobs(trainer.model, full["input_ids"], full["attention_mask"], chunk_size=10)
     logp.sum().backward()
@@ -111,6 +111,7 @@ def test_token_budget_micro_batches_hand_computed():
     assert micro_batches.balanced_blocks([4], 0, 1, 3) == [(0, 1), (1, 1), (1, 1)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("packed", [True, False])
 def test_token_budget_micro_batches_give_the_one_batch_gradient(packed):
     exps = experiences()
@@ -182,7 +183,7 @@ def test_the_step_reports_padding_and_throughput():
 
 
 def test_packing_fills_rows_as_wide_as_the_longest_first_fit():
-    from rft.logprobs import pack
+    from rft.trainer.logprobs import pack
 
     lengths = [3, 5, 2, 1]
     ids = torch.tensor([[11, 12, 13, 0, 0], [21, 22, 23, 24, 25], [31, 32, 0, 0, 0], [41, 0, 0, 0, 0]])
@@ -253,8 +254,8 @@ def test_the_readme_7b_recipes_compose_and_place():
     import shlex
     from pathlib import Path
 
-    from rft.placement import check_placement, trainer_ranks
-    from rft.plan import check_config
+    from rft.plan.batch import check_config
+    from rft.plan.placement import check_placement, trainer_ranks
 
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     section = readme[readme.index("## The trainer at size"):readme.index("## Sweeps, Slurm")]
@@ -315,7 +316,7 @@ def _mixed_batch():
     its prompt (not shared); a lone row; a row with an empty response; another prompt length."""
     import random
 
-    from rft.experience import Experience
+    from rft.data.experience import Experience
 
     exps = batch(3, 4)
     rng = random.Random(1)
@@ -333,7 +334,7 @@ def _mixed_batch():
 
 @pytest.mark.parametrize("kw", [{}, {"chunk_size": 5}, {"fp32_head": True}])
 def test_shared_prompts_give_the_padded_log_probs_and_gradients(trainer, kw):
-    from rft.logprobs import prompt_units
+    from rft.trainer.logprobs import prompt_units
 
     full = collate(_mixed_batch(), trainer.tokenizer.pad_token_id)
     lengths = full["attention_mask"].sum(-1).tolist()
@@ -350,7 +351,7 @@ def test_shared_prompts_give_the_padded_log_probs_and_gradients(trainer, kw):
 
 
 def test_a_shared_prompt_layout_by_hand():
-    from rft.logprobs import share_prompts
+    from rft.trainer.logprobs import share_prompts
 
     # rows 0 and 2 share the prompt [5, 6, 7] (responses [8, 9] and [4]); row 1 has another prompt
     ids = torch.tensor([[5, 6, 7, 8, 9], [5, 6, 3, 1, 0], [5, 6, 7, 4, 0]])
@@ -389,7 +390,7 @@ def test_responses_sharing_a_prompt_never_attend_to_each_other(trainer):
 def test_prompts_are_shared_only_where_our_mask_is_what_attention_uses(trainer):
     from types import SimpleNamespace
 
-    from rft.logprobs import can_share_prompts
+    from rft.trainer.logprobs import can_share_prompts
 
     def model(**config):
         return SimpleNamespace(config=SimpleNamespace(**config))

@@ -1,4 +1,4 @@
-"""python -m rft.report on a hand-written multirun: the table's rows and values, the CSV, the PNG."""
+"""python -m rft.reporting.report on a hand-written multirun: the table's rows and values, the CSV, the PNG."""
 
 import csv
 import json
@@ -7,9 +7,9 @@ import sys
 
 import pytest
 import yaml
-
 from conftest import ROOT
-from rft import report
+
+from rft.reporting import report
 
 # what Hydra saves for a job of the default (SFT warm-up, then a stage named after the algorithm)
 CONFIG = """
@@ -246,6 +246,7 @@ def test_a_seed_that_stopped_early_and_one_without_metrics(tmp_path):
     assert (rows[3]["job"], rows[3]["status"]) == ("3", "stopped before stage grpo")
 
 
+@pytest.mark.slow
 def test_stage_picks_the_warm_up_or_every_stage(lr_sweep):
     out = report.report(lr_sweep, stage="sft_warmup")
     table, by_config = tables(out["md"])
@@ -284,11 +285,11 @@ def test_stage_picks_the_warm_up_or_every_stage(lr_sweep):
 def test_mistakes_in_stage_and_metrics_are_one_paragraph(lr_sweep, capsys):
     assert report.main([str(lr_sweep), "--stage", "warmup"]) == 2
     assert capsys.readouterr().err == (
-        f"rft.report: --stage warmup: no job in {lr_sweep} has a stage of that name. The stages found: "
+        f"rft.reporting.report: --stage warmup: no job in {lr_sweep} has a stage of that name. The stages found: "
         "sft_warmup, grpo. Give one of them, or --stage all for every stage.\n")
     assert report.main([str(lr_sweep), "--metrics", "reward/mean,eval/acc"]) == 2
     assert capsys.readouterr().err == (
-        "rft.report: --metrics eval/acc: not logged by any job in the stage reported. The metrics found: "
+        "rft.reporting.report: --metrics eval/acc: not logged by any job in the stage reported. The metrics found: "
         "eval/arith/accuracy, eval/accuracy, eval/hard/accuracy, timing/eval_s, reward/mean, timing/step_s. "
         "Give a comma-separated list of them, e.g. --metrics reward/mean,eval/arith/accuracy,eval/hard/accuracy.\n")
     assert not (lr_sweep / "report.md").exists()  # nothing written on a mistake
@@ -345,17 +346,18 @@ def test_a_single_run_without_stages(tmp_path):
                             "its own directory). Leave --stage out.")
 
 
+@pytest.mark.slow
 def test_the_command_line(sweep, tmp_path):
-    r = subprocess.run([sys.executable, "-m", "rft.report", str(sweep)], cwd=ROOT, capture_output=True, text=True)
+    r = subprocess.run([sys.executable, "-m", "rft.reporting.report", str(sweep)], cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert str(sweep / "report.md") in r.stdout and str(sweep / "rewards.png") in r.stdout
 
-    r = subprocess.run([sys.executable, "-m", "rft.report", str(tmp_path / "nowhere")], cwd=ROOT,
+    r = subprocess.run([sys.executable, "-m", "rft.reporting.report", str(tmp_path / "nowhere")], cwd=ROOT,
                        capture_output=True, text=True)
     assert r.returncode == 2
     assert r.stderr.count("\n") == 1 and "nowhere is not a directory" in r.stderr
     (tmp_path / "empty").mkdir()
-    r = subprocess.run([sys.executable, "-m", "rft.report", str(tmp_path / "empty")], cwd=ROOT,
+    r = subprocess.run([sys.executable, "-m", "rft.reporting.report", str(tmp_path / "empty")], cwd=ROOT,
                        capture_output=True, text=True)
     assert r.returncode == 2 and "holds no job directories" in r.stderr
 

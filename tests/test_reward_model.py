@@ -1,4 +1,4 @@
-"""Reward models on a worker of their own (rft/reward_model.py): the scores against hand
+"""Reward models on a worker of their own (rft/rewards/reward_model.py): the scores against hand
 computations, batching and padding, the config errors, where the workers are placed, and a run
 whose reward model answers from its own Ray actor."""
 
@@ -9,16 +9,16 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-
-import rft.main
 from conftest import compose_cfg
-from rft.buffer import read_experiences
+
+import rft.runtime.main
+from rft.data.buffer import read_experiences
 from rft.errors import ConfigError
 from rft.models import build_tiny_model
-from rft.monitor import read_metrics
-from rft.placement import check_placement, reward_models
-from rft.reward_model import RewardModelReward, RewardModelWorker, local_worker, worker_args, worker_name
-from rft.scoring import build
+from rft.plan.placement import check_placement, reward_models
+from rft.reporting.monitor import read_metrics
+from rft.rewards.reward_model import RewardModelReward, RewardModelWorker, local_worker, worker_args, worker_name
+from rft.rewards.scoring import build
 
 THETA = 0.37  # the engineered classifier scores the last token t as cos(THETA * (t - id("7")))
 
@@ -214,6 +214,7 @@ def _reward(path, **more):
     return f"[{{fn: exact_match, weight: 1}}, {{fn: reward_model, weight: 0.5, args: {{{args}}}}}]"
 
 
+@pytest.mark.slow
 def test_workers_are_placed_like_engines_one_per_distinct_args():
     taskset = "buffer.explorer_input.taskset.reward_fn="
     evalset = "buffer.explorer_input.eval_tasksets.0.reward_fn="
@@ -264,7 +265,7 @@ def test_a_run_scores_with_a_reward_model_on_its_own_ray_actor(engineered_classi
                        "explorer.eval_on_startup=false", "explorer.eval_interval=2", "trainer.save_interval=2",
                        f"checkpoint_root_dir={tmp_path}",
                        f"buffer.explorer_input.taskset.reward_fn={_reward(engineered_classifier)}"])
-    rft.main.main(cfg)
+    rft.runtime.main.main(cfg)
     stage = tmp_path / "rft" / cfg.name
     # the worker ran in a process of its own, not the explorer's
     (rm_log,) = (stage / "log").glob("reward_model_cls7_*.log")
@@ -289,7 +290,7 @@ def test_a_run_scores_with_a_reward_model_on_its_own_ray_actor(engineered_classi
 def test_a_ray_worker_that_does_not_load_is_a_config_error_naming_key_and_path(tmp_path):
     import ray
 
-    from rft.actors import RayActor, start_reward_models, wait_reward_models
+    from rft.runtime.actors import RayActor, start_reward_models, wait_reward_models
 
     cfg = compose_cfg(["stages=[]", "cluster=local",
                        f"buffer.explorer_input.taskset.reward_fn={_reward(tmp_path / 'nothing')}"])

@@ -1,7 +1,7 @@
-"""The reward server (`python -m rft.reward_server`) and its client `remote`, over real HTTP on loopback.
+"""The reward server (`python -m rft.serving.reward_server`) and its client `remote`, over real HTTP on loopback.
 
 Each test starts a server in a background thread (uvicorn on 127.0.0.1, port 0) serving a reward
-config through `rft.scoring.build`, as the command does; the rewards below are named by dotted path
+config through `rft.rewards.scoring.build`, as the command does; the rewards below are named by dotted path
 (`test_reward_server.<fn>`: this directory is on sys.path, as for test_scoring). Two tests start the
 command itself as a subprocess. All of it, with the judge's (tests/test_judge.py), takes ~30 s:
 
@@ -20,14 +20,15 @@ import time
 import httpx
 import pytest
 import uvicorn
-
 from conftest import ROOT, compose_cfg
+
+from rft.data.tasks import Task
 from rft.errors import ConfigError
-from rft.explorer import run_jobs
-from rft.reward_server import RemoteReward, RewardRequestError, make_app
-from rft.scoring import build
-from rft.serving import server_config
-from rft.tasks import Task
+from rft.rewards.remote import RemoteReward, RewardRequestError
+from rft.rewards.scoring import build
+from rft.rollout.explorer import run_jobs
+from rft.serving.auth import server_config
+from rft.serving.reward_server import make_app
 
 # real HTTP servers and subprocesses: in `make test`, out of the fast tier
 pytestmark = pytest.mark.slow
@@ -114,7 +115,7 @@ def serving(spec, token=TOKEN, **limits):
 @contextlib.contextmanager
 def serving_app(app, **limits):
     """An ASGI app on 127.0.0.1 (a free port) in a background thread, served as the command serves
-    (rft.serving.server_config, `limits` its arguments); yields its URL (test_judge too)."""
+    (rft.serving.auth.server_config, `limits` its arguments); yields its URL (test_judge too)."""
     server = uvicorn.Server(server_config(app, host="127.0.0.1", port=0, log_level="warning", **limits))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -260,7 +261,7 @@ def test_a_server_that_is_not_there():
     with serving("exact_match") as url:
         pass  # stopped: its port is free now
     with pytest.raises(ConfigError, match=rf"{url} cannot be used: GET {url}/health failed after 2 tries; the last "
-                                          rf"could not connect.*Start it with `python -m rft.reward_server"):
+                                          rf"could not connect.*Start it with `python -m rft.serving.reward_server"):
         RemoteReward(url, token=TOKEN, retries=1, backoff=0.01)
     client = RemoteReward(url, token=TOKEN, retries=1, backoff=0.01, check=False)
     with pytest.raises(RewardRequestError, match="failed after 2 tries; the last could not connect"):
@@ -289,9 +290,9 @@ def test_an_explorer_step_with_a_remote_reward_part(tmp_path):
     """An explorer built from the documented override scores through the server: the tasks the
     server refuses are failed tasks, the others' experiences carry the remote part, and the client's
     counters reach the step's counters."""
-    from rft.explorer import Explorer
+    from rft.data.tasks import ensure_task_data
     from rft.models import ensure_model
-    from rft.tasks import ensure_task_data
+    from rft.rollout.explorer import Explorer
 
     with serving("test_reward_server.refuses_some") as url:
         cfg = compose_cfg([
@@ -330,10 +331,10 @@ def test_concurrent_requests_are_bounded_by_max_concurrency():
 
 
 def command(*args, env=None):
-    """`python -m rft.reward_server --reward exact_match --port 0 *args` with $RFT_REWARD_TOKEN=TOKEN
+    """`python -m rft.serving.reward_server --reward exact_match --port 0 *args` with $RFT_REWARD_TOKEN=TOKEN
     (or `env`); its process, once it printed its serving line, and its URL."""
     env = {**os.environ, "RFT_REWARD_TOKEN": TOKEN} if env is None else env
-    proc = subprocess.Popen([sys.executable, "-m", "rft.reward_server", "--reward", "exact_match", "--port", "0",
+    proc = subprocess.Popen([sys.executable, "-m", "rft.serving.reward_server", "--reward", "exact_match", "--port", "0",
                              "--log-level", "warning", *args],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     line = proc.stdout.readline()
@@ -348,7 +349,7 @@ def stopped(proc) -> str:
 
 
 def test_the_command(tmp_path):
-    """`python -m rft.reward_server` on its default host prints its URL, answers, and stops."""
+    """`python -m rft.serving.reward_server` on its default host prints its URL, answers, and stops."""
     proc, url = command()
     try:
         assert url.startswith("http://127.0.0.1:")
@@ -358,14 +359,14 @@ def test_the_command(tmp_path):
 
 
 def test_the_command_generates_a_token_and_warns_off_loopback():
-    proc = subprocess.Popen([sys.executable, "-m", "rft.reward_server", "--reward",
+    proc = subprocess.Popen([sys.executable, "-m", "rft.serving.reward_server", "--reward",
                              '[{"fn": "exact_match"}, {"fn": "last_number", "weight": 0.5}]', "--host", "0.0.0.0",
                              "--port", "0", "--log-level", "warning"],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={k: v for k, v in os.environ.items() if k != "RFT_REWARD_TOKEN"})
     try:
         generated = proc.stdout.readline()
-        assert generated.startswith("rft.reward_server: generated token (give it to the clients as $RFT_REWARD_TOKEN): ")
+        assert generated.startswith("rft.serving.reward_server: generated token (give it to the clients as $RFT_REWARD_TOKEN): ")
         token = generated.rsplit(" ", 1)[1].strip()
         assert len(token) >= 40
         serving_line = proc.stdout.readline()
@@ -382,11 +383,11 @@ def test_the_command_generates_a_token_and_warns_off_loopback():
 # ---------------------------------------------------------------- tokens off the command line
 
 def test_a_token_on_the_command_line_is_refused_and_nothing_is_served():
-    proc = subprocess.run([sys.executable, "-m", "rft.reward_server", "--reward", "exact_match", "--port", "0",
+    proc = subprocess.run([sys.executable, "-m", "rft.serving.reward_server", "--reward", "exact_match", "--port", "0",
                            "--token", "t0ken-in-ps"], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1 and proc.stdout == ""
     assert proc.stderr == (
-        "rft.reward_server: --token is not taken: a token on the command line is visible to every local user in "
+        "rft.serving.reward_server: --token is not taken: a token on the command line is visible to every local user in "
         "`ps`. Set $RFT_REWARD_TOKEN, or write it on the first line of a file only you can read and give "
         "--token-file <file>.\n")
 
@@ -405,19 +406,19 @@ def test_the_token_from_a_file_and_what_a_bad_file_says(tmp_path):
         assert stopped(proc) == ""  # a file only its owner reads: no warning
     path.chmod(0o644)
     proc, url = command("--token-file", str(path), env=env)
-    assert stopped(proc) == (f"rft.reward_server: WARNING: {path} can be read by other users (mode 644); "
+    assert stopped(proc) == (f"rft.serving.reward_server: WARNING: {path} can be read by other users (mode 644); "
                              f"`chmod 600 {path}` keeps the token yours.\n")
     for bad, why in [(tmp_path / "missing", "cannot read it (No such file or directory). Write the token on its "
                                              "first line, or set $RFT_REWARD_TOKEN instead."),
                      (tmp_path, "cannot read it (Is a directory). Write the token on its first line, or set "
                                 "$RFT_REWARD_TOKEN instead.")]:
-        r = subprocess.run([sys.executable, "-m", "rft.reward_server", "--reward", "exact_match", "--token-file",
+        r = subprocess.run([sys.executable, "-m", "rft.serving.reward_server", "--reward", "exact_match", "--token-file",
                             str(bad)], cwd=ROOT, capture_output=True, text=True, timeout=60)
-        assert (r.returncode, r.stderr) == (1, f"rft.reward_server: --token-file {bad}: {why}\n")
+        assert (r.returncode, r.stderr) == (1, f"rft.serving.reward_server: --token-file {bad}: {why}\n")
     path.write_text("\n")
-    r = subprocess.run([sys.executable, "-m", "rft.reward_server", "--reward", "exact_match", "--token-file",
+    r = subprocess.run([sys.executable, "-m", "rft.serving.reward_server", "--reward", "exact_match", "--token-file",
                         str(path)], cwd=ROOT, capture_output=True, text=True, timeout=60)
-    assert r.stderr == f"rft.reward_server: --token-file {path} is empty: write the token on its first line.\n"
+    assert r.stderr == f"rft.serving.reward_server: --token-file {path} is empty: write the token on its first line.\n"
 
 
 def test_a_token_that_no_http_header_can_carry_is_refused_by_name_and_never_shown(tmp_path):
@@ -431,14 +432,14 @@ def test_a_token_that_no_http_header_can_carry_is_refused_by_name_and_never_show
                                 "HTTP header cannot carry (a letter outside ASCII, a space, a line break): make "
                                 "one with python -c 'import secrets; print(secrets.token_urlsafe(24))'.")
         env = {**os.environ, "RFT_REWARD_TOKEN": secret}
-        r = subprocess.run([sys.executable, "-m", "rft.reward_server", "--reward", "exact_match", "--port", "0"],
+        r = subprocess.run([sys.executable, "-m", "rft.serving.reward_server", "--reward", "exact_match", "--port", "0"],
                            cwd=ROOT, capture_output=True, text=True, timeout=60, env=env)
-        assert (r.returncode, r.stderr) == (1, "rft.reward_server: the token in $RFT_REWARD_TOKEN holds a character "
+        assert (r.returncode, r.stderr) == (1, "rft.serving.reward_server: the token in $RFT_REWARD_TOKEN holds a character "
                                                "an HTTP header cannot carry (a letter outside ASCII, a space, a line "
                                                "break): make one with python -c 'import secrets; "
                                                "print(secrets.token_urlsafe(24))'.\n")
     # the judge's API key goes the same way (a key given as itself is not shown either)
-    from rft.judge import JudgeReward
+    from rft.rewards.judge import JudgeReward
 
     with pytest.raises(ConfigError) as e:
         JudgeReward("http://127.0.0.1:1/v1", "m", api_key="sk-pässwörd")

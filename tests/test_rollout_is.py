@@ -12,17 +12,17 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from omegaconf import OmegaConf
-
 from conftest import compose_cfg
-from rft.algorithms import ADVANTAGE_FNS, rollout_is
-from rft.config import AlgorithmConfig
-from rft.errors import ConfigError
-from rft.experience import Experience, collate
-from rft.trainer import token_logprobs
+from omegaconf import OmegaConf
 from test_engine import tiny_engine_and_prompts
 from test_step_work import MIXED, ONE_FLAT, Forwards, force_old_forward, grads, grouped, params, with_engine_logprobs
 from test_trainer import make_trainer
+
+from rft.algorithms import ADVANTAGE_FNS, rollout_is
+from rft.config import AlgorithmConfig
+from rft.data.experience import Experience, collate
+from rft.errors import ConfigError
+from rft.trainer.trainer import token_logprobs
 
 LN = math.log
 

@@ -8,13 +8,13 @@ import sys
 
 import pytest
 import torch
+from conftest import ROOT, compose_cfg, run_cli
 from safetensors.torch import load_file
 
-import rft.main
-from conftest import ROOT, compose_cfg, run_cli
+import rft.runtime.main
 from rft.errors import ConfigError
-from rft.monitor import read_metrics
-from rft.rundir import differences, identity
+from rft.reporting.monitor import read_metrics
+from rft.runtime.rundir import differences, identity
 
 # a single stage that trains in a few seconds in this process
 TINY = ["stages=[]", "cluster=inline", "monitor=console", "buffer.batch_size=4", "algorithm.repeat_times=2",
@@ -44,11 +44,11 @@ def test_differences_allow_only_a_longer_run():
 @pytest.mark.slow  # a real engine, Ray or training run
 def test_a_changed_config_under_the_same_name_stops_and_lists_the_changes(tmp_path):
     args = [*TINY, f"checkpoint_root_dir={tmp_path}", "name=study", "stage_cache_dir=null"]
-    rft.main.main(compose_cfg(args))
+    rft.runtime.main.main(compose_cfg(args))
     run = tmp_path / "rft" / "study"
     assert (run / "config.yaml").read_text().startswith("# fingerprint: ")
     with pytest.raises(ConfigError) as e:
-        rft.main._main(compose_cfg([*args, "algorithm.optimizer.lr=1e-3"]))
+        rft.runtime.main._main(compose_cfg([*args, "algorithm.optimizer.lr=1e-3"]))
     assert str(e.value) == (
         f"the run directory {run} holds a run made with another configuration (stage grpo: "
         f"algorithm.optimizer.lr: 0.0002 -> 0.001). Running the same name resumes that run, so the change "
@@ -58,11 +58,11 @@ def test_a_changed_config_under_the_same_name_stops_and_lists_the_changes(tmp_pa
     )
     assert steps(run / "metrics.jsonl") == [1, 2]  # nothing ran
     # a longer run is no change: it goes on from step 2
-    rft.main.main(compose_cfg([*args, "buffer.total_steps=4"]))
+    rft.runtime.main.main(compose_cfg([*args, "buffer.total_steps=4"]))
     assert steps(run / "metrics.jsonl") == [1, 2, 3, 4]
     assert "  total_steps: 4\n" in (run / "config.yaml").read_text()  # the record says how far it went
     # asked for, a change is accepted, and recorded with the stage
-    rft.main.main(compose_cfg([*args, "buffer.total_steps=5", "algorithm.optimizer.lr=1e-3", "resume_with_changes=true"]))
+    rft.runtime.main.main(compose_cfg([*args, "buffer.total_steps=5", "algorithm.optimizer.lr=1e-3", "resume_with_changes=true"]))
     assert steps(run / "metrics.jsonl") == [1, 2, 3, 4, 5]
     log = (run / "config_changes.log").read_text()
     assert "resume_with_changes=true: algorithm.optimizer.lr: 0.0002 -> 0.001" in log
@@ -73,7 +73,7 @@ def test_a_changed_config_under_the_same_name_stops_and_lists_the_changes(tmp_pa
 @pytest.mark.slow  # a real engine, Ray or training run
 def test_a_damaged_or_missing_config_record_stops_a_resume_instead_of_skipping_the_check(tmp_path):
     args = [*TINY, f"checkpoint_root_dir={tmp_path}", "name=study", "stage_cache_dir=null"]
-    rft.main.main(compose_cfg(args))
+    rft.runtime.main.main(compose_cfg(args))
     run = tmp_path / "rft" / "study"
     record = run / "config.yaml"
     text = record.read_text()
@@ -89,12 +89,12 @@ def test_a_damaged_or_missing_config_record_stops_a_resume_instead_of_skipping_t
             record.write_text(damaged)
         # a changed lr would otherwise be taken on silently from the checkpoint
         with pytest.raises(ConfigError) as e:
-            rft.main._main(compose_cfg([*args, "buffer.total_steps=4", "algorithm.optimizer.lr=5e-2"]))
+            rft.runtime.main._main(compose_cfg([*args, "buffer.total_steps=4", "algorithm.optimizer.lr=5e-2"]))
         assert str(e.value).startswith(f"{record}, the record of the configuration stage grpo ran with, {problem}"), str(e.value)
         assert "resume_with_changes=true" in str(e.value)
         assert steps(run / "metrics.jsonl") == [1, 2]  # nothing ran
     # asked for, the run goes on with its own configuration, which it records
-    rft.main.main(compose_cfg([*args, "buffer.total_steps=4", "resume_with_changes=true"]))
+    rft.runtime.main.main(compose_cfg([*args, "buffer.total_steps=4", "resume_with_changes=true"]))
     assert steps(run / "metrics.jsonl") == [1, 2, 3, 4]
     assert "resume_with_changes=true: config.yaml is missing: written anew" in (run / "config_changes.log").read_text()
     assert record.read_text().startswith("# fingerprint: ")
@@ -137,8 +137,8 @@ def test_a_dry_run_writes_nothing_and_a_restart_keeps_the_old_record(tmp_path):
 @pytest.mark.slow  # a real engine, Ray or training run
 def test_a_finished_stage_is_reused_by_another_run_with_the_same_stage(tmp_path, capsys):
     common = [*TWO_STAGES, f"checkpoint_root_dir={tmp_path}"]
-    rft.main.main(compose_cfg([*common, "name=first"]))
-    rft.main.main(compose_cfg([*common, "name=second", "algorithm.optimizer.lr=1e-3"]))
+    rft.runtime.main.main(compose_cfg([*common, "name=first"]))
+    rft.runtime.main.main(compose_cfg([*common, "name=second", "algorithm.optimizer.lr=1e-3"]))
     out = capsys.readouterr().out
     first, second = tmp_path / "rft" / "first", tmp_path / "rft" / "second"
     # the warm-up (its own lr) is the same stage: copied; the RL stage (another lr) trained
@@ -152,8 +152,8 @@ def test_a_finished_stage_is_reused_by_another_run_with_the_same_stage(tmp_path,
     assert steps(second / "grpo" / "metrics.jsonl") == [1, 2]
     assert read_metrics(second / "grpo" / "metrics.jsonl")[-1]["actor/lr"] == pytest.approx(1e-3)
     # another seed is another warm-up: trained, not reused; with the cache off, nothing is reused
-    rft.main.main(compose_cfg([*common, "name=third", "seed=7"]))
-    rft.main.main(compose_cfg([*common, "name=fourth", "stage_cache_dir=null"]))
+    rft.runtime.main.main(compose_cfg([*common, "name=third", "seed=7"]))
+    rft.runtime.main.main(compose_cfg([*common, "name=fourth", "stage_cache_dir=null"]))
     out = capsys.readouterr().out
     assert "reused" not in out
     assert not (tmp_path / "rft" / "third" / "sft_warmup" / "reused_from").exists()
@@ -181,13 +181,13 @@ def cut_tokenizer(entry):
 @pytest.mark.slow
 def test_a_damaged_stage_cache_entry_is_set_aside_and_the_stage_runs(tmp_path, capsys):
     common = [*TWO_STAGES, f"checkpoint_root_dir={tmp_path}"]
-    rft.main.main(compose_cfg([*common, "name=first"]))
+    rft.runtime.main.main(compose_cfg([*common, "name=first"]))
     first = tmp_path / "rft" / "first" / "sft_warmup" / "checkpoints" / "step_4" / "hf" / "model.safetensors"
     for i, damage in enumerate([zero_weights, cut_tokenizer]):
         (entry,) = [p for p in (tmp_path / "rft" / "stage_cache").iterdir() if p.is_dir() and "." not in p.name]
         why = damage(entry)
         capsys.readouterr()
-        rft.main.main(compose_cfg([*common, f"name=second{i}", "algorithm.optimizer.lr=1e-3"]))
+        rft.runtime.main.main(compose_cfg([*common, f"name=second{i}", "algorithm.optimizer.lr=1e-3"]))
         out = capsys.readouterr().out
         assert f"[sft_warmup] the stage cache's copy of this stage is damaged ({why}); moved it to {entry}.damaged-" in out
         assert "reused" not in out
@@ -220,12 +220,13 @@ def test_concurrent_jobs_with_the_same_stage_train_it_once(tmp_path):
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.slow
 def test_a_longer_warm_up_under_a_later_stage_that_already_trained_is_a_change(tmp_path):
     """A later stage starts from the warm-up's final model: a warm-up grown from 4 to 6 steps under
     an RL stage that trained from its 4-step model made the run print "[grpo] already finished" and
     exit 0, its RL result from a warm-up the config no longer says."""
-    from rft.plan import stage_configs
-    from rft.rundir import check_unchanged, write_config
+    from rft.plan.batch import stage_configs
+    from rft.runtime.rundir import check_unchanged, write_config
 
     def stage_dirs(overrides):
         stages = stage_configs(compose_cfg([f"checkpoint_root_dir={tmp_path}", "name=study", *overrides]))
@@ -253,8 +254,8 @@ def test_regenerated_data_under_a_started_stage_is_a_change(tmp_path):
     resumed a stage half trained on them and mixed the new ones in, with exit 0."""
     import json as json_
 
-    from rft.plan import stage_configs
-    from rft.rundir import check_unchanged, write_config
+    from rft.plan.batch import stage_configs
+    from rft.runtime.rundir import check_unchanged, write_config
 
     data = tmp_path / "data"
     data.mkdir()

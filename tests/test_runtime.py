@@ -15,14 +15,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
-
 from conftest import ROOT, compose_cfg, run_cli
 from faulty_reward import fault_class
-from rft.buffer import read_experiences
-from rft.data import epoch_batch, step_seed
-from rft.monitor import read_metrics
-from rft.tasks import load_tasks
+from safetensors.torch import load_file
+
+from rft.data.buffer import read_experiences
+from rft.data.readers import epoch_batch, step_seed
+from rft.data.tasks import load_tasks
+from rft.reporting.monitor import read_metrics
 
 pytestmark = pytest.mark.slow
 
@@ -46,7 +46,7 @@ def test_explore_writes_sql_then_train_learns_from_it_then_bench(warm_start, tmp
     r = run_cli(*base(warm_start, "explorer", "cluster=inline", "mode=explore", "buffer.total_steps=10", *sql),
                 env=env_for(tmp_path))
     assert r.returncode == 0, r.stderr[-3000:]
-    listing = subprocess.run([sys.executable, "-m", "rft.buffer", str(db), "--limit", "2"],
+    listing = subprocess.run([sys.executable, "-m", "rft.data.buffer", str(db), "--limit", "2"],
                              capture_output=True, text=True, cwd=ROOT)
     assert listing.returncode == 0 and "reward" in listing.stdout, listing.stdout + listing.stderr
 

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import compose_cfg
+
 from rft.errors import ConfigError
-from rft.placement import torch_threads
-from rft.sync import fingerprint, from_arrays, same_weights, to_arrays, weight_sums
+from rft.plan.placement import torch_threads
+from rft.sync.weights import fingerprint, from_arrays, same_weights, to_arrays, weight_sums
 
 
 @pytest.mark.parametrize("overrides, want", [
@@ -47,8 +47,8 @@ def test_torch_threads_per_actor(overrides, want):
     (["synchronizer.sync_offset=2"], 2),
 ])
 def test_a_null_sync_offset_is_settled_per_stage(overrides, want):
-    from rft.placement import sync_offset
-    from rft.plan import check_config, stage_configs
+    from rft.plan.batch import check_config, stage_configs
+    from rft.plan.placement import sync_offset
 
     cfg = compose_cfg(["stages=[]", *overrides])
     assert cfg.synchronizer.sync_offset in (None, want)  # null unless set
@@ -59,7 +59,7 @@ def test_a_null_sync_offset_is_settled_per_stage(overrides, want):
 
 
 def test_the_default_study_runs_its_explorer_one_step_ahead():
-    from rft.plan import stage_configs
+    from rft.plan.batch import stage_configs
 
     warmup, grpo = stage_configs(compose_cfg([]))
     # the warm-up (mode=train) has no explorer to run ahead; the GRPO stage's runs one step ahead
@@ -104,17 +104,17 @@ def test_the_fingerprint_sums_in_float64():
 
 
 def test_a_local_ray_instance_exports_no_metrics_unless_asked(monkeypatch, tmp_path):
-    import rft.main
+    import rft.runtime.main
 
     calls = []
     monkeypatch.delenv("RAY_enable_metrics_collection", raising=False)
     monkeypatch.setattr("ray.is_initialized", lambda: False)
     monkeypatch.setattr("ray.init", lambda **kw: calls.append((kw, os.environ.get("RAY_enable_metrics_collection"))))
-    monkeypatch.setattr(rft.main, "_start_reaper", lambda: None)
-    rft.main._start_ray(compose_cfg(["stages=[]"]), tmp_path)
+    monkeypatch.setattr(rft.runtime.main, "_start_reaper", lambda: None)
+    rft.runtime.main._start_ray(compose_cfg(["stages=[]"]), tmp_path)
     assert calls[-1][0]["include_dashboard"] is False and calls[-1][1] == "0"
     monkeypatch.delenv("RAY_enable_metrics_collection", raising=False)
-    rft.main._start_ray(compose_cfg(["stages=[]", "monitor.ray_dashboard=true"]), tmp_path)
+    rft.runtime.main._start_ray(compose_cfg(["stages=[]", "monitor.ray_dashboard=true"]), tmp_path)
     assert calls[-1][0]["include_dashboard"] is True and calls[-1][1] is None
 
 

@@ -6,13 +6,12 @@ import time
 
 import pytest
 import torch
-
 from conftest import compose_cfg
-from rft.errors import ConfigError
-from rft.explorer import Explorer, run_jobs
-from rft.placement import check_placement
-from rft.plan import make_plan
 
+from rft.errors import ConfigError
+from rft.plan.batch import make_plan
+from rft.plan.placement import check_placement
+from rft.rollout.explorer import Explorer, run_jobs
 
 # ---------------------------------------------------------------- runners
 
@@ -131,7 +130,7 @@ def test_run_jobs_over_rollout_drops_the_slowest():
 
 
 def test_weight_sums_over_cache_sized_chunks_are_the_float64_sums():
-    from rft.sync import _CPU_CHUNK, weight_sums
+    from rft.sync.weights import _CPU_CHUNK, weight_sums
 
     g = torch.Generator().manual_seed(0)
     big = torch.randn(3 * _CPU_CHUNK + 5, generator=g)  # four chunks, the last of 5 elements
@@ -147,8 +146,8 @@ def test_weight_sums_over_cache_sized_chunks_are_the_float64_sums():
 
 @pytest.fixture(scope="module")
 def explorer():
+    from rft.data.tasks import ensure_task_data
     from rft.models import ensure_model
-    from rft.tasks import ensure_task_data
 
     cfg = compose_cfg(["cluster=inline"])
     ensure_model(cfg.model)
@@ -157,7 +156,7 @@ def explorer():
 
 
 def _trainer_side(explorer):
-    from rft.sync import fingerprint
+    from rft.sync.weights import fingerprint
 
     sd = {k: v.clone() + 0.01 for k, v in explorer.engine.model.state_dict().items()}
     # the trainer fingerprints its parameters: a tied output layer counts once
@@ -178,7 +177,7 @@ def test_a_corrupted_memory_sync_is_caught(explorer):
 def test_memory_sync_in_one_process_checks_the_loaded_weights_bit_for_bit(explorer, monkeypatch):
     """cluster=inline: the trainer sends its tensors (as numpy views) and no fingerprint; the
     explorer compares what its engine holds after loading with those tensors, exactly."""
-    from rft.sync import to_arrays
+    from rft.sync.weights import to_arrays
 
     sd, _ = _trainer_side(explorer)
     assert explorer.receive_weights((to_arrays(sd), None), 9) is None and explorer.version == 9
@@ -211,7 +210,7 @@ def test_memory_sync_in_one_process_checks_the_loaded_weights_bit_for_bit(explor
     # fingerprints the trainer's state dict (a tied output layer is one tensor there, counted once)
     import copy
 
-    from rft.sync import fingerprint, same_weights
+    from rft.sync.weights import fingerprint, same_weights
 
     model = copy.deepcopy(explorer.engine.model)
     with torch.no_grad():
@@ -228,7 +227,7 @@ def test_memory_sync_in_one_process_checks_the_loaded_weights_bit_for_bit(explor
 
 
 def test_same_bits_tells_apart_what_equality_does_not():
-    from rft.sync import same_bits
+    from rft.sync.weights import same_bits
 
     nan = torch.tensor([float("nan"), 1.0])
     assert same_bits(nan, nan.clone())  # torch.equal says False: NaN != NaN
@@ -260,7 +259,7 @@ def test_engine_update_weights_copies_in_place_and_refuses_a_wrong_state_dict(ex
 def test_memory_sync_through_shared_memory_serves_the_trainers_weights(explorer):
     from pathlib import Path
 
-    from rft.sync import SharedWeights, SharedWriter, read_shared, same_weights, shared_fits
+    from rft.sync.weights import SharedWeights, SharedWriter, read_shared, same_weights, shared_fits
 
     sd, expected = _trainer_side(explorer)
     writer = SharedWriter()
@@ -295,7 +294,7 @@ def test_segments_left_by_killed_runs_are_swept():
     import subprocess
     from pathlib import Path
 
-    from rft.sync import segment_prefix, sweep
+    from rft.sync.weights import segment_prefix, sweep
 
     dead = subprocess.Popen(["true"])
     dead.wait()  # a pid no process has now
@@ -321,7 +320,7 @@ def test_memory_sync_shares_memory_only_with_ray_actors_on_the_trainers_node(mon
     import os
     from types import SimpleNamespace
 
-    from rft.sync import MemorySync
+    from rft.sync.weights import MemorySync
 
     sent = []
 
@@ -350,7 +349,7 @@ def test_memory_sync_shares_memory_only_with_ray_actors_on_the_trainers_node(mon
         sync(Ray("n1"), [Ray("n1"), Ray("n2")], 4)
         assert sent.pop(0) == ("sync_payload", (None,))
         sent.clear()
-    from rft.actors import InlineActor
+    from rft.runtime.actors import InlineActor
 
     inline = InlineActor.__new__(InlineActor)
     inline.obj = SimpleNamespace(sync_payload=lambda shared, with_fingerprint: sent.append((shared, with_fingerprint)) or ({}, None),
@@ -362,7 +361,7 @@ def test_memory_sync_shares_memory_only_with_ray_actors_on_the_trainers_node(mon
 
 
 def test_a_corrupted_collective_sync_is_caught(explorer, monkeypatch):
-    import rft.sync
+    import rft.sync.weights
 
     sd, expected = _trainer_side(explorer)
     names = [n for n, _ in sorted(explorer.engine.model.named_parameters())]
@@ -373,7 +372,7 @@ def test_a_corrupted_collective_sync_is_caught(explorer, monkeypatch):
             for name, t in zip(names[:-1], tensors):
                 t.copy_(sd[name])
 
-    monkeypatch.setattr(rft.sync, "broadcast", garbled_broadcast)
+    monkeypatch.setattr(rft.sync.weights, "broadcast", garbled_broadcast)
     explorer.engine.group = None
     with pytest.raises(RuntimeError, match="weight sync to version 8 failed"):
         explorer.collective_receive(8, expected)
@@ -385,7 +384,7 @@ def test_a_corrupted_collective_sync_is_caught(explorer, monkeypatch):
 @pytest.mark.parametrize("mode", ["behavior", "decoupled", "none"])
 def test_off_policy_correction_of_stale_experiences(mode):
     from rft.algorithms.off_policy import correct
-    from rft.experience import Experience, collate
+    from rft.data.experience import Experience, collate
 
     algo = compose_cfg([f"algorithm.off_policy_correction={mode}", "algorithm.behavior_weight_cap=2.0"]).algorithm
     stale = Experience(tokens=[1, 2, 3, 4], prompt_length=2, logprobs=[-1.0, -2.0], policy_version=2)
@@ -461,7 +460,7 @@ def test_a_sync_past_sync_timeout_is_a_clear_error(tmp_path):
     from omegaconf import OmegaConf
 
     from rft.errors import RunError
-    from rft.sync import MemorySync, wait
+    from rft.sync.weights import MemorySync, wait
 
     class Stuck:  # an actor that never answers
         name = "grpo_explorer"
@@ -490,7 +489,7 @@ def test_a_sync_is_waited_for_before_an_explorers_result_counts_and_a_failed_che
     after a sync whose check failed ran on the old weights and must never count."""
     from types import SimpleNamespace
 
-    from rft.runner import StageRun
+    from rft.runtime.runner import StageRun
 
     made = []
 
@@ -531,8 +530,8 @@ def test_a_syncing_step_queues_the_sync_and_the_next_explore_behind_the_train_st
     from collections import deque
     from types import SimpleNamespace
 
-    from rft.experience import Experience
-    from rft.runner import StageRun
+    from rft.data.experience import Experience
+    from rft.runtime.runner import StageRun
 
     log = []
 
@@ -598,7 +597,7 @@ def test_a_syncing_step_queues_the_sync_and_the_next_explore_behind_the_train_st
 def test_sleep_mode_frees_the_engines_only_while_the_trainer_trains():
     from types import SimpleNamespace
 
-    from rft.runner import StageRun
+    from rft.runtime.runner import StageRun
 
     calls = []
     explorer = SimpleNamespace(call=lambda method: calls.append(method))
@@ -620,23 +619,23 @@ def test_the_driver_of_a_ray_run_does_not_import_the_trainer():
     import subprocess
     import sys
 
-    code = ("import sys, rft.runner, rft.actors, rft.sync, rft.explorer, rft.checkpoint; "
-            "print(sorted(m for m in ('torch', 'rft.trainer', 'peft', 'transformers') if m in sys.modules))")
+    code = ("import sys, rft.runtime.runner, rft.runtime.actors, rft.sync.weights, rft.rollout.explorer, rft.runtime.checkpoint; "
+            "print(sorted(m for m in ('torch', 'rft.trainer.trainer', 'peft', 'transformers') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
 
 
 def test_the_trainer_class_is_imported_in_its_own_process(tmp_path):
-    """start_trainer names the class as "rft.trainer:Trainer"; the actor's shell imports it."""
-    from rft.actors import InlineActor
+    """start_trainer names the class as "rft.trainer.trainer:Trainer"; the actor's shell imports it."""
+    from rft.runtime.actors import InlineActor
 
     a = InlineActor("collections:OrderedDict", [("a", 1)], name="t", log_dir=str(tmp_path), level="INFO")
     assert type(a.obj).__name__ == "OrderedDict" and a.call("get", "a") == 1
 
 
 def test_rollout_metrics_by_hand():
-    from rft.experience import Experience
-    from rft.explorer import rollout_metrics
+    from rft.data.experience import Experience
+    from rft.rollout.explorer import rollout_metrics
 
     exps = [Experience(list(range(2 + n)), 2, [0.0] * n, reward=r, group_id="g")
             for n, r in [(4, 1.0), (2, 0.0), (6, 0.5)]]
@@ -662,7 +661,7 @@ def test_a_trainer_that_dies_during_a_sync_is_named_with_its_checkpoint(tmp_path
     from ray.exceptions import RayActorError
 
     from rft.errors import RunError
-    from rft.runner import StageRun
+    from rft.runtime.runner import StageRun
 
     class Explorer:
         pings = 0
@@ -700,17 +699,18 @@ def test_a_trainer_that_dies_during_a_sync_is_named_with_its_checkpoint(tmp_path
         assert Explorer.pings == 1
 
 
+@pytest.mark.slow
 def test_asking_for_the_ray_node_outside_ray_does_not_import_ray():
     """Memory sync asks each actor for its Ray node; in one process (cluster=inline) the answer is
     "" without importing Ray (~50 MB and ~0.2 s of a run that never uses it)."""
     import subprocess
     import sys
 
-    code = "import sys; from rft.sync import node_id; print(repr(node_id()), 'ray' in sys.modules)"
+    code = "import sys; from rft.sync.weights import node_id; print(repr(node_id()), 'ray' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["''", "False"]
     # nor does asking whether a failed call's actor died (the runner asks on every error)
-    code = ("import sys; from rft.runner import _actor_died; "
+    code = ("import sys; from rft.runtime.runner import _actor_died; "
             "print(_actor_died(RuntimeError('a user error')), 'ray' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["False", "False"]
@@ -722,7 +722,7 @@ def test_an_inline_actor_takes_its_log_file_away_when_it_ends(tmp_path):
     run's lines never land in an earlier run's files (nor leak its file)."""
     import logging
 
-    from rft.actors import InlineActor
+    from rft.runtime.actors import InlineActor
 
     class Fails:
         def __init__(self):
@@ -737,7 +737,7 @@ def test_an_inline_actor_takes_its_log_file_away_when_it_ends(tmp_path):
         with pytest.raises(ValueError, match="no model here"):
             InlineActor(Fails, name="failed", log_dir=str(tmp_path / "b"), level="INFO")
         second = InlineActor(dict, name="second", log_dir=str(tmp_path / "c"), level="INFO")
-        logging.getLogger("rft.explorer").info("during the second")
+        logging.getLogger("rft.rollout.explorer").info("during the second")
         second.kill()
     finally:
         torch.set_num_threads(threads)
@@ -749,10 +749,10 @@ def test_an_inline_actor_takes_its_log_file_away_when_it_ends(tmp_path):
 
 
 def test_long_lived_freezes_what_is_made_inside_and_gives_the_collector_back():
-    """rft.actors.long_lived: no full collections while an actor is built, then its objects frozen."""
+    """rft.runtime.actors.long_lived: no full collections while an actor is built, then its objects frozen."""
     import gc
 
-    from rft.actors import FULL_COLLECTIONS_OFF, long_lived
+    from rft.runtime.actors import FULL_COLLECTIONS_OFF, long_lived
 
     gc.unfreeze()
     before = gc.get_threshold()
@@ -777,11 +777,11 @@ def test_long_lived_freezes_what_is_made_inside_and_gives_the_collector_back():
 
 
 def test_an_actor_whose_constructor_raised_is_reported_by_its_error():
-    """rft.actors.not_started: what Ray raises for a call to an actor whose __init__ raised."""
+    """rft.runtime.actors.not_started: what Ray raises for a call to an actor whose __init__ raised."""
     from pathlib import Path
 
-    from rft.actors import not_started
     from rft.errors import ConfigError, RunError
+    from rft.runtime.actors import not_started
 
     class Died(Exception):
         def __init__(self, text, init_failed):
@@ -789,7 +789,7 @@ def test_an_actor_whose_constructor_raised_is_reported_by_its_error():
             self.actor_init_failed = init_failed
 
     creation = ("The actor died because of an error raised in its creation task, ray::_Host.__init__() "
-                "(pid=7)\n  File \"rft/explorer.py\", line 234, in __init__\n{}\n")
+                "(pid=7)\n  File \"rft/rollout/explorer.py\", line 234, in __init__\n{}\n")
     e = not_started(Died(creation.format("rft.errors.ConfigError: model.model_path='x' could not be loaded."), True),
                     "grpo_explorer", Path("run/log/grpo_explorer.log"))
     assert type(e) is ConfigError and str(e) == "model.model_path='x' could not be loaded."
@@ -804,8 +804,8 @@ def test_an_actor_whose_constructor_raised_is_reported_by_its_error():
 def test_a_checkpoint_that_cannot_be_written_stops_the_run_naming_the_disk_and_leaves_no_tmp(tmp_path):
     import errno
 
-    from rft import checkpoint
     from rft.errors import RunError
+    from rft.runtime import checkpoint
 
     checkpoint.write(tmp_path, 2, {"version": 2})
 
@@ -828,8 +828,8 @@ def score_one_and_a_half(prompt, response, task):
 @pytest.mark.slow  # an engine: 200 greedy eval rollouts
 def test_eval_accuracy_is_the_mean_reward_and_may_pass_one():
     """README: "accuracy" is the mean reward over the eval set (with a 0/1 reward, the share solved)."""
+    from rft.data.tasks import ensure_task_data
     from rft.models import ensure_model
-    from rft.tasks import ensure_task_data
 
     cfg = compose_cfg(["cluster=inline", "buffer.explorer_input.eval_tasksets.0.reward_fn=test_runtime_units.score_one_and_a_half"])
     ensure_model(cfg.model)
@@ -854,7 +854,7 @@ def test_a_run_shorter_than_max_failed_steps_whose_every_step_failed_stops_namin
     """2 steps, max_failed_steps 3: both failed, and the run saved the unchanged model with exit 0;
     the message blamed the reward function when the environment had raised."""
     from rft.errors import RunError
-    from rft.runner import StageRun
+    from rft.runtime.runner import StageRun
 
     cfg = compose_cfg(["stages=[]", "model=tiny_tools", "task=calculator", "buffer.total_steps=2"])
     run = stage_run_of(cfg, tmp_path, total_steps=2)
@@ -881,7 +881,7 @@ def test_equal_rewards_of_a_multi_turn_run_name_the_environment_not_an_unused_re
     # it said "Check the reward function ('exact_match')", which a multi-turn conversation never calls
     from types import SimpleNamespace
 
-    from rft.runner import StageRun
+    from rft.runtime.runner import StageRun
 
     run = stage_run_of(compose_cfg(["stages=[]", "model=tiny_tools", "task=calculator"]), tmp_path, total_steps=10)
     printed = []
@@ -913,8 +913,8 @@ class ReturnsAnInt:
 def test_an_environment_of_the_wrong_shape_stops_the_explorer_with_its_name_not_a_traceback(caplog):
     """The explorer wrapped the workflow's error in "workflow 'multi_turn' raised TypeError: cannot
     unpack non-iterable int object" and printed its traceback on the console."""
+    from rft.data.tasks import ensure_task_data
     from rft.models import ensure_model
-    from rft.tasks import ensure_task_data
 
     cfg = compose_cfg(["stages=[]", "cluster=inline", "model=tiny_tools", "task=calculator", "buffer.batch_size=2",
                        "algorithm.repeat_times=2", "buffer.explorer_input.eval_tasksets=[]",

@@ -1,4 +1,4 @@
-"""Model-written code runs in a sandbox (rft/sandbox.py): each wall stops or refuses, says why, and
+"""Model-written code runs in a sandbox (rft/rollout/environments/sandbox.py): each wall stops or refuses, says why, and
 the calling process is unharmed.
 
 The escapes a security review made on the sandbox that was an audit hook plus `unshare -rn` are
@@ -24,10 +24,10 @@ from pathlib import Path
 
 import pytest
 
-from rft import sandbox, seccomp
-from rft.environments import PythonEnv
+from rft.data.tasks import Task, tool_call_text
 from rft.errors import ConfigError
-from rft.tasks import Task, tool_call_text
+from rft.rollout.environments import sandbox, seccomp
+from rft.rollout.environments.tools import PythonEnv
 
 # the review's way to switch the old hook off; harmless now (the code gets a fresh __main__)
 NO_HOOK = "import __main__\n__main__.refuse = lambda why: None\n"
@@ -94,6 +94,7 @@ def test_an_exception_is_a_failure_with_its_message():
     assert r.reason.startswith("exited with status 1: SyntaxError: (unicode error) 'utf-8' codec can't decode")
 
 
+@pytest.mark.slow
 def test_code_that_loops_forever_is_killed_at_the_time_limit():
     r = run("while True: pass", timeout_s=1)
     assert not r.ok and r.reason == "timed out after 1 s (killed)"
@@ -240,6 +241,7 @@ def test_host_sockets_cannot_be_reached(tmp_path, no_guard):
             s.close()
 
 
+@pytest.mark.slow
 def test_every_process_of_the_sandbox_dies_at_the_timeout_setsid_too(no_guard):
     marker = f"rft-{uuid.uuid4().hex}"
     code = NO_HOOK + ("import os, sys, time\nif os.fork() == 0:\n    os.setsid()\n"
@@ -293,6 +295,7 @@ def test_processes_are_capped(no_guard):
     assert r.ok and r.stdout == "31\n"  # max_processes=32: the code and 31 children
 
 
+@pytest.mark.slow
 def test_a_fork_bomb_is_contained_and_leaves_nothing_behind(no_guard):
     code = ("import os\nprint(os.readlink('/proc/self/ns/pid'), flush=True)\n"
             "while True:\n    try:\n        os.fork()\n    except OSError:\n        pass")
@@ -362,7 +365,7 @@ def test_code_past_the_guard_reaches_no_keyring_namespace_or_shared_memory(tmp_p
                       f"r = sandbox.run_python(sys.stdin.read(), memory_mb=128, timeout_s=10)\n"
                       "print(r.stdout + str(r.reason), end='')\n"
                       "print('\\nleft', libc.syscall(keyctl, 10, -3, b'user', b'rft-left-behind', 0) > 0)\n")
-    project = str(Path(sandbox.__file__).resolve().parents[1])
+    project = str(Path(sandbox.__file__).resolve().parents[3])
     p = subprocess.run([sys.executable, str(caller)], input=unguarded(NATIVE), capture_output=True, text=True,
                        timeout=60, env={**os.environ, "PYTHONPATH": project})
     assert p.returncode == 0, p.stderr
@@ -377,6 +380,7 @@ def test_code_past_the_guard_reaches_no_keyring_namespace_or_shared_memory(tmp_p
     assert (r.ok, r.stdout) == (True, "thread\nfresh\n")
 
 
+@pytest.mark.slow
 def test_no_one_can_write_the_file_behind_its_stdin():
     # stdin was a temporary file on the caller's disk, opened read-only; through /proc/self/fd/0 the
     # file could be opened again for writing by its owner: in user mode (a caller that is not root)
@@ -453,6 +457,7 @@ def test_a_machine_without_libseccomp_is_refused_with_its_reason(monkeypatch):
         sandbox.isolation.cache_clear()
 
 
+@pytest.mark.slow
 def test_the_unisolated_opt_out_keeps_the_limits_and_the_guard(no_bwrap, tmp_path):
     r = sandbox.run_python("print(6*7)", allow_unisolated=True)
     assert (r.ok, r.stdout) == (True, "42\n")
@@ -471,6 +476,7 @@ def test_the_unisolated_opt_out_keeps_the_limits_and_the_guard(no_bwrap, tmp_pat
 
 # ---------------------------------------------------------------- the tool, in a conversation
 
+@pytest.mark.slow
 def test_the_python_tool_answers_failures_with_their_reason_and_the_conversation_goes_on():
     env = PythonEnv(max_tool_calls=8, timeout_s=1, memory_mb=256)
     env.reset(Task("t/0", [{"role": "user", "content": "37*48"}], "1776", {}))
@@ -493,8 +499,8 @@ def test_the_python_environment_runs_in_the_multi_turn_workflow_on_the_explorers
     sandbox, 4 conversations at once; the tool's answer is in each conversation."""
     from test_multi_turn import HASH_TEMPLATE, Scripted, ctx_for, tokenizer
 
-    from rft.explorer import run_jobs
-    from rft.multi_turn import multi_turn
+    from rft.rollout.explorer import run_jobs
+    from rft.rollout.workflows.multi_turn import multi_turn
 
     tok = tokenizer(tools_model, HASH_TEMPLATE)
     engine = Scripted(tok, [(tool_call_text("python", {"code": "print(7*8)"}), "stop"), ("56", "stop")])

@@ -1,4 +1,4 @@
-"""Rewards of several parts (rft/scoring.py): the weighted sum, the parts logged and stored, the
+"""Rewards of several parts (rft/rewards/scoring.py): the weighted sum, the parts logged and stored, the
 config errors, running normalisation, and a run whose stored experiences carry the parts."""
 
 import json
@@ -9,14 +9,14 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-
-import rft.main
 from conftest import compose_cfg
-from rft.buffer import read_experiences
+
+import rft.runtime.main
+from rft.data.buffer import read_experiences
+from rft.data.experience import Experience, add_part
 from rft.errors import ConfigError
-from rft.experience import Experience
-from rft.monitor import read_metrics
-from rft.scoring import Reward, RunningNorm, add_part, build, check, part_metrics
+from rft.reporting.monitor import read_metrics
+from rft.rewards.scoring import Reward, RunningNorm, build, check, part_metrics
 
 TASK = SimpleNamespace(task_id="t/0", answer="357", row={})
 
@@ -58,7 +58,7 @@ def test_a_dict_reward_is_the_sum_of_its_entries_each_stored_under_name_slash_ke
     ("2+3*7=23", r"[0-9+\-*/() ]+", 0.0),
 ])
 def test_the_format_reward(response, pattern, expected):
-    from rft.rewards import REWARD_FNS
+    from rft.rewards.verifiers import REWARD_FNS
 
     args = {} if pattern is None else {"pattern": pattern}
     assert REWARD_FNS["format"]("p", response, TASK, **args) == expected
@@ -243,7 +243,7 @@ def test_a_two_part_reward_run_logs_each_part_and_stores_them(warm_start, tmp_pa
                        "cluster=inline", "monitor=console", f"checkpoint_root_dir={tmp_path}",
                        "buffer=sql",
                        f"buffer.explorer_input.taskset.reward_fn={reward}"])
-    rft.main.main(cfg)
+    rft.runtime.main.main(cfg)
     stage = tmp_path / "rft" / cfg.name
     steps = [m for m in read_metrics(stage / "metrics.jsonl") if "reward/mean" in m]
     assert len(steps) == 3

@@ -6,13 +6,13 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import compose_cfg
+
 from rft.algorithms import needs
 from rft.algorithms.losses import ppo_clip_loss
-from rft.buffer import read_experiences
-from rft.data import encode_prompt
-from rft.experience import Experience, collate
+from rft.data.buffer import read_experiences
+from rft.data.experience import Experience, collate
+from rft.data.readers import encode_prompt
 
 SECOND_TURN = "+0="  # the fixed user turn between the model's two answers
 SEEN: dict[str, list] = {"masks": [], "exps": [], "ref_logp": [], "old_logp": []}
@@ -86,7 +86,7 @@ def test_collate_takes_the_loss_mask_and_checks_its_length():
 
 def test_a_workflow_that_returns_the_wrong_shape_is_named():
     from rft.errors import ConfigError
-    from rft.workflows import check_output
+    from rft.rollout.workflows.single_turn import check_output
 
     good = Experience([5, 6, 7, 8], 2, [-1.0, -1.0], loss_mask=[1, 0], task_id="t/0")
     check_output([[good], None], [0, 1], "my.workflow")  # None: a failed task
@@ -108,7 +108,7 @@ def test_a_workflow_that_returns_the_wrong_shape_is_named():
 
 def test_a_misspelt_workflow_fails_while_planning():
     from rft.errors import ConfigError
-    from rft.plan import make_plan
+    from rft.plan.batch import make_plan
 
     with pytest.raises(ConfigError, match=r"buffer.explorer_input.taskset.workflow='single_turns' is not one of "
                                           r"\['multi_turn', 'openai_agent', 'single_turn'\]; give a registered name or the dotted path"):
@@ -122,10 +122,10 @@ def no_context(tasks, engine):
 def test_a_workflow_of_the_wrong_shape_fails_while_planning():
     """A study's workflow must take (tasks, engine, ctx): one that cannot is found before the run,
     not as a failure of every task."""
-    from rft.algorithms import resolve
     from rft.errors import ConfigError
-    from rft.plan import _check_workflow, make_plan
-    from rft.workflows import WORKFLOWS
+    from rft.plan.batch import _check_workflow, make_plan
+    from rft.registry import resolve
+    from rft.rollout.workflows.single_turn import WORKFLOWS
 
     with pytest.raises(ConfigError) as e:
         make_plan(compose_cfg(["stages=[]", "buffer.explorer_input.taskset.workflow=test_seams.no_context"]), 2000)
@@ -140,7 +140,7 @@ def test_a_workflow_of_the_wrong_shape_fails_while_planning():
 
 
 def _run(tmp_path, *overrides):
-    import rft.main
+    import rft.runtime.main
 
     for v in SEEN.values():
         v.clear()
@@ -148,7 +148,7 @@ def _run(tmp_path, *overrides):
                        "buffer.batch_size=4", "algorithm.repeat_times=2", "buffer.total_steps=2",
                        "explorer.eval_on_startup=false", "buffer.explorer_input.eval_tasksets=[]",
                        "model.max_response_tokens=4", *overrides])
-    rft.main.main(cfg)
+    rft.runtime.main.main(cfg)
 
 
 @pytest.mark.slow

@@ -15,14 +15,14 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import CONF, ROOT, compose_cfg, run_cli
+
 from rft.errors import ConfigError
-from rft.main import ray_namespace
-from rft.monitor import read_metrics
-from rft.placement import check_allocation
-from rft.checkpoint import latest_checkpoint
-from rft.sweep import explain, log_tail
+from rft.plan.placement import check_allocation
+from rft.reporting.monitor import read_metrics
+from rft.reporting.sweep import explain, log_tail
+from rft.runtime.checkpoint import latest_checkpoint
+from rft.runtime.main import ray_namespace
 
 # two RL steps of 4 tasks x 2 rollouts from the built tiny model, everything in the job's process
 TINY = ["stages=[]", "cluster=inline", "monitor=console", "buffer.batch_size=4", "algorithm.repeat_times=2",
@@ -113,13 +113,13 @@ def test_cluster_local_always_starts_its_own_ray(tmp_path, monkeypatch):
     file outlives a killed cluster, and ray.init then waits forever); "local" never does."""
     import ray
 
-    import rft.main
+    import rft.runtime.main
 
     calls = []
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
     monkeypatch.setattr(ray, "init", lambda **kw: calls.append(kw))
-    assert rft.main._start_ray(compose_cfg(["cluster=local", "cluster.num_cpus=3"]), tmp_path)
-    assert rft.main._start_ray(compose_cfg(["cluster=ray"]), tmp_path)
+    assert rft.runtime.main._start_ray(compose_cfg(["cluster=local", "cluster.num_cpus=3"]), tmp_path)
+    assert rft.runtime.main._start_ray(compose_cfg(["cluster=ray"]), tmp_path)
     assert [(c["address"], c["num_cpus"]) for c in calls] == [("local", 3), ("auto", None)]
 
 
@@ -181,7 +181,7 @@ def test_a_sweep_of_two_tiny_runs_on_slurm_and_its_report(slurm, tmp_path):
     for num, seed in (("0", 1), ("1", 2)):
         assert [m["step"] for m in read_metrics(sweep / num / "metrics.jsonl")] == [0, 1, 2]
         assert (sweep / num / ".hydra" / "overrides.yaml").read_text().count(f"seed={seed}") == 1
-    r = subprocess.run([sys.executable, "-m", "rft.report", str(sweep)], cwd=ROOT, capture_output=True, text=True)
+    r = subprocess.run([sys.executable, "-m", "rft.reporting.report", str(sweep)], cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     rows = [line for line in (sweep / "report.md").read_text().splitlines() if line.startswith("| ")]
     assert [row.split(" | ")[:5] for row in rows[1:3]] == [["| 0", "1", "", "done", "2"], ["| 1", "2", "", "done", "2"]]

@@ -16,13 +16,12 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-
-import rft.trainer
-from rft.experience import Experience, collate
-from rft.trainer import token_logprobs
 from test_engine import tiny_engine_and_prompts
 from test_trainer import make_trainer
 
+import rft.trainer.trainer
+from rft.data.experience import Experience, collate
+from rft.trainer.trainer import token_logprobs
 
 # ---------------------------------------------------------------- helpers
 
@@ -55,18 +54,18 @@ def grads(trainer):
 
 
 class Forwards:
-    """Counts the model forwards of the trainer (every one goes through rft.trainer.token_logprobs):
+    """Counts the model forwards of the trainer (every one goes through rft.trainer.trainer.token_logprobs):
     `calls` holds (rows, with grad) per call."""
 
     def __init__(self, monkeypatch):
         self.calls = []
-        real = rft.trainer.token_logprobs
+        real = rft.trainer.trainer.token_logprobs
 
         def counted(model, input_ids, *args, **kwargs):
             self.calls.append((input_ids.shape[0], torch.is_grad_enabled()))
             return real(model, input_ids, *args, **kwargs)
 
-        monkeypatch.setattr(rft.trainer, "token_logprobs", counted)
+        monkeypatch.setattr(rft.trainer.trainer, "token_logprobs", counted)
 
     @property
     def no_grad(self):
@@ -228,6 +227,7 @@ def test_a_batch_without_signal_forwards_nothing_yet_steps(monkeypatch):
 @pytest.mark.parametrize("extra", [["algorithm.entropy_coef=0.01"],
                                    ["algorithm.kl_loss_fn=k3", "algorithm.kl_loss_coef=0.1"],
                                    ["trainer.skip_zero_advantage=false"]])
+@pytest.mark.slow
 def test_nothing_is_skipped_when_another_term_reads_the_rows(monkeypatch, extra):
     exps = grouped(ONE_FLAT)
     trainer = make_trainer(4, extra)
@@ -426,6 +426,7 @@ def test_a_batch_without_signal_leaves_frozen_weights_alone():
     assert torch.equal(frozen.detach(), before)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("correction", ["behavior", "decoupled"])
 @pytest.mark.parametrize("stale", ["all stale", "one stale"])
 def test_stale_rows_are_corrected_in_the_update_without_the_old_forward(monkeypatch, correction, stale):

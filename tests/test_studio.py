@@ -62,6 +62,7 @@ def test_the_schema_lists_every_leaf_key_with_type_default_and_comment():
     assert fields["model.attn_implementation"]["type"] == "Optional[str]"
 
 
+@pytest.mark.slow
 def test_compose_shows_the_plan_error_naming_the_key_then_the_plan():
     defaults = C.default_choices(CONF)
     bad = C.compose(CONF, {**defaults, "algorithm": "dapo"}, {"buffer.batch_size": "0"}, defaults)
@@ -73,6 +74,7 @@ def test_compose_shows_the_plan_error_naming_the_key_then_the_plan():
     assert good.choices["algorithm"] == "dapo"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("groups", [{}, {"model": "tiny_tools", "task": "calculator"}, {"experiment": "algorithms_countdown"}])
 def test_every_value_the_page_shows_is_an_override_that_composes_to_itself(groups):
     """What an input shows is what it would send: all of them sent back compose the same config."""
@@ -100,6 +102,7 @@ def test_compose_errors_are_one_paragraph_naming_the_key():
     assert "could not be converted to Integer" in C.compose(CONF, defaults, {"seed": "abc"}, defaults).error
 
 
+@pytest.mark.slow
 def test_a_saved_study_composes_what_the_page_composed(tmp_path):
     conf = tmp_path / "conf"
     shutil.copytree(CONF, conf)
@@ -188,9 +191,9 @@ def _sql_buffer(run: Path):
     """A sql buffer of 4 experiences with rewards 0, 0.5, 1, 1 (versions 1, 1, 2, 2) and one multi-turn."""
     from omegaconf import OmegaConf
 
-    from rft.buffer import SQLBuffer
     from rft.config import ExperienceBufferConfig
-    from rft.experience import Experience
+    from rft.data.buffer import SQLBuffer
+    from rft.data.experience import Experience
 
     (run / "grpo").mkdir(parents=True, exist_ok=True)
     buf = SQLBuffer(OmegaConf.structured(ExperienceBufferConfig(storage_type="sql", path=str(run / "grpo" / "buffer.db"))))
@@ -220,9 +223,9 @@ def test_with_the_stages_tokenizer_a_response_shows_its_loss_mask_token_exact(tm
     from omegaconf import OmegaConf
     from transformers import AutoTokenizer
 
-    from rft.buffer import SQLBuffer
     from rft.config import ExperienceBufferConfig
-    from rft.experience import Experience
+    from rft.data.buffer import SQLBuffer
+    from rft.data.experience import Experience
     from rft.models import build_tiny_model
 
     tok = AutoTokenizer.from_pretrained(build_tiny_model(cache_dir / "models" / "tiny-qwen2-v1"))
@@ -242,6 +245,7 @@ def test_with_the_stages_tokenizer_a_response_shows_its_loss_mask_token_exact(tm
     assert rows[1]["segments"] == [{"text": "7", "trained": True}]  # no mask: every response token trained
 
 
+@pytest.mark.slow
 def test_a_damaged_buffer_is_listed_with_why_and_reading_it_says_so(tmp_path):
     import httpx
 
@@ -355,6 +359,7 @@ def _stop(proc):
         proc.kill()
 
 
+@pytest.mark.slow
 def test_the_studio_refuses_requests_without_its_token_and_binds_loopback(tmp_path):
     import httpx
 
@@ -385,6 +390,7 @@ def test_the_studio_refuses_requests_without_its_token_and_binds_loopback(tmp_pa
         _stop(proc)
 
 
+@pytest.mark.slow
 def test_compose_page_shows_the_plan_error_then_the_plan_and_its_command_composes_the_same(browser, tmp_path):
     conf = tmp_path / "conf"
     shutil.copytree(CONF, conf)  # "save as study" writes here, not into the repo
@@ -427,6 +433,7 @@ def test_compose_page_shows_the_plan_error_then_the_plan_and_its_command_compose
         _stop(proc)
 
 
+@pytest.mark.slow
 def test_rollouts_page_lists_experiences_and_filters_by_reward(browser, tmp_path):
     run = _fake_run(tmp_path, "rft/r", [{"step": 1, "eval/accuracy": 0.1}])
     _sql_buffer(run)
@@ -473,6 +480,7 @@ def _chart(page) -> list[dict]:
     return page.evaluate("() => (document.getElementById('chart').data || []).map(t => ({name: t.name, x: Array.from(t.x), y: Array.from(t.y)}))")
 
 
+@pytest.mark.slow
 def test_runs_page_overlays_two_runs_and_shows_a_sweep_table(browser, tmp_path):
     _fake_run(tmp_path, "rft/a", [{"step": 1, "eval/accuracy": 0.1}, {"step": 2, "eval/accuracy": 0.5}])
     _fake_run(tmp_path, "rft/b", [{"step": 1, "eval/accuracy": 0.2}, {"step": 2, "eval/accuracy": 0.3}])
@@ -552,7 +560,7 @@ def test_a_run_launched_from_the_page_trains_its_curve_grows_and_stop_works(brow
 
 
 def test_a_port_in_use_is_one_line_naming_it():
-    from rft.reward_server import listening_socket
+    from rft.serving.auth import listening_socket
 
     sock, host, port = listening_socket("127.0.0.1", 0, "rft.studio")
     try:
@@ -592,6 +600,7 @@ def test_a_sweep_launched_from_the_page_runs_each_job_and_its_table_has_a_row_ea
         _stop(proc)
 
 
+@pytest.mark.slow
 def test_runs_started_from_the_studio_stop_with_it_and_the_plan_reads_datasets_offline(tmp_path):
     import httpx
 
@@ -634,6 +643,7 @@ def _alive(pid: int) -> bool:
         return False
 
 
+@pytest.mark.slow
 def test_a_studio_bound_beyond_loopback_warns(tmp_path):
     proc, url, token = _studio(tmp_path, args=("--host", "0.0.0.0"))
     try:

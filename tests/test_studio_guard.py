@@ -18,9 +18,9 @@ import time
 from pathlib import Path
 
 import pytest
+from test_studio import CONF, ROOT, _stop, _studio, browser  # noqa: F401  (browser: a fixture)
 
 from rft.studio import compose as C
-from test_studio import CONF, ROOT, _studio, _stop, browser  # noqa: F401  (browser: a fixture)
 
 # a run that trains long enough to be seen running (the stop attack needs one)
 LONG_RUN = {"choices": {"cluster": "inline", "monitor": "console"}, "keys": {"stages": "[]", "buffer.total_steps": "100000"}}
@@ -83,6 +83,7 @@ def _launches(url, token):
     return httpx.get(url + "/api/launches", headers={"Authorization": f"Bearer {token}"}).json()
 
 
+@pytest.mark.slow
 def test_a_page_on_another_port_can_neither_launch_save_nor_stop_and_gets_no_token(browser, tmp_path):  # noqa: F811
     import httpx
 
@@ -128,6 +129,7 @@ def test_a_page_on_another_port_can_neither_launch_save_nor_stop_and_gets_no_tok
         _stop(proc)
 
 
+@pytest.mark.slow
 def test_requests_that_change_state_need_json_the_header_token_and_the_studios_own_origin(tmp_path):
     import httpx
 
@@ -188,6 +190,7 @@ def test_requests_that_change_state_need_json_the_header_token_and_the_studios_o
         _stop(proc)
 
 
+@pytest.mark.slow
 def test_a_launch_log_offset_outside_the_log_is_a_400_saying_so(tmp_path):
     import httpx
 
@@ -213,6 +216,7 @@ def test_a_launch_log_offset_outside_the_log_is_a_400_saying_so(tmp_path):
         _stop(proc)
 
 
+@pytest.mark.slow
 def test_a_value_with_a_line_break_cannot_write_yaml_into_a_saved_study(tmp_path):
     import httpx
     import yaml
@@ -249,6 +253,7 @@ def test_a_value_with_a_line_break_cannot_write_yaml_into_a_saved_study(tmp_path
         _stop(proc)
 
 
+@pytest.mark.slow
 def test_the_preview_shows_an_environment_variable_typed_on_the_page_as_written(monkeypatch, cache_dir):
     monkeypatch.setenv("RFT_TEST_SECRET", "hunter2")
     monkeypatch.delenv("RFT_TEST_UNSET", raising=False)
@@ -267,21 +272,22 @@ def test_the_preview_shows_an_environment_variable_typed_on_the_page_as_written(
     assert OmegaConf.create({"a": "${oc.env:RFT_TEST_SECRET}"}).a == "hunter2"
 
 
+@pytest.mark.slow
 def test_compose_lists_each_dotted_path_it_imports_from_outside_rft_and_this_repository():
     defaults = C.default_choices(CONF)
     ts = "buffer.explorer_input.taskset"
     comp = C.compose(CONF, defaults, {
         f"+{ts}.workflow_args.env": "subprocess.Popen", f"+{ts}.workflow_args.env_args": "{args: 'touch x', shell: true}",
         "algorithm.policy_loss_fn": "builtins.eval",
-        f"{ts}.reward_fn": "[{fn: os.system}, {fn: rft.sandbox.subprocess}, {fn: exact_match}, {fn: rft.rewards.exact_match}, "
+        f"{ts}.reward_fn": "[{fn: os.system}, {fn: rft.rollout.environments.sandbox.subprocess}, {fn: exact_match}, {fn: rft.rewards.verifiers.exact_match}, "
                            "{fn: tests.faulty_reward.flaky, args: {parse: json.loads}}]",
         f"{ts}.split": "test.jsonl"}, defaults, plan=False)
     assert comp.error == ""
     assert comp.imports == [
         {"key": "algorithm.policy_loss_fn", "path": "builtins.eval", "module": "builtins"},
         {"key": f"{ts}.reward_fn[0].fn", "path": "os.system", "module": "os"},
-        # rft.sandbox only imports subprocess: not rft's own
-        {"key": f"{ts}.reward_fn[1].fn", "path": "rft.sandbox.subprocess", "module": "subprocess"},
+        # rft.rollout.environments.sandbox only imports subprocess: not rft's own
+        {"key": f"{ts}.reward_fn[1].fn", "path": "rft.rollout.environments.sandbox.subprocess", "module": "subprocess"},
         # a key the runtime may import under any name: json exists, so it is listed
         {"key": f"{ts}.reward_fn[4].args.parse", "path": "json.loads", "module": "json"},
         {"key": f"{ts}.workflow_args.env", "path": "subprocess.Popen", "module": "subprocess"}]
@@ -310,6 +316,7 @@ hydra:
 """
 
 
+@pytest.mark.slow
 def test_a_study_cannot_hide_what_the_run_imports_in_hydras_own_settings(tmp_path):
     # Hydra instantiates hydra.callbacks, builds hydra.job_logging's handlers, puts hydra.job.env_set
     # in the run's environment (LD_PRELOAD reaches every process the run starts) and sweeps
@@ -349,6 +356,7 @@ def test_a_model_whose_own_code_would_run_is_listed_with_the_imports():
         {"key": "explorer.auxiliary_models[0].model.trust_remote_code", "path": "/models/judge", "module": said}]
 
 
+@pytest.mark.slow
 def test_a_sweep_too_big_to_check_is_refused_before_its_jobs_are_listed():
     import tracemalloc
 
@@ -368,6 +376,7 @@ def test_a_sweep_too_big_to_check_is_refused_before_its_jobs_are_listed():
         assert peak < 64 << 20, (params, peak)
 
 
+@pytest.mark.slow
 def test_a_launch_that_imports_from_outside_runs_only_once_those_paths_are_confirmed(tmp_path):
     import httpx
 
@@ -415,6 +424,7 @@ def test_a_launch_that_imports_from_outside_runs_only_once_those_paths_are_confi
         _stop(proc)
 
 
+@pytest.mark.slow
 def test_the_compose_page_lists_foreign_imports_and_asks_before_it_launches(browser, tmp_path):  # noqa: F811
     proc, url, token = _studio(tmp_path)
     try:
@@ -447,10 +457,11 @@ def test_the_compose_page_lists_foreign_imports_and_asks_before_it_launches(brow
         _stop(proc)
 
 
+@pytest.mark.slow
 def test_half_sent_requests_cannot_lock_the_studio_out(tmp_path):
     """Measured before: any local user (no token needed) held 1010 connections whose request head
     never ended, still open after 15 s; the studio's 1024 files were then spent and its own page's
-    requests were reset. Now, as the servers (rft.serving): each request has --request-timeout
+    requests were reset. Now, as the servers (rft.serving.auth): each request has --request-timeout
     seconds to arrive whole, and beyond --max-connections requests are answered 503."""
     import socket
 
@@ -478,6 +489,7 @@ def test_half_sent_requests_cannot_lock_the_studio_out(tmp_path):
     assert r.returncode == 2 and "argument --max-connections: 0 must be > 0" in r.stderr
 
 
+@pytest.mark.slow
 def test_the_token_is_never_on_the_command_line(tmp_path):
     import subprocess
     import sys
@@ -504,6 +516,7 @@ def test_the_token_is_never_on_the_command_line(tmp_path):
         _stop(proc)
 
 
+@pytest.mark.slow
 def test_what_a_run_directory_holds_is_shown_as_text_never_run_as_script(browser, tmp_path):  # noqa: F811
     """A run directory is data (one copied from elsewhere included): a script in it, run by the page,
     could read the token and drive the studio."""
@@ -556,9 +569,9 @@ def test_eval_trajectories_of_any_shape_are_a_400_naming_the_line_or_shown_as_te
     assert ([r["reward"] for r in got["rows"]], got["matched"], got["read"], got["total"]) == ([1, 2], 2, 3, 6)
 
 
+@pytest.mark.slow
 def test_rollout_filters_that_are_not_numbers_are_a_400_naming_them(tmp_path):
     import httpx
-
     from test_studio import _sql_buffer
 
     _sql_buffer(tmp_path / "rft" / "r")
@@ -580,6 +593,7 @@ def test_rollout_filters_that_are_not_numbers_are_a_400_naming_them(tmp_path):
         _stop(proc)
 
 
+@pytest.mark.slow
 def test_the_pages_work_under_their_content_security_policy(browser, tmp_path):  # noqa: F811
     """No bypass here: the pages' own scripts and plotly run with only 'self' scripts allowed."""
     from test_studio import _fake_run

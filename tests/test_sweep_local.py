@@ -10,13 +10,13 @@ from datetime import datetime
 from pathlib import Path
 
 import pytest
+from conftest import run_cli
 from hydra.core.utils import JobReturn, JobStatus
 from omegaconf import OmegaConf
 from submitit.core.utils import JobPaths, UncompletedJobError
 
-from conftest import run_cli
-from rft.monitor import read_metrics
-from rft.sweep import watch
+from rft.reporting.monitor import read_metrics
+from rft.reporting.sweep import watch
 
 # two RL steps of 4 tasks x 2 rollouts from the built tiny model, everything in the job's process
 TINY = ["stages=[]", "cluster=inline", "monitor=console", "buffer.batch_size=4", "algorithm.repeat_times=2",
@@ -120,6 +120,7 @@ def test_the_local_launcher_runs_the_jobs_side_by_side(two_job_sweep):
 
 # ---------------------------------------------------------------- every job planned before the first starts
 
+@pytest.mark.slow
 def test_a_sweep_value_that_cannot_plan_stops_the_sweep_before_any_job_runs(tmp_path):
     # job 0 trained to its end before job 1 (batch size 0) was found out
     env = {"RFT_CHECKPOINT_ROOT_DIR": str(tmp_path)}
@@ -137,10 +138,10 @@ def test_a_sweep_value_that_cannot_plan_stops_the_sweep_before_any_job_runs(tmp_
 
 
 def test_a_sweeps_jobs_are_its_params_and_the_command_lines_values():
+    from conftest import compose_cfg
     from omegaconf import read_write
 
-    from conftest import compose_cfg
-    from rft.sweep import sweep_jobs
+    from rft.runtime.callbacks import sweep_jobs
 
     cfg = compose_cfg(["experiment=tiny_seeds"], keep_hydra=True)
     with read_write(cfg.hydra.overrides.task):  # as `-m experiment=tiny_seeds algorithm=grpo,dr_grpo`

@@ -4,9 +4,9 @@ import json
 
 from omegaconf import OmegaConf
 
-from rft.data import DatasetReader
 from rft.config import ExperienceBufferConfig, TasksetConfig
-from rft.tasks import generate_arithmetic, load_tasks
+from rft.data.readers import DatasetReader
+from rft.data.tasks import generate_arithmetic, load_tasks
 
 
 def test_arithmetic_rows_are_correct_and_test_is_held_out(tmp_path):
@@ -72,8 +72,8 @@ def test_preference_pairs_stay_together(tmp_path):
 def test_a_mistyped_local_path_fails_at_once_instead_of_trying_the_hub(tmp_path, monkeypatch):
     import pytest
 
+    from rft.data.tasks import load_rows
     from rft.errors import ConfigError
-    from rft.tasks import load_rows
 
     # data/ is here, data/vowel is not: a local path mistyped, not a hub id to download
     (tmp_path / "data").mkdir()
@@ -89,8 +89,8 @@ def test_a_mistyped_local_path_fails_at_once_instead_of_trying_the_hub(tmp_path,
 def test_the_generator_writes_only_its_own_directory(tmp_path):
     import pytest
 
+    from rft.data.tasks import ensure_task_data
     from rft.errors import ConfigError
-    from rft.tasks import ensure_task_data
 
     def inp(path):
         return OmegaConf.create({"generator": "arithmetic", "taskset": {"path": str(path)}})
@@ -131,10 +131,11 @@ def test_a_reward_sees_the_prompt_as_the_model_saw_it():
     from types import SimpleNamespace
 
     from conftest import compose_cfg
-    from rft.engine import Sample
+
+    from rft.data.tasks import Task
     from rft.models import ensure_model, load_tokenizer
-    from rft.tasks import Task
-    from rft.workflows import WorkflowContext, single_turn
+    from rft.rollout.engines.hf import Sample
+    from rft.rollout.workflows.single_turn import WorkflowContext, single_turn
 
     cfg = compose_cfg()
     ensure_model(cfg.model)
@@ -162,7 +163,8 @@ def test_characters_the_tokenizer_does_not_know_are_warned_about(tmp_path):
     import json
 
     from conftest import compose_cfg
-    from rft.data import budget_report
+
+    from rft.data.readers import budget_report
     from rft.models import ensure_model, load_tokenizer
 
     data = tmp_path / "t.jsonl"

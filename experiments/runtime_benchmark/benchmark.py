@@ -35,8 +35,8 @@ def run(overrides: list[str], root: str) -> list[dict]:
     from omegaconf import open_dict
 
     import rft.config  # noqa: F401
-    import rft.main
-    from rft.monitor import read_metrics
+    import rft.runtime.main
+    from rft.reporting.monitor import read_metrics
 
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
@@ -44,7 +44,7 @@ def run(overrides: list[str], root: str) -> list[dict]:
     HydraConfig.instance().set_config(cfg)
     with open_dict(cfg):
         del cfg["hydra"]
-    rft.main.main(cfg)
+    rft.runtime.main.main(cfg)
     path = Path(root) / "rft" / cfg.name / "metrics.jsonl"  # a run of several stages has one per stage
     return read_metrics(path) if path.exists() else []
 

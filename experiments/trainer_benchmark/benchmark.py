@@ -3,7 +3,7 @@ log-probs, on a ~100M-parameter model built here and a batch of long-tailed leng
 
     .venv/bin/python experiments/trainer_benchmark/benchmark.py [--rows 32] [--repeats 2] [--small]
 
-Each arm is an RL step of the real trainer (rft.trainer.Trainer.train_step: GRPO, one optimizer
+Each arm is an RL step of the real trainer (rft.trainer.trainer.Trainer.train_step: GRPO, one optimizer
 step, on-policy), timed after one warm-up step, in a fresh process, arms interleaved `--repeats` times (A B C D A B C D ...):
 
     padded          trainer.use_remove_padding=false, 8 rows per micro-batch, each padded to its longest
@@ -80,7 +80,7 @@ def lengths(rows: int, max_len: int, seed: int = 0) -> list[int]:
 
 
 def experiences(rows: int, size: str):
-    from rft.experience import Experience
+    from rft.data.experience import Experience
 
     rng = random.Random(1)
     vocab, max_len = SIZES[size]["vocab_size"], SIZES[size]["max_len"]
@@ -114,8 +114,8 @@ def arm(name: str, model_dir: str, rows: int, size: str) -> dict:
     """One arm, in this (fresh) process: a trainer, one step, its throughput and peak memory."""
     import torch
 
-    from rft.plan import make_plan, stage_configs
-    from rft.trainer import Trainer
+    from rft.plan.batch import make_plan, stage_configs
+    from rft.trainer.trainer import Trainer
 
     torch.set_num_threads(os.cpu_count() or 1)
     max_len = SIZES[size]["max_len"]

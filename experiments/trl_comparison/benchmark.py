@@ -9,10 +9,10 @@
    - `rft-inline`: `cluster=inline` (one process, torch given 1 thread);
    - `rft-ray`: `cluster=local` as the default study runs it (Ray: explorer and trainer actors
      reserving 1 CPU each and running side by side, the explorer one step ahead: a null
-     `synchronizer.sync_offset` is 1 here, rft.placement.sync_offset; the default off-policy
+     `synchronizer.sync_offset` is 1 here, rft.plan.placement.sync_offset; the default off-policy
      correction; torch given 1 thread in each);
    - `rft-ray-sync`: the same with `synchronizer.sync_offset=0`: the actors take turns, each with
-     torch given both CPUs (rft.placement.torch_threads);
+     torch given both CPUs (rft.plan.placement.torch_threads);
    - `trl-1`, `trl-2`: experiments/trl_comparison/trl_arm.py with torch given 1 and 2 threads.
    Every arm evaluates every --eval-interval steps (greedy, the 200 held-out problems); eval time
    is left out of step times.
@@ -62,7 +62,7 @@ def ensure_trl_venv() -> Path:
 
 def role(cmdline: list[str], top: bool) -> str:
     """Whose a process of the tree is: the driver (the command run), an rft actor (Ray names its
-    workers' processes "ray::<class>", ours are all rft.actors._Host), or Ray's own and helpers
+    workers' processes "ray::<class>", ours are all rft.runtime.actors._Host), or Ray's own and helpers
     (GCS, raylet, dashboard and agents, monitors, rft's reaper, multiprocessing's trackers)."""
     if top:
         return "driver"
@@ -134,7 +134,7 @@ def rft_arm(arm: str, seed: int, args, warm: Path, out: Path) -> dict:
     if arm == "rft-ray-sync":
         cmd.append("synchronizer.sync_offset=0")
     peak = run_measured(cmd, out / f"{name}.log")
-    from rft.monitor import read_metrics
+    from rft.reporting.monitor import read_metrics
 
     steps, evals = [], {}
     for m in read_metrics(out / "rft" / name / "metrics.jsonl"):

@@ -4,7 +4,7 @@
         [--seed 1] [--steps 30] [--eval-interval 2] [--threads 1]
 
 Runs in its own venv (benchmark.py makes it): TRL is never a dependency of rft. It imports rft
-only for the same data (`rft.tasks.load_rows`) and the same reward (`rft.rewards.exact_match`).
+only for the same data (`rft.data.tasks.load_rows`) and the same reward (`rft.rewards.verifiers.exact_match`).
 What is matched with rft's default GRPO stage (conf/algorithm/grpo.yaml, conf/model/tiny.yaml):
 16 prompts x 8 completions a step, up to 6 new tokens, temperature 1, one optimizer step per RL
 step (so TRL, like rft, skips the "old" log-prob forward), PPO clip 0.2/0.2, no KL, token-mean
@@ -44,8 +44,8 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from rft.rewards import exact_match
-    from rft.tasks import load_rows
+    from rft.rewards.verifiers import exact_match
+    from rft.data.tasks import load_rows
 
     tok = AutoTokenizer.from_pretrained(args.model)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)

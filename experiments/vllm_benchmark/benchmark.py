@@ -32,10 +32,10 @@ def main() -> None:
     from omegaconf import OmegaConf
 
     from rft.config import ModelConfig, RolloutArgs, RolloutModelConfig
-    from rft.engine import HFEngine
+    from rft.rollout.engines.hf import HFEngine
     from rft.models import build_tiny_model, load_tokenizer
-    from rft.tasks import generate_arithmetic
-    from rft.vllm_engine import VLLMEngine
+    from rft.data.tasks import generate_arithmetic
+    from rft.rollout.engines.vllm import VLLMEngine
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--repeats", type=int, default=3)

@@ -132,7 +132,7 @@ def sft_loss(logp, batch, cfg):
 def dpo_loss(logp, batch, cfg):
     """DPO (arXiv 2305.18290): -log sigmoid(beta * ((lp_c - ref_c) - (lp_r - ref_r))).
 
-    Rows come in pairs, chosen then rejected (rows 2k and 2k+1; `rft.data.DatasetReader` with
+    Rows come in pairs, chosen then rejected (rows 2k and 2k+1; `rft.data.readers.DatasetReader` with
     format.chosen_key/rejected_key builds them), and lp / ref are sequence log-probs (sums over
     response tokens). Each pair's loss l_k is spread evenly over the n_k tokens of both its rows,
     2 * l_k / n_k on each, so that loss_agg_mode=seq-mean-token-sum (which divides by the number of

@@ -2,7 +2,7 @@
 
 Two optional components, each logged as its own metric:
 - DAPO's overlong penalty (`algorithm.overlong_buffer_frac`), applied by the explorer to each
-  rollout's reward as the reward part `overlong` (rft/scoring.py: stored in
+  rollout's reward as the reward part `overlong` (rft/rewards/scoring.py: stored in
   Experience.reward_parts, logged as `reward/overlong/mean`, <= 0).
 - the KL penalty to the reference model (`algorithm.kl_penalty_fn`), applied by the trainer, which
   has the reference log-probs: `reward/kl_penalty` (mean KL sum per sequence, before the coefficient).
@@ -37,7 +37,7 @@ def sampled_length(exp) -> int:
 def apply_overlong(exps, algo, max_len: int) -> None:
     """Add the overlong penalty to each experience's reward, as its part `overlong`. `max_len`:
     the limit of one generation (rollout_args.max_tokens, else model.max_response_tokens)."""
-    from rft.scoring import add_part
+    from rft.data.experience import add_part
 
     if algo.overlong_buffer_frac <= 0:
         return

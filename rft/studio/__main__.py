@@ -4,7 +4,7 @@
 Serves the studio on loopback with a fresh token in the printed URL (or the one in
 $RFT_STUDIO_TOKEN or --token-file: never on the command line, where `ps` shows it to every local
 user); --host to share it deliberately (plain HTTP: anyone who can reach the port and has the
-token can launch runs). As the project's servers (rft.serving), a request has --request-timeout
+token can launch runs). As the project's servers (rft.serving.auth), a request has --request-timeout
 seconds to arrive whole and at most --max-connections are served at once (503 beyond): connections
 held open half-sent, which need no token, cannot spend the studio's files.
 """
@@ -62,8 +62,7 @@ def host_names(host: str) -> frozenset[str]:
 
 
 def main(argv=None) -> None:
-    from rft.reward_server import _positive
-    from rft.serving import MAX_CONNECTIONS, REQUEST_TIMEOUT
+    from rft.serving.auth import MAX_CONNECTIONS, REQUEST_TIMEOUT, positive
 
     p = argparse.ArgumentParser(prog="python -m rft.studio", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -76,10 +75,10 @@ def main(argv=None) -> None:
     p.add_argument("--token-file", default=None,
                    help=f"a file holding the token (default ${TOKEN_ENV}; without either, a fresh one)")
     p.add_argument("--token", default=None, help=argparse.SUPPRESS)
-    p.add_argument("--request-timeout", type=_positive(float), default=REQUEST_TIMEOUT,
+    p.add_argument("--request-timeout", type=positive(float), default=REQUEST_TIMEOUT,
                    help=f"seconds a request has to arrive whole; a slower one's connection is closed "
                         f"(default {REQUEST_TIMEOUT:g})")
-    p.add_argument("--max-connections", type=_positive(int), default=MAX_CONNECTIONS,
+    p.add_argument("--max-connections", type=positive(int), default=MAX_CONNECTIONS,
                    help=f"connections at once; beyond, requests are answered 503 (default {MAX_CONNECTIONS})")
     args = p.parse_args(argv)
     if args.token is not None:
@@ -92,7 +91,7 @@ def main(argv=None) -> None:
     except ImportError as e:
         raise SystemExit(f"rft.studio: {e.name} is not installed: the studio is an optional extra. "
                          f"Install it with `pip install -e '.[studio]'` (make test does).")
-    from rft.reward_server import _is_loopback, listening_socket
+    from rft.serving.auth import is_loopback, listening_socket
     from rft.studio.app import make_app
 
     root = Path(os.path.expanduser(args.root)).resolve()
@@ -108,7 +107,7 @@ def main(argv=None) -> None:
     app = make_app(token, root, Path(args.conf), REPO, launch_env=env, hosts=host_names(args.host))
 
     sock, host, port = listening_socket(args.host, args.port, "rft.studio")
-    if not _is_loopback(args.host):
+    if not is_loopback(args.host):
         print(f"rft.studio: WARNING: listening on {args.host}, not loopback: anyone who can reach this port and "
               f"has the token can launch runs, and the traffic is plain HTTP.", file=sys.stderr, flush=True)
     shown = "127.0.0.1" if args.host in ("0.0.0.0", "::") else host
@@ -118,7 +117,7 @@ def main(argv=None) -> None:
 
     import uvicorn
 
-    from rft.serving import server_config
+    from rft.serving.auth import server_config
 
     config = server_config(app, request_timeout=args.request_timeout, max_connections=args.max_connections,
                            log_level="warning")

@@ -22,7 +22,6 @@ import threading
 import typing
 import unicodedata
 from pathlib import Path
-from typing import Any
 
 import yaml
 from omegaconf import DictConfig, OmegaConf, open_dict
@@ -270,7 +269,7 @@ def compose_overrides(conf_dir: Path, overrides: list[str]) -> Composition:
 
 
 def _composition(conf_dir: Path, overrides: list[str], choices: dict[str, str], plan: bool) -> Composition:
-    from rft.config import misspelt_override
+    from rft.plan.overlays import misspelt_override
 
     command = "python run.py " + " ".join(shlex.quote(o) for o in overrides) if overrides else "python run.py"
     # group names only (as run.py's check): the options' comments are not needed per keystroke
@@ -285,7 +284,7 @@ def _composition(conf_dir: Path, overrides: list[str], choices: dict[str, str], 
         chosen = {g: (o if o is not None else NONE) for g, o in cfg.hydra.runtime.choices.items() if "/" not in g}
         job = cfg.copy()
         OmegaConf.set_readonly(job, False)
-        with open_dict(job):  # what `--cfg job` prints, and what rft.main receives
+        with open_dict(job):  # what `--cfg job` prints, and what rft.runtime.main receives
             del job["hydra"]
         text = OmegaConf.to_yaml(job)
         written = OmegaConf.to_container(job, resolve=False, enum_to_str=True)  # `${...}` kept, as the files say
@@ -311,7 +310,7 @@ def _container(node: DictConfig) -> dict:
 def _plan(job: DictConfig) -> tuple[str, str]:
     """(the batch plan's text, "") or ("", the error's one paragraph)."""
     from rft.errors import ConfigError
-    from rft.main import plan_stages, plan_text
+    from rft.runtime.main import plan_stages, plan_text
 
     try:
         stages, plans, dirs = plan_stages(job)

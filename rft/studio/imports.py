@@ -3,8 +3,8 @@ the compose page lists before a launch, and what a launch needs confirmed.
 
 The runtime imports a key's value when it is a dotted path (a registry name has no dot): the
 algorithm's functions (rft.algorithms.resolve), reward functions and served rewards
-(rft.scoring.resolve_fn), workflows, a multi-turn workflow's environment, an agent, a judge's
-parser (rft.judge), and Hydra's `_target_`. Those keys are IMPORT_KEYS, wherever they sit; any
+(rft.rewards.scoring.resolve_fn), workflows, a multi-turn workflow's environment, an agent, a judge's
+parser (rft.rewards.judge), and Hydra's `_target_`. Those keys are IMPORT_KEYS, wherever they sit; any
 other string that reads as a dotted path into a module that exists is listed too, so a key added
 later is not a way around the list. Hydra's own settings are read as well (foreign_hydra): a config
 file may set callbacks and logging handlers there, and the run's environment.
@@ -12,7 +12,7 @@ A model config with trust_remote_code runs its folder's Python files: listed too
 
 "Own" code is the project's package (`rft.*`) and what sits at the top of the repository, where
 `python run.py` imports a study's own code from (`my_study/rewards.py`, `experiments/...`); a name
-that one of them only imports from elsewhere (`rft.sandbox.subprocess`) is not its own. Everything
+that one of them only imports from elsewhere (`rft.rollout.environments.sandbox.subprocess`) is not its own. Everything
 else (the standard library, installed packages) is foreign: `subprocess.Popen`, `os.system` and
 `builtins.eval` are all listed.
 """

@@ -1,6 +1,6 @@
 """The studio's rollouts page, without the page: what a run's policy wrote. The sources are the
 run's stored experiences (sql and file buffers: `buffer.db`, `experiences.jsonl`, read with
-rft.buffer's reader) and its saved eval trajectories (`eval_trajectories/step_N/<set>.jsonl`,
+rft.data.buffer's reader) and its saved eval trajectories (`eval_trajectories/step_N/<set>.jsonl`,
 written for multi-turn evals). A queue buffer (the default) keeps no experiences: run with
 `buffer=sql` or `buffer=file` to read them here. Where the stage saved a checkpoint, its tokenizer decodes each
 experience's response in runs of equal loss mask: what was trained on, token-exact.
@@ -12,7 +12,7 @@ import functools
 import json
 from pathlib import Path
 
-from rft.buffer import SQL_SUFFIXES, count_experiences, read_experiences
+from rft.data.buffer import SQL_SUFFIXES, count_experiences, read_experiences
 
 # at most this many rows are read for one view (filters apply within them)
 MAX_ROWS = 5000

@@ -1,5 +1,5 @@
 """The studio's runs page, without the page: every run and sweep under the checkpoint root, their
-curves, and a sweep's report table. It reads what `python -m rft.report` reads (rft/report.py):
+curves, and a sweep's report table. It reads what `python -m rft.reporting.report` reads (rft/reporting/report.py):
 `.hydra/` and each stage's `metrics.jsonl`; nothing here writes.
 """
 
@@ -9,7 +9,7 @@ import math
 import time
 from pathlib import Path
 
-from rft import report
+from rft.reporting import report
 
 # a run whose metrics.jsonl changed this recently, and that is not done, is shown as running
 ACTIVE_S = 120
@@ -112,7 +112,7 @@ def curves(root: Path, ids: list[str], metric: str, stage: str = "") -> list[dic
 
 
 def sweep_table(root: Path, sweep: str) -> dict:
-    """A sweep's report (rft.report): one row per job, then one per configuration with
+    """A sweep's report (rft.reporting.report): one row per job, then one per configuration with
     (mean, std) over its seeds. {"jobs": [...], "configs": [...], "columns": [...]}"""
     jobs = report.read_jobs(inside(root, sweep))
     keys = report.differing_keys(jobs)

@@ -1,0 +1,632 @@
+"""Buffers: the only thing the explorer and the trainer share.
+
+Three storages behind one interface (`put`, `get`, `state`, `restore`, `close`, `len`), chosen
+by `storage_type` and built by `make_buffer`:
+
+- `QueueBuffer` (queue): in memory, bounded by `capacity`; optionally a replay buffer that hands
+  out read experiences again, highest priority first.
+- `SQLBuffer` (sql): a SQLite database; durable, several writer processes, and a read cursor
+  stored in the database so a restarted reader goes on where it stopped.
+- `FileBuffer` (file): a JSONL file of experiences, appended under a file lock.
+
+`DatasetReader` reads a dataset of prompt/response rows as experiences, for training without an
+explorer (an SFT or DPO stage); `rft.data.experience.is_experience_file` tells such a dataset from a
+`FileBuffer`'s file.
+
+`read_experiences` and `count_experiences` look into a sql or file buffer without moving its
+reader; `python -m rft.data.buffer <path>` prints what it holds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import json
+import os
+import sqlite3
+import sys
+import threading
+import time
+from collections import deque
+from contextlib import contextmanager
+from pathlib import Path
+
+import sqlalchemy as sa
+from filelock import FileLock
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+
+from rft.data.experience import PRIORITY_FNS, WHERE, Experience, check_priority_fn, is_experience_file
+from rft.errors import ConfigError, RunError
+
+POLL_S = 0.05  # how often a waiting reader looks again where no writer can wake it
+
+
+def _timeout(name: str, n: int, timeout: float, where: str) -> TimeoutError:
+    return TimeoutError(
+        f"buffer {name!r}: no experiences arrived within {timeout}s (wanted {n}). The writer (explorer) "
+        f"may have stopped or be slow; raise {where}.max_read_timeout to wait longer."
+    )
+
+
+def _needs_path(buf_cfg, where: str, what: str, suffix: str) -> Path:
+    """The buffer's file, `~` expanded and its directory created; a sqlite:/// URL is a file too."""
+    if not buf_cfg.path:
+        raise ConfigError(
+            f"{where}.storage_type={buf_cfg.storage_type} needs {where}.path: the {what} that holds the "
+            f"experiences. Set it, e.g. {where}.path=~/rft-buffers/{buf_cfg.name}{suffix}, "
+            f"or set {where}.storage_type=queue."
+        )
+    path = str(buf_cfg.path)
+    if path.startswith("sqlite:///"):
+        path = path[len("sqlite:///"):]
+    path = Path(os.path.expanduser(path))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _no_replay(buf_cfg, where: str) -> None:
+    if buf_cfg.replay_buffer.enable:
+        raise ConfigError(
+            f"{where}.replay_buffer.enable=true works with {where}.storage_type=queue only "
+            f"(got {buf_cfg.storage_type}). Set {where}.storage_type=queue or disable the replay buffer."
+        )
+
+
+# ---------------------------------------------------------------- queue (in memory)
+
+class QueueBuffer:
+    """Experiences in this process's memory, shared by the threads that put and get.
+
+    Without a replay buffer it is a plain FIFO. `put` blocks while the unread experiences would
+    exceed `capacity`: a trainer that falls behind slows the explorers down instead of letting
+    memory grow (back-pressure).
+
+    With `replay_buffer.enable`, a read experience goes back in with its use count + 1 and can be
+    read again after `reuse_cooldown_time` seconds (never, if null); among the experiences ready to
+    be read, the highest `priority_fn` comes first, the oldest among equals. Used experiences do
+    not hold back writers: when the buffer is over capacity the lowest-priority used ones go.
+    `clock` times the cooldowns only (injectable, so tests need no sleeps); timeouts use real time.
+    """
+
+    def __init__(self, buf_cfg, where: str = WHERE, clock=time.monotonic):
+        self.name, self.where = buf_cfg.name, where
+        self.capacity = buf_cfg.capacity
+        if self.capacity < 1:
+            raise ConfigError(f"{where}.capacity={self.capacity} must be >= 1 (experiences held in memory).")
+        self.put_timeout = buf_cfg.max_read_timeout
+        rb = buf_cfg.replay_buffer
+        self.replay = rb.enable
+        self.cooldown = rb.reuse_cooldown_time
+        check_priority_fn(rb.priority_fn, rb.priority_fn_args, f"{where}.replay_buffer")
+        self.priority_fn, self.priority_args = PRIORITY_FNS[rb.priority_fn], dict(rb.priority_fn_args or {})
+        self.clock = clock
+        self._cond = threading.Condition()
+        self._fifo: deque[Experience] = deque()  # without replay
+        # with replay: [seq, times_used, ready_at, exp]; seq orders equal priorities oldest first
+        self._entries: list[list] = []
+        self._seq = 0
+
+    def _unread(self) -> int:
+        return sum(e[1] == 0 for e in self._entries) if self.replay else len(self._fifo)
+
+    def put(self, exps: list[Experience]) -> None:
+        if len(exps) > self.capacity:
+            raise ConfigError(
+                f"{self.where}.capacity={self.capacity} is smaller than one write of {len(exps)} experiences, "
+                f"which could never fit. Raise {self.where}.capacity to at least {len(exps)}."
+            )
+        deadline = time.monotonic() + self.put_timeout
+        with self._cond:
+            while self._unread() + len(exps) > self.capacity:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(
+                        f"buffer {self.name!r} is full ({self.capacity} unread experiences) and no reader made "
+                        f"room within {self.put_timeout}s. The trainer may have stopped; raise "
+                        f"{self.where}.capacity or {self.where}.max_read_timeout if it is only slow."
+                    )
+                self._cond.wait(left)
+            if not self.replay:
+                self._fifo.extend(exps)
+            else:
+                for e in exps:
+                    self._entries.append([self._seq, 0, float("-inf"), e])
+                    self._seq += 1
+                self._evict_used()
+            self._cond.notify_all()
+
+    def _evict_used(self) -> None:
+        over = len(self._entries) - self.capacity
+        if over > 0:
+            used = [e for e in self._entries if e[1] > 0]
+            drop = {id(e) for e in heapq.nsmallest(over, used, key=self._rank)}
+            self._entries = [e for e in self._entries if id(e) not in drop]
+
+    def _rank(self, entry) -> tuple:
+        """Sort key: larger is read first (higher priority, then older)."""
+        seq, used, _, exp = entry
+        return (self.priority_fn(exp, used, **self.priority_args), -seq)
+
+    def _ready(self) -> list:
+        now = self.clock()
+        return [e for e in self._entries if e[2] <= now]
+
+    def get(self, n: int, timeout: float) -> list[Experience]:
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while True:
+                have = len(self._ready()) if self.replay else len(self._fifo)
+                left = deadline - time.monotonic()
+                if have >= n or left <= 0:
+                    break
+                # cooldowns end without a notify: look again now and then
+                self._cond.wait(min(left, POLL_S) if self.replay else left)
+            if have == 0:
+                raise _timeout(self.name, n, timeout, self.where)
+            if not self.replay:
+                out = [self._fifo.popleft() for _ in range(min(n, have))]
+            else:
+                taken = heapq.nlargest(n, self._ready(), key=self._rank)
+                gone = {id(e) for e in taken}
+                self._entries = [e for e in self._entries if id(e) not in gone]
+                if self.cooldown is not None:
+                    now = self.clock()
+                    self._entries += [[seq, used + 1, now + self.cooldown, exp] for seq, used, _, exp in taken]
+                out = [e[3] for e in taken]
+            self._cond.notify_all()  # room for blocked writers
+            return out
+
+    def state(self) -> dict:
+        """The unread experiences, oldest first (replay: used ones are not kept)."""
+        with self._cond:
+            unread = self._fifo if not self.replay else [e[3] for e in sorted(self._entries) if e[1] == 0]
+            return {"items": [e.to_dict() for e in unread]}
+
+    def restore(self, state: dict) -> None:
+        exps = [Experience.from_dict(d) for d in state["items"]]
+        with self._cond:
+            self._fifo = deque([] if self.replay else exps)
+            self._entries = [[i, 0, float("-inf"), e] for i, e in enumerate(exps)] if self.replay else []
+            self._seq = len(exps)
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        pass
+
+    def __len__(self) -> int:
+        with self._cond:
+            return self._unread()
+
+
+# ---------------------------------------------------------------- sql (SQLite)
+
+_metadata = sa.MetaData()
+_experiences = sa.Table(
+    "experiences", _metadata,
+    # AUTOINCREMENT: ids are never reused, even after truncate_after deletes the newest rows, so
+    # a row written later always gets an id above every cursor, and no reader skips it
+    sa.Column("id", sa.Integer, primary_key=True),
+    sa.Column("created_at", sa.Float, nullable=False),
+    sa.Column("policy_version", sa.Integer, nullable=False),
+    sa.Column("task_id", sa.Text, nullable=False),
+    sa.Column("group_id", sa.Text, nullable=False),
+    sa.Column("reward", sa.Float, nullable=False),
+    sa.Column("prompt_length", sa.Integer, nullable=False),
+    sa.Column("response_length", sa.Integer, nullable=False),
+    sa.Column("tokens", sa.Text, nullable=False),  # JSON
+    sa.Column("logprobs", sa.Text, nullable=False),  # JSON
+    sa.Column("info", sa.Text, nullable=False),  # JSON
+    sa.Column("sampling", sa.Text),  # JSON: temperature, top_p, top_k (absent in older files)
+    sa.Column("extra", sa.Text),  # JSON: every other Experience field (loss_mask, ...)
+    # for people reading the database, not for the trainer
+    sa.Column("prompt_text", sa.Text),
+    sa.Column("response_text", sa.Text),
+    sqlite_autoincrement=True,
+)
+_cursors = sa.Table(
+    "read_cursors", _metadata,
+    sa.Column("name", sa.Text, primary_key=True),
+    sa.Column("position", sa.Integer, nullable=False),  # the last id read
+)
+
+
+def _engine(path: Path, read_only: bool = False) -> sa.Engine:
+    if read_only:  # a uri with mode=ro: never creates the file, never writes
+        return sa.create_engine(f"sqlite:///file:{path}?mode=ro&uri=true")
+    engine = sa.create_engine(f"sqlite:///{path}")
+
+    @sa.event.listens_for(engine, "connect")
+    def _pragmas(dbapi_conn, _record):
+        cur = dbapi_conn.cursor()
+        # wait for another process's write lock instead of failing at once (first, so that
+        # switching to WAL waits too); WAL lets the reader read while writers write; NORMAL
+        # syncs at checkpoints, not at every commit: a power cut may lose the last commits but
+        # cannot corrupt the file, and a killed process loses nothing it committed
+        cur.execute("PRAGMA busy_timeout=60000")
+        cur.execute("PRAGMA journal_mode=WAL")
+        cur.execute("PRAGMA synchronous=NORMAL")
+        cur.close()
+
+    return engine
+
+
+# Experience fields kept in columns of their own; every other field goes into `extra` (JSON), so a
+# new field (a workflow's loss_mask) needs no new column
+_COLUMN_FIELDS = ("tokens", "prompt_length", "logprobs", "reward", "group_id", "task_id", "policy_version",
+                  "sampling", "info")
+
+
+def _row(exp: Experience, now: float) -> dict:
+    d = exp.to_dict()
+    prompt, response = exp.info.get("prompt"), exp.info.get("response")
+    return dict(extra=json.dumps({k: v for k, v in d.items() if k not in _COLUMN_FIELDS}),
+        created_at=now, policy_version=d["policy_version"], task_id=d["task_id"], group_id=d["group_id"],
+        reward=d["reward"], prompt_length=d["prompt_length"], response_length=exp.response_length,
+        tokens=json.dumps(d["tokens"]), logprobs=json.dumps(d["logprobs"]), info=json.dumps(d["info"]),
+        sampling=json.dumps(d["sampling"]),
+        prompt_text=None if prompt is None else str(prompt), response_text=None if response is None else str(response),
+    )
+
+
+def _experience(row) -> Experience:
+    return Experience.from_dict({
+        **json.loads(getattr(row, "extra", None) or "{}"),
+        "tokens": json.loads(row.tokens), "prompt_length": row.prompt_length, "logprobs": json.loads(row.logprobs),
+        "reward": row.reward, "group_id": row.group_id, "task_id": row.task_id,
+        "policy_version": row.policy_version, "sampling": json.loads(getattr(row, "sampling", None) or "{}"),
+        "info": json.loads(row.info),
+    })
+
+
+def _add_missing_columns(c) -> None:
+    """A buffer written by an older version lacks newer (nullable) columns: add them."""
+    have = {r[1] for r in c.exec_driver_sql("PRAGMA table_info(experiences)")}
+    for col in _experiences.columns:
+        if col.name not in have:
+            c.exec_driver_sql(f"ALTER TABLE experiences ADD COLUMN {col.name} {col.type.compile()}")
+
+
+def _select_experiences(c):
+    """SELECT of the experience columns this file has (a read-only reader cannot add any)."""
+    have = {r[1] for r in c.exec_driver_sql("PRAGMA table_info(experiences)")}
+    return sa.select(*[col for col in _experiences.columns if col.name in have])
+
+
+class SQLBuffer:
+    """Experiences in a SQLite database: any number of writer processes, one reader per name.
+
+    The reader reads rows in id order after its cursor (the last id it read), which it stores in
+    `read_cursors` under `buf_cfg.name` at every read, so a restarted reader goes on where it
+    stopped. Why reading "id > cursor" never skips a row, with several writers: SQLite lets one
+    writer at a time hold the write lock, and a row's id is assigned under that lock, greater than
+    every id already in the table. A transaction's rows become visible together at its commit,
+    before the next writer can take the lock. So when a reader sees id k+1, every row with a smaller
+    id is already committed and visible; no row can appear later below the cursor.
+    """
+
+    def __init__(self, buf_cfg, where: str = WHERE):
+        _no_replay(buf_cfg, where)
+        self.cfg, self.where, self.name = buf_cfg, where, buf_cfg.name
+        self.path = _needs_path(buf_cfg, where, "SQLite file", ".db")
+        self.engine = _engine(self.path)
+        try:
+            with self.engine.begin() as c:  # IF NOT EXISTS: several processes may create it at once
+                for table in _metadata.sorted_tables:
+                    c.execute(sa.schema.CreateTable(table, if_not_exists=True))
+                _add_missing_columns(c)
+                pos = c.execute(sa.select(_cursors.c.position).where(_cursors.c.name == self.name)).scalar()
+        except sa.exc.DatabaseError as e:
+            self.engine.dispose()
+            raise ConfigError(
+                f"{where}.path={str(buf_cfg.path)!r} is not a SQLite database of experiences, or it is "
+                f"damaged ({e.orig}). Move the file away (a new buffer is then started there) or point "
+                f"{where}.path at another file."
+            ) from e
+        self.cursor = pos or 0
+
+    def __reduce__(self):
+        # a copy sent to another process (a Ray actor) opens the same file; its cursor is in there
+        return (type(self), (self.cfg, self.where))
+
+    @contextmanager
+    def _damage_named(self):
+        """A database damaged while the run uses it (a page, not the header, which opening finds):
+        one paragraph naming the file, not SQLAlchemy's traceback."""
+        try:
+            yield
+        except sa.exc.DatabaseError as e:
+            code = getattr(e.orig, "sqlite_errorcode", None)
+            if code in (sqlite3.SQLITE_FULL, sqlite3.SQLITE_READONLY):  # the file is whole: moving it away loses it
+                why, fix = ("its disk is full", "make room") if code == sqlite3.SQLITE_FULL else \
+                    ("it or its disk is read-only", "make it writable")
+                raise RunError(
+                    f"the buffer {self.path} cannot be written: {why} ({e.orig}). The file is whole (the write "
+                    f"that failed left nothing in it): {fix}, then run the same command again to resume from the "
+                    f"newest checkpoint.") from None
+            raise RunError(
+                f"the buffer {self.path} is damaged ({e.orig}), so its experiences cannot be read or "
+                f"written. Restore the file from a copy and run the same command again to resume from the "
+                f"newest checkpoint; without one, move the file away first (the resume then says whether "
+                f"the checkpoint needed anything from it)."
+            ) from None
+
+    def put(self, exps: list[Experience]) -> None:
+        if exps:
+            now = time.time()
+            with self._damage_named(), self.engine.begin() as c:  # one transaction: all rows or none
+                c.execute(_experiences.insert(), [_row(e, now) for e in exps])
+
+    def _save_cursor(self, c) -> None:
+        stmt = sqlite_insert(_cursors).values(name=self.name, position=self.cursor)
+        c.execute(stmt.on_conflict_do_update(index_elements=["name"], set_={"position": self.cursor}))
+
+    def get(self, n: int, timeout: float) -> list[Experience]:
+        deadline = time.monotonic() + timeout
+        query = sa.select(_experiences).order_by(_experiences.c.id).limit(n)
+        while True:
+            with self._damage_named(), self.engine.connect() as c:
+                rows = c.execute(query.where(_experiences.c.id > self.cursor)).all()
+            if len(rows) >= n or time.monotonic() >= deadline:
+                break
+            time.sleep(POLL_S)
+        if not rows:
+            raise _timeout(self.name, n, timeout, self.where)
+        exps = [_experience(r) for r in rows]
+        self.cursor = rows[-1].id
+        with self._damage_named(), self.engine.begin() as c:
+            self._save_cursor(c)
+        return exps
+
+    def state(self) -> dict:
+        return {"cursor": self.cursor, "last_id": self._last_id()}
+
+    def _last_id(self) -> int:
+        with self._damage_named(), self.engine.connect() as c:
+            return c.execute(sa.select(sa.func.max(_experiences.c.id))).scalar() or 0
+
+    def restore(self, state: dict) -> None:
+        self.cursor = int(state["cursor"])
+        with self.engine.begin() as c:
+            self._save_cursor(c)
+
+    def truncate_after(self, last_id: int) -> int:
+        """Delete the rows after `last_id`; returns how many.
+
+        A resumed run drops what its explorers wrote after the checkpoint it resumes from: they
+        write those experiences again, identically.
+        """
+        with self.engine.begin() as c:
+            return c.execute(sa.delete(_experiences).where(_experiences.c.id > last_id)).rowcount
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+    def __len__(self) -> int:
+        with self.engine.connect() as c:
+            return c.execute(sa.select(sa.func.count()).where(_experiences.c.id > self.cursor)).scalar()
+
+
+# ---------------------------------------------------------------- file (JSONL)
+
+class FileBuffer:
+    """Experiences as lines of JSON (`Experience.to_dict`) in one file.
+
+    Writers append under a file lock (`<path>.lock`) and fsync. The reader keeps a byte offset
+    and reads whole lines only: a last line without its newline is a write still in progress.
+    """
+
+    def __init__(self, buf_cfg, where: str = WHERE):
+        _no_replay(buf_cfg, where)
+        self.cfg, self.where, self.name = buf_cfg, where, buf_cfg.name
+        self.path = _needs_path(buf_cfg, where, "JSONL file", ".jsonl")
+        self.lock = FileLock(str(self.path) + ".lock")
+        self.offset = 0
+
+    def __reduce__(self):
+        return (_reopened, (type(self), self.cfg, self.where, self.state()))
+
+    def put(self, exps: list[Experience]) -> None:
+        data = "".join(json.dumps(e.to_dict()) + "\n" for e in exps).encode()
+        with self.lock, open(self.path, "ab+") as f:
+            # under the lock no write is in progress: a last line without its newline is what a
+            # killed writer left, and nobody has read it; cut it off so the file stays whole lines
+            end = f.seek(0, os.SEEK_END)
+            if end:
+                f.truncate(_whole_lines_end(f, end))
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+
+    def _read_lines(self, n: int) -> tuple[list[bytes], int]:
+        """Up to n whole lines after the offset, and the offset after them."""
+        lines, offset = [], self.offset
+        if not self.path.exists():
+            return lines, offset
+        with open(self.path, "rb") as f:
+            f.seek(offset)
+            while len(lines) < n:
+                line = f.readline()
+                if not line.endswith(b"\n"):  # the end, or a line still being written
+                    break
+                offset += len(line)
+                if line.strip():
+                    lines.append(line)
+        return lines, offset
+
+    def get(self, n: int, timeout: float) -> list[Experience]:
+        deadline = time.monotonic() + timeout
+        while True:
+            lines, offset = self._read_lines(n)
+            if len(lines) >= n or time.monotonic() >= deadline:
+                break
+            time.sleep(POLL_S)
+        if not lines:
+            raise _timeout(self.name, n, timeout, self.where)
+        exps = []
+        for line in lines:
+            try:
+                exps.append(Experience.from_dict(json.loads(line)))
+            except (ValueError, TypeError) as e:  # not JSON, or not an experience's fields
+                raise RunError(
+                    f"the buffer {self.path}: line {self._line_number(line)} is not a stored experience "
+                    f"({type(e).__name__}: {str(e)[:200]}); a writer's kill leaves only a last line cut "
+                    f"short, so something else damaged the file. Repair or delete that line, then run the "
+                    f"same command again to resume from the newest checkpoint."
+                ) from None
+        self.offset = offset
+        return exps
+
+    def _line_number(self, line: bytes) -> int:
+        """The number of the first line after the read offset equal to `line` (for a message)."""
+        with open(self.path, "rb") as f:
+            before = f.read(self.offset).count(b"\n")
+            for n, candidate in enumerate(f, before + 1):
+                if candidate == line:
+                    return n
+        return before + 1
+
+    def state(self) -> dict:
+        # last_id: the write position, as for SQLBuffer (here the length of the whole lines)
+        end = 0
+        if self.path.exists():
+            with open(self.path, "rb") as f:
+                end = _whole_lines_end(f, f.seek(0, os.SEEK_END))
+        return {"offset": self.offset, "last_id": end}
+
+    def restore(self, state: dict) -> None:
+        self.offset = int(state["offset"])
+
+    def truncate_after(self, last_id: int) -> int:
+        """Cut the file back to `last_id` bytes (a state's write position); returns lines removed."""
+        if not self.path.exists():
+            return 0
+        with self.lock, open(self.path, "rb+") as f:
+            f.seek(last_id)
+            dropped = sum(1 for line in f if line.strip())
+            f.truncate(last_id)
+        return dropped
+
+    def close(self) -> None:
+        pass
+
+    def __len__(self) -> int:
+        if not self.path.exists():
+            return 0
+        with open(self.path, "rb") as f:
+            f.seek(self.offset)
+            return sum(1 for line in f if line.endswith(b"\n") and line.strip())
+
+
+def _whole_lines_end(f, end: int) -> int:
+    """The offset just after the last newline of a file of size `end` (0 if none)."""
+    pos = end
+    while pos > 0:
+        start = max(0, pos - 65536)
+        f.seek(start)
+        i = f.read(pos - start).rfind(b"\n")
+        if i >= 0:
+            return start + i + 1
+        pos = start
+    return 0
+
+
+def _reopened(cls, buf_cfg, where, state):
+    buf = cls(buf_cfg, where)
+    buf.restore(state)
+    return buf
+
+
+# name -> class(buf_cfg, where): the storage_type values
+BUFFERS = {"queue": QueueBuffer, "sql": SQLBuffer, "file": FileBuffer}
+
+
+def make_buffer(buf_cfg, where: str = WHERE):
+    """The buffer that `buf_cfg.storage_type` names (rft.config.StorageType), configured by
+    `buf_cfg` (found at `where`)."""
+    return BUFFERS[buf_cfg.storage_type](buf_cfg, where)
+
+
+# ---------------------------------------------------------------- reading stored experiences
+
+SQL_SUFFIXES = (".db", ".sqlite", ".sqlite3")
+
+
+def _stored(path: str, limit: int, offset: int) -> tuple[int, list[tuple[int, Experience]]]:
+    """(how many are stored, [(id, experience)] of up to `limit` after the first `offset`)."""
+    path = str(path)
+    local = Path(os.path.expanduser(path[len("sqlite:///"):] if path.startswith("sqlite:///") else path))
+    if not local.is_file():
+        raise FileNotFoundError(f"{path}: no such file")
+    if path.startswith("sqlite:///") or local.suffix in SQL_SUFFIXES:
+        engine = _engine(local, read_only=True)
+        try:
+            with engine.connect() as c:
+                total = c.execute(sa.select(sa.func.count()).select_from(_experiences)).scalar()
+                query = _select_experiences(c).order_by(_experiences.c.id).limit(limit).offset(offset)
+                return total, [(r.id, _experience(r)) for r in c.execute(query)]
+        except sa.exc.DatabaseError as e:
+            raise ConfigError(f"{path} is not a database of stored experiences ({e.orig}).") from e
+        finally:
+            engine.dispose()
+    if local.suffix == ".jsonl":
+        if local.stat().st_size and not is_experience_file(local):
+            raise ConfigError(f"{path} is not a file of stored experiences (a dataset of prompt/response rows?).")
+        total, out = 0, []
+        with open(local, "rb") as f:
+            for line in f:
+                if line.endswith(b"\n") and line.strip():
+                    if offset <= total < offset + limit:
+                        out.append((total, Experience.from_dict(json.loads(line))))
+                    total += 1
+        return total, out
+    raise ConfigError(
+        f"{path}: not a buffer; expected a SQLite file ({', '.join(SQL_SUFFIXES)} or sqlite:///...) or a .jsonl file."
+    )
+
+
+def read_experiences(path: str, limit: int, offset: int = 0) -> list[Experience]:
+    """Up to `limit` stored experiences after the first `offset`, oldest first, from a sql buffer
+    (.db, .sqlite or a sqlite:/// URL) or a file buffer (.jsonl). Read-only: no cursor moves."""
+    return [e for _, e in _stored(path, limit, offset)[1]]
+
+
+def count_experiences(path: str, key: str = "path") -> int:
+    """How many experiences a sql or file buffer holds (read or not)."""
+    try:
+        return _stored(path, 0, 0)[0]
+    except FileNotFoundError as e:
+        raise ConfigError(f"{key}={path!r}: no such file (relative paths are relative to {os.getcwd()}).") from e
+
+
+# ---------------------------------------------------------------- python -m rft.data.buffer <path>
+
+def _text(exp: Experience, key: str, tokens: list[int]) -> str:
+    text = exp.info.get(key)
+    return repr(text) if text is not None else f"token ids {tokens}"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m rft.data.buffer",
+                                     description="Print the experiences stored by a sql or file buffer.")
+    parser.add_argument("path", help="a .db/.sqlite file (or sqlite:/// URL) or a .jsonl file")
+    parser.add_argument("--limit", type=int, default=4, help="how many to print")
+    parser.add_argument("--offset", type=int, default=0, help="how many to skip first")
+    args = parser.parse_args(argv)
+    try:
+        total, rows = _stored(args.path, args.limit, args.offset)
+    except (FileNotFoundError, ConfigError) as e:
+        print(f"rft.data.buffer: {e}", file=sys.stderr)
+        return 2
+    print(f"{args.path}: {total} experiences; showing {len(rows)} from offset {args.offset}")
+    for i, e in rows:
+        print(f"\n[{i}] task_id={e.task_id} group_id={e.group_id} policy_version={e.policy_version} "
+              f"reward={e.reward:g}")
+        if e.reward_parts:
+            print("  parts:    " + ", ".join(f"{k}={v:g}" for k, v in e.reward_parts.items()))
+        print(f"  prompt:   {_text(e, 'prompt', e.tokens[:e.prompt_length])}")
+        print(f"  response: {_text(e, 'response', e.tokens[e.prompt_length:])}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

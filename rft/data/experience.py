@@ -1,0 +1,187 @@
+"""The Experience: what an explorer hands the trainer for one sampled response."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+from rft.errors import ConfigError
+
+# the config key of the trainer's input, named in errors about it
+WHERE = "buffer.trainer_input.experience_buffer"
+
+
+@dataclass
+class Experience:
+    tokens: list[int]  # prompt + response token ids
+    prompt_length: int
+    # sampling log-prob of each response token (empty for SFT data). The "response" is everything
+    # after the first prompt: in a multi-turn workflow it holds later turns of the user or an
+    # environment too (their log-probs are not used: loss_mask leaves them out)
+    logprobs: list[float]
+    reward: float = 0.0
+    group_id: str = ""  # rollouts of the same task in the same step share it
+    task_id: str = ""
+    policy_version: int = 0  # the weights version that generated it
+    # how it was sampled: {"temperature", "top_p", "top_k"} (rollout_args); the trainer computes
+    # log-probs under the same distribution. Empty: unknown (a dataset row, an old buffer):
+    # temperature 1, no truncation
+    sampling: dict = field(default_factory=dict)
+    info: dict = field(default_factory=dict)
+    # one entry per response token: 1 where the model is trained on the token, 0 where not (a
+    # multi-turn workflow's user or tool turns). Empty: every response token
+    loss_mask: list[int] = field(default_factory=list)
+    # each reward part's value before weighting (rft/rewards/scoring.py): {"countdown": 1.0, "format": 1.0};
+    # `reward` is their weighted sum
+    reward_parts: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        # a workflow passes on what ctx.score gave it (rft.rewards.scoring.Reward: a float with its parts)
+        if not self.reward_parts and getattr(self.reward, "parts", None):
+            self.reward_parts = dict(self.reward.parts)
+        self.reward = float(self.reward)
+
+    @property
+    def response_length(self) -> int:
+        return len(self.tokens) - self.prompt_length
+
+    def to_dict(self) -> dict:
+        """A JSON-able plain dict of every field: what the sql and file buffers store.
+
+        Numbers are made plain Python ints and floats (an engine may hand out numpy or torch
+        scalars); JSON writes floats in their shortest exact form, so they read back bit for bit.
+        """
+        return {
+            "tokens": [int(t) for t in self.tokens],
+            "prompt_length": int(self.prompt_length),
+            "logprobs": [float(x) for x in self.logprobs],
+            "reward": float(self.reward),
+            "group_id": self.group_id,
+            "task_id": self.task_id,
+            "policy_version": int(self.policy_version),
+            "sampling": dict(self.sampling),
+            "info": copy.deepcopy(self.info),
+            "loss_mask": [int(m) for m in self.loss_mask],
+            "reward_parts": {str(k): float(v) for k, v in self.reward_parts.items()},
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Experience":
+        """The inverse of `to_dict`; keys that are not fields (a newer writer's) are ignored."""
+        return cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d})
+
+
+def add_part(exp, name: str, value: float, weight: float = 1.0) -> None:
+    """The one way (shaping's, a workflow's) to change a reward after the reward function gave it:
+    a part of its own, added with its weight."""
+    exp.reward_parts[name] = float(value)
+    exp.reward = float(exp.reward) + weight * float(value)
+
+
+def collate(exps: list[Experience], pad_id: int) -> dict:
+    """Right-pad a list of experiences into tensors.
+
+    Returns input_ids/attention_mask [n, L] and, aligned with the next-token targets
+    input_ids[:, 1:], response_mask [n, L-1] (1 where the target is a response token the loss
+    counts: the experience's loss_mask, all of them when it is empty); and the
+    sampling parameters per row [n]: temperature (greedy and unknown count as 1), top_p, top_k
+    (<= 0: off); and prompt_length [n].
+    """
+    import torch  # here, so storing and viewing experiences does not pay for importing torch
+
+    L = max(len(e.tokens) for e in exps)
+    # as padded Python lists, then one tensor each (a tensor write per row cost ~2 ms for 128 rows)
+    ids, attention, response = [], [], []
+    for e in exps:
+        t, pad = len(e.tokens), L - len(e.tokens)
+        ids.append(list(e.tokens) + [pad_id] * pad)
+        attention.append([1] * t + [0] * pad)
+        # target position t predicts token t+1: response tokens sit at prompt_length..len-1
+        if e.prompt_length < 1:
+            raise ValueError(f"experience {e.task_id!r}: prompt_length {e.prompt_length}: a response needs a "
+                             f"prompt of at least one token to be predicted from")
+        if e.loss_mask:
+            if len(e.loss_mask) != e.response_length:
+                raise ValueError(f"experience {e.task_id!r}: loss_mask has {len(e.loss_mask)} entries for "
+                                 f"{e.response_length} response tokens (one per token after the prompt)")
+            counted = [float(m) for m in e.loss_mask]
+        else:
+            counted = [1.0] * (t - e.prompt_length)
+        response.append([0.0] * (e.prompt_length - 1) + counted + [0.0] * pad)
+    input_ids = torch.tensor(ids, dtype=torch.long)
+    attention_mask = torch.tensor(attention, dtype=torch.long)
+    response_mask = torch.tensor(response, dtype=torch.float32)
+    params = [sampling_params(e.sampling) for e in exps]
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "response_mask": response_mask,
+            "temperature": torch.tensor([p[0] for p in params], dtype=torch.float32),
+            "top_p": torch.tensor([p[1] for p in params], dtype=torch.float32),
+            "top_k": torch.tensor([p[2] for p in params], dtype=torch.long),
+            "prompt_length": torch.tensor([e.prompt_length for e in exps], dtype=torch.long)}
+
+
+def batch_record(step: int, exps: list[Experience]) -> dict:
+    """What step `step` trained on, for batches.jsonl: its groups, the policy versions, and a
+    digest of each experience's tokens and reward (hashed as bytes: a third of the time of JSON)."""
+    import hashlib
+    import struct
+    from array import array
+
+    h = hashlib.sha1()
+    for e in exps:
+        h.update(struct.pack("<qd", len(e.tokens), float(e.reward)))
+        h.update(array("q", e.tokens).tobytes())
+    return {"step": step, "groups": sorted({e.group_id for e in exps}),
+            "versions": sorted(e.policy_version for e in exps), "digest": h.hexdigest()[:16]}
+
+
+def is_experience_file(path) -> bool:
+    """True for a JSONL file written by `FileBuffer` (its first line has "tokens"), false for
+    anything else, such as a dataset of prompt/response rows."""
+    path = Path(os.path.expanduser(str(path)))
+    if path.suffix != ".jsonl" or not path.is_file():
+        return False
+    with open(path, "rb") as f:
+        for line in f:
+            if line.strip():
+                try:
+                    row = json.loads(line)
+                except ValueError:  # not JSON
+                    return False
+                return isinstance(row, dict) and "tokens" in row
+    return False
+
+
+def sampling_params(sampling: dict) -> tuple[float, float, int]:
+    """(temperature, top_p, top_k) of an experience's sampling. Greedy sampling (temperature 0)
+    counts as temperature 1: its stored log-probs are those of the untempered distribution."""
+    t = float(sampling.get("temperature", 1.0) or 1.0)
+    return t, float(sampling.get("top_p", 1.0)), int(sampling.get("top_k", -1))
+
+
+# ---------------------------------------------------------------- replay priority
+
+def linear_decay(exp: Experience, times_used: int, decay: float = 2.0) -> float:
+    """Newer policies first, and each reuse costs `decay` versions of priority."""
+    return exp.policy_version - decay * times_used
+
+
+# name -> fn(exp, times_used, **priority_fn_args) -> priority; the highest is read first
+PRIORITY_FNS = {"linear_decay": linear_decay}
+
+
+def check_priority_fn(name: str, args, where: str) -> None:
+    """replay_buffer.priority_fn names a known function, and priority_fn_args are arguments it takes."""
+    import inspect
+
+    if name not in PRIORITY_FNS:
+        raise ConfigError(f"{where}.priority_fn={name!r} is not known; choose one of {sorted(PRIORITY_FNS)}.")
+    params = list(inspect.signature(PRIORITY_FNS[name]).parameters)[2:]
+    unknown = sorted(set(args or {}) - set(params))
+    if unknown:
+        raise ConfigError(
+            f"{where}.priority_fn_args has {unknown}, which priority_fn={name} does not take; "
+            f"its arguments are {params}."
+        )

@@ -1,0 +1,767 @@
+"""Planning, the bottom layer: the stages, and each stage's batch plan, derived and checked in one
+place before anything starts. It imports nothing that runs (no torch, no engine, no actor): a dry
+run is this module and the datasets it reads.
+
+A plan holds, besides the numbers below, what everything later reads instead of deciding again:
+what the trainer learns from (`input_kind`), the algorithm's needs (a reference model, a critic,
+groups, pairs), the number of explorer actors and trainer ranks, algorithm=mix's expert data.
+
+    tasks per step           = buffer.batch_size
+    rollouts per task        = algorithm.repeat_times
+    experiences per step     = buffer.train_batch_size (default batch_size * repeat_times)
+    optimizer steps per step = train_batch_size / mini_batch_size * ppo_epochs
+    micro-batches per update = mini_batch_size / (micro_batch_size_per_gpu * data-parallel size)
+
+Each violated constraint is a ConfigError that names the keys, their values and the fix.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from rft import config as C
+from rft.algorithms import ADVANTAGE_FNS, KL_FNS, POLICY_LOSS_FNS, Needs, algorithm_needs
+from rft.errors import ConfigError
+from rft.plan.placement import check_placement, explorer_count, sync_offset, trainer_ranks
+
+log = logging.getLogger(__name__)
+
+
+# ---------------------------------------------------------------- stages
+
+def stage_configs(cfg: DictConfig) -> list[DictConfig]:
+    """One config per stage: the global config with the stage's dict merged on top."""
+    base = cfg.copy()
+    OmegaConf.resolve(base)
+    stages = list(base.stages)
+    base.stages = []
+    if not stages:
+        return [_settled(base)]
+    out, names = [], set()
+    for i, stage in enumerate(stages):
+        if not isinstance(stage, DictConfig) or "stage_name" not in stage:
+            raise ConfigError(f"stages[{i}] must be a mapping with a stage_name (got {stage!r}).")
+        try:
+            merged = OmegaConf.merge(base, stage)
+            OmegaConf.resolve(merged)
+        except OmegaConfBaseException as e:
+            raise ConfigError(f"stages[{i}] ({stage.get('stage_name')}): {_first_line(e)}") from e
+        if merged.stage_name in names:
+            raise ConfigError(f"stages[{i}].stage_name={merged.stage_name!r} is used twice; stage names must be unique.")
+        names.add(merged.stage_name)
+        out.append(_settled(merged))
+    return out
+
+
+def _settled(cfg: DictConfig) -> DictConfig:
+    """A stage's config with the values that default to "decide from the rest" decided: a null
+    synchronizer.sync_offset (rft.plan.placement.sync_offset)."""
+    cfg.synchronizer.sync_offset = sync_offset(cfg)
+    return cfg
+
+
+def _first_line(e: Exception) -> str:
+    return " ".join(str(e).split("\n")[:2])
+
+
+def stage_sources(cfg: DictConfig) -> list[dict[str, str]]:
+    """Per stage, the keys its dict sets by interpolation ({key: "${other.key}"}), so that an error
+    about a value can name the key the user set (the warm-up's dataset path is the taskset's)."""
+    from rft.config import flat
+
+    out = []
+    for stage in cfg.stages or [{}]:
+        raw = OmegaConf.to_container(stage, resolve=False) if isinstance(stage, DictConfig) else {}
+        out.append({k: v[2:-1] for k, v in flat(raw).items()
+                    if isinstance(v, str) and v.startswith("${") and v.endswith("}")})
+    return out
+
+
+def label(sources: dict, key: str) -> str:
+    return f"{sources[key]} (read by {key})" if key in sources else key
+
+
+# ---------------------------------------------------------------- the batch plan
+
+@dataclass(frozen=True)
+class BatchPlan:
+    mode: str
+    dataset_size: int  # tasks (mode=both) or training rows (mode=train)
+    tasks_per_step: int
+    rollouts_per_task: int
+    experiences_per_step: int
+    mini_batch_size: int
+    ppo_epochs: int
+    optimizer_steps_per_step: int
+    micro_batch_size: int
+    micro_batches_per_update: int
+    dp_size: int  # the trainer's data-parallel ranks (processes)
+    steps_per_epoch: int
+    total_steps: int
+    total_optimizer_steps: int
+    warmup_steps: int
+    # what the trainer reads (`input_kind`): rollouts | experiences | dataset | none
+    input_kind: str = "rollouts"
+    explorers: int = 1  # explorer actors (mode=train: 1 to evaluate, or 0)
+    needs: Needs = Needs()  # what the algorithm needs (a reference model, a critic, ...)
+    # algorithm.sft_loss_weight > 0: the expert data (an ExperienceBufferConfig) and its config key
+    sft_data: Any = None
+    # trainer.use_dynamic_bsz: tokens per micro-batch (rft.trainer.micro_batches); None: fixed row counts
+    max_token_len_per_gpu: Optional[int] = None
+
+
+def input_kind(cfg) -> str:
+    """What the trainer learns from, decided once here: `rollouts` (this stage's explorers),
+    `experiences` (a buffer an explorer stored: mode=train from sql, or a file of experiences),
+    `dataset` (prompt/response rows or preference pairs: mode=train from any other file), or
+    `none` (mode=explore trains nothing)."""
+    if cfg.mode == "explore":
+        return "none"
+    if cfg.mode != "train":
+        return "rollouts"
+    return "experiences" if stored_experiences(cfg.buffer.trainer_input.experience_buffer) else "dataset"
+
+
+def make_plan(cfg, dataset_size: int) -> BatchPlan:
+    check_config(cfg)
+    needs = algorithm_needs(cfg.algorithm)
+    kind = input_kind(cfg)
+    dp = trainer_ranks(cfg)  # trainer_strategy=torch is one process
+    _check_algorithm(cfg, needs)
+    train_bs, per_epoch = _step_batch(cfg, dataset_size, kind, needs)
+    mini, micro = _mini_batches(cfg.trainer, train_bs, dp)
+    _check_pairs(cfg, needs, kind, [("buffer.train_batch_size", train_bs), ("trainer.mini_batch_size", mini),
+                                     ("trainer.micro_batch_size_per_gpu", micro)])
+    total, opt_per_step = _length(cfg, per_epoch, train_bs // mini * cfg.trainer.ppo_epochs)
+    explores = cfg.mode in ("both", "explore")
+    return BatchPlan(
+        mode=cfg.mode,
+        dataset_size=dataset_size,
+        tasks_per_step=cfg.buffer.batch_size if explores else 0,
+        rollouts_per_task=cfg.algorithm.repeat_times if explores else 0,
+        experiences_per_step=train_bs,
+        mini_batch_size=mini,
+        ppo_epochs=cfg.trainer.ppo_epochs,
+        optimizer_steps_per_step=opt_per_step,
+        micro_batch_size=micro,
+        micro_batches_per_update=mini // (micro * dp),
+        dp_size=dp,
+        steps_per_epoch=per_epoch,
+        total_steps=total,
+        total_optimizer_steps=total * opt_per_step,
+        warmup_steps=cfg.algorithm.optimizer.warmup_steps,
+        input_kind=kind,
+        explorers=explorer_count(cfg),
+        needs=needs,
+        sft_data=sft_buffer_config(cfg) if cfg.algorithm.sft_loss_weight > 0 else None,
+        max_token_len_per_gpu=_token_budget(cfg, micro),
+    )
+
+
+def check_config(cfg) -> None:
+    """Everything about a stage's config that needs no dataset: names, modes, the schedule, the
+    placement and the model's budgets."""
+    if cfg.mode not in ("both", "explore", "train"):
+        raise ConfigError(f"mode={cfg.mode!r} is not supported; choose both, explore, train or bench.")
+    check_run_name(cfg)
+    _check_no_nan(cfg)
+    names = [ts.name for ts in cfg.buffer.explorer_input.eval_tasksets]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:  # their metrics (eval/<name>/accuracy) would overwrite each other's
+        raise ConfigError(f"buffer.explorer_input.eval_tasksets: the name {twice[0]!r} is given to {names.count(twice[0])} "
+                          f"eval sets; each needs a name of its own (their metrics are eval/<name>/...).")
+    _check_names(cfg)
+    _check_runtime(cfg)
+    buf, algo = cfg.buffer, cfg.algorithm
+    if buf.batch_size < 1:
+        raise ConfigError(f"buffer.batch_size={buf.batch_size} must be >= 1 (tasks per step).")
+    if algo.repeat_times < 1:
+        raise ConfigError(f"algorithm.repeat_times={algo.repeat_times} must be >= 1 (rollouts per task).")
+    if cfg.trainer.ppo_epochs < 1:
+        raise ConfigError(f"trainer.ppo_epochs={cfg.trainer.ppo_epochs} must be >= 1.")
+    for key, value in [
+        ("trainer.save_interval", cfg.trainer.save_interval),
+        ("explorer.eval_interval", cfg.explorer.eval_interval),
+        ("synchronizer.sync_interval", cfg.synchronizer.sync_interval),
+    ]:
+        if value < 1:
+            raise ConfigError(f"{key}={value} must be >= 1 (in steps).")
+    _check_limits(cfg)
+    _check_model(cfg.model)
+    if cfg.mode in ("both", "explore"):
+        _check_rollouts(cfg)
+
+
+def check_run_name(cfg) -> None:
+    """`project` and `name` name the run's directory, <checkpoint_root_dir>/<project>/<name>/: each a
+    relative path that stays below the one before ("" or ".." would make the run's directory the
+    project's or the root's, whose other runs continue_from_checkpoint=false moves aside)."""
+    for key in ("project", "name"):
+        value = str(cfg[key])
+        parts = value.replace("\\", "/").split("/")
+        if not value.strip() or value.startswith(("/", "~")) or any(p in ("", ".", "..") for p in parts):
+            raise ConfigError(f"{key}={value!r}: the run's outputs go to <checkpoint_root_dir>/<project>/<name>/, so "
+                              f"{key} must be a non-empty relative name without '.', '..' or empty parts (a/b is "
+                              f"fine). Choose another {key}.")
+
+
+def _check_no_nan(cfg) -> None:
+    """NaN is no setting anywhere (a NaN coefficient or learning rate trains a model of NaNs, with exit 0)."""
+    from rft.config import flat
+
+    for key, value in flat(cfg).items():
+        if isinstance(value, float) and math.isnan(value):
+            raise ConfigError(f"{key}=nan is not a number; give it a value (`python run.py --cfg job` shows the "
+                              f"defaults).")
+
+
+def _check_limits(cfg) -> None:
+    """Counts and durations that a run would only trip over later (or never say were wrong)."""
+    ex, sc = cfg.explorer, cfg.synchronizer
+    if ex.max_failed_steps < 0:
+        raise ConfigError(f"explorer.max_failed_steps={ex.max_failed_steps} must be >= 0 (0: never stop a run "
+                          f"whose tasks all fail).")
+    for key, value in [("synchronizer.sync_timeout", sc.sync_timeout), ("explorer.restart_timeout", ex.restart_timeout)]:
+        if not value > 0:  # (not >: NaN too)
+            raise ConfigError(f"{key}={value} must be > 0 (seconds).")
+    if cfg.cluster.num_cpus is not None and cfg.cluster.num_cpus < 1:
+        raise ConfigError(f"cluster.num_cpus={cfg.cluster.num_cpus} must be >= 1 (or null: every CPU of this "
+                          f"machine); with none, no actor could ever be placed and the run would wait forever.")
+    # clip_grad_norm_ scales the gradient by grad_clip / norm: 0 zeroes every update, a negative
+    # value reverses it (the model would unlearn the reward, without a word)
+    if not cfg.trainer.grad_clip > 0:
+        raise ConfigError(f"trainer.grad_clip={cfg.trainer.grad_clip} must be > 0 (the largest gradient norm; "
+                          f"inf: no clipping). 0 would zero every update and a negative value reverse it.")
+
+
+def _check_rollouts(cfg) -> None:
+    """The sampling settings of every taskset, and the training taskset's rollouts per task."""
+    inp, algo = cfg.buffer.explorer_input, cfg.algorithm
+    ts_keys = [("buffer.explorer_input.taskset", inp.taskset)]
+    ts_keys += [(f"buffer.explorer_input.eval_tasksets[{i}]", ts) for i, ts in enumerate(inp.eval_tasksets)]
+    for where, ts in ts_keys:
+        r = ts.rollout_args
+        # temperature 0 is greedy decoding (the eval sets' default); below 0 no engine samples
+        if not 0 <= r.temperature < math.inf:
+            raise ConfigError(f"{where}.rollout_args.temperature={r.temperature} must be >= 0 (0: greedy).")
+        if not 0 < r.top_p <= 1:
+            raise ConfigError(f"{where}.rollout_args.top_p={r.top_p} must be in (0, 1] (1: no nucleus cut).")
+        if r.max_tokens is not None and r.max_tokens < 1:
+            raise ConfigError(f"{where}.rollout_args.max_tokens={r.max_tokens} must be >= 1 (or null: "
+                              f"model.max_response_tokens).")
+        if any(not isinstance(x, str) or not x for x in r.stop):  # "" is in every text: one-token responses
+            raise ConfigError(f"{where}.rollout_args.stop={list(r.stop)!r}: every stop string must be a non-empty "
+                              f"text (an empty one ends each response after its first token).")
+        fmt = ts.format
+        if fmt.prompt_type == "plaintext" and fmt.prompt_key == fmt.response_key:
+            raise ConfigError(f"{where}.format.prompt_key and response_key both name the column {fmt.prompt_key!r}: "
+                              f"the model would be shown the answer it is scored against. Point response_key at the "
+                              f"reference answers (or null if the reward needs none).")
+        if ts.repeat_times is not None and ts.repeat_times < 1:
+            raise ConfigError(f"{where}.repeat_times={ts.repeat_times} must be >= 1 (or null: the default, "
+                              f"algorithm.repeat_times for the taskset, 1 for an eval set).")
+    train = (inp.taskset.path, inp.taskset.split, inp.taskset.subset_name)
+    for where, ts in ts_keys[1:]:
+        if (ts.path, ts.split, ts.subset_name) == train:
+            # allowed (a check that a run fits its own data), but never by accident
+            log.warning("%s (%s) reads the rows the run trains on (path %s, split %s): its accuracy measures "
+                        "fitting the training set, not what was learned. Give it the held-out split to measure that.",
+                        where, ts.name, ts.path, ts.split)
+    n = inp.taskset.repeat_times
+    if n is not None and n != algo.repeat_times:
+        # the plan (experiences per step, whole groups) counts algorithm.repeat_times
+        raise ConfigError(f"buffer.explorer_input.taskset.repeat_times={n} differs from algorithm.repeat_times="
+                          f"{algo.repeat_times}, which the batch plan counts (each step trains on batch_size x "
+                          f"algorithm.repeat_times experiences). Set algorithm.repeat_times={n} and leave the "
+                          f"taskset's repeat_times null.")
+
+
+def _check_algorithm(cfg, needs: Needs) -> None:
+    from rft.algorithms import rollout_is
+
+    algo = cfg.algorithm
+    rollout_is.check_config(algo)
+    t = cfg.trainer
+    if t.max_ckpt_to_keep is not None and t.max_ckpt_to_keep < 1:
+        raise ConfigError(f"trainer.max_ckpt_to_keep={t.max_ckpt_to_keep} must be >= 1 (or null to keep every "
+                          f"checkpoint): a run resumes from its newest.")
+    if t.save_hf_checkpoint not in ("always", "last", "never"):
+        raise ConfigError(f"trainer.save_hf_checkpoint={t.save_hf_checkpoint!r}: choose always, last or never.")
+    if t.save_hf_checkpoint != "always" and not cfg.model.lora.rank:
+        raise ConfigError(f"trainer.save_hf_checkpoint={t.save_hf_checkpoint}: only a LoRA run (model.lora.rank > 0) "
+                          f"can leave out hf/, as it resumes from its adapter/; full fine-tuning resumes from hf/, "
+                          f"written at every save. Use trainer.max_ckpt_to_keep to bound the disk instead.")
+    for key in ("param_offload", "optimizer_offload"):
+        if cfg.trainer[key] and cfg.trainer.trainer_strategy != "fsdp2":
+            raise ConfigError(f"trainer.{key}=true needs trainer=fsdp2 (FSDP2 moves the shards between CPU and "
+                              f"device; trainer=torch keeps everything on its device). Use trainer=fsdp2 "
+                              f"(trainer.ranks=1 for one process) or set trainer.{key}=false.")
+    if cfg.trainer.trainer_strategy == "fsdp2" and cfg.model.lora.rank:
+        raise ConfigError(
+            f"model.lora.rank={cfg.model.lora.rank}: LoRA trains with trainer=torch only for now (trainer=fsdp2 "
+            f"does not shard adapters yet). Use trainer=torch; a LoRA step needs a fraction of the memory."
+        )
+    if cfg.mode in ("both", "explore") and needs.grouped and algo.repeat_times < 2:
+        raise ConfigError(
+            f"algorithm.advantage_fn={algo.advantage_fn} compares rollouts within a group, but "
+            f"algorithm.repeat_times={algo.repeat_times} gives groups of one (every advantage 0). "
+            f"Set algorithm.repeat_times to 2 or more (8 is common)."
+        )
+
+
+def _step_batch(cfg, dataset_size: int, kind: str, needs: Needs) -> tuple[int, int]:
+    """(experiences per step, steps per epoch)."""
+    buf, algo = cfg.buffer, cfg.algorithm
+    produced = buf.batch_size * algo.repeat_times
+    if kind == "experiences":
+        # RL from experiences an explorer stored: whole groups per step, as in mode=both
+        train_bs = buf.train_batch_size or produced
+        if needs.grouped and train_bs % algo.repeat_times:
+            raise ConfigError(
+                f"buffer.train_batch_size={train_bs} must be a multiple of algorithm.repeat_times "
+                f"({algo.repeat_times}) so that each step reads whole groups of rollouts."
+            )
+        # with total_steps set the trainer may read experiences still being written
+        per_epoch = dataset_size // train_bs or (1 if buf.total_steps else 0)
+        unit, unit_key = train_bs, "buffer.train_batch_size"
+    elif cfg.mode in ("both", "explore"):
+        train_bs = buf.train_batch_size or produced
+        if train_bs != produced:
+            raise ConfigError(
+                f"buffer.train_batch_size={train_bs} must equal buffer.batch_size ({buf.batch_size}) x "
+                f"algorithm.repeat_times ({algo.repeat_times}) = {produced} in mode=both: each step "
+                f"trains on exactly the experiences the explorer produced. Remove "
+                f"buffer.train_batch_size (it defaults to the product) or set it to {produced}."
+            )
+        per_epoch = dataset_size // buf.batch_size
+        unit, unit_key = buf.batch_size, "buffer.batch_size"
+    else:
+        train_bs = buf.train_batch_size or buf.batch_size
+        per_epoch = dataset_size // train_bs
+        unit, unit_key = train_bs, "buffer.train_batch_size"
+    if per_epoch == 0:
+        raise ConfigError(
+            f"the dataset has {dataset_size} rows, fewer than {unit_key}={unit}: one epoch "
+            f"would be 0 steps. Lower {unit_key} or use a larger dataset."
+        )
+    return train_bs, per_epoch
+
+
+def _mini_batches(tr, train_bs: int, dp: int) -> tuple[int, int]:
+    """(experiences per optimizer step, experiences per micro-batch on each rank)."""
+    mini = tr.mini_batch_size or train_bs
+    if mini < 1 or train_bs % mini:
+        raise ConfigError(
+            f"trainer.mini_batch_size={mini} must divide buffer.train_batch_size={train_bs} "
+            f"(experiences per step) into whole optimizer steps. Choose a divisor of {train_bs}, "
+            f"e.g. {_divisor_near(train_bs, mini)}."
+        )
+    # a micro-batch larger than the mini-batch means "the whole mini-batch at once"
+    micro = min(tr.micro_batch_size_per_gpu, mini // dp)
+    if micro < 1 or mini % (micro * dp):
+        raise ConfigError(
+            f"trainer.micro_batch_size_per_gpu={micro} x data-parallel size {dp} must divide "
+            f"trainer.mini_batch_size={mini}. Choose a divisor of {mini // dp}, "
+            f"e.g. {_divisor_near(mini // dp, micro)}."
+        )
+    return mini, micro
+
+
+def _check_pairs(cfg, needs: Needs, kind: str, sizes: list[tuple[str, int]]) -> None:
+    """A loss that learns from preference pairs gets a dataset of them, in whole pairs."""
+    eb = cfg.buffer.trainer_input.experience_buffer
+    fmt = eb.format
+    pairs = kind == "dataset" and bool(fmt.chosen_key and fmt.rejected_key)
+    if needs.paired and not pairs:
+        raise ConfigError(
+            f"algorithm.policy_loss_fn={cfg.algorithm.policy_loss_fn} learns from preference pairs in a dataset "
+            f"(mode=train, buffer.trainer_input.experience_buffer.storage_type=file with format.chosen_key "
+            f"and format.rejected_key set), but this stage has mode={cfg.mode}, storage_type="
+            f"{eb.storage_type}, chosen_key={fmt.chosen_key}, "
+            f"rejected_key={fmt.rejected_key}. Give it a dataset of pairs (a taskset whose format sets "
+            f"chosen_key and rejected_key serves by default)."
+        )
+    if cfg.mode == "train" and fmt.chosen_key and fmt.rejected_key:
+        # preference pairs (two rows each) must not be split across batches
+        for key, value in sizes:
+            if value % 2:
+                raise ConfigError(
+                    f"{key}={value} must be even with preference pairs (format.chosen_key and "
+                    f"rejected_key set): each pair is two experiences that stay together."
+                )
+
+
+def _length(cfg, per_epoch: int, opt_per_step: int) -> tuple[int, int]:
+    """(total steps, optimizer steps per step), with the warm-up checked against them."""
+    buf = cfg.buffer
+    if buf.total_steps is not None:
+        if buf.total_steps < 1:
+            raise ConfigError(f"buffer.total_steps={buf.total_steps} must be >= 1 (or null to use total_epochs).")
+        total = buf.total_steps
+    else:
+        if buf.total_epochs < 1:
+            raise ConfigError(f"buffer.total_epochs={buf.total_epochs} must be >= 1.")
+        total = buf.total_epochs * per_epoch
+    opt = cfg.algorithm.optimizer
+    if not 0 <= opt.lr < math.inf or not opt.weight_decay >= 0:  # (not >=: NaN too) a negative lr ascends the loss
+        key, value = ("lr", opt.lr) if not 0 <= opt.lr < math.inf else ("weight_decay", opt.weight_decay)
+        raise ConfigError(f"algorithm.optimizer.{key}={value} must be >= 0{' and finite' * (key == 'lr')}.")
+    warmup = opt.warmup_steps
+    if not 0 <= warmup <= total * opt_per_step:
+        raise ConfigError(
+            f"algorithm.optimizer.warmup_steps={warmup} must be between 0 and the run's "
+            f"{total * opt_per_step} optimizer steps ({total} steps x {opt_per_step} per step)."
+        )
+    return total, opt_per_step
+
+
+def _check_model(model) -> None:
+    for key in ("max_prompt_tokens", "max_response_tokens"):
+        if model[key] < 1:
+            raise ConfigError(f"model.{key}={model[key]} must be >= 1 (tokens).")
+    if model.dtype not in C.DTYPES:
+        raise ConfigError(f"model.dtype={model.dtype!r} is not a dtype; choose one of {', '.join(C.DTYPES)}.")
+    path = os.path.expanduser(model.model_path)
+    # a hub id ("org/name") cannot be checked here (no hub may be reachable); a local path can
+    looks_local = path.startswith(("/", ".")) or path.count("/") > 1
+    if model.builder is None and looks_local and not os.path.isdir(path):
+        raise ConfigError(
+            f"model.model_path={model.model_path!r}: no such directory (relative paths are relative "
+            f"to {os.getcwd()}). Give a local directory in Hugging Face format or a hub id "
+            f"(e.g. Qwen/Qwen2.5-0.5B-Instruct)."
+        )
+    if model.builder is None and os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
+        held = sorted(os.listdir(path))
+        raise ConfigError(
+            f"model.model_path={model.model_path!r} is a directory, but not a model in Hugging Face format: it has no "
+            f"config.json ({'it holds ' + ', '.join(held[:5]) + (' ...' if len(held) > 5 else '') if held else 'it is empty'}). "
+            f"Point it at the model's own directory (config.json, the weights, the tokenizer files)."
+        )
+    if model.lora.rank < 0:
+        raise ConfigError(f"model.lora.rank={model.lora.rank} must be >= 0 (0: no LoRA, train every weight).")
+    # the update is (alpha / rank) B A: with alpha 0 the adapters train but never change the model
+    if model.lora.rank and not 0 < model.lora.alpha < math.inf:
+        raise ConfigError(f"model.lora.alpha={model.lora.alpha} must be > 0 with model.lora.rank={model.lora.rank}: "
+                          f"the adapters' update is scaled by alpha / rank, so 0 leaves the model as it started. "
+                          f"16 or 2 x rank is common.")
+    if model.lora.rank and model.lora.dropout:
+        raise ConfigError(f"model.lora.dropout={model.lora.dropout}: the trainer computes without dropout so that its "
+                          f"log-probs are the ones the engine sampled with (the policy ratio's denominator). Set "
+                          f"model.lora.dropout=0.")
+    if model.attn_implementation is not None and model.attn_implementation not in ATTN_IMPLEMENTATIONS:
+        raise ConfigError(f"model.attn_implementation={model.attn_implementation!r} is not an attention kernel; "
+                          f"choose one of {', '.join(ATTN_IMPLEMENTATIONS)} (or null for transformers' default, sdpa).")
+    if model.custom_chat_template is not None:
+        check_template(model.custom_chat_template, "model.custom_chat_template")
+    need = model.max_prompt_tokens + model.max_response_tokens
+    if model.max_model_len is not None and model.max_model_len < need:
+        raise ConfigError(
+            f"model.max_model_len={model.max_model_len} is smaller than model.max_prompt_tokens "
+            f"({model.max_prompt_tokens}) + model.max_response_tokens ({model.max_response_tokens}) "
+            f"= {need}. Raise max_model_len or lower the token budgets."
+        )
+
+
+def check_template(template, key: str) -> None:
+    """A chat template parses as Jinja the way transformers compiles it (loop controls, and its
+    `{% generation %}` blocks); parsed only, with jinja2 alone: planning imports no transformers."""
+    import jinja2
+    from jinja2.ext import Extension, loopcontrols
+
+    class Generation(Extension):  # transformers' AssistantTracker tag, as far as parsing goes
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.Scope(body).set_lineno(lineno)
+
+    if not isinstance(template, str) or not template.strip():
+        raise ConfigError(f"{key}={template!r}: give the Jinja text of a chat template (or null: the tokenizer's own).")
+    try:
+        jinja2.Environment(extensions=[Generation, loopcontrols]).parse(template)
+    except jinja2.TemplateSyntaxError as e:
+        line = template.splitlines()[e.lineno - 1] if 0 < e.lineno <= len(template.splitlines()) else ""
+        raise ConfigError(f"{key} is not a valid Jinja template: at its line {e.lineno} ({line.strip()[:80]!r}): "
+                          f"{(e.message or '').rstrip('.')}. Fix the template; transformers' chat templating docs "
+                          f"show the syntax.") from None
+
+
+ATTN_IMPLEMENTATIONS = ("sdpa", "flash_attention_2", "flash_attention_3", "eager", "flex_attention")
+
+
+def _token_budget(cfg, micro: int) -> int | None:
+    """trainer.use_dynamic_bsz: the tokens per micro-batch (default: what micro_batch_size_per_gpu
+    rows of max_model_len tokens would hold)."""
+    t, model = cfg.trainer, cfg.model
+    if not t.use_dynamic_bsz:
+        return None
+    longest = model.max_model_len or model.max_prompt_tokens + model.max_response_tokens
+    budget = t.max_token_len_per_gpu or micro * longest
+    if budget < 1:
+        raise ConfigError(f"trainer.max_token_len_per_gpu={budget} must be >= 1 (tokens per micro-batch).")
+    if budget < longest:
+        log.warning("trainer.max_token_len_per_gpu=%d is below the longest sequence (%d tokens: "
+                    "model.max_model_len or max_prompt_tokens + max_response_tokens); a longer sequence "
+                    "is a micro-batch of its own, over the budget.", budget, longest)
+    return budget
+
+
+def sft_buffer_config(cfg):
+    """The expert data algorithm.sft_loss_weight > 0 (mix) learns from, as (ExperienceBufferConfig,
+    the key to name in errors): buffer.trainer_input.auxiliary_buffers[algorithm.sft_buffer], or,
+    when there is no such entry, the taskset's own prompts and reference answers."""
+    aux, name = cfg.buffer.trainer_input.auxiliary_buffers, cfg.algorithm.sft_buffer
+    if name in aux:
+        where = f"buffer.trainer_input.auxiliary_buffers.{name}"
+        return _typed_buffer(aux[name], where), where
+    ts = cfg.buffer.explorer_input.taskset
+    where = "buffer.explorer_input.taskset"
+    if not ts.format.response_key:
+        raise ConfigError(
+            f"algorithm.sft_loss_weight={cfg.algorithm.sft_loss_weight} needs expert data: an auxiliary "
+            f"buffer algorithm.sft_buffer={name!r} in buffer.trainer_input.auxiliary_buffers (it has "
+            f"{sorted(aux)}), or a taskset with reference answers ({where}.format.response_key is null). "
+            f"Add +buffer.trainer_input.auxiliary_buffers.{name}.path=<dataset of prompt/response rows>."
+        )
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(C.ExperienceBufferConfig),
+                                 {"name": name, "storage_type": "file", "path": ts.path, "split": ts.split,
+                                  "format": ts.format})
+    except OmegaConfBaseException as e:  # pragma: no cover - the taskset's format is typed already
+        raise ConfigError(f"{where}: {str(e).splitlines()[0]}") from e
+    return merged, where
+
+
+def _typed_buffer(value, where: str):
+    """An auxiliary buffer's dict as an ExperienceBufferConfig: a misspelt key fails here, naming it."""
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(C.ExperienceBufferConfig), value)
+    except OmegaConfBaseException as e:
+        keys = sorted(OmegaConf.structured(C.ExperienceBufferConfig).keys())
+        raise ConfigError(
+            f"{where}: {str(e).splitlines()[0]}. Its keys are those of "
+            f"buffer.trainer_input.experience_buffer: {keys}."
+        ) from e
+    if not merged.path:
+        raise ConfigError(f"{where}.path is not set: give the dataset of prompt/response rows it reads.")
+    return merged
+
+
+def stored_experiences(buf_cfg) -> bool:
+    """The trainer's input is experiences an explorer stored (not a dataset of prompt/response rows)."""
+    from rft.data.experience import is_experience_file
+
+    return buf_cfg.storage_type == "sql" or (
+        buf_cfg.storage_type == "file" and bool(buf_cfg.path) and is_experience_file(buf_cfg.path)
+    )
+
+
+def _check_runtime(cfg) -> None:
+    """Modes, buffers, the synchronizer's schedule and staleness bound, runners, placement."""
+    sc, ex, eb = cfg.synchronizer, cfg.explorer, cfg.buffer.trainer_input.experience_buffer
+    key = "buffer.trainer_input.experience_buffer"
+    if cfg.mode == "explore" and eb.storage_type not in ("sql", "file"):
+        raise ConfigError(
+            f"mode=explore stores experiences for a later or separate mode=train run, so "
+            f"{key}.storage_type must be sql or file (it is {eb.storage_type}): add buffer=sql."
+        )
+    if cfg.mode == "train" and eb.storage_type == "queue":
+        raise ConfigError(
+            f"mode=train reads {key}, and a queue has no writer without an explorer: use "
+            f"buffer=sql (experiences a mode=explore run stored) or storage_type=file with a path."
+        )
+    if sc.sync_offset is None:  # a config not from stage_configs (tests, notebooks)
+        sc = OmegaConf.merge(sc, {"sync_offset": sync_offset(cfg)})
+    if sc.sync_offset < 0:
+        raise ConfigError(f"synchronizer.sync_offset={sc.sync_offset} must be >= 0 (steps the explorer runs ahead).")
+    # mode=explore never syncs from a trainer (it reads checkpoints), so any method is fine there
+    if sc.sync_method == "collective" and cfg.cluster.backend != "ray" and cfg.mode != "explore":
+        raise ConfigError(
+            f"synchronizer.sync_method=collective broadcasts between the trainer's and the explorers' "
+            f"processes, so it needs cluster.backend=ray (here {cfg.cluster.backend}). Use cluster=local, "
+            f"or sync=memory or sync=checkpoint."
+        )
+    # with a fixed schedule the staleness of every experience is known: offset + interval - 1 at
+    # most. A bound below that would drop experiences every step, so it is an error here.
+    worst = sc.sync_offset + sc.sync_interval - 1
+    if cfg.mode == "both" and sc.max_staleness is not None and worst > sc.max_staleness:
+        raise ConfigError(
+            f"synchronizer.max_staleness={sc.max_staleness} is below the staleness this schedule "
+            f"produces: sync_offset ({sc.sync_offset}) + sync_interval ({sc.sync_interval}) - 1 = "
+            f"{worst}, so experiences would be dropped every step. Raise max_staleness to {worst} "
+            f"or lower sync_offset / sync_interval."
+        )
+    for k, v, lo in [("explorer.runner_per_model", ex.runner_per_model, 1),
+                     ("explorer.max_retry_times", ex.max_retry_times, 0)]:
+        if v < lo:
+            raise ConfigError(f"{k}={v} must be >= {lo}.")
+    if ex.max_timeout <= 0:
+        raise ConfigError(f"explorer.max_timeout={ex.max_timeout} must be > 0 (seconds).")
+    rm = ex.rollout_model
+    if rm.enable_sleep_mode and (sc.sync_offset > 0 or not cfg.cluster.colocate):
+        raise ConfigError(
+            f"explorer.rollout_model.enable_sleep_mode=true frees the GPU for a trainer on the same "
+            f"GPUs while it trains, so it needs cluster.colocate=true and synchronizer.sync_offset=0 "
+            f"(here colocate={cfg.cluster.colocate}, sync_offset={sc.sync_offset})."
+        )
+    if rm.engine_type == "vllm" and sc.sync_method == "collective" and rm.tensor_parallel_size > 1:
+        raise ConfigError(
+            "synchronizer.sync_method=collective with explorer=vllm supports tensor_parallel_size=1 "
+            "for now (each tensor-parallel worker would need a rank of its own): use sync=checkpoint."
+        )
+    if rm.dtype is not None and rm.dtype not in C.DTYPES:
+        raise ConfigError(f"explorer.rollout_model.dtype={rm.dtype!r} is not a dtype; choose one of {', '.join(C.DTYPES)} (or null: model.dtype).")
+    if not 0 <= ex.over_rollout.ratio < 1:
+        raise ConfigError(f"explorer.over_rollout.ratio={ex.over_rollout.ratio} must be in [0, 1).")
+    check_placement(cfg)
+
+
+def _check_workflow(fn, name: str, key: str) -> None:
+    """A workflow of a study's own takes what the explorer calls it with: a function of the wrong
+    shape fails here, not in every task of the run."""
+    import inspect
+
+    try:
+        inspect.signature(fn).bind("tasks", "engine", "ctx")
+    except TypeError as e:
+        raise ConfigError(
+            f"{key}={name!r} cannot be called as fn(tasks, engine, ctx) ({e}); its signature is "
+            f"{name}{inspect.signature(fn)}. A workflow takes the step's tasks, the engine and the context "
+            f"(ctx.args holds workflow_args) and returns one list of Experience (or None) per task."
+        ) from None
+
+
+def _check_names(cfg) -> None:
+    """Every registry name in the config exists (a typo fails here, not mid-run). Only a dotted
+    path (a study's own function) is imported."""
+    from rft.data.experience import check_priority_fn
+    from rft.registry import resolve
+    from rft.rewards.scoring import check as check_reward
+    from rft.rewards.scoring import spec_of
+    from rft.rollout.workflows.single_turn import WORKFLOWS
+
+    algo, inp = cfg.algorithm, cfg.buffer.explorer_input
+    ADVANTAGE_FNS.check(algo.advantage_fn)
+    POLICY_LOSS_FNS.check(algo.policy_loss_fn)
+    kl = ("none", *KL_FNS)
+    # the other closed sets are Enum fields, checked when the config was composed; these names have
+    # hyphens (agg modes) or include "none" next to registry names (KL)
+    checks = [
+        ("algorithm.kl_loss_fn", algo.kl_loss_fn, kl),
+        ("algorithm.kl_penalty_fn", algo.kl_penalty_fn, kl),
+        ("algorithm.loss_agg_mode", algo.loss_agg_mode, C.AGG_MODES),
+    ]
+    # reward functions and workflows may also be dotted paths to the user's own
+    check_reward(spec_of(inp.default_reward_fn_type), "buffer.explorer_input.default_reward_fn_type")
+    for i, ts in enumerate([inp.taskset, *inp.eval_tasksets]):
+        where = "buffer.explorer_input." + ("taskset" if i == 0 else f"eval_tasksets[{i - 1}]")
+        if ts.reward_fn is not None:
+            check_reward(spec_of(ts.reward_fn), f"{where}.reward_fn")
+        _check_workflow(resolve(WORKFLOWS, ts.workflow, f"{where}.workflow"), ts.workflow, f"{where}.workflow")
+        if ts.workflow == "multi_turn":
+            from rft.rollout.workflows.multi_turn import check_args
+
+            check_args(dict(ts.workflow_args), f"{where}.workflow_args")
+            if ts.reward_fn is not None:
+                raise ConfigError(
+                    f"{where}.reward_fn={spec_of(ts.reward_fn)!r} would never be called: with workflow multi_turn "
+                    f"the reward is the parts the environment's step returns ({ts.workflow_args.get('env')}). "
+                    f"Score in the environment's step (rft/rollout/environments/tools.py: ToolEnv scores its answer by exact "
+                    f"match), or set {where}.reward_fn=null.")
+    # dict-typed keys hold typed values too: a typo fails here, not inside an actor
+    for name, value in cfg.buffer.trainer_input.auxiliary_buffers.items():
+        _typed_buffer(value, f"buffer.trainer_input.auxiliary_buffers.{name}")
+    if algo.sft_loss_weight > 0:
+        sft_buffer_config(cfg)
+    rb = cfg.buffer.trainer_input.experience_buffer.replay_buffer
+    check_priority_fn(rb.priority_fn, rb.priority_fn_args, "buffer.trainer_input.experience_buffer.replay_buffer")
+    for key, value, known in checks:
+        if value not in known:
+            raise ConfigError(f"{key}={value!r} is not one of {sorted(known)}.")
+
+
+def _divisor_near(n: int, target: int) -> int:
+    return min((d for d in range(1, n + 1) if n % d == 0), key=lambda d: (abs(d - target), d))
+
+
+def describe(cfg, stage_dir) -> str:
+    """What the dry run says besides the numbers: the functions, the data, the outputs."""
+    from rft.rewards.scoring import source
+
+    algo, inp = cfg.algorithm, cfg.buffer.explorer_input
+    eb = cfg.buffer.trainer_input.experience_buffer
+    opt = algo.optimizer
+    extra = "".join(f", {k}={algo[k]}" for k in ("kl_loss_fn", "kl_penalty_fn") if algo[k] != "none")
+    extra += f", entropy_coef={algo.entropy_coef}" if algo.entropy_coef else ""
+    extra += f", sft_loss_weight={algo.sft_loss_weight}" if algo.sft_loss_weight else ""
+    rows = [("algorithm", f"{algo.algorithm_type}: advantage_fn={algo.advantage_fn}, policy_loss_fn="
+                          f"{algo.policy_loss_fn}, loss_agg_mode={algo.loss_agg_mode}{extra}"),
+            ("learning rate", f"{opt.lr:g} (algorithm.optimizer.lr), {opt.warmup_steps} warm-up optimizer "
+                              f"steps, then {opt.warmup_style}")]
+
+    def data(ds) -> str:
+        return f"{ds.name} ({ds.path}, split {ds.split})"
+
+    if cfg.mode in ("both", "explore"):
+        reward = source(inp.taskset, inp.default_reward_fn_type)
+        args = inp.taskset.rollout_args
+        rows.append(("rollouts", f"{data(inp.taskset)}: prompt_key={inp.taskset.format.prompt_key}, "
+                                 f"temperature {args.temperature:g}, top_p {args.top_p:g}, top_k {args.top_k}"))
+        call = f"{reward}(prompt, response, task)" if "*" not in reward else f"{reward}, each fn(prompt, response, task),"
+        rows.append(("reward", f"the parts {reward} returns (workflow multi_turn; the reward function is not called)"
+                     if inp.taskset.workflow == "multi_turn" else
+                     f"{call} with task.answer = column {inp.taskset.format.response_key!r}"))
+        if cfg.mode == "both":
+            o = cfg.synchronizer.sync_offset
+            rows.append(("explorer", f"{o} step{'s' * (o != 1)} ahead of the trainer (synchronizer.sync_offset; stale "
+                                     f"experiences: off_policy_correction={algo.off_policy_correction})" if o else
+                                     "on-policy: generates, then waits while the trainer learns (synchronizer.sync_offset=0)"))
+    else:
+        fmt = eb.format
+        what = (f"pairs of {fmt.chosen_key!r} over {fmt.rejected_key!r}" if fmt.chosen_key and fmt.rejected_key
+                else f"responses in {fmt.response_key!r}")
+        rows.append(("trains on", f"{eb.path} ({eb.storage_type}; {what}, prompts in {fmt.prompt_key!r})"))
+    if algo.sft_loss_weight > 0:
+        sft, where = sft_buffer_config(cfg)
+        rows.append(("sft data", f"{sft.path} (column {sft.format.response_key!r}; {where})"))
+    evals = [f"{data(ts)}: {source(ts, inp.default_reward_fn_type)}" for ts in inp.eval_tasksets]
+    if cfg.mode != "explore":
+        rows.append(("eval sets", "; ".join(evals) + f", every {cfg.explorer.eval_interval} steps" if evals else "none"))
+    rows.append(("outputs", str(stage_dir)))
+    w = max(len(r[0]) for r in rows)
+    return "\n".join(f"{a:<{w}}  {b}" for a, b in rows)
+
+
+def format_plan(plan: BatchPlan, title: str = "batch plan") -> str:
+    rows = [
+        ("mode", plan.mode, "mode"),
+        ("dataset rows", plan.dataset_size, "taskset / experience_buffer"),
+        ("tasks per step", plan.tasks_per_step, "buffer.batch_size"),
+        ("rollouts per task", plan.rollouts_per_task, "algorithm.repeat_times"),
+        ("experiences per step", plan.experiences_per_step, "buffer.train_batch_size"),
+        ("experiences per optimizer step", plan.mini_batch_size, "trainer.mini_batch_size"),
+        ("passes per step", plan.ppo_epochs, "trainer.ppo_epochs"),
+        ("optimizer steps per step", plan.optimizer_steps_per_step, "derived"),
+        ("experiences per micro-batch", plan.micro_batch_size, "trainer.micro_batch_size_per_gpu")
+        if plan.max_token_len_per_gpu is None else
+        ("tokens per micro-batch", plan.max_token_len_per_gpu, "trainer.max_token_len_per_gpu"),
+        ("micro-batches per optimizer step", plan.micro_batches_per_update, "derived"),
+        ("data-parallel size", plan.dp_size, "trainer.trainer_strategy"),
+        ("steps per epoch", plan.steps_per_epoch, "derived"),
+        ("total steps", plan.total_steps, "buffer.total_steps / total_epochs"),
+        ("total optimizer steps", plan.total_optimizer_steps, "derived"),
+        ("warm-up optimizer steps", plan.warmup_steps, "algorithm.optimizer.warmup_steps"),
+    ]
+    w0 = max(len(r[0]) for r in rows)
+    w1 = max(len(str(r[1])) for r in rows)
+    lines = [title, "-" * (w0 + w1 + 30)]
+    lines += [f"{a:<{w0}}  {str(b):>{w1}}  {c}" for a, b, c in rows]
+    return "\n".join(lines)

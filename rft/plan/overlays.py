@@ -1,0 +1,397 @@
+"""Checks of the config files a command chooses, before Hydra composes them.
+
+`python run.py experiment=<study>` (or task=<yours>, any group=option) reads that file, then the
+files its defaults list names. A study's own files make mistakes that Hydra words in its own terms,
+or not at all; each is named here with its file, line and fix (exit_on_config_mistakes, which run.py calls):
+
+- an option that does not exist, on the command line or in a sweep's list (`-m
+  algorithm=grpo,drgrpo`: Hydra warned from inside its callback, then printed its message twice);
+- no `# @package` line where the group's files need one: Hydra puts the keys under the group's
+  name ("Key 'experiment' not in 'Config'");
+- `/task: mine` in an overlay's defaults list without `override`: Hydra says "Multiple values for
+  task" and suggests `override task: mine`, which in an overlay names experiment/task/mine;
+- `_self_` before the config a file extends (`defaults: [_self_, grpo]`): that config's values
+  replace the file's own, and the run goes on without them;
+- a misspelt key anywhere in the file (Hydra names neither the line nor the nearest key).
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+_PACKAGE = re.compile(r"#\s*@package\s+(\S+)")
+
+
+@dataclass
+class Entry:
+    """One item of a defaults list: `_self_`, a bare name (a config of the file's own group that
+    it extends), or `[override ]group: option`, with the group made absolute."""
+
+    line: int
+    text: str
+    group: str | None = None  # None: _self_
+    option: str | None = None
+    override: bool = False
+    bare: bool = False
+
+
+def check(args: list[str], conf_dir: Path) -> str | None:
+    """The message for the first mistake in the command line's choices or the files they reach."""
+    from omegaconf import OmegaConf
+
+    from rft.config import Config
+
+    conf_dir = Path(conf_dir)
+    roots, message = _choices(args, conf_dir)
+    if message or not roots:
+        return message
+    schema = OmegaConf.structured(Config)
+    primary = {e.group for e in entries(conf_dir / "config.yaml", conf_dir) if e.group and not e.bare}
+    for path in _reachable(roots, conf_dir):
+        message = (_package_mistake(path, conf_dir, schema) or _defaults_mistake(path, conf_dir, primary)
+                   or _key_mistake(path, conf_dir, schema))
+        if message:
+            return message
+    return None
+
+
+def _choices(args: list[str], conf_dir: Path) -> tuple[list[Path], str | None]:
+    """The files the command line chooses (each value of a sweep's list), or the message for an
+    option that does not exist."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    try:
+        overrides = OverridesParser.create().parse_overrides([a for a in args if "=" in a and not a.startswith("-")])
+    except Exception:  # unparsable_override (below) words these
+        return [], None
+    found = []
+    for o in overrides:
+        group = o.key_or_group
+        if o.is_delete() or group.startswith("hydra") or not (conf_dir / group).is_dir():
+            continue
+        try:
+            values = list(o.sweep_string_iterator()) if o.is_sweep_override() else [o.get_value_element_as_str()]
+        except Exception:  # glob(*): Hydra expands it against the options itself
+            continue
+        for option in values:
+            if option in ("null", "None") or "$" in option:
+                continue
+            path = conf_dir / group / f"{option}.yaml"
+            if not path.is_file():
+                options = sorted(p.stem for p in (conf_dir / group).glob("*.yaml"))
+                near = difflib.get_close_matches(option, options, n=1)
+                hint = f" Did you mean {group}={near[0]}?" if near else ""
+                return [], (f"{group}={option}: there is no conf/{group}/{option}.yaml (the options of '{group}' are "
+                            f"{', '.join(options)}).{hint}")
+            found.append(path)
+    return found, None
+
+
+def _reachable(roots: list[Path], conf_dir: Path) -> list[Path]:
+    """`roots` and every config file their defaults lists name, each once."""
+    todo, seen = list(roots), []
+    while todo:
+        path = todo.pop(0)
+        if path in seen or not path.is_file():
+            continue
+        seen.append(path)
+        todo += [conf_dir / e.group / f"{e.option}.yaml" for e in entries(path, conf_dir) if e.group and e.option]
+    return seen
+
+
+def _node(path: Path):
+    try:
+        return yaml.compose(path.read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+    except yaml.YAMLError:
+        return None  # bad_yaml (below) names it
+
+
+def _group(path: Path, conf_dir: Path) -> str:
+    own = path.parent.relative_to(conf_dir).as_posix()
+    return "" if own == "." else own
+
+
+def entries(path: Path, conf_dir: Path) -> list[Entry]:
+    """The items of a config file's defaults list, with their lines."""
+    root, own = _node(path), _group(path, conf_dir)
+    items = next((v.value for k, v in getattr(root, "value", []) or []
+                  if getattr(k, "value", None) == "defaults" and isinstance(v, yaml.SequenceNode)), [])
+    out = []
+    for item in items:
+        line = item.start_mark.line + 1
+        if isinstance(item, yaml.ScalarNode):
+            out.append(Entry(line, "_self_") if item.value == "_self_" else
+                       Entry(line, item.value, own, item.value, bare=True))
+        elif isinstance(item, yaml.MappingNode) and len(item.value) == 1:
+            k, v = item.value[0]
+            key = k.value.removeprefix("override ").strip()
+            if key.startswith("optional ") or not isinstance(v, yaml.ScalarNode):
+                continue
+            option = None if v.value in ("", "null", "~") or "${" in v.value else v.value
+            group = key.split("@")[0]
+            group = group[1:] if group.startswith("/") else f"{own}/{group}".strip("/")
+            out.append(Entry(line, f"{k.value}: {v.value}", group, option, k.value.startswith("override ")))
+    return out
+
+
+def package(path: Path, conf_dir: Path) -> str | None:
+    """The package its `# @package` line names, read as Hydra does from the comments that open
+    the file ('' for _global_); None without one."""
+    for line in path.read_text().splitlines():
+        if line.strip() and not line.lstrip().startswith("#"):
+            break
+        m = _PACKAGE.match(line.strip())
+        if m:
+            name = m.group(1).replace("_group_", _group(path, conf_dir).replace("/", "."))
+            return name.removeprefix("_global_").lstrip(".")
+    return None
+
+
+def leaves(path: Path, conf_dir: Path) -> list[tuple[str, int]]:
+    """(dotted key in the whole config, line) of every value the file sets; not its defaults list
+    nor Hydra's own settings."""
+    pkg = package(path, conf_dir)
+    pkg = _group(path, conf_dir).replace("/", ".") if pkg is None else pkg
+    out = []
+
+    def walk(node, prefix):
+        for k, v in node.value:
+            if node is root and k.value == "defaults":
+                continue
+            key = f"{prefix}{k.value}"
+            if isinstance(v, yaml.MappingNode) and v.value:
+                walk(v, key + ".")
+            elif isinstance(v, yaml.SequenceNode) and any(isinstance(i, yaml.MappingNode) for i in v.value):
+                for i, item in enumerate(v.value):  # a list of dicts (eval sets): each item's keys
+                    walk(item, f"{key}.{i}.") if isinstance(item, yaml.MappingNode) else None
+            else:
+                out.append((key, k.start_mark.line + 1))
+
+    root = _node(path)
+    if isinstance(root, yaml.MappingNode):
+        walk(root, f"{pkg}." if pkg else "")
+    return [(k, n) for k, n in out if k.split(".")[0] != "hydra"]
+
+
+def _package_mistake(path: Path, conf_dir: Path, schema) -> str | None:
+    group = _group(path, conf_dir)
+    if package(path, conf_dir) is not None or not group or group.startswith("hydra"):
+        return None
+    top = group.split("/")[0]
+    if top in schema:
+        return None
+    siblings = [package(p, conf_dir) for p in sorted(path.parent.glob("*.yaml")) if p != path]
+    common = Counter(p for p in siblings if p is not None).most_common(1)
+    header = f"# @package {(common[0][0] or '_global_') if common else '_global_'}"
+    return (f"{path.relative_to(conf_dir.parent)} has no `# @package` line, so Hydra puts its keys under "
+            f"'{top}', which the config does not have (it stopped with \"Key '{top}' not in 'Config'\"). Make "
+            f"its first line `{header}`, as in the other files of conf/{group}/.")
+
+
+def _defaults_mistake(path: Path, conf_dir: Path, primary: set) -> str | None:
+    rel = path.relative_to(conf_dir.parent)
+    items = entries(path, conf_dir)
+    for e in items:
+        if e.group in primary and not e.override and not e.bare:
+            return (f"{rel}, line {e.line}: its defaults list chooses '{e.text}', but conf/config.yaml chooses "
+                    f"{e.group} already (Hydra: \"Multiple values for {e.group}\"). Write `override /{e.group}: "
+                    f"{e.option}`.")
+    selves = [i for i, e in enumerate(items) if e.group is None]
+    if not selves:
+        return None
+    own = {k for k, _ in leaves(path, conf_dir)}
+    for e in items[selves[0] + 1:]:
+        target = conf_dir / str(e.group) / f"{e.option}.yaml"
+        if e.override or not e.option or not target.is_file():
+            continue
+        lost = sorted(own & {k for k, _ in leaves(target, conf_dir)})
+        if lost:
+            return (f"{rel}, line {items[selves[0]].line}: `_self_` comes before '{e.text}' in its defaults list, "
+                    f"so the values of {target.relative_to(conf_dir.parent)} replace this file's own "
+                    f"({', '.join(lost[:3])}{', ...' if len(lost) > 3 else ''}): Hydra merges the list in order. "
+                    f"Put `_self_` last.")
+    return None
+
+
+def _key_mistake(path: Path, conf_dir: Path, schema) -> str | None:
+    from rft.config import key_mistake
+
+    if _group(path, conf_dir).startswith("hydra"):
+        return None
+    for key, line in leaves(path, conf_dir):
+        problem = key_mistake(schema, key)
+        if problem:
+            return f"{path.relative_to(conf_dir.parent)}, line {line}: {key}: {problem}"
+    return None
+
+
+# ---------------------------------------------------------------- the command line, and every file
+
+def misspelt_override(args: list[str], groups: set[str]) -> str | None:
+    """The message for the first command-line override whose key the schema does not have, naming
+    the nearest keys; None when every key exists. Group choices (`algorithm=grpo`, `hydra/...`),
+    hydra.* keys, additions (+key), deletions (~key) and keys inside dict- or list-typed values
+    (auxiliary_buffers, stages) are left to Hydra."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from omegaconf import OmegaConf
+
+    from rft.config import Config, key_mistake
+
+    candidates = [a for a in args if "=" in a and not a.startswith("-")]
+    try:
+        overrides = OverridesParser.create().parse_overrides(candidates)
+    except Exception:  # Hydra reports syntax errors itself
+        return None
+    schema = OmegaConf.structured(Config)
+    for o in overrides:
+        key = o.key_or_group
+        if o.is_delete() or "/" in key or key.split(".")[0] in ("hydra",):
+            continue
+        # +key adds a key: to a free-form dict or list (stages, auxiliary_buffers, a reward's args)
+        # that is the way, but the schema's own sections have every key they take already
+        adding = o.is_add() or o.is_force_add()
+        if key in groups:
+            continue
+        problem = key_mistake(schema, key, adding)
+        if problem:
+            return f"Could not {'add' if adding else 'override'} '{key}': {problem}"
+    return None
+
+
+def unparsable_override(args: list[str]) -> str | None:
+    """The message for the first command-line override Hydra's grammar cannot read (Hydra says
+    only "LexerNoViableAltException: name=résumé" and a caret), with how to quote it."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import OverrideParseException
+
+    parser = OverridesParser.create()
+    for arg in (a for a in args if "=" in a and not a.startswith("-")):
+        try:
+            parser.parse_overrides([arg])
+        except OverrideParseException as e:
+            key, _, value = arg.partition("=")
+            quoted = f"'{key}=\"{value}\"'"
+            if value.startswith(("[", "{")) and not value.rstrip().endswith(("]", "}")):
+                return (f"the override {arg!r} does not parse: its list or dict is not closed, most likely because the "
+                        f"shell split it at a space. Put the whole override in single quotes: "
+                        f"'{key}={value} ...'.")
+            if not value.isascii():
+                return (f"the override {arg!r} does not parse: Hydra's override grammar takes only ASCII letters "
+                        f"in a value that is not quoted. Quote the value, with single quotes around the whole "
+                        f"for the shell: {quoted}.")
+            return (f"the override {arg!r} does not parse ({str(e).splitlines()[0]}). A value holding any of "
+                    f"( ) [ ] {{ }} , : = ' \" is quoted: {quoted}; a list is [a,b] and a dict {{k: v}} "
+                    f"(Hydra's override grammar).")
+    return None
+
+
+def missing_option(args: list[str], conf_dir) -> str | None:
+    """The message for a config chosen on the command line (experiment=NAME, or any group=option)
+    whose defaults list names an option that does not exist, naming the file and line (Hydra says
+    only "In 'config': Could not find 'model/tinyy'"). Options Hydra itself names (on the command
+    line, hydra/...) are left to Hydra."""
+    from pathlib import Path
+
+    conf_dir = Path(conf_dir)
+    todo = [conf_dir / g / f"{o}.yaml" for g, _, o in (a.partition("=") for a in args if "=" in a and not a.startswith(("-", "+", "~")))
+            if (conf_dir / g).is_dir() and not g.startswith("hydra")]
+    seen: set = set()
+    while todo:
+        path = todo.pop()
+        if path in seen or not path.is_file():
+            continue
+        seen.add(path)
+        for line, group, option in _defaults_entries(path, conf_dir):
+            target = conf_dir / group / f"{option}.yaml"
+            if group.startswith("hydra") or target.is_file():
+                todo.append(target)
+                continue
+            there = sorted(p.stem for p in (conf_dir / group).glob("*.yaml"))
+            options = f"the options of '{group}' are {', '.join(there)}" if there else f"there is no group '{group}'"
+            top = group.rpartition("/")[2]
+            if not there and (conf_dir / top).is_dir():  # `task: mine` in an overlay is experiment/task/mine
+                options += f"; a group of the whole config takes a leading /: `override /{top}: {option}`"
+            return (f"{path.relative_to(conf_dir.parent)}, line {line}: its defaults list names '{group}/{option}', "
+                    f"but there is no {target.relative_to(conf_dir.parent)} ({options}). Fix the name in that file.")
+    return None
+
+
+def _defaults_entries(path, conf_dir) -> list[tuple[int, str, str]]:
+    """(line, group, option) of each entry of a config file's defaults list that names a config:
+    `override /group: option`, `/group: option`, `group: option` (relative to the file's group),
+    or a bare `name` (a config of the file's own group)."""
+    import yaml
+
+    try:
+        root = yaml.compose(path.read_text())
+    except yaml.YAMLError:
+        return []  # bad_yaml names it
+    own = str(path.parent.relative_to(conf_dir)).replace("\\", "/")
+    own = "" if own == "." else own
+    defaults = next((v for k, v in getattr(root, "value", []) or [] if getattr(k, "value", None) == "defaults"), None)
+    out = []
+    for item in getattr(defaults, "value", []) if isinstance(defaults, yaml.SequenceNode) else []:
+        line = item.start_mark.line + 1
+        if isinstance(item, yaml.ScalarNode) and item.value not in ("_self_",):
+            out.append((line, own, item.value))
+        elif isinstance(item, yaml.MappingNode) and len(item.value) == 1:
+            k, v = item.value[0]
+            key = k.value.removeprefix("override ").strip()
+            if key.startswith("optional ") or not isinstance(v, yaml.ScalarNode) or v.value in ("", "null", "~") \
+                    or "${" in v.value:
+                continue
+            group = key.split("@")[0]
+            group = group[1:] if group.startswith("/") else f"{own}/{group}".strip("/")
+            out.append((line, group, v.value))
+    return out
+
+
+def exit_on_config_mistakes(args: list[str], conf_dir) -> None:
+    """run.py's check before Hydra composes: a config file that is not YAML (Hydra would print a
+    traceback of a hundred lines), an override its grammar cannot read, a misspelt key on the
+    command line, an overlay naming an option that does not exist, or the mistakes of a study's
+    own files (`check` above) exits with status 2 and one paragraph."""
+    import sys
+    from pathlib import Path
+
+    groups = {p.name for p in Path(conf_dir).iterdir() if p.is_dir()}
+    message = (bad_yaml(Path(conf_dir)) or unparsable_override(args) or misspelt_override(args, groups)
+               or missing_option(args, conf_dir) or check(args, Path(conf_dir)))
+    if message:
+        print(f"\nrft: configuration error: {message}\n", file=sys.stderr)
+        sys.exit(2)
+
+
+def bad_yaml(conf_dir) -> str | None:
+    """The message for the first file under `conf_dir` that does not parse as YAML (None: all do);
+    ~50 small files, a few ms with libyaml."""
+    import os
+
+    import yaml
+
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+    for path in sorted(conf_dir.rglob("*.yaml")):
+        data = path.read_bytes()
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as e:  # an editor's latin-1: a raw traceback of run.py otherwise
+            line = data.count(b"\n", 0, e.start) + 1
+            column = e.start - (data.rfind(b"\n", 0, e.start) + 1) + 1
+            return (f"{os.path.relpath(path)} is not UTF-8 text (byte {data[e.start:e.start + 1]!r} at line {line}, "
+                    f"column {column}); config files are read as UTF-8. Convert it (e.g. iconv -f latin1 -t utf-8 "
+                    f"{path.name} > {path.stem}.utf8.yaml, then rename it) or fix the line.")
+        try:
+            yaml.load(text, Loader=loader)  # noqa: S506 (a safe loader)
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+            problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+            return (f"{os.path.relpath(path)} is not valid YAML: {problem}{where}. Fix the file (a common cause: "
+                    f"the keys of one mapping indented by different numbers of spaces, or a tab).")
+    return None

@@ -1,0 +1,92 @@
+"""Names to code: `resolve` looks a name up in a name table, or imports it from a dotted path.
+
+Every name table of rft (the algorithms' registries, rewards, workflows, environments, engines,
+...) is a dict of name -> function or class; a config may name a table's entry or give the dotted
+path of its own (`module.function`). Errors are one paragraph naming the key and the fix.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import traceback
+from collections.abc import Mapping
+from typing import Any
+
+from rft.errors import ConfigError
+
+
+class Registry(Mapping):
+    """A name table: name -> function or class, imported on first use from the "module.attribute"
+    the table gives, so reading names (planning, a dry run) imports none of them. Each entry may
+    carry what the code needs or offers (`info`: an algorithm's Needs, say); a dotted path given
+    instead of a name carries it as its attribute `info` (set by a decorator), else `default`."""
+
+    def __init__(self, key: str, table: dict[str, str | tuple[str, Any]], info: str | None = None,
+                 default: Any = None):
+        self.key, self._loaded, self._attr, self._default = key, {}, info, default
+        self._table = {n: v if isinstance(v, tuple) else (v, default) for n, v in table.items()}
+
+    def __getitem__(self, name: str):
+        if name not in self._loaded:
+            module, _, attr = self._table[name][0].rpartition(".")
+            self._loaded[name] = getattr(importlib.import_module(module), attr)
+        return self._loaded[name]
+
+    def __contains__(self, name) -> bool:  # without importing the function (Mapping's would)
+        return name in self._table
+
+    def __iter__(self):
+        return iter(self._table)
+
+    def __len__(self) -> int:
+        return len(self._table)
+
+    def info(self, name: str) -> Any:
+        """What `name` needs or offers: from the table, or from a dotted-path function's attribute
+        (importing it: a study's own module). Errors name the config key."""
+        if name in self._table:
+            return self._table[name][1]
+        found = resolve(self, name, self.key)
+        return getattr(found, self._attr, self._default) if self._attr else self._default
+
+    def check(self, name: str) -> None:
+        """A misspelt name fails here, without importing anything (dotted paths are imported)."""
+        if name not in self._table:
+            resolve(self, name, self.key)
+
+
+def _study_frame(e: BaseException):
+    """The innermost frame of `e` in the study's own files: not the interpreter's, not the
+    installed packages' (a failed os.environ lookup is the line that made it)."""
+    installed = (sys.prefix, sys.base_prefix)
+    frames = traceback.extract_tb(e.__traceback__)
+    return next((f for f in reversed(frames) if not f.filename.startswith(("<", *installed))), frames[-1])
+
+
+def resolve(registry: Mapping, name: str, key: str):
+    """The function registered as `name`, or the one at dotted path `name` (module.function)."""
+    if name in registry:
+        return registry[name]
+    if "." in name:
+        module, _, attr = name.rpartition(".")
+        try:
+            found = getattr(importlib.import_module(module), attr)
+        except (ImportError, AttributeError) as e:
+            raise ConfigError(f"{key}={name!r}: cannot import it ({type(e).__name__}: {e}).") from e
+        except SyntaxError as e:
+            raise ConfigError(f"{key}={name!r}: cannot import it: {e.filename}, line {e.lineno}: "
+                              f"{type(e).__name__}: {e.msg}. Fix that line.") from e
+        except Exception as e:  # the study's module raised while it was imported (a raw traceback)
+            where = _study_frame(e)
+            raise ConfigError(f"{key}={name!r}: importing {module} raised {type(e).__name__}: {e} "
+                              f"({where.filename}, line {where.lineno}). Fix the module: its top-level code "
+                              f"runs when it is imported.") from e
+        if not callable(found):  # a module, a constant, a registry dict: nothing to call
+            raise ConfigError(f"{key}={name!r} is a {type(found).__name__}, not a function or class; give the "
+                              f"dotted path of a function (module.function) or a registered name.")
+        return found
+    raise ConfigError(
+        f"{key}={name!r} is not one of {sorted(registry)}; give a registered name or the dotted "
+        f"path of a function with the same signature (module.function)."
+    )

@@ -1,0 +1,212 @@
+"""Metrics: progress on the console, metrics.jsonl always, TensorBoard and wandb on request."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from tqdm import tqdm
+
+
+def read_metrics(path: str | Path) -> list[dict]:
+    """The records of a per-step JSONL log (metrics.jsonl, batches.jsonl), in order."""
+    return [record for _, record in _read(Path(path)) if record is not None]
+
+
+def _read(path: Path) -> list[tuple[str, dict | None]]:
+    """Each line of a JSONL log with its record, None where the line is not one.
+
+    Each record is written and flushed whole before the next, so a kill can cut short only the
+    last line: that one is left out without a word (a resumed run logs its step again). A bad
+    line before the last is damage from elsewhere (two runs writing one directory, an edit by
+    hand). It is left out too, since one bad line must not hide a whole run's metrics, but never
+    silently: each read warns, naming the file and line, and rft never deletes it (see _reopen),
+    so what it held can still be recovered by hand.
+    """
+    if not path.exists():
+        return []
+    lines = [(n, line) for n, line in enumerate(path.read_text(errors="replace").splitlines(), 1) if line.strip()]
+    out = []
+    for i, (n, line) in enumerate(lines):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            record = None
+        if not (isinstance(record, dict) and "step" in record):
+            record = None
+            if i < len(lines) - 1:
+                print(f"rft: warning: {path} line {n} is not a JSON record (a kill cuts only the last line, "
+                      f"so something else damaged it); it is left out of what is read and kept in the file. "
+                      f"Repair or delete that line to silence this warning.", file=sys.stderr)
+        out.append((line, record))
+    return out
+
+
+def _line_every(total_steps: int) -> int:
+    """Steps between two progress lines: 1, 2 or 5 times a power of ten, so that a run prints
+    10 to 20 of them (every step of a run of up to 20)."""
+    for power in itertools.count():
+        for m in (1, 2, 5):
+            if total_steps <= 20 * m * 10**power:
+                return m * 10**power
+
+
+class Monitor:
+    def __init__(self, cfg, run_dir: Path, total_steps: int, start_step: int, stage: str):
+        self.keys = list(cfg.monitor.console_keys)
+        self.path = run_dir / "metrics.jsonl"
+        # a resumed run rewrites the steps after its checkpoint: drop what the killed run logged
+        self.file, kept = _reopen(self.path, start_step)
+        _say_missing(self.path, kept, start_step)
+        # what each step trained on: group ids, policy versions and a digest of the tokens
+        self.batches, _ = _reopen(run_dir / "batches.jsonl", start_step)
+        # on a terminal a bar; in a file (a Slurm log, `> run.log`, CI) the bar's carriage-return
+        # redraws would pile up, so there one plain line every few steps, the first and the last
+        self.stage, self.total, self.every, self.first = stage, total_steps, _line_every(total_steps), True
+        self.bar = None
+        if sys.stderr.isatty():
+            self.bar = tqdm(total=total_steps, initial=start_step, desc=stage, dynamic_ncols=True, leave=True)
+        self.shown: dict[str, float] = {}
+        self.tb = None
+        if "tensorboard" in cfg.monitor.monitor_type:
+            # TensorBoard hides what a killed run logged from purge_step on: the steps run again
+            self.tb = TensorBoard(run_dir / "tensorboard", purge_step=start_step + 1 if start_step else 0)
+        self.wandb = None
+        if "wandb" in cfg.monitor.monitor_type:
+            import wandb
+
+            self.wandb = wandb.init(
+                project=cfg.project, name=f"{cfg.name}/{stage}", dir=str(run_dir),
+                config={"stage": stage}, resume="allow", id=_wandb_id(run_dir),
+            )
+
+    def log(self, step: int, metrics: dict, advance: bool = True) -> None:
+        record = {"step": step, **metrics}
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+        if self.tb is not None:
+            for k, v in metrics.items():
+                self.tb.scalar(k, v, step)
+        if self.wandb is not None:
+            self.wandb.log(metrics, step=step)
+        self.shown.update({k: metrics[k] for k in self.keys if k in metrics})
+        shown = {k.replace("/", "."): f"{self.shown[k]:.3g}" for k in self.keys if k in self.shown}
+        if self.bar is not None:
+            self.bar.set_postfix(shown, refresh=False)
+            if advance:
+                self.bar.update(step - self.bar.n)
+        elif self.first or step % self.every == 0 or step == self.total:
+            self.print(f"[{self.stage}] step {step}/{self.total}  " + " ".join(f"{k}={v}" for k, v in shown.items()))
+        self.first = False
+
+    def ensure_logged(self, step: int, metrics: dict | None) -> None:
+        """A resumed run's first step: the checkpoint's own row, if a kill came between saving the
+        checkpoint and logging its step (the checkpoint keeps a copy)."""
+        if metrics is not None and not any(m["step"] == step for m in read_metrics(self.path)):
+            self.log(step, metrics, advance=False)
+
+    def record_batch(self, record: dict) -> None:
+        """One line of batches.jsonl: rft.data.experience.batch_record of what a step trained on."""
+        self.batches.write(json.dumps(record) + "\n")
+        self.batches.flush()
+
+    def histogram(self, step: int, name: str, values: list) -> None:
+        if self.tb is not None and values:
+            self.tb.histogram(name, values, step)
+
+    def print(self, text: str) -> None:
+        if self.bar is not None:
+            self.bar.write(text)  # above the bar, which is drawn again below
+        else:
+            print(text, flush=True)  # a file written in blocks would hold it back
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        self.file.close()
+        self.batches.close()
+        if self.tb is not None:
+            self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+class TensorBoard:
+    """Event files through the tensorboard package's own writer and protos: what torch's
+    SummaryWriter wraps, without importing torch into the driver of a Ray run (~0.2 GB there)."""
+
+    def __init__(self, log_dir: Path, purge_step: int):
+        from tensorboard.compat.proto import event_pb2, summary_pb2
+        from tensorboard.summary.writer.event_file_writer import EventFileWriter
+
+        self.pb, self.summary = event_pb2, summary_pb2
+        self.writer = EventFileWriter(str(log_dir))
+        # a session start at purge_step: TensorBoard drops what earlier files logged from it on
+        self._event(purge_step, file_version="brain.Event:2")
+        self._event(purge_step, session_log=event_pb2.SessionLog(status=event_pb2.SessionLog.START))
+
+    def _event(self, step: int, **fields) -> None:
+        self.writer.add_event(self.pb.Event(wall_time=time.time(), step=int(step), **fields))
+
+    def scalar(self, tag: str, value: float, step: int) -> None:
+        self._event(step, summary=self.summary.Summary(value=[self.summary.Summary.Value(tag=tag, simple_value=float(value))]))
+
+    def histogram(self, tag: str, values: list[int], step: int) -> None:
+        """Whole-number values (staleness), one bucket per number: k counts into (k - 0.5, k + 0.5].
+        TensorBoard's buckets are given by their right limits, so an empty first one sets the left."""
+        lo, hi = min(values), max(values)
+        counts = [0] * (hi - lo + 2)
+        for v in values:
+            counts[v - lo + 1] += 1
+        histo = self.summary.HistogramProto(
+            min=lo, max=hi, num=len(values), sum=sum(values), sum_squares=sum(v * v for v in values),
+            bucket_limit=[lo - 0.5 + i for i in range(len(counts))], bucket=counts)
+        self._event(step, summary=self.summary.Summary(value=[self.summary.Summary.Value(tag=tag, histo=histo)]))
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+def _reopen(path: Path, start_step: int):
+    """Open a per-step JSONL log for appending, for a run that starts after the checkpoint of
+    `start_step`, or from nothing when it is 0 (step 0, the startup eval, included). It logs those
+    steps again, so what a killed run logged of them goes, and so does a last line it cut short. A
+    damaged line, whose step is unknown, stays as it is unless the run starts from nothing (see _read).
+    Returns the file and the steps of the rows kept."""
+    lines = _read(path)
+    if lines and lines[-1][1] is None:
+        lines.pop()
+    kept = [(line, m) for line, m in lines if start_step > 0 and (m is None or m["step"] <= start_step)]
+    # written aside, then renamed over the log: a kill in between leaves the old log whole
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(line + "\n" for line, _ in kept))
+    os.replace(tmp, path)
+    return open(path, "a"), {m["step"] for _, m in kept if m is not None}
+
+
+def _say_missing(path: Path, steps: set, start_step: int) -> None:
+    """A resumed run's log holds a row for each step before its checkpoint's (whose own row the
+    checkpoint restores: Monitor.ensure_logged); say which ones a cut or an edit took since, as no
+    checkpoint holds them."""
+    missing = [s for s in range(1, start_step) if s not in steps]
+    spans = []
+    for s in missing:
+        if spans and spans[-1][1] == s - 1:
+            spans[-1][1] = s
+        else:
+            spans.append([s, s])
+    if spans:
+        listed = ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
+        print(f"rft: warning: {path} has no row for step{'s' if len(missing) > 1 else ''} {listed}, which this run "
+              f"logged before its checkpoint of step {start_step}: the file was cut or edited since, and no "
+              f"checkpoint holds them, so the log goes on without them.", file=sys.stderr)
+
+
+def _wandb_id(run_dir: Path) -> str:
+    import hashlib
+
+    return hashlib.sha1(os.fspath(run_dir.resolve()).encode()).hexdigest()[:12]

@@ -1,0 +1,533 @@
+"""A sweep's results on one page: `python -m rft.reporting.report <multirun, run or runs directory>`.
+
+    python run.py -m algorithm.optimizer.lr=1e-4,3e-4 seed=1,2,3
+    python -m rft.reporting.report checkpoints/rft/multirun/<date_time>                     # the last stage
+    python -m rft.reporting.report checkpoints/rft/multirun/<date_time> --stage sft_warmup  # another stage
+    python -m rft.reporting.report checkpoints/rft/multirun/<date_time> --stage all --metrics reward/mean,loss/policy
+    python -m rft.reporting.report checkpoints/rft                                          # every run in it
+
+The directory is a Hydra multirun (job directories `0/`, `1/`, ...), one run's directory (with
+`.hydra/` in it), or a directory holding run directories one or two levels down (each one a job,
+named by its path). A job has `.hydra/overrides.yaml`, `.hydra/config.yaml` and `metrics.jsonl`,
+directly or under one directory per stage. Writes into the directory:
+
+    report.md     one row per job: the overrides that differ between jobs, the stage reported,
+                  status, steps, each metric's final value (eval accuracies: also the best value and
+                  its step), time; then, where jobs differ only in `seed`, one row per
+                  configuration with `mean ± std` over its seeds
+    report.csv    the same rows (a configuration's row: `n`, `<column> mean` and `<column> std`)
+    rewards.png   a panel per metric (with --stage all, a row of them per stage): a curve per
+                  configuration, the mean over its seeds with a band of ± one std (with --no-group,
+                  a curve per job)
+
+--stage: by default each job's last configured stage that logged metrics (the `stage` column
+names it); NAME reports that stage of every job; `all` every stage, a row per job and stage.
+--metrics: comma-separated; by default reward/mean and each eval set's `eval/<set>/accuracy`, in
+the order the runs logged them (`eval/accuracy`, the first set's alias, only when the runs logged
+no per-set accuracy). An eval accuracy's best is its highest.
+Seeds: jobs whose overrides are the same but for `seed` are one configuration (--no-group: none
+are). `n` counts its jobs with metrics in the stage; std is the sample std (N-1) over them, and
+the curves' band covers the steps every one of them logged.
+`time_s` is the seconds the job's metrics account for (steps, evals and saves of every stage it
+trained itself, not of one reused from the stage cache; not process start or model loading). A job without metrics is a row that says so; directories named
+`previous_*` (earlier outputs moved aside) are ignored.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import statistics
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+from omegaconf import OmegaConf
+
+TIMING_KEYS = ("timing/step_s", "timing/eval_s", "timing/save_s")
+NO_METRICS = "no metrics (failed before its first step, or not started)"
+
+
+class ReportError(ValueError):
+    """A mistake in the report's arguments: main prints it as one paragraph, exit code 2."""
+
+
+@dataclass
+class Job:
+    """One job's results in one stage."""
+
+    num: str  # the job's name: its number in a multirun, else its path below the directory given
+    path: Path
+    overrides: dict[str, str] = field(default_factory=dict)
+    config: tuple = ()  # jobs with the same config (the overrides but seed) are seeds of one
+    stage: str = ""  # "" when metrics.jsonl sits in the job directory itself
+    slot: int = 0  # with --stage all, the stage's place in the job's stages: a row of panels each
+    status: str = NO_METRICS
+    metrics: list[dict] = field(default_factory=list)
+    time_s: float | None = None
+
+    def series(self, key: str) -> tuple[list[int], list[float]]:
+        points = [(m["step"], m[key]) for m in self.metrics if key in m]
+        return [s for s, _ in points], [v for _, v in points]
+
+    def last(self, key: str) -> float | None:
+        values = self.series(key)[1]
+        return values[-1] if values else None
+
+    def best(self, key: str) -> tuple[float | None, int | None]:
+        steps, values = self.series(key)
+        if not values:
+            return None, None
+        i = max(range(len(values)), key=values.__getitem__)  # the first step that reached the best
+        return values[i], steps[i]
+
+
+# ---------------------------------------------------------------- reading
+
+
+def _job_order(p: Path):
+    # numbered job directories by number (10 after 9), then the others by name
+    return (not p.name.isdigit(), int(p.name) if p.name.isdigit() else 0, p.name)
+
+
+def _subdirs(d: Path) -> list[Path]:
+    # not .submitit/ (launcher logs), nor previous_*/ (outputs moved aside)
+    return sorted((p for p in d.iterdir() if p.is_dir() and not p.name.startswith((".", "previous_"))),
+                  key=_job_order)
+
+
+def find_jobs(sweep_dir: Path) -> list[Path]:
+    """The job directories: the directory itself if it is a run, else those one level down
+    (Hydra's numbered job directories: one that never started may have no .hydra/) and, under a
+    directory that is neither, the runs two levels down (e.g. checkpoints/<project>/<name>/)."""
+    if (sweep_dir / ".hydra").is_dir():  # a single run
+        return [sweep_dir]
+    jobs = []
+    for p in _subdirs(sweep_dir):
+        if p.name.isdigit() or (p / ".hydra").is_dir():
+            jobs.append(p)
+        else:
+            jobs += [q for q in _subdirs(p) if (q / ".hydra").is_dir()]
+    return jobs
+
+
+def parse_overrides(job_dir: Path, name: str) -> dict[str, str] | None:
+    """The job's overrides; None when its record is missing or does not read (cut short, edited):
+    the job is then a configuration of its own, and one damaged record does not stop the report."""
+    path = job_dir / ".hydra" / "overrides.yaml"
+    if not path.exists():
+        return None
+    try:
+        items = yaml.safe_load(path.read_text()) or []
+    except yaml.YAMLError as e:
+        print(f"rft.reporting.report: warning: {path} does not parse as YAML ({str(e).splitlines()[0]}); job {name} is "
+              f"reported as a configuration of its own, without its overrides.", file=sys.stderr)
+        return None
+    out = {}
+    for item in items if isinstance(items, list) else []:
+        key, _, value = str(item).partition("=")
+        out[key] = value
+    return out
+
+
+def planned_stages(job_dir: Path) -> list[tuple[str, int | None]]:
+    """(stage name, buffer.total_steps or None) per configured stage, in order; [] without stages.
+
+    Values are read lazily, so interpolations the report cannot resolve (`${hydra:...}` in `name`)
+    do no harm; a stage whose name cannot be read is left out."""
+    path = job_dir / ".hydra" / "config.yaml"
+    if not path.exists():
+        return []
+    out = []
+    try:
+        cfg = OmegaConf.load(path)
+        base = OmegaConf.masked_copy(cfg, [k for k in cfg if k != "stages"])
+        for stage in cfg.get("stages") or []:
+            merged = OmegaConf.merge(base, stage)
+            name = OmegaConf.select(merged, "stage_name", throw_on_resolution_failure=False)
+            total = OmegaConf.select(merged, "buffer.total_steps", throw_on_resolution_failure=False)
+            if name is not None:
+                out.append((str(name), total if isinstance(total, int) else None))
+    except Exception:  # a config this code cannot read: report without the plan, by file times
+        return []
+    return out
+
+
+def logged_stages(job_dir: Path) -> dict[str, Path]:
+    """{stage name: its metrics.jsonl} ("" for metrics.jsonl in the job directory itself)."""
+    logged = {p.parent.name: p for p in job_dir.glob("*/metrics.jsonl")
+              if not p.parent.name.startswith("previous_")}
+    if (job_dir / "metrics.jsonl").exists():
+        logged[""] = job_dir / "metrics.jsonl"
+    return logged
+
+
+def job_stages(job_dir: Path) -> list[str]:
+    """The job's stages in order: those it logged but no longer configures (by time of writing),
+    then the configured ones, logged or not."""
+    logged, order = logged_stages(job_dir), [name for name, _ in planned_stages(job_dir)]
+    return sorted((s for s in logged if s not in order), key=lambda s: logged[s].stat().st_mtime) + order
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """metrics.jsonl, leaving out a line a killed job cut short."""
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return [m for m in out if isinstance(m, dict) and "step" in m]
+
+
+def read_job(job_dir: Path, stage: str | None = None, name: str | None = None) -> Job:
+    """The job's results in `stage`; None: its last configured stage that logged metrics."""
+    name = name or job_dir.name
+    overrides = parse_overrides(job_dir, name)
+    # a run without an overrides file is a configuration of its own, whatever its (empty) overrides
+    config = ("run", name) if overrides is None else tuple((k, v) for k, v in overrides.items() if k != "seed")
+    job = Job(name, job_dir, overrides or {}, config, stage or "")
+    logged = logged_stages(job_dir)
+    if not logged:
+        return job
+    plan = planned_stages(job_dir)
+    order = [s for s, _ in plan]
+    # a stage copied from the stage cache (reused_from) cost this job nothing: its time is another's
+    every = [m for p in logged.values() if not (p.parent / "reused_from").exists() for m in read_jsonl(p)]
+    job.time_s = sum(m.get(k, 0.0) for m in every for k in TIMING_KEYS) or None
+    if stage is None:  # the last configured stage that logged; else the one written last
+        job.stage = [s for s in job_stages(job_dir) if s in logged][-1]
+    if job.stage not in logged:
+        # a configured stage after every one the job logged: the job stopped before it
+        stopped = job.stage in order and all(order.index(s) < order.index(job.stage) for s in logged if s in order)
+        job.status = f"stopped before stage {job.stage}" if stopped else "no metrics in this stage"
+        return job
+    job.metrics = read_jsonl(logged[job.stage])
+    steps = job.metrics[-1]["step"] if job.metrics else 0
+    total = dict(plan).get(job.stage)
+    if stage is None and plan and job.stage != order[-1]:
+        job.status = f"stopped before stage {order[-1]}"  # the job's state, as its last stage shows it
+    elif total is not None and steps < total:
+        job.status = f"incomplete ({steps}/{total} steps)"
+    elif total is None and not (logged[job.stage].parent / "checkpoints" / f"step_{steps}").exists():
+        # without a planned step count, the final checkpoint (saved after the last step) tells
+        job.status = "incomplete (no final checkpoint)"
+    else:
+        job.status = "done"
+    return job
+
+
+def read_jobs(sweep_dir: Path, stage: str | None = None) -> list[Job]:
+    """Every job's results in `stage` (None: each job's last; "all": a Job per job and stage,
+    ordered by stage, then job)."""
+    dirs = find_jobs(sweep_dir)
+    if not dirs:
+        raise FileNotFoundError(
+            f"{sweep_dir} holds no job directories (0/, 1/, ... or run directories, with .hydra/ "
+            f"inside). Give the directory a `python run.py -m ...` sweep printed, e.g. "
+            f"checkpoints/rft/multirun/<date_time>, or a run's, e.g. checkpoints/rft/<name>."
+        )
+    names = {d: d.name if d == sweep_dir else d.relative_to(sweep_dir).as_posix() for d in dirs}
+    if stage is None:
+        return [read_job(d, None, names[d]) for d in dirs]
+    per_job = {d: job_stages(d) for d in dirs}
+    found = list(dict.fromkeys(s for stages in per_job.values() for s in stages if s))
+    if stage == "all":
+        jobs = []
+        for d in dirs:
+            for i, s in enumerate(per_job[d] or [""]):
+                jobs.append(read_job(d, s, names[d]))
+                jobs[-1].slot = i  # stage i of every job side by side, whatever its name (grpo, dr_grpo)
+        return sorted(jobs, key=lambda j: j.slot)  # stable: within a stage, jobs keep their order
+    if stage not in found and not found:
+        raise ReportError(f"--stage {stage}: the jobs in {sweep_dir} have no stages (each one's metrics.jsonl "
+                          f"sits in its own directory). Leave --stage out.")
+    if stage not in found:
+        raise ReportError(f"--stage {stage}: no job in {sweep_dir} has a stage of that name. The stages "
+                          f"found: {', '.join(found)}. Give one of them, or --stage all for every stage.")
+    return [read_job(d, stage, names[d]) for d in dirs]
+
+
+# ---------------------------------------------------------------- metrics and rows
+
+
+def metrics_found(jobs: list[Job]) -> list[str]:
+    """Every numeric metric the jobs logged, in the order logged."""
+    return list(dict.fromkeys(k for j in jobs for m in j.metrics for k, v in m.items()
+                              if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)))
+
+
+def default_metrics(found: list[str]) -> list[str]:
+    """reward/mean and every eval set's accuracy; eval/accuracy repeats the first set's, so it is
+    shown only for runs that logged no per-set accuracy."""
+    evals = [k for k in found if k.startswith("eval/") and k.endswith("/accuracy") and k != "eval/accuracy"]
+    if not evals and "eval/accuracy" in found:
+        evals = ["eval/accuracy"]
+    return [k for k in ["reward/mean"] if k in found] + evals or ["reward/mean"]
+
+
+def choose_metrics(jobs: list[Job], metrics: list[str] | str | None) -> list[str]:
+    found = metrics_found(jobs)
+    if metrics is None:
+        return default_metrics(found)
+    if isinstance(metrics, str):
+        metrics = metrics.split(",")
+    metrics = [m.strip() for m in metrics if m.strip()]
+    unknown = [m for m in metrics if m not in found]
+    if not metrics or (unknown and found):  # with no metrics logged at all, there is nothing to check against
+        raise ReportError(
+            f"--metrics {','.join(unknown) or '(empty)'}: not logged by any job in the stage reported. The metrics "
+            f"found: {', '.join(found)}. Give a comma-separated list of them, e.g. "
+            f"--metrics {','.join(default_metrics(found))}.")
+    return metrics
+
+
+def differing_keys(jobs: list[Job]) -> list[str]:
+    """Override keys whose value is not the same in every job (all keys for a sweep of one)."""
+    jobs = list({j.path: j for j in jobs}.values())  # with --stage all, a job counts once
+    keys = list(dict.fromkeys(k for j in jobs for k in j.overrides))
+    if len(jobs) < 2:
+        return keys
+    return [k for k in keys if len({j.overrides.get(k) for j in jobs}) > 1]
+
+
+def label(job: Job, keys: list[str]) -> str:
+    parts = [f"{k}={job.overrides[k]}" for k in keys if k in job.overrides]
+    return " ".join(parts) or f"job {job.num}"
+
+
+def rows(jobs: list[Job], keys: list[str], metrics: list[str]) -> list[dict]:
+    out = []
+    for j in jobs:
+        row = {"job": j.num, **{k: j.overrides.get(k, "") for k in keys}, "stage": j.stage, "status": j.status,
+               "steps": j.metrics[-1]["step"] if j.metrics else None}
+        for m in metrics:
+            row[f"final {m}"] = j.last(m)
+            if m.startswith("eval/") and m.endswith("accuracy"):  # the highest is the best
+                row[f"best {m}"], row[f"best {m} at step"] = j.best(m)
+        row["time_s"] = j.time_s
+        out.append(row)
+    return out
+
+
+def groups(jobs: list[Job], group: bool = True) -> list[list[Job]]:
+    """The jobs by configuration and stage, in job order (one job each when group is False). A
+    seed that stopped in an earlier stage is a group of its own (its metrics are another stage's);
+    one without metrics joins its configuration's group, so that its status is counted there."""
+    out: dict[tuple, list[Job]] = {}
+    for j in sorted(jobs, key=lambda j: not j.metrics):  # stable; jobs with metrics first: they name the stage
+        key = (j.config if group else j.path, j.slot)
+        if not j.metrics:
+            key = next((k for k in out if k[:2] == key), (*key, j.stage))
+        else:
+            key = (*key, j.stage)
+        out.setdefault(key, []).append(j)
+    pos = {id(j): i for i, j in enumerate(jobs)}
+    return sorted((sorted(js, key=lambda j: pos[id(j)]) for js in out.values()), key=lambda js: pos[id(js[0])])
+
+
+def lead(js: list[Job]) -> Job:
+    """The group's first job with metrics: its stage and status speak for the group's curves."""
+    return next((j for j in js if j.metrics), js[0])
+
+
+def group_label(js: list[Job], keys: list[str]) -> str:
+    seeds = [j.overrides["seed"] for j in js if "seed" in j.overrides]
+    name = " ".join(f"{k}={js[0].overrides[k]}" for k in keys if k != "seed" and k in js[0].overrides)
+    if len(js) == 1:
+        return label(js[0], keys)
+    return name or (f"seed={','.join(seeds)}" if seeds else f"jobs {','.join(j.num for j in js)}")
+
+
+def mean_std(values: list) -> tuple[float | None, float | None]:
+    values = [v for v in values if v is not None]
+    if not values:
+        return None, None
+    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else None
+
+
+def group_rows(gs: list[list[Job]], keys: list[str], table: list[dict]) -> list[dict]:
+    """A row per configuration: `n` and each value column's (mean, std) over its jobs' rows."""
+    by_job = {(r["job"], r["stage"]): r for r in table}
+    cols = [c for c in table[0] if c.startswith(("final ", "best ")) and not c.endswith(" at step")]
+    out = []
+    for js in gs:
+        rs = [by_job[j.num, j.stage] for j in js]
+        done = sum(j.status == "done" for j in js)
+        row = {**{k: js[0].overrides.get(k, "") for k in keys if k != "seed"},
+               **({"seed": ",".join(j.overrides.get("seed", "") for j in js)} if "seed" in keys else {}),
+               "stage": lead(js).stage,
+               "status": js[0].status if len(js) == 1 else "done" if done == len(js) else f"{done}/{len(js)} done",
+               "n": sum(bool(j.metrics) for j in js)}
+        for c in [*cols, "time_s"]:
+            row[c] = mean_std([r[c] for r in rs])
+        out.append(row)
+    return out
+
+
+# ---------------------------------------------------------------- writing
+
+
+def _cell(v) -> str:
+    if v is None:
+        return ""
+    if isinstance(v, tuple):  # (mean, std); one seed: its value alone
+        return _cell(v[0]) + (f" ± {_cell(v[1])}" if v[1] is not None else "")
+    if isinstance(v, float):
+        return f"{v:.1f}" if abs(v) >= 100 else f"{v:.3f}"
+    return str(v).replace("|", "\\|")
+
+
+def _md_table(table: list[dict]) -> list[str]:
+    header = list(table[0])
+    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header),
+            *("| " + " | ".join(_cell(r[h]) for h in header) + " |" for r in table)]
+
+
+def write_markdown(path: Path, sweep_dir: Path, jobs: list[Job], keys: list[str], table: list[dict],
+                   by_config: list[dict]) -> None:
+    common = [f"{k}={v}" for k, v in jobs[0].overrides.items() if k not in keys] if jobs else []
+    lines = [f"# Sweep report: {sweep_dir.name}", ""]
+    if common:
+        lines += ["Common to all jobs: `" + " ".join(common) + "`", ""]
+    lines += _md_table(table)
+    if by_config:
+        lines += ["", "## By configuration: mean ± std over seeds", ""] + _md_table(by_config)
+    lines += ["", "![the metrics over steps](rewards.png)", "",
+              "`time_s`: seconds in steps, evals and saves of the stages the job trained (not reused "
+              "ones, start-up or model loading)."
+              + (" `n`: the seeds with metrics in the stage; std over them (N-1)." if by_config else ""), ""]
+    path.write_text("\n".join(lines))
+
+
+def write_csv(path: Path, table: list[dict], by_config: list[dict]) -> None:
+    fields = list(table[0])
+    if by_config:  # a configuration's row: no job, its seeds in `seed`, n, and a mean and std per column
+        fields += ["n"] + [f"{c} {s}" for c, v in by_config[0].items() if isinstance(v, tuple)
+                           for s in ("mean", "std")]
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=fields, restval="")
+        w.writeheader()
+        w.writerows({k: ("" if v is None else v) for k, v in r.items()} for r in table)
+        for r in by_config:
+            flat = {}
+            for c, v in r.items():
+                if isinstance(v, tuple):
+                    flat[f"{c} mean"], flat[f"{c} std"] = v
+                else:
+                    flat[c] = v
+            w.writerow({k: ("" if v is None else v) for k, v in flat.items()})
+
+
+def mean_curve(js: list[Job], key: str) -> tuple[list[int], list[float], list[float], int] | None:
+    """(steps, mean, std, n) over the jobs that logged `key`, at the steps all of them logged."""
+    series = [dict(zip(*j.series(key))) for j in js]
+    series = [s for s in series if s]
+    steps = sorted(set.intersection(*(set(s) for s in series))) if series else []
+    if not steps:
+        return None
+    values = [[s[t] for s in series] for t in steps]
+    return (steps, [statistics.fmean(v) for v in values],
+            [statistics.stdev(v) if len(v) > 1 else 0.0 for v in values], len(series))
+
+
+def plot(jobs: list[Job], keys: list[str], title: str, metrics: list[str] | None = None, group: bool = True):
+    """The figure: a panel per metric, a row of panels per stage; per configuration its mean curve
+    and, over two or more seeds, a band of ± one std (group=False: a curve per job). Returns it
+    (matplotlib's Figure); a configuration has the same colour in every panel."""
+    from matplotlib.figure import Figure  # no pyplot: no global state, no display needed
+    from matplotlib.ticker import MaxNLocator
+
+    metrics = metrics or default_metrics(metrics_found(jobs))
+    slots = sorted({j.slot for j in jobs if j.metrics}) or [0]
+    gs = groups(jobs, group)
+    colors = list(dict.fromkeys(js[0].config if group else js[0].path for js in gs))
+    fig = Figure(figsize=(7 if len(metrics) == 1 else 6 * len(metrics), 4.5 * len(slots)), layout="constrained")
+    axes = fig.subplots(len(slots), len(metrics), squeeze=False)
+    for row, slot in zip(axes, slots):
+        stages = ", ".join(dict.fromkeys(j.stage for j in jobs if j.slot == slot and j.metrics))
+        for key, ax in zip(metrics, row):
+            for js in (js for js in gs if js[0].slot == slot):
+                curve = mean_curve(js, key)
+                if curve is None:
+                    continue
+                steps, mean, std, n = curve
+                color = f"C{colors.index(js[0].config if group else js[0].path) % 10}"
+                name = group_label(js, keys) + (f" ({n} seeds)" if n > 1 else "")
+                if lead(js).status.startswith("stopped before"):  # an earlier stage drawn among later ones
+                    name += f" (stage {lead(js).stage})"
+                ax.plot(steps, mean, color=color, marker="o" if len(steps) < 15 else None, markersize=3, label=name)
+                if n > 1:
+                    ax.fill_between(steps, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)],
+                                    color=color, alpha=0.2, linewidth=0)
+            ax.set_xlabel("step")
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole
+            ax.set_ylabel(key)
+            ax.set_title(f"{stages}: {key}" if len(slots) > 1 and stages else key)
+            ax.grid(alpha=0.3)
+    # one legend for every panel: a configuration missing from the first panel is still named
+    handles = {line.get_label(): line for ax in axes.flat for line in ax.lines}
+    if handles:
+        axes[0][0].legend(handles.values(), handles.keys(), fontsize="small")
+    fig.suptitle(title)
+    return fig
+
+
+def report(sweep_dir: Path, stage: str | None = None, metrics: list[str] | str | None = None,
+           group: bool = True) -> dict[str, Path]:
+    """Write report.md, report.csv and rewards.png into sweep_dir; returns their paths.
+
+    stage: None (each job's last), a stage name, or "all"; metrics: names (a list, or one
+    comma-separated string), None for the default; group: seeds into mean ± std rows and curves.
+    A mistake in stage or metrics raises ReportError, naming what was found."""
+    sweep_dir = Path(sweep_dir)
+    jobs = read_jobs(sweep_dir, stage)
+    metrics = choose_metrics(jobs, metrics)
+    keys = differing_keys(jobs)
+    table = rows(jobs, keys, metrics)
+    gs = groups(jobs, group)
+    by_config = group_rows(gs, keys, table) if len(gs) < len(jobs) else []  # only where seeds were merged
+    out = {"md": sweep_dir / "report.md", "csv": sweep_dir / "report.csv"}
+    write_markdown(out["md"], sweep_dir, jobs, keys, table, by_config)
+    write_csv(out["csv"], table, by_config)
+    stages = list(dict.fromkeys(j.stage for j in jobs if j.stage))
+    title = f"{sweep_dir.name}" + (f" (stage {', '.join(stages)})" if stages else "")
+    try:
+        fig = plot(jobs, keys, title, metrics, group)
+    except ImportError:
+        print("rft.reporting.report: matplotlib is not installed, so no rewards.png (pip install matplotlib).", file=sys.stderr)
+    else:
+        out["png"] = sweep_dir / "rewards.png"
+        fig.savefig(out["png"], dpi=100)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m rft.reporting.report", description=__doc__.split("\n")[0])
+    parser.add_argument("sweep_dir", type=Path, help="a multirun directory (e.g. "
+                        "checkpoints/rft/multirun/<date_time>), a run's directory, or a directory of runs "
+                        "(e.g. checkpoints/rft)")
+    parser.add_argument("--stage", help="the stage to report: a stage name (e.g. sft_warmup), or all; "
+                        "default: each job's last configured stage that logged metrics")
+    parser.add_argument("--metrics", help="comma-separated metrics for the columns and panels, e.g. "
+                        "reward/mean,eval/accuracy; default: reward/mean and every eval/<set>/accuracy")
+    parser.add_argument("--no-group", action="store_true", help="a row and a curve per job only: no mean ± std "
+                        "over the seeds of a configuration")
+    args = parser.parse_args(argv)
+    if not args.sweep_dir.is_dir():
+        print(f"rft.reporting.report: {args.sweep_dir} is not a directory. Give the multirun directory that "
+              f"`python run.py -m ...` printed (e.g. checkpoints/rft/multirun/<date_time>).", file=sys.stderr)
+        return 2
+    try:
+        out = report(args.sweep_dir, stage=args.stage, metrics=args.metrics, group=not args.no_group)
+    except (FileNotFoundError, ReportError) as e:
+        print(f"rft.reporting.report: {e}", file=sys.stderr)
+        return 2
+    print("wrote " + ", ".join(str(p) for p in out.values()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

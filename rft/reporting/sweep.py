@@ -1,0 +1,168 @@
+"""Sweeps through submitit (`python run.py -m hydra/launcher=slurm|local ...`): the driver says
+where each job's outputs and logs are, reports each job as it ends, and a job that died ends the
+sweep with one paragraph instead of a traceback.
+
+Hydra's submitit launcher submits the jobs, then waits for each job's result in turn without a
+word. `install()` (called by run.py) replaces that wait with `watch`: one line per job as
+submitted, one line per job as it ends, in the order they end. (Hydra only instantiates launchers
+from the `hydra_plugins` package, so conf/hydra/launcher/ cannot name a subclass of ours; install()
+wraps the plugin's `launch` instead.) When a job ended without a result (cancelled, killed, out of
+memory, past its time limit, its node lost, or `rft` exiting on a config error), submitit raises
+UncompletedJobError holding the job's whole stderr, progress bars included, and Hydra would print
+it under a traceback. `explain` turns it into: which job, its final state, the last lines of its
+log that are not progress bars, where the full log is, and how to resume.
+
+A dead job does not stop the wait: the driver waits for the other jobs, then raises. The other
+jobs keep running either way (Slurm does not cancel them), and a driver that returned early would
+invite running the same sweep again to resume it while they still run, two runs then writing one
+job directory. Whether a dead job is noticed at all is up to Slurm's accounting: without slurmdbd,
+`sacct` knows nothing of it and submitit waits forever (launchers/slurm_local.sh starts one).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from hydra.errors import CompactHydraException
+from omegaconf import OmegaConf
+
+# submitit's UncompletedJobError message: "Job <id> (task: <n>) with path <result.pkl>\n
+# has not produced any output (state: <STATE>)"
+_UNCOMPLETED = re.compile(
+    r"Job (?P<job>\S+) \(task: (?P<task>\d+)\) with path (?P<pickle>\S+)\s+"
+    r"has not produced any output \(state: (?P<state>[^)]*)\)"
+)
+
+
+class SweepJobError(CompactHydraException):
+    """Hydra prints a CompactHydraException as its message alone and exits with status 1."""
+
+
+# what Slurm writes into a job's log when it ends it: "*** JOB 12 ON vm CANCELLED AT ... ***"
+SCHEDULER_LINE = re.compile(r"\*\*\* (JOB|STEP) \S+ ON .* \*\*\*")
+
+
+def log_tail(path: Path, lines: int = 8) -> list[str]:
+    """The last lines of a job's log, without progress bars (carriage-return redraws) or blanks;
+    Slurm's own lines saying why it ended the job come first when the job printed more after them
+    (it goes on until Slurm's KillWait runs out)."""
+    if not path.exists():
+        return []
+    kept = []
+    for line in path.read_text(errors="replace").splitlines():
+        line = line.split("\r")[-1].strip()
+        if line and "it/s" not in line and "s/it" not in line and "%|" not in line:
+            kept.append(line)
+    tail = kept[-lines:]
+    said = [line for line in kept[:-lines] if SCHEDULER_LINE.search(line)]
+    return said + tail
+
+
+def explain(error: Exception, sweep_dir: str) -> str:
+    m = _UNCOMPLETED.search(str(error))
+    if m is None:  # a job that raised inside submitit itself: its message is the traceback
+        return f"rft: a job of the sweep failed; the sweep stopped.\n{error}"
+    job, task, state = m["job"], m["task"], m["state"]
+    folder = Path(m["pickle"]).parent
+    err, out = folder / f"{job}_{task}_log.err", folder / f"{job}_{task}_log.out"
+    tail = "\n".join(f"    {line}" for line in log_tail(err)) or "    (nothing)"
+    return (
+        f"rft: the sweep stopped: job {job} ended with state {state} and no result (killed, "
+        f"cancelled, out of memory or time, its node lost, or rft exiting on an error). The last "
+        f"lines of its log:\n{tail}\nIts whole output: {err} and {out}. The other jobs ran to their "
+        f"end (the lines above say how each ended) and keep their outputs in {sweep_dir}/<job number>/ "
+        f"(`python -m rft.reporting.report {sweep_dir}` tabulates them). The same sweep with "
+        f"hydra.sweep.dir={sweep_dir} resumes each job from its newest checkpoint; a finished job "
+        f"is not run again."
+    )
+
+
+def distinct_overrides(job_overrides) -> list[list[str]]:
+    """Each job's overrides that not all jobs share (all of them for a lone job)."""
+    from hydra.core.utils import filter_overrides
+
+    lists = [filter_overrides(o) for o in job_overrides]
+    shared = set.intersection(*map(set, lists)) if len(lists) > 1 else set()
+    return [[o for o in overrides if o not in shared] for overrides in lists]
+
+
+def _outcome(ret) -> str:
+    """A finished job's line: its objective (what rft.runtime.main.main returned), or its error."""
+    from hydra.core.utils import JobStatus
+
+    if ret.status != JobStatus.COMPLETED:  # rft raised: Hydra raises it again once all have ended
+        error = ret._return_value  # the public return_value raises it
+        return f"failed: {type(error).__name__}: {next(iter(str(error).splitlines()), '')}"
+    value = ret.return_value
+    name = OmegaConf.select(ret.cfg, "objective", default="objective")
+    return f"finished, {name} = {f'{value:.4g}' if isinstance(value, float) else value}"
+
+
+def watch(jobs, job_overrides, first_num: int, sweep_dir: str, poll_s: float = 1.0) -> None:
+    """Print each job as submitted (number, submitit id, its own overrides, outputs, logs), then
+    each job as it ends, in the order they end; wait for them all. A job that ended without a
+    result raises its error (submitit's) after that, the first by job number."""
+    from submitit.core.utils import FailedJobError, UncompletedJobError
+    from submitit.helpers import as_completed
+
+    nums = {}
+    for i, (job, overrides) in enumerate(zip(jobs, distinct_overrides(job_overrides))):
+        nums[job.job_id] = num = first_num + i
+        own = " ".join(overrides) or "no overrides"
+        print(f"[sweep] job {num} is {job.job_id} ({own}): outputs in {sweep_dir}/{num}, "
+              f"log in {job.paths.stdout} and .err", flush=True)
+    dead = {}
+    for ended, job in enumerate(as_completed(jobs, poll_frequency=poll_s), 1):
+        num = nums[job.job_id]
+        try:
+            what = _outcome(job.results()[0])
+        except (UncompletedJobError, FailedJobError) as e:
+            dead[num] = e
+            m = _UNCOMPLETED.search(str(e))
+            what = f"ended with state {m['state']} and no result" if m else "failed in submitit"
+        print(f"[sweep] job {num} ({job.job_id}) {what} [{ended}/{len(jobs)} ended]", flush=True)
+    if dead:
+        raise dead[min(dead)]
+
+
+def install() -> None:
+    """Make hydra-submitit-launcher's `launch` report its jobs (`watch`) and explain a dead one."""
+    from hydra.core.plugins import Plugins
+
+    # Hydra's plugin scan executes every hydra_plugins module once (again, if it was imported
+    # before), defining the launcher classes anew: scan first, then wrap what the scan defined
+    Plugins.instance()
+    try:
+        import submitit
+        from hydra_plugins.hydra_submitit_launcher.submitit_launcher import BaseSubmititLauncher
+        from submitit.core.utils import FailedJobError, UncompletedJobError
+    except ImportError:  # the launcher plugin is not installed: nothing to wrap
+        return
+    launch = BaseSubmititLauncher.launch
+    if getattr(launch, "rft_watches", False):
+        return
+
+    def launch_and_watch(self, job_overrides, initial_job_idx):
+        sweep_dir = str(self.config.hydra.sweep.dir)
+        map_array = submitit.AutoExecutor.map_array
+
+        # The plugin's launch submits with executor.map_array, then waits on each job's results()
+        # in turn. For the length of this call map_array also watches the jobs it submitted to
+        # their end, so the plugin's own wait finds them done and returns their results in
+        # submission order, as Hydra expects; the submission stays the plugin's.
+        def submit_and_watch(executor, fn, *args):
+            jobs = map_array(executor, fn, *args)
+            watch(jobs, job_overrides, initial_job_idx, sweep_dir)
+            return jobs
+
+        submitit.AutoExecutor.map_array = submit_and_watch
+        try:
+            return launch(self, job_overrides, initial_job_idx)
+        except (UncompletedJobError, FailedJobError) as e:
+            raise SweepJobError(explain(e, sweep_dir)) from None
+        finally:
+            del submitit.AutoExecutor.map_array  # submitit's own (Executor's) again
+
+    launch_and_watch.rft_watches = True
+    BaseSubmititLauncher.launch = launch_and_watch

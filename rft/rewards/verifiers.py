@@ -1,0 +1,420 @@
+"""Reward functions: `fn(prompt, response, task) -> float`, registered by name.
+
+`prompt` and `response` are decoded text, `task` is the `rft.data.tasks.Task` (its `answer` is the
+reference from the taskset's `response_key`, `row` the whole dataset row). Add one by writing the
+function and putting it in `REWARD_FNS`; select it with
+`buffer.explorer_input.default_reward_fn_type=<name>`.
+
+- `exact_match`: the response equals the reference (both stripped).
+- `last_number`: the last number of the response equals the reference's last number (GSM8K).
+- `math`: the response's final answer (its last `\\boxed{}`) is mathematically equal to the
+  reference's (the last `\\boxed{}` of a MATH solution, or a plain answer), by `math_verify`.
+- `format`: the response, stripped, matches a regular expression (`args: {pattern: ...}`): a
+  format reward, usually a weighted part beside a verifier (README, "Writing a reward").
+- `countdown`: the response is an arithmetic expression that uses exactly the row's `numbers`
+  (each once, all of them) and equals its `target` (`check_countdown` says why not).
+
+This module imports nothing heavy: `math_verify` (and sympy) load on the first `math` call.
+"""
+
+from __future__ import annotations
+
+import ast
+import atexit
+import functools
+import json
+import logging
+import os
+import re
+import select
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from fractions import Fraction
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+
+
+def exact_match(prompt: str, response: str, task) -> float:
+    """1.0 if the response, stripped, equals the reference answer, stripped."""
+    return float(response.strip() == str(task.answer).strip())
+
+
+def last_number(prompt: str, response: str, task) -> float:
+    """1.0 if the last number in the response equals the reference's final number.
+
+    The reference may be a GSM8K-style solution ending in `#### 42`; its last number is used.
+    """
+    got = _NUMBER.findall(response.replace(",", ""))
+    want = _NUMBER.findall(str(task.answer).replace(",", ""))
+    return float(bool(got) and bool(want) and float(got[-1]) == float(want[-1]))
+
+
+# ---------------------------------------------------------------- math (MATH-style answers)
+
+_BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
+# only the end of an answer without \boxed{} is parsed: the final answer sits there, and
+# math_verify's regexes are slow on long adversarial text
+_TAIL_CHARS = 2000
+
+
+def last_boxed(text: str) -> str | None:
+    """The content of the last `\\boxed{...}` (or `\\fbox{...}`) in `text`, braces balanced.
+
+    None when there is none, or when the last one is never closed (a response cut short): an
+    earlier box is not taken for the final answer.
+    """
+    starts = list(_BOXED.finditer(text))
+    if not starts:
+        return None
+    depth, start = 1, starts[-1].end()
+    for i in range(start, len(text)):
+        if text[i] == "{":
+            depth += 1
+        elif text[i] == "}":
+            depth -= 1
+            if depth == 0:
+                return text[start:i]
+    return None
+
+
+def _parse_answer(answer: str, timeout: int | None) -> list:
+    """math_verify's parse of one bare answer (LaTeX or plain): first as `\\boxed{answer}`, then, if
+    that gave no sympy object, as `$answer$` (`10\\%` parses only the second way, `\\frac{1}{2}\\%`
+    only the first). A list of candidates (sympy objects and strings), [] for nothing parseable."""
+    from math_verify import parse
+
+    first = parse("\\boxed{" + answer + "}", parsing_timeout=timeout)
+    if any(not isinstance(x, str) for x in first):
+        return first
+    second = parse("$" + answer + "$", parsing_timeout=timeout)
+    return second if any(not isinstance(x, str) for x in second) else first or second
+
+
+def _gold(reference: str, timeout: int | None) -> list:
+    """The reference's answer: the last box of a solution, else after a GSM8K `####`, else the
+    whole string as a bare answer, else whatever math_verify finds in it."""
+    box = last_boxed(reference)
+    if box is not None:
+        return _parse_answer(box, timeout)
+    if "####" in reference:
+        reference = reference.rsplit("####", 1)[1]
+    from math_verify import parse
+
+    return _parse_answer(reference.strip(), timeout) or parse(reference, parsing_timeout=timeout)
+
+
+def _prediction(response: str, timeout: int | None) -> list:
+    """The response's final answer: its last box; without one, math_verify's extraction from the
+    end of the text ("the answer is $\\frac{1}{2}$", "... so x = 3"). A last box never closed is
+    no answer."""
+    from math_verify import parse
+
+    if _BOXED.search(response):
+        box = last_boxed(response)
+        return [] if box is None else _parse_answer(box, timeout)
+    return parse(response[-_TAIL_CHARS:], parsing_timeout=timeout)
+
+
+def _math_score(reference: str, response: str, timeout: int | None) -> float:
+    """1.0 or 0.0; `timeout` (seconds, or None) bounds each math_verify parse and comparison with
+    its signal.alarm timeouts, so it is not None only in a process's main thread."""
+    from math_verify import verify
+
+    gold = _gold(reference, timeout)
+    if not gold:
+        return 0.0
+    pred = _prediction(response, timeout)
+    if not pred:
+        return 0.0
+    return float(verify(gold, pred, timeout_seconds=timeout))
+
+
+class _NoWorker(Exception):
+    pass
+
+
+class _MathWorkers:
+    """Child processes that run `_math_score`, for callers off the main thread.
+
+    math_verify bounds its work with signal.alarm, which works only in a process's main thread
+    (elsewhere it raises ValueError), and the explorer scores on worker threads. Without a
+    timeout a thread is not safe either: an answer such as `9^{9^{9}}` or `\\binom{10^9}{5\\cdot10^8}`
+    makes sympy compute a huge integer in C while holding the GIL, which freezes the whole process
+    (explorer.max_timeout included, since its watchdog is a thread too). So such a call goes to a
+    child process, started on first use and kept for the next call: the child runs math_verify in
+    its main thread with its own timeouts, and if it still has not answered within the call's
+    `timeout_seconds`, it is killed and the answer scores 0. At most one child per CPU core this
+    process may use (the work is CPU-bound; each child holds sympy, ~100 MB): more concurrent
+    callers wait for a free one, and that wait is not part of their timeout. Requests and answers
+    are JSON lines over the child's stdin and stdout.
+    """
+
+    START_TIMEOUT = 120.0  # importing sympy in a fresh process, on a loaded machine
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._idle: list[subprocess.Popen] = []
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        self._slots = threading.Semaphore(max(1, cores or 1))
+        self._pid = os.getpid()
+        self._registered = False
+
+    def score(self, reference: str, response: str, timeout_seconds: float) -> float:
+        with self._slots:
+            proc = self._take()
+            try:
+                proc.stdin.write((json.dumps([reference, response, _op_timeout(timeout_seconds)]) + "\n").encode())
+                proc.stdin.flush()
+                score = float(json.loads(_read_line(proc.stdout.fileno(), time.monotonic() + timeout_seconds)))
+            except Exception:  # past its time (or the child died): stop it, the answer is not accepted
+                _stop(proc)
+                return 0.0
+            with self._lock:
+                self._idle.append(proc)
+            return score
+
+    def _take(self) -> subprocess.Popen:
+        with self._lock:
+            if os.getpid() != self._pid:  # a forked copy of this process: the children are not ours
+                self._idle, self._pid = [], os.getpid()
+            while self._idle:
+                proc = self._idle.pop()
+                if proc.poll() is None:
+                    return proc
+            if not self._registered:
+                atexit.register(self.close)
+                self._registered = True
+        root = str(Path(__file__).resolve().parents[2])
+        code = f"import sys; sys.path.insert(0, {root!r}); from rft.rewards.verifiers import _math_worker; _math_worker()"
+        try:
+            proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        except OSError as e:
+            raise _NoWorker(f"no math_verify worker process could start ({e})") from e
+        try:
+            if _read_line(proc.stdout.fileno(), time.monotonic() + self.START_TIMEOUT) != b"ready\n":
+                raise EOFError
+        except Exception as e:
+            _stop(proc)
+            raise _NoWorker(f"the math_verify worker process did not start ({type(e).__name__}; its "
+                            f"error, if any, is on stderr)") from e
+        return proc
+
+    def close(self) -> None:
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for proc in idle:
+            _stop(proc)
+
+
+def _op_timeout(timeout_seconds: float) -> int:
+    # signal.alarm takes whole seconds; a call parses and compares a few times, each bounded by this
+    return max(1, int(timeout_seconds / 4))
+
+
+def _read_line(fd: int, deadline: float) -> bytes:
+    buf = b""
+    while not buf.endswith(b"\n"):
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([fd], [], [], left)[0]:
+            raise TimeoutError
+        chunk = os.read(fd, 4096)
+        if not chunk:
+            raise EOFError
+        buf += chunk
+    return buf
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    proc.kill()
+    proc.wait()
+    for f in (proc.stdin, proc.stdout):
+        if f:
+            f.close()
+
+
+def _math_worker() -> None:
+    """A `_MathWorkers` child: one `[reference, response, timeout]` JSON line in, one score out."""
+    out, sys.stdout = sys.stdout, sys.stderr  # whatever a library prints must not break the protocol
+    logging.getLogger("math_verify").setLevel(logging.ERROR)  # its timeouts score 0, no warning each
+    _math_score("1", "\\boxed{1}", 5)  # sympy and the LaTeX parser load before "ready", not in a call's time
+
+    out.write("ready\n")
+    out.flush()
+    for line in sys.stdin:  # ends when the parent closes the pipe or dies
+        try:
+            reference, response, timeout = json.loads(line)
+            score = _math_score(reference, response, timeout)
+        except BaseException:  # math_verify's TimeoutException is a BaseException
+            score = 0.0
+        out.write(json.dumps(score) + "\n")
+        out.flush()
+
+
+_WORKERS = _MathWorkers()
+
+
+def math(prompt: str, response: str, task, timeout_seconds: float = 10.0) -> float:
+    """1.0 if the response's final answer equals the reference's, by math_verify (else 0.0).
+
+    The reference (`task.answer`) is a MATH solution, whose last `\\boxed{}` holds the answer, or a
+    plain answer (`"\\frac{1}{2}"`, `"x=3"`, `42`). The response's answer is its last `\\boxed{}`;
+    without one, math_verify extracts the final answer from the text (its last 2000 characters).
+    Equal means what math_verify's `verify` accepts: numerically (`\\frac{1}{2}` = 0.5 = 1/2,
+    `1,000` = 1000), symbolically (`2\\sqrt{2}` = `\\sqrt{8}`, `(x+1)^2` = `x^2+2x+1`), an
+    assignment to its value (`x=3` = 3), sets in any order, intervals with their brackets, and
+    `90^\\circ` = 90, `10\\%` = 10. Units are dropped before comparing: `5 cm`, `5\\text{ cm}` and
+    even `5 m` all equal 5 (math_verify strips unit words; it does not convert them).
+
+    Never raises: an answer that does not parse, a last box never closed, or a comparison that
+    runs out of time scores 0. `timeout_seconds` bounds one call: in a process's main thread it
+    goes to math_verify's own (signal.alarm) timeouts; on any other thread (the explorer's reward
+    runners) the call runs in a child process that is killed when it is late (`_MathWorkers`).
+    """
+    if task.answer is None or response is None:
+        return 0.0
+    reference, response = str(task.answer), str(response)
+    _require_math_verify()  # not installed: an error, not rewards of 0
+    if threading.current_thread() is threading.main_thread():
+        return _guarded(reference, response, _op_timeout(timeout_seconds))
+    try:
+        return _WORKERS.score(reference, response, timeout_seconds)
+    except _NoWorker as e:
+        log.warning("math reward: %s; scoring in this thread, without a timeout", e)
+        return _guarded(reference, response, None)
+
+
+@functools.cache
+def _require_math_verify() -> None:
+    import importlib.util
+
+    if importlib.util.find_spec("math_verify") is None:
+        raise ImportError("the math reward needs math_verify: pip install 'math-verify[antlr4_9_3]'")
+
+
+def _guarded(reference: str, response: str, timeout: int | None) -> float:
+    try:
+        return _math_score(reference, response, timeout)
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException:  # math_verify's TimeoutException is a BaseException
+        return 0.0
+
+
+# ---------------------------------------------------------------- countdown
+
+_COUNTDOWN_CHARS = re.compile(r"[0-9+\-*/() ]+")
+_ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.S)
+_COUNTDOWN_MAX_CHARS = 200
+_OPS = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: lambda a, b: a * b,
+        ast.Div: lambda a, b: a / b}
+
+
+class _CountdownError(Exception):
+    pass
+
+
+def _countdown_tree(expression: str):
+    """(the expression's ast, the integers it uses), or raise _CountdownError("malformed")."""
+    if len(expression) > _COUNTDOWN_MAX_CHARS or not _COUNTDOWN_CHARS.fullmatch(expression):
+        raise _CountdownError("malformed")
+    try:
+        tree = ast.parse(expression, mode="eval").body
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        raise _CountdownError("malformed") from None
+    used = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.BinOp):
+            if type(node.op) not in _OPS:
+                raise _CountdownError("malformed")  # ** or //
+        elif isinstance(node, ast.Constant):
+            if type(node.value) is not int:
+                raise _CountdownError("malformed")
+            used.append(node.value)
+        elif not isinstance(node, ast.operator):
+            raise _CountdownError("malformed")  # a unary minus
+    return tree, used
+
+
+def _countdown_value(tree, integer_steps: bool) -> Fraction:
+    """The exact value of a checked tree, or raise _CountdownError (division by zero, non-integer step)."""
+    if isinstance(tree, ast.Constant):
+        return Fraction(tree.value)
+    a, b = _countdown_value(tree.left, integer_steps), _countdown_value(tree.right, integer_steps)
+    if isinstance(tree.op, ast.Div) and b == 0:
+        raise _CountdownError("division by zero")
+    v = _OPS[type(tree.op)](a, b)
+    if integer_steps and v.denominator != 1:
+        raise _CountdownError("non-integer step")
+    return v
+
+
+def countdown_value(expression: str, integer_steps: bool = False) -> Fraction | None:
+    """The exact value of a Countdown expression (as `check_countdown` reads it), None if it has none."""
+    try:
+        return _countdown_value(_countdown_tree(str(expression).strip())[0], integer_steps)
+    except (_CountdownError, RecursionError):
+        return None
+
+
+def check_countdown(expression: str, numbers, target, integer_steps: bool = False) -> tuple[float, str]:
+    """Score a Countdown answer: (1.0, "ok") iff `expression` uses exactly `numbers` and equals `target`.
+
+    The expression is integer literals, `+ - * /` and parentheses (spaces allowed), e.g.
+    `(3+7)*9`. The rules are the standard Countdown / TinyZero ones: every given number is used
+    exactly once, all of them (a repeated number must appear as often as it is given), no other
+    number; no unary minus, no powers, no `//`, no decimals, no `=`. Division is exact
+    (fractions), and intermediate values may be fractions (`8/(3-8/3)` = 24), as in TinyZero,
+    unless `integer_steps=True` (the TV game's rule: every intermediate value a whole number).
+    The evaluation walks the `ast` tree itself: nothing is ever `eval`-ed.
+
+    The reason is one of "ok", "empty", "malformed" (not such an expression, or longer than 200
+    characters), "wrong numbers" (a number missing, reused or not given), "division by zero",
+    "non-integer step" (only with integer_steps), "wrong value".
+    """
+    expression = str(expression).strip() if expression is not None else ""
+    if not expression:
+        return 0.0, "empty"
+    try:
+        tree, used = _countdown_tree(expression)
+        if Counter(used) != Counter(int(n) for n in numbers):
+            return 0.0, "wrong numbers"
+        got = _countdown_value(tree, integer_steps)
+    except _CountdownError as e:
+        return 0.0, str(e)
+    except RecursionError:
+        return 0.0, "malformed"
+    return (1.0, "ok") if got == Fraction(target) else (0.0, "wrong value")
+
+
+def countdown_answer(response: str) -> str:
+    """The expression in a response: the last `<answer>...</answer>` if there is one, else all of it."""
+    tags = _ANSWER_TAG.findall(response)
+    return tags[-1] if tags else response
+
+
+def countdown(prompt: str, response: str, task, integer_steps: bool = False) -> float:
+    """1.0 if the response is an expression of exactly the row's `numbers` (each once, all of
+    them) equal to its `target` (`check_countdown`); the expression may sit in `<answer>` tags."""
+    row = task.row or {}
+    if "numbers" not in row or "target" not in row:
+        raise ValueError(
+            f"the countdown reward reads the row's 'numbers' and 'target' columns; this row has "
+            f"{sorted(row)} (task {task.task_id})"
+        )
+    return check_countdown(countdown_answer(str(response)), row["numbers"], row["target"], integer_steps)[0]
+
+
+def format_match(prompt: str, response: str, task, pattern: str = r"<answer>.*</answer>") -> float:
+    """1.0 if the whole response, stripped, matches the regular expression `pattern` (re.fullmatch,
+    DOTALL: `.` crosses lines), else 0.0. The default asks for the answer inside <answer> tags."""
+    return float(re.fullmatch(pattern, response.strip(), flags=re.DOTALL) is not None)
+
+
+REWARD_FNS = {"exact_match": exact_match, "last_number": last_number, "math": math, "countdown": countdown,
+              "format": format_match}

@@ -1,0 +1,233 @@
+"""Rollout engines: `generate(prompts, n, args, seed) -> samples` and weight updates.
+
+`hf` (transformers `generate`, batched with a KV cache) is the CPU default. Every engine returns,
+for each prompt, `n` samples of response token ids, the log-prob of each token under the
+sampling distribution (after temperature/top-p/top-k), and a finish reason.
+
+Stop strings (`rollout_args.stop`) end a sample the same way in every engine: at the first token
+after which the decoded response contains one of them. That token is kept, so the sample's tokens
+are exactly those sampled (the trainer trains on them, one log-prob each) and its text contains
+the stop string; later tokens are dropped; the finish reason is "stop". The response is decoded
+as vLLM's detokenizer does (incrementally, after the prompt, special tokens skipped). A token
+that completes a stop string and goes on past it is kept whole: with stop "ss" and a token
+"assistant", the response ends with "assistant". With a tokenizer of multi-character tokens (BPE)
+a response can so end a few characters past its stop string; with the tiny model's
+character-level one, only at its role-name tokens.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from dataclasses import dataclass
+
+import torch
+
+from rft.models import load_model
+from rft.sync.weights import fingerprint, same_bits
+
+
+@dataclass
+class Sample:
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str  # "stop" (end of sequence or a stop string) or "length" (hit max_tokens)
+
+
+class StopStrings:
+    """A `generate` stopping criterion: row i ends at the first response token after which its
+    decoded response contains one of `stop`; `ends[i]` is then the number of response tokens it
+    keeps (that token included), else None.
+
+    Each response is decoded as vLLM decodes it (the tokenizers library's DecodeStream, started
+    after the prompt, special tokens skipped), so both engines cut at the same token.
+    `start`: the column of `input_ids` where responses begin.
+    """
+
+    def __init__(self, tokenizer, prompts: list[list[int]], stop: list[str], start: int):
+        from tokenizers.decoders import DecodeStream
+
+        self.backend = tokenizer.backend_tokenizer
+        self.stop, self.start = list(stop), start
+        self.streams = [DecodeStream(ids=p, skip_special_tokens=True) for p in prompts]
+        self.texts = [""] * len(prompts)
+        self.seen = 0  # response tokens looked at so far (as many in every row)
+        self.ends: list[int | None] = [None] * len(prompts)
+
+    def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
+        new = input_ids[:, self.start + self.seen :].tolist()
+        for i, tokens in enumerate(new):
+            for j, t in enumerate(tokens):
+                if self.ends[i] is None:
+                    old = len(self.texts[i])
+                    self.texts[i] += self.streams[i].step(self.backend, t) or ""
+                    # only occurrences that end in the new text: earlier ones would have stopped it
+                    if any(s in self.texts[i][max(0, old - len(s) + 1) :] for s in self.stop):
+                        self.ends[i] = self.seen + j + 1
+        self.seen += len(new[0])
+        return torch.tensor([e is not None for e in self.ends], device=input_ids.device)
+
+
+def cache_keyword(model) -> str:
+    """The name a model takes its KV cache by: `cache` since transformers renamed it (5.2x; the
+    old name then warns on every call), `past_key_values` before."""
+    return _cache_keyword(type(model))
+
+
+@functools.lru_cache(maxsize=None)
+def _cache_keyword(cls) -> str:  # once per model class, not per generate call
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(cls.forward).parameters else "past_key_values"
+
+
+class HFEngine:
+    """transformers `generate` on `device` (the explorer's rft.models.local_device)."""
+
+    def __init__(self, model_cfg, rollout_cfg, tokenizer, path: str | None = None, device="cpu"):
+        self.device = torch.device(device)
+        self.model = load_model(model_cfg, path).to(self.device)
+        self.tokenizer = tokenizer
+        self.batch_size = rollout_cfg.generate_batch_size
+        self.max_response_tokens = model_cfg.max_response_tokens
+        self.busy_s = 0.0  # seconds spent generating (the runtime benchmark's "model compute")
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], n: int, args, seed: int) -> list[list[Sample]]:
+        t0 = time.perf_counter()
+        try:
+            return self._generate(prompts, n, args, seed)
+        finally:
+            self.busy_s += time.perf_counter() - t0
+
+    def _generate(self, prompts: list[list[int]], n: int, args, seed: int) -> list[list[Sample]]:
+        # whole groups per chunk (generate_batch_size rows, at least one group): a group's n
+        # samples share their prompt's prefill
+        per_chunk = max(1, self.batch_size // n)
+        samples: list[Sample] = []
+        with torch.random.fork_rng():
+            torch.manual_seed(seed)
+            for start in range(0, len(prompts), per_chunk):
+                samples += self._generate_chunk(prompts[start : start + per_chunk], n, args)
+        return [samples[i * n : (i + 1) * n] for i in range(len(prompts))]
+
+    def _prefill(self, input_ids, attention_mask, n: int):
+        """The KV cache of each prompt but its last token, computed once and repeated for its n
+        samples (rows i*n..i*n+n-1), or None when there is nothing to share. `generate` then
+        runs only the last prompt token and the new ones: the prefill of a group costs one
+        sample's, not n (vLLM's prefix caching does the same)."""
+        if n == 1 or input_ids.shape[1] < 2:
+            return None
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=self.model.config)
+        mask = attention_mask[:, :-1]
+        position_ids = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)  # as generate numbers left-padded rows
+        self.model(input_ids=input_ids[:, :-1], attention_mask=mask, position_ids=position_ids,
+                   **{cache_keyword(self.model): cache}, use_cache=True)
+        cache.batch_repeat_interleave(n)
+        return cache
+
+    def _generate_chunk(self, groups: list[list[int]], n: int, args) -> list[Sample]:
+        tok = self.tokenizer
+        L = max(len(p) for p in groups)
+        # left padding: every prompt ends at the same position, where generation starts
+        input_ids = torch.full((len(groups), L), tok.pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(groups), L), dtype=torch.long)
+        for i, p in enumerate(groups):
+            input_ids[i, L - len(p) :] = torch.tensor(p)
+            attention_mask[i, L - len(p) :] = 1
+        input_ids, attention_mask = input_ids.to(self.device), attention_mask.to(self.device)
+        cache = self._prefill(input_ids, attention_mask, n)
+        input_ids, attention_mask = input_ids.repeat_interleave(n, 0), attention_mask.repeat_interleave(n, 0)
+        prompts = [p for p in groups for _ in range(n)]
+        greedy = args.temperature == 0
+        sampling = {} if greedy else dict(
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k if args.top_k > 0 else None,
+        )
+        stop = getattr(args, "stop", None)  # RolloutArgs has it; args built by hand may not
+        stops = StopStrings(tok, prompts, stop, L) if stop else None
+        out = self.model.generate(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            **{cache_keyword(self.model): cache},
+            do_sample=not greedy,
+            max_new_tokens=args.max_tokens or self.max_response_tokens,
+            eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.pad_token_id,
+            output_scores=True,
+            return_dict_in_generate=True,
+            stopping_criteria=[stops] if stops else None,
+            **sampling,
+        )
+        # scores are the processed logits the sampler drew from: their log-softmax is the
+        # sampling distribution's log-prob
+        logprobs = self.model.compute_transition_scores(out.sequences, out.scores, normalize_logits=True)
+        new_tokens = out.sequences[:, L:]
+        result = []
+        for i in range(len(prompts)):
+            ids = new_tokens[i].tolist()
+            stop_end = stops.ends[i] if stops else None
+            if stop_end is not None:
+                ids = ids[:stop_end]  # padding follows a stop string
+            if tok.eos_token_id in ids:
+                end, reason = ids.index(tok.eos_token_id) + 1, "stop"
+            else:
+                end, reason = len(ids), "length" if stop_end is None else "stop"
+            result.append(Sample(ids[:end], logprobs[i, :end].tolist(), reason))
+        return result
+
+    # ------------------------------------------------------------------ weights, in place
+
+    def update_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
+        own = self.model.state_dict()  # views of the parameters: copying into one changes the model
+        if own.keys() != state_dict.keys() or any(own[k].shape != v.shape for k, v in state_dict.items()):
+            self.model.load_state_dict(state_dict, strict=True)  # its error names what does not match
+            return
+        # the same copies as load_state_dict, a quarter of its time (no walk of the modules)
+        with torch.no_grad():
+            for k, v in state_dict.items():
+                own[k].copy_(v)
+
+    def differs(self, state_dict: dict[str, torch.Tensor]) -> list[str]:
+        """The names of `state_dict` whose tensor this engine does not hold bit for bit (memory
+        sync in one process checks what it loaded against the trainer's own tensors: exact, and
+        a third of the cost of fingerprinting both sides)."""
+        own = self.model.state_dict()
+        return [k for k, v in state_dict.items() if k not in own or not same_bits(own[k], v)]
+
+    def load_weights_file(self, path: str) -> None:
+        """A safetensors file of the trainer's weights, or a checkpoint's hf/ directory."""
+        from pathlib import Path
+
+        from rft.models import load_hf_weights
+
+        if Path(path).is_dir():
+            load_hf_weights(self.model, path)
+        else:
+            from safetensors.torch import load_file
+
+            self.update_weights(load_file(path))
+
+    def collective_init(self, address: str, port: int, world: int, rank: int, timeout_s: float, manifest) -> None:
+        from rft.sync.weights import open_group
+
+        self.group = open_group(address, port, world, rank, timeout_s)
+
+    @torch.no_grad()
+    def collective_receive(self) -> None:
+        """The trainer's broadcast, straight into this model's parameters (same names, same order)."""
+        from rft.sync.weights import broadcast
+
+        broadcast(self.group, [p for _, p in sorted(self.model.named_parameters())])
+
+    def fingerprint(self) -> str:
+        return fingerprint(self.model.parameters())
+
+    def sleep(self) -> None:
+        """Free the device for training (colocation): nothing to free for this engine."""
+
+    def wake_up(self) -> None:
+        pass

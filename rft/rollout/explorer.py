@@ -1,0 +1,512 @@
+"""The explorer: a rollout engine plus workflows, turning tasks into experiences.
+
+It holds no state that is not derived from the step number and the weights it was last given:
+the tasks of step k and the sampling seed of step k are functions of (seed, k). That is what
+makes a resumed run sample exactly what an uninterrupted one would, and what lets a restarted
+explorer redo a step. With several explorers (explorer.rollout_model.engine_num), explorer i of E
+takes tasks i, i+E, i+2E, ... of each step.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import queue
+import random
+import statistics
+import threading
+import time
+
+from rft.algorithms.shaping import apply_overlong
+from rft.data.readers import budget_report, epoch_batch, step_seed
+from rft.data.tasks import load_tasks
+from rft.errors import ConfigError, RunError
+from rft.models import load_tokenizer, local_device
+from rft.registry import resolve
+from rft.rewards.scoring import build as build_scorer
+from rft.rewards.scoring import part_metrics, spec_of
+from rft.rollout.workflows.single_turn import WORKFLOWS, WorkflowContext, check_output
+from rft.sync.weights import fingerprint, from_payload, node_id, one_thread, same_weights
+
+log = logging.getLogger(__name__)
+
+
+def _flat(group) -> bool:
+    """All rollouts of the group got the same reward: no signal for a group baseline."""
+    return len({e.reward for e in group}) == 1
+
+
+# explorer.rollout_model.engine_type -> the engine class, imported when chosen (vLLM is optional)
+ENGINES = {"hf": "rft.rollout.engines.hf.HFEngine", "vllm": "rft.rollout.engines.vllm.VLLMEngine"}
+
+
+def engine_class(engine_type: str):
+    import importlib
+
+    module, _, name = ENGINES[engine_type].rpartition(".")
+    return getattr(importlib.import_module(module), name)
+
+
+class _Threads:
+    """Daemon threads kept between calls of run_jobs: starting a thread per reward call cost
+    ~0.1 ms each (~1.5 ms a step of 16 tasks, more inside a Ray actor). A call that hangs keeps
+    its thread; the next call that finds no idle thread starts one, so a hung call never blocks
+    another and the count of threads is at most the most calls ever running (or hung) at once."""
+
+    def __init__(self):
+        self.work: queue.SimpleQueue = queue.SimpleQueue()
+        self.idle = 0
+        self.lock = threading.Lock()
+
+    def start(self, fn, *args) -> None:
+        with self.lock:
+            spawn = self.idle == 0
+            self.idle -= not spawn
+        if spawn:
+            threading.Thread(target=self._serve, daemon=True, name="rft-job").start()
+        self.work.put((fn, args))
+
+    def _serve(self) -> None:
+        while True:
+            fn, args = self.work.get()
+            fn(*args)  # never raises: run_jobs' call() catches every exception
+            with self.lock:
+                self.idle += 1
+
+
+_THREADS = _Threads()
+
+
+def run_jobs(fn, jobs: list, runners: int, timeout: float, retries: int,
+             min_done: int | None = None, wait_after_min: float = 0.0):
+    """`fn(job)` for every job on at most `runners` threads at once; returns (results, counters).
+
+    A call that raises, or runs longer than `timeout` seconds, is retried up to `retries` times;
+    then its result is None. A timed-out call is abandoned, not killed (Python cannot stop a
+    thread): it keeps its thread until it returns, but no longer holds a runner or the step.
+    The calls run on `_THREADS`, threads kept from one call of run_jobs to the next.
+    With `min_done`, once that many jobs have finished the rest get `wait_after_min` seconds more
+    and are then dropped (explorer.over_rollout).
+    """
+    results: list = [None] * len(jobs)
+    tries = [0] * len(jobs)
+    counters = {"errors": 0, "timeouts": 0, "retries": 0, "failed": 0, "over_rollout_dropped": 0}
+    last_error = None
+    todo = list(range(len(jobs)))
+    running: dict[int, float] = {}  # job -> start time
+    finished: queue.Queue = queue.Queue()  # (job, attempt, ok, value)
+    done = 0
+    min_reached_at = None
+
+    def call(i: int, attempt: int) -> None:
+        try:
+            finished.put((i, attempt, True, fn(jobs[i])))
+        except BaseException as e:  # a failing reward function must not end the run; nor its
+            # sys.exit() or KeyboardInterrupt (Ctrl-C reaches the main thread only): an error of
+            # the call, not a thread that dies and a call that times out
+            finished.put((i, attempt, False, e))
+
+    def failed(i: int) -> None:
+        nonlocal done
+        if tries[i] <= retries:
+            counters["retries"] += 1
+            todo.append(i)
+        else:
+            counters["failed"] += 1
+            done += 1
+
+    while todo or running:
+        while todo and len(running) < runners:
+            i = todo.pop(0)
+            tries[i] += 1
+            running[i] = time.monotonic()
+            _THREADS.start(call, i, tries[i])
+        try:
+            i, attempt, ok, value = finished.get(timeout=0.01)
+            if i in running and attempt == tries[i]:  # not a late answer from an abandoned call
+                del running[i]
+                if ok:
+                    results[i] = value
+                    done += 1
+                else:
+                    counters["errors"] += 1
+                    last_error = f"{type(value).__name__}: {value}"
+                    log.warning("job %d attempt %d raised %s", i, attempt, last_error)
+                    failed(i)
+        except queue.Empty:
+            pass
+        now = time.monotonic()
+        for i, t0 in list(running.items()):
+            if now - t0 > timeout:
+                del running[i]
+                counters["timeouts"] += 1
+                log.warning("job %d attempt %d timed out after %.1f s", i, tries[i], timeout)
+                failed(i)
+        if min_done is not None and done >= min_done:
+            min_reached_at = min_reached_at or now
+            if now - min_reached_at >= wait_after_min and (todo or running):
+                counters["over_rollout_dropped"] = len(todo) + len(running)
+                break
+    if last_error is not None:
+        counters["last_error"] = last_error  # a string: for the message when every task fails
+    return results, counters
+
+
+def rollout_metrics(exps: list, groups: list, counters: dict, elapsed: float) -> dict:
+    """Metrics of one step's rollouts (from all explorers)."""
+    # plain Python, not torch: the runner computes these in a process that never imports torch
+    rewards = [float(e.reward) for e in exps] or [0.0]
+    lengths = [e.response_length for e in exps] or [0]
+    m = {
+        "reward/mean": math.fsum(rewards) / len(rewards),
+        "reward/std": statistics.stdev(rewards) if len(exps) > 1 else 0.0,  # n - 1 in the denominator
+        "reward/min": min(rewards),
+        "reward/max": max(rewards),
+        "response_length/mean": sum(lengths) / len(lengths),
+        "response_length/max": float(max(lengths)),
+        "rollout/truncated_frac": sum(e.info.get("finish_reason") == "length" for e in exps) / max(len(exps), 1),
+        "rollout/tokens_per_s": sum(lengths) / max(elapsed, 1e-9),
+        "rollout/zero_variance_group_frac": sum(map(_flat, groups)) / max(len(groups), 1),
+        # prompts longer than model.max_prompt_tokens, cut from the left (one per task)
+        "rollout/truncated_prompts": sum(bool(g[0].info.get("prompt_truncated")) for g in groups),
+        "rollout/experiences": len(exps),
+    }
+    # served rewards' counters (rft/rewards/scoring.py) are named already: reward/<part>/<counter>
+    m.update({k if k.startswith("reward/") else f"rollout/{k}": v for k, v in counters.items()})
+    # each reward part (rft/rewards/scoring.py), shaping's overlong penalty included
+    m.update(part_metrics(exps))
+    m.update(conversation_metrics(exps))
+    return m
+
+
+def conversation_metrics(exps: list, prefix: str = "rollout") -> dict:
+    """Multi-turn conversations (rft/rollout/workflows/multi_turn.py): turns, tool calls, drift, budget and turn limits."""
+    convs = [e for e in exps if "turns" in e.info]
+    if not convs:
+        return {}
+    n = len(convs)
+    return {
+        f"{prefix}/turns_mean": sum(e.info["turns"] for e in convs) / n,
+        f"{prefix}/tool_calls_mean": sum(e.info.get("tool_calls", 0) for e in convs) / n,
+        f"{prefix}/tool_failures_mean": sum(e.info.get("tool_failures", 0) for e in convs) / n,
+        # conversations whose held ids the chat template does not render (rft/rollout/workflows/multi_turn.py)
+        f"{prefix}/drift_frac": sum(bool(e.info.get("drift")) for e in convs) / n,
+        f"{prefix}/budget_truncated_frac": sum(bool(e.info.get("budget_truncated")) for e in convs) / n,
+        f"{prefix}/turn_limit_frac": sum(bool(e.info.get("turn_limit")) for e in convs) / n,
+    }
+
+
+def step_metrics(exps: list, counters: dict, explorers: int) -> dict:
+    """One explore step's metrics from what its explorers returned (their counters summed)."""
+    # groups of this step: explorers return whole groups, one after another
+    groups: dict = {}
+    for e in exps:
+        groups.setdefault(e.group_id, []).append(e)
+    m = rollout_metrics(exps, list(groups.values()), counters, counters.get("explore_s", 0.0) / max(explorers, 1))
+    # per explorer (they run side by side)
+    for k in ("reward_s", "generate_s"):
+        m[f"timing/{k}"] = counters.get(k, 0.0) / max(explorers, 1)
+    for k in ("explore_s", "reward_s", "workflow_s", "generate_s"):
+        m.pop(f"rollout/{k}", None)
+    return m
+
+
+def save_trajectories(exps: list, path: str) -> None:
+    """One JSON line per conversation: the task, its messages (tool calls and answers as the
+    model and the tools wrote them), the reward and its parts, and the conversation's counters."""
+    import json
+
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    keys = ("turns", "tool_calls", "tool_failures", "tool_errors", "finish_reason", "drift", "budget_truncated", "turn_limit")
+    with open(path + ".tmp", "w") as f:
+        for e in exps:
+            row = {"task_id": e.task_id, "reward": e.reward, "reward_parts": e.reward_parts,
+                   "messages": e.info.get("conversation"), **{k: e.info[k] for k in keys if k in e.info}}
+            f.write(json.dumps(row) + "\n")
+    os.replace(path + ".tmp", path)
+
+
+class Explorer:
+    def __init__(self, cfg, weights_path: str | None = None, version: int = 0, shard: int = 0):
+        import torch
+
+        self.cfg = cfg
+        # denormal floats (tiny Adam moments, decayed weights) make CPU math many times slower
+        torch.set_flush_denormal(True)
+        self.tokenizer = load_tokenizer(cfg.model)
+        rollout = cfg.explorer.rollout_model
+        self.engine = engine_class(rollout.engine_type)(cfg.model, rollout, self.tokenizer, weights_path,
+                                                   device=local_device(cfg.cluster))
+        # explorer.auxiliary_models: engines a workflow may call, on this explorer's device
+        self.auxiliary = {}
+        for aux in cfg.explorer.auxiliary_models:
+            from rft.models import ensure_model
+            from rft.rollout.workflows.single_turn import Auxiliary
+
+            ensure_model(aux.model)
+            tok = load_tokenizer(aux.model, chat=False)  # a workflow may prompt it with plain text
+            engine = engine_class(aux.rollout_model.engine_type)(aux.model, aux.rollout_model, tok, None,
+                                                               device=local_device(cfg.cluster))
+            self.auxiliary[aux.name] = Auxiliary(aux.name, engine, tok, aux.model.max_response_tokens)
+        self._openai = None
+        inp = cfg.buffer.explorer_input
+        self.taskset = load_tasks(inp.taskset, "buffer.explorer_input.taskset")
+        # each taskset's reward (rft/rewards/scoring.py; served rewards connect here, once)
+        self.scorer = build_scorer(spec_of(inp.taskset.reward_fn, inp.default_reward_fn_type), "buffer.explorer_input.taskset.reward_fn")
+        self.eval_tasksets = [
+            (ts, load_tasks(ts, f"buffer.explorer_input.eval_tasksets[{i}]"),
+             build_scorer(spec_of(ts.reward_fn, inp.default_reward_fn_type), f"buffer.explorer_input.eval_tasksets[{i}].reward_fn"))
+            for i, ts in enumerate(inp.eval_tasksets)
+        ]
+        self.version = version  # the trainer step whose weights this explorer serves
+        self.shard, self.num_shards = shard, rollout.engine_num
+        log.info("explorer %d/%d ready: %d tasks, %d eval tasksets", shard, self.num_shards,
+                 len(self.taskset), len(self.eval_tasksets))
+
+    def openai_server(self):
+        """The OpenAI-compatible server (explorer.rollout_model.enable_openai_api), started on first
+        use and kept for the explorer's life; None when it is off."""
+        rollout = self.cfg.explorer.rollout_model
+        if not rollout.enable_openai_api:
+            return None
+        if self._openai is None:
+            from rft.serving.openai_api import OpenAIServer
+
+            models = {"policy": (self.engine, self.tokenizer)}
+            # an Auxiliary's generate takes its lock: the server and workflows share the engine
+            models.update({name: (a, a.tokenizer) for name, a in self.auxiliary.items()})
+            self._openai = OpenAIServer(models, "policy", self.cfg.buffer.explorer_input.taskset.rollout_args,
+                                        self.cfg.model.max_response_tokens, history=rollout.enable_history).start()
+            log.info("OpenAI-compatible endpoint at %s (token not logged)", self._openai.url)
+        return self._openai
+
+    def ping(self) -> int:
+        return os.getpid()
+
+    def token_budget_warnings(self) -> list[str]:
+        """One sentence per taskset whose first prompts are longer than model.max_prompt_tokens
+        (they will be cut, and a run would not say so). Checked here, where the tokenizer is
+        loaded anyway: in the driver it would cost the driver of a Ray run torch's memory."""
+        inp, todo = self.cfg.buffer.explorer_input, []
+        if self.cfg.mode in ("both", "explore"):
+            todo.append((inp.taskset, "buffer.explorer_input.taskset"))
+        if self.cfg.mode in ("both", "train"):
+            todo += [(ts, f"buffer.explorer_input.eval_tasksets[{i}]") for i, ts in enumerate(inp.eval_tasksets)]
+        texts = (budget_report(ds, self.tokenizer, self.cfg.model, False, where) for ds, where in todo)
+        return [t for t in texts if t]
+
+    def tasks_for_step(self, step: int):
+        """This explorer's share of step `step`'s tasks (epoch-wise shuffles seeded by (seed, epoch))."""
+        rows = epoch_batch(len(self.taskset), self.cfg.buffer.batch_size, step,
+                           lambda epoch: step_seed(self.cfg.seed, epoch, salt=1))
+        return [self.taskset[i] for i in rows[self.shard :: self.num_shards]]
+
+    def _run(self, ts_cfg, scorer, tasks, n: int, step: int, salt: int, counters: dict, min_done=None):
+        """Run the workflow on `tasks`; returns one list of experiences per task (None: failed)."""
+        ex = self.cfg.explorer
+
+        dropped = 0  # tasks over_rollout dropped (None, but not failed)
+
+        def merge(c: dict, source: str) -> None:
+            nonlocal dropped
+            if c.get("errors") or c.get("timeouts"):
+                # whose failure: the reward's, or the workflow's own jobs' (a multi-turn
+                # environment); the message None: timeouts only
+                counters["last_error"] = (source, c.pop("last_error", None))
+            c.pop("last_error", None)
+            c.pop("failed", None)  # counted below, once per task, from what the workflow returned
+            dropped += c.get("over_rollout_dropped", 0)
+            for k, v in [*c.items(), *scorer.take_counters().items()]:
+                counters[k] = counters.get(k, 0) + v
+
+        def score(jobs):
+            t0 = time.perf_counter()
+            results, c = run_jobs(lambda job: scorer(*job), jobs, ex.runner_per_model, ex.max_timeout, ex.max_retry_times,
+                                  min_done, ex.over_rollout.wait_after_min)
+            counters["reward_s"] = counters.get("reward_s", 0.0) + time.perf_counter() - t0
+            merge(c, "reward")
+            return results
+
+        def call(fn, jobs):
+            results, c = run_jobs(fn, jobs, ex.runner_per_model, ex.max_timeout, 0)
+            merge(c, "workflow")
+            return results
+
+        ctx = WorkflowContext(
+            tokenizer=self.tokenizer,
+            n=n,
+            rollout_args=ts_cfg.rollout_args,
+            max_prompt_tokens=self.cfg.model.max_prompt_tokens,
+            policy_version=self.version,
+            seed=step_seed(self.cfg.seed, step, salt),
+            step=step,
+            score=score,
+            args=dict(ts_cfg.workflow_args),
+            max_response_tokens=self.cfg.model.max_response_tokens,
+            call=call,
+            openai=self.openai_server(),
+            auxiliary=self.auxiliary,
+        )
+        t0 = time.perf_counter()
+        out = self._call_workflow(ts_cfg.workflow, tasks, ctx, step)
+        counters["failed"] = counters.get("failed", 0) + sum(g is None for g in out) - dropped
+        counters["workflow_s"] = counters.get("workflow_s", 0.0) + time.perf_counter() - t0
+        return out
+
+    def _call_workflow(self, name: str, tasks, ctx, step: int) -> list:
+        """The workflow's output for `tasks`, checked; an error of its own stops the run."""
+        try:
+            out = resolve(WORKFLOWS, name, "workflow")(tasks, self.engine, ctx)
+        except ConfigError:
+            raise  # a mistake of the study's own code, named (an environment's wrong answer): as it is
+        except Exception as e:
+            # a reward that raises is one failed task (ctx.score retries it); a workflow that
+            # raises has no task to blame: the step cannot be made. The traceback goes to the
+            # log file only (INFO): the terminal gets the one paragraph below
+            log.info("workflow %s raised at step %d", name, step, exc_info=True)
+            raise RunError(
+                f"workflow {name!r} raised {type(e).__name__}: {e} (at step {step}; the traceback "
+                f"is in the explorer's log under <stage>/log/). Fix the workflow, then run the same "
+                f"command again to resume from the newest checkpoint."
+            ) from None
+        check_output(out, tasks, name)
+        return out
+
+    def _rollouts(self, tasks, n: int, step: int, salt: int, counters: dict) -> list[list]:
+        """Training rollouts, reward-shaped, as one list per task (a group); failed tasks left out."""
+        ts, algo = self.cfg.buffer.explorer_input.taskset, self.cfg.algorithm
+        ratio = self.cfg.explorer.over_rollout.ratio
+        min_done = math.ceil((1 - ratio) * len(tasks)) if ratio > 0 else None
+        groups = [g for g in self._run(ts, self.scorer, tasks, n, step, salt, counters, min_done) if g is not None]
+        apply_overlong([e for g in groups for e in g], algo, ts.rollout_args.max_tokens or self.cfg.model.max_response_tokens)
+        return groups
+
+    def explore(self, step: int):
+        """This explorer's experiences of step `step` and its counters (summed over explorers)."""
+        t0, busy0 = time.perf_counter(), self.engine.busy_s
+        ts = self.cfg.buffer.explorer_input.taskset
+        n = ts.repeat_times or self.cfg.algorithm.repeat_times
+        counters: dict = {}
+        tasks = self.tasks_for_step(step)
+        # salts keep the explorers' sampling seeds apart (shard 0 keeps the single-explorer seeds)
+        salt = 1000 * self.shard
+        groups = self._rollouts(tasks, n, step, salt, counters)
+        tries = 1
+        max_tries = self.cfg.algorithm.dynamic_sampling_max_tries
+        if max_tries > 1:
+            # DAPO dynamic sampling: groups whose rewards are all equal carry no signal; draw more
+            # tasks until the batch is full of groups that do, or the tries run out (then the
+            # batch is topped up with flat groups, so its size never changes)
+            keep = [g for g in groups if not _flat(g)]
+            flat = [g for g in groups if _flat(g)]
+            while len(keep) < len(tasks) and tries < max_tries:
+                rng = random.Random(step_seed(self.cfg.seed, step, salt=100 + tries + salt))
+                more = self._rollouts(rng.sample(self.taskset, len(tasks)), n, step, 100 + tries + salt, counters)
+                keep += [g for g in more if not _flat(g)]
+                flat += [g for g in more if _flat(g)]
+                tries += 1
+            groups = (keep + flat)[: len(tasks)]
+        counters["sampling_tries"] = tries
+        counters["failed_tasks"] = counters.pop("failed", 0)
+        counters["explore_s"] = time.perf_counter() - t0
+        counters["generate_s"] = self.engine.busy_s - busy0
+        return [e for g in groups for e in g], counters
+
+    def evaluate(self, step: int, save_dir: str | None = None) -> dict:
+        """Mean reward on each eval taskset (`eval/<name>/accuracy`; the first one also as `eval/accuracy`).
+
+        A task whose reward failed (raised or timed out after its retries) counts as reward 0 and
+        is counted in `eval/<name>/failed_tasks`; when every task of a set failed, the accuracy
+        means nothing: `eval_failed` (not a metric) then names the set and its last error, for the
+        runner to stop the run (StageRun._evaluate). With `save_dir`, the conversations of a
+        multi-turn eval (their turns, tool calls and rewards) go to <save_dir>/step_<step>/<name>.jsonl.
+        """
+        metrics = {}
+        for i, (ts, tasks, scorer) in enumerate(self.eval_tasksets):
+            n = ts.repeat_times or 1
+            counters: dict = {}
+            groups = self._run(ts, scorer, tasks, n, step, 2, counters)
+            acc = sum(e.reward for g in groups if g for e in g) / (len(tasks) * n)
+            failed = sum(g is None for g in groups)
+            metrics[f"eval/{ts.name}/accuracy"] = acc
+            # a reward of several parts: each part's mean too
+            parts = part_metrics([e for g in groups if g for e in g], prefix=f"eval/{ts.name}")
+            if len(parts) > 1:
+                metrics.update(parts)
+            metrics[f"eval/{ts.name}/failed_tasks"] = failed
+            exps = [e for g in groups if g for e in g]
+            metrics.update(conversation_metrics(exps, prefix=f"eval/{ts.name}"))
+            if save_dir and any("conversation" in e.info for e in exps):
+                save_trajectories(exps, os.path.join(save_dir, f"step_{step}", f"{ts.name}.jsonl"))
+            if tasks and failed == len(tasks):
+                source, last = counters.get("last_error") or (None, None)
+                last = last or "none recorded (timeouts)"
+                log.warning("every task of eval set %s failed at step %d (the last error: %s)", ts.name, step, last)
+                metrics.setdefault("eval_failed", (i, last, source))
+            if i == 0:
+                metrics["eval/accuracy"] = acc
+                metrics["eval/failed_tasks"] = failed
+        return metrics
+
+    # ------------------------------------------------------------------ weights
+
+    def update_weights(self, state_dict, version: int, expected_fingerprint: str) -> str:
+        self.engine.update_weights(state_dict)
+        return self._check(version, expected_fingerprint)
+
+    def receive_weights(self, payload: tuple, version: int) -> str | None:
+        """Memory sync: the trainer's `sync_payload` (the weights as numpy arrays or where they lie
+        in shared memory; their fingerprint, None in one process: there the arrays are views of
+        the trainer's own tensors, and what the engine loaded is checked against them bit for bit)."""
+        weights, expected = payload
+        with one_thread():
+            state = from_payload(weights)
+            if expected is not None:
+                return self.update_weights(state, version, expected)
+            self.engine.update_weights(state)
+            differs = getattr(self.engine, "differs", None)
+            if differs is None:  # an engine that keeps the weights elsewhere (vLLM's own process)
+                return self._check(version, fingerprint(state))
+            wrong = differs(state)
+            if wrong:
+                raise RuntimeError(
+                    f"weight sync to version {version} failed: after loading, the explorer's {wrong[0]} "
+                    f"(and {len(wrong) - 1} more of {len(state)} tensors) differ from the trainer's"
+                )
+            self.version = version
+            return None
+
+    def node(self) -> str:
+        return node_id()
+
+    def load_weights(self, path: str, version: int, expected_fingerprint: str | None) -> str:
+        """A safetensors file (sync=checkpoint) or a checkpoint's hf/ directory (mode=explore, bench)."""
+        self.engine.load_weights_file(path)
+        if expected_fingerprint is None:  # a checkpoint saved before fingerprints were recorded
+            self.version = version
+            return self.engine.fingerprint()
+        return self._check(version, expected_fingerprint)
+
+    def collective_init(self, address: str, port: int, world: int, rank: int, manifest) -> None:
+        self.engine.collective_init(address, port, world, rank, self.cfg.synchronizer.sync_timeout, manifest)
+
+    def collective_receive(self, version: int, expected_fingerprint: str) -> str:
+        self.engine.collective_receive()
+        return self._check(version, expected_fingerprint)
+
+    def sleep(self) -> None:
+        self.engine.sleep()
+
+    def wake_up(self) -> None:
+        self.engine.wake_up()
+
+    def _check(self, version: int, expected: str) -> str:
+        got = self.engine.fingerprint()
+        if not same_weights(got, expected):
+            raise RuntimeError(
+                f"weight sync to version {version} failed: the explorer now serves weights with "
+                f"fingerprint {got}, the trainer sent {expected}"
+            )
+        self.version = version
+        return got

@@ -1,0 +1,159 @@
+"""Workflows: `fn(tasks, engine, ctx) -> list[list[Experience] | None]`, one entry per task.
+
+A workflow turns tasks into experiences: prompt -> n rollouts -> rewards. It takes a batch of
+tasks (not one) so the engine can sample them all in one batched call. A taskset chooses its
+workflow by name (`workflow`, a key of WORKFLOWS, or the dotted path of a function of the same
+signature) and gives it keyword arguments (`workflow_args`, in `ctx.args`).
+
+A multi-turn workflow puts the whole conversation after the first prompt into one experience and
+says which of its tokens the model is trained on (`Experience.loss_mask`: 0 for the user's or an
+environment's turns, whose `logprobs` entries are then ignored). The buffers and the trainer need
+nothing else. Rewards go through
+`ctx.score(jobs)`, which the explorer runs on its workflow runners: each task's reward call is
+bounded by `explorer.max_timeout` and retried `explorer.max_retry_times` times; a task that still
+fails comes back as None (no experiences), and the explorer counts it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+from rft.data.experience import Experience
+from rft.data.readers import chat_ids, prompt_ids
+
+
+@dataclass
+class WorkflowContext:
+    tokenizer: object
+    n: int  # rollouts per task
+    rollout_args: object  # temperature, top_p, top_k, max_tokens
+    max_prompt_tokens: int
+    policy_version: int
+    seed: int
+    step: int
+    # score([(prompt_text, [response_text, ...], task), ...]) -> [[reward, ...] | None, ...]; each
+    # reward is an rft.rewards.scoring.Reward: a float that carries its parts into the Experience built with it
+    score: Callable
+    # the taskset's workflow_args
+    args: dict = field(default_factory=dict)
+    # model.max_response_tokens (a multi-turn conversation's budget is prompt + response tokens)
+    max_response_tokens: int = 0
+    # call(fn, jobs) -> [fn(job) | None, ...]: jobs on the explorer's workflow runners (at most
+    # explorer.runner_per_model at once), each bounded by explorer.max_timeout and not retried; a
+    # job that raised or timed out gives None (an environment's step, a tool call)
+    call: Callable | None = None
+    # explorer.rollout_model.enable_openai_api: the explorer's OpenAI-compatible server
+    # (rft.serving.openai_api.OpenAIServer), else None
+    openai: object = None
+    # explorer.auxiliary_models: name -> engine (the same `generate` as the rollout engine; never trained)
+    auxiliary: dict = field(default_factory=dict)
+
+
+class Auxiliary:
+    """An auxiliary model (explorer.auxiliary_models) as a workflow sees it: `ctx.auxiliary[name]`.
+
+    `generate` is the engine's (token ids in, samples out), one call at a time (engines are not
+    thread-safe, and environments step on several runner threads); `chat` is the short way to
+    ask it something: messages in, the reply's text out (greedy unless told otherwise)."""
+
+    def __init__(self, name: str, engine, tokenizer, max_tokens: int):
+        import threading
+
+        self.name, self.engine, self.tokenizer, self.max_tokens = name, engine, tokenizer, max_tokens
+        self.lock = threading.Lock()
+
+    def generate(self, prompts, n, args, seed):
+        with self.lock:
+            return self.engine.generate(prompts, n, args, seed=seed)
+
+    def chat(self, messages: list[dict], temperature: float = 0.0, max_tokens: int | None = None,
+             seed: int = 0, stop: list[str] | tuple = ()) -> str:
+        from types import SimpleNamespace
+
+        args = SimpleNamespace(temperature=temperature, top_p=1.0, top_k=-1, stop=list(stop),
+                               max_tokens=max_tokens or self.max_tokens)
+        sample = self.generate([chat_ids(self.tokenizer, messages)], 1, args, seed)[0][0]
+        return self.tokenizer.decode(sample.token_ids, skip_special_tokens=True)
+
+
+def single_turn(tasks, engine, ctx: WorkflowContext) -> list[list[Experience] | None]:
+    """One prompt per task, `ctx.n` sampled responses, one scalar reward each."""
+    tok = ctx.tokenizer
+    full = prompt_ids(tok, [t.messages for t in tasks])
+    prompts = [ids[-ctx.max_prompt_tokens:] for ids in full]
+    samples = engine.generate(prompts, ctx.n, ctx.rollout_args, seed=ctx.seed)
+    prompt_texts = [tok.decode(p, skip_special_tokens=True) for p in prompts]
+    responses = [[tok.decode(s.token_ids, skip_special_tokens=True) for s in group] for group in samples]
+    rewards = ctx.score(list(zip(prompt_texts, responses, tasks)))
+    args = ctx.rollout_args
+    sampling = {"temperature": float(args.temperature), "top_p": float(args.top_p), "top_k": int(args.top_k)}
+    out = []
+    for task, prompt, whole, text, group, texts, rs in zip(tasks, prompts, full, prompt_texts, samples, responses, rewards):
+        if rs is None:
+            out.append(None)
+            continue
+        out.append([
+            Experience(
+                tokens=prompt + s.token_ids,
+                prompt_length=len(prompt),
+                logprobs=s.logprobs,
+                reward=r,  # with its parts (Experience.reward_parts)
+                # the seed tells apart two draws of the same task in one step
+                group_id=f"{ctx.step}/{ctx.seed}/{task.task_id}",
+                task_id=task.task_id,
+                policy_version=ctx.policy_version,
+                sampling=dict(sampling),
+                # the texts are for people reading a stored buffer (python -m rft.data.buffer)
+                info={"finish_reason": s.finish_reason, "prompt": text, "response": response,
+                      "prompt_truncated": len(whole) > len(prompt)},
+            )
+            for s, response, r in zip(group, texts, rs)
+        ])
+    return out
+
+
+def _multi_turn(tasks, engine, ctx):
+    from rft.rollout.workflows.multi_turn import multi_turn
+
+    return multi_turn(tasks, engine, ctx)
+
+
+def _openai_agent(tasks, engine, ctx):
+    from rft.serving.openai_api import openai_agent
+
+    return openai_agent(tasks, engine, ctx)
+
+
+# single_turn: one prompt, n responses; multi_turn: conversations with an environment (rft/rollout/workflows/multi_turn.py);
+# openai_agent: agent code against the explorer's OpenAI-compatible endpoint (rft/serving/openai_api.py)
+WORKFLOWS = {"single_turn": single_turn, "multi_turn": _multi_turn, "openai_agent": _openai_agent}
+
+
+def check_output(out, tasks, name: str) -> None:
+    """What a workflow returned has the shape the buffers and the trainer rely on; a workflow of
+    a study's own gets one clear message naming it, not a failure later in the trainer."""
+    from rft.errors import ConfigError
+
+    if not isinstance(out, list) or len(out) != len(tasks):
+        raise ConfigError(
+            f"workflow {name!r} returned {type(out).__name__} of {len(out) if hasattr(out, '__len__') else '?'} "
+            f"entries for {len(tasks)} tasks; it must return one entry per task: a list of Experience, "
+            f"or None for a task that failed."
+        )
+    for group in out:
+        for e in group or []:
+            if e.prompt_length < 1:
+                raise ConfigError(
+                    f"workflow {name!r} returned an experience (task {e.task_id!r}) with prompt_length "
+                    f"{e.prompt_length}: the response's first token is predicted from the prompt, so "
+                    f"prompt_length must be at least 1 (the prompt's token count: tokens[:prompt_length])."
+                )
+            for field_name in ("logprobs", "loss_mask"):
+                n = len(getattr(e, field_name))
+                if n and n != e.response_length:
+                    raise ConfigError(
+                        f"workflow {name!r} returned an experience (task {e.task_id!r}) whose {field_name} has "
+                        f"{n} entries for its {e.response_length} response tokens: it needs one per token "
+                        f"after the prompt (tokens[prompt_length:]), or none."
+                    )

@@ -1,0 +1,73 @@
+"""mode=bench: evaluate a run's saved checkpoints on the eval tasksets and write a table.
+
+    python run.py mode=bench name=<the run's name>      # same project / checkpoint_root_dir
+
+Every complete checkpoint of every stage, oldest first, after the starting model
+(explorer.bench_on_latest_checkpoint=true: only the newest one). The explorer runs in this process
+with greedy settings as configured for the eval tasksets. Output: <run>/bench/results.md and
+results.csv, one row per checkpoint, one column per eval taskset.
+"""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+from rft.errors import ConfigError
+
+
+def bench(cfg, run_dir: Path) -> float | None:
+    from rft.data.tasks import ensure_task_data
+    from rft.models import ensure_model
+    from rft.plan.batch import stage_configs
+    from rft.rollout.explorer import Explorer
+    from rft.runtime.checkpoint import damage, list_checkpoints
+
+    stages = stage_configs(cfg)
+    first = stages[0]
+    if not first.buffer.explorer_input.eval_tasksets:
+        raise ConfigError("mode=bench evaluates on buffer.explorer_input.eval_tasksets, and there are none.")
+    found = []  # (stage name, checkpoint)
+    for s in stages:
+        stage_dir = run_dir / s.stage_name if s.stage_name else run_dir
+        found += [(s.stage_name or s.algorithm.algorithm_type, c) for c in list_checkpoints(stage_dir)
+                  if c.problem is None]
+    if not found:
+        raise ConfigError(
+            f"mode=bench found no checkpoints under {run_dir}. Give the trained run's name "
+            f"(name=...) and the same project and checkpoint_root_dir."
+        )
+    latest_only = cfg.explorer.bench_on_latest_checkpoint
+    if latest_only:
+        found = found[-1:]
+    ensure_model(first.model)
+    ensure_task_data(first.buffer.explorer_input)
+    explorer = Explorer(first)
+    rows = []
+    if not latest_only:
+        rows.append({"stage": "start", "step": 0, "checkpoint": first.model.model_path, **explorer.evaluate(0)})
+    for stage, ckpt in found:
+        if not ckpt.hf_path.exists():
+            continue  # an explore-mode stage saves no model
+        why = damage(ckpt, skip=("trainer_state.pt",))  # its files against its manifest: only hf/ is read
+        if why is not None:
+            print(f"[bench] {stage} step {ckpt.step}: damaged ({why}); not evaluated")
+            continue
+        explorer.load_weights(str(ckpt.hf_path), ckpt.step, ckpt.state.get("fingerprint"))
+        rows.append({"stage": stage, "step": ckpt.step, "checkpoint": str(ckpt.path), **explorer.evaluate(ckpt.step)})
+        print(f"[bench] {stage} step {ckpt.step}: eval accuracy {rows[-1].get('eval/accuracy', float('nan')):.3f}")
+
+    out = run_dir / "bench"
+    out.mkdir(parents=True, exist_ok=True)
+    columns = ["stage", "step"] + [k for k in rows[0] if k.startswith("eval/") and k != "eval/accuracy"] + ["checkpoint"]
+    with open(out / "results.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
+        w.writeheader()
+        w.writerows(rows)
+    fmt = lambda v: f"{v:.3f}" if isinstance(v, float) else str(v)  # noqa: E731
+    table = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    table += ["| " + " | ".join(fmt(r.get(c, "")) for c in columns) + " |" for r in rows]
+    (out / "results.md").write_text("\n".join(table) + "\n")
+    print("\n".join(table))
+    print(f"bench results: {out / 'results.md'}, {out / 'results.csv'}")
+    return rows[-1].get("eval/accuracy")

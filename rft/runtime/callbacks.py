@@ -1,0 +1,115 @@
+"""Hydra callbacks (conf/config.yaml, hydra.callbacks): checks of what Hydra does itself before
+rft runs, which would otherwise end in its traceback or after work was done.
+
+- a run's directory (hydra.run.dir, under checkpoint_root_dir) or a sweep's (hydra.sweep.dir)
+  that cannot be written: Hydra makes it before rft runs, so a checkpoint_root_dir under a file
+  or in a read-only place raised NotADirectoryError or PermissionError from Hydra's mkdir (and a
+  name of '..' parts made a directory outside the project's);
+- a sweep whose job cannot plan (`-m buffer.batch_size=4,0`): every job is planned before the
+  first starts (plan_jobs), not when its turn comes after the others trained.
+
+Each ends the command with one paragraph and status 2, as rft's other configuration errors.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from hydra.core.hydra_config import HydraConfig
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig, OmegaConf
+
+from rft.errors import ConfigError
+
+
+class Checks(Callback):
+    def on_run_start(self, config: DictConfig, **kwargs) -> None:
+        _exit_on(lambda: _check_dir(config, "hydra.run.dir"))
+
+    def on_multirun_start(self, config: DictConfig, config_name: str | None = None, **kwargs) -> None:
+        _exit_on(lambda: _check_dir(config, "hydra.sweep.dir"))
+        _exit_on(lambda: _raise(plan_jobs(config, config_name)))
+
+
+def _check_dir(config: DictConfig, key: str) -> None:
+    from rft.plan.batch import check_run_name
+    from rft.runtime import rundir
+
+    HydraConfig.instance().set_config(config)  # the directory's name reads hydra's choices
+    check_run_name(config)  # name=../.. would make a directory outside the project's
+    rundir.check_writable(Path(str(OmegaConf.select(config, key))))
+
+
+def _raise(message: str | None) -> None:
+    if message:
+        raise ConfigError(message)
+
+
+def _exit_on(check) -> None:
+    try:
+        check()
+    except ConfigError as e:
+        print(f"\nrft: configuration error: {e}\n", file=sys.stderr)
+        sys.exit(2)
+
+
+# ---------------------------------------------------------------- every job planned first
+
+
+def sweep_jobs(config) -> list[list[str]]:
+    """Each job's overrides, as Hydra's basic sweeper will launch them (its params in the config,
+    then the command line's); [] for another sweeper (it chooses values as it goes)."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    if config.hydra.sweeper.get("_target_") != f"{BasicSweeper.__module__}.{BasicSweeper.__name__}":
+        return []
+    params = [f"{k}={v}" for k, v in (config.hydra.sweeper.get("params") or {}).items()]
+    args = params + list(OmegaConf.to_container(config.hydra.overrides.task, resolve=False))
+    return [job for batch in BasicSweeper.split_arguments(OverridesParser.create().parse_overrides(args), None)
+            for job in batch]
+
+
+def plan_jobs(config, config_name: str | None) -> str | None:
+    """The message for the first job of a sweep whose plan fails (a batch size of 0 among the
+    values); None when every job plans. A job's mistake would otherwise be found when it starts,
+    after the jobs before it trained. The datasets of all jobs are read in one child process."""
+    from hydra import compose
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import open_dict
+
+    from rft.plan.batch import make_plan
+    from rft.reporting.sweep import distinct_overrides
+    from rft.runtime.main import job_sizes_in_child, per_stage, split_stages
+
+    jobs = sweep_jobs(config)
+    if len(jobs) < 2:
+        return None  # a lone job plans itself before it starts anything
+    saved, own, planned = HydraConfig.instance().cfg, distinct_overrides(jobs), []
+    try:
+        for i, job in enumerate(jobs):
+            cfg = compose(config_name=config_name, overrides=job, return_hydra_config=True)
+            HydraConfig.instance().set_config(cfg)  # the run's name reads hydra's choices
+            with open_dict(cfg):
+                del cfg["hydra"]
+            if cfg.mode != "bench":
+                try:
+                    planned.append((i, *split_stages(cfg)))
+                except ConfigError as e:
+                    return _job_error(i, own[i], e)
+    finally:
+        HydraConfig.instance().cfg = saved
+    try:
+        sizes = job_sizes_in_child([(stages, sources) for _, stages, sources in planned])
+        for (i, stages, _), n in zip(planned, sizes):
+            per_stage(make_plan, stages, n)
+    except ConfigError as e:
+        i = planned[e.job][0] if hasattr(e, "job") else i
+        return _job_error(i, own[i], e)
+    return None
+
+
+def _job_error(i: int, overrides: list[str], error: Exception) -> str:
+    return (f"job {i} of the sweep ({' '.join(overrides) or 'no overrides'}): {error} No job has started: "
+            f"every job is planned first.")

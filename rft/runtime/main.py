@@ -1,0 +1,432 @@
+"""The entry point behind run.py: stages, the batch plan, Ray, and clean errors.
+
+`main(cfg)` splits the composed config into stages (each stage dict merged onto the global
+config), checks every stage's batch plan before anything heavy starts, then runs the stages in
+order, each starting from the previous stage's final model.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import shutil
+import sys
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from rft.errors import ConfigError, RunError
+from rft.runtime import rundir
+
+log = logging.getLogger(__name__)
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def main(cfg: DictConfig) -> float | None:
+    """Run the configured job; returns the last value of the metric `objective` (a sweeper's
+    objective; eval/accuracy by default)."""
+    try:
+        return _main(cfg)
+    except ConfigError as e:
+        # raised inside a Ray actor it arrives wrapped; its cause holds the message
+        print(f"\nrft: configuration error: {getattr(e, 'cause', e)}\n", file=sys.stderr)
+        sys.exit(2)
+    except RunError as e:
+        # raised inside a Ray actor it arrives wrapped too
+        text = str(getattr(e, "cause", e))
+        sweep = _sweep_dir()
+        if sweep and "same command" in text:
+            text += (f" In this sweep, the same command is the sweep with hydra.sweep.dir={sweep} added; without "
+                     f"it, the sweep starts over in a new directory.")
+        print(f"\nrft: the run stopped: {text}\n", file=sys.stderr)
+        sys.exit(1)
+    except KeyboardInterrupt:
+        # Ctrl-C: what was saved is safe (checkpoints are written whole, then renamed into place)
+        where = _resume_point(cfg)
+        sweep = _sweep_dir()
+        how = (f"with hydra.sweep.dir={sweep} to resume this sweep ({where}); without it, the sweep starts over in "
+               f"a new directory." if sweep else f"to resume ({where}).")
+        print(f"\nrft: interrupted. Run the same command again {how}\n", file=sys.stderr)
+        sys.exit(130)
+    except OSError as e:
+        # a disk that fills (or turns read-only) while a log, buffer or record is written; a
+        # checkpoint's save says so itself (rft.runtime.checkpoint.write)
+        cause = getattr(e, "cause", None) or e  # raised in a Ray actor, it arrives wrapped
+        if getattr(cause, "errno", None) not in (errno.ENOSPC, errno.EDQUOT, errno.EROFS):
+            raise
+        print(f"\nrft: the run stopped: {_disk_failed(cfg, cause)}\n", file=sys.stderr)
+        sys.exit(1)
+
+
+def _resume_point(cfg: DictConfig) -> str:
+    newest = _newest_checkpoint(run_dir_of(cfg))
+    return f"the newest checkpoint: {newest}" if newest else "no checkpoint was saved yet: the run starts over"
+
+
+def _disk_failed(cfg: DictConfig, e: OSError) -> str:
+    run_dir = run_dir_of(cfg)
+    try:
+        free = f"{shutil.disk_usage(e.filename or run_dir).free / 2**30:.1f} GiB free"
+    except (OSError, TypeError):
+        free = "an unknown amount of space free"
+    what = f"OSError: [Errno {e.errno}] {e.strerror}"
+    return (f"writing {'in ' + str(run_dir) if e.filename is None else e.filename} failed ({what}); that disk has "
+            f"{free}. {'Make it writable' if e.errno == errno.EROFS else 'Make room'} (or point checkpoint_root_dir "
+            f"at another disk), then run the same command again to "
+            f"resume ({_resume_point(cfg)}).")
+
+
+def _sweep_dir() -> str | None:
+    """The directory of the sweep (-m) this job is part of; None for a single run. Hydra names a
+    sweep's directory by the time it started, so the same command makes a new one."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN:
+        return None
+    return str(HydraConfig.get().sweep.dir)
+
+
+def _newest_checkpoint(run_dir: Path) -> Path | None:
+    """The newest checkpoint of any stage of the run in `run_dir` (None: none yet)."""
+    from rft.runtime.checkpoint import latest_checkpoint
+
+    stages = [p for p in run_dir.glob("*") if p.is_dir() and not p.name.startswith("previous_")]
+    found = [c for d in [run_dir, *stages] if (c := latest_checkpoint(d)) is not None]
+    return max(found, key=lambda c: c.path.stat().st_mtime).path if found else None
+
+
+def run_dir_of(cfg: DictConfig) -> Path:
+    from hydra.core.hydra_config import HydraConfig
+
+    if HydraConfig.initialized():
+        try:
+            return Path(HydraConfig.get().runtime.output_dir)
+        except Exception:  # composed without a run (tests, notebooks): no output dir chosen
+            pass
+    return Path(os.path.expanduser(cfg.checkpoint_root_dir)) / cfg.project / cfg.name
+
+
+def dataset_size(cfg: DictConfig, sources: dict | None = None) -> int:
+    """Rows the stage iterates over: the taskset (mode=both|explore), the stored experiences or
+    the training dataset (mode=train). Every dataset the stage reads is loaded and checked here,
+    before anything starts, so a bad path, row or column fails first (in the driver, or for a Ray
+    run in a child process of it: `dataset_sizes_in_child`)."""
+    from rft.data.tasks import check_columns, ensure_task_data, load_rows, load_tasks
+    from rft.plan.batch import label, stored_experiences
+
+    sources = sources or {}
+    inp = cfg.buffer.explorer_input
+    ensure_task_data(inp)
+    eb = cfg.buffer.trainer_input.experience_buffer
+    ebk = "buffer.trainer_input.experience_buffer"
+    if cfg.algorithm.sft_loss_weight > 0:
+        from rft.plan.batch import sft_buffer_config
+
+        aux, where = sft_buffer_config(cfg)
+        check_columns(load_rows(aux.path, aux.split, key=f"{where}.path"), aux.format, where, aux.path, every_row=True)
+    if cfg.mode == "train" and eb.storage_type in ("sql", "file") and eb.path and stored_experiences(eb):
+        from rft.data.buffer import count_experiences
+
+        n = count_experiences(eb.path, key=f"{ebk}.path")
+        if n == 0 and cfg.buffer.total_steps is None:
+            raise ConfigError(
+                f"{ebk}.path={eb.path!r} holds no experiences yet. Run mode=explore first, or set "
+                f"buffer.total_steps to train while one writes them."
+            )
+        return n
+    if cfg.mode in ("both", "explore"):
+        size = len(load_tasks(inp.taskset, "buffer.explorer_input.taskset"))
+        for i, ts in enumerate(inp.eval_tasksets):
+            load_tasks(ts, f"buffer.explorer_input.eval_tasksets[{i}]")
+        return size
+    if eb.storage_type not in ("sql", "file") or not eb.path:
+        raise ConfigError(
+            "mode=train reads its data from buffer.trainer_input.experience_buffer.path, which is "
+            "not set: give the buffer a mode=explore run wrote (buffer=sql "
+            "buffer.trainer_input.experience_buffer.path=<its buffer.db>), or a dataset of "
+            "prompt/response rows (storage_type=file path=<dataset>)."
+        )
+    for i, ts in enumerate(inp.eval_tasksets):
+        load_tasks(ts, f"buffer.explorer_input.eval_tasksets[{i}]")
+    rows = load_rows(eb.path, eb.split, key=label(sources, f"{ebk}.path"))
+    check_columns(rows, eb.format, ebk, eb.path, pairs=True, sources=sources, every_row=True)
+    return len(rows)
+
+
+def ray_namespace(cfg: DictConfig, run_dir: Path) -> str:
+    """Actor names are unique within a Ray namespace: runs sharing one Ray cluster (a sweep's jobs
+    often have the same name, differing by seed) each get their own, from their output dir."""
+    import hashlib
+
+    return f"{cfg.project}/{cfg.name}/{hashlib.sha1(str(run_dir.resolve()).encode()).hexdigest()[:8]}"
+
+
+def _start_ray(cfg: DictConfig, run_dir: Path) -> bool:
+    local = cfg.cluster.ray_address is None
+    if local and "ray" not in sys.modules:
+        # an instance of our own takes a token on its ports (Ray's default for a new local
+        # instance, the token in ~/.ray/auth_token), chosen here explicitly: Ray then does not warn
+        # on every run how to turn it off. Ray reads it when imported, so only before that; a value
+        # the user set is kept
+        os.environ.setdefault("RAY_AUTH_MODE", "token")
+    import ray
+
+    if ray.is_initialized():
+        return False
+    if local and not cfg.monitor.ray_dashboard:
+        # Ray's own config, read from the environment by every process the instance starts: no
+        # metrics export from each worker to the node's metrics agent (CPU time taken from the
+        # explorer and trainer on a small machine). A value the user set is kept.
+        os.environ.setdefault("RAY_enable_metrics_collection", "0")
+    ray.init(
+        # "local": always a new instance of our own. With None, Ray joins the cluster named in
+        # /tmp/ray/ray_current_cluster (the last `ray start` here), and waits forever if that one
+        # died without `ray stop`
+        address="local" if local else cfg.cluster.ray_address,
+        num_cpus=cfg.cluster.num_cpus if local else None,
+        include_dashboard=cfg.monitor.ray_dashboard if local else None,
+        log_to_driver=False,
+        namespace=ray_namespace(cfg, run_dir),
+        logging_level=logging.WARNING,
+    )
+    if local:
+        _start_reaper()
+    return True
+
+
+_reaper = None
+
+
+def _start_reaper() -> None:
+    """Once per process: a watcher that stops what a SIGKILL of this process would leave of Ray."""
+    global _reaper
+    if _reaper is None or _reaper.poll() is not None:
+        import subprocess
+
+        _reaper = subprocess.Popen([sys.executable, "-m", "rft.runtime.reaper", str(os.getpid())], start_new_session=True,
+                                   stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def plan_stages(cfg: DictConfig, isolated: bool = False) -> tuple[list, list, list[Path]]:
+    """Every stage's config, batch plan and output directory, each checked against its data; the
+    whole of what a dry run does. Imports nothing that trains (no torch, no Ray). `isolated`: the
+    datasets are read in a child process (`dataset_sizes_in_child`)."""
+    from rft.plan.batch import make_plan
+
+    stages, sources = split_stages(cfg)
+    sizes = (dataset_sizes_in_child if isolated else dataset_sizes)(stages, sources)
+    plans = per_stage(make_plan, stages, sizes)
+    run_dir = run_dir_of(cfg)
+    return stages, plans, [run_dir / s.stage_name if s.stage_name else run_dir for s in stages]
+
+
+def split_stages(cfg: DictConfig) -> tuple[list, list]:
+    """Every stage's config and the keys its dict sets by interpolation (rft.plan.batch.stage_sources)."""
+    from rft.config import MODES
+    from rft.plan.batch import stage_configs, stage_sources
+
+    # cfg.mode is an Enum field (checked when composed); a stage's dict is merged later
+    stage_modes = [(f"stages[{i}].mode", s.get("mode")) for i, s in enumerate(cfg.stages or []) if isinstance(s, DictConfig)]
+    for key, mode in stage_modes:
+        if mode is not None and mode not in MODES:
+            raise ConfigError(f"{key}={mode!r} is not a mode; choose one of {', '.join(MODES)}.")
+    return stage_configs(cfg), stage_sources(cfg)
+
+
+def per_stage(fn, stages: list, args: list) -> list:
+    """fn(stage, arg) for each stage and its arg; a ConfigError names the stage."""
+    out = []
+    for s, arg in zip(stages, args):
+        try:
+            out.append(fn(s, arg))
+        except ConfigError as e:
+            raise ConfigError(f"stage {s.stage_name}: {e}" if s.stage_name else str(e)) from e
+    return out
+
+
+def dataset_sizes(stages: list, sources: list) -> list[int]:
+    """`dataset_size` of each stage (a ConfigError names the stage)."""
+    return per_stage(dataset_size, stages, sources)
+
+
+def dataset_sizes_in_child(stages: list, sources: list) -> list[int]:
+    """`dataset_sizes` in a child process, for a driver that stays small: reading the datasets
+    imports `datasets` (with pandas and pyarrow: 108 MB of the Ray driver's 173 MB), which the
+    driver of a Ray run would otherwise hold to its end, while the actors read the data again.
+    The child has this process's working directory and environment, so relative paths and the
+    caches are the same; its ConfigError is raised here, unchanged."""
+    return job_sizes_in_child([(stages, sources)])[0]
+
+
+def job_sizes_in_child(jobs: list[tuple[list, list]]) -> list[list[int]]:
+    """`dataset_sizes` of each job's (stages, sources), all in one child process (a sweep's jobs
+    are planned before the first starts); a ConfigError is raised here, with `.job` the index of
+    the job at fault."""
+    import json
+    import subprocess
+    import tempfile
+
+    from omegaconf import OmegaConf
+
+    with tempfile.TemporaryDirectory(prefix="rft_sizes_") as tmp:
+        ask, answer = Path(tmp) / "stages.json", Path(tmp) / "sizes.json"
+        ask.write_text(json.dumps({"jobs": [
+            {"stages": [OmegaConf.to_container(s, resolve=True, enum_to_str=True) for s in stages], "sources": sources}
+            for stages, sources in jobs]}))
+        # the child imports this package from where this process did, ahead of anything of the
+        # same name in the working directory (a study run from another directory, or another copy)
+        root = str(Path(__file__).resolve().parents[2])
+        code = f"import sys; sys.path.insert(0, {root!r}); from rft.runtime.main import _sizes_of; _sizes_of(*sys.argv[1:])"
+        rc = subprocess.run([sys.executable, "-c", code, str(ask), str(answer)], stdin=subprocess.DEVNULL).returncode
+        got = json.loads(answer.read_text()) if answer.is_file() else None
+    if got is None:
+        raise RunError(f"checking the stages' datasets in a child process failed (exit {rc}); its "
+                       f"traceback is above.")
+    if "error" in got:
+        error = ConfigError(got["error"])
+        error.job = got["job"]
+        raise error
+    return got["sizes"]
+
+
+def _sizes_of(ask: str, answer: str) -> None:
+    """The child's side of `job_sizes_in_child`."""
+    import json
+
+    from omegaconf import OmegaConf
+
+    sizes, known = [], {}
+    got: dict = {"sizes": sizes}
+    for i, job in enumerate(json.loads(Path(ask).read_text())["jobs"]):
+        # a sweep's jobs mostly differ in what dataset_size does not read (seeds, algorithms): a
+        # stage is read once per distinct (mode, buffer, auxiliary SFT data, sources)
+        keys = [json.dumps([s["mode"], s["buffer"], s["algorithm"]["sft_loss_weight"], s["algorithm"]["sft_buffer"],
+                            src], sort_keys=True) for s, src in zip(job["stages"], job["sources"])]
+        try:
+            todo = [(s, src, k) for s, src, k in zip(job["stages"], job["sources"], keys) if k not in known]
+            done = dataset_sizes([OmegaConf.create(s) for s, _, _ in todo], [src for _, src, _ in todo])
+            known.update({k: n for (_, _, k), n in zip(todo, done)})
+            sizes.append([known[k] for k in keys])
+        except ConfigError as e:
+            got = {"error": str(e), "job": i}
+            break
+    Path(answer).write_text(json.dumps(got))
+
+
+def plan_text(stages: list, plans: list, stage_dirs: list[Path]) -> str:
+    """What a dry run prints (and the studio shows): each stage's batch plan and description."""
+    from rft.plan.batch import describe, format_plan
+
+    return "\n".join(
+        format_plan(p, title=f"batch plan: stage {s.stage_name or s.name} ({s.algorithm.algorithm_type})")
+        + "\n" + describe(s, d) + "\n" for s, p, d in zip(stages, plans, stage_dirs))
+
+
+def _main(cfg: DictConfig) -> float | None:
+    if cfg.mode == "bench":
+        from rft.runtime.bench import bench
+
+        return bench(cfg, run_dir_of(cfg))
+    # a Ray driver waits on its actors to the end of the run: it reads no dataset itself
+    stages, plans, stage_dirs = plan_stages(cfg, isolated=cfg.cluster.backend == "ray" and not cfg.dry_run)
+    run_dir = run_dir_of(cfg)
+    if cfg.dry_run:
+        print(plan_text(stages, plans, stage_dirs))
+        _remove_if_empty(run_dir)  # Hydra made it; a dry run leaves nothing behind
+        return None
+    return _run(cfg, stages, plans, stage_dirs, run_dir)
+
+
+def _run(cfg: DictConfig, stages: list, plans: list, stage_dirs: list[Path], run_dir: Path) -> float | None:
+    """Check the outputs' place and take it (rundir.run_lock), start Ray, run the stages in order
+    (each from the one before)."""
+    from rft.plan.placement import check_allocation
+
+    check_allocation(cfg)
+    rundir.check_writable(run_dir)
+    with rundir.run_lock(run_dir):
+        return _run_locked(cfg, stages, plans, stage_dirs, run_dir)
+
+
+def _run_locked(cfg: DictConfig, stages: list, plans: list, stage_dirs: list[Path], run_dir: Path) -> float | None:
+    from rft.models import ensure_model
+    from rft.reporting.monitor import read_metrics
+
+    if not cfg.continue_from_checkpoint:
+        moved = rundir.move_aside(run_dir)
+        if moved:
+            print(f"continue_from_checkpoint=false: moved the earlier outputs to {moved}")
+    changes = rundir.check_unchanged(cfg, stages, stage_dirs, run_dir)
+    cache = cfg.stage_cache_dir and Path(os.path.expanduser(cfg.stage_cache_dir))
+    if cache:
+        rundir.check_writable(cache, "stage_cache_dir")
+    rundir.write_record(cfg, run_dir)
+    ensure_model(stages[0].model)
+    for s in stages[:-1]:
+        if s.trainer.save_hf_checkpoint == "never" and s.mode != "explore":
+            raise ConfigError(f"stage {s.stage_name or s.algorithm.algorithm_type!r}: trainer.save_hf_checkpoint=never "
+                              f"leaves no model for the next stage to start from. Use last (the merged model of "
+                              f"its final step only).")
+    started_ray = stages[0].cluster.backend == "ray" and _start_ray(stages[0], run_dir)
+    try:
+        init_path, start, before = None, rundir.start_identity(stages[0].model), None
+        for i, (s, plan, stage_dir) in enumerate(zip(stages, plans, stage_dirs)):
+            title = s.stage_name or s.algorithm.algorithm_type
+            owner = rundir.owner(s, title, before)  # whose checkpoints the stage writes and resumes
+            before = title
+            key = rundir.cache_key(s, start)
+            start = f"stage:{key}"  # the next stage starts where this one ends
+            # a stage another one starts from (a warm-up), not the run's own last stage: a re-run
+            # of a whole config (a benchmark, a check of reproducibility) trains, not copies
+            shared = i < len(stages) - 1 and rundir.cacheable(s)
+            entry = cache / key if cache and shared else None
+            final = _run_or_reuse(s, plan, stage_dir, init_path, owner, entry, changes.get(title))
+            init_path = str(final) if final is not None else init_path
+    finally:
+        if started_ray:
+            import ray
+
+            ray.shutdown()
+    print(f"outputs: {run_dir}")
+    values = [m[cfg.objective] for m in read_metrics(stage_dir / "metrics.jsonl") if cfg.objective in m]
+    if not values:
+        print(f"rft: warning: objective={cfg.objective} was never logged in {stage_dir / 'metrics.jsonl'}, "
+              f"so the run returns None; set objective to one of its metric names (e.g. reward/mean).",
+              file=sys.stderr)
+        return None
+    return values[-1]
+
+
+def _run_or_reuse(cfg, plan, stage_dir: Path, init_path, owner, entry: Path | None, changes: list | None):
+    """Run stage `owner.stage`, or copy it from the stage cache (`entry`, None: no cache) if it
+    finished there and this run has no checkpoint of it (without one it would start from its
+    beginning); returns its final model's directory (None: none)."""
+    from rft.runtime.checkpoint import list_checkpoints
+    from rft.runtime.runner import run_stage
+
+    title = owner.stage
+    with rundir.stage_lock(entry, title, print):
+        if entry is not None and cfg.continue_from_checkpoint and not list_checkpoints(stage_dir):
+            reused = rundir.reuse(entry, stage_dir, owner, title, print)
+            if reused is not None:
+                return reused
+        if changes:
+            rundir.note_changes(stage_dir, changes)
+        saved = rundir.saved_config(stage_dir)
+        # a longer run is recorded too: a later stage's check reads how far this one went
+        if changes or saved is None or not rundir.has_outputs(stage_dir) or rundir.grown(saved, cfg):
+            rundir.write_config(cfg, stage_dir)
+        final = run_stage(cfg, plan, stage_dir, init_path, title, owner)
+        if entry is not None and final is not None:
+            rundir.publish(entry, stage_dir, final.parent, print)
+        return final
+
+
+def _remove_if_empty(path: Path) -> None:
+    try:
+        path.rmdir()  # only succeeds when empty
+    except OSError:
+        pass

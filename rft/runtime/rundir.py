@@ -1,0 +1,490 @@
+"""What a run directory holds, and what running the same name again does with it.
+
+    <run>/.run.lock          held by the run writing the directory (run_lock)
+    <run>/.hydra/            config.yaml (as composed), overrides.yaml, hydra.yaml. Written here
+                             (conf/config.yaml sets hydra.output_subdir=null) once the run is
+                             about to start: a dry run writes nothing, and a run moved aside by
+                             continue_from_checkpoint=false keeps its own record
+    <stage>/config.yaml      the stage's resolved config, its fingerprint on the first line
+    <stage>/data.json        the digest of each local dataset file the stage reads
+    <stage>/config_changes.log  what resume_with_changes=true accepted, and when
+    <stage>/reused_from      the stage cache entry this stage was copied from
+
+Running a name again resumes it. A stage that already has outputs must be asked for with the same
+config, except for the keys that say where the run is written, where it runs and how it is
+watched (`WHERE_AND_HOW`) and `buffer.total_steps` going up (not on a stage a later stage has
+trained from: its result would stay that of the shorter stage), and with the same bytes in its
+local datasets: otherwise the run stops before anything starts, listing the differences and the
+three ways on.
+
+The stage cache (`stage_cache_dir`): a finished stage that a later stage starts from (a warm-up;
+not a run's last stage, which a re-run of the same config means to train) is published with its
+final checkpoint and logs under `<stage_cache_dir>/<key>/`; a stage with the same key (the same
+config except `WHERE_AND_HOW`, the same starting model and the same data files) is copied from
+there instead of trained again: a sweep over the RL stage's learning rate runs its shared SFT
+warm-up once per seed. Files are hard-linked where the filesystem allows. A lock per key makes concurrent jobs (a
+sweep on Slurm, on a filesystem with working file locks) wait for the one that trains the stage.
+An entry is sealed like a checkpoint (rft/manifest.py: every file's size and digest, and whose
+stage it is) and checked before it is copied: a damaged one is moved aside and the stage trains.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import logging
+import os
+import shutil
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import yaml
+from omegaconf import OmegaConf
+
+from rft import manifest
+from rft.config import flat
+from rft.errors import ConfigError, RunError
+from rft.runtime.checkpoint import Owner, describe, read_checkpoint
+
+log = logging.getLogger(__name__)
+
+# where a run is written, where it runs, how it is watched: may change between a run and its
+# resume, and never make two stages' results differ
+WHERE_AND_HOW = (
+    "name", "project", "checkpoint_root_dir", "cache_dir", "stage_cache_dir", "dry_run",
+    "continue_from_checkpoint", "resume_with_changes", "objective", "monitor", "log", "cluster",
+    "synchronizer.sync_timeout", "buffer.trainer_input.experience_buffer.max_read_timeout",
+    # which checkpoint a run resumes from, how many it keeps and which of them hold hf/
+    "trainer.resume_from_path", "trainer.max_ckpt_to_keep", "trainer.save_hf_checkpoint",
+)
+# may go up on resume (a longer run); anything else that differs is a change
+MAY_GROW = ("buffer.total_steps",)
+# in the run directory: held by the run writing it (run_lock)
+RUN_LOCK = ".run.lock"
+# <stage>/data.json: the digest of every dataset file the stage reads, as it started (or was
+# last accepted with resume_with_changes=true)
+DATA_RECORD = "data.json"
+
+
+# ---------------------------------------------------------------- fingerprints
+
+
+def identity(cfg) -> dict[str, Any]:
+    """What determines a stage's results: its flat config without WHERE_AND_HOW."""
+    return {k: v for k, v in flat(cfg).items()
+            if not any(k == w or k.startswith(w + ".") for w in WHERE_AND_HOW)}
+
+
+def fingerprint(obj) -> str:
+    return hashlib.sha1(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def config_fingerprint(cfg) -> str:
+    """The fingerprint a stage's checkpoints carry: its identity, less the keys that may grow on
+    resume (what check_unchanged lets pass without resume_with_changes)."""
+    return fingerprint({k: v for k, v in identity(cfg).items() if k not in MAY_GROW})
+
+
+def owner(cfg, title: str, after: str | None) -> Owner:
+    """Whose checkpoints stage `title` writes: this run, this stage, its config, and what it starts
+    from (model.model_path, then the stage `after`, whose final model a later stage starts from)."""
+    model = os.path.expanduser(str(cfg.model.model_path))
+    return Owner(run=f"{cfg.project}/{cfg.name}", stage=title, config=config_fingerprint(cfg),
+                 model=model if after is None else f"{model}, then stage {after}",
+                 changes_ok=bool(cfg.resume_with_changes))
+
+
+def path_identity(path: str | None) -> Any:
+    """A local file or directory by its files' names, sizes and modification times; anything
+    else (a hub id) by its name."""
+    if not path:
+        return None
+    p = Path(os.path.expanduser(str(path).removeprefix("sqlite:///")))
+    if p.is_file():
+        st = p.stat()
+        return [str(p), st.st_size, st.st_mtime_ns]
+    if p.is_dir():
+        # a manifest says what the other files are: sealing a directory in place (rft.manifest.install) keeps its identity
+        files = sorted(f for f in p.rglob("*") if f.is_file() and not f.name.endswith(".lock")
+                       and f.relative_to(p).as_posix() != manifest.MANIFEST)
+        return [str(p)] + [[str(f.relative_to(p)), f.stat().st_size, f.stat().st_mtime_ns] for f in files]
+    return str(path)
+
+
+def data_paths(cfg) -> list:
+    inp, tin = cfg.buffer.explorer_input, cfg.buffer.trainer_input
+    paths = [inp.taskset.path, *(ts.path for ts in inp.eval_tasksets), tin.experience_buffer.path]
+    paths += [v.get("path") if hasattr(v, "get") else None for v in tin.auxiliary_buffers.values()]
+    return paths
+
+
+def cacheable(cfg) -> bool:
+    """Stages that train from data that stays put: not one reading a buffer another job may still
+    be writing (mode=train on sql), not an explorer (no model of its own)."""
+    eb = cfg.buffer.trainer_input.experience_buffer
+    return cfg.mode == "both" or (cfg.mode == "train" and eb.storage_type == "file")
+
+
+def cache_key(cfg, start: str) -> str:
+    """The stage's key: its identity, its starting point (the model's files, or the previous
+    stage's key) and the identity of every data file it reads."""
+    return fingerprint({"stage": identity(cfg), "start": start,
+                        "data": [path_identity(p) for p in data_paths(cfg)]})
+
+
+def start_identity(model_cfg) -> str:
+    return fingerprint(path_identity(model_cfg.model_path))
+
+
+# ---------------------------------------------------------------- a stage's config on disk
+
+
+def has_outputs(stage_dir: Path) -> bool:
+    metrics, checkpoints = stage_dir / "metrics.jsonl", stage_dir / "checkpoints"
+    return (checkpoints.is_dir() and any(checkpoints.iterdir())) or (metrics.exists() and metrics.stat().st_size > 0)
+
+
+def saved_config(stage_dir: Path) -> dict | None:
+    """The config a stage ran with, as write_config saved it (None: none, or damaged: record_problem)."""
+    path = stage_dir / "config.yaml"
+    if not path.exists():
+        return None
+    try:
+        cfg = yaml.safe_load(path.read_text())
+    except yaml.YAMLError:
+        return None
+    return cfg if isinstance(cfg, dict) else None
+
+
+def record_problem(stage_dir: Path) -> str | None:
+    """What is wrong with a started stage's config.yaml, or None: missing, not YAML, or not what
+    was saved (its first line's fingerprint, of the config below it, no longer matches: cut short
+    or edited)."""
+    path = stage_dir / "config.yaml"
+    if not path.exists():
+        return "is missing"
+    cfg = saved_config(stage_dir)
+    if cfg is None:
+        return "does not parse as a config"
+    head = path.read_text().split("\n", 1)[0]
+    if head != f"# fingerprint: {fingerprint(identity(cfg))}":
+        return "is not the one saved (its first line's fingerprint does not match what follows: cut short or edited)"
+    return None
+
+
+def write_config(cfg, stage_dir: Path) -> None:
+    stage_dir.mkdir(parents=True, exist_ok=True)
+    text = OmegaConf.to_yaml(cfg, resolve=True)
+    tmp = stage_dir / "config.yaml.tmp"
+    tmp.write_text(f"# fingerprint: {fingerprint(identity(cfg))}\n{text}")
+    os.replace(tmp, stage_dir / "config.yaml")
+    manifest.write_atomic(stage_dir / DATA_RECORD, json.dumps(data_digests(cfg), indent=1, sort_keys=True))
+
+
+def data_digests(cfg) -> dict[str, dict[str, str]]:
+    """{path: {file: digest}} of the local datasets a stage reads (its tasksets and eval sets, a
+    training dataset, auxiliary ones; not a buffer another job writes, not a hub id): what a re-run
+    compares, so rows written anew under the same path are not resumed as the old ones. By
+    content, so a copy or a checkout of the same bytes is no change."""
+    from rft.plan.batch import stored_experiences
+
+    inp, tin = cfg.buffer.explorer_input, cfg.buffer.trainer_input
+    paths = [inp.taskset.path, *(ts.path for ts in inp.eval_tasksets)]
+    eb = tin.experience_buffer
+    if cfg.mode == "train" and eb.storage_type == "file" and eb.path and not stored_experiences(eb):
+        paths.append(eb.path)
+    paths += [aux.get("path") for aux in tin.auxiliary_buffers.values() if hasattr(aux, "get")]
+    out = {}
+    for path in dict.fromkeys(str(p) for p in paths if p):
+        p = Path(os.path.expanduser(path))
+        files = [p] if p.is_file() else sorted(f for f in p.rglob("*") if f.is_file()) if p.is_dir() else []
+        if files:
+            out[path] = {(f.name if f == p else f.relative_to(p).as_posix()): manifest.digest(f)
+                         for f in files if not f.name.endswith(".lock")}
+    return out
+
+
+def data_differences(stage_dir: Path, cfg) -> list[str]:
+    """'path: file, ... changed since the stage started' for each dataset whose files' bytes
+    differ from the stage's record (none for a stage recorded before there was one)."""
+    try:
+        old = json.loads((stage_dir / DATA_RECORD).read_text())
+    except (OSError, ValueError):
+        return []
+    new = data_digests(cfg)
+    out = []
+    for path in sorted(set(old) & set(new)):
+        names = sorted(set(old[path]) | set(new[path]))
+        for what, which in (("changed", lambda a, b: a and b and a != b), ("is new", lambda a, b: not a),
+                            ("is gone", lambda a, b: not b)):
+            hit = [n for n in names if which(old[path].get(n), new[path].get(n))]
+            if hit:
+                out.append(f"{path}: {', '.join(hit)} {what} since the stage started")
+    return out
+
+
+def differences(old: dict, new: dict) -> list[str]:
+    """'key: old -> new' for each key whose value differs, but for MAY_GROW keys going up."""
+    missing = "(absent)"
+    out = []
+    for k in sorted(set(old) | set(new)):
+        a, b = old.get(k, missing), new.get(k, missing)
+        if a == b:
+            continue
+        if k in MAY_GROW and isinstance(a, int) and isinstance(b, int) and b > a:
+            continue
+        out.append(f"{k}: {a!r} -> {b!r}")
+    return out
+
+
+def grown(saved: dict, cfg) -> list[tuple[str, int, int]]:
+    """(key, old, new) of each MAY_GROW key that went up since the saved config."""
+    old, new = identity(saved), identity(cfg)
+    return [(k, old[k], new[k]) for k in MAY_GROW
+            if isinstance(old.get(k), int) and isinstance(new.get(k), int) and new[k] > old[k]]
+
+
+def check_unchanged(cfg, stages, stage_dirs, run_dir: Path) -> dict[str, list[str]]:
+    """The differences between each started stage's saved config and this run's; a ConfigError
+    unless there are none or resume_with_changes=true (then returned, to be logged)."""
+    found = {}
+    for i, (s, d) in enumerate(zip(stages, stage_dirs)):
+        if not has_outputs(d):
+            continue
+        name = s.stage_name or s.algorithm.algorithm_type
+        problem = record_problem(d)
+        if problem and not cfg.resume_with_changes:
+            raise ConfigError(
+                f"{d / 'config.yaml'}, the record of the configuration stage {name} ran with, {problem}, so rft "
+                f"cannot tell whether this run's configuration is the same. Put the file back (the whole "
+                f"run's config is in {run_dir / '.hydra' / 'config.yaml'}), go on with this run's configuration "
+                f"from the newest checkpoint (resume_with_changes=true), or start over "
+                f"(continue_from_checkpoint=false: the old outputs move to {run_dir}/previous_<time>/)."
+            )
+        diff = [f"config.yaml {problem}: written anew"] if problem else differences(identity(saved_config(d)), identity(s))
+        diff += data_differences(d, s)
+        later = next((t.stage_name for t, e in zip(stages[i + 1:], stage_dirs[i + 1:]) if has_outputs(e)), None)
+        if later and not problem:
+            # a longer run of the last stage is allowed; of a stage another one started from, it
+            # changes what that stage started from
+            diff += [f"{k}: {a} -> {b}, but stage {later} already trained from its {a}-step model"
+                     for k, a, b in grown(saved_config(d), s)]
+        if diff:
+            found[name] = diff
+    if found and not cfg.resume_with_changes:
+        listed = "; ".join(f"stage {name}: " + ", ".join(diff) for name, diff in found.items())
+        raise ConfigError(
+            f"the run directory {run_dir} holds a run made with another configuration ({listed}). "
+            f"Running the same name resumes that run, so the change would be skipped or mixed in "
+            f"silently. Either give this run another name (name=...), start this one again "
+            f"(continue_from_checkpoint=false: the old outputs move to {run_dir}/previous_<time>/), "
+            f"or continue it with the new values from its newest checkpoint (resume_with_changes=true)."
+        )
+    return found
+
+
+def note_changes(stage_dir: Path, diff: list[str]) -> None:
+    with open(stage_dir / "config_changes.log", "a") as f:
+        f.write(f"{datetime.datetime.now():%Y-%m-%d %H:%M:%S} resume_with_changes=true: " + "; ".join(diff) + "\n")
+
+
+# ---------------------------------------------------------------- the run's record
+
+
+def check_writable(run_dir: Path, key: str = "checkpoint_root_dir") -> None:
+    """Fail now, not at the first checkpoint after training steps are lost."""
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        probe = run_dir / f".write_test_{os.getpid()}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError(
+            f"cannot write to {run_dir} ({type(e).__name__}: {e.strerror or e}). Point {key} (or "
+            f"RFT_CHECKPOINT_ROOT_DIR) at a writable directory."
+        ) from e
+
+
+@contextmanager
+def run_lock(run_dir: Path):
+    """Held while a run writes `run_dir`: a second run of the same directory (the same command
+    started twice, a job requeued while it still runs) stops before it moves or writes anything,
+    naming the process that holds it. An flock, released by the kernel when the holder dies."""
+    import fcntl
+    import socket
+
+    path = run_dir / RUN_LOCK
+    with open(path, "a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            holder = f.read().strip() or "a process that has not said its id yet"
+            raise RunError(
+                f"another rft process ({holder}) is running in {run_dir} (it holds {path}); two runs writing one "
+                f"directory overwrite each other's checkpoints and logs. Wait for it to end (or stop it), or give "
+                f"this run another name (name=...).") from None
+        except OSError as e:  # a filesystem without locks: the run goes on unguarded, as it did before
+            log.warning("could not lock %s (%s): a second run of this name at once would not be stopped", path, e)
+        f.seek(0)
+        f.truncate()
+        f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+        f.flush()
+        yield
+
+
+def move_aside(run_dir: Path) -> Path | None:
+    """continue_from_checkpoint=false on a used directory: every earlier output, its .hydra/
+    record and logs included, moves to previous_<time>/ (not the lock this run holds)."""
+    old = [p for p in run_dir.iterdir() if not p.name.startswith("previous_") and p.name != RUN_LOCK]
+    if not old:
+        return None
+    stamp = f"previous_{datetime.datetime.now():%Y%m%d_%H%M%S}"
+    backup, n = run_dir / stamp, 1
+    while backup.exists():  # twice in one second, or the clock set back
+        n += 1
+        backup = run_dir / f"{stamp}-{n}"
+    backup.mkdir()
+    for p in old:
+        shutil.move(str(p), backup / p.name)
+    # a log file this process has open (Hydra's run.log) moved with the rest: let its handler
+    # start a new one at the old path on its next line
+    for h in logging.getLogger().handlers:
+        if isinstance(h, logging.FileHandler) and Path(h.baseFilename).parent == run_dir:
+            h.close()
+    return backup
+
+
+def write_record(cfg, run_dir: Path) -> None:
+    """The run's .hydra/ record, as Hydra writes it (Hydra's own writing is turned off)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    d = run_dir / ".hydra"
+    d.mkdir(parents=True, exist_ok=True)
+    OmegaConf.save(cfg, d / "config.yaml")
+    if HydraConfig.initialized():
+        hydra_cfg = HydraConfig.instance().cfg
+        OmegaConf.save(hydra_cfg, d / "hydra.yaml")
+        OmegaConf.save(hydra_cfg.hydra.overrides.task, d / "overrides.yaml")
+
+
+# ---------------------------------------------------------------- the stage cache
+
+
+def _link_tree(src: Path, dst: Path) -> None:
+    """A copy of src at dst, hard-linking files where the filesystem allows."""
+    def link(s, d):
+        try:
+            os.link(s, d)
+        except OSError:
+            shutil.copy2(s, d)
+
+    shutil.copytree(src, dst, copy_function=link)
+
+
+@contextmanager
+def stage_lock(entry: Path | None, title: str, say):
+    """Hold the cache key's lock while the stage is reused or trained: another job with the same
+    stage waits here (and says so once) instead of training it a second time."""
+    if entry is None:
+        yield
+        return
+    from filelock import FileLock, Timeout
+
+    entry.parent.mkdir(parents=True, exist_ok=True)
+    lock = FileLock(str(entry) + ".lock")
+    try:
+        lock.acquire(timeout=1)
+    except Timeout:
+        say(f"[{title}] waiting for another job that trains the same stage (lock {entry}.lock)")
+        t0 = time.monotonic()
+        lock.acquire()
+        say(f"[{title}] the other job finished after {time.monotonic() - t0:.0f} s")
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+def reuse(entry: Path, stage_dir: Path, owner: Owner, title: str, say) -> Path | None:
+    """Copy a published stage into stage_dir; returns its final model's directory (None: no entry,
+    or one that is damaged or not this stage's, which is moved aside to <entry>.damaged-<time>:
+    the stage runs, and publishes anew). The copy's manifest names this run."""
+    ckpt = read_checkpoint(entry / "checkpoint")
+    if ckpt is None:
+        return None
+    # its trainer_state.pt is not read here: checked by size (and in full if this stage ever resumes)
+    why = manifest.verify(entry, skip=("checkpoint/trainer_state.pt",))
+    if manifest.read(entry) == (None, None):
+        why = f"{entry / manifest.MANIFEST}: missing (written by an rft from before entries carried one: it cannot be checked)"
+    if why is None and ckpt.identity is not None and owner.differences(ckpt.identity):
+        why = f"it is {describe(ckpt.identity)}, and this stage is {describe(owner.identity(ckpt.step))}"
+    if why is not None:
+        aside = manifest.put_aside(entry, "damaged")
+        say(f"[{title}] the stage cache's copy of this stage is damaged ({why}); moved it to {aside} "
+            f"and running the stage")
+        return None
+    final = stage_dir / "checkpoints" / f"step_{ckpt.step}"
+    try:
+        _copy_entry(entry, stage_dir, final, owner.identity(ckpt.step))
+    except OSError as e:  # a full disk, most likely: the stage's own run then says so at its first save
+        shutil.rmtree(final.with_name(final.name + ".tmp"), ignore_errors=True)
+        say(f"[{title}] copying the stage cache's {entry} failed ({type(e).__name__}: {e}); running the stage")
+        return None
+    source = (entry / "source").read_text().strip() if (entry / "source").exists() else "?"
+    (stage_dir / "reused_from").write_text(f"{entry}\n{source}\n")
+    say(f"[{title}] reused: the same stage (same config, starting model and data) finished in "
+        f"{source}; copied from the stage cache {entry}")
+    return final / "hf"
+
+
+def _copy_entry(entry: Path, stage_dir: Path, final: Path, identity: dict) -> None:
+    """The entry's logs into `stage_dir` (config.yaml first, each whole or not at all), then its
+    checkpoint as `final`, its manifest naming this run (written anew, which replaces the link: the
+    entry's own file stays), moved into place last. A copy killed midway leaves no checkpoint, and a
+    stage without one is copied again (_run_or_reuse); the checkpoint alone was a stage without its
+    config.yaml, whose resume stopped."""
+    stage_dir.mkdir(parents=True, exist_ok=True)
+    for name in ("config.yaml", "metrics.jsonl", "batches.jsonl"):
+        if (entry / name).exists():
+            shutil.copy2(entry / name, stage_dir / f"{name}.tmp")
+            os.replace(stage_dir / f"{name}.tmp", stage_dir / name)
+    tmp = final.with_name(final.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.parent.mkdir(parents=True, exist_ok=True)
+    _link_tree(entry / "checkpoint", tmp)
+    sealed, _ = manifest.read(tmp)
+    manifest.seal(tmp, identity, known=sealed["files"])
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+
+
+def publish(entry: Path, stage_dir: Path, final: Path, say) -> None:
+    """Put a finished stage's final checkpoint and logs into the cache (if not there yet), sealed:
+    the checkpoint's digests are its manifest's (the files are links to it), the logs' are new.
+    One that cannot be written is said and left out: the run has its outputs."""
+    ckpt = read_checkpoint(final)
+    if entry.exists() or ckpt is None or not ckpt.identity:
+        return
+    tmp = entry.with_name(entry.name + f".tmp{os.getpid()}")
+    try:
+        # under the key's lock (stage_lock) no other publish is under way: any <key>.tmp<pid> is what
+        # a killed one left
+        for left in entry.parent.glob(f"{entry.name}.tmp*"):
+            shutil.rmtree(left, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        _link_tree(final, tmp / "checkpoint")
+        for name in ("metrics.jsonl", "batches.jsonl", "config.yaml"):
+            if (stage_dir / name).exists():
+                shutil.copy2(stage_dir / name, tmp / name)
+        (tmp / "source").write_text(f"{stage_dir}\n")
+        sealed, _ = manifest.read(final)
+        manifest.seal(tmp, ckpt.identity, known={f"checkpoint/{rel}": v for rel, v in sealed["files"].items()})
+        os.replace(tmp, entry)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        say(f"rft: warning: the stage cache {entry.parent} did not take this stage ({type(e).__name__}: {e}); "
+            f"a later run with the same stage trains it again")

@@ -1,0 +1,483 @@
+"""The explorer's OpenAI-compatible endpoint, and the `openai_agent` workflow that trains on it.
+
+Agent code written against the official `openai` client runs unchanged inside a workflow:
+
+    explorer.rollout_model.enable_openai_api: true      # each explorer serves its engine
+    buffer.explorer_input.taskset.workflow: openai_agent
+    buffer.explorer_input.taskset.workflow_args: {agent: my_study.agent.solve}
+
+    # my_study/agent.py
+    def solve(client, task, model, seed):
+        reply = client.chat.completions.create(model=model, seed=seed, messages=task.messages)
+        answer = reply.choices[0].message.content
+        return float(answer.strip() == str(task.answer))   # or {part: value}, or None: the taskset's reward
+
+The server (FastAPI on uvicorn, in a thread of the explorer) serves `/v1/chat/completions`,
+`/v1/completions` and `/v1/models` from the policy's engine (hf or vllm) and from the auxiliary
+models (explorer.auxiliary_models, under their names). It binds to 127.0.0.1 only and refuses a
+request without its token (`Authorization: Bearer`, a fresh random token per explorer, never
+logged); the workflow hands the agent a client that has both. One engine call at a time per model
+(engines are not thread-safe); agents run concurrently on the explorer's workflow runners.
+
+History (explorer.rollout_model.enable_history, default true). Every policy call's prompt ids,
+sampled ids and sampling log-probs are recorded under the rollout that made it (the client sends
+`X-RFT-Rollout`) and become that rollout's experiences: the ids the engine sampled, never
+re-tokenised from the text the agent saw. Each call is one experience, unless a call's prompt ids
+start with the previous call's prompt + sampled ids (an agent continuing its own token ids
+through /v1/completions): then they are one experience, the loss mask 1 on both calls' sampled
+tokens and 0 between. A chat agent re-sends text, which the chat template re-renders (after
+<|im_end|> it adds a newline the model never sampled), so its calls are separate experiences; the
+token-exact multi-turn alternative is the multi_turn workflow (rft/rollout/workflows/multi_turn.py). Every
+experience of a rollout gets the rollout's reward. A call under a rollout the workflow did not
+open (no header, or one already taken) is answered and not recorded; at most MAX_OPEN_ROLLOUTS
+rollouts are open at once, and opening one more drops the oldest's calls, counted and warned
+about (an agent still running after the explorer gave up on its task).
+
+Requests (OpenAI's error shape, `param` naming the field): n from 1 to 128 (OpenAI's cap),
+max_tokens at most the model's model.max_response_tokens, prompt ids inside the vocabulary (an id
+outside it would take the engine down on CUDA), prompt + max_tokens within the model's context,
+and every other field of the right type and range, else 400; a body over 32 MiB 413
+(rft.serving.auth, with the same timeouts and connection cap as the reward server).
+
+Seeds. A request's `seed` is passed to the engine: the same seed, prompt and sampling give the
+same tokens as a direct `engine.generate(...)` call (the test compares them). The workflow hands
+each rollout a seed derived from the step's; a request without one gets a counter's (not
+reproducible across runs). Sampling the request does not set comes from the taskset's
+rollout_args (greedy for an eval set at temperature 0).
+"""
+
+
+import itertools
+import logging
+import secrets
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from rft.data.chat import render
+from rft.data.experience import Experience
+from rft.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+ROLLOUT_HEADER = "X-RFT-Rollout"
+MAX_N = 128  # OpenAI's own cap on n: what an agent written against its API may ask for
+MAX_STOP = 4  # OpenAI's cap on stop sequences
+MAX_OPEN_ROLLOUTS = 1024  # rollouts in flight are the explorer's runner threads: far fewer
+GREEDY_BELOW = 1e-5  # a temperature this small samples greedily (as vLLM does): 1e-40 overflows logits / t
+
+
+@dataclass
+class Call:
+    """One sampled completion of the policy, as the engine gave it."""
+    prompt_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+    sampling: dict
+    prompt_text: str
+    response_text: str
+    rollout: str
+
+
+# ---------------------------------------------------------------- what a request may say
+
+class Sampling(BaseModel):
+    """The fields of a request the endpoint reads, with OpenAI's ranges (strict types: "5" is not
+    5); other fields a client sends are ignored. A field out of range is a 400 naming it."""
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
+    model: str | None = None
+    n: int = Field(1, ge=1, le=MAX_N)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1)
+    seed: int | None = None
+    # "" is in every text: it would end each completion after its first token (rollout_args.stop refuses it too)
+    stop: list[Annotated[str, Field(min_length=1)]] | None = Field(None, max_length=MAX_STOP)
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _one_stop(cls, v):
+        return [v] if isinstance(v, str) else v
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    role: str
+
+
+class ChatRequest(Sampling):
+    messages: list[Message] = Field(min_length=1)
+    logprobs: bool | None = None
+
+
+class CompletionRequest(Sampling):
+    prompt: Any = None  # text or token ids: checked against the tokenizer (prompt_ids)
+    logprobs: int | None = Field(None, ge=0, le=5)
+
+
+class Refusal(Exception):
+    """A request the endpoint answers with an error, in OpenAI's shape (`param` names the field)."""
+
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None):
+        super().__init__(message)
+        self.status, self.kind, self.param = status, kind, param
+
+
+class Invalid(Refusal):
+    """A request field the endpoint refuses: a 400 naming it."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(400, message, param=param)
+
+
+def parsed(kind: type[Sampling], body) -> Sampling:
+    """The request `body` (parsed JSON) as `kind`, or Invalid naming the first field that is wrong."""
+    if not isinstance(body, dict):
+        raise Invalid("body", f"the request body must be a JSON object, not {type(body).__name__}")
+    try:
+        return kind.model_validate(body)
+    except ValidationError as e:
+        err = e.errors()[0]
+        where = "".join(f"[{x}]" if isinstance(x, int) else f".{x}" for x in err["loc"]).lstrip(".")
+        raise Invalid(str(err["loc"][0]) if err["loc"] else "body",
+                      f"{where}: {err['msg']} (got {str(err.get('input'))[:100]})") from None
+
+
+def prompt_ids(tok, prompt) -> list[int]:
+    """/v1/completions' prompt as token ids: text (encoded without special tokens), or ids, or
+    either as a one-entry list (what the client sends for one prompt)."""
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, str) and prompt:
+        return tok.encode(prompt, add_special_tokens=False)
+    if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
+        return prompt
+    raise Invalid("prompt", f"prompt must be one non-empty text or list of token ids (one prompt per request), "
+                            f"not {str(prompt)[:100]}")
+
+
+@dataclass
+class Limits:
+    """What a served model takes: `budget` new tokens at most (its max_response_tokens), ids below
+    `vocab`, prompt + new tokens within `context` (None: its engine does not say)."""
+    budget: int
+    vocab: int
+    context: int | None
+
+    @classmethod
+    def of(cls, engine, tok, default_budget: int) -> "Limits":
+        inner = getattr(engine, "engine", engine)  # an auxiliary model wraps its engine
+        budget = getattr(inner, "max_response_tokens", None) or getattr(engine, "max_tokens", None) or default_budget
+        llm_config = getattr(getattr(inner, "llm", None), "model_config", None)  # vLLM
+        hf_config = getattr(getattr(inner, "model", None), "config", None)
+        vocab = min(len(tok), getattr(hf_config, "vocab_size", None) or len(tok))
+        if llm_config is not None:
+            vocab = min(vocab, llm_config.get_vocab_size())
+            return cls(budget, vocab, llm_config.max_model_len)
+        return cls(budget, vocab, getattr(hf_config, "max_position_embeddings", None))
+
+    def check(self, prompt: list[int], max_tokens: int, asked: bool) -> None:
+        """Invalid when the request would index outside the model (a CUDA device assert takes the
+        explorer down) or run past its budget or context."""
+        if asked and max_tokens > self.budget:
+            raise Invalid("max_tokens", f"max_tokens={max_tokens} is over this model's budget of {self.budget} new "
+                                        f"tokens (model.max_response_tokens)")
+        bad = next((t for t in prompt if not 0 <= t < self.vocab), None)
+        if bad is not None:
+            raise Invalid("prompt", f"prompt: token id {bad} is outside the vocabulary (0 <= id < {self.vocab})")
+        if self.context is not None and len(prompt) + max_tokens > self.context:
+            raise Invalid("max_tokens" if asked else "prompt",
+                          f"the prompt's {len(prompt)} tokens and max_tokens={max_tokens} are over the model's "
+                          f"context of {self.context} tokens")
+
+
+# ---------------------------------------------------------------- the server
+
+class OpenAIServer:
+    """`models`: name -> (engine, tokenizer); `policy` the trained one (its calls are recorded);
+    `defaults` the sampling of requests that do not set it; `max_tokens` the default budget.
+
+    History: `open(key)` before a rollout, `take_history(key)` after. The calls of a key nobody
+    opened are served and not recorded; at most `max_rollouts` keys are open: opening one more drops
+    the oldest (counted in `dropped_rollouts`, with a warning), a rollout whose history was never
+    taken (its agent still running past the explorer's timeout)."""
+
+    def __init__(self, models: dict, policy: str, defaults, max_tokens: int, history: bool = True,
+                 host: str = "127.0.0.1", port: int = 0, token: str | None = None,
+                 max_rollouts: int = MAX_OPEN_ROLLOUTS):
+        self.models, self.policy, self.defaults, self.max_tokens = models, policy, defaults, max_tokens
+        self.history_on, self.host, self.port = history, host, port
+        self.token = token or secrets.token_urlsafe(32)
+        self.locks = {name: threading.Lock() for name in models}
+        self.limits = {name: Limits.of(engine, tok, max_tokens) for name, (engine, tok) in models.items()}
+        self.rollouts: OrderedDict[str, tuple[object, list[Call]]] = OrderedDict()  # key -> (defaults, calls)
+        self.max_rollouts, self.dropped_rollouts = max_rollouts, 0
+        self.seeds = itertools.count(1)
+        self.guard = threading.Lock()
+        self.server = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}/v1"
+
+    # ------------------------------------------------------------ lifecycle
+
+    def start(self) -> "OpenAIServer":
+        import uvicorn
+
+        from rft.serving.auth import server_config
+
+        self.server = uvicorn.Server(server_config(self.app(), host=self.host, port=self.port, log_level="warning"))
+        threading.Thread(target=self.server.run, daemon=True, name="openai-api").start()
+        t0 = time.monotonic()
+        while not self.server.started:
+            if time.monotonic() - t0 > 30:
+                raise RuntimeError("the OpenAI-compatible server did not start in 30 s")
+            time.sleep(0.01)
+        self.port = self.server.servers[0].sockets[0].getsockname()[1]
+        return self
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server.should_exit = True
+
+    # ------------------------------------------------------------ history
+
+    def open(self, rollout: str, defaults) -> None:
+        """Record the policy calls of `rollout`, sampled with `defaults` where they do not say otherwise."""
+        with self.guard:
+            self.rollouts[rollout] = (defaults, [])
+            self.rollouts.move_to_end(rollout)
+            while len(self.rollouts) > self.max_rollouts:
+                oldest, (_, calls) = self.rollouts.popitem(last=False)
+                self.dropped_rollouts += 1
+                log.warning("OpenAI endpoint: rollout %r was opened and its calls never taken; dropped its %d calls "
+                            "to keep %d rollouts open at most (%d dropped so far)", oldest, len(calls),
+                            self.max_rollouts, self.dropped_rollouts)
+
+    def take_history(self, rollout: str) -> list[Call]:
+        """The policy calls `rollout` made, in order (and forget them)."""
+        with self.guard:
+            return self.rollouts.pop(rollout, (None, []))[1]
+
+    # ------------------------------------------------------------ serving
+
+    def _sample(self, req: Sampling, prompt: list[int], rollout: str) -> list[Call]:
+        model = req.model
+        engine, tok = self.models[model]
+        with self.guard:
+            base = self.rollouts[rollout][0] if rollout in self.rollouts else self.defaults
+        stop = req.stop if req.stop is not None else list(getattr(base, "stop", []) or [])
+        temperature = base.temperature if req.temperature is None else req.temperature
+        asked = req.max_completion_tokens or req.max_tokens
+        args = SimpleNamespace(
+            temperature=0.0 if temperature < GREEDY_BELOW else temperature,
+            top_p=base.top_p if req.top_p is None else req.top_p, top_k=base.top_k if req.top_k is None else req.top_k,
+            stop=list(stop), max_tokens=asked or base.max_tokens or self.max_tokens)
+        self.limits[model].check(prompt, args.max_tokens, bool(asked))
+        seed = req.seed if req.seed is not None else next(self.seeds)
+        with self.locks[model]:
+            [group] = engine.generate([prompt], req.n, args, seed=seed % (2**31))
+        sampling = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k}
+        prompt_text = tok.decode(prompt, skip_special_tokens=True)
+        calls = [Call(list(prompt), list(s.token_ids), list(s.logprobs), s.finish_reason, dict(sampling), prompt_text,
+                      tok.decode(s.token_ids, skip_special_tokens=True), rollout) for s in group]
+        if model == self.policy and self.history_on:
+            with self.guard:
+                if rollout in self.rollouts:
+                    self.rollouts[rollout][1].extend(calls)
+        return calls
+
+    async def _checked(self, request, kind: type[Sampling], expected: bytes) -> Sampling:
+        """The request as `kind`, its model set; a Refusal for a 401, 404 or 400."""
+        from rft.serving.auth import bearer_refusal
+
+        denied = bearer_refusal(request, expected, "the explorer's token (the workflow's client has it)")
+        if denied is not None:
+            raise Refusal(401, "refused: " + denied.body.decode().split("refused: ", 1)[-1].rstrip('"}'))
+        try:
+            body = await request.json()
+        except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError; nested too deep
+            raise Invalid("body", f"malformed JSON: {e}") from None
+        req = parsed(kind, body)
+        req.model = req.model or self.policy
+        if req.model not in self.models:
+            raise Refusal(404, f"model {req.model!r} is not served here; the models are {sorted(self.models)}",
+                          "not_found_error", "model")
+        return req
+
+    def app(self):
+        from fastapi import FastAPI, Request
+        from fastapi.concurrency import run_in_threadpool
+
+        from rft.serving.auth import MAX_BODY, BodyLimit, BodyTooLarge, bearer_refusal
+
+        app = FastAPI(title="rft OpenAI-compatible endpoint", docs_url=None, redoc_url=None, openapi_url=None)
+        app.add_middleware(BodyLimit, limit=MAX_BODY)
+        expected = self.token.encode()
+
+        @app.exception_handler(BodyTooLarge)
+        async def too_large(request, e):
+            return _error(Refusal(413, e.detail), headers=e.headers)
+
+        @app.exception_handler(Refusal)
+        async def refused(request, e):
+            return _error(e)
+
+        async def sampled(request: Request, req: Sampling, prompt) -> tuple[list[int], list[Call]]:
+            """(the prompt's ids, the calls): `prompt()` renders or tokenises it, which may take seconds
+            (20,000 messages: 5 s), on a worker thread as the engine call, never on the event loop
+            that every other agent's request waits on."""
+            def work():
+                ids = prompt()
+                return ids, self._sample(req, ids, request.headers.get(ROLLOUT_HEADER, ""))
+
+            return await run_in_threadpool(work)
+
+        @app.get("/v1/models")
+        async def models(request: Request):
+            denied = bearer_refusal(request, expected, "the explorer's token")
+            return denied or {"object": "list", "data": [{"id": m, "object": "model", "owned_by": "rft"} for m in self.models]}
+
+        @app.post("/v1/chat/completions")
+        async def chat(request: Request):
+            req = await self._checked(request, ChatRequest, expected)
+            tok = self.models[req.model][1]
+            prompt, calls = await sampled(request, req, lambda: chat_prompt(tok, req.messages))
+            return {"id": f"chatcmpl-{secrets.token_hex(8)}", "object": "chat.completion", "created": int(time.time()),
+                    "model": req.model, "usage": _usage(prompt, calls),
+                    "choices": [{"index": i, "message": {"role": "assistant", "content": c.response_text},
+                                 "finish_reason": c.finish_reason,
+                                 "logprobs": _logprobs(tok, c, True) if req.logprobs else None}
+                                for i, c in enumerate(calls)]}
+
+        @app.post("/v1/completions")
+        async def completions(request: Request):
+            req = await self._checked(request, CompletionRequest, expected)
+            tok = self.models[req.model][1]
+            prompt, calls = await sampled(request, req, lambda: prompt_ids(tok, req.prompt))
+            return {"id": f"cmpl-{secrets.token_hex(8)}", "object": "text_completion", "created": int(time.time()),
+                    "model": req.model, "usage": _usage(prompt, calls),
+                    "choices": [{"index": i, "text": c.response_text, "finish_reason": c.finish_reason,
+                                 "logprobs": _logprobs(tok, c, False) if req.logprobs is not None else None}
+                                for i, c in enumerate(calls)]}
+
+        return app
+
+
+def _error(e: Refusal, headers=None):
+    from fastapi.responses import JSONResponse
+
+    return JSONResponse({"error": {"message": str(e), "type": e.kind, "param": e.param, "code": e.status}},
+                        status_code=e.status, headers=headers)
+
+
+def _usage(prompt, calls) -> dict:
+    done = sum(len(c.token_ids) for c in calls)
+    return {"prompt_tokens": len(prompt), "completion_tokens": done, "total_tokens": len(prompt) + done}
+
+
+def _logprobs(tok, c: Call, chat: bool) -> dict:
+    if chat:
+        return {"content": [{"token": tok.decode([t]), "logprob": lp, "bytes": None, "top_logprobs": []}
+                            for t, lp in zip(c.token_ids, c.logprobs)]}
+    return {"tokens": [tok.decode([t]) for t in c.token_ids], "token_logprobs": c.logprobs,
+            "top_logprobs": None, "text_offset": None}
+
+
+def chat_prompt(tok, messages: list[Message]) -> list[int]:
+    """The chat template's ids of `messages` and the generation prompt; a template that cannot
+    render them (a Jinja error, a content it does not take) is the request's error."""
+    try:
+        return render(tok, [m.model_dump() for m in messages], generation_prompt=True)
+    except Exception as e:
+        raise Invalid("messages", f"messages: the chat template cannot render them: {type(e).__name__}: {e}") from None
+
+
+# ---------------------------------------------------------------- the workflow
+
+def experiences_of(calls: list[Call]) -> list[tuple[list[int], int, list[float], list[int], Call]]:
+    """(tokens, prompt_length, logprobs, loss_mask, last call) per experience: a call whose prompt
+    starts with the previous call's prompt + sampled ids continues that experience."""
+    out = []
+    for c in calls:
+        if out:
+            tokens, plen, lps, mask, _ = out[-1]
+            if c.prompt_ids[: len(tokens)] == tokens:
+                gap = len(c.prompt_ids) - len(tokens)
+                out[-1] = (c.prompt_ids + c.token_ids, plen, lps + [0.0] * gap + c.logprobs,
+                           mask + [0] * gap + [1] * len(c.token_ids), c)
+                continue
+        out.append((c.prompt_ids + c.token_ids, len(c.prompt_ids), list(c.logprobs), [1] * len(c.token_ids), c))
+    return out
+
+
+def openai_agent(tasks, engine, ctx) -> list[list[Experience] | None]:
+    """`ctx.n` runs of the agent (workflow_args.agent) per task against the explorer's endpoint;
+    their recorded policy calls are the experiences (module docstring)."""
+    import openai
+
+    from rft.registry import resolve
+    from rft.rewards.scoring import Reward
+
+    server = ctx.openai
+    if server is None:
+        raise ConfigError("workflow openai_agent needs the explorer's endpoint: set "
+                          "explorer.rollout_model.enable_openai_api=true.")
+    args = dict(ctx.args)
+    if "agent" not in args:
+        raise ConfigError("workflow openai_agent needs workflow_args.agent: the dotted path of a function "
+                          "agent(client, task, model, seed, **workflow_args).")
+    agent = resolve({}, args.pop("agent"), "workflow_args.agent")
+    jobs = [(i, task, j) for i, task in enumerate(tasks) for j in range(ctx.n)]
+
+    def run(job):
+        i, task, j = job
+        key = f"{ctx.step}/{ctx.seed}/{task.task_id}/{j}"
+        server.open(key, ctx.rollout_args)
+        client = openai.OpenAI(base_url=server.url, api_key=server.token, max_retries=0,
+                               default_headers={ROLLOUT_HEADER: key})
+        try:
+            result = agent(client, task, model=server.policy, seed=(ctx.seed + i * ctx.n + j) % (2**31), **args)
+        finally:  # an agent that raises leaves no history behind
+            client.close()
+            calls = server.take_history(key)
+        return result, calls
+
+    results = (ctx.call or (lambda fn, js: [fn(x) for x in js]))(run, jobs)
+    out: list = [[] for _ in tasks]
+    for (i, task, j), res in zip(jobs, results):
+        if out[i] is None:
+            continue
+        if res is None or not res[1]:
+            log.warning("task %s failed: its agent %s", task.task_id, "raised or timed out" if res is None else "made no policy call")
+            out[i] = None
+            continue
+        value, calls = res
+        if value is None:  # the taskset's reward on the last answer
+            last = calls[-1]
+            scored = ctx.score([(last.prompt_text, [last.response_text], task)])[0]
+            if scored is None:
+                out[i] = None
+                continue
+            reward = scored[0]
+        elif isinstance(value, dict):
+            reward = Reward(sum(float(v) for v in value.values()), {k: float(v) for k, v in value.items()})
+        else:
+            reward = Reward(float(value), {"agent": float(value)})
+        for n, (tokens, plen, lps, mask, c) in enumerate(experiences_of(calls)):
+            out[i].append(Experience(
+                tokens=tokens, prompt_length=plen, logprobs=lps, reward=reward,
+                group_id=f"{ctx.step}/{ctx.seed}/{task.task_id}", task_id=task.task_id,
+                policy_version=ctx.policy_version, sampling=dict(c.sampling), loss_mask=mask,
+                info={"finish_reason": c.finish_reason, "prompt": c.prompt_text, "response": c.response_text,
+                      "rollout": j, "call": n, "prompt_truncated": False}))
+    return out

@@ -1,0 +1,226 @@
+"""trainer=fsdp2: the trainer as `ranks` data-parallel processes with torch FSDP2 (fully_shard).
+
+Every rank gets the whole batch (advantages need whole groups, and it is small next to the
+model) and trains on its share of each mini-batch:
+
+    rows per rank  = ceil(mini-batch rows / ranks), rounded up to whole preference pairs
+    rank r's rows  = a contiguous block of the mini-batch; the last ranks may get fewer or none
+    passes         = the same count on every rank (FSDP gathers and reduces inside each forward
+                     and backward, so a rank that skipped one would hang the others): a rank
+                     short of rows runs "dead" micro-batches whose loss is multiplied by 0
+
+Each rank's loss is its rows' part of the one-process loss (normalised by the whole
+mini-batch's counts), times the number of ranks because FSDP averages gradients; so one
+update equals trainer=torch's up to float summation order (tests/test_fsdp.py checks it).
+
+Weights leave the trainer whole: syncs, checkpoints (`hf/` in Hugging Face format and a full
+optimizer state, loadable by trainer=torch too) gather them on rank 0. A fingerprint adds up
+each rank's shard sums instead of gathering anything.
+
+The ranks meet through a TCPStore that the driver hosts (`start_trainer`), so no rank has to
+be started before the others to learn an address.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from pathlib import Path
+
+import torch
+
+from rft.models import local_device
+from rft.sync.weights import format_fingerprint, hf_tensors, weight_sums
+from rft.trainer import micro_batches
+from rft.trainer.trainer import Trainer, _lengths, load_state
+
+
+class FSDPTrainer(Trainer):
+    def __init__(self, cfg, plan, init_path, rank: int, world: int, store_address: tuple[str, int]):
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+
+        self.rank, self.world = rank, world
+        cuda = local_device(cfg.cluster).type == "cuda"
+        if dist.is_initialized():  # cluster=inline: the previous stage's trainer lived in this process
+            dist.destroy_process_group()
+        host, port = store_address
+        timeout = datetime.timedelta(seconds=cfg.synchronizer.sync_timeout)
+        store = dist.TCPStore(host, port, is_master=False, timeout=timeout)
+        dist.init_process_group("nccl" if cuda else "gloo", store=dist.PrefixStore("fsdp", store),
+                                rank=rank, world_size=world, timeout=timeout)
+        self.mesh = init_device_mesh("cuda" if cuda else "cpu", (world,))
+        self.loss_scale = world
+        super().__init__(cfg, plan, init_path)
+
+    # ------------------------------------------------------------------ data-parallel hooks
+
+    def _wrap(self, model):
+        """Shard each transformer block (transformers names them in _no_split_modules), then the rest."""
+        from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+
+        # trainer.param_offload: the shards of weights and gradients live in CPU memory, copied to
+        # the device block by block for each forward and backward; the optimizer steps on the CPU
+        cuda = self.device.type == "cuda"
+        offload = CPUOffloadPolicy(pin_memory=cuda) if self.cfg.trainer.param_offload else OffloadPolicy()
+        # (the critic's ValueModel holds the transformer as .base: its blocks are named there)
+        blocks = {b for m in model.modules() for b in (getattr(m, "_no_split_modules", None) or [])}
+        for module in model.modules():
+            if type(module).__name__ in blocks:
+                fully_shard(module, mesh=self.mesh, offload_policy=offload)
+        fully_shard(model, mesh=self.mesh, offload_policy=offload)
+        return model
+
+    def _optimizer_step(self, optimizer) -> None:
+        """trainer.optimizer_offload (without param_offload, which steps on the CPU anyway): Adam's
+        moments wait in CPU memory between steps, on the device only for the step itself."""
+        if not (self.cfg.trainer.optimizer_offload and not self.cfg.trainer.param_offload):
+            return optimizer.step()
+        _move_optimizer_state(optimizer, self.device)
+        optimizer.step()
+        _move_optimizer_state(optimizer, torch.device("cpu"))
+
+    def _my_micro_batches(self, full, start: int, end: int):
+        unit, lengths = self._unit, _lengths(full)
+        if self.cfg.trainer.use_dynamic_bsz:  # shares of about equal token counts
+            blocks = micro_batches.balanced_blocks(lengths, start, end, self.world, unit)
+        else:
+            blocks = [micro_batches.fixed_share(start, end, r, self.world, unit) for r in range(self.world)]
+        # every rank knows every rank's micro-batches (each holds the whole batch): as many passes as the most
+        mine = [self._micro_batches(lengths, a, b) for a, b in blocks]
+        for i in range(max(len(m) for m in mine)):
+            if i < len(mine[self.rank]):
+                yield *mine[self.rank][i], True
+            else:  # a dead pass on real rows, weighted 0
+                yield start, min(start + unit, end), False
+
+    def _all_sum(self, t: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+
+        dist.all_reduce(t)
+        return t
+
+    def close(self) -> None:
+        """Leave the ranks' process group (before the driver's store goes away)."""
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    # ------------------------------------------------------------------ whole weights
+
+    def _full_state(self) -> dict:
+        """The whole model's state dict on rank 0 (CPU), {} on the others; every rank must call it."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        return self._full_state()
+
+    def _sync_state(self) -> dict[str, torch.Tensor]:
+        return self._full_state()
+
+    def fingerprint(self) -> str:
+        local = [p.to_local() for p in self.model.parameters()]
+        return format_fingerprint(self._all_sum(torch.tensor(weight_sums(local), dtype=torch.float64,
+                                                             device=self.device)).tolist())
+
+    def collective_address(self):
+        return super().collective_address() if self.rank == 0 else None
+
+    def collective_init(self, address: str, port: int, world: int, rank: int) -> None:
+        # only rank 0 is in the trainer -> explorers group
+        if self.rank == 0:
+            super().collective_init(address, port, world, rank)
+
+    def collective_send(self) -> None:
+        from rft.sync.weights import broadcast
+
+        for _, p in sorted(self.model.named_parameters()):
+            full = p.full_tensor()  # every rank takes part in the gather
+            if self.rank == 0:
+                broadcast(self.group, [full])
+
+    def save_weights(self, path: str) -> str:
+        from safetensors.torch import save_file
+
+        from rft.sync.weights import for_safetensors
+
+        sd = self._full_state()
+        if self.rank == 0:
+            save_file(for_safetensors(sd), path + ".tmp")
+            os.replace(path + ".tmp", path)
+        return self.fingerprint()
+
+    def save(self, directory: str, with_hf: bool = True) -> None:
+        """The same checkpoint as trainer=torch's (whole model, whole optimizer state), written by
+        rank 0. Always with hf/ (`with_hf` is for LoRA, which trains with trainer=torch)."""
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+        )
+
+        sd = self._full_state()
+        whole = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        optim = get_optimizer_state_dict(self.model, self.optimizer, options=whole)
+        critic = None
+        if self.critic is not None:  # gathered like the actor's, in trainer=torch's form
+            critic = {"model": get_model_state_dict(self.critic.model, options=whole),
+                      "optimizer": get_optimizer_state_dict(self.critic.model, self.critic.optimizer, options=whole)}
+        if self.rank != 0:
+            return
+        d = Path(directory)
+        self.model.save_pretrained(d / "hf", state_dict=sd)
+        self.tokenizer.save_pretrained(d / "hf")
+        torch.save({"optimizer": optim, "scheduler": self.scheduler.state_dict(), "version": self.version,
+                    "rng": torch.get_rng_state(), "critic": critic}, d / "trainer_state.pt")
+
+    def load(self, directory: str) -> None:
+        """Every rank reads the whole checkpoint (a filesystem all nodes share) and keeps its shard."""
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        d = Path(directory)
+        # the state first: a damaged file then leaves the model as it was (the runner falls back)
+        state = load_state(d / "trainer_state.pt")
+        # tied weights are saved once (save_pretrained): strict=False lets the tie fill them
+        set_model_state_dict(self.model, dict(hf_tensors(d / "hf")),
+                             options=StateDictOptions(full_state_dict=True, strict=False))
+        set_optimizer_state_dict(self.model, self.optimizer, _by_name(state["optimizer"], self.model),
+                                 options=StateDictOptions(full_state_dict=True))
+        if self.critic is not None:
+            c = state["critic"]
+            set_model_state_dict(self.critic.model, c["model"], options=StateDictOptions(full_state_dict=True))
+            set_optimizer_state_dict(self.critic.model, self.critic.optimizer, _by_name(c["optimizer"], self.critic.model),
+                                     options=StateDictOptions(full_state_dict=True))
+        self.scheduler.load_state_dict(state["scheduler"])
+        self._configured_optimizer()
+        self.version = state["version"]
+        torch.set_rng_state(state["rng"])
+
+
+def _move_optimizer_state(optimizer, device) -> None:
+    for state in optimizer.state.values():
+        for k, v in state.items():
+            if isinstance(v, torch.Tensor) and k != "step":  # Adam keeps `step` on the CPU
+                state[k] = v.to(device, non_blocking=True)
+
+
+def _by_name(optim: dict, model) -> dict:
+    """An optimizer state dict keyed by parameter name, as torch.distributed.checkpoint loads it.
+
+    trainer=torch saves torch's own form, parameters numbered in model.parameters() order (a
+    checkpoint written by FSDP ranks is keyed by name already; torch loads both alike)."""
+    groups = optim["param_groups"]
+    if all(isinstance(i, str) for g in groups for i in g["params"]):
+        return optim
+    names = [n for n, _ in model.named_parameters()]
+    return {
+        "state": {names[i]: v for i, v in optim["state"].items()},
+        "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in groups],
+    }

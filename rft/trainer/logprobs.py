@@ -1,0 +1,277 @@
+"""Per-token log-probs and entropies of a causal LM, as the trainer computes them.
+
+`token_logprobs` takes right-padded rows and returns [n, L-1] tensors (0 where a position has no
+next token of its row). How it gets there, each choice giving the same numbers:
+
+- packed (`trainer.use_remove_padding`): the rows' real tokens are laid end to end with
+  position ids restarting at 0 for each; transformers then builds attention that never crosses
+  from one sequence into another (a block-diagonal causal mask for sdpa and eager, sequence
+  boundaries for flash-attention). With flash-attention every sequence goes in one row; sdpa and
+  eager compute a row's whole masked square, so their rows are as wide as the longest sequence,
+  filled first-fit (`pack`): no compute on padding but a bin's unused end.
+- shared prompts (packed, given each row's prompt length, sdpa or eager attention without sliding
+  windows): rows with the same prompt ids (a GRPO group) go in as one sequence, the prompt once
+  and each row's response after it, every response attending to the prompt and to itself only
+  (a mask of our own, `share_prompts`). The prompt's hidden states do not depend on what follows
+  them, so each row's log-probs are those of its own sequence, and the gradient through the
+  shared prompt is the sum of the rows'. Done for a group whose prompt is at least as long as
+  its mean response: the tokens computed drop by more than (n - 1) / 2n, and the denser
+  attention of one long sequence stays cheap next to them.
+- chunked (`trainer.logprob_chunk_size`): the output layer runs inside the model's forward on
+  `chunk` positions at a time, each chunk under activation checkpointing, so the float32
+  [positions, vocab] logits never exist whole, neither in the forward nor kept for the backward
+  (it is recomputed chunk by chunk). Only the positions that predict a token of their own row
+  go through the output layer.
+- `fp32_head` (`model.fp32_lm_head`): the output layer's matmul in float32 for a bfloat16 model.
+
+The distribution is the one the explorer sampled from (as verl does for the temperature):
+logits divided by `temperature`, then cut to the `top_k` most likely tokens and to the smallest
+set whose probability reaches `top_p`, renormalised (the order of transformers' and vLLM's
+samplers). Each may be a number or a tensor [n] of per-row values (top_k <= 0, top_p >= 1: no
+cut). A target token is never cut (the sampler drew it, so it was in the set; an engine's float
+rounding at the set's edge must not give it probability 0).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from rft.trainer.micro_batches import first_fit
+
+
+def token_logprobs(model, input_ids, attention_mask, temperature=1.0, top_p=None, top_k=None,
+                   with_entropy_grad=True, packed=False, chunk_size=None, fp32_head=False, prompt_lengths=None):
+    """Log-prob of each next token and the entropy of each next-token distribution, [n, L-1].
+
+    `with_entropy_grad=False`: the entropy is only a metric (no gradient kept for it).
+    `prompt_lengths` ([n], with `packed`): rows sharing a prompt compute it once (module doc).
+    """
+    n, L = input_ids.shape
+    dev = input_ids.device
+    lengths = attention_mask.sum(-1)
+    # the positions that predict a token of their own row: t < length - 1, as (row, t)
+    has_next = torch.arange(L - 1, device=dev)[None, :] < (lengths[:, None] - 1)
+    rows, cols = has_next.nonzero(as_tuple=True)
+    targets = input_ids[rows, cols + 1]
+    per_row = lambda v, dtype: torch.as_tensor(v, dtype=dtype, device=dev).expand(n)[rows]  # noqa: E731
+    sampling = (per_row(temperature, torch.float32),
+                None if top_p is None else per_row(top_p, torch.float32),
+                None if top_k is None else per_row(top_k, torch.long))
+    shared = None
+    if packed and prompt_lengths is not None and can_share_prompts(model):
+        shared = share_prompts(input_ids, lengths.tolist(), [int(p) for p in prompt_lengths], model.dtype)
+    if shared is not None:
+        packed_ids, positions, mask, where = shared
+        select = where[rows, cols]
+        kwargs = {"input_ids": packed_ids, "position_ids": positions, "attention_mask": mask}
+    elif packed:
+        packed_ids, positions, starts = pack(input_ids, lengths.tolist(), one_row(model))
+        select = starts[rows] + cols
+        kwargs = {"input_ids": packed_ids, "position_ids": positions}
+    else:
+        select = rows * L + cols
+        kwargs = {"input_ids": input_ids, "attention_mask": attention_mask}
+    head = model.get_output_embeddings()
+    if getattr(model.config, "final_logit_softcapping", None) or head is None:
+        # the model reshapes its logits after the output layer (Gemma's soft-capping): take them whole
+        logits = model(**kwargs, use_cache=False).logits.flatten(0, 1)[select]
+        logp, entropy = _from_logits(logits.float(), targets, *sampling, with_entropy_grad)
+    else:
+        out = {}
+        with _head_replaced(head, lambda h: _head_logprobs(h, head, select, targets, sampling, out,
+                                                            chunk_size, fp32_head, with_entropy_grad)):
+            model(**kwargs, use_cache=False)
+        logp, entropy = out["logp"], out["entropy"]
+    full_logp = torch.zeros((n, L - 1), dtype=logp.dtype, device=dev)
+    full_entropy = torch.zeros((n, L - 1), dtype=entropy.dtype, device=dev)
+    return full_logp.index_put((rows, cols), logp), full_entropy.index_put((rows, cols), entropy)
+
+
+def one_row(model) -> bool:
+    """Whether to pack every sequence into one row: with flash-attention, whose varlen kernel
+    computes nothing across sequences. sdpa and eager compute the whole masked square of a row,
+    so they get rows no longer than the longest sequence."""
+    return str(getattr(model.config, "_attn_implementation", "")).startswith("flash_attention")
+
+
+def pack(input_ids, lengths: list[int], one_row: bool = False):
+    """Right-padded rows [n, L] -> packed rows [B, W] (first-fit, longest first, in bins as wide as
+    the longest sequence; or one row), their position ids (0.. for each sequence, and for the
+    unused end of a bin, a filler sequence of its own that nothing reads), and where each
+    sequence starts in the flattened [B * W]."""
+    where, bins = first_fit(lengths, sum(lengths) if one_row else max(lengths))
+    width = max(bins)
+    ids = input_ids.new_zeros((len(bins), width))
+    positions = input_ids.new_zeros((len(bins), width))
+    arange = torch.arange(width, device=input_ids.device)
+    for i, (b, o) in enumerate(where):
+        ids[b, o:o + lengths[i]] = input_ids[i, :lengths[i]]
+        positions[b, o:o + lengths[i]] = arange[:lengths[i]]
+    for b, used in enumerate(bins):
+        positions[b, used:] = arange[:width - used]
+    starts = torch.tensor([b * width + o for b, o in where], device=input_ids.device)
+    return ids, positions, starts
+
+
+def can_share_prompts(model) -> bool:
+    """A model whose attention takes our mask as it is: sdpa or eager, causal over every position
+    (no sliding window). flash-attention's varlen kernel knows only whole sequences."""
+    c = model.config
+    if str(getattr(c, "_attn_implementation", "")) not in ("sdpa", "eager"):
+        return False
+    if any(t != "full_attention" for t in getattr(c, "layer_types", None) or []):
+        return False
+    return getattr(c, "sliding_window", None) is None or getattr(c, "use_sliding_window", None) is False
+
+
+def prompt_units(input_ids, lengths: list[int], prompt_lengths: list[int]):
+    """The sequences `share_prompts` lays out: (prompt length, rows) for each group of rows with
+    the same prompt ids whose prompt is at least as long as their mean response, (length, [row])
+    for every other row (all prompt); with each one's size in tokens. None when no row shares."""
+    groups: dict = {}
+    for i in range(len(lengths)):
+        p = min(prompt_lengths[i], lengths[i])
+        groups.setdefault((p, tuple(input_ids[i, :p].tolist())), []).append(i)
+    units = []
+    for (p, _), members in groups.items():
+        responses = sum(lengths[r] - p for r in members)
+        if len(members) > 1 and p > 0 and p * len(members) >= responses:
+            units.append((p, members))
+        else:
+            units += [(lengths[r], [r]) for r in members]
+    if len(units) == len(lengths):
+        return None
+    return units, [p + sum(lengths[r] - p for r in members) for p, members in units]
+
+
+def share_prompts(input_ids, lengths: list[int], prompt_lengths: list[int], dtype):
+    """Right-padded rows [n, L] -> packed rows [B, W] in which the rows of a group (the same prompt
+    ids) hold their prompt once, followed by each row's response: their ids, position ids (each
+    response continues from its prompt's length), an additive attention mask [B, 1, W, W] (a
+    response sees its prompt and itself, causally; a prompt only itself), and `where` [n, L]:
+    the flat position in [B * W] of each row's token t. None where `prompt_units` is None
+    (`pack` serves then)."""
+    shared = prompt_units(input_ids, lengths, prompt_lengths)
+    if shared is None:
+        return None
+    units, sizes = shared
+    placed, bins = first_fit(sizes, max(sizes))
+    B, W = len(bins), max(bins)
+    n, L = input_ids.shape
+    # built as Python lists, then one tensor each: a few hundred small tensor writes cost ~10 ms
+    rows = input_ids.tolist()
+    ids, positions, part = [0] * (B * W), [0] * (B * W), [0] * (B * W)  # part 0: a prompt, k: the k-th response
+    unit = [-1] * (B * W)  # which unit a position is of
+    where = [[0] * L for _ in range(n)]
+    for u, ((p, members), (b, o)) in enumerate(zip(units, placed)):
+        at = b * W + o
+        ids[at:at + p] = rows[members[0]][:p]
+        positions[at:at + p] = range(p)
+        unit[at:at + sizes[u]] = [u] * sizes[u]
+        for r in members:
+            where[r][:p] = range(at, at + p)
+        at += p
+        for k, r in enumerate(members, start=1):
+            m = lengths[r] - p
+            ids[at:at + m] = rows[r][p:lengths[r]]
+            positions[at:at + m] = range(p, p + m)
+            part[at:at + m] = [k] * m
+            where[r][p:lengths[r]] = range(at, at + m)
+            at += m
+    for b, used in enumerate(bins):  # a bin's unused end: a filler sequence of its own
+        positions[b * W + used:(b + 1) * W] = range(W - used)
+        unit[b * W + used:(b + 1) * W] = [len(units) + b] * (W - used)
+    dev = input_ids.device
+    ids, positions, unit, part = (torch.tensor(v, dtype=torch.long, device=dev).view(B, W) for v in (ids, positions, unit, part))
+    where = torch.tensor(where, dtype=torch.long, device=dev)
+    same_unit = unit[:, :, None] == unit[:, None, :]
+    # query j sees key k: the same unit, k a prompt position or of j's own response, k <= j
+    sees = same_unit & ((part[:, None, :] == 0) | (part[:, :, None] == part[:, None, :]))
+    sees &= torch.ones((W, W), dtype=torch.bool, device=dev).tril()
+    mask = torch.zeros((B, 1, W, W), dtype=dtype, device=dev).masked_fill(~sees[:, None], torch.finfo(dtype).min)
+    return ids, positions, mask, where
+
+
+@contextmanager
+def _head_replaced(head, fn):
+    """The output layer's forward replaced by `fn` for one model call. Inside the model's own
+    forward, so a sharded model (FSDP) has gathered the layer's weights and reduces their
+    gradients as it would for its logits."""
+    head.forward = fn
+    try:
+        yield
+    finally:
+        del head.forward  # back to the class's forward
+
+
+def _head_logprobs(hidden, head, select, targets, sampling, out, chunk_size, fp32_head, with_entropy_grad):
+    h = hidden.flatten(0, 1)[select]
+    weight, bias = head.weight, getattr(head, "bias", None)
+    if fp32_head:
+        h, weight = h.float(), weight.float()
+        bias = None if bias is None else bias.float()
+    N = h.shape[0]
+    chunk = N if not chunk_size or chunk_size >= N else int(chunk_size)
+    parts = []
+    for a in range(0, N, chunk):
+        b = min(a + chunk, N)
+        args = (h[a:b], weight, bias, targets[a:b], *(None if s is None else s[a:b] for s in sampling))
+        if chunk < N and torch.is_grad_enabled():
+            # keep only this chunk's hidden states for the backward; its logits are recomputed
+            parts.append(checkpoint(_chunk_logprobs, *args, with_entropy_grad, use_reentrant=False))
+        else:
+            parts.append(_chunk_logprobs(*args, with_entropy_grad))
+    out["logp"] = torch.cat([p[0] for p in parts])
+    out["entropy"] = torch.cat([p[1] for p in parts])
+    # what the model returns as its logits (unused): a small tensor, not [positions, vocab]
+    return hidden.new_zeros(hidden.shape[:-1] + (1,))
+
+
+def _chunk_logprobs(h, weight, bias, targets, temperature, top_p, top_k, with_entropy_grad):
+    return _from_logits(F.linear(h, weight, bias).float(), targets, temperature, top_p, top_k, with_entropy_grad)
+
+
+def _from_logits(logits, targets, temperature, top_p, top_k, with_entropy_grad):
+    """logits [N, V] float32 and targets [N] -> log p(target) [N], entropy [N]."""
+    logits = logits / temperature[:, None]
+    keep = None
+    if top_k is not None or top_p is not None:
+        keep = sampling_set(logits, targets, top_p, top_k)
+        if keep is not None:
+            logits = logits.masked_fill(~keep, float("-inf"))
+    # log p(target) = logit(target) - logsumexp(logits): no [tokens, vocab] log-softmax is kept
+    # for the backward pass, only the logsumexp's softmax
+    lse = torch.logsumexp(logits, dim=-1)
+    logp = logits.gather(-1, targets[:, None]).squeeze(-1) - lse
+    with torch.set_grad_enabled(torch.is_grad_enabled() and with_entropy_grad):
+        # entropy = lse - sum p * logit; tokens outside the set have p = 0 and add 0 (not 0 * -inf)
+        probs = torch.softmax(logits, dim=-1)
+        finite = logits if keep is None else logits.masked_fill(~keep, 0.0)
+        entropy = lse - (probs * finite).sum(-1)
+    return logp, entropy
+
+
+def sampling_set(logits, targets, top_p, top_k):
+    """[N, V] mask of the tokens top-k then top-p sampling may draw (None: every token)."""
+    N, V = logits.shape
+    dev = logits.device
+    k = torch.full((N,), -1, device=dev) if top_k is None else top_k
+    p = torch.ones(N, dtype=logits.dtype, device=dev) if top_p is None else top_p.to(logits.dtype)
+    cut_k, cut_p = (k > 0) & (k < V), p < 1.0
+    if not (cut_k.any() or cut_p.any()):
+        return None
+    ordered, order = logits.sort(-1, descending=True)
+    rank = torch.arange(V, device=dev)
+    # top-k: the k first in descending order
+    in_k = ~cut_k[:, None] | (rank < k.clamp(min=1)[:, None])
+    # top-p over the top-k distribution: keep a token while the probability of the tokens before
+    # it is below p (so the set reaches p, and the most likely token always stays)
+    probs = torch.softmax(ordered.masked_fill(~in_k, float("-inf")), dim=-1)
+    before = probs.cumsum(-1) - probs
+    in_p = ~cut_p[:, None] | (before < p[:, None])
+    keep = torch.zeros_like(logits, dtype=torch.bool).scatter_(-1, order, in_k & in_p)
+    return keep.scatter_(-1, targets[:, None], True)
