@@ -264,7 +264,7 @@ def test_a_file_where_the_checkpoints_folder_should_be_stops_the_run_in_one_para
 def test_a_checkpoints_folder_made_read_only_mid_run_stops_in_one_paragraph(stage):
     """The root user writes through chmod, so the folder is a read-only mount (bubblewrap)."""
     ckpts = stage / "checkpoints"
-    code = ("import sys; from rft import checkpoint; from rft.errors import RunError\n"
+    code = ("import sys; from rft.runtime import checkpoint; from rft.errors import RunError\n"
             "import test_checkpoints_manifest as t\n"
             f"try: checkpoint.write({str(stage)!r}, 3, {{}}, t.save_files, owner=t.OWNER)\n"
             "except RunError as e: print(e); sys.exit(1)\n")

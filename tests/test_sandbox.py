@@ -358,7 +358,7 @@ def test_code_past_the_guard_reaches_no_keyring_namespace_or_shared_memory(tmp_p
     # the caller holds a secret in its session keyring (a fresh one, in a process of its own, so
     # this one's is left alone); the keyrings are the kernel's, in no namespace
     caller = tmp_path / "caller.py"
-    caller.write_text(f"import ctypes, platform, sys\nfrom rft import sandbox\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+    caller.write_text(f"import ctypes, platform, sys\nfrom rft.rollout.environments import sandbox\nlibc = ctypes.CDLL(None, use_errno=True)\n"
                       f"add_key, keyctl = {KEY_CALLS!r}[platform.machine()]\n"
                       "assert libc.syscall(keyctl, 1, b'rft-test') > 0  # KEYCTL_JOIN_SESSION_KEYRING\n"
                       "assert libc.syscall(add_key, b'user', b'rft-secret', b'hunter2', 7, -3) > 0\n"
