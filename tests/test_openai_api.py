@@ -17,7 +17,8 @@ from rft.models import build_tiny_model, load_tokenizer
 from rft.rewards.scoring import Reward
 from rft.rollout.engines.hf import HFEngine
 from rft.rollout.workflows.single_turn import WorkflowContext
-from rft.serving.openai_api import ROLLOUT_HEADER, Call, OpenAIServer, experiences_of, openai_agent
+from rft.rollout.workflows.openai_agent import experiences_of, openai_agent
+from rft.serving.openai_api import ROLLOUT_HEADER, Call, OpenAIServer
 
 ARGS = SimpleNamespace(temperature=1.0, top_p=1.0, top_k=-1, max_tokens=6, stop=[])
 MESSAGES = [{"role": "user", "content": "12+34"}]

@@ -1,4 +1,5 @@
-"""The explorer's OpenAI-compatible endpoint, and the `openai_agent` workflow that trains on it.
+"""The explorer's OpenAI-compatible endpoint; the `openai_agent` workflow that trains on it is
+rft/rollout/workflows/openai_agent.py.
 
 Agent code written against the official `openai` client runs unchanged inside a workflow:
 
@@ -60,8 +61,6 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from rft.data.chat import render
-from rft.data.experience import Experience
-from rft.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -400,84 +399,3 @@ def chat_prompt(tok, messages: list[Message]) -> list[int]:
         return render(tok, [m.model_dump() for m in messages], generation_prompt=True)
     except Exception as e:
         raise Invalid("messages", f"messages: the chat template cannot render them: {type(e).__name__}: {e}") from None
-
-
-# ---------------------------------------------------------------- the workflow
-
-def experiences_of(calls: list[Call]) -> list[tuple[list[int], int, list[float], list[int], Call]]:
-    """(tokens, prompt_length, logprobs, loss_mask, last call) per experience: a call whose prompt
-    starts with the previous call's prompt + sampled ids continues that experience."""
-    out = []
-    for c in calls:
-        if out:
-            tokens, plen, lps, mask, _ = out[-1]
-            if c.prompt_ids[: len(tokens)] == tokens:
-                gap = len(c.prompt_ids) - len(tokens)
-                out[-1] = (c.prompt_ids + c.token_ids, plen, lps + [0.0] * gap + c.logprobs,
-                           mask + [0] * gap + [1] * len(c.token_ids), c)
-                continue
-        out.append((c.prompt_ids + c.token_ids, len(c.prompt_ids), list(c.logprobs), [1] * len(c.token_ids), c))
-    return out
-
-
-def openai_agent(tasks, engine, ctx) -> list[list[Experience] | None]:
-    """`ctx.n` runs of the agent (workflow_args.agent) per task against the explorer's endpoint;
-    their recorded policy calls are the experiences (module docstring)."""
-    import openai
-
-    from rft.registry import resolve
-    from rft.rewards.scoring import Reward
-
-    server = ctx.openai
-    if server is None:
-        raise ConfigError("workflow openai_agent needs the explorer's endpoint: set "
-                          "explorer.rollout_model.enable_openai_api=true.")
-    args = dict(ctx.args)
-    if "agent" not in args:
-        raise ConfigError("workflow openai_agent needs workflow_args.agent: the dotted path of a function "
-                          "agent(client, task, model, seed, **workflow_args).")
-    agent = resolve({}, args.pop("agent"), "workflow_args.agent")
-    jobs = [(i, task, j) for i, task in enumerate(tasks) for j in range(ctx.n)]
-
-    def run(job):
-        i, task, j = job
-        key = f"{ctx.step}/{ctx.seed}/{task.task_id}/{j}"
-        server.open(key, ctx.rollout_args)
-        client = openai.OpenAI(base_url=server.url, api_key=server.token, max_retries=0,
-                               default_headers={ROLLOUT_HEADER: key})
-        try:
-            result = agent(client, task, model=server.policy, seed=(ctx.seed + i * ctx.n + j) % (2**31), **args)
-        finally:  # an agent that raises leaves no history behind
-            client.close()
-            calls = server.take_history(key)
-        return result, calls
-
-    results = (ctx.call or (lambda fn, js: [fn(x) for x in js]))(run, jobs)
-    out: list = [[] for _ in tasks]
-    for (i, task, j), res in zip(jobs, results):
-        if out[i] is None:
-            continue
-        if res is None or not res[1]:
-            log.warning("task %s failed: its agent %s", task.task_id, "raised or timed out" if res is None else "made no policy call")
-            out[i] = None
-            continue
-        value, calls = res
-        if value is None:  # the taskset's reward on the last answer
-            last = calls[-1]
-            scored = ctx.score([(last.prompt_text, [last.response_text], task)])[0]
-            if scored is None:
-                out[i] = None
-                continue
-            reward = scored[0]
-        elif isinstance(value, dict):
-            reward = Reward(sum(float(v) for v in value.values()), {k: float(v) for k, v in value.items()})
-        else:
-            reward = Reward(float(value), {"agent": float(value)})
-        for n, (tokens, plen, lps, mask, c) in enumerate(experiences_of(calls)):
-            out[i].append(Experience(
-                tokens=tokens, prompt_length=plen, logprobs=lps, reward=reward,
-                group_id=f"{ctx.step}/{ctx.seed}/{task.task_id}", task_id=task.task_id,
-                policy_version=ctx.policy_version, sampling=dict(c.sampling), loss_mask=mask,
-                info={"finish_reason": c.finish_reason, "prompt": c.prompt_text, "response": c.response_text,
-                      "rollout": j, "call": n, "prompt_truncated": False}))
-    return out

@@ -21,6 +21,7 @@ from typing import Callable
 
 from rft.data.experience import Experience
 from rft.data.readers import chat_ids, prompt_ids
+from rft.registry import Registry
 
 
 @dataclass
@@ -113,21 +114,14 @@ def single_turn(tasks, engine, ctx: WorkflowContext) -> list[list[Experience] | 
     return out
 
 
-def _multi_turn(tasks, engine, ctx):
-    from rft.rollout.workflows.multi_turn import multi_turn
-
-    return multi_turn(tasks, engine, ctx)
-
-
-def _openai_agent(tasks, engine, ctx):
-    from rft.serving.openai_api import openai_agent
-
-    return openai_agent(tasks, engine, ctx)
-
-
-# single_turn: one prompt, n responses; multi_turn: conversations with an environment (rft/rollout/workflows/multi_turn.py);
-# openai_agent: agent code against the explorer's OpenAI-compatible endpoint (rft/serving/openai_api.py)
-WORKFLOWS = {"single_turn": single_turn, "multi_turn": _multi_turn, "openai_agent": _openai_agent}
+# single_turn: one prompt, n responses; multi_turn: conversations with an environment
+# (multi_turn.py); openai_agent: agent code against the explorer's OpenAI-compatible endpoint
+# (openai_agent.py). Imported when first used: planning reads the names only
+WORKFLOWS = Registry("workflow", {
+    "single_turn": "rft.rollout.workflows.single_turn.single_turn",
+    "multi_turn": "rft.rollout.workflows.multi_turn.multi_turn",
+    "openai_agent": "rft.rollout.workflows.openai_agent.openai_agent",
+})
 
 
 def check_output(out, tasks, name: str) -> None:
