@@ -19,6 +19,7 @@ from filelock import FileLock
 from rft import manifest
 from rft.config import DTYPES as CONFIG_DTYPES
 from rft.errors import ConfigError
+from rft.registry import Registry
 
 log = logging.getLogger(__name__)
 
@@ -118,7 +119,14 @@ def build_tiny_model(path: str | Path, seed: int = 0, arch: dict | None = None, 
     return path
 
 
-BUILDERS = {"tiny": build_tiny_model, "tiny_tools": lambda path: build_tiny_model(path, tools=True)}
+def build_tiny_tools_model(path: str) -> Path:
+    """The tiny model with a `tool` role and the tool-call tokens (model=tiny_tools)."""
+    return build_tiny_model(path, tools=True)
+
+
+# model.builder: name -> fn(model_path), which builds the model there
+BUILDERS = Registry("model.builder", {"tiny": "rft.models.build_tiny_model",
+                                     "tiny_tools": "rft.models.build_tiny_tools_model"})
 
 
 def ensure_model(model_cfg) -> None:

@@ -1,8 +1,16 @@
-"""Names to code: `resolve` looks a name up in a name table, or imports it from a dotted path.
+"""Names to code: every name table of rft is a `Registry`, and `resolve` looks a name up in one or
+imports it from a dotted path.
 
-Every name table of rft (the algorithms' registries, rewards, workflows, environments, engines,
-...) is a dict of name -> function or class; a config may name a table's entry or give the dotted
-path of its own (`module.function`). Errors are one paragraph naming the key and the fix.
+The tables: algorithms (ADVANTAGE_FNS, POLICY_LOSS_FNS, KL_FNS: rft/algorithms), rewards
+(REWARD_FNS: rft/rewards/verifiers.py; REWARD_CLIENTS: rft/rewards/scoring.py), workflows
+(rft/rollout/workflows/single_turn.py), environments (rft/rollout/environments/tools.py), engines
+(rft/rollout/explorer.py), trainer backends (rft/runtime/actors.py), synchronizers
+(rft/sync/weights.py), buffers and priority functions (rft/data/), task generators
+(rft/data/tasks.py), model builders (rft/models.py), actor backends (rft/runtime/actors.py). Each
+entry is a "module.attribute" string, imported on first use, so planning reads the names (and
+what each entry needs or offers) without importing the code. A config may name a table's entry or
+give the dotted path of its own (`module.function`); a study may also add an entry at import time
+(`TABLE["mine"] = "my_study.module.fn"`). Errors are one paragraph naming the key and the fix.
 """
 
 from __future__ import annotations
@@ -29,9 +37,21 @@ class Registry(Mapping):
 
     def __getitem__(self, name: str):
         if name not in self._loaded:
-            module, _, attr = self._table[name][0].rpartition(".")
+            target = self._table[name][0]
+            if not isinstance(target, str):  # added as the object itself
+                return target
+            module, _, attr = target.rpartition(".")
             self._loaded[name] = getattr(importlib.import_module(module), attr)
         return self._loaded[name]
+
+    def __setitem__(self, name: str, target) -> None:
+        """Add an entry: a "module.attribute" string, or the function or class itself."""
+        self._table[name] = (target, self._default)
+        self._loaded.pop(name, None)
+
+    def __delitem__(self, name: str) -> None:
+        del self._table[name]
+        self._loaded.pop(name, None)
 
     def __contains__(self, name) -> bool:  # without importing the function (Mapping's would)
         return name in self._table

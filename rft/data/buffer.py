@@ -37,6 +37,7 @@ from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 
 from rft.data.experience import PRIORITY_FNS, WHERE, Experience, check_priority_fn, is_experience_file
 from rft.errors import ConfigError, RunError
+from rft.registry import Registry
 
 POLL_S = 0.05  # how often a waiting reader looks again where no writer can wake it
 
@@ -537,7 +538,11 @@ def _reopened(cls, buf_cfg, where, state):
 
 
 # name -> class(buf_cfg, where): the storage_type values
-BUFFERS = {"queue": QueueBuffer, "sql": SQLBuffer, "file": FileBuffer}
+BUFFERS = Registry("storage_type", {
+    "queue": "rft.data.buffer.QueueBuffer",
+    "sql": "rft.data.buffer.SQLBuffer",
+    "file": "rft.data.buffer.FileBuffer",
+})
 
 
 def make_buffer(buf_cfg, where: str = WHERE):

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from rft.errors import ConfigError
+from rft.registry import Registry
 
 # the config key of the trainer's input, named in errors about it
 WHERE = "buffer.trainer_input.experience_buffer"
@@ -169,7 +170,7 @@ def linear_decay(exp: Experience, times_used: int, decay: float = 2.0) -> float:
 
 
 # name -> fn(exp, times_used, **priority_fn_args) -> priority; the highest is read first
-PRIORITY_FNS = {"linear_decay": linear_decay}
+PRIORITY_FNS = Registry("priority_fn", {"linear_decay": "rft.data.experience.linear_decay"})
 
 
 def check_priority_fn(name: str, args, where: str) -> None:

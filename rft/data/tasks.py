@@ -19,6 +19,7 @@ from filelock import FileLock
 
 from rft import manifest
 from rft.errors import ConfigError
+from rft.registry import Registry
 
 _FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 
@@ -239,9 +240,13 @@ def generate_calculator(path: str | Path, seed: int = 0, n_train: int = 2000, n_
     return path
 
 
-GENERATORS = {"arithmetic": generate_arithmetic, "countdown": generate_countdown, "calculator": generate_calculator}
-# the directory each writes (conf/task/<name>.yaml's path: its name carries the data's version)
-GENERATED = {"arithmetic": "arithmetic-v4", "countdown": "countdown-v1", "calculator": "calculator-v4"}
+# buffer.explorer_input.generator: name -> the function, and the directory it writes (conf/task/
+# <name>.yaml's path: its name carries the data's version)
+GENERATORS = Registry("buffer.explorer_input.generator", {
+    "arithmetic": ("rft.data.tasks.generate_arithmetic", "arithmetic-v4"),
+    "countdown": ("rft.data.tasks.generate_countdown", "countdown-v1"),
+    "calculator": ("rft.data.tasks.generate_calculator", "calculator-v4"),
+})
 
 
 def ensure_task_data(explorer_input_cfg) -> None:
@@ -258,13 +263,13 @@ def ensure_task_data(explorer_input_cfg) -> None:
         )
     path = explorer_input_cfg.taskset.path
     local = Path(os.path.expanduser(path))
-    if local.name != GENERATED[gen]:
+    if local.name != GENERATORS.info(gen):
         if not local.exists():
             raise ConfigError(
                 f"buffer.explorer_input.taskset.path={path!r}: no such file or directory{_relative_to(path)}. "
-                f"The task's generator ({gen}) writes its data only into a directory named {GENERATED[gen]!r}: "
+                f"The task's generator ({gen}) writes its data only into a directory named {GENERATORS.info(gen)!r}: "
                 f"point the path at your data (and set buffer.explorer_input.generator=null), or at a "
-                f"{GENERATED[gen]!r} directory to generate there."
+                f"{GENERATORS.info(gen)!r} directory to generate there."
             )
         return  # the user's own data: read as it is
     GENERATORS[gen](path)

@@ -26,7 +26,6 @@ saved in checkpoints, so a resumed run normalises as an uninterrupted one).
 from __future__ import annotations
 
 import hashlib
-import importlib
 import inspect
 import json
 import math
@@ -37,13 +36,14 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from rft.errors import ConfigError
+from rft.registry import Registry
 
-# served rewards: name -> class path, imported when chosen
-REWARD_CLIENTS = {
+# served rewards: name -> class, imported when chosen
+REWARD_CLIENTS = Registry("reward_fn", {
     "remote": "rft.rewards.remote.RemoteReward",
     "judge": "rft.rewards.judge.JudgeReward",
     "reward_model": "rft.rewards.reward_model.RewardModelReward",
-}
+})
 
 _ENTRY_KEYS = ("fn", "weight", "args", "name", "normalize")
 # what a reward's third parameter is called by someone who expects the answer there, not the task
@@ -214,8 +214,7 @@ def resolve_fn(name: str, where: str):
     from rft.rewards.verifiers import REWARD_FNS
 
     if name in REWARD_CLIENTS:
-        module, _, attr = REWARD_CLIENTS[name].rpartition(".")
-        return getattr(importlib.import_module(module), attr)
+        return REWARD_CLIENTS[name]
     try:
         return resolve(REWARD_FNS, name, where)
     except ConfigError as e:

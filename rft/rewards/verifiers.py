@@ -35,6 +35,8 @@ from collections import Counter
 from fractions import Fraction
 from pathlib import Path
 
+from rft.registry import Registry
+
 log = logging.getLogger(__name__)
 
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
@@ -416,5 +418,7 @@ def format_match(prompt: str, response: str, task, pattern: str = r"<answer>.*</
     return float(re.fullmatch(pattern, response.strip(), flags=re.DOTALL) is not None)
 
 
-REWARD_FNS = {"exact_match": exact_match, "last_number": last_number, "math": math, "countdown": countdown,
-              "format": format_match}
+_HERE = "rft.rewards.verifiers."
+REWARD_FNS = Registry("reward_fn", {name: _HERE + fn for name, fn in [
+    ("exact_match", "exact_match"), ("last_number", "last_number"), ("math", "math"), ("countdown", "countdown"),
+    ("format", "format_match")]})

@@ -23,7 +23,7 @@ from rft.data.readers import budget_report, epoch_batch, step_seed
 from rft.data.tasks import load_tasks
 from rft.errors import ConfigError, RunError
 from rft.models import load_tokenizer, local_device
-from rft.registry import resolve
+from rft.registry import Registry, resolve
 from rft.rewards.scoring import build as build_scorer
 from rft.rewards.scoring import part_metrics, spec_of
 from rft.rollout.workflows.single_turn import WORKFLOWS, WorkflowContext, check_output
@@ -37,15 +37,16 @@ def _flat(group) -> bool:
     return len({e.reward for e in group}) == 1
 
 
-# explorer.rollout_model.engine_type -> the engine class, imported when chosen (vLLM is optional)
-ENGINES = {"hf": "rft.rollout.engines.hf.HFEngine", "vllm": "rft.rollout.engines.vllm.VLLMEngine"}
+# explorer.rollout_model.engine_type -> the engine class (rft/rollout/engines/base.py says what one
+# implements), imported when chosen: vLLM is optional
+ENGINES = Registry("explorer.rollout_model.engine_type", {
+    "hf": "rft.rollout.engines.hf.HFEngine",
+    "vllm": "rft.rollout.engines.vllm.VLLMEngine",
+})
 
 
 def engine_class(engine_type: str):
-    import importlib
-
-    module, _, name = ENGINES[engine_type].rpartition(".")
-    return getattr(importlib.import_module(module), name)
+    return ENGINES[engine_type]
 
 
 class _Threads:

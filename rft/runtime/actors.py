@@ -17,6 +17,7 @@ from pathlib import Path
 
 from rft.config import frozen
 from rft.errors import ConfigError, RunError
+from rft.registry import Registry
 
 
 def setup_actor_logging(log_dir: str, name: str, level: str) -> logging.Handler:
@@ -149,7 +150,9 @@ class RayActor:
         self._ray.kill(self.actor)
 
 
-ACTOR_BACKENDS = {"ray": RayActor, "inline": InlineActor}
+# cluster.backend -> how a component runs: a Ray actor, or an object in this process
+ACTOR_BACKENDS = Registry("cluster.backend", {"ray": "rft.runtime.actors.RayActor",
+                                              "inline": "rft.runtime.actors.InlineActor"})
 
 
 class ActorGroup:

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rft.errors import RunError
+from rft.registry import Registry
 
 # ---------------------------------------------------------------- the contract: what both sides agree on
 
@@ -447,7 +448,12 @@ class CollectiveSync:
         return futures + [(e, e.submit("collective_receive", version, expected)) for e in explorers]
 
 
-SYNC_METHODS = {"memory": MemorySync, "checkpoint": CheckpointSync, "collective": CollectiveSync}
+# synchronizer.sync_method -> the synchronizer class(stage_dir, synchronizer config)
+SYNC_METHODS = Registry("synchronizer.sync_method", {
+    "memory": "rft.sync.weights.MemorySync",
+    "checkpoint": "rft.sync.weights.CheckpointSync",
+    "collective": "rft.sync.weights.CollectiveSync",
+})
 
 
 # ---------------------------------------------------------------- the collective, in each actor

@@ -32,6 +32,7 @@ import operator
 import re
 from dataclasses import dataclass, field
 
+from rft.registry import Registry
 from rft.rewards.verifiers import exact_match
 
 
@@ -256,8 +257,12 @@ class PythonEnv(ToolEnv):
         """Called with env_args when the run is planned (rft.rollout.workflows.multi_turn.check_args), so a machine
         without a sandbox stops before anything starts, not after max_failed_steps of failed tasks."""
         from rft.rollout.environments import sandbox
+
         sandbox.check(allow_unisolated)
 
 
 # workflow_args.env: a name here, or the dotted path of a class with the same methods
-ENVIRONMENTS = {"calculator": CalculatorEnv, "python": PythonEnv}
+ENVIRONMENTS = Registry("workflow_args.env", {
+    "calculator": "rft.rollout.environments.tools.CalculatorEnv",
+    "python": "rft.rollout.environments.tools.PythonEnv",
+})
