@@ -161,32 +161,46 @@ def generate_countdown(
     with FileLock(str(path) + ".lock"):
         if manifest.whole(path, "generated task data"):
             return path
-        problems = sorted(countdown_problems(n_numbers, max_number, ops, max_target).items())
         rng = random.Random(seed)
-        rng.shuffle(problems)
-        if n_train is None:
-            n_train = len(problems) - n_test
-        if n_train <= 0 or n_train + n_test > len(problems):
-            raise ConfigError(
-                f"generate_countdown: {n_train} train + {n_test} test problems asked for, but there "
-                f"are only {len(problems)} with {n_numbers} numbers of 1..{max_number}, ops {ops!r} "
-                f"and targets up to {max_target}."
-            )
-        splits = {"test": problems[:n_test], "train": problems[n_test:n_test + n_train]}
+        splits = _countdown_splits(rng, n_numbers, max_number, ops, max_target, n_train, n_test)
         tmp = path.with_name(path.name + ".tmp")
         tmp.mkdir(parents=True, exist_ok=True)
         for split, rows in splits.items():
             with open(tmp / f"{split}.jsonl", "w") as f:
                 for (numbers, target), answer in rows:
-                    last = re.search(r"\d+$", answer)
-                    wrong = answer[:last.start()] + str(int(last.group()) % max_number + 1)
-                    teacher = wrong if rng.random() < teacher_error_rate else answer
-                    shown = list(numbers) if order == "sorted" else [int(x) for x in re.findall(r"\d+", answer)]
-                    row = {"question": countdown_prompt(shown, target), "numbers": shown, "target": target,
-                           "answer": answer, "teacher_answer": teacher, "rejected": wrong}
+                    row = _countdown_row(rng, numbers, target, answer, max_number, teacher_error_rate, order)
                     f.write(json.dumps(row) + "\n")
         manifest.install(tmp, path, "generated task data")  # sealed: a cut file is generated again, not read
     return path
+
+
+def _countdown_splits(rng, n_numbers, max_number, ops, max_target, n_train, n_test) -> dict:
+    """{"test": ..., "train": ...} of ((numbers, target), answer), drawn from every problem
+    shuffled by `rng` (its first draw: the rows' teacher mistakes come after it, so a seed gives
+    the same files it always did)."""
+    problems = sorted(countdown_problems(n_numbers, max_number, ops, max_target).items())
+    rng.shuffle(problems)
+    if n_train is None:
+        n_train = len(problems) - n_test
+    if n_train <= 0 or n_train + n_test > len(problems):
+        raise ConfigError(
+            f"generate_countdown: {n_train} train + {n_test} test problems asked for, but there "
+            f"are only {len(problems)} with {n_numbers} numbers of 1..{max_number}, ops {ops!r} "
+            f"and targets up to {max_target}."
+        )
+    return {"test": problems[:n_test], "train": problems[n_test:n_test + n_train]}
+
+
+def _countdown_row(rng, numbers, target: int, answer: str, max_number: int, teacher_error_rate: float,
+                   order: str) -> dict:
+    """One row of generate_countdown's files (its docstring says the columns); one draw of `rng`
+    (whether the teacher makes its mistake on this row)."""
+    last = re.search(r"\d+$", answer)
+    wrong = answer[:last.start()] + str(int(last.group()) % max_number + 1)
+    teacher = wrong if rng.random() < teacher_error_rate else answer
+    shown = list(numbers) if order == "sorted" else [int(x) for x in re.findall(r"\d+", answer)]
+    return {"question": countdown_prompt(shown, target), "numbers": shown, "target": target,
+            "answer": answer, "teacher_answer": teacher, "rejected": wrong}
 
 
 def tool_call_text(name: str, arguments: dict) -> str:
