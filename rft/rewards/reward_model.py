@@ -71,6 +71,68 @@ log = logging.getLogger(__name__)
 
 # ---------------------------------------------------------------- the worker
 
+def _load_dtype(dtype: str | None, device):
+    """The dtype to load in: `dtype` (a model.dtype name) when given, else float32 on CPU and the
+    checkpoint's own on GPU (the module docstring's `dtype`)."""
+    import torch
+
+    if dtype is not None:
+        from rft.models import torch_dtype
+
+        return torch_dtype(dtype)
+    return torch.float32 if device.type == "cpu" else "auto"
+
+
+def _load_model(model_path: str, kind: str, load_dtype):
+    """(tokenizer, model) of a reward model; a ConfigError naming the path and the kind when it
+    does not load (the bare error would not say which reward part's args to fix)."""
+    from rft.models import _quiet_transformers
+
+    _quiet_transformers()
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+
+    path = os.path.expanduser(model_path)
+    Auto = AutoModelForSequenceClassification if kind == "classifier" else AutoModelForCausalLM
+    try:
+        return AutoTokenizer.from_pretrained(path), Auto.from_pretrained(path, dtype=load_dtype)
+    except Exception as e:  # OSError (no such dir or hub id), ValueError (not that kind of model), ...
+        first = str(e).splitlines()[0] if str(e) else ""
+        raise ConfigError(
+            f"reward model model_path={model_path!r} could not be loaded as kind={kind} ({Auto.__name__}: "
+            f"{type(e).__name__}: {first}). Give a local directory in Hugging Face format (relative paths "
+            f"are relative to {os.getcwd()}) or a hub id this machine can reach."
+        ) from e
+
+
+def _check_tokenizer(tok, model_path: str, chat_template: bool) -> None:
+    """The tokenizer can pad a batch and cut a long text at its start; with chat_template, it has one."""
+    if tok.pad_token_id is None:
+        if tok.eos_token is None:
+            raise ConfigError(f"reward model {model_path!r}: its tokenizer has neither a pad nor an eos token to pad with.")
+        tok.pad_token = tok.eos_token
+    tok.truncation_side = "left"  # a long text keeps its end: the response, the question to the judge
+    if chat_template and not tok.chat_template:
+        raise ConfigError(f"chat_template=true, but the reward model {model_path!r} has no chat template.")
+
+
+def _pad_classifier(tok, model, model_path: str) -> int:
+    """A classifier's number of labels (1 or 2, else a ConfigError), its batches padded on the right."""
+    num_labels = model.config.num_labels
+    if num_labels not in (1, 2):
+        raise ConfigError(
+            f"reward model {model_path!r} has num_labels={num_labels}; kind=classifier takes 1 (the score "
+            f"is the logit) or 2 (the score is the probability of label 1)."
+        )
+    # right padding; the model pools at the last token that is not pad_token_id, so the
+    # model must know the id it is padded with
+    tok.padding_side = "right"
+    model.config.pad_token_id = tok.pad_token_id
+    text_config = model.config.get_text_config()
+    if text_config is not model.config:
+        text_config.pad_token_id = tok.pad_token_id
+    return num_labels
+
+
 class RewardModelWorker:
     """A reward model in eval mode on one device; `score(prompts, responses, answers)` in batches.
 
@@ -83,57 +145,16 @@ class RewardModelWorker:
                  max_length: int | None = None, dtype: str | None = None, device: str | None = None):
         import torch
 
-        from rft.models import _quiet_transformers
-
         a = worker_args(model_path, kind, batch_size, template, yes_token, no_token, chat_template, max_length, dtype)
         self.args = a
         self.kind, self.batch_size, self.template = kind, a["batch_size"], a["template"]
         self.chat_template, self.max_length = chat_template, max_length
         self.device = torch.device(device or ("cuda:0" if torch.cuda.is_available() else "cpu"))
-        if dtype is not None:
-            from rft.models import torch_dtype
-
-            load_dtype = torch_dtype(dtype)
-        else:
-            load_dtype = torch.float32 if self.device.type == "cpu" else "auto"
-        _quiet_transformers()
-        from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
-
-        path = os.path.expanduser(model_path)
-        Auto = AutoModelForSequenceClassification if kind == "classifier" else AutoModelForCausalLM
-        try:
-            self.tokenizer = AutoTokenizer.from_pretrained(path)
-            self.model = Auto.from_pretrained(path, dtype=load_dtype)
-        except Exception as e:  # OSError (no such dir or hub id), ValueError (not that kind of model), ...
-            first = str(e).splitlines()[0] if str(e) else ""
-            raise ConfigError(
-                f"reward model model_path={model_path!r} could not be loaded as kind={kind} ({Auto.__name__}: "
-                f"{type(e).__name__}: {first}). Give a local directory in Hugging Face format (relative paths "
-                f"are relative to {os.getcwd()}) or a hub id this machine can reach."
-            ) from e
+        self.tokenizer, self.model = _load_model(model_path, kind, _load_dtype(dtype, self.device))
         tok = self.tokenizer
-        if tok.pad_token_id is None:
-            if tok.eos_token is None:
-                raise ConfigError(f"reward model {model_path!r}: its tokenizer has neither a pad nor an eos token to pad with.")
-            tok.pad_token = tok.eos_token
-        tok.truncation_side = "left"  # a long text keeps its end: the response, the question to the judge
-        if chat_template and not tok.chat_template:
-            raise ConfigError(f"chat_template=true, but the reward model {model_path!r} has no chat template.")
+        _check_tokenizer(tok, model_path, chat_template)
         if kind == "classifier":
-            num_labels = self.model.config.num_labels
-            if num_labels not in (1, 2):
-                raise ConfigError(
-                    f"reward model {model_path!r} has num_labels={num_labels}; kind=classifier takes 1 (the score "
-                    f"is the logit) or 2 (the score is the probability of label 1)."
-                )
-            self.num_labels = num_labels
-            # right padding; the model pools at the last token that is not pad_token_id, so the
-            # model must know the id it is padded with
-            tok.padding_side = "right"
-            self.model.config.pad_token_id = tok.pad_token_id
-            text_config = self.model.config.get_text_config()
-            if text_config is not self.model.config:
-                text_config.pad_token_id = tok.pad_token_id
+            self.num_labels = _pad_classifier(tok, self.model, model_path)
         else:
             tok.padding_side = "left"  # the last real token is the last position of every row
             self.yes_id = self._single_token("yes_token", a["yes_token"])
