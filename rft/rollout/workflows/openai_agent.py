@@ -42,18 +42,7 @@ def openai_agent(tasks, engine, ctx) -> list[list[Experience] | None]:
     their recorded policy calls are the experiences (module docstring)."""
     import openai
 
-    from rft.registry import resolve
-    from rft.rewards.scoring import Reward
-
-    server = ctx.openai
-    if server is None:
-        raise ConfigError("workflow openai_agent needs the explorer's endpoint: set "
-                          "explorer.rollout_model.enable_openai_api=true.")
-    args = dict(ctx.args)
-    if "agent" not in args:
-        raise ConfigError("workflow openai_agent needs workflow_args.agent: the dotted path of a function "
-                          "agent(client, task, model, seed, **workflow_args).")
-    agent = resolve({}, args.pop("agent"), "workflow_args.agent")
+    server, agent, args = _agent_and_args(ctx)
     jobs = [(i, task, j) for i, task in enumerate(tasks) for j in range(ctx.n)]
 
     def run(job):
@@ -79,22 +68,52 @@ def openai_agent(tasks, engine, ctx) -> list[list[Experience] | None]:
             out[i] = None
             continue
         value, calls = res
-        if value is None:  # the taskset's reward on the last answer
-            last = calls[-1]
-            scored = ctx.score([(last.prompt_text, [last.response_text], task)])[0]
-            if scored is None:
-                out[i] = None
-                continue
-            reward = scored[0]
-        elif isinstance(value, dict):
-            reward = Reward(sum(float(v) for v in value.values()), {k: float(v) for k, v in value.items()})
-        else:
-            reward = Reward(float(value), {"agent": float(value)})
-        for n, (tokens, plen, lps, mask, c) in enumerate(experiences_of(calls)):
-            out[i].append(Experience(
-                tokens=tokens, prompt_length=plen, logprobs=lps, reward=reward,
-                group_id=f"{ctx.step}/{ctx.seed}/{task.task_id}", task_id=task.task_id,
-                policy_version=ctx.policy_version, sampling=dict(c.sampling), loss_mask=mask,
-                info={"finish_reason": c.finish_reason, "prompt": c.prompt_text, "response": c.response_text,
-                      "rollout": j, "call": n, "prompt_truncated": False}))
+        reward = _reward(value, calls, task, ctx)
+        if reward is None:  # the taskset's reward failed: the task's group is incomplete
+            out[i] = None
+            continue
+        out[i] += _experiences(calls, reward, task, j, ctx)
     return out
+
+
+def _agent_and_args(ctx):
+    """(the explorer's endpoint, the agent function, the rest of workflow_args: the agent's keyword
+    arguments); a ConfigError naming the setting that is missing."""
+    from rft.registry import resolve
+
+    server = ctx.openai
+    if server is None:
+        raise ConfigError("workflow openai_agent needs the explorer's endpoint: set "
+                          "explorer.rollout_model.enable_openai_api=true.")
+    args = dict(ctx.args)
+    if "agent" not in args:
+        raise ConfigError("workflow openai_agent needs workflow_args.agent: the dotted path of a function "
+                          "agent(client, task, model, seed, **workflow_args).")
+    agent = resolve({}, args.pop("agent"), "workflow_args.agent")
+    return server, agent, args
+
+
+def _reward(value, calls: list[Call], task, ctx):
+    """The Reward of one run from the agent's return value: None from the agent is the taskset's
+    reward on its last answer (None again when that scoring failed), a dict its parts, a number
+    the reward itself."""
+    from rft.rewards.scoring import Reward
+
+    if value is None:
+        last = calls[-1]
+        scored = ctx.score([(last.prompt_text, [last.response_text], task)])[0]
+        return None if scored is None else scored[0]
+    if isinstance(value, dict):
+        return Reward(sum(float(v) for v in value.values()), {k: float(v) for k, v in value.items()})
+    return Reward(float(value), {"agent": float(value)})
+
+
+def _experiences(calls: list[Call], reward, task, j: int, ctx) -> list[Experience]:
+    """Run `j`'s experiences (experiences_of its calls), each with the run's reward."""
+    return [Experience(
+        tokens=tokens, prompt_length=plen, logprobs=lps, reward=reward,
+        group_id=f"{ctx.step}/{ctx.seed}/{task.task_id}", task_id=task.task_id,
+        policy_version=ctx.policy_version, sampling=dict(c.sampling), loss_mask=mask,
+        info={"finish_reason": c.finish_reason, "prompt": c.prompt_text, "response": c.response_text,
+              "rollout": j, "call": n, "prompt_truncated": False})
+        for n, (tokens, plen, lps, mask, c) in enumerate(experiences_of(calls))]
