@@ -61,7 +61,7 @@ def host_names(host: str) -> frozenset[str]:
     return frozenset(n.lower() for n in names)
 
 
-def main(argv=None) -> None:
+def _parser() -> argparse.ArgumentParser:
     from rft.serving.auth import MAX_CONNECTIONS, REQUEST_TIMEOUT, positive
 
     p = argparse.ArgumentParser(prog="python -m rft.studio", description=__doc__,
@@ -74,28 +74,28 @@ def main(argv=None) -> None:
     p.add_argument("--conf", default=str(REPO / "conf"), help="the config groups (default: this repo's conf/)")
     p.add_argument("--token-file", default=None,
                    help=f"a file holding the token (default ${TOKEN_ENV}; without either, a fresh one)")
+    # taken only to refuse it with the reason (main), rather than argparse's "unrecognized argument"
     p.add_argument("--token", default=None, help=argparse.SUPPRESS)
     p.add_argument("--request-timeout", type=positive(float), default=REQUEST_TIMEOUT,
                    help=f"seconds a request has to arrive whole; a slower one's connection is closed "
                         f"(default {REQUEST_TIMEOUT:g})")
     p.add_argument("--max-connections", type=positive(int), default=MAX_CONNECTIONS,
                    help=f"connections at once; beyond, requests are answered 503 (default {MAX_CONNECTIONS})")
-    args = p.parse_args(argv)
-    if args.token is not None:
-        raise SystemExit(f"rft.studio: --token is refused: a command line is visible to every local user (ps). Put "
-                         f"the token in a file only you can read and pass --token-file FILE, or set ${TOKEN_ENV}.")
+    return p
 
+
+def _require_studio_extra() -> None:
+    """A SystemExit saying how to install the studio's optional packages when one is missing."""
     try:
         import jinja2  # noqa: F401
         import plotly  # noqa: F401
     except ImportError as e:
         raise SystemExit(f"rft.studio: {e.name} is not installed: the studio is an optional extra. "
                          f"Install it with `pip install -e '.[studio]'` (make test does).")
-    from rft.serving.auth import is_loopback, listening_socket
-    from rft.studio.app import make_app
 
-    root = Path(os.path.expanduser(args.root)).resolve()
-    token = read_token(args.token_file)
+
+def _environments(root: Path) -> dict:
+    """Set the studio's own environment; returns the one its launched runs get."""
     os.environ.pop(TOKEN_ENV, None)  # nothing the studio starts (a run, the plan's children) needs it
     # launched runs write where the studio reads, whatever directory they run from
     env = {**os.environ, "RFT_CHECKPOINT_ROOT_DIR": str(root)}
@@ -104,7 +104,12 @@ def main(argv=None) -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     os.environ["RFT_CHECKPOINT_ROOT_DIR"] = str(root)
-    app = make_app(token, root, Path(args.conf), REPO, launch_env=env, hosts=host_names(args.host))
+    return env
+
+
+def _serve(app, args, root: Path, token: str) -> None:
+    """Bind, print where the studio is (the URL with the token), and serve until stopped."""
+    from rft.serving.auth import is_loopback, listening_socket
 
     sock, host, port = listening_socket(args.host, args.port, "rft.studio")
     if not is_loopback(args.host):
@@ -122,6 +127,21 @@ def main(argv=None) -> None:
     config = server_config(app, request_timeout=args.request_timeout, max_connections=args.max_connections,
                            log_level="warning")
     uvicorn.Server(config).run(sockets=[sock])
+
+
+def main(argv=None) -> None:
+    args = _parser().parse_args(argv)
+    if args.token is not None:
+        raise SystemExit(f"rft.studio: --token is refused: a command line is visible to every local user (ps). Put "
+                         f"the token in a file only you can read and pass --token-file FILE, or set ${TOKEN_ENV}.")
+    _require_studio_extra()
+    from rft.studio.app import make_app
+
+    root = Path(os.path.expanduser(args.root)).resolve()
+    token = read_token(args.token_file)
+    env = _environments(root)
+    app = make_app(token, root, Path(args.conf), REPO, launch_env=env, hosts=host_names(args.host))
+    _serve(app, args, root, token)
 
 
 if __name__ == "__main__":
