@@ -78,16 +78,9 @@ def make_app(token: str, root: Path, conf_dir: Path, repo: Path, launch_env: dic
     """The app for checkpoint root `root`, config groups in `conf_dir`, runs launched with
     `repo`/run.py; `launch_env`: the launched runs' environment (default: the studio's); `hosts`:
     the names a request's Host may give (this machine's; guard.py)."""
-    from fastapi import FastAPI, HTTPException, Request
-    from fastapi.concurrency import run_in_threadpool
-    from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, PlainTextResponse, RedirectResponse
-    from jinja2 import Environment, FileSystemLoader, select_autoescape
+    from fastapi import FastAPI
 
-    from rft.errors import ConfigError
-    from rft.studio import bodies as B
     from rft.studio import compose as C
-    from rft.studio import rollouts as R
-    from rft.studio import runs as U
     from rft.studio.launch import Launches
 
     if not token:
@@ -102,10 +95,22 @@ def make_app(token: str, root: Path, conf_dir: Path, repo: Path, launch_env: dic
         launches.stop_all()  # the studio stops: so do the runs it started
 
     app = FastAPI(title="rft studio", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
-    jinja = Environment(loader=FileSystemLoader(HERE / "templates"), autoescape=select_autoescape())
     app.state.launches = launches
     defaults = C.default_choices(conf_dir)
-    schema = C.schema()
+    # the guard is the app's middleware, so it stands before every route the groups below add
+    _add_guard(app, token, hosts)
+    _add_page_routes(app, root, conf_dir, defaults)
+    _add_compose_routes(app, conf_dir, defaults)
+    _add_launch_routes(app, conf_dir, defaults, launches)
+    _add_run_routes(app, root)
+    return app
+
+
+def _add_guard(app, token: str, hosts: frozenset[str]) -> None:
+    """Every request, whatever its route (or none), passes guard.py's checks (token, Host, Origin,
+    content type, size) or is refused; every answer gets its headers (CSP among them)."""
+    from fastapi import Request
+    from fastapi.responses import PlainTextResponse
 
     @app.middleware("http")
     async def guard(request: Request, call_next):
@@ -115,6 +120,17 @@ def make_app(token: str, root: Path, conf_dir: Path, repo: Path, launch_env: dic
         if request.url.path.startswith("/api/"):
             response.headers["Cache-Control"] = "no-store"  # answers from the token's data stay out of caches
         return response
+
+
+def _add_page_routes(app, root: Path, conf_dir: Path, defaults: dict) -> None:
+    """The pages' shells, each page's part (/api/page/<name>) and the static files."""
+    from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, PlainTextResponse, RedirectResponse
+    from jinja2 import Environment, FileSystemLoader, select_autoescape
+
+    from rft.studio import compose as C
+
+    jinja = Environment(loader=FileSystemLoader(HERE / "templates"), autoescape=select_autoescape())
+    schema = C.schema()
 
     def render(template: str, page: str, **data) -> str:
         return jinja.get_template(f"{template}.html").render(page=page, pages=PAGES, **data)
@@ -145,27 +161,42 @@ def make_app(token: str, root: Path, conf_dir: Path, repo: Path, launch_env: dic
             return PlainTextResponse("not found", status_code=404)
         return FileResponse(HERE / "static" / name, media_type="text/javascript" if name.endswith(".js") else "text/css")
 
-    # ------------------------------------------------------------ compose and launch
 
-    async def read(request: Request) -> tuple[dict, dict, dict]:
-        """(body, choices with the defaults filled in, keys); a 400 naming what is wrong."""
-        try:
-            body = B.parse(await request.body())
-            options = {g: [o["name"] for o in opts] for g, opts in C.groups(conf_dir).items()}
-            choices, keys = B.composition(body, options)
-        except ValueError as e:
-            raise HTTPException(400, str(e)) from None
-        return body, {**defaults, **choices}, keys
+# ------------------------------------------------------------ compose and launch
+
+async def _read(request, conf_dir: Path, defaults: dict) -> tuple[dict, dict, dict]:
+    """(body, choices with the defaults filled in, keys); a 400 naming what is wrong."""
+    from fastapi import HTTPException
+
+    from rft.studio import bodies as B
+    from rft.studio import compose as C
+
+    try:
+        body = B.parse(await request.body())
+        options = {g: [o["name"] for o in opts] for g, opts in C.groups(conf_dir).items()}
+        choices, keys = B.composition(body, options)
+    except ValueError as e:
+        raise HTTPException(400, str(e)) from None
+    return body, {**defaults, **choices}, keys
+
+
+def _add_compose_routes(app, conf_dir: Path, defaults: dict) -> None:
+    """Compose a body's choices into a config and its plan; save them as a study."""
+    from fastapi import Request
+    from fastapi.concurrency import run_in_threadpool
+    from fastapi.responses import JSONResponse
+
+    from rft.studio import compose as C
 
     @app.post("/api/compose")
     async def api_compose(request: Request):
-        _, choices, keys = await read(request)
+        _, choices, keys = await _read(request, conf_dir, defaults)
         comp = await run_in_threadpool(C.compose, conf_dir, choices, keys, defaults)
         return comp.__dict__
 
     @app.post("/api/study")
     async def api_study(request: Request):
-        body, choices, keys = await read(request)
+        body, choices, keys = await _read(request, conf_dir, defaults)
         comp = await run_in_threadpool(C.compose, conf_dir, choices, keys, defaults, False)
         if comp.error:
             return JSONResponse({"detail": f"not saved: {comp.error}"}, status_code=400)
@@ -175,9 +206,16 @@ def make_app(token: str, root: Path, conf_dir: Path, repo: Path, launch_env: dic
             return JSONResponse({"detail": str(e)}, status_code=400)
         return {"path": str(path), "command": f"python run.py experiment={path.stem}"}
 
+
+def _add_launch_routes(app, conf_dir: Path, defaults: dict, launches) -> None:
+    """Launch a body's run (or sweep), list the launches, read one's console log, stop one."""
+    from fastapi import Request
+    from fastapi.concurrency import run_in_threadpool
+    from fastapi.responses import JSONResponse
+
     @app.post("/api/launch")
     async def api_launch(request: Request):
-        body, choices, keys = await read(request)
+        body, choices, keys = await _read(request, conf_dir, defaults)
         try:
             args = await run_in_threadpool(launch_args, conf_dir, defaults, body, choices, keys)
         except Refused as e:
@@ -204,39 +242,54 @@ def make_app(token: str, root: Path, conf_dir: Path, repo: Path, launch_env: dic
         except KeyError as e:
             return JSONResponse({"detail": str(e)}, status_code=404)
 
-    # ------------------------------------------------------------ runs and rollouts
 
-    async def answer(fn, *args):
-        """fn(*args) on a worker thread; a path outside the root or a missing or damaged file is
-        a 400 whose message the page shows."""
-        try:
-            return await run_in_threadpool(fn, *args)
-        except (ValueError, OSError, ConfigError) as e:
-            return JSONResponse({"detail": str(e)}, status_code=400)
+# ------------------------------------------------------------ runs and rollouts
+
+async def _answer(fn, *args):
+    """fn(*args) on a worker thread; a path outside the root or a missing or damaged file is
+    a 400 whose message the page shows."""
+    from fastapi.concurrency import run_in_threadpool
+    from fastapi.responses import JSONResponse
+
+    from rft.errors import ConfigError
+
+    try:
+        return await run_in_threadpool(fn, *args)
+    except (ValueError, OSError, ConfigError) as e:
+        return JSONResponse({"detail": str(e)}, status_code=400)
+
+
+def _add_run_routes(app, root: Path) -> None:
+    """The runs under the root: their list, metrics, stages, curves, a sweep's table, and the
+    rollouts a run stored (its sources, their rows filtered)."""
+    from fastapi import Request
+
+    from rft.studio import rollouts as R
+    from rft.studio import runs as U
 
     @app.get("/api/runs")
     async def api_runs():
-        return await answer(U.listing, root)
+        return await _answer(U.listing, root)
 
     @app.get("/api/metrics")
     async def api_metrics(request: Request):
-        return await answer(U.metric_names, root, request.query_params.getlist("run"))
+        return await _answer(U.metric_names, root, request.query_params.getlist("run"))
 
     @app.get("/api/stages")
     async def api_stages(request: Request):
-        return await answer(U.stages, root, request.query_params.getlist("run"))
+        return await _answer(U.stages, root, request.query_params.getlist("run"))
 
     @app.get("/api/curves")
     async def api_curves(request: Request, metric: str = "eval/accuracy", stage: str = ""):
-        return await answer(U.curves, root, request.query_params.getlist("run"), metric, stage)
+        return await _answer(U.curves, root, request.query_params.getlist("run"), metric, stage)
 
     @app.get("/api/sweep")
     async def api_sweep(sweep: str):
-        return await answer(U.sweep_table, root, sweep)
+        return await _answer(U.sweep_table, root, sweep)
 
     @app.get("/api/rollouts/sources")
     async def api_sources(run: str):
-        return await answer(lambda: R.sources(U.inside(root, run)))
+        return await _answer(lambda: R.sources(U.inside(root, run)))
 
     @app.get("/api/rollouts")
     async def api_rollouts(run: str, source: str, min_reward: str = "", max_reward: str = "", step: str = "",
@@ -247,6 +300,4 @@ def make_app(token: str, root: Path, conf_dir: Path, repo: Path, launch_env: dic
             lo, hi = _number("min_reward", min_reward, float), _number("max_reward", max_reward, float)
             return R.read(U.inside(root, run), source, lo, hi, _number("step", step, int), limit)
 
-        return await answer(rows)
-
-    return app
+        return await _answer(rows)
