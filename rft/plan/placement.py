@@ -136,13 +136,7 @@ def check_placement(cfg) -> Placement:
     c, rm = cfg.cluster, cfg.explorer.rollout_model
     # mode=train still runs one explorer for evaluation when there are eval tasksets
     engines = explorer_count(cfg)
-    if c.node_num < 1:
-        raise ConfigError(f"cluster.node_num={c.node_num} must be >= 1.")
-    if rm.engine_num < 1:
-        raise ConfigError(f"explorer.rollout_model.engine_num={rm.engine_num} must be >= 1.")
-    if c.cpus_per_actor < 1:
-        raise ConfigError(f"cluster.cpus_per_actor={c.cpus_per_actor} must be >= 1.")
-    torch_threads(cfg)  # checks cluster.threads_per_actor
+    _check_counts(cfg)
     trainer = trainer_ranks(cfg) if cfg.mode in ("both", "train") else 0
     if trainer > 1 and c.backend != "ray":
         raise ConfigError(
@@ -152,13 +146,9 @@ def check_placement(cfg) -> Placement:
         )
     actors = trainer + engines
     rms = reward_models(cfg)
-    if c.colocate:  # one bundle, shared evenly by every actor, reward models included
-        n = actors + len(rms)
-        bundle = {"CPU": c.cpus_per_actor} if c.gpu_per_node == 0 else {"GPU": 1, "CPU": c.cpus_per_actor}
-        slots = ((0, 1 / n),) * n
     if c.gpu_per_node == 0:  # CPU only: every actor reserves its CPUs
         if c.colocate:
-            return Placement(0, 0, [bundle], share=1 / n, slots=slots, reward_models=tuple(rms))
+            return _colocated(c, actors, rms, explorer_gpus=0, trainer_gpus=0)
         bundles = [{"CPU": c.cpus_per_actor}] * actors
         return _with_reward_models(Placement(0, 0, bundles, share=1.0), rms, {})
 
@@ -170,20 +160,55 @@ def check_placement(cfg) -> Placement:
             f"{c.gpu_per_node}: one engine's tensor-parallel ranks must share a node. Lower "
             f"tensor_parallel_size to at most {c.gpu_per_node}."
         )
-    explorer_total = engines * tp
     if c.colocate:
-        if trainer > 1:
-            raise ConfigError(
-                f"cluster.colocate=true shares one GPU between the trainer and the explorers, so "
-                f"trainer.ranks={trainer} cannot each have one. Set trainer.ranks=1 or colocate=false."
-            )
-        if explorer_total > total:
-            raise ConfigError(
-                f"the explorers need engine_num ({engines}) x tensor_parallel_size ({tp}) = "
-                f"{explorer_total} GPUs but cluster.node_num x gpu_per_node = {total}."
-            )
+        _check_colocated_gpus(trainer, engines, tp, total)
         # trainer and explorers time-share the same GPUs (the engines sleep while it trains)
-        return Placement(tp, 1 if trainer else 0, [bundle], share=1 / n, slots=slots, reward_models=tuple(rms))
+        return _colocated(c, actors, rms, explorer_gpus=tp, trainer_gpus=1 if trainer else 0)
+    _check_own_gpus(trainer, engines, tp, total, rms)
+    bundles = [{"GPU": 1, "CPU": c.cpus_per_actor}] * trainer + [{"GPU": tp, "CPU": c.cpus_per_actor}] * engines
+    return _with_reward_models(Placement(tp, trainer, bundles, share=1.0), rms, {"GPU": 1})
+
+
+def _check_counts(cfg) -> None:
+    """The cluster's and the explorers' counts are at least 1 (the threads per actor too)."""
+    c, rm = cfg.cluster, cfg.explorer.rollout_model
+    if c.node_num < 1:
+        raise ConfigError(f"cluster.node_num={c.node_num} must be >= 1.")
+    if rm.engine_num < 1:
+        raise ConfigError(f"explorer.rollout_model.engine_num={rm.engine_num} must be >= 1.")
+    if c.cpus_per_actor < 1:
+        raise ConfigError(f"cluster.cpus_per_actor={c.cpus_per_actor} must be >= 1.")
+    torch_threads(cfg)  # checks cluster.threads_per_actor
+
+
+def _colocated(c, actors: int, rms: list, explorer_gpus: int, trainer_gpus: int) -> Placement:
+    """cluster.colocate: one bundle, shared evenly by every actor, reward models included."""
+    n = actors + len(rms)
+    bundle = {"CPU": c.cpus_per_actor} if c.gpu_per_node == 0 else {"GPU": 1, "CPU": c.cpus_per_actor}
+    slots = ((0, 1 / n),) * n
+    return Placement(explorer_gpus, trainer_gpus, [bundle], share=1 / n, slots=slots, reward_models=tuple(rms))
+
+
+def _check_colocated_gpus(trainer: int, engines: int, tp: int, total: int) -> None:
+    """With cluster.colocate the trainer is one process on the shared GPU, and the explorers'
+    tensor-parallel ranks fit in the cluster's GPUs."""
+    explorer_total = engines * tp
+    if trainer > 1:
+        raise ConfigError(
+            f"cluster.colocate=true shares one GPU between the trainer and the explorers, so "
+            f"trainer.ranks={trainer} cannot each have one. Set trainer.ranks=1 or colocate=false."
+        )
+    if explorer_total > total:
+        raise ConfigError(
+            f"the explorers need engine_num ({engines}) x tensor_parallel_size ({tp}) = "
+            f"{explorer_total} GPUs but cluster.node_num x gpu_per_node = {total}."
+        )
+
+
+def _check_own_gpus(trainer: int, engines: int, tp: int, total: int, rms: list) -> None:
+    """Not colocated: the explorers' GPUs, then the reward models' own, then a GPU per trainer
+    rank fit in the cluster's; each shortfall names what to lower."""
+    explorer_total = engines * tp
     own_gpu = sum(not r.args["colocate"] for r in rms)
     if own_gpu and total - explorer_total - trainer < own_gpu:
         raise ConfigError(
@@ -207,8 +232,6 @@ def check_placement(cfg) -> Placement:
             f"for the trainer. Lower explorer.rollout_model.engine_num, add nodes, or set "
             f"cluster.colocate=true to share the GPUs."
         )
-    bundles = [{"GPU": 1, "CPU": c.cpus_per_actor}] * trainer + [{"GPU": tp, "CPU": c.cpus_per_actor}] * engines
-    return _with_reward_models(Placement(tp, trainer, bundles, share=1.0), rms, {"GPU": 1})
 
 
 def _with_reward_models(p: Placement, rms: list, gpu: dict) -> Placement:
