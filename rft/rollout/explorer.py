@@ -71,12 +71,78 @@ class _Threads:
     def _serve(self) -> None:
         while True:
             fn, args = self.work.get()
-            fn(*args)  # never raises: run_jobs' call() catches every exception
+            fn(*args)  # never raises: _JobRun.call catches every exception
             with self.lock:
                 self.idle += 1
 
 
 _THREADS = _Threads()
+
+
+class _JobRun:
+    """The state of one run_jobs call: which jobs wait, run (since when) and are done, and the
+    counters. Calls answer on `finished`; an answer is taken only from a job's latest attempt."""
+
+    def __init__(self, fn, jobs: list, retries: int):
+        self.fn, self.jobs, self.retries = fn, jobs, retries
+        self.results: list = [None] * len(jobs)
+        self.tries = [0] * len(jobs)
+        self.counters = {"errors": 0, "timeouts": 0, "retries": 0, "failed": 0, "over_rollout_dropped": 0}
+        self.last_error = None
+        self.todo = list(range(len(jobs)))
+        self.running: dict[int, float] = {}  # job -> start time
+        self.finished: queue.Queue = queue.Queue()  # (job, attempt, ok, value)
+        self.done = 0
+
+    def call(self, i: int, attempt: int) -> None:
+        try:
+            self.finished.put((i, attempt, True, self.fn(self.jobs[i])))
+        except BaseException as e:  # a failing reward function must not end the run; nor its
+            # sys.exit() or KeyboardInterrupt (Ctrl-C reaches the main thread only): an error of
+            # the call, not a thread that dies and a call that times out
+            self.finished.put((i, attempt, False, e))
+
+    def failed(self, i: int) -> None:
+        if self.tries[i] <= self.retries:
+            self.counters["retries"] += 1
+            self.todo.append(i)
+        else:
+            self.counters["failed"] += 1
+            self.done += 1
+
+    def start(self, runners: int) -> None:
+        """Start waiting jobs while fewer than `runners` run."""
+        while self.todo and len(self.running) < runners:
+            i = self.todo.pop(0)
+            self.tries[i] += 1
+            self.running[i] = time.monotonic()
+            _THREADS.start(self.call, i, self.tries[i])
+
+    def take_answer(self) -> None:
+        """Take one call's answer, waiting for it at most 0.01 s (the loop then checks timeouts)."""
+        try:
+            i, attempt, ok, value = self.finished.get(timeout=0.01)
+        except queue.Empty:
+            return
+        if i in self.running and attempt == self.tries[i]:  # not a late answer from an abandoned call
+            del self.running[i]
+            if ok:
+                self.results[i] = value
+                self.done += 1
+            else:
+                self.counters["errors"] += 1
+                self.last_error = f"{type(value).__name__}: {value}"
+                log.warning("job %d attempt %d raised %s", i, attempt, self.last_error)
+                self.failed(i)
+
+    def abandon_late(self, now: float, timeout: float) -> None:
+        """Calls running longer than `timeout` no longer hold a runner: they time out."""
+        for i, t0 in list(self.running.items()):
+            if now - t0 > timeout:
+                del self.running[i]
+                self.counters["timeouts"] += 1
+                log.warning("job %d attempt %d timed out after %.1f s", i, self.tries[i], timeout)
+                self.failed(i)
 
 
 def run_jobs(fn, jobs: list, runners: int, timeout: float, retries: int,
@@ -90,68 +156,21 @@ def run_jobs(fn, jobs: list, runners: int, timeout: float, retries: int,
     With `min_done`, once that many jobs have finished the rest get `wait_after_min` seconds more
     and are then dropped (explorer.over_rollout).
     """
-    results: list = [None] * len(jobs)
-    tries = [0] * len(jobs)
-    counters = {"errors": 0, "timeouts": 0, "retries": 0, "failed": 0, "over_rollout_dropped": 0}
-    last_error = None
-    todo = list(range(len(jobs)))
-    running: dict[int, float] = {}  # job -> start time
-    finished: queue.Queue = queue.Queue()  # (job, attempt, ok, value)
-    done = 0
+    run = _JobRun(fn, jobs, retries)
     min_reached_at = None
-
-    def call(i: int, attempt: int) -> None:
-        try:
-            finished.put((i, attempt, True, fn(jobs[i])))
-        except BaseException as e:  # a failing reward function must not end the run; nor its
-            # sys.exit() or KeyboardInterrupt (Ctrl-C reaches the main thread only): an error of
-            # the call, not a thread that dies and a call that times out
-            finished.put((i, attempt, False, e))
-
-    def failed(i: int) -> None:
-        nonlocal done
-        if tries[i] <= retries:
-            counters["retries"] += 1
-            todo.append(i)
-        else:
-            counters["failed"] += 1
-            done += 1
-
-    while todo or running:
-        while todo and len(running) < runners:
-            i = todo.pop(0)
-            tries[i] += 1
-            running[i] = time.monotonic()
-            _THREADS.start(call, i, tries[i])
-        try:
-            i, attempt, ok, value = finished.get(timeout=0.01)
-            if i in running and attempt == tries[i]:  # not a late answer from an abandoned call
-                del running[i]
-                if ok:
-                    results[i] = value
-                    done += 1
-                else:
-                    counters["errors"] += 1
-                    last_error = f"{type(value).__name__}: {value}"
-                    log.warning("job %d attempt %d raised %s", i, attempt, last_error)
-                    failed(i)
-        except queue.Empty:
-            pass
+    while run.todo or run.running:
+        run.start(runners)
+        run.take_answer()
         now = time.monotonic()
-        for i, t0 in list(running.items()):
-            if now - t0 > timeout:
-                del running[i]
-                counters["timeouts"] += 1
-                log.warning("job %d attempt %d timed out after %.1f s", i, tries[i], timeout)
-                failed(i)
-        if min_done is not None and done >= min_done:
+        run.abandon_late(now, timeout)
+        if min_done is not None and run.done >= min_done:
             min_reached_at = min_reached_at or now
-            if now - min_reached_at >= wait_after_min and (todo or running):
-                counters["over_rollout_dropped"] = len(todo) + len(running)
+            if now - min_reached_at >= wait_after_min and (run.todo or run.running):
+                run.counters["over_rollout_dropped"] = len(run.todo) + len(run.running)
                 break
-    if last_error is not None:
-        counters["last_error"] = last_error  # a string: for the message when every task fails
-    return results, counters
+    if run.last_error is not None:
+        run.counters["last_error"] = run.last_error  # a string: for the message when every task fails
+    return run.results, run.counters
 
 
 def rollout_metrics(exps: list, groups: list, counters: dict, elapsed: float) -> dict:
