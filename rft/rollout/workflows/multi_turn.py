@@ -217,6 +217,25 @@ def multi_turn(tasks, engine, ctx) -> list[list[Experience] | None]:
     strict = bool(a.get("strict", False))
     call = ctx.call or (lambda fn, jobs: [fn(j) for j in jobs])
 
+    convs, groups = _start_conversations(tasks, env_cls, a, ctx, call)
+    args, sampling = _sampling_args(ctx, a, env_cls)
+    for turn in range(max_turns):
+        active = [c for c in convs if not c.done and not c.failed]
+        if not active:
+            break
+        _assistant_turn(engine, active, groups, turn, args, ctx, budget)
+        _environment_turn([c for c in active if not c.done], call, env_cls, tok, budget)
+    for c in convs:
+        if not c.done and not c.failed:
+            c.info["turn_limit"] = True
+    return _experiences(tasks, convs, ctx, strict, sampling)
+
+
+def _start_conversations(tasks, env_cls, a: dict, ctx, call) -> tuple[list[Conversation], list[list[Conversation]]]:
+    """`ctx.n` conversations per task, each with an environment of its own, and the conversations
+    grouped by task. A conversation whose reset failed fails its whole group."""
+    tok = ctx.tokenizer
+
     # one conversation per rollout; reset on the runners (an environment may do work there)
     def start(task):
         env = env_cls(**dict(a.get("env_args") or {}))
@@ -237,76 +256,87 @@ def multi_turn(tasks, engine, ctx) -> list[list[Experience] | None]:
         bad = next((c.failed for c in g if c.failed), None)
         for c in g:
             c.failed = c.failed or bad
+    return convs, groups
+
+
+def _sampling_args(ctx, a: dict, env_cls) -> tuple[SimpleNamespace, dict]:
+    """(the engine's sampling arguments for every assistant turn, the sampling the experiences
+    record); the stop strings are rollout_args', workflow_args' and the environment's."""
     r = ctx.rollout_args
     stop = list(getattr(r, "stop", []) or []) + list(a.get("stop") or [])
     stop += [s for s in getattr(env_cls, "stop", []) if s not in stop]
     args = SimpleNamespace(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, stop=stop,
                            max_tokens=r.max_tokens or ctx.max_response_tokens)
     sampling = {"temperature": float(r.temperature), "top_p": float(r.top_p), "top_k": int(r.top_k)}
+    return args, sampling
 
-    for turn in range(max_turns):
-        active = [c for c in convs if not c.done and not c.failed]
-        if not active:
-            break
-        seed = (ctx.seed + 7919 * turn) % (2**31)
-        live = [g for g in groups if not g[0].failed]
-        if turn == 0 and all(c.ids == g[0].ids for g in live for c in g):
-            # n samples of each prompt: the group shares its prefill (an environment whose reset
-            # differs between a task's conversations takes the general path below)
-            samples = [s for g in engine.generate([g[0].ids for g in live], ctx.n, args, seed=seed) for s in g]
-        else:
-            samples = [g[0] for g in engine.generate([c.ids for c in active], 1, args, seed=seed)]
-        for c, s in zip(active, samples):
-            ids, lps, reason = list(s.token_ids), list(s.logprobs), s.finish_reason
-            room = budget - len(c.ids)
-            if len(ids) > room:  # the conversation's budget ends inside this turn
-                ids, lps, reason = ids[:max(room, 0)], lps[:max(room, 0)], "length"
-                c.info["budget_truncated"] = True
-            c.turns += 1
-            history = list(c.messages)
-            text = tok.decode(ids, skip_special_tokens=True)
-            c.add(ids, True, "assistant", lps)
-            c.messages.append({"role": "assistant", "content": text})
-            c.finish_reason = reason
-            c.pending = (history, ids, text)
-            if c.info.get("budget_truncated"):
-                c.done = True
-        stepping = [c for c in active if not c.done]
 
-        def step(c):
-            return c.env.step(c.messages[-1]["content"])
+def _assistant_turn(engine, active: list[Conversation], groups, turn: int, args, ctx, budget: int) -> None:
+    """One engine call for the active conversations; each appends what was sampled, cut to the
+    conversation's budget (which then ends it)."""
+    seed = (ctx.seed + 7919 * turn) % (2**31)
+    live = [g for g in groups if not g[0].failed]
+    if turn == 0 and all(c.ids == g[0].ids for g in live for c in g):
+        # n samples of each prompt: the group shares its prefill (an environment whose reset
+        # differs between a task's conversations takes the general path below)
+        samples = [s for g in engine.generate([g[0].ids for g in live], ctx.n, args, seed=seed) for s in g]
+    else:
+        samples = [g[0] for g in engine.generate([c.ids for c in active], 1, args, seed=seed)]
+    tok = ctx.tokenizer
+    for c, s in zip(active, samples):
+        ids, lps, reason = list(s.token_ids), list(s.logprobs), s.finish_reason
+        room = budget - len(c.ids)
+        if len(ids) > room:  # the conversation's budget ends inside this turn
+            ids, lps, reason = ids[:max(room, 0)], lps[:max(room, 0)], "length"
+            c.info["budget_truncated"] = True
+        c.turns += 1
+        history = list(c.messages)
+        text = tok.decode(ids, skip_special_tokens=True)
+        c.add(ids, True, "assistant", lps)
+        c.messages.append({"role": "assistant", "content": text})
+        c.finish_reason = reason
+        c.pending = (history, ids, text)
+        if c.info.get("budget_truncated"):
+            c.done = True
 
-        for c, result in zip(stepping, call(step, stepping)):
-            if result is None:
-                c.failed = f"the environment's step raised or timed out at turn {c.turns}"
-                continue
-            msg, parts, done = _step_result(result, env_cls, c.turns)
-            for k, v in parts.items():
-                c.parts[k] = c.parts.get(k, 0.0) + float(v)
-            history, ids, text = c.pending
-            if done or msg is None:
-                c.done = True
-                continue
-            closing, departs = closing_ids(tok, history, ids, text)
-            if departs is not None:
-                c.info.setdefault("drift_turns", []).append(c.turns)
-            msg = _as_message(msg)
-            try:
-                delta = message_ids(tok, c.messages, msg, generation_prompt=True)
-            except ConfigError as e:
-                raise ConfigError(f"task {c.task.task_id!r}, turn {c.turns}: {e}") from None
-            if len(c.ids) + len(closing) + len(delta) >= budget:  # no room for the reply and an answer
-                c.info["budget_truncated"] = True
-                c.done = True
-                continue
-            c.add(closing, False, "assistant")
-            c.add(delta, False, msg.get("role", "user"))
-            c.messages.append(msg)
-    for c in convs:
-        if not c.done and not c.failed:
-            c.info["turn_limit"] = True
 
-    # rewards, drift, experiences
+def _environment_turn(stepping: list[Conversation], call, env_cls, tok, budget: int) -> None:
+    """The environments answer the assistant turns just sampled (on the runners): each adds its
+    reward parts, then ends the conversation or appends its message (with the rest of the
+    assistant turn's rendering before it), unless that would not fit the budget."""
+    def step(c):
+        return c.env.step(c.messages[-1]["content"])
+
+    for c, result in zip(stepping, call(step, stepping)):
+        if result is None:
+            c.failed = f"the environment's step raised or timed out at turn {c.turns}"
+            continue
+        msg, parts, done = _step_result(result, env_cls, c.turns)
+        for k, v in parts.items():
+            c.parts[k] = c.parts.get(k, 0.0) + float(v)
+        history, ids, text = c.pending
+        if done or msg is None:
+            c.done = True
+            continue
+        closing, departs = closing_ids(tok, history, ids, text)
+        if departs is not None:
+            c.info.setdefault("drift_turns", []).append(c.turns)
+        msg = _as_message(msg)
+        try:
+            delta = message_ids(tok, c.messages, msg, generation_prompt=True)
+        except ConfigError as e:
+            raise ConfigError(f"task {c.task.task_id!r}, turn {c.turns}: {e}") from None
+        if len(c.ids) + len(closing) + len(delta) >= budget:  # no room for the reply and an answer
+            c.info["budget_truncated"] = True
+            c.done = True
+            continue
+        c.add(closing, False, "assistant")
+        c.add(delta, False, msg.get("role", "user"))
+        c.messages.append(msg)
+
+
+def _experiences(tasks, convs: list[Conversation], ctx, strict: bool, sampling: dict) -> list[list[Experience] | None]:
+    """Per task, its conversations' experiences, or None when one of them failed."""
     out = []
     for i, task in enumerate(tasks):
         group = convs[i * ctx.n : (i + 1) * ctx.n]
@@ -315,28 +345,32 @@ def multi_turn(tasks, engine, ctx) -> list[list[Experience] | None]:
             log.warning("task %s failed: %s", task.task_id, bad.failed)
             out.append(None)
             continue
-        exps = []
-        for c in group:
-            drift = drift_at(tok, c)
-            if drift is not None and strict:
-                raise RunError(drift_message(tok, c, *drift))
-            from rft.rewards.scoring import Reward
-
-            info = {**{k: v for k, v in (c.env.info or {}).items()}, **c.info}
-            info.update({
-                "finish_reason": c.finish_reason, "turns": c.turns, "drift": drift is not None,
-                "prompt": tok.decode(c.ids[: c.prompt_length], skip_special_tokens=True),
-                "response": tok.decode(c.ids[c.prompt_length :], skip_special_tokens=True),
-                # the turns as text, for people and for saved eval trajectories
-                "conversation": copy.deepcopy(c.messages), "prompt_truncated": False,
-            })
-            if drift is not None:
-                info["drift_at"] = {"token": drift[0], "turn": drift[1], "role": drift[2]}
-            exps.append(Experience(
-                tokens=c.ids, prompt_length=c.prompt_length, logprobs=c.logprobs,
-                reward=Reward(sum(c.parts.values()), c.parts),
-                group_id=f"{ctx.step}/{ctx.seed}/{task.task_id}", task_id=task.task_id,
-                policy_version=ctx.policy_version, sampling=dict(sampling), info=info, loss_mask=c.mask,
-            ))
-        out.append(exps)
+        out.append([_experience(task, c, ctx, strict, sampling) for c in group])
     return out
+
+
+def _experience(task, c: Conversation, ctx, strict: bool, sampling: dict) -> Experience:
+    """One conversation as an experience: its reward is the sum of the environment's parts; a
+    drift is recorded in its info (or, strict, stops the run)."""
+    tok = ctx.tokenizer
+    drift = drift_at(tok, c)
+    if drift is not None and strict:
+        raise RunError(drift_message(tok, c, *drift))
+    from rft.rewards.scoring import Reward
+
+    info = {**{k: v for k, v in (c.env.info or {}).items()}, **c.info}
+    info.update({
+        "finish_reason": c.finish_reason, "turns": c.turns, "drift": drift is not None,
+        "prompt": tok.decode(c.ids[: c.prompt_length], skip_special_tokens=True),
+        "response": tok.decode(c.ids[c.prompt_length :], skip_special_tokens=True),
+        # the turns as text, for people and for saved eval trajectories
+        "conversation": copy.deepcopy(c.messages), "prompt_truncated": False,
+    })
+    if drift is not None:
+        info["drift_at"] = {"token": drift[0], "turn": drift[1], "role": drift[2]}
+    return Experience(
+        tokens=c.ids, prompt_length=c.prompt_length, logprobs=c.logprobs,
+        reward=Reward(sum(c.parts.values()), c.parts),
+        group_id=f"{ctx.step}/{ctx.seed}/{task.task_id}", task_id=task.task_id,
+        policy_version=ctx.policy_version, sampling=dict(sampling), info=info, loss_mask=c.mask,
+    )
