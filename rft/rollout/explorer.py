@@ -60,20 +60,24 @@ class _Threads:
         self.idle = 0
         self.lock = threading.Lock()
 
-    def start(self, fn, *args) -> None:
+    def start(self, fn, args: tuple, deliver) -> None:
+        """Run fn(*args) on a kept thread, then deliver(its result)."""
         with self.lock:
             spawn = self.idle == 0
             self.idle -= not spawn
         if spawn:
             threading.Thread(target=self._serve, daemon=True, name="rft-job").start()
-        self.work.put((fn, args))
+        self.work.put((fn, args, deliver))
 
     def _serve(self) -> None:
         while True:
-            fn, args = self.work.get()
-            fn(*args)  # never raises: _JobRun.call catches every exception
+            fn, args, deliver = self.work.get()
+            result = fn(*args)  # never raises: _JobRun.call catches every exception
+            # idle before the result is seen: the caller's next job, started on that result,
+            # finds this thread idle instead of starting another
             with self.lock:
                 self.idle += 1
+            deliver(result)
 
 
 _THREADS = _Threads()
@@ -94,13 +98,14 @@ class _JobRun:
         self.finished: queue.Queue = queue.Queue()  # (job, attempt, ok, value)
         self.done = 0
 
-    def call(self, i: int, attempt: int) -> None:
+    def call(self, i: int, attempt: int) -> tuple:
+        """(job, attempt, ok, its result or error), delivered to `finished`."""
         try:
-            self.finished.put((i, attempt, True, self.fn(self.jobs[i])))
+            return i, attempt, True, self.fn(self.jobs[i])
         except BaseException as e:  # a failing reward function must not end the run; nor its
             # sys.exit() or KeyboardInterrupt (Ctrl-C reaches the main thread only): an error of
             # the call, not a thread that dies and a call that times out
-            self.finished.put((i, attempt, False, e))
+            return i, attempt, False, e
 
     def failed(self, i: int) -> None:
         if self.tries[i] <= self.retries:
@@ -116,7 +121,7 @@ class _JobRun:
             i = self.todo.pop(0)
             self.tries[i] += 1
             self.running[i] = time.monotonic()
-            _THREADS.start(self.call, i, self.tries[i])
+            _THREADS.start(self.call, (i, self.tries[i]), self.finished.put)
 
     def take_answer(self) -> None:
         """Take one call's answer, waiting for it at most 0.01 s (the loop then checks timeouts)."""
