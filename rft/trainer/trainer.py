@@ -286,10 +286,11 @@ class Trainer:
 
     # ------------------------------------------------------------------ one step
 
-    # rows that stay in one micro-batch (and on one rank): DPO's preference pairs
+    # rows that stay in one micro-batch (and on one rank): an algorithm's preference pairs (DPO's),
+    # as its registry entry declares them (Needs.paired), so no loss is named here
     @property
     def _unit(self) -> int:
-        return 2 if self.cfg.algorithm.policy_loss_fn == "dpo" else 1
+        return 2 if self.plan.needs.paired else 1
 
     def _micro_batches(self, lengths: list[int], start: int, end: int) -> list[tuple[int, int]]:
         """Rows start..end as micro-batches (s, e): a fixed row count, or a token budget
