@@ -23,7 +23,6 @@ import os
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 from transformers import get_scheduler
@@ -34,17 +33,17 @@ from rft.algorithms.aggregation import agg_loss
 from rft.data.experience import WHERE, Experience, batch_record, collate
 from rft.models import (
     enable_gradient_checkpointing,
-    load_hf_weights,
     load_model,
     load_tokenizer,
     local_device,
     peak_flops,
 )
 from rft.registry import resolve
-from rft.sync.weights import SharedWriter, fingerprint, for_safetensors, node_id, one_thread, shared_fits, to_arrays
 from rft.trainer import lora, micro_batches
 from rft.trainer.critic import Critic, explained_variance
 from rft.trainer.logprobs import can_share_prompts, one_row, prompt_units, token_logprobs
+from rft.trainer.state import CheckpointMixin
+from rft.trainer.weights import WeightsMixin
 
 log = logging.getLogger(__name__)
 
@@ -163,9 +162,10 @@ def _add_loss_metrics(step: "Step", metrics: dict) -> None:
         step.loss_metric_sums[k] = step.loss_metric_sums.get(k, 0.0) + v
 
 
-class Trainer:
+class Trainer(WeightsMixin, CheckpointMixin):
     """trainer_strategy=torch: one process. rft.trainer.fsdp.FSDPTrainer is its data-parallel subclass;
-    the hooks it overrides are marked "(data parallel)" below."""
+    the hooks it overrides are marked "(data parallel)" below. What the synchronizers read
+    (rft.trainer.weights) and the checkpoints (rft.trainer.state) are mixins."""
 
     def __init__(self, cfg, plan, init_path: str | None = None):
         self.cfg = cfg
@@ -650,72 +650,7 @@ class Trainer:
             total += loss.item()
         return total
 
-    # ------------------------------------------------------------------ weights and checkpoints
-
-    def weights(self) -> dict[str, torch.Tensor]:
-        """A CPU copy of the weights (what memory sync sends)."""
-        return {k: v.detach().to("cpu", copy=True) for k, v in self._state_dict().items()}
-
-    def _state_dict(self) -> dict[str, torch.Tensor]:
-        """The model's weights as the engines and checkpoints know them: with LoRA, merged."""
-        return lora.merged_state_dict(self.model) if lora.is_lora(self.model) else self.model.state_dict()
-
-    def _named_parameters(self) -> list[tuple[str, torch.Tensor]]:
-        """(name, tensor) of each distinct weight (tied ones once), sorted: with LoRA, merged."""
-        if not lora.is_lora(self.model):
-            return sorted(self.model.named_parameters())
-        merged = self._state_dict()
-        names = {n.replace(".base_layer.", ".") for n, _ in self.model.get_base_model().named_parameters() if ".lora_" not in n}
-        return sorted((n, t) for n, t in merged.items() if n in names)
-
-    def fingerprint(self) -> str:
-        return fingerprint(t for _, t in self._named_parameters())
-
-    def _sync_state(self) -> dict[str, torch.Tensor]:
-        """(data parallel) The weights memory sync sends: the model's own tensors, not copied (the
-        object store copies them once; in-process, the explorer's load does)."""
-        return self._state_dict()
-
-    def sync_payload(self, shared: str | None = None, with_fingerprint: bool = True) -> tuple:
-        """What memory sync sends, in one call: the weights and their fingerprint. The weights as
-        numpy arrays, or with `shared` (the explorers are on this node: the segment's name prefix)
-        written into this trainer's shared-memory segment, if /dev/shm has room (rft.sync.weights.SharedWeights).
-        `with_fingerprint=False` (one process: the arrays are views of these tensors, which the
-        explorer compares what it loaded with): None in its place."""
-        state = self._sync_state()  # {} on the ranks of a data-parallel trainer other than 0
-        if shared and state and shared_fits(sum(v.numel() * v.element_size() for v in state.values())):
-            if self._shared is None:
-                self._shared = SharedWriter(shared)
-            with one_thread():
-                return self._shared.write(state), self.fingerprint() if with_fingerprint else None
-        return to_arrays(state), self.fingerprint() if with_fingerprint else None
-
-    def close_shared(self) -> None:
-        if self._shared is not None:
-            self._shared.close()
-            self._shared = None
-
-    def node(self) -> str:
-        return node_id()
-
-    def collective_address(self) -> tuple[str, int]:
-        from rft.sync.weights import free_address
-
-        return free_address()
-
-    def weights_manifest(self) -> list[tuple[str, list[int], str]]:
-        """(name, shape, dtype) of what collective_send sends, in order."""
-        return [(n, list(p.shape), str(p.dtype).removeprefix("torch.")) for n, p in self._named_parameters()]
-
-    def collective_init(self, address: str, port: int, world: int, rank: int) -> None:
-        from rft.sync.weights import open_group
-
-        self.group = open_group(address, port, world, rank, self.cfg.synchronizer.sync_timeout)
-
-    def collective_send(self) -> None:
-        from rft.sync.weights import broadcast
-
-        broadcast(self.group, [p.data for _, p in self._named_parameters()])
+    # ------------------------------------------------------------------ liveness and the step count
 
     def ping(self) -> int:
         return os.getpid()
@@ -726,106 +661,3 @@ class Trainer:
     def skip_step(self) -> None:
         """A step whose experiences were all dropped (too stale) still counts as a step."""
         self.version += 1
-
-    def save_weights(self, path: str) -> str:
-        """Write the weights as one safetensors file (for checkpoint sync); returns the fingerprint."""
-        from safetensors.torch import save_file
-
-        sd = {k: v.detach().cpu() for k, v in self._state_dict().items()}
-        save_file(for_safetensors(sd), path + ".tmp")
-        os.replace(path + ".tmp", path)
-        return self.fingerprint()
-
-    def save(self, directory: str, with_hf: bool = True) -> None:
-        """A resumable checkpoint: the model in HF format (hf/) and the optimizer state (the
-        checkpoint's manifest, written after, proves the files: rft/manifest.py).
-        With LoRA also the adapter alone (adapter/, PEFT's format: what resume reads, the base
-        being the stage's starting model), and hf/ (the merged model) only `with_hf`."""
-        d = Path(directory)
-        if lora.is_lora(self.model):
-            self.model.save_pretrained(d / "adapter")
-            if not with_hf:
-                self._save_state(d)
-                return
-        sd = self._state_dict()
-        hf_model = self.model.get_base_model() if lora.is_lora(self.model) else self.model
-        hf_model.save_pretrained(d / "hf", state_dict=sd)
-        self.tokenizer.save_pretrained(d / "hf")
-        self._save_state(d)
-
-    def _save_state(self, d: Path) -> None:
-        torch.save(
-            {
-                "optimizer": self.optimizer.state_dict(),
-                "scheduler": self.scheduler.state_dict(),
-                "version": self.version,
-                "rng": torch.get_rng_state(),
-                "critic": None if self.critic is None else self.critic.state_dict(),
-            },
-            d / "trainer_state.pt",
-        )
-
-    def load(self, directory: str) -> None:
-        d = Path(directory)
-        # the state first: a damaged file then leaves the model as it was (the runner falls back)
-        state = load_state(d / "trainer_state.pt")
-        if lora.is_lora(self.model):
-            from safetensors.torch import load_file
-
-            lora.load_adapter(self.model, load_file(d / "adapter" / "adapter_model.safetensors"))
-        else:
-            load_hf_weights(self.model, d / "hf")
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
-        self._configured_optimizer()
-        self.version = state["version"]
-        torch.set_rng_state(state["rng"])
-        if self.critic is not None:
-            self.critic.load_state_dict(state["critic"])
-
-    def _configured_optimizer(self) -> None:
-        """After loading a checkpoint: the config's optimizer settings, not the checkpoint's. They
-        are the same unless the run resumed with changes (resume_with_changes=true) or runs longer;
-        the schedule is this run's (its step count restored, its length this plan's)."""
-        opt = self.cfg.algorithm.optimizer
-        self.scheduler.base_lrs = [opt.lr for _ in self.optimizer.param_groups]
-        for group, fn in zip(self.optimizer.param_groups, self.scheduler.lr_lambdas):
-            group.update(initial_lr=opt.lr, lr=opt.lr * fn(self.scheduler.last_epoch),
-                         betas=tuple(opt.betas), weight_decay=opt.weight_decay)
-        self.scheduler._last_lr = [g["lr"] for g in self.optimizer.param_groups]
-
-    # ------------------------------------------------------------------ snapshots for restarted explorers
-
-    def keep_snapshots(self, version: int, keep: list[int]) -> None:
-        """Keep a CPU copy of the current weights as `version` (see rft.runtime.runner StageRun._serve),
-        unless one is kept already (the same version's weights), and drop those not in `keep`."""
-        if version not in self._snapshots:
-            self._snapshots[version] = (self.weights(), self.fingerprint())
-        for v in [v for v in self._snapshots if v != version and v not in keep]:
-            del self._snapshots[v]
-
-    def snapshot_weights(self, version: int) -> dict[str, torch.Tensor]:
-        return self._snapshots[version][0]
-
-    def snapshot_fingerprint(self, version: int) -> str:
-        return self._snapshots[version][1]
-
-
-def load_state(path: Path) -> dict:
-    """trainer_state.pt, read with weights_only=True: tensors, numbers, strings and containers of
-    them, which is all the trainer saves. Unpickling anything else would call code named by the
-    file, so such a file is refused with an UnpicklingError saying so (the runner then sets the
-    checkpoint aside, as a damaged one)."""
-    import pickle
-    import re
-
-    try:
-        return torch.load(path, weights_only=True)
-    except pickle.UnpicklingError as e:
-        found = re.search(r"GLOBAL (\S+)", str(e))  # torch names what the file would call
-        what = f"a call of {found.group(1)}" if found else "an object"
-        raise pickle.UnpicklingError(
-            f"{path} is refused: it holds {what}, which is not a tensor, number, string or container of them, "
-            f"and loading it would run that code. A trainer_state.pt the trainer wrote never holds one: this file "
-            f"was replaced or written by other code. Move this checkpoint away to resume from the one before it, "
-            f"or start the stage again (continue_from_checkpoint=false).") from None
