@@ -63,6 +63,25 @@ class Trainer(StepMixin, MetricsMixin, WeightsMixin, CheckpointMixin):
         algo = cfg.algorithm
         self.device = local_device(cfg.cluster)
         self.tokenizer = load_tokenizer(cfg.model)
+        # in this order: the models, then the critic (its value head) draw from the seeded RNG
+        self._build_models(init_path)
+        # names are looked up once, here; the update below never branches on them
+        self.advantage_fn = resolve(ADVANTAGE_FNS, algo.advantage_fn, "algorithm.advantage_fn")
+        self.policy_loss_fn = resolve(POLICY_LOSS_FNS, algo.policy_loss_fn, "algorithm.policy_loss_fn")
+        self.critic = None
+        if plan.needs.critic:
+            self.critic = Critic(cfg, os.path.expanduser(cfg.model.critic_model_path or init_path or cfg.model.model_path),
+                                 self.device, wrap=self._wrap)
+        self._open_datasets()
+        self._compose_loss()
+        self._build_optimizer()
+        self.version = 0  # number of RL steps trained
+        self._work = dict.fromkeys(WORK, 0.0)  # this step's tokens forwarded (see _forward)
+        self._snapshots: dict[int, tuple[dict, str]] = {}  # version -> (weights, fingerprint)
+
+    def _build_models(self, init_path: str | None) -> None:
+        """The policy (with LoRA: adapters on a frozen base) and the reference model."""
+        cfg, plan = self.cfg, self.plan
         model = load_model(cfg.model, init_path).to(self.device)
         # for the FLOPs estimate (perf/mfu): counted before sharding, tied weights once
         self.n_params = sum(p.numel() for p in model.parameters())
@@ -78,13 +97,10 @@ class Trainer(StepMixin, MetricsMixin, WeightsMixin, CheckpointMixin):
             ref = load_model(cfg.model, init_path).to(self.device)
             ref.requires_grad_(False)
             self.ref_model = self._wrap(ref)
-        # names are looked up once, here; the update below never branches on them
-        self.advantage_fn = resolve(ADVANTAGE_FNS, algo.advantage_fn, "algorithm.advantage_fn")
-        self.policy_loss_fn = resolve(POLICY_LOSS_FNS, algo.policy_loss_fn, "algorithm.policy_loss_fn")
-        self.critic = None
-        if plan.needs.critic:
-            self.critic = Critic(cfg, os.path.expanduser(cfg.model.critic_model_path or init_path or cfg.model.model_path),
-                                 self.device, wrap=self._wrap)
+
+    def _open_datasets(self) -> None:
+        """The readers of the stage's training dataset and of algorithm=mix's SFT rows, if any."""
+        cfg, plan = self.cfg, self.plan
         # a stage that trains from a dataset (plan.input_kind) reads it here, where the tokenizer
         # is: the driver then imports neither transformers nor torch. A bad row is a ConfigError
         # naming it (rft.runtime.actors.not_started reports it as one through Ray)
@@ -95,12 +111,16 @@ class Trainer(StepMixin, MetricsMixin, WeightsMixin, CheckpointMixin):
             self.dataset = DatasetReader(cfg.buffer.trainer_input.experience_buffer, self.tokenizer,
                                          cfg.model.max_prompt_tokens, cfg.model.max_response_tokens, cfg.seed)
         self.sft_reader = None
-        if algo.sft_loss_weight > 0:
+        if cfg.algorithm.sft_loss_weight > 0:
             from rft.data.readers import DatasetReader
 
             buf_cfg, where = plan.sft_data  # the plan resolved and checked it
             self.sft_reader = DatasetReader(buf_cfg, self.tokenizer, cfg.model.max_prompt_tokens,
                                             cfg.model.max_response_tokens, cfg.seed, where=where)
+
+    def _compose_loss(self) -> None:
+        """The loss's functions and switches, from the algorithm's config."""
+        cfg, algo = self.cfg, self.cfg.algorithm
         self.kl_fn = KL_FNS.get(algo.kl_loss_fn)
         # rows whose advantages are all 0 add nothing to an update whose ratio starts at 1 (old
         # log-probs = its own) for a loss that says so, as long as no other term (KL, entropy
@@ -117,7 +137,10 @@ class Trainer(StepMixin, MetricsMixin, WeightsMixin, CheckpointMixin):
         # the behaviour weight first, so that it weights the policy loss alone (as rollout_is does)
         self.terms = [t for t, on in [(self._behavior_term, True), (self._kl_term, self.kl_fn is not None),
                                       (self._entropy_term, bool(algo.entropy_coef))] if on]
-        opt = algo.optimizer
+
+    def _build_optimizer(self) -> None:
+        """AdamW over the trained weights, and its learning-rate schedule over the whole plan."""
+        opt, plan = self.cfg.algorithm.optimizer, self.plan
         self.optimizer = torch.optim.AdamW(
             [p for p in self.model.parameters() if p.requires_grad],  # with LoRA: the adapters
             lr=opt.lr, betas=tuple(opt.betas), weight_decay=opt.weight_decay
@@ -130,9 +153,6 @@ class Trainer(StepMixin, MetricsMixin, WeightsMixin, CheckpointMixin):
             )
         else:
             self.scheduler = get_scheduler("constant_with_warmup", self.optimizer, opt.warmup_steps, total)
-        self.version = 0  # number of RL steps trained
-        self._work = dict.fromkeys(WORK, 0.0)  # this step's tokens forwarded (see _forward)
-        self._snapshots: dict[int, tuple[dict, str]] = {}  # version -> (weights, fingerprint)
 
     # ------------------------------------------------------------------ data-parallel hooks
 
