@@ -77,7 +77,7 @@ def test_two_ranks_update_the_model_as_one_process_does(local_ray, tmp_path, ext
         keys = ["loss/policy", "actor/grad_norm", *critic]
         # the second step's rows are one step stale: one process corrects them in the update and
         # still sets aside the zero-advantage rows, the ranks forward every row for the old
-        # log-probs (rft.trainer.trainer._old_is_current); the same gradient, but the metrics over the
+        # log-probs (rft.trainer.step StepMixin._old_is_current); the same gradient, but the metrics over the
         # tokens computed (entropy, clip fraction, approx KL) then cover other rows
         if m_one["train/zero_advantage_rows_skipped"] == m_two["train/zero_advantage_rows_skipped"]:
             keys += ["actor/entropy", "actor/clip_frac", "actor/approx_kl"]

@@ -314,7 +314,7 @@ def test_the_decoupled_behaviour_weight_weights_the_policy_loss_alone():
     # its own order, on one token with policy loss 1, behaviour weight 5, KL (k1) 0.2, entropy 0.3
     from types import SimpleNamespace
 
-    from rft.trainer.trainer import _Rows
+    from rft.trainer.step import _Rows
 
     trainer = make_trainer(128, ["algorithm.off_policy_correction=decoupled", "algorithm.kl_loss_fn=k1",
                                  "algorithm.kl_loss_coef=1.0", "algorithm.entropy_coef=1.0"])

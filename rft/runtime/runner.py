@@ -221,7 +221,7 @@ class StageRun:
                 if _actor_died(e):
                     raise
                 cause = getattr(e, "cause", e)
-                # a refused pickle says why itself (rft.trainer.trainer.load_state: it would run code)
+                # a refused pickle says why itself (rft.trainer.state.load_state: it would run code)
                 why = (str(cause).split(". ")[0] if type(cause).__name__ == "UnpicklingError" and "is refused" in str(cause)
                        else f"{latest.path / 'trainer_state.pt'} does not load: {type(cause).__name__}")
                 set_aside(latest, why, self.title, print)

@@ -32,7 +32,8 @@ import torch
 from rft.models import local_device
 from rft.sync.weights import format_fingerprint, hf_tensors, weight_sums
 from rft.trainer import micro_batches
-from rft.trainer.trainer import Trainer, _lengths, load_state
+from rft.trainer.state import load_state
+from rft.trainer.trainer import Trainer, _lengths
 
 
 class FSDPTrainer(Trainer):

@@ -1,0 +1,97 @@
+"""The trainer's resumable state: a checkpoint's model (hf/, or with LoRA the adapter alone),
+optimizer, scheduler, step count, RNG state and critic, written and read back.
+
+`CheckpointMixin` reads and sets what Trainer.__init__ builds (rft.trainer.trainer); trainer=fsdp2
+(rft.trainer.fsdp.FSDPTrainer) overrides `save` and `load` to gather and scatter the shards.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from rft.models import load_hf_weights
+from rft.trainer import lora
+
+
+class CheckpointMixin:
+    """The Trainer's checkpoints (see the module's docstring)."""
+
+    def save(self, directory: str, with_hf: bool = True) -> None:
+        """A resumable checkpoint: the model in HF format (hf/) and the optimizer state (the
+        checkpoint's manifest, written after, proves the files: rft/manifest.py).
+        With LoRA also the adapter alone (adapter/, PEFT's format: what resume reads, the base
+        being the stage's starting model), and hf/ (the merged model) only `with_hf`."""
+        d = Path(directory)
+        if lora.is_lora(self.model):
+            self.model.save_pretrained(d / "adapter")
+            if not with_hf:
+                self._save_state(d)
+                return
+        sd = self._state_dict()
+        hf_model = self.model.get_base_model() if lora.is_lora(self.model) else self.model
+        hf_model.save_pretrained(d / "hf", state_dict=sd)
+        self.tokenizer.save_pretrained(d / "hf")
+        self._save_state(d)
+
+    def _save_state(self, d: Path) -> None:
+        torch.save(
+            {
+                "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(),
+                "version": self.version,
+                "rng": torch.get_rng_state(),
+                "critic": None if self.critic is None else self.critic.state_dict(),
+            },
+            d / "trainer_state.pt",
+        )
+
+    def load(self, directory: str) -> None:
+        d = Path(directory)
+        # the state first: a damaged file then leaves the model as it was (the runner falls back)
+        state = load_state(d / "trainer_state.pt")
+        if lora.is_lora(self.model):
+            from safetensors.torch import load_file
+
+            lora.load_adapter(self.model, load_file(d / "adapter" / "adapter_model.safetensors"))
+        else:
+            load_hf_weights(self.model, d / "hf")
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self._configured_optimizer()
+        self.version = state["version"]
+        torch.set_rng_state(state["rng"])
+        if self.critic is not None:
+            self.critic.load_state_dict(state["critic"])
+
+    def _configured_optimizer(self) -> None:
+        """After loading a checkpoint: the config's optimizer settings, not the checkpoint's. They
+        are the same unless the run resumed with changes (resume_with_changes=true) or runs longer;
+        the schedule is this run's (its step count restored, its length this plan's)."""
+        opt = self.cfg.algorithm.optimizer
+        self.scheduler.base_lrs = [opt.lr for _ in self.optimizer.param_groups]
+        for group, fn in zip(self.optimizer.param_groups, self.scheduler.lr_lambdas):
+            group.update(initial_lr=opt.lr, lr=opt.lr * fn(self.scheduler.last_epoch),
+                         betas=tuple(opt.betas), weight_decay=opt.weight_decay)
+        self.scheduler._last_lr = [g["lr"] for g in self.optimizer.param_groups]
+
+
+def load_state(path: Path) -> dict:
+    """trainer_state.pt, read with weights_only=True: tensors, numbers, strings and containers of
+    them, which is all the trainer saves. Unpickling anything else would call code named by the
+    file, so such a file is refused with an UnpicklingError saying so (the runner then sets the
+    checkpoint aside, as a damaged one)."""
+    import pickle
+    import re
+
+    try:
+        return torch.load(path, weights_only=True)
+    except pickle.UnpicklingError as e:
+        found = re.search(r"GLOBAL (\S+)", str(e))  # torch names what the file would call
+        what = f"a call of {found.group(1)}" if found else "an object"
+        raise pickle.UnpicklingError(
+            f"{path} is refused: it holds {what}, which is not a tensor, number, string or container of them, "
+            f"and loading it would run that code. A trainer_state.pt the trainer wrote never holds one: this file "
+            f"was replaced or written by other code. Move this checkpoint away to resume from the one before it, "
+            f"or start the stage again (continue_from_checkpoint=false).") from None

@@ -1,0 +1,112 @@
+"""What leaves the trainer as weights, as the synchronizers (rft.sync.weights) ask for them:
+CPU copies and state dicts (with LoRA, merged), the fingerprint, memory sync's payload (arrays or a
+shared-memory segment), the collective send, one safetensors file for checkpoint sync, and the
+snapshots kept for explorers that restart.
+
+`WeightsMixin` reads the Trainer's model (rft.trainer.trainer); trainer=fsdp2
+(rft.trainer.fsdp.FSDPTrainer) overrides the methods that must gather the shards.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from rft.sync.weights import SharedWriter, fingerprint, for_safetensors, node_id, one_thread, shared_fits, to_arrays
+from rft.trainer import lora
+
+
+class WeightsMixin:
+    """The Trainer's weights as the synchronizers read them (see the module's docstring). Its own
+    state, set by Trainer.__init__: `_shared` (memory sync's segment) and `_snapshots`."""
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        """A CPU copy of the weights (what memory sync sends)."""
+        return {k: v.detach().to("cpu", copy=True) for k, v in self._state_dict().items()}
+
+    def _state_dict(self) -> dict[str, torch.Tensor]:
+        """The model's weights as the engines and checkpoints know them: with LoRA, merged."""
+        return lora.merged_state_dict(self.model) if lora.is_lora(self.model) else self.model.state_dict()
+
+    def _named_parameters(self) -> list[tuple[str, torch.Tensor]]:
+        """(name, tensor) of each distinct weight (tied ones once), sorted: with LoRA, merged."""
+        if not lora.is_lora(self.model):
+            return sorted(self.model.named_parameters())
+        merged = self._state_dict()
+        names = {n.replace(".base_layer.", ".") for n, _ in self.model.get_base_model().named_parameters() if ".lora_" not in n}
+        return sorted((n, t) for n, t in merged.items() if n in names)
+
+    def fingerprint(self) -> str:
+        return fingerprint(t for _, t in self._named_parameters())
+
+    def _sync_state(self) -> dict[str, torch.Tensor]:
+        """(data parallel) The weights memory sync sends: the model's own tensors, not copied (the
+        object store copies them once; in-process, the explorer's load does)."""
+        return self._state_dict()
+
+    def sync_payload(self, shared: str | None = None, with_fingerprint: bool = True) -> tuple:
+        """What memory sync sends, in one call: the weights and their fingerprint. The weights as
+        numpy arrays, or with `shared` (the explorers are on this node: the segment's name prefix)
+        written into this trainer's shared-memory segment, if /dev/shm has room (rft.sync.weights.SharedWeights).
+        `with_fingerprint=False` (one process: the arrays are views of these tensors, which the
+        explorer compares what it loaded with): None in its place."""
+        state = self._sync_state()  # {} on the ranks of a data-parallel trainer other than 0
+        if shared and state and shared_fits(sum(v.numel() * v.element_size() for v in state.values())):
+            if self._shared is None:
+                self._shared = SharedWriter(shared)
+            with one_thread():
+                return self._shared.write(state), self.fingerprint() if with_fingerprint else None
+        return to_arrays(state), self.fingerprint() if with_fingerprint else None
+
+    def close_shared(self) -> None:
+        if self._shared is not None:
+            self._shared.close()
+            self._shared = None
+
+    def node(self) -> str:
+        return node_id()
+
+    def collective_address(self) -> tuple[str, int]:
+        from rft.sync.weights import free_address
+
+        return free_address()
+
+    def weights_manifest(self) -> list[tuple[str, list[int], str]]:
+        """(name, shape, dtype) of what collective_send sends, in order."""
+        return [(n, list(p.shape), str(p.dtype).removeprefix("torch.")) for n, p in self._named_parameters()]
+
+    def collective_init(self, address: str, port: int, world: int, rank: int) -> None:
+        from rft.sync.weights import open_group
+
+        self.group = open_group(address, port, world, rank, self.cfg.synchronizer.sync_timeout)
+
+    def collective_send(self) -> None:
+        from rft.sync.weights import broadcast
+
+        broadcast(self.group, [p.data for _, p in self._named_parameters()])
+
+    def save_weights(self, path: str) -> str:
+        """Write the weights as one safetensors file (for checkpoint sync); returns the fingerprint."""
+        from safetensors.torch import save_file
+
+        sd = {k: v.detach().cpu() for k, v in self._state_dict().items()}
+        save_file(for_safetensors(sd), path + ".tmp")
+        os.replace(path + ".tmp", path)
+        return self.fingerprint()
+
+    # ------------------------------------------------------------------ snapshots for restarted explorers
+
+    def keep_snapshots(self, version: int, keep: list[int]) -> None:
+        """Keep a CPU copy of the current weights as `version` (see rft.runtime.runner StageRun._serve),
+        unless one is kept already (the same version's weights), and drop those not in `keep`."""
+        if version not in self._snapshots:
+            self._snapshots[version] = (self.weights(), self.fingerprint())
+        for v in [v for v in self._snapshots if v != version and v not in keep]:
+            del self._snapshots[v]
+
+    def snapshot_weights(self, version: int) -> dict[str, torch.Tensor]:
+        return self._snapshots[version][0]
+
+    def snapshot_fingerprint(self, version: int) -> str:
+        return self._snapshots[version][1]
