@@ -489,7 +489,9 @@ def test_a_sync_is_waited_for_before_an_explorers_result_counts_and_a_failed_che
     after a sync whose check failed ran on the old weights and must never count."""
     from types import SimpleNamespace
 
-    from rft.runtime.runner import StageRun
+    from rft.runtime.explorers import ExplorerPool
+    from rft.runtime.faults import TrainerCalls
+    from rft.runtime.schedule import Schedule
 
     made = []
 
@@ -503,22 +505,23 @@ def test_a_sync_is_waited_for_before_an_explorers_result_counts_and_a_failed_che
             raise RuntimeError("weight sync to version 3 failed: the explorer now serves weights with ...")
 
     explorer = Explorer()
-    run = SimpleNamespace(cfg=compose_cfg(["synchronizer.sync_timeout=7"]), explorers=[explorer], trainer=object(),
-                          asleep=False, snapshots=False, unfinished_sync=None, synced=2, pending=None,
-                          sync=lambda trainer, explorers, version: [(e, e.submit("receive_weights", version)) for e in explorers])
-    for name in ("_finish_sync", "_synced_to", "_awake"):
-        setattr(run, name, getattr(StageRun, name).__get__(run))
-    StageRun._sync_all(run, 3)  # submitted, not waited for
+    run = ExplorerPool(compose_cfg(["synchronizer.sync_timeout=7", "synchronizer.sync_offset=0"]), [explorer],
+                       TrainerCalls(object(), None),
+                       lambda trainer, explorers, version: [(e, e.submit("receive_weights", version)) for e in explorers],
+                       synced=2, monitor=None, stage_dir=None, title="grpo", owner=None)
+    run.snapshots, run.pending = False, None
+    run.sync_all(3)  # submitted, not waited for
     assert made == [("receive_weights", (3,))] and run.synced == 3 and run.unfinished_sync is not None
     # the next collect waits for it first (run.pending=None: taking the explore result would raise
     # AttributeError), and the failed check stops the run
     with pytest.raises(RuntimeError, match="weight sync to version 3 failed"):
-        StageRun._collect(run)
+        run.collect()
     assert run.unfinished_sync is None
-    for method in (StageRun._train, StageRun._evaluate, StageRun._save):
+    schedule = SimpleNamespace(pool=run)
+    for method in (Schedule._train, ExplorerPool.evaluate, Schedule._save):
         run.unfinished_sync = (3, [(explorer, "receive_weights")])
         with pytest.raises(RuntimeError, match="weight sync to version 3 failed"):
-            method(run, 3, None) if method is not StageRun._evaluate else method(run, 3)
+            method(schedule, 3, None) if method is not ExplorerPool.evaluate else method(run, 3)
 
 
 def test_a_syncing_step_queues_the_sync_and_the_next_explore_behind_the_train_step():
@@ -527,11 +530,12 @@ def test_a_syncing_step_queues_the_sync_and_the_next_explore_behind_the_train_st
     the new weights and explores as soon as the trainer is done. Not at a step that evaluates or
     saves: the eval and the checkpoint come first. A step that does not sync only trains; so does
     every step in one process, or in sleep mode."""
-    from collections import deque
     from types import SimpleNamespace
 
     from rft.data.experience import Experience
-    from rft.runtime.runner import StageRun
+    from rft.runtime.explorers import ExplorerPool
+    from rft.runtime.faults import TrainerCalls
+    from rft.runtime.schedule import Schedule
 
     log = []
 
@@ -551,16 +555,18 @@ def test_a_syncing_step_queues_the_sync_and_the_next_explore_behind_the_train_st
             log.append(("call", self.name, method))
 
     def make(overrides):
-        run = object.__new__(StageRun)
+        run = object.__new__(Schedule)
         run.cfg = compose_cfg(["synchronizer.sync_offset=0", "explorer.eval_interval=5", "trainer.save_interval=10",
                                *overrides])
         run.plan = SimpleNamespace(total_steps=20, input_kind="tasks")
-        run.trainer, run.explorers = Actor("trainer"), [Actor("explorer")]
-        run.sync = lambda trainer, explorers, version: [
+        run.trainer = TrainerCalls(Actor("trainer"), None)
+        sync = lambda trainer, explorers, version: [
             (e, e.submit("receive_weights", trainer.submit("sync_payload"), version)) for e in explorers]
+        run.pool = ExplorerPool(run.cfg, [Actor("explorer")], run.trainer, sync, synced=0, monitor=None,
+                                stage_dir=None, title="grpo", owner=None)
         run.explores = run.trains = True
-        run.snapshots, run.unfinished_sync, run.asleep = False, None, False
-        run.pending, run.explore_metrics = deque(), {}
+        run.pool.snapshots = False
+        run.explore_metrics = {}
         run.monitor = SimpleNamespace(record_batch=lambda record: None)
         batch = [Experience(tokens=[1, 2, 3], prompt_length=1, logprobs=[0.0, 0.0])]
         run._read_batch = lambda step, produced: (batch, {})
@@ -568,19 +574,19 @@ def test_a_syncing_step_queues_the_sync_and_the_next_explore_behind_the_train_st
 
     run = make([])
     for step in (3, 5, 10):  # explore step s - 1 was collected; training step s learns from it
-        run.synced, run.next_explore = step - 1, step
+        run.pool.synced, run.next_explore = step - 1, step
         log.clear()
-        metrics = StageRun._train(run, step, None)
-        assert metrics["loss/policy"] == 0.5 and run.synced == step
+        metrics = run._train(step, None)
+        assert metrics["loss/policy"] == 0.5 and run.pool.synced == step
         queued = [("submit", "trainer", "train_step"), ("submit", "trainer", "sync_payload"),
                   ("submit", "explorer", "receive_weights")]
         if step == 3:  # sync_offset=0: explore step 3 (training step 4 learns from it), on version 3
             queued.append(("submit", "explorer", "explore"))
-            assert run.next_explore == 4 and run.pending[-1].step == 3 and run.pending[-1].version == 3
+            assert run.next_explore == 4 and run.pool.pending[-1].step == 3 and run.pool.pending[-1].version == 3
         else:  # step 5 evaluates (eval_interval=5), step 10 saves (save_interval=10)
             assert run.next_explore == step
         assert log == [*queued, ("get", "trainer", "train_step")]
-        run.unfinished_sync = None  # (waited for by the next step's collect)
+        run.pool.unfinished_sync = None  # (waited for by the next step's collect)
 
     # in one process (cluster=inline) a call runs when submitted, and in sleep mode the engines
     # sleep while the trainer trains (the GPU is the trainer's): the sync waits for _end_step
@@ -588,26 +594,26 @@ def test_a_syncing_step_queues_the_sync_and_the_next_explore_behind_the_train_st
     for overrides, expected in ((["synchronizer.sync_interval=2"], trains), (["cluster=inline"], trains),
                                 (["explorer.rollout_model.enable_sleep_mode=true"], [("call", "explorer", "sleep"), *trains])):
         run = make(overrides)
-        run.synced, run.next_explore = 2, 3
+        run.pool.synced, run.next_explore = 2, 3
         log.clear()
-        StageRun._train(run, 3, None)
-        assert log == expected and run.synced == 2 and run.next_explore == 3, overrides
+        run._train(3, None)
+        assert log == expected and run.pool.synced == 2 and run.next_explore == 3, overrides
 
 
 def test_sleep_mode_frees_the_engines_only_while_the_trainer_trains():
     from types import SimpleNamespace
 
-    from rft.runtime.runner import StageRun
+    from rft.runtime.explorers import ExplorerPool
 
     calls = []
     explorer = SimpleNamespace(call=lambda method: calls.append(method))
     run = SimpleNamespace(cfg=compose_cfg(["explorer.rollout_model.enable_sleep_mode=true"]),
                           explorers=[explorer, explorer], asleep=False)
     for awake in (True, False, False, True, True):  # explore, train, (again), sync, explore
-        StageRun._awake(run, awake)
+        ExplorerPool.awake(run, awake)
     assert calls == ["sleep", "sleep", "wake_up", "wake_up"]  # two engines, each once per change
     run.cfg = compose_cfg([])  # off: never touched
-    StageRun._awake(run, False)
+    ExplorerPool.awake(run, False)
     assert len(calls) == 4
 
 
@@ -661,7 +667,8 @@ def test_a_trainer_that_dies_during_a_sync_is_named_with_its_checkpoint(tmp_path
     from ray.exceptions import RayActorError
 
     from rft.errors import RunError
-    from rft.runtime.runner import StageRun
+    from rft.runtime.explorers import ExplorerPool
+    from rft.runtime.faults import TrainerCalls
 
     class Explorer:
         pings = 0
@@ -683,18 +690,17 @@ def test_a_trainer_that_dies_during_a_sync_is_named_with_its_checkpoint(tmp_path
     expected = ("the trainer actor died (RayActorError). Its newest checkpoint: none yet (the stage "
                 "restarts from its beginning). Run the same command again to resume from it.")
     for sync_method in (raising_sync, sync):
-        run = SimpleNamespace(dir=tmp_path, cfg=SimpleNamespace(cluster=SimpleNamespace(max_actor_restarts=1),
-                                                                synchronizer=SimpleNamespace(sync_timeout=5)),
-                              sync=sync_method, trainer=object(), explorers=[Explorer()], _awake=lambda awake: None,
-                              _revive=lambda *a, **k: pytest.fail("no explorer died"), unfinished_sync=None,
-                              snapshots=False)
-        run._trainer_died = lambda e: StageRun._trainer_died(run, e)
-        for name in ("_finish_sync", "_synced_to"):
-            setattr(run, name, getattr(StageRun, name).__get__(run))
+        run = SimpleNamespace(cfg=SimpleNamespace(cluster=SimpleNamespace(max_actor_restarts=1),
+                                                  synchronizer=SimpleNamespace(sync_timeout=5)),
+                              sync=sync_method, trainer=TrainerCalls(object(), tmp_path), explorers=[Explorer()],
+                              awake=lambda awake: None, _revive=lambda *a, **k: pytest.fail("no explorer died"),
+                              unfinished_sync=None, snapshots=False)
+        for name in ("finish_sync", "_synced_to"):
+            setattr(run, name, getattr(ExplorerPool, name).__get__(run))
         Explorer.pings = 0
         with pytest.raises(RunError) as e:
-            StageRun._sync_all(run, 3)  # raising_sync: at once
-            run._finish_sync()  # sync: when the driver waits for it
+            ExplorerPool.sync_all(run, 3)  # raising_sync: at once
+            run.finish_sync()  # sync: when the driver waits for it
         assert str(e.value) == expected
         assert Explorer.pings == 1
 
@@ -710,8 +716,8 @@ def test_asking_for_the_ray_node_outside_ray_does_not_import_ray():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["''", "False"]
     # nor does asking whether a failed call's actor died (the runner asks on every error)
-    code = ("import sys; from rft.runtime.runner import _actor_died; "
-            "print(_actor_died(RuntimeError('a user error')), 'ray' in sys.modules)")
+    code = ("import sys; from rft.runtime.faults import actor_died; "
+            "print(actor_died(RuntimeError('a user error')), 'ray' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["False", "False"]
 
@@ -843,24 +849,24 @@ FAILED_STEP = {"rollout/experiences": 0, "rollout/failed_tasks": 4, "rollout/err
 
 
 def stage_run_of(cfg, tmp_path, total_steps: int, start: int = 0):
-    """A StageRun standing in for one whose steps are all collected: what _check_signal reads."""
+    """The check of a stage whose steps are all collected (no checkpoint yet)."""
     from types import SimpleNamespace
 
-    return SimpleNamespace(cfg=cfg, plan=SimpleNamespace(total_steps=total_steps), start=start, failed_steps=0,
-                           dir=tmp_path, title="grpo", first_rewards=set(), _resume_point=lambda: "none yet")
+    from rft.runtime.faults import LearningSignal
+
+    return LearningSignal(cfg, SimpleNamespace(total_steps=total_steps), start, tmp_path, "grpo", None)
 
 
 def test_a_run_shorter_than_max_failed_steps_whose_every_step_failed_stops_naming_the_environment(tmp_path):
     """2 steps, max_failed_steps 3: both failed, and the run saved the unchanged model with exit 0;
     the message blamed the reward function when the environment had raised."""
     from rft.errors import RunError
-    from rft.runtime.runner import StageRun
 
     cfg = compose_cfg(["stages=[]", "model=tiny_tools", "task=calculator", "buffer.total_steps=2"])
     run = stage_run_of(cfg, tmp_path, total_steps=2)
-    StageRun._check_signal(run, 0, FAILED_STEP, ("workflow", "TypeError: boom"))  # 1 of 2: it goes on
+    run.check(0, FAILED_STEP, ("workflow", "TypeError: boom"))  # 1 of 2: it goes on
     with pytest.raises(RunError) as e:
-        StageRun._check_signal(run, 1, FAILED_STEP, ("workflow", "TypeError: boom"))
+        run.check(1, FAILED_STEP, ("workflow", "TypeError: boom"))
     assert str(e.value) == (
         f"every task of the last 2 steps failed (environment 'calculator' (workflow_args.env): 8 errors and 0 "
         f"timeouts in the last step; the last error: TypeError: boom), so nothing can be learned. Each explorer's "
@@ -870,24 +876,22 @@ def test_a_run_shorter_than_max_failed_steps_whose_every_step_failed_stops_namin
     # resumed at step 9 of 10: its one step failed, and it is all this run does
     run = stage_run_of(compose_cfg(["stages=[]"]), tmp_path, total_steps=10, start=9)
     with pytest.raises(RunError, match=r"^every task of the last 1 steps failed \(reward function 'exact_match': "):
-        StageRun._check_signal(run, 9, FAILED_STEP, ("reward", "ValueError: no"))
+        run.check(9, FAILED_STEP, ("reward", "ValueError: no"))
     # a longer run goes on until max_failed_steps in a row
     run = stage_run_of(compose_cfg(["stages=[]"]), tmp_path, total_steps=10)
     for step in range(2):
-        StageRun._check_signal(run, step, FAILED_STEP, ("reward", "ValueError: no"))
+        run.check(step, FAILED_STEP, ("reward", "ValueError: no"))
 
 
 def test_equal_rewards_of_a_multi_turn_run_name_the_environment_not_an_unused_reward(tmp_path):
     # it said "Check the reward function ('exact_match')", which a multi-turn conversation never calls
     from types import SimpleNamespace
 
-    from rft.runtime.runner import StageRun
-
     run = stage_run_of(compose_cfg(["stages=[]", "model=tiny_tools", "task=calculator"]), tmp_path, total_steps=10)
     printed = []
     run.monitor = SimpleNamespace(print=printed.append)
     for step in range(3):
-        StageRun._check_signal(run, step, {"rollout/experiences": 8, "reward/min": 0.0, "reward/max": 0.0}, None)
+        run.check(step, {"rollout/experiences": 8, "reward/min": 0.0, "reward/max": 0.0}, None)
     assert printed == ["[grpo] WARNING: every reward of the first 3 steps was 0: the advantages are all 0 and nothing "
                        "is learned. Check the environment ('calculator.step(text)') and that "
                        "buffer.explorer_input.taskset.format.response_key='answer' names the column of reference "

@@ -444,8 +444,9 @@ class Explorer:
         A task whose reward failed (raised or timed out after its retries) counts as reward 0 and
         is counted in `eval/<name>/failed_tasks`; when every task of a set failed, the accuracy
         means nothing: `eval_failed` (not a metric) then names the set and its last error, for the
-        runner to stop the run (StageRun._evaluate). With `save_dir`, the conversations of a
-        multi-turn eval (their turns, tool calls and rewards) go to <save_dir>/step_<step>/<name>.jsonl.
+        runner to stop the run (rft.runtime.explorers ExplorerPool.evaluate). With `save_dir`, the
+        conversations of a multi-turn eval (their turns, tool calls and rewards) go to
+        <save_dir>/step_<step>/<name>.jsonl.
         """
         metrics = {}
         for i, (ts, tasks, scorer) in enumerate(self.eval_tasksets):

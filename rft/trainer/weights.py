@@ -98,7 +98,7 @@ class WeightsMixin:
     # ------------------------------------------------------------------ snapshots for restarted explorers
 
     def keep_snapshots(self, version: int, keep: list[int]) -> None:
-        """Keep a CPU copy of the current weights as `version` (see rft.runtime.runner StageRun._serve),
+        """Keep a CPU copy of the current weights as `version` (see rft.runtime.explorers ExplorerPool._serve),
         unless one is kept already (the same version's weights), and drop those not in `keep`."""
         if version not in self._snapshots:
             self._snapshots[version] = (self.weights(), self.fingerprint())

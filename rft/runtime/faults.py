@@ -1,0 +1,116 @@
+"""What a stage says when something goes wrong: an actor that died (the trainer's death names the
+checkpoint a rerun resumes from; a dead explorer is restarted, rft.runtime.explorers), user code
+that failed every task (`culprit`), and a run that cannot learn (`LearningSignal`). Apart from the
+schedule and the explorer pool so that each reads as what it does when nothing fails."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from rft.errors import RunError
+from rft.rewards import scoring
+from rft.rewards.scoring import describe as describe_reward
+from rft.rewards.scoring import spec_of
+from rft.runtime.checkpoint import latest_checkpoint
+
+
+def actor_died(e: Exception) -> bool:
+    # without Ray imported no Ray actor ran (cluster=inline): importing it here, on an error of a
+    # run in one process, would cost ~50 MB and set up Ray's logging for nothing
+    exceptions = sys.modules.get("ray.exceptions")
+    return exceptions is not None and isinstance(e, exceptions.RayActorError)
+
+
+def resume_point(stage_dir: Path) -> str:
+    """The checkpoint a rerun of the same command resumes from, for a message."""
+    latest = latest_checkpoint(stage_dir)
+    return f"step {latest.step} ({latest.path})" if latest else "none yet"
+
+
+class TrainerCalls:
+    """The stage's trainer actor (`actor`), whose results are taken here: a trainer that died stops
+    the run with a RunError naming the checkpoint a rerun resumes from, not a raw Ray error."""
+
+    def __init__(self, actor, stage_dir: Path):
+        self.actor, self.dir = actor, stage_dir
+
+    def __call__(self, method: str, *args):
+        return self.result(self.actor.submit(method, *args))
+
+    def submit(self, method: str, *args):
+        return self.actor.submit(method, *args)
+
+    def result(self, future):
+        try:
+            return self.actor.get(future)
+        except Exception as e:
+            if not actor_died(e):
+                raise
+            raise self.died(e) from e
+
+    def died(self, e: Exception) -> RunError:
+        latest = latest_checkpoint(self.dir)
+        where = f"step {latest.step} ({latest.path})" if latest else "none yet (the stage restarts from its beginning)"
+        return RunError(f"the trainer actor died ({type(e).__name__}). Its newest checkpoint: {where}. "
+                        f"Run the same command again to resume from it.")
+
+
+def culprit(inp, ts, source: str | None) -> tuple[str, str]:
+    """(what failed, its fix) when every task of taskset `ts` failed: the reward function, or,
+    when the workflow's own jobs failed (`source`), the environment (multi_turn) or the workflow."""
+    if source == "workflow" and ts.workflow == "multi_turn":
+        return f"environment {ts.workflow_args.get('env')!r} (workflow_args.env)", "Fix the environment (its constructor, reset or step)"
+    if source == "workflow":
+        return f"workflow {ts.workflow!r}, in the jobs it ran", "Fix the workflow"
+    reward = describe_reward(spec_of(ts.reward_fn, inp.default_reward_fn_type))
+    return f"reward function {reward!r}", "Fix the reward function"
+
+
+class LearningSignal:
+    """A run that cannot learn must not run to the end and exit 0: it stops after
+    explorer.max_failed_steps steps in a row in which every task failed (or after every step of a
+    run shorter than that), and warns loudly when every reward of the first steps is the same (no
+    advantage, no learning). Fed each explore step's metrics in step order (`check`)."""
+
+    def __init__(self, cfg, plan, start: int, stage_dir: Path, title: str, monitor):
+        self.cfg, self.plan, self.start, self.dir, self.title, self.monitor = cfg, plan, start, stage_dir, title, monitor
+        # steps in a row in which every task failed (explorer.max_failed_steps stops the run)
+        self.failed_steps = 0
+        self.first_rewards: set = set()  # the rewards of the first steps (all equal: a warning)
+
+    def check(self, step: int, m: dict, last_error: tuple | None) -> None:
+        cfg, inp = self.cfg, self.cfg.buffer.explorer_input
+        if m["rollout/experiences"] == 0 and m.get("rollout/failed_tasks", 0) > 0:
+            self.failed_steps += 1
+        else:
+            self.failed_steps = 0
+        # a run of fewer steps than max_failed_steps whose every step failed trained on nothing:
+        # it must not save the unchanged model and exit 0
+        limit = min(cfg.explorer.max_failed_steps, self.plan.total_steps - self.start)
+        if limit > 0 and self.failed_steps >= limit:
+            source, last = last_error or (None, None)
+            what, fix = culprit(inp, inp.taskset, source)
+            raise RunError(
+                f"every task of the last {self.failed_steps} steps failed ({what}: "
+                f"{m.get('rollout/errors', 0)} errors and {m.get('rollout/timeouts', 0)} timeouts in the "
+                f"last step; the last error: {last or 'none recorded (timeouts)'}), so nothing "
+                f"can be learned. Each explorer's log in {self.dir / 'log'} has the details. {fix} "
+                f"(or raise explorer.max_timeout if it is only slow), then run the same "
+                f"command again to resume from the newest checkpoint: {resume_point(self.dir)}. "
+                f"explorer.max_failed_steps={cfg.explorer.max_failed_steps} sets how many such steps stop a "
+                f"run (0: never)."
+            )
+        first = min(3, self.plan.total_steps)
+        if self.start == 0 and step < first and m["rollout/experiences"]:
+            self.first_rewards.update({m["reward/min"], m["reward/max"]})
+            if step == first - 1 and len(self.first_rewards) == 1:
+                value = self.first_rewards.pop()
+                msg = (f"[{self.title}] WARNING: every reward of the first {first} steps was {value:g}: the "
+                       f"advantages are all 0 and nothing is learned. Check the "
+                       f"{'environment' if inp.taskset.workflow == 'multi_turn' else 'reward function'} "
+                       f"({scoring.source(inp.taskset, inp.default_reward_fn_type)!r}) "
+                       f"and that buffer.explorer_input.taskset.format.response_key="
+                       f"{inp.taskset.format.response_key!r} names the column of reference answers "
+                       f"(task.answer).")
+                self.monitor.print(msg)

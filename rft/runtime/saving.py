@@ -1,0 +1,93 @@
+"""A stage's checkpoints as the runner uses them: the trainer loaded from the newest one that loads,
+the buffer put back where that one left it, and a step's checkpoint written. (The format, and
+which checkpoint is usable: rft.runtime.checkpoint; what state.json holds: rft.runtime.schedule,
+which writes it and reads it back.)"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+from rft.errors import RunError
+from rft.runtime import checkpoint
+from rft.runtime.checkpoint import Checkpoint, Owner, set_aside, usable_checkpoint
+from rft.runtime.faults import TrainerCalls, actor_died
+
+log = logging.getLogger(__name__)
+
+
+class StageCheckpoints:
+    def __init__(self, cfg, plan, stage_dir: Path, title: str, owner: Owner, init_path: str | None):
+        self.cfg, self.plan, self.dir, self.title, self.owner, self.init_path = cfg, plan, stage_dir, title, owner, init_path
+
+    def load(self, trainer: TrainerCalls, latest: Checkpoint | None) -> Checkpoint | None:
+        """Load the newest whole checkpoint into the trainer; a trainer_state.pt that does not load
+        sets that checkpoint aside and the one before is tried (None: start from the beginning)."""
+        while latest is not None:
+            try:
+                trainer.actor.call("load", str(latest.path))
+                log.info("resumed %s from %s", self.title, latest.path)
+                return latest
+            except Exception as e:
+                if actor_died(e):
+                    raise
+                cause = getattr(e, "cause", e)
+                # a refused pickle says why itself (rft.trainer.state.load_state: it would run code)
+                why = (str(cause).split(". ")[0] if type(cause).__name__ == "UnpicklingError" and "is refused" in str(cause)
+                       else f"{latest.path / 'trainer_state.pt'} does not load: {type(cause).__name__}")
+                set_aside(latest, why, self.title, print)
+                latest = usable_checkpoint(self.dir, self.owner, self.title, print, before=latest.step)
+        return None
+
+    def restore_buffer(self, buffer, state: dict | None, latest: Checkpoint | None) -> None:
+        """Put the buffer back where the checkpoint left it, and make sure it still holds what the
+        checkpoint counts on: the experiences explored ahead and not yet read."""
+        eb = self.cfg.buffer.trainer_input.experience_buffer
+        if self.cfg.mode == "both" and hasattr(buffer, "truncate_after"):
+            # this run is the only writer: what it wrote after its checkpoint (or, with no
+            # checkpoint, at all) is written again, identically
+            dropped = buffer.truncate_after(state["last_id"] if state else 0)
+            if dropped:
+                log.info("dropped %d experiences written after the checkpoint", dropped)
+            if state and buffer.state()["last_id"] < state["last_id"]:
+                # the file was deleted, replaced or cut since the checkpoint
+                if state.get("cursor", state.get("offset")) != state["last_id"]:
+                    raise RunError(
+                        f"the buffer {eb.path} no longer holds the experiences checkpoint step "
+                        f"{latest.step} explored ahead and had not trained on yet (it was deleted, "
+                        f"replaced or cut since). Put the file back, or start this stage again "
+                        f"(continue_from_checkpoint=false)."
+                    )
+                print(f"[{self.title}] the buffer {eb.path} was deleted or cut since the checkpoint; "
+                      f"nothing in it was still to be read, so the run goes on")
+                state = buffer.state()  # read from its (new) end
+                state = {**state, "cursor": state["last_id"], "offset": state["last_id"]}
+        if state:
+            buffer.restore(state)
+        elif eb.storage_type == "sql":
+            buffer.restore({"cursor": 0})  # a fresh run reads from the start
+
+    def write(self, step: int, state: dict, trainer: TrainerCalls | None, say) -> None:
+        """The checkpoint of step `step`: the trainer (if any), then `state` (state.json), written
+        last. `say`: where a note on pruning old checkpoints goes."""
+
+        def save_trainer(tmp: Path) -> dict:
+            # the parameters' fingerprint: what an explorer serving this checkpoint checks its load
+            # against (the files themselves are checked by the manifest checkpoint.write adds)
+            trainer("save", str(tmp), with_hf)
+            out = {"fingerprint": trainer("fingerprint")}
+            if self.cfg.model.lora.rank:  # the base the adapter goes on (python -m rft.runtime.export merges them)
+                out["lora_base"] = os.path.abspath(os.path.expanduser(self.init_path or self.cfg.model.model_path))
+            return out
+
+        # LoRA (trainer.save_hf_checkpoint): the merged model in hf/ at every save, the last, or never
+        when = self.cfg.trainer.save_hf_checkpoint
+        with_hf = when == "always" or (when == "last" and step >= self.plan.total_steps)
+        # an explorer's place (mode=explore): only the newest matters, its pruning not worth a line
+        if trainer is None:
+            checkpoint.write(self.dir, step, state, keep=1, owner=self.owner)
+        else:
+            checkpoint.write(self.dir, step, state, save_trainer, keep=self.cfg.trainer.max_ckpt_to_keep,
+                             say=lambda m: say(f"[{self.title}] trainer.max_ckpt_to_keep: {m}"),
+                             owner=self.owner)

@@ -1,0 +1,227 @@
+"""A stage's schedule: which explore, train, sync, eval and save each step makes, and in what order.
+
+mode=both, per step k = 1..total_steps (o = synchronizer.sync_offset):
+    explorers.explore(k - 1 + o) is started      # runs while the trainer trains: o steps ahead
+    experiences of explore step k - 1 -> buffer; batch = buffer.get(train_batch_size)
+    metrics = trainer.train_step(batch)          # experiences staler than max_staleness dropped
+    sync trainer -> explorers every sync_interval steps (and before an eval or a checkpoint)
+    checkpoint every save_interval steps; eval every eval_interval steps (and at 0 and the end)
+mode=explore: the explorer half, writing every step to the buffer (sql or file) and taking new
+    weights from synchronizer.checkpoint_dir every sync_interval steps.
+mode=train: the trainer half, reading from a stored buffer or a dataset.
+
+The explorer's work for step s is a function of (seed, s, the weights it serves), and calls on one
+actor run in the order they were made: an explore started before a sync uses the old weights,
+one started after it the new. So the schedule (which weights made which experiences) is fixed by
+the config, and a resumed run repeats it exactly: a checkpoint holds the trainer, the buffer's
+read position and its unread experiences (those explored ahead), and the next step to explore
+(`Schedule._save` writes that state, `Schedule.__init__` reads it back).
+"""
+
+from __future__ import annotations
+
+import time
+
+from rft.algorithms.off_policy import staleness
+from rft.data.experience import batch_record
+from rft.rewards import scoring
+from rft.rollout.explorer import step_metrics
+from rft.runtime.explorers import ExplorerPool
+from rft.runtime.faults import LearningSignal, TrainerCalls
+from rft.runtime.saving import StageCheckpoints
+
+
+def reward_norm(cfg, saved: dict) -> scoring.RunningNorm:
+    """The running statistics of the reward parts marked normalize: true (rft/rewards/scoring.py),
+    as the checkpoint left them."""
+    inp = cfg.buffer.explorer_input
+    parts = scoring.entries(scoring.spec_of(inp.taskset.reward_fn, inp.default_reward_fn_type),
+                            "buffer.explorer_input.taskset.reward_fn")
+    norm = scoring.RunningNorm({e["name"]: e["weight"] for e in parts}, [e["name"] for e in parts if e["normalize"]])
+    norm.load(saved.get("reward_norm"))
+    return norm
+
+
+class Schedule:
+    """The step loop (`run`) over the stage's parts: the explorer pool, the trainer (None in
+    mode=explore), the buffer (None when the trainer reads a dataset), the monitor, the checkpoints.
+    `start`: the step the stage resumes after (0: a fresh stage); `saved`: its checkpoint's state."""
+
+    def __init__(self, cfg, plan, start: int, saved: dict, norm: scoring.RunningNorm, *, pool: ExplorerPool,
+                 trainer: TrainerCalls | None, buffer, monitor, checkpoints: StageCheckpoints, signal: LearningSignal):
+        self.cfg, self.plan, self.start = cfg, plan, start
+        self.pool, self.trainer, self.buffer, self.monitor = pool, trainer, buffer, monitor
+        self.checkpoints, self.signal = checkpoints, signal
+        self.explores = cfg.mode in ("both", "explore")
+        self.trains = cfg.mode in ("both", "train")
+        self.next_explore = saved.get("next_explore", start)
+        self.explore_metrics = {int(k): v for k, v in saved.get("explore_metrics", {}).items()}
+        self.reward_norm = norm
+
+    def run(self) -> None:
+        cfg = self.cfg
+        if self.pool.explorers and self.start == 0 and cfg.explorer.eval_on_startup and cfg.mode != "explore":
+            self.monitor.log(0, self.pool.evaluate(0), advance=False)
+        if cfg.mode == "explore":
+            self.pool.pick_up_checkpoint(self.pool.explorers, force=True)
+        if self.pool.snapshots:
+            self.trainer("keep_snapshots", *self.pool.snapshots_kept())
+        for step in range(self.start + 1, self.plan.total_steps + 1):
+            t_step = time.perf_counter()
+            metrics: dict = {}
+            if self.explores:
+                metrics.update(self._explore_until(step))
+            if self.trains:
+                metrics.update(self._train(step, metrics.get("rollout/experiences")))
+            self._end_step(step, metrics, t_step)
+
+    # ------------------------------------------------------------------ explore
+
+    def _submit_explores(self, step: int) -> None:
+        """Submit the explore steps due by training step `step`: synchronizer.sync_offset ahead."""
+        offset = self.cfg.synchronizer.sync_offset if self.cfg.mode == "both" else 0
+        while self.next_explore <= min(step - 1 + offset, self.plan.total_steps - 1):
+            self.pool.submit(self.next_explore)
+            self.next_explore += 1
+
+    def _explore_until(self, step: int) -> dict:
+        """Keep the explorers synchronizer.sync_offset steps ahead of the trainer; wait for the
+        explore step this training step learns from (step - 1); its metrics."""
+        self._submit_explores(step)
+        t0 = time.perf_counter()
+        while self.pool.pending and self.pool.pending[0].step <= step - 1:
+            self._collect()
+        return {"timing/wait_rollout_s": time.perf_counter() - t0, **self.explore_metrics.pop(step - 1, {})}
+
+    def _collect(self) -> None:
+        """Wait for the oldest explore step; its experiences go into the buffer."""
+        p, exps, counters, last_error = self.pool.collect()
+        m = step_metrics(exps, counters, len(p.futures))
+        # parts marked normalize: true (rft/rewards/scoring.py), in step order: a resumed run normalises the same
+        m.update(self.reward_norm.apply(exps))
+        m["timing/rollout_s"] = time.perf_counter() - p.t0
+        self.explore_metrics[p.step] = m
+        self.signal.check(p.step, m, last_error)
+        if exps:
+            self.buffer.put(exps)
+
+    # ------------------------------------------------------------------ train
+
+    def _train(self, step: int, produced: int | None) -> dict:
+        self.pool.finish_sync()  # a dead explorer is synced again to the weights the trainer has now
+        if self.explores:
+            self.pool.awake(False)
+        if self.plan.input_kind == "dataset":
+            t0 = time.perf_counter()
+            metrics, record = self.trainer("train_dataset_step", step, self.plan.experiences_per_step)
+            metrics["timing/train_s"] = time.perf_counter() - t0
+            self.monitor.record_batch(record)
+            return metrics
+        t0 = time.perf_counter()
+        batch, metrics = self._read_batch(step, produced)
+        metrics["timing/read_s"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        future = self.trainer.submit("train_step" if batch else "skip_step", *([batch] if batch else []))
+        if self._syncs_at(step) and self.sync_behind_step:
+            # queued behind the step on each actor: the trainer hands over its new weights, the
+            # explorers load them and explore the next step, without waiting for the driver to take
+            # this step's result first (~2 ms a synchronous step, experiments/trl_comparison)
+            t1 = time.perf_counter()
+            self.pool.sync_all(step)
+            metrics["timing/sync_s"] = time.perf_counter() - t1
+            # not before an eval (it would wait behind that explore) or a checkpoint (it would
+            # wait to keep that explore's experiences)
+            if not (self._wants_eval(step) or self._wants_save(step)):
+                self._submit_explores(step + 1)
+        result = self.trainer.result(future)
+        if batch:
+            metrics.update(result)
+            self.monitor.record_batch(batch_record(step, batch))
+        metrics["timing/train_s"] = time.perf_counter() - t0 - metrics.get("timing/sync_s", 0.0)  # each once
+        return metrics
+
+    def _read_batch(self, step: int, produced: int | None) -> tuple[list, dict]:
+        """This step's experiences, without those staler than synchronizer.max_staleness.
+
+        `produced`: in mode=both, how many the explorers made for this step (fewer than planned
+        when tasks failed), so the read never waits for experiences that will not come.
+        """
+        if produced == 0:
+            return [], {}
+        eb = self.cfg.buffer.trainer_input.experience_buffer
+        batch = self.buffer.get(produced or self.plan.experiences_per_step, eb.max_read_timeout)
+        # step - 1 trainer steps are trained so far: the version about to learn from them
+        stale = [staleness(e.policy_version, step - 1) for e in batch]
+        bound = self.cfg.synchronizer.max_staleness
+        kept = [e for e, s in zip(batch, stale) if bound is None or s <= bound]
+        m = {"staleness/mean": sum(stale) / len(stale), "staleness/max": max(stale),
+             "staleness/dropped": len(batch) - len(kept)}
+        for s in sorted(set(stale)):
+            m[f"staleness/count_{s}"] = stale.count(s)
+        self.monitor.histogram(step, "staleness", stale)
+        return kept, m
+
+    # ------------------------------------------------------------------ the end of a step
+
+    def _end_step(self, step: int, metrics: dict, t_step: float) -> None:
+        """Sync, evaluate and save when the schedule says so, then log the step."""
+        cfg = self.cfg
+        want_eval, want_save = self._wants_eval(step), self._wants_save(step)
+        if cfg.mode == "explore":
+            if step % cfg.synchronizer.sync_interval == 0:
+                self.pool.pick_up_checkpoint(self.pool.explorers)
+        elif self._syncs_at(step) and self.pool.synced != step:  # not started by _train already
+            t0 = time.perf_counter()
+            self.pool.sync_all(step)
+            # starting it: the explorers load the weights while the driver goes on, and the driver's
+            # wait for them, if any, counts where it waits (timing/wait_rollout_s, mostly)
+            metrics["timing/sync_s"] = time.perf_counter() - t0
+        metrics["sync/version"] = self.pool.synced
+        metrics["timing/step_s"] = time.perf_counter() - t_step
+        if want_eval:
+            metrics.update(self.pool.evaluate(step))
+        if want_save:
+            t0 = time.perf_counter()
+            self._save(step, metrics)
+            metrics["timing/save_s"] = time.perf_counter() - t0
+        self.monitor.log(step, metrics)
+
+    def _save(self, step: int, metrics: dict) -> None:
+        """A checkpoint: the trainer (if any), then state.json, written last, with the buffer state
+        and the step's metrics (logged after the save: a kill between the two must not lose them)."""
+        # explores started ahead are finished and kept: a resumed run trains on them, not on new ones
+        self.pool.finish_sync()
+        while self.pool.pending:
+            self._collect()
+        state = {"version": self.pool.synced, "next_explore": self.next_explore,
+                 "explore_metrics": self.explore_metrics, "metrics": metrics,
+                 "reward_norm": self.reward_norm.state()}
+        if self.buffer is not None:
+            state["buffer"] = self.buffer.state()
+        self.checkpoints.write(step, state, self.trainer, self.monitor.print)
+
+    def _wants_eval(self, step: int) -> bool:
+        cfg = self.cfg
+        return bool(self.pool.explorers) and cfg.mode != "explore" and (step % cfg.explorer.eval_interval == 0
+                                                                        or step == self.plan.total_steps)
+
+    def _wants_save(self, step: int) -> bool:
+        # mode=explore saves its place every step (a small state.json): a resumed explorer
+        # writes again at most the step it was killed in
+        cfg = self.cfg
+        return step % cfg.trainer.save_interval == 0 or step == self.plan.total_steps or cfg.mode == "explore"
+
+    @property
+    def sync_behind_step(self) -> bool:
+        """Whether a sync is queued on the actors behind the train step it follows (`_train`): with
+        Ray actors (in one process a call runs when it is made) whose engines stay awake while the
+        trainer trains (sleep mode gives the trainer the GPU until the sync)."""
+        return self.cfg.cluster.backend == "ray" and not self.cfg.explorer.rollout_model.enable_sleep_mode
+
+    def _syncs_at(self, step: int) -> bool:
+        """Whether the explorers get the trainer's weights after training step `step`: every
+        synchronizer.sync_interval steps; before an eval, which is of the trainer's weights; and
+        before a checkpoint, for a resumed run to explore from the weights an uninterrupted one would."""
+        return (self.trainer is not None and bool(self.pool.explorers) and self.cfg.mode != "explore" and (
+            self._wants_eval(step)
+            or (self.explores and (step % self.cfg.synchronizer.sync_interval == 0 or self._wants_save(step)))))
