@@ -110,6 +110,11 @@ class AlgorithmConfig:
     advantage_fn: str = "grpo"
     # name in rft.algorithms.POLICY_LOSS_FNS
     policy_loss_fn: str = "ppo_clip"
+    # keyword arguments of policy_loss_fn beyond (logp, batch, cfg), and of advantage_fn beyond
+    # (batch, cfg): a study's own function takes its own settings here (+algorithm.args.beta=0.5),
+    # checked against its signature when planning; the built-in ones read the keys of this section
+    args: Dict[str, Any] = field(default_factory=dict)
+    advantage_args: Dict[str, Any] = field(default_factory=dict)
     # token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm
     loss_agg_mode: str = "token-mean"
     # PPO clip range: ratio is clipped to [1 - clip_ratio_low, 1 + clip_ratio_high]

@@ -27,7 +27,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from rft import config as C
-from rft.algorithms import ADVANTAGE_FNS, KL_FNS, POLICY_LOSS_FNS, Needs, algorithm_needs
+from rft.algorithms import ADVANTAGE_FNS, KL_FNS, POLICY_LOSS_FNS, Needs, algorithm_needs, check_args
 from rft.errors import ConfigError
 from rft.registry import ENGINES, TRAINER_BACKENDS
 from rft.plan.placement import check_placement, explorer_count, sync_offset, trainer_ranks
@@ -652,8 +652,8 @@ def _check_names(cfg) -> None:
     from rft.rollout.workflows.single_turn import WORKFLOWS
 
     algo, inp = cfg.algorithm, cfg.buffer.explorer_input
-    ADVANTAGE_FNS.check(algo.advantage_fn)
-    POLICY_LOSS_FNS.check(algo.policy_loss_fn)
+    check_args(ADVANTAGE_FNS, algo.advantage_fn, algo.advantage_args, "algorithm.advantage_args")
+    check_args(POLICY_LOSS_FNS, algo.policy_loss_fn, algo.args, "algorithm.args")
     TRAINER_BACKENDS.check(cfg.trainer.trainer_strategy)
     ENGINES.check(cfg.explorer.rollout_model.engine_type)
     for i, aux in enumerate(cfg.explorer.auxiliary_models):
@@ -674,9 +674,9 @@ def _check_names(cfg) -> None:
             check_reward(spec_of(ts.reward_fn), f"{where}.reward_fn")
         _check_workflow(resolve(WORKFLOWS, ts.workflow, f"{where}.workflow"), ts.workflow, f"{where}.workflow")
         if ts.workflow == "multi_turn":
-            from rft.rollout.workflows.multi_turn import check_args
+            from rft.rollout.workflows.multi_turn import check_args as check_workflow_args
 
-            check_args(dict(ts.workflow_args), f"{where}.workflow_args")
+            check_workflow_args(dict(ts.workflow_args), f"{where}.workflow_args")
             if ts.reward_fn is not None:
                 raise ConfigError(
                     f"{where}.reward_fn={spec_of(ts.reward_fn)!r} would never be called: with workflow multi_turn "

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 from transformers import get_scheduler
 
-from rft.algorithms import ADVANTAGE_FNS, KL_FNS, POLICY_LOSS_FNS, off_policy, rollout_is, shaping
+from rft.algorithms import ADVANTAGE_FNS, KL_FNS, POLICY_LOSS_FNS, off_policy, rollout_is, shaping, with_args
 from rft.algorithms.advantages import gae_returns
 from rft.algorithms.aggregation import agg_loss
 from rft.data.experience import WHERE, Experience, batch_record, collate
@@ -40,7 +40,6 @@ from rft.models import (
     local_device,
     peak_flops,
 )
-from rft.registry import resolve
 from rft.sync.weights import SharedWriter, fingerprint, for_safetensors, node_id, one_thread, shared_fits, to_arrays
 from rft.trainer import lora, micro_batches
 from rft.trainer.critic import Critic, explained_variance
@@ -193,8 +192,8 @@ class Trainer:
             ref.requires_grad_(False)
             self.ref_model = self._wrap(ref)
         # names are looked up once, here; the update below never branches on them
-        self.advantage_fn = resolve(ADVANTAGE_FNS, algo.advantage_fn, "algorithm.advantage_fn")
-        self.policy_loss_fn = resolve(POLICY_LOSS_FNS, algo.policy_loss_fn, "algorithm.policy_loss_fn")
+        self.advantage_fn = with_args(ADVANTAGE_FNS, algo.advantage_fn, algo.advantage_args, "algorithm.advantage_args")
+        self.policy_loss_fn = with_args(POLICY_LOSS_FNS, algo.policy_loss_fn, algo.args, "algorithm.args")
         self.critic = None
         if plan.needs.critic:
             self.critic = Critic(cfg, os.path.expanduser(cfg.model.critic_model_path or init_path or cfg.model.model_path),

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import functools
 import time
-from dataclasses import dataclass
 
 import torch
 
