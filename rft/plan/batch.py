@@ -647,6 +647,7 @@ def _check_names(cfg) -> None:
     path (a study's own function) is imported."""
     from rft.data.experience import check_priority_fn
     from rft.registry import resolve
+    from rft.reporting.monitor import MONITORS
     from rft.rewards.scoring import check as check_reward
     from rft.rewards.scoring import spec_of
     from rft.rollout.workflows.single_turn import WORKFLOWS
@@ -655,6 +656,8 @@ def _check_names(cfg) -> None:
     check_args(ADVANTAGE_FNS, algo.advantage_fn, algo.advantage_args, "algorithm.advantage_args")
     check_args(POLICY_LOSS_FNS, algo.policy_loss_fn, algo.args, "algorithm.args")
     TRAINER_BACKENDS.check(cfg.trainer.trainer_strategy)
+    for name in cfg.monitor.monitor_type:
+        MONITORS.check(name)
     ENGINES.check(cfg.explorer.rollout_model.engine_type)
     for i, aux in enumerate(cfg.explorer.auxiliary_models):
         resolve(ENGINES, aux.rollout_model.engine_type, f"explorer.auxiliary_models[{i}].rollout_model.engine_type")
