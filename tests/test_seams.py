@@ -373,7 +373,8 @@ def test_a_workflow_that_raises_stops_the_run_with_one_paragraph(tmp_path, capsy
     ([], dict(grouped=True, zero_at_zero_advantage=True)),  # grpo
     (["algorithm.kl_loss_fn=k3"], dict(grouped=True, reference=True, zero_at_zero_advantage=True)),
     (["algorithm.kl_penalty_fn=k1"], dict(grouped=True, reference=True, zero_at_zero_advantage=True)),
-    (["algorithm=dpo"], dict(reference=True, paired=True)),
+    (["algorithm=dpo"], dict(reference=True, paired=True, imitation=True)),
+    (["algorithm=sft"], dict(imitation=True)),
     (["algorithm=ppo"], dict(critic=True, zero_at_zero_advantage=True)),
     (["algorithm.policy_loss_fn=test_seams.anchored_loss"], dict(grouped=True, reference=True)),
 ])

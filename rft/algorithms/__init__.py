@@ -52,6 +52,9 @@ class Needs:
     # ratio, so an update may skip it (its ratio metrics are then over the other rows)
     # (trainer.skip_zero_advantage)
     zero_at_zero_advantage: bool = False
+    # (a loss's declaration) it imitates given tokens (SFT's responses, DPO's pairs) rather than
+    # weighting sampled ones by an advantage: algorithm.rollout_is never weights it
+    imitation: bool = False
 
 
 def needs(**kwargs):
@@ -84,8 +87,8 @@ POLICY_LOSS_FNS = Registry("algorithm.policy_loss_fn", info="needs", default=Nee
     "gmpo": (_LOSS + "gmpo_loss", Needs(zero_at_zero_advantage=True)),
     "cpgd": (_LOSS + "cpgd_loss", Needs(zero_at_zero_advantage=True)),
     "opmd": (_LOSS + "opmd_loss", Needs(zero_at_zero_advantage=True)),
-    "sft": (_LOSS + "sft_loss", Needs()),
-    "dpo": (_LOSS + "dpo_loss", Needs(reference=True, paired=True)),
+    "sft": (_LOSS + "sft_loss", Needs(imitation=True)),
+    "dpo": (_LOSS + "dpo_loss", Needs(reference=True, paired=True, imitation=True)),
 })
 
 _KL = "rft.algorithms.kl."

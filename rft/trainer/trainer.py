@@ -225,7 +225,8 @@ class Trainer:
         # algorithm.rollout_is: the weights' mode ("none" for a loss that is no policy gradient
         # over sampled tokens: the metrics are still logged)
         rollout_is.check_config(algo)
-        self.rollout_is_mode = "none" if algo.policy_loss_fn in rollout_is.NOT_WEIGHTED_LOSSES else str(algo.rollout_is)
+        # a loss that imitates given tokens (sft, dpo) is never weighted (its Needs.imitation)
+        self.rollout_is_mode = "none" if POLICY_LOSS_FNS.info(algo.policy_loss_fn).imitation else str(algo.rollout_is)
         # the per-token loss terms this config turns on, composed in this order by _actor_update:
         # the behaviour weight first, so that it weights the policy loss alone (as rollout_is does)
         self.terms = [t for t, on in [(self._behavior_term, True), (self._kl_term, self.kl_fn is not None),
