@@ -31,11 +31,6 @@ class Mode(StrEnum):
     bench = "bench"
 
 
-class EngineType(StrEnum):
-    hf = "hf"
-    vllm = "vllm"
-
-
 class SyncMethod(StrEnum):
     memory = "memory"
     checkpoint = "checkpoint"
@@ -45,11 +40,6 @@ class SyncMethod(StrEnum):
 class Backend(StrEnum):
     ray = "ray"
     inline = "inline"
-
-
-class TrainerStrategy(StrEnum):
-    torch = "torch"
-    fsdp2 = "fsdp2"
 
 
 class StorageType(StrEnum):
@@ -80,7 +70,6 @@ class OpmdBaseline(StrEnum):
 
 
 MODES = tuple(Mode)
-ENGINE_TYPES = tuple(EngineType)
 SYNC_METHODS = tuple(SyncMethod)
 BACKENDS = tuple(Backend)
 # names with hyphens cannot be Enum members: checked when planning
@@ -121,6 +110,11 @@ class AlgorithmConfig:
     advantage_fn: str = "grpo"
     # name in rft.algorithms.POLICY_LOSS_FNS
     policy_loss_fn: str = "ppo_clip"
+    # keyword arguments of policy_loss_fn beyond (logp, batch, cfg), and of advantage_fn beyond
+    # (batch, cfg): a study's own function takes its own settings here (+algorithm.args.beta=0.5),
+    # checked against its signature when planning; the built-in ones read the keys of this section
+    args: Dict[str, Any] = field(default_factory=dict)
+    advantage_args: Dict[str, Any] = field(default_factory=dict)
     # token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm
     loss_agg_mode: str = "token-mean"
     # PPO clip range: ratio is clipped to [1 - clip_ratio_low, 1 + clip_ratio_high]
@@ -348,8 +342,9 @@ class BufferConfig:
 
 @dataclass
 class RolloutModelConfig:
-    # hf: transformers generate (the CPU default); vllm: vLLM (pip install -e .[vllm])
-    engine_type: EngineType = EngineType.hf
+    # hf: transformers generate (the CPU default); vllm: vLLM (pip install -e .[vllm]); a name of
+    # rft.registry.ENGINES or the dotted path of a study's own engine class
+    engine_type: str = "hf"
     engine_num: int = 1
     tensor_parallel_size: int = 1
     # hf: sequences per generate() call inside the engine
@@ -427,8 +422,9 @@ class ExplorerConfig:
 class TrainerConfig:
     name: str = "trainer"
     # torch: one process; fsdp2: `ranks` data-parallel processes, the weights, gradients and
-    # optimizer state sharded over them (torch FSDP2: nccl on GPU, gloo on CPU)
-    trainer_strategy: TrainerStrategy = TrainerStrategy.torch
+    # optimizer state sharded over them (torch FSDP2: nccl on GPU, gloo on CPU); a name of
+    # rft.registry.TRAINER_BACKENDS or the dotted path of a study's own trainer class
+    trainer_strategy: str = "torch"
     # fsdp2: trainer processes; null: one per GPU the explorers leave (2 on a CPU-only cluster)
     ranks: Optional[int] = None
     # save a resumable checkpoint every this many steps (and after the last)

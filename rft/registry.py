@@ -4,7 +4,7 @@ imports it from a dotted path.
 The tables: algorithms (ADVANTAGE_FNS, POLICY_LOSS_FNS, KL_FNS: rft/algorithms), rewards
 (REWARD_FNS: rft/rewards/verifiers.py; REWARD_CLIENTS: rft/rewards/scoring.py), workflows
 (rft/rollout/workflows/single_turn.py), environments (rft/rollout/environments/tools.py), engines
-(rft/rollout/explorer.py), trainer backends (rft/runtime/actors.py), synchronizers
+and trainer backends (here, at the end: planning reads what they offer), synchronizers
 (rft/sync/weights.py), buffers and priority functions (rft/data/), task generators
 (rft/data/tasks.py), model builders (rft/models.py), actor backends (rft/runtime/actors.py). Each
 entry is a "module.attribute" string, imported on first use, so planning reads the names (and
@@ -19,6 +19,7 @@ import importlib
 import sys
 import traceback
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from rft.errors import ConfigError
@@ -31,8 +32,9 @@ class Registry(Mapping):
     instead of a name carries it as its attribute `info` (set by a decorator), else `default`."""
 
     def __init__(self, key: str, table: dict[str, str | tuple[str, Any]], info: str | None = None,
-                 default: Any = None):
+                 default: Any = None, shape: str = "a function with the same signature (module.function)"):
         self.key, self._loaded, self._attr, self._default = key, {}, info, default
+        self.shape = shape  # what a study's own entry is, for the error naming a misspelt one
         self._table = {n: v if isinstance(v, tuple) else (v, default) for n, v in table.items()}
 
     def __getitem__(self, name: str):
@@ -45,8 +47,9 @@ class Registry(Mapping):
         return self._loaded[name]
 
     def __setitem__(self, name: str, target) -> None:
-        """Add an entry: a "module.attribute" string, or the function or class itself."""
-        self._table[name] = (target, self._default)
+        """Add an entry: a "module.attribute" string, or the function or class itself; a pair
+        (target, info) says what it needs or offers."""
+        self._table[name] = target if isinstance(target, tuple) else (target, self._default)
         self._loaded.pop(name, None)
 
     def __delitem__(self, name: str) -> None:
@@ -61,6 +64,12 @@ class Registry(Mapping):
 
     def __len__(self) -> int:
         return len(self._table)
+
+    def path(self, name: str) -> str | None:
+        """The "module.attribute" a registered name imports (None: an object added as itself, or
+        not a registered name)."""
+        target = self._table[name][0] if name in self._table else None
+        return target if isinstance(target, str) else None
 
     def info(self, name: str) -> Any:
         """What `name` needs or offers: from the table, or from a dotted-path function's attribute
@@ -106,7 +115,48 @@ def resolve(registry: Mapping, name: str, key: str):
             raise ConfigError(f"{key}={name!r} is a {type(found).__name__}, not a function or class; give the "
                               f"dotted path of a function (module.function) or a registered name.")
         return found
+    shape = getattr(registry, "shape", "a function with the same signature (module.function)")
     raise ConfigError(
         f"{key}={name!r} is not one of {sorted(registry)}; give a registered name or the dotted "
-        f"path of a function with the same signature (module.function)."
+        f"path of {shape}."
     )
+
+
+# ---------------------------------------------------------------- the tables planning reads
+# Their code lives in parts that planning must not import (engines load vLLM, trainers torch), so
+# what planning checks is written beside each name. A study's own engine or trainer backend is a
+# dotted path whose class carries the same record as its attribute `info`.
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What a rollout engine offers (rft/rollout/engines/base.py: the methods it implements)."""
+    # synchronizer.sync_method=collective with rollout_model.tensor_parallel_size > 1: each
+    # tensor-parallel worker would need a rank of its own in the trainer's group
+    collective_tensor_parallel: bool = True
+
+
+@dataclass(frozen=True)
+class TrainerBackendInfo:
+    """What a trainer backend offers (rft/trainer/base.py: the methods it implements)."""
+    # True: one process per rank, built as cls(cfg, plan, init_path, rank, world, (host, port)),
+    # meeting at a TCP store the driver holds; False: one process, cls(cfg, plan, init_path)
+    ranks: bool = False
+    # trainer.param_offload / optimizer_offload move its shards between the CPU and the device
+    offload: bool = False
+    # model.lora.rank > 0 trains adapters
+    lora: bool = True
+
+
+# explorer.rollout_model.engine_type -> the engine class
+ENGINES = Registry("explorer.rollout_model.engine_type", info="info", default=EngineInfo(),
+                   shape="a class with the methods of rft/rollout/engines/base.py (module.Class)", table={
+    "hf": ("rft.rollout.engines.hf.HFEngine", EngineInfo()),
+    "vllm": ("rft.rollout.engines.vllm.VLLMEngine", EngineInfo(collective_tensor_parallel=False)),
+})
+
+# trainer.trainer_strategy -> the trainer class
+TRAINER_BACKENDS = Registry("trainer.trainer_strategy", info="info", default=TrainerBackendInfo(),
+                            shape="a class with the methods of rft/trainer/base.py (module.Class)", table={
+    "torch": ("rft.trainer.trainer.Trainer", TrainerBackendInfo()),
+    "fsdp2": ("rft.trainer.fsdp.FSDPTrainer", TrainerBackendInfo(ranks=True, offload=True, lora=False)),
+})

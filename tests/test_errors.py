@@ -416,6 +416,12 @@ def test_a_bad_taskset_path_is_named_by_the_key_the_user_set(tmp_path):
      "buffer.trainer_input.auxiliary_buffers.extra: Key 'pathh' not in 'ExperienceBufferConfig'. Its keys are those "
      "of buffer.trainer_input.experience_buffer: ['capacity', 'format', 'max_read_timeout', 'name', 'path', "
      "'replay_buffer', 'split', 'storage_type']."),
+    (["stages=[]", "explorer.rollout_model.engine_type=sglang"],
+     "explorer.rollout_model.engine_type='sglang' is not one of ['hf', 'vllm']; give a registered name or the dotted "
+     "path of a class with the methods of rft/rollout/engines/base.py (module.Class)."),
+    (["stages=[]", "trainer.trainer_strategy=deepspeed"],
+     "trainer.trainer_strategy='deepspeed' is not one of ['fsdp2', 'torch']; give a registered name or the dotted "
+     "path of a class with the methods of rft/trainer/base.py (module.Class)."),
     (["stages=[]", "+buffer.trainer_input.experience_buffer.replay_buffer.priority_fn_args.decayy=3"],
      "buffer.trainer_input.experience_buffer.replay_buffer.priority_fn_args has ['decayy'], which "
      "priority_fn=linear_decay does not take; its arguments are ['decay']."),
@@ -428,7 +434,6 @@ def test_user_mistakes_found_while_planning(tmp_path, overrides, message):
 @pytest.mark.parametrize("override, choices", [
     ("mode=foo", "[both, explore, train, bench]"),
     ("buffer.trainer_input.experience_buffer.storage_type=redis", "[queue, sql, file]"),
-    ("explorer.rollout_model.engine_type=sglang", "[hf, vllm]"),
     ("sync=memory synchronizer.sync_method=nccl", "[memory, checkpoint, collective]"),
 ])
 @pytest.mark.slow

@@ -142,16 +142,38 @@ def test_a_dry_run_loads_neither_torch_nor_transformers_nor_ray_nor_a_server(tmp
 def test_the_closed_sets_of_names_are_the_runtime_registries():
     from rft import config
     from rft.models import torch_dtype
-    from rft.rollout.explorer import ENGINES
     from rft.runtime.actors import ACTOR_BACKENDS
     from rft.sync.weights import SYNC_METHODS
 
     assert set(config.SYNC_METHODS) == set(SYNC_METHODS)
-    assert set(config.ENGINE_TYPES) == set(ENGINES)
     assert set(config.BACKENDS) == set(ACTOR_BACKENDS)
     # every dtype name the config accepts is a torch dtype, and aliases agree with their names
     assert {str(torch_dtype(a)) for a in config.DTYPES} == {"torch.float32", "torch.bfloat16", "torch.float16"}
     assert all(str(torch_dtype(a)) == f"torch.{n}" for a, n in config.DTYPES.items())
+
+
+def protocol_methods(protocol) -> set[str]:
+    return {n for n, v in vars(protocol).items() if callable(v) and not n.startswith("_")}
+
+
+def test_every_engine_and_trainer_backend_implements_its_protocol():
+    """Each registered class has every method of its Protocol (rft/rollout/engines/base.py,
+    rft/trainer/base.py), with the Protocol's parameters: what a new one copies is complete."""
+    import inspect
+
+    from rft.registry import ENGINES, TRAINER_BACKENDS
+    from rft.rollout.engines.base import Engine
+    from rft.trainer.base import TrainerBackend
+
+    pytest.importorskip("vllm")
+    for registry, protocol in [(ENGINES, Engine), (TRAINER_BACKENDS, TrainerBackend)]:
+        assert len(protocol_methods(protocol)) >= 8
+        for name in registry:
+            cls = registry[name]
+            for method in protocol_methods(protocol):
+                assert callable(getattr(cls, method, None)), f"{name}: {cls.__name__} has no {method}"
+                want = list(inspect.signature(getattr(protocol, method)).parameters)
+                assert list(inspect.signature(getattr(cls, method)).parameters) == want, (name, method)
 
 
 def test_every_registered_algorithm_function_imports():

@@ -93,7 +93,7 @@ def test_lora_config_errors():
         "engine sampled with (the policy ratio's denominator). Set model.lora.dropout=0.")
     assert error("model.lora.rank=-1") == "model.lora.rank=-1 must be >= 0 (0: no LoRA, train every weight)."
     assert error("model.lora.rank=4", "trainer=fsdp2") == (
-        "model.lora.rank=4: LoRA trains with trainer=torch only for now (trainer=fsdp2 does not shard adapters "
+        "model.lora.rank=4: LoRA trains with trainer=torch only for now (trainer=fsdp2 does not train adapters "
         "yet). Use trainer=torch; a LoRA step needs a fraction of the memory.")
     with pytest.raises(ConfigError) as e:
         make_trainer(8, ["model.lora.rank=4", "model.lora.target_modules=[attn_q]"])

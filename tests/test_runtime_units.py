@@ -632,10 +632,13 @@ def test_the_driver_of_a_ray_run_does_not_import_the_trainer():
 
 
 def test_the_trainer_class_is_imported_in_its_own_process(tmp_path):
-    """start_trainer names the class as "rft.trainer.trainer:Trainer"; the actor's shell imports it."""
+    """start_trainer names the class as "rft.trainer.trainer.Trainer" (rft.registry.TRAINER_BACKENDS);
+    the actor's shell imports it."""
+    from rft.registry import TRAINER_BACKENDS
     from rft.runtime.actors import InlineActor
 
-    a = InlineActor("collections:OrderedDict", [("a", 1)], name="t", log_dir=str(tmp_path), level="INFO")
+    assert TRAINER_BACKENDS.path("torch") == "rft.trainer.trainer.Trainer"
+    a = InlineActor("collections.OrderedDict", [("a", 1)], name="t", log_dir=str(tmp_path), level="INFO")
     assert type(a.obj).__name__ == "OrderedDict" and a.call("get", "a") == 1
 
 

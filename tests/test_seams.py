@@ -1,6 +1,8 @@
-"""The seams a study extends without touching rft/: a workflow of its own (here two turns, the
-second user turn masked out of the loss) and an algorithm of its own that needs a reference model,
-each given as a dotted path to a function in the study's module (this one)."""
+"""The seams a study extends without touching rft/, each given as a dotted path into the study's
+module (this one; README "Extension points"): a workflow of its own (here two turns, the second
+user turn masked out of the loss), an algorithm that needs a reference model, a loss with a
+hyperparameter of its own (algorithm.args), a reward with its own args, a rollout engine, a
+trainer backend and a tool environment."""
 
 from pathlib import Path
 
@@ -13,9 +15,13 @@ from rft.algorithms.losses import ppo_clip_loss
 from rft.data.buffer import read_experiences
 from rft.data.experience import Experience, collate
 from rft.data.readers import encode_prompt
+from rft.registry import EngineInfo, TrainerBackendInfo
+from rft.rollout.engines.hf import HFEngine
+from rft.trainer.trainer import Trainer
 
 SECOND_TURN = "+0="  # the fixed user turn between the model's two answers
-SEEN: dict[str, list] = {"masks": [], "exps": [], "ref_logp": [], "old_logp": []}
+SEEN: dict[str, list] = {"masks": [], "exps": [], "ref_logp": [], "old_logp": [], "scale": [], "generate": [],
+                         "train_step": [], "bonus": [], "tracked": []}
 
 
 def two_turn(tasks, engine, ctx):
@@ -63,6 +69,79 @@ def anchored_loss(logp, batch, cfg):
     SEEN["old_logp"].append(batch["old_logp"].detach().clone())
     loss, metrics = ppo_clip_loss(logp, batch, cfg)
     return loss - logp + 0.1 * (logp - batch["ref_logp"]) ** 2, metrics
+
+
+def scaled_loss(logp, batch, cfg, scale: float):
+    """A study's loss with a hyperparameter of its own, which no key of rft's config holds: PPO's,
+    times `scale` (+algorithm.args.scale=...)."""
+    SEEN["scale"].append(scale)
+    loss, metrics = ppo_clip_loss(logp, batch, cfg)
+    return scale * loss, metrics
+
+
+def bonus_reward(prompt, response, task, bonus: float = 0.0):
+    """A study's reward with an argument of its own: exact match plus `bonus`."""
+    from rft.rewards.verifiers import exact_match
+
+    SEEN["bonus"].append(bonus)
+    return exact_match(prompt, response, task) + bonus
+
+
+class RecordingEngine(HFEngine):
+    """A study's rollout engine (the methods of rft/rollout/engines/base.py): here the HF engine,
+    recording each generate call."""
+
+    info = EngineInfo()
+
+    def generate(self, prompts, n, args, seed):
+        SEEN["generate"].append(len(prompts) * n)
+        return super().generate(prompts, n, args, seed)
+
+
+class RecordingTrainer(Trainer):
+    """A study's trainer backend (the methods of rft/trainer/base.py): here the one-process
+    trainer, recording each step's experiences."""
+
+    info = TrainerBackendInfo()
+
+    def train_step(self, exps):
+        SEEN["train_step"].append(len(exps))
+        return super().train_step(exps)
+
+
+class TwoTriesEnv:
+    """A study's environment (the shape rft/rollout/environments/tools.py describes), written from
+    scratch: the model answers, hears "Once more.", answers again; the second answer is scored,
+    and trying twice earns a part of its own."""
+
+    stop = list("0123456789")  # a turn ends at its first digit (kept in the turn)
+
+    def __init__(self, tried: float = 0.5):
+        self.tried, self.turn, self.info = tried, 0, {"turns": 0}
+
+    def reset(self, task):
+        self.task = task
+        return task.messages
+
+    def step(self, text):
+        self.turn += 1
+        self.info["turns"] = self.turn
+        if self.turn == 1:
+            return "Once more.", {"tried": self.tried}, False
+        return None, {"correct": float(text.strip() == self.task.answer)}, True
+
+
+class RecordingTracker:
+    """A study's metrics tracker (monitor.monitor_type; rft/reporting/monitor.py says its methods)."""
+
+    def __init__(self, cfg, run_dir, stage, start_step):
+        self.stage = stage
+
+    def log(self, step, metrics):
+        SEEN["tracked"].append((self.stage, step, metrics.get("reward/mean")))
+
+    def close(self):
+        SEEN["tracked"].append((self.stage, "closed", None))
 
 
 def test_collate_takes_the_loss_mask_and_checks_its_length():
@@ -197,6 +276,85 @@ def test_an_algorithm_that_needs_a_reference_model_given_as_a_dotted_path(tmp_pa
 
 
 @pytest.mark.slow
+def test_a_study_engine_trainer_loss_and_reward_of_its_own_run_a_stage(tmp_path):
+    """Five seams in one run, each a dotted path into this module, rft/ untouched."""
+    _run(tmp_path, "name=own_parts", "explorer.rollout_model.engine_type=test_seams.RecordingEngine",
+         "trainer.trainer_strategy=test_seams.RecordingTrainer",
+         "algorithm.policy_loss_fn=test_seams.scaled_loss", "+algorithm.args.scale=0.25",
+         "buffer.explorer_input.taskset.reward_fn={fn: test_seams.bonus_reward, args: {bonus: 0.5}}",
+         "monitor.monitor_type=[test_seams.RecordingTracker]")
+    # 2 steps of 4 tasks x 2 rollouts: generated by the study's engine, trained by its trainer
+    # with its loss at its own scale, scored by its reward with its own bonus
+    assert SEEN["generate"] == [8, 8]
+    assert SEEN["train_step"] == [8, 8]
+    assert SEEN["scale"] == [0.25, 0.25]
+    assert SEEN["bonus"] and set(SEEN["bonus"]) == {0.5}
+    # and its tracker saw each step's metrics, with the reward its reward gave (at least the bonus)
+    steps = [(step, reward) for stage, step, reward in SEEN["tracked"] if step in (1, 2)]
+    assert [step for step, _ in steps] == [1, 2] and all(r >= 0.5 for _, r in steps)
+    assert SEEN["tracked"][-1] == ("grpo", "closed", None)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["algorithm.policy_loss_fn=test_seams.scaled_loss"],
+     "algorithm.policy_loss_fn=test_seams.scaled_loss needs ['scale'] in algorithm.args, which has no default: "
+     "set +algorithm.args.scale=<value>."),
+    (["algorithm.policy_loss_fn=test_seams.scaled_loss", "+algorithm.args.scale=1", "+algorithm.args.scael=2"],
+     "algorithm.args has ['scael'], which algorithm.policy_loss_fn=test_seams.scaled_loss does not take; its own "
+     "arguments are ['scale'] (the rest of its settings are the algorithm.* keys it reads from cfg)."),
+    # a built-in loss reads its settings from the algorithm section: it takes no args
+    (["+algorithm.args.clip=0.1"],
+     "algorithm.args has ['clip'], which algorithm.policy_loss_fn=ppo_clip does not take; its own arguments are [] "
+     "(the rest of its settings are the algorithm.* keys it reads from cfg)."),
+    (["+algorithm.advantage_args.eps=0.1"],
+     "algorithm.advantage_args has ['eps'], which algorithm.advantage_fn=grpo does not take; its own arguments are "
+     "[] (the rest of its settings are the algorithm.* keys it reads from cfg)."),
+    (["trainer.trainer_strategy=test_seams.nowhere"],
+     "trainer.trainer_strategy='test_seams.nowhere': cannot import it (AttributeError: module 'test_seams' has no "
+     "attribute 'nowhere')."),
+])
+def test_a_study_function_s_own_args_are_checked_against_its_signature_when_planning(overrides, message):
+    from rft.errors import ConfigError
+    from rft.plan.batch import check_config
+
+    with pytest.raises(ConfigError) as e:
+        check_config(compose_cfg(["stages=[]", *overrides]))
+    assert str(e.value) == message
+
+
+def test_a_study_loss_gets_its_args_bound():
+    from rft.algorithms import POLICY_LOSS_FNS, with_args
+
+    fn = with_args(POLICY_LOSS_FNS, "test_seams.scaled_loss", {"scale": 3.0}, "algorithm.args")
+    assert fn.keywords == {"scale": 3.0} and fn.func is scaled_loss
+    # a registered loss without args is the function itself
+    assert with_args(POLICY_LOSS_FNS, "ppo_clip", {}, "algorithm.args") is ppo_clip_loss
+
+
+@pytest.mark.slow  # an engine
+def test_a_study_environment_of_its_own_runs_its_conversations():
+    from rft.data.tasks import ensure_task_data
+    from rft.models import ensure_model
+    from rft.rollout.explorer import Explorer
+
+    cfg = compose_cfg(["stages=[]", "cluster=inline", "model=tiny_tools", "task=calculator", "buffer.batch_size=2",
+                       "algorithm.repeat_times=2", "buffer.explorer_input.eval_tasksets=[]", "model.max_response_tokens=32",
+                       "buffer.explorer_input.taskset.workflow_args.env=test_seams.TwoTriesEnv",
+                       "+buffer.explorer_input.taskset.workflow_args.env_args.tried=0.25"])
+    ensure_model(cfg.model)
+    ensure_task_data(cfg.buffer.explorer_input)
+    exps, counters = Explorer(cfg).explore(0)
+    assert len(exps) == 4 and counters["failed_tasks"] == 0
+    both = [e for e in exps if "correct" in e.reward_parts]
+    assert both  # conversations that reached the second answer (others ran out of tokens)
+    for e in both:
+        # two assistant turns with "Once more." between them, masked out of the loss
+        assert 0 in e.loss_mask and e.loss_mask[0] == 1 and e.loss_mask[-1] == 1
+        # the parts summed: 0.25 for trying twice, plus 0 or 1 for the second answer
+        assert e.reward_parts["tried"] == 0.25 and e.reward == 0.25 + e.reward_parts["correct"]
+
+
+@pytest.mark.slow
 def test_a_workflow_that_raises_stops_the_run_with_one_paragraph(tmp_path, capsys, monkeypatch):
     # under Ray, as a real run: the explorer's process imports this module from the path
     monkeypatch.setenv("PYTHONPATH", str(Path(__file__).parent))
@@ -215,7 +373,8 @@ def test_a_workflow_that_raises_stops_the_run_with_one_paragraph(tmp_path, capsy
     ([], dict(grouped=True, zero_at_zero_advantage=True)),  # grpo
     (["algorithm.kl_loss_fn=k3"], dict(grouped=True, reference=True, zero_at_zero_advantage=True)),
     (["algorithm.kl_penalty_fn=k1"], dict(grouped=True, reference=True, zero_at_zero_advantage=True)),
-    (["algorithm=dpo"], dict(reference=True, paired=True)),
+    (["algorithm=dpo"], dict(reference=True, paired=True, imitation=True)),
+    (["algorithm=sft"], dict(imitation=True)),
     (["algorithm=ppo"], dict(critic=True, zero_at_zero_advantage=True)),
     (["algorithm.policy_loss_fn=test_seams.anchored_loss"], dict(grouped=True, reference=True)),
 ])

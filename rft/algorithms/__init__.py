@@ -21,6 +21,11 @@ and declare its needs on it with the `needs` decorator:
 
     @needs(reference=True)
     def my_loss(logp, batch, cfg): ...   # batch["ref_logp"] is filled
+
+A function's own settings are keyword parameters after the fixed ones, given in algorithm.args
+(the policy loss) or algorithm.advantage_args (the advantage function), checked when planning:
+
+    def my_loss(logp, batch, cfg, beta: float = 0.5): ...   # +algorithm.args.beta=0.1
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from rft.config import AGG_MODES
+from rft.errors import ConfigError
 from rft.registry import Registry
 
 
@@ -46,6 +52,9 @@ class Needs:
     # ratio, so an update may skip it (its ratio metrics are then over the other rows)
     # (trainer.skip_zero_advantage)
     zero_at_zero_advantage: bool = False
+    # (a loss's declaration) it imitates given tokens (SFT's responses, DPO's pairs) rather than
+    # weighting sampled ones by an advantage: algorithm.rollout_is never weights it
+    imitation: bool = False
 
 
 def needs(**kwargs):
@@ -78,8 +87,8 @@ POLICY_LOSS_FNS = Registry("algorithm.policy_loss_fn", info="needs", default=Nee
     "gmpo": (_LOSS + "gmpo_loss", Needs(zero_at_zero_advantage=True)),
     "cpgd": (_LOSS + "cpgd_loss", Needs(zero_at_zero_advantage=True)),
     "opmd": (_LOSS + "opmd_loss", Needs(zero_at_zero_advantage=True)),
-    "sft": (_LOSS + "sft_loss", Needs()),
-    "dpo": (_LOSS + "dpo_loss", Needs(reference=True, paired=True)),
+    "sft": (_LOSS + "sft_loss", Needs(imitation=True)),
+    "dpo": (_LOSS + "dpo_loss", Needs(reference=True, paired=True, imitation=True)),
 })
 
 _KL = "rft.algorithms.kl."
@@ -101,6 +110,54 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
+# the positional parameters each registry's functions are called with; their own settings follow
+# as keywords (algorithm.args, algorithm.advantage_args)
+CALLED_WITH = {"algorithm.advantage_fn": ("batch", "cfg"), "algorithm.policy_loss_fn": ("logp", "batch", "cfg")}
+
+
+def with_args(registry: Registry, name: str, args, args_key: str):
+    """The function `name` of `registry` with its own settings bound: `args` (the config's
+    `args_key`) as keywords; check_args has said they fit."""
+    import functools
+
+    args = dict(args or {})
+    fn = check_args(registry, name, args, args_key) or registry[name]
+    return functools.partial(fn, **args) if args else fn
+
+
+def check_args(registry: Registry, name: str, args, args_key: str):
+    """`args` (the config's `args_key`) fit the function `name` of `registry`: a key it does not
+    take, or a setting without a default left out, is a ConfigError naming `args_key` (checked when
+    planning, so a run never starts with it). Returns the function, imported to read its signature;
+    None for a registered function given no args (nothing to check, and nothing imported: planning
+    stays free of torch)."""
+    import inspect
+
+    from rft.registry import resolve
+
+    args = dict(args or {})
+    if name in registry and not args:
+        return None
+    fn = resolve(registry, name, registry.key)
+    fixed = CALLED_WITH[registry.key]
+    own = list(inspect.signature(fn).parameters.values())[len(fixed):]
+    known = [p.name for p in own if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    unknown = sorted(set(args) - set(known))
+    if unknown and not any(p.kind is p.VAR_KEYWORD for p in own):
+        raise ConfigError(f"{args_key} has {unknown}, which {registry.key}={name} does not take; its own arguments "
+                          f"are {known} (the rest of its settings are the algorithm.* keys it reads from cfg).")
+    missing = [p.name for p in own if p.name in known and p.default is p.empty and p.name not in args]
+    if missing:
+        raise ConfigError(f"{registry.key}={name} needs {missing} in {args_key}, which has no default: set "
+                          f"+{args_key}.{missing[0]}=<value>.")
+    try:
+        inspect.signature(fn).bind(*fixed, **args)
+    except TypeError as e:
+        raise ConfigError(f"{registry.key}={name} cannot be called as fn({', '.join(fixed)}, **{args_key}): {e}. "
+                          f"Give it the signature of the registry's functions (rft/algorithms/__init__.py).") from None
+    return fn
+
+
 def algorithm_needs(algo) -> Needs:
     """What an algorithm config needs, over all its functions (advantage, loss, KL terms)."""
     parts = [ADVANTAGE_FNS.info(algo.advantage_fn), POLICY_LOSS_FNS.info(algo.policy_loss_fn)]
@@ -108,4 +165,5 @@ def algorithm_needs(algo) -> Needs:
     return Needs(**{f: any(getattr(p, f) for p in parts) for f in Needs.__dataclass_fields__})
 
 
-__all__ = ["ADVANTAGE_FNS", "AGG_MODES", "KL_FNS", "POLICY_LOSS_FNS", "Needs", "agg_loss", "algorithm_needs", "needs"]
+__all__ = ["ADVANTAGE_FNS", "AGG_MODES", "KL_FNS", "POLICY_LOSS_FNS", "Needs", "agg_loss", "algorithm_needs", "needs",
+           "check_args", "with_args"]

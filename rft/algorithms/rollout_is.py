@@ -27,7 +27,7 @@ log-probs are both -inf has no measurable r and counts as beyond the cap.
 The trainer multiplies the policy loss by w right after the policy loss function (one place,
 every loss of the registry), before the optional terms (KL to the reference, behaviour weights,
 entropy bonus), as TRL and verl weight the policy-gradient term only. Not for losses that are
-not policy gradients over sampled tokens (sft, dpo).
+not policy gradients over sampled tokens (sft, dpo: their Needs.imitation).
 
 Which tokens are weighted (`weighted_rows`): response tokens the loss counts (response_mask 1) of
 experiences that carry sampling log-probs (dataset rows have none: weight 1), whose old log-probs
@@ -61,11 +61,6 @@ from typing import TYPE_CHECKING
 # torch is imported where it is used: check_config stays light for the plan (no torch to plan a run)
 if TYPE_CHECKING:
     import torch
-
-# policy losses that are not policy gradients over sampled tokens: never weighted (a declaration
-# in the registry's Needs would be the general form)
-NOT_WEIGHTED_LOSSES = frozenset({"sft", "dpo"})
-
 
 def check_config(algo) -> None:
     """A cap that makes no sense is a ConfigError naming the keys. C <= 1 truncates (tis) or masks

@@ -27,8 +27,9 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from rft import config as C
-from rft.algorithms import ADVANTAGE_FNS, KL_FNS, POLICY_LOSS_FNS, Needs, algorithm_needs
+from rft.algorithms import ADVANTAGE_FNS, KL_FNS, POLICY_LOSS_FNS, Needs, algorithm_needs, check_args
 from rft.errors import ConfigError
+from rft.registry import ENGINES, TRAINER_BACKENDS
 from rft.plan.placement import check_placement, explorer_count, sync_offset, trainer_ranks
 
 log = logging.getLogger(__name__)
@@ -298,15 +299,16 @@ def _check_algorithm(cfg, needs: Needs) -> None:
         raise ConfigError(f"trainer.save_hf_checkpoint={t.save_hf_checkpoint}: only a LoRA run (model.lora.rank > 0) "
                           f"can leave out hf/, as it resumes from its adapter/; full fine-tuning resumes from hf/, "
                           f"written at every save. Use trainer.max_ckpt_to_keep to bound the disk instead.")
+    backend = TRAINER_BACKENDS.info(t.trainer_strategy)
     for key in ("param_offload", "optimizer_offload"):
-        if cfg.trainer[key] and cfg.trainer.trainer_strategy != "fsdp2":
+        if cfg.trainer[key] and not backend.offload:
             raise ConfigError(f"trainer.{key}=true needs trainer=fsdp2 (FSDP2 moves the shards between CPU and "
                               f"device; trainer=torch keeps everything on its device). Use trainer=fsdp2 "
                               f"(trainer.ranks=1 for one process) or set trainer.{key}=false.")
-    if cfg.trainer.trainer_strategy == "fsdp2" and cfg.model.lora.rank:
+    if cfg.model.lora.rank and not backend.lora:
         raise ConfigError(
-            f"model.lora.rank={cfg.model.lora.rank}: LoRA trains with trainer=torch only for now (trainer=fsdp2 "
-            f"does not shard adapters yet). Use trainer=torch; a LoRA step needs a fraction of the memory."
+            f"model.lora.rank={cfg.model.lora.rank}: LoRA trains with trainer=torch only for now (trainer="
+            f"{t.trainer_strategy} does not train adapters yet). Use trainer=torch; a LoRA step needs a fraction of the memory."
         )
     if cfg.mode in ("both", "explore") and needs.grouped and algo.repeat_times < 2:
         raise ConfigError(
@@ -612,10 +614,11 @@ def _check_runtime(cfg) -> None:
             f"GPUs while it trains, so it needs cluster.colocate=true and synchronizer.sync_offset=0 "
             f"(here colocate={cfg.cluster.colocate}, sync_offset={sc.sync_offset})."
         )
-    if rm.engine_type == "vllm" and sc.sync_method == "collective" and rm.tensor_parallel_size > 1:
+    engine = ENGINES.info(rm.engine_type)
+    if not engine.collective_tensor_parallel and sc.sync_method == "collective" and rm.tensor_parallel_size > 1:
         raise ConfigError(
-            "synchronizer.sync_method=collective with explorer=vllm supports tensor_parallel_size=1 "
-            "for now (each tensor-parallel worker would need a rank of its own): use sync=checkpoint."
+            f"synchronizer.sync_method=collective with explorer.rollout_model.engine_type={rm.engine_type} supports "
+            f"tensor_parallel_size=1 for now (each tensor-parallel worker would need a rank of its own): use sync=checkpoint."
         )
     if rm.dtype is not None and rm.dtype not in C.DTYPES:
         raise ConfigError(f"explorer.rollout_model.dtype={rm.dtype!r} is not a dtype; choose one of {', '.join(C.DTYPES)} (or null: model.dtype).")
@@ -644,13 +647,20 @@ def _check_names(cfg) -> None:
     path (a study's own function) is imported."""
     from rft.data.experience import check_priority_fn
     from rft.registry import resolve
+    from rft.reporting.monitor import MONITORS
     from rft.rewards.scoring import check as check_reward
     from rft.rewards.scoring import spec_of
     from rft.rollout.workflows.single_turn import WORKFLOWS
 
     algo, inp = cfg.algorithm, cfg.buffer.explorer_input
-    ADVANTAGE_FNS.check(algo.advantage_fn)
-    POLICY_LOSS_FNS.check(algo.policy_loss_fn)
+    check_args(ADVANTAGE_FNS, algo.advantage_fn, algo.advantage_args, "algorithm.advantage_args")
+    check_args(POLICY_LOSS_FNS, algo.policy_loss_fn, algo.args, "algorithm.args")
+    TRAINER_BACKENDS.check(cfg.trainer.trainer_strategy)
+    for name in cfg.monitor.monitor_type:
+        MONITORS.check(name)
+    ENGINES.check(cfg.explorer.rollout_model.engine_type)
+    for i, aux in enumerate(cfg.explorer.auxiliary_models):
+        resolve(ENGINES, aux.rollout_model.engine_type, f"explorer.auxiliary_models[{i}].rollout_model.engine_type")
     kl = ("none", *KL_FNS)
     # the other closed sets are Enum fields, checked when the config was composed; these names have
     # hyphens (agg modes) or include "none" next to registry names (KL)
@@ -667,9 +677,9 @@ def _check_names(cfg) -> None:
             check_reward(spec_of(ts.reward_fn), f"{where}.reward_fn")
         _check_workflow(resolve(WORKFLOWS, ts.workflow, f"{where}.workflow"), ts.workflow, f"{where}.workflow")
         if ts.workflow == "multi_turn":
-            from rft.rollout.workflows.multi_turn import check_args
+            from rft.rollout.workflows.multi_turn import check_args as check_workflow_args
 
-            check_args(dict(ts.workflow_args), f"{where}.workflow_args")
+            check_workflow_args(dict(ts.workflow_args), f"{where}.workflow_args")
             if ts.reward_fn is not None:
                 raise ConfigError(
                     f"{where}.reward_fn={spec_of(ts.reward_fn)!r} would never be called: with workflow multi_turn "

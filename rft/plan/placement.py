@@ -85,9 +85,12 @@ def reward_models(cfg) -> list[RewardModelPlace]:
 
 
 def trainer_ranks(cfg) -> int:
-    """Processes of the trainer: 1 for trainer=torch; trainer.ranks (or its default) for fsdp2."""
+    """Processes of the trainer: 1 for trainer=torch; trainer.ranks (or its default) for a backend of
+    ranks (fsdp2)."""
+    from rft.registry import TRAINER_BACKENDS
+
     tr, c = cfg.trainer, cfg.cluster
-    if tr.trainer_strategy != "fsdp2":
+    if not TRAINER_BACKENDS.info(tr.trainer_strategy).ranks:
         return 1
     if tr.ranks is not None:
         if tr.ranks < 1:

@@ -11,6 +11,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from rft.registry import Registry, resolve
+
 
 def read_metrics(path: str | Path) -> list[dict]:
     """The records of a per-step JSONL log (metrics.jsonl, batches.jsonl), in order."""
@@ -71,28 +73,16 @@ class Monitor:
         if sys.stderr.isatty():
             self.bar = tqdm(total=total_steps, initial=start_step, desc=stage, dynamic_ncols=True, leave=True)
         self.shown: dict[str, float] = {}
-        self.tb = None
-        if "tensorboard" in cfg.monitor.monitor_type:
-            # TensorBoard hides what a killed run logged from purge_step on: the steps run again
-            self.tb = TensorBoard(run_dir / "tensorboard", purge_step=start_step + 1 if start_step else 0)
-        self.wandb = None
-        if "wandb" in cfg.monitor.monitor_type:
-            import wandb
-
-            self.wandb = wandb.init(
-                project=cfg.project, name=f"{cfg.name}/{stage}", dir=str(run_dir),
-                config={"stage": stage}, resume="allow", id=_wandb_id(run_dir),
-            )
+        # the trackers of monitor.monitor_type (MONITORS below, or a study's dotted path)
+        self.trackers = [resolve(MONITORS, name, "monitor.monitor_type")(cfg, run_dir, stage, start_step)
+                         for name in cfg.monitor.monitor_type]
 
     def log(self, step: int, metrics: dict, advance: bool = True) -> None:
         record = {"step": step, **metrics}
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()
-        if self.tb is not None:
-            for k, v in metrics.items():
-                self.tb.scalar(k, v, step)
-        if self.wandb is not None:
-            self.wandb.log(metrics, step=step)
+        for tracker in self.trackers:
+            tracker.log(step, metrics)
         self.shown.update({k: metrics[k] for k in self.keys if k in metrics})
         shown = {k.replace("/", "."): f"{self.shown[k]:.3g}" for k in self.keys if k in self.shown}
         if self.bar is not None:
@@ -115,8 +105,9 @@ class Monitor:
         self.batches.flush()
 
     def histogram(self, step: int, name: str, values: list) -> None:
-        if self.tb is not None and values:
-            self.tb.histogram(name, values, step)
+        for tracker in self.trackers:
+            if values and hasattr(tracker, "histogram"):
+                tracker.histogram(step, name, values)
 
     def print(self, text: str) -> None:
         if self.bar is not None:
@@ -129,22 +120,29 @@ class Monitor:
             self.bar.close()
         self.file.close()
         self.batches.close()
-        if self.tb is not None:
-            self.tb.close()
-        if self.wandb is not None:
-            self.wandb.finish()
+        for tracker in self.trackers:
+            tracker.close()
+
+
+# A tracker is a class of monitor.monitor_type: built as cls(cfg, run_dir, stage, start_step) when
+# a stage starts (start_step > 0: a resumed run, which logs the steps after it again), then
+# log(step, metrics) each step, histogram(step, name, values) if it has one, close() at the end.
+# A study's own is a dotted path in monitor.monitor_type (an MLflow client, say).
 
 
 class TensorBoard:
-    """Event files through the tensorboard package's own writer and protos: what torch's
-    SummaryWriter wraps, without importing torch into the driver of a Ray run (~0.2 GB there)."""
+    """Event files under <stage>/tensorboard through the tensorboard package's own writer and
+    protos: what torch's SummaryWriter wraps, without importing torch into the driver of a Ray run
+    (~0.2 GB there)."""
 
-    def __init__(self, log_dir: Path, purge_step: int):
+    def __init__(self, cfg, run_dir: Path, stage: str, start_step: int):
         from tensorboard.compat.proto import event_pb2, summary_pb2
         from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
+        # TensorBoard hides what a killed run logged from purge_step on: the steps run again
+        purge_step = start_step + 1 if start_step else 0
         self.pb, self.summary = event_pb2, summary_pb2
-        self.writer = EventFileWriter(str(log_dir))
+        self.writer = EventFileWriter(str(run_dir / "tensorboard"))
         # a session start at purge_step: TensorBoard drops what earlier files logged from it on
         self._event(purge_step, file_version="brain.Event:2")
         self._event(purge_step, session_log=event_pb2.SessionLog(status=event_pb2.SessionLog.START))
@@ -152,10 +150,11 @@ class TensorBoard:
     def _event(self, step: int, **fields) -> None:
         self.writer.add_event(self.pb.Event(wall_time=time.time(), step=int(step), **fields))
 
-    def scalar(self, tag: str, value: float, step: int) -> None:
-        self._event(step, summary=self.summary.Summary(value=[self.summary.Summary.Value(tag=tag, simple_value=float(value))]))
+    def log(self, step: int, metrics: dict) -> None:
+        values = [self.summary.Summary.Value(tag=k, simple_value=float(v)) for k, v in metrics.items()]
+        self._event(step, summary=self.summary.Summary(value=values))
 
-    def histogram(self, tag: str, values: list[int], step: int) -> None:
+    def histogram(self, step: int, tag: str, values: list[int]) -> None:
         """Whole-number values (staleness), one bucket per number: k counts into (k - 0.5, k + 0.5].
         TensorBoard's buckets are given by their right limits, so an empty first one sets the left."""
         lo, hi = min(values), max(values)
@@ -169,6 +168,29 @@ class TensorBoard:
 
     def close(self) -> None:
         self.writer.close()
+
+
+class WandB:
+    """A wandb run per stage, named <name>/<stage>; a resumed run goes on with the same one
+    (WANDB_MODE=offline works without an account)."""
+
+    def __init__(self, cfg, run_dir: Path, stage: str, start_step: int):
+        import wandb
+
+        self.run = wandb.init(project=cfg.project, name=f"{cfg.name}/{stage}", dir=str(run_dir),
+                              config={"stage": stage}, resume="allow", id=_wandb_id(run_dir))
+
+    def log(self, step: int, metrics: dict) -> None:
+        self.run.log(metrics, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+# monitor.monitor_type: name -> tracker class (console and metrics.jsonl are always on)
+MONITORS = Registry("monitor.monitor_type", {"tensorboard": "rft.reporting.monitor.TensorBoard",
+                                            "wandb": "rft.reporting.monitor.WandB"},
+                    shape="a tracker class with log and close (module.Class; rft/reporting/monitor.py)")
 
 
 def _reopen(path: Path, start_step: int):

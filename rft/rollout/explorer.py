@@ -23,7 +23,7 @@ from rft.data.readers import budget_report, epoch_batch, step_seed
 from rft.data.tasks import load_tasks
 from rft.errors import ConfigError, RunError
 from rft.models import load_tokenizer, local_device
-from rft.registry import Registry, resolve
+from rft.registry import ENGINES, resolve
 from rft.rewards.scoring import build as build_scorer
 from rft.rewards.scoring import part_metrics, spec_of
 from rft.rollout.workflows.single_turn import WORKFLOWS, WorkflowContext, check_output
@@ -37,16 +37,10 @@ def _flat(group) -> bool:
     return len({e.reward for e in group}) == 1
 
 
-# explorer.rollout_model.engine_type -> the engine class (rft/rollout/engines/base.py says what one
-# implements), imported when chosen: vLLM is optional
-ENGINES = Registry("explorer.rollout_model.engine_type", {
-    "hf": "rft.rollout.engines.hf.HFEngine",
-    "vllm": "rft.rollout.engines.vllm.VLLMEngine",
-})
-
-
-def engine_class(engine_type: str):
-    return ENGINES[engine_type]
+def engine_class(engine_type: str, key: str = "explorer.rollout_model.engine_type"):
+    """The engine class (rft/rollout/engines/base.py says what one implements): a name of
+    rft.registry.ENGINES, imported when chosen (vLLM is optional), or a study's dotted path."""
+    return resolve(ENGINES, engine_type, key)
 
 
 class _Threads:

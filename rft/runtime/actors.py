@@ -59,7 +59,7 @@ def long_lived():
 
 
 def _build(cls, threads, args):
-    """`cls`: a class, or "module:Class" to import here (the trainer: the driver of a Ray run
+    """`cls`: a class, or "module.Class" to import here (the trainer: the driver of a Ray run
     never imports torch, saving a third of a GB)."""
     with long_lived():
         import torch
@@ -67,7 +67,7 @@ def _build(cls, threads, args):
         if isinstance(cls, str):
             import importlib
 
-            module, _, attr = cls.partition(":")
+            module, _, attr = cls.rpartition(".")
             cls = getattr(importlib.import_module(module), attr)
 
         # torch's thread count, chosen for the actor by rft.plan.placement.torch_threads
@@ -276,24 +276,30 @@ def placement_for(cfg, timeout_s: float = 60.0):
 
 
 def start_trainer(Actor, cfg, plan, init_path, name: str, common: dict, options: list[dict]):
-    """The trainer actor: one Trainer (trainer=torch), or an ActorGroup of FSDPTrainer ranks.
+    """The trainer actor: one process of the trainer backend (trainer=torch), or an ActorGroup of
+    its ranks (a backend of ranks: fsdp2), per rft.registry.TRAINER_BACKENDS.
 
     `options`: Ray options per rank (from placement_for), one per rank.
     """
+    from rft.registry import TRAINER_BACKENDS
+
     cfg = frozen(cfg)  # the component's reads, many a step, as plain dicts (rft.config.Frozen)
-    if cfg.trainer.trainer_strategy != "fsdp2":
-        return Actor("rft.trainer.trainer:Trainer", cfg, plan, init_path, name=name, **common, **options[0])
+    strategy = cfg.trainer.trainer_strategy
+    # a registered name goes as its "module.Class", imported in the actor: the driver of a Ray run
+    # never imports torch (a third of a GB); a study's own class is a dotted path already
+    cls = TRAINER_BACKENDS.path(strategy) or strategy
+    if not TRAINER_BACKENDS.info(strategy).ranks:
+        return Actor(cls, cfg, plan, init_path, name=name, **common, **options[0])
     import torch.distributed as dist
 
     from rft.sync.weights import free_address
-    from rft.trainer.fsdp import FSDPTrainer
 
     host, _ = free_address()
     # the ranks' meeting point lives in this (the driver's) process for the trainer's lifetime
     store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=cfg.synchronizer.sync_timeout))
     world = len(options)
-    ranks = [Actor(FSDPTrainer, cfg, plan, init_path, r, world, (host, store.port),
+    ranks = [Actor(cls, cfg, plan, init_path, r, world, (host, store.port),
                    name=f"{name}_{r}" if world > 1 else name, **common, **options[r])
              for r in range(world)]
     return ActorGroup(ranks, keep=store)

@@ -26,7 +26,7 @@ import time
 import torch
 from transformers import get_scheduler
 
-from rft.algorithms import ADVANTAGE_FNS, KL_FNS, POLICY_LOSS_FNS, rollout_is
+from rft.algorithms import ADVANTAGE_FNS, KL_FNS, POLICY_LOSS_FNS, rollout_is, with_args
 from rft.data.experience import WHERE, Experience, batch_record
 from rft.models import (
     enable_gradient_checkpointing,
@@ -34,7 +34,6 @@ from rft.models import (
     load_tokenizer,
     local_device,
 )
-from rft.registry import resolve
 from rft.trainer import lora, micro_batches
 from rft.trainer.critic import Critic
 from rft.trainer.logprobs import can_share_prompts, one_row, prompt_units, token_logprobs
@@ -66,8 +65,8 @@ class Trainer(StepMixin, MetricsMixin, WeightsMixin, CheckpointMixin):
         # in this order: the models, then the critic (its value head) draw from the seeded RNG
         self._build_models(init_path)
         # names are looked up once, here; the update below never branches on them
-        self.advantage_fn = resolve(ADVANTAGE_FNS, algo.advantage_fn, "algorithm.advantage_fn")
-        self.policy_loss_fn = resolve(POLICY_LOSS_FNS, algo.policy_loss_fn, "algorithm.policy_loss_fn")
+        self.advantage_fn = with_args(ADVANTAGE_FNS, algo.advantage_fn, algo.advantage_args, "algorithm.advantage_args")
+        self.policy_loss_fn = with_args(POLICY_LOSS_FNS, algo.policy_loss_fn, algo.args, "algorithm.args")
         self.critic = None
         if plan.needs.critic:
             self.critic = Critic(cfg, os.path.expanduser(cfg.model.critic_model_path or init_path or cfg.model.model_path),
@@ -132,7 +131,7 @@ class Trainer(StepMixin, MetricsMixin, WeightsMixin, CheckpointMixin):
         # algorithm.rollout_is: the weights' mode ("none" for a loss that is no policy gradient
         # over sampled tokens: the metrics are still logged)
         rollout_is.check_config(algo)
-        self.rollout_is_mode = "none" if algo.policy_loss_fn in rollout_is.NOT_WEIGHTED_LOSSES else str(algo.rollout_is)
+        self.rollout_is_mode = "none" if POLICY_LOSS_FNS.info(algo.policy_loss_fn).imitation else str(algo.rollout_is)
         # the per-token loss terms this config turns on, composed in this order by _actor_update:
         # the behaviour weight first, so that it weights the policy loss alone (as rollout_is does)
         self.terms = [t for t, on in [(self._behavior_term, True), (self._kl_term, self.kl_fn is not None),

@@ -19,19 +19,12 @@ from __future__ import annotations
 
 import functools
 import time
-from dataclasses import dataclass
 
 import torch
 
 from rft.models import load_model
+from rft.rollout.engines.base import Sample
 from rft.sync.weights import fingerprint, same_bits
-
-
-@dataclass
-class Sample:
-    token_ids: list[int]
-    logprobs: list[float]
-    finish_reason: str  # "stop" (end of sequence or a stop string) or "length" (hit max_tokens)
 
 
 class StopStrings:

@@ -27,7 +27,7 @@ import time
 
 from rft.errors import ConfigError
 from rft.models import canonical_dtype
-from rft.rollout.engines.hf import Sample
+from rft.rollout.engines.base import Sample
 
 log = logging.getLogger(__name__)
 
