@@ -96,6 +96,21 @@ def test_every_module_is_in_a_part_and_rft_shows_its_parts():
     assert len([p for p in PKG.iterdir() if p.name != "__pycache__"]) <= 18
 
 
+def test_no_class_over_300_lines_and_no_function_over_60():
+    """Small enough to read whole: a class that grows past 300 lines splits by responsibility (as
+    the trainer's step, weights and state did), a function past 60 into named steps."""
+    import ast
+
+    big = []
+    for path in sorted(PKG.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            lines = getattr(node, "end_lineno", 0) - getattr(node, "lineno", 0) + 1
+            if isinstance(node, ast.ClassDef) and lines > 300 or \
+                    isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and lines > 60:
+                big.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({lines} lines)")
+    assert big == []
+
+
 def test_each_part_imports_only_parts_below_it():
     g = imports()
     upward = sorted(f"{a} -> {b}" for a, bs in g.items() if a != "rft" for b in bs
