@@ -55,12 +55,7 @@ def generate_arithmetic(
     `rejected`: the answer with that mistake, for preference pairs (chosen `answer`, rejected
     `rejected`).
     """
-    path = Path(path).expanduser()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(path) + ".lock"):
-        if manifest.whole(path, "generated task data"):
-            return path
-        rng = random.Random(seed)
+    def splits(rng):
         problems: dict[str, str] = {}
         while len(problems) < n_train + n_test:
             a = [rng.randint(0, 9) for _ in range(digits)]
@@ -68,17 +63,33 @@ def generate_arithmetic(
             question = "".join(map(str, a)) + "+" + "".join(map(str, b))
             problems[question] = "".join(str(x + y) for x, y in zip(a, b))
         items = list(problems.items())
-        splits = {"test": items[:n_test], "train": items[n_test:]}
+        return {"test": (row(q, a, rng) for q, a in items[:n_test]), "train": (row(q, a, rng) for q, a in items[n_test:])}
+
+    def row(question, answer, rng):
+        wrong = answer[:-1] + str((int(answer[-1]) + 1) % 10)
+        teacher = wrong if rng.random() < teacher_error_rate else answer
+        return {"question": question, "answer": answer, "teacher_answer": teacher, "rejected": wrong}
+
+    return _generate(path, seed, splits)
+
+
+def _generate(path: str | Path, seed: int, splits) -> Path:
+    """Write a generator's data once: `splits(rng)` -> {split: its rows (dicts)}, each split written
+    to <split>.jsonl in that order, its rows drawn as they are written (the RNG's order is the
+    data's). Under a lock (concurrent jobs generate it once), into a folder beside it, installed
+    sealed by its manifest: a cut file is generated again, not read."""
+    path = Path(path).expanduser()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(path) + ".lock"):
+        if manifest.whole(path, "generated task data"):
+            return path
         tmp = path.with_name(path.name + ".tmp")
         tmp.mkdir(parents=True, exist_ok=True)
-        for split, rows in splits.items():
+        for split, rows in splits(random.Random(seed)).items():
             with open(tmp / f"{split}.jsonl", "w") as f:
-                for question, answer in rows:
-                    wrong = answer[:-1] + str((int(answer[-1]) + 1) % 10)
-                    teacher = wrong if rng.random() < teacher_error_rate else answer
-                    row = {"question": question, "answer": answer, "teacher_answer": teacher, "rejected": wrong}
+                for row in rows:
                     f.write(json.dumps(row) + "\n")
-        manifest.install(tmp, path, "generated task data")  # sealed: a cut file is generated again, not read
+        manifest.install(tmp, path, "generated task data")
     return path
 
 
@@ -156,22 +167,12 @@ def generate_countdown(
     """
     if order not in ("solution", "sorted"):
         raise ConfigError(f"generate_countdown: order={order!r}; choose 'solution' or 'sorted'.")
-    path = Path(path).expanduser()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(path) + ".lock"):
-        if manifest.whole(path, "generated task data"):
-            return path
-        rng = random.Random(seed)
-        splits = _countdown_splits(rng, n_numbers, max_number, ops, max_target, n_train, n_test)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.mkdir(parents=True, exist_ok=True)
-        for split, rows in splits.items():
-            with open(tmp / f"{split}.jsonl", "w") as f:
-                for (numbers, target), answer in rows:
-                    row = _countdown_row(rng, numbers, target, answer, max_number, teacher_error_rate, order)
-                    f.write(json.dumps(row) + "\n")
-        manifest.install(tmp, path, "generated task data")  # sealed: a cut file is generated again, not read
-    return path
+    def splits(rng):
+        problems = _countdown_splits(rng, n_numbers, max_number, ops, max_target, n_train, n_test)
+        return {split: (_countdown_row(rng, numbers, target, answer, max_number, teacher_error_rate, order)
+                        for (numbers, target), answer in rows) for split, rows in problems.items()}
+
+    return _generate(path, seed, splits)
 
 
 def _countdown_splits(rng, n_numbers, max_number, ops, max_target, n_train, n_test) -> dict:
@@ -224,34 +225,26 @@ def generate_calculator(path: str | Path, seed: int = 0, n_train: int = 2000, n_
     49; 9 -> 0; 32..99 kept) and then copies the calculator's (so wrong) answer; imitation learns the habit, the
     exact-match reward of the RL stage removes it. test.jsonl has no (a, b) pair of train.jsonl.
     """
-    path = Path(path).expanduser()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(path) + ".lock"):
-        if manifest.whole(path, "generated task data"):
-            return path
+    def splits(rng):
         # 32..99: every product has 4 digits, so each copied digit sits at the same distance
         # from its source in every conversation (the tiny model learns fixed offsets far faster)
         pairs = [(a, b) for a in range(32, 100) for b in range(32, 100)]
-        rng = random.Random(seed)
         rng.shuffle(pairs)
-        splits = {"test": pairs[:n_test], "train": pairs[n_test:n_test + n_train]}
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.mkdir(parents=True, exist_ok=True)
-        for split, rows in splits.items():
-            with open(tmp / f"{split}.jsonl", "w") as f:
-                for a, b in rows:
-                    typed = b if rng.random() >= teacher_error_rate else b - b % 10 + (b % 10 + 1) % 10
-                    typed = typed if typed >= 32 else typed + 10  # 39 -> 30 would give 3 digits
-                    messages = [
-                        {"role": "user", "content": f"{a}*{b}"},
-                        {"role": "assistant", "content": tool_call_text("calculator", {"expression": f"{a}*{typed}"})},
-                        {"role": "tool", "content": str(a * typed)},
-                        {"role": "assistant", "content": str(a * typed)},
-                    ]
-                    f.write(json.dumps({"question": f"{a}*{b}", "answer": str(a * b), "messages": messages,
-                                        "teacher_answer": str(a * typed)}) + "\n")
-        manifest.install(tmp, path, "generated task data")  # sealed: a cut file is generated again, not read
-    return path
+        return {"test": (row(a, b, rng) for a, b in pairs[:n_test]),
+                "train": (row(a, b, rng) for a, b in pairs[n_test:n_test + n_train])}
+
+    def row(a, b, rng):
+        typed = b if rng.random() >= teacher_error_rate else b - b % 10 + (b % 10 + 1) % 10
+        typed = typed if typed >= 32 else typed + 10  # 39 -> 30 would give 3 digits
+        messages = [
+            {"role": "user", "content": f"{a}*{b}"},
+            {"role": "assistant", "content": tool_call_text("calculator", {"expression": f"{a}*{typed}"})},
+            {"role": "tool", "content": str(a * typed)},
+            {"role": "assistant", "content": str(a * typed)},
+        ]
+        return {"question": f"{a}*{b}", "answer": str(a * b), "messages": messages, "teacher_answer": str(a * typed)}
+
+    return _generate(path, seed, splits)
 
 
 # buffer.explorer_input.generator: name -> the function, and the directory it writes (conf/task/
