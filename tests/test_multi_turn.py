@@ -416,7 +416,11 @@ def test_the_readme_environment_runs_as_written(tools_model, tmp_path, monkeypat
     (tmp_path / "my_study").mkdir()
     (tmp_path / "my_study" / "envs.py").write_text(code)
     monkeypatch.syspath_prepend(str(tmp_path))
-    sys.modules.pop("my_study", None)
+    # the study's package is this test's alone: a later test of this process (a file after this one
+    # on the same pytest worker) finds no my_study
+    for name in ("my_study", "my_study.envs"):
+        monkeypatch.setitem(sys.modules, name, None)
+        del sys.modules[name]
     tok = tokenizer(tools_model)
     engine = Scripted(tok, [(CALL, "stop"), ("56", "stop")])
     [[e]] = multi_turn([task()], engine, ctx_for(tok, {"env": "my_study.envs.Calculator", "max_turns": 3}))

@@ -676,13 +676,13 @@ def _check_names(cfg) -> None:
         if ts.reward_fn is not None:
             check_reward(spec_of(ts.reward_fn), f"{where}.reward_fn")
         _check_workflow(resolve(WORKFLOWS, ts.workflow, f"{where}.workflow"), ts.workflow, f"{where}.workflow")
-        if ts.workflow == "multi_turn":
-            from rft.rollout.workflows.multi_turn import check_args as check_workflow_args
-
-            check_workflow_args(dict(ts.workflow_args), f"{where}.workflow_args")
+        flow = WORKFLOWS.info(ts.workflow)
+        if flow.check_args:
+            resolve({}, flow.check_args, f"{where}.workflow")(dict(ts.workflow_args), f"{where}.workflow_args")
+        if flow.environment:
             if ts.reward_fn is not None:
                 raise ConfigError(
-                    f"{where}.reward_fn={spec_of(ts.reward_fn)!r} would never be called: with workflow multi_turn "
+                    f"{where}.reward_fn={spec_of(ts.reward_fn)!r} would never be called: with workflow {ts.workflow} "
                     f"the reward is the parts the environment's step returns ({ts.workflow_args.get('env')}). "
                     f"Score in the environment's step (rft/rollout/environments/tools.py: ToolEnv scores its answer by exact "
                     f"match), or set {where}.reward_fn=null.")
@@ -704,7 +704,8 @@ def _divisor_near(n: int, target: int) -> int:
 
 def describe(cfg, stage_dir) -> str:
     """What the dry run says besides the numbers: the functions, the data, the outputs."""
-    from rft.rewards.scoring import source
+    from rft.rollout.workflows.single_turn import WORKFLOWS
+    from rft.rollout.workflows.single_turn import scored_by as source
 
     algo, inp = cfg.algorithm, cfg.buffer.explorer_input
     eb = cfg.buffer.trainer_input.experience_buffer
@@ -726,8 +727,8 @@ def describe(cfg, stage_dir) -> str:
         rows.append(("rollouts", f"{data(inp.taskset)}: prompt_key={inp.taskset.format.prompt_key}, "
                                  f"temperature {args.temperature:g}, top_p {args.top_p:g}, top_k {args.top_k}"))
         call = f"{reward}(prompt, response, task)" if "*" not in reward else f"{reward}, each fn(prompt, response, task),"
-        rows.append(("reward", f"the parts {reward} returns (workflow multi_turn; the reward function is not called)"
-                     if inp.taskset.workflow == "multi_turn" else
+        rows.append(("reward", f"the parts {reward} returns (workflow {inp.taskset.workflow}; the reward function is "
+                               f"not called)" if WORKFLOWS.info(inp.taskset.workflow).environment else
                      f"{call} with task.answer = column {inp.taskset.format.response_key!r}"))
         if cfg.mode == "both":
             o = cfg.synchronizer.sync_offset

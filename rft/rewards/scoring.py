@@ -155,14 +155,6 @@ def describe(spec) -> str:
     return str(spec)
 
 
-def source(ts, default) -> str:
-    """What scores taskset `ts`, for the dry run and messages: its reward config, or, for the
-    multi_turn workflow (which never calls one), its environment's step."""
-    if ts.workflow == "multi_turn":
-        return f"{ts.workflow_args.get('env')}.step(text)"
-    return describe(spec_of(ts.reward_fn, default))
-
-
 def entries(spec, where: str) -> list[dict]:
     """A reward config as a checked list of part entries (no function is imported)."""
     if isinstance(spec, str):

@@ -117,11 +117,33 @@ def single_turn(tasks, engine, ctx: WorkflowContext) -> list[list[Experience] | 
 # single_turn: one prompt, n responses; multi_turn: conversations with an environment
 # (multi_turn.py); openai_agent: agent code against the explorer's OpenAI-compatible endpoint
 # (openai_agent.py). Imported when first used: planning reads the names only
-WORKFLOWS = Registry("workflow", {
-    "single_turn": "rft.rollout.workflows.single_turn.single_turn",
-    "multi_turn": "rft.rollout.workflows.multi_turn.multi_turn",
-    "openai_agent": "rft.rollout.workflows.openai_agent.openai_agent",
+@dataclass(frozen=True)
+class WorkflowInfo:
+    """What planning and the messages need to know of a workflow (a study's own carries it as its
+    attribute `info`)."""
+    # its environment's step scores each conversation (workflow_args.env): no reward function is
+    # called, and a failed task is the environment's
+    environment: bool = False
+    # "module.function"(args: dict, where: str) that checks its workflow_args when planning
+    check_args: str | None = None
+
+
+WORKFLOWS = Registry("workflow", info="info", default=WorkflowInfo(), table={
+    "single_turn": ("rft.rollout.workflows.single_turn.single_turn", WorkflowInfo()),
+    "multi_turn": ("rft.rollout.workflows.multi_turn.multi_turn",
+                   WorkflowInfo(environment=True, check_args="rft.rollout.workflows.multi_turn.check_args")),
+    "openai_agent": ("rft.rollout.workflows.openai_agent.openai_agent", WorkflowInfo()),
 })
+
+
+def scored_by(ts, default_reward) -> str:
+    """What scores taskset `ts`, for the dry run and messages: its reward config, or, for a workflow
+    whose environment scores (multi_turn, which never calls one), the environment's step."""
+    from rft.rewards.scoring import describe, spec_of
+
+    if WORKFLOWS.info(ts.workflow).environment:
+        return f"{ts.workflow_args.get('env')}.step(text)"
+    return describe(spec_of(ts.reward_fn, default_reward))
 
 
 def check_output(out, tasks, name: str) -> None:
