@@ -307,7 +307,8 @@ def missing_option(args: list[str], conf_dir) -> str | None:
         if path in seen or not path.is_file():
             continue
         seen.add(path)
-        for line, group, option in _defaults_entries(path, conf_dir):
+        # the entries that name a config (not _self_, nor a null or interpolated option)
+        for line, group, option in ((e.line, e.group, e.option) for e in entries(path, conf_dir) if e.option):
             target = conf_dir / group / f"{option}.yaml"
             if group.startswith("hydra") or target.is_file():
                 todo.append(target)
@@ -320,36 +321,6 @@ def missing_option(args: list[str], conf_dir) -> str | None:
             return (f"{path.relative_to(conf_dir.parent)}, line {line}: its defaults list names '{group}/{option}', "
                     f"but there is no {target.relative_to(conf_dir.parent)} ({options}). Fix the name in that file.")
     return None
-
-
-def _defaults_entries(path, conf_dir) -> list[tuple[int, str, str]]:
-    """(line, group, option) of each entry of a config file's defaults list that names a config:
-    `override /group: option`, `/group: option`, `group: option` (relative to the file's group),
-    or a bare `name` (a config of the file's own group)."""
-    import yaml
-
-    try:
-        root = yaml.compose(path.read_text())
-    except yaml.YAMLError:
-        return []  # bad_yaml names it
-    own = str(path.parent.relative_to(conf_dir)).replace("\\", "/")
-    own = "" if own == "." else own
-    defaults = next((v for k, v in getattr(root, "value", []) or [] if getattr(k, "value", None) == "defaults"), None)
-    out = []
-    for item in getattr(defaults, "value", []) if isinstance(defaults, yaml.SequenceNode) else []:
-        line = item.start_mark.line + 1
-        if isinstance(item, yaml.ScalarNode) and item.value not in ("_self_",):
-            out.append((line, own, item.value))
-        elif isinstance(item, yaml.MappingNode) and len(item.value) == 1:
-            k, v = item.value[0]
-            key = k.value.removeprefix("override ").strip()
-            if key.startswith("optional ") or not isinstance(v, yaml.ScalarNode) or v.value in ("", "null", "~") \
-                    or "${" in v.value:
-                continue
-            group = key.split("@")[0]
-            group = group[1:] if group.startswith("/") else f"{own}/{group}".strip("/")
-            out.append((line, group, v.value))
-    return out
 
 
 def exit_on_config_mistakes(args: list[str], conf_dir) -> None:
