@@ -702,11 +702,27 @@ def _divisor_near(n: int, target: int) -> int:
     return min((d for d in range(1, n + 1) if n % d == 0), key=lambda d: (abs(d - target), d))
 
 
+def environment_scores(ts) -> bool:
+    """Whether taskset `ts`'s workflow scores through its environment's step (multi_turn: no reward
+    function is called, and a failed task is the environment's): its WorkflowInfo."""
+    from rft.rollout.workflows.single_turn import WORKFLOWS
+
+    return WORKFLOWS.info(ts.workflow).environment
+
+
+def scored_by(ts, default_reward) -> str:
+    """What scores taskset `ts`, for the dry run and messages: its reward config, or the
+    environment's step (environment_scores)."""
+    from rft.rewards.scoring import describe as describe_reward
+    from rft.rewards.scoring import spec_of
+
+    if environment_scores(ts):
+        return f"{ts.workflow_args.get('env')}.step(text)"
+    return describe_reward(spec_of(ts.reward_fn, default_reward))
+
+
 def describe(cfg, stage_dir) -> str:
     """What the dry run says besides the numbers: the functions, the data, the outputs."""
-    from rft.rollout.workflows.single_turn import WORKFLOWS
-    from rft.rollout.workflows.single_turn import scored_by as source
-
     algo, inp = cfg.algorithm, cfg.buffer.explorer_input
     eb = cfg.buffer.trainer_input.experience_buffer
     opt = algo.optimizer
@@ -722,13 +738,13 @@ def describe(cfg, stage_dir) -> str:
         return f"{ds.name} ({ds.path}, split {ds.split})"
 
     if cfg.mode in ("both", "explore"):
-        reward = source(inp.taskset, inp.default_reward_fn_type)
+        reward = scored_by(inp.taskset, inp.default_reward_fn_type)
         args = inp.taskset.rollout_args
         rows.append(("rollouts", f"{data(inp.taskset)}: prompt_key={inp.taskset.format.prompt_key}, "
                                  f"temperature {args.temperature:g}, top_p {args.top_p:g}, top_k {args.top_k}"))
         call = f"{reward}(prompt, response, task)" if "*" not in reward else f"{reward}, each fn(prompt, response, task),"
         rows.append(("reward", f"the parts {reward} returns (workflow {inp.taskset.workflow}; the reward function is "
-                               f"not called)" if WORKFLOWS.info(inp.taskset.workflow).environment else
+                               f"not called)" if environment_scores(inp.taskset) else
                      f"{call} with task.answer = column {inp.taskset.format.response_key!r}"))
         if cfg.mode == "both":
             o = cfg.synchronizer.sync_offset
@@ -743,7 +759,7 @@ def describe(cfg, stage_dir) -> str:
     if algo.sft_loss_weight > 0:
         sft, where = sft_buffer_config(cfg)
         rows.append(("sft data", f"{sft.path} (column {sft.format.response_key!r}; {where})"))
-    evals = [f"{data(ts)}: {source(ts, inp.default_reward_fn_type)}" for ts in inp.eval_tasksets]
+    evals = [f"{data(ts)}: {scored_by(ts, inp.default_reward_fn_type)}" for ts in inp.eval_tasksets]
     if cfg.mode != "explore":
         rows.append(("eval sets", "; ".join(evals) + f", every {cfg.explorer.eval_interval} steps" if evals else "none"))
     rows.append(("outputs", str(stage_dir)))

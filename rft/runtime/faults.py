@@ -9,9 +9,9 @@ import sys
 from pathlib import Path
 
 from rft.errors import RunError
+from rft.plan.batch import environment_scores, scored_by
 from rft.rewards.scoring import describe as describe_reward
 from rft.rewards.scoring import spec_of
-from rft.rollout.workflows.single_turn import WORKFLOWS, scored_by
 from rft.runtime.checkpoint import latest_checkpoint
 
 
@@ -59,7 +59,7 @@ class TrainerCalls:
 def culprit(inp, ts, source: str | None) -> tuple[str, str]:
     """(what failed, its fix) when every task of taskset `ts` failed: the reward function, or,
     when the workflow's own jobs failed (`source`), the environment (multi_turn) or the workflow."""
-    if source == "workflow" and WORKFLOWS.info(ts.workflow).environment:
+    if source == "workflow" and environment_scores(ts):
         return f"environment {ts.workflow_args.get('env')!r} (workflow_args.env)", "Fix the environment (its constructor, reset or step)"
     if source == "workflow":
         return f"workflow {ts.workflow!r}, in the jobs it ran", "Fix the workflow"
@@ -108,7 +108,7 @@ class LearningSignal:
                 value = self.first_rewards.pop()
                 msg = (f"[{self.title}] WARNING: every reward of the first {first} steps was {value:g}: the "
                        f"advantages are all 0 and nothing is learned. Check the "
-                       f"{'environment' if WORKFLOWS.info(inp.taskset.workflow).environment else 'reward function'} "
+                       f"{'environment' if environment_scores(inp.taskset) else 'reward function'} "
                        f"({scored_by(inp.taskset, inp.default_reward_fn_type)!r}) "
                        f"and that buffer.explorer_input.taskset.format.response_key="
                        f"{inp.taskset.format.response_key!r} names the column of reference answers "

@@ -136,16 +136,6 @@ WORKFLOWS = Registry("workflow", info="info", default=WorkflowInfo(), table={
 })
 
 
-def scored_by(ts, default_reward) -> str:
-    """What scores taskset `ts`, for the dry run and messages: its reward config, or, for a workflow
-    whose environment scores (multi_turn, which never calls one), the environment's step."""
-    from rft.rewards.scoring import describe, spec_of
-
-    if WORKFLOWS.info(ts.workflow).environment:
-        return f"{ts.workflow_args.get('env')}.step(text)"
-    return describe(spec_of(ts.reward_fn, default_reward))
-
-
 def check_output(out, tasks, name: str) -> None:
     """What a workflow returned has the shape the buffers and the trainer rely on; a workflow of
     a study's own gets one clear message naming it, not a failure later in the trainer."""
