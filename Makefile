@@ -1,6 +1,6 @@
 # make run        train the embedded default (tiny model, arithmetic, SFT warm-up then GRPO) on CPU
 # make test       run the whole test suite
-# make test-fast  the tests of under a second each: no training run, engine, Ray, server or browser (~2 min), to iterate
+# make test-fast  the tests of under a second each: no training run, engine, Ray, server or browser (~1.5 min), to iterate
 # make studio     the studio: compose, launch and watch runs in a local web page (python -m rft.studio)
 # Both create or refresh .venv first; nothing else needs installing by hand.
 
@@ -59,7 +59,7 @@ studio: $(STAMP)
 	$(PY) -m rft.studio
 
 test-fast: $(VLLM_STAMP) browser sandbox
-	$(PY) -m pytest tests -m "not slow"
+	$(PY) -m pytest tests -m "not slow" -n 2 --dist loadfile
 
 clean:
 	rm -rf $(VENV) checkpoints outputs multirun
