@@ -173,6 +173,20 @@ def test_countdown_problems_are_all_solvable_and_unique():
         assert len(answer) == 5 and 1 <= target <= 99 and list(numbers) == sorted(numbers)
 
 
+def test_countdown_problems_with_division_keep_only_whole_steps():
+    """ops with / stopped on a bare AssertionError: a solution such as 1/2*4 (whole at the end,
+    not on the way) was kept, against the docstring's rule, and failed the generator's own check."""
+    problems = countdown_problems(ops="*/")
+    # (1, 2, 4) -> 2: 1/2*4 is 2, but 1/2 is not whole; 4/2*1 is the kept solution (permutations
+    # of the sorted numbers in order: (1,2,4): 1*2*4=8, 1/2.. skipped; (1,4,2): 1*4/2 = 2, whole)
+    assert problems[((1, 2, 4), 2)] == "1*4/2"
+    for (numbers, target), answer in problems.items():
+        assert check_countdown(answer, numbers, target, integer_steps=True) == (1.0, "ok"), answer
+    # every problem that + - * solve is kept with / added (242 more: 1313 + 242 = 1555)
+    mixed = countdown_problems(ops="+-*/")
+    assert len(mixed) == 1555 and set(countdown_problems()) <= set(mixed)
+
+
 def read_splits(path):
     return {s: [json.loads(l) for l in (path / f"{s}.jsonl").read_text().splitlines()] for s in ("train", "test")}
 

@@ -119,6 +119,8 @@ def countdown_problems(n_numbers: int = 3, max_number: int = 9, ops: str = "+-*"
                 value = countdown_value(expr)
                 if value is None or value.denominator != 1 or not 1 <= value <= max_target:
                     continue
+                if "/" in chosen and check_countdown(expr, numbers, int(value), integer_steps=True)[1] != "ok":
+                    continue  # a division that is not whole on the way (1/2*4): the docstring's rule
                 problems.setdefault((numbers, int(value)), expr)
     # every solution verifies (and shows that the generator and the verifier agree on the rules)
     assert all(check_countdown(e, n, t, integer_steps=True)[1] == "ok" for (n, t), e in list(problems.items())[:50])
