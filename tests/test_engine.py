@@ -102,6 +102,28 @@ def test_sampling_logprobs_match_the_trainers_recomputation(tiny):
             torch.testing.assert_close(got, torch.tensor(e.logprobs), atol=1e-4, rtol=1e-4)
 
 
+def test_a_checkpoints_generation_config_does_not_change_the_rollouts(cache_dir, tmp_path, tiny):
+    """generate() filled what it was not given (top_k when off, the repetition penalty) from the
+    checkpoint's generation_config.json: with top_k 1 there, every sampled token had log-prob 0
+    (one token left), whatever rollout_args said."""
+    import json
+    import shutil
+
+    tok, engine, prompts = tiny
+    src = cache_dir / "models" / "tiny-qwen2-v1"
+    dst = tmp_path / "tiny-with-generation-config"
+    shutil.copytree(src, dst)
+    config = json.loads((dst / "generation_config.json").read_text())
+    (dst / "generation_config.json").write_text(json.dumps({**config, "top_k": 1, "repetition_penalty": 5.0}))
+    model_cfg = OmegaConf.create(dict(model_path=str(dst), dtype="float32", trust_remote_code=False,
+                                      custom_chat_template=None, max_response_tokens=6))
+    other = HFEngine(model_cfg, SimpleNamespace(generate_batch_size=5), tok)
+    want, got = engine.generate(prompts, 2, args(1.0), seed=3), other.generate(prompts, 2, args(1.0), seed=3)
+    assert [[s.token_ids for s in g] for g in got] == [[s.token_ids for s in g] for g in want]
+    assert [[s.logprobs for s in g] for g in got] == [[s.logprobs for s in g] for g in want]
+    assert any(lp < -1e-3 for g in got for s in g for lp in s.logprobs)  # not one token left
+
+
 def test_a_stop_string_ends_a_greedy_response_right_after_it(tiny):
     tok, engine, prompts = tiny
     base = engine.generate(prompts, 1, args(0), seed=0)

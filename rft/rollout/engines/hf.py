@@ -78,8 +78,15 @@ class HFEngine:
     """transformers `generate` on `device` (the explorer's rft.models.local_device)."""
 
     def __init__(self, model_cfg, rollout_cfg, tokenizer, path: str | None = None, device="cpu"):
+        from transformers import GenerationConfig
+
         self.device = torch.device(device)
         self.model = load_model(model_cfg, path).to(self.device)
+        # the rollout's settings are rollout_args' alone: generate() fills each setting it is not
+        # given from the checkpoint's generation_config.json (Qwen2.5's: top_k 20, top_p 0.8,
+        # repetition_penalty 1.05), which would sample from another distribution than the config
+        # says (top_k off, no penalty) and than explorer=vllm does
+        self.model.generation_config = GenerationConfig()
         self.tokenizer = tokenizer
         self.batch_size = rollout_cfg.generate_batch_size
         self.max_response_tokens = model_cfg.max_response_tokens
