@@ -102,7 +102,7 @@ def post(server, path, body, token=None):
     return httpx.post(server.url + path, json=body, headers={"Authorization": f"Bearer {token or server.token}"})
 
 
-def refused(r, status, param, message):
+def assert_refused(r, status, param, message):
     assert r.status_code == status, r.text
     assert r.json() == {"error": {"message": message, "type": "invalid_request_error", "param": param, "code": status}}
 
@@ -142,7 +142,7 @@ CHAT = {"model": "policy", "messages": MESSAGES}
 def test_a_field_out_of_range_is_a_400_naming_it_and_nothing_is_sampled(served, field, value, param, message):
     server, _, _ = served
     server.open("", ARGS)
-    refused(post(server, "/chat/completions", {**CHAT, field: value}), 400, param, message)
+    assert_refused(post(server, "/chat/completions", {**CHAT, field: value}), 400, param, message)
     assert server.take_history("") == []
 
 
@@ -152,18 +152,18 @@ def test_a_body_that_is_not_an_object_or_not_json_is_a_400(served):
     for body, got in [(b'[{"messages": []}]', "list"), (b'"hello"', "str"), (b"null", "NoneType")]:
         r = httpx.post(server.url + "/chat/completions", content=body,
                        headers={"Authorization": f"Bearer {server.token}"})
-        refused(r, 400, "body", f"the request body must be a JSON object, not {got}")
+        assert_refused(r, 400, "body", f"the request body must be a JSON object, not {got}")
     r = httpx.post(server.url + "/chat/completions", content=b"{not json",
                    headers={"Authorization": f"Bearer {server.token}"})
     assert r.status_code == 400 and r.json()["error"]["message"].startswith("malformed JSON: Expecting property name")
     r = httpx.post(server.url + "/chat/completions", content=b"[" * 100_000,
                    headers={"Authorization": f"Bearer {server.token}"})
-    refused(r, 400, "body", "malformed JSON: maximum recursion depth exceeded while decoding a JSON array from a "
+    assert_refused(r, 400, "body", "malformed JSON: maximum recursion depth exceeded while decoding a JSON array from a "
                             "unicode string")
     # NaN is JSON to Python's reader, not a temperature
     r = httpx.post(server.url + "/chat/completions", content=b'{"messages": [{"role": "user", "content": "1"}], '
                    b'"temperature": NaN}', headers={"Authorization": f"Bearer {server.token}"})
-    refused(r, 400, "temperature", "temperature: Input should be a finite number (got nan)")
+    assert_refused(r, 400, "temperature", "temperature: Input should be a finite number (got nan)")
 
 
 def test_a_prompt_id_outside_the_vocabulary_or_the_context_is_a_400_before_the_engine(served, monkeypatch):
@@ -173,14 +173,14 @@ def test_a_prompt_id_outside_the_vocabulary_or_the_context_is_a_400_before_the_e
     vocab = len(tok)
     for bad in [vocab, -1, 10**12]:
         # measured at 0ef6a02: an id of len(tokenizer) was a 500 (IndexError in the embedding)
-        refused(post(server, "/completions", {"prompt": [5, bad]}), 400, "prompt",
+        assert_refused(post(server, "/completions", {"prompt": [5, bad]}), 400, "prompt",
                 f"prompt: token id {bad} is outside the vocabulary (0 <= id < {vocab})")
     for prompt, shown in [([5, True], "[5, True]"), ([], "[]"), ("", ""), ({"a": 1}, "{'a': 1}"),
                           (["12+", "34"], "['12+', '34']"), ([[5], [6]], "[[5], [6]]")]:
-        refused(post(server, "/completions", {"prompt": prompt}), 400, "prompt",
+        assert_refused(post(server, "/completions", {"prompt": prompt}), 400, "prompt",
                 f"prompt must be one non-empty text or list of token ids (one prompt per request), not {shown}")
     # the tiny model's context is 256 positions: 251 prompt ids + 6 new tokens do not fit, 250 do
-    refused(post(server, "/completions", {"prompt": [5] * 251, "max_tokens": 6}), 400, "max_tokens",
+    assert_refused(post(server, "/completions", {"prompt": [5] * 251, "max_tokens": 6}), 400, "max_tokens",
             "the prompt's 251 tokens and max_tokens=6 are over the model's context of 256 tokens")
     monkeypatch.undo()
     assert post(server, "/completions", {"prompt": [5] * 250, "max_tokens": 6, "seed": 1}).status_code == 200
@@ -199,7 +199,7 @@ def test_a_chat_template_that_cannot_render_the_messages_is_a_400(served, monkey
     # a template that refuses what it cannot render, as real ones do with raise_exception
     monkeypatch.setattr(tok, "chat_template", "{% for m in messages %}{% if m['content'] is not string %}"
                         "{{ raise_exception('content must be text') }}{% endif %}{{ m['content'] }}{% endfor %}")
-    refused(post(server, "/chat/completions", {"messages": [{"role": "user", "content": {"a": 1}}]}), 400,
+    assert_refused(post(server, "/chat/completions", {"messages": [{"role": "user", "content": {"a": 1}}]}), 400,
             "messages", "messages: the chat template cannot render them: TemplateError: content must be text")
 
 
@@ -225,7 +225,7 @@ def test_a_prompt_that_takes_seconds_to_render_holds_up_no_other_request(served)
         waited.append(time.monotonic() - t)
         time.sleep(0.1)
     slow.join()
-    refused(answers[0], 400, "prompt", "the prompt's 2060002 tokens and max_tokens=6 are over the model's context "
+    assert_refused(answers[0], 400, "prompt", "the prompt's 2060002 tokens and max_tokens=6 are over the model's context "
                                        "of 256 tokens")  # 20,000 x 103 tokens + 2 (the generation prompt)
     assert waited and max(waited) < 1.0, waited
 
@@ -234,7 +234,7 @@ def test_a_body_over_32_mib_is_a_413(served):
     server, _, _ = served
     r = httpx.post(server.url + "/chat/completions", content=b"x" * (33 * 2**20),
                    headers={"Authorization": f"Bearer {server.token}"})
-    refused(r, 413, None, "the request body is over the 32 MiB this server accepts.")
+    assert_refused(r, 413, None, "the request body is over the 32 MiB this server accepts.")
 
 
 def test_the_history_of_rollouts_nobody_opens_or_takes_is_bounded(cache_dir, caplog):
