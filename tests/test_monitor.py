@@ -5,6 +5,8 @@ import io
 import json
 import sys
 
+import pytest
+
 from conftest import compose_cfg
 
 from rft.reporting.monitor import Monitor, read_metrics
@@ -191,3 +193,38 @@ def test_batches_record_what_each_step_trained_on_with_a_digest_of_tokens_and_re
     assert rows[0]["groups"] == ["g0", "g1"] and rows[0]["versions"] == [0, 1] and len(rows[0]["digest"]) == 16
     digests = [r["digest"] for r in rows]
     assert digests[0] == digests[1] and len(set(digests[1:])) == 4
+
+
+class _Opened:
+    closed: list = []
+
+    def __init__(self, cfg, run_dir, stage, start_step):
+        pass
+
+    def log(self, step, metrics):
+        pass
+
+    def close(self):
+        _Opened.closed.append(self)
+
+
+class _NoServer(_Opened):
+    def __init__(self, cfg, run_dir, stage, start_step):
+        raise ValueError("no tracking server at 127.0.0.1:5000")
+
+
+def test_a_tracker_that_does_not_start_is_one_paragraph_and_the_others_are_closed(tmp_path):
+    from types import SimpleNamespace
+
+    from rft.errors import ConfigError
+    from rft.reporting.monitor import start_trackers
+
+    cfg = SimpleNamespace(monitor=SimpleNamespace(monitor_type=["test_monitor._Opened", "test_monitor._NoServer"]))
+    with pytest.raises(ConfigError) as e:
+        start_trackers(cfg, tmp_path, "grpo", 0)
+    assert str(e.value) == (
+        "monitor.monitor_type: the tracker test_monitor._NoServer did not start: ValueError: no tracking server at "
+        "127.0.0.1:5000. Fix what it needs, or leave it out of monitor.monitor_type (the console and metrics.jsonl "
+        "are always on).")
+    assert len(_Opened.closed) == 1  # the one started before it
+    assert not list(tmp_path.iterdir())  # and no log file opened

@@ -57,8 +57,30 @@ def _line_every(total_steps: int) -> int:
                 return m * 10**power
 
 
+def start_trackers(cfg, run_dir: Path, stage: str, start_step: int) -> list:
+    """The trackers of monitor.monitor_type (MONITORS below, or a study's dotted path), started.
+    One that raises (wandb without a login, a study's tracker whose server is down) is one
+    paragraph naming it; the ones started before it are closed."""
+    from rft.errors import ConfigError
+
+    trackers = []
+    for name in cfg.monitor.monitor_type:
+        cls = resolve(MONITORS, name, "monitor.monitor_type")
+        try:
+            trackers.append(cls(cfg, run_dir, stage, start_step))
+        except Exception as e:
+            for tracker in trackers:
+                tracker.close()
+            raise ConfigError(f"monitor.monitor_type: the tracker {name} did not start: {type(e).__name__}: {e}. "
+                              f"Fix what it needs, or leave it out of monitor.monitor_type (the console and "
+                              f"metrics.jsonl are always on).") from None
+    return trackers
+
+
 class Monitor:
     def __init__(self, cfg, run_dir: Path, total_steps: int, start_step: int, stage: str):
+        # the trackers of monitor.monitor_type first: one that does not start opens no file here
+        self.trackers = start_trackers(cfg, run_dir, stage, start_step)
         self.keys = list(cfg.monitor.console_keys)
         self.path = run_dir / "metrics.jsonl"
         # a resumed run rewrites the steps after its checkpoint: drop what the killed run logged
@@ -73,9 +95,6 @@ class Monitor:
         if sys.stderr.isatty():
             self.bar = tqdm(total=total_steps, initial=start_step, desc=stage, dynamic_ncols=True, leave=True)
         self.shown: dict[str, float] = {}
-        # the trackers of monitor.monitor_type (MONITORS below, or a study's dotted path)
-        self.trackers = [resolve(MONITORS, name, "monitor.monitor_type")(cfg, run_dir, stage, start_step)
-                         for name in cfg.monitor.monitor_type]
 
     def log(self, step: int, metrics: dict, advance: bool = True) -> None:
         record = {"step": step, **metrics}
