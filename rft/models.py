@@ -66,12 +66,14 @@ def _quiet_transformers() -> None:
 _TOOL_TOKENS = ["tool", "<tool_call>", "</tool_call>", '{"name":"calculator","arguments":{"expression":"', '"}}']
 
 
-def build_tiny_model(path: str | Path, seed: int = 0, arch: dict | None = None, tools: bool = False) -> Path:
+def build_tiny_model(path: str | Path, seed: int = 0, arch: dict | None = None, tools: bool = False,
+                     dtype: str = "float32") -> Path:
     """Write the tiny Qwen2 model and its tokenizer to `path` (atomically, sealed: a damaged one is
     built again, rft/manifest.py; safe to race).
 
-    `arch` overrides entries of TINY_ARCH (a larger model for benchmarks, a narrow one for tests);
-    `tools` adds the tool role and tool-call tokens (model=tiny_tools).
+    `arch` overrides entries of TINY_ARCH (a larger model for benchmarks, a narrow one for tests,
+    a vocabulary larger than the tokenizer's); `tools` adds the tool role and tool-call tokens
+    (model=tiny_tools); `dtype`: the weights' dtype on disk.
     """
     path = Path(path).expanduser()
     if manifest.verify(path) is None:  # built and whole: the driver of a Ray run need not import torch
@@ -99,16 +101,12 @@ def build_tiny_model(path: str | Path, seed: int = 0, arch: dict | None = None, 
         )
         # plain (not special) tokens: decoding with skip_special_tokens keeps them in the text
         tokenizer.add_tokens(_ROLE_TOKENS + (_TOOL_TOKENS if tools else []))
-        config = Qwen2Config(
-            vocab_size=len(tokenizer),
-            eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id,
-            bos_token_id=None,
-            **{**TINY_ARCH, **(arch or {})},
-        )
+        config = Qwen2Config(**{"vocab_size": len(tokenizer), **TINY_ARCH, **(arch or {})},
+                             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                             bos_token_id=None)
         with torch.random.fork_rng():
             torch.manual_seed(seed)
-            model = AutoModelForCausalLM.from_config(config)
+            model = AutoModelForCausalLM.from_config(config).to(getattr(torch, dtype))
         tmp = path.with_name(path.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         model.save_pretrained(tmp)
@@ -124,9 +122,23 @@ def build_tiny_tools_model(path: str) -> Path:
     return build_tiny_model(path, tools=True)
 
 
+# model=qwen2.5-0.5b-shape: Qwen2.5-0.5B's architecture (494M parameters, vocabulary 151,936)
+# with random weights and the tiny model's tokenizer, built here: what a real model's size costs
+# (memory, time) measured offline. It samples ids the tokenizer does not have and learns nothing.
+QWEN05_ARCH = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                   num_key_value_heads=2, head_dim=64, vocab_size=151936, max_position_embeddings=32768,
+                   rms_norm_eps=1e-6, tie_word_embeddings=True)
+
+
+def build_qwen05_shape_model(path: str) -> Path:
+    """Qwen2.5-0.5B's shape, random weights in bfloat16 (1 GB on disk), the tiny tokenizer."""
+    return build_tiny_model(path, arch=QWEN05_ARCH, dtype="bfloat16")
+
+
 # model.builder: name -> fn(model_path), which builds the model there
 BUILDERS = Registry("model.builder", {"tiny": "rft.models.build_tiny_model",
-                                     "tiny_tools": "rft.models.build_tiny_tools_model"})
+                                     "tiny_tools": "rft.models.build_tiny_tools_model",
+                                     "qwen2.5-0.5b-shape": "rft.models.build_qwen05_shape_model"})
 
 
 def ensure_model(model_cfg) -> None:
