@@ -1,5 +1,6 @@
 """The hf rollout engine, experience collation and the weight fingerprint, on the tiny model."""
 
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -88,6 +89,23 @@ def test_generation_passes_the_kv_cache_by_the_name_this_transformers_takes(tiny
     assert cache_keyword(engine.model) in ("cache", "past_key_values")
 
 
+def test_generation_computes_the_output_layer_for_one_position_per_row(tiny):
+    """Neither the shared prefill nor a step computes logits for every position: at a real
+    vocabulary that is [rows, prompt tokens, 151,936] for a prefill that only fills the KV cache.
+    The output layer sees one position per row in every call, for n = 1 and n = 4 (prefill path)."""
+    tok, engine, prompts = tiny
+    head, shapes = engine.model.get_output_embeddings(), []
+    hook = head.register_forward_hook(lambda module, inputs, output: shapes.append(tuple(inputs[0].shape[:2])))
+    try:
+        for n in (1, 4):
+            engine.generate(prompts, n, args(1.0), seed=0)
+    finally:
+        hook.remove()
+    # generate_batch_size 5: n=1 -> the 3 prompts in one chunk, 3 rows a step; n=4 -> one prompt
+    # a chunk (5 // 4), its prefill (1 row), then its 4 samples (4 rows a step)
+    assert set(shapes) == {(3, 1), (1, 1), (4, 1)}
+
+
 def test_sampling_logprobs_match_the_trainers_recomputation(tiny):
     """The engine's sampling log-probs equal the trainer's forward pass on the same tokens."""
     tok, engine, prompts = tiny
@@ -100,6 +118,55 @@ def test_sampling_logprobs_match_the_trainers_recomputation(tiny):
         for i, e in enumerate(exps):
             got = logp[i][batch["response_mask"][i].bool()]
             torch.testing.assert_close(got, torch.tensor(e.logprobs), atol=1e-4, rtol=1e-4)
+
+
+def engine_memory_benchmark():
+    """experiments/engine_memory/benchmark.py as a module: its kept-scores engine (the engine as it
+    was before it recorded one step at a time) is the reference the recorder is checked against."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "experiments" / "engine_memory" / "benchmark.py"
+    spec = importlib.util.spec_from_file_location("engine_memory_benchmark", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("temperature,top_p,top_k,stop", [
+    (0.0, 1.0, -1, ()),         # greedy
+    (1.0, 1.0, -1, ()),         # plain sampling
+    (0.7, 1.0, -1, ()),         # temperature
+    (1.0, 0.8, -1, ()),         # top-p
+    (1.3, 0.9, 5, ()),          # top-k then top-p, at a temperature
+    (1.2, 1.0, -1, ("1", "a")),  # stop strings
+])
+def test_sampled_logprobs_equal_those_of_the_kept_scores(cache_dir, tiny, temperature, top_p, top_k, stop):
+    """The recorder (one step's log-softmax at a time) samples the same tokens as the engine that
+    kept every step's scores (generate's output_scores, compute_transition_scores), with the same log-probs to float32 rounding: per step, log_softmax
+    runs over a contiguous [rows, vocabulary] row; compute_transition_scores runs it over a strided
+    [rows, vocabulary, steps] view, summing in another order (measured: at most 9.5e-7 apart, and
+    both within 1e-6 of the float64 log-softmax of the same scores)."""
+    tok, _, _ = tiny
+    prompts = tiny_engine_and_prompts(cache_dir, 64, ["123+456", "7+2", "000+000", "98765+1", "3*4-5"])[2]
+    cfg = OmegaConf.create(dict(model_path=str(cache_dir / "models" / "tiny-qwen2-v1"), dtype="float32",
+                                trust_remote_code=False, custom_chat_template=None, max_response_tokens=24))
+    kept_scores = engine_memory_benchmark().kept_scores_engine()
+    engine, kept = (cls(cfg, SimpleNamespace(generate_batch_size=64), tok) for cls in (HFEngine, kept_scores))
+    a = SimpleNamespace(temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=None, stop=list(stop))
+    for n in (1, 4):
+        new, old = engine.generate(prompts, n, a, seed=5), kept.generate(prompts, n, a, seed=5)
+        pairs = [(x, y) for g, h in zip(new, old) for x, y in zip(g, h)]
+        assert [(x.token_ids, x.finish_reason) for x, _ in pairs] == [(y.token_ids, y.finish_reason) for _, y in pairs]
+        assert {y.finish_reason for _, y in pairs} >= ({"stop"} if stop else {"length"})
+        sequences, scores = kept.scores
+        exact = kept.model.compute_transition_scores(sequences, tuple(s.double() for s in scores), normalize_logits=True)
+        for i, (x, y) in enumerate(pairs):
+            assert x.logprobs == pytest.approx(y.logprobs, abs=2e-6, rel=0)
+            assert x.logprobs == pytest.approx(exact[i, :len(x.logprobs)].tolist(), abs=1e-6, rel=0)
+            assert all(lp <= 0 for lp in x.logprobs)
+        if temperature == 0:  # greedy: each token is the most likely, so at least 1/vocabulary likely
+            assert min(lp for x, _ in pairs for lp in x.logprobs) >= -math.log(len(tok))
 
 
 def test_a_checkpoints_generation_config_does_not_change_the_rollouts(cache_dir, tmp_path, tiny):
@@ -250,3 +317,36 @@ def test_chat_ids_remembers_prompts_but_never_serves_stale_ones(tiny, monkeypatc
     cache = data._PROMPT_IDS[tok]
     assert [k[1] for k in cache.items] == [data.json.dumps(q(text), sort_keys=True) for text in ("3+3", "1+1")]
     assert cache.tokens == sum(len(v) for v in cache.items.values())
+
+
+def test_the_engine_memory_benchmarks_floor_by_hand():
+    bench = engine_memory_benchmark()
+    qwen = SimpleNamespace(num_hidden_layers=24, num_key_value_heads=2, head_dim=64, hidden_size=896,
+                           num_attention_heads=14)
+    # Qwen2.5-0.5B in bfloat16: 24 layers x (key + value) x 2 heads x 64 x 2 bytes = 12,288 bytes a
+    # token; 32 rows x (24 prompt + 1,024 new) tokens = 33,536 tokens -> 412,090,368 bytes (393 MB)
+    assert bench.kv_bytes(qwen, 32, 24 + 1024, 2) == 12288 * 33536 == 412_090_368
+    # head_dim absent: hidden_size / heads (896 / 14 = 64), the same
+    assert bench.kv_bytes(SimpleNamespace(**{**vars(qwen), "head_dim": None}), 32, 1048, 2) == 412_090_368
+    # kept scores: 3 x 32 x 128 x 151,936 x 4 bytes = 49,152 x 151,936 = 7,467,958,272 (6.96 GiB)
+    assert bench.kept_scores_bytes(32, 128, 151936) == 7_467_958_272
+    rows = [dict(shape="0.5b", arm="sampled", length=128, step_mb=160.0, kv_mb=53.25, weights_mb=942.3,
+                 peak_mb=1566.9, seconds=46.1), dict(shape="0.5b", arm="kept-scores", length=512, skipped="~28 GB")]
+    table = bench.table(rows).splitlines()
+    # 160 / 53.25 = 3.00
+    assert table[2] == "| 0.5b | sampled | 128 | 160 | 53 | 3.00 | 942 | 1567 | 46.1 |"
+    assert table[3].startswith("| 0.5b | kept-scores | 512 | skipped: ~28 GB |")
+
+
+def test_the_heap_is_trimmed_every_16_decode_steps_on_cpu(tiny, monkeypatch):
+    """TrimHeap changes no score and calls malloc_trim every 16th step; the CPU engine has one."""
+    import rft.rollout.engines.hf as hf
+
+    tok, engine, prompts = tiny
+    assert hf.malloc_trim() is not None  # glibc
+    assert [type(t) for t in engine._trim] == [hf.TrimHeap]
+    trims = []
+    monkeypatch.setattr(hf, "malloc_trim", lambda: trims.append)
+    trim, scores = hf.TrimHeap(), torch.randn(2, 5)
+    assert all(trim(None, scores) is scores for _ in range(40))
+    assert trims == [0, 0]  # at calls 16 and 32 of 40

@@ -61,6 +61,83 @@ class StopStrings:
         return torch.tensor([e is not None for e in self.ends], device=input_ids.device)
 
 
+def warpers(args) -> list:
+    """transformers' temperature, top-k and top-p warpers for `args`, in the order `generate`
+    applies its own (and with the same conditions: each only when it changes the distribution)."""
+    from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    out = []
+    if args.temperature != 1.0:
+        out.append(TemperatureLogitsWarper(args.temperature))
+    if args.top_k > 0:
+        out.append(TopKLogitsWarper(top_k=args.top_k))
+    if args.top_p < 1.0:
+        out.append(TopPLogitsWarper(top_p=args.top_p))
+    return out
+
+
+class SampledLogprobs:
+    """A `generate` logits processor, the last one: the log-prob of each row's sampled token under
+    the distribution it was sampled from (the processed scores), one step at a time.
+
+    Asking `generate` for `output_scores` instead keeps every step's [rows, vocabulary] scores
+    until the end: rows x new tokens x vocabulary x 4 bytes (256 x 1,024 x 151,936: 160 GB).
+    This keeps one step's log-softmax: at its next call the token sampled from it is the last
+    column of `input_ids`; the last step's token is the last column of the returned sequences
+    (`finish`). Rows already finished get a pad token and a log-prob nobody reads.
+    """
+
+    def __init__(self):
+        self.previous: torch.Tensor | None = None  # [rows, vocabulary], the last step's log-softmax
+        self.steps: list[torch.Tensor] = []  # [rows] per step
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        self._take(input_ids[:, -1:])
+        self.previous = torch.log_softmax(scores, dim=-1)
+        return scores
+
+    def _take(self, tokens: torch.Tensor) -> None:
+        if self.previous is not None:
+            self.steps.append(self.previous.gather(1, tokens).squeeze(1))
+            self.previous = None
+
+    def finish(self, sequences: torch.Tensor) -> torch.Tensor:
+        """[rows, new tokens]: the log-probs, once `generate` returned `sequences`."""
+        self._take(sequences[:, -1:])
+        return torch.stack(self.steps, 1)
+
+
+class TrimHeap:
+    """A `generate` logits processor that changes nothing and hands the C heap's free pages back
+    to the system every `every` steps (glibc's malloc_trim), on CPU.
+
+    A decode step allocates tensors a token larger than the last step's (the KV cache, which
+    DynamicCache concatenates anew, and the keys and values the attention repeats for each query
+    head): glibc serves them from its heap and keeps what they leave free, so the resident set
+    of a long generation grew by a multiple of the KV cache (experiments/engine_memory/README.md)."""
+
+    def __init__(self, every: int = 16):
+        self.every, self.calls = every, 0
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.calls % self.every == 0:
+            malloc_trim()(0)
+        return scores
+
+
+@functools.cache
+def malloc_trim():
+    """glibc's malloc_trim, or None where the C library has none (macOS, musl)."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return None
+
+
 def cache_keyword(model) -> str:
     """The name a model takes its KV cache by: `cache` since transformers renamed it (5.2x; the
     old name then warns on every call), `past_key_values` before."""
@@ -72,6 +149,20 @@ def _cache_keyword(cls) -> str:  # once per model class, not per generate call
     import inspect
 
     return "cache" if "cache" in inspect.signature(cls.forward).parameters else "past_key_values"
+
+
+def logits_to_keep(model) -> dict:
+    """The forward's argument for computing one position's logits instead of every position's:
+    a prefill that only fills the KV cache would otherwise hold [rows, prompt tokens, vocabulary]
+    (32 prompts x 512 tokens x 151,936 in bfloat16: 5 GB). {} for a model without it."""
+    return _logits_to_keep(type(model))
+
+
+@functools.lru_cache(maxsize=None)
+def _logits_to_keep(cls) -> dict:
+    import inspect
+
+    return {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(cls.forward).parameters else {}
 
 
 class HFEngine:
@@ -91,6 +182,7 @@ class HFEngine:
         self.batch_size = rollout_cfg.generate_batch_size
         self.max_response_tokens = model_cfg.max_response_tokens
         self.busy_s = 0.0  # seconds spent generating (the runtime benchmark's "model compute")
+        self._trim = [TrimHeap()] if self.device.type == "cpu" and malloc_trim() else []
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], n: int, args, seed: int) -> list[list[Sample]]:
@@ -124,11 +216,13 @@ class HFEngine:
         mask = attention_mask[:, :-1]
         position_ids = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)  # as generate numbers left-padded rows
         self.model(input_ids=input_ids[:, :-1], attention_mask=mask, position_ids=position_ids,
-                   **{cache_keyword(self.model): cache}, use_cache=True)
+                   **{cache_keyword(self.model): cache}, use_cache=True, **logits_to_keep(self.model))
         cache.batch_repeat_interleave(n)
         return cache
 
     def _generate_chunk(self, groups: list[list[int]], n: int, args) -> list[Sample]:
+        from transformers import LogitsProcessorList
+
         tok = self.tokenizer
         L = max(len(p) for p in groups)
         # left padding: every prompt ends at the same position, where generation starts
@@ -138,42 +232,42 @@ class HFEngine:
             input_ids[i, L - len(p) :] = torch.tensor(p)
             attention_mask[i, L - len(p) :] = 1
         input_ids, attention_mask = input_ids.to(self.device), attention_mask.to(self.device)
+        max_new = args.max_tokens or self.max_response_tokens
         cache = self._prefill(input_ids, attention_mask, n)
         input_ids, attention_mask = input_ids.repeat_interleave(n, 0), attention_mask.repeat_interleave(n, 0)
         prompts = [p for p in groups for _ in range(n)]
         greedy = args.temperature == 0
-        sampling = {} if greedy else dict(
-            temperature=args.temperature,
-            top_p=args.top_p,
-            top_k=args.top_k if args.top_k > 0 else None,
-        )
+        record = SampledLogprobs()
         stop = getattr(args, "stop", None)  # RolloutArgs has it; args built by hand may not
         stops = StopStrings(tok, prompts, stop, L) if stop else None
-        out = self.model.generate(
+        sequences = self.model.generate(
             input_ids=input_ids,
             attention_mask=attention_mask,
             **{cache_keyword(self.model): cache},
             do_sample=not greedy,
-            max_new_tokens=args.max_tokens or self.max_response_tokens,
+            max_new_tokens=max_new,
             eos_token_id=tok.eos_token_id,
             pad_token_id=tok.pad_token_id,
-            output_scores=True,
-            return_dict_in_generate=True,
+            # the warpers are ours, the recorder after them; generate's own are neutral (it would
+            # put its warpers after the recorder, which would then see unwarped scores)
+            logits_processor=LogitsProcessorList(([] if greedy else warpers(args)) + [record] + self._trim),
+            **({} if greedy else dict(temperature=1.0, top_k=0, top_p=1.0)),
             stopping_criteria=[stops] if stops else None,
-            **sampling,
         )
-        # scores are the processed logits the sampler drew from: their log-softmax is the
-        # sampling distribution's log-prob
-        logprobs = self.model.compute_transition_scores(out.sequences, out.scores, normalize_logits=True)
-        new_tokens = out.sequences[:, L:]
+        return self._samples(prompts, sequences[:, L:], record.finish(sequences), stops)
+
+    def _samples(self, prompts, new_tokens, logprobs, stops) -> list[Sample]:
+        """Each row's response up to its end: the eos token or the token that completed a stop
+        string (kept), else the whole budget ("length")."""
+        eos = self.tokenizer.eos_token_id
         result = []
         for i in range(len(prompts)):
             ids = new_tokens[i].tolist()
             stop_end = stops.ends[i] if stops else None
             if stop_end is not None:
                 ids = ids[:stop_end]  # padding follows a stop string
-            if tok.eos_token_id in ids:
-                end, reason = ids.index(tok.eos_token_id) + 1, "stop"
+            if eos in ids:
+                end, reason = ids.index(eos) + 1, "stop"
             else:
                 end, reason = len(ids), "length" if stop_end is None else "stop"
             result.append(Sample(ids[:end], logprobs[i, :end].tolist(), reason))
