@@ -145,3 +145,26 @@ def test_the_trl_comparison_summarizes_by_hand():
     assert bench.role(["ray::_Host.run"], False) == "actors" and bench.role(["ray::DashboardAgent"], False) == "ray"
     assert bench.role(["/venv/bin/python", "run.py"], True) == "driver" and bench.role(["raylet"], False) == "ray"
     assert _bench().summarize({**run, "evals": {0: 0.1, 2: 0.5}}, 0.9)["to_target_s"] is None
+
+
+def test_the_trl_comparison_at_the_05b_shape_gives_both_sides_the_same_step():
+    """--shape 0.5b: rft's overrides compose and pass the plan's checks; each step is 4 prompts x
+    8 completions of up to 128 new tokens on both sides, from the same model, no eval; a run
+    without evals summarizes with no accuracy."""
+    from rft.plan.batch import check_config
+
+    bench = _bench()
+    shape = bench.SHAPES["0.5b"]
+    cfg = compose_cfg(["stages=[]", *shape["rft"], "cluster=inline", "cluster.threads_per_actor=2"])
+    check_config(cfg)
+    assert cfg.model.builder == "qwen2.5-0.5b-shape" and not cfg.buffer.explorer_input.eval_tasksets
+    assert cfg.buffer.batch_size * cfg.algorithm.repeat_times == 32 and cfg.model.max_response_tokens == 128
+    assert not cfg.trainer.skip_zero_advantage and cfg.model.dtype == "bfloat16"
+    trl = dict(zip(shape["trl"][::2], shape["trl"][1::2]))
+    # TRL: 4 prompts x 8 generations = 32 rows, 128 new tokens, the weights in bfloat16
+    assert trl == {"--prompts": "4", "--max-new-tokens": "128", "--dtype": "bfloat16"}
+    steps = [{"step": k, "step_s": 10.0 + k, "generate_s": 6.0, "train_s": 3.0} for k in (1, 2, 3, 4)]
+    s = bench.summarize({"steps": steps, "evals": {}, "start": None, "peak": {"driver": 2**31}}, 0.9)
+    # steps 3 and 4: 13 and 14 s -> 13.5; overheads 1 - 9/13 and 1 - 9/14 -> their median
+    assert s["step_s"] == pytest.approx(13.5) and s["final"] is None and s["to_target_s"] is None
+    assert s["overhead"] == pytest.approx(((1 - 9 / 13) + (1 - 9 / 14)) / 2) and s["peak_gb"] == 2.0

@@ -1,7 +1,8 @@
 """The TRL arm of the comparison: TRL's GRPOTrainer on rft's warm start, with rft's GRPO settings.
 
     .venv-trl/bin/python experiments/trl_comparison/trl_arm.py --model DIR --data DIR --out FILE.json \
-        [--seed 1] [--steps 30] [--eval-interval 2] [--threads 1]
+        [--seed 1] [--steps 30] [--eval-interval 2] [--threads 1] [--prompts 16] [--max-new-tokens 6] \
+        [--dtype float32]
 
 Runs in its own venv (benchmark.py makes it): TRL is never a dependency of rft. It imports rft
 only for the same data (`rft.data.tasks.load_rows`) and the same reward (`rft.rewards.verifiers.exact_match`).
@@ -11,7 +12,10 @@ step (so TRL, like rft, skips the "old" log-prob forward), PPO clip 0.2/0.2, no 
 loss over the step's 128 completions (TRL's loss_type="dapo" with one process and no
 accumulation), group-normalised advantages (unbiased std; TRL adds 1e-4 to the std, rft 1e-6),
 AdamW lr 2e-4, betas (0.9, 0.999), weight decay 0.01, constant schedule, grad clip 1.0.
-Eval: greedy, up to 6 new tokens, exact match on the 200 held-out problems (what rft's eval does).
+Eval: greedy, up to 6 new tokens, exact match on the 200 held-out problems (what rft's eval does);
+--eval-interval 0: none. benchmark.py --shape 0.5b gives --prompts 4 --max-new-tokens 128 --dtype
+bfloat16 (the weights, gradients and AdamW states in bfloat16, as rft's trainer holds them with
+model.dtype=bfloat16: no autocast, no float32 master copy).
 
 Writes JSON: per step {step, step_s, generate_s, score_s, eval_accuracy (on eval steps)}; eval
 time is measured apart and left out of step_s, as rft's timing/step_s leaves it out.
@@ -34,6 +38,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--eval-interval", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--prompts", type=int, default=16, help="prompts a step (8 completions each)")
+    ap.add_argument("--max-new-tokens", type=int, default=6)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = ap.parse_args()
 
     import torch
@@ -48,7 +55,7 @@ def main() -> None:
     from rft.data.tasks import load_rows
 
     tok = AutoTokenizer.from_pretrained(args.model)
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype))
 
     def prompts(split):
         rows = load_rows(args.data, split)
@@ -84,8 +91,8 @@ def main() -> None:
     config = GRPOConfig(
         output_dir=os.path.join(os.path.dirname(os.path.abspath(args.out)), "trl_out"),
         use_cpu=True, bf16=False, fp16=False, seed=args.seed, data_seed=args.seed,
-        max_steps=args.steps, per_device_train_batch_size=128, gradient_accumulation_steps=1,
-        num_generations=8, steps_per_generation=1, num_iterations=1, max_completion_length=6,
+        max_steps=args.steps, per_device_train_batch_size=8 * args.prompts, gradient_accumulation_steps=1,
+        num_generations=8, steps_per_generation=1, num_iterations=1, max_completion_length=args.max_new_tokens,
         temperature=1.0, top_p=1.0, top_k=0,
         learning_rate=2e-4, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.01,
         adam_beta1=0.9, adam_beta2=0.999, max_grad_norm=1.0,
@@ -119,12 +126,12 @@ def main() -> None:
         def on_step_end(self, a, state, control, **kw):
             rec = {"step": state.global_step, "step_s": time.perf_counter() - clock["t0"],
                    "generate_s": clock["generate_s"], "score_s": clock["score_s"]}
-            if state.global_step % args.eval_interval == 0 or state.global_step == args.steps:
+            if args.eval_interval and (state.global_step % args.eval_interval == 0 or state.global_step == args.steps):
                 rec["eval_accuracy"] = evaluate()
             records.append(rec)
 
     trainer.add_callback(Timing())
-    start = evaluate()
+    start = evaluate() if args.eval_interval else None
     trainer.train()
     with open(args.out, "w") as f:
         json.dump({"start_accuracy": start, "steps": records}, f)
