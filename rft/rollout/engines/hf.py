@@ -142,28 +142,22 @@ def malloc_trim():
 def cache_keyword(model) -> str:
     """The name a model takes its KV cache by: `cache` since transformers renamed it (5.2x; the
     old name then warns on every call), `past_key_values` before."""
-    return _cache_keyword(type(model))
+    return "cache" if "cache" in _forward_takes(type(model)) else "past_key_values"
 
 
-@functools.lru_cache(maxsize=None)
-def _cache_keyword(cls) -> str:  # once per model class, not per generate call
+@functools.cache
+def _forward_takes(cls) -> frozenset:  # once per model class, not per generate call
+    """The names a model class's forward takes."""
     import inspect
 
-    return "cache" if "cache" in inspect.signature(cls.forward).parameters else "past_key_values"
+    return frozenset(inspect.signature(cls.forward).parameters)
 
 
 def logits_to_keep(model) -> dict:
     """The forward's argument for computing one position's logits instead of every position's:
     a prefill that only fills the KV cache would otherwise hold [rows, prompt tokens, vocabulary]
     (32 prompts x 512 tokens x 151,936 in bfloat16: 5 GB). {} for a model without it."""
-    return _logits_to_keep(type(model))
-
-
-@functools.lru_cache(maxsize=None)
-def _logits_to_keep(cls) -> dict:
-    import inspect
-
-    return {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(cls.forward).parameters else {}
+    return {"logits_to_keep": 1} if "logits_to_keep" in _forward_takes(type(model)) else {}
 
 
 class HFEngine:
