@@ -10,7 +10,7 @@ from omegaconf import OmegaConf
 from rft.data.experience import Experience, collate
 from rft.data.readers import encode_prompt
 from rft.models import build_tiny_model, load_tokenizer
-from rft.rollout.engines.hf import HFEngine, StopStrings
+from rft.rollout.engines.hf import DrawOne, HFEngine, StopStrings
 from rft.sync.weights import fingerprint
 from rft.trainer.trainer import token_logprobs
 
@@ -131,6 +131,33 @@ def engine_memory_benchmark():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def test_draw_one_samples_the_processed_distribution():
+    """DrawOne (one uniform per row, looked up in the float64 cumulative distribution) draws each
+    token as often as its probability says, never one of probability 0, and leaves the drawn token
+    the only one possible for generate's greedy step."""
+    torch.manual_seed(0)
+    probs = torch.tensor([0.0, 0.5, 0.25, 0.0, 0.15, 0.1, 0.0])  # zeros first, inside and last
+    rows = 200_000
+    out = DrawOne()(None, probs.log().expand(rows, -1).contiguous())
+    assert ((out == 0).sum(1) == 1).all() and torch.isinf(out).sum() == rows * 6
+    counts = torch.bincount(out.argmax(1), minlength=7)
+    assert counts[[0, 3, 6]].tolist() == [0, 0, 0]
+    for token, p in enumerate(probs.tolist()):
+        sigma = math.sqrt(rows * p * (1 - p))  # binomial; p = 0.5: 224 of 100,000
+        assert abs(counts[token].item() - rows * p) <= 5 * sigma
+
+
+@pytest.mark.parametrize("u,token", [(0.0, 1), (1.0, 1), (0.75, 4), (0.5, 2)])
+def test_draw_one_at_the_edges_of_the_uniform(monkeypatch, u, token):
+    """u = 0: the first token of non-zero probability, not the zero-probability one before it;
+    u * total rounded up to the total (u = 1 here): the most likely token, not a zero-probability
+    one after the last, nor one past the vocabulary. Cumulative: 0, .5, .75, .75, .9, 1, 1, so
+    u = .75 falls past token 2's end (right=True) and token 3 has probability 0: token 4."""
+    monkeypatch.setattr(torch, "rand", lambda shape, **kw: torch.full(shape, u, dtype=kw["dtype"]))
+    probs = torch.tensor([[0.0, 0.5, 0.25, 0.0, 0.15, 0.1, 0.0]])
+    assert DrawOne()(None, probs.log()).argmax(1).item() == token
 
 
 @pytest.mark.parametrize("temperature,top_p,top_k,stop", [

@@ -71,10 +71,22 @@ def untrimmed_engine():
 
 
 def kept_scores_engine():
-    """The engine before (kept-scores arm): generate keeps every step's processed scores."""
+    """The engine before (kept-scores arm): every step's processed scores kept until the end and
+    normalised by compute_transition_scores, as generate's output_scores did. Its tokens are drawn
+    as the engine draws them (hf.DrawOne, after the scores are kept), so the test compares the
+    log-probs of the same tokens."""
     import torch
+    from transformers import LogitsProcessorList
 
-    from rft.rollout.engines.hf import StopStrings, cache_keyword
+    from rft.rollout.engines.hf import DrawOne, StopStrings, cache_keyword, warpers
+
+    class Keep:  # a logits processor holding on to each step's scores (what output_scores holds)
+        def __init__(self):
+            self.scores = []
+
+        def __call__(self, input_ids, scores):
+            self.scores.append(scores)
+            return scores
 
     class KeptScoresEngine(untrimmed_engine()):
         def _generate_chunk(self, groups, n, args):
@@ -85,17 +97,16 @@ def kept_scores_engine():
             max_new = args.max_tokens or self.max_response_tokens
             cache = self._prefill(input_ids, attention_mask, n)
             prompts = [p for p in groups for _ in range(n)]
-            sampling = {} if args.temperature == 0 else {
-                "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k if args.top_k > 0 else None}
+            keep, greedy = Keep(), args.temperature == 0
             stops = StopStrings(tok, prompts, args.stop, L) if args.stop else None
-            out = self.model.generate(
+            sequences = self.model.generate(
                 input_ids=input_ids.repeat_interleave(n, 0), attention_mask=attention_mask.repeat_interleave(n, 0),
-                **{cache_keyword(self.model): cache}, do_sample=args.temperature != 0, max_new_tokens=max_new,
-                eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, output_scores=True,
-                return_dict_in_generate=True, stopping_criteria=[stops] if stops else None, **sampling)
-            self.scores = (out.sequences, out.scores)  # the test compares against them
-            logprobs = self.model.compute_transition_scores(out.sequences, out.scores, normalize_logits=True)
-            return self._samples(prompts, out.sequences[:, L:], logprobs, stops)
+                **{cache_keyword(self.model): cache}, do_sample=False, max_new_tokens=max_new,
+                eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, stopping_criteria=[stops] if stops else None,
+                logits_processor=LogitsProcessorList([keep] if greedy else warpers(args) + [keep, DrawOne()]))
+            self.scores = (sequences, keep.scores)  # the test compares against them
+            logprobs = self.model.compute_transition_scores(sequences, tuple(keep.scores), normalize_logits=True)
+            return self._samples(prompts, sequences[:, L:], logprobs, stops)
 
     return KeptScoresEngine
 

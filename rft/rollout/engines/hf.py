@@ -107,6 +107,30 @@ class SampledLogprobs:
         return torch.stack(self.steps, 1)
 
 
+class DrawOne:
+    """A `generate` logits processor, after the recorder: draws each row's next token from the
+    processed scores and leaves it the only token possible (0, every other -inf), so that
+    `generate`, run greedy, takes it.
+
+    `generate`'s own sampling (torch.multinomial) draws one exponential variate per vocabulary
+    entry and row: 32 rows x 151,936 take 0.11 s a step on 2 CPU cores, a third of a 0.5B model's
+    decode step (experiments/engine_memory/README.md). This draws one uniform per row and looks it
+    up in the row's cumulative distribution. The cumulative sum is float64: each token's share of
+    it is then its float32 probability to ~1e-16, where float32 would misplace each boundary by up
+    to 6e-8 (1% of a token's probability in a flat distribution over 151,936)."""
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
+        cdf = probs.cumsum(-1, dtype=torch.float64)
+        u = torch.rand((scores.shape[0], 1), dtype=torch.float64, device=scores.device) * cdf[:, -1:]
+        # the first token whose cumulative probability passes u: never one of probability 0
+        token = torch.searchsorted(cdf, u, right=True)
+        # u * total rounded up to the total (odds ~1e-16): the most likely token, not one past the end
+        token = torch.where(token < scores.shape[1], token, probs.argmax(-1, keepdim=True))
+        del probs, cdf, u  # before the result's [rows, vocabulary]: a lower peak
+        return torch.full_like(scores, float("-inf")).scatter_(1, token, 0.0)
+
+
 class TrimHeap:
     """A `generate` logits processor that changes nothing and hands the C heap's free pages back
     to the system every `every` steps (glibc's malloc_trim), on CPU.
@@ -239,14 +263,14 @@ class HFEngine:
             input_ids=input_ids,
             attention_mask=attention_mask,
             **{cache_keyword(self.model): cache},
-            do_sample=not greedy,
+            # greedy: the token each row draws is the only one DrawOne leaves possible
+            do_sample=False,
             max_new_tokens=max_new,
             eos_token_id=tok.eos_token_id,
             pad_token_id=tok.pad_token_id,
-            # the warpers are ours, the recorder after them; generate's own are neutral (it would
-            # put its warpers after the recorder, which would then see unwarped scores)
-            logits_processor=LogitsProcessorList(([] if greedy else warpers(args)) + [record] + self._trim),
-            **({} if greedy else dict(temperature=1.0, top_k=0, top_p=1.0)),
+            # the warpers, the recorder after them (it sees the distribution sampled from), the draw
+            logits_processor=LogitsProcessorList(([] if greedy else warpers(args)) + [record]
+                                                 + ([] if greedy else [DrawOne()]) + self._trim),
             stopping_criteria=[stops] if stops else None,
         )
         return self._samples(prompts, sequences[:, L:], record.finish(sequences), stops)
