@@ -10,7 +10,7 @@ from omegaconf import OmegaConf
 from rft.data.experience import Experience, collate
 from rft.data.readers import encode_prompt
 from rft.models import build_tiny_model, load_tokenizer
-from rft.rollout.engines.hf import DrawOne, HFEngine, StopStrings
+from rft.rollout.engines.hf import DrawOne, HFEngine, StopStrings, sdpa_grouped
 from rft.sync.weights import fingerprint
 from rft.trainer.trainer import token_logprobs
 
@@ -158,6 +158,52 @@ def test_draw_one_at_the_edges_of_the_uniform(monkeypatch, u, token):
     monkeypatch.setattr(torch, "rand", lambda shape, **kw: torch.full(shape, u, dtype=kw["dtype"]))
     probs = torch.tensor([[0.0, 0.5, 0.25, 0.0, 0.15, 0.1, 0.0]])
     assert DrawOne()(None, probs.log()).argmax(1).item() == token
+
+
+def test_grouped_query_attention_takes_the_heads_as_they_are(cache_dir, tmp_path, tiny):
+    """On CPU the engine's attention is sdpa_grouped: with a padding mask and 2 query heads per
+    key/value head, the same samples as transformers' sdpa (which repeats the keys and values),
+    bit for bit, and without calling the repeat."""
+    from transformers.integrations import sdpa_attention
+
+    tok, _, prompts = tiny
+    path = build_tiny_model(tmp_path / "gqa", arch=dict(num_attention_heads=4, num_key_value_heads=2))
+    cfg = OmegaConf.create(dict(model_path=str(path), dtype="float32", trust_remote_code=False,
+                                custom_chat_template=None, max_response_tokens=12))
+    grouped = HFEngine(cfg, SimpleNamespace(generate_batch_size=64), tok)
+    stock = HFEngine(cfg, SimpleNamespace(generate_batch_size=64), tok)
+    stock.model.set_attn_implementation("sdpa")
+    assert grouped.model.config._attn_implementation == "rft_sdpa_grouped"
+    repeats = []
+    real = sdpa_attention.repeat_kv
+    sdpa_attention.repeat_kv = lambda h, n: repeats.append(n) or real(h, n)
+    try:
+        new = grouped.generate(prompts, 4, args(1.0), seed=3)
+        assert repeats == []  # prefill and decode: no key/value head repeated
+        old = stock.generate(prompts, 4, args(1.0), seed=3)
+        assert repeats and set(repeats) == {2}  # the stock path repeats each for its 2 query heads
+    finally:
+        sdpa_attention.repeat_kv = real
+    assert [[(x.token_ids, x.logprobs) for x in g] for g in new] == [[(x.token_ids, x.logprobs) for x in g] for g in old]
+    assert len({len(p) for p in prompts}) > 1  # left padding: a mask at every step
+
+
+def test_sdpa_grouped_equals_the_repeated_heads():
+    """Attention of one new token over 9 cached ones, the first 3 masked out (left padding), 6
+    query heads over 2 key/value heads, and a prefill of 5 queries with a causal-and-padding mask:
+    equal to sdpa over keys and values repeated 3 times."""
+    torch.manual_seed(0)
+    module = SimpleNamespace(num_key_value_groups=3, is_causal=True)
+    for q_len, kv_len in [(1, 9), (5, 5)]:
+        q, k, v = torch.randn(2, 6, q_len, 8), torch.randn(2, 2, kv_len, 8), torch.randn(2, 2, kv_len, 8)
+        mask = torch.ones(2, 1, q_len, kv_len, dtype=torch.bool).tril(kv_len - q_len)
+        mask[1, :, :, :3] = False
+        mask[1, :, :, -1] = True  # every query of row 1 sees at least one key
+        out, _ = sdpa_grouped(module, q, k, v, mask)
+        want = torch.nn.functional.scaled_dot_product_attention(
+            q, k.repeat_interleave(3, 1), v.repeat_interleave(3, 1), attn_mask=mask)
+        assert out.shape == (2, q_len, 6, 8)
+        torch.testing.assert_close(out, want.transpose(1, 2), rtol=0, atol=1e-6)
 
 
 @pytest.mark.parametrize("temperature,top_p,top_k,stop", [
