@@ -10,6 +10,7 @@ from omegaconf import OmegaConf
 from rft.data.experience import Experience, collate
 from rft.data.readers import encode_prompt
 from rft.models import build_tiny_model, load_tokenizer
+from rft.rollout.engines import hf
 from rft.rollout.engines.hf import DrawOne, HFEngine, StopStrings, sdpa_grouped
 from rft.sync.weights import fingerprint
 from rft.trainer.trainer import token_logprobs
@@ -186,6 +187,34 @@ def test_grouped_query_attention_takes_the_heads_as_they_are(cache_dir, tmp_path
         sdpa_attention.repeat_kv = real
     assert [[(x.token_ids, x.logprobs) for x in g] for g in new] == [[(x.token_ids, x.logprobs) for x in g] for g in old]
     assert len({len(p) for p in prompts}) > 1  # left padding: a mask at every step
+
+
+def test_a_cache_written_in_place_samples_what_the_concatenated_one_does(tiny, monkeypatch):
+    """The shared prefill's cache reserved for prompt + new tokens (ReservedLayer, written in place
+    and read as views) gives the samples of DynamicLayer's concatenation bit for bit; a layer
+    past its capacity goes on by concatenation (the capacity here leaves room for 3 tokens)."""
+    tok, engine, prompts = tiny
+    a = args(1.0)
+    want = engine.generate(prompts, 3, a, seed=4)
+    real = hf.reserve
+    layers = []
+
+    def spy(cache, capacity):
+        real(cache, capacity)
+        layers.extend(cache.layers)
+
+    monkeypatch.setattr(hf, "reserve", spy)
+    assert engine.generate(prompts, 3, a, seed=4) == want
+    reserved = [layer for layer in layers if type(layer).__name__ == "ReservedLayer"]
+    # a cache per chunk of generate_batch_size 5 rows: one group of 3 each, 3 prompts
+    assert len(reserved) == len(layers) == 3 * engine.model.config.num_hidden_layers
+    # views of the reserved tensors: the prompt but its last token, then 1 + 5 fed back, of 6 new
+    assert all(layer.keys.data_ptr() == layer._keys.data_ptr() for layer in reserved)
+    assert reserved[0]._keys.shape[-2] == max(len(p) for p in prompts) + 6
+    monkeypatch.setattr(hf, "reserve", lambda cache, capacity: real(cache, capacity - 6 + 3))
+    layers.clear()
+    assert engine.generate(prompts, 3, a, seed=4) == want
+    assert all(layer.keys.shape[-2] > layer._keys.shape[-2] for layer in layers)  # it went past
 
 
 def test_sdpa_grouped_equals_the_repeated_heads():

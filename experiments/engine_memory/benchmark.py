@@ -95,7 +95,7 @@ def kept_scores_engine():
             input_ids = torch.tensor([[tok.pad_token_id] * (L - len(p)) + p for p in groups])
             attention_mask = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in groups])
             max_new = args.max_tokens or self.max_response_tokens
-            cache = self._prefill(input_ids, attention_mask, n)
+            cache = self._prefill(input_ids, attention_mask, n, max_new)
             prompts = [p for p in groups for _ in range(n)]
             keep, greedy = Keep(), args.temperature == 0
             stops = StopStrings(tok, prompts, args.stop, L) if args.stop else None

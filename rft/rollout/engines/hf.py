@@ -184,6 +184,50 @@ def logits_to_keep(model) -> dict:
     return {"logits_to_keep": 1} if "logits_to_keep" in _forward_takes(type(model)) else {}
 
 
+def reserve(cache, capacity: int) -> None:
+    """Each full-attention layer of a DynamicCache written in place from now on, into keys and
+    values reserved for `capacity` tokens (ReservedLayer)."""
+    from transformers.cache_utils import DynamicLayer
+
+    for i, layer in enumerate(cache.layers):
+        if type(layer) is DynamicLayer and layer.is_initialized and layer.keys.shape[-2] < capacity:
+            cache.layers[i] = _reserved_layer_class()(layer, capacity)
+
+
+@functools.cache  # one class (transformers imported when an engine first generates, not with this module)
+def _reserved_layer_class():
+    from transformers.cache_utils import DynamicLayer
+
+    class ReservedLayer(DynamicLayer):
+        """A DynamicLayer whose keys and values are views of tensors reserved for the whole
+        generation: a step writes its token in place. DynamicLayer concatenates the cache anew
+        every step (a copy of the layer's cache, and a block a token larger than the one it
+        frees, which the C heap cannot reuse: what stays resident grows past the cache between
+        trims). Past the capacity (or once another of DynamicLayer's methods replaced the
+        keys) it concatenates, as DynamicLayer does."""
+
+        def __init__(self, layer, capacity: int):
+            super().__init__()
+            self.dtype, self.device, self.is_initialized = layer.dtype, layer.device, True
+            n = layer.keys.shape[-2]
+            self._keys = layer.keys.new_empty(layer.keys.shape[:-2] + (capacity, layer.keys.shape[-1]))
+            self._values = layer.values.new_empty(layer.values.shape[:-2] + (capacity, layer.values.shape[-1]))
+            self._keys[..., :n, :], self._values[..., :n, :] = layer.keys, layer.values
+            self.keys, self.values = self._keys[..., :n, :], self._values[..., :n, :]
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            n, new = self.keys.shape[-2], key_states.shape[-2]
+            # past the capacity, or the keys replaced by another of DynamicLayer's methods
+            if n + new > self._keys.shape[-2] or self.keys.data_ptr() != self._keys.data_ptr():
+                return super().update(key_states, value_states, *args, **kwargs)
+            self._keys[..., n:n + new, :].copy_(key_states)
+            self._values[..., n:n + new, :].copy_(value_states)
+            self.keys, self.values = self._keys[..., :n + new, :], self._values[..., :n + new, :]
+            return self.keys, self.values
+
+    return ReservedLayer
+
+
 def sdpa_grouped(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
     """transformers' sdpa attention, except with a mask on CPU: sdpa's `enable_gqa` takes each
     key/value head for its group of query heads as it is.
@@ -256,11 +300,12 @@ class HFEngine:
                 samples += self._generate_chunk(prompts[start : start + per_chunk], n, args)
         return [samples[i * n : (i + 1) * n] for i in range(len(prompts))]
 
-    def _prefill(self, input_ids, attention_mask, n: int):
+    def _prefill(self, input_ids, attention_mask, n: int, max_new: int):
         """The KV cache of each prompt but its last token, computed once and repeated for its n
         samples (rows i*n..i*n+n-1), or None when there is nothing to share. `generate` then
         runs only the last prompt token and the new ones: the prefill of a group costs one
-        sample's, not n (vLLM's prefix caching does the same)."""
+        sample's, not n (vLLM's prefix caching does the same). Its layers have room reserved for
+        the prompt and `max_new` tokens, written in place (`reserve`)."""
         if n == 1 or input_ids.shape[1] < 2:
             return None
         from transformers import DynamicCache
@@ -271,6 +316,7 @@ class HFEngine:
         self.model(input_ids=input_ids[:, :-1], attention_mask=mask, position_ids=position_ids,
                    **{cache_keyword(self.model): cache}, use_cache=True, **logits_to_keep(self.model))
         cache.batch_repeat_interleave(n)
+        reserve(cache, input_ids.shape[1] + max_new)
         return cache
 
     def _generate_chunk(self, groups: list[list[int]], n: int, args) -> list[Sample]:
@@ -286,7 +332,7 @@ class HFEngine:
             attention_mask[i, L - len(p) :] = 1
         input_ids, attention_mask = input_ids.to(self.device), attention_mask.to(self.device)
         max_new = args.max_tokens or self.max_response_tokens
-        cache = self._prefill(input_ids, attention_mask, n)
+        cache = self._prefill(input_ids, attention_mask, n, max_new)
         input_ids, attention_mask = input_ids.repeat_interleave(n, 0), attention_mask.repeat_interleave(n, 0)
         prompts = [p for p in groups for _ in range(n)]
         greedy = args.temperature == 0
