@@ -2,7 +2,7 @@
 and after it stopped keeping every step's scores, beside the theoretical floor.
 
     .venv/bin/python experiments/engine_memory/benchmark.py [--rows 32] [--lengths 32 128 512 1024]
-                                                            [--shapes tiny 0.5b] [--arms kept-scores untrimmed sampled]
+        [--shapes tiny 0.5b] [--arms kept-scores untrimmed stock-cache sampled]
 
 One explore step's generate: `rows` samples (rows / 8 prompts of the arithmetic task, 8 samples
 each, as buffer.batch_size=4 algorithm.repeat_times=8), temperature 1, every row running the whole
@@ -10,12 +10,16 @@ each, as buffer.batch_size=4 algorithm.repeat_times=8), temperature 1, every row
 `tiny` (model=tiny, 0.5M parameters, vocabulary 100) and `0.5b` (model=qwen2.5-0.5b-shape:
 Qwen2.5-0.5B's architecture, random weights, vocabulary 151,936, bfloat16). Arms:
 
-    kept-scores  the engine before: generate(output_scores=True) keeps every step's [rows,
-                 vocabulary] float32 scores, compute_transition_scores normalises them at the end
-    untrimmed    the sampled tokens' log-probs recorded one step at a time (SampledLogprobs), the
-                 C heap never trimmed
-    sampled      the engine now: SampledLogprobs, and glibc's free pages handed back every 16
-                 decode steps (rft.rollout.engines.hf.TrimHeap)
+    kept-scores  every step's processed [rows, vocabulary] float32 scores kept to the end and
+                 normalised by compute_transition_scores (what generate(output_scores=True) did)
+    untrimmed    the engine now without TrimHeap: the C heap never trimmed
+    stock-cache  the engine now with transformers' own attention and cache: sdpa repeating each
+                 key/value head for its query heads, DynamicLayer concatenating every step
+    sampled      the engine now: the sampled tokens' log-probs recorded one step at a time
+                 (SampledLogprobs), grouped-query attention without repeated heads
+                 (sdpa_grouped), the KV cache reserved and written in place (ReservedLayer),
+                 glibc's free pages handed back every 16 decode steps (TrimHeap); all in
+                 rft.rollout.engines.hf
 
 Each (shape, arm, length) runs in a fresh process: the engine is built and warmed up (a 2-token
 generate), then the process's peak resident set is reset (/proc/self/clear_refs) and the step's
@@ -43,7 +47,7 @@ sys.path.insert(0, str(ROOT))
 
 MODELS = {"tiny": "model=tiny", "0.5b": "model=qwen2.5-0.5b-shape"}
 SAMPLES = 8  # per prompt (algorithm.repeat_times)
-ARMS = ["kept-scores", "untrimmed", "sampled"]
+ARMS = ["kept-scores", "untrimmed", "stock-cache", "sampled"]
 
 
 def kv_bytes(config, rows: int, tokens: int, dtype_bytes: int) -> int:
@@ -68,6 +72,21 @@ def untrimmed_engine():
             self._trim = []
 
     return UntrimmedEngine
+
+
+def stock_cache_engine():
+    """The engine now with transformers' sdpa and DynamicLayer (stock-cache arm). Patches
+    rft.rollout.engines.hf.reserve: for the benchmark's own process (--one) only."""
+    from rft.rollout.engines import hf
+
+    hf.reserve = lambda cache, capacity: None
+
+    class StockCacheEngine(hf.HFEngine):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.model.set_attn_implementation("sdpa")
+
+    return StockCacheEngine
 
 
 def kept_scores_engine():
@@ -143,7 +162,8 @@ def measure(shape: str, arm: str, length: int, rows: int) -> dict:
         model_cfg = compose("config", overrides=[MODELS[shape]]).model
     ensure_model(model_cfg)
     tok = load_tokenizer(model_cfg)
-    cls = {"sampled": lambda: HFEngine, "untrimmed": untrimmed_engine, "kept-scores": kept_scores_engine}[arm]()
+    cls = {"sampled": lambda: HFEngine, "untrimmed": untrimmed_engine, "stock-cache": stock_cache_engine,
+           "kept-scores": kept_scores_engine}[arm]()
     engine = cls(model_cfg, SimpleNamespace(generate_batch_size=rows), tok)
     config = engine.model.config
     engine.tokenizer = NeverEnds(tok, config.vocab_size)

@@ -135,11 +135,11 @@ class TrimHeap:
     """A `generate` logits processor that changes nothing and hands the C heap's free pages back
     to the system every `every` steps (glibc's malloc_trim), on CPU.
 
-    A decode step allocates tensors a token larger than the last step's (the KV cache, which
-    DynamicCache concatenates anew, and the keys and values the attention repeats for each query
-    head): glibc serves them from its heap and keeps what they leave free, so what stays resident
-    through a long generation grows past what is live (the tiny model, 32 rows x 512 tokens: 116
-    MB untrimmed, 64 trimmed, over a 33 MB cache; experiments/engine_memory/README.md)."""
+    A decode step allocates tensors a token larger than the last step's (the KV cache where it is
+    not reserved, which DynamicCache concatenates anew; the attention's mask): glibc serves them
+    from its heap and keeps what they leave free, so what stays resident through a long
+    generation grows past what is live (the tiny model, 32 rows x 512 tokens, before the cache was
+    reserved: 116 MB untrimmed, 64 trimmed, over a 33 MB cache; experiments/engine_memory/README.md)."""
 
     def __init__(self, every: int = 16):
         self.every, self.calls = every, 0
