@@ -61,4 +61,5 @@ def test_the_hf_engine_generates_on_the_gpu_and_takes_cpu_weights():
     assert len(out[0]) == 4 and all(len(s.token_ids) == len(s.logprobs) > 0 for s in out[0])
     cpu = Trainer(*trainer())
     engine.update_weights(cpu.weights())
+    assert engine.differs(cpu.weights()) == []  # the CPU copies checked against the GPU's bits
     assert same_weights(engine.fingerprint(), cpu.fingerprint(), rtol=1e-7)
