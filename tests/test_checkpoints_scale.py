@@ -197,8 +197,12 @@ def test_a_lora_run_saves_adapters_resumes_from_a_chosen_one_and_exports(warm_st
         assert r.returncode == 0, r.stderr
     t = make_trainer(8, lora[:5])
     t.load(str(ckpts[3].path))
-    want = logprobs(t.model, t.tokenizer)
-    got = logprobs(AutoModelForCausalLM.from_pretrained(tmp_path / "out3"), t.tokenizer)
+    # in float64: x W + (x A) B unmerged against x (W + A B) merged differ in float32 by rounding
+    # alone (1.2e-4 in one log-prob of magnitude 18 after three lr=1e-2 steps, where the
+    # trainer's float32 arithmetic took another path); in float64 by 2.4e-6, the float32 rounding of
+    # logits near 18 (2^-19 x 16 = 1.9e-6) that token_logprobs' head casts to on both sides
+    want = logprobs(t.model.double(), t.tokenizer)
+    got = logprobs(AutoModelForCausalLM.from_pretrained(tmp_path / "out3", dtype=torch.float64), t.tokenizer)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     four = logprobs(AutoModelForCausalLM.from_pretrained(tmp_path / "out4"), t.tokenizer)
     assert (four - want).abs().max() > 1e-3  # a step later: another model
