@@ -64,6 +64,32 @@ def test_packed_and_chunked_log_probs_and_gradients_equal_the_padded_ones(traine
     assert (ref_logp[~has_next] == 0).all() and (ref_logp[has_next] < 0).all()
 
 
+@pytest.mark.parametrize("packed", [False, True])
+def test_from_the_last_prompt_token_the_log_probs_and_gradients_are_the_whole_rows(trainer, monkeypatch, packed):
+    """`first` (the trainer's: prompt length - 1): only the positions that predict a response
+    token go through the output layer; what the loss reads is unchanged."""
+    import rft.trainer.logprobs
+
+    seen = []
+    real = rft.trainer.logprobs._chunk_logprobs
+    monkeypatch.setattr(rft.trainer.logprobs, "_chunk_logprobs", lambda h, *a: seen.append(h.shape[0]) or real(h, *a))
+    full = collate(batch(), trainer.tokenizer.pad_token_id)
+    first = full["prompt_length"] - 1
+    ref_logp, ref_ent, ref_g = logprobs_and_grads(trainer.model, full, packed=packed)
+    seen.clear()
+    logp, ent, g = logprobs_and_grads(trainer.model, full, packed=packed, first=first)
+    # 16 rows of a 15-token prompt and a response of 1 to 6 tokens: the output layer took one
+    # position per response token (position 14 predicts the first), not the 14 prompt ones before
+    responses = full["attention_mask"].sum(-1) - full["prompt_length"]
+    assert (full["prompt_length"] == 15).all() and seen == [int(responses.sum())]
+    m = full["response_mask"].bool()
+    torch.testing.assert_close(logp[m], ref_logp[m], rtol=0, atol=1e-6)
+    torch.testing.assert_close(ent[m], ref_ent[m], rtol=0, atol=1e-6)
+    assert (logp[:, :14] == 0).all() and (ent[:, :14] == 0).all() and (logp[m] < 0).all()
+    for name in ref_g:
+        assert (g[name] - ref_g[name]).abs().max() <= 1e-5 * ref_g[name].abs().max(), name
+
+
 def test_packed_sequences_never_attend_to_each_other(trainer):
     full = collate(batch(1, 3), trainer.tokenizer.pad_token_id)
     logp, _ = token_logprobs(trainer.model, full["input_ids"], full["attention_mask"], packed=True)

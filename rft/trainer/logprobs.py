@@ -22,6 +22,9 @@ next token of its row). How it gets there, each choice giving the same numbers:
   [positions, vocab] logits never exist whole, neither in the forward nor kept for the backward
   (it is recomputed chunk by chunk). Only the positions that predict a token of their own row
   go through the output layer.
+- `first`: only the positions from each row's `first` on go through the output layer (the
+  trainer's: from the last prompt token, as no loss reads a prompt position's log-prob; at
+  vocabulary 151,936 the output layer and its float32 log-softmax are a large part of a step).
 - `fp32_head` (`model.fp32_lm_head`): the output layer's matmul in float32 for a bfloat16 model.
 
 The distribution is the one the explorer sampled from (as verl does for the temperature):
@@ -44,17 +47,23 @@ from rft.trainer.micro_batches import first_fit
 
 
 def token_logprobs(model, input_ids, attention_mask, temperature=1.0, top_p=None, top_k=None,
-                   with_entropy_grad=True, packed=False, chunk_size=None, fp32_head=False, prompt_lengths=None):
+                   with_entropy_grad=True, packed=False, chunk_size=None, fp32_head=False, prompt_lengths=None,
+                   first=None):
     """Log-prob of each next token and the entropy of each next-token distribution, [n, L-1].
 
     `with_entropy_grad=False`: the entropy is only a metric (no gradient kept for it).
     `prompt_lengths` ([n], with `packed`): rows sharing a prompt compute it once (module doc).
+    `first` ([n]): each row's first position to compute (its prompt length - 1: the one that
+    predicts the first response token); the positions before it are 0, their logits never made.
     """
     n, L = input_ids.shape
     dev = input_ids.device
     lengths = attention_mask.sum(-1)
-    # the positions that predict a token of their own row: t < length - 1, as (row, t)
-    has_next = torch.arange(L - 1, device=dev)[None, :] < (lengths[:, None] - 1)
+    # the positions that predict a token of their own row: t < length - 1, as (row, t); from `first`
+    t = torch.arange(L - 1, device=dev)[None, :]
+    has_next = t < (lengths[:, None] - 1)
+    if first is not None:
+        has_next &= t >= torch.as_tensor(first, device=dev)[:, None]
     rows, cols = has_next.nonzero(as_tuple=True)
     targets = input_ids[rows, cols + 1]
     per_row = lambda v, dtype: torch.as_tensor(v, dtype=dtype, device=dev).expand(n)[rows]  # noqa: E731

@@ -228,7 +228,9 @@ class Trainer(StepMixin, MetricsMixin, WeightsMixin, CheckpointMixin):
                               full["temperature"][s:e], full["top_p"][s:e], full["top_k"][s:e],
                               with_entropy_grad=bool(self.cfg.algorithm.entropy_coef),
                               packed=t.use_remove_padding, chunk_size=t.logprob_chunk_size,
-                              fp32_head=self.cfg.model.fp32_lm_head, prompt_lengths=prompts), L
+                              fp32_head=self.cfg.model.fp32_lm_head, prompt_lengths=prompts,
+                              # the loss and the metrics read the response positions alone (response_mask)
+                              first=full["prompt_length"][s:e] - 1), L
 
     # ------------------------------------------------------------------ the step's entry points
 
