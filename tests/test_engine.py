@@ -211,10 +211,39 @@ def test_a_cache_written_in_place_samples_what_the_concatenated_one_does(tiny, m
     # views of the reserved tensors: the prompt but its last token, then 1 + 5 fed back, of 6 new
     assert all(layer.keys.data_ptr() == layer._keys.data_ptr() for layer in reserved)
     assert reserved[0]._keys.shape[-2] == max(len(p) for p in prompts) + 6
+    # a cache's layers are views of one allocation (one per cache: 3 chunks)
+    assert len({layer._keys.untyped_storage().data_ptr() for layer in reserved}) == 3
     monkeypatch.setattr(hf, "reserve", lambda cache, capacity: real(cache, capacity - 6 + 3))
     layers.clear()
     assert engine.generate(prompts, 3, a, seed=4) == want
     assert all(layer.keys.shape[-2] > layer._keys.shape[-2] for layer in layers)  # it went past
+
+
+def test_reserve_puts_layers_of_one_shape_in_one_block_and_others_each_in_their_own():
+    from transformers.cache_utils import DynamicCache, DynamicLayer
+
+    def cache(*heads):
+        c = DynamicCache()
+        c.layers = [DynamicLayer() for _ in heads]
+        for layer, h in zip(c.layers, heads):  # 2 rows, h key/value heads, 3 tokens, head dim 4
+            layer.update(torch.randn(2, h, 3, 4), torch.randn(2, h, 3, 4))
+        return c
+
+    same, mixed = cache(2, 2, 2), cache(2, 1)
+    before = [(layer.keys.clone(), layer.values.clone()) for layer in same.layers + mixed.layers]
+    hf.reserve(same, 5)
+    hf.reserve(mixed, 5)
+    layers = same.layers + mixed.layers
+    assert all(type(layer).__name__ == "ReservedLayer" for layer in layers)
+    # block [3 layers, keys and values, 2, 2, 5, 4]: layer j's keys start j x 2 x 80 elements in
+    assert [layer._keys.storage_offset() for layer in same.layers] == [0, 160, 320]
+    assert len({layer._keys.untyped_storage().data_ptr() for layer in same.layers}) == 1
+    assert len({layer._keys.untyped_storage().data_ptr() for layer in mixed.layers}) == 2
+    for layer, (k, v) in zip(layers, before):
+        assert layer._keys.shape[-2] == 5 and torch.equal(layer.keys, k) and torch.equal(layer.values, v)
+        new_k = torch.randn(2, k.shape[1], 1, 4)
+        keys, _ = layer.update(new_k, new_k)
+        assert torch.equal(keys, torch.cat([k, new_k], -2)) and keys.data_ptr() == layer._keys.data_ptr()
 
 
 def test_sdpa_grouped_equals_the_repeated_heads():

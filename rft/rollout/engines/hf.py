@@ -186,12 +186,27 @@ def logits_to_keep(model) -> dict:
 
 def reserve(cache, capacity: int) -> None:
     """Each full-attention layer of a DynamicCache written in place from now on, into keys and
-    values reserved for `capacity` tokens (ReservedLayer)."""
+    values reserved for `capacity` tokens (ReservedLayer).
+
+    Every layer's keys and values are views of one tensor: one allocation, which the C heap serves
+    by mmap (glibc's threshold stops at 32 MB) and gives back whole. Layer by layer (1 to 9 MB each
+    at the 0.5B shape, 32 rows) they would sit in the heap between the decode steps' short-lived
+    [rows, vocabulary] tensors, which then find no hole of their size and grow the heap."""
     from transformers.cache_utils import DynamicLayer
 
-    for i, layer in enumerate(cache.layers):
-        if type(layer) is DynamicLayer and layer.is_initialized and layer.keys.shape[-2] < capacity:
-            cache.layers[i] = _reserved_layer_class()(layer, capacity)
+    todo = [i for i, layer in enumerate(cache.layers)
+            if type(layer) is DynamicLayer and layer.is_initialized and layer.keys.shape[-2] < capacity]
+    shapes = {(cache.layers[i].keys.shape, cache.layers[i].values.shape, cache.layers[i].keys.dtype) for i in todo}
+    if len(shapes) != 1:  # layers of different shapes (none of transformers' full-attention models): each its own
+        for i in todo:
+            layer = cache.layers[i]
+            cache.layers[i] = _reserved_layer_class()(layer, *(t.new_empty(t.shape[:-2] + (capacity, t.shape[-1]))
+                                                               for t in (layer.keys, layer.values)))
+        return
+    k = cache.layers[todo[0]].keys
+    block = k.new_empty((len(todo), 2) + k.shape[:-2] + (capacity, k.shape[-1]))
+    for j, i in enumerate(todo):
+        cache.layers[i] = _reserved_layer_class()(cache.layers[i], block[j, 0], block[j, 1])
 
 
 @functools.cache  # one class (transformers imported when an engine first generates, not with this module)
@@ -206,12 +221,12 @@ def _reserved_layer_class():
         trims). Past the capacity (or once another of DynamicLayer's methods replaced the
         keys) it concatenates, as DynamicLayer does."""
 
-        def __init__(self, layer, capacity: int):
+        def __init__(self, layer, keys, values):
+            """`keys`, `values`: the reserved tensors, as the layer's but `capacity` tokens long."""
             super().__init__()
             self.dtype, self.device, self.is_initialized = layer.dtype, layer.device, True
             n = layer.keys.shape[-2]
-            self._keys = layer.keys.new_empty(layer.keys.shape[:-2] + (capacity, layer.keys.shape[-1]))
-            self._values = layer.values.new_empty(layer.values.shape[:-2] + (capacity, layer.values.shape[-1]))
+            self._keys, self._values = keys, values
             self._keys[..., :n, :], self._values[..., :n, :] = layer.keys, layer.values
             self.keys, self.values = self._keys[..., :n, :], self._values[..., :n, :]
 
