@@ -134,10 +134,12 @@ def engine_memory_benchmark():
     return module
 
 
-def test_draw_one_samples_the_processed_distribution():
+@pytest.mark.parametrize("block", [2, 3, 4096])
+def test_draw_one_samples_the_processed_distribution(monkeypatch, block):
     """DrawOne (one uniform per row, looked up in the float64 cumulative distribution) draws each
     token as often as its probability says, never one of probability 0, and leaves the drawn token
     the only one possible for generate's greedy step."""
+    monkeypatch.setattr(DrawOne, "block", block)  # blocks of 2 and 3 entries, and one of the 7
     torch.manual_seed(0)
     probs = torch.tensor([0.0, 0.5, 0.25, 0.0, 0.15, 0.1, 0.0])  # zeros first, inside and last
     rows = 200_000
@@ -150,15 +152,21 @@ def test_draw_one_samples_the_processed_distribution():
         assert abs(counts[token].item() - rows * p) <= 5 * sigma
 
 
-@pytest.mark.parametrize("u,token", [(0.0, 1), (1.0, 1), (0.75, 4), (0.5, 2)])
-def test_draw_one_at_the_edges_of_the_uniform(monkeypatch, u, token):
-    """u = 0: the first token of non-zero probability, not the zero-probability one before it;
-    u * total rounded up to the total (u = 1 here): the most likely token, not a zero-probability
-    one after the last, nor one past the vocabulary. Cumulative: 0, .5, .75, .75, .9, 1, 1, so
-    u = .75 falls past token 2's end (right=True) and token 3 has probability 0: token 4."""
+@pytest.mark.parametrize("block", [2, 3, 4096])
+@pytest.mark.parametrize("u,token", [(0.0, 1), (1.0, 1), (0.25, 2), (0.5, 4), (0.75, 5)])
+def test_draw_one_at_the_edges_of_the_uniform(monkeypatch, u, token, block):
+    """Four tokens of probability 1/4 (logits 0: exact in float32), zero-probability ones first,
+    inside and last. Cumulative: 0, .25, .5, .5, .75, 1, 1. u = 0: the first token of non-zero
+    probability, not the one before it; u = .5 falls past token 2's end (right=True) and token 3
+    has probability 0: token 4; u * total rounded up to the total (u = 1 here): the most likely
+    token (the first of the four), not a zero-probability one after the last, nor one past the
+    vocabulary. In blocks of 2 the block sums are .25 each (cumulative .25, .5, .75, 1): u = .5
+    falls in the third block, tokens 4 and 5; in blocks of 3 (.5, .5, 0) in the second, 3 to 5."""
+    monkeypatch.setattr(DrawOne, "block", block)
     monkeypatch.setattr(torch, "rand", lambda shape, **kw: torch.full(shape, u, dtype=kw["dtype"]))
-    probs = torch.tensor([[0.0, 0.5, 0.25, 0.0, 0.15, 0.1, 0.0]])
-    assert DrawOne()(None, probs.log()).argmax(1).item() == token
+    inf = float("inf")
+    logits = torch.tensor([[-inf, 0.0, 0.0, -inf, 0.0, 0.0, -inf]])
+    assert DrawOne()(None, logits).argmax(1).item() == token
 
 
 def test_grouped_query_attention_takes_the_heads_as_they_are(cache_dir, tmp_path, tiny):

@@ -15,11 +15,11 @@ Qwen2.5-0.5B's architecture, random weights, vocabulary 151,936, bfloat16). Arms
     untrimmed    the engine now without TrimHeap: the C heap never trimmed
     stock-cache  the engine now with transformers' own attention and cache: sdpa repeating each
                  key/value head for its query heads, DynamicLayer concatenating every step
-    sampled      the engine now: the sampled tokens' log-probs recorded one step at a time
-                 (SampledLogprobs), grouped-query attention without repeated heads
-                 (sdpa_grouped), the KV cache reserved and written in place (ReservedLayer),
-                 glibc's free pages handed back every 16 decode steps (TrimHeap); all in
-                 rft.rollout.engines.hf
+    sampled      the engine now: each token drawn, and its log-prob recorded, one step at a
+                 time and in place of the step's scores (DrawOne), grouped-query attention
+                 without repeated heads (sdpa_grouped), the KV cache reserved in one block and
+                 written in place (reserve, ReservedLayer), glibc's free pages handed back
+                 every 16 decode steps (TrimHeap); all in rft.rollout.engines.hf
 
 Each (shape, arm, length) runs in a fresh process: the engine is built and warmed up (a 2-token
 generate), then the process's peak resident set is reset (/proc/self/clear_refs) and the step's
@@ -104,7 +104,8 @@ def kept_scores_engine():
             self.scores = []
 
         def __call__(self, input_ids, scores):
-            self.scores.append(scores)
+            # a copy: DrawOne overwrites the scores in place (output_scores kept a tensor per step too)
+            self.scores.append(scores.clone())
             return scores
 
     class KeptScoresEngine(untrimmed_engine()):

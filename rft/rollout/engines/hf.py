@@ -77,8 +77,8 @@ def warpers(args) -> list:
 
 
 class SampledLogprobs:
-    """A `generate` logits processor, the last one: the log-prob of each row's sampled token under
-    the distribution it was sampled from (the processed scores), one step at a time.
+    """A `generate` logits processor, for greedy decoding (DrawOne records its own draws): the
+    log-prob of each row's token under the processed scores, one step at a time.
 
     Asking `generate` for `output_scores` instead keeps every step's [rows, vocabulary] scores
     until the end: rows x new tokens x vocabulary x 4 bytes (256 x 1,024 x 151,936: 160 GB).
@@ -108,27 +108,61 @@ class SampledLogprobs:
 
 
 class DrawOne:
-    """A `generate` logits processor, after the recorder: draws each row's next token from the
+    """A `generate` logits processor, the last but TrimHeap: draws each row's next token from the
     processed scores and leaves it the only token possible (0, every other -inf), so that
-    `generate`, run greedy, takes it.
+    `generate`, run greedy, takes it; records the drawn token's log-prob (`finish`).
 
     `generate`'s own sampling (torch.multinomial) draws one exponential variate per vocabulary
     entry and row: 32 rows x 151,936 take 0.11 s a step on 2 CPU cores, a third of a 0.5B model's
     decode step (experiments/engine_memory/README.md). This draws one uniform per row and looks it
     up in the row's cumulative distribution. The cumulative sum is float64: each token's share of
     it is then its float32 probability to ~1e-16, where float32 would misplace each boundary by up
-    to 6e-8 (1% of a token's probability in a flat distribution over 151,936)."""
+    to 6e-8 (1% of a token's probability in a flat distribution over 151,936).
+
+    It runs over `block` entries at a time: the float64 sums of the row's blocks find the block
+    the uniform falls in, and the cumulative sum runs over that block alone. The probabilities
+    are computed in place of `scores` (generate's own float32 copy of the logits, which the
+    result overwrites): no [rows, vocabulary] tensor is allocated. A decode step's tensors of that
+    size (19 MB each at 32 x 151,936) are what the C heap placed differently from run to run,
+    moving the peak of a generation by hundreds of MB (experiments/engine_memory/README.md)."""
+
+    block = 4096
+
+    def __init__(self):
+        self.steps: list[torch.Tensor] = []  # [rows] per step: the drawn tokens' log-probs
+
+    def finish(self) -> torch.Tensor:
+        """[rows, new tokens]: the drawn tokens' log-probs under the processed scores (a row's
+        tokens after generate ended it, its padding, get one nobody reads)."""
+        return torch.stack(self.steps, 1)
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
-        cdf = probs.cumsum(-1, dtype=torch.float64)
-        u = torch.rand((scores.shape[0], 1), dtype=torch.float64, device=scores.device) * cdf[:, -1:]
-        # the first token whose cumulative probability passes u: never one of probability 0
-        token = torch.searchsorted(cdf, u, right=True)
-        # u * total rounded up to the total (odds ~1e-16): the most likely token, not one past the end
-        token = torch.where(token < scores.shape[1], token, probs.argmax(-1, keepdim=True))
-        del probs, cdf, u  # before the result's [rows, vocabulary]: a lower peak
-        return torch.full_like(scores, float("-inf")).scatter_(1, token, 0.0)
+        R, V = scores.shape
+        probs = scores.sub_(scores.amax(-1, keepdim=True)).exp_()  # the softmax, in place
+        total = probs.sum(-1, keepdim=True, dtype=torch.float64)
+        probs.div_(total.float())
+        B = min(self.block, V)
+        full = V // B * B
+        sums = probs[:, :full].view(R, -1, B).sum(-1, dtype=torch.float64)
+        if full < V:
+            sums = torch.cat([sums, probs[:, full:].sum(-1, keepdim=True, dtype=torch.float64)], 1)
+        cum = torch.nn.functional.pad(sums.cumsum(-1), (1, 0))  # [R, blocks + 1], from 0
+        u = torch.rand((R, 1), dtype=torch.float64, device=scores.device) * cum[:, -1:]
+        # the block, then the token, whose cumulative probability first passes u: never one of
+        # probability 0
+        b = torch.searchsorted(cum[:, 1:].contiguous(), u, right=True).clamp_(max=cum.shape[1] - 2)
+        at = b * B + torch.arange(B, device=scores.device)
+        inside = probs.gather(1, at.clamp(max=V - 1)).masked_fill_(at >= V, 0.0)
+        t = torch.searchsorted(inside.cumsum(-1, dtype=torch.float64) + cum.gather(1, b), u, right=True)
+        token = at.gather(1, t.clamp(max=B - 1))
+        # u * total rounded up to the total, or past its block's own sum (their summing orders
+        # differ; odds ~1e-16): the most likely token, not a zero-probability one nor one past the end
+        past = (u >= cum[:, -1:]) | (t >= B) | (token >= V) | (probs.gather(1, token.clamp(max=V - 1)) == 0)
+        token = torch.where(past, probs.argmax(-1, keepdim=True), token)
+        # the log of the drawn token's float32 probability: the log-softmax to ~1e-7 (exp's and the
+        # division's rounding), and no [rows, vocabulary] log-softmax made (one such tensor a step less)
+        self.steps.append(probs.gather(1, token).squeeze(1).double().log().float())
+        return scores.fill_(float("-inf")).scatter_(1, token, 0.0)
 
 
 class TrimHeap:
@@ -351,7 +385,9 @@ class HFEngine:
         input_ids, attention_mask = input_ids.repeat_interleave(n, 0), attention_mask.repeat_interleave(n, 0)
         prompts = [p for p in groups for _ in range(n)]
         greedy = args.temperature == 0
-        record = SampledLogprobs()
+        # the log-probs: of the token each row drew (DrawOne records them), or, greedy, of the
+        # most likely one (SampledLogprobs)
+        record = SampledLogprobs() if greedy else DrawOne()
         stop = getattr(args, "stop", None)  # RolloutArgs has it; args built by hand may not
         stops = StopStrings(tok, prompts, stop, L) if stop else None
         sequences = self.model.generate(
@@ -364,11 +400,11 @@ class HFEngine:
             eos_token_id=tok.eos_token_id,
             pad_token_id=tok.pad_token_id,
             # the warpers, the recorder after them (it sees the distribution sampled from), the draw
-            logits_processor=LogitsProcessorList(([] if greedy else warpers(args)) + [record]
-                                                 + ([] if greedy else [DrawOne()]) + self._trim),
+            logits_processor=LogitsProcessorList(([] if greedy else warpers(args)) + [record] + self._trim),
             stopping_criteria=[stops] if stops else None,
         )
-        return self._samples(prompts, sequences[:, L:], record.finish(sequences), stops)
+        logprobs = record.finish(sequences) if greedy else record.finish()
+        return self._samples(prompts, sequences[:, L:], logprobs, stops)
 
     def _samples(self, prompts, new_tokens, logprobs, stops) -> list[Sample]:
         """Each row's response up to its end: the eos token or the token that completed a stop
