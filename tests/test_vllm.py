@@ -202,6 +202,20 @@ def test_weights_update_in_the_running_engine_by_every_sync_path(engines, tmp_pa
     after_memory = assert_same_outputs(cfg, hf, vllm, prompts)
     assert after_memory != before
 
+    # sync=memory on the trainer's node: the workers read the trainer's shared-memory segment
+    from rft.sync.weights import SharedWriter
+
+    writer = SharedWriter("rft_test_")
+    try:
+        sd = _perturbed(hf, 5)
+        hf.update_weights(sd)
+        vllm.load_shared(writer.write(sd))
+        assert same_weights(vllm.fingerprint(), hf.fingerprint())
+        after_shared = assert_same_outputs(cfg, hf, vllm, prompts)
+        assert after_shared != after_memory
+    finally:
+        writer.close()
+
     # sync=checkpoint: a safetensors file (as Trainer.save_weights writes it)
     from safetensors.torch import save_file
 
@@ -213,7 +227,7 @@ def test_weights_update_in_the_running_engine_by_every_sync_path(engines, tmp_pa
     vllm.load_weights_file(str(tmp_path / "w.safetensors"))
     assert same_weights(vllm.fingerprint(), hf.fingerprint())
     after_file = assert_same_outputs(cfg, hf, vllm, prompts)
-    assert after_file != after_memory
+    assert after_file != after_shared
 
     # a checkpoint's hf/ sharded by save_pretrained (an index and several files), as a large
     # model's is: mode=explore's pickup and a resumed run read it so

@@ -27,7 +27,7 @@ from rft.registry import ENGINES, resolve
 from rft.rewards.scoring import build as build_scorer
 from rft.rewards.scoring import part_metrics, spec_of
 from rft.rollout.workflows.single_turn import WORKFLOWS, WorkflowContext, check_output
-from rft.sync.weights import fingerprint, from_payload, node_id, one_thread, same_weights
+from rft.sync.weights import SharedWeights, fingerprint, from_payload, node_id, one_thread, same_weights
 
 log = logging.getLogger(__name__)
 
@@ -481,6 +481,10 @@ class Explorer:
         the trainer's own tensors, and what the engine loaded is checked against them bit for bit)."""
         weights, expected = payload
         with one_thread():
+            if isinstance(weights, SharedWeights) and expected is not None and hasattr(self.engine, "load_shared"):
+                # an engine in processes of its own (vLLM's workers) reads the segment itself
+                self.engine.load_shared(weights)
+                return self._check(version, expected)
             state = from_payload(weights)
             if expected is not None:
                 return self.update_weights(state, version, expected)

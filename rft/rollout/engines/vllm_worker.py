@@ -47,6 +47,13 @@ class WorkerExtension:
 
         self._reload(load(blob).items())
 
+    def rft_load_shared(self, segment: str, layout: tuple) -> None:
+        """The trainer's shared-memory segment on this node (memory sync, rft.sync.weights.SharedWeights),
+        read where it lies: views of it are what vLLM loads from, no bytes through the RPC."""
+        from rft.sync.weights import SharedWeights, read_shared
+
+        self._reload(read_shared(SharedWeights(segment, layout)).items())
+
     def rft_load_file(self, path: str) -> None:
         """A safetensors file, or a checkpoint's hf/ directory (one file or shards)."""
         from rft.sync.weights import hf_tensors
