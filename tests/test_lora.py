@@ -56,8 +56,10 @@ def test_the_reference_is_the_base_with_no_second_copy():
     _, ref = lora_kl._old_and_ref_logp(full, full["response_mask"], old=False)
     plain = load_model(lora_kl.cfg.model)
     with torch.no_grad():
-        want, _ = token_logprobs(plain, full["input_ids"], full["attention_mask"])
+        # from each row's last prompt token, as the trainer computes them (the prompt's are 0)
+        want, _ = token_logprobs(plain, full["input_ids"], full["attention_mask"], first=full["prompt_length"] - 1)
     torch.testing.assert_close(ref, want, rtol=0, atol=1e-6)
+    assert (ref[full["response_mask"].bool()] < 0).all()
 
 
 def test_the_engine_gets_the_merged_model_and_computes_what_the_trainer_does():
