@@ -181,11 +181,19 @@ def test_a_trainer_state_that_would_run_code_is_refused_and_the_code_never_runs(
     assert all(torch.equal(v, before[k]) for k, v in fresh.model.state_dict().items()) and fresh.version == 0
 
 
+@pytest.fixture
+def one_torch_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("extra", [[], ["algorithm=ppo"], ["model.lora.rank=4", "model.lora.alpha=8"],
                                    ["algorithm.optimizer.warmup_style=cosine", "algorithm.optimizer.warmup_steps=1"]],
                          ids=["grpo", "ppo-critic", "lora", "cosine"])
 @pytest.mark.slow
-def test_every_trainer_state_loads_as_tensors_and_plain_data_and_resumes_exactly(tmp_path, extra):
+def test_every_trainer_state_loads_as_tensors_and_plain_data_and_resumes_exactly(tmp_path, extra, one_torch_thread):
     """What the trainer saves (Adam moments and step counts, the scheduler, the RNG, the critic
     and its optimizer, LoRA's adapters' optimizer state) is tensors and plain data: it loads with
     weights_only=True and the resumed trainer's next step is the saved trainer's, bit for bit.
@@ -194,15 +202,6 @@ def test_every_trainer_state_loads_as_tensors_and_plain_data_and_resumes_exactly
     (rft.plan.placement.torch_threads): with two, on a loaded machine, the LoRA backward's
     gradients differed in their last bits between two trainers of the same weights and inputs in
     3 of 8 tries (the forward and the log-probs' gradients equal), with one in none of 8."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        _resumes_exactly(tmp_path, extra)
-    finally:
-        torch.set_num_threads(threads)
-
-
-def _resumes_exactly(tmp_path, extra):
     trainer = make_trainer(128, extra)
     trainer.train_step(experiences())
     trainer.save(str(tmp_path))
