@@ -282,6 +282,61 @@ def test_a_multi_turn_dry_run_names_the_environment_as_the_reward(capsys):
     assert "eval sets      calculator_test (" in out and ": calculator.step(text), every 10 steps" in out
 
 
+def _safetensors_header_only(path, tensors: dict) -> None:
+    """A safetensors file's header (what the plan reads) with no data behind it."""
+    import json
+
+    header, off = {}, 0
+    for name, (dtype, shape) in tensors.items():
+        n = {"BF16": 2, "F32": 4}[dtype] * shape[0] * (shape[1] if len(shape) > 1 else 1)
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [off, off + n]}
+        off += n
+    blob = json.dumps(header).encode()
+    path.write_bytes(len(blob).to_bytes(8, "little") + blob)
+
+
+def test_the_plan_says_how_much_a_weight_sync_moves_and_where(tmp_path, capsys):
+    """The dry run's `weight sync` line: the bytes per sync (from the safetensors headers, or a hub
+    id's name), the way they travel, and a warning where a large model goes the slow way every step."""
+    import rft.runtime.main
+    from rft.plan.sync import parameter_count, route
+
+    # 1000 x 500 + 500 = 500,500 parameters, whatever their stored dtypes; sent in model.dtype
+    _safetensors_header_only(tmp_path / "model.safetensors", {"w": ("F32", [1000, 500]), "b": ("BF16", [500])})
+    assert parameter_count(str(tmp_path)) == (500_500, "its files")
+    assert parameter_count("Qwen/Qwen2.5-7B-Instruct") == (7_000_000_000, "its name")
+    assert parameter_count("Qwen/Qwen2.5-0.5B") == (500_000_000, "its name")
+    assert parameter_count("some/model") == (None, "")
+
+    local = compose_cfg(["stages=[]", f"model.model_path={tmp_path}", "model.builder=null", "model.dtype=bfloat16"])
+    way, warning = route(local)
+    # 500,500 x 2 bytes = 1,001,000 bytes = 1.0 MB; Ray on one node: the shared-memory segment
+    assert way.startswith("memory (synchronizer.sync_method), every step: 1.0 MB per sync (0.5M parameters in "
+                          "bfloat16, from its files), through a shared-memory segment the trainer writes")
+    assert warning is None
+
+    def routed(*extra):
+        return route(compose_cfg(["stages=[]", "model=qwen7b", *extra]))
+
+    # 7e9 x 2 bytes = 14.00 GB every step through a file, or through vLLM's RPC in one process
+    way, warning = routed("sync=checkpoint")
+    assert "14.00 GB per sync (7,000.0M parameters in bfloat16, from its name)" in way
+    assert warning.startswith("weight sync: 14.00 GB every step through a safetensors file on disk")
+    assert "use sync=memory (explorers on the trainer's node) or sync=collective" in warning
+    assert "vLLM's RPC" in routed("explorer=vllm", "cluster=inline")[1]
+    assert routed("explorer=vllm")[1] is None  # one node: the workers read the segment
+    assert routed("sync=collective")[1] is None
+    assert routed("sync=checkpoint", "synchronizer.sync_interval=10")[1] is None  # not every step
+    assert routed("sync=memory", "model.model_path=nowhere/model")[0].endswith(
+        "size unknown (the model is not on this machine), through a shared-memory segment the trainer writes on "
+        "its node, read there by the explorers (Ray's object store if /dev/shm is too small)")
+
+    rft.runtime.main._main(compose_cfg(["stages=[]", "model=qwen7b", "sync=checkpoint", "dry_run=true"]))
+    out = capsys.readouterr().out
+    assert "weight sync    checkpoint (synchronizer.sync_method), every step: 14.00 GB per sync" in out
+    assert "warning        weight sync: 14.00 GB every step through a safetensors file on disk" in out
+
+
 def test_the_real_shape_model_is_qwen25_05b_with_its_vocabulary_in_bfloat16(tmp_path):
     """model=qwen2.5-0.5b-shape: Qwen2.5-0.5B's architecture (its config.json: hidden 896, 24
     layers, 14 heads, 2 KV heads, MLP 4864, vocabulary 151,936, tied embeddings), built by the

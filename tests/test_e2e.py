@@ -56,6 +56,11 @@ def test_shortened_default_learns_through_ray(tmp_path, warm_cache):
                 "actor/approx_kl", "actor/grad_norm", "actor/lr", "timing/rollout_s", "timing/train_s",
                 "timing/sync_s", "rollout/tokens_per_s"]:
         assert key in grpo[1], key
+    # each sync's parts, reported with the steps after it: the trainer's (its weights into the
+    # shared-memory segment, their fingerprint) and the explorer's (its engine's load, its check)
+    for m in grpo[3:]:
+        for part in ("send", "fingerprint", "load", "check"):
+            assert m[f"timing/sync_{part}_s"] > 0, (m["step"], part)
     # Ray with actors of their own: the explorer runs one step ahead (a null sync_offset is 1), so
     # step 1 learns from fresh experiences and every later step from ones a step stale
     assert [m["staleness/max"] for m in grpo[1:]] == [0] + [1] * 29

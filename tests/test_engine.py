@@ -400,6 +400,11 @@ def test_fingerprint_catches_a_changed_weight(tiny):
     name = next(iter(sd))
     sd[name].view(-1)[0] += 1e-3
     assert fingerprint(sd) != before
+    # the lowest bit of one element
+    sd[name].view(-1)[0] -= 1e-3
+    after = fingerprint(sd)
+    sd[name].view(-1).view(torch.int32 if sd[name].element_size() == 4 else torch.int16)[1] ^= 1
+    assert fingerprint(sd) != after
 
 
 def test_for_safetensors_clones_tied_tensors_and_makes_them_contiguous():

@@ -134,3 +134,46 @@ def test_a_multirun_of_tiny_seeds_and_its_report(tmp_path):
     # the seeds of the one configuration, grouped: mean ± std over both
     assert rows[4].startswith("| 1,2 | grpo | done | 2 |")
     assert (sweep / "rewards.png").stat().st_size > 10_000
+
+
+def _sync_benchmark():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("sync_benchmark", ROOT / "experiments" / "sync_benchmark" / "benchmark.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_sync_benchmark_takes_medians_of_the_steady_steps():
+    bench = _sync_benchmark()
+    parts = {"timing/sync_send_s": 0.1, "timing/sync_fingerprint_s": 0.2, "timing/sync_load_s": 0.3,
+             "timing/sync_check_s": 0.4}
+    rows = [{"step": 1, "timing/step_s": 9.0, "timing/generate_s": 1.0, "timing/train_compute_s": 1.0},
+            {"step": 2, "timing/step_s": 9.0, "timing/generate_s": 1.0, "timing/train_compute_s": 1.0,
+             **{k: 2 * v for k, v in parts.items()}},
+            *({"step": s, "timing/step_s": st, "timing/generate_s": 2.0, "timing/train_compute_s": 1.5, **parts}
+              for s, st in ((3, 4.0), (4, 5.0), (5, 10.0)))]
+    r = bench.summarise("case", rows)
+    # steps 3-5: step median 5.0; rest 0.5, 1.5, 6.5 -> 1.5; shares 0.125, 0.3, 0.65 -> 0.3
+    assert (r["steps"], r["step_s"], r["generate_s"], r["train_s"]) == (3, 5.0, 2.0, 1.5)
+    assert (r["rest_s"], r["rest_share"]) == (1.5, 0.3)
+    # the sync: 0.1 + 0.2 + 0.3 + 0.4; the first one (step 2's) twice each
+    assert r["sync_s"] == pytest.approx(1.0) and r["first_sync_load_s"] == 0.6
+    assert "| case | 5.00 | 2.00 | 1.50 | 1.50 (30%) | 1.000 | 0.100 | 0.200 | 0.300 | 0.400 | 2.000 |" in bench.table([r])
+
+
+@pytest.mark.slow  # a real engine, Ray or training run
+def test_the_sync_benchmark_runs_at_the_tiny_shape(tmp_path):
+    out = tmp_path / "sync.json"
+    r = subprocess.run([sys.executable, str(ROOT / "experiments" / "sync_benchmark" / "benchmark.py"), "--shapes", "tiny",
+                        "--engines", "hf", "--methods", "memory", "checkpoint", "--steps", "4", "--out", str(out)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    results = json.loads(out.read_text())
+    assert [x["case"] for x in results] == ["tiny-hf-memory-train", "tiny-hf-checkpoint-train"]
+    for x in results:
+        assert x["steps"] == 2 and 0 < x["rest_share"] < 1, x
+        for part in ("send", "fingerprint", "load", "check"):
+            assert x[f"sync_{part}_s"] > 0, (x["case"], part)
+    assert "| tiny-hf-checkpoint-train |" in r.stdout

@@ -71,7 +71,7 @@ def test_the_engine_gets_the_merged_model_and_computes_what_the_trainer_does():
     assert not any("lora_" in k or "base_layer" in k or k.startswith("base_model") for k in weights)
     engine = HFEngine(t.cfg.model, SimpleNamespace(generate_batch_size=4), t.tokenizer)
     engine.update_weights(weights)
-    # equal up to float64 summation order, as every sync checks it (rft.sync.weights.same_weights)
+    # the same weights, as every sync checks them (rft.sync.weights.same_weights)
     assert same_weights(engine.fingerprint(), t.fingerprint())
     full = collate(experiences(4, 2, seed=7), t.tokenizer.pad_token_id)
     with torch.no_grad():

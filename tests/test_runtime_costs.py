@@ -85,22 +85,31 @@ def test_the_memory_sync_payload_round_trips_bit_for_bit(dtype):
     assert arrays["a"][0].__array_interface__["data"][0] == sd["a"].data_ptr()
 
 
-def test_the_fingerprint_sums_in_float64():
+def test_the_fingerprint_sums_each_elements_bits_as_an_integer():
     t = torch.tensor([1.0, -2.0, 3.0])
-    # sum 2, sum |x| 6, sum x^2 1 + 4 + 9 = 14
-    assert weight_sums([t]) == [2.0, 6.0, 14.0]
-    # a tensor listed twice (tied weights) counts once
-    assert weight_sums({"emb": t, "head": t}) == [2.0, 6.0, 14.0]
-    assert weight_sums([]) == [0.0, 0.0, 0.0]
-    # 1e8 + 1 - 1e8 is 0 in float32 sums, 1 in float64
-    big = torch.tensor([1e8, 1.0, -1e8])
-    assert weight_sums([big])[0] == 1.0
-    # one changed weight out of a million changes it
+    # float32 bits as int32: 1.0 = 0x3F800000 = 1065353216, -2.0 = 0xC0000000 = -1073741824,
+    # 3.0 = 0x40400000 = 1077936128; sum 1069547520 = 0x3FC00000
+    assert weight_sums([t]) == [3, 1069547520]
+    assert fingerprint([t]) == "3:000000003fc00000"
+    # a tensor listed twice (tied weights) counts once; empty ones count nothing
+    assert weight_sums({"emb": t, "head": t, "none": torch.empty(0)}) == [3, 1069547520]
+    assert weight_sums([]) == [0, 0]
+    # bfloat16 bits as int16: 1.0 = 0x3F80 = 16256, -2.0 = 0xC000 = -16384; -128 mod 2**64
+    assert fingerprint([torch.tensor([1.0, -2.0], dtype=torch.bfloat16)]) == "2:ffffffffffffff80"
+    # the same values in another dtype are other weights (a cast on one side is caught)
+    assert fingerprint([t.double()]) != fingerprint([t])
+    # exact whatever the summation order: the sum of the halves' is the whole's (as fsdp adds its shards')
     w = torch.randn(1_000_000, generator=torch.Generator().manual_seed(1))
+    (n1, s1), (n2, s2) = weight_sums([w[:400_001]]), weight_sums([w[400_001:]])
+    assert fingerprint([w]) == f"{n1 + n2}:{(s1 + s2) % 2**64:016x}"
+    # one flipped bit (the lowest of one element's mantissa, a change of 1e-7 relative) changes it
     w2 = w.clone()
-    w2[123] += 1e-3
+    w2.view(torch.int32)[123] ^= 1
     assert same_weights(fingerprint([w]), fingerprint([w.clone()]))
     assert not same_weights(fingerprint([w]), fingerprint([w2]))
+    # a strided view is read as its elements
+    m = torch.arange(6.0).view(2, 3)
+    assert fingerprint([m.t()]) == fingerprint([m.t().contiguous()]) == fingerprint([m])
 
 
 def test_a_local_ray_instance_exports_no_metrics_unless_asked(monkeypatch, tmp_path):

@@ -150,6 +150,30 @@ def test_resumed_trainer_keeps_the_stage_start_as_its_reference(tmp_path):
     assert any(not torch.equal(trained[k], start[k]) for k in start)
 
 
+def test_a_sync_reports_its_parts_and_the_snapshot_reuses_its_fingerprint(monkeypatch, tmp_path):
+    """sync_payload's parts come back once with the next step's metrics; keep_snapshots takes the
+    fingerprint the sync just computed for the same weights, and computes it after they change."""
+    trainer = make_trainer(128, ["algorithm.optimizer.lr=1e-3"])
+    calls = []
+    real = trainer.fingerprint
+    monkeypatch.setattr(trainer, "fingerprint", lambda: calls.append(1) or real())
+    weights, fp = trainer.sync_payload(None)
+    assert fp == real() and len(calls) == 1
+    trainer.keep_snapshots(0, [0])
+    assert trainer.snapshot_fingerprint(0) == fp and len(calls) == 1  # not computed again
+    m = trainer.train_step(experiences())
+    assert m["timing/sync_send_s"] > 0 and m["timing/sync_fingerprint_s"] > 0
+    assert "timing/sync_send_s" not in trainer.train_step(experiences())  # reported once
+    trainer.keep_snapshots(2, [2])  # other weights (version 2): computed
+    assert len(calls) == 2 and trainer.snapshot_fingerprint(2) == real() != fp
+    # a load puts other weights under what may be the same version: computed again
+    trainer.save(str(tmp_path))
+    trainer.sync_payload(None)
+    trainer.load(str(tmp_path))
+    trainer.keep_snapshots(3, [3])
+    assert len(calls) == 4
+
+
 class RunsCode:
     """A pickled object whose unpickling calls open(marker, "w"): any call would do."""
 

@@ -209,8 +209,15 @@ def test_weights_update_in_the_running_engine_by_every_sync_path(engines, tmp_pa
     try:
         sd = _perturbed(hf, 5)
         hf.update_weights(sd)
+        # a transfer damaged on the way (one bit of one weight in the segment) is caught
+        shared = writer.write(sd)
+        name, off, _, _ = next(e for e in shared.layout if ".layers." in e[0])
+        writer.shm.buf[off] ^= 1
+        vllm.load_shared(shared)
+        assert not same_weights(vllm.fingerprint(), hf.fingerprint()), name
         vllm.load_shared(writer.write(sd))
         assert same_weights(vllm.fingerprint(), hf.fingerprint())
+        assert vllm.check_s > 0  # the workers' time fingerprinting what they loaded, timed apart
         after_shared = assert_same_outputs(cfg, hf, vllm, prompts)
         assert after_shared != after_memory
     finally:
@@ -305,5 +312,11 @@ def test_grpo_with_the_vllm_engine_learns(warm_start, tmp_path):
                 "monitor=console", "buffer.total_steps=10", "explorer.eval_interval=10", "name=vllm",
                 env={"RFT_CHECKPOINT_ROOT_DIR": str(tmp_path)})
     assert r.returncode == 0, r.stderr[-3000:]
-    evals = [m["eval/accuracy"] for m in read_metrics(tmp_path / "rft" / "vllm" / "metrics.jsonl") if "eval/accuracy" in m]
+    rows = read_metrics(tmp_path / "rft" / "vllm" / "metrics.jsonl")
+    evals = [m["eval/accuracy"] for m in rows if "eval/accuracy" in m]
     assert evals[-1] >= evals[0] + 0.2, evals
+    # each sync's parts, from the step after it on: the trainer's (its weights into the shared-memory
+    # segment, their fingerprint) and the explorer's (vLLM's workers loading them, fingerprinting them)
+    for m in rows[3:]:
+        for part in ("send", "fingerprint", "load", "check"):
+            assert m[f"timing/sync_{part}_s"] > 0, (m["step"], part)

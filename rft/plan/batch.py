@@ -751,6 +751,12 @@ def describe(cfg, stage_dir) -> str:
             rows.append(("explorer", f"{o} step{'s' * (o != 1)} ahead of the trainer (synchronizer.sync_offset; stale "
                                      f"experiences: off_policy_correction={algo.off_policy_correction})" if o else
                                      "on-policy: generates, then waits while the trainer learns (synchronizer.sync_offset=0)"))
+            from rft.plan.sync import route
+
+            way, warning = route(cfg)
+            rows.append(("weight sync", way))
+            if warning:
+                rows.append(("warning", warning))
     else:
         fmt = eb.format
         what = (f"pairs of {fmt.chosen_key!r} over {fmt.rejected_key!r}" if fmt.chosen_key and fmt.rejected_key

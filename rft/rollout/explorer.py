@@ -27,7 +27,8 @@ from rft.registry import ENGINES, resolve
 from rft.rewards.scoring import build as build_scorer
 from rft.rewards.scoring import part_metrics, spec_of
 from rft.rollout.workflows.single_turn import WORKFLOWS, WorkflowContext, check_output
-from rft.sync.weights import SharedWeights, fingerprint, from_payload, node_id, one_thread, same_weights
+from rft.rollout.weights import WeightsMixin
+from rft.sync.weights import node_id
 
 log = logging.getLogger(__name__)
 
@@ -224,9 +225,10 @@ def step_metrics(exps: list, counters: dict, explorers: int) -> dict:
         groups.setdefault(e.group_id, []).append(e)
     m = rollout_metrics(exps, list(groups.values()), counters, counters.get("explore_s", 0.0) / max(explorers, 1))
     # per explorer (they run side by side)
-    for k in ("reward_s", "generate_s"):
-        m[f"timing/{k}"] = counters.get(k, 0.0) / max(explorers, 1)
-    for k in ("explore_s", "reward_s", "workflow_s", "generate_s"):
+    for k in ("reward_s", "generate_s", "sync_load_s", "sync_check_s"):
+        if k in counters or k in ("reward_s", "generate_s"):  # the sync's: after a sync only
+            m[f"timing/{k}"] = counters.get(k, 0.0) / max(explorers, 1)
+    for k in ("explore_s", "reward_s", "workflow_s", "generate_s", "sync_load_s", "sync_check_s"):
         m.pop(f"rollout/{k}", None)
     return m
 
@@ -246,7 +248,7 @@ def save_trajectories(exps: list, path: str) -> None:
     os.replace(path + ".tmp", path)
 
 
-class Explorer:
+class Explorer(WeightsMixin):
     def __init__(self, cfg, weights_path: str | None = None, version: int = 0, shard: int = 0):
         import torch
 
@@ -279,6 +281,7 @@ class Explorer:
             for i, ts in enumerate(inp.eval_tasksets)
         ]
         self.version = version  # the trainer step whose weights this explorer serves
+        self.sync_s: dict[str, float] = {}  # the loads and checks since the last explore (_load)
         self.shard, self.num_shards = shard, rollout.engine_num
         log.info("explorer %d/%d ready: %d tasks, %d eval tasksets", shard, self.num_shards,
                  len(self.taskset), len(self.eval_tasksets))
@@ -430,6 +433,8 @@ class Explorer:
         counters["failed_tasks"] = counters.pop("failed", 0)
         counters["explore_s"] = time.perf_counter() - t0
         counters["generate_s"] = self.engine.busy_s - busy0
+        counters.update(self.sync_s)  # the weights this step was explored with: their load and check
+        self.sync_s = {}
         return [e for g in groups for e in g], counters
 
     def evaluate(self, step: int, save_dir: str | None = None) -> dict:
@@ -469,68 +474,11 @@ class Explorer:
                 metrics["eval/failed_tasks"] = failed
         return metrics
 
-    # ------------------------------------------------------------------ weights
-
-    def update_weights(self, state_dict, version: int, expected_fingerprint: str) -> str:
-        self.engine.update_weights(state_dict)
-        return self._check(version, expected_fingerprint)
-
-    def receive_weights(self, payload: tuple, version: int) -> str | None:
-        """Memory sync: the trainer's `sync_payload` (the weights as numpy arrays or where they lie
-        in shared memory; their fingerprint, None in one process: there the arrays are views of
-        the trainer's own tensors, and what the engine loaded is checked against them bit for bit)."""
-        weights, expected = payload
-        with one_thread():
-            if isinstance(weights, SharedWeights) and expected is not None and hasattr(self.engine, "load_shared"):
-                # an engine in processes of its own (vLLM's workers) reads the segment itself
-                self.engine.load_shared(weights)
-                return self._check(version, expected)
-            state = from_payload(weights)
-            if expected is not None:
-                return self.update_weights(state, version, expected)
-            self.engine.update_weights(state)
-            differs = getattr(self.engine, "differs", None)
-            if differs is None:  # an engine that keeps the weights elsewhere (vLLM's own process)
-                return self._check(version, fingerprint(state))
-            wrong = differs(state)
-            if wrong:
-                raise RuntimeError(
-                    f"weight sync to version {version} failed: after loading, the explorer's {wrong[0]} "
-                    f"(and {len(wrong) - 1} more of {len(state)} tensors) differ from the trainer's"
-                )
-            self.version = version
-            return None
-
     def node(self) -> str:
         return node_id()
-
-    def load_weights(self, path: str, version: int, expected_fingerprint: str | None) -> str:
-        """A safetensors file (sync=checkpoint) or a checkpoint's hf/ directory (mode=explore, bench)."""
-        self.engine.load_weights_file(path)
-        if expected_fingerprint is None:  # a checkpoint saved before fingerprints were recorded
-            self.version = version
-            return self.engine.fingerprint()
-        return self._check(version, expected_fingerprint)
-
-    def collective_init(self, address: str, port: int, world: int, rank: int, manifest) -> None:
-        self.engine.collective_init(address, port, world, rank, self.cfg.synchronizer.sync_timeout, manifest)
-
-    def collective_receive(self, version: int, expected_fingerprint: str) -> str:
-        self.engine.collective_receive()
-        return self._check(version, expected_fingerprint)
 
     def sleep(self) -> None:
         self.engine.sleep()
 
     def wake_up(self) -> None:
         self.engine.wake_up()
-
-    def _check(self, version: int, expected: str) -> str:
-        got = self.engine.fingerprint()
-        if not same_weights(got, expected):
-            raise RuntimeError(
-                f"weight sync to version {version} failed: the explorer now serves weights with "
-                f"fingerprint {got}, the trainer sent {expected}"
-            )
-        self.version = version
-        return got

@@ -10,6 +10,8 @@ StageRun starts the stage's parts and ends them (`close`, also after a failed st
 
 from __future__ import annotations
 
+import logging
+
 import gc
 from pathlib import Path
 
@@ -109,6 +111,13 @@ class StageRun:
             print(f"rft: warning: stage {self.title}: {text}", flush=True)
         self._open_input(saved, latest)
         self.sync = SYNC_METHODS[cfg.synchronizer.sync_method](self.dir, cfg.synchronizer)
+        if mode == "both":
+            from rft.plan.sync import route
+
+            way, warning = route(cfg)
+            logging.getLogger(__name__).info("weight sync: %s", way)
+            if warning:
+                print(f"rft: warning: stage {self.title}: {warning}", flush=True)
         norm = reward_norm(cfg, saved)
         self.monitor = Monitor(cfg, self.dir, self.plan.total_steps, start, self.title)
         # the version the explorers serve (mode=explore: what it picks up; see Schedule.run)

@@ -43,6 +43,13 @@ class TrainerBackend(Protocol):
     def fingerprint(self) -> str:
         """A digest of the weights (rft.sync.weights.fingerprint), which the engines' must equal."""
 
+    def sync_fingerprint(self) -> str:
+        """The fingerprint a sync sends (timed as a part of the sync)."""
+
+    def sync_timing(self) -> dict[str, float]:
+        """The trainer's side of the syncs since the last call (timing/sync_send_s,
+        timing/sync_fingerprint_s); train_step's metrics include it."""
+
     def sync_payload(self, shared: str | None = None, with_fingerprint: bool = True) -> tuple:
         """What memory sync sends in one call: (the weights, their fingerprint or None), the weights
         written into a shared-memory segment named after `shared`, or as arrays in the reply."""

@@ -123,9 +123,11 @@ class FSDPTrainer(Trainer):
         return self._full_state()
 
     def fingerprint(self) -> str:
-        local = [p.to_local() for p in self.model.parameters()]
-        return format_fingerprint(self._all_sum(torch.tensor(weight_sums(local), dtype=torch.float64,
-                                                             device=self.device)).tolist())
+        count, total = weight_sums([p.to_local() for p in self.model.parameters()])
+        # the sum in two 32-bit halves: the ranks' halves add up without overflowing an int64
+        parts = torch.tensor([count, total & 0xFFFFFFFF, total >> 32], dtype=torch.int64, device=self.device)
+        count, low, high = self._all_sum(parts).tolist()
+        return format_fingerprint(count, low + (high << 32))
 
     def collective_address(self):
         return super().collective_address() if self.rank == 0 else None
@@ -138,21 +140,23 @@ class FSDPTrainer(Trainer):
     def collective_send(self) -> None:
         from rft.sync.weights import broadcast
 
-        for _, p in sorted(self.model.named_parameters()):
-            full = p.full_tensor()  # every rank takes part in the gather
-            if self.rank == 0:
-                broadcast(self.group, [full])
+        with self._timed("sync_send_s"):
+            for _, p in sorted(self.model.named_parameters()):
+                full = p.full_tensor()  # every rank takes part in the gather
+                if self.rank == 0:
+                    broadcast(self.group, [full])
 
     def save_weights(self, path: str) -> str:
         from safetensors.torch import save_file
 
         from rft.sync.weights import for_safetensors
 
-        sd = self._full_state()
-        if self.rank == 0:
-            save_file(for_safetensors(sd), path + ".tmp")
-            os.replace(path + ".tmp", path)
-        return self.fingerprint()
+        with self._timed("sync_send_s"):
+            sd = self._full_state()
+            if self.rank == 0:
+                save_file(for_safetensors(sd), path + ".tmp")
+                os.replace(path + ".tmp", path)
+        return self.sync_fingerprint()
 
     def save(self, directory: str, with_hf: bool = True) -> None:
         """The same checkpoint as trainer=torch's (whole model, whole optimizer state), written by
@@ -202,6 +206,7 @@ class FSDPTrainer(Trainer):
         self.scheduler.load_state_dict(state["scheduler"])
         self._configured_optimizer()
         self.version = state["version"]
+        self._fp_cache = None  # other weights under what may be the same version number
         torch.set_rng_state(state["rng"])
 
 

@@ -61,6 +61,7 @@ class CheckpointMixin:
         self.scheduler.load_state_dict(state["scheduler"])
         self._configured_optimizer()
         self.version = state["version"]
+        self._fp_cache = None  # other weights under what may be the same version number
         torch.set_rng_state(state["rng"])
         if self.critic is not None:
             self.critic.load_state_dict(state["critic"])

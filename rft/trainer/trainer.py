@@ -56,6 +56,8 @@ class Trainer(StepMixin, MetricsMixin, WeightsMixin, CheckpointMixin):
         self.cfg = cfg
         self.plan = plan
         self._shared = None  # memory sync's shared-memory segment (sync_payload), made when first used
+        self._sync_s: dict[str, float] = {}  # the parts of the syncs since the last step (sync_timing)
+        self._fp_cache = None  # (version, fingerprint) of the last sync (sync_fingerprint)
         torch.manual_seed(cfg.seed)
         # denormal floats (tiny Adam moments, decayed weights) make CPU math many times slower
         torch.set_flush_denormal(True)
@@ -264,7 +266,7 @@ class Trainer(StepMixin, MetricsMixin, WeightsMixin, CheckpointMixin):
         self._update(step)
         self.version += 1
         step.sums.update(self._work)
-        return self._metrics(step, time.perf_counter() - t0)
+        return {**self._metrics(step, time.perf_counter() - t0), **self.sync_timing()}
 
     def ping(self) -> int:
         return os.getpid()

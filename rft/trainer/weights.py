@@ -10,6 +10,8 @@ snapshots kept for explorers that restart.
 from __future__ import annotations
 
 import os
+import time
+from contextlib import contextmanager
 
 import torch
 
@@ -40,6 +42,34 @@ class WeightsMixin:
     def fingerprint(self) -> str:
         return fingerprint(t for _, t in self._named_parameters())
 
+    @contextmanager
+    def _timed(self, part: str):
+        """Time one part of a sync: reported with the next step's metrics (`sync_timing`)."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._sync_s[part] = self._sync_s.get(part, 0.0) + time.perf_counter() - t0
+
+    def sync_timing(self) -> dict[str, float]:
+        """The trainer's side of the syncs since the last call: timing/sync_send_s (the weights
+        into shared memory, arrays, a file or the broadcast) and timing/sync_fingerprint_s."""
+        out, self._sync_s = {f"timing/{k}": v for k, v in self._sync_s.items()}, {}
+        return out
+
+    def sync_fingerprint(self) -> str:
+        """The fingerprint a sync sends with the weights (timed, as a part of the sync); kept for
+        the snapshot of the same version (keep_snapshots), which would compute it again."""
+        with self._timed("sync_fingerprint_s"):
+            self._fp_cache = (self.version, self.fingerprint())
+        return self._fp_cache[1]
+
+    def _version_fingerprint(self) -> str:
+        """The weights' fingerprint, the one the last sync computed when the weights are the same
+        (a train step changes the version; a load clears the cache)."""
+        cached = self._fp_cache
+        return cached[1] if cached is not None and cached[0] == self.version else self.fingerprint()
+
     def _sync_state(self) -> dict[str, torch.Tensor]:
         """(data parallel) The weights memory sync sends: the model's own tensors, not copied (the
         object store copies them once; in-process, the explorer's load does)."""
@@ -55,9 +85,12 @@ class WeightsMixin:
         if shared and state and shared_fits(sum(v.numel() * v.element_size() for v in state.values())):
             if self._shared is None:
                 self._shared = SharedWriter(shared)
-            with one_thread():
-                return self._shared.write(state), self.fingerprint() if with_fingerprint else None
-        return to_arrays(state), self.fingerprint() if with_fingerprint else None
+            with one_thread(), self._timed("sync_send_s"):
+                weights = self._shared.write(state)
+        else:
+            with self._timed("sync_send_s"):
+                weights = to_arrays(state)
+        return weights, self.sync_fingerprint() if with_fingerprint else None
 
     def close_shared(self) -> None:
         if self._shared is not None:
@@ -84,16 +117,18 @@ class WeightsMixin:
     def collective_send(self) -> None:
         from rft.sync.weights import broadcast
 
-        broadcast(self.group, [p.data for _, p in self._named_parameters()])
+        with self._timed("sync_send_s"):
+            broadcast(self.group, [p.data for _, p in self._named_parameters()])
 
     def save_weights(self, path: str) -> str:
         """Write the weights as one safetensors file (for checkpoint sync); returns the fingerprint."""
         from safetensors.torch import save_file
 
-        sd = {k: v.detach().cpu() for k, v in self._state_dict().items()}
-        save_file(for_safetensors(sd), path + ".tmp")
-        os.replace(path + ".tmp", path)
-        return self.fingerprint()
+        with self._timed("sync_send_s"):
+            sd = {k: v.detach().cpu() for k, v in self._state_dict().items()}
+            save_file(for_safetensors(sd), path + ".tmp")
+            os.replace(path + ".tmp", path)
+        return self.sync_fingerprint()
 
     # ------------------------------------------------------------------ snapshots for restarted explorers
 
@@ -101,7 +136,7 @@ class WeightsMixin:
         """Keep a CPU copy of the current weights as `version` (see rft.runtime.explorers ExplorerPool._serve),
         unless one is kept already (the same version's weights), and drop those not in `keep`."""
         if version not in self._snapshots:
-            self._snapshots[version] = (self.weights(), self.fingerprint())
+            self._snapshots[version] = (self.weights(), self._version_fingerprint())
         for v in [v for v in self._snapshots if v != version and v not in keep]:
             del self._snapshots[v]
 

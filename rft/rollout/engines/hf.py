@@ -24,7 +24,7 @@ import torch
 
 from rft.models import load_model
 from rft.rollout.engines.base import Sample
-from rft.sync.weights import fingerprint, same_bits
+from rft.sync.weights import copy_pairs, fingerprint, same_bits
 
 
 class StopStrings:
@@ -432,8 +432,11 @@ class HFEngine:
             return
         # the same copies as load_state_dict, a quarter of its time (no walk of the modules)
         with torch.no_grad():
-            for k, v in state_dict.items():
-                own[k].copy_(v)
+            if self.device.type == "cpu":
+                copy_pairs([(own[k], v) for k, v in state_dict.items()])  # on every core
+            else:
+                for k, v in state_dict.items():
+                    own[k].copy_(v)
 
     def differs(self, state_dict: dict[str, torch.Tensor]) -> list[str]:
         """The names of `state_dict` whose tensor this engine does not hold bit for bit (memory

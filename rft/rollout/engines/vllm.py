@@ -62,7 +62,7 @@ class VLLMEngine:
         self.sleeping, self.can_sleep = False, rollout_cfg.enable_sleep_mode and torch.cuda.is_available()
         if rollout_cfg.enable_sleep_mode and not self.can_sleep:
             log.warning("explorer.rollout_model.enable_sleep_mode needs CUDA; on CPU the engine stays awake")
-        self.busy_s = 0.0
+        self.busy_s, self.check_s = 0.0, 0.0
         try:
             self.llm = LLM(
                 model=model_path,
@@ -134,25 +134,27 @@ class VLLMEngine:
         # tensors): only where the trainer's weights are not in shared memory on this node
         # (cluster=inline, or another node; load_shared otherwise)
         blob = save(for_safetensors(state_dict))
-        self.llm.collective_rpc("rft_load_weights", args=(blob,))
-        self.llm.reset_prefix_cache()
+        self._took(self.llm.collective_rpc("rft_load_weights", args=(blob,)))
 
     def load_shared(self, weights) -> None:
         """Memory sync on the trainer's node: the workers read the trainer's shared-memory segment
         themselves (`weights`: rft.sync.weights.SharedWeights, its name and layout). At the 0.5B
         shape the bytes through the RPC were 1 GB a sync."""
-        self.llm.collective_rpc("rft_load_shared", args=(weights.segment, weights.layout))
-        self.llm.reset_prefix_cache()
+        self._took(self.llm.collective_rpc("rft_load_shared", args=(weights.segment, weights.layout)))
 
     def load_weights_file(self, path: str) -> None:
-        self.llm.collective_rpc("rft_load_file", args=(str(path),))
-        self.llm.reset_prefix_cache()
+        self._took(self.llm.collective_rpc("rft_load_file", args=(str(path),)))
 
     def collective_init(self, address: str, port: int, world: int, rank: int, timeout_s: float, manifest) -> None:
         self.llm.collective_rpc("rft_collective_init", args=(address, port, world, rank, timeout_s, manifest))
 
     def collective_receive(self) -> None:
-        self.llm.collective_rpc("rft_collective_receive")
+        self._took(self.llm.collective_rpc("rft_collective_receive"))
+
+    def _took(self, replies: list) -> None:
+        """After the workers loaded new weights: `check_s`, the seconds of the load they spent
+        fingerprinting (the explorer reports it apart, as timing/sync_check_s)."""
+        self.check_s = max(r["check_s"] for r in replies)
         self.llm.reset_prefix_cache()
 
     def fingerprint(self) -> str:
