@@ -307,6 +307,12 @@ def test_the_plan_says_how_much_a_weight_sync_moves_and_where(tmp_path, capsys):
     assert parameter_count("Qwen/Qwen2.5-7B-Instruct") == (7_000_000_000, "its name")
     assert parameter_count("Qwen/Qwen2.5-0.5B") == (500_000_000, "its name")
     assert parameter_count("some/model") == (None, "")
+    damaged = tmp_path / "damaged"
+    damaged.mkdir()
+    (damaged / "model.safetensors").write_bytes(b"\xff" * 8 + b"not json")  # a header length of 2^64 - 1
+    assert parameter_count(str(damaged)) == (None, "")
+    (damaged / "model.safetensors").write_bytes((9).to_bytes(8, "little") + b"{not json")
+    assert parameter_count(str(damaged)) == (None, "")
 
     local = compose_cfg(["stages=[]", f"model.model_path={tmp_path}", "model.builder=null", "model.dtype=bfloat16"])
     way, warning = route(local)

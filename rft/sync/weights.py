@@ -111,9 +111,10 @@ def weight_sums(tensors) -> list[int]:
             if key in seen or not t.numel():
                 continue
             seen.add(key)
-            bits = t.detach().view(getattr(torch, _AS_INT[t.element_size()]))
+            size = t.element_size()  # wider (complex128): its bytes, as int8
+            bits = t.detach().view(getattr(torch, _AS_INT[size])) if size in _AS_INT else t.detach().contiguous().view(torch.int8)
             (on_cpu if bits.device.type == "cpu" else on_device).append(bits)
-        count = sum(t.numel() for t in on_cpu + on_device)
+        count = sum(t.numel() for t in on_cpu + on_device)  # (complex128: 16 per element)
         total = sum(in_threads(_bits_sum, pieces(on_cpu)))
         if on_device:  # summed where they are; one read back at the end
             total += int(torch.stack([t.sum(dtype=torch.int64) for t in on_device]).sum().item())
@@ -165,13 +166,19 @@ def in_threads(fn, items: list) -> list:
     return list(_POOL[0].map(fn, items))
 
 
+def same_tensor(t) -> tuple:
+    """Equal for two names of one tensor (a tied output layer and its embedding), not for two views
+    of one storage that differ in place, shape or type."""
+    return t.data_ptr(), t.dtype, tuple(t.shape), t.stride()
+
+
 def copy_pairs(pairs) -> None:
     """dst.copy_(src) for each (dst, src) pair of CPU tensors, big ones on every core; a
     destination listed twice (a tied output layer and its embedding) is copied into once."""
     def copy(pair) -> None:  # returns nothing: no view of a shared segment outlives the copies
         pair[0].copy_(pair[1])
 
-    once = {(d.data_ptr(), d.dtype, tuple(d.shape), d.stride()): (d, s) for d, s in pairs}
+    once = {same_tensor(d): (d, s) for d, s in pairs}
     in_threads(copy, pieces([d for d, _ in once.values()], [s for _, s in once.values()]))
 
 
@@ -183,8 +190,10 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
         return False
     if a.device != b.device:  # an engine on a GPU checks the CPU copies the trainer sent
         b = b.to(a.device)
-    as_int = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}.get(a.element_size())
-    return torch.equal(a.view(as_int), b.view(as_int)) if as_int is not None and not a.is_complex() else torch.equal(a, b)
+    as_int = _AS_INT.get(a.element_size())
+    if as_int is None or a.is_complex():
+        return torch.equal(a, b)
+    return torch.equal(a.view(getattr(torch, as_int)), b.view(getattr(torch, as_int)))
 
 
 
@@ -249,7 +258,7 @@ class SharedWriter:
 
         layout, offset, placed = [], 0, {}
         for k, v in state_dict.items():
-            key = (v.data_ptr(), v.dtype, tuple(v.shape), v.stride())
+            key = same_tensor(v)
             if key not in placed:  # a tied tensor (the output layer's embedding) is written once
                 placed[key] = offset
                 offset += -(-v.numel() * v.element_size() // 64) * 64  # each tensor 64-byte aligned
