@@ -220,6 +220,10 @@ class ModelConfig:
     fp32_lm_head: bool = False
     # LoRA adapters (PEFT) on a frozen base; rank 0: train every weight (rft/trainer/lora.py)
     lora: LoraConfig = field(default_factory=lambda: LoraConfig())
+    # the model's config.json numbers (hidden_size, intermediate_size, num_hidden_layers,
+    # num_attention_heads, num_key_value_heads, head_dim, vocab_size, tie_word_embeddings) for the
+    # dry run's memory estimate before the model is on this machine; its own config.json wins
+    architecture: Optional[Dict[str, Any]] = None
 
 
 @dataclass
@@ -521,6 +525,9 @@ class ClusterConfig:
     num_cpus: Optional[int] = None
     node_num: int = 1
     gpu_per_node: int = 0
+    # GiB of memory of each GPU, for the plan's memory estimate (rft/plan/memory.py); null: this
+    # machine's GPUs' (nvidia-smi), or 80 where it has none (a login node planning a GPU job)
+    gpu_memory_gb: Optional[float] = None
     # CPUs reserved by each actor; also its torch thread count
     cpus_per_actor: int = 1
     # torch threads in each explorer and trainer actor; null: cpus_per_actor, except with Ray on
@@ -627,8 +634,9 @@ def key_mistake(schema, key: str, adding: bool = False) -> str | None:
                 return None  # free-form items (stages): checked when planning
             node = OmegaConf.structured(element)  # a typed list's item (an eval set): its schema
             continue
-        if isinstance(node, DictConfig) and OmegaConf.get_type(node) is dict:
-            return None  # free-form values below: checked when planning
+        if isinstance(node, DictConfig) and (OmegaConf.get_type(node) is dict or (
+                node._is_none() and not is_structured_config(node._metadata.ref_type))):
+            return None  # free-form values below (a dict, or one null by default): checked when planning
         if not isinstance(node, DictConfig) or part not in node.keys():
             parent = ".".join(parts[:i])
             keys = schema_keys()

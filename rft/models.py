@@ -177,6 +177,18 @@ def local_device(cluster_cfg) -> torch.device:
     return torch.device("cpu")
 
 
+def peak_memory(device) -> int:
+    """Bytes at this process's peak: on a GPU what torch allocated there, on CPU the resident set
+    (Linux reports KiB); what rft.plan.memory's estimate is checked against."""
+    import torch
+
+    if torch.device(device).type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
 def _not_loadable(path: str, e: Exception) -> ConfigError:
     return ConfigError(
         f"model.model_path={path!r} could not be loaded ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}). "

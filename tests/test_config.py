@@ -299,7 +299,8 @@ def test_the_plan_says_how_much_a_weight_sync_moves_and_where(tmp_path, capsys):
     """The dry run's `weight sync` line: the bytes per sync (from the safetensors headers, or a hub
     id's name), the way they travel, and a warning where a large model goes the slow way every step."""
     import rft.runtime.main
-    from rft.plan.sync import parameter_count, route
+    from rft.plan.memory import parameter_count
+    from rft.plan.sync import route
 
     # 1000 x 500 + 500 = 500,500 parameters, whatever their stored dtypes; sent in model.dtype
     _safetensors_header_only(tmp_path / "model.safetensors", {"w": ("F32", [1000, 500]), "b": ("BF16", [500])})
@@ -324,23 +325,26 @@ def test_the_plan_says_how_much_a_weight_sync_moves_and_where(tmp_path, capsys):
     def routed(*extra):
         return route(compose_cfg(["stages=[]", "model=qwen7b", *extra]))
 
-    # 7e9 x 2 bytes = 14.00 GB every step through a file, or through vLLM's RPC in one process
+    # qwen7b's model.architecture counts 7,615,487,488 parameters (tests/test_memory_plan.py) x 2
+    # bytes = 15.23 GB every step through a file, or through vLLM's RPC in one process
     way, warning = routed("sync=checkpoint")
-    assert "14.00 GB per sync (7,000.0M parameters in bfloat16, from its name)" in way
-    assert warning.startswith("weight sync: 14.00 GB every step through a safetensors file on disk")
+    assert "15.23 GB per sync (7,615.5M parameters in bfloat16, from model.architecture)" in way
+    assert warning.startswith("weight sync: 15.23 GB every step through a safetensors file on disk")
     assert "use sync=memory (explorers on the trainer's node) or sync=collective" in warning
-    assert "vLLM's RPC" in routed("explorer=vllm", "cluster=inline")[1]
-    assert routed("explorer=vllm")[1] is None  # one node: the workers read the segment
-    assert routed("sync=collective")[1] is None
+    assert "vLLM's RPC" in routed("sync=memory", "explorer=vllm", "cluster=inline")[1]
+    assert routed("sync=memory", "explorer=vllm")[1] is None  # one node: the workers read the segment
+    assert routed()[1] is None  # what qwen7b brings: sync=collective
     assert routed("sync=checkpoint", "synchronizer.sync_interval=10")[1] is None  # not every step
-    assert routed("sync=memory", "model.model_path=nowhere/model")[0].endswith(
+    # without its architecture, the count in its name: 7e9 x 2 bytes = 14.00 GB
+    assert "14.00 GB per sync (7,000.0M parameters in bfloat16, from its name)" in routed("model.architecture=null")[0]
+    assert routed("sync=memory", "explorer=hf", "model.model_path=nowhere/model", "model.architecture=null")[0].endswith(
         "size unknown (the model is not on this machine), through a shared-memory segment the trainer writes on "
         "its node, read there by the explorers (Ray's object store if /dev/shm is too small)")
 
     rft.runtime.main._main(compose_cfg(["stages=[]", "model=qwen7b", "sync=checkpoint", "dry_run=true"]))
     out = capsys.readouterr().out
-    assert "weight sync    checkpoint (synchronizer.sync_method), every step: 14.00 GB per sync" in out
-    assert "warning        weight sync: 14.00 GB every step through a safetensors file on disk" in out
+    assert "weight sync    checkpoint (synchronizer.sync_method), every step: 15.23 GB per sync" in out
+    assert "warning        weight sync: 15.23 GB every step through a safetensors file on disk" in out
 
 
 def test_the_real_shape_model_is_qwen25_05b_with_its_vocabulary_in_bfloat16(tmp_path):

@@ -721,8 +721,9 @@ def scored_by(ts, default_reward) -> str:
     return describe_reward(spec_of(ts.reward_fn, default_reward))
 
 
-def describe(cfg, stage_dir) -> str:
-    """What the dry run says besides the numbers: the functions, the data, the outputs."""
+def describe(cfg, stage_dir, plan: BatchPlan | None = None) -> str:
+    """What the dry run says besides the numbers: the functions, the data, the outputs; with the
+    plan, the devices and the memory per role (rft/plan/memory.py)."""
     algo, inp = cfg.algorithm, cfg.buffer.explorer_input
     eb = cfg.buffer.trainer_input.experience_buffer
     opt = algo.optimizer
@@ -768,6 +769,10 @@ def describe(cfg, stage_dir) -> str:
     evals = [f"{data(ts)}: {scored_by(ts, inp.default_reward_fn_type)}" for ts in inp.eval_tasksets]
     if cfg.mode != "explore":
         rows.append(("eval sets", "; ".join(evals) + f", every {cfg.explorer.eval_interval} steps" if evals else "none"))
+    if plan is not None:
+        from rft.plan.memory import describe_devices, estimate
+
+        rows += describe_devices(cfg, estimate(cfg, plan))
     rows.append(("outputs", str(stage_dir)))
     w = max(len(r[0]) for r in rows)
     return "\n".join(f"{a:<{w}}  {b}" for a, b in rows)

@@ -22,7 +22,7 @@ from rft.algorithms.shaping import apply_overlong
 from rft.data.readers import budget_report, epoch_batch, step_seed
 from rft.data.tasks import load_tasks
 from rft.errors import ConfigError, RunError
-from rft.models import load_tokenizer, local_device
+from rft.models import load_tokenizer, local_device, peak_memory
 from rft.registry import ENGINES, resolve
 from rft.rewards.scoring import build as build_scorer
 from rft.rewards.scoring import part_metrics, spec_of
@@ -228,7 +228,9 @@ def step_metrics(exps: list, counters: dict, explorers: int) -> dict:
     for k in ("reward_s", "generate_s", "sync_load_s", "sync_check_s"):
         if k in counters or k in ("reward_s", "generate_s"):  # the sync's: after a sync only
             m[f"timing/{k}"] = counters.get(k, 0.0) / max(explorers, 1)
-    for k in ("explore_s", "reward_s", "workflow_s", "generate_s", "sync_load_s", "sync_check_s"):
+    if "max_memory_gb" in counters:
+        m["perf/explorer_max_memory_gb"] = counters["max_memory_gb"]
+    for k in ("explore_s", "reward_s", "workflow_s", "generate_s", "sync_load_s", "sync_check_s", "max_memory_gb"):
         m.pop(f"rollout/{k}", None)
     return m
 
@@ -433,6 +435,8 @@ class Explorer(WeightsMixin):
         counters["failed_tasks"] = counters.pop("failed", 0)
         counters["explore_s"] = time.perf_counter() - t0
         counters["generate_s"] = self.engine.busy_s - busy0
+        # this process's (with vLLM, not its engine's own processes); the explorers' largest
+        counters["max_memory_gb"] = peak_memory(local_device(self.cfg.cluster)) / 2**30
         counters.update(self.sync_s)  # the weights this step was explored with: their load and check
         self.sync_s = {}
         return [e for g in groups for e in g], counters

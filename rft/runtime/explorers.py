@@ -75,8 +75,8 @@ class ExplorerPool:
             e, c = self._result(i, f, "explore", p.step, version=p.version)
             exps += e
             last_error = c.pop("last_error", None) or last_error
-            for k, v in c.items():
-                counters[k] = counters.get(k, 0) + v
+            for k, v in c.items():  # a peak is the largest, not a sum
+                counters[k] = max(counters.get(k, 0), v) if k.startswith("max_") else counters.get(k, 0) + v
         return p, exps, counters, last_error
 
     def evaluate(self, step: int) -> dict:

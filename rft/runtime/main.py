@@ -30,6 +30,7 @@ def main(cfg: DictConfig) -> float | None:
     try:
         return _main(cfg)
     except ConfigError as e:
+        _remove_if_empty(run_dir_of(cfg))  # Hydra made it; a run stopped by its config leaves nothing
         # raised inside a Ray actor it arrives wrapped; its cause holds the message
         print(f"\nrft: configuration error: {getattr(e, 'cause', e)}\n", file=sys.stderr)
         sys.exit(2)
@@ -322,7 +323,7 @@ def plan_text(stages: list, plans: list, stage_dirs: list[Path]) -> str:
 
     return "\n".join(
         format_plan(p, title=f"batch plan: stage {s.stage_name or s.name} ({s.algorithm.algorithm_type})")
-        + "\n" + describe(s, d) + "\n" for s, p, d in zip(stages, plans, stage_dirs))
+        + "\n" + describe(s, d, p) + "\n" for s, p, d in zip(stages, plans, stage_dirs))
 
 
 def _main(cfg: DictConfig) -> float | None:
@@ -330,6 +331,10 @@ def _main(cfg: DictConfig) -> float | None:
         from rft.runtime.bench import bench
 
         return bench(cfg, run_dir_of(cfg))
+    if not cfg.dry_run:  # a GPU run on a machine without them stops before it reads anything
+        from rft.plan.memory import check_gpus_here
+
+        check_gpus_here(cfg)
     # a Ray driver waits on its actors to the end of the run: it reads no dataset itself
     stages, plans, stage_dirs = plan_stages(cfg, isolated=cfg.cluster.backend == "ray" and not cfg.dry_run)
     run_dir = run_dir_of(cfg)
@@ -343,9 +348,11 @@ def _main(cfg: DictConfig) -> float | None:
 def _run(cfg: DictConfig, stages: list, plans: list, stage_dirs: list[Path], run_dir: Path) -> float | None:
     """Check the outputs' place and take it (rundir.run_lock), start Ray, run the stages in order
     (each from the one before)."""
+    from rft.plan.memory import check_memory
     from rft.plan.placement import check_allocation
 
     check_allocation(cfg)
+    check_memory(stages, plans)
     rundir.check_writable(run_dir)
     with rundir.run_lock(run_dir):
         return _run_locked(cfg, stages, plans, stage_dirs, run_dir)

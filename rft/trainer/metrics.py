@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from rft.models import peak_flops
+from rft.models import peak_flops, peak_memory
 from rft.trainer.critic import explained_variance
 
 if TYPE_CHECKING:
@@ -127,12 +127,7 @@ class MetricsMixin:
         peak = peak_flops(self.device)
         if peak:
             out["perf/mfu"] = flops / elapsed / (peak * self.loss_scale)
-        if self.device.type == "cuda":
-            mem = torch.cuda.max_memory_allocated(self.device)
-        else:  # the process's peak resident set (Linux reports KiB)
-            import resource
-
-            mem = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        mem = peak_memory(self.device)
         out["perf/max_memory_gb"] = self._all_max(torch.tensor(float(mem), dtype=torch.float64,
                                                                device=self.device)).item() / 2**30
         return out

@@ -1,0 +1,509 @@
+"""The memory a run will take, per role and device, estimated before anything is loaded (the dry
+run's `devices` and `memory` lines; a run that cannot fit stops before loading the model).
+
+The devices planned for: cluster.node_num x gpu_per_node GPUs of cluster.gpu_memory_gb each (null:
+this machine's GPUs' memory, as nvidia-smi reports it; 80 GiB assumed where this machine has none,
+a login node planning a GPU job); with gpu_per_node=0, this machine's memory, shared by every actor.
+
+Per trainer rank (P parameters, b bytes each in model.dtype, N = the data-parallel ranks: FSDP2
+shards the weights, gradients and optimizer state; trainer=torch is N = 1):
+
+    weights      P b / N                (param_offload: in CPU memory)
+    gradients    P' b / N               (P' = the trained parameters: all, or LoRA's adapters)
+    Adam         2 P' b / N             (torch's AdamW keeps both moments in the weights' dtype;
+                                         optimizer_offload: in CPU memory)
+    reference    P b / N                (an algorithm with a KL term or DPO; LoRA: the base, no copy)
+    critic       (2 + 2) P b / N more   (PPO's value model: weights, gradients, Adam)
+    gathered     2 layers' weights      (FSDP2 unshards one layer at a time, the next prefetched)
+    activations  T tokens x L layers x (6 H + 2 kv + 4 I) b   (what autograd keeps of a decoder
+                 layer: the norms' and projections' inputs, q k v, the attention's output, the
+                 MLP's gate, up and product); gradient_checkpointing: T x L x H b (each layer's
+                 input) + one layer's whole
+    logits       C x V x 16             (the output layer's logits, their float32 log-softmax,
+                                         the probabilities for the entropy and the logits' gradient:
+                                         four [C, V] float32 tensors, C = logprob_chunk_size or T)
+    runtime      1 GiB on a GPU (CUDA context, allocator slack); on CPU the process itself
+                 (python, torch, transformers, Ray's worker: CPU_RUNTIME)
+    host copies  in CPU memory: sync=memory's shared-memory segment P b (one node, Ray: mapped by
+                 the trainer and each hf explorer, so in each one's resident set), and with the
+                 explorers running ahead (sync_offset > 0 or sync_interval > 1) the trainer's
+                 snapshots of 2 versions, 2 P b, for an explorer Ray restarts
+
+T, the tokens of a micro-batch: trainer.max_token_len_per_gpu with use_dynamic_bsz, else
+micro_batch_size_per_gpu x max_model_len (every row at its longest).
+
+Per engine (E bytes per parameter in the engine's dtype, TP = tensor_parallel_size):
+
+    vllm (GPU)   gpu_memory_utilization x the GPU's memory, taken whole: weights P E / TP, ~2 GiB of
+                 activations and graphs, the rest KV cache (2 L kv E bytes per token / TP); it must
+                 hold one sequence of max_model_len tokens
+    vllm (CPU)   weights P E + rollout_model.cpu_kvcache_space_gb + runtime
+    hf           weights P E + the KV cache of the rows one generate() call holds (min of
+                 generate_batch_size and the step's rollouts per engine) at max_model_len tokens
+                 + three [rows, V] float32 score tensors + runtime
+
+Not counted: reward-model and auxiliary-model workers, the explorer's task data, Ray's object store.
+Checked against measured peaks: experiments/memory_plan/README.md. Planning only: no torch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+from rft.config import DTYPES
+from rft.errors import ConfigError
+
+GiB = 2**30
+GPU_RUNTIME = 1 * GiB
+# a CPU actor's resident set before its model (python, torch, transformers, Ray's worker), measured
+# (experiments/memory_plan/README.md)
+CPU_RUNTIME = int(0.6 * GiB)
+VLLM_ACTIVATIONS = 2 * GiB
+ASSUMED_GPU_GIB = 80  # a login node planning a GPU job: an 80 GiB GPU (A100-80G, H100)
+_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+_HEADER_DTYPES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "I64": 8, "I32": 4, "I8": 1, "U8": 1, "BOOL": 1}
+_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What the estimate reads of a decoder-only transformer (its config.json's numbers)."""
+    parameters: int
+    layers: int
+    hidden: int
+    intermediate: int
+    heads: int
+    kv: int  # key/value width per token and layer: num_key_value_heads x head_dim
+    head_dim: int
+    vocab: int
+    tied: bool
+
+
+@dataclass(frozen=True)
+class Devices:
+    gpus: int  # per node; 0: CPU only
+    nodes: int
+    memory: int  # bytes: one GPU's, or (CPU) this machine's
+    source: str  # how the memory is known
+    local_gpus: tuple = ()  # this machine's GPUs (name, bytes)
+
+
+@dataclass(frozen=True)
+class Role:
+    name: str
+    count: int  # processes (or engines) of it
+    parts: tuple  # (label, bytes)
+    total: int
+    # a check the role fails, as (what, the keys to change, certain: its weights and optimizer
+    # state alone exceed the device, whatever the estimate of activations), or None
+    problem: tuple | None = None
+
+
+# ---------------------------------------------------------------- the model's shape
+
+def _read_config(model_cfg) -> tuple[dict | None, str]:
+    """config.json of a local model directory, or of a hub id in the Hugging Face cache (read, never
+    downloaded), else model.architecture."""
+    path = Path(os.path.expanduser(str(model_cfg.model_path)))
+    file = path / "config.json" if path.is_dir() else None
+    if file is None and not path.exists():
+        try:
+            from huggingface_hub import try_to_load_from_cache
+
+            cached = try_to_load_from_cache(str(model_cfg.model_path), "config.json")
+            file = Path(cached) if isinstance(cached, str) else None
+        except Exception:  # not a valid hub id: nothing cached under it
+            file = None
+    if file is not None and file.is_file():
+        try:
+            return json.loads(file.read_text()), f"{file}"
+        except (OSError, ValueError):
+            pass  # a damaged config.json: loading the model says so, with its own message
+    arch = model_cfg.get("architecture")
+    return (dict(arch), "model.architecture") if arch else (None, "")
+
+
+def shape_of(model_cfg) -> tuple[Shape | None, str]:
+    """(the model's Shape, where it was read) or (None, "") when neither its config.json nor
+    model.architecture is here. The parameter count is the safetensors headers' when the weights
+    are on this machine, else counted from the shape (a Qwen2 / Llama decoder)."""
+    raw, source = _read_config(model_cfg)
+    if raw is None:
+        return None, ""
+    missing = [k for k in _KEYS if k not in raw]
+    if missing:
+        if source == "model.architecture":
+            raise ConfigError(f"model.architecture lacks {', '.join(missing)}: give the model's config.json "
+                              f"numbers ({', '.join(_KEYS)}; num_key_value_heads, head_dim and "
+                              f"tie_word_embeddings optional), or set it to null.")
+        return None, ""  # not a decoder this estimate knows
+    h, heads = int(raw["hidden_size"]), int(raw["num_attention_heads"])
+    head_dim = int(raw.get("head_dim") or h // heads)
+    kv = int(raw.get("num_key_value_heads") or heads) * head_dim
+    shape = Shape(0, int(raw["num_hidden_layers"]), h, int(raw["intermediate_size"]), heads, kv, head_dim,
+                  int(raw["vocab_size"]), bool(raw.get("tie_word_embeddings", False)))
+    counted, _ = parameter_count(str(model_cfg.model_path)) if source != "model.architecture" else (None, "")
+    return Shape(counted or _count(shape), *list(shape.__dict__.values())[1:]), source
+
+
+def parameter_count(model_path: str) -> tuple[int | None, str]:
+    """(parameters, how that is known): summed from the shapes in the safetensors headers of a
+    local model directory (a tied output layer is stored once, and sent once), else read from a
+    name like "Qwen2.5-7B-Instruct"; (None, "") when neither says."""
+    path = Path(os.path.expanduser(model_path))
+    files = sorted(path.glob("*.safetensors")) if path.is_dir() else []
+    if files:
+        try:
+            return sum(_header_parameters(f) for f in files), "its files"
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return None, ""  # a damaged file: loading the model says which, with its own message
+    m = re.search(r"(?<![\d.])(\d+(?:\.\d+)?)b(?![a-z])", path.name.lower())
+    return (round(float(m.group(1)) * 1e9), "its name") if m else (None, "")
+
+
+def _header_parameters(path: Path) -> int:
+    """The parameters a safetensors file's header lists (its first 8 bytes: the header's length)."""
+    with open(path, "rb") as fh:
+        size = int.from_bytes(fh.read(8), "little")
+        if not 0 < size <= 100 * 2**20:  # the format caps its header at 100 MB
+            raise ValueError(f"{path}: not a safetensors header")
+        header = json.loads(fh.read(size))
+    total = 0
+    for name, v in header.items():
+        if name != "__metadata__" and v["dtype"] in _HEADER_DTYPES:
+            n = 1
+            for d in v["shape"]:
+                n *= d
+            total += n
+    return total
+
+
+def _count(s: Shape) -> int:
+    """Parameters of a Qwen2 / Llama decoder (biases left out: < 0.1%)."""
+    q = s.heads * s.head_dim
+    layer = s.hidden * q + 2 * s.hidden * s.kv + q * s.hidden + 3 * s.hidden * s.intermediate + 2 * s.hidden
+    return s.vocab * s.hidden * (1 if s.tied else 2) + s.layers * layer + s.hidden
+
+
+def lora_parameters(s: Shape, lora) -> int:
+    """The adapters' parameters: rank x (in + out) per adapted linear layer of every decoder layer
+    (target_modules all-linear: q k v o, gate up down)."""
+    q = s.heads * s.head_dim
+    sizes = {"q_proj": s.hidden + q, "k_proj": s.hidden + s.kv, "v_proj": s.hidden + s.kv, "o_proj": q + s.hidden,
+             "gate_proj": s.hidden + s.intermediate, "up_proj": s.hidden + s.intermediate,
+             "down_proj": s.intermediate + s.hidden}
+    targets = sizes if lora.target_modules == "all-linear" else {m: sizes.get(m, 0) for m in lora.target_modules}
+    return lora.rank * s.layers * sum(targets.values())
+
+
+def dtype_bytes(name) -> int:
+    return _BYTES[DTYPES.get(str(name).lower(), "float32")]
+
+
+# ---------------------------------------------------------------- the devices
+
+def local_gpus() -> list[tuple[str, int]]:
+    """This machine's GPUs as (name, bytes of memory), from nvidia-smi; [] without one."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=30, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    gpus = []
+    for line in out.strip().splitlines():
+        name, _, mib = line.rpartition(",")
+        if mib.strip().isdigit():
+            gpus.append((name.strip(), int(mib) * 2**20))
+    return gpus
+
+
+def host_memory() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def planned_devices(cfg) -> Devices:
+    c = cfg.cluster
+    here = tuple(local_gpus())
+    if not c.gpu_per_node:
+        return Devices(0, c.node_num, host_memory(), "this machine's memory", here)
+    if c.gpu_memory_gb is not None:
+        return Devices(c.gpu_per_node, c.node_num, int(c.gpu_memory_gb * GiB), "cluster.gpu_memory_gb", here)
+    if here:
+        name, size = min(here, key=lambda g: g[1])
+        return Devices(c.gpu_per_node, c.node_num, size, f"this machine's {name}", here)
+    return Devices(c.gpu_per_node, c.node_num, ASSUMED_GPU_GIB * GiB,
+                   "assumed: this machine has no GPU; set cluster.gpu_memory_gb", here)
+
+
+def gib(n: float) -> str:
+    return f"{n / GiB:.1f}" if n >= GiB / 10 else f"{n / GiB:.2f}"
+
+
+# ---------------------------------------------------------------- the roles
+
+def _longest(model) -> int:
+    return model.max_model_len or model.max_prompt_tokens + model.max_response_tokens
+
+
+def _tokens(cfg, plan) -> int:
+    """Tokens of one micro-batch at its largest."""
+    return plan.max_token_len_per_gpu or plan.micro_batch_size * _longest(cfg.model)
+
+
+def _activations(cfg, s: Shape, tokens: int) -> tuple[str, int]:
+    b = dtype_bytes(cfg.model.dtype)
+    q = s.heads * s.head_dim
+    layer = tokens * (4 * s.hidden + 2 * q + 2 * s.kv + 4 * s.intermediate) * b
+    if cfg.trainer.gradient_checkpointing:
+        return f"activations ({tokens:,} tokens, checkpointed)", tokens * s.layers * s.hidden * b + layer
+    return f"activations ({tokens:,} tokens)", s.layers * layer
+
+
+def trainer_role(cfg, plan, s: Shape, dev: Devices) -> Role:
+    """One trainer rank's memory (the module docstring's formulas)."""
+    t, m = cfg.trainer, cfg.model
+    n, b, gpu = plan.dp_size, dtype_bytes(m.dtype), dev.gpus > 0
+    trained = lora_parameters(s, m.lora) if m.lora.rank else s.parameters
+    where = " in CPU memory"
+    parts = [("weights" + where * (gpu and t.param_offload), s.parameters * b // n),
+             ("gradients" + where * (gpu and t.param_offload), trained * b // n),
+             ("Adam" + where * (gpu and t.optimizer_offload), 2 * trained * b // n)]
+    if plan.needs.reference and not m.lora.rank:
+        parts.append(("reference", s.parameters * b // n))
+    if plan.needs.critic:
+        parts.append(("critic", 4 * s.parameters * b // n))
+    if n > 1:
+        parts.append(("gathered layers", 2 * (s.parameters - s.vocab * s.hidden) // s.layers * b))
+    # fsdp2 gathers the whole weights on rank 0 for a snapshot
+    parts += [(k + " (rank 0)" * (n > 1 and k == "snapshots") + where * gpu, v) for k, v in _host_copies(cfg, s.parameters * b)]
+    tokens = _tokens(cfg, plan)
+    parts.append(_activations(cfg, s, tokens))
+    chunk = min(t.logprob_chunk_size or tokens, tokens)
+    parts.append((f"logits ({chunk:,}-token {'chunks' if chunk < tokens else 'micro-batch'})", chunk * s.vocab * 16))
+    parts.append(("runtime", GPU_RUNTIME if gpu else CPU_RUNTIME))
+    total = sum(v for k, v in parts if where not in k)  # on a GPU, what its memory holds
+    problem = None
+    if gpu and total > dev.memory:
+        static = sum(v for k, v in parts if k.split(" (")[0] in _STATE)
+        problem = (f"a trainer rank needs ~{gib(total)} GiB of its GPU's {gib(dev.memory)}",
+                   _trainer_fixes(cfg, parts), static > dev.memory)
+    return Role(f"trainer rank (x{n})" if n > 1 else "trainer", n, tuple(parts), total, problem)
+
+
+_STATE = ("weights", "gradients", "Adam", "reference", "critic")
+
+
+def _host_copies(cfg, nbytes: int, trainer: bool = True) -> list:
+    """Whole copies of the weights a process keeps in host memory: the shared-memory segment of
+    sync=memory on one node with Ray (mapped by the trainer and each explorer: it counts in each
+    one's resident set, one copy on the machine), and the trainer's snapshots of the versions the
+    explorers serve and explore with while they run ahead, for an explorer Ray restarts
+    (rft.runtime.explorers: 2 versions with sync_offset 1)."""
+    c, sc = cfg.cluster, cfg.synchronizer
+    ray = cfg.mode == "both" and c.backend == "ray"
+    out = [("sync segment", nbytes)] if ray and c.node_num == 1 and sc.sync_method == "memory" else []
+    if trainer and ray and c.max_actor_restarts > 0 and (sc.sync_offset > 0 or sc.sync_interval > 1):
+        out.append(("snapshots", 2 * nbytes))
+    return out
+
+
+def _trainer_fixes(cfg, parts) -> str:
+    """The keys that lower a trainer rank's largest parts."""
+    big = max(parts, key=lambda p: p[1])[0]
+    fsdp = cfg.trainer.trainer_strategy == "fsdp2"
+    if big.startswith("activations"):
+        return ("trainer.gradient_checkpointing=true, " if not cfg.trainer.gradient_checkpointing else "") + \
+            "a lower trainer.max_token_len_per_gpu (use_dynamic_bsz) or micro_batch_size_per_gpu"
+    if big.startswith("logits"):
+        return "trainer.logprob_chunk_size (e.g. 2048), or fewer tokens per micro-batch"
+    spread = ("more ranks (trainer.ranks, cluster.gpu_per_node, cluster.node_num), "
+              "trainer.param_offload=true and optimizer_offload=true" if fsdp else
+              "trainer=fsdp2 (the weights, gradients and Adam sharded over ranks), or model.lora.rank (e.g. 64)")
+    return f"{spread}; or a smaller model"
+
+
+def engine_role(cfg, plan, s: Shape, dev: Devices) -> Role | None:
+    """One engine's memory (the module docstring's formulas); None for a study's own engine."""
+    rm, m = cfg.explorer.rollout_model, cfg.model
+    e = dtype_bytes(rm.dtype or m.dtype)
+    longest, tp = _longest(m), rm.tensor_parallel_size
+    per_token = 2 * s.layers * s.kv * e
+    name = f"explorer (x{plan.explorers})" if plan.explorers > 1 else "explorer"
+    if rm.engine_type == "vllm" and dev.gpus:
+        total = int(rm.gpu_memory_utilization * dev.memory) * tp
+        weights = s.parameters * e
+        cache = total - weights - VLLM_ACTIVATIONS * tp
+        rows = max(plan.tasks_per_step * plan.rollouts_per_task // max(plan.explorers, 1), 1)
+        holds = max(cache, 0) // (per_token * longest)
+        parts = (("weights", weights), ("activations", VLLM_ACTIVATIONS * tp),
+                 (f"KV cache (holds {min(holds, rows):,} of {rows:,} sequences at {longest:,} tokens)", max(cache, 0)))
+        problem = None if holds >= 1 else (
+            f"the vLLM engine's weights ({gib(weights / tp)} GiB a GPU) leave no room in explorer.rollout_model."
+            f"gpu_memory_utilization={rm.gpu_memory_utilization:g} of {gib(dev.memory)} GiB for one sequence's "
+            f"KV cache ({longest:,} tokens)", "explorer.rollout_model.tensor_parallel_size (GPUs per engine), "
+            "gpu_memory_utilization, or a lower model.max_response_tokens", weights / tp > total / tp)
+        label = name + (f", {tp} GPUs each" if tp > 1 else "")
+        return Role(label, plan.explorers, parts, total // tp, problem)
+    runtime = GPU_RUNTIME if dev.gpus else CPU_RUNTIME
+    if rm.engine_type == "vllm":
+        parts = (("weights", s.parameters * e), ("KV cache (cpu_kvcache_space_gb)", rm.cpu_kvcache_space_gb * GiB),
+                 ("runtime", runtime))
+    elif rm.engine_type == "hf":
+        rows = min(rm.generate_batch_size, max(-(-plan.tasks_per_step * plan.rollouts_per_task // max(plan.explorers, 1)), 1))
+        host = [(k + " in CPU memory" * bool(dev.gpus), v) for k, v in _host_copies(cfg, s.parameters * e, trainer=False)]
+        parts = (("weights", s.parameters * e), *host, (f"KV cache ({rows} rows x {longest:,} tokens)", rows * longest * per_token),
+                 (f"scores ({rows} rows)", 3 * rows * s.vocab * 4), ("runtime", runtime))
+    else:
+        return None
+    total = sum(v for k, v in parts if "in CPU memory" not in k)
+    problem = None
+    if dev.gpus and total > dev.memory:
+        problem = (f"an explorer needs ~{gib(total)} GiB of its GPU's {gib(dev.memory)}",
+                   "explorer=vllm with tensor_parallel_size, or a lower explorer.rollout_model.generate_batch_size",
+                   parts[0][1] > dev.memory)
+    return Role(name, plan.explorers, parts, total, problem)
+
+
+# ---------------------------------------------------------------- the plan's memory, told and checked
+
+@dataclass(frozen=True)
+class Estimate:
+    devices: Devices
+    shape: Shape | None
+    source: str
+    roles: tuple
+    problems: tuple  # Role.problem's
+
+
+def estimate(cfg, plan) -> Estimate:
+    """Every role's memory against the planned devices, and what does not fit."""
+    dev = planned_devices(cfg)
+    s, source = shape_of(cfg.model)
+    if s is None:
+        return Estimate(dev, None, "", (), ())
+    roles = []
+    if cfg.mode in ("both", "train"):
+        roles.append(trainer_role(cfg, plan, s, dev))
+    if plan.explorers:
+        roles.append(engine_role(cfg, plan, s, dev))
+    roles = [r for r in roles if r is not None]
+    problems = [r.problem for r in roles if r.problem]
+    c, here = cfg.cluster, len(dev.local_gpus)
+    if dev.gpus and here and here < dev.gpus and c.ray_address is None:  # a run here stops (check_gpus_here)
+        problems.insert(0, (f"this machine has {here} GPU{'s' * (here > 1)} and the plan asks for {dev.gpus} "
+                            f"(cluster.gpu_per_node)", f"cluster.gpu_per_node={here} and the engines and trainer "
+                            f"ranks to fit it, or run on a machine with {dev.gpus}", False))
+    if dev.gpus and c.colocate and len(roles) == 2 and not cfg.explorer.rollout_model.enable_sleep_mode:
+        both = roles[0].total + roles[1].total
+        if both > dev.memory:
+            problems.append((f"colocated, the trainer (~{gib(roles[0].total)} GiB) and the engine "
+                             f"(~{gib(roles[1].total)}) share a GPU of {gib(dev.memory)} GiB",
+                             "explorer.rollout_model.enable_sleep_mode=true (the engine releases the GPU while "
+                             "the trainer trains), a lower gpu_memory_utilization, or cluster.colocate=false", False))
+    if not dev.gpus:
+        both = sum(r.count * r.total for r in roles)
+        if both > dev.memory:
+            problems.append((f"the actors need ~{gib(both)} GiB together and this machine has {gib(dev.memory)}",
+                             "a smaller model, fewer explorers (explorer.rollout_model.engine_num) or trainer ranks",
+                             False))
+    return Estimate(dev, s, source, tuple(roles), tuple(problems))
+
+
+def describe_devices(cfg, est: Estimate) -> list[tuple[str, str]]:
+    """The dry run's rows: the devices, the placement per role, the memory per role, what does not fit."""
+    dev = est.devices
+    if dev.gpus:
+        rows = [("devices", f"{dev.nodes} node{'s' * (dev.nodes > 1)} x {dev.gpus} GPUs (cluster.node_num, gpu_per_node) "
+                            f"of {gib(dev.memory)} GiB ({dev.source})" + _here(dev))]
+    else:
+        rows = [("devices", f"CPU only (cluster.gpu_per_node=0): {gib(dev.memory)} GiB of memory on this machine")]
+    rows.append(("placement", _placement(cfg)))
+    if est.shape is None:
+        rows.append(("memory", "not estimated: the model's config.json is not on this machine and model.architecture "
+                               "is not set"))
+        return rows
+    where = "a GPU" if dev.gpus else "this machine"
+    n = est.shape.parameters
+    count = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
+    rows.append(("memory", f"GiB on {where}, for {count} parameters (shape from {est.source})"))
+    for r in est.roles:
+        on = " + ".join(f"{k} {gib(v)}" for k, v in r.parts)
+        rows.append(("", f"{r.name}: ~{gib(r.total)} = {on}"))
+    for what, keys, _ in est.problems:
+        rows.append(("does not fit", f"{what}; change: {keys}"))
+    return rows
+
+
+def _here(dev: Devices) -> str:
+    if not dev.local_gpus:
+        return "; this machine has none: plan only, a run here stops"
+    if len(dev.local_gpus) < dev.gpus:
+        return f"; this machine has {len(dev.local_gpus)}"
+    return ""
+
+
+def _placement(cfg) -> str:
+    from rft.plan.placement import explorer_count, trainer_ranks
+
+    rm, tr, c = cfg.explorer.rollout_model, cfg.trainer, cfg.cluster
+    each = f"{rm.tensor_parallel_size} GPU{'s' * (rm.tensor_parallel_size > 1)} each" if c.gpu_per_node else \
+        f"{c.cpus_per_actor} CPU each"
+    out = []
+    if explorer_count(cfg):
+        out.append(f"{explorer_count(cfg)} {rm.engine_type} engine{'s' * (explorer_count(cfg) > 1)} on {each} "
+                   f"(explorer.rollout_model.engine_num, tensor_parallel_size)")
+    if cfg.mode in ("both", "train"):
+        n = trainer_ranks(cfg)
+        out.append(f"trainer {tr.trainer_strategy}, {n} rank{'s' * (n > 1)}" + (" on a GPU each" if c.gpu_per_node else ""))
+    out.append(f"weights by sync={cfg.synchronizer.sync_method}" if cfg.mode == "both" else "")
+    return "; ".join(o for o in out if o) + ("; colocated (cluster.colocate)" if c.colocate else "")
+
+
+def check_gpus_here(cfg) -> None:
+    """Before a run plans or loads anything: the GPUs it plans for are on this machine, when it runs
+    here (its own Ray instance, or inline; in a Slurm job rft.plan.placement.check_allocation checks
+    the allocation, and a Ray cluster it joins has its own)."""
+    c = cfg.cluster
+    if not c.gpu_per_node or c.ray_address is not None:
+        return
+    here = local_gpus()
+    if not here:
+        raise ConfigError(_no_gpu(cfg))
+    if len(here) < c.gpu_per_node:
+        raise ConfigError(
+            f"cluster.gpu_per_node={c.gpu_per_node}, but this machine has {len(here)} GPU"
+            f"{'s' * (len(here) > 1)} ({', '.join(n for n, _ in here)}). Set cluster.gpu_per_node={len(here)} "
+            f"(and check the plan with dry_run=true: the engines and trainer ranks must fit them), or run on "
+            f"a machine with {c.gpu_per_node}.")
+
+
+def check_memory(stages: list, plans: list) -> None:
+    """What surely cannot fit the devices (a trainer rank's weights and optimizer state alone, an
+    engine's weights) stops the run before it loads the model; an estimate over a device's memory
+    that might still fit is a warning."""
+    import logging
+
+    for s, plan in zip(stages, plans):
+        for what, keys, certain in estimate(s, plan).problems:
+            if certain:
+                raise ConfigError(f"the plan cannot fit: {what}. Change {keys} (the whole estimate: dry_run=true).")
+            logging.getLogger(__name__).warning("memory: %s (an estimate; dry_run=true shows it). If the run "
+                                                "runs out of memory, change %s.", what, keys)
+
+
+def _no_gpu(cfg) -> str:
+    c, rm = cfg.cluster, cfg.explorer.rollout_model
+    return (f"this run is planned for GPUs, and this machine has none (nvidia-smi finds no GPU), so nothing was "
+            f"started or loaded. It needs {c.node_num} node{'s' * (c.node_num > 1)} x {c.gpu_per_node} GPUs "
+            f"(cluster.node_num, gpu_per_node) for {cfg.model.model_path}, with {rm.engine_type} engines and a "
+            f"{cfg.trainer.trainer_strategy} trainer (dry_run=true shows the plan and the memory per role). Here, "
+            f"run the same loop at a size this machine can: `python run.py` (the tiny default: a model built "
+            f"locally, its reward rises within minutes), or `python run.py model=qwen2.5-0.5b-shape` (Qwen2.5-0.5B's "
+            f"shape with random weights, on CPU). For this plan: run it on GPU nodes (hydra/launcher=slurm, or "
+            f"launchers/ray_slurm.sbatch) or join a Ray cluster that has them (cluster=ray "
+            f"cluster.ray_address=HOST:PORT).")

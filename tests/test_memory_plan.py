@@ -1,0 +1,275 @@
+"""What a model option brings (model=qwen7b: vLLM, fsdp2, the collective sync, a token budget), and the
+plan's devices and memory per role (rft/plan/memory.py): the formulas by hand, the dry run's lines,
+a GPU run on a machine without GPUs, a faked 24 GiB GPU, and the estimate against measured peaks."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import ROOT, compose_cfg
+
+import rft.plan.memory as M
+import rft.runtime.main
+from rft.errors import ConfigError
+from rft.plan.batch import make_plan, stage_configs
+
+GiB = 2**30
+README_COMMAND = ["algorithm=grpo", "model=qwen7b", "task=gsm8k"]
+# Qwen2.5-7B's config.json (conf/model/qwen7b.yaml's model.architecture): every decoder layer is
+# q 3584 x 3584 + k, v 2 x 3584 x 512 + o 3584 x 3584 + gate, up, down 3 x 3584 x 18944 + norms 2 x 3584
+# = 12,845,056 + 3,670,016 + 12,845,056 + 203,685,888 + 7,168 = 233,053,184; x 28 layers + embeddings
+# and the untied output layer 2 x 152,064 x 3584 = 1,089,994,752 + the final norm 3584
+QWEN7B_PARAMETERS = 233_053_184 * 28 + 1_089_994_752 + 3584  # 7,615,487,488
+
+
+def plan_of(overrides, dataset_size=2000):
+    stage = stage_configs(compose_cfg(["stages=[]", *overrides]))[0]
+    return stage, make_plan(stage, dataset_size)
+
+
+@pytest.fixture
+def no_gpu(monkeypatch):
+    monkeypatch.setattr(M, "local_gpus", lambda: [])
+
+
+@pytest.fixture
+def one_24gb_gpu(monkeypatch):
+    """A test double of the device query: this machine has one 24 GiB GPU."""
+    monkeypatch.setattr(M, "local_gpus", lambda: [("NVIDIA GeForce RTX 4090", 24 * GiB)])
+
+
+def test_the_readme_command_brings_what_7b_needs_and_the_command_line_still_wins():
+    cfg = compose_cfg(README_COMMAND)
+    rm, tr = cfg.explorer.rollout_model, cfg.trainer
+    assert (rm.engine_type, rm.engine_num, tr.trainer_strategy, cfg.synchronizer.sync_method) == ("vllm", 4, "fsdp2", "collective")
+    assert cfg.cluster.gpu_per_node == 8
+    assert (tr.use_dynamic_bsz, tr.max_token_len_per_gpu, tr.gradient_checkpointing, tr.logprob_chunk_size) == (True, 16384, True, 2048)
+    assert cfg.model.model_path == "Qwen/Qwen2.5-7B-Instruct" and cfg.model.max_response_tokens == 3072
+    assert cfg.name == "grpo-qwen7b-gsm8k"
+    # a choice on the command line wins over what the model brings
+    cfg = compose_cfg([*README_COMMAND, "explorer=hf", "trainer=torch", "sync=memory", "cluster.gpu_per_node=4",
+                       "trainer.gradient_checkpointing=false"])
+    assert (cfg.explorer.rollout_model.engine_type, cfg.trainer.trainer_strategy, cfg.synchronizer.sync_method) == ("hf", "torch", "memory")
+    assert cfg.cluster.gpu_per_node == 4 and cfg.trainer.gradient_checkpointing is False
+    # the 0.5B model brings a vLLM engine and the collective sync on 2 GPUs; the tiny default stays on CPU
+    cfg = compose_cfg(["model=qwen2.5-0.5b"])
+    assert (cfg.explorer.rollout_model.engine_type, cfg.synchronizer.sync_method, cfg.cluster.gpu_per_node) == ("vllm", "collective", 2)
+    cfg = compose_cfg([])
+    assert (cfg.explorer.rollout_model.engine_type, cfg.trainer.trainer_strategy, cfg.synchronizer.sync_method,
+            cfg.cluster.gpu_per_node, cfg.trainer.use_dynamic_bsz) == ("hf", "torch", "memory", 0, False)
+    # the study that chose them itself still composes to the same
+    cfg = compose_cfg(["experiment=qwen_gsm8k"])
+    assert (cfg.explorer.rollout_model.engine_type, cfg.synchronizer.sync_method, cfg.cluster.gpu_per_node) == ("vllm", "collective", 2)
+
+
+def test_the_shape_from_the_architecture_and_the_parameters_counted():
+    cfg = compose_cfg(["model=qwen7b"])
+    s, source = M.shape_of(cfg.model)
+    assert source == "model.architecture"
+    assert (s.layers, s.hidden, s.intermediate, s.heads, s.head_dim, s.kv, s.vocab, s.tied) == (
+        28, 3584, 18944, 28, 128, 4 * 128, 152064, False)  # head_dim = 3584 / 28
+    assert s.parameters == QWEN7B_PARAMETERS == 7_615_487_488
+    # the 0.5B model's architecture is the one its CPU shape builds (rft/models.py)
+    from rft.models import QWEN05_ARCH
+
+    arch = compose_cfg(["model=qwen2.5-0.5b"]).model.architecture
+    assert {k: QWEN05_ARCH[k] for k in arch if k != "tie_word_embeddings"} == {k: v for k, v in arch.items() if k != "tie_word_embeddings"}
+    shape = compose_cfg(["model=qwen2.5-0.5b-shape"]).model.architecture
+    assert {k: QWEN05_ARCH[k] for k in shape} == dict(shape)
+    # a local config.json wins, and the safetensors headers give the exact count (the tiny model,
+    # built: the numbers its model.architecture gives before)
+    from rft.models import ensure_model
+
+    tiny = compose_cfg([]).model
+    ensure_model(tiny)
+    built = json.loads((Path(tiny.model_path).expanduser() / "config.json").read_text())
+    assert {k: built[k] for k in tiny.architecture} == dict(tiny.architecture)
+    s, source = M.shape_of(tiny)
+    assert source.endswith("config.json")
+    counted = M._count(s)  # biases left out: q, k, v's 128 + 128 + 128 per layer x 2 layers = 768 fewer
+    assert s.parameters - counted == 768
+    with pytest.raises(ConfigError, match=r"model.architecture lacks hidden_size: give the model's config.json numbers"):
+        M.shape_of(compose_cfg(["model=qwen7b", "~model.architecture.hidden_size"]).model)
+    assert M.shape_of(compose_cfg(["model=qwen7b", "model.architecture=null"]).model) == (None, "")
+
+
+def test_lora_parameters_by_hand():
+    cfg = compose_cfg(["model=qwen7b", "model.lora.rank=8"])
+    s, _ = M.shape_of(cfg.model)
+    # per layer, rank 8 x (in + out) of q (3584 + 3584), k, v (3584 + 512 each), o (3584 + 3584),
+    # gate, up (3584 + 18944 each), down (18944 + 3584) = 8 x 90,112 = 720,896; x 28 = 20,185,088
+    assert M.lora_parameters(s, cfg.model.lora) == 20_185_088
+    cfg = compose_cfg(["model=qwen7b", "model.lora.rank=8", "model.lora.target_modules=[q_proj,v_proj]"])
+    assert M.lora_parameters(s, cfg.model.lora) == 8 * (7168 + 4096) * 28  # 2,523,136
+
+
+def test_a_trainer_rank_and_an_engine_by_hand(no_gpu):
+    stage, plan = plan_of(README_COMMAND[:2])
+    est = M.estimate(stage, plan)
+    assert est.devices == M.Devices(8, 1, 80 * GiB, "assumed: this machine has no GPU; set cluster.gpu_memory_gb", ())
+    trainer, engine = est.roles
+    parts = dict(trainer.parts)
+    # 4 fsdp2 ranks (8 GPUs less 4 engines); bfloat16: 2 bytes; GRPO has no reference model
+    assert plan.dp_size == 4
+    assert parts["weights"] == parts["gradients"] == QWEN7B_PARAMETERS * 2 // 4  # 3,807,743,744
+    assert parts["Adam"] == QWEN7B_PARAMETERS * 2 * 2 // 4
+    # two decoder layers' weights: (P - the embeddings 152,064 x 3584) / 28 x 2 x 2 bytes
+    assert parts["gathered layers"] == 2 * (QWEN7B_PARAMETERS - 152064 * 3584) // 28 * 2
+    # checkpointed: each layer's input 16,384 tokens x 28 x 3584 x 2 bytes + one layer's whole,
+    # 16,384 x (4 x 3584 + 2 x 3584 + 2 x 512 + 4 x 18944 = 98,304) x 2 bytes
+    assert parts["activations (16,384 tokens, checkpointed)"] == 16384 * 28 * 3584 * 2 + 16384 * 98304 * 2
+    assert parts["logits (2,048-token chunks)"] == 2048 * 152064 * 16  # 4.6 GiB
+    assert parts["runtime"] == GiB
+    # in CPU memory, not the GPU's: the snapshots of 2 versions the explorers, one step ahead
+    # (sync_offset 1), serve and explore with, for an explorer Ray restarts: 2 x P x 2 bytes
+    assert parts["snapshots (rank 0) in CPU memory"] == 2 * QWEN7B_PARAMETERS * 2  # 30.5 GB
+    assert trainer.total == sum(v for k, v in parts.items() if "in CPU memory" not in k) and trainer.problem is None
+    assert 26 * GiB < trainer.total < 27 * GiB
+    # an engine: 0.9 x 80 GiB taken, the weights whole, 2 GiB of activations, the rest KV cache;
+    # a token's KV is 2 x 28 layers x 512 x 2 bytes = 57,344 bytes, a sequence 4,096 tokens of it
+    eparts = dict(engine.parts)
+    assert engine.total == int(0.9 * 80 * GiB) and eparts["weights"] == QWEN7B_PARAMETERS * 2
+    cache = int(0.9 * 80 * GiB) - QWEN7B_PARAMETERS * 2 - 2 * GiB
+    assert eparts["KV cache (holds 64 of 64 sequences at 4,096 tokens)"] == cache  # 256 rollouts / 4 engines
+    assert cache // (57344 * 4096) >= 64
+    assert est.problems == ()
+
+
+def test_the_dry_run_on_a_machine_without_gpus_plans_the_gpu_job(no_gpu, capsys):
+    rft.runtime.main._main(compose_cfg(["stages=[]", "algorithm=grpo", "model=qwen7b", "dry_run=true"]))
+    out = capsys.readouterr().out
+    assert ("devices        1 node x 8 GPUs (cluster.node_num, gpu_per_node) of 80.0 GiB (assumed: this machine has "
+            "no GPU; set cluster.gpu_memory_gb); this machine has none: plan only, a run here stops") in out
+    assert ("placement      4 vllm engines on 1 GPU each (explorer.rollout_model.engine_num, tensor_parallel_size); "
+            "trainer fsdp2, 4 ranks on a GPU each; weights by sync=collective") in out
+    assert "memory         GiB on a GPU, for 7.62B parameters (shape from model.architecture)" in out
+    assert "trainer rank (x4): ~26.8 = weights 3.5 + gradients 3.5 + Adam 7.1 + gathered layers 0.9" in out
+    assert "explorer (x4): ~72.0 = weights 14.2 + activations 2.0 + KV cache (holds 64 of 64 sequences" in out
+    assert "does not fit" not in out
+
+
+def test_a_gpu_run_on_a_machine_without_gpus_stops_before_it_loads_anything(no_gpu, monkeypatch, capsys):
+    def loaded(*a, **k):
+        raise AssertionError("read or loaded something")
+
+    monkeypatch.setattr(rft.runtime.main, "plan_stages", loaded)
+    monkeypatch.setattr("rft.models.ensure_model", loaded)
+    with pytest.raises(SystemExit) as e:
+        rft.runtime.main.main(compose_cfg(README_COMMAND))
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert ("rft: configuration error: this run is planned for GPUs, and this machine has none (nvidia-smi finds no "
+            "GPU), so nothing was started or loaded. It needs 1 node x 8 GPUs (cluster.node_num, gpu_per_node) for "
+            "Qwen/Qwen2.5-7B-Instruct, with vllm engines and a fsdp2 trainer (dry_run=true shows the plan and the "
+            "memory per role). Here, run the same loop at a size this machine can: `python run.py` (the tiny "
+            "default: a model built locally, its reward rises within minutes)") in " ".join(err.split())
+    assert "`python run.py model=qwen2.5-0.5b-shape` (Qwen2.5-0.5B's shape with random weights, on CPU)" in err
+    assert "join a Ray cluster that has them (cluster=ray cluster.ray_address=HOST:PORT)." in err
+    # joining a Ray cluster that has GPUs: nothing is checked here
+    M.check_gpus_here(compose_cfg([*README_COMMAND, "cluster=ray", "cluster.ray_address=10.0.0.1:6379"]))
+
+
+def test_one_24gb_gpu_the_plan_cannot_fit_and_names_what_to_change(one_24gb_gpu, capsys):
+    rft.runtime.main._main(compose_cfg(["stages=[]", "algorithm=grpo", "model=qwen7b", "dry_run=true"]))
+    out = capsys.readouterr().out
+    assert ("devices        1 node x 8 GPUs (cluster.node_num, gpu_per_node) of 24.0 GiB (this machine's NVIDIA "
+            "GeForce RTX 4090); this machine has 1") in out
+    assert ("does not fit   this machine has 1 GPU and the plan asks for 8 (cluster.gpu_per_node); change: "
+            "cluster.gpu_per_node=1 and the engines and trainer ranks to fit it, or run on a machine with 8") in out
+    # ~26.8 GiB a rank, as on 80 GiB GPUs, over 24: the largest part is Adam's, so more ranks or offload
+    assert ("does not fit   a trainer rank needs ~26.8 GiB of its GPU's 24.0; change: more ranks (trainer.ranks, "
+            "cluster.gpu_per_node, cluster.node_num), trainer.param_offload=true and optimizer_offload=true; or a "
+            "smaller model") in out
+    # a run stops: this machine has 1 of the 8 GPUs
+    with pytest.raises(ConfigError, match=r"cluster.gpu_per_node=8, but this machine has 1 GPU \(NVIDIA GeForce RTX "
+                                          r"4090\). Set cluster.gpu_per_node=1"):
+        M.check_gpus_here(compose_cfg(README_COMMAND))
+    # on its one GPU, trainer and engine colocated: the weights and Adam of one rank alone are
+    # 7,615,487,488 x 8 bytes = 56.7 GiB > 24: certain, so a run stops before it loads the model
+    stage, plan = plan_of(["model=qwen7b", "cluster.gpu_per_node=1", "cluster.colocate=true",
+                           "explorer.rollout_model.engine_num=1", "trainer.ranks=1"])
+    with pytest.raises(ConfigError, match=r"the plan cannot fit: a trainer rank needs ~6\d.\d GiB of its GPU's 24.0. "
+                                          r"Change more ranks"):
+        M.check_memory([stage], [plan])
+
+
+def test_vllm_weights_over_the_gpu_and_the_cpu_total(monkeypatch):
+    monkeypatch.setattr(M, "local_gpus", lambda: [])
+    # 15.2 GB of weights in 0.5 x 24 GiB = 12 GiB: no room for one sequence's KV cache
+    stage, plan = plan_of(["model=qwen7b", "cluster.gpu_memory_gb=24", "explorer.rollout_model.gpu_memory_utilization=0.5"])
+    est = M.estimate(stage, plan)
+    what, keys, certain = est.roles[1].problem
+    assert what.startswith("the vLLM engine's weights (14.2 GiB a GPU) leave no room in explorer.rollout_model."
+                           "gpu_memory_utilization=0.5 of 24.0 GiB")
+    assert keys.startswith("explorer.rollout_model.tensor_parallel_size") and certain
+    # tensor_parallel_size=2: half the weights a GPU, 0.5 x 24 x 2 GiB for the engine
+    stage, plan = plan_of(["model=qwen7b", "cluster.gpu_memory_gb=24", "explorer.rollout_model.gpu_memory_utilization=0.5",
+                           "explorer.rollout_model.tensor_parallel_size=2", "explorer.rollout_model.engine_num=2", "sync=checkpoint"])
+    assert M.estimate(stage, plan).roles[1].problem is None
+    # on CPU every actor shares this machine's memory
+    monkeypatch.setattr(M, "host_memory", lambda: 4 * GiB)
+    stage, plan = plan_of(["model=qwen2.5-0.5b", "cluster.gpu_per_node=0", "explorer=hf", "trainer.use_dynamic_bsz=false"])
+    what, keys, certain = M.estimate(stage, plan).problems[-1]
+    assert what.startswith("the actors need ~") and what.endswith("GiB together and this machine has 4.0")
+    assert not certain
+
+
+def test_the_device_query_reads_nvidia_smi(monkeypatch):
+    def smi(cmd, **kw):
+        assert cmd[0] == "nvidia-smi"
+        return subprocess.CompletedProcess(cmd, 0, stdout="NVIDIA H100 80GB HBM3, 81559\nNVIDIA H100 80GB HBM3, 81559\n")
+
+    monkeypatch.setattr(subprocess, "run", smi)
+    assert M.local_gpus() == [("NVIDIA H100 80GB HBM3", 81559 * 2**20)] * 2
+
+    def missing(cmd, **kw):
+        raise FileNotFoundError(cmd[0])
+
+    monkeypatch.setattr(subprocess, "run", missing)
+    assert M.local_gpus() == []
+
+
+@pytest.mark.slow
+def test_the_estimate_against_measured_peaks_at_the_tiny_shape(tmp_path, monkeypatch):
+    """The tiny default, 3 steps with Ray (the trainer and the explorer each a process of its own):
+    each one's measured peak resident set within 1.5x of its estimate either way (most of it is
+    the runtime at this size; the 0.5B shape: experiments/memory_plan/README.md)."""
+    monkeypatch.setenv("RFT_CHECKPOINT_ROOT_DIR", str(tmp_path))
+    args = [sys.executable, "run.py", "stages=[]", "cluster=local", "buffer.total_steps=3", "monitor=console",
+            "explorer.eval_on_startup=false", "buffer.explorer_input.eval_tasksets=[]", "name=peaks"]
+    subprocess.run(args, check=True, capture_output=True, timeout=600, cwd=ROOT)
+    rows = [json.loads(line) for line in (tmp_path / "rft" / "peaks" / "metrics.jsonl").read_text().splitlines()]
+    trainer = max(r["perf/max_memory_gb"] for r in rows if "perf/max_memory_gb" in r) * GiB
+    explorer = max(r["perf/explorer_max_memory_gb"] for r in rows if "perf/explorer_max_memory_gb" in r) * GiB
+    stage, plan = plan_of(["cluster=local"])
+    est = {r.name: r.total for r in M.estimate(stage, plan).roles}
+    assert 1 / 1.5 < est["trainer"] / trainer < 1.5, (est, trainer)
+    assert 1 / 1.5 < est["explorer"] / explorer < 1.5, (est, explorer)
+
+
+def test_the_memory_benchmark_plans_each_of_its_arms():
+    """experiments/memory_plan/benchmark.py's estimates (its measured side: the slow test above,
+    and its README's figures): a trainer and an explorer for every arm, the 0.5B shape's from its
+    parts (GiB) as its README lists them."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("memory_plan", ROOT / "experiments" / "memory_plan" / "benchmark.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    for arm, overrides in bench.ARMS.items():
+        est = bench.estimate(bench.COMMON + overrides)
+        assert set(est) == {"trainer", "explorer"}, arm
+    total, parts = bench.estimate(bench.COMMON + bench.ARMS["0.5b"])["trainer"]
+    parts = dict(parts)
+    # 494,032,768 parameters once built (its safetensors headers), 494,005,120 counted from its
+    # model.architecture before (biases left out); x 2 bytes each for the weights, gradients, the
+    # sync segment; x 4 for Adam and for the 2 snapshots (Ray, sync_offset 1)
+    p = parts["weights"]
+    assert p in (494_032_768 * 2, 494_005_120 * 2)
+    assert (parts["weights"], parts["gradients"], parts["Adam"], parts["sync segment"], parts["snapshots"]) == (p, p, 2 * p, p, 2 * p)
+    # 8 rows x (24 + 16 tokens) = 320 tokens; logits 320 x 151,936 x 16 bytes
+    assert parts["logits (320-token micro-batch)"] == 320 * 151936 * 16
