@@ -31,6 +31,12 @@ def plan_of(overrides, dataset_size=2000):
     return stage, make_plan(stage, dataset_size)
 
 
+def qwen7b_dry_run(capsys) -> str:
+    """What `python run.py algorithm=grpo model=qwen7b dry_run=true` prints."""
+    rft.runtime.main._main(compose_cfg(["stages=[]", "algorithm=grpo", "model=qwen7b", "dry_run=true"]))
+    return capsys.readouterr().out
+
+
 @pytest.fixture
 def no_gpu(monkeypatch):
     monkeypatch.setattr(M, "local_gpus", lambda: [])
@@ -124,9 +130,10 @@ def test_a_trainer_rank_and_an_engine_by_hand(no_gpu):
     assert parts["activations (16,384 tokens, checkpointed)"] == 16384 * 28 * 3584 * 2 + 16384 * 98304 * 2
     assert parts["logits (2,048-token chunks)"] == 2048 * 152064 * 16  # 4.6 GiB
     assert parts["runtime"] == GiB
-    # in CPU memory, not the GPU's: the snapshots of 2 versions the explorers, one step ahead
-    # (sync_offset 1), serve and explore with, for an explorer Ray restarts: 2 x P x 2 bytes
-    assert parts["snapshots (rank 0) in CPU memory"] == 2 * QWEN7B_PARAMETERS * 2  # 30.5 GB
+    # in CPU memory, not the GPU's: the snapshots of the 2 versions the explorers, one step ahead
+    # (sync_offset 1), serve and explore with, for an explorer Ray restarts, and a third while the
+    # newest is taken: 3 x P x 2 bytes (45.7 GB) on rank 0, which gathers them
+    assert parts["snapshots (rank 0) in CPU memory"] == 3 * QWEN7B_PARAMETERS * 2
     assert trainer.total == sum(v for k, v in parts.items() if "in CPU memory" not in k) and trainer.problem is None
     assert 26 * GiB < trainer.total < 27 * GiB
     # an engine: 0.9 x 80 GiB taken, the weights whole, 2 GiB of activations, the rest KV cache;
@@ -140,8 +147,7 @@ def test_a_trainer_rank_and_an_engine_by_hand(no_gpu):
 
 
 def test_the_dry_run_on_a_machine_without_gpus_plans_the_gpu_job(no_gpu, capsys):
-    rft.runtime.main._main(compose_cfg(["stages=[]", "algorithm=grpo", "model=qwen7b", "dry_run=true"]))
-    out = capsys.readouterr().out
+    out = qwen7b_dry_run(capsys)
     assert ("devices        1 node x 8 GPUs (cluster.node_num, gpu_per_node) of 80.0 GiB (assumed: this machine has "
             "no GPU; set cluster.gpu_memory_gb); this machine has none: plan only, a run here stops") in out
     assert ("placement      4 vllm engines on 1 GPU each (explorer.rollout_model.engine_num, tensor_parallel_size); "
@@ -174,8 +180,7 @@ def test_a_gpu_run_on_a_machine_without_gpus_stops_before_it_loads_anything(no_g
 
 
 def test_one_24gb_gpu_the_plan_cannot_fit_and_names_what_to_change(one_24gb_gpu, capsys):
-    rft.runtime.main._main(compose_cfg(["stages=[]", "algorithm=grpo", "model=qwen7b", "dry_run=true"]))
-    out = capsys.readouterr().out
+    out = qwen7b_dry_run(capsys)
     assert ("devices        1 node x 8 GPUs (cluster.node_num, gpu_per_node) of 24.0 GiB (this machine's NVIDIA "
             "GeForce RTX 4090); this machine has 1") in out
     assert ("does not fit   this machine has 1 GPU and the plan asks for 8 (cluster.gpu_per_node); change: "
@@ -267,9 +272,14 @@ def test_the_memory_benchmark_plans_each_of_its_arms():
     parts = dict(parts)
     # 494,032,768 parameters once built (its safetensors headers), 494,005,120 counted from its
     # model.architecture before (biases left out); x 2 bytes each for the weights, gradients, the
-    # sync segment; x 4 for Adam and for the 2 snapshots (Ray, sync_offset 1)
+    # sync segment; x 4 for Adam; x 6 for the snapshots (Ray, sync_offset 1: 3 at the moment a new
+    # one is taken)
     p = parts["weights"]
     assert p in (494_032_768 * 2, 494_005_120 * 2)
-    assert (parts["weights"], parts["gradients"], parts["Adam"], parts["sync segment"], parts["snapshots"]) == (p, p, 2 * p, p, 2 * p)
+    assert (parts["weights"], parts["gradients"], parts["Adam"], parts["sync segment"], parts["snapshots"]) == (p, p, 2 * p, p, 3 * p)
     # 8 rows x (24 + 16 tokens) = 320 tokens; logits 320 x 151,936 x 16 bytes
     assert parts["logits (320-token micro-batch)"] == 320 * 151936 * 16
+
+    # fsdp2 (2 ranks): the shards halve, rank 0 gathers the whole weights for a memory sync
+    parts = dict(bench.estimate(bench.COMMON + bench.ARMS["0.5b-fsdp2"])["trainer"][1])
+    assert (parts["weights"], parts["snapshots (rank 0)"], parts["weights gathered for a sync (rank 0)"]) == (p // 2, 3 * p, p)

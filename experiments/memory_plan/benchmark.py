@@ -2,6 +2,7 @@
 
     .venv/bin/python experiments/memory_plan/benchmark.py                 # every arm
     .venv/bin/python experiments/memory_plan/benchmark.py --arms tiny 0.5b
+    .venv/bin/python experiments/memory_plan/benchmark.py --extra cluster.gpu_per_node=1 cluster.colocate=true
 
 Each arm is a short run with Ray (cluster=local: the trainer and the explorer each a process of its
 own), eval off; its peaks are the largest `perf/max_memory_gb` (the trainer's busiest rank) and
@@ -31,7 +32,8 @@ ARMS = {
     "tiny": [],
     "0.5b": [*SHAPE, "model.max_response_tokens=16"],
     "0.5b-long": [*SHAPE, "model.max_response_tokens=128"],
-    "0.5b-fsdp2": [*SHAPE, "model.max_response_tokens=16", "trainer=fsdp2"],
+    # 2 trainer ranks and an explorer: 3 actors of 1 CPU, on a 2-core machine 3 of Ray's CPUs
+    "0.5b-fsdp2": [*SHAPE, "model.max_response_tokens=16", "trainer=fsdp2", "cluster.num_cpus=3"],
 }
 
 
@@ -55,8 +57,10 @@ def estimate(overrides: list[str]) -> dict:
 
 def measure(name: str, overrides: list[str], root: Path) -> dict:
     env = {**os.environ, "RFT_CHECKPOINT_ROOT_DIR": str(root)}
-    subprocess.run([sys.executable, "run.py", *overrides, f"name={name}"], cwd=ROOT, env=env, check=True,
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    done = subprocess.run([sys.executable, "run.py", *overrides, f"name={name}"], cwd=ROOT, env=env,
+                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    if done.returncode:
+        raise SystemExit(f"arm {name}: run.py exited {done.returncode}:\n{done.stderr[-2000:]}")
     rows = [json.loads(x) for x in (root / "rft" / name / "metrics.jsonl").read_text().splitlines()]
     peak = {"trainer": "perf/max_memory_gb", "explorer": "perf/explorer_max_memory_gb"}
     return {role: max(r[k] for r in rows if k in r) * 2**30 for role, k in peak.items()}
@@ -65,11 +69,13 @@ def measure(name: str, overrides: list[str], root: Path) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
+    ap.add_argument("--extra", nargs="*", default=[], help="overrides added to every arm (on one GPU: "
+                                                               "cluster.gpu_per_node=1 cluster.colocate=true)")
     args = ap.parse_args()
     print("| arm | role | estimate GiB | measured peak GiB | estimate / measured | the estimate's parts (GiB) |")
     print("|---|---|---|---|---|---|")
     for arm in args.arms:
-        overrides = COMMON + ARMS[arm]
+        overrides = COMMON + ARMS[arm] + args.extra
         est = estimate(overrides)
         with tempfile.TemporaryDirectory() as tmp:
             got = measure(arm.replace(".", "_"), overrides, Path(tmp))

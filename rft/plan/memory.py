@@ -25,9 +25,10 @@ shards the weights, gradients and optimizer state; trainer=torch is N = 1):
     runtime      1 GiB on a GPU (CUDA context, allocator slack); on CPU the process itself
                  (python, torch, transformers, Ray's worker: CPU_RUNTIME)
     host copies  in CPU memory: sync=memory's shared-memory segment P b (one node, Ray: mapped by
-                 the trainer and each hf explorer, so in each one's resident set), and with the
+                 the trainer and each hf explorer, so in each one's resident set); with the
                  explorers running ahead (sync_offset > 0 or sync_interval > 1) the trainer's
-                 snapshots of 2 versions, 2 P b, for an explorer Ray restarts
+                 snapshots for an explorer Ray restarts, 3 P b at the moment a new one is taken;
+                 fsdp2's whole weights gathered on rank 0 for a memory or checkpoint sync, P b
 
 T, the tokens of a micro-batch: trainer.max_token_len_per_gpu with use_dynamic_bsz, else
 micro_batch_size_per_gpu x max_model_len (every row at its longest).
@@ -42,7 +43,8 @@ Per engine (E bytes per parameter in the engine's dtype, TP = tensor_parallel_si
                  generate_batch_size and the step's rollouts per engine) at max_model_len tokens
                  + three [rows, V] float32 score tensors + runtime
 
-Not counted: reward-model and auxiliary-model workers, the explorer's task data, Ray's object store.
+Not counted: reward-model and auxiliary-model workers, the explorer's task data, Ray's object store,
+AdamW's step temporaries (a weights-sized one), what the C heap keeps of freed copies.
 Checked against measured peaks: experiments/memory_plan/README.md. Planning only: no torch.
 """
 
@@ -279,8 +281,7 @@ def trainer_role(cfg, plan, s: Shape, dev: Devices) -> Role:
         parts.append(("critic", 4 * s.parameters * b // n))
     if n > 1:
         parts.append(("gathered layers", 2 * (s.parameters - s.vocab * s.hidden) // s.layers * b))
-    # fsdp2 gathers the whole weights on rank 0 for a snapshot
-    parts += [(k + " (rank 0)" * (n > 1 and k == "snapshots") + where * gpu, v) for k, v in _host_copies(cfg, s.parameters * b)]
+    parts += [(k + where * gpu, v) for k, v in _host_copies(cfg, s.parameters * b, ranks=n)]
     tokens = _tokens(cfg, plan)
     parts.append(_activations(cfg, s, tokens))
     chunk = min(t.logprob_chunk_size or tokens, tokens)
@@ -298,17 +299,21 @@ def trainer_role(cfg, plan, s: Shape, dev: Devices) -> Role:
 _STATE = ("weights", "gradients", "Adam", "reference", "critic")
 
 
-def _host_copies(cfg, nbytes: int, trainer: bool = True) -> list:
-    """Whole copies of the weights a process keeps in host memory: the shared-memory segment of
-    sync=memory on one node with Ray (mapped by the trainer and each explorer: it counts in each
-    one's resident set, one copy on the machine), and the trainer's snapshots of the versions the
-    explorers serve and explore with while they run ahead, for an explorer Ray restarts
-    (rft.runtime.explorers: 2 versions with sync_offset 1)."""
+def _host_copies(cfg, nbytes: int, ranks: int = 0) -> list:
+    """Whole copies of the weights a process keeps in host memory at its peak: the shared-memory
+    segment of sync=memory on one node with Ray (mapped by the trainer and each explorer: it counts
+    in each one's resident set, one copy on the machine); the trainer's (ranks > 0) snapshots of the
+    versions the explorers serve and explore with while they run ahead, for an explorer Ray
+    restarts (rft.runtime.explorers: 2 versions with sync_offset 1, and a third while the newest is
+    taken before the oldest is dropped); fsdp2's whole weights, gathered on rank 0 for a memory or
+    checkpoint sync (a collective one gathers a tensor at a time)."""
     c, sc = cfg.cluster, cfg.synchronizer
     ray = cfg.mode == "both" and c.backend == "ray"
     out = [("sync segment", nbytes)] if ray and c.node_num == 1 and sc.sync_method == "memory" else []
-    if trainer and ray and c.max_actor_restarts > 0 and (sc.sync_offset > 0 or sc.sync_interval > 1):
-        out.append(("snapshots", 2 * nbytes))
+    if ranks and ray and c.max_actor_restarts > 0 and (sc.sync_offset > 0 or sc.sync_interval > 1):
+        out.append(("snapshots" + " (rank 0)" * (ranks > 1), 3 * nbytes))
+    if ranks > 1 and cfg.mode == "both" and sc.sync_method in ("memory", "checkpoint"):
+        out.append(("weights gathered for a sync (rank 0)", nbytes))
     return out
 
 
@@ -355,7 +360,7 @@ def engine_role(cfg, plan, s: Shape, dev: Devices) -> Role | None:
                  ("runtime", runtime))
     elif rm.engine_type == "hf":
         rows = min(rm.generate_batch_size, max(-(-plan.tasks_per_step * plan.rollouts_per_task // max(plan.explorers, 1)), 1))
-        host = [(k + " in CPU memory" * bool(dev.gpus), v) for k, v in _host_copies(cfg, s.parameters * e, trainer=False)]
+        host = [(k + " in CPU memory" * bool(dev.gpus), v) for k, v in _host_copies(cfg, s.parameters * e)]
         parts = (("weights", s.parameters * e), *host, (f"KV cache ({rows} rows x {longest:,} tokens)", rows * longest * per_token),
                  (f"scores ({rows} rows)", 3 * rows * s.vocab * 4), ("runtime", runtime))
     else:
