@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, compose_cfg
+from conftest import CONF, ROOT, compose_cfg
 
 import rft.plan.memory as M
 import rft.runtime.main
@@ -72,7 +72,7 @@ def test_the_readme_command_brings_what_7b_needs_and_the_command_line_still_wins
     assert (cfg.explorer.rollout_model.engine_type, cfg.synchronizer.sync_method, cfg.cluster.gpu_per_node) == ("vllm", "collective", 2)
 
 
-def test_the_shape_from_the_architecture_and_the_parameters_counted():
+def test_the_shape_from_the_architecture_and_the_parameters_counted(tmp_path):
     cfg = compose_cfg(["model=qwen7b"])
     s, source = M.shape_of(cfg.model)
     assert source == "model.architecture"
@@ -101,6 +101,18 @@ def test_the_shape_from_the_architecture_and_the_parameters_counted():
     with pytest.raises(ConfigError, match=r"model.architecture lacks hidden_size: give the model's config.json numbers"):
         M.shape_of(compose_cfg(["model=qwen7b", "~model.architecture.hidden_size"]).model)
     assert M.shape_of(compose_cfg(["model=qwen7b", "model.architecture=null"]).model) == (None, "")
+    for bad, said in (("model.architecture.num_hidden_layers=0", "has num_hidden_layers=0"),
+                      ("model.architecture.hidden_size=wide", "has hidden_size='wide'"),
+                      ("model.architecture.vocab_size=null", "lacks vocab_size")):
+        with pytest.raises(ConfigError, match=f"model.architecture {said}: give the model's config.json numbers"):
+            M.shape_of(compose_cfg(["model=qwen7b", bad]).model)
+    # a config.json the estimate does not know (a multimodal one nests its text model's): not estimated
+    odd = tmp_path / "vlm"
+    odd.mkdir()
+    (odd / "config.json").write_text(json.dumps({"text_config": {"hidden_size": 8}}))
+    assert M.shape_of(compose_cfg(["model=qwen7b", f"model.model_path={odd}"]).model) == (None, "")
+    (odd / "config.json").write_text("{not json")
+    assert M.shape_of(compose_cfg(["model=qwen7b", f"model.model_path={odd}", "model.architecture=null"]).model) == (None, "")
 
 
 def test_lora_parameters_by_hand():
@@ -197,7 +209,7 @@ def test_one_24gb_gpu_the_plan_cannot_fit_and_names_what_to_change(one_24gb_gpu,
     # 7,615,487,488 x 8 bytes = 56.7 GiB > 24: certain, so a run stops before it loads the model
     stage, plan = plan_of(["model=qwen7b", "cluster.gpu_per_node=1", "cluster.colocate=true",
                            "explorer.rollout_model.engine_num=1", "trainer.ranks=1"])
-    with pytest.raises(ConfigError, match=r"the plan cannot fit: a trainer rank needs ~6\d.\d GiB of its GPU's 24.0. "
+    with pytest.raises(ConfigError, match=r"the plan cannot fit: the trainer needs ~6\d.\d GiB of its GPU's 24.0. "
                                           r"Change more ranks"):
         M.check_memory([stage], [plan])
 
@@ -220,7 +232,49 @@ def test_vllm_weights_over_the_gpu_and_the_cpu_total(monkeypatch):
     stage, plan = plan_of(["model=qwen2.5-0.5b", "cluster.gpu_per_node=0", "explorer=hf", "trainer.use_dynamic_bsz=false"])
     what, keys, certain = M.estimate(stage, plan).problems[-1]
     assert what.startswith("the actors need ~") and what.endswith("GiB together and this machine has 4.0")
-    assert not certain
+    # the trainer's weights, gradients and Adam, 494,005,120 x 8 bytes = 3.7 GiB, and the engine's
+    # weights 0.9 GiB: over 4 GiB whatever the activations, so a run stops before it loads
+    assert certain
+    with pytest.raises(ConfigError, match=r"the plan cannot fit: the actors need ~\d+.\d GiB together and this "
+                                          r"machine has 4.0. Change a smaller model"):
+        M.check_memory([stage], [plan])
+    monkeypatch.setattr(M, "host_memory", lambda: 6 * GiB)  # over by the estimate of the rest: a warning
+    assert not M.estimate(stage, plan).problems[-1][2]
+
+
+def test_a_gpu_memory_that_is_not_a_size(no_gpu):
+    stage, plan = plan_of(["model=qwen7b", "cluster.gpu_memory_gb=0"])
+    with pytest.raises(ConfigError, match=r"cluster.gpu_memory_gb=0.0 must be > 0 \(GiB of one GPU's memory\), or null"):
+        M.estimate(stage, plan)
+
+
+def test_a_slurm_sweep_asks_for_the_gpus_it_plans_for_and_fits_them(no_gpu):
+    """`python run.py -m hydra/launcher=slurm model=qwen7b seed=1,2` on a login node without GPUs:
+    every job is planned before anything is queued (rft.runtime.callbacks.plan_jobs)."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from omegaconf import read_write
+
+    from rft.runtime.callbacks import plan_jobs
+
+    def planned(*overrides):
+        cfg = compose("config", overrides=["hydra/launcher=slurm", "stages=[]", "model=qwen7b", *overrides],
+                      return_hydra_config=True)
+        with read_write(cfg.hydra.overrides.task):  # as `-m ... seed=1,2`
+            cfg.hydra.overrides.task.append("seed=1,2")
+        return plan_jobs(cfg, "config")
+
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        assert planned() == ("job 0 of the sweep (seed=1): cluster.gpu_per_node=8, but hydra.launcher.gpus_per_node=null "
+                             "asks Slurm for 0 GPUs a node. Set hydra.launcher.gpus_per_node=8 (or cluster.gpu_per_node "
+                             "to what the nodes have). No job has started: every job is planned first.")
+        assert planned("hydra.launcher.gpus_per_node=8") is None
+        # one trainer process (trainer=torch) on a 24 GiB GPU: 7,615,487,488 x 8 bytes = 56.7 GiB of
+        # weights, gradients and Adam alone
+        said = planned("hydra.launcher.gpus_per_node=8", "cluster.gpu_memory_gb=24", "trainer=torch")
+        assert said.startswith("job 0 of the sweep (seed=1): the plan cannot fit: the trainer needs ~")
+        assert "GiB of its GPU's 24.0. Change trainer=fsdp2 (the weights, gradients and Adam sharded over ranks)" in said
 
 
 def test_the_device_query_reads_nvidia_smi(monkeypatch):

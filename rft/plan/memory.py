@@ -69,7 +69,7 @@ VLLM_ACTIVATIONS = 2 * GiB
 ASSUMED_GPU_GIB = 80  # a login node planning a GPU job: an 80 GiB GPU (A100-80G, H100)
 _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 _HEADER_DTYPES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "I64": 8, "I32": 4, "I8": 1, "U8": 1, "BOOL": 1}
-_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+_KEYS = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "vocab_size")
 
 
 @dataclass(frozen=True)
@@ -137,20 +137,36 @@ def shape_of(model_cfg) -> tuple[Shape | None, str]:
     raw, source = _read_config(model_cfg)
     if raw is None:
         return None, ""
-    missing = [k for k in _KEYS if k not in raw]
-    if missing:
+    numbers, bad = _numbers(raw)
+    if bad:
         if source == "model.architecture":
-            raise ConfigError(f"model.architecture lacks {', '.join(missing)}: give the model's config.json "
-                              f"numbers ({', '.join(_KEYS)}; num_key_value_heads, head_dim and "
-                              f"tie_word_embeddings optional), or set it to null.")
-        return None, ""  # not a decoder this estimate knows
-    h, heads = int(raw["hidden_size"]), int(raw["num_attention_heads"])
-    head_dim = int(raw.get("head_dim") or h // heads)
-    kv = int(raw.get("num_key_value_heads") or heads) * head_dim
-    shape = Shape(0, int(raw["num_hidden_layers"]), h, int(raw["intermediate_size"]), heads, kv, head_dim,
-                  int(raw["vocab_size"]), bool(raw.get("tie_word_embeddings", False)))
+            raise ConfigError(f"model.architecture {bad}: give the model's config.json numbers ({', '.join(_KEYS)}, "
+                              f"each a positive integer; num_key_value_heads, head_dim and tie_word_embeddings "
+                              f"optional), or set it to null.")
+        return None, ""  # not a decoder this estimate knows (a multimodal config nests its text model's)
+    layers, h, inter, heads, vocab = (numbers[k] for k in _KEYS)
+    head_dim = numbers.get("head_dim") or h // heads
+    kv = (numbers.get("num_key_value_heads") or heads) * head_dim
+    shape = Shape(0, layers, h, inter, heads, kv, head_dim, vocab, bool(raw.get("tie_word_embeddings", False)))
     counted, _ = parameter_count(str(model_cfg.model_path)) if source != "model.architecture" else (None, "")
     return Shape(counted or _count(shape), *list(shape.__dict__.values())[1:]), source
+
+
+def _numbers(raw) -> tuple[dict, str]:
+    """The shape's integers of a config (the required _KEYS, and head_dim, num_key_value_heads where
+    given), or what is wrong with them."""
+    missing = [k for k in _KEYS if raw.get(k) is None]
+    if missing:
+        return {}, f"lacks {', '.join(missing)}"
+    out = {}
+    for k in (*_KEYS, "head_dim", "num_key_value_heads"):
+        v = raw.get(k)
+        if v is None and k not in _KEYS:
+            continue
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            return {}, f"has {k}={v!r}"
+        out[k] = v
+    return out, ""
 
 
 def parameter_count(model_path: str) -> tuple[int | None, str]:
@@ -234,6 +250,9 @@ def planned_devices(cfg) -> Devices:
     if not c.gpu_per_node:
         return Devices(0, c.node_num, host_memory(), "this machine's memory", here)
     if c.gpu_memory_gb is not None:
+        if not c.gpu_memory_gb > 0:
+            raise ConfigError(f"cluster.gpu_memory_gb={c.gpu_memory_gb} must be > 0 (GiB of one GPU's memory), or null "
+                              f"for this machine's GPUs'.")
         return Devices(c.gpu_per_node, c.node_num, int(c.gpu_memory_gb * GiB), "cluster.gpu_memory_gb", here)
     if here:
         name, size = min(here, key=lambda g: g[1])
@@ -291,7 +310,7 @@ def trainer_role(cfg, plan, s: Shape, dev: Devices) -> Role:
     problem = None
     if gpu and total > dev.memory:
         static = sum(v for k, v in parts if k.split(" (")[0] in _STATE)
-        problem = (f"a trainer rank needs ~{gib(total)} GiB of its GPU's {gib(dev.memory)}",
+        problem = (f"{'a trainer rank' if n > 1 else 'the trainer'} needs ~{gib(total)} GiB of its GPU's {gib(dev.memory)}",
                    _trainer_fixes(cfg, parts), static > dev.memory)
     return Role(f"trainer rank (x{n})" if n > 1 else "trainer", n, tuple(parts), total, problem)
 
@@ -412,10 +431,12 @@ def estimate(cfg, plan) -> Estimate:
                              "the trainer trains), a lower gpu_memory_utilization, or cluster.colocate=false", False))
     if not dev.gpus:
         both = sum(r.count * r.total for r in roles)
+        # certain: the weights and optimizer state alone are over this machine's memory
+        state = sum(r.count * v for r in roles for k, v in r.parts if k.split(" (")[0] in _STATE)
         if both > dev.memory:
             problems.append((f"the actors need ~{gib(both)} GiB together and this machine has {gib(dev.memory)}",
                              "a smaller model, fewer explorers (explorer.rollout_model.engine_num) or trainer ranks",
-                             False))
+                             state > dev.memory))
     return Estimate(dev, s, source, tuple(roles), tuple(problems))
 
 

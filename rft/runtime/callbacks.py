@@ -6,7 +6,8 @@ rft runs, which would otherwise end in its traceback or after work was done.
   or in a read-only place raised NotADirectoryError or PermissionError from Hydra's mkdir (and a
   name of '..' parts made a directory outside the project's);
 - a sweep whose job cannot plan (`-m buffer.batch_size=4,0`): every job is planned before the
-  first starts (plan_jobs), not when its turn comes after the others trained.
+  first starts (plan_jobs), not when its turn comes after the others trained; on Slurm, each job
+  also asks for the GPUs it plans for, and fits them (`_check_launch`).
 
 Each ends the command with one paragraph and status 2, as rft's other configuration errors.
 """
@@ -103,11 +104,27 @@ def plan_jobs(config, config_name: str | None) -> str | None:
     try:
         sizes = job_sizes_in_child([(stages, sources) for _, stages, sources in planned])
         for (i, stages, _), n in zip(planned, sizes):
-            per_stage(make_plan, stages, n)
+            _check_launch(config.hydra.launcher, stages, per_stage(make_plan, stages, n))
     except ConfigError as e:
         i = planned[e.job][0] if hasattr(e, "job") else i
         return _job_error(i, own[i], e)
     return None
+
+
+def _check_launch(launcher, stages: list, plans: list) -> None:
+    """A sweep on Slurm (hydra/launcher=slurm): each job asks Slurm for the GPUs it plans for, and
+    what surely cannot fit them stops the sweep before anything is queued (rft.plan.memory; this
+    machine, a login node, plans with cluster.gpu_memory_gb or an assumed 80 GiB GPU)."""
+    from rft.plan.memory import check_memory
+
+    if "slurm" not in str(launcher.get("_target_", "")).lower():
+        return
+    c, asked = stages[-1].cluster, launcher.get("gpus_per_node")
+    if (asked or 0) != c.gpu_per_node:
+        raise ConfigError(f"cluster.gpu_per_node={c.gpu_per_node}, but hydra.launcher.gpus_per_node="
+                          f"{'null' if asked is None else asked} asks Slurm for {asked or 0} GPUs a node. Set hydra.launcher.gpus_per_node={c.gpu_per_node} (or cluster.gpu_per_node to "
+                          f"what the nodes have).")
+    check_memory(stages, plans)
 
 
 def _job_error(i: int, overrides: list[str], error: Exception) -> str:
