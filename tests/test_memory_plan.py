@@ -226,7 +226,12 @@ def test_vllm_weights_over_the_gpu_and_the_cpu_total(monkeypatch):
     # tensor_parallel_size=2: half the weights a GPU, 0.5 x 24 x 2 GiB for the engine
     stage, plan = plan_of(["model=qwen7b", "cluster.gpu_memory_gb=24", "explorer.rollout_model.gpu_memory_utilization=0.5",
                            "explorer.rollout_model.tensor_parallel_size=2", "explorer.rollout_model.engine_num=2", "sync=checkpoint"])
-    assert M.estimate(stage, plan).roles[1].problem is None
+    engine = M.estimate(stage, plan).roles[1]
+    assert engine.problem is None and engine.count == 2 * 2  # 2 engines x 2 GPUs
+    # per GPU: half the weights, 2 GiB of activations, half of the engine's 2 x 12 GiB less the rest
+    parts = dict(engine.parts)
+    assert parts["weights"] == QWEN7B_PARAMETERS * 2 // 2
+    assert engine.total == int(0.5 * 24 * GiB) == sum(parts.values())
     # on CPU every actor shares this machine's memory
     monkeypatch.setattr(M, "host_memory", lambda: 4 * GiB)
     stage, plan = plan_of(["model=qwen2.5-0.5b", "cluster.gpu_per_node=0", "explorer=hf", "trainer.use_dynamic_bsz=false"])

@@ -35,9 +35,9 @@ micro_batch_size_per_gpu x max_model_len (every row at its longest).
 
 Per engine (E bytes per parameter in the engine's dtype, TP = tensor_parallel_size):
 
-    vllm (GPU)   gpu_memory_utilization x the GPU's memory, taken whole: weights P E / TP, ~2 GiB of
-                 activations and graphs, the rest KV cache (2 L kv E bytes per token / TP); it must
-                 hold one sequence of max_model_len tokens
+    vllm (GPU)   per GPU, gpu_memory_utilization x the GPU's memory, taken whole: weights P E / TP,
+                 ~2 GiB of activations and graphs, the rest KV cache (2 L kv E bytes per token / TP);
+                 the engine's cache must hold one sequence of max_model_len tokens
     vllm (CPU)   weights P E + rollout_model.cpu_kvcache_space_gb + runtime
     hf           weights P E + the KV cache of the rows one generate() call holds (min of
                  generate_batch_size and the step's rollouts per engine) at max_model_len tokens
@@ -338,7 +338,7 @@ def _host_copies(cfg, nbytes: int, ranks: int = 0) -> list:
 
 def _trainer_fixes(cfg, parts) -> str:
     """The keys that lower a trainer rank's largest parts."""
-    big = max(parts, key=lambda p: p[1])[0]
+    big = max((p for p in parts if "in CPU memory" not in p[0]), key=lambda p: p[1])[0]
     fsdp = cfg.trainer.trainer_strategy == "fsdp2"
     if big.startswith("activations"):
         return ("trainer.gradient_checkpointing=true, " if not cfg.trainer.gradient_checkpointing else "") + \
@@ -364,15 +364,16 @@ def engine_role(cfg, plan, s: Shape, dev: Devices) -> Role | None:
         cache = total - weights - VLLM_ACTIVATIONS * tp
         rows = max(plan.tasks_per_step * plan.rollouts_per_task // max(plan.explorers, 1), 1)
         holds = max(cache, 0) // (per_token * longest)
-        parts = (("weights", weights), ("activations", VLLM_ACTIVATIONS * tp),
-                 (f"KV cache (holds {min(holds, rows):,} of {rows:,} sequences at {longest:,} tokens)", max(cache, 0)))
+        # per GPU, as the trainer's: the engine's tensor-parallel ranks split the weights and the cache
+        parts = (("weights", weights // tp), ("activations", VLLM_ACTIVATIONS),
+                 (f"KV cache (holds {min(holds, rows):,} of {rows:,} sequences at {longest:,} tokens)", max(cache, 0) // tp))
         problem = None if holds >= 1 else (
             f"the vLLM engine's weights ({gib(weights / tp)} GiB a GPU) leave no room in explorer.rollout_model."
             f"gpu_memory_utilization={rm.gpu_memory_utilization:g} of {gib(dev.memory)} GiB for one sequence's "
             f"KV cache ({longest:,} tokens)", "explorer.rollout_model.tensor_parallel_size (GPUs per engine), "
             "gpu_memory_utilization, or a lower model.max_response_tokens", weights / tp > total / tp)
-        label = name + (f", {tp} GPUs each" if tp > 1 else "")
-        return Role(label, plan.explorers, parts, total // tp, problem)
+        label = name + (f", per GPU of {tp}" if tp > 1 else "")
+        return Role(label, plan.explorers * tp, parts, total // tp, problem)
     runtime = GPU_RUNTIME if dev.gpus else CPU_RUNTIME
     if rm.engine_type == "vllm":
         parts = (("weights", s.parameters * e), ("KV cache (cpu_kvcache_space_gb)", rm.cpu_kvcache_space_gb * GiB),
