@@ -30,6 +30,7 @@ from rft import config as C
 from rft.algorithms import ADVANTAGE_FNS, KL_FNS, POLICY_LOSS_FNS, Needs, algorithm_needs, check_args
 from rft.errors import ConfigError
 from rft.registry import ENGINES, TRAINER_BACKENDS
+from rft.plan import memory
 from rft.plan.placement import check_placement, explorer_count, sync_offset, trainer_ranks
 
 log = logging.getLogger(__name__)
@@ -505,7 +506,7 @@ def _token_budget(cfg, micro: int) -> int | None:
     t, model = cfg.trainer, cfg.model
     if not t.use_dynamic_bsz:
         return None
-    longest = model.max_model_len or model.max_prompt_tokens + model.max_response_tokens
+    longest = memory.longest(model)
     budget = t.max_token_len_per_gpu or micro * longest
     if budget < 1:
         raise ConfigError(f"trainer.max_token_len_per_gpu={budget} must be >= 1 (tokens per micro-batch).")

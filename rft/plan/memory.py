@@ -51,6 +51,7 @@ Checked against measured peaks: experiments/memory_plan/README.md. Planning only
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import subprocess
@@ -59,6 +60,8 @@ from pathlib import Path
 
 from rft.config import DTYPES
 from rft.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 GiB = 2**30
 GPU_RUNTIME = 1 * GiB
@@ -267,13 +270,14 @@ def gib(n: float) -> str:
 
 # ---------------------------------------------------------------- the roles
 
-def _longest(model) -> int:
+def longest(model) -> int:
+    """Tokens of the longest sequence: model.max_model_len, or prompt + response budgets."""
     return model.max_model_len or model.max_prompt_tokens + model.max_response_tokens
 
 
 def _tokens(cfg, plan) -> int:
     """Tokens of one micro-batch at its largest."""
-    return plan.max_token_len_per_gpu or plan.micro_batch_size * _longest(cfg.model)
+    return plan.max_token_len_per_gpu or plan.micro_batch_size * longest(cfg.model)
 
 
 def _activations(cfg, s: Shape, tokens: int) -> tuple[str, int]:
@@ -355,7 +359,7 @@ def engine_role(cfg, plan, s: Shape, dev: Devices) -> Role | None:
     """One engine's memory (the module docstring's formulas); None for a study's own engine."""
     rm, m = cfg.explorer.rollout_model, cfg.model
     e = dtype_bytes(rm.dtype or m.dtype)
-    longest, tp = _longest(m), rm.tensor_parallel_size
+    seq, tp = longest(m), rm.tensor_parallel_size
     per_token = 2 * s.layers * s.kv * e
     name = f"explorer (x{plan.explorers})" if plan.explorers > 1 else "explorer"
     if rm.engine_type == "vllm" and dev.gpus:
@@ -363,14 +367,14 @@ def engine_role(cfg, plan, s: Shape, dev: Devices) -> Role | None:
         weights = s.parameters * e
         cache = total - weights - VLLM_ACTIVATIONS * tp
         rows = max(plan.tasks_per_step * plan.rollouts_per_task // max(plan.explorers, 1), 1)
-        holds = max(cache, 0) // (per_token * longest)
+        holds = max(cache, 0) // (per_token * seq)
         # per GPU, as the trainer's: the engine's tensor-parallel ranks split the weights and the cache
         parts = (("weights", weights // tp), ("activations", VLLM_ACTIVATIONS),
-                 (f"KV cache (holds {min(holds, rows):,} of {rows:,} sequences at {longest:,} tokens)", max(cache, 0) // tp))
+                 (f"KV cache (holds {min(holds, rows):,} of {rows:,} sequences at {seq:,} tokens)", max(cache, 0) // tp))
         problem = None if holds >= 1 else (
             f"the vLLM engine's weights ({gib(weights / tp)} GiB a GPU) leave no room in explorer.rollout_model."
             f"gpu_memory_utilization={rm.gpu_memory_utilization:g} of {gib(dev.memory)} GiB for one sequence's "
-            f"KV cache ({longest:,} tokens)", "explorer.rollout_model.tensor_parallel_size (GPUs per engine), "
+            f"KV cache ({seq:,} tokens)", "explorer.rollout_model.tensor_parallel_size (GPUs per engine), "
             "gpu_memory_utilization, or a lower model.max_response_tokens", weights / tp > total / tp)
         label = name + (f", per GPU of {tp}" if tp > 1 else "")
         return Role(label, plan.explorers * tp, parts, total // tp, problem)
@@ -381,7 +385,7 @@ def engine_role(cfg, plan, s: Shape, dev: Devices) -> Role | None:
     elif rm.engine_type == "hf":
         rows = min(rm.generate_batch_size, max(-(-plan.tasks_per_step * plan.rollouts_per_task // max(plan.explorers, 1)), 1))
         host = [(k + " in CPU memory" * bool(dev.gpus), v) for k, v in _host_copies(cfg, s.parameters * e)]
-        parts = (("weights", s.parameters * e), *host, (f"KV cache ({rows} rows x {longest:,} tokens)", rows * longest * per_token),
+        parts = (("weights", s.parameters * e), *host, (f"KV cache ({rows} rows x {seq:,} tokens)", rows * seq * per_token),
                  (f"scores ({rows} rows)", 3 * rows * s.vocab * 4), ("runtime", runtime))
     else:
         return None
@@ -513,13 +517,11 @@ def check_memory(stages: list, plans: list) -> None:
     """What surely cannot fit the devices (a trainer rank's weights and optimizer state alone, an
     engine's weights) stops the run before it loads the model; an estimate over a device's memory
     that might still fit is a warning."""
-    import logging
-
     for s, plan in zip(stages, plans):
         for what, keys, certain in estimate(s, plan).problems:
             if certain:
                 raise ConfigError(f"the plan cannot fit: {what}. Change {keys} (the whole estimate: dry_run=true).")
-            logging.getLogger(__name__).warning("memory: %s (an estimate; dry_run=true shows it). If the run "
+            log.warning("memory: %s (an estimate; dry_run=true shows it). If the run "
                                                 "runs out of memory, change %s.", what, keys)
 
 

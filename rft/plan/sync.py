@@ -15,15 +15,13 @@ count in its name ("Qwen2.5-7B": 7e9), and nothing is loaded.
 
 from __future__ import annotations
 
-from rft.config import DTYPES
-from rft.plan.memory import parameter_count, shape_of
+from rft.plan.memory import dtype_bytes, parameter_count, shape_of
 
 # bytes per sync from which moving the weights as bytes through an RPC, or through a file on
 # disk, every step is worth a warning: a 0.5B model in bfloat16 (~1 GB) through vLLM's RPC took
 # ~16 s a sync on 2 CPU cores, 8x its generate
 LARGE = 5 * 10**8
 
-_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}  # by rft.config.DTYPES' canonical names
 
 
 def route(cfg) -> tuple[str, str | None]:
@@ -33,7 +31,7 @@ def route(cfg) -> tuple[str, str | None]:
     if known != "its files":  # counted from its shape (config.json, model.architecture) rather than its name
         shape, source = shape_of(cfg.model)
         n, known = (shape.parameters, source) if shape else (n, known)
-    nbytes = None if n is None else n * _BYTES[DTYPES.get(str(cfg.model.dtype).lower(), "float32")]
+    nbytes = None if n is None else n * dtype_bytes(cfg.model.dtype)
     size = ("size unknown (the model is not on this machine)" if nbytes is None else
             f"{_size(nbytes)} per sync ({n / 1e6:,.1f}M parameters in {cfg.model.dtype}, from {known})")
     every = "every step" if s.sync_interval == 1 else f"every {s.sync_interval} steps"

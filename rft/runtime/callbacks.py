@@ -122,8 +122,9 @@ def _check_launch(launcher, stages: list, plans: list) -> None:
     c, asked = stages[-1].cluster, launcher.get("gpus_per_node")
     if (asked or 0) != c.gpu_per_node:
         raise ConfigError(f"cluster.gpu_per_node={c.gpu_per_node}, but hydra.launcher.gpus_per_node="
-                          f"{'null' if asked is None else asked} asks Slurm for {asked or 0} GPUs a node. Set hydra.launcher.gpus_per_node={c.gpu_per_node} (or cluster.gpu_per_node to "
-                          f"what the nodes have).")
+                          f"{'null' if asked is None else asked} asks Slurm for {asked or 0} GPUs a node. Set "
+                          f"hydra.launcher.gpus_per_node={c.gpu_per_node} (or cluster.gpu_per_node to what the "
+                          f"nodes have).")
     check_memory(stages, plans)
 
 
