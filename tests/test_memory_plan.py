@@ -342,3 +342,24 @@ def test_the_memory_benchmark_plans_each_of_its_arms():
     # fsdp2 (2 ranks): the shards halve, rank 0 gathers the whole weights for a memory sync
     parts = dict(bench.estimate(bench.COMMON + bench.ARMS["0.5b-fsdp2"])["trainer"][1])
     assert (parts["weights"], parts["snapshots (rank 0)"], parts["weights gathered for a sync (rank 0)"]) == (p // 2, 3 * p, p)
+
+
+def test_a_hub_id_reads_its_config_from_the_hugging_face_cache(tmp_path, monkeypatch):
+    """A hub id already downloaded: its config.json is read from the cache (never fetched); not
+    cached: model.architecture, else not estimated."""
+    snapshot = tmp_path / "hub" / "models--org--tiny-7b" / "snapshots" / "abc123"
+    snapshot.mkdir(parents=True)
+    (tmp_path / "hub" / "models--org--tiny-7b" / "refs").mkdir()
+    (tmp_path / "hub" / "models--org--tiny-7b" / "refs" / "main").write_text("abc123")
+    arch = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 3, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "vocab_size": 100, "tie_word_embeddings": True}
+    (snapshot / "config.json").write_text(json.dumps(arch))
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path / "hub"))
+    cfg = compose_cfg(["model=qwen7b", "model.model_path=org/tiny-7b"])
+    s, source = M.shape_of(cfg.model)
+    assert source == str(snapshot / "config.json")
+    # head_dim 64 / 4 = 16, kv 2 x 16 = 32; per layer 64 x 64 + 2 x 64 x 32 + 64 x 64 + 3 x 64 x 128
+    # + 2 x 64 = 4096 + 4096 + 4096 + 24576 + 128 = 36,992; x 3 + tied embeddings 100 x 64 + 64
+    assert (s.head_dim, s.kv, s.parameters) == (16, 32, 36_992 * 3 + 6400 + 64)
+    cfg = compose_cfg(["model=qwen7b", "model.model_path=org/not-cached"])
+    assert M.shape_of(cfg.model)[1] == "model.architecture"

@@ -151,8 +151,9 @@ def shape_of(model_cfg) -> tuple[Shape | None, str]:
     head_dim = numbers.get("head_dim") or h // heads
     kv = (numbers.get("num_key_value_heads") or heads) * head_dim
     shape = Shape(0, layers, h, inter, heads, kv, head_dim, vocab, bool(raw.get("tie_word_embeddings", False)))
-    counted, _ = parameter_count(str(model_cfg.model_path)) if source != "model.architecture" else (None, "")
-    return Shape(counted or _count(shape), *list(shape.__dict__.values())[1:]), source
+    # the safetensors headers' exact count where the weights are here; never the guess from a name
+    counted, how = parameter_count(str(model_cfg.model_path))
+    return Shape(counted if how == "its files" else _count(shape), *list(shape.__dict__.values())[1:]), source
 
 
 def _numbers(raw) -> tuple[dict, str]:
