@@ -460,6 +460,12 @@ class TrainerConfig:
     param_offload: bool = False
     # trainer=fsdp2: keep Adam's moments in CPU memory between steps
     optimizer_offload: bool = False
+    # trainer=fsdp2: mixed precision. The weights, gradients and Adam's moments in float32 while
+    # the forward and backward compute in model.dtype (bfloat16: FSDP2 casts each block's weights
+    # as it gathers them, and reduces gradients in float32); updates smaller than a bfloat16
+    # weight's rounding step are kept, not lost. The engines get the weights cast to model.dtype,
+    # the trainer's compute weights exactly; checkpoints keep float32 (a resume loses nothing)
+    fp32_master_weights: bool = False
     # keep only the newest this many checkpoints of a stage (null: all); the oldest are deleted
     # after each save
     max_ckpt_to_keep: Optional[int] = None

@@ -241,15 +241,15 @@ def check_chat_template(tok, model_cfg) -> None:
             f"(or set model.custom_chat_template to one that renders).") from None
 
 
-def load_model(model_cfg, path: str | None = None):
-    """Load a causal LM from `path` (default: model.model_path)."""
+def load_model(model_cfg, path: str | None = None, dtype=None):
+    """Load a causal LM from `path` (default: model.model_path), in `dtype` (default: model.dtype)."""
     from transformers import AutoModelForCausalLM
 
     _quiet_transformers()
     try:
         model = AutoModelForCausalLM.from_pretrained(
             os.path.expanduser(path or model_cfg.model_path),
-            dtype=torch_dtype(model_cfg.dtype),
+            dtype=dtype or torch_dtype(model_cfg.dtype),
             trust_remote_code=model_cfg.trust_remote_code,
             # (a config built by hand may lack the key: transformers' default)
             **({"attn_implementation": a} if (a := model_cfg.get("attn_implementation")) else {}),

@@ -146,6 +146,8 @@ class TrainerBackendInfo:
     offload: bool = False
     # model.lora.rank > 0 trains adapters
     lora: bool = True
+    # trainer.fp32_master_weights: float32 weights and optimizer state under model.dtype compute
+    mixed_precision: bool = False
 
 
 # explorer.rollout_model.engine_type -> the engine class
@@ -159,5 +161,5 @@ ENGINES = Registry("explorer.rollout_model.engine_type", info="info", default=En
 TRAINER_BACKENDS = Registry("trainer.trainer_strategy", info="info", default=TrainerBackendInfo(),
                             shape="a class with the methods of rft/trainer/base.py (module.Class)", table={
     "torch": ("rft.trainer.trainer.Trainer", TrainerBackendInfo()),
-    "fsdp2": ("rft.trainer.fsdp.FSDPTrainer", TrainerBackendInfo(ranks=True, offload=True, lora=False)),
+    "fsdp2": ("rft.trainer.fsdp.FSDPTrainer", TrainerBackendInfo(ranks=True, offload=True, lora=False, mixed_precision=True)),
 })

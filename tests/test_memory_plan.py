@@ -131,11 +131,12 @@ def test_a_trainer_rank_and_an_engine_by_hand(no_gpu):
     assert est.devices == M.Devices(8, 1, 80 * GiB, "assumed: this machine has no GPU; set cluster.gpu_memory_gb", ())
     trainer, engine = est.roles
     parts = dict(trainer.parts)
-    # 4 fsdp2 ranks (8 GPUs less 4 engines); bfloat16: 2 bytes; GRPO has no reference model
-    assert plan.dp_size == 4
-    assert parts["weights"] == parts["gradients"] == QWEN7B_PARAMETERS * 2 // 4  # 3,807,743,744
-    assert parts["Adam"] == QWEN7B_PARAMETERS * 2 * 2 // 4
-    # two decoder layers' weights: (P - the embeddings 152,064 x 3584) / 28 x 2 x 2 bytes
+    # 4 fsdp2 ranks (8 GPUs less 4 engines); GRPO has no reference model; fp32 master weights:
+    # weights, gradients and Adam at 4 bytes, the compute in bfloat16 (2 bytes)
+    assert plan.dp_size == 4 and stage.trainer.fp32_master_weights
+    assert parts["weights"] == parts["gradients"] == QWEN7B_PARAMETERS * 4 // 4  # 7,615,487,488
+    assert parts["Adam"] == QWEN7B_PARAMETERS * 2 * 4 // 4
+    # two decoder layers' weights as computed: (P - the embeddings 152,064 x 3584) / 28 x 2 x 2 bytes
     assert parts["gathered layers"] == 2 * (QWEN7B_PARAMETERS - 152064 * 3584) // 28 * 2
     # checkpointed: each layer's input 16,384 tokens x 28 x 3584 x 2 bytes + one layer's whole,
     # 16,384 x (4 x 3584 + 2 x 3584 + 2 x 512 + 4 x 18944 = 98,304) x 2 bytes
@@ -147,7 +148,8 @@ def test_a_trainer_rank_and_an_engine_by_hand(no_gpu):
     # newest is taken: 3 x P x 2 bytes (45.7 GB) on rank 0, which gathers them
     assert parts["snapshots (rank 0) in CPU memory"] == 3 * QWEN7B_PARAMETERS * 2
     assert trainer.total == sum(v for k, v in parts.items() if "in CPU memory" not in k) and trainer.problem is None
-    assert 26 * GiB < trainer.total < 27 * GiB
+    # 26.8 GiB in bfloat16 + 14.2 GiB more for the float32 weights, gradients and Adam
+    assert 40 * GiB < trainer.total < 42 * GiB
     # an engine: 0.9 x 80 GiB taken, the weights whole, 2 GiB of activations, the rest KV cache;
     # a token's KV is 2 x 28 layers x 512 x 2 bytes = 57,344 bytes, a sequence 4,096 tokens of it
     eparts = dict(engine.parts)
@@ -165,7 +167,7 @@ def test_the_dry_run_on_a_machine_without_gpus_plans_the_gpu_job(no_gpu, capsys)
     assert ("placement      4 vllm engines on 1 GPU each (explorer.rollout_model.engine_num, tensor_parallel_size); "
             "trainer fsdp2, 4 ranks on a GPU each; weights by sync=collective") in out
     assert "memory         GiB on a GPU, for 7.62B parameters (shape from model.architecture)" in out
-    assert "trainer rank (x4): ~26.8 = weights 3.5 + gradients 3.5 + Adam 7.1 + gathered layers 0.9" in out
+    assert "trainer rank (x4): ~41.0 = weights 7.1 + gradients 7.1 + Adam 14.2 + gathered layers 0.9" in out
     assert "explorer (x4): ~72.0 = weights 14.2 + activations 2.0 + KV cache (holds 64 of 64 sequences" in out
     assert "does not fit" not in out
 
@@ -197,17 +199,24 @@ def test_one_24gb_gpu_the_plan_cannot_fit_and_names_what_to_change(one_24gb_gpu,
             "GeForce RTX 4090); this machine has 1") in out
     assert ("does not fit   this machine has 1 GPU and the plan asks for 8 (cluster.gpu_per_node); change: "
             "cluster.gpu_per_node=1 and the engines and trainer ranks to fit it, or run on a machine with 8") in out
-    # ~26.8 GiB a rank, as on 80 GiB GPUs, over 24: the largest part is Adam's, so more ranks or offload
-    assert ("does not fit   a trainer rank needs ~26.8 GiB of its GPU's 24.0; change: more ranks (trainer.ranks, "
-            "cluster.gpu_per_node, cluster.node_num), trainer.param_offload=true and optimizer_offload=true; or a "
-            "smaller model") in out
+    # ~41.0 GiB a rank, as on 80 GiB GPUs, over 24: the largest part is Adam's, so more ranks,
+    # offload, or bfloat16 weights and Adam
+    assert ("does not fit   a trainer rank needs ~41.0 GiB of its GPU's 24.0; change: more ranks (trainer.ranks, "
+            "cluster.gpu_per_node, cluster.node_num), trainer.param_offload=true and optimizer_offload=true, "
+            "trainer.fp32_master_weights=false (half the bytes); or a smaller model") in out
     # a run stops: this machine has 1 of the 8 GPUs
     with pytest.raises(ConfigError, match=r"cluster.gpu_per_node=8, but this machine has 1 GPU \(NVIDIA GeForce RTX "
                                           r"4090\). Set cluster.gpu_per_node=1"):
         M.check_gpus_here(compose_cfg(README_COMMAND))
-    # on its one GPU, trainer and engine colocated: the weights and Adam of one rank alone are
-    # 7,615,487,488 x 8 bytes = 56.7 GiB > 24: certain, so a run stops before it loads the model
+    # on its one GPU, trainer and engine colocated: the float32 weights, gradients and Adam of one
+    # rank alone are 7,615,487,488 x 16 bytes = 113.5 GiB > 24: certain, so a run stops before it
+    # loads the model (in bfloat16: x 8 bytes = 56.7 GiB, as certain)
     stage, plan = plan_of(["model=qwen7b", "cluster.gpu_per_node=1", "cluster.colocate=true",
+                           "explorer.rollout_model.engine_num=1", "trainer.ranks=1"])
+    with pytest.raises(ConfigError, match=r"the plan cannot fit: the trainer needs ~126.1 GiB of its GPU's 24.0. "
+                                          r"Change more ranks"):
+        M.check_memory([stage], [plan])
+    stage, plan = plan_of(["model=qwen7b", "cluster.gpu_per_node=1", "cluster.colocate=true", "trainer.fp32_master_weights=false",
                            "explorer.rollout_model.engine_num=1", "trainer.ranks=1"])
     with pytest.raises(ConfigError, match=r"the plan cannot fit: the trainer needs ~6\d.\d GiB of its GPU's 24.0. "
                                           r"Change more ranks"):
@@ -277,7 +286,8 @@ def test_a_slurm_sweep_asks_for_the_gpus_it_plans_for_and_fits_them(no_gpu):
         assert planned("hydra.launcher.gpus_per_node=8") is None
         # one trainer process (trainer=torch) on a 24 GiB GPU: 7,615,487,488 x 8 bytes = 56.7 GiB of
         # weights, gradients and Adam alone
-        said = planned("hydra.launcher.gpus_per_node=8", "cluster.gpu_memory_gb=24", "trainer=torch")
+        said = planned("hydra.launcher.gpus_per_node=8", "cluster.gpu_memory_gb=24", "trainer=torch",
+                       "trainer.fp32_master_weights=false")
         assert said.startswith("job 0 of the sweep (seed=1): the plan cannot fit: the trainer needs ~")
         assert "GiB of its GPU's 24.0. Change trainer=fsdp2 (the weights, gradients and Adam sharded over ranks)" in said
 

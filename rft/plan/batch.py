@@ -306,6 +306,11 @@ def _check_algorithm(cfg, needs: Needs) -> None:
             raise ConfigError(f"trainer.{key}=true needs trainer=fsdp2 (FSDP2 moves the shards between CPU and "
                               f"device; trainer=torch keeps everything on its device). Use trainer=fsdp2 "
                               f"(trainer.ranks=1 for one process) or set trainer.{key}=false.")
+    if t.fp32_master_weights and not backend.mixed_precision:
+        raise ConfigError(f"trainer.fp32_master_weights=true needs trainer=fsdp2 (FSDP2 keeps float32 weights and "
+                          f"casts them to model.dtype={cfg.model.dtype} for each block's compute; trainer="
+                          f"{t.trainer_strategy} computes in the weights' own dtype). Use trainer=fsdp2 (trainer.ranks=1 "
+                          f"for one process) or set trainer.fp32_master_weights=false.")
     if cfg.model.lora.rank and not backend.lora:
         raise ConfigError(
             f"model.lora.rank={cfg.model.lora.rank}: LoRA trains with trainer=torch only for now (trainer="

@@ -14,7 +14,10 @@ shards the weights, gradients and optimizer state; trainer=torch is N = 1):
                                          optimizer_offload: in CPU memory)
     reference    P b / N                (an algorithm with a KL term or DPO; LoRA: the base, no copy)
     critic       (2 + 2) P b / N more   (PPO's value model: weights, gradients, Adam)
-    gathered     2 layers' weights      (FSDP2 unshards one layer at a time, the next prefetched)
+    gathered     2 layers' weights      (FSDP2 unshards one layer at a time, the next prefetched;
+                                         also on one rank with fp32 master weights: the cast copies)
+    fp32 master weights (trainer.fp32_master_weights): weights, gradients, Adam and the critic's
+                 at 4 bytes instead of b; the reference stays at b
     activations  T tokens x L layers x (6 H + 2 kv + 4 I) b   (what autograd keeps of a decoder
                  layer: the norms' and projections' inputs, q k v, the attention's output, the
                  MLP's gate, up and product); gradient_checkpointing: T x L x H b (each layer's
@@ -294,18 +297,20 @@ def trainer_role(cfg, plan, s: Shape, dev: Devices) -> Role:
     """One trainer rank's memory (the module docstring's formulas)."""
     t, m = cfg.trainer, cfg.model
     n, b, gpu = plan.dp_size, dtype_bytes(m.dtype), dev.gpus > 0
+    # trainer.fp32_master_weights: weights, gradients and Adam in float32, computed in model.dtype
+    mb = 4 if t.fp32_master_weights else b
     trained = lora_parameters(s, m.lora) if m.lora.rank else s.parameters
     where = " in CPU memory"
-    parts = [("weights" + where * (gpu and t.param_offload), s.parameters * b // n),
-             ("gradients" + where * (gpu and t.param_offload), trained * b // n),
-             ("Adam" + where * (gpu and t.optimizer_offload), 2 * trained * b // n)]
+    parts = [("weights" + where * (gpu and t.param_offload), s.parameters * mb // n),
+             ("gradients" + where * (gpu and t.param_offload), trained * mb // n),
+             ("Adam" + where * (gpu and t.optimizer_offload), 2 * trained * mb // n)]
     if plan.needs.reference and not m.lora.rank:
         parts.append(("reference", s.parameters * b // n))
     if plan.needs.critic:
-        parts.append(("critic", 4 * s.parameters * b // n))
-    if n > 1:
+        parts.append(("critic", 4 * s.parameters * mb // n))
+    if n > 1 or mb != b:  # a block's weights whole (or cast) for its compute, and the next one's
         parts.append(("gathered layers", 2 * (s.parameters - s.vocab * s.hidden) // s.layers * b))
-    parts += [(k + where * gpu, v) for k, v in _host_copies(cfg, s.parameters * b, ranks=n)]
+    parts += [(k + where * gpu, v) for k, v in _host_copies(cfg, s.parameters * b, ranks=n, gathered=s.parameters * mb)]
     tokens = _tokens(cfg, plan)
     parts.append(_activations(cfg, s, tokens))
     chunk = min(t.logprob_chunk_size or tokens, tokens)
@@ -323,21 +328,22 @@ def trainer_role(cfg, plan, s: Shape, dev: Devices) -> Role:
 _STATE = ("weights", "gradients", "Adam", "reference", "critic")
 
 
-def _host_copies(cfg, nbytes: int, ranks: int = 0) -> list:
+def _host_copies(cfg, nbytes: int, ranks: int = 0, gathered: int = 0) -> list:
     """Whole copies of the weights a process keeps in host memory at its peak: the shared-memory
     segment of sync=memory on one node with Ray (mapped by the trainer and each explorer: it counts
     in each one's resident set, one copy on the machine); the trainer's (ranks > 0) snapshots of the
     versions the explorers serve and explore with while they run ahead, for an explorer Ray
     restarts (rft.runtime.explorers: 2 versions with sync_offset 1, and a third while the newest is
     taken before the oldest is dropped); fsdp2's whole weights, gathered on rank 0 for a memory or
-    checkpoint sync (a collective one gathers a tensor at a time)."""
+    checkpoint sync (a collective one gathers a tensor at a time), `gathered` bytes (float32 master
+    weights: gathered as they are, then cast)."""
     c, sc = cfg.cluster, cfg.synchronizer
     ray = cfg.mode == "both" and c.backend == "ray"
     out = [("sync segment", nbytes)] if ray and c.node_num == 1 and sc.sync_method == "memory" else []
     if ranks and ray and c.max_actor_restarts > 0 and (sc.sync_offset > 0 or sc.sync_interval > 1):
         out.append(("snapshots" + " (rank 0)" * (ranks > 1), 3 * nbytes))
     if ranks > 1 and cfg.mode == "both" and sc.sync_method in ("memory", "checkpoint"):
-        out.append(("weights gathered for a sync (rank 0)", nbytes))
+        out.append(("weights gathered for a sync (rank 0)", max(gathered, nbytes) + (gathered > nbytes) * nbytes))
     return out
 
 
@@ -351,7 +357,8 @@ def _trainer_fixes(cfg, parts) -> str:
     if big.startswith("logits"):
         return "trainer.logprob_chunk_size (e.g. 2048), or fewer tokens per micro-batch"
     spread = ("more ranks (trainer.ranks, cluster.gpu_per_node, cluster.node_num), "
-              "trainer.param_offload=true and optimizer_offload=true" if fsdp else
+              "trainer.param_offload=true and optimizer_offload=true"
+              + ", trainer.fp32_master_weights=false (half the bytes)" * bool(cfg.trainer.fp32_master_weights) if fsdp else
               "trainer=fsdp2 (the weights, gradients and Adam sharded over ranks), or model.lora.rank (e.g. 64)")
     return f"{spread}; or a smaller model"
 

@@ -34,12 +34,12 @@ class Critic:
     (first row, end row, live): a data-parallel rank's share (trainer=fsdp2, the model sharded by
     `wrap` like the actor), with dead passes weighted 0 so every rank runs as many."""
 
-    def __init__(self, cfg, path: str, device="cpu", wrap=None):
+    def __init__(self, cfg, path: str, device="cpu", wrap=None, dtype=None):
         from rft.models import torch_dtype
 
         algo = cfg.algorithm
         self.cfg = cfg
-        self.model = ValueModel(path, torch_dtype(cfg.model.dtype), cfg.model.trust_remote_code).to(device)
+        self.model = ValueModel(path, dtype or torch_dtype(cfg.model.dtype), cfg.model.trust_remote_code).to(device)
         if wrap is not None:
             self.model = wrap(self.model)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=algo.critic_lr,

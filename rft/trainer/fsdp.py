@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from rft.models import local_device
+from rft.models import local_device, torch_dtype
 from rft.sync.weights import format_fingerprint, hf_tensors, weight_sums
 from rft.trainer import micro_batches
 from rft.trainer.state import load_state
@@ -58,18 +58,23 @@ class FSDPTrainer(Trainer):
 
     def _wrap(self, model):
         """Shard each transformer block (transformers names them in _no_split_modules), then the rest."""
-        from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
         # trainer.param_offload: the shards of weights and gradients live in CPU memory, copied to
         # the device block by block for each forward and backward; the optimizer steps on the CPU
         cuda = self.device.type == "cuda"
         offload = CPUOffloadPolicy(pin_memory=cuda) if self.cfg.trainer.param_offload else OffloadPolicy()
+        # trainer.fp32_master_weights: each block's float32 shards are gathered cast to model.dtype
+        # for its compute, and the gradients reduced in float32 into the float32 shards
+        mixed = MixedPrecisionPolicy()
+        if self.master_dtype is not None:
+            mixed = MixedPrecisionPolicy(param_dtype=torch_dtype(self.cfg.model.dtype), reduce_dtype=torch.float32)
         # (the critic's ValueModel holds the transformer as .base: its blocks are named there)
         blocks = {b for m in model.modules() for b in (getattr(m, "_no_split_modules", None) or [])}
         for module in model.modules():
             if type(module).__name__ in blocks:
-                fully_shard(module, mesh=self.mesh, offload_policy=offload)
-        fully_shard(model, mesh=self.mesh, offload_policy=offload)
+                fully_shard(module, mesh=self.mesh, offload_policy=offload, mp_policy=mixed)
+        fully_shard(model, mesh=self.mesh, offload_policy=offload, mp_policy=mixed)
         return model
 
     def _optimizer_step(self, optimizer) -> None:
@@ -117,13 +122,15 @@ class FSDPTrainer(Trainer):
         return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
     def weights(self) -> dict[str, torch.Tensor]:
-        return self._full_state()
+        return self._served(self._full_state())
 
     def _sync_state(self) -> dict[str, torch.Tensor]:
-        return self._full_state()
+        return self._served(self._full_state())
 
     def fingerprint(self) -> str:
-        count, total = weight_sums([p.to_local() for p in self.model.parameters()])
+        # a cast is element by element: the shards' cast sums add up to the whole cast model's
+        shards = self._served(dict(self.model.named_parameters()))
+        count, total = weight_sums([p.to_local() for p in shards.values()])
         # the sum in two 32-bit halves: the ranks' halves add up without overflowing an int64
         parts = torch.tensor([count, total & 0xFFFFFFFF, total >> 32], dtype=torch.int64, device=self.device)
         count, low, high = self._all_sum(parts).tolist()
@@ -144,7 +151,7 @@ class FSDPTrainer(Trainer):
             for _, p in sorted(self.model.named_parameters()):
                 full = p.full_tensor()  # every rank takes part in the gather
                 if self.rank == 0:
-                    broadcast(self.group, [full])
+                    broadcast(self.group, list(self._served({"": full}).values()))
 
     def save_weights(self, path: str) -> str:
         from safetensors.torch import save_file
@@ -152,7 +159,7 @@ class FSDPTrainer(Trainer):
         from rft.sync.weights import for_safetensors
 
         with self._timed("sync_send_s"):
-            sd = self._full_state()
+            sd = self._served(self._full_state())
             if self.rank == 0:
                 save_file(for_safetensors(sd), path + ".tmp")
                 os.replace(path + ".tmp", path)

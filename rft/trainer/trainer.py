@@ -33,6 +33,7 @@ from rft.models import (
     load_model,
     load_tokenizer,
     local_device,
+    torch_dtype,
 )
 from rft.trainer import lora, micro_batches
 from rft.trainer.critic import Critic
@@ -63,6 +64,10 @@ class Trainer(StepMixin, MetricsMixin, WeightsMixin, CheckpointMixin):
         torch.set_flush_denormal(True)
         algo = cfg.algorithm
         self.device = local_device(cfg.cluster)
+        # trainer.fp32_master_weights: the trained weights' dtype, where it is not model.dtype
+        # (the backend computes in model.dtype; what leaves for the engines is cast to it)
+        compute = torch_dtype(cfg.model.dtype)
+        self.master_dtype = torch.float32 if cfg.trainer.fp32_master_weights and compute != torch.float32 else None
         self.tokenizer = load_tokenizer(cfg.model)
         # in this order: the models, then the critic (its value head) draw from the seeded RNG
         self._build_models(init_path)
@@ -72,7 +77,7 @@ class Trainer(StepMixin, MetricsMixin, WeightsMixin, CheckpointMixin):
         self.critic = None
         if plan.needs.critic:
             self.critic = Critic(cfg, os.path.expanduser(cfg.model.critic_model_path or init_path or cfg.model.model_path),
-                                 self.device, wrap=self._wrap)
+                                 self.device, wrap=self._wrap, dtype=self.master_dtype)
         self._open_datasets()
         self._compose_loss()
         self._build_optimizer()
@@ -83,7 +88,7 @@ class Trainer(StepMixin, MetricsMixin, WeightsMixin, CheckpointMixin):
     def _build_models(self, init_path: str | None) -> None:
         """The policy (with LoRA: adapters on a frozen base) and the reference model."""
         cfg, plan = self.cfg, self.plan
-        model = load_model(cfg.model, init_path).to(self.device)
+        model = load_model(cfg.model, init_path, self.master_dtype).to(self.device)
         # for the FLOPs estimate (perf/mfu): counted before sharding, tied weights once
         self.n_params = sum(p.numel() for p in model.parameters())
         if cfg.trainer.gradient_checkpointing:

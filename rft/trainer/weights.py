@@ -15,6 +15,7 @@ from contextlib import contextmanager
 
 import torch
 
+from rft.models import torch_dtype
 from rft.sync.weights import SharedWriter, fingerprint, for_safetensors, node_id, one_thread, shared_fits, to_arrays
 from rft.trainer import lora
 
@@ -25,16 +26,28 @@ class WeightsMixin:
 
     def weights(self) -> dict[str, torch.Tensor]:
         """A CPU copy of the weights (what memory sync sends)."""
-        return {k: v.detach().to("cpu", copy=True) for k, v in self._state_dict().items()}
+        return {k: v.detach().to("cpu", copy=True) for k, v in self._served(self._state_dict()).items()}
 
     def _state_dict(self) -> dict[str, torch.Tensor]:
-        """The model's weights as the engines and checkpoints know them: with LoRA, merged."""
+        """The model's weights as checkpoints keep them: with LoRA, merged."""
         return lora.merged_state_dict(self.model) if lora.is_lora(self.model) else self.model.state_dict()
 
+    def _served(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The weights as the engines get them: with float32 master weights (trainer.fp32_master_weights),
+        cast to model.dtype, as FSDP2 casts them for the trainer's own forward (the same rounding)."""
+        if self.master_dtype is None:
+            return state
+        dtype, cast = torch_dtype(self.cfg.model.dtype), {}
+        for v in state.values():  # tied weights (one tensor under two names) stay one tensor
+            if v.is_floating_point() and id(v) not in cast:
+                cast[id(v)] = v.to(dtype)
+        return {k: cast.get(id(v), v) for k, v in state.items()}
+
     def _named_parameters(self) -> list[tuple[str, torch.Tensor]]:
-        """(name, tensor) of each distinct weight (tied ones once), sorted: with LoRA, merged."""
+        """(name, tensor) of each distinct weight (tied ones once), sorted, as the engines get
+        them: with LoRA, merged."""
         if not lora.is_lora(self.model):
-            return sorted(self.model.named_parameters())
+            return sorted(self._served(dict(self.model.named_parameters())).items())
         merged = self._state_dict()
         names = {n.replace(".base_layer.", ".") for n, _ in self.model.get_base_model().named_parameters() if ".lora_" not in n}
         return sorted((n, t) for n, t in merged.items() if n in names)
@@ -73,7 +86,7 @@ class WeightsMixin:
     def _sync_state(self) -> dict[str, torch.Tensor]:
         """(data parallel) The weights memory sync sends: the model's own tensors, not copied (the
         object store copies them once; in-process, the explorer's load does)."""
-        return self._state_dict()
+        return self._served(self._state_dict())
 
     def sync_payload(self, shared: str | None = None, with_fingerprint: bool = True) -> tuple:
         """What memory sync sends, in one call: the weights and their fingerprint. The weights as
@@ -125,7 +138,7 @@ class WeightsMixin:
         from safetensors.torch import save_file
 
         with self._timed("sync_send_s"):
-            sd = {k: v.detach().cpu() for k, v in self._state_dict().items()}
+            sd = {k: v.detach().cpu() for k, v in self._served(self._state_dict()).items()}
             save_file(for_safetensors(sd), path + ".tmp")
             os.replace(path + ".tmp", path)
         return self.sync_fingerprint()
