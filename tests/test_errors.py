@@ -50,14 +50,16 @@ def test_a_misspelt_key_added_with_plus_is_caught_too(run_root):
 
 
 @pytest.mark.slow  # a real engine, Ray or training run
-def test_a_model_the_ray_actors_cannot_load_is_a_configuration_error_not_a_traceback(run_root):
-    # the driver of a Ray run loads no tokenizer (it holds no torch): the explorer's constructor is
-    # the first to find the hub id unreachable (offline), and its ConfigError reaches the user as is
+def test_a_model_that_cannot_be_downloaded_is_a_configuration_error_before_anything_starts(run_root):
+    # a hub id neither here nor in the cache, offline: the driver says so before Ray starts (the
+    # explorer's constructor would find it minutes later)
     r = run_cli("stages=[]", "model.model_path=someorg/nomodel", "model.builder=null", "buffer.total_steps=2",
                 "cluster=local", env={**run_root, "HF_HUB_OFFLINE": "1"})
     assert r.returncode == 2, r.stderr[-3000:]
-    assert "rft: configuration error: model.model_path='someorg/nomodel' could not be loaded (OSError: " in r.stderr
-    assert "or a hub id this machine can reach." in r.stderr
+    assert ("rft: configuration error: model.model_path='someorg/nomodel' is not a directory on this machine nor in "
+            "its Hugging Face cache, and HF_HUB_OFFLINE is set (no download is tried). Download it where the hub is "
+            "reachable (huggingface-cli download someorg/nomodel)") in r.stderr
+    assert "Started a local Ray instance" not in r.stderr
     assert "Traceback" not in r.stderr
     assert not list(Path(run_root["RFT_CHECKPOINT_ROOT_DIR"]).rglob("checkpoints"))
 

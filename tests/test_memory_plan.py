@@ -382,3 +382,39 @@ def test_a_hub_id_reads_its_config_from_the_hugging_face_cache(tmp_path, monkeyp
     assert (s.head_dim, s.kv, s.parameters) == (16, 32, 36_992 * 3 + 6400 + 64)
     cfg = compose_cfg(["model=qwen7b", "model.model_path=org/not-cached"])
     assert M.shape_of(cfg.model)[1] == "model.architecture"
+
+
+def test_a_hub_id_that_cannot_be_downloaded_stops_the_run_with_the_reason(monkeypatch, tmp_path):
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import RepositoryNotFoundError
+
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))  # an empty cache
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    cfg = compose_cfg(["model.model_path=someorg/nomodel", "model.builder=null"])
+    answers = iter([ConnectionError("[Errno -2] Name or service not known"),
+                    # (built as the hub's client raises it, from a response this test has none of)
+                    RepositoryNotFoundError.__new__(RepositoryNotFoundError), None])
+
+    def model_info(self, repo_id, timeout=None):
+        answer = next(answers)
+        if answer is not None:
+            raise answer
+
+    monkeypatch.setattr(HfApi, "model_info", model_info)
+    head = ("model.model_path='someorg/nomodel' is not a directory on this machine nor in its Hugging Face cache, "
+            "and ")
+    with pytest.raises(ConfigError) as e:
+        M.check_model_here(cfg)
+    assert str(e.value) == (head + "the hub cannot be reached from here (ConnectionError: [Errno -2] Name or service "
+                            "not known). Download it where the hub is reachable (huggingface-cli download "
+                            "someorg/nomodel) and set model.model_path to its directory (or copy that machine's "
+                            "cache, HF_HOME, here).")
+    with pytest.raises(ConfigError, match="the hub has no model of that name \\(or it is private: set HF_TOKEN\\)"):
+        M.check_model_here(cfg)
+    M.check_model_here(cfg)  # the hub has it: the run downloads it
+    # a local directory, the tiny model's builder, or a Ray cluster it joins: nothing asked
+    monkeypatch.setattr(HfApi, "model_info", lambda *a, **k: pytest.fail("asked the hub"))
+    M.check_model_here(compose_cfg([f"model.model_path={tmp_path}", "model.builder=null"]))
+    M.check_model_here(compose_cfg([]))
+    M.check_model_here(compose_cfg(["model.model_path=someorg/nomodel", "model.builder=null", "cluster=ray",
+                                    "cluster.ray_address=auto"]))

@@ -521,6 +521,50 @@ def check_gpus_here(cfg) -> None:
             f"a machine with {c.gpu_per_node}.")
 
 
+def check_model_here(cfg) -> None:
+    """Before a run starts anything: a hub id (model.model_path, critic_model_path) that is neither a
+    directory here nor in the Hugging Face cache must be reachable on the hub, or the run would
+    stop minutes later, in an actor, at the download."""
+    m = cfg.model
+    if cfg.cluster.ray_address is not None:  # a Ray cluster it joins: the model may be on its nodes
+        return
+    for key in ("model_path", "critic_model_path"):
+        hub_id = m.get(key)
+        if not hub_id or (key == "model_path" and m.builder) or Path(os.path.expanduser(str(hub_id))).exists():
+            continue
+        try:
+            from huggingface_hub import try_to_load_from_cache
+
+            if isinstance(try_to_load_from_cache(str(hub_id), "config.json"), str):
+                continue  # downloaded before: transformers loads it from the cache
+        except Exception:  # not a valid hub id: the hub's answer below says what is wrong
+            pass
+        reason = _hub_answer(str(hub_id))
+        if reason:
+            raise ConfigError(
+                f"model.{key}={hub_id!r} is not a directory on this machine nor in its Hugging Face cache, and "
+                f"{reason}. Download it where the hub is reachable (huggingface-cli download {hub_id}) and set "
+                f"model.{key} to its directory (or copy that machine's cache, HF_HOME, here).")
+
+
+def _hub_answer(hub_id: str) -> str | None:
+    """Why `hub_id` cannot be downloaded from here, or None when the hub has it for us."""
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
+
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
+        return "HF_HUB_OFFLINE is set (no download is tried)"
+    try:
+        HfApi().model_info(hub_id, timeout=10)
+    except GatedRepoError:
+        return "it is gated on the hub: accept its license there and set HF_TOKEN"
+    except RepositoryNotFoundError:
+        return "the hub has no model of that name (or it is private: set HF_TOKEN)"
+    except Exception as e:  # no network, DNS, a proxy, a timeout
+        return f"the hub cannot be reached from here ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+    return None
+
+
 def check_memory(stages: list, plans: list) -> None:
     """What surely cannot fit the devices (a trainer rank's weights and optimizer state alone, an
     engine's weights) stops the run before it loads the model; an estimate over a device's memory

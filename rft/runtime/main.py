@@ -332,9 +332,10 @@ def _main(cfg: DictConfig) -> float | None:
 
         return bench(cfg, run_dir_of(cfg))
     if not cfg.dry_run:  # a GPU run on a machine without them stops before it reads anything
-        from rft.plan.memory import check_gpus_here
+        from rft.plan.memory import check_gpus_here, check_model_here
 
         check_gpus_here(cfg)
+        check_model_here(cfg)
     # a Ray driver waits on its actors to the end of the run: it reads no dataset itself
     stages, plans, stage_dirs = plan_stages(cfg, isolated=cfg.cluster.backend == "ray" and not cfg.dry_run)
     run_dir = run_dir_of(cfg)
