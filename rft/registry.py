@@ -161,5 +161,5 @@ ENGINES = Registry("explorer.rollout_model.engine_type", info="info", default=En
 TRAINER_BACKENDS = Registry("trainer.trainer_strategy", info="info", default=TrainerBackendInfo(),
                             shape="a class with the methods of rft/trainer/base.py (module.Class)", table={
     "torch": ("rft.trainer.trainer.Trainer", TrainerBackendInfo()),
-    "fsdp2": ("rft.trainer.fsdp.FSDPTrainer", TrainerBackendInfo(ranks=True, offload=True, lora=False, mixed_precision=True)),
+    "fsdp2": ("rft.trainer.fsdp.FSDPTrainer", TrainerBackendInfo(ranks=True, offload=True, mixed_precision=True)),
 })

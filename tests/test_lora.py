@@ -94,9 +94,8 @@ def test_lora_config_errors():
         "model.lora.dropout=0.1: the trainer computes without dropout so that its log-probs are the ones the "
         "engine sampled with (the policy ratio's denominator). Set model.lora.dropout=0.")
     assert error("model.lora.rank=-1") == "model.lora.rank=-1 must be >= 0 (0: no LoRA, train every weight)."
-    assert error("model.lora.rank=4", "trainer=fsdp2") == (
-        "model.lora.rank=4: LoRA trains with trainer=torch only for now (trainer=fsdp2 does not train adapters "
-        "yet). Use trainer=torch; a LoRA step needs a fraction of the memory.")
+    # trainer=fsdp2 trains adapters too (tests/test_lora_fsdp.py)
+    assert make_plan(stage_configs(compose_cfg(["stages=[]", "model.lora.rank=4", "trainer=fsdp2"]))[0], 2000).dp_size == 2
     with pytest.raises(ConfigError) as e:
         make_trainer(8, ["model.lora.rank=4", "model.lora.target_modules=[attn_q]"])
     assert str(e.value).startswith("model.lora.target_modules=['attn_q']: Target modules")

@@ -17,6 +17,12 @@ Weights leave the trainer whole: syncs, checkpoints (`hf/` in Hugging Face forma
 optimizer state, loadable by trainer=torch too) gather them on rank 0. A fingerprint adds up
 each rank's shard sums instead of gathering anything.
 
+With LoRA (model.lora.rank > 0) the shards hold the frozen base and the adapters side by side,
+and the optimizer the adapters alone. What leaves is trainer=torch's: the merged model, which
+rank 0 computes from the gathered state (rft.trainer.lora.merged_state_dict), its fingerprint
+included (a shard of W cannot be merged without the whole A); checkpoints keep the adapter in
+PEFT's format, hf/ only `with_hf`.
+
 The ranks meet through a TCPStore that the driver hosts (`start_trainer`), so no rank has to
 be started before the others to learn an address.
 """
@@ -30,8 +36,8 @@ from pathlib import Path
 import torch
 
 from rft.models import local_device, torch_dtype
-from rft.sync.weights import format_fingerprint, hf_tensors, weight_sums
-from rft.trainer import micro_batches
+from rft.sync.weights import fingerprint, format_fingerprint, hf_tensors, weight_sums
+from rft.trainer import lora, micro_batches
 from rft.trainer.state import load_state
 from rft.trainer.trainer import Trainer, _lengths
 
@@ -71,6 +77,8 @@ class FSDPTrainer(Trainer):
             mixed = MixedPrecisionPolicy(param_dtype=torch_dtype(self.cfg.model.dtype), reduce_dtype=torch.float32)
         # (the critic's ValueModel holds the transformer as .base: its blocks are named there)
         blocks = {b for m in model.modules() for b in (getattr(m, "_no_split_modules", None) or [])}
+        if lora.is_lora(model):  # (a block's frozen base and trained adapters shard together)
+            lora.check_fsdp(model)  # a LoRA layer the merge cannot read is refused before any step
         for module in model.modules():
             if type(module).__name__ in blocks:
                 fully_shard(module, mesh=self.mesh, offload_policy=offload, mp_policy=mixed)
@@ -121,13 +129,27 @@ class FSDPTrainer(Trainer):
 
         return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
+    def _state_dict(self) -> dict[str, torch.Tensor]:
+        """`_full_state`, with LoRA merged (on rank 0; every rank must call it)."""
+        sd = self._full_state()
+        return lora.merged_state_dict(self.model, sd) if sd and lora.is_lora(self.model) else sd
+
+    def _named_parameters(self) -> list[tuple[str, torch.Tensor]]:
+        # with LoRA: the merged weights gathered on rank 0 (none on the others), cast as served
+        return sorted(self._served(dict(super()._named_parameters())).items())
+
     def weights(self) -> dict[str, torch.Tensor]:
-        return self._served(self._full_state())
+        # a copy (a snapshot must not change with the next step): one rank on a CPU gathers its own
+        # parameters, not copies of them
+        own = {p.to_local().data_ptr() for p in self.model.parameters()}
+        return {k: v.clone() if v.data_ptr() in own else v for k, v in self._served(self._state_dict()).items()}
 
     def _sync_state(self) -> dict[str, torch.Tensor]:
-        return self._served(self._full_state())
+        return self._served(self._state_dict())
 
     def fingerprint(self) -> str:
+        if lora.is_lora(self.model):  # rank 0's is the group's answer (the others': of nothing)
+            return fingerprint(t for _, t in self._named_parameters())
         # a cast is element by element: the shards' cast sums add up to the whole cast model's
         shards = self._served(dict(self.model.named_parameters()))
         count, total = weight_sums([p.to_local() for p in shards.values()])
@@ -148,6 +170,11 @@ class FSDPTrainer(Trainer):
         from rft.sync.weights import broadcast
 
         with self._timed("sync_send_s"):
+            if lora.is_lora(self.model):  # merged on rank 0 from one gather, in the manifest's order
+                merged = [t for _, t in self._named_parameters()]
+                if self.rank == 0:
+                    broadcast(self.group, (t.to(self.device) for t in merged))
+                return
             for _, p in sorted(self.model.named_parameters()):
                 full = p.full_tensor()  # every rank takes part in the gather
                 if self.rank == 0:
@@ -159,7 +186,7 @@ class FSDPTrainer(Trainer):
         from rft.sync.weights import for_safetensors
 
         with self._timed("sync_send_s"):
-            sd = self._served(self._full_state())
+            sd = self._served(self._state_dict())
             if self.rank == 0:
                 save_file(for_safetensors(sd), path + ".tmp")
                 os.replace(path + ".tmp", path)
@@ -167,7 +194,7 @@ class FSDPTrainer(Trainer):
 
     def save(self, directory: str, with_hf: bool = True) -> None:
         """The same checkpoint as trainer=torch's (whole model, whole optimizer state), written by
-        rank 0. Always with hf/ (`with_hf` is for LoRA, which trains with trainer=torch)."""
+        rank 0. With LoRA: the adapter (adapter/), and hf/ (merged) only `with_hf`."""
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
             get_model_state_dict,
@@ -184,8 +211,13 @@ class FSDPTrainer(Trainer):
         if self.rank != 0:
             return
         d = Path(directory)
-        self.model.save_pretrained(d / "hf", state_dict=sd)
-        self.tokenizer.save_pretrained(d / "hf")
+        hf_model = self.model
+        if lora.is_lora(self.model):  # PEFT picks the adapter's tensors out of the gathered state
+            self.model.save_pretrained(d / "adapter", state_dict=sd)
+            hf_model, sd = self.model.get_base_model(), (lora.merged_state_dict(self.model, sd) if with_hf else None)
+        if sd is not None:
+            hf_model.save_pretrained(d / "hf", state_dict=sd)
+            self.tokenizer.save_pretrained(d / "hf")
         torch.save({"optimizer": optim, "scheduler": self.scheduler.state_dict(), "version": self.version,
                     "rng": torch.get_rng_state(), "critic": critic}, d / "trainer_state.pt")
 
@@ -200,15 +232,22 @@ class FSDPTrainer(Trainer):
         d = Path(directory)
         # the state first: a damaged file then leaves the model as it was (the runner falls back)
         state = load_state(d / "trainer_state.pt")
-        # tied weights are saved once (save_pretrained): strict=False lets the tie fill them
-        set_model_state_dict(self.model, dict(hf_tensors(d / "hf")),
-                             options=StateDictOptions(full_state_dict=True, strict=False))
-        set_optimizer_state_dict(self.model, self.optimizer, _by_name(state["optimizer"], self.model),
+        if lora.is_lora(self.model):  # the adapter alone: the base is the stage's starting model
+            from safetensors.torch import load_file
+
+            sd = lora.adapter_for_model(self.model, load_file(d / "adapter" / "adapter_model.safetensors"))
+        else:
+            sd = dict(hf_tensors(d / "hf"))
+        # tied weights are saved once (save_pretrained): strict=False lets the tie fill them (with
+        # LoRA, leaves the base as it is)
+        set_model_state_dict(self.model, sd, options=StateDictOptions(full_state_dict=True, strict=False))
+        set_optimizer_state_dict(self.model, self.optimizer, _by_name(state["optimizer"], self.model, self.optimizer),
                                  options=StateDictOptions(full_state_dict=True))
         if self.critic is not None:
             c = state["critic"]
             set_model_state_dict(self.critic.model, c["model"], options=StateDictOptions(full_state_dict=True))
-            set_optimizer_state_dict(self.critic.model, self.critic.optimizer, _by_name(c["optimizer"], self.critic.model),
+            set_optimizer_state_dict(self.critic.model, self.critic.optimizer,
+                                     _by_name(c["optimizer"], self.critic.model, self.critic.optimizer),
                                      options=StateDictOptions(full_state_dict=True))
         self.scheduler.load_state_dict(state["scheduler"])
         self._configured_optimizer()
@@ -224,15 +263,17 @@ def _move_optimizer_state(optimizer, device) -> None:
                 state[k] = v.to(device, non_blocking=True)
 
 
-def _by_name(optim: dict, model) -> dict:
+def _by_name(optim: dict, model, optimizer) -> dict:
     """An optimizer state dict keyed by parameter name, as torch.distributed.checkpoint loads it.
 
-    trainer=torch saves torch's own form, parameters numbered in model.parameters() order (a
-    checkpoint written by FSDP ranks is keyed by name already; torch loads both alike)."""
+    trainer=torch saves torch's own form, parameters numbered in the order the optimizer holds
+    them (with LoRA the adapters alone, not every parameter); a checkpoint written by FSDP ranks
+    is keyed by name already; torch loads both alike."""
     groups = optim["param_groups"]
     if all(isinstance(i, str) for g in groups for i in g["params"]):
         return optim
-    names = [n for n, _ in model.named_parameters()]
+    name = {id(p): n for n, p in model.named_parameters()}
+    names = [name[id(p)] for g in optimizer.param_groups for p in g["params"]]
     return {
         "state": {names[i]: v for i, v in optim["state"].items()},
         "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in groups],
