@@ -183,6 +183,11 @@ class AlgorithmConfig:
     overlong_penalty_factor: float = 1.0
 
 
+class LoraSync(StrEnum):
+    merged = "merged"
+    adapter = "adapter"
+
+
 @dataclass
 class LoraConfig:
     # the adapters' rank; 0: no LoRA
@@ -194,6 +199,11 @@ class LoraConfig:
     # dropout on the adapters' input: must stay 0 (the trainer computes without dropout, so that
     # its log-probs are the engine's; the plan refuses another value)
     dropout: float = 0.0
+    # what a weight sync sends the engines: merged (the whole model, W + the adapters' update: any
+    # engine, any sync method) or adapter (the adapters alone, served by vLLM as a LoRA request on
+    # the base weights it keeps: a sync moves the adapters' bytes only; explorer=vllm with
+    # sync=memory or checkpoint)
+    sync: LoraSync = LoraSync.merged
 
 
 @dataclass
@@ -592,6 +602,12 @@ class Config:
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     log: LogConfig = field(default_factory=LogConfig)
+
+
+def lora_adapter_sync(model_cfg) -> bool:
+    """Whether the engines get the LoRA adapters alone (model.lora.sync=adapter), not merged weights."""
+    lora = model_cfg.get("lora")
+    return bool(lora) and (lora.rank or 0) > 0 and str(lora.get("sync", "merged")) == "adapter"
 
 
 def register_configs() -> None:

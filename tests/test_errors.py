@@ -650,7 +650,7 @@ def test_an_overlay_naming_a_missing_option_names_its_file_and_line(run_root, tm
                        env={**os.environ, **run_root}, timeout=120)
     assert r.returncode == 2
     assert ("rft: configuration error: conf/experiment/base.yaml, line 4: its defaults list names 'model/tinyy', "
-            "but there is no conf/model/tinyy.yaml (the options of 'model' are qwen2.5-0.5b, qwen2.5-0.5b-shape, qwen7b, tiny, "
+            "but there is no conf/model/tinyy.yaml (the options of 'model' are qwen2.5-0.5b, qwen2.5-0.5b-shape, qwen2.5-1.5b-shape, qwen7b, tiny, "
             "tiny_tools). Fix the name in that file.") in r.stderr
     assert_nothing_started(run_root)
 

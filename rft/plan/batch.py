@@ -32,6 +32,7 @@ from rft.errors import ConfigError
 from rft.registry import ENGINES, TRAINER_BACKENDS
 from rft.plan import memory
 from rft.plan.placement import check_placement, explorer_count, sync_offset, trainer_ranks
+from rft.plan.sync import check_lora_sync
 
 log = logging.getLogger(__name__)
 
@@ -197,6 +198,7 @@ def check_config(cfg) -> None:
             raise ConfigError(f"{key}={value} must be >= 1 (in steps).")
     _check_limits(cfg)
     _check_model(cfg.model)
+    check_lora_sync(cfg)
     if cfg.mode in ("both", "explore"):
         _check_rollouts(cfg)
 
@@ -313,8 +315,9 @@ def _check_algorithm(cfg, needs: Needs) -> None:
                           f"for one process) or set trainer.fp32_master_weights=false.")
     if cfg.model.lora.rank and not backend.lora:
         raise ConfigError(
-            f"model.lora.rank={cfg.model.lora.rank}: LoRA trains with trainer=torch only for now (trainer="
-            f"{t.trainer_strategy} does not train adapters yet). Use trainer=torch; a LoRA step needs a fraction of the memory."
+            f"model.lora.rank={cfg.model.lora.rank}: trainer={t.trainer_strategy} does not train LoRA adapters (its "
+            f"TrainerBackendInfo says lora=False). Use trainer=torch or trainer=fsdp2, or set model.lora.rank=0 to "
+            f"train every weight."
         )
     if cfg.mode in ("both", "explore") and needs.grouped and algo.repeat_times < 2:
         raise ConfigError(

@@ -15,7 +15,9 @@ count in its name ("Qwen2.5-7B": 7e9), and nothing is loaded.
 
 from __future__ import annotations
 
-from rft.plan.memory import dtype_bytes, parameter_count, shape_of
+from rft.config import lora_adapter_sync
+from rft.errors import ConfigError
+from rft.plan.memory import dtype_bytes, lora_parameters, parameter_count, shape_of
 
 # bytes per sync from which moving the weights as bytes through an RPC, or through a file on
 # disk, every step is worth a warning: a 0.5B model in bfloat16 (~1 GB) through vLLM's RPC took
@@ -31,9 +33,15 @@ def route(cfg) -> tuple[str, str | None]:
     if known != "its files":  # counted from its shape (config.json, model.architecture) rather than its name
         shape, source = shape_of(cfg.model)
         n, known = (shape.parameters, source) if shape else (n, known)
+    adapters = lora_adapter_sync(cfg.model)
+    if adapters:  # the adapters alone (model.lora.sync=adapter), counted from the shape
+        shape, source = shape_of(cfg.model)
+        n, known = (lora_parameters(shape, cfg.model.lora), source) if shape else (None, known)
     nbytes = None if n is None else n * dtype_bytes(cfg.model.dtype)
+    what = "LoRA adapter parameters (model.lora.sync=adapter)" if adapters else "parameters"
     size = ("size unknown (the model is not on this machine)" if nbytes is None else
-            f"{_size(nbytes)} per sync ({n / 1e6:,.1f}M parameters in {cfg.model.dtype}, from {known})")
+            f"{_size(nbytes)} per sync ({f'{n / 1e6:,.1f}M' if n >= 10**5 else f'{n:,}'} {what} in {cfg.model.dtype}, "
+            f"from {known})")
     every = "every step" if s.sync_interval == 1 else f"every {s.sync_interval} steps"
     vllm = cfg.explorer.rollout_model.engine_type == "vllm"
     method = str(s.sync_method.value if hasattr(s.sync_method, "value") else s.sync_method)
@@ -54,6 +62,9 @@ def route(cfg) -> tuple[str, str | None]:
     else:
         way = f"by a broadcast from the trainer ({'nccl' if c.gpu_per_node else 'gloo'})"
         slow = False
+    if adapters:
+        way = way.replace("vLLM's workers", "the explorers") + ", served by vLLM as a LoRA request on the base weights it keeps"
+        slow = False
     text = f"{method} (synchronizer.sync_method), {every}: {size}, {way}"
     if not (slow and s.sync_interval == 1 and nbytes is not None and nbytes >= LARGE):
         return text, None
@@ -62,6 +73,24 @@ def route(cfg) -> tuple[str, str | None]:
               "sync=memory (explorers on the trainer's node) or sync=collective")
     return text, (f"weight sync: {_size(nbytes)} {every} {way}; for a model this size use {better}, "
                   f"or sync less often (synchronizer.sync_interval)")
+
+
+def check_lora_sync(cfg) -> None:
+    """model.lora.sync=adapter: what can serve and carry the adapters alone."""
+    if not lora_adapter_sync(cfg.model):
+        return
+    rm, method = cfg.explorer.rollout_model, str(cfg.synchronizer.sync_method)
+    if rm.engine_type != "vllm":
+        raise ConfigError(f"model.lora.sync=adapter needs explorer=vllm, which serves the adapters as a LoRA request "
+                          f"on the base weights (explorer.rollout_model.engine_type={rm.engine_type} takes whole "
+                          f"weights). Use explorer=vllm, or model.lora.sync=merged.")
+    if method == "collective":
+        raise ConfigError("model.lora.sync=adapter sends the adapters with sync=memory or sync=checkpoint (they are "
+                          "small; sync=collective broadcasts whole weights). Set synchronizer.sync_method=memory, "
+                          "or model.lora.sync=merged.")
+    if cfg.trainer.trainer_strategy != "torch":
+        raise ConfigError(f"model.lora.sync=adapter: trainer={cfg.trainer.trainer_strategy} sends merged weights only "
+                          f"for now. Use trainer=torch, or model.lora.sync=merged.")
 
 
 def _size(nbytes: int) -> str:

@@ -228,7 +228,7 @@ class ExplorerPool:
         else the snapshot it kept (an explorer restarted while the trainer was ahead)."""
         explorer = self.explorers[i]
         if version == self.trainer("get_version"):
-            weights, expected = self.trainer.submit("weights"), self.trainer("fingerprint")
+            weights, expected = self.trainer.submit("weights"), self.trainer("engine_fingerprint")
         else:
             weights, expected = self.trainer.submit("snapshot_weights", version), self.trainer("snapshot_fingerprint", version)
         explorer.get(explorer.submit("update_weights", weights, version, expected))

@@ -27,6 +27,7 @@ from rft.runtime.explorers import ExplorerPool
 from rft.runtime.faults import LearningSignal, TrainerCalls
 from rft.runtime.saving import StageCheckpoints
 from rft.runtime.schedule import Schedule, reward_norm
+from rft.config import lora_adapter_sync
 from rft.sync.weights import SYNC_METHODS
 
 
@@ -100,7 +101,9 @@ class StageRun:
 
         self.reward_models = start_reward_models(Actor, cfg, common, options)
         # mode=train still evaluates with an explorer when there are eval tasksets (plan.explorers)
-        resumed = latest is not None and latest.hf_path.exists()
+        # (model.lora.sync=adapter: the engines keep the stage's starting model as the base, and
+        # the resumed adapters come by a sync below)
+        resumed = latest is not None and latest.hf_path.exists() and not lora_adapter_sync(cfg.model)
         self.explorers = start_explorers(Actor, cfg, self.plan.explorers, str(latest.hf_path) if resumed else self.init_path,
                                          start if resumed else 0, self.title, common, options)
         wait_reward_models(self.reward_models)  # a model that does not load: a ConfigError naming it

@@ -37,11 +37,15 @@ class TrainerBackend(Protocol):
 
     # ---- the weights, to the engines (rft/sync/weights.py)
     def weights(self) -> dict[str, Any]:
-        """A CPU copy of the full model's tensors, named as its Hugging Face state dict (with LoRA:
-        merged)."""
+        """A CPU copy of what the engines load: the full model's tensors, named as its Hugging Face
+        state dict (with LoRA: merged; with model.lora.sync=adapter the adapters alone)."""
 
     def fingerprint(self) -> str:
         """A digest of the weights (rft.sync.weights.fingerprint), which the engines' must equal."""
+
+    def engine_fingerprint(self) -> str:
+        """The fingerprint of what `weights` gives the engines: `fingerprint`'s, or with
+        model.lora.sync=adapter the adapters' alone."""
 
     def sync_fingerprint(self) -> str:
         """The fingerprint a sync sends (timed as a part of the sync)."""

@@ -15,6 +15,7 @@ from contextlib import contextmanager
 
 import torch
 
+from rft.config import lora_adapter_sync
 from rft.models import torch_dtype
 from rft.sync.weights import SharedWriter, fingerprint, for_safetensors, node_id, one_thread, shared_fits, to_arrays
 from rft.trainer import lora
@@ -26,7 +27,14 @@ class WeightsMixin:
 
     def weights(self) -> dict[str, torch.Tensor]:
         """A CPU copy of the weights (what memory sync sends)."""
-        return {k: v.detach().to("cpu", copy=True) for k, v in self._served(self._state_dict()).items()}
+        return {k: v.detach().to("cpu", copy=True) for k, v in self._engine_state().items()}
+
+    def _engine_state(self) -> dict[str, torch.Tensor]:
+        """What the engines load: the LoRA adapters alone (model.lora.sync=adapter: PEFT's adapter
+        file keys, served by vLLM as a LoRA request), else the whole model as `_served` gives it."""
+        if lora_adapter_sync(self.cfg.model):
+            return {k: v.detach() for k, v in lora.adapter_state_dict(self.model).items()}
+        return self._served(self._state_dict())
 
     def _state_dict(self) -> dict[str, torch.Tensor]:
         """The model's weights as checkpoints keep them: with LoRA, merged."""
@@ -53,7 +61,14 @@ class WeightsMixin:
         return sorted((n, t) for n, t in merged.items() if n in names)
 
     def fingerprint(self) -> str:
+        """Of the whole model (with LoRA, merged): what a checkpoint's hf/ holds."""
         return fingerprint(t for _, t in self._named_parameters())
+
+    def engine_fingerprint(self) -> str:
+        """Of what the engines load (`_engine_state`): the adapters alone with model.lora.sync=adapter."""
+        if lora_adapter_sync(self.cfg.model):
+            return fingerprint(self._engine_state())
+        return self.fingerprint()
 
     @contextmanager
     def _timed(self, part: str):
@@ -74,19 +89,19 @@ class WeightsMixin:
         """The fingerprint a sync sends with the weights (timed, as a part of the sync); kept for
         the snapshot of the same version (keep_snapshots), which would compute it again."""
         with self._timed("sync_fingerprint_s"):
-            self._fp_cache = (self.version, self.fingerprint())
+            self._fp_cache = (self.version, self.engine_fingerprint())
         return self._fp_cache[1]
 
     def _version_fingerprint(self) -> str:
         """The weights' fingerprint, the one the last sync computed when the weights are the same
         (a train step changes the version; a load clears the cache)."""
         cached = self._fp_cache
-        return cached[1] if cached is not None and cached[0] == self.version else self.fingerprint()
+        return cached[1] if cached is not None and cached[0] == self.version else self.engine_fingerprint()
 
     def _sync_state(self) -> dict[str, torch.Tensor]:
         """(data parallel) The weights memory sync sends: the model's own tensors, not copied (the
         object store copies them once; in-process, the explorer's load does)."""
-        return self._served(self._state_dict())
+        return self._engine_state()
 
     def sync_payload(self, shared: str | None = None, with_fingerprint: bool = True) -> tuple:
         """What memory sync sends, in one call: the weights and their fingerprint. The weights as
@@ -138,7 +153,7 @@ class WeightsMixin:
         from safetensors.torch import save_file
 
         with self._timed("sync_send_s"):
-            sd = {k: v.detach().cpu() for k, v in self._served(self._state_dict()).items()}
+            sd = {k: v.detach().cpu() for k, v in self._engine_state().items()}
             save_file(for_safetensors(sd), path + ".tmp")
             os.replace(path + ".tmp", path)
         return self.sync_fingerprint()

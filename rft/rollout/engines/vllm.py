@@ -24,9 +24,12 @@ from __future__ import annotations
 import logging
 import os
 import time
+from pathlib import Path
 
+from rft.config import lora_adapter_sync
 from rft.errors import ConfigError
 from rft.models import canonical_dtype
+from rft.rollout.engines.vllm_lora import LoraAdapters, is_adapter
 from rft.rollout.engines.base import Sample
 
 log = logging.getLogger(__name__)
@@ -63,8 +66,10 @@ class VLLMEngine:
         if rollout_cfg.enable_sleep_mode and not self.can_sleep:
             log.warning("explorer.rollout_model.enable_sleep_mode needs CUDA; on CPU the engine stays awake")
         self.busy_s, self.check_s = 0.0, 0.0
+        self.adapters = LoraAdapters(model_cfg) if lora_adapter_sync(model_cfg) else None
         try:
             self.llm = LLM(
+                **(self.adapters.engine_args() if self.adapters else {}),
                 model=model_path,
                 dtype=canonical_dtype(rollout_cfg.dtype or model_cfg.dtype),  # vLLM takes "bfloat16", not "bf16"
                 max_model_len=max_len,
@@ -111,7 +116,8 @@ class VLLMEngine:
             )
             for i in range(len(prompts))
         ]
-        outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False,
+                                 lora_request=self.adapters and self.adapters.request)
         result = []
         for out in outs:
             group = []
@@ -133,6 +139,8 @@ class VLLMEngine:
         # as safetensors bytes through vLLM's own messaging (its encoder does not carry a dict of
         # tensors): only where the trainer's weights are not in shared memory on this node
         # (cluster=inline, or another node; load_shared otherwise)
+        if is_adapter(state_dict):
+            return self._serve_adapter(state_dict)
         blob = save(for_safetensors(state_dict))
         self._took(self.llm.collective_rpc("rft_load_weights", args=(blob,)))
 
@@ -140,9 +148,22 @@ class VLLMEngine:
         """Memory sync on the trainer's node: the workers read the trainer's shared-memory segment
         themselves (`weights`: rft.sync.weights.SharedWeights, its name and layout). At the 0.5B
         shape the bytes through the RPC were 1 GB a sync."""
+        if is_adapter(dict.fromkeys(name for name, *_ in weights.layout)):  # small: read here
+            from rft.sync.weights import read_shared
+
+            return self._serve_adapter({k: v.clone() for k, v in read_shared(weights).items()})
         self._took(self.llm.collective_rpc("rft_load_shared", args=(weights.segment, weights.layout)))
 
     def load_weights_file(self, path: str) -> None:
+        from safetensors import safe_open
+
+        from rft.sync.weights import hf_tensors
+
+        if Path(path).is_file():  # sync=checkpoint's file: the adapters alone, or a whole model
+            with safe_open(str(path), "pt") as f:
+                adapter = is_adapter(dict.fromkeys(f.keys()))
+            if adapter:
+                return self._serve_adapter(dict(hf_tensors(path)))
         self._took(self.llm.collective_rpc("rft_load_file", args=(str(path),)))
 
     def collective_init(self, address: str, port: int, world: int, rank: int, timeout_s: float, manifest) -> None:
@@ -153,15 +174,30 @@ class VLLMEngine:
 
     def _took(self, replies: list) -> None:
         """After the workers loaded new weights: `check_s`, the seconds of the load they spent
-        fingerprinting (the explorer reports it apart, as timing/sync_check_s)."""
+        fingerprinting (the explorer reports it apart, as timing/sync_check_s). A whole model
+        replaces the base and ends any adapter (mode=explore taking a checkpoint's merged hf/)."""
         self.check_s = max(r["check_s"] for r in replies)
+        if self.adapters:
+            self.adapters.drop(self.llm)
         self.llm.reset_prefix_cache()
 
+    def _serve_adapter(self, state: dict) -> None:
+        """model.lora.sync=adapter: the trainer's LoRA adapters, served on the base weights."""
+        if self.adapters is None:
+            raise RuntimeError("the engine was sent LoRA adapters, but was not started for them "
+                               "(model.lora.sync=adapter with model.lora.rank > 0)")
+        self.adapters.serve(self.llm, state)
+        self.check_s = 0.0  # fingerprinted in `fingerprint`, apart from the load
+
     def fingerprint(self) -> str:
+        if self.adapters and self.adapters.request is not None:
+            return self.adapters.fingerprint
         return self.llm.collective_rpc("rft_fingerprint")[0]
 
     def shutdown(self) -> None:
         """Stop vLLM's engine process now (rather than at interpreter exit, when logs are closed)."""
+        if self.adapters:
+            self.adapters.close()
         core = getattr(getattr(self.llm, "llm_engine", None), "engine_core", None)
         if core is not None:
             core.shutdown()
