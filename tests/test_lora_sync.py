@@ -42,8 +42,6 @@ def test_the_plan_says_what_carries_the_adapters_and_refuses_what_cannot():
     with pytest.raises(ConfigError, match=r"^model.lora.sync=adapter sends the adapters with sync=memory or "
                                           r"sync=checkpoint"):
         plan_of("explorer=vllm", "sync=collective", *ADAPTER)
-    with pytest.raises(ConfigError, match=r"^model.lora.sync=adapter: trainer=fsdp2 sends merged weights only"):
-        plan_of("explorer=vllm", "trainer=fsdp2", *ADAPTER)
     # without LoRA the key changes nothing
     plan_of("model.lora.sync=adapter")
 
@@ -58,6 +56,17 @@ def test_the_trainer_sends_the_adapters_alone_and_their_fingerprint():
     assert t.engine_fingerprint() == t.sync_fingerprint() == fingerprint(sent) != t.fingerprint()
     # a checkpoint's fingerprint stays the merged model's: what its hf/ holds
     assert t.fingerprint() == fingerprint(dict(t._named_parameters()))
+    # trainer=fsdp2 (one rank: the same bits as trainer=torch) sends the same adapters
+    from test_mixed_precision import one_rank
+
+    ranks = one_rank("explorer=vllm", "trainer.micro_batch_size_per_gpu=128", *ADAPTER[:3], lr=1e-2)
+    try:
+        ranks.train_step(experiences())
+        theirs = ranks.weights()
+        assert set(theirs) == set(sent) and all(torch.equal(theirs[k], v) for k, v in sent.items())
+        assert ranks.engine_fingerprint() == ranks.sync_fingerprint() == t.engine_fingerprint()
+    finally:
+        ranks.close()
 
 
 @pytest.mark.slow  # a vLLM engine with LoRA (~30 s to start)

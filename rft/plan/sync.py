@@ -88,9 +88,6 @@ def check_lora_sync(cfg) -> None:
         raise ConfigError("model.lora.sync=adapter sends the adapters with sync=memory or sync=checkpoint (they are "
                           "small; sync=collective broadcasts whole weights). Set synchronizer.sync_method=memory, "
                           "or model.lora.sync=merged.")
-    if cfg.trainer.trainer_strategy != "torch":
-        raise ConfigError(f"model.lora.sync=adapter: trainer={cfg.trainer.trainer_strategy} sends merged weights only "
-                          f"for now. Use trainer=torch, or model.lora.sync=merged.")
 
 
 def _size(nbytes: int) -> str:

@@ -142,10 +142,14 @@ class FSDPTrainer(Trainer):
         # a copy (a snapshot must not change with the next step): one rank on a CPU gathers its own
         # parameters, not copies of them
         own = {p.to_local().data_ptr() for p in self.model.parameters()}
-        return {k: v.clone() if v.data_ptr() in own else v for k, v in self._served(self._state_dict()).items()}
+        return {k: v.clone() if v.data_ptr() in own else v for k, v in self._engine_state().items()}
 
     def _sync_state(self) -> dict[str, torch.Tensor]:
-        return self._served(self._state_dict())
+        return self._engine_state()
+
+    def _adapter_state(self) -> dict[str, torch.Tensor]:
+        sd = self._full_state()  # every rank gathers; rank 0 holds the result
+        return lora.adapter_state_dict(self.model, sd) if sd else {}
 
     def fingerprint(self) -> str:
         if lora.is_lora(self.model):  # rank 0's is the group's answer (the others': of nothing)
@@ -186,7 +190,7 @@ class FSDPTrainer(Trainer):
         from rft.sync.weights import for_safetensors
 
         with self._timed("sync_send_s"):
-            sd = self._served(self._state_dict())
+            sd = self._engine_state()
             if self.rank == 0:
                 save_file(for_safetensors(sd), path + ".tmp")
                 os.replace(path + ".tmp", path)

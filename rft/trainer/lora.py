@@ -130,11 +130,12 @@ def adapter_keys(model) -> dict[str, str]:
     return {k: name[id(v)] for k, v in get_peft_model_state_dict(model, state_dict=own).items()}
 
 
-def adapter_state_dict(model) -> dict[str, torch.Tensor]:
-    """The adapters' parameters alone (what the optimizer trains and a checkpoint's adapter/ holds)."""
+def adapter_state_dict(model, state: dict | None = None) -> dict[str, torch.Tensor]:
+    """The adapters' parameters alone (what the optimizer trains and a checkpoint's adapter/ holds),
+    under PEFT's adapter-file keys; from `state` (trainer=fsdp2's gathered one) when given."""
     from peft import get_peft_model_state_dict
 
-    return get_peft_model_state_dict(model)
+    return get_peft_model_state_dict(model, state_dict=state)
 
 
 def load_adapter(model, state: dict) -> None:

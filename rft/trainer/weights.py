@@ -33,8 +33,12 @@ class WeightsMixin:
         """What the engines load: the LoRA adapters alone (model.lora.sync=adapter: PEFT's adapter
         file keys, served by vLLM as a LoRA request), else the whole model as `_served` gives it."""
         if lora_adapter_sync(self.cfg.model):
-            return {k: v.detach() for k, v in lora.adapter_state_dict(self.model).items()}
+            return self._adapter_state()
         return self._served(self._state_dict())
+
+    def _adapter_state(self) -> dict[str, torch.Tensor]:
+        """(data parallel) The LoRA adapters' tensors under PEFT's adapter-file keys."""
+        return {k: v.detach() for k, v in lora.adapter_state_dict(self.model).items()}
 
     def _state_dict(self) -> dict[str, torch.Tensor]:
         """The model's weights as checkpoints keep them: with LoRA, merged."""
