@@ -192,11 +192,12 @@ def test_the_gpu_acceptance_runs_its_cpu_twin_here(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     assert "No GPU on this machine: running the CPU twin" in r.stdout
     table = json.loads(out.read_text())
-    assert table["device"].startswith("CPU (no GPU here") and [row["arm"] for row in table["rows"]] == ["tiny"]
-    row = table["rows"][0]
-    # every step's sync was checked by fingerprint (a mismatch raises); the CPU has no sleep mode,
-    # no MFU (no known peak) and no driver to read device memory from
-    assert row["generate_tokens_per_s"] > 0 and row["train_tokens_per_s"] > 0 and row["sync_s"] > 0
-    assert row["trainer_peak_gb"] > 0.1
-    assert all(row[k] is None for k in ("mfu", "sleep_s", "wake_s", "memory_awake_gb", "memory_asleep_gb"))
-    assert "| tiny | tiny-qwen2-v1 |" in r.stdout
+    assert table["device"].startswith("CPU (no GPU here")
+    assert [row["arm"] for row in table["rows"]] == ["tiny", "tiny-lora"]
+    for row in table["rows"]:
+        # every step's sync was checked by fingerprint (a mismatch raises); the CPU has no sleep
+        # mode, no MFU (no known peak) and no driver to read device memory from
+        assert row["generate_tokens_per_s"] > 0 and row["train_tokens_per_s"] > 0 and row["sync_s"] > 0
+        assert row["trainer_peak_gb"] > 0.1
+        assert all(row[k] is None for k in ("mfu", "sleep_s", "wake_s", "memory_awake_gb", "memory_asleep_gb"))
+    assert "| tiny | tiny-qwen2-v1 |" in r.stdout and "| tiny-lora | tiny-qwen2-v1 |" in r.stdout

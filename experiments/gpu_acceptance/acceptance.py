@@ -8,7 +8,8 @@ in this process, colocated on one device:
   3. the engine sleeps while the trainer trains and wakes for the next step, the device's memory
      read from the driver before, while asleep and after (sleep and wake seconds);
   4. the weights go into the running engine through shared memory, checked by fingerprint (sync
-     seconds).
+     seconds); in the LoRA arms the adapters alone, which vLLM serves as a LoRA request
+     (model.lora.sync=adapter).
 
     .venv/bin/python experiments/gpu_acceptance/acceptance.py              # the GPU arms, or the CPU twin
     .venv/bin/python experiments/gpu_acceptance/acceptance.py --arms 0.5b --steps 2 --out table.json
@@ -25,6 +26,7 @@ import argparse
 import importlib.util
 import json
 import random
+import statistics
 import sys
 import tempfile
 import time
@@ -37,10 +39,15 @@ GPU = ["cluster.gpu_per_node=1", "cluster.colocate=true", "explorer.rollout_mode
        "explorer.rollout_model.gpu_memory_utilization=0.35", "trainer.fp32_master_weights=true",
        "trainer.gradient_checkpointing=true", "trainer.use_dynamic_bsz=true", "trainer.max_token_len_per_gpu=16384"]
 SHAPE = ["model.max_prompt_tokens=64", "model.max_response_tokens=512", "buffer.batch_size=32", "algorithm.repeat_times=8"]
+# LoRA whose syncs send the adapters alone, served by vLLM as a LoRA request
+LORA = ["model.lora.sync=adapter", "model.lora.alpha=16"]
+TINY = ["model.max_response_tokens=16", "buffer.batch_size=4", "algorithm.repeat_times=4"]
 ARMS = {  # name -> (overrides, on a GPU)
     "0.5b": (["model=qwen2.5-0.5b-shape", *SHAPE, *GPU], True),
     "1.5b": (["model=qwen2.5-1.5b-shape", *SHAPE, *GPU], True),
-    "tiny": (["model.max_response_tokens=16", "buffer.batch_size=4", "algorithm.repeat_times=4"], False),
+    "0.5b-lora": (["model=qwen2.5-0.5b-shape", *SHAPE, *GPU, *LORA, "model.lora.rank=64"], True),
+    "tiny": (TINY, False),
+    "tiny-lora": ([*TINY, *LORA, "model.lora.rank=8"], False),
 }
 COMMON = ["stages=[]", "cluster=inline", "explorer=vllm", "trainer=fsdp2", "trainer.ranks=1", "algorithm=grpo",
           "trainer.skip_zero_advantage=false"]
@@ -113,7 +120,7 @@ def run_arm(name: str, steps: int) -> dict:
             trainer.call("close_shared")
             trainer.kill()
     last = rows[1:] or rows  # the first step warms up (kernels, allocator): left out where there are more
-    median = lambda k: sorted(r[k] for r in last)[len(last) // 2] if all(r.get(k) is not None for r in last) else None
+    median = lambda k: statistics.median(r[k] for r in last) if all(r.get(k) is not None for r in last) else None
     keys = ["generate_tokens_per_s", "train_tokens_per_s", "mfu", "sync_s", "sleep_s", "wake_s",
             "trainer_peak_gb", "memory_awake_gb", "memory_asleep_gb", "memory_woken_gb"]
     return {"arm": name, "model": Path(cfg.model.model_path).name, "steps": steps, **{k: median(k) for k in keys}}
