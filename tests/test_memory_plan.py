@@ -418,3 +418,22 @@ def test_a_hub_id_that_cannot_be_downloaded_stops_the_run_with_the_reason(monkey
     M.check_model_here(compose_cfg([]))
     M.check_model_here(compose_cfg(["model.model_path=someorg/nomodel", "model.builder=null", "cluster=ray",
                                     "cluster.ray_address=auto"]))
+
+
+def test_colocated_with_sleep_mode_the_waking_engine_must_fit_beside_what_the_trainer_keeps(one_24gb_gpu):
+    common = ["model=qwen2.5-0.5b", "cluster.gpu_per_node=1", "cluster.colocate=true", "explorer.rollout_model.engine_num=1",
+              "explorer.rollout_model.enable_sleep_mode=true", "trainer.logprob_chunk_size=2048"]
+    stage, plan = plan_of(common)
+    # the trainer keeps, between steps: weights 494,032,768 x 2 bytes (0.9 GiB) + Adam x 4 bytes
+    # (1.8) + runtime 1 GiB = 3.8 GiB; the engine takes 0.9 x 24 = 21.6 GiB when it wakes: 25.4 > 24.
+    # Room for the engine: (24 - 3.8) / 24 = 0.84 of the GPU
+    with pytest.raises(ConfigError) as e:
+        M.check_memory([stage], [plan])
+    assert str(e.value) == (
+        "the plan cannot fit: colocated, the engine takes gpu_memory_utilization=0.9 x 24.0 = 21.6 GiB each time it "
+        "wakes, while the trainer keeps ~3.8 GiB (weights, Adam, reference, runtime) on the same GPU. Change "
+        "explorer.rollout_model.gpu_memory_utilization=0.84 or lower, trainer.param_offload=true and "
+        "optimizer_offload=true (trainer=fsdp2) (the whole estimate: dry_run=true).")
+    # at 0.8 both fit (and without sleep mode the older check, trainer and engine at their peaks, applies)
+    stage, plan = plan_of([*common, "explorer.rollout_model.gpu_memory_utilization=0.8"])
+    assert not any("wakes" in p[0] for p in M.estimate(stage, plan).problems)

@@ -442,6 +442,8 @@ def estimate(cfg, plan) -> Estimate:
                              f"(~{gib(roles[1].total)}) share a GPU of {gib(dev.memory)} GiB",
                              "explorer.rollout_model.enable_sleep_mode=true (the engine releases the GPU while "
                              "the trainer trains), a lower gpu_memory_utilization, or cluster.colocate=false", False))
+    if dev.gpus and c.colocate and len(roles) == 2 and cfg.explorer.rollout_model.enable_sleep_mode:
+        problems += _wake_problem(cfg, roles, dev)
     if not dev.gpus:
         both = sum(r.count * r.total for r in roles)
         # certain: the weights and optimizer state alone are over this machine's memory
@@ -451,6 +453,23 @@ def estimate(cfg, plan) -> Estimate:
                              "a smaller model, fewer explorers (explorer.rollout_model.engine_num) or trainer ranks",
                              state > dev.memory))
     return Estimate(dev, s, source, tuple(roles), tuple(problems))
+
+
+def _wake_problem(cfg, roles: list, dev: Devices) -> list:
+    """Colocated with sleep mode: the engine takes its gpu_memory_utilization of the GPU again each
+    time it wakes, while the trainer keeps its weights and optimizer state there between steps
+    (its activations and gradients are freed and handed back)."""
+    trainer, engine = roles
+    kept = sum(v for k, v in trainer.parts if k.split(" (")[0] in ("weights", "Adam", "reference", "critic", "runtime"))
+    if kept + engine.total <= dev.memory:
+        return []
+    rm = cfg.explorer.rollout_model
+    room = (dev.memory - kept) / dev.memory
+    fix = (f"explorer.rollout_model.gpu_memory_utilization={max(room, 0) // 0.01 / 100:.2f} or lower, "
+           if room > 0.1 else "") + "trainer.param_offload=true and optimizer_offload=true (trainer=fsdp2)"
+    return [(f"colocated, the engine takes gpu_memory_utilization={rm.gpu_memory_utilization:g} x {gib(dev.memory)} = "
+             f"{gib(engine.total)} GiB each time it wakes, while the trainer keeps ~{gib(kept)} GiB (weights, Adam, "
+             f"reference, runtime) on the same GPU", fix, True)]
 
 
 def describe_devices(cfg, est: Estimate) -> list[tuple[str, str]]:

@@ -271,7 +271,12 @@ class Trainer(StepMixin, MetricsMixin, WeightsMixin, CheckpointMixin):
         self._update(step)
         self.version += 1
         step.sums.update(self._work)
-        return {**self._metrics(step, time.perf_counter() - t0), **self.sync_timing()}
+        metrics = {**self._metrics(step, time.perf_counter() - t0), **self.sync_timing()}
+        if self.device.type == "cuda" and self.cfg.cluster.colocate:
+            # the engine on this GPU wakes next: the allocator's cached blocks (this step's
+            # activations) go back to the driver, else vLLM could not take its share again
+            torch.cuda.empty_cache()
+        return metrics
 
     def ping(self) -> int:
         return os.getpid()
