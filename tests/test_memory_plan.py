@@ -437,3 +437,19 @@ def test_colocated_with_sleep_mode_the_waking_engine_must_fit_beside_what_the_tr
     # at 0.8 both fit (and without sleep mode the older check, trainer and engine at their peaks, applies)
     stage, plan = plan_of([*common, "explorer.rollout_model.gpu_memory_utilization=0.8"])
     assert not any("wakes" in p[0] for p in M.estimate(stage, plan).problems)
+
+
+def test_a_tensor_parallel_size_that_does_not_split_the_heads_stops_the_run(no_gpu):
+    stage, plan = plan_of(["model=qwen7b", "sync=checkpoint", "explorer.rollout_model.tensor_parallel_size=3",
+                           "explorer.rollout_model.engine_num=2"])
+    # Qwen2.5-7B: 28 attention heads, 4 key/value heads; a tensor-parallel size must divide 28, and
+    # 4 or be a multiple of 4: 1, 2, 4 (and 28, more than a node's 8 GPUs)
+    with pytest.raises(ConfigError) as e:
+        M.check_memory([stage], [plan])
+    assert str(e.value) == (
+        "the plan cannot fit: explorer.rollout_model.tensor_parallel_size=3 does not divide the model's 28 attention "
+        "heads and 4 key/value heads evenly (vLLM splits them over the engine's GPUs). Change tensor_parallel_size to "
+        "one of 1, 2, 4 (the whole estimate: dry_run=true).")
+    stage, plan = plan_of(["model=qwen7b", "sync=checkpoint", "explorer.rollout_model.tensor_parallel_size=2",
+                           "explorer.rollout_model.engine_num=2"])
+    assert not M.estimate(stage, plan).problems

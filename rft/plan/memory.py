@@ -442,6 +442,7 @@ def estimate(cfg, plan) -> Estimate:
                              f"(~{gib(roles[1].total)}) share a GPU of {gib(dev.memory)} GiB",
                              "explorer.rollout_model.enable_sleep_mode=true (the engine releases the GPU while "
                              "the trainer trains), a lower gpu_memory_utilization, or cluster.colocate=false", False))
+    problems += _tensor_parallel_problem(cfg, s)
     if dev.gpus and c.colocate and len(roles) == 2 and cfg.explorer.rollout_model.enable_sleep_mode:
         problems += _wake_problem(cfg, roles, dev)
     if not dev.gpus:
@@ -453,6 +454,20 @@ def estimate(cfg, plan) -> Estimate:
                              "a smaller model, fewer explorers (explorer.rollout_model.engine_num) or trainer ranks",
                              state > dev.memory))
     return Estimate(dev, s, source, tuple(roles), tuple(problems))
+
+
+def _tensor_parallel_problem(cfg, s: Shape) -> list:
+    """vLLM gives each of an engine's tensor-parallel GPUs an equal share of the attention heads,
+    and of the key/value heads (or copies of one, when there are fewer than GPUs)."""
+    rm = cfg.explorer.rollout_model
+    tp, kv_heads = rm.tensor_parallel_size, s.kv // s.head_dim
+    if rm.engine_type != "vllm" or tp <= 1 or (s.heads % tp == 0 and (kv_heads % tp == 0 or tp % kv_heads == 0)):
+        return []
+    most = cfg.cluster.gpu_per_node or s.heads  # an engine's GPUs are on one node
+    fits = [d for d in range(1, min(s.heads, most) + 1) if s.heads % d == 0 and (kv_heads % d == 0 or d % kv_heads == 0)]
+    return [(f"explorer.rollout_model.tensor_parallel_size={tp} does not divide the model's {s.heads} attention heads "
+             f"and {kv_heads} key/value heads evenly (vLLM splits them over the engine's GPUs)",
+             f"tensor_parallel_size to one of {', '.join(map(str, fits))}", True)]
 
 
 def _wake_problem(cfg, roles: list, dev: Devices) -> list:
