@@ -470,6 +470,12 @@ class TrainerConfig:
     param_offload: bool = False
     # trainer=fsdp2: keep Adam's moments in CPU memory between steps
     optimizer_offload: bool = False
+    # trainer=fsdp2: the reference model's shards in CPU memory, each block copied to the device
+    # for its forward (run once a step, forward only); on with param_offload
+    ref_offload: bool = False
+    # trainer=fsdp2: PPO's critic (weights, gradients, Adam) in CPU memory, as param_offload keeps
+    # the policy's; on with param_offload
+    critic_offload: bool = False
     # trainer=fsdp2: mixed precision. The weights, gradients and Adam's moments in float32 while
     # the forward and backward compute in model.dtype (bfloat16: FSDP2 casts each block's weights
     # as it gathers them, and reduces gradients in float32); updates smaller than a bfloat16

@@ -453,3 +453,20 @@ def test_a_tensor_parallel_size_that_does_not_split_the_heads_stops_the_run(no_g
     stage, plan = plan_of(["model=qwen7b", "sync=checkpoint", "explorer.rollout_model.tensor_parallel_size=2",
                            "explorer.rollout_model.engine_num=2"])
     assert not M.estimate(stage, plan).problems
+
+
+def test_the_reference_and_critic_offloaded_leave_the_gpu(no_gpu):
+    ppo = ["model=qwen7b", "algorithm=ppo", "algorithm.kl_loss_fn=low_var_kl", "algorithm.kl_loss_coef=0.1"]
+    stage, plan = plan_of(ppo)
+    on_gpu = dict(M.estimate(stage, plan).roles[0].parts)
+    stage, plan = plan_of([*ppo, "trainer.ref_offload=true", "trainer.critic_offload=true"])
+    trainer = M.estimate(stage, plan).roles[0]
+    parts = dict(trainer.parts)
+    # the same bytes, counted in CPU memory: the reference P x 2 bytes / 4 ranks, the critic's
+    # weights, gradients and Adam in float32 (fp32 master weights) 4 x P x 4 / 4
+    assert parts["reference in CPU memory"] == on_gpu["reference"] == QWEN7B_PARAMETERS * 2 // 4
+    assert parts["critic in CPU memory"] == on_gpu["critic"] == 4 * QWEN7B_PARAMETERS * 4 // 4
+    assert trainer.total == sum(on_gpu.values()) - on_gpu["reference"] - on_gpu["critic"] - sum(
+        v for k, v in on_gpu.items() if "in CPU memory" in k)
+    with pytest.raises(ConfigError, match=r"^trainer.ref_offload=true needs trainer=fsdp2"):
+        plan_of(["trainer.ref_offload=true"])

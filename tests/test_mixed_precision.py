@@ -110,3 +110,25 @@ def test_a_run_with_fp32_masters_syncs_the_bfloat16_weights_to_its_engine(warm_s
     assert r.returncode == 0, r.stderr[-3000:]
     metrics = read_metrics(next(tmp_path.rglob("metrics.jsonl")))
     assert [m["step"] for m in metrics if "loss/policy" in m] == [1, 2, 3]
+
+
+def test_the_reference_and_the_critic_offload_on_their_own_and_train_alike():
+    # PPO with a KL term: a reference and a critic beside the policy; offloaded, only where their
+    # shards live changes (the CPU here too), not one number
+    ppo = ["algorithm=ppo", "algorithm.critic_warmup=0", "algorithm.kl_loss_fn=low_var_kl", "algorithm.kl_loss_coef=0.1"]
+    metrics = []
+    for offload in ([], ["trainer.ref_offload=true", "trainer.critic_offload=true"]):
+        t = one_rank(*ppo, *offload, lr=1e-4)
+        try:
+            from torch.distributed.fsdp import CPUOffloadPolicy
+
+            offloaded = {name: isinstance(m._get_fsdp_state()._fsdp_param_group.offload_policy, CPUOffloadPolicy)
+                         for name, m in (("policy", t.model), ("reference", t.ref_model), ("critic", t.critic.model))}
+            assert offloaded == {"policy": False, "reference": bool(offload), "critic": bool(offload)}
+            metrics.append([t.train_step(experiences(seed=s)) for s in range(2)])
+        finally:
+            t.close()
+    for plain, off in zip(*metrics):
+        assert plain["actor/kl"] > 0 or plain is metrics[0][0]  # the reference is read (0 only at the start)
+        for key in ("loss/policy", "actor/grad_norm", "critic/value_loss", "actor/kl"):
+            assert off[key] == plain[key], key

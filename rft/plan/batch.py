@@ -303,7 +303,7 @@ def _check_algorithm(cfg, needs: Needs) -> None:
                           f"can leave out hf/, as it resumes from its adapter/; full fine-tuning resumes from hf/, "
                           f"written at every save. Use trainer.max_ckpt_to_keep to bound the disk instead.")
     backend = TRAINER_BACKENDS.info(t.trainer_strategy)
-    for key in ("param_offload", "optimizer_offload"):
+    for key in ("param_offload", "optimizer_offload", "ref_offload", "critic_offload"):
         if cfg.trainer[key] and not backend.offload:
             raise ConfigError(f"trainer.{key}=true needs trainer=fsdp2 (FSDP2 moves the shards between CPU and "
                               f"device; trainer=torch keeps everything on its device). Use trainer=fsdp2 "

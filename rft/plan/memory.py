@@ -12,8 +12,10 @@ shards the weights, gradients and optimizer state; trainer=torch is N = 1):
     gradients    P' b / N               (P' = the trained parameters: all, or LoRA's adapters)
     Adam         2 P' b / N             (torch's AdamW keeps both moments in the weights' dtype;
                                          optimizer_offload: in CPU memory)
-    reference    P b / N                (an algorithm with a KL term or DPO; LoRA: the base, no copy)
-    critic       (2 + 2) P b / N more   (PPO's value model: weights, gradients, Adam)
+    reference    P b / N                (an algorithm with a KL term or DPO; LoRA: the base, no copy;
+                                         ref_offload: in CPU memory)
+    critic       (2 + 2) P b / N more   (PPO's value model: weights, gradients, Adam; critic_offload:
+                                         in CPU memory)
     gathered     2 layers' weights      (FSDP2 unshards one layer at a time, the next prefetched;
                                          also on one rank with fp32 master weights: the cast copies)
     fp32 master weights (trainer.fp32_master_weights): weights, gradients, Adam and the critic's
@@ -305,9 +307,9 @@ def trainer_role(cfg, plan, s: Shape, dev: Devices) -> Role:
              ("gradients" + where * (gpu and t.param_offload), trained * mb // n),
              ("Adam" + where * (gpu and t.optimizer_offload), 2 * trained * mb // n)]
     if plan.needs.reference and not m.lora.rank:
-        parts.append(("reference", s.parameters * b // n))
+        parts.append(("reference" + where * (gpu and (t.ref_offload or t.param_offload)), s.parameters * b // n))
     if plan.needs.critic:
-        parts.append(("critic", 4 * s.parameters * mb // n))
+        parts.append(("critic" + where * (gpu and (t.critic_offload or t.param_offload)), 4 * s.parameters * mb // n))
     if n > 1 or mb != b:  # a block's weights whole (or cast) for its compute, and the next one's
         parts.append(("gathered layers", 2 * (s.parameters - s.vocab * s.hidden) // s.layers * b))
     parts += [(k + where * gpu, v) for k, v in _host_copies(cfg, s.parameters * b, ranks=n, gathered=s.parameters * mb)]

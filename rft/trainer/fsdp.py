@@ -62,14 +62,15 @@ class FSDPTrainer(Trainer):
 
     # ------------------------------------------------------------------ data-parallel hooks
 
-    def _wrap(self, model):
-        """Shard each transformer block (transformers names them in _no_split_modules), then the rest."""
+    def _wrap(self, model, offload: bool = False):
+        """Shard each transformer block (transformers names them in _no_split_modules), then the rest.
+        `offload` (the reference's and critic's own switches) or trainer.param_offload: in CPU memory."""
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
         # trainer.param_offload: the shards of weights and gradients live in CPU memory, copied to
         # the device block by block for each forward and backward; the optimizer steps on the CPU
         cuda = self.device.type == "cuda"
-        offload = CPUOffloadPolicy(pin_memory=cuda) if self.cfg.trainer.param_offload else OffloadPolicy()
+        offload = CPUOffloadPolicy(pin_memory=cuda) if offload or self.cfg.trainer.param_offload else OffloadPolicy()
         # trainer.fp32_master_weights: each block's float32 shards are gathered cast to model.dtype
         # for its compute, and the gradients reduced in float32 into the float32 shards
         mixed = MixedPrecisionPolicy()

@@ -77,7 +77,8 @@ class Trainer(StepMixin, MetricsMixin, WeightsMixin, CheckpointMixin):
         self.critic = None
         if plan.needs.critic:
             self.critic = Critic(cfg, os.path.expanduser(cfg.model.critic_model_path or init_path or cfg.model.model_path),
-                                 self.device, wrap=self._wrap, dtype=self.master_dtype)
+                                 self.device, wrap=lambda m: self._wrap(m, offload=cfg.trainer.critic_offload),
+                                 dtype=self.master_dtype)
         self._open_datasets()
         self._compose_loss()
         self._build_optimizer()
@@ -102,7 +103,7 @@ class Trainer(StepMixin, MetricsMixin, WeightsMixin, CheckpointMixin):
         if plan.needs.reference and not lora.is_lora(self.model):
             ref = load_model(cfg.model, init_path).to(self.device)
             ref.requires_grad_(False)
-            self.ref_model = self._wrap(ref)
+            self.ref_model = self._wrap(ref, offload=cfg.trainer.ref_offload)
 
     def _open_datasets(self) -> None:
         """The readers of the stage's training dataset and of algorithm=mix's SFT rows, if any."""
@@ -162,8 +163,9 @@ class Trainer(StepMixin, MetricsMixin, WeightsMixin, CheckpointMixin):
 
     # ------------------------------------------------------------------ data-parallel hooks
 
-    def _wrap(self, model):
-        """(data parallel) The model as this strategy trains it: as loaded for one process."""
+    def _wrap(self, model, offload: bool = False):
+        """(data parallel) The model as this strategy trains it: as loaded for one process.
+        `offload`: its shards in CPU memory (trainer.ref_offload, critic_offload), as with param_offload."""
         return model
 
     def _my_micro_batches(self, full, start: int, end: int):
