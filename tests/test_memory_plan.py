@@ -470,3 +470,11 @@ def test_the_reference_and_critic_offloaded_leave_the_gpu(no_gpu):
         v for k, v in on_gpu.items() if "in CPU memory" in k)
     with pytest.raises(ConfigError, match=r"^trainer.ref_offload=true needs trainer=fsdp2"):
         plan_of(["trainer.ref_offload=true"])
+
+
+def test_a_local_path_or_a_name_that_is_no_hub_id_is_left_to_the_plan(monkeypatch):
+    from huggingface_hub import HfApi
+
+    monkeypatch.setattr(HfApi, "model_info", lambda *a, **k: pytest.fail("asked the hub"))
+    for path in ("/nowhere/model", "./model", "'~/models/mine'", "a/b/c"):
+        M.check_model_here(compose_cfg([f"model.model_path={path}", "model.builder=null"]))

@@ -566,7 +566,9 @@ def check_model_here(cfg) -> None:
         return
     for key in ("model_path", "critic_model_path"):
         hub_id = m.get(key)
-        if not hub_id or (key == "model_path" and m.builder) or Path(os.path.expanduser(str(hub_id))).exists():
+        # a local path (the plan says when it is missing) or the project's own builder: no hub id
+        local = os.path.expanduser(str(hub_id)).startswith(("/", ".")) or str(hub_id).count("/") > 1
+        if not hub_id or local or (key == "model_path" and m.builder) or Path(os.path.expanduser(str(hub_id))).exists():
             continue
         try:
             from huggingface_hub import try_to_load_from_cache
