@@ -127,3 +127,24 @@ def test_a_run_with_adapter_sync_trains_and_resumes(warm_start, tmp_path):
     # resumed engine serves base + adapters, not the merged checkpoint with the adapters again on top
     diffs = {m["step"]: m["rollout/logprob_diff"] for m in rows if "rollout/logprob_diff" in m}
     assert sorted(diffs) == [1, 2, 3, 4] and max(diffs.values()) < 1e-4, diffs
+
+
+def test_the_adapter_directories_of_engines_that_are_gone_are_swept(tmp_path, monkeypatch):
+    import os
+    import subprocess
+    import sys
+    import tempfile
+
+    from rft.rollout.engines import vllm_lora
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    gone, mine = tmp_path / f"rft-lora-{int(dead.stdout)}-abc", tmp_path / f"rft-lora-{os.getpid()}-def"
+    for d in (gone, mine):
+        (d / "v1").mkdir(parents=True)
+    adapters = vllm_lora.LoraAdapters(compose_cfg(ADAPTER).model)
+    # the finished process's directory is removed, this one's kept, and a new one made for this engine
+    assert not gone.exists() and mine.exists() and adapters.root.parent == tmp_path
+    assert adapters.root.name.startswith(f"rft-lora-{os.getpid()}-")
+    adapters.close()
+    assert not adapters.root.exists()
