@@ -375,6 +375,19 @@ def segment_prefix() -> str:
     return f"rft_{os.getpid()}_{hashlib.sha1(socket.gethostname().encode()).hexdigest()[:6]}_"
 
 
+def pid_alive(pid: int) -> bool:
+    """Whether a process of this host runs under `pid` (another user's counts as running)."""
+    import os
+
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def sweep(prefix: str | None = None) -> None:
     """Unlink the segments of this run (`prefix`) or, with None, those of runs whose driver was
     on this host and is gone: a trainer killed with its process group leaves its segment."""
@@ -393,13 +406,8 @@ def sweep(prefix: str | None = None) -> None:
         if prefix is None:
             if m.group(2) != here:
                 continue  # a driver elsewhere (its trainer on this node): not ours to judge
-            try:
-                os.kill(int(m.group(1)), 0)
-                continue  # its driver is alive
-            except ProcessLookupError:
-                pass
-            except PermissionError:
-                continue
+            if pid_alive(int(m.group(1))):
+                continue  # its driver is alive (or another user's process: not ours to judge)
         try:
             os.unlink(f"/dev/shm/{name}")
         except OSError:

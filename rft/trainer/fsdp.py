@@ -135,10 +135,6 @@ class FSDPTrainer(Trainer):
         sd = self._full_state()
         return lora.merged_state_dict(self.model, sd) if sd and lora.is_lora(self.model) else sd
 
-    def _named_parameters(self) -> list[tuple[str, torch.Tensor]]:
-        # with LoRA: the merged weights gathered on rank 0 (none on the others), cast as served
-        return sorted(self._served(dict(super()._named_parameters())).items())
-
     def weights(self) -> dict[str, torch.Tensor]:
         # a copy (a snapshot must not change with the next step): one rank on a CPU gathers its own
         # parameters, not copies of them

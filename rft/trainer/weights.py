@@ -60,7 +60,7 @@ class WeightsMixin:
         them: with LoRA, merged."""
         if not lora.is_lora(self.model):
             return sorted(self._served(dict(self.model.named_parameters())).items())
-        merged = self._state_dict()
+        merged = self._served(self._state_dict())
         names = {n.replace(".base_layer.", ".") for n, _ in self.model.get_base_model().named_parameters() if ".lora_" not in n}
         return sorted((n, t) for n, t in merged.items() if n in names)
 

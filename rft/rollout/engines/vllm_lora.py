@@ -20,6 +20,7 @@ import tempfile
 from pathlib import Path
 
 from rft.errors import ConfigError
+from rft.sync.weights import pid_alive
 
 # vLLM's max_lora_rank takes these values only: the smallest one that holds model.lora.rank
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
@@ -30,18 +31,8 @@ def sweep() -> None:
     each holds its last adapter (0.3 GB at rank 64 on a 7B model)."""
     for d in Path(tempfile.gettempdir()).glob("rft-lora-*-*"):
         pid = d.name.split("-")[2]
-        if pid.isdigit() and not _alive(int(pid)):
+        if pid.isdigit() and not pid_alive(int(pid)):
             shutil.rmtree(d, ignore_errors=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
 
 
 def is_adapter(state: dict) -> bool:
