@@ -37,6 +37,11 @@ class SyncMethod(StrEnum):
     collective = "collective"
 
 
+class SyncStyle(StrEnum):
+    fixed = "fixed"
+    dynamic_by_explorer = "dynamic_by_explorer"
+
+
 class Backend(StrEnum):
     ray = "ray"
     inline = "inline"
@@ -430,6 +435,13 @@ class ExplorerConfig:
     max_failed_steps: int = 3
     # seconds to wait for Ray to restart a dead explorer before the run stops
     restart_timeout: float = 300.0
+    # generation is interruptible (synchronizer.sync_style=dynamic_by_explorer): responses are
+    # generated partial_chunk_tokens at a time; new weights go in between chunks (the sequences in
+    # flight keep their tokens, the prefix is encoded again under the new weights), and an explore
+    # step returns as soon as it has its batch_size finished groups: the unfinished ones go on in
+    # the next step instead of holding this one (each token records the version that sampled it)
+    partial_rollout: bool = False
+    partial_chunk_tokens: int = 16
 
 
 @dataclass
@@ -517,6 +529,17 @@ class SynchronizerConfig:
     # the staleness bound: experiences generated more than this many trainer steps ago are
     # dropped and counted (staleness/dropped); null: no bound
     max_staleness: Optional[int] = None
+    # fixed: the explorers take new weights between explore steps, on the schedule above (a run
+    # is a function of its config). dynamic_by_explorer (Trinity's name): the trainer takes a batch
+    # as soon as the buffer holds one, publishes its weights after every step, and each explorer
+    # takes the newest at its next safe point (between generate chunks with
+    # explorer.partial_rollout, else between explore steps); rft/runtime/dynamic.py
+    sync_style: SyncStyle = SyncStyle.fixed
+    # dynamic_by_explorer + explorer.partial_rollout, a test mode: explore step s takes the weights
+    # of training step s right after its first generate chunk, waiting for them, and at no other
+    # point, so the schedule (which version wrote each token) is the same in every run and a
+    # resumed run equals an uninterrupted one bit for bit (the explorer waits for the trainer)
+    fixed_interrupts: bool = False
     # mode=explore: take new weights from the newest checkpoint of this train-mode stage directory
     # (<run>/<stage>, or its checkpoints/) every sync_interval steps; null: keep the starting weights
     checkpoint_dir: Optional[str] = None

@@ -15,13 +15,34 @@ def staleness(policy_version: int, trainer_version: int) -> int:
     return trainer_version - policy_version
 
 
+def fresh_tokens(exps, version: int, like, at_most: bool = False):
+    """[n, L-1] like `like` (the response mask): 1 at each response token sampled by `version`
+    (staleness 0; `at_most`: <= 0), 0 at older ones. A partial rollout's tokens have versions of
+    their own (Experience.token_versions); any other experience's are all its policy_version's."""
+    import torch
+
+    def fresh(v: int) -> float:
+        s = staleness(v, version)
+        return float(s <= 0 if at_most else s == 0)
+
+    flags = torch.tensor([fresh(e.policy_version) for e in exps], dtype=like.dtype,
+                         device=like.device)[:, None].expand_as(like).clone()
+    for i, e in enumerate(exps):
+        if e.token_versions:
+            start = e.prompt_length - 1
+            flags[i, start:start + len(e.token_versions)] = torch.tensor(
+                [fresh(v) for v in e.token_versions], dtype=like.dtype, device=like.device)
+    return flags
+
+
 def correct(exps, old_logp: torch.Tensor, mask: torch.Tensor, version: int, cfg):
     """algorithm.off_policy_correction for the experiences with staleness >= 1.
 
     behavior: their rows of old_logp become the sampling log-probs the explorer stored (in place);
     returns None. decoupled: returns per-token weights pi_prox / pi_behav (old_logp, recomputed by
     the current weights, over the sampling log-prob), capped at behavior_weight_cap. Fresh
-    experiences are left alone, so on-policy runs are unchanged.
+    experiences are left alone, so on-policy runs are unchanged; so are the fresh tokens of a
+    partial rollout (Experience.token_versions), whose older tokens are corrected.
     """
     import torch  # here: the runner (no torch in its process) imports `staleness` from this module
 
@@ -34,8 +55,12 @@ def correct(exps, old_logp: torch.Tensor, mask: torch.Tensor, version: int, cfg)
         e = exps[i]
         start, end = e.prompt_length - 1, e.prompt_length - 1 + len(e.logprobs)
         behav = torch.tensor(e.logprobs, dtype=old_logp.dtype, device=old_logp.device)
+        # a partial rollout's tokens of the current version are fresh: left alone, as a fresh row's
+        old = None if not e.token_versions else torch.tensor(
+            [staleness(v, version) > 0 for v in e.token_versions], device=old_logp.device)
         if cfg.off_policy_correction == "behavior":
-            old_logp[i, start:end] = behav
+            old_logp[i, start:end] = behav if old is None else torch.where(old, behav, old_logp[i, start:end])
         else:
-            w[i, start:end] = torch.exp((old_logp[i, start:end] - behav).clamp(max=cap))
+            r = torch.exp((old_logp[i, start:end] - behav).clamp(max=cap))
+            w[i, start:end] = r if old is None else torch.where(old, r, torch.ones_like(r))
     return None if cfg.off_policy_correction == "behavior" else w

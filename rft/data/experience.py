@@ -26,7 +26,9 @@ class Experience:
     reward: float = 0.0
     group_id: str = ""  # rollouts of the same task in the same step share it
     task_id: str = ""
-    policy_version: int = 0  # the weights version that generated it
+    # the weights version that generated it: with partial rollouts (explorer.partial_rollout) the
+    # oldest of its tokens' versions, which is what its staleness counts
+    policy_version: int = 0
     # how it was sampled: {"temperature", "top_p", "top_k"} (rollout_args); the trainer computes
     # log-probs under the same distribution. Empty: unknown (a dataset row, an old buffer):
     # temperature 1, no truncation
@@ -38,6 +40,10 @@ class Experience:
     # each reward part's value before weighting (rft/rewards/scoring.py): {"countdown": 1.0, "format": 1.0};
     # `reward` is their weighted sum
     reward_parts: dict = field(default_factory=dict)
+    # one entry per response token: the weights version that sampled it (a partial rollout's
+    # tokens come from the versions that held the engine while each chunk was generated); empty:
+    # every token is policy_version's
+    token_versions: list[int] = field(default_factory=list)
 
     def __post_init__(self):
         # a workflow passes on what ctx.score gave it (rft.rewards.scoring.Reward: a float with its parts)
@@ -67,12 +73,19 @@ class Experience:
             "info": copy.deepcopy(self.info),
             "loss_mask": [int(m) for m in self.loss_mask],
             "reward_parts": {str(k): float(v) for k, v in self.reward_parts.items()},
+            "token_versions": [int(v) for v in self.token_versions],
         }
 
     @classmethod
     def from_dict(cls, d: dict) -> "Experience":
         """The inverse of `to_dict`; keys that are not fields (a newer writer's) are ignored."""
         return cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d})
+
+
+def versions_of(exp: Experience) -> list[int]:
+    """The version of each of its response tokens (policy_version for every one, without per-token
+    versions)."""
+    return list(exp.token_versions) if exp.token_versions else [exp.policy_version] * exp.response_length
 
 
 def add_part(exp, name: str, value: float, weight: float = 1.0) -> None:

@@ -600,10 +600,11 @@ def _check_runtime(cfg) -> None:
             f"processes, so it needs cluster.backend=ray (here {cfg.cluster.backend}). Use cluster=local, "
             f"or sync=memory or sync=checkpoint."
         )
-    # with a fixed schedule the staleness of every experience is known: offset + interval - 1 at
-    # most. A bound below that would drop experiences every step, so it is an error here.
+    # a fixed schedule's staleness is known: offset + interval - 1 at most; a bound below it would
+    # drop experiences every step (a dynamic one drops what timing made too old, and counts it)
+    dynamic = _check_dynamic(cfg, sc)
     worst = sc.sync_offset + sc.sync_interval - 1
-    if cfg.mode == "both" and sc.max_staleness is not None and worst > sc.max_staleness:
+    if cfg.mode == "both" and not dynamic and sc.max_staleness is not None and worst > sc.max_staleness:
         raise ConfigError(
             f"synchronizer.max_staleness={sc.max_staleness} is below the staleness this schedule "
             f"produces: sync_offset ({sc.sync_offset}) + sync_interval ({sc.sync_interval}) - 1 = "
@@ -634,6 +635,50 @@ def _check_runtime(cfg) -> None:
     if not 0 <= ex.over_rollout.ratio < 1:
         raise ConfigError(f"explorer.over_rollout.ratio={ex.over_rollout.ratio} must be in [0, 1).")
     check_placement(cfg)
+
+
+def _check_dynamic(cfg, sc) -> bool:
+    """synchronizer.sync_style, explorer.partial_rollout and synchronizer.fixed_interrupts go
+    together as rft/runtime/dynamic.py needs them; whether the schedule is dynamic."""
+    ex = cfg.explorer
+    dynamic = sc.sync_style == "dynamic_by_explorer" and cfg.mode == "both"
+    if dynamic and cfg.cluster.backend != "ray":
+        raise ConfigError(
+            f"synchronizer.sync_style=dynamic_by_explorer runs the explorers and the trainer side by side, "
+            f"which needs them in processes of their own (cluster.backend=ray; here {cfg.cluster.backend}, "
+            f"where each call waits for the one before). Use cluster=local, or sync_style=fixed.")
+    if dynamic and sc.sync_offset < 1:
+        raise ConfigError(
+            f"synchronizer.sync_style=dynamic_by_explorer needs synchronizer.sync_offset >= 1 (explore steps "
+            f"submitted ahead of the trainer; here {sc.sync_offset}): with 0 the explorers would wait for "
+            f"every training step, as sync_style=fixed does. Leave sync_offset null (1) or raise it.")
+    if ex.partial_rollout:
+        if sc.sync_style != "dynamic_by_explorer":
+            raise ConfigError(
+                "explorer.partial_rollout=true lets new weights into an explore step between its generate "
+                "chunks, and only synchronizer.sync_style=dynamic_by_explorer sends them while explorers "
+                "generate: add synchronizer.sync_style=dynamic_by_explorer (or partial_rollout=false).")
+        ts = cfg.buffer.explorer_input.taskset
+        if ts.workflow != "single_turn":
+            raise ConfigError(
+                f"explorer.partial_rollout=true continues single-turn responses across explore steps; the "
+                f"taskset's workflow is {ts.workflow!r}. Use partial_rollout=false for it.")
+        if cfg.algorithm.dynamic_sampling_max_tries > 1 or ex.over_rollout.ratio > 0:
+            raise ConfigError(
+                f"explorer.partial_rollout=true ends each explore step with batch_size finished groups and "
+                f"carries the rest over, which algorithm.dynamic_sampling_max_tries="
+                f"{cfg.algorithm.dynamic_sampling_max_tries} and explorer.over_rollout.ratio="
+                f"{ex.over_rollout.ratio} would do otherwise: set them to 1 and 0, or partial_rollout=false.")
+        if ex.partial_chunk_tokens < 1:
+            raise ConfigError(f"explorer.partial_chunk_tokens={ex.partial_chunk_tokens} must be >= 1 (tokens "
+                              f"generated between two chances to take new weights).")
+    if sc.fixed_interrupts and not (ex.partial_rollout and sc.sync_offset == 1):
+        raise ConfigError(
+            f"synchronizer.fixed_interrupts=true (a test mode) makes explore step s wait for the weights of "
+            f"training step s after its first chunk, which needs explorer.partial_rollout=true, "
+            f"synchronizer.sync_style=dynamic_by_explorer and synchronizer.sync_offset=1 (here "
+            f"partial_rollout={ex.partial_rollout}, sync_offset={sc.sync_offset}).")
+    return dynamic
 
 
 def _check_workflow(fn, name: str, key: str) -> None:
@@ -756,6 +801,8 @@ def describe(cfg, stage_dir, plan: BatchPlan | None = None) -> str:
         rows.append(("reward", f"the parts {reward} returns (workflow {inp.taskset.workflow}; the reward function is "
                                f"not called)" if environment_scores(inp.taskset) else
                      f"{call} with task.answer = column {inp.taskset.format.response_key!r}"))
+        if cfg.mode == "both" and cfg.synchronizer.sync_style == "dynamic_by_explorer":
+            rows.append(("sync style", _dynamic_row(cfg)))
         if cfg.mode == "both":
             o = cfg.synchronizer.sync_offset
             rows.append(("explorer", f"{o} step{'s' * (o != 1)} ahead of the trainer (synchronizer.sync_offset; stale "
@@ -785,6 +832,19 @@ def describe(cfg, stage_dir, plan: BatchPlan | None = None) -> str:
     rows.append(("outputs", str(stage_dir)))
     w = max(len(r[0]) for r in rows)
     return "\n".join(f"{a:<{w}}  {b}" for a, b in rows)
+
+
+def _dynamic_row(cfg) -> str:
+    """dry_run's line on synchronizer.sync_style=dynamic_by_explorer."""
+    sc, ex = cfg.synchronizer, cfg.explorer
+    where = (f"between generate chunks of {ex.partial_chunk_tokens} tokens (partial rollouts: a sequence in "
+             f"flight keeps its tokens and goes on under the new weights; an explore step ends with batch_size "
+             f"finished groups, the unfinished carried to the next)" if ex.partial_rollout
+             else "between explore steps (explorer.partial_rollout=false)")
+    bound = f"tokens older than {sc.max_staleness} versions drop their experience" if sc.max_staleness is not None \
+        else "no staleness bound (synchronizer.max_staleness=null)"
+    test = "; test mode fixed_interrupts: step s takes version s after its first chunk" if sc.fixed_interrupts else ""
+    return f"sync_style=dynamic_by_explorer: new weights after every training step, taken {where}; {bound}{test}"
 
 
 def format_plan(plan: BatchPlan, title: str = "batch plan") -> str:

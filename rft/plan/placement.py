@@ -115,6 +115,8 @@ def sync_offset(cfg) -> int:
     sc, c = cfg.synchronizer, cfg.cluster
     if sc.sync_offset is not None:
         return sc.sync_offset
+    if sc.get("sync_style") == "dynamic_by_explorer":  # explorers that never wait for the trainer
+        return 1
     return int(c.backend == "ray" and cfg.mode == "both" and not c.colocate)
 
 

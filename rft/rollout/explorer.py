@@ -19,7 +19,7 @@ import threading
 import time
 
 from rft.algorithms.shaping import apply_overlong
-from rft.data.readers import budget_report, epoch_batch, step_seed
+from rft.data.readers import budget_report, epoch_batch, prompt_ids, step_seed
 from rft.data.tasks import load_tasks
 from rft.errors import ConfigError, RunError
 from rft.models import load_tokenizer, local_device, peak_memory
@@ -27,6 +27,7 @@ from rft.registry import ENGINES, resolve
 from rft.rewards.scoring import build as build_scorer
 from rft.rewards.scoring import part_metrics, spec_of
 from rft.rollout.workflows.single_turn import WORKFLOWS, WorkflowContext, check_output
+from rft.rollout.partial import PartialRollouts, Replay, WeightGate
 from rft.rollout.weights import WeightsMixin
 from rft.sync.weights import node_id
 
@@ -283,6 +284,12 @@ class Explorer(WeightsMixin):
             for i, ts in enumerate(inp.eval_tasksets)
         ]
         self.version = version  # the trainer step whose weights this explorer serves
+        ex, sc = cfg.explorer, cfg.synchronizer
+        # generation and weight loads take turns on the engine; with partial rollouts a load comes
+        # in between two chunks of an explore step (its call runs beside the explore's: rft.runtime.actors)
+        self.gate = WeightGate(version, fixed=bool(ex.partial_rollout and sc.fixed_interrupts))
+        self.partial = (PartialRollouts(self.engine, self.tokenizer, self.gate, ex.partial_chunk_tokens,
+                                        cfg.model.max_response_tokens) if ex.partial_rollout else None)
         self.sync_s: dict[str, float] = {}  # the loads and checks since the last explore (_load)
         self.shard, self.num_shards = shard, rollout.engine_num
         log.info("explorer %d/%d ready: %d tasks, %d eval tasksets", shard, self.num_shards,
@@ -320,13 +327,17 @@ class Explorer(WeightsMixin):
         texts = (budget_report(ds, self.tokenizer, self.cfg.model, False, where) for ds, where in todo)
         return [t for t in texts if t]
 
-    def tasks_for_step(self, step: int):
-        """This explorer's share of step `step`'s tasks (epoch-wise shuffles seeded by (seed, epoch))."""
+    def task_rows(self, step: int) -> list[int]:
+        """This explorer's share of step `step`'s tasks, as rows of the taskset (epoch-wise
+        shuffles seeded by (seed, epoch))."""
         rows = epoch_batch(len(self.taskset), self.cfg.buffer.batch_size, step,
                            lambda epoch: step_seed(self.cfg.seed, epoch, salt=1))
-        return [self.taskset[i] for i in rows[self.shard :: self.num_shards]]
+        return rows[self.shard :: self.num_shards]
 
-    def _run(self, ts_cfg, scorer, tasks, n: int, step: int, salt: int, counters: dict, min_done=None):
+    def tasks_for_step(self, step: int):
+        return [self.taskset[i] for i in self.task_rows(step)]
+
+    def _run(self, ts_cfg, scorer, tasks, n: int, step: int, salt: int, counters: dict, min_done=None, engine=None):
         """Run the workflow on `tasks`; returns one list of experiences per task (None: failed)."""
         ex = self.cfg.explorer
 
@@ -373,15 +384,15 @@ class Explorer(WeightsMixin):
             auxiliary=self.auxiliary,
         )
         t0 = time.perf_counter()
-        out = self._call_workflow(ts_cfg.workflow, tasks, ctx, step)
+        out = self._call_workflow(ts_cfg.workflow, tasks, ctx, step, engine or self.engine)
         counters["failed"] = counters.get("failed", 0) + sum(g is None for g in out) - dropped
         counters["workflow_s"] = counters.get("workflow_s", 0.0) + time.perf_counter() - t0
         return out
 
-    def _call_workflow(self, name: str, tasks, ctx, step: int) -> list:
+    def _call_workflow(self, name: str, tasks, ctx, step: int, engine) -> list:
         """The workflow's output for `tasks`, checked; an error of its own stops the run."""
         try:
-            out = resolve(WORKFLOWS, name, "workflow")(tasks, self.engine, ctx)
+            out = resolve(WORKFLOWS, name, "workflow")(tasks, engine, ctx)
         except ConfigError:
             raise  # a mistake of the study's own code, named (an environment's wrong answer): as it is
         except Exception as e:
@@ -412,9 +423,11 @@ class Explorer(WeightsMixin):
         ts = self.cfg.buffer.explorer_input.taskset
         n = ts.repeat_times or self.cfg.algorithm.repeat_times
         counters: dict = {}
-        tasks = self.tasks_for_step(step)
         # salts keep the explorers' sampling seeds apart (shard 0 keeps the single-explorer seeds)
         salt = 1000 * self.shard
+        if self.partial is not None:
+            return self._explore_partial(step, n, salt, counters, t0, busy0)
+        tasks = self.tasks_for_step(step)
         groups = self._rollouts(tasks, n, step, salt, counters)
         tries = 1
         max_tries = self.cfg.algorithm.dynamic_sampling_max_tries
@@ -432,6 +445,10 @@ class Explorer(WeightsMixin):
                 tries += 1
             groups = (keep + flat)[: len(tasks)]
         counters["sampling_tries"] = tries
+        return self._explored(groups, counters, t0, busy0)
+
+    def _explored(self, groups: list, counters: dict, t0: float, busy0: float):
+        """An explore step's experiences and counters, with its time, memory and weight loads."""
         counters["failed_tasks"] = counters.pop("failed", 0)
         counters["explore_s"] = time.perf_counter() - t0
         counters["generate_s"] = self.engine.busy_s - busy0
@@ -441,7 +458,45 @@ class Explorer(WeightsMixin):
         self.sync_s = {}
         return [e for g in groups for e in g], counters
 
+    def _explore_partial(self, step: int, n: int, salt: int, counters: dict, t0: float, busy0: float):
+        """explorer.partial_rollout: this step's tasks join those in flight; the step ends with
+        batch_size finished groups (rft/rollout/partial.py), built and scored by the workflow."""
+        ts, sc = self.cfg.buffer.explorer_input.taskset, self.cfg.synchronizer
+        rows = self.task_rows(step)
+        prompts = prompt_ids(self.tokenizer, [self.taskset[i].messages for i in rows])
+        self.partial.admit(rows, [p[-self.cfg.model.max_prompt_tokens:] for p in prompts], n, step)
+        opened = [not (self.gate.fixed and step >= 1)]
+
+        def interrupt(chunks: int) -> None:  # the test mode: version `step` after the first chunk
+            if not opened[0]:
+                opened[0] = True
+                self.gate.open_at(step, sc.sync_timeout)
+
+        done, c = self.partial.run(len(rows), ts.rollout_args, step_seed(self.cfg.seed, step, salt), interrupt)
+        interrupt(0)  # no chunk ran (the finished groups were in flight already): take it now
+        counters.update(c)
+        groups = []
+        for admitted in sorted({g.step for g in done}):  # each group as the step that admitted it
+            cohort = [g for g in done if g.step == admitted]
+            out = self._run(ts, self.scorer, [self.taskset[g.task_index] for g in cohort], n, admitted, salt,
+                            counters, engine=Replay(cohort))
+            groups += [g for g in out if g is not None]
+        apply_overlong([e for g in groups for e in g], self.cfg.algorithm,
+                       ts.rollout_args.max_tokens or self.cfg.model.max_response_tokens)
+        exps, counters = self._explored(groups, counters, t0, busy0)
+        counters["partial_state"] = self.partial.state()
+        return exps, counters
+
+    def load_partial(self, state: dict | None) -> None:
+        """The groups in flight, as a checkpoint or the driver kept them (a restarted explorer)."""
+        self.partial.load(state)
+
     def evaluate(self, step: int, save_dir: str | None = None) -> dict:
+        # no weight load in the middle of an eval (partial rollouts load between chunks)
+        with self.gate.generating():
+            return self._evaluate(step, save_dir)
+
+    def _evaluate(self, step: int, save_dir: str | None = None) -> dict:
         """Mean reward on each eval taskset (`eval/<name>/accuracy`; the first one also as `eval/accuracy`).
 
         A task whose reward failed (raised or timed out after its retries) counts as reward 0 and

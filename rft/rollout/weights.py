@@ -2,21 +2,38 @@
 way the synchronizer (rft.sync.weights) sent them, check them against the trainer's fingerprint,
 and time both (timing/sync_load_s and timing/sync_check_s in the next explore's metrics).
 
-`WeightsMixin` reads the Explorer's `engine`, `cfg`, `version` and `sync_s` (rft.rollout.explorer).
+`WeightsMixin` reads the Explorer's `engine`, `cfg`, `version`, `gate` and `sync_s` (rft.rollout.explorer).
 """
 
 from __future__ import annotations
 
+import functools
 import time
 
 from rft.sync.weights import SharedWeights, fingerprint, from_payload, one_thread, same_weights
 
 
+def gated(method):
+    """A weight load that waits for the explorer's generation to leave the engine (partial rollouts
+    load between two chunks: rft.rollout.partial.WeightGate), then records the new version there."""
+
+    @functools.wraps(method)
+    def load(self, *args):
+        with self.gate.loading():
+            out = method(self, *args)
+            self.gate.set_version(self.version)
+            return out
+
+    return load
+
+
 class WeightsMixin:
+    @gated
     def update_weights(self, state_dict, version: int, expected_fingerprint: str) -> str:
         self._load(self.engine.update_weights, state_dict)
         return self._check(version, expected_fingerprint)
 
+    @gated
     def receive_weights(self, payload: tuple, version: int) -> str | None:
         """Memory sync: the trainer's `sync_payload` (the weights as numpy arrays or where they lie
         in shared memory; their fingerprint, None in one process: there the arrays are views of
@@ -45,6 +62,7 @@ class WeightsMixin:
             self.version = version
             return None
 
+    @gated
     def load_weights(self, path: str, version: int, expected_fingerprint: str | None) -> str:
         """A safetensors file (sync=checkpoint) or a checkpoint's hf/ directory (mode=explore, bench)."""
         self._load(self.engine.load_weights_file, path)
@@ -56,6 +74,7 @@ class WeightsMixin:
     def collective_init(self, address: str, port: int, world: int, rank: int, manifest) -> None:
         self.engine.collective_init(address, port, world, rank, self.cfg.synchronizer.sync_timeout, manifest)
 
+    @gated
     def collective_receive(self, version: int, expected_fingerprint: str) -> str:
         self._load(self.engine.collective_receive)
         return self._check(version, expected_fingerprint)

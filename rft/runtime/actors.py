@@ -8,10 +8,13 @@ travels between the actors directly (the object store), not through this process
 
 from __future__ import annotations
 
+import functools
+
 import datetime
 import gc
 import logging
 import os
+import socket
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -29,8 +32,13 @@ def setup_actor_logging(log_dir: str, name: str, level: str) -> logging.Handler:
     handler = logging.FileHandler(Path(log_dir) / f"{name}.log")
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     logger.addHandler(handler)
-    # the pid lets a person (or a test) find, inspect or kill this actor's process
-    logger.info("%s started in process %d", name, os.getpid())
+    # the pid lets a person (or a test) find, inspect or kill this actor's process; the host and
+    # Ray node, which actor a multi-node run placed where (memory sync shares memory within a node)
+    from rft.sync.weights import node_id
+
+    node = node_id()  # "" outside Ray
+    logger.info("%s started in process %d%s", name, os.getpid(),
+                f" on host {socket.gethostname()}, Ray node {node}" if node else "")
     return handler
 
 
@@ -113,6 +121,26 @@ class _Host:
         return getattr(self.obj, method)(*args)
 
 
+@functools.cache  # one class; Ray imported when a Ray actor is first made
+def _weights_host():
+    """A Ray host whose weight loads run beside its other calls (partial rollouts: an explorer takes
+    new weights between two chunks of the explore step it is in, rft.rollout.partial.WeightGate).
+    Each concurrency group runs its calls one at a time, in the order they were made."""
+    import ray
+
+    @ray.remote(max_concurrency=1, concurrency_groups={"weights": 1})
+    class WeightsHost(_Host):
+        @ray.method(concurrency_group="weights")
+        def run_weights(self, method, *args):
+            return getattr(self.obj, method)(*args)
+
+    return WeightsHost
+
+
+# the explorer's calls that load weights (rft.rollout.weights.WeightsMixin)
+WEIGHT_LOADS = frozenset({"update_weights", "receive_weights", "load_weights", "collective_receive"})
+
+
 class RayActor:
     """A Ray actor running `cls(*args)`.
 
@@ -121,16 +149,23 @@ class RayActor:
     scheduling_strategy (a placement group bundle, see rft.plan.placement).
     """
 
-    def __init__(self, cls, *args, name: str, log_dir: str, level: str, threads: int = 1, **resources):
+    def __init__(self, cls, *args, name: str, log_dir: str, level: str, threads: int = 1,
+                 concurrent_loads: bool = False, **resources):
         import ray
 
         self._ray = ray
         self.name = name
         self.log = Path(log_dir) / f"{name}.log"
-        host = ray.remote(max_concurrency=1)(_Host)
+        self.concurrent_loads = concurrent_loads
+        if concurrent_loads:
+            host = _weights_host()
+        else:
+            host = ray.remote(max_concurrency=1)(_Host)
         self.actor = host.options(name=name, **resources).remote(cls, log_dir, name, level, threads, args)
 
     def submit(self, method: str, *args):
+        if self.concurrent_loads and method in WEIGHT_LOADS:
+            return self.actor.run_weights.remote(method, *args)
         return self.actor.run.remote(method, *args)
 
     def get(self, future, timeout: float | None = None):
@@ -313,6 +348,8 @@ def start_explorers(Actor, cfg, count: int, weights: str | None, version: int, t
 
     cfg = frozen(cfg)  # the component's reads, many a step, as plain dicts (rft.config.Frozen)
     restarts = dict(max_restarts=cfg.cluster.max_actor_restarts) if cfg.cluster.backend == "ray" else {}
+    if cfg.cluster.backend == "ray" and cfg.explorer.partial_rollout:
+        restarts["concurrent_loads"] = True  # new weights between two chunks of an explore step
     return [Actor(Explorer, cfg, weights, version, i, name=f"{title}_{cfg.explorer.name}" + (f"_{i}" if count > 1 else ""),
                   **common, **options[i], **restarts) for i in range(count)]
 

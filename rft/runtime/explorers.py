@@ -49,8 +49,14 @@ class ExplorerPool:
         sc = cfg.synchronizer
         # weights snapshots for restarted explorers (see _serve); not needed when the explorers
         # always serve the trainer's current weights, nor when nothing can restart
+        # synchronizer.sync_style=dynamic_by_explorer: an explore is made on whatever weights its
+        # explorer picked up, and a redone one on the weights served now (no snapshots)
+        self.dynamic = sc.sync_style == "dynamic_by_explorer"
         self.snapshots = (cfg.mode == "both" and cfg.cluster.backend == "ray" and cfg.cluster.max_actor_restarts > 0
-                          and (sc.sync_offset > 0 or sc.sync_interval > 1))
+                          and (sc.sync_offset > 0 or sc.sync_interval > 1) and not self.dynamic)
+        # explorer.partial_rollout: each explorer's groups in flight after its last collected
+        # explore step (rft/rollout/partial.py), given back to it when Ray restarts it, and saved
+        self.partial_states: list = [None] * len(explorers)
 
     def awake(self, awake: bool) -> None:
         """explorer.rollout_model.enable_sleep_mode: the engines give the GPU to the trainer while it trains."""
@@ -73,6 +79,8 @@ class ExplorerPool:
         exps, counters, last_error = [], {}, None
         for i, f in enumerate(p.futures):
             e, c = self._result(i, f, "explore", p.step, version=p.version)
+            if "partial_state" in c:
+                self.partial_states[i] = c.pop("partial_state")
             exps += e
             last_error = c.pop("last_error", None) or last_error
             for k, v in c.items():  # a peak is the largest, not a sum
@@ -160,6 +168,13 @@ class ExplorerPool:
         trainer's keep_snapshots arguments."""
         return self.synced, sorted({self.synced, *(p.version for p in self.pending)})
 
+    def load_partial(self, states: list | None) -> None:
+        """explorer.partial_rollout: each explorer's groups in flight, as a checkpoint kept them."""
+        if self.cfg.explorer.partial_rollout and states:
+            self.partial_states = list(states)
+            for explorer, state in zip(self.explorers, states):
+                explorer.call("load_partial", state)
+
     def pick_up_checkpoint(self, explorers, force: bool = False) -> None:
         """mode=explore: serve the newest checkpoint under synchronizer.checkpoint_dir, if it is new."""
         ckpt_dir = self.cfg.synchronizer.checkpoint_dir
@@ -189,7 +204,7 @@ class ExplorerPool:
                 if not actor_died(e) or attempt == self.cfg.cluster.max_actor_restarts:
                     raise
                 self._revive(i, e)
-                redo_on = version if version is not None and self.trainer is not None else self.synced
+                redo_on = version if version is not None and self.trainer is not None and not self.dynamic else self.synced
                 if redo_on != self.synced:
                     self._serve(i, redo_on)
                 future = self.explorers[i].submit(method, *args)
@@ -213,6 +228,8 @@ class ExplorerPool:
                         f"{self.cfg.explorer.restart_timeout:g} s ({e})."
                     ) from e
                 time.sleep(1.0)
+        if self.cfg.explorer.partial_rollout:  # its groups in flight, as of its last collected explore
+            explorer.call("load_partial", self.partial_states[i])
         if self.trainer is not None:
             # it restarted on the stage's starting weights
             if hasattr(self.sync, "reset"):

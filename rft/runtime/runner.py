@@ -26,6 +26,7 @@ from rft.runtime.checkpoint import Checkpoint, Owner, latest_checkpoint, usable_
 from rft.runtime.explorers import ExplorerPool
 from rft.runtime.faults import LearningSignal, TrainerCalls
 from rft.runtime.saving import StageCheckpoints
+from rft.runtime.dynamic import DynamicSchedule
 from rft.runtime.schedule import Schedule, reward_norm
 from rft.config import lora_adapter_sync
 from rft.sync.weights import SYNC_METHODS
@@ -127,7 +128,10 @@ class StageRun:
         synced = 0 if mode == "explore" else saved.get("version", start)
         self.pool = ExplorerPool(cfg, self.explorers, self.trainer, self.sync, synced, self.monitor, self.dir,
                                  self.title, self.owner)
-        self.schedule = Schedule(cfg, self.plan, start, saved, norm, pool=self.pool, trainer=self.trainer,
+        self.pool.load_partial(saved.get("partial"))  # explorer.partial_rollout: the groups in flight
+        # synchronizer.sync_style: the step grid (rft/runtime/schedule.py) or none (rft/runtime/dynamic.py)
+        schedule = DynamicSchedule if cfg.synchronizer.sync_style == "dynamic_by_explorer" and mode == "both" else Schedule
+        self.schedule = schedule(cfg, self.plan, start, saved, norm, pool=self.pool, trainer=self.trainer,
                                  buffer=self.buffer, monitor=self.monitor, checkpoints=self.checkpoints,
                                  signal=LearningSignal(cfg, self.plan, start, self.dir, self.title, self.monitor))
         self._announce(start, saved, latest)

@@ -21,6 +21,7 @@ read position and its unread experiences (those explored ahead), and the next st
 from __future__ import annotations
 
 import time
+from collections import Counter
 
 from rft.algorithms.off_policy import staleness
 from rft.data.experience import batch_record
@@ -29,6 +30,23 @@ from rft.rollout.explorer import step_metrics
 from rft.runtime.explorers import ExplorerPool
 from rft.runtime.faults import LearningSignal, TrainerCalls
 from rft.runtime.saving import StageCheckpoints
+
+
+def token_ages(exps: list, version: int) -> dict:
+    """The age of every trained response token (versions between the one that sampled it and
+    `version`, the trainer's): with partial rollouts one experience holds tokens of several ages."""
+    ages: Counter = Counter()
+    for e in exps:
+        if e.token_versions:
+            ages.update(version - v for v in e.token_versions)
+        else:
+            ages[version - e.policy_version] += e.response_length
+    total = sum(ages.values())
+    if not total:
+        return {}
+    m = {"staleness/token_mean": sum(a * c for a, c in ages.items()) / total}
+    m.update({f"staleness/token_frac_{a}": c / total for a, c in sorted(ages.items())})
+    return m
 
 
 def reward_norm(cfg, saved: dict) -> scoring.RunningNorm:
@@ -93,8 +111,8 @@ class Schedule:
             self._collect()
         return {"timing/wait_rollout_s": time.perf_counter() - t0, **self.explore_metrics.pop(step - 1, {})}
 
-    def _collect(self) -> None:
-        """Wait for the oldest explore step; its experiences go into the buffer."""
+    def _collect(self) -> int:
+        """Wait for the oldest explore step; its experiences go into the buffer (how many)."""
         p, exps, counters, last_error = self.pool.collect()
         m = step_metrics(exps, counters, len(p.futures))
         # parts marked normalize: true (rft/rewards/scoring.py), in step order: a resumed run normalises the same
@@ -104,6 +122,7 @@ class Schedule:
         self.signal.check(p.step, m, last_error)
         if exps:
             self.buffer.put(exps)
+        return len(exps)
 
     # ------------------------------------------------------------------ train
 
@@ -158,6 +177,7 @@ class Schedule:
              "staleness/dropped": len(batch) - len(kept)}
         for s in sorted(set(stale)):
             m[f"staleness/count_{s}"] = stale.count(s)
+        m.update(token_ages(kept, step - 1))
         self.monitor.histogram(step, "staleness", stale)
         return kept, m
 
@@ -193,12 +213,15 @@ class Schedule:
         self.pool.finish_sync()
         while self.pool.pending:
             self._collect()
-        state = {"version": self.pool.synced, "next_explore": self.next_explore,
-                 "explore_metrics": self.explore_metrics, "metrics": metrics,
-                 "reward_norm": self.reward_norm.state()}
+        state = {**self._state(), "metrics": metrics}
         if self.buffer is not None:
             state["buffer"] = self.buffer.state()
         self.checkpoints.write(step, state, self.trainer, self.monitor.print)
+
+    def _state(self) -> dict:
+        """Where the schedule stands, for a resumed run to go on from there."""
+        return {"version": self.pool.synced, "next_explore": self.next_explore,
+                "explore_metrics": self.explore_metrics, "reward_norm": self.reward_norm.state()}
 
     def _wants_eval(self, step: int) -> bool:
         cfg = self.cfg

@@ -83,10 +83,12 @@ def _engine_logp(exps: list[Experience], mask: torch.Tensor, version: int, algo)
         have[where] = 1
     # tokens the loss counts (a workflow's environment turns are masked out, their entries unused)
     have = have * (mask > 0)
-    fresh = [off_policy.staleness(e.policy_version, version) == 0 for e in exps]
-    weighted = rollout_is.weighted_rows(exps, version, algo)
-    rows = lambda flags: torch.tensor(flags, dtype=mask.dtype, device=mask.device)[:, None]  # noqa: E731
-    return logp, have * rows(fresh), have * rows(weighted)
+    # per token: a partial rollout holds tokens of several versions (Experience.token_versions)
+    fresh = off_policy.fresh_tokens(exps, version, mask)
+    # rollout_is.weighted_rows, token by token
+    weighted = off_policy.fresh_tokens(exps, version, mask, at_most=True) if algo.off_policy_correction != "none" \
+        else torch.ones_like(mask)
+    return logp, have * fresh, have * weighted
 
 
 def _zero_advantage_rows_last(step: "Step") -> None:
@@ -157,7 +159,8 @@ class StepMixin:
         full = {k: v.to(self.device) for k, v in collate(exps, self.tokenizer.pad_token_id).items()}
         step = Step(full=full, mask=full["response_mask"], n=len(exps), exps=list(exps))
         step.engine_logp, step.engine_mask, step.is_mask = _engine_logp(exps, step.mask, self.version, algo)
-        step.is_rows = any(rollout_is.weighted_rows(exps, self.version, algo))
+        # (a partial rollout's fresh tokens may be weighted where its row, by its oldest token, is not)
+        step.is_rows = any(rollout_is.weighted_rows(exps, self.version, algo)) or any(e.token_versions for e in exps)
         # stale experiences whose algorithm.off_policy_correction replaces or reweights old log-probs
         stale_fix = algo.off_policy_correction != "none" and any(
             off_policy.staleness(e.policy_version, self.version) > 0 and e.logprobs for e in exps)

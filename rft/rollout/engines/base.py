@@ -22,6 +22,9 @@ class Sample:
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: str  # "stop" (end of sequence or a stop string) or "length" (hit max_tokens)
+    # the weights version that sampled each token (partial rollouts: rft/rollout/partial.py);
+    # None: the explorer's version when it was generated, for all of them
+    versions: list[int] | None = None
 
 
 @runtime_checkable

@@ -103,7 +103,9 @@ def single_turn(tasks, engine, ctx: WorkflowContext) -> list[list[Experience] | 
                 # the seed tells apart two draws of the same task in one step
                 group_id=f"{ctx.step}/{ctx.seed}/{task.task_id}",
                 task_id=task.task_id,
-                policy_version=ctx.policy_version,
+                # a partial rollout's tokens may come from several versions: the oldest is its age
+                policy_version=min(s.versions) if s.versions else ctx.policy_version,
+                token_versions=list(s.versions or []),
                 sampling=dict(sampling),
                 # the texts are for people reading a stored buffer (python -m rft.data.buffer)
                 info={"finish_reason": s.finish_reason, "prompt": text, "response": response,
