@@ -22,6 +22,47 @@ def test_arithmetic_rows_are_correct_and_test_is_held_out(tmp_path):
     assert 0.55 < wrong < 0.65  # teacher_error_rate 0.6
 
 
+
+def test_long_tail_rows_are_mostly_short_and_a_few_long(tmp_path):
+    """task=long_tail: ~15% of the answers write the working out (63..143 characters), the others
+    are the sum alone; last_number checks the sum at the end of either."""
+    import string
+    from types import SimpleNamespace
+
+    from rft.data.tasks import generate_long_tail
+    from rft.rewards.verifiers import last_number
+
+    path = generate_long_tail(tmp_path / "long-tail-v1")
+    rows = {s: [json.loads(l) for l in (path / f"{s}.jsonl").read_text().splitlines()] for s in ("train", "test")}
+    assert (len(rows["train"]), len(rows["test"])) == (2000, 200)
+    # seed 0's first test rows, checked by hand: 7+1, 6+3, 0+6; and 5+4, 7+0, 5+4 written 4 times
+    assert rows["test"][0] == {"question": "760+136", "answer": "896", "long": False, "teacher_answer": "897",
+                               "rejected": "897"}
+    assert rows["test"][1]["question"] == "575+404?w4"
+    assert rows["test"][1]["answer"] == ("1:5+4=9;7+0=7;5+4=9|2:5+4=9;7+0=7;5+4=9|3:5+4=9;7+0=7;5+4=9|"
+                                         "4:5+4=9;7+0=7;5+4=9|979")
+    operands = {s: {r["question"].split("?")[0] for r in rows[s]} for s in rows}
+    assert not operands["train"] & operands["test"]
+    train = rows["train"]
+    assert 0.12 < sum(r["long"] for r in train) / len(train) < 0.18  # long_fraction 0.15
+    assert {len(r["answer"]) for r in train if not r["long"]} == {3}
+    assert {len(r["answer"]) for r in train if r["long"]} == {63, 83, 103, 123, 143}  # 3..7 passes of 20, the sum
+    # every character is one the tiny model's tokenizer has (rft/models.py), and fits its 19 of question
+    assert set("".join(r["question"] + r["answer"] for r in train)) <= set(string.digits + string.punctuation + "w")
+    assert max(len(r["question"]) for r in train) <= 19
+    for r in train[:100]:
+        a, b = r["question"].split("?")[0].split("+")
+        assert r["answer"].endswith("|" + str(int(a) + int(b))) if r["long"] else r["answer"] == str(int(a) + int(b))
+
+    # the reward: the sum at the end, whether after the working or alone
+    def reward(response):
+        return last_number("", response, SimpleNamespace(answer=rows["test"][1]["answer"]))
+    assert reward(rows["test"][1]["answer"]) == 1.0 and reward("979") == 1.0
+    assert reward(rows["test"][1]["rejected"]) == 0.0 and reward("978") == 0.0
+    assert reward("1:5+4=9;7+0=7;5+4=9|2:5+4=9;7+0=7;5+4=9") == 0.0  # cut before the sum
+    assert last_number("", "896", SimpleNamespace(answer="896")) == 1.0
+    assert last_number("", "897", SimpleNamespace(answer="896")) == 0.0
+
 def test_messages_prompts(tmp_path):
     data = tmp_path / "chat.jsonl"
     data.write_text(json.dumps({"messages": [{"role": "system", "content": "Be brief."},

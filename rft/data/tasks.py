@@ -1,4 +1,5 @@
-"""Tasksets: loading them through `datasets`, and generating the embedded arithmetic and countdown tasks.
+"""Tasksets: loading them through `datasets`, and generating the embedded tasks (arithmetic,
+countdown, calculator, long_tail).
 
 A task is one dataset row turned into a prompt (chat messages) and the reference answer that the
 reward function checks. The row's keys are named by the taskset's `format` (`prompt_key`,
@@ -249,12 +250,79 @@ def generate_calculator(path: str | Path, seed: int = 0, n_train: int = 2000, n_
     return _generate(path, seed, splits)
 
 
+# ---------------------------------------------------------------- the embedded long-tail task
+
+
+def long_tail_working(a: str, b: str, passes: int) -> str:
+    """The worked answer of a marked problem: each column's sum ("4+1=5", joined by ";") written
+    `passes` times, each pass numbered ("1:", "2:", ...) and ended by "|", then the sum:
+    ("042", "315", 2) -> "1:0+3=3;4+1=5;2+5=7|2:0+3=3;4+1=5;2+5=7|357" (6 x digits + 2 characters a
+    pass, and the sum; 0 passes: the sum alone)."""
+    columns = ";".join(f"{x}+{y}={int(x) + int(y)}" for x, y in zip(a, b))
+    total = "".join(str(int(x) + int(y)) for x, y in zip(a, b))
+    return "".join(f"{k}:{columns}|" for k in range(1, passes + 1)) + total
+
+
+def generate_long_tail(
+    path: str | Path,
+    seed: int = 0,
+    digits: int = 3,
+    long_fraction: float = 0.15,
+    min_passes: int = 3,
+    max_passes: int = 7,
+    n_train: int = 2000,
+    n_test: int = 200,
+    teacher_error_rate: float = 0.6,
+) -> Path:
+    """Write `train.jsonl` and `test.jsonl` of additions without carries whose answers are short
+    for most problems and long for a few: response lengths with a long tail (an async-RL benchmark).
+
+    The additions are generate_arithmetic's, except that the first operand's first digit is not 0
+    (so the sum has no leading zero, and no digit of the working is a number equal to it). About
+    `long_fraction` of them (each drawn on its own) are marked: the question ends with "?w" and a
+    number of passes, min_passes..max_passes (uniform), and the answer writes the working out that
+    many times before the sum (`long_tail_working`): "402+315?w3" ->
+    "1:4+3=7;0+1=1;2+5=7|2:4+3=7;0+1=1;2+5=7|3:4+3=7;0+1=1;2+5=7|717", 63..143 characters with the
+    defaults. The others are answered directly: "402+315" -> "717" (`digits` characters). Both
+    forms end with the sum, which the `last_number` reward checks. A pass repeats the one before it
+    at a fixed distance, and the sum sits at a fixed distance from the last pass: what the tiny
+    model learns (with operands of 3..7 digits instead, the default warm-up's greedy held-out
+    accuracy was 0.005, against 0.13 with these; seed 42). test.jsonl holds problems (operands,
+    either form) that train.jsonl does not.
+
+    Columns as in generate_arithmetic: `question`, `answer`, `long` (whether marked),
+    `teacher_answer` (a sloppy teacher's: the sum's last digit one too high, mod 10, in
+    `teacher_error_rate` of the rows, its working right) and `rejected` (the answer with that
+    mistake, for preference pairs).
+    """
+    def splits(rng):
+        problems: dict[tuple[str, str], int] = {}
+        while len(problems) < n_train + n_test:
+            a = [rng.randint(1, 9)] + [rng.randint(0, 9) for _ in range(digits - 1)]
+            b = [rng.randint(0, 9 - x) for x in a]
+            passes = rng.randint(min_passes, max_passes) if rng.random() < long_fraction else 0
+            problems.setdefault(("".join(map(str, a)), "".join(map(str, b))), passes)
+        items = list(problems.items())
+        return {"test": (row(*k, p, rng) for k, p in items[:n_test]),
+                "train": (row(*k, p, rng) for k, p in items[n_test:])}
+
+    def row(a, b, passes, rng):
+        answer = long_tail_working(a, b, passes)
+        wrong = answer[:-1] + str((int(answer[-1]) + 1) % 10)
+        teacher = wrong if rng.random() < teacher_error_rate else answer
+        return {"question": f"{a}+{b}" + (f"?w{passes}" if passes else ""), "answer": answer, "long": passes > 0,
+                "teacher_answer": teacher, "rejected": wrong}
+
+    return _generate(path, seed, splits)
+
+
 # buffer.explorer_input.generator: name -> the function, and the directory it writes (conf/task/
 # <name>.yaml's path: its name carries the data's version)
 GENERATORS = Registry("buffer.explorer_input.generator", {
     "arithmetic": ("rft.data.tasks.generate_arithmetic", "arithmetic-v4"),
     "countdown": ("rft.data.tasks.generate_countdown", "countdown-v1"),
     "calculator": ("rft.data.tasks.generate_calculator", "calculator-v4"),
+    "long_tail": ("rft.data.tasks.generate_long_tail", "long-tail-v1"),
 })
 
 
