@@ -487,6 +487,11 @@ class Explorer(WeightsMixin):
         counters["partial_state"] = self.partial.state()
         return exps, counters
 
+    def open_gate(self) -> None:
+        """synchronizer.fixed_interrupts: the explore steps are all done; later weights (the last
+        step's, for its eval) go in as they come."""
+        self.gate.open_for_good()
+
     def load_partial(self, state: dict | None) -> None:
         """The groups in flight, as a checkpoint or the driver kept them (a restarted explorer)."""
         self.partial.load(state)

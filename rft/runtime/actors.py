@@ -128,17 +128,25 @@ def _weights_host():
     Each concurrency group runs its calls one at a time, in the order they were made."""
     import ray
 
-    @ray.remote(max_concurrency=1, concurrency_groups={"weights": 1})
+    @ray.remote(max_concurrency=1, concurrency_groups={"weights": 1, "control": 1})
     class WeightsHost(_Host):
         @ray.method(concurrency_group="weights")
         def run_weights(self, method, *args):
             return getattr(self.obj, method)(*args)
 
+        # questions a sync or a restart asks (its node, its pid) answered while an explore runs
+        # and a load waits for the explore's next chunk
+        @ray.method(concurrency_group="control")
+        def run_control(self, method, *args):
+            return getattr(self.obj, method)(*args)
+
     return WeightsHost
 
 
-# the explorer's calls that load weights (rft.rollout.weights.WeightsMixin)
-WEIGHT_LOADS = frozenset({"update_weights", "receive_weights", "load_weights", "collective_receive"})
+# the explorer's calls that load weights (rft.rollout.weights.WeightsMixin), and those that ask it
+# something without touching its engine
+WEIGHT_LOADS = frozenset({"update_weights", "receive_weights", "load_weights", "collective_init", "collective_receive"})
+QUESTIONS = frozenset({"node", "ping", "open_gate"})
 
 
 class RayActor:
@@ -166,6 +174,8 @@ class RayActor:
     def submit(self, method: str, *args):
         if self.concurrent_loads and method in WEIGHT_LOADS:
             return self.actor.run_weights.remote(method, *args)
+        if self.concurrent_loads and method in QUESTIONS:
+            return self.actor.run_control.remote(method, *args)
         return self.actor.run.remote(method, *args)
 
     def get(self, future, timeout: float | None = None):

@@ -53,6 +53,9 @@ class DynamicSchedule(Schedule):
             self.available += self._collect()
             collected += 1
             self._submit_explores(step)
+        if self.cfg.synchronizer.fixed_interrupts and self.next_explore >= self.plan.total_steps and not self.pool.pending:
+            for explorer in self.pool.explorers:  # no explore step is left to take the next weights
+                explorer.call("open_gate")
         metrics = {"timing/wait_rollout_s": time.perf_counter() - t0, "rollout/explore_steps": collected}
         for k in sorted(self.explore_metrics):
             metrics.update(self.explore_metrics.pop(k))

@@ -230,6 +230,9 @@ class ExplorerPool:
                 time.sleep(1.0)
         if self.cfg.explorer.partial_rollout:  # its groups in flight, as of its last collected explore
             explorer.call("load_partial", self.partial_states[i])
+            if self.cfg.synchronizer.fixed_interrupts:
+                # the test mode's fixed pickups cannot be redone after a restart: weights go in as they come
+                explorer.call("open_gate")
         if self.trainer is not None:
             # it restarted on the stage's starting weights
             if hasattr(self.sync, "reset"):

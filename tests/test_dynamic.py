@@ -1,0 +1,114 @@
+"""synchronizer.sync_style=dynamic_by_explorer with partial rollouts, end to end: a driver killed
+and resumed (in the test mode synchronizer.fixed_interrupts: bit for bit the uninterrupted run),
+an explorer killed mid-generation (every group trained once), the dry run's account of it.
+
+Runs start from the session's SFT warm start (conftest.warm_start), without the warm-up stage.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from conftest import ROOT, run_cli
+from safetensors.torch import load_file
+
+from rft.reporting.monitor import read_metrics
+
+pytestmark = pytest.mark.slow
+
+# chunks of 2 tokens: the arithmetic answers (3 digits and the end token) span two chunks, so an
+# explore step takes new weights in the middle of its responses
+DYNAMIC = ["synchronizer.sync_style=dynamic_by_explorer", "explorer.partial_rollout=true",
+           "explorer.partial_chunk_tokens=2"]
+FIXED = [*DYNAMIC, "synchronizer.fixed_interrupts=true", "buffer.total_steps=6", "trainer.save_interval=3",
+         "explorer.eval_interval=3"]
+
+
+def base(warm_start, name, *extra):
+    return ["stages=[]", f"model.model_path={warm_start}", "model.builder=null", "monitor=console",
+            f"name={name}", *extra]
+
+
+def _pid(log_file) -> int:
+    import re
+
+    return int(re.findall(r"started in process (\d+)", log_file.read_text())[-1])
+
+
+def test_a_killed_driver_resumes_to_the_uninterrupted_run_bit_for_bit_in_the_test_mode(warm_start, tmp_path):
+    env = {**os.environ, "RFT_CHECKPOINT_ROOT_DIR": str(tmp_path)}
+    straight = run_cli(*base(warm_start, "straight", *FIXED), env=env)
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    metrics = read_metrics(tmp_path / "rft" / "straight" / "metrics.jsonl")
+    # explore step s >= 1 takes version s after its first chunk: tokens of two versions, one each
+    assert all(m["rollout/max_token_versions"] == 2 for m in metrics[2:] if "rollout/max_token_versions" in m)
+    assert all(0 < m["staleness/token_frac_0"] < 1 for m in metrics[2:] if "staleness/token_mean" in m)
+
+    run = tmp_path / "rft" / "killed"
+    proc = subprocess.Popen([sys.executable, str(ROOT / "run.py"), *base(warm_start, "killed", *FIXED)],
+                            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    while not (run / "checkpoints" / "step_3" / "state.json").exists():
+        assert proc.poll() is None and time.time() < deadline, "the run ended before its step-3 checkpoint"
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not (run / "checkpoints" / "step_6").exists(), "killed too late to test anything"
+    state = json.loads((run / "checkpoints" / "step_3" / "state.json").read_text())
+    assert "partial" in state and "available" in state  # the groups in flight, the unread experiences
+
+    resumed = run_cli(*base(warm_start, "killed", *FIXED), env=env)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resuming from step 3" in resumed.stdout
+    a = read_metrics(tmp_path / "rft" / "straight" / "batches.jsonl")
+    b = read_metrics(run / "batches.jsonl")
+    assert [x["step"] for x in b] == list(range(1, 7))
+    assert a == b  # the same groups, policy versions and tokens, step by step
+    groups = [g for x in b for g in x["groups"]]
+    assert len(groups) == len(set(groups))  # no group trained twice
+    wa = load_file(tmp_path / "rft" / "straight" / "checkpoints" / "step_6" / "hf" / "model.safetensors")
+    wb = load_file(run / "checkpoints" / "step_6" / "hf" / "model.safetensors")
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_an_explorer_killed_mid_generation_leaves_every_group_trained_once(warm_start, tmp_path):
+    """Free-running dynamic mode (which version writes which token depends on timing): the explorer
+    is killed while it generates; Ray restarts it, the driver gives it back its groups in flight and
+    it redoes the lost explore steps. Every step trains a full batch, no group twice, and the
+    groups trained are those of the uninterrupted run."""
+    args = [*DYNAMIC, "buffer.total_steps=8", "trainer.save_interval=100", "explorer.eval_interval=100"]
+    env = {**os.environ, "RFT_CHECKPOINT_ROOT_DIR": str(tmp_path)}
+    straight = run_cli(*base(warm_start, "straight", *args), env=env)
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    run = tmp_path / "rft" / "killed"
+    proc = subprocess.Popen([sys.executable, str(ROOT / "run.py"), *base(warm_start, "killed", *args)],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 300
+    while not any(m["step"] >= 3 for m in read_metrics(run / "metrics.jsonl")):
+        assert proc.poll() is None and time.time() < deadline, "the run ended early"
+        time.sleep(0.05)
+    os.kill(_pid(run / "log" / "grpo_explorer.log"), signal.SIGKILL)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out[-3000:]
+    assert "grpo_explorer died" in out and "grpo_explorer is back" in out
+    b = read_metrics(run / "batches.jsonl")
+    assert [x["step"] for x in b] == list(range(1, 9))
+    assert all(len(x["versions"]) == 128 for x in b)  # buffer.batch_size 16 x repeat_times 8
+    groups = [g for x in b for g in x["groups"]]
+    assert len(groups) == len(set(groups)) == 8 * 16
+    assert set(groups) == {g for x in read_metrics(tmp_path / "rft" / "straight" / "batches.jsonl") for g in x["groups"]}
+
+
+def test_dry_run_says_how_weights_reach_the_explorers(warm_start, tmp_path):
+    r = run_cli(*base(warm_start, "dry", *DYNAMIC, "synchronizer.max_staleness=2", "dry_run=true"),
+                env={**os.environ, "RFT_CHECKPOINT_ROOT_DIR": str(tmp_path)})
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert ("sync_style=dynamic_by_explorer: new weights after every training step, taken between generate "
+            "chunks of 2 tokens (partial rollouts: a sequence in flight keeps its tokens and goes on under the "
+            "new weights; an explore step ends with batch_size finished groups, the unfinished carried to the "
+            "next); tokens older than 2 versions drop their experience") in " ".join(r.stdout.split())
