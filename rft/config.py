@@ -442,6 +442,11 @@ class ExplorerConfig:
     # the next step instead of holding this one (each token records the version that sampled it)
     partial_rollout: bool = False
     partial_chunk_tokens: int = 16
+    # partial rollouts: groups in flight, in explore steps' worth (1.5: a step's and half the
+    # next's); the tasks are taken in the order of the steps they belong to. Above 1, a step ends
+    # on the groups that finish first and the long ones go on beside the next step's (the more,
+    # the staler the long responses' first tokens)
+    partial_in_flight: float = 1.5
 
 
 @dataclass

@@ -110,5 +110,5 @@ def test_dry_run_says_how_weights_reach_the_explorers(warm_start, tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     assert ("sync_style=dynamic_by_explorer: new weights after every training step, taken between generate "
             "chunks of 2 tokens (partial rollouts: a sequence in flight keeps its tokens and goes on under the "
-            "new weights; an explore step ends with batch_size finished groups, the unfinished carried to the "
-            "next); tokens older than 2 versions drop their experience") in " ".join(r.stdout.split())
+            "new weights; 1.5 steps' worth of groups in flight, an explore step ends with the batch_size that "
+            "finish first, the others go on in the next); tokens older than 2 versions drop their experience") in " ".join(r.stdout.split())

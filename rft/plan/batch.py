@@ -669,6 +669,9 @@ def _check_dynamic(cfg, sc) -> bool:
                 f"carries the rest over, which algorithm.dynamic_sampling_max_tries="
                 f"{cfg.algorithm.dynamic_sampling_max_tries} and explorer.over_rollout.ratio="
                 f"{ex.over_rollout.ratio} would do otherwise: set them to 1 and 0, or partial_rollout=false.")
+        if ex.partial_in_flight < 1:
+            raise ConfigError(f"explorer.partial_in_flight={ex.partial_in_flight} must be >= 1 (groups in flight, "
+                              f"in explore steps' worth: an explore step needs its batch_size groups).")
         if ex.partial_chunk_tokens < 1:
             raise ConfigError(f"explorer.partial_chunk_tokens={ex.partial_chunk_tokens} must be >= 1 (tokens "
                               f"generated between two chances to take new weights).")
@@ -838,8 +841,9 @@ def _dynamic_row(cfg) -> str:
     """dry_run's line on synchronizer.sync_style=dynamic_by_explorer."""
     sc, ex = cfg.synchronizer, cfg.explorer
     where = (f"between generate chunks of {ex.partial_chunk_tokens} tokens (partial rollouts: a sequence in "
-             f"flight keeps its tokens and goes on under the new weights; an explore step ends with batch_size "
-             f"finished groups, the unfinished carried to the next)" if ex.partial_rollout
+             f"flight keeps its tokens and goes on under the new weights; {ex.partial_in_flight:g} steps' worth of groups "
+             f"in flight, an explore step ends with the batch_size that finish first, the others go on in the "
+             f"next)" if ex.partial_rollout
              else "between explore steps (explorer.partial_rollout=false)")
     bound = f"tokens older than {sc.max_staleness} versions drop their experience" if sc.max_staleness is not None \
         else "no staleness bound (synchronizer.max_staleness=null)"

@@ -462,9 +462,15 @@ class Explorer(WeightsMixin):
         """explorer.partial_rollout: this step's tasks join those in flight; the step ends with
         batch_size finished groups (rft/rollout/partial.py), built and scored by the workflow."""
         ts, sc = self.cfg.buffer.explorer_input.taskset, self.cfg.synchronizer
-        rows = self.task_rows(step)
-        prompts = prompt_ids(self.tokenizer, [self.taskset[i].messages for i in rows])
-        self.partial.admit(rows, [p[-self.cfg.model.max_prompt_tokens:] for p in prompts], n, step)
+        quota = len(self.task_rows(step))
+
+        def share(s: int):  # this explorer's tasks of explore step s, and their prompts
+            rows = self.task_rows(s)
+            prompts = prompt_ids(self.tokenizer, [self.taskset[i].messages for i in rows])
+            return rows, [p[-self.cfg.model.max_prompt_tokens:] for p in prompts]
+
+        # explorer.partial_in_flight steps' worth of groups in flight: the short ones fill the step
+        self.partial.refill(math.ceil(quota * self.cfg.explorer.partial_in_flight), n, share)
         opened = [not (self.gate.fixed and step >= 1)]
 
         def interrupt(chunks: int) -> None:  # the test mode: version `step` after the first chunk
@@ -472,7 +478,7 @@ class Explorer(WeightsMixin):
                 opened[0] = True
                 self.gate.open_at(step, sc.sync_timeout)
 
-        done, c = self.partial.run(len(rows), ts.rollout_args, step_seed(self.cfg.seed, step, salt), interrupt)
+        done, c = self.partial.run(quota, ts.rollout_args, step_seed(self.cfg.seed, step, salt), interrupt)
         interrupt(0)  # no chunk ran (the finished groups were in flight already): take it now
         counters.update(c)
         groups = []

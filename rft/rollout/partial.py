@@ -140,18 +140,31 @@ class PartialRollouts:
         self.chunk_tokens, self.max_tokens = chunk_tokens, max_tokens
         self.groups: list[Group] = []
         self.chunks = 0  # chunks generated so far: each one's seed (the same in a resumed run)
+        # the next task to admit: (explore step, position in this explorer's share of it)
+        self.cursor = [0, 0]
 
     def state(self) -> dict:
-        return {"groups": [asdict(g) for g in self.groups], "chunks": self.chunks}
+        return {"groups": [asdict(g) for g in self.groups], "chunks": self.chunks, "cursor": list(self.cursor)}
 
     def load(self, state: dict | None) -> None:
         state = state or {}
         self.groups = [Group(g["task_index"], g["prompt"], g["step"], [Row(**r) for r in g["rows"]])
                        for g in state.get("groups", [])]
         self.chunks = state.get("chunks", 0)
+        self.cursor = list(state.get("cursor", [0, 0]))
 
     def admit(self, task_indices: list[int], prompts: list[list[int]], n: int, step: int) -> None:
         self.groups += [Group(i, p, step, [Row() for _ in range(n)]) for i, p in zip(task_indices, prompts)]
+
+    def refill(self, capacity: int, n: int, share) -> None:
+        """Admit the next tasks, in the order of the explore steps they belong to, until `capacity`
+        groups are unfinished. `share(step)`: (task rows, prompts) of this explorer's share of step."""
+        while sum(not g.done for g in self.groups) < capacity:
+            step, at = self.cursor
+            rows, prompts = share(step)
+            take = min(len(rows) - at, capacity - sum(not g.done for g in self.groups))
+            self.admit(rows[at:at + take], prompts[at:at + take], n, step)
+            self.cursor = [step + 1, 0] if at + take >= len(rows) else [step, at + take]
 
     def run(self, quota: int, args, seed: int, interrupt=None) -> tuple[list[Group], dict]:
         """Advance the rows in flight, a chunk at a time, until `quota` groups are done (or none is
@@ -178,12 +191,13 @@ class PartialRollouts:
         k = min(self.chunk_tokens, max(max_new - len(r.tokens) for _, r in live))
         chunk_args = _with_max(args, k)
         self.chunks += 1
-        with self.gate.generating() as version:
-            samples = self.engine.generate([g.prompt + r.tokens for g, r in live], 1, chunk_args,
-                                           seed=seed * 1_000_003 + self.chunks)
         stop = list(getattr(args, "stop", None) or [])
-        for (g, r), [s] in zip(live, samples):
-            self._extend(g, r, s, version, max_new, stop)
+        with self.gate.generating() as version:
+            for j, bucket in enumerate(_buckets(live)):
+                samples = self.engine.generate([g.prompt + r.tokens for g, r in bucket], 1, chunk_args,
+                                               seed=(seed * 1_000_003 + self.chunks * 64 + j) % 2**63)
+                for (g, r), [s] in zip(bucket, samples):
+                    self._extend(g, r, s, version, max_new, stop)
 
     def _extend(self, g: Group, r: Row, s: Sample, version: int, max_new: int, stop: list[str]) -> None:
         new = s.token_ids[: max_new - len(r.tokens)]
@@ -197,6 +211,21 @@ class PartialRollouts:
             r.finish = "stop"
         elif len(r.tokens) >= max_new:
             r.finish = "length"
+
+
+def _buckets(live: list) -> list[list]:
+    """The rows in flight in batches of similar prefix length (each at most twice its shortest):
+    a batch is padded to its longest prefix, and a new row beside a 150-token one would cost as
+    much as it (the tiny model, 200 rows x 16 tokens: 0.20 s from 24-token prefixes, 0.77 s from
+    120-token ones)."""
+    rows = sorted(live, key=lambda gr: len(gr[0].prompt) + len(gr[1].tokens))
+    out: list[list] = []
+    for gr in rows:
+        if out and len(gr[0].prompt) + len(gr[1].tokens) <= 2 * (len(out[-1][0][0].prompt) + len(out[-1][0][1].tokens)):
+            out[-1].append(gr)
+        else:
+            out.append([gr])
+    return out
 
 
 def _with_max(args, k: int):
