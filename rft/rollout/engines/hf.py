@@ -258,7 +258,8 @@ def _reserved_layer_class():
         def __init__(self, layer, keys, values):
             """`keys`, `values`: the reserved tensors, as the layer's but `capacity` tokens long."""
             super().__init__()
-            self.dtype, self.device, self.is_initialized = layer.dtype, layer.device, True
+            # from the tensors: a DynamicLayer of later transformers (5.2x) keeps no dtype or device of its own
+            self.dtype, self.device, self.is_initialized = layer.keys.dtype, layer.keys.device, True
             n = layer.keys.shape[-2]
             self._keys, self._values = keys, values
             self._keys[..., :n, :], self._values[..., :n, :] = layer.keys, layer.values
