@@ -435,7 +435,7 @@ class ExplorerConfig:
     max_failed_steps: int = 3
     # seconds to wait for Ray to restart a dead explorer before the run stops
     restart_timeout: float = 300.0
-    # generation is interruptible (synchronizer.sync_style=dynamic_by_explorer): responses are
+    # generation is interruptible (synchronizer.sync_style=dynamic_by_explorer, mode=both): responses are
     # generated partial_chunk_tokens at a time; new weights go in between chunks (the sequences in
     # flight keep their tokens, the prefix is encoded again under the new weights), and an explore
     # step returns as soon as it has its batch_size finished groups: the unfinished ones go on in

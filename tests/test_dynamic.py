@@ -45,9 +45,10 @@ def test_a_killed_driver_resumes_to_the_uninterrupted_run_bit_for_bit_in_the_tes
     straight = run_cli(*base(warm_start, "straight", *FIXED), env=env)
     assert straight.returncode == 0, straight.stderr[-3000:]
     metrics = read_metrics(tmp_path / "rft" / "straight" / "metrics.jsonl")
-    # explore step s >= 1 takes version s after its first chunk: tokens of two versions, one each
-    assert all(m["rollout/max_token_versions"] == 2 for m in metrics[2:] if "rollout/max_token_versions" in m)
-    assert all(0 < m["staleness/token_frac_0"] < 1 for m in metrics[2:] if "staleness/token_mean" in m)
+    # explore step s >= 1 takes version s after its first chunk: responses hold tokens of two
+    # versions (three, for a group carried over from the step before), of several ages
+    assert {m["rollout/max_token_versions"] for m in metrics[2:] if "rollout/max_token_versions" in m} <= {2, 3}
+    assert any(m.get("staleness/token_frac_0", 0) > 0 and m.get("staleness/token_frac_1", 0) > 0 for m in metrics[2:])
 
     run = tmp_path / "rft" / "killed"
     proc = subprocess.Popen([sys.executable, str(ROOT / "run.py"), *base(warm_start, "killed", *FIXED)],

@@ -184,3 +184,52 @@ def test_the_gate_lets_a_load_in_between_chunks_and_in_test_mode_only_where_open
     assert fixed.version == 1 and not fixed.open
     with pytest.raises(TimeoutError, match="version 2 did not arrive within 0.1 s"):
         fixed.open_at(2, timeout=0.1)
+
+
+def test_refill_takes_tasks_in_step_order_up_to_the_groups_in_flight(tiny):
+    """Steps of 2 tasks, 3 groups in flight: step 0's two, then step 1's first; the cursor stops
+    at (1, 1). A finished group still counts until it is returned; once it is, refilling takes
+    step 1's second task."""
+    _, tok, engine, prompts = tiny
+    partial = PartialRollouts(engine, tok, WeightGate(0), chunk_tokens=3, max_tokens=12)
+    share = lambda s: ([10 * s, 10 * s + 1], [prompts[0], prompts[1]])  # noqa: E731
+    partial.refill(3, 2, share)
+    assert [(g.task_index, g.step) for g in partial.groups] == [(0, 0), (1, 0), (10, 1)]
+    assert partial.cursor == [1, 1]
+    for r in partial.groups[0].rows:
+        r.finish = "stop"
+    partial.refill(3, 2, share)
+    assert len(partial.groups) == 3 and partial.cursor == [1, 1]
+    partial.groups.pop(0)  # returned by an explore step
+    partial.refill(3, 2, share)
+    assert [(g.task_index, g.step) for g in partial.groups] == [(1, 0), (10, 1), (11, 1)] and partial.cursor == [2, 0]
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["explorer.partial_rollout=true"],
+     "explorer.partial_rollout=true lets new weights into an explore step between its generate chunks, and only "
+     "synchronizer.sync_style=dynamic_by_explorer sends them while explorers generate"),
+    (["synchronizer.sync_style=dynamic_by_explorer", "cluster=inline"],
+     "synchronizer.sync_style=dynamic_by_explorer runs the explorers and the trainer side by side, which needs "
+     "them in processes of their own (cluster.backend=ray; here inline"),
+    (["synchronizer.sync_style=dynamic_by_explorer", "synchronizer.sync_offset=0"],
+     "synchronizer.sync_style=dynamic_by_explorer needs synchronizer.sync_offset >= 1"),
+    (["synchronizer.sync_style=dynamic_by_explorer", "synchronizer.fixed_interrupts=true"],
+     "synchronizer.fixed_interrupts=true (a test mode) makes explore step s wait for the weights of training "
+     "step s after its first chunk, which needs explorer.partial_rollout=true"),
+    (["synchronizer.sync_style=dynamic_by_explorer", "explorer.partial_rollout=true", "task=calculator",
+      "model=tiny_tools"],
+     "explorer.partial_rollout=true continues single-turn responses across explore steps; the taskset's "
+     "workflow is 'multi_turn'"),
+    (["synchronizer.sync_style=dynamic_by_explorer", "explorer.partial_rollout=true", "explorer.partial_in_flight=0.5"],
+     "explorer.partial_in_flight=0.5 must be >= 1"),
+])
+def test_async_settings_that_cannot_work_are_one_paragraph_naming_the_keys(overrides, message):
+    from conftest import compose_cfg
+
+    from rft.errors import ConfigError
+    from rft.plan.batch import check_config
+
+    with pytest.raises(ConfigError) as e:
+        check_config(compose_cfg(overrides))
+    assert message in str(e.value)

@@ -320,3 +320,45 @@ def test_grpo_with_the_vllm_engine_learns(warm_start, tmp_path):
     for m in rows[3:]:
         for part in ("send", "fingerprint", "load", "check"):
             assert m[f"timing/sync_{part}_s"] > 0, (m["step"], part)
+
+
+@pytest.mark.slow  # the module's vLLM engine
+def test_partial_rollouts_resubmit_interrupted_requests_as_continuations(engines):
+    """explorer.partial_rollout on vLLM: chunks of 2 tokens, new weights after the first. Each
+    response's first two tokens are version 0's, the rest version 1's, and every token's log-prob
+    is the one the trainer recomputes under its own version's weights."""
+    from types import SimpleNamespace
+
+    from rft.rollout.partial import PartialRollouts, WeightGate
+
+    cfg, hf, vllm, prompts = engines
+    v0 = {k: v.clone() for k, v in hf.model.state_dict().items()}
+    v1 = _perturbed(hf, 11)
+    vllm.update_weights(v0)
+    gate = WeightGate(0)
+    partial = PartialRollouts(vllm, load_tokenizer(cfg.model), gate, chunk_tokens=2, max_tokens=6)
+    partial.admit(list(range(4)), prompts[:4], 2, step=0)
+
+    def interrupt(chunks):
+        if chunks == 1:
+            with gate.loading():
+                vllm.update_weights(v1)
+                gate.set_version(1)
+
+    args = SimpleNamespace(temperature=1.0, top_p=1.0, top_k=-1, max_tokens=6, stop=[])
+    try:
+        done, _ = partial.run(4, args, seed=3, interrupt=interrupt)
+        rows = [(g.prompt, r) for g in done for r in g.rows]
+        assert all(r.versions[:2] == [0, 0] and set(r.versions[2:]) <= {1} for _, r in rows)
+        assert any(1 in r.versions for _, r in rows)
+        for version, state in enumerate((v0, v1)):
+            hf.update_weights(state)
+            for prompt, r in rows:
+                ids = torch.tensor([prompt + r.tokens])
+                lp, _ = token_logprobs(hf.model, ids, torch.ones_like(ids))
+                mine = [i for i, v in enumerate(r.versions) if v == version]
+                recomputed = lp[0, len(prompt) - 1:].tolist()
+                assert max((abs(recomputed[i] - r.logprobs[i]) for i in mine), default=0.0) < LOGPROB_TOL
+    finally:
+        hf.update_weights(v0)
+        vllm.update_weights(v0)

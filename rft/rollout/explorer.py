@@ -289,7 +289,7 @@ class Explorer(WeightsMixin):
         # in between two chunks of an explore step (its call runs beside the explore's: rft.runtime.actors)
         self.gate = WeightGate(version, fixed=bool(ex.partial_rollout and sc.fixed_interrupts))
         self.partial = (PartialRollouts(self.engine, self.tokenizer, self.gate, ex.partial_chunk_tokens,
-                                        cfg.model.max_response_tokens) if ex.partial_rollout else None)
+                                        cfg.model.max_response_tokens) if ex.partial_rollout and cfg.mode == "both" else None)
         self.sync_s: dict[str, float] = {}  # the loads and checks since the last explore (_load)
         self.shard, self.num_shards = shard, rollout.engine_num
         log.info("explorer %d/%d ready: %d tasks, %d eval tasksets", shard, self.num_shards,
@@ -494,13 +494,11 @@ class Explorer(WeightsMixin):
         return exps, counters
 
     def open_gate(self) -> None:
-        """synchronizer.fixed_interrupts: the explore steps are all done; later weights (the last
-        step's, for its eval) go in as they come."""
+        """synchronizer.fixed_interrupts with no explore step left: weights go in as they come."""
         self.gate.open_for_good()
 
     def load_partial(self, state: dict | None) -> None:
-        """The groups in flight, as a checkpoint or the driver kept them (a restarted explorer)."""
-        self.partial.load(state)
+        self.partial.load(state)  # as a checkpoint, or the driver for a restarted explorer, kept them
 
     def evaluate(self, step: int, save_dir: str | None = None) -> dict:
         # no weight load in the middle of an eval (partial rollouts load between chunks)

@@ -158,11 +158,12 @@ class PartialRollouts:
 
     def refill(self, capacity: int, n: int, share) -> None:
         """Admit the next tasks, in the order of the explore steps they belong to, until `capacity`
-        groups are unfinished. `share(step)`: (task rows, prompts) of this explorer's share of step."""
-        while sum(not g.done for g in self.groups) < capacity:
+        groups are in flight (finished ones not yet returned count: they are the next step's first).
+        `share(step)`: (task rows, prompts) of this explorer's share of step."""
+        while len(self.groups) < capacity:
             step, at = self.cursor
             rows, prompts = share(step)
-            take = min(len(rows) - at, capacity - sum(not g.done for g in self.groups))
+            take = min(len(rows) - at, capacity - len(self.groups))
             self.admit(rows[at:at + take], prompts[at:at + take], n, step)
             self.cursor = [step + 1, 0] if at + take >= len(rows) else [step, at + take]
 

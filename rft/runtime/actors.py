@@ -358,7 +358,7 @@ def start_explorers(Actor, cfg, count: int, weights: str | None, version: int, t
 
     cfg = frozen(cfg)  # the component's reads, many a step, as plain dicts (rft.config.Frozen)
     restarts = dict(max_restarts=cfg.cluster.max_actor_restarts) if cfg.cluster.backend == "ray" else {}
-    if cfg.cluster.backend == "ray" and cfg.explorer.partial_rollout:
+    if cfg.cluster.backend == "ray" and cfg.explorer.partial_rollout and cfg.mode == "both":
         restarts["concurrent_loads"] = True  # new weights between two chunks of an explore step
     return [Actor(Explorer, cfg, weights, version, i, name=f"{title}_{cfg.explorer.name}" + (f"_{i}" if count > 1 else ""),
                   **common, **options[i], **restarts) for i in range(count)]

@@ -75,7 +75,7 @@ class ExplorerPool:
         """Wait for the oldest explore step: it, its experiences, its counters summed over the
         explorers, and the last error one of them recorded."""
         self.finish_sync()  # an explore after a failed sync ran on the old weights: it must not count
-        p = self.pending.popleft()
+        p = self.pending[0]  # still pending while its results are taken: a restart redoes it (_redo_explores)
         exps, counters, last_error = [], {}, None
         for i, f in enumerate(p.futures):
             e, c = self._result(i, f, "explore", p.step, version=p.version)
@@ -85,6 +85,7 @@ class ExplorerPool:
             last_error = c.pop("last_error", None) or last_error
             for k, v in c.items():  # a peak is the largest, not a sum
                 counters[k] = max(counters.get(k, 0), v) if k.startswith("max_") else counters.get(k, 0) + v
+        self.pending.popleft()
         return p, exps, counters, last_error
 
     def evaluate(self, step: int) -> dict:
@@ -204,6 +205,9 @@ class ExplorerPool:
                 if not actor_died(e) or attempt == self.cfg.cluster.max_actor_restarts:
                     raise
                 self._revive(i, e)
+                if self.cfg.explorer.partial_rollout and method == "explore":  # redone by _revive, in order
+                    future = next(p.futures[i] for p in self.pending if p.step == args[0])
+                    continue
                 redo_on = version if version is not None and self.trainer is not None and not self.dynamic else self.synced
                 if redo_on != self.synced:
                     self._serve(i, redo_on)
@@ -228,20 +232,39 @@ class ExplorerPool:
                         f"{self.cfg.explorer.restart_timeout:g} s ({e})."
                     ) from e
                 time.sleep(1.0)
-        if self.cfg.explorer.partial_rollout:  # its groups in flight, as of its last collected explore
-            explorer.call("load_partial", self.partial_states[i])
-            if self.cfg.synchronizer.fixed_interrupts:
-                # the test mode's fixed pickups cannot be redone after a restart: weights go in as they come
-                explorer.call("open_gate")
+        if self.cfg.explorer.partial_rollout and self.cfg.synchronizer.fixed_interrupts:
+            explorer.call("open_gate")  # the test mode's fixed pickups cannot be redone: weights go in as they come
         if self.trainer is not None:
             # it restarted on the stage's starting weights
             if hasattr(self.sync, "reset"):
                 self.sync.reset(self.trainer.actor, self.explorers)  # the old group lost a member
-            if serve:
+            if serve or self.cfg.explorer.partial_rollout:  # (the redone explores start at once)
                 self._serve(i, self.synced)
         else:
             self.pick_up_checkpoint([explorer], force=True)
+        if self.cfg.explorer.partial_rollout:
+            self._redo_explores(i)
         self.monitor.print(f"[{self.title}] {explorer.name} is back (process {pid}); redoing its work")
+
+    def _redo_explores(self, i: int) -> None:
+        """Partial rollouts: explorer i's explore steps lost with its process are submitted again,
+        in order, from its groups in flight after the last one it finished (collected or not: a
+        finished one's result outlives the process). Each explore step's groups depend on the one
+        before, so nothing is trained twice or lost."""
+        explorer, state, lost = self.explorers[i], self.partial_states[i], False
+        for p in self.pending:
+            if not lost:
+                try:
+                    state = explorer.get(p.futures[i], timeout=0)[1].get("partial_state", state)
+                    continue
+                except Exception as e:
+                    if not actor_died(e):
+                        raise
+                    lost = True
+                    explorer.call("load_partial", state)
+            p.futures[i] = explorer.submit("explore", p.step)
+        if not lost:
+            explorer.call("load_partial", state)
 
     def _serve(self, i: int, version: int) -> None:
         """Explorer i gets the weights of `version`: the trainer's own if it is at that version,
