@@ -295,6 +295,13 @@ class TasksetConfig:
     workflow: str = "single_turn"
     # keyword arguments the workflow takes (ctx.args)
     workflow_args: Dict[str, Any] = field(default_factory=dict)
+    # an eval set's pass@k, for each k (<= repeat_times) listed; with repeat_times > 1 it also
+    # reports mean@n, best@n and maj@n, each with its standard error (rft/rewards/eval_metrics.py)
+    pass_k: List[int] = field(default_factory=list)
+    # the reward at or above which a sample is correct (pass@k, maj@n)
+    pass_threshold: float = 1.0
+    # an eval set's task column (difficulty, source): its metrics also per value of that column
+    group_by: Optional[str] = None
 
 
 @dataclass

@@ -271,6 +271,12 @@ def _check_rollouts(cfg) -> None:
         if ts.repeat_times is not None and ts.repeat_times < 1:
             raise ConfigError(f"{where}.repeat_times={ts.repeat_times} must be >= 1 (or null: the default, "
                               f"algorithm.repeat_times for the taskset, 1 for an eval set).")
+    for where, ts in ts_keys[1:]:
+        n = ts.repeat_times or 1
+        if any(not 1 <= k <= n for k in ts.pass_k):
+            raise ConfigError(f"{where}.pass_k={list(ts.pass_k)}: each k must be in 1..{n}, the samples per task "
+                              f"(its repeat_times); raise repeat_times to sample more, e.g. {where}.repeat_times="
+                              f"{max(ts.pass_k)}.")
     train = (inp.taskset.path, inp.taskset.split, inp.taskset.subset_name)
     for where, ts in ts_keys[1:]:
         if (ts.path, ts.split, ts.subset_name) == train:

@@ -418,6 +418,34 @@ def format_match(prompt: str, response: str, task, pattern: str = r"<answer>.*</
     return float(re.fullmatch(pattern, response.strip(), flags=re.DOTALL) is not None)
 
 
+def _last_number_answer(response: str) -> str | None:
+    got = _NUMBER.findall(response.replace(",", ""))
+    return repr(float(got[-1])) if got else None  # "42" and "42.0" vote together, as the reward compares
+
+
+def _math_answer(response: str) -> str | None:
+    boxed = last_boxed(response)
+    return boxed.strip() if boxed is not None else _last_number_answer(response)
+
+
+# reward name -> what its verifier reads from a response as the answer (None: no answer), the votes
+# of maj@n (rft/rewards/eval_metrics.py); a reward not named here votes with the stripped response
+ANSWERS = {
+    "exact_match": lambda response: response.strip(),
+    "last_number": _last_number_answer,
+    "math": _math_answer,
+    "countdown": lambda response: countdown_answer(response).strip() or None,
+}
+
+
+def answer_of(spec, response: str) -> str | None:
+    """The answer a response gives, as the reward `spec` (a name, or parts: the first part's fn)
+    reads it."""
+    name = spec if isinstance(spec, str) else (spec[0].get("fn") if isinstance(spec, list) and spec and
+                                                isinstance(spec[0], dict) else None)
+    return ANSWERS.get(name, lambda r: r.strip())(response)
+
+
 _HERE = "rft.rewards.verifiers."
 REWARD_FNS = Registry("reward_fn", {name: _HERE + fn for name, fn in [
     ("exact_match", "exact_match"), ("last_number", "last_number"), ("math", "math"), ("countdown", "countdown"),

@@ -24,6 +24,7 @@ from rft.data.tasks import load_tasks
 from rft.errors import ConfigError, RunError
 from rft.models import load_tokenizer, local_device, peak_memory
 from rft.registry import ENGINES, resolve
+from rft.rewards.eval_metrics import paper_metrics
 from rft.rewards.scoring import build as build_scorer
 from rft.rewards.scoring import part_metrics, spec_of
 from rft.rollout.workflows.single_turn import WORKFLOWS, WorkflowContext, check_output
@@ -236,17 +237,25 @@ def step_metrics(exps: list, counters: dict, explorers: int) -> dict:
     return m
 
 
-def save_trajectories(exps: list, path: str) -> None:
-    """One JSON line per conversation: the task, its messages (tool calls and answers as the
-    model and the tools wrote them), the reward and its parts, and the conversation's counters."""
+def save_trajectories(exps: list, path: str, reward_spec=None) -> None:
+    """One JSON line per sample: the task, its messages (a single turn's prompt and response; a
+    conversation's tool calls and answers as the model and the tools wrote them), the answer the
+    reward's verifier reads (maj@n's vote), the reward and its parts, and the counters."""
     import json
+
+    from rft.rewards.eval_metrics import response_text
+    from rft.rewards.verifiers import answer_of
 
     os.makedirs(os.path.dirname(path), exist_ok=True)
     keys = ("turns", "tool_calls", "tool_failures", "tool_errors", "finish_reason", "drift", "budget_truncated", "turn_limit")
     with open(path + ".tmp", "w") as f:
         for e in exps:
-            row = {"task_id": e.task_id, "reward": e.reward, "reward_parts": e.reward_parts,
-                   "messages": e.info.get("conversation"), **{k: e.info[k] for k in keys if k in e.info}}
+            messages = e.info.get("conversation") or [{"role": "user", "content": e.info.get("prompt")},
+                                                      {"role": "assistant", "content": e.info.get("response")}]
+            text = response_text(e)
+            row = {"task_id": e.task_id, "group_id": e.group_id, "reward": e.reward, "reward_parts": e.reward_parts,
+                   "answer": None if text is None else answer_of(reward_spec, text),
+                   "messages": messages, **{k: e.info[k] for k in keys if k in e.info}}
             f.write(json.dumps(row) + "\n")
     os.replace(path + ".tmp", path)
 
@@ -506,14 +515,12 @@ class Explorer(WeightsMixin):
             return self._evaluate(step, save_dir)
 
     def _evaluate(self, step: int, save_dir: str | None = None) -> dict:
-        """Mean reward on each eval taskset (`eval/<name>/accuracy`; the first one also as `eval/accuracy`).
-
-        A task whose reward failed (raised or timed out after its retries) counts as reward 0 and
-        is counted in `eval/<name>/failed_tasks`; when every task of a set failed, the accuracy
-        means nothing: `eval_failed` (not a metric) then names the set and its last error, for the
-        runner to stop the run (rft.runtime.explorers ExplorerPool.evaluate). With `save_dir`, the
-        conversations of a multi-turn eval (their turns, tool calls and rewards) go to
-        <save_dir>/step_<step>/<name>.jsonl.
+        """Mean reward on each eval taskset (`eval/<name>/accuracy`; the first one also as
+        `eval/accuracy`), and pass@k, maj@n, ... (rft/rewards/eval_metrics.py). A failed task counts
+        as reward 0, in `eval/<name>/failed_tasks`; when every task of a set failed, `eval_failed`
+        (not a metric) names the set and its last error, for the runner to stop the run
+        (rft.runtime.explorers ExplorerPool.evaluate). With `save_dir`, every sample (prompt and
+        response, or a conversation's turns and tool calls) goes to <save_dir>/step_<step>/<name>.jsonl.
         """
         metrics = {}
         for i, (ts, tasks, scorer) in enumerate(self.eval_tasksets):
@@ -530,8 +537,10 @@ class Explorer(WeightsMixin):
             metrics[f"eval/{ts.name}/failed_tasks"] = failed
             exps = [e for g in groups if g for e in g]
             metrics.update(conversation_metrics(exps, prefix=f"eval/{ts.name}"))
-            if save_dir and any("conversation" in e.info for e in exps):
-                save_trajectories(exps, os.path.join(save_dir, f"step_{step}", f"{ts.name}.jsonl"))
+            spec = spec_of(ts.reward_fn, self.cfg.buffer.explorer_input.default_reward_fn_type)
+            metrics.update(paper_metrics(ts, tasks, groups, spec, f"eval/{ts.name}"))  # pass@k, maj@n, ...
+            if save_dir and exps:
+                save_trajectories(exps, os.path.join(save_dir, f"step_{step}", f"{ts.name}.jsonl"), spec)
             if tasks and failed == len(tasks):
                 source, last = counters.get("last_error") or (None, None)
                 last = last or "none recorded (timeouts)"

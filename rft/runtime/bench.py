@@ -43,9 +43,13 @@ def bench(cfg, run_dir: Path) -> float | None:
     ensure_model(first.model)
     ensure_task_data(first.buffer.explorer_input)
     explorer = Explorer(first)
+    out = run_dir / "bench"
+    # every sample of every eval, beside the table: bench/samples/<stage>/step_<k>/<eval set>.jsonl
+    samples = lambda stage: str(out / "samples" / stage)  # noqa: E731
     rows = []
     if not latest_only:
-        rows.append({"stage": "start", "step": 0, "checkpoint": first.model.model_path, **explorer.evaluate(0)})
+        rows.append({"stage": "start", "step": 0, "checkpoint": first.model.model_path,
+                     **explorer.evaluate(0, samples("start"))})
     for stage, ckpt in found:
         if not ckpt.hf_path.exists():
             continue  # an explore-mode stage saves no model
@@ -54,10 +58,10 @@ def bench(cfg, run_dir: Path) -> float | None:
             print(f"[bench] {stage} step {ckpt.step}: damaged ({why}); not evaluated")
             continue
         explorer.load_weights(str(ckpt.hf_path), ckpt.step, ckpt.state.get("fingerprint"))
-        rows.append({"stage": stage, "step": ckpt.step, "checkpoint": str(ckpt.path), **explorer.evaluate(ckpt.step)})
+        rows.append({"stage": stage, "step": ckpt.step, "checkpoint": str(ckpt.path),
+                     **explorer.evaluate(ckpt.step, samples(stage))})
         print(f"[bench] {stage} step {ckpt.step}: eval accuracy {rows[-1].get('eval/accuracy', float('nan')):.3f}")
 
-    out = run_dir / "bench"
     out.mkdir(parents=True, exist_ok=True)
     columns = ["stage", "step"] + [k for k in rows[0] if k.startswith("eval/") and k != "eval/accuracy"] + ["checkpoint"]
     with open(out / "results.csv", "w", newline="") as f:

@@ -1,0 +1,107 @@
+"""The eval metrics papers report, from `n` samples per task (an eval taskset's `repeat_times`).
+
+Per eval set, over its tasks (a task's samples are its group):
+
+    mean@n   the mean reward of all samples (n = 1: the accuracy)
+    best@n   the mean over tasks of the best reward among a task's samples
+    pass@k   the mean over tasks of 1 - C(n - c, k) / C(n, k), c the task's correct samples (reward
+             >= the set's pass_threshold): the unbiased estimator of the chance that at least one
+             of k samples is correct (Chen et al. 2021, "Evaluating Large Language Models Trained
+             on Code"), for every k the set asks (`pass_k`, each <= n)
+    maj@n    the mean over tasks of whether the majority answer is correct: the answers are what
+             the set's verifier reads from a response (`rft.rewards.verifiers.ANSWERS`; the
+             stripped response for a reward without one); a tie goes to the answer sampled first;
+             samples without an answer do not vote
+
+Each comes with its standard error over tasks (`<metric>_se`: the sample standard deviation of the
+per-task values over sqrt(tasks); 0 with one task), and, with the set's `group_by` naming a task
+column, the same per value of that column (`<column>=<value>/<metric>`).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import Counter
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """1 - C(n - c, k) / C(n, k), as a product (no large binomials): 1 when fewer than k samples
+    are wrong. n=5, c=2: k=1 0.4, k=2 0.7, k=3 0.9, k=4 and 5 1.0."""
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n (n={n}, c={c}, k={k})")
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
+
+
+def majority(answers: list) -> int | None:
+    """The index of the sample whose answer the most samples gave (ties: the one sampled first);
+    None answers do not vote; None when no sample has an answer."""
+    counts = Counter(a for a in answers if a is not None)
+    if not counts:
+        return None
+    top = max(counts.values())
+    return next(i for i, a in enumerate(answers) if a is not None and counts[a] == top)
+
+
+def task_values(rewards: list[float], answers: list, ks: list[int], threshold: float) -> dict[str, float]:
+    """One task's values of every metric, from its samples' rewards and answers."""
+    n, c = len(rewards), sum(r >= threshold for r in rewards)
+    values = {f"mean@{n}": sum(rewards) / n, f"best@{n}": max(rewards)}
+    for k in ks:
+        values[f"pass@{k}"] = pass_at_k(n, c, k)
+    chosen = majority(answers)
+    values[f"maj@{n}"] = float(chosen is not None and rewards[chosen] >= threshold)
+    return values
+
+
+def summarize(per_task: list[dict[str, float]], prefix: str) -> dict[str, float]:
+    """The mean of each metric over tasks, and its standard error (`<name>_se`)."""
+    out: dict[str, float] = {}
+    for name in per_task[0] if per_task else []:
+        xs = [v[name] for v in per_task]
+        out[f"{prefix}/{name}"] = sum(xs) / len(xs)
+        out[f"{prefix}/{name}_se"] = statistics.stdev(xs) / math.sqrt(len(xs)) if len(xs) > 1 else 0.0
+    return out
+
+
+def eval_metrics(samples: list[tuple[list[float], list, str | None]], ks: list[int], threshold: float,
+                 prefix: str) -> dict[str, float]:
+    """`samples`: per task, (its samples' rewards, their answers, its group as "<column>=<value>" or
+    None). A failed task counts as n samples of reward 0 without answers (as the accuracy counts it)."""
+    per_task = [task_values(r, a, ks, threshold) for r, a, _ in samples]
+    out = summarize(per_task, prefix)
+    for value in sorted({g for _, _, g in samples if g is not None}, key=str):
+        mine = [v for v, (_, _, g) in zip(per_task, samples) if g == value]
+        out.update(summarize(mine, f"{prefix}/{value}"))
+    return out
+
+
+def response_text(exp) -> str | None:
+    """The response a sample's answer is read from: a single-turn one's text, or a conversation's
+    last assistant message."""
+    if "response" in exp.info:
+        return str(exp.info["response"])
+    said = [m.get("content") for m in exp.info.get("conversation") or [] if m.get("role") == "assistant"]
+    return str(said[-1]) if said and said[-1] is not None else None
+
+
+def paper_metrics(ts, tasks: list, groups: list, reward_spec, prefix: str) -> dict[str, float]:
+    """An eval set's metrics above from what the workflow returned (`groups`, one per task, None
+    for a failed task): {} for a set of one greedy sample per task without pass_k or group_by,
+    whose accuracy says it all."""
+    from rft.rewards.verifiers import answer_of
+
+    n = ts.repeat_times or 1
+    if n == 1 and not ts.pass_k and not ts.group_by:
+        return {}
+    samples = []
+    for task, group in zip(tasks, groups):
+        label = None if not ts.group_by else f"{ts.group_by}={(task.row or {}).get(ts.group_by)}"
+        if group is None:
+            samples.append(([0.0] * n, [None] * n, label))
+            continue
+        texts = [response_text(e) for e in group]
+        samples.append(([e.reward for e in group], [None if t is None else answer_of(reward_spec, t) for t in texts], label))
+    return eval_metrics(samples, list(ts.pass_k), ts.pass_threshold, prefix)

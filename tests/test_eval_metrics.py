@@ -1,0 +1,144 @@
+"""The eval metrics papers report (rft/rewards/eval_metrics.py): pass@k's unbiased estimator,
+maj@n's vote, best@n and mean@n with standard errors and per-group values, hand-computed; and an
+eval set's metrics equal to those recomputed from its saved per-sample records."""
+
+import json
+import math
+from types import SimpleNamespace
+
+import pytest
+from conftest import compose_cfg
+
+from rft.errors import ConfigError
+from rft.rewards.eval_metrics import eval_metrics, majority, pass_at_k
+from rft.rewards.verifiers import answer_of
+
+
+@pytest.mark.parametrize("k, want", [(1, 0.4), (2, 0.7), (3, 0.9), (4, 1.0), (5, 1.0)])
+def test_pass_at_k_on_five_samples_two_correct(k, want):
+    """n=5, c=2: 1 - C(3, k) / C(5, k): k=1 1 - 3/5; k=2 1 - 3/10; k=3 1 - 1/10; k=4, 5: C(3, k) = 0."""
+    assert pass_at_k(5, 2, k) == pytest.approx(want, abs=1e-12)
+
+
+def test_pass_at_k_equals_the_binomial_formula_everywhere_small():
+    for n in range(1, 13):
+        for c in range(n + 1):
+            for k in range(1, n + 1):
+                assert pass_at_k(n, c, k) == pytest.approx(1 - math.comb(n - c, k) / math.comb(n, k), abs=1e-12)
+    # n=200 (a large binomial) without overflow: 1 - C(190, 10) / C(200, 10)
+    assert pass_at_k(200, 10, 10) == pytest.approx(1 - math.comb(190, 10) / math.comb(200, 10), rel=1e-12)
+    with pytest.raises(ValueError, match="1 <= k <= n"):
+        pass_at_k(3, 1, 4)
+
+
+def test_a_tied_vote_goes_to_the_answer_sampled_first_and_unanswered_samples_do_not_vote():
+    assert majority(["7", "8", "8", "7", None]) == 0  # 7 and 8 twice each: 7 came first
+    assert majority([None, "8", "7", "7"]) == 2  # 7 twice
+    assert majority([None, None]) is None
+
+
+def test_metrics_of_two_tasks_with_standard_errors_and_groups():
+    """Task A: rewards 1,0,0,1,0 (c=2), answers 7,8,8,7,9; task B: all 0, answers 1,1,2,-,-.
+    mean@5: A 0.4, B 0 -> 0.2, se stdev(0.4, 0)/sqrt(2) = 0.2828/1.4142 = 0.2. best@5: 1, 0 -> 0.5,
+    se 0.7071/1.4142 = 0.5. pass@1: 0.4, 0 -> 0.2; pass@3: 0.9, 0 -> 0.45. maj@5: A's tie 7/8 goes
+    to 7, correct -> 1; B's 1 is wrong -> 0: 0.5. Per group: level=1 is A alone (se 0)."""
+    samples = [([1.0, 0.0, 0.0, 1.0, 0.0], ["7", "8", "8", "7", "9"], "level=1"),
+               ([0.0] * 5, ["1", "1", "2", None, None], "level=2")]
+    m = eval_metrics(samples, [1, 3], 1.0, "eval/x")
+    assert m["eval/x/mean@5"] == pytest.approx(0.2) and m["eval/x/mean@5_se"] == pytest.approx(0.2)
+    assert m["eval/x/best@5"] == pytest.approx(0.5) and m["eval/x/best@5_se"] == pytest.approx(0.5)
+    assert m["eval/x/pass@1"] == pytest.approx(0.2) and m["eval/x/pass@3"] == pytest.approx(0.45)
+    assert m["eval/x/maj@5"] == pytest.approx(0.5)
+    assert m["eval/x/level=1/pass@3"] == pytest.approx(0.9) and m["eval/x/level=1/pass@3_se"] == 0.0
+    assert m["eval/x/level=2/maj@5"] == 0.0
+    # a threshold of 0.5 on rewards of 0.6: correct
+    assert eval_metrics([([0.6, 0.0], ["a", "b"], None)], [1], 0.5, "e")["e/pass@1"] == pytest.approx(0.5)
+
+
+def test_answers_are_what_each_verifier_reads():
+    assert answer_of("last_number", "so it is 42") == answer_of("last_number", "42.0") == "42.0"
+    assert answer_of("last_number", "no number") is None
+    assert answer_of("math", r"thus \boxed{\frac{1}{2}} done") == r"\frac{1}{2}"
+    assert answer_of("exact_match", "  357 ") == "357"
+    assert answer_of("countdown", "x <answer>1+2</answer>") == "1+2"
+    assert answer_of([{"fn": "last_number", "weight": 1.0}], "= 7") == "7.0"
+    assert answer_of("my_study.reward", " free text ") == "free text"
+
+
+def test_pass_k_above_the_samples_per_task_is_a_config_error():
+    from rft.plan.batch import check_config
+
+    with pytest.raises(ConfigError) as e:
+        check_config(compose_cfg(["buffer.explorer_input.eval_tasksets.0.pass_k=[1,8]",
+                                  "buffer.explorer_input.eval_tasksets.0.repeat_times=4"]))
+    assert ("buffer.explorer_input.eval_tasksets[0].pass_k=[1, 8]: each k must be in 1..4, the samples per task "
+            "(its repeat_times)") in str(e.value)
+
+
+@pytest.mark.slow  # an engine: 200 eval tasks x 4 samples
+def test_an_eval_sets_metrics_equal_those_recomputed_from_its_saved_samples(warm_start, tmp_path):
+    from rft.data.tasks import ensure_task_data
+    from rft.rollout.explorer import Explorer
+
+    cfg = compose_cfg(["cluster=inline", f"model.model_path={warm_start}", "model.builder=null",
+                       "buffer.explorer_input.eval_tasksets.0.repeat_times=4",
+                       "buffer.explorer_input.eval_tasksets.0.rollout_args.temperature=1.0",
+                       "buffer.explorer_input.eval_tasksets.0.pass_k=[1,2,4]"])
+    ensure_task_data(cfg.buffer.explorer_input)
+    m = Explorer(cfg).evaluate(0, str(tmp_path))
+    rows = [json.loads(line) for line in open(tmp_path / "step_0" / "arithmetic_test.jsonl")]
+    assert len(rows) == 200 * 4 and all(r["messages"][1]["role"] == "assistant" for r in rows)
+    by_task: dict = {}
+    for r in rows:
+        by_task.setdefault(r["task_id"], []).append(r)
+    assert all(len(g) == 4 for g in by_task.values())
+    # recomputed here from the records, by the formulas written out
+    correct = [sum(r["reward"] >= 1.0 for r in g) for g in by_task.values()]
+    for k in (1, 2, 4):
+        want = sum(1 - math.comb(4 - c, k) / math.comb(4, k) for c in correct) / len(correct)
+        assert m[f"eval/arithmetic_test/pass@{k}"] == pytest.approx(want, abs=1e-12)
+    assert m["eval/arithmetic_test/mean@4"] == pytest.approx(m["eval/accuracy"])
+    assert 0 < m["eval/arithmetic_test/pass@1"] < m["eval/arithmetic_test/pass@4"] < 1  # the warm start solves some
+    votes = 0
+    for g in by_task.values():
+        answers = [r["answer"] for r in g]
+        top = max(answers.count(a) for a in answers)
+        first = next(r for r in g if answers.count(r["answer"]) == top)
+        votes += first["reward"] >= 1.0
+    assert m["eval/arithmetic_test/maj@4"] == pytest.approx(votes / len(by_task))
+
+
+@pytest.mark.slow  # a 2-step training run, then bench over its checkpoints
+def test_a_bench_table_over_two_checkpoints_and_two_sets_matches_its_samples(warm_start, tmp_path):
+    from conftest import run_cli
+
+    from rft.rewards.eval_metrics import pass_at_k
+
+    env = {"RFT_CHECKPOINT_ROOT_DIR": str(tmp_path)}
+    base = ["stages=[]", f"model.model_path={warm_start}", "model.builder=null", "monitor=console", "name=b",
+            "cluster=inline"]
+    r = run_cli(*base, "buffer.total_steps=2", "trainer.save_interval=1", "explorer.eval_interval=100", env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    sets = ",".join(f"{{name:{name},path:'${{cache_dir}}/data/arithmetic-v4',split:{split},repeat_times:3,"
+                    f"pass_k:[1,3],rollout_args:{{temperature:1.0}}}}" for name, split in (("a", "test"), ("b", "test")))
+    r = run_cli(*base, "mode=bench", "explorer.bench_on_latest_checkpoint=false",
+                f"buffer.explorer_input.eval_tasksets=[{sets}]", env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    bench = tmp_path / "rft" / "b" / "bench"
+    import csv
+
+    rows = list(csv.DictReader(open(bench / "results.csv")))
+    assert [(row["stage"], row["step"]) for row in rows] == [("start", "0"), ("grpo", "1"), ("grpo", "2")]
+    for row in rows:
+        for name in ("a", "b"):
+            records = [json.loads(line) for line in
+                       open(bench / "samples" / row["stage"] / f"step_{row['step']}" / f"{name}.jsonl")]
+            by_task: dict = {}
+            for rec in records:
+                by_task.setdefault(rec["task_id"], []).append(rec["reward"])
+            assert len(by_task) == 200 and all(len(v) == 3 for v in by_task.values())
+            for k in (1, 3):
+                want = sum(pass_at_k(3, sum(x >= 1.0 for x in v), k) for v in by_task.values()) / 200
+                assert float(row[f"eval/{name}/pass@{k}"]) == pytest.approx(want, abs=1e-9)
+            mean = sum(sum(v) for v in by_task.values()) / 600
+            assert float(row[f"eval/{name}/mean@3"]) == pytest.approx(mean, abs=1e-9)
