@@ -559,8 +559,11 @@ class SynchronizerConfig:
 
 @dataclass
 class MonitorConfig:
-    # any of: tensorboard, wandb (console and metrics.jsonl are always on)
+    # any of: tensorboard, wandb, mlflow (console and metrics.jsonl are always on)
     monitor_type: List[str] = field(default_factory=lambda: ["tensorboard"])
+    # mlflow: where runs go; null: the SQLite store <checkpoint_root_dir>/<project>/mlflow.db (its
+    # artifacts beside it in mlartifacts/); or a server's http(s):// address
+    mlflow_tracking_uri: Optional[str] = None
     # metrics shown beside the progress bar
     console_keys: List[str] = field(
         default_factory=lambda: ["reward/mean", "eval/accuracy", "loss/policy", "timing/step_s"]

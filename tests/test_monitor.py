@@ -228,3 +228,45 @@ def test_a_tracker_that_does_not_start_is_one_paragraph_and_the_others_are_close
         "are always on).")
     assert len(_Opened.closed) == 1  # the one started before it
     assert not list(tmp_path.iterdir())  # and no log file opened
+
+
+@pytest.mark.slow  # a short training run
+def test_mlflow_holds_the_runs_params_and_every_metric_of_metrics_jsonl(warm_start, tmp_path):
+    """monitor=mlflow: read back with MLflow's own client, each step's value of each metric equals
+    metrics.jsonl's (names as mlflow_name writes them), the params hold the whole config, and the
+    artifacts hold metrics.jsonl; a second run of the same name (a resume) goes on in the same run."""
+    from conftest import run_cli
+    from mlflow.tracking import MlflowClient
+
+    from rft.reporting.monitor import mlflow_name, read_metrics
+
+    args = ["stages=[]", f"model.model_path={warm_start}", "model.builder=null", "name=mlf", "cluster=inline",
+            "monitor=mlflow", "buffer.total_steps=2", "explorer.eval_interval=2", "trainer.save_interval=2",
+            "buffer.explorer_input.eval_tasksets.0.repeat_times=2", "buffer.explorer_input.eval_tasksets.0.pass_k=[2]"]
+    r = run_cli(*args, env={"RFT_CHECKPOINT_ROOT_DIR": str(tmp_path)})
+    assert r.returncode == 0, r.stderr[-3000:]
+    client = MlflowClient(f"sqlite:///{tmp_path / 'rft' / 'mlflow.db'}")
+    runs = client.search_runs([client.get_experiment_by_name("rft").experiment_id])
+    assert [x.info.run_name for x in runs] == ["mlf/grpo"] and runs[0].info.status == "FINISHED"
+    run_id = runs[0].info.run_id
+    params = client.get_run(run_id).data.params
+    assert params["algorithm.optimizer.lr"] == "0.0002" and params["buffer.batch_size"] == "16"
+    assert params["monitor.monitor_type"] == "['tensorboard', 'mlflow']"
+    rows = read_metrics(tmp_path / "rft" / "mlf" / "metrics.jsonl")
+    assert "eval/arithmetic_test/pass@2" in rows[-1]
+    checked = 0
+    for key in {k for row in rows for k in row if k != "step"}:
+        want = {row["step"]: float(row[key]) for row in rows if key in row}
+        got = {m.step: m.value for m in client.get_metric_history(run_id, mlflow_name(key))}
+        assert got == want, key
+        checked += 1
+    assert checked > 40
+    assert "eval/arithmetic_test/pass_at_2" in client.get_run(run_id).data.metrics
+    arts = {a.path for a in client.list_artifacts(run_id)}
+    assert {"metrics.jsonl", "batches.jsonl"} <= arts
+    # the same command again: the stage is finished, nothing new; a longer one resumes in the same run
+    r = run_cli(*[a.replace("buffer.total_steps=2", "buffer.total_steps=3") for a in args], "resume_with_changes=true",
+                env={"RFT_CHECKPOINT_ROOT_DIR": str(tmp_path)})
+    assert r.returncode == 0, r.stderr[-3000:]
+    runs = client.search_runs([client.get_experiment_by_name("rft").experiment_id])
+    assert len(runs) == 1 and max(m.step for m in client.get_metric_history(run_id, "reward/mean")) == 3

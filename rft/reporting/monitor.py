@@ -197,7 +197,7 @@ class WandB:
         import wandb
 
         self.run = wandb.init(project=cfg.project, name=f"{cfg.name}/{stage}", dir=str(run_dir),
-                              config={"stage": stage}, resume="allow", id=_wandb_id(run_dir))
+                              config={"stage": stage, **config_dict(cfg)}, resume="allow", id=_wandb_id(run_dir))
 
     def log(self, step: int, metrics: dict) -> None:
         self.run.log(metrics, step=step)
@@ -206,9 +206,87 @@ class WandB:
         self.run.finish()
 
 
+def config_dict(cfg) -> dict:
+    """The stage's whole composed config, resolved, as plain containers."""
+    from omegaconf import DictConfig, OmegaConf
+
+    return OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg)
+
+
+def flat(d: dict, prefix: str = "") -> dict[str, str]:
+    """{"a": {"b": 1}} -> {"a.b": "1"}: a config as MLflow params."""
+    out: dict[str, str] = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and v:
+            out.update(flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = str(v)
+    return out
+
+
+def mlflow_name(key: str) -> str:
+    """A metric's name as MLflow takes it (alphanumerics, _ - . / : and spaces): eval/x/pass@4 ->
+    eval/x/pass_at_4, level=2 -> level_eq_2, anything else -> _."""
+    import re
+
+    return re.sub(r"[^\w\-./: ]", "_", key.replace("@", "_at_").replace("=", "_eq_"))
+
+
+class MLflow:
+    """An MLflow run per stage, named <name>/<stage>, in the experiment <project>: the whole config
+    as params (flattened, at the run's start), every step's metrics (names through `mlflow_name`),
+    and metrics.jsonl and batches.jsonl as artifacts at the end. A resumed stage goes on in the same
+    run (found by its tag rft.stage_dir); the steps after its checkpoint are logged again (MLflow
+    keeps both values: the later is the resumed run's)."""
+
+    def __init__(self, cfg, run_dir: Path, stage: str, start_step: int):
+        from mlflow.tracking import MlflowClient
+
+        root = Path(cfg.checkpoint_root_dir).expanduser().resolve() / cfg.project
+        uri = cfg.monitor.mlflow_tracking_uri or f"sqlite:///{root / 'mlflow.db'}"
+        if uri.startswith("sqlite:///"):
+            Path(uri[len("sqlite:///"):]).parent.mkdir(parents=True, exist_ok=True)
+        self.client, self.dir = MlflowClient(uri), run_dir
+        exp = self.client.get_experiment_by_name(cfg.project)
+        exp_id = exp.experiment_id if exp else self.client.create_experiment(
+            cfg.project, artifact_location=None if cfg.monitor.mlflow_tracking_uri else str(root / "mlartifacts"))
+        tag = str(run_dir.resolve())
+        found = self.client.search_runs([exp_id], filter_string=f"tags.`rft.stage_dir` = '{tag}'", max_results=1)
+        if found:
+            self.run_id = found[0].info.run_id
+            self.client.update_run(self.run_id, status="RUNNING")
+        else:
+            self.run_id = self.client.create_run(exp_id, run_name=f"{cfg.name}/{stage}",
+                                                 tags={"rft.stage_dir": tag, "rft.stage": stage}).info.run_id
+            self._params(flat(config_dict(cfg)))
+
+    def _params(self, params: dict[str, str]) -> None:
+        from mlflow.entities import Param
+
+        items = [Param(k[:250], v[:6000]) for k, v in sorted(params.items())]
+        for i in range(0, len(items), 100):  # MLflow takes 100 params a batch
+            self.client.log_batch(self.run_id, params=items[i:i + 100])
+
+    def log(self, step: int, metrics: dict) -> None:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        items = [Metric(mlflow_name(k), float(v), now, int(step)) for k, v in metrics.items()
+                 if isinstance(v, (int, float))]
+        for i in range(0, len(items), 1000):
+            self.client.log_batch(self.run_id, metrics=items[i:i + 1000])
+
+    def close(self) -> None:
+        for name in ("metrics.jsonl", "batches.jsonl"):
+            if (self.dir / name).exists():
+                self.client.log_artifact(self.run_id, str(self.dir / name))
+        self.client.set_terminated(self.run_id)
+
+
 # monitor.monitor_type: name -> tracker class (console and metrics.jsonl are always on)
 MONITORS = Registry("monitor.monitor_type", {"tensorboard": "rft.reporting.monitor.TensorBoard",
-                                            "wandb": "rft.reporting.monitor.WandB"},
+                                            "wandb": "rft.reporting.monitor.WandB",
+                                            "mlflow": "rft.reporting.monitor.MLflow"},
                     shape="a tracker class with log and close (module.Class; rft/reporting/monitor.py)")
 
 
