@@ -280,6 +280,16 @@ def test_a_multi_turn_dry_run_names_the_environment_as_the_reward(capsys):
     assert ("reward         the parts calculator.step(text) returns (workflow multi_turn; the reward function is "
             "not called)") in out
     assert "eval sets      calculator_test (" in out and ": calculator.step(text), every 10 steps" in out
+    assert "workflow       multi_turn (environment calculator); workflow_args max_turns=3" in out
+
+
+def test_a_dry_run_names_an_agent_workflows_agent(capsys):
+    import rft.runtime.main
+
+    rft.runtime.main._main(compose_cfg(["stages=[]", "dry_run=true", "buffer.explorer_input.taskset.workflow=openai_agent",
+                                        "+buffer.explorer_input.taskset.workflow_args.agent=my_study.agent.solve",
+                                        "explorer.rollout_model.enable_openai_api=true"]))
+    assert "workflow       openai_agent (agent my_study.agent.solve)" in capsys.readouterr().out
 
 
 def _safetensors_header_only(path, tensors: dict) -> None:

@@ -806,6 +806,7 @@ def describe(cfg, stage_dir, plan: BatchPlan | None = None) -> str:
         args = inp.taskset.rollout_args
         rows.append(("rollouts", f"{data(inp.taskset)}: prompt_key={inp.taskset.format.prompt_key}, "
                                  f"temperature {args.temperature:g}, top_p {args.top_p:g}, top_k {args.top_k}"))
+        rows.append(("workflow", _workflow_row(inp.taskset)))
         call = f"{reward}(prompt, response, task)" if "*" not in reward else f"{reward}, each fn(prompt, response, task),"
         rows.append(("reward", f"the parts {reward} returns (workflow {inp.taskset.workflow}; the reward function is "
                                f"not called)" if environment_scores(inp.taskset) else
@@ -841,6 +842,16 @@ def describe(cfg, stage_dir, plan: BatchPlan | None = None) -> str:
     rows.append(("outputs", str(stage_dir)))
     w = max(len(r[0]) for r in rows)
     return "\n".join(f"{a:<{w}}  {b}" for a, b in rows)
+
+
+def _workflow_row(ts) -> str:
+    """dry_run's line on how a task becomes experiences: the workflow, and its environment or agent."""
+    wa = ts.workflow_args or {}
+    what = {"env": "environment", "agent": "agent"}
+    named = ", ".join(f"{what[k]} {wa[k]}" for k in ("env", "agent") if wa.get(k))
+    rest = sorted(k for k in wa if k not in what)
+    extra = f"; workflow_args {', '.join(f'{k}={wa[k]}' for k in rest)}" if rest else ""
+    return f"{ts.workflow}" + (f" ({named})" if named else "") + extra
 
 
 def _dynamic_row(cfg) -> str:
