@@ -382,3 +382,18 @@ def test_the_real_shape_model_is_qwen25_05b_with_its_vocabulary_in_bfloat16(tmp_
     model = AutoModelForCausalLM.from_pretrained(path, dtype="auto")
     assert model.get_input_embeddings().weight.shape == (1000, 64)
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+
+
+def test_a_stage_adds_a_key_to_a_free_form_dict_and_still_may_not_misspell_a_typed_one():
+    """`+stages.1.buffer.explorer_input.taskset.workflow_args.<key>` stopped with "Key ... is not in
+    struct": workflow_args is a free-form dict, and a stage may add to it; a key the schema's
+    typed sections lack is still an error naming it."""
+    from rft.plan.batch import stage_configs
+
+    stages = stage_configs(compose_cfg(["experiment=calculator_tool",
+                                        "+stages.1.buffer.explorer_input.taskset.workflow_args.strict=false"]))
+    assert stages[1].buffer.explorer_input.taskset.workflow_args.strict is False
+    assert "strict" not in stages[0].buffer.explorer_input.taskset.workflow_args
+    with pytest.raises(ConfigError, match="Key 'workflow_argz' not in 'TasksetConfig'"):
+        stage_configs(compose_cfg(["experiment=calculator_tool",
+                                   "+stages.1.buffer.explorer_input.taskset.workflow_argz.strict=false"]))

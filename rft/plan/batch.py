@@ -23,7 +23,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from rft import config as C
@@ -45,6 +45,7 @@ def stage_configs(cfg: DictConfig) -> list[DictConfig]:
     OmegaConf.resolve(base)
     stages = list(base.stages)
     base.stages = []
+    _open_free_dicts(base)
     if not stages:
         return [_settled(base)]
     out, names = [], set()
@@ -61,6 +62,21 @@ def stage_configs(cfg: DictConfig) -> list[DictConfig]:
         names.add(merged.stage_name)
         out.append(_settled(merged))
     return out
+
+
+def _open_free_dicts(node) -> None:
+    """The schema's free-form dicts (workflow_args, env_args, a reward's args: Dict[str, Any]) take
+    keys a stage adds (`+stages.1.buffer.explorer_input.taskset.workflow_args.agent=...` stopped
+    with "Key 'agent' is not in struct"); the typed sections stay closed, so a misspelt key in a
+    stage is still an error."""
+    if isinstance(node, DictConfig):
+        if OmegaConf.get_type(node) is dict:
+            OmegaConf.set_struct(node, False)
+        for key in node:
+            _open_free_dicts(node._get_node(key))
+    elif isinstance(node, ListConfig):
+        for item in node:
+            _open_free_dicts(item)
 
 
 def _settled(cfg: DictConfig) -> DictConfig:
