@@ -128,6 +128,7 @@ def test_a_bench_table_over_two_checkpoints_and_two_sets_matches_its_samples(war
     import csv
 
     rows = list(csv.DictReader(open(bench / "results.csv")))
+    assert (bench / "results.png").stat().st_size > 10_000  # a panel per set
     assert [(row["stage"], row["step"]) for row in rows] == [("start", "0"), ("grpo", "1"), ("grpo", "2")]
     for row in rows:
         for name in ("a", "b"):

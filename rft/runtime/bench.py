@@ -62,6 +62,12 @@ def bench(cfg, run_dir: Path) -> float | None:
                      **explorer.evaluate(ckpt.step, samples(stage))})
         print(f"[bench] {stage} step {ckpt.step}: eval accuracy {rows[-1].get('eval/accuracy', float('nan')):.3f}")
 
+    _write(out, rows)
+    return rows[-1].get("eval/accuracy")
+
+
+def _write(out: Path, rows: list[dict]) -> None:
+    """results.csv and results.md (a row per checkpoint, a column per set and metric), results.png."""
     out.mkdir(parents=True, exist_ok=True)
     columns = ["stage", "step"] + [k for k in rows[0] if k.startswith("eval/") and k != "eval/accuracy"] + ["checkpoint"]
     with open(out / "results.csv", "w", newline="") as f:
@@ -73,5 +79,32 @@ def bench(cfg, run_dir: Path) -> float | None:
     table += ["| " + " | ".join(fmt(r.get(c, "")) for c in columns) + " |" for r in rows]
     (out / "results.md").write_text("\n".join(table) + "\n")
     print("\n".join(table))
-    print(f"bench results: {out / 'results.md'}, {out / 'results.csv'}")
-    return rows[-1].get("eval/accuracy")
+    plotted = _plot(out / "results.png", rows, columns)
+    print(f"bench results: {out / 'results.md'}, {out / 'results.csv'}" + (f", {out / 'results.png'}" if plotted else ""))
+
+
+def _plot(path: Path, rows: list[dict], columns: list[str]) -> bool:
+    """A panel per eval set: its metrics (not their standard errors, drawn as bars) per checkpoint."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    sets = sorted({c.split("/")[1] for c in columns if c.startswith("eval/") and c.count("/") == 2})
+    fig, axes = plt.subplots(1, len(sets), figsize=(5 * len(sets), 3.6), squeeze=False)
+    labels = [f"{r['stage']}/{r['step']}" for r in rows]
+    for ax, name in zip(axes[0], sets):
+        for c in columns:
+            parts = c.split("/")
+            if len(parts) == 3 and parts[1] == name and not c.endswith(("_se", "failed_tasks")):
+                se = [r.get(c + "_se", 0.0) for r in rows]
+                ax.errorbar(range(len(rows)), [r.get(c, float("nan")) for r in rows], yerr=se, marker="o", label=parts[2])
+        ax.set_xticks(range(len(rows)), labels, rotation=30, fontsize=7)
+        ax.set_title(name)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return True
