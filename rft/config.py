@@ -217,6 +217,10 @@ class ModelConfig:
     model_path: str = MISSING
     # "tiny": the project builds the model at model_path on first use (see rft/models.py)
     builder: Optional[str] = None
+    # model.builder tiny or tiny_tools: strings its tokenizer takes as one token each, as a BPE
+    # vocabulary merges frequent strings (a study's own tool call: '{"name":"convert","arguments":
+    # {"value":"'); its character-level tokenizer spells anything else one character a token
+    extra_tokens: List[str] = field(default_factory=list)
     # the critic's starting checkpoint (PPO); defaults to model_path
     critic_model_path: Optional[str] = None
     # jinja chat template that replaces the tokenizer's own

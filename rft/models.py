@@ -8,6 +8,8 @@ initialised Qwen2-architecture model and a character-level tokenizer there, in H
 
 from __future__ import annotations
 
+import json
+
 import logging
 import os
 import shutil
@@ -67,13 +69,14 @@ _TOOL_TOKENS = ["tool", "<tool_call>", "</tool_call>", '{"name":"calculator","ar
 
 
 def build_tiny_model(path: str | Path, seed: int = 0, arch: dict | None = None, tools: bool = False,
-                     dtype: str = "float32") -> Path:
+                     dtype: str = "float32", extra_tokens: list[str] | tuple = ()) -> Path:
     """Write the tiny Qwen2 model and its tokenizer to `path` (atomically, sealed: a damaged one is
     built again, rft/manifest.py; safe to race).
 
     `arch` overrides entries of TINY_ARCH (a larger model for benchmarks, a narrow one for tests,
     a vocabulary larger than the tokenizer's); `tools` adds the tool role and tool-call tokens
-    (model=tiny_tools); `dtype`: the weights' dtype on disk.
+    (model=tiny_tools); `dtype`: the weights' dtype on disk; `extra_tokens`: strings added as one
+    token each (model.extra_tokens).
     """
     path = Path(path).expanduser()
     if manifest.verify(path) is None:  # built and whole: the driver of a Ray run need not import torch
@@ -100,7 +103,7 @@ def build_tiny_model(path: str | Path, seed: int = 0, arch: dict | None = None, 
             chat_template=CHAT_TEMPLATE,
         )
         # plain (not special) tokens: decoding with skip_special_tokens keeps them in the text
-        tokenizer.add_tokens(_ROLE_TOKENS + (_TOOL_TOKENS if tools else []))
+        tokenizer.add_tokens(_ROLE_TOKENS + (_TOOL_TOKENS if tools else []) + list(extra_tokens))
         config = Qwen2Config(**{"vocab_size": len(tokenizer), **TINY_ARCH, **(arch or {})},
                              eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
                              bos_token_id=None)
@@ -117,9 +120,9 @@ def build_tiny_model(path: str | Path, seed: int = 0, arch: dict | None = None, 
     return path
 
 
-def build_tiny_tools_model(path: str) -> Path:
+def build_tiny_tools_model(path: str, extra_tokens: list[str] | tuple = ()) -> Path:
     """The tiny model with a `tool` role and the tool-call tokens (model=tiny_tools)."""
-    return build_tiny_model(path, tools=True)
+    return build_tiny_model(path, tools=True, extra_tokens=extra_tokens)
 
 
 # model=qwen2.5-0.5b-shape: Qwen2.5-0.5B's architecture (494M parameters, vocabulary 151,936)
@@ -161,7 +164,22 @@ def ensure_model(model_cfg) -> None:
             f"model.builder={model_cfg.builder!r} is not a known builder; "
             f"choose one of {sorted(BUILDERS)} or set model.builder=null for a hub id or local path."
         )
-    BUILDERS[model_cfg.builder](model_cfg.model_path)
+    extra = list(model_cfg.get("extra_tokens") or [])
+    if not extra:
+        BUILDERS[model_cfg.builder](model_cfg.model_path)
+        return
+    if model_cfg.builder not in ("tiny", "tiny_tools"):
+        raise ConfigError(f"model.extra_tokens is for model.builder tiny or tiny_tools (the tokenizer the project "
+                          f"builds); model.builder={model_cfg.builder} keeps its own. Leave extra_tokens empty.")
+    path = BUILDERS[model_cfg.builder](model_cfg.model_path, extra_tokens=extra)
+    # a model built before with other extra tokens: its tokenizer would spell these character by character
+    added = json.loads((Path(path) / "tokenizer.json").read_text()).get("added_tokens", [])
+    missing = sorted(set(extra) - {t["content"] for t in added})
+    if missing:
+        raise ConfigError(
+            f"model.model_path={model_cfg.model_path} holds a tiny model built without the model.extra_tokens "
+            f"{missing}: a model is built once per directory. Give model.model_path a new directory (it is "
+            f"built there on first use), or delete this one.")
 
 
 def torch_dtype(name: str) -> torch.dtype:

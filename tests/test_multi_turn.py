@@ -521,3 +521,23 @@ def test_a_tokenizer_without_a_working_chat_template_fails_when_loaded(tools_mod
     (tmp_path / "no_tok" / "notes.txt").write_text("weights to come")
     with pytest.raises(ConfigError, match=rf"^model.model_path='{tmp_path / 'no_tok'}' could not be loaded \(ValueError: "):
         tokenizer(tmp_path / "no_tok")
+
+
+def test_a_studys_tool_call_strings_are_one_token_each_with_model_extra_tokens(tmp_path):
+    """The tiny tools model spells a study's own tool call one character a token (~70 for a
+    unit-conversion call) unless model.extra_tokens names its fixed strings; a directory built
+    without them is not silently reused."""
+    from omegaconf import OmegaConf
+
+    from rft.errors import ConfigError
+    from rft.models import ensure_model, load_tokenizer
+
+    call = '{"name":"convert","arguments":{"value":"'
+    cfg = OmegaConf.create(dict(model_path=str(tmp_path / "m"), builder="tiny_tools", extra_tokens=[call, '"}}'],
+                                trust_remote_code=False, custom_chat_template=None))
+    ensure_model(cfg)
+    tok = load_tokenizer(cfg)
+    assert len(tok.encode(call + "3km" + '"}}', add_special_tokens=False)) == 1 + 3 + 1  # the call, 3, k, m, the end
+    other = OmegaConf.merge(cfg, {"extra_tokens": ['{"name":"other"']})
+    with pytest.raises(ConfigError, match=r"holds a tiny model built without the model.extra_tokens \['\{\"name\":\"other\"'\]"):
+        ensure_model(other)
