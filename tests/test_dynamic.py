@@ -14,7 +14,7 @@ import time
 
 import pytest
 import torch
-from conftest import ROOT, run_cli
+from conftest import ROOT, kill_at_checkpoint, run_cli
 from safetensors.torch import load_file
 
 from rft.reporting.monitor import read_metrics
@@ -51,14 +51,7 @@ def test_a_killed_driver_resumes_to_the_uninterrupted_run_bit_for_bit_in_the_tes
     assert any(m.get("staleness/token_frac_0", 0) > 0 and m.get("staleness/token_frac_1", 0) > 0 for m in metrics[2:])
 
     run = tmp_path / "rft" / "killed"
-    proc = subprocess.Popen([sys.executable, str(ROOT / "run.py"), *base(warm_start, "killed", *FIXED)],
-                            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 300
-    while not (run / "checkpoints" / "step_3" / "state.json").exists():
-        assert proc.poll() is None and time.time() < deadline, "the run ended before its step-3 checkpoint"
-        time.sleep(0.02)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    kill_at_checkpoint(base(warm_start, "killed", *FIXED), run, 3, env)
     assert not (run / "checkpoints" / "step_6").exists(), "killed too late to test anything"
     state = json.loads((run / "checkpoints" / "step_3" / "state.json").read_text())
     assert "partial" in state and "available" in state  # the groups in flight, the unread experiences

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, compose_cfg, run_cli
+from conftest import ROOT, compose_cfg, kill_at_checkpoint, run_cli
 from faulty_reward import fault_class
 from safetensors.torch import load_file
 
@@ -114,14 +114,7 @@ def test_killed_async_run_resumes_on_the_same_experiences(warm_start, tmp_path):
     assert straight.returncode == 0, straight.stderr[-3000:]
 
     run = tmp_path / "rft" / "killed"
-    proc = subprocess.Popen([sys.executable, str(ROOT / "run.py"), *base(warm_start, "killed", *ASYNC)],
-                            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 300
-    while not (run / "checkpoints" / "step_4" / "state.json").exists():
-        assert proc.poll() is None and time.time() < deadline, "the run ended before its step-4 checkpoint"
-        time.sleep(0.02)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    kill_at_checkpoint(base(warm_start, "killed", *ASYNC), run, 4, env)
     assert not (run / "checkpoints" / "step_8").exists(), "killed too late to test anything"
     # the checkpoint holds the step explored ahead (step index 4), not yet trained on
     state = json.loads((run / "checkpoints" / "step_4" / "state.json").read_text())

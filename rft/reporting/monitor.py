@@ -11,6 +11,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from rft.config import flat
 from rft.registry import Registry, resolve
 
 
@@ -210,18 +211,7 @@ def config_dict(cfg) -> dict:
     """The stage's whole composed config, resolved, as plain containers."""
     from omegaconf import DictConfig, OmegaConf
 
-    return OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg)
-
-
-def flat(d: dict, prefix: str = "") -> dict[str, str]:
-    """{"a": {"b": 1}} -> {"a.b": "1"}: a config as MLflow params."""
-    out: dict[str, str] = {}
-    for k, v in d.items():
-        if isinstance(v, dict) and v:
-            out.update(flat(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = str(v)
-    return out
+    return OmegaConf.to_container(cfg, resolve=True, enum_to_str=True) if isinstance(cfg, DictConfig) else dict(cfg)
 
 
 def mlflow_name(key: str) -> str:
@@ -258,7 +248,7 @@ class MLflow:
         else:
             self.run_id = self.client.create_run(exp_id, run_name=f"{cfg.name}/{stage}",
                                                  tags={"rft.stage_dir": tag, "rft.stage": stage}).info.run_id
-            self._params(flat(config_dict(cfg)))
+            self._params({k: str(v) for k, v in flat(config_dict(cfg)).items()})
 
     def _params(self, params: dict[str, str]) -> None:
         from mlflow.entities import Param
