@@ -270,3 +270,18 @@ def test_mlflow_holds_the_runs_params_and_every_metric_of_metrics_jsonl(warm_sta
     assert r.returncode == 0, r.stderr[-3000:]
     runs = client.search_runs([client.get_experiment_by_name("rft").experiment_id])
     assert len(runs) == 1 and max(m.step for m in client.get_metric_history(run_id, "reward/mean")) == 3
+
+
+def test_an_mlflow_server_that_does_not_answer_is_one_paragraph_within_seconds(tmp_path, monkeypatch):
+    import time
+
+    from rft.errors import ConfigError
+    from rft.reporting.monitor import start_trackers
+
+    monkeypatch.delenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", raising=False)
+    cfg = compose_cfg(["monitor=mlflow", "monitor.mlflow_tracking_uri=http://127.0.0.1:1", f"checkpoint_root_dir={tmp_path}"])
+    t0 = time.monotonic()
+    with pytest.raises(ConfigError, match="monitor.monitor_type: the tracker mlflow did not start: MlflowException: "
+                                          "API request to http://127.0.0.1:1/"):
+        start_trackers(cfg, tmp_path, "grpo", 0)
+    assert time.monotonic() - t0 < 60  # MLflow's own retries took 4 minutes

@@ -230,6 +230,10 @@ class MLflow:
     keeps both values: the later is the resumed run's)."""
 
     def __init__(self, cfg, run_dir: Path, stage: str, start_step: int):
+        # a server that does not answer: a few seconds to the message, not MLflow's 7 retries with
+        # backoff (4 minutes); the environment's own settings win
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "20")
         from mlflow.tracking import MlflowClient
 
         root = Path(cfg.checkpoint_root_dir).expanduser().resolve() / cfg.project
