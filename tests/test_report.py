@@ -74,9 +74,10 @@ def test_rows_hold_the_final_and_best_metrics_of_the_last_stage(sweep):
     table, by_config = tables(out["md"])
     assert table[0] == ("| job | seed | algorithm | stage | status | steps | final reward/mean | final eval/accuracy"
                         " | best eval/accuracy | best eval/accuracy at step | time_s |")
-    # time: every stage's steps, evals and saves (SFT 3.25 s; GRPO 8.5 s, or 6 s up to step 2)
-    assert table[2] == "| 0 | 1 | grpo | grpo | done | 3 | 0.700 | 0.500 | 0.600 | 2 | 11.750 |"
-    assert table[3] == "| 1 | 2 | dr_grpo | dr_grpo | incomplete (2/3 steps) | 2 | 0.500 | 0.600 | 0.600 | 2 | 9.250 |"
+    # time: the reported stage's steps, evals and saves, not the warm-up's 3.25 s (GRPO:
+    # 1 + 2 + 2 + 1 + 2 + 0.5 = 8.5 s; up to step 2: 1 + 2 + 2 + 1 = 6 s)
+    assert table[2] == "| 0 | 1 | grpo | grpo | done | 3 | 0.700 | 0.500 | 0.600 | 2 | 8.500 |"
+    assert table[3] == "| 1 | 2 | dr_grpo | dr_grpo | incomplete (2/3 steps) | 2 | 0.500 | 0.600 | 0.600 | 2 | 6.000 |"
     assert table[4].startswith("| 2 | 3 | grpo |  | no metrics")
     assert len(table) == 5
     # jobs 0 and 2 differ only in seed: one configuration, whose one seed with metrics is its value
@@ -84,13 +85,13 @@ def test_rows_hold_the_final_and_best_metrics_of_the_last_stage(sweep):
     assert by_config == [
         "| algorithm | seed | stage | status | n | final reward/mean | final eval/accuracy | best eval/accuracy | time_s |",
         "|---|---|---|---|---|---|---|---|---|",
-        "| grpo | 1,3 | grpo | 1/2 done | 1 | 0.700 | 0.500 | 0.600 | 11.750 |",
-        "| dr_grpo | 2 | dr_grpo | incomplete (2/3 steps) | 1 | 0.500 | 0.600 | 0.600 | 9.250 |"]
+        "| grpo | 1,3 | grpo | 1/2 done | 1 | 0.700 | 0.500 | 0.600 | 8.500 |",
+        "| dr_grpo | 2 | dr_grpo | incomplete (2/3 steps) | 1 | 0.500 | 0.600 | 0.600 | 6.000 |"]
 
     rows = list(csv.DictReader(out["csv"].open()))
     assert [r["job"] for r in rows] == ["0", "1", "2", "", ""]
     assert rows[0]["seed"] == "1" and rows[1]["algorithm"] == "dr_grpo"
-    assert float(rows[0]["final reward/mean"]) == 0.7 and float(rows[0]["time_s"]) == 11.75
+    assert float(rows[0]["final reward/mean"]) == 0.7 and float(rows[0]["time_s"]) == 8.5
     assert rows[1]["best eval/accuracy at step"] == "2" and rows[1]["status"] == "incomplete (2/3 steps)"
     assert rows[2]["final reward/mean"] == "" and rows[2]["status"].startswith("no metrics")
     assert rows[0]["n"] == rows[0]["final reward/mean mean"] == ""  # job rows leave the group columns empty
@@ -144,7 +145,7 @@ def grpo_with_two_eval_sets(reward, arith, hard):
 @pytest.fixture
 def lr_sweep(tmp_path):
     """`python run.py -m algorithm.optimizer.lr=1e-4,3e-4 seed=1,2,3`: 6 jobs, all done.
-    Time per job: SFT 3.25 s + GRPO 3 steps x 2 s + 2 evals x 1 s = 11.25 s."""
+    Time per job: SFT 3.25 s; GRPO 3 steps x 2 s + 2 evals x 1 s = 8 s (its time_s: the warm-up's is not counted)."""
     d = tmp_path / "lr_sweep"
     num = 0
     for lr, finals in FINALS.items():
@@ -162,20 +163,20 @@ def test_seeds_are_grouped_into_mean_and_std_per_configuration(lr_sweep):
     assert table[0] == (f"| job | {LR} | seed | stage | status | steps | final reward/mean"
                         " | final eval/arith/accuracy | best eval/arith/accuracy | best eval/arith/accuracy at step"
                         " | final eval/hard/accuracy | best eval/hard/accuracy | best eval/hard/accuracy at step | time_s |")
-    assert table[2] == "| 0 | 1e-4 | 1 | grpo | done | 3 | 0.500 | 0.600 | 0.600 | 3 | 0.100 | 0.100 | 3 | 11.250 |"
+    assert table[2] == "| 0 | 1e-4 | 1 | grpo | done | 3 | 0.500 | 0.600 | 0.600 | 3 | 0.100 | 0.100 | 3 | 8.000 |"
     assert len(table) == 2 + 6
     assert by_config[0] == (f"| {LR} | seed | stage | status | n | final reward/mean | final eval/arith/accuracy"
                             " | best eval/arith/accuracy | final eval/hard/accuracy | best eval/hard/accuracy | time_s |")
     # lr=1e-4: reward 0.5 0.7 0.9 -> mean 0.7, std sqrt((0.04 + 0 + 0.04) / 2) = 0.2
     #          arith 0.6 0.6 0.9 -> mean 0.7, std sqrt((0.01 + 0.01 + 0.04) / 2) = 0.173
-    #          hard 0.1 0.2 0.3 -> mean 0.2, std 0.1; time 11.25 each -> std 0
+    #          hard 0.1 0.2 0.3 -> mean 0.2, std 0.1; time 8 each (GRPO only) -> std 0
     # lr=3e-4: reward 0.2 0.4 0.9 -> mean 0.5, std sqrt((0.09 + 0.01 + 0.16) / 2) = 0.361
     #          arith 0.3 0.5 0.7 -> mean 0.5, std 0.2; hard 0 0 0.3 -> mean 0.1, std 0.173
     assert by_config[2:] == [
         "| 1e-4 | 1,2,3 | grpo | done | 3 | 0.700 ± 0.200 | 0.700 ± 0.173 | 0.700 ± 0.173 | 0.200 ± 0.100"
-        " | 0.200 ± 0.100 | 11.250 ± 0.000 |",
+        " | 0.200 ± 0.100 | 8.000 ± 0.000 |",
         "| 3e-4 | 1,2,3 | grpo | done | 3 | 0.500 ± 0.361 | 0.500 ± 0.200 | 0.500 ± 0.200 | 0.100 ± 0.173"
-        " | 0.100 ± 0.173 | 11.250 ± 0.000 |"]
+        " | 0.100 ± 0.173 | 8.000 ± 0.000 |"]
 
     rows = list(csv.DictReader(out["csv"].open()))
     groups = [r for r in rows if r["job"] == ""]
@@ -223,8 +224,8 @@ def test_a_seed_that_stopped_early_and_one_without_metrics(tmp_path):
     out = report.report(d)
     _, by_config = tables(out["md"])
     # final reward 0.7 and 0.5 -> mean 0.6, std sqrt((0.01 + 0.01) / 1) = 0.141;
-    # final eval 0.5 and 0.6 -> 0.55 ± 0.071; best eval 0.6 both; time 11.75 and 9.25 -> 10.5 ± 1.768
-    assert by_config[2] == "| 1,2,3 | grpo | 1/3 done | 2 | 0.600 ± 0.141 | 0.550 ± 0.071 | 0.600 ± 0.000 | 10.500 ± 1.768 |"
+    # final eval 0.5 and 0.6 -> 0.55 ± 0.071; best eval 0.6 both; GRPO time 8.5 and 6 -> 7.25 ± 1.768
+    assert by_config[2] == "| 1,2,3 | grpo | 1/3 done | 2 | 0.600 ± 0.141 | 0.550 ± 0.071 | 0.600 ± 0.000 | 7.250 ± 1.768 |"
     jobs = report.read_jobs(d)
     fig = report.plot(jobs, ["seed"], "t", ["reward/mean"])
     (line,) = fig.axes[0].lines
@@ -251,15 +252,15 @@ def test_stage_picks_the_warm_up_or_every_stage(lr_sweep):
     out = report.report(lr_sweep, stage="sft_warmup")
     table, by_config = tables(out["md"])
     # the warm-up logged eval/accuracy only (no reward, no eval sets): final 0.2, best 0.2 at step 2
-    # of its 2 planned steps; time_s stays the job's, both stages (11.25)
+    # of its 2 planned steps; time_s is the warm-up's own: 0.5 + 1 + 1 + 0.5 + 0.25 = 3.25
     assert table[0] == (f"| job | {LR} | seed | stage | status | steps | final eval/accuracy | best eval/accuracy"
                         " | best eval/accuracy at step | time_s |")
-    assert table[2] == "| 0 | 1e-4 | 1 | sft_warmup | done | 2 | 0.200 | 0.200 | 2 | 11.250 |"
-    assert by_config[2] == "| 1e-4 | 1,2,3 | sft_warmup | done | 3 | 0.200 ± 0.000 | 0.200 ± 0.000 | 11.250 ± 0.000 |"
+    assert table[2] == "| 0 | 1e-4 | 1 | sft_warmup | done | 2 | 0.200 | 0.200 | 2 | 3.250 |"
+    assert by_config[2] == "| 1e-4 | 1,2,3 | sft_warmup | done | 3 | 0.200 ± 0.000 | 0.200 ± 0.000 | 3.250 ± 0.000 |"
 
     out = report.report(lr_sweep, stage="sft_warmup", metrics="loss/policy")
     table, _ = tables(out["md"])
-    assert table[0].endswith("| steps | final loss/policy | time_s |") and "| 2 | 1.000 | 11.250 |" in table[2]
+    assert table[0].endswith("| steps | final loss/policy | time_s |") and "| 2 | 1.000 | 3.250 |" in table[2]
 
     out = report.report(lr_sweep, stage="all", metrics=["eval/accuracy", "reward/mean"])
     table, by_config = tables(out["md"])
@@ -363,9 +364,32 @@ def test_the_command_line(sweep, tmp_path):
 
 
 def test_a_stage_reused_from_the_stage_cache_costs_the_job_no_time(sweep):
-    # job 0: SFT 0.5 + 1 + 1 + 0.5 + 0.25 = 3.25 s, GRPO 1 + 2 + 2 + 1 + 2 + 0.5 = 8.5 s: 11.75 s in
-    # all; with its warm-up copied from another job, only its own GRPO's 8.5 s
+    # job 0: SFT 0.5 + 1 + 1 + 0.5 + 0.25 = 3.25 s, GRPO 1 + 2 + 2 + 1 + 2 + 0.5 = 8.5 s; its GRPO
+    # row is 8.5 s whoever trained the warm-up; the warm-up copied from another job has no time
     (sweep / "0" / "sft_warmup" / "reused_from").write_text("<cache entry>\n<the job that trained it>\n")
     report.report(sweep)
     rows = list(csv.DictReader((sweep / "report.csv").open()))
     assert float(rows[0]["time_s"]) == 8.5
+    report.report(sweep, stage="sft_warmup")
+    rows = list(csv.DictReader((sweep / "report.csv").open()))
+    assert (rows[0]["time_s"], float(rows[1]["time_s"])) == ("", 3.25)
+
+
+def test_every_stage_puts_a_run_of_one_stage_beside_the_others_last_and_the_legend_outside(tmp_path):
+    """--stage all with a run that has no warm-up: its GRPO is drawn in the GRPO row, not in the
+    warm-up's; the titles name the stage (no ", sft_warmup" from the stage-less run); one legend,
+    the figure's, beside the panels."""
+    d = tmp_path / "mixed"
+    write_job(d, 0, ["seed=1"], "grpo", {"sft_warmup": SFT, "grpo": GRPO})
+    write_job(d, 1, ["seed=2", "stages=[]"], "grpo")
+    (d / "1" / ".hydra" / "config.yaml").write_text("buffer: {total_steps: 3}\nstages: []\n")
+    (d / "1" / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in GRPO))
+    jobs = report.read_jobs(d, "all")
+    assert [(j.num, j.stage, j.slot) for j in jobs] == [("0", "sft_warmup", 0), ("0", "grpo", 1), ("1", "", 1)]
+    fig = report.plot(jobs, report.differing_keys(jobs), "t", ["eval/accuracy"])
+    assert [ax.get_title() for ax in fig.axes] == ["sft_warmup: eval/accuracy", "grpo: eval/accuracy"]
+    # the warm-up row: job 0's SFT evals (0.0, 0.2) only; the GRPO row: both runs' GRPO evals
+    assert [list(line.get_ydata()) for line in fig.axes[0].lines] == [[0.0, 0.2]]
+    assert [list(line.get_ydata()) for line in fig.axes[1].lines] == [[0.2, 0.6, 0.5]] * 2
+    assert all(ax.get_legend() is None for ax in fig.axes) and len(fig.legends) == 1
+    assert [t.get_text() for t in fig.legends[0].get_texts()] == ["seed=1", "seed=2 stages=[]"]

@@ -28,8 +28,10 @@ no per-set accuracy). An eval accuracy's best is its highest.
 Seeds: jobs whose overrides are the same but for `seed` are one configuration (--no-group: none
 are). `n` counts its jobs with metrics in the stage; std is the sample std (N-1) over them, and
 the curves' band covers the steps every one of them logged.
-`time_s` is the seconds the job's metrics account for (steps, evals and saves of every stage it
-trained itself, not of one reused from the stage cache; not process start or model loading). A job without metrics is a row that says so; directories named
+`time_s` is the seconds the reported stage's metrics account for (its steps, evals and saves; not
+process start or model loading): a warm-up that one job of a configuration trained and the others
+copied from the stage cache does not count in the RL stage's time; a stage copied from the cache
+(`reused_from`) has none. A job without metrics is a row that says so; directories named
 `previous_*` (earlier outputs moved aside) are ignored.
 """
 
@@ -63,7 +65,7 @@ class Job:
     overrides: dict[str, str] = field(default_factory=dict)
     config: tuple = ()  # jobs with the same config (the overrides but seed) are seeds of one
     stage: str = ""  # "" when metrics.jsonl sits in the job directory itself
-    slot: int = 0  # with --stage all, the stage's place in the job's stages: a row of panels each
+    slot: int = 0  # with --stage all, the stage's place counted back from the job's last: a row of panels each
     status: str = NO_METRICS
     metrics: list[dict] = field(default_factory=list)
     time_s: float | None = None
@@ -85,6 +87,24 @@ class Job:
 
 
 # ---------------------------------------------------------------- reading
+
+
+class Files:
+    """How a job's files are read: each call reads them anew. The studio's index
+    (rft/studio/index.py) answers the same calls from what it read before, while the files are
+    unchanged or only grew."""
+
+    def jsonl(self, path: Path) -> list[dict]:
+        return read_jsonl(path)
+
+    def plan(self, job_dir: Path) -> list[tuple[str, int | None]]:
+        return planned_stages(job_dir)
+
+    def overrides(self, job_dir: Path, name: str) -> dict[str, str] | None:
+        return parse_overrides(job_dir, name)
+
+
+FILES = Files()
 
 
 def _job_order(p: Path):
@@ -164,10 +184,10 @@ def logged_stages(job_dir: Path) -> dict[str, Path]:
     return logged
 
 
-def job_stages(job_dir: Path) -> list[str]:
+def job_stages(job_dir: Path, files: Files = FILES) -> list[str]:
     """The job's stages in order: those it logged but no longer configures (by time of writing),
     then the configured ones, logged or not."""
-    logged, order = logged_stages(job_dir), [name for name, _ in planned_stages(job_dir)]
+    logged, order = logged_stages(job_dir), [name for name, _ in files.plan(job_dir)]
     return sorted((s for s in logged if s not in order), key=lambda s: logged[s].stat().st_mtime) + order
 
 
@@ -182,29 +202,30 @@ def read_jsonl(path: Path) -> list[dict]:
     return [m for m in out if isinstance(m, dict) and "step" in m]
 
 
-def read_job(job_dir: Path, stage: str | None = None, name: str | None = None) -> Job:
+def read_job(job_dir: Path, stage: str | None = None, name: str | None = None, files: Files = FILES) -> Job:
     """The job's results in `stage`; None: its last configured stage that logged metrics."""
     name = name or job_dir.name
-    overrides = parse_overrides(job_dir, name)
+    overrides = files.overrides(job_dir, name)
     # a run without an overrides file is a configuration of its own, whatever its (empty) overrides
     config = ("run", name) if overrides is None else tuple((k, v) for k, v in overrides.items() if k != "seed")
     job = Job(name, job_dir, overrides or {}, config, stage or "")
     logged = logged_stages(job_dir)
     if not logged:
         return job
-    plan = planned_stages(job_dir)
+    plan = files.plan(job_dir)
     order = [s for s, _ in plan]
-    # a stage copied from the stage cache (reused_from) cost this job nothing: its time is another's
-    every = [m for p in logged.values() if not (p.parent / "reused_from").exists() for m in read_jsonl(p)]
-    job.time_s = sum(m.get(k, 0.0) for m in every for k in TIMING_KEYS) or None
     if stage is None:  # the last configured stage that logged; else the one written last
-        job.stage = [s for s in job_stages(job_dir) if s in logged][-1]
+        job.stage = [s for s in job_stages(job_dir, files) if s in logged][-1]
     if job.stage not in logged:
         # a configured stage after every one the job logged: the job stopped before it
         stopped = job.stage in order and all(order.index(s) < order.index(job.stage) for s in logged if s in order)
         job.status = f"stopped before stage {job.stage}" if stopped else "no metrics in this stage"
         return job
-    job.metrics = read_jsonl(logged[job.stage])
+    job.metrics = files.jsonl(logged[job.stage])
+    # the stage's own time: a warm-up is another stage's (and, copied from the stage cache
+    # (reused_from), another job's), so configurations compare by what they trained themselves
+    if not (logged[job.stage].parent / "reused_from").exists():
+        job.time_s = sum(m.get(k, 0.0) for m in job.metrics for k in TIMING_KEYS) or None
     steps = job.metrics[-1]["step"] if job.metrics else 0
     total = dict(plan).get(job.stage)
     if stage is None and plan and job.stage != order[-1]:
@@ -236,10 +257,14 @@ def read_jobs(sweep_dir: Path, stage: str | None = None) -> list[Job]:
     found = list(dict.fromkeys(s for stages in per_job.values() for s in stages if s))
     if stage == "all":
         jobs = []
+        # stages side by side counted from the last, whatever their names (grpo, dr_grpo): a run of
+        # one stage (no warm-up) beside runs of two has its RL stage beside theirs, not their warm-up
+        most = max(len(per_job[d] or [""]) for d in dirs)
         for d in dirs:
-            for i, s in enumerate(per_job[d] or [""]):
+            own = per_job[d] or [""]
+            for i, s in enumerate(own):
                 jobs.append(read_job(d, s, names[d]))
-                jobs[-1].slot = i  # stage i of every job side by side, whatever its name (grpo, dr_grpo)
+                jobs[-1].slot = most - len(own) + i
         return sorted(jobs, key=lambda j: j.slot)  # stable: within a stage, jobs keep their order
     if stage not in found and not found:
         raise ReportError(f"--stage {stage}: the jobs in {sweep_dir} have no stages (each one's metrics.jsonl "
@@ -396,8 +421,8 @@ def write_markdown(path: Path, sweep_dir: Path, jobs: list[Job], keys: list[str]
     if by_config:
         lines += ["", "## By configuration: mean ± std over seeds", ""] + _md_table(by_config)
     lines += ["", "![the metrics over steps](rewards.png)", "",
-              "`time_s`: seconds in steps, evals and saves of the stages the job trained (not reused "
-              "ones, start-up or model loading)."
+              "`time_s`: seconds in the steps, evals and saves of the stage reported (not an earlier stage "
+              "such as a shared warm-up, nor start-up or model loading; none for a stage copied from the stage cache)."
               + (" `n`: the seeds with metrics in the stage; std over them (N-1)." if by_config else ""), ""]
     path.write_text("\n".join(lines))
 
@@ -447,7 +472,7 @@ def plot(jobs: list[Job], keys: list[str], title: str, metrics: list[str] | None
     fig = Figure(figsize=(7 if len(metrics) == 1 else 6 * len(metrics), 4.5 * len(slots)), layout="constrained")
     axes = fig.subplots(len(slots), len(metrics), squeeze=False)
     for row, slot in zip(axes, slots):
-        stages = ", ".join(dict.fromkeys(j.stage for j in jobs if j.slot == slot and j.metrics))
+        stages = ", ".join(dict.fromkeys(j.stage for j in jobs if j.slot == slot and j.metrics and j.stage))
         for key, ax in zip(metrics, row):
             for js in (js for js in gs if js[0].slot == slot):
                 curve = mean_curve(js, key)
@@ -467,10 +492,11 @@ def plot(jobs: list[Job], keys: list[str], title: str, metrics: list[str] | None
             ax.set_ylabel(key)
             ax.set_title(f"{stages}: {key}" if len(slots) > 1 and stages else key)
             ax.grid(alpha=0.3)
-    # one legend for every panel: a configuration missing from the first panel is still named
+    # one legend for every panel (a configuration missing from the first panel is still named),
+    # beside them: inside a panel it hid curves
     handles = {line.get_label(): line for ax in axes.flat for line in ax.lines}
     if handles:
-        axes[0][0].legend(handles.values(), handles.keys(), fontsize="small")
+        fig.legend(handles.values(), handles.keys(), loc="outside right upper", fontsize="small")
     fig.suptitle(title)
     return fig
 
