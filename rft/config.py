@@ -225,6 +225,9 @@ class ModelConfig:
     critic_model_path: Optional[str] = None
     # jinja chat template that replaces the tokenizer's own
     custom_chat_template: Optional[str] = None
+    # how the OpenAI endpoint reads tool calls in this model's replies (rft/data/tool_calls.py):
+    # hermes (<tool_call>{json}</tool_call>: Qwen2.5/3, Hermes, tiny_tools) | mistral | module.function
+    tool_call_parser: str = "hermes"
     max_prompt_tokens: int = 1024
     max_response_tokens: int = 1024
     # defaults to max_prompt_tokens + max_response_tokens

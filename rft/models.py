@@ -66,6 +66,22 @@ def _quiet_transformers() -> None:
 # per token, 200 warm-up steps did not). The chat template renders every role alike, the tool's
 # answers included: <|im_start|>tool\n{answer}<|im_end|>\n
 _TOOL_TOKENS = ["tool", "<tool_call>", "</tool_call>", '{"name":"calculator","arguments":{"expression":"', '"}}']
+# Its template also renders what an OpenAI client sends (rft/serving/openai_api.py): `tools` as one
+# system line of signatures, "tools:add(a,b);upper(text)" (a tool's JSON schema, ~100 characters a
+# tool at one token each, would not fit 256 positions), and an assistant turn's `tool_calls` as the
+# model writes them, <tool_call>{"name":"add","arguments":{"a":1}}</tool_call>, compact, so a reply
+# sent back renders to the ids that were sampled. Without tools it renders as CHAT_TEMPLATE does.
+TOOLS_CHAT_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\ntools:{% for t in tools %}{% set f = t.function if t.function is defined else t %}"
+    "{{ f.name }}({{ (f.parameters.properties if f.parameters is defined and f.parameters.properties is defined "
+    "else {}) | join(',') }}){% if not loop.last %};{% endif %}{% endfor %}<|im_end|>\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] %}{{ m['content'] }}{% endif %}"
+    "{% for c in (m['tool_calls'] if m['tool_calls'] is defined and m['tool_calls'] else []) %}"
+    "{% set f = c.function if c.function is defined else c %}<tool_call>{\"name\":\"{{ f.name }}\",\"arguments\":"
+    "{% if f.arguments is string %}{{ f.arguments }}{% else %}{{ f.arguments | tojson(separators=(',', ':')) }}"
+    "{% endif %}}</tool_call>{% endfor %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
 
 def build_tiny_model(path: str | Path, seed: int = 0, arch: dict | None = None, tools: bool = False,
@@ -100,7 +116,7 @@ def build_tiny_model(path: str | Path, seed: int = 0, arch: dict | None = None, 
             pad_token="<|endoftext|>",
             unk_token="<unk>",
             additional_special_tokens=["<|im_start|>"],
-            chat_template=CHAT_TEMPLATE,
+            chat_template=TOOLS_CHAT_TEMPLATE if tools else CHAT_TEMPLATE,
         )
         # plain (not special) tokens: decoding with skip_special_tokens keeps them in the text
         tokenizer.add_tokens(_ROLE_TOKENS + (_TOOL_TOKENS if tools else []) + list(extra_tokens))

@@ -10,8 +10,9 @@ from __future__ import annotations
 from rft.errors import ConfigError
 
 
-def render(tok, messages: list[dict], generation_prompt: bool = False) -> list[int]:
-    ids = tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=generation_prompt)
+def render(tok, messages: list[dict], generation_prompt: bool = False, tools: list[dict] | None = None) -> list[int]:
+    # `tools`: function schemas in OpenAI's shape, which a template that knows them renders
+    ids = tok.apply_chat_template(messages, tools=tools, tokenize=True, add_generation_prompt=generation_prompt)
     if hasattr(ids, "keys"):  # transformers may return a BatchEncoding
         ids = ids["input_ids"]
     return list(ids)

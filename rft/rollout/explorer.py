@@ -311,13 +311,14 @@ class Explorer(WeightsMixin):
         if not rollout.enable_openai_api:
             return None
         if self._openai is None:
-            from rft.serving.openai_api import OpenAIServer
+            from rft.serving.openai_api import OpenAIServer, tool_parsers
 
             models = {"policy": (self.engine, self.tokenizer)}
             # an Auxiliary's generate takes its lock: the server and workflows share the engine
             models.update({name: (a, a.tokenizer) for name, a in self.auxiliary.items()})
             self._openai = OpenAIServer(models, "policy", self.cfg.buffer.explorer_input.taskset.rollout_args,
-                                        self.cfg.model.max_response_tokens, history=rollout.enable_history).start()
+                                        self.cfg.model.max_response_tokens, history=rollout.enable_history,
+                                        tool_parsers=tool_parsers(self.cfg)).start()
             log.info("OpenAI-compatible endpoint at %s (token not logged)", self._openai.url)
         return self._openai
 

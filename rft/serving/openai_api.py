@@ -24,12 +24,16 @@ History (explorer.rollout_model.enable_history, default true). Every policy call
 sampled ids and sampling log-probs are recorded under the rollout that made it (the client sends
 `X-RFT-Rollout`) and become that rollout's experiences: the ids the engine sampled, never
 re-tokenised from the text the agent saw. Each call is one experience, unless a call's prompt ids
-start with the previous call's prompt + sampled ids (an agent continuing its own token ids
-through /v1/completions): then they are one experience, the loss mask 1 on both calls' sampled
-tokens and 0 between. A chat agent re-sends text, which the chat template re-renders (after
-<|im_end|> it adds a newline the model never sampled), so its calls are separate experiences; the
-token-exact multi-turn alternative is the multi_turn workflow (rft/rollout/workflows/multi_turn.py). Every
-experience of a rollout gets the rollout's reward. A call under a rollout the workflow did not
+start with the previous call's prompt + sampled ids: then they are one experience, the loss mask 1
+on both calls' sampled tokens and 0 between. That holds for an agent continuing its own token ids
+through /v1/completions, and for a chat agent wherever the template renders the conversation so
+far to the ids sampled (model=tiny_tools's, whose tokenizer drops the newline after <|im_end|>,
+tool calls included: rft/serving/openai_chat.py); where it re-renders them otherwise (Qwen's adds
+a newline after <|im_end|> that the model never sampled) the calls are separate experiences, and
+the token-exact multi-turn alternative is the multi_turn workflow
+(rft/rollout/workflows/multi_turn.py). Every experience of a rollout gets the rollout's reward.
+
+Tools, tool calls and streaming: rft/serving/openai_chat.py. A call under a rollout the workflow did not
 open (no header, or one already taken) is answered and not recorded; at most MAX_OPEN_ROLLOUTS
 rollouts are open at once, and opening one more drops the oldest's calls, counted and warned
 about (an agent still running after the explorer gave up on its task).
@@ -61,12 +65,16 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from rft.data.chat import render
+from rft.data.tool_calls import TOOL_CALL_PARSERS
+from rft.registry import resolve
+from rft.serving.openai_chat import Message, StreamOptions, Tool, reply_message, sse, template_messages
 
 log = logging.getLogger(__name__)
 
 ROLLOUT_HEADER = "X-RFT-Rollout"
 MAX_N = 128  # OpenAI's own cap on n: what an agent written against its API may ask for
 MAX_STOP = 4  # OpenAI's cap on stop sequences
+MAX_TOOLS = 128  # OpenAI's cap on tools per request
 MAX_OPEN_ROLLOUTS = 1024  # rollouts in flight are the explorer's runner threads: far fewer
 GREEDY_BELOW = 1e-5  # a temperature this small samples greedily (as vLLM does): 1e-40 overflows logits / t
 
@@ -100,6 +108,9 @@ class Sampling(BaseModel):
     seed: int | None = None
     # "" is in every text: it would end each completion after its first token (rollout_args.stop refuses it too)
     stop: list[Annotated[str, Field(min_length=1)]] | None = Field(None, max_length=MAX_STOP)
+    # the reply as server-sent events (rft/serving/openai_chat.py sse)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -107,14 +118,18 @@ class Sampling(BaseModel):
         return [v] if isinstance(v, str) else v
 
 
-class Message(BaseModel):
-    model_config = ConfigDict(strict=True, extra="allow")
-    role: str
-
-
 class ChatRequest(Sampling):
     messages: list[Message] = Field(min_length=1)
     logprobs: bool | None = None
+    tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: Any = None  # "auto" | "none": checked in tools_read (a 400 that says why for the rest)
+
+    def tools_read(self) -> bool:
+        """Whether the reply is read for tool calls: tools were sent and tool_choice is not "none"."""
+        if self.tool_choice not in (None, "auto", "none"):
+            raise Invalid("tool_choice", f"tool_choice={str(self.tool_choice)[:100]}: this endpoint samples the model "
+                                         f"freely and cannot force a tool call; send \"auto\" or \"none\"")
+        return bool(self.tools) and self.tool_choice != "none"
 
 
 class CompletionRequest(Sampling):
@@ -198,11 +213,18 @@ class Limits:
                           f"context of {self.context} tokens")
 
 
+def tool_parsers(cfg) -> dict[str, str]:
+    """Each served model's model.tool_call_parser: the policy's and the auxiliary models'."""
+    return {"policy": cfg.model.tool_call_parser,
+            **{a.name: a.model.tool_call_parser for a in cfg.explorer.auxiliary_models}}
+
+
 # ---------------------------------------------------------------- the server
 
 class OpenAIServer:
     """`models`: name -> (engine, tokenizer); `policy` the trained one (its calls are recorded);
-    `defaults` the sampling of requests that do not set it; `max_tokens` the default budget.
+    `defaults` the sampling of requests that do not set it; `max_tokens` the default budget;
+    `tool_parsers` name -> the model's model.tool_call_parser (default hermes).
 
     History: `open(key)` before a rollout, `take_history(key)` after. The calls of a key nobody
     opened are served and not recorded; at most `max_rollouts` keys are open: opening one more drops
@@ -211,8 +233,11 @@ class OpenAIServer:
 
     def __init__(self, models: dict, policy: str, defaults, max_tokens: int, history: bool = True,
                  host: str = "127.0.0.1", port: int = 0, token: str | None = None,
-                 max_rollouts: int = MAX_OPEN_ROLLOUTS):
+                 max_rollouts: int = MAX_OPEN_ROLLOUTS, tool_parsers: dict[str, str] | None = None):
         self.models, self.policy, self.defaults, self.max_tokens = models, policy, defaults, max_tokens
+        self.parsers = {name: resolve(TOOL_CALL_PARSERS, (tool_parsers or {}).get(name, "hermes"),
+                                      "model.tool_call_parser" if name == policy else
+                                      f"the auxiliary model {name}'s model.tool_call_parser") for name in models}
         self.history_on, self.host, self.port = history, host, port
         self.token = token or secrets.token_urlsafe(32)
         self.locks = {name: threading.Lock() for name in models}
@@ -349,25 +374,27 @@ class OpenAIServer:
         @app.post("/v1/chat/completions")
         async def chat(request: Request):
             req = await self._checked(request, ChatRequest, expected)
-            tok = self.models[req.model][1]
-            prompt, calls = await sampled(request, req, lambda: chat_prompt(tok, req.messages))
-            return {"id": f"chatcmpl-{secrets.token_hex(8)}", "object": "chat.completion", "created": int(time.time()),
-                    "model": req.model, "usage": _usage(prompt, calls),
-                    "choices": [{"index": i, "message": {"role": "assistant", "content": c.response_text},
-                                 "finish_reason": c.finish_reason,
-                                 "logprobs": _logprobs(tok, c, True) if req.logprobs else None}
-                                for i, c in enumerate(calls)]}
+            tok, read = self.models[req.model][1], req.tools_read()
+            prompt, calls = await sampled(request, req, lambda: chat_prompt(tok, req.messages, req.tools))
+            choices = []
+            for i, c in enumerate(calls):
+                message, finish = reply_message(c.response_text, c.finish_reason, self.parsers[req.model], read)
+                choices.append({"index": i, "message": message, "finish_reason": finish,
+                                "logprobs": _logprobs(tok, c, True) if req.logprobs else None})
+            return _reply(req, {"id": f"chatcmpl-{secrets.token_hex(8)}", "object": "chat.completion",
+                                "created": int(time.time()), "model": req.model, "usage": _usage(prompt, calls),
+                                "choices": choices})
 
         @app.post("/v1/completions")
         async def completions(request: Request):
             req = await self._checked(request, CompletionRequest, expected)
             tok = self.models[req.model][1]
             prompt, calls = await sampled(request, req, lambda: prompt_ids(tok, req.prompt))
-            return {"id": f"cmpl-{secrets.token_hex(8)}", "object": "text_completion", "created": int(time.time()),
-                    "model": req.model, "usage": _usage(prompt, calls),
-                    "choices": [{"index": i, "text": c.response_text, "finish_reason": c.finish_reason,
-                                 "logprobs": _logprobs(tok, c, False) if req.logprobs is not None else None}
-                                for i, c in enumerate(calls)]}
+            return _reply(req, {"id": f"cmpl-{secrets.token_hex(8)}", "object": "text_completion",
+                                "created": int(time.time()), "model": req.model, "usage": _usage(prompt, calls),
+                                "choices": [{"index": i, "text": c.response_text, "finish_reason": c.finish_reason,
+                                             "logprobs": _logprobs(tok, c, False) if req.logprobs is not None else None}
+                                            for i, c in enumerate(calls)]})
 
         return app
 
@@ -377,6 +404,16 @@ def _error(e: Refusal, headers=None):
 
     return JSONResponse({"error": {"message": str(e), "type": e.kind, "param": e.param, "code": e.status}},
                         status_code=e.status, headers=headers)
+
+
+def _reply(req: Sampling, reply: dict):
+    """The reply as JSON, or streamed (`stream: true`) as server-sent events."""
+    if not req.stream:
+        return reply
+    from fastapi.responses import StreamingResponse
+
+    usage = bool(req.stream_options and req.stream_options.include_usage)
+    return StreamingResponse(sse(reply, usage), media_type="text/event-stream")
 
 
 def _usage(prompt, calls) -> dict:
@@ -392,10 +429,15 @@ def _logprobs(tok, c: Call, chat: bool) -> dict:
             "top_logprobs": None, "text_offset": None}
 
 
-def chat_prompt(tok, messages: list[Message]) -> list[int]:
-    """The chat template's ids of `messages` and the generation prompt; a template that cannot
-    render them (a Jinja error, a content it does not take) is the request's error."""
+def chat_prompt(tok, messages: list[Message], tools: list[Tool] | None = None) -> list[int]:
+    """The chat template's ids of `messages` (and `tools`) and the generation prompt; a template
+    that cannot render them (a Jinja error, a content it does not take) is the request's error."""
     try:
-        return render(tok, [m.model_dump() for m in messages], generation_prompt=True)
+        rendered = template_messages(messages)
+    except ValueError as e:
+        raise Invalid("messages", str(e)) from None
+    try:
+        return render(tok, rendered, generation_prompt=True,
+                      tools=[t.model_dump(exclude_unset=True) for t in tools] if tools else None)
     except Exception as e:
         raise Invalid("messages", f"messages: the chat template cannot render them: {type(e).__name__}: {e}") from None

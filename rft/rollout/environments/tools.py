@@ -27,76 +27,16 @@ the explorer's process.
 from __future__ import annotations
 
 import ast
-import json
 import operator
-import re
-from dataclasses import dataclass, field
 
+# the parsers are shared with the OpenAI endpoint (rft/data/tool_calls.py); named here as before
+from rft.data.tool_calls import ToolCall, parse_tool_calls  # noqa: F401
 from rft.registry import Registry
 from rft.rewards.verifiers import exact_match
 
 
 class ToolError(Exception):
     """A tool call that failed; its message is what the model reads back."""
-
-
-@dataclass
-class ToolCall:
-    name: str
-    arguments: dict = field(default_factory=dict)
-    # set when the call could not be parsed: the call fails with this reason
-    error: str | None = None
-
-
-# ---------------------------------------------------------------- parsing tool calls
-
-_TAGGED = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.S)  # Qwen, Hermes (an unclosed last one too)
-_MISTRAL = re.compile(r"\[TOOL_CALLS\]\s*(\[.*\])", re.S)
-
-
-def _call_of(obj) -> ToolCall:
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-        return ToolCall("", error=f"a tool call needs a JSON object with a \"name\"; got {json.dumps(obj)[:80]}")
-    args = obj.get("arguments", obj.get("parameters", {}))
-    if isinstance(args, str):  # OpenAI's wire format carries the arguments as a JSON string
-        try:
-            args = json.loads(args)
-        except ValueError:
-            return ToolCall(obj["name"], error=f"the arguments are not JSON: {args[:80]!r}")
-    if not isinstance(args, dict):
-        return ToolCall(obj["name"], error=f"the arguments must be a JSON object; got {json.dumps(args)[:80]}")
-    return ToolCall(obj["name"], args)
-
-
-def _why(e: Exception) -> str:
-    # a RecursionError, not a failed task: "[[[[..." is a model's (degenerate) text like any other
-    return "nested too deep" if isinstance(e, RecursionError) else e.args[0].split(":")[0]
-
-
-def parse_tool_calls(text: str) -> list[ToolCall]:
-    """The tool calls in an assistant turn, in order; [] when it calls none.
-
-    Formats: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (Qwen2.5/3, Hermes; several
-    in one turn; "parameters" is taken for "arguments", which may also be a JSON string), and
-    Mistral's `[TOOL_CALLS][{...}, ...]`. A call whose JSON does not parse is returned with `error`
-    set, so the environment can answer it with the reason instead of ignoring it.
-    """
-    calls = []
-    for body in _TAGGED.findall(text):
-        try:
-            calls.append(_call_of(json.loads(body.strip())))
-        except (ValueError, RecursionError) as e:
-            calls.append(ToolCall("", error=f"the tool call is not valid JSON ({_why(e)}): {body.strip()[:80]!r}"))
-    if calls:
-        return calls
-    m = _MISTRAL.search(text)
-    if m:
-        try:
-            items = json.loads(m.group(1))
-        except (ValueError, RecursionError) as e:
-            return [ToolCall("", error=f"the tool calls are not valid JSON ({_why(e)}): {m.group(1)[:80]!r}")]
-        return [_call_of(o) for o in (items if isinstance(items, list) else [items])]
-    return []
 
 
 # ---------------------------------------------------------------- environments
