@@ -393,3 +393,16 @@ def test_every_stage_puts_a_run_of_one_stage_beside_the_others_last_and_the_lege
     assert [list(line.get_ydata()) for line in fig.axes[1].lines] == [[0.2, 0.6, 0.5]] * 2
     assert all(ax.get_legend() is None for ax in fig.axes) and len(fig.legends) == 1
     assert [t.get_text() for t in fig.legends[0].get_texts()] == ["seed=1", "seed=2 stages=[]"]
+
+
+def test_the_plan_read_as_plain_yaml_is_omegaconfs(tmp_path, monkeypatch):
+    """planned_stages reads plain values and `${a.b}` itself (fast), else through OmegaConf: both
+    give the same stages; a resolver it does not know (`${oc.env:...}`) takes OmegaConf's way."""
+    write_job(tmp_path, 0, [], "dr_grpo")
+    plain = report.planned_stages(tmp_path / "0")
+    assert plain == [("sft_warmup", 2), ("dr_grpo", 3)]  # the RL stage's name: ${algorithm.algorithm_type}
+    monkeypatch.setattr(report, "_plain_plan", lambda cfg: (_ for _ in ()).throw(report._NotPlain()))
+    assert report.planned_stages(tmp_path / "0") == plain
+    monkeypatch.undo()
+    with pytest.raises(report._NotPlain):
+        report._plain_plan({"stages": [{"stage_name": "${oc.env:X,a}"}]})

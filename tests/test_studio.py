@@ -149,29 +149,79 @@ def test_runs_lists_runs_and_sweeps_with_their_curves_and_table(tmp_path):
     for n, (seed, acc) in enumerate([(1, 0.4), (2, 0.6)]):
         _fake_run(tmp_path, f"rft/multirun/2026-01-01_00-00-00/{n}", [{"step": 1, "eval/accuracy": acc}], [f"seed={seed}"])
     (tmp_path / "rft" / "stage_cache" / "x" / ".hydra").mkdir(parents=True)  # never listed
-    listing = U.listing(tmp_path)
+    runs = U.Runs(tmp_path)
+    listing = runs.listing()
     ids = sorted(r["id"] for r in listing["runs"])
     assert ids == ["rft/a", "rft/multirun/2026-01-01_00-00-00/0", "rft/multirun/2026-01-01_00-00-00/1"]
     a = next(r for r in listing["runs"] if r["id"] == "rft/a")
-    assert (a["stage"], a["steps"], a["last_eval"]) == ("grpo", 2, 0.5)
+    assert (a["stage"], a["steps"], a["last_eval"], a["status"], a["detail"]) == ("grpo", 2, 0.5, "done", "done")
+    # the override that differs between the runs is a column; a's has none
+    assert listing["columns"] == ["seed"] and a["params"] == {} and a["config"] == "(defaults)"
     assert listing["sweeps"] == [{"id": "rft/multirun/2026-01-01_00-00-00", "jobs": 2}]
-    traces = U.curves(tmp_path, ["rft/a", "rft/multirun/2026-01-01_00-00-00/1"], "eval/accuracy")
+    traces = runs.curves(["rft/a", "rft/multirun/2026-01-01_00-00-00/1"], "eval/accuracy")
     assert [(t["x"], t["y"]) for t in traces] == [([1, 2], [0.1, 0.5]), ([1], [0.6])]
-    assert U.metric_names(tmp_path, ["rft/a"])[:2] == ["eval/accuracy", "reward/mean"]
-    table = U.sweep_table(tmp_path, "rft/multirun/2026-01-01_00-00-00")
+    # legend and hover names: what is left of each run's name after the directories they share
+    assert [t["name"] for t in traces] == ["a (grpo)", "multirun/2026-01-01_00-00-00/1 (grpo)"]
+    assert runs.metric_names(["rft/a"])[:2] == ["eval/accuracy", "reward/mean"]
+    table = runs.sweep_table("rft/multirun/2026-01-01_00-00-00")
     assert [r["job"] for r in table["jobs"]] == ["0", "1"]
     # one configuration over two seeds: mean 0.5, sample std sqrt(((0.4-0.5)^2 + (0.6-0.5)^2) / 1) = 0.1414
     assert len(table["configs"]) == 1 and table["configs"][0]["final eval/accuracy"] == "0.5 ± 0.14"
-    with pytest.raises(ValueError, match="not under the checkpoint root"):
-        U.curves(tmp_path, ["../../etc"], "eval/accuracy")
+    for bad in ("../../etc", "rft/../../x"):
+        with pytest.raises(ValueError, match="not under the checkpoint root"):
+            runs.curves([bad], "eval/accuracy")
+        with pytest.raises(ValueError, match="not under the checkpoint root"):
+            runs.diff("rft/a", bad)
     # a run of two stages: its last by default, one named, or each
     _two_stage_run(tmp_path, "rft/two")
-    assert U.stages(tmp_path, ["rft/two", "rft/a"]) == ["sft_warmup", "grpo"]
-    assert [(t["stage"], t["y"]) for t in U.curves(tmp_path, ["rft/two"], "eval/accuracy")] == [("grpo", [0.15, 0.9])]
-    assert [(t["stage"], t["y"]) for t in U.curves(tmp_path, ["rft/two"], "eval/accuracy", "sft_warmup")] == [("sft_warmup", [0.0, 0.15])]
-    assert [t["name"] for t in U.curves(tmp_path, ["rft/two", "rft/a"], "eval/accuracy", "all")] == [
-        "rft/two (sft_warmup)", "rft/two (grpo)", "rft/a (grpo)"]
-    assert U.curves(tmp_path, ["rft/a"], "eval/accuracy", "sft_warmup") == []  # a has no such stage
+    assert runs.stages(["rft/two", "rft/a"]) == ["sft_warmup", "grpo"]
+    assert [(t["stage"], t["y"]) for t in runs.curves(["rft/two"], "eval/accuracy")] == [("grpo", [0.15, 0.9])]
+    assert [(t["stage"], t["y"]) for t in runs.curves(["rft/two"], "eval/accuracy", "sft_warmup")] == [("sft_warmup", [0.0, 0.15])]
+    every = runs.curves(["rft/two", "rft/a"], "eval/accuracy", "all")
+    assert [t["name"] for t in every] == ["two (sft_warmup)", "two (grpo)", "a (grpo)"]
+    # every stage after the one before: two's GRPO steps 0, 2 come after its warm-up's last step (2)
+    assert [(t["x"], t["step"], t["offset"]) for t in every] == [([0, 2], [0, 2], 0), ([2, 4], [0, 2], 2), ([1, 2], [1, 2], 0)]
+    assert runs.curves(["rft/a"], "eval/accuracy", "sft_warmup") == []  # a has no such stage
+
+
+def test_the_index_reads_a_growing_log_from_where_it_stopped_and_a_replaced_one_whole(tmp_path, monkeypatch):
+    from rft.studio import index as X
+
+    log = tmp_path / "metrics.jsonl"
+    log.write_text('{"step": 1, "a": 1.0, "b": 2}\n{"step": 2, "a": 0.5}\n{"step": 3, "a"')  # a line being written
+    files = X.CachedFiles(("step", "a"))
+    assert files.jsonl(log) == [{"step": 1, "a": 1.0}, {"step": 2, "a": 0.5}]  # b is not kept
+    reads = []
+    real_open = open
+    monkeypatch.setattr("builtins.open", lambda p, *a, **k: reads.append(p) or real_open(p, *a, **k))
+    assert files.jsonl(log) == [{"step": 1, "a": 1.0}, {"step": 2, "a": 0.5}] and reads == []  # unchanged: not opened
+    with real_open(log, "a") as f:
+        f.write(': 0.25}\n{"step": 4, "a": 0.125}\n')
+    assert [m["a"] for m in files.jsonl(log)] == [1.0, 0.5, 0.25, 0.125] and len(reads) == 1
+    # a resumed run rewrites its log (a new file renamed over it): read whole again
+    (tmp_path / "new").write_text('{"step": 1, "a": 9.0}\n')
+    (tmp_path / "new").replace(log)
+    assert files.jsonl(log) == [{"step": 1, "a": 9.0}]
+
+
+def test_a_run_is_running_while_the_process_named_in_its_lock_lives(tmp_path):
+    import socket
+
+    from rft.studio import index as X
+
+    lock = tmp_path / ".run.lock"
+    assert X.holder_alive(tmp_path) is None  # no lock taken
+    lock.write_text(f"pid {os.getpid()} on {socket.gethostname()}\n")  # this process, which started before
+    assert X.holder_alive(tmp_path) is True
+    started = X._started(os.getpid())
+    os.utime(lock, (started - 3600, started - 3600))  # written an hour before this process started: a pid used again
+    assert X.holder_alive(tmp_path) is False
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    lock.write_text(f"pid {dead.pid} on {socket.gethostname()}\n")
+    assert X.holder_alive(tmp_path) is False
+    lock.write_text(f"pid {os.getpid()} on another-host\n")
+    assert X.holder_alive(tmp_path) is None  # another machine's run: told by its metrics
 
 
 def _two_stage_run(root: Path, rel: str) -> Path:
@@ -371,7 +421,7 @@ def test_the_studio_refuses_requests_without_its_token_and_binds_loopback(tmp_pa
             r = httpx.get(url + path)
             assert r.status_code == 401 and r.text.startswith("refused: the rft studio needs its token"), path
         assert httpx.get(url + "/api/runs", headers={"Authorization": "Bearer wrong"}).status_code == 401
-        assert httpx.get(url + "/api/runs", headers={"Authorization": f"Bearer {token}"}).json() == {"runs": [], "sweeps": []}
+        assert httpx.get(url + "/api/runs", headers={"Authorization": f"Bearer {token}"}).json() == {"runs": [], "columns": [], "sweeps": []}
         # a page is a shell without data or token (its script fetches the rest with the token); no cookie is set
         page = httpx.get(f"{url}/compose")
         assert page.status_code == 200 and token not in page.text and "data-group" not in page.text
@@ -496,13 +546,13 @@ def test_runs_page_overlays_two_runs_and_shows_a_sweep_table(browser, tmp_path):
         page.check('[data-pick="rft/b"]')
         page.wait_for_function("(document.getElementById('chart').data || []).length == 2")
         traces = sorted(_chart(page), key=lambda t: t["name"])
-        assert traces == [{"name": "rft/a (grpo)", "x": [1, 2], "y": [0.1, 0.5]}, {"name": "rft/b (grpo)", "x": [1, 2], "y": [0.2, 0.3]}]
+        assert traces == [{"name": "a (grpo)", "x": [1, 2], "y": [0.1, 0.5]}, {"name": "b (grpo)", "x": [1, 2], "y": [0.2, 0.3]}]
         # a run of two stages: every stage of it, each a trace of its own
         page.uncheck('[data-pick="rft/b"]')
         page.check('[data-pick="rft/two"]')
         page.select_option("#stage", "all")
         page.wait_for_function("(document.getElementById('chart').data || []).length == 3")
-        assert sorted(t["name"] for t in _chart(page)) == ["rft/a (grpo)", "rft/two (grpo)", "rft/two (sft_warmup)"]
+        assert sorted(t["name"] for t in _chart(page)) == ["a (grpo)", "two (grpo)", "two (sft_warmup)"]
         page.select_option("#sweep-choice", "rft/multirun/2026-01-01_00-00-00")
         page.wait_for_selector("#table-jobs tbody tr")
         assert len(page.query_selector_all("#table-jobs tbody tr")) == 3

@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import re
 import statistics
 import sys
 from dataclasses import dataclass, field
@@ -160,6 +161,10 @@ def planned_stages(job_dir: Path) -> list[tuple[str, int | None]]:
     path = job_dir / ".hydra" / "config.yaml"
     if not path.exists():
         return []
+    try:
+        return _plain_plan(yaml.load(path.read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader)))
+    except Exception:  # an interpolation beyond a plain ${a.b}, or a file that does not read: OmegaConf's way
+        pass
     out = []
     try:
         cfg = OmegaConf.load(path)
@@ -172,6 +177,39 @@ def planned_stages(job_dir: Path) -> list[tuple[str, int | None]]:
                 out.append((str(name), total if isinstance(total, int) else None))
     except Exception:  # a config this code cannot read: report without the plan, by file times
         return []
+    return out
+
+
+class _NotPlain(Exception):
+    pass
+
+
+def _plain_plan(cfg: dict) -> list[tuple[str, int | None]]:
+    """planned_stages from the YAML as plain values, where every value it reads is plain or a
+    `${a.b}` of one (_NotPlain otherwise): a merge by OmegaConf took ~40 ms a stage, which the
+    studio's runs table paid for each run it first listed."""
+    def merged(base, over):
+        if not isinstance(base, dict) or not isinstance(over, dict):
+            return over
+        return {**base, **{k: merged(base.get(k), v) for k, v in over.items()}}
+
+    def get(tree, key, depth=0):
+        for part in key.split("."):
+            tree = tree.get(part) if isinstance(tree, dict) else None
+        if isinstance(tree, str) and "${" in tree:
+            m = re.fullmatch(r"\$\{([\w.]+)\}", tree)
+            if m is None or depth > 8:
+                raise _NotPlain(tree)
+            return get(whole, m.group(1), depth + 1)
+        return tree
+
+    base = {k: v for k, v in cfg.items() if k != "stages"}
+    out = []
+    for stage in cfg.get("stages") or []:
+        whole = merged(base, stage)
+        name, total = get(whole, "stage_name"), get(whole, "buffer.total_steps")
+        if name is not None:
+            out.append((str(name), total if isinstance(total, int) and not isinstance(total, bool) else None))
     return out
 
 

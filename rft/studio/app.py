@@ -10,6 +10,7 @@ bodies.py's. The pages are shells without data: each fills itself from /api/page
 
 
 import contextlib
+import threading
 from pathlib import Path
 
 from rft.studio import guard as G
@@ -91,6 +92,8 @@ def make_app(token: str, root: Path, conf_dir: Path, repo: Path, launch_env: dic
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
+        # the runs table's first answer reads every run's files: read them while the page is opened
+        threading.Thread(target=_warm, args=(app,), daemon=True).start()
         yield
         launches.stop_all()  # the studio stops: so do the runs it started
 
@@ -102,8 +105,16 @@ def make_app(token: str, root: Path, conf_dir: Path, repo: Path, launch_env: dic
     _add_page_routes(app, root, conf_dir, defaults)
     _add_compose_routes(app, conf_dir, defaults)
     _add_launch_routes(app, conf_dir, defaults, launches)
-    _add_run_routes(app, root)
+    _add_run_routes(app, root, launches)
+    _add_rollout_routes(app, root)
     return app
+
+
+def _warm(app) -> None:
+    try:
+        app.state.runs.listing()
+    except Exception:  # the page's own request says what is wrong
+        pass
 
 
 def _add_guard(app, token: str, hosts: frozenset[str]) -> None:
@@ -259,33 +270,57 @@ async def _answer(fn, *args):
         return JSONResponse({"detail": str(e)}, status_code=400)
 
 
-def _add_run_routes(app, root: Path) -> None:
-    """The runs under the root: their list, metrics, stages, curves, a sweep's table, and the
-    rollouts a run stored (its sources, their rows filtered)."""
+def _add_run_routes(app, root: Path, launches) -> None:
+    """The runs under the root: their list (and as CSV), metrics, stages, curves, a sweep's table,
+    two runs' config differences, a bench run's table."""
     from fastapi import Request
+    from fastapi.responses import Response
 
-    from rft.studio import rollouts as R
     from rft.studio import runs as U
+
+    runs = app.state.runs = U.Runs(root)
 
     @app.get("/api/runs")
     async def api_runs():
-        return await _answer(U.listing, root)
+        return await _answer(runs.listing, launches.stopped_runs())
+
+    @app.get("/api/runs.csv")
+    async def api_runs_csv():
+        text = await _answer(lambda: U.csv_text(runs.listing(launches.stopped_runs())))
+        if not isinstance(text, str):
+            return text
+        return Response(text, media_type="text/csv; charset=utf-8",
+                        headers={"Content-Disposition": 'attachment; filename="runs.csv"'})
 
     @app.get("/api/metrics")
     async def api_metrics(request: Request):
-        return await _answer(U.metric_names, root, request.query_params.getlist("run"))
+        return await _answer(runs.metric_names, request.query_params.getlist("run"))
 
     @app.get("/api/stages")
     async def api_stages(request: Request):
-        return await _answer(U.stages, root, request.query_params.getlist("run"))
+        return await _answer(runs.stages, request.query_params.getlist("run"))
 
     @app.get("/api/curves")
     async def api_curves(request: Request, metric: str = "eval/accuracy", stage: str = ""):
-        return await _answer(U.curves, root, request.query_params.getlist("run"), metric, stage)
+        return await _answer(runs.curves, request.query_params.getlist("run"), metric, stage)
 
     @app.get("/api/sweep")
     async def api_sweep(sweep: str):
-        return await _answer(U.sweep_table, root, sweep)
+        return await _answer(runs.sweep_table, sweep)
+
+    @app.get("/api/diff")
+    async def api_diff(a: str, b: str):
+        return await _answer(runs.diff, a, b)
+
+    @app.get("/api/bench")
+    async def api_bench(run: str):
+        return await _answer(runs.bench, run)
+
+
+def _add_rollout_routes(app, root: Path) -> None:
+    """A run's stored rollouts: its sources, their rows filtered."""
+    from rft.studio import rollouts as R
+    from rft.studio import runs as U
 
     @app.get("/api/rollouts/sources")
     async def api_sources(run: str):

@@ -116,6 +116,10 @@ class Launches:
             threading.Thread(target=kill_later, daemon=True).start()
         return launch.state()
 
+    def stopped_runs(self) -> frozenset[str]:
+        """The runs (their paths under the root) of the launches stopped from the page."""
+        return frozenset()
+
     def stop_all(self) -> None:
         for n in list(self.all):
             self.stop(n)

@@ -1,21 +1,31 @@
 """The studio's runs page, without the page: every run and sweep under the checkpoint root, their
-curves, and a sweep's report table. It reads what `python -m rft.reporting.report` reads (rft/reporting/report.py):
-`.hydra/` and each stage's `metrics.jsonl`; nothing here writes.
+curves, a sweep's report table, two runs' config differences, a bench run's table. It reads what
+`python -m rft.reporting.report` reads (rft/reporting/report.py): `.hydra/` and each stage's
+`metrics.jsonl`, through the studio's index (index.py: each file read again only when it changed,
+a growing log from where the last read stopped); nothing here writes.
 """
 
 from __future__ import annotations
 
+import base64
+import csv
 import math
+import os
 import time
 from pathlib import Path
 
-from rft.reporting import report
+import yaml
 
-# a run whose metrics.jsonl changed this recently, and that is not done, is shown as running
-ACTIVE_S = 120
+from rft.reporting import report
+from rft.studio import index as X
+
 # metrics the curves offer first (where the runs logged them), then the rest in logged order
 FIRST_METRICS = ("eval/accuracy", "reward/mean", "loss/policy", "actor/entropy", "actor/clip_frac",
                  "staleness/mean", "timing/step_s")
+# overrides that name a run rather than configure it: never a column of their own
+NOT_PARAMS = ("name",)
+# a bench run's plot is sent inside its JSON answer: at most this big
+MAX_PNG = 4 << 20
 
 
 def _skip(p: Path) -> bool:
@@ -29,12 +39,13 @@ def find(root: Path) -> tuple[list[Path], list[Path]]:
     runs, sweeps = [], []
 
     def walk(d: Path, depth: int):
-        for p in sorted(x for x in d.iterdir() if x.is_dir() and not _skip(x)):
-            if (p / ".hydra").is_dir():
+        for p in sorted(Path(x.path) for x in os.scandir(d) if x.is_dir() and not _skip(Path(x.path))):
+            is_run = (p / ".hydra").is_dir()
+            if is_run:
                 runs.append(p)
             elif d.name == "multirun":
                 sweeps.append(p)
-            if depth < 5 and not (p / ".hydra").is_dir():  # a run's own directories hold no runs
+            if depth < 5 and not is_run:  # a run's own directories hold no runs
                 walk(p, depth + 1)
 
     if Path(root).is_dir():
@@ -46,29 +57,6 @@ def _num(v):
     return v if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) else None
 
 
-def summary(root: Path, run: Path) -> dict:
-    """One run's row: where, stage, status, steps, last eval accuracy, time."""
-    job = report.read_job(run, None, run.relative_to(root).as_posix())
-    last_eval = next((m["eval/accuracy"] for m in reversed(job.metrics) if _num(m.get("eval/accuracy")) is not None), None)
-    logged = report.logged_stages(run)
-    newest = max((p.stat().st_mtime for p in logged.values()), default=0)
-    status = job.status
-    if status != "done" and newest and time.time() - newest < ACTIVE_S:
-        status = "running"
-    return {"id": job.num, "stage": job.stage, "status": status, "steps": job.metrics[-1]["step"] if job.metrics else 0,
-            "last_eval": last_eval, "time_s": job.time_s, "updated": newest}
-
-
-def listing(root: Path) -> dict:
-    """{"runs": [summary, ...], "sweeps": [{"id", "jobs"}, ...]}, newest first."""
-    root = Path(root)
-    runs, sweeps = find(root)
-    rows = sorted((summary(root, r) for r in runs), key=lambda r: -r["updated"])
-    return {"runs": rows,
-            "sweeps": [{"id": s.relative_to(root).as_posix(), "jobs": len(report.find_jobs(s))}
-                       for s in sorted(sweeps, key=lambda s: -s.stat().st_mtime)]}
-
-
 def inside(root: Path, rel: str) -> Path:
     """root/rel, refusing a path that leaves root (the page names runs by their path under it)."""
     root = Path(root).resolve()
@@ -78,53 +66,200 @@ def inside(root: Path, rel: str) -> Path:
     return path
 
 
-def metric_names(root: Path, ids: list[str]) -> list[str]:
-    jobs = [report.read_job(inside(root, i), None, i) for i in ids]
-    found = report.metrics_found(jobs)
-    return [m for m in FIRST_METRICS if m in found] + [m for m in found if m not in FIRST_METRICS]
+def _mtime(p: Path) -> float | None:
+    try:
+        return p.stat().st_mtime
+    except OSError:
+        return None
 
 
-def stages(root: Path, ids: list[str]) -> list[str]:
-    """The stages the runs logged, in order (a run without stages logs in its own directory: none)."""
-    return list(dict.fromkeys(s for i in ids for s in report.job_stages(inside(root, i))
-                              if s and s in report.logged_stages(inside(root, i))))
+def short_names(ids: list[str]) -> dict[str, str]:
+    """Each run's name less the directories every one of them shares: `rft/multirun/<time>/3` -> `3`."""
+    parts = [i.split("/") for i in ids]
+    common = 0
+    while len(ids) > 1 and all(len(p) > common + 1 and p[common] == parts[0][common] for p in parts):
+        common += 1
+    return {i: "/".join(p[common:]) for i, p in zip(ids, parts)}
 
 
-def curves(root: Path, ids: list[str], metric: str, stage: str = "") -> list[dict]:
-    """Each run's `metric` over steps, {"name", "run", "stage", "x", "y"}: one trace per run from
-    its last logged stage (stage ""), from the stage named, or one per logged stage ("all")."""
-    out = []
-    for i in ids:
-        run = inside(root, i)
+class Runs:
+    """The runs under `root`, read through one index for the life of the studio."""
+
+    def __init__(self, root: Path):
+        self.root = Path(root)
+        # the table's rows keep a few keys of each metrics row; curves and tables read every key
+        # of the few runs asked for
+        self.listed = X.CachedFiles(X.LISTED)
+        self.full = X.CachedFiles(None, most=32, shared=self.listed)
+
+    def summary(self, run: Path, stopped: bool = False) -> dict:
+        """One run's row: where, stage, status, steps, last eval accuracy, its stage's training
+        time, when it started and for how long it ran, its overrides."""
+        rel = run.relative_to(self.root).as_posix()
+        job = report.read_job(run, None, rel, self.listed)
+        last_eval = next((m["eval/accuracy"] for m in reversed(job.metrics) if _num(m.get("eval/accuracy")) is not None), None)
         logged = report.logged_stages(run)
-        if stage == "all":
-            wanted = [s for s in report.job_stages(run) if s in logged] or [None]
+        updated = max((t for t in map(_mtime, logged.values()) if t), default=0)
+        status = X.status(job, run, updated, stopped)
+        # the run's record is written as it starts (and again as a resume starts)
+        started = _mtime(run / ".hydra" / "config.yaml")
+        end = time.time() if status in ("running", "starting") else updated
+        params = {k: v for k, v in job.overrides.items() if k not in NOT_PARAMS}
+        return {"id": rel, "stage": job.stage, "status": status, "detail": job.status,
+                "steps": job.metrics[-1]["step"] if job.metrics else 0, "last_eval": last_eval, "train_s": job.time_s,
+                "started": started, "updated": updated,
+                "duration_s": (end - started) if started and end and end >= started else None,
+                "params": params, "config": " ".join(f"{k}={v}" for k, v in params.items() if k != "seed") or "(defaults)",
+                "bench": (run / "bench" / "results.csv").is_file()}
+
+    def listing(self, stopped: frozenset[str] = frozenset()) -> dict:
+        """{"runs": [summary, ...] newest first, "columns": the overrides whose values differ
+        between the runs, "sweeps": [{"id", "jobs"}, ...]}. `stopped`: the runs the studio stopped."""
+        runs, sweeps = find(self.root)
+        rows = [self.summary(r, r.relative_to(self.root).as_posix() in stopped) for r in runs]
+        rows.sort(key=lambda r: -(r["updated"] or r["started"] or 0))
+        keys = list(dict.fromkeys(k for r in rows for k in r["params"]))
+        columns = [k for k in keys if len({r["params"].get(k) for r in rows}) > 1] if len(rows) > 1 else keys
+        return {"runs": rows, "columns": columns,
+                "sweeps": [{"id": s.relative_to(self.root).as_posix(), "jobs": len(report.find_jobs(s))}
+                           for s in sorted(sweeps, key=lambda s: -(_mtime(s) or 0))]}
+
+    def _job(self, rel: str, stage: str | None = None) -> report.Job:
+        return report.read_job(inside(self.root, rel), stage, rel, self.full)
+
+    def metric_names(self, ids: list[str]) -> list[str]:
+        found = report.metrics_found([self._job(i) for i in ids])
+        return [m for m in FIRST_METRICS if m in found] + [m for m in found if m not in FIRST_METRICS]
+
+    def stages(self, ids: list[str]) -> list[str]:
+        """The stages the runs logged, in order (a run without stages logs in its own directory: none)."""
+        return list(dict.fromkeys(s for i in ids for s in report.job_stages(inside(self.root, i), self.full)
+                                  if s and s in report.logged_stages(inside(self.root, i))))
+
+    def curves(self, ids: list[str], metric: str, stage: str = "") -> list[dict]:
+        """Each run's `metric` over steps, {"name", "run", "stage", "x", "step", "y", "offset"}: one
+        trace per run from its last logged stage (stage ""), from the stage named, or one per logged
+        stage ("all"), each stage after the one before: its x is its step plus the steps of the
+        run's stages before it (`offset`). `name`: the part of the run's name that tells it from
+        the others', with its stage."""
+        short = short_names(ids)
+        out = []
+        for i in ids:
+            run = inside(self.root, i)
+            logged = report.logged_stages(run)
+            wanted = ([s for s in report.job_stages(run, self.full) if s in logged] or [None]) if stage == "all" else [stage or None]
+            offset = 0
+            for s in wanted:
+                if s is not None and s not in logged:
+                    continue  # this run has no such stage
+                job = report.read_job(run, s, i, self.full)
+                points = [(m["step"], _num(m.get(metric))) for m in job.metrics if _num(m.get(metric)) is not None]
+                out.append({"name": f"{short[i]} ({job.stage})" if job.stage else short[i], "run": i, "stage": job.stage,
+                            "x": [p[0] + offset for p in points], "step": [p[0] for p in points],
+                            "y": [p[1] for p in points], "offset": offset})
+                if stage == "all":
+                    offset += job.metrics[-1]["step"] if job.metrics else 0
+        return out
+
+    def sweep_table(self, sweep: str) -> dict:
+        """A sweep's report (rft.reporting.report): one row per job, then one per configuration
+        with (mean, std) over its seeds. {"jobs": [...], "configs": [...]}"""
+        d = inside(self.root, sweep)
+        dirs = report.find_jobs(d)
+        if not dirs:
+            raise ValueError(f"{sweep} holds no job directories")
+        jobs = [report.read_job(j, None, j.relative_to(d).as_posix(), self.full) for j in dirs]
+        keys = report.differing_keys(jobs)
+        metrics = report.choose_metrics(jobs, None)
+        table = report.rows(jobs, keys, metrics)
+        configs = report.group_rows(report.groups(jobs), keys, table) if any(j.metrics for j in jobs) else []
+
+        def cell(v):
+            if isinstance(v, tuple):
+                mean, std = v
+                return None if mean is None else f"{mean:.4g}" + (f" ± {std:.2g}" if std is not None else "")
+            return f"{v:.4g}" if isinstance(v, float) else v
+
+        return {"jobs": [{k: cell(v) for k, v in r.items()} for r in table],
+                "configs": [{k: cell(v) for k, v in r.items()} for r in configs]}
+
+    def diff(self, a: str, b: str) -> list[dict]:
+        """The keys whose values differ between two runs' configs (`.hydra/config.yaml`, as
+        composed, every stage's entries included): [{"key", "a", "b"}], by key."""
+        def config(rel):
+            path = inside(self.root, rel) / ".hydra" / "config.yaml"
+            try:
+                cfg = yaml.safe_load(path.read_text())
+            except (OSError, yaml.YAMLError) as e:
+                raise ValueError(f"{rel}: its config ({path.name}) does not read: {e}") from None
+            return _flat(cfg if isinstance(cfg, dict) else {})
+
+        left, right = config(a), config(b)
+        missing = "(absent)"
+        return [{"key": k, "a": _text(left.get(k, missing)), "b": _text(right.get(k, missing))}
+                for k in sorted(set(left) | set(right)) if left.get(k, missing) != right.get(k, missing)]
+
+    def bench(self, rel: str) -> dict:
+        """A bench run's table (bench/results.csv: a row per checkpoint, a column per eval set and
+        metric) and its plot (bench/results.png, as a data: URL)."""
+        d = inside(self.root, rel) / "bench"
+        try:
+            with open(d / "results.csv", newline="") as f:
+                rows = list(csv.DictReader(f))
+        except OSError as e:
+            raise ValueError(f"{rel} has no bench table ({e.strerror}): run it with mode=bench") from None
+        png = d / "results.png"
+        image = None
+        if png.is_file() and png.stat().st_size <= MAX_PNG:
+            image = "data:image/png;base64," + base64.b64encode(png.read_bytes()).decode()
+        return {"columns": list(rows[0]) if rows else [], "rows": rows, "png": image}
+
+
+def _flat(tree: dict) -> dict:
+    """rft.config.flat, and a list of dicts (stages) entry by entry: `stages[1].algorithm.optimizer.lr`."""
+    from rft.config import flat
+
+    out = {}
+    for k, v in flat(tree).items():
+        if isinstance(v, list) and v and all(isinstance(x, dict) for x in v):
+            out.update({f"{k}[{n}].{kk}": vv for n, x in enumerate(v) for kk, vv in _flat(x).items()})
         else:
-            wanted = [stage or None]
-        for s in wanted:
-            if s is not None and s not in logged:
-                continue  # this run has no such stage
-            job = report.read_job(run, s, i)
-            points = [(m["step"], _num(m.get(metric))) for m in job.metrics if _num(m.get(metric)) is not None]
-            out.append({"name": f"{i} ({job.stage})" if job.stage else i, "run": i, "stage": job.stage,
-                        "x": [p[0] for p in points], "y": [p[1] for p in points]})
+            out[k] = v
     return out
 
 
-def sweep_table(root: Path, sweep: str) -> dict:
-    """A sweep's report (rft.reporting.report): one row per job, then one per configuration with
-    (mean, std) over its seeds. {"jobs": [...], "configs": [...], "columns": [...]}"""
-    jobs = report.read_jobs(inside(root, sweep))
-    keys = report.differing_keys(jobs)
-    metrics = report.choose_metrics(jobs, None)
-    table = report.rows(jobs, keys, metrics)
-    configs = report.group_rows(report.groups(jobs), keys, table) if any(j.metrics for j in jobs) else []
+def _text(v) -> str:
+    return v if isinstance(v, str) else "null" if v is None else str(v).lower() if isinstance(v, bool) else repr(v)
 
-    def cell(v):
-        if isinstance(v, tuple):
-            mean, std = v
-            return None if mean is None else f"{mean:.4g}" + (f" ± {std:.2g}" if std is not None else "")
-        return f"{v:.4g}" if isinstance(v, float) else v
 
-    return {"jobs": [{k: cell(v) for k, v in r.items()} for r in table],
-            "configs": [{k: cell(v) for k, v in r.items()} for r in configs]}
+# a spreadsheet runs a cell that starts so as a formula (CSV injection): such text gets a leading '
+FORMULA = ("=", "+", "-", "@", "\t", "\r")
+CSV_FIELDS = ("id", "status", "detail", "stage", "steps", "last_eval", "train_s", "started", "duration_s")
+
+
+def csv_cell(v):
+    if v is None:
+        return ""
+    if isinstance(v, str) and v.startswith(FORMULA):
+        try:
+            float(v)  # a number written as text (-0.5) is a number in the sheet, not a formula
+            return v
+        except ValueError:
+            return "'" + v
+    return v
+
+
+def csv_text(listing: dict) -> str:
+    """The runs table as CSV: a row per run, its fields and a column per override that differs;
+    times as ISO dates. Text that a spreadsheet would run as a formula is quoted with a leading '."""
+    import datetime
+    import io
+
+    out = io.StringIO()
+    w = csv.writer(out)
+    w.writerow([*CSV_FIELDS, *listing["columns"]])
+    for r in listing["runs"]:
+        row = dict(r, started=datetime.datetime.fromtimestamp(r["started"]).isoformat(timespec="seconds")
+                   if r["started"] else None)
+        w.writerow([csv_cell(row[f]) for f in CSV_FIELDS] + [csv_cell(r["params"].get(c)) for c in listing["columns"]])
+    return out.getvalue()

@@ -174,7 +174,7 @@ const runs = {
     tbody.innerHTML = data.runs.map(r => `<tr data-run="${esc(r.id)}">
       <td><input type="checkbox" data-pick="${esc(r.id)}" ${this.checked.has(r.id) ? "checked" : ""}></td>
       <td>${esc(r.id)}</td><td>${esc(r.stage)}</td><td class="status">${esc(r.status)}</td><td>${fmt(r.steps)}</td>
-      <td>${fmt(r.last_eval)}</td><td>${fmt(r.time_s)}</td>
+      <td>${fmt(r.last_eval)}</td><td>${fmt(r.train_s)}</td>
       <td><a href="/rollouts?run=${encodeURIComponent(r.id)}">rollouts</a></td></tr>`).join("");
     $$("[data-pick]", tbody).forEach(box => box.addEventListener("change", () => {
       box.checked ? this.checked.add(box.dataset.pick) : this.checked.delete(box.dataset.pick);
