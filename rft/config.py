@@ -186,6 +186,15 @@ class AlgorithmConfig:
     # multi-turn row is measured by its longest assistant turn (each turn has the limit)
     overlong_buffer_frac: float = 0.0
     overlong_penalty_factor: float = 1.0
+    # on-policy distillation (algorithm=opd; rft/algorithms/distill.py): each sampled response
+    # token's advantage gains distill_coef x (log p_teacher - log p_student) of that token, the
+    # negative of the per-token reverse KL (Agarwal et al. 2024, arXiv 2306.13649; Thinking
+    # Machines' on-policy distillation). Added to whatever advantage_fn gives: algorithm=opd has
+    # none (pure distillation); grpo with distill_coef > 0 mixes the task reward in. 0: off
+    distill_coef: float = 0.0
+    # the teacher: a causal LM with the policy's tokenizer (a local directory or a hub id), frozen,
+    # computed in the trainer like the reference model (trainer.ref_offload offloads it too)
+    teacher_model_path: Optional[str] = None
 
 
 class LoraSync(StrEnum):

@@ -234,9 +234,9 @@ def peak_memory(device) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def _not_loadable(path: str, e: Exception) -> ConfigError:
+def _not_loadable(path: str, e: Exception, key: str = "model.model_path") -> ConfigError:
     return ConfigError(
-        f"model.model_path={path!r} could not be loaded ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}). "
+        f"{key}={path!r} could not be loaded ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}). "
         f"Give a local directory in Hugging Face format (relative paths are relative to {os.getcwd()}) "
         f"or a hub id this machine can reach."
     )
@@ -286,7 +286,7 @@ def check_chat_template(tok, model_cfg) -> None:
             f"(or set model.custom_chat_template to one that renders).") from None
 
 
-def load_model(model_cfg, path: str | None = None, dtype=None):
+def load_model(model_cfg, path: str | None = None, dtype=None, key: str = "model.model_path"):
     """Load a causal LM from `path` (default: model.model_path), in `dtype` (default: model.dtype)."""
     from transformers import AutoModelForCausalLM
 
@@ -300,9 +300,37 @@ def load_model(model_cfg, path: str | None = None, dtype=None):
             **({"attn_implementation": a} if (a := model_cfg.get("attn_implementation")) else {}),
         )
     except OSError as e:
-        raise _not_loadable(path or model_cfg.model_path, e) from e
+        raise _not_loadable(path or model_cfg.model_path, e, key) from e
     # Dropout would make recomputed log-probs differ from the sampling ones.
     model.eval()
+    return model
+
+
+def load_teacher(model_cfg, path: str, student_tokenizer):
+    """On-policy distillation's teacher (algorithm.teacher_model_path), frozen, in model.dtype. It
+    reads the student's token ids, so its tokenizer must be the student's: the same token for every
+    id (its embedding matrix may be padded to another size: Qwen2.5-7B's has 152,064 rows, 0.5B's
+    151,936, one tokenizer). A ConfigError otherwise, naming the first id that differs."""
+    from transformers import AutoTokenizer
+
+    _quiet_transformers()
+    try:
+        tok = AutoTokenizer.from_pretrained(os.path.expanduser(path), trust_remote_code=model_cfg.trust_remote_code)
+    except (OSError, ValueError) as e:
+        raise _not_loadable(path, e, "algorithm.teacher_model_path") from e
+    mine, theirs = student_tokenizer.get_vocab(), tok.get_vocab()
+    if mine != theirs:
+        by_id = {i: t for t, i in theirs.items()}
+        diff = next((f"id {i} is {t!r} for the student, {by_id.get(i)!r} for the teacher"
+                     for t, i in sorted(mine.items(), key=lambda kv: kv[1]) if by_id.get(i) != t),
+                    f"the teacher has {len(theirs) - len(mine)} more tokens")
+        raise ConfigError(
+            f"algorithm.teacher_model_path={path!r} has another tokenizer than the policy ({model_cfg.model_path}): "
+            f"{diff}. On-policy distillation scores the student's own token ids, so the teacher must share its "
+            f"tokenizer (a larger model of the same family does)."
+        )
+    model = load_model(model_cfg, path, key="algorithm.teacher_model_path")
+    model.requires_grad_(False)
     return model
 
 

@@ -25,6 +25,10 @@ BUDGET = ["stages.0.buffer.total_steps=2", "stages.0.algorithm.optimizer.warmup_
 @pytest.mark.slow  # a training run
 def test_every_algorithm_trains_on_the_default_study(algorithm, tmp_path):
     extra = ["buffer.train_batch_size=16"] if algorithm in OFFLINE else []
+    if algorithm == "opd":  # a teacher: another tiny model (other weights, the same tokenizer)
+        from rft.models import build_tiny_model
+
+        extra = [f"algorithm.teacher_model_path={build_tiny_model(tmp_path / 'teacher', seed=1)}"]
     cfg = compose_cfg([f"algorithm={algorithm}", *BUDGET, *extra, f"checkpoint_root_dir={tmp_path}"])
     rft.runtime.main.main(cfg)
     run = tmp_path / "rft" / cfg.name
@@ -48,6 +52,8 @@ def test_every_algorithm_trains_on_the_default_study(algorithm, tmp_path):
             assert 1 <= tries <= 4 and (flat == 0.0 or tries == 4)
         else:
             assert m["rollout/sampling_tries"] == 1
+        if algorithm == "opd":  # two different random models: the reverse KL is positive
+            assert m["distill/reverse_kl"] > 0 and m["advantage/abs_mean"] > 0
         if algorithm == "mix":  # its SFT term on the taskset's answers: 0.1 x -log p, at most
             assert 0.0 < m["loss/sft"] < 0.6  # ~ 0.1 x ln(103 tokens) = 0.46 untrained
 

@@ -56,3 +56,18 @@ OFFLINE_DATA = ["mode=train", "buffer.train_batch_size=64", "trainer.micro_batch
 def test_offline_algorithm_learns_from_the_warm_start(algorithm, extra, warm_start, tmp_path):
     start, end = eval_start_end(algorithm, warm_start, tmp_path, [*OFFLINE_DATA, *extra])
     assert end >= start + 0.2, (algorithm, start, end)
+
+
+def test_on_policy_distillation_brings_the_student_toward_a_better_teacher(warm_start, tmp_path):
+    # the teacher: the warm start after 10 GRPO steps (eval ~0.2 -> ~0.95); the student starts
+    # from the warm start again and learns from the teacher's log-probs alone (the task reward is
+    # logged, not trained on)
+    _, teacher_eval = eval_start_end("grpo", warm_start, tmp_path / "teacher", [])
+    # (a run of one stage keeps its checkpoints in the run's own folder)
+    teacher = tmp_path / "teacher" / "rft" / "grpo-tiny-arithmetic" / "checkpoints" / "step_10" / "hf"
+    start, end = eval_start_end("opd", warm_start, tmp_path / "student",
+                                [f"algorithm.teacher_model_path={teacher}", "buffer.total_steps=5",
+                                 "explorer.eval_interval=5"])
+    assert teacher_eval >= start + 0.3, (start, teacher_eval)
+    # in half the teacher's steps, within 0.1 of it (measured: 0.195 -> 0.975 in 5 steps)
+    assert end >= teacher_eval - 0.1, (start, end, teacher_eval)

@@ -55,6 +55,9 @@ class Needs:
     # (a loss's declaration) it imitates given tokens (SFT's responses, DPO's pairs) rather than
     # weighting sampled ones by an advantage: algorithm.rollout_is never weights it
     imitation: bool = False
+    # batch["teacher_logp"]: log-probs of algorithm.teacher_model_path's model on the batch's own
+    # token ids (on-policy distillation: algorithm.distill_coef, rft/algorithms/distill.py)
+    teacher: bool = False
 
 
 def needs(**kwargs):
@@ -162,6 +165,8 @@ def algorithm_needs(algo) -> Needs:
     """What an algorithm config needs, over all its functions (advantage, loss, KL terms)."""
     parts = [ADVANTAGE_FNS.info(algo.advantage_fn), POLICY_LOSS_FNS.info(algo.policy_loss_fn)]
     parts += [KL_FNS.info(name) for name in (algo.kl_loss_fn, algo.kl_penalty_fn) if name != "none"]
+    # the distillation term is a config switch, not a function of the tables
+    parts += [Needs(teacher=True)] if getattr(algo, "distill_coef", 0) else []
     return Needs(**{f: any(getattr(p, f) for p in parts) for f in Needs.__dataclass_fields__})
 
 

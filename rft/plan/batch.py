@@ -154,6 +154,7 @@ def make_plan(cfg, dataset_size: int) -> BatchPlan:
     kind = input_kind(cfg)
     dp = trainer_ranks(cfg)  # trainer_strategy=torch is one process
     _check_algorithm(cfg, needs)
+    _check_distill(cfg.algorithm, needs)
     train_bs, per_epoch = _step_batch(cfg, dataset_size, kind, needs)
     mini, micro = _mini_batches(cfg.trainer, train_bs, dp)
     _check_pairs(cfg, needs, kind, [("buffer.train_batch_size", train_bs), ("trainer.mini_batch_size", mini),
@@ -346,6 +347,24 @@ def _check_algorithm(cfg, needs: Needs) -> None:
             f"algorithm.advantage_fn={algo.advantage_fn} compares rollouts within a group, but "
             f"algorithm.repeat_times={algo.repeat_times} gives groups of one (every advantage 0). "
             f"Set algorithm.repeat_times to 2 or more (8 is common)."
+        )
+
+
+def _check_distill(algo, needs: Needs) -> None:
+    """algorithm.distill_coef has a teacher to distil from and a loss that reads advantages."""
+    if not algo.distill_coef:
+        return  # a teacher_model_path is then unused (a warm-up stage inherits the RL stage's)
+    if not algo.teacher_model_path:
+        raise ConfigError(
+            f"algorithm.distill_coef={algo.distill_coef} distils from a teacher, but algorithm.teacher_model_path "
+            f"is not set. Give the teacher: a local directory or a hub id of a causal LM with the policy's "
+            f"tokenizer (algorithm.teacher_model_path=<path>), or set algorithm.distill_coef=0."
+        )
+    if needs.imitation:
+        raise ConfigError(
+            f"algorithm.distill_coef={algo.distill_coef} adds the teacher's signal to the advantages, which "
+            f"algorithm.policy_loss_fn={algo.policy_loss_fn} never reads (it imitates given tokens). Use a policy-"
+            f"gradient loss (ppo_clip, as algorithm=opd does), or set algorithm.distill_coef=0 for this stage."
         )
 
 
@@ -809,6 +828,8 @@ def describe(cfg, stage_dir, plan: BatchPlan | None = None) -> str:
     extra = "".join(f", {k}={algo[k]}" for k in ("kl_loss_fn", "kl_penalty_fn") if algo[k] != "none")
     extra += f", entropy_coef={algo.entropy_coef}" if algo.entropy_coef else ""
     extra += f", sft_loss_weight={algo.sft_loss_weight}" if algo.sft_loss_weight else ""
+    extra += (f", + {algo.distill_coef:g} x (log p_teacher - log p_student) per token from the teacher "
+              f"{algo.teacher_model_path}") if algo.distill_coef else ""
     rows = [("algorithm", f"{algo.algorithm_type}: advantage_fn={algo.advantage_fn}, policy_loss_fn="
                           f"{algo.policy_loss_fn}, loss_agg_mode={algo.loss_agg_mode}{extra}"),
             ("learning rate", f"{opt.lr:g} (algorithm.optimizer.lr), {opt.warmup_steps} warm-up optimizer "

@@ -14,6 +14,8 @@ shards the weights, gradients and optimizer state; trainer=torch is N = 1):
                                          optimizer_offload: in CPU memory)
     reference    P b / N                (an algorithm with a KL term or DPO; LoRA: the base, no copy;
                                          ref_offload: in CPU memory)
+    teacher      P_t b / N              (on-policy distillation's frozen teacher, P_t from its files or
+                                         its name, else P; ref_offload: in CPU memory)
     critic       (2 + 2) P b / N more   (PPO's value model: weights, gradients, Adam; critic_offload:
                                          in CPU memory)
     gathered     2 layers' weights      (FSDP2 unshards one layer at a time, the next prefetched;
@@ -308,6 +310,9 @@ def trainer_role(cfg, plan, s: Shape, dev: Devices) -> Role:
              ("Adam" + where * (gpu and t.optimizer_offload), 2 * trained * mb // n)]
     if plan.needs.reference and not m.lora.rank:
         parts.append(("reference" + where * (gpu and (t.ref_offload or t.param_offload)), s.parameters * b // n))
+    if plan.needs.teacher:  # its own size: from its files or its name, else as large as the policy
+        count, _ = parameter_count(str(cfg.algorithm.teacher_model_path))
+        parts.append(("teacher" + where * (gpu and (t.ref_offload or t.param_offload)), (count or s.parameters) * b // n))
     if plan.needs.critic:
         parts.append(("critic" + where * (gpu and (t.critic_offload or t.param_offload)), 4 * s.parameters * mb // n))
     if n > 1 or mb != b:  # a block's weights whole (or cast) for its compute, and the next one's
@@ -327,7 +332,7 @@ def trainer_role(cfg, plan, s: Shape, dev: Devices) -> Role:
     return Role(f"trainer rank (x{n})" if n > 1 else "trainer", n, tuple(parts), total, problem)
 
 
-_STATE = ("weights", "gradients", "Adam", "reference", "critic")
+_STATE = ("weights", "gradients", "Adam", "reference", "teacher", "critic")
 
 
 def _host_copies(cfg, nbytes: int, ranks: int = 0, gathered: int = 0) -> list:
@@ -477,7 +482,7 @@ def _wake_problem(cfg, roles: list, dev: Devices) -> list:
     time it wakes, while the trainer keeps its weights and optimizer state there between steps
     (its activations and gradients are freed and handed back)."""
     trainer, engine = roles
-    kept = sum(v for k, v in trainer.parts if k.split(" (")[0] in ("weights", "Adam", "reference", "critic", "runtime"))
+    kept = sum(v for k, v in trainer.parts if k.split(" (")[0] in ("weights", "Adam", "reference", "teacher", "critic", "runtime"))
     if kept + engine.total <= dev.memory:
         return []
     rm = cfg.explorer.rollout_model

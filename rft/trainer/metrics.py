@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from rft.algorithms import distill
 from rft.models import peak_flops, peak_memory
 from rft.trainer.critic import explained_variance
 
@@ -106,6 +107,11 @@ class MetricsMixin:
             metrics["actor/behavior_weight_mean"] = ((w * m).sum() / m.sum().clamp(min=1)).item()
             metrics["actor/behavior_weight_capped_frac"] = (
                 ((w >= algo.behavior_weight_cap) * m).sum() / (m * (w != 1.0)).sum().clamp(min=1)).item()
+        if step.teacher_logp is not None:
+            # on-policy distillation: the per-token reverse KL to the teacher before this step's update
+            # (falls as the student learns the teacher), and the teacher's log-prob of the sampled tokens
+            metrics["distill/reverse_kl"] = distill.reverse_kl(step.teacher_logp, step.old_logp, mask)
+            metrics["distill/teacher_logprob"] = ((step.teacher_logp * mask).sum() / mask.sum().clamp(min=1)).item()
         if "loss/sft" in sums:
             metrics["loss/sft"] = sums["loss/sft"] / updates
         return metrics

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from rft.algorithms import off_policy, rollout_is, shaping
+from rft.algorithms import distill, off_policy, rollout_is, shaping
 from rft.algorithms.advantages import gae_returns
 from rft.algorithms.aggregation import agg_loss
 from rft.data.experience import Experience, collate
@@ -47,6 +47,7 @@ class Step:
     exps: list = field(default_factory=list)  # the experiences, in the order of the rows
     correct_in_update: bool = False  # the off-policy correction is applied in _actor_update
     ref_logp: torch.Tensor | None = None
+    teacher_logp: torch.Tensor | None = None  # on-policy distillation's teacher, [n, L-1]
     behavior_w: torch.Tensor | None = None
     batch: dict = field(default_factory=dict)  # what advantage functions read
     kl_penalty: torch.Tensor | None = None
@@ -104,7 +105,7 @@ def _zero_advantage_rows_last(step: "Step") -> None:
     step.batch = {k: pick(v) for k, v in step.batch.items()}
     step.mask = step.full["response_mask"]
     step.exps = [step.exps[i] for i in order.tolist()]
-    for name in ("ref_logp", "behavior_w", "engine_logp", "engine_mask", "is_mask", "kl_penalty", "returns", "adv"):
+    for name in ("ref_logp", "teacher_logp", "behavior_w", "engine_logp", "engine_mask", "is_mask", "kl_penalty", "returns", "adv"):
         setattr(step, name, pick(getattr(step, name)))
 
 
@@ -148,6 +149,7 @@ class StepMixin:
         (`stale_fix`) is then applied in the update, micro-batch by micro-batch, in one process
         (data-parallel ranks keep the forward: the correction's metrics are over every rank's rows)."""
         return (self.plan.optimizer_steps_per_step == 1 and self.kl_penalty_fn is None
+                and self.teacher_model is None  # distillation reads the student's log-probs first
                 and (not stale_fix or self.plan.dp_size == 1))
 
     # ------------------------------------------------------------------ 1. prepare
@@ -164,7 +166,8 @@ class StepMixin:
         # stale experiences whose algorithm.off_policy_correction replaces or reweights old log-probs
         stale_fix = algo.off_policy_correction != "none" and any(
             off_policy.staleness(e.policy_version, self.version) > 0 and e.logprobs for e in exps)
-        step.old_logp, step.ref_logp = self._old_and_ref_logp(full, step.mask, old=not self._old_is_current(stale_fix))
+        step.old_logp, step.ref_logp, step.teacher_logp = self._old_and_ref_logp(
+            full, step.mask, old=not self._old_is_current(stale_fix))
         if step.old_logp is None and stale_fix:
             step.correct_in_update = True
             if algo.off_policy_correction == "decoupled":
@@ -187,6 +190,8 @@ class StepMixin:
             step.batch["values"] = self.critic.values(full, list(self._my_micro_batches(full, 0, step.n)), self._all_sum)
             _, step.returns = gae_returns(step.batch["rewards"], step.batch["values"], step.mask, algo.gamma, algo.lam)
         step.adv = self.advantage_fn(step.batch, algo)
+        if step.teacher_logp is not None:  # algorithm.distill_coef (rft/algorithms/distill.py)
+            step.adv = step.adv + algo.distill_coef * distill.distill_advantage(step.teacher_logp, step.old_logp, step.mask)
         step.trained = step.n
         # stale rows too (their correction applied in the update): a zero-advantage row adds 0 to
         # the loss and the gradient whatever its ratio; the ratio's metrics (approx KL, clip
@@ -197,9 +202,10 @@ class StepMixin:
 
     def _old_and_ref_logp(self, full, mask, old: bool = True):
         """Log-probs of the current weights (unless `old` is False: None) and, when needed, of the
-        reference model; no grad."""
+        reference model and of the distillation teacher; no grad. All on the batch's own token ids."""
         roles = [(self.model, nullcontext, old),
-                 (self.ref_model or self.model, lambda: lora.reference(self.model), self.has_reference)]
+                 (self.ref_model or self.model, lambda: lora.reference(self.model), self.has_reference),
+                 (self.teacher_model, nullcontext, self.teacher_model is not None)]
         out = [(m, ctx, torch.zeros_like(mask)) for m, ctx, on in roles if on]
         with torch.no_grad():
             for s, e, live in self._my_micro_batches(full, 0, mask.shape[0]):
@@ -210,7 +216,8 @@ class StepMixin:
                         logp[s:e, : L - 1] = lp
         # every rank computed its own rows: the sum over ranks is the whole batch's
         sums = iter([self._all_sum(logp) for _, _, logp in out])
-        return next(sums) if old else None, next(sums) if self.has_reference else None
+        return (next(sums) if old else None, next(sums) if self.has_reference else None,
+                next(sums) if self.teacher_model is not None else None)
 
     # ------------------------------------------------------------------ 2. update
 

@@ -31,6 +31,7 @@ from rft.data.experience import WHERE, Experience, batch_record
 from rft.models import (
     enable_gradient_checkpointing,
     load_model,
+    load_teacher,
     load_tokenizer,
     local_device,
     torch_dtype,
@@ -104,6 +105,11 @@ class Trainer(StepMixin, MetricsMixin, WeightsMixin, CheckpointMixin):
             ref = load_model(cfg.model, init_path).to(self.device)
             ref.requires_grad_(False)
             self.ref_model = self._wrap(ref, offload=cfg.trainer.ref_offload)
+        # on-policy distillation's teacher (algorithm.teacher_model_path): frozen, placed like the reference
+        self.teacher_model = None
+        if plan.needs.teacher:
+            teacher = load_teacher(cfg.model, cfg.algorithm.teacher_model_path, self.tokenizer).to(self.device)
+            self.teacher_model = self._wrap(teacher, offload=cfg.trainer.ref_offload)
 
     def _open_datasets(self) -> None:
         """The readers of the stage's training dataset and of algorithm=mix's SFT rows, if any."""
