@@ -41,6 +41,14 @@ def test_differences_allow_only_a_longer_run():
                                         "seed: 1 -> 2"]
 
 
+def test_a_teacher_that_distillation_does_not_read_is_not_part_of_a_stage_identity():
+    # a warm-up stage (distill_coef 0) inherits the RL stage's teacher: grpo and opd arms share it
+    off = [identity({"algorithm": {"distill_coef": 0.0, "teacher_model_path": t}}) for t in (None, "a", "b")]
+    assert off[0] == off[1] == off[2] == {"algorithm.distill_coef": 0.0}
+    on = [identity({"algorithm": {"distill_coef": 1.0, "teacher_model_path": t}}) for t in ("a", "b")]
+    assert differences(on[0], on[1]) == ["algorithm.teacher_model_path: 'a' -> 'b'"]
+
+
 @pytest.mark.slow  # a real engine, Ray or training run
 def test_a_changed_config_under_the_same_name_stops_and_lists_the_changes(tmp_path):
     args = [*TINY, f"checkpoint_root_dir={tmp_path}", "name=study", "stage_cache_dir=null"]

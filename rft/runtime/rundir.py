@@ -73,9 +73,13 @@ DATA_RECORD = "data.json"
 
 
 def identity(cfg) -> dict[str, Any]:
-    """What determines a stage's results: its flat config without WHERE_AND_HOW."""
-    return {k: v for k, v in flat(cfg).items()
-            if not any(k == w or k.startswith(w + ".") for w in WHERE_AND_HOW)}
+    """What determines a stage's results: its flat config without WHERE_AND_HOW, nor a teacher that
+    distillation does not read (a warm-up stage inherits the RL stage's: grpo and opd arms of a
+    sweep share their warm-up)."""
+    keys = flat(cfg)
+    unused = () if keys.get("algorithm.distill_coef") else ("algorithm.teacher_model_path",)
+    return {k: v for k, v in keys.items()
+            if not any(k == w or k.startswith(w + ".") for w in WHERE_AND_HOW) and k not in unused}
 
 
 def fingerprint(obj) -> str:
