@@ -619,6 +619,50 @@ class ClusterConfig:
 
 
 @dataclass
+class OperatorConfig:
+    # a name of rft.data.pipeline.TASK_OPERATORS (task_pipeline) or EXPERIENCE_OPERATORS
+    # (experience_pipeline), or the dotted path of a study's own function (module.function)
+    name: str = MISSING
+    # the operator's keyword arguments (each operator's docstring in rft/data/operators.py)
+    args: Dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class TaskPipelineConfig:
+    # run in order over buffer.explorer_input.taskset's rows before the run (Trinity read the
+    # rows of `inputs`; here the taskset's path, split and format); the output, cached in
+    # <cache_dir>/task_pipeline/<fingerprint of the input files and operators>, is the taskset the
+    # explorers read. Empty: the taskset as it is
+    operators: List[OperatorConfig] = field(default_factory=list)
+
+
+@dataclass
+class ExperiencePipelineConfig:
+    # run in order over each explore step's experiences where they enter the buffer (reward
+    # shaping mappers, filters); empty: none
+    operators: List[OperatorConfig] = field(default_factory=list)
+
+
+@dataclass
+class OnlineCurriculumConfig:
+    # draw each step's tasks by priority p(1 - p) + eps, p the task's pass rate over its last
+    # `window` rollouts (reward >= the taskset's pass_threshold; a task not yet seen counts as
+    # p = 0.5): tasks always or never solved are drawn less. false: epoch-wise shuffles
+    enable: bool = False
+    # a task's newest rollouts its pass rate counts
+    window: int = 8
+    # the floor of every task's weight (> 0: no task is never drawn)
+    eps: float = 0.05
+
+
+@dataclass
+class DataProcessorConfig:
+    task_pipeline: TaskPipelineConfig = field(default_factory=TaskPipelineConfig)
+    experience_pipeline: ExperiencePipelineConfig = field(default_factory=ExperiencePipelineConfig)
+    online_curriculum: OnlineCurriculumConfig = field(default_factory=OnlineCurriculumConfig)
+
+
+@dataclass
 class LogConfig:
     # DEBUG | INFO | WARNING | ERROR, for log/<actor>.log
     level: str = "INFO"
@@ -662,6 +706,8 @@ class Config:
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    # the data pipelines (rft/data/pipeline.py) and the online curriculum (rft/data/curriculum.py)
+    data_processor: DataProcessorConfig = field(default_factory=DataProcessorConfig)
 
 
 def lora_adapter_sync(model_cfg) -> bool:

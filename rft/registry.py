@@ -6,7 +6,8 @@ The tables: algorithms (ADVANTAGE_FNS, POLICY_LOSS_FNS, KL_FNS: rft/algorithms),
 (rft/rollout/workflows/single_turn.py), environments (rft/rollout/environments/tools.py), engines
 and trainer backends (here, at the end: planning reads what they offer), synchronizers
 (rft/sync/weights.py), buffers and priority functions (rft/data/), task generators
-(rft/data/tasks.py), model builders (rft/models.py), actor backends (rft/runtime/actors.py),
+(rft/data/tasks.py), data pipeline operators (TASK_OPERATORS, EXPERIENCE_OPERATORS:
+rft/data/pipeline.py), model builders (rft/models.py), actor backends (rft/runtime/actors.py),
 trackers (MONITORS: rft/reporting/monitor.py). Each
 entry is a "module.attribute" string, imported on first use, so planning reads the names (and
 what each entry needs or offers) without importing the code. A config may name a table's entry or

@@ -562,6 +562,7 @@ def test_a_syncing_step_queues_the_sync_and_the_next_explore_behind_the_train_st
         run.explores = run.trains = True
         run.pool.snapshots = False
         run.explore_metrics = {}
+        run.curriculum = None  # data_processor.online_curriculum off: the explorers draw their own tasks
         run.monitor = SimpleNamespace(record_batch=lambda record: None)
         batch = [Experience(tokens=[1, 2, 3], prompt_length=1, logprobs=[0.0, 0.0])]
         run._read_batch = lambda step, produced: (batch, {})

@@ -20,6 +20,7 @@ import time
 
 from rft.algorithms.shaping import apply_overlong
 from rft.data.readers import budget_report, epoch_batch, prompt_ids, step_seed
+from rft.data.pipeline import keeps_order, taskset_of
 from rft.data.tasks import load_tasks
 from rft.errors import ConfigError, RunError
 from rft.models import load_tokenizer, local_device, peak_memory
@@ -260,6 +261,24 @@ def save_trajectories(exps: list, path: str, reward_spec=None) -> None:
     os.replace(path + ".tmp", path)
 
 
+def task_rows_of(n: int, per_step: int, step: int, seed: int, in_order: bool) -> list[int]:
+    """Step `step`'s task rows: epoch-wise shuffles seeded by (seed, epoch); `in_order` (the task
+    pipeline's curriculum_order): the rows in their order, epoch after epoch."""
+    if in_order:
+        pos = step % (n // per_step)
+        return list(range(pos * per_step, (pos + 1) * per_step))
+    return epoch_batch(n, per_step, step, lambda epoch: step_seed(seed, epoch, salt=1))
+
+
+def pass_rates(explorer: "Explorer", n: int) -> list[float]:
+    """Each task's share of n rollouts (the training workflow, sampling and reward) whose reward is
+    >= the taskset's pass_threshold; a failed task counts 0 (the task pipeline's
+    llm_difficulty_score_filter, rft/runtime/pipelines.py)."""
+    ts = explorer.cfg.buffer.explorer_input.taskset
+    groups = explorer._run(ts, explorer.scorer, explorer.taskset, n, 0, 3, {})
+    return [sum(e.reward >= ts.pass_threshold for e in g) / n if g else 0.0 for g in groups]
+
+
 class Explorer(WeightsMixin):
     def __init__(self, cfg, weights_path: str | None = None, version: int = 0, shard: int = 0):
         import torch
@@ -284,7 +303,7 @@ class Explorer(WeightsMixin):
             self.auxiliary[aux.name] = Auxiliary(aux.name, engine, tok, aux.model.max_response_tokens)
         self._openai = None
         inp = cfg.buffer.explorer_input
-        self.taskset = load_tasks(inp.taskset, "buffer.explorer_input.taskset")
+        self.taskset = load_tasks(taskset_of(cfg), "buffer.explorer_input.taskset")  # a task pipeline's output
         # each taskset's reward (rft/rewards/scoring.py; served rewards connect here, once)
         self.scorer = build_scorer(spec_of(inp.taskset.reward_fn, inp.default_reward_fn_type), "buffer.explorer_input.taskset.reward_fn")
         self.eval_tasksets = [
@@ -338,10 +357,8 @@ class Explorer(WeightsMixin):
         return [t for t in texts if t]
 
     def task_rows(self, step: int) -> list[int]:
-        """This explorer's share of step `step`'s tasks, as rows of the taskset (epoch-wise
-        shuffles seeded by (seed, epoch))."""
-        rows = epoch_batch(len(self.taskset), self.cfg.buffer.batch_size, step,
-                           lambda epoch: step_seed(self.cfg.seed, epoch, salt=1))
+        """This explorer's share of step `step`'s tasks, as rows of the taskset (`task_rows_of`)."""
+        rows = task_rows_of(len(self.taskset), self.cfg.buffer.batch_size, step, self.cfg.seed, keeps_order(self.cfg))
         return rows[self.shard :: self.num_shards]
 
     def tasks_for_step(self, step: int):
@@ -427,8 +444,8 @@ class Explorer(WeightsMixin):
         apply_overlong([e for g in groups for e in g], algo, ts.rollout_args.max_tokens or self.cfg.model.max_response_tokens)
         return groups
 
-    def explore(self, step: int):
-        """This explorer's experiences of step `step` and its counters (summed over explorers)."""
+    def explore(self, step: int, rows: list[int] | None = None):
+        """This explorer's experiences of step `step` (tasks `rows`: the online curriculum's draw) and counters."""
         t0, busy0 = time.perf_counter(), self.engine.busy_s
         ts = self.cfg.buffer.explorer_input.taskset
         n = ts.repeat_times or self.cfg.algorithm.repeat_times
@@ -437,7 +454,7 @@ class Explorer(WeightsMixin):
         salt = 1000 * self.shard
         if self.partial is not None:
             return self._explore_partial(step, n, salt, counters, t0, busy0)
-        tasks = self.tasks_for_step(step)
+        tasks = self.tasks_for_step(step) if rows is None else [self.taskset[i] for i in rows[self.shard :: self.num_shards]]
         groups = self._rollouts(tasks, n, step, salt, counters)
         tries = 1
         max_tries = self.cfg.algorithm.dynamic_sampling_max_tries

@@ -31,6 +31,13 @@ class Pending:
     futures: list
     version: int
     t0: float
+    # the task rows the online curriculum drew for it (rft/data/curriculum.py); None: the explorers' own
+    rows: list | None = None
+
+    @property
+    def args(self) -> tuple:
+        """The explore call's arguments (a restarted explorer's redo makes the same call)."""
+        return (self.step,) if self.rows is None else (self.step, self.rows)
 
 
 class ExplorerPool:
@@ -65,11 +72,13 @@ class ExplorerPool:
                 e.call("wake_up" if awake else "sleep")
             self.asleep = not awake
 
-    def submit(self, step: int) -> None:
-        """Start explore step `step` on every explorer, on the weights they serve now."""
+    def submit(self, step: int, rows: list | None = None) -> None:
+        """Start explore step `step` on every explorer, on the weights they serve now (`rows`: its
+        tasks as the online curriculum drew them)."""
         self.awake(True)
-        futures = [e.submit("explore", step) for e in self.explorers]
-        self.pending.append(Pending(step, futures, self.synced, time.perf_counter()))
+        p = Pending(step, [], self.synced, time.perf_counter(), rows)
+        p.futures = [e.submit("explore", *p.args) for e in self.explorers]
+        self.pending.append(p)
 
     def collect(self) -> tuple[Pending, list, dict, tuple | None]:
         """Wait for the oldest explore step: it, its experiences, its counters summed over the
@@ -78,7 +87,7 @@ class ExplorerPool:
         p = self.pending[0]  # still pending while its results are taken: a restart redoes it (_redo_explores)
         exps, counters, last_error = [], {}, None
         for i, f in enumerate(p.futures):
-            e, c = self._result(i, f, "explore", p.step, version=p.version)
+            e, c = self._result(i, f, "explore", *p.args, version=p.version)
             if "partial_state" in c:
                 self.partial_states[i] = c.pop("partial_state")
             exps += e
@@ -262,7 +271,7 @@ class ExplorerPool:
                         raise
                     lost = True
                     explorer.call("load_partial", state)
-            p.futures[i] = explorer.submit("explore", p.step)
+            p.futures[i] = explorer.submit("explore", *p.args)
         if not lost:
             explorer.call("load_partial", state)
 

@@ -115,6 +115,7 @@ def dataset_size(cfg: DictConfig, sources: dict | None = None) -> int:
     the training dataset (mode=train). Every dataset the stage reads is loaded and checked here,
     before anything starts, so a bad path, row or column fails first (in the driver, or for a Ray
     run in a child process of it: `dataset_sizes_in_child`)."""
+    from rft.data.pipeline import taskset_of
     from rft.data.tasks import check_columns, ensure_task_data, load_rows, load_tasks
     from rft.plan.batch import label, stored_experiences
 
@@ -139,7 +140,8 @@ def dataset_size(cfg: DictConfig, sources: dict | None = None) -> int:
             )
         return n
     if cfg.mode in ("both", "explore"):
-        size = len(load_tasks(inp.taskset, "buffer.explorer_input.taskset"))
+        # with data_processor.task_pipeline its output (a dry run before it ran: its input)
+        size = len(load_tasks(taskset_of(cfg, before_run=True), "buffer.explorer_input.taskset"))
         for i, ts in enumerate(inp.eval_tasksets):
             load_tasks(ts, f"buffer.explorer_input.eval_tasksets[{i}]")
         return size
@@ -305,7 +307,7 @@ def _sizes_of(ask: str, answer: str) -> None:
         # a sweep's jobs mostly differ in what dataset_size does not read (seeds, algorithms): a
         # stage is read once per distinct (mode, buffer, auxiliary SFT data, sources)
         keys = [json.dumps([s["mode"], s["buffer"], s["algorithm"]["sft_loss_weight"], s["algorithm"]["sft_buffer"],
-                            src], sort_keys=True) for s, src in zip(job["stages"], job["sources"])]
+                            src, s.get("data_processor")], sort_keys=True) for s, src in zip(job["stages"], job["sources"])]
         try:
             todo = [(s, src, k) for s, src, k in zip(job["stages"], job["sources"], keys) if k not in known]
             done = dataset_sizes([OmegaConf.create(s) for s, _, _ in todo], [src for _, src, _ in todo])
@@ -336,6 +338,10 @@ def _main(cfg: DictConfig) -> float | None:
 
         check_gpus_here(cfg)
         check_model_here(cfg)
+        # data_processor.task_pipeline: its output is the taskset the plan counts (rft/runtime/pipelines.py)
+        from rft.runtime.pipelines import prepare_tasks
+
+        prepare_tasks(split_stages(cfg)[0], run_dir_of(cfg))
     # a Ray driver waits on its actors to the end of the run: it reads no dataset itself
     stages, plans, stage_dirs = plan_stages(cfg, isolated=cfg.cluster.backend == "ray" and not cfg.dry_run)
     run_dir = run_dir_of(cfg)

@@ -24,6 +24,8 @@ import time
 from collections import Counter
 
 from rft.algorithms.off_policy import staleness
+from rft.data.curriculum import make_curriculum
+from rft.data.pipeline import ExperiencePipeline
 from rft.data.experience import batch_record
 from rft.rewards import scoring
 from rft.rollout.explorer import step_metrics
@@ -75,6 +77,12 @@ class Schedule:
         self.next_explore = saved.get("next_explore", start)
         self.explore_metrics = {int(k): v for k, v in saved.get("explore_metrics", {}).items()}
         self.reward_norm = norm
+        # data_processor.online_curriculum: draws each explore step's tasks (None: the explorers' shuffles)
+        self.curriculum = make_curriculum(cfg, plan.dataset_size)
+        if self.curriculum is not None:
+            self.curriculum.load(saved.get("curriculum"))
+        dp = cfg.get("data_processor")
+        self.experience_pipeline = ExperiencePipeline(dp.experience_pipeline.operators if dp else [])
 
     def run(self) -> None:
         cfg = self.cfg
@@ -90,7 +98,8 @@ class Schedule:
             if self.explores:
                 metrics.update(self._explore_until(step))
             if self.trains:
-                metrics.update(self._train(step, metrics.get("rollout/experiences")))
+                produced = metrics.get("experience_pipeline/kept", metrics.get("rollout/experiences"))
+                metrics.update(self._train(step, produced))
             self._end_step(step, metrics, t_step)
 
     # ------------------------------------------------------------------ explore
@@ -99,7 +108,8 @@ class Schedule:
         """Submit the explore steps due by training step `step`: synchronizer.sync_offset ahead."""
         offset = self.cfg.synchronizer.sync_offset if self.cfg.mode == "both" else 0
         while self.next_explore <= min(step - 1 + offset, self.plan.total_steps - 1):
-            self.pool.submit(self.next_explore)
+            rows = self.curriculum.draw(self.next_explore, self.cfg.buffer.batch_size) if self.curriculum else None
+            self.pool.submit(self.next_explore, rows)
             self.next_explore += 1
 
     def _explore_until(self, step: int) -> dict:
@@ -115,8 +125,17 @@ class Schedule:
         """Wait for the oldest explore step; its experiences go into the buffer (how many)."""
         p, exps, counters, last_error = self.pool.collect()
         m = step_metrics(exps, counters, len(p.futures))
+        if self.curriculum is not None:  # the pass rates of the rewards as the reward function gave them
+            self.curriculum.observe(exps)
+            m.update(self.curriculum.metrics())
         # parts marked normalize: true (rft/rewards/scoring.py), in step order: a resumed run normalises the same
         m.update(self.reward_norm.apply(exps))
+        if self.experience_pipeline:
+            # data_processor.experience_pipeline, here where experiences enter the buffer: in the
+            # driver, in step order, after the explorers' shaping (overlong) and the normalisation,
+            # so what the buffer (and a checkpoint) holds is what the trainer trains on
+            exps, pm = self.experience_pipeline(exps)
+            m.update(pm)
         m["timing/rollout_s"] = time.perf_counter() - p.t0
         self.explore_metrics[p.step] = m
         self.signal.check(p.step, m, last_error)
@@ -221,7 +240,8 @@ class Schedule:
     def _state(self) -> dict:
         """Where the schedule stands, for a resumed run to go on from there."""
         return {"version": self.pool.synced, "next_explore": self.next_explore,
-                "explore_metrics": self.explore_metrics, "reward_norm": self.reward_norm.state()}
+                "explore_metrics": self.explore_metrics, "reward_norm": self.reward_norm.state(),
+                **({"curriculum": self.curriculum.state()} if self.curriculum is not None else {})}
 
     def _wants_eval(self, step: int) -> bool:
         cfg = self.cfg

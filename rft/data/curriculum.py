@@ -1,0 +1,86 @@
+"""The online curriculum (data_processor.online_curriculum): each step's tasks drawn by priority,
+so that tasks the model always or never solves are drawn less.
+
+A task's priority is p(1 - p) + eps, p its pass rate over its last `window` rollouts (the share
+with reward >= the taskset's pass_threshold); a task not yet seen counts as p = 0.5, the highest
+priority, so every task is tried early. p(1 - p) is the variance of a rollout's pass/fail: the
+tasks whose groups carry a learning signal for a group-relative advantage (a group all right or
+all wrong has none); eps keeps every task drawable, as a pass rate of 0 or 1 over a few rollouts
+may be luck.
+
+It lives in the driver (rft.runtime.schedule.Schedule): it learns from each explore step's
+experiences as they are collected, in step order, and draws a step's tasks when that step is
+submitted, from a generator seeded by (seed, step). Collects and submissions happen at points the
+config fixes, so the draws are a function of the config; its state (the outcomes it holds) is
+saved in the checkpoint, and a resumed run draws what an uninterrupted one would.
+"""
+
+from __future__ import annotations
+
+from rft.data.readers import step_seed
+
+
+class OnlineCurriculum:
+    def __init__(self, n_tasks: int, taskset_name: str, window: int, eps: float, threshold: float, seed: int):
+        self.n, self.name, self.window, self.eps = n_tasks, taskset_name, window, eps
+        self.threshold, self.seed = threshold, seed
+        # task row -> its last `window` outcomes (1: passed), oldest first
+        self.outcomes: dict[int, list[int]] = {}
+
+    def _row(self, task_id: str) -> int | None:
+        """The taskset row of a task id (rft.data.tasks.load_tasks names them <taskset name>/<row>)."""
+        name, _, row = task_id.rpartition("/")
+        return int(row) if name == self.name and row.isdigit() and int(row) < self.n else None
+
+    def observe(self, exps: list) -> None:
+        """Record each experience's outcome against its task, in the order given."""
+        for e in exps:
+            row = self._row(e.task_id)
+            if row is not None:
+                seen = self.outcomes.setdefault(row, [])
+                seen.append(int(e.reward >= self.threshold))
+                del seen[:-self.window]
+
+    def pass_rate(self, row: int) -> float | None:
+        seen = self.outcomes.get(row)
+        return sum(seen) / len(seen) if seen else None
+
+    def weights(self) -> list[float]:
+        """Each task's priority p(1 - p) + eps (p = 0.5 for a task not yet seen)."""
+        w = [0.25 + self.eps] * self.n
+        for row in self.outcomes:
+            p = self.pass_rate(row)
+            w[row] = p * (1 - p) + self.eps
+        return w
+
+    def draw(self, step: int, k: int) -> list[int]:
+        """Step `step`'s k task rows: drawn without replacement, each with probability in
+        proportion to its weight, by a generator seeded by (seed, step)."""
+        import numpy as np
+
+        w = np.asarray(self.weights(), dtype=np.float64)
+        rng = np.random.default_rng(step_seed(self.seed, step, salt=17))
+        return [int(i) for i in rng.choice(self.n, size=min(k, self.n), replace=False, p=w / w.sum())]
+
+    def metrics(self) -> dict:
+        """The share of the tasks seen so far that were always solved, never solved, and seen."""
+        rates = [self.pass_rate(r) for r in self.outcomes]
+        seen = max(len(rates), 1)
+        return {"curriculum/solved_frac": sum(p == 1 for p in rates) / seen,
+                "curriculum/unsolved_frac": sum(p == 0 for p in rates) / seen,
+                "curriculum/seen_frac": len(rates) / max(self.n, 1)}
+
+    def state(self) -> dict:
+        return {"outcomes": {str(r): "".join(map(str, o)) for r, o in sorted(self.outcomes.items())}}
+
+    def load(self, state: dict | None) -> None:
+        self.outcomes = {int(r): [int(c) for c in o] for r, o in ((state or {}).get("outcomes") or {}).items()}
+
+
+def make_curriculum(cfg, n_tasks: int) -> OnlineCurriculum | None:
+    """The stage's online curriculum (None: off, or a stage that explores nothing)."""
+    dp = cfg.get("data_processor")
+    if dp is None or not dp.online_curriculum.enable or cfg.mode not in ("both", "explore"):
+        return None
+    ts, cur = cfg.buffer.explorer_input.taskset, dp.online_curriculum
+    return OnlineCurriculum(n_tasks, ts.name, cur.window, cur.eps, ts.pass_threshold, cfg.seed)

@@ -1,0 +1,339 @@
+"""The data pipelines (data_processor in the config; the seeds' key names): operators in order
+over the taskset's rows before a run, and over each explore step's experiences during it.
+
+- task pipeline (data_processor.task_pipeline.operators): buffer.explorer_input.taskset's rows
+  -> each operator -> the rows the explorers read. Its output is cached in
+  <cache_dir>/task_pipeline/<fingerprint>/ (train.jsonl and report.json, sealed by a manifest),
+  the fingerprint covering the input files' digests, the taskset's split and format, and the
+  operators' names and args (and, for an operator that samples the model, the model's files and
+  the rollout settings): a rerun reuses it, a changed arg makes a new one. The report (rows in
+  and out of each operator) is printed, written to <run>/task_pipeline.json, and shown by the dry
+  run. rft/runtime/pipelines.py runs it (it holds the model an operator may sample).
+- experience pipeline (data_processor.experience_pipeline.operators): where each explore step's
+  experiences enter the buffer, in the driver (rft.runtime.schedule.Schedule._collect).
+
+Operators are rft/data/operators.py's; a study adds its own as a dotted path (module.function)
+or a registry line (TASK_OPERATORS["mine"] = "my_study.ops.fn").
+"""
+
+from __future__ import annotations
+
+import difflib
+import inspect
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from rft import manifest
+from rft.errors import ConfigError
+from rft.registry import Registry, resolve
+
+TASK_KEY = "data_processor.task_pipeline.operators"
+EXPERIENCE_KEY = "data_processor.experience_pipeline.operators"
+
+
+@dataclass(frozen=True)
+class OperatorInfo:
+    # samples the run's model: the model and rollout settings are part of the cache's fingerprint
+    model: bool = False
+    # leaves the rows in an order of its own: the explorers read them in it, not shuffled
+    orders: bool = False
+
+
+TASK_OPERATORS = Registry(TASK_KEY, info="info", default=OperatorInfo(),
+                          shape="a function fn(rows, ctx, **args) -> rows (module.function)", table={
+    "text_length_filter": "rft.data.operators.text_length_filter",
+    "document_deduplicator": "rft.data.operators.document_deduplicator",
+    "document_minhash_deduplicator": "rft.data.operators.document_minhash_deduplicator",
+    "llm_difficulty_score_filter": ("rft.data.operators.llm_difficulty_score_filter", OperatorInfo(model=True)),
+    "difficulty_filter": "rft.data.operators.difficulty_filter",
+    "curriculum_order": ("rft.data.operators.curriculum_order", OperatorInfo(orders=True)),
+})
+
+EXPERIENCE_OPERATORS = Registry(EXPERIENCE_KEY, shape="a function fn(experiences, **args) -> experiences "
+                                                      "(module.function)", table={
+    "reward_shaping_mapper": "rft.data.operators.reward_shaping_mapper",
+    "reward_filter": "rft.data.operators.reward_filter",
+    "response_length_filter": "rft.data.operators.response_length_filter",
+    "group_diversity_filter": "rft.data.operators.group_diversity_filter",
+})
+
+
+def operators(ops_cfg) -> list[tuple[str, dict]]:
+    """(name, args) of each configured operator, as plain values."""
+    from omegaconf import DictConfig, OmegaConf
+
+    out = []
+    for op in ops_cfg or []:
+        args = op.get("args") or {}
+        out.append((str(op.get("name")), OmegaConf.to_container(args, resolve=True) if isinstance(args, DictConfig) else dict(args)))
+    return out
+
+
+def _function(registry: Registry, name: str, where: str):
+    """The operator `name`, or a ConfigError naming the close matches."""
+    if name not in registry and "." not in name:
+        near = difflib.get_close_matches(name, list(registry), n=2, cutoff=0.5)
+        hint = f"Did you mean {' or '.join(near)}? " if near else ""
+        raise ConfigError(f"{where}.name={name!r} is not an operator. {hint}The operators are {', '.join(registry)} "
+                          f"(rft/data/operators.py), or give the dotted path of your own ({registry.shape}).")
+    return resolve(registry, name, f"{where}.name")
+
+
+def _checked_call(fn, name: str, where: str, fixed: int, *lead, **args):
+    """fn(*lead, **args) with the args checked against its signature (after its `fixed` leading
+    parameters); its ConfigError (a bad value) is prefixed with the operator's config key."""
+    params = list(inspect.signature(fn).parameters.values())[fixed:]
+    names = [p.name for p in params if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)]
+    takes_any = any(p.kind == p.VAR_KEYWORD for p in params)
+    unknown = [] if takes_any else sorted(set(args) - set(names))
+    if unknown:
+        near = {u: difflib.get_close_matches(u, names, n=1, cutoff=0.5) for u in unknown}
+        hints = "; ".join(f"{u}: did you mean {n[0]}?" for u, n in near.items() if n)
+        raise ConfigError(f"{where}.args has {unknown}, which {name} does not take{' (' + hints + ')' if hints else ''}; "
+                          f"its arguments are {names}.")
+    missing = [p.name for p in params if p.default is p.empty and p.name not in args
+               and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)]
+    if missing:
+        raise ConfigError(f"{where}.args lacks {missing}, which {name} needs; its arguments are {names}.")
+    try:
+        return fn(*lead, **args)
+    except ConfigError as e:
+        raise ConfigError(f"{where} ({name}): {e}") from None
+    except TypeError as e:  # a value of the wrong type (a list where a number goes)
+        raise ConfigError(f"{where} ({name}): {e}; check the types of its args ({args}).") from None
+
+
+def check_operators(cfg) -> None:
+    """Every operator of both pipelines is known and takes its args with good values (each is
+    called on no rows); the online curriculum's settings. Planning's check: imports no torch."""
+    dp = cfg.get("data_processor")
+    if dp is None:
+        return
+    from rft.data.operators import TaskContext
+
+    ctx = TaskContext(text=lambda row: "")
+    for i, (name, args) in enumerate(operators(dp.task_pipeline.operators)):
+        where = f"{TASK_KEY}[{i}]"
+        _checked_call(_function(TASK_OPERATORS, name, where), name, where, 2, [], ctx, **args)
+    ExperiencePipeline(dp.experience_pipeline.operators)
+    cur = dp.online_curriculum
+    if cur.enable:
+        if cur.window < 1 or not cur.eps > 0:
+            raise ConfigError(f"data_processor.online_curriculum: window={cur.window} must be >= 1 and eps={cur.eps} "
+                              f"> 0 (a task of weight 0 would never be drawn again).")
+        if cfg.explorer.partial_rollout:
+            raise ConfigError("data_processor.online_curriculum.enable=true draws each step's tasks when the step is "
+                              "started, from the pass rates seen so far; explorer.partial_rollout takes later steps' "
+                              "tasks ahead of that. Turn one of them off.")
+
+
+# ---------------------------------------------------------------- the task pipeline
+
+
+def _row_text(fmt):
+    """A row's prompt as text, as the taskset's format reads it."""
+    if fmt.prompt_type == "messages":
+        return lambda row: "\n".join(str(m.get("content") or "") for m in row.get(fmt.messages_key) or [])
+    return lambda row: str(row.get(fmt.prompt_key, ""))
+
+
+def _info(name: str) -> OperatorInfo:
+    """A task operator's OperatorInfo (a study's own: its attribute `info`); an unknown name's is
+    the default, its error left to check_operators, which names the close matches."""
+    return TASK_OPERATORS.info(name) if name in TASK_OPERATORS or "." in name else OperatorInfo()
+
+
+def _input_identity(ts) -> list:
+    """The taskset's input by its data files' digests (a hub id: by its name)."""
+    import os
+
+    from rft.data.tasks import _FILE_BUILDERS
+
+    p = Path(os.path.expanduser(ts.path))
+    files = [p] if p.is_file() else sorted(f for f in p.rglob("*") if f.suffix in _FILE_BUILDERS) if p.is_dir() else []
+    if not files:
+        return [str(ts.path)]
+    return [[str(f.relative_to(p)) if p.is_dir() else f.name, manifest.digest(f)] for f in files]
+
+
+def _model_identity(cfg) -> dict:
+    """What a model-sampling operator's scores depend on: the model's files (names, sizes, times)
+    and how the run samples and scores it."""
+    import os
+
+    from omegaconf import OmegaConf
+
+    inp, p = cfg.buffer.explorer_input, Path(os.path.expanduser(str(cfg.model.model_path)))
+    files = sorted(f for f in p.rglob("*") if f.is_file()) if p.is_dir() else []
+    ts = inp.taskset
+
+    def plain(v):
+        return OmegaConf.to_container(v, resolve=True) if OmegaConf.is_config(v) else v
+
+    return {"model": [str(p)] + [[str(f.relative_to(p)), f.stat().st_size, f.stat().st_mtime_ns] for f in files],
+            "max_tokens": [cfg.model.max_prompt_tokens, cfg.model.max_response_tokens],
+            "rollout_args": plain(ts.rollout_args), "reward_fn": plain(ts.reward_fn),
+            "default_reward_fn_type": plain(inp.default_reward_fn_type), "workflow": ts.workflow,
+            "workflow_args": plain(ts.workflow_args), "pass_threshold": ts.pass_threshold, "seed": cfg.seed}
+
+
+def fingerprint(cfg) -> str:
+    """The task pipeline's cache key: its input (files' digests, split, subset, format) and its
+    operators (names and args); with an operator that samples the model, what it samples."""
+    import hashlib
+
+    from omegaconf import OmegaConf
+
+    ts, ops = cfg.buffer.explorer_input.taskset, operators(cfg.data_processor.task_pipeline.operators)
+    key = {"version": 1, "input": _input_identity(ts), "split": ts.split, "subset": ts.subset_name,
+           "format": OmegaConf.to_container(ts.format, resolve=True) if OmegaConf.is_config(ts.format) else dict(ts.format),
+           "operators": ops}
+    if any(_info(name).model for name, _ in ops):
+        key["sampled"] = _model_identity(cfg)
+    return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def output_dir(cfg) -> Path:
+    import os
+
+    return Path(os.path.expanduser(str(cfg.cache_dir))) / "task_pipeline" / fingerprint(cfg)
+
+
+def has_task_pipeline(cfg) -> bool:
+    dp = cfg.get("data_processor")
+    return bool(dp is not None and dp.task_pipeline.operators) and cfg.mode in ("both", "explore")
+
+
+def keeps_order(cfg) -> bool:
+    """Whether the task pipeline's output is in an order of its own (curriculum_order), which
+    the explorers then read in, epoch after epoch."""
+    if not has_task_pipeline(cfg):
+        return False
+    return any(_info(name).orders for name, _ in operators(cfg.data_processor.task_pipeline.operators))
+
+
+def cached_report(cfg) -> dict | None:
+    """The report of the cached output for this config (None: not run yet)."""
+    d = output_dir(cfg)
+    if not (d / "report.json").is_file() or manifest.verify(d) is not None:
+        return None
+    return json.loads((d / "report.json").read_text())
+
+
+def taskset_of(cfg, before_run: bool = False):
+    """The taskset the explorers read: buffer.explorer_input.taskset, or with a task pipeline its
+    cached output (its rows in order, format as the input's). `before_run` (a dry run): the input
+    itself when the pipeline has not run yet."""
+    from omegaconf import OmegaConf
+
+    from rft.config import frozen
+
+    ts = cfg.buffer.explorer_input.taskset
+    if not has_task_pipeline(cfg):
+        return ts
+    d = output_dir(cfg)
+    if cached_report(cfg) is None:
+        if before_run:
+            return ts
+        raise ConfigError(f"data_processor.task_pipeline: its output for this config ({d}) is missing; it is made "
+                          f"when a run starts (python run.py ...), before anything reads the taskset.")
+    # a plain copy (the explorers get the config as a read-only rft.config.Frozen)
+    out = OmegaConf.to_container(ts, resolve=True) if OmegaConf.is_config(ts) else json.loads(json.dumps(ts))
+    out.update(path=str(d / "train.jsonl"), split="train", subset_name=None)
+    return frozen(out)
+
+
+def run_task_pipeline(cfg, pass_rates=None, say=print) -> dict:
+    """The task pipeline's output for `cfg` (made, or found in the cache); returns its report."""
+    from filelock import FileLock
+
+    from rft.data.operators import TaskContext
+    from rft.data.tasks import load_rows
+
+    ts, d = cfg.buffer.explorer_input.taskset, output_dir(cfg)
+    d.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(d) + ".lock"):
+        if manifest.whole(d, "task pipeline output") and (d / "report.json").is_file():
+            return {**json.loads((d / "report.json").read_text()), "cached": True}
+        rows = [dict(r) for r in load_rows(ts.path, ts.split, ts.subset_name, key="buffer.explorer_input.taskset.path")]
+        ctx = TaskContext(text=_row_text(ts.format), pass_rates=pass_rates)
+        report = {"input": str(ts.path), "split": ts.split, "rows": len(rows), "output": str(d / "train.jsonl"),
+                  "fingerprint": d.name, "operators": []}
+        for i, (name, args) in enumerate(operators(cfg.data_processor.task_pipeline.operators)):
+            where, before, t0 = f"{TASK_KEY}[{i}]", len(rows), time.perf_counter()
+            rows = _checked_call(_function(TASK_OPERATORS, name, where), name, where, 2, rows, ctx, **args)
+            report["operators"].append({"name": name, "args": args, "rows_in": before, "rows_out": len(rows),
+                                        "seconds": round(time.perf_counter() - t0, 3)})
+            say(f"task pipeline: {describe_step(report['operators'][-1])}")
+        if not rows:
+            raise ConfigError(f"data_processor.task_pipeline left no rows of {ts.path} ({format_report(report)}). "
+                              f"Loosen the operators' args.")
+        tmp = d.with_name(d.name + ".tmp")
+        tmp.mkdir(exist_ok=True)
+        with open(tmp / "train.jsonl", "w") as f:
+            for r in rows:
+                f.write(json.dumps(r, default=str) + "\n")
+        (tmp / "report.json").write_text(json.dumps(report, indent=1, default=str))
+        manifest.install(tmp, d, "task pipeline output")
+    return {**report, "cached": False}
+
+
+def describe_step(step: dict) -> str:
+    args = ", ".join(f"{k}={v}" for k, v in step["args"].items())
+    return f"{step['name']}({args}): {step['rows_in']} -> {step['rows_out']} rows"
+
+
+def format_report(report: dict) -> str:
+    """One line: the input's rows, then each operator's rows out."""
+    steps = " -> ".join(f"{s['name']} {s['rows_out']}" for s in report["operators"])
+    return f"{report['rows']} rows of {report['input']} -> {steps}"
+
+
+def describe_rows(cfg) -> list[tuple[str, str]]:
+    """The dry run's rows on the pipelines and the curriculum (none when all are off)."""
+    dp, rows = cfg.get("data_processor"), []
+    if dp is None:
+        return rows
+    if has_task_pipeline(cfg):
+        report = cached_report(cfg)
+        names = " -> ".join(n + "(" + ", ".join(f"{k}={v}" for k, v in a.items()) + ")"
+                            for n, a in operators(dp.task_pipeline.operators))
+        rows.append(("task pipeline", f"{names}; cached in {output_dir(cfg)}: {format_report(report)}" if report else
+                     f"{names}; not run yet: it runs when the run starts, into {output_dir(cfg)} (the plan above "
+                     f"counts the input's rows)"))
+    if dp.experience_pipeline.operators:
+        names = " -> ".join(n for n, _ in operators(dp.experience_pipeline.operators))
+        rows.append(("experience pipeline", f"{names}, over each explore step's experiences as they enter the buffer"))
+    cur = dp.online_curriculum
+    if cur.enable and cfg.mode in ("both", "explore"):
+        rows.append(("curriculum", f"online: each step's tasks drawn with weight p(1-p)+{cur.eps:g}, p the pass rate "
+                                   f"of a task's last {cur.window} rollouts (not yet seen: p=0.5)"))
+    elif keeps_order(cfg):
+        rows.append(("curriculum", "the task pipeline's order (curriculum_order), epoch after epoch, not shuffled"))
+    return rows
+
+
+class ExperiencePipeline:
+    """data_processor.experience_pipeline: its operators in order over a step's experiences; the
+    metrics say how many each kept (experience_pipeline/<name>/out) and how many went on (.../kept)."""
+
+    def __init__(self, ops_cfg):
+        self.ops = []
+        for i, (name, args) in enumerate(operators(ops_cfg)):
+            where = f"{EXPERIENCE_KEY}[{i}]"
+            fn = _function(EXPERIENCE_OPERATORS, name, where)
+            _checked_call(fn, name, where, 1, [], **args)  # its args checked on no experiences
+            self.ops.append((name, args, fn, where))
+
+    def __bool__(self) -> bool:
+        return bool(self.ops)
+
+    def __call__(self, exps: list) -> tuple[list, dict]:
+        m = {"experience_pipeline/in": len(exps)}
+        for name, args, fn, where in self.ops:
+            exps = _checked_call(fn, name, where, 1, exps, **args)
+            m[f"experience_pipeline/{name}/out"] = len(exps)
+        m["experience_pipeline/kept"] = len(exps)
+        return exps, m

@@ -1,0 +1,65 @@
+"""The task pipeline's run before a run's stages (rft/data/pipeline.py): each stage that explores
+with data_processor.task_pipeline gets its output (made, or reused from the cache) before its plan
+counts the taskset; the report goes to the terminal and to <run>/task_pipeline.json.
+
+An operator that samples the model (llm_difficulty_score_filter) gets `pass_rates`: an Explorer
+of the stage's config (its engine, workflow, sampling and reward, as the run makes rollouts) over
+the rows, in this process, released when the pipeline is done.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import tempfile
+from pathlib import Path
+
+from omegaconf import OmegaConf, open_dict
+
+from rft.config import frozen
+from rft.data.pipeline import format_report, has_task_pipeline, run_task_pipeline
+
+
+def pass_rates(cfg, rows: list[dict], n: int) -> list[float]:
+    """Each row's pass rate over n rollouts of cfg's model, made by an Explorer of cfg whose
+    taskset is these rows (in a temporary JSONL file, with no eval sets and no task pipeline)."""
+    from rft.models import ensure_model
+    from rft.rollout.explorer import Explorer
+    from rft.rollout.explorer import pass_rates as rates
+
+    ensure_model(cfg.model)
+    with tempfile.TemporaryDirectory(prefix="rft_scores_") as tmp:
+        path = Path(tmp) / "train.jsonl"
+        path.write_text("".join(json.dumps(r, default=str) + "\n" for r in rows))
+        c = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
+        with open_dict(c):
+            inp = c.buffer.explorer_input
+            inp.taskset.path, inp.taskset.split, inp.taskset.subset_name = str(path), "train", None
+            inp.eval_tasksets, inp.generator = [], None
+            c.data_processor.task_pipeline.operators = []
+        explorer = Explorer(frozen(c))
+        try:
+            return rates(explorer, n)
+        finally:
+            del explorer
+            gc.collect()
+
+
+def prepare_tasks(stages: list, run_dir: Path, say=print) -> None:
+    """Run (or reuse) the task pipeline of every stage that has one; write the reports."""
+    from rft.data.tasks import ensure_task_data
+    from rft.models import ensure_model
+
+    reports = []
+    for s in stages:
+        if not has_task_pipeline(s):
+            continue
+        ensure_task_data(s.buffer.explorer_input)
+        ensure_model(s.model)  # built first: a sampling operator's cache key holds the model's files
+        report = run_task_pipeline(s, pass_rates=lambda rows, n, s=s: pass_rates(s, rows, n), say=say)
+        say(f"task pipeline{' (cached)' if report['cached'] else ''}: {format_report(report)}; the taskset is now "
+            f"{report['output']}")
+        reports.append({"stage": s.stage_name, **report})
+    if reports:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "task_pipeline.json").write_text(json.dumps(reports, indent=1, default=str))
