@@ -206,6 +206,11 @@ def has_task_pipeline(cfg) -> bool:
     return bool(dp is not None and dp.task_pipeline.operators) and cfg.mode in ("both", "explore")
 
 
+def samples_model(cfg) -> bool:
+    """Whether an operator of the task pipeline samples the run's model."""
+    return has_task_pipeline(cfg) and any(_info(n).model for n, _ in operators(cfg.data_processor.task_pipeline.operators))
+
+
 def keeps_order(cfg) -> bool:
     """Whether the task pipeline's output is in an order of its own (curriculum_order), which
     the explorers then read in, epoch after epoch."""

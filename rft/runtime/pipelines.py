@@ -4,7 +4,9 @@ counts the taskset; the report goes to the terminal and to <run>/task_pipeline.j
 
 An operator that samples the model (llm_difficulty_score_filter) gets `pass_rates`: an Explorer
 of the stage's config (its engine, workflow, sampling and reward, as the run makes rollouts) over
-the rows, in this process, released when the pipeline is done.
+the rows, released when the pipeline is done. With cluster=ray that happens in a child process
+(`_in_child`): the driver neither keeps the engine's memory (a GPU's, which the explorers' engines
+then take) nor the modules it loaded.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ from pathlib import Path
 from omegaconf import OmegaConf, open_dict
 
 from rft.config import frozen
-from rft.data.pipeline import format_report, has_task_pipeline, run_task_pipeline
+from rft.data.pipeline import cached_report, format_report, has_task_pipeline, run_task_pipeline, samples_model
+from rft.errors import ConfigError, RunError
 
 
 def pass_rates(cfg, rows: list[dict], n: int) -> list[float]:
@@ -56,10 +59,41 @@ def prepare_tasks(stages: list, run_dir: Path, say=print) -> None:
             continue
         ensure_task_data(s.buffer.explorer_input)
         ensure_model(s.model)  # built first: a sampling operator's cache key holds the model's files
+        made = s.cluster.backend == "ray" and samples_model(s) and cached_report(s) is None
+        if made:
+            _in_child(s)  # then found in the cache below
         report = run_task_pipeline(s, pass_rates=lambda rows, n, s=s: pass_rates(s, rows, n), say=say)
+        report["cached"] = report["cached"] and not made
         say(f"task pipeline{' (cached)' if report['cached'] else ''}: {format_report(report)}; the taskset is now "
             f"{report['output']}")
         reports.append({"stage": s.stage_name, **report})
     if reports:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "task_pipeline.json").write_text(json.dumps(reports, indent=1, default=str))
+
+
+def _in_child(cfg) -> None:
+    """`run_task_pipeline` of cfg in a child process (this one's working directory, environment
+    and package); its ConfigError is raised here, unchanged."""
+    import subprocess
+    import sys
+
+    with tempfile.TemporaryDirectory(prefix="rft_pipeline_") as tmp:
+        ask, error = Path(tmp) / "config.json", Path(tmp) / "error.txt"
+        ask.write_text(json.dumps(OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)))
+        root = str(Path(__file__).resolve().parents[2])
+        code = f"import sys; sys.path.insert(0, {root!r}); from rft.runtime.pipelines import _child; _child(*sys.argv[1:])"
+        rc = subprocess.run([sys.executable, "-c", code, str(ask), str(error)], stdin=subprocess.DEVNULL).returncode
+        if error.is_file():
+            raise ConfigError(error.read_text())
+    if rc:
+        raise RunError(f"the task pipeline's child process failed (exit {rc}); its traceback is above.")
+
+
+def _child(ask: str, error: str) -> None:
+    """The child's side of `_in_child`."""
+    cfg = OmegaConf.create(json.loads(Path(ask).read_text()))
+    try:
+        run_task_pipeline(cfg, pass_rates=lambda rows, n: pass_rates(cfg, rows, n))
+    except ConfigError as e:
+        Path(error).write_text(str(e))
