@@ -321,6 +321,33 @@ class TasksetConfig:
 
 
 @dataclass
+class ReasoningGymDataset:
+    # a dataset of the reasoning-gym package (reasoning_gym.factory.DATASETS: basic_arithmetic,
+    # chain_sum, spell_backward, ...); the fields are its DatasetSpec's
+    name: str = MISSING
+    # its share of the rows, relative to the other datasets' weights
+    weight: float = 1.0
+    # the dataset's own config keys (its <Name>Config dataclass: min_digits, operators, ...);
+    # not seed or size, which reasoning_gym.seed and .size set
+    config: Dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class ReasoningGymConfig:
+    # task=reasoning_gym (rft/data/reasoning_gym.py): the datasets whose rows are mixed by weight
+    datasets: List[ReasoningGymDataset] = field(default_factory=list)
+    # training rows (the train split)
+    size: int = 2000
+    # held-out rows (the test split): distinct questions, none of them in the train split
+    eval_size: int = 200
+    # the data's seed (not the run's: every training seed sees the same rows)
+    seed: int = 0
+    # teacher_answer (the SFT warm-up's demonstrations) is the answer with its last character one
+    # too high (9 -> 0, z -> a) in this share of the rows, as the embedded tasks' sloppy teacher
+    teacher_error_rate: float = 0.0
+
+
+@dataclass
 class ExplorerInputConfig:
     taskset: TasksetConfig = field(default_factory=TasksetConfig)
     eval_tasksets: List[TasksetConfig] = field(default_factory=list)
@@ -328,6 +355,8 @@ class ExplorerInputConfig:
     default_reward_fn_type: Any = "exact_match"
     # name in rft.data.tasks.GENERATORS: writes the taskset files when they are missing
     generator: Optional[str] = None
+    # generator=reasoning_gym: which of reasoning-gym's datasets, how many rows, which seed
+    reasoning_gym: ReasoningGymConfig = field(default_factory=ReasoningGymConfig)
 
 
 @dataclass
@@ -716,8 +745,24 @@ def lora_adapter_sync(model_cfg) -> bool:
     return bool(lora) and (lora.rank or 0) > 0 and str(lora.get("sync", "merged")) == "adapter"
 
 
+def fingerprint(node) -> str:
+    """12 hex digits of a config value (resolved, as sorted JSON): `${rft.fingerprint:${a.section}}`
+    names the data made from that section, so a changed section names other data, never stale data
+    (conf/task/reasoning_gym.yaml's path)."""
+    import hashlib
+    import json
+
+    from omegaconf import Container, OmegaConf
+
+    value = OmegaConf.to_container(node, resolve=True, enum_to_str=True) if isinstance(node, Container) else node
+    return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()[:12]
+
+
 def register_configs() -> None:
+    from omegaconf import OmegaConf
+
     ConfigStore.instance().store(name="rft_schema", node=Config)
+    OmegaConf.register_new_resolver("rft.fingerprint", fingerprint, replace=True)
 
 
 register_configs()

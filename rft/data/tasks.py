@@ -317,12 +317,14 @@ def generate_long_tail(
 
 
 # buffer.explorer_input.generator: name -> the function, and the directory it writes (conf/task/
-# <name>.yaml's path: its name carries the data's version)
+# <name>.yaml's path: its name carries the data's version); None: fn(explorer_input) reads a config
+# section of its own and names its directory by it
 GENERATORS = Registry("buffer.explorer_input.generator", {
     "arithmetic": ("rft.data.tasks.generate_arithmetic", "arithmetic-v4"),
     "countdown": ("rft.data.tasks.generate_countdown", "countdown-v1"),
     "calculator": ("rft.data.tasks.generate_calculator", "calculator-v4"),
     "long_tail": ("rft.data.tasks.generate_long_tail", "long-tail-v1"),
+    "reasoning_gym": ("rft.data.reasoning_gym.generate_reasoning_gym", None),
 })
 
 
@@ -338,6 +340,9 @@ def ensure_task_data(explorer_input_cfg) -> None:
             f"buffer.explorer_input.generator={gen!r} is not a known generator; choose one of "
             f"{sorted(GENERATORS)} or set it to null for a dataset you provide."
         )
+    if GENERATORS.info(gen) is None:  # its directory is named by its own section (reasoning_gym's seed, size, ...)
+        GENERATORS[gen](explorer_input_cfg)
+        return
     path = explorer_input_cfg.taskset.path
     local = Path(os.path.expanduser(path))
     if local.name != GENERATORS.info(gen):

@@ -435,7 +435,14 @@ ANSWERS = {
     "last_number": _last_number_answer,
     "math": _math_answer,
     "countdown": lambda response: countdown_answer(response).strip() or None,
+    "reasoning_gym": lambda response: _reasoning_gym_answer(response),
 }
+
+
+def _reasoning_gym_answer(response: str) -> str | None:
+    from rft.rewards.reasoning_gym import answer_of  # reasoning_gym is imported only where it is used
+
+    return answer_of(response) or None
 
 
 def answer_of(spec, response: str) -> str | None:
@@ -450,3 +457,4 @@ _HERE = "rft.rewards.verifiers."
 REWARD_FNS = Registry("reward_fn", {name: _HERE + fn for name, fn in [
     ("exact_match", "exact_match"), ("last_number", "last_number"), ("math", "math"), ("countdown", "countdown"),
     ("format", "format_match")]})
+REWARD_FNS["reasoning_gym"] = "rft.rewards.reasoning_gym.reasoning_gym"  # the row's dataset's own scorer

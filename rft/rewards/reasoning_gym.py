@@ -1,0 +1,102 @@
+"""The `reasoning_gym` reward: a reasoning-gym dataset's own scorer, `dataset.score_answer(answer,
+entry)`, on the entry the row was generated from (task=reasoning_gym, rft/data/reasoning_gym.py).
+
+The row carries what the scorer needs: `dataset` (the dataset's name), `entry` (the entry as
+reasoning-gym made it: question, answer, metadata; JSON text, since a mix's metadata differ in
+shape from one dataset to the next and would not make one table column) and `dataset_config` (the
+keyword arguments the dataset was made with, JSON). The answer scored is the response's last
+`<answer>...</answer>` if it has one (reasoning-gym's `extract_answer`: what its prompts for
+instruction-tuned models ask for), else the whole response, stripped (what the tiny model writes).
+
+Also here: importing the package with a one-paragraph error when it is missing, and checking a
+dataset's name and config, which the generator shares.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import functools
+import json
+
+from rft.errors import ConfigError
+
+EXTRA = "pip install -e '.[reasoning-gym]'"
+
+
+def library():
+    """The reasoning_gym package, or a ConfigError saying which extra installs it."""
+    try:
+        import reasoning_gym
+    except ImportError as e:
+        raise ConfigError(
+            f"task=reasoning_gym (buffer.explorer_input.generator=reasoning_gym, reward reasoning_gym) needs the "
+            f"reasoning-gym package, which is not installed here ({e}). Install the project's extra: {EXTRA} "
+            f"(or pip install reasoning-gym)."
+        ) from e
+    return reasoning_gym
+
+
+def check_dataset(name: str, config: dict, where: str) -> None:
+    """A dataset `name` reasoning-gym has, and a `config` its <Name>Config takes; else one
+    paragraph naming the key, the close names or the fields, and the fix."""
+    datasets = library().factory.DATASETS
+    if name not in datasets:
+        close = difflib.get_close_matches(name, datasets, n=3, cutoff=0.6)
+        hint = f"Did you mean {' or '.join(repr(c) for c in close)}? " if close else ""
+        raise ConfigError(
+            f"{where}.name={name!r} is not a reasoning-gym dataset. {hint}Its {len(datasets)} datasets are listed "
+            f"by `python -c \"import reasoning_gym; print(sorted(reasoning_gym.factory.DATASETS))\"`; "
+            f"set {where}.name to one of them."
+        )
+    fields = [f.name for f in dataclasses.fields(datasets[name][1])]
+    unknown = sorted(set(config) - set(fields))
+    if unknown:
+        keys = [f for f in fields if f not in ("seed", "size")]
+        raise ConfigError(
+            f"{where}.config has {unknown}, which {name}'s config ({datasets[name][1].__name__}) does not take; "
+            f"its keys are {keys}. Fix or remove them."
+        )
+
+
+def make_dataset(name: str, kwargs: dict, where: str):
+    """reasoning_gym.create_dataset(name, **kwargs), its config's own check (an assert or a
+    ValueError: min_digits > max_digits) as a ConfigError."""
+    check_dataset(name, kwargs, where)
+    try:
+        return library().create_dataset(name, **kwargs)
+    except (AssertionError, ValueError, TypeError) as e:
+        shown = {k: v for k, v in kwargs.items() if k not in ("seed", "size")}
+        raise ConfigError(
+            f"{where}: reasoning-gym rejects {name}'s config {shown} ({type(e).__name__}: {e or 'a failed check'}). "
+            f"Fix {where}.config."
+        ) from e
+
+
+@functools.lru_cache(maxsize=64)
+def _scorer(name: str, kwargs_json: str):
+    """The dataset that scores the rows made with these arguments, made once per process."""
+    return make_dataset(name, json.loads(kwargs_json), "reward reasoning_gym")
+
+
+def answer_of(response: str) -> str:
+    """What is scored: the last <answer>...</answer> of the response, else all of it (stripped)."""
+    from reasoning_gym.utils import extract_answer
+
+    tagged = extract_answer(response)
+    return tagged if tagged is not None else response.strip()
+
+
+def reasoning_gym(prompt: str, response: str, task) -> float:
+    """The row's dataset's score_answer(answer, entry): 1.0 for a right answer, partial credit
+    where the dataset gives it (its own rules), 0.0 for a wrong one."""
+    row = task.row or {}
+    missing = [k for k in ("dataset", "entry", "dataset_config") if k not in row]
+    if missing:
+        raise ValueError(
+            f"the reasoning_gym reward reads the row's 'dataset', 'entry' and 'dataset_config' columns (written by "
+            f"generator=reasoning_gym); this row lacks {missing} (task {task.task_id})"
+        )
+    library()
+    dataset = _scorer(row["dataset"], row["dataset_config"])
+    return float(dataset.score_answer(answer_of(str(response)), json.loads(row["entry"])))
