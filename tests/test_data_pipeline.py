@@ -155,6 +155,11 @@ def config(tmp_path, task_ops=(), exp_ops=(), **curriculum):
      "document_minhash_deduplicator, llm_difficulty_score_filter, difficulty_filter, curriculum_order "
      "(rft/data/operators.py), or give the dotted path of your own (a function fn(rows, ctx, **args) -> rows "
      "(module.function))."),
+    ([{"args": {"max_len": 5}}], [],
+     "data_processor.task_pipeline.operators[0] has no name: each operator is {name: <operator>, args: {...}}, the "
+     "operators being text_length_filter, document_deduplicator, document_minhash_deduplicator, "
+     "llm_difficulty_score_filter, difficulty_filter, curriculum_order (rft/data/operators.py) or the dotted path of "
+     "your own."),
     ([{"name": "text_length_filter", "args": {"max_lenn": 5}}], [],
      "data_processor.task_pipeline.operators[0].args has ['max_lenn'], which text_length_filter does not take "
      "(max_lenn: did you mean max_len?); its arguments are ['min_len', 'max_len', 'key']."),

@@ -67,12 +67,17 @@ def operators(ops_cfg) -> list[tuple[str, dict]]:
     out = []
     for op in ops_cfg or []:
         args = op.get("args") or {}
-        out.append((str(op.get("name")), OmegaConf.to_container(args, resolve=True) if isinstance(args, DictConfig) else dict(args)))
+        name = op.get("name")  # None when it was left out (a required key of OperatorConfig)
+        out.append(("" if name is None else str(name),
+                    OmegaConf.to_container(args, resolve=True) if isinstance(args, DictConfig) else dict(args)))
     return out
 
 
 def _function(registry: Registry, name: str, where: str):
     """The operator `name`, or a ConfigError naming the close matches."""
+    if not name:
+        raise ConfigError(f"{where} has no name: each operator is {{name: <operator>, args: {{...}}}}, the operators "
+                          f"being {', '.join(registry)} (rft/data/operators.py) or the dotted path of your own.")
     if name not in registry and "." not in name:
         near = difflib.get_close_matches(name, list(registry), n=2, cutoff=0.5)
         hint = f"Did you mean {' or '.join(near)}? " if near else ""
