@@ -310,7 +310,7 @@ def test_a_run_with_both_pipelines_and_the_curriculum(tmp_path):
     r = run_cli(*args, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     run = tmp_path / "runs" / "rft" / "dp"
-    (report,) = json.loads((run / "task_pipeline.json").read_text())
+    report = json.loads((run / "task_pipeline.json").read_text())
     # 10 rows -> 9 (the long one) -> 8 (the duplicate "1+1") -> 4 (the even answers: pass rate 1, difficulty 0)
     assert [s["rows_out"] for s in report["operators"]] == [9, 8, 4, 4] and report["rows"] == 10
     kept = [json.loads(x) for x in open(report["output"])]

@@ -7,8 +7,8 @@ over the taskset's rows before a run, and over each explore step's experiences d
   the fingerprint covering the input files' digests, the taskset's split and format, and the
   operators' names and args (and, for an operator that samples the model, the model's files and
   the rollout settings): a rerun reuses it, a changed arg makes a new one. The report (rows in
-  and out of each operator) is printed, written to <run>/task_pipeline.json, and shown by the dry
-  run. rft/runtime/pipelines.py runs it (it holds the model an operator may sample).
+  and out of each operator) is printed, written to <stage>/task_pipeline.json, and shown by the
+  dry run. rft/runtime/pipelines.py runs it (it holds the model an operator may sample).
 - experience pipeline (data_processor.experience_pipeline.operators): where each explore step's
   experiences enter the buffer, in the driver (rft.runtime.schedule.Schedule._collect).
 
@@ -288,6 +288,14 @@ def run_task_pipeline(cfg, pass_rates=None, say=print) -> dict:
         (tmp / "report.json").write_text(json.dumps(report, indent=1, default=str))
         manifest.install(tmp, d, "task pipeline output")
     return {**report, "cached": False}
+
+
+def write_report(cfg, stage_dir: Path) -> None:
+    """<stage>/task_pipeline.json: the report of the task pipeline output the stage reads (none
+    without a task pipeline)."""
+    report = cached_report(cfg) if has_task_pipeline(cfg) else None
+    if report is not None:
+        (stage_dir / "task_pipeline.json").write_text(json.dumps(report, indent=1, default=str))
 
 
 def describe_step(step: dict) -> str:

@@ -341,7 +341,7 @@ def _main(cfg: DictConfig) -> float | None:
         # data_processor.task_pipeline: its output is the taskset the plan counts (rft/runtime/pipelines.py)
         from rft.runtime.pipelines import prepare_tasks
 
-        prepare_tasks(split_stages(cfg)[0], run_dir_of(cfg))
+        prepare_tasks(split_stages(cfg)[0])
     # a Ray driver waits on its actors to the end of the run: it reads no dataset itself
     stages, plans, stage_dirs = plan_stages(cfg, isolated=cfg.cluster.backend == "ray" and not cfg.dry_run)
     run_dir = run_dir_of(cfg)

@@ -1,6 +1,7 @@
 """The task pipeline's run before a run's stages (rft/data/pipeline.py): each stage that explores
 with data_processor.task_pipeline gets its output (made, or reused from the cache) before its plan
-counts the taskset; the report goes to the terminal and to <run>/task_pipeline.json.
+counts the taskset; the report goes to the terminal (and to <stage>/task_pipeline.json as the stage
+starts).
 
 An operator that samples the model (llm_difficulty_score_filter) gets `pass_rates`: an Explorer
 of the stage's config (its engine, workflow, sampling and reward, as the run makes rollouts) over
@@ -48,12 +49,12 @@ def pass_rates(cfg, rows: list[dict], n: int) -> list[float]:
             gc.collect()
 
 
-def prepare_tasks(stages: list, run_dir: Path, say=print) -> None:
-    """Run (or reuse) the task pipeline of every stage that has one; write the reports."""
+def prepare_tasks(stages: list, say=print) -> None:
+    """Run (or reuse) the task pipeline of every stage that has one, and say what it did (each
+    stage's directory gets its report as the stage starts: rft.data.pipeline.write_report)."""
     from rft.data.tasks import ensure_task_data
     from rft.models import ensure_model
 
-    reports = []
     for s in stages:
         if not has_task_pipeline(s):
             continue
@@ -66,10 +67,6 @@ def prepare_tasks(stages: list, run_dir: Path, say=print) -> None:
         report["cached"] = report["cached"] and not made
         say(f"task pipeline{' (cached)' if report['cached'] else ''}: {format_report(report)}; the taskset is now "
             f"{report['output']}")
-        reports.append({"stage": s.stage_name, **report})
-    if reports:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "task_pipeline.json").write_text(json.dumps(reports, indent=1, default=str))
 
 
 def _in_child(cfg) -> None:

@@ -18,6 +18,7 @@ from pathlib import Path
 from omegaconf import open_dict
 
 from rft.data.buffer import make_buffer
+from rft.data.pipeline import write_report
 from rft.plan.placement import torch_threads
 from rft.reporting.monitor import Monitor, read_metrics
 from rft.runtime import checkpoint
@@ -37,6 +38,7 @@ def run_stage(cfg, plan, stage_dir: Path, init_path: str | None, title: str, own
     stage that trains nothing: mode=explore). `owner`: the identity its checkpoints carry, and the
     one those it resumes from must have (rft.runtime.checkpoint)."""
     stage_dir.mkdir(parents=True, exist_ok=True)
+    write_report(cfg, stage_dir)  # data_processor.task_pipeline: the rows in and out of its operators
     trains = cfg.mode in ("both", "train")
     if cfg.trainer.resume_from_path:
         latest = checkpoint.chosen_checkpoint(stage_dir, cfg.trainer.resume_from_path, owner, title, print)
