@@ -384,6 +384,10 @@ class ExperienceBufferConfig:
     format: FormatConfig = field(default_factory=FormatConfig)
     # seconds the trainer waits for a full batch; then it trains on what arrived (none: an error)
     max_read_timeout: float = 1800.0
+    # a dataset's held-out split (a file read as a dataset): a reward model (algorithm=rm) reports its
+    # accuracy on the pairs there (eval/pair_accuracy: the chosen response scored above the
+    # rejected one) every explorer.eval_interval steps and at its last. null: no such eval
+    eval_split: Optional[str] = None
     # queue: most experiences held; a writer waits for room (back-pressure)
     capacity: int = 100_000
     replay_buffer: ReplayBufferConfig = field(default_factory=ReplayBufferConfig)

@@ -334,6 +334,26 @@ def load_teacher(model_cfg, path: str, student_tokenizer):
     return model
 
 
+def load_reward_head(model_cfg, path: str | None, tokenizer, dtype=None):
+    """A reward model to train (algorithm=rm): the causal LM at `path` (default model.model_path) as
+    AutoModelForSequenceClassification with one output, its head new (seeded by the caller) unless
+    the checkpoint has one (a resumed run). It scores a row at its last token that is not the pad
+    token, so pad_token_id is the tokenizer's (right padding): what the reward_model part's
+    kind=classifier reads back (rft/rewards/reward_model.py)."""
+    from transformers import AutoModelForSequenceClassification
+
+    _quiet_transformers()
+    try:
+        model = AutoModelForSequenceClassification.from_pretrained(
+            os.path.expanduser(path or model_cfg.model_path), num_labels=1,
+            dtype=dtype or torch_dtype(model_cfg.dtype), trust_remote_code=model_cfg.trust_remote_code)
+    except OSError as e:
+        raise _not_loadable(path or model_cfg.model_path, e) from e
+    model.config.pad_token_id = tokenizer.pad_token_id
+    model.eval()  # no dropout, as for the policy
+    return model
+
+
 def enable_gradient_checkpointing(model) -> None:
     """Recompute each transformer block's activations in the backward instead of keeping them.
 

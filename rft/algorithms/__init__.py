@@ -58,6 +58,10 @@ class Needs:
     # batch["teacher_logp"]: log-probs of algorithm.teacher_model_path's model on the batch's own
     # token ids (on-policy distillation: algorithm.distill_coef, rft/algorithms/distill.py)
     teacher: bool = False
+    # the trained model is a reward model: the causal LM's body with a one-output head
+    # (AutoModelForSequenceClassification, num_labels=1), and the loss's `logp` holds each row's
+    # score at its last response token, 0 elsewhere (algorithm=rm: rft/algorithms/losses.py bradley_terry_loss)
+    reward_head: bool = False
 
 
 def needs(**kwargs):
@@ -92,6 +96,7 @@ POLICY_LOSS_FNS = Registry("algorithm.policy_loss_fn", info="needs", default=Nee
     "opmd": (_LOSS + "opmd_loss", Needs(zero_at_zero_advantage=True)),
     "sft": (_LOSS + "sft_loss", Needs(imitation=True)),
     "dpo": (_LOSS + "dpo_loss", Needs(reference=True, paired=True, imitation=True)),
+    "bradley_terry": (_LOSS + "bradley_terry_loss", Needs(paired=True, imitation=True, reward_head=True)),
 })
 
 _KL = "rft.algorithms.kl."

@@ -161,3 +161,26 @@ def dpo_loss(logp, batch, cfg):
     }
     return loss, metrics
 
+
+
+def bradley_terry_loss(logp, batch, cfg):
+    """A reward model's Bradley-Terry loss (Ouyang et al., arXiv 2203.02155; TRL's RewardTrainer):
+    -log sigmoid(r_chosen - r_rejected) per preference pair.
+
+    With Needs.reward_head the trainer's model is a scalar head and `logp` holds each row's score r
+    at its last response token (0 elsewhere), so a row's score is (logp * mask).sum(-1). Rows come
+    in pairs, chosen then rejected (rows 2k, 2k+1), as for DPO, and the pair's loss is spread over
+    its tokens the same way (dpo_loss), so loss_agg_mode=seq-mean-token-sum gives the mean over
+    pairs. d loss / d r_chosen = -(1 - sigmoid(r_c - r_r)) = -d loss / d r_rejected.
+    """
+    mask = batch["response_mask"]
+    score = (logp * mask).sum(-1)
+    margin = score[0::2] - score[1::2]
+    pair_loss = -torch.nn.functional.logsigmoid(margin)
+    pairs_tokens = (mask[0::2].sum(-1) + mask[1::2].sum(-1)).repeat_interleave(2)
+    loss = 2 * pair_loss.repeat_interleave(2)[:, None] * mask / pairs_tokens[:, None].clamp(min=1)
+    counted = (pairs_tokens[0::2] > 0).to(margin.dtype)
+    n = counted.sum().item()
+    m = margin.detach()
+    return loss, {"rm/margin": ((m * counted).sum().item(), n),
+                  "rm/accuracy": (((m > 0).to(m.dtype) * counted).sum().item(), n)}

@@ -157,6 +157,7 @@ def make_plan(cfg, dataset_size: int) -> BatchPlan:
     dp = trainer_ranks(cfg)  # trainer_strategy=torch is one process
     _check_algorithm(cfg, needs)
     _check_distill(cfg.algorithm, needs)
+    _check_reward_head(cfg, needs, kind)
     train_bs, per_epoch = _step_batch(cfg, dataset_size, kind, needs)
     mini, micro = _mini_batches(cfg.trainer, train_bs, dp)
     _check_pairs(cfg, needs, kind, [("buffer.train_batch_size", train_bs), ("trainer.mini_batch_size", mini),
@@ -368,6 +369,21 @@ def _check_distill(algo, needs: Needs) -> None:
             f"algorithm.policy_loss_fn={algo.policy_loss_fn} never reads (it imitates given tokens). Use a policy-"
             f"gradient loss (ppo_clip, as algorithm=opd does), or set algorithm.distill_coef=0 for this stage."
         )
+
+
+def _check_reward_head(cfg, needs: Needs, kind: str) -> None:
+    """A reward model (algorithm=rm) trains from preference pairs in a dataset, all its weights."""
+    if not needs.reward_head:
+        return
+    if kind != "dataset":
+        raise ConfigError(
+            f"algorithm.policy_loss_fn={cfg.algorithm.policy_loss_fn} trains a reward model from preference pairs in "
+            f"a dataset (mode=train, buffer.trainer_input.experience_buffer a file with format.chosen_key and "
+            f"rejected_key), but this stage's trainer would read {kind} (mode={cfg.mode}). algorithm=rm sets that up."
+        )
+    if cfg.model.lora.rank:
+        raise ConfigError(f"model.lora.rank={cfg.model.lora.rank}: a reward model (algorithm.policy_loss_fn="
+                          f"{cfg.algorithm.policy_loss_fn}) trains all its weights here; set model.lora.rank=0.")
 
 
 def _step_batch(cfg, dataset_size: int, kind: str, needs: Needs) -> tuple[int, int]:

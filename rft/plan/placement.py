@@ -52,6 +52,10 @@ def explorer_count(cfg) -> int:
     when there are eval tasksets."""
     if cfg.mode in ("both", "explore"):
         return cfg.explorer.rollout_model.engine_num
+    from rft.algorithms import algorithm_needs
+
+    if algorithm_needs(cfg.algorithm).reward_head:
+        return 0  # a reward model generates nothing: its eval is its held-out pairs (eval/pair_accuracy)
     return 1 if cfg.buffer.explorer_input.eval_tasksets else 0
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from rft.errors import ConfigError, RunError
-from rft.runtime import rundir
+from rft.runtime import rundir, stage_models
 
 log = logging.getLogger(__name__)
 
@@ -344,6 +344,7 @@ def _main(cfg: DictConfig) -> float | None:
         prepare_tasks(split_stages(cfg)[0])
     # a Ray driver waits on its actors to the end of the run: it reads no dataset itself
     stages, plans, stage_dirs = plan_stages(cfg, isolated=cfg.cluster.backend == "ray" and not cfg.dry_run)
+    stage_models.check(stages, plans)  # reward models of earlier stages (stage:<title>)
     run_dir = run_dir_of(cfg)
     if cfg.dry_run:
         print(plan_text(stages, plans, stage_dirs))
@@ -387,17 +388,20 @@ def _run_locked(cfg: DictConfig, stages: list, plans: list, stage_dirs: list[Pat
     started_ray = stages[0].cluster.backend == "ray" and _start_ray(stages[0], run_dir)
     try:
         init_path, start, before = None, rundir.start_identity(stages[0].model), None
+        reward_models: dict[str, str] = {}  # a reward-model stage's title -> its final model
         for i, (s, plan, stage_dir) in enumerate(zip(stages, plans, stage_dirs)):
             title = s.stage_name or s.algorithm.algorithm_type
             owner = rundir.owner(s, title, before)  # whose checkpoints the stage writes and resumes
-            before = title
             key = rundir.cache_key(s, start)
-            start = f"stage:{key}"  # the next stage starts where this one ends
             # a stage another one starts from (a warm-up), not the run's own last stage: a re-run
             # of a whole config (a benchmark, a check of reproducibility) trains, not copies
             shared = i < len(stages) - 1 and rundir.cacheable(s)
             entry = cache / key if cache and shared else None
-            final = _run_or_reuse(s, plan, stage_dir, init_path, owner, entry, changes.get(title))
+            final = _run_or_reuse(s, plan, stage_dir, init_path, owner, entry, changes.get(title), reward_models)
+            if plan.needs.reward_head:  # a reward model (algorithm=rm): the next stage starts from
+                reward_models[title] = str(final)  # the policy before it and may read it as stage:<title>
+                continue
+            before, start = title, f"stage:{key}"  # the next stage starts where this one ends
             init_path = str(final) if final is not None else init_path
     finally:
         if started_ray:
@@ -414,7 +418,8 @@ def _run_locked(cfg: DictConfig, stages: list, plans: list, stage_dirs: list[Pat
     return values[-1]
 
 
-def _run_or_reuse(cfg, plan, stage_dir: Path, init_path, owner, entry: Path | None, changes: list | None):
+def _run_or_reuse(cfg, plan, stage_dir: Path, init_path, owner, entry: Path | None, changes: list | None,
+                  reward_models: dict | None = None):
     """Run stage `owner.stage`, or copy it from the stage cache (`entry`, None: no cache) if it
     finished there and this run has no checkpoint of it (without one it would start from its
     beginning); returns its final model's directory (None: none)."""
@@ -433,7 +438,8 @@ def _run_or_reuse(cfg, plan, stage_dir: Path, init_path, owner, entry: Path | No
         # a longer run is recorded too: a later stage's check reads how far this one went
         if changes or saved is None or not rundir.has_outputs(stage_dir) or rundir.grown(saved, cfg):
             rundir.write_config(cfg, stage_dir)
-        final = run_stage(cfg, plan, stage_dir, init_path, title, owner)
+        # (the config as written above keeps stage:<title>: a re-run compares it unresolved)
+        final = run_stage(stage_models.resolve(cfg, reward_models or {}), plan, stage_dir, init_path, title, owner)
         if entry is not None and final is not None:
             rundir.publish(entry, stage_dir, final.parent, print)
         return final

@@ -100,6 +100,18 @@ def token_logprobs(model, input_ids, attention_mask, temperature=1.0, top_p=None
     return full_logp.index_put((rows, cols), logp), full_entropy.index_put((rows, cols), entropy)
 
 
+def reward_scores(model, input_ids, attention_mask):
+    """A reward model's (Needs.reward_head) score of each row, where the log-prob of its last token
+    would be: ([n, L-1] with row i's score at its length - 2, 0 elsewhere; entropies 0). The model
+    pools at the row's last token that is not its pad token (right padding)."""
+    n, L = input_ids.shape
+    scores = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits[:, 0].float()
+    last = (attention_mask.sum(-1) - 2).clamp(min=0)
+    out = torch.zeros((n, L - 1), dtype=scores.dtype, device=input_ids.device)
+    out = out.index_put((torch.arange(n, device=input_ids.device), last), scores)
+    return out, torch.zeros_like(out)
+
+
 def one_row(model) -> bool:
     """Whether to pack every sequence into one row: with flash-attention, whose varlen kernel
     computes nothing across sequences. sdpa and eager compute the whole masked square of a row,

@@ -27,10 +27,11 @@ import torch
 from transformers import get_scheduler
 
 from rft.algorithms import ADVANTAGE_FNS, KL_FNS, POLICY_LOSS_FNS, rollout_is, with_args
-from rft.data.experience import WHERE, Experience, batch_record
+from rft.data.experience import WHERE, Experience, batch_record, collate
 from rft.models import (
     enable_gradient_checkpointing,
     load_model,
+    load_reward_head,
     load_teacher,
     load_tokenizer,
     local_device,
@@ -38,7 +39,7 @@ from rft.models import (
 )
 from rft.trainer import lora, micro_batches
 from rft.trainer.critic import Critic
-from rft.trainer.logprobs import can_share_prompts, one_row, prompt_units, token_logprobs
+from rft.trainer.logprobs import can_share_prompts, one_row, prompt_units, reward_scores, token_logprobs
 from rft.trainer.metrics import WORK, MetricsMixin
 from rft.trainer.state import CheckpointMixin
 from rft.trainer.step import StepMixin
@@ -90,7 +91,9 @@ class Trainer(StepMixin, MetricsMixin, WeightsMixin, CheckpointMixin):
     def _build_models(self, init_path: str | None) -> None:
         """The policy (with LoRA: adapters on a frozen base) and the reference model."""
         cfg, plan = self.cfg, self.plan
-        model = load_model(cfg.model, init_path, self.master_dtype).to(self.device)
+        # algorithm=rm trains a scalar head on the model (Needs.reward_head) instead of its LM head
+        load = (lambda m, p, d: load_reward_head(m, p, self.tokenizer, d)) if plan.needs.reward_head else load_model
+        model = load(cfg.model, init_path, self.master_dtype).to(self.device)
         # for the FLOPs estimate (perf/mfu): counted before sharding, tied weights once
         self.n_params = sum(p.numel() for p in model.parameters())
         if cfg.trainer.gradient_checkpointing:
@@ -123,6 +126,17 @@ class Trainer(StepMixin, MetricsMixin, WeightsMixin, CheckpointMixin):
 
             self.dataset = DatasetReader(cfg.buffer.trainer_input.experience_buffer, self.tokenizer,
                                          cfg.model.max_prompt_tokens, cfg.model.max_response_tokens, cfg.seed)
+        # a reward model's held-out pairs (experience_buffer.eval_split): eval/pair_accuracy
+        self.eval_pairs = None
+        eb = cfg.buffer.trainer_input.experience_buffer
+        if plan.needs.reward_head and eb.eval_split:
+            from types import SimpleNamespace
+
+            from rft.data.readers import DatasetReader
+
+            held_out = SimpleNamespace(name=f"{eb.name}_{eb.eval_split}", path=eb.path, split=eb.eval_split, format=eb.format)
+            self.eval_pairs = DatasetReader(held_out, self.tokenizer, cfg.model.max_prompt_tokens,
+                                            cfg.model.max_response_tokens, cfg.seed)
         self.sft_reader = None
         if cfg.algorithm.sft_loss_weight > 0:
             from rft.data.readers import DatasetReader
@@ -238,6 +252,8 @@ class Trainer(StepMixin, MetricsMixin, WeightsMixin, CheckpointMixin):
             self._work["perf/computed_tokens"] += rows * width
         else:
             self._work["perf/computed_tokens"] += len(lengths) * L
+        if self.plan.needs.reward_head:
+            return reward_scores(model, full["input_ids"][s:e, :L], full["attention_mask"][s:e, :L]), L
         # each row's log-probs under the distribution it was sampled from (its sampling params)
         return token_logprobs(model, full["input_ids"][s:e, :L], full["attention_mask"][s:e, :L],
                               full["temperature"][s:e], full["top_p"][s:e], full["top_k"][s:e],
@@ -257,7 +273,22 @@ class Trainer(StepMixin, MetricsMixin, WeightsMixin, CheckpointMixin):
         metrics = {f"train/truncated_{k}s": sum(bool(e.info.get(f"{k}_truncated")) for e in batch)
                    for k in ("prompt", "response")}
         metrics.update(self.train_step(batch))
+        if self.eval_pairs is not None and (step % self.cfg.explorer.eval_interval == 0 or step == self.plan.total_steps):
+            metrics["eval/pair_accuracy"] = self.pair_accuracy(self.eval_pairs.items)
         return metrics, batch_record(step, batch)
+
+    def pair_accuracy(self, pairs: list[list[Experience]]) -> float:
+        """The share of (chosen, rejected) pairs whose chosen response the reward model scores higher."""
+        rows = [e for pair in pairs for e in pair]
+        full = {k: v.to(self.device) for k, v in collate(rows, self.tokenizer.pad_token_id).items()}
+        scores = torch.zeros(len(rows), device=self.device)
+        with torch.no_grad():
+            for s, e, live in self._my_micro_batches(full, 0, len(rows)):
+                (out, _), L = self._forward(self.model, full, s, e)
+                if live:
+                    scores[s:e] = out.sum(-1)  # one score per row, the rest of the row 0
+        scores = self._all_sum(scores)
+        return (scores[0::2] > scores[1::2]).float().mean().item()
 
     def token_budget_warnings(self) -> list[str]:
         """A sentence when the training dataset's first prompts or responses are longer than the
