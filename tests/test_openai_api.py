@@ -269,7 +269,7 @@ def test_an_agent_that_raises_leaves_no_history_behind(served):
     server, engine, _ = served
     jobs = []
 
-    def call(fn, js):  # as run_jobs: a job that raises is a failed task (None)
+    def call(fn, js, runners):  # as run_jobs (one after another): a job that raises is a failed task (None)
         out = []
         for j in js:
             try:

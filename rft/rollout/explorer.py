@@ -390,8 +390,8 @@ class Explorer(WeightsMixin):
             merge(c, "reward")
             return results
 
-        def call(fn, jobs):
-            results, c = run_jobs(fn, jobs, ex.runner_per_model, ex.max_timeout, 0)
+        def call(fn, jobs, runners=None):
+            results, c = run_jobs(fn, jobs, runners or ex.runner_per_model, ex.max_timeout, 0)
             merge(c, "workflow")
             return results
 

@@ -18,7 +18,9 @@ The server (FastAPI on uvicorn, in a thread of the explorer) serves `/v1/chat/co
 models (explorer.auxiliary_models, under their names). It binds to 127.0.0.1 only and refuses a
 request without its token (`Authorization: Bearer`, a fresh random token per explorer, never
 logged); the workflow hands the agent a client that has both. One engine call at a time per model
-(engines are not thread-safe); agents run concurrently on the explorer's workflow runners.
+(engines are not thread-safe); a step's agents run at once, and their requests are batched: each
+waits until every open rollout has one waiting, then they go to the engine together
+(rft/serving/batching.py), as the multi_turn workflow samples a turn of every conversation at once.
 
 History (explorer.rollout_model.enable_history, default true). Every policy call's prompt ids,
 sampled ids and sampling log-probs are recorded under the rollout that made it (the client sends
@@ -44,8 +46,10 @@ outside it would take the engine down on CUDA), prompt + max_tokens within the m
 and every other field of the right type and range, else 400; a body over 32 MiB 413
 (rft.serving.auth, with the same timeouts and connection cap as the reward server).
 
-Seeds. A request's `seed` is passed to the engine: the same seed, prompt and sampling give the
-same tokens as a direct `engine.generate(...)` call (the test compares them). The workflow hands
+Seeds. A request alone is sampled with its `seed`: the same seed, prompt and sampling give the
+same tokens as a direct `engine.generate(...)` call (the test compares them); requests batched
+together are one engine call, in the order of their rollout keys, seeded by all their seeds, so the
+same agents with the same seeds make the same batches and samples in every run. The workflow hands
 each rollout a seed derived from the step's; a request without one gets a counter's (not
 reproducible across runs). Sampling the request does not set comes from the taskset's
 rollout_args (greedy for an eval set at temperature 0).
@@ -58,6 +62,7 @@ import secrets
 import threading
 import time
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Annotated, Any
@@ -67,6 +72,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from rft.data.chat import render
 from rft.data.tool_calls import TOOL_CALL_PARSERS
 from rft.registry import resolve
+from rft.serving.batching import Asking, Batcher
 from rft.serving.openai_chat import Message, StreamOptions, Tool, reply_message, sse, template_messages
 
 log = logging.getLogger(__name__)
@@ -240,7 +246,15 @@ class OpenAIServer:
                                       f"the auxiliary model {name}'s model.tool_call_parser") for name in models}
         self.history_on, self.host, self.port = history, host, port
         self.token = token or secrets.token_urlsafe(32)
-        self.locks = {name: threading.Lock() for name in models}
+        # one engine call at a time per model, each request batched with the other rollouts' (batching.py)
+        self.asking = Asking(self._open)
+        self.batchers = {name: Batcher(engine, self.asking) for name, (engine, _) in models.items()}
+        # a thread for each request the server lets in, as each waits in its batch for every open
+        # rollout's: anyio's default pool of 40 threads held the rest back (the calculator study's
+        # 128 agents went in batches of 40, each cut by the idle timeout)
+        from rft.serving.auth import MAX_CONNECTIONS
+
+        self.pool = ThreadPoolExecutor(max_workers=MAX_CONNECTIONS, thread_name_prefix="openai-api")
         self.limits = {name: Limits.of(engine, tok, max_tokens) for name, (engine, tok) in models.items()}
         self.rollouts: OrderedDict[str, tuple[object, list[Call]]] = OrderedDict()  # key -> (defaults, calls)
         self.max_rollouts, self.dropped_rollouts = max_rollouts, 0
@@ -286,17 +300,29 @@ class OpenAIServer:
                 log.warning("OpenAI endpoint: rollout %r was opened and its calls never taken; dropped its %d calls "
                             "to keep %d rollouts open at most (%d dropped so far)", oldest, len(calls),
                             self.max_rollouts, self.dropped_rollouts)
+        self._poke()
 
     def take_history(self, rollout: str) -> list[Call]:
         """The policy calls `rollout` made, in order (and forget them)."""
         with self.guard:
-            return self.rollouts.pop(rollout, (None, []))[1]
+            calls = self.rollouts.pop(rollout, (None, []))[1]
+        self._poke()
+        return calls
+
+    def _open(self) -> list[str]:
+        with self.guard:
+            return list(self.rollouts)
+
+    def _poke(self) -> None:
+        """The open rollouts changed: the batches waiting for them may be complete."""
+        for b in self.batchers.values():
+            b.poke()
 
     # ------------------------------------------------------------ serving
 
     def _sample(self, req: Sampling, prompt: list[int], rollout: str) -> list[Call]:
         model = req.model
-        engine, tok = self.models[model]
+        tok = self.models[model][1]
         with self.guard:
             base = self.rollouts[rollout][0] if rollout in self.rollouts else self.defaults
         stop = req.stop if req.stop is not None else list(getattr(base, "stop", []) or [])
@@ -308,8 +334,7 @@ class OpenAIServer:
             stop=list(stop), max_tokens=asked or base.max_tokens or self.max_tokens)
         self.limits[model].check(prompt, args.max_tokens, bool(asked))
         seed = req.seed if req.seed is not None else next(self.seeds)
-        with self.locks[model]:
-            [group] = engine.generate([prompt], req.n, args, seed=seed % (2**31))
+        group = self.batchers[model].generate(rollout, prompt, req.n, args, seed % (2**31))
         sampling = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k}
         prompt_text = tok.decode(prompt, skip_special_tokens=True)
         calls = [Call(list(prompt), list(s.token_ids), list(s.logprobs), s.finish_reason, dict(sampling), prompt_text,
@@ -340,7 +365,7 @@ class OpenAIServer:
 
     def app(self):
         from fastapi import FastAPI, Request
-        from fastapi.concurrency import run_in_threadpool
+        import asyncio
 
         from rft.serving.auth import MAX_BODY, BodyLimit, BodyTooLarge, bearer_refusal
 
@@ -364,7 +389,7 @@ class OpenAIServer:
                 ids = prompt()
                 return ids, self._sample(req, ids, request.headers.get(ROLLOUT_HEADER, ""))
 
-            return await run_in_threadpool(work)
+            return await asyncio.get_running_loop().run_in_executor(self.pool, work)
 
         @app.get("/v1/models")
         async def models(request: Request):

@@ -40,9 +40,10 @@ class WorkflowContext:
     args: dict = field(default_factory=dict)
     # model.max_response_tokens (a multi-turn conversation's budget is prompt + response tokens)
     max_response_tokens: int = 0
-    # call(fn, jobs) -> [fn(job) | None, ...]: jobs on the explorer's workflow runners (at most
-    # explorer.runner_per_model at once), each bounded by explorer.max_timeout and not retried; a
-    # job that raised or timed out gives None (an environment's step, a tool call)
+    # call(fn, jobs, runners=None) -> [fn(job) | None, ...]: jobs on the explorer's workflow runners
+    # (at most `runners`, default explorer.runner_per_model, at once), each bounded by
+    # explorer.max_timeout and not retried; a job that raised or timed out gives None (an
+    # environment's step, a tool call)
     call: Callable | None = None
     # explorer.rollout_model.enable_openai_api: the explorer's OpenAI-compatible server
     # (rft.serving.openai_api.OpenAIServer), else None
