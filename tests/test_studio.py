@@ -450,7 +450,7 @@ def test_compose_page_shows_the_plan_error_then_the_plan_and_its_command_compose
         page.goto(f"{url}/compose#token={token}")
         page.wait_for_function("document.body.dataset.composed")
         page.select_option("#group-algorithm", "dapo")
-        page.fill('[data-key="buffer.batch_size"]', "0")
+        _set_key(page, "buffer.batch_size", "0")  # the sections start closed: the filter opens its own
         page.wait_for_function("!document.querySelector('#error').hidden")
         error = page.text_content("#error")
         assert "buffer.batch_size=0 must be >= 1" in error

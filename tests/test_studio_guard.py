@@ -333,7 +333,7 @@ def test_a_study_cannot_hide_what_the_run_imports_in_hydras_own_settings(tmp_pat
         {"key": "hydra.job.env_set.LD_PRELOAD", "path": "LD_PRELOAD=/tmp/x.so",
          "module": "the environment of every process the run starts"}]
     # the sweep's jobs are its sweeper's params and the page's values together: 2 x 2 jobs
-    found = C.sweep_imports(conf, comp.overrides, ["seed=1,2"])
+    found, _ = C.check_sweep(conf, comp.overrides, ["seed=1,2"])
     assert [(i["key"], i["path"]) for i in found if i["key"].startswith("buffer")] == [
         ("buffer.explorer_input.taskset.reward_fn", "os.path.join")]
     # Hydra's own launchers, sweepers and default logging, and rft's own callback, are not listed
@@ -367,7 +367,7 @@ def test_a_sweep_too_big_to_check_is_refused_before_its_jobs_are_listed():
         tracemalloc.start()
         try:
             with pytest.raises(ValueError) as e:
-                C.sweep_imports(CONF, [], params.split(" "))
+                C.check_sweep(CONF, [], params.split(" "))
             peak = tracemalloc.get_traced_memory()[1]
         finally:
             tracemalloc.stop()
@@ -582,9 +582,9 @@ def test_rollout_filters_that_are_not_numbers_are_a_400_naming_them(tmp_path):
                              headers={"Authorization": f"Bearer {token}"})
 
         assert rows(min_reward="0.5").json()["matched"] == 4  # rewards 0, 0.5, 1, 1, 1: four at or above 0.5
-        for params, said in [({"min_reward": "x"}, "min_reward='x' is not a number"),
-                             ({"max_reward": "nan"}, "max_reward='nan' is not a number"),  # it would keep every row
-                             ({"step": "1.5"}, "step='1.5' is not a whole number"),
+        for params, said in [({"min_reward": "x"}, "reward from: 'x' is not a number"),
+                             ({"max_reward": "nan"}, "reward to: 'nan' is not a number"),  # it would keep every row
+                             ({"step": "1.5"}, "version / step: '1.5' is not a whole number"),
                              ({"limit": "0"}, "limit=0: give 1 to 5000 rows.")]:
             r = rows(**params)
             assert r.status_code == 400 and r.json()["detail"].startswith(said), (params, r.text)

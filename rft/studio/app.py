@@ -10,6 +10,7 @@ bodies.py's. The pages are shells without data: each fills itself from /api/page
 
 
 import contextlib
+import functools
 import threading
 from pathlib import Path
 
@@ -28,8 +29,18 @@ def plotly_js() -> Path:
     return path
 
 
+@functools.lru_cache(maxsize=1)
+def _gzipped_plotly() -> tuple[bytes, str]:
+    """plotly.min.js gzipped (once), and its ETag (the plotly version's)."""
+    import gzip
+
+    import plotly
+
+    return gzip.compress(plotly_js().read_bytes(), 6), f'"plotly-{plotly.__version__}"'
+
+
 def _number(name: str, text: str, kind: type):
-    """A filter's value: None when left empty."""
+    """A filter's value: None when left empty; `name` is its label on the page."""
     if not text.strip():
         return None
     try:
@@ -38,7 +49,7 @@ def _number(name: str, text: str, kind: type):
             raise ValueError
         return value
     except ValueError:
-        raise ValueError(f"{name}={text!r} is not {'a number' if kind is float else 'a whole number'}; "
+        raise ValueError(f"{name}: {text!r} is not {'a number' if kind is float else 'a whole number'}; "
                          f"leave it empty for no filter.") from None
 
 
@@ -47,10 +58,14 @@ class Refused(Exception):
         self.status, self.answer = status, {"detail": detail, **more}
 
 
-def launch_args(conf_dir: Path, defaults: dict, body: dict, choices: dict, keys: dict) -> list[str]:
-    """run.py's arguments for a launch body, composed and planned; Refused (400) for a mistake or
-    a plan error, (409) for dotted paths imported from outside the project that the body did not
-    confirm (every job of a sweep composed and checked)."""
+def launch_args(conf_dir: Path, defaults: dict, body: dict, choices: dict, keys: dict,
+                root: Path | None = None) -> tuple[list[str], str | None, str | None]:
+    """(run.py's arguments for a launch body, composed and planned, the run directory it writes
+    and the sweep directory, each under `root`, or None); Refused (400) for a mistake, a plan error
+    or what the run would stop on in the directory of its name, (409) for dotted paths imported
+    from outside the project that the body did not confirm (every job of a sweep composed, planned
+    and checked). A sweep is given its directory (hydra.sweep.dir, as composed now): the jobs
+    panel links to its jobs."""
     from rft.studio import bodies as B
     from rft.studio import compose as C
     from rft.studio.launch import command
@@ -60,10 +75,13 @@ def launch_args(conf_dir: Path, defaults: dict, body: dict, choices: dict, keys:
         sweep_args = B.sweep_args(body) if sweep else []
         launcher = B.launcher(body, B.launcher_options(conf_dir)) if sweep else None
         confirmed = B.confirmed(body)
-        comp = C.compose(conf_dir, choices, keys, defaults)
+        # a sweep's jobs write to the sweep's directory: the run of the name is not theirs
+        comp = C.compose(conf_dir, choices, keys, defaults, existing=not sweep)
         if comp.error:  # the run would stop at the same place: say it here
             raise ValueError(comp.error)
-        imports = C.sweep_imports(conf_dir, comp.overrides, sweep_args) if sweep else comp.imports
+        imports, planned = C.check_sweep(conf_dir, comp.overrides, sweep_args) if sweep else (comp.imports, "")
+        if sweep and comp.sweep_dir and Path(comp.sweep_dir).exists():
+            raise ValueError(f"{comp.sweep_dir} exists (a sweep started this second); launch again in a second.")
     except ValueError as e:
         raise Refused(400, f"not launched: {e}") from None
     unconfirmed = [i for i in imports if i["path"] not in confirmed]
@@ -71,7 +89,38 @@ def launch_args(conf_dir: Path, defaults: dict, body: dict, choices: dict, keys:
         listed = "; ".join(f"{i['path']} ({i['key']})" for i in unconfirmed)
         raise Refused(409, f"not launched: it imports from outside rft and this repository: {listed}. Launch it "
                            f"only if you trust that code: confirm each path (confirm_imports).", imports=unconfirmed)
-    return command(comp.overrides, sweep, sweep_args, launcher)
+    if planned:  # a job of the sweep would stop the sweep before its first job (rft.runtime.callbacks)
+        raise Refused(400, f"not launched: {planned}")
+    args = command(comp.overrides, sweep, sweep_args, launcher)
+    if sweep and comp.sweep_dir:
+        args.append(f"hydra.sweep.dir={C._override_text(comp.sweep_dir)}")
+    writes = comp.values.get("dry_run") != "true"  # a dry run leaves no directory to link to
+    return (args, _under(root, comp.run_dir) if writes and not sweep else None,
+            _under(root, comp.sweep_dir) if writes and sweep else None)
+
+
+def _under(root: Path | None, path: str) -> str | None:
+    """path relative to root, or None where it is not under it (or not known)."""
+    if not path or root is None:
+        return None
+    try:
+        return Path(path).resolve().relative_to(Path(root).resolve()).as_posix()
+    except ValueError:
+        return None
+
+
+def sweep_command(conf_dir: Path, body: dict, overrides: list[str]) -> tuple[str, str]:
+    """(`python run.py -m ...` as a sweep of the body would run it, "") or ("", the mistake in its values)."""
+    import shlex
+
+    from rft.studio import bodies as B
+    from rft.studio.launch import command
+
+    try:
+        args = command(overrides, True, B.sweep_args(body), B.launcher(body, B.launcher_options(conf_dir)))
+    except ValueError as e:
+        return "", str(e)
+    return "python run.py " + " ".join(shlex.quote(a) for a in args), ""
 
 
 def make_app(token: str, root: Path, conf_dir: Path, repo: Path, launch_env: dict | None = None,
@@ -104,7 +153,7 @@ def make_app(token: str, root: Path, conf_dir: Path, repo: Path, launch_env: dic
     _add_guard(app, token, hosts)
     _add_page_routes(app, root, conf_dir, defaults)
     _add_compose_routes(app, conf_dir, defaults)
-    _add_launch_routes(app, conf_dir, defaults, launches)
+    _add_launch_routes(app, conf_dir, defaults, launches, root)
     _add_run_routes(app, root, launches)
     _add_rollout_routes(app, root)
     return app
@@ -135,7 +184,8 @@ def _add_guard(app, token: str, hosts: frozenset[str]) -> None:
 
 def _add_page_routes(app, root: Path, conf_dir: Path, defaults: dict) -> None:
     """The pages' shells, each page's part (/api/page/<name>) and the static files."""
-    from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, PlainTextResponse, RedirectResponse
+    from fastapi import Request
+    from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, PlainTextResponse, RedirectResponse, Response
     from jinja2 import Environment, FileSystemLoader, select_autoescape
 
     from rft.studio import compose as C
@@ -163,14 +213,26 @@ def _add_page_routes(app, root: Path, conf_dir: Path, defaults: dict) -> None:
         return JSONResponse({"detail": f"no page {name!r}; the pages are {list(PAGES)}"}, status_code=404)
 
     @app.get("/static/plotly.min.js")
-    async def plotly():
-        return FileResponse(plotly_js(), media_type="text/javascript")
+    async def plotly(request: Request):
+        # 4.8 MB as it is, 1.4 MB gzipped; the same for the life of the installed package: cached
+        body, tag = _gzipped_plotly()
+        if request.headers.get("if-none-match") == tag:
+            return Response(status_code=304, headers={"ETag": tag})
+        headers = {"ETag": tag, "Cache-Control": "max-age=86400", "Vary": "Accept-Encoding"}
+        if "gzip" in request.headers.get("accept-encoding", ""):
+            return Response(body, media_type="text/javascript", headers={**headers, "Content-Encoding": "gzip"})
+        return FileResponse(plotly_js(), media_type="text/javascript", headers=headers)
+
+    @app.get("/favicon.ico")
+    async def favicon():
+        return FileResponse(HERE / "static" / "favicon.svg", media_type="image/svg+xml")
 
     @app.get("/static/{name}")
     async def static(name: str):
-        if name not in ("studio.js", "studio.css"):
+        kinds = {"studio.js": "text/javascript", "studio.css": "text/css", "favicon.svg": "image/svg+xml"}
+        if name not in kinds:
             return PlainTextResponse("not found", status_code=404)
-        return FileResponse(HERE / "static" / name, media_type="text/javascript" if name.endswith(".js") else "text/css")
+        return FileResponse(HERE / "static" / name, media_type=kinds[name])
 
 
 # ------------------------------------------------------------ compose and launch
@@ -201,8 +263,11 @@ def _add_compose_routes(app, conf_dir: Path, defaults: dict) -> None:
 
     @app.post("/api/compose")
     async def api_compose(request: Request):
-        _, choices, keys = await _read(request, conf_dir, defaults)
-        comp = await run_in_threadpool(C.compose, conf_dir, choices, keys, defaults)
+        body, choices, keys = await _read(request, conf_dir, defaults)
+        sweep = bool(body.get("sweep"))
+        comp = await run_in_threadpool(C.compose, conf_dir, choices, keys, defaults, True, not sweep)
+        if sweep and not comp.error:  # the command a launch runs: -m, the values, the launcher
+            comp.command, comp.error = sweep_command(conf_dir, body, comp.overrides)
         return comp.__dict__
 
     @app.post("/api/study")
@@ -218,7 +283,7 @@ def _add_compose_routes(app, conf_dir: Path, defaults: dict) -> None:
         return {"path": str(path), "command": f"python run.py experiment={path.stem}"}
 
 
-def _add_launch_routes(app, conf_dir: Path, defaults: dict, launches) -> None:
+def _add_launch_routes(app, conf_dir: Path, defaults: dict, launches, root: Path) -> None:
     """Launch a body's run (or sweep), list the launches, read one's console log, stop one."""
     from fastapi import Request
     from fastapi.concurrency import run_in_threadpool
@@ -228,10 +293,10 @@ def _add_launch_routes(app, conf_dir: Path, defaults: dict, launches) -> None:
     async def api_launch(request: Request):
         body, choices, keys = await _read(request, conf_dir, defaults)
         try:
-            args = await run_in_threadpool(launch_args, conf_dir, defaults, body, choices, keys)
+            args, run, sweep = await run_in_threadpool(launch_args, conf_dir, defaults, body, choices, keys, root)
         except Refused as e:
             return JSONResponse(e.answer, status_code=e.status)
-        return launches.start(args).state()
+        return launches.start(args, run, sweep).state()
 
     @app.get("/api/launches")
     async def api_launches():
@@ -282,11 +347,11 @@ def _add_run_routes(app, root: Path, launches) -> None:
 
     @app.get("/api/runs")
     async def api_runs():
-        return await _answer(runs.listing, launches.stopped_runs())
+        return await _answer(lambda: runs.listing(launches.stopped_runs(root)))
 
     @app.get("/api/runs.csv")
     async def api_runs_csv():
-        text = await _answer(lambda: U.csv_text(runs.listing(launches.stopped_runs())))
+        text = await _answer(lambda: U.csv_text(runs.listing(launches.stopped_runs(root))))
         if not isinstance(text, str):
             return text
         return Response(text, media_type="text/csv; charset=utf-8",
@@ -328,11 +393,13 @@ def _add_rollout_routes(app, root: Path) -> None:
 
     @app.get("/api/rollouts")
     async def api_rollouts(run: str, source: str, min_reward: str = "", max_reward: str = "", step: str = "",
-                           limit: int = 200):
+                           limit: int = 200, offset: int = 0):
         def rows():
             if not 1 <= limit <= R.MAX_ROWS:
                 raise ValueError(f"limit={limit}: give 1 to {R.MAX_ROWS} rows.")
-            lo, hi = _number("min_reward", min_reward, float), _number("max_reward", max_reward, float)
-            return R.read(U.inside(root, run), source, lo, hi, _number("step", step, int), limit)
+            if offset < 0:
+                raise ValueError(f"offset={offset}: give 0 or more (the first row shown, counted from 0).")
+            lo, hi = _number("reward from", min_reward, float), _number("reward to", max_reward, float)
+            return R.read(U.inside(root, run), source, lo, hi, _number("version / step", step, int), limit, offset)
 
         return await _answer(rows)

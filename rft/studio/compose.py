@@ -177,6 +177,8 @@ class Composition:
     error: str  # the configuration error, one paragraph, or ""
     # the dotted paths the run would import from outside rft and the repository (imports.foreign)
     imports: list[dict] = dataclasses.field(default_factory=list)
+    run_dir: str = ""  # where the run writes (checkpoint_root_dir/project/name)
+    sweep_dir: str = ""  # where a sweep of it would write (hydra.sweep.dir, as of now)
 
 
 def _get(tree: dict, key: str):
@@ -252,23 +254,26 @@ def default_choices(conf_dir: Path) -> dict[str, str]:
 
 
 def compose(conf_dir: Path, choices: dict[str, str], keys: dict[str, str],
-            defaults: dict[str, str] | None = None, plan: bool = True) -> Composition:
-    """Compose `python run.py <overrides>` and plan it, as a dry run would. Never raises for a
-    mistake in the values: the error's one paragraph comes back in `.error`."""
+            defaults: dict[str, str] | None = None, plan: bool = True, existing: bool = True) -> Composition:
+    """Compose `python run.py <overrides>` and plan it, as a dry run would, and (`existing`) look
+    at the run of its name as the run would. Never raises for a mistake in the values: the
+    error's one paragraph comes back in `.error`."""
     conf_dir = Path(conf_dir)
     with _LOCK:
         if defaults is None:
             defaults = dict(_compose(conf_dir, []).hydra.runtime.choices) if (choices or keys) else {}
-        return _composition(conf_dir, overrides_of(choices, keys, defaults), dict(choices), plan)
+        return _composition(conf_dir, overrides_of(choices, keys, defaults), dict(choices), plan, existing)
 
 
-def compose_overrides(conf_dir: Path, overrides: list[str]) -> Composition:
-    """`python run.py <overrides>` composed, not planned (one job of a sweep)."""
+def compose_overrides(conf_dir: Path, overrides: list[str], plan: bool = False) -> Composition:
+    """`python run.py <overrides>` composed (one job of a sweep), planned if `plan`: a sweep's job
+    writes to the sweep's directory, so the run of its name is not looked at."""
     with _LOCK:
-        return _composition(Path(conf_dir), list(overrides), {}, False)
+        return _composition(Path(conf_dir), list(overrides), {}, plan, existing=False)
 
 
-def _composition(conf_dir: Path, overrides: list[str], choices: dict[str, str], plan: bool) -> Composition:
+def _composition(conf_dir: Path, overrides: list[str], choices: dict[str, str], plan: bool,
+                 existing: bool = True) -> Composition:
     from rft.plan.overlays import misspelt_override
 
     command = "python run.py " + " ".join(shlex.quote(o) for o in overrides) if overrides else "python run.py"
@@ -292,9 +297,23 @@ def _composition(conf_dir: Path, overrides: list[str], choices: dict[str, str], 
         resolved = _container(job)
         imports = I.foreign(resolved, REPO) + I.remote_code(resolved) + I.foreign_hydra(_container(cfg.hydra), REPO)
         comp = Composition(chosen, overrides, command, values, text, "", "", imports)
+        comp.run_dir, comp.sweep_dir = _dirs(job, cfg)
         if plan:
-            comp.plan, comp.error = _plan(job)
+            comp.plan, comp.error = _plan(job, existing)
         return comp
+
+
+def _dirs(job: DictConfig, cfg: DictConfig) -> tuple[str, str]:
+    """(the run's directory, a sweep's directory as of now); "" where they do not resolve."""
+    from rft.runtime.main import run_dir_of
+
+    out = []
+    for get in (lambda: str(run_dir_of(job)), lambda: str(cfg.hydra.sweep.dir)):
+        try:
+            out.append(get())
+        except Exception:  # an interpolation only a run resolves
+            out.append("")
+    return out[0], out[1]
 
 
 def _container(node: DictConfig) -> dict:
@@ -307,18 +326,46 @@ def _container(node: DictConfig) -> dict:
         return OmegaConf.to_container(node, resolve=False, enum_to_str=True)
 
 
-def _plan(job: DictConfig) -> tuple[str, str]:
-    """(the batch plan's text, "") or ("", the error's one paragraph)."""
+def _plan(job: DictConfig, existing: bool = True) -> tuple[str, str]:
+    """(the batch plan's text, "") or ("", the error's one paragraph); `existing`: also the run of
+    the same name, as the run would find it (the plan's text then comes with its error)."""
     from rft.errors import ConfigError
     from rft.runtime.main import plan_stages, plan_text
 
     try:
         stages, plans, dirs = plan_stages(job)
-        return plan_text(stages, plans, dirs), ""
+        text = plan_text(stages, plans, dirs)
+        return text, _message(existing_run(job, stages, dirs)) if existing else ""
     except ConfigError as e:
         return "", _message(e)
     except Exception as e:  # an interpolation that does not resolve, a dataset that is not there
         return "", f"{type(e).__name__}: {_message(e)}"
+
+
+def existing_run(job: DictConfig, stages: list, dirs: list[Path]) -> Exception | None:
+    """What the run would stop on as it starts, found in the directory of its name: a run made
+    with another configuration (rft.runtime.rundir.check_unchanged: the resume rules), or another
+    process running in it (its lock). None for a dry run, a bench, or a run that starts over."""
+    from rft.errors import ConfigError, RunError
+    from rft.runtime import rundir
+    from rft.runtime.main import run_dir_of
+    from rft.studio.index import holder_alive
+
+    run_dir = run_dir_of(job)
+    if job.dry_run or job.mode == "bench" or not run_dir.is_dir():
+        return None
+    if holder_alive(run_dir):
+        lock = (run_dir / rundir.RUN_LOCK).read_text().strip()
+        return RunError(f"another rft process ({lock}) is running in {run_dir}; two runs writing one directory "
+                        f"overwrite each other's checkpoints and logs. Wait for it to end (or stop it), or give this "
+                        f"run another name (name=...).")
+    if not job.continue_from_checkpoint:
+        return None
+    try:
+        rundir.check_unchanged(job, stages, dirs, run_dir)
+    except ConfigError as e:
+        return e
+    return None
 
 
 # a sweep's jobs are composed one by one before it starts (~0.2 s each): beyond this, from a shell
@@ -343,13 +390,19 @@ def _job_count(overrides: list, cap: int) -> int:
     return math.prod(sizes.values())
 
 
-def sweep_imports(conf_dir: Path, overrides: list[str], sweep_args: list[str]) -> list[dict]:
-    """imports.foreign of every job of `python run.py -m <overrides> <sweep_args>`, each job
-    composed as Hydra's basic sweeper splits the sweep (the composed config's
-    hydra.sweeper.params, as a study sets them, with the sweep's values). A ValueError for a sweep that does not
-    split or compose, or has more than MAX_SWEEP_JOBS jobs."""
+def check_sweep(conf_dir: Path, overrides: list[str], sweep_args: list[str]) -> tuple[list[dict], str]:
+    """Every job of `python run.py -m <overrides> <sweep_args>` composed and planned, as Hydra's
+    basic sweeper splits the sweep (the composed config's hydra.sweeper.params, as a study sets
+    them, with the sweep's values) and as run.py plans them before the first starts
+    (rft.runtime.callbacks): (their imports.foreign, the first job's plan error in the CLI's words
+    or ""). A ValueError for a sweep that does not split or compose, or has more than
+    MAX_SWEEP_JOBS jobs. The imports come first: a job whose plan fails still lists what it would
+    import, which the page asks about before it says anything else."""
     from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
     from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from rft.reporting.sweep import distinct_overrides
+    from rft.runtime.callbacks import _job_error
 
     try:
         with _LOCK, _env_as_written(conf_env_names(str(Path(conf_dir).resolve()))):
@@ -363,14 +416,15 @@ def sweep_imports(conf_dir: Path, overrides: list[str], sweep_args: list[str]) -
     if too_many:
         raise ValueError(f"sweep_params: more than {MAX_SWEEP_JOBS} jobs; the studio checks each job's imports before a "
                          f"sweep starts, up to {MAX_SWEEP_JOBS}: start a bigger sweep from a shell (python run.py -m ...).")
-    found = {}
-    for job in jobs:
-        comp = compose_overrides(conf_dir, job)
-        if comp.error:
-            raise ValueError(f"sweep job {' '.join(job)}: {comp.error}")
+    found, own, error = {}, distinct_overrides(jobs) if jobs else [], ""
+    for n, job in enumerate(jobs):
+        comp = compose_overrides(conf_dir, job, plan=True)
+        if comp.error and not comp.yaml:  # it did not compose: nothing is known of its imports
+            raise ValueError(_job_error(n, own[n], comp.error))
+        error = error or (_job_error(n, own[n], comp.error) if comp.error else "")
         for i in comp.imports:
             found.setdefault((i["key"], i["path"]), i)
-    return list(found.values())
+    return list(found.values()), error
 
 
 def control_character(where: str, text: str) -> None:

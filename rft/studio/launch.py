@@ -1,10 +1,17 @@
 """Runs and sweeps started from the studio: `python run.py [-m] <overrides>` as child processes in
 a session of their own, each one's console (stdout and stderr) written to a log file that the
 page reads as it grows; stop sends SIGTERM to the child's whole process group (SIGKILL 15 s later).
+
+Every launch is recorded in `<root>/.studio/jobs.json` (its command, process, log, times, exit
+code, and the run or sweep directory it writes), so the jobs panel lists them after a reload and
+after the studio restarts. A launch restored from the file whose process still runs (a studio
+killed before it could stop it) can be stopped; one that ended while no studio watched has no
+exit code, and its run's own status says how it ended.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -14,30 +21,63 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 STOP_GRACE_S = 15
+STATE = "jobs.json"
+# the launches a state file keeps (the oldest go first, their logs with them)
+KEEP = 200
 
 
 @dataclass
 class Launch:
     id: int
     argv: list[str]
-    log: Path
-    proc: subprocess.Popen
+    log: Path  # its console, in the studio's directory (the record keeps its name)
+    pid: int
     started: float = field(default_factory=time.time)
     stopped: bool = False
+    returncode: int | None = None
+    ended: float | None = None
+    run: str | None = None  # the run directory it writes (under the root), for a single run
+    sweep: str | None = None  # the sweep directory its jobs write, for a sweep
+    proc: subprocess.Popen | None = field(default=None, repr=False, compare=False)
 
     @property
     def command(self) -> str:
         return " ".join(shlex.quote(a) for a in ["python", "run.py", *self.argv[2:]])
 
+    def alive(self) -> bool:
+        if self.proc is not None:
+            return self.proc.poll() is None
+        if self.returncode is not None:
+            return False
+        from rft.studio.index import _started
+
+        started = _started(self.pid)  # a pid used again later started after this launch
+        return started is not None and started <= self.started + 5
+
+    def status(self) -> str:
+        if self.alive():
+            return "stopping" if self.stopped else "running"
+        if self.stopped:
+            return "stopped"
+        if self.returncode is None:
+            return "ended (exit code unknown: the studio was not running)"
+        return "finished" if self.returncode == 0 else f"failed (exit {self.returncode})"
+
     def state(self) -> dict:
-        code = self.proc.poll()
-        status = "running" if code is None else "stopped" if self.stopped else "finished" if code == 0 else f"failed (exit {code})"
-        return {"id": self.id, "command": self.command, "status": status, "returncode": code, "started": self.started,
-                "pid": self.proc.pid}
+        if self.proc is not None and self.returncode is None and self.proc.poll() is not None:
+            self.returncode = self.proc.returncode
+        return {"id": self.id, "command": self.command, "status": self.status(), "returncode": self.returncode,
+                "started": self.started, "ended": self.ended, "pid": self.pid, "run": self.run, "sweep": self.sweep}
+
+    def record(self) -> dict:
+        return {k: getattr(self, k) for k in RECORDED} | {"log": self.log.name}
+
+
+RECORDED = [f.name for f in fields(Launch) if f.name != "proc"]
 
 
 def command(overrides: list[str], sweep: bool = False, sweep_args: list[str] = (), launcher: str | None = None) -> list[str]:
@@ -56,17 +96,50 @@ class Launches:
     def __init__(self, repo: Path, log_dir: Path, env: dict | None = None):
         self.repo, self.log_dir = Path(repo), Path(log_dir)
         self.env = env if env is not None else dict(os.environ)
-        self.all: dict[int, Launch] = {}
         self._lock = threading.Lock()
+        self.all: dict[int, Launch] = self._load()
 
-    def start(self, args: list[str]) -> Launch:
-        self.log_dir.mkdir(parents=True, exist_ok=True)
+    # ------------------------------------------------------------ the state file
+
+    def _load(self) -> dict[int, Launch]:
+        """The launches recorded by this studio before; none from a file another user could have
+        written (the root may be a shared folder: a record names a process the page can signal)."""
+        path = self.log_dir / STATE
+        try:
+            st = path.stat()
+            if st.st_uid != os.getuid() or st.st_mode & 0o022 or self.log_dir.stat().st_mode & 0o022:
+                print(f"rft.studio: WARNING: {path} (or its folder) is not this user's alone: its launches are not "
+                      f"listed.", file=sys.stderr, flush=True)
+                return {}
+            records = [r for r in json.loads(path.read_text()) if _own_log(r.get("log"))]
+            launches = [Launch(**{k: r[k] for k in RECORDED if k in r} | {"log": self.log_dir / r["log"]})
+                        for r in records]
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError, TypeError, KeyError) as e:
+            print(f"rft.studio: WARNING: {path} does not read ({e}); the earlier launches are not listed.",
+                  file=sys.stderr, flush=True)
+            return {}
+        return {launch.id: launch for launch in launches}
+
+    def _save(self) -> None:
+        """The records, written aside and renamed into place (a studio killed mid-write keeps the old)."""
+        records = [launch.record() for launch in sorted(self.all.values(), key=lambda x: x.id)][-KEEP:]
+        fd, tmp = tempfile.mkstemp(prefix=".jobs_", dir=self.log_dir)
+        with os.fdopen(fd, "w") as f:
+            json.dump(records, f)
+        os.replace(tmp, self.log_dir / STATE)
+
+    # ------------------------------------------------------------ launching
+
+    def start(self, args: list[str], run: str | None = None, sweep: str | None = None) -> Launch:
+        """Start run.py with args; `run` / `sweep`: the directory under the root it writes."""
+        self.log_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         with self._lock:
             n = max(self.all, default=0) + 1
             # created here, never reopened: a name no one can guess and take first (the root may
             # be a folder other users write to), readable by this user only
             fd, log = tempfile.mkstemp(prefix=f"launch_{n}_", suffix=".log", dir=self.log_dir)
-            log = Path(log)
             argv = [sys.executable, str(self.repo / "run.py"), *args]
             f = os.fdopen(fd, "wb")
             # a session of its own: stop reaches the run's children (Ray, ranks) and the
@@ -74,8 +147,17 @@ class Launches:
             proc = subprocess.Popen(argv, cwd=self.repo, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     env={**self.env, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
             f.close()
-            self.all[n] = Launch(n, argv, log, proc)
-            return self.all[n]
+            launch = self.all[n] = Launch(n, argv, Path(log), proc.pid, run=run, sweep=sweep, proc=proc)
+            self._save()
+        threading.Thread(target=self._reap, args=(launch,), daemon=True).start()
+        return launch
+
+    def _reap(self, launch: Launch) -> None:
+        """Wait for the child; record its exit."""
+        launch.returncode = launch.proc.wait()
+        launch.ended = time.time()
+        with self._lock:
+            self._save()
 
     def get(self, n: int) -> Launch:
         if n not in self.all:
@@ -87,46 +169,62 @@ class Launches:
         progress bar's carriage returns keep only the bar's newest form. An offset before the
         start or past the end is a ValueError."""
         launch = self.get(n)
-        size = launch.log.stat().st_size
+        path = launch.log
+        size = path.stat().st_size
         if not 0 <= offset <= size:
             raise ValueError(f"offset={offset}: launch {n}'s console has {size} bytes; give an offset from 0 to {size} "
                              f"(the `offset` the last answer returned).")
-        with open(launch.log, "rb") as f:
+        with open(path, "rb") as f:
             f.seek(offset)
             data = f.read(1 << 20)
         # up to the last whole line or carriage return: a half-written line comes whole next time
-        cut = max(data.rfind(b"\n"), data.rfind(b"\r")) + 1 if launch.proc.poll() is None else len(data)
+        cut = max(data.rfind(b"\n"), data.rfind(b"\r")) + 1 if launch.alive() else len(data)
         text = data[:cut].decode("utf-8", "replace")
         text = re.sub(r"[^\n\r]*\r(?!\n)", "", text)
         return {"text": text, "offset": offset + cut, **launch.state()}
 
     def stop(self, n: int) -> dict:
         launch = self.get(n)
-        if launch.proc.poll() is None:
+        if launch.alive():
             launch.stopped = True
-            _signal(launch.proc.pid, signal.SIGTERM)
-
-            def kill_later():
-                try:
-                    launch.proc.wait(STOP_GRACE_S)
-                except subprocess.TimeoutExpired:
-                    _signal(launch.proc.pid, signal.SIGKILL)
-                    launch.proc.wait()
-
-            threading.Thread(target=kill_later, daemon=True).start()
+            with self._lock:
+                self._save()
+            _signal(launch.pid, signal.SIGTERM)
+            threading.Thread(target=self._kill_later, args=(launch,), daemon=True).start()
         return launch.state()
 
-    def stopped_runs(self) -> frozenset[str]:
-        """The runs (their paths under the root) of the launches stopped from the page."""
-        return frozenset()
+    def _kill_later(self, launch: Launch) -> None:
+        deadline = time.time() + STOP_GRACE_S
+        while launch.alive() and time.time() < deadline:
+            time.sleep(0.2)
+        if launch.alive():
+            _signal(launch.pid, signal.SIGKILL)
+
+    def stopped_runs(self, root: Path) -> frozenset[str]:
+        """The runs (their paths under the root) of the launches stopped from the page: a sweep's, every job's."""
+        from rft.reporting.report import find_jobs
+
+        out = set()
+        for launch in list(self.all.values()):
+            if launch.stopped and launch.run:
+                out.add(launch.run)
+            if launch.stopped and launch.sweep and (Path(root) / launch.sweep).is_dir():
+                out |= {j.relative_to(root).as_posix() for j in find_jobs(Path(root) / launch.sweep)}
+        return frozenset(out)
 
     def stop_all(self) -> None:
         for n in list(self.all):
-            self.stop(n)
+            if self.all[n].proc is not None:  # those this studio started
+                self.stop(n)
+
+
+def _own_log(name) -> bool:
+    """A record's log is a file name the studio made (launch_<n>_....log), not a path elsewhere."""
+    return isinstance(name, str) and re.fullmatch(r"launch_\d+_[\w-]+\.log", name) is not None
 
 
 def _signal(pid: int, sig) -> None:
     try:
         os.killpg(pid, sig)  # the child leads its session's process group
-    except ProcessLookupError:
+    except (ProcessLookupError, PermissionError):
         pass

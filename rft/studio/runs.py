@@ -260,6 +260,6 @@ def csv_text(listing: dict) -> str:
     w.writerow([*CSV_FIELDS, *listing["columns"]])
     for r in listing["runs"]:
         row = dict(r, started=datetime.datetime.fromtimestamp(r["started"]).isoformat(timespec="seconds")
-                   if r["started"] else None)
+                   if r["started"] else None, duration_s=round(r["duration_s"], 1) if r["duration_s"] is not None else None)
         w.writerow([csv_cell(row[f]) for f in CSV_FIELDS] + [csv_cell(r["params"].get(c)) for c in listing["columns"]])
     return out.getvalue()

@@ -29,32 +29,138 @@ async function api(path, body) {
 }
 
 function esc(s) {
-  return String(s ?? "").replace(/[&<>"]/g, c => ({"&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;"}[c]));
+  return String(s ?? "").replace(/[&<>"']/g, c => ({"&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;", "'": "&#39;"}[c]));
+}
+
+// a number as text: 4 significant digits without trailing zeros (0.5, not 0.5000), whole above 1000
+function num(v) {
+  if (typeof v !== "number") return v === null || v === undefined ? "" : String(v);
+  if (Number.isInteger(v)) return String(v);
+  return Math.abs(v) >= 1000 ? String(Math.round(v)) : String(Number(v.toPrecision(4)));
 }
 
 // a value as HTML text: escaped, whatever a file under the root put there (a run's files are data)
-function fmt(v) {
-  if (v === null || v === undefined) return "";
-  if (typeof v === "number") return Number.isInteger(v) ? String(v) : v.toPrecision(4);
-  return esc(v);
+function fmt(v) { return esc(num(v)); }
+
+function when(t) {  // seconds since the epoch -> "2026-11-27 13:05"
+  if (!t) return "";
+  const d = new Date(t * 1000), p = n => String(n).padStart(2, "0");
+  return `${d.getFullYear()}-${p(d.getMonth() + 1)}-${p(d.getDate())} ${p(d.getHours())}:${p(d.getMinutes())}`;
 }
+
+function duration(s) {
+  if (s === null || s === undefined) return "";
+  s = Math.round(s);
+  if (s < 60) return `${s} s`;
+  if (s < 3600) return `${Math.floor(s / 60)} min ${s % 60} s`;
+  return `${Math.floor(s / 3600)} h ${Math.floor(s % 3600 / 60)} min`;
+}
+
+// rows of a table kept in place: each row's element stays (focus, ticks and open menus with it);
+// only cells whose text changed are written, rows move only when their order changed
+function placeRows(tbody, wanted) {
+  const active = document.activeElement;
+  wanted.forEach((tr, i) => { if (tbody.children[i] !== tr) tbody.insertBefore(tr, tbody.children[i] || null); });
+  while (tbody.children.length > wanted.length) tbody.lastElementChild.remove();
+  if (active && active !== document.activeElement && active.isConnected) active.focus({preventScroll: true});
+}
+
+function setText(el, text) { if (el.textContent !== text) el.textContent = text; }
+
+// ------------------------------------------------------------------ jobs (compose and runs pages)
+
+const jobs = {
+  shown: null,       // the launch whose console is shown
+  offset: 0,
+  rows: new Map(),
+
+  async refresh() {
+    let list;
+    try { list = await api("/api/launches"); } catch (e) { return; }
+    const tbody = $("#jobs tbody");
+    for (const j of list) {
+      let tr = this.rows.get(j.id);
+      if (!tr) {
+        tr = document.createElement("tr");
+        tr.dataset.job = j.id;
+        tr.innerHTML = `<td>${fmt(j.id)}</td><td><code></code></td><td class="status"></td><td>${esc(when(j.started))}</td>` +
+          `<td class="links"></td><td><button data-show="${j.id}">console</button> <button data-stop="${j.id}">stop</button></td>`;
+        $("code", tr).textContent = j.command;
+        this.rows.set(j.id, tr);
+      }
+      setText($(".status", tr), j.status);
+      tr.dataset.status = j.status;
+      const link = j.run ? `<a href="/runs?run=${encodeURIComponent(j.run)}">${esc(j.run)}</a>`
+        : j.sweep ? `<a href="/runs?sweep=${encodeURIComponent(j.sweep)}">${esc(j.sweep)}</a>` : "";
+      const links = $(".links", tr);
+      if (links.dataset.html !== link) { links.innerHTML = link; links.dataset.html = link; }
+      $("[data-stop]", tr).disabled = j.status !== "running";
+      tr.classList.toggle("shown", j.id === this.shown);
+    }
+    placeRows(tbody, list.slice().reverse().map(j => this.rows.get(j.id)));  // newest first
+    if (this.shown === null && list.length) this.show(list[list.length - 1].id);
+  },
+
+  show(id) {
+    this.shown = id; this.offset = 0; $("#console").textContent = "";
+    $$("#jobs tr[data-job]").forEach(tr => tr.classList.toggle("shown", Number(tr.dataset.job) === id));
+    this.poll();
+  },
+
+  async poll() {
+    const id = this.shown;
+    if (id === null) return;
+    clearTimeout(this.timer);
+    try {
+      const r = await api(`/api/launch/${id}?offset=${this.offset}`);
+      if (id !== this.shown) return;  // another job was chosen meanwhile
+      const con = $("#console");
+      const atEnd = con.scrollTop + con.clientHeight >= con.scrollHeight - 4;
+      con.textContent += r.text;
+      if (atEnd) con.scrollTop = con.scrollHeight;
+      this.offset = r.offset;
+      $("#launch-status").textContent = `launch ${r.id}: ${r.status} — ${r.command}`;
+      $("#launch-status").dataset.status = r.status;
+      $("#stop").disabled = r.status !== "running";
+      if (r.status === "running" || r.status === "stopping" || r.text) this.timer = setTimeout(() => this.poll(), 1000);
+    } catch (e) { $("#launch-status").textContent = e.message; }
+  },
+
+  async stop(id) {
+    try { await api(`/api/launch/${id}/stop`, {}); } catch (e) { $("#launch-status").textContent = e.message; }
+    this.refresh(); if (id === this.shown) this.poll();
+  },
+
+  init() {
+    $("#jobs").addEventListener("click", e => {
+      const b = e.target.closest("button");
+      if (b?.dataset.show) this.show(Number(b.dataset.show));
+      if (b?.dataset.stop) this.stop(Number(b.dataset.stop));
+    });
+    $("#stop").addEventListener("click", () => { if (this.shown !== null) this.stop(this.shown); });
+    const tick = async () => { try { await this.refresh(); } finally { setTimeout(tick, 2000); } };
+    tick();
+  },
+};
 
 // ------------------------------------------------------------------ compose
 
 const compose = {
   keys: {},          // key -> override text the user set
+  picked: new Set(), // the groups the user chose; the others show what the composition chose (a study's)
   timer: null,
   seq: 0,
-  launch: null,      // the launch whose console is shown
-  offset: 0,
 
   choices() {
     const out = {};
-    $$("select[data-group]").forEach(s => { out[s.dataset.group] = s.value; });
+    $$("select[data-group]").forEach(s => { if (this.picked.has(s.dataset.group)) out[s.dataset.group] = s.value; });
     return out;
   },
 
-  body() { return {choices: this.choices(), keys: this.keys}; },
+  body() {
+    return {choices: this.choices(), keys: this.keys, sweep: $("#sweep").checked, sweep_params: $("#sweep-params").value,
+            launcher: $("#launcher").value};
+  },
 
   schedule() {
     clearTimeout(this.timer);
@@ -75,6 +181,10 @@ const compose = {
     err.hidden = !r.error;
     err.textContent = r.error ? "configuration error: " + r.error : "";
     this.showImports(r.imports || []);
+    for (const [group, option] of Object.entries(r.choices || {})) {  // an experiment's groups, as composed
+      const sel = $(`select[data-group="${CSS.escape(group)}"]`);
+      if (sel && sel.value !== option && $$("option", sel).some(o => o.value === option)) { sel.value = option; this.comments(); }
+    }
     for (const [key, value] of Object.entries(r.values || {})) {
       const input = $(`[data-key="${CSS.escape(key)}"]`);
       if (!input || key in this.keys || document.activeElement === input) continue;
@@ -96,12 +206,12 @@ const compose = {
   },
 
   async start(confirmed = []) {
-    const body = {...this.body(), sweep: $("#sweep").checked, sweep_params: $("#sweep-params").value,
-                  launcher: $("#launcher").value, confirm_imports: confirmed};
+    const refused = $("#launch-refused");
+    refused.hidden = true;
     try {
-      const r = await api("/api/launch", body);
-      this.launch = r.id; this.offset = 0; $("#console").textContent = "";
-      this.poll();
+      const r = await api("/api/launch", {...this.body(), confirm_imports: confirmed});
+      await jobs.refresh();
+      jobs.show(r.id);
     } catch (e) {
       const imports = e.status === 409 && e.data.imports;
       if (imports && !confirmed.length) this.showImports(imports);
@@ -109,6 +219,7 @@ const compose = {
           imports.map(i => `${i.path}  (${i.key})`).join("\n") + "\n\nLaunch it only if you trust that code. Launch?")) {
         return this.start(imports.map(i => i.path));
       }
+      refused.hidden = false; refused.textContent = e.message;
       $("#launch-status").textContent = e.message; $("#launch-status").dataset.status = "refused";
     }
   },
@@ -119,29 +230,17 @@ const compose = {
     });
   },
 
-  async poll() {
-    if (this.launch === null) return;
-    try {
-      const r = await api(`/api/launch/${this.launch}?offset=${this.offset}`);
-      const con = $("#console");
-      const atEnd = con.scrollTop + con.clientHeight >= con.scrollHeight - 4;
-      con.textContent += r.text;
-      if (atEnd) con.scrollTop = con.scrollHeight;
-      this.offset = r.offset;
-      $("#launch-status").textContent = `launch ${r.id}: ${r.status} — ${r.command}`;
-      $("#launch-status").dataset.status = r.status;
-      $("#stop").disabled = r.status !== "running";
-      if (r.status === "running" || r.text) setTimeout(() => this.poll(), 1000);
-    } catch (e) { $("#launch-status").textContent = e.message; }
-  },
-
   init() {
-    $$("select[data-group]").forEach(s => s.addEventListener("change", () => { this.comments(); this.schedule(); }));
+    $$("select[data-group]").forEach(s => s.addEventListener("change", () => {
+      this.picked.add(s.dataset.group); this.comments(); this.schedule();
+    }));
     $$("[data-key]").forEach(input => {
       const changed = () => { this.keys[input.dataset.key] = input.value; this.schedule(); };
       input.addEventListener(input.tagName === "SELECT" ? "change" : "input", changed);
     });
     $$("[data-reset]").forEach(b => b.addEventListener("click", () => { delete this.keys[b.dataset.reset]; this.schedule(); }));
+    ["#sweep", "#launcher"].forEach(s => $(s).addEventListener("change", () => this.schedule()));
+    $("#sweep-params").addEventListener("input", () => this.schedule());
     $("#key-filter").addEventListener("input", e => {
       const q = e.target.value.trim().toLowerCase();
       $$("tr[data-row]").forEach(row => { row.hidden = q && !row.dataset.row.toLowerCase().includes(q); });
@@ -155,34 +254,131 @@ const compose = {
       } catch (e) { out.className = "error"; out.textContent = e.message; }
     });
     $("#launch").addEventListener("click", () => this.start());
-    $("#stop").addEventListener("click", () => { if (this.launch !== null) api(`/api/launch/${this.launch}/stop`, {}); });
     this.comments();
     this.refresh();
+    jobs.init();
   },
 };
 
 // ------------------------------------------------------------------ runs
 
+const BASE_COLUMNS = [
+  {key: "id", label: "run"}, {key: "status", label: "status"}, {key: "stage", label: "stage"},
+  {key: "steps", label: "steps", num: true}, {key: "last_eval", label: "last eval", num: true},
+  {key: "train_s", label: "train s", num: true, title: "seconds in the steps, evals and saves of the stage shown (not start-up or model loading)"},
+  {key: "started", label: "started", title: "when the run, or its last resume, started (its .hydra/ record)"},
+  {key: "duration_s", label: "wall time", num: true, title: "from its start to its last metrics (to now, while it runs)"},
+];
+
 const runs = {
   checked: new Set(),
   metric: "eval/accuracy",
+  data: {runs: [], columns: [], sweeps: []},
+  sort: {key: "started", dir: -1},
+  rows: new Map(),
+  groups: new Map(),
+  signature: "",
+
+  columns() { return [...BASE_COLUMNS, ...this.data.columns.map(k => ({key: "p:" + k, label: k}))]; },
+
+  value(r, key) { return key.startsWith("p:") ? r.params[key.slice(2)] : r[key]; },
+
+  text(r, key) {
+    const v = this.value(r, key);
+    return key === "started" ? when(v) : key === "duration_s" ? duration(v) : num(v);
+  },
+
+  header() {
+    const cols = this.columns();
+    const signature = cols.map(c => c.key).join("\n");
+    if (signature === this.signature) return;
+    this.signature = signature;
+    $("#runs thead").innerHTML = "<tr><th><span hidden>tick</span></th>" + cols.map(c =>
+      `<th data-col="${esc(c.key)}" title="${esc(c.title || "")}"><button data-sort="${esc(c.key)}">${esc(c.label)}</button></th>`).join("") +
+      "<th></th></tr>";
+    this.rows.clear(); this.groups.clear();
+    $("#runs tbody").innerHTML = "";
+  },
+
+  row(r) {
+    let tr = this.rows.get(r.id);
+    const cols = this.columns();
+    if (!tr) {
+      tr = document.createElement("tr");
+      tr.dataset.run = r.id;
+      tr.innerHTML = `<td><input type="checkbox" data-pick="${esc(r.id)}" aria-label="tick ${esc(r.id)}"></td>` +
+        cols.map(c => `<td data-col="${esc(c.key)}" class="${c.num ? "num" : ""}${c.key === "status" ? " status" : ""}"></td>`).join("") +
+        `<td class="links"><a href="/rollouts?run=${encodeURIComponent(r.id)}">rollouts</a></td>`;
+      $("[data-pick]", tr).checked = this.checked.has(r.id);
+      this.rows.set(r.id, tr);
+    }
+    cols.forEach((c, i) => setText(tr.children[i + 1], this.text(r, c.key)));
+    const status = $(".status", tr);
+    status.dataset.status = r.status; status.title = r.detail;
+    const links = $(".links", tr);
+    if (r.bench && !$("[data-bench]", links)) links.insertAdjacentHTML("beforeend", ` <button data-bench="${esc(r.id)}">bench</button>`);
+    return tr;
+  },
+
+  visible(r) {
+    const q = $("#run-search").value.trim().toLowerCase(), s = $("#status-filter").value;
+    const text = [r.id, r.stage, r.status, r.config].join(" ").toLowerCase();
+    return (!q || text.includes(q)) && (!s || r.status === s);
+  },
+
+  ordered() {
+    const {key, dir} = this.sort;
+    const cmp = (a, b) => {
+      const x = this.value(a, key), y = this.value(b, key);
+      if (x === y) return 0;
+      if (x === null || x === undefined || x === "") return 1;
+      if (y === null || y === undefined || y === "") return -1;
+      return (typeof x === "number" && typeof y === "number" ? x - y : String(x).localeCompare(String(y), undefined, {numeric: true})) * dir;
+    };
+    const list = this.data.runs.slice().sort(cmp);
+    if (!$("#group-config").checked) return list.map(r => ({r}));
+    const by = new Map();
+    list.forEach(r => { if (!by.has(r.config)) by.set(r.config, []); by.get(r.config).push(r); });
+    return [...by.entries()].flatMap(([config, rs]) => [{group: config, rs}, ...rs.map(r => ({r}))]);
+  },
+
+  groupRow(config, rs) {
+    let tr = this.groups.get(config);
+    if (!tr) {
+      tr = document.createElement("tr");
+      tr.className = "group"; tr.dataset.group = config;
+      tr.innerHTML = `<td colspan="${this.columns().length + 2}"></td>`;
+      this.groups.set(config, tr);
+    }
+    const done = rs.filter(r => r.status === "done").length;
+    setText(tr.firstElementChild, `${config}: ${rs.length} run${rs.length > 1 ? "s" : ""}, ${done} done`);
+    tr.hidden = !rs.some(r => this.visible(r));
+    return tr;
+  },
+
+  render() {
+    this.header();
+    const seen = new Set(this.data.runs.map(r => r.id));
+    for (const id of this.rows.keys()) if (!seen.has(id)) this.rows.delete(id);
+    const wanted = this.ordered().map(x => {
+      if (x.group !== undefined) return this.groupRow(x.group, x.rs);
+      const tr = this.row(x.r);
+      tr.hidden = !this.visible(x.r);
+      return tr;
+    });
+    placeRows($("#runs tbody"), wanted);
+    $$("#runs thead th[data-col]").forEach(th => th.setAttribute("aria-sort", th.dataset.col === this.sort.key ?
+      (this.sort.dir > 0 ? "ascending" : "descending") : "none"));
+    const shown = this.data.runs.filter(r => this.visible(r)).length;
+    setText($("#runs-count"), `${this.data.runs.length} runs` + (shown < this.data.runs.length ? `, ${shown} shown` : ""));
+  },
 
   async refresh() {
-    let data;
-    try { data = await api("/api/runs"); } catch (e) { return; }
-    const tbody = $("#runs tbody");
-    tbody.innerHTML = data.runs.map(r => `<tr data-run="${esc(r.id)}">
-      <td><input type="checkbox" data-pick="${esc(r.id)}" ${this.checked.has(r.id) ? "checked" : ""}></td>
-      <td>${esc(r.id)}</td><td>${esc(r.stage)}</td><td class="status">${esc(r.status)}</td><td>${fmt(r.steps)}</td>
-      <td>${fmt(r.last_eval)}</td><td>${fmt(r.train_s)}</td>
-      <td><a href="/rollouts?run=${encodeURIComponent(r.id)}">rollouts</a></td></tr>`).join("");
-    $$("[data-pick]", tbody).forEach(box => box.addEventListener("change", () => {
-      box.checked ? this.checked.add(box.dataset.pick) : this.checked.delete(box.dataset.pick);
-      this.metrics(); this.chart();
-    }));
+    try { this.data = await api("/api/runs"); } catch (e) { setText($("#runs-count"), e.message); return; }
+    this.render();
     const sel = $("#sweep-choice");
     const known = new Set($$("option", sel).map(o => o.value));
-    data.sweeps.forEach(s => { if (!known.has(s.id)) sel.add(new Option(`${s.id} (${s.jobs} jobs)`, s.id)); });
+    this.data.sweeps.forEach(s => { if (!known.has(s.id)) sel.add(new Option(`${s.id} (${s.jobs} jobs)`, s.id)); });
   },
 
   query() { return Array.from(this.checked).map(r => "run=" + encodeURIComponent(r)).join("&"); },
@@ -208,12 +404,25 @@ const runs = {
     // the 2 s refresh and a changed choice can each have a request out: only the newest call draws
     // (an older answer arriving last would put back the curves of the choice before)
     const ticket = this.chartTicket = (this.chartTicket || 0) + 1;
-    const q = `metric=${encodeURIComponent(this.metric)}&stage=${encodeURIComponent($("#stage").value)}&`;
+    const stage = $("#stage").value;
+    const q = `metric=${encodeURIComponent(this.metric)}&stage=${encodeURIComponent(stage)}&`;
     const traces = this.checked.size ? await api("/api/curves?" + q + this.query()) : [];
     if (ticket !== this.chartTicket) return;
-    const data = traces.map(t => ({x: t.x, y: t.y, name: t.name, mode: "lines+markers", type: "scatter"}));
-    Plotly.react("chart", data, {title: {text: this.metric}, xaxis: {title: {text: "step"}}, yaxis: {title: {text: this.metric}},
-                                 margin: {t: 40}, legend: {orientation: "h"}}, {displaylogo: false});
+    const data = traces.map(t => ({x: t.x, y: t.y, customdata: t.step, name: t.name, mode: "lines+markers", type: "scatter",
+      hovertemplate: "%{y:.4g} at step %{customdata}<extra>%{fullData.name}</extra>"}));
+    // each stage after the one before: a dotted line where a stage starts, named
+    const starts = stage === "all" ? traces.filter(t => t.offset > 0) : [];
+    const narrow = $("#chart").clientWidth < 600;
+    Plotly.react("chart", data, {
+      title: {text: this.metric},
+      xaxis: {title: {text: stage === "all" ? "step (each stage after the one before)" : "step"}},
+      yaxis: {title: {text: this.metric}},
+      // beside the plot (below it on a narrow screen), clear of the axis title
+      legend: narrow ? {orientation: "h", x: 0, y: -0.35, yanchor: "top"} : {x: 1.02, xanchor: "left", y: 1},
+      margin: {t: 40, b: narrow ? 150 : 60}, hoverlabel: {namelength: -1},
+      shapes: starts.map(t => ({type: "line", x0: t.offset, x1: t.offset, yref: "paper", y0: 0, y1: 1, line: {dash: "dot", color: "#888", width: 1}})),
+      annotations: starts.map(t => ({x: t.offset, yref: "paper", y: 1, text: t.stage, showarrow: false, xanchor: "left", yanchor: "bottom", font: {size: 10}})),
+    }, {displaylogo: false, responsive: true});
   },
 
   async sweep() {
@@ -226,15 +435,66 @@ const runs = {
     } catch (e) { out.innerHTML = `<div class="error">${esc(e.message)}</div>`; }
   },
 
+  async diff() {
+    const out = $("#diff");
+    const [a, b] = Array.from(this.checked);
+    if (this.checked.size !== 2) { out.innerHTML = `<p class="error">tick two runs to compare their configs (${this.checked.size} ticked)</p>`; return; }
+    try {
+      const rows = await api(`/api/diff?a=${encodeURIComponent(a)}&b=${encodeURIComponent(b)}`);
+      out.innerHTML = `<h3>config diff: ${rows.length} key${rows.length === 1 ? "" : "s"} differ</h3><div class="scroll"><table class="list" id="table-diff">` +
+        `<thead><tr><th>key</th><th>${esc(a)}</th><th>${esc(b)}</th></tr></thead><tbody>` +
+        rows.map(r => `<tr><td>${esc(r.key)}</td><td>${esc(r.a)}</td><td>${esc(r.b)}</td></tr>`).join("") + "</tbody></table></div>";
+    } catch (e) { out.innerHTML = `<div class="error">${esc(e.message)}</div>`; }
+  },
+
+  async bench(id) {
+    const out = $("#bench");
+    try {
+      const b = await api("/api/bench?run=" + encodeURIComponent(id));
+      out.innerHTML = `<h3>bench: ${esc(id)}</h3><div class="scroll">${table("bench", b.rows)}</div>`;
+      if (b.png) { const img = new Image(); img.alt = `bench results of ${id}`; img.src = b.png; out.append(img); }
+    } catch (e) { out.innerHTML = `<div class="error">${esc(e.message)}</div>`; }
+  },
+
+  async csv() {
+    const r = await fetch("/api/runs.csv", {headers: auth()});
+    const a = document.createElement("a");
+    a.href = URL.createObjectURL(await r.blob()); a.download = "runs.csv";
+    document.body.append(a); a.click(); a.remove();
+  },
+
   init() {
+    const params = new URLSearchParams(location.search);
+    params.getAll("run").forEach(r => this.checked.add(r));
     $("#metric").addEventListener("change", e => { this.metric = e.target.value; this.chart(); });
     $("#stage").addEventListener("change", () => this.chart());
     $("#sweep-choice").addEventListener("change", () => this.sweep());
+    $("#runs tbody").addEventListener("change", e => {
+      const box = e.target.closest("[data-pick]");
+      if (!box) return;
+      box.checked ? this.checked.add(box.dataset.pick) : this.checked.delete(box.dataset.pick);
+      this.metrics(); this.chart();
+    });
+    $("#runs").addEventListener("click", e => {
+      const b = e.target.closest("button");
+      if (b?.dataset.bench) this.bench(b.dataset.bench);
+      if (b?.dataset.sort) {
+        this.sort = {key: b.dataset.sort, dir: this.sort.key === b.dataset.sort ? -this.sort.dir : 1};
+        this.render();
+      }
+    });
+    ["#run-search", "#status-filter", "#group-config"].forEach(s => $(s).addEventListener("input", () => this.render()));
+    $("#diff-runs").addEventListener("click", () => this.diff());
+    $("#export-csv").addEventListener("click", () => this.csv());
     // a run that trains logs new metrics (eval first, then the step's): list, then draw, every 2 s
     const tick = async () => {
       try { await this.refresh(); await this.metrics(); await this.stages(); await this.chart(); } finally { setTimeout(tick, 2000); }
     };
-    tick();
+    tick().then(() => {
+      const sweep = params.get("sweep");
+      if (sweep) { $("#sweep-choice").value = sweep; this.sweep(); }
+    });
+    jobs.init();
   },
 };
 
@@ -248,6 +508,9 @@ function table(id, rows) {
 // ------------------------------------------------------------------ rollouts
 
 const rollouts = {
+  offset: 0,
+  limit: 50,
+
   async runs() {
     const data = await api("/api/runs");
     const sel = $("#run");
@@ -263,17 +526,25 @@ const rollouts = {
     const list = await api("/api/rollouts/sources?run=" + encodeURIComponent(run));
     list.forEach(s => sel.add(new Option(`${s.path} (${s.kind}, ${s.error ? "unreadable" : s.count})`, s.path)));
     if (!list.length) $("#rollout-count").textContent = "this run stored no experiences and no eval trajectories";
-    else await this.show();
+    else await this.show(0);
   },
 
-  async show() {
+  async show(offset) {
     const p = new URLSearchParams({run: $("#run").value, source: $("#source").value, min_reward: $("#min-reward").value,
-                                   max_reward: $("#max-reward").value, step: $("#step").value});
+                                   max_reward: $("#max-reward").value, step: $("#step").value, offset, limit: this.limit});
+    const count = $("#rollout-count");
+    const ticket = this.ticket = (this.ticket || 0) + 1;  // only the newest request shows its rows
+    this.offset = offset;  // a second "next" before this answer pages on from here
     let r;
     try { r = await api("/api/rollouts?" + p); }
-    catch (e) { $("#rollout-count").textContent = e.message; return; }
-    $("#rollout-count").textContent = `${r.matched} of ${r.read} match` + (r.read < r.total ? ` (the first ${r.read} of ${r.total} stored read)` : "") +
-      (r.rows.length < r.matched ? `; the first ${r.rows.length} shown` : "");
+    catch (e) { if (ticket === this.ticket) { count.textContent = e.message; count.className = "error"; } return; }
+    if (ticket !== this.ticket) return;
+    count.className = "";
+    const last = offset + r.rows.length;
+    count.textContent = `${r.matched} of ${r.read} match` + (r.read < r.total ? ` (the first ${r.read} of ${r.total} stored read)` : "") +
+      (r.rows.length < r.matched ? `; ${r.rows.length ? offset + 1 : 0}-${last} shown` : "");
+    $("#page-prev").disabled = offset === 0;
+    $("#page-next").disabled = last >= r.matched;
     $("#rollouts tbody").innerHTML = r.rows.map(x => {
       const parts = Object.entries(x.parts || {}).map(([k, v]) => `${esc(k)}=${fmt(v)}`).join(" ");
       const response = x.segments ? `<div class="turn">` + x.segments.map(g =>
@@ -288,8 +559,11 @@ const rollouts = {
 
   init() {
     $("#run").addEventListener("change", () => this.sources());
-    $("#source").addEventListener("change", () => this.show());
-    $("#filter").addEventListener("click", () => this.show());
+    $("#source").addEventListener("change", () => this.show(0));
+    // the filter button, or Enter in any of the fields
+    $("#rollout-form").addEventListener("submit", e => { e.preventDefault(); this.show(0); });
+    $("#page-prev").addEventListener("click", () => this.show(Math.max(0, this.offset - this.limit)));
+    $("#page-next").addEventListener("click", () => this.show(this.offset + this.limit));
     this.runs();
   },
 };

@@ -1,0 +1,284 @@
+"""The studio's runs, compose and rollouts pages in Debian's headless Chromium, against one studio
+over a checkpoint root of hand-written runs (module fixtures: one studio, one browser): the runs
+table's values against the runs' files, kept in place as it refreshes, its columns, search, sort,
+filter, grouping, config diff and CSV export; a bench run's table; the curves' legend, names and
+stages; the layout at 390 px; the compose page's group menus and tab order; the rollouts filter
+and paging; the static files. Names and values from a run's files are data: never markup.
+"""
+
+import csv
+import io
+import json
+import os
+import socket
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+from test_studio import CHROMIUM, _fake_run, _set_key, _shot, _stop, _studio, _two_stage_run
+
+pytestmark = pytest.mark.slow
+
+XSS = "<img src=x onerror=window.pwned=1>"
+FORMULA = '=HYPERLINK("http://example.com")'
+
+
+def _run_with_config(root: Path, rel: str, metrics: list[dict], overrides: list[str], total: int) -> Path:
+    run = _fake_run(root, rel, metrics, overrides)
+    (run / ".hydra" / "config.yaml").write_text(yaml.safe_dump({"stages": [{"stage_name": "grpo", "buffer": {"total_steps": total}}]}))
+    return run
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    root = tmp_path_factory.mktemp("studio_pages")
+    lr = "algorithm.optimizer.lr"
+    _run_with_config(root, "rft/a", [{"step": 1, "eval/accuracy": 0.1, "timing/step_s": 1.5},
+                                     {"step": 2, "eval/accuracy": 0.5, "timing/step_s": 1.25}], [f"{lr}=1e-3", "seed=1"], 2)
+    _run_with_config(root, "rft/b", [{"step": 1, "eval/accuracy": 0.2}, {"step": 2, "eval/accuracy": 0.3}],
+                     [f"{lr}=1e-3", "seed=2"], 2)
+    _run_with_config(root, "rft/c", [{"step": 1, "eval/accuracy": 0.7}, {"step": 3, "eval/accuracy": 0.75}],
+                     [f"{lr}=3e-3", "seed=1", f"trainer.tag={FORMULA}"], 3)
+    # stopped at step 2 of 10, its process gone: failed
+    failed = _run_with_config(root, "rft/failed", [{"step": 2, "eval/accuracy": 0.25}], [f"{lr}=3e-3", "seed=2"], 10)
+    (failed / ".run.lock").write_text(f"pid 999999999 on {socket.gethostname()}\n")
+    # its lock held by a live process (this one), no metrics yet: starting
+    starting = root / "rft" / "starting"
+    (starting / ".hydra").mkdir(parents=True)
+    (starting / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump([f"{lr}=1e-4", "seed=1"]))
+    (starting / ".hydra" / "config.yaml").write_text(yaml.safe_dump({"stages": [{"stage_name": "grpo"}]}))
+    (starting / ".run.lock").write_text(f"pid {os.getpid()} on {socket.gethostname()}\n")
+    _fake_run(root, f"rft/{XSS}", [{"step": 1, "eval/accuracy": 0.0}], [f"seed={XSS}"])
+    _two_stage_run(root, "rft/two")
+    bench = _fake_run(root, "rft/bench_run", [{"step": 1, "eval/accuracy": 0.4}], ["mode=bench"])
+    (bench / "bench").mkdir()
+    (bench / "bench" / "results.csv").write_text("stage,step,eval/arith/accuracy,checkpoint\nstart,0,0.125,tiny\ngrpo,1,0.375,x/step_1\n")
+    from PIL import Image
+
+    Image.new("RGB", (40, 20), (200, 30, 30)).save(bench / "bench" / "results.png")
+    return root
+
+
+@pytest.fixture(scope="module")
+def studio(root):
+    proc, url, token = _studio(root)
+    yield url, token
+    _stop(proc)
+
+
+@pytest.fixture(scope="module")
+def chromium():
+    if not Path(CHROMIUM).exists():
+        if os.environ.get("RFT_REQUIRE_BROWSER"):
+            pytest.fail(f"{CHROMIUM} is missing (RFT_REQUIRE_BROWSER=1): apt-get install chromium")
+        pytest.skip("no Chromium here: apt-get install chromium (make test does, as root)")
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu", "--no-first-run",
+                                                              "--disable-background-networking", "--disable-sync"])
+        yield b
+        b.close()
+
+
+def _open(chromium, studio, path, width=1400, height=1000):
+    url, token = studio
+    page = chromium.new_page(bypass_csp=True, viewport={"width": width, "height": height})
+    page.goto(f"{url}{path}#token={token}")
+    return page
+
+
+def _cells(page, run: str) -> dict:
+    """The runs table's row of `run`: {column: text}."""
+    return page.evaluate("""run => {
+        const tr = [...document.querySelectorAll('#runs tbody tr[data-run]')].find(t => t.dataset.run === run);
+        return Object.fromEntries([...tr.querySelectorAll('td[data-col]')].map(td => [td.dataset.col, td.textContent]));
+    }""", run)
+
+
+def _shown(page) -> list[str]:
+    return page.evaluate("[...document.querySelectorAll('#runs tbody tr[data-run]')].filter(t => !t.hidden).map(t => t.dataset.run)")
+
+
+def test_the_runs_table_shows_the_files_values_and_keeps_its_rows_and_focus(chromium, studio):
+    page = _open(chromium, studio, "/runs")
+    page.wait_for_function("document.querySelectorAll('#runs tbody tr[data-run]').length == 8")
+    a = _cells(page, "rft/a")
+    # the files: last step 2, last eval 0.5 (no trailing zeros), 1.5 + 1.25 = 2.75 s of steps, its 2 of 2 steps: done
+    assert (a["status"], a["steps"], a["last_eval"], a["train_s"], a["stage"]) == ("done", "2", "0.5", "2.75", "grpo")
+    # the overrides that differ between the runs are columns
+    assert (a["p:algorithm.optimizer.lr"], a["p:seed"]) == ("1e-3", "1")
+    assert _cells(page, "rft/c")["p:trainer.tag"] == FORMULA
+    assert (_cells(page, "rft/failed")["status"], _cells(page, "rft/starting")["status"]) == ("failed", "starting")
+    assert page.get_attribute('tr[data-run="rft/failed"] td.status', "title") == "incomplete (2/10 steps)"
+    # a run's name and values are text, never markup
+    assert page.evaluate("window.pwned") is None and _cells(page, f"rft/{XSS}")["id"] == f"rft/{XSS}"
+    # the table refreshes every 2 s in place: the same row elements, the focus kept
+    page.focus('[data-pick="rft/b"]')
+    page.evaluate("document.querySelector('tr[data-run=\"rft/b\"]').mark = 1")
+    page.wait_for_timeout(4500)
+    assert page.evaluate("document.activeElement.dataset.pick") == "rft/b"
+    assert page.evaluate("document.querySelector('tr[data-run=\"rft/b\"]').mark") == 1
+    # search, status filter, sort, grouping
+    page.fill("#run-search", "3e-3")
+    page.wait_for_function("document.querySelector('#runs-count').textContent.includes('2 shown')")
+    assert sorted(_shown(page)) == ["rft/c", "rft/failed"]
+    page.fill("#run-search", "")
+    page.select_option("#status-filter", "starting")
+    assert _shown(page) == ["rft/starting"]
+    page.select_option("#status-filter", "")
+    page.click('button[data-sort="last_eval"]')  # ascending; runs without an eval last
+    evals = [_cells(page, r)["last_eval"] for r in _shown(page)]
+    assert evals == ["0", "0.25", "0.3", "0.4", "0.5", "0.75", "0.9", ""], evals  # two's: its GRPO's last, 0.9
+    page.check("#group-config")
+    groups = page.eval_on_selector_all("#runs tr.group", "trs => trs.map(t => t.textContent)")
+    assert "algorithm.optimizer.lr=1e-3: 2 runs, 2 done" in groups, groups
+    _shot(page, "runs-table")
+
+
+def test_csv_export_escapes_formulas_and_a_config_diff_lists_the_keys_that_differ(chromium, studio):
+    url, token = studio
+    r = httpx.get(url + "/api/runs.csv", headers={"Authorization": f"Bearer {token}"})
+    assert r.headers["content-disposition"] == 'attachment; filename="runs.csv"'
+    rows = {row["id"]: row for row in csv.DictReader(io.StringIO(r.text))}
+    # a cell a spreadsheet would run as a formula gets a leading '; a number stays a number
+    assert rows["rft/c"]["trainer.tag"] == "'" + FORMULA and rows["rft/c"]["last_eval"] == "0.75"
+    assert (rows["rft/a"]["status"], rows["rft/a"]["steps"], rows["rft/a"]["train_s"]) == ("done", "2", "2.75")
+    assert httpx.get(url + "/api/runs.csv").status_code == 401
+    page = _open(chromium, studio, "/runs")
+    page.wait_for_selector('[data-pick="rft/c"]')
+    page.check('[data-pick="rft/a"]')
+    page.check('[data-pick="rft/c"]')
+    page.click("#diff-runs")
+    page.wait_for_selector("#table-diff tbody tr")
+    diff = page.eval_on_selector_all("#table-diff tbody tr", "trs => trs.map(t => [...t.children].map(c => c.textContent))")
+    # the two configs differ in the stage's total steps only (2 and 3)
+    assert diff == [["stages[0].buffer.total_steps", "2", "3"]]
+    with page.expect_download() as download:
+        page.click("#export-csv")
+    got = list(csv.DictReader(io.StringIO(Path(download.value.path()).read_bytes().decode())))
+    # the same rows (a run that is starting has a wall time that grows between the two)
+    assert [{k: v for k, v in row.items() if k != "duration_s"} for row in got] == \
+        [{k: v for k, v in row.items() if k != "duration_s"} for row in rows.values()]
+
+
+def test_a_bench_run_shows_its_table_and_plot(chromium, studio):
+    page = _open(chromium, studio, "/runs")
+    page.click('button[data-bench="rft/bench_run"]')
+    page.wait_for_selector("#table-bench tbody tr")
+    rows = page.eval_on_selector_all("#table-bench tbody tr", "trs => trs.map(t => [...t.children].map(c => c.textContent))")
+    assert rows == [["start", "0", "0.125", "tiny"], ["grpo", "1", "0.375", "x/step_1"]]  # bench/results.csv
+    assert page.evaluate("[document.querySelector('#bench img').naturalWidth, document.querySelector('#bench img').naturalHeight]") == [40, 20]
+
+
+def test_curves_name_each_run_by_what_tells_it_apart_and_put_every_stage_after_the_one_before(chromium, studio):
+    page = _open(chromium, studio, "/runs?run=rft/two&run=rft/a")
+    page.wait_for_function("(document.getElementById('chart').data || []).length == 2")
+    page.select_option("#stage", "all")
+    page.wait_for_function("(document.getElementById('chart').data || []).length == 3")
+    traces = page.evaluate("document.getElementById('chart').data.map(t => [t.name, Array.from(t.x), Array.from(t.customdata)])")
+    # two's warm-up logged steps 0 and 2; its GRPO's steps 0 and 2 come after: at 2 and 4
+    assert traces == [["two (sft_warmup)", [0, 2], [0, 2]], ["two (grpo)", [2, 4], [0, 2]], ["a (grpo)", [1, 2], [1, 2]]]
+    layout = page.evaluate("(({hoverlabel, shapes}) => [hoverlabel.namelength, shapes.map(s => s.x0)])(document.getElementById('chart').layout)")
+    assert layout == [-1, [2]]  # whole names on hover; a line where two's GRPO starts
+    legend = page.eval_on_selector("#chart .legend", "e => e.getBoundingClientRect().toJSON()")
+    title = page.eval_on_selector("#chart .g-xtitle", "e => e.getBoundingClientRect().toJSON()")
+    apart = (legend["left"] >= title["right"] or legend["right"] <= title["left"] or
+             legend["top"] >= title["bottom"] or legend["bottom"] <= title["top"])
+    assert apart, (legend, title)
+    _shot(page, "runs-every-stage")
+
+
+def test_at_390_px_the_pages_fit_and_tables_scroll_in_their_own_box(chromium, studio):
+    ready = {"/runs": "#runs tbody tr", "/compose": "body[data-composed]", "/rollouts": "#run option"}
+    for path, selector in ready.items():
+        page = _open(chromium, studio, path, 390, 844)
+        page.wait_for_selector(selector, state="attached")
+        page.wait_for_timeout(500)
+        assert page.get_attribute('meta[name="viewport"]', "content") == "width=device-width, initial-scale=1"
+        assert page.evaluate("document.documentElement.scrollWidth") <= 390, path
+        if path == "/runs":
+            box = page.evaluate("(e => [e.scrollWidth, e.clientWidth])(document.querySelector('#runs').parentElement)")
+            assert box[0] > box[1] and box[1] <= 390, box
+            _shot(page, "runs-390px")
+
+
+def test_choosing_an_experiment_sets_the_group_menus_and_launch_is_few_tabs_away(chromium, studio):
+    url, token = studio
+    page = _open(chromium, studio, "/compose")
+    page.wait_for_function("document.body.dataset.composed")
+    page.select_option("#group-experiment", "calculator_tool")
+    said = httpx.post(url + "/api/compose", json={"choices": {"experiment": "calculator_tool"}, "keys": {}},
+                      headers={"Authorization": f"Bearer {token}"}, timeout=120).json()["choices"]
+    page.wait_for_function(f"document.querySelector('#group-model').value == {json.dumps(said['model'])}", timeout=60000)
+    shown = page.evaluate("Object.fromEntries([...document.querySelectorAll('select[data-group]')].map(s => [s.dataset.group, s.value]))")
+    assert shown == said and said["model"] != "tiny", said
+    # from the top of the page to the launch button with Tab
+    page.evaluate("document.activeElement.blur()")
+    for presses in range(1, 80):
+        page.keyboard.press("Tab")
+        if page.evaluate("document.activeElement.id") == "launch":
+            break
+    assert presses <= 45, presses
+
+
+def test_the_static_files_a_favicon_and_plotly_gzipped_and_cached(studio):
+    url, _ = studio
+    icon = httpx.get(url + "/favicon.ico")
+    assert icon.status_code == 200 and icon.headers["content-type"] == "image/svg+xml" and b"<svg" in icon.content
+    r = httpx.get(url + "/static/plotly.min.js", headers={"Accept-Encoding": "gzip"})
+    assert r.headers["content-encoding"] == "gzip" and r.headers["cache-control"] == "max-age=86400"
+    assert int(r.headers["content-length"]) < len(r.content) / 2  # 4.8 MB as 1.4 MB
+    again = httpx.get(url + "/static/plotly.min.js", headers={"If-None-Match": r.headers["etag"]})
+    assert again.status_code == 304 and not again.content
+
+
+def _buffer_of(run: Path, n: int) -> None:
+    """n experiences, rewards k/4 for k = 0..3 in turn, policy versions 1 + k // 100."""
+    from omegaconf import OmegaConf
+
+    from rft.config import ExperienceBufferConfig
+    from rft.data.buffer import SQLBuffer
+    from rft.data.experience import Experience
+
+    (run / "grpo").mkdir(parents=True, exist_ok=True)
+    buf = SQLBuffer(OmegaConf.structured(ExperienceBufferConfig(storage_type="sql", path=str(run / "grpo" / "buffer.db"))))
+    buf.put([Experience(tokens=[1, 2, 3], prompt_length=2, logprobs=[-0.1], reward=(k % 4) / 4, task_id=f"t{k}",
+                        policy_version=1 + k // 100, info={"prompt": f"p{k}", "response": f"r{k}"}) for k in range(n)])
+
+
+def test_rollouts_say_what_is_wrong_with_a_filter_apply_it_on_enter_and_page_beyond_200(chromium, studio, root):
+    _buffer_of(_fake_run(root, "rft/many", [{"step": 1}]), 260)
+    page = _open(chromium, studio, "/rollouts?run=rft/many")
+    page.wait_for_selector("#rollouts tbody tr")
+    assert page.text_content("#rollout-count") == "260 of 260 match; 1-50 shown"
+    page.fill("#min-reward", "abc")
+    page.press("#min-reward", "Enter")
+    page.wait_for_function("document.querySelector('#rollout-count').className == 'error'")
+    assert page.text_content("#rollout-count") == "reward from: 'abc' is not a number; leave it empty for no filter."
+    # reward 0.75 is every 4th: k = 3, 7, ..., 259: 65 of them
+    page.fill("#min-reward", "0.75")
+    page.press("#min-reward", "Enter")
+    page.wait_for_function("document.querySelector('#rollout-count').textContent.startsWith('65 of 260')")
+    page.click("#page-next")
+    page.wait_for_function("document.querySelector('#rollout-count').textContent.endsWith('51-65 shown')")
+    tasks = page.eval_on_selector_all("#rollouts tbody tr td:nth-child(3)", "tds => tds.map(t => t.textContent)")
+    assert tasks == [f"t{k}" for k in range(3 + 4 * 50, 260, 4)]  # the 51st to the 65th match
+    page.fill("#min-reward", "")
+    page.press("#min-reward", "Enter")
+    page.wait_for_function("document.querySelector('#rollout-count').textContent.startsWith('260 of 260')")
+    for first in range(51, 252, 50):
+        page.click("#page-next")
+        page.wait_for_function(f"document.querySelector('#rollout-count').textContent.endsWith('{first}-{min(first + 49, 260)} shown')")
+    assert page.is_disabled("#page-next") and not page.is_disabled("#page-prev")
+    _shot(page, "rollouts-paging")
+
+
+def test_first_rollouts_load_decodes_only_the_rows_shown(studio, root):
+    url, token = studio
+    _buffer_of(_fake_run(root, "rft/thousand", [{"step": 1}]), 1024)
+    r = httpx.get(url + "/api/rollouts", params={"run": "rft/thousand", "source": "grpo/buffer.db", "limit": 50,
+                                                 "offset": 1000}, headers={"Authorization": f"Bearer {token}"}, timeout=60)
+    # 1,024 read and matched; 50 asked from the 1,001st: the last 24
+    assert (r.json()["matched"], [x["task_id"] for x in r.json()["rows"]]) == (1024, [f"t{k}" for k in range(1000, 1024)])
