@@ -88,7 +88,8 @@ def test_batch_plan_values():
          "algorithm.advantage_fn='my_study.nowhere.fn': cannot import it (ModuleNotFoundError: No module named 'my_study')."),
         (["buffer.explorer_input.default_reward_fn_type=exact"],
          "buffer.explorer_input.default_reward_fn_type='exact' is not one of ['countdown', 'exact_match', "
-         "'format', 'last_number', 'math'] (functions) or ['judge', 'remote', 'reward_model'] (served rewards); give a "
+         "'format', 'last_number', 'math', 'reasoning_gym'] (functions) or ['judge', 'remote', 'reward_model'] (served "
+         "rewards); give a "
          "registered name or the dotted path of a function with the same signature (module.function)."),
         (["algorithm.rollout_is_cap=1"],
          "algorithm.rollout_is_cap=1.0 must be > 1 with algorithm.rollout_is=tis"),

@@ -762,7 +762,7 @@ MINE = "# @package _global_\n# python run.py experiment=mine\n"
     # MissingConfigException"), then printed the message twice
     ({}, ["-m", "algorithm=grpo,drgrpo"],
      "algorithm=drgrpo: there is no conf/algorithm/drgrpo.yaml (the options of 'algorithm' are cpgd, dapo, dpo, "
-     "dr_grpo, gmpo, grpo, gspo, mix, opmd, ppo, reinforce_pp, reinforce_pp_baseline, rloo, sft). Did you mean "
+     "dr_grpo, gmpo, grpo, gspo, mix, opd, opmd, ppo, reinforce_pp, reinforce_pp_baseline, rloo, rm, sft). Did you mean "
      "algorithm=dr_grpo?"),
 ])
 def test_a_studys_own_config_files_are_checked_before_hydra_composes_them(tmp_path, monkeypatch, capsys, files,
