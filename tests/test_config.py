@@ -1,10 +1,11 @@
 """Every YAML under conf/ composes against the typed schema; the batch plan's values and errors."""
 
+import re
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import CONF, compose_cfg
+from conftest import CONF, ROOT, compose_cfg
 from omegaconf import OmegaConf
 
 from rft.errors import ConfigError
@@ -398,3 +399,28 @@ def test_a_stage_adds_a_key_to_a_free_form_dict_and_still_may_not_misspell_a_typ
     with pytest.raises(ConfigError, match="Key 'workflow_argz' not in 'TasksetConfig'"):
         stage_configs(compose_cfg(["experiment=calculator_tool",
                                    "+stages.1.buffer.explorer_input.taskset.workflow_argz.strict=false"]))
+
+
+# the keys the evaluation, data, distillation, reward-model and tool-calling work added: each is in
+# the typed schema, which the studio's compose page lists (rft.studio.compose.schema), and in the README
+NEW_KEYS = ["algorithm.distill_coef", "algorithm.teacher_model_path", "model.extra_tokens", "model.tool_call_parser",
+            "buffer.explorer_input.taskset.pass_k", "buffer.explorer_input.taskset.pass_threshold",
+            "buffer.explorer_input.taskset.group_by", "buffer.explorer_input.reasoning_gym.datasets",
+            "buffer.explorer_input.reasoning_gym.size", "buffer.explorer_input.reasoning_gym.eval_size",
+            "buffer.explorer_input.reasoning_gym.seed", "buffer.explorer_input.reasoning_gym.teacher_error_rate",
+            "buffer.trainer_input.experience_buffer.eval_split", "monitor.mlflow_tracking_uri",
+            "data_processor.task_pipeline.operators", "data_processor.experience_pipeline.operators",
+            "data_processor.online_curriculum.enable", "data_processor.online_curriculum.window",
+            "data_processor.online_curriculum.eps"]
+
+
+@pytest.mark.parametrize("key", NEW_KEYS)
+def test_a_new_key_is_in_the_schema_the_compose_page_and_the_readme(key):
+    from rft.studio.compose import schema
+
+    listed = {f["key"]: f for f in schema()}
+    assert key in listed and listed[key]["comment"], key  # on the compose page, with its comment
+    readme = (ROOT / "README.md").read_text()
+    # by its whole name, or its section's name and its own as a word (`pass_k: [1, 4]`, a YAML example's `enable: true`)
+    section, name = key.split(".")[-2:]
+    assert key in readme or (section in readme and re.search(rf"\b{name}\b", readme)), key
