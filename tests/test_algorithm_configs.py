@@ -10,7 +10,7 @@ import rft.runtime.main
 from rft.reporting.monitor import read_metrics
 
 ALGORITHMS = sorted(p.stem for p in (CONF / "algorithm").glob("*.yaml"))
-OFFLINE = {"sft", "dpo"}  # they set mode=train and read the taskset's answers / pairs
+OFFLINE = {"sft", "dpo", "rm"}  # they set mode=train and read the taskset's answers / pairs
 
 MIX_DATA = ["+buffer.trainer_input.auxiliary_buffers.sft_dataset.path=${buffer.explorer_input.taskset.path}",
             "+buffer.trainer_input.auxiliary_buffers.sft_dataset.format.response_key=answer"]
@@ -34,7 +34,9 @@ def test_every_algorithm_trains_on_the_default_study(algorithm, tmp_path):
     run = tmp_path / "rft" / cfg.name
     assert [m["step"] for m in read_metrics(run / "sft_warmup" / "metrics.jsonl")] == [1, 2]
     steps = read_metrics(run / algorithm / "metrics.jsonl")
-    assert [m["step"] for m in steps] == [1, 2] and "eval/accuracy" in steps[-1]
+    # a reward model's eval is its held-out pairs (eval/pair_accuracy), not generated answers
+    evaluated = "eval/pair_accuracy" if algorithm == "rm" else "eval/accuracy"
+    assert [m["step"] for m in steps] == [1, 2] and evaluated in steps[-1]
     for m in steps:
         assert math.isfinite(m["loss/policy"]) and math.isfinite(m["actor/grad_norm"])
         # 4 tasks x 4 rollouts = 16 experiences (16 rows offline); 16 / 8 = 2 optimizer steps per step
