@@ -75,6 +75,19 @@ def test_compose_shows_the_plan_error_naming_the_key_then_the_plan():
 
 
 @pytest.mark.slow
+def test_the_default_plan_shows_no_rollouts_for_the_sft_stage_and_an_rl_batch_error_names_the_rl_stage():
+    defaults = C.default_choices(CONF)
+    plan = C.compose(CONF, defaults, {}, defaults).plan
+    sft, grpo = plan.split("batch plan: stage grpo (grpo)")
+    # the warm-up generates nothing: no "tasks per step 0" or "rollouts per task 0"
+    assert sft.startswith("batch plan: stage sft_warmup (sft)") and "rollouts per task" not in sft and "tasks per step" not in sft
+    assert re.search(r"tasks per step +16 ", grpo) and re.search(r"rollouts per task +8 ", grpo)
+    for key in ("buffer.batch_size", "algorithm.repeat_times"):
+        error = C.compose(CONF, defaults, {key: "0"}, defaults).error
+        assert error.startswith(f"stage grpo: {key}=0 must be >= 1"), error
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("groups", [{}, {"model": "tiny_tools", "task": "calculator"}, {"experiment": "algorithms_countdown"}])
 def test_every_value_the_page_shows_is_an_override_that_composes_to_itself(groups):
     """What an input shows is what it would send: all of them sent back compose the same config."""
@@ -664,7 +677,8 @@ def test_runs_started_from_the_studio_stop_with_it_and_the_plan_reads_datasets_o
         # a run that errors in planning is not started: the page says why
         r = httpx.post(url + "/api/launch", json={"choices": {"algorithm": "dapo"}, "keys": {"buffer.batch_size": "0"}},
                        headers=auth, timeout=120)
-        assert r.status_code == 400 and r.json()["detail"].startswith("not launched: stage sft_warmup: buffer.batch_size=0")
+        # the RL stage's error: the SFT warm-up (its own train_batch_size) does not read buffer.batch_size
+        assert r.status_code == 400 and r.json()["detail"].startswith("not launched: stage dapo: buffer.batch_size=0")
         long_run = {"choices": {"cluster": "inline", "monitor": "console"}, "keys": {"stages": "[]", "buffer.total_steps": "100000"}}
         launched = httpx.post(url + "/api/launch", json=long_run, headers=auth, timeout=120).json()
         assert launched["status"] == "running" and launched["command"].startswith("python run.py cluster=inline")

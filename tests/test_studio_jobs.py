@@ -127,6 +127,6 @@ def test_a_launch_is_checked_as_run_py_would_check_it(chromium, studio, root):  
     page.click("#launch")
     page.wait_for_function("document.querySelector('#launch-status').dataset.status == 'refused'", timeout=60000)
     assert page.text_content("#launch-refused") == (
-        "not launched: job 0 of the sweep (buffer.batch_size=0): stage sft_warmup: buffer.batch_size=0 must be >= 1 "
+        "not launched: job 0 of the sweep (buffer.batch_size=0): stage grpo: buffer.batch_size=0 must be >= 1 "
         "(tasks per step). No job has started: every job is planned first.")
     assert len(_jobs(page)) == 2  # nothing launched

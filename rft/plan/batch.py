@@ -203,9 +203,12 @@ def check_config(cfg) -> None:
     _check_names(cfg)
     _check_runtime(cfg)
     buf, algo = cfg.buffer, cfg.algorithm
-    if buf.batch_size < 1:
+    # a stage that only trains reads neither unless they size its step (no train_batch_size; a
+    # stored buffer's whole groups): the SFT warm-up named in an error about the RL stage's batch
+    explores = cfg.mode in ("both", "explore")
+    if buf.batch_size < 1 and (explores or not buf.train_batch_size):
         raise ConfigError(f"buffer.batch_size={buf.batch_size} must be >= 1 (tasks per step).")
-    if algo.repeat_times < 1:
+    if algo.repeat_times < 1 and (explores or stored_experiences(buf.trainer_input.experience_buffer)):
         raise ConfigError(f"algorithm.repeat_times={algo.repeat_times} must be >= 1 (rollouts per task).")
     if cfg.trainer.ppo_epochs < 1:
         raise ConfigError(f"trainer.ppo_epochs={cfg.trainer.ppo_epochs} must be >= 1.")
@@ -924,11 +927,13 @@ def _dynamic_row(cfg) -> str:
 
 
 def format_plan(plan: BatchPlan, title: str = "batch plan") -> str:
+    # a stage that generates nothing (mode=train) has no tasks or rollouts per step: no rows of 0
+    explores = [("tasks per step", plan.tasks_per_step, "buffer.batch_size"),
+                ("rollouts per task", plan.rollouts_per_task, "algorithm.repeat_times")] if plan.mode != "train" else []
     rows = [
         ("mode", plan.mode, "mode"),
         ("dataset rows", plan.dataset_size, "taskset / experience_buffer"),
-        ("tasks per step", plan.tasks_per_step, "buffer.batch_size"),
-        ("rollouts per task", plan.rollouts_per_task, "algorithm.repeat_times"),
+        *explores,
         ("experiences per step", plan.experiences_per_step, "buffer.train_batch_size"),
         ("experiences per optimizer step", plan.mini_batch_size, "trainer.mini_batch_size"),
         ("passes per step", plan.ppo_epochs, "trainer.ppo_epochs"),
