@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from test_studio import _set_key, _shot, _stop, _studio
+from test_studio import ARTIFACTS, _set_key, _shot, _stop, _studio
 from test_studio_pages import _cells, chromium  # noqa: F401  (a module fixture)
 
 pytestmark = pytest.mark.slow
@@ -85,6 +85,8 @@ def test_every_launch_is_listed_with_its_console_stop_and_run_and_stays_after_a_
     steps = max(json.loads(line)["step"] for line in metrics.read_text().splitlines())
     assert _cells(runs, "rft/long")["steps"] == str(steps)
     _shot(page, "jobs")
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    page.locator("#jobs").screenshot(path=str(ARTIFACTS / "jobs-panel.png"))
     # the first job's console again, from its row
     page.click('#jobs button[data-show="1"]')
     page.wait_for_function("document.querySelector('#console').textContent.includes('batch plan')")

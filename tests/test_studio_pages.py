@@ -132,8 +132,11 @@ def test_the_runs_table_shows_the_files_values_and_keeps_its_rows_and_focus(chro
     evals = [_cells(page, r)["last_eval"] for r in _shown(page)]
     assert evals == ["0", "0.25", "0.3", "0.4", "0.5", "0.75", "0.9", ""], evals  # two's: its GRPO's last, 0.9
     page.check("#group-config")
-    groups = page.eval_on_selector_all("#runs tr.group", "trs => trs.map(t => t.textContent)")
+    groups = page.eval_on_selector_all("#runs tr.config-group", "trs => trs.map(t => t.textContent)")
     assert "algorithm.optimizer.lr=1e-3: 2 runs, 2 done" in groups, groups
+    # a configuration's row spans the table
+    assert page.evaluate("(t => t.querySelector('tr.config-group td').offsetWidth >= t.querySelector('tbody tr[data-run]').offsetWidth - 2)"
+                         "(document.querySelector('#runs'))")
     _shot(page, "runs-table")
 
 

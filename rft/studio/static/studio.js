@@ -346,7 +346,7 @@ const runs = {
     let tr = this.groups.get(config);
     if (!tr) {
       tr = document.createElement("tr");
-      tr.className = "group"; tr.dataset.group = config;
+      tr.className = "config-group"; tr.dataset.group = config;
       tr.innerHTML = `<td colspan="${this.columns().length + 2}"></td>`;
       this.groups.set(config, tr);
     }
