@@ -285,3 +285,88 @@ def test_first_rollouts_load_decodes_only_the_rows_shown(studio, root):
                                                  "offset": 1000}, headers={"Authorization": f"Bearer {token}"}, timeout=60)
     # 1,024 read and matched; 50 asked from the 1,001st: the last 24
     assert (r.json()["matched"], [x["task_id"] for x in r.json()["rows"]]) == (1024, [f"t{k}" for k in range(1000, 1024)])
+
+
+def _grouped_run(root: Path) -> Path:
+    """A GRPO run's buffer of three groups of 4 (group id <explore step>/7/<task>): explore step 3's
+    arith/0 rewards 1, 0, 0, 0.5 and arith/1 four 1s; step 4's arith/2 0, 1, 0, 1. Its metrics: a
+    training step logs the rewards of the explore step before it (step 4: (0.375 + 1) / 2 = 0.6875)."""
+    from omegaconf import OmegaConf
+
+    from rft.config import ExperienceBufferConfig
+    from rft.data.buffer import SQLBuffer
+    from rft.data.experience import Experience
+
+    run = _fake_run(root, "rft/groups", [{"step": 4, "reward/mean": 0.6875}, {"step": 5, "reward/mean": 0.5}])
+    tasks = root / "arith.jsonl"
+    tasks.write_text("".join(json.dumps({"question": f"q{i}", "answer": a}) + "\n" for i, a in enumerate(["357", XSS, "99"])))
+    (run / "grpo" / "config.yaml").write_text("# fingerprint\n" + yaml.safe_dump({
+        "algorithm": {"advantage_fn": "grpo", "kl_penalty_fn": "none"},
+        "buffer": {"explorer_input": {"taskset": {"name": "arith", "path": str(tasks), "split": "train",
+                                                  "format": {"response_key": "answer"}}}}}))
+    buf = SQLBuffer(OmegaConf.structured(ExperienceBufferConfig(storage_type="sql", path=str(run / "grpo" / "buffer.db"))))
+    groups = [(3, 0, [1, 0, 0, 0.5]), (3, 1, [1, 1, 1, 1]), (4, 2, [0, 1, 0, 1])]
+    buf.put([Experience(tokens=[1, 2, 3], prompt_length=2, logprobs=[-0.1], reward=r, group_id=f"{s}/7/arith/{t}",
+                        task_id=f"arith/{t}", policy_version=s, info={"prompt": f"q{t}", "response": f"answer {t}.{k}" + (XSS if k == 3 else "")})
+             for s, t, rewards in groups for k, r in enumerate(rewards)])
+    return run
+
+
+# GRPO's advantages of rewards 1, 0, 0, 0.5: mean 0.375, deviations 0.625, -0.375, -0.375, 0.125,
+# squares 0.390625 + 0.140625 + 0.140625 + 0.015625 = 0.6875, unbiased std sqrt(0.6875 / 3) = 0.478714,
+# so A = 0.625 / 0.478714 = 1.30558, -0.375 / 0.478714 = -0.78335 (twice), 0.125 / 0.478714 = 0.26112
+ADV_A = [1.30558, -0.78335, -0.78335, 0.26112]
+
+
+def test_groups_api_gives_each_groups_rewards_grpo_advantages_and_reference(studio, root):
+    url, token = studio
+    _grouped_run(root)
+    get = lambda path, **p: httpx.get(url + path, params={"run": "rft/groups", "source": "grpo/buffer.db", **p},
+                                      headers={"Authorization": f"Bearer {token}"}, timeout=60)
+    r = get("/api/rollouts/groups", step=3).json()
+    assert (r["matched"], r["read"], r["steps"]) == (2, 12, [3, 4])
+    a, b = r["groups"]
+    assert (a["task_id"], a["reference"], [m["reward"] for m in a["members"]]) == ("arith/0", "357", [1, 0, 0, 0.5])
+    assert [m["advantage"] for m in a["members"]] == pytest.approx(ADV_A, abs=1e-5)
+    assert (a["mean"], a["std"]) == (0.375, pytest.approx(0.478714, abs=1e-6))
+    assert [m["advantage"] for m in b["members"]] == [0, 0, 0, 0] and b["reference"] == XSS  # equal rewards: 0
+    assert "advantage_fn=grpo, computed here" in r["advantage"] and "12" not in r["advantage"]  # step 3's 8 rollouts
+    # the widest spread first; a search in the responses (any case) keeps the groups holding it
+    assert [g["task_id"] for g in get("/api/rollouts/groups", sort="spread").json()["groups"]] == ["arith/2", "arith/0", "arith/1"]
+    assert [g["task_id"] for g in get("/api/rollouts/groups", search="ANSWER 2.").json()["groups"]] == ["arith/2"]
+    assert get("/api/rollouts/groups", sort="best").json()["detail"] == "sort='best': one of '', 'spread', 'mean_desc', 'mean_asc'."
+    # the rows view: search and sort too (reward, highest first; the stored order among equals)
+    rows = get("/api/rollouts", search="answer 0.", sort="reward_desc").json()["rows"]
+    assert [(x["response"][:10], x["reward"]) for x in rows] == [("answer 0.0", 1), ("answer 0.3", 0.5), ("answer 0.1", 0), ("answer 0.2", 0)]
+    assert httpx.get(url + "/api/rollouts/groups", params={"run": "rft/groups", "source": "grpo/buffer.db"}).status_code == 401
+
+
+def test_a_reward_curves_point_opens_its_steps_groups_side_by_side(chromium, studio, root):
+    if not (root / "rft" / "groups").exists():
+        _grouped_run(root)
+    page = _open(chromium, studio, "/runs?run=rft/groups")
+    page.wait_for_function("(document.getElementById('chart').data || []).length == 1")
+    # a real click on step 4's point (pixel from the plot's own axes)
+    x, y = page.evaluate("""(gd => { const L = gd._fullLayout, box = gd.getBoundingClientRect();
+        return [box.left + L._size.l + L.xaxis.l2p(4), box.top + L._size.t + L.yaxis.l2p(0.6875)]; })(document.getElementById('chart'))""")
+    page.mouse.move(x, y)
+    page.mouse.click(x, y)
+    page.wait_for_url("**/rollouts?*")
+    page.wait_for_selector("#group-list section.group-view")
+    assert (page.input_value("#view"), page.input_value("#step"), page.input_value("#source")) == ("groups", "3", "grpo/buffer.db")
+    cards = page.evaluate("""[...document.querySelectorAll('#group-list section')].map(s => [s.querySelector('h3').textContent,
+        s.querySelector('.reference code').textContent, [...s.querySelectorAll('.member')].map(m =>
+        [m.querySelector('.reward').textContent, m.querySelector('.advantage').textContent])])""")
+    # the buffer's rewards; GRPO's advantages to 4 significant digits (ADV_A)
+    assert cards == [["task arith/0 · explore step 3 · 4 rollouts · reward 0.375 ± 0.4787", "357",
+                      [["1", "1.306"], ["0", "-0.7833"], ["0", "-0.7833"], ["0.5", "0.2611"]]],
+                     ["task arith/1 · explore step 3 · 4 rollouts · reward 1 ± 0", XSS, [["1", "0"]] * 4]], cards
+    assert page.evaluate("window.pwned") is None
+    assert "training step 4 learned from explore step 3" in page.text_content("#group-notes")
+    assert page.text_content("#rollout-count") == "2 groups of 12 rollouts match"
+    # side by side: a group's four responses on one row
+    tops = page.eval_on_selector_all("#group-list section:first-child .member", "ms => ms.map(m => m.getBoundingClientRect().top)")
+    assert len(set(tops)) == 1, tops
+    _shot(page, "rollouts-groups")
+    page.select_option("#sort", "mean_desc")
+    page.wait_for_function("document.querySelector('#group-list h3').textContent.startsWith('task arith/1')")

@@ -6,6 +6,7 @@ rollouts. `python -m rft.studio` (or `make studio`); see README.md, "The studio"
     runs.py      runs and sweeps under the checkpoint root, curves, a sweep's table, a config diff, CSV
     index.py     each run's files read again only when they change; is a run's process alive
     rollouts.py  a run's stored experiences and eval trajectories
+    groups.py    a GRPO group side by side: rewards, advantages (the stage's advantage_fn), reference answers
     imports.py   the dotted paths a config imports from outside the project (listed, confirmed)
     launch.py    runs started from the page: child processes, their console, stop, kept in jobs.json
     guard.py     which requests it answers: Host, Origin, Sec-Fetch-Site, JSON, size, the token

@@ -391,15 +391,31 @@ def _add_rollout_routes(app, root: Path) -> None:
     async def api_sources(run: str):
         return await _answer(lambda: R.sources(U.inside(root, run)))
 
+    def _paging(limit: int, offset: int) -> None:
+        if not 1 <= limit <= R.MAX_ROWS:
+            raise ValueError(f"limit={limit}: give 1 to {R.MAX_ROWS} rows.")
+        if offset < 0:
+            raise ValueError(f"offset={offset}: give 0 or more (the first row shown, counted from 0).")
+
     @app.get("/api/rollouts")
     async def api_rollouts(run: str, source: str, min_reward: str = "", max_reward: str = "", step: str = "",
-                           limit: int = 200, offset: int = 0):
+                           limit: int = 200, offset: int = 0, search: str = "", sort: str = ""):
         def rows():
-            if not 1 <= limit <= R.MAX_ROWS:
-                raise ValueError(f"limit={limit}: give 1 to {R.MAX_ROWS} rows.")
-            if offset < 0:
-                raise ValueError(f"offset={offset}: give 0 or more (the first row shown, counted from 0).")
+            _paging(limit, offset)
             lo, hi = _number("reward from", min_reward, float), _number("reward to", max_reward, float)
-            return R.read(U.inside(root, run), source, lo, hi, _number("version / step", step, int), limit, offset)
+            return R.read(U.inside(root, run), source, lo, hi, _number("version / step", step, int), limit, offset,
+                          search, sort)
 
         return await _answer(rows)
+
+    @app.get("/api/rollouts/groups")
+    async def api_groups(run: str, source: str, step: str = "", search: str = "", sort: str = "",
+                         limit: int = 5, offset: int = 0):
+        from rft.studio import groups as GR
+
+        def groups():
+            _paging(limit, offset)
+            return GR.read_groups(U.inside(root, run), source, _number("explore step", step, int), search, sort,
+                                  offset, limit)
+
+        return await _answer(groups)

@@ -16,6 +16,15 @@ from rft.data.buffer import SQL_SUFFIXES, count_experiences, read_experiences
 
 # at most this many rows are read for one view (filters apply within them)
 MAX_ROWS = 5000
+# the rows view's orders (the page's menu): "" is the order stored
+SORTS = {"": "stored order", "reward_desc": "reward, highest first", "reward_asc": "reward, lowest first",
+         "length_desc": "length, longest first"}
+
+
+def _reward(x) -> float:
+    """A row's reward for sorting ((i, experience) or an eval row); none sorts as -inf."""
+    r = x[1].reward if isinstance(x, tuple) else x["reward"]
+    return r if isinstance(r, (int, float)) else float("-inf")
 
 
 def sources(run: Path) -> list[dict]:
@@ -133,11 +142,14 @@ def _eval_rows(path: Path, source: str, step: int | None) -> tuple[list[dict], i
 
 
 def read(run: Path, source: str, min_reward: float | None = None, max_reward: float | None = None,
-         step: int | None = None, limit: int = 200, offset: int = 0) -> dict:
+         step: int | None = None, limit: int = 200, offset: int = 0, search: str = "", sort: str = "") -> dict:
     """The source's rows that pass the filters (reward within [min, max], policy version or eval
-    step equal to `step`), `limit` of them from the `offset`-th on; {"rows", "matched", "read",
-    "total"}: the filters apply to the first MAX_ROWS stored ("read") of the "total". Only the
-    rows shown are decoded (a response's tokens piece by piece): 1,024 of them took 8.6 s."""
+    step equal to `step`, task id, prompt or response holding `search` in any case), in `sort`
+    order (SORTS), `limit` of them from the `offset`-th on; {"rows", "matched", "read", "total"}:
+    the filters apply to the first MAX_ROWS stored ("read") of the "total". Only the rows shown
+    are decoded (a response's tokens piece by piece): 1,024 of them took 8.6 s."""
+    if sort not in SORTS:
+        raise ValueError(f"sort={sort!r}: one of {', '.join(repr(s) for s in SORTS)}.")
     from rft.studio.runs import inside
 
     path = inside(run, source)
@@ -146,9 +158,12 @@ def read(run: Path, source: str, min_reward: float | None = None, max_reward: fl
         at = int(step_dir[5:]) if step_dir.startswith("step_") and step_dir[5:].isdigit() else None
         rows, total = _eval_rows(path, source, at)
         items = [(r["reward"], r["step"], r) for r in rows]
+        text = {id(r): (r["task_id"], r["prompt"], r["response"], r["length"] or 0) for r in rows}
         tok = None
     else:
         items = [(e.reward, e.policy_version, (i, e)) for i, e in enumerate(read_experiences(str(path), MAX_ROWS))]
+        text = {id(x): (x[1].task_id, str(x[1].info.get("prompt", "")), str(x[1].info.get("response", "")),
+                        x[1].response_length) for _, _, x in items}
         total = count_experiences(str(path))
         tok = False  # loaded for the first row shown
 
@@ -160,7 +175,11 @@ def read(run: Path, source: str, min_reward: float | None = None, max_reward: fl
             return False
         return step is None or at == step
 
-    matched = [x for r, a, x in items if keep(r, a)]
+    needle = search.lower()
+    matched = [x for r, a, x in items if keep(r, a) and (not needle or any(needle in str(t).lower() for t in text[id(x)][:3]))]
+    if sort:
+        by = {"reward_desc": lambda x: -_reward(x), "reward_asc": _reward, "length_desc": lambda x: -text[id(x)][3]}[sort]
+        matched.sort(key=by)  # stable: equal keys keep the stored order
     shown = matched[offset:offset + limit]
     if tok is False:
         tok = tokenizer_for(path.parent) if shown else None

@@ -408,8 +408,9 @@ const runs = {
     const q = `metric=${encodeURIComponent(this.metric)}&stage=${encodeURIComponent(stage)}&`;
     const traces = this.checked.size ? await api("/api/curves?" + q + this.query()) : [];
     if (ticket !== this.chartTicket) return;
+    this.traces = traces;
     const data = traces.map(t => ({x: t.x, y: t.y, customdata: t.step, name: t.name, mode: "lines+markers", type: "scatter",
-      hovertemplate: "%{y:.4g} at step %{customdata}<extra>%{fullData.name}</extra>"}));
+      hovertemplate: "%{y:.4g} at step %{customdata} (click: its rollouts)<extra>%{fullData.name}</extra>"}));
     // each stage after the one before: a dotted line where a stage starts, named
     const starts = stage === "all" ? traces.filter(t => t.offset > 0) : [];
     const narrow = $("#chart").clientWidth < 600;
@@ -423,6 +424,15 @@ const runs = {
       shapes: starts.map(t => ({type: "line", x0: t.offset, x1: t.offset, yref: "paper", y0: 0, y1: 1, line: {dash: "dot", color: "#888", width: 1}})),
       annotations: starts.map(t => ({x: t.offset, yref: "paper", y: 1, text: t.stage, showarrow: false, xanchor: "left", yanchor: "bottom", font: {size: 10}})),
     }, {displaylogo: false, responsive: true});
+    if (!this.clickBound) { $("#chart").on("plotly_click", e => this.jump(e.points[0])); this.clickBound = true; }
+  },
+
+  // a point of a curve -> that step's rollouts, in groups (the rollouts page picks the source)
+  jump(point) {
+    const t = this.traces?.[point.curveNumber];
+    if (!t) return;
+    location.href = "/rollouts?" + new URLSearchParams({run: t.run, stage: t.stage || "", step: t.step[point.pointIndex],
+                                                        metric: this.metric, view: "groups"});
   },
 
   async sweep() {
@@ -509,64 +519,126 @@ function table(id, rows) {
 
 const rollouts = {
   offset: 0,
-  limit: 50,
+  // the orders of each view (rollouts.py's and groups.py's SORTS: the server checks them)
+  sorts: {rows: {"": "stored order", reward_desc: "reward, highest first", reward_asc: "reward, lowest first", length_desc: "length, longest first"},
+          groups: {"": "stored order", spread: "reward spread, widest first", mean_desc: "mean reward, highest first", mean_asc: "mean reward, lowest first"}},
+  view() { return $("#view").value; },
+  limit() { return this.view() === "groups" ? 5 : 50; },
 
   async runs() {
     const data = await api("/api/runs");
     const sel = $("#run");
     data.runs.forEach(r => sel.add(new Option(r.id, r.id)));
-    if (sel.dataset.initial) { sel.value = sel.dataset.initial; await this.sources(); }
+    if (sel.dataset.initial) { sel.value = sel.dataset.initial; await this.sources(new URLSearchParams(location.search)); }
   },
 
-  async sources() {
+  // a jump from a curve's point (?stage=&step=&metric=, the runs page): the stage's stored
+  // experiences of the explore step that training step `step` learned from (step - 1: its
+  // reward/ metrics are that explore step's), or an eval/ metric's trajectories of that step
+  target(params, list) {
+    const stage = params.get("stage"), step = Number(params.get("step")), metric = params.get("metric") || "";
+    const under = s => !stage || s.path.startsWith(stage + "/");
+    if (metric.startsWith("eval/")) {
+      const evals = list.filter(s => under(s) && s.kind === "eval" && s.path.includes(`/eval_trajectories/step_${step}/`));
+      const set = metric.split("/").length > 2 ? metric.split("/")[1] : "";
+      const hit = evals.find(s => s.path.endsWith(`/${set}.jsonl`)) || evals[0];
+      if (hit) return {source: hit.path, step, note: `${metric} at step ${step}: the eval's trajectories of that step`};
+    }
+    const exp = list.find(s => under(s) && s.kind === "experiences");
+    if (exp) return {source: exp.path, step: step - 1, note: `${metric || "a curve"} at step ${step}: training step ${step} learned from explore step ${step - 1}, whose groups these are`};
+    return {source: list[0].path, step: "", note: `stage ${stage} stored no rollouts of step ${step} (buffer=sql or buffer=file keeps experiences)`};
+  },
+
+  async sources(params) {
     const run = $("#run").value;
     const sel = $("#source");
     sel.innerHTML = "";
     if (!run) return;
     const list = await api("/api/rollouts/sources?run=" + encodeURIComponent(run));
     list.forEach(s => sel.add(new Option(`${s.path} (${s.kind}, ${s.error ? "unreadable" : s.count})`, s.path)));
-    if (!list.length) $("#rollout-count").textContent = "this run stored no experiences and no eval trajectories";
-    else await this.show(0);
+    if (!list.length) { $("#rollout-count").textContent = "this run stored no experiences and no eval trajectories"; return; }
+    this.jumpNote = "";
+    if (params?.get("view")) { $("#view").value = params.get("view"); this.setView(); }
+    if (params?.get("source")) sel.value = params.get("source");
+    else if (params?.get("step")) {
+      const t = this.target(params, list);
+      sel.value = t.source; $("#step").value = t.step; this.jumpNote = t.note;
+    }
+    await this.show(0);
+  },
+
+  setView() {
+    const groups = this.view() === "groups";
+    $("#groups").hidden = !groups; $("#rows-view").hidden = groups;
+    $("#min-reward").disabled = $("#max-reward").disabled = groups;  // a group is shown whole
+    $("#step-label").textContent = groups ? "explore step" : "version / step";
+    $("#sort").innerHTML = Object.entries(this.sorts[this.view()]).map(([k, v]) => `<option value="${k}">${esc(v)}</option>`).join("");
   },
 
   async show(offset) {
-    const p = new URLSearchParams({run: $("#run").value, source: $("#source").value, min_reward: $("#min-reward").value,
-                                   max_reward: $("#max-reward").value, step: $("#step").value, offset, limit: this.limit});
+    const groups = this.view() === "groups";
+    const p = new URLSearchParams({run: $("#run").value, source: $("#source").value, step: $("#step").value,
+                                   search: $("#search").value, sort: $("#sort").value, offset, limit: this.limit()});
+    if (!groups) { p.set("min_reward", $("#min-reward").value); p.set("max_reward", $("#max-reward").value); }
     const count = $("#rollout-count");
     const ticket = this.ticket = (this.ticket || 0) + 1;  // only the newest request shows its rows
     this.offset = offset;  // a second "next" before this answer pages on from here
     let r;
-    try { r = await api("/api/rollouts?" + p); }
+    try { r = await api((groups ? "/api/rollouts/groups?" : "/api/rollouts?") + p); }
     catch (e) { if (ticket === this.ticket) { count.textContent = e.message; count.className = "error"; } return; }
     if (ticket !== this.ticket) return;
     count.className = "";
-    const last = offset + r.rows.length;
-    count.textContent = `${r.matched} of ${r.read} match` + (r.read < r.total ? ` (the first ${r.read} of ${r.total} stored read)` : "") +
-      (r.rows.length < r.matched ? `; ${r.rows.length ? offset + 1 : 0}-${last} shown` : "");
+    const n = groups ? r.groups.length : r.rows.length, last = offset + n;
+    count.textContent = `${r.matched}${groups ? " groups" : ""} of ${r.read}${groups ? " rollouts" : ""} match` +
+      (r.read < r.total ? ` (the first ${r.read} of ${r.total} stored read)` : "") +
+      (n < r.matched ? `; ${n ? offset + 1 : 0}-${last} shown` : "");
     $("#page-prev").disabled = offset === 0;
     $("#page-next").disabled = last >= r.matched;
-    $("#rollouts tbody").innerHTML = r.rows.map(x => {
-      const parts = Object.entries(x.parts || {}).map(([k, v]) => `${esc(k)}=${fmt(v)}`).join(" ");
-      const response = x.segments ? `<div class="turn">` + x.segments.map(g =>
-          `<span class="${g.trained ? "trained" : "masked"}" title="${g.trained ? "trained (loss mask 1)" : "masked (loss mask 0)"}">${esc(g.text)}</span>`).join("") + "</div>"
-        : x.turns ? x.turns.map(t => `<div class="turn ${t.trained ? "trained" : "masked"}" title="${t.trained ? "trained (loss mask 1)" : "masked (context only)"}">` +
-        `<span class="role">${esc(t.role)}</span>${esc(t.content)}${t.tool_calls ? " " + esc(JSON.stringify(t.tool_calls)) : ""}</div>`).join("")
-        : `<div class="turn trained">${esc(x.response)}</div>`;
-      return `<tr data-reward="${esc(x.reward)}"><td>${fmt(x.i)}</td><td>${fmt(x.step)}</td><td>${esc(x.task_id)}</td><td class="reward">${fmt(x.reward)}</td>` +
-             `<td>${parts}</td><td>${fmt(x.length)}</td><td class="text">${esc(x.prompt)}</td><td class="text">${response}</td></tr>`;
-    }).join("");
+    if (groups) this.drawGroups(r); else this.drawRows(r);
+  },
+
+  drawRows(r) {
+    $("#rollouts tbody").innerHTML = r.rows.map(x => `<tr data-reward="${esc(x.reward)}"><td>${fmt(x.i)}</td><td>${fmt(x.step)}</td>` +
+      `<td>${esc(x.task_id)}</td><td class="reward">${fmt(x.reward)}</td><td>${parts(x)}</td><td>${fmt(x.length)}</td>` +
+      `<td class="text">${esc(x.prompt)}</td><td class="text">${response(x)}</td></tr>`).join("");
+  },
+
+  drawGroups(r) {
+    $("#group-notes").textContent = [this.jumpNote, r.advantage, r.references && "reference answers: " + r.references,
+                                     r.steps.length ? `explore steps stored: ${r.steps[0]}-${r.steps[r.steps.length - 1]}` : ""].filter(Boolean).join(" · ");
+    $("#group-list").innerHTML = r.groups.map(g => `<section class="group-view" data-group="${esc(g.group_id)}">` +
+      `<h3>task ${esc(g.task_id)} · explore step ${fmt(g.step)} · ${g.size} rollouts · reward ${fmt(g.mean)} ± ${fmt(g.std)}</h3>` +
+      `<div class="reference">reference answer: <code>${g.reference === null ? "(not found)" : esc(g.reference)}</code></div>` +
+      `<div class="turn masked">${esc(g.prompt)}</div><div class="members">` +
+      g.members.map(m => `<div class="member" data-i="${m.i}"><div class="score">#${fmt(m.i)} · reward <b class="reward">${fmt(m.reward)}</b>` +
+        ` · advantage <b class="advantage">${m.advantage === null ? "-" : fmt(m.advantage)}</b>${m.length === null ? "" : ` · ${fmt(m.length)} token${m.length === 1 ? "" : "s"}`}` +
+        `<div>${parts(m)}</div></div>${response(m)}</div>`).join("") + "</div></section>").join("");
   },
 
   init() {
+    this.setView();
     $("#run").addEventListener("change", () => this.sources());
     $("#source").addEventListener("change", () => this.show(0));
+    $("#view").addEventListener("change", () => { this.setView(); this.show(0); });
+    $("#sort").addEventListener("change", () => this.show(0));
     // the filter button, or Enter in any of the fields
     $("#rollout-form").addEventListener("submit", e => { e.preventDefault(); this.show(0); });
-    $("#page-prev").addEventListener("click", () => this.show(Math.max(0, this.offset - this.limit)));
-    $("#page-next").addEventListener("click", () => this.show(this.offset + this.limit));
+    $("#page-prev").addEventListener("click", () => this.show(Math.max(0, this.offset - this.limit())));
+    $("#page-next").addEventListener("click", () => this.show(this.offset + this.limit()));
     this.runs();
   },
 };
+
+function parts(x) { return Object.entries(x.parts || {}).map(([k, v]) => `${esc(k)}=${fmt(v)}`).join(" "); }
+
+// a response as text: its tokens in runs of equal loss mask, a conversation's turns, or its text
+function response(x) {
+  if (x.segments) return `<div class="turn">` + x.segments.map(g =>
+    `<span class="${g.trained ? "trained" : "masked"}" title="${g.trained ? "trained (loss mask 1)" : "masked (loss mask 0)"}">${esc(g.text)}</span>`).join("") + "</div>";
+  if (x.turns) return x.turns.map(t => `<div class="turn ${t.trained ? "trained" : "masked"}" title="${t.trained ? "trained (loss mask 1)" : "masked (context only)"}">` +
+    `<span class="role">${esc(t.role)}</span>${esc(t.content)}${t.tool_calls ? " " + esc(JSON.stringify(t.tool_calls)) : ""}</div>`).join("");
+  return `<div class="turn trained">${esc(x.response)}</div>`;
+}
 
 // the page's own part comes from the API (with the token), then starts
 (async () => {
