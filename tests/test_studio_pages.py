@@ -3,7 +3,8 @@ over a checkpoint root of hand-written runs (module fixtures: one studio, one br
 table's values against the runs' files, kept in place as it refreshes, its columns, search, sort,
 filter, grouping, config diff and CSV export; a bench run's table; the curves' legend, names and
 stages; the layout at 390 px; the compose page's group menus and tab order; the rollouts filter
-and paging; the static files. Names and values from a run's files are data: never markup.
+and paging, a GRPO group side by side opened from a curve's point; the static files. Names and
+values from a run's files are data: never markup.
 """
 
 import csv
@@ -194,7 +195,8 @@ def test_curves_name_each_run_by_what_tells_it_apart_and_put_every_stage_after_t
 
 
 def test_at_390_px_the_pages_fit_and_tables_scroll_in_their_own_box(chromium, studio):
-    ready = {"/runs": "#runs tbody tr", "/compose": "body[data-composed]", "/rollouts": "#run option"}
+    ready = {"/runs": "#runs tbody tr", "/compose": "body[data-composed]", "/rollouts": "#run option",
+             "/dashboard?run=rft/a&open=eval": ".panel .main-svg"}
     for path, selector in ready.items():
         page = _open(chromium, studio, path, 390, 844)
         page.wait_for_selector(selector, state="attached")
@@ -346,12 +348,19 @@ def test_a_reward_curves_point_opens_its_steps_groups_side_by_side(chromium, stu
         _grouped_run(root)
     page = _open(chromium, studio, "/runs?run=rft/groups")
     page.wait_for_function("(document.getElementById('chart').data || []).length == 1")
-    # a real click on step 4's point (pixel from the plot's own axes)
-    x, y = page.evaluate("""(gd => { const L = gd._fullLayout, box = gd.getBoundingClientRect();
-        return [box.left + L._size.l + L.xaxis.l2p(4), box.top + L._size.t + L.yaxis.l2p(0.6875)]; })(document.getElementById('chart'))""")
-    page.mouse.move(x, y)
-    page.mouse.click(x, y)
-    page.wait_for_url("**/rollouts?*")
+    # a real click on step 4's point (pixel from the plot's own axes); again if the page moved
+    # under the pointer (the table above it refreshes every 2 s)
+    for attempt in range(3):
+        page.eval_on_selector("#chart", "e => e.scrollIntoView()")
+        x, y = page.evaluate("""(gd => { const L = gd._fullLayout, box = gd.getBoundingClientRect();
+            return [box.left + L._size.l + L.xaxis.l2p(4), box.top + L._size.t + L.yaxis.l2p(0.6875)]; })(document.getElementById('chart'))""")
+        page.mouse.move(x, y)
+        page.mouse.click(x, y)
+        try:
+            page.wait_for_url("**/rollouts?*", timeout=5000)
+            break
+        except Exception:
+            assert attempt < 2, "the click on the curve's point did not open the rollouts"
     page.wait_for_selector("#group-list section.group-view")
     assert (page.input_value("#view"), page.input_value("#step"), page.input_value("#source")) == ("groups", "3", "grpo/buffer.db")
     cards = page.evaluate("""[...document.querySelectorAll('#group-list section')].map(s => [s.querySelector('h3').textContent,
@@ -370,3 +379,48 @@ def test_a_reward_curves_point_opens_its_steps_groups_side_by_side(chromium, stu
     _shot(page, "rollouts-groups")
     page.select_option("#sort", "mean_desc")
     page.wait_for_function("document.querySelector('#group-list h3').textContent.startsWith('task arith/1')")
+
+
+def _plot(page, metric: str) -> list:
+    return page.evaluate("""m => document.querySelector(`.panel[data-metric="${m}"]`).data.map(t =>
+        [t.name, Array.from(t.x), Array.from(t.y).map(v => v === null ? null : Math.round(v * 1e5) / 1e5)])""", metric)
+
+
+def test_the_dashboard_draws_every_metric_by_prefix_with_seed_bands_smoothing_and_its_state_in_the_url(chromium, studio):
+    page = _open(chromium, studio, "/dashboard?run=rft/a&run=rft/b&run=rft/two&open=eval&open=timing&bands=1")
+    page.wait_for_selector('.panel[data-metric="eval/accuracy"] .main-svg')
+    assert page.eval_on_selector_all("#panels details", "ds => ds.map(d => [d.dataset.prefix, d.open])") == [["eval", True], ["timing", True]]
+    # a and b (lr 1e-3, seeds 1 and 2): their mean 0.15, 0.4 and std (N-1) 0.070711, 0.141421 (eval 0.1, 0.2 and
+    # 0.5, 0.3); two alone, its GRPO's steps after its warm-up's: 0, 2 then 2, 4
+    lo, hi, mean = (0.15 - 0.070711, 0.4 - 0.141421), (0.15 + 0.070711, 0.4 + 0.141421), (0.15, 0.4)
+    got = _plot(page, "eval/accuracy")
+    assert got == [["two", [0, 2, 2, 4], [0, 0.15, 0.15, 0.9]],
+                   ["algorithm.optimizer.lr=1e-3 - std", [1, 2], [round(lo[0], 5), round(lo[1], 5)]],
+                   ["algorithm.optimizer.lr=1e-3 + std", [1, 2], [round(hi[0], 5), round(hi[1], 5)]],
+                   ["algorithm.optimizer.lr=1e-3 (mean of 2)", [1, 2], list(mean)]], got
+    # two's GRPO starts at step 2: a dotted line there
+    assert page.evaluate("document.querySelector('.panel[data-metric=\"eval/accuracy\"]').layout.shapes.map(s => s.x0)") == [2]
+    # the runs in the list's order (newest first), a colour each
+    assert page.text_content("#dash-key") == "■ two \u00a0 ■ b \u00a0 ■ a \u00a0 ■ algorithm.optimizer.lr=1e-3 (mean ± std of 2)"
+    _shot(page, "dashboard")
+    # a metric only a logged (timing/step_s): its own curve, no band
+    assert _plot(page, "timing/step_s") == [["a", [1, 2], [1.5, 1.25]]]
+    assert page.evaluate("document.querySelector('.panel[data-metric=\"timing/step_s\"]').layout.shapes") == []  # two logs none
+    # smoothing 0.5, debiased: 0.1; (0.5 * 0.05 + 0.5 * 0.5) / (1 - 0.25) = 0.36667; by time: a's steps
+    # took 1.5 and 1.25 s, so x = 1.5, 2.75
+    page.uncheck('#dash-runs input[value="rft/b"]')
+    page.uncheck('#dash-runs input[value="rft/two"]')
+    page.wait_for_function("document.querySelector('#dash-status').textContent.startsWith('1 run,')")
+    page.fill("#smooth", "0.5")
+    page.dispatch_event("#smooth", "input")
+    page.select_option("#xaxis", "time")
+    assert _plot(page, "eval/accuracy") == [["rft/a", [1.5, 2.75], [0.1, 0.36667]]]  # alone: its whole name
+    # the view is in the address: opened again from it, the same
+    url = page.url
+    assert "run=rft%2Fa&open=eval&open=timing&smooth=0.5&x=time&bands=1" in url, url
+    again = _open(chromium, studio, url[len(studio[0]):])  # a browser of its own: the token in the link
+    again.wait_for_selector('.panel[data-metric="eval/accuracy"] .main-svg')
+    assert (again.input_value("#smooth"), again.input_value("#xaxis")) == ("0.5", "time")
+    assert _plot(again, "eval/accuracy") == [["rft/a", [1.5, 2.75], [0.1, 0.36667]]]
+    assert again.evaluate("window.pwned") is None  # the list holds the run named with markup
+    assert httpx.get(studio[0] + "/api/dashboard", params={"run": "rft/a"}).status_code == 401  # no token

@@ -7,6 +7,7 @@ rollouts. `python -m rft.studio` (or `make studio`); see README.md, "The studio"
     index.py     each run's files read again only when they change; is a run's process alive
     rollouts.py  a run's stored experiences and eval trajectories
     groups.py    a GRPO group side by side: rewards, advantages (the stage's advantage_fn), reference answers
+    dashboard.py every metric of the runs asked for, stages end to end, mean ± std per configuration
     imports.py   the dotted paths a config imports from outside the project (listed, confirmed)
     launch.py    runs started from the page: child processes, their console, stop, kept in jobs.json
     guard.py     which requests it answers: Host, Origin, Sec-Fetch-Site, JSON, size, the token

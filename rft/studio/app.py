@@ -17,7 +17,7 @@ from pathlib import Path
 from rft.studio import guard as G
 
 HERE = Path(__file__).parent
-PAGES = ("compose", "runs", "rollouts")
+PAGES = ("compose", "runs", "dashboard", "rollouts")
 
 
 def plotly_js() -> Path:
@@ -368,6 +368,12 @@ def _add_run_routes(app, root: Path, launches) -> None:
     @app.get("/api/curves")
     async def api_curves(request: Request, metric: str = "eval/accuracy", stage: str = ""):
         return await _answer(runs.curves, request.query_params.getlist("run"), metric, stage)
+
+    @app.get("/api/dashboard")
+    async def api_dashboard(request: Request):
+        from rft.studio.dashboard import dashboard
+
+        return await _answer(dashboard, runs, request.query_params.getlist("run"))
 
     @app.get("/api/sweep")
     async def api_sweep(sweep: str):

@@ -515,6 +515,117 @@ function table(id, rows) {
     rows.map(r => `<tr>${cols.map(c => `<td>${fmt(r[c])}</td>`).join("")}</tr>`).join("") + "</tbody></table>";
 }
 
+// ------------------------------------------------------------------ dashboard
+
+// TensorBoard's smoothing: an exponential moving average, debiased so that it starts at the first value
+function ema(ys, a) {
+  if (!a) return ys;
+  let s = 0, n = 0;
+  return ys.map(y => {
+    if (y === null || y === undefined) return null;
+    s = a * s + (1 - a) * y; n += 1;
+    return s / (1 - Math.pow(a, n));
+  });
+}
+
+const dashboard = {
+  // the view lives in the address: run (each ticked), open (each panel group shown), smooth, x, bands
+  state() {
+    const p = new URLSearchParams(location.search);
+    return {runs: p.getAll("run"), open: p.getAll("open"), smooth: Number(p.get("smooth") || 0),
+            x: p.get("x") === "time" ? "time" : "step", bands: p.get("bands") === "1"};
+  },
+
+  save() {
+    const p = new URLSearchParams();
+    $$("#dash-runs input:checked").forEach(b => p.append("run", b.value));
+    $$("#panels details[open]").forEach(d => p.append("open", d.dataset.prefix));
+    p.set("smooth", $("#smooth").value); p.set("x", $("#xaxis").value); p.set("bands", $("#bands").checked ? "1" : "0");
+    history.replaceState(null, "", "/dashboard?" + p);
+  },
+
+  async list(s) {
+    const data = await api("/api/runs");
+    $("#dash-runs").innerHTML = data.runs.map(r => `<label data-run="${esc(r.id)}"><input type="checkbox" value="${esc(r.id)}"` +
+      `${s.runs.includes(r.id) ? " checked" : ""}> ${esc(r.id)} <span class="hint">${esc(r.config)}</span></label>`).join("");
+  },
+
+  async load() {
+    const ids = $$("#dash-runs input:checked").map(b => b.value);
+    const status = $("#dash-status");
+    if (!ids.length) { this.data = null; $("#panels").innerHTML = $("#dash-key").innerHTML = ""; status.textContent = "tick runs to see their metrics"; return; }
+    try { this.data = await api("/api/dashboard?" + ids.map(r => "run=" + encodeURIComponent(r)).join("&")); }
+    catch (e) { status.textContent = e.message; status.className = "error"; return; }
+    status.className = "";
+    const keys = [...new Set(this.data.runs.flatMap(r => Object.keys(r.metrics)))].sort();
+    status.textContent = `${ids.length} run${ids.length === 1 ? "" : "s"}, ${keys.length} metrics`;
+    const open = this.open ?? new Set(this.data.prefixes.slice(0, 2));
+    $("#panels").innerHTML = this.data.prefixes.map(p => `<details data-prefix="${esc(p)}"${open.has(p) ? " open" : ""}>` +
+      `<summary>${esc(p)}/ (${keys.filter(k => k.split("/")[0] === p).length})</summary><div class="panel-grid">` +
+      keys.filter(k => k.split("/")[0] === p).map(k => `<div class="panel" data-metric="${esc(k)}"></div>`).join("") + "</div></details>").join("");
+    this.draw();
+  },
+
+  // one colour per run and per configuration, the same in every panel (and in the key above them)
+  colour(i) { return ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf"][i % 10]; },
+
+  key() {
+    // a run of a configuration drawn as a band shows alone where the others did not log the metric
+    const bands = $("#bands").checked ? this.data.configs : [];
+    $("#dash-key").innerHTML = this.data.runs.map((r, i) => `<span style="color:${this.colour(i)}">■</span> ${esc(r.name)}`)
+      .concat(bands.map((c, j) => `<span style="color:${this.colour(this.data.runs.length + j)}">■</span> ${esc(c.config)} (mean ± std of ${c.runs.length})`))
+      .join(" &nbsp; ");
+  },
+
+  traces(key) {
+    const smooth = Number($("#smooth").value), x = $("#xaxis").value, bands = $("#bands").checked;
+    const banded = new Set(bands ? this.data.configs.filter(c => c.bands[key]).flatMap(c => c.runs) : []);
+    const out = this.data.runs.map((r, i) => [r, i]).filter(([r]) => key in r.metrics && !banded.has(r.id)).map(([r, i]) => ({
+      x: r[x], y: ema(r.metrics[key], smooth), name: r.name, mode: "lines", type: "scatter", connectgaps: true, line: {color: this.colour(i)}}));
+    for (const [j, c] of (bands ? this.data.configs : []).entries()) {
+      const b = c.bands[key], colour = this.colour(this.data.runs.length + j);
+      if (!b) continue;
+      const up = b.mean.map((m, i) => m + b.std[i]), down = b.mean.map((m, i) => m - b.std[i]);
+      out.push({x: b[x], y: ema(down, smooth), mode: "lines", line: {width: 0}, showlegend: false, hoverinfo: "skip", name: c.config + " - std"},
+               {x: b[x], y: ema(up, smooth), mode: "lines", line: {width: 0}, fill: "tonexty", fillcolor: colour + "33", showlegend: false, hoverinfo: "skip", name: c.config + " + std"},
+               {x: b[x], y: ema(b.mean, smooth), mode: "lines", name: `${c.config} (mean of ${c.runs.length})`, line: {width: 2, color: colour}});
+    }
+    return out;
+  },
+
+  draw() {
+    if (!this.data) return;
+    this.key();
+    const x = $("#xaxis").value;
+    $$("#panels details[open] .panel").forEach(div => {
+      const key = div.dataset.metric;
+      const starts = [...new Set(this.data.runs.filter(r => key in r.metrics).flatMap(r => r.stages.filter(s => s[x] > 0).map(s => s[x])))];
+      Plotly.react(div, this.traces(key), {
+        title: {text: key, font: {size: 12}}, height: 240, margin: {t: 30, l: 45, r: 10, b: 35}, showlegend: false,
+        xaxis: {title: {text: x === "time" ? "s" : "step"}}, hoverlabel: {namelength: -1},
+        shapes: starts.map(s => ({type: "line", x0: s, x1: s, yref: "paper", y0: 0, y1: 1, line: {dash: "dot", color: "#888", width: 1}})),
+      }, {displaylogo: false, responsive: true});
+    });
+  },
+
+  async init() {
+    const s = this.state();
+    $("#smooth").value = s.smooth; $("#smooth-value").textContent = $("#smooth").value;
+    $("#xaxis").value = s.x; $("#bands").checked = s.bands;
+    if (s.open.length) this.open = new Set(s.open);
+    await this.list(s);
+    $("#dash-runs").addEventListener("change", async () => { await this.load(); this.save(); });
+    $("#dash-search").addEventListener("input", e => $$("#dash-runs label").forEach(l => {
+      l.hidden = !l.dataset.run.toLowerCase().includes(e.target.value.toLowerCase()); }));
+    $("#smooth").addEventListener("input", () => { $("#smooth-value").textContent = $("#smooth").value; this.draw(); this.save(); });
+    ["#xaxis", "#bands"].forEach(sel => $(sel).addEventListener("change", () => { this.draw(); this.save(); }));
+    // a group opened or closed: drawn when opened, and remembered
+    $("#panels").addEventListener("toggle", e => {
+      this.open = new Set($$("#panels details[open]").map(d => d.dataset.prefix)); this.draw(); this.save(); }, true);
+    await this.load();
+  },
+};
+
 // ------------------------------------------------------------------ rollouts
 
 const rollouts = {
@@ -646,7 +757,7 @@ function response(x) {
   try {
     $("#main").innerHTML = await (await fetchPage(page)).text();
   } catch (e) { $("#main").innerHTML = `<p class="error">${esc(e.message)}</p>`; return; }
-  ({compose, runs, rollouts})[page]?.init();
+  ({compose, runs, dashboard, rollouts})[page]?.init();
 })();
 
 async function fetchPage(page) {
