@@ -386,7 +386,7 @@ def _plot(page, metric: str) -> list:
         [t.name, Array.from(t.x), Array.from(t.y).map(v => v === null ? null : Math.round(v * 1e5) / 1e5)])""", metric)
 
 
-def test_the_dashboard_draws_every_metric_by_prefix_with_seed_bands_smoothing_and_its_state_in_the_url(chromium, studio):
+def test_the_dashboard_draws_every_metric_by_prefix_with_seed_bands_smoothing_and_its_state_in_the_url(chromium, studio, root):
     page = _open(chromium, studio, "/dashboard?run=rft/a&run=rft/b&run=rft/two&open=eval&open=timing&bands=1")
     page.wait_for_selector('.panel[data-metric="eval/accuracy"] .main-svg')
     assert page.eval_on_selector_all("#panels details", "ds => ds.map(d => [d.dataset.prefix, d.open])") == [["eval", True], ["timing", True]]
@@ -423,4 +423,14 @@ def test_the_dashboard_draws_every_metric_by_prefix_with_seed_bands_smoothing_an
     assert (again.input_value("#smooth"), again.input_value("#xaxis")) == ("0.5", "time")
     assert _plot(again, "eval/accuracy") == [["rft/a", [1.5, 2.75], [0.1, 0.36667]]]
     assert again.evaluate("window.pwned") is None  # the list holds the run named with markup
+    # by experiences trained on: 8 a step, summed (8, 16), each stage after the one before (then 16 + 4)
+    run = _fake_run(root, "rft/exps", [{"step": 1, "train/experiences": 8, "loss/policy": 0.5},
+                                       {"step": 2, "train/experiences": 8, "loss/policy": 0.25}], stage="sft")
+    (run / ".hydra" / "config.yaml").write_text(yaml.safe_dump({"stages": [{"stage_name": "sft"}, {"stage_name": "grpo"}]}))
+    (run / "grpo").mkdir()
+    (run / "grpo" / "metrics.jsonl").write_text(json.dumps({"step": 1, "train/experiences": 4, "loss/policy": 0.125}) + "\n")
+    exps = _open(chromium, studio, "/dashboard?run=rft/exps&open=loss&x=experiences")
+    exps.wait_for_selector('.panel[data-metric="loss/policy"] .main-svg')
+    assert _plot(exps, "loss/policy") == [["rft/exps", [8, 16, 20], [0.5, 0.25, 0.125]]]
+    assert exps.evaluate("document.querySelector('.panel[data-metric=\"loss/policy\"]').layout.shapes.map(s => s.x0)") == [16]
     assert httpx.get(studio[0] + "/api/dashboard", params={"run": "rft/a"}).status_code == 401  # no token

@@ -533,7 +533,7 @@ const dashboard = {
   state() {
     const p = new URLSearchParams(location.search);
     return {runs: p.getAll("run"), open: p.getAll("open"), smooth: Number(p.get("smooth") || 0),
-            x: p.get("x") === "time" ? "time" : "step", bands: p.get("bands") === "1"};
+            x: ["time", "experiences"].includes(p.get("x")) ? p.get("x") : "step", bands: p.get("bands") === "1"};
   },
 
   save() {
@@ -602,7 +602,7 @@ const dashboard = {
       const starts = [...new Set(this.data.runs.filter(r => key in r.metrics).flatMap(r => r.stages.filter(s => s[x] > 0).map(s => s[x])))];
       Plotly.react(div, this.traces(key), {
         title: {text: key, font: {size: 12}}, height: 240, margin: {t: 30, l: 45, r: 10, b: 35}, showlegend: false,
-        xaxis: {title: {text: x === "time" ? "s" : "step"}}, hoverlabel: {namelength: -1},
+        xaxis: {title: {text: {time: "s", experiences: "experiences"}[x] || "step"}}, hoverlabel: {namelength: -1},
         shapes: starts.map(s => ({type: "line", x0: s, x1: s, yref: "paper", y0: 0, y1: 1, line: {dash: "dot", color: "#888", width: 1}})),
       }, {displaylogo: false, responsive: true});
     });
