@@ -53,9 +53,13 @@ def _records(run: Path, source: str) -> tuple[list[dict], int]:
 
 
 def _stage_config(run: Path, source: str) -> dict:
+    """The config of the stage that wrote the source: <stage>/config.yaml (a run of one stage
+    keeps its buffer and config in the run's own directory)."""
     from rft.runtime.rundir import saved_config
 
-    return saved_config(Path(run) / Path(source).parts[0]) or {}
+    parts = Path(source).parts
+    stage = parts[:parts.index("eval_trajectories")] if "eval_trajectories" in parts else parts[:-1]
+    return saved_config(Path(run).joinpath(*stage)) or {}
 
 
 def advantage_of(algo: dict, rows: list[dict]) -> tuple[list[float] | None, str]:

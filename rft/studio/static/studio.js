@@ -650,9 +650,9 @@ const rollouts = {
     const stage = params.get("stage"), step = Number(params.get("step")), metric = params.get("metric") || "";
     const under = s => !stage || s.path.startsWith(stage + "/");
     if (metric.startsWith("eval/")) {
-      const evals = list.filter(s => under(s) && s.kind === "eval" && s.path.includes(`/eval_trajectories/step_${step}/`));
+      const evals = list.filter(s => under(s) && s.kind === "eval" && ("/" + s.path).includes(`/eval_trajectories/step_${step}/`));  // a run of one stage: no stage dir
       const set = metric.split("/").length > 2 ? metric.split("/")[1] : "";
-      const hit = evals.find(s => s.path.endsWith(`/${set}.jsonl`)) || evals[0];
+      const hit = evals.find(s => ("/" + s.path).endsWith(`/${set}.jsonl`)) || evals[0];
       if (hit) return {source: hit.path, step, note: `${metric} at step ${step}: the eval's trajectories of that step`};
     }
     const exp = list.find(s => under(s) && s.kind === "experiences");
