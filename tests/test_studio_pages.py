@@ -186,6 +186,7 @@ def test_curves_name_each_run_by_what_tells_it_apart_and_put_every_stage_after_t
     assert traces == [["two (sft_warmup)", [0, 2], [0, 2]], ["two (grpo)", [2, 4], [0, 2]], ["a (grpo)", [1, 2], [1, 2]]]
     layout = page.evaluate("(({hoverlabel, shapes}) => [hoverlabel.namelength, shapes.map(s => s.x0)])(document.getElementById('chart').layout)")
     assert layout == [-1, [2]]  # whole names on hover; a line where two's GRPO starts
+    assert page.get_attribute("#to-dashboard", "href") == "/dashboard?run=rft%2Ftwo&run=rft%2Fa"
     legend = page.eval_on_selector("#chart .legend", "e => e.getBoundingClientRect().toJSON()")
     title = page.eval_on_selector("#chart .g-xtitle", "e => e.getBoundingClientRect().toJSON()")
     apart = (legend["left"] >= title["right"] or legend["right"] <= title["left"] or

@@ -406,6 +406,7 @@ const runs = {
     const ticket = this.chartTicket = (this.chartTicket || 0) + 1;
     const stage = $("#stage").value;
     const q = `metric=${encodeURIComponent(this.metric)}&stage=${encodeURIComponent(stage)}&`;
+    $("#to-dashboard").href = "/dashboard?" + this.query();
     const traces = this.checked.size ? await api("/api/curves?" + q + this.query()) : [];
     if (ticket !== this.chartTicket) return;
     this.traces = traces;
