@@ -423,6 +423,13 @@ def test_the_dashboard_draws_every_metric_by_prefix_with_seed_bands_smoothing_an
     again.wait_for_selector('.panel[data-metric="eval/accuracy"] .main-svg')
     assert (again.input_value("#smooth"), again.input_value("#xaxis")) == ("0.5", "time")
     assert _plot(again, "eval/accuracy") == [["rft/a", [1.5, 2.75], [0.1, 0.36667]]]
+    # a step more in a's metrics (1 s): drawn within the 5 s refresh, the panel in place
+    again.evaluate("document.querySelector('.panel[data-metric=\"eval/accuracy\"]').mark = 1")
+    with open(root / "rft" / "a" / "grpo" / "metrics.jsonl", "a") as f:
+        f.write(json.dumps({"step": 3, "eval/accuracy": 0.9, "timing/step_s": 1.0}) + "\n")
+    again.wait_for_function("document.querySelector('.panel[data-metric=\"eval/accuracy\"]').data[0].x.length == 3", timeout=15000)
+    assert _plot(again, "eval/accuracy")[0][1] == [1.5, 2.75, 3.75]
+    assert again.evaluate("document.querySelector('.panel[data-metric=\"eval/accuracy\"]').mark") == 1
     assert again.evaluate("window.pwned") is None  # the list holds the run named with markup
     # by experiences trained on: 8 a step, summed (8, 16), each stage after the one before (then 16 + 4)
     run = _fake_run(root, "rft/exps", [{"step": 1, "train/experiences": 8, "loss/policy": 0.5},

@@ -555,11 +555,17 @@ const dashboard = {
     const ids = $$("#dash-runs input:checked").map(b => b.value);
     const status = $("#dash-status");
     if (!ids.length) { this.data = null; $("#panels").innerHTML = $("#dash-key").innerHTML = ""; status.textContent = "tick runs to see their metrics"; return; }
-    try { this.data = await api("/api/dashboard?" + ids.map(r => "run=" + encodeURIComponent(r)).join("&")); }
-    catch (e) { status.textContent = e.message; status.className = "error"; return; }
+    const ticket = this.ticket = (this.ticket || 0) + 1;
+    let data;
+    try { data = await api("/api/dashboard?" + ids.map(r => "run=" + encodeURIComponent(r)).join("&")); }
+    catch (e) { if (ticket === this.ticket) { status.textContent = e.message; status.className = "error"; } return; }
+    if (ticket !== this.ticket) return;
+    this.data = data;
     status.className = "";
     const keys = [...new Set(this.data.runs.flatMap(r => Object.keys(r.metrics)))].sort();
     status.textContent = `${ids.length} run${ids.length === 1 ? "" : "s"}, ${keys.length} metrics`;
+    if (keys.join("\n") === this.keys && $("#panels").children.length) { this.draw(); return; }  // the same panels: redrawn in place
+    this.keys = keys.join("\n");
     const open = this.open ?? new Set(this.data.prefixes.slice(0, 2));
     $("#panels").innerHTML = this.data.prefixes.map(p => `<details data-prefix="${esc(p)}"${open.has(p) ? " open" : ""}>` +
       `<summary>${esc(p)}/ (${keys.filter(k => k.split("/")[0] === p).length})</summary><div class="panel-grid">` +
@@ -623,7 +629,9 @@ const dashboard = {
     // a group opened or closed: drawn when opened, and remembered
     $("#panels").addEventListener("toggle", e => {
       this.open = new Set($$("#panels details[open]").map(d => d.dataset.prefix)); this.draw(); this.save(); }, true);
-    await this.load();
+    // a run that trains logs new metrics: read again every 5 s (only the newest answer draws)
+    const tick = async () => { try { await this.load(); } finally { setTimeout(tick, 5000); } };
+    await tick();
   },
 };
 
