@@ -14,6 +14,8 @@ OPTIONS = [(g, p.stem) for g in GROUPS for p in sorted((CONF / g).glob("*.yaml")
 NEEDS_HUB = {("task", "gsm8k")}
 # options that read a local copy the user provides (task=math: RFT_MATH_PATH): a clear error without it
 NEEDS_LOCAL = {("task", "math")}
+# options that need a model the user names (algorithm=opd: its teacher): a clear error without it
+NEEDS_TEACHER = {("algorithm", "opd")}
 
 
 @pytest.mark.slow  # ~40 s for all of them
@@ -37,6 +39,11 @@ def test_every_option_plans_on_the_default(group, option, tmp_path, monkeypatch,
         return
     if (group, option) in NEEDS_LOCAL:
         with pytest.raises(rft.runtime.main.ConfigError, match=r"\.path='.*': no such file or directory"):
+            rft.runtime.main._main(cfg)
+        return
+    if (group, option) in NEEDS_TEACHER:
+        with pytest.raises(rft.runtime.main.ConfigError, match="distils from a teacher, but "
+                                                               "algorithm.teacher_model_path is not set"):
             rft.runtime.main._main(cfg)
         return
     assert rft.runtime.main._main(cfg) is None

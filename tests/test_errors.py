@@ -416,8 +416,8 @@ def test_a_bad_taskset_path_is_named_by_the_key_the_user_set(tmp_path):
      "directory in Hugging Face format or a hub id (e.g. Qwen/Qwen2.5-0.5B-Instruct)."),
     (["stages=[]", "+buffer.trainer_input.auxiliary_buffers.extra.pathh=x.jsonl"],
      "buffer.trainer_input.auxiliary_buffers.extra: Key 'pathh' not in 'ExperienceBufferConfig'. Its keys are those "
-     "of buffer.trainer_input.experience_buffer: ['capacity', 'format', 'max_read_timeout', 'name', 'path', "
-     "'replay_buffer', 'split', 'storage_type']."),
+     "of buffer.trainer_input.experience_buffer: ['capacity', 'eval_split', 'format', 'max_read_timeout', 'name', "
+     "'path', 'replay_buffer', 'split', 'storage_type']."),
     (["stages=[]", "explorer.rollout_model.engine_type=sglang"],
      "explorer.rollout_model.engine_type='sglang' is not one of ['hf', 'vllm']; give a registered name or the dotted "
      "path of a class with the methods of rft/rollout/engines/base.py (module.Class)."),

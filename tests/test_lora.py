@@ -53,7 +53,7 @@ def test_the_reference_is_the_base_with_no_second_copy():
     lora_kl.train_step(experiences(seed=1))
     # the reference log-probs are the untouched base model's
     full = collate(experiences(2, 2), lora_kl.tokenizer.pad_token_id)
-    _, ref = lora_kl._old_and_ref_logp(full, full["response_mask"], old=False)
+    _, ref, _ = lora_kl._old_and_ref_logp(full, full["response_mask"], old=False)
     plain = load_model(lora_kl.cfg.model)
     with torch.no_grad():
         # from each row's last prompt token, as the trainer computes them (the prompt's are 0)
