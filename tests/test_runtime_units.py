@@ -657,6 +657,23 @@ def test_rollout_metrics_by_hand():
     assert none["reward/mean"] == 0.0 and none["rollout/experiences"] == 0
 
 
+def test_rollout_metrics_split_the_length_by_correctness():
+    from rft.data.experience import Experience
+    from rft.rollout.explorer import rollout_metrics
+
+    exps = [Experience(list(range(2 + n)), 2, [0.0] * n, reward=r, group_id="g")
+            for n, r in [(4, 1.0), (10, 0.0), (20, 0.5), (6, 1.0), (3, -1.0)]]
+    m = rollout_metrics(exps, [exps], {}, 1.0)
+    assert m["response_length/correct_mean"] == 5.0  # reward >= 1: (4 + 6) / 2
+    assert m["response_length/incorrect_mean"] == 11.0  # 0.5 is not full credit: (10 + 20 + 3) / 3
+    assert m["response_length/mean"] == 8.6  # (4 + 10 + 20 + 6 + 3) / 5, unchanged
+    # a step with no response of a kind logs no value for it (a 0 would pull the mean over seeds down)
+    right = rollout_metrics(exps[:1], [exps[:1]], {}, 1.0)
+    assert right["response_length/correct_mean"] == 4.0 and "response_length/incorrect_mean" not in right
+    wrong = rollout_metrics(exps[1:2], [exps[1:2]], {}, 1.0)
+    assert wrong["response_length/incorrect_mean"] == 10.0 and "response_length/correct_mean" not in wrong
+
+
 def test_a_trainer_that_dies_during_a_sync_is_named_with_its_checkpoint(tmp_path):
     """With the explorer one step ahead a trainer's death is often first seen by the weight sync (the
     explorer's call reads the dead trainer's payload): the run stops with the trainer's message, not

@@ -195,6 +195,12 @@ def rollout_metrics(exps: list, groups: list, counters: dict, elapsed: float) ->
         "rollout/truncated_prompts": sum(bool(g[0].info.get("prompt_truncated")) for g in groups),
         "rollout/experiences": len(exps),
     }
+    # Dr. GRPO's length claim (experiments/algorithm_claims): correct (reward >= 1, a 0/1 verifier's
+    # full credit; a shaped reward may stay under it) and incorrect responses' lengths apart; a step
+    # with none of a kind logs no value for it, not a 0 that would pull the mean over seeds down
+    for kind, part in (("correct", [e for e in exps if e.reward >= 1.0]), ("incorrect", [e for e in exps if e.reward < 1.0])):
+        if part:
+            m[f"response_length/{kind}_mean"] = sum(e.response_length for e in part) / len(part)
     # served rewards' counters (rft/rewards/scoring.py) are named already: reward/<part>/<counter>
     m.update({k if k.startswith("reward/") else f"rollout/{k}": v for k, v in counters.items()})
     # each reward part (rft/rewards/scoring.py), shaping's overlong penalty included
