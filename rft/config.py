@@ -74,6 +74,11 @@ class OpmdBaseline(StrEnum):
     logavgexp = "logavgexp"
 
 
+class DistillDivergence(StrEnum):
+    reverse_kl = "reverse_kl"
+    jsd = "jsd"
+
+
 MODES = tuple(Mode)
 SYNC_METHODS = tuple(SyncMethod)
 BACKENDS = tuple(Backend)
@@ -195,6 +200,17 @@ class AlgorithmConfig:
     # the teacher: a causal LM with the policy's tokenizer (a local directory or a hub id), frozen,
     # computed in the trainer like the reference model (trainer.ref_offload offloads it too)
     teacher_model_path: Optional[str] = None
+    # reverse_kl: the advantage above, on the sampled token; jsd: GKD's generalised Jensen-Shannon
+    # divergence between the teacher's and the student's next-token distributions at each response
+    # position, a loss term distill_coef x JSD_beta differentiated through the student, on the
+    # teacher's distill_top_k most likely tokens plus a bucket for the rest of the mass
+    distill_divergence: DistillDivergence = DistillDivergence.reverse_kl
+    # JSD_beta = beta KL(teacher || M) + (1 - beta) KL(student || M), M = beta teacher + (1 - beta)
+    # student; 0: the forward KL(teacher || student), 1: the reverse KL(student || teacher)
+    distill_jsd_beta: float = 0.5
+    # how many of the teacher's most likely tokens the JSD compares at each position (the rest of
+    # the mass is one bucket; [rows, positions, k] log-probs and ids are kept for the step)
+    distill_top_k: int = 20
 
 
 class LoraSync(StrEnum):

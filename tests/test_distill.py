@@ -5,7 +5,7 @@ import pytest
 import torch
 from conftest import compose_cfg
 
-from rft.algorithms.distill import distill_advantage, reverse_kl
+from rft.algorithms.distill import distill_advantage, generalized_jsd, reverse_kl
 from rft.errors import ConfigError
 from rft.models import build_tiny_model, ensure_model, load_tokenizer
 from rft.plan.batch import make_plan, stage_configs
@@ -101,3 +101,136 @@ def test_a_teacher_with_another_tokenizer_is_a_config_error(tmp_path):
     msg = str(e.value)
     assert msg.startswith(f"algorithm.teacher_model_path='{teacher_dir}' has another tokenizer than the policy")
     assert "the teacher has 1 more tokens" in msg and "must share its tokenizer" in msg
+
+
+def _jsd_full(p_logits, q_logits, beta):
+    """JSD_beta over the whole vocabulary, written out on probabilities (float64)."""
+    p, q = torch.softmax(p_logits, -1), torch.softmax(q_logits, -1)
+    m = beta * p + (1 - beta) * q
+    return beta * (p * (p / m).log()).sum(-1) + (1 - beta) * (q * (q / m).log()).sum(-1)
+
+
+def test_the_generalised_jsd_on_the_teachers_top_tokens_by_hand():
+    # vocabulary of 3; the teacher's top 2 tokens and a bucket for the rest:
+    # teacher P = [0.5, 0.3 | 0.2], student Q on the same tokens = [0.25, 0.25 | 0.5]
+    p = torch.tensor([0.5, 0.3], dtype=torch.float64).log()
+    q = torch.tensor([0.25, 0.25], dtype=torch.float64).log()
+    # beta 0.5: M = [0.375, 0.275, 0.35]
+    # KL(P||M) = 0.5 ln(0.5/0.375) + 0.3 ln(0.3/0.275) + 0.2 ln(0.2/0.35) = 0.143841 + 0.026103 - 0.111923 = 0.058021
+    # KL(Q||M) = 0.25 ln(0.25/0.375) + 0.25 ln(0.25/0.275) + 0.5 ln(0.5/0.35) = -0.101366 - 0.023828 + 0.178337 = 0.053143
+    # JSD = 0.5 x 0.058021 + 0.5 x 0.053143 = 0.055582
+    assert generalized_jsd(p, q, 0.5).item() == pytest.approx(0.055582, abs=2e-6)
+    # beta 0: the forward KL(P||Q) = 0.5 ln 2 + 0.3 ln 1.2 + 0.2 ln 0.4 = 0.346574 + 0.054696 - 0.183258 = 0.218012
+    assert generalized_jsd(p, q, 0.0).item() == pytest.approx(0.218012, abs=2e-6)
+    # beta 1: the reverse KL(Q||P) = 0.25 ln 0.5 + 0.25 ln(0.25/0.3) + 0.5 ln 2.5 = -0.173287 - 0.045580 + 0.458145 = 0.239278
+    assert generalized_jsd(p, q, 1.0).item() == pytest.approx(0.239278, abs=2e-6)
+    # the ends are the limits of JSD_beta / beta and JSD_beta / (1 - beta)
+    assert generalized_jsd(p, q, 1e-6).item() / 1e-6 == pytest.approx(0.218012, abs=1e-5)
+    assert generalized_jsd(p, q, 1 - 1e-6).item() / 1e-6 == pytest.approx(0.239278, abs=1e-5)
+    # equal distributions: 0; in float32 the same value as in float64
+    assert generalized_jsd(p, p, 0.5).item() == pytest.approx(0.0, abs=1e-12)
+    assert generalized_jsd(p.float(), q.float(), 0.5).item() == pytest.approx(0.055582, abs=1e-5)
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.1, 0.5, 0.9, 1.0])
+def test_the_jsd_with_all_but_one_token_on_top_is_the_full_jsd_and_its_gradient(beta):
+    # with k = V - 1 the rest bucket is the one token left out: the partition is the vocabulary
+    g = torch.Generator().manual_seed(0)
+    teacher = torch.randn(4, 6, generator=g, dtype=torch.float64) * 3
+    logits = (torch.randn(4, 6, generator=g, dtype=torch.float64) * 3).requires_grad_()
+    top_logp, top_ids = torch.log_softmax(teacher, -1).topk(5, -1)
+    ours = generalized_jsd(top_logp, torch.log_softmax(logits, -1).gather(-1, top_ids), beta)
+    if beta == 0.0:
+        full = (torch.softmax(teacher, -1) * (torch.log_softmax(teacher, -1) - torch.log_softmax(logits, -1))).sum(-1)
+    elif beta == 1.0:
+        full = (torch.softmax(logits, -1) * (torch.log_softmax(logits, -1) - torch.log_softmax(teacher, -1))).sum(-1)
+    else:
+        full = _jsd_full(teacher, logits, beta)
+    assert ours.tolist() == pytest.approx(full.tolist(), abs=1e-10)
+    (grad_ours,) = torch.autograd.grad(ours.sum(), logits)
+    (grad_full,) = torch.autograd.grad(full.sum(), logits)
+    assert grad_ours.flatten().tolist() == pytest.approx(grad_full.flatten().tolist(), abs=1e-10)
+    # fewer tokens on top: a coarser partition, never more than the full divergence
+    top2 = torch.log_softmax(teacher, -1).topk(2, -1)
+    coarse = generalized_jsd(top2[0], torch.log_softmax(logits, -1).gather(-1, top2[1]), beta)
+    assert all(c <= f + 1e-12 for c, f in zip(coarse.tolist(), full.tolist()))
+
+
+def test_the_jsd_stays_finite_where_the_student_gives_a_top_token_almost_nothing():
+    # the student's log-prob -200 on the teacher's first token (exp underflows in float32) and
+    # the teacher's top 2 holding all but 1e-9 of its mass (the bucket below float32's resolution)
+    p = torch.tensor([[-1e-9 - 0.6931472, -0.6931472]])
+    q = torch.tensor([[-200.0, -0.01]], requires_grad=True)
+    for beta in (0.0, 0.5, 1.0):
+        value = generalized_jsd(p, q, beta)
+        (grad,) = torch.autograd.grad(value.sum(), q)
+        assert torch.isfinite(value).all() and torch.isfinite(grad).all(), beta
+
+
+@pytest.mark.slow  # a tiny model built (~2 s)
+@pytest.mark.parametrize("how", [{}, {"packed": True}, {"packed": True, "chunk_size": 3}])
+def test_token_logprobs_gives_the_top_tokens_and_the_log_probs_at_given_ids(tmp_path, how):
+    from transformers import AutoModelForCausalLM
+
+    from rft.trainer.logprobs import token_logprobs
+
+    model = AutoModelForCausalLM.from_pretrained(build_tiny_model(tmp_path / "m"), dtype=torch.float32)
+    ids = torch.tensor([[5, 9, 14, 20, 7, 3], [8, 11, 4, 6, 0, 0]])
+    attn = torch.tensor([[1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 0, 0]])
+    first = torch.tensor([2, 1])  # row 0's positions 2..4 predict a token of its own, row 1's 1..2
+    temperature, top_p = torch.tensor([0.7, 1.3]), torch.tensor([0.5, 0.5])
+    with torch.no_grad():
+        # the reference: the whole logits, each row at its temperature, before the top-p cut
+        want = torch.log_softmax(model(ids, attention_mask=attn).logits[:, :-1].float() / temperature[:, None, None], -1)
+    top = {"top": 4}
+    with torch.no_grad():
+        token_logprobs(model, ids, attn, temperature, top_p, first=first, also=top, **how)
+    at_ids = torch.randint(0, want.shape[-1], (2, 5, 3), generator=torch.Generator().manual_seed(0))
+    at = {"at_ids": at_ids}
+    logp, _ = token_logprobs(model, ids, attn, temperature, top_p, first=first, also=at, **how)
+    for row, positions in ((0, range(2, 5)), (1, range(1, 3))):
+        for t in positions:
+            values, indices = want[row, t].topk(4)
+            assert top["top_ids"][row, t].tolist() == indices.tolist()
+            assert top["top_logp"][row, t].tolist() == pytest.approx(values.tolist(), abs=1e-5)
+            assert at["at_logp"][row, t].tolist() == pytest.approx(want[row, t, at_ids[row, t]].tolist(), abs=1e-5)
+    # positions not computed hold 0: before `first`, and past row 1's last token
+    assert top["top_logp"][0, :2].abs().sum() == 0 and at["at_logp"][1, 3:].abs().sum() == 0
+    # the log-probs at given ids carry a gradient to the weights (the student's side of the JSD)
+    at["at_logp"].sum().backward()
+    assert model.lm_head.weight.grad.abs().sum() > 0
+
+
+@pytest.mark.slow  # two tiny models built and a trainer (~5 s)
+def test_a_jsd_step_trains_on_the_divergence_over_the_teachers_top_tokens(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from rft.data.experience import Experience
+
+    teacher_dir = build_tiny_model(tmp_path / "teacher", seed=1)
+    cfg, trainer = _trainer(teacher_dir, ["algorithm.distill_divergence=jsd", "algorithm.distill_top_k=5",
+                                          "algorithm.distill_jsd_beta=0.3", f"model.model_path={tmp_path / 'student'}"])
+    tok = load_tokenizer(cfg.model)
+    prompt = list(tok.apply_chat_template([{"role": "user", "content": "5+7"}], add_generation_prompt=True,
+                                          return_dict=True)["input_ids"])
+    answers = [tok.encode(a, add_special_tokens=False) + [tok.eos_token_id] for a in ("12", "13", "2")]
+    exps = [Experience(prompt + a, len(prompt), [0.0] * len(a), group_id="a") for a in answers]
+    teacher = AutoModelForCausalLM.from_pretrained(teacher_dir, dtype=torch.float32).eval()
+    total, tokens = 0.0, 0
+    for e in exps:  # the divergence by hand: both models' whole distributions at the response positions
+        with torch.no_grad():
+            t = torch.log_softmax(teacher(torch.tensor([e.tokens])).logits[0].float(), -1)
+            s = torch.log_softmax(trainer.model(torch.tensor([e.tokens])).logits[0].float(), -1)
+        span = slice(e.prompt_length - 1, len(e.tokens) - 1)
+        top_logp, top_ids = t[span].topk(5, -1)
+        total += generalized_jsd(top_logp, s[span].gather(-1, top_ids), 0.3).sum().item()
+        tokens += len(e.tokens) - e.prompt_length
+    step = trainer._prepare(exps)
+    # the teacher's signal is a loss term now, not an advantage (algorithm=opd's advantage_fn is none)
+    assert step.adv.abs().sum() == 0
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    metrics = trainer.train_step(exps)
+    assert metrics["distill/jsd"] == pytest.approx(total / tokens, rel=1e-4)
+    # two differently seeded random models: near-uniform distributions, a small but nonzero divergence
+    assert metrics["distill/jsd"] > 1e-4
+    assert any((p.detach() != b).any() for p, b in zip(trainer.model.parameters(), before))

@@ -366,6 +366,12 @@ def _check_distill(algo, needs: Needs) -> None:
             f"is not set. Give the teacher: a local directory or a hub id of a causal LM with the policy's "
             f"tokenizer (algorithm.teacher_model_path=<path>), or set algorithm.distill_coef=0."
         )
+    if not 0.0 <= algo.distill_jsd_beta <= 1.0 or algo.distill_top_k < 1:
+        raise ConfigError(
+            f"algorithm.distill_jsd_beta={algo.distill_jsd_beta}, algorithm.distill_top_k={algo.distill_top_k}: the "
+            f"generalised JSD's beta is in [0, 1] (0: the forward KL to the teacher, 1: the reverse KL, 0.5: the "
+            f"symmetric JSD) and it compares the teacher's top k >= 1 tokens (20 is common). Set both in range."
+        )
     if needs.imitation:
         raise ConfigError(
             f"algorithm.distill_coef={algo.distill_coef} adds the teacher's signal to the advantages, which "
@@ -849,8 +855,9 @@ def describe(cfg, stage_dir, plan: BatchPlan | None = None) -> str:
     extra = "".join(f", {k}={algo[k]}" for k in ("kl_loss_fn", "kl_penalty_fn") if algo[k] != "none")
     extra += f", entropy_coef={algo.entropy_coef}" if algo.entropy_coef else ""
     extra += f", sft_loss_weight={algo.sft_loss_weight}" if algo.sft_loss_weight else ""
-    extra += (f", + {algo.distill_coef:g} x (log p_teacher - log p_student) per token from the teacher "
-              f"{algo.teacher_model_path}") if algo.distill_coef else ""
+    signal = ("(log p_teacher - log p_student) per token" if algo.distill_divergence == "reverse_kl" else
+              f"JSD_{algo.distill_jsd_beta:g}(teacher, student) on the teacher's top {algo.distill_top_k} tokens")
+    extra += f", + {algo.distill_coef:g} x {signal} from the teacher {algo.teacher_model_path}" if algo.distill_coef else ""
     rows = [("algorithm", f"{algo.algorithm_type}: advantage_fn={algo.advantage_fn}, policy_loss_fn="
                           f"{algo.policy_loss_fn}, loss_agg_mode={algo.loss_agg_mode}{extra}"),
             ("learning rate", f"{opt.lr:g} (algorithm.optimizer.lr), {opt.warmup_steps} warm-up optimizer "

@@ -26,6 +26,10 @@ next token of its row). How it gets there, each choice giving the same numbers:
   trainer's: from the last prompt token, as no loss reads a prompt position's log-prob; at
   vocabulary 151,936 the output layer and its float32 log-softmax are a large part of a step).
 - `fp32_head` (`model.fp32_lm_head`): the output layer's matmul in float32 for a bfloat16 model.
+- `also` (on-policy distillation's JSD, rft/algorithms/distill.py): besides the sampled token's,
+  the log-probs of a few other tokens per position, out of the same chunked output layer: each
+  position's `top` most likely tokens (the teacher's), or the tokens `at_ids` names (the student's
+  at the teacher's). These are of the temperature-scaled distribution before any top-k / top-p cut.
 
 The distribution is the one the explorer sampled from (as verl does for the temperature):
 logits divided by `temperature`, then cut to the `top_k` most likely tokens and to the smallest
@@ -48,13 +52,16 @@ from rft.trainer.micro_batches import first_fit
 
 def token_logprobs(model, input_ids, attention_mask, temperature=1.0, top_p=None, top_k=None,
                    with_entropy_grad=True, packed=False, chunk_size=None, fp32_head=False, prompt_lengths=None,
-                   first=None):
+                   first=None, also=None):
     """Log-prob of each next token and the entropy of each next-token distribution, [n, L-1].
 
     `with_entropy_grad=False`: the entropy is only a metric (no gradient kept for it).
     `prompt_lengths` ([n], with `packed`): rows sharing a prompt compute it once (module doc).
     `first` ([n]): each row's first position to compute (its prompt length - 1: the one that
     predicts the first response token); the positions before it are 0, their logits never made.
+    `also` (a dict, filled in place): {"top": k} adds "top_ids" and "top_logp" [n, L-1, k], each
+    position's k most likely tokens and their log-probs; {"at_ids": [n, L-1, k]} adds "at_logp",
+    the log-probs of those tokens (with gradient). Positions not computed hold 0.
     """
     n, L = input_ids.shape
     dev = input_ids.device
@@ -70,6 +77,7 @@ def token_logprobs(model, input_ids, attention_mask, temperature=1.0, top_p=None
     sampling = (per_row(temperature, torch.float32),
                 None if top_p is None else per_row(top_p, torch.float32),
                 None if top_k is None else per_row(top_k, torch.long))
+    want = _Also(also, rows, cols)
     shared = None
     if packed and prompt_lengths is not None and can_share_prompts(model):
         shared = share_prompts(input_ids, lengths.tolist(), [int(p) for p in prompt_lengths], model.dtype)
@@ -88,16 +96,35 @@ def token_logprobs(model, input_ids, attention_mask, temperature=1.0, top_p=None
     if getattr(model.config, "final_logit_softcapping", None) or head is None:
         # the model reshapes its logits after the output layer (Gemma's soft-capping): take them whole
         logits = model(**kwargs, use_cache=False).logits.flatten(0, 1)[select]
-        logp, entropy = _from_logits(logits.float(), targets, *sampling, with_entropy_grad)
+        logp, entropy, *extra = _from_logits(logits.float(), targets, *sampling, with_entropy_grad, want.top, want.at)
     else:
         out = {}
         with _head_replaced(head, lambda h: _head_logprobs(h, head, select, targets, sampling, out,
-                                                            chunk_size, fp32_head, with_entropy_grad)):
+                                                            chunk_size, fp32_head, with_entropy_grad, want)):
             model(**kwargs, use_cache=False)
-        logp, entropy = out["logp"], out["entropy"]
+        logp, entropy, extra = out["logp"], out["entropy"], out["extra"]
+    want.place(extra, n, L)
     full_logp = torch.zeros((n, L - 1), dtype=logp.dtype, device=dev)
     full_entropy = torch.zeros((n, L - 1), dtype=entropy.dtype, device=dev)
     return full_logp.index_put((rows, cols), logp), full_entropy.index_put((rows, cols), entropy)
+
+
+class _Also:
+    """token_logprobs' `also` request, on the computed positions (rows, cols): `top` (0: none) and
+    `at` ([N, k] ids or None) as _from_logits takes them; `place` writes the results back."""
+
+    def __init__(self, also, rows, cols):
+        self.also, self.rows, self.cols = also, rows, cols
+        self.top = int((also or {}).get("top", 0))
+        at_ids = (also or {}).get("at_ids")
+        self.at = None if at_ids is None else at_ids[rows, cols].long()
+
+    def place(self, extra, n, L):
+        """The extra outputs ([N, k] each), as [n, L-1, k] into `also`."""
+        names = (["top_logp", "top_ids"] if self.top else []) + (["at_logp"] if self.at is not None else [])
+        for name, value in zip(names, extra):
+            full = value.new_zeros((n, L - 1, value.shape[-1]))
+            self.also[name] = full.index_put((self.rows, self.cols), value)
 
 
 def reward_scores(model, input_ids, attention_mask):
@@ -229,7 +256,7 @@ def _head_replaced(head, fn):
         del head.forward  # back to the class's forward
 
 
-def _head_logprobs(hidden, head, select, targets, sampling, out, chunk_size, fp32_head, with_entropy_grad):
+def _head_logprobs(hidden, head, select, targets, sampling, out, chunk_size, fp32_head, with_entropy_grad, want):
     h = hidden.flatten(0, 1)[select]
     weight, bias = head.weight, getattr(head, "bias", None)
     if fp32_head:
@@ -240,26 +267,40 @@ def _head_logprobs(hidden, head, select, targets, sampling, out, chunk_size, fp3
     parts = []
     for a in range(0, N, chunk):
         b = min(a + chunk, N)
-        args = (h[a:b], weight, bias, targets[a:b], *(None if s is None else s[a:b] for s in sampling))
+        args = (h[a:b], weight, bias, targets[a:b], *(None if s is None else s[a:b] for s in sampling),
+                with_entropy_grad, want.top, None if want.at is None else want.at[a:b])
         if chunk < N and torch.is_grad_enabled():
             # keep only this chunk's hidden states for the backward; its logits are recomputed
-            parts.append(checkpoint(_chunk_logprobs, *args, with_entropy_grad, use_reentrant=False))
+            parts.append(checkpoint(_chunk_logprobs, *args, use_reentrant=False))
         else:
-            parts.append(_chunk_logprobs(*args, with_entropy_grad))
+            parts.append(_chunk_logprobs(*args))
     out["logp"] = torch.cat([p[0] for p in parts])
     out["entropy"] = torch.cat([p[1] for p in parts])
+    out["extra"] = [torch.cat([p[i] for p in parts]) for i in range(2, len(parts[0]))]
     # what the model returns as its logits (unused): a small tensor, not [positions, vocab]
     return hidden.new_zeros(hidden.shape[:-1] + (1,))
 
 
-def _chunk_logprobs(h, weight, bias, targets, temperature, top_p, top_k, with_entropy_grad):
-    return _from_logits(F.linear(h, weight, bias).float(), targets, temperature, top_p, top_k, with_entropy_grad)
+def _chunk_logprobs(h, weight, bias, targets, temperature, top_p, top_k, with_entropy_grad, top=0, at=None):
+    return _from_logits(F.linear(h, weight, bias).float(), targets, temperature, top_p, top_k, with_entropy_grad,
+                        top, at)
 
 
-def _from_logits(logits, targets, temperature, top_p, top_k, with_entropy_grad):
-    """logits [N, V] float32 and targets [N] -> log p(target) [N], entropy [N]."""
+def _from_logits(logits, targets, temperature, top_p, top_k, with_entropy_grad, top=0, at=None):
+    """logits [N, V] float32 and targets [N] -> log p(target) [N], entropy [N]; then, when asked,
+    the `top` most likely tokens' log-probs and ids [N, top], and the log-probs at `at` [N, k]
+    (both of the distribution before the top-k / top-p cut)."""
     if not bool((temperature == 1).all()):  # dividing by 1 changes nothing but costs two passes over [N, V]
         logits = logits / temperature[:, None]
+    extra = []
+    if top or at is not None:
+        # distillation compares whole distributions: a cut would give a token the teacher ranks
+        # high probability 0 under the student, and the forward KL to it infinity
+        uncut = torch.log_softmax(logits, dim=-1)
+        if top:
+            extra += list(uncut.detach().topk(min(top, uncut.shape[-1]), dim=-1))
+        if at is not None:
+            extra.append(uncut.gather(-1, at))
     keep = None
     if top_k is not None or top_p is not None:
         keep = sampling_set(logits, targets, top_p, top_k)
@@ -273,7 +314,7 @@ def _from_logits(logits, targets, temperature, top_p, top_k, with_entropy_grad):
         # entropy = -sum p log p; tokens outside the set have p = 0 and add 0 (not 0 * -inf)
         finite = log_probs if keep is None else log_probs.masked_fill(~keep, 0.0)
         entropy = -(log_probs.exp() * finite).sum(-1)
-    return logp, entropy
+    return (logp, entropy, *extra)
 
 
 def sampling_set(logits, targets, top_p, top_k):

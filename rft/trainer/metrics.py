@@ -112,6 +112,8 @@ class MetricsMixin:
             # (falls as the student learns the teacher), and the teacher's log-prob of the sampled tokens
             metrics["distill/reverse_kl"] = distill.reverse_kl(step.teacher_logp, step.old_logp, mask)
             metrics["distill/teacher_logprob"] = ((step.teacher_logp * mask).sum() / mask.sum().clamp(min=1)).item()
+        if "distill/jsd" in sums:  # distill_divergence=jsd: the term's mean per token over the update's passes
+            metrics["distill/jsd"] = sums["distill/jsd"] / total_tokens
         if "loss/sft" in sums:
             metrics["loss/sft"] = sums["loss/sft"] / updates
         return metrics

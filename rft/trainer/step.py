@@ -48,6 +48,10 @@ class Step:
     correct_in_update: bool = False  # the off-policy correction is applied in _actor_update
     ref_logp: torch.Tensor | None = None
     teacher_logp: torch.Tensor | None = None  # on-policy distillation's teacher, [n, L-1]
+    # distill_divergence=jsd: the teacher's top tokens, "top_logp" and "top_ids" [n, L-1, k]; and
+    # the student's log-probs of them in the micro-batch the update is on ("at_logp", the term's)
+    teacher_top: dict | None = None
+    student_top: dict | None = None
     behavior_w: torch.Tensor | None = None
     batch: dict = field(default_factory=dict)  # what advantage functions read
     kl_penalty: torch.Tensor | None = None
@@ -105,6 +109,8 @@ def _zero_advantage_rows_last(step: "Step") -> None:
     step.batch = {k: pick(v) for k, v in step.batch.items()}
     step.mask = step.full["response_mask"]
     step.exps = [step.exps[i] for i in order.tolist()]
+    if step.teacher_top is not None:
+        step.teacher_top = {k: pick(v) for k, v in step.teacher_top.items()}
     for name in ("ref_logp", "teacher_logp", "behavior_w", "engine_logp", "engine_mask", "is_mask", "kl_penalty", "returns", "adv"):
         setattr(step, name, pick(getattr(step, name)))
 
@@ -166,8 +172,12 @@ class StepMixin:
         # stale experiences whose algorithm.off_policy_correction replaces or reweights old log-probs
         stale_fix = algo.off_policy_correction != "none" and any(
             off_policy.staleness(e.policy_version, self.version) > 0 and e.logprobs for e in exps)
+        jsd = self.teacher_model is not None and algo.distill_divergence == "jsd"
+        step.teacher_top = {"top": algo.distill_top_k} if jsd else None
+        if jsd:  # the same keys on every rank (_metrics sums them over the ranks)
+            step.sums["distill/jsd"] = 0.0
         step.old_logp, step.ref_logp, step.teacher_logp = self._old_and_ref_logp(
-            full, step.mask, old=not self._old_is_current(stale_fix))
+            full, step.mask, old=not self._old_is_current(stale_fix), top=step.teacher_top)
         if step.old_logp is None and stale_fix:
             step.correct_in_update = True
             if algo.off_policy_correction == "decoupled":
@@ -190,7 +200,7 @@ class StepMixin:
             step.batch["values"] = self.critic.values(full, list(self._my_micro_batches(full, 0, step.n)), self._all_sum)
             _, step.returns = gae_returns(step.batch["rewards"], step.batch["values"], step.mask, algo.gamma, algo.lam)
         step.adv = self.advantage_fn(step.batch, algo)
-        if step.teacher_logp is not None:  # algorithm.distill_coef (rft/algorithms/distill.py)
+        if step.teacher_logp is not None and not jsd:  # algorithm.distill_coef (rft/algorithms/distill.py)
             step.adv = step.adv + algo.distill_coef * distill.distill_advantage(step.teacher_logp, step.old_logp, step.mask)
         step.trained = step.n
         # stale rows too (their correction applied in the update): a zero-advantage row adds 0 to
@@ -200,21 +210,32 @@ class StepMixin:
             _zero_advantage_rows_last(step)
         return step
 
-    def _old_and_ref_logp(self, full, mask, old: bool = True):
+    def _old_and_ref_logp(self, full, mask, old: bool = True, top: dict | None = None):
         """Log-probs of the current weights (unless `old` is False: None) and, when needed, of the
-        reference model and of the distillation teacher; no grad. All on the batch's own token ids."""
+        reference model and of the distillation teacher; no grad. All on the batch's own token ids.
+        `top` ({"top": k}, distill_divergence=jsd) is filled with the teacher's k most likely tokens
+        at each position: "top_logp", "top_ids" [n, L-1, k]."""
         roles = [(self.model, nullcontext, old),
                  (self.ref_model or self.model, lambda: lora.reference(self.model), self.has_reference),
                  (self.teacher_model, nullcontext, self.teacher_model is not None)]
         out = [(m, ctx, torch.zeros_like(mask)) for m, ctx, on in roles if on]
+        k = top.pop("top") if top is not None else 0
+        if k:
+            top.update(top_logp=mask.new_zeros(mask.shape + (k,)), top_ids=mask.new_zeros(mask.shape + (k,), dtype=torch.long))
         with torch.no_grad():
             for s, e, live in self._my_micro_batches(full, 0, mask.shape[0]):
                 for model, ctx, logp in out:
+                    also = {"top": k} if k and model is self.teacher_model else None
                     with ctx():
-                        (lp, _), L = self._forward(model, full, s, e)
+                        (lp, _), L = self._forward(model, full, s, e, also=also)
                     if live:
                         logp[s:e, : L - 1] = lp
+                        for name in also or ():
+                            if name != "top":
+                                top[name][s:e, : L - 1] = also[name]
         # every rank computed its own rows: the sum over ranks is the whole batch's
+        if k:
+            top.update({name: self._all_sum(t) for name, t in top.items()})
         sums = iter([self._all_sum(logp) for _, _, logp in out])
         return (next(sums) if old else None, next(sums) if self.has_reference else None,
                 next(sums) if self.teacher_model is not None else None)
@@ -245,7 +266,9 @@ class StepMixin:
         # rows from step.trained on have advantages all 0 and were set aside (_prepare); they
         # still count in the normaliser (m1 - m0 rows, num_tokens)
         for s, e, live in self._my_micro_batches(step.full, m0, min(m1, step.trained)):
-            (logp, entropy), L = self._forward(self.model, step.full, s, e)
+            # distill_divergence=jsd: the student's log-probs of the teacher's top tokens too
+            step.student_top = None if step.teacher_top is None else {"at_ids": step.teacher_top["top_ids"][s:e]}
+            (logp, entropy), L = self._forward(self.model, step.full, s, e, also=step.student_top)
             rows = _Rows(s, e, L)
             m = rows(step.mask) * live
             if step.old_logp is None:  # the update's own are the old ones (_old_is_current)
@@ -320,6 +343,14 @@ class StepMixin:
     def _entropy_term(self, loss, logp, entropy, m, rows, step):
         """algorithm.entropy_coef: - entropy_coef x entropy (a bonus for exploring)."""
         return loss - self.cfg.algorithm.entropy_coef * entropy
+
+    def _distill_term(self, loss, logp, entropy, m, rows, step):
+        """distill_divergence=jsd: + distill_coef x JSD_beta(teacher, student) per token, on the
+        teacher's top tokens (rft/algorithms/distill.py), differentiated through the student."""
+        algo = self.cfg.algorithm
+        jsd = distill.generalized_jsd(rows(step.teacher_top["top_logp"]), step.student_top["at_logp"], algo.distill_jsd_beta)
+        step.sums["distill/jsd"] += (jsd.detach() * m).sum().item()
+        return loss + algo.distill_coef * jsd
 
     def _sft_backward(self) -> float:
         """mix: add sft_loss_weight x (token-mean -log p) of this step's auxiliary rows to the gradient."""

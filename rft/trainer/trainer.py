@@ -163,7 +163,9 @@ class Trainer(StepMixin, MetricsMixin, WeightsMixin, CheckpointMixin):
         # the per-token loss terms this config turns on, composed in this order by _actor_update:
         # the behaviour weight first, so that it weights the policy loss alone (as rollout_is does)
         self.terms = [t for t, on in [(self._behavior_term, True), (self._kl_term, self.kl_fn is not None),
-                                      (self._entropy_term, bool(algo.entropy_coef))] if on]
+                                      (self._entropy_term, bool(algo.entropy_coef)),
+                                      (self._distill_term, self.teacher_model is not None and algo.distill_divergence == "jsd")]
+                      if on]
 
     def _build_optimizer(self) -> None:
         """AdamW over the trained weights, and its learning-rate schedule over the whole plan."""
@@ -235,7 +237,7 @@ class Trainer(StepMixin, MetricsMixin, WeightsMixin, CheckpointMixin):
                                               t.use_remove_padding, self._unit)
         return micro_batches.fixed(start, end, self.plan.micro_batch_size)
 
-    def _forward(self, model, full, s, e):
+    def _forward(self, model, full, s, e, also=None):
         # trim the right padding shared by this micro-batch's rows
         lengths = _lengths(full)[s:e]
         L = max(lengths)
@@ -261,7 +263,7 @@ class Trainer(StepMixin, MetricsMixin, WeightsMixin, CheckpointMixin):
                               packed=t.use_remove_padding, chunk_size=t.logprob_chunk_size,
                               fp32_head=self.cfg.model.fp32_lm_head, prompt_lengths=prompts,
                               # the loss and the metrics read the response positions alone (response_mask)
-                              first=full["prompt_length"][s:e] - 1), L
+                              first=full["prompt_length"][s:e] - 1, also=also), L
 
     # ------------------------------------------------------------------ the step's entry points
 
