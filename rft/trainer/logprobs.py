@@ -292,16 +292,8 @@ def _from_logits(logits, targets, temperature, top_p, top_k, with_entropy_grad, 
     (both of the distribution before the top-k / top-p cut)."""
     if not bool((temperature == 1).all()):  # dividing by 1 changes nothing but costs two passes over [N, V]
         logits = logits / temperature[:, None]
-    extra = []
-    if top or at is not None:
-        # distillation compares whole distributions: a cut would give a token the teacher ranks
-        # high probability 0 under the student, and the forward KL to it infinity
-        uncut = torch.log_softmax(logits, dim=-1)
-        if top:
-            extra += list(uncut.detach().topk(min(top, uncut.shape[-1]), dim=-1))
-        if at is not None:
-            extra.append(uncut.gather(-1, at))
     keep = None
+    uncut = logits
     if top_k is not None or top_p is not None:
         keep = sampling_set(logits, targets, top_p, top_k)
         if keep is not None:
@@ -314,6 +306,16 @@ def _from_logits(logits, targets, temperature, top_p, top_k, with_entropy_grad, 
         # entropy = -sum p log p; tokens outside the set have p = 0 and add 0 (not 0 * -inf)
         finite = log_probs if keep is None else log_probs.masked_fill(~keep, 0.0)
         entropy = -(log_probs.exp() * finite).sum(-1)
+    extra = []
+    if top or at is not None:
+        # distillation compares whole distributions: a cut would give a token the teacher ranks
+        # high probability 0 under the student, and the forward KL to it infinity (without a cut
+        # the log-softmax above is that distribution: no second [N, V] tensor)
+        whole = log_probs if keep is None else torch.log_softmax(uncut, dim=-1)
+        if top:
+            extra += list(whole.detach().topk(min(top, whole.shape[-1]), dim=-1))
+        if at is not None:
+            extra.append(whole.gather(-1, at))
     return (logp, entropy, *extra)
 
 
