@@ -1,0 +1,31 @@
+"""experiments/claims_dr_grpo/eval_lengths.py: the greedy eval's answer lengths by kind and correctness."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("eval_lengths", ROOT / "experiments" / "claims_dr_grpo" / "eval_lengths.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _row(question: str, answer: str, reward: float) -> dict:
+    return {"reward": reward, "messages": [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]}
+
+
+def test_eval_lengths_by_kind_and_correctness(tmp_path):
+    mod = _script()
+    rows = [_row("402+315?w3", "x" * 63, 1.0), _row("402+315?w3", "x" * 100, 0.0), _row("111+111?w2", "x" * 40, 0.0),
+            _row("402+315", "717", 1.0), _row("402+315", "71", 0.0)]
+    # marked wrong: (100 + 40) / 2 = 70; a reward under 1 is wrong; no kind is missing here
+    assert mod.lengths(rows) == {"marked right": 63.0, "marked wrong": 70.0, "plain right": 3.0, "plain wrong": 2.0}
+    assert "plain wrong" not in mod.lengths(rows[:4])  # a kind with no row is left out, not 0
+    d = tmp_path / "eval_trajectories" / "step_10"
+    d.mkdir(parents=True)
+    (d / "test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:2]))
+    assert mod.job_lengths(tmp_path) == {10: {"marked right": 63.0, "marked wrong": 100.0}}
