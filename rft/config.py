@@ -64,6 +64,12 @@ class WarmupStyle(StrEnum):
     cosine = "cosine"
 
 
+class RmPairs(StrEnum):
+    """algorithm.rm_pairs: where a reward model's preference pairs come from."""
+    dataset = "dataset"
+    groups = "groups"
+
+
 class PromptType(StrEnum):
     plaintext = "plaintext"
     messages = "messages"
@@ -157,6 +163,12 @@ class AlgorithmConfig:
     sft_batch_size: int = 32
     # DPO's beta: the strength of the implicit KL to the reference
     dpo_beta: float = 0.1
+    # algorithm=rm: where its preference pairs come from. dataset: the pairs of
+    # buffer.trainer_input.experience_buffer (mode=train); groups: each explore step's groups
+    # (mode=both, a queue buffer): the stage's starting policy, never updated in the stage, samples
+    # repeat_times responses a task, and a group whose rewards differ gives one pair, its first
+    # best-reward response over its first worst-reward one (rft.data.operators.best_worst_pairs)
+    rm_pairs: RmPairs = RmPairs.dataset
     # experiences from older weights (staleness >= 1, see synchronizer.max_staleness):
     # behavior: the PPO ratio is taken against the sampling log-probs the explorer stored, so
     #   the clip bounds the update around the weights that sampled (fresh experiences keep the
@@ -763,6 +775,13 @@ def lora_adapter_sync(model_cfg) -> bool:
     """Whether the engines get the LoRA adapters alone (model.lora.sync=adapter), not merged weights."""
     lora = model_cfg.get("lora")
     return bool(lora) and (lora.rank or 0) > 0 and str(lora.get("sync", "merged")) == "adapter"
+
+
+def fixed_policy(cfg) -> bool:
+    """Whether the stage's explorers serve its starting policy throughout, never the trainer's
+    weights: a reward model learning from the groups they sample (algorithm.rm_pairs=groups, which
+    the plan allows only with algorithm=rm and mode=both)."""
+    return cfg.mode == "both" and str(cfg.algorithm.get("rm_pairs", "dataset")) == "groups"
 
 
 def fingerprint(node) -> str:

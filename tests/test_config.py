@@ -412,7 +412,7 @@ NEW_KEYS = ["algorithm.distill_coef", "algorithm.teacher_model_path", "algorithm
             "buffer.trainer_input.experience_buffer.eval_split", "monitor.mlflow_tracking_uri",
             "data_processor.task_pipeline.operators", "data_processor.experience_pipeline.operators",
             "data_processor.online_curriculum.enable", "data_processor.online_curriculum.window",
-            "data_processor.online_curriculum.eps"]
+            "data_processor.online_curriculum.eps", "algorithm.rm_pairs"]
 
 
 @pytest.mark.parametrize("key", NEW_KEYS)

@@ -11,6 +11,9 @@ from conftest import compose_cfg
 
 from rft.algorithms import agg_loss
 from rft.algorithms.losses import bradley_terry_loss
+from rft.data.experience import Experience
+from rft.data.operators import best_worst_pairs
+from rft.data.pipeline import ExperiencePipeline, experience_operators
 from rft.errors import ConfigError
 from rft.plan.batch import make_plan, stage_configs
 from rft.reporting.monitor import read_metrics
@@ -117,3 +120,109 @@ def test_sft_then_a_reward_model_then_grpo_on_its_scores(warm_start, tmp_path):
     assert evals[-1] >= evals[0] + 0.3, evals
     saved = json.dumps(yaml.safe_load((run / "grpo" / "config.yaml").read_text()))
     assert "stage:rm" in saved  # the stage's config on disk keeps the reference
+
+
+# ---------------------------------------------------------------- pairs from a fixed policy's groups
+
+# a reward model trained on the pairs of the explorers' groups (algorithm.rm_pairs=groups): 16
+# tasks a step, 8 responses each, from the stage's starting policy
+ONLINE = ["algorithm=rm", "stages=[]", "mode=both", "algorithm.rm_pairs=groups", "algorithm.repeat_times=8",
+          "buffer.trainer_input.experience_buffer.storage_type=queue", "buffer.batch_size=16"]
+
+
+def _rollout(group: str, k: int, reward: float) -> Experience:
+    """Response k of a group: prompt [7, 8], response [10 + k], sampled (log-prob -0.5) by version 3."""
+    return Experience([7, 8, 10 + k], 2, [-0.5], reward=reward, group_id=group, task_id=f"t/{group}",
+                      policy_version=3, info={"k": k})
+
+
+def test_each_group_gives_its_first_best_over_its_first_worst_response_and_equal_rewards_no_pair():
+    rewards = {"a": [1.0, 0.0, 0.0, 1.0], "b": [0.0, 0.0, 0.0, 0.0], "c": [0.5, 1.0, 0.0]}
+    # interleaved as concurrent tasks finish: a0 b0 c0 a1 b1 c1 a2 b2 c2 a3 b3 (11 rollouts)
+    exps = [_rollout(g, k, r[k]) for k in range(4) for g, r in rewards.items() if k < len(r)]
+    pairs = best_worst_pairs(exps)
+    # a: the best reward 1 first at k=0 (k=3 ties, later), the worst 0 first at k=1 (k=2 ties);
+    # b: every reward 0, no pair; c: best 1 at k=1, worst 0 at k=2 (0.5 is neither)
+    assert [(e.group_id, e.info["k"], e.info["preference"], e.reward) for e in pairs] == [
+        ("a", 0, "chosen", 1.0), ("a", 1, "rejected", 0.0), ("c", 1, "chosen", 1.0), ("c", 2, "rejected", 0.0)]
+    assert [e.tokens for e in pairs] == [[7, 8, 10], [7, 8, 11], [7, 8, 11], [7, 8, 12]]
+    assert all(e.logprobs == [] and e.prompt_length == 2 for e in pairs)  # no sampling log-probs to weigh
+    assert exps[0].logprobs == [-0.5] and "preference" not in exps[0].info  # the rollouts are left as they were
+    assert best_worst_pairs([_rollout("b", k, 0.0) for k in range(4)]) == []
+    # the stage puts it last in its experience pipeline, after the study's own operators
+    cfg = stage_configs(compose_cfg(ONLINE + ["+data_processor.experience_pipeline.operators=[{name: reward_filter}]"]))[0]
+    assert [op["name"] for op in experience_operators(cfg)] == ["reward_filter", "best_worst_pairs"]
+    kept, m = ExperiencePipeline(experience_operators(cfg))(exps)
+    assert len(kept) == 4 and m == {"experience_pipeline/in": 11, "experience_pipeline/reward_filter/out": 11,
+                                    "experience_pipeline/best_worst_pairs/out": 4, "experience_pipeline/kept": 4}
+    assert experience_operators(stage_configs(compose_cfg(["algorithm=rm", "stages=[]"]))[0]) == []
+
+
+@pytest.mark.slow  # a dry run and nine configs composed (~1.3 s)
+def test_a_reward_model_on_the_groups_pairs_plans_and_a_wrong_combination_is_one_paragraph(capsys):
+    import rft.runtime.main
+
+    plan = make_plan(stage_configs(compose_cfg(ONLINE))[0], 2000)
+    # 16 tasks x 8 responses sampled; one pair at most a task: up to 16 pairs, 32 experiences a step
+    assert (plan.input_kind, plan.tasks_per_step, plan.rollouts_per_task, plan.experiences_per_step,
+            plan.optimizer_steps_per_step, plan.explorers) == ("rollouts", 16, 8, 32, 1, 1)
+    rft.runtime.main._main(compose_cfg(ONLINE + ["dry_run=true"]))
+    out = capsys.readouterr().out
+    assert "serves the stage's starting policy throughout, never synced: the trainer's model is the reward model" in out
+    assert "experience pipeline  best_worst_pairs, over each explore step's experiences" in out
+    assert "eval/pair_accuracy on " in out and "(split test), every 10 steps" in out and "weight sync" not in out
+
+    def error(*overrides, base=ONLINE) -> str:
+        with pytest.raises(ConfigError) as e:
+            make_plan(stage_configs(compose_cfg([*base, *overrides]))[0], 2000)
+        return str(e.value)
+
+    assert error("buffer.train_batch_size=128") == (
+        "buffer.train_batch_size=128 must equal 2 x buffer.batch_size (16) = 32 with algorithm.rm_pairs=groups: it "
+        "counts experiences, and each task's group of 8 responses gives at most one pair, two experiences (chosen, "
+        "rejected), so a step trains on up to 16 pairs (fewer when some groups' rewards are all equal). Remove "
+        "buffer.train_batch_size (it defaults to 2 x batch_size) or set it to 32.")
+    # algorithm=rm's own mode=train (a dataset's pairs) with the groups' pairs asked for
+    assert error("algorithm.rm_pairs=groups", base=["algorithm=rm", "stages=[]"]) == (
+        "algorithm.rm_pairs=groups trains the reward model on pairs made from each explore step's groups, so the stage "
+        "explores and trains at once (mode=both), but mode=train. Set mode=both, or algorithm.rm_pairs=dataset to "
+        "learn from the pairs in buffer.trainer_input.experience_buffer (mode=train).")
+    assert error("buffer.trainer_input.experience_buffer.storage_type=file").startswith(
+        "algorithm.rm_pairs=groups passes the pairs to the trainer in memory, so buffer.trainer_input.experience_buffer."
+        "storage_type must be queue (it is file;")
+    assert "gives groups of one (no pair ever)" in error("algorithm.repeat_times=1")
+    assert "trains no reward model (bradley_terry does)" in error("algorithm=grpo")
+    # pairs stay whole in a mini-batch: mini-batches of one experience would split each
+    assert error("trainer.mini_batch_size=1") == (
+        "trainer.mini_batch_size=1 must be even with preference pairs (algorithm.rm_pairs=groups): each pair is two "
+        "experiences that stay together.")
+
+
+@pytest.mark.slow  # a warm-up step, 30 reward-model steps on the policy's groups, 2 GRPO steps on its scores (~25 s)
+def test_a_reward_model_learns_the_policys_groups_and_rewards_the_next_stage(warm_start, tmp_path):
+    cfg = compose_cfg(["experiment=rm_online", f"checkpoint_root_dir={tmp_path}", f"model.model_path={warm_start}",
+                       "model.builder=null", "stages.0.buffer.total_steps=1", "stages.0.algorithm.optimizer.warmup_steps=0",
+                       "stages.0.algorithm.optimizer.lr=1e-9", "stages.1.buffer.total_steps=30",
+                       "stages.1.explorer.eval_interval=15", "buffer.total_steps=2", "explorer.eval_interval=2"])
+    import rft.runtime.main
+
+    rft.runtime.main.main(cfg)
+    run = tmp_path / "rft" / "rm_online"
+    rm = read_metrics(run / "rm" / "metrics.jsonl")
+    # the held-out dataset pairs (the right answer over the sloppy teacher's), a kind it never trains
+    # on: at chance before its first step, well above it after (measured 0.505 -> 0.80 -> 0.725; the
+    # 200 pairs' standard error is ~0.03)
+    accuracy = [m["eval/pair_accuracy"] for m in rm if "eval/pair_accuracy" in m]
+    assert len(accuracy) == 3 and 0.4 <= accuracy[0] <= 0.6 and min(accuracy[1:]) >= 0.7, accuracy
+    steps = [m for m in rm if "train/experiences" in m]
+    # each step 32 groups of 8 rollouts in; out, two experiences from each group whose rewards differ
+    assert all(m["experience_pipeline/in"] == 256 and m["train/experiences"] == m["experience_pipeline/kept"] <= 64
+               and m["train/experiences"] % 2 == 0 for m in steps)
+    assert {m["sync/version"] for m in steps} == {0}  # the explorers served the starting policy throughout
+    online = [m["rm/online_accuracy"] for m in steps]  # each step's pairs, before it learns them
+    assert sum(online[-10:]) / 10 >= sum(online[:5]) / 5 + 0.1, online
+    grpo = read_metrics(run / "grpo" / "metrics.jsonl")
+    assert all(set(m) >= {"reward/reward_model/mean"} for m in grpo if "reward/mean" in m)  # stage:rm, scored
+    evals = [m["eval/accuracy"] for m in grpo if "eval/accuracy" in m]
+    warm = [m["eval/accuracy"] for m in read_metrics(run / "sft_warmup" / "metrics.jsonl") if "eval/accuracy" in m]
+    assert evals[0] == warm[-1]  # the RL stage starts from the warm-up's policy, not the reward model

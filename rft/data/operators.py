@@ -232,3 +232,27 @@ def group_diversity_filter(exps: list, min_std: float = 0.0) -> list:
 
     keep = {g for g, r in groups.items() if std(r) > min_std}
     return [e for e in exps if e.group_id in keep]
+
+
+def best_worst_pairs(exps: list) -> list:
+    """A reward model's preference pairs from GRPO groups (algorithm.rm_pairs=groups, which puts
+    it last in the experience pipeline): each group (one task's rollouts, one group_id) whose
+    rewards are not all equal gives one pair, two experiences in a row, chosen then rejected (the
+    rows 2k, 2k+1 the Bradley-Terry loss reads): its best-reward response over its worst-reward
+    one, the first in rollout order among equals (the same pairs every run); a group of equal
+    rewards gives none. Pairs follow the groups' first appearance. The rows keep no sampling
+    log-probs: a reward model reads none, and the trainer's off-policy correction must not weigh
+    a score against them."""
+    from dataclasses import replace
+
+    groups: dict = {}
+    for e in exps:
+        groups.setdefault(e.group_id, []).append(e)
+    out = []
+    for group in groups.values():
+        best = max(group, key=lambda e: e.reward)  # max and min keep the first of equals
+        worst = min(group, key=lambda e: e.reward)
+        if best.reward > worst.reward:
+            out += [replace(e, logprobs=[], token_versions=[], info={**e.info, "preference": role})
+                    for e, role in ((best, "chosen"), (worst, "rejected"))]
+    return out

@@ -57,6 +57,7 @@ EXPERIENCE_OPERATORS = Registry(EXPERIENCE_KEY, shape="a function fn(experiences
     "reward_filter": "rft.data.operators.reward_filter",
     "response_length_filter": "rft.data.operators.response_length_filter",
     "group_diversity_filter": "rft.data.operators.group_diversity_filter",
+    "best_worst_pairs": "rft.data.operators.best_worst_pairs",
 })
 
 
@@ -71,6 +72,18 @@ def operators(ops_cfg) -> list[tuple[str, dict]]:
         out.append(("" if name is None else str(name),
                     OmegaConf.to_container(args, resolve=True) if isinstance(args, DictConfig) else dict(args)))
     return out
+
+
+def experience_operators(cfg) -> list:
+    """The experience pipeline's operators: data_processor.experience_pipeline.operators, then
+    best_worst_pairs where a reward model learns from the explorers' groups (algorithm.rm_pairs=
+    groups): a study's reward shaping or filters act on the rollouts, the pairs are made from what
+    they leave."""
+    from rft.config import fixed_policy
+
+    dp = cfg.get("data_processor")
+    ops = list(dp.experience_pipeline.operators) if dp is not None else []
+    return ops + [{"name": "best_worst_pairs"}] if fixed_policy(cfg) else ops
 
 
 def _function(registry: Registry, name: str, where: str):
@@ -321,8 +334,8 @@ def describe_rows(cfg) -> list[tuple[str, str]]:
         rows.append(("task pipeline", f"{names}; cached in {output_dir(cfg)}: {format_report(report)}" if report else
                      f"{names}; not run yet: it runs when the run starts, into {output_dir(cfg)} (the plan above "
                      f"counts the input's rows)"))
-    if dp.experience_pipeline.operators:
-        names = " -> ".join(n for n, _ in operators(dp.experience_pipeline.operators))
+    if experience_operators(cfg):
+        names = " -> ".join(n for n, _ in operators(experience_operators(cfg)))
         rows.append(("experience pipeline", f"{names}, over each explore step's experiences as they enter the buffer"))
     cur = dp.online_curriculum
     if cur.enable and cfg.mode in ("both", "explore"):

@@ -381,18 +381,55 @@ def _check_distill(algo, needs: Needs) -> None:
 
 
 def _check_reward_head(cfg, needs: Needs, kind: str) -> None:
-    """A reward model (algorithm=rm) trains from preference pairs in a dataset, all its weights."""
+    """A reward model (algorithm=rm) trains, all its weights, from preference pairs in a dataset
+    (algorithm.rm_pairs=dataset) or from the groups of a fixed policy's rollouts (groups)."""
+    algo = cfg.algorithm
     if not needs.reward_head:
+        if algo.rm_pairs == "groups":
+            raise ConfigError(
+                f"algorithm.rm_pairs=groups makes preference pairs for a reward model, but algorithm.policy_loss_fn="
+                f"{algo.policy_loss_fn} trains no reward model (bradley_terry does). Use algorithm=rm with "
+                f"algorithm.rm_pairs=groups, or leave algorithm.rm_pairs=dataset (it is then unused).")
         return
-    if kind != "dataset":
+    if algo.rm_pairs == "groups":
+        _check_online_pairs(cfg)
+    elif kind != "dataset":
         raise ConfigError(
-            f"algorithm.policy_loss_fn={cfg.algorithm.policy_loss_fn} trains a reward model from preference pairs in "
+            f"algorithm.policy_loss_fn={algo.policy_loss_fn} trains a reward model from preference pairs in "
             f"a dataset (mode=train, buffer.trainer_input.experience_buffer a file with format.chosen_key and "
-            f"rejected_key), but this stage's trainer would read {kind} (mode={cfg.mode}). algorithm=rm sets that up."
+            f"rejected_key), but this stage's trainer would read {kind} (mode={cfg.mode}). algorithm=rm sets that up; "
+            f"for pairs from the groups of the policy's own rollouts set algorithm.rm_pairs=groups with mode=both."
         )
     if cfg.model.lora.rank:
         raise ConfigError(f"model.lora.rank={cfg.model.lora.rank}: a reward model (algorithm.policy_loss_fn="
                           f"{cfg.algorithm.policy_loss_fn}) trains all its weights here; set model.lora.rank=0.")
+
+
+def _check_online_pairs(cfg) -> None:
+    """algorithm.rm_pairs=groups: the explorers sample groups from the stage's starting policy (never
+    synced), each group whose rewards differ gives a pair, the trainer trains the reward model on them."""
+    algo, eb = cfg.algorithm, cfg.buffer.trainer_input.experience_buffer
+    if cfg.mode != "both":
+        raise ConfigError(
+            f"algorithm.rm_pairs=groups trains the reward model on pairs made from each explore step's groups, so "
+            f"the stage explores and trains at once (mode=both), but mode={cfg.mode}. Set mode=both, or "
+            f"algorithm.rm_pairs=dataset to learn from the pairs in buffer.trainer_input.experience_buffer (mode=train).")
+    if eb.storage_type != "queue":
+        raise ConfigError(
+            f"algorithm.rm_pairs=groups passes the pairs to the trainer in memory, so buffer.trainer_input."
+            f"experience_buffer.storage_type must be queue (it is {eb.storage_type}; algorithm=rm sets file, to read a "
+            f"dataset's pairs); its path, format and eval_split then name the held-out pairs of eval/pair_accuracy "
+            f"alone. Set buffer.trainer_input.experience_buffer.storage_type=queue.")
+    if algo.repeat_times < 2:
+        raise ConfigError(
+            f"algorithm.rm_pairs=groups pairs a group's best response with its worst, but algorithm.repeat_times="
+            f"{algo.repeat_times} gives groups of one (no pair ever). Set algorithm.repeat_times to 2 or more (8 "
+            f"is common: more responses, more tasks whose rewards differ).")
+    if cfg.synchronizer.sync_style != "fixed":
+        raise ConfigError(
+            f"synchronizer.sync_style={cfg.synchronizer.sync_style} has the explorers pick up the trainer's weights, "
+            f"but with algorithm.rm_pairs=groups they serve the stage's starting policy throughout (the trainer's "
+            f"model is the reward model). Set synchronizer.sync_style=fixed.")
 
 
 def _step_batch(cfg, dataset_size: int, kind: str, needs: Needs) -> tuple[int, int]:
@@ -410,6 +447,18 @@ def _step_batch(cfg, dataset_size: int, kind: str, needs: Needs) -> tuple[int, i
         # with total_steps set the trainer may read experiences still being written
         per_epoch = dataset_size // train_bs or (1 if buf.total_steps else 0)
         unit, unit_key = train_bs, "buffer.train_batch_size"
+    elif cfg.mode == "both" and needs.reward_head:  # algorithm.rm_pairs=groups (_check_online_pairs)
+        train_bs = buf.train_batch_size or 2 * buf.batch_size
+        if train_bs != 2 * buf.batch_size:
+            raise ConfigError(
+                f"buffer.train_batch_size={train_bs} must equal 2 x buffer.batch_size ({buf.batch_size}) = "
+                f"{2 * buf.batch_size} with algorithm.rm_pairs=groups: it counts experiences, and each task's group "
+                f"of {algo.repeat_times} responses gives at most one pair, two experiences (chosen, rejected), so a "
+                f"step trains on up to {buf.batch_size} pairs (fewer when some groups' rewards are all equal). "
+                f"Remove buffer.train_batch_size (it defaults to 2 x batch_size) or set it to {2 * buf.batch_size}."
+            )
+        per_epoch = dataset_size // buf.batch_size
+        unit, unit_key = buf.batch_size, "buffer.batch_size"
     elif cfg.mode in ("both", "explore"):
         train_bs = buf.train_batch_size or produced
         if train_bs != produced:
@@ -457,7 +506,8 @@ def _check_pairs(cfg, needs: Needs, kind: str, sizes: list[tuple[str, int]]) -> 
     """A loss that learns from preference pairs gets a dataset of them, in whole pairs."""
     eb = cfg.buffer.trainer_input.experience_buffer
     fmt = eb.format
-    pairs = kind == "dataset" and bool(fmt.chosen_key and fmt.rejected_key)
+    online = kind == "rollouts" and needs.reward_head  # algorithm.rm_pairs=groups: pairs from the groups
+    pairs = kind == "dataset" and bool(fmt.chosen_key and fmt.rejected_key) or online
     if needs.paired and not pairs:
         raise ConfigError(
             f"algorithm.policy_loss_fn={cfg.algorithm.policy_loss_fn} learns from preference pairs in a dataset "
@@ -467,13 +517,14 @@ def _check_pairs(cfg, needs: Needs, kind: str, sizes: list[tuple[str, int]]) -> 
             f"rejected_key={fmt.rejected_key}. Give it a dataset of pairs (a taskset whose format sets "
             f"chosen_key and rejected_key serves by default)."
         )
-    if cfg.mode == "train" and fmt.chosen_key and fmt.rejected_key:
+    if cfg.mode == "train" and fmt.chosen_key and fmt.rejected_key or online:
         # preference pairs (two rows each) must not be split across batches
         for key, value in sizes:
             if value % 2:
                 raise ConfigError(
-                    f"{key}={value} must be even with preference pairs (format.chosen_key and "
-                    f"rejected_key set): each pair is two experiences that stay together."
+                    f"{key}={value} must be even with preference pairs ("
+                    f"{'algorithm.rm_pairs=groups' if online else 'format.chosen_key and rejected_key set'}): "
+                    f"each pair is two experiences that stay together."
                 )
 
 
@@ -876,19 +927,8 @@ def describe(cfg, stage_dir, plan: BatchPlan | None = None) -> str:
         rows.append(("reward", f"the parts {reward} returns (workflow {inp.taskset.workflow}; the reward function is "
                                f"not called)" if environment_scores(inp.taskset) else
                      f"{call} with task.answer = column {inp.taskset.format.response_key!r}"))
-        if cfg.mode == "both" and cfg.synchronizer.sync_style == "dynamic_by_explorer":
-            rows.append(("sync style", _dynamic_row(cfg)))
         if cfg.mode == "both":
-            o = cfg.synchronizer.sync_offset
-            rows.append(("explorer", f"{o} step{'s' * (o != 1)} ahead of the trainer (synchronizer.sync_offset; stale "
-                                     f"experiences: off_policy_correction={algo.off_policy_correction})" if o else
-                                     "on-policy: generates, then waits while the trainer learns (synchronizer.sync_offset=0)"))
-            from rft.plan.sync import route
-
-            way, warning = route(cfg)
-            rows.append(("weight sync", way))
-            if warning:
-                rows.append(("warning", warning))
+            rows += _sync_rows(cfg)
     else:
         fmt = eb.format
         what = (f"pairs of {fmt.chosen_key!r} over {fmt.rejected_key!r}" if fmt.chosen_key and fmt.rejected_key
@@ -898,7 +938,11 @@ def describe(cfg, stage_dir, plan: BatchPlan | None = None) -> str:
         sft, where = sft_buffer_config(cfg)
         rows.append(("sft data", f"{sft.path} (column {sft.format.response_key!r}; {where})"))
     evals = [f"{data(ts)}: {scored_by(ts, inp.default_reward_fn_type)}" for ts in inp.eval_tasksets]
-    if cfg.mode != "explore":
+    if cfg.mode != "explore" and algorithm_needs(algo).reward_head:
+        rows.append(("eval", f"eval/pair_accuracy on {eb.path} (split {eb.eval_split}), every "
+                             f"{cfg.explorer.eval_interval} steps" if eb.eval_split else
+                     "none (buffer.trainer_input.experience_buffer.eval_split names held-out pairs)"))
+    elif cfg.mode != "explore":
         rows.append(("eval sets", "; ".join(evals) + f", every {cfg.explorer.eval_interval} steps" if evals else "none"))
     if plan is not None:
         from rft.plan.memory import describe_devices, estimate
@@ -907,6 +951,26 @@ def describe(cfg, stage_dir, plan: BatchPlan | None = None) -> str:
     rows += [*describe_rows(cfg), ("outputs", str(stage_dir))]  # describe_rows: data_processor's
     w = max(len(r[0]) for r in rows)
     return "\n".join(f"{a:<{w}}  {b}" for a, b in rows)
+
+
+def _sync_rows(cfg) -> list[tuple[str, str]]:
+    """dry_run's lines on how far the explorers run ahead and how they get the trainer's weights (mode=both)."""
+    if C.fixed_policy(cfg):
+        return [("explorer", "serves the stage's starting policy throughout, never synced: the trainer's model is the "
+                             "reward model (algorithm.rm_pairs=groups); each group whose rewards differ gives it one "
+                             "pair, its best response over its worst (best_worst_pairs)")]
+    rows = [("sync style", _dynamic_row(cfg))] if cfg.synchronizer.sync_style == "dynamic_by_explorer" else []
+    o, algo = cfg.synchronizer.sync_offset, cfg.algorithm
+    rows.append(("explorer", f"{o} step{'s' * (o != 1)} ahead of the trainer (synchronizer.sync_offset; stale "
+                             f"experiences: off_policy_correction={algo.off_policy_correction})" if o else
+                             "on-policy: generates, then waits while the trainer learns (synchronizer.sync_offset=0)"))
+    from rft.plan.sync import route
+
+    way, warning = route(cfg)
+    rows.append(("weight sync", way))
+    if warning:
+        rows.append(("warning", warning))
+    return rows
 
 
 def _workflow_row(ts) -> str:

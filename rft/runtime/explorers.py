@@ -16,6 +16,7 @@ from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
+from rft.config import fixed_policy
 from rft.errors import RunError
 from rft.runtime.checkpoint import Owner, served_checkpoint
 from rft.runtime.faults import TrainerCalls, actor_died, culprit, resume_point
@@ -59,7 +60,10 @@ class ExplorerPool:
         # synchronizer.sync_style=dynamic_by_explorer: an explore is made on whatever weights its
         # explorer picked up, and a redone one on the weights served now (no snapshots)
         self.dynamic = sc.sync_style == "dynamic_by_explorer"
-        self.snapshots = (cfg.mode == "both" and cfg.cluster.backend == "ray" and cfg.cluster.max_actor_restarts > 0
+        # algorithm.rm_pairs=groups: the explorers serve the stage's starting policy throughout (the
+        # trainer's model is a reward model), which a restarted explorer loads again by itself
+        self.fixed = fixed_policy(cfg)
+        self.snapshots = (cfg.mode == "both" and not self.fixed and cfg.cluster.backend == "ray" and cfg.cluster.max_actor_restarts > 0
                           and (sc.sync_offset > 0 or sc.sync_interval > 1) and not self.dynamic)
         # explorer.partial_rollout: each explorer's groups in flight after its last collected
         # explore step (rft/rollout/partial.py), given back to it when Ray restarts it, and saved
@@ -243,7 +247,9 @@ class ExplorerPool:
                 time.sleep(1.0)
         if self.cfg.explorer.partial_rollout and self.cfg.synchronizer.fixed_interrupts:
             explorer.call("open_gate")  # the test mode's fixed pickups cannot be redone: weights go in as they come
-        if self.trainer is not None:
+        if self.fixed:
+            pass  # it restarted on the stage's starting policy: what it serves
+        elif self.trainer is not None:
             # it restarted on the stage's starting weights
             if hasattr(self.sync, "reset"):
                 self.sync.reset(self.trainer.actor, self.explorers)  # the old group lost a member

@@ -29,7 +29,7 @@ from rft.runtime.faults import LearningSignal, TrainerCalls
 from rft.runtime.saving import StageCheckpoints
 from rft.runtime.dynamic import DynamicSchedule
 from rft.runtime.schedule import Schedule, reward_norm
-from rft.config import lora_adapter_sync
+from rft.config import fixed_policy, lora_adapter_sync
 from rft.sync.weights import SYNC_METHODS
 
 
@@ -83,7 +83,7 @@ class StageRun:
             raise
 
     def _start(self, latest: Checkpoint | None) -> None:
-        cfg, mode = self.cfg, self.cfg.mode
+        cfg, mode, fixed = self.cfg, self.cfg.mode, fixed_policy(self.cfg)
         trains = mode in ("both", "train")
         self._default_buffer_path()  # before any actor gets its copy of the config
         Actor = ACTOR_BACKENDS[cfg.cluster.backend]
@@ -105,8 +105,8 @@ class StageRun:
         self.reward_models = start_reward_models(Actor, cfg, common, options)
         # mode=train still evaluates with an explorer when there are eval tasksets (plan.explorers)
         # (model.lora.sync=adapter: the engines keep the stage's starting model as the base, and
-        # the resumed adapters come by a sync below)
-        resumed = latest is not None and latest.hf_path.exists() and not lora_adapter_sync(cfg.model)
+        # the resumed adapters come by a sync below; a fixed policy's checkpoint is a reward model's)
+        resumed = latest is not None and latest.hf_path.exists() and not lora_adapter_sync(cfg.model) and not fixed
         self.explorers = start_explorers(Actor, cfg, self.plan.explorers, str(latest.hf_path) if resumed else self.init_path,
                                          start if resumed else 0, self.title, common, options)
         wait_reward_models(self.reward_models)  # a model that does not load: a ConfigError naming it
@@ -117,7 +117,7 @@ class StageRun:
             print(f"rft: warning: stage {self.title}: {text}", flush=True)
         self._open_input(saved, latest)
         self.sync = SYNC_METHODS[cfg.synchronizer.sync_method](self.dir, cfg.synchronizer)
-        if mode == "both":
+        if mode == "both" and not fixed:  # (a fixed policy is never synced)
             from rft.plan.sync import route
 
             way, warning = route(cfg)
@@ -137,7 +137,7 @@ class StageRun:
                                  buffer=self.buffer, monitor=self.monitor, checkpoints=self.checkpoints,
                                  signal=LearningSignal(cfg, self.plan, start, self.dir, self.title, self.monitor))
         self._announce(start, saved, latest)
-        if start and trains and self.explorers and not resumed:
+        if start and trains and self.explorers and not resumed and not fixed:
             # a LoRA checkpoint without hf/ (trainer.save_hf_checkpoint): the explorers started from
             # the stage's starting model; the trainer gives them the resumed weights, as hf/ would
             self.pool.sync_all(start)

@@ -25,7 +25,8 @@ from collections import Counter
 
 from rft.algorithms.off_policy import staleness
 from rft.data.curriculum import make_curriculum
-from rft.data.pipeline import ExperiencePipeline
+from rft.config import fixed_policy
+from rft.data.pipeline import ExperiencePipeline, experience_operators
 from rft.data.experience import batch_record
 from rft.rewards import scoring
 from rft.rollout.explorer import step_metrics
@@ -81,13 +82,13 @@ class Schedule:
         self.curriculum = make_curriculum(cfg, plan.dataset_size)
         if self.curriculum is not None:
             self.curriculum.load(saved.get("curriculum"))
-        dp = cfg.get("data_processor")
-        self.experience_pipeline = ExperiencePipeline(dp.experience_pipeline.operators if dp else [])
+        # (algorithm.rm_pairs=groups: best_worst_pairs last, the pairs the reward model learns from)
+        self.experience_pipeline = ExperiencePipeline(experience_operators(cfg))
 
     def run(self) -> None:
         cfg = self.cfg
         if self.pool.explorers and self.start == 0 and cfg.explorer.eval_on_startup and cfg.mode != "explore":
-            self.monitor.log(0, self.pool.evaluate(0), advance=False)
+            self.monitor.log(0, self._evaluate(0), advance=False)
         if cfg.mode == "explore":
             self.pool.pick_up_checkpoint(self.pool.explorers, force=True)
         if self.pool.snapshots:
@@ -188,6 +189,8 @@ class Schedule:
             return [], {}
         eb = self.cfg.buffer.trainer_input.experience_buffer
         batch = self.buffer.get(produced or self.plan.experiences_per_step, eb.max_read_timeout)
+        if self.fixed_policy:  # sampled by the fixed policy: no staleness to count or bound
+            return batch, {}
         # step - 1 trainer steps are trained so far: the version about to learn from them
         stale = [staleness(e.policy_version, step - 1) for e in batch]
         bound = self.cfg.synchronizer.max_staleness
@@ -218,7 +221,7 @@ class Schedule:
         metrics["sync/version"] = self.pool.synced
         metrics["timing/step_s"] = time.perf_counter() - t_step
         if want_eval:
-            metrics.update(self.pool.evaluate(step))
+            metrics.update(self._evaluate(step))
         if want_save:
             t0 = time.perf_counter()
             self._save(step, metrics)
@@ -243,6 +246,17 @@ class Schedule:
                 "explore_metrics": self.explore_metrics, "reward_norm": self.reward_norm.state(),
                 **({"curriculum": self.curriculum.state()} if self.curriculum is not None else {})}
 
+    @property
+    def fixed_policy(self) -> bool:
+        """A reward model learning from the groups of the stage's starting policy, which the explorers
+        serve throughout: no sync (the trainer's model is the reward model), its eval its pairs'."""
+        return fixed_policy(self.cfg)
+
+    def _evaluate(self, step: int) -> dict:
+        """The eval: the explorers' eval tasksets; with a fixed policy (the explorers' model never
+        changes) the reward model's accuracy on its held-out pairs (experience_buffer.eval_split)."""
+        return self.trainer("pair_eval") if self.fixed_policy else self.pool.evaluate(step)
+
     def _wants_eval(self, step: int) -> bool:
         cfg = self.cfg
         return bool(self.pool.explorers) and cfg.mode != "explore" and (step % cfg.explorer.eval_interval == 0
@@ -265,6 +279,7 @@ class Schedule:
         """Whether the explorers get the trainer's weights after training step `step`: every
         synchronizer.sync_interval steps; before an eval, which is of the trainer's weights; and
         before a checkpoint, for a resumed run to explore from the weights an uninterrupted one would."""
-        return (self.trainer is not None and bool(self.pool.explorers) and self.cfg.mode != "explore" and (
+        return (self.trainer is not None and bool(self.pool.explorers) and self.cfg.mode != "explore"
+                and not self.fixed_policy and (
             self._wants_eval(step)
             or (self.explores and (step % self.cfg.synchronizer.sync_interval == 0 or self._wants_save(step)))))

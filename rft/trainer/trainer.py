@@ -275,9 +275,13 @@ class Trainer(StepMixin, MetricsMixin, WeightsMixin, CheckpointMixin):
         metrics = {f"train/truncated_{k}s": sum(bool(e.info.get(f"{k}_truncated")) for e in batch)
                    for k in ("prompt", "response")}
         metrics.update(self.train_step(batch))
-        if self.eval_pairs is not None and (step % self.cfg.explorer.eval_interval == 0 or step == self.plan.total_steps):
-            metrics["eval/pair_accuracy"] = self.pair_accuracy(self.eval_pairs.items)
+        if step % self.cfg.explorer.eval_interval == 0 or step == self.plan.total_steps:
+            metrics.update(self.pair_eval())
         return metrics, batch_record(step, batch)
+
+    def pair_eval(self) -> dict:
+        """eval/pair_accuracy on the held-out pairs (experience_buffer.eval_split); none without them."""
+        return {} if self.eval_pairs is None else {"eval/pair_accuracy": self.pair_accuracy(self.eval_pairs.items)}
 
     def pair_accuracy(self, pairs: list[list[Experience]]) -> float:
         """The share of (chosen, rejected) pairs whose chosen response the reward model scores higher."""
@@ -308,11 +312,19 @@ class Trainer(StepMixin, MetricsMixin, WeightsMixin, CheckpointMixin):
         self._work = dict.fromkeys(WORK, 0.0)
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
+        # a reward model on the groups' pairs (algorithm.rm_pairs=groups): its accuracy on pairs it
+        # has not learned from yet, this step's before its update; with one optimizer step a step
+        # the loss's own rm/accuracy is that (its forward precedes the step), without a forward more
+        online = self.plan.needs.reward_head and self.plan.input_kind == "rollouts"
+        several = self.plan.optimizer_steps_per_step > 1
+        before = self.pair_accuracy(list(zip(exps[0::2], exps[1::2]))) if online and several else None
         step = self._prepare(exps)
         self._update(step)
         self.version += 1
         step.sums.update(self._work)
         metrics = {**self._metrics(step, time.perf_counter() - t0), **self.sync_timing()}
+        if online:
+            metrics["rm/online_accuracy"] = metrics["rm/accuracy"] if before is None else before
         if self.device.type == "cuda" and self.cfg.cluster.colocate:
             # the engine on this GPU wakes next: the allocator's cached blocks (this step's
             # activations) go back to the driver, else vLLM could not take its share again
