@@ -226,3 +226,21 @@ def test_a_reward_model_learns_the_policys_groups_and_rewards_the_next_stage(war
     evals = [m["eval/accuracy"] for m in grpo if "eval/accuracy" in m]
     warm = [m["eval/accuracy"] for m in read_metrics(run / "sft_warmup" / "metrics.jsonl") if "eval/accuracy" in m]
     assert evals[0] == warm[-1]  # the RL stage starts from the warm-up's policy, not the reward model
+
+
+@pytest.mark.slow  # the arithmetic data generated and a tokenizer loaded (~1.5 s)
+def test_an_eval_split_the_data_lacks_is_named_by_its_own_key():
+    from rft.data.tasks import ensure_task_data
+    from rft.models import ensure_model, load_tokenizer
+    from rft.trainer.trainer import _held_out_pairs
+
+    cfg = stage_configs(compose_cfg(["algorithm=rm", "stages=[]", "cluster=inline",
+                                     "buffer.trainer_input.experience_buffer.eval_split=tset"]))[0]
+    ensure_model(cfg.model)
+    ensure_task_data(cfg.buffer.explorer_input)
+    with pytest.raises(ConfigError) as e:
+        _held_out_pairs(cfg, load_tokenizer(cfg.model))
+    msg = str(e.value)
+    assert msg.startswith("buffer.trainer_input.experience_buffer.eval_split='tset' (the held-out pairs of "
+                          "eval/pair_accuracy): buffer.trainer_input.experience_buffer.path=")
+    assert "Unknown split \"tset\"" in msg and msg.endswith("Name a split the data has, or unset eval_split.")

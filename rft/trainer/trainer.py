@@ -28,6 +28,7 @@ from transformers import get_scheduler
 
 from rft.algorithms import ADVANTAGE_FNS, KL_FNS, POLICY_LOSS_FNS, rollout_is, with_args
 from rft.data.experience import WHERE, Experience, batch_record, collate
+from rft.errors import ConfigError
 from rft.models import (
     enable_gradient_checkpointing,
     load_model,
@@ -45,6 +46,24 @@ from rft.trainer.state import CheckpointMixin
 from rft.trainer.step import StepMixin
 from rft.trainer.weights import WeightsMixin
 
+
+
+def _held_out_pairs(cfg, tokenizer):
+    """The reader of a reward model's held-out pairs (experience_buffer.eval_split; None unset).
+    A split the data lacks is named by its own key: the reader's message says `split`."""
+    from types import SimpleNamespace
+
+    from rft.data.readers import DatasetReader
+
+    eb = cfg.buffer.trainer_input.experience_buffer
+    if not eb.eval_split:
+        return None
+    held_out = SimpleNamespace(name=f"{eb.name}_{eb.eval_split}", path=eb.path, split=eb.eval_split, format=eb.format)
+    try:
+        return DatasetReader(held_out, tokenizer, cfg.model.max_prompt_tokens, cfg.model.max_response_tokens, cfg.seed)
+    except ConfigError as e:
+        raise ConfigError(f"buffer.trainer_input.experience_buffer.eval_split={eb.eval_split!r} (the held-out pairs "
+                          f"of eval/pair_accuracy): {e} Name a split the data has, or unset eval_split.") from e
 
 def _lengths(full) -> list[int]:
     """Each row's token count (rows are right-padded)."""
@@ -127,16 +146,7 @@ class Trainer(StepMixin, MetricsMixin, WeightsMixin, CheckpointMixin):
             self.dataset = DatasetReader(cfg.buffer.trainer_input.experience_buffer, self.tokenizer,
                                          cfg.model.max_prompt_tokens, cfg.model.max_response_tokens, cfg.seed)
         # a reward model's held-out pairs (experience_buffer.eval_split): eval/pair_accuracy
-        self.eval_pairs = None
-        eb = cfg.buffer.trainer_input.experience_buffer
-        if plan.needs.reward_head and eb.eval_split:
-            from types import SimpleNamespace
-
-            from rft.data.readers import DatasetReader
-
-            held_out = SimpleNamespace(name=f"{eb.name}_{eb.eval_split}", path=eb.path, split=eb.eval_split, format=eb.format)
-            self.eval_pairs = DatasetReader(held_out, self.tokenizer, cfg.model.max_prompt_tokens,
-                                            cfg.model.max_response_tokens, cfg.seed)
+        self.eval_pairs = _held_out_pairs(cfg, self.tokenizer) if plan.needs.reward_head else None
         self.sft_reader = None
         if cfg.algorithm.sft_loss_weight > 0:
             from rft.data.readers import DatasetReader
