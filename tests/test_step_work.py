@@ -80,7 +80,7 @@ def force_old_forward(monkeypatch, trainer):
     """The trainer as before the commit: the old log-probs from a forward of their own, whatever
     the trainer decides (patched where the decision is used, not the predicate that makes it)."""
     real = trainer._old_and_ref_logp
-    monkeypatch.setattr(trainer, "_old_and_ref_logp", lambda full, mask, old=True: real(full, mask, old=True))
+    monkeypatch.setattr(trainer, "_old_and_ref_logp", lambda full, mask, old=True, **kw: real(full, mask, old=True, **kw))
 
 
 def assert_same_weights(a, b, atol, rtol=0.0):
