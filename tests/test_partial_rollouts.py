@@ -120,7 +120,7 @@ def test_the_staleness_bound_drops_exactly_the_experiences_with_a_token_over_it(
             Experience([1, 2, 3], 1, [-0.1] * 2, policy_version=5, token_versions=[5, 5]),
             Experience([1, 2, 3], 1, [-0.1] * 2, policy_version=2, token_versions=[2, 6])]
     schedule = object.__new__(Schedule)
-    schedule.cfg = OmegaConf.create({"synchronizer": {"max_staleness": 3},
+    schedule.cfg = OmegaConf.create({"mode": "both", "algorithm": {"rm_pairs": "dataset"}, "synchronizer": {"max_staleness": 3},
                                      "buffer": {"trainer_input": {"experience_buffer": {"max_read_timeout": 1.0}}}})
     schedule.buffer = SimpleNamespace(get=lambda n, timeout: exps[:n])
     schedule.monitor = SimpleNamespace(histogram=lambda *a: None)
