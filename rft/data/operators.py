@@ -5,8 +5,8 @@ rft/data/pipeline.py). Each is a function over rows with its own keyword argumen
     experience operator  fn(exps: list[Experience], **args) -> list[Experience]
 
 An operator checks its arguments before it touches a row, so called on no rows it is the check
-that planning makes (rft.data.pipeline.check_operators); a bad value is a ConfigError, which the
-pipeline prefixes with the operator's config key. Filters keep rows in their order; mappers
+made with the plan (rft.data.pipeline.check_operators, from rft.runtime.main.checked_plan); a bad
+value is a ConfigError, which the pipeline prefixes with the operator's config key. Filters keep rows in their order; mappers
 change rows (or experiences) in place and return them.
 """
 

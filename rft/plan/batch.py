@@ -28,7 +28,6 @@ from omegaconf.errors import OmegaConfBaseException
 
 from rft import config as C
 from rft.algorithms import ADVANTAGE_FNS, KL_FNS, POLICY_LOSS_FNS, Needs, algorithm_needs, check_args
-from rft.data.pipeline import check_operators, describe_rows
 from rft.errors import ConfigError
 from rft.registry import ENGINES, TRAINER_BACKENDS
 from rft.plan import memory
@@ -151,7 +150,6 @@ def input_kind(cfg) -> str:
 
 def make_plan(cfg, dataset_size: int) -> BatchPlan:
     check_config(cfg)
-    check_operators(cfg)  # data_processor: the pipelines' operators and args, the online curriculum
     needs = algorithm_needs(cfg.algorithm)
     kind = input_kind(cfg)
     dp = trainer_ranks(cfg)  # trainer_strategy=torch is one process
@@ -897,7 +895,7 @@ def scored_by(ts, default_reward) -> str:
     return describe_reward(spec_of(ts.reward_fn, default_reward))
 
 
-def describe(cfg, stage_dir, plan: BatchPlan | None = None) -> str:
+def describe(cfg, stage_dir, plan: BatchPlan | None = None, extra: list | tuple = ()) -> str:
     """What the dry run says besides the numbers: the functions, the data, the outputs; with the
     plan, the devices and the memory per role (rft/plan/memory.py)."""
     algo, inp = cfg.algorithm, cfg.buffer.explorer_input
@@ -948,7 +946,7 @@ def describe(cfg, stage_dir, plan: BatchPlan | None = None) -> str:
         from rft.plan.memory import describe_devices, estimate
 
         rows += describe_devices(cfg, estimate(cfg, plan))
-    rows += [*describe_rows(cfg), ("outputs", str(stage_dir))]  # describe_rows: data_processor's
+    rows += [*extra, ("outputs", str(stage_dir))]  # extra: the runtime's (the data pipelines)
     w = max(len(r[0]) for r in rows)
     return "\n".join(f"{a:<{w}}  {b}" for a, b in rows)
 

@@ -80,9 +80,8 @@ def plan_jobs(config, config_name: str | None) -> str | None:
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import open_dict
 
-    from rft.plan.batch import make_plan
     from rft.reporting.sweep import distinct_overrides
-    from rft.runtime.main import job_sizes_in_child, per_stage, split_stages
+    from rft.runtime.main import checked_plan, job_sizes_in_child, per_stage, split_stages
 
     jobs = sweep_jobs(config)
     if len(jobs) < 2:
@@ -104,7 +103,7 @@ def plan_jobs(config, config_name: str | None) -> str | None:
     try:
         sizes = job_sizes_in_child([(stages, sources) for _, stages, sources in planned])
         for (i, stages, _), n in zip(planned, sizes):
-            _check_launch(config.hydra.launcher, stages, per_stage(make_plan, stages, n))
+            _check_launch(config.hydra.launcher, stages, per_stage(checked_plan, stages, n))
     except ConfigError as e:
         i = planned[e.job][0] if hasattr(e, "job") else i
         return _job_error(i, own[i], e)

@@ -217,13 +217,22 @@ def plan_stages(cfg: DictConfig, isolated: bool = False) -> tuple[list, list, li
     """Every stage's config, batch plan and output directory, each checked against its data; the
     whole of what a dry run does. Imports nothing that trains (no torch, no Ray). `isolated`: the
     datasets are read in a child process (`dataset_sizes_in_child`)."""
-    from rft.plan.batch import make_plan
-
     stages, sources = split_stages(cfg)
     sizes = (dataset_sizes_in_child if isolated else dataset_sizes)(stages, sources)
-    plans = per_stage(make_plan, stages, sizes)
+    plans = per_stage(checked_plan, stages, sizes)
     run_dir = run_dir_of(cfg)
     return stages, plans, [run_dir / s.stage_name if s.stage_name else run_dir for s in stages]
+
+
+def checked_plan(stage: DictConfig, dataset_size: int):
+    """The stage's batch plan, then its data_processor checked: the pipelines' operators and args
+    and the online curriculum (the plan reads no data code; rft/data/pipeline.py holds these)."""
+    from rft.data.pipeline import check_operators
+    from rft.plan.batch import make_plan
+
+    plan = make_plan(stage, dataset_size)
+    check_operators(stage)
+    return plan
 
 
 def split_stages(cfg: DictConfig) -> tuple[list, list]:
@@ -321,11 +330,12 @@ def _sizes_of(ask: str, answer: str) -> None:
 
 def plan_text(stages: list, plans: list, stage_dirs: list[Path]) -> str:
     """What a dry run prints (and the studio shows): each stage's batch plan and description."""
+    from rft.data.pipeline import describe_rows
     from rft.plan.batch import describe, format_plan
 
     return "\n".join(
         format_plan(p, title=f"batch plan: stage {s.stage_name or s.name} ({s.algorithm.algorithm_type})")
-        + "\n" + describe(s, d, p) + "\n" for s, p, d in zip(stages, plans, stage_dirs))
+        + "\n" + describe(s, d, p, describe_rows(s)) + "\n" for s, p, d in zip(stages, plans, stage_dirs))
 
 
 def _main(cfg: DictConfig) -> float | None:
