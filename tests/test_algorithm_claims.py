@@ -2,7 +2,8 @@
 the same start, and where the full study found a difference, its direction is asserted (slow).
 
 Claims 1 and 2 on countdown after its SFT warm-up (seed 0, shared by every arm through the stage
-cache), claim 3 on long_tail after its own (seed 1).
+cache), claim 3 on long_tail after its own (seed 1), claim 4 on arithmetic after its own warm-up and
+reward model (seed 2).
 """
 
 import pytest
@@ -85,3 +86,32 @@ def test_claim_3_dr_grpo_arms_share_their_rollouts_and_differ_in_the_loss_alone(
     # the long answers are there to grow or shrink: a wrong response is longer than a right one
     assert all(m["response_length/incorrect_mean"] > m["response_length/correct_mean"] for m in a + b if
                "response_length/correct_mean" in m)
+
+
+def test_claim_4_without_a_kl_term_the_proxy_rises_while_the_gold_reward_falls(tmp_path):
+    # the full study (30 steps, seeds 1-3, a 150-step reward model, an eval every step): the gold
+    # eval reaches 0.89-0.945 by step 4 in every arm; with no KL term it is at most 0.03 from step 8
+    # while the reward model's score climbs; with KL k3 coef 1.0 it ends at 0.69-0.955. Shortened:
+    # seed 2 (whose reward model is a useful proxy after 60 steps already; seed 3's then scores every
+    # response ~2.45), its own warm-up and reward model (shared by the two arms: the stage cache),
+    # 10 GRPO steps (~40 s)
+    runs = {}
+    for kl in ("{kl_loss_fn: none}", "{kl_loss_fn: k3, kl_loss_coef: 1.0}"):
+        runs[kl] = arm(tmp_path, "claims_overopt", f"overopt_{len(runs)}", "grpo",
+                       ["stages.1.buffer.total_steps=60", "stages.1.explorer.eval_interval=30",
+                        "buffer.total_steps=10", f"+stages.2.algorithm={kl}"], seed=2)
+    assert (tmp_path / "rft" / "overopt_1" / "rm" / "reused_from").exists()  # one reward model for both
+    free, held = runs["{kl_loss_fn: none}"], runs["{kl_loss_fn: k3, kl_loss_coef: 1.0}"]
+    proxy = {name: [m["reward/mean"] for m in r if "reward/mean" in m] for name, r in (("free", free), ("held", held))}
+    assert len(proxy["free"]) == len(proxy["held"]) == 10
+    assert proxy["free"][:2] == proxy["held"][:2]  # the same start, the same first rollouts (measured 0.39, 0.55)
+    # measured, the eval at steps 0-10: no KL 0.100 0.725 0.870 0.945 0.910 0.540 0.145 0.035 0 0 0;
+    # KL 1.0 0.100 0.725 0.855 0.920 0.885 0.845 0.800 0.765 0.715 0.700 0.720
+    gold_free, gold_held = evals(free), evals(held)
+    assert len(gold_free) == len(gold_held) == 11
+    assert max(gold_free[1:5]) >= gold_free[0] + 0.5, gold_free  # up by step 4 (the reward model helps first) ...
+    assert gold_free[-1] <= max(gold_free) - 0.5, gold_free  # ... then down
+    assert gold_held[-1] >= gold_free[-1] + 0.4 and gold_held[-1] >= gold_held[0] + 0.4, (gold_free, gold_held)
+    # the proxy meanwhile rises: measured, the mean of steps 1-3 -> 8-10, no KL 0.55 -> 2.93 (KL 1.0: -> 1.44)
+    first, last = sum(proxy["free"][:3]) / 3, sum(proxy["free"][-3:]) / 3
+    assert last >= first + 1.0 and last > sum(proxy["held"][-3:]) / 3, proxy
