@@ -478,3 +478,16 @@ def test_a_local_path_or_a_name_that_is_no_hub_id_is_left_to_the_plan(monkeypatc
     monkeypatch.setattr(HfApi, "model_info", lambda *a, **k: pytest.fail("asked the hub"))
     for path in ("/nowhere/model", "./model", "'~/models/mine'", "a/b/c"):
         M.check_model_here(compose_cfg([f"model.model_path={path}", "model.builder=null"]))
+
+
+def test_the_jsd_teachers_top_tokens_are_counted_for_the_whole_step(no_gpu):
+    # algorithm=opd at 7B with the JSD on the teacher's top 20 tokens: every rank holds the step's
+    # 32 tasks x 8 rollouts = 256 rows x 4,096 positions x 20 tokens x (4 bytes log-prob + 8 id)
+    # = 251,658,240 bytes (0.23 GiB); the reverse-KL form keeps no such table
+    stage, plan = plan_of(["algorithm=opd", "model=qwen7b", "algorithm.teacher_model_path=Qwen/Qwen2.5-7B-Instruct",
+                           "algorithm.repeat_times=8", "algorithm.distill_divergence=jsd"])
+    parts = dict(M.estimate(stage, plan).roles[0].parts)
+    assert plan.experiences_per_step == 256 and M.longest(stage.model) == 4096
+    assert parts["teacher top-20"] == 256 * 4096 * 20 * 12 == 251_658_240
+    stage, plan = plan_of(["algorithm=opd", "model=qwen7b", "algorithm.teacher_model_path=Qwen/Qwen2.5-7B-Instruct"])
+    assert not any(k.startswith("teacher top") for k, _ in M.estimate(stage, plan).roles[0].parts)

@@ -16,6 +16,9 @@ shards the weights, gradients and optimizer state; trainer=torch is N = 1):
                                          ref_offload: in CPU memory)
     teacher      P_t b / N              (on-policy distillation's frozen teacher, P_t from its files or
                                          its name, else P; ref_offload: in CPU memory)
+    teacher top-k  R x S x k x 12       (distill_divergence=jsd: the teacher's top k log-probs, float32,
+                                         and ids, int64, at each position of the step's R rows of S
+                                         tokens at most; every rank holds the whole step's)
     critic       (2 + 2) P b / N more   (PPO's value model: weights, gradients, Adam; critic_offload:
                                          in CPU memory)
     gathered     2 layers' weights      (FSDP2 unshards one layer at a time, the next prefetched;
@@ -313,6 +316,9 @@ def trainer_role(cfg, plan, s: Shape, dev: Devices) -> Role:
     if plan.needs.teacher:  # its own size: from its files or its name, else as large as the policy
         count, _ = parameter_count(str(cfg.algorithm.teacher_model_path))
         parts.append(("teacher" + where * (gpu and (t.ref_offload or t.param_offload)), (count or s.parameters) * b // n))
+        if str(cfg.algorithm.distill_divergence) == "jsd":
+            k = cfg.algorithm.distill_top_k
+            parts.append((f"teacher top-{k}", plan.experiences_per_step * longest(m) * k * 12))
     if plan.needs.critic:
         parts.append(("critic" + where * (gpu and (t.critic_offload or t.param_offload)), 4 * s.parameters * mb // n))
     if n > 1 or mb != b:  # a block's weights whole (or cast) for its compute, and the next one's
