@@ -895,7 +895,7 @@ def scored_by(ts, default_reward) -> str:
     return describe_reward(spec_of(ts.reward_fn, default_reward))
 
 
-def describe(cfg, stage_dir, plan: BatchPlan | None = None, extra: list | tuple = ()) -> str:
+def describe(cfg, stage_dir, plan: BatchPlan | None = None, more_rows: list | tuple = ()) -> str:
     """What the dry run says besides the numbers: the functions, the data, the outputs; with the
     plan, the devices and the memory per role (rft/plan/memory.py)."""
     algo, inp = cfg.algorithm, cfg.buffer.explorer_input
@@ -946,7 +946,7 @@ def describe(cfg, stage_dir, plan: BatchPlan | None = None, extra: list | tuple 
         from rft.plan.memory import describe_devices, estimate
 
         rows += describe_devices(cfg, estimate(cfg, plan))
-    rows += [*extra, ("outputs", str(stage_dir))]  # extra: the runtime's (the data pipelines)
+    rows += [*more_rows, ("outputs", str(stage_dir))]  # more_rows: the runtime's (the data pipelines)
     w = max(len(r[0]) for r in rows)
     return "\n".join(f"{a:<{w}}  {b}" for a, b in rows)
 
