@@ -11,7 +11,7 @@ from test_runtime import base, env_for, evals
 from test_trainer import experiences
 
 from rft.errors import ConfigError
-from rft.models import ensure_model
+from rft.models import build_tiny_model, ensure_model
 from rft.plan.batch import make_plan, stage_configs
 from rft.plan.placement import check_placement, trainer_ranks
 from rft.reporting.monitor import read_metrics
@@ -59,6 +59,24 @@ def assert_same_model(weights: dict, model, rtol=1e-4, atol=1e-5):
                                    ["algorithm=ppo", "algorithm.critic_warmup=0"]],
                          ids=["plain", "offload+token_budget", "ppo"])
 def test_two_ranks_update_the_model_as_one_process_does(local_ray, tmp_path, extra):
+    two_ranks_as_one_process(tmp_path, extra)
+
+
+@pytest.mark.slow  # a teacher built, a Ray run
+def test_two_ranks_distil_with_the_jsd_as_one_process_does(local_ray, tmp_path):
+    # each rank computes the teacher's top tokens of its own rows; summed over the ranks, every
+    # rank holds the whole step's table (rft.trainer.step StepMixin._old_and_ref_logp)
+    teacher = build_tiny_model(tmp_path / "teacher", seed=1)
+    m_two = two_ranks_as_one_process(tmp_path, ["algorithm=opd", "algorithm.repeat_times=8",
+                                                f"algorithm.teacher_model_path={teacher}",
+                                                "algorithm.distill_divergence=jsd", "algorithm.distill_top_k=5"],
+                                     extra_keys=("distill/jsd", "distill/reverse_kl"))
+    assert m_two["distill/jsd"] > 1e-4
+
+
+def two_ranks_as_one_process(tmp_path, extra, extra_keys=()):
+    """Two steps (128 rows, then 9) on one process and on two fsdp2 ranks: the same metrics
+    (`extra_keys` too) and the same weights. Returns the ranks' last metrics."""
     (one_cfg, one_plan), (two_cfg, two_plan) = configs(*extra)
     # 128 experiences, micro-batches of 4: each rank 64 rows in 16 passes (or, with a budget of
     # 60 tokens, about 3 rows of 16-21 tokens a pass, the ranks' shares balanced by tokens)
@@ -74,7 +92,7 @@ def test_two_ranks_update_the_model_as_one_process_does(local_ray, tmp_path, ext
         m_one, m_two = one.train_step(rows), two.call("train_step", rows)
         critic = [k for k in ("critic/value_loss", "critic/values_mean", "critic/explained_variance") if k in m_one]
         assert len(critic) == (3 if "algorithm=ppo" in extra else 0)
-        keys = ["loss/policy", "actor/grad_norm", *critic]
+        keys = ["loss/policy", "actor/grad_norm", *critic, *extra_keys]
         # the second step's rows are one step stale: one process corrects them in the update and
         # still sets aside the zero-advantage rows, the ranks forward every row for the old
         # log-probs (rft.trainer.step StepMixin._old_is_current); the same gradient, but the metrics over the
@@ -88,6 +106,7 @@ def test_two_ranks_update_the_model_as_one_process_does(local_ray, tmp_path, ext
         assert m_two["train/experiences"] == len(rows)
         assert_same_model(two.call("weights"), one.model)
     assert m_one["actor/grad_norm"] > 0.01  # the steps did move the weights
+    return m_two
 
 
 @pytest.mark.slow  # a real engine, Ray or training run
