@@ -59,7 +59,8 @@ def assert_same_model(weights: dict, model, rtol=1e-4, atol=1e-5):
                                    ["algorithm=ppo", "algorithm.critic_warmup=0"]],
                          ids=["plain", "offload+token_budget", "ppo"])
 def test_two_ranks_update_the_model_as_one_process_does(local_ray, tmp_path, extra):
-    two_ranks_as_one_process(tmp_path, extra)
+    m_two = two_ranks_as_one_process(tmp_path, extra)
+    assert m_two["train/experiences"] == 9  # the last step's rows, split 5 + 4 over the ranks
 
 
 @pytest.mark.slow  # a teacher built, a Ray run
