@@ -46,6 +46,16 @@ def warm_cache(warm_start):
     return warm_start.parents[4] / "stage_cache"
 
 
+def load_script(path: str, name: str):
+    """A script of the repository that is no package module (experiments/<study>/<file>.py), imported."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, ROOT / path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def compose_cfg(overrides=(), keep_hydra: bool = False):
     """The config exactly as `python run.py <overrides>` composes it (HydraConfig set, as in a run)."""
     GlobalHydra.instance().clear()

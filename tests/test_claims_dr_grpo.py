@@ -1,17 +1,12 @@
 """experiments/claims_dr_grpo/eval_lengths.py: the greedy eval's answer lengths by kind and correctness."""
 
-import importlib.util
 import json
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from conftest import load_script
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("eval_lengths", ROOT / "experiments" / "claims_dr_grpo" / "eval_lengths.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("experiments/claims_dr_grpo/eval_lengths.py", "eval_lengths")
 
 
 def _row(question: str, answer: str, reward: float) -> dict:

@@ -1,18 +1,14 @@
 """experiments/claims_overopt/steps.py: claim 4's table of the gold eval at steps and the proxy over windows."""
 
-import importlib.util
 from pathlib import Path
+
+from conftest import load_script
 
 from rft.reporting.report import Job
 
-ROOT = Path(__file__).resolve().parents[1]
-
 
 def _script():
-    spec = importlib.util.spec_from_file_location("steps", ROOT / "experiments" / "claims_overopt" / "steps.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("experiments/claims_overopt/steps.py", "steps")
 
 
 def test_the_windows_run_from_the_column_before_and_their_means():

@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import CONF, ROOT, compose_cfg, run_cli
+from conftest import CONF, ROOT, compose_cfg, load_script, run_cli
 from omegaconf import OmegaConf
 
 import rft.runtime.main
@@ -137,12 +137,7 @@ def test_a_multirun_of_tiny_seeds_and_its_report(tmp_path):
 
 
 def _sync_benchmark():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("sync_benchmark", ROOT / "experiments" / "sync_benchmark" / "benchmark.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("experiments/sync_benchmark/benchmark.py", "sync_benchmark")
 
 
 def test_the_sync_benchmark_takes_medians_of_the_steady_steps():
