@@ -342,6 +342,47 @@ def test_a_study_cannot_hide_what_the_run_imports_in_hydras_own_settings(tmp_pat
     assert C.compose(conf, {**defaults, "experiment": "tiny_seeds"}, {}, defaults, plan=False).imports == []
 
 
+@pytest.mark.slow
+def test_a_launch_neither_composes_a_file_from_outside_conf_nor_writes_outside_the_root(tmp_path, monkeypatch):
+    # `experiment=../../evil` (a key, not a choice: choices are checked) made Hydra compose
+    # <conf>/experiment/../../evil.yaml: its hydra.run.dir was where the run wrote, while the studio
+    # read the run's directory as <root>/rft/<name> and listed no import; it launched
+    from rft.studio import bodies as B
+    from rft.studio.app import Refused, launch_args
+
+    conf, root = tmp_path / "conf", tmp_path / "root"
+    shutil.copytree(CONF, conf)
+    (tmp_path / "evil.yaml").write_text(f"# @package _global_\nhydra:\n  run:\n    dir: {tmp_path / 'outside'}\n")
+    root.mkdir()
+    monkeypatch.setenv("RFT_CHECKPOINT_ROOT_DIR", str(root))  # as the studio sets it for its compositions
+    defaults = C.default_choices(conf)
+    options = {g: [o["name"] for o in opts] for g, opts in C.groups(conf).items()}
+
+    def launch(body: dict):
+        choices, keys = B.composition(body, options)
+        return launch_args(conf, defaults, body, {**defaults, **choices}, keys, root)
+
+    names = ", ".join(repr(p.stem) for p in sorted((conf / "experiment").glob("*.yaml")))
+    for body, override, job in [({"keys": {"experiment": "../../evil"}}, "experiment=../../evil", ""),
+                                ({"keys": {"+experiment@_global_": "../../evil"}}, "+experiment@_global_=../../evil", ""),
+                                ({"sweep": True, "sweep_params": "experiment=tiny_seeds,../../evil"}, "experiment=../../evil",
+                                 "job 1 of the sweep (experiment=../../evil): ")]:
+        with pytest.raises(Refused) as e:
+            launch(body)
+        assert e.value.status == 400 and e.value.answer["detail"].startswith(
+            f"not launched: {job}{override}: an option of the config group experiment is the name of a file of "
+            f"conf/experiment/, without '/'; choose one of [{names}]."), body
+    # a checkpoint_root_dir typed on the page: the run would write outside what the studio shows
+    for where, run_dir in [("/elsewhere", "/elsewhere/rft/grpo-tiny-arithmetic"), ("rel", "rel/rft/grpo-tiny-arithmetic")]:
+        with pytest.raises(Refused) as e:
+            launch({"keys": {"checkpoint_root_dir": where}})
+        assert e.value.status == 400 and e.value.answer["detail"] == (
+            f"not launched: it would write to {run_dir}, outside the checkpoint root {root} that this studio shows and "
+            f"launches into. Leave checkpoint_root_dir as it is, or start the studio with --root on the folder you want "
+            f"(python -m rft.studio --root DIR).")
+    assert launch({"keys": {}}) == ([], "rft/grpo-tiny-arithmetic", None)  # under the root: launched
+
+
 def test_a_model_whose_own_code_would_run_is_listed_with_the_imports():
     # trust_remote_code runs the Python files of the model's folder (or hub repo): listed before,
     # it launched unasked; the policy's and an auxiliary model's, each with its path

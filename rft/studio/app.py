@@ -95,6 +95,13 @@ def launch_args(conf_dir: Path, defaults: dict, body: dict, choices: dict, keys:
     if sweep and comp.sweep_dir:
         args.append(f"hydra.sweep.dir={C._override_text(comp.sweep_dir)}")
     writes = comp.values.get("dry_run") != "true"  # a dry run leaves no directory to link to
+    where = comp.sweep_dir if sweep else comp.run_dir
+    if writes and root is not None and where and (not Path(where).is_absolute() or _under(root, where) is None):
+        # the studio lists, links and stops what is under its root; a run written elsewhere (a
+        # checkpoint_root_dir typed on the page: ~/.ssh, /etc) would be out of its sight
+        raise Refused(400, f"not launched: it would write to {where}, outside the checkpoint root {root} that this "
+                           f"studio shows and launches into. Leave checkpoint_root_dir as it is, or start the studio "
+                           f"with --root on the folder you want (python -m rft.studio --root DIR).")
     return (args, _under(root, comp.run_dir) if writes and not sweep else None,
             _under(root, comp.sweep_dir) if writes and sweep else None)
 

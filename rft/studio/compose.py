@@ -278,7 +278,8 @@ def _composition(conf_dir: Path, overrides: list[str], choices: dict[str, str], 
 
     command = "python run.py " + " ".join(shlex.quote(o) for o in overrides) if overrides else "python run.py"
     # group names only (as run.py's check): the options' comments are not needed per keystroke
-    misspelt = misspelt_override(overrides, {p.name for p in conf_dir.iterdir() if p.is_dir()})
+    group_names = {p.name for p in conf_dir.iterdir() if p.is_dir()}
+    misspelt = misspelt_override(overrides, group_names) or option_path(conf_dir, overrides, group_names)
     if misspelt:
         return Composition(choices, overrides, command, {}, "", "", misspelt)
     with _env_as_written(conf_env_names(str(conf_dir.resolve()))):
@@ -301,6 +302,20 @@ def _composition(conf_dir: Path, overrides: list[str], choices: dict[str, str], 
         if plan:
             comp.plan, comp.error = _plan(job, existing)
         return comp
+
+
+def option_path(conf_dir: Path, overrides: list[str], groups: set[str]) -> str | None:
+    """The message for the first override that gives a config group a path (`experiment=../../x`):
+    Hydra joins group and option into a file name, so '/' leaves conf/<group>/ and composes any
+    YAML file on the disk, Hydra's own settings (hydra.run.dir: where the run writes) in it."""
+    for o in overrides:
+        key, eq, value = o.partition("=")
+        group = key.lstrip("+~").split("@", 1)[0]
+        if eq and group.split("/", 1)[0] in groups and ("/" in value or "\\" in value):
+            options = sorted(p.stem for p in (Path(conf_dir) / group).glob("*.yaml"))
+            return (f"{o}: an option of the config group {group} is the name of a file of conf/{group}/, "
+                    f"without '/'; choose one of {options}.")
+    return None
 
 
 def _dirs(job: DictConfig, cfg: DictConfig) -> tuple[str, str]:
