@@ -685,3 +685,40 @@ def test_a_launch_log_is_a_new_file_no_one_could_name_first(tmp_path):
     assert target.read_text() == "mine"
     assert launch.log.parent == logs and launch.log.read_text() == "hello\n"
     assert launch.log.name.startswith("launch_1_") and (launch.log.stat().st_mode & 0o777) == 0o600
+
+
+def _client(root: Path):
+    """The studio's app in this process (its routes and guard as served), for requests that need no run."""
+    from fastapi.testclient import TestClient
+
+    from rft.studio.app import make_app
+
+    token = "t" * 24
+    app = make_app(token, root, CONF, ROOT, hosts=frozenset({"testserver"}))
+    return TestClient(app, raise_server_exceptions=False, headers={"Authorization": f"Bearer {token}"})
+
+
+def test_a_damaged_metrics_log_leaves_out_its_rows_and_the_runs_table_still_answers(tmp_path):
+    # a text step or a text time in one run's metrics.jsonl was a 500 for the whole runs table (its
+    # sum and comparisons raised); times summing past a float's range were an infinity, not JSON
+    from test_studio import _fake_run
+
+    _fake_run(tmp_path, "rft/good", [{"step": 1, "eval/accuracy": 0.1}])
+    _fake_run(tmp_path, "rft/bad", [{"step": "x", "eval/accuracy": 0.9}, {"step": True},
+                                    {"step": 1, "eval/accuracy": "high", "timing/step_s": "slow"},
+                                    {"step": 2, "eval/accuracy": 0.5, "timing/step_s": 2.5}, {"step": 3, "timing/step_s": 1.5}])
+    _fake_run(tmp_path, "rft/huge", [{"step": 1, "timing/step_s": 1e308}, {"step": 2, "timing/step_s": 1e308}])
+    client = _client(tmp_path)
+    r = client.get("/api/runs")
+    assert r.status_code == 200, r.text
+    rows = {row["id"]: row for row in r.json()["runs"]}
+    # the rows with steps 1-3 are read; the text values are no values: the last eval 0.5, 2.5 + 1.5 s trained
+    assert [rows["rft/bad"][k] for k in ("steps", "last_eval", "train_s")] == [3, 0.5, 4.0]
+    assert rows["rft/huge"]["train_s"] is None  # 1e308 + 1e308 is inf: no time rather than a 500
+    curves = client.get("/api/curves", params={"run": "rft/bad", "metric": "eval/accuracy"}).json()
+    assert [(c["step"], c["y"]) for c in curves] == [([2], [0.5])]
+    dash = client.get("/api/dashboard", params=[("run", "rft/bad"), ("run", "rft/huge")])
+    assert dash.status_code == 200, dash.text
+    bad, huge = dash.json()["runs"]
+    assert (bad["step"], bad["time"], huge["time"]) == ([1, 2, 3], [0.0, 2.5, 4.0], [1e308, None])
+    assert client.get("/api/sweep", params={"sweep": "rft"}).status_code == 200

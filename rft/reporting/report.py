@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import math
 import re
 import statistics
 import sys
@@ -72,7 +73,8 @@ class Job:
     time_s: float | None = None
 
     def series(self, key: str) -> tuple[list[int], list[float]]:
-        points = [(m["step"], m[key]) for m in self.metrics if key in m]
+        # numbers only: a text or list under a metric's key (a damaged or foreign log) is no point
+        points = [(m["step"], m[key]) for m in self.metrics if is_number(m.get(key))]
         return [s for s, _ in points], [v for _, v in points]
 
     def last(self, key: str) -> float | None:
@@ -229,6 +231,17 @@ def job_stages(job_dir: Path, files: Files = FILES) -> list[str]:
     return sorted((s for s in logged if s not in order), key=lambda s: logged[s].stat().st_mtime) + order
 
 
+def is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def is_row(m) -> bool:
+    """A metrics row: a JSON object whose step is a whole number. Any other line (a text or null
+    step, from a damaged or foreign log) is left out as a cut-short line is: its step is added to
+    and compared with numbers (the studio's tables and curves, the report's statuses)."""
+    return isinstance(m, dict) and isinstance(m.get("step"), int) and not isinstance(m.get("step"), bool)
+
+
 def read_jsonl(path: Path) -> list[dict]:
     """metrics.jsonl, leaving out a line a killed job cut short."""
     out = []
@@ -237,7 +250,7 @@ def read_jsonl(path: Path) -> list[dict]:
             out.append(json.loads(line))
         except json.JSONDecodeError:
             continue
-    return [m for m in out if isinstance(m, dict) and "step" in m]
+    return [m for m in out if is_row(m)]
 
 
 def read_job(job_dir: Path, stage: str | None = None, name: str | None = None, files: Files = FILES) -> Job:
@@ -263,7 +276,8 @@ def read_job(job_dir: Path, stage: str | None = None, name: str | None = None, f
     # the stage's own time: a warm-up is another stage's (and, copied from the stage cache
     # (reused_from), another job's), so configurations compare by what they trained themselves
     if not (logged[job.stage].parent / "reused_from").exists():
-        job.time_s = sum(m.get(k, 0.0) for m in job.metrics for k in TIMING_KEYS) or None
+        total = sum(m[k] for m in job.metrics for k in TIMING_KEYS if is_number(m.get(k)))
+        job.time_s = total if total and math.isfinite(total) else None  # NaN or inf: not JSON, not a time
     steps = job.metrics[-1]["step"] if job.metrics else 0
     total = dict(plan).get(job.stage)
     if stage is None and plan and job.stage != order[-1]:

@@ -9,6 +9,7 @@ of them logged: rft.reporting.report.mean_curve, what the sweep report's plot dr
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 from rft.reporting import report
@@ -29,12 +30,14 @@ def _run(runs, rel: str) -> tuple[report.Job, dict]:
     job = None
     for s in wanted:
         job = report.read_job(run, s, rel, runs.full)
-        stages.append({"stage": job.stage, "step": step0, "time": clock, "experiences": seen})
+        stages.append({"stage": job.stage, "step": step0, "time": clock if math.isfinite(clock) else None,
+                       "experiences": seen})
         for m in job.metrics:
             clock += sum(_num(m.get(k)) or 0.0 for k in report.TIMING_KEYS)
             seen += _num(m.get("train/experiences")) or 0
             rows.append({**{k: v for k, v in m.items() if _num(v) is not None}, "step": m["step"] + step0,
-                         "_time": clock, "_exps": seen})
+                         "_time": clock if math.isfinite(clock) else None,  # times that overflow: not JSON
+                         "_exps": seen})
         step0 += job.metrics[-1]["step"] if job.metrics else 0
     merged = report.Job(num=rel, path=Path(run), overrides=job.overrides, config=job.config, metrics=rows)
     return merged, {"id": rel, "stages": stages}

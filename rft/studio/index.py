@@ -103,7 +103,7 @@ class CachedFiles(report.Files):
                 m = json.loads(line)
             except ValueError:
                 continue  # as report.read_jsonl: a line a killed run cut short
-            if isinstance(m, dict) and "step" in m:
+            if report.is_row(m):
                 log.rows.append(m if self.keys is None else {k: m[k] for k in self.keys if k in m})
         log.offset += end
         log.tail = data[max(0, end - 64):end] if end else log.tail
