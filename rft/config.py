@@ -653,6 +653,23 @@ class MonitorConfig:
 
 
 @dataclass
+class DeviceMappingConfig:
+    # which devices (0 .. node_num x gpu_per_node - 1, node by node; on CPU, slots of
+    # cpus_per_actor CPUs) each role's processes use, as ROLL's device_mapping: roles whose lists
+    # overlap share those devices (colocated), disjoint lists are separated. null: the counts and
+    # cluster.colocate place them (rft/plan/devices.py)
+    # a trainer rank on each (trainer=torch: one device)
+    trainer: Optional[List[int]] = None
+    # tensor_parallel_size consecutive devices on one node per engine, engine by engine
+    explorer: Optional[List[int]] = None
+    # the reference model and the critic live in the trainer's ranks: the trainer's devices or null
+    reference: Optional[List[int]] = None
+    critic: Optional[List[int]] = None
+    # one device per reward-model worker, in the order the dry run lists them
+    reward_model: Optional[List[int]] = None
+
+
+@dataclass
 class ClusterConfig:
     # ray: explorer and trainer are Ray actors; inline: the same objects in this process
     backend: Backend = Backend.ray
@@ -675,6 +692,8 @@ class ClusterConfig:
     # explorers and trainer share devices (true) or get their own (false); on GPU, the trainer
     # gets the node_num x gpu_per_node GPUs the explorers' engines do not take
     colocate: bool = False
+    # each role's devices by index (ROLL's device_mapping), in place of the counts' placement
+    device_mapping: DeviceMappingConfig = field(default_factory=DeviceMappingConfig)
     # times Ray restarts a dead explorer actor (its weights are re-synced, its step re-run)
     max_actor_restarts: int = 3
 
@@ -782,6 +801,25 @@ def fixed_policy(cfg) -> bool:
     weights: a reward model learning from the groups they sample (algorithm.rm_pairs=groups, which
     the plan allows only with algorithm=rm and mode=both)."""
     return cfg.mode == "both" and str(cfg.algorithm.get("rm_pairs", "dataset")) == "groups"
+
+
+DEVICE_ROLES = ("trainer", "explorer", "reference", "critic", "reward_model")
+
+
+def device_mapping(cfg) -> dict[str, list[int]] | None:
+    """The roles' device lists of cluster.device_mapping, or None where it names none."""
+    m = cfg.cluster.get("device_mapping") or {}
+    got = {role: list(m[role]) for role in DEVICE_ROLES if m.get(role) is not None}
+    return got or None
+
+
+def colocated(cfg) -> bool:
+    """The engines share devices with the trainer: cluster.colocate, or device_mapping lists of the
+    trainer and the explorers that overlap (then the engines may sleep while it trains)."""
+    m = device_mapping(cfg)
+    if m is None:
+        return bool(cfg.cluster.colocate)
+    return bool(set(m.get("trainer", ())) & set(m.get("explorer", ())))
 
 
 def fingerprint(node) -> str:

@@ -220,12 +220,14 @@ def test_one_24gb_gpu_the_plan_cannot_fit_and_names_what_to_change(one_24gb_gpu,
     # on its one GPU, trainer and engine colocated: the float32 weights, gradients and Adam of one
     # rank alone are 7,615,487,488 x 16 bytes = 113.5 GiB > 24: certain, so a run stops before it
     # loads the model (in bfloat16: x 8 bytes = 56.7 GiB, as certain)
-    stage, plan = plan_of(["model=qwen7b", "cluster.gpu_per_node=1", "cluster.colocate=true",
+    # (sync=memory: NCCL's collective takes one process per GPU, rft.plan.devices.check_nccl)
+    stage, plan = plan_of(["model=qwen7b", "cluster.gpu_per_node=1", "cluster.colocate=true", "sync=memory",
                            "explorer.rollout_model.engine_num=1", "trainer.ranks=1"])
     with pytest.raises(ConfigError, match=r"the plan cannot fit: the trainer needs ~126.1 GiB of its GPU's 24.0. "
                                           r"Change more ranks"):
         M.check_memory([stage], [plan])
-    stage, plan = plan_of(["model=qwen7b", "cluster.gpu_per_node=1", "cluster.colocate=true", "trainer.fp32_master_weights=false",
+    stage, plan = plan_of(["model=qwen7b", "cluster.gpu_per_node=1", "cluster.colocate=true", "sync=memory",
+                           "trainer.fp32_master_weights=false",
                            "explorer.rollout_model.engine_num=1", "trainer.ranks=1"])
     with pytest.raises(ConfigError, match=r"the plan cannot fit: the trainer needs ~6\d.\d GiB of its GPU's 24.0. "
                                           r"Change more ranks"):
@@ -421,7 +423,8 @@ def test_a_hub_id_that_cannot_be_downloaded_stops_the_run_with_the_reason(monkey
 
 
 def test_colocated_with_sleep_mode_the_waking_engine_must_fit_beside_what_the_trainer_keeps(one_24gb_gpu):
-    common = ["model=qwen2.5-0.5b", "cluster.gpu_per_node=1", "cluster.colocate=true", "explorer.rollout_model.engine_num=1",
+    common = ["model=qwen2.5-0.5b", "cluster.gpu_per_node=1", "cluster.colocate=true", "sync=memory",
+              "explorer.rollout_model.engine_num=1",
               "explorer.rollout_model.enable_sleep_mode=true", "trainer.logprob_chunk_size=2048"]
     stage, plan = plan_of(common)
     # the trainer keeps, between steps: weights 494,032,768 x 2 bytes (0.9 GiB) + Adam x 4 bytes

@@ -74,7 +74,7 @@ def _open_free_dicts(node) -> None:
             OmegaConf.set_struct(node, False)
         for key in node:
             _open_free_dicts(node._get_node(key))
-    elif isinstance(node, ListConfig):
+    elif isinstance(node, ListConfig) and not node._is_none():  # an Optional list left null
         for item in node:
             _open_free_dicts(item)
 
@@ -735,11 +735,11 @@ def _check_runtime(cfg) -> None:
     if ex.max_timeout <= 0:
         raise ConfigError(f"explorer.max_timeout={ex.max_timeout} must be > 0 (seconds).")
     rm = ex.rollout_model
-    if rm.enable_sleep_mode and (sc.sync_offset > 0 or not cfg.cluster.colocate):
+    if rm.enable_sleep_mode and (sc.sync_offset > 0 or not C.colocated(cfg)):
         raise ConfigError(
             f"explorer.rollout_model.enable_sleep_mode=true frees the GPU for a trainer on the same "
-            f"GPUs while it trains, so it needs cluster.colocate=true and synchronizer.sync_offset=0 "
-            f"(here colocate={cfg.cluster.colocate}, sync_offset={sc.sync_offset})."
+            f"GPUs while it trains, so it needs cluster.colocate=true (or device_mapping lists that share "
+            f"devices) and synchronizer.sync_offset=0 (here colocate={C.colocated(cfg)}, sync_offset={sc.sync_offset})."
         )
     engine = ENGINES.info(rm.engine_type)
     if not engine.collective_tensor_parallel and sc.sync_method == "collective" and rm.tensor_parallel_size > 1:

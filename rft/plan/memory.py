@@ -68,7 +68,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from rft.config import DTYPES
+from rft.config import DTYPES, colocated, device_mapping
 from rft.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -448,15 +448,17 @@ def estimate(cfg, plan) -> Estimate:
         problems.insert(0, (f"this machine has {here} GPU{'s' * (here > 1)} and the plan asks for {dev.gpus} "
                             f"(cluster.gpu_per_node)", f"cluster.gpu_per_node={here} and the engines and trainer "
                             f"ranks to fit it, or run on a machine with {dev.gpus}", False))
-    if dev.gpus and c.colocate and len(roles) == 2 and not cfg.explorer.rollout_model.enable_sleep_mode:
+    if dev.gpus and colocated(cfg) and len(roles) == 2 and not cfg.explorer.rollout_model.enable_sleep_mode:
         both = roles[0].total + roles[1].total
         if both > dev.memory:
             problems.append((f"colocated, the trainer (~{gib(roles[0].total)} GiB) and the engine "
                              f"(~{gib(roles[1].total)}) share a GPU of {gib(dev.memory)} GiB",
                              "explorer.rollout_model.enable_sleep_mode=true (the engine releases the GPU while "
-                             "the trainer trains), a lower gpu_memory_utilization, or cluster.colocate=false", False))
+                             "the trainer trains), a lower gpu_memory_utilization, or "
+                             + ("cluster.colocate=false" if device_mapping(cfg) is None else
+                                "cluster.device_mapping lists of trainer and explorer that do not overlap"), False))
     problems += _tensor_parallel_problem(cfg, s)
-    if dev.gpus and c.colocate and len(roles) == 2 and cfg.explorer.rollout_model.enable_sleep_mode:
+    if dev.gpus and colocated(cfg) and len(roles) == 2 and cfg.explorer.rollout_model.enable_sleep_mode:
         problems += _wake_problem(cfg, roles, dev)
     if not dev.gpus:
         both = sum(r.count * r.total for r in roles)
@@ -537,6 +539,8 @@ def _placement(cfg) -> str:
     from rft.plan.placement import explorer_count, trainer_ranks
 
     rm, tr, c = cfg.explorer.rollout_model, cfg.trainer, cfg.cluster
+    if device_mapping(cfg) is not None:
+        return _mapped_placement(cfg)
     each = f"{rm.tensor_parallel_size} GPU{'s' * (rm.tensor_parallel_size > 1)} each" if c.gpu_per_node else \
         f"{c.cpus_per_actor} CPU each"
     out = []
@@ -548,6 +552,37 @@ def _placement(cfg) -> str:
         out.append(f"trainer {tr.trainer_strategy}, {n} rank{'s' * (n > 1)}" + (" on a GPU each" if c.gpu_per_node else ""))
     out.append(f"weights by sync={cfg.synchronizer.sync_method}" if cfg.mode == "both" else "")
     return "; ".join(o for o in out if o) + ("; colocated (cluster.colocate)" if c.colocate else "")
+
+
+def _mapped_placement(cfg) -> str:
+    """The dry run's placement row for cluster.device_mapping: each role's devices."""
+    from rft.plan.placement import explorer_count, reward_models, trainer_ranks
+
+    m, rm, tr = device_mapping(cfg), cfg.explorer.rollout_model, cfg.trainer
+    out = []
+    if explorer_count(cfg):
+        n = explorer_count(cfg)
+        out.append(f"{n} {rm.engine_type} engine{'s' * (n > 1)} on devices {_spans(m['explorer'])} "
+                   f"({rm.tensor_parallel_size} each)")
+    if cfg.mode in ("both", "train"):
+        n = trainer_ranks(cfg)
+        out.append(f"trainer {tr.trainer_strategy}, {n} rank{'s' * (n > 1)} on devices {_spans(m['trainer'])}")
+    if reward_models(cfg):
+        out.append(f"reward models on devices {_spans(m['reward_model'])}")
+    out.append(f"weights by sync={cfg.synchronizer.sync_method}" if cfg.mode == "both" else "")
+    shared = "colocated" if colocated(cfg) else "separated"
+    return "; ".join(o for o in out if o) + f"; {shared} (cluster.device_mapping)"
+
+
+def _spans(devices: list[int]) -> str:
+    """[0, 1, 2, 3, 6] -> "0-3, 6"."""
+    runs = []
+    for d in devices:
+        if runs and d == runs[-1][1] + 1:
+            runs[-1][1] = d
+        else:
+            runs.append([d, d])
+    return ", ".join(f"{a}-{b}" if b > a else f"{a}" for a, b in runs)
 
 
 def check_gpus_here(cfg) -> None:

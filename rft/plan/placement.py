@@ -12,6 +12,7 @@
                    default 1; GPU: one GPU, taken before the trainer's), or with args.colocate=true a
                    share of bundle 0 (the trainer's, or the first explorer's), which its actors split
                    evenly; with cluster.colocate=true, one more actor sharing the one bundle
+    device_mapping = each role's devices by index in place of all the above (rft/plan/devices.py)
 
 `check_placement(cfg)` runs with the batch plan, before Ray starts: a device mapping that cannot
 fit is a ConfigError naming the keys (the case the seeds know as a `node2pg` KeyError).
@@ -24,6 +25,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from rft.errors import ConfigError
+from rft.config import colocated, device_mapping as mapping
+from rft.plan.devices import bundles_and_slots, check_mapping, check_nccl
 
 
 @dataclass(frozen=True)
@@ -37,6 +40,11 @@ class Placement:
     slots: tuple = ()
     # the reward-model workers (RewardModelPlace), in the order of their slots
     reward_models: tuple = ()
+    # cluster.device_mapping: per slot, its devices on its node ("0,1"), which the actor is shown
+    # in place of GPUs Ray assigns (rft.plan.devices); empty without a mapping
+    devices: tuple = ()
+    # Ray's placement strategy: a mapping's bundles are whole nodes, each on a node of its own
+    strategy: str = "PACK"
 
 
 @dataclass(frozen=True)
@@ -91,10 +99,15 @@ def reward_models(cfg) -> list[RewardModelPlace]:
 def trainer_ranks(cfg) -> int:
     """Processes of the trainer: 1 for trainer=torch; trainer.ranks (or its default) for a backend of
     ranks (fsdp2)."""
+    from rft.plan.devices import mapped_trainer_ranks
     from rft.registry import TRAINER_BACKENDS
 
     tr, c = cfg.trainer, cfg.cluster
-    if not TRAINER_BACKENDS.info(tr.trainer_strategy).ranks:
+    ranks = TRAINER_BACKENDS.info(tr.trainer_strategy).ranks
+    mapped = mapped_trainer_ranks(cfg, ranks)
+    if mapped is not None:
+        return mapped
+    if not ranks:
         return 1
     if tr.ranks is not None:
         if tr.ranks < 1:
@@ -121,7 +134,7 @@ def sync_offset(cfg) -> int:
         return sc.sync_offset
     if sc.get("sync_style") == "dynamic_by_explorer":  # explorers that never wait for the trainer
         return 1
-    return int(c.backend == "ray" and cfg.mode == "both" and not c.colocate)
+    return int(c.backend == "ray" and cfg.mode == "both" and not colocated(cfg))
 
 
 def torch_threads(cfg) -> int:
@@ -135,7 +148,7 @@ def torch_threads(cfg) -> int:
         if c.threads_per_actor < 1:
             raise ConfigError(f"cluster.threads_per_actor={c.threads_per_actor} must be >= 1 (or null).")
         return c.threads_per_actor
-    if c.backend != "ray" or c.gpu_per_node or c.colocate or cfg.mode != "both" or sync_offset(cfg):
+    if c.backend != "ray" or c.gpu_per_node or colocated(cfg) or cfg.mode != "both" or sync_offset(cfg):
         return c.cpus_per_actor
     e, r = explorer_count(cfg), trainer_ranks(cfg)
     return max(c.cpus_per_actor * (e + r) // max(e, r), c.cpus_per_actor)
@@ -155,6 +168,9 @@ def check_placement(cfg) -> Placement:
         )
     actors = trainer + engines
     rms = reward_models(cfg)
+    check_nccl(cfg)
+    if mapping(cfg) is not None:
+        return _mapped(cfg, trainer, engines, rms)
     if c.gpu_per_node == 0:  # CPU only: every actor reserves its CPUs
         if c.colocate:
             return _colocated(c, actors, rms, explorer_gpus=0, trainer_gpus=0)
@@ -176,6 +192,16 @@ def check_placement(cfg) -> Placement:
     _check_own_gpus(trainer, engines, tp, total, rms)
     bundles = [{"GPU": 1, "CPU": c.cpus_per_actor}] * trainer + [{"GPU": tp, "CPU": c.cpus_per_actor}] * engines
     return _with_reward_models(Placement(tp, trainer, bundles, share=1.0), rms, {"GPU": 1})
+
+
+def _mapped(cfg, trainer: int, engines: int, rms: list) -> Placement:
+    """cluster.device_mapping: whole nodes as bundles, each actor on its devices (rft.plan.devices)."""
+    actors = check_mapping(cfg, trainer, engines, rms)
+    bundles, slots, devices = bundles_and_slots(cfg, actors)
+    tp, gpn = cfg.explorer.rollout_model.tensor_parallel_size, cfg.cluster.gpu_per_node
+    return Placement(tp if gpn else 0, trainer if gpn else 0, bundles, share=1.0, slots=tuple(slots),
+                     reward_models=tuple(rms), devices=tuple(devices),
+                     strategy="STRICT_SPREAD" if len(bundles) > 1 else "PACK")
 
 
 def _check_counts(cfg) -> None:

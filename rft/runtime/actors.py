@@ -113,12 +113,26 @@ class InlineActor:
 class _Host:
     """The Ray-side shell: builds the object after setting up its log file, forwards calls."""
 
-    def __init__(self, cls, log_dir, name, level, threads, args):
+    def __init__(self, cls, log_dir, name, level, threads, args, devices=None):
         setup_actor_logging(log_dir, name, level)  # for the life of the process
+        if devices is not None:
+            _pin(devices, name)
         self.obj = _build(cls, threads, args)
 
     def run(self, method, *args):
         return getattr(self.obj, method)(*args)
+
+
+def _pin(devices: str, name: str) -> None:
+    """cluster.device_mapping: show this process only its devices, before anything touches CUDA
+    (Ray sets CUDA_VISIBLE_DEVICES only for actors that ask it for GPUs, and these ask none)."""
+    from rft.plan.devices import visible_devices
+
+    parent = os.environ.get("CUDA_VISIBLE_DEVICES")
+    os.environ["CUDA_VISIBLE_DEVICES"] = visible_devices(devices, parent, name)
+    os.environ["RFT_DEVICES"] = devices  # an engine of several devices starts its workers in-process
+    logging.getLogger("rft").info("devices %s of its node (cluster.device_mapping): CUDA_VISIBLE_DEVICES=%s",
+                                  devices, os.environ["CUDA_VISIBLE_DEVICES"])
 
 
 @functools.cache  # one class; Ray imported when a Ray actor is first made
@@ -158,7 +172,7 @@ class RayActor:
     """
 
     def __init__(self, cls, *args, name: str, log_dir: str, level: str, threads: int = 1,
-                 concurrent_loads: bool = False, **resources):
+                 concurrent_loads: bool = False, devices: str | None = None, **resources):
         import ray
 
         self._ray = ray
@@ -169,7 +183,7 @@ class RayActor:
             host = _weights_host()
         else:
             host = ray.remote(max_concurrency=1)(_Host)
-        self.actor = host.options(name=name, **resources).remote(cls, log_dir, name, level, threads, args)
+        self.actor = host.options(name=name, **resources).remote(cls, log_dir, name, level, threads, args, devices)
 
     def submit(self, method: str, *args):
         if self.concurrent_loads and method in WEIGHT_LOADS:
@@ -304,18 +318,20 @@ def placement_for(cfg, timeout_s: float = 60.0):
                 f"cluster has {have.get(k, 0):g}. Lower those, or start Ray with more "
                 f"(cluster.num_cpus for a local instance)."
             )
-    pg = placement_group(p.bundles, strategy="PACK")
+    pg = placement_group(p.bundles, strategy=p.strategy)
     ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
     if not ready:
         ray.util.remove_placement_group(pg)
         raise ConfigError(f"Ray could not place the bundles {p.bundles} within {timeout_s:g} s.")
     opts = []
-    for index, share in p.slots:  # trainer ranks, explorers, then reward models (rft.plan.placement)
+    for i, (index, share) in enumerate(p.slots):  # trainer ranks, explorers, then reward models
         b = p.bundles[index]
         opts.append(dict(
             num_cpus=b["CPU"] * share,
-            num_gpus=b.get("GPU", 0) * share,
+            # a mapped actor asks no GPU: it is shown its devices itself (_pin), as Ray cannot choose them
+            num_gpus=0 if p.devices else b.get("GPU", 0) * share,
             scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index),
+            **({"devices": p.devices[i]} if p.devices else {}),
         ))
     return pg, opts
 

@@ -27,6 +27,7 @@ import torch
 from transformers import get_scheduler
 
 from rft.algorithms import ADVANTAGE_FNS, KL_FNS, POLICY_LOSS_FNS, rollout_is, with_args
+from rft.config import colocated
 from rft.data.experience import WHERE, Experience, batch_record, collate
 from rft.errors import ConfigError
 from rft.models import (
@@ -335,7 +336,7 @@ class Trainer(StepMixin, MetricsMixin, WeightsMixin, CheckpointMixin):
         metrics = {**self._metrics(step, time.perf_counter() - t0), **self.sync_timing()}
         if online:
             metrics["rm/online_accuracy"] = metrics["rm/accuracy"] if before is None else before
-        if self.device.type == "cuda" and self.cfg.cluster.colocate:
+        if self.device.type == "cuda" and colocated(self.cfg):
             # the engine on this GPU wakes next: the allocator's cached blocks (this step's
             # activations) go back to the driver, else vLLM could not take its share again
             torch.cuda.empty_cache()

@@ -74,6 +74,10 @@ class VLLMEngine:
                 dtype=canonical_dtype(rollout_cfg.dtype or model_cfg.dtype),  # vLLM takes "bfloat16", not "bf16"
                 max_model_len=max_len,
                 tensor_parallel_size=rollout_cfg.tensor_parallel_size,
+                # on devices of cluster.device_mapping, its workers are this process's children on the
+                # GPUs it was shown, not Ray actors asking the placement group for GPUs of their own
+                **({"distributed_executor_backend": "mp"}
+                   if os.environ.get("RFT_DEVICES") and rollout_cfg.tensor_parallel_size > 1 else {}),
                 gpu_memory_utilization=rollout_cfg.gpu_memory_utilization,
                 enable_prefix_caching=rollout_cfg.enable_prefix_caching,
                 enforce_eager=rollout_cfg.enforce_eager,
