@@ -722,3 +722,42 @@ def test_a_damaged_metrics_log_leaves_out_its_rows_and_the_runs_table_still_answ
     bad, huge = dash.json()["runs"]
     assert (bad["step"], bad["time"], huge["time"]) == ([1, 2, 3], [0.0, 2.5, 4.0], [1e308, None])
     assert client.get("/api/sweep", params={"sweep": "rft"}).status_code == 200
+
+
+def test_rollouts_of_the_wrong_shape_are_a_400_naming_the_row_and_a_nan_reward_is_shown(tmp_path):
+    # each of these was a 500 (a TypeError or AttributeError in the rows or the groups view), and a
+    # NaN reward (a reward model's overflow, stored as NaN) one for the whole page: JSON has no NaN
+    from test_studio import _fake_run
+
+    run = _fake_run(tmp_path, "rft/r", [{"step": 1}])
+    evals = run / "grpo" / "eval_trajectories" / "step_1"
+    evals.mkdir(parents=True)
+    client = _client(tmp_path)
+
+    def answers(source: str) -> list:
+        return [client.get(path, params={"run": "rft/r", "source": source})
+                for path in ("/api/rollouts", "/api/rollouts/groups")]
+
+    damaged = "the file is damaged or was not written by rft."
+    for row, said in [({"group_id": {}}, "group_id is an object ({}), not a string"),
+                      ({"messages": 5}, "messages is a whole number (5), not a list"),
+                      ({"task_id": [1]}, "task_id is a list ([1]), not a string"),
+                      ({"reward": "high"}, 'reward is a string ("high"), not a number')]:
+        (evals / "set.jsonl").write_text('{"messages": []}\n' + json.dumps(row) + "\n")
+        for r in answers("grpo/eval_trajectories/step_1/set.jsonl"):
+            assert r.status_code == 400 and r.json()["detail"] == (
+                f"grpo/eval_trajectories/step_1/set.jsonl, line 2: {said}; {damaged}"), (row, r.text)
+    stored = {"tokens": [1, 2], "prompt_length": 1, "logprobs": [0.0]}
+    for row, said in [({**stored, "tokens": 5}, ", experience 0: tokens is a whole number (5), not a list"),
+                      ({**stored, "info": [1]}, ", experience 0: info is a list ([1]), not an object"),
+                      ({**stored, "loss_mask": ["1"]}, ', experience 0: an entry of loss_mask is a string ("1"), not a whole number'),
+                      ({"tokens": [1]}, ": a stored experience does not read (TypeError: Experience.__init__() missing 2 "
+                                        "required positional arguments: 'prompt_length' and 'logprobs')")]:
+        (run / "grpo" / "experiences.jsonl").write_text(json.dumps(row) + "\n")
+        for r in answers("grpo/experiences.jsonl"):
+            assert r.status_code == 400 and r.json()["detail"] == f"grpo/experiences.jsonl{said}; {damaged}", (row, r.text)
+    (evals / "set.jsonl").write_text("".join(json.dumps({"task_id": "t/0", "group_id": "g", "reward": r, "messages": []}) + "\n"
+                                             for r in (float("nan"), 1.0)))
+    rows, groups = answers("grpo/eval_trajectories/step_1/set.jsonl")
+    assert [x["reward"] for x in rows.json()["rows"]] == ["nan", 1.0]
+    assert groups.json()["groups"][0]["mean"] == "nan"  # (nan + 1) / 2, shown as the text nan

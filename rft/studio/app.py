@@ -11,6 +11,7 @@ bodies.py's. The pages are shells without data: each fills itself from /api/page
 
 import contextlib
 import functools
+import math
 import threading
 from pathlib import Path
 
@@ -51,6 +52,32 @@ def _number(name: str, text: str, kind: type):
     except ValueError:
         raise ValueError(f"{name}: {text!r} is not {'a number' if kind is float else 'a whole number'}; "
                          f"leave it empty for no filter.") from None
+
+
+def _finite(value):
+    """value with each NaN or infinity as its text ("nan", "inf", "-inf"): JSON has no such number."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
+def _json_class():
+    """The app's JSON answers: a NaN or infinity (a reward a run stored as NaN) is sent as its text,
+    where Starlette's JSON raised (a 500 for the whole rollouts page); walked only when one is there."""
+    from fastapi.responses import JSONResponse
+
+    class FiniteJSON(JSONResponse):
+        def render(self, content) -> bytes:
+            try:
+                return super().render(content)
+            except ValueError:
+                return super().render(_finite(content))
+
+    return FiniteJSON
 
 
 class Refused(Exception):
@@ -153,7 +180,8 @@ def make_app(token: str, root: Path, conf_dir: Path, repo: Path, launch_env: dic
         yield
         launches.stop_all()  # the studio stops: so do the runs it started
 
-    app = FastAPI(title="rft studio", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
+    app = FastAPI(title="rft studio", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan,
+                  default_response_class=_json_class())
     app.state.launches = launches
     defaults = C.default_choices(conf_dir)
     # the guard is the app's middleware, so it stands before every route the groups below add

@@ -13,11 +13,12 @@ stage's saved config (`<stage>/config.yaml`).
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import os
 from pathlib import Path
 
-from rft.studio.rollouts import MAX_ROWS, _eval_rows, _experience_row
+from rft.studio.rollouts import _eval_rows, _experience_row, experiences
 
 SORTS = {"": "stored order", "spread": "reward spread, widest first", "mean_desc": "mean reward, highest first",
          "mean_asc": "mean reward, lowest first"}
@@ -32,20 +33,20 @@ def explore_step(group_id: str) -> int | None:
 def _records(run: Path, source: str) -> tuple[list[dict], int]:
     """(every stored rollout of the source, as the rows view shows one, with its "group_id" and
     explore "step"; how many the source holds). An eval file's rows are of its step's eval."""
-    from rft.data.buffer import count_experiences, read_experiences
+    from rft.data.buffer import count_experiences
     from rft.studio.runs import inside
 
     path = inside(run, source)
     if "eval_trajectories" in Path(source).parts:
         rows, total = _eval_rows(path, source, None)
-        with open(path, "rb") as f:  # _eval_rows keeps no group ids: the same lines again
-            ids = [json.loads(line).get("group_id", "") for line in f if line.strip()][:len(rows)]
+        with open(path, "rb") as f:  # _eval_rows keeps no group ids: the same lines again (checked there)
+            ids = [json.loads(line).get("group_id") or "" for line in itertools.islice((x for x in f if x.strip()), len(rows))]
         at = path.parent.name[5:]
         for r, g in zip(rows, ids):
             r["group_id"], r["step"] = g or f"{r['i']}", int(at) if at.isdigit() else None
         return rows, total
     rows = []
-    for i, e in enumerate(read_experiences(str(path), MAX_ROWS)):
+    for i, e in enumerate(experiences(path, source)):
         r = _experience_row(i, e)
         r["group_id"], r["step"], r["version"] = e.group_id, explore_step(e.group_id), e.policy_version
         rows.append(r)

@@ -13,12 +13,52 @@ import json
 from pathlib import Path
 
 from rft.data.buffer import SQL_SUFFIXES, count_experiences, read_experiences
+from rft.errors import ConfigError
 
 # at most this many rows are read for one view (filters apply within them)
 MAX_ROWS = 5000
 # the rows view's orders (the page's menu): "" is the order stored
 SORTS = {"": "stored order", "reward_desc": "reward, highest first", "reward_asc": "reward, lowest first",
          "length_desc": "length, longest first"}
+
+
+# the fields of a stored experience the page reads, and their types; a row of another shape (a
+# damaged file, or one rft did not write) is a 400 naming it: its text, list or object was a 500
+FIELDS = {"tokens": list, "prompt_length": int, "group_id": str, "task_id": str, "policy_version": int,
+          "info": dict, "loss_mask": list, "reward_parts": dict}
+# an eval trajectory's fields and their types (null: absent); a message's content may be anything (shown as JSON)
+EVAL_FIELDS = {"messages": list, "reward": (int, float), "task_id": str, "group_id": str, "reward_parts": dict}
+JSON_NAMES = {int: "a whole number", float: "a number", str: "a string", list: "a list", dict: "an object", bool: "a boolean",
+              type(None): "null"}
+
+
+def _not_of_rft(where: str, field: str, value, kind) -> ValueError:
+    kind = float if kind == (int, float) else kind
+    return ValueError(f"{where}: {field} is {JSON_NAMES.get(type(value), 'a ' + type(value).__name__)} "
+                      f"({json.dumps(value, default=str)[:80]}), not {JSON_NAMES[kind]}; the file is damaged or was not "
+                      f"written by rft.")
+
+
+def experiences(path: Path, source: str) -> list:
+    """The source's first MAX_ROWS stored experiences; a ValueError naming the first that does not
+    read or whose fields are not of the types rft stores."""
+    try:
+        exps = read_experiences(str(path), MAX_ROWS)
+    except ConfigError:
+        raise
+    except (TypeError, ValueError, AttributeError, KeyError) as e:
+        raise ValueError(f"{source}: a stored experience does not read ({type(e).__name__}: {e}); the file is "
+                         f"damaged or was not written by rft.") from None
+    for n, e in enumerate(exps):
+        for field, kind in FIELDS.items():
+            value = getattr(e, field)
+            if not isinstance(value, kind) or isinstance(value, bool):
+                raise _not_of_rft(f"{source}, experience {n}", field, value, kind)
+        for field in ("tokens", "loss_mask"):
+            bad = [x for x in getattr(e, field) if type(x) is not int][:1]
+            if bad:
+                raise _not_of_rft(f"{source}, experience {n}", f"an entry of {field}", bad[0], int)
+    return exps
 
 
 def _reward(x) -> float:
@@ -137,6 +177,9 @@ def _eval_rows(path: Path, source: str, step: int | None) -> tuple[list[dict], i
             if not isinstance(d, dict):
                 raise ValueError(f"{source}, line {i + 1}: a JSON {type(d).__name__}, not an object; each line is one "
                                  f"conversation, a JSON object.")
+            for field, kind in EVAL_FIELDS.items():
+                if d.get(field) is not None and (not isinstance(d[field], kind) or isinstance(d[field], bool)):
+                    raise _not_of_rft(f"{source}, line {i + 1}", field, d[field], kind)
             rows.append(_eval_row(i, step, d))
     return rows, total
 
@@ -161,7 +204,7 @@ def read(run: Path, source: str, min_reward: float | None = None, max_reward: fl
         text = {id(r): (r["task_id"], r["prompt"], r["response"], r["length"] or 0) for r in rows}
         tok = None
     else:
-        items = [(e.reward, e.policy_version, (i, e)) for i, e in enumerate(read_experiences(str(path), MAX_ROWS))]
+        items = [(e.reward, e.policy_version, (i, e)) for i, e in enumerate(experiences(path, source))]
         text = {id(x): (x[1].task_id, str(x[1].info.get("prompt", "")), str(x[1].info.get("response", "")),
                         x[1].response_length) for _, _, x in items}
         total = count_experiences(str(path))
