@@ -397,12 +397,11 @@ def _run_locked(cfg: DictConfig, stages: list, plans: list, stage_dirs: list[Pat
                               f"its final step only).")
     started_ray = stages[0].cluster.backend == "ray" and _start_ray(stages[0], run_dir)
     try:
-        init_path, start, before = None, rundir.start_identity(stages[0].model), None
+        init_path, before = None, None
         reward_models: dict[str, str] = {}  # a reward-model stage's title -> its final model
-        for i, (s, plan, stage_dir) in enumerate(zip(stages, plans, stage_dirs)):
+        for i, (s, plan, stage_dir, key) in enumerate(zip(stages, plans, stage_dirs, cache_keys(stages, plans))):
             title = s.stage_name or s.algorithm.algorithm_type
             owner = rundir.owner(s, title, before)  # whose checkpoints the stage writes and resumes
-            key = rundir.cache_key(s, start)
             # a stage another one starts from (a warm-up), not the run's own last stage: a re-run
             # of a whole config (a benchmark, a check of reproducibility) trains, not copies
             shared = i < len(stages) - 1 and rundir.cacheable(s)
@@ -411,7 +410,7 @@ def _run_locked(cfg: DictConfig, stages: list, plans: list, stage_dirs: list[Pat
             if plan.needs.reward_head:  # a reward model (algorithm=rm): the next stage starts from
                 reward_models[title] = str(final)  # the policy before it and may read it as stage:<title>
                 continue
-            before, start = title, f"stage:{key}"  # the next stage starts where this one ends
+            before = title  # the next stage starts where this one ends
             init_path = str(final) if final is not None else init_path
     finally:
         if started_ray:
@@ -426,6 +425,21 @@ def _run_locked(cfg: DictConfig, stages: list, plans: list, stage_dirs: list[Pat
               file=sys.stderr)
         return None
     return values[-1]
+
+
+def cache_keys(stages: list, plans: list) -> list[str]:
+    """Each stage's key in the stage cache (rundir.cache_key): a stage starts from the key of the
+    policy stage before it (the first from the model's files), and one scored by an earlier
+    reward-model stage (stage:<title>) holds that stage's key: trained on another reward model, it
+    is another stage, though its config says the same."""
+    start, keys, reward_models = rundir.start_identity(stages[0].model), [], {}
+    for s, plan in zip(stages, plans):
+        keys.append(rundir.cache_key(s, start, {t: reward_models[t] for _, t in stage_models.references(s)}))
+        if plan.needs.reward_head:  # a reward model is no policy: the next stage starts before it
+            reward_models[s.stage_name or s.algorithm.algorithm_type] = keys[-1]
+        else:
+            start = f"stage:{keys[-1]}"
+    return keys
 
 
 def _run_or_reuse(cfg, plan, stage_dir: Path, init_path, owner, entry: Path | None, changes: list | None,

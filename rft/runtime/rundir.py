@@ -20,7 +20,8 @@ three ways on.
 The stage cache (`stage_cache_dir`): a finished stage that a later stage starts from (a warm-up;
 not a run's last stage, which a re-run of the same config means to train) is published with its
 final checkpoint and logs under `<stage_cache_dir>/<key>/`; a stage with the same key (the same
-config except `WHERE_AND_HOW`, the same starting model and the same data files) is copied from
+config except `WHERE_AND_HOW`, the same starting model and the same data files, and the same other
+models: a teacher, reward models, an earlier stage's reward model by its key) is copied from
 there instead of trained again: a sweep over the RL stage's learning rate runs its shared SFT
 warm-up once per seed. Files are hard-linked where the filesystem allows. A lock per key makes concurrent jobs (a
 sweep on Slurm, on a filesystem with working file locks) wait for the one that trains the stage.
@@ -132,11 +133,24 @@ def cacheable(cfg) -> bool:
     return cfg.mode == "both" or (cfg.mode == "train" and eb.storage_type == "file")
 
 
-def cache_key(cfg, start: str) -> str:
+def model_paths(cfg) -> list:
+    """The models a stage reads beside the one it starts from, given by directory or hub id: its
+    distillation teacher (when it distils) and its reward models (stage:<title> ones are keyed by
+    that stage's key: cache_key's `reads`)."""
+    from rft.runtime import stage_models
+
+    teacher = [cfg.algorithm.teacher_model_path] if cfg.algorithm.get("distill_coef") else []
+    return [p for p in teacher + stage_models.fixed_paths(cfg) if p]
+
+
+def cache_key(cfg, start: str, reads: dict[str, str] | None = None) -> str:
     """The stage's key: its identity, its starting point (the model's files, or the previous
-    stage's key) and the identity of every data file it reads."""
-    return fingerprint({"stage": identity(cfg), "start": start,
-                        "data": [path_identity(p) for p in data_paths(cfg)]})
+    stage's key), the identity of every data file it reads, and of every other model it reads (a
+    teacher's or reward model's files; `reads`: the keys of the earlier stages whose reward models
+    it reads as stage:<title>). Each only when there is one: the key of a stage without stays as it was."""
+    models = [path_identity(p) for p in model_paths(cfg)]
+    return fingerprint({"stage": identity(cfg), "start": start, "data": [path_identity(p) for p in data_paths(cfg)],
+                        **({"models": models} if models else {}), **({"reads": reads} if reads else {})})
 
 
 def start_identity(model_cfg) -> str:

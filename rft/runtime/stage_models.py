@@ -41,6 +41,12 @@ def references(cfg: DictConfig) -> list[tuple[str, str]]:
             for where, part in _parts(cfg) if str(part.args.get("model_path")).startswith(PREFIX)]
 
 
+def fixed_paths(cfg: DictConfig) -> list[str]:
+    """model_path of each reward part that names a directory or hub id (not stage:<title>)."""
+    return [str(part.args.model_path) for _, part in _parts(cfg)
+            if part.args.get("model_path") is not None and not str(part.args.model_path).startswith(PREFIX)]
+
+
 def check(stages: list, plans: list) -> None:
     """Each stage:<title> names a reward-model stage that runs before the stage reading it."""
     earlier: list[str] = []
