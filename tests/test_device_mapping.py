@@ -130,6 +130,16 @@ def test_nccl_takes_one_process_per_gpu_so_a_collective_sync_needs_the_trainers_
     placed("cluster.colocate=true", "sync=collective")  # on CPU gloo takes several processes per device
 
 
+def test_a_stage_that_only_evaluates_takes_the_first_explorer_devices():
+    # an sft-like stage (mode=train) of a run mapped for 4 engines: one engine evaluates, on device 4
+    p = placed("mode=train", "buffer=sql", "trainer=fsdp2", "cluster.gpu_per_node=8", "cluster.device_mapping.trainer=[0,1,2,3]",
+               "cluster.device_mapping.explorer=[4,5,6,7]", "explorer.rollout_model.engine_num=4")
+    assert p.devices == ("0", "1", "2", "3", "4")
+    assert error("mode=train", "buffer=sql", "cluster.device_mapping.trainer=[0]", "cluster.device_mapping.explorer=[]") == (
+        "cluster.device_mapping.explorer names 0 devices, but 1 engine (mode=train runs one, to evaluate) of "
+        "tensor_parallel_size 1 takes 1. List 1 device.")
+
+
 def test_the_reference_may_name_the_trainers_devices():
     p = placed("cluster.device_mapping.trainer=[0]", "cluster.device_mapping.explorer=[1]",
                "cluster.device_mapping.reference=[0]")

@@ -6,6 +6,8 @@
     explorer     = engine_num engines, each on tensor_parallel_size consecutive devices of one node
     reward_model = one device per reward-model worker, in rft.plan.placement.reward_models' order
     reference, critic = live in the trainer's ranks, so the trainer's devices (or null)
+One mapping serves every stage of a run: a stage that only evaluates (mode=train: one engine) or
+starts fewer reward models than a list holds takes its first devices.
 
 Roles whose lists overlap share those devices (colocated: rft.config.colocated), as `cluster.colocate=true`
 does for the counts' placement; disjoint lists are separated. Ray cannot put an actor on a GPU by
@@ -63,7 +65,8 @@ def check_mapping(cfg, trainer: int, engines: int, reward_models: list) -> list[
                 f"cluster.device_mapping.explorer puts one engine on devices {list(g)}, which are on different "
                 f"nodes (gpu_per_node={c.gpu_per_node}): an engine's tensor_parallel_size={tp} devices must share "
                 f"a node. List each engine's devices within one node.")
-    return [(d,) for d in m.get("trainer", [])[:trainer]] + groups + [(d,) for d in m.get("reward_model", [])]
+    return ([(d,) for d in m.get("trainer", [])[:trainer]] + groups
+            + [(d,) for d in m.get("reward_model", [])[:len(reward_models)]])
 
 
 def check_nccl(cfg) -> None:
@@ -100,22 +103,23 @@ def _check_roles(cfg, m: dict, trainer: int, engines: int, reward_models: list) 
     if trainer and "trainer" not in m:
         raise ConfigError(f"cluster.device_mapping names {', '.join(m)} but not trainer, which runs in mode={cfg.mode}. "
                           f"Add cluster.device_mapping.trainer=[...].")
-    want = engines * rm.tensor_parallel_size
-    if engines and len(m.get("explorer", ())) != want:
-        have = len(m.get("explorer", ()))
-        mode = "" if cfg.mode in ("both", "explore") else " (mode=train runs one, to evaluate)"
+    want, have = engines * rm.tensor_parallel_size, len(m.get("explorer", ()))
+    # a stage that only evaluates (mode=train) runs one engine, on the list's first devices: one
+    # mapping serves every stage of a run (an sft stage before a grpo one)
+    explores = cfg.mode in ("both", "explore")
+    if engines and (have != want if explores else have < want):
+        mode = "" if explores else " (mode=train runs one, to evaluate)"
         raise ConfigError(
             f"cluster.device_mapping.explorer names {have} devices, but {engines} engine{'s' * (engines > 1)}"
             f"{mode} of tensor_parallel_size {rm.tensor_parallel_size} take{'s' * (engines == 1)} {want}. "
             + (f"Set explorer.rollout_model.engine_num={have // rm.tensor_parallel_size}, or list {want} "
                if have and have % rm.tensor_parallel_size == 0 and not mode else f"List {want} ")
             + f"device{'s' * (want > 1)}.")
-    if len(m.get("reward_model", ())) != len(reward_models):
-        names = ", ".join(r.where for r in reward_models) or "none"
+    if len(m.get("reward_model", ())) < len(reward_models):  # a stage may start fewer: the first ones
         raise ConfigError(
             f"cluster.device_mapping.reward_model names {len(m.get('reward_model', ()))} devices, but the stage "
-            f"starts {len(reward_models)} reward-model worker{'s' * (len(reward_models) != 1)} ({names}): list "
-            f"one device for each.")
+            f"starts {len(reward_models)} reward-model worker{'s' * (len(reward_models) != 1)} "
+            f"({', '.join(r.where for r in reward_models)}): list one device for each.")
     for r in reward_models:
         if r.args["colocate"]:
             raise ConfigError(

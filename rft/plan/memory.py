@@ -562,27 +562,27 @@ def _mapped_placement(cfg) -> str:
     out = []
     if explorer_count(cfg):
         n = explorer_count(cfg)
-        out.append(f"{n} {rm.engine_type} engine{'s' * (n > 1)} on devices {_spans(m['explorer'])} "
+        out.append(f"{n} {rm.engine_type} engine{'s' * (n > 1)} on {_spans(m['explorer'][:n * rm.tensor_parallel_size])} "
                    f"({rm.tensor_parallel_size} each)")
     if cfg.mode in ("both", "train"):
         n = trainer_ranks(cfg)
-        out.append(f"trainer {tr.trainer_strategy}, {n} rank{'s' * (n > 1)} on devices {_spans(m['trainer'])}")
+        out.append(f"trainer {tr.trainer_strategy}, {n} rank{'s' * (n > 1)} on {_spans(m['trainer'])}")
     if reward_models(cfg):
-        out.append(f"reward models on devices {_spans(m['reward_model'])}")
+        out.append(f"reward models on {_spans(m['reward_model'][:len(reward_models(cfg))])}")
     out.append(f"weights by sync={cfg.synchronizer.sync_method}" if cfg.mode == "both" else "")
     shared = "colocated" if colocated(cfg) else "separated"
     return "; ".join(o for o in out if o) + f"; {shared} (cluster.device_mapping)"
 
 
 def _spans(devices: list[int]) -> str:
-    """[0, 1, 2, 3, 6] -> "0-3, 6"."""
+    """[0, 1, 2, 3, 6] -> "devices 0-3, 6"; [2] -> "device 2"."""
     runs = []
     for d in devices:
         if runs and d == runs[-1][1] + 1:
             runs[-1][1] = d
         else:
             runs.append([d, d])
-    return ", ".join(f"{a}-{b}" if b > a else f"{a}" for a, b in runs)
+    return f"device{'s' * (len(devices) > 1)} " + ", ".join(f"{a}-{b}" if b > a else f"{a}" for a, b in runs)
 
 
 def check_gpus_here(cfg) -> None:
