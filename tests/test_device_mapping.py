@@ -224,3 +224,59 @@ def test_the_readmes_mapped_command_plans_without_a_problem(monkeypatch):
     assert dict(describe_devices(cfg, est))["placement"] == (
         "8 vllm engines on devices 0-7 (1 each); trainer fsdp2, 8 ranks on devices 0-7; weights by sync=memory; "
         "colocated (cluster.device_mapping)")
+
+
+@pytest.fixture
+def four_fake_gpus():
+    """A Ray instance told this machine has 4 GPUs, whose node shows its processes "3,2,1,0" (the
+    order a Slurm job or an operator may give): the GPU branch of the placement, without a GPU."""
+    import os
+
+    import ray
+
+    before = os.environ.get("CUDA_VISIBLE_DEVICES")
+    os.environ["CUDA_VISIBLE_DEVICES"] = "3,2,1,0"
+    ray.init(address="local", num_cpus=4, num_gpus=4, include_dashboard=False, log_to_driver=False)
+    try:
+        yield
+    finally:
+        ray.shutdown()
+        if before is None:
+            os.environ.pop("CUDA_VISIBLE_DEVICES")
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = before
+
+
+@pytest.mark.slow
+def test_on_gpus_the_node_is_reserved_whole_and_each_actor_sees_its_devices(four_fake_gpus, tmp_path):
+    import ray
+
+    from rft.runtime.actors import RayActor, placement_for
+
+    class Probe:
+        def seen(self):
+            import os
+
+            import ray
+
+            return os.environ["CUDA_VISIBLE_DEVICES"], ray.get_gpu_ids()
+
+    cfg = compose_cfg(["stages=[]", "cluster=local", "cluster.gpu_per_node=4", "trainer=fsdp2",
+                       "explorer.rollout_model.engine_num=1", "explorer.rollout_model.tensor_parallel_size=2",
+                       "cluster.device_mapping.trainer=[0,1]", "cluster.device_mapping.explorer=[2,3]"])
+    pg, options = placement_for(cfg)
+    try:
+        # the node's 4 GPUs as one bundle, with a CPU per device in use
+        assert ray.util.placement_group_table(pg)["bundles"] == {0: {"GPU": 4.0, "CPU": 4.0}}
+        actors = [RayActor(Probe, name=f"probe_{i}", log_dir=str(tmp_path), level="INFO", **o)
+                  for i, o in enumerate(options)]
+        # ranks on devices 0 and 1, the engine on 2 and 3: of the node's "3,2,1,0", "3", "2" and
+        # "1,0"; Ray assigned none of them (they asked for no GPU), so it set nothing over ours
+        assert [a.call("seen") for a in actors] == [("3", []), ("2", []), ("1,0", [])]
+        # each one's log says so
+        assert "devices 2,3 of its node (cluster.device_mapping): CUDA_VISIBLE_DEVICES=1,0" in (
+            tmp_path / "probe_2.log").read_text()
+        for a in actors:
+            a.kill()
+    finally:
+        ray.util.remove_placement_group(pg)
