@@ -74,3 +74,27 @@ def test_a_colocated_trainer_hands_its_cached_memory_back_after_a_step():
     # allocator reserves what is allocated (weights, Adam) and its rounding, not the step's peak
     assert torch.cuda.memory_reserved() - torch.cuda.memory_allocated() < 64 * 2**20
     assert torch.cuda.max_memory_allocated() > torch.cuda.memory_reserved() + 2**28
+
+
+def test_a_run_on_mapped_devices_trains_on_the_gpu_it_was_shown(tmp_path):
+    # cluster.device_mapping on this machine's first GPU: the trainer and the engine both on device
+    # 0 (colocated), Ray asked for no GPU by them, each shown the GPU by CUDA_VISIBLE_DEVICES
+    import os
+
+    from conftest import run_cli
+
+    from rft.reporting.monitor import read_metrics
+
+    first = (os.environ.get("CUDA_VISIBLE_DEVICES") or "0").split(",")[0]
+    r = run_cli("stages=[]", "name=mapped", "monitor=console", "cluster=local", "cluster.gpu_per_node=1",
+                "sync=memory", "explorer=hf", "cluster.device_mapping.trainer=[0]", "cluster.device_mapping.explorer=[0]",
+                "buffer.total_steps=2", "explorer.eval_interval=100", "explorer.eval_on_startup=false",
+                env={"RFT_CHECKPOINT_ROOT_DIR": str(tmp_path)})
+    assert r.returncode == 0, r.stderr[-3000:]
+    run = tmp_path / "rft" / "mapped"
+    for actor in ("grpo_trainer", "grpo_explorer"):
+        assert f"CUDA_VISIBLE_DEVICES={first}" in (run / "log" / f"{actor}.log").read_text(), actor
+    trained = [m for m in read_metrics(run / "metrics.jsonl") if "perf/max_memory_gb" in m]
+    # what torch allocated on the GPU for the tiny model (a few MB); on the CPU this would be the
+    # process's resident set, over 0.3 GB with torch loaded
+    assert len(trained) == 2 and all(0 < m["perf/max_memory_gb"] < 0.2 for m in trained)
