@@ -330,6 +330,14 @@ def load_teacher(model_cfg, path: str, student_tokenizer):
             f"tokenizer (a larger model of the same family does)."
         )
     model = load_model(model_cfg, path, key="algorithm.teacher_model_path")
+    rows, tokens = model.get_input_embeddings().num_embeddings, len(student_tokenizer)
+    if rows < tokens:  # (more rows is padding, as above; fewer: an IndexError in the first step)
+        raise ConfigError(
+            f"algorithm.teacher_model_path={path!r} has {rows} rows in its input embedding, fewer than the {tokens} "
+            f"tokens of its tokenizer (the policy's): it cannot read the ids {rows} to {tokens - 1}, which the policy "
+            f"may sample. Give a teacher whose embedding covers its tokenizer (a model saved after "
+            f"resize_token_embeddings)."
+        )
     model.requires_grad_(False)
     return model
 

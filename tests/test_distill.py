@@ -240,3 +240,51 @@ def test_a_jsd_step_trains_on_the_divergence_over_the_teachers_top_tokens(tmp_pa
     # two differently seeded random models: near-uniform distributions, a small but nonzero divergence
     assert metrics["distill/jsd"] > 1e-4
     assert any((p.detach() != b).any() for p, b in zip(trainer.model.parameters(), before))
+
+
+@pytest.mark.slow  # two tiny models built and a trainer (~5 s)
+def test_a_teacher_with_a_larger_padded_vocabulary_distils_with_the_jsd_over_the_tokenizers_tokens(tmp_path):
+    """A teacher whose embedding has more rows than the tokenizer has tokens (Qwen2.5-7B's 152,064
+    over 0.5B's 151,936): its top tokens were taken over every row, and a padding id among them
+    (103..119 here) indexed past the student's 103 logits: a RuntimeError in the first step. They
+    are taken among the tokenizer's tokens; the padding rows' mass goes to the bucket of the rest."""
+    from transformers import AutoModelForCausalLM
+
+    from rft.data.experience import Experience
+
+    teacher_dir = build_tiny_model(tmp_path / "teacher", seed=1, arch={"vocab_size": 120})
+    cfg, trainer = _trainer(teacher_dir, ["algorithm.distill_divergence=jsd", "algorithm.distill_top_k=5",
+                                          f"model.model_path={tmp_path / 'student'}"])
+    tok = load_tokenizer(cfg.model)
+    assert len(tok) == 103
+    prompt = list(tok.apply_chat_template([{"role": "user", "content": "5+7"}], add_generation_prompt=True,
+                                          return_dict=True)["input_ids"])
+    exps = [Experience(prompt + tok.encode(a, add_special_tokens=False) + [tok.eos_token_id], len(prompt), [0.0] * 3,
+                       group_id="a") for a in ("12", "13")]
+    teacher = AutoModelForCausalLM.from_pretrained(teacher_dir, dtype=torch.float32).eval()
+    total, tokens, padded = 0.0, 0, 0
+    for e in exps:  # by hand: the teacher's log-softmax over its 120 rows, its top 5 among ids 0..102
+        with torch.no_grad():
+            t = torch.log_softmax(teacher(torch.tensor([e.tokens])).logits[0].float(), -1)
+            s = torch.log_softmax(trainer.model(torch.tensor([e.tokens])).logits[0].float(), -1)
+        span = slice(e.prompt_length - 1, len(e.tokens) - 1)
+        padded += int((t[span].topk(5, -1).indices >= 103).any(-1).sum())
+        top_logp, top_ids = t[span, :103].topk(5, -1)
+        total += generalized_jsd(top_logp, s[span].gather(-1, top_ids), 0.5).sum().item()
+        tokens += len(e.tokens) - e.prompt_length
+    assert padded > 0  # a padding row is among the teacher's top 5 over all its rows somewhere
+    metrics = trainer.train_step(exps)
+    assert metrics["distill/jsd"] == pytest.approx(total / tokens, rel=1e-4)
+
+
+@pytest.mark.slow  # a tiny model built and a trainer started
+def test_a_teacher_with_fewer_embedding_rows_than_the_tokenizer_has_tokens_is_a_config_error(tmp_path):
+    """Its tokenizer the student's, its embedding 96 rows: an IndexError in the first step's
+    teacher forward (the student samples ids up to 102)."""
+    teacher_dir = build_tiny_model(tmp_path / "teacher", seed=1, arch={"vocab_size": 96})
+    with pytest.raises(ConfigError) as e:
+        _trainer(teacher_dir)
+    assert str(e.value) == (
+        f"algorithm.teacher_model_path='{teacher_dir}' has 96 rows in its input embedding, fewer than the 103 tokens "
+        f"of its tokenizer (the policy's): it cannot read the ids 96 to 102, which the policy may sample. Give a "
+        f"teacher whose embedding covers its tokenizer (a model saved after resize_token_embeddings).")

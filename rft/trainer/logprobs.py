@@ -60,7 +60,9 @@ def token_logprobs(model, input_ids, attention_mask, temperature=1.0, top_p=None
     `first` ([n]): each row's first position to compute (its prompt length - 1: the one that
     predicts the first response token); the positions before it are 0, their logits never made.
     `also` (a dict, filled in place): {"top": k} adds "top_ids" and "top_logp" [n, L-1, k], each
-    position's k most likely tokens and their log-probs; {"at_ids": [n, L-1, k]} adds "at_logp",
+    position's k most likely tokens and their log-probs (with "below": V, among the ids < V only: a
+    teacher's padding rows beyond the tokenizer's tokens, which the student may have no logit for,
+    stay in the mass outside the top); {"at_ids": [n, L-1, k]} adds "at_logp",
     the log-probs of those tokens (with gradient). Positions not computed hold 0.
     """
     n, L = input_ids.shape
@@ -96,7 +98,8 @@ def token_logprobs(model, input_ids, attention_mask, temperature=1.0, top_p=None
     if getattr(model.config, "final_logit_softcapping", None) or head is None:
         # the model reshapes its logits after the output layer (Gemma's soft-capping): take them whole
         logits = model(**kwargs, use_cache=False).logits.flatten(0, 1)[select]
-        logp, entropy, *extra = _from_logits(logits.float(), targets, *sampling, with_entropy_grad, want.top, want.at)
+        logp, entropy, *extra = _from_logits(logits.float(), targets, *sampling, with_entropy_grad, want.top, want.at,
+                                             want.below)
     else:
         out = {}
         with _head_replaced(head, lambda h: _head_logprobs(h, head, select, targets, sampling, out,
@@ -116,6 +119,7 @@ class _Also:
     def __init__(self, also, rows, cols):
         self.also, self.rows, self.cols = also, rows, cols
         self.top = int((also or {}).get("top", 0))
+        self.below = (also or {}).get("below")
         at_ids = (also or {}).get("at_ids")
         self.at = None if at_ids is None else at_ids[rows, cols].long()
 
@@ -268,7 +272,7 @@ def _head_logprobs(hidden, head, select, targets, sampling, out, chunk_size, fp3
     for a in range(0, N, chunk):
         b = min(a + chunk, N)
         args = (h[a:b], weight, bias, targets[a:b], *(None if s is None else s[a:b] for s in sampling),
-                with_entropy_grad, want.top, None if want.at is None else want.at[a:b])
+                with_entropy_grad, want.top, None if want.at is None else want.at[a:b], want.below)
         if chunk < N and torch.is_grad_enabled():
             # keep only this chunk's hidden states for the backward; its logits are recomputed
             parts.append(checkpoint(_chunk_logprobs, *args, use_reentrant=False))
@@ -281,15 +285,15 @@ def _head_logprobs(hidden, head, select, targets, sampling, out, chunk_size, fp3
     return hidden.new_zeros(hidden.shape[:-1] + (1,))
 
 
-def _chunk_logprobs(h, weight, bias, targets, temperature, top_p, top_k, with_entropy_grad, top=0, at=None):
+def _chunk_logprobs(h, weight, bias, targets, temperature, top_p, top_k, with_entropy_grad, top=0, at=None, below=None):
     return _from_logits(F.linear(h, weight, bias).float(), targets, temperature, top_p, top_k, with_entropy_grad,
-                        top, at)
+                        top, at, below)
 
 
-def _from_logits(logits, targets, temperature, top_p, top_k, with_entropy_grad, top=0, at=None):
+def _from_logits(logits, targets, temperature, top_p, top_k, with_entropy_grad, top=0, at=None, below=None):
     """logits [N, V] float32 and targets [N] -> log p(target) [N], entropy [N]; then, when asked,
-    the `top` most likely tokens' log-probs and ids [N, top], and the log-probs at `at` [N, k]
-    (both of the distribution before the top-k / top-p cut)."""
+    the `top` most likely tokens' log-probs and ids [N, top] (among the ids < `below`), and the
+    log-probs at `at` [N, k] (both of the distribution before the top-k / top-p cut)."""
     if not bool((temperature == 1).all()):  # dividing by 1 changes nothing but costs two passes over [N, V]
         logits = logits / temperature[:, None]
     keep = None
@@ -313,7 +317,8 @@ def _from_logits(logits, targets, temperature, top_p, top_k, with_entropy_grad, 
         # the log-softmax above is that distribution: no second [N, V] tensor)
         whole = log_probs if keep is None else torch.log_softmax(uncut, dim=-1)
         if top:
-            extra += list(whole.detach().topk(min(top, whole.shape[-1]), dim=-1))
+            ids = whole.detach()[:, :below]  # (the log-softmax stays over every row: the rest is their mass)
+            extra += list(ids.topk(min(top, ids.shape[-1]), dim=-1))
         if at is not None:
             extra.append(whole.gather(-1, at))
     return (logp, entropy, *extra)

@@ -225,14 +225,15 @@ class StepMixin:
         with torch.no_grad():
             for s, e, live in self._my_micro_batches(full, 0, mask.shape[0]):
                 for model, ctx, logp in out:
-                    also = {"top": k} if k and model is self.teacher_model else None
+                    # the teacher's top tokens among the tokenizer's (a padded embedding's extra rows
+                    # are ids the student may have no logit for)
+                    also = {"top": k, "below": len(self.tokenizer)} if k and model is self.teacher_model else None
                     with ctx():
                         (lp, _), L = self._forward(model, full, s, e, also=also)
                     if live:
                         logp[s:e, : L - 1] = lp
-                        for name in also or ():
-                            if name != "top":
-                                top[name][s:e, : L - 1] = also[name]
+                        for name in ("top_logp", "top_ids") if also else ():
+                            top[name][s:e, : L - 1] = also[name]
         # every rank computed its own rows: the sum over ranks is the whole batch's
         if k:
             top.update({name: self._all_sum(t) for name, t in top.items()})
