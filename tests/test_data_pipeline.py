@@ -324,3 +324,23 @@ def test_a_run_with_both_pipelines_and_the_curriculum(tmp_path):
     assert "task pipeline: 10 rows of" in r.stdout
     again = run_cli(*args, env=env)
     assert again.returncode == 0 and "task pipeline (cached): 10 rows of" in again.stdout, again.stderr[-3000:]
+
+
+@pytest.mark.slow  # ~1.5 s, importing `datasets`
+def test_a_malformed_row_the_task_pipeline_kept_is_named_in_its_input(tmp_path):
+    """The error named the pipeline's output in the cache and said to fix the row there: an edited
+    output is rebuilt from the input (its manifest no longer matches), the same row again."""
+    from rft.runtime.main import dataset_size
+
+    (tmp_path / "tasks.jsonl").write_text('{"question": "1+1", "answer": "2"}\n{"question": "2+2"}\n')
+    cfg = config(tmp_path, [{"name": "text_length_filter", "args": {"max_len": 5}}])
+    out = run_task_pipeline(cfg, say=lambda s: None)["output"]
+    with pytest.raises(ConfigError) as e:
+        dataset_size(cfg)
+    assert str(e.value) == (
+        f"buffer.explorer_input.taskset: row 1 (line 2 of its JSONL file) of '{out}' has no 'answer' "
+        f"(format.response_key: the reference answer the reward function reads as task.answer). Fix the row, or set "
+        f"buffer.explorer_input.taskset.format.response_key=null if your reward needs no answer. That file is "
+        f"data_processor.task_pipeline's output of '{tmp_path / 'tasks.jsonl'}' (made again from it whenever it "
+        f"changes): the row is one of the input's that the operators kept; fix it there, or add an operator that "
+        f"drops it.")

@@ -268,6 +268,16 @@ def taskset_of(cfg, before_run: bool = False):
     return frozen(out)
 
 
+def in_input(cfg, e: ConfigError) -> ConfigError:
+    """A taskset error `e` about a row of the task pipeline's output, pointed at the input: an output
+    edited by hand is made again from the input (its manifest no longer matches), row and all."""
+    if not has_task_pipeline(cfg) or str(output_dir(cfg)) not in str(e):
+        return e
+    return ConfigError(f"{e} That file is data_processor.task_pipeline's output of "
+                       f"'{cfg.buffer.explorer_input.taskset.path}' (made again from it whenever it changes): the row "
+                       f"is one of the input's that the operators kept; fix it there, or add an operator that drops it.")
+
+
 def run_task_pipeline(cfg, pass_rates=None, say=print) -> dict:
     """The task pipeline's output for `cfg` (made, or found in the cache); returns its report."""
     from filelock import FileLock

@@ -115,7 +115,7 @@ def dataset_size(cfg: DictConfig, sources: dict | None = None) -> int:
     the training dataset (mode=train). Every dataset the stage reads is loaded and checked here,
     before anything starts, so a bad path, row or column fails first (in the driver, or for a Ray
     run in a child process of it: `dataset_sizes_in_child`)."""
-    from rft.data.pipeline import taskset_of
+    from rft.data.pipeline import in_input, taskset_of
     from rft.data.tasks import check_columns, ensure_task_data, load_rows, load_tasks
     from rft.plan.batch import label, stored_experiences
 
@@ -141,7 +141,10 @@ def dataset_size(cfg: DictConfig, sources: dict | None = None) -> int:
         return n
     if cfg.mode in ("both", "explore"):
         # with data_processor.task_pipeline its output (a dry run before it ran: its input)
-        size = len(load_tasks(taskset_of(cfg, before_run=True), "buffer.explorer_input.taskset"))
+        try:
+            size = len(load_tasks(taskset_of(cfg, before_run=True), "buffer.explorer_input.taskset"))
+        except ConfigError as e:
+            raise in_input(cfg, e) from None
         for i, ts in enumerate(inp.eval_tasksets):
             load_tasks(ts, f"buffer.explorer_input.eval_tasksets[{i}]")
         return size
