@@ -862,14 +862,16 @@ def schema_keys() -> list[str]:
     return out
 
 
-def key_mistake(schema, key: str, adding: bool = False) -> str | None:
+def key_mistake(schema, key: str, adding: bool = False, prefix: str = "") -> str | None:
     """Why the schema (OmegaConf.structured(Config)) has no dotted `key`, naming the nearest keys;
     None when it has it, or when the key is inside a dict- or list-typed value (checked when
-    planning)."""
+    planning). A stage's keys (`stages.<i>.<key>`) are the whole config's; `prefix` is put before
+    the names suggested for one."""
     import difflib
 
     from omegaconf import DictConfig, ListConfig, OmegaConf
     from omegaconf._utils import is_structured_config
+    from omegaconf.nodes import AnyNode
 
     node, parts = schema, key.split(".")
     for i, part in enumerate(parts):
@@ -880,13 +882,20 @@ def key_mistake(schema, key: str, adding: bool = False) -> str | None:
                     f"first), not by a name ('{part}'). `python run.py --cfg job -p {parent}` prints it.")
         if isinstance(node, ListConfig):
             element = node._metadata.element_type
+            if i == 1 and parts[0] == "stages" and len(parts) > 2:
+                # a stage is merged onto the whole config, so its keys are the schema's: a typo in
+                # one was the planner's "Key 'totalsteps' not in 'BufferConfig'", with no file or
+                # line, and on the command line Hydra's "use +", whose + the planner then refused
+                return key_mistake(schema, ".".join(parts[2:]), prefix=f"{prefix}stages.{part}.")
             if not is_structured_config(element):
-                return None  # free-form items (stages): checked when planning
+                return None  # free-form items: checked when planning
             node = OmegaConf.structured(element)  # a typed list's item (an eval set): its schema
             continue
         if isinstance(node, DictConfig) and (OmegaConf.get_type(node) is dict or (
                 node._is_none() and not is_structured_config(node._metadata.ref_type))):
             return None  # free-form values below (a dict, or one null by default): checked when planning
+        if isinstance(node, AnyNode):
+            return None  # a value typed Any (reward_fn's list of parts): checked when planning
         if not isinstance(node, DictConfig) or part not in node.keys():
             parent = ".".join(parts[:i])
             keys = schema_keys()
@@ -896,7 +905,7 @@ def key_mistake(schema, key: str, adding: bool = False) -> str | None:
             near = [k for k in keys if k.rpartition(".")[2] == parts[-1] and len(parts) == i + 1][:2]
             near += [k for k in difflib.get_close_matches(key, siblings, n=2, cutoff=0.6) if k not in near]
             where = f"'{OmegaConf.get_type(node).__name__}'"
-            hint = f" Did you mean {' or '.join(near[:3])}?" if near else ""
+            hint = f" Did you mean {' or '.join(prefix + k for k in near[:3])}?" if near else ""
             also = (f" ({where} is a section of the schema: a + adds keys only to free-form ones such as "
                     f"stages)") if adding else ""
             return (f"Key '{part}' not in {where}{also}.{hint} The keys, each with a comment, are in "

@@ -730,6 +730,20 @@ MINE = "# @package _global_\n# python run.py experiment=mine\n"
     ({}, ["buffer.explorer_input.eval_tasksets.0.format.promt_key=question"],
      "Could not override 'buffer.explorer_input.eval_tasksets.0.format.promt_key': Key 'promt_key' not in "
      "'FormatConfig'. Did you mean buffer.explorer_input.eval_tasksets.0.format.prompt_key"),
+    # inside an overlay's stages list: the planner's "stages[0] (warm): Key 'totalsteps' not in
+    # 'BufferConfig'     full_key: buffer.totalsteps", without the file, line or nearby key
+    ({"experiment/mine.yaml": MINE + "stages:\n  - stage_name: warm\n    buffer:\n      totalsteps: 30\n"},
+     ["experiment=mine"],
+     "conf/experiment/mine.yaml, line 6: stages.0.buffer.totalsteps: Key 'totalsteps' not in 'BufferConfig'. "
+     "Did you mean stages.0.buffer.total_steps or stages.0.buffer.total_epochs?"),
+    # Hydra: "Could not override 'stages.0.buffer.totalsteps'. To append to your config use
+    # +stages.0.buffer.totalsteps=3 / Key 'totalsteps' is not in struct", whose + the planner then refused
+    ({}, ["stages.0.buffer.totalsteps=3"],
+     "Could not override 'stages.0.buffer.totalsteps': Key 'totalsteps' not in 'BufferConfig'. Did you mean "
+     "stages.0.buffer.total_steps or stages.0.buffer.total_epochs?"),
+    ({}, ["+stages.1.trainer.save_intervall=3"],
+     "Could not add 'stages.1.trainer.save_intervall': Key 'save_intervall' not in 'TrainerConfig'. Did you mean "
+     "stages.1.trainer.save_interval or stages.1.trainer.save_hf_checkpoint?"),
     # Hydra: "Key 'experiment' not in 'Config'"
     ({"experiment/mine.yaml": "defaults:\n  - override /task: countdown\n  - _self_\nname: mine\n"},
      ["experiment=mine"],
@@ -782,6 +796,36 @@ def test_a_studys_own_config_files_are_checked_before_hydra_composes_them(tmp_pa
         exit_on_config_mistakes(args, conf)
     assert e.value.code == 2
     assert f"rft: configuration error: {message}" in capsys.readouterr().err
+
+
+def test_a_reward_fn_list_of_parts_in_a_task_file_passes_the_key_check(tmp_path):
+    # README "Writing a reward" puts the parts in conf/task/<yours>.yaml; the key check read the
+    # list's items as keys of the schema's Any-typed reward_fn and refused the file ("line 4:
+    # buffer.explorer_input.taskset.reward_fn.0.fn: Key '0' not in 'NoneType'")
+    import shutil
+
+    from conftest import CONF
+
+    from rft.plan.overlays import check
+
+    conf = tmp_path / "conf"
+    shutil.copytree(CONF, conf)
+    (conf / "task" / "mine.yaml").write_text(
+        "# @package buffer.explorer_input\ntaskset:\n  reward_fn:\n    - {fn: countdown, weight: 1.0}\n"
+        "    - {fn: format, weight: 0.1, name: fmt}\n")
+    (conf / "experiment" / "mine.yaml").write_text(
+        MINE + "stages:\n  - stage_name: rl\n    buffer:\n      explorer_input:\n        taskset:\n"
+               "          reward_fn:\n            - {fn: countdown}\n")
+    assert check(["task=mine"], conf) is None
+    assert check(["experiment=mine"], conf) is None
+    # the typed keys beside the list are still checked
+    (conf / "task" / "mine.yaml").write_text(
+        "# @package buffer.explorer_input\ntaskset:\n  reward_fn:\n    - {fn: countdown}\n  reward_fnn: format\n")
+    assert check(["task=mine"], conf) == (
+        "conf/task/mine.yaml, line 5: buffer.explorer_input.taskset.reward_fnn: Key 'reward_fnn' not in "
+        "'TasksetConfig'. Did you mean buffer.explorer_input.taskset.reward_fn or buffer.explorer_input.taskset.workflow? "
+        "The keys, each with a comment, are in "
+        "rft/config.py; `python run.py --cfg job` prints the composed config.")
 
 
 @pytest.mark.slow

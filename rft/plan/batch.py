@@ -56,7 +56,7 @@ def stage_configs(cfg: DictConfig) -> list[DictConfig]:
             merged = OmegaConf.merge(base, stage)
             OmegaConf.resolve(merged)
         except OmegaConfBaseException as e:
-            raise ConfigError(f"stages[{i}] ({stage.get('stage_name')}): {_first_line(e)}") from e
+            raise ConfigError(f"stages[{i}] ({stage.get('stage_name')}): {_merge_problem(e)}") from e
         if merged.stage_name in names:
             raise ConfigError(f"stages[{i}].stage_name={merged.stage_name!r} is used twice; stage names must be unique.")
         names.add(merged.stage_name)
@@ -88,6 +88,14 @@ def _settled(cfg: DictConfig) -> DictConfig:
 
 def _first_line(e: Exception) -> str:
     return " ".join(str(e).split("\n")[:2])
+
+
+def _merge_problem(e: OmegaConfBaseException) -> str:
+    """A stage key the schema lacks with the nearest names (OmegaConf's own text named neither the
+    fix nor the key as a stage writes it); any other merge error as OmegaConf words it."""
+    key = getattr(e, "full_key", None)
+    problem = key and C.key_mistake(OmegaConf.structured(C.Config), key)
+    return f"{key}: {problem}" if problem else _first_line(e)
 
 
 def stage_sources(cfg: DictConfig) -> list[dict[str, str]]:

@@ -236,8 +236,8 @@ def _key_mistake(path: Path, conf_dir: Path, schema) -> str | None:
 def misspelt_override(args: list[str], groups: set[str]) -> str | None:
     """The message for the first command-line override whose key the schema does not have, naming
     the nearest keys; None when every key exists. Group choices (`algorithm=grpo`, `hydra/...`),
-    hydra.* keys, additions (+key), deletions (~key) and keys inside dict- or list-typed values
-    (auxiliary_buffers, stages) are left to Hydra."""
+    hydra.* keys, deletions (~key) and keys inside dict- or list-typed values (auxiliary_buffers, a
+    reward's parts) are left to Hydra; a stage's keys (stages.<i>.<key>) are the whole config's."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from omegaconf import OmegaConf
 
