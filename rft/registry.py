@@ -18,6 +18,7 @@ give the dotted path of its own (`module.function`); a study may also add an ent
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 import traceback
 from collections.abc import Mapping
@@ -87,12 +88,18 @@ class Registry(Mapping):
             resolve(self, name, self.key)
 
 
-def _study_frame(e: BaseException):
-    """The innermost frame of `e` in the study's own files: not the interpreter's, not the
-    installed packages' (a failed os.environ lookup is the line that made it)."""
-    installed = (sys.prefix, sys.base_prefix)
-    frames = traceback.extract_tb(e.__traceback__)
-    return next((f for f in reversed(frames) if not f.filename.startswith(("<", *installed))), frames[-1])
+def study_frame(e: BaseException):
+    """The innermost frame of `e` in the study's own files, below rft's last: not the interpreter's,
+    not the installed packages' (a failed os.environ lookup is the line that made it); None when it
+    has none (rft raised it, or a package it called: the caller of rft is not where it raised)."""
+    own = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    found = None
+    for f in traceback.extract_tb(e.__traceback__):
+        if f.filename.startswith(own):
+            found = None
+        elif not f.filename.startswith(("<", sys.prefix, sys.base_prefix)):
+            found = f
+    return found
 
 
 def resolve(registry: Mapping, name: str, key: str):
@@ -109,7 +116,7 @@ def resolve(registry: Mapping, name: str, key: str):
             raise ConfigError(f"{key}={name!r}: cannot import it: {e.filename}, line {e.lineno}: "
                               f"{type(e).__name__}: {e.msg}. Fix that line.") from e
         except Exception as e:  # the study's module raised while it was imported (a raw traceback)
-            where = _study_frame(e)
+            where = study_frame(e) or traceback.extract_tb(e.__traceback__)[-1]
             raise ConfigError(f"{key}={name!r}: importing {module} raised {type(e).__name__}: {e} "
                               f"({where.filename}, line {where.lineno}). Fix the module: its top-level code "
                               f"runs when it is imported.") from e

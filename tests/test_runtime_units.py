@@ -3,10 +3,13 @@ the config errors of modes, schedules and placement."""
 
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
 from conftest import compose_cfg
+
+import rft
 
 from rft.errors import ConfigError
 from rft.plan.batch import make_plan
@@ -34,8 +37,37 @@ def test_run_jobs_retries_then_records_failures_in_order():
     assert results == [0, 10, 20, None, 40, 50, 60, 70]
     assert calls[3] == 3 and calls[5] == 2 and calls[0] == 1
     # the last error's text comes with the counts (for the message when every task fails)
+    # (and the line that raised it: the raise two lines into fn, after the lock's two lines)
     assert c == {"errors": 4, "timeouts": 0, "retries": 3, "failed": 1, "over_rollout_dropped": 0,
-                 "last_error": "ValueError: always"}
+                 "last_error": f"ValueError: always ({__file__}, line {fn.__code__.co_firstlineno + 4})"}
+
+
+def test_a_failing_call_names_the_line_that_raised_and_is_logged_once_per_error(caplog):
+    # a reward function that raised on every response logged "job 0 attempt 1 raised
+    # ZeroDivisionError: division by zero" once per call (600 lines for one eval of 200 tasks, 3
+    # tries), and neither they nor the run's last message said where it raised
+    def fn(x):
+        if x % 2:
+            return x / 0
+        return x
+
+    line = fn.__code__.co_firstlineno + 2
+    with caplog.at_level("WARNING", logger="rft.rollout.explorer"):
+        results, c = run_jobs(fn, list(range(6)), runners=1, timeout=5.0, retries=1)
+    # jobs 1, 3 and 5 fail twice each (1 + 1 retry): 6 errors, one of them logged, then a count
+    assert results == [0, None, 2, None, 4, None] and (c["errors"], c["failed"]) == (6, 3)
+    error = f"ZeroDivisionError: division by zero ({__file__}, line {line})"
+    assert c["last_error"] == error
+    assert [r.getMessage() for r in caplog.records] == [
+        f"job 1 attempt 1 raised {error}",
+        "5 more calls raised an error logged above (each error is logged once a step; rollout/errors counts them)"]
+    # an error of rft's own (a reward's value checked by the scorer) names no line of it
+    def bad(x):
+        raise ValueError("reward 'f' returned NoneType None, not a number")
+
+    bad.__code__ = bad.__code__.replace(co_filename=str(Path(rft.__file__).parent / "rewards" / "scoring.py"))
+    assert run_jobs(bad, [0], runners=1, timeout=5.0, retries=0)[1]["last_error"] == (
+        "ValueError: reward 'f' returned NoneType None, not a number")
 
 
 def test_a_reward_that_calls_sys_exit_or_raises_keyboardinterrupt_is_an_error_not_a_timeout():
@@ -53,7 +85,9 @@ def test_a_reward_that_calls_sys_exit_or_raises_keyboardinterrupt_is_an_error_no
     assert time.monotonic() - t0 < 25  # answered, not waited for until the timeout
     assert results == [0, None, None]
     assert (c["errors"], c["timeouts"], c["failed"]) == (4, 0, 2)
-    assert c["last_error"] in ("SystemExit: 3", "KeyboardInterrupt: ")
+    line = fn.__code__.co_firstlineno
+    assert c["last_error"] in (f"SystemExit: 3 ({__file__}, line {line + 2})",
+                               f"KeyboardInterrupt:  ({__file__}, line {line + 4})")
 
 
 def test_run_jobs_runs_at_most_runners_calls_at_once():

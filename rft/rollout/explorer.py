@@ -24,7 +24,7 @@ from rft.data.pipeline import keeps_order, taskset_of
 from rft.data.tasks import load_tasks
 from rft.errors import ConfigError, RunError
 from rft.models import load_tokenizer, local_device, peak_memory
-from rft.registry import ENGINES, resolve
+from rft.registry import ENGINES, resolve, study_frame
 from rft.rewards.eval_metrics import paper_metrics
 from rft.rewards.scoring import build as build_scorer
 from rft.rewards.scoring import part_metrics, spec_of
@@ -91,6 +91,8 @@ class _JobRun:
         self.tries = [0] * len(jobs)
         self.counters = {"errors": 0, "timeouts": 0, "retries": 0, "failed": 0, "over_rollout_dropped": 0}
         self.last_error = None
+        self.logged: set[str] = set()  # each error once: a broken reward fails every call alike
+        self.repeats = 0
         self.todo = list(range(len(jobs)))
         self.running: dict[int, float] = {}  # job -> start time
         self.finished: queue.Queue = queue.Queue()  # (job, attempt, ok, value)
@@ -134,8 +136,12 @@ class _JobRun:
                 self.done += 1
             else:
                 self.counters["errors"] += 1
-                self.last_error = f"{type(value).__name__}: {value}"
-                log.warning("job %d attempt %d raised %s", i, attempt, self.last_error)
+                self.last_error = describe_error(value)
+                if self.last_error in self.logged:
+                    self.repeats += 1
+                else:
+                    self.logged.add(self.last_error)
+                    log.warning("job %d attempt %d raised %s", i, attempt, self.last_error)
                 self.failed(i)
 
     def abandon_late(self, now: float, timeout: float) -> None:
@@ -146,6 +152,13 @@ class _JobRun:
                 self.counters["timeouts"] += 1
                 log.warning("job %d attempt %d timed out after %.1f s", i, self.tries[i], timeout)
                 self.failed(i)
+
+
+def describe_error(e: BaseException) -> str:
+    """`Type: message`, and the line of the study's code that raised it (a reward function's), so
+    that the run's last message says where to look."""
+    where = study_frame(e)
+    return f"{type(e).__name__}: {e}" + (f" ({where.filename}, line {where.lineno})" if where else "")
 
 
 def run_jobs(fn, jobs: list, runners: int, timeout: float, retries: int,
@@ -171,6 +184,9 @@ def run_jobs(fn, jobs: list, runners: int, timeout: float, retries: int,
             if now - min_reached_at >= wait_after_min and (run.todo or run.running):
                 run.counters["over_rollout_dropped"] = len(run.todo) + len(run.running)
                 break
+    if run.repeats:
+        log.warning("%d more calls raised an error logged above (each error is logged once a step; rollout/errors "
+                    "counts them)", run.repeats)
     if run.last_error is not None:
         run.counters["last_error"] = run.last_error  # a string: for the message when every task fails
     return run.results, run.counters
