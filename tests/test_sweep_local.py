@@ -152,3 +152,20 @@ def test_a_sweeps_jobs_are_its_params_and_the_command_lines_values():
                                      ["seed=2", "experiment=tiny_seeds"], ["seed=2", "experiment=tiny_seeds"],
                                      ["seed=3", "experiment=tiny_seeds"], ["seed=3", "experiment=tiny_seeds"]]
     assert [j[2] for j in jobs] == ["algorithm=grpo", "algorithm=dr_grpo"] * 3
+
+
+def test_a_sweep_kept_in_config_run_without_m_is_warned_about():
+    # `python run.py experiment=tiny_seeds` ran one job of seed 42 (the default: none of the study's
+    # seeds 1, 2, 3), and hydra/launcher=local without -m ran in the foreground, each without a word
+    from conftest import compose_cfg
+
+    from rft.runtime.callbacks import unswept
+
+    assert unswept(compose_cfg(["experiment=tiny_seeds"], keep_hydra=True)) == (
+        "this config sets a sweep (hydra.sweeper.params: seed=1,2,3), which only `python run.py -m ...` runs: "
+        "this is one run, with seed=42. Add -m to run the sweep.")
+    assert unswept(compose_cfg(["hydra/launcher=local"], keep_hydra=True)) == (
+        "hydra/launcher=local takes effect only with -m: this is one run, in this process. Add -m to launch it.")
+    assert unswept(compose_cfg(["experiment=tiny_seeds", "seed=2"], keep_hydra=True)).endswith(
+        "this is one run, with seed=2. Add -m to run the sweep.")
+    assert unswept(compose_cfg([], keep_hydra=True)) is None

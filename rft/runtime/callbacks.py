@@ -27,6 +27,9 @@ from rft.errors import ConfigError
 class Checks(Callback):
     def on_run_start(self, config: DictConfig, **kwargs) -> None:
         _exit_on(lambda: _check_dir(config, "hydra.run.dir"))
+        warning = unswept(config)
+        if warning:
+            print(f"rft: warning: {warning}", file=sys.stderr, flush=True)
 
     def on_multirun_start(self, config: DictConfig, config_name: str | None = None, **kwargs) -> None:
         _exit_on(lambda: _check_dir(config, "hydra.sweep.dir"))
@@ -40,6 +43,23 @@ def _check_dir(config: DictConfig, key: str) -> None:
     HydraConfig.instance().set_config(config)  # the directory's name reads hydra's choices
     check_run_name(config)  # name=../.. would make a directory outside the project's
     rundir.check_writable(Path(str(OmegaConf.select(config, key))))
+
+
+def unswept(config: DictConfig) -> str | None:
+    """The warning for a run without -m of a config that sets a sweep's values or its launcher:
+    Hydra then runs the config once, the swept keys at their defaults, and says nothing."""
+    choices = config.hydra.runtime.choices
+    params = config.hydra.sweeper.get("params") or {}
+    if params:
+        swept = ", ".join(f"{k}={v}" for k, v in params.items())
+        now = ", ".join(f"{k}={choices[k] if k in choices else OmegaConf.select(config, k)}" for k in params)
+        return (f"this config sets a sweep (hydra.sweeper.params: {swept}), which only `python run.py -m ...` "
+                f"runs: this is one run, with {now}. Add -m to run the sweep.")
+    launcher = choices.get("hydra/launcher")
+    if launcher not in (None, "basic"):
+        return (f"hydra/launcher={launcher} takes effect only with -m: this is one run, in this process. Add -m "
+                f"to launch it.")
+    return None
 
 
 def _raise(message: str | None) -> None:
