@@ -382,9 +382,10 @@ def test_a_dataset_missing_a_column_a_stage_needs_fails_the_dry_run(tmp_path):
                      f"buffer.explorer_input.taskset.path={d}", f"buffer.explorer_input.eval_tasksets.0.path={d}")
     assert msg == (
         f"stage sft_warmup: buffer.trainer_input.experience_buffer.path='{d}' has no column 'teacher_answer' "
-        f"(buffer.trainer_input.experience_buffer.format.response_key); its columns are ['answer', 'question']. "
-        f"Add the column to the data, or set buffer.trainer_input.experience_buffer.format.response_key to the "
-        f"column that holds it."
+        f"(buffer.trainer_input.experience_buffer.format.response_key, set by "
+        f"stages.0.buffer.trainer_input.experience_buffer.format.response_key); its columns are ['answer', "
+        f"'question']. Add the column to the data, or set "
+        f"stages.0.buffer.trainer_input.experience_buffer.format.response_key to the column that holds it."
     )
 
 
@@ -404,6 +405,35 @@ def test_a_bad_taskset_path_is_named_by_the_key_the_user_set(tmp_path):
     msg = plan_error(tmp_path, "buffer.explorer_input.generator=null", "buffer.explorer_input.taskset.path=/nowhere/data")
     assert msg.startswith("stage sft_warmup: buffer.explorer_input.taskset.path (read by "
                           "buffer.trainer_input.experience_buffer.path)='/nowhere/data': no such file or directory.")
+
+
+def test_a_column_a_stage_names_is_named_by_the_key_that_sets_it(tmp_path):
+    # the warm-up's entry sets its response_key (teacher_answer) itself and its prompt_key as the
+    # taskset's: the message said "or set buffer.trainer_input.experience_buffer.format.response_key",
+    # which the stage's own value overrides, so the same error came back (the dry run's message:
+    # test_a_dataset_missing_a_column_a_stage_needs_fails_the_dry_run)
+    from rft.runtime.main import dataset_size, split_stages
+
+    data = write_jsonl(tmp_path / "d" / "train.jsonl", [{"q": "1+1", "a": "2"}, {"a": "3"}])
+    where = "buffer.trainer_input.experience_buffer"
+    ts = "buffer.explorer_input.taskset.format"
+
+    def error(*overrides):
+        stages, sources = split_stages(compose_cfg(
+            ["buffer.explorer_input.generator=null", f"buffer.explorer_input.taskset.path={data.parent}",
+             f"{ts}.prompt_key=q", f"{ts}.response_key=a", "buffer.explorer_input.eval_tasksets=[]", *overrides]))
+        with pytest.raises(rft.runtime.main.ConfigError) as e:
+            dataset_size(stages[0], sources[0])
+        return str(e.value)
+
+    assert error() == (
+        f"{where}.path='{data.parent}' has no column 'teacher_answer' ({where}.format.response_key, set by "
+        f"stages.0.{where}.format.response_key); its columns are ['a', 'q']. Add the column to the data, or set "
+        f"stages.0.{where}.format.response_key to the column that holds it.")
+    # row 1 has no prompt: the key to change is the taskset's, which the stage reads
+    assert error(f"stages.0.{where}.format.response_key=a") == (
+        f"{where}: row 1 (line 2 of its JSONL file) of '{data.parent}' has no 'q' (format.prompt_key); its keys "
+        f"are ['a']. Fix the row (or leave it out), or set {ts}.prompt_key to the column that holds it.")
 
 
 @pytest.mark.parametrize("overrides,message", [

@@ -543,25 +543,28 @@ def check_columns(rows, fmt, where: str, path: str, pairs: bool = False, sources
     elif fmt.response_key:
         keys.append(("response_key", fmt.response_key))
     columns = list(rows.column_names)
+    sources = sources or {}
     for name, col in keys:
         if col not in columns:
             key = f"{where}.format.{name}"
-            via = f" (it is {sources[key]})" if sources and key in sources else ""
+            fix = sources.get(key, key)
+            via = f", set by {fix}" if fix != key else ""
             raise ConfigError(
                 f"{where}.path={path!r} has no column {col!r} ({key}{via}); its columns are "
-                f"{sorted(columns)}. Add the column to the data, or set {key} to the column that holds it."
+                f"{sorted(columns)}. Add the column to the data, or set {fix} to the column that holds it."
             )
     for name, col in keys if every_row else []:
         values = rows.data.column(col)  # load_rows' dataset: its arrow table, row for row
+        fix = sources.get(f"{where}.format.{name}")
         if values.null_count:  # a JSONL row without the key reads as null
             import pyarrow.compute as pc
 
             i = pc.index(pc.is_null(values), True).as_py()
-            raise ConfigError(missing_value(where, path, i, col, name, rows[i]))
+            raise ConfigError(missing_value(where, path, i, col, name, rows[i], fix))
         # a blank response teaches the model to say nothing, a blank prompt asks it nothing
         empty = _empty_rows(values)
         if empty:
-            raise ConfigError(empty_values(where, path, name, col, empty, len(rows)))
+            raise ConfigError(empty_values(where, path, name, col, empty, len(rows), fix))
 
 
 def _empty_rows(values) -> list[int]:
@@ -578,11 +581,12 @@ def _empty_rows(values) -> list[int]:
     return pc.indices_nonzero(pc.fill_null(blank, False)).to_pylist()
 
 
-def missing_value(where: str, path: str, index: int, col: str, name: str, row: dict) -> str:
-    """The message for a row of a training dataset without a value in column `col` (format.`name`)."""
+def missing_value(where: str, path: str, index: int, col: str, name: str, row: dict, fix: str | None = None) -> str:
+    """The message for a row of a training dataset without a value in column `col` (format.`name`);
+    `fix`: the key that sets that column, where it is not {where}.format.{name} (a stage's own)."""
     return (f"{where}: {_line_hint(path, index)} of {path!r} has no {col!r} (format.{name}); its keys are "
             f"{sorted(k for k, v in row.items() if v is not None)}. Fix the row (or leave it out), or set "
-            f"{where}.format.{name} to the column that holds it.")
+            f"{fix or f'{where}.format.{name}'} to the column that holds it.")
 
 
 def _line_hint(path: str, index: int) -> str:
@@ -649,7 +653,8 @@ def load_tasks(ts_cfg, where: str) -> list[Task]:
     return tasks
 
 
-def empty_values(where: str, path: str, key: str, column: str, empty: list[int], total: int) -> str:
+def empty_values(where: str, path: str, key: str, column: str, empty: list[int], total: int,
+                 fix: str | None = None) -> str:
     """The message for rows whose prompt (or, in a training dataset, response) in `column`
     (format.`key`) is empty or blank. Any is an error, not a share: a blank prompt asks the model
     nothing but the chat template's scaffolding, and its answers are scored as if it were asked the
@@ -659,5 +664,5 @@ def empty_values(where: str, path: str, key: str, column: str, empty: list[int],
     rows = ", ".join(str(i) for i in empty[:5]) + more
     lines = f" (lines {', '.join(str(i + 1) for i in empty[:5])}{more} of the file)" if path.endswith(".jsonl") else ""
     return (f"{where}: {len(empty)} of the {total} rows of {path!r} have an empty {what} in {column!r} "
-            f"(format.{key}): rows {rows}{lines}. Fill or remove those rows, or set {where}.format.{key} to the "
-            f"column that holds the {what}s.")
+            f"(format.{key}): rows {rows}{lines}. Fill or remove those rows, or set {fix or f'{where}.format.{key}'} "
+            f"to the column that holds the {what}s.")

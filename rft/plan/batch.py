@@ -99,15 +99,17 @@ def _merge_problem(e: OmegaConfBaseException) -> str:
 
 
 def stage_sources(cfg: DictConfig) -> list[dict[str, str]]:
-    """Per stage, the keys its dict sets by interpolation ({key: "${other.key}"}), so that an error
-    about a value can name the key the user set (the warm-up's dataset path is the taskset's)."""
+    """Per stage, the key the user sets for each key its dict sets, so that an error about a value
+    names a key that changes it: the other key of an interpolation ({key: "${other.key}"}: the
+    warm-up's dataset path is the taskset's), else the stage's own, `stages.<i>.<key>` (the
+    warm-up's response_key: the same key at the top level is overridden by the stage's)."""
     from rft.config import flat
 
     out = []
-    for stage in cfg.stages or [{}]:
+    for i, stage in enumerate(cfg.stages or [{}]):
         raw = OmegaConf.to_container(stage, resolve=False) if isinstance(stage, DictConfig) else {}
-        out.append({k: v[2:-1] for k, v in flat(raw).items()
-                    if isinstance(v, str) and v.startswith("${") and v.endswith("}")})
+        out.append({k: v[2:-1] if isinstance(v, str) and v.startswith("${") and v.endswith("}") else f"stages.{i}.{k}"
+                    for k, v in flat(raw).items()})
     return out
 
 
