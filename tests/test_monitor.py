@@ -285,3 +285,17 @@ def test_an_mlflow_server_that_does_not_answer_is_one_paragraph_within_seconds(t
                                           "API request to http://127.0.0.1:1/"):
         start_trackers(cfg, tmp_path, "grpo", 0)
     assert time.monotonic() - t0 < 60  # MLflow's own retries took 4 minutes
+
+
+def test_a_step_that_logged_no_reward_shows_none_on_the_console(tmp_path, capsys):
+    """A step whose every task failed logs no reward (rft.rollout.explorer.rollout_metrics): its
+    line showed the last step's reward.mean as if it were this one's. An eval's value is shown
+    until the next eval, as before."""
+    monitor = Monitor(_cfg(), _new(tmp_path, "a"), 3, 0, "grpo")
+    monitor.log(1, {"reward/mean": 0.5, "eval/accuracy": 0.25, "loss/policy": 0.1})
+    monitor.log(2, {"rollout/experiences": 0, "rollout/failed_tasks": 4})
+    monitor.log(3, {"reward/mean": 0.75, "loss/policy": 0.2})
+    monitor.close()
+    assert capsys.readouterr().out.splitlines() == ["[grpo] step 1/3  reward.mean=0.5 eval.accuracy=0.25 loss.policy=0.1",
+                                                    "[grpo] step 2/3  eval.accuracy=0.25",
+                                                    "[grpo] step 3/3  reward.mean=0.75 eval.accuracy=0.25 loss.policy=0.2"]

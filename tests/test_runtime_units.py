@@ -687,8 +687,11 @@ def test_rollout_metrics_by_hand():
     assert m["rollout/tokens_per_s"] == 6.0  # 12 tokens in 2 s
     one = rollout_metrics(exps[:1], [exps[:1]], {}, 1.0)
     assert one["reward/std"] == 0.0 and one["reward/mean"] == 1.0
-    none = rollout_metrics([], [], {}, 1.0)
-    assert none["reward/mean"] == 0.0 and none["rollout/experiences"] == 0
+    # a step whose every task failed scored nothing: no reward or length is logged for it (a 0 would
+    # read as a real reward in every plot, report and sweep objective), only what went wrong
+    none = rollout_metrics([], [], {"failed_tasks": 4}, 1.0)
+    assert none["rollout/experiences"] == 0 and none["rollout/failed_tasks"] == 4
+    assert not [k for k in none if k.startswith(("reward/", "response_length/"))]
 
 
 def test_rollout_metrics_split_the_length_by_correctness():

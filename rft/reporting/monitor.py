@@ -103,6 +103,9 @@ class Monitor:
         self.file.flush()
         for tracker in self.trackers:
             tracker.log(step, metrics)
+        # an eval's values are shown until the next eval; any other value is this step's or none (a
+        # step whose every task failed logs no reward, and must not show the step before's)
+        self.shown = {k: v for k, v in self.shown.items() if k.startswith("eval/")}
         self.shown.update({k: metrics[k] for k in self.keys if k in metrics})
         shown = {k.replace("/", "."): f"{self.shown[k]:.3g}" for k in self.keys if k in self.shown}
         if self.bar is not None:

@@ -195,15 +195,19 @@ def run_jobs(fn, jobs: list, runners: int, timeout: float, retries: int,
 def rollout_metrics(exps: list, groups: list, counters: dict, elapsed: float) -> dict:
     """Metrics of one step's rollouts (from all explorers)."""
     # plain Python, not torch: the runner computes these in a process that never imports torch
-    rewards = [float(e.reward) for e in exps] or [0.0]
-    lengths = [e.response_length for e in exps] or [0]
-    m = {
+    rewards = [float(e.reward) for e in exps]
+    lengths = [e.response_length for e in exps]
+    # a step whose every task failed scored nothing: it logs no reward (a 0 there would read as a
+    # real reward in plots, reports and a sweep's objective), only the failure counts below
+    m = {} if not exps else {
         "reward/mean": math.fsum(rewards) / len(rewards),
         "reward/std": statistics.stdev(rewards) if len(exps) > 1 else 0.0,  # n - 1 in the denominator
         "reward/min": min(rewards),
         "reward/max": max(rewards),
         "response_length/mean": sum(lengths) / len(lengths),
         "response_length/max": float(max(lengths)),
+    }
+    m |= {
         "rollout/truncated_frac": sum(e.info.get("finish_reason") == "length" for e in exps) / max(len(exps), 1),
         "rollout/tokens_per_s": sum(lengths) / max(elapsed, 1e-9),
         "rollout/zero_variance_group_frac": sum(map(_flat, groups)) / max(len(groups), 1),
