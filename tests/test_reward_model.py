@@ -307,3 +307,32 @@ def test_a_ray_worker_that_does_not_load_is_a_config_error_naming_key_and_path(t
     assert str(e.value).startswith(f"buffer.explorer_input.taskset.reward_fn[1].args: the reward model worker "
                                    f"{workers[0].name} for '{tmp_path}/nothing' did not start: reward model "
                                    f"model_path='{tmp_path}/nothing' could not be loaded as kind=classifier")
+
+
+def test_a_dead_worker_is_named_with_its_log_not_as_rays_bare_error(monkeypatch):
+    """The worker's process killed (by the OOM killer, a SIGKILL): each group's call raised Ray's
+    ActorDiedError, a dozen lines of Ray's text that named neither the reward part nor where to
+    look, and the run's last message said to fix the reward function. It is one line naming the
+    worker, its model and its log; the task is retried, then counted as failed (never scored 0)."""
+    import ray
+    import ray.exceptions
+
+    import rft.rewards.reward_model as rm
+
+    monkeypatch.setattr(rm, "_in_ray_actor", lambda: True)  # an explorer's client: the worker is an actor
+    client = RewardModelReward("/models/rm")
+    client._actor = SimpleNamespace(run=SimpleNamespace(remote=lambda *args: "a future"))
+
+    def dead(future, *args, **kwargs):
+        raise ray.exceptions.ActorDiedError()
+
+    monkeypatch.setattr(ray, "get", dead)
+    task = SimpleNamespace(task_id="0", answer="357", row={}, messages=[])
+    with pytest.raises(RuntimeError) as e:
+        client("042+315=", ["357", "358"], task)
+    assert str(e.value) == (
+        f"the reward model worker {client.name} (model_path '/models/rm') died: ActorDiedError: The actor died "
+        f"unexpectedly before finishing this task. Ray restarts it up to cluster.max_actor_restarts times (the "
+        f"task is retried meanwhile, explorer.max_retry_times); why it died is in its log, "
+        f"<stage>/log/{client.name}.log (or the system's, for the OOM killer).")
+    assert client.take_counters() == {"failures": 1}

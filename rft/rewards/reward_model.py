@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
 
 from rft.errors import ConfigError
@@ -312,16 +313,36 @@ class RewardModelReward:
             import ray
 
             return ray.get(self._remote().run.remote("score", *args))
-        except Exception:
+        except Exception as e:
             with self._lock:
                 self._failures += 1
+            if self._local is None and _actor_died(e):
+                raise self._died(e) from None
             raise
+
+    def _died(self, e: Exception) -> RuntimeError:
+        """The worker's process died: one line naming it, its model and its log (Ray's own error is a
+        dozen lines naming neither the reward part nor where to look)."""
+        first = next((line.strip() for line in str(e).splitlines() if line.strip()), "")
+        return RuntimeError(
+            f"the reward model worker {self.name} (model_path {self.args['model_path']!r}) died: "
+            f"{type(e).__name__}: {first} Ray restarts it up to cluster.max_actor_restarts times (the task is "
+            f"retried meanwhile, explorer.max_retry_times); why it died is in its log, <stage>/log/{self.name}.log "
+            f"(or the system's, for the OOM killer)."
+        )
 
     def take_counters(self) -> dict:
         """Calls that raised since the last take (each is retried, then its task fails)."""
         with self._lock:
             n, self._failures = self._failures, 0
         return {"failures": n}
+
+
+def _actor_died(e: Exception) -> bool:
+    """Ray's error for an actor whose process died (or is being restarted); ray is imported already
+    where one can be raised."""
+    exceptions = sys.modules.get("ray.exceptions")
+    return exceptions is not None and isinstance(e, exceptions.RayActorError)
 
 
 def _question(task, prompt: str) -> str:
