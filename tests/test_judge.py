@@ -156,3 +156,25 @@ def test_bad_args_fail_when_built():
         JudgeReward(base_url="127.0.0.1:8001", model="m")
     with pytest.raises(ConfigError, match=r"args has \['temprature'\], which judge does not take"):
         build([{"fn": "judge", "args": {"base_url": "http://x/v1", "model": "m", "temprature": 0}}], "reward_fn")
+
+
+def test_a_reply_without_text_fails_the_task_instead_of_scoring_0():
+    """A reasoning judge out of max_tokens before its answer replies with content null (OpenAI,
+    vLLM's reasoning parser), a tool-calling one with content null and tool_calls: each was an
+    "unparsed" 0, so a judge cut short on every reply gave every response 0, trained on as real
+    rewards. Now the task fails (retried, then counted), saying why; a text without a score is
+    still an unparsed 0, as documented."""
+    app = FastAPI()
+
+    @app.post("/v1/chat/completions")
+    def complete(body: dict):
+        return {"choices": [{"index": 0, "finish_reason": "length",
+                             "message": {"role": "assistant", "content": None, "reasoning_content": "Let me"}}]}
+
+    with serving_app(app) as url:
+        judge = JudgeReward(base_url=url + "/v1", model="m", api_key="JUDGE_TEST_KEY", max_tokens=8)
+        with pytest.raises(ValueError) as e:
+            judge("p", ["357", "358"], TASK)
+        assert judge.take_counters() == {"requests": 2, "retries": 0, "timeouts": 0, "failures": 2, "unparsed": 0}
+    assert str(e.value) == (f"POST {url}/v1/chat/completions: the judge's reply has no text (content None, "
+                            f"finish_reason 'length': it ran out of max_tokens=8 before its answer; raise max_tokens)")

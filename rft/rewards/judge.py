@@ -112,8 +112,9 @@ class JudgeReward:
                          as the `remote` reward's (rft.rewards.remote.RemoteReward); defaults 60 s, 3,
                          0.5 s, 8 s, 8 requests in flight
 
-    A reply the parser cannot read scores 0 and is counted (`unparsed`); a request that fails after
-    its retries fails the task (the explorer retries it, then counts it). Counters, logged as
+    A reply the parser cannot read scores 0 and is counted (`unparsed`); a reply with no text (content
+    null: a reasoning judge out of max_tokens, a tool call) and a request that fails after its
+    retries fail the task (the explorer retries it, then counts it). Counters, logged as
     reward/<part>/<counter>: requests (one per response), retries, timeouts, failures, unparsed.
     """
 
@@ -162,11 +163,17 @@ class JudgeReward:
     def score_one(self, prompt: str, response: str, task) -> float:
         answer = self.http.request("POST", self.url, json_body=self.body(prompt, response, task))
         try:
-            reply = answer["choices"][0]["message"]["content"]
+            choice = answer["choices"][0]
+            reply = choice["message"]["content"]
         except (KeyError, IndexError, TypeError):
             self.http.count("failures")
             raise ValueError(f"POST {self.url}: not a chat completion: {str(answer)[:300]}") from None
-        value = self.parse(reply, self.max_score) if isinstance(reply, str) else None
+        if not isinstance(reply, str):
+            # no text to grade (a reasoning judge cut short, a tool call): scored 0 it would count
+            # as a real grade, the same for every response of a judge that is always cut short
+            self.http.count("failures")
+            raise ValueError(f"POST {self.url}: the judge's reply has no text ({_why_no_text(reply, choice, self.max_tokens)})")
+        value = self.parse(reply, self.max_score)
         if value is None:
             with self._lock:
                 self._unparsed += 1
@@ -196,6 +203,16 @@ class JudgeReward:
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
         self.http.close()
+
+
+def _why_no_text(reply, choice, max_tokens) -> str:
+    """What a chat completion without a text reply says about why."""
+    finish = choice.get("finish_reason") if isinstance(choice, dict) else None
+    why = f"content {str(reply)[:100]}, finish_reason {finish!r}"
+    if finish == "length":
+        limit = f"max_tokens={max_tokens}" if max_tokens else "the server's default max_tokens"
+        return f"{why}: it ran out of {limit} before its answer; raise max_tokens"
+    return why
 
 
 def _parser(parse):
