@@ -406,3 +406,23 @@ def test_the_plan_read_as_plain_yaml_is_omegaconfs(tmp_path, monkeypatch):
     monkeypatch.undo()
     with pytest.raises(report._NotPlain):
         report._plain_plan({"stages": [{"stage_name": "${oc.env:X,a}"}]})
+
+
+def test_a_diverged_seed_and_a_damaged_log_leave_the_report_whole(tmp_path):
+    """One seed's last reward/mean is NaN (json writes a diverged float as NaN) and another seed's
+    metrics.jsonl holds bytes that are not UTF-8 (damage, mid-file): the first made statistics.stdev
+    raise AttributeError and the second UnicodeDecodeError, and the sweep had no report at all. The
+    NaN is shown as such, mean and std of its configuration too; the damaged line is left out."""
+    d = tmp_path / "seeds"
+    write_job(d, 0, ["seed=1"], "grpo", {"sft_warmup": SFT, "grpo": GRPO})
+    write_job(d, 1, ["seed=2"], "grpo", {"sft_warmup": SFT, "grpo": [*GRPO[:3], {**GRPO[3], "reward/mean": float("nan")}]})
+    write_job(d, 2, ["seed=3"], "grpo", {"sft_warmup": SFT, "grpo": GRPO})
+    log = d / "2" / "grpo" / "metrics.jsonl"
+    lines = log.read_bytes().splitlines(keepends=True)
+    log.write_bytes(b"".join([*lines[:2], b'{"step": 9, "reward/mean": 0.\xff\xfe}\n', *lines[2:]]))
+    table, by_config = tables(report.report(d)["md"])
+    # final reward/mean, final and best eval/accuracy (0.5; best 0.6 at step 2), time: 3 x 2 + 2 x 1 + 0.5 = 8.5
+    assert table[2:] == ["| 0 | 1 | grpo | done | 3 | 0.700 | 0.500 | 0.600 | 2 | 8.500 |",
+                         "| 1 | 2 | grpo | done | 3 | nan | 0.500 | 0.600 | 2 | 8.500 |",
+                         "| 2 | 3 | grpo | done | 3 | 0.700 | 0.500 | 0.600 | 2 | 8.500 |"]
+    assert by_config[2:] == ["| 1,2,3 | grpo | done | 3 | nan ± nan | 0.500 ± 0.000 | 0.600 ± 0.000 | 8.500 ± 0.000 |"]

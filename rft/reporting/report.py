@@ -245,7 +245,8 @@ def is_row(m) -> bool:
 def read_jsonl(path: Path) -> list[dict]:
     """metrics.jsonl, leaving out a line a killed job cut short."""
     out = []
-    for line in path.read_text().splitlines():
+    # bytes that are not UTF-8 (damage from elsewhere) make their line unreadable, not the whole report
+    for line in path.read_text(errors="replace").splitlines():
         try:
             out.append(json.loads(line))
         except json.JSONDecodeError:
@@ -422,7 +423,13 @@ def mean_std(values: list) -> tuple[float | None, float | None]:
     values = [v for v in values if v is not None]
     if not values:
         return None, None
-    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else None
+    return statistics.fmean(values), _stdev(values) if len(values) > 1 else None
+
+
+def _stdev(values: list) -> float:
+    """The sample std; NaN where a value is NaN or infinite (a diverged seed), where statistics.stdev
+    raises (AttributeError on a NaN)."""
+    return statistics.stdev(values) if all(math.isfinite(v) for v in values) else math.nan
 
 
 def group_rows(gs: list[list[Job]], keys: list[str], table: list[dict]) -> list[dict]:
@@ -507,7 +514,7 @@ def mean_curve(js: list[Job], key: str) -> tuple[list[int], list[float], list[fl
         return None
     values = [[s[t] for s in series] for t in steps]
     return (steps, [statistics.fmean(v) for v in values],
-            [statistics.stdev(v) if len(v) > 1 else 0.0 for v in values], len(series))
+            [_stdev(v) if len(v) > 1 else 0.0 for v in values], len(series))
 
 
 def plot(jobs: list[Job], keys: list[str], title: str, metrics: list[str] | None = None, group: bool = True):
