@@ -436,6 +436,19 @@ def test_a_column_a_stage_names_is_named_by_the_key_that_sets_it(tmp_path):
         f"are ['a']. Fix the row (or leave it out), or set {ts}.prompt_key to the column that holds it.")
 
 
+def test_a_plan_error_about_a_key_a_stage_sets_names_the_stages_key(tmp_path):
+    # a shorter warm-up than its 50 warm-up steps: the message named algorithm.optimizer.warmup_steps,
+    # which set at the top level is overridden by the model's warm-up entry (the same error again)
+    assert plan_error(tmp_path, "dry_run=true", "stages.0.buffer.total_steps=30") == (
+        "stage sft_warmup: algorithm.optimizer.warmup_steps=50 must be between 0 and the run's 30 optimizer steps "
+        "(30 steps x 1 per step). The stage's own entry sets algorithm.optimizer.warmup_steps: change it there, "
+        "stages.0.algorithm.optimizer.warmup_steps (the same key outside the stage does not change it).")
+    # a key the stage does not set is the top-level one: no word more
+    assert plan_error(tmp_path, "dry_run=true", "stages=[]", "buffer.total_steps=4",
+                      "algorithm.optimizer.warmup_steps=5") == (
+        "algorithm.optimizer.warmup_steps=5 must be between 0 and the run's 4 optimizer steps (4 steps x 1 per step).")
+
+
 @pytest.mark.parametrize("overrides,message", [
     (["stages.0.mode=foo"], "stages[0].mode='foo' is not a mode; choose one of both, explore, train, bench."),
     (["model.max_response_tokens=0"], "stage sft_warmup: model.max_response_tokens=0 must be >= 1 (tokens)."),

@@ -122,8 +122,8 @@ def plan_jobs(config, config_name: str | None) -> str | None:
         HydraConfig.instance().cfg = saved
     try:
         sizes = job_sizes_in_child([(stages, sources) for _, stages, sources in planned])
-        for (i, stages, _), n in zip(planned, sizes):
-            _check_launch(config.hydra.launcher, stages, per_stage(checked_plan, stages, n))
+        for (i, stages, sources), n in zip(planned, sizes):
+            _check_launch(config.hydra.launcher, stages, per_stage(checked_plan, stages, n, sources))
     except ConfigError as e:
         i = planned[e.job][0] if hasattr(e, "job") else i
         return _job_error(i, own[i], e)

@@ -222,7 +222,7 @@ def plan_stages(cfg: DictConfig, isolated: bool = False) -> tuple[list, list, li
     datasets are read in a child process (`dataset_sizes_in_child`)."""
     stages, sources = split_stages(cfg)
     sizes = (dataset_sizes_in_child if isolated else dataset_sizes)(stages, sources)
-    plans = per_stage(checked_plan, stages, sizes)
+    plans = per_stage(checked_plan, stages, sizes, sources)
     run_dir = run_dir_of(cfg)
     return stages, plans, [run_dir / s.stage_name if s.stage_name else run_dir for s in stages]
 
@@ -251,15 +251,31 @@ def split_stages(cfg: DictConfig) -> tuple[list, list]:
     return stage_configs(cfg), stage_sources(cfg)
 
 
-def per_stage(fn, stages: list, args: list) -> list:
-    """fn(stage, arg) for each stage and its arg; a ConfigError names the stage."""
+def per_stage(fn, stages: list, args: list, sources: list | None = None) -> list:
+    """fn(stage, arg) for each stage and its arg; a ConfigError names the stage, and with the
+    stages' `sources` (split_stages) the stage's key of a `key=value` it names that the stage's own
+    entry sets."""
     out = []
-    for s, arg in zip(stages, args):
+    for i, (s, arg) in enumerate(zip(stages, args)):
         try:
             out.append(fn(s, arg))
         except ConfigError as e:
-            raise ConfigError(f"stage {s.stage_name}: {e}" if s.stage_name else str(e)) from e
+            message = str(e) + (_own_key_hint(str(e), sources[i]) if sources else "")
+            raise ConfigError(f"stage {s.stage_name}: {message}" if s.stage_name else message) from e
     return out
+
+
+def _own_key_hint(message: str, sources: dict) -> str:
+    """Where the first `key=value` of a message is set by the stage's entry (stages.<i>.<key>): a
+    setting of the same key outside the stage, as the message suggests, is overridden by it."""
+    import re
+
+    for key in re.findall(r"(?<![\w.])([a-z_]+(?:\.\w+)+)=", message):
+        own = sources.get(key, "")
+        if own.startswith("stages.") and own not in message:
+            return (f" The stage's own entry sets {key}: change it there, {own} (the same key outside the stage "
+                    f"does not change it).")
+    return ""
 
 
 def dataset_sizes(stages: list, sources: list) -> list[int]:
