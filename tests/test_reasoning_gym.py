@@ -185,3 +185,52 @@ def test_three_datasets_plan_and_a_weighted_mix_of_them_trains_a_step(tmp_path, 
     assert counts == {"basic_arithmetic": 13, "spell_backward": 5, "chain_sum": 2}  # seed 0's draw of 2:1:1
     per = {n: metrics[1][f"eval/reasoning_gym_test/dataset={n}/mean@1"] for n in counts}
     assert sum(counts[n] * per[n] for n in per) / len(test) == pytest.approx(metrics[1]["eval/accuracy"])
+
+
+def entry_task(name: str) -> Task:
+    """Task 0 of reasoning-gym's `name` (seed 1), as a row of task=reasoning_gym carries it."""
+    from rft.rewards.reasoning_gym import make_dataset
+
+    entry = make_dataset(name, {"seed": 1, "size": 1}, "test")[0]
+    return task_of({"question": entry["question"], "answer": entry["answer"], "dataset": name,
+                    "entry": json.dumps(entry, default=str), "dataset_config": json.dumps({"seed": 1, "size": 1})})
+
+
+def test_an_answer_a_scorer_evaluates_runs_nothing_and_forges_no_score(tmp_path):
+    """spiral_matrix's score_answer passes the answer to eval, puzzle24's and countdown's to sympy's
+    parse_expr (an eval too): measured before the fix, each created the file below from the
+    explorer's process. Scored in the confined child, they run nothing, score as a wrong answer of
+    their dataset (puzzle24 and countdown give 0.01 to any answer), and an answer that writes a
+    score line of its own does not become the reward (nor shift the next one)."""
+    pwned = tmp_path / "pwned"
+    attacks = [f"__import__('os').system('touch {pwned}')", f"open('{pwned}', 'w').write('x')",
+               "__import__('os').write(1, b'{\"score\": 1.0}\\n')", "breakpoint()", "[].__class__.__base__"]
+    for name, wrong in [("spiral_matrix", 0.0), ("puzzle24", 0.01), ("countdown", 0.01)]:
+        t = entry_task(name)
+        assert [reward("", f"<answer>{a}</answer>", t) for a in attacks] == [wrong] * len(attacks), name
+        assert reward("", f"<answer>{t.answer}</answer>", t) == 1.0
+    assert not pwned.exists()
+
+
+@pytest.mark.slow
+def test_a_power_tower_scores_0_and_the_next_answer_scores_as_before():
+    """`9**9**9**9` through countdown's parse_expr (sympy's exact integers) held the explorer's
+    process, GIL included, for good; in the child it is killed at timeout_seconds and scores 0, and
+    a new child scores the next answer."""
+    t = entry_task("countdown")
+    assert reward("", "<answer>9**9**9**9</answer>", t, timeout_seconds=1) == 0.0
+    assert reward("", f"<answer>{t.answer}</answer>", t) == 1.0
+
+
+def test_the_answer_tag_is_read_as_reasoning_gym_reads_it():
+    """answer_of finds what extract_answer's regex finds (the last non-overlapping
+    <answer>...</answer>, stripped), in one pass: the regex took seconds per 100 KB of unclosed tags."""
+    from reasoning_gym.utils import extract_answer
+
+    from rft.rewards.reasoning_gym import answer_of
+
+    for text in ["<answer> 7 </answer>", "<answer>1</answer> <answer>2</answer>", "<answer>1</answer><answer>2",
+                 "<answer><answer>3</answer>", "<answer>a\nb</answer>x", "</answer><answer>", "<answer></answer>",
+                 "no tag", "<answer>4</answer></answer>"]:
+        tagged = extract_answer(text)
+        assert answer_of(text) == (tagged if tagged is not None else text.strip()), text

@@ -79,7 +79,7 @@ def test_last_boxed_balances_braces():
 
 def test_math_from_worker_threads_agrees_with_the_main_thread():
     """The explorer calls rewards from threads, where math_verify's signal timeouts raise: there the
-    call runs in a child process (rft.rewards.verifiers._MathWorkers; two threads at once, two processes)
+    call runs in a child process (rft.rewards.workers.Workers; two threads at once, two processes)
     and gives the same scores."""
     cases = MATH_CASES[:8] + MATH_CASES[19:24]
     results = {}
@@ -289,3 +289,82 @@ def test_math_task_reads_a_local_math_file_and_its_reward_scores_the_rows(tmp_pa
     for t, right in zip(tasks + [test_task], MATH_RESPONSES):
         assert reward(t.messages[-1]["content"], right, t) == 1.0
         assert reward(t.messages[-1]["content"], r"\boxed{7}", t) == 0.0
+
+
+# ---------------------------------------------------------------- hostile responses
+
+class Scanned(str):
+    """A response that counts the characters its `find` calls pass over."""
+
+    scanned = 0
+
+    def find(self, sub, start=0, *rest):
+        i = str.find(self, sub, start, *rest)
+        Scanned.scanned += (len(self) if i < 0 else i + len(sub)) - start
+        return i
+
+
+def test_the_answer_tag_is_found_in_one_pass_over_the_response():
+    """countdown's `<answer>(.*?)</answer>` regex scanned to the end from every unclosed tag: 100 KB of
+    them took 4.4 s, 400 KB 75 s, in the explorer's process with the GIL held. `last_tagged` passes
+    over each character at most twice, and finds what the regex found."""
+    import re
+
+    from rft.rewards.verifiers import countdown_answer, last_tagged
+
+    for text in ["<answer>1+2</answer>", "a<answer>1</answer>b<answer>2</answer>c", "<answer>1</answer><answer>2",
+                 "<answer><answer>3</answer>", "<answer>\n4\n</answer>", "</answer><answer>", "none", ""]:
+        tags = re.findall(r"<answer>(.*?)</answer>", text, re.S)
+        assert countdown_answer(text) == (tags[-1] if tags else text), text
+    bomb = Scanned("<answer>" * 12_500)  # 100 KB
+    Scanned.scanned = 0
+    assert last_tagged(bomb) is None and countdown(None, bomb, task(None, numbers=[1, 2], target=3)) == 0.0
+    assert Scanned.scanned <= 2 * len(bomb)
+
+
+def run_confined(code: str, walls: str) -> dict:
+    """`code` (setting `out`) in a fresh interpreter behind `walls`: the syscall filter alone, or all of confine()."""
+    import subprocess
+    import sys
+
+    start = ("from rft.rewards.workers import _syscall_filter; _syscall_filter().load()" if walls == "kernel"
+             else "from rft.rewards.workers import confine; confine()")
+    prog = f"import json, os, socket, sys, threading\n{start}\nout = {{}}\n{code}\nsys.stderr.write(json.dumps(out))"
+    p = subprocess.run([sys.executable, "-c", prog], capture_output=True, text=True, timeout=60)
+    return json.loads(p.stderr.strip().splitlines()[-1])
+
+
+def attempt(name: str, what: str) -> str:
+    # the hook's refusal is a PermissionError too (rft.rewards.workers.Refused)
+    return (f"try:\n    {what}\n    out[{name!r}] = 'done'\nexcept Exception as e:\n"
+            f"    out[{name!r}] = 'PermissionError' if isinstance(e, PermissionError) else type(e).__name__\n")
+
+
+ESCAPES = [("exec", "os.execv('/bin/true', ['true'])"), ("fork", "os.fork() or os._exit(0)"),
+           ("socket", "socket.socket()"), ("write", "open('/tmp/rft-confined-' + str(os.getpid()), 'w')"),
+           ("signal", "os.kill(os.getppid(), 0)")]
+
+
+@pytest.mark.parametrize("walls", ["kernel", "all"])
+def test_a_scoring_child_cannot_exec_fork_connect_write_or_signal(walls):
+    """The walls of a scoring child (rft/rewards/workers.py), each alone: the syscall filter refuses
+    what got past the audit hook (EPERM: PermissionError); a thread still starts and a file still reads."""
+    code = "".join(attempt(n, w) for n, w in ESCAPES)
+    code += attempt("thread", "t = threading.Thread(target=int); t.start(); t.join()")
+    code += attempt("read", "open(os.__file__).read(10)")
+    out = run_confined(code, walls)
+    assert out == {**{n: "PermissionError" for n, _ in ESCAPES}, "thread": "done", "read": "done"}
+
+
+def test_a_scoring_child_compiles_expressions_only():
+    """The audit hook's rule for code a scorer compiles from the model's text: literals, names and
+    calls of names (a list answer, what parse_expr makes of `2*x + 1`), nothing that reaches an
+    attribute, a private or refused name, or a statement."""
+    from rft.rewards.workers import safe_source
+
+    for ok in ["[1, 2, 3]", "Integer (2 )*Symbol ('x' )+Integer (1 )", "{'a': (1, -2.5)}", "sin(x) ** 2 < 1",
+               b"['A', 'B']", "1 +"]:
+        assert safe_source(ok), ok
+    for bad in ["__import__('os')", "().__class__", "x[0]", "lambda: 1", "import os", "getattr(x, 'y')",
+                "open('f', 'w')", "breakpoint()", "[c for c in x]", "f(x)(y)", "_x", "print(1)"]:
+        assert not safe_source(bad), bad

@@ -20,6 +20,8 @@ import functools
 import json
 
 from rft.errors import ConfigError
+from rft.rewards.verifiers import last_tagged
+from rft.rewards.workers import NoWorker, Refused, Workers, serve
 
 EXTRA = "pip install -e '.[reasoning-gym]'"
 
@@ -80,16 +82,20 @@ def _scorer(name: str, kwargs_json: str):
 
 
 def answer_of(response: str) -> str:
-    """What is scored: the last <answer>...</answer> of the response, else all of it (stripped)."""
-    from reasoning_gym.utils import extract_answer
+    """What is scored: the last <answer>...</answer> of the response, else all of it (stripped).
 
-    tagged = extract_answer(response)
-    return tagged if tagged is not None else response.strip()
+    As reasoning-gym's `extract_answer` reads it, without its regex (`last_tagged`)."""
+    tagged = last_tagged(response)
+    return (tagged if tagged is not None else response).strip()
 
 
-def reasoning_gym(prompt: str, response: str, task) -> float:
+def reasoning_gym(prompt: str, response: str, task, timeout_seconds: float = 10.0) -> float:
     """The row's dataset's score_answer(answer, entry): 1.0 for a right answer, partial credit
-    where the dataset gives it (its own rules), 0.0 for a wrong one."""
+    where the dataset gives it (its own rules), 0.0 for a wrong one.
+
+    Scored in a confined child process (rft/rewards/workers.py), never in this one: several
+    datasets' scorers `eval` the answer or hand it to sympy's parse_expr. An answer the child
+    refuses to run, or one not scored within `timeout_seconds`, scores 0."""
     row = task.row or {}
     missing = [k for k in ("dataset", "entry", "dataset_config") if k not in row]
     if missing:
@@ -98,5 +104,38 @@ def reasoning_gym(prompt: str, response: str, task) -> float:
             f"generator=reasoning_gym); this row lacks {missing} (task {task.task_id})"
         )
     library()
-    dataset = _scorer(row["dataset"], row["dataset_config"])
-    return float(dataset.score_answer(answer_of(str(response)), json.loads(row["entry"])))
+    name, config = str(row["dataset"]), str(row["dataset_config"])
+    try:
+        out = _WORKERS.call([name, config, str(row["entry"]), answer_of(str(response))], timeout_seconds,
+                            setup=name + config)
+    except TimeoutError:
+        return 0.0
+    except NoWorker as e:  # never in this process: its scorers run the model's text
+        raise RuntimeError(f"the reasoning_gym reward scores in a child process, and {e}") from None
+    if "error" in out:
+        raise ValueError(f"the reasoning_gym reward, dataset {name!r} (task {task.task_id}): {out['error']}")
+    return float(out["score"])
+
+
+def _score(name: str, config: str, entry: str, answer: str) -> dict:
+    """In the child: {"score": x}; a refused answer scores 0; any other error is the caller's."""
+    try:
+        dataset = _scorer(name, config)
+        entry = json.loads(entry)
+    except Exception as e:
+        return {"error": f"{type(e).__name__}: {e}"}
+    try:
+        return {"score": float(dataset.score_answer(answer, entry))}
+    except Refused:  # the answer tried what no scorer needs (rft/rewards/workers.py)
+        return {"score": 0.0}
+    except Exception as e:
+        return {"error": f"its score_answer raised {type(e).__name__}: {e}"}
+
+
+def _worker() -> None:
+    """A scoring child: the package (every dataset's module, sympy) loads before it is confined."""
+    library()
+    serve(_score)
+
+
+_WORKERS = Workers("rft.rewards.reasoning_gym:_worker")

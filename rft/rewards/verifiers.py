@@ -20,22 +20,15 @@ This module imports nothing heavy: `math_verify` (and sympy) load on the first `
 from __future__ import annotations
 
 import ast
-import atexit
 import functools
-import json
 import logging
-import os
 import re
-import select
-import subprocess
-import sys
 import threading
-import time
 from collections import Counter
 from fractions import Fraction
-from pathlib import Path
 
 from rft.registry import Registry
+from rft.rewards.workers import NoWorker, Workers, serve
 
 log = logging.getLogger(__name__)
 
@@ -137,128 +130,20 @@ def _math_score(reference: str, response: str, timeout: int | None) -> float:
     return float(verify(gold, pred, timeout_seconds=timeout))
 
 
-class _NoWorker(Exception):
-    pass
-
-
-class _MathWorkers:
-    """Child processes that run `_math_score`, for callers off the main thread.
-
-    math_verify bounds its work with signal.alarm, which works only in a process's main thread
-    (elsewhere it raises ValueError), and the explorer scores on worker threads. Without a
-    timeout a thread is not safe either: an answer such as `9^{9^{9}}` or `\\binom{10^9}{5\\cdot10^8}`
-    makes sympy compute a huge integer in C while holding the GIL, which freezes the whole process
-    (explorer.max_timeout included, since its watchdog is a thread too). So such a call goes to a
-    child process, started on first use and kept for the next call: the child runs math_verify in
-    its main thread with its own timeouts, and if it still has not answered within the call's
-    `timeout_seconds`, it is killed and the answer scores 0. At most one child per CPU core this
-    process may use (the work is CPU-bound; each child holds sympy, ~100 MB): more concurrent
-    callers wait for a free one, and that wait is not part of their timeout. Requests and answers
-    are JSON lines over the child's stdin and stdout.
-    """
-
-    START_TIMEOUT = 120.0  # importing sympy in a fresh process, on a loaded machine
-
-    def __init__(self):
-        self._lock = threading.Lock()
-        self._idle: list[subprocess.Popen] = []
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-        self._slots = threading.Semaphore(max(1, cores or 1))
-        self._pid = os.getpid()
-        self._registered = False
-
-    def score(self, reference: str, response: str, timeout_seconds: float) -> float:
-        with self._slots:
-            proc = self._take()
-            try:
-                proc.stdin.write((json.dumps([reference, response, _op_timeout(timeout_seconds)]) + "\n").encode())
-                proc.stdin.flush()
-                score = float(json.loads(_read_line(proc.stdout.fileno(), time.monotonic() + timeout_seconds)))
-            except Exception:  # past its time (or the child died): stop it, the answer is not accepted
-                _stop(proc)
-                return 0.0
-            with self._lock:
-                self._idle.append(proc)
-            return score
-
-    def _take(self) -> subprocess.Popen:
-        with self._lock:
-            if os.getpid() != self._pid:  # a forked copy of this process: the children are not ours
-                self._idle, self._pid = [], os.getpid()
-            while self._idle:
-                proc = self._idle.pop()
-                if proc.poll() is None:
-                    return proc
-            if not self._registered:
-                atexit.register(self.close)
-                self._registered = True
-        root = str(Path(__file__).resolve().parents[2])
-        code = f"import sys; sys.path.insert(0, {root!r}); from rft.rewards.verifiers import _math_worker; _math_worker()"
-        try:
-            proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-        except OSError as e:
-            raise _NoWorker(f"no math_verify worker process could start ({e})") from e
-        try:
-            if _read_line(proc.stdout.fileno(), time.monotonic() + self.START_TIMEOUT) != b"ready\n":
-                raise EOFError
-        except Exception as e:
-            _stop(proc)
-            raise _NoWorker(f"the math_verify worker process did not start ({type(e).__name__}; its "
-                            f"error, if any, is on stderr)") from e
-        return proc
-
-    def close(self) -> None:
-        with self._lock:
-            idle, self._idle = self._idle, []
-        for proc in idle:
-            _stop(proc)
-
-
 def _op_timeout(timeout_seconds: float) -> int:
     # signal.alarm takes whole seconds; a call parses and compares a few times, each bounded by this
     return max(1, int(timeout_seconds / 4))
 
 
-def _read_line(fd: int, deadline: float) -> bytes:
-    buf = b""
-    while not buf.endswith(b"\n"):
-        left = deadline - time.monotonic()
-        if left <= 0 or not select.select([fd], [], [], left)[0]:
-            raise TimeoutError
-        chunk = os.read(fd, 4096)
-        if not chunk:
-            raise EOFError
-        buf += chunk
-    return buf
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    proc.kill()
-    proc.wait()
-    for f in (proc.stdin, proc.stdout):
-        if f:
-            f.close()
-
-
 def _math_worker() -> None:
-    """A `_MathWorkers` child: one `[reference, response, timeout]` JSON line in, one score out."""
-    out, sys.stdout = sys.stdout, sys.stderr  # whatever a library prints must not break the protocol
+    """A math scoring child (rft/rewards/workers.py): `[reference, response, timeout]` in, a score out."""
     logging.getLogger("math_verify").setLevel(logging.ERROR)  # its timeouts score 0, no warning each
     _math_score("1", "\\boxed{1}", 5)  # sympy and the LaTeX parser load before "ready", not in a call's time
-
-    out.write("ready\n")
-    out.flush()
-    for line in sys.stdin:  # ends when the parent closes the pipe or dies
-        try:
-            reference, response, timeout = json.loads(line)
-            score = _math_score(reference, response, timeout)
-        except BaseException:  # math_verify's TimeoutException is a BaseException
-            score = 0.0
-        out.write(json.dumps(score) + "\n")
-        out.flush()
+    serve(_math_score)
 
 
-_WORKERS = _MathWorkers()
+# off the main thread, math_verify runs in child processes killed when late (rft/rewards/workers.py)
+_WORKERS = Workers("rft.rewards.verifiers:_math_worker")
 
 
 def math(prompt: str, response: str, task, timeout_seconds: float = 10.0) -> float:
@@ -276,7 +161,7 @@ def math(prompt: str, response: str, task, timeout_seconds: float = 10.0) -> flo
     Never raises: an answer that does not parse, a last box never closed, or a comparison that
     runs out of time scores 0. `timeout_seconds` bounds one call: in a process's main thread it
     goes to math_verify's own (signal.alarm) timeouts; on any other thread (the explorer's reward
-    runners) the call runs in a child process that is killed when it is late (`_MathWorkers`).
+    runners) the call runs in a child process that is killed when it is late (rft/rewards/workers.py).
     """
     if task.answer is None or response is None:
         return 0.0
@@ -285,8 +170,10 @@ def math(prompt: str, response: str, task, timeout_seconds: float = 10.0) -> flo
     if threading.current_thread() is threading.main_thread():
         return _guarded(reference, response, _op_timeout(timeout_seconds))
     try:
-        return _WORKERS.score(reference, response, timeout_seconds)
-    except _NoWorker as e:
+        return float(_WORKERS.call([reference, response, _op_timeout(timeout_seconds)], timeout_seconds) or 0.0)
+    except TimeoutError:  # past its time: the answer is not accepted
+        return 0.0
+    except NoWorker as e:
         log.warning("math reward: %s; scoring in this thread, without a timeout", e)
         return _guarded(reference, response, None)
 
@@ -311,7 +198,6 @@ def _guarded(reference: str, response: str, timeout: int | None) -> float:
 # ---------------------------------------------------------------- countdown
 
 _COUNTDOWN_CHARS = re.compile(r"[0-9+\-*/() ]+")
-_ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.S)
 _COUNTDOWN_MAX_CHARS = 200
 _OPS = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: lambda a, b: a * b,
         ast.Div: lambda a, b: a / b}
@@ -394,10 +280,24 @@ def check_countdown(expression: str, numbers, target, integer_steps: bool = Fals
     return (1.0, "ok") if got == Fraction(target) else (0.0, "wrong value")
 
 
+def last_tagged(text: str, tag: str = "answer") -> str | None:
+    """The content of the last `<tag>...</tag>` in `text` (as the last match of the regex
+    `<tag>(.*?)</tag>`, DOTALL, would find it), None when there is none. One pass of `str.find`:
+    that regex took 4 s on 100 KB of unclosed `<answer>` tags (each start scans to the end), in
+    the explorer's process, holding the GIL."""
+    tagged, pos, opening, closing = None, 0, f"<{tag}>", f"</{tag}>"
+    while (start := text.find(opening, pos)) >= 0:
+        end = text.find(closing, start + len(opening))
+        if end < 0:
+            break
+        tagged, pos = text[start + len(opening) : end], end + len(closing)
+    return tagged
+
+
 def countdown_answer(response: str) -> str:
     """The expression in a response: the last `<answer>...</answer>` if there is one, else all of it."""
-    tags = _ANSWER_TAG.findall(response)
-    return tags[-1] if tags else response
+    tagged = last_tagged(response)
+    return response if tagged is None else tagged
 
 
 def countdown(prompt: str, response: str, task, integer_steps: bool = False) -> float:
@@ -440,9 +340,9 @@ ANSWERS = {
 
 
 def _reasoning_gym_answer(response: str) -> str | None:
-    from rft.rewards.reasoning_gym import answer_of  # reasoning_gym is imported only where it is used
-
-    return answer_of(response) or None
+    # as rft.rewards.reasoning_gym.answer_of reads it (that module imports this one)
+    tagged = last_tagged(response)
+    return (response if tagged is None else tagged).strip() or None
 
 
 def answer_of(spec, response: str) -> str | None:
