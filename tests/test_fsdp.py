@@ -118,9 +118,15 @@ def test_a_dead_rank_is_reported_as_a_dead_actor(local_ray, tmp_path):
     group = fsdp_group(cfg, plan, tmp_path)
     group.call("get_version")
     ray.kill(group.actors[1].actor)
-    with pytest.raises(ray.exceptions.RayActorError):
+    with pytest.raises(ray.exceptions.RayActorError) as e:
         group.call("train_step", experiences())
     group.kill()
+    # the run's last message names the rank that died and its log
+    from rft.runtime.faults import TrainerCalls
+
+    message = str(TrainerCalls(group, tmp_path).died(e.value))
+    assert message.startswith(f"the trainer actor died ({type(e.value).__name__}: trainer_1, its log "
+                              f"{tmp_path / 'log' / 'trainer_1.log'}). Its newest checkpoint: none yet"), message
 
 
 @pytest.mark.slow  # a real engine, Ray or training run

@@ -199,7 +199,7 @@ class RayActor:
         except self._ray.exceptions.GetTimeoutError as e:
             raise TimeoutError(f"{self.name} did not answer within {timeout} s") from e
         except self._ray.exceptions.RayActorError as e:
-            raise not_started(e, self.name, self.log) or e
+            raise not_started(e, self.name, self.log) or named(e, self)
 
 
     def call(self, method: str, *args):
@@ -258,7 +258,7 @@ class ActorGroup:
             except ray.exceptions.RayActorError as e:
                 # a dead rank: the runner reports the trainer as dead, with its checkpoint
                 actor = owner[ready[0]]
-                raise not_started(e, actor.name, actor.log) or e
+                raise not_started(e, actor.name, actor.log) or named(e, actor)
             except Exception as e:
                 # a live rank's collective failing is most often a symptom of another rank's
                 # death (gloo: connection reset); report the death, the cause, when there is one
@@ -266,7 +266,7 @@ class ActorGroup:
                     try:
                         ray.get(f, timeout=5)
                     except ray.exceptions.RayActorError as died:
-                        raise died from e
+                        raise named(died, owner[f]) from e
                     except Exception:
                         pass
                 raise
@@ -416,6 +416,13 @@ def wait_reward_models(workers: list) -> None:
                 f"start: {_why(e)} (its log: <stage>/log/{w.name}.log)"
             ) from None
         logging.getLogger(__name__).info("reward model worker %s ready: %s", w.name, info)
+
+
+def named(e: Exception, actor) -> Exception:
+    """`e` (an actor's death) tagged with the actor's name and log, for the run's last message
+    (rft.runtime.faults.TrainerCalls.died: which of a trainer's ranks died)."""
+    e.rft_actor, e.rft_log = actor.name, str(actor.log)
+    return e
 
 
 def not_started(e: Exception, name: str, log: Path) -> Exception | None:

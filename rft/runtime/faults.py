@@ -52,7 +52,8 @@ class TrainerCalls:
     def died(self, e: Exception) -> RunError:
         latest = latest_checkpoint(self.dir)
         where = f"step {latest.step} ({latest.path})" if latest else "none yet (the stage restarts from its beginning)"
-        return RunError(f"the trainer actor died ({type(e).__name__}). Its newest checkpoint: {where}. "
+        who = f": {e.rft_actor}, its log {e.rft_log}" if getattr(e, "rft_actor", None) else ""
+        return RunError(f"the trainer actor died ({type(e).__name__}{who}). Its newest checkpoint: {where}. "
                         f"Run the same command again to resume from it.")
 
 
