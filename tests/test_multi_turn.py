@@ -403,6 +403,15 @@ def test_a_failed_tool_call_is_answered_with_its_reason_and_the_conversation_goe
     assert env.step("56") == (None, {"correct": 1.0}, True)
 
 
+def test_a_tool_name_a_megabyte_long_is_not_echoed_whole():
+    """The reply quotes an unknown tool's name as it does malformed JSON, its first 80 characters:
+    the whole name came back (a 1 MB name, a 1 MB tool message, tokenised into the next prompt)."""
+    env = CalculatorEnv()
+    env.reset(task())
+    msg, _, _ = env.step(tool_call_text("x" * 1_000_000, {}))
+    assert msg["content"] == f"error: unknown tool {'x' * 80!r}; the tools are ['calculator']"
+
+
 def test_the_readme_environment_runs_as_written(tools_model, tmp_path, monkeypatch):
     """README "Multi-turn agents and tools": its calculator environment, copied as a user would,
     answers a call, refuses what is not arithmetic, and scores the answer."""

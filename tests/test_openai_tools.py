@@ -114,6 +114,12 @@ def test_the_parsers_split_content_from_calls():
     assert bad.error == "the tool call is not valid JSON (Expecting property name enclosed in double quotes): '{name: add}'"
     assert mistral('Sure [TOOL_CALLS][{"name": "add", "arguments": {"a": 2}}]') == ("Sure", [ToolCall("add", {"a": 2})])
     assert mistral("no calls") == ("no calls", [])
+    # arguments as a JSON string nested too deep for the reader: a failed call, not a RecursionError out of
+    # the parser (measured before the fix: mistral raised it, and the multi-turn environment's step with it)
+    deep = '"' + "[" * 100_000 + '"'
+    for parse, text in [(mistral, f'[TOOL_CALLS][{{"name": "add", "arguments": {deep}}}]'),
+                        (hermes, f'<tool_call>{{"name": "add", "arguments": {deep}}}</tool_call>')]:
+        assert parse(text)[1] == [ToolCall("add", error="the arguments are not JSON (nested too deep): '" + "[" * 80 + "'")]
 
 
 # ---------------------------------------------------------------- the endpoint
@@ -163,6 +169,11 @@ def test_a_call_that_does_not_parse_is_plain_content_and_tool_choice_none_reads_
         {"id": "c", "type": "function", "function": {"name": "add", "arguments": "{a: 2"}}]}]}, "messages",
      "messages[1].tool_calls[0].function.arguments is not JSON (Expecting property name enclosed in double quotes: "
      "line 1 column 2 (char 1)): '{a: 2'"),
+    # measured before the fix: a 500 (the RecursionError of json.loads went up to uvicorn)
+    ({"messages": QUESTION + [{"role": "assistant", "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "add", "arguments": "[" * 100_000}}]}]}, "messages",
+     "messages[1].tool_calls[0].function.arguments is not JSON (maximum recursion depth exceeded while decoding a "
+     "JSON array from a unicode string): '" + "[" * 100 + "'"),
 ])
 def test_a_malformed_tool_field_is_a_400_naming_it(serve, body, param, message):
     server, engine = serve(["x"])

@@ -42,8 +42,8 @@ def _call_of(obj) -> ToolCall:
     if isinstance(args, str):  # OpenAI's wire format carries the arguments as a JSON string
         try:
             args = json.loads(args)
-        except ValueError:
-            return ToolCall(obj["name"], error=f"the arguments are not JSON: {args[:80]!r}")
+        except (ValueError, RecursionError) as e:
+            return ToolCall(obj["name"], error=f"the arguments are not JSON ({_why(e)}): {args[:80]!r}")
     if not isinstance(args, dict):
         return ToolCall(obj["name"], error=f"the arguments must be a JSON object; got {json.dumps(args)[:80]}")
     return ToolCall(obj["name"], args)

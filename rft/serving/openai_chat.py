@@ -86,7 +86,7 @@ def template_messages(messages: list[Message]) -> list[dict]:
             f = call["function"]
             try:
                 f["arguments"] = json.loads(f["arguments"])
-            except ValueError as e:
+            except (ValueError, RecursionError) as e:  # "[[[[...": nested too deep for the reader
                 raise ValueError(f"messages[{i}].tool_calls[{j}].function.arguments is not JSON ({e}): "
                                  f"{f['arguments'][:100]!r}") from None
         out.append(d)

@@ -88,7 +88,7 @@ class ToolEnv(Environment):
             if self.info["tool_calls"] > self.max_tool_calls:
                 raise ToolError(f"no more tool calls: {self.max_tool_calls} per conversation")
             if c.name not in self.tools:
-                raise ToolError(f"unknown tool {c.name!r}; the tools are {sorted(self.tools)}")
+                raise ToolError(f"unknown tool {c.name[:80]!r}; the tools are {sorted(self.tools)}")
             try:
                 return str(self.tools[c.name](**c.arguments))
             except TypeError as e:  # wrong argument names
