@@ -138,12 +138,26 @@ CHAT = {"model": "policy", "messages": MESSAGES}
     ("messages", [{"content": "hi"}], "messages", "messages[0].role: Field required (got {'content': 'hi'})"),
     ("model", ["policy"], "model", "model: Input should be a valid string (got ['policy'])"),
     ("logprobs", 3, "logprobs", "logprobs: Input should be a valid boolean (got 3)"),
+    # measured before the fix: top_logprobs was ignored, any value, and each token's list came back empty
+    ("top_logprobs", 5, "top_logprobs", "top_logprobs=5: this endpoint returns the log-prob of each sampled token "
+                                        "only, not the most likely alternatives; send top_logprobs=0 or leave it out"),
+    ("top_logprobs", 21, "top_logprobs", "top_logprobs: Input should be less than or equal to 20 (got 21)"),
+    ("top_logprobs", -1, "top_logprobs", "top_logprobs: Input should be greater than or equal to 0 (got -1)"),
 ])
 def test_a_field_out_of_range_is_a_400_naming_it_and_nothing_is_sampled(served, field, value, param, message):
     server, _, _ = served
     server.open("", ARGS)
     assert_refused(post(server, "/chat/completions", {**CHAT, field: value}), 400, param, message)
     assert server.take_history("") == []
+
+
+def test_completions_asking_for_the_likeliest_alternatives_is_a_400(served):
+    # measured before the fix: logprobs=3 came back 200 with "top_logprobs": null
+    server, _, _ = served
+    assert_refused(post(server, "/completions", {"prompt": "12+34", "logprobs": 3}), 400, "logprobs",
+                   "logprobs=3: this endpoint returns the log-prob of each sampled token only, not the most likely "
+                   "alternatives; send logprobs=0 or leave it out")
+    assert post(server, "/completions", {"prompt": "12+34", "logprobs": 0}).status_code == 200
 
 
 def test_a_body_that_is_not_an_object_or_not_json_is_a_400(served):

@@ -40,7 +40,8 @@ open (no header, or one already taken) is answered and not recorded; at most MAX
 rollouts are open at once, and opening one more drops the oldest's calls, counted and warned
 about (an agent still running after the explorer gave up on its task).
 
-Requests (OpenAI's error shape, `param` naming the field): n from 1 to 128 (OpenAI's cap),
+Requests (OpenAI's error shape, `param` naming the field): n from 1 to 128 (OpenAI's cap), no
+top_logprobs (chat) or logprobs over 0 (completions): only each sampled token's log-prob is returned,
 max_tokens at most the model's model.max_response_tokens, prompt ids inside the vocabulary (an id
 outside it would take the engine down on CUDA), prompt + max_tokens within the model's context,
 and every other field of the right type and range, else 400; a body over 32 MiB 413
@@ -127,6 +128,7 @@ class Sampling(BaseModel):
 class ChatRequest(Sampling):
     messages: list[Message] = Field(min_length=1)
     logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: Any = None  # "auto" | "none": checked in tools_read (a 400 that says why for the rest)
 
@@ -137,10 +139,16 @@ class ChatRequest(Sampling):
                                          f"freely and cannot force a tool call; send \"auto\" or \"none\"")
         return bool(self.tools) and self.tool_choice != "none"
 
+    def alternatives(self) -> tuple[str, int]:
+        return "top_logprobs", self.top_logprobs or 0
+
 
 class CompletionRequest(Sampling):
     prompt: Any = None  # text or token ids: checked against the tokenizer (prompt_ids)
     logprobs: int | None = Field(None, ge=0, le=5)
+
+    def alternatives(self) -> tuple[str, int]:
+        return "logprobs", self.logprobs or 0
 
 
 class Refusal(Exception):
@@ -357,6 +365,10 @@ class OpenAIServer:
         except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError; nested too deep
             raise Invalid("body", f"malformed JSON: {e}") from None
         req = parsed(kind, body)
+        field, k = req.alternatives()
+        if k:  # answered with none, they would read as "no alternative was likely" (was: silently)
+            raise Invalid(field, f"{field}={k}: this endpoint returns the log-prob of each sampled token only, not "
+                                 f"the most likely alternatives; send {field}=0 or leave it out")
         req.model = req.model or self.policy
         if req.model not in self.models:
             raise Refusal(404, f"model {req.model!r} is not served here; the models are {sorted(self.models)}",
