@@ -248,8 +248,15 @@ def test_empty_and_malformed_datasets_name_the_file_and_line(tmp_path):
         f"buffer.explorer_input.taskset.path='{empty}' is empty: it holds no rows.")
     bad = write_jsonl(tmp_path / "bad.jsonl", [{"question": "1+1", "answer": "2"}])
     bad.write_text(bad.read_text() + '{"question": "2+2", "answer": 4\n')
+    # the line ends after 4, where json wanted ',' or '}' (json itself said "line 2 column 1")
     assert plan_error(tmp_path, *taskset(bad)).startswith(
-        f"buffer.explorer_input.taskset.path='{bad}': line 2 of {bad} is not valid JSON (")
+        f"buffer.explorer_input.taskset.path='{bad}': line 2 of {bad} is not valid JSON (Expecting ',' "
+        f"delimiter at the end of the line). Each line")
+    # '{"question": "3+3" "answer": "6"}': json reads past the space after "3+3" and stops at the
+    # quote of "answer", the line's 20th character, where it wanted ',' or '}'
+    bad.write_text('{"question": "3+3" "answer": "6"}\n')
+    assert f"line 1 of {bad} is not valid JSON (Expecting ',' delimiter at column 20)." in plan_error(
+        tmp_path, *taskset(bad))
 
 
 @pytest.mark.slow

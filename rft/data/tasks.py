@@ -519,7 +519,7 @@ def _first_bad_json_line(f: Path):
             json.loads(f.read_text())
             return None
         except ValueError as e:
-            return getattr(e, "lineno", 1), str(e)
+            return getattr(e, "lineno", 1), _json_why(e)  # a whole .json file: json's line is the file's
     with open(f) as fh:
         for i, line in enumerate(fh, 1):
             if line.strip():
@@ -527,8 +527,19 @@ def _first_bad_json_line(f: Path):
                     if not isinstance(json.loads(line), dict):
                         return i, "not a JSON object"
                 except ValueError as e:
-                    return i, str(e)
+                    return i, _json_why(e, line)
     return None
+
+
+def _json_why(e: ValueError, line: str | None = None) -> str:
+    """What json found, and where in the line: its own "line 2 column 1 (char 32)" counts the lines
+    of the text it was given (one JSONL line and its newline), not the file's, beside which it misled."""
+    if not isinstance(e, json.JSONDecodeError):
+        return str(e)
+    if line is None:
+        return f"{e.msg} at column {e.colno}"
+    end = len(line.rstrip("\r\n"))
+    return f"{e.msg} at the end of the line" if e.pos >= end else f"{e.msg} at column {e.pos + 1}"
 
 
 def check_columns(rows, fmt, where: str, path: str, pairs: bool = False, sources: dict | None = None,
