@@ -247,6 +247,9 @@ LAST_NUMBER_CASES = [
     ("#### 42", "I do not know.", 0.0, "a response without a number scores 0"),
     ("no number here", "42", 0.0, "a reference without a number matches nothing"),
     (42, "42", 1.0, "a number as the reference"),
+    # measured before the fix: both read as the float 1.2345678901234568e16, a reward of 1.0 for a wrong answer
+    ("#### 12345678901234567", "12345678901234568", 0.0, "numbers past 2**53 compare exactly"),
+    ("#### 100", "1" + "0" * 1_000_000, 0.0, "a million digits are a number, not an overflow (0.004 s)"),
 ]
 
 

@@ -25,6 +25,7 @@ import logging
 import re
 import threading
 from collections import Counter
+from decimal import Decimal
 from fractions import Fraction
 
 from rft.registry import Registry
@@ -47,7 +48,8 @@ def last_number(prompt: str, response: str, task) -> float:
     """
     got = _NUMBER.findall(response.replace(",", ""))
     want = _NUMBER.findall(str(task.answer).replace(",", ""))
-    return float(bool(got) and bool(want) and float(got[-1]) == float(want[-1]))
+    # exact decimals: as floats, 12345678901234567 equalled 12345678901234568 (and Decimal has no digit limit)
+    return float(bool(got) and bool(want) and Decimal(got[-1]) == Decimal(want[-1]))
 
 
 # ---------------------------------------------------------------- math (MATH-style answers)
