@@ -102,6 +102,17 @@ def study_frame(e: BaseException):
     return found
 
 
+def _near(module, attr: str) -> str:
+    """" Did you mean ...?" with the module's own functions and classes nearest to a misspelt name."""
+    import difflib
+    import inspect
+
+    own = [n for n, v in vars(module).items() if not n.startswith("_") and callable(v)
+           and getattr(v, "__module__", None) == module.__name__ and not inspect.ismodule(v)]
+    near = difflib.get_close_matches(attr, own, n=3, cutoff=0.75)
+    return f" Did you mean {' or '.join(f'{module.__name__}.{n}' for n in near)}?" if near else ""
+
+
 def resolve(registry: Mapping, name: str, key: str):
     """The function registered as `name`, or the one at dotted path `name` (module.function)."""
     if name in registry:
@@ -109,8 +120,11 @@ def resolve(registry: Mapping, name: str, key: str):
     if "." in name:
         module, _, attr = name.rpartition(".")
         try:
-            found = getattr(importlib.import_module(module), attr)
-        except (ImportError, AttributeError) as e:
+            imported = importlib.import_module(module)
+            found = getattr(imported, attr)
+        except AttributeError as e:  # the module is there, the name in it is not
+            raise ConfigError(f"{key}={name!r}: cannot import it ({type(e).__name__}: {e}).{_near(imported, attr)}") from e
+        except ImportError as e:
             raise ConfigError(f"{key}={name!r}: cannot import it ({type(e).__name__}: {e}).") from e
         except SyntaxError as e:
             raise ConfigError(f"{key}={name!r}: cannot import it: {e.filename}, line {e.lineno}: "

@@ -312,6 +312,10 @@ def test_a_study_engine_trainer_loss_and_reward_of_its_own_run_a_stage(tmp_path)
     (["trainer.trainer_strategy=test_seams.nowhere"],
      "trainer.trainer_strategy='test_seams.nowhere': cannot import it (AttributeError: module 'test_seams' has no "
      "attribute 'nowhere')."),
+    # a misspelt name: the module's own functions nearest to it (not what it imported: pytest)
+    (["algorithm.policy_loss_fn=test_seams.scaled_los"],
+     "algorithm.policy_loss_fn='test_seams.scaled_los': cannot import it (AttributeError: module 'test_seams' has no "
+     "attribute 'scaled_los'). Did you mean test_seams.scaled_loss?"),
 ])
 def test_a_study_function_s_own_args_are_checked_against_its_signature_when_planning(overrides, message):
     from rft.errors import ConfigError
