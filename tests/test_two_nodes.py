@@ -150,3 +150,24 @@ def test_a_run_over_two_ray_nodes_has_trainer_and_explorer_on_different_nodes(sy
         assert "memory sync through shared memory" not in trainer_log
     if sync == "checkpoint":  # the file both nodes read: the run dir on a filesystem they share
         assert (run / "sync" / "model.safetensors").exists()
+
+
+def test_a_device_mapping_over_two_nodes_puts_each_role_on_its_nodes_gpus(two_node_slurm, tmp_path):
+    # two nodes that say they have 2 GPUs each (ray start --num-gpus=2: Ray takes it as told), the
+    # trainer mapped to device 1 (node 0's second GPU), the engine to device 2 (node 1's first):
+    # whole nodes reserved as bundles spread one to a node, each actor shown its GPU on its node
+    env = {**two_node_slurm, "SLURM_GPUS_ON_NODE": "2"}
+    code, log, left = run_launcher(env, [
+        "stages=[]", "monitor=console", "name=mapped", "sync=checkpoint", "cluster.node_num=2",
+        "cluster.gpu_per_node=2", "cluster.device_mapping.trainer=[1]", "cluster.device_mapping.explorer=[2]",
+        "buffer.total_steps=2", "explorer.eval_interval=100", "explorer.eval_on_startup=false",
+        f"checkpoint_root_dir={tmp_path}"])
+    assert code == 0, log[-4000:]
+    assert left == [], f"processes of the launcher still running after it ended: {left}"
+    run = tmp_path / "rft" / "mapped"
+    trainer, explorer = (run / "log" / "grpo_trainer.log").read_text(), (run / "log" / "grpo_explorer.log").read_text()
+    assert "devices 1 of its node (cluster.device_mapping): CUDA_VISIBLE_DEVICES=1" in trainer
+    assert "devices 0 of its node (cluster.device_mapping): CUDA_VISIBLE_DEVICES=0" in explorer
+    assert actor_node(run / "log" / "grpo_trainer.log") != actor_node(run / "log" / "grpo_explorer.log")
+    metrics = read_metrics(run / "metrics.jsonl")
+    assert [(m["step"], m["sync/version"]) for m in metrics] == [(1, 1), (2, 2)], metrics
