@@ -284,6 +284,32 @@ def test_log_probs_are_recomputed_under_the_distribution_each_experience_was_sam
         assert entropy[full["response_mask"].bool()].max() <= math.log(top_k) + 1e-5
 
 
+@pytest.mark.parametrize("top_k,top_p", [(2, None), (2, 0.7), (3, None), (1, None)])
+def test_a_top_k_cut_keeps_every_token_tied_with_the_kth_as_the_samplers_do(top_k, top_p):
+    # transformers' TopKLogitsWarper and vLLM's top-k drop only the logits strictly below the k-th
+    # largest, so tokens tied with it stay in the set (bfloat16 logits tie often). Logits
+    # [3, 2, 2, 2, 0], k=2: the set is {3, 2, 2, 2}, log p(token 0) = 3 - log(e^3 + 3 e^2)
+    # = -log(1 + 3/e) = -0.743668; keeping exactly k tokens gave -log(1 + 1/e) = -0.313262.
+    # With top_p=0.7 after it: p = (0.4753, 0.1749 x 3) in that order; a token stays while the
+    # mass before it is below 0.7: 0, 0.4753, 0.6502 stay, 0.8251 not: log p(token 0) =
+    # -log(1 + 2/e) = -0.551445 (which of the tied tokens goes does not change it).
+    from transformers import TopKLogitsWarper, TopPLogitsWarper
+
+    from rft.trainer.logprobs import _from_logits
+
+    logits = torch.tensor([[3.0, 2.0, 2.0, 2.0, 0.0]])
+    target = torch.tensor([0])
+    logp, _ = _from_logits(logits, target, torch.ones(1), None if top_p is None else torch.tensor([top_p]),
+                           torch.tensor([top_k]), True)
+    warped = TopKLogitsWarper(top_k)(None, logits.clone())
+    if top_p is not None:
+        warped = TopPLogitsWarper(top_p)(None, warped)
+    expected = torch.log_softmax(warped, -1)[0, 0]
+    torch.testing.assert_close(logp[0], expected, atol=1e-6, rtol=1e-6)
+    if (top_k, top_p) == (2, None):
+        assert logp.item() == pytest.approx(-math.log(1 + 3 / math.e), abs=1e-6)
+
+
 def test_stale_experiences_sampled_at_another_temperature_start_at_ratio_one():
     # mode=train on a stored buffer sampled at T=0.7: the stale rows' ratio is taken against their
     # stored sampling log-probs (off_policy_correction=behavior); recomputed at T=0.7 with the

@@ -32,11 +32,11 @@ next token of its row). How it gets there, each choice giving the same numbers:
   at the teacher's). These are of the temperature-scaled distribution before any top-k / top-p cut.
 
 The distribution is the one the explorer sampled from (as verl does for the temperature):
-logits divided by `temperature`, then cut to the `top_k` most likely tokens and to the smallest
-set whose probability reaches `top_p`, renormalised (the order of transformers' and vLLM's
-samplers). Each may be a number or a tensor [n] of per-row values (top_k <= 0, top_p >= 1: no
-cut). A target token is never cut (the sampler drew it, so it was in the set; an engine's float
-rounding at the set's edge must not give it probability 0).
+logits divided by `temperature`, then cut to the `top_k` most likely tokens (and any tied with the
+k-th) and to the smallest set whose probability reaches `top_p`, renormalised (the order of
+transformers' and vLLM's samplers). Each may be a number or a tensor [n] of per-row values
+(top_k <= 0, top_p >= 1: no cut). A target token is never cut (the sampler drew it, so it was in
+the set; an engine's float rounding at the set's edge must not give it probability 0).
 """
 
 from __future__ import annotations
@@ -334,9 +334,10 @@ def sampling_set(logits, targets, top_p, top_k):
     if not (cut_k.any() or cut_p.any()):
         return None
     ordered, order = logits.sort(-1, descending=True)
-    rank = torch.arange(V, device=dev)
-    # top-k: the k first in descending order
-    in_k = ~cut_k[:, None] | (rank < k.clamp(min=1)[:, None])
+    # top-k: every token at least as likely as the k-th (transformers' and vLLM's samplers drop only
+    # those strictly below it: a token tied with the k-th stays, and bfloat16 logits tie often)
+    kth = ordered.gather(-1, (k.clamp(min=1, max=V) - 1)[:, None])
+    in_k = ~cut_k[:, None] | (ordered >= kth)
     # top-p over the top-k distribution: keep a token while the probability of the tokens before
     # it is below p (so the set reaches p, and the most likely token always stays)
     probs = torch.softmax(ordered.masked_fill(~in_k, float("-inf")), dim=-1)
