@@ -173,6 +173,59 @@ def test_the_jsd_stays_finite_where_the_student_gives_a_top_token_almost_nothing
         assert torch.isfinite(value).all() and torch.isfinite(grad).all(), beta
 
 
+def test_the_rest_bucket_of_a_student_collapsed_on_the_top_tokens_is_its_own_mass_not_rounding():
+    # vocabulary of 4 in float32, as the trainer computes it. Teacher P = [0.5, 0.3, 0.1, 0.1], its
+    # top 2 = tokens 0, 1 and a rest of 0.2; the student Q = [0.6, 0.4, 1e-9, 1e-9] has collapsed on
+    # them: its rest is 2e-9, which 1 - (0.6 + 0.4) cannot tell from 0 in float32.
+    # forward KL (beta 0) on the partition {0}, {1}, rest:
+    #   0.5 ln(0.5/0.6) + 0.3 ln(0.3/0.4) + 0.2 ln(0.2/2e-9) = -0.091161 - 0.086305 + 3.684136 = 3.506671
+    # (the student's rest floored at 1e-7 gave 0.2 ln(0.2/1e-7) = 2.901732 for the last term: 2.724266)
+    from rft.trainer.logprobs import _from_logits
+
+    teacher = torch.tensor([[0.5, 0.3, 0.1, 0.1]]).log()
+    student = torch.tensor([[0.6, 0.4, 1e-9, 1e-9]]).log().requires_grad_()
+    one, target = torch.ones(1), torch.tensor([0])
+    _, _, top_logp, top_ids, top_rest = _from_logits(teacher, target, one, None, None, True, top=2)
+    _, _, at_logp, at_rest = _from_logits(student, target, one, None, None, True, at=top_ids)
+    assert top_ids.tolist() == [[0, 1]] and top_rest.exp().item() == pytest.approx(0.2, rel=1e-6)
+    assert at_rest.exp().item() == pytest.approx(2e-9, rel=1e-5)
+    value = generalized_jsd(top_logp, at_logp, 0.0, rest=(top_rest, at_rest))
+    assert value.item() == pytest.approx(3.506671, abs=1e-5)
+    # its gradient on a rest token's logit z_j: q_j - p_rest q_j / q_rest = 1e-9 - 0.2 x 0.5 = -0.1
+    # (a push up, back towards the teacher's spread); the floored bucket gave ~ +1e-9, a push down
+    (grad,) = torch.autograd.grad(value.sum(), student)
+    assert grad[0, 2].item() == pytest.approx(-0.1, abs=1e-5)
+    # the same partition with the rest given is the full-vocabulary value where the rest is one token
+    p, q = torch.tensor([[0.5, 0.3, 0.2]]).log(), torch.tensor([[0.6, 0.4 - 2e-9, 2e-9]], dtype=torch.float64).log()
+    exact = generalized_jsd(p[:, :2].double(), q[:, :2], 0.0, rest=(p[:, 2:].double(), q[:, 2:]))
+    assert exact.item() == pytest.approx(3.506671, abs=1e-6)
+
+
+@pytest.mark.parametrize("beta,expected", [(0.0, 0.0201355), (0.5, 0.0050594), (1.0, 0.0204110)])
+def test_a_token_of_probability_zero_on_both_sides_adds_nothing_to_the_jsd(beta, expected):
+    # P = [0.6, 0 | rest 0.4], Q = [0.5, 0 | rest 0.5]: the second top token has log-prob -inf on
+    # both sides (a masked logit; or fewer tokens than k). It adds 0 log 0 = 0, where e^-inf x (-inf
+    # - -inf) was NaN. beta 0.5: M = [0.55, 0, 0.45],
+    #   KL(P||M) = 0.6 ln(0.6/0.55) + 0.4 ln(0.4/0.45) = 0.052207 - 0.047113 = 0.005094
+    #   KL(Q||M) = 0.5 ln(0.5/0.55) + 0.5 ln(0.5/0.45) = -0.047655 + 0.052680 = 0.005025
+    #   JSD = 0.5 x 0.005094 + 0.5 x 0.005025 = 0.005059
+    # beta 0: KL(P||Q) = 0.6 ln 1.2 + 0.4 ln 0.8 = 0.109393 - 0.089257 = 0.020136
+    # beta 1: KL(Q||P) = 0.5 ln(0.5/0.6) + 0.5 ln(0.5/0.4) = -0.091161 + 0.111572 = 0.020411
+    ninf = float("-inf")
+    p, p_rest = torch.tensor([[0.6, 0.0]]).log(), torch.tensor([[0.4]]).log()
+    q = torch.tensor([[0.5, 0.0]]).log().requires_grad_()
+    q_rest = torch.tensor([[0.5]]).log().requires_grad_()
+    assert p[0, 1].item() == ninf and q[0, 1].item() == ninf
+    value = generalized_jsd(p, q, beta, rest=(p_rest, q_rest))
+    assert value.item() == pytest.approx(expected, abs=2e-6)
+    grads = torch.autograd.grad(value.sum(), (q, q_rest))
+    assert all(torch.isfinite(g).all() for g in grads)
+    # without the rest given (the bucket from the top's mass): the same
+    assert generalized_jsd(p, q.detach(), beta).item() == pytest.approx(expected, abs=2e-6)
+    # a NaN log-prob is not a zero-probability token: it shows in the value
+    assert generalized_jsd(torch.tensor([[float("nan"), -1.0]]), q.detach(), beta).isnan().all()
+
+
 @pytest.mark.slow  # a tiny model built (~2 s)
 @pytest.mark.parametrize("how", [{}, {"packed": True}, {"packed": True, "chunk_size": 3}])
 def test_token_logprobs_gives_the_top_tokens_and_the_log_probs_at_given_ids(tmp_path, how):
@@ -200,6 +253,13 @@ def test_token_logprobs_gives_the_top_tokens_and_the_log_probs_at_given_ids(tmp_
             assert top["top_ids"][row, t].tolist() == indices.tolist()
             assert top["top_logp"][row, t].tolist() == pytest.approx(values.tolist(), abs=1e-5)
             assert at["at_logp"][row, t].tolist() == pytest.approx(want[row, t, at_ids[row, t]].tolist(), abs=1e-5)
+            # the log of the mass outside them: a logsumexp over the other tokens
+            outside = torch.ones_like(want[row, t], dtype=torch.bool)
+            outside[indices] = False
+            assert top["top_rest"][row, t].item() == pytest.approx(want[row, t][outside].logsumexp(-1).item(), abs=1e-5)
+            outside = torch.ones_like(outside)
+            outside[at_ids[row, t]] = False
+            assert at["at_rest"][row, t].item() == pytest.approx(want[row, t][outside].logsumexp(-1).item(), abs=1e-5)
     # positions not computed hold 0: before `first`, and past row 1's last token
     assert top["top_logp"][0, :2].abs().sum() == 0 and at["at_logp"][1, 3:].abs().sum() == 0
     # the log-probs at given ids carry a gradient to the weights (the student's side of the JSD)

@@ -27,9 +27,13 @@ at each response position of the student's own samples, differentiated through Q
 is too large to keep the teacher's whole distribution per position, so both are taken on the
 teacher's `distill_top_k` most likely tokens plus one bucket holding the rest of the mass (a
 coarser partition, so the value is at most the full JSD, and equal to it when the tokens outside
-the top k have the same teacher / student ratio). beta = 0 and beta = 1 are the limits of
-JSD_beta / beta and JSD_beta / (1 - beta): the forward KL(P || Q) and the reverse KL(Q || P). Both
-distributions are the temperature-scaled ones, before any top-k / top-p cut.
+the top k have the same teacher / student ratio). Each side's bucket is a logsumexp over its other
+tokens (rft.trainer.logprobs), not 1 - the top's mass: that difference is rounding below ~1e-7 in
+float32, the usual remainder of a confident model, and a student collapsed on the top tokens then
+lost the forward KL's pull back towards the rest (half its value and 1e-5 of its gradient there).
+beta = 0 and beta = 1 are the limits of JSD_beta / beta and JSD_beta / (1 - beta): the forward
+KL(P || Q) and the reverse KL(Q || P). Both distributions are the temperature-scaled ones, before
+any top-k / top-p cut. A token of probability 0 on one side (a log-prob of -inf) adds 0 log 0 = 0.
 """
 
 from __future__ import annotations
@@ -52,26 +56,41 @@ def reverse_kl(teacher_logp: torch.Tensor, student_logp: torch.Tensor, mask: tor
 
 
 def _rest(logp: torch.Tensor) -> torch.Tensor:
-    """log(1 - sum exp(logp)) over the last dim: the log of the mass outside the given tokens.
-    Kept at >= 1e-7 of the mass (float32 cannot tell a smaller remainder from rounding); the
-    gradient then stops, as the bucket adds nothing that size."""
+    """log(1 - sum exp(logp)) over the last dim: the log of the mass outside the given tokens, for a
+    caller that has only theirs (token_logprobs gives the exact one). Kept at >= 1e-7 of the mass
+    (float32 cannot tell a smaller remainder from rounding); the gradient then stops."""
     inside = torch.logsumexp(logp, dim=-1, keepdim=True).clamp(max=-1e-7)
     return torch.log(-torch.expm1(inside))
 
 
-def generalized_jsd(teacher_top: torch.Tensor, student_at: torch.Tensor, beta: float) -> torch.Tensor:
+def _kl_terms(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """sum e^a (a - b) over the last dim, with 0 log 0 = 0: a bucket of probability 0 under `a` (a
+    log-prob of -inf) adds 0, where e^a (a - b) is 0 x -inf = NaN (in the gradient too)."""
+    live = a != float("-inf")  # (a NaN stays live: it must show in the loss, not vanish)
+    a_safe = torch.where(live, a, torch.zeros_like(a))
+    return torch.where(live, a_safe.exp() * (a_safe - b), torch.zeros_like(a)).sum(-1)
+
+
+def generalized_jsd(teacher_top: torch.Tensor, student_at: torch.Tensor, beta: float,
+                    rest: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Per-position JSD_beta between the teacher and the student on the teacher's top tokens plus
     a bucket for the rest (module doc): `teacher_top` [..., k] the teacher's log-probs of its k
     most likely tokens, `student_at` [..., k] the student's log-probs of the same tokens (with
-    gradient). Returns [...], no mask applied."""
+    gradient), `rest` ([..., 1] each) the log of the mass outside them for the teacher and the
+    student (token_logprobs' top_rest and at_rest; None: from the k log-probs, to 1e-7 of the
+    mass). Returns [...], no mask applied."""
     dtype = torch.promote_types(torch.promote_types(teacher_top.dtype, student_at.dtype), torch.float32)
     teacher_top, student_at = teacher_top.to(dtype), student_at.to(dtype)
-    p = torch.cat([teacher_top, _rest(teacher_top)], dim=-1)
-    q = torch.cat([student_at, _rest(student_at)], dim=-1)
+    p_rest, q_rest = (_rest(teacher_top), _rest(student_at)) if rest is None else (r.to(dtype) for r in rest)
+    p = torch.cat([teacher_top, p_rest], dim=-1)
+    q = torch.cat([student_at, q_rest], dim=-1)
     if beta == 0.0:  # forward KL(P || Q)
-        return (p.exp() * (p - q)).sum(-1)
+        return _kl_terms(p, q)
     if beta == 1.0:  # reverse KL(Q || P)
-        return (q.exp() * (q - p)).sum(-1)
-    # log M = log(beta e^p + (1 - beta) e^q), without leaving log space
-    m = torch.logaddexp(p + math.log(beta), q + math.log(1.0 - beta))
-    return beta * (p.exp() * (p - m)).sum(-1) + (1.0 - beta) * (q.exp() * (q - m)).sum(-1)
+        return _kl_terms(q, p)
+    # log M = log(beta e^p + (1 - beta) e^q), without leaving log space. Where both are -inf, M is
+    # 0 too and neither term reads it: a 0 there keeps logaddexp's gradient of (-inf, -inf), NaN, out
+    neither = (p == float("-inf")) & (q == float("-inf"))
+    p_m, q_m = (torch.where(neither, torch.zeros_like(x), x) for x in (p, q))
+    m = torch.logaddexp(p_m + math.log(beta), q_m + math.log(1.0 - beta))
+    return beta * _kl_terms(p, m) + (1.0 - beta) * _kl_terms(q, m)

@@ -62,8 +62,8 @@ def token_logprobs(model, input_ids, attention_mask, temperature=1.0, top_p=None
     `also` (a dict, filled in place): {"top": k} adds "top_ids" and "top_logp" [n, L-1, k], each
     position's k most likely tokens and their log-probs (with "below": V, among the ids < V only: a
     teacher's padding rows beyond the tokenizer's tokens, which the student may have no logit for,
-    stay in the mass outside the top); {"at_ids": [n, L-1, k]} adds "at_logp",
-    the log-probs of those tokens (with gradient). Positions not computed hold 0.
+    stay in the mass outside the top), and "top_rest" [n, L-1, 1], the log of that mass; {"at_ids":
+    [n, L-1, k]} adds "at_logp" and "at_rest", the same of those tokens (with gradient). 0 elsewhere.
     """
     n, L = input_ids.shape
     dev = input_ids.device
@@ -125,7 +125,8 @@ class _Also:
 
     def place(self, extra, n, L):
         """The extra outputs ([N, k] each), as [n, L-1, k] into `also`."""
-        names = (["top_logp", "top_ids"] if self.top else []) + (["at_logp"] if self.at is not None else [])
+        names = ((["top_logp", "top_ids", "top_rest"] if self.top else [])
+                 + (["at_logp", "at_rest"] if self.at is not None else []))
         for name, value in zip(names, extra):
             full = value.new_zeros((n, L - 1, value.shape[-1]))
             self.also[name] = full.index_put((self.rows, self.cols), value)
@@ -292,8 +293,9 @@ def _chunk_logprobs(h, weight, bias, targets, temperature, top_p, top_k, with_en
 
 def _from_logits(logits, targets, temperature, top_p, top_k, with_entropy_grad, top=0, at=None, below=None):
     """logits [N, V] float32 and targets [N] -> log p(target) [N], entropy [N]; then, when asked,
-    the `top` most likely tokens' log-probs and ids [N, top] (among the ids < `below`), and the
-    log-probs at `at` [N, k] (both of the distribution before the top-k / top-p cut)."""
+    the `top` most likely tokens' log-probs and ids [N, top] (among the ids < `below`) and the log
+    of the mass outside them [N, 1], and the log-probs at `at` [N, k] and the log of the mass
+    outside those [N, 1] (all of the distribution before the top-k / top-p cut)."""
     if not bool((temperature == 1).all()):  # dividing by 1 changes nothing but costs two passes over [N, V]
         logits = logits / temperature[:, None]
     keep = None
@@ -318,10 +320,18 @@ def _from_logits(logits, targets, temperature, top_p, top_k, with_entropy_grad, 
         whole = log_probs if keep is None else torch.log_softmax(uncut, dim=-1)
         if top:
             ids = whole.detach()[:, :below]  # (the log-softmax stays over every row: the rest is their mass)
-            extra += list(ids.topk(min(top, ids.shape[-1]), dim=-1))
+            values, indices = ids.topk(min(top, ids.shape[-1]), dim=-1)
+            extra += [values, indices, _outside(whole.detach(), indices)]
         if at is not None:
-            extra.append(whole.gather(-1, at))
+            extra += [whole.gather(-1, at), _outside(whole, at)]
     return (logp, entropy, *extra)
+
+
+def _outside(log_probs, ids):
+    """log of the probability outside `ids` [N, k], [N, 1]: a logsumexp over the other tokens, not
+    log(1 - the mass of `ids`), which float32 cannot resolve below ~1e-7 of the mass (a confident
+    model's usual remainder; the JSD's rest bucket then lost the forward KL's pull on it)."""
+    return log_probs.scatter(-1, ids, float("-inf")).logsumexp(-1, keepdim=True)
 
 
 def sampling_set(logits, targets, top_p, top_k):

@@ -48,8 +48,9 @@ class Step:
     correct_in_update: bool = False  # the off-policy correction is applied in _actor_update
     ref_logp: torch.Tensor | None = None
     teacher_logp: torch.Tensor | None = None  # on-policy distillation's teacher, [n, L-1]
-    # distill_divergence=jsd: the teacher's top tokens, "top_logp" and "top_ids" [n, L-1, k]; and
-    # the student's log-probs of them in the micro-batch the update is on ("at_logp", the term's)
+    # distill_divergence=jsd: the teacher's top tokens, "top_logp" and "top_ids" [n, L-1, k] and the
+    # log of the mass outside them, "top_rest" [n, L-1, 1]; and the student's of the same in the
+    # micro-batch the update is on ("at_logp", "at_rest", the term's)
     teacher_top: dict | None = None
     student_top: dict | None = None
     behavior_w: torch.Tensor | None = None
@@ -214,14 +215,15 @@ class StepMixin:
         """Log-probs of the current weights (unless `old` is False: None) and, when needed, of the
         reference model and of the distillation teacher; no grad. All on the batch's own token ids.
         `top` ({"top": k}, distill_divergence=jsd) is filled with the teacher's k most likely tokens
-        at each position: "top_logp", "top_ids" [n, L-1, k]."""
+        at each position: "top_logp", "top_ids" [n, L-1, k] and "top_rest" [n, L-1, 1]."""
         roles = [(self.model, nullcontext, old),
                  (self.ref_model or self.model, lambda: lora.reference(self.model), self.has_reference),
                  (self.teacher_model, nullcontext, self.teacher_model is not None)]
         out = [(m, ctx, torch.zeros_like(mask)) for m, ctx, on in roles if on]
         k = top.pop("top") if top is not None else 0
         if k:
-            top.update(top_logp=mask.new_zeros(mask.shape + (k,)), top_ids=mask.new_zeros(mask.shape + (k,), dtype=torch.long))
+            top.update(top_logp=mask.new_zeros(mask.shape + (k,)), top_ids=mask.new_zeros(mask.shape + (k,), dtype=torch.long),
+                       top_rest=mask.new_zeros(mask.shape + (1,)))
         with torch.no_grad():
             for s, e, live in self._my_micro_batches(full, 0, mask.shape[0]):
                 for model, ctx, logp in out:
@@ -232,7 +234,7 @@ class StepMixin:
                         (lp, _), L = self._forward(model, full, s, e, also=also)
                     if live:
                         logp[s:e, : L - 1] = lp
-                        for name in ("top_logp", "top_ids") if also else ():
+                        for name in ("top_logp", "top_ids", "top_rest") if also else ():
                             top[name][s:e, : L - 1] = also[name]
         # every rank computed its own rows: the sum over ranks is the whole batch's
         if k:
@@ -349,7 +351,9 @@ class StepMixin:
         """distill_divergence=jsd: + distill_coef x JSD_beta(teacher, student) per token, on the
         teacher's top tokens (rft/algorithms/distill.py), differentiated through the student."""
         algo = self.cfg.algorithm
-        jsd = distill.generalized_jsd(rows(step.teacher_top["top_logp"]), step.student_top["at_logp"], algo.distill_jsd_beta)
+        teacher, student = step.teacher_top, step.student_top
+        jsd = distill.generalized_jsd(rows(teacher["top_logp"]), student["at_logp"], algo.distill_jsd_beta,
+                                      rest=(rows(teacher["top_rest"]), student["at_rest"]))
         step.sums["distill/jsd"] += (jsd.detach() * m).sum().item()
         return loss + algo.distill_coef * jsd
 
