@@ -39,6 +39,13 @@ def test_the_bradley_terry_loss_and_its_gradient_on_two_pairs():
     # the chosen row is scored higher in the first pair only; margins sum to 1.5 - 2.0
     assert metrics["rm/accuracy"] == (1.0, 2.0)
     assert metrics["rm/margin"] == (pytest.approx(-0.5), 2.0)
+    # a tie counts as wrong (as TRL counts it): a head that scores both rows alike is right on 0 of 1,
+    # and its loss is log 2 = 0.693147
+    tied = torch.zeros(2, 3).index_put((torch.arange(2), torch.tensor([0, 0])), torch.tensor([0.3, 0.3]))
+    loss_mat, metrics = bradley_terry_loss(tied, {"response_mask": mask[:2]}, None)
+    assert metrics["rm/accuracy"] == (0.0, 1.0)
+    assert agg_loss(loss_mat, mask[:2], "seq-mean-token-sum", 2, int(mask[:2].sum()), 3).item() == pytest.approx(
+        math.log(2), abs=1e-6)
 
 
 @pytest.mark.slow  # a tiny model built and a trainer started (~5 s)
