@@ -568,8 +568,11 @@ def test_what_a_run_directory_holds_is_shown_as_text_never_run_as_script(browser
     d = run / "grpo" / "eval_trajectories" / "step_4"
     d.mkdir(parents=True)
     evil = '<img src=x onerror="window.pwned = 1">'
-    (d / "set.jsonl").write_text(json.dumps({"task_id": "0", "reward": evil, "reward_parts": {"p": evil},
-                                             "messages": [{"role": "user", "content": "q"}]}) + "\n")
+    # where text may stand (a reward must be a number: a text one is a 400, test_rollouts_of_the_wrong_
+    # shape...): the conversation, as a model or a copied file may write it, and a reward part's name
+    (d / "set.jsonl").write_text(json.dumps({"task_id": "0", "reward": 0.5, "reward_parts": {evil: 1.0},
+                                             "messages": [{"role": "user", "content": evil},
+                                                          {"role": "assistant", "content": evil}]}) + "\n")
     proc, url, token = _studio(tmp_path)
     try:
         page = browser.new_page()
@@ -577,8 +580,9 @@ def test_what_a_run_directory_holds_is_shown_as_text_never_run_as_script(browser
         page.wait_for_selector("#rollouts tbody tr")
         page.wait_for_load_state("networkidle")
         assert page.evaluate("window.pwned") is None
-        assert page.inner_text("#rollouts tbody td.reward") == evil and page.get_attribute("#rollouts tbody tr", "data-reward") == evil
-        assert f"p={evil}" in page.inner_text("#rollouts tbody")
+        assert page.inner_text("#rollouts tbody td.reward") == "0.5"
+        text = page.inner_text("#rollouts tbody")
+        assert f"{evil}=1" in text and text.count(evil) >= 2, text
     finally:
         _stop(proc)
 
