@@ -492,5 +492,10 @@ def test_the_jsd_teachers_top_tokens_are_counted_for_the_whole_step(no_gpu):
     parts = dict(M.estimate(stage, plan).roles[0].parts)
     assert plan.experiences_per_step == 256 and M.longest(stage.model) == 4096
     assert parts["teacher top-20"] == 256 * 4096 * 20 * 12 == 251_658_240
+    # and the student's rest bucket keeps a fifth [chunk, vocab] float32 tensor for its backward:
+    # 20 bytes a logit where the reverse-KL form keeps 16
+    logits = next(v for k, v in parts.items() if k.startswith("logits"))
     stage, plan = plan_of(["algorithm=opd", "model=qwen7b", "algorithm.teacher_model_path=Qwen/Qwen2.5-7B-Instruct"])
-    assert not any(k.startswith("teacher top") for k, _ in M.estimate(stage, plan).roles[0].parts)
+    reverse = dict(M.estimate(stage, plan).roles[0].parts)
+    assert not any(k.startswith("teacher top") for k in reverse)
+    assert logits == next(v for k, v in reverse.items() if k.startswith("logits")) * 20 // 16

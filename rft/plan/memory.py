@@ -31,7 +31,8 @@ shards the weights, gradients and optimizer state; trainer=torch is N = 1):
                  input) + one layer's whole
     logits       C x V x 16             (the output layer's logits, their float32 log-softmax,
                                          the probabilities for the entropy and the logits' gradient:
-                                         four [C, V] float32 tensors, C = logprob_chunk_size or T)
+                                         four [C, V] float32 tensors, C = logprob_chunk_size or T;
+                                         x 20 with distill_divergence=jsd: the rest bucket's fifth)
     runtime      1 GiB on a GPU (CUDA context, allocator slack); on CPU the process itself
                  (python, torch, transformers, Ray's worker: CPU_RUNTIME)
     host copies  in CPU memory: sync=memory's shared-memory segment P b (one node, Ray: mapped by
@@ -327,7 +328,10 @@ def trainer_role(cfg, plan, s: Shape, dev: Devices) -> Role:
     tokens = _tokens(cfg, plan)
     parts.append(_activations(cfg, s, tokens))
     chunk = min(t.logprob_chunk_size or tokens, tokens)
-    parts.append((f"logits ({chunk:,}-token {'chunks' if chunk < tokens else 'micro-batch'})", chunk * s.vocab * 16))
+    # the JSD's rest bucket: the student's log-probs with its top ids masked out, a fifth [C, V]
+    # float32 tensor, which the logsumexp over them keeps for its backward (rft.trainer.logprobs._outside)
+    per = 20 if plan.needs.teacher and str(cfg.algorithm.distill_divergence) == "jsd" else 16
+    parts.append((f"logits ({chunk:,}-token {'chunks' if chunk < tokens else 'micro-batch'})", chunk * s.vocab * per))
     parts.append(("runtime", GPU_RUNTIME if gpu else CPU_RUNTIME))
     total = sum(v for k, v in parts if where not in k)  # on a GPU, what its memory holds
     problem = None
