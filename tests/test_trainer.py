@@ -387,3 +387,36 @@ def test_the_decoupled_behaviour_weight_weights_the_policy_loss_alone():
         loss = term(loss, torch.full((1, 1), 0.2), torch.full((1, 1), 0.3), torch.ones(1, 1), _Rows(0, 1, 2), step)
     # 5 * 1 + 1.0 * 0.2 - 1.0 * 0.3 = 4.9 (the KL weighted too would give 5 * 1.2 - 0.3 = 5.7)
     assert loss.item() == pytest.approx(4.9)
+
+
+@pytest.mark.slow  # a tiny trainer, five steps (~3 s)
+def test_an_update_whose_gradient_is_not_finite_is_skipped_and_a_diverged_run_stops():
+    from rft.errors import RunError
+    from rft.sync.weights import same_weights
+    from rft.trainer.step import MAX_NONFINITE_STEPS
+
+    t = make_trainer(128, ["algorithm.optimizer.lr=1e-2"])
+    before = t.fingerprint()
+    # a NaN in one weight's gradient (as a diverged loss or a NaN score gives): clipping would
+    # spread it to every gradient, and Adam into every weight and its moments, for good
+    poison = t.model.lm_head.weight.register_hook(lambda g: g * float("nan"))
+    m = t.train_step(experiences())
+    assert m["actor/skipped_updates"] == 1 and math.isnan(m["actor/grad_norm"])
+    assert same_weights(t.fingerprint(), before)  # not applied: the weights are as they were
+    assert all(not s for s in t.optimizer.state.values())  # nor did Adam's moments take it
+    poison.remove()
+    m = t.train_step(experiences(seed=1))  # a finite gradient: trained as usual
+    assert m["actor/skipped_updates"] == 0 and math.isfinite(m["actor/grad_norm"])
+    assert not same_weights(t.fingerprint(), before)
+    assert all(torch.isfinite(p).all() for p in t.model.parameters())
+    # MAX_NONFINITE_STEPS (3) steps in a row with every update skipped: the run stops
+    t.model.lm_head.weight.register_hook(lambda g: g * float("nan"))
+    for i in range(MAX_NONFINITE_STEPS - 1):
+        assert t.train_step(experiences(seed=2 + i))["actor/skipped_updates"] == 1
+    with pytest.raises(RunError) as e:
+        t.train_step(experiences(seed=9))
+    assert str(e.value) == (
+        "the policy's gradient was not finite (NaN or inf) in every update of the last 3 steps, so none was "
+        "applied (actor/skipped_updates) and the model cannot learn: the loss diverged. Lower "
+        "algorithm.optimizer.lr or trainer.grad_clip, check the rewards and the model's scores, or resume from "
+        "an earlier checkpoint.")

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from rft.algorithms import agg_loss
+
+log = logging.getLogger(__name__)
 
 
 class ValueModel(torch.nn.Module):
@@ -79,8 +83,12 @@ class Critic:
             (loss * loss_scale).backward()
             total += loss.item()
             clipped += ((loss2 > loss1).float() * m).sum().item()
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.trainer.grad_clip)
-        (optimizer_step or (lambda o: o.step()))(self.optimizer)
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.trainer.grad_clip)
+        if torch.isfinite(norm.full_tensor() if hasattr(norm, "full_tensor") else norm):
+            (optimizer_step or (lambda o: o.step()))(self.optimizer)
+        else:  # as the policy's (StepMixin._apply): a NaN would reach every weight through Adam
+            self.optimizer.zero_grad(set_to_none=True)
+            log.warning("critic update skipped: its gradient norm is %s", norm)
         return {"critic/value_loss": total, "critic/vf_clip_tokens": clipped}
 
     def state_dict(self) -> dict:

@@ -37,6 +37,7 @@ class MetricsMixin:
         metrics = {
             "loss/policy": sums["loss/policy"] / updates,
             "actor/grad_norm": sum(step.grad_norms) / updates,
+            "actor/skipped_updates": step.skipped,  # a gradient that was not finite: not applied
             "actor/lr": self.scheduler.get_last_lr()[0],
             "advantage/mean": (adv.sum() / mask.sum()).item(),
             "advantage/std": adv[mask.bool()].std().item() if mask.sum() > 1 else 0.0,

@@ -19,6 +19,8 @@ resolved functions, the readers) and calls the Trainer's data-parallel hooks and
 
 from __future__ import annotations
 
+import logging
+import math
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 
@@ -28,6 +30,7 @@ from rft.algorithms import distill, off_policy, rollout_is, shaping
 from rft.algorithms.advantages import gae_returns
 from rft.algorithms.aggregation import agg_loss
 from rft.data.experience import Experience, collate
+from rft.errors import RunError
 from rft.trainer import lora
 
 
@@ -66,6 +69,14 @@ class Step:
     loss_metric_counts: dict = field(default_factory=dict)  # the counts of those given as (sum, count)
     critic_sums: dict = field(default_factory=dict)
     grad_norms: list = field(default_factory=list)
+    skipped: int = 0  # policy updates whose gradient was not finite, so not applied (StepMixin._apply)
+
+
+log = logging.getLogger(__name__)
+
+# steps in a row in which every policy update had a gradient that was not finite, after which the
+# run stops: it would go on without learning (the weights stay as they were), to exit 0 at its end
+MAX_NONFINITE_STEPS = 3
 
 
 def _engine_logp(exps: list[Experience], mask: torch.Tensor, version: int, algo):
@@ -262,6 +273,31 @@ class StepMixin:
                     _add(step.critic_sums, cm)
                 if train_actor:
                     self._actor_update(step, m0, m1, num_tokens)
+        self._check_finite(step)
+
+    def _check_finite(self, step: "Step") -> None:
+        """A run whose every update was skipped (_apply) for MAX_NONFINITE_STEPS steps in a row stops."""
+        every = bool(step.grad_norms) and step.skipped == len(step.grad_norms)
+        self._nonfinite_steps = (getattr(self, "_nonfinite_steps", 0) + 1) if every else 0
+        if self._nonfinite_steps >= MAX_NONFINITE_STEPS:
+            raise RunError(
+                f"the policy's gradient was not finite (NaN or inf) in every update of the last {MAX_NONFINITE_STEPS} "
+                f"steps, so none was applied (actor/skipped_updates) and the model cannot learn: the loss diverged. "
+                f"Lower algorithm.optimizer.lr or trainer.grad_clip, check the rewards and the model's scores, or "
+                f"resume from an earlier checkpoint.")
+
+    def _apply(self, step: "Step", norm: float) -> None:
+        """The optimizer step, unless the gradient is not finite (a diverged loss, a NaN score):
+        Adam would carry a NaN into every weight and its moments, for good. Such an update is
+        skipped and counted (actor/skipped_updates, and a warning), the learning-rate schedule not
+        moved; every rank sees the same norm (the norm over all shards), so all skip it together."""
+        if math.isfinite(norm):
+            self._optimizer_step(self.optimizer)
+            self.scheduler.step()  # the schedule counts the updates applied, as if a skipped one never was
+            return
+        self.optimizer.zero_grad(set_to_none=True)
+        step.skipped += 1
+        log.warning("policy update skipped: its gradient norm is %s (version %d)", norm, self.version)
 
     def _actor_update(self, step: "Step", m0: int, m1: int, num_tokens: int) -> None:
         algo = self.cfg.algorithm
@@ -309,8 +345,7 @@ class StepMixin:
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.trainer.grad_clip)
         # sharded parameters give a DTensor: the norm over every rank's shards
         step.grad_norms.append((norm.full_tensor() if hasattr(norm, "full_tensor") else norm).item())
-        self._optimizer_step(self.optimizer)
-        self.scheduler.step()
+        self._apply(step, step.grad_norms[-1])
 
     def _rollout_is_weight(self, loss, old_logp, rows, live, step):
         """algorithm.rollout_is: the policy loss of each weighted token (step.is_mask) times its
