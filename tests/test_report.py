@@ -426,3 +426,21 @@ def test_a_diverged_seed_and_a_damaged_log_leave_the_report_whole(tmp_path):
                          "| 1 | 2 | grpo | done | 3 | nan | 0.500 | 0.600 | 2 | 8.500 |",
                          "| 2 | 3 | grpo | done | 3 | 0.700 | 0.500 | 0.600 | 2 | 8.500 |"]
     assert by_config[2:] == ["| 1,2,3 | grpo | done | 3 | nan ± nan | 0.500 ± 0.000 | 0.600 ± 0.000 | 8.500 ± 0.000 |"]
+
+
+def test_a_long_legend_entry_is_wrapped_and_the_figure_keeps_its_layout(lr_sweep, monkeypatch):
+    import io
+    import warnings
+
+    jobs = report.read_jobs(lr_sweep)
+    # runs that differ by a long override list, as a study's paths and dotted names make them
+    long = "name=t_ints buffer.explorer_input.taskset.path=/tmp/bad/ints " * 4  # 244 characters
+    monkeypatch.setattr(report, "group_label", lambda js, keys: long + js[0].num)
+    fig = report.plot(jobs, report.differing_keys(jobs), "t", ["reward/mean"])
+    labels = [line.get_label() for line in fig.axes[0].lines]
+    assert all(max(len(part) for part in label.split("\n")) <= 60 for label in labels)
+    # the words as they were, on lines of 60 characters at most
+    assert labels[0].split() == (long + "0 (3 seeds)").split()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # "constrained_layout not applied", where the legend was wider than it
+        fig.savefig(io.BytesIO(), dpi=50)

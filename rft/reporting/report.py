@@ -542,7 +542,8 @@ def plot(jobs: list[Job], keys: list[str], title: str, metrics: list[str] | None
                 name = group_label(js, keys) + (f" ({n} seeds)" if n > 1 else "")
                 if lead(js).status.startswith("stopped before"):  # an earlier stage drawn among later ones
                     name += f" (stage {lead(js).stage})"
-                ax.plot(steps, mean, color=color, marker="o" if len(steps) < 15 else None, markersize=3, label=name)
+                ax.plot(steps, mean, color=color, marker="o" if len(steps) < 15 else None, markersize=3,
+                        label=_wrapped(name))
                 if n > 1:
                     ax.fill_between(steps, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)],
                                     color=color, alpha=0.2, linewidth=0)
@@ -558,6 +559,15 @@ def plot(jobs: list[Job], keys: list[str], title: str, metrics: list[str] | None
         fig.legend(handles.values(), handles.keys(), loc="outside right upper", fontsize="small")
     fig.suptitle(title)
     return fig
+
+
+def _wrapped(label: str, width: int = 60) -> str:
+    """A legend entry on lines of `width` characters at most: runs that differ by a long override
+    list (a path, a dotted name) made a legend wider than the figure, over its title and panels,
+    and matplotlib gave up its layout with a warning."""
+    import textwrap
+
+    return "\n".join(textwrap.wrap(label, width, break_on_hyphens=False)) if len(label) > width else label
 
 
 def report(sweep_dir: Path, stage: str | None = None, metrics: list[str] | str | None = None,
