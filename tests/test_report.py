@@ -70,6 +70,7 @@ def test_rows_hold_the_final_and_best_metrics_of_the_last_stage(sweep):
     out = report.report(sweep)
     assert {k: p.name for k, p in out.items()} == {"md": "report.md", "csv": "report.csv", "png": "rewards.png"}
     lines = out["md"].read_text().splitlines()
+    assert lines[0] == "# Sweep report: 2026-11-22_10-00-00"  # Hydra's multirun.yaml says it is one
     assert "Common to all jobs: `cluster=inline`" in lines
     table, by_config = tables(out["md"])
     assert table[0] == ("| job | seed | algorithm | stage | status | steps | final reward/mean | final eval/accuracy"
@@ -338,6 +339,7 @@ def test_a_single_run_without_stages(tmp_path):
     (run / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in GRPO))
     (run / "checkpoints" / "step_3").mkdir(parents=True)
     out = report.report(run)
+    assert out["md"].read_text().startswith("# Report: grpo-tiny-arithmetic\n")  # one run: no sweep
     row = list(csv.DictReader(out["csv"].open()))[0]
     assert (row["stage"], row["status"], row["steps"], row["final eval/accuracy"]) == ("", "done", "3", "0.5")
     assert list(report.plot([report.read_job(run)], [], "one").axes[1].lines[0].get_xdata()) == [0, 2, 3]

@@ -473,7 +473,9 @@ def _md_table(table: list[dict]) -> list[str]:
 def write_markdown(path: Path, sweep_dir: Path, jobs: list[Job], keys: list[str], table: list[dict],
                    by_config: list[dict]) -> None:
     common = [f"{k}={v}" for k, v in jobs[0].overrides.items() if k not in keys] if jobs else []
-    lines = [f"# Sweep report: {sweep_dir.name}", ""]
+    # a sweep's directory holds Hydra's multirun.yaml; any other (one run's, a folder of runs) is no sweep
+    kind = "Sweep report" if (sweep_dir / "multirun.yaml").exists() else "Report"
+    lines = [f"# {kind}: {sweep_dir.name}", ""]
     if common:
         lines += ["Common to all jobs: `" + " ".join(common) + "`", ""]
     lines += _md_table(table)
