@@ -563,16 +563,16 @@ def _mapped_placement(cfg) -> str:
     from rft.plan.placement import explorer_count, reward_models, trainer_ranks
 
     m, rm, tr = device_mapping(cfg), cfg.explorer.rollout_model, cfg.trainer
+    engines, workers = explorer_count(cfg), len(reward_models(cfg))
     out = []
-    if explorer_count(cfg):
-        n = explorer_count(cfg)
-        out.append(f"{n} {rm.engine_type} engine{'s' * (n > 1)} on {_spans(m['explorer'][:n * rm.tensor_parallel_size])} "
-                   f"({rm.tensor_parallel_size} each)")
+    if engines:
+        out.append(f"{engines} {rm.engine_type} engine{'s' * (engines > 1)} on "
+                   f"{_spans(m['explorer'][:engines * rm.tensor_parallel_size])} ({rm.tensor_parallel_size} each)")
     if cfg.mode in ("both", "train"):
         n = trainer_ranks(cfg)
         out.append(f"trainer {tr.trainer_strategy}, {n} rank{'s' * (n > 1)} on {_spans(m['trainer'])}")
-    if reward_models(cfg):
-        out.append(f"reward models on {_spans(m['reward_model'][:len(reward_models(cfg))])}")
+    if workers:
+        out.append(f"reward models on {_spans(m['reward_model'][:workers])}")
     out.append(f"weights by sync={cfg.synchronizer.sync_method}" if cfg.mode == "both" else "")
     shared = "colocated" if colocated(cfg) else "separated"
     return "; ".join(o for o in out if o) + f"; {shared} (cluster.device_mapping)"
