@@ -630,7 +630,8 @@ class SynchronizerConfig:
     # resumed run equals an uninterrupted one bit for bit (the explorer waits for the trainer)
     fixed_interrupts: bool = False
     # mode=explore: take new weights from the newest checkpoint of this train-mode stage directory
-    # (<run>/<stage>, or its checkpoints/) every sync_interval steps; null: keep the starting weights
+    # (<run>/<stage>, or its checkpoints/; a run of several stages: <run>, its stage of this stage's
+    # name) every sync_interval steps; null: keep the starting weights
     checkpoint_dir: Optional[str] = None
 
 

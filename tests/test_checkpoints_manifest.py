@@ -298,6 +298,26 @@ def test_explore_mode_skips_a_damaged_checkpoint_once_and_refuses_another_model(
         f"same model.model_path.")
 
 
+def test_explore_mode_reads_a_run_of_stages_at_its_own_stage(stage, tmp_path):
+    """README "Modes": synchronizer.checkpoint_dir names the train run's directory. The default
+    study's train run is two stages (<run>/sft_warmup, <run>/grpo); read as a stage directory the run's
+    own held no checkpoints/, and the explorer served its starting weights for good, saying nothing."""
+    from rft.runtime.checkpoint import train_stage_dir
+
+    run = tmp_path  # the `stage` fixture's directory is <tmp_path>/grpo: a run of stages
+    (run / "sft_warmup").mkdir()
+    assert train_stage_dir(str(run), "grpo") == stage
+    assert served_checkpoint(train_stage_dir(str(run), "grpo"), OWNER, 0, set(), "grpo", print).step == 2
+    # the stage directory itself, or the checkpoints/ in it, as before
+    assert train_stage_dir(str(stage), "grpo") == stage
+    assert train_stage_dir(str(stage / "checkpoints"), "grpo") == stage
+    # a run of one stage (its checkpoints/ at the top) is read as it is, even beside a folder of that name
+    (run / "checkpoints").mkdir()
+    assert train_stage_dir(str(run), "grpo") == run
+    # a run not started yet: the directory as given, served once its checkpoints appear
+    assert train_stage_dir(str(tmp_path / "later"), "grpo") == tmp_path / "later"
+
+
 def published(stage, tmp_path):
     (stage / "metrics.jsonl").write_text('{"step": 2}\n')
     entry = tmp_path / "cache" / "key"

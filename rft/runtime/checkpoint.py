@@ -207,6 +207,20 @@ def chosen_checkpoint(stage_dir: Path, path: str, owner: Owner, title: str, say)
     return ckpt
 
 
+def train_stage_dir(checkpoint_dir: str, stage: str) -> Path:
+    """synchronizer.checkpoint_dir as given -> the train-mode stage directory whose checkpoints/ a
+    mode=explore stage serves: that directory, the checkpoints/ in it, or a run's directory of
+    several stages (<run>, the stage directories inside), where the stage of the explorer's own
+    stage name is the one: read as a stage directory it holds no checkpoints/ and nothing would
+    ever be served, silently."""
+    path = Path(os.path.expanduser(checkpoint_dir))
+    if path.name == "checkpoints":
+        return path.parent
+    if not (path / "checkpoints").is_dir() and (path / stage).is_dir():
+        return path / stage
+    return path
+
+
 def served_checkpoint(stage_dir: Path, owner: Owner, newer_than: int, damaged: set, title: str, say):
     """mode=explore: the newest checkpoint with hf/ of the train run in `stage_dir` that is newer
     than step `newer_than`, whole (but for its trainer_state.pt, which is not read) and of this

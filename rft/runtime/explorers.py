@@ -10,7 +10,6 @@ the experiences an uninterrupted one would.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -18,7 +17,7 @@ from pathlib import Path
 
 from rft.config import fixed_policy
 from rft.errors import RunError
-from rft.runtime.checkpoint import Owner, served_checkpoint
+from rft.runtime.checkpoint import Owner, served_checkpoint, train_stage_dir
 from rft.runtime.faults import TrainerCalls, actor_died, culprit, resume_point
 from rft.sync.weights import wait as wait_for
 
@@ -194,9 +193,7 @@ class ExplorerPool:
         ckpt_dir = self.cfg.synchronizer.checkpoint_dir
         if not ckpt_dir:
             return
-        ckpt_dir = Path(os.path.expanduser(ckpt_dir))
-        # the train-mode run's stage directory, or the checkpoints/ directory in it
-        newest = served_checkpoint(ckpt_dir.parent if ckpt_dir.name == "checkpoints" else ckpt_dir, self.owner,
+        newest = served_checkpoint(train_stage_dir(ckpt_dir, self.owner.stage), self.owner,
                                    -1 if force else self.synced, self.not_served, self.title, self.monitor.print)
         if newest is None:
             return
