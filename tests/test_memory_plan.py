@@ -499,3 +499,33 @@ def test_the_jsd_teachers_top_tokens_are_counted_for_the_whole_step(no_gpu):
     reverse = dict(M.estimate(stage, plan).roles[0].parts)
     assert not any(k.startswith("teacher top") for k in reverse)
     assert logits == next(v for k, v in reverse.items() if k.startswith("logits")) * 20 // 16
+
+
+def test_the_readmes_two_node_7b_recipe_halves_each_ranks_weight_state(no_gpu):
+    """README "The trainer at size": the two-node command's 8 ranks each keep half of what 4 ranks
+    keep of the float32 weights, gradients and Adam that model=qwen7b brings (the figure the README
+    gives), and model.lora.sync=adapter sends 323 MB where a merged sync sends 15 GB."""
+    import re
+    import shlex
+
+    from rft.plan.sync import route
+
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## The trainer at size"):readme.index("## Sweeps, Slurm")]
+    command = re.search(r"    python run\.py (algorithm=grpo model=qwen7b task=gsm8k explorer=vllm (?:.*\\\n)*.*)", section)
+    stage, plan = plan_of(shlex.split(command[1].replace("\\\n", " ")))
+    parts = dict(M.estimate(stage, plan).roles[0].parts)
+    state = parts["weights"] + parts["gradients"] + parts["Adam"]
+    # 16 bytes a parameter (4 + 4 + 2 x 4) over 8 ranks: 7,615,487,488 x 16 / 8 = 15.23 GB
+    assert plan.dp_size == 8 and state == QWEN7B_PARAMETERS * 16 // 8
+    assert f"~{state / 1e9:.1f} GB of weight state" in section  # ~15.2
+    # the 4 ranks of `model=qwen7b` alone: 30.46 GB each, the figure the table's heading gives
+    stage4, plan4 = plan_of(README_COMMAND)
+    parts4 = dict(M.estimate(stage4, plan4).roles[0].parts)
+    assert f"{(parts4['weights'] + parts4['gradients'] + parts4['Adam']) / 1e9:.1f} GB a rank on 4" in section
+    # LoRA at rank 64 on every linear layer: per layer 64 x (in + out) of q 3584+3584, k and v
+    # 3584+512 each, o 3584+3584, gate and up 3584+18944 each, down 18944+3584 = 64 x 90,112 =
+    # 5,767,168, x 28 layers = 161,480,704 parameters x 2 bytes = 323.0 MB
+    way, _ = route(stage_configs(compose_cfg(["stages=[]", "model=qwen7b", "model.lora.rank=64",
+                                              "model.lora.sync=adapter"]))[0])
+    assert "323.0 MB per sync (161.5M LoRA adapter parameters" in way and "323 MB instead of 15 GB" in readme
