@@ -459,7 +459,8 @@ class RolloutModelConfig:
     enforce_eager: bool = True
     # vllm: float32 | bfloat16 | float16; null: model.dtype
     dtype: Optional[str] = None
-    # vllm: the engine's seed; null: the global seed
+    # vllm: the engine's own seed; null: 0. Each request samples with a seed of its own, from the
+    # run's seed and the step (rft.data.readers.step_seed), whatever this is
     seed: Optional[int] = None
     # vllm on GPU: release weights and KV cache while the trainer trains (colocated explorer and
     # trainer, sync_offset=0); not available on CPU
