@@ -714,3 +714,47 @@ def test_a_studio_bound_beyond_loopback_warns(tmp_path):
         assert "WARNING: listening on 0.0.0.0, not loopback" in proc.said
     finally:
         _stop(proc)
+
+
+def test_the_command_lines_defaults_are_the_readmes():
+    """README "The studio": `python -m rft.studio [--port 8765] [--root ./checkpoints] [--host
+    127.0.0.1]`, `--request-timeout` 10 s, `--max-connections` 256, the token never an argument."""
+    from rft.studio.__main__ import _parser
+
+    args = _parser().parse_args([])
+    assert (args.host, args.port, args.request_timeout, args.max_connections, args.token_file) == (
+        "127.0.0.1", 8765, 10.0, 256, None)
+    assert args.root == os.environ.get("RFT_CHECKPOINT_ROOT_DIR", "./checkpoints")
+
+
+def _jobs_record(log_dir: Path) -> None:
+    """A launch a studio recorded before, ended with exit 0 (its process long gone)."""
+    log_dir.mkdir(mode=0o700)
+    (log_dir / "launch_1_ab12.log").write_text("done\n")
+    record = {"id": 1, "argv": [sys.executable, "run.py", "seed=1"], "log": "launch_1_ab12.log", "pid": 2**22 + 1,
+              "started": 1.0, "stopped": False, "returncode": 0, "ended": 2.0, "run": "rft/grpo", "sweep": None}
+    (log_dir / "jobs.json").write_text(json.dumps([record]))
+    (log_dir / "jobs.json").chmod(0o600)
+
+
+def test_the_launches_are_kept_in_jobs_json_and_read_only_from_this_users_own_file(tmp_path, capsys):
+    """README "jobs": the launches are kept in `<root>/.studio/jobs.json` (this user's only: a file
+    others could write is not read), so a restarted studio lists them."""
+    from rft.studio.launch import Launches
+
+    log_dir = tmp_path / ".studio"
+    _jobs_record(log_dir)
+    restored = Launches(tmp_path, log_dir).all[1].state()
+    assert {k: restored[k] for k in ("command", "status", "returncode", "run")} == {
+        "command": "python run.py seed=1", "status": "finished", "returncode": 0, "run": "rft/grpo"}
+    # writable by the group: another user could have named any process for "stop" to signal
+    (log_dir / "jobs.json").chmod(0o620)
+    assert Launches(tmp_path, log_dir).all == {}
+    assert capsys.readouterr().err == (f"rft.studio: WARNING: {log_dir / 'jobs.json'} (or its folder) is not this "
+                                       f"user's alone: its launches are not listed.\n")
+    # the same for a folder others may write (they could replace the file)
+    (log_dir / "jobs.json").chmod(0o600)
+    log_dir.chmod(0o777)
+    assert Launches(tmp_path, log_dir).all == {}
+    log_dir.chmod(0o700)
+    assert list(Launches(tmp_path, log_dir).all) == [1]
