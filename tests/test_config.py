@@ -430,3 +430,31 @@ def test_a_new_key_is_in_the_schema_the_compose_page_and_the_readme(key):
     # by its whole name, or its section's name and its own as a word (`pass_k: [1, 4]`, a YAML example's `enable: true`)
     section, name = key.split(".")[-2:]
     assert key in readme or (section in readme and re.search(rf"\b{name}\b", readme)), key
+
+
+def test_the_defaults_the_readme_gives_for_training_at_size_resuming_and_the_run():
+    """README (from "The engine's log-probs" on): the defaults it names, as a user reads them, in the
+    composed default config and the last stage it runs."""
+    from rft.plan.placement import trainer_ranks
+
+    cfg = compose_cfg()
+    stage = stage_configs(cfg)[-1]
+    a, t, m = stage.algorithm, stage.trainer, stage.model
+    # "`tis` (the default) truncates it at `algorithm.rollout_is_cap` (2; ...)"
+    assert (a.rollout_is, a.rollout_is_cap) == ("tis", 2.0)
+    # "The trainer at size": packing and shared prompts on, the attention transformers' default
+    # (sdpa: null passes nothing), LoRA off and, when on, synced merged
+    assert (t.use_remove_padding, t.share_prompts, t.skip_zero_advantage) == (True, True, True)
+    assert (t.use_dynamic_bsz, t.gradient_checkpointing, t.logprob_chunk_size) == (False, False, None)
+    assert (m.attn_implementation, m.fp32_lm_head, m.lora.rank, m.lora.sync) == (None, False, 0, "merged")
+    # "The trainer": torch by default; fsdp2's ranks one per GPU the explorers leave, 2 on CPU
+    assert t.trainer_strategy == "torch" and stage.cluster.threads_per_actor is None
+    assert trainer_ranks(compose_cfg(["trainer=fsdp2"])) == 2
+    assert trainer_ranks(compose_cfg(["trainer=fsdp2", "cluster.gpu_per_node=8", "explorer=vllm", "model=qwen7b",
+                                      "explorer.rollout_model.engine_num=2"])) == 6  # "2 vLLM engines, 6 FSDP2 ranks"
+    # "Outputs": checkpoints all kept, hf/ at every save, re-running resumes; the stage cache
+    # under the project; a run returns eval/accuracy; TensorBoard by default (what model=qwen7b
+    # and qwen2.5-0.5b bring: tests/test_memory_plan.py)
+    assert (t.max_ckpt_to_keep, t.save_hf_checkpoint, cfg.continue_from_checkpoint) == (None, "always", True)
+    assert cfg.stage_cache_dir == f"{cfg.checkpoint_root_dir}/{cfg.project}/stage_cache"
+    assert (cfg.objective, list(cfg.monitor.monitor_type)) == ("eval/accuracy", ["tensorboard"])
