@@ -195,4 +195,66 @@ def test_the_gpu_acceptance_runs_its_cpu_twin_here(tmp_path):
         assert row["generate_tokens_per_s"] > 0 and row["train_tokens_per_s"] > 0 and row["sync_s"] > 0
         assert row["trainer_peak_gb"] > 0.1
         assert all(row[k] is None for k in ("mfu", "sleep_s", "wake_s", "memory_awake_gb", "memory_asleep_gb"))
-    assert "| tiny | tiny-qwen2-v1 |" in r.stdout and "| tiny-lora | tiny-qwen2-v1 |" in r.stdout
+    assert "| tiny | vllm | tiny-qwen2-v1 |" in r.stdout and "| tiny-lora | vllm | tiny-qwen2-v1 |" in r.stdout
+
+
+ACCEPTANCE_WITHOUT_VLLM = """
+import runpy, sys
+sys.modules["vllm"] = None  # as on a machine without vLLM: importlib finds no such module
+sys.argv = ["acceptance.py", *sys.argv[1:]]
+runpy.run_path("experiments/gpu_acceptance/acceptance.py", run_name="__main__")
+"""
+
+
+@pytest.mark.slow  # a trainer and the HF engine (~15 s)
+def test_the_gpu_acceptance_runs_the_hf_engine_where_vllm_is_missing(tmp_path):
+    # GPU machines without vLLM (its wheel is hundreds of MB) still get the trainer's, the sync's
+    # and the memory figures, from the HF engine's arms
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: the script runs its GPU arms (minutes), not the CPU twin")
+    out = tmp_path / "table.json"
+    r = subprocess.run([sys.executable, "-c", ACCEPTANCE_WITHOUT_VLLM, "--steps", "2", "--out", str(out)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "vLLM is not installed here: the arms run the HF engine (explorer=hf)" in r.stdout
+    table = json.loads(out.read_text())
+    assert table["device"] == "CPU (no GPU here: the CPU twin, the HF engine and FSDP2 over gloo)"
+    [row] = table["rows"]  # the -lora arm needs vLLM: left out
+    assert (row["arm"], row["engine"]) == ("tiny", "hf")
+    assert row["generate_tokens_per_s"] > 0 and row["train_tokens_per_s"] > 0 and row["sync_s"] > 0
+    assert "| tiny | hf | tiny-qwen2-v1 |" in r.stdout
+    # asked for by name, a LoRA arm is refused before anything starts
+    r = subprocess.run([sys.executable, "-c", ACCEPTANCE_WITHOUT_VLLM, "--arms", "tiny-lora"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2
+    assert "the -lora arms send adapters to vLLM (model.lora.sync=adapter): run them with --engine vllm" in r.stderr
+
+
+@pytest.mark.slow  # downloads ~7 MB of wheels from the package index, then a trainer and the HF engine (~25 s)
+def test_the_gpu_kit_brings_its_wheels_and_runs_the_checks_from_them(tmp_path):
+    # wheels.sh: what a GPU machine without network needs beyond CUDA PyTorch's usual image, at the
+    # versions tested here; device.sh installs them into a folder of their own and runs the checks
+    if not (ROOT / ".venv" / "bin" / "python").exists():
+        pytest.skip("wheels.sh reads the tested versions from .venv (make test makes it)")
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: device.sh would run the GPU arms (minutes)")
+    py = f"{sys.version_info.major}.{sys.version_info.minor}"
+    wheels, results = tmp_path / "wheels", tmp_path / "results"
+    r = subprocess.run(["bash", "experiments/gpu_acceptance/wheels.sh", str(wheels), py], cwd=ROOT,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    names = {w.name.split("-")[0].lower() for w in wheels.glob("*.whl")}
+    assert {"hydra_core", "omegaconf", "antlr4_python3_runtime", "sqlalchemy", "datasets", "submitit"} <= names
+    r = subprocess.run(["bash", "experiments/gpu_acceptance/device.sh", str(wheels), str(results),
+                        "--engine", "hf", "--steps", "1"], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "PYTHON": sys.executable})
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    assert f"installed {len(list(wheels.glob('*.whl')))} wheels from {wheels}" in (results / "device.txt").read_text()
+    assert "skipped" in (results / "test_gpu.log").read_text()  # no GPU here: each test says why
+    [row] = json.loads((results / "gpu_acceptance.json").read_text())["rows"]
+    assert (row["arm"], row["engine"], row["steps"]) == ("tiny", "hf", 1) and row["sync_s"] > 0
+    assert f"torch {torch.__version__}" in (results / "device.txt").read_text()

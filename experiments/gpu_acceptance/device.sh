@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# The GPU checks in one go, on a machine with a GPU and without network, from this checkout's root:
+# installs the wheels that wheels.sh downloaded (into a folder of its own, not the machine's
+# Python), then runs tests/test_gpu.py and the acceptance script, each with its log, and the
+# table as JSON, in RESULTS.
+#
+#   experiments/gpu_acceptance/device.sh [WHEELS=.whl] [RESULTS=gpu_results] [acceptance.py's options]
+#
+# Under 9 minutes by its timeouts (the tests 3, the acceptance arms 5.5; models built
+# here with random weights, nothing downloaded). Exit status: the tests' or the script's failure.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+wheels=${1:-.whl}
+results=${2:-gpu_results}
+shift $(( $# < 2 ? $# : 2 ))
+mkdir -p "$results"
+python=${PYTHON:-python3}
+installed="no wheels in $wheels: the machine's own packages"
+if compgen -G "$wheels/*.whl" >/dev/null; then
+    site=$(mktemp -d)
+    $python -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" "$wheels"/*.whl || exit 1
+    export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
+    installed="installed $(compgen -G "$wheels/*.whl" | wc -l) wheels from $wheels into $site"
+fi
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+# the tiny and shaped models are built here, into a cache of this run's own
+export RFT_CACHE_DIR=${RFT_CACHE_DIR:-$(mktemp -d)}
+{ echo "$installed"
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+  $python -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__)"
+} 2>&1 | tee "$results/device.txt"
+status=0
+timeout 180 $python -m pytest -q -p no:cacheprovider -rs tests/test_gpu.py 2>&1 | tee "$results/test_gpu.log" || status=1
+timeout 330 $python experiments/gpu_acceptance/acceptance.py --out "$results/gpu_acceptance.json" "$@" 2>&1 \
+    | tee "$results/acceptance.log" || status=1
+exit $status
