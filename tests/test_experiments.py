@@ -258,3 +258,23 @@ def test_the_gpu_kit_brings_its_wheels_and_runs_the_checks_from_them(tmp_path):
     [row] = json.loads((results / "gpu_acceptance.json").read_text())["rows"]
     assert (row["arm"], row["engine"], row["steps"]) == ("tiny", "hf", 1) and row["sync_s"] > 0
     assert f"torch {torch.__version__}" in (results / "device.txt").read_text()
+
+
+def test_the_readmes_figure_commands_name_scripts_and_flags_that_exist():
+    """Every figure of the README comes with the command that reproduces it: each
+    `python experiments/<study>/<script>.py --flag ...` it gives names a script that exists, and
+    every flag is one that script's argument parser defines (a renamed flag fails here, not for
+    the reader)."""
+    text = " ".join((ROOT / "README.md").read_text().split())  # commands wrap across lines
+    commands = re.findall(r"python (experiments/[\w/]+\.py)([^`;#)]*)", text)
+    assert len(commands) >= 5, commands  # checkpoint_verify, trl_comparison (2), engine_memory, the studio
+    wrong = []
+    for script, args in commands:
+        path = ROOT / script
+        if not path.exists():
+            wrong.append(f"{script}: no such script")
+            continue
+        source = path.read_text()
+        wrong += [f"{script} {flag}" for flag in re.findall(r"(?<!\S)(--[\w-]+)", args)
+                  if f'"{flag}"' not in source]
+    assert wrong == [], wrong
