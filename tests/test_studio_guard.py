@@ -383,6 +383,101 @@ def test_a_launch_neither_composes_a_file_from_outside_conf_nor_writes_outside_t
     assert launch({"keys": {}}) == ([], "rft/grpo-tiny-arithmetic", None)  # under the root: launched
 
 
+@pytest.mark.slow
+def test_a_launch_refuses_a_key_that_would_write_outside_the_root(tmp_path, monkeypatch):
+    # the run's and the sweep's directory were checked against the root, no other key: a buffer's
+    # database, the stage cache, the cache of built models and data, a local MLflow store typed on
+    # the page each launched, and the run wrote there, out of the studio's sight
+    from rft.studio import bodies as B
+    from rft.studio.app import Refused, launch_args
+
+    root, out = tmp_path / "root", tmp_path / "outside"
+    root.mkdir()
+    monkeypatch.setenv("RFT_CHECKPOINT_ROOT_DIR", str(root))
+    defaults = C.default_choices(CONF)
+    options = {g: [o["name"] for o in opts] for g, opts in C.groups(CONF).items()}
+
+    def launch(body: dict):
+        choices, keys = B.composition(body, options)
+        return launch_args(CONF, defaults, body, {**defaults, **choices}, keys, root)
+
+    def refused(where: str, path, fix: str, job: str = "") -> str:
+        relative = "" if Path(path).is_absolute() else " (a relative path: in the run's working directory, the repository)"
+        return (f"not launched: {job}{where}: the run would write to {path}{relative}, outside the checkpoint root {root} "
+                f"that this studio shows and launches into. Give a path under {root}, or {fix}, or start the studio with "
+                f"--root on a folder that holds it (python -m rft.studio --root DIR).")
+
+    buffer = "buffer.trainer_input.experience_buffer.path"
+    unset = "leave it unset (the stage's own buffer.db or experiences.jsonl, in its directory)"
+    for body, said in [
+        # the RL stage's SQLite buffer (the warm-up stage reads its dataset file: not a write)
+        ({"choices": {"buffer": "sql"}, "keys": {buffer: f"{out}/b.db"}},
+         refused(f"{buffer}={out}/b.db", out / "b.db", unset)),
+        # `..` out of the root: the path as the run resolves it
+        ({"keys": {"stage_cache_dir": f"{root}/../outside"}},
+         refused(f"stage_cache_dir={root}/../outside", out, "leave it as conf/config.yaml sets it (under the root), or null "
+                                                              "(no reuse)")),
+        ({"keys": {"cache_dir": "rel/cache"}},
+         refused("cache_dir=rel/cache", "rel/cache", "leave it as conf/config.yaml sets it (the "
+                 "machine's shared cache of built models and data)")),
+        ({"choices": {"monitor": "mlflow"}, "keys": {"monitor.mlflow_tracking_uri": f"sqlite:///{out}/m.db"}},
+         refused(f"monitor.mlflow_tracking_uri=sqlite:///{out}/m.db", out / "m.db",
+                 "leave it unset (mlflow.db under the root), or give a server's http(s):// address")),
+        # a sweep: each job's
+        ({"sweep": True, "sweep_params": f"stage_cache_dir={root}/cache,{out}"},
+         refused(f"stage_cache_dir={out}", out, "leave it as conf/config.yaml sets it (under the root), or null (no reuse)",
+                 f"job 1 of the sweep (stage_cache_dir={out}): ") + " No job has started: every job is planned first."),
+    ]:
+        with pytest.raises(Refused) as e:
+            launch(body)
+        assert (e.value.status, e.value.answer["detail"]) == (400, said), body
+    # under the root, a server's address, and what a run only reads (algorithm=sft's dataset in the
+    # shared cache, a file buffer read by mode=train): launched
+    for body in [{"choices": {"buffer": "sql"}, "keys": {buffer: f"{root}/buffers/b.db"}},
+                 {"choices": {"monitor": "mlflow"}, "keys": {"monitor.mlflow_tracking_uri": "http://mlflow.example:5000"}},
+                 {"choices": {"algorithm": "sft"}}]:
+        args, run, sweep = launch(body)
+        assert run is not None and sweep is None, body
+
+
+def test_which_keys_a_run_writes_to_by_storage_mode_and_monitor(tmp_path):
+    # the rules of rft/studio/writes.py on configs made by hand (no composition): a sql buffer is
+    # written in any mode (its read cursor), a file buffer only where the explorer writes it; a
+    # server's MLflow address and conf/config.yaml's shared cache are no paths to check
+    from omegaconf import OmegaConf
+
+    from rft.studio import writes as W
+
+    def stage(name, mode, storage, path, monitors=(), uri=None, cache="/cache"):
+        return OmegaConf.create({"stage_name": name, "mode": mode, "cache_dir": cache,
+                                 "buffer": {"trainer_input": {"experience_buffer": {"storage_type": storage, "path": path}}},
+                                 "monitor": {"monitor_type": list(monitors), "mlflow_tracking_uri": uri}})
+
+    eb = "buffer.trainer_input.experience_buffer.path"
+    job = OmegaConf.create({"stage_cache_dir": None, "cache_dir": "/cache", "dry_run": False,
+                            "buffer": {"trainer_input": {"experience_buffer": {"path": "/data/sft.jsonl"}}}})
+    stages = [stage("sft", "train", "file", "/data/sft.jsonl"), stage("rl", "both", "sql", "sqlite:////out/b.db"),
+              stage("more", "train", "sql", "~/b.db", ["mlflow"], "http://mlflow:5000"),
+              stage("last", "explore", "file", "/data/sft.jsonl", ["tensorboard", "mlflow"], "file:///out/mlruns", "rel")]
+    home = os.path.expanduser("~")
+    assert W.written(job, stages, "/cache") == [
+        W.Write(eb, "sqlite:////out/b.db", "/out/b.db", "rl"), W.Write(eb, "~/b.db", f"{home}/b.db", "more"),
+        W.Write("cache_dir", "rel", "rel", "last"), W.Write(eb, "/data/sft.jsonl", "/data/sft.jsonl", None),
+        W.Write("monitor.mlflow_tracking_uri", "file:///out/mlruns", "/out/mlruns", "last")]
+    assert W.written(OmegaConf.merge(job, {"dry_run": True}), stages, "/cache") == []
+    # under the root (after `..` and links are resolved): allowed; the first other one is refused
+    (tmp_path / "root").mkdir()
+    os.symlink("/out", tmp_path / "root" / "link")
+    inside = W.Write("stage_cache_dir", f"{tmp_path}/root/a/../b", f"{tmp_path}/root/a/../b")
+    assert W.refusal(tmp_path / "root", [inside]) is None
+    link = W.Write(eb, f"{tmp_path}/root/link/b.db", f"{tmp_path}/root/link/b.db", "rl")
+    assert W.refusal(tmp_path / "root", [inside, link]) == (
+        f"{eb}={tmp_path}/root/link/b.db (stage rl): the run would write to /out/b.db, outside the checkpoint root "
+        f"{tmp_path}/root that this studio shows and launches into. Give a path under {tmp_path}/root, or leave it unset "
+        f"(the stage's own buffer.db or experiences.jsonl, in its directory), or start the studio with --root on a "
+        f"folder that holds it (python -m rft.studio --root DIR).")
+
+
 def test_a_model_whose_own_code_would_run_is_listed_with_the_imports():
     # trust_remote_code runs the Python files of the model's folder (or hub repo): listed before,
     # it launched unasked; the policy's and an auxiliary model's, each with its path

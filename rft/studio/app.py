@@ -95,6 +95,7 @@ def launch_args(conf_dir: Path, defaults: dict, body: dict, choices: dict, keys:
     panel links to its jobs."""
     from rft.studio import bodies as B
     from rft.studio import compose as C
+    from rft.studio import writes as W
     from rft.studio.launch import command
 
     sweep = bool(body.get("sweep"))
@@ -106,7 +107,8 @@ def launch_args(conf_dir: Path, defaults: dict, body: dict, choices: dict, keys:
         comp = C.compose(conf_dir, choices, keys, defaults, existing=not sweep)
         if comp.error:  # the run would stop at the same place: say it here
             raise ValueError(comp.error)
-        imports, planned = C.check_sweep(conf_dir, comp.overrides, sweep_args) if sweep else (comp.imports, "")
+        imports, planned = (C.check_sweep(conf_dir, comp.overrides, sweep_args, root) if sweep
+                            else (comp.imports, W.refusal(root, comp.writes) if root is not None else None))
         if sweep and comp.sweep_dir and Path(comp.sweep_dir).exists():
             raise ValueError(f"{comp.sweep_dir} exists (a sweep started this second); launch again in a second.")
     except ValueError as e:
@@ -116,11 +118,6 @@ def launch_args(conf_dir: Path, defaults: dict, body: dict, choices: dict, keys:
         listed = "; ".join(f"{i['path']} ({i['key']})" for i in unconfirmed)
         raise Refused(409, f"not launched: it imports from outside rft and this repository: {listed}. Launch it "
                            f"only if you trust that code: confirm each path (confirm_imports).", imports=unconfirmed)
-    if planned:  # a job of the sweep would stop the sweep before its first job (rft.runtime.callbacks)
-        raise Refused(400, f"not launched: {planned}")
-    args = command(comp.overrides, sweep, sweep_args, launcher)
-    if sweep and comp.sweep_dir:
-        args.append(f"hydra.sweep.dir={C._override_text(comp.sweep_dir)}")
     writes = comp.values.get("dry_run") != "true"  # a dry run leaves no directory to link to
     where = comp.sweep_dir if sweep else comp.run_dir
     if writes and root is not None and where and (not Path(where).is_absolute() or _under(root, where) is None):
@@ -129,6 +126,14 @@ def launch_args(conf_dir: Path, defaults: dict, body: dict, choices: dict, keys:
         raise Refused(400, f"not launched: it would write to {where}, outside the checkpoint root {root} that this "
                            f"studio shows and launches into. Leave checkpoint_root_dir as it is, or start the studio "
                            f"with --root on the folder you want (python -m rft.studio --root DIR).")
+    # a job of the sweep would stop the sweep before its first job (rft.runtime.callbacks); a key
+    # of the run or of a job would write outside the root (a buffer's database, the stage cache
+    # typed on the page): out of the studio's sight, as a run directory there would be
+    if planned:
+        raise Refused(400, f"not launched: {planned}")
+    args = command(comp.overrides, sweep, sweep_args, launcher)
+    if sweep and comp.sweep_dir:
+        args.append(f"hydra.sweep.dir={C._override_text(comp.sweep_dir)}")
     return (args, _under(root, comp.run_dir) if writes and not sweep else None,
             _under(root, comp.sweep_dir) if writes and sweep else None)
 

@@ -28,6 +28,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from rft import config as C
 from rft.studio import imports as I
+from rft.studio import writes as W
 
 # groups the page offers; hydra/ (launchers) is chosen on the launch form
 SKIP_GROUPS = {"hydra"}
@@ -179,6 +180,8 @@ class Composition:
     imports: list[dict] = dataclasses.field(default_factory=list)
     run_dir: str = ""  # where the run writes (checkpoint_root_dir/project/name)
     sweep_dir: str = ""  # where a sweep of it would write (hydra.sweep.dir, as of now)
+    # the paths other keys give where the run writes (rft/studio/writes.py), once planned
+    writes: list = dataclasses.field(default_factory=list)
 
 
 def _get(tree: dict, key: str):
@@ -300,7 +303,8 @@ def _composition(conf_dir: Path, overrides: list[str], choices: dict[str, str], 
         comp = Composition(chosen, overrides, command, values, text, "", "", imports)
         comp.run_dir, comp.sweep_dir = _dirs(job, cfg)
         if plan:
-            comp.plan, comp.error = _plan(job, existing)
+            comp.plan, comp.error, stages = _plan(job, existing)
+            comp.writes = W.written(job, stages, W.shared_cache(conf_dir)) if stages else []
         return comp
 
 
@@ -341,20 +345,21 @@ def _container(node: DictConfig) -> dict:
         return OmegaConf.to_container(node, resolve=False, enum_to_str=True)
 
 
-def _plan(job: DictConfig, existing: bool = True) -> tuple[str, str]:
-    """(the batch plan's text, "") or ("", the error's one paragraph); `existing`: also the run of
-    the same name, as the run would find it (the plan's text then comes with its error)."""
+def _plan(job: DictConfig, existing: bool = True) -> tuple[str, str, list]:
+    """(the batch plan's text, "", the stages' configs) or ("", the error's one paragraph, []);
+    `existing`: also the run of the same name, as the run would find it (the plan's text then
+    comes with its error)."""
     from rft.errors import ConfigError
     from rft.runtime.main import plan_stages, plan_text
 
     try:
         stages, plans, dirs = plan_stages(job)
         text = plan_text(stages, plans, dirs)
-        return text, _message(existing_run(job, stages, dirs)) if existing else ""
+        return text, _message(existing_run(job, stages, dirs)) if existing else "", stages
     except ConfigError as e:
-        return "", _message(e)
+        return "", _message(e), []
     except Exception as e:  # an interpolation that does not resolve, a dataset that is not there
-        return "", f"{type(e).__name__}: {_message(e)}"
+        return "", f"{type(e).__name__}: {_message(e)}", []
 
 
 def existing_run(job: DictConfig, stages: list, dirs: list[Path]) -> Exception | None:
@@ -405,12 +410,14 @@ def _job_count(overrides: list, cap: int) -> int:
     return math.prod(sizes.values())
 
 
-def check_sweep(conf_dir: Path, overrides: list[str], sweep_args: list[str]) -> tuple[list[dict], str]:
+def check_sweep(conf_dir: Path, overrides: list[str], sweep_args: list[str],
+                root: Path | None = None) -> tuple[list[dict], str]:
     """Every job of `python run.py -m <overrides> <sweep_args>` composed and planned, as Hydra's
     basic sweeper splits the sweep (the composed config's hydra.sweeper.params, as a study sets
     them, with the sweep's values) and as run.py plans them before the first starts
     (rft.runtime.callbacks): (their imports.foreign, the first job's plan error in the CLI's words
-    or ""). A ValueError for a sweep that does not split or compose, or has more than
+    or "", or the first job's key that would write outside `root`: rft/studio/writes.py). A
+    ValueError for a sweep that does not split or compose, or has more than
     MAX_SWEEP_JOBS jobs. The imports come first: a job whose plan fails still lists what it would
     import, which the page asks about before it says anything else."""
     from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
@@ -436,7 +443,8 @@ def check_sweep(conf_dir: Path, overrides: list[str], sweep_args: list[str]) -> 
         comp = compose_overrides(conf_dir, job, plan=True)
         if comp.error and not comp.yaml:  # it did not compose: nothing is known of its imports
             raise ValueError(_job_error(n, own[n], comp.error))
-        error = error or (_job_error(n, own[n], comp.error) if comp.error else "")
+        problem = comp.error or (W.refusal(root, comp.writes) if root is not None else None)
+        error = error or (_job_error(n, own[n], problem) if problem else "")
         for i in comp.imports:
             found.setdefault((i["key"], i["path"]), i)
     return list(found.values()), error
