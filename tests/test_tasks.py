@@ -223,3 +223,23 @@ def test_characters_the_tokenizer_does_not_know_are_warned_about(tmp_path):
     text = budget_report(cfg.buffer.explorer_input.taskset, tok, cfg.model, True, where)
     assert text.endswith("; 1 of its first 3 responses ('四'): the model does not see them (each is dropped or "
                          "read as the one unknown token). Use a model whose tokenizer has them, or data without them.")
+
+
+@pytest.mark.slow  # builds the tiny model where the session has not yet (~10 s)
+def test_the_tiny_models_budget_holds_a_19_character_question_and_a_5_character_answer():
+    """README "Starting a new study": with the tiny model, keep questions within 19 characters and
+    answers within 5 (or raise model.max_prompt_tokens / max_response_tokens). One token a
+    character: the chat template's 5 tokens (<|im_start|>, user, newline ... <|im_end|>, the
+    assistant's header) + 19 = 24 = max_prompt_tokens; 5 + the end token = 6 = max_response_tokens."""
+    from conftest import compose_cfg
+
+    from rft.data.readers import prompt_ids
+    from rft.models import ensure_model, load_tokenizer
+
+    cfg = compose_cfg()
+    ensure_model(cfg.model)
+    tok = load_tokenizer(cfg.model)
+    lengths = [len(ids) for ids in prompt_ids(tok, [[{"role": "user", "content": "1" * n}] for n in (19, 20)])]
+    assert lengths == [cfg.model.max_prompt_tokens, cfg.model.max_prompt_tokens + 1] == [24, 25]
+    answer = tok.encode("12345", add_special_tokens=False) + [tok.eos_token_id]
+    assert len(answer) == cfg.model.max_response_tokens == 6
