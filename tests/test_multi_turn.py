@@ -148,6 +148,42 @@ def test_the_turn_limit_ends_a_conversation_that_keeps_calling(tools_model):
     assert e.reward == 0.0 and e.reward_parts == {}
 
 
+class Hinted(CalculatorEnv):
+    """An environment of a study's own with a counter of its own in `info`."""
+
+    def reset(self, task):
+        self.info["hints"] = 3
+        return super().reset(task)
+
+
+def test_every_counter_of_an_environments_info_is_logged_and_max_turns_is_4(tools_model):
+    """README "Multi-turn agents and tools": an environment's `info` counters are logged as
+    rollout/<name>_mean (only ToolEnv's tool_calls and tool_failures were: a study's own counter was
+    dropped), a conversation ends at max_turns, 4 by default, and one that ends there is no drift."""
+    import rft.rollout.environments.tools as envs
+    from rft.rollout.explorer import conversation_metrics
+
+    tok = tokenizer(tools_model)
+    # strict: a conversation that max_turns ends after the tool's reply holds the next generation
+    # prompt (taken with the reply), which the drift check did not render: every such one was drift,
+    # and strict stopped the run
+    [[calling]] = multi_turn([task()], Scripted(tok, [(CALL, "stop")]),
+                             ctx_for(tok, {"env": "calculator", "strict": True}, max_response_tokens=400))
+    assert calling.info["turns"] == 4 and calling.info["turn_limit"] is True and calling.info["drift"] is False
+    envs.ENVIRONMENTS["_hinted"] = Hinted
+    try:
+        [[hinted]] = multi_turn([task()], Scripted(tok, [(CALL, "stop"), ("56", "stop")]), ctx_for(tok, {"env": "_hinted"}))
+    finally:
+        del envs.ENVIRONMENTS["_hinted"]
+    [[cut]] = multi_turn([task()], Scripted(tok, [(CALL, "stop")]),
+                         ctx_for(tok, {"env": "calculator", "max_total_tokens": 12}))
+    m = conversation_metrics([calling, hinted, cut])
+    # turns 4, 2, 1; tool calls 4, 1, 0 (the cut one is never made); hints 0, 3, 0
+    assert m == {"rollout/turns_mean": 7 / 3, "rollout/tool_calls_mean": 5 / 3, "rollout/tool_failures_mean": 0.0,
+                 "rollout/hints_mean": 1.0, "rollout/drift_frac": 0.0, "rollout/budget_truncated_frac": 1 / 3,
+                 "rollout/turn_limit_frac": 1 / 3}
+
+
 def test_an_environment_that_raises_fails_its_task_only(tools_model):
     tok = tokenizer(tools_model)
 

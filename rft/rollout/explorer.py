@@ -230,15 +230,18 @@ def rollout_metrics(exps: list, groups: list, counters: dict, elapsed: float) ->
 
 
 def conversation_metrics(exps: list, prefix: str = "rollout") -> dict:
-    """Multi-turn conversations (rft/rollout/workflows/multi_turn.py): turns, tool calls, drift, budget and turn limits."""
+    """Multi-turn conversations (rft/rollout/workflows/multi_turn.py): turns and every number its
+    environment's `info` counts (ToolEnv's tool_calls, tool_failures; an environment of a study's
+    own, its own), each as <prefix>/<name>_mean (0 where a conversation lacks it); drift, budget and
+    turn limits."""
     convs = [e for e in exps if "turns" in e.info]
     if not convs:
         return {}
     n = len(convs)
+    counted = {k for e in convs for k, v in e.info.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
     return {
-        f"{prefix}/turns_mean": sum(e.info["turns"] for e in convs) / n,
-        f"{prefix}/tool_calls_mean": sum(e.info.get("tool_calls", 0) for e in convs) / n,
-        f"{prefix}/tool_failures_mean": sum(e.info.get("tool_failures", 0) for e in convs) / n,
+        **{f"{prefix}/{k}_mean": sum(e.info.get(k, 0) for e in convs) / n
+           for k in sorted(counted | {"tool_calls", "tool_failures"})},
         # conversations whose held ids the chat template does not render (rft/rollout/workflows/multi_turn.py)
         f"{prefix}/drift_frac": sum(bool(e.info.get("drift")) for e in convs) / n,
         f"{prefix}/budget_truncated_frac": sum(bool(e.info.get("budget_truncated")) for e in convs) / n,

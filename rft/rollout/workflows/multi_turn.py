@@ -142,7 +142,7 @@ def drift_at(tok, conv: Conversation) -> tuple[int, int, str] | None:
     """(token index, turn, role) of the first id where the template's rendering of the whole
     conversation departs from the ids held; None when the held ids are what it renders (up to the
     closing tokens of a last turn that ended the conversation)."""
-    rendered = render(tok, conv.messages)
+    rendered = rendered_whole(tok, conv)
     at = common_prefix(rendered, conv.ids)
     if at == len(conv.ids):
         return None
@@ -150,8 +150,15 @@ def drift_at(tok, conv: Conversation) -> tuple[int, int, str] | None:
     return at, turn, role
 
 
+def rendered_whole(tok, conv: Conversation) -> list[int]:
+    """The template's ids of the whole conversation. One that max_turns ended after an environment's
+    reply holds the next generation prompt too (the reply's ids are taken with it): rendered without
+    it, every such conversation read as drift, and strict=true stopped the run."""
+    return render(tok, conv.messages, generation_prompt=conv.messages[-1]["role"] != "assistant")
+
+
 def drift_message(tok, conv: Conversation, at: int, turn: int, role: str) -> str:
-    rendered = render(tok, conv.messages)
+    rendered = rendered_whole(tok, conv)
     held = conv.ids[at] if at < len(conv.ids) else None
     want = rendered[at] if at < len(rendered) else None
     show = lambda t: "nothing" if t is None else f"{t} ({tok.decode([t])!r})"  # noqa: E731
