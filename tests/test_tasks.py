@@ -2,6 +2,7 @@
 
 import json
 
+import pytest
 from omegaconf import OmegaConf
 
 from rft.config import ExperienceBufferConfig, TasksetConfig
