@@ -251,13 +251,15 @@ def test_the_gpu_kit_brings_its_wheels_and_runs_the_checks_from_them(tmp_path):
     assert {"hydra_core", "omegaconf", "antlr4_python3_runtime", "sqlalchemy", "datasets", "submitit"} <= names
     r = subprocess.run(["bash", "experiments/gpu_acceptance/device.sh", str(wheels), str(results),
                         "--engine", "hf", "--steps", "1"], cwd=ROOT, capture_output=True, text=True, timeout=600,
-                       env={**os.environ, "PYTHON": sys.executable})
+                       env={**os.environ, "PYTHON": sys.executable, "MEMORY_ARMS": ""})
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
     assert f"installed {len(list(wheels.glob('*.whl')))} wheels from {wheels}" in (results / "device.txt").read_text()
     assert "skipped" in (results / "test_gpu.log").read_text()  # no GPU here: each test says why
     [row] = json.loads((results / "gpu_acceptance.json").read_text())["rows"]
     assert (row["arm"], row["engine"], row["steps"]) == ("tiny", "hf", 1) and row["sync_s"] > 0
     assert f"torch {torch.__version__}" in (results / "device.txt").read_text()
+    # the memory plan's arms are tests/test_memory_plan.py's here; on a GPU the 0.5B shape's
+    assert (results / "memory_plan.log").read_text() == "MEMORY_ARMS is empty: the memory plan's measured peaks are left out\n"
 
 
 def test_the_readmes_figure_commands_name_scripts_and_flags_that_exist():

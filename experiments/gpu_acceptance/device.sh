@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # The GPU checks in one go, on a machine with a GPU and without network, from this checkout's root:
 # installs the wheels that wheels.sh downloaded (into a folder of its own, not the machine's
-# Python), then runs tests/test_gpu.py and the acceptance script, each with its log, and the
-# table as JSON, in RESULTS.
+# Python), then runs tests/test_gpu.py and the acceptance script, and where Ray is installed the
+# memory plan's estimate against the peaks measured on the GPU (the 0.5B shape): each with its log,
+# the acceptance table as JSON, in RESULTS.
 #
 #   experiments/gpu_acceptance/device.sh [WHEELS=.whl] [RESULTS=gpu_results] [acceptance.py's options]
 #
-# Under 9 minutes by its timeouts (the tests 3, the acceptance arms 5.5; models built
-# here with random weights, nothing downloaded). Exit status: the tests' or the script's failure.
+# At most 10 minutes by its timeouts (the tests 2.5, the acceptance arms 5, the memory plan 2.5;
+# models built here with random weights, nothing downloaded). Exit status: any part's failure.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 wheels=${1:-.whl}
@@ -30,7 +31,20 @@ export RFT_CACHE_DIR=${RFT_CACHE_DIR:-$(mktemp -d)}
   $python -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__)"
 } 2>&1 | tee "$results/device.txt"
 status=0
-timeout 180 $python -m pytest -q -p no:cacheprovider -rs tests/test_gpu.py 2>&1 | tee "$results/test_gpu.log" || status=1
-timeout 330 $python experiments/gpu_acceptance/acceptance.py --out "$results/gpu_acceptance.json" "$@" 2>&1 \
+timeout 150 $python -m pytest -q -p no:cacheprovider -rs tests/test_gpu.py 2>&1 | tee "$results/test_gpu.log" || status=1
+timeout 300 $python experiments/gpu_acceptance/acceptance.py --out "$results/gpu_acceptance.json" "$@" 2>&1 \
     | tee "$results/acceptance.log" || status=1
+memory_arms=${MEMORY_ARMS-0.5b}  # the memory plan's arms (experiments/memory_plan); empty: none
+if [ -z "$memory_arms" ]; then
+    echo "MEMORY_ARMS is empty: the memory plan's measured peaks are left out" | tee "$results/memory_plan.log"
+elif $python -c "import ray" 2>/dev/null; then
+    gpu=$($python -c "import torch; print(int(torch.cuda.is_available()))")
+    extra=(); [ "$gpu" = 1 ] && extra=(--extra cluster.gpu_per_node=1 cluster.colocate=true)
+    # shellcheck disable=SC2086  # several arms, split on spaces
+    timeout 150 $python experiments/memory_plan/benchmark.py --arms $memory_arms "${extra[@]}" 2>&1 \
+        | tee "$results/memory_plan.log" || status=1
+else
+    echo "Ray is not installed here: the memory plan's measured peaks are left out (wheels.sh --ray)" \
+        | tee "$results/memory_plan.log"
+fi
 exit $status

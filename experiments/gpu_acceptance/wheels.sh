@@ -5,13 +5,17 @@
 # checkout's .venv was tested with, for that machine's Python. Copy the folder there and run
 # experiments/gpu_acceptance/device.sh, which installs them and runs the checks.
 #
-#   experiments/gpu_acceptance/wheels.sh [FOLDER=.whl] [PYTHON_VERSION=3.12]
+#   experiments/gpu_acceptance/wheels.sh [--ray] [FOLDER=.whl] [PYTHON_VERSION=3.12]
 #
-# Pure-Python wheels where they exist; SQLAlchemy and greenlet are built per Python version.
-# Not in it, by size: vLLM (hundreds of MB with its kernels) and Ray (~80 MB). Without vLLM the
-# acceptance script runs its arms with the HF engine; without Ray the tests that start actors skip.
+# Pure-Python wheels where they exist; SQLAlchemy, greenlet and xxhash are built per Python version
+# (~7 MB in all). --ray adds Ray and what it needs beyond such an image (~85 MB): the run on mapped
+# devices in tests/test_gpu.py and the memory plan's measured peaks start Ray actors. Not in it, by
+# size: vLLM (hundreds of MB with its kernels); without it the acceptance script runs its arms with
+# the HF engine.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
+ray=false
+if [ "${1:-}" = --ray ]; then ray=true; shift; fi
 dir=${1:-.whl}
 py=${2:-3.12}
 venv=.venv/bin/python
@@ -20,6 +24,7 @@ venv=.venv/bin/python
 # the packages rft imports on the checks' paths that such an image lacks, and their own needs
 packages=(hydra-core omegaconf sqlalchemy greenlet datasets dill multiprocess submitit xxhash
           filelock math-verify latex2sympy2-extended)
+$ray && packages+=(ray jsonschema jsonschema-specifications referencing rpds-py)
 pins=()
 for p in "${packages[@]}"; do
     pins+=("$p==$($venv -c "import importlib.metadata as m; print(m.version('$p'))")")
