@@ -936,6 +936,50 @@ def test_a_run_shorter_than_max_failed_steps_whose_every_step_failed_stops_namin
         run.check(step, FAILED_STEP, ("reward", "ValueError: no"))
 
 
+def test_every_task_failed_as_the_reward_models_worker_died_names_the_reward_model_and_its_log(tmp_path, monkeypatch):
+    """The worker's process killed (the OOM killer): every call raised, every task failed, and the
+    run's last paragraph said "Fix the reward function" of a reward nothing was wrong with. It
+    names the reward model (its model_path), the worker's log and what to change."""
+    from types import SimpleNamespace
+
+    import ray
+    import ray.exceptions
+
+    import rft.rewards.reward_model as rm
+    from rft.errors import RunError
+    from rft.rollout.explorer import last_failure, run_jobs
+
+    monkeypatch.setattr(rm, "_in_ray_actor", lambda: True)  # an explorer's client: the worker is an actor
+    client = rm.RewardModelReward("/models/rm")
+    client._actor = SimpleNamespace(run=SimpleNamespace(remote=lambda *args: "a future"))
+
+    def dead(future, *args, **kwargs):
+        raise ray.exceptions.ActorDiedError()
+
+    monkeypatch.setattr(ray, "get", dead)
+    task = SimpleNamespace(task_id="0", answer="357", row={}, messages=[])
+    # the explorer's scoring of two groups, then its counters as the step's explorers hand them on
+    _, c = run_jobs(lambda job: client(*job), [("042+315=", ["357"], task)] * 2, runners=1, timeout=5.0, retries=0)
+    failure = last_failure(c, "reward")
+    died = (f"WorkerDied: the reward model worker {client.name} (model_path '/models/rm') died: ActorDiedError: The "
+            f"actor died unexpectedly before finishing this task. Ray restarts it up to cluster.max_actor_restarts times "
+            f"(the task is retried meanwhile, explorer.max_retry_times); why it died is in its log, "
+            f"<stage>/log/{client.name}.log (or the system's, for the OOM killer).")
+    assert failure == (("reward_model", client.name, "/models/rm"), died)
+    run = stage_run_of(compose_cfg(["stages=[]"]), tmp_path, total_steps=2)
+    run.check(0, FAILED_STEP, failure)
+    with pytest.raises(RunError) as e:
+        run.check(1, FAILED_STEP, failure)
+    log = tmp_path / "log"
+    assert str(e.value) == (
+        f"every task of the last 2 steps failed (reward model '/models/rm', whose worker {client.name} died: 8 errors "
+        f"and 0 timeouts in the last step; the last error: {died}), so nothing can be learned. Each explorer's log in "
+        f"{log} has the details. Find why the worker died in its log, {log / client.name}.log (or the system's, for the "
+        f"OOM killer: give the reward model more memory, a smaller args.batch_size or args.max_length, or a device of "
+        f"its own with args.colocate=false), then run the same command again to resume from the newest checkpoint: "
+        f"none yet. explorer.max_failed_steps=3 sets how many such steps stop a run (0: never).")
+
+
 def test_equal_rewards_of_a_multi_turn_run_name_the_environment_not_an_unused_reward(tmp_path):
     # it said "Check the reward function ('exact_match')", which a multi-turn conversation never calls
     from types import SimpleNamespace

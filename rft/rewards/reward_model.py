@@ -324,7 +324,8 @@ class RewardModelReward:
         """The worker's process died: one line naming it, its model and its log (Ray's own error is a
         dozen lines naming neither the reward part nor where to look)."""
         first = next((line.strip() for line in str(e).splitlines() if line.strip()), "")
-        return RuntimeError(
+        return WorkerDied(
+            self.name, self.args["model_path"],
             f"the reward model worker {self.name} (model_path {self.args['model_path']!r}) died: "
             f"{type(e).__name__}: {first} Ray restarts it up to cluster.max_actor_restarts times (the task is "
             f"retried meanwhile, explorer.max_retry_times); why it died is in its log, <stage>/log/{self.name}.log "
@@ -336,6 +337,19 @@ class RewardModelReward:
         with self._lock:
             n, self._failures = self._failures, 0
         return {"failures": n}
+
+
+class WorkerDied(RuntimeError):
+    """A reward model's worker process died. Its `failure_source` tells the run's last message
+    (rft.runtime.faults.culprit, when every task failed) that the reward model failed, not the
+    reward function: ("reward_model", the worker's name, its model_path)."""
+
+    def __init__(self, name: str, model_path: str, text: str):
+        super().__init__(text)
+        self.failure_source = ("reward_model", name, model_path)
+
+    def __reduce__(self):  # its three arguments, not RuntimeError's one
+        return type(self), (*self.failure_source[1:], str(self))
 
 
 def _actor_died(e: Exception) -> bool:

@@ -91,6 +91,9 @@ class _JobRun:
         self.tries = [0] * len(jobs)
         self.counters = {"errors": 0, "timeouts": 0, "retries": 0, "failed": 0, "over_rollout_dropped": 0}
         self.last_error = None
+        # whose failure the last error says it is (an exception's `failure_source`: a reward
+        # model's dead worker), None where it says nothing: the caller's source then
+        self.last_source = None
         self.logged: set[str] = set()  # each error once: a broken reward fails every call alike
         self.repeats = 0
         self.todo = list(range(len(jobs)))
@@ -137,6 +140,7 @@ class _JobRun:
             else:
                 self.counters["errors"] += 1
                 self.last_error = describe_error(value)
+                self.last_source = getattr(value, "failure_source", None)
                 if self.last_error in self.logged:
                     self.repeats += 1
                 else:
@@ -189,7 +193,17 @@ def run_jobs(fn, jobs: list, runners: int, timeout: float, retries: int,
                     "counts them)", run.repeats)
     if run.last_error is not None:
         run.counters["last_error"] = run.last_error  # a string: for the message when every task fails
+    if run.last_source is not None:
+        run.counters["last_source"] = run.last_source
     return run.results, run.counters
+
+
+def last_failure(counters: dict, source: str) -> tuple:
+    """(whose failure, the last error) of run_jobs' counters, taken out of them: the last error's own
+    failure_source where it has one (rft.rewards.reward_model.WorkerDied), else `source` (reward,
+    workflow); what rft.runtime.faults.culprit names when every task failed."""
+    own = counters.pop("last_source", None)
+    return own or source, counters.pop("last_error", None)
 
 
 def rollout_metrics(exps: list, groups: list, counters: dict, elapsed: float) -> dict:
@@ -402,10 +416,10 @@ class Explorer(WeightsMixin):
         def merge(c: dict, source: str) -> None:
             nonlocal dropped
             if c.get("errors") or c.get("timeouts"):
-                # whose failure: the reward's, or the workflow's own jobs' (a multi-turn
-                # environment); the message None: timeouts only
-                counters["last_error"] = (source, c.pop("last_error", None))
-            c.pop("last_error", None)
+                # whose failure: the reward's (or its reward model's), or the workflow's own jobs'
+                # (a multi-turn environment); the message None: timeouts only
+                counters["last_error"] = last_failure(c, source)
+            last_failure(c, source)  # taken out where there was none: they are not counts
             c.pop("failed", None)  # counted below, once per task, from what the workflow returned
             dropped += c.get("over_rollout_dropped", 0)
             for k, v in [*c.items(), *scorer.take_counters().items()]:

@@ -111,13 +111,12 @@ class ExplorerPool:
             # not after a stage (an SFT warm-up) trained to its end with evals of 0
             i, last, source = failed
             ts = self.cfg.buffer.explorer_input.eval_tasksets[i]
-            what, fix = culprit(self.cfg.buffer.explorer_input, ts, source)
+            what, fix = culprit(self.cfg.buffer.explorer_input, ts, source, self.dir / "log")
             raise RunError(
                 f"every task of the eval set buffer.explorer_input.eval_tasksets[{i}] ({ts.name}) failed at "
                 f"step {step} (the last error: {last}; from its {what}), so the eval measures nothing. Each "
-                f"explorer's log in {self.dir / 'log'} has the details. {fix} (or raise explorer.max_timeout "
-                f"if it is only slow), then run the same command again to resume from the newest checkpoint: "
-                f"{resume_point(self.dir)}. explorer.max_failed_steps=0 lets a run go on regardless."
+                f"explorer's log in {self.dir / 'log'} has the details. {fix}, then run the same command again "
+                f"to resume from the newest checkpoint: {resume_point(self.dir)}. explorer.max_failed_steps=0 lets a run go on regardless."
             )
         if "eval/accuracy" in metrics:
             failed = metrics.get("eval/failed_tasks", 0)

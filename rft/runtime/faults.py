@@ -57,15 +57,29 @@ class TrainerCalls:
                         f"Run the same command again to resume from it.")
 
 
-def culprit(inp, ts, source: str | None) -> tuple[str, str]:
+SLOW = " (or raise explorer.max_timeout if it is only slow)"
+
+
+def culprit(inp, ts, source: str | tuple | None, log_dir: Path | None = None) -> tuple[str, str]:
     """(what failed, its fix) when every task of taskset `ts` failed: the reward function, or,
-    when the workflow's own jobs failed (`source`), the environment (multi_turn) or the workflow."""
+    when the workflow's own jobs failed (`source`), the environment (multi_turn) or the workflow,
+    or, when a reward model's worker died (source ("reward_model", worker, model_path):
+    rft.rewards.reward_model.WorkerDied), that reward model, with its worker's log in `log_dir`."""
+    if isinstance(source, tuple) and source[0] == "reward_model":
+        _, worker, model_path = source
+        log = Path(log_dir) / f"{worker}.log" if log_dir is not None else f"<stage>/log/{worker}.log"
+        # a worker is killed, not slow: a longer timeout would not help
+        return (f"reward model {model_path!r}, whose worker {worker} died",
+                f"Find why the worker died in its log, {log} (or the system's, for the OOM killer: give the reward "
+                f"model more memory, a smaller args.batch_size or args.max_length, or a device of its own with "
+                f"args.colocate=false)")
     if source == "workflow" and environment_scores(ts):
-        return f"environment {ts.workflow_args.get('env')!r} (workflow_args.env)", "Fix the environment (its constructor, reset or step)"
+        return (f"environment {ts.workflow_args.get('env')!r} (workflow_args.env)",
+                f"Fix the environment (its constructor, reset or step){SLOW}")
     if source == "workflow":
-        return f"workflow {ts.workflow!r}, in the jobs it ran", "Fix the workflow"
+        return f"workflow {ts.workflow!r}, in the jobs it ran", f"Fix the workflow{SLOW}"
     reward = describe_reward(spec_of(ts.reward_fn, inp.default_reward_fn_type))
-    return f"reward function {reward!r}", "Fix the reward function"
+    return f"reward function {reward!r}", f"Fix the reward function{SLOW}"
 
 
 class LearningSignal:
@@ -91,14 +105,13 @@ class LearningSignal:
         limit = min(cfg.explorer.max_failed_steps, self.plan.total_steps - self.start)
         if limit > 0 and self.failed_steps >= limit:
             source, last = last_error or (None, None)
-            what, fix = culprit(inp, inp.taskset, source)
+            what, fix = culprit(inp, inp.taskset, source, self.dir / "log")
             raise RunError(
                 f"every task of the last {self.failed_steps} steps failed ({what}: "
                 f"{m.get('rollout/errors', 0)} errors and {m.get('rollout/timeouts', 0)} timeouts in the "
                 f"last step; the last error: {last or 'none recorded (timeouts)'}), so nothing "
-                f"can be learned. Each explorer's log in {self.dir / 'log'} has the details. {fix} "
-                f"(or raise explorer.max_timeout if it is only slow), then run the same "
-                f"command again to resume from the newest checkpoint: {resume_point(self.dir)}. "
+                f"can be learned. Each explorer's log in {self.dir / 'log'} has the details. {fix}, "
+                f"then run the same command again to resume from the newest checkpoint: {resume_point(self.dir)}. "
                 f"explorer.max_failed_steps={cfg.explorer.max_failed_steps} sets how many such steps stop a "
                 f"run (0: never)."
             )
