@@ -255,13 +255,17 @@ def test_curriculum_draws_follow_the_pass_rates():
     # p(1-p) + eps: 0.05, 0.1875 + 0.05, 0.25 + 0.05, 0.05 -> sum 0.6375
     want = [0.05 / 0.6375, 0.2375 / 0.6375, 0.3 / 0.6375, 0.05 / 0.6375]   # 0.078, 0.373, 0.471, 0.078
     assert cur.weights() == pytest.approx([0.05, 0.2375, 0.3, 0.05])
+    # README's logged names: of the 4 tasks seen, one always solved (p = 1) and one never (p = 0)
+    assert cur.metrics() == {"curriculum/solved_frac": 0.25, "curriculum/unsolved_frac": 0.25, "curriculum/seen_frac": 1.0}
     # 8000 draws: a frequency's standard error is at most sqrt(0.25 / 8000) = 0.0056; 0.02 is 3.5 of them
     counts = Counter(i for step in range(8000) for i in cur.draw(step, 1))
     assert [counts[i] / 8000 for i in range(4)] == pytest.approx(want, abs=0.02)
     # a task not yet seen counts as p = 0.5; only the last `window` outcomes count
     fresh = OnlineCurriculum(2, "ts", window=2, eps=0.05, threshold=1.0, seed=0)
     fresh.observe([Experience([0, 1], 1, [], reward=r, task_id="ts/0") for r in (0.0, 0.0, 1.0, 1.0)])
-    assert fresh.weights() == [0.05, 0.3] and fresh.metrics()["curriculum/solved_frac"] == 1.0
+    assert fresh.weights() == [0.05, 0.3]
+    # one task of 2 seen, its last 2 outcomes both passes
+    assert fresh.metrics() == {"curriculum/solved_frac": 1.0, "curriculum/unsolved_frac": 0.0, "curriculum/seen_frac": 0.5}
 
 
 def test_curriculum_state_resumes_the_same_draws():

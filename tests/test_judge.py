@@ -101,6 +101,19 @@ def test_a_judge_part_in_a_reward_config():
     assert all(r["body"]["messages"][0] == {"role": "system", "content": "You grade sums."} for r in fake.requests)
 
 
+def test_the_documented_client_defaults_of_the_remote_reward_and_the_judge():
+    """README "Rewards served by a model or a server": the remote reward's client waits `timeout` 30 s,
+    retries 3 times with backoff 0.5 s doubling to at most 8 s, 8 requests at once; the judge the same
+    but a 60 s timeout (a model's reply takes longer than a rule's)."""
+    from rft.rewards.remote import RemoteReward
+
+    remote = RemoteReward("http://127.0.0.1:9", token="t0ken", check=False).http
+    judge = JudgeReward("http://127.0.0.1:9/v1", "m", api_key="sk-test").http
+    for http, timeout in ((remote, 30.0), (judge, 60.0)):
+        assert (http.client.timeout.read, http.retries, http.backoff, http.max_backoff) == (timeout, 3, 0.5, 8.0)
+        assert http.slots._initial_value == 8  # the semaphore each request takes a slot of
+
+
 def test_requests_go_out_concurrently_up_to_the_limit():
     replies = {str(i): f"Score: {i}" for i in range(6)}
     for limit, most in [(2, 2), (6, 6)]:

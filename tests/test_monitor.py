@@ -272,6 +272,16 @@ def test_mlflow_holds_the_runs_params_and_every_metric_of_metrics_jsonl(warm_sta
     assert len(runs) == 1 and max(m.step for m in client.get_metric_history(run_id, "reward/mean")) == 3
 
 
+def test_mlflow_metric_names_spell_at_and_equals_out():
+    """README: `@` and `=` in a metric's name become `_at_` and `_eq_` in MLflow (which refuses them);
+    any other character it refuses becomes `_`; the characters it takes are kept."""
+    from rft.reporting.monitor import mlflow_name
+
+    assert mlflow_name("eval/math_test/level=2/pass@4") == "eval/math_test/level_eq_2/pass_at_4"
+    assert mlflow_name("eval/x/mean@8_se") == "eval/x/mean_at_8_se"
+    assert mlflow_name("reward/a-b.c: d") == "reward/a-b.c: d" and mlflow_name("reward/a+b") == "reward/a_b"
+
+
 def test_an_mlflow_server_that_does_not_answer_is_one_paragraph_within_seconds(tmp_path, monkeypatch):
     import time
 
