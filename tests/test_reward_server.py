@@ -461,6 +461,15 @@ def peak_mib(pid: int) -> float:
     raise AssertionError("no VmHWM")
 
 
+def test_the_servers_documented_defaults():
+    """README: the server binds 127.0.0.1 (port 8000) and takes bodies up to --max-body-mb 32, requests
+    whole within --request-timeout 10 s, --max-connections 256."""
+    from rft.serving.reward_server import _parser
+
+    a = _parser().parse_args(["--reward", "math"])
+    assert (a.host, a.port, a.max_body_mb, a.request_timeout, a.max_connections) == ("127.0.0.1", 8000, 32.0, 10.0, 256)
+
+
 def test_a_200_mb_body_is_a_413_and_never_held():
     """Measured at 0ef6a02 (no limit): the server read and parsed it, 200, its peak memory 59 -> 660
     MiB. Now 413 at once, from the Content-Length, and the peak does not move (60 -> 60 MiB)."""
