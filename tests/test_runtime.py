@@ -81,8 +81,19 @@ def test_explore_writes_sql_then_train_learns_from_it_then_bench(warm_start, tmp
                       f"buffer.trainer_input.experience_buffer.path={db2}",
                       f"synchronizer.checkpoint_dir={tmp_path / 'rft' / 'learner'}"), env=env_for(tmp_path))
     assert r.returncode == 0, r.stderr[-3000:]
+    assert "synchronizer.checkpoint_dir" not in r.stdout + r.stderr
     stored = read_experiences(str(db2), limit=1000)
     assert len(stored) == 128 and {e.policy_version for e in stored} == {10}
+    # a misspelt directory serves nothing, ever: said at the start, not silent
+    db3 = tmp_path / "exp3.db"
+    typo = tmp_path / "rft" / "lerner"
+    r = run_cli(*base(warm_start, "typo", "cluster=inline", "mode=explore", "buffer.total_steps=1", "buffer=sql",
+                      f"buffer.trainer_input.experience_buffer.path={db3}", f"synchronizer.checkpoint_dir={typo}"),
+                env=env_for(tmp_path))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert (f"WARNING: synchronizer.checkpoint_dir='{typo}': no such directory yet; the explorers serve their "
+            f"starting weights until a train run writes checkpoints there") in r.stdout
+    assert {e.policy_version for e in read_experiences(str(db3), limit=1000)} == {0}
 
 
 def test_async_run_learns_through_ray_with_a_timeline(warm_start, tmp_path):
@@ -123,6 +134,7 @@ def test_killed_async_run_resumes_on_the_same_experiences(warm_start, tmp_path):
     resumed = run_cli(*base(warm_start, "killed", *ASYNC), env=env)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resuming from step 4" in resumed.stdout
+    assert "has no line for step" not in resumed.stderr  # a kill costs batches.jsonl no line
     a = read_metrics(tmp_path / "rft" / "straight" / "batches.jsonl")
     b = read_metrics(run / "batches.jsonl")
     assert [x["step"] for x in b] == list(range(1, 9))

@@ -192,8 +192,13 @@ class ExplorerPool:
         ckpt_dir = self.cfg.synchronizer.checkpoint_dir
         if not ckpt_dir:
             return
-        newest = served_checkpoint(train_stage_dir(ckpt_dir, self.owner.stage), self.owner,
-                                   -1 if force else self.synced, self.not_served, self.title, self.monitor.print)
+        stage_dir = train_stage_dir(ckpt_dir, self.owner.stage)
+        if force and not stage_dir.is_dir():  # not yet written, or a misspelt path: served never
+            self.monitor.print(f"[{self.title}] WARNING: synchronizer.checkpoint_dir={ckpt_dir!r}: no such directory "
+                               f"yet; the explorers serve their starting weights until a train run writes checkpoints "
+                               f"there (a train-mode run's directory, or its stage directory).")
+        newest = served_checkpoint(stage_dir, self.owner, -1 if force else self.synced, self.not_served, self.title,
+                                   self.monitor.print)
         if newest is None:
             return
         for e in explorers:
