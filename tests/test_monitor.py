@@ -131,6 +131,41 @@ def test_a_run_killed_before_its_first_checkpoint_starts_its_logs_afresh(tmp_pat
     assert (run / "metrics.jsonl").read_text() == _rows(0, 1, 2)
 
 
+def test_a_resume_names_the_trained_steps_whose_lines_batches_jsonl_lost(tmp_path, capsys):
+    """A kill never costs batches.jsonl a line (a step's line is written before its checkpoint and
+    its metrics row). Damage does (a line cut out, a last line cut short by a copy or a disk that
+    lost its tail): the resumed run went on without those steps' lines and said nothing, where the
+    same damage to metrics.jsonl is named. The steps that trained are those whose metrics row has
+    train/experiences (a step whose every task failed trains on nothing and has no line)."""
+    run = tmp_path / "grpo"
+
+    def trained(*steps):
+        return "".join(json.dumps({"step": s, "train/experiences": 8}) + "\n" for s in steps)
+
+    def lines(*steps):
+        return "".join(json.dumps({"step": s, "groups": [], "versions": [], "digest": "0"}) + "\n" for s in steps)
+
+    # step 4 trained nothing; step 5 is the checkpoint's, its metrics row restored from the checkpoint
+    _write(run / "metrics.jsonl", _rows(0) + trained(1, 2, 3) + _rows(4))
+    _write(run / "batches.jsonl", lines(1, 3) + '{"step": 5, "gro')
+    monitor = Monitor(_cfg(), run, 8, 5, "grpo")
+    monitor.ensure_logged(5, {"train/experiences": 8})
+    monitor.record_batch({"step": 6, "groups": [], "versions": [], "digest": "0"})
+    monitor.close()
+    assert capsys.readouterr().err == (
+        f"rft: warning: {run / 'batches.jsonl'} has no line for steps 2, 5, which this run trained up to its "
+        f"checkpoint of step 5 (metrics.jsonl has their rows): the file was cut or edited since, and no checkpoint "
+        f"holds what those steps trained on, so it goes on without them.\n")
+    assert [r["step"] for r in read_metrics(run / "batches.jsonl")] == [1, 3, 6]
+    # a whole file: no word
+    _write(run / "metrics.jsonl", _rows(0) + trained(1, 2))
+    _write(run / "batches.jsonl", lines(1, 2))
+    monitor = Monitor(_cfg(), run, 8, 2, "grpo")
+    monitor.ensure_logged(2, {"train/experiences": 8})
+    monitor.close()
+    assert capsys.readouterr().err == ""
+
+
 def test_tensorboard_drops_the_step_0_of_a_run_killed_before_its_first_checkpoint(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

@@ -88,7 +88,8 @@ class Monitor:
         self.file, kept = _reopen(self.path, start_step)
         _say_missing(self.path, kept, start_step)
         # what each step trained on: group ids, policy versions and a digest of the tokens
-        self.batches, _ = _reopen(run_dir / "batches.jsonl", start_step)
+        self.batches_path = run_dir / "batches.jsonl"
+        self.batches, self.batch_steps = _reopen(self.batches_path, start_step)
         # on a terminal a bar; in a file (a Slurm log, `> run.log`, CI) the bar's carriage-return
         # redraws would pile up, so there one plain line every few steps, the first and the last
         self.stage, self.total, self.every, self.first = stage, total_steps, _line_every(total_steps), True
@@ -118,9 +119,13 @@ class Monitor:
 
     def ensure_logged(self, step: int, metrics: dict | None) -> None:
         """A resumed run's first step: the checkpoint's own row, if a kill came between saving the
-        checkpoint and logging its step (the checkpoint keeps a copy)."""
-        if metrics is not None and not any(m["step"] == step for m in read_metrics(self.path)):
+        checkpoint and logging its step (the checkpoint keeps a copy); then batches.jsonl's lines
+        checked against the rows (_say_missing_batches)."""
+        rows = read_metrics(self.path)
+        if metrics is not None and not any(m["step"] == step for m in rows):
             self.log(step, metrics, advance=False)
+            rows.append({"step": step, **metrics})
+        _say_missing_batches(self.batches_path, self.batch_steps, rows, step)
 
     def record_batch(self, record: dict) -> None:
         """One line of batches.jsonl: rft.data.experience.batch_record of what a step trained on."""
@@ -304,19 +309,38 @@ def _reopen(path: Path, start_step: int):
     return open(path, "a"), {m["step"] for _, m in kept if m is not None}
 
 
+def _spans(steps: list[int]) -> str:
+    """Sorted steps as text, runs of consecutive ones as a span: "2, 5-7"."""
+    spans = []
+    for s in steps:
+        if spans and spans[-1][1] == s - 1:
+            spans[-1][1] = s
+        else:
+            spans.append([s, s])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
+
+
+def _say_missing_batches(path: Path, steps: set, rows: list[dict], start_step: int) -> None:
+    """batches.jsonl holds a line for each step that trained on experiences (its metrics row has
+    train/experiences; a step whose every task failed has neither), written before the step's
+    checkpoint: a kill never costs one. Say which ones of the steps up to the checkpoint's a cut or
+    an edit took (a last line cut short is left out as a kill's would be), as no checkpoint holds them."""
+    trained = {m["step"] for m in rows if m.get("train/experiences") and isinstance(m["step"], int)}
+    missing = sorted({s for s in trained if s <= start_step} - steps)
+    if missing:
+        print(f"rft: warning: {path} has no line for step{'s' if len(missing) > 1 else ''} {_spans(missing)}, which "
+              f"this run trained up to its checkpoint of step {start_step} (metrics.jsonl has their rows): the file was "
+              f"cut or edited since, and no checkpoint holds what those steps trained on, so it goes on without them.",
+              file=sys.stderr)
+
+
 def _say_missing(path: Path, steps: set, start_step: int) -> None:
     """A resumed run's log holds a row for each step before its checkpoint's (whose own row the
     checkpoint restores: Monitor.ensure_logged); say which ones a cut or an edit took since, as no
     checkpoint holds them."""
     missing = [s for s in range(1, start_step) if s not in steps]
-    spans = []
-    for s in missing:
-        if spans and spans[-1][1] == s - 1:
-            spans[-1][1] = s
-        else:
-            spans.append([s, s])
-    if spans:
-        listed = ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
+    if missing:
+        listed = _spans(missing)
         print(f"rft: warning: {path} has no row for step{'s' if len(missing) > 1 else ''} {listed}, which this run "
               f"logged before its checkpoint of step {start_step}: the file was cut or edited since, and no "
               f"checkpoint holds them, so the log goes on without them.", file=sys.stderr)
