@@ -310,6 +310,66 @@ def test_a_top_k_cut_keeps_every_token_tied_with_the_kth_as_the_samplers_do(top_
         assert logp.item() == pytest.approx(-math.log(1 + 3 / math.e), abs=1e-6)
 
 
+class _FixedLogits(torch.nn.Module):
+    """A model whose every position has the logits `bias` (its output layer's weights 0), -inf
+    among them as a model may emit: what token_logprobs reads, in `dtype`."""
+
+    def __init__(self, bias, dtype):
+        super().__init__()
+        from types import SimpleNamespace
+
+        self.embed = torch.nn.Embedding(4, 2, dtype=dtype)
+        self.head = torch.nn.Linear(2, len(bias), dtype=dtype)
+        with torch.no_grad():
+            self.head.weight.zero_()
+            self.head.bias.copy_(torch.tensor(bias, dtype=dtype))
+        self.config, self.dtype = SimpleNamespace(final_logit_softcapping=None), dtype
+
+    def get_output_embeddings(self):
+        return self.head
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None, use_cache=False):
+        from types import SimpleNamespace
+
+        return SimpleNamespace(logits=self.head(self.embed(input_ids)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_token_of_probability_0_adds_0_to_the_entropy_and_its_gradient(dtype):
+    """A model that emits a -inf logit, with no top-k/top-p cut: the entropy -sum p log p had
+    0 x -inf = NaN there (and a NaN gradient), where 0 log 0 is 0 (torch.special.entr, xlogy).
+    Logits [0, 0, -inf]: p = (1/2, 1/2, 0), entropy ln 2 = 0.693147; [0, -inf, -inf]: 0.
+    [ln 3, 0, -inf]: p = (3/4, 1/4, 0), entropy -(3/4 ln 3/4 + 1/4 ln 1/4) = 0.562335, and
+    dH/dz_i = -p_i (ln p_i + H): -3/4 (-0.287682 + 0.562335) = -0.205990, then +0.205990, and 0."""
+    from rft.trainer.logprobs import _from_logits, token_logprobs
+
+    inf, one = float("inf"), torch.ones(2, dtype=dtype)
+    for row, entropy in [([0.0, 0.0, -inf], math.log(2)), ([0.0, -inf, -inf], 0.0)]:
+        logits = torch.tensor([row, row], dtype=dtype, requires_grad=True)
+        _, h = _from_logits(logits, torch.tensor([0, 1]), one, None, None, True)
+        assert h.dtype == dtype and h.tolist() == pytest.approx([entropy, entropy], abs=1e-7)
+        h.sum().backward()
+        assert torch.isfinite(logits.grad).all() and logits.grad.abs().max() < 1e-6  # a maximum and a minimum
+    logits = torch.tensor([[math.log(3), 0.0, -inf]], dtype=dtype, requires_grad=True)
+    _, h = _from_logits(logits, torch.tensor([0]), one[:1], None, None, True)
+    h.sum().backward()
+    assert h.item() == pytest.approx(0.562335, abs=1e-6)
+    assert logits.grad[0].tolist() == pytest.approx([-0.205990, 0.205990, 0.0], abs=1e-6)
+    if dtype == torch.float64:  # and the gradient of finite logits, with a top-k cut and without: the numerical one
+        for top_k in (None, torch.tensor([2, 3])):
+            z = torch.randn(2, 5, dtype=dtype, generator=torch.Generator().manual_seed(0), requires_grad=True)
+            assert torch.autograd.gradcheck(lambda z: _from_logits(z, torch.tensor([0, 1]), one, None, top_k, True)[1], z)
+    # through a model's output layer, whole and in chunks of one position (each chunk's logits
+    # recomputed in the backward): the same, and the layer's gradients finite
+    ids, mask = torch.tensor([[1, 2, 3, 1]]), torch.ones(1, 4, dtype=torch.long)
+    for chunk in (None, 1):
+        model = _FixedLogits([0.0, 0.0, -inf, -inf], dtype)
+        _, h = token_logprobs(model, ids, mask, chunk_size=chunk)
+        assert h[0].tolist() == pytest.approx([math.log(2)] * 3, abs=1e-7)
+        h.sum().backward()
+        assert all(torch.isfinite(p.grad).all() for p in model.parameters()), chunk
+
+
 def test_stale_experiences_sampled_at_another_temperature_start_at_ratio_one():
     # mode=train on a stored buffer sampled at T=0.7: the stale rows' ratio is taken against their
     # stored sampling log-probs (off_policy_correction=behavior); recomputed at T=0.7 with the

@@ -309,9 +309,7 @@ def _from_logits(logits, targets, temperature, top_p, top_k, with_entropy_grad, 
     log_probs = torch.log_softmax(logits, dim=-1)
     logp = log_probs.gather(-1, targets[:, None]).squeeze(-1)
     with torch.set_grad_enabled(torch.is_grad_enabled() and with_entropy_grad):
-        # entropy = -sum p log p; tokens outside the set have p = 0 and add 0 (not 0 * -inf)
-        finite = log_probs if keep is None else log_probs.masked_fill(~keep, 0.0)
-        entropy = -(log_probs.exp() * finite).sum(-1)
+        entropy = _Entropy.apply(log_probs)
     extra = []
     if top or at is not None:
         # distillation compares whole distributions: a cut would give a token the teacher ranks
@@ -325,6 +323,31 @@ def _from_logits(logits, targets, temperature, top_p, top_k, with_entropy_grad, 
         if at is not None:
             extra += [whole.gather(-1, at), _outside(whole, at)]
     return (logp, entropy, *extra)
+
+
+class _Entropy(torch.autograd.Function):
+    """-sum p log p over the last dimension of log-probs, where a token of probability 0 (log-prob
+    -inf: outside the top-k/top-p set, or a -inf logit of the model's own) adds 0 to the value and
+    to the gradient, as 0 log 0 = 0 (torch.special.entr). Autograd's exp(lp) * lp made 0 x -inf =
+    NaN of both; entr and xlogy have the right value but an infinite derivative at p = 0, NaN once
+    multiplied by dp/dlp = p = 0. Keeps only the log-probs for the backward (the log-softmax keeps
+    them already): one [N, V] tensor fewer than the autograd product kept (its probabilities)."""
+
+    @staticmethod
+    def forward(ctx, log_probs):
+        ctx.save_for_backward(log_probs)
+        return -_finite(log_probs).mul_(log_probs.exp()).sum(-1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (log_probs,) = ctx.saved_tensors
+        # d(-p lp)/d lp = -p (lp + 1): 0 where p = 0 (the finite stand-in for -inf, times p = 0)
+        return _finite(log_probs).add_(1).mul_(log_probs.exp()).mul_(-grad[..., None])
+
+
+def _finite(log_probs):
+    """The log-probs with -inf as the dtype's lowest finite value: times p = 0 it is 0, not NaN."""
+    return log_probs.clamp(min=torch.finfo(log_probs.dtype).min)
 
 
 def _outside(log_probs, ids):
