@@ -417,9 +417,11 @@ def test_a_launch_refuses_a_key_that_would_write_outside_the_root(tmp_path, monk
         ({"keys": {"stage_cache_dir": f"{root}/../outside"}},
          refused(f"stage_cache_dir={root}/../outside", out, "leave it as conf/config.yaml sets it (under the root), or null "
                                                               "(no reuse)")),
-        ({"keys": {"cache_dir": "rel/cache"}},
-         refused("cache_dir=rel/cache", "rel/cache", "leave it as conf/config.yaml sets it (the "
-                 "machine's shared cache of built models and data)")),
+        # a relative path: from the run's working directory (cache_dir's rule: the test below; typed
+        # here, the plan would generate the taskset there first)
+        ({"keys": {"stage_cache_dir": "rel/cache"}},
+         refused("stage_cache_dir=rel/cache", "rel/cache", "leave it as conf/config.yaml sets it (under the root), or "
+                                                         "null (no reuse)")),
         ({"choices": {"monitor": "mlflow"}, "keys": {"monitor.mlflow_tracking_uri": f"sqlite:///{out}/m.db"}},
          refused(f"monitor.mlflow_tracking_uri=sqlite:///{out}/m.db", out / "m.db",
                  "leave it unset (mlflow.db under the root), or give a server's http(s):// address")),
@@ -465,6 +467,11 @@ def test_which_keys_a_run_writes_to_by_storage_mode_and_monitor(tmp_path):
         W.Write("cache_dir", "rel", "rel", "last"), W.Write(eb, "/data/sft.jsonl", "/data/sft.jsonl", None),
         W.Write("monitor.mlflow_tracking_uri", "file:///out/mlruns", "/out/mlruns", "last")]
     assert W.written(OmegaConf.merge(job, {"dry_run": True}), stages, "/cache") == []
+    assert W.refusal(tmp_path, [W.Write("cache_dir", "rel", "rel", "last")]) == (
+        f"cache_dir=rel (stage last): the run would write to rel (a relative path: in the run's working directory, the "
+        f"repository), outside the checkpoint root {tmp_path} that this studio shows and launches into. Give a path "
+        f"under {tmp_path}, or leave it as conf/config.yaml sets it (the machine's shared cache of built models and "
+        f"data), or start the studio with --root on a folder that holds it (python -m rft.studio --root DIR).")
     # under the root (after `..` and links are resolved): allowed; the first other one is refused
     (tmp_path / "root").mkdir()
     os.symlink("/out", tmp_path / "root" / "link")
