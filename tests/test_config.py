@@ -290,13 +290,17 @@ def test_a_multi_turn_dry_run_names_the_environment_as_the_reward(capsys):
     assert "workflow       multi_turn (environment calculator); workflow_args max_turns=3" in out
 
 
+def an_agent(client, task, model, seed):
+    """An agent for the dry run to name (planning checks its signature; it is never called)."""
+
+
 def test_a_dry_run_names_an_agent_workflows_agent(capsys):
     import rft.runtime.main
 
     rft.runtime.main._main(compose_cfg(["stages=[]", "dry_run=true", "buffer.explorer_input.taskset.workflow=openai_agent",
-                                        "+buffer.explorer_input.taskset.workflow_args.agent=my_study.agent.solve",
+                                        "+buffer.explorer_input.taskset.workflow_args.agent=test_config.an_agent",
                                         "explorer.rollout_model.enable_openai_api=true"]))
-    assert "workflow       openai_agent (agent my_study.agent.solve)" in capsys.readouterr().out
+    assert "workflow       openai_agent (agent test_config.an_agent)" in capsys.readouterr().out
 
 
 def _safetensors_header_only(path, tensors: dict) -> None:

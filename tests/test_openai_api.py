@@ -386,6 +386,41 @@ def test_the_workflow_says_what_is_missing():
         openai_agent([], None, ctx_for(server, "nope.agent"))
 
 
+def test_an_agents_workflow_args_and_the_endpoint_are_checked_while_planning():
+    """Found at the first explore step before (after a whole warm-up stage): a key the agent does
+    not take (an overlay switching a multi_turn taskset to openai_agent keeps its env, Hydra merges
+    dicts) failed every task with a TypeError, and a missing endpoint stopped the run there."""
+    from conftest import compose_cfg
+
+    from rft.plan.batch import make_plan
+    from rft.rollout.workflows.single_turn import check_agent_args
+
+    base = ["stages=[]", "buffer.explorer_input.taskset.workflow=openai_agent",
+            "+buffer.explorer_input.taskset.workflow_args.agent=test_openai_api.one_call"]
+    with pytest.raises(ConfigError) as e:
+        make_plan(compose_cfg(base), 2000)
+    assert str(e.value) == (
+        "buffer.explorer_input.taskset.workflow=openai_agent needs the explorer's OpenAI-compatible endpoint: set "
+        "explorer.rollout_model.enable_openai_api=true.")
+    base.append("explorer.rollout_model.enable_openai_api=true")
+    with pytest.raises(ConfigError) as e:
+        make_plan(compose_cfg([*base, "+buffer.explorer_input.taskset.workflow_args.env=calculator"]), 2000)
+    assert str(e.value) == (
+        "buffer.explorer_input.taskset.workflow_args has ['env'], which the agent test_openai_api.one_call(client, task, "
+        "model, seed) does not take: it is called as agent(client, task, model=..., seed=..., **workflow_args without "
+        "agent). Remove the key (~buffer.explorer_input.taskset.workflow_args.env on the command line) or give the "
+        "agent a parameter of that name (or **kwargs).")
+    # the checker itself (composing costs 0.3 s a config)
+    with pytest.raises(ConfigError) as e:
+        check_agent_args({"agent": "test_openai_api.continues_its_ids"}, "workflow_args")
+    assert str(e.value) == (
+        "the agent test_openai_api.continues_its_ids(client, task, model, seed, tok_path) needs ['tok_path'], which "
+        "have no default: set +workflow_args.tok_path=<value>.")
+    with pytest.raises(ConfigError, match=r"workflow_args.agent='nope.agent': cannot import it"):
+        check_agent_args({"agent": "nope.agent"}, "workflow_args")
+    check_agent_args({"agent": "test_openai_api.continues_its_ids", "tok_path": "p"}, "workflow_args")  # fits
+
+
 @pytest.mark.slow  # a training run (inline, ~15 s)
 def test_an_agent_trains_through_the_explorers_endpoint(tmp_path):
     """explorer.rollout_model.enable_openai_api=true and workflow openai_agent in the loop: each

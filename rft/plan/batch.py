@@ -863,6 +863,9 @@ def _check_names(cfg) -> None:
         flow = WORKFLOWS.info(ts.workflow)
         if flow.check_args:
             resolve({}, flow.check_args, f"{where}.workflow")(dict(ts.workflow_args), f"{where}.workflow_args")
+        if flow.endpoint and not cfg.explorer.rollout_model.enable_openai_api:
+            raise ConfigError(f"{where}.workflow={ts.workflow} needs the explorer's OpenAI-compatible endpoint: set "
+                              f"explorer.rollout_model.enable_openai_api=true.")
         if flow.environment:
             if ts.reward_fn is not None:
                 raise ConfigError(

@@ -129,14 +129,54 @@ class WorkflowInfo:
     environment: bool = False
     # "module.function"(args: dict, where: str) that checks its workflow_args when planning
     check_args: str | None = None
+    # it calls the explorer's OpenAI-compatible endpoint (ctx.openai): planning requires
+    # explorer.rollout_model.enable_openai_api, else the run stops only at its first explore step
+    endpoint: bool = False
 
 
 WORKFLOWS = Registry("workflow", info="info", default=WorkflowInfo(), table={
     "single_turn": ("rft.rollout.workflows.single_turn.single_turn", WorkflowInfo()),
     "multi_turn": ("rft.rollout.workflows.multi_turn.multi_turn",
                    WorkflowInfo(environment=True, check_args="rft.rollout.workflows.multi_turn.check_args")),
-    "openai_agent": ("rft.rollout.workflows.openai_agent.openai_agent", WorkflowInfo()),
+    "openai_agent": ("rft.rollout.workflows.openai_agent.openai_agent",
+                     WorkflowInfo(endpoint=True, check_args="rft.rollout.workflows.single_turn.check_agent_args")),
 })
+
+
+def check_agent_args(args, where: str = "workflow_args") -> None:
+    """The workflow_args of `openai_agent` fit its agent, called as agent(client, task, model=...,
+    seed=..., **the rest): a key it does not take would fail every task with a TypeError at the
+    first explore step, after any warm-up. Here rather than in openai_agent.py, whose HTTP client
+    and server imports planning keeps out."""
+    import inspect
+
+    from rft.errors import ConfigError
+    from rft.registry import resolve
+
+    if "agent" not in args:
+        raise ConfigError(f"workflow openai_agent needs {where}.agent: the dotted path of a function "
+                          f"agent(client, task, model, seed, **workflow_args).")
+    rest = {k: v for k, v in args.items() if k != "agent"}
+    agent = resolve({}, args["agent"], f"{where}.agent")
+    name, sig = args["agent"], inspect.signature(agent)
+    params = list(sig.parameters.values())
+    if not any(p.kind is p.VAR_KEYWORD for p in params):
+        unknown = sorted(set(rest) - {p.name for p in params[2:] if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)})
+        if unknown:
+            raise ConfigError(f"{where} has {unknown}, which the agent {name}{sig} does not take: it is called as "
+                              f"agent(client, task, model=..., seed=..., **workflow_args without agent). Remove the key "
+                              f"(~{where}.{unknown[0]} on the command line) or give the agent a parameter of that name "
+                              f"(or **kwargs).")
+    try:
+        sig.bind("client", "task", **{"model": "policy", "seed": 0, **rest})
+    except TypeError as e:
+        missing = [p.name for p in params[2:] if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+                   and p.name not in {"model", "seed", *rest}]
+        if missing:
+            raise ConfigError(f"the agent {name}{sig} needs {missing}, which have no default: set "
+                              f"+{where}.{missing[0]}=<value>.") from None
+        raise ConfigError(f"the agent {name}{sig} cannot be called as agent(client, task, model=..., seed=..., "
+                          f"**{where} without agent) ({e}).") from None
 
 
 def check_output(out, tasks, name: str) -> None:
