@@ -184,6 +184,21 @@ def test_every_counter_of_an_environments_info_is_logged_and_max_turns_is_4(tool
                  "rollout/turn_limit_frac": 1 / 3}
 
 
+def test_an_environment_without_tool_counters_logs_none():
+    """An environment of a study's own that counts its calls its own way (info {"guesses": n}) got
+    rollout/tool_calls_mean and tool_failures_mean of 0 beside its counter: read as "the model
+    called no tool" while it called one in every turn."""
+    from rft.data.experience import Experience
+    from rft.rollout.explorer import conversation_metrics
+
+    exps = [Experience([1, 2, 3], 1, [0.0, 0.0], info={"turns": t, "guesses": g, "drift": False})
+            for t, g in [(2, 2), (4, 3)]]
+    # turns (2 + 4) / 2 = 3, guesses (2 + 3) / 2 = 2.5
+    assert conversation_metrics(exps) == {"rollout/turns_mean": 3.0, "rollout/guesses_mean": 2.5,
+                                          "rollout/drift_frac": 0.0, "rollout/budget_truncated_frac": 0.0,
+                                          "rollout/turn_limit_frac": 0.0}
+
+
 def test_an_environment_that_raises_fails_its_task_only(tools_model):
     tok = tokenizer(tools_model)
 

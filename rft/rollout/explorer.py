@@ -246,8 +246,8 @@ def rollout_metrics(exps: list, groups: list, counters: dict, elapsed: float) ->
 def conversation_metrics(exps: list, prefix: str = "rollout") -> dict:
     """Multi-turn conversations (rft/rollout/workflows/multi_turn.py): turns and every number its
     environment's `info` counts (ToolEnv's tool_calls, tool_failures; an environment of a study's
-    own, its own), each as <prefix>/<name>_mean (0 where a conversation lacks it); drift, budget and
-    turn limits."""
+    own, its own, and no tool_calls of 0 it never counted), each as <prefix>/<name>_mean (0 where a
+    conversation lacks it); drift, budget and turn limits."""
     convs = [e for e in exps if "turns" in e.info]
     if not convs:
         return {}
@@ -255,7 +255,7 @@ def conversation_metrics(exps: list, prefix: str = "rollout") -> dict:
     counted = {k for e in convs for k, v in e.info.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
     return {
         **{f"{prefix}/{k}_mean": sum(e.info.get(k, 0) for e in convs) / n
-           for k in sorted(counted | {"tool_calls", "tool_failures"})},
+           for k in sorted(counted)},
         # conversations whose held ids the chat template does not render (rft/rollout/workflows/multi_turn.py)
         f"{prefix}/drift_frac": sum(bool(e.info.get("drift")) for e in convs) / n,
         f"{prefix}/budget_truncated_frac": sum(bool(e.info.get("budget_truncated")) for e in convs) / n,
