@@ -299,8 +299,16 @@ def test_a_dry_run_names_an_agent_workflows_agent(capsys):
 
     rft.runtime.main._main(compose_cfg(["stages=[]", "dry_run=true", "buffer.explorer_input.taskset.workflow=openai_agent",
                                         "+buffer.explorer_input.taskset.workflow_args.agent=test_config.an_agent",
+                                        "buffer.explorer_input.eval_tasksets.0.workflow=openai_agent",
+                                        "+buffer.explorer_input.eval_tasksets.0.workflow_args.agent=test_config.an_agent",
                                         "explorer.rollout_model.enable_openai_api=true"]))
-    assert "workflow       openai_agent (agent test_config.an_agent)" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "workflow       openai_agent (agent test_config.an_agent)" in out
+    # the agent's return value is the reward (it said "exact_match(prompt, response, task) with task.answer = ...")
+    assert ("reward         what the agent test_config.an_agent returns (a float, or a dict of parts); where it "
+            "returns None, exact_match(prompt, response, task) on its last answer, with task.answer = column "
+            "'answer'") in out
+    assert ": test_config.an_agent(client, task, ...), every 10 steps" in out  # the eval set's
 
 
 def _safetensors_header_only(path, tensors: dict) -> None:

@@ -995,6 +995,27 @@ def test_equal_rewards_of_a_multi_turn_run_name_the_environment_not_an_unused_re
                        "answers (task.answer)."]
 
 
+def an_agent(client, task, model, seed):
+    """An openai_agent agent (planning checks its signature; never called here)."""
+
+
+def test_equal_rewards_of_an_agent_run_name_the_agent_not_the_reward_function(tmp_path):
+    # it said "Check the reward function ('exact_match')": the agent's return value is the reward
+    from types import SimpleNamespace
+
+    run = stage_run_of(compose_cfg(["stages=[]", "buffer.explorer_input.taskset.workflow=openai_agent",
+                                    "+buffer.explorer_input.taskset.workflow_args.agent=test_runtime_units.an_agent",
+                                    "explorer.rollout_model.enable_openai_api=true"]), tmp_path, total_steps=10)
+    printed = []
+    run.monitor = SimpleNamespace(print=printed.append)
+    for step in range(3):
+        run.check(step, {"rollout/experiences": 8, "reward/min": 0.0, "reward/max": 0.0}, None)
+    assert printed == ["[grpo] WARNING: every reward of the first 3 steps was 0: the advantages are all 0 and nothing "
+                       "is learned. Check the agent ('test_runtime_units.an_agent(client, task, ...)') and that "
+                       "buffer.explorer_input.taskset.format.response_key='answer' names the column of reference "
+                       "answers (task.answer)."]
+
+
 class ReturnsAnInt:
     """An environment whose step answers 1 (a reward) instead of (message, parts, done)."""
 

@@ -897,15 +897,42 @@ def environment_scores(ts) -> bool:
     return WORKFLOWS.info(ts.workflow).environment
 
 
+def agent_scores(ts):
+    """The agent of taskset `ts` when an agent scores it (openai_agent: its return value is the
+    reward, the reward function only where it returns None), else None."""
+    from rft.rollout.workflows.single_turn import WORKFLOWS
+
+    return (ts.workflow_args or {}).get("agent") if WORKFLOWS.info(ts.workflow).endpoint else None
+
+
 def scored_by(ts, default_reward) -> str:
-    """What scores taskset `ts`, for the dry run and messages: its reward config, or the
-    environment's step (environment_scores)."""
+    """What scores taskset `ts`, for the dry run and messages: its reward config, the environment's
+    step (environment_scores), or its agent (agent_scores)."""
     from rft.rewards.scoring import describe as describe_reward
     from rft.rewards.scoring import spec_of
 
     if environment_scores(ts):
         return f"{ts.workflow_args.get('env')}.step(text)"
+    if agent_scores(ts):
+        return f"{agent_scores(ts)}(client, task, ...)"
     return describe_reward(spec_of(ts.reward_fn, default_reward))
+
+
+def _reward_row(ts, default_reward) -> str:
+    """dry_run's line on what scores the taskset's rollouts."""
+    from rft.rewards.scoring import describe as describe_reward
+    from rft.rewards.scoring import spec_of
+
+    if environment_scores(ts):
+        return (f"the parts {scored_by(ts, default_reward)} returns (workflow {ts.workflow}; the reward function is "
+                f"not called)")
+    reward = describe_reward(spec_of(ts.reward_fn, default_reward))
+    call = f"{reward}(prompt, response, task)" if "*" not in reward else f"{reward}, each fn(prompt, response, task),"
+    answer = f"task.answer = column {ts.format.response_key!r}"
+    if agent_scores(ts):
+        return (f"what the agent {agent_scores(ts)} returns (a float, or a dict of parts); where it returns None, "
+                f"{call.rstrip(',')} on its last answer, with {answer}")
+    return f"{call} with {answer}"
 
 
 def describe(cfg, stage_dir, plan: BatchPlan | None = None, more_rows: list | tuple = ()) -> str:
@@ -929,15 +956,11 @@ def describe(cfg, stage_dir, plan: BatchPlan | None = None, more_rows: list | tu
         return f"{ds.name} ({ds.path}, split {ds.split})"
 
     if cfg.mode in ("both", "explore"):
-        reward = scored_by(inp.taskset, inp.default_reward_fn_type)
         args = inp.taskset.rollout_args
         rows.append(("rollouts", f"{data(inp.taskset)}: prompt_key={inp.taskset.format.prompt_key}, "
                                  f"temperature {args.temperature:g}, top_p {args.top_p:g}, top_k {args.top_k}"))
         rows.append(("workflow", _workflow_row(inp.taskset)))
-        call = f"{reward}(prompt, response, task)" if "*" not in reward else f"{reward}, each fn(prompt, response, task),"
-        rows.append(("reward", f"the parts {reward} returns (workflow {inp.taskset.workflow}; the reward function is "
-                               f"not called)" if environment_scores(inp.taskset) else
-                     f"{call} with task.answer = column {inp.taskset.format.response_key!r}"))
+        rows.append(("reward", _reward_row(inp.taskset, inp.default_reward_fn_type)))
         if cfg.mode == "both":
             rows += _sync_rows(cfg)
     else:

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from rft.errors import RunError
-from rft.plan.batch import environment_scores, scored_by
+from rft.plan.batch import agent_scores, environment_scores, scored_by
 from rft.rewards.scoring import describe as describe_reward
 from rft.rewards.scoring import spec_of
 from rft.runtime.checkpoint import latest_checkpoint
@@ -82,6 +82,11 @@ def culprit(inp, ts, source: str | tuple | None, log_dir: Path | None = None) ->
     return f"reward function {reward!r}", f"Fix the reward function{SLOW}"
 
 
+def _scorer_kind(ts) -> str:
+    """What scores taskset `ts`, in a word: its environment, its agent, or the reward function."""
+    return "environment" if environment_scores(ts) else "agent" if agent_scores(ts) else "reward function"
+
+
 class LearningSignal:
     """A run that cannot learn must not run to the end and exit 0: it stops after
     explorer.max_failed_steps steps in a row in which every task failed (or after every step of a
@@ -122,7 +127,7 @@ class LearningSignal:
                 value = self.first_rewards.pop()
                 msg = (f"[{self.title}] WARNING: every reward of the first {first} steps was {value:g}: the "
                        f"advantages are all 0 and nothing is learned. Check the "
-                       f"{'environment' if environment_scores(inp.taskset) else 'reward function'} "
+                       f"{_scorer_kind(inp.taskset)} "
                        f"({scored_by(inp.taskset, inp.default_reward_fn_type)!r}) "
                        f"and that buffer.explorer_input.taskset.format.response_key="
                        f"{inp.taskset.format.response_key!r} names the column of reference answers "
