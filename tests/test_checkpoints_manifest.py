@@ -168,6 +168,25 @@ def test_a_damaged_newest_checkpoint_is_set_aside_and_the_one_before_used(stage)
                      f"falling back to the previous complete checkpoint"]
 
 
+def test_a_finished_stages_checkpoint_is_checked_without_its_optimizer_state(stage, monkeypatch):
+    """A finished stage is only read from (its hf/): a re-run checked its trainer_state.pt too, twice hf/'s
+    bytes (1.98 of 2.97 GB at the 0.5B shape), on every start. Resuming from it still reads it all."""
+    step_2 = stage / "checkpoints" / "step_2"
+    (step_2 / "trainer_state.pt").write_bytes(b"\2" * 4096)  # damaged, same size: only its digest tells
+    read, digest = [], manifest.digest
+    monkeypatch.setattr(manifest, "digest", lambda path: read.append(path.relative_to(stage / "checkpoints").as_posix()) or digest(path))
+    lines, say = said()
+    assert usable_checkpoint(stage, OWNER, "grpo", say, finished_at=2).step == 2
+    # hf/'s two files and state.json: 18 + 16384 + ~60 bytes, not the 4096 of trainer_state.pt
+    assert sorted(read) == ["step_2/hf/config.json", "step_2/hf/model.safetensors", "step_2/state.json"] and lines == []
+    read.clear()
+    assert usable_checkpoint(stage, OWNER, "grpo", say, finished_at=3).step == 1  # lengthened: resumed from
+    assert "step_2/trainer_state.pt" in read and "step_1/trainer_state.pt" in read and lines == [
+        f"[grpo] checkpoint step 2 is damaged ({step_2 / 'trainer_state.pt'}: its contents are not the ones saved "
+        f"(their digest differs)); moved it to {next((stage / 'checkpoints').glob('step_2.damaged-*')).name} and "
+        f"falling back to the previous complete checkpoint"]
+
+
 def test_a_checkpoint_from_before_manifests_is_used_with_a_warning(tmp_path):
     d = tmp_path / "checkpoints" / "step_3"
     d.mkdir(parents=True)

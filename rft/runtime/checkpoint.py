@@ -161,14 +161,19 @@ def foreign(ckpt: Checkpoint, owner: Owner, source: str, differ: list[str]) -> s
             f"this stage is {describe(owner.identity(0))}; they differ in {', '.join(differ)}. {ways}")
 
 
-def usable_checkpoint(stage_dir: Path, owner: Owner, title: str, say, before: int | None = None):
+def usable_checkpoint(stage_dir: Path, owner: Owner, title: str, say, before: int | None = None,
+                      finished_at: int | None = None):
     """The newest checkpoint (older than step `before`) that is whole; damaged ones are moved aside
     to checkpoints/step_N.damaged-<time> and named on the console. One of another stage, model or
-    configuration stops the run (check_owner)."""
+    configuration stops the run (check_owner). One at step `finished_at` or later ends its stage,
+    which is not resumed but only read from (its hf/, by the next stage): its trainer_state.pt, the
+    optimizer's moments (twice hf/'s bytes; ~61 GB for a 7B model in float32), is not read to check
+    it on every re-run (a run that lengthens the stage checks it in full before resuming from it)."""
     for ckpt in reversed(list_checkpoints(stage_dir)):
         if before is not None and ckpt.step >= before:
             continue
-        why = damage(ckpt)
+        finished = finished_at is not None and ckpt.step >= finished_at
+        why = damage(ckpt, skip=("trainer_state.pt",) if finished else ())
         if why is None:
             check_owner(ckpt, owner, f"checkpoint {ckpt.path}", title, say)
             return ckpt

@@ -43,7 +43,8 @@ def run_stage(cfg, plan, stage_dir: Path, init_path: str | None, title: str, own
     if cfg.trainer.resume_from_path:
         latest = checkpoint.chosen_checkpoint(stage_dir, cfg.trainer.resume_from_path, owner, title, print)
     else:
-        latest = usable_checkpoint(stage_dir, owner, title, print) if cfg.continue_from_checkpoint else None
+        latest = (usable_checkpoint(stage_dir, owner, title, print, finished_at=plan.total_steps)
+                  if cfg.continue_from_checkpoint else None)
     if latest is not None and latest.step >= plan.total_steps:
         print(f"[{title}] already finished (step {latest.step}); outputs in {stage_dir}")
         metrics = latest.state.get("metrics")
