@@ -9,6 +9,7 @@ one they skip and say so; with RFT_REQUIRE_SLURM=1 (set by .ci/run) they fail in
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -236,6 +237,88 @@ def test_a_killed_slurm_job_ends_the_sweep_with_a_clear_error_and_the_same_sweep
     assert f"[grpo] resuming from step {newest} (" in Path(logs["1"]).read_text()
     assert [m["step"] for m in read_metrics(sweep / "0" / "metrics.jsonl")] == [0, 1, 2]
     assert [m["step"] for m in read_metrics(sweep / "1" / "metrics.jsonl")] == list(range(1001))
+
+
+def test_the_slurm_launcher_requeues_a_job_by_default():
+    launcher = compose_cfg(["hydra/launcher=slurm"], keep_hydra=True).hydra.launcher
+    assert (launcher.max_num_timeout, launcher.signal_delay_s) == (3, 120)
+    assert launcher.additional_parameters == {"requeue": True}  # sbatch --requeue
+
+
+def test_a_requeued_slurm_job_knows_its_own_earlier_attempt(tmp_path, monkeypatch):
+    """The run lock names the Slurm job that wrote the directory; the same job requeued (Slurm's
+    SLURM_RESTART_COUNT > 0, the job id kept) is that run's next attempt, any other run is not."""
+    from rft.runtime.rundir import requeued, run_lock
+    from rft.studio.index import holder_alive
+
+    monkeypatch.setenv("SLURM_JOB_ID", "7")
+    with run_lock(tmp_path) as before:
+        assert before == ""  # no run wrote here before
+        assert (tmp_path / ".run.lock").read_text() == f"pid {os.getpid()} on {socket.gethostname()} (Slurm job 7)\n"
+        assert holder_alive(tmp_path) is True  # the studio still reads the holder's pid and host
+    with run_lock(tmp_path) as before:
+        assert before == f"pid {os.getpid()} on {socket.gethostname()} (Slurm job 7)"
+    assert requeued(before, {"SLURM_JOB_ID": "7", "SLURM_RESTART_COUNT": "1"}) == "Slurm job 7, restart 1"
+    assert requeued(before, {"SLURM_JOB_ID": "7", "SLURM_RESTART_COUNT": "0"}) is None  # its first attempt
+    assert requeued(before, {"SLURM_JOB_ID": "8", "SLURM_RESTART_COUNT": "1"}) is None  # another job's outputs
+    assert requeued(before, {"SLURM_RESTART_COUNT": "1"}) is None  # not in Slurm
+    assert requeued("pid 12 on vm", {"SLURM_JOB_ID": "7", "SLURM_RESTART_COUNT": "2"}) is None  # written outside Slurm
+
+
+@pytest.mark.slow
+def test_a_preempted_slurm_job_is_requeued_and_resumes_its_run(slurm, tmp_path):
+    """SIGUSR2 while the job trains, as Slurm sends it on preemption (submitit calls a SIGUSR2
+    before 80% of timeout_min a preemption, later a timeout): submitit requeues the job and exits;
+    the requeued job resumes the same directory from its newest checkpoint, even with
+    continue_from_checkpoint=false (the outputs are its own first attempt's), runs to its last step,
+    and the sweep reports its result and exits 0 with no re-run by hand. Slurm holds a requeued job
+    for ~2 minutes before it may start again; the test lets it start at once (StartTime=now)."""
+    sweep = tmp_path / "sweep"
+    args = ["-m", "hydra/launcher=slurm", *TINY, "buffer.total_steps=300", "trainer.save_interval=10",
+            "explorer.eval_interval=300", "continue_from_checkpoint=false", "hydra.launcher.timeout_min=60",
+            f"hydra.sweep.dir={sweep}"]
+    proc = subprocess.Popen([sys.executable, str(ROOT / "run.py"), *args], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not any(m["step"] >= 11 for m in read_metrics(sweep / "0" / "metrics.jsonl")):
+            assert proc.poll() is None and time.monotonic() < deadline, "the job never got past its step-10 checkpoint"
+            time.sleep(0.2)
+        (job,) = [p.name for p in (sweep / ".submitit").iterdir() if p.name.isdigit()]  # one job: no array
+        subprocess.run(["scancel", "--signal=USR2", job], check=True)  # to the job's processes, as Slurm does
+        while subprocess.run(["squeue", "-h", "-j", job, "-o", "%T"], capture_output=True, text=True).stdout.strip() != "PENDING":
+            assert proc.poll() is None and time.monotonic() < deadline, "the job was not requeued"
+            time.sleep(0.2)
+        newest = latest_checkpoint(sweep / "0").step  # what the first attempt left
+        assert 10 <= newest < 300
+        subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], check=True)
+        stdout, stderr = proc.communicate(timeout=300)  # a hang fails here
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, stdout[-2000:] + stderr[-3000:]
+    objective = [m["eval/accuracy"] for m in read_metrics(sweep / "0" / "metrics.jsonl") if "eval/accuracy" in m][-1]
+    assert re.search(rf"^\[sweep\] job 0 \({job}\) finished, eval/accuracy = {objective:.4g} \[1/1 ended\]$", stdout, re.M), stdout
+    log = sweep / ".submitit" / job / f"{job}_0_log"
+    assert "Caught signal SIGUSR2 on " in Path(f"{log}.err").read_text()
+    assert "this job is preempted" in Path(f"{log}.err").read_text()
+    out = Path(f"{log}.out").read_text()
+    assert f"Requeued job {job} (3 remaining timeouts)" in out  # max_num_timeout=3; a preemption is not counted
+    assert (f"continue_from_checkpoint=false, but this is a requeued job (Slurm job {job}, restart 1) and the "
+            f"outputs are its own: it resumes them") in out
+    assert f"[grpo] resuming from step {newest} (" in out
+    # each step once, in order: continued from the checkpoint, the steps after it logged again
+    assert [m["step"] for m in read_metrics(sweep / "0" / "metrics.jsonl")] == list(range(301))
+    assert latest_checkpoint(sweep / "0").step == 300 and not list((sweep / "0").glob("previous_*"))
+    for _ in range(30):  # accounting can lag the job's end by a moment
+        states = subprocess.run(["sacct", "-n", "-X", "-P", "-D", "-o", "State", "-j", job],
+                                capture_output=True, text=True).stdout.split()
+        if states[-1:] != ["RUNNING"]:
+            break
+        time.sleep(1)
+    assert states == ["REQUEUED", "COMPLETED"], states  # both attempts, as accounting records them
+    script = (sweep / ".submitit" / job / f"{job}_submission.sh").read_text()
+    assert "#SBATCH --signal=USR2@120\n" in script and "#SBATCH --requeue\n" in script
 
 
 @pytest.mark.slow

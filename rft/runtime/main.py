@@ -391,14 +391,22 @@ def _run(cfg: DictConfig, stages: list, plans: list, stage_dirs: list[Path], run
     check_allocation(cfg)
     check_memory(stages, plans)
     rundir.check_writable(run_dir)
-    with rundir.run_lock(run_dir):
-        return _run_locked(cfg, stages, plans, stage_dirs, run_dir)
+    with rundir.run_lock(run_dir) as before:
+        return _run_locked(cfg, stages, plans, stage_dirs, run_dir, rundir.requeued(before))
 
 
-def _run_locked(cfg: DictConfig, stages: list, plans: list, stage_dirs: list[Path], run_dir: Path) -> float | None:
+def _run_locked(cfg: DictConfig, stages: list, plans: list, stage_dirs: list[Path], run_dir: Path,
+                requeued: str | None = None) -> float | None:
     from rft.models import ensure_model
     from rft.reporting.monitor import read_metrics
 
+    if not cfg.continue_from_checkpoint and requeued:
+        # the outputs are this job's own earlier attempt: moved aside, it would start over at every
+        # requeue (and, requeued at each time limit, never end)
+        print(f"continue_from_checkpoint=false, but this is a requeued job ({requeued}) and the outputs "
+              f"are its own: it resumes them")
+        for c in (cfg, *stages):  # each stage reads it (rft.runtime.runner)
+            c.continue_from_checkpoint = True
     if not cfg.continue_from_checkpoint:
         moved = rundir.move_aside(run_dir)
         if moved:

@@ -330,7 +330,8 @@ def check_writable(run_dir: Path, key: str = "checkpoint_root_dir") -> None:
 def run_lock(run_dir: Path):
     """Held while a run writes `run_dir`: a second run of the same directory (the same command
     started twice, a job requeued while it still runs) stops before it moves or writes anything,
-    naming the process that holds it. An flock, released by the kernel when the holder dies."""
+    naming the process that holds it. An flock, released by the kernel when the holder dies.
+    Yields what the run before wrote into the lock file ("pid N on host (Slurm job J)"; `requeued`)."""
     import fcntl
     import socket
 
@@ -348,10 +349,23 @@ def run_lock(run_dir: Path):
         except OSError as e:  # a filesystem without locks: the run goes on unguarded, as it did before
             log.warning("could not lock %s (%s): a second run of this name at once would not be stopped", path, e)
         f.seek(0)
+        before = f.read().strip()
+        f.seek(0)
         f.truncate()
-        f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+        job = os.environ.get("SLURM_JOB_ID")  # kept by a requeued job
+        f.write(f"pid {os.getpid()} on {socket.gethostname()}{f' (Slurm job {job})' if job else ''}\n")
         f.flush()
-        yield
+        yield before
+
+
+def requeued(before: str, env=os.environ) -> str | None:
+    """'Slurm job J, restart N' when this run is a Slurm job that was requeued (preempted, past its
+    time limit: conf/hydra/launcher/slurm.yaml max_num_timeout) and this directory's last writer
+    (`before`, from run_lock) was the same job: its own earlier attempt, which it continues."""
+    job, restarts = env.get("SLURM_JOB_ID"), env.get("SLURM_RESTART_COUNT", "0")
+    if job and restarts.isdigit() and int(restarts) > 0 and before.endswith(f"(Slurm job {job})"):
+        return f"Slurm job {job}, restart {restarts}"
+    return None
 
 
 def move_aside(run_dir: Path) -> Path | None:

@@ -131,11 +131,11 @@ def holder_alive(run: Path) -> bool | None:
     None: the lock names another machine, or no lock was taken."""
     path = run / ".run.lock"
     try:
-        words = path.read_text().split()
+        words = path.read_text().split()[:4]
         written = path.stat().st_mtime
     except OSError:
         return None
-    # "pid <n> on <host>"
+    # "pid <n> on <host>", then " (Slurm job <id>)" in a Slurm job
     if len(words) != 4 or words[0] != "pid" or not words[1].isdigit() or words[3] != socket.gethostname():
         return None
     started = _started(int(words[1]))
