@@ -442,6 +442,25 @@ def test_a_launch_refuses_a_key_that_would_write_outside_the_root(tmp_path, monk
         assert run is not None and sweep is None, body
 
 
+@pytest.mark.slow  # three compositions, two planned (~3 s)
+def test_the_preview_refuses_a_cache_dir_outside_the_root_before_its_plan_writes_there(tmp_path, monkeypatch):
+    # the page's preview plans the run, and planning generates the default taskset's data into
+    # cache_dir: a cache_dir typed on the page was written before any launch was asked for
+    root, out = tmp_path / "root", tmp_path / "outside"
+    root.mkdir()
+    monkeypatch.setenv("RFT_CHECKPOINT_ROOT_DIR", str(root))
+    defaults = C.default_choices(CONF)
+    said = (f"cache_dir={out}: the run would write to {out}, outside the checkpoint root {root} that this studio shows "
+            f"and launches into. Give a path under {root}, or")
+    for keys in ({"cache_dir": str(out)}, {"cache_dir": str(out), "dry_run": "true"}):
+        comp = C.compose(CONF, dict(defaults), keys, defaults, True, True, root)
+        assert comp.error.startswith(said) and comp.plan == "", (keys, comp.error)
+        assert not out.exists(), keys  # nothing generated there
+    # without a root (python run.py's own dry run), the plan generates the data where it is told
+    comp = C.compose(CONF, dict(defaults), {"cache_dir": str(out), "dry_run": "true"}, defaults, True, True)
+    assert comp.error == "" and comp.plan and (out / "data").is_dir()
+
+
 def test_which_keys_a_run_writes_to_by_storage_mode_and_monitor(tmp_path):
     # the rules of rft/studio/writes.py on configs made by hand (no composition): a sql buffer is
     # written in any mode (its read cursor), a file buffer only where the explorer writes it; a

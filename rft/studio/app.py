@@ -104,7 +104,7 @@ def launch_args(conf_dir: Path, defaults: dict, body: dict, choices: dict, keys:
         launcher = B.launcher(body, B.launcher_options(conf_dir)) if sweep else None
         confirmed = B.confirmed(body)
         # a sweep's jobs write to the sweep's directory: the run of the name is not theirs
-        comp = C.compose(conf_dir, choices, keys, defaults, existing=not sweep)
+        comp = C.compose(conf_dir, choices, keys, defaults, existing=not sweep, root=root)
         if comp.error:  # the run would stop at the same place: say it here
             raise ValueError(comp.error)
         imports, planned = (C.check_sweep(conf_dir, comp.overrides, sweep_args, root) if sweep
@@ -119,13 +119,9 @@ def launch_args(conf_dir: Path, defaults: dict, body: dict, choices: dict, keys:
         raise Refused(409, f"not launched: it imports from outside rft and this repository: {listed}. Launch it "
                            f"only if you trust that code: confirm each path (confirm_imports).", imports=unconfirmed)
     writes = comp.values.get("dry_run") != "true"  # a dry run leaves no directory to link to
-    where = comp.sweep_dir if sweep else comp.run_dir
-    if writes and root is not None and where and (not Path(where).is_absolute() or _under(root, where) is None):
-        # the studio lists, links and stops what is under its root; a run written elsewhere (a
-        # checkpoint_root_dir typed on the page: ~/.ssh, /etc) would be out of its sight
-        raise Refused(400, f"not launched: it would write to {where}, outside the checkpoint root {root} that this "
-                           f"studio shows and launches into. Leave checkpoint_root_dir as it is, or start the studio "
-                           f"with --root on the folder you want (python -m rft.studio --root DIR).")
+    outside = C.run_dir_refusal(root, comp.sweep_dir if sweep else comp.run_dir) if writes and root is not None else ""
+    if outside:
+        raise Refused(400, f"not launched: {outside}")
     # a job of the sweep would stop the sweep before its first job (rft.runtime.callbacks); a key
     # of the run or of a job would write outside the root (a buffer's database, the stage cache
     # typed on the page): out of the studio's sight, as a run directory there would be
@@ -192,7 +188,7 @@ def make_app(token: str, root: Path, conf_dir: Path, repo: Path, launch_env: dic
     # the guard is the app's middleware, so it stands before every route the groups below add
     _add_guard(app, token, hosts)
     _add_page_routes(app, root, conf_dir, defaults)
-    _add_compose_routes(app, conf_dir, defaults)
+    _add_compose_routes(app, conf_dir, defaults, root)
     _add_launch_routes(app, conf_dir, defaults, launches, root)
     _add_run_routes(app, root, launches)
     _add_rollout_routes(app, root)
@@ -293,7 +289,7 @@ async def _read(request, conf_dir: Path, defaults: dict) -> tuple[dict, dict, di
     return body, {**defaults, **choices}, keys
 
 
-def _add_compose_routes(app, conf_dir: Path, defaults: dict) -> None:
+def _add_compose_routes(app, conf_dir: Path, defaults: dict, root: Path) -> None:
     """Compose a body's choices into a config and its plan; save them as a study."""
     from fastapi import Request
     from fastapi.concurrency import run_in_threadpool
@@ -305,7 +301,7 @@ def _add_compose_routes(app, conf_dir: Path, defaults: dict) -> None:
     async def api_compose(request: Request):
         body, choices, keys = await _read(request, conf_dir, defaults)
         sweep = bool(body.get("sweep"))
-        comp = await run_in_threadpool(C.compose, conf_dir, choices, keys, defaults, True, not sweep)
+        comp = await run_in_threadpool(C.compose, conf_dir, choices, keys, defaults, True, not sweep, root)
         if sweep and not comp.error:  # the command a launch runs: -m, the values, the launcher
             comp.command, comp.error = sweep_command(conf_dir, body, comp.overrides)
         return comp.__dict__

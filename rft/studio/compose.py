@@ -257,15 +257,17 @@ def default_choices(conf_dir: Path) -> dict[str, str]:
 
 
 def compose(conf_dir: Path, choices: dict[str, str], keys: dict[str, str],
-            defaults: dict[str, str] | None = None, plan: bool = True, existing: bool = True) -> Composition:
+            defaults: dict[str, str] | None = None, plan: bool = True, existing: bool = True,
+            root: Path | None = None) -> Composition:
     """Compose `python run.py <overrides>` and plan it, as a dry run would, and (`existing`) look
     at the run of its name as the run would. Never raises for a mistake in the values: the
-    error's one paragraph comes back in `.error`."""
+    error's one paragraph comes back in `.error`. With `root`, a key that would write outside it
+    is that error, found before the plan (which writes: it generates a taskset's data)."""
     conf_dir = Path(conf_dir)
     with _LOCK:
         if defaults is None:
             defaults = dict(_compose(conf_dir, []).hydra.runtime.choices) if (choices or keys) else {}
-        return _composition(conf_dir, overrides_of(choices, keys, defaults), dict(choices), plan, existing)
+        return _composition(conf_dir, overrides_of(choices, keys, defaults), dict(choices), plan, existing, root)
 
 
 def compose_overrides(conf_dir: Path, overrides: list[str], plan: bool = False) -> Composition:
@@ -276,7 +278,7 @@ def compose_overrides(conf_dir: Path, overrides: list[str], plan: bool = False) 
 
 
 def _composition(conf_dir: Path, overrides: list[str], choices: dict[str, str], plan: bool,
-                 existing: bool = True) -> Composition:
+                 existing: bool = True, root: Path | None = None) -> Composition:
     from rft.plan.overlays import misspelt_override
 
     command = "python run.py " + " ".join(shlex.quote(o) for o in overrides) if overrides else "python run.py"
@@ -303,9 +305,44 @@ def _composition(conf_dir: Path, overrides: list[str], choices: dict[str, str], 
         comp = Composition(chosen, overrides, command, values, text, "", "", imports)
         comp.run_dir, comp.sweep_dir = _dirs(job, cfg)
         if plan:
+            comp.error = _writes_outside(job, conf_dir, root) if root is not None else ""
+            if comp.error:  # planning would already write there (a generated taskset into cache_dir)
+                return comp
             comp.plan, comp.error, stages = _plan(job, existing)
             comp.writes = W.written(job, stages, W.shared_cache(conf_dir)) if stages else []
         return comp
+
+
+def run_dir_refusal(root: Path, where: str) -> str:
+    """The one paragraph for a run's (or sweep's) directory outside `root`, or "". The studio lists,
+    links and stops what is under its root; a run written elsewhere (a checkpoint_root_dir typed on
+    the page: ~/.ssh, /etc) would be out of its sight."""
+    if not where or (Path(where).is_absolute() and Path(where).resolve().is_relative_to(Path(root).resolve())):
+        return ""
+    return (f"it would write to {where}, outside the checkpoint root {root} that this studio shows and launches into. "
+            f"Leave checkpoint_root_dir as it is, or start the studio with --root on the folder you want "
+            f"(python -m rft.studio --root DIR).")
+
+
+def _writes_outside(job: DictConfig, conf_dir: Path, root: Path) -> str:
+    """The one paragraph for a key of the stages' configs that would write outside `root`, or "";
+    from the stages' configs alone, before anything is planned (one that does not resolve: the
+    plan says why). A run's own directory first (a dry run writes none)."""
+    from rft.runtime.main import run_dir_of, split_stages
+
+    if not job.get("dry_run"):
+        try:
+            outside = run_dir_refusal(root, str(run_dir_of(job)))
+        except Exception:  # an interpolation only a run resolves
+            outside = ""
+        if outside:
+            return outside
+    try:
+        stages, _ = split_stages(job)
+    except Exception:
+        return ""
+    cache = W.shared_cache(conf_dir)
+    return W.refusal(root, W.written(job, stages, cache) + W.written(job, stages, cache, planning=True)) or ""
 
 
 def option_path(conf_dir: Path, overrides: list[str], groups: set[str]) -> str | None:

@@ -75,15 +75,23 @@ def _stage_writes(stage) -> list[tuple[str, object, bool]]:
     return out
 
 
-def written(job, stages: list, cache: str) -> list[Write]:
+def written(job, stages: list, cache: str, planning: bool = False) -> list[Write]:
     """Every place the run of `job` (its stages' configs as rft.plan.batch.stage_configs merges
     them) writes at a path a key gives; cache_dir at `cache` (shared_cache) left out. A dry run
-    writes nothing."""
-    if job.get("dry_run"):
+    writes nothing but what its plan does (`planning`: a generated taskset's data, into cache_dir)."""
+    if job.get("dry_run") and not planning:
         return []
+    if planning:
+        found = [("cache_dir", s.get("cache_dir"), False, s.get("stage_name")) for s in stages]
+        return _writes(job, found, cache)
     found = [("stage_cache_dir", job.get("stage_cache_dir"), False, None)]  # read from the run's config only
     for s in stages:
         found += [(key, value, uri, s.get("stage_name")) for key, value, uri in _stage_writes(s)]
+    return _writes(job, found, cache)
+
+
+def _writes(job, found: list, cache: str) -> list[Write]:
+    """(key, value, is a URI, stage) -> the Writes, cache_dir at `cache` left out, each once."""
     out = []
     for key, value, uri, stage in found:
         path = local_path(str(value), uri) if value not in (None, "") else ""
