@@ -38,7 +38,7 @@ import torch
 from rft.models import local_device, torch_dtype
 from rft.sync.weights import fingerprint, format_fingerprint, hf_tensors, weight_sums
 from rft.trainer import lora, micro_batches
-from rft.trainer.state import load_state
+from rft.trainer.state import load_state, save_state
 from rft.trainer.trainer import Trainer, _lengths
 
 
@@ -219,7 +219,7 @@ class FSDPTrainer(Trainer):
         if sd is not None:
             hf_model.save_pretrained(d / "hf", state_dict=sd)
             self.tokenizer.save_pretrained(d / "hf")
-        torch.save({"optimizer": optim, "scheduler": self.scheduler.state_dict(), "version": self.version,
+        save_state({"optimizer": optim, "scheduler": self.scheduler.state_dict(), "version": self.version,
                     "rng": torch.get_rng_state(), "critic": critic}, d / "trainer_state.pt")
 
     def load(self, directory: str) -> None:
