@@ -705,6 +705,26 @@ def test_an_overlay_naming_a_missing_option_names_its_file_and_line(run_root, tm
     assert_nothing_started(run_root)
 
 
+@pytest.mark.slow  # three dry runs (~10 s)
+def test_a_study_kept_outside_conf_through_hydra_searchpath_composes(run_root, tmp_path):
+    # run.py's check looked for experiment=mine in conf/ only and refused it before Hydra, which
+    # would have found it in the search path's folder (and a group of the study's own as a key)
+    (tmp_path / "experiment").mkdir()
+    (tmp_path / "experiment" / "mine.yaml").write_text("# @package _global_\nname: kept_outside\n")
+    (tmp_path / "probe").mkdir()
+    (tmp_path / "probe" / "one.yaml").write_text("# @package _global_\nseed: 7\n")
+    search = f"hydra.searchpath=[file://{tmp_path}]"
+    r = run_cli(search, "experiment=mine", "+probe=one", "stages=[]", "dry_run=true", env=run_root)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "rft/kept_outside" in r.stdout  # the outputs line: the study's name, from the folder outside
+    # a misspelt option is then Hydra's to name (it lists the options of both folders)
+    r = run_cli(search, "experiment=mien", "stages=[]", "dry_run=true", env=run_root)
+    assert r.returncode != 0 and "Could not find 'experiment/mien'" in r.stderr and "\tmine\n" in r.stderr
+    # without the search path, rft's own check as before
+    r = run_cli("experiment=mine", "stages=[]", "dry_run=true", env=run_root)
+    assert r.returncode == 2 and "rft: configuration error: experiment=mine: there is no conf/experiment/mine.yaml" in r.stderr
+
+
 @pytest.mark.slow
 def test_a_checkpoint_root_under_a_file_is_one_paragraph_before_hydra_makes_the_run_dir(run_root, tmp_path):
     # Hydra made the run's directory before rft's check: NotADirectoryError under its traceback

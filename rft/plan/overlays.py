@@ -331,12 +331,34 @@ def exit_on_config_mistakes(args: list[str], conf_dir) -> None:
     import sys
     from pathlib import Path
 
-    groups = {p.name for p in Path(conf_dir).iterdir() if p.is_dir()}
-    message = (bad_yaml(Path(conf_dir)) or unparsable_override(args) or misspelt_override(args, groups)
-               or missing_option(args, conf_dir) or check(args, Path(conf_dir)))
+    folders, searched = search_dirs(args, Path(conf_dir))
+    groups = {p.name for d in [Path(conf_dir), *folders] if d.is_dir() for p in d.iterdir() if p.is_dir()}
+    message = bad_yaml(Path(conf_dir)) or unparsable_override(args) or misspelt_override(args, groups)
+    if not searched:  # with a search path, an option may be a file of another folder: Hydra's to find
+        message = message or missing_option(args, conf_dir) or check(args, Path(conf_dir))
     if message:
         print(f"\nrft: configuration error: {message}\n", file=sys.stderr)
         sys.exit(2)
+
+
+def search_dirs(args: list[str], conf_dir: Path) -> tuple[list[Path], bool]:
+    """(the folders Hydra also composes from, whether there is a search path at all):
+    `hydra.searchpath`, on the command line or in conf/config.yaml, for a study's config groups
+    kept outside the repository. `pkg://` entries are packages, not folders."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    entries: list = []
+    for a in args:
+        if a.lstrip("+").startswith("hydra.searchpath="):
+            try:
+                entries += list(OverridesParser.create().parse_overrides([a])[0].value() or [])
+            except Exception:  # unparsable_override words it
+                pass
+    try:
+        entries += list((yaml.safe_load((conf_dir / "config.yaml").read_text()) or {}).get("hydra", {}).get("searchpath") or [])
+    except Exception:  # bad_yaml words it
+        pass
+    return [Path(str(e).removeprefix("file://")) for e in entries if not str(e).startswith("pkg://")], bool(entries)
 
 
 def bad_yaml(conf_dir) -> str | None:
