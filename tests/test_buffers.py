@@ -168,6 +168,36 @@ def test_file_truncate_after(tmp_path):
     assert ids(buf.get(10, timeout=0.2)) == ["t0", "t1", "t2", "t3", "t4", "t100", "t101"]
 
 
+@pytest.mark.parametrize("kind", ["sql", "file"])
+def test_the_unread_digest_sees_a_changed_unread_experience_only(tmp_path, kind):
+    """What a checkpoint records of the experiences it explored ahead (rft.runtime.saving): a row
+    read before it, or written after it, is not in it; a changed token id of one still to be read is."""
+    import sqlite3
+
+    path = tmp_path / ("b.db" if kind == "sql" else "b.jsonl")
+    buf = make_buffer(buf_cfg(kind, path=str(path)))
+    buf.put(exps(6))
+    buf.get(2, timeout=1)  # t0, t1 read; t2..t5 unread
+    state = buf.state()
+    span = (state.get("cursor", state.get("offset")), state["last_id"])
+    before = buf.unread_digest(*span)
+    buf.put(exps(1, start=50))  # after the checkpoint
+
+    def edit(old: str, new: str) -> None:  # one token id, in place
+        if kind == "sql":
+            with sqlite3.connect(path) as c:
+                c.execute("UPDATE experiences SET tokens = ? WHERE tokens = ?", (new, old))
+        else:
+            path.write_bytes(path.read_bytes().replace(f'"tokens": {old}'.encode(), f'"tokens": {new}'.encode()))
+
+    edit("[1, 2, 3, 4]", "[1, 2, 3, 9]")  # t1's, read already
+    reopened = make_buffer(buf_cfg(kind, path=str(path)))  # as a resumed run opens it
+    assert reopened.unread_digest(*span) == before
+    edit("[5, 6, 7, 8]", "[5, 6, 7, 9]")  # t5's, unread
+    assert reopened.unread_digest(*span) != before
+    buf.close(), reopened.close()
+
+
 def test_sql_path_forms(tmp_path, monkeypatch):
     monkeypatch.setenv("HOME", str(tmp_path))
     SQLBuffer(buf_cfg("sql", path="~/deep/dir/b.db")).put(exps(1))

@@ -258,6 +258,26 @@ def test_a_deleted_or_damaged_buffer_is_named_not_waited_for(tmp_path):
                                  "buffer.trainer_input.experience_buffer.path at another file.")
 
 
+def test_an_edited_experience_explored_ahead_stops_the_resume_naming_the_buffer(tmp_path):
+    """SQLite checksums no row: a reward changed in the experiences a checkpoint explored ahead
+    was trained on unnoticed (a byte flipped in a token id too); the checkpoint holds their digest."""
+    import sqlite3
+
+    rft.runtime.main.main(compose_cfg([*ASYNC_SQL, f"checkpoint_root_dir={tmp_path}", "name=c"]))
+    run = tmp_path / "rft" / "c"
+    shutil.rmtree(run / "checkpoints" / "step_4")  # as if killed before it: the resume starts at step 2
+    cursor = json.loads((run / "checkpoints" / "step_2" / "state.json").read_text())["buffer"]["cursor"]
+    with sqlite3.connect(run / "buffer.db") as c:  # the first unread experience's reward, 0 <-> 1
+        assert c.execute("UPDATE experiences SET reward = 1 - reward WHERE id = ?", (cursor + 1,)).rowcount == 1
+    with pytest.raises(RunError) as e:
+        rft.runtime.main._main(compose_cfg([*ASYNC_SQL, f"checkpoint_root_dir={tmp_path}", "name=c"]))
+    assert str(e.value) == (
+        f"the buffer {run / 'buffer.db'} does not hold the experiences checkpoint step 2 explored ahead and had "
+        f"not trained on yet as it saved them (their digest differs: the file was damaged or edited since). Put "
+        f"the file back, or start this stage again (continue_from_checkpoint=false)."
+    )
+
+
 def test_a_deleted_buffer_with_nothing_left_to_read_is_no_loss(tmp_path, capsys):
     on_policy = [a for a in ASYNC_SQL if not a.startswith("synchronizer.sync_offset")]
     rft.runtime.main.main(compose_cfg([*on_policy, f"checkpoint_root_dir={tmp_path}", "name=b", "buffer.total_steps=2"]))

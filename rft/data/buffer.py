@@ -390,6 +390,19 @@ class SQLBuffer:
         with self.engine.begin() as c:
             self._save_cursor(c)
 
+    def unread_digest(self, cursor: int, last_id: int) -> str:
+        """The xxh3-128 of the rows after `cursor` up to `last_id`, every column: what a checkpoint
+        records of the experiences it explored ahead (SQLite checksums no page, so a changed byte in
+        a row would read back as another token or reward)."""
+        import xxhash
+
+        h = xxhash.xxh3_128()
+        query = sa.select(_experiences).where(_experiences.c.id > cursor, _experiences.c.id <= last_id)
+        with self._damage_named(), self.engine.connect() as c:
+            for row in c.execute(query.order_by(_experiences.c.id)):
+                h.update(json.dumps(list(row), default=str).encode() + b"\n")
+        return h.hexdigest()
+
     def truncate_after(self, last_id: int) -> int:
         """Delete the rows after `last_id`; returns how many.
 
@@ -496,6 +509,23 @@ class FileBuffer:
 
     def restore(self, state: dict) -> None:
         self.offset = int(state["offset"])
+
+    def unread_digest(self, offset: int, last_id: int) -> str:
+        """The xxh3-128 of the file's bytes from `offset` to `last_id` (as SQLBuffer.unread_digest)."""
+        import xxhash
+
+        h = xxhash.xxh3_128()
+        if self.path.exists():
+            with open(self.path, "rb") as f:
+                f.seek(offset)
+                left = max(0, last_id - offset)
+                while left:
+                    chunk = f.read(min(left, 1 << 24))
+                    if not chunk:
+                        break
+                    h.update(chunk)
+                    left -= len(chunk)
+        return h.hexdigest()
 
     def truncate_after(self, last_id: int) -> int:
         """Cut the file back to `last_id` bytes (a state's write position); returns lines removed."""

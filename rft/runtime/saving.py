@@ -64,9 +64,33 @@ class StageCheckpoints:
                 state = buffer.state()  # read from its (new) end
                 state = {**state, "cursor": state["last_id"], "offset": state["last_id"]}
         if state:
+            self._check_unread(buffer, state, latest)
             buffer.restore(state)
         elif eb.storage_type == "sql":
             buffer.restore({"cursor": 0})  # a fresh run reads from the start
+
+    def buffer_state(self, buffer) -> dict:
+        """The buffer's part of a checkpoint: its read and write positions; in mode=both (this run
+        its only writer) also the digest of the experiences explored ahead and not read yet, which
+        the resume checks (`_check_unread`)."""
+        state = buffer.state()
+        if self.cfg.mode == "both" and hasattr(buffer, "unread_digest"):
+            state["unread_digest"] = buffer.unread_digest(state.get("cursor", state.get("offset")), state["last_id"])
+        return state
+
+    def _check_unread(self, buffer, state: dict, latest: Checkpoint | None) -> None:
+        """A sql or file buffer's experiences explored ahead, still to be trained on, must be those the
+        checkpoint saved: neither SQLite nor a JSONL file checksums its rows, so a changed byte (a
+        token id, a reward) would otherwise be trained on unnoticed."""
+        if "unread_digest" not in state:  # a queue (state.json holds its items), or an older checkpoint
+            return
+        if buffer.unread_digest(state.get("cursor", state.get("offset")), state["last_id"]) != state["unread_digest"]:
+            raise RunError(
+                f"the buffer {self.cfg.buffer.trainer_input.experience_buffer.path} does not hold the experiences "
+                f"checkpoint step {latest.step} explored ahead and had not trained on yet as it saved them (their "
+                f"digest differs: the file was damaged or edited since). Put the file back, or start this stage "
+                f"again (continue_from_checkpoint=false)."
+            )
 
     def write(self, step: int, state: dict, trainer: TrainerCalls | None, say) -> None:
         """The checkpoint of step `step`: the trainer (if any), then `state` (state.json), written

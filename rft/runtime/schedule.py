@@ -237,7 +237,7 @@ class Schedule:
             self._collect()
         state = {**self._state(), "metrics": metrics}
         if self.buffer is not None:
-            state["buffer"] = self.buffer.state()
+            state["buffer"] = self.checkpoints.buffer_state(self.buffer)
         self.checkpoints.write(step, state, self.trainer, self.monitor.print)
 
     def _state(self) -> dict:
