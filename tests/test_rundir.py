@@ -296,3 +296,18 @@ def test_regenerated_data_under_a_started_stage_is_a_change(tmp_path):
     assert check_unchanged(accepted[0], accepted, [d], tmp_path)["grpo"] == [
         f"{data}: train.jsonl changed since the stage started", f"{data}: valid.jsonl is new since the stage started",
         f"{data}: test.jsonl is gone since the stage started"]
+
+
+def test_a_damaged_dataset_record_is_a_difference_not_taken_for_none(tmp_path):
+    """data.json cut short read as no record (a stage from before records): a dataset changed since
+    then would have been resumed from unnoticed."""
+    from rft.runtime.rundir import data_differences
+
+    cfg = compose_cfg(["stages=[]"])
+    assert data_differences(tmp_path, cfg) == []  # no record: a stage recorded before there was one
+    (tmp_path / "data.json").write_text('{"/data/arithmetic": {"train.jsonl": "67b6')
+    assert data_differences(tmp_path, cfg) == [
+        f"{tmp_path / 'data.json'} (the digests of the datasets the stage started with) does not parse (cut short "
+        f"or overwritten), so whether they changed cannot be told"]
+    (tmp_path / "data.json").write_text("[1, 2]")  # JSON, but not a record
+    assert len(data_differences(tmp_path, cfg)) == 1

@@ -227,11 +227,18 @@ def data_digests(cfg) -> dict[str, dict[str, str]]:
 
 def data_differences(stage_dir: Path, cfg) -> list[str]:
     """'path: file, ... changed since the stage started' for each dataset whose files' bytes
-    differ from the stage's record (none for a stage recorded before there was one)."""
-    try:
-        old = json.loads((stage_dir / DATA_RECORD).read_text())
-    except (OSError, ValueError):
+    differ from the stage's record (none for a stage recorded before there was one). A record that
+    does not read is a difference itself: taken for none, a changed dataset would pass unnoticed."""
+    record = stage_dir / DATA_RECORD
+    if not record.exists():
         return []
+    try:
+        old = json.loads(record.read_text())
+        if not all(isinstance(v, dict) for v in old.values()):
+            raise ValueError
+    except (OSError, ValueError, AttributeError):
+        return [f"{record} (the digests of the datasets the stage started with) does not parse (cut short or "
+                f"overwritten), so whether they changed cannot be told"]
     new = data_digests(cfg)
     out = []
     for path in sorted(set(old) & set(new)):
