@@ -529,3 +529,66 @@ def test_the_readmes_two_node_7b_recipe_halves_each_ranks_weight_state(no_gpu):
     way, _ = route(stage_configs(compose_cfg(["stages=[]", "model=qwen7b", "model.lora.rank=64",
                                               "model.lora.sync=adapter"]))[0])
     assert "323.0 MB per sync (161.5M LoRA adapter parameters" in way and "323 MB instead of 15 GB" in readme
+
+
+def test_the_checkpoints_disk_row_counts_saves_bytes_and_the_free_space(monkeypatch, tmp_path, capsys):
+    import shutil
+    from collections import namedtuple
+
+    import rft.plan.disk as D
+
+    # each multiple of save_interval and the last step: 400 steps every 30 -> 30, 60, .., 390, 400
+    assert (D.saves(400, 30), D.saves(300, 100), D.saves(1, 100)) == (14, 3, 1)
+    stage, plan = plan_of(["algorithm=grpo", "model=qwen7b"])
+    n = M.shape_of(stage.model)[0].parameters
+    # fp32 master weights (model=qwen7b): hf/ 4 bytes a parameter, Adam's two moments 8
+    assert D.checkpoint_parts(stage, plan) == (4 * n, 8 * n)
+    assert round(4 * n / 1e9, 1) == 30.5 and round(12 * n / 1e9, 1) == 91.4  # the README's figures
+    # bf16 LoRA of rank 8: hf/ in bfloat16; the state is the adapters and their two moments (3 x 2 bytes)
+    lora, lplan = plan_of(["algorithm=grpo", "model=qwen7b", "trainer.fp32_master_weights=false", "model.lora.rank=8"])
+    trained = M.lora_parameters(M.shape_of(lora.model)[0], lora.model.lora)
+    assert D.checkpoint_parts(lora, lplan) == (2 * n, 6 * trained)
+    # PPO: the critic's weights and moments too (the policy's shape), 3 x 4 bytes a parameter more
+    ppo, pplan = plan_of(["algorithm=ppo", "model=qwen7b"])
+    assert pplan.needs.critic and D.checkpoint_parts(ppo, pplan) == (4 * n, 8 * n + 12 * n)
+
+    Usage = namedtuple("Usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: Usage(10**12, 0, 100 * 10**9))
+    steps = ["algorithm=grpo", "model=qwen7b", "buffer.total_steps=250", "trainer.save_interval=100"]
+    stage, plan = plan_of(steps)  # saves at 100, 200, 250: 3 x 91.4 GB = 274.2 GB on 100 GB free
+    text, warning = D.describe_disk(stage, plan, tmp_path / "run" / "grpo")
+    assert text == ("3 saves (every 100 steps, trainer.save_interval, and the last), 3 kept (trainer.max_ckpt_to_keep): "
+                    "~91.4 GB each (hf/ 30.5 GB + trainer state 60.9 GB), ~274.2 GB in all; 100.0 GB free there now")
+    assert warning == (f"the stage's kept checkpoints (~274.2 GB) would not fit in the 100.0 GB free under {tmp_path}; "
+                       f"keep fewer (trainer.max_ckpt_to_keep), save less often (trainer.save_interval), or write "
+                       f"elsewhere (checkpoint_root_dir)")
+    # one kept: 91.4 GB fits
+    stage, plan = plan_of([*steps, "trainer.max_ckpt_to_keep=1"])
+    text, warning = D.describe_disk(stage, plan, tmp_path)
+    assert "1 kept (trainer.max_ckpt_to_keep): ~91.4 GB each" in text and "~91.4 GB in all" in text and warning is None
+    # LoRA keeping hf/ at its last save only: 3 x the adapters' state + one merged hf/ (bf16, rank 8)
+    stage, plan = plan_of([*steps, "trainer.fp32_master_weights=false", "model.lora.rank=8", "trainer.save_hf_checkpoint=last"])
+    text, warning = D.describe_disk(stage, plan, tmp_path)
+    assert f"~{(2 * n + 3 * 6 * trained) / 1e9:,.1f} GB in all" in text and warning is None
+    stage, plan = plan_of([*steps, "mode=explore", "buffer=sql"])
+    assert D.describe_disk(stage, plan, tmp_path) == ("none: mode=explore saves its place (state.json), no weights", None)
+    # the dry run shows the row and the warning after the memory
+    rft.runtime.main._main(compose_cfg(["stages=[]", *steps, f"checkpoint_root_dir={tmp_path}", "dry_run=true"]))
+    out = capsys.readouterr().out
+    assert "checkpoints    3 saves (every 100 steps" in out and "warning        the stage's kept checkpoints" in out
+
+
+@pytest.mark.slow  # one step of the tiny model in this process (~5 s)
+def test_a_run_whose_kept_checkpoints_would_not_fit_says_so_when_it_starts(monkeypatch, tmp_path, capsys):
+    import shutil
+    from collections import namedtuple
+
+    Usage = namedtuple("Usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: Usage(10**9, 10**9 - 1000, 1000))  # 1 kB free
+    rft.runtime.main._main(compose_cfg(["stages=[]", "cluster=inline", "buffer.total_steps=1", "monitor=console",
+                                        f"checkpoint_root_dir={tmp_path}", "explorer.eval_on_startup=false",
+                                        "buffer.explorer_input.eval_tasksets=[]"]))
+    out = capsys.readouterr().out
+    # the tiny model's checkpoint is ~6.5 MB: over 1 kB; said, and the run went on (space may be freed)
+    assert "rft: warning: stage grpo: the stage's kept checkpoints (~6.5 MB) would not fit in the 0.0 MB free" in out
+    assert (tmp_path / "rft" / "grpo-tiny-arithmetic" / "checkpoints" / "step_1").is_dir()

@@ -979,9 +979,12 @@ def describe(cfg, stage_dir, plan: BatchPlan | None = None, more_rows: list | tu
     elif cfg.mode != "explore":
         rows.append(("eval sets", "; ".join(evals) + f", every {cfg.explorer.eval_interval} steps" if evals else "none"))
     if plan is not None:
+        from rft.plan.disk import describe_disk
         from rft.plan.memory import describe_devices, estimate
 
         rows += describe_devices(cfg, estimate(cfg, plan))
+        disk, warning = describe_disk(cfg, plan, stage_dir)
+        rows += [("checkpoints", disk)] + ([("warning", warning)] if warning else [])
     rows += [*more_rows, ("outputs", str(stage_dir))]  # more_rows: the runtime's (the data pipelines)
     w = max(len(r[0]) for r in rows)
     return "\n".join(f"{a:<{w}}  {b}" for a, b in rows)

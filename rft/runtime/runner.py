@@ -118,13 +118,8 @@ class StageRun:
             print(f"rft: warning: stage {self.title}: {text}", flush=True)
         self._open_input(saved, latest)
         self.sync = SYNC_METHODS[cfg.synchronizer.sync_method](self.dir, cfg.synchronizer)
-        if mode == "both" and not fixed:  # (a fixed policy is never synced)
-            from rft.plan.sync import route
-
-            way, warning = route(cfg)
-            logging.getLogger(__name__).info("weight sync: %s", way)
-            if warning:
-                print(f"rft: warning: stage {self.title}: {warning}", flush=True)
+        for warning in plan_warnings(cfg, self.plan, self.dir, fixed):
+            print(f"rft: warning: stage {self.title}: {warning}", flush=True)
         norm = reward_norm(cfg, saved)
         self.monitor = Monitor(cfg, self.dir, self.plan.total_steps, start, self.title)
         # the version the explorers serve (mode=explore: what it picks up; see Schedule.run)
@@ -206,3 +201,20 @@ class StageRun:
 
             remove_placement_group(self.pg)
         gc.unfreeze()  # what the stage froze (rft.runtime.actors.long_lived) can be collected again
+
+
+def plan_warnings(cfg, plan, stage_dir: Path, fixed: bool) -> list[str]:
+    """What the dry run warns of, said again as the stage starts: kept checkpoints that would not
+    fit where they go (now, not when the disk fills), and a weight sync that moves a large model
+    the slow way every step (mode=both; a fixed policy is never synced)."""
+    from rft.plan.disk import describe_disk
+    from rft.plan.sync import route
+
+    warnings = []
+    if cfg.mode != "explore":
+        warnings.append(describe_disk(cfg, plan, stage_dir)[1])
+    if cfg.mode == "both" and not fixed:
+        way, warning = route(cfg)
+        logging.getLogger(__name__).info("weight sync: %s", way)
+        warnings.append(warning)
+    return [w for w in warnings if w]

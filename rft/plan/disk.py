@@ -1,0 +1,78 @@
+"""What a stage's checkpoints will take on disk, told before it starts (the dry run's `checkpoints`
+row, and a warning at the start of a run whose kept checkpoints would not fit where they go).
+
+A checkpoint (rft/runtime/saving.py) holds `hf/`, the policy's weights as the trainer keeps them
+(float32 with trainer.fp32_master_weights, else model.dtype), unless trainer.save_hf_checkpoint
+says otherwise, and `trainer_state.pt`: Adam's two moments of every trained parameter (the LoRA
+adapters alone with model.lora; the adapters themselves in `adapter/`), and PPO's critic with its
+moments. A stage saves every trainer.save_interval steps and at its last; trainer.max_ckpt_to_keep
+keeps the newest N (null: all). The stage cache publishes by hard links: no second copy.
+
+Planning only: the parameter count is rft.plan.memory's (the model's config.json or
+model.architecture), nothing is loaded; the free space is that of the nearest existing folder of
+the stage's directory.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from rft.plan.memory import dtype_bytes, lora_parameters, shape_of
+
+
+def saves(total_steps: int, interval: int) -> int:
+    """The steps of 1..total_steps at which a stage saves: each multiple of `interval`, and the last."""
+    return total_steps // interval + (total_steps % interval != 0)
+
+
+def checkpoint_parts(cfg, plan) -> tuple[int, int] | None:
+    """(bytes of hf/, bytes of the resumable state: trainer_state.pt and adapter/) of one
+    checkpoint, or None where the model's shape is not known here."""
+    shape, _ = shape_of(cfg.model)
+    if shape is None:
+        return None
+    n, t = shape.parameters, cfg.trainer
+    kept = 4 if t.fp32_master_weights else dtype_bytes(cfg.model.dtype)  # bytes a parameter, as trained
+    lora = cfg.model.lora
+    trained = lora_parameters(shape, lora) if lora.rank else n
+    state = 2 * trained * kept + (trained * kept if lora.rank else 0)  # Adam's moments; the adapters
+    if plan.needs.critic:  # its weights and moments (the policy's shape: rft.plan.memory's estimate too)
+        state += 3 * n * kept
+    return n * kept, state
+
+
+def describe_disk(cfg, plan, stage_dir: Path) -> tuple[str, str | None]:
+    """(the dry run's `checkpoints` row, a warning when the kept checkpoints do not fit in the free
+    space where they go, or None)."""
+    if cfg.mode == "explore":
+        return "none: mode=explore saves its place (state.json), no weights", None
+    parts = checkpoint_parts(cfg, plan)
+    t = cfg.trainer
+    n = saves(plan.total_steps, t.save_interval)
+    kept = min(t.max_ckpt_to_keep, n) if t.max_ckpt_to_keep else n
+    if parts is None:
+        return f"{n} save{'s' * (n != 1)} (every {t.save_interval} steps and the last), {kept} kept; size not known here", None
+    hf, state = parts
+    hf_kept = {"always": kept, "last": 1, "never": 0}.get(str(t.save_hf_checkpoint), kept)
+    total = kept * state + hf_kept * hf
+    free = shutil.disk_usage(_existing(stage_dir)).free
+    text = (f"{n} save{'s' * (n != 1)} (every {t.save_interval} steps, trainer.save_interval, and the last), {kept} kept "
+            f"(trainer.max_ckpt_to_keep): ~{_gb(hf + state)} each (hf/ {_gb(hf)} + trainer state {_gb(state)}), "
+            f"~{_gb(total)} in all; {_gb(free)} free there now")
+    if total <= free:
+        return text, None
+    return text, (f"the stage's kept checkpoints (~{_gb(total)}) would not fit in the {_gb(free)} free under "
+                  f"{_existing(stage_dir)}; keep fewer (trainer.max_ckpt_to_keep), save less often "
+                  f"(trainer.save_interval), or write elsewhere (checkpoint_root_dir)")
+
+
+def _existing(path: Path) -> Path:
+    path = Path(path).expanduser().absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def _gb(nbytes: float) -> str:
+    return f"{nbytes / 1e9:,.1f} GB" if nbytes >= 10**8 else f"{nbytes / 1e6:,.1f} MB"
