@@ -980,15 +980,21 @@ def test_every_task_failed_as_the_reward_models_worker_died_names_the_reward_mod
         f"none yet. explorer.max_failed_steps=3 sets how many such steps stop a run (0: never).")
 
 
-def test_equal_rewards_of_a_multi_turn_run_name_the_environment_not_an_unused_reward(tmp_path):
-    # it said "Check the reward function ('exact_match')", which a multi-turn conversation never calls
+def zero_reward_warnings(overrides: list[str], tmp_path) -> list[str]:
+    """What the learning-signal check prints after 3 steps whose every reward is 0."""
     from types import SimpleNamespace
 
-    run = stage_run_of(compose_cfg(["stages=[]", "model=tiny_tools", "task=calculator"]), tmp_path, total_steps=10)
+    run = stage_run_of(compose_cfg(["stages=[]", *overrides]), tmp_path, total_steps=10)
     printed = []
     run.monitor = SimpleNamespace(print=printed.append)
     for step in range(3):
         run.check(step, {"rollout/experiences": 8, "reward/min": 0.0, "reward/max": 0.0}, None)
+    return printed
+
+
+def test_equal_rewards_of_a_multi_turn_run_name_the_environment_not_an_unused_reward(tmp_path):
+    # it said "Check the reward function ('exact_match')", which a multi-turn conversation never calls
+    printed = zero_reward_warnings(["model=tiny_tools", "task=calculator"], tmp_path)
     assert printed == ["[grpo] WARNING: every reward of the first 3 steps was 0: the advantages are all 0 and nothing "
                        "is learned. Check the environment ('calculator.step(text)') and that "
                        "buffer.explorer_input.taskset.format.response_key='answer' names the column of reference "
@@ -1001,15 +1007,9 @@ def an_agent(client, task, model, seed):
 
 def test_equal_rewards_of_an_agent_run_name_the_agent_not_the_reward_function(tmp_path):
     # it said "Check the reward function ('exact_match')": the agent's return value is the reward
-    from types import SimpleNamespace
-
-    run = stage_run_of(compose_cfg(["stages=[]", "buffer.explorer_input.taskset.workflow=openai_agent",
+    printed = zero_reward_warnings(["buffer.explorer_input.taskset.workflow=openai_agent",
                                     "+buffer.explorer_input.taskset.workflow_args.agent=test_runtime_units.an_agent",
-                                    "explorer.rollout_model.enable_openai_api=true"]), tmp_path, total_steps=10)
-    printed = []
-    run.monitor = SimpleNamespace(print=printed.append)
-    for step in range(3):
-        run.check(step, {"rollout/experiences": 8, "reward/min": 0.0, "reward/max": 0.0}, None)
+                                    "explorer.rollout_model.enable_openai_api=true"], tmp_path)
     assert printed == ["[grpo] WARNING: every reward of the first 3 steps was 0: the advantages are all 0 and nothing "
                        "is learned. Check the agent ('test_runtime_units.an_agent(client, task, ...)') and that "
                        "buffer.explorer_input.taskset.format.response_key='answer' names the column of reference "

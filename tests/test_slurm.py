@@ -75,6 +75,21 @@ def sweep_jobs(sweep) -> dict[str, str]:
 
 # ---------------------------------------------------------------- the launcher configs
 
+def sweep_process(args: list[str]) -> subprocess.Popen:
+    """`python run.py <args>` started in the background (a sweep that waits for its Slurm jobs)."""
+    return subprocess.Popen([sys.executable, str(ROOT / "run.py"), *args], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def wait_for_step(proc, metrics, step: int, never: str, within: float = 300) -> None:
+    """Until a job's metrics.jsonl has a row of `step` or later; fails with `never` if the sweep
+    ends first or it takes longer than `within` seconds."""
+    deadline = time.monotonic() + within
+    while not any(m["step"] >= step for m in read_metrics(metrics)):
+        assert proc.poll() is None and time.monotonic() < deadline, never
+        time.sleep(0.2)
+
+
 @pytest.mark.parametrize("launcher, target", [("slurm", "SlurmLauncher"), ("local", "LocalLauncher")])
 def test_launcher_configs_compose(launcher, target):
     cfg = compose_cfg([f"hydra/launcher={launcher}"], keep_hydra=True)
@@ -203,14 +218,9 @@ def test_a_killed_slurm_job_ends_the_sweep_with_a_clear_error_and_the_same_sweep
     sweep = tmp_path / "sweep"
     args = ["-m", "hydra/launcher=slurm", *TINY, "buffer.total_steps=2,1000", "trainer.save_interval=10",
             "explorer.eval_interval=1000", f"hydra.sweep.dir={sweep}"]
-    proc = subprocess.Popen([sys.executable, str(ROOT / "run.py"), *args], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = sweep_process(args)
     try:
-        deadline = time.monotonic() + 300
-        # job 1 has a checkpoint and trains past it
-        while not any(m["step"] >= 11 for m in read_metrics(sweep / "1" / "metrics.jsonl")):
-            assert proc.poll() is None and time.monotonic() < deadline, "job 1 never got to step 11"
-            time.sleep(0.2)
+        wait_for_step(proc, sweep / "1" / "metrics.jsonl", 11, "job 1 never got to step 11")  # past its checkpoint
         (task,) = [p.name for p in (sweep / ".submitit").iterdir() if p.name.endswith("_1")]
         subprocess.run(["scancel", task], check=True)
         stdout, stderr = proc.communicate(timeout=300)  # a hang fails here
@@ -277,15 +287,12 @@ def test_a_preempted_slurm_job_is_requeued_and_resumes_its_run(slurm, tmp_path):
     args = ["-m", "hydra/launcher=slurm", *TINY, "buffer.total_steps=300", "trainer.save_interval=10",
             "explorer.eval_interval=300", "continue_from_checkpoint=false", "hydra.launcher.timeout_min=60",
             f"hydra.sweep.dir={sweep}"]
-    proc = subprocess.Popen([sys.executable, str(ROOT / "run.py"), *args], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = sweep_process(args)
     try:
-        deadline = time.monotonic() + 300
-        while not any(m["step"] >= 11 for m in read_metrics(sweep / "0" / "metrics.jsonl")):
-            assert proc.poll() is None and time.monotonic() < deadline, "the job never got past its step-10 checkpoint"
-            time.sleep(0.2)
+        wait_for_step(proc, sweep / "0" / "metrics.jsonl", 11, "the job never got past its step-10 checkpoint")
         (job,) = [p.name for p in (sweep / ".submitit").iterdir() if p.name.isdigit()]  # one job: no array
         subprocess.run(["scancel", "--signal=USR2", job], check=True)  # to the job's processes, as Slurm does
+        deadline = time.monotonic() + 300
         while subprocess.run(["squeue", "-h", "-j", job, "-o", "%T"], capture_output=True, text=True).stdout.strip() != "PENDING":
             assert proc.poll() is None and time.monotonic() < deadline, "the job was not requeued"
             time.sleep(0.2)
