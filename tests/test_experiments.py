@@ -262,6 +262,49 @@ def test_the_gpu_kit_brings_its_wheels_and_runs_the_checks_from_them(tmp_path):
     assert (results / "memory_plan.log").read_text() == "MEMORY_ARMS is empty: the memory plan's measured peaks are left out\n"
 
 
+def test_the_gpu_kit_reads_its_folders_from_where_it_is_run_and_refuses_what_it_cannot_use(tmp_path):
+    """wheels.sh and device.sh name folders relative to where they are run (they read them against
+    the checkout's root, so `device.sh ../.whl` from elsewhere found no wheels and ran on the
+    machine's own packages, silently); a named wheels folder without wheels, a results folder
+    that cannot be made and a Python version in the folder's place stop at once, naming them.
+    PYTHON=false: nothing runs but the script's own steps (< 1 s)."""
+    kit = ROOT / "experiments" / "gpu_acceptance"
+    env = {**os.environ, "PYTHON": "false", "MEMORY_ARMS": ""}
+
+    def device(*args):
+        return subprocess.run(["bash", str(kit / "device.sh"), *args], cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=60)
+
+    (tmp_path / "my wheels").mkdir()  # a space in the name too
+    r = device("my wheels", "out")
+    assert r.returncode == 2 and not (tmp_path / "out").exists()
+    assert r.stderr == (f"device.sh: no wheels (*.whl) in {tmp_path}/my wheels: give the folder wheels.sh "
+                        f"downloaded into, or \"\" for this machine's own packages\n")
+    r = device(str(tmp_path / "missing"))
+    assert r.returncode == 2 and f"no wheels (*.whl) in {tmp_path}/missing" in r.stderr
+    (tmp_path / "taken").write_text("a file")
+    r = device("", "taken", "--steps", "1")
+    assert r.returncode == 2
+    assert r.stderr == f"device.sh: cannot write the results into {tmp_path}/taken (not a writable folder)\n"
+    # "" for the wheels: the machine's own packages; the results where the command is run
+    r = device("", "out")
+    assert r.returncode == 1  # PYTHON=false: every check fails, and the status says so
+    assert (tmp_path / "out" / "device.txt").read_text().startswith(
+        f"no wheels in {ROOT}/.whl: the machine's own packages\n") or (ROOT / ".whl").is_dir()
+    assert (tmp_path / "out" / "memory_plan.log").exists() and not (ROOT / "out").exists()
+    # wheels.sh: the folder first, then the Python version; a version alone reads as a folder no more
+    # (checked before anything is downloaded)
+    r = subprocess.run(["bash", str(kit / "wheels.sh"), "3.11"], cwd=tmp_path, capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 2 and not (tmp_path / "3.11").exists() and not (ROOT / "3.11").exists()
+    assert r.stderr == ("wheels.sh: '3.11' is a Python version, not a folder: give the folder first "
+                        "(wheels.sh [--ray] FOLDER PYTHON_VERSION, e.g. wheels.sh .whl 3.11)\n")
+    r = subprocess.run(["bash", str(kit / "wheels.sh"), "--rey"], cwd=tmp_path, capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 2
+    assert r.stderr == "wheels.sh: unknown option --rey (wheels.sh [--ray] [FOLDER=.whl] [PYTHON_VERSION=3.12])\n"
+
+
 def test_the_readmes_figure_commands_name_scripts_and_flags_that_exist():
     """Every figure of the README comes with the command that reproduces it: each
     `python experiments/<study>/<script>.py --flag ...` it gives names a script that exists, and

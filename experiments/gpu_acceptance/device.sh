@@ -7,14 +7,30 @@
 #
 #   experiments/gpu_acceptance/device.sh [WHEELS=.whl] [RESULTS=gpu_results] [acceptance.py's options]
 #
-# At most 10 minutes by its timeouts (the tests 2.5, the acceptance arms 5, the memory plan 2.5;
-# models built here with random weights, nothing downloaded). Exit status: any part's failure.
+# WHEELS and RESULTS as named, relative to where the command is run; left out, .whl and gpu_results
+# of the checkout (without .whl/: the machine's own packages, as with WHEELS ""). The first option
+# (--arms ...) ends the folders. At most 10 minutes by its timeouts (the tests 2.5, the acceptance
+# arms 5, the memory plan 2.5; models built here with random weights, nothing downloaded). Exit
+# status: 2 for a folder it cannot use (before anything runs), else 1 for any part's failure.
 set -uo pipefail
-cd "$(dirname "$0")/../.."
-wheels=${1:-.whl}
-results=${2:-gpu_results}
-shift $(( $# < 2 ? $# : 2 ))
-mkdir -p "$results"
+root=$(cd "$(dirname "$0")/../.." && pwd)
+wheels=$root/.whl results=$root/gpu_results named=false
+absolute() { case $1 in /*) echo "$1" ;; *) echo "$PWD/$1" ;; esac; }
+if [ $# -gt 0 ] && [ "${1#-}" = "$1" ]; then
+    [ -n "$1" ] && { wheels=$(absolute "$1"); named=true; }
+    shift
+    if [ $# -gt 0 ] && [ "${1#-}" = "$1" ]; then results=$(absolute "$1"); shift; fi
+fi
+# a folder named but without wheels (a typo, wheels.sh not run) ran on the machine's own packages
+if $named && ! compgen -G "$wheels/*.whl" >/dev/null; then
+    echo "device.sh: no wheels (*.whl) in $wheels: give the folder wheels.sh downloaded into, or \"\" for this machine's own packages" >&2
+    exit 2
+fi
+if ! mkdir -p "$results" 2>/dev/null || [ ! -w "$results" ]; then
+    echo "device.sh: cannot write the results into $results (not a writable folder)" >&2
+    exit 2
+fi
+cd "$root"
 python=${PYTHON:-python3}
 installed="no wheels in $wheels: the machine's own packages"
 if compgen -G "$wheels/*.whl" >/dev/null; then
