@@ -198,6 +198,34 @@ def test_the_unread_digest_sees_a_changed_unread_experience_only(tmp_path, kind)
     buf.close(), reopened.close()
 
 
+def test_the_unread_digest_holds_across_a_column_a_later_version_adds(tmp_path, monkeypatch):
+    """A checkpoint's digest of a SQLite buffer's unread rows, resumed by an rft whose table has one
+    more column (as `sampling` and `extra` were added): opening the file adds it (NULL in every
+    stored row), and the digest of the rows the checkpoint counted on is still theirs; a false
+    alarm would stop a legitimate resume, with no key to go on."""
+    import sqlalchemy as sa
+
+    import rft.data.buffer as B
+
+    path = tmp_path / "b.db"
+    buf = make_buffer(buf_cfg("sql", path=str(path)))
+    buf.put(exps(6))
+    buf.get(2, timeout=1)  # cursor 2, last_id 6: rows 3..6 unread
+    before = buf.unread_digest(2, 6)
+    buf.close()
+    newer = B._experiences.to_metadata(sa.MetaData())
+    newer.append_column(sa.Column("later", sa.Text))
+    monkeypatch.setattr(B, "_experiences", newer)
+    reopened = make_buffer(buf_cfg("sql", path=str(path)))  # ALTER TABLE experiences ADD COLUMN later
+    with reopened.engine.connect() as c:
+        assert "later" in {r[1] for r in c.exec_driver_sql("PRAGMA table_info(experiences)")}
+    assert reopened.unread_digest(2, 6) == before
+    with reopened.engine.begin() as c:  # and a changed reward of an unread row is still seen
+        c.exec_driver_sql("UPDATE experiences SET reward = reward + 1 WHERE id = 4")
+    assert reopened.unread_digest(2, 6) != before
+    reopened.close()
+
+
 def test_sql_path_forms(tmp_path, monkeypatch):
     monkeypatch.setenv("HOME", str(tmp_path))
     SQLBuffer(buf_cfg("sql", path="~/deep/dir/b.db")).put(exps(1))

@@ -231,6 +231,13 @@ _cursors = sa.Table(
 )
 
 
+# the columns SQLBuffer.unread_digest covers, fixed: a column added by a later version is not among
+# them, as its ALTER TABLE (_add_missing_columns) gives every stored row a NULL there, which would
+# change the digest a checkpoint of the earlier version recorded and stop a legitimate resume
+_DIGESTED = ("id", "created_at", "policy_version", "task_id", "group_id", "reward", "prompt_length",
+             "response_length", "tokens", "logprobs", "info", "sampling", "extra", "prompt_text", "response_text")
+
+
 def _engine(path: Path, read_only: bool = False) -> sa.Engine:
     if read_only:  # a uri with mode=ro: never creates the file, never writes
         return sa.create_engine(f"sqlite:///file:{path}?mode=ro&uri=true")
@@ -397,7 +404,8 @@ class SQLBuffer:
         import xxhash
 
         h = xxhash.xxh3_128()
-        query = sa.select(_experiences).where(_experiences.c.id > cursor, _experiences.c.id <= last_id)
+        columns = [_experiences.c[name] for name in _DIGESTED]
+        query = sa.select(*columns).where(_experiences.c.id > cursor, _experiences.c.id <= last_id)
         with self._damage_named(), self.engine.connect() as c:
             for row in c.execute(query.order_by(_experiences.c.id)):
                 h.update(json.dumps(list(row), default=str).encode() + b"\n")
