@@ -868,6 +868,38 @@ def test_a_studys_own_config_files_are_checked_before_hydra_composes_them(tmp_pa
     assert f"rft: configuration error: {message}" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("args, given", [
+    (["-m", "hydra/launcher=slurm", "--cfg", "hydra", "-p", "hydra.launcher"], "-m and --cfg"),
+    (["--multirun", "seed=1,2", "--cfg=job"], "--multirun and --cfg"),
+    (["-c", "job", "--info"], "-c and --info"),
+])
+def test_two_of_hydras_modes_at_once_are_one_paragraph(capsys, args, given):
+    # `python run.py -m hydra/launcher=slurm --cfg hydra -p hydra.launcher` (to see a sweep's
+    # launcher keys) was Hydra's raw traceback: "ValueError: Only one of --run, --multirun, --cfg,
+    # --info and --shell_completion can be specified"
+    from conftest import CONF
+
+    from rft.plan.overlays import exit_on_config_mistakes
+
+    with pytest.raises(SystemExit) as e:
+        exit_on_config_mistakes(args, CONF)
+    assert e.value.code == 2
+    assert capsys.readouterr().err == (
+        f"\nrft: configuration error: {given} cannot be given together: Hydra does one of them (-m/--multirun "
+        f"runs a sweep, --cfg/-c prints the config and runs nothing, --info prints where it comes from). "
+        f"To see a sweep's config, drop -m: the same overrides compose the same config, "
+        f"hydra/launcher=slurm's keys included (--cfg hydra -p hydra.launcher).\n\n")
+
+
+def test_cfg_alone_or_config_name_flags_are_not_read_as_two_modes():
+    from conftest import CONF
+
+    from rft.plan.overlays import exit_on_config_mistakes
+
+    exit_on_config_mistakes(["hydra/launcher=slurm", "--cfg", "hydra", "-p", "hydra.launcher"], CONF)
+    exit_on_config_mistakes(["-m", "-cn", "config", "seed=1,2"], CONF)  # -cn is the config's name, not -c
+
+
 def test_a_reward_fn_list_of_parts_in_a_task_file_passes_the_key_check(tmp_path):
     # README "Writing a reward" puts the parts in conf/task/<yours>.yaml; the key check read the
     # list's items as keys of the schema's Any-typed reward_fn and refused the file ("line 4:

@@ -253,6 +253,14 @@ def test_the_slurm_launcher_requeues_a_job_by_default():
     launcher = compose_cfg(["hydra/launcher=slurm"], keep_hydra=True).hydra.launcher
     assert (launcher.max_num_timeout, launcher.signal_delay_s) == (3, 120)
     assert launcher.additional_parameters == {"requeue": True}  # sbatch --requeue
+    # README: sbatch options of one's own are added with +, and the requeue stays (Hydra merges
+    # the dict); hydra.launcher.additional_parameters.requeue=false turns it off
+    added = compose_cfg(["hydra/launcher=slurm", "+hydra.launcher.additional_parameters={mail_type: END}"],
+                        keep_hydra=True).hydra.launcher
+    assert added.additional_parameters == {"requeue": True, "mail_type": "END"}
+    off = compose_cfg(["hydra/launcher=slurm", "hydra.launcher.additional_parameters.requeue=false"],
+                      keep_hydra=True).hydra.launcher
+    assert off.additional_parameters == {"requeue": False}
 
 
 def test_a_requeued_slurm_job_knows_its_own_earlier_attempt(tmp_path, monkeypatch):

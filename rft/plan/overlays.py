@@ -333,12 +333,34 @@ def exit_on_config_mistakes(args: list[str], conf_dir) -> None:
 
     folders, searched = search_dirs(args, Path(conf_dir))
     groups = {p.name for d in [Path(conf_dir), *folders] if d.is_dir() for p in d.iterdir() if p.is_dir()}
-    message = bad_yaml(Path(conf_dir)) or unparsable_override(args) or misspelt_override(args, groups)
+    message = (modes_at_once(args) or bad_yaml(Path(conf_dir)) or unparsable_override(args)
+               or misspelt_override(args, groups))
     if not searched:  # with a search path, an option may be a file of another folder: Hydra's to find
         message = message or missing_option(args, conf_dir) or check(args, Path(conf_dir))
     if message:
         print(f"\nrft: configuration error: {message}\n", file=sys.stderr)
         sys.exit(2)
+
+
+def modes_at_once(args: list[str]) -> str | None:
+    """The message for two of Hydra's modes on one command line (`-m ... --cfg hydra`, to see a
+    sweep's launcher keys): Hydra raises a ValueError from its main, a raw traceback."""
+    from hydra._internal.utils import get_args_parser
+
+    modes = {"run", "multirun", "cfg", "info", "shell_completion"}
+    flags = {s: a.dest for a in get_args_parser()._actions if a.dest in modes for s in a.option_strings}
+    given, seen = [], set()
+    for a in args:
+        dest = flags.get(a.split("=", 1)[0])
+        if dest and dest not in seen:
+            given.append(a.split("=", 1)[0])
+            seen.add(dest)
+    if len(given) < 2:
+        return None
+    return (f"{' and '.join(given)} cannot be given together: Hydra does one of them (-m/--multirun runs a sweep, "
+            f"--cfg/-c prints the config and runs nothing, --info prints where it comes from). To see a sweep's "
+            f"config, drop -m: the same overrides compose the same config, hydra/launcher=slurm's keys included "
+            f"(--cfg hydra -p hydra.launcher).")
 
 
 def search_dirs(args: list[str], conf_dir: Path) -> tuple[list[Path], bool]:
