@@ -578,6 +578,25 @@ def test_the_checkpoints_disk_row_counts_saves_bytes_and_the_free_space(monkeypa
     assert "checkpoints    3 saves (every 100 steps" in out and "warning        the stage's kept checkpoints" in out
 
 
+def test_the_checkpoints_row_of_a_save_interval_past_the_stage_names_the_one_save(tmp_path):
+    import rft.plan.disk as D
+
+    # trainer.save_interval=1000 on a 60-step stage: one save, at step 60 (the row said "every 1000
+    # steps ... and the last", a save the stage never reaches); tiny: 0.54M parameters, fp32 hf/ 2.2 MB
+    stage, plan = plan_of(["model=tiny", "buffer.total_steps=60", "trainer.save_interval=1000"])
+    text, _ = D.describe_disk(stage, plan, tmp_path)
+    assert text.startswith("1 save (at the last step, 60: trainer.save_interval=1000 is past the stage's 60 steps), "
+                           "1 kept (trainer.max_ckpt_to_keep): ~6.5 MB each (hf/ 2.2 MB")
+    stage, plan = plan_of(["model=tiny", "buffer.total_steps=60", "trainer.save_interval=1000", "model.architecture=null",
+                           "model.model_path=not/here", "model.builder=null"])
+    assert D.describe_disk(stage, plan, tmp_path) == (
+        "1 save (at the last step, 60: trainer.save_interval=1000 is past the stage's 60 steps), 1 kept; size not "
+        "known here (set model.architecture, the model's config.json numbers)", None)
+    # 60 steps every 30: 30 and 60, as before
+    stage, plan = plan_of(["model=tiny", "buffer.total_steps=60", "trainer.save_interval=30"])
+    assert D.describe_disk(stage, plan, tmp_path)[0].startswith("2 saves (every 30 steps, trainer.save_interval, and the last)")
+
+
 @pytest.mark.slow  # one step of the tiny model in this process (~5 s)
 def test_a_run_whose_kept_checkpoints_would_not_fit_says_so_when_it_starts(monkeypatch, tmp_path, capsys):
     import shutil

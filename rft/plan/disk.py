@@ -51,13 +51,18 @@ def describe_disk(cfg, plan, stage_dir: Path) -> tuple[str, str | None]:
     t = cfg.trainer
     n = saves(plan.total_steps, t.save_interval)
     kept = min(t.max_ckpt_to_keep, n) if t.max_ckpt_to_keep else n
+    # an interval past the stage saves at its last step only: "every 1000 steps" named a save never reached
+    when = (f"at the last step, {plan.total_steps}: trainer.save_interval={t.save_interval} is past the stage's "
+            f"{plan.total_steps} steps" if t.save_interval > plan.total_steps else None)
     if parts is None:
-        return f"{n} save{'s' * (n != 1)} (every {t.save_interval} steps and the last), {kept} kept; size not known here", None
+        return (f"{n} save{'s' * (n != 1)} ({when or f'every {t.save_interval} steps and the last'}), {kept} kept; "
+                f"size not known here (set model.architecture, the model's config.json numbers)", None)
     hf, state = parts
     hf_kept = {"always": kept, "last": 1, "never": 0}.get(str(t.save_hf_checkpoint), kept)
     total = kept * state + hf_kept * hf
     free = shutil.disk_usage(_existing(stage_dir)).free
-    text = (f"{n} save{'s' * (n != 1)} (every {t.save_interval} steps, trainer.save_interval, and the last), {kept} kept "
+    when = when or f"every {t.save_interval} steps, trainer.save_interval, and the last"
+    text = (f"{n} save{'s' * (n != 1)} ({when}), {kept} kept "
             f"(trainer.max_ckpt_to_keep): ~{_gb(hf + state)} each (hf/ {_gb(hf)} + trainer state {_gb(state)}), "
             f"~{_gb(total)} in all; {_gb(free)} free there now")
     if total <= free:
