@@ -337,6 +337,30 @@ def test_explore_mode_reads_a_run_of_stages_at_its_own_stage(stage, tmp_path):
     assert train_stage_dir(str(tmp_path / "later"), "grpo") == tmp_path / "later"
 
 
+def test_explore_mode_says_where_it_looks_when_nothing_is_there_to_serve(stage, tmp_path, monkeypatch):
+    """mode=explore, at the stage's start: a checkpoint_dir that exists but where no checkpoint will
+    ever be found (the checkpoint root, one checkpoint's own folder, a relative path read from
+    elsewhere) served the starting weights for the whole run, silently; only a missing one was said."""
+    from rft.runtime.checkpoint import not_served_yet
+
+    assert not_served_yet(str(stage), "grpo") is None  # its checkpoints are there
+    assert not_served_yet(str(stage / "checkpoints"), "grpo") is None
+    assert not_served_yet(str(tmp_path / "lerner"), "grpo") == (
+        f"synchronizer.checkpoint_dir={str(tmp_path / 'lerner')!r}: no such directory yet; the explorers serve their "
+        f"starting weights until a train run writes checkpoints there (a train-mode run's directory, or its stage "
+        f"directory).")
+    one = stage / "checkpoints" / "step_2"
+    assert not_served_yet(str(one), "grpo") == (
+        f"synchronizer.checkpoint_dir={str(one)!r}: no checkpoint in {one / 'checkpoints'} yet; the explorers serve "
+        f"their starting weights until a train run saves there. Name a train-mode run's directory or its stage "
+        f"directory (not the checkpoint root, nor one checkpoint).")
+    # relative: read from where the run was started, and the message says where that is
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "checkpoints").mkdir(exist_ok=True)  # the checkpoint root: <root>/checkpoints/<project>/...
+    assert not_served_yet("checkpoints", "grpo").startswith(
+        f"synchronizer.checkpoint_dir='checkpoints': no checkpoint in {tmp_path / 'checkpoints'} yet;")
+
+
 def published(stage, tmp_path):
     (stage / "metrics.jsonl").write_text('{"step": 2}\n')
     entry = tmp_path / "cache" / "key"

@@ -226,6 +226,23 @@ def train_stage_dir(checkpoint_dir: str, stage: str) -> Path:
     return path
 
 
+def not_served_yet(checkpoint_dir: str, stage: str) -> str | None:
+    """mode=explore, at the stage's start: the warning where synchronizer.checkpoint_dir holds no
+    checkpoint yet (None: it does). A misspelt path, the checkpoint root or one checkpoint's own
+    folder served the starting weights for the whole run, silently; the message names the folder
+    read (a relative path is read from where the run started)."""
+    stage_dir = train_stage_dir(checkpoint_dir, stage)
+    if not stage_dir.is_dir():
+        return (f"synchronizer.checkpoint_dir={checkpoint_dir!r}: no such directory yet; the explorers serve their "
+                f"starting weights until a train run writes checkpoints there (a train-mode run's directory, or its "
+                f"stage directory).")
+    if list_checkpoints(stage_dir):
+        return None
+    return (f"synchronizer.checkpoint_dir={checkpoint_dir!r}: no checkpoint in {stage_dir.absolute() / 'checkpoints'} "
+            f"yet; the explorers serve their starting weights until a train run saves there. Name a train-mode run's "
+            f"directory or its stage directory (not the checkpoint root, nor one checkpoint).")
+
+
 def served_checkpoint(stage_dir: Path, owner: Owner, newer_than: int, damaged: set, title: str, say):
     """mode=explore: the newest checkpoint with hf/ of the train run in `stage_dir` that is newer
     than step `newer_than`, whole (but for its trainer_state.pt, which is not read) and of this

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from rft.config import fixed_policy
 from rft.errors import RunError
-from rft.runtime.checkpoint import Owner, served_checkpoint, train_stage_dir
+from rft.runtime.checkpoint import Owner, not_served_yet, served_checkpoint, train_stage_dir
 from rft.runtime.faults import TrainerCalls, actor_died, culprit, resume_point
 from rft.sync.weights import wait as wait_for
 
@@ -193,10 +193,9 @@ class ExplorerPool:
         if not ckpt_dir:
             return
         stage_dir = train_stage_dir(ckpt_dir, self.owner.stage)
-        if force and not stage_dir.is_dir():  # not yet written, or a misspelt path: served never
-            self.monitor.print(f"[{self.title}] WARNING: synchronizer.checkpoint_dir={ckpt_dir!r}: no such directory "
-                               f"yet; the explorers serve their starting weights until a train run writes checkpoints "
-                               f"there (a train-mode run's directory, or its stage directory).")
+        warning = not_served_yet(ckpt_dir, self.owner.stage) if force else None  # a misspelt path: served never
+        if warning:
+            self.monitor.print(f"[{self.title}] WARNING: {warning}")
         newest = served_checkpoint(stage_dir, self.owner, -1 if force else self.synced, self.not_served, self.title,
                                    self.monitor.print)
         if newest is None:
