@@ -611,3 +611,12 @@ def test_a_run_whose_kept_checkpoints_would_not_fit_says_so_when_it_starts(monke
     # the tiny model's checkpoint is ~6.5 MB: over 1 kB; said, and the run went on (space may be freed)
     assert "rft: warning: stage grpo: the stage's kept checkpoints (~6.5 MB) would not fit in the 0.0 MB free" in out
     assert (tmp_path / "rft" / "grpo-tiny-arithmetic" / "checkpoints" / "step_1").is_dir()
+    # the row's bytes against the files written: the tiny model's 538,880 float32 parameters are hf/'s
+    # 2,155,520 bytes (4 each) and Adam's two moments 4,311,040; the files hold them plus their
+    # headers (safetensors' JSON 2,720 bytes, torch.save's pickle ~28 kB): under 1% more
+    step = tmp_path / "rft" / "grpo-tiny-arithmetic" / "checkpoints" / "step_1"
+    weights, state = (step / "hf" / "model.safetensors").stat().st_size, (step / "trainer_state.pt").stat().st_size
+    assert 2_155_520 < weights < 2_155_520 * 1.01 and 4_311_040 < state < 4_311_040 * 1.01, (weights, state)
+    import rft.plan.disk as D
+
+    assert D.checkpoint_parts(*plan_of(["cluster=inline"])) == (2_155_520, 4_311_040)
