@@ -268,6 +268,8 @@ def test_the_gpu_kit_reads_its_folders_from_where_it_is_run_and_refuses_what_it_
     machine's own packages, silently); a named wheels folder without wheels, a results folder
     that cannot be made and a Python version in the folder's place stop at once, naming them.
     PYTHON=false: nothing runs but the script's own steps (< 1 s)."""
+    import shutil
+
     kit = ROOT / "experiments" / "gpu_acceptance"
     env = {**os.environ, "PYTHON": "false", "MEMORY_ARMS": ""}
 
@@ -286,12 +288,18 @@ def test_the_gpu_kit_reads_its_folders_from_where_it_is_run_and_refuses_what_it_
     r = device("", "taken", "--steps", "1")
     assert r.returncode == 2
     assert r.stderr == f"device.sh: cannot write the results into {tmp_path}/taken (not a writable folder)\n"
-    # "" for the wheels: the machine's own packages; the results where the command is run
+    # "" for the wheels: the machine's own packages; the results where the command is run. A Python
+    # without torch (PYTHON unset: python3, where torch is another environment's) stops before the
+    # checks: each of them failed with its own traceback, minutes later
     r = device("", "out")
-    assert r.returncode == 1  # PYTHON=false: every check fails, and the status says so
-    assert (tmp_path / "out" / "device.txt").read_text().startswith(
-        f"no wheels in {ROOT}/.whl: the machine's own packages\n") or (ROOT / ".whl").is_dir()
-    assert (tmp_path / "out" / "memory_plan.log").exists() and not (ROOT / "out").exists()
+    assert r.returncode == 2 and (tmp_path / "out").is_dir() and not (ROOT / "out").exists()
+    assert r.stderr == ("device.sh: PYTHON=false cannot import torch and transformers: set PYTHON to the Python "
+                        "that has CUDA PyTorch (default python3)\n")
+    # a relative PYTHON is read from where the command is run too (not from the checkout's root)
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "py").symlink_to(shutil.which("false"))
+    env["PYTHON"] = "bin/py"
+    assert device("", "out").stderr.startswith(f"device.sh: PYTHON={tmp_path}/bin/py cannot import torch")
     # wheels.sh: the folder first, then the Python version; a version alone reads as a folder no more
     # (checked before anything is downloaded)
     r = subprocess.run(["bash", str(kit / "wheels.sh"), "3.11"], cwd=tmp_path, capture_output=True,

@@ -11,7 +11,8 @@
 # of the checkout (without .whl/: the machine's own packages, as with WHEELS ""). The first option
 # (--arms ...) ends the folders. At most 10 minutes by its timeouts (the tests 2.5, the acceptance
 # arms 5, the memory plan 2.5; models built here with random weights, nothing downloaded). Exit
-# status: 2 for a folder it cannot use (before anything runs), else 1 for any part's failure.
+# status: 2 for a folder or a Python (PYTHON, default python3: torch and transformers) it cannot
+# use, before anything runs; else 1 for any part's failure.
 set -uo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 wheels=$root/.whl results=$root/gpu_results named=false
@@ -30,8 +31,13 @@ if ! mkdir -p "$results" 2>/dev/null || [ ! -w "$results" ]; then
     echo "device.sh: cannot write the results into $results (not a writable folder)" >&2
     exit 2
 fi
-cd "$root"
 python=${PYTHON:-python3}
+case $python in /*) ;; */*) python=$PWD/$python ;; esac  # a relative path, from where the command is run
+cd "$root"
+if ! $python -c "import torch, transformers" 2>/dev/null; then
+    echo "device.sh: PYTHON=$python cannot import torch and transformers: set PYTHON to the Python that has CUDA PyTorch (default python3)" >&2
+    exit 2
+fi
 installed="no wheels in $wheels: the machine's own packages"
 if compgen -G "$wheels/*.whl" >/dev/null; then
     site=$(mktemp -d)
