@@ -364,6 +364,60 @@ def _check_algorithm(cfg, needs: Needs) -> None:
         )
 
 
+ALGORITHM_FN_KEYS = ("advantage_fn", "policy_loss_fn")
+
+
+def check_algorithm_label(cfg, _=None) -> None:
+    """algorithm.algorithm_type is a label here; in Trinity-RFT it picks the algorithm. A stage (or
+    an override) that names an algorithm of conf/algorithm/ there, other than the `algorithm=`
+    group chosen, while its functions are another algorithm's, would run that other algorithm under
+    the name it gives (Trinity's stage `algorithm: {algorithm_type: sft}` ran GRPO labelled sft).
+    Checked where the stages are split (rft.runtime.main.split_stages), under the job's own
+    HydraConfig: a sweep's driver plans each job with the driver's."""
+    from pathlib import Path
+
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return  # no group was chosen (a config built directly): nothing to compare with
+    label = cfg.algorithm.algorithm_type
+    if label == HydraConfig.get().runtime.choices.get("algorithm"):
+        return  # the label the chosen group gave, whatever functions were overridden after it
+    wants = algorithm_file_fns(label, Path(__file__).resolve().parents[2] / "conf")
+    runs = {k: cfg.algorithm[k] for k in ALGORITHM_FN_KEYS}
+    if wants and any(wants.get(k, runs[k]) != runs[k] for k in ALGORITHM_FN_KEYS):
+        said = ", ".join(f"{k}={v}" for k, v in runs.items())
+        raise ConfigError(
+            f"algorithm.algorithm_type={label} is only a name for logs and outputs here (in Trinity-RFT it picks "
+            f"the algorithm): this stage would run {said}, not {label}'s "
+            f"{', '.join(f'{k}={v}' for k, v in wants.items())}. Choose the algorithm with algorithm={label} "
+            f"(conf/algorithm/{label}.yaml; in a stage's entry, its algorithm keys as that file sets them), or "
+            f"give a name that is no algorithm's.")
+
+
+def algorithm_file_fns(name: str, conf_dir) -> dict[str, str] | None:
+    """advantage_fn and policy_loss_fn as conf/algorithm/<name>.yaml sets them, through the files of
+    its group that it extends (`defaults: [grpo]`); None when there is no such file."""
+    import yaml
+
+    from rft.plan.overlays import _PACKAGE, entries
+
+    path = conf_dir / "algorithm" / f"{name}.yaml"
+    if not path.is_file():
+        return None
+    got: dict[str, str] = {}
+    for e in entries(path, conf_dir):
+        if e.bare and e.option != name:
+            got.update(algorithm_file_fns(e.option, conf_dir) or {})
+    text = path.read_text()
+    own = yaml.safe_load(text) or {}
+    package = _PACKAGE.search(text)
+    if package and package.group(1) == "_global_":
+        own = own.get("algorithm") or {}
+    got.update({k: own[k] for k in ALGORITHM_FN_KEYS if k in own})
+    return got
+
+
 def _check_distill(algo, needs: Needs) -> None:
     """algorithm.distill_coef has a teacher to distil from and a loss that reads advantages."""
     if not algo.distill_coef:

@@ -241,14 +241,16 @@ def checked_plan(stage: DictConfig, dataset_size: int):
 def split_stages(cfg: DictConfig) -> tuple[list, list]:
     """Every stage's config and the keys its dict sets by interpolation (rft.plan.batch.stage_sources)."""
     from rft.config import MODES
-    from rft.plan.batch import stage_configs, stage_sources
+    from rft.plan.batch import check_algorithm_label, stage_configs, stage_sources
 
     # cfg.mode is an Enum field (checked when composed); a stage's dict is merged later
     stage_modes = [(f"stages[{i}].mode", s.get("mode")) for i, s in enumerate(cfg.stages or []) if isinstance(s, DictConfig)]
     for key, mode in stage_modes:
         if mode is not None and mode not in MODES:
             raise ConfigError(f"{key}={mode!r} is not a mode; choose one of {', '.join(MODES)}.")
-    return stage_configs(cfg), stage_sources(cfg)
+    stages, sources = stage_configs(cfg), stage_sources(cfg)
+    per_stage(check_algorithm_label, stages, [None] * len(stages), sources)  # a Trinity-RFT habit
+    return stages, sources
 
 
 def per_stage(fn, stages: list, args: list, sources: list | None = None) -> list:
