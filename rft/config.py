@@ -117,7 +117,9 @@ class RolloutIS(StrEnum):
 
 @dataclass
 class AlgorithmConfig:
-    # a label for logs and checkpoints; behaviour comes from the *_fn keys below
+    # a label for logs and checkpoints; behaviour comes from the *_fn keys below, set by
+    # `algorithm=<name>` (Trinity-RFT's algorithm_type picks the algorithm; here a label that names
+    # a conf/algorithm file whose functions are not the ones run stops the plan)
     algorithm_type: str = "grpo"
     # rollouts per task (ROLL: num_return_sequences_in_group, LightRFT: n_samples_per_prompt)
     repeat_times: int = 8
@@ -151,7 +153,8 @@ class AlgorithmConfig:
     kl_penalty_fn: str = "none"
     kl_penalty_coef: float = 0.001
     # PPO's critic (advantage_fn=gae): learning rate, value clipping, GAE lambda, and how many
-    # first steps train only the critic
+    # first steps train only the critic (Trinity-RFT's verl trainer_config: critic.optim.lr,
+    # critic.cliprange_value, trainer.critic_warmup)
     critic_lr: float = 1e-5
     value_clip: float = 0.5
     lam: float = 1.0
@@ -333,9 +336,10 @@ class TasksetConfig:
     # judge, reward_model; or module.function), or a list of parts
     # [{fn, weight, args, name, normalize}, ...] whose weighted sum is the reward and whose parts are
     # logged (reward/<name>/mean) and stored (Experience.reward_parts); defaults to
-    # explorer_input.default_reward_fn_type
+    # explorer_input.default_reward_fn_type (Trinity-RFT: the taskset's default_reward_fn_type)
     reward_fn: Any = None
-    # name in rft.rollout.workflows.single_turn.WORKFLOWS (or module.function): how a task becomes experiences
+    # name in rft.rollout.workflows.single_turn.WORKFLOWS (or module.function): how a task becomes
+    # experiences (Trinity-RFT: default_workflow_type, and explorer_input.default_workflow_type)
     workflow: str = "single_turn"
     # keyword arguments the workflow takes (ctx.args)
     workflow_args: Dict[str, Any] = field(default_factory=dict)
@@ -445,8 +449,9 @@ class BufferConfig:
 
 @dataclass
 class RolloutModelConfig:
-    # hf: transformers generate (the CPU default); vllm: vLLM (pip install -e .[vllm]); a name of
-    # rft.registry.ENGINES or the dotted path of a study's own engine class
+    # hf: transformers generate (the CPU default); vllm: vLLM (pip install -e .[vllm]; Trinity-RFT's
+    # vllm and vllm_async); a name of rft.registry.ENGINES or the dotted path of a study's own
+    # engine class
     engine_type: str = "hf"
     engine_num: int = 1
     tensor_parallel_size: int = 1
@@ -472,7 +477,7 @@ class RolloutModelConfig:
     # (workflow: openai_agent); the auxiliary models are served too, under their names
     enable_openai_api: bool = False
     # record every policy call's prompt ids, sampled ids and log-probs: the openai_agent
-    # workflow's experiences (false: served only, nothing to train on)
+    # workflow's experiences (false: served only, nothing to train on; Trinity-RFT's default)
     enable_history: bool = True
 
 
@@ -553,6 +558,7 @@ class TrainerConfig:
     ppo_epochs: int = 1
     grad_clip: float = 1.0
     # recompute each transformer block's activations in the backward (memory for compute)
+    # (Trinity-RFT's verl trainer_config: actor_rollout_ref.model.enable_gradient_checkpointing)
     gradient_checkpointing: bool = False
     # pack each micro-batch's sequences end to end, attention never crossing from one to the
     # next, instead of padding every row to the longest: same log-probs, no compute on padding
@@ -585,11 +591,12 @@ class TrainerConfig:
     # the trainer's compute weights exactly; checkpoints keep float32 (a resume loses nothing)
     fp32_master_weights: bool = False
     # keep only the newest this many checkpoints of a stage (null: all); the oldest are deleted
-    # after each save
+    # after each save (Trinity-RFT's verl trainer_config: trainer.max_actor_ckpt_to_keep)
     max_ckpt_to_keep: Optional[int] = None
     # LoRA runs: write the merged model (hf/) at every save (always), only at the stage's last
     # step (last), or never; the adapter (adapter/, what resume reads) is always written. Full
-    # fine-tuning writes hf/ at every save: it is what resume reads
+    # fine-tuning writes hf/ at every save: it is what resume reads (Trinity-RFT's default, last,
+    # is refused there with that reason)
     save_hf_checkpoint: str = "always"
     # resume from this checkpoint (<run>/<stage>/checkpoints/step_<N>) instead of the newest;
     # newer ones of the stage are moved aside (step_<N>.superseded-<time>)
@@ -612,7 +619,8 @@ class SynchronizerConfig:
     sync_interval: int = 1
     # the explorer runs this many steps ahead of the trainer (bounded off-policy; 0: on-policy);
     # null: 1 where explorers and trainer have resources of their own and so can run side by side
-    # (Ray, mode=both, not colocated), else 0 (rft.plan.placement.sync_offset)
+    # (Ray, mode=both, not colocated), else 0 (rft.plan.placement.sync_offset). Trinity-RFT's
+    # guide sets 0: synchronizer.sync_offset=0 for its on-policy schedule
     sync_offset: Optional[int] = None
     # seconds to wait for a sync before failing
     sync_timeout: float = 1200.0
@@ -638,10 +646,12 @@ class SynchronizerConfig:
 
 @dataclass
 class MonitorConfig:
-    # any of: tensorboard, wandb, mlflow (console and metrics.jsonl are always on)
+    # any of: tensorboard, wandb, mlflow (console and metrics.jsonl are always on). A list, where
+    # Trinity-RFT's is one name: monitor=wandb, or 'monitor.monitor_type=[wandb]'
     monitor_type: List[str] = field(default_factory=lambda: ["tensorboard"])
-    # mlflow: where runs go; null: the SQLite store <checkpoint_root_dir>/<project>/mlflow.db (its
-    # artifacts beside it in mlartifacts/); or a server's http(s):// address
+    # mlflow: where runs go (Trinity-RFT: monitor_args.uri); null: the SQLite store
+    # <checkpoint_root_dir>/<project>/mlflow.db (its artifacts beside it in mlartifacts/); or a
+    # server's http(s):// address
     mlflow_tracking_uri: Optional[str] = None
     # metrics shown beside the progress bar
     console_keys: List[str] = field(
