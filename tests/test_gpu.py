@@ -51,6 +51,24 @@ def test_the_trainer_and_one_fsdp2_rank_train_on_the_gpu_as_on_the_cpu(tmp_path)
     fsdp.kill()
 
 
+def test_an_fsdp2_rank_with_its_shards_in_cpu_memory_trains_and_sends_from_the_gpu(tmp_path):
+    # trainer.param_offload: shards and gradients on the CPU. The gradient clip's norm over them is
+    # a collective of CPU tensors (gloo beside NCCL in the ranks' group); the collective send
+    # gathers them on the CPU and broadcasts from the GPU over NCCL (a group of the trainer alone)
+    cpu = Trainer(*trainer())
+    cfg, plan = trainer("cluster.gpu_per_node=2", "trainer=fsdp2", "trainer.ranks=1", "trainer.param_offload=true")
+    fsdp = start_trainer(InlineActor, cfg, plan, None, "t", dict(log_dir=str(tmp_path), level="INFO"), [{}])
+    m_cpu, m_fsdp = cpu.train_step(experiences()), fsdp.call("train_step", experiences())
+    assert m_fsdp["actor/grad_norm"] == pytest.approx(m_cpu["actor/grad_norm"], rel=1e-4)
+    address, port = fsdp.call("collective_address")
+    fsdp.call("collective_init", address, port, 1, 0)
+    fsdp.call("collective_send")
+    weights = fsdp.call("weights")
+    for k, v in cpu.model.state_dict().items():  # the step was the CPU's (float summation order apart)
+        torch.testing.assert_close(weights[k], v, rtol=1e-3, atol=1e-4, msg=lambda m, k=k: f"{k}: {m}")
+    fsdp.kill()
+
+
 def test_the_hf_engine_generates_on_the_gpu_and_takes_cpu_weights():
     cfg, _ = trainer("cluster.gpu_per_node=2")
     tok = load_tokenizer(cfg.model)

@@ -124,7 +124,7 @@ def test_the_collective_send_is_the_merged_model_in_the_manifests_order():
         received = [torch.zeros(shape, dtype=getattr(torch, dtype)) for _, shape, dtype in manifest]
 
         def explorer(address, port):  # rank 1 of the trainer -> explorers group, in a thread here
-            broadcast(open_group(address, port, 2, 1, 60), received)
+            broadcast(open_group(address, port, 2, 1, 60, "cpu"), received)
 
         address, port = t.collective_address()
         thread = threading.Thread(target=explorer, args=(address, port))

@@ -253,7 +253,7 @@ def test_weights_update_in_the_running_engine_by_every_sync_path(engines, tmp_pa
     port = free_address()[1]
     joiner = threading.Thread(target=vllm.collective_init, args=("127.0.0.1", port, 2, 1, 60, manifest))
     joiner.start()
-    group = open_group("127.0.0.1", port, 2, 0, 60)
+    group = open_group("127.0.0.1", port, 2, 0, 60, "cpu")
     joiner.join()
     receiver = threading.Thread(target=vllm.collective_receive)
     receiver.start()

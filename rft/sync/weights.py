@@ -558,16 +558,22 @@ def free_address() -> tuple[str, int]:
         return host, s.getsockname()[1]
 
 
-def open_group(address: str, port: int, world: int, rank: int, timeout_s: float):
+def open_group(address: str, port: int, world: int, rank: int, timeout_s: float, device):
     """A process group of its own (not torch.distributed's default one, which a trainer's FSDP or
-    vLLM's tensor parallelism may hold): the trainer is rank 0 and hosts the rendezvous store."""
+    vLLM's tensor parallelism may hold): the trainer is rank 0 and hosts the rendezvous store.
+
+    `device`: where this member's tensors of the broadcast are. NCCL for CUDA tensors, gloo for
+    CPU ones: chosen by the tensors, not by whether the machine has a GPU (a CPU run on a GPU
+    machine sends CPU tensors, which NCCL refuses). Both wait at most `timeout_s` for a broadcast."""
     import torch
     import torch.distributed as dist
 
     timeout = datetime.timedelta(seconds=timeout_s)
     store = dist.TCPStore(address, port, world, is_master=rank == 0, timeout=timeout)
-    if torch.cuda.is_available():
-        return dist.ProcessGroupNCCL(store, rank, world)
+    if torch.device(device).type == "cuda":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout  # (NCCL's default is its own 10 minutes, not sync_timeout)
+        return dist.ProcessGroupNCCL(store, rank, world, options)
     return dist.ProcessGroupGloo(store, rank, world, timeout)
 
 

@@ -54,7 +54,10 @@ class FSDPTrainer(Trainer):
         host, port = store_address
         timeout = datetime.timedelta(seconds=cfg.synchronizer.sync_timeout)
         store = dist.TCPStore(host, port, is_master=False, timeout=timeout)
-        dist.init_process_group("nccl" if cuda else "gloo", store=dist.PrefixStore("fsdp", store),
+        # on GPUs, gloo beside NCCL for CPU tensors: with param_offload (or the critic's offload)
+        # the shards and their gradients are on the CPU, and the gradient clip's norm and the
+        # gathers of them are collectives of CPU tensors, which NCCL refuses
+        dist.init_process_group("cuda:nccl,cpu:gloo" if cuda else "gloo", store=dist.PrefixStore("fsdp", store),
                                 rank=rank, world_size=world, timeout=timeout)
         self.mesh = init_device_mesh("cuda" if cuda else "cpu", (world,))
         self.loss_scale = world
@@ -178,8 +181,8 @@ class FSDPTrainer(Trainer):
                 return
             for _, p in sorted(self.model.named_parameters()):
                 full = p.full_tensor()  # every rank takes part in the gather
-                if self.rank == 0:
-                    broadcast(self.group, list(self._served({"": full}).values()))
+                if self.rank == 0:  # (with param_offload the shards, so the gathered whole, are on the CPU)
+                    broadcast(self.group, [t.to(self.device) for t in self._served({"": full}).values()])
 
     def save_weights(self, path: str) -> str:
         from safetensors.torch import save_file

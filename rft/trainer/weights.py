@@ -144,7 +144,7 @@ class WeightsMixin:
     def collective_init(self, address: str, port: int, world: int, rank: int) -> None:
         from rft.sync.weights import open_group
 
-        self.group = open_group(address, port, world, rank, self.cfg.synchronizer.sync_timeout)
+        self.group = open_group(address, port, world, rank, self.cfg.synchronizer.sync_timeout, self.device)
 
     def collective_send(self) -> None:
         from rft.sync.weights import broadcast

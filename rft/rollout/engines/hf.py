@@ -462,7 +462,7 @@ class HFEngine:
     def collective_init(self, address: str, port: int, world: int, rank: int, timeout_s: float, manifest) -> None:
         from rft.sync.weights import open_group
 
-        self.group = open_group(address, port, world, rank, timeout_s)
+        self.group = open_group(address, port, world, rank, timeout_s, self.device)
 
     @torch.no_grad()
     def collective_receive(self) -> None:

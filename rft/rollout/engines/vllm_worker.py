@@ -88,14 +88,18 @@ class WorkerExtension:
         from rft.sync.weights import open_group
 
         # with tensor parallelism each worker would need a rank of its own; one worker here
-        self.rft_group = open_group(address, port, world, rank, timeout_s)
+        self.rft_group = open_group(address, port, world, rank, timeout_s, self._rft_device())
         self.rft_manifest = manifest
+
+    def _rft_device(self):
+        """Where this worker's weights are: its GPU (vLLM's GPU worker sets `device`), else the CPU."""
+        return self.device if isinstance(getattr(self, "device", None), torch.device) else torch.device("cpu")
 
     @torch.no_grad()
     def rft_collective_receive(self) -> dict:
         from rft.sync.weights import broadcast
 
-        device = self.device if isinstance(getattr(self, "device", None), torch.device) else "cpu"
+        device = self._rft_device()
 
         def received():
             for name, shape, dtype in self.rft_manifest:
