@@ -6,7 +6,7 @@ import re
 from pathlib import Path
 
 import pytest
-from conftest import compose_cfg, driver_modules_env, run_cli
+from conftest import CONF, compose_cfg, driver_modules_env, run_cli
 
 import rft.runtime.main
 from rft.reporting.monitor import read_metrics
@@ -962,3 +962,24 @@ def test_a_config_file_that_is_not_utf8_is_named_with_its_line(tmp_path, monkeyp
     assert ("rft: configuration error: conf/experiment/mine.yaml is not UTF-8 text (byte b'\\xe9' at line 2, column "
             "6); config files are read as UTF-8. Convert it (e.g. iconv -f latin1 -t utf-8 mine.yaml > "
             "mine.utf8.yaml, then rename it) or fix the line.") in capsys.readouterr().err
+
+
+def test_a_list_key_given_one_value_is_one_paragraph_naming_the_list_form(run_root):
+    # Trinity-RFT's guide writes monitor_type: wandb; here it is a list, and Hydra said only
+    # "Invalid value assigned: str is not a ListConfig, list or tuple" with its own frame
+    from rft.plan.overlays import scalar_for_list
+
+    groups = {p.name for p in CONF.iterdir() if p.is_dir()}
+    assert scalar_for_list(["monitor.monitor_type=wandb"], groups) == (
+        "monitor.monitor_type=wandb: monitor.monitor_type takes a list; write monitor.monitor_type=[wandb] (a list "
+        "of one), or several as [a,b].")
+    assert scalar_for_list(["cluster.device_mapping.trainer=0"], groups).startswith(
+        "cluster.device_mapping.trainer=0: cluster.device_mapping.trainer takes a list; write "
+        "cluster.device_mapping.trainer=[0]")
+    # a list, null, an interpolation, a scalar key, a sweep, a stage's free-form keys, a group: not this mistake
+    for fine in (["monitor.monitor_type=[wandb]"], ["cluster.device_mapping.trainer=null"], ["seed=3"],
+                 ["monitor.monitor_type=${oc.env:X}"], ["stages.0.seed=3"], ["monitor=console"], ["seed=1,2"]):
+        assert scalar_for_list(fine, groups) is None, fine
+    r = run_cli("monitor.monitor_type=wandb", env=run_root)
+    assert r.returncode == 2 and "Traceback" not in r.stderr and "ListConfig" not in r.stderr
+    assert "rft: configuration error: monitor.monitor_type=wandb: monitor.monitor_type takes a list" in r.stderr

@@ -264,6 +264,37 @@ def misspelt_override(args: list[str], groups: set[str]) -> str | None:
     return None
 
 
+def scalar_for_list(args: list[str], groups: set[str]) -> str | None:
+    """The message for a list-typed key given one value (`monitor.monitor_type=wandb`, as
+    Trinity-RFT's guide writes it): Hydra says only "str is not a ListConfig, list or tuple"."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from omegaconf import OmegaConf
+    from omegaconf._utils import is_list_annotation
+
+    from rft.config import Config
+
+    try:
+        overrides = OverridesParser.create().parse_overrides([a for a in args if "=" in a and not a.startswith("-")])
+    except Exception:  # unparsable_override words these
+        return None
+    schema = OmegaConf.structured(Config)
+    for o in overrides:
+        key, value = o.key_or_group, o.value()
+        if o.is_delete() or o.is_sweep_override() or key in groups or "/" in key or key.startswith("hydra"):
+            continue
+        if value is None or isinstance(value, (list, dict)) or "${" in str(value):
+            continue
+        parent, _, last = key.rpartition(".")
+        try:
+            node = (OmegaConf.select(schema, parent) if parent else schema)._get_node(last)
+        except Exception:  # inside a free-form dict or list (a stage, a reward's args): Hydra's
+            continue
+        if node is not None and is_list_annotation(node._metadata.ref_type):
+            return (f"{key}={o.input_line.split('=', 1)[1]}: {key} takes a list; write {key}=[{value}] (a list of "
+                    f"one), or several as [a,b].")
+    return None
+
+
 def unparsable_override(args: list[str]) -> str | None:
     """The message for the first command-line override Hydra's grammar cannot read (Hydra says
     only "LexerNoViableAltException: name=résumé" and a caret), with how to quote it."""
@@ -334,7 +365,7 @@ def exit_on_config_mistakes(args: list[str], conf_dir) -> None:
     folders, searched = search_dirs(args, Path(conf_dir))
     groups = {p.name for d in [Path(conf_dir), *folders] if d.is_dir() for p in d.iterdir() if p.is_dir()}
     message = (modes_at_once(args) or bad_yaml(Path(conf_dir)) or unparsable_override(args)
-               or misspelt_override(args, groups))
+               or misspelt_override(args, groups) or scalar_for_list(args, groups))
     if not searched:  # with a search path, an option may be a file of another folder: Hydra's to find
         message = message or missing_option(args, conf_dir) or check(args, Path(conf_dir))
     if message:
