@@ -297,6 +297,25 @@ def test_vllm_not_installed_is_a_config_error(monkeypatch):
         VLLMEngine(cfg.model, cfg.explorer.rollout_model, None)
 
 
+def test_a_vllm_without_the_in_place_reload_is_a_config_error_before_its_engine_starts(monkeypatch):
+    # vLLM 0.11 (which the vllm extra allowed) would generate, then fail at the first weight sync:
+    # its workers' reload_weights() takes no weights_iterator
+    import vllm
+
+    from rft.rollout.engines.vllm import VLLMEngine, check_version
+
+    monkeypatch.setattr(vllm, "__version__", "0.11.2")
+    cfg = compose_cfg(["explorer=vllm"])
+    with pytest.raises(ConfigError) as e:
+        VLLMEngine(cfg.model, cfg.explorer.rollout_model, None)
+    assert str(e.value) == (
+        "explorer=vllm needs vLLM >= 0.18, but 0.11.2 is installed: the weight syncs load the trainer's weights in "
+        "place through vLLM's reload_weights(weights_iterator=...), which older vLLM lacks. pip install -U -e "
+        "'.[vllm]' (or use explorer=hf).")
+    for fine in ("0.18.0", "0.32.0", "1.0.0", "0.1.dev4+g3c2d1e0"):  # (a checkout built without its tags)
+        check_version(fine)
+
+
 def test_max_model_len_below_the_token_budget_is_a_config_error():
     from rft.plan.batch import make_plan
 

