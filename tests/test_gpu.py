@@ -1,5 +1,10 @@
 """On a CUDA machine: the trainer, trainer=fsdp2 (nccl) and the hf engine run on the GPU and agree
 with the CPU. Skipped where no GPU is visible (CI has none; run `pytest tests/test_gpu.py` on one).
+
+Not covered here yet, worth a look on a GPU: trainer.param_offload's peak GPU memory at load (the
+model goes whole onto the GPU before fully_shard moves its shards to the CPU); an explorer with
+explorer=vllm holding a CUDA context of its own (rft.models.local_device calls current_device);
+vLLM's collective receive fingerprinting on a thread beside the load (rft.rollout.engines.vllm_worker).
 """
 
 import pytest
