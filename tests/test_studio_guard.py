@@ -461,6 +461,44 @@ def test_the_preview_refuses_a_cache_dir_outside_the_root_before_its_plan_writes
     assert comp.error == "" and comp.plan and (out / "data").is_dir()
 
 
+def test_a_model_the_project_would_build_or_data_it_would_generate_is_a_write(tmp_path):
+    # model.model_path with a builder, a taskset path with a generator: built or generated there
+    # when nothing is there yet (a dry run's plan generates the data too); in the shared cache, or
+    # when they exist (read only), no write to check
+    from omegaconf import OmegaConf
+
+    from rft.studio import writes as W
+
+    ts = "buffer.explorer_input.taskset.path"
+    out, cache = tmp_path / "outside", tmp_path / "cache"
+    (tmp_path / "have").mkdir()
+
+    def stage(model_path, data, builder="tiny", generator="arithmetic"):
+        return OmegaConf.create({"stage_name": "grpo", "mode": "both", "cache_dir": str(cache),
+                                 "model": {"model_path": model_path, "builder": builder},
+                                 "buffer": {"explorer_input": {"generator": generator, "taskset": {"path": data}},
+                                            "trainer_input": {"experience_buffer": {"storage_type": "queue", "path": None}}},
+                                 "monitor": {"monitor_type": []}})
+
+    job = OmegaConf.create({"stage_cache_dir": None, "dry_run": False})
+    built = [stage(f"{out}/model", f"{out}/arithmetic-v4")]
+    assert W.written(job, built, str(cache)) == [
+        W.Write("model.model_path", f"{out}/model", f"{out}/model", "grpo"),
+        W.Write(ts, f"{out}/arithmetic-v4", f"{out}/arithmetic-v4", "grpo")]
+    # a dry run's plan: the generated data only (the model is built when the run starts)
+    assert W.written(OmegaConf.merge(job, {"dry_run": True}), built, str(cache), planning=True) == [
+        W.Write(ts, f"{out}/arithmetic-v4", f"{out}/arithmetic-v4", "grpo")]
+    for fine in (stage(f"{cache}/models/m", f"{cache}/data/arithmetic-v4"),  # in the shared cache
+                 stage(str(tmp_path / "have"), str(tmp_path / "have")),  # there already: read
+                 stage(f"{out}/model", f"{out}/data", builder=None, generator=None)):  # nothing to build
+        assert W.written(job, [fine], str(cache)) == [], fine
+    assert W.refusal(tmp_path / "root", W.written(job, built, str(cache))) == (
+        f"model.model_path={out}/model (stage grpo): the run would write to {out}/model, outside the checkpoint root "
+        f"{tmp_path}/root that this studio shows and launches into. Give a path under {tmp_path}/root, or leave it as "
+        f"the model's config sets it (built in the shared cache), or give a model that exists, or start the studio "
+        f"with --root on a folder that holds it (python -m rft.studio --root DIR).")
+
+
 def test_which_keys_a_run_writes_to_by_storage_mode_and_monitor(tmp_path):
     # the rules of rft/studio/writes.py on configs made by hand (no composition): a sql buffer is
     # written in any mode (its read cursor), a file buffer only where the explorer writes it; a

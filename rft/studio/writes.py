@@ -11,9 +11,13 @@ resolves each stage's config.
   (mode both or explore). mode=train reading a file of experiences or a dataset only reads it.
 - monitor.mlflow_tracking_uri with monitor_type mlflow: a local store (sqlite:///, file:, a path).
 
-Paths a run only reads are not here (model.model_path, a taskset's path, algorithm.teacher_model_path,
-trainer.resume_from_path, synchronizer.checkpoint_dir, auxiliary buffers): a researcher reads data
-from anywhere.
+- model.model_path with a model.builder, and a taskset's path with a generator, where nothing is
+  there yet: the project builds the model (rft/models.py ensure_model) or generates the data (by a
+  dry run's plan too) there; in the shared cache, allowed.
+
+Paths a run only reads are not here (model.model_path and a taskset's path that exist,
+algorithm.teacher_model_path, trainer.resume_from_path, synchronizer.checkpoint_dir, auxiliary
+buffers): a researcher reads data from anywhere.
 """
 
 from __future__ import annotations
@@ -31,7 +35,10 @@ BUFFER = "buffer.trainer_input.experience_buffer"
 KEPT = {"cache_dir": "leave it as conf/config.yaml sets it (the machine's shared cache of built models and data)",
         "stage_cache_dir": "leave it as conf/config.yaml sets it (under the root), or null (no reuse)",
         f"{BUFFER}.path": "leave it unset (the stage's own buffer.db or experiences.jsonl, in its directory)",
-        "monitor.mlflow_tracking_uri": "leave it unset (mlflow.db under the root), or give a server's http(s):// address"}
+        "monitor.mlflow_tracking_uri": "leave it unset (mlflow.db under the root), or give a server's http(s):// address",
+        "model.model_path": "leave it as the model's config sets it (built in the shared cache), or give a model that exists",
+        "buffer.explorer_input.taskset.path": "leave it as the task sets it (generated in the shared cache), or give "
+                                              "data that exists"}
 SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:")
 
 
@@ -64,9 +71,21 @@ def shared_cache(conf_dir: Path) -> str:
     return os.path.expanduser(str(value)) if value is not None else ""
 
 
+def _built(stage) -> list[tuple[str, object, bool]]:
+    """A model the project would build, a taskset it would generate, where nothing is yet."""
+    out = []
+    m, inp = stage.get("model") or {}, stage.buffer.get("explorer_input") or {}
+    for key, value, maker in (("model.model_path", m.get("model_path"), m.get("builder")),
+                              ("buffer.explorer_input.taskset.path", (inp.get("taskset") or {}).get("path"),
+                               inp.get("generator"))):
+        if maker and value and not Path(local_path(str(value))).exists():
+            out.append((key, value, False))
+    return out
+
+
 def _stage_writes(stage) -> list[tuple[str, object, bool]]:
     """(key, value, whether it is a URI) for each place this stage's config makes it write."""
-    out = [("cache_dir", stage.get("cache_dir"), False)]
+    out = [("cache_dir", stage.get("cache_dir"), False), *_built(stage)]
     eb = stage.buffer.trainer_input.experience_buffer
     if str(eb.storage_type) == "sql" or (str(eb.storage_type) == "file" and str(stage.mode) in ("both", "explore")):
         out.append((f"{BUFFER}.path", eb.get("path"), False))
@@ -82,7 +101,8 @@ def written(job, stages: list, cache: str, planning: bool = False) -> list[Write
     if job.get("dry_run") and not planning:
         return []
     if planning:
-        found = [("cache_dir", s.get("cache_dir"), False, s.get("stage_name")) for s in stages]
+        found = [(key, value, uri, s.get("stage_name")) for s in stages  # (a model is built when the run starts)
+                 for key, value, uri in [("cache_dir", s.get("cache_dir"), False), *_built(s)] if key != "model.model_path"]
         return _writes(job, found, cache)
     found = [("stage_cache_dir", job.get("stage_cache_dir"), False, None)]  # read from the run's config only
     for s in stages:
@@ -95,7 +115,7 @@ def _writes(job, found: list, cache: str) -> list[Write]:
     out = []
     for key, value, uri, stage in found:
         path = local_path(str(value), uri) if value not in (None, "") else ""
-        if not path or (key == "cache_dir" and path == cache):
+        if not path or (key == "cache_dir" and path == cache) or (key in _BUILT and _under(path, cache)):
             continue
         # the stage is named where the value is its own, not the config's that every stage has
         own = stage is not None and str(OmegaConf.select(job, key, default=None, throw_on_resolution_failure=False)) != str(value)
@@ -103,6 +123,13 @@ def _writes(job, found: list, cache: str) -> list[Write]:
         if write not in out:
             out.append(write)
     return out
+
+
+_BUILT = ("model.model_path", "buffer.explorer_input.taskset.path")
+
+
+def _under(path: str, folder: str) -> bool:
+    return bool(folder) and Path(path).is_absolute() and Path(path).resolve().is_relative_to(Path(folder).resolve())
 
 
 def refusal(root: Path, writes: list[Write]) -> str | None:
