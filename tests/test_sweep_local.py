@@ -68,6 +68,25 @@ def test_the_driver_reports_jobs_as_they_end_and_raises_for_a_dead_one_after_the
     ]
 
 
+def test_a_requeued_job_is_waited_for_not_reported_dead(tmp_path, capsys, monkeypatch):
+    # submitit read a preempted attempt's state (FAILED) and kept it as the job's, finished, while
+    # Slurm had queued the job again: the sweep stopped, "ended with state FAILED and no result"
+    import rft.reporting.sweep as S
+
+    cfg = OmegaConf.create({"objective": "eval/accuracy"})
+    folder = tmp_path / ".submitit" / "%j"
+    requeued = FakeJob("8_0", folder, 1, JobReturn(cfg=cfg, status=JobStatus.COMPLETED, _return_value=0.5))
+    other = FakeJob("8_1", folder, 2, JobReturn(cfg=cfg, status=JobStatus.COMPLETED, _return_value=0.25))
+    listed = iter([True, True, True])  # squeue lists 8_0 for three polls, then no more: its last attempt ended
+    monkeypatch.setattr(S, "requeued", lambda job: job.job_id == "8_0" and next(listed, False))
+    watch([requeued, other], [["seed=1"], ["seed=2"]], 0, str(tmp_path), poll_s=0.01)
+    assert capsys.readouterr().out.splitlines()[2:] == [
+        "[sweep] job 1 (8_1) finished, eval/accuracy = 0.25 [1/2 ended]",
+        "[sweep] job 0 (8_0) finished, eval/accuracy = 0.5 [2/2 ended]",
+    ]
+    assert next(listed, "none") == "none"  # asked until squeue no longer listed it
+
+
 # ---------------------------------------------------------------- real sweeps
 
 def _submitted(stdout: str) -> dict[int, tuple[str, Path]]:

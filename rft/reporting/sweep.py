@@ -99,12 +99,42 @@ def _outcome(ret) -> str:
     return f"finished, {name} = {f'{value:.4g}' if isinstance(value, float) else value}"
 
 
+def requeued(job) -> bool:
+    """Whether a Slurm job whose attempt ended is queued again (requeued on preemption or at its
+    time limit, conf/hydra/launcher/slurm.yaml): squeue still lists it. submitit may have read the
+    ended attempt's state (FAILED, CANCELLED) from sacct and keeps it as the job's, finished."""
+    import shutil
+    import subprocess
+
+    if "Slurm" not in type(job).__name__ or not shutil.which("squeue"):
+        return False
+    try:
+        listed = subprocess.run(["squeue", "-h", "-j", str(job.job_id), "-o", "%T"], capture_output=True, text=True,
+                                timeout=60).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return bool(listed)
+
+
+def _ended(jobs: list, poll_s: float):
+    """The jobs as they end (finished, failed or cancelled, and not requeued), in that order."""
+    import time
+
+    pending = list(jobs)
+    while pending:
+        for job in [j for j in pending if j.done() and (j.paths.result_pickle.exists() or not requeued(j))]:
+            pending.remove(job)
+            yield job
+        if pending:
+            time.sleep(poll_s)
+
+
 def watch(jobs, job_overrides, first_num: int, sweep_dir: str, poll_s: float = 1.0) -> None:
     """Print each job as submitted (number, submitit id, its own overrides, outputs, logs), then
-    each job as it ends, in the order they end; wait for them all. A job that ended without a
-    result raises its error (submitit's) after that, the first by job number."""
+    each job as it ends, in the order they end; wait for them all (a requeued job: until its last
+    attempt ends). A job that ended without a result raises its error (submitit's) after that,
+    the first by job number."""
     from submitit.core.utils import FailedJobError, UncompletedJobError
-    from submitit.helpers import as_completed
 
     nums = {}
     for i, (job, overrides) in enumerate(zip(jobs, distinct_overrides(job_overrides))):
@@ -113,7 +143,7 @@ def watch(jobs, job_overrides, first_num: int, sweep_dir: str, poll_s: float = 1
         print(f"[sweep] job {num} is {job.job_id} ({own}): outputs in {sweep_dir}/{num}, "
               f"log in {job.paths.stdout} and .err", flush=True)
     dead = {}
-    for ended, job in enumerate(as_completed(jobs, poll_frequency=poll_s), 1):
+    for ended, job in enumerate(_ended(jobs, poll_s), 1):
         num = nums[job.job_id]
         try:
             what = _outcome(job.results()[0])
