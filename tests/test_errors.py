@@ -894,10 +894,12 @@ def test_two_of_hydras_modes_at_once_are_one_paragraph(capsys, args, given):
 def test_cfg_alone_or_config_name_flags_are_not_read_as_two_modes():
     from conftest import CONF
 
-    from rft.plan.overlays import exit_on_config_mistakes
+    from rft.plan.overlays import exit_on_config_mistakes, modes_at_once
 
-    exit_on_config_mistakes(["hydra/launcher=slurm", "--cfg", "hydra", "-p", "hydra.launcher"], CONF)
-    exit_on_config_mistakes(["-m", "-cn", "config", "seed=1,2"], CONF)  # -cn is the config's name, not -c
+    for args in (["hydra/launcher=slurm", "--cfg", "hydra", "-p", "hydra.launcher"],
+                 ["-m", "-cn", "config", "seed=1,2"]):  # -cn is the config's name, not -c
+        assert modes_at_once(args) is None, args
+        assert exit_on_config_mistakes(args, CONF) is None, args  # (a mistake exits with status 2)
 
 
 def test_a_reward_fn_list_of_parts_in_a_task_file_passes_the_key_check(tmp_path):
