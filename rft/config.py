@@ -885,6 +885,8 @@ def key_mistake(schema, key: str, adding: bool = False, prefix: str = "") -> str
     from omegaconf._utils import is_structured_config
     from omegaconf.nodes import AnyNode
 
+    from rft.foreign_keys import foreign_key
+
     node, parts = schema, key.split(".")
     for i, part in enumerate(parts):
         if isinstance(node, ListConfig) and not part.lstrip("-").isdigit():
@@ -909,6 +911,11 @@ def key_mistake(schema, key: str, adding: bool = False, prefix: str = "") -> str
         if isinstance(node, AnyNode):
             return None  # a value typed Any (reward_fn's list of parts): checked when planning
         if not isinstance(node, DictConfig) or part not in node.keys():
+            # another system's key (verl's algorithm.adv_estimator): whose it is and rft's for it,
+            # not the nearest of rft's names, which would mislead
+            foreign = foreign_key(key, prefix)
+            if foreign:
+                return foreign
             parent = ".".join(parts[:i])
             keys = schema_keys()
             siblings = [f"{parent}.{k}".lstrip(".") for k in node.keys()] if isinstance(node, DictConfig) else []

@@ -295,6 +295,36 @@ def scalar_for_list(args: list[str], groups: set[str]) -> str | None:
     return None
 
 
+def foreign_flag(args: list[str]) -> str | None:
+    """The message for `--name value` or `--name=value` where name is not one of Hydra's flags but
+    another system's key (LightRFT's and OpenRLHF's are flags: --n_samples_per_prompt 8) or the
+    last part of one of rft's keys (--gradient_checkpointing): Hydra says only "unrecognized
+    arguments". Other unknown flags are left to Hydra."""
+    from hydra._internal.utils import get_args_parser
+
+    from rft.config import schema_keys
+    from rft.foreign_keys import FOREIGN_KEYS, foreign_key
+
+    hydras = {s for a in get_args_parser()._actions for s in a.option_strings}
+    for i, arg in enumerate(args):
+        name, eq, value = arg.removeprefix("--").partition("=")
+        if not arg.startswith("--") or f"--{name}" in hydras:
+            continue
+        given = arg
+        if not eq:  # `--name value`, or a switch (store_true) before the next flag or override
+            after = args[i + 1] if i + 1 < len(args) else ""
+            value = after if after and not after.startswith("-") and "=" not in after else "true"
+            given = f"{arg} {after}" if value == after else arg
+        if name in FOREIGN_KEYS:  # its value need not carry over (lr_warmup_ratio, flash_attn): no key=value
+            return f"{given}: rft takes key=value overrides, not flags; {foreign_key(name)}"
+        keys = schema_keys()
+        ours = [name] if name in keys else [k for k in keys if k.rpartition(".")[2] == name][:3]
+        if ours:
+            return (f"{given}: rft takes key=value overrides, not flags: write "
+                    f"{' or '.join(f'{k}={value}' for k in ours)}.")
+    return None
+
+
 def unparsable_override(args: list[str]) -> str | None:
     """The message for the first command-line override Hydra's grammar cannot read (Hydra says
     only "LexerNoViableAltException: name=résumé" and a caret), with how to quote it."""
@@ -364,7 +394,7 @@ def exit_on_config_mistakes(args: list[str], conf_dir) -> None:
 
     folders, searched = search_dirs(args, Path(conf_dir))
     groups = {p.name for d in [Path(conf_dir), *folders] if d.is_dir() for p in d.iterdir() if p.is_dir()}
-    message = (modes_at_once(args) or bad_yaml(Path(conf_dir)) or unparsable_override(args)
+    message = (modes_at_once(args) or foreign_flag(args) or bad_yaml(Path(conf_dir)) or unparsable_override(args)
                or misspelt_override(args, groups) or scalar_for_list(args, groups))
     if not searched:  # with a search path, an option may be a file of another folder: Hydra's to find
         message = message or missing_option(args, conf_dir) or check(args, Path(conf_dir))

@@ -1,0 +1,383 @@
+"""Keys of the systems our users come from (verl, ROLL, LightRFT/OpenRLHF, TRL), and rft's for each.
+
+Someone who knows verl types `algorithm.adv_estimator=grpo` or `actor_rollout_ref.rollout.n=8`; the
+schema's own check then suggested the nearest of rft's names ("Did you mean algorithm.gamma?"), or
+nothing. `rft.config.key_mistake` asks `foreign_key` first, so such a key, on the command line, with
+`+`, in an overlay or in a stage, is one paragraph naming whose key it is, rft's key or group choice
+for it, and what differs in meaning (verl counts its mini-batch in prompts, rft in experiences), or
+that rft has none. LightRFT's and OpenRLHF's keys are flags: run.py's `--name` check
+(rft.plan.overlays.foreign_flag) reads the same table.
+
+FOREIGN_KEYS is that table, a `Registry` like every name table: an entry is a key as its system
+writes it (dotted where the system nests it; `section.*` for the rest of a section, tried after
+the exact keys) and a `ForeignKey`. Its meanings were checked against each system's own
+configuration reference and against rft/config.py; tests/test_foreign_keys.py checks that every
+key of rft an entry names exists. A study may add its own: `FOREIGN_KEYS["my.key"] = ForeignKey(...)`.
+Trinity-RFT's keys are rft's own names (rft/config.py's comments name its renamed ones).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass
+
+from rft.registry import Registry
+
+
+@dataclass(frozen=True)
+class ForeignKey:
+    """Whose key it is, rft's keys or group choices for it (empty: none; None: not translated, a
+    section's other keys), and what differs in meaning or value, as sentences."""
+
+    systems: tuple[str, ...]
+    ours: tuple[str, ...] | None = ()
+    note: str = ""
+
+    def message(self, prefix: str = "") -> str:
+        """The paragraph (`prefix`: a stage's, stages.<i>., put before rft's keys)."""
+        whose = f"that is {_owners(self.systems)} key, not rft's"
+        if self.ours is None:
+            return f"{whose}, and has no translation here: {self.note}"
+        if not self.ours:
+            return f"{whose}, and rft has no counterpart: {self.note}"
+        # a group choice (algorithm=grpo) is the command line's; a key is a stage's too
+        ours = [o if "=" in o else prefix + o for o in self.ours]
+        named = ours[0] if len(ours) == 1 else ", ".join(ours[:-1]) + " and " + ours[-1]
+        return f"{whose}; rft's {'is' if len(ours) == 1 else 'are'} {named}.{' ' + self.note if self.note else ''}"
+
+
+def _owners(systems: tuple[str, ...]) -> str:
+    names = [f"{s}'s" for s in systems]
+    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
+
+
+def foreign_key(key: str, prefix: str = "") -> str | None:
+    """The paragraph for a key rft's schema does not have when it is another system's (its entry,
+    else the first section pattern it falls under); None when it is no other system's."""
+    entry = FOREIGN_KEYS[key] if key in FOREIGN_KEYS else next(
+        (FOREIGN_KEYS[p] for p in FOREIGN_KEYS if "*" in p and fnmatch.fnmatchcase(key, p)), None)
+    return entry.message(prefix) if entry else None
+
+
+VERL, ROLL, TRL = ("verl",), ("ROLL",), ("TRL",)
+LIGHTRFT = ("LightRFT", "OpenRLHF")  # LightRFT extends OpenRLHF: the same flags
+_TASKSET = "buffer.explorer_input.taskset"
+_ROLLOUT = "explorer.rollout_model"
+# sentences several entries share
+_STEPS = ("ROLL counts pipeline steps, as rft counts steps (buffer.batch_size tasks each); TRL counts optimizer "
+          "steps, of which a step here makes buffer.train_batch_size / trainer.mini_batch_size x "
+          "trainer.ppo_epochs")
+_KL_FNS = ("names are taken as they are (kl, mse and low_var_kl are k1, k2 and k3; abs); full has no counterpart; "
+           "none turns the term off")
+_OTHER = ("rft's keys, each with a comment, are in rft/config.py; `python run.py --cfg job` prints the composed "
+          "config.")
+_FORWARDS = ("One size for every forward of the trainer: the update's, and the log-probs of the policy and the "
+             "reference.")
+_ENVS = ForeignKey(ROLL, (), "set environment variables in the environment run.py starts from (a Ray instance rft "
+                   "starts passes them to its workers).")
+
+FOREIGN_KEYS = Registry("a key of another system", shape="a ForeignKey (rft/foreign_keys.py)", table={
+    # ---------------------------------------------------------------- verl (Hydra, dotted)
+    "data.train_batch_size": ForeignKey(VERL, ("buffer.batch_size",), (
+        "Both count prompts (tasks) per step, each sampled algorithm.repeat_times times; rft's "
+        "buffer.train_batch_size is the step's experiences (batch_size x repeat_times).")),
+    "data.max_prompt_length": ForeignKey(VERL, ("model.max_prompt_tokens",)),
+    "data.max_response_length": ForeignKey(VERL, ("model.max_response_tokens",)),
+    "data.train_files": ForeignKey(VERL, (f"{_TASKSET}.path",), "A JSONL or Parquet file, a folder of them or a "
+                                   "Hugging Face dataset id."),
+    "data.val_files": ForeignKey(VERL, ("buffer.explorer_input.eval_tasksets",), (
+        "A list of tasksets, each with its own name and path.")),
+    "data.prompt_key": ForeignKey(VERL, (f"{_TASKSET}.format.messages_key", f"{_TASKSET}.format.prompt_type"), (
+        "verl's prompt column holds chat messages: here that is format.prompt_type=messages with the column in "
+        "format.messages_key (format.prompt_key names a plain-text prompt's column).")),
+    "actor_rollout_ref.model.path": ForeignKey(VERL, ("model.model_path",)),
+    "actor_rollout_ref.model.enable_gradient_checkpointing": ForeignKey(VERL, ("trainer.gradient_checkpointing",)),
+    "actor_rollout_ref.model.use_remove_padding": ForeignKey(VERL, ("trainer.use_remove_padding",),
+                                                             "On by default here (verl: off)."),
+    "actor_rollout_ref.model.trust_remote_code": ForeignKey(VERL, ("model.trust_remote_code",)),
+    "actor_rollout_ref.model.lora_rank": ForeignKey(VERL, ("model.lora.rank",)),
+    "actor_rollout_ref.model.lora_alpha": ForeignKey(VERL, ("model.lora.alpha",)),
+    "actor_rollout_ref.actor.strategy": ForeignKey(VERL, ("trainer=fsdp2",), (
+        "trainer=torch is one process; there is no Megatron backend.")),
+    "actor_rollout_ref.actor.ppo_mini_batch_size": ForeignKey(VERL, ("trainer.mini_batch_size",), (
+        "Both are global (all ranks) and make one optimizer step, but verl counts prompts, rft experiences "
+        "(responses): verl multiplies its value by actor_rollout_ref.rollout.n itself, so ppo_mini_batch_size=16 "
+        "with rollout.n=8 is trainer.mini_batch_size=128.")),
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": ForeignKey(VERL, ("trainer.micro_batch_size_per_gpu",), (
+        "Both count experiences per GPU in one forward and backward.")),
+    "actor_rollout_ref.actor.ppo_micro_batch_size": ForeignKey(VERL, ("trainer.micro_batch_size_per_gpu",), (
+        "verl's (deprecated) one is global: divide it by the data-parallel ranks.")),
+    "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu": ForeignKey(VERL, (
+        "trainer.micro_batch_size_per_gpu",), _FORWARDS),
+    "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu": ForeignKey(VERL, (
+        "trainer.micro_batch_size_per_gpu",), _FORWARDS),
+    "actor_rollout_ref.actor.ppo_epochs": ForeignKey(VERL, ("trainer.ppo_epochs",)),
+    "actor_rollout_ref.actor.use_dynamic_bsz": ForeignKey(VERL, ("trainer.use_dynamic_bsz",)),
+    "actor_rollout_ref.actor.ppo_max_token_len_per_gpu": ForeignKey(VERL, ("trainer.max_token_len_per_gpu",)),
+    "actor_rollout_ref.actor.grad_clip": ForeignKey(VERL, ("trainer.grad_clip",)),
+    "actor_rollout_ref.actor.clip_ratio": ForeignKey(VERL, ("algorithm.clip_ratio_low", "algorithm.clip_ratio_high"), (
+        "The ratio is clipped to [1 - clip_ratio_low, 1 + clip_ratio_high]: give both the value.")),
+    "actor_rollout_ref.actor.clip_ratio_low": ForeignKey(VERL, ("algorithm.clip_ratio_low",)),
+    "actor_rollout_ref.actor.clip_ratio_high": ForeignKey(VERL, ("algorithm.clip_ratio_high",)),
+    "actor_rollout_ref.actor.clip_ratio_c": ForeignKey(VERL, ("algorithm.clip_ratio_c",), (
+        "verl clips at 3.0 by default; here the default null is no dual clip.")),
+    "actor_rollout_ref.actor.entropy_coeff": ForeignKey(VERL, ("algorithm.entropy_coef",)),
+    "actor_rollout_ref.actor.loss_agg_mode": ForeignKey(VERL, ("algorithm.loss_agg_mode",), "The same four modes."),
+    "actor_rollout_ref.actor.use_kl_loss": ForeignKey(VERL, ("algorithm.kl_loss_fn",), (
+        "The KL loss term is on when algorithm.kl_loss_fn is k1, k2, k3 or abs (verl's low_var_kl is k3), off with "
+        "none.")),
+    "actor_rollout_ref.actor.kl_loss_coef": ForeignKey(VERL, ("algorithm.kl_loss_coef",)),
+    "actor_rollout_ref.actor.kl_loss_type": ForeignKey(VERL, ("algorithm.kl_loss_fn",), f"verl's {_KL_FNS}."),
+    "actor_rollout_ref.actor.optim.lr": ForeignKey(VERL, ("algorithm.optimizer.lr",)),
+    "actor_rollout_ref.actor.optim.lr_warmup_steps": ForeignKey(VERL, ("algorithm.optimizer.warmup_steps",), (
+        "Optimizer steps, as in verl; there is no ratio form (verl's -1).")),
+    "actor_rollout_ref.actor.optim.lr_warmup_steps_ratio": ForeignKey(VERL, ("algorithm.optimizer.warmup_steps",), (
+        "Give the optimizer steps; `dry_run=true` prints a stage's steps.")),
+    "actor_rollout_ref.actor.optim.warmup_style": ForeignKey(VERL, ("algorithm.optimizer.warmup_style",)),
+    "actor_rollout_ref.actor.optim.min_lr_ratio": ForeignKey(VERL, ("algorithm.optimizer.min_lr_ratio",)),
+    "actor_rollout_ref.actor.optim.weight_decay": ForeignKey(VERL, ("algorithm.optimizer.weight_decay",)),
+    "actor_rollout_ref.actor.fsdp_config.param_offload": ForeignKey(VERL, ("trainer.param_offload",),
+                                                                    "With trainer=fsdp2."),
+    "actor_rollout_ref.actor.fsdp_config.optimizer_offload": ForeignKey(VERL, ("trainer.optimizer_offload",),
+                                                                        "With trainer=fsdp2."),
+    "actor_rollout_ref.ref.fsdp_config.param_offload": ForeignKey(VERL, ("trainer.ref_offload",),
+                                                                  "With trainer=fsdp2."),
+    "actor_rollout_ref.rollout.n": ForeignKey(VERL, ("algorithm.repeat_times",), "Responses sampled per prompt."),
+    "actor_rollout_ref.rollout.name": ForeignKey(VERL, ("explorer=vllm", "explorer=hf"), (
+        "The engine is a config group here; there is no sglang engine.")),
+    "actor_rollout_ref.rollout.temperature": ForeignKey(VERL, (f"{_TASKSET}.rollout_args.temperature",)),
+    "actor_rollout_ref.rollout.top_p": ForeignKey(VERL, (f"{_TASKSET}.rollout_args.top_p",)),
+    "actor_rollout_ref.rollout.top_k": ForeignKey(VERL, (f"{_TASKSET}.rollout_args.top_k",), "-1 disables it."),
+    "actor_rollout_ref.rollout.gpu_memory_utilization": ForeignKey(VERL, (f"{_ROLLOUT}.gpu_memory_utilization",), (
+        "The share of the GPU's whole memory vLLM takes (weights and KV cache), as verl's with vLLM 0.7 and later.")),
+    "actor_rollout_ref.rollout.tensor_model_parallel_size": ForeignKey(VERL, (f"{_ROLLOUT}.tensor_parallel_size",)),
+    "actor_rollout_ref.rollout.enforce_eager": ForeignKey(VERL, (f"{_ROLLOUT}.enforce_eager",)),
+    "actor_rollout_ref.rollout.dtype": ForeignKey(VERL, (f"{_ROLLOUT}.dtype",)),
+    "algorithm.adv_estimator": ForeignKey(VERL, ("algorithm=<name>",), (
+        "The algorithm is a config group here (conf/algorithm/): verl's grpo is algorithm=grpo, gae "
+        "algorithm=ppo, rloo algorithm=rloo, reinforce_plus_plus algorithm=reinforce_pp, "
+        "reinforce_plus_plus_baseline algorithm=reinforce_pp_baseline.")),
+    "algorithm.norm_adv_by_std_in_grpo": ForeignKey(VERL, ("algorithm.advantage_fn",), (
+        "verl's false (no division by the group's std) is algorithm.advantage_fn=dr_grpo (algorithm=dr_grpo "
+        "also sets loss_agg_mode=seq-mean-token-sum-norm); true is grpo's.")),
+    "algorithm.use_kl_in_reward": ForeignKey(VERL, ("algorithm.kl_penalty_fn",), (
+        "The KL to the reference is subtracted from the reward when algorithm.kl_penalty_fn is k1, k2, k3 or "
+        "abs, not with none.")),
+    "algorithm.kl_penalty": ForeignKey(VERL, ("algorithm.kl_penalty_fn",), f"verl's {_KL_FNS}."),
+    "algorithm.kl_ctrl.kl_coef": ForeignKey(VERL, ("algorithm.kl_penalty_coef",), (
+        "A fixed coefficient, as verl's fixed controller.")),
+    "algorithm.kl_ctrl.*": ForeignKey(VERL, (), (
+        "the reward's KL coefficient is fixed here (algorithm.kl_penalty_coef); there is no adaptive controller.")),
+    "critic.optim.lr": ForeignKey(VERL, ("algorithm.critic_lr",)),
+    "critic.cliprange_value": ForeignKey(VERL, ("algorithm.value_clip",)),
+    "critic.model.path": ForeignKey(VERL, ("model.critic_model_path",)),
+    "trainer.total_epochs": ForeignKey(VERL, ("buffer.total_epochs",)),
+    "trainer.total_training_steps": ForeignKey(VERL, ("buffer.total_steps",)),
+    "trainer.n_gpus_per_node": ForeignKey(VERL, ("cluster.gpu_per_node",)),
+    "trainer.nnodes": ForeignKey(VERL, ("cluster.node_num",)),
+    "trainer.nnode": ForeignKey(VERL, ("cluster.node_num",), "verl's FAQ writes it so; verl's key is trainer.nnodes."),
+    "trainer.save_freq": ForeignKey(VERL, ("trainer.save_interval",)),
+    "trainer.test_freq": ForeignKey(VERL, ("explorer.eval_interval",)),
+    "trainer.val_before_train": ForeignKey(VERL, ("explorer.eval_on_startup",)),
+    "trainer.project_name": ForeignKey(VERL, ("project",)),
+    "trainer.experiment_name": ForeignKey(VERL, ("name",)),
+    "trainer.logger": ForeignKey(VERL, ("monitor.monitor_type",), (
+        "A list of tensorboard, wandb, mlflow (monitor=wandb chooses one); the console is always on.")),
+    "trainer.default_local_dir": ForeignKey(VERL, ("checkpoint_root_dir",), (
+        "A run writes to <checkpoint_root_dir>/<project>/<name>/, as verl's default "
+        "checkpoints/<project_name>/<experiment_name>.")),
+    "trainer.resume_mode": ForeignKey(VERL, ("continue_from_checkpoint", "trainer.resume_from_path"), (
+        "verl's auto is continue_from_checkpoint=true (the default), disable is false, resume_path is "
+        "trainer.resume_from_path.")),
+    "trainer.critic_warmup": ForeignKey(VERL, ("algorithm.critic_warmup",)),
+    "trainer.max_actor_ckpt_to_keep": ForeignKey(VERL, ("trainer.max_ckpt_to_keep",)),
+    "trainer.wandb_proxy": ForeignKey(VERL, (), "set a proxy in the environment run.py starts from."),
+    "ray_init.num_cpus": ForeignKey(VERL, ("cluster.num_cpus",), (
+        "CPUs of the Ray instance rft starts itself (not of a running cluster it joins).")),
+    "ray_init.timeline_file": ForeignKey(VERL, ("monitor.enable_ray_timeline",), (
+        "A switch here, not a path: the timeline is written to <stage>/monitor/timeline.json.")),
+    "custom_reward_function.path": ForeignKey(VERL, (f"{_TASKSET}.reward_fn",), (
+        "The dotted path of a function importable from where run.py runs (module.function), called as "
+        "fn(prompt, response, task) -> float, where verl's compute_score takes data_source, solution_str, "
+        "ground_truth and extra_info.")),
+    "custom_reward_function.name": ForeignKey(VERL, (f"{_TASKSET}.reward_fn",), (
+        "reward_fn names the function with its module: module.function.")),
+    "actor_rollout_ref.*": ForeignKey(VERL, None, _OTHER),
+    "data.*": ForeignKey(VERL, None, _OTHER),
+    "ray_init.*": ForeignKey(VERL, None, _OTHER),
+    "critic.*": ForeignKey(VERL + ROLL, None, _OTHER),
+    "reward_model.*": ForeignKey(VERL + ROLL, None, _OTHER),
+    # ---------------------------------------------------------------- ROLL (YAML, roles as sections)
+    "num_return_sequences_in_group": ForeignKey(ROLL, ("algorithm.repeat_times",), "Responses sampled per prompt."),
+    "actor_train.device_mapping": ForeignKey(ROLL, ("cluster.device_mapping.trainer",), (
+        "A YAML list of device indices ([0,1,2,3]), not ROLL's list(range(0,4)).")),
+    "actor_infer.device_mapping": ForeignKey(ROLL, ("cluster.device_mapping.explorer",), (
+        "A YAML list of device indices ([0,1,2,3]), not ROLL's list(range(0,4)).")),
+    "reference.device_mapping": ForeignKey(ROLL, ("cluster.device_mapping.reference",), (
+        "The reference model lives in the trainer's ranks: the trainer's devices or null, never devices of its "
+        "own as in ROLL's separated mode.")),
+    "critic.device_mapping": ForeignKey(ROLL, ("cluster.device_mapping.critic",), (
+        "The critic lives in the trainer's ranks: the trainer's devices or null.")),
+    "actor_train.training_args.learning_rate": ForeignKey(ROLL, ("algorithm.optimizer.lr",)),
+    "actor_train.training_args.weight_decay": ForeignKey(ROLL, ("algorithm.optimizer.weight_decay",)),
+    "actor_train.training_args.warmup_steps": ForeignKey(ROLL, ("algorithm.optimizer.warmup_steps",)),
+    "actor_train.training_args.per_device_train_batch_size": ForeignKey(ROLL, ("trainer.micro_batch_size_per_gpu",)),
+    "actor_train.training_args.gradient_accumulation_steps": ForeignKey(ROLL, ("trainer.mini_batch_size",), (
+        "rft sets the experiences per optimizer step instead, ROLL's global_batch_size: per_device_train_batch_size "
+        "x gradient_accumulation_steps x data-parallel ranks.")),
+    "actor_train.model_args.disable_gradient_checkpointing": ForeignKey(ROLL, ("trainer.gradient_checkpointing",), (
+        "Its opposite: disable_gradient_checkpointing=false is trainer.gradient_checkpointing=true.")),
+    "actor_infer.strategy_args.strategy_config.gpu_memory_utilization": ForeignKey(
+        ROLL, (f"{_ROLLOUT}.gpu_memory_utilization",)),
+    "actor_infer.generating_args.temperature": ForeignKey(ROLL, (f"{_TASKSET}.rollout_args.temperature",)),
+    "actor_infer.generating_args.top_p": ForeignKey(ROLL, (f"{_TASKSET}.rollout_args.top_p",)),
+    "actor_infer.generating_args.top_k": ForeignKey(ROLL, (f"{_TASKSET}.rollout_args.top_k",)),
+    "actor_infer.generating_args.max_new_tokens": ForeignKey(ROLL, ("model.max_response_tokens",)),
+    "adv_estimator": ForeignKey(ROLL, ("algorithm=<name>",), (
+        "The algorithm is a config group here (conf/algorithm/): ROLL's grpo is algorithm=grpo, gae "
+        "algorithm=ppo; its reinforce and agentic estimators have no file of their own.")),
+    "exp_name": ForeignKey(ROLL, ("name",)),
+    "prompt_length": ForeignKey(ROLL, ("model.max_prompt_tokens",)),
+    "response_length": ForeignKey(ROLL, ("model.max_response_tokens",)),
+    "sequence_length": ForeignKey(ROLL, ("model.max_response_tokens",), (
+        "rft sets the response's budget itself: ROLL's sequence_length - prompt_length.")),
+    "num_gpus_per_node": ForeignKey(ROLL, ("cluster.gpu_per_node",)),
+    "num_nodes": ForeignKey(ROLL, ("cluster.node_num",)),
+    "track_with": ForeignKey(ROLL, ("monitor.monitor_type",), "A list: tensorboard, wandb, mlflow."),
+    "pg_clip": ForeignKey(ROLL, ("algorithm.clip_ratio_low", "algorithm.clip_ratio_high"), (
+        "The ratio is clipped to [1 - clip_ratio_low, 1 + clip_ratio_high]: give both the value.")),
+    "pg_clip_low": ForeignKey(ROLL, ("algorithm.clip_ratio_low",)),
+    "pg_clip_high": ForeignKey(ROLL, ("algorithm.clip_ratio_high",)),
+    "dual_clip_loss": ForeignKey(ROLL, ("algorithm.clip_ratio_c",), (
+        "A number here, not a switch: the dual clip's bound (usually 3.0); null turns it off.")),
+    "add_token_level_kl": ForeignKey(ROLL, ("algorithm.kl_penalty_fn",), (
+        "The KL to the reference is subtracted from the reward when algorithm.kl_penalty_fn is k1, k2, k3 or "
+        "abs; its coefficient is algorithm.kl_penalty_coef.")),
+    "kl_penalty": ForeignKey(ROLL, ("algorithm.kl_penalty_fn",), f"ROLL's {_KL_FNS}."),
+    "entropy_loss_coef": ForeignKey(ROLL, ("algorithm.entropy_coef",)),
+    "max_grad_norm": ForeignKey(ROLL + TRL, ("trainer.grad_clip",)),
+    "system_envs": _ENVS,
+    "system_envs.*": _ENVS,
+    "profiler_output_dir": ForeignKey(ROLL, ("monitor.enable_ray_timeline",), (
+        "A switch: Ray's timeline is written to <stage>/monitor/timeline.json.")),
+    "actor_train.*": ForeignKey(ROLL, None, _OTHER),
+    "actor_infer.*": ForeignKey(ROLL, None, _OTHER),
+    "reference.*": ForeignKey(ROLL, None, _OTHER),
+    # ---------------------------------------------------------------- LightRFT and OpenRLHF (flags)
+    "rollout_batch_size": ForeignKey(ROLL + LIGHTRFT, ("buffer.batch_size",), (
+        "Both count prompts (tasks) per step; a step's experiences are that x algorithm.repeat_times "
+        "(buffer.train_batch_size).")),
+    "n_samples_per_prompt": ForeignKey(LIGHTRFT, ("algorithm.repeat_times",), "Responses sampled per prompt."),
+    "train_batch_size": ForeignKey(LIGHTRFT, ("trainer.mini_batch_size",), (
+        "Experiences per optimizer step (DeepSpeed's global batch). rft's buffer.train_batch_size is not it: that "
+        "is every experience of a step, buffer.batch_size x algorithm.repeat_times (LightRFT's "
+        "rollout_batch_size x n_samples_per_prompt).")),
+    "micro_train_batch_size": ForeignKey(LIGHTRFT, ("trainer.micro_batch_size_per_gpu",), (
+        "Both count experiences per GPU in one forward and backward.")),
+    "micro_rollout_batch_size": ForeignKey(LIGHTRFT, (), (
+        "the engine batches generation (explorer=hf: explorer.rollout_model.generate_batch_size sequences a call), "
+        "and the trainer's log-probs of the policy and the reference go by trainer.micro_batch_size_per_gpu.")),
+    "pretrain": ForeignKey(ROLL + LIGHTRFT, ("model.model_path",)),
+    "critic_pretrain": ForeignKey(LIGHTRFT, ("model.critic_model_path",)),
+    "advantage_estimator": ForeignKey(LIGHTRFT, ("algorithm=<name>",), (
+        "The algorithm is a config group here (conf/algorithm/): group_norm is algorithm=grpo, gae algorithm=ppo, "
+        "rloo algorithm=rloo, reinforce algorithm=reinforce_pp, reinforce_baseline algorithm=reinforce_pp_baseline.")),
+    "init_kl_coef": ForeignKey(ROLL + LIGHTRFT, ("algorithm.kl_penalty_coef", "algorithm.kl_loss_coef"), (
+        "A KL to the reference subtracted from the reward is algorithm.kl_penalty_coef (with algorithm.kl_penalty_fn, "
+        "none by default); LightRFT's and OpenRLHF's with --use_kl_loss weigh a loss term, algorithm.kl_loss_coef "
+        "(with algorithm.kl_loss_fn). The coefficient is fixed: there is no adaptive controller (kl_target).")),
+    "use_kl_loss": ForeignKey(ROLL + LIGHTRFT, ("algorithm.kl_loss_fn",), (
+        "The KL loss term is on when algorithm.kl_loss_fn is k1, k2, k3 or abs, off with none; its coefficient is "
+        "algorithm.kl_loss_coef.")),
+    "kl_estimator": ForeignKey(LIGHTRFT, ("algorithm.kl_loss_fn", "algorithm.kl_penalty_fn"), (
+        "The same names, k1, k2 and k3: kl_loss_fn for a loss term, kl_penalty_fn for the reward's penalty.")),
+    "actor_learning_rate": ForeignKey(LIGHTRFT, ("algorithm.optimizer.lr",)),
+    "critic_learning_rate": ForeignKey(LIGHTRFT, ("algorithm.critic_lr",)),
+    "lr_warmup_ratio": ForeignKey(LIGHTRFT, ("algorithm.optimizer.warmup_steps",), (
+        "Give the optimizer steps; `dry_run=true` prints a stage's steps.")),
+    "adam_betas": ForeignKey(LIGHTRFT, ("algorithm.optimizer.betas",)),
+    "l2": ForeignKey(LIGHTRFT, ("algorithm.optimizer.weight_decay",)),
+    "max_norm": ForeignKey(LIGHTRFT, ("trainer.grad_clip",)),
+    "lambd": ForeignKey(ROLL + LIGHTRFT, ("algorithm.lam",), "GAE's lambda: 1.0 by default here (there: 0.95)."),
+    "max_epochs": ForeignKey(LIGHTRFT, ("trainer.ppo_epochs",), "Passes over each step's experiences."),
+    "num_episodes": ForeignKey(LIGHTRFT, ("buffer.total_epochs",), "Passes over the prompts."),
+    "prompt_max_len": ForeignKey(LIGHTRFT, ("model.max_prompt_tokens",)),
+    "generate_max_len": ForeignKey(LIGHTRFT, ("model.max_response_tokens",)),
+    "eps_clip": ForeignKey(LIGHTRFT, ("algorithm.clip_ratio_low", "algorithm.clip_ratio_high"), (
+        "The ratio is clipped to [1 - clip_ratio_low, 1 + clip_ratio_high]: give both the value.")),
+    "zero_stage": ForeignKey(LIGHTRFT, (), (
+        "there is no DeepSpeed here; trainer=fsdp2 shards the weights, gradients and optimizer state over its "
+        "ranks.")),
+    "fsdp": ForeignKey(LIGHTRFT[:1], ("trainer=fsdp2",)),
+    "fsdp_cpu_offload": ForeignKey(LIGHTRFT[:1], ("trainer.param_offload",), (
+        "With trainer=fsdp2: the weights and gradients in CPU memory, the optimizer stepping on the CPU.")),
+    "engine_mem_util": ForeignKey(LIGHTRFT[:1], (f"{_ROLLOUT}.gpu_memory_utilization",)),
+    "engine_tp_size": ForeignKey(LIGHTRFT[:1], (f"{_ROLLOUT}.tensor_parallel_size",)),
+    "enable_engine_sleep": ForeignKey(LIGHTRFT[:1], (f"{_ROLLOUT}.enable_sleep_mode",), (
+        "Off by default here; vLLM on GPUs, the engines sharing the trainer's devices.")),
+    "packing_samples": ForeignKey(LIGHTRFT, ("trainer.use_remove_padding",), "On by default here."),
+    "flash_attn": ForeignKey(LIGHTRFT, ("model.attn_implementation",), "Its value flash_attention_2."),
+    "gradient_checkpointing": ForeignKey(LIGHTRFT + TRL, ("trainer.gradient_checkpointing",)),
+    "reward_running_norm": ForeignKey(LIGHTRFT[:1], (f"{_TASKSET}.reward_fn",), (
+        "A reward part's normalize: true ({fn: ..., normalize: true} in the reward_fn list), which subtracts the "
+        "running mean before dividing by the running std: LightRFT does so only with "
+        "--reward_running_norm_minus_mean.")),
+    "use_wandb": ForeignKey(LIGHTRFT, ("monitor=wandb",), (
+        "Its value is wandb's API key there; wandb reads it from WANDB_API_KEY (or `wandb login`).")),
+    "wandb_project": ForeignKey(LIGHTRFT, ("project",)),
+    "wandb_run_name": ForeignKey(LIGHTRFT, ("name",), "wandb's run is <name>/<stage>."),
+    "wandb_org": ForeignKey(LIGHTRFT, (), "wandb reads the entity from WANDB_ENTITY."),
+    "save_path": ForeignKey(LIGHTRFT, ("checkpoint_root_dir",), (
+        "A run's checkpoints (resumable state and Hugging Face weights) go to "
+        "<checkpoint_root_dir>/<project>/<name>/.")),
+    "ckpt_path": ForeignKey(LIGHTRFT, ("checkpoint_root_dir", "trainer.resume_from_path"), (
+        "A run's checkpoints go to <checkpoint_root_dir>/<project>/<name>/; trainer.resume_from_path resumes from "
+        "a given one.")),
+    "load_checkpoint": ForeignKey(LIGHTRFT, ("continue_from_checkpoint",), (
+        "On by default here: a run of the same name resumes from its newest checkpoint.")),
+    "max_ckpt_num": ForeignKey(LIGHTRFT, ("trainer.max_ckpt_to_keep",)),
+    "save_interval": ForeignKey(LIGHTRFT[:1], ("trainer.save_interval",)),
+    # ---------------------------------------------------------------- TRL (GRPOConfig's fields)
+    "num_generations": ForeignKey(TRL, ("algorithm.repeat_times",), "Responses sampled per prompt."),
+    "per_device_train_batch_size": ForeignKey(ROLL + TRL, ("trainer.micro_batch_size_per_gpu",), (
+        "Both count experiences (completions) per GPU in one forward and backward.")),
+    "gradient_accumulation_steps": ForeignKey(ROLL + TRL, ("trainer.mini_batch_size",), (
+        "rft sets the experiences per optimizer step instead: per_device_train_batch_size x "
+        "gradient_accumulation_steps x data-parallel ranks.")),
+    "beta": ForeignKey(TRL, ("algorithm.kl_loss_coef", "algorithm.dpo_beta"), (
+        "GRPOConfig's beta weighs a k3 KL loss term: algorithm.kl_loss_coef with algorithm.kl_loss_fn=k3 "
+        "(kl_loss_fn=none is beta=0); DPOConfig's beta is algorithm.dpo_beta.")),
+    "epsilon": ForeignKey(TRL, ("algorithm.clip_ratio_low", "algorithm.clip_ratio_high"), (
+        "The ratio is clipped to [1 - clip_ratio_low, 1 + clip_ratio_high]; TRL's epsilon sets both unless "
+        "epsilon_high is given.")),
+    "epsilon_high": ForeignKey(TRL, ("algorithm.clip_ratio_high",)),
+    "num_iterations": ForeignKey(TRL, ("trainer.ppo_epochs",), "Passes over each step's experiences."),
+    "max_prompt_length": ForeignKey(TRL, ("model.max_prompt_tokens",)),
+    "max_completion_length": ForeignKey(TRL, ("model.max_response_tokens",)),
+    "loss_type": ForeignKey(TRL, ("algorithm.loss_agg_mode",), (
+        "TRL's grpo is seq-mean-token-mean, dr_grpo seq-mean-token-sum-norm, dapo token-mean; bnpo, normalised by "
+        "its local batch's tokens, is nearest token-mean, which normalises by the whole mini-batch's; cispo, sapo and "
+        "luspo have no counterpart.")),
+    "scale_rewards": ForeignKey(TRL, ("algorithm.advantage_fn",), (
+        "TRL's group (or true) is grpo's advantage; none (or false) is algorithm.advantage_fn=dr_grpo; batch and "
+        "mean have no counterpart.")),
+    "learning_rate": ForeignKey(TRL, ("algorithm.optimizer.lr",)),
+    "weight_decay": ForeignKey(TRL, ("algorithm.optimizer.weight_decay",), "0.01 by default here (TRL: 0)."),
+    "warmup_steps": ForeignKey(TRL, ("algorithm.optimizer.warmup_steps",)),
+    "lr_scheduler_type": ForeignKey(TRL, ("algorithm.optimizer.warmup_style",), (
+        "constant or cosine after the warm-up; TRL's default linear decay has no counterpart.")),
+    "use_vllm": ForeignKey(TRL, ("explorer=vllm",)),
+    "vllm_gpu_memory_utilization": ForeignKey(TRL, (f"{_ROLLOUT}.gpu_memory_utilization",)),
+    "vllm_tensor_parallel_size": ForeignKey(TRL, (f"{_ROLLOUT}.tensor_parallel_size",)),
+    "temperature": ForeignKey(LIGHTRFT + TRL, (f"{_TASKSET}.rollout_args.temperature",)),
+    "top_p": ForeignKey(LIGHTRFT + TRL, (f"{_TASKSET}.rollout_args.top_p",)),
+    "top_k": ForeignKey(TRL, (f"{_TASKSET}.rollout_args.top_k",), "-1 disables it here (TRL: 0)."),
+    "num_train_epochs": ForeignKey(TRL, ("buffer.total_epochs",)),
+    "max_steps": ForeignKey(ROLL + TRL, ("buffer.total_steps",), f"{_STEPS}."),
+    "save_steps": ForeignKey(ROLL + TRL, ("trainer.save_interval",), f"{_STEPS}."),
+    "eval_steps": ForeignKey(ROLL + TRL, ("explorer.eval_interval",), f"{_STEPS}."),
+    "report_to": ForeignKey(TRL, ("monitor.monitor_type",), "A list: tensorboard, wandb, mlflow."),
+    "output_dir": ForeignKey(ROLL + TRL, ("checkpoint_root_dir",), (
+        "A run writes to <checkpoint_root_dir>/<project>/<name>/.")),
+    "bf16": ForeignKey(LIGHTRFT + TRL, ("model.dtype",), "bfloat16, the default here."),
+})

@@ -1,0 +1,205 @@
+"""Keys of verl, ROLL, LightRFT/OpenRLHF and TRL typed here (rft/foreign_keys.py): one paragraph naming
+whose key it is, rft's key or group choice for it and what differs, instead of the nearest of rft's
+names; rft's own keys and typos of them as before."""
+
+import re
+import shutil
+
+import pytest
+from conftest import CONF
+from omegaconf import OmegaConf
+
+from rft.config import Config, key_mistake, schema_keys
+from rft.foreign_keys import FOREIGN_KEYS, ForeignKey, foreign_key
+from rft.plan.overlays import check, exit_on_config_mistakes, foreign_flag, misspelt_override
+
+GROUPS = {p.name for p in CONF.iterdir() if p.is_dir()}
+
+
+@pytest.mark.parametrize("override, message", [
+    # verl. Before: "Key 'adv_estimator' not in 'AlgorithmConfig'. Did you mean algorithm.distill_top_k or
+    # algorithm.gamma?"
+    ("algorithm.adv_estimator=grpo",
+     "that is verl's key, not rft's; rft's is algorithm=<name>. The algorithm is a config group here "
+     "(conf/algorithm/): verl's grpo is algorithm=grpo, gae algorithm=ppo, rloo algorithm=rloo, reinforce_plus_plus "
+     "algorithm=reinforce_pp, reinforce_plus_plus_baseline algorithm=reinforce_pp_baseline."),
+    # before: "Key 'actor_rollout_ref' not in 'Config'." and no hint
+    ("actor_rollout_ref.rollout.n=8",
+     "that is verl's key, not rft's; rft's is algorithm.repeat_times. Responses sampled per prompt."),
+    ("data.train_batch_size=64",
+     "that is verl's key, not rft's; rft's is buffer.batch_size. Both count prompts (tasks) per step, each sampled "
+     "algorithm.repeat_times times; rft's buffer.train_batch_size is the step's experiences (batch_size x "
+     "repeat_times)."),
+    # the meaning differs: verl counts prompts (it multiplies by rollout.n itself), rft experiences
+    ("actor_rollout_ref.actor.ppo_mini_batch_size=16",
+     "that is verl's key, not rft's; rft's is trainer.mini_batch_size. Both are global (all ranks) and make one "
+     "optimizer step, but verl counts prompts, rft experiences (responses): verl multiplies its value by "
+     "actor_rollout_ref.rollout.n itself, so ppo_mini_batch_size=16 with rollout.n=8 is trainer.mini_batch_size=128."),
+    ("algorithm.kl_ctrl.kl_coef=0.001",
+     "that is verl's key, not rft's; rft's is algorithm.kl_penalty_coef. A fixed coefficient, as verl's "
+     "fixed controller."),
+    # no counterpart: said so
+    ("algorithm.kl_ctrl.type=adaptive",
+     "that is verl's key, not rft's, and rft has no counterpart: the reward's KL coefficient is fixed here "
+     "(algorithm.kl_penalty_coef); there is no adaptive controller."),
+    ("trainer.n_gpus_per_node=8", "that is verl's key, not rft's; rft's is cluster.gpu_per_node."),
+    ("ray_init.num_cpus=4", "that is verl's key, not rft's; rft's is cluster.num_cpus. CPUs of the Ray instance rft "
+                            "starts itself (not of a running cluster it joins)."),
+    # a key of a section of verl's that the table does not list: whose it is, and no guess
+    ("actor_rollout_ref.rollout.mode=async",
+     "that is verl's key, not rft's, and has no translation here: rft's keys, each with a comment, are in "
+     "rft/config.py; `python run.py --cfg job` prints the composed config."),
+    # ROLL
+    ("num_return_sequences_in_group=8",
+     "that is ROLL's key, not rft's; rft's is algorithm.repeat_times. Responses sampled per prompt."),
+    ("actor_train.training_args.gradient_accumulation_steps=32",
+     "that is ROLL's key, not rft's; rft's is trainer.mini_batch_size. rft sets the experiences per optimizer step "
+     "instead, ROLL's global_batch_size: per_device_train_batch_size x gradient_accumulation_steps x data-parallel "
+     "ranks."),
+    ("dual_clip_loss=true",
+     "that is ROLL's key, not rft's; rft's is algorithm.clip_ratio_c. A number here, not a switch: the dual clip's "
+     "bound (usually 3.0); null turns it off."),
+    # LightRFT/OpenRLHF: the meaning differs, and the nearest of rft's names (buffer.train_batch_size) was wrong
+    ("train_batch_size=256",
+     "that is LightRFT's and OpenRLHF's key, not rft's; rft's is trainer.mini_batch_size. Experiences per optimizer "
+     "step (DeepSpeed's global batch). rft's buffer.train_batch_size is not it: that is every experience of a step, "
+     "buffer.batch_size x algorithm.repeat_times (LightRFT's rollout_batch_size x n_samples_per_prompt)."),
+    ("rollout_batch_size=64",
+     "that is ROLL's, LightRFT's and OpenRLHF's key, not rft's; rft's is buffer.batch_size. Both count prompts "
+     "(tasks) per step; a step's experiences are that x algorithm.repeat_times (buffer.train_batch_size)."),
+    # TRL
+    ("num_generations=8",
+     "that is TRL's key, not rft's; rft's is algorithm.repeat_times. Responses sampled per prompt."),
+    ("beta=0.04",
+     "that is TRL's key, not rft's; rft's are algorithm.kl_loss_coef and algorithm.dpo_beta. GRPOConfig's beta "
+     "weighs a k3 KL loss term: algorithm.kl_loss_coef with algorithm.kl_loss_fn=k3 (kl_loss_fn=none is beta=0); "
+     "DPOConfig's beta is algorithm.dpo_beta."),
+    ("max_steps=100",
+     "that is ROLL's and TRL's key, not rft's; rft's is buffer.total_steps. ROLL counts pipeline steps, as rft "
+     "counts steps (buffer.batch_size tasks each); TRL counts optimizer steps, of which a step here makes "
+     "buffer.train_batch_size / trainer.mini_batch_size x trainer.ppo_epochs."),
+])
+def test_another_systems_key_on_the_command_line_is_translated(override, message):
+    key = override.split("=")[0]
+    assert misspelt_override([override], GROUPS) == f"Could not override '{key}': {message}"
+
+
+def test_added_with_plus_or_in_a_stage_the_same_paragraph():
+    assert misspelt_override(["+trainer.wandb_proxy=http://proxy:3128"], GROUPS) == (
+        "Could not add 'trainer.wandb_proxy': that is verl's key, not rft's, and rft has no counterpart: set a "
+        "proxy in the environment run.py starts from.")
+    # a stage's keys are the whole config's: rft's key is named as the stage writes it
+    assert misspelt_override(["stages.1.actor_rollout_ref.rollout.n=4"], GROUPS) == (
+        "Could not override 'stages.1.actor_rollout_ref.rollout.n': that is verl's key, not rft's; rft's is "
+        "stages.1.algorithm.repeat_times. Responses sampled per prompt.")
+
+
+def test_rfts_own_keys_and_their_typos_behave_as_before():
+    for fine in (["algorithm.repeat_times=8"], ["buffer.batch_size=16", "trainer.mini_batch_size=64"],
+                 ["algorithm=grpo"], ["stages.0.trainer.save_interval=2"], ["algorithm.gamma=1.0"]):
+        assert misspelt_override(fine, GROUPS) is None, fine
+    # a typo of rft's own key: the nearest of rft's names, as before
+    assert misspelt_override(["algorithm.repeat_time=4"], GROUPS) == (
+        "Could not override 'algorithm.repeat_time': Key 'repeat_time' not in 'AlgorithmConfig'. Did you mean "
+        "algorithm.repeat_times or algorithm.optimizer? The keys, each with a comment, are in rft/config.py; "
+        "`python run.py --cfg job` prints the composed config.")
+    assert misspelt_override(["trainer.lr=1e-3"], GROUPS).startswith(
+        "Could not override 'trainer.lr': Key 'lr' not in 'TrainerConfig'. Did you mean algorithm.optimizer.lr")
+
+
+@pytest.mark.parametrize("args, message", [
+    # LightRFT's and OpenRLHF's keys are flags (Hydra: "unrecognized arguments")
+    (["--n_samples_per_prompt", "8"],
+     "--n_samples_per_prompt 8: rft takes key=value overrides, not flags; that is LightRFT's and OpenRLHF's key, "
+     "not rft's; rft's is algorithm.repeat_times. Responses sampled per prompt."),
+    (["--engine_mem_util=0.4", "seed=1"],
+     "--engine_mem_util=0.4: rft takes key=value overrides, not flags; that is LightRFT's key, not rft's; rft's is "
+     "explorer.rollout_model.gpu_memory_utilization."),
+    # the meaning differs: rft's normalize subtracts the running mean, LightRFT's only with another flag
+    (["--reward_running_norm", "--flash_attn"],
+     "--reward_running_norm: rft takes key=value overrides, not flags; that is LightRFT's key, not rft's; rft's is "
+     "buffer.explorer_input.taskset.reward_fn. A reward part's normalize: true ({fn: ..., normalize: true} in the "
+     "reward_fn list), which subtracts the running mean before dividing by the running std: LightRFT does so only "
+     "with --reward_running_norm_minus_mean."),
+    (["--zero_stage", "3"],
+     "--zero_stage 3: rft takes key=value overrides, not flags; that is LightRFT's and OpenRLHF's key, not rft's, "
+     "and rft has no counterpart: there is no DeepSpeed here; trainer=fsdp2 shards the weights, gradients and "
+     "optimizer state over its ranks."),
+    # a flag named as the last part of one of rft's keys
+    (["--seed", "3"], "--seed 3: rft takes key=value overrides, not flags: write seed=3."),
+    # a switch: nothing after it is taken for its value
+    (["--gradient_checkpointing", "seed=1"],
+     "--gradient_checkpointing: rft takes key=value overrides, not flags; that is LightRFT's, OpenRLHF's and TRL's "
+     "key, not rft's; rft's is trainer.gradient_checkpointing."),
+])
+def test_a_flag_of_another_system_is_one_paragraph(capsys, args, message):
+    assert foreign_flag(args) == message
+    with pytest.raises(SystemExit) as e:
+        exit_on_config_mistakes(args, CONF)
+    assert e.value.code == 2
+    assert capsys.readouterr().err == f"\nrft: configuration error: {message}\n\n"
+
+
+def test_hydras_own_flags_and_unknown_flags_are_left_to_hydra():
+    for args in (["--cfg", "job"], ["-m", "seed=1,2"], ["--config-name=config"], ["--info"], ["--no_such_flag", "1"]):
+        assert foreign_flag(args) is None, args
+
+
+@pytest.mark.parametrize("text, message", [
+    # a verl-shaped overlay: the first value it sets
+    ("# @package _global_\ndefaults:\n  - override /algorithm: grpo\nactor_rollout_ref:\n  rollout:\n    n: 8\n",
+     "conf/experiment/mine.yaml, line 6: actor_rollout_ref.rollout.n: that is verl's key, not rft's; rft's is "
+     "algorithm.repeat_times. Responses sampled per prompt."),
+    # a ROLL-shaped one
+    ("# @package _global_\nactor_train:\n  device_mapping: list(range(0,8))\n",
+     "conf/experiment/mine.yaml, line 3: actor_train.device_mapping: that is ROLL's key, not rft's; rft's is "
+     "cluster.device_mapping.trainer. A YAML list of device indices ([0,1,2,3]), not ROLL's list(range(0,4))."),
+    # a stage of an overlay
+    ("# @package _global_\nstages:\n  - stage_name: rl\n    data:\n      train_batch_size: 32\n",
+     "conf/experiment/mine.yaml, line 5: stages.0.data.train_batch_size: that is verl's key, not rft's; rft's is "
+     "stages.0.buffer.batch_size. Both count prompts (tasks) per step, each sampled algorithm.repeat_times times; "
+     "rft's buffer.train_batch_size is the step's experiences (batch_size x repeat_times)."),
+])
+def test_another_systems_key_in_an_overlay_names_its_file_and_line(tmp_path, monkeypatch, text, message):
+    conf = tmp_path / "conf"
+    shutil.copytree(CONF, conf)
+    (conf / "experiment" / "mine.yaml").write_text(text)
+    monkeypatch.chdir(tmp_path)  # files are named relative to where run.py runs
+    assert check(["experiment=mine"], conf) == message
+
+
+def test_every_key_of_rft_the_table_names_exists():
+    """A translation to a key rft does not have would be worse than none: every rft key or group
+    choice an entry names (its `ours`, and any dotted name in its sentences that is not another
+    system's) is in the schema or is a file of conf/; no entry is shadowed by a key of rft's."""
+    keys = set(schema_keys())
+    # a sentence may shorten a key to its last parts (format.prompt_type, verl's rollout.n)
+    named = {k.removesuffix(".*") for k in FOREIGN_KEYS} | keys
+    known = {".".join(k.split(".")[i:]) for k in named for i in range(len(k.split(".")))}
+    for name in FOREIGN_KEYS:
+        entry = FOREIGN_KEYS[name]
+        assert isinstance(entry, ForeignKey), name
+        assert name.removesuffix(".*") not in keys, f"{name} is rft's own key: the entry is never reached"
+        for ours in entry.ours or ():
+            group, eq, option = ours.partition("=")
+            if eq:
+                assert option == "<name>" or (CONF / group / f"{option}.yaml").is_file(), (name, ours)
+            else:
+                assert ours in keys, (name, ours)
+        for token in re.findall(r"(?<![\w/.<])([a-z_]+(?:\.[a-z_0-9]+)+)(?![\w/])", entry.note):
+            if token.endswith((".py", ".yaml", ".json")) or token == "module.function":  # a file, a placeholder
+                continue
+            assert token in known, (name, token)
+        for choice in re.findall(r"\b([a-z_]+)=([a-z_0-9]+)\b", entry.note):
+            if choice[0] in GROUPS:
+                assert (CONF / choice[0] / f"{choice[1]}.yaml").is_file(), (name, choice)
+
+
+def test_a_study_adds_its_own_entry():
+    FOREIGN_KEYS["my_system.batch"] = ForeignKey(("MySystem",), ("buffer.batch_size",), "Prompts per step.")
+    try:
+        assert foreign_key("my_system.batch") == ("that is MySystem's key, not rft's; rft's is buffer.batch_size. "
+                                                  "Prompts per step.")
+        assert key_mistake(OmegaConf.structured(Config), "my_system.batch").startswith("that is MySystem's key")
+    finally:
+        del FOREIGN_KEYS["my_system.batch"]
