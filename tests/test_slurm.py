@@ -6,12 +6,15 @@ machine, as root, `launchers/slurm_local.sh start` makes one on localhost (.ci/r
 one they skip and say so; with RFT_REQUIRE_SLURM=1 (set by .ci/run) they fail instead.
 """
 
+import logging
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -283,48 +286,256 @@ def test_a_requeued_slurm_job_knows_its_own_earlier_attempt(tmp_path, monkeypatc
     assert requeued("pid 12 on vm", {"SLURM_JOB_ID": "7", "SLURM_RESTART_COUNT": "2"}) is None  # written outside Slurm
 
 
+# ---------------------------------------------------------------- Slurm's warning, without Slurm
+
+class FakeSubmitit:
+    """submitit's SignalHandler as rft.runtime.preemption sees it: the verdict time limit or
+    preemption (`has_timed_out`), and the handler that requeues the job and exits."""
+
+    def __init__(self):
+        self.verdicts, self.calls = 0, []
+
+    def has_timed_out(self) -> bool:
+        self.verdicts += 1
+        return False
+
+    def checkpoint_and_try_requeue(self, signum, frame):
+        self.calls.append((signum, threading.current_thread().name, self.has_timed_out()))
+        sys.exit(-1)
+
+
+@pytest.fixture
+def warned(monkeypatch):
+    """A watcher of SIGUSR2 in this process, as in a submitit Slurm job; `start(window_s)`."""
+    from rft.runtime import preemption
+
+    made = []
+
+    def start(window_s: float = 120.0):
+        fake = FakeSubmitit()
+        watcher = preemption.Preemption(signal.SIGUSR2, fake.checkpoint_and_try_requeue, window_s)  # no end time
+        watcher.start()
+        made.append(watcher)
+        monkeypatch.setattr(preemption, "current", watcher)
+        return watcher, fake
+
+    yield start
+    for watcher in made:
+        watcher.stop()
+    assert signal.SIGUSR2 not in signal.pthread_sigmask(signal.SIG_BLOCK, [])  # unblocked again
+
+
+def signal_until(watcher, within: float = 5.0) -> None:
+    """SIGUSR2 to this process, as Slurm sends it; until the watcher took it."""
+    os.kill(os.getpid(), signal.SIGUSR2)
+    deadline = time.monotonic() + within
+    while not watcher.signalled:
+        assert time.monotonic() < deadline, "the watcher never took the signal"
+        time.sleep(0.01)
+
+
+def test_slurms_warning_during_a_step_saves_that_step_then_requeues(warned, caplog):
+    from rft.runtime import preemption
+
+    caplog.set_level(logging.INFO, logger="rft.runtime.preemption")
+    watcher, fake = warned()
+    # started after the watcher: the signal reaches it blocked, and it lives on (SIGUSR2's
+    # default action ends a process: Ray's actors, reward workers, vLLM's engine)
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(20)"])
+    lines = []
+    try:
+        with pytest.raises(SystemExit) as e, watcher.steps("grpo", lines.append):
+            assert preemption.due(6) is False  # no warning yet: step 6 goes on as planned
+            signal_until(watcher)
+            os.kill(child.pid, signal.SIGUSR2)
+            assert fake.calls == [] and fake.verdicts == 1  # the verdict is taken at the signal
+            assert preemption.due(7) is True
+            preemption.requeue_if_signalled()  # after step 7's checkpoint
+        time.sleep(0.2)
+        assert child.poll() is None
+    finally:
+        child.kill()
+    assert e.value.code == -1
+    # submitit's handler ran once, in the main thread, with the verdict of the signal's time
+    assert fake.calls == [(signal.SIGUSR2, "MainThread", False)] and fake.verdicts == 1
+    assert lines == [  # (no end time of the job read here: signal_delay_s 120 - 30 s = 90 s)
+        "[grpo] preemption signal (SIGUSR2): the step in progress ends and its checkpoint is saved, then the job "
+        "is requeued (if that takes more than 90 s, it is requeued without that checkpoint)",
+        "[grpo] preemption signal: saving the checkpoint at step 7, then requeue"]
+    assert [r.getMessage() for r in caplog.records] == lines  # and in the run's log
+
+
+def test_the_step_that_ends_after_the_warning_is_saved_logged_and_then_requeued(warned):
+    """The schedule's side (rft/runtime/schedule.py): a step's end saves a checkpoint only every
+    trainer.save_interval steps (10), and the step that ends after the warning too; it is logged
+    after its checkpoint, as any step (a kill between them must not lose the row), then the job is
+    requeued."""
+    from types import SimpleNamespace
+
+    from rft.runtime.schedule import Schedule
+
+    watcher, fake = warned()
+    done = []
+    run = object.__new__(Schedule)
+    run.cfg = compose_cfg(["trainer.save_interval=10"])
+    run.plan = SimpleNamespace(total_steps=20)
+    run.trainer, run.explores = None, True  # (no trainer, no explorer: no sync, no eval)
+    run.pool = SimpleNamespace(explorers=[], synced=0)
+    run.monitor = SimpleNamespace(log=lambda step, metrics: done.append(("log", step)))
+    run._save = lambda step, metrics: done.append(("save", step))
+    with pytest.raises(SystemExit), watcher.steps("grpo", lambda text: None):
+        run._end_step(3, {}, time.perf_counter())
+        signal_until(watcher)
+        assert fake.calls == []
+        run._end_step(4, {}, time.perf_counter())
+    assert done == [("log", 3), ("save", 4), ("log", 4)] and len(fake.calls) == 1
+
+
+def test_slurms_warning_outside_the_step_loop_requeues_at_once(warned, capsys):
+    watcher, fake = warned()
+    with pytest.raises(SystemExit):  # in the main thread, at its next bytecode, as submitit's own
+        os.kill(os.getpid(), signal.SIGUSR2)
+        for _ in range(500):
+            time.sleep(0.01)
+    assert fake.calls == [(signal.SIGUSR2, "MainThread", False)]
+    assert "preemption signal: no step in progress to save; the job is requeued now" in capsys.readouterr().out
+
+
+def test_how_long_the_step_and_its_save_may_take_after_the_warning():
+    from rft.runtime import preemption
+
+    def deadline(window_s, left):
+        return preemption.Preemption(signal.SIGUSR2, None, window_s, lambda: left)._deadline_s()
+
+    assert deadline(120, 200) == 170  # Slurm's end time in 200 s: 30 s kept for the requeue
+    assert deadline(120, 40) == 20  # a short GraceTime: max(40 - 30, 40 / 2)
+    assert deadline(120, None) == 90  # no end time read (no squeue): signal_delay_s - 30
+
+
+def test_a_step_and_save_that_outlast_the_warning_are_cut_by_the_requeue(warned):
+    """signal_delay_s 0.4 (no end time): the watcher waits max(0.4 - 30, 0.4 / 2) = 0.2 s, then
+    requeues the job itself (a late save must not cost the requeue), and the main thread exits."""
+    watcher, fake = warned(window_s=0.4)
+    lines = []
+    t0 = time.monotonic()
+    with pytest.raises(SystemExit), watcher.steps("grpo", lines.append):
+        signal_until(watcher)
+        for _ in range(500):  # a long step: never at a step's end
+            time.sleep(0.01)
+    assert 0.2 <= time.monotonic() - t0 < 3
+    assert fake.calls == [(signal.SIGUSR2, "rft-preemption", False)]  # once, by the watcher
+    assert lines[-1] == ("[grpo] preemption signal: the step and its checkpoint did not end within 0 s "
+                         "(30 s before Slurm stops the job): the job is requeued now, without it; it resumes "
+                         "from its newest whole checkpoint")
+
+
+def test_a_step_that_fails_after_the_warning_requeues_the_job_as_before(warned):
+    watcher, fake = warned()
+    lines = []
+    with pytest.raises(SystemExit), watcher.steps("grpo", lines.append):
+        signal_until(watcher)
+        raise RuntimeError("the trainer actor died")
+    assert fake.calls == [(signal.SIGUSR2, "MainThread", False)]
+    assert lines[-1] == ("[grpo] preemption signal: the step or its checkpoint failed (RuntimeError: the trainer "
+                         "actor died); the job is requeued without it")
+
+
+def test_the_watcher_is_there_only_in_a_submitit_slurm_job(monkeypatch):
+    from submitit.core.job_environment import SignalHandler
+
+    from rft.runtime import preemption
+
+    handler = SignalHandler(None, None, None).checkpoint_and_try_requeue
+    before = signal.signal(signal.SIGUSR2, handler)
+    try:
+        monkeypatch.delenv("SUBMITIT_EXECUTOR", raising=False)
+        with preemption.watch():
+            assert preemption.current is None  # not in a submitit job: SIGUSR2 as before
+        monkeypatch.setenv("SUBMITIT_EXECUTOR", "slurm")
+        monkeypatch.setattr(preemption, "_signal_delay_s", lambda: 120.0)  # hydra.launcher.signal_delay_s
+        with preemption.watch():
+            watcher = preemption.current
+            assert watcher.requeue_fn == handler and watcher.window_s == 120
+            assert watcher.time_left is preemption._slurm_time_left  # Slurm's end time of the job
+            assert signal.SIGUSR2 in signal.pthread_sigmask(signal.SIG_BLOCK, [])
+        assert preemption.current is None and signal.getsignal(signal.SIGUSR2) == handler
+        assert signal.SIGUSR2 not in signal.pthread_sigmask(signal.SIG_BLOCK, [])
+        signal.signal(signal.SIGUSR2, signal.SIG_DFL)  # something else handles it: left alone
+        with preemption.watch():
+            assert preemption.current is None
+    finally:
+        signal.signal(signal.SIGUSR2, before)
+
+
 @pytest.mark.slow
-def test_a_preempted_slurm_job_is_requeued_and_resumes_its_run(slurm, tmp_path):
+def test_a_preempted_slurm_job_saves_the_step_it_is_at_and_resumes_from_it(slurm, tmp_path):
     """SIGUSR2 while the job trains, as Slurm sends it on preemption (submitit calls a SIGUSR2
-    before 80% of timeout_min a preemption, later a timeout): submitit requeues the job and exits;
-    the requeued job resumes the same directory from its newest checkpoint, even with
-    continue_from_checkpoint=false (the outputs are its own first attempt's), runs to its last step,
-    and the sweep reports its result and exits 0 with no re-run by hand. Slurm holds a requeued job
-    for ~2 minutes before it may start again; the test lets it start at once (StartTime=now)."""
+    before 80% of timeout_min a preemption, later a timeout), between two regular checkpoints
+    (save_interval 1000 > the 24 steps: the only regular one is the last). The step in progress
+    ends, its checkpoint is saved, then submitit requeues the job; the requeued job resumes the same
+    directory from that step, even with continue_from_checkpoint=false (the outputs are its own
+    first attempt's), runs to its last step, and the sweep reports its result and exits 0 with no
+    re-run by hand. On Ray (cluster=local), with two FSDP2 ranks and the explorer a step ahead into
+    a SQLite buffer: Slurm signals every process of the job, and the actors must outlive it for the
+    save; both ranks take part in it (a rank left out would hang the gather, and the job would not
+    be requeued within the test's wait); the experiences explored ahead are kept. Slurm holds a
+    requeued job for ~2 minutes before it may start again; the test lets it start at once
+    (StartTime=now)."""
     sweep = tmp_path / "sweep"
-    args = ["-m", "hydra/launcher=slurm", *TINY, "buffer.total_steps=300", "trainer.save_interval=10",
-            "explorer.eval_interval=300", "continue_from_checkpoint=false", "hydra.launcher.timeout_min=60",
+    on_ray = [a if a != "cluster=inline" else "cluster=local" for a in TINY]
+    args = ["-m", "hydra/launcher=slurm", *on_ray, "trainer=fsdp2", "trainer.ranks=2", "cluster.num_cpus=3",
+            "buffer=sql", "synchronizer.sync_offset=1", "buffer.total_steps=24", "trainer.save_interval=1000",
+            "explorer.eval_interval=24", "continue_from_checkpoint=false", "hydra.launcher.timeout_min=60",
             f"hydra.sweep.dir={sweep}"]
+    metrics = sweep / "0" / "metrics.jsonl"
     proc = sweep_process(args)
     try:
-        wait_for_step(proc, sweep / "0" / "metrics.jsonl", 11, "the job never got past its step-10 checkpoint")
+        wait_for_step(proc, metrics, 5, "the job never got to step 5")
         (job,) = [p.name for p in (sweep / ".submitit").iterdir() if p.name.isdigit()]  # one job: no array
+        assert latest_checkpoint(sweep / "0") is None  # before it: a requeue would start over at step 0
         subprocess.run(["scancel", "--signal=USR2", job], check=True)  # to the job's processes, as Slurm does
         deadline = time.monotonic() + 300
         while subprocess.run(["squeue", "-h", "-j", job, "-o", "%T"], capture_output=True, text=True).stdout.strip() != "PENDING":
             assert proc.poll() is None and time.monotonic() < deadline, "the job was not requeued"
             time.sleep(0.2)
-        newest = latest_checkpoint(sweep / "0").step  # what the first attempt left
-        assert 10 <= newest < 300
+        # what the first attempt left: a checkpoint of the step it had ended last, no step after it
+        preempted = latest_checkpoint(sweep / "0")
+        newest = preempted.step
+        assert [m["step"] for m in read_metrics(metrics)] == list(range(newest + 1))
+        assert 5 <= newest < 24
+        # the explorer a step ahead (sync_offset=1): the 8 experiences (4 tasks x 2) it made for step
+        # newest + 1 are in the checkpoint, unread, with their digest; 16 where the signal came after
+        # step newest had already started the explore step after that one (queued behind the sync)
+        buffer = preempted.state["buffer"]
+        assert buffer["last_id"] - buffer["cursor"] in (8, 16) and buffer["unread_digest"]
         subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], check=True)
         stdout, stderr = proc.communicate(timeout=300)  # a hang fails here
     finally:
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 0, stdout[-2000:] + stderr[-3000:]
-    objective = [m["eval/accuracy"] for m in read_metrics(sweep / "0" / "metrics.jsonl") if "eval/accuracy" in m][-1]
+    objective = [m["eval/accuracy"] for m in read_metrics(metrics) if "eval/accuracy" in m][-1]
     assert re.search(rf"^\[sweep\] job 0 \({job}\) finished, eval/accuracy = {objective:.4g} \[1/1 ended\]$", stdout, re.M), stdout
     log = sweep / ".submitit" / job / f"{job}_0_log"
     assert "Caught signal SIGUSR2 on " in Path(f"{log}.err").read_text()
     assert "this job is preempted" in Path(f"{log}.err").read_text()
     out = Path(f"{log}.out").read_text()
+    # scancel is no preemption: Slurm's end time stays the time limit's, 60 min after the start, less
+    # the 30 s kept for the requeue and the minute or two the job ran
+    said = re.search(r"^\[grpo\] preemption signal \(SIGUSR2\): the step in progress ends and its checkpoint is "
+                         r"saved, then the job is requeued \(if that takes more than (\d+) s, it is requeued without "
+                         r"that checkpoint\)$", out, re.M)
+    assert said and 3300 < int(said[1]) <= 3570, out[-3000:]
+    assert f"[grpo] preemption signal: saving the checkpoint at step {newest}, then requeue\n" in out
     assert f"Requeued job {job} (3 remaining timeouts)" in out  # max_num_timeout=3; a preemption is not counted
     assert (f"continue_from_checkpoint=false, but this is a requeued job (Slurm job {job}, restart 1) and the "
             f"outputs are its own: it resumes them") in out
     assert f"[grpo] resuming from step {newest} (" in out
-    # each step once, in order: continued from the checkpoint, the steps after it logged again
-    assert [m["step"] for m in read_metrics(sweep / "0" / "metrics.jsonl")] == list(range(301))
-    assert latest_checkpoint(sweep / "0").step == 300 and not list((sweep / "0").glob("previous_*"))
+    assert f"[grpo] preemption signal: saving the checkpoint at step {newest}, then requeue\n" in (
+        sweep / "0" / "run.log").read_text()
+    # each step once, in order: the requeued attempt went on from the step after the signal's
+    assert [m["step"] for m in read_metrics(metrics)] == list(range(25))
+    assert latest_checkpoint(sweep / "0").step == 24 and not list((sweep / "0").glob("previous_*"))
     for _ in range(30):  # accounting can lag the job's end by a moment
         states = subprocess.run(["sacct", "-n", "-X", "-P", "-D", "-o", "State", "-j", job],
                                 capture_output=True, text=True).stdout.split()

@@ -17,7 +17,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from rft.errors import ConfigError, RunError
-from rft.runtime import rundir, stage_models
+from rft.runtime import preemption, rundir, stage_models
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +28,10 @@ def main(cfg: DictConfig) -> float | None:
     """Run the configured job; returns the last value of the metric `objective` (a sweeper's
     objective; eval/accuracy by default)."""
     try:
-        return _main(cfg)
+        # in a Slurm job, from the start (what starts after inherits it): Slurm's warning before a
+        # preemption or the time limit saves the step in progress, then requeues the job
+        with preemption.watch():
+            return _main(cfg)
     except ConfigError as e:
         _remove_if_empty(run_dir_of(cfg))  # Hydra made it; a run stopped by its config leaves nothing
         # raised inside a Ray actor it arrives wrapped; its cause holds the message

@@ -21,7 +21,7 @@ from rft.data.buffer import make_buffer
 from rft.data.pipeline import write_report
 from rft.plan.placement import torch_threads
 from rft.reporting.monitor import Monitor, read_metrics
-from rft.runtime import checkpoint
+from rft.runtime import checkpoint, preemption
 from rft.runtime.actors import ACTOR_BACKENDS, long_lived, start_explorers, start_trainer
 from rft.runtime.checkpoint import Checkpoint, Owner, latest_checkpoint, usable_checkpoint
 from rft.runtime.explorers import ExplorerPool
@@ -172,7 +172,10 @@ class StageRun:
         return options
 
     def loop(self) -> None:
-        self.schedule.run()
+        # in a Slurm job, the warning before a preemption or the time limit saves the step in
+        # progress and then requeues the job (rft/runtime/preemption.py)
+        with preemption.steps(self.title, self.monitor.print):
+            self.schedule.run()
 
     def close(self) -> None:
         if self.monitor is not None:

@@ -5,7 +5,8 @@ mode=both, per step k = 1..total_steps (o = synchronizer.sync_offset):
     experiences of explore step k - 1 -> buffer; batch = buffer.get(train_batch_size)
     metrics = trainer.train_step(batch)          # experiences staler than max_staleness dropped
     sync trainer -> explorers every sync_interval steps (and before an eval or a checkpoint)
-    checkpoint every save_interval steps; eval every eval_interval steps (and at 0 and the end)
+    checkpoint every save_interval steps (and at the step in progress when Slurm warns that it will
+    stop the job: rft/runtime/preemption.py); eval every eval_interval steps (and at 0 and the end)
 mode=explore: the explorer half, writing every step to the buffer (sql or file) and taking new
     weights from synchronizer.checkpoint_dir every sync_interval steps.
 mode=train: the trainer half, reading from a stored buffer or a dataset.
@@ -30,6 +31,7 @@ from rft.data.pipeline import ExperiencePipeline, experience_operators
 from rft.data.experience import batch_record
 from rft.rewards import scoring
 from rft.rollout.explorer import step_metrics
+from rft.runtime import preemption
 from rft.runtime.explorers import ExplorerPool
 from rft.runtime.faults import LearningSignal, TrainerCalls
 from rft.runtime.saving import StageCheckpoints
@@ -67,6 +69,8 @@ class Schedule:
     """The step loop (`run`) over the stage's parts: the explorer pool, the trainer (None in
     mode=explore), the buffer (None when the trainer reads a dataset), the monitor, the checkpoints.
     `start`: the step the stage resumes after (0: a fresh stage); `saved`: its checkpoint's state."""
+
+    preempted_at: int | None = None  # the step saved because Slurm warned that it will stop the job
 
     def __init__(self, cfg, plan, start: int, saved: dict, norm: scoring.RunningNorm, *, pool: ExplorerPool,
                  trainer: TrainerCalls | None, buffer, monitor, checkpoints: StageCheckpoints, signal: LearningSignal):
@@ -169,8 +173,8 @@ class Schedule:
             self.pool.sync_all(step)
             metrics["timing/sync_s"] = time.perf_counter() - t1
             # not before an eval (it would wait behind that explore) or a checkpoint (it would
-            # wait to keep that explore's experiences)
-            if not (self._wants_eval(step) or self._wants_save(step)):
+            # wait to keep that explore's experiences), nor once Slurm warned it will stop the job
+            if not (self._wants_eval(step) or self._wants_save(step) or preemption.signalled()):
                 self._submit_explores(step + 1)
         result = self.trainer.result(future)
         if batch:
@@ -208,6 +212,9 @@ class Schedule:
     def _end_step(self, step: int, metrics: dict, t_step: float) -> None:
         """Sync, evaluate and save when the schedule says so, then log the step."""
         cfg = self.cfg
+        # Slurm's warning came (rft/runtime/preemption.py): this step is saved (and synced before,
+        # as for any checkpoint), then the job is requeued
+        self.preempted_at = step if preemption.due(step) else None
         want_eval, want_save = self._wants_eval(step), self._wants_save(step)
         if cfg.mode == "explore":
             if step % cfg.synchronizer.sync_interval == 0:
@@ -227,6 +234,8 @@ class Schedule:
             self._save(step, metrics)
             metrics["timing/save_s"] = time.perf_counter() - t0
         self.monitor.log(step, metrics)
+        if want_save:  # logged after its checkpoint: a warning that came by now requeues from here
+            preemption.requeue_if_signalled()
 
     def _save(self, step: int, metrics: dict) -> None:
         """A checkpoint: the trainer (if any), then state.json, written last, with the buffer state
@@ -266,7 +275,8 @@ class Schedule:
         # mode=explore saves its place every step (a small state.json): a resumed explorer
         # writes again at most the step it was killed in
         cfg = self.cfg
-        return step % cfg.trainer.save_interval == 0 or step == self.plan.total_steps or cfg.mode == "explore"
+        return (step % cfg.trainer.save_interval == 0 or step == self.plan.total_steps or cfg.mode == "explore"
+                or self.preempted_at == step)
 
     @property
     def sync_behind_step(self) -> bool:

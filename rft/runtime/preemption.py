@@ -1,0 +1,288 @@
+"""Slurm's warning that it is about to stop a job (a preemption, or the time limit coming): the
+step in progress ends, its checkpoint is saved, then submitit requeues the job, so the requeued
+job goes on from the step it was at, not from its last regular checkpoint (up to
+trainer.save_interval steps back: hours at 7B).
+
+How the warning arrives. hydra/launcher=slurm asks Slurm for SIGUSR2 `signal_delay_s` before the
+time limit (`#SBATCH --signal=USR2@120`); a cluster with PreemptParameters=send_user_signal sends
+it on preemption too. submitit's handler in the driver (SignalHandler.checkpoint_and_try_requeue)
+requeues the job (`scontrol requeue`) and exits at once: it knows nothing of our checkpoints. And
+Slurm sends the signal to every process of the job step, not only the driver: Ray's GCS, raylet
+and actors, reward workers, vLLM's engine processes, for all of which SIGUSR2's default action is
+to terminate (a Ray run lost its actors at the signal; a save after it would fail).
+
+So `watch()`, around a run in a submitit Slurm job (anywhere else it does nothing):
+- blocks the signal in the driver's main thread before anything starts: every thread and process
+  started afterwards inherits it blocked (pending, never acted on), so nothing but the driver's
+  watcher thread, which takes it with sigwait, is stopped or disturbed by it;
+- while a stage's step loop runs (`steps`), the schedule ends the step in progress, saves its
+  checkpoint (the usual save: written whole then renamed into place; every trainer rank saves
+  because the driver asks them all, as at any checkpoint, so no rank decides alone), and then
+  calls `requeue`: submitit's own handler, in the main thread, as before;
+- outside a step loop (setting up, between stages, after the last step) no step is lost: the main
+  thread runs submitit's handler at once, as before;
+- if the step and its save have not ended REQUEUE_MARGIN_S before Slurm stops the job (its end
+  time: the time limit, or on preemption the signal's time + the partition's GraceTime), the
+  watcher requeues the job itself, so a late save never costs the requeue: Slurm then stops the
+  job, the save in progress is cut (step_<N>.tmp, never a step_<N>), and the newest whole
+  checkpoint stays the resume point.
+
+SIGTERM is left alone: outside Slurm it is `kill` or the studio's stop, which must stop the run at
+once (the studio sends SIGKILL 15 s later, less than a large model's step and save take, so a save
+begun then would mostly be cut anyway); inside Slurm it comes at the very end (KillWait, 30 s by
+default, before SIGKILL), too late for a save. Slurm's early warning is this signal.
+"""
+
+from __future__ import annotations
+
+import _thread
+import logging
+import signal
+import sys
+import threading
+from contextlib import contextmanager, nullcontext
+
+log = logging.getLogger(__name__)
+
+# what is kept of the time left for the requeue itself: submitit's `scontrol requeue` (it waits up
+# to 60 s for it, though it takes well under a second on a sane controller) and Slurm taking the job
+# back before its end time stops it (TIMEOUT, or cancelled by the preemption: not requeued)
+REQUEUE_MARGIN_S = 30.0
+
+current: Preemption | None = None  # the watcher of this process's run (None: not a submitit Slurm job)
+
+
+class Preemption:
+    """The watcher of one run: `sig` the signal submitit waits for, `requeue_fn` submitit's handler
+    of it (requeues, then exits the process), `window_s` how long Slurm gives between the signal and
+    its stop where `time_left()` cannot tell (None): hydra.launcher.signal_delay_s."""
+
+    def __init__(self, sig: int, requeue_fn, window_s: float, time_left=lambda: None):
+        self.sig, self.requeue_fn, self.window_s, self.time_left = sig, requeue_fn, window_s, time_left
+        self.deadline_s: float | None = None  # set at the signal (`_deadline_s`)
+        self.signalled = False
+        self.say, self.title = _print, None  # set by `steps` while a step loop runs
+        self._lock = threading.Lock()
+        self._settled = threading.Event()  # the job is requeued (or the run is over): the watcher waits no more
+        self._error: BaseException | None = None  # submitit's refusal to requeue, raised by the thread
+        self._thread: threading.Thread | None = None
+        self._previous = None
+        self._stopping = False
+        self._now = False  # the watcher asks the main thread to requeue now (`_in_main`)
+
+    # ------------------------------------------------------------------ set up and taken down
+
+    def start(self) -> None:
+        self._previous = signal.signal(self.sig, self._in_main)
+        signal.pthread_sigmask(signal.SIG_BLOCK, {self.sig})
+        self._thread = threading.Thread(target=self._wait, name="rft-preemption", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopping = True
+        self._settled.set()
+        if self._thread.is_alive():
+            signal.pthread_kill(self._thread.ident, self.sig)  # wakes its sigwait
+            self._thread.join(5)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {self.sig})
+        signal.signal(self.sig, self._previous)
+
+    # ------------------------------------------------------------------ the watcher thread
+
+    def _wait(self) -> None:
+        while True:
+            signal.sigwait({self.sig})
+            if self._stopping:
+                return
+            self._notice()
+
+    def _notice(self) -> None:
+        """The signal came (a second one is the same warning: ignored)."""
+        with self._lock:
+            if self.signalled:
+                return
+            self.signalled, in_loop = True, self.title is not None
+        self._freeze_verdict()
+        self.deadline_s = self._deadline_s()
+        if in_loop:
+            self.tell(f"[{self.title}] preemption signal ({signal.Signals(self.sig).name}): the step in progress "
+                     f"ends and its checkpoint is saved, then the job is requeued (if that takes more than "
+                     f"{self.deadline_s:.0f} s, it is requeued without that checkpoint)")
+        else:  # no step to save: submitit's handler, in the main thread, as before
+            self.tell("preemption signal: no step in progress to save; the job is requeued now")
+            self._interrupt_main()
+        if not self._settled.wait(self.deadline_s):
+            self.tell(f"[{self.title or 'rft'}] preemption signal: the step and its checkpoint did not end within "
+                     f"{self.deadline_s:.0f} s ({REQUEUE_MARGIN_S:.0f} s before Slurm stops the job): the job is "
+                     f"requeued now, without it; it resumes from its newest whole checkpoint")
+            self._requeue_here()
+            self._interrupt_main()  # the main thread exits at its next chance
+
+    def tell(self, text: str) -> None:
+        """On the console (the stage's monitor while a step loop runs) and in the run's log."""
+        self.say(text)
+        log.info(text)  # the log file's level (the console's is WARNING: the line is printed once)
+
+    def _interrupt_main(self) -> None:
+        """`_in_main` in the main thread at its next bytecode (a Python handler's call, as a signal's)."""
+        self._now = True
+        _thread.interrupt_main(self.sig)
+
+    def _deadline_s(self) -> float:
+        """How long the step and its save may take from now: until Slurm stops the job, less
+        REQUEUE_MARGIN_S. Slurm's end time of the job says when (a time limit's, or on preemption now +
+        the partition's GraceTime, which can be shorter than signal_delay_s); where it cannot be read,
+        signal_delay_s (the time limit's warning comes that long before it)."""
+        left = self.time_left()
+        window = self.window_s if left is None else left
+        return max(window - REQUEUE_MARGIN_S, window / 2)
+
+    def _freeze_verdict(self) -> None:
+        """submitit tells a time limit (counted against max_num_timeout) from a preemption by how
+        long the job has run when its handler is called: taken now, at the signal, so that the save
+        in between does not turn a preemption into a timeout."""
+        handler = getattr(self.requeue_fn, "__self__", None)
+        if callable(getattr(handler, "has_timed_out", None)):
+            verdict = handler.has_timed_out()
+            handler.has_timed_out = lambda: verdict
+
+    def _requeue_here(self) -> None:
+        """submitit's handler in this thread: its exit ends only the thread (Slurm stops the job)."""
+        with self._lock:
+            if self._settled.is_set():
+                return
+            self._settled.set()
+        try:
+            self.requeue_fn(self.sig, None)
+        except SystemExit:
+            pass
+        except Exception as e:  # submitit would not requeue (timed out too often): the main thread raises it
+            self._error = e
+
+    # ------------------------------------------------------------------ the main thread
+
+    def _in_main(self, signum, frame) -> None:
+        if self._now:  # from the watcher: requeue now
+            self.requeue()
+        else:  # delivered to a thread that started before the signal was blocked: the watcher's
+            signal.pthread_kill(self._thread.ident, self.sig)
+
+    def requeue(self) -> None:
+        """submitit's handler: `scontrol requeue`, then the process exits (SystemExit); or its
+        UncompletedJobError, where it does not requeue (timed out max_num_timeout times)."""
+        with self._lock:
+            first = not self._settled.is_set()
+            self._settled.set()
+        if first:
+            self.requeue_fn(self.sig, None)
+        if self._error is not None:
+            raise self._error
+        sys.exit(-1)  # requeued by the watcher already: as submitit's handler exits
+
+    @contextmanager
+    def steps(self, title: str, say):
+        """A stage's step loop runs: the signal is answered at the end of a step (`due`, then
+        `requeue`). A step or save that fails after the signal (an actor another program's signal
+        killed, say) requeues the job as before rather than failing it."""
+        with self._lock:
+            self.title, self.say = title, say
+        try:
+            yield
+        except Exception as e:
+            if self.signalled and not self._settled.is_set():
+                self.tell(f"[{title}] preemption signal: the step or its checkpoint failed ({type(e).__name__}: {e}); "
+                    f"the job is requeued without it")
+                self.requeue()
+            raise
+        finally:
+            with self._lock:
+                self.title, self.say = None, _print
+        if self.signalled:  # came after the last step's end: nothing is left unsaved
+            self.requeue()
+
+
+def _print(text: str) -> None:
+    print(text, flush=True)  # a Slurm log is a file, written in blocks: it would hold the line back
+
+
+def signalled() -> bool:
+    """Whether Slurm's warning came (the step in progress will be saved, then the job requeued)."""
+    return current is not None and current.signalled
+
+
+def due(step: int) -> bool:
+    """Whether step `step`, ending now, saves a checkpoint and then requeues the job (Slurm's
+    warning came); says so."""
+    p = current
+    if not signalled():
+        return False
+    p.tell(f"[{p.title}] preemption signal: saving the checkpoint at step {step}, then requeue")
+    return True
+
+
+def requeue_if_signalled() -> None:
+    """After a step with a checkpoint: requeue the job if the warning came."""
+    if signalled():
+        current.requeue()
+
+
+def steps(title: str, say):
+    """Around a stage's step loop (rft.runtime.runner): `Preemption.steps`, or nothing."""
+    return current.steps(title, say) if current is not None else nullcontext()
+
+
+@contextmanager
+def watch():
+    """Around a run: the watcher of Slurm's warning in a submitit Slurm job; elsewhere nothing."""
+    global current
+    sig, handler = _submitit_handler()
+    if handler is None or current is not None or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    current = Preemption(sig, handler, _signal_delay_s(), _slurm_time_left)
+    current.start()
+    try:
+        yield
+    finally:
+        current.stop()
+        current = None
+
+
+def _submitit_handler():
+    """(the signal, submitit's requeueing handler of it) in a submitit Slurm job; (None, None)
+    elsewhere, or where something else handles the signal."""
+    import os
+
+    if os.environ.get("SUBMITIT_EXECUTOR") != "slurm":
+        return None, None
+    from submitit import JobEnvironment
+    from submitit.core.job_environment import SignalHandler
+
+    sig = getattr(signal, "SIG" + JobEnvironment.USR_SIG)  # SUBMITIT_PREEMPT_SIGNAL, USR2 by default
+    handler = signal.getsignal(sig)
+    return (sig, handler) if isinstance(getattr(handler, "__self__", None), SignalHandler) else (None, None)
+
+
+def _slurm_time_left() -> float | None:
+    """Seconds until Slurm stops this job (its EndTime, from squeue), or None where that cannot
+    be read."""
+    import os
+    import subprocess
+    from datetime import datetime
+
+    try:
+        out = subprocess.run(["squeue", "-h", "-j", os.environ["SLURM_JOB_ID"], "-o", "%e"], capture_output=True,
+                             text=True, timeout=10, env={**os.environ, "SLURM_TIME_FORMAT": "standard"}).stdout
+        return (datetime.fromisoformat(out.strip()) - datetime.now()).total_seconds()
+    except (KeyError, OSError, ValueError, subprocess.SubprocessError):  # not in Slurm, no squeue, "Unknown"
+        return None
+
+
+def _signal_delay_s() -> float:
+    """hydra.launcher.signal_delay_s of this job: how long before its time limit Slurm warns."""
+    from hydra.core.hydra_config import HydraConfig
+
+    try:
+        return float(HydraConfig.get().launcher.signal_delay_s)
+    except Exception:  # not composed by Hydra's launcher: submitit's own default
+        return 90.0
