@@ -311,9 +311,9 @@ def warned(monkeypatch):
 
     made = []
 
-    def start(window_s: float = 120.0):
+    def start(window_s: float = 120.0, time_left=lambda: None):  # (None: no end time of the job read)
         fake = FakeSubmitit()
-        watcher = preemption.Preemption(signal.SIGUSR2, fake.checkpoint_and_try_requeue, window_s)  # no end time
+        watcher = preemption.Preemption(signal.SIGUSR2, fake.checkpoint_and_try_requeue, window_s, time_left)
         watcher.start()
         made.append(watcher)
         monkeypatch.setattr(preemption, "current", watcher)
@@ -338,7 +338,12 @@ def test_slurms_warning_during_a_step_saves_that_step_then_requeues(warned, capl
     from rft.runtime import preemption
 
     caplog.set_level(logging.INFO, logger="rft.runtime.preemption")
-    watcher, fake = warned()
+
+    def slow_squeue():  # the job's end time read at the signal, slowly: the step that ends meanwhile
+        time.sleep(0.2)  # is not saved for it, and the watcher's line comes before the saving step's
+        return None
+
+    watcher, fake = warned(time_left=slow_squeue)
     # started after the watcher: the signal reaches it blocked, and it lives on (SIGUSR2's
     # default action ends a process: Ray's actors, reward workers, vLLM's engine)
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(20)"])
@@ -346,11 +351,15 @@ def test_slurms_warning_during_a_step_saves_that_step_then_requeues(warned, capl
     try:
         with pytest.raises(SystemExit) as e, watcher.steps("grpo", lines.append):
             assert preemption.due(6) is False  # no warning yet: step 6 goes on as planned
-            signal_until(watcher)
+            os.kill(os.getpid(), signal.SIGUSR2)
+            step = 7
+            while not preemption.due(step):  # steps end, one every millisecond
+                time.sleep(0.001)
+                step += 1
+            assert step > 7  # (the steps during the 0.2 s were not saved)
             os.kill(child.pid, signal.SIGUSR2)
             assert fake.calls == [] and fake.verdicts == 1  # the verdict is taken at the signal
-            assert preemption.due(7) is True
-            preemption.requeue_if_signalled()  # after step 7's checkpoint
+            preemption.requeue_if_signalled()  # after that step's checkpoint
         time.sleep(0.2)
         assert child.poll() is None
     finally:
@@ -361,7 +370,7 @@ def test_slurms_warning_during_a_step_saves_that_step_then_requeues(warned, capl
     assert lines == [  # (no end time of the job read here: signal_delay_s 120 - 30 s = 90 s)
         "[grpo] preemption signal (SIGUSR2): the step in progress ends and its checkpoint is saved, then the job "
         "is requeued (if that takes more than 90 s, it is requeued without that checkpoint)",
-        "[grpo] preemption signal: saving the checkpoint at step 7, then requeue"]
+        f"[grpo] preemption signal: saving the checkpoint at step {step}, then requeue"]
     assert [r.getMessage() for r in caplog.records] == lines  # and in the run's log
 
 

@@ -60,7 +60,8 @@ class Preemption:
     def __init__(self, sig: int, requeue_fn, window_s: float, time_left=lambda: None):
         self.sig, self.requeue_fn, self.window_s, self.time_left = sig, requeue_fn, window_s, time_left
         self.deadline_s: float | None = None  # set at the signal (`_deadline_s`)
-        self.signalled = False
+        self.signalled = False  # what the main thread acts on (set once the watcher has said so)
+        self._noticed = False  # read and set by the watcher's thread only
         self.say, self.title = _print, None  # set by `steps` while a step loop runs
         self._lock = threading.Lock()
         self._settled = threading.Event()  # the job is requeued (or the run is over): the watcher waits no more
@@ -98,23 +99,25 @@ class Preemption:
 
     def _notice(self) -> None:
         """The signal came (a second one is the same warning: ignored)."""
-        with self._lock:
-            if self.signalled:
-                return
-            self.signalled, in_loop = True, self.title is not None
+        if self._noticed:
+            return
+        self._noticed = True
         self._freeze_verdict()
         self.deadline_s = self._deadline_s()
-        if in_loop:
-            self.tell(f"[{self.title}] preemption signal ({signal.Signals(self.sig).name}): the step in progress "
-                     f"ends and its checkpoint is saved, then the job is requeued (if that takes more than "
-                     f"{self.deadline_s:.0f} s, it is requeued without that checkpoint)")
-        else:  # no step to save: submitit's handler, in the main thread, as before
+        with self._lock:  # said before the main thread may act on it (`due` says which step is saved)
+            in_loop = self.title is not None
+            if in_loop:
+                self.tell(f"[{self.title}] preemption signal ({signal.Signals(self.sig).name}): the step in "
+                          f"progress ends and its checkpoint is saved, then the job is requeued (if that takes "
+                          f"more than {self.deadline_s:.0f} s, it is requeued without that checkpoint)")
+            self.signalled = True
+        if not in_loop:  # no step to save: submitit's handler, in the main thread, as before
             self.tell("preemption signal: no step in progress to save; the job is requeued now")
             self._interrupt_main()
         if not self._settled.wait(self.deadline_s):
             self.tell(f"[{self.title or 'rft'}] preemption signal: the step and its checkpoint did not end within "
-                     f"{self.deadline_s:.0f} s ({REQUEUE_MARGIN_S:.0f} s before Slurm stops the job): the job is "
-                     f"requeued now, without it; it resumes from its newest whole checkpoint")
+                      f"{self.deadline_s:.0f} s ({REQUEUE_MARGIN_S:.0f} s before Slurm stops the job): the job is "
+                      f"requeued now, without it; it resumes from its newest whole checkpoint")
             self._requeue_here()
             self._interrupt_main()  # the main thread exits at its next chance
 
@@ -190,8 +193,8 @@ class Preemption:
             yield
         except Exception as e:
             if self.signalled and not self._settled.is_set():
-                self.tell(f"[{title}] preemption signal: the step or its checkpoint failed ({type(e).__name__}: {e}); "
-                    f"the job is requeued without it")
+                self.tell(f"[{title}] preemption signal: the step or its checkpoint failed ({type(e).__name__}: "
+                          f"{e}); the job is requeued without it")
                 self.requeue()
             raise
         finally:
