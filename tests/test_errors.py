@@ -985,3 +985,30 @@ def test_a_list_key_given_one_value_is_one_paragraph_naming_the_list_form(run_ro
     r = run_cli("monitor.monitor_type=wandb", env=run_root)
     assert r.returncode == 2 and "Traceback" not in r.stderr and "ListConfig" not in r.stderr
     assert "rft: configuration error: monitor.monitor_type=wandb: monitor.monitor_type takes a list" in r.stderr
+
+
+def test_a_number_in_a_text_column_of_a_jsonl_file_is_an_error_naming_its_row(tmp_path):
+    # one row's answer written as a number made the datasets library read the whole column as JSON:
+    # every answer "58" reached the reward as the number 58 ("007" as 7), so a reward comparing
+    # text scored every row 0, or raised on each (exit 0, or the eval's failure blamed on the reward)
+    rows = [{"question": f"{i}+1", "answer": str(i + 1)} for i in range(6)]
+    rows[3]["answer"] = 4
+    f = write_jsonl(tmp_path / "tasks.jsonl", rows)
+    assert plan_error(tmp_path, "dry_run=true", *taskset(f)) == (
+        f"buffer.explorer_input.taskset: row 3 (line 4 of its JSONL file) of '{f}' holds a number in 'answer' "
+        f"(format.response_key), where the other 5 rows hold text. With two kinds of value in one column, the "
+        f"datasets library reads every value of it as JSON, so the text '58' would arrive as the number 58 and "
+        f"'007' as 7. Write that row's value as text (\"4\", quoted) or give every row of the column the same kind.")
+    # in a prompt column too ("1e3" would become the prompt "1000.0")
+    rows[3]["answer"], rows[1]["question"], rows[2]["question"] = "4", 2, [2]
+    write_jsonl(f, rows)
+    assert plan_error(tmp_path, "dry_run=true", *taskset(f)) == (
+        f"buffer.explorer_input.taskset: rows 1, 2 (lines 2, 3 of its JSONL file) of '{f}' hold a number, a list in "
+        f"'question' (format.prompt_key), where the other 4 rows hold text. With two kinds of value in one column, "
+        f"the datasets library reads every value of it as JSON, so the text '58' would arrive as the number 58 and "
+        f"'007' as 7. Write those rows' values as text (\"2\", quoted) or give every row of the column the same kind.")
+    # a column of numbers only is read as numbers, row for row: no error
+    from rft.data.tasks import load_rows, mixed_kinds
+
+    write_jsonl(f, [{"question": f"{i}+1", "answer": i + 1 if i else [1]} for i in range(6)])  # numbers, a list
+    assert mixed_kinds(load_rows(str(f)), "answer", "w", str(f), "response_key") is None

@@ -564,6 +564,10 @@ def check_columns(rows, fmt, where: str, path: str, pairs: bool = False, sources
                 f"{where}.path={path!r} has no column {col!r} ({key}{via}); its columns are "
                 f"{sorted(columns)}. Add the column to the data, or set {fix} to the column that holds it."
             )
+        if name != "messages_key":  # messages are lists; the other columns are text
+            mixed = mixed_kinds(rows, col, where, path, name)
+            if mixed:
+                raise ConfigError(mixed)
     for name, col in keys if every_row else []:
         values = rows.data.column(col)  # load_rows' dataset: its arrow table, row for row
         fix = sources.get(f"{where}.format.{name}")
@@ -576,6 +580,44 @@ def check_columns(rows, fmt, where: str, path: str, pairs: bool = False, sources
         empty = _empty_rows(values)
         if empty:
             raise ConfigError(empty_values(where, path, name, col, empty, len(rows), fix))
+
+
+_KINDS = {str: "text", bool: "true/false", int: "number", float: "number", list: "list", dict: "object"}
+
+
+def mixed_kinds(rows, col: str, where: str, path: str, name: str) -> str | None:
+    """The message for a text column of a JSON(L) file that some rows fill with another kind of value
+    (a number, a list): datasets then reads the whole column as JSON (its `Json` feature), and turns
+    every text that parses as JSON into that value ("58" the number 58, "007" 7), without a word."""
+    if type(rows.features.get(col)).__name__ != "Json":
+        return None
+    local = Path(os.path.expanduser(path))
+    kinds: list = []
+    if local.suffix == ".jsonl" and local.is_file():  # the values as written, before datasets' decoding
+        with open(local, encoding="utf-8") as fh:
+            kinds = [_KINDS.get(type(json.loads(line).get(col)), "null") for line in fh if line.strip()]
+    rows_kinds = [(i, k) for i, k in enumerate(kinds) if k != "null"]
+    texts = sum(k == "text" for _, k in rows_kinds)
+    if kinds and not texts:  # numbers and lists, say: no text for datasets to turn into another value
+        return None
+    odd = [(i, k) for i, k in rows_kinds if k != "text"] if texts * 2 >= len(rows_kinds) else []
+    if not odd:  # rows this cannot place (a directory, a .json file), or text the fewer
+        return (f"{where}.path={path!r}: the column {col!r} (format.{name}) holds values of several kinds (text and "
+                f"numbers, lists or objects), so the datasets library reads every value of it as JSON: the text "
+                f"'58' would arrive as the number 58. Give every row of the column the same kind (text).")
+    one = len(odd) == 1
+    shown = odd[:5]
+    more = f" and {len(odd) - 5} more" if len(odd) > 5 else ""
+    which = ", ".join(str(i) for i, _ in shown) + more
+    lines = ", ".join(str(i + 1) for i, _ in shown) + more
+    what = ", ".join(dict.fromkeys(f"{'an' if k[0] in 'aeio' else 'a'} {k}" for _, k in odd))
+    first = json.dumps(str(rows.data.column(col)[odd[0][0]].as_py()))  # the value as the file writes it
+    owner = "that row's value" if one else "those rows' values"
+    return (f"{where}: row{'' if one else 's'} {which} (line{'' if one else 's'} {lines} of its JSONL file) of "
+            f"{path!r} hold{'s' if one else ''} {what} in {col!r} (format.{name}), where the other {texts} rows hold "
+            f"text. With two kinds of value in one column, the datasets library reads every value of it as JSON, so "
+            f"the text '58' would arrive as the number 58 and '007' as 7. Write {owner} as text ({first}, quoted) or "
+            f"give every row of the column the same kind.")
 
 
 def _empty_rows(values) -> list[int]:
