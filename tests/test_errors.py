@@ -725,6 +725,32 @@ def test_a_study_kept_outside_conf_through_hydra_searchpath_composes(run_root, t
     assert r.returncode == 2 and "rft: configuration error: experiment=mine: there is no conf/experiment/mine.yaml" in r.stderr
 
 
+@pytest.mark.slow  # two jobs planned (~3 s)
+def test_a_sweep_of_a_study_kept_outside_conf_is_planned_job_by_job_first(tmp_path):
+    """`python run.py -m 'hydra.searchpath=[file://<study>]' model=mine buffer.batch_size=4,0`: the
+    check that plans every job first composed each job without the search path, so Hydra printed
+    "UserWarning: Callback Checks.on_multirun_start raised MissingConfigException" and the sweep
+    started unplanned (job 0 trained before job 1's batch size of 0 stopped it)."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from omegaconf import read_write
+
+    from rft.runtime.callbacks import plan_jobs
+
+    (tmp_path / "model").mkdir()  # the study's own model: the tiny one under another name
+    (tmp_path / "model" / "mine.yaml").write_text((CONF / "model" / "tiny.yaml").read_text())
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose("config", overrides=[f"hydra.searchpath=[file://{tmp_path}]", "model=mine", "stages=[]"],
+                      return_hydra_config=True)
+        with read_write(cfg.hydra.overrides.task):  # as `-m ... buffer.batch_size=4,0`
+            cfg.hydra.overrides.task.append("buffer.batch_size=4,0")
+        said = plan_jobs(cfg, "config")
+    GlobalHydra.instance().clear()
+    assert said.startswith("job 1 of the sweep (buffer.batch_size=0): buffer.batch_size=0 ")
+    assert said.endswith(" No job has started: every job is planned first.")
+
+
 @pytest.mark.slow
 def test_a_checkpoint_root_under_a_file_is_one_paragraph_before_hydra_makes_the_run_dir(run_root, tmp_path):
     # Hydra made the run's directory before rft's check: NotADirectoryError under its traceback

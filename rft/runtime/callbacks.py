@@ -107,9 +107,12 @@ def plan_jobs(config, config_name: str | None) -> str | None:
     if len(jobs) < 2:
         return None  # a lone job plans itself before it starts anything
     saved, own, planned = HydraConfig.instance().cfg, distinct_overrides(jobs), []
+    # a study's config groups kept outside conf/ (hydra.searchpath on the command line: a hydra
+    # override, not one of the jobs'): without it a job naming one of its options does not compose
+    search = [o for o in config.hydra.overrides.get("hydra") or [] if o.lstrip("+").startswith("hydra.searchpath=")]
     try:
         for i, job in enumerate(jobs):
-            cfg = compose(config_name=config_name, overrides=job, return_hydra_config=True)
+            cfg = compose(config_name=config_name, overrides=[*search, *job], return_hydra_config=True)
             HydraConfig.instance().set_config(cfg)  # the run's name reads hydra's choices
             with open_dict(cfg):
                 del cfg["hydra"]
