@@ -113,6 +113,17 @@ def _near(module, attr: str) -> str:
     return f" Did you mean {' or '.join(f'{module.__name__}.{n}' for n in near)}?" if near else ""
 
 
+def _where_python_looks(e: ImportError, module: str) -> str:
+    """Where a study's own package is looked for, when it is the one not found: `python
+    ../rft/run.py` from the study's folder puts run.py's folder on the path, not the one run from."""
+    top = module.partition(".")[0]
+    if not isinstance(e, ModuleNotFoundError) or e.name != top:
+        return ""  # a module inside it, or a package it imports: the message says which
+    return (f" Python looks for {top} in the folder of run.py and the folders in PYTHONPATH, not in the folder you "
+            f"run from (unless that is run.py's own): run with PYTHONPATH=<the folder that holds {top}> (Ray's "
+            f"workers and a sweep's jobs inherit it).")
+
+
 def resolve(registry: Mapping, name: str, key: str):
     """The function registered as `name`, or the one at dotted path `name` (module.function)."""
     if name in registry:
@@ -125,7 +136,7 @@ def resolve(registry: Mapping, name: str, key: str):
         except AttributeError as e:  # the module is there, the name in it is not
             raise ConfigError(f"{key}={name!r}: cannot import it ({type(e).__name__}: {e}).{_near(imported, attr)}") from e
         except ImportError as e:
-            raise ConfigError(f"{key}={name!r}: cannot import it ({type(e).__name__}: {e}).") from e
+            raise ConfigError(f"{key}={name!r}: cannot import it ({type(e).__name__}: {e}).{_where_python_looks(e, module)}") from e
         except SyntaxError as e:
             raise ConfigError(f"{key}={name!r}: cannot import it: {e.filename}, line {e.lineno}: "
                               f"{type(e).__name__}: {e.msg}. Fix that line.") from e

@@ -91,7 +91,11 @@ def test_batch_plan_values():
          "'reinforce_pp_baseline', 'rloo']; give a registered name or the dotted path of a function with the "
          "same signature (module.function)."),
         (["algorithm.advantage_fn=my_study.nowhere.fn"],
-         "algorithm.advantage_fn='my_study.nowhere.fn': cannot import it (ModuleNotFoundError: No module named 'my_study')."),
+         # run from a study's own folder (python ../rft/run.py), that folder is not on Python's path
+         "algorithm.advantage_fn='my_study.nowhere.fn': cannot import it (ModuleNotFoundError: No module named 'my_study'). "
+         "Python looks for my_study in the folder of run.py and the folders in PYTHONPATH, not in the folder you run "
+         "from (unless that is run.py's own): run with PYTHONPATH=<the folder that holds my_study> (Ray's workers and "
+         "a sweep's jobs inherit it)."),
         (["buffer.explorer_input.default_reward_fn_type=exact"],
          "buffer.explorer_input.default_reward_fn_type='exact' is not one of ['countdown', 'exact_match', "
          "'format', 'last_number', 'math', 'reasoning_gym'] (functions) or ['judge', 'remote', 'reward_model'] (served "
