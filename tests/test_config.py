@@ -201,6 +201,26 @@ def test_settings_no_run_can_use_fail_the_plan(overrides, message):
     assert str(e.value) == message
 
 
+@pytest.mark.slow  # five configs composed (~1.7 s)
+def test_a_kl_coefficient_without_its_kl_function_is_warned_about(caplog):
+    # -m algorithm.kl_loss_coef=0.0,0.1 with grpo's kl_loss_fn=none: two jobs of the same run each, exit 0
+    plan_for(["stages=[]", "algorithm.kl_loss_coef=0.1", "algorithm.kl_penalty_coef=0.0"])
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert warnings == [
+        "algorithm.kl_loss_coef=0.1 has no effect: algorithm.kl_loss_fn is none, so the stage adds no KL loss. Set "
+        "algorithm.kl_loss_fn (k3 is common) to use it.",
+        "algorithm.kl_penalty_coef=0.0 has no effect: algorithm.kl_penalty_fn is none, so the stage adds no KL "
+        "penalty. Set algorithm.kl_penalty_fn (k3 is common) to use it."]
+    caplog.clear()
+    plan_for(["stages=[]", "algorithm.kl_loss_coef=0.1", "algorithm.kl_loss_fn=k3"])  # used
+    plan_for(["stages=[]"])  # the defaults: none and 0.001, nothing asked for
+    # model=tiny's SFT warm-up sets kl_loss_fn=none under a coefficient meant for the RL stage
+    warm_up, rl = stage_configs(compose_cfg(["algorithm.kl_loss_coef=0.1", "algorithm.kl_loss_fn=k3"]))
+    assert warm_up.algorithm.kl_loss_fn == "none" and warm_up.algorithm.kl_loss_coef == 0.1
+    make_plan(warm_up, 2000)
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]
+
+
 def test_an_eval_set_that_reads_the_training_rows_is_warned_about(caplog):
     plan_for(["stages=[]", "buffer.explorer_input.eval_tasksets.0.split=train"])
     [warning] = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]

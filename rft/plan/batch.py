@@ -362,6 +362,18 @@ def _check_algorithm(cfg, needs: Needs) -> None:
             f"algorithm.repeat_times={algo.repeat_times} gives groups of one (every advantage 0). "
             f"Set algorithm.repeat_times to 2 or more (8 is common)."
         )
+    _unused_kl_coefs(algo)
+
+
+def _unused_kl_coefs(algo) -> None:
+    """A KL coefficient set while its function is none is read by nothing: a sweep over it
+    (grpo's kl_loss_fn is none) ran the same job twice, without a word. An SFT stage (no advantage
+    function) is left alone: it inherits the RL stage's coefficient and never uses a KL term."""
+    defaults = C.AlgorithmConfig()
+    for fn, coef, what in (("kl_loss_fn", "kl_loss_coef", "loss"), ("kl_penalty_fn", "kl_penalty_coef", "penalty")):
+        if algo[fn] == "none" and algo[coef] != getattr(defaults, coef) and algo.advantage_fn != "none":
+            log.warning("algorithm.%s=%s has no effect: algorithm.%s is none, so the stage adds no KL %s. Set "
+                        "algorithm.%s (k3 is common) to use it.", coef, algo[coef], fn, what, fn)
 
 
 ALGORITHM_FN_KEYS = ("advantage_fn", "policy_loss_fn")
