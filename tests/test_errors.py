@@ -928,6 +928,35 @@ def test_cfg_alone_or_config_name_flags_are_not_read_as_two_modes():
         assert exit_on_config_mistakes(args, CONF) is None, args  # (a mistake exits with status 2)
 
 
+@pytest.mark.parametrize("args, flags, unread, line", [
+    (["model=tiny", "-m", "seed=1,2", "dry_run=true"], "-m", "seed=1,2 dry_run=true", "-m model=tiny seed=1,2 dry_run=true"),
+    (["model=tiny", "--cfg", "job", "seed=3"], "--cfg job", "seed=3", "--cfg job model=tiny seed=3"),
+    (["a=1", "-m", "-cn", "config", "b=2"], "-m -cn config", "b=2", "-m -cn config a=1 b=2"),
+])
+def test_a_flag_after_an_override_is_one_paragraph_with_the_line_reordered(capsys, args, flags, unread, line):
+    # `python run.py model=tiny -m seed=1,2` was argparse's usage and "run.py: error: unrecognized
+    # arguments: seed=1,2": Hydra's parser reads the overrides as one run, after its flags
+    from conftest import CONF
+
+    from rft.plan.overlays import exit_on_config_mistakes
+
+    with pytest.raises(SystemExit) as e:
+        exit_on_config_mistakes(args, CONF)
+    assert e.value.code == 2
+    assert capsys.readouterr().err == (
+        f"\nrft: configuration error: {flags} comes after an override: Hydra reads its flags only before the "
+        f"overrides, and said \"unrecognized arguments: {unread}\". Put the flags first: python run.py {line}\n\n")
+
+
+def test_flags_first_or_last_and_an_invalid_choice_are_not_read_as_a_flag_after_an_override():
+    from rft.plan.overlays import flag_after_override
+
+    assert flag_after_override(["-m", "model=tiny", "seed=1,2"]) is None
+    assert flag_after_override(["model=tiny", "seed=1,2", "-m"]) is None  # argparse reads a trailing flag
+    assert flag_after_override(["a=1", "--info", "seed=2"]) is None  # not one of --info's choices: Hydra's words
+    assert flag_after_override(["a=1", "--n_samples_per_prompt", "8", "b=2"]) is None  # foreign_flag's
+
+
 def test_a_reward_fn_list_of_parts_in_a_task_file_passes_the_key_check(tmp_path):
     # README "Writing a reward" puts the parts in conf/task/<yours>.yaml; the key check read the
     # list's items as keys of the schema's Any-typed reward_fn and refused the file ("line 4:

@@ -295,6 +295,35 @@ def scalar_for_list(args: list[str], groups: set[str]) -> str | None:
     return None
 
 
+def flag_after_override(args: list[str]) -> str | None:
+    """The message for one of Hydra's flags given after an override that another override follows
+    (`python run.py model=x -m seed=1,2`): Hydra's argument parser takes the overrides only as one
+    run, so it says just "unrecognized arguments: seed=1,2". The same line with the flags first."""
+    import contextlib
+    import io
+
+    from hydra._internal.utils import get_args_parser
+
+    parser = get_args_parser()
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):  # a line Hydra refuses anyway is Hydra's to word
+            _, unread = parser.parse_known_args(args)
+            parsed, left = parser.parse_known_intermixed_args(args)
+    except SystemExit:
+        return None
+    if not unread or left:
+        return None
+    overrides, flags = list(parsed.overrides), []
+    for a in args:  # the flags (and their values) in their order; the overrides as given
+        if overrides and a == overrides[0]:
+            overrides.pop(0)
+        else:
+            flags.append(a)
+    return (f"{' '.join(flags)} comes after an override: Hydra reads its flags only before the overrides, "
+            f"and said \"unrecognized arguments: {' '.join(unread)}\". Put the flags first: python run.py "
+            f"{' '.join(flags + list(parsed.overrides))}")
+
+
 def foreign_flag(args: list[str]) -> str | None:
     """The message for `--name value` or `--name=value` where name is not one of Hydra's flags but
     another system's key (LightRFT's and OpenRLHF's are flags: --n_samples_per_prompt 8) or the
@@ -394,8 +423,8 @@ def exit_on_config_mistakes(args: list[str], conf_dir) -> None:
 
     folders, searched = search_dirs(args, Path(conf_dir))
     groups = {p.name for d in [Path(conf_dir), *folders] if d.is_dir() for p in d.iterdir() if p.is_dir()}
-    message = (modes_at_once(args) or foreign_flag(args) or bad_yaml(Path(conf_dir)) or unparsable_override(args)
-               or misspelt_override(args, groups) or scalar_for_list(args, groups))
+    message = (modes_at_once(args) or flag_after_override(args) or foreign_flag(args) or bad_yaml(Path(conf_dir))
+               or unparsable_override(args) or misspelt_override(args, groups) or scalar_for_list(args, groups))
     if not searched:  # with a search path, an option may be a file of another folder: Hydra's to find
         message = message or missing_option(args, conf_dir) or check(args, Path(conf_dir))
     if message:
