@@ -122,6 +122,17 @@ DAMAGES = {  # what is done to step_2 -> what damage() says, after "<step_2>/"
 }
 
 
+def test_a_killed_saves_leftover_goes_with_the_next_checkpoint(stage):
+    """A job stopped mid-save (Slurm, after its warning gave up on a save that took too long) leaves
+    step_3.tmp: no checkpoint (the newest stays step_2), and it is gone once step_4 is in place."""
+    leftover = stage / "checkpoints" / "step_3.tmp"
+    (leftover / "hf").mkdir(parents=True)
+    (leftover / "hf" / "model.safetensors").write_bytes(WEIGHTS[:100])  # cut midway
+    assert [c.step for c in checkpoint.list_checkpoints(stage)] == [1, 2]
+    checkpoint.write(stage, 4, {"version": 4}, save_files, owner=OWNER)
+    assert sorted(p.name for p in (stage / "checkpoints").iterdir()) == ["step_1", "step_2", "step_4"]
+
+
 @pytest.mark.parametrize("kind", sorted(DAMAGES))
 def test_each_damage_is_named_and_nothing_outside_is_read(stage, kind, monkeypatch):
     do, why = DAMAGES[kind]

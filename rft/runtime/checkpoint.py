@@ -282,7 +282,7 @@ def write(stage_dir: Path, step: int, state: dict, save_model=None, keep: int | 
     joins the state), state.json, then the manifest (of `owner`'s identity), then the directory is
     moved into place in one rename. A save that fails for any reason (a full disk, a directory
     made read-only, a file where a directory should be) stops the run with one paragraph and leaves
-    no step_<N>.tmp. Then only the newest `keep` checkpoints stay (None: all;
+    no step_<N>.tmp; a killed save's step_<M>.tmp goes once a checkpoint is in place. Then only the newest `keep` checkpoints stay (None: all;
     trainer.max_ckpt_to_keep; mode=explore keeps 1), each one deleted told to `say`; damaged ones
     moved aside are never touched."""
     final = Path(stage_dir) / "checkpoints" / f"step_{step}"
@@ -297,6 +297,11 @@ def write(stage_dir: Path, step: int, state: dict, save_model=None, keep: int | 
         manifest.seal(tmp, owner.identity(step) if owner else {"step": step})
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
+        # a save killed before its rename (a job Slurm stopped mid-save after its warning, a kill)
+        # left its step_<M>.tmp, which no resume reads (at 7B up to ~92 GB): the stage has one writer
+        # (rft.runtime.rundir.run_lock), so every other one is such a leftover
+        for stale in final.parent.glob("step_*.tmp"):
+            shutil.rmtree(stale, ignore_errors=True)
     except Exception as e:
         shutil.rmtree(tmp, ignore_errors=True)  # no half-written step_N.tmp left behind
         if isinstance(e, RunError):  # the trainer died: its own message
