@@ -282,9 +282,9 @@ def write(stage_dir: Path, step: int, state: dict, save_model=None, keep: int | 
     joins the state), state.json, then the manifest (of `owner`'s identity), then the directory is
     moved into place in one rename. A save that fails for any reason (a full disk, a directory
     made read-only, a file where a directory should be) stops the run with one paragraph and leaves
-    no step_<N>.tmp; a killed save's step_<M>.tmp goes once a checkpoint is in place. Then only the newest `keep` checkpoints stay (None: all;
-    trainer.max_ckpt_to_keep; mode=explore keeps 1), each one deleted told to `say`; damaged ones
-    moved aside are never touched."""
+    no step_<N>.tmp; a killed save's step_<M>.tmp goes once a checkpoint is in place. Then only
+    the newest `keep` checkpoints stay (None: all; trainer.max_ckpt_to_keep; mode=explore keeps 1),
+    each one deleted told to `say`; damaged ones moved aside are never touched."""
     final = Path(stage_dir) / "checkpoints" / f"step_{step}"
     tmp = final.with_name(final.name + ".tmp")
     state = {"step": step, **state, "manifest": manifest.FORMAT}
