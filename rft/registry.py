@@ -181,6 +181,11 @@ class TrainerBackendInfo:
     lora: bool = True
     # trainer.fp32_master_weights: float32 weights and optimizer state under model.dtype compute
     mixed_precision: bool = False
+    # True: a resumed stage builds it with the checkpoint's directory as one more last argument
+    # (cls(cfg, plan, init_path[, rank, world, (host, port)], resume)), and it reads the trained
+    # weights from there once, not the starting model's that `load(resume)` would overwrite;
+    # False: built as for a fresh stage, then `load` puts the checkpoint over it
+    builds_from_checkpoint: bool = False
 
 
 # explorer.rollout_model.engine_type -> the engine class
@@ -193,6 +198,7 @@ ENGINES = Registry("explorer.rollout_model.engine_type", info="info", default=En
 # trainer.trainer_strategy -> the trainer class
 TRAINER_BACKENDS = Registry("trainer.trainer_strategy", info="info", default=TrainerBackendInfo(),
                             shape="a class with the methods of rft/trainer/base.py (module.Class)", table={
-    "torch": ("rft.trainer.trainer.Trainer", TrainerBackendInfo()),
-    "fsdp2": ("rft.trainer.fsdp.FSDPTrainer", TrainerBackendInfo(ranks=True, offload=True, mixed_precision=True)),
+    "torch": ("rft.trainer.trainer.Trainer", TrainerBackendInfo(builds_from_checkpoint=True)),
+    "fsdp2": ("rft.trainer.fsdp.FSDPTrainer", TrainerBackendInfo(ranks=True, offload=True, mixed_precision=True,
+                                                                 builds_from_checkpoint=True)),
 })

@@ -5,6 +5,7 @@ without its model is redone from its previous checkpoint, never handed on as "No
 
 import json
 import os
+import re
 import shutil
 
 import pytest
@@ -299,11 +300,10 @@ class _RunsCode:
         return open, (self.marker, "w")
 
 
-def test_a_trainer_state_that_would_run_code_falls_back_and_the_code_never_runs(made, tmp_path, capsys):
-    """Replaced together with its manifest (the digest cannot catch that): refused when loaded,
-    named with why, and the run falls back as for any damage."""
+def runs_code(marker):
+    """The damage: trainer_state.pt replaced together with its manifest (the digest cannot catch
+    that), by one whose unpickling would create `marker`."""
     from rft import manifest
-    marker = tmp_path / "the_code_ran"
 
     def replace(ckpt):
         path = ckpt / "trainer_state.pt"
@@ -311,9 +311,46 @@ def test_a_trainer_state_that_would_run_code_falls_back_and_the_code_never_runs(
         torch.save({**state, "optimizer": _RunsCode(marker)}, path)
         sealed = json.loads((ckpt / "manifest.json").read_text())
         manifest.seal(ckpt, sealed["identity"])
+    return replace
 
-    out, run = resume_damaged(made, tmp_path, "runs_code", replace, capsys)
+
+def policy_loads(monkeypatch) -> list:
+    """Where the trainer's models are read from, in order (the stages run in this process)."""
+    import rft.trainer.trainer
+
+    paths, real = [], rft.trainer.trainer.load_model
+    monkeypatch.setattr(rft.trainer.trainer, "load_model", lambda m, p=None, *a, **k: paths.append(p) or real(m, p, *a, **k))
+    return paths
+
+
+def test_a_trainer_state_that_would_run_code_falls_back_and_the_code_never_runs(made, tmp_path, capsys, monkeypatch):
+    """Refused when loaded, named with why, and the run falls back as for any damage: the trainer,
+    built from step 3's weights (the checkpoint a resumed stage loads first), loads step 2's."""
+    marker = tmp_path / "the_code_ran"
+    loads = policy_loads(monkeypatch)
+    out, run = resume_damaged(made, tmp_path, "runs_code", runs_code(marker), capsys)
     assert not marker.exists()
     assert (f"step_3/trainer_state.pt is refused: it holds a call of io.open, which is not a tensor, number, "
             f"string or container of them, and loading it would run that code") in out, out
+    assert loads == [str(run / "checkpoints" / "step_3" / "hf")]  # the starting model's weights never read
     falls_back(out, run, made.root / "rft" / "whole")
+
+
+def test_every_trainer_state_refused_starts_the_stage_again_from_the_starting_model(made, tmp_path, capsys,
+                                                                                    monkeypatch):
+    """The trainer was built from step 3's weights; no checkpoint loading, it is built again from
+    the starting model, and the stage ends as the run that never stopped (step 4's weights)."""
+    marker = tmp_path / "the_code_ran"
+
+    def replace_all(ckpt):
+        for step in (1, 2, 3):
+            runs_code(marker)(ckpt.parent / f"step_{step}")
+
+    loads = policy_loads(monkeypatch)
+    out, run = resume_damaged(made, tmp_path, "all_refused", replace_all, capsys)
+    # ("resuming from step 3 of run rft/base" is the check of whose checkpoint it is, before its load)
+    assert not marker.exists() and out.count("is refused") == 3 and not re.search(r"resuming from step \d \(", out)
+    assert loads == [str(run / "checkpoints" / "step_3" / "hf"), None]  # None: model.model_path
+    a = load_file(made.root / "rft" / "whole" / "checkpoints" / "step_4" / "hf" / "model.safetensors")
+    b = load_file(run / "checkpoints" / "step_4" / "hf" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

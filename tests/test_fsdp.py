@@ -36,9 +36,9 @@ def local_ray():
     ray.shutdown()
 
 
-def fsdp_group(cfg, plan, tmp_path, init_path=None, num_cpus=1, name="trainer") -> ActorGroup:
+def fsdp_group(cfg, plan, tmp_path, init_path=None, num_cpus=1, name="trainer", resume=None) -> ActorGroup:
     common = dict(log_dir=str(tmp_path / "log"), level="INFO")
-    group = start_trainer(RayActor, cfg, plan, init_path, name, common, [dict(num_cpus=num_cpus)] * 2)
+    group = start_trainer(RayActor, cfg, plan, init_path, name, common, [dict(num_cpus=num_cpus)] * 2, resume=resume)
     assert isinstance(group, ActorGroup) and [a.name for a in group.actors] == [f"{name}_0", f"{name}_1"]
     return group
 
@@ -139,10 +139,14 @@ def test_checkpoints_are_trainer_torch_checkpoints_both_ways(local_ray, tmp_path
     two.call("train_step", batch)
     (tmp_path / "from_fsdp").mkdir()
     two.call("save", str(tmp_path / "from_fsdp"))
-    # 2 fresh ranks resume it: the whole model and Adam state, each rank keeping its shard
-    again = fsdp_group(two_cfg, two_plan, tmp_path / "again", num_cpus=0, name="again")  # beside `two` on 2 CPUs
+    # 2 fresh ranks resume it: the whole model and Adam state, each rank keeping its shard; built
+    # for it as a resumed stage builds them, they read its weights as they build, and the load not again
+    again = fsdp_group(two_cfg, two_plan, tmp_path / "again", num_cpus=0, name="again",  # beside `two` on 2 CPUs
+                       resume=str(tmp_path / "from_fsdp"))
     again.call("load", str(tmp_path / "from_fsdp"))
     assert again.call("get_version") == 1 and same_weights(again.call("fingerprint"), two.call("fingerprint"))
+    w_again, w_two = again.call("weights"), two.call("weights")
+    assert all(torch.equal(w_again[k], w_two[k]) for k in w_two)  # to the bit
     m_two, m_again = two.call("train_step", batch[:64]), again.call("train_step", batch[:64])
     assert m_again["loss/policy"] == pytest.approx(m_two["loss/policy"], rel=1e-5, abs=1e-7)
     w_again, w_two = again.call("weights"), two.call("weights")
@@ -170,6 +174,39 @@ def test_checkpoints_are_trainer_torch_checkpoints_both_ways(local_ray, tmp_path
     assert fp == two.call("fingerprint")
     saved, whole = load_file(tmp_path / "sync.safetensors"), two.call("weights")
     assert all(torch.equal(saved[k], whole[k]) for k in saved) and "model.norm.weight" in saved
+
+
+@pytest.mark.slow  # three ranks built in turn, one step each
+def test_a_rank_built_for_its_checkpoint_resumes_masters_reference_and_critic_bit_for_bit(tmp_path):
+    """An fsdp2 rank built as a resumed stage builds it (Trainer's `resume`): float32 masters read
+    from hf/, the reference from the starting model, the critic without weights until its own come
+    from trainer_state.pt. Its next step is the saved rank's, to the bit: the policy's, the
+    reference's KL and the critic's."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from test_mixed_precision import MASTERS, one_rank
+
+    args = ("algorithm=ppo", "algorithm.critic_warmup=0", "algorithm.critic_lr=1e-3", "algorithm.kl_loss_fn=k3",
+            "algorithm.kl_loss_coef=0.1", *MASTERS)
+    whole = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    after = []
+    for resume in (None, tmp_path):
+        t = one_rank(*args, lr=1e-4, resume=resume and str(resume))
+        try:
+            if resume is None:
+                t.train_step(experiences())
+                t.save(str(tmp_path))
+            else:
+                t.load(str(tmp_path))
+            torch.set_rng_state(torch.load(tmp_path / "trainer_state.pt", weights_only=True)["rng"])
+            m = t.train_step(experiences(seed=1))
+            after.append((m, t.fingerprint(), t._full_state(), get_model_state_dict(t.critic.model, options=whole)))
+        finally:
+            t.close()
+    (m_saved, fp_saved, policy_saved, critic_saved), (m, fp, policy, critic) = after
+    assert m["actor/kl"] > 0 and m["critic/value_loss"] > 0
+    assert all(m[k] == m_saved[k] for k in ("loss/policy", "actor/kl", "critic/value_loss", "actor/grad_norm"))
+    assert fp == fp_saved and all(torch.equal(v, policy_saved[k]) for k, v in policy.items())
+    assert all(torch.equal(v, critic_saved[k]) for k, v in critic.items())
 
 
 @pytest.mark.slow

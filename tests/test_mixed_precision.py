@@ -20,13 +20,14 @@ from rft.trainer.fsdp import FSDPTrainer
 MASTERS = ["model.dtype=bfloat16", "trainer.fp32_master_weights=true"]
 
 
-def one_rank(*extra, lr=1e-5, init_path=None) -> FSDPTrainer:
-    """trainer=fsdp2 as one rank in this process (its store hosted here, as the driver does)."""
+def one_rank(*extra, lr=1e-5, init_path=None, resume=None) -> FSDPTrainer:
+    """trainer=fsdp2 as one rank in this process (its store hosted here, as the driver does);
+    `resume`: built for that checkpoint, as a resumed stage builds it (its `load` must follow)."""
     cfg = stage_configs(compose_cfg(["stages=[]", "trainer=fsdp2", "trainer.ranks=1", "trainer.micro_batch_size_per_gpu=64",
                                      f"algorithm.optimizer.lr={lr}", *extra]))[0]
     ensure_model(cfg.model)
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    trainer = FSDPTrainer(cfg, make_plan(cfg, 2000), init_path, 0, 1, ("127.0.0.1", store.port))
+    trainer = FSDPTrainer(cfg, make_plan(cfg, 2000), init_path, 0, 1, ("127.0.0.1", store.port), resume)
     trainer._store = store  # alive as long as the trainer
     return trainer
 

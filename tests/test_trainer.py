@@ -3,22 +3,25 @@
 import math
 import pickle
 import random
+from pathlib import Path
 
 import pytest
 import torch
 from conftest import compose_cfg
 
 from rft.data.experience import Experience
+from rft.errors import ConfigError
 from rft.models import ensure_model
 from rft.plan.batch import make_plan, stage_configs
 from rft.trainer.trainer import Trainer
 
 
-def make_trainer(micro: int, extra=()):
+def make_trainer(micro: int, extra=(), resume=None):
+    """`resume`: a checkpoint directory the trainer is built from (its `load` must follow)."""
     cfg = stage_configs(compose_cfg(["stages=[]", "cluster=inline", f"trainer.micro_batch_size_per_gpu={micro}",
                                      *extra]))[0]
     ensure_model(cfg.model)
-    return Trainer(cfg, make_plan(cfg, 2000))
+    return Trainer(cfg, make_plan(cfg, 2000), None, resume)
 
 
 def experiences(n_groups=16, group=8, seed=0):
@@ -241,6 +244,59 @@ def test_every_trainer_state_loads_as_tensors_and_plain_data_and_resumes_exactly
     torch.set_rng_state(state["rng"])
     m_r = resumed.train_step(experiences(seed=1))
     assert m_r["loss/policy"] == m_t["loss/policy"] and resumed.fingerprint() == trainer.fingerprint()
+
+
+@pytest.mark.parametrize("extra,needs_start", [([], False), (["algorithm=ppo", "algorithm.critic_lr=1e-3"], False),
+                                               (["algorithm.kl_loss_fn=k3"], True),
+                                               (["model.lora.rank=4", "model.lora.alpha=8"], True)],
+                         ids=["grpo", "ppo-critic", "reference", "lora"])
+@pytest.mark.slow
+def test_a_trainer_built_for_its_checkpoint_reads_the_starting_weights_only_where_it_needs_them(
+        tmp_path, monkeypatch, extra, needs_start, one_torch_thread):
+    """A resumed stage builds its trainer from the checkpoint it loads (Trainer's `resume`): the
+    policy's weights are read from hf/ as it is built, and the load reads them no more. The
+    starting model's weights are read only for what is the starting model: the reference model
+    and LoRA's base; where nothing is, the stage resumes with its weights file gone (a critic's
+    weights come from trainer_state.pt). The next step is the saved trainer's, bit for bit, the
+    critic's included."""
+    import re
+    import shutil
+
+    from rft.trainer import state as trainer_state
+
+    tiny = compose_cfg(["stages=[]"]).model
+    ensure_model(tiny)
+    start = tmp_path / "start"
+    shutil.copytree(Path(tiny.model_path).expanduser(), start)
+    args = [f"model.model_path={start}", "model.builder=null", "algorithm.optimizer.lr=1e-3", *extra]
+    trainer = make_trainer(128, args)
+    trainer.train_step(experiences())
+    ckpt = tmp_path / "ckpt"
+    trainer.save(str(ckpt))
+    rng = torch.load(ckpt / "trainer_state.pt", weights_only=True)["rng"]
+    if not needs_start:
+        (start / "model.safetensors").unlink()  # nothing may read it
+    monkeypatch.setattr(trainer_state, "load_hf_weights", lambda *a: pytest.fail("hf/ read a second time"))
+    resumed = make_trainer(128, args, resume=ckpt)
+    resumed.load(str(ckpt))
+    if "algorithm.kl_loss_fn=k3" in extra:  # the stage's start, read from the starting model
+        from safetensors.torch import load_file
+
+        first = load_file(start / "model.safetensors")
+        assert all(torch.equal(v, first[k]) for k, v in resumed.ref_model.state_dict().items() if k in first)
+    torch.set_rng_state(rng)  # the saved trainer's next step draws what the resumed one does
+    m_t = trainer.train_step(experiences(seed=1))
+    torch.set_rng_state(rng)
+    m_r = resumed.train_step(experiences(seed=1))
+    assert m_r["loss/policy"] == m_t["loss/policy"] and resumed.fingerprint() == trainer.fingerprint()
+    if trainer.critic is not None:
+        mine, theirs = resumed.critic.model.state_dict(), trainer.critic.model.state_dict()
+        assert m_r["critic/value_loss"] == m_t["critic/value_loss"] > 0
+        assert all(torch.equal(v, theirs[k]) for k, v in mine.items())
+    if needs_start:  # without the starting model's weights it does not build: they are read
+        (start / "model.safetensors").unlink()
+        with pytest.raises(ConfigError, match=re.escape(f"model.model_path='{start}' could not be loaded (OSError")):
+            make_trainer(128, args, resume=ckpt)
 
 
 # ---------------------------------------------------------------- the sampling distribution

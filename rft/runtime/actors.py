@@ -336,11 +336,13 @@ def placement_for(cfg, timeout_s: float = 60.0):
     return pg, opts
 
 
-def start_trainer(Actor, cfg, plan, init_path, name: str, common: dict, options: list[dict]):
+def start_trainer(Actor, cfg, plan, init_path, name: str, common: dict, options: list[dict],
+                  resume: str | None = None):
     """The trainer actor: one process of the trainer backend (trainer=torch), or an ActorGroup of
     its ranks (a backend of ranks: fsdp2), per rft.registry.TRAINER_BACKENDS.
 
-    `options`: Ray options per rank (from placement_for), one per rank.
+    `options`: Ray options per rank (from placement_for), one per rank. `resume`: the checkpoint
+    a resumed stage loads next, from which a backend that can (builds_from_checkpoint) builds.
     """
     from rft.registry import TRAINER_BACKENDS
 
@@ -349,8 +351,10 @@ def start_trainer(Actor, cfg, plan, init_path, name: str, common: dict, options:
     # a registered name goes as its "module.Class", imported in the actor: the driver of a Ray run
     # never imports torch (a third of a GB); a study's own class is a dotted path already
     cls = TRAINER_BACKENDS.path(strategy) or strategy
-    if not TRAINER_BACKENDS.info(strategy).ranks:
-        return Actor(cls, cfg, plan, init_path, name=name, **common, **options[0])
+    info = TRAINER_BACKENDS.info(strategy)
+    last = (resume,) if resume is not None and info.builds_from_checkpoint else ()
+    if not info.ranks:
+        return Actor(cls, cfg, plan, init_path, *last, name=name, **common, **options[0])
     import torch.distributed as dist
 
     from rft.sync.weights import free_address
@@ -360,7 +364,7 @@ def start_trainer(Actor, cfg, plan, init_path, name: str, common: dict, options:
     store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=cfg.synchronizer.sync_timeout))
     world = len(options)
-    ranks = [Actor(cls, cfg, plan, init_path, r, world, (host, store.port),
+    ranks = [Actor(cls, cfg, plan, init_path, r, world, (host, store.port), *last,
                    name=f"{name}_{r}" if world > 1 else name, **common, **options[r])
              for r in range(world)]
     return ActorGroup(ranks, keep=store)

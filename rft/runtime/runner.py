@@ -91,12 +91,13 @@ class StageRun:
         common = dict(log_dir=str(self.dir / "log"), level=cfg.log.level, threads=torch_threads(cfg))
         options = self._placement()
         if trains:
-            # the trainer starts from the stage's starting model (its reference model, if any,
-            # must be that one), then a resumed run loads the checkpoint over it
             ranks = [options.pop(0) for _ in range(self.plan.dp_size)]
-            self.trainer = TrainerCalls(start_trainer(Actor, cfg, self.plan, self.init_path,
-                                                      f"{self.title}_{cfg.trainer.name}", common, ranks), self.dir)
-            latest = self.checkpoints.load(self.trainer, latest)
+            self.trainer = self._start_trainer(Actor, common, ranks, latest)
+            loaded = self.checkpoints.load(self.trainer, latest)
+            if latest is not None and loaded is None:  # none loads: the stage starts over, from the starting model
+                self.trainer.actor.kill()
+                self.trainer = self._start_trainer(Actor, common, ranks, None)
+            latest = loaded
         start = latest.step if latest else 0
         saved = latest.state if latest else {}
         # reward models on workers of their own (rft/rewards/reward_model.py), found by name by the
@@ -138,6 +139,17 @@ class StageRun:
             # the stage's starting model; the trainer gives them the resumed weights, as hf/ would
             self.pool.sync_all(start)
             self.pool.synced = synced
+
+    def _start_trainer(self, Actor, common: dict, ranks: list[dict], latest: Checkpoint | None) -> TrainerCalls:
+        """The trainer, built for the checkpoint it loads next (`latest`) where it can: the policy's
+        weights read from its hf/ once, not the starting model's that its load would overwrite (at 7B
+        a 15-30 GB read); the starting model is still read for what is that one (the reference
+        model, LoRA's base). Not for a checkpoint written before manifests (nothing checked its
+        hf/) or of another starting model (resume_with_changes=true: its hf/ may be another
+        architecture, which the load refuses and falls back from)."""
+        same = latest is not None and latest.identity and "model" not in self.owner.differences(latest.identity)
+        return TrainerCalls(start_trainer(Actor, self.cfg, self.plan, self.init_path, f"{self.title}_{self.cfg.trainer.name}",
+                                          common, ranks, resume=str(latest.path) if same else None), self.dir)
 
     def _announce(self, start: int, saved: dict, latest: Checkpoint | None) -> None:
         """The resumed step's row in the metrics log, if it was lost; where the run stands."""

@@ -8,7 +8,10 @@ study's own files, no line at all: `trainer.trainer_strategy=my_study.trainer.My
 carrying its `info = TrainerBackendInfo(...)` (what planning checks: rft.registry.TrainerBackendInfo).
 tests/test_seams.py adds one that way. It is built as `cls(cfg, plan, init_path)`, or, for a
 backend of ranks (`info.ranks`), once per rank as `cls(cfg, plan, init_path, rank, world,
-(host, port))` with a TCP store at (host, port) for the ranks to meet.
+(host, port))` with a TCP store at (host, port) for the ranks to meet. A resumed stage then calls
+`load(checkpoint)`; a backend whose info says `builds_from_checkpoint` is given that checkpoint's
+directory as one more last argument, to read its trained weights as it builds instead of the
+starting model's (which it still reads for what is the starting model: a reference model).
 """
 
 from __future__ import annotations

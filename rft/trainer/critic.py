@@ -18,11 +18,19 @@ class ValueModel(torch.nn.Module):
     lines up with the actor's log-probs of token t + 1.
     """
 
-    def __init__(self, path: str, dtype: torch.dtype, trust_remote_code: bool):
-        from transformers import AutoModel
+    def __init__(self, path: str, dtype: torch.dtype, trust_remote_code: bool, weights: bool = True):
+        from transformers import AutoConfig, AutoModel
+        from transformers.initialization import no_init_weights
 
         super().__init__()
-        self.base = AutoModel.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
+        if weights:
+            self.base = AutoModel.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
+        else:  # the architecture alone (config.json), its weights uninitialised: a resumed critic's
+            # come from the checkpoint (Critic.load_state_dict), so the starting ones are never read
+            config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+            with no_init_weights():
+                self.base = AutoModel.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
+            self.base.eval()  # as from_pretrained leaves it
         self.head = torch.nn.Linear(self.base.config.hidden_size, 1, dtype=dtype)
         # a zero head starts every value at 0: the first advantages are the whitened returns
         torch.nn.init.zeros_(self.head.weight)
@@ -38,12 +46,15 @@ class Critic:
     (first row, end row, live): a data-parallel rank's share (trainer=fsdp2, the model sharded by
     `wrap` like the actor), with dead passes weighted 0 so every rank runs as many."""
 
-    def __init__(self, cfg, path: str, device="cpu", wrap=None, dtype=None):
+    def __init__(self, cfg, path: str, device="cpu", wrap=None, dtype=None, weights: bool = True):
+        """`weights` False: the value model's weights are left uninitialised, for `load_state_dict`
+        (a resumed trainer) to fill."""
         from rft.models import torch_dtype
 
         algo = cfg.algorithm
         self.cfg = cfg
-        self.model = ValueModel(path, dtype or torch_dtype(cfg.model.dtype), cfg.model.trust_remote_code).to(device)
+        self.model = ValueModel(path, dtype or torch_dtype(cfg.model.dtype), cfg.model.trust_remote_code,
+                                weights).to(device)
         if wrap is not None:
             self.model = wrap(self.model)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=algo.critic_lr,

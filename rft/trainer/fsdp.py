@@ -43,7 +43,8 @@ from rft.trainer.trainer import Trainer, _lengths
 
 
 class FSDPTrainer(Trainer):
-    def __init__(self, cfg, plan, init_path, rank: int, world: int, store_address: tuple[str, int]):
+    def __init__(self, cfg, plan, init_path, rank: int, world: int, store_address: tuple[str, int],
+                 resume: str | None = None):
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
 
@@ -61,7 +62,7 @@ class FSDPTrainer(Trainer):
                                 rank=rank, world_size=world, timeout=timeout)
         self.mesh = init_device_mesh("cuda" if cuda else "cpu", (world,))
         self.loss_scale = world
-        super().__init__(cfg, plan, init_path)
+        super().__init__(cfg, plan, init_path, resume)
 
     # ------------------------------------------------------------------ data-parallel hooks
 
@@ -240,11 +241,12 @@ class FSDPTrainer(Trainer):
             from safetensors.torch import load_file
 
             sd = lora.adapter_for_model(self.model, load_file(d / "adapter" / "adapter_model.safetensors"))
-        else:
-            sd = dict(hf_tensors(d / "hf"))
+        else:  # (none where the ranks built the policy from this checkpoint's hf/: Trainer's `resume`)
+            sd = {} if self._weights_built_from(d) else dict(hf_tensors(d / "hf"))
         # tied weights are saved once (save_pretrained): strict=False lets the tie fill them (with
         # LoRA, leaves the base as it is)
-        set_model_state_dict(self.model, sd, options=StateDictOptions(full_state_dict=True, strict=False))
+        if sd:
+            set_model_state_dict(self.model, sd, options=StateDictOptions(full_state_dict=True, strict=False))
         set_optimizer_state_dict(self.model, self.optimizer, _by_name(state["optimizer"], self.model, self.optimizer),
                                  options=StateDictOptions(full_state_dict=True))
         if self.critic is not None:

@@ -55,7 +55,7 @@ class CheckpointMixin:
             from safetensors.torch import load_file
 
             lora.load_adapter(self.model, load_file(d / "adapter" / "adapter_model.safetensors"))
-        else:
+        elif not self._weights_built_from(d):
             load_hf_weights(self.model, d / "hf")
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
@@ -65,6 +65,12 @@ class CheckpointMixin:
         torch.set_rng_state(state["rng"])
         if self.critic is not None:
             self.critic.load_state_dict(state["critic"])
+
+    def _weights_built_from(self, d: Path) -> bool:
+        """Whether the policy holds checkpoint `d`'s hf/ weights as it was built (Trainer's `resume`):
+        true once, for the load right after the build; any other load reads them."""
+        built, self._built_from = getattr(self, "_built_from", None), None
+        return built is not None and built == d
 
     def _configured_optimizer(self) -> None:
         """After loading a checkpoint: the config's optimizer settings, not the checkpoint's. They

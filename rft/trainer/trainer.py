@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 
 import torch
 from transformers import get_scheduler
@@ -73,9 +74,14 @@ def _lengths(full) -> list[int]:
 
 class Trainer(StepMixin, MetricsMixin, WeightsMixin, CheckpointMixin):
     """trainer_strategy=torch: one process. rft.trainer.fsdp.FSDPTrainer is its data-parallel subclass;
-    the hooks it overrides are marked "(data parallel)" below."""
+    the hooks it overrides are marked "(data parallel)" below.
 
-    def __init__(self, cfg, plan, init_path: str | None = None):
+    `resume`: the checkpoint directory a resumed stage goes on from (TrainerBackendInfo.
+    builds_from_checkpoint), whose `load` must follow: the policy is read from its hf/ (the
+    starting model only for LoRA's base and the reference model) and the critic is built without
+    weights, its own coming with the checkpoint's trainer_state.pt."""
+
+    def __init__(self, cfg, plan, init_path: str | None = None, resume: str | None = None):
         self.cfg = cfg
         self.plan = plan
         self._shared = None  # memory sync's shared-memory segment (sync_payload), made when first used
@@ -92,7 +98,7 @@ class Trainer(StepMixin, MetricsMixin, WeightsMixin, CheckpointMixin):
         self.master_dtype = torch.float32 if cfg.trainer.fp32_master_weights and compute != torch.float32 else None
         self.tokenizer = load_tokenizer(cfg.model)
         # in this order: the models, then the critic (its value head) draw from the seeded RNG
-        self._build_models(init_path)
+        self._build_models(init_path, resume)
         # names are looked up once, here; the update below never branches on them
         self.advantage_fn = with_args(ADVANTAGE_FNS, algo.advantage_fn, algo.advantage_args, "algorithm.advantage_args")
         self.policy_loss_fn = with_args(POLICY_LOSS_FNS, algo.policy_loss_fn, algo.args, "algorithm.args")
@@ -100,7 +106,7 @@ class Trainer(StepMixin, MetricsMixin, WeightsMixin, CheckpointMixin):
         if plan.needs.critic:
             self.critic = Critic(cfg, os.path.expanduser(cfg.model.critic_model_path or init_path or cfg.model.model_path),
                                  self.device, wrap=lambda m: self._wrap(m, offload=cfg.trainer.critic_offload),
-                                 dtype=self.master_dtype)
+                                 dtype=self.master_dtype, weights=resume is None)
         self._open_datasets()
         self._compose_loss()
         self._build_optimizer()
@@ -108,12 +114,18 @@ class Trainer(StepMixin, MetricsMixin, WeightsMixin, CheckpointMixin):
         self._work = dict.fromkeys(WORK, 0.0)  # this step's tokens forwarded (see _forward)
         self._snapshots: dict[int, tuple[dict, str]] = {}  # version -> (weights, fingerprint)
 
-    def _build_models(self, init_path: str | None) -> None:
+    def _build_models(self, init_path: str | None, resume: str | None = None) -> None:
         """The policy (with LoRA: adapters on a frozen base) and the reference model."""
         cfg, plan = self.cfg, self.plan
         # algorithm=rm trains a scalar head on the model (Needs.reward_head) instead of its LM head
         load = (lambda m, p, d: load_reward_head(m, p, self.tokenizer, d)) if plan.needs.reward_head else load_model
-        model = load(cfg.model, init_path, self.master_dtype).to(self.device)
+        # resumed: the checkpoint's weights, read once (its `load` then skips them), not the starting
+        # model's to be overwritten (at 7B 15-30 GB and minutes); with LoRA the base is the starting model
+        self._built_from = None  # the checkpoint whose weights the policy holds as built
+        if resume is not None and not lora.enabled(cfg.model) and (Path(resume) / "hf").is_dir():
+            self._built_from = Path(resume)
+        source = str(self._built_from / "hf") if self._built_from else init_path
+        model = load(cfg.model, source, self.master_dtype).to(self.device)
         # for the FLOPs estimate (perf/mfu): counted before sharding, tied weights once
         self.n_params = sum(p.numel() for p in model.parameters())
         if cfg.trainer.gradient_checkpointing:
