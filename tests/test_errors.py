@@ -1061,7 +1061,8 @@ def test_a_number_in_a_text_column_of_a_jsonl_file_is_an_error_naming_its_row(tm
         f"buffer.explorer_input.taskset: rows 1, 2 (lines 2, 3 of its JSONL file) of '{f}' hold a number, a list in "
         f"'question' (format.prompt_key), where the other 4 rows hold text. With two kinds of value in one column, "
         f"the datasets library reads every value of it as JSON, so the text '58' would arrive as the number 58 and "
-        f"'007' as 7. Write those rows' values as text (\"2\", quoted) or give every row of the column the same kind.")
+        f"'007' as 7. Write those rows' values as text (\"2\", quoted) or give every row of the column the same kind. "
+        f"For chat messages set buffer.explorer_input.taskset.format.prompt_type=messages (and format.messages_key).")
     # a column of numbers only is read as numbers, row for row: no error
     from rft.data.tasks import load_rows, mixed_kinds
 

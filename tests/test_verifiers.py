@@ -60,7 +60,9 @@ MATH_CASES = [
 
 @pytest.mark.parametrize("reference,response,score,why", MATH_CASES, ids=[c[3] for c in MATH_CASES])
 def test_math_cases(reference, response, score, why):
-    assert math_reward("", response, task(reference)) == score, why
+    # time enough that the verdict is math_verify's, not its 2-second alarm on a loaded machine
+    # (sympy's first simplify of a polynomial ran out of it beside other tests: a 0 for an equal answer)
+    assert math_reward("", response, task(reference), timeout_seconds=120) == score, why
 
 
 @pytest.mark.parametrize("response", [None, "}}}{{{", r"\boxed{}", r"\boxed{\frac{", "$" * 500, r"\left(" * 300,

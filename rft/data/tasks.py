@@ -613,11 +613,15 @@ def mixed_kinds(rows, col: str, where: str, path: str, name: str) -> str | None:
     what = ", ".join(dict.fromkeys(f"{'an' if k[0] in 'aeio' else 'a'} {k}" for _, k in odd))
     first = json.dumps(str(rows.data.column(col)[odd[0][0]].as_py()))  # the value as the file writes it
     owner = "that row's value" if one else "those rows' values"
+    others = "the other row holds" if texts == 1 else f"the other {texts} rows hold"
+    # a list or object as the prompt is most often chat messages under the wrong key
+    chat = (f" For chat messages set {where}.format.prompt_type=messages (and format.messages_key)."
+            if name == "prompt_key" and any(k in ("list", "object") for _, k in odd) else "")
     return (f"{where}: row{'' if one else 's'} {which} (line{'' if one else 's'} {lines} of its JSONL file) of "
-            f"{path!r} hold{'s' if one else ''} {what} in {col!r} (format.{name}), where the other {texts} rows hold "
+            f"{path!r} hold{'s' if one else ''} {what} in {col!r} (format.{name}), where {others} "
             f"text. With two kinds of value in one column, the datasets library reads every value of it as JSON, so "
             f"the text '58' would arrive as the number 58 and '007' as 7. Write {owner} as text ({first}, quoted) or "
-            f"give every row of the column the same kind.")
+            f"give every row of the column the same kind.{chat}")
 
 
 def _empty_rows(values) -> list[int]:
