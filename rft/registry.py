@@ -8,7 +8,8 @@ and trainer backends (here, at the end: planning reads what they offer), synchro
 (rft/sync/weights.py), buffers and priority functions (rft/data/), task generators
 (rft/data/tasks.py), data pipeline operators (TASK_OPERATORS, EXPERIENCE_OPERATORS:
 rft/data/pipeline.py), model builders (rft/models.py), actor backends (rft/runtime/actors.py),
-trackers (MONITORS: rft/reporting/monitor.py). Each
+trackers (MONITORS: rft/reporting/monitor.py), other systems' config keys and what they are here
+(FOREIGN_KEYS: rft/foreign_keys.py, whose entries are the translations, not code). Each
 entry is a "module.attribute" string, imported on first use, so planning reads the names (and
 what each entry needs or offers) without importing the code. A config may name a table's entry or
 give the dotted path of its own (`module.function`); a study may also add an entry at import time
