@@ -265,6 +265,11 @@ class ModelConfig:
     critic_model_path: Optional[str] = None
     # jinja chat template that replaces the tokenizer's own
     custom_chat_template: Optional[str] = None
+    # the token ids that end a response, in every engine (kept in it and trained on, as the eos
+    # token). null: the tokenizer's eos_token_id and the model's generation_config.json
+    # eos_token_id (an id or a list: Qwen2.5-Instruct's <|im_end|> and <|endoftext|>,
+    # Llama-3-Instruct's <|eot_id|>...), what vLLM stops on by itself; [] none (max_tokens only)
+    stop_token_ids: Optional[List[int]] = None
     # how the OpenAI endpoint reads tool calls in this model's replies (rft/data/tool_calls.py):
     # hermes (<tool_call>{json}</tool_call>: Qwen2.5/3, Hermes, tiny_tools) | mistral | module.function
     tool_call_parser: str = "hermes"

@@ -260,9 +260,47 @@ def load_tokenizer(model_cfg, chat: bool = True):
         tok.chat_template = model_cfg.custom_chat_template
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
+    # carried by the tokenizer, which every engine, workflow and reader is handed
+    # (rft.data.chat.stop_ids reads it)
+    tok.rft_stop_ids = stop_token_ids(model_cfg, tok)
     if chat:
         check_chat_template(tok, model_cfg)
     return tok
+
+
+def stop_token_ids(model_cfg, tok) -> list[int]:
+    """The ids that end a response: model.stop_token_ids, or (null) the tokenizer's eos and the
+    eos_token_id (an id or a list) of the model's generation_config.json, or of its config.json
+    where it has none: what vLLM stops on by itself (its try_get_generation_config).
+
+    An instruct model's turn can end with a token other than its tokenizer's eos: Qwen2.5-Instruct
+    lists [151645 <|im_end|>, 151643 <|endoftext|>], Llama-3.x-Instruct [128001, 128008, 128009
+    <|eot_id|>] while some of its tokenizer versions name <|end_of_text|>. The hf engine stopped on
+    the tokenizer's alone, generating past the turn's end to max_tokens where vLLM stopped."""
+    from transformers import AutoConfig, GenerationConfig
+
+    given = model_cfg.get("stop_token_ids")
+    if given is not None:
+        bad = [i for i in given if not 0 <= i < len(tok)]
+        if bad:
+            what = "is not an id" if len(bad) == 1 else "are not ids"
+            raise ConfigError(
+                f"model.stop_token_ids={list(given)}: {', '.join(map(str, bad))} {what} of the tokenizer of "
+                f"model.model_path={model_cfg.model_path!r} (0..{len(tok) - 1}). Give the ids of the tokens that "
+                f"end a turn (tokenizer.convert_tokens_to_ids('<|eot_id|>')), or null for the tokenizer's eos and "
+                f"the model's generation_config.json eos_token_id.")
+        return list(given)
+    path = os.path.expanduser(model_cfg.model_path)
+    try:
+        eos = GenerationConfig.from_pretrained(path).eos_token_id
+    except OSError:  # no generation_config.json
+        try:
+            eos = GenerationConfig.from_model_config(
+                AutoConfig.from_pretrained(path, trust_remote_code=model_cfg.trust_remote_code)).eos_token_id
+        except (OSError, ValueError):  # no config.json either (a tokenizer alone)
+            eos = None
+    ids = [tok.eos_token_id] + (eos if isinstance(eos, (list, tuple)) else [eos])
+    return list(dict.fromkeys(i for i in ids if i is not None))
 
 
 def check_chat_template(tok, model_cfg) -> None:

@@ -18,6 +18,36 @@ def render(tok, messages: list[dict], generation_prompt: bool = False, tools: li
     return list(ids)
 
 
+def stop_ids(tok) -> list[int]:
+    """The ids that end a response (rft.models.load_tokenizer sets them: model.stop_token_ids, or
+    the tokenizer's eos and the model's generation_config.json eos_token_id); a tokenizer loaded
+    otherwise: its eos alone."""
+    ids = getattr(tok, "rft_stop_ids", None)
+    return list(ids) if ids is not None else [tok.eos_token_id]
+
+
+def last_stop(tok, ids: list[int]) -> int | None:
+    """The index of the last stop id in `ids`, or None."""
+    stops = set(stop_ids(tok))
+    return next((i for i in range(len(ids) - 1, -1, -1) if ids[i] in stops), None)
+
+
+def turn_end_id(tok) -> int:
+    """The stop id the chat template closes an assistant turn with (<|im_end|>, Llama-3's
+    <|eot_id|>), which a response learnt by SFT ends with: the first stop id the template writes
+    after a reply's content. A template that writes none (a base model's "assistant: {content}"):
+    the tokenizer's eos, as ever."""
+    stops = set(stop_ids(tok))
+    if getattr(tok, "chat_template", None):
+        history = [{"role": "user", "content": "1"}]
+        start = render(tok, history, generation_prompt=True)
+        full = render(tok, history + [{"role": "assistant", "content": "2"}])
+        end = next((t for t in full[common_prefix(start, full):] if t in stops), None)
+        if end is not None:
+            return end
+    return tok.eos_token_id
+
+
 def common_prefix(a: list[int], b: list[int]) -> int:
     n = min(len(a), len(b))
     for i in range(n):
@@ -58,10 +88,12 @@ def closing_ids(tok, history: list[dict], sampled: list[int], text: str) -> tupl
     if same == len(sampled):
         return turn[same:], None
     # the rendering departs from the sampled ids: keep them (what the engine sampled) and close
-    # the turn with what the template puts after its last end-of-turn token
-    eos = tok.eos_token_id
-    tail = turn[len(turn) - 1 - turn[::-1].index(eos) + 1 :] if eos in turn else []
-    return ([] if sampled and sampled[-1] == eos else [eos]) + tail, same
+    # the turn with its end-of-turn token (unless a stop id ended it) and what the template puts
+    # after that token
+    end = last_stop(tok, turn)
+    tail = turn[end + 1:] if end is not None else []
+    close = turn[end] if end is not None else tok.eos_token_id
+    return ([] if sampled and sampled[-1] in stop_ids(tok) else [close]) + tail, same
 
 
 def conversation_ids(tok, messages: list[dict]) -> tuple[list[int], int, list[int]]:
@@ -86,9 +118,10 @@ def conversation_ids(tok, messages: list[dict]) -> tuple[list[int], int, list[in
                     f"changes; it cannot be trained turn by turn (use model.custom_chat_template)."
                 )
             turn = full[len(start):]
-            # train on the content and its end-of-turn token, not on what the template adds after it
-            eos = tok.eos_token_id
-            trained = len(turn) - turn[::-1].index(eos) if eos in turn else len(turn)
+            # train on the content and its end-of-turn token (the last stop id), not on what the
+            # template adds after it
+            end = last_stop(tok, turn)
+            trained = end + 1 if end is not None else len(turn)
             ids += head
             mask += [0] * len(head)
             if prompt_length is None:

@@ -19,6 +19,7 @@ import weakref
 from array import array
 from collections import OrderedDict
 
+from rft.data.chat import turn_end_id
 from rft.data.experience import WHERE, Experience
 from rft.data.tasks import load_rows, missing_value, plain, rows_to_messages
 from rft.errors import ConfigError
@@ -124,6 +125,9 @@ class DatasetReader:
                           for i, row in enumerate(rows)]
             rows = []
             keys = [None]
+        # a response ends as the chat template ends an assistant turn (Llama-3's <|eot_id|>, where
+        # its tokenizer's eos may be <|end_of_text|>): one end token, the one generation stops on
+        end = turn_end_id(tokenizer) if rows else None
         for i, row in enumerate(rows):
             messages = rows_to_messages(row, fmt, where, i, buf_cfg.path)
             full_prompt = chat_ids(tokenizer, messages)
@@ -135,7 +139,7 @@ class DatasetReader:
                     name = next(n for n in ("chosen_key", "rejected_key", "response_key") if getattr(fmt, n) == key)
                     raise ConfigError(missing_value(where, buf_cfg.path, i, key, name, row))
                 full = tokenizer.encode(str(row[key]), add_special_tokens=False)
-                response = full[: max_response_tokens - 1] + [tokenizer.eos_token_id]
+                response = full[: max_response_tokens - 1] + [end]
                 # counted in the step's metrics (train/truncated_prompts, train/truncated_responses)
                 cut = {"prompt_truncated": len(full_prompt) > len(prompt), "response_truncated": len(full) >= max_response_tokens}
                 item.append(Experience(prompt + response, len(prompt), [], task_id=f"{buf_cfg.name}/{i}",

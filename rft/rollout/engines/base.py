@@ -21,7 +21,7 @@ class Sample:
     (the policy ratio's denominator), and why it ended."""
     token_ids: list[int]
     logprobs: list[float]
-    finish_reason: str  # "stop" (end of sequence or a stop string) or "length" (hit max_tokens)
+    finish_reason: str  # "stop" (a stop token, rft.data.chat.stop_ids, or a stop string) or "length" (hit max_tokens)
     # the weights version that sampled each token (partial rollouts: rft/rollout/partial.py);
     # None: the explorer's version when it was generated, for all of them
     versions: list[int] | None = None

@@ -22,6 +22,7 @@ import time
 
 import torch
 
+from rft.data.chat import stop_ids
 from rft.models import load_model
 from rft.rollout.engines.base import Sample
 from rft.sync.weights import copy_pairs, fingerprint, same_bits
@@ -326,6 +327,10 @@ class HFEngine:
         # says (top_k off, no penalty) and than explorer=vllm does
         self.model.generation_config = GenerationConfig()
         self.tokenizer = tokenizer
+        # the ids that end a response, as in the vLLM engine: the tokenizer's eos and the model's
+        # generation_config.json eos_token_id (Qwen2.5-Instruct's <|im_end|> and <|endoftext|>),
+        # or model.stop_token_ids; the reset generation_config above holds none of them
+        self.stop_ids = stop_ids(tokenizer)
         self.batch_size = rollout_cfg.generate_batch_size
         self.max_response_tokens = model_cfg.max_response_tokens
         self.busy_s = 0.0  # seconds spent generating (the runtime benchmark's "model compute")
@@ -398,7 +403,7 @@ class HFEngine:
             # greedy: the token each row draws is the only one DrawOne leaves possible
             do_sample=False,
             max_new_tokens=max_new,
-            eos_token_id=tok.eos_token_id,
+            eos_token_id=self.stop_ids or None,  # None: none ([] of model.stop_token_ids)
             pad_token_id=tok.pad_token_id,
             # the warpers, the recorder after them (it sees the distribution sampled from), the draw
             logits_processor=LogitsProcessorList(([] if greedy else warpers(args)) + [record] + self._trim),
@@ -407,18 +412,21 @@ class HFEngine:
         logprobs = record.finish(sequences) if greedy else record.finish()
         return self._samples(prompts, sequences[:, L:], logprobs, stops)
 
-    def _samples(self, prompts, new_tokens, logprobs, stops) -> list[Sample]:
-        """Each row's response up to its end: the eos token or the token that completed a stop
-        string (kept), else the whole budget ("length")."""
-        eos = self.tokenizer.eos_token_id
+    def _samples(self, prompts, new_tokens, logprobs, strings) -> list[Sample]:
+        """Each row's response up to its end: its first stop id (the eos token, one of the
+        model's generation_config.json) or the token that completed a stop string (kept), else the
+        whole budget ("length"). The first: a finished row is padded, maybe with a stop id
+        (Qwen2.5's pad <|endoftext|> is one)."""
+        stops = set(self.stop_ids)
         result = []
         for i in range(len(prompts)):
             ids = new_tokens[i].tolist()
-            stop_end = stops.ends[i] if stops else None
+            stop_end = strings.ends[i] if strings else None
             if stop_end is not None:
                 ids = ids[:stop_end]  # padding follows a stop string
-            if eos in ids:
-                end, reason = ids.index(eos) + 1, "stop"
+            end = next((j + 1 for j, t in enumerate(ids) if t in stops), None)
+            if end is not None:
+                reason = "stop"
             else:
                 end, reason = len(ids), "length" if stop_end is None else "stop"
             result.append(Sample(ids[:end], logprobs[i, :end].tolist(), reason))

@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 from rft.config import lora_adapter_sync
+from rft.data.chat import stop_ids
 from rft.errors import ConfigError
 from rft.models import canonical_dtype
 from rft.rollout.engines.vllm_lora import LoraAdapters, is_adapter
@@ -80,6 +81,7 @@ class VLLMEngine:
             )
 
         self.tokenizer = tokenizer
+        self.stop_ids = stop_ids(tokenizer)
         self.max_response_tokens = model_cfg.max_response_tokens
         max_len = model_cfg.max_model_len or model_cfg.max_prompt_tokens + model_cfg.max_response_tokens
         self.sleeping, self.can_sleep = False, rollout_cfg.enable_sleep_mode and torch.cuda.is_available()
@@ -134,6 +136,12 @@ class VLLMEngine:
                 max_tokens=args.max_tokens or self.max_response_tokens,
                 stop=list(args.stop) or None,
                 include_stop_str_in_output=True,
+                # exactly the hf engine's stop ids (rft.data.chat.stop_ids): vLLM would add its own,
+                # the tokenizer's eos and the generation_config.json eos_token_id of the directory it
+                # serves (a checkpoint's, maybe), whatever model.stop_token_ids says; ignore_eos
+                # drops both and keeps these, which end a response kept in its ids as the eos was
+                stop_token_ids=self.stop_ids,
+                ignore_eos=True,
                 logprobs=0,  # the sampled token's own log-prob
                 # one seed per prompt, derived from the step's: a resumed run samples the same
                 seed=(seed + i) % (2**31),
