@@ -446,6 +446,7 @@ def test_a_stage_adds_a_key_to_a_free_form_dict_and_still_may_not_misspell_a_typ
 # the typed schema, which the studio's compose page lists (rft.studio.compose.schema), and in the README
 NEW_KEYS = ["algorithm.distill_coef", "algorithm.teacher_model_path", "algorithm.distill_divergence",
             "algorithm.distill_jsd_beta", "algorithm.distill_top_k", "model.extra_tokens", "model.tool_call_parser",
+            "model.stop_token_ids",
             "buffer.explorer_input.taskset.pass_k", "buffer.explorer_input.taskset.pass_threshold",
             "buffer.explorer_input.taskset.group_by", "buffer.explorer_input.reasoning_gym.datasets",
             "buffer.explorer_input.reasoning_gym.size", "buffer.explorer_input.reasoning_gym.eval_size",
