@@ -153,39 +153,34 @@ def test_the_generator_writes_only_its_own_directory(tmp_path):
     assert (tmp_path / "arithmetic-v4" / "train.jsonl").exists() and (tmp_path / "arithmetic-v4" / "test.jsonl").exists()
 
 
-def test_a_prompt_that_is_a_list_is_an_error_naming_the_row(tmp_path):
+def list_prompt_error(tmp_path, first_question) -> tuple:
+    """The ConfigError of a taskset whose second row's question is a list, and the file."""
     import pytest
 
     from rft.errors import ConfigError
 
     data = tmp_path / "t.jsonl"
-    data.write_text('{"question": "1+1", "answer": "2"}\n{"question": ["1", "2"], "answer": "3"}\n')
+    data.write_text(json.dumps({"question": first_question, "answer": "2"}) + '\n{"question": ["1", "2"], "answer": "3"}\n')
     ts = OmegaConf.structured(TasksetConfig(name="t", path=str(data)))
     with pytest.raises(ConfigError) as e:
         load_tasks(ts, "buffer.explorer_input.taskset")
+    return str(e.value), data
+
+
+def test_a_prompt_that_is_a_list_is_an_error_naming_the_row(tmp_path):
+    message, data = list_prompt_error(tmp_path, "1+1")
     # a list among texts: the datasets library reads the column as JSON (rft/data/tasks.py mixed_kinds)
-    assert str(e.value) == (
+    assert message == (
         f"buffer.explorer_input.taskset: row 1 (line 2 of its JSONL file) of '{data}' holds a list in 'question' "
         f"(format.prompt_key), where the other row holds text. With two kinds of value in one column, the datasets "
         f"library reads every value of it as JSON, so the text '58' would arrive as the number 58 and '007' as 7. "
         f"Write that row's value as text (\"[\\\"1\\\",\\\"2\\\"]\", quoted) or give every row of the column the same "
         f"kind. For chat messages set buffer.explorer_input.taskset.format.prompt_type=messages (and "
         f"format.messages_key).")
-
-
-def test_a_prompt_column_of_lists_alone_is_an_error_naming_the_row(tmp_path):
-    import pytest
-
-    from rft.errors import ConfigError
-
-    # every row a list: one kind, so datasets keeps the lists; the row is named when read
-    data = tmp_path / "t.jsonl"
-    data.write_text('{"question": ["1"], "answer": "2"}\n{"question": ["1", "2"], "answer": "3"}\n')
-    ts = OmegaConf.structured(TasksetConfig(name="t", path=str(data)))
-    with pytest.raises(ConfigError) as e:
-        load_tasks(ts, "buffer.explorer_input.taskset")
-    assert str(e.value).startswith(f"buffer.explorer_input.taskset: row 0 (line 1 of its JSONL file) of '{data}' has "
-                                   f"a list in 'question' (format.prompt_key), not a text.")
+    # every row a list: one kind, so datasets keeps the lists; the first row is named when read
+    message, data = list_prompt_error(tmp_path, ["1"])
+    assert message.startswith(f"buffer.explorer_input.taskset: row 0 (line 1 of its JSONL file) of '{data}' has "
+                              f"a list in 'question' (format.prompt_key), not a text.")
 
 
 def test_a_reward_sees_the_prompt_as_the_model_saw_it():

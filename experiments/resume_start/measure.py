@@ -54,15 +54,11 @@ PARTS = ["verify", "trainer build", "policy load", "reference", "critic build", 
 
 
 def evict(d: Path) -> None:
-    """Drop the folder's files from the page cache, so that the next read comes from the disk."""
-    for f in d.rglob("*"):
-        if f.is_file():
-            fd = os.open(f, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
+    """Drop the folder's files from the page cache (the checkpoint-verify study's own way)."""
+    sys.path.insert(0, str(ROOT))
+    from experiments.checkpoint_verify.measure import evict as drop
+
+    drop(d)
 
 
 def read_gb() -> float:
