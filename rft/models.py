@@ -293,7 +293,12 @@ def stop_token_ids(model_cfg, tok) -> list[int]:
     path = os.path.expanduser(model_cfg.model_path)
     try:
         eos = GenerationConfig.from_pretrained(path).eos_token_id
-    except OSError:  # no generation_config.json
+    except OSError as e:  # no generation_config.json (a damaged one is not read as none: the stops would change)
+        written = Path(path, "generation_config.json")
+        if written.is_file():
+            raise ConfigError(f"{written} is not a generation config transformers can read ({e}); the ids that end a "
+                              f"response come from its eos_token_id. Restore the file from the model's source, or "
+                              f"set model.stop_token_ids to those ids.") from None
         try:
             eos = GenerationConfig.from_model_config(
                 AutoConfig.from_pretrained(path, trust_remote_code=model_cfg.trust_remote_code)).eos_token_id

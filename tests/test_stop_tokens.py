@@ -83,6 +83,13 @@ def test_the_stop_ids_are_the_tokenizers_eos_then_the_generation_configs(turn_en
     (bare / "generation_config.json").unlink()
     assert load_tokenizer(model_cfg(bare)).rft_stop_ids == [EOT, IM_END]
     assert load_tokenizer(model_cfg(turn_end_model, stop_token_ids=[X])).rft_stop_ids == [X]
+    # a damaged generation_config.json is an error naming it, not config.json's ids in silence
+    (bare / "generation_config.json").write_text('{"eos_token_id": [2, ')
+    with pytest.raises(ConfigError) as e:
+        load_tokenizer(model_cfg(bare))
+    assert str(e.value).startswith(f"{bare / 'generation_config.json'} is not a generation config transformers can "
+                                   f"read (")
+    assert str(e.value).endswith("Restore the file from the model's source, or set model.stop_token_ids to those ids.")
     with pytest.raises(ConfigError) as e:
         load_tokenizer(model_cfg(turn_end_model, stop_token_ids=[IM_END, 103]))
     assert str(e.value) == (
