@@ -112,10 +112,35 @@ def test_math_bounds_a_slow_answer_on_a_worker_thread(bomb):
         out["score"] = math_reward("", bomb, task("3"), timeout_seconds=4)
         out["s"] = time.monotonic() - t0
 
+    math_reward.take_counters()  # what other tests in this process counted
     t = threading.Thread(target=call)
     t.start()
     t.join(60)
     assert out["score"] == 0.0 and out["s"] < 15, out
+    assert math_reward.take_counters() == {"timeouts": 1}  # a 0 from the clock, not from the answer
+
+
+@pytest.mark.slow
+def test_math_counts_its_timeouts_as_a_parts_counter_and_warns_once(caplog):
+    """math_verify swallows its own alarm and scores 0: the same as a wrong answer in the rewards.
+    A part `math` counts such responses (reward/math/timeouts, since the last take), a wrong or
+    right answer is not counted, and the first timeout is one warning naming the key to raise."""
+    from rft.rewards.scoring import build
+    import rft.rewards.verifiers as verifiers
+
+    scorer = build([{"fn": "math", "args": {"timeout_seconds": 4}}], "test")  # 4 / 4: 1 s per comparison
+    scorer.take_counters()
+    verifiers._TIMEOUTS.warned = False
+    with caplog.at_level("WARNING", logger="rft.rewards.verifiers"):
+        # main thread: math_verify's alarm ends the comparison with 9^(9^(9^9)) after 1 s
+        scores = scorer("", [r"\boxed{9^{9^{9^{9}}}}", r"\boxed{4}", r"\boxed{3}", r"\boxed{9^{9^{9^{9}}}}"], task("3"))
+    assert [float(x) for x in scores] == [0.0, 0.0, 1.0, 0.0]
+    assert scorer.take_counters() == {"reward/math/timeouts": 2}  # the two towers; the 4 is only wrong
+    assert scorer.take_counters() == {"reward/math/timeouts": 0}
+    warned = [r.getMessage() for r in caplog.records if "ran out of time" in r.getMessage()]
+    assert warned == ["math reward: scoring a response ran out of time (timeout_seconds=4) and it scored 0, as a "
+                      "wrong answer does; such responses are counted as reward/<part>/timeouts. If the count is not "
+                      "small, give the part a longer time (args: {timeout_seconds: 30})."]
 
 
 # ---------------------------------------------------------------- countdown

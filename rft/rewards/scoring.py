@@ -16,7 +16,8 @@ A served reward (a reward model on its own worker, a remote reward server, an LL
 built once per explorer from the part's `args`, and called once per task with all its responses:
 `client(prompt, responses, task) -> list[float | dict]` (one batch per group). It may count what
 went wrong on its side (`take_counters() -> {"failures": n, ...}`, the counts since the last call):
-the explorer logs them as `reward/<name>/<counter>`.
+the explorer logs them as `reward/<name>/<counter>`. A function may carry one too (`fn.take_counters`:
+`math` counts the responses it scored 0 because scoring ran out of time).
 
 `normalize: true` scales that part by running statistics over the run's rollouts, (value - mean)
 / std, updated with each step's values before they are used (`RunningNorm`, kept by the driver and
@@ -274,6 +275,8 @@ def _per_response(fn, args: dict) -> Callable:
     def call(prompt, responses, task):
         return [fn(prompt, r, task, **args) for r in responses]
 
+    if callable(getattr(fn, "take_counters", None)):  # a function's own counts (math: its timeouts)
+        call.take_counters = fn.take_counters
     return call
 
 

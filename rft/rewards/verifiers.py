@@ -137,11 +137,65 @@ def _op_timeout(timeout_seconds: float) -> int:
     return max(1, int(timeout_seconds / 4))
 
 
+class _TimeoutLog(logging.Handler):
+    """Counts, per thread, math_verify's "Timeout during parsing/comparison" warnings: its parse and
+    verify catch their own alarm, log it and give up, so a slow comparison is a 0 like a wrong answer."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.local = threading.local()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if str(record.msg).startswith("Timeout"):
+            self.local.n = getattr(self.local, "n", 0) + 1
+
+
+@functools.cache
+def _timeout_log() -> _TimeoutLog:
+    handler = _TimeoutLog()
+    logger = logging.getLogger("math_verify")
+    logger.addHandler(handler)
+    logger.propagate = False  # counted (reward/<part>/timeouts) and warned about once, not a line each
+    return handler
+
+
+def _timed_score(reference: str, response: str, timeout: int | None) -> list:
+    """[score, whether a math_verify timeout made it 0]."""
+    counts = _timeout_log().local
+    counts.n = 0
+    score = _guarded(reference, response, timeout)
+    return [score, score == 0.0 and counts.n > 0]
+
+
 def _math_worker() -> None:
-    """A math scoring child (rft/rewards/workers.py): `[reference, response, timeout]` in, a score out."""
-    logging.getLogger("math_verify").setLevel(logging.ERROR)  # its timeouts score 0, no warning each
+    """A math scoring child (rft/rewards/workers.py): `[reference, response, timeout]` in, `[score,
+    timed out]` out."""
     _math_score("1", "\\boxed{1}", 5)  # sympy and the LaTeX parser load before "ready", not in a call's time
-    serve(_math_score)
+    serve(_timed_score)
+
+
+class _Timeouts:
+    """Responses the math reward scored 0 because a parse or comparison ran out of time (in this
+    process, since the last take): the explorer logs them as reward/<part>/timeouts, and the first
+    one is a warning, because from the rewards alone a timeout looks like a wrong answer."""
+
+    def __init__(self):
+        self.lock, self.n, self.warned = threading.Lock(), 0, False
+
+    def add(self, timeout_seconds: float) -> None:
+        with self.lock:
+            self.n += 1
+            warn, self.warned = not self.warned, True
+        if warn:
+            log.warning("math reward: scoring a response ran out of time (timeout_seconds=%g) and it scored 0, "
+                        "as a wrong answer does; such responses are counted as reward/<part>/timeouts. If the "
+                        "count is not small, give the part a longer time (args: {timeout_seconds: 30}).",
+                        timeout_seconds)
+
+    def take(self) -> dict[str, float]:
+        with self.lock:
+            n, self.n = self.n, 0
+        return {"timeouts": n}
 
 
 # off the main thread, math_verify runs in child processes killed when late (rft/rewards/workers.py)
@@ -161,23 +215,32 @@ def math(prompt: str, response: str, task, timeout_seconds: float = 10.0) -> flo
     even `5 m` all equal 5 (math_verify strips unit words; it does not convert them).
 
     Never raises: an answer that does not parse, a last box never closed, or a comparison that
-    runs out of time scores 0. `timeout_seconds` bounds one call: in a process's main thread it
-    goes to math_verify's own (signal.alarm) timeouts; on any other thread (the explorer's reward
-    runners) the call runs in a child process that is killed when it is late (rft/rewards/workers.py).
+    runs out of time scores 0 (a timeout is counted: `reward/<part>/timeouts`, and the first one
+    warned about). `timeout_seconds` bounds one call: in a process's main thread it goes to
+    math_verify's own (signal.alarm) timeouts; on any other thread (the explorer's reward runners)
+    the call runs in a child process that is killed when it is late (rft/rewards/workers.py).
     """
     if task.answer is None or response is None:
         return 0.0
     reference, response = str(task.answer), str(response)
     _require_math_verify()  # not installed: an error, not rewards of 0
     if threading.current_thread() is threading.main_thread():
-        return _guarded(reference, response, _op_timeout(timeout_seconds))
-    try:
-        return float(_WORKERS.call([reference, response, _op_timeout(timeout_seconds)], timeout_seconds) or 0.0)
-    except TimeoutError:  # past its time: the answer is not accepted
-        return 0.0
-    except NoWorker as e:
-        log.warning("math reward: %s; scoring in this thread, without a timeout", e)
-        return _guarded(reference, response, None)
+        score, late = _timed_score(reference, response, _op_timeout(timeout_seconds))
+    else:
+        try:
+            score, late = _WORKERS.call([reference, response, _op_timeout(timeout_seconds)], timeout_seconds) or [0.0, False]
+        except TimeoutError:  # past its time: the child is killed, the answer not accepted
+            score, late = 0.0, True
+        except NoWorker as e:
+            log.warning("math reward: %s; scoring in this thread, without a timeout", e)
+            return _guarded(reference, response, None)
+    if late:
+        _TIMEOUTS.add(timeout_seconds)
+    return float(score)
+
+
+_TIMEOUTS = _Timeouts()
+math.take_counters = _TIMEOUTS.take  # a function part's counters (rft.rewards.scoring.Scorer.take_counters)
 
 
 @functools.cache
