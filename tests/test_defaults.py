@@ -5,6 +5,7 @@ algorithm: tests/test_algorithm_configs.py)."""
 import pytest
 from conftest import CONF, compose_cfg
 
+import rft.data.tasks
 import rft.runtime.main
 from rft.reporting.monitor import read_metrics
 
@@ -31,6 +32,8 @@ def test_every_option_plans_on_the_default(group, option, tmp_path, monkeypatch,
         return real(path, *a, **k)
 
     monkeypatch.setattr(datasets, "load_dataset", no_hub)
+    monkeypatch.setattr(rft.data.tasks, "_hub_cached", lambda path: False)  # whatever this machine downloaded
+    monkeypatch.setattr(rft.data.tasks, "_hub_unreachable", lambda path: None)  # ask load_dataset, patched above
     cfg = compose_cfg([f"{group}={option}", "dry_run=true", f"checkpoint_root_dir={tmp_path}"])
     if (group, option) in NEEDS_HUB:
         with pytest.raises(rft.runtime.main.ConfigError, match="there is no such local file or directory .*, and loading "

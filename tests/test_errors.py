@@ -369,10 +369,14 @@ def test_a_relative_path_says_relative_to_what(tmp_path):
 def test_a_hub_id_that_cannot_be_loaded_says_no_local_path_first(tmp_path, monkeypatch):
     import datasets
 
+    import rft.data.tasks
+
     def offline(*a, **k):
         raise ConnectionError("Couldn't reach 'data/tasks' on the Hub")
 
     monkeypatch.setattr(datasets, "load_dataset", offline)
+    monkeypatch.setattr(rft.data.tasks, "_hub_cached", lambda path: False)
+    monkeypatch.setattr(rft.data.tasks, "_hub_unreachable", lambda path: None)  # the hub answers; the load fails
     # planned in this process (cluster=inline), where the patch is: a Ray run's planning child would
     # wait ~20 s on the hub's retries before the same message
     assert plan_error(tmp_path, "cluster=inline", *taskset("data/tasks")).startswith(
@@ -1068,3 +1072,45 @@ def test_a_number_in_a_text_column_of_a_jsonl_file_is_an_error_naming_its_row(tm
 
     write_jsonl(f, [{"question": f"{i}+1", "answer": i + 1 if i else [1]} for i in range(6)])  # numbers, a list
     assert mixed_kinds(load_rows(str(f)), "answer", "w", str(f), "response_key") is None
+
+
+def test_a_hub_dataset_with_no_hub_to_ask_is_one_paragraph_without_the_retries(tmp_path, monkeypatch):
+    """Without network, datasets.load_dataset retries the hub for ~25 s (a warning a try) before it
+    fails: the hub is asked once first (10 s at most), and a dataset this machine downloaded before
+    is still read from the cache."""
+    import datasets
+    import httpx
+    from huggingface_hub import HfApi, constants
+
+    from rft.data.tasks import load_rows
+    from rft.errors import ConfigError
+
+    asked, loaded = [], []
+
+    def dataset_info(self, repo_id, timeout=None):
+        asked.append((repo_id, timeout))
+        raise httpx.ConnectError("[Errno -2] Name or service not known")
+
+    monkeypatch.setattr(HfApi, "dataset_info", dataset_info)
+    monkeypatch.setattr(datasets, "load_dataset", lambda path, **k: loaded.append((path, k)) or "rows")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "datasets")
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
+    with pytest.raises(ConfigError) as e:
+        load_rows("someorg/sometasks", "train", "main", key="buffer.explorer_input.taskset.path")
+    assert str(e.value) == (
+        f"buffer.explorer_input.taskset.path='someorg/sometasks': there is no such local file or directory "
+        f"(relative to {os.getcwd()}), and it is not in this machine's Hugging Face cache, and the hub cannot be "
+        f"reached from here (ConnectError: [Errno -2] Name or service not known). Give the local path (absolute, or "
+        f"relative to the directory you run from), or download the dataset first and point "
+        f"buffer.explorer_input.taskset.path at the local copy.")
+    assert asked == [("someorg/sometasks", 10)] and loaded == []
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")  # not asked at all
+    with pytest.raises(ConfigError, match="it is not in this machine's Hugging Face cache, and "
+                                          "HF_HUB_OFFLINE/HF_DATASETS_OFFLINE is set. Give the local path"):
+        load_rows("someorg/sometasks", "train", "main", key="buffer.explorer_input.taskset.path")
+    assert len(asked) == 1 and loaded == []
+    (tmp_path / "hub" / "datasets--someorg--sometasks").mkdir(parents=True)  # downloaded before
+    assert load_rows("someorg/sometasks", "train", "main") == "rows"
+    assert loaded == [("someorg/sometasks", {"name": "main", "split": "train"})] and len(asked) == 1

@@ -411,15 +411,52 @@ def load_rows(path: str, split: str = "train", subset_name: str | None = None, k
                 f"split in the directory). Put the split's rows in it, or point {key} at data that has them."
             ) from e
         raise ConfigError(f"{key}={path!r}, split={split!r}: {e}") from e
-    try:  # not a local path: a Hugging Face hub id
+    return _from_hub(datasets, path, split, subset_name, key)
+
+
+def _from_hub(datasets, path: str, split: str, subset_name: str | None, key: str):
+    """A split of a Hugging Face hub dataset. Asked first whether the hub answers at all: when it
+    does not, `datasets` retries for ~25 s, a warning a try, before it says so or reads its cache."""
+    unreachable = None if _hub_cached(path) else _hub_unreachable(path)
+    try:
+        if unreachable:
+            raise ConnectionError(unreachable)
         return datasets.load_dataset(path, name=subset_name, split=split)
     except Exception as e:
+        why = unreachable or f"loading it as a Hugging Face dataset id failed ({type(e).__name__}: " \
+                             f"{str(e).splitlines()[0] if str(e) else ''})"
         raise ConfigError(
-            f"{key}={path!r}: there is no such local file or directory{_relative_to(path)}, and loading "
-            f"it as a Hugging Face dataset id failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}). "
+            f"{key}={path!r}: there is no such local file or directory{_relative_to(path)}, and {why}. "
             f"Give the local path (absolute, or relative to the directory you run from), or download "
             f"the dataset first and point {key} at the local copy."
         ) from e
+
+
+def _hub_cached(path: str) -> bool:
+    """Whether this machine downloaded hub dataset `path` before (datasets reads it offline)."""
+    import datasets
+    from huggingface_hub import constants
+
+    return ((Path(constants.HF_HUB_CACHE) / f"datasets--{path.replace('/', '--')}").is_dir()
+            or (Path(datasets.config.HF_DATASETS_CACHE) / path.replace("/", "___")).is_dir())
+
+
+def _hub_unreachable(path: str) -> str | None:
+    """Why the hub cannot be asked for `path` from here; None when it answers (even 'no such dataset':
+    datasets' own message says that)."""
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import HfHubHTTPError
+
+    if any(os.environ.get(v, "").lower() in ("1", "true", "yes", "on") for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")):
+        return "it is not in this machine's Hugging Face cache, and HF_HUB_OFFLINE/HF_DATASETS_OFFLINE is set"
+    try:
+        HfApi().dataset_info(path, timeout=10)
+    except HfHubHTTPError:  # the hub answered (no such dataset, gated, a bad id): datasets words it
+        return None
+    except Exception as e:  # no network, DNS, a proxy, a timeout
+        return (f"it is not in this machine's Hugging Face cache, and the hub cannot be reached from here "
+                f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
+    return None
 
 
 def _check_split_of_file(f: Path, split: str, key: str, path: str) -> None:
