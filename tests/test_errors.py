@@ -1037,6 +1037,10 @@ def test_a_list_key_given_one_value_is_one_paragraph_naming_the_list_form(run_ro
     assert scalar_for_list(["cluster.device_mapping.trainer=0"], groups).startswith(
         "cluster.device_mapping.trainer=0: cluster.device_mapping.trainer takes a list; write "
         "cluster.device_mapping.trainer=[0]")
+    # a list of ids given a word: [abc] would only move the mistake into the list
+    assert scalar_for_list(["model.stop_token_ids=abc"], groups) == (
+        "model.stop_token_ids=abc: model.stop_token_ids takes a list of integers (e.g. token ids), and 'abc' is not "
+        "one; write model.stop_token_ids=[a] or [a,b] with whole numbers, or model.stop_token_ids=[] for none.")
     # a list, null, an interpolation, a scalar key, a sweep, a stage's free-form keys, a group: not this mistake
     for fine in (["monitor.monitor_type=[wandb]"], ["cluster.device_mapping.trainer=null"], ["seed=3"],
                  ["monitor.monitor_type=${oc.env:X}"], ["stages.0.seed=3"], ["monitor=console"], ["seed=1,2"]):

@@ -269,7 +269,7 @@ def scalar_for_list(args: list[str], groups: set[str]) -> str | None:
     Trinity-RFT's guide writes it): Hydra says only "str is not a ListConfig, list or tuple"."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from omegaconf import OmegaConf
-    from omegaconf._utils import is_list_annotation
+    from omegaconf._utils import get_list_element_type, is_list_annotation
 
     from rft.config import Config
 
@@ -290,8 +290,11 @@ def scalar_for_list(args: list[str], groups: set[str]) -> str | None:
         except Exception:  # inside a free-form dict or list (a stage, a reward's args): Hydra's
             continue
         if node is not None and is_list_annotation(node._metadata.ref_type):
-            return (f"{key}={o.input_line.split('=', 1)[1]}: {key} takes a list; write {key}=[{value}] (a list of "
-                    f"one), or several as [a,b].")
+            given = o.input_line.split('=', 1)[1]
+            if get_list_element_type(node._metadata.ref_type) is int and not isinstance(value, int):
+                return (f"{key}={given}: {key} takes a list of integers (e.g. token ids), and {given!r} is not "
+                        f"one; write {key}=[a] or [a,b] with whole numbers, or {key}=[] for none.")
+            return f"{key}={given}: {key} takes a list; write {key}=[{value}] (a list of one), or several as [a,b]."
     return None
 
 
