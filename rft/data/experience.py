@@ -170,9 +170,12 @@ def is_experience_file(path) -> bool:
 
 def sampling_params(sampling: dict) -> tuple[float, float, int]:
     """(temperature, top_p, top_k) of an experience's sampling. Greedy sampling (temperature 0)
-    counts as temperature 1: its stored log-probs are those of the untempered distribution."""
-    t = float(sampling.get("temperature", 1.0) or 1.0)
-    return t, float(sampling.get("top_p", 1.0)), int(sampling.get("top_k", -1))
+    counts as temperature 1 with no top-k or top-p cut: both engines store the log-probs of the
+    whole untempered distribution then (nothing is drawn from a cut one), whatever rollout_args'
+    top_p and top_k say."""
+    if not sampling.get("temperature", 1.0):
+        return 1.0, 1.0, -1
+    return float(sampling.get("temperature", 1.0)), float(sampling.get("top_p", 1.0)), int(sampling.get("top_k", -1))
 
 
 # ---------------------------------------------------------------- replay priority
