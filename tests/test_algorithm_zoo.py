@@ -249,7 +249,7 @@ def test_cpgd_clamps_the_log_prob():
 
 def test_opmd_loss():
     # -A * logp / (1 + tau) = -2 * -0.5 / 2 = 0.5
-    loss, _ = loss_fn("opmd", torch.tensor([[-0.5]]), None, torch.tensor([[2.0]]), None, algo(tau=1.0))
+    loss, _ = loss_fn("opmd", torch.tensor([[-0.5]]), None, torch.tensor([[2.0]]), torch.ones(1, 1), algo(tau=1.0))
     assert loss.item() == pytest.approx(0.5)
 
 

@@ -5,6 +5,10 @@ micro-batch being computed: summing the micro-batch results then gives exactly t
 gradient) of the whole mini-batch, whatever the micro-batch token counts. Dividing each
 micro-batch by its own token count instead is a classic silent bug (micro-batches with few
 tokens get too much weight).
+
+Positions outside the mask may hold anything (a row's padding, a multi-turn row's environment
+tokens, a log-prob of -inf or NaN there): `masked` selects rather than multiplies, since 0 x inf
+and 0 x NaN are NaN, which a sum then spreads over the whole loss and its gradient.
 """
 
 from __future__ import annotations
@@ -12,6 +16,12 @@ from __future__ import annotations
 import torch
 
 from rft.config import AGG_MODES
+
+
+def masked(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """x where mask is not 0, else 0: whatever x holds there (inf, NaN) reaches neither a sum nor,
+    through torch.where's backward, the gradient of what x was computed from."""
+    return torch.where(mask != 0, x, 0.0)
 
 
 def agg_loss(
@@ -29,16 +39,16 @@ def agg_loss(
     seq-mean-token-mean:     sum_i (sum_t l_it m_it / sum_t m_it) / num_seqs  (original GRPO)
     seq-mean-token-sum-norm: sum(l * m) / (num_seqs * max_len)              (Dr. GRPO)
 
-    A fully masked row contributes 0 in every mode.
+    A fully masked row contributes 0 in every mode; a masked position, whatever its loss, adds 0.
     """
-    masked = loss * mask
+    loss = masked(loss, mask) * mask
     if mode == "token-mean":
-        return masked.sum() / max(num_tokens, 1)
+        return loss.sum() / max(num_tokens, 1)
     if mode == "seq-mean-token-sum":
-        return masked.sum() / max(num_seqs, 1)
+        return loss.sum() / max(num_seqs, 1)
     if mode == "seq-mean-token-mean":
-        per_seq = masked.sum(-1) / mask.sum(-1).clamp(min=1)
+        per_seq = loss.sum(-1) / mask.sum(-1).clamp(min=1)
         return per_seq.sum() / max(num_seqs, 1)
     if mode == "seq-mean-token-sum-norm":
-        return masked.sum() / (max(num_seqs, 1) * max_len)
+        return loss.sum() / (max(num_seqs, 1) * max_len)
     raise ValueError(f"unknown loss_agg_mode {mode!r}; choose one of {AGG_MODES}")

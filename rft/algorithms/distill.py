@@ -42,17 +42,19 @@ import math
 
 import torch
 
+from rft.algorithms.aggregation import masked
+
 
 def distill_advantage(teacher_logp: torch.Tensor, student_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """-(log p_student - log p_teacher) on the tokens of `mask` (the sampled ones the loss counts),
-    0 elsewhere; no gradient. All [N, T]."""
-    return ((teacher_logp - student_logp) * mask).detach()
+    0 elsewhere (whatever they hold there); no gradient. All [N, T]."""
+    return masked(teacher_logp - student_logp, mask).detach()
 
 
 def reverse_kl(teacher_logp: torch.Tensor, student_logp: torch.Tensor, mask: torch.Tensor) -> float:
     """The per-token reverse KL estimate, averaged over the tokens of `mask` (0 without any)."""
     n = mask.sum()
-    return (((student_logp - teacher_logp) * mask).sum() / n).item() if n > 0 else 0.0
+    return (masked(student_logp - teacher_logp, mask).sum() / n).item() if n > 0 else 0.0
 
 
 def _rest(logp: torch.Tensor) -> torch.Tensor:

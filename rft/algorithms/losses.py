@@ -7,6 +7,10 @@ loss itself needs it). The returned loss is per token, before aggregation
 (`rft.algorithms.aggregation.agg_loss` owns the normaliser). Metrics are masked sums over tokens,
 so callers can add them up across micro-batches exactly; a metric averaged over something else
 is a (sum, count) pair, added up the same way (DPO's, over preference pairs).
+
+Positions outside `response_mask` may hold anything (an environment's tokens, -inf or NaN
+log-probs): each loss reads its inputs there through `masked` (0 instead), so that nothing there
+reaches the loss, a sequence's sum, the metrics or the gradient, and returns 0 there.
 """
 
 from __future__ import annotations
@@ -14,6 +18,8 @@ from __future__ import annotations
 import math
 
 import torch
+
+from rft.algorithms.aggregation import masked
 
 # exp() of a log-ratio beyond this overflows nothing but means the sample is useless; clamp it
 LOG_RATIO_CLAMP = 20.0
@@ -42,14 +48,14 @@ def ppo_clip_loss(logp, batch, cfg):
     -A * clip_ratio_c, so a huge ratio on a bad token cannot dominate.
     """
     old_logp, advantages, mask = batch["old_logp"], batch["advantages"], batch["response_mask"]
-    log_ratio = torch.clamp(logp - old_logp, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    log_ratio = torch.clamp(masked(logp - old_logp, mask), -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     ratio = torch.exp(log_ratio)
     pg_loss1 = -advantages * ratio
     pg_loss2 = -advantages * torch.clamp(ratio, 1.0 - cfg.clip_ratio_low, 1.0 + cfg.clip_ratio_high)
     loss = torch.maximum(pg_loss1, pg_loss2)
     if cfg.clip_ratio_c is not None:
         loss = torch.where(advantages < 0, torch.minimum(loss, -advantages * cfg.clip_ratio_c), loss)
-    return loss, _ratio_metrics(log_ratio, ratio, pg_loss1, pg_loss2, advantages, mask)
+    return masked(loss, mask), _ratio_metrics(log_ratio, ratio, pg_loss1, pg_loss2, advantages, mask)
 
 
 def gspo_loss(logp, batch, cfg):
@@ -63,14 +69,15 @@ def gspo_loss(logp, batch, cfg):
     no gradient, instead of overflowing.
     """
     old_logp, advantages, mask = batch["old_logp"], batch["advantages"], batch["response_mask"]
-    seq_log_ratio = ((logp - old_logp) * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+    seq_log_ratio = masked(logp - old_logp, mask).sum(-1) / mask.sum(-1).clamp(min=1)
+    logp = masked(logp, mask)
     log_ratio = logp - logp.detach() + seq_log_ratio.detach()[:, None]
     log_ratio = torch.clamp(log_ratio, max=10.0)
     ratio = torch.exp(log_ratio)
     pg_loss1 = -advantages * ratio
     pg_loss2 = -advantages * torch.clamp(ratio, 1.0 - cfg.clip_ratio_low, 1.0 + cfg.clip_ratio_high)
     loss = torch.maximum(pg_loss1, pg_loss2)
-    return loss, _ratio_metrics(log_ratio, ratio, pg_loss1, pg_loss2, advantages, mask)
+    return masked(loss, mask), _ratio_metrics(log_ratio, ratio, pg_loss1, pg_loss2, advantages, mask)
 
 
 def gmpo_loss(logp, batch, cfg):
@@ -83,13 +90,13 @@ def gmpo_loss(logp, batch, cfg):
     loss on each of its tokens: use loss_agg_mode=seq-mean-token-mean.
     """
     old_logp, advantages, mask = batch["old_logp"], batch["advantages"], batch["response_mask"]
-    log_ratio = torch.clamp(logp - old_logp, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    log_ratio = torch.clamp(masked(logp - old_logp, mask), -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     sign = torch.sign(advantages)
     clipped = torch.clamp(log_ratio, -cfg.clip_ratio_low, cfg.clip_ratio_high)
     pessimistic = sign * torch.minimum(sign * log_ratio, sign * clipped)
     seq_ratio = torch.exp((pessimistic * mask).sum(-1) / mask.sum(-1).clamp(min=1))
     seq_adv = (advantages * mask).sum(-1) / mask.sum(-1).clamp(min=1)
-    loss = (-seq_adv * seq_ratio)[:, None].expand_as(logp)
+    loss = masked((-seq_adv * seq_ratio)[:, None].expand_as(logp), mask)
     ratio = torch.exp(log_ratio)
     metrics = {
         # the tokens whose clip binds: the upper bound for A > 0, the lower for A < 0
@@ -107,6 +114,7 @@ def cpgd_loss(logp, batch, cfg):
     loss = -A * logp_c. Once a token's probability has moved far enough it gets no more gradient.
     """
     old_logp, advantages, mask = batch["old_logp"], batch["advantages"], batch["response_mask"]
+    logp, old_logp = masked(logp, mask), masked(old_logp, mask)
     upper = old_logp + math.log1p(cfg.clip_ratio_high)
     lower = old_logp + math.log1p(-cfg.clip_ratio_low)
     clamped = torch.where(advantages > 0, torch.minimum(logp, upper), torch.maximum(logp, lower))
@@ -116,17 +124,18 @@ def cpgd_loss(logp, batch, cfg):
         "actor/clip_frac": ((clamped != logp).float() * (advantages != 0) * mask).sum().item(),
         "actor/approx_kl": ((torch.exp(log_ratio) - 1.0 - log_ratio).detach() * mask).sum().item(),
     }
-    return -advantages * clamped, metrics
+    return masked(-advantages * clamped, mask), metrics
 
 
 def opmd_loss(logp, batch, cfg):
     """OPMD (Trinity-RFT, arXiv 2505.17826): -A * logp / (1 + tau), no importance ratio."""
-    return -batch["advantages"] * logp / (1.0 + cfg.tau), {}
+    mask = batch["response_mask"]
+    return masked(-batch["advantages"] * masked(logp, mask) / (1.0 + cfg.tau), mask), {}
 
 
 def sft_loss(logp, batch, cfg):
     """Supervised fine-tuning: -log p(token) on response tokens."""
-    return -logp, {}
+    return -masked(logp, batch["response_mask"]), {}
 
 
 def dpo_loss(logp, batch, cfg):
@@ -141,8 +150,8 @@ def dpo_loss(logp, batch, cfg):
     loss: it contributes 0 (its rows still count in the normaliser).
     """
     mask, ref = batch["response_mask"], batch["ref_logp"]
-    seq = (logp * mask).sum(-1)
-    seq_ref = (ref * mask).sum(-1)
+    seq = masked(logp, mask).sum(-1)
+    seq_ref = masked(ref, mask).sum(-1)
     chosen_reward = cfg.dpo_beta * (seq[0::2] - seq_ref[0::2])
     rejected_reward = cfg.dpo_beta * (seq[1::2] - seq_ref[1::2])
     pair_loss = -torch.nn.functional.logsigmoid(chosen_reward - rejected_reward)
@@ -174,7 +183,7 @@ def bradley_terry_loss(logp, batch, cfg):
     pairs. d loss / d r_chosen = -(1 - sigmoid(r_c - r_r)) = -d loss / d r_rejected.
     """
     mask = batch["response_mask"]
-    score = (logp * mask).sum(-1)
+    score = masked(logp, mask).sum(-1)
     margin = score[0::2] - score[1::2]
     pair_loss = -torch.nn.functional.logsigmoid(margin)
     pairs_tokens = (mask[0::2].sum(-1) + mask[1::2].sum(-1)).repeat_interleave(2)

@@ -49,5 +49,7 @@ def apply_overlong(exps, algo, max_len: int) -> None:
 def kl_penalty(kl_fn, old_logp, ref_logp, mask):
     """The KL of each sampled response to the reference, summed over its tokens, [n]; the trainer
     subtracts kl_penalty_coef times it from the reward. Departure from REINFORCE++'s per-token
-    placement: one sum per sequence."""
-    return (kl_fn(old_logp, ref_logp) * mask).sum(-1)
+    placement: one sum per sequence. Positions outside the mask add 0, whatever they hold."""
+    from rft.algorithms.aggregation import masked
+
+    return masked(kl_fn(old_logp, ref_logp), mask).sum(-1)

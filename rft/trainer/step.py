@@ -28,7 +28,7 @@ import torch
 
 from rft.algorithms import distill, off_policy, rollout_is, shaping
 from rft.algorithms.advantages import gae_returns
-from rft.algorithms.aggregation import agg_loss
+from rft.algorithms.aggregation import agg_loss, masked
 from rft.data.experience import Experience, collate
 from rft.errors import RunError
 from rft.trainer import lora
@@ -128,7 +128,7 @@ def _zero_advantage_rows_last(step: "Step") -> None:
 
 
 def _abs_diff(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> float:
-    return ((a - b).abs() * mask).sum().item()
+    return masked((a - b).abs(), mask).sum().item()
 
 
 class _Rows:
@@ -369,7 +369,9 @@ class StepMixin:
 
     def _kl_term(self, loss, logp, entropy, m, rows, step):
         """algorithm.kl_loss_fn: + kl_loss_coef x KL(policy || reference) per token."""
-        kl = self.kl_fn(logp, rows(step.ref_logp))
+        # the KL functions take no mask: their inputs are 0 where m is, so a -inf or NaN log-prob
+        # there reaches neither the metric nor (0 x NaN in k2's or k3's backward) the gradient
+        kl = self.kl_fn(masked(logp, m), masked(rows(step.ref_logp), m))
         step.sums["actor/kl"] += (kl.detach() * m).sum().item()
         return loss + self.cfg.algorithm.kl_loss_coef * kl
 
