@@ -320,6 +320,18 @@ def test_pairwise_losses_ignore_what_the_mask_leaves_out(name):
     assert metrics == want_metrics
 
 
+def test_gspo_approx_kl_is_the_per_token_kl_like_every_other_loss():
+    # two tokens with log-ratios +0.5 and -0.5: the sequence's mean log-ratio is 0 (s = 1, nothing
+    # clipped), but the policy moved. approx KL(old || new) is k3 = r - 1 - log r per token, summed:
+    # (e^0.5 - 1.5) + (e^-0.5 - 0.5) = 0.148721 + 0.106531 = 0.255252, what ppo_clip logs for them
+    logp, old = torch.tensor([[0.5, -0.5]], dtype=F64), torch.zeros(1, 2, dtype=F64)
+    ones = torch.ones(1, 2, dtype=F64)
+    k3 = (math.exp(0.5) - 1.5) + (math.exp(-0.5) - 0.5)
+    for name in ("gspo", "ppo_clip", "gmpo", "cpgd"):
+        _, m = call_loss(name, logp, old, ones, ones)
+        assert m["actor/approx_kl"] == pytest.approx(k3, rel=1e-12), name
+
+
 @pytest.mark.parametrize("dtype", [F32, F64])
 def test_dpo_and_bradley_terry_match_the_formula(dtype):
     beta = 0.1

@@ -25,11 +25,13 @@ from rft.algorithms.aggregation import masked
 LOG_RATIO_CLAMP = 20.0
 
 
-def _ratio_metrics(log_ratio, ratio, pg_loss1, pg_loss2, advantages, mask) -> dict:
-    """Clip fractions (low and high bound separately, as clip-higher users watch) and approx KL."""
+def _ratio_metrics(log_ratio, pg_loss1, pg_loss2, advantages, mask) -> dict:
+    """Clip fractions (low and high bound separately, as clip-higher users watch) and approx KL.
+    `log_ratio` is each token's own (clamped) log-ratio, also for a loss whose ratio is per sequence:
+    approx KL means the same for every loss."""
     clipped = (pg_loss2 > pg_loss1).float() * mask
-    # approx KL(old || new): Schulman's k3 on the ratio
-    approx_kl = (ratio - 1.0 - log_ratio).detach()
+    # approx KL(old || new): Schulman's k3 on the token's ratio
+    approx_kl = (torch.exp(log_ratio) - 1.0 - log_ratio).detach()
     return {
         "actor/clip_frac": clipped.sum().item(),
         "actor/clip_frac_low": (clipped * (advantages < 0)).sum().item(),
@@ -55,7 +57,7 @@ def ppo_clip_loss(logp, batch, cfg):
     loss = torch.maximum(pg_loss1, pg_loss2)
     if cfg.clip_ratio_c is not None:
         loss = torch.where(advantages < 0, torch.minimum(loss, -advantages * cfg.clip_ratio_c), loss)
-    return masked(loss, mask), _ratio_metrics(log_ratio, ratio, pg_loss1, pg_loss2, advantages, mask)
+    return masked(loss, mask), _ratio_metrics(log_ratio, pg_loss1, pg_loss2, advantages, mask)
 
 
 def gspo_loss(logp, batch, cfg):
@@ -69,7 +71,8 @@ def gspo_loss(logp, batch, cfg):
     no gradient, instead of overflowing.
     """
     old_logp, advantages, mask = batch["old_logp"], batch["advantages"], batch["response_mask"]
-    seq_log_ratio = masked(logp - old_logp, mask).sum(-1) / mask.sum(-1).clamp(min=1)
+    token_log_ratio = masked(logp - old_logp, mask)
+    seq_log_ratio = token_log_ratio.sum(-1) / mask.sum(-1).clamp(min=1)
     logp = masked(logp, mask)
     log_ratio = logp - logp.detach() + seq_log_ratio.detach()[:, None]
     log_ratio = torch.clamp(log_ratio, max=10.0)
@@ -77,7 +80,10 @@ def gspo_loss(logp, batch, cfg):
     pg_loss1 = -advantages * ratio
     pg_loss2 = -advantages * torch.clamp(ratio, 1.0 - cfg.clip_ratio_low, 1.0 + cfg.clip_ratio_high)
     loss = torch.maximum(pg_loss1, pg_loss2)
-    return masked(loss, mask), _ratio_metrics(log_ratio, ratio, pg_loss1, pg_loss2, advantages, mask)
+    # the clip fractions are of the sequence ratio; approx KL of the tokens' own (the sequence's k3,
+    # exp(s) - 1 - s of the mean log-ratio s, is 0 for token log-ratios +0.5 and -0.5)
+    token_log_ratio = torch.clamp(token_log_ratio, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    return masked(loss, mask), _ratio_metrics(token_log_ratio, pg_loss1, pg_loss2, advantages, mask)
 
 
 def gmpo_loss(logp, batch, cfg):
