@@ -216,17 +216,18 @@ def test_the_plot_draws_a_mean_curve_and_a_std_band_per_configuration(lr_sweep):
 
 
 def test_a_seed_that_stopped_early_and_one_without_metrics(tmp_path):
-    """Seeds only (like experiment=tiny_seeds): the band covers the steps every seed logged, and n
-    counts the seeds with metrics."""
+    """Seeds only (like experiment=tiny_seeds): the band covers the steps every seed logged; the
+    row's values are the finished seeds' alone, n their count: seed 2, killed after step 2 of 3, was
+    averaged in (its step-2 values as if final: 0.600 ± 0.141 over n=2, where the one finished seed
+    ended at 0.7)."""
     d = tmp_path / "seeds"
     write_job(d, 0, ["seed=1"], "grpo", {"sft_warmup": SFT, "grpo": GRPO})
     write_job(d, 1, ["seed=2"], "grpo", {"sft_warmup": SFT, "grpo": GRPO[:3]})  # killed after step 2
     write_job(d, 2, ["seed=3"], "grpo")  # failed at start-up
     out = report.report(d)
     _, by_config = tables(out["md"])
-    # final reward 0.7 and 0.5 -> mean 0.6, std sqrt((0.01 + 0.01) / 1) = 0.141;
-    # final eval 0.5 and 0.6 -> 0.55 ± 0.071; best eval 0.6 both; GRPO time 8.5 and 6 -> 7.25 ± 1.768
-    assert by_config[2] == "| 1,2,3 | grpo | 1/3 done | 2 | 0.600 ± 0.141 | 0.550 ± 0.071 | 0.600 ± 0.000 | 7.250 ± 1.768 |"
+    # seed 1 alone is done: final reward 0.7, final eval 0.5, best eval 0.6, GRPO time 3 x 2 + 2 x 1 + 0.5 = 8.5
+    assert by_config[2] == "| 1,2,3 | grpo | 1/3 done | 1 | 0.700 | 0.500 | 0.600 | 8.500 |"
     jobs = report.read_jobs(d)
     fig = report.plot(jobs, ["seed"], "t", ["reward/mean"])
     (line,) = fig.axes[0].lines
@@ -237,13 +238,13 @@ def test_a_seed_that_stopped_early_and_one_without_metrics(tmp_path):
     # seed 4 stopped after the warm-up: by default its last stage is its own row, not averaged with GRPO's
     write_job(d, 3, ["seed=4"], "grpo", {"sft_warmup": SFT})
     _, by_config = tables(report.report(d)["md"])
-    assert [row.split(" | ")[:5] for row in by_config[2:]] == [["| 1,2,3", "grpo", "1/3 done", "2", "0.600 ± 0.141"],
+    assert [row.split(" | ")[:5] for row in by_config[2:]] == [["| 1,2,3", "grpo", "1/3 done", "1", "0.700"],
                                                              ["| 4", "sft_warmup", "stopped before stage grpo", "1", ""]]
     fig = report.plot(report.read_jobs(d), ["seed"], "t", ["eval/accuracy"])
     assert [line.get_label() for line in fig.axes[0].lines] == ["seed=1,2,3 (2 seeds)", "seed=4 (stage sft_warmup)"]
     # --stage grpo: seed 4 has no GRPO metrics, so it counts among the seeds not done
     _, by_config = tables(report.report(d, stage="grpo")["md"])
-    assert by_config[2].startswith("| 1,2,3,4 | grpo | 1/4 done | 2 | 0.600 ± 0.141 |")
+    assert by_config[2].startswith("| 1,2,3,4 | grpo | 1/4 done | 1 | 0.700 |")
     rows = list(csv.DictReader((d / "report.csv").open()))
     assert (rows[3]["job"], rows[3]["status"]) == ("3", "stopped before stage grpo")
 

@@ -26,8 +26,9 @@ names it); NAME reports that stage of every job; `all` every stage, a row per jo
 the order the runs logged them (`eval/accuracy`, the first set's alias, only when the runs logged
 no per-set accuracy). An eval accuracy's best is its highest.
 Seeds: jobs whose overrides are the same but for `seed` are one configuration (--no-group: none
-are). `n` counts its jobs with metrics in the stage; std is the sample std (N-1) over them, and
-the curves' band covers the steps every one of them logged.
+are). Its row's values are over its finished jobs (`done`), `n` their count (where none has
+finished, over those with metrics in the stage); std is the sample std (N-1) over them. Its curve
+is over every job with metrics, the band covering the steps every one of them logged.
 `time_s` is the seconds the reported stage's metrics account for (its steps, evals and saves; not
 process start or model loading): a warm-up that one job of a configuration trained and the others
 copied from the stage cache does not count in the RL stage's time; a stage copied from the cache
@@ -433,18 +434,21 @@ def _stdev(values: list) -> float:
 
 
 def group_rows(gs: list[list[Job]], keys: list[str], table: list[dict]) -> list[dict]:
-    """A row per configuration: `n` and each value column's (mean, std) over its jobs' rows."""
+    """A row per configuration: each value column's (mean, std) over its finished jobs' rows, and
+    their count `n`; where none has finished (a sweep still running), over those with metrics. A
+    job stopped midway is left out where another finished: its last values are of an earlier step,
+    and averaged in they passed for a final result."""
     by_job = {(r["job"], r["stage"]): r for r in table}
     cols = [c for c in table[0] if c.startswith(("final ", "best ")) and not c.endswith(" at step")]
     out = []
     for js in gs:
-        rs = [by_job[j.num, j.stage] for j in js]
         done = sum(j.status == "done" for j in js)
+        rs = [by_job[j.num, j.stage] for j in js if j.metrics and (j.status == "done" or not done)]
         row = {**{k: js[0].overrides.get(k, "") for k in keys if k != "seed"},
                **({"seed": ",".join(j.overrides.get("seed", "") for j in js)} if "seed" in keys else {}),
                "stage": lead(js).stage,
                "status": js[0].status if len(js) == 1 else "done" if done == len(js) else f"{done}/{len(js)} done",
-               "n": sum(bool(j.metrics) for j in js)}
+               "n": len(rs)}
         for c in [*cols, "time_s"]:
             row[c] = mean_std([r[c] for r in rs])
         out.append(row)
@@ -484,7 +488,9 @@ def write_markdown(path: Path, sweep_dir: Path, jobs: list[Job], keys: list[str]
     lines += ["", "![the metrics over steps](rewards.png)", "",
               "`time_s`: seconds in the steps, evals and saves of the stage reported (not an earlier stage "
               "such as a shared warm-up, nor start-up or model loading; none for a stage copied from the stage cache)."
-              + (" `n`: the seeds with metrics in the stage; std over them (N-1)." if by_config else ""), ""]
+              + (" `n`: the seeds a configuration's values are over, its finished ones (a seed stopped midway "
+                 "is in the table above, not in the mean; where none has finished, those with metrics); std "
+                 "over them (N-1)." if by_config else ""), ""]
     path.write_text("\n".join(lines))
 
 
