@@ -140,6 +140,16 @@ def test_gae_matches_the_recursion_then_whitens(dtype):
     close(ADVANTAGE_FNS["gae"](batch, algo(gamma=gamma, lam=lam)), want, dtype)
 
 
+
+def test_gae_keeps_float64_rewards_whatever_the_masks_dtype():
+    # rewards 1e6 + 0.01 and 1e6 differ by less than float32's spacing there (0.0625): in float32
+    # both are 1e6 and the whitened advantages 0. gamma = lam = 1, values 0, one token a row: A = R,
+    # whitened over the 2 tokens: (+-0.005) / (sqrt(0.01^2 / 2) + 1e-6) = +-0.707036
+    batch = {"rewards": torch.tensor([1e6 + 0.01, 1e6], dtype=F64), "values": torch.zeros(2, 1),
+             "response_mask": torch.ones(2, 1)}
+    a = 0.005 / (math.sqrt(0.01**2 / 2) + 1e-6)
+    close(ADVANTAGE_FNS["gae"](batch, algo(gamma=1.0, lam=1.0)), [[a], [-a]], F64)
+
 # ---------------------------------------------------------------- policy losses
 
 def call_loss(name, logp, old, adv, mask, ref=None, **kw):

@@ -161,12 +161,19 @@ def gae_returns(rewards, values, mask, gamma: float, lam: float):
     V_{t+1} and A_{t+1} are 0 after the last response token. t+1 is the next token the loss counts:
     tokens outside the mask inside a response (a multi-turn row's environment or user turns) are
     stepped over, so an earlier turn sees the reward and the values after them, as in verl's
-    multi-turn GAE. Returns (advantages, returns), [N, T].
+    multi-turn GAE. Returns (advantages, returns), [N, T], in float32 or the inputs' wider dtype.
     """
+    out = _out_dtype(rewards, values, mask)
+    return tuple(t.to(out) for t in _gae(rewards, values, mask, gamma, lam))
+
+
+def _gae(rewards, values, mask, gamma: float, lam: float):
+    """gae_returns in float64, whatever the inputs' dtypes (a float32 mask must not round the rewards)."""
+    rewards, values, mask = rewards.double(), values.double(), mask.double()
     T = mask.shape[1]
     last = (mask * torch.arange(T, device=mask.device)).argmax(-1)  # index of each row's last response token
     token_rewards = torch.zeros_like(mask)
-    token_rewards[torch.arange(len(rewards), device=mask.device), last] = (rewards * (mask.sum(-1) > 0)).to(mask.dtype)
+    token_rewards[torch.arange(len(rewards), device=mask.device), last] = rewards * (mask.sum(-1) > 0)
     adv = torch.zeros_like(mask)
     next_adv = rewards.new_zeros(len(rewards))
     next_value = rewards.new_zeros(len(rewards))
@@ -186,9 +193,9 @@ def gae_advantage(batch: dict, cfg) -> torch.Tensor:
 
     Equal GAE advantages (equal rewards with gamma = lam = 1 and constant values) whiten to 0.
     """
-    mask = batch["response_mask"]
-    adv, _ = gae_returns(batch["rewards"], batch["values"], mask, cfg.gamma, cfg.lam)
-    return _whiten(adv, mask).to(_out_dtype(adv))
+    rewards, values, mask = batch["rewards"], batch["values"], batch["response_mask"]
+    adv, _ = _gae(rewards, values, mask, cfg.gamma, cfg.lam)
+    return _whiten(adv, mask).to(_out_dtype(rewards, values, mask))
 
 
 # advantage functions that need a critic's values in batch["values"]
