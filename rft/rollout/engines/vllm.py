@@ -58,6 +58,19 @@ def check_version(version: str) -> None:
             f"older vLLM lacks. pip install -U -e '.[vllm]' (or use explorer=hf).")
 
 
+def request_seeds(seed: int, count: int) -> list[int]:
+    """One seed per prompt of a call, drawn from the call's seed (numpy's SeedSequence, made to
+    spawn independent streams): the same call samples the same (a resumed run). vLLM seeds a
+    request's n samples seed, seed + 1, ..., seed + n - 1 (its parallel sampling), so prompt i's
+    seed + i gave prompt i's sample j the random stream of prompt i + 1's sample j - 1, the same
+    draws (identical responses where the two next-token distributions agree); and the explorer's
+    calls, whose seeds differ by small salts (eval sets, DAPO's redraws, other explorers) and by
+    7919 a step, shared streams too. 62 bits: seed + n stays an int64."""
+    import numpy as np
+
+    return [int(s) for s in np.random.SeedSequence(seed % 2**63).generate_state(count, np.uint64) >> np.uint64(2)]
+
+
 class VLLMEngine:
     def __init__(self, model_cfg, rollout_cfg, tokenizer, path: str | None = None, device=None):
         # `device` is the hf engine's; vLLM places itself (CUDA, or the CPU build's CPU)
@@ -127,6 +140,7 @@ class VLLMEngine:
         if greedy and n > 1:  # vLLM samples greedily only with n=1: ask n times
             flat = self.generate([p for p in prompts for _ in range(n)], 1, args, seed)
             return [[flat[i * n + j][0] for j in range(n)] for i in range(len(prompts))]
+        seeds = request_seeds(seed, len(prompts))
         params = [
             SamplingParams(
                 n=n,
@@ -143,8 +157,7 @@ class VLLMEngine:
                 stop_token_ids=self.stop_ids,
                 ignore_eos=True,
                 logprobs=0,  # the sampled token's own log-prob
-                # one seed per prompt, derived from the step's: a resumed run samples the same
-                seed=(seed + i) % (2**31),
+                seed=seeds[i],
             )
             for i in range(len(prompts))
         ]
