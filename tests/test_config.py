@@ -201,6 +201,18 @@ def test_settings_no_run_can_use_fail_the_plan(overrides, message):
     assert str(e.value) == message
 
 
+def test_an_overlong_penalty_factor_without_its_buffer_is_warned_about(caplog):
+    # -m algorithm.overlong_penalty_factor=0.5,1.0 under grpo (overlong_buffer_frac 0): the same job
+    # twice, exit 0, without a word
+    plan_for(["stages=[]", "algorithm.overlong_penalty_factor=0.5"])
+    assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == [
+        "algorithm.overlong_penalty_factor=0.5 has no effect: algorithm.overlong_buffer_frac is 0, so no "
+        "response is penalised for its length. Set algorithm.overlong_buffer_frac (DAPO's 0.2) to use it."]
+    caplog.clear()
+    plan_for(["stages=[]", "algorithm=dapo", "algorithm.overlong_penalty_factor=0.5"])  # dapo's buffer: 0.2
+    assert [r for r in caplog.records if r.levelname == "WARNING"] == []
+
+
 @pytest.mark.slow  # five configs composed (~1.7 s)
 def test_a_kl_coefficient_without_its_kl_function_is_warned_about(caplog):
     # -m algorithm.kl_loss_coef=0.0,0.1 with grpo's kl_loss_fn=none: two jobs of the same run each, exit 0

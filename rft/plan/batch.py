@@ -363,6 +363,7 @@ def _check_algorithm(cfg, needs: Needs) -> None:
             f"Set algorithm.repeat_times to 2 or more (8 is common)."
         )
     _unused_kl_coefs(algo)
+    _unused_overlong_factor(algo)
 
 
 def _unused_kl_coefs(algo) -> None:
@@ -374,6 +375,16 @@ def _unused_kl_coefs(algo) -> None:
         if algo[fn] == "none" and algo[coef] != getattr(defaults, coef) and algo.advantage_fn != "none":
             log.warning("algorithm.%s=%s has no effect: algorithm.%s is none, so the stage adds no KL %s. Set "
                         "algorithm.%s (k3 is common) to use it.", coef, algo[coef], fn, what, fn)
+
+
+def _unused_overlong_factor(algo) -> None:
+    """DAPO's overlong penalty factor set while overlong_buffer_frac is 0 (grpo's, dr_grpo's) is read by
+    nothing: a sweep over it ran the same job twice, as an unused KL coefficient did."""
+    factor = algo.overlong_penalty_factor
+    if algo.overlong_buffer_frac <= 0 and factor != C.AlgorithmConfig().overlong_penalty_factor and algo.advantage_fn != "none":
+        log.warning("algorithm.overlong_penalty_factor=%s has no effect: algorithm.overlong_buffer_frac is 0, so no "
+                    "response is penalised for its length. Set algorithm.overlong_buffer_frac (DAPO's 0.2) to use "
+                    "it.", factor)
 
 
 ALGORITHM_FN_KEYS = ("advantage_fn", "policy_loss_fn")
