@@ -150,6 +150,22 @@ def test_gae_keeps_float64_rewards_whatever_the_masks_dtype():
     a = 0.005 / (math.sqrt(0.01**2 / 2) + 1e-6)
     close(ADVANTAGE_FNS["gae"](batch, algo(gamma=1.0, lam=1.0)), [[a], [-a]], F64)
 
+
+@pytest.mark.slow
+def test_the_trainer_computes_advantages_from_the_rewards_as_given():
+    # (builds the tiny model's trainer: ~2 s) the rewards reach the advantage function in float64,
+    # as the reward function gave them: GRPO's +-0.707 for 1e6 + 0.01 against 1e6, not 0
+    from test_trainer import make_trainer
+
+    from rft.data.experience import Experience
+
+    prompt = [1, 5, 102, 7, 8, 9, 2, 102, 1, 6, 102]
+    exps = [Experience(prompt + [7, 2], len(prompt), [0.0, 0.0], reward=r, group_id="0/0") for r in (1e6 + 0.01, 1e6)]
+    step = make_trainer(2)._prepare(exps)
+    a = 0.005 / (math.sqrt(0.01**2 / 2) + 1e-6)
+    torch.testing.assert_close(step.adv * step.mask, torch.tensor([[a], [-a]]) * step.mask)
+    assert step.adv.dtype == torch.float32  # what the loss multiplies the float32 ratios with
+
 # ---------------------------------------------------------------- policy losses
 
 def call_loss(name, logp, old, adv, mask, ref=None, **kw):

@@ -201,7 +201,9 @@ class StepMixin:
             step.sums["rollout/logprob_diff"] = _abs_diff(step.old_logp, step.engine_logp, step.engine_mask) / self.loss_scale
         groups = {g: i for i, g in enumerate(dict.fromkeys(e.group_id for e in exps))}
         step.batch = {
-            "rewards": torch.tensor([e.reward for e in exps], dtype=torch.float32, device=self.device),
+            # float64, as the reward function gave them: float32 would merge rewards closer than
+            # its spacing (0.0625 at 1e6), and the advantage functions work in float64
+            "rewards": torch.tensor([e.reward for e in exps], dtype=torch.float64, device=self.device),
             "group_index": torch.tensor([groups[e.group_id] for e in exps], device=self.device),
             "response_mask": step.mask,
         }
@@ -210,8 +212,10 @@ class StepMixin:
             step.batch["rewards"] = step.batch["rewards"] - algo.kl_penalty_coef * step.kl_penalty
         if self.critic is not None:
             step.batch["values"] = self.critic.values(full, list(self._my_micro_batches(full, 0, step.n)), self._all_sum)
-            _, step.returns = gae_returns(step.batch["rewards"], step.batch["values"], step.mask, algo.gamma, algo.lam)
-        step.adv = self.advantage_fn(step.batch, algo)
+            _, returns = gae_returns(step.batch["rewards"], step.batch["values"], step.mask, algo.gamma, algo.lam)
+            step.returns = returns.to(step.mask.dtype)
+        # in the dtype of the log-probs the loss weights with them
+        step.adv = self.advantage_fn(step.batch, algo).to(step.mask.dtype)
         if step.teacher_logp is not None and not jsd:  # algorithm.distill_coef (rft/algorithms/distill.py)
             step.adv = step.adv + algo.distill_coef * distill.distill_advantage(step.teacher_logp, step.old_logp, step.mask)
         step.trained = step.n
