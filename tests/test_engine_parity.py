@@ -268,3 +268,33 @@ def test_the_vllm_engine_samples_logs_ends_and_repeats_as_the_hf_engine_does(mod
         assert_the_trainer_recomputes(vllm, trainers[1])
     finally:
         vllm.shutdown()
+
+
+def test_a_max_tokens_beyond_the_context_the_engines_share_is_refused():
+    """vLLM's engine holds model.max_model_len tokens (default max_prompt_tokens + max_response_tokens)
+    and ends a response there ("length"); the hf engine has no such end. Measured before this check,
+    with 24 + 8 tokens and a 24-token prompt, rollout_args.max_tokens 12: vLLM 8 tokens, hf 12."""
+    from conftest import compose_cfg
+
+    from rft.errors import ConfigError
+    from rft.plan.batch import make_plan, stage_configs
+
+    def plan(*overrides):
+        return make_plan(stage_configs(compose_cfg(["stages=[]", *overrides]))[-1], 2000)
+
+    ts, ev = "buffer.explorer_input.taskset", "buffer.explorer_input.eval_tasksets.0"
+    with pytest.raises(ConfigError) as e:
+        plan(f"{ts}.rollout_args.max_tokens=7")  # the tiny model's budgets: 24 + 6
+    assert str(e.value) == (
+        f"{ts}.rollout_args.max_tokens=7 does not fit the context the run is sized for: after a prompt of "
+        "model.max_prompt_tokens=24 it needs 31 tokens, over model.max_prompt_tokens + model.max_response_tokens = 30 "
+        "(explorer=vllm would end such a response at 6 tokens, where explorer=hf goes on to 7). Raise "
+        "model.max_response_tokens to 7, or lower max_tokens.")
+    with pytest.raises(ConfigError) as e:
+        plan(f"{ev}.rollout_args.max_tokens=9", "model.max_model_len=32")
+    assert str(e.value).endswith("it needs 33 tokens, over model.max_model_len=32 (explorer=vllm would end such a "
+                                 "response at 8 tokens, where explorer=hf goes on to 9). Raise model.max_model_len "
+                                 "to 33, or lower max_tokens.")
+    # within the context: as before
+    plan(f"{ts}.rollout_args.max_tokens=6")
+    plan(f"{ts}.rollout_args.max_tokens=7", "model.max_model_len=31")

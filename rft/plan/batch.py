@@ -276,6 +276,25 @@ def _check_limits(cfg) -> None:
                           f"inf: no clipping). 0 would zero every update and a negative value reverse it.")
 
 
+def _check_context(model, where: str, max_tokens: int | None) -> None:
+    """A taskset's max_tokens fits the context the run is sized for after a prompt of
+    model.max_prompt_tokens: vLLM's engine holds that context (model.max_model_len, or prompt +
+    response budgets) and ends a longer response there as "length", where the hf engine goes on to
+    max_tokens, so the engines would sample different responses from one config."""
+    context = model.max_model_len or model.max_prompt_tokens + model.max_response_tokens
+    if max_tokens is None or model.max_prompt_tokens + max_tokens <= context:
+        return
+    need = model.max_prompt_tokens + max_tokens
+    named, fix = ((f"model.max_model_len={context}", f"model.max_model_len to {need}") if model.max_model_len else
+                  (f"model.max_prompt_tokens + model.max_response_tokens = {context}",
+                   f"model.max_response_tokens to {max_tokens}"))
+    raise ConfigError(
+        f"{where}.rollout_args.max_tokens={max_tokens} does not fit the context the run is sized for: after a "
+        f"prompt of model.max_prompt_tokens={model.max_prompt_tokens} it needs {need} tokens, over {named} "
+        f"(explorer=vllm would end such a response at {context - model.max_prompt_tokens} tokens, where "
+        f"explorer=hf goes on to {max_tokens}). Raise {fix}, or lower max_tokens.")
+
+
 def _check_rollouts(cfg) -> None:
     """The sampling settings of every taskset, and the training taskset's rollouts per task."""
     inp, algo = cfg.buffer.explorer_input, cfg.algorithm
@@ -291,6 +310,7 @@ def _check_rollouts(cfg) -> None:
         if r.max_tokens is not None and r.max_tokens < 1:
             raise ConfigError(f"{where}.rollout_args.max_tokens={r.max_tokens} must be >= 1 (or null: "
                               f"model.max_response_tokens).")
+        _check_context(cfg.model, where, r.max_tokens)
         if any(not isinstance(x, str) or not x for x in r.stop):  # "" is in every text: one-token responses
             raise ConfigError(f"{where}.rollout_args.stop={list(r.stop)!r}: every stop string must be a non-empty "
                               f"text (an empty one ends each response after its first token).")
