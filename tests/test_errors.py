@@ -850,6 +850,18 @@ MINE = "# @package _global_\n# python run.py experiment=mine\n"
      "conf/experiment/mine.yaml has no `# @package` line, so Hydra puts its keys under 'experiment', which the "
      "config does not have (it stopped with \"Key 'experiment' not in 'Config'\"). Make its first line "
      "`# @package _global_`, as in the other files of conf/experiment/."),
+    # a wrong package: "line 4: global.name: Key 'global' not in 'Config'", naming a key of a right file
+    ({"experiment/mine.yaml": "# @package global\ndefaults:\n  - _self_\nname: mine\nbuffer:\n  total_steps: 20\n"
+                                "hydra:\n  sweeper:\n    params:\n      seed: 1,2\n"},
+     ["experiment=mine"],
+     "conf/experiment/mine.yaml, line 1: `# @package global` puts its keys under 'global' (line 4: global.name, "
+     "which the config does not have), where the other files of conf/experiment/ have `# @package _global_`. Make "
+     "it `# @package _global_`."),
+    ({"experiment/mine.yaml": "# @package _group_\nname: mine\n"},
+     ["experiment=mine"],
+     "conf/experiment/mine.yaml, line 1: `# @package _group_` puts its keys under 'experiment' (line 2: "
+     "experiment.name, which the config does not have), where the other files of conf/experiment/ have "
+     "`# @package _global_`. Make it `# @package _global_`."),
     ({"task/mine.yaml": "taskset:\n  path: data/mine\n"},
      ["task=mine"],
      "conf/task/mine.yaml has no `# @package` line, so Hydra puts its keys under 'task', which the config does not "

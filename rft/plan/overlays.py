@@ -7,7 +7,8 @@ or not at all; each is named here with its file, line and fix (exit_on_config_mi
 - an option that does not exist, on the command line or in a sweep's list (`-m
   algorithm=grpo,drgrpo`: Hydra warned from inside its callback, then printed its message twice);
 - no `# @package` line where the group's files need one: Hydra puts the keys under the group's
-  name ("Key 'experiment' not in 'Config'");
+  name ("Key 'experiment' not in 'Config'"); or another package than theirs (`global`, `_group_`
+  in conf/experiment/), whose first key Hydra names as if it were misspelt;
 - `/task: mine` in an overlay's defaults list without `override`: Hydra says "Multiple values for
   task" and suggests `override task: mine`, which in an overlay names experiment/task/mine;
 - `_self_` before the config a file extends (`defaults: [_self_, grpo]`): that config's values
@@ -54,8 +55,8 @@ def check(args: list[str], conf_dir: Path) -> str | None:
     schema = OmegaConf.structured(Config)
     primary = {e.group for e in entries(conf_dir / "config.yaml", conf_dir) if e.group and not e.bare}
     for path in _reachable(roots, conf_dir):
-        message = (_package_mistake(path, conf_dir, schema) or _defaults_mistake(path, conf_dir, primary)
-                   or _key_mistake(path, conf_dir, schema))
+        message = (_package_mistake(path, conf_dir, schema) or _header_mistake(path, conf_dir, schema)
+                   or _defaults_mistake(path, conf_dir, primary) or _key_mistake(path, conf_dir, schema))
         if message:
             return message
     return None
@@ -193,6 +194,28 @@ def _package_mistake(path: Path, conf_dir: Path, schema) -> str | None:
             f"'{top}', which the config does not have (it stopped with \"Key '{top}' not in 'Config'\"). Make "
             f"its first line `{header}`, as in the other files of conf/{group}/.")
 
+
+
+def _header_mistake(path: Path, conf_dir: Path, schema) -> str | None:
+    """A `# @package` line other than its group's files' (`global` or `_group_` for `_global_`) whose
+    keys do not fit under it but do under theirs: named by its first wrong key alone, it read as a
+    misspelt key in a right file."""
+    from rft.config import key_mistake
+
+    own = package(path, conf_dir)
+    usual = Counter(package(p, conf_dir) for p in sorted(path.parent.glob("*.yaml")) if p != path).most_common(1)
+    if own is None or not usual or usual[0][0] in (None, own):
+        return None
+    moved = {k: ".".join(filter(None, [usual[0][0], k.removeprefix(own).lstrip(".")])) for k, _ in leaves(path, conf_dir)}
+    keys = [(k, n) for k, n in leaves(path, conf_dir) if moved[k].split(".")[0] != "hydra"]  # Hydra's own settings
+    wrong = next(((k, n) for k, n in keys if key_mistake(schema, k)), None)
+    if wrong is None or any(key_mistake(schema, moved[k]) for k, _ in keys):
+        return None
+    line, text = next((i, t.strip()) for i, t in enumerate(path.read_text().splitlines(), 1) if _PACKAGE.match(t.strip()))
+    header = f"# @package {usual[0][0] or '_global_'}"
+    return (f"{path.relative_to(conf_dir.parent)}, line {line}: `{text}` puts its keys under '{own}' (line {wrong[1]}: "
+            f"{wrong[0]}, which the config does not have), where the other files of conf/{_group(path, conf_dir)}/ "
+            f"have `{header}`. Make it `{header}`.")
 
 def _defaults_mistake(path: Path, conf_dir: Path, primary: set) -> str | None:
     rel = path.relative_to(conf_dir.parent)
