@@ -138,7 +138,7 @@ class AlgorithmConfig:
     # PPO clip range: ratio is clipped to [1 - clip_ratio_low, 1 + clip_ratio_high]
     clip_ratio_low: float = 0.2
     clip_ratio_high: float = 0.2
-    # dual clip for A < 0 (verl: clip_ratio_c, usually 3.0); null disables it
+    # dual clip for A < 0 (verl: clip_ratio_c, usually 3.0; must be > 1); null disables it
     clip_ratio_c: Optional[float] = None
     # discount of per-token returns (reinforce_pp)
     gamma: float = 1.0

@@ -209,6 +209,23 @@ def test_ppo_clip_value_and_gradient_match_the_formula(dtype, c):
     assert (m["actor/clip_frac"], m["actor/clip_frac_high"], m["actor/clip_frac_low"]) == (3.0, 1.0, 2.0)
 
 
+
+@pytest.mark.parametrize("c", [1.0, 0.5])
+def test_a_dual_clip_at_or_below_1_is_refused(c):
+    # dual clip (arXiv 1912.09729) needs c > 1: with c = 0.5, every A < 0 token at r = 1 has the
+    # loss min(-A, -0.5 A) = -0.5 A, a constant, so the negative samples give no gradient at all
+    from test_config import plan_for
+
+    from rft.errors import ConfigError
+
+    with pytest.raises(ConfigError) as e:
+        plan_for([f"algorithm.clip_ratio_c={c}"])
+    assert str(e.value) == (
+        f"algorithm.clip_ratio_c={c} must be > 1 (the dual clip caps the loss of a token with a negative "
+        f"advantage at -A x clip_ratio_c, where its ratio is above clip_ratio_c; at or below 1 it caps tokens "
+        f"whose ratio has not moved, and they give no gradient). 3 is the usual value; null turns the dual "
+        f"clip off.")
+
 @pytest.mark.parametrize("dtype", [F32, F64])
 def test_ppo_clip_on_the_bounds_keeps_the_gradient(dtype):
     # r exactly 1 - 0.2 and 1 + 0.2 (in float64; float32 rounds log(r) by < 1 ulp): the clip is not

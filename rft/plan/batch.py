@@ -349,6 +349,12 @@ def _check_algorithm(cfg, needs: Needs) -> None:
 
     algo = cfg.algorithm
     rollout_is.check_config(algo)
+    c = algo.clip_ratio_c
+    if c is not None and not c > 1:
+        raise ConfigError(f"algorithm.clip_ratio_c={c} must be > 1 (the dual clip caps the loss of a token with a "
+                          f"negative advantage at -A x clip_ratio_c, where its ratio is above clip_ratio_c; at or "
+                          f"below 1 it caps tokens whose ratio has not moved, and they give no gradient). 3 is the "
+                          f"usual value; null turns the dual clip off.")
     t = cfg.trainer
     if t.max_ckpt_to_keep is not None and t.max_ckpt_to_keep < 1:
         raise ConfigError(f"trainer.max_ckpt_to_keep={t.max_ckpt_to_keep} must be >= 1 (or null to keep every "
