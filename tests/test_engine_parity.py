@@ -263,6 +263,10 @@ def test_the_vllm_engine_samples_logs_ends_and_repeats_as_the_hf_engine_does(mod
             (s.token_ids, s.logprobs) for s in flat(vllm.generate(PROMPTS, 4, args(1.0), seed=3))]
         assert [s.token_ids for s in flat(a)] != [s.token_ids for s in flat(b)]
         check_ends(vllm)
+        # why the plan refuses a temperature in (0, 0.01): vLLM samples such a request at 0.01
+        from vllm import SamplingParams
+
+        assert SamplingParams(temperature=0.005).temperature == 0.01
         # 5. on the varied model's weights (a weight sync): the trainer recomputes vLLM's log-probs
         vllm.update_weights(dict(trainers[1].model.state_dict()))
         assert_the_trainer_recomputes(vllm, trainers[1])
@@ -298,3 +302,26 @@ def test_a_max_tokens_beyond_the_context_the_engines_share_is_refused():
     # within the context: as before
     plan(f"{ts}.rollout_args.max_tokens=6")
     plan(f"{ts}.rollout_args.max_tokens=7", "model.max_model_len=31")
+
+
+def test_a_temperature_vllm_would_raise_is_refused():
+    """vLLM raises a temperature in (0, 0.01) to 0.01 (SamplingParams; the slow test checks it) and
+    returns log-probs at 0.01, where the hf engine samples and the trainer recomputes at the
+    configured one: at 0.005, two tokens 0.01 apart in logit are 0.73 : 0.27 in vLLM (e^1) and
+    0.88 : 0.12 in the trainer (e^2), a step-0 log-ratio of 0.19 on the first."""
+    from conftest import compose_cfg
+
+    from rft.errors import ConfigError
+    from rft.plan.batch import make_plan, stage_configs
+
+    def plan(*overrides):
+        return make_plan(stage_configs(compose_cfg(["stages=[]", *overrides]))[-1], 2000)
+
+    with pytest.raises(ConfigError) as e:
+        plan("buffer.explorer_input.taskset.rollout_args.temperature=0.005")
+    assert str(e.value) == (
+        "buffer.explorer_input.taskset.rollout_args.temperature=0.005 is below 0.01 (and not 0, greedy): vLLM raises "
+        "such a temperature to 0.01 (against inf and NaN in its sampler), so explorer=vllm would sample at 0.01 and "
+        "return log-probs of that distribution, while the trainer recomputes them at 0.005 (and explorer=hf samples "
+        "at 0.005). Set 0.01 or more, or 0 for greedy decoding.")
+    plan("buffer.explorer_input.taskset.rollout_args.temperature=0.01")

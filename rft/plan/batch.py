@@ -305,6 +305,12 @@ def _check_rollouts(cfg) -> None:
         # temperature 0 is greedy decoding (the eval sets' default); below 0 no engine samples
         if not 0 <= r.temperature < math.inf:
             raise ConfigError(f"{where}.rollout_args.temperature={r.temperature} must be >= 0 (0: greedy).")
+        if 0 < r.temperature < 0.01:  # vLLM's SamplingParams raises it to 0.01 (its _MAX_TEMP)
+            raise ConfigError(
+                f"{where}.rollout_args.temperature={r.temperature} is below 0.01 (and not 0, greedy): vLLM raises such "
+                f"a temperature to 0.01 (against inf and NaN in its sampler), so explorer=vllm would sample at 0.01 "
+                f"and return log-probs of that distribution, while the trainer recomputes them at {r.temperature} (and "
+                f"explorer=hf samples at {r.temperature}). Set 0.01 or more, or 0 for greedy decoding.")
         if not 0 < r.top_p <= 1:
             raise ConfigError(f"{where}.rollout_args.top_p={r.top_p} must be in (0, 1] (1: no nucleus cut).")
         if r.max_tokens is not None and r.max_tokens < 1:
