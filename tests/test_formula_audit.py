@@ -556,6 +556,9 @@ def test_decoupled_behaviour_weights_are_prox_over_behav_capped():
     w = off_policy.correct([stale, fresh], old, mask, 2, cfg)
     # exp(-0.5 + 1) = 1.648721, exp(-1 + 2) = 2.718282, exp(3 + 0.5) = 33.1 -> 5
     torch.testing.assert_close(w, torch.tensor([[1.0, math.exp(0.5), math.e, 5.0], [1.0] * 4], dtype=F64))
+    # behavior: the stale row's old log-probs become its sampling ones; the fresh row keeps its own
+    assert off_policy.correct([stale, fresh], old, mask, 2, SimpleNamespace(off_policy_correction="behavior", behavior_weight_cap=5.0)) is None
+    torch.testing.assert_close(old, torch.tensor([[0.0, -1.0, -2.0, -0.5], [0.0, -0.2, -0.3, -0.4]], dtype=F64))
 
 
 # ---------------------------------------------------------------- entropy (trainer)

@@ -30,8 +30,9 @@ def _ratio_metrics(log_ratio, pg_loss1, pg_loss2, advantages, mask) -> dict:
     `log_ratio` is each token's own (clamped) log-ratio, also for a loss whose ratio is per sequence:
     approx KL means the same for every loss."""
     clipped = (pg_loss2 > pg_loss1).float() * mask
-    # approx KL(old || new): Schulman's k3 on the token's ratio
-    approx_kl = (torch.exp(log_ratio) - 1.0 - log_ratio).detach()
+    # approx KL(old || new): Schulman's k3 on the token's ratio (a metric: no autograd graph)
+    log_ratio = log_ratio.detach()
+    approx_kl = torch.exp(log_ratio) - 1.0 - log_ratio
     return {
         "actor/clip_frac": clipped.sum().item(),
         "actor/clip_frac_low": (clipped * (advantages < 0)).sum().item(),
