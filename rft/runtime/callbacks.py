@@ -7,7 +7,8 @@ rft runs, which would otherwise end in its traceback or after work was done.
   name of '..' parts made a directory outside the project's);
 - a sweep whose job cannot plan (`-m buffer.batch_size=4,0`): every job is planned before the
   first starts (plan_jobs), not when its turn comes after the others trained; on Slurm, each job
-  also asks for the GPUs it plans for, and fits them (`_check_launch`).
+  also asks for the GPUs it plans for, and fits them (`_check_launch`); and two jobs would not
+  write to one directory (a hydra.sweep.subdir that does not differ between them: `_shared_dir`).
 
 Each ends the command with one paragraph and status 2, as rft's other configuration errors.
 """
@@ -19,7 +20,7 @@ from pathlib import Path
 
 from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 from rft.errors import ConfigError
 
@@ -106,7 +107,7 @@ def plan_jobs(config, config_name: str | None) -> str | None:
     jobs = sweep_jobs(config)
     if len(jobs) < 2:
         return None  # a lone job plans itself before it starts anything
-    saved, own, planned = HydraConfig.instance().cfg, distinct_overrides(jobs), []
+    saved, own, planned, dirs = HydraConfig.instance().cfg, distinct_overrides(jobs), [], {}
     # a study's config groups kept outside conf/ (hydra.searchpath on the command line: a hydra
     # override, not one of the jobs'): without it a job naming one of its options does not compose
     search = [o for o in config.hydra.overrides.get("hydra") or [] if o.lstrip("+").startswith("hydra.searchpath=")]
@@ -114,6 +115,7 @@ def plan_jobs(config, config_name: str | None) -> str | None:
         for i, job in enumerate(jobs):
             cfg = compose(config_name=config_name, overrides=[*search, *job], return_hydra_config=True)
             HydraConfig.instance().set_config(cfg)  # the run's name reads hydra's choices
+            dirs.setdefault(_job_subdir(config, cfg, i), []).append(i)
             with open_dict(cfg):
                 del cfg["hydra"]
             if cfg.mode != "bench":
@@ -123,6 +125,9 @@ def plan_jobs(config, config_name: str | None) -> str | None:
                     return _job_error(i, own[i], e)
     finally:
         HydraConfig.instance().cfg = saved
+    shared = next(((d, js) for d, js in dirs.items() if len(js) > 1), None)
+    if shared:
+        return _shared_dir(config, *shared, own)
     try:
         sizes = job_sizes_in_child([(stages, sources) for _, stages, sources in planned])
         for (i, stages, sources), n in zip(planned, sizes):
@@ -131,6 +136,29 @@ def plan_jobs(config, config_name: str | None) -> str | None:
         i = planned[e.job][0] if hasattr(e, "job") else i
         return _job_error(i, own[i], e)
     return None
+
+
+def _job_subdir(config, cfg, i: int) -> str:
+    """Job i's directory under the sweep's, as Hydra's launcher names it: the command line's
+    hydra.sweep.subdir (a hydra override: not among the job's own) read in the job's config, its
+    number set."""
+    with read_write(cfg.hydra), open_dict(cfg.hydra):  # Hydra's own section is read-only
+        cfg.hydra.sweep.subdir = OmegaConf.to_container(config.hydra.sweep, resolve=False)["subdir"]
+        cfg.hydra.job.num = cfg.hydra.job.id = i
+    return str(OmegaConf.select(cfg, "hydra.sweep.subdir"))
+
+
+def _shared_dir(config, subdir: str, jobs: list[int], own: list[list[str]]) -> str:
+    """Jobs that would write to one directory: the second stopped on the first's run, after the first
+    trained, advising name=... (which does not move a sweep's job) or continue_from_checkpoint=false
+    (which moves the first's results aside)."""
+    raw = OmegaConf.to_container(config.hydra.sweep, resolve=False)["subdir"]
+    names = " and ".join(str(i) for i in jobs[:2]) + (f" (and {len(jobs) - 2} more)" if len(jobs) > 2 else "")
+    return (f"jobs {names} of the sweep ({'; '.join(' '.join(own[i]) for i in jobs[:2])}) would write to one "
+            f"directory, {Path(str(config.hydra.sweep.dir)) / subdir} (hydra.sweep.subdir={raw}): each job needs "
+            f"its own, or the second finds the first's run there. Leave hydra.sweep.subdir at its default, "
+            f"${{hydra.job.num}}, or make it differ between the jobs (e.g. ${{hydra.job.override_dirname}}). No job "
+            f"has started: every job is planned first.")
 
 
 def _check_launch(launcher, stages: list, plans: list) -> None:
