@@ -447,3 +447,42 @@ def test_a_long_legend_entry_is_wrapped_and_the_figure_keeps_its_layout(lr_sweep
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # "constrained_layout not applied", where the legend was wider than it
         fig.savefig(io.BytesIO(), dpi=50)
+
+
+MULTIRUN = """hydra:
+  sweeper:
+    _target_: hydra._internal.core_plugins.basic_sweeper.BasicSweeper
+    max_batch_size: null
+    params: {algorithm: 'grpo,dr_grpo,dapo', seed: '1,2,3'}
+  overrides:
+    task: [experiment=cmp, 'algorithm=grpo,dapo', 'seed=1,2']
+"""
+
+
+def test_an_interrupted_sweep_lists_the_jobs_it_planned_and_never_started(tmp_path):
+    """Ctrl-C after two of four jobs: the report read only the two, so it said 'Common to all jobs:
+    algorithm=grpo' of a grpo,dapo sweep and left dapo out. multirun.yaml's overrides, expanded as
+    Hydra's basic sweeper does (its params, then the command line's, which win), give the four jobs
+    in order: grpo 1, grpo 2, dapo 1, dapo 2."""
+    d = tmp_path / "2026-11-28_05-00-00"
+    write_job(d, 0, ["algorithm=grpo", "seed=1", "experiment=cmp"], "grpo", {"sft_warmup": SFT, "grpo": GRPO})
+    write_job(d, 1, ["algorithm=grpo", "seed=2", "experiment=cmp"], "grpo", {"sft_warmup": SFT, "grpo": GRPO[:3]})
+    (d / "multirun.yaml").write_text(MULTIRUN)
+    assert report.planned_jobs(d) == [{"algorithm": a, "seed": s, "experiment": "cmp"}
+                                      for a in ("grpo", "dapo") for s in ("1", "2")]
+    out = report.report(d)
+    text = out["md"].read_text()
+    assert "Common to all jobs: `experiment=cmp`" in text
+    table, by_config = tables(out["md"])
+    assert [r.split(" | ")[:5] for r in table[2:]] == [
+        ["| 0", "grpo", "1", "grpo", "done"], ["| 1", "grpo", "2", "grpo", "incomplete (2/3 steps)"],
+        ["| 2", "dapo", "1", "", "not started (no job directory)"],
+        ["| 3", "dapo", "2", "", "not started (no job directory)"]]
+    assert [r.split(" | ")[:5] for r in by_config[2:]] == [["| grpo", "1,2", "grpo", "1/2 done", "1"],
+                                                         ["| dapo", "1,2", "", "0/2 done", "0"]]
+    # a sweeper that is not the basic one, a damaged multirun.yaml, a glob only Hydra's config can
+    # expand: the jobs found, as before
+    for text in ("hydra: {sweeper: {_target_: hydra_plugins.hydra_optuna_sweeper.optuna_sweeper.OptunaSweeper}}",
+                 "hydra: [", MULTIRUN.replace("'algorithm=grpo,dapo'", "'algorithm=glob(*)'")):
+        (d / "multirun.yaml").write_text(text)
+        assert report.planned_jobs(d) == [] and len(report.read_jobs(d)) == 2

@@ -53,6 +53,7 @@ from omegaconf import OmegaConf
 
 TIMING_KEYS = ("timing/step_s", "timing/eval_s", "timing/save_s")
 NO_METRICS = "no metrics (failed before its first step, or not started)"
+NOT_STARTED = "not started (no job directory)"
 
 
 class ReportError(ValueError):
@@ -305,6 +306,34 @@ def read_jobs(sweep_dir: Path, stage: str | None = None) -> list[Job]:
             f"checkpoints/rft/multirun/<date_time>, or a run's, e.g. checkpoints/rft/<name>."
         )
     names = {d: d.name if d == sweep_dir else d.relative_to(sweep_dir).as_posix() for d in dirs}
+    jobs = _read_stage(sweep_dir, dirs, names, stage)
+    slot = max((j.slot for j in jobs), default=0)
+    unstarted = [Job(str(i), sweep_dir / str(i), o, tuple((k, v) for k, v in o.items() if k != "seed"), slot=slot,
+                     status=NOT_STARTED) for i, o in enumerate(planned_jobs(sweep_dir)) if str(i) not in names.values()]
+    if not unstarted:
+        return jobs
+    return sorted(jobs + unstarted, key=lambda j: (j.slot, _job_order(Path(j.num))))  # a multirun's: numbered
+
+
+def planned_jobs(sweep_dir: Path) -> list[dict[str, str]]:
+    """The overrides of every job a Hydra sweep (its multirun.yaml) planned, in job order, as Hydra's
+    basic sweeper expands them (hydra.sweeper.params, then the command line's); [] for another
+    sweeper, a sweep it cannot expand without the config (glob), or no sweep."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    try:
+        hydra = (yaml.safe_load((sweep_dir / "multirun.yaml").read_text()) or {})["hydra"]
+        if not str(hydra["sweeper"]["_target_"]).endswith(".BasicSweeper"):
+            return []
+        args = [f"{k}={v}" for k, v in (hydra["sweeper"].get("params") or {}).items()] + list(hydra["overrides"]["task"])
+        jobs = BasicSweeper.split_arguments(OverridesParser.create().parse_overrides(args), None)[0]
+    except Exception:  # no multirun.yaml, a damaged one, or overrides only Hydra's config can expand
+        return []
+    return [dict(o.partition("=")[::2] for o in job) for job in jobs]
+
+
+def _read_stage(sweep_dir: Path, dirs: list[Path], names: dict, stage: str | None) -> list[Job]:
     if stage is None:
         return [read_job(d, None, names[d]) for d in dirs]
     per_job = {d: job_stages(d) for d in dirs}
