@@ -49,3 +49,16 @@ def test_group_view_rewards_advantages_and_references_match_what_the_trainer_log
         assert sum(abs(x["advantage"]) * x["length"] for x in members) / tokens == pytest.approx(m["advantage/abs_mean"], abs=1e-5)
         for g in got["groups"]:  # "<taskset name>/<row>": the row's answer
             assert g["reference"] == rows[int(g["task_id"].rsplit("/", 1)[1])]["answer"]
+
+
+def test_the_advantages_shown_keep_rewards_float32_cannot_tell_apart():
+    """The page's advantages come from the stored rewards as the trainer's do (float64 into the
+    advantage function): 1e6 + 0.01 and 1e6 are one float32 (its spacing at 1e6 is 0.0625), so
+    float32 showed 0 for both. GRPO: mean 1e6 + 0.005, sample std 0.01 / sqrt(2) = 0.0070711, each
+    +-0.005 / (0.0070711 + 1e-6) = +-0.70700."""
+    from rft.studio.groups import advantage_of
+
+    rows = [{"group_id": "g", "reward": 1e6 + 0.01}, {"group_id": "g", "reward": 1e6}]
+    adv, how = advantage_of({"advantage_fn": "grpo"}, rows)
+    assert adv == pytest.approx([0.70700, -0.70700], abs=1e-4)
+    assert how.startswith("advantage: algorithm.advantage_fn=grpo, computed here")

@@ -80,7 +80,8 @@ def advantage_of(algo: dict, rows: list[dict]) -> tuple[list[float] | None, str]
     except Exception as e:  # a study's own function that no longer imports: the rewards still show
         return None, f"advantage_fn={name}: {str(e).splitlines()[0]}; not shown."
     index = {g: k for k, g in enumerate(dict.fromkeys(r["group_id"] for r in rows))}
-    batch = {"rewards": torch.tensor([float(r["reward"] or 0) for r in rows], dtype=torch.float32),
+    # float64, as the trainer hands them to the advantage function (1e6 + 0.01 vs 1e6: not merged)
+    batch = {"rewards": torch.tensor([float(r["reward"] or 0) for r in rows], dtype=torch.float64),
              "group_index": torch.tensor([index[r["group_id"]] for r in rows]),
              "response_mask": torch.ones(len(rows), 1)}
     adv = fn(batch, OmegaConf.create(algo))[:, 0].tolist()
