@@ -329,3 +329,27 @@ def test_a_temperature_vllm_would_raise_is_refused():
         "return log-probs of that distribution, while the trainer recomputes them at 0.005 (and explorer=hf samples "
         "at 0.005). Set 0.01 or more, or 0 for greedy decoding.")
     plan("buffer.explorer_input.taskset.rollout_args.temperature=0.01")
+
+
+def test_the_openai_endpoint_samples_a_small_temperature_as_vllm_does(models):
+    """An agent's request (the openai_agent workflow) may ask for a temperature in [1e-5, 0.01):
+    vLLM raises it to 0.01 (the plan's check cannot see it), so the endpoint does, for both engines:
+    the call is sampled, and recorded for the trainer, at 0.01."""
+    import httpx
+
+    from rft.serving.openai_api import OpenAIServer
+
+    engine = hf_engine(models[0])
+    base = args(1.0, max_tokens=4)
+    server = OpenAIServer({"policy": (engine, engine.tokenizer)}, "policy", base, 8).start()
+    try:
+        server.open("", base)
+        body = {"model": "policy", "prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0.005, "seed": 3}
+        r = httpx.post(server.url + "/completions", json=body, headers={"Authorization": f"Bearer {server.token}"})
+        assert r.status_code == 200, r.text
+        [call] = server.take_history("")
+    finally:
+        server.stop()
+    assert call.sampling == {"temperature": 0.01, "top_p": 1.0, "top_k": -1}  # before: 0.005, which vLLM did not use
+    [[direct]] = engine.generate([PROMPTS[0]], 1, args(0.01, max_tokens=4), seed=3)
+    assert (call.token_ids, call.logprobs) == (direct.token_ids, direct.logprobs)

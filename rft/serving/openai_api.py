@@ -84,6 +84,9 @@ MAX_STOP = 4  # OpenAI's cap on stop sequences
 MAX_TOOLS = 128  # OpenAI's cap on tools per request
 MAX_OPEN_ROLLOUTS = 1024  # rollouts in flight are the explorer's runner threads: far fewer
 GREEDY_BELOW = 1e-5  # a temperature this small samples greedily (as vLLM does): 1e-40 overflows logits / t
+# a smaller one (not greedy) is sampled at this one, as vLLM's SamplingParams raises it (its _MAX_TEMP): the
+# engines and the trainer's recomputation (the call's recorded sampling) then use the same distribution
+MIN_TEMPERATURE = 0.01
 
 
 @dataclass
@@ -337,7 +340,7 @@ class OpenAIServer:
         temperature = base.temperature if req.temperature is None else req.temperature
         asked = req.max_completion_tokens or req.max_tokens
         args = SimpleNamespace(
-            temperature=0.0 if temperature < GREEDY_BELOW else temperature,
+            temperature=0.0 if temperature < GREEDY_BELOW else max(temperature, MIN_TEMPERATURE),
             top_p=base.top_p if req.top_p is None else req.top_p, top_k=base.top_k if req.top_k is None else req.top_k,
             stop=list(stop), max_tokens=asked or base.max_tokens or self.max_tokens)
         self.limits[model].check(prompt, args.max_tokens, bool(asked))
