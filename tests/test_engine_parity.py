@@ -10,14 +10,17 @@ top_p 0.5, min_p 0.2, repetition_penalty 1.5, max_new_tokens 3, do_sample false)
 - `fixed`: whatever the context, the next token is "a".."h" (ids 17..24) with logits ln 8 .. ln 1
   (every other token -40: e^-40 of the mass, below float32's resolution). At temperature 1 the
   probabilities are 8/36 .. 1/36. Its layers add nothing (o_proj and down_proj zero), the
-  embedding is the identity, and each row of the output layer is constant: the final norm turns
-  a one-hot state into sqrt(128 / (1 + 128 rms_norm_eps)) times it, which row j's value times
-  that factor makes logit j.
+  embedding is the identity, and each row of the output layer is constant: the final norm scales a
+  one-hot state by sqrt(128 / (1 + 128 rms_norm_eps)), so row j holds logit j divided by that.
 - `varied`: the tiny model's random weights with an untied random output layer (N(0, 0.3^2)), so
   that its next-token distributions depend on the context and have a real model's spread (entropy
   ~2.3 nats on average, where the tiny model's own output layer gives a near-uniform 4.6); the same
   config.json as `fixed` (untied), so the vLLM engine started on `fixed` can serve it after a
   weight update.
+
+What one engine cannot do as the other does is refused before the run (a max_tokens beyond the
+context vLLM holds, a temperature in (0, 0.01), which vLLM raises to 0.01), or, in an agent's
+OpenAI request, sampled and recorded as vLLM does it.
 """
 
 import json
