@@ -311,8 +311,8 @@ def warned(monkeypatch):
 
     made = []
 
-    def start(window_s: float = 120.0, time_left=lambda: None):  # (None: no end time of the job read)
-        fake = FakeSubmitit()
+    def start(window_s: float = 120.0, time_left=lambda: None, fake=None):  # (None: no end time of the job read)
+        fake = fake or FakeSubmitit()
         watcher = preemption.Preemption(signal.SIGUSR2, fake.checkpoint_and_try_requeue, window_s, time_left)
         watcher.start()
         made.append(watcher)
@@ -447,6 +447,62 @@ def test_a_step_that_fails_after_the_warning_requeues_the_job_as_before(warned):
     assert fake.calls == [(signal.SIGUSR2, "MainThread", False)]
     assert lines[-1] == ("[grpo] preemption signal: the step or its checkpoint failed (RuntimeError: the trainer "
                          "actor died); the job is requeued without it")
+
+
+class RefusingSubmitit(FakeSubmitit):
+    """submitit's handler where the job has reached its time limit max_num_timeout times: no requeue."""
+
+    def checkpoint_and_try_requeue(self, signum, frame):
+        from submitit.core.utils import UncompletedJobError
+
+        self.calls.append((signum, threading.current_thread().name, self.has_timed_out()))
+        raise UncompletedJobError("Job not requeued because: timed-out too many times.")
+
+
+@pytest.mark.parametrize("late", [False, True])
+def test_a_refused_requeue_ends_the_job_with_one_paragraph_not_a_traceback(warned, late, monkeypatch, tmp_path,
+                                                                           capsys):
+    """submitit refuses the requeue (the job reached its time limit hydra.launcher.max_num_timeout
+    times) after the warning's step was saved (`late`: the watcher's own requeue, the step and its
+    save too slow): its UncompletedJobError was raised in the job, Hydra caught it, and the sweep
+    ended with its traceback after the summary. Now the job stops with one paragraph (exit 1), which
+    the sweep's own paragraph shows in the job's log lines; an `except Exception` on the way (a
+    checkpoint's save, a trainer's load) does not take it for their own failure."""
+    from rft.runtime import main as entry
+    from rft.runtime import preemption
+
+    watcher, fake = warned(window_s=0.4 if late else 120.0, fake=RefusingSubmitit())
+    with pytest.raises(preemption.Refused) as e, watcher.steps("grpo", lambda text: None):
+        signal_until(watcher)
+        try:
+            if late:  # a long step: never at a step's end (the watcher requeues after 0.2 s)
+                for _ in range(500):
+                    time.sleep(0.01)
+            else:
+                assert preemption.due(7)
+                preemption.requeue_if_signalled()  # after step 7's checkpoint
+        except Exception:
+            pytest.fail("the refusal was caught as an Exception")
+    assert len(fake.calls) == 1
+    assert not isinstance(e.value, Exception)  # (SystemExit's kind: past any `except Exception`)
+
+    # rft.runtime.main: the paragraph, the newest whole checkpoint of the run, how to go on
+    (tmp_path / "0" / "checkpoints" / "step_7").mkdir(parents=True)
+    (tmp_path / "0" / "checkpoints" / "step_7" / "state.json").write_text('{"step": 7}')
+    monkeypatch.setattr(entry, "_main", lambda cfg: (_ for _ in ()).throw(e.value))
+    monkeypatch.setattr(entry, "run_dir_of", lambda cfg: tmp_path / "0")
+    monkeypatch.setattr(entry, "_sweep_dir", lambda: str(tmp_path))
+    monkeypatch.setattr(preemption, "_launcher_key", {"timeout_min": 10, "max_num_timeout": 0}.get)
+    with pytest.raises(SystemExit) as exit_:
+        entry.main(compose_cfg([]))
+    assert exit_.value.code == 1
+    assert capsys.readouterr().err == (
+        "\nrft: the run stopped: Slurm's warning came (SIGUSR2, the job's time limit near or a preemption) and "
+        "submitit did not requeue the job: Job not requeued because: timed-out too many times (a job outlives its "
+        "time limit, hydra.launcher.timeout_min=10, by a requeue hydra.launcher.max_num_timeout=0 times). The job "
+        f"ends here; the newest checkpoint: {tmp_path / '0' / 'checkpoints' / 'step_7'}. To go on from it, run the "
+        f"sweep again with hydra.sweep.dir={tmp_path} (its finished jobs are skipped; this one resumes from that "
+        "checkpoint), with a larger hydra.launcher.timeout_min or hydra.launcher.max_num_timeout.\n\n")
 
 
 def test_the_watcher_is_there_only_in_a_submitit_slurm_job(monkeypatch):

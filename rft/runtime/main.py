@@ -46,6 +46,9 @@ def main(cfg: DictConfig) -> float | None:
                      f"it, the sweep starts over in a new directory.")
         print(f"\nrft: the run stopped: {text}\n", file=sys.stderr)
         sys.exit(1)
+    except preemption.Refused as e:  # Slurm's warning, and submitit would not requeue the job
+        print(f"\nrft: the run stopped: {e.paragraph(_resume_point(cfg), _sweep_dir())}\n", file=sys.stderr)
+        sys.exit(1)
     except KeyboardInterrupt:
         # Ctrl-C: what was saved is safe (checkpoints are written whole, then renamed into place)
         where = _resume_point(cfg)

@@ -52,6 +52,26 @@ REQUEUE_MARGIN_S = 30.0
 current: Preemption | None = None  # the watcher of this process's run (None: not a submitit Slurm job)
 
 
+class Refused(SystemExit):
+    """submitit did not requeue the job (it reached its time limit hydra.launcher.max_num_timeout
+    times): the job ends. SystemExit's kind, as submitit's requeue is, so that no `except Exception`
+    on the way (a checkpoint's save, a trainer's load, Hydra's job) takes it for its own failure;
+    rft.runtime.main says `paragraph` (its UncompletedJobError ended the sweep with a traceback)."""
+
+    def __init__(self, error: BaseException):
+        super().__init__(1)
+        self.reason = str(error).strip().rstrip(".")
+
+    def paragraph(self, resume_point: str, sweep: str | None) -> str:
+        again = (f"run the sweep again with hydra.sweep.dir={sweep} (its finished jobs are skipped; this one resumes "
+                 f"from that checkpoint)" if sweep else "run the same command again")
+        return (f"Slurm's warning came (SIGUSR2, the job's time limit near or a preemption) and submitit did not "
+                f"requeue the job: {self.reason} (a job outlives its time limit, hydra.launcher.timeout_min="
+                f"{_launcher_key('timeout_min')}, by a requeue hydra.launcher.max_num_timeout="
+                f"{_launcher_key('max_num_timeout')} times). The job ends here; {resume_point}. To go on from it, "
+                f"{again}, with a larger hydra.launcher.timeout_min or hydra.launcher.max_num_timeout.")
+
+
 class Preemption:
     """The watcher of one run: `sig` the signal submitit waits for, `requeue_fn` submitit's handler
     of it (requeues, then exits the process), `window_s` how long Slurm gives between the signal and
@@ -177,9 +197,12 @@ class Preemption:
             first = not self._settled.is_set()
             self._settled.set()
         if first:
-            self.requeue_fn(self.sig, None)
+            try:
+                self.requeue_fn(self.sig, None)
+            except Exception as e:  # (its requeue exits: SystemExit)
+                self._error = e
         if self._error is not None:
-            raise self._error
+            raise Refused(self._error) from None
         sys.exit(-1)  # requeued by the watcher already: as submitit's handler exits
 
     @contextmanager
@@ -283,9 +306,15 @@ def _slurm_time_left() -> float | None:
 
 def _signal_delay_s() -> float:
     """hydra.launcher.signal_delay_s of this job: how long before its time limit Slurm warns."""
+    delay = _launcher_key("signal_delay_s")
+    return 90.0 if delay is None else float(delay)  # not composed by Hydra's launcher: submitit's own default
+
+
+def _launcher_key(name: str):
+    """hydra.launcher.<name> of this job (None where Hydra's launcher did not compose it)."""
     from hydra.core.hydra_config import HydraConfig
 
     try:
-        return float(HydraConfig.get().launcher.signal_delay_s)
-    except Exception:  # not composed by Hydra's launcher: submitit's own default
-        return 90.0
+        return HydraConfig.get().launcher.get(name)
+    except Exception:
+        return None
