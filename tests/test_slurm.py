@@ -25,7 +25,7 @@ from rft.errors import ConfigError
 from rft.plan.placement import check_allocation
 from rft.reporting.monitor import read_metrics
 from rft.reporting.sweep import explain, log_tail
-from rft.runtime.checkpoint import latest_checkpoint
+from rft.runtime.checkpoint import latest_checkpoint, list_checkpoints
 from rft.runtime.main import ray_namespace
 
 # two RL steps of 4 tasks x 2 rollouts from the built tiny model, everything in the job's process
@@ -503,6 +503,53 @@ def test_a_refused_requeue_ends_the_job_with_one_paragraph_not_a_traceback(warne
         f"ends here; the newest checkpoint: {tmp_path / '0' / 'checkpoints' / 'step_7'}. To go on from it, run the "
         f"sweep again with hydra.sweep.dir={tmp_path} (its finished jobs are skipped; this one resumes from that "
         "checkpoint), with a larger hydra.launcher.timeout_min or hydra.launcher.max_num_timeout.\n\n")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["lora", "explore"])
+def test_the_warning_saves_the_step_of_a_lora_run_and_of_an_explorer_then_it_resumes_from_it(warned, kind, tmp_path):
+    """The save the warning asks for, in a run of trainer=torch with LoRA (adapter/ is what resumes)
+    and in a mode=explore run (its place, state.json, and the experiences it wrote): the whole run in
+    this process, Slurm's signal sent once step 3 is logged, save_interval 1000 (no regular
+    checkpoint before the last step). The same run again resumes from the saved step and writes
+    each step (and, explored, each task's group) once. (On the local Slurm the same two runs were
+    preempted and requeued by submitit: tests take this path, which adds no minute of Slurm.)"""
+    import rft.runtime.main
+    from rft.data.buffer import read_experiences
+    from rft.runtime import preemption
+
+    db = tmp_path / "exp.db"
+    args = ["stages=[]", "cluster=inline", "monitor=console", "buffer.batch_size=4", "algorithm.repeat_times=2",
+            "explorer.eval_interval=1000", "trainer.save_interval=1000", "explorer.eval_on_startup=false",
+            "buffer.total_steps=12", "stage_cache_dir=null", f"checkpoint_root_dir={tmp_path}", "name=run",
+            *(["model.lora.rank=4", "model.lora.alpha=8"] if kind == "lora" else
+              ["mode=explore", "buffer=sql", f"buffer.trainer_input.experience_buffer.path={db}"])]
+    run = tmp_path / "rft" / "run"
+    watcher, fake = warned()
+
+    def signal_at_step_3():
+        while not any(m["step"] >= 3 for m in read_metrics(run / "metrics.jsonl")):
+            time.sleep(0.005)
+        os.kill(os.getpid(), signal.SIGUSR2)
+
+    threading.Thread(target=signal_at_step_3, daemon=True).start()
+    with pytest.raises(SystemExit):  # submitit's requeue (its handler exits)
+        rft.runtime.main.main(compose_cfg(args))
+    assert len(fake.calls) == 1
+    saved = latest_checkpoint(run)
+    assert 3 <= saved.step < 12 and [c.step for c in list_checkpoints(run)] == [saved.step]
+    assert sorted(p.name for p in saved.path.iterdir()) == (
+        ["adapter", "hf", "manifest.json", "state.json", "trainer_state.pt"] if kind == "lora"
+        else ["manifest.json", "state.json"])
+    assert [m["step"] for m in read_metrics(run / "metrics.jsonl")] == list(range(1, saved.step + 1))  # (no eval)
+
+    watcher.stop()  # the job requeued: its next attempt, here without a watcher
+    preemption.current = None
+    rft.runtime.main.main(compose_cfg(args))
+    assert [m["step"] for m in read_metrics(run / "metrics.jsonl")] == list(range(1, 13))
+    if kind == "explore":  # 12 steps x 4 tasks x 2 rollouts, each task's group once
+        stored = read_experiences(str(db), limit=10_000)
+        assert len(stored) == 96 and len({e.task_id for e in stored}) == 48
 
 
 def test_the_watcher_is_there_only_in_a_submitit_slurm_job(monkeypatch):
