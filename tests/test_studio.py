@@ -673,7 +673,9 @@ def test_runs_started_from_the_studio_stop_with_it_and_the_plan_reads_datasets_o
         auth = {"Authorization": f"Bearer {token}"}
         # a hub dataset is an error at once, not a minute of retries
         r = httpx.post(url + "/api/compose", json={"choices": {"task": "gsm8k"}, "keys": {}}, headers=auth, timeout=120)
-        assert "OfflineModeIsEnabled" in r.json()["error"] and "openai/gsm8k" in r.json()["error"]
+        assert ("eval_tasksets[0].path='openai/gsm8k': there is no such local file or directory" in r.json()["error"]
+                and "it is not in this machine's Hugging Face cache, and HF_HUB_OFFLINE/HF_DATASETS_OFFLINE is set"
+                in r.json()["error"])
         # a run that errors in planning is not started: the page says why
         r = httpx.post(url + "/api/launch", json={"choices": {"algorithm": "dapo"}, "keys": {"buffer.batch_size": "0"}},
                        headers=auth, timeout=120)
