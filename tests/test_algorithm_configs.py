@@ -52,8 +52,11 @@ def test_every_algorithm_trains_on_the_default_study(algorithm, tmp_path):
             # 4 draws and topped it up with flat groups (the size never changes)
             tries, flat = m["rollout/sampling_tries"], m["rollout/zero_variance_group_frac"]
             assert 1 <= tries <= 4 and (flat == 0.0 or tries == 4)
+            assert m["rollout/generated"] == tries * 4 * 4  # each try: 4 tasks x 4 rollouts, kept or not
         else:
             assert m["rollout/sampling_tries"] == 1
+            if algorithm not in OFFLINE:
+                assert m["rollout/generated"] == 16
         if algorithm == "opd":  # two different random models: the reverse KL is positive
             assert m["distill/reverse_kl"] > 0 and m["advantage/abs_mean"] > 0
         if algorithm == "mix":  # its SFT term on the taskset's answers: 0.1 x -log p, at most

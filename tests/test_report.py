@@ -486,3 +486,21 @@ def test_an_interrupted_sweep_lists_the_jobs_it_planned_and_never_started(tmp_pa
                  "hydra: [", MULTIRUN.replace("'algorithm=grpo,dapo'", "'algorithm=glob(*)'")):
         (d / "multirun.yaml").write_text(text)
         assert report.planned_jobs(d) == [] and len(report.read_jobs(d)) == 2
+
+
+def test_the_rollouts_each_configuration_generated_are_a_column(tmp_path):
+    """DAPO's dynamic sampling generates more than it trains on, and its reward/mean is over the
+    groups it kept: the `rollouts` column (rollout/generated summed over the stage) shows what each
+    arm generated. grpo: 3 steps x 16 = 48; dapo seed 1: 16 + 32 + 48 = 96, seed 2: 16 + 16 + 32 = 64,
+    mean 80, sample std sqrt(((96-80)^2 + (64-80)^2) / 1) = 22.627."""
+    d = tmp_path / "sweep"
+    counts = {("grpo", 1): [16, 16, 16], ("dapo", 1): [16, 32, 48], ("dapo", 2): [16, 16, 32]}
+    for num, ((algo, seed), generated) in enumerate(counts.items()):
+        logged = [dict(m, **({"rollout/generated": generated[m["step"] - 1]} if m["step"] else {})) for m in GRPO]
+        write_job(d, num, [f"algorithm={algo}", f"seed={seed}"], algo, {"sft_warmup": SFT, algo: logged})
+    table, by_config = tables(report.report(d)["md"])
+    assert table[0].endswith("| time_s | rollouts |")
+    assert [r.rsplit(" | ", 1)[1] for r in table[2:]] == ["48 |", "96 |", "64 |"]
+    assert by_config[3].endswith("| 80.000 ± 22.627 |")
+    text = (d / "report.md").read_text()
+    assert "`rollouts`: the responses the stage generated, those it did not train on included" in text

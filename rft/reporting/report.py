@@ -73,6 +73,7 @@ class Job:
     status: str = NO_METRICS
     metrics: list[dict] = field(default_factory=list)
     time_s: float | None = None
+    rollouts: int | None = None  # responses generated in the stage (rollout/generated summed), kept or not
 
     def series(self, key: str) -> tuple[list[int], list[float]]:
         # numbers only: a text or list under a metric's key (a damaged or foreign log) is no point
@@ -281,6 +282,8 @@ def read_job(job_dir: Path, stage: str | None = None, name: str | None = None, f
     if not (logged[job.stage].parent / "reused_from").exists():
         total = sum(m[k] for m in job.metrics for k in TIMING_KEYS if is_number(m.get(k)))
         job.time_s = total if total and math.isfinite(total) else None  # NaN or inf: not JSON, not a time
+        generated = [m["rollout/generated"] for m in job.metrics if is_number(m.get("rollout/generated"))]
+        job.rollouts = int(sum(generated)) if generated else None
     steps = job.metrics[-1]["step"] if job.metrics else 0
     total = dict(plan).get(job.stage)
     if stage is None and plan and job.stage != order[-1]:
@@ -416,6 +419,8 @@ def rows(jobs: list[Job], keys: list[str], metrics: list[str]) -> list[dict]:
             if m.startswith("eval/") and m.endswith("accuracy"):  # the highest is the best
                 row[f"best {m}"], row[f"best {m} at step"] = j.best(m)
         row["time_s"] = j.time_s
+        if any(k.rollouts is not None for k in jobs):  # runs that count them: what each arm generated
+            row["rollouts"] = j.rollouts
         out.append(row)
     return out
 
@@ -478,7 +483,7 @@ def group_rows(gs: list[list[Job]], keys: list[str], table: list[dict]) -> list[
                "stage": lead(js).stage,
                "status": js[0].status if len(js) == 1 else "done" if done == len(js) else f"{done}/{len(js)} done",
                "n": len(rs)}
-        for c in [*cols, "time_s"]:
+        for c in [*cols, "time_s", *(["rollouts"] if "rollouts" in table[0] else [])]:
             row[c] = mean_std([r[c] for r in rs])
         out.append(row)
     return out
@@ -517,6 +522,9 @@ def write_markdown(path: Path, sweep_dir: Path, jobs: list[Job], keys: list[str]
     lines += ["", "![the metrics over steps](rewards.png)", "",
               "`time_s`: seconds in the steps, evals and saves of the stage reported (not an earlier stage "
               "such as a shared warm-up, nor start-up or model loading; none for a stage copied from the stage cache)."
+              + (" `rollouts`: the responses the stage generated, those it did not train on included (DAPO's "
+                 "dynamic sampling draws more when groups are all right or all wrong; `reward/mean` is over the "
+                 "kept ones), for comparing configurations at equal generation." if "rollouts" in table[0] else "")
               + (" `n`: the seeds a configuration's values are over, its finished ones (a seed stopped midway "
                  "is in the table above, not in the mean; where none has finished, those with metrics); std "
                  "over them (N-1)." if by_config else ""), ""]
