@@ -484,9 +484,7 @@ class Explorer(WeightsMixin):
         ratio = self.cfg.explorer.over_rollout.ratio
         min_done = math.ceil((1 - ratio) * len(tasks)) if ratio > 0 else None
         groups = [g for g in self._run(ts, self.scorer, tasks, n, step, salt, counters, min_done) if g is not None]
-        # every response asked for, kept or not (DAPO's extra tries, over_rollout's dropped, failed
-        # tasks): what a step cost in generation, for comparing algorithms at equal compute
-        counters["generated"] = counters.get("generated", 0) + n * len(tasks)
+        counters["generated"] = counters.get("generated", 0) + n * len(tasks)  # asked for, kept or not: its cost
         apply_overlong([e for g in groups for e in g], algo, ts.rollout_args.max_tokens or self.cfg.model.max_response_tokens)
         return groups
 
