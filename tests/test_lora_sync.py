@@ -56,15 +56,19 @@ def test_the_trainer_sends_the_adapters_alone_and_their_fingerprint():
     assert t.engine_fingerprint() == t.sync_fingerprint() == fingerprint(sent) != t.fingerprint()
     # a checkpoint's fingerprint stays the merged model's: what its hf/ holds
     assert t.fingerprint() == fingerprint(dict(t._named_parameters()))
-    # trainer=fsdp2 (one rank: the same bits as trainer=torch) sends the same adapters
+    # trainer=fsdp2 (one rank) sends the same adapters after the same step. Not to the bit: on a
+    # loaded machine its sums ran in another order (14 of 28 tensors 1.5e-6 apart, 4 runs of 5),
+    # so within 1e-5, a thousandth of the step's lr 1e-2 (Adam's first step moves each weight ~lr)
     from test_mixed_precision import one_rank
 
     ranks = one_rank("explorer=vllm", "trainer.micro_batch_size_per_gpu=128", *ADAPTER[:3], lr=1e-2)
     try:
         ranks.train_step(experiences())
         theirs = ranks.weights()
-        assert set(theirs) == set(sent) and all(torch.equal(theirs[k], v) for k, v in sent.items())
-        assert ranks.engine_fingerprint() == ranks.sync_fingerprint() == t.engine_fingerprint()
+        assert set(theirs) == set(sent)
+        for k, v in sent.items():
+            torch.testing.assert_close(theirs[k], v, rtol=0, atol=1e-5, msg=k)
+        assert ranks.engine_fingerprint() == ranks.sync_fingerprint() == fingerprint(theirs)
     finally:
         ranks.close()
 
