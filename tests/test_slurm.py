@@ -552,6 +552,55 @@ def test_the_warning_saves_the_step_of_a_lora_run_and_of_an_explorer_then_it_res
         assert len(stored) == 96 and len({e.task_id for e in stored}) == 48
 
 
+def test_a_job_script_that_forwards_the_warning_requeues_its_own_job(monkeypatch, tmp_path, capsys):
+    """launchers/ray_slurm.sbatch (no submitit) sets RFT_REQUEUE_SIGNAL=USR2: the watcher's
+    handler is then `requeue_self`, `scontrol requeue <its job>` (stood in here), then exit; where
+    scontrol fails, one paragraph saying to submit the script again."""
+    from rft.runtime import main as entry
+    from rft.runtime import preemption
+
+    monkeypatch.setenv("RFT_REQUEUE_SIGNAL", "USR2")
+    monkeypatch.setenv("SLURM_JOB_ID", "7")
+    monkeypatch.delenv("SUBMITIT_EXECUTOR", raising=False)
+    assert preemption._submitit_handler() == (signal.SIGUSR2, preemption.requeue_self)
+    monkeypatch.delenv("SLURM_JOB_ID")
+    assert preemption._submitit_handler() == (None, None)  # not in Slurm: SIGUSR2 as before
+    monkeypatch.setenv("SLURM_JOB_ID", "7")
+    scontrol = tmp_path / "scontrol"
+    scontrol.write_text(f'#!/bin/sh\necho "$@" >> {tmp_path}/called\n[ -e {tmp_path}/refuse ] || exit 0\n'
+                        'echo "scontrol: error: Requested operation is presently disabled for job 7" >&2; exit 1\n')
+    scontrol.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    for refuse in (False, True):
+        if refuse:
+            (tmp_path / "refuse").touch()
+        watcher = preemption.Preemption(signal.SIGUSR2, preemption.requeue_self, 120.0)
+        watcher.start()
+        try:
+            with pytest.raises(SystemExit) as e, watcher.steps("grpo", lambda text: None):
+                monkeypatch.setattr(preemption, "current", watcher)
+                signal_until(watcher)
+                assert preemption.due(4)
+                preemption.requeue_if_signalled()
+        finally:
+            watcher.stop()
+        assert isinstance(e.value, preemption.Refused) == refuse
+    assert (tmp_path / "called").read_text() == "requeue 7\nrequeue 7\n"
+    assert "rft: Slurm job 7 requeued: it runs again and resumes from its newest checkpoint\n" in capsys.readouterr().out
+    monkeypatch.setattr(entry, "_main", lambda cfg: (_ for _ in ()).throw(e.value))
+    monkeypatch.setattr(entry, "_resume_point", lambda cfg: "the newest checkpoint: /r/checkpoints/step_4")
+    monkeypatch.setattr(preemption, "current", None)
+    with pytest.raises(SystemExit) as exit_:
+        entry.main(compose_cfg([]))
+    assert exit_.value.code == 1
+    assert capsys.readouterr().err == (
+        "\nrft: the run stopped: Slurm's warning came (SIGUSR2, the job's time limit near or a preemption) and the "
+        "job could not requeue itself: `scontrol requeue 7` failed: scontrol: error: Requested operation is "
+        "presently disabled for job 7. The job ends here; the newest checkpoint: /r/checkpoints/step_4. To go on "
+        "from it, submit the same job script with the same overrides again (sbatch launchers/ray_slurm.sbatch ...): "
+        "it resumes from that checkpoint.\n\n")
+
+
 def test_the_watcher_is_there_only_in_a_submitit_slurm_job(monkeypatch):
     from submitit.core.job_environment import SignalHandler
 
@@ -662,25 +711,60 @@ def test_a_preempted_slurm_job_saves_the_step_it_is_at_and_resumes_from_it(slurm
 @pytest.mark.slow
 def test_ray_on_slurm_launcher_trains_on_a_one_node_allocation(slurm, warm_start, tmp_path):
     """launchers/ray_slurm.sbatch: Ray head on the allocation's node, the driver joined to it,
-    10 GRPO steps from the warm start learn."""
+    10 GRPO steps from the warm start learn. Slurm's warning to the script's shell (B:, as its
+    #SBATCH --signal asks) once step 3 is logged: the script passes it to the driver, which saves
+    the step in progress (save_interval 1000: no other checkpoint before the last) and requeues the
+    job; the job runs the script again and resumes from that step (Slurm holds a requeued job ~2
+    minutes: the test lets it start at once)."""
     out = tmp_path / "job.out"
     env = {**os.environ, "RFT_PYTHON": sys.executable, "RFT_RAY_WAIT_S": "120"}
     r = subprocess.run(
-        ["sbatch", "--wait", "--cpus-per-task=2", f"--output={out}", "launchers/ray_slurm.sbatch",
+        ["sbatch", "--parsable", "--cpus-per-task=2", f"--output={out}", "launchers/ray_slurm.sbatch",
          "stages=[]", f"model.model_path={warm_start}", "model.builder=null", "monitor=console", "name=on_slurm",
-         "buffer.total_steps=10", "explorer.eval_interval=10", f"checkpoint_root_dir={tmp_path}"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    log = out.read_text() if out.exists() else ""
-    assert r.returncode == 0, (r.stdout + r.stderr + log)[-4000:]
-    job = re.search(r"Submitted batch job (\d+)", r.stdout)[1]
-    assert "ray_slurm: 1 Ray node(s) up" in log and "run.py exited with status 0" in log
+         "buffer.total_steps=10", "explorer.eval_interval=10", "trainer.save_interval=1000",
+         f"checkpoint_root_dir={tmp_path}"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    job = r.stdout.strip()
+    run = tmp_path / "rft" / "on_slurm"
+
+    def state():
+        return subprocess.run(["squeue", "-h", "-j", job, "-o", "%T"], capture_output=True, text=True).stdout.strip()
+
+    def until(done, what, within=300):
+        deadline = time.monotonic() + within
+        while not done():
+            assert time.monotonic() < deadline, what + (out.read_text()[-4000:] if out.exists() else "")
+            time.sleep(0.2)
+
+    try:
+        until(lambda: any(m["step"] >= 3 for m in read_metrics(run / "metrics.jsonl")), "never at step 3: ")
+        subprocess.run(["scancel", "--batch", "--signal=USR2", job], check=True)
+        until(lambda: state() == "PENDING", "not requeued: ")
+        saved = latest_checkpoint(run).step
+        assert 3 <= saved < 10
+        subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], check=True)
+        until(lambda: state() == "", "the requeued job did not end: ")
+    finally:
+        subprocess.run(["scancel", job])
+    log = out.read_text()
+    assert log.count("ray_slurm: 1 Ray node(s) up") == 2 and "run.py exited with status 0" in log, log[-4000:]
+    assert "ray_slurm: Slurm warns that it will stop this job: passed on to the driver\n" in log
+    assert "[grpo] preemption signal (SIGUSR2): the step in progress ends and its checkpoint is saved" in log
+    assert f"[grpo] preemption signal: saving the checkpoint at step {saved}, then requeue\n" in log
+    assert f"rft: Slurm job {job} requeued: it runs again and resumes from its newest checkpoint\n" in log
+    assert f"[grpo] resuming from step {saved} (" in log
+    assert [m["step"] for m in read_metrics(run / "metrics.jsonl")] == list(range(11))
     # the job's Ray kept its files in a temp dir of its own: a later plain ray.init() on this
     # node must not find (and wait on) the job's dead cluster
     head = re.search(r"Ray head at (\S+)\n", log)[1]
     current = Path("/tmp/ray/ray_current_cluster")
     assert not current.exists() or head not in current.read_text()
-    states = subprocess.run(["sacct", "-n", "-X", "-P", "-o", "State", "-j", job], capture_output=True, text=True).stdout
-    assert states.split() == ["COMPLETED"]
+    for _ in range(30):  # accounting can lag the job's end by a moment
+        states = subprocess.run(["sacct", "-n", "-X", "-P", "-D", "-o", "State", "-j", job], capture_output=True,
+                                text=True).stdout.split()
+        if states[-1:] == ["COMPLETED"]:
+            break
+        time.sleep(1)
+    assert states == ["REQUEUED", "COMPLETED"]  # both attempts
     metrics = read_metrics(tmp_path / "rft" / "on_slurm" / "metrics.jsonl")
     start, end = [m["eval/accuracy"] for m in metrics if "eval/accuracy" in m]
     assert end >= start + 0.2, (start, end)

@@ -11,7 +11,12 @@ Slurm sends the signal to every process of the job step, not only the driver: Ra
 and actors, reward workers, vLLM's engine processes, for all of which SIGUSR2's default action is
 to terminate (a Ray run lost its actors at the signal; a save after it would fail).
 
-So `watch()`, around a run in a submitit Slurm job (anywhere else it does nothing):
+launchers/ray_slurm.sbatch (one run over several nodes, no submitit) asks for the signal to its batch
+shell alone (`--signal=B:USR2@120`: Ray's processes, in job steps of their own, never get it), which
+forwards it to the driver, and sets RFT_REQUEUE_SIGNAL=USR2: there `requeue_self` stands in for
+submitit's handler (`scontrol requeue` of the job, which runs the same script again and resumes).
+
+So `watch()`, around a run in a submitit Slurm job or such a script (anywhere else it does nothing):
 - blocks the signal in the driver's main thread before anything starts: every thread and process
   started afterwards inherits it blocked (pending, never acted on), so nothing but the driver's
   watcher thread, which takes it with sigwait, is stopped or disturbed by it;
@@ -49,7 +54,7 @@ log = logging.getLogger(__name__)
 # back before its end time stops it (TIMEOUT, or cancelled by the preemption: not requeued)
 REQUEUE_MARGIN_S = 30.0
 
-current: Preemption | None = None  # the watcher of this process's run (None: not a submitit Slurm job)
+current: Preemption | None = None  # the watcher of this process's run (None: not a Slurm job that requeues itself)
 
 
 class Refused(SystemExit):
@@ -61,8 +66,14 @@ class Refused(SystemExit):
     def __init__(self, error: BaseException):
         super().__init__(1)
         self.reason = str(error).strip().rstrip(".")
+        self.by_script = isinstance(error, RequeueFailed)  # requeue_self's, not submitit's
 
     def paragraph(self, resume_point: str, sweep: str | None) -> str:
+        if self.by_script:
+            return (f"Slurm's warning came (SIGUSR2, the job's time limit near or a preemption) and the job could not "
+                    f"requeue itself: {self.reason}. The job ends here; {resume_point}. To go on from it, submit the "
+                    f"same job script with the same overrides again (sbatch launchers/ray_slurm.sbatch ...): it resumes "
+                    f"from that checkpoint.")
         again = (f"run the sweep again with hydra.sweep.dir={sweep} (its finished jobs are skipped; this one resumes "
                  f"from that checkpoint)" if sweep else "run the same command again")
         return (f"Slurm's warning came (SIGUSR2, the job's time limit near or a preemption) and submitit did not "
@@ -259,7 +270,8 @@ def steps(title: str, say):
 
 @contextmanager
 def watch():
-    """Around a run: the watcher of Slurm's warning in a submitit Slurm job; elsewhere nothing."""
+    """Around a run: the watcher of Slurm's warning in a submitit Slurm job or a job script that forwards it
+    (RFT_REQUEUE_SIGNAL); elsewhere nothing."""
     global current
     sig, handler = _submitit_handler()
     if handler is None or current is not None or threading.current_thread() is not threading.main_thread():
@@ -275,10 +287,14 @@ def watch():
 
 
 def _submitit_handler():
-    """(the signal, submitit's requeueing handler of it) in a submitit Slurm job; (None, None)
-    elsewhere, or where something else handles the signal."""
+    """(the signal, submitit's requeueing handler of it) in a submitit Slurm job; (the signal
+    named by RFT_REQUEUE_SIGNAL, `requeue_self`) in another Slurm job whose script forwards it
+    (launchers/ray_slurm.sbatch); (None, None) elsewhere, or where something else handles it."""
     import os
 
+    name = os.environ.get("RFT_REQUEUE_SIGNAL", "")
+    if name and os.environ.get("SLURM_JOB_ID") and os.environ.get("SUBMITIT_EXECUTOR") != "slurm":
+        return getattr(signal, "SIG" + name.upper().removeprefix("SIG")), requeue_self
     if os.environ.get("SUBMITIT_EXECUTOR") != "slurm":
         return None, None
     from submitit import JobEnvironment
@@ -287,6 +303,29 @@ def _submitit_handler():
     sig = getattr(signal, "SIG" + JobEnvironment.USR_SIG)  # SUBMITIT_PREEMPT_SIGNAL, USR2 by default
     handler = signal.getsignal(sig)
     return (sig, handler) if isinstance(getattr(handler, "__self__", None), SignalHandler) else (None, None)
+
+
+class RequeueFailed(RuntimeError):
+    """`scontrol requeue` of the job failed (`requeue_self`)."""
+
+
+def requeue_self(signum, frame) -> None:
+    """submitit's handler where submitit is not there (launchers/ray_slurm.sbatch): `scontrol requeue`
+    of this Slurm job (Slurm stops it and queues it again: the same script, the same overrides, so the
+    run resumes from its newest checkpoint), then the process exits as submitit's does."""
+    import os
+    import subprocess
+
+    job = os.environ["SLURM_JOB_ID"]
+    try:
+        r = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, timeout=60)
+        failed = r.returncode != 0 and (r.stderr or r.stdout).strip()
+    except (OSError, subprocess.SubprocessError) as e:
+        failed = str(e)
+    if failed:  # (a job not requeueable: submitted with --no-requeue where the cluster's JobRequeue=0)
+        raise RequeueFailed(f"`scontrol requeue {job}` failed: {failed}")
+    _print(f"rft: Slurm job {job} requeued: it runs again and resumes from its newest checkpoint")
+    sys.exit(-1)
 
 
 def _slurm_time_left() -> float | None:
