@@ -144,6 +144,17 @@ def link_tokenizer_outside(ckpt):
     os.symlink(outside, ckpt / "hf" / "tokenizer.json")
 
 
+def legacy_with_weights_cut(ckpt):
+    """Step 3 as an rft from before manifests wrote it (nothing checks its files before the load),
+    its hf/model.safetensors cut: the trainer's load fails on that file, which the message named
+    trainer_state.pt."""
+    (ckpt / "manifest.json").unlink()
+    state = json.loads((ckpt / "state.json").read_text())
+    del state["manifest"]
+    (ckpt / "state.json").write_text(json.dumps(state))
+    truncate("hf/model.safetensors")(ckpt)
+
+
 CUT = "when saved (cut short or written over)"
 CHANGED = "its contents are not the ones saved (their digest differs)"
 DAMAGES = {
@@ -171,6 +182,7 @@ DAMAGES = {
     "manifest_outside_entry": (add_outside_entry, "step_3/manifest.json: lists '../x', which is not a path "
                                                   "inside its directory (not followed)"),
     "missing_manifest": (delete("manifest.json"), "step_3/manifest.json: missing"),
+    "legacy_with_weights_cut": (legacy_with_weights_cut, "step_3/hf/model.safetensors does not load (SafetensorError: "),
 }
 
 

@@ -35,6 +35,8 @@ class StageCheckpoints:
                 cause = getattr(e, "cause", e)
                 # a refused pickle says why itself (rft.trainer.state.load_state: it would run code)
                 why = (str(cause).split(". ")[0] if type(cause).__name__ == "UnpicklingError" and "is refused" in str(cause)
+                       # the weights' file named (rft.trainer.state.reading)
+                       else str(cause) if type(cause).__name__ == "CheckpointFileError"
                        else f"{latest.path / 'trainer_state.pt'} does not load: {type(cause).__name__}")
                 set_aside(latest, why, self.title, print)
                 latest = usable_checkpoint(self.dir, self.owner, self.title, print, before=latest.step)

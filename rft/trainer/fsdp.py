@@ -38,7 +38,7 @@ import torch
 from rft.models import local_device, torch_dtype
 from rft.sync.weights import fingerprint, format_fingerprint, hf_tensors, weight_sums
 from rft.trainer import lora, micro_batches
-from rft.trainer.state import load_state, save_state
+from rft.trainer.state import load_state, reading, save_state, weights_file
 from rft.trainer.trainer import Trainer, _lengths
 
 
@@ -240,9 +240,11 @@ class FSDPTrainer(Trainer):
         if lora.is_lora(self.model):  # the adapter alone: the base is the stage's starting model
             from safetensors.torch import load_file
 
-            sd = lora.adapter_for_model(self.model, load_file(d / "adapter" / "adapter_model.safetensors"))
+            with reading(d / "adapter" / "adapter_model.safetensors") as path:
+                sd = lora.adapter_for_model(self.model, load_file(path))
         else:  # (none where the ranks built the policy from this checkpoint's hf/: Trainer's `resume`)
-            sd = {} if self._weights_built_from(d) else dict(hf_tensors(d / "hf"))
+            with reading(weights_file(d / "hf")):
+                sd = {} if self._weights_built_from(d) else dict(hf_tensors(d / "hf"))
         # tied weights are saved once (save_pretrained): strict=False lets the tie fill them (with
         # LoRA, leaves the base as it is)
         if sd:

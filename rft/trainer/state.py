@@ -7,6 +7,7 @@ optimizer, scheduler, step count, RNG state and critic, written and read back.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -54,9 +55,11 @@ class CheckpointMixin:
         if lora.is_lora(self.model):
             from safetensors.torch import load_file
 
-            lora.load_adapter(self.model, load_file(d / "adapter" / "adapter_model.safetensors"))
+            with reading(d / "adapter" / "adapter_model.safetensors") as path:
+                lora.load_adapter(self.model, load_file(path))
         elif not self._weights_built_from(d):
-            load_hf_weights(self.model, d / "hf")
+            with reading(weights_file(d / "hf")):
+                load_hf_weights(self.model, d / "hf")
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self._configured_optimizer()
@@ -82,6 +85,27 @@ class CheckpointMixin:
             group.update(initial_lr=opt.lr, lr=opt.lr * fn(self.scheduler.last_epoch),
                          betas=tuple(opt.betas), weight_decay=opt.weight_decay)
         self.scheduler._last_lr = [g["lr"] for g in self.optimizer.param_groups]
+
+
+class CheckpointFileError(Exception):
+    """A checkpoint's weights that do not load: the message names the file (the runner sets the
+    checkpoint aside with it, as a damaged one)."""
+
+
+def weights_file(hf: Path) -> Path:
+    """What a failed read of hf/ names: its one weights file, or the folder of its shards."""
+    return hf / "model.safetensors" if (hf / "model.safetensors").exists() else hf
+
+
+@contextmanager
+def reading(path: Path):
+    """Any failure while the weights at `path` are read is named as theirs (a checkpoint from before
+    manifests is read unchecked: a cut hf/model.safetensors was said to be trainer_state.pt)."""
+    try:
+        yield path
+    except Exception as e:
+        first = str(e).splitlines()[0] if str(e) else ""
+        raise CheckpointFileError(f"{path} does not load ({type(e).__name__}: {first})") from e
 
 
 def save_state(state: dict, path: Path) -> None:
