@@ -182,6 +182,10 @@ DAMAGES = {
     "manifest_outside_entry": (add_outside_entry, "step_3/manifest.json: lists '../x', which is not a path "
                                                   "inside its directory (not followed)"),
     "missing_manifest": (delete("manifest.json"), "step_3/manifest.json: missing"),
+    # the manifest whole, hf/ another whole model of the same shape (step 2's): the trainer is built from hf/
+    "hf_of_another_checkpoint": (lambda ckpt: (shutil.rmtree(ckpt / "hf"), shutil.copytree(ckpt.parent / "step_2" / "hf",
+                                                                                           ckpt / "hf")),
+                                 f"step_3/hf/model.safetensors: {CHANGED}"),
     "legacy_with_weights_cut": (legacy_with_weights_cut, "step_3/hf/model.safetensors does not load (SafetensorError: "),
 }
 
