@@ -143,12 +143,38 @@ CHAT = {"model": "policy", "messages": MESSAGES}
                                         "only, not the most likely alternatives; send top_logprobs=0 or leave it out"),
     ("top_logprobs", 21, "top_logprobs", "top_logprobs: Input should be less than or equal to 20 (got 21)"),
     ("top_logprobs", -1, "top_logprobs", "top_logprobs: Input should be greater than or equal to 0 (got -1)"),
+    # sampling the endpoint does not apply was ignored (200, sampled without it, the call recorded as
+    # if asked for): an agent's presence_penalty=0.5 got text sampled without the penalty
+    ("presence_penalty", 0.5, "presence_penalty", "presence_penalty=0.5: this endpoint samples by temperature, "
+     "top_p, top_k and seed only (the trainer recomputes each token's log-prob under those); leave presence_penalty "
+     "out or send its neutral value"),
+    ("frequency_penalty", -1.0, "frequency_penalty", "frequency_penalty=-1.0: this endpoint samples by temperature, "
+     "top_p, top_k and seed only (the trainer recomputes each token's log-prob under those); leave frequency_penalty "
+     "out or send its neutral value"),
+    ("repetition_penalty", 1.2, "repetition_penalty", "repetition_penalty=1.2: this endpoint samples by temperature, "
+     "top_p, top_k and seed only (the trainer recomputes each token's log-prob under those); leave repetition_penalty "
+     "out or send its neutral value"),
+    ("min_p", 0.1, "min_p", "min_p=0.1: this endpoint samples by temperature, top_p, top_k and seed only (the "
+     "trainer recomputes each token's log-prob under those); leave min_p out or send its neutral value"),
+    ("logit_bias", {"50256": -100}, "logit_bias", "logit_bias={'50256': -100.0}: this endpoint samples by "
+     "temperature, top_p, top_k and seed only (the trainer recomputes each token's log-prob under those); leave "
+     "logit_bias out or send its neutral value"),
+    ("presence_penalty", 3.0, "presence_penalty", "presence_penalty: Input should be less than or equal to 2 (got 3.0)"),
 ])
 def test_a_field_out_of_range_is_a_400_naming_it_and_nothing_is_sampled(served, field, value, param, message):
     server, _, _ = served
     server.open("", ARGS)
     assert_refused(post(server, "/chat/completions", {**CHAT, field: value}), 400, param, message)
     assert server.take_history("") == []
+
+
+def test_the_neutral_values_clients_send_by_default_are_accepted(served):
+    # OpenAI's clients (and frameworks on them) send presence/frequency_penalty 0 and logit_bias {}
+    server, _, _ = served
+    neutral = {"presence_penalty": 0.0, "frequency_penalty": 0, "repetition_penalty": 1.0, "min_p": 0.0,
+               "logit_bias": {}}
+    assert post(server, "/chat/completions", {**CHAT, **neutral}).status_code == 200
+    assert post(server, "/completions", {"prompt": "12+34", **neutral}).status_code == 200
 
 
 def test_completions_asking_for_the_likeliest_alternatives_is_a_400(served):

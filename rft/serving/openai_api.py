@@ -42,7 +42,8 @@ about (an agent still running after the explorer gave up on its task).
 
 Requests (OpenAI's error shape, `param` naming the field): n from 1 to 128 (OpenAI's cap), no
 top_logprobs (chat) or logprobs over 0 (completions): only each sampled token's log-prob is returned,
-max_tokens at most the model's model.max_response_tokens, prompt ids inside the vocabulary (an id
+presence/frequency/repetition penalties, min_p and logit_bias at their neutral values only (not
+applied here), max_tokens at most the model's model.max_response_tokens, prompt ids inside the vocabulary (an id
 outside it would take the engine down on CUDA), prompt + max_tokens within the model's context,
 and every other field of the right type and range, else 400; a body over 32 MiB 413
 (rft.serving.auth, with the same timeouts and connection cap as the reward server).
@@ -121,6 +122,21 @@ class Sampling(BaseModel):
     # the reply as server-sent events (rft/serving/openai_chat.py sse)
     stream: bool = False
     stream_options: StreamOptions | None = None
+    # sampling the endpoint does not apply (the trainer recomputes log-probs under temperature,
+    # top_p and top_k alone): their neutral values pass, as clients send them by default
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(None, gt=0)
+    min_p: float | None = Field(None, ge=0, le=1)
+    logit_bias: dict[str, float] | None = None
+
+    def unapplied(self) -> tuple[str, Any] | None:
+        """The first field set to a value that would change sampling here, and that value."""
+        neutral = {"presence_penalty": 0, "frequency_penalty": 0, "repetition_penalty": 1, "min_p": 0}
+        for name, value in neutral.items():
+            if getattr(self, name) not in (None, value):
+                return name, getattr(self, name)
+        return ("logit_bias", self.logit_bias) if self.logit_bias else None
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -372,6 +388,12 @@ class OpenAIServer:
         if k:  # answered with none, they would read as "no alternative was likely" (was: silently)
             raise Invalid(field, f"{field}={k}: this endpoint returns the log-prob of each sampled token only, not "
                                  f"the most likely alternatives; send {field}=0 or leave it out")
+        unapplied = req.unapplied()
+        if unapplied:  # sampled without it, the agent would get (and train on) other text than it asked for
+            name, value = unapplied
+            raise Invalid(name, f"{name}={str(value)[:100]}: this endpoint samples by temperature, top_p, top_k and "
+                                f"seed only (the trainer recomputes each token's log-prob under those); leave "
+                                f"{name} out or send its neutral value")
         req.model = req.model or self.policy
         if req.model not in self.models:
             raise Refusal(404, f"model {req.model!r} is not served here; the models are {sorted(self.models)}",
