@@ -301,6 +301,13 @@ def test_a_slurm_sweep_asks_for_the_gpus_it_plans_for_and_fits_them(no_gpu):
                        "trainer.fp32_master_weights=false")
         assert said.startswith("job 0 of the sweep (seed=1): the plan cannot fit: the trainer needs ~")
         assert "GiB of its GPU's 24.0. Change trainer=fsdp2 (the weights, gradients and Adam sharded over ranks)" in said
+        # a sweep of one job on Slurm is planned here too: it found its mistake only once it ran,
+        # after its wait in the queue (a local sweep's lone job plans itself as it starts)
+        lone = compose("config", overrides=["hydra/launcher=slurm", "stages=[]", "model=qwen7b"], return_hydra_config=True)
+        assert plan_jobs(lone, "config") == (
+            "job 0 of the sweep (stages=[] model=qwen7b): cluster.gpu_per_node=8, but hydra.launcher.gpus_per_node="
+            "null asks Slurm for 0 GPUs a node. Set hydra.launcher.gpus_per_node=8 (or cluster.gpu_per_node to what the nodes "
+            "have). No job has started: every job is planned first.")
 
 
 def test_the_device_query_reads_nvidia_smi(monkeypatch):

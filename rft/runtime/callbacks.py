@@ -105,8 +105,9 @@ def plan_jobs(config, config_name: str | None) -> str | None:
     from rft.runtime.main import checked_plan, job_sizes_in_child, per_stage, split_stages
 
     jobs = sweep_jobs(config)
-    if len(jobs) < 2:
-        return None  # a lone job plans itself before it starts anything
+    queued = "submitit" in str(config.hydra.launcher.get("_target_", "")).lower()
+    if len(jobs) < 2 and not queued:
+        return None  # a lone local job plans itself before it starts anything (queued: after its wait)
     saved, own, planned, dirs = HydraConfig.instance().cfg, distinct_overrides(jobs), [], {}
     # a study's config groups kept outside conf/ (hydra.searchpath on the command line: a hydra
     # override, not one of the jobs'): without it a job naming one of its options does not compose
