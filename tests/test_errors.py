@@ -721,9 +721,11 @@ def test_a_study_kept_outside_conf_through_hydra_searchpath_composes(run_root, t
     r = run_cli(search, "experiment=mine", "+probe=one", "stages=[]", "dry_run=true", env=run_root)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "rft/kept_outside" in r.stdout  # the outputs line: the study's name, from the folder outside
-    # a misspelt option is then Hydra's to name (it lists the options of both folders)
+    # a misspelt option: rft's paragraph, with the options of both folders (Hydra's "Could not find" had no hint)
     r = run_cli(search, "experiment=mien", "stages=[]", "dry_run=true", env=run_root)
-    assert r.returncode != 0 and "Could not find 'experiment/mien'" in r.stderr and "\tmine\n" in r.stderr
+    assert r.returncode == 2 and (f"experiment=mien: there is no experiment/mien.yaml in conf/ or {tmp_path}/ (the "
+                                  f"options of 'experiment' are algorithms_countdown, ") in r.stderr
+    assert ", mine, " in r.stderr and r.stderr.rstrip().endswith(". Did you mean experiment=mine?")
     # without the search path, rft's own check as before
     r = run_cli("experiment=mine", "stages=[]", "dry_run=true", env=run_root)
     assert r.returncode == 2 and "rft: configuration error: experiment=mine: there is no conf/experiment/mine.yaml" in r.stderr

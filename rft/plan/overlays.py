@@ -14,6 +14,9 @@ or not at all; each is named here with its file, line and fix (exit_on_config_mi
 - `_self_` before the config a file extends (`defaults: [_self_, grpo]`): that config's values
   replace the file's own, and the run goes on without them;
 - a misspelt key anywhere in the file (Hydra names neither the line nor the nearest key).
+
+With `hydra.searchpath` (a study kept outside the repository) the same checks read the files
+where Hydra finds them (`Roots`): conf/ first, then each folder of the search path in its order.
 """
 
 from __future__ import annotations
@@ -42,27 +45,88 @@ class Entry:
     bare: bool = False
 
 
+@dataclass(frozen=True)
+class Roots:
+    """The folders config groups are found in, in Hydra's order (hydra/_internal: the primary
+    config dir, then each `hydra.searchpath` entry as listed): the first that has group/option.yaml
+    is the file Hydra composes, and a group's options are all of theirs. `opaque`: the search
+    path also names a package (pkg://), whose options rft cannot list, so a missing one is Hydra's
+    to name. Without a search path, conf/ alone: every message as it was before there was one."""
+
+    conf: Path
+    extra: tuple[Path, ...] = ()
+    opaque: bool = False
+
+    @staticmethod
+    def of(where) -> Roots:
+        return where if isinstance(where, Roots) else Roots(Path(where))
+
+    @property
+    def all(self) -> tuple[Path, ...]:
+        return (self.conf, *self.extra)
+
+    def file(self, group: str, option: str) -> Path | None:
+        return next((p for r in self.all if (p := r / group / f"{option}.yaml").is_file()), None)
+
+    def has_group(self, group: str) -> bool:
+        return any((r / group).is_dir() for r in self.all)
+
+    def options(self, group: str) -> list[str]:
+        return sorted({p.stem for r in self.all for p in (r / group).glob("*.yaml")})
+
+    def group(self, path: Path) -> str:
+        root = max((r for r in self.all if path.is_relative_to(r)), key=lambda r: len(r.parts))
+        own = path.parent.relative_to(root).as_posix()
+        return "" if own == "." else own
+
+    def siblings(self, path: Path) -> list[Path]:
+        group = self.group(path)
+        return [p for r in self.all for p in sorted((r / group).glob("*.yaml")) if p != path]
+
+    def shown(self, path: Path) -> str:
+        """conf/'s files as conf/...; a search folder's relative to the current directory, or
+        absolute where that is shorter."""
+        import os
+
+        if path.is_relative_to(self.conf):
+            return str(path.relative_to(self.conf.parent))
+        return min(os.path.relpath(path), os.path.abspath(path), key=len)
+
+    def dirs(self, group: str) -> str:
+        """The folders that hold the group's files: `conf/<group>/`, and a search folder's."""
+        found = [f"{self.shown(r / group)}/" for r in self.all if (r / group).is_dir()]
+        return found[0] if len(found) == 1 else f"{', '.join(found[:-1])} and {found[-1]}"
+
+    def missing(self, group: str, option: str) -> str:
+        """Where the option's file was looked for: conf/<group>/<option>.yaml, or every folder."""
+        if not self.extra:
+            return self.shown(self.conf / group / f"{option}.yaml")
+        found = [f"{self.shown(r)}/" for r in self.all]
+        return f"{group}/{option}.yaml in {', '.join(found[:-1])} or {found[-1]}"
+
+
 def check(args: list[str], conf_dir: Path) -> str | None:
     """The message for the first mistake in the command line's choices or the files they reach."""
     from omegaconf import OmegaConf
 
     from rft.config import Config
 
-    conf_dir = Path(conf_dir)
-    roots, message = _choices(args, conf_dir)
-    if message or not roots:
+    roots = Roots.of(conf_dir)
+    chosen, message = _choices(args, roots)
+    if message or not chosen:
         return message
     schema = OmegaConf.structured(Config)
-    primary = {e.group for e in entries(conf_dir / "config.yaml", conf_dir) if e.group and not e.bare}
-    for path in _reachable(roots, conf_dir):
-        message = (_package_mistake(path, conf_dir, schema) or _header_mistake(path, conf_dir, schema)
-                   or _defaults_mistake(path, conf_dir, primary) or _key_mistake(path, conf_dir, schema))
+    primary = {e.group for e in entries(roots.conf / "config.yaml", roots) if e.group and not e.bare}
+    for path in _reachable(chosen, roots):  # a search folder's files: bad_yaml read conf/ only
+        message = (yaml_problem(path, roots.shown(path)) or _package_mistake(path, roots, schema)
+                   or _header_mistake(path, roots, schema) or _defaults_mistake(path, roots, primary)
+                   or _key_mistake(path, roots, schema))
         if message:
             return message
     return None
 
 
-def _choices(args: list[str], conf_dir: Path) -> tuple[list[Path], str | None]:
+def _choices(args: list[str], roots: Roots) -> tuple[list[Path], str | None]:
     """The files the command line chooses (each value of a sweep's list), or the message for an
     option that does not exist."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -74,7 +138,7 @@ def _choices(args: list[str], conf_dir: Path) -> tuple[list[Path], str | None]:
     found = []
     for o in overrides:
         group = o.key_or_group
-        if o.is_delete() or group.startswith("hydra") or not (conf_dir / group).is_dir():
+        if o.is_delete() or group.startswith("hydra") or not roots.has_group(group):
             continue
         try:
             values = list(o.sweep_string_iterator()) if o.is_sweep_override() else [o.get_value_element_as_str()]
@@ -83,26 +147,26 @@ def _choices(args: list[str], conf_dir: Path) -> tuple[list[Path], str | None]:
         for option in values:
             if option in ("null", "None") or "$" in option:
                 continue
-            path = conf_dir / group / f"{option}.yaml"
-            if not path.is_file():
-                options = sorted(p.stem for p in (conf_dir / group).glob("*.yaml"))
+            path = roots.file(group, option)
+            if path is None and not roots.opaque:
+                options = roots.options(group)
                 near = difflib.get_close_matches(option, options, n=1)
                 hint = f" Did you mean {group}={near[0]}?" if near else ""
-                return [], (f"{group}={option}: there is no conf/{group}/{option}.yaml (the options of '{group}' are "
-                            f"{', '.join(options)}).{hint}")
-            found.append(path)
+                return [], (f"{group}={option}: there is no {roots.missing(group, option)} (the options of '{group}' "
+                            f"are {', '.join(options)}).{hint}")
+            found += [path] if path else []
     return found, None
 
 
-def _reachable(roots: list[Path], conf_dir: Path) -> list[Path]:
-    """`roots` and every config file their defaults lists name, each once."""
-    todo, seen = list(roots), []
+def _reachable(chosen: list[Path], roots: Roots) -> list[Path]:
+    """`chosen` and every config file their defaults lists name, each once."""
+    todo, seen = list(chosen), []
     while todo:
         path = todo.pop(0)
         if path in seen or not path.is_file():
             continue
         seen.append(path)
-        todo += [conf_dir / e.group / f"{e.option}.yaml" for e in entries(path, conf_dir) if e.group and e.option]
+        todo += [p for e in entries(path, roots) if e.group and e.option and (p := roots.file(e.group, e.option))]
     return seen
 
 
@@ -113,14 +177,9 @@ def _node(path: Path):
         return None  # bad_yaml (below) names it
 
 
-def _group(path: Path, conf_dir: Path) -> str:
-    own = path.parent.relative_to(conf_dir).as_posix()
-    return "" if own == "." else own
-
-
 def entries(path: Path, conf_dir: Path) -> list[Entry]:
-    """The items of a config file's defaults list, with their lines."""
-    root, own = _node(path), _group(path, conf_dir)
+    """The items of a config file's defaults list, with their lines (conf_dir: a folder, or Roots)."""
+    root, own = _node(path), Roots.of(conf_dir).group(path)
     items = next((v.value for k, v in getattr(root, "value", []) or []
                   if getattr(k, "value", None) == "defaults" and isinstance(v, yaml.SequenceNode)), [])
     out = []
@@ -149,7 +208,7 @@ def package(path: Path, conf_dir: Path) -> str | None:
             break
         m = _PACKAGE.match(line.strip())
         if m:
-            name = m.group(1).replace("_group_", _group(path, conf_dir).replace("/", "."))
+            name = m.group(1).replace("_group_", Roots.of(conf_dir).group(path).replace("/", "."))
             return name.removeprefix("_global_").lstrip(".")
     return None
 
@@ -158,7 +217,7 @@ def leaves(path: Path, conf_dir: Path) -> list[tuple[str, int]]:
     """(dotted key in the whole config, line) of every value the file sets; not its defaults list
     nor Hydra's own settings."""
     pkg = package(path, conf_dir)
-    pkg = _group(path, conf_dir).replace("/", ".") if pkg is None else pkg
+    pkg = Roots.of(conf_dir).group(path).replace("/", ".") if pkg is None else pkg
     out = []
 
     def walk(node, prefix):
@@ -180,46 +239,46 @@ def leaves(path: Path, conf_dir: Path) -> list[tuple[str, int]]:
     return [(k, n) for k, n in out if k.split(".")[0] != "hydra"]
 
 
-def _package_mistake(path: Path, conf_dir: Path, schema) -> str | None:
-    group = _group(path, conf_dir)
-    if package(path, conf_dir) is not None or not group or group.startswith("hydra"):
+def _package_mistake(path: Path, roots: Roots, schema) -> str | None:
+    group = roots.group(path)
+    if package(path, roots) is not None or not group or group.startswith("hydra"):
         return None
     top = group.split("/")[0]
     if top in schema:
         return None
-    siblings = [package(p, conf_dir) for p in sorted(path.parent.glob("*.yaml")) if p != path]
+    siblings = [package(p, roots) for p in roots.siblings(path)]
     common = Counter(p for p in siblings if p is not None).most_common(1)
     header = f"# @package {(common[0][0] or '_global_') if common else '_global_'}"
-    return (f"{path.relative_to(conf_dir.parent)} has no `# @package` line, so Hydra puts its keys under "
+    return (f"{roots.shown(path)} has no `# @package` line, so Hydra puts its keys under "
             f"'{top}', which the config does not have (it stopped with \"Key '{top}' not in 'Config'\"). Make "
-            f"its first line `{header}`, as in the other files of conf/{group}/.")
+            f"its first line `{header}`, as in the other files of {roots.dirs(group)}.")
 
 
 
-def _header_mistake(path: Path, conf_dir: Path, schema) -> str | None:
+def _header_mistake(path: Path, roots: Roots, schema) -> str | None:
     """A `# @package` line other than its group's files' (`global` or `_group_` for `_global_`) whose
     keys do not fit under it but do under theirs: named by its first wrong key alone, it read as a
     misspelt key in a right file."""
     from rft.config import key_mistake
 
-    own = package(path, conf_dir)
-    usual = Counter(package(p, conf_dir) for p in sorted(path.parent.glob("*.yaml")) if p != path).most_common(1)
+    own = package(path, roots)
+    usual = Counter(package(p, roots) for p in roots.siblings(path)).most_common(1)
     if own is None or not usual or usual[0][0] in (None, own):
         return None
-    moved = {k: ".".join(filter(None, [usual[0][0], k.removeprefix(own).lstrip(".")])) for k, _ in leaves(path, conf_dir)}
-    keys = [(k, n) for k, n in leaves(path, conf_dir) if moved[k].split(".")[0] != "hydra"]  # Hydra's own settings
+    moved = {k: ".".join(filter(None, [usual[0][0], k.removeprefix(own).lstrip(".")])) for k, _ in leaves(path, roots)}
+    keys = [(k, n) for k, n in leaves(path, roots) if moved[k].split(".")[0] != "hydra"]  # Hydra's own settings
     wrong = next(((k, n) for k, n in keys if key_mistake(schema, k)), None)
     if wrong is None or any(key_mistake(schema, moved[k]) for k, _ in keys):
         return None
     line, text = next((i, t.strip()) for i, t in enumerate(path.read_text().splitlines(), 1) if _PACKAGE.match(t.strip()))
     header = f"# @package {usual[0][0] or '_global_'}"
-    return (f"{path.relative_to(conf_dir.parent)}, line {line}: `{text}` puts its keys under '{own}' (line {wrong[1]}: "
-            f"{wrong[0]}, which the config does not have), where the other files of conf/{_group(path, conf_dir)}/ "
+    return (f"{roots.shown(path)}, line {line}: `{text}` puts its keys under '{own}' (line {wrong[1]}: "
+            f"{wrong[0]}, which the config does not have), where the other files of {roots.dirs(roots.group(path))} "
             f"have `{header}`. Make it `{header}`.")
 
-def _defaults_mistake(path: Path, conf_dir: Path, primary: set) -> str | None:
-    rel = path.relative_to(conf_dir.parent)
-    items = entries(path, conf_dir)
+def _defaults_mistake(path: Path, roots: Roots, primary: set) -> str | None:
+    rel = roots.shown(path)
+    items = entries(path, roots)
     for e in items:
         if e.group in primary and not e.override and not e.bare:
             return (f"{rel}, line {e.line}: its defaults list chooses '{e.text}', but conf/config.yaml chooses "
@@ -228,29 +287,29 @@ def _defaults_mistake(path: Path, conf_dir: Path, primary: set) -> str | None:
     selves = [i for i, e in enumerate(items) if e.group is None]
     if not selves:
         return None
-    own = {k for k, _ in leaves(path, conf_dir)}
+    own = {k for k, _ in leaves(path, roots)}
     for e in items[selves[0] + 1:]:
-        target = conf_dir / str(e.group) / f"{e.option}.yaml"
-        if e.override or not e.option or not target.is_file():
+        target = roots.file(str(e.group), e.option) if e.option else None
+        if e.override or target is None:
             continue
-        lost = sorted(own & {k for k, _ in leaves(target, conf_dir)})
+        lost = sorted(own & {k for k, _ in leaves(target, roots)})
         if lost:
             return (f"{rel}, line {items[selves[0]].line}: `_self_` comes before '{e.text}' in its defaults list, "
-                    f"so the values of {target.relative_to(conf_dir.parent)} replace this file's own "
+                    f"so the values of {roots.shown(target)} replace this file's own "
                     f"({', '.join(lost[:3])}{', ...' if len(lost) > 3 else ''}): Hydra merges the list in order. "
                     f"Put `_self_` last.")
     return None
 
 
-def _key_mistake(path: Path, conf_dir: Path, schema) -> str | None:
+def _key_mistake(path: Path, roots: Roots, schema) -> str | None:
     from rft.config import key_mistake
 
-    if _group(path, conf_dir).startswith("hydra"):
+    if roots.group(path).startswith("hydra"):
         return None
-    for key, line in leaves(path, conf_dir):
+    for key, line in leaves(path, roots):
         problem = key_mistake(schema, key)
         if problem:
-            return f"{path.relative_to(conf_dir.parent)}, line {line}: {key}: {problem}"
+            return f"{roots.shown(path)}, line {line}: {key}: {problem}"
     return None
 
 
@@ -411,31 +470,29 @@ def missing_option(args: list[str], conf_dir) -> str | None:
     """The message for a config chosen on the command line (experiment=NAME, or any group=option)
     whose defaults list names an option that does not exist, naming the file and line (Hydra says
     only "In 'config': Could not find 'model/tinyy'"). Options Hydra itself names (on the command
-    line, hydra/...) are left to Hydra."""
-    from pathlib import Path
-
-    conf_dir = Path(conf_dir)
-    todo = [conf_dir / g / f"{o}.yaml" for g, _, o in (a.partition("=") for a in args if "=" in a and not a.startswith(("-", "+", "~")))
-            if (conf_dir / g).is_dir() and not g.startswith("hydra")]
+    line, hydra/...) are left to Hydra; so is one a search path's package (pkg://) may hold."""
+    roots = Roots.of(conf_dir)
+    todo = [roots.file(g, o) for g, _, o in (a.partition("=") for a in args if "=" in a and not a.startswith(("-", "+", "~")))
+            if roots.has_group(g) and not g.startswith("hydra")]
     seen: set = set()
     while todo:
         path = todo.pop()
-        if path in seen or not path.is_file():
+        if path is None or path in seen:
             continue
         seen.add(path)
         # the entries that name a config (not _self_, nor a null or interpolated option)
-        for line, group, option in ((e.line, e.group, e.option) for e in entries(path, conf_dir) if e.option):
-            target = conf_dir / group / f"{option}.yaml"
-            if group.startswith("hydra") or target.is_file():
+        for line, group, option in ((e.line, e.group, e.option) for e in entries(path, roots) if e.option):
+            target = roots.file(group, option)
+            if group.startswith("hydra") or target is not None or roots.opaque:
                 todo.append(target)
                 continue
-            there = sorted(p.stem for p in (conf_dir / group).glob("*.yaml"))
+            there = roots.options(group)
             options = f"the options of '{group}' are {', '.join(there)}" if there else f"there is no group '{group}'"
             top = group.rpartition("/")[2]
-            if not there and (conf_dir / top).is_dir():  # `task: mine` in an overlay is experiment/task/mine
+            if not there and roots.has_group(top):  # `task: mine` in an overlay is experiment/task/mine
                 options += f"; a group of the whole config takes a leading /: `override /{top}: {option}`"
-            return (f"{path.relative_to(conf_dir.parent)}, line {line}: its defaults list names '{group}/{option}', "
-                    f"but there is no {target.relative_to(conf_dir.parent)} ({options}). Fix the name in that file.")
+            return (f"{roots.shown(path)}, line {line}: its defaults list names '{group}/{option}', "
+                    f"but there is no {roots.missing(group, option)} ({options}). Fix the name in that file.")
     return None
 
 
@@ -447,12 +504,12 @@ def exit_on_config_mistakes(args: list[str], conf_dir) -> None:
     import sys
     from pathlib import Path
 
-    folders, searched = search_dirs(args, Path(conf_dir))
-    groups = {p.name for d in [Path(conf_dir), *folders] if d.is_dir() for p in d.iterdir() if p.is_dir()}
-    message = (modes_at_once(args) or flag_after_override(args) or foreign_flag(args) or bad_yaml(Path(conf_dir))
-               or unparsable_override(args) or misspelt_override(args, groups) or scalar_for_list(args, groups))
-    if not searched:  # with a search path, an option may be a file of another folder: Hydra's to find
-        message = message or missing_option(args, conf_dir) or check(args, Path(conf_dir))
+    roots = search_dirs(args, Path(conf_dir))
+    groups = {p.name for d in roots.all if d.is_dir() for p in d.iterdir() if p.is_dir()}
+    message = (modes_at_once(args) or flag_after_override(args) or foreign_flag(args)
+               or bad_yaml(Path(conf_dir)) or unparsable_override(args)
+               or misspelt_override(args, groups) or scalar_for_list(args, groups)
+               or missing_option(args, roots) or check(args, roots))
     if message:
         print(f"\nrft: configuration error: {message}\n", file=sys.stderr)
         sys.exit(2)
@@ -479,50 +536,53 @@ def modes_at_once(args: list[str]) -> str | None:
             f"(--cfg hydra -p hydra.launcher).")
 
 
-def search_dirs(args: list[str], conf_dir: Path) -> tuple[list[Path], bool]:
-    """(the folders Hydra also composes from, whether there is a search path at all):
-    `hydra.searchpath`, on the command line or in conf/config.yaml, for a study's config groups
-    kept outside the repository. `pkg://` entries are packages, not folders."""
+def search_dirs(args: list[str], conf_dir: Path) -> Roots:
+    """conf/ and the folders of `hydra.searchpath` (a study's config groups kept outside the
+    repository), as Hydra 1.3 reads it: the first `hydra.searchpath=` of the command line replaces
+    conf/config.yaml's (`+hydra.searchpath=` is no search path to it); `file://` and plain entries
+    are folders, relative ones to the current directory; `pkg://` entries are packages."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    entries: list = []
-    for a in args:
-        if a.lstrip("+").startswith("hydra.searchpath="):
-            try:
-                entries += list(OverridesParser.create().parse_overrides([a])[0].value() or [])
-            except Exception:  # unparsable_override words it
-                pass
+    given = next((a for a in args if a.startswith("hydra.searchpath=")), None)
     try:
-        entries += list((yaml.safe_load((conf_dir / "config.yaml").read_text()) or {}).get("hydra", {}).get("searchpath") or [])
-    except Exception:  # bad_yaml words it
-        pass
-    return [Path(str(e).removeprefix("file://")) for e in entries if not str(e).startswith("pkg://")], bool(entries)
+        if given is not None:
+            entries = list(OverridesParser.create().parse_overrides([given])[0].value() or [])
+        else:
+            entries = list((yaml.safe_load((conf_dir / "config.yaml").read_text()) or {}).get("hydra", {}).get("searchpath") or [])
+    except Exception:  # unparsable_override or bad_yaml words it
+        entries = []
+    folders = tuple(Path(str(e).removeprefix("file://")) for e in entries if "://" not in str(e).removeprefix("file://"))
+    return Roots(conf_dir, folders, opaque=len(folders) < len(entries))
 
 
 def bad_yaml(conf_dir) -> str | None:
     """The message for the first file under `conf_dir` that does not parse as YAML (None: all do);
     ~50 small files, a few ms with libyaml."""
+    return next(filter(None, map(yaml_problem, sorted(conf_dir.rglob("*.yaml")))), None)
+
+
+def yaml_problem(path: Path, shown: str | None = None) -> str | None:
+    """The message for a config file that is not UTF-8 or does not parse as YAML; None if it does.
+    `shown`: its name in the message (relative to the current directory by default)."""
     import os
 
-    import yaml
-
+    shown = shown or os.path.relpath(path)
     loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
-    for path in sorted(conf_dir.rglob("*.yaml")):
-        data = path.read_bytes()
-        try:
-            text = data.decode("utf-8")
-        except UnicodeDecodeError as e:  # an editor's latin-1: a raw traceback of run.py otherwise
-            line = data.count(b"\n", 0, e.start) + 1
-            column = e.start - (data.rfind(b"\n", 0, e.start) + 1) + 1
-            return (f"{os.path.relpath(path)} is not UTF-8 text (byte {data[e.start:e.start + 1]!r} at line {line}, "
-                    f"column {column}); config files are read as UTF-8. Convert it (e.g. iconv -f latin1 -t utf-8 "
-                    f"{path.name} > {path.stem}.utf8.yaml, then rename it) or fix the line.")
-        try:
-            yaml.load(text, Loader=loader)  # noqa: S506 (a safe loader)
-        except yaml.YAMLError as e:
-            mark = getattr(e, "problem_mark", None)
-            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-            problem = getattr(e, "problem", None) or str(e).splitlines()[0]
-            return (f"{os.path.relpath(path)} is not valid YAML: {problem}{where}. Fix the file (a common cause: "
-                    f"the keys of one mapping indented by different numbers of spaces, or a tab).")
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:  # an editor's latin-1: a raw traceback of run.py otherwise
+        line = data.count(b"\n", 0, e.start) + 1
+        column = e.start - (data.rfind(b"\n", 0, e.start) + 1) + 1
+        return (f"{shown} is not UTF-8 text (byte {data[e.start:e.start + 1]!r} at line {line}, "
+                f"column {column}); config files are read as UTF-8. Convert it (e.g. iconv -f latin1 -t utf-8 "
+                f"{path.name} > {path.stem}.utf8.yaml, then rename it) or fix the line.")
+    try:
+        yaml.load(text, Loader=loader)  # noqa: S506 (a safe loader)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        return (f"{shown} is not valid YAML: {problem}{where}. Fix the file (a common cause: "
+                f"the keys of one mapping indented by different numbers of spaces, or a tab).")
     return None
