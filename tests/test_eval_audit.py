@@ -1,0 +1,192 @@
+"""An audit of the numbers an eval reports and of the online curriculum's draws, against references
+written here from the definitions alone (exact fractions, float64), on the edge cases: pass@k
+(Chen et al. 2021's unbiased estimator) for k = n, c = 0, c = n, n = 1 and n = 128, k = 64; maj@n's
+vote with ties and unanswered samples; partial credit; a failed task; eval sets of different
+sizes (the explorer's `_evaluate`, on a workflow's output given by hand); the curriculum's weights,
+its draws without replacement, its seeds; the task operators on a NaN difficulty."""
+
+import math
+from collections import Counter
+from fractions import Fraction
+from types import SimpleNamespace
+
+import pytest
+
+from rft.data import operators as ops
+from rft.data.curriculum import OnlineCurriculum
+from rft.data.experience import Experience
+from rft.errors import ConfigError
+from rft.rewards.eval_metrics import eval_metrics, majority, pass_at_k, task_values
+
+# ---------------------------------------------------------------- references from the definitions
+
+
+def ref_pass_at_k(n: int, c: int, k: int) -> Fraction:
+    """1 - C(n - c, k) / C(n, k), exact (math.comb is 0 when n - c < k: every draw of k holds a right one)."""
+    return 1 - Fraction(math.comb(n - c, k), math.comb(n, k))
+
+
+def ref_majority_correct(rewards, answers, threshold) -> float:
+    """The answer given most often (None: no answer, no vote); of equals, the one whose first
+    sample came first; right when that first sample's reward >= threshold."""
+    votes = [a for a in answers if a is not None]
+    if not votes:
+        return 0.0
+    top = max(votes.count(a) for a in votes)
+    first = min(answers.index(a) for a in votes if votes.count(a) == top)
+    return float(rewards[first] >= threshold)
+
+
+# ---------------------------------------------------------------- pass@k
+
+
+def test_pass_at_k_equals_the_exact_fraction_up_to_n_128():
+    # every c for n in 1..128 and k in {1, 2, 4, ..., 64, n}: within 1e-15 of the exact value
+    worst = 0.0
+    for n in range(1, 129):
+        for c in range(n + 1):
+            for k in {1, 2, 4, 8, 16, 32, 64, n} & set(range(1, n + 1)):
+                worst = max(worst, abs(pass_at_k(n, c, k) - float(ref_pass_at_k(n, c, k))))
+    assert worst < 1e-15
+
+
+@pytest.mark.parametrize("n, c, k, want", [
+    (1, 0, 1, 0.0), (1, 1, 1, 1.0),            # one sample: right or wrong
+    (8, 0, 8, 0.0), (8, 8, 1, 1.0),            # c = 0: never; c = n: always
+    (8, 1, 8, 1.0),                            # k = n: the right one is among them
+    (128, 1, 64, 0.5),                         # 1 - C(127, 64)/C(128, 64) = 1 - 64/128
+    (128, 2, 64, 1 - 4032 / 16256),            # 1 - (64*63)/(128*127) = 0.751968...
+    (128, 64, 64, 1 - 1 / math.comb(128, 64)),  # 1 - 1/2.4e37: the float nearest is 1.0
+])
+def test_pass_at_k_edge_cases(n, c, k, want):
+    assert pass_at_k(n, c, k) == want
+
+
+def test_pass_at_k_refuses_k_above_n_and_c_out_of_range():
+    for n, c, k in [(4, 1, 5), (4, 5, 1), (4, -1, 1), (4, 1, 0)]:
+        with pytest.raises(ValueError, match=r"pass@k needs 0 <= c <= n and 1 <= k <= n"):
+            pass_at_k(n, c, k)
+
+
+# ---------------------------------------------------------------- maj@n, partial credit
+
+
+@pytest.mark.parametrize("rewards, answers", [
+    ([1.0, 0.0, 0.0, 1.0], ["7", "8", "8", "7"]),  # tie 7/8: 7 sampled first, right
+    ([0.0, 1.0, 1.0, 0.0], ["8", "7", "7", "8"]),  # tie: 8 first, wrong
+    ([0.0, 1.0, 1.0], [None, "7", "7"]),          # the unanswered does not vote
+    ([0.0, 0.0], [None, None]),                   # no answer at all: wrong
+    ([0.0, 1.0, 0.0, 0.0, 1.0], ["5", "7", "6", None, "7"]),  # 7 twice beats 5 and 6 once
+])
+def test_maj_at_n_is_the_reference_vote(rewards, answers):
+    assert task_values(rewards, answers, [], 1.0)[f"maj@{len(rewards)}"] == ref_majority_correct(rewards, answers, 1.0)
+
+
+def test_partial_credit_counts_as_correct_only_at_the_threshold():
+    """reasoning_gym's fractions: rewards 0.5, 0.5, 1.0 with pass_threshold 1: c = 1, pass@1 = 1/3,
+    pass@2 = 1 - C(2, 2)/C(3, 2) = 2/3; mean@3 = 2/3 (the fractions count); best@3 = 1. With the
+    threshold at 0.5, all three are right: pass@1 = 1."""
+    v = task_values([0.5, 0.5, 1.0], ["a", "a", "b"], [1, 2], 1.0)
+    assert v == pytest.approx({"mean@3": 2 / 3, "best@3": 1.0, "pass@1": 1 / 3, "pass@2": 2 / 3, "maj@3": 0.0})
+    assert task_values([0.5, 0.5, 1.0], ["a", "a", "b"], [1], 0.5)["pass@1"] == 1.0
+
+
+def test_standard_errors_over_tasks():
+    """Three tasks, n = 2, rewards (1,1), (1,0), (0,0): mean@2 per task 1, 0.5, 0 -> 0.5; its
+    sample stdev sqrt(((0.5)^2 + 0 + (0.5)^2) / 2) = 0.5, se 0.5/sqrt(3) = 0.288675."""
+    m = eval_metrics([([1.0, 1.0], ["1", "1"], None), ([1.0, 0.0], ["1", "2"], None),
+                      ([0.0, 0.0], ["2", "2"], None)], [1, 2], 1.0, "e")
+    assert m["e/mean@2"] == 0.5 and m["e/mean@2_se"] == pytest.approx(0.5 / math.sqrt(3), rel=1e-12)
+    # pass@2 per task 1, 1, 0 -> 2/3
+    assert m["e/pass@2"] == pytest.approx(2 / 3, rel=1e-12)
+
+
+# ---------------------------------------------------------------- the explorer's _evaluate
+
+
+def exp(reward: float, response: str, task: str, **info) -> Experience:
+    return Experience([0, 1], 1, [], reward=reward, task_id=task, group_id=task, info={"response": response, **info})
+
+
+def evaluate(sets: list) -> dict:
+    """The explorer's `_evaluate` over eval sets [(name, n, pass_k, groups)], `groups` what the
+    workflow returned (one entry per task, None: failed): no engine, no model."""
+    from rft.rollout.explorer import Explorer
+
+    ex = object.__new__(Explorer)
+    ex.cfg = SimpleNamespace(buffer=SimpleNamespace(explorer_input=SimpleNamespace(default_reward_fn_type="exact_match")))
+    ex.eval_tasksets, out = [], {}
+    for name, n, pass_k, groups in sets:
+        ts = SimpleNamespace(name=name, repeat_times=n, pass_k=pass_k, pass_threshold=1.0, group_by=None,
+                             reward_fn="exact_match")
+        ex.eval_tasksets.append((ts, [SimpleNamespace(task_id=f"{name}/{i}", row={}) for i in range(len(groups))], None))
+        out[name] = groups
+    ex._run = lambda ts, scorer, tasks, n, step, salt, counters: out[ts.name]
+    return ex._evaluate(0)
+
+
+def test_a_failed_task_counts_as_n_wrong_samples_and_eval_accuracy_is_the_first_sets():
+    """Set a: 2 tasks, n = 2: rewards (1, 0) and (1, 1): accuracy 3/4. Set b (3 tasks): (1, 1),
+    (0, 0), and a failed task (None) counting as (0, 0): accuracy 2/6 = 1/3, failed_tasks 1;
+    pass@1 per task 1, 0, 0 -> 1/3; maj@2 1, 0, 0 -> 1/3. eval/accuracy is set a's 0.75, not the
+    mean over sets (0.75 + 1/3)/2 = 0.5417 nor over samples 5/10."""
+    m = evaluate([("a", 2, [], [[exp(1, "4", "a/0"), exp(0, "5", "a/0")], [exp(1, "6", "a/1"), exp(1, "6", "a/1")]]),
+                  ("b", 2, [1, 2], [[exp(1, "1", "b/0"), exp(1, "1", "b/0")], [exp(0, "9", "b/1"), exp(0, "8", "b/1")], None])])
+    assert m["eval/a/accuracy"] == 0.75 and m["eval/accuracy"] == 0.75 and m["eval/failed_tasks"] == 0
+    assert m["eval/b/accuracy"] == pytest.approx(1 / 3) and m["eval/b/failed_tasks"] == 1
+    assert m["eval/b/pass@1"] == pytest.approx(1 / 3) and m["eval/b/maj@2"] == pytest.approx(1 / 3)
+    assert m["eval/b/pass@2"] == pytest.approx(1 / 3) and m["eval/b/mean@2"] == pytest.approx(1 / 3)
+    # set a (n = 2) has them too: maj@2 task 0's tie 4/5 goes to 4 (right), task 1's 6: 1
+    assert m["eval/a/maj@2"] == 1.0 and m["eval/a/best@2"] == 1.0
+
+
+# ---------------------------------------------------------------- the online curriculum
+
+
+def observed(n: int, outcomes: dict, window: int = 4, eps: float = 0.05, seed: int = 0) -> OnlineCurriculum:
+    cur = OnlineCurriculum(n, "ts", window=window, eps=eps, threshold=1.0, seed=seed)
+    for row, rewards in outcomes.items():
+        cur.observe([exp(r, "", f"ts/{row}") for r in rewards])
+    return cur
+
+
+def test_curriculum_weights_are_the_float64_formula():
+    """p over the last window = 4 outcomes: task 0 (1,0,0,1,1,1) -> its last 4 (0,1,1,1), p = 3/4,
+    w = 3/16 + 0.05 = 0.2375; task 1 (0.99 is below the threshold 1, NaN too) -> p = 0, w = 0.05;
+    task 2 unseen -> 0.25 + 0.05 = 0.3; task 3 (1, 0) -> p = 1/2, w = 0.3. Another taskset's
+    task and a row past the taskset's end are not counted."""
+    cur = observed(4, {0: [1, 0, 0, 1, 1, 1], 1: [0.99, math.nan], 3: [1, 0]})
+    cur.observe([exp(1.0, "", "other/2"), exp(1.0, "", "ts/9")])
+    ref = [p * (1 - p) + 0.05 for p in (0.75, 0.0, 0.5, 0.5)]
+    assert cur.weights() == pytest.approx(ref, abs=1e-15) and ref == pytest.approx([0.2375, 0.05, 0.3, 0.3])
+    assert cur.metrics() == {"curriculum/solved_frac": 0.0, "curriculum/unsolved_frac": 1 / 3,
+                             "curriculum/seen_frac": 0.75}
+
+
+def test_curriculum_draws_without_replacement_by_weight():
+    """Weights 0.05, 0.3, 0.3 (W = 0.65), two tasks a step: drawn one after the other in proportion
+    to the weights left, so P({0, 1}) = w0/W * w1/(W - w0) + w1/W * w0/(W - w1)
+    = 0.05/0.65 * 0.3/0.6 + 0.3/0.65 * 0.05/0.35 = 0.03846 + 0.06593 = 0.10440, as {0, 2};
+    P({1, 2}) = 1 - 2 * 0.10440 = 0.79121. 6000 steps: a share's se is <= sqrt(0.25/6000) = 0.0065;
+    0.025 is 3.9 of them."""
+    cur = observed(3, {0: [1, 1], 1: [1, 0]}, window=2)
+    w = cur.weights()
+    assert w == pytest.approx([0.05, 0.3, 0.3])
+    W = sum(w)
+    counts = Counter(frozenset(cur.draw(step, 2)) for step in range(6000))
+    for i, j in [(0, 1), (0, 2), (1, 2)]:
+        ref = w[i] / W * w[j] / (W - w[i]) + w[j] / W * w[i] / (W - w[j])
+        assert counts[frozenset((i, j))] / 6000 == pytest.approx(ref, abs=0.025)
+    assert all(len(set(cur.draw(step, 3))) == 3 for step in range(20))  # never a task twice
+
+
+def test_curriculum_seeds_and_small_tasksets():
+    cur = observed(5, {})
+    # the same (seed, step): the same draw; another step or seed: another (these differ)
+    assert cur.draw(3, 2) == cur.draw(3, 2) == observed(5, {}).draw(3, 2)
+    assert len({tuple(cur.draw(s, 5)) for s in range(10)}) > 1
+    assert {tuple(observed(5, {}, seed=s).draw(3, 5)) for s in range(10)} != {tuple(cur.draw(3, 5))}
+    # one task: it, whatever k; more asked than there are: each once
+    assert observed(1, {}).draw(0, 4) == [0]
+    assert sorted(cur.draw(0, 8)) == [0, 1, 2, 3, 4]
+
