@@ -190,3 +190,41 @@ def test_curriculum_seeds_and_small_tasksets():
     assert observed(1, {}).draw(0, 4) == [0]
     assert sorted(cur.draw(0, 8)) == [0, 1, 2, 3, 4]
 
+
+
+def test_a_rollout_of_several_experiences_is_one_sample():
+    """openai_agent: a run whose calls do not continue each other is several experiences, each
+    with the run's reward and info['rollout'] = the run. n = 2, task 0: run 0 (reward 1, calls
+    answering "3" then "7") and run 1 (reward 0, "8"): its samples are (1, "7") and (0, "8"), so
+    mean@2 = 1/2, pass@1 = 1/2, pass@2 = 1, maj@2: the tie 7/8 goes to 7 (right) = 1. Task 1:
+    runs (1, "7"), (1, "7"): mean 1, pass@1 1, maj 1. The set: accuracy (1 + 0 + 1 + 1)/4 = 3/4,
+    pass@1 (1/2 + 1)/2 = 3/4. Counting experiences, the accuracy was (1 + 1 + 0 + 1 + 1)/4 = 5/4
+    and task 0's n was 3 (mean@3 beside task 1's mean@2: a KeyError)."""
+    task0 = [exp(1, "3", "a/0", rollout=0, call=0), exp(1, "7", "a/0", rollout=0, call=1), exp(0, "8", "a/0", rollout=1, call=0)]
+    task1 = [exp(1, "7", "a/1", rollout=0, call=0), exp(1, "7", "a/1", rollout=1, call=0)]
+    m = evaluate([("a", 2, [1, 2], [task0, task1])])
+    assert m["eval/a/accuracy"] == 0.75
+    assert m["eval/a/mean@2"] == 0.75 and m["eval/a/pass@1"] == 0.75 and m["eval/a/pass@2"] == 1.0
+    assert m["eval/a/maj@2"] == 1.0 and m["eval/a/best@2"] == 1.0
+
+
+def test_an_empty_group_counts_as_n_wrong_samples():
+    """A workflow may return [] for a task (no experience, not None): n = 2 samples of reward 0,
+    as a failed task; it was n = 0 (ZeroDivisionError in mean@0). Task 0 (1, 1), task 1 []:
+    accuracy 2/4, pass@1 (1 + 0)/2."""
+    m = evaluate([("a", 2, [1], [[exp(1, "1", "a/0"), exp(1, "1", "a/0")], []])])
+    assert m["eval/a/accuracy"] == 0.5 and m["eval/a/pass@1"] == 0.5 and m["eval/a/mean@2"] == 0.5
+
+
+def test_the_difficulty_scores_pass_rate_is_per_rollout():
+    """llm_difficulty_score_filter's pass rate (rft.rollout.explorer.pass_rates), n = 2, on task 0
+    and task 1 above and a failed task: 1/2, 1, 0. Counting experiences it was 2/2 for task 0
+    (difficulty 0: kept as easy)."""
+    from rft.rollout.explorer import pass_rates
+
+    task0 = [exp(1, "3", "a/0", rollout=0, call=0), exp(1, "7", "a/0", rollout=0, call=1), exp(0, "8", "a/0", rollout=1, call=0)]
+    task1 = [exp(1, "7", "a/1", rollout=0, call=0), exp(1, "7", "a/1", rollout=1, call=0)]
+    ex = SimpleNamespace(cfg=SimpleNamespace(buffer=SimpleNamespace(explorer_input=SimpleNamespace(
+        taskset=SimpleNamespace(pass_threshold=1.0)))), scorer=None, taskset=[None] * 3,
+        _run=lambda *a: [task0, task1, None])
+    assert pass_rates(ex, 2) == [0.5, 1.0, 0.0]

@@ -87,6 +87,19 @@ def response_text(exp) -> str | None:
     return str(said[-1]) if said and said[-1] is not None else None
 
 
+def rollout_samples(group: list | None, n: int) -> list[tuple[float, str | None]]:
+    """A task's samples, one per rollout: (its reward, the response its answer is read from). An
+    openai_agent run whose calls do not continue each other is several experiences with the run's
+    reward and `info["rollout"]`: one sample, its last call's response (counted per experience, a
+    run of 3 calls was 3 samples). A failed task (None), or rollouts missing, count as samples of
+    reward 0 without a response, so every task has n."""
+    runs: dict = {}
+    for i, e in enumerate(group or []):
+        runs[e.info.get("rollout", ("exp", i))] = e  # the last experience of a run wins
+    samples = [(float(e.reward), response_text(e)) for e in runs.values()]
+    return samples + [(0.0, None)] * (n - len(samples))
+
+
 def paper_metrics(ts, tasks: list, groups: list, reward_spec, prefix: str) -> dict[str, float]:
     """An eval set's metrics above from what the workflow returned (`groups`, one per task, None
     for a failed task): {} for a set of one greedy sample per task without pass_k or group_by,
@@ -99,9 +112,6 @@ def paper_metrics(ts, tasks: list, groups: list, reward_spec, prefix: str) -> di
     samples = []
     for task, group in zip(tasks, groups):
         label = None if not ts.group_by else f"{ts.group_by}={(task.row or {}).get(ts.group_by)}"
-        if group is None:
-            samples.append(([0.0] * n, [None] * n, label))
-            continue
-        texts = [response_text(e) for e in group]
-        samples.append(([e.reward for e in group], [None if t is None else answer_of(reward_spec, t) for t in texts], label))
+        runs = rollout_samples(group, n)
+        samples.append(([r for r, _ in runs], [None if t is None else answer_of(reward_spec, t) for _, t in runs], label))
     return eval_metrics(samples, list(ts.pass_k), ts.pass_threshold, prefix)

@@ -25,7 +25,7 @@ from rft.data.tasks import load_tasks
 from rft.errors import ConfigError, RunError
 from rft.models import load_tokenizer, local_device, peak_memory
 from rft.registry import ENGINES, resolve, study_frame
-from rft.rewards.eval_metrics import paper_metrics
+from rft.rewards.eval_metrics import paper_metrics, rollout_samples
 from rft.rewards.scoring import build as build_scorer
 from rft.rewards.scoring import part_metrics, spec_of
 from rft.rollout.workflows.single_turn import WORKFLOWS, WorkflowContext, check_output
@@ -315,11 +315,11 @@ def task_rows_of(n: int, per_step: int, step: int, seed: int, in_order: bool) ->
 
 def pass_rates(explorer: "Explorer", n: int) -> list[float]:
     """Each task's share of n rollouts (the training workflow, sampling and reward) whose reward is
-    >= the taskset's pass_threshold; a failed task counts 0 (the task pipeline's
+    >= the taskset's pass_threshold, per rollout; a failed task counts 0 (the task pipeline's
     llm_difficulty_score_filter, rft/runtime/pipelines.py)."""
     ts = explorer.cfg.buffer.explorer_input.taskset
     groups = explorer._run(ts, explorer.scorer, explorer.taskset, n, 0, 3, {})
-    return [sum(e.reward >= ts.pass_threshold for e in g) / n if g else 0.0 for g in groups]
+    return [sum(r >= ts.pass_threshold for r, _ in s) / len(s) for s in (rollout_samples(g, n) for g in groups)]
 
 
 class Explorer(WeightsMixin):
@@ -589,7 +589,8 @@ class Explorer(WeightsMixin):
             n = ts.repeat_times or 1
             counters: dict = {}
             groups = self._run(ts, scorer, tasks, n, step, 2, counters)
-            acc = sum(e.reward for g in groups if g for e in g) / (len(tasks) * n)
+            samples = [rollout_samples(g, n) for g in groups]  # per rollout (an agent's run is one); failed: n zeros
+            acc = sum(r for s in samples for r, _ in s) / max(sum(map(len, samples)), 1)
             failed = sum(g is None for g in groups)
             metrics[f"eval/{ts.name}/accuracy"] = acc
             # a reward of several parts: each part's mean too
