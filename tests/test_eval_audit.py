@@ -228,3 +228,12 @@ def test_the_difficulty_scores_pass_rate_is_per_rollout():
         taskset=SimpleNamespace(pass_threshold=1.0)))), scorer=None, taskset=[None] * 3,
         _run=lambda *a: [task0, task1, None])
     assert pass_rates(ex, 2) == [0.5, 1.0, 0.0]
+
+
+def test_the_curriculum_counts_an_agents_run_once():
+    """A run of two experiences (rollout 0, reward 1) and one of one (rollout 1, reward 0): p = 1/2,
+    w = 0.25 + 0.05 = 0.3. Per experience it was p = 2/3, w = 2/9 + 0.05 = 0.2722."""
+    cur = observed(1, {})
+    cur.observe([exp(1, "3", "ts/0", rollout=0, call=0), exp(1, "7", "ts/0", rollout=0, call=1),
+                 exp(0, "8", "ts/0", rollout=1, call=0)])
+    assert cur.weights() == [0.3]

@@ -33,9 +33,15 @@ class OnlineCurriculum:
         return int(row) if name == self.name and row.isdigit() and int(row) < self.n else None
 
     def observe(self, exps: list) -> None:
-        """Record each experience's outcome against its task, in the order given."""
+        """Record each rollout's outcome against its task, in the order given: an openai_agent run of
+        several experiences (one `info["rollout"]`, one reward) is one outcome, not one each."""
+        runs = set()
         for e in exps:
             row = self._row(e.task_id)
+            run = (e.group_id, e.info.get("rollout")) if "rollout" in e.info else None
+            if run is not None and run in runs:
+                continue
+            runs.add(run)
             if row is not None:
                 seen = self.outcomes.setdefault(row, [])
                 seen.append(int(e.reward >= self.threshold))
