@@ -237,3 +237,36 @@ def test_the_curriculum_counts_an_agents_run_once():
     cur.observe([exp(1, "3", "ts/0", rollout=0, call=0), exp(1, "7", "ts/0", rollout=0, call=1),
                  exp(0, "8", "ts/0", rollout=1, call=0)])
     assert cur.weights() == [0.3]
+
+
+# ---------------------------------------------------------------- task operators on a NaN difficulty
+
+CTX = ops.TaskContext(text=lambda row: row["question"])
+
+
+def test_a_nan_difficulty_is_named_not_sorted_or_dropped_silently():
+    """difficulties 0.5, NaN, 0.1: sorted() compared NaN false both ways and left the rows as they
+    were (0.5 before 0.1: the curriculum not easy to hard), and difficulty_filter dropped the NaN
+    row without a word (NaN is in no range)."""
+    rows = [{"question": "a", "difficulty": 0.5}, {"question": "b", "difficulty": math.nan},
+            {"question": "c", "difficulty": 0.1}]
+    with pytest.raises(ConfigError) as e:
+        ops.curriculum_order(rows, CTX)
+    assert str(e.value) == ("row 1 has no number in column 'difficulty' (it holds nan); score the rows first "
+                            "(llm_difficulty_score_filter) or name the column that holds the difficulty.")
+    with pytest.raises(ConfigError) as e2:
+        ops.difficulty_filter(rows, CTX)
+    assert str(e2.value) == str(e.value)
+    # without the NaN row: easy to hard
+    assert [r["question"] for r in ops.curriculum_order([rows[0], rows[2]], CTX)] == ["c", "a"]
+
+
+def test_curriculum_order_on_values_that_do_not_compare_names_them():
+    # a number and a text: sorted() raised TypeError, reported as if the operator's args were wrong
+    rows = [{"question": "a", "level": 2}, {"question": "b", "level": "hard"}]
+    with pytest.raises(ConfigError) as e:
+        ops.curriculum_order(rows, CTX, column="level")
+    assert str(e.value) == ("column 'level' holds values that do not compare (row 0: 2, row 1: 'hard'); order by a "
+                            "column of numbers, or of texts, in every row.")
+    assert [r["question"] for r in ops.curriculum_order([{"question": "x", "level": "b"}, {"question": "y", "level": "a"}],
+                                                        CTX, column="level")] == ["y", "x"]

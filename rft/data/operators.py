@@ -153,10 +153,18 @@ def difficulty_filter(rows: list[dict], ctx: TaskContext, min_score: float = 0.0
     data's own) is in [min_score, max_score]; a row without it is an error."""
     _check_range(min_score, max_score, "min_score", "max_score")
     for i, r in enumerate(rows):
-        if not isinstance(r.get(column), (int, float)):
-            raise ConfigError(f"row {i} has no number in column {column!r} (it holds {r.get(column)!r}); score the rows "
-                              f"first (llm_difficulty_score_filter) or name the column that holds the difficulty.")
+        if not isinstance(r.get(column), (int, float)) or _is_nan(r.get(column)):  # NaN is in no range
+            raise _no_number(i, column, r.get(column))
     return [r for r in rows if min_score <= r[column] <= max_score]
+
+
+def _is_nan(v) -> bool:
+    return isinstance(v, float) and math.isnan(v)
+
+
+def _no_number(i: int, column: str, value) -> ConfigError:
+    return ConfigError(f"row {i} has no number in column {column!r} (it holds {value!r}); score the rows first "
+                       f"(llm_difficulty_score_filter) or name the column that holds the difficulty.")
 
 
 def curriculum_order(rows: list[dict], ctx: TaskContext, column: str = "difficulty",
@@ -168,7 +176,24 @@ def curriculum_order(rows: list[dict], ctx: TaskContext, column: str = "difficul
     if missing:
         raise ConfigError(f"{len(missing)} rows have no {column!r} (row {missing[0]} first); order by a column every "
                           f"row has, or score the rows first (llm_difficulty_score_filter).")
-    return sorted(rows, key=lambda r: r[column], reverse=descending)
+    # NaN compares false both ways: sorted() would leave the rows around it where they are
+    nan = next((i for i, r in enumerate(rows) if _is_nan(r[column])), None)
+    if nan is not None:
+        raise _no_number(nan, column, rows[nan][column])
+    try:
+        return sorted(rows, key=lambda r: r[column], reverse=descending)
+    except TypeError:  # a number and a text, say: name the first two rows that do not compare
+        values = [r[column] for r in rows]
+        i, j = next((i, j) for j in range(len(values)) for i in range(j) if not _compare(values[i], values[j]))
+        raise ConfigError(f"column {column!r} holds values that do not compare (row {i}: {values[i]!r}, row {j}: "
+                          f"{values[j]!r}); order by a column of numbers, or of texts, in every row.") from None
+
+
+def _compare(a, b) -> bool:
+    try:
+        return (a < b) in (True, False) and (b < a) in (True, False)
+    except TypeError:
+        return False
 
 
 # ---------------------------------------------------------------- experience operators
