@@ -270,3 +270,11 @@ def test_curriculum_order_on_values_that_do_not_compare_names_them():
                             "column of numbers, or of texts, in every row.")
     assert [r["question"] for r in ops.curriculum_order([{"question": "x", "level": "b"}, {"question": "y", "level": "a"}],
                                                         CTX, column="level")] == ["y", "x"]
+
+
+def test_a_blank_response_is_no_answer_and_does_not_vote():
+    """exact_match reads the stripped response: two blank responses (rewards 0) and "42" (1).
+    README: samples without an answer do not vote, so the majority is 42, right: maj@3 = 1. The
+    blanks voted "" twice and outvoted it: 0."""
+    m = evaluate([("a", 3, [], [[exp(0, "", "a/0"), exp(0, "  \n", "a/0"), exp(1, "42", "a/0")]])])
+    assert m["eval/a/maj@3"] == 1.0 and m["eval/a/accuracy"] == pytest.approx(1 / 3)

@@ -412,10 +412,10 @@ def _reasoning_gym_answer(response: str) -> str | None:
 
 def answer_of(spec, response: str) -> str | None:
     """The answer a response gives, as the reward `spec` (a name, or parts: the first part's fn)
-    reads it."""
+    reads it; None for none, a blank one too (maj@n: blank responses must not outvote an answer)."""
     name = spec if isinstance(spec, str) else (spec[0].get("fn") if isinstance(spec, list) and spec and
                                                 isinstance(spec[0], dict) else None)
-    return ANSWERS.get(name, lambda r: r.strip())(response)
+    return ANSWERS.get(name, lambda r: r.strip())(response) or None
 
 
 _HERE = "rft.rewards.verifiers."
