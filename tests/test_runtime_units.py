@@ -936,6 +936,35 @@ def test_a_run_shorter_than_max_failed_steps_whose_every_step_failed_stops_namin
         run.check(step, FAILED_STEP, ("reward", "ValueError: no"))
 
 
+def test_an_experience_pipeline_that_keeps_nothing_for_max_failed_steps_stops_the_run(tmp_path):
+    """A reward_filter whose min_reward no response reaches dropped every experience of every step:
+    each step trained on nothing, and the run went on to its end and exit 0."""
+    from rft.errors import RunError
+
+    run = stage_run_of(compose_cfg(["stages=[]"]), tmp_path, total_steps=10)
+    # 16 experiences in; the shaping operator keeps them all, the filter none
+    emptied = {"rollout/experiences": 16, "rollout/failed_tasks": 0, "reward/min": 0.0, "reward/max": 1.0,
+               "experience_pipeline/in": 16, "experience_pipeline/reward_shaping_mapper/out": 16,
+               "experience_pipeline/reward_filter/out": 0, "experience_pipeline/kept": 0}
+    kept = {**emptied, "experience_pipeline/reward_filter/out": 4, "experience_pipeline/kept": 4}
+    run.check(0, emptied, None)
+    run.check(1, emptied, None)
+    run.check(2, kept, None)  # a step that kept some: the count starts again
+    run.check(3, emptied, None)
+    run.check(4, emptied, None)
+    with pytest.raises(RunError) as e:
+        run.check(5, emptied, None)  # the third in a row: explorer.max_failed_steps (3)
+    assert str(e.value) == (
+        "the experience pipeline (data_processor.experience_pipeline.operators) kept none of the experiences of the "
+        "last 3 steps (16 in the last step; reward_filter left none), so nothing was trained on. Loosen "
+        "reward_filter's args or remove it, then run the same command again to resume from the newest checkpoint: "
+        "none yet. explorer.max_failed_steps=3 sets how many such steps stop a run (0: never).")
+    # max_failed_steps=0: never; a step of no experiences at all is the failed-tasks check's
+    run = stage_run_of(compose_cfg(["stages=[]", "explorer.max_failed_steps=0"]), tmp_path, total_steps=10)
+    for step in range(5):
+        run.check(step, emptied, None)
+
+
 def test_every_task_failed_as_the_reward_models_worker_died_names_the_reward_model_and_its_log(tmp_path, monkeypatch):
     """The worker's process killed (the OOM killer): every call raised, every task failed, and the
     run's last paragraph said "Fix the reward function" of a reward nothing was wrong with. It

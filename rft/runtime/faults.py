@@ -89,14 +89,15 @@ def _scorer_kind(ts) -> str:
 
 class LearningSignal:
     """A run that cannot learn must not run to the end and exit 0: it stops after
-    explorer.max_failed_steps steps in a row in which every task failed (or after every step of a
-    run shorter than that), and warns loudly when every reward of the first steps is the same (no
+    explorer.max_failed_steps steps in a row in which every task failed or the experience pipeline
+    kept no experience (or after every step of a run shorter than that), and warns loudly when every reward of the first steps is the same (no
     advantage, no learning). Fed each explore step's metrics in step order (`check`)."""
 
     def __init__(self, cfg, plan, start: int, stage_dir: Path, title: str, monitor):
         self.cfg, self.plan, self.start, self.dir, self.title, self.monitor = cfg, plan, start, stage_dir, title, monitor
-        # steps in a row in which every task failed (explorer.max_failed_steps stops the run)
-        self.failed_steps = 0
+        # steps in a row in which every task failed, or the experience pipeline kept nothing
+        # (explorer.max_failed_steps stops the run)
+        self.failed_steps = self.emptied_steps = 0
         self.first_rewards: set = set()  # the rewards of the first steps (all equal: a warning)
 
     def check(self, step: int, m: dict, last_error: tuple | None) -> None:
@@ -120,6 +121,7 @@ class LearningSignal:
                 f"explorer.max_failed_steps={cfg.explorer.max_failed_steps} sets how many such steps stop a "
                 f"run (0: never)."
             )
+        self._check_pipeline(m, limit)
         first = min(3, self.plan.total_steps)
         if self.start == 0 and step < first and m["rollout/experiences"]:
             self.first_rewards.update({m["reward/min"], m["reward/max"]})
@@ -133,3 +135,19 @@ class LearningSignal:
                        f"{inp.taskset.format.response_key!r} names the column of reference answers "
                        f"(task.answer).")
                 self.monitor.print(msg)
+
+    def _check_pipeline(self, m: dict, limit: int) -> None:
+        """data_processor.experience_pipeline keeping none of a step's experiences, `limit` steps in
+        a row: the trainer trained on nothing and the run went on to exit 0."""
+        emptied = m.get("experience_pipeline/in", 0) > 0 and m.get("experience_pipeline/kept") == 0
+        self.emptied_steps = self.emptied_steps + 1 if emptied else 0
+        if limit <= 0 or self.emptied_steps < limit:
+            return
+        outs = [(k.split("/")[1], v) for k, v in m.items() if k.startswith("experience_pipeline/") and k.endswith("/out")]
+        name = next((n for n, v in outs if v == 0), "?")
+        raise RunError(
+            f"the experience pipeline (data_processor.experience_pipeline.operators) kept none of the experiences "
+            f"of the last {self.emptied_steps} steps ({m['experience_pipeline/in']} in the last step; {name} left "
+            f"none), so nothing was trained on. Loosen {name}'s args or remove it, then run the same command again "
+            f"to resume from the newest checkpoint: {resume_point(self.dir)}. explorer.max_failed_steps="
+            f"{self.cfg.explorer.max_failed_steps} sets how many such steps stop a run (0: never).")
