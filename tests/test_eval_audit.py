@@ -278,3 +278,21 @@ def test_a_blank_response_is_no_answer_and_does_not_vote():
     blanks voted "" twice and outvoted it: 0."""
     m = evaluate([("a", 3, [], [[exp(0, "", "a/0"), exp(0, "  \n", "a/0"), exp(1, "42", "a/0")]])])
     assert m["eval/a/maj@3"] == 1.0 and m["eval/a/accuracy"] == pytest.approx(1 / 3)
+
+
+def test_the_curriculum_judges_a_right_answer_before_the_overlong_penalty():
+    """DAPO's overlong penalty is added by the explorer as the reward part `overlong` (weight 1):
+    a right answer near the length limit, 1.0 - 0.4 = 0.6, counted as a fail at the threshold 1,
+    so the curriculum saw task 0 as never solved (p = 0, weight eps). As the reward function gave
+    it: 2 solved of 2, p = 1, w = 0 + 0.05; task 1 wrong and penalised (0 - 0.4): p = 0, w = 0.05;
+    task 2 (1.0, 0.0 unpenalised): p = 1/2, w = 0.3."""
+    from rft.data.experience import add_part
+
+    cur = OnlineCurriculum(3, "ts", window=4, eps=0.05, threshold=1.0, seed=0)
+    rollouts = [exp(1.0, "", "ts/0"), exp(1.0, "", "ts/0"), exp(0.0, "", "ts/1"), exp(1.0, "", "ts/2"), exp(0.0, "", "ts/2")]
+    for e in rollouts[:3]:
+        add_part(e, "overlong", -0.4)
+    assert [e.reward for e in rollouts[:3]] == pytest.approx([0.6, 0.6, -0.4])
+    cur.observe(rollouts)
+    assert [cur.pass_rate(r) for r in range(3)] == [1.0, 0.0, 0.5]
+    assert cur.weights() == pytest.approx([0.05, 0.05, 0.3], abs=1e-15)

@@ -2,7 +2,8 @@
 so that tasks the model always or never solves are drawn less.
 
 A task's priority is p(1 - p) + eps, p its pass rate over its last `window` rollouts (the share
-with reward >= the taskset's pass_threshold); a task not yet seen counts as p = 0.5, the highest
+with reward >= the taskset's pass_threshold, the reward as the reward function gave it: before
+DAPO's overlong penalty); a task not yet seen counts as p = 0.5, the highest
 priority, so every task is tried early. p(1 - p) is the variance of a rollout's pass/fail: the
 tasks whose groups carry a learning signal for a group-relative advantage (a group all right or
 all wrong has none); eps keeps every task drawable, as a pass rate of 0 or 1 over a few rollouts
@@ -44,7 +45,9 @@ class OnlineCurriculum:
             runs.add(run)
             if row is not None:
                 seen = self.outcomes.setdefault(row, [])
-                seen.append(int(e.reward >= self.threshold))
+                # solved as the reward function judged it: DAPO's overlong penalty (the part `overlong`,
+                # weight 1, added by the explorer) made a right answer near the length limit a fail
+                seen.append(int(e.reward - e.reward_parts.get("overlong", 0.0) >= self.threshold))
                 del seen[:-self.window]
 
     def pass_rate(self, row: int) -> float | None:
