@@ -118,7 +118,7 @@ def evaluate(sets: list) -> dict:
     ex.eval_tasksets, out = [], {}
     for name, n, pass_k, groups in sets:
         ts = SimpleNamespace(name=name, repeat_times=n, pass_k=pass_k, pass_threshold=1.0, group_by=None,
-                             reward_fn="exact_match")
+                             reward_fn="exact_match", workflow="single_turn")
         ex.eval_tasksets.append((ts, [SimpleNamespace(task_id=f"{name}/{i}", row={}) for i in range(len(groups))], None))
         out[name] = groups
     ex._run = lambda ts, scorer, tasks, n, step, salt, counters: out[ts.name]
@@ -206,6 +206,18 @@ def test_a_rollout_of_several_experiences_is_one_sample():
     assert m["eval/a/accuracy"] == 0.75
     assert m["eval/a/mean@2"] == 0.75 and m["eval/a/pass@1"] == 0.75 and m["eval/a/pass@2"] == 1.0
     assert m["eval/a/maj@2"] == 1.0 and m["eval/a/best@2"] == 1.0
+
+
+def test_more_rollouts_than_the_set_asks_for_is_one_paragraph_naming_the_workflow():
+    """A workflow of a study's own returning 3 rollouts for a task of an n = 2 set: that task's
+    metrics were mean@3 beside the others' mean@2, and the summary a KeyError ('mean@3')."""
+    too_many = [exp(1, "7", "a/0"), exp(0, "8", "a/0"), exp(1, "7", "a/0")]
+    with pytest.raises(ConfigError) as e:
+        evaluate([("a", 2, [1], [too_many, [exp(1, "7", "a/1"), exp(1, "7", "a/1")]])])
+    assert str(e.value) == (
+        "eval set 'a': workflow 'single_turn' returned 3 rollouts for task 'a/0', and the set asks for 2 (its "
+        "repeat_times): a workflow returns at most n rollouts per task (an openai_agent run of several calls is "
+        "one, by its info['rollout']).")
 
 
 def test_an_empty_group_counts_as_n_wrong_samples():

@@ -113,5 +113,12 @@ def paper_metrics(ts, tasks: list, groups: list, reward_spec, prefix: str) -> di
     for task, group in zip(tasks, groups):
         label = None if not ts.group_by else f"{ts.group_by}={(task.row or {}).get(ts.group_by)}"
         runs = rollout_samples(group, n)
+        if len(runs) > n:  # each task's metrics would be of another n (mean@5 beside mean@4), not comparable
+            from rft.errors import ConfigError
+
+            raise ConfigError(
+                f"eval set {ts.name!r}: workflow {ts.workflow!r} returned {len(runs)} rollouts for task {task.task_id!r}, "
+                f"and the set asks for {n} (its repeat_times): a workflow returns at most n rollouts per task (an "
+                f"openai_agent run of several calls is one, by its info['rollout']).")
         samples.append(([r for r, _ in runs], [None if t is None else answer_of(reward_spec, t) for _, t in runs], label))
     return eval_metrics(samples, list(ts.pass_k), ts.pass_threshold, prefix)
