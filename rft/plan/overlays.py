@@ -84,13 +84,14 @@ class Roots:
         return [p for r in self.all for p in sorted((r / group).glob("*.yaml")) if p != path]
 
     def shown(self, path: Path) -> str:
-        """conf/'s files as conf/...; a search folder's relative to the current directory, or
-        absolute where that is shorter."""
+        """conf/'s files as conf/...; a search folder's relative to the current directory when it is
+        under it, else absolute (a ../../ path says less, and would change with where one runs)."""
         import os
 
         if path.is_relative_to(self.conf):
             return str(path.relative_to(self.conf.parent))
-        return min(os.path.relpath(path), os.path.abspath(path), key=len)
+        path = Path(os.path.abspath(path))
+        return str(path.relative_to(Path.cwd())) if path.is_relative_to(Path.cwd()) else str(path)
 
     def dirs(self, group: str) -> str:
         """The folders that hold the group's files: `conf/<group>/`, and a search folder's."""
