@@ -319,18 +319,13 @@ def read_jobs(sweep_dir: Path, stage: str | None = None) -> list[Job]:
 
 
 def planned_jobs(sweep_dir: Path) -> list[dict[str, str]]:
-    """The overrides of every job a Hydra sweep (its multirun.yaml) planned, in job order, as Hydra's
-    basic sweeper expands them (hydra.sweeper.params, then the command line's); [] for another
-    sweeper, a sweep it cannot expand without the config (glob), or no sweep."""
-    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
-    from hydra.core.override_parser.overrides_parser import OverridesParser
+    """The overrides of every job a Hydra sweep (its multirun.yaml) planned, in job order
+    (rft.reporting.sweep.planned_jobs); [] for another sweeper, a sweep it cannot expand without
+    the config (glob), or no sweep."""
+    from rft.reporting.sweep import planned_jobs as expand
 
     try:
-        hydra = (yaml.safe_load((sweep_dir / "multirun.yaml").read_text()) or {})["hydra"]
-        if not str(hydra["sweeper"]["_target_"]).endswith(".BasicSweeper"):
-            return []
-        args = [f"{k}={v}" for k, v in (hydra["sweeper"].get("params") or {}).items()] + list(hydra["overrides"]["task"])
-        jobs = BasicSweeper.split_arguments(OverridesParser.create().parse_overrides(args), None)[0]
+        jobs = expand(OmegaConf.load(sweep_dir / "multirun.yaml").hydra)
     except Exception:  # no multirun.yaml, a damaged one, or overrides only Hydra's config can expand
         return []
     return [dict(o.partition("=")[::2] for o in job) for job in jobs]

@@ -78,6 +78,21 @@ def explain(error: Exception, sweep_dir: str) -> str:
     )
 
 
+def planned_jobs(hydra) -> list[list[str]]:
+    """Each job's overrides, as Hydra's basic sweeper launches them (hydra.sweeper.params, then the
+    command line's hydra.overrides.task), from a sweep's Hydra config (the driver's, or the saved
+    multirun.yaml's); [] for another sweeper (it chooses values as it goes)."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    if hydra.sweeper.get("_target_") != f"{BasicSweeper.__module__}.{BasicSweeper.__name__}":
+        return []
+    params = [f"{k}={v}" for k, v in (hydra.sweeper.get("params") or {}).items()]
+    args = params + list(OmegaConf.to_container(hydra.overrides.task, resolve=False))
+    return [job for batch in BasicSweeper.split_arguments(OverridesParser.create().parse_overrides(args), None)
+            for job in batch]
+
+
 def distinct_overrides(job_overrides) -> list[list[str]]:
     """Each job's overrides that not all jobs share (all of them for a lone job)."""
     from hydra.core.utils import filter_overrides

@@ -80,17 +80,10 @@ def _exit_on(check) -> None:
 
 
 def sweep_jobs(config) -> list[list[str]]:
-    """Each job's overrides, as Hydra's basic sweeper will launch them (its params in the config,
-    then the command line's); [] for another sweeper (it chooses values as it goes)."""
-    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
-    from hydra.core.override_parser.overrides_parser import OverridesParser
+    """Each job's overrides, as Hydra's basic sweeper will launch them; [] for another sweeper."""
+    from rft.reporting.sweep import planned_jobs
 
-    if config.hydra.sweeper.get("_target_") != f"{BasicSweeper.__module__}.{BasicSweeper.__name__}":
-        return []
-    params = [f"{k}={v}" for k, v in (config.hydra.sweeper.get("params") or {}).items()]
-    args = params + list(OmegaConf.to_container(config.hydra.overrides.task, resolve=False))
-    return [job for batch in BasicSweeper.split_arguments(OverridesParser.create().parse_overrides(args), None)
-            for job in batch]
+    return planned_jobs(config.hydra)
 
 
 def plan_jobs(config, config_name: str | None) -> str | None:
