@@ -586,7 +586,8 @@ def test_a_job_script_that_forwards_the_warning_requeues_its_own_job(monkeypatch
             watcher.stop()
         assert isinstance(e.value, preemption.Refused) == refuse
     assert (tmp_path / "called").read_text() == "requeue 7\nrequeue 7\n"
-    assert "rft: Slurm job 7 requeued: it runs again and resumes from its newest checkpoint\n" in capsys.readouterr().out
+    assert capsys.readouterr().out.count(  # once per signal, said before scontrol is called
+        "rft: requeueing Slurm job 7 (scontrol requeue): it runs again and resumes from its newest checkpoint\n") == 2
     monkeypatch.setattr(entry, "_main", lambda cfg: (_ for _ in ()).throw(e.value))
     monkeypatch.setattr(entry, "_resume_point", lambda cfg: "the newest checkpoint: /r/checkpoints/step_4")
     monkeypatch.setattr(preemption, "current", None)
@@ -750,7 +751,8 @@ def test_ray_on_slurm_launcher_trains_on_a_one_node_allocation(slurm, warm_start
     assert "ray_slurm: Slurm warns that it will stop this job: passed on to the driver\n" in log
     assert "[grpo] preemption signal (SIGUSR2): the step in progress ends and its checkpoint is saved" in log
     assert f"[grpo] preemption signal: saving the checkpoint at step {saved}, then requeue\n" in log
-    assert f"rft: Slurm job {job} requeued: it runs again and resumes from its newest checkpoint\n" in log
+    assert (f"rft: requeueing Slurm job {job} (scontrol requeue): it runs again and resumes from its newest "
+            "checkpoint\n") in log
     assert f"[grpo] resuming from step {saved} (" in log
     assert [m["step"] for m in read_metrics(run / "metrics.jsonl")] == list(range(11))
     # the job's Ray kept its files in a temp dir of its own: a later plain ray.init() on this

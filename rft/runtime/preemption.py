@@ -317,6 +317,9 @@ def requeue_self(signum, frame) -> None:
     import subprocess
 
     job = os.environ["SLURM_JOB_ID"]
+    # said before, not after: Slurm may stop this step the moment it requeues the job, and a line
+    # printed after `scontrol requeue` returns is then never written
+    _print(f"rft: requeueing Slurm job {job} (scontrol requeue): it runs again and resumes from its newest checkpoint")
     try:
         r = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, timeout=60)
         failed = r.returncode != 0 and (r.stderr or r.stdout).strip()
@@ -324,7 +327,6 @@ def requeue_self(signum, frame) -> None:
         failed = str(e)
     if failed:  # (a job not requeueable: submitted with --no-requeue where the cluster's JobRequeue=0)
         raise RequeueFailed(f"`scontrol requeue {job}` failed: {failed}")
-    _print(f"rft: Slurm job {job} requeued: it runs again and resumes from its newest checkpoint")
     sys.exit(-1)
 
 
