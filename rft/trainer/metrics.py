@@ -38,7 +38,8 @@ class MetricsMixin:
             "loss/policy": sums["loss/policy"] / updates,
             "actor/grad_norm": sum(step.grad_norms) / updates,
             "actor/skipped_updates": step.skipped,  # a gradient that was not finite: not applied
-            "actor/lr": self.scheduler.get_last_lr()[0],
+            # the mean lr the step's updates applied; none applied: the lr the next one will take
+            "actor/lr": sum(step.lrs) / len(step.lrs) if step.lrs else self.scheduler.get_last_lr()[0],
             "advantage/mean": (adv.sum() / mask.sum()).item(),
             "advantage/std": adv[mask.bool()].std().item() if mask.sum() > 1 else 0.0,
             "advantage/abs_mean": ((adv.abs() * mask).sum() / mask.sum()).item(),

@@ -70,6 +70,9 @@ class Step:
     critic_sums: dict = field(default_factory=dict)
     grad_norms: list = field(default_factory=list)
     skipped: int = 0  # policy updates whose gradient was not finite, so not applied (StepMixin._apply)
+    # the learning rate each applied policy update took: the scheduler's own lr after the step is
+    # the next update's (a warm-up's step 1 read 2e-4 where its updates took 0 and 1e-4)
+    lrs: list = field(default_factory=list)
 
 
 log = logging.getLogger(__name__)
@@ -296,6 +299,7 @@ class StepMixin:
         skipped and counted (actor/skipped_updates, and a warning), the learning-rate schedule not
         moved; every rank sees the same norm (the norm over all shards), so all skip it together."""
         if math.isfinite(norm):
+            step.lrs.append(self.optimizer.param_groups[0]["lr"])
             self._optimizer_step(self.optimizer)
             self.scheduler.step()  # the schedule counts the updates applied, as if a skipped one never was
             return
