@@ -7,7 +7,8 @@ metric code.
 Two short real runs of the tiny model from its random weights, one each for the module
 (a reward of the response's bytes gives varied values, so advantages are not all 0):
 - GRPO: 3 steps of 4 tasks x 4 rollouts, two optimizer updates a step (mini-batches of 8),
-  micro-batches of 4, a 2-update lr warm-up, an eval at steps 0, 2 and 3 with 2 samples a task;
+  micro-batches of 4, clip bounds of 0.01, a 2-update lr warm-up, an eval at steps 0, 2 and 3 with 2
+  samples a task; the weights each update started from are kept (an optimizer pre-step hook);
 - PPO with a critic and a KL term: one update a step in micro-batches of 4, a checkpoint every
   step, so each step's entropy and KL can be computed again from the weights it started from.
 """
@@ -30,9 +31,11 @@ MAX_TOKENS = 6  # model=tiny's model.max_response_tokens: the responses' length 
 
 
 def varied(prompt, response, task):
-    """The test's reward: sevenths of the response's bytes, 0 to 1 in steps of 1/6 (no 0/1 verifier
-    would vary on a random model's output)."""
-    return (sum(map(ord, response)) % 7) / 6
+    """The test's reward: the response's bytes modulo 9, 0 to 1 in steps of 1/8 (no 0/1 verifier
+    would vary on a random model's output). Eighths, so that a group's mean is exact: with sixths a
+    response whose reward is its group's mean (1/6, 5/6, 1/2, 1/2) got an advantage of -2e-16 in
+    float64 rather than 0, and clip_frac_low counted its tokens as clipped (8 of a step's 28)."""
+    return (sum(map(ord, response)) % 9) / 8
 
 
 class Recorder:
@@ -50,8 +53,13 @@ class Recorder:
             return norm
 
         monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", clip)
-        self.hook = register_optimizer_step_pre_hook(
-            lambda opt, args, kwargs: self.lrs.append((id(opt), opt.param_groups[0]["lr"])))
+        self.snapshots = []  # the trained weights each optimizer step started from, in the optimizer's order
+
+        def before_step(opt, args, kwargs):
+            self.lrs.append((id(opt), opt.param_groups[0]["lr"]))
+            self.snapshots.append([p.detach().clone() for g in opt.param_groups for p in g["params"]])
+
+        self.hook = register_optimizer_step_pre_hook(before_step)
 
 
 def _run(tmp_path_factory, name, overrides):
@@ -76,6 +84,8 @@ def _run(tmp_path_factory, name, overrides):
 def grpo(tmp_path_factory):
     return _run(tmp_path_factory, "grpo", [
         "trainer.mini_batch_size=8", "trainer.micro_batch_size_per_gpu=4", "algorithm.optimizer.warmup_steps=2",
+        # bounds the second update's ratios cross (the first's are 1): clipped tokens on both sides
+        "algorithm.clip_ratio_low=0.01", "algorithm.clip_ratio_high=0.01",
         "explorer.eval_interval=2", "buffer.explorer_input.eval_tasksets.0.repeat_times=2",
         "buffer.explorer_input.eval_tasksets.0.pass_k=[1,2]",
         "buffer.explorer_input.eval_tasksets.0.rollout_args.temperature=1.0"])
@@ -165,3 +175,190 @@ def test_grad_norm_is_the_mean_of_clip_grad_norm_returns(grpo):
     assert len(norms) == 6 and all(n > 0 for n in norms)
     for step in (1, 2, 3):  # the norm before clipping (grad_clip 1.0 clipped every one of these)
         assert metrics[step]["actor/grad_norm"] == pytest.approx(statistics.fmean(norms[2 * step - 2: 2 * step]), rel=1e-9)
+
+
+# ---------------------------------------------------------------- advantages
+
+
+def test_advantage_stats_are_token_weighted_over_the_batch(grpo):
+    """GRPO's advantage of a response, (r - group mean) / (group std (N - 1) + 1e-6), counted once
+    per response token: advantage/mean and abs_mean are token means, advantage/std the tokens' std."""
+    run, _, _ = grpo
+    metrics, exps = metrics_rows(run), step_experiences(run)
+    for step, rows in exps.items():
+        groups: dict = {}
+        for r in rows:
+            groups.setdefault(r["group_id"], []).append(r["reward"])
+        per_token = []
+        for r in rows:
+            g = groups[r["group_id"]]
+            adv = (r["reward"] - statistics.fmean(g)) / (statistics.stdev(g) + 1e-6)
+            per_token += [adv] * (len(r["tokens"]) - r["prompt_length"])
+        m = metrics[step]
+        assert m["advantage/mean"] == pytest.approx(statistics.fmean(per_token), abs=1e-6)
+        assert m["advantage/abs_mean"] == pytest.approx(statistics.fmean(map(abs, per_token)), abs=1e-6)
+        assert m["advantage/std"] == pytest.approx(statistics.stdev(per_token), abs=1e-6)
+
+
+# ---------------------------------------------------------------- evals
+
+
+def test_eval_metrics_are_the_saved_samples(grpo):
+    """eval/<set>/accuracy is the mean reward over the saved samples; mean@2, best@2 and pass@k
+    (1 - C(2 - c, k) / C(2, k), c the task's samples with reward >= 1) means over tasks."""
+    run, _, _ = grpo
+    metrics = metrics_rows(run)
+    evals = sorted(int(p.name.split("_")[1]) for p in (run / "eval_trajectories").iterdir())
+    assert evals == [0, 2, 3] and [s for s in metrics if "eval/accuracy" in metrics[s]] == evals
+    for step in evals:
+        samples = [json.loads(x) for x in (run / "eval_trajectories" / f"step_{step}" / "arithmetic_test.jsonl")
+                   .read_text().splitlines()]
+        tasks: dict = {}
+        for s in samples:
+            tasks.setdefault(s["task_id"], []).append(s["reward"])
+        assert len(tasks) == 200 and {len(v) for v in tasks.values()} == {2}
+        m, pre = metrics[step], "eval/arithmetic_test"
+        assert m[f"{pre}/accuracy"] == m["eval/accuracy"] == pytest.approx(
+            statistics.fmean(s["reward"] for s in samples), abs=1e-12)
+        assert m[f"{pre}/mean@2"] == pytest.approx(statistics.fmean(statistics.fmean(v) for v in tasks.values()), abs=1e-12)
+        assert m[f"{pre}/best@2"] == pytest.approx(statistics.fmean(max(v) for v in tasks.values()), abs=1e-12)
+        for k in (1, 2):
+            ref = statistics.fmean(1 - math.comb(2 - sum(r >= 1 for r in v), k) / math.comb(2, k) for v in tasks.values())
+            assert m[f"{pre}/pass@{k}"] == pytest.approx(ref, abs=1e-12)
+        assert 0 < m[f"{pre}/pass@1"] < m[f"{pre}/pass@2"]  # some tasks had one right sample of 2
+
+
+# ---------------------------------------------------------------- entropy and KL from the weights
+
+
+def _policy_stats(model, rows):
+    """Per response token of `rows`, under `model` (a transformers model, or the folder to load it
+    from; one sequence a forward, float64 softmax at each row's sampling temperature): (log p(sampled
+    token), entropy)."""
+    from transformers import AutoModelForCausalLM
+
+    if not isinstance(model, torch.nn.Module):
+        model = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    logp, ent = [], []
+    with torch.no_grad():
+        for r in rows:
+            ids = torch.tensor([r["tokens"]])
+            logits = model(ids).logits[0].double() / r["sampling"].get("temperature", 1.0)
+            lp = torch.log_softmax(logits, -1)
+            for t in range(r["prompt_length"], len(r["tokens"])):  # position t - 1 predicts token t
+                logp.append(lp[t - 1, r["tokens"][t]].item())
+                ent.append(-(lp[t - 1].exp() * lp[t - 1]).sum().item())
+    return logp, ent
+
+
+def test_entropy_and_kl_are_token_means_of_the_weights_the_step_started_from(ppo):
+    """A PPO step of one update (micro-batches of 4 of unequal token counts): actor/entropy is the
+    policy's entropy per response token and actor/kl the k3 estimate of KL(policy || start) per
+    token, both under the weights before the step's update (the start, then step N - 1's
+    checkpoint), a mean over the batch's tokens, not over the micro-batches' means."""
+    run, _, cfg = ppo
+    metrics, exps = metrics_rows(run), step_experiences(run)
+    start = cfg.model.model_path
+    for step, rows in exps.items():
+        assert {r["sampling"].get("temperature") for r in rows} == {1.0}
+        logp, ent = _policy_stats(start if step == 1 else run / "checkpoints" / f"step_{step - 1}" / "hf", rows)
+        ref, _ = _policy_stats(start, rows) if step > 1 else (logp, ent)
+        k3 = [math.exp(r - p) - (r - p) - 1 for p, r in zip(logp, ref)]
+        m = metrics[step]
+        assert m["train/zero_advantage_rows_skipped"] == 0  # every row trained: the means are over all tokens
+        assert m["actor/entropy"] == pytest.approx(statistics.fmean(ent), rel=1e-5)
+        assert m["actor/kl"] == pytest.approx(statistics.fmean(k3), rel=1e-3, abs=1e-9)
+    assert metrics[3]["actor/kl"] > 1e-6  # the policy moved from the start: the KL check compared something
+
+
+def _values(run: Path, start: str, step: int, rows) -> list[float]:
+    """The critic's value of each response token of `rows` before step `step`'s update: 0 at the
+    first step (a zero head), then from step - 1's trainer_state.pt (transformers' base model and
+    the head's weights, position t - 1's hidden state for token t)."""
+    if step == 1:
+        return [0.0] * sum(len(r["tokens"]) - r["prompt_length"] for r in rows)
+    from transformers import AutoModel
+
+    state = torch.load(run / "checkpoints" / f"step_{step - 1}" / "trainer_state.pt", map_location="cpu",
+                       weights_only=False)["critic"]["model"]
+    base = AutoModel.from_pretrained(start, dtype=torch.float32).eval()
+    base.load_state_dict({k[len("base."):]: v for k, v in state.items() if k.startswith("base.")})
+    out = []
+    with torch.no_grad():
+        for r in rows:
+            hidden = base(torch.tensor([r["tokens"]])).last_hidden_state[0].double()
+            v = hidden @ state["head.weight"][0].double() + state["head.bias"][0].double()
+            out += v[r["prompt_length"] - 1: len(r["tokens"]) - 1].tolist()
+    return out
+
+
+def test_critic_metrics_are_its_values_against_the_returns(ppo):
+    """gamma = lam = 1 and a reward at the last token alone: every token's return is its response's
+    reward. critic/values_mean is the token mean of the values before the step's update,
+    critic/explained_variance 1 - Var(R - V) / Var(R) over the tokens."""
+    run, _, cfg = ppo
+    metrics, exps = metrics_rows(run), step_experiences(run)
+    for step, rows in exps.items():
+        values = _values(run, cfg.model.model_path, step, rows)
+        returns = [r["reward"] for r in rows for _ in range(len(r["tokens"]) - r["prompt_length"])]
+        m = metrics[step]
+        assert m["critic/values_mean"] == pytest.approx(statistics.fmean(values), abs=1e-6)
+        ev = 1 - statistics.variance([g - v for g, v in zip(returns, values)]) / statistics.variance(returns)
+        assert m["critic/explained_variance"] == pytest.approx(ev, abs=1e-5)
+    assert metrics[3]["critic/values_mean"] != 0  # the critic learned: the check compared real values
+
+
+def test_update_metrics_are_token_means_over_both_updates(grpo):
+    """Two updates a step, each from the weights the optimizer hook kept: mini-batch j (rows
+    8j..8j+7, in the buffer's order) at the weights update j started from, the old log-probs at the
+    step's first. actor/entropy, approx_kl (k3 of the ratio) and the clip fractions (the clipped
+    surrogate larger than the plain one; low: A < 0, high: A > 0) are over the step's 2 x 16 rows'
+    tokens; loss/policy is the mean over the updates of each one's token-mean loss."""
+    from transformers import AutoModelForCausalLM
+
+    run, rec, cfg = grpo
+    metrics, exps = metrics_rows(run), step_experiences(run)
+    model = AutoModelForCausalLM.from_pretrained(cfg.model.model_path, dtype=torch.float32).eval()
+    names = [n for n, _ in model.named_parameters()]
+
+    def stats(update, rows):
+        model.load_state_dict(dict(zip(names, rec.snapshots[update])), strict=False)
+        return _policy_stats(model, rows)
+
+    eps = cfg.algorithm.clip_ratio_low
+    for step, rows in exps.items():
+        groups: dict = {}
+        for r in rows:
+            groups.setdefault(r["group_id"], []).append(r["reward"])
+        adv = [(r["reward"] - statistics.fmean(groups[r["group_id"]])) / (statistics.stdev(groups[r["group_id"]]) + 1e-6)
+               for r in rows]
+        first = 2 * (step - 1)
+        old, _ = stats(first, rows)
+        sums = dict(ent=0.0, kl=0.0, low=0, high=0, tokens=0)
+        losses = []
+        for j in (0, 1):
+            part = rows[8 * j: 8 * j + 8]
+            logp, ent = stats(first + j, part)
+            a = [x for x, r in zip(adv[8 * j: 8 * j + 8], part) for _ in range(len(r["tokens"]) - r["prompt_length"])]
+            o = old[sum(len(r["tokens"]) - r["prompt_length"] for r in rows[:8 * j]):][:len(a)]
+            loss = 0.0
+            for lp, lo, e, x in zip(logp, o, ent, a):
+                ratio = math.exp(lp - lo)
+                plain, clipped = -x * ratio, -x * min(max(ratio, 1 - eps), 1 + eps)
+                loss += max(plain, clipped)
+                sums["low" if x < 0 else "high"] += clipped > plain and x != 0
+                sums["ent"] += e
+                sums["kl"] += ratio - 1 - (lp - lo)
+            sums["tokens"] += len(a)
+            losses.append(loss / len(a))
+        m, n = metrics[step], sums["tokens"]
+        assert m["actor/entropy"] == pytest.approx(sums["ent"] / n, rel=1e-5)
+        assert m["actor/approx_kl"] == pytest.approx(sums["kl"] / n, rel=1e-3, abs=1e-9)
+        assert m["actor/clip_frac_low"] == pytest.approx(sums["low"] / n, abs=1e-12)
+        assert m["actor/clip_frac_high"] == pytest.approx(sums["high"] / n, abs=1e-12)
+        assert m["actor/clip_frac"] == pytest.approx((sums["low"] + sums["high"]) / n, abs=1e-12)
+        assert m["loss/policy"] == pytest.approx(statistics.fmean(losses), abs=1e-6)
+    # step 1's first update took lr 0 (the warm-up), so its second started from the same weights:
+    # ratios of 1, nothing clipped; steps 2 and 3 clipped on both sides
+    assert metrics[1]["actor/clip_frac"] == 0
+    assert all(metrics[s]["actor/clip_frac_low"] > 0 and metrics[s]["actor/clip_frac_high"] > 0 for s in (2, 3))
