@@ -362,3 +362,39 @@ def test_update_metrics_are_token_means_over_both_updates(grpo):
     # ratios of 1, nothing clipped; steps 2 and 3 clipped on both sides
     assert metrics[1]["actor/clip_frac"] == 0
     assert all(metrics[s]["actor/clip_frac_low"] > 0 and metrics[s]["actor/clip_frac_high"] > 0 for s in (2, 3))
+
+
+def some_flat(prompt, response, task):
+    """varied, but 1/2 for every response to a task whose number is a multiple of 3: groups of equal rewards."""
+    return 0.5 if int(task.task_id.rsplit("/", 1)[1]) % 3 == 0 else varied(prompt, response, task)
+
+
+def test_rows_set_aside_for_a_zero_advantage_are_not_in_the_entropy(tmp_path_factory):
+    """One update a step (GRPO's default), so rows whose advantages are all 0 are set aside
+    (trainer.skip_zero_advantage): actor/entropy is the token mean over the other rows alone, as
+    README says; the whole batch's would differ."""
+    run, _, cfg = _run(tmp_path_factory, "skip", [f"buffer.explorer_input.default_reward_fn_type={__name__}.some_flat",
+                                                  "trainer.save_interval=1", "explorer.eval_interval=100",
+                                                  "buffer.total_steps=2"])
+    metrics, exps = metrics_rows(run), step_experiences(run)
+    flat_steps = 0
+    for step, rows in exps.items():
+        groups: dict = {}
+        for r in rows:
+            groups.setdefault(r["group_id"], []).append(r["reward"])
+        # advantage 0: a group of equal rewards, or a reward equal to its group's mean (exact in eighths)
+        flat = [r["reward"] == statistics.fmean(groups[r["group_id"]]) for r in rows]
+        assert metrics[step]["train/zero_advantage_rows_skipped"] == sum(flat)
+        _, ent = _policy_stats(cfg.model.model_path if step == 1 else run / "checkpoints" / f"step_{step - 1}" / "hf", rows)
+        per_row = []
+        for r in rows:
+            n = len(r["tokens"]) - r["prompt_length"]
+            per_row.append(ent[:n])
+            ent = ent[n:]
+        trained = [e for f, es in zip(flat, per_row) if not f for e in es]
+        flat_steps += any(flat) and not all(flat)
+        if not trained:  # every group flat: no row forwarded, no entropy logged
+            assert "actor/entropy" not in metrics[step]
+            continue
+        assert metrics[step]["actor/entropy"] == pytest.approx(statistics.fmean(trained), rel=1e-5)
+    assert flat_steps  # a step set some rows aside and trained others: the check saw the difference
