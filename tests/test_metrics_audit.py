@@ -398,3 +398,38 @@ def test_rows_set_aside_for_a_zero_advantage_are_not_in_the_entropy(tmp_path_fac
             continue
         assert metrics[step]["actor/entropy"] == pytest.approx(statistics.fmean(trained), rel=1e-5)
     assert flat_steps  # a step set some rows aside and trained others: the check saw the difference
+
+
+# ---------------------------------------------------------------- the sweep report's aggregates
+
+
+def test_a_configuration_mean_over_fewer_seeds_than_n_says_so(tmp_path):
+    """Three finished seeds of one configuration; one never logged response_length/correct_mean
+    (no response was right: the metric is left out rather than logged as 0). The column's mean is
+    over the other two, and the cell says so; `n` (3) is the seeds of the row."""
+    from test_report import write_job
+
+    from rft.reporting import report
+
+    d = tmp_path / "seeds"
+    base = [{"step": 1, "reward/mean": 0.2}, {"step": 2, "reward/mean": 0.4}, {"step": 3, "reward/mean": 0.6}]
+    for seed, correct in ((1, 4.0), (2, 6.0), (3, None)):
+        rows = [dict(m) for m in base]
+        if correct is not None:  # and an eval set that seed 3's eval never scored (0.5, 0.7)
+            rows[2].update({"response_length/correct_mean": correct, "eval/accuracy": correct / 10 + 0.1})
+        write_job(d, seed - 1, [f"seed={seed}"], "grpo", {"sft_warmup": [{"step": 1}, {"step": 2}], "grpo": rows})
+    out = report.report(d, metrics="reward/mean,response_length/correct_mean")
+    md = out["md"].read_text().splitlines()
+    # reward: 0.6 x 3 -> 0.600 +- 0.000 over 3; correct_mean: 4 and 6 -> 5.000 +- 1.414 over 2 of the 3
+    assert "| 1,2,3 | grpo | done | 3 | 0.600 ± 0.000 | 5.000 ± 1.414 (2 of 3) |  |" in md
+    import csv
+
+    row = [r for r in csv.DictReader(out["csv"].open()) if r["job"] == ""][0]
+    assert (row["n"], row["final response_length/correct_mean mean"], row["final response_length/correct_mean n"]) \
+        == ("3", "5.0", "2")
+    assert "final reward/mean n" not in row  # every seed's: the row's n
+    # the studio's sweep table says it too
+    from rft.studio.runs import Runs
+
+    (config,) = Runs(tmp_path).sweep_table("seeds")["configs"]
+    assert (config["n"], config["final eval/accuracy"]) == (3, "0.6 ± 0.14 (2 of 3)")

@@ -479,7 +479,11 @@ def group_rows(gs: list[list[Job]], keys: list[str], table: list[dict]) -> list[
                "status": js[0].status if len(js) == 1 else "done" if done == len(js) else f"{done}/{len(js)} done",
                "n": len(rs)}
         for c in [*cols, "time_s", *(["rollouts"] if "rollouts" in table[0] else [])]:
-            row[c] = mean_std([r[c] for r in rs])
+            values = [r[c] for r in rs]
+            row[c] = mean_std(values)
+            have = sum(v is not None for v in values)
+            if 0 < have < len(rs):  # a seed without the metric (none logged): the mean is over fewer than n
+                row[c] = (*row[c], (have, len(rs)))
         out.append(row)
     return out
 
@@ -490,8 +494,9 @@ def group_rows(gs: list[list[Job]], keys: list[str], table: list[dict]) -> list[
 def _cell(v) -> str:
     if v is None:
         return ""
-    if isinstance(v, tuple):  # (mean, std); one seed: its value alone
-        return _cell(v[0]) + (f" ± {_cell(v[1])}" if v[1] is not None else "")
+    if isinstance(v, tuple):  # (mean, std[, (seeds with a value, n)]); one seed: its value alone
+        return (_cell(v[0]) + (f" ± {_cell(v[1])}" if v[1] is not None else "")
+                + (f" ({v[2][0]} of {v[2][1]})" if len(v) > 2 else ""))
     if isinstance(v, float):
         return f"{v:.1f}" if abs(v) >= 100 else f"{v:.3f}"
     return str(v).replace("|", "\\|")
@@ -522,7 +527,7 @@ def write_markdown(path: Path, sweep_dir: Path, jobs: list[Job], keys: list[str]
                  "kept ones), for comparing configurations at equal generation." if "rollouts" in table[0] else "")
               + (" `n`: the seeds a configuration's values are over, its finished ones (a seed stopped midway "
                  "is in the table above, not in the mean; where none has finished, those with metrics); std "
-                 "over them (N-1)." if by_config else ""), ""]
+                 "over them (N-1); a value over fewer (seeds that never logged the metric) says how many, `(2 of 3)`." if by_config else ""), ""]
     path.write_text("\n".join(lines))
 
 
@@ -531,6 +536,9 @@ def write_csv(path: Path, table: list[dict], by_config: list[dict]) -> None:
     if by_config:  # a configuration's row: no job, its seeds in `seed`, n, and a mean and std per column
         fields += ["n"] + [f"{c} {s}" for c, v in by_config[0].items() if isinstance(v, tuple)
                            for s in ("mean", "std")]
+        # a column some configuration averaged over fewer seeds than its n: how many, beside it
+        fields += [f"{c} n" for c in dict.fromkeys(c for r in by_config for c, v in r.items()
+                                                   if isinstance(v, tuple) and len(v) > 2)]
     with open(path, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=fields, restval="")
         w.writeheader()
@@ -539,7 +547,9 @@ def write_csv(path: Path, table: list[dict], by_config: list[dict]) -> None:
             flat = {}
             for c, v in r.items():
                 if isinstance(v, tuple):
-                    flat[f"{c} mean"], flat[f"{c} std"] = v
+                    flat[f"{c} mean"], flat[f"{c} std"] = v[:2]
+                    if len(v) > 2:
+                        flat[f"{c} n"] = v[2][0]
                 else:
                     flat[c] = v
             w.writerow({k: ("" if v is None else v) for k, v in flat.items()})

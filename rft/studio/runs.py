@@ -175,9 +175,10 @@ class Runs:
         configs = report.group_rows(report.groups(jobs), keys, table) if any(j.metrics for j in jobs) else []
 
         def cell(v):
-            if isinstance(v, tuple):
-                mean, std = v
-                return None if mean is None else f"{mean:.4g}" + (f" ± {std:.2g}" if std is not None else "")
+            if isinstance(v, tuple):  # (mean, std[, (seeds with a value, n)]: fewer than n had one)
+                mean, std = v[:2]
+                return None if mean is None else (f"{mean:.4g}" + (f" ± {std:.2g}" if std is not None else "")
+                                                  + (f" ({v[2][0]} of {v[2][1]})" if len(v) > 2 else ""))
             return f"{v:.4g}" if isinstance(v, float) else v
 
         return {"jobs": [{k: cell(v) for k, v in r.items()} for r in table],
