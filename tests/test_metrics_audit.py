@@ -433,3 +433,22 @@ def test_a_configuration_mean_over_fewer_seeds_than_n_says_so(tmp_path):
 
     (config,) = Runs(tmp_path).sweep_table("seeds")["configs"]
     assert (config["n"], config["final eval/accuracy"]) == (3, "0.6 ± 0.14 (2 of 3)")
+
+
+# ---------------------------------------------------------------- throughput: tokens per second
+
+
+def test_throughputs_are_the_tokens_counted_over_the_time_logged(grpo):
+    """train/tokens_per_s x timing/train_compute_s is the batch's response tokens (one pass);
+    perf/trainer_tokens_per_s x the same time the tokens the forwards took (prompt and response,
+    each row twice: the old log-probs' forward and its update's)."""
+    run, _, _ = grpo
+    metrics, exps = metrics_rows(run), step_experiences(run)
+    for step, rows in exps.items():
+        m = metrics[step]
+        response = sum(len(r["tokens"]) - r["prompt_length"] for r in rows)
+        assert m["train/tokens_per_s"] * m["timing/train_compute_s"] == pytest.approx(response, rel=1e-9)
+        forwarded = 2 * sum(len(r["tokens"]) for r in rows)
+        assert m["perf/trainer_tokens_per_s"] * m["timing/train_compute_s"] == pytest.approx(forwarded, rel=1e-9)
+        # seconds, not ms: a step of the tiny model takes well under one, its train part less
+        assert 0 < m["timing/train_compute_s"] <= m["timing/train_s"] < m["timing/step_s"] < 5
