@@ -452,3 +452,18 @@ def test_throughputs_are_the_tokens_counted_over_the_time_logged(grpo):
         assert m["perf/trainer_tokens_per_s"] * m["timing/train_compute_s"] == pytest.approx(forwarded, rel=1e-9)
         # seconds, not ms: a step of the tiny model takes well under one, its train part less
         assert 0 < m["timing/train_compute_s"] <= m["timing/train_s"] < m["timing/step_s"] < 5
+
+
+def test_a_critic_warmup_step_logs_no_policy_numbers(tmp_path_factory):
+    """PPO's algorithm.critic_warmup=1: step 1 trains the critic alone. No policy update ran, so
+    it logs no policy loss, gradient norm or entropy (they read 0.0, 0.0 and 0.0: a policy with no
+    entropy and no gradient); step 2's are the update's."""
+    run, rec, _ = _run(tmp_path_factory, "warmup", ["algorithm=ppo", "algorithm.critic_warmup=1", "buffer.total_steps=2",
+                                                    "explorer.eval_interval=100"])
+    metrics = metrics_rows(run)
+    policy_keys = ("loss/policy", "actor/grad_norm", "actor/entropy")
+    assert [k for k in policy_keys if k in metrics[1]] == []
+    assert "critic/value_loss" in metrics[1]
+    assert all(k in metrics[2] for k in policy_keys) and metrics[2]["actor/entropy"] > 4  # ~ln(103) = 4.63, random weights
+    # 3 optimizer steps: the critic's at steps 1 and 2, the policy's at step 2 (its lr, 2e-4, logged there)
+    assert len(rec.lrs) == 3 and metrics[2]["actor/lr"] == pytest.approx(2e-4)

@@ -35,8 +35,6 @@ class MetricsMixin:
         total_tokens = mask.sum().item() * self.cfg.trainer.ppo_epochs
         trained_tokens = mask[:step.trained].sum().item() * self.cfg.trainer.ppo_epochs
         metrics = {
-            "loss/policy": sums["loss/policy"] / updates,
-            "actor/grad_norm": sum(step.grad_norms) / updates,
             "actor/skipped_updates": step.skipped,  # a gradient that was not finite: not applied
             # the mean lr the step's updates applied; none applied: the lr the next one will take
             "actor/lr": sum(step.lrs) / len(step.lrs) if step.lrs else self.scheduler.get_last_lr()[0],
@@ -48,6 +46,8 @@ class MetricsMixin:
             # inside the trainer's process: the runtime benchmark's "model compute"
             "timing/train_compute_s": elapsed,
         }
+        if step.grad_norms:  # PPO's critic warm-up updates no policy: no loss or norm to report (not 0)
+            metrics.update({"loss/policy": sums["loss/policy"] / updates, "actor/grad_norm": sum(step.grad_norms) / updates})
         metrics.update(self._perf_metrics(sums, elapsed))
         metrics.update(self._update_metrics(step, trained_tokens))
         metrics.update(self._term_metrics(step, total_tokens, updates))
@@ -76,8 +76,9 @@ class MetricsMixin:
                 metrics[k] = v / max(trained_tokens, 1)
             elif pm_counts[k]:
                 metrics[k] = v / pm_counts[k]
-        if trained_tokens:
-            # over the tokens the update computed (rows set aside for a zero advantage are not)
+        if trained_tokens and step.grad_norms:
+            # over the tokens the update computed (rows set aside for a zero advantage are not;
+            # none in PPO's critic warm-up, whose steps update no policy)
             metrics["actor/entropy"] = sums["actor/entropy"] / trained_tokens
         metrics["train/zero_advantage_rows_skipped"] = step.n - step.trained
         engine_tokens = step.engine_mask[:step.trained].sum().item()
