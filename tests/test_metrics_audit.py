@@ -450,6 +450,9 @@ def test_throughputs_are_the_tokens_counted_over_the_time_logged(grpo):
         assert m["train/tokens_per_s"] * m["timing/train_compute_s"] == pytest.approx(response, rel=1e-9)
         forwarded = 2 * sum(len(r["tokens"]) for r in rows)
         assert m["perf/trainer_tokens_per_s"] * m["timing/train_compute_s"] == pytest.approx(forwarded, rel=1e-9)
+        # the explorers' generated tokens over their explore time, which holds the generation and
+        # lies within the driver's wait for the rollouts: between tokens / rollout_s and tokens / generate_s
+        assert response / m["timing/rollout_s"] <= m["rollout/tokens_per_s"] <= response / m["timing/generate_s"]
         # seconds, not ms: a step of the tiny model takes well under one, its train part less
         assert 0 < m["timing/train_compute_s"] <= m["timing/train_s"] < m["timing/step_s"] < 5
 
