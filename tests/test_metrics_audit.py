@@ -9,8 +9,9 @@ Two short real runs of the tiny model from its random weights, one each for the 
 - GRPO: 3 steps of 4 tasks x 4 rollouts, two optimizer updates a step (mini-batches of 8),
   micro-batches of 4, clip bounds of 0.01, a 2-update lr warm-up, an eval at steps 0, 2 and 3 with 2
   samples a task; the weights each update started from are kept (an optimizer pre-step hook);
-- PPO with a critic and a KL term: one update a step in micro-batches of 4, a checkpoint every
-  step, so each step's entropy and KL can be computed again from the weights it started from.
+- PPO with a critic, a KL term in the loss (k3) and a KL penalty on the reward (k1, coefficient
+  0.1): one update a step in micro-batches of 4, a checkpoint every step, so each step's entropy,
+  KL and values can be computed again from the weights it started from.
 """
 
 import json
@@ -95,7 +96,8 @@ def grpo(tmp_path_factory):
 def ppo(tmp_path_factory):
     return _run(tmp_path_factory, "ppo", [
         "algorithm=ppo", "trainer.micro_batch_size_per_gpu=4", "trainer.save_interval=1", "explorer.eval_interval=100",
-        "algorithm.kl_loss_fn=k3", "algorithm.kl_loss_coef=0.01"])
+        "algorithm.kl_loss_fn=k3", "algorithm.kl_loss_coef=0.01", "algorithm.kl_penalty_fn=k1",
+        "algorithm.kl_penalty_coef=0.1"])
 
 
 # ---------------------------------------------------------------- the raw records
@@ -292,20 +294,32 @@ def _values(run: Path, start: str, step: int, rows) -> list[float]:
     return out
 
 
-def test_critic_metrics_are_its_values_against_the_returns(ppo):
-    """gamma = lam = 1 and a reward at the last token alone: every token's return is its response's
-    reward. critic/values_mean is the token mean of the values before the step's update,
-    critic/explained_variance 1 - Var(R - V) / Var(R) over the tokens."""
+def test_kl_penalty_and_critic_metrics_are_the_returns_and_values(ppo):
+    """reward/kl_penalty is the mean over responses of the k1 KL summed over each one's tokens
+    (before kl_penalty_coef), under the weights the step started from against the start. gamma =
+    lam = 1 and a reward at the last token alone: every token's return is its response's reward
+    less 0.1 x that KL. critic/values_mean is the token mean of the values before the step's
+    update, critic/explained_variance 1 - Var(R - V) / Var(R) over the tokens."""
     run, _, cfg = ppo
     metrics, exps = metrics_rows(run), step_experiences(run)
+    start = cfg.model.model_path
     for step, rows in exps.items():
-        values = _values(run, cfg.model.model_path, step, rows)
-        returns = [r["reward"] for r in rows for _ in range(len(r["tokens"]) - r["prompt_length"])]
+        values = _values(run, start, step, rows)
+        logp, _ = _policy_stats(start if step == 1 else run / "checkpoints" / f"step_{step - 1}" / "hf", rows)
+        ref, _ = _policy_stats(start, rows)
+        kl, returns = [], []
+        for r in rows:
+            n = len(r["tokens"]) - r["prompt_length"]
+            kl.append(sum(p - q for p, q in zip(logp[:n], ref[:n])))
+            logp, ref = logp[n:], ref[n:]
+            returns += [r["reward"] - 0.1 * kl[-1]] * n
         m = metrics[step]
+        assert m["reward/kl_penalty"] == pytest.approx(statistics.fmean(kl), rel=1e-3, abs=1e-7)
         assert m["critic/values_mean"] == pytest.approx(statistics.fmean(values), abs=1e-6)
         ev = 1 - statistics.variance([g - v for g, v in zip(returns, values)]) / statistics.variance(returns)
         assert m["critic/explained_variance"] == pytest.approx(ev, abs=1e-5)
     assert metrics[3]["critic/values_mean"] != 0  # the critic learned: the check compared real values
+    assert abs(metrics[3]["reward/kl_penalty"]) > 1e-4  # the policy moved: the penalty was not 0
 
 
 def test_update_metrics_are_token_means_over_both_updates(grpo):
