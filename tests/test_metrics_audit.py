@@ -228,6 +228,15 @@ def test_eval_metrics_are_the_saved_samples(grpo):
             ref = statistics.fmean(1 - math.comb(2 - sum(r >= 1 for r in v), k) / math.comb(2, k) for v in tasks.values())
             assert m[f"{pre}/pass@{k}"] == pytest.approx(ref, abs=1e-12)
         assert 0 < m[f"{pre}/pass@1"] < m[f"{pre}/pass@2"]  # some tasks had one right sample of 2
+        # maj@2: of 2 answers, the one given twice, else (a tie) the first sample's; none: no vote
+        maj = []
+        for task in tasks:
+            votes = [(x["answer"], x["reward"]) for x in samples if x["task_id"] == task and x["answer"] is not None]
+            maj.append(float(bool(votes) and votes[0][1] >= 1))
+        assert m[f"{pre}/maj@2"] == pytest.approx(statistics.fmean(maj), abs=1e-12)
+        # a standard error over the 200 tasks: their values' std (N - 1) / sqrt(200)
+        means = [statistics.fmean(v) for v in tasks.values()]
+        assert m[f"{pre}/mean@2_se"] == pytest.approx(statistics.stdev(means) / math.sqrt(200), abs=1e-12)
 
 
 # ---------------------------------------------------------------- entropy and KL from the weights
