@@ -14,6 +14,7 @@ Two short real runs of the tiny model from its random weights, one each for the 
   KL and values can be computed again from the weights it started from.
 """
 
+import csv
 import json
 import math
 import sqlite3
@@ -24,9 +25,7 @@ import pytest
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from tests.conftest import compose_cfg
-
-pytestmark = pytest.mark.slow
+from conftest import compose_cfg
 
 MAX_TOKENS = 6  # model=tiny's model.max_response_tokens: the responses' length limit
 
@@ -125,6 +124,7 @@ def step_experiences(run: Path) -> dict[int, list[dict]]:
 # ---------------------------------------------------------------- rollouts: rewards, lengths, clipping
 
 
+@pytest.mark.slow  # the module's short training run
 def test_reward_and_length_metrics_are_the_batch_they_name(grpo):
     run, _, _ = grpo
     metrics, exps = metrics_rows(run), step_experiences(run)
@@ -156,6 +156,7 @@ def test_reward_and_length_metrics_are_the_batch_they_name(grpo):
 # ---------------------------------------------------------------- the optimizer: lr, grad norm
 
 
+@pytest.mark.slow  # the module's short training run
 def test_lr_is_the_one_the_steps_updates_applied_on_the_warmup_formula(grpo):
     """actor/lr of step N is the mean of the lrs its updates applied. The schedule, HF's
     constant_with_warmup over updates k = 0, 1, ...: lr x min(1, k / warmup_steps), so the very
@@ -170,6 +171,7 @@ def test_lr_is_the_one_the_steps_updates_applied_on_the_warmup_formula(grpo):
         assert metrics[step]["actor/lr"] == pytest.approx(statistics.fmean(applied[2 * step - 2: 2 * step]), rel=1e-12)
 
 
+@pytest.mark.slow  # the module's short training run
 def test_grad_norm_is_the_mean_of_clip_grad_norm_returns(grpo):
     run, rec, _ = grpo
     metrics = metrics_rows(run)
@@ -182,6 +184,7 @@ def test_grad_norm_is_the_mean_of_clip_grad_norm_returns(grpo):
 # ---------------------------------------------------------------- advantages
 
 
+@pytest.mark.slow  # the module's short training run
 def test_advantage_stats_are_token_weighted_over_the_batch(grpo):
     """GRPO's advantage of a response, (r - group mean) / (group std (N - 1) + 1e-6), counted once
     per response token: advantage/mean and abs_mean are token means, advantage/std the tokens' std."""
@@ -205,6 +208,7 @@ def test_advantage_stats_are_token_weighted_over_the_batch(grpo):
 # ---------------------------------------------------------------- evals
 
 
+@pytest.mark.slow  # the module's short training run
 def test_eval_metrics_are_the_saved_samples(grpo):
     """eval/<set>/accuracy is the mean reward over the saved samples; mean@2, best@2 and pass@k
     (1 - C(2 - c, k) / C(2, k), c the task's samples with reward >= 1) means over tasks."""
@@ -262,6 +266,7 @@ def _policy_stats(model, rows):
     return logp, ent
 
 
+@pytest.mark.slow  # the module's short training run
 def test_entropy_and_kl_are_token_means_of_the_weights_the_step_started_from(ppo):
     """A PPO step of one update (micro-batches of 4 of unequal token counts): actor/entropy is the
     policy's entropy per response token and actor/kl the k3 estimate of KL(policy || start) per
@@ -303,6 +308,7 @@ def _values(run: Path, start: str, step: int, rows) -> list[float]:
     return out
 
 
+@pytest.mark.slow  # the module's short training run
 def test_kl_penalty_and_critic_metrics_are_the_returns_and_values(ppo):
     """reward/kl_penalty is the mean over responses of the k1 KL summed over each one's tokens
     (before kl_penalty_coef), under the weights the step started from against the start. gamma =
@@ -331,6 +337,7 @@ def test_kl_penalty_and_critic_metrics_are_the_returns_and_values(ppo):
     assert abs(metrics[3]["reward/kl_penalty"]) > 1e-4  # the policy moved: the penalty was not 0
 
 
+@pytest.mark.slow  # the module's short training run
 def test_update_metrics_are_token_means_over_both_updates(grpo):
     """Two updates a step, each from the weights the optimizer hook kept: mini-batch j (rows
     8j..8j+7, in the buffer's order) at the weights update j started from, the old log-probs at the
@@ -392,6 +399,7 @@ def some_flat(prompt, response, task):
     return 0.5 if int(task.task_id.rsplit("/", 1)[1]) % 3 == 0 else varied(prompt, response, task)
 
 
+@pytest.mark.slow  # a short training run of its own
 def test_rows_set_aside_for_a_zero_advantage_are_not_in_the_entropy(tmp_path_factory):
     """One update a step (GRPO's default), so rows whose advantages are all 0 are set aside
     (trainer.skip_zero_advantage): actor/entropy is the token mean over the other rows alone, as
@@ -445,8 +453,6 @@ def test_a_configuration_mean_over_fewer_seeds_than_n_says_so(tmp_path):
     md = out["md"].read_text().splitlines()
     # reward: 0.6 x 3 -> 0.600 +- 0.000 over 3; correct_mean: 4 and 6 -> 5.000 +- 1.414 over 2 of the 3
     assert "| 1,2,3 | grpo | done | 3 | 0.600 ± 0.000 | 5.000 ± 1.414 (2 of 3) |  |" in md
-    import csv
-
     row = [r for r in csv.DictReader(out["csv"].open()) if r["job"] == ""][0]
     assert (row["n"], row["final response_length/correct_mean mean"], row["final response_length/correct_mean n"]) \
         == ("3", "5.0", "2")
@@ -461,6 +467,7 @@ def test_a_configuration_mean_over_fewer_seeds_than_n_says_so(tmp_path):
 # ---------------------------------------------------------------- throughput: tokens per second
 
 
+@pytest.mark.slow  # the module's short training run
 def test_throughputs_are_the_tokens_counted_over_the_time_logged(grpo):
     """train/tokens_per_s x timing/train_compute_s is the batch's response tokens (one pass);
     perf/trainer_tokens_per_s x the same time the tokens the forwards took (prompt and response,
@@ -480,6 +487,7 @@ def test_throughputs_are_the_tokens_counted_over_the_time_logged(grpo):
         assert 0 < m["timing/train_compute_s"] <= m["timing/train_s"] < m["timing/step_s"] < 5
 
 
+@pytest.mark.slow  # a short training run of its own
 def test_a_critic_warmup_step_logs_no_policy_numbers(tmp_path_factory):
     """PPO's algorithm.critic_warmup=1: step 1 trains the critic alone. No policy update ran, so
     it logs no policy loss, gradient norm or entropy (they read 0.0, 0.0 and 0.0: a policy with no
