@@ -21,6 +21,7 @@ from __future__ import annotations
 import difflib
 import inspect
 import json
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -304,7 +305,8 @@ def run_task_pipeline(cfg, pass_rates=None, say=print) -> dict:
             raise ConfigError(f"data_processor.task_pipeline left no rows of {ts.path} ({format_report(report)}). "
                               f"Loosen the operators' args.")
         tmp = d.with_name(d.name + ".tmp")
-        tmp.mkdir(exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # a killed run's leftovers (as rft.data.tasks._generate)
+        tmp.mkdir()
         with open(tmp / "train.jsonl", "w") as f:
             for r in rows:
                 f.write(json.dumps(r, default=str) + "\n")

@@ -12,6 +12,7 @@ import json
 import os
 import random
 import re
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -85,7 +86,10 @@ def _generate(path: str | Path, seed: int, splits) -> Path:
         if manifest.whole(path, "generated task data"):
             return path
         tmp = path.with_name(path.name + ".tmp")
-        tmp.mkdir(parents=True, exist_ok=True)
+        # what a killed build left there (a cut file, its manifest.json.tmp) is not this build's: sealed
+        # with it, the data was called damaged at its next use and generated again
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
         for split, rows in splits(random.Random(seed)).items():
             with open(tmp / f"{split}.jsonl", "w") as f:
                 for row in rows:

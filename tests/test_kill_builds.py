@@ -1,0 +1,122 @@
+"""SIGKILL while rft builds what it builds once and keeps (the tiny model, generated task data, the
+task pipeline's output), at a stage handover, and with two jobs building one cache at once. After
+each kill the same command again must reuse a whole build, build it again, or stop naming the file
+and the fix: never read a half-written one, never call a whole one damaged. (Kills in a stage's
+steady state, a copy from or a publish to the stage cache: test_e2e.py, test_runtime.py,
+test_faults.py.)"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import ROOT
+from omegaconf import OmegaConf
+
+from rft import manifest
+
+# the child kills its own process group (as a scheduler's kill or a closed terminal does) the moment
+# it is about to rename the manifest it has written into a build's folder <name>.tmp/: the folder's
+# files are all written, its manifest too, under a name that is not yet the manifest's
+KILL_AT_SEAL_OF_A_BUILD = """
+import os
+real = os.replace
+def replace(src, dst, *a, **k):
+    if str(src).endswith(".tmp/manifest.json.tmp") or str(src).endswith(".tmp" + os.sep + "manifest.json.tmp"):
+        os.killpg(os.getpgid(0), 9)
+    return real(src, dst, *a, **k)
+os.replace = replace
+"""
+
+
+def hooked(tmp_path, code: str) -> dict:
+    """The environment of a subprocess that runs `code` first (a sitecustomize on PYTHONPATH)."""
+    hook = tmp_path / "hook"
+    hook.mkdir(exist_ok=True)
+    (hook / "sitecustomize.py").write_text(code)
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(hook), str(ROOT)])}
+
+
+def files(d: Path) -> dict[str, bytes]:
+    return {p.relative_to(d).as_posix(): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.slow  # a child that imports rft's data module (~1.5 s)
+def test_generated_data_killed_as_its_manifest_is_renamed_is_built_whole_by_the_next_run(tmp_path, capsys):
+    """The kill left arithmetic-v4.tmp/ holding manifest.json.tmp. The next build wrote into that
+    folder as it found it and sealed it with the leftover listed among the data's files, then renamed
+    its own manifest.json.tmp away: the data it installed was 'damaged (manifest.json.tmp: missing)',
+    moved aside and generated again by the run after, whose new manifest.json then read as the
+    dataset changed under a started stage (its data.json digests every file), stopping a resume."""
+    from rft.data.tasks import generate_arithmetic
+
+    path = tmp_path / "cache" / "arithmetic-v4"
+    code = f"from rft.data.tasks import generate_arithmetic; generate_arithmetic({str(path)!r})"
+    r = subprocess.run([sys.executable, "-c", code], env=hooked(tmp_path, KILL_AT_SEAL_OF_A_BUILD), cwd=ROOT,
+                       start_new_session=True, capture_output=True, text=True, timeout=120)
+    assert r.returncode == -signal.SIGKILL, r.stderr[-2000:]
+    assert not path.exists() and (path.parent / "arithmetic-v4.tmp" / "manifest.json.tmp").is_file()
+    generate_arithmetic(path)  # the same command again
+    assert manifest.verify(path) is None
+    uninterrupted = generate_arithmetic(tmp_path / "fresh" / "arithmetic-v4")
+    assert files(path) == files(uninterrupted)  # the manifest too: the same files, nothing else listed
+    generate_arithmetic(path)  # and the run after that finds it whole
+    assert sorted(p.name for p in path.parent.iterdir()) == ["arithmetic-v4", "arithmetic-v4.lock"]
+    assert capsys.readouterr().err == ""
+
+
+# what a build killed midway leaves in its <name>.tmp/: a file cut short and the manifest not yet renamed
+LEFTOVER = {"manifest.json.tmp": '{"format": 1, "hash": "xxh3_128",\n "identity": {"built": ', "stray.bin": "x" * 7}
+NARROW = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=1,
+              num_key_value_heads=1, head_dim=32)
+
+
+def leave(tmp: Path, cut: str) -> None:
+    tmp.mkdir(parents=True)
+    for name, text in {**LEFTOVER, cut: "{"}.items():
+        (tmp / name).write_text(text)
+
+
+@pytest.mark.slow  # ~4 s alone, importing torch and transformers (~0.1 s in a session that has)
+def test_a_tiny_model_build_killed_midway_leaves_nothing_the_next_build_keeps(tmp_path, capsys):
+    from rft.models import build_tiny_model
+
+    path = tmp_path / "tiny"
+    leave(tmp_path / "tiny.tmp", cut="model.safetensors")
+    build_tiny_model(path, arch=NARROW)
+    assert manifest.verify(path) is None
+    assert files(path) == files(build_tiny_model(tmp_path / "fresh" / "tiny", arch=NARROW))
+    assert capsys.readouterr().err == ""
+
+
+@pytest.mark.slow  # ~1.5 s, most of it importing `datasets` (which reads the rows)
+def test_a_task_pipeline_killed_midway_leaves_nothing_the_next_run_keeps(tmp_path, capsys):
+    from rft.config import Config
+    from rft.data.pipeline import output_dir, run_task_pipeline
+
+    def config(cache):
+        cfg = OmegaConf.structured(Config)
+        cfg.cache_dir = str(tmp_path / cache)
+        cfg.buffer.explorer_input.taskset.path = str(tmp_path / "tasks.jsonl")
+        return OmegaConf.merge(cfg, {"data_processor": {"task_pipeline": {"operators": [
+            {"name": "document_deduplicator"}]}}})
+
+    (tmp_path / "tasks.jsonl").write_text("".join(json.dumps({"question": q, "answer": "1"}) + "\n"
+                                                  for q in ["1+1", "2+2", "1+1"]))
+    cfg, fresh = config("cache"), config("fresh")
+    d = output_dir(cfg)
+    leave(d.with_name(d.name + ".tmp"), cut="train.jsonl")
+    assert run_task_pipeline(cfg, say=lambda s: None)["rows"] == 3
+    assert manifest.verify(d) is None
+    run_task_pipeline(fresh, say=lambda s: None)
+    ours, theirs = files(d), files(output_dir(fresh))
+    report = json.loads(ours.pop("report.json"))
+    assert report["operators"][0]["rows_out"] == 2  # 1+1 twice: deduplicated to 1+1, 2+2
+    assert report["output"] == str(d / "train.jsonl")
+    theirs.pop("report.json")  # names its own cache dir and times its operators; the manifest digests it
+    assert ours.keys() == theirs.keys() == {"manifest.json", "train.jsonl"}
+    assert ours["train.jsonl"] == theirs["train.jsonl"]
+    assert capsys.readouterr().err == ""
