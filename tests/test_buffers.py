@@ -59,7 +59,7 @@ def storage(request, tmp_path):
 
 
 def test_experience_round_trip_is_exact():
-    e = Experience(tokens=[5, 6, 7], prompt_length=1, logprobs=[0.1 + 0.2, -1e-300, -2 / 3], reward=1 / 3,
+    e = Experience(tokens=[5, 6, 7, 8], prompt_length=1, logprobs=[0.1 + 0.2, -1e-300, -2 / 3], reward=1 / 3,
                    group_id="g", task_id="t", policy_version=4, info={"prompt": "1+1", "nested": [1.5, {"a": None}]})
     d = json.loads(json.dumps(e.to_dict()))
     assert set(d) == {f.name for f in fields(Experience)}  # every field, whatever is added later

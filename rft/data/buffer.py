@@ -379,11 +379,22 @@ class SQLBuffer:
             time.sleep(POLL_S)
         if not rows:
             raise _timeout(self.name, n, timeout, self.where)
-        exps = [_experience(r) for r in rows]
+        exps = [self._read_row(r) for r in rows]
         self.cursor = rows[-1].id
         with self._damage_named(), self.engine.begin() as c:
             self._save_cursor(c)
         return exps
+
+    def _read_row(self, row) -> Experience:
+        try:
+            return _experience(row)
+        except (ValueError, TypeError, RecursionError) as e:  # not JSON, or not an experience's fields
+            raise RunError(
+                f"the buffer {self.path}: row id {row.id} of table experiences is not a stored experience "
+                f"({type(e).__name__}: {str(e)[:200]}); rft writes each row whole, so something else changed it. "
+                f"Repair or delete that row (sqlite3 {self.path} 'DELETE FROM experiences WHERE id = {row.id}'), "
+                f"then run the same command again to resume from the newest checkpoint."
+            ) from None
 
     def state(self) -> dict:
         return {"cursor": self.cursor, "last_id": self._last_id()}
@@ -488,7 +499,7 @@ class FileBuffer:
         for line in lines:
             try:
                 exps.append(Experience.from_dict(json.loads(line)))
-            except (ValueError, TypeError) as e:  # not JSON, or not an experience's fields
+            except (ValueError, TypeError, RecursionError) as e:  # not JSON, or not an experience's fields
                 raise RunError(
                     f"the buffer {self.path}: line {self._line_number(line)} is not a stored experience "
                     f"({type(e).__name__}: {str(e)[:200]}); a writer's kill leaves only a last line cut "

@@ -78,8 +78,33 @@ class Experience:
 
     @classmethod
     def from_dict(cls, d: dict) -> "Experience":
-        """The inverse of `to_dict`; keys that are not fields (a newer writer's) are ignored."""
-        return cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d})
+        """The inverse of `to_dict`; keys that are not fields (a newer writer's) are ignored. A
+        ValueError names the first field that is not what to_dict writes (a damaged row, another
+        tool's file): logprobs of every token, prompt included, were placed from the prompt's end
+        and trained on as the response's, without a word."""
+        if not isinstance(d, dict):
+            raise ValueError(f"a JSON {type(d).__name__}, not an object")
+        exp = cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d})
+        _check_stored(exp)
+        return exp
+
+
+def _check_stored(e: Experience) -> None:
+    whole = (lambda v: type(v) is int)  # noqa: E731 (JSON's true is no token id)
+    number = (lambda v: type(v) in (int, float))  # noqa: E731
+    if not (isinstance(e.tokens, list) and e.tokens and all(map(whole, e.tokens))):
+        raise ValueError("tokens is not a non-empty list of token ids (whole numbers)")
+    if not (whole(e.prompt_length) and 1 <= e.prompt_length <= len(e.tokens)):
+        raise ValueError(f"prompt_length {e.prompt_length!r} is not a whole number from 1 to the {len(e.tokens)} tokens")
+    for name, ok in (("logprobs", number), ("loss_mask", whole), ("token_versions", whole)):
+        v = getattr(e, name)
+        if not (isinstance(v, list) and all(map(ok, v))):
+            raise ValueError(f"{name} is not a list of numbers")
+        if v and len(v) != e.response_length:
+            raise ValueError(f"{name} has {len(v)} entries for the {e.response_length} response tokens (tokens after "
+                             f"prompt_length {e.prompt_length}): one per response token, or none")
+    if not whole(e.policy_version):
+        raise ValueError(f"policy_version {e.policy_version!r} is not a whole number")
 
 
 def versions_of(exp: Experience) -> list[int]:
@@ -162,7 +187,7 @@ def is_experience_file(path) -> bool:
             if line.strip():
                 try:
                     row = json.loads(line)
-                except ValueError:  # not JSON
+                except (ValueError, RecursionError):  # not JSON, or nested a thousand deep
                     return False
                 return isinstance(row, dict) and "tokens" in row
     return False

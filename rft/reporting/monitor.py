@@ -37,7 +37,7 @@ def _read(path: Path) -> list[tuple[str, dict | None]]:
     for i, (n, line) in enumerate(lines):
         try:
             record = json.loads(line)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):  # RecursionError: a line nested a thousand deep
             record = None
         if not (isinstance(record, dict) and "step" in record):
             record = None

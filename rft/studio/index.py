@@ -101,7 +101,7 @@ class CachedFiles(report.Files):
         for line in data[:end].splitlines():
             try:
                 m = json.loads(line)
-            except ValueError:
+            except (ValueError, RecursionError):
                 continue  # as report.read_jsonl: a line a killed run cut short
             if report.is_row(m):
                 log.rows.append(m if self.keys is None else {k: m[k] for k in self.keys if k in m})

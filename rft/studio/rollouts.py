@@ -46,7 +46,7 @@ def experiences(path: Path, source: str) -> list:
         exps = read_experiences(str(path), MAX_ROWS)
     except ConfigError:
         raise
-    except (TypeError, ValueError, AttributeError, KeyError) as e:
+    except (TypeError, ValueError, AttributeError, KeyError, RecursionError) as e:
         raise ValueError(f"{source}: a stored experience does not read ({type(e).__name__}: {e}); the file is "
                          f"damaged or was not written by rft.") from None
     for n, e in enumerate(exps):
@@ -171,7 +171,7 @@ def _eval_rows(path: Path, source: str, step: int | None) -> tuple[list[dict], i
                 continue
             try:
                 d = json.loads(line)
-            except ValueError as e:
+            except (ValueError, RecursionError) as e:
                 raise ValueError(f"{source}, line {i + 1}: not JSON ({str(e).split(':')[0]}); each line is one "
                                  f"conversation, a JSON object.") from None
             if not isinstance(d, dict):

@@ -1,0 +1,64 @@
+"""Files a run reads back, attacked: a crafted file must run no code, and a damaged one (another
+tool's, nested a thousand deep, a "billion laughs") gives a message naming it, never a raw
+traceback, a hang, or a run that trains on it as something else."""
+
+import json
+import sqlite3
+
+import pytest
+from omegaconf import OmegaConf
+from test_buffers import buf_cfg, exps
+
+from rft.data.buffer import make_buffer
+from rft.errors import RunError
+
+DEEP = "[" * 5000 + "]" * 5000  # json (C) and PyYAML (Python) recurse once per level: ~1000 is the limit
+
+
+def test_a_metrics_line_nested_a_thousand_deep_is_left_out_as_a_cut_line_is(tmp_path, capsys):
+    """metrics.jsonl is read back on resume (rft.reporting.monitor), by the report and the studio:
+    json.loads raises RecursionError there, not JSONDecodeError, and each read was a traceback."""
+    from rft.reporting import monitor, report
+    from rft.studio.index import CachedFiles
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "x": 1}\n' + DEEP + '\n{"step": 2, "x": 2}\n')
+    assert [r["step"] for r in monitor.read_metrics(path)] == [1, 2]
+    assert "line 2 is not a JSON record" in capsys.readouterr().err
+    assert [r["step"] for r in report.read_jsonl(path)] == [1, 2]
+    assert [r["step"] for r in CachedFiles().jsonl(path)] == [1, 2]
+
+
+@pytest.mark.parametrize("kind", ["sql", "file"])
+@pytest.mark.parametrize("column, value, why", [
+    ("tokens", DEEP, "RecursionError: maximum recursion depth exceeded"),
+    ("tokens", "[1, 2", "JSONDecodeError: Expecting ',' delimiter"),
+    ("tokens", '["a", "b", "c", "d"]', "ValueError: tokens is not a non-empty list of token ids (whole numbers)"),
+    ("prompt_length", 9, "ValueError: prompt_length 9 is not a whole number from 1 to the 4 tokens"),
+    # another tool's file: a log-prob for every token, the prompt's included. Placed from the
+    # prompt's end, they were the response's, or an IndexError past the longest row
+    ("logprobs", "[-0.1, -0.2, -0.3, -0.4]",
+     "ValueError: logprobs has 4 entries for the 2 response tokens (tokens after prompt_length 2): one per "
+     "response token, or none"),
+])
+def test_a_stored_experience_that_is_not_one_stops_the_trainer_naming_its_row(tmp_path, kind, column, value, why):
+    path = tmp_path / ("b.db" if kind == "sql" else "b.jsonl")
+    buf = make_buffer(buf_cfg(kind, path=str(path)))
+    buf.put(exps(2))  # tokens [0, 1, 2, 3] then [1, 2, 3, 4], prompt_length 2, two log-probs
+    buf.close()
+    if kind == "sql":
+        with sqlite3.connect(path) as c:
+            c.execute(f"UPDATE experiences SET {column} = ? WHERE id = 2", (value,))
+        where = f"the buffer {path}: row id 2 of table experiences is not a stored experience ({why}"
+    else:
+        lines = path.read_text().splitlines()
+        row = json.loads(lines[1])
+        lines[1] = (json.dumps({**row, column: "@"}).replace('"@"', value if isinstance(value, str) else str(value))
+                    if column != "tokens" or value != DEEP else DEEP)
+        path.write_text("\n".join(lines) + "\n")
+        where = f"the buffer {path}: line 2 is not a stored experience ({why}"
+    reader = make_buffer(buf_cfg(kind, path=str(path)))
+    with pytest.raises(RunError) as e:
+        reader.get(2, timeout=0.1)
+    assert str(e.value).startswith(where)
+    reader.close()
