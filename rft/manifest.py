@@ -220,6 +220,22 @@ def _say(text: str) -> None:
     print(f"rft: warning: {text}", file=sys.stderr, flush=True)
 
 
+def written_yaml(text: str):
+    """A YAML file rft or Hydra wrote (a stage's config.yaml, a run's .hydra/ files), read back;
+    a yaml.YAMLError when it is not one. Neither writes an alias (OmegaConf's dumper writes none),
+    so one is refused before loading: nine aliases of nine (a "billion laughs") load as shared
+    lists in a millisecond, then the fingerprint or table of what they hold never ends. libyaml,
+    where there is one, stops at nesting ~1000 deep with its own error, not Python's RecursionError."""
+    import yaml
+
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+    for event in yaml.parse(text, Loader=loader):
+        if isinstance(event, yaml.AliasEvent):
+            mark = event.start_mark
+            raise yaml.YAMLError(f"an alias (*{event.anchor}) at line {mark.line + 1}, which rft and Hydra never write")
+    return yaml.load(text, Loader=loader)  # noqa: S506 (a safe loader)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1 or args[0].startswith("-"):

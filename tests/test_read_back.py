@@ -4,6 +4,7 @@ traceback, a hang, or a run that trains on it as something else."""
 
 import json
 import sqlite3
+import time
 
 import pytest
 from omegaconf import OmegaConf
@@ -13,6 +14,15 @@ from rft.data.buffer import make_buffer
 from rft.errors import RunError
 
 DEEP = "[" * 5000 + "]" * 5000  # json (C) and PyYAML (Python) recurse once per level: ~1000 is the limit
+
+
+def billion_laughs() -> str:
+    """Nine aliases of nine, nine deep: 9^9 = 387,420,489 'lol' strings once expanded."""
+    text, prev = 'a: &a ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]\n', "a"
+    for name in "bcdefghi":
+        text += f"{name}: &{name} [{', '.join(['*' + prev] * 9)}]\n"
+        prev = name
+    return text
 
 
 def test_a_metrics_line_nested_a_thousand_deep_is_left_out_as_a_cut_line_is(tmp_path, capsys):
@@ -62,3 +72,36 @@ def test_a_stored_experience_that_is_not_one_stops_the_trainer_naming_its_row(tm
         reader.get(2, timeout=0.1)
     assert str(e.value).startswith(where)
     reader.close()
+
+
+@pytest.mark.parametrize("text, why", [
+    (billion_laughs(), "does not parse as a config"),
+    ("a: " + DEEP + "\n", "does not parse as a config"),
+])
+def test_a_stage_config_that_rft_never_writes_is_damage_at_once_not_a_hang(tmp_path, text, why):
+    """A resumed stage compares its saved config.yaml's fingerprint (rft.runtime.rundir): the
+    billion laughs loaded in a millisecond, then hashing its 387 million strings took minutes
+    and GBs; nesting a thousand deep was a RecursionError. OmegaConf writes neither."""
+    from rft.runtime import rundir
+
+    (tmp_path / "config.yaml").write_text(text)
+    start = time.monotonic()
+    assert rundir.saved_config(tmp_path) is None
+    assert rundir.record_problem(tmp_path) == why
+    assert time.monotonic() - start < 1
+
+
+def test_the_report_and_the_studio_refuse_an_alias_in_a_runs_hydra_files(tmp_path, capsys):
+    from rft.reporting import report
+    from rft.studio.runs import Runs
+
+    for name in ("a", "b"):
+        (tmp_path / name / ".hydra").mkdir(parents=True)
+        (tmp_path / name / ".hydra" / "config.yaml").write_text("seed: 1\n")
+    (tmp_path / "b" / ".hydra" / "config.yaml").write_text(billion_laughs())
+    (tmp_path / "b" / ".hydra" / "overrides.yaml").write_text("- &x seed=1\n- *x\n")
+    assert report.parse_overrides(tmp_path / "b", "b") is None
+    assert ("b/.hydra/overrides.yaml does not parse as YAML (an alias (*x) at line 2, which rft and Hydra never "
+            "write)") in capsys.readouterr().err
+    with pytest.raises(ValueError, match=r"^b: its config \(config.yaml\) does not read: an alias \(\*a\) at line 2"):
+        Runs(tmp_path).diff("a", "b")

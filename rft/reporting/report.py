@@ -51,6 +51,8 @@ from pathlib import Path
 import yaml
 from omegaconf import OmegaConf
 
+from rft import manifest
+
 TIMING_KEYS = ("timing/step_s", "timing/eval_s", "timing/save_s")
 NO_METRICS = "no metrics (failed before its first step, or not started)"
 NOT_STARTED = "not started (no job directory)"
@@ -146,8 +148,8 @@ def parse_overrides(job_dir: Path, name: str) -> dict[str, str] | None:
     if not path.exists():
         return None
     try:
-        items = yaml.safe_load(path.read_text()) or []
-    except yaml.YAMLError as e:
+        items = manifest.written_yaml(path.read_text()) or []
+    except (yaml.YAMLError, RecursionError, UnicodeDecodeError) as e:
         print(f"rft.reporting.report: warning: {path} does not parse as YAML ({str(e).splitlines()[0]}); job {name} is "
               f"reported as a configuration of its own, without its overrides.", file=sys.stderr)
         return None
@@ -252,7 +254,7 @@ def read_jsonl(path: Path) -> list[dict]:
     for line in path.read_text(errors="replace").splitlines():
         try:
             out.append(json.loads(line))
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):  # RecursionError: a line nested a thousand deep
             continue
     return [m for m in out if is_row(m)]
 

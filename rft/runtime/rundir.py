@@ -171,8 +171,8 @@ def saved_config(stage_dir: Path) -> dict | None:
     if not path.exists():
         return None
     try:
-        cfg = yaml.safe_load(path.read_text())
-    except yaml.YAMLError:
+        cfg = manifest.written_yaml(path.read_text())
+    except (yaml.YAMLError, RecursionError, UnicodeDecodeError):  # RecursionError: without libyaml
         return None
     return cfg if isinstance(cfg, dict) else None
 
@@ -236,7 +236,7 @@ def data_differences(stage_dir: Path, cfg) -> list[str]:
         old = json.loads(record.read_text())
         if not all(isinstance(v, dict) for v in old.values()):
             raise ValueError
-    except (OSError, ValueError, AttributeError):
+    except (OSError, ValueError, AttributeError, RecursionError):
         return [f"{record} (the digests of the datasets the stage started with) does not parse (cut short or "
                 f"overwritten), so whether they changed cannot be told"]
     new = data_digests(cfg)

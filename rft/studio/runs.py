@@ -16,6 +16,7 @@ from pathlib import Path
 
 import yaml
 
+from rft import manifest
 from rft.reporting import report
 from rft.studio import index as X
 
@@ -190,8 +191,8 @@ class Runs:
         def config(rel):
             path = inside(self.root, rel) / ".hydra" / "config.yaml"
             try:
-                cfg = yaml.safe_load(path.read_text())
-            except (OSError, yaml.YAMLError) as e:
+                cfg = manifest.written_yaml(path.read_text())
+            except (OSError, yaml.YAMLError, RecursionError, UnicodeDecodeError) as e:
                 raise ValueError(f"{rel}: its config ({path.name}) does not read: {e}") from None
             return _flat(cfg if isinstance(cfg, dict) else {})
 
