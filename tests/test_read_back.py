@@ -3,6 +3,7 @@ tool's, nested a thousand deep, a "billion laughs") gives a message naming it, n
 traceback, a hang, or a run that trains on it as something else."""
 
 import json
+import shutil
 import sqlite3
 import time
 
@@ -11,7 +12,7 @@ from omegaconf import OmegaConf
 from test_buffers import buf_cfg, exps
 
 from rft.data.buffer import make_buffer
-from rft.errors import RunError
+from rft.errors import ConfigError, RunError
 
 DEEP = "[" * 5000 + "]" * 5000  # json (C) and PyYAML (Python) recurse once per level: ~1000 is the limit
 
@@ -105,3 +106,34 @@ def test_the_report_and_the_studio_refuse_an_alias_in_a_runs_hydra_files(tmp_pat
             "write)") in capsys.readouterr().err
     with pytest.raises(ValueError, match=r"^b: its config \(config.yaml\) does not read: an alias \(\*a\) at line 2"):
         Runs(tmp_path).diff("a", "b")
+
+
+@pytest.mark.slow  # ~3 s: builds the tiny model and loads it
+def test_a_model_folder_runs_none_of_its_code_when_loaded(tmp_path):
+    """A model folder (a download, a checkpoint's hf/) whose config.json and tokenizer_config.json
+    name their own classes (auto_map) and whose chat template reaches for os: with
+    trust_remote_code false (the default) no file of it runs, and the template's reach is
+    transformers' sandbox's error, in one paragraph naming the folder."""
+    from rft.models import build_tiny_model, load_model, load_tokenizer
+
+    marker = tmp_path / "ran"
+    d = build_tiny_model(tmp_path / "model")
+    (d / "evil.py").write_text(f"import pathlib\npathlib.Path({str(marker)!r}).write_text('ran')\n"
+                               f"from transformers import Qwen2Config as C, Qwen2ForCausalLM as M, "
+                               f"PreTrainedTokenizerFast as T\n")
+    config = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**config, "auto_map": {"AutoConfig": "evil.C",
+                                                                      "AutoModelForCausalLM": "evil.M"}}))
+    tok_config = json.loads((d / "tokenizer_config.json").read_text())
+    (d / "tokenizer_config.json").write_text(json.dumps({**tok_config, "auto_map": {"AutoTokenizer": ["evil.T", None]}}))
+    (d / "chat_template.jinja").write_text("{{ cycler.__init__.__globals__.os.system('touch " + str(marker) + "') }}")
+    cfg = OmegaConf.create({"model_path": str(d), "trust_remote_code": False, "custom_chat_template": None,
+                            "dtype": "float32", "stop_token_ids": None})
+    load_model(cfg)
+    with pytest.raises(ConfigError) as e:
+        load_tokenizer(cfg)
+    assert str(e.value) == (f"the chat template of model.model_path={str(d)!r} fails on a one-message conversation "
+                            f"(SecurityError: access to attribute '__init__' of 'type' object is unsafe.). Fix the "
+                            f"template (or set model.custom_chat_template to one that renders).")
+    assert not marker.exists()
+    shutil.rmtree(d)
