@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from transformers import get_scheduler
 
-from rft.algorithms import ADVANTAGE_FNS, KL_FNS, POLICY_LOSS_FNS, rollout_is, with_args
+from rft.algorithms import ADVANTAGE_FNS, KL_FNS, POLICY_LOSS_FNS, contract, rollout_is, with_args
 from rft.config import colocated
 from rft.data.experience import WHERE, Experience, batch_record, collate
 from rft.errors import ConfigError
@@ -100,8 +100,11 @@ class Trainer(StepMixin, MetricsMixin, WeightsMixin, CheckpointMixin):
         # in this order: the models, then the critic (its value head) draw from the seeded RNG
         self._build_models(init_path, resume)
         # names are looked up once, here; the update below never branches on them
-        self.advantage_fn = with_args(ADVANTAGE_FNS, algo.advantage_fn, algo.advantage_args, "algorithm.advantage_args")
-        self.policy_loss_fn = with_args(POLICY_LOSS_FNS, algo.policy_loss_fn, algo.args, "algorithm.args")
+        # (a study's own function, a dotted path, is checked at each call: rft.algorithms.contract)
+        self.advantage_fn = contract.checked(ADVANTAGE_FNS, algo.advantage_fn, with_args(
+            ADVANTAGE_FNS, algo.advantage_fn, algo.advantage_args, "algorithm.advantage_args"))
+        self.policy_loss_fn = contract.checked(POLICY_LOSS_FNS, algo.policy_loss_fn, with_args(
+            POLICY_LOSS_FNS, algo.policy_loss_fn, algo.args, "algorithm.args"))
         self.critic = None
         if plan.needs.critic:
             self.critic = Critic(cfg, os.path.expanduser(cfg.model.critic_model_path or init_path or cfg.model.model_path),
