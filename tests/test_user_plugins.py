@@ -124,6 +124,62 @@ def test_a_study_function_that_raises_names_itself_and_its_line_and_a_registered
     assert checked(ADVANTAGE_FNS, "grpo", ADVANTAGE_FNS["grpo"]) is ADVANTAGE_FNS["grpo"]
 
 
+def op_none(experiences):
+    return None
+
+
+def op_generator(experiences):
+    return (e for e in experiences)
+
+
+def op_dicts(experiences):
+    return [e.to_dict() for e in experiences]
+
+
+def op_nan(experiences):
+    for e in experiences:
+        e.reward = float("nan")
+    return experiences
+
+
+def op_raises(experiences):
+    if experiences:
+        raise ValueError("no such part")
+    return experiences
+
+
+@pytest.mark.parametrize("op, message", [
+    ("op_none", "returned NoneType, not a list: {fix}."),
+    ("op_generator", "returned generator, not a list: {fix}."),
+    ("op_dicts", "returned a list whose entry 0 is a dict: {fix}."),
+    # a NaN reward trained on NaN advantages, every update skipped, and a 2-step run exited 0
+    ("op_nan", "set experience 0's reward (task 't/0') to nan: a reward is a finite number (float), which the "
+               "advantages are computed from."),
+])
+def test_an_experience_operator_returning_the_wrong_thing_is_named(op, message):
+    from rft.data.pipeline import ExperiencePipeline
+
+    name = f"test_user_plugins.{op}"
+    with pytest.raises(ConfigError) as e:
+        # planning's call on no experiences finds the first two; the step's, the others
+        ExperiencePipeline([{"name": name}])([Experience([1, 2, 3], 2, [-1.0], reward=1.0, task_id="t/0")])
+    fix = f"{name} must return the experiences it keeps, a list of Experience (rft/data/experience.py)"
+    assert str(e.value) == f"data_processor.experience_pipeline.operators[0] ({name}) " + message.format(fix=fix)
+
+
+def test_an_experience_operator_that_raises_names_itself_and_its_line():
+    from rft.data.pipeline import ExperiencePipeline
+
+    pipeline = ExperiencePipeline([{"name": "test_user_plugins.op_raises"}])
+    with pytest.raises(RunError) as e:
+        pipeline([Experience([1, 2, 3], 2, [-1.0], reward=1.0)] * 2)
+    line = op_raises.__code__.co_firstlineno + 2
+    assert str(e.value) == (
+        f"data_processor.experience_pipeline.operators[0] (test_user_plugins.op_raises) raised ValueError: no such part "
+        f"({__file__}, line {line}), called on a step's 2 experiences; its traceback is in the run's log. Fix the "
+        f"operator, then run the same command again: it resumes from the newest checkpoint.")
+
+
 # ---------------------------------------------------------------- a run of the study
 
 

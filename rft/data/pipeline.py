@@ -21,6 +21,7 @@ from __future__ import annotations
 import difflib
 import inspect
 import json
+import logging
 import shutil
 import time
 from dataclasses import dataclass
@@ -367,7 +368,7 @@ class ExperiencePipeline:
         for i, (name, args) in enumerate(operators(ops_cfg)):
             where = f"{EXPERIENCE_KEY}[{i}]"
             fn = _function(EXPERIENCE_OPERATORS, name, where)
-            _checked_call(fn, name, where, 1, [], **args)  # its args checked on no experiences
+            _experiences_out(_operator_call(fn, name, where, [], args), name, where)  # its args checked on no experiences
             self.ops.append((name, args, fn, where))
 
     def __bool__(self) -> bool:
@@ -376,7 +377,48 @@ class ExperiencePipeline:
     def __call__(self, exps: list) -> tuple[list, dict]:
         m = {"experience_pipeline/in": len(exps)}
         for name, args, fn, where in self.ops:
-            exps = _checked_call(fn, name, where, 1, exps, **args)
+            exps = _experiences_out(_operator_call(fn, name, where, exps, args), name, where)
             m[f"experience_pipeline/{name}/out"] = len(exps)
         m["experience_pipeline/kept"] = len(exps)
         return exps, m
+
+
+def _operator_call(fn, name: str, where: str, exps: list, args: dict):
+    """An experience operator on a step's experiences; what its own code raises is a RunError
+    naming it and its line (the traceback in the driver's log), not a raw traceback."""
+    from rft.errors import RunError
+    from rft.registry import study_frame
+
+    try:
+        return _checked_call(fn, name, where, 1, exps, **args)
+    except ConfigError:
+        raise
+    except Exception as e:
+        frame = study_frame(e)
+        at = f" ({frame.filename}, line {frame.lineno})" if frame else ""
+        logging.getLogger(__name__).info("%s (%s) raised", where, name, exc_info=True)
+        on = f"a step's {len(exps)} experiences" if exps else "an empty list (each is called on one to check its args)"
+        raise RunError(f"{where} ({name}) raised {type(e).__name__}: {e}{at}, called on {on}; its traceback is in "
+                       f"the run's log. Fix the operator, then run the same command again: it resumes from the newest "
+                       f"checkpoint.") from None
+
+
+def _experiences_out(out, name: str, where: str) -> list:
+    """An experience operator's output, checked: a list of Experience (the ones it was given, or
+    new ones), each reward a finite number. A wrong one reached the buffer and the trainer as an
+    AttributeError far from the operator, and a NaN reward as NaN advantages (every update skipped)."""
+    import math
+
+    from rft.data.experience import Experience
+
+    fix = f"{name} must return the experiences it keeps, a list of Experience (rft/data/experience.py)"
+    if not isinstance(out, list):
+        raise ConfigError(f"{where} ({name}) returned {type(out).__name__}, not a list: {fix}.")
+    for i, e in enumerate(out):
+        if not isinstance(e, Experience):
+            raise ConfigError(f"{where} ({name}) returned a list whose entry {i} is a {type(e).__name__}: {fix}.")
+        r = e.reward
+        if isinstance(r, bool) or not isinstance(r, (int, float)) or not math.isfinite(r):
+            raise ConfigError(f"{where} ({name}) set experience {i}'s reward (task {e.task_id!r}) to {r!r}: a reward "
+                              f"is a finite number (float), which the advantages are computed from.")
+    return out
