@@ -52,8 +52,16 @@ class Registry(Mapping):
 
     def __setitem__(self, name: str, target) -> None:
         """Add an entry: a "module.attribute" string, or the function or class itself; a pair
-        (target, info) says what it needs or offers."""
-        self._table[name] = target if isinstance(target, tuple) else (target, self._default)
+        (target, info) says what it needs or offers. A name rft ships (an "rft." path) is not
+        replaced: a study's module that did so changed what every config naming it runs, and only in
+        the processes that imported that module (not in Ray's actors, which never do)."""
+        entry = target if isinstance(target, tuple) else (target, self._default)
+        shipped = self.path(name)
+        if shipped and shipped.startswith("rft.") and entry[0] != shipped:
+            raise ConfigError(f"{self.key}: {name!r} is rft's own entry ({shipped}); a study's entry takes a name not "
+                              f"taken (taken: {', '.join(sorted(self._table))}), or the config gives the dotted path "
+                              f"of the study's function.")
+        self._table[name] = entry
         self._loaded.pop(name, None)
 
     def __delitem__(self, name: str) -> None:

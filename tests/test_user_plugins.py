@@ -180,6 +180,28 @@ def test_an_experience_operator_that_raises_names_itself_and_its_line():
         f"operator, then run the same command again: it resumes from the newest checkpoint.")
 
 
+def test_a_study_cannot_replace_a_shipped_registry_entry():
+    """A study module that set ADVANTAGE_FNS["grpo"] changed every config naming grpo, and only in
+    the processes that imported it (not Ray's actors): refused; a name of its own is added."""
+    from rft.algorithms import ADVANTAGE_FNS
+
+    with pytest.raises(ConfigError) as e:
+        ADVANTAGE_FNS["grpo"] = f"{P}.sign_advantage"
+    assert str(e.value).startswith(
+        "algorithm.advantage_fn: 'grpo' is rft's own entry (rft.algorithms.advantages.grpo_advantage); a study's entry "
+        "takes a name not taken (taken: dr_grpo, gae, grpo, ")
+    assert ADVANTAGE_FNS.path("grpo") == "rft.algorithms.advantages.grpo_advantage"
+    ADVANTAGE_FNS["grpo"] = "rft.algorithms.advantages.grpo_advantage"  # the same entry again: a re-import
+    ADVANTAGE_FNS["sign"] = f"{P}.sign_advantage"
+    try:
+        from experiments.plugin_study.plugins import sign_advantage
+
+        assert ADVANTAGE_FNS["sign"] is sign_advantage
+        ADVANTAGE_FNS["sign"] = f"{P}.reinforce_loss"  # a study's own entry may be replaced
+    finally:
+        del ADVANTAGE_FNS["sign"]
+
+
 # ---------------------------------------------------------------- a run of the study
 
 
