@@ -120,3 +120,95 @@ def test_a_task_pipeline_killed_midway_leaves_nothing_the_next_run_keeps(tmp_pat
     assert ours.keys() == theirs.keys() == {"manifest.json", "train.jsonl"}
     assert ours["train.jsonl"] == theirs["train.jsonl"]
     assert capsys.readouterr().err == ""
+
+
+# ---------------------------------------------------------------- a stage copied from the stage cache
+
+class Killed(BaseException):
+    """Stands for SIGKILL in this process: no `except Exception` catches it, and what the kill
+    would leave on disk is what the raise leaves (nothing on the way cleans up after a copy)."""
+
+
+def test_a_copy_killed_once_its_checkpoint_is_in_place_is_still_told_reused(tmp_path, monkeypatch):
+    """The report tells a stage copied from the stage cache by its `reused_from` (its time_s and
+    rollouts are another job's); it was written after the copied checkpoint was moved into place, so
+    a kill between the two left a stage that the next run found 'already finished' and the report
+    then counted the warm-up's time and rollouts of the job that trained it as this job's."""
+    from rft.reporting.report import read_job
+    from rft.runtime import checkpoint, rundir
+    from rft.runtime.checkpoint import Owner
+
+    owner = Owner(run="rft/first", stage="sft_warmup", config="c0ffee00c0ffee00", model="/models/tiny")
+
+    def save_files(tmp):
+        (tmp / "hf").mkdir()
+        (tmp / "hf" / "model.safetensors").write_bytes(b"\0" * 64)
+        return {}
+
+    first = tmp_path / "first" / "sft_warmup"
+    checkpoint.write(first, 2, {"version": 2}, save_files, owner=owner)
+    # 2 steps of 3 s (the job that trained it took 6 s)
+    (first / "metrics.jsonl").write_text('{"step": 1, "timing/step_s": 3.0}\n{"step": 2, "timing/step_s": 3.0}\n')
+    entry = tmp_path / "cache" / "key"
+    entry.parent.mkdir()
+    rundir.publish(entry, first, first / "checkpoints" / "step_2", print)
+
+    real = rundir._copy_entry
+
+    def copy_then_killed(*a, **k):
+        real(*a, **k)
+        raise Killed
+
+    monkeypatch.setattr(rundir, "_copy_entry", copy_then_killed)
+    second = tmp_path / "second" / "sft_warmup"
+    with pytest.raises(Killed):
+        rundir.reuse(entry, second, Owner(**{**vars(owner), "run": "rft/second"}), "sft_warmup", print)
+    assert (second / "checkpoints" / "step_2").is_dir()  # the next run finds the stage finished ...
+    assert (second / "reused_from").read_text() == f"{entry}\n{first}\n"  # ... and copied
+    job = read_job(tmp_path / "second", stage="sft_warmup")
+    assert job.time_s is None and [m["step"] for m in job.metrics] == [1, 2]
+    assert read_job(tmp_path / "first", stage="sft_warmup").time_s == 6.0  # 3 + 3: its own
+
+
+# the default's two stages, short: a 4-step SFT warm-up (published to the stage cache), 1 GRPO step
+TWO_STAGES = ["cluster=inline", "monitor=console", "stages.0.buffer.total_steps=4",
+              "stages.0.algorithm.optimizer.warmup_steps=0", "buffer.total_steps=1", "buffer.batch_size=4",
+              "algorithm.repeat_times=2", "explorer.eval_on_startup=false"]
+
+
+@pytest.mark.slow  # two runs of the two stages, in this process (~10 s)
+def test_a_copy_killed_before_its_checkpoint_then_trained_is_the_stages_own(tmp_path, monkeypatch, capsys):
+    """A copy from the stage cache killed before its checkpoint was in place, then run again
+    without that entry (stage_cache_dir=null, or the entry removed): the stage trains itself, and
+    what the copy wrote must not call it copied (the report would give it no time of its own)."""
+    import rft.runtime.main
+    from conftest import compose_cfg
+    from rft.reporting.monitor import read_metrics
+    from rft.reporting.report import read_job
+
+    common = [*TWO_STAGES, f"checkpoint_root_dir={tmp_path}", f"stage_cache_dir={tmp_path / 'cache'}"]
+    rft.runtime.main.main(compose_cfg([*common, "name=first"]))
+    first, second = tmp_path / "rft" / "first" / "sft_warmup", tmp_path / "rft" / "second" / "sft_warmup"
+    real = manifest.seal
+
+    def seal(d, *a, **k):  # the copy's checkpoint, sealed in step_4.tmp before it is moved into place
+        if str(second) in str(d):
+            raise Killed
+        return real(d, *a, **k)
+
+    monkeypatch.setattr(manifest, "seal", seal)
+    with pytest.raises(Killed):
+        rft.runtime.main.main(compose_cfg([*common, "name=second"]))
+    monkeypatch.setattr(manifest, "seal", real)
+    assert (second / "reused_from").exists() and not (second / "checkpoints" / "step_4").exists()
+    capsys.readouterr()
+    rft.runtime.main.main(compose_cfg([*common, "name=second", "stage_cache_dir=null"]))
+    assert "reused" not in capsys.readouterr().out
+    assert not (second / "reused_from").exists()
+    job = read_job(tmp_path / "rft" / "second", stage="sft_warmup")
+    assert job.time_s is not None and job.time_s > 0
+    def timeless(rows):  # what a run of the same seed repeats exactly: all but times and rates
+        return [{k: v for k, v in m.items() if not k.startswith(("timing/", "perf/")) and "per_s" not in k}
+                for m in rows]
+
+    assert timeless(job.metrics) == timeless(read_metrics(first / "metrics.jsonl"))  # trained as the first did

@@ -474,7 +474,6 @@ def reuse(entry: Path, stage_dir: Path, owner: Owner, title: str, say) -> Path |
         say(f"[{title}] copying the stage cache's {entry} failed ({type(e).__name__}: {e}); running the stage")
         return None
     source = (entry / "source").read_text().strip() if (entry / "source").exists() else "?"
-    (stage_dir / "reused_from").write_text(f"{entry}\n{source}\n")
     say(f"[{title}] reused: the same stage (same config, starting model and data) finished in "
         f"{source}; copied from the stage cache {entry}")
     return final / "hf"
@@ -491,6 +490,11 @@ def _copy_entry(entry: Path, stage_dir: Path, final: Path, identity: dict) -> No
         if (entry / name).exists():
             shutil.copy2(entry / name, stage_dir / f"{name}.tmp")
             os.replace(stage_dir / f"{name}.tmp", stage_dir / name)
+    # before the checkpoint, as the logs: a stage with the copied checkpoint is told copied (the report
+    # counts no time of its own for it); written after, a kill between left the other job's time this
+    # one's. A copy killed before its checkpoint leaves it to a stage that trains itself (run_stage drops it)
+    source = (entry / "source").read_text().strip() if (entry / "source").exists() else "?"
+    (stage_dir / "reused_from").write_text(f"{entry}\n{source}\n")
     tmp = final.with_name(final.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.parent.mkdir(parents=True, exist_ok=True)

@@ -45,6 +45,8 @@ def run_stage(cfg, plan, stage_dir: Path, init_path: str | None, title: str, own
     else:
         latest = (usable_checkpoint(stage_dir, owner, title, print, finished_at=plan.total_steps)
                   if cfg.continue_from_checkpoint else None)
+    if latest is None:  # from its beginning: nothing in it is a stage cache copy's (one killed before its checkpoint)
+        (stage_dir / "reused_from").unlink(missing_ok=True)
     if latest is not None and latest.step >= plan.total_steps:
         print(f"[{title}] already finished (step {latest.step}); outputs in {stage_dir}")
         metrics = latest.state.get("metrics")
