@@ -911,9 +911,10 @@ def test_rollouts_of_the_wrong_shape_are_a_400_naming_the_row_and_a_nan_reward_i
             assert r.status_code == 400 and r.json()["detail"] == (
                 f"grpo/eval_trajectories/step_1/set.jsonl, line 2: {said}; {damaged}"), (row, r.text)
     stored = {"tokens": [1, 2], "prompt_length": 1, "logprobs": [0.0]}
-    for row, said in [({**stored, "tokens": 5}, ", experience 0: tokens is a whole number (5), not a list"),
+    unread = ": a stored experience does not read (ValueError: "  # rft.data.experience.Experience.from_dict's check
+    for row, said in [({**stored, "tokens": 5}, unread + "tokens is not a non-empty list of token ids (whole numbers))"),
                       ({**stored, "info": [1]}, ", experience 0: info is a list ([1]), not an object"),
-                      ({**stored, "loss_mask": ["1"]}, ', experience 0: an entry of loss_mask is a string ("1"), not a whole number'),
+                      ({**stored, "loss_mask": ["1"]}, unread + "loss_mask is not a list of whole numbers)"),
                       ({"tokens": [1]}, ": a stored experience does not read (TypeError: Experience.__init__() missing 2 "
                                         "required positional arguments: 'prompt_length' and 'logprobs')")]:
         (run / "grpo" / "experiences.jsonl").write_text(json.dumps(row) + "\n")

@@ -99,7 +99,7 @@ def _check_stored(e: Experience) -> None:
     for name, ok in (("logprobs", number), ("loss_mask", whole), ("token_versions", whole)):
         v = getattr(e, name)
         if not (isinstance(v, list) and all(map(ok, v))):
-            raise ValueError(f"{name} is not a list of numbers")
+            raise ValueError(f"{name} is not a list of {'numbers' if ok is number else 'whole numbers'}")
         if v and len(v) != e.response_length:
             raise ValueError(f"{name} has {len(v)} entries for the {e.response_length} response tokens (tokens after "
                              f"prompt_length {e.prompt_length}): one per response token, or none")

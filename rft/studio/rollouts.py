@@ -24,8 +24,8 @@ SORTS = {"": "stored order", "reward_desc": "reward, highest first", "reward_asc
 
 # the fields of a stored experience the page reads, and their types; a row of another shape (a
 # damaged file, or one rft did not write) is a 400 naming it: its text, list or object was a 500
-FIELDS = {"tokens": list, "prompt_length": int, "group_id": str, "task_id": str, "policy_version": int,
-          "info": dict, "loss_mask": list, "reward_parts": dict}
+# (tokens, prompt_length, loss_mask, logprobs, policy_version: Experience.from_dict checks them as it reads)
+FIELDS = {"group_id": str, "task_id": str, "info": dict, "reward_parts": dict}
 # an eval trajectory's fields and their types (null: absent); a message's content may be anything (shown as JSON)
 EVAL_FIELDS = {"messages": list, "reward": (int, float), "task_id": str, "group_id": str, "reward_parts": dict}
 JSON_NAMES = {int: "a whole number", float: "a number", str: "a string", list: "a list", dict: "an object", bool: "a boolean",
@@ -54,10 +54,6 @@ def experiences(path: Path, source: str) -> list:
             value = getattr(e, field)
             if not isinstance(value, kind) or isinstance(value, bool):
                 raise _not_of_rft(f"{source}, experience {n}", field, value, kind)
-        for field in ("tokens", "loss_mask"):
-            bad = [x for x in getattr(e, field) if type(x) is not int][:1]
-            if bad:
-                raise _not_of_rft(f"{source}, experience {n}", f"an entry of {field}", bad[0], int)
     return exps
 
 
