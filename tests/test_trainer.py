@@ -537,3 +537,20 @@ def test_an_update_whose_gradient_is_not_finite_is_skipped_and_a_diverged_run_st
         "applied (actor/skipped_updates) and the model cannot learn: the loss diverged. Lower "
         "algorithm.optimizer.lr or trainer.grad_clip, check the rewards and the model's scores, or resume from "
         "an earlier checkpoint.")
+
+
+@pytest.mark.slow  # a tiny trainer, two steps (~2 s)
+def test_a_run_shorter_than_the_divergence_limit_whose_every_update_was_skipped_stops():
+    # buffer.total_steps=2 < MAX_NONFINITE_STEPS (3): both steps' updates skipped used to end the
+    # run with exit 0 and the starting weights (a study loss returning NaN, on a short test run)
+    from rft.errors import RunError
+
+    t = make_trainer(128, ["buffer.total_steps=2"])
+    assert t.plan.total_steps == 2
+    t.model.lm_head.weight.register_hook(lambda g: g * float("nan"))
+    assert t.train_step(experiences())["actor/skipped_updates"] == 1  # one of two: not yet
+    with pytest.raises(RunError) as e:
+        t.train_step(experiences(seed=1))
+    assert str(e.value).startswith(
+        "the policy's gradient was not finite (NaN or inf) in every update of each of this run's 2 step(s), so none "
+        "was applied (actor/skipped_updates) and the model cannot learn")

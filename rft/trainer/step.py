@@ -286,10 +286,12 @@ class StepMixin:
         """A run whose every update was skipped (_apply) for MAX_NONFINITE_STEPS steps in a row stops."""
         every = bool(step.grad_norms) and step.skipped == len(step.grad_norms)
         self._nonfinite_steps = (getattr(self, "_nonfinite_steps", 0) + 1) if every else 0
-        if self._nonfinite_steps >= MAX_NONFINITE_STEPS:
+        # a run shorter than that stops too: it would end with exit 0 having applied no update
+        limit = min(MAX_NONFINITE_STEPS, self.plan.total_steps or MAX_NONFINITE_STEPS)
+        if self._nonfinite_steps >= limit:
+            span = f"the last {limit} steps" if limit == MAX_NONFINITE_STEPS else f"each of this run's {limit} step(s)"
             raise RunError(
-                f"the policy's gradient was not finite (NaN or inf) in every update of the last {MAX_NONFINITE_STEPS} "
-                f"steps, so none was applied (actor/skipped_updates) and the model cannot learn: the loss diverged. "
+                f"the policy's gradient was not finite (NaN or inf) in every update of {span}, so none was applied (actor/skipped_updates) and the model cannot learn: the loss diverged. "
                 f"Lower algorithm.optimizer.lr or trainer.grad_clip, check the rewards and the model's scores, or "
                 f"resume from an earlier checkpoint.")
 
