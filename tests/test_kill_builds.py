@@ -212,3 +212,59 @@ def test_a_copy_killed_before_its_checkpoint_then_trained_is_the_stages_own(tmp_
                 for m in rows]
 
     assert timeless(job.metrics) == timeless(read_metrics(first / "metrics.jsonl"))  # trained as the first did
+
+
+# ---------------------------------------------------------------- a run's record, rewritten at every run of its name
+
+def test_a_rerun_killed_while_it_rewrites_the_runs_record_leaves_the_record_whole(tmp_path, monkeypatch):
+    """Every run of a name writes <run>/.hydra/ again (a sweep resumed with hydra.sweep.dir runs its
+    finished jobs again). Written in place, a kill midway left config.yaml cut, which the report
+    still parsed: a plan of the stages before the cut (the warm-up read as the job's last stage, its
+    metrics as the job's result); an overrides.yaml cut at a line end groups the job with another
+    configuration. Each file is the old one or the new one, never a part."""
+    import builtins
+    import io
+
+    from conftest import compose_cfg
+    from rft.reporting.report import planned_stages
+    from rft.runtime import rundir
+
+    cfg = compose_cfg([f"checkpoint_root_dir={tmp_path}", "seed=3"])
+    run = tmp_path / "run"
+    rundir.write_record(cfg, run)
+    record = {p.name: p.read_text() for p in (run / ".hydra").iterdir()}
+    assert set(record) == {"config.yaml", "hydra.yaml", "overrides.yaml"}
+    assert planned_stages(run) == [("sft_warmup", 400), ("grpo", 60)]  # the default's two stages
+    real_open = builtins.open
+
+    class HalfThenKilled:  # a file whose first write stops halfway, killed
+        def __init__(self, f):
+            self.f = f
+
+        def write(self, text):
+            self.f.write(text[:len(text) // 2])
+            self.f.flush()
+            raise Killed
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+    for name in sorted(record):  # killed in the write of each file in turn
+        def killing_open(file, mode="r", *a, name=name, **k):
+            f = real_open(file, mode, *a, **k)
+            return HalfThenKilled(f) if "w" in mode and Path(file).name.startswith(name) else f
+
+        monkeypatch.setattr(builtins, "open", killing_open)
+        monkeypatch.setattr(io, "open", killing_open)  # OmegaConf.save's
+        with pytest.raises(Killed):
+            rundir.write_record(compose_cfg([f"checkpoint_root_dir={tmp_path}", "seed=3"]), run)
+        monkeypatch.setattr(builtins, "open", real_open)
+        monkeypatch.setattr(io, "open", real_open)
+        assert {n: (run / ".hydra" / n).read_text() for n in record} == record, name
+    assert planned_stages(run) == [("sft_warmup", 400), ("grpo", 60)]

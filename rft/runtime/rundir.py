@@ -403,11 +403,13 @@ def write_record(cfg, run_dir: Path) -> None:
 
     d = run_dir / ".hydra"
     d.mkdir(parents=True, exist_ok=True)
-    OmegaConf.save(cfg, d / "config.yaml")
+    # each file whole or not at all: every run of the name writes them again (a resumed sweep's
+    # finished jobs too), and one cut by a kill still parsed, as a plan of fewer stages or fewer overrides
+    manifest.write_atomic(d / "config.yaml", OmegaConf.to_yaml(cfg))
     if HydraConfig.initialized():
         hydra_cfg = HydraConfig.instance().cfg
-        OmegaConf.save(hydra_cfg, d / "hydra.yaml")
-        OmegaConf.save(hydra_cfg.hydra.overrides.task, d / "overrides.yaml")
+        manifest.write_atomic(d / "hydra.yaml", OmegaConf.to_yaml(hydra_cfg))
+        manifest.write_atomic(d / "overrides.yaml", OmegaConf.to_yaml(hydra_cfg.hydra.overrides.task))
 
 
 # ---------------------------------------------------------------- the stage cache
