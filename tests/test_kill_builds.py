@@ -268,3 +268,55 @@ def test_a_rerun_killed_while_it_rewrites_the_runs_record_leaves_the_record_whol
         monkeypatch.setattr(io, "open", real_open)
         assert {n: (run / ".hydra" / n).read_text() for n in record} == record, name
     assert planned_stages(run) == [("sft_warmup", 400), ("grpo", 60)]
+
+
+# ---------------------------------------------------------------- the sweep report
+
+@pytest.mark.parametrize("where", ["csv", "png"])
+def test_a_report_killed_while_it_writes_leaves_each_file_whole(tmp_path, monkeypatch, where):
+    """python -m rft.reporting.report over a sweep again, once more jobs ended, killed midway: a
+    report.csv cut after some rows (or empty: the open truncated it) read as a table of fewer jobs,
+    and a cut rewards.png as no picture. Each file is the earlier report's or the new one, whole."""
+    import csv as csv_module
+
+    import matplotlib.figure
+
+    from rft.reporting import report
+
+    def job(num, seed, rewards):
+        d = tmp_path / "sweep" / str(num)
+        (d / ".hydra").mkdir(parents=True)
+        (d / ".hydra" / "overrides.yaml").write_text(f"- seed={seed}\n")
+        (d / ".hydra" / "config.yaml").write_text("buffer: {total_steps: 2}\n")
+        (d / "metrics.jsonl").write_text("".join(json.dumps({"step": i + 1, "reward/mean": r}) + "\n"
+                                                 for i, r in enumerate(rewards)))
+
+    job(0, 1, [0.25, 0.5])
+    out = report.report(tmp_path / "sweep")
+    before = {k: p.read_bytes() for k, p in out.items()}
+    assert set(before) == {"md", "csv", "png"}
+    job(1, 2, [0.5, 0.75])
+
+    def killed_midway(real):
+        def write(self, *a, **k):
+            if where == "png":  # half of the picture reaches the file
+                path = a[0]
+                real(self, *a, **k)
+                Path(path).write_bytes(Path(path).read_bytes()[:100])
+            else:
+                real(self, *a[:1] and [list(a[0])[:1]], **k)  # the first row of two
+            raise Killed
+        return write
+
+    if where == "png":
+        monkeypatch.setattr(matplotlib.figure.Figure, "savefig", killed_midway(matplotlib.figure.Figure.savefig))
+    else:
+        monkeypatch.setattr(csv_module.DictWriter, "writerows", killed_midway(csv_module.DictWriter.writerows))
+    with pytest.raises(Killed):
+        report.report(tmp_path / "sweep")
+    after = {k: p.read_bytes() for k, p in out.items()}
+    assert after["png"] == before["png"]  # drawn last: the earlier one, whole
+    # job 1's final reward 0.75: in the new report, whole (report.md is written first, then report.csv)
+    assert after["csv"] == before["csv"] if where == "csv" else after["csv"].count(b"\r\n") == 4
+    assert b"| 1 | 2 |  | incomplete (no final checkpoint) | 2 | 0.750 |  |" in after["md"]
+    assert b"\r\n1,2,,incomplete (no final checkpoint),2,0.75,,,,,,\r\n" in after["csv"] or where == "csv"

@@ -40,8 +40,10 @@ from __future__ import annotations
 
 import argparse
 import csv
+import io
 import json
 import math
+import os
 import re
 import statistics
 import sys
@@ -530,7 +532,7 @@ def write_markdown(path: Path, sweep_dir: Path, jobs: list[Job], keys: list[str]
               + (" `n`: the seeds a configuration's values are over, its finished ones (a seed stopped midway "
                  "is in the table above, not in the mean; where none has finished, those with metrics); std "
                  "over them (N-1); a value over fewer (seeds that never logged the metric) says how many, `(2 of 3)`." if by_config else ""), ""]
-    path.write_text("\n".join(lines))
+    manifest.write_atomic(path, "\n".join(lines))
 
 
 def write_csv(path: Path, table: list[dict], by_config: list[dict]) -> None:
@@ -541,7 +543,9 @@ def write_csv(path: Path, table: list[dict], by_config: list[dict]) -> None:
         # a column some configuration averaged over fewer seeds than its n: how many, beside it
         fields += [f"{c} n" for c in dict.fromkeys(c for r in by_config for c, v in r.items()
                                                    if isinstance(v, tuple) and len(v) > 2)]
-    with open(path, "w", newline="") as f:
+    # the table in memory, then the file whole or not at all: a report run again over a sweep and killed
+    # midway left a report.csv of fewer rows (or none), which read as a table of fewer jobs
+    with io.StringIO(newline="") as f:
         w = csv.DictWriter(f, fieldnames=fields, restval="")
         w.writeheader()
         w.writerows({k: ("" if v is None else v) for k, v in r.items()} for r in table)
@@ -555,6 +559,7 @@ def write_csv(path: Path, table: list[dict], by_config: list[dict]) -> None:
                 else:
                     flat[c] = v
             w.writerow({k: ("" if v is None else v) for k, v in flat.items()})
+        manifest.write_atomic(path, f.getvalue())
 
 
 def mean_curve(js: list[Job], key: str) -> tuple[list[int], list[float], list[float], int] | None:
@@ -647,7 +652,8 @@ def report(sweep_dir: Path, stage: str | None = None, metrics: list[str] | str |
         print("rft.reporting.report: matplotlib is not installed, so no rewards.png (pip install matplotlib).", file=sys.stderr)
     else:
         out["png"] = sweep_dir / "rewards.png"
-        fig.savefig(out["png"], dpi=100)
+        fig.savefig(out["png"].with_name("rewards.png.tmp"), dpi=100, format="png")  # whole, or the earlier one
+        os.replace(out["png"].with_name("rewards.png.tmp"), out["png"])
     return out
 
 
