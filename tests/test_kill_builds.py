@@ -320,3 +320,25 @@ def test_a_report_killed_while_it_writes_leaves_each_file_whole(tmp_path, monkey
     assert after["csv"] == before["csv"] if where == "csv" else after["csv"].count(b"\r\n") == 4
     assert b"| 1 | 2 |  | incomplete (no final checkpoint) | 2 | 0.750 |  |" in after["md"]
     assert b"\r\n1,2,,incomplete (no final checkpoint),2,0.75,,,,,,\r\n" in after["csv"] or where == "csv"
+
+
+def test_a_bench_killed_while_it_writes_its_table_leaves_the_earlier_one_whole(tmp_path, monkeypatch):
+    """mode=bench again after more checkpoints were saved, killed while writing results.csv: the
+    table was cut (or emptied), read as fewer checkpoints evaluated."""
+    import csv as csv_module
+
+    from rft.runtime import bench
+
+    monkeypatch.setattr(bench, "_plot", lambda *a: False)  # the picture: as the report's (test above)
+    rows = [{"stage": "start", "step": 0, "checkpoint": "tiny", "eval/accuracy": 0.25},
+            {"stage": "grpo", "step": 2, "checkpoint": "step_2", "eval/accuracy": 0.5}]
+    bench._write(tmp_path, rows[:1])
+    before = {n: (tmp_path / n).read_bytes() for n in ("results.csv", "results.md")}
+
+    def killed_before_the_rows(self, rs):  # the header is written
+        raise Killed
+
+    monkeypatch.setattr(csv_module.DictWriter, "writerows", killed_before_the_rows)
+    with pytest.raises(Killed):
+        bench._write(tmp_path, rows)
+    assert {n: (tmp_path / n).read_bytes() for n in ("results.csv", "results.md")} == before

@@ -11,8 +11,11 @@ results.csv, one row per checkpoint, one column per eval taskset.
 from __future__ import annotations
 
 import csv
+import io
+import os
 from pathlib import Path
 
+from rft import manifest
 from rft.errors import ConfigError
 
 
@@ -70,14 +73,17 @@ def _write(out: Path, rows: list[dict]) -> None:
     """results.csv and results.md (a row per checkpoint, a column per set and metric), results.png."""
     out.mkdir(parents=True, exist_ok=True)
     columns = ["stage", "step"] + [k for k in rows[0] if k.startswith("eval/") and k != "eval/accuracy"] + ["checkpoint"]
-    with open(out / "results.csv", "w", newline="") as f:
+    # each file whole or not at all (in memory, then tmp, fsync, rename): a bench run again and killed
+    # while writing left a table cut short, read as fewer checkpoints evaluated
+    with io.StringIO(newline="") as f:
         w = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
         w.writeheader()
         w.writerows(rows)
+        manifest.write_atomic(out / "results.csv", f.getvalue())
     fmt = lambda v: f"{v:.3f}" if isinstance(v, float) else str(v)  # noqa: E731
     table = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     table += ["| " + " | ".join(fmt(r.get(c, "")) for c in columns) + " |" for r in rows]
-    (out / "results.md").write_text("\n".join(table) + "\n")
+    manifest.write_atomic(out / "results.md", "\n".join(table) + "\n")
     print("\n".join(table))
     plotted = _plot(out / "results.png", rows, columns)
     print(f"bench results: {out / 'results.md'}, {out / 'results.csv'}" + (f", {out / 'results.png'}" if plotted else ""))
@@ -105,6 +111,7 @@ def _plot(path: Path, rows: list[dict], columns: list[str]) -> bool:
         ax.set_title(name)
         ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=90)
+    fig.savefig(path.with_name(path.name + ".tmp"), dpi=90, format="png")
+    os.replace(path.with_name(path.name + ".tmp"), path)
     plt.close(fig)
     return True
