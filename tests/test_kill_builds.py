@@ -44,7 +44,6 @@ def files(d: Path) -> dict[str, bytes]:
     return {p.relative_to(d).as_posix(): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
 
 
-@pytest.mark.slow  # a child that imports rft's data module (~1.5 s)
 def test_generated_data_killed_as_its_manifest_is_renamed_is_built_whole_by_the_next_run(tmp_path, capsys):
     """The kill left arithmetic-v4.tmp/ holding manifest.json.tmp. The next build wrote into that
     folder as it found it and sealed it with the leftover listed among the data's files, then renamed
