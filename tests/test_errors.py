@@ -257,6 +257,14 @@ def test_empty_and_malformed_datasets_name_the_file_and_line(tmp_path):
     bad.write_text('{"question": "3+3" "answer": "6"}\n')
     assert f"line 1 of {bad} is not valid JSON (Expecting ',' delimiter at column 20)." in plan_error(
         tmp_path, *taskset(bad))
+    # a value nested 5,000 deep: json's RecursionError, which was a raw traceback (and a whole .json file too)
+    deep = '{"question": "4+4", "answer": "8", "x": ' + "[" * 5000 + "]" * 5000 + "}"
+    bad.write_text('{"question": "1+1", "answer": "2"}\n' + deep + "\n")
+    too_deep = "is not valid JSON (nested too deeply to read (more than about 1,000 levels of brackets))."
+    assert f"line 2 of {bad} {too_deep}" in plan_error(tmp_path, *taskset(bad))
+    whole = tmp_path / "deep.json"
+    whole.write_text("[" + deep + "]")
+    assert f"line 1 of {whole} {too_deep}" in plan_error(tmp_path, *taskset(whole))
 
 
 @pytest.mark.slow

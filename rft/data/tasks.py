@@ -559,6 +559,8 @@ def _first_bad_json_line(f: Path):
         try:
             json.loads(f.read_text())
             return None
+        except RecursionError:
+            return 1, TOO_DEEP
         except ValueError as e:
             return getattr(e, "lineno", 1), _json_why(e)  # a whole .json file: json's line is the file's
     with open(f) as fh:
@@ -567,9 +569,15 @@ def _first_bad_json_line(f: Path):
                 try:
                     if not isinstance(json.loads(line), dict):
                         return i, "not a JSON object"
+                except RecursionError:
+                    return i, TOO_DEEP
                 except ValueError as e:
                     return i, _json_why(e, line)
     return None
+
+
+# json's (and Python's) limit: a value nested deeper is a RecursionError, which no reader here expects
+TOO_DEEP = "nested too deeply to read (more than about 1,000 levels of brackets)"
 
 
 def _json_why(e: ValueError, line: str | None = None) -> str:
@@ -636,7 +644,10 @@ def mixed_kinds(rows, col: str, where: str, path: str, name: str) -> str | None:
     kinds: list = []
     if local.suffix == ".jsonl" and local.is_file():  # the values as written, before datasets' decoding
         with open(local, encoding="utf-8") as fh:
-            kinds = [_KINDS.get(type(json.loads(line).get(col)), "null") for line in fh if line.strip()]
+            try:
+                kinds = [_KINDS.get(type(json.loads(line).get(col)), "null") for line in fh if line.strip()]
+            except RecursionError:  # a row nested too deep for json: the kinds are not placed by row
+                kinds = []
     rows_kinds = [(i, k) for i, k in enumerate(kinds) if k != "null"]
     texts = sum(k == "text" for _, k in rows_kinds)
     if kinds and not texts:  # numbers and lists, say: no text for datasets to turn into another value
