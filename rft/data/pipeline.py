@@ -244,7 +244,23 @@ def cached_report(cfg) -> dict | None:
     d = output_dir(cfg)
     if not (d / "report.json").is_file() or manifest.verify(d) is not None:
         return None
-    return json.loads((d / "report.json").read_text())
+    return _read_report(d)
+
+
+def _read_report(d: Path) -> dict | None:
+    """<d>/report.json, or None when it is not a report this module wrote. Its manifest matching
+    is not enough: one sealed again by hand (or by an rft whose report differs) may hold anything,
+    such as brackets nested ten thousand deep (json's RecursionError) or a list."""
+    try:
+        r = json.loads((d / "report.json").read_text())
+    except (OSError, ValueError, RecursionError):  # OSError: moved aside by another run between the checks
+        return None
+    steps = r.get("operators") if isinstance(r, dict) else None
+    if not (isinstance(steps, list) and isinstance(r.get("rows"), int) and isinstance(r.get("input"), str)
+            and all(isinstance(s, dict) and isinstance(s.get("name"), str) and isinstance(s.get("args"), dict)
+                    and isinstance(s.get("rows_in"), int) and isinstance(s.get("rows_out"), int) for s in steps)):
+        return None
+    return r
 
 
 def taskset_of(cfg, before_run: bool = False):
@@ -291,7 +307,12 @@ def run_task_pipeline(cfg, pass_rates=None, say=print) -> dict:
     d.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(d) + ".lock"):
         if manifest.whole(d, "task pipeline output") and (d / "report.json").is_file():
-            return {**json.loads((d / "report.json").read_text()), "cached": True}
+            report = _read_report(d)
+            if report is not None:
+                return {**report, "cached": True}
+            aside = manifest.put_aside(d, "damaged")  # built again, as a damaged file the manifest catches
+            say(f"warning: the task pipeline output in {d} is damaged (its report.json is not one rft writes); "
+                f"moved it to {aside.name} and building it again")
         rows = [dict(r) for r in load_rows(ts.path, ts.split, ts.subset_name, key="buffer.explorer_input.taskset.path")]
         ctx = TaskContext(text=_row_text(ts.format), pass_rates=pass_rates)
         report = {"input": str(ts.path), "split": ts.split, "rows": len(rows), "output": str(d / "train.jsonl"),

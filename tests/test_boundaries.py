@@ -1,0 +1,68 @@
+"""What rft reads at its boundaries, crafted or damaged: the task pipeline's cached report, a sweep's
+multirun.yaml, a sharded model's index, a reward server's request body, a study's module names, a
+user's experience operator; and what a kill midway or an early Slurm warning leaves behind."""
+
+import json
+
+import pytest
+from omegaconf import OmegaConf
+
+from rft import manifest
+from rft.config import Config
+from rft.errors import ConfigError, RunError
+
+# ---------------------------------------------------------------- the task pipeline's cached report
+
+
+def pipeline_config(tmp_path):
+    cfg = OmegaConf.structured(Config)
+    cfg.cache_dir = str(tmp_path / "cache")
+    cfg.model.model_path = str(tmp_path / "model")
+    cfg.buffer.explorer_input.taskset.path = str(tmp_path / "tasks.jsonl")
+    (tmp_path / "tasks.jsonl").write_text("".join(json.dumps({"question": q, "answer": "1"}) + "\n"
+                                                  for q in ["1+1", "12+34"]))
+    return OmegaConf.merge(cfg, {"data_processor": {"task_pipeline": {"operators": [{"name": "document_deduplicator"}]}}})
+
+
+def sealed_output(cfg, report_text: str):
+    """The pipeline's output folder for `cfg`, its report.json `report_text`, sealed as rft seals it:
+    what a hand edit followed by a new manifest (or another rft's report) leaves."""
+    from rft.data.pipeline import output_dir
+
+    d = output_dir(cfg)
+    d.mkdir(parents=True)
+    (d / "train.jsonl").write_text(json.dumps({"question": "1+1", "answer": "1"}) + "\n")
+    (d / "report.json").write_text(report_text)
+    manifest.seal(d, {"built": "task pipeline output"})
+    return d
+
+
+@pytest.mark.parametrize("text", ["[" * 100_000 + "]" * 100_000,  # json: RecursionError
+                                  "[1, 2]",                         # not a dict: {**report} a TypeError
+                                  '{"rows": 2}',                    # no operators: format_report a KeyError
+                                  '{"rows": 2, "input": "t", "operators": [{"name": "x"}]}'])
+def test_a_sealed_report_that_rft_did_not_write_is_not_cached(tmp_path, text):
+    from rft.data.pipeline import cached_report, describe_rows
+
+    cfg = pipeline_config(tmp_path)
+    sealed_output(cfg, text)
+    assert cached_report(cfg) is None
+    # the dry run says it has not run yet (it is made again when the run starts)
+    assert "not run yet" in describe_rows(cfg)[0][1]
+
+
+@pytest.mark.slow  # ~1.5 s, importing `datasets` (which reads the rows)
+def test_the_pipeline_builds_again_over_a_sealed_report_it_cannot_read(tmp_path):
+    from rft.data.pipeline import cached_report, run_task_pipeline
+
+    cfg = pipeline_config(tmp_path)
+    d = sealed_output(cfg, "[" * 100_000)
+    said = []
+    report = run_task_pipeline(cfg, say=said.append)
+    # built again: 2 rows in, none the same, 2 out; the damaged folder kept beside it
+    assert not report["cached"] and report["rows"] == 2 and report["operators"][0]["rows_out"] == 2
+    assert cached_report(cfg)["rows"] == 2
+    aside = [p for p in d.parent.iterdir() if p.name.startswith(d.name + ".damaged-")]
+    assert len(aside) == 1 and (aside[0] / "report.json").read_text() == "[" * 100_000
+    assert said[0] == (f"warning: the task pipeline output in {d} is damaged (its report.json is not one rft "
+                       f"writes); moved it to {aside[0].name} and building it again")
