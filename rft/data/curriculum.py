@@ -10,7 +10,8 @@ all wrong has none); eps keeps every task drawable, as a pass rate of 0 or 1 ove
 may be luck.
 
 It lives in the driver (rft.runtime.schedule.Schedule): it learns from each explore step's
-experiences as they are collected, in step order, and draws a step's tasks when that step is
+experiences as they are collected, in step order (and from the drawn tasks that left none: a failed
+task's rollouts are fails), and draws a step's tasks when that step is
 submitted, from a generator seeded by (seed, step). Collects and submissions happen at points the
 config fixes, so the draws are a function of the config; its state (the outcomes it holds) is
 saved in the checkpoint, and a resumed run draws what an uninterrupted one would.
@@ -19,6 +20,21 @@ saved in the checkpoint, and a resumed run draws what an uninterrupted one would
 from __future__ import annotations
 
 from rft.data.readers import step_seed
+
+
+def rollout_outcomes(exps: list, threshold: float) -> list[tuple[str, int]]:
+    """Each rollout's (task id, 1 if it passed else 0), in order: an openai_agent run of several
+    experiences (one `info["rollout"]`, one reward) is one outcome, not one each."""
+    runs, out = set(), []
+    for e in exps:
+        run = (e.group_id, e.info.get("rollout")) if "rollout" in e.info else None
+        if run is not None and run in runs:
+            continue
+        runs.add(run)
+        # solved as the reward function judged it: DAPO's overlong penalty (the part `overlong`,
+        # weight 1, added by the explorer) made a right answer near the length limit a fail
+        out.append((e.task_id, int(e.reward - e.reward_parts.get("overlong", 0.0) >= threshold)))
+    return out
 
 
 class OnlineCurriculum:
@@ -33,21 +49,17 @@ class OnlineCurriculum:
         name, _, row = task_id.rpartition("/")
         return int(row) if name == self.name and row.isdigit() and int(row) < self.n else None
 
-    def observe(self, exps: list) -> None:
-        """Record each rollout's outcome against its task, in the order given: an openai_agent run of
-        several experiences (one `info["rollout"]`, one reward) is one outcome, not one each."""
-        runs = set()
-        for e in exps:
-            row = self._row(e.task_id)
-            run = (e.group_id, e.info.get("rollout")) if "rollout" in e.info else None
-            if run is not None and run in runs:
-                continue
-            runs.add(run)
+    def observe(self, exps: list, unreturned: list | None = None) -> None:
+        """Record each rollout's outcome against its task, in the order given: the step's experiences,
+        then `unreturned`, the (task id, passed) of the rollouts of tasks drawn whose experiences the
+        step does not hold (rft.rollout.explorer: a failed task's, each a fail; a group dynamic
+        sampling dropped, as it scored): else a task that always fails would keep p = 0.5, the top
+        priority, and be drawn again and again."""
+        for task_id, passed in [*rollout_outcomes(exps, self.threshold), *(unreturned or [])]:
+            row = self._row(task_id)
             if row is not None:
                 seen = self.outcomes.setdefault(row, [])
-                # solved as the reward function judged it: DAPO's overlong penalty (the part `overlong`,
-                # weight 1, added by the explorer) made a right answer near the length limit a fail
-                seen.append(int(e.reward - e.reward_parts.get("overlong", 0.0) >= self.threshold))
+                seen.append(int(passed))
                 del seen[:-self.window]
 
     def pass_rate(self, row: int) -> float | None:

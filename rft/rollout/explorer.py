@@ -19,6 +19,7 @@ import threading
 import time
 
 from rft.algorithms.shaping import apply_overlong
+from rft.data.curriculum import rollout_outcomes
 from rft.data.readers import budget_report, epoch_batch, prompt_ids, step_seed
 from rft.data.pipeline import keeps_order, taskset_of
 from rft.data.tasks import load_tasks
@@ -436,12 +437,15 @@ class Explorer(WeightsMixin):
         check_output(out, tasks, name)
         return out
 
-    def _rollouts(self, tasks, n: int, step: int, salt: int, counters: dict) -> list[list]:
-        """Training rollouts, reward-shaped, as one list per task (a group); failed tasks left out."""
+    def _rollouts(self, tasks, n: int, step: int, salt: int, counters: dict, lost: list) -> list[list]:
+        """Training rollouts, reward-shaped, as one list per task (a group); failed tasks (and those
+        over_rollout dropped) left out, and n failed rollouts each added to `lost` (rollout_outcomes')."""
         ts, algo = self.cfg.buffer.explorer_input.taskset, self.cfg.algorithm
         ratio = self.cfg.explorer.over_rollout.ratio
         min_done = math.ceil((1 - ratio) * len(tasks)) if ratio > 0 else None
-        groups = [g for g in self._run(ts, self.scorer, tasks, n, step, salt, counters, min_done) if g is not None]
+        out = self._run(ts, self.scorer, tasks, n, step, salt, counters, min_done)
+        lost += [(task.task_id, 0) for task, g in zip(tasks, out) if g is None for _ in range(n)]
+        groups = [g for g in out if g is not None]
         counters["generated"] = counters.get("generated", 0) + n * len(tasks)  # asked for, kept or not: its cost
         apply_overlong([e for g in groups for e in g], algo, ts.rollout_args.max_tokens or self.cfg.model.max_response_tokens)
         return groups
@@ -457,7 +461,8 @@ class Explorer(WeightsMixin):
         if self.partial is not None:
             return self._explore_partial(step, n, salt, counters, t0, busy0)
         tasks = self.tasks_for_step(step) if rows is None else [self.taskset[i] for i in rows[self.shard :: self.num_shards]]
-        groups = self._rollouts(tasks, n, step, salt, counters)
+        lost: list = []  # the outcomes of rollouts the step's experiences will not hold
+        groups = self._rollouts(tasks, n, step, salt, counters, lost)
         tries = 1
         max_tries = self.cfg.algorithm.dynamic_sampling_max_tries
         if max_tries > 1:
@@ -468,12 +473,18 @@ class Explorer(WeightsMixin):
             flat = [g for g in groups if _flat(g)]
             while len(keep) < len(tasks) and tries < max_tries:
                 rng = random.Random(step_seed(self.cfg.seed, step, salt=100 + tries + salt))
-                more = self._rollouts(rng.sample(self.taskset, len(tasks)), n, step, 100 + tries + salt, counters)
+                more = self._rollouts(rng.sample(self.taskset, len(tasks)), n, step, 100 + tries + salt, counters, lost)
                 keep += [g for g in more if not _flat(g)]
                 flat += [g for g in more if _flat(g)]
                 tries += 1
             groups = (keep + flat)[: len(tasks)]
+            dropped = [e for g in (keep + flat)[len(tasks):] for e in g]
+            lost += rollout_outcomes(dropped, self.cfg.buffer.explorer_input.taskset.pass_threshold)
         counters["sampling_tries"] = tries
+        if rows is not None:
+            # the online curriculum's draw: it learns of every task it drew, also of those the
+            # experiences leave out (rft/data/curriculum.py OnlineCurriculum.observe)
+            counters["unreturned"] = lost
         return self._explored(groups, counters, t0, busy0)
 
     def _explored(self, groups: list, counters: dict, t0: float, busy0: float):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from rft.config import fixed_policy
@@ -33,6 +33,8 @@ class Pending:
     t0: float
     # the task rows the online curriculum drew for it (rft/data/curriculum.py); None: the explorers' own
     rows: list | None = None
+    # with `rows`: the (task id, passed) of its rollouts that left no experience (a failed task's), from all explorers
+    unreturned: list = field(default_factory=list)
 
     @property
     def args(self) -> tuple:
@@ -88,15 +90,17 @@ class ExplorerPool:
         explorers, and the last error one of them recorded."""
         self.finish_sync()  # an explore after a failed sync ran on the old weights: it must not count
         p = self.pending[0]  # still pending while its results are taken: a restart redoes it (_redo_explores)
-        exps, counters, last_error = [], {}, None
+        exps, counters, last_error, unreturned = [], {}, None, []
         for i, f in enumerate(p.futures):
             e, c = self._result(i, f, "explore", *p.args, version=p.version)
             if "partial_state" in c:
                 self.partial_states[i] = c.pop("partial_state")
+            unreturned += c.pop("unreturned", [])  # not a count: for the curriculum
             exps += e
             last_error = c.pop("last_error", None) or last_error
             for k, v in c.items():  # a peak is the largest, not a sum
                 counters[k] = max(counters.get(k, 0), v) if k.startswith("max_") else counters.get(k, 0) + v
+        p.unreturned = unreturned
         self.pending.popleft()
         return p, exps, counters, last_error
 

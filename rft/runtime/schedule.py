@@ -131,7 +131,7 @@ class Schedule:
         p, exps, counters, last_error = self.pool.collect()
         m = step_metrics(exps, counters, len(p.futures))
         if self.curriculum is not None:  # the pass rates of the rewards as the reward function gave them
-            self.curriculum.observe(exps)
+            self.curriculum.observe(exps, p.unreturned)  # and of the tasks drawn that left no experience
             m.update(self.curriculum.metrics())
         # parts marked normalize: true (rft/rewards/scoring.py), in step order: a resumed run normalises the same
         m.update(self.reward_norm.apply(exps))
