@@ -11,7 +11,7 @@ from conftest import compose_cfg
 
 from rft.errors import ConfigError
 from rft.rewards.eval_metrics import eval_metrics, majority, pass_at_k
-from rft.rewards.verifiers import answer_of
+from rft.rewards.verifiers import answer_of, same_answer
 
 
 @pytest.mark.parametrize("k, want", [(1, 0.4), (2, 0.7), (3, 0.9), (4, 1.0), (5, 1.0)])
@@ -35,6 +35,52 @@ def test_a_tied_vote_goes_to_the_answer_sampled_first_and_unanswered_samples_do_
     assert majority(["7", "8", "8", "7", None]) == 0  # 7 and 8 twice each: 7 came first
     assert majority([None, "8", "7", "7"]) == 2  # 7 twice
     assert majority([None, None]) is None
+
+
+def test_maj_at_n_votes_answers_the_verifier_calls_equal_together():
+    """math: 1/2, 0.5 and \\frac{1}{2} are one answer (math_verify), 0.3 another. Samples (reward):
+    0.3 (0), 1/2 (1), 0.3 (0), 0.5 (1), \\frac{1}{2} (1). As strings 0.3 has 2 votes and the others
+    1: the vote is 0.3, wrong, maj@5 0. As the verifier judges: one half has 3 votes, 0.3 has 2: the
+    vote is sample 1's 1/2, right, maj@5 1."""
+    same = same_answer("math")
+    answers, rewards = ["0.3", "1/2", "0.3", "0.5", r"\frac{1}{2}"], [0.0, 1.0, 0.0, 1.0, 1.0]
+    assert majority(answers) == 0 and majority(answers, same) == 1
+    assert eval_metrics([(rewards, answers, None)], [1], 1.0, "e")["e/maj@5"] == 0.0  # strings: the defect
+    assert eval_metrics([(rewards, answers, None)], [1], 1.0, "e", same)["e/maj@5"] == 1.0
+    # a tie between two answers of 2 votes each goes to the answer sampled first: 2 (as 4/2) before one
+    # half, whichever form came first; as strings 4 answers of one vote each, the same first sample
+    assert majority(["0.5", "4/2", "1/2", "2"], same) == 0 and majority(["4/2", "0.5", "2", "1/2"], same) == 0
+    # the vote is the answer's first sample; samples without an answer do not vote, also beside equal forms
+    assert majority([None, "7", "0.5", None, "1/2", "7.0", "7"], same) == 1  # 7: 3 votes; one half: 2
+    assert majority([None, None], same) is None
+    # countdown: 3+7 and 7+3 use the same numbers to the same value; 1+9 other numbers: as strings
+    # three answers of one vote (the first, 1+9); as the verifier judges, 3+7 with 2 votes
+    cd = same_answer([{"fn": "countdown", "weight": 1.0, "args": {"integer_steps": True}}])
+    assert majority(["1+9", "3+7", "7+3"]) == 0 and majority(["1+9", "3+7", "7+3"], cd) == 1
+    # exact_match and last_number compare their answers as strings, as their verifiers do
+    assert not same_answer("exact_match")("2", "4/2") and not same_answer("last_number")("2.0", "4/2")
+
+
+def test_an_eval_sets_maj_at_n_votes_as_its_verifier_judges():
+    """paper_metrics over a math set of 2 tasks, n = 3 (the answers the math reward reads): task A
+    says \\boxed{0.5}, \\boxed{7}, \\boxed{1/2} (rewards 1, 0, 1): one half 2 votes, right; task B
+    says \\boxed{9}, \\boxed{2/4}, \\boxed{\\frac12} (0, 1, 1): one half 2 votes, right. maj@3 = 1
+    (as strings each task's 3 answers tie, the first sample wins: A right, B wrong, 0.5)."""
+    from rft.data.experience import Experience
+    from rft.rewards.eval_metrics import paper_metrics
+
+    def group(task, pairs):
+        return [Experience([0, 1], 1, [], reward=r, task_id=task, group_id=task, info={"response": rf"so \boxed{{{a}}}"})
+                for a, r in pairs]
+
+    ts = SimpleNamespace(name="m", repeat_times=3, pass_k=[1], group_by=None, pass_threshold=1.0, workflow="single_turn")
+    tasks = [SimpleNamespace(task_id="m/0", row={}), SimpleNamespace(task_id="m/1", row={})]
+    groups = [group("m/0", [("0.5", 1.0), ("7", 0.0), ("1/2", 1.0)]),
+              group("m/1", [("9", 0.0), ("2/4", 1.0), (r"\frac12", 1.0)])]
+    assert paper_metrics(ts, tasks, groups, "math", "eval/m")["eval/m/maj@3"] == 1.0
+    votes = [([e.reward for e in g], [answer_of("math", e.info["response"]) for e in g], None) for g in groups]
+    assert votes[1][1] == ["9", "2/4", r"\frac12"]
+    assert eval_metrics(votes, [1], 1.0, "eval/m")["eval/m/maj@3"] == 0.5  # as strings
 
 
 def test_metrics_of_two_tasks_with_standard_errors_and_groups():

@@ -10,8 +10,11 @@ Per eval set, over its tasks (a task's samples are its group):
              on Code"), for every k the set asks (`pass_k`, each <= n)
     maj@n    the mean over tasks of whether the majority answer is correct: the answers are what
              the set's verifier reads from a response (`rft.rewards.verifiers.ANSWERS`; the
-             stripped response for a reward without one); a tie goes to the answer sampled first;
-             samples without an answer do not vote
+             stripped response for a reward without one), and two answers its verifier judges
+             equal are one (`rft.rewards.verifiers.same_answer`: for `math`, `1/2`, `0.5` and
+             `\\frac{1}{2}` vote together; for `countdown`, `3+7` and `7+3`; else equal strings);
+             the vote's answer is its first sample's, and a tie goes to the answer sampled
+             first; samples without an answer do not vote
 
 Each comes with its standard error over tasks (`<metric>_se`: the sample standard deviation of the
 per-task values over sqrt(tasks); 0 with one task), and, with the set's `group_by` naming a task
@@ -35,23 +38,35 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
 
 
-def majority(answers: list) -> int | None:
-    """The index of the sample whose answer the most samples gave (ties: the one sampled first);
-    None answers do not vote; None when no sample has an answer."""
-    counts = Counter(a for a in answers if a is not None)
-    if not counts:
+def majority(answers: list, same=None) -> int | None:
+    """The index of the first sample of the answer the most samples gave (ties: the answer sampled
+    first); None answers do not vote; None when no sample has an answer. `same(a, b)`: whether two
+    answers are one (the verifier's judgement, rft.rewards.verifiers.same_answer; None: equal
+    strings): each answer joins the first answer sampled before it that it equals."""
+    firsts: list[int] = []  # each distinct answer's first sample, in sampling order
+    vote_of: dict = {}  # answer -> the first sample of the answer it is (one judgement per string)
+    votes: Counter = Counter()
+    for i, a in enumerate(answers):
+        if a is None:
+            continue
+        if a not in vote_of:
+            vote_of[a] = next((f for f in firsts if same is not None and same(answers[f], a)), i)
+            if vote_of[a] == i:
+                firsts.append(i)
+        votes[vote_of[a]] += 1
+    if not votes:
         return None
-    top = max(counts.values())
-    return next(i for i, a in enumerate(answers) if a is not None and counts[a] == top)
+    top = max(votes.values())
+    return next(f for f in firsts if votes[f] == top)
 
 
-def task_values(rewards: list[float], answers: list, ks: list[int], threshold: float) -> dict[str, float]:
-    """One task's values of every metric, from its samples' rewards and answers."""
+def task_values(rewards: list[float], answers: list, ks: list[int], threshold: float, same=None) -> dict[str, float]:
+    """One task's values of every metric, from its samples' rewards and answers (`same`: majority's)."""
     n, c = len(rewards), sum(r >= threshold for r in rewards)
     values = {f"mean@{n}": sum(rewards) / n, f"best@{n}": max(rewards)}
     for k in ks:
         values[f"pass@{k}"] = pass_at_k(n, c, k)
-    chosen = majority(answers)
+    chosen = majority(answers, same)
     values[f"maj@{n}"] = float(chosen is not None and rewards[chosen] >= threshold)
     return values
 
@@ -67,10 +82,11 @@ def summarize(per_task: list[dict[str, float]], prefix: str) -> dict[str, float]
 
 
 def eval_metrics(samples: list[tuple[list[float], list, str | None]], ks: list[int], threshold: float,
-                 prefix: str) -> dict[str, float]:
+                 prefix: str, same=None) -> dict[str, float]:
     """`samples`: per task, (its samples' rewards, their answers, its group as "<column>=<value>" or
-    None). A failed task counts as n samples of reward 0 without answers (as the accuracy counts it)."""
-    per_task = [task_values(r, a, ks, threshold) for r, a, _ in samples]
+    None); `same`: whether two answers are one vote (None: equal strings). A failed task counts as n
+    samples of reward 0 without answers (as the accuracy counts it)."""
+    per_task = [task_values(r, a, ks, threshold, same) for r, a, _ in samples]
     out = summarize(per_task, prefix)
     for value in sorted({g for _, _, g in samples if g is not None}, key=str):
         mine = [v for v, (_, _, g) in zip(per_task, samples) if g == value]
@@ -104,7 +120,7 @@ def paper_metrics(ts, tasks: list, groups: list, reward_spec, prefix: str) -> di
     """An eval set's metrics above from what the workflow returned (`groups`, one per task, None
     for a failed task): {} for a set of one greedy sample per task without pass_k or group_by,
     whose accuracy says it all."""
-    from rft.rewards.verifiers import answer_of
+    from rft.rewards.verifiers import answer_of, same_answer
 
     n = ts.repeat_times or 1
     if n == 1 and not ts.pass_k and not ts.group_by:
@@ -121,4 +137,4 @@ def paper_metrics(ts, tasks: list, groups: list, reward_spec, prefix: str) -> di
                 f"and the set asks for {n} (its repeat_times): a workflow returns at most n rollouts per task (an "
                 f"openai_agent run of several calls is one, by its info['rollout']).")
         samples.append(([r for r, _ in runs], [None if t is None else answer_of(reward_spec, t) for _, t in runs], label))
-    return eval_metrics(samples, list(ts.pass_k), ts.pass_threshold, prefix)
+    return eval_metrics(samples, list(ts.pass_k), ts.pass_threshold, prefix, same_answer(reward_spec))

@@ -222,21 +222,26 @@ def math(prompt: str, response: str, task, timeout_seconds: float = 10.0) -> flo
     """
     if task.answer is None or response is None:
         return 0.0
-    reference, response = str(task.answer), str(response)
-    _require_math_verify()  # not installed: an error, not rewards of 0
-    if threading.current_thread() is threading.main_thread():
-        score, late = _timed_score(reference, response, _op_timeout(timeout_seconds))
-    else:
-        try:
-            score, late = _WORKERS.call([reference, response, _op_timeout(timeout_seconds)], timeout_seconds) or [0.0, False]
-        except TimeoutError:  # past its time: the child is killed, the answer not accepted
-            score, late = 0.0, True
-        except NoWorker as e:
-            log.warning("math reward: %s; scoring in this thread, without a timeout", e)
-            return _guarded(reference, response, None)
+    score, late = _math_call(str(task.answer), str(response), timeout_seconds)
     if late:
         _TIMEOUTS.add(timeout_seconds)
     return float(score)
+
+
+def _math_call(reference: str, response: str, timeout_seconds: float) -> tuple[float, bool]:
+    """(the math score, whether a timeout made it 0), bounded as `math` says."""
+    _require_math_verify()  # not installed: an error, not rewards of 0
+    if threading.current_thread() is threading.main_thread():
+        score, late = _timed_score(reference, response, _op_timeout(timeout_seconds))
+        return score, late
+    try:
+        score, late = _WORKERS.call([reference, response, _op_timeout(timeout_seconds)], timeout_seconds) or [0.0, False]
+    except TimeoutError:  # past its time: the child is killed, the answer not accepted
+        return 0.0, True
+    except NoWorker as e:
+        log.warning("math reward: %s; scoring in this thread, without a timeout", e)
+        return _guarded(reference, response, None), False
+    return score, late
 
 
 _TIMEOUTS = _Timeouts()
@@ -410,12 +415,57 @@ def _reasoning_gym_answer(response: str) -> str | None:
     return (response if tagged is None else tagged).strip() or None
 
 
+def _same_math(a: str, b: str, timeout_seconds: float = 10.0) -> bool:
+    """The math reward's judgement: `b` (as a response's last box) equals `a` (as the reference):
+    `1/2`, `0.5` and `\\frac{1}{2}` are one answer. A comparison that runs out of time is "not the
+    same" (and not counted as a reward's timeout)."""
+    return _math_call(a, "\\boxed{" + b + "}", timeout_seconds)[0] == 1.0
+
+
+def _same_countdown(a: str, b: str, integer_steps: bool = False) -> bool:
+    """The countdown reward scores two expressions alike on every task when they use the same
+    numbers and have the same value: `3+7` and `7+3` are one answer."""
+    def key(expression: str):
+        try:
+            used = sorted(_countdown_tree(expression)[1])
+        except (_CountdownError, RecursionError):
+            return None
+        value = countdown_value(expression, integer_steps)
+        return None if value is None else (used, value)
+
+    return key(a) is not None and key(a) == key(b)
+
+
+# reward name -> whether two answers it reads (ANSWERS) are one, as its verifier judges them: maj@n's
+# votes go together (rft/rewards/eval_metrics.py); a reward not named here compares the answers as
+# strings (exact_match's verifier does; last_number's answer is its number already normalised)
+SAME_ANSWER = {"math": _same_math, "countdown": _same_countdown}
+
+
+def _first_part(spec) -> tuple[str | None, dict]:
+    """The reward `spec`'s name and args: a name's, or of parts the first part's."""
+    if isinstance(spec, str):
+        return spec, {}
+    if isinstance(spec, list) and spec and isinstance(spec[0], dict):
+        return spec[0].get("fn"), dict(spec[0].get("args") or {})
+    return None, {}
+
+
 def answer_of(spec, response: str) -> str | None:
     """The answer a response gives, as the reward `spec` (a name, or parts: the first part's fn)
     reads it; None for none, a blank one too (maj@n: blank responses must not outvote an answer)."""
-    name = spec if isinstance(spec, str) else (spec[0].get("fn") if isinstance(spec, list) and spec and
-                                                isinstance(spec[0], dict) else None)
-    return ANSWERS.get(name, lambda r: r.strip())(response) or None
+    return ANSWERS.get(_first_part(spec)[0], lambda r: r.strip())(response) or None
+
+
+def same_answer(spec):
+    """`same(a, b)`: whether answers a and b (answer_of's, not None) are one vote of maj@n, as the
+    reward `spec`'s verifier (a name, or parts: the first part's, with its args) judges them equal;
+    equal strings always are."""
+    name, args = _first_part(spec)
+    judge = SAME_ANSWER.get(name)
+    if judge is None:
+        return lambda a, b: a == b
+    return lambda a, b: a == b or judge(a, b, **args)
 
 
 _HERE = "rft.rewards.verifiers."
