@@ -61,6 +61,28 @@ def test_maj_at_n_votes_answers_the_verifier_calls_equal_together():
     assert not same_answer("exact_match")("2", "4/2") and not same_answer("last_number")("2.0", "4/2")
 
 
+def test_maj_at_n_asks_the_verifier_only_where_the_vote_can_change_the_value():
+    """With no sample passing the vote cannot pick a passing one (maj 0), with every sample passing it
+    cannot pick a failing one (maj 1, when any sample answered): the verifier's comparisons (~6 ms
+    each for math, n(n-1)/2 of them for an untrained model's n different answers) are skipped there."""
+    from rft.rewards.eval_metrics import task_values
+
+    calls = []
+
+    def same(a, b):
+        calls.append((a, b))
+        return a == b
+
+    wrong, right = [0.0] * 4, [1.0] * 4
+    assert task_values(wrong, ["1", "2", "3", "4"], [], 1.0, same)["maj@4"] == 0.0 and calls == []
+    assert task_values(right, ["1", "2", "3", "4"], [], 1.0, same)["maj@4"] == 1.0 and calls == []
+    assert task_values(right, [None] * 4, [], 1.0, same)["maj@4"] == 0.0  # no answer: no vote, as before
+    # mixed: the vote is judged. 1, 2, 2, 3 with only the 2s passing: 2 has 2 votes, right; compared
+    # 2 with 1, then 3 with 1 and 2 (the second 2 is the same string: judged once)
+    assert task_values([0.0, 1.0, 1.0, 0.0], ["1", "2", "2", "3"], [], 1.0, same)["maj@4"] == 1.0
+    assert calls == [("1", "2"), ("1", "3"), ("2", "3")]
+
+
 def test_an_eval_sets_maj_at_n_votes_as_its_verifier_judges():
     """paper_metrics over a math set of 2 tasks, n = 3 (the answers the math reward reads): task A
     says \\boxed{0.5}, \\boxed{7}, \\boxed{1/2} (rewards 1, 0, 1): one half 2 votes, right; task B

@@ -66,8 +66,12 @@ def task_values(rewards: list[float], answers: list, ks: list[int], threshold: f
     values = {f"mean@{n}": sum(rewards) / n, f"best@{n}": max(rewards)}
     for k in ks:
         values[f"pass@{k}"] = pass_at_k(n, c, k)
-    chosen = majority(answers, same)
-    values[f"maj@{n}"] = float(chosen is not None and rewards[chosen] >= threshold)
+    # the vote is judged only where it can matter: with no sample passing (an untrained model's
+    # answers, all different: n(n-1)/2 of the verifier's comparisons, ~6 ms each for math) the
+    # majority cannot pass, and with every sample passing it cannot fail
+    chosen = majority(answers, same) if 0 < c < n else None
+    values[f"maj@{n}"] = float(c == n and any(a is not None for a in answers)
+                               or chosen is not None and rewards[chosen] >= threshold)
     return values
 
 
