@@ -66,3 +66,59 @@ def test_the_pipeline_builds_again_over_a_sealed_report_it_cannot_read(tmp_path)
     assert len(aside) == 1 and (aside[0] / "report.json").read_text() == "[" * 100_000
     assert said[0] == (f"warning: the task pipeline output in {d} is damaged (its report.json is not one rft "
                        f"writes); moved it to {aside[0].name} and building it again")
+
+
+# ---------------------------------------------------------------- a sweep's multirun.yaml
+
+BASIC = "hydra._internal.core_plugins.basic_sweeper.BasicSweeper"
+
+
+def multirun(tmp_path, params: str, task: str = "[]"):
+    """A sweep directory with one job done (its overrides only) and `multirun.yaml` of `params`."""
+    d = tmp_path / "sweep"
+    (d / "0" / ".hydra").mkdir(parents=True)
+    (d / "0" / ".hydra" / "overrides.yaml").write_text("- seed=0\n")
+    (d / "multirun.yaml").write_text(f"hydra:\n  sweeper:\n    _target_: {BASIC}\n    params: {params}\n"
+                                     f"  overrides:\n    task: {task}\n")
+    return d
+
+
+@pytest.mark.parametrize("params, task, count", [
+    ("{seed: 'range(0,1000000000)'}", "[]", "1,000,000,000 jobs"),  # listed: ~500 GB
+    # 2 x 3 x 16,667 = 100,002; the command line's lr (3 values) replaces the params' (2)
+    ("{a: '1,2', lr: '1,2'}", "['lr=1,2,3', 'b=range(0,100001,6)']", "100,002 jobs"),
+    ("{x: 'range(0,inf,1.0)'}", "[]", "endless jobs"),
+])
+def test_a_sweep_of_too_many_jobs_is_refused_before_they_are_listed(tmp_path, capsys, params, task, count):
+    from rft.reporting import report
+
+    d = multirun(tmp_path, params, task)
+    assert report.main([str(d)]) == 2
+    assert capsys.readouterr().err == (
+        f"rft.reporting.report: {d / 'multirun.yaml'} plans {count} (its hydra.sweeper.params and "
+        f"hydra.overrides.task), more than the 100,000 a report lists: not a sweep Hydra ran, or one no table could "
+        f"show. If it is not the file Hydra wrote, move it out of {d} and report again: the report then lists the job "
+        f"directories found, without the jobs never started.\n")
+
+
+def test_a_sweep_of_the_most_jobs_is_listed(tmp_path):
+    from rft.reporting import report
+
+    # 10 x 10,000 = 100,000: the limit itself is listed, in Hydra's order
+    jobs = report.planned_jobs(multirun(tmp_path, "{a: 'range(0,10)', b: 'range(0,10000)'}"))
+    assert len(jobs) == 100_000 and jobs[0] == {"a": "0", "b": "0"} and jobs[-1] == {"a": "9", "b": "9999"}
+
+
+@pytest.mark.parametrize("params", [
+    "{algorithm: &a 'grpo,dapo', seed: *a}",  # one alias: Hydra never writes one
+    # nine lists of nine aliases: 9^9 = 387,420,489 values once expanded
+    "{a: &a [x,x,x,x,x,x,x,x,x], " + ", ".join(f"{c}: &{c} [{','.join(['*' + p] * 9)}]"
+                                                for p, c in zip("abcdefgh", "bcdefghi")) + "}",
+    "{seed: " + "[" * 100_000 + "]" * 100_000 + "}",  # nested past libyaml's limit
+])
+def test_a_multirun_yaml_hydra_did_not_write_lists_the_jobs_found(tmp_path, params):
+    from rft.reporting import report
+
+    d = multirun(tmp_path, params)
+    assert report.planned_jobs(d) == []
+    assert [j.num for j in report.read_jobs(d)] == ["0"]

@@ -60,6 +60,12 @@ NO_METRICS = "no metrics (failed before its first step, or not started)"
 NOT_STARTED = "not started (no job directory)"
 
 
+# a sweep's planned jobs are listed as rows: beyond these, multirun.yaml is not one Hydra ran (Slurm's
+# default MaxArraySize is 1001), and listing them would take minutes and gigabytes (~0.5 KiB a job)
+MAX_PLANNED_JOBS = 100_000
+MAX_MULTIRUN_BYTES = 16 << 20  # Hydra's multirun.yaml is the composed config: kilobytes
+
+
 class ReportError(ValueError):
     """A mistake in the report's arguments: main prints it as one paragraph, exit code 2."""
 
@@ -326,10 +332,20 @@ def planned_jobs(sweep_dir: Path) -> list[dict[str, str]]:
     """The overrides of every job a Hydra sweep (its multirun.yaml) planned, in job order
     (rft.reporting.sweep.planned_jobs); [] for another sweeper, a sweep it cannot expand without
     the config (glob), or no sweep."""
+    from rft.reporting.sweep import TooManyJobs
     from rft.reporting.sweep import planned_jobs as expand
 
+    path = sweep_dir / "multirun.yaml"
     try:
-        jobs = expand(OmegaConf.load(sweep_dir / "multirun.yaml").hydra)
+        if path.stat().st_size > MAX_MULTIRUN_BYTES:
+            return []
+        # read as Hydra writes it: no aliases (nine of nine expand to a billion values), not nested past libyaml's limit
+        jobs = expand(OmegaConf.create(manifest.written_yaml(path.read_text())).hydra, most=MAX_PLANNED_JOBS)
+    except TooManyJobs as e:
+        raise ReportError(f"{path} plans {e} (its hydra.sweeper.params and hydra.overrides.task), more than the "
+                          f"{MAX_PLANNED_JOBS:,} a report lists: not a sweep Hydra ran, or one no table could show. "
+                          f"If it is not the file Hydra wrote, move it out of {sweep_dir} and report again: the "
+                          f"report then lists the job directories found, without the jobs never started.") from None
     except Exception:  # no multirun.yaml, a damaged one, or overrides only Hydra's config can expand
         return []
     return [dict(o.partition("=")[::2] for o in job) for job in jobs]

@@ -78,10 +78,12 @@ def explain(error: Exception, sweep_dir: str) -> str:
     )
 
 
-def planned_jobs(hydra) -> list[list[str]]:
+def planned_jobs(hydra, most: int | None = None) -> list[list[str]]:
     """Each job's overrides, as Hydra's basic sweeper launches them (hydra.sweeper.params, then the
     command line's hydra.overrides.task), from a sweep's Hydra config (the driver's, or the saved
-    multirun.yaml's); [] for another sweeper (it chooses values as it goes)."""
+    multirun.yaml's); [] for another sweeper (it chooses values as it goes). `most`: a TooManyJobs
+    for a sweep of more jobs, raised before they are listed (a crafted range(0,1000000000) would
+    list them until memory runs out)."""
     from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
@@ -89,8 +91,43 @@ def planned_jobs(hydra) -> list[list[str]]:
         return []
     params = [f"{k}={v}" for k, v in (hydra.sweeper.get("params") or {}).items()]
     args = params + list(OmegaConf.to_container(hydra.overrides.task, resolve=False))
-    return [job for batch in BasicSweeper.split_arguments(OverridesParser.create().parse_overrides(args), None)
-            for job in batch]
+    overrides = OverridesParser.create().parse_overrides(args)
+    if most is not None and (n := job_count(overrides)) > most:
+        raise TooManyJobs(n)
+    return [job for batch in BasicSweeper.split_arguments(overrides, None) for job in batch]
+
+
+class TooManyJobs(ValueError):
+    """A sweep of more jobs than asked for; `count` is how many (math.inf: a float range of step 0)."""
+
+    def __init__(self, count: float):
+        super().__init__(f"{count:,} jobs" if count != float("inf") else "endless jobs")
+        self.count = count
+
+
+def job_count(overrides) -> float:
+    """How many jobs Hydra's basic sweeper makes of parsed `overrides`, without listing them: the
+    product of each key's number of values (a later override of a key replaces an earlier one)."""
+    import decimal
+    import math
+
+    from hydra.core.override_parser.types import ChoiceSweep, RangeSweep
+
+    per_key = {}
+    for o in overrides:
+        v, n = o.value(), 1
+        if isinstance(v, ChoiceSweep):
+            n = len(v.list)
+        elif isinstance(v, RangeSweep):  # Hydra's range(start, stop, step): ints, or floats stepped as Decimal
+            exact = all(isinstance(x, int) for x in (v.start, v.stop, v.step))
+            start, stop, step = (x if exact else decimal.Decimal(x) for x in (v.start, v.stop, v.step))
+            try:
+                steps = -(-(stop - start) // step) if exact else math.ceil((stop - start) / step)
+                n = max(0, steps) if step != 0 else 0  # step 0: Hydra refuses the range when it lists it
+            except (ZeroDivisionError, decimal.InvalidOperation, OverflowError, ValueError):  # 0, inf or nan
+                n = 0 if step == 0 else math.inf
+        per_key[o.get_key_element()] = n
+    return math.prod(per_key.values())
 
 
 def distinct_overrides(job_overrides) -> list[list[str]]:
