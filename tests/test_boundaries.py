@@ -122,3 +122,64 @@ def test_a_multirun_yaml_hydra_did_not_write_lists_the_jobs_found(tmp_path, para
     d = multirun(tmp_path, params)
     assert report.planned_jobs(d) == []
     assert [j.num for j in report.read_jobs(d)] == ["0"]
+
+
+# ---------------------------------------------------------------- a sharded model's index
+
+
+def sharded(tmp_path, shard_name: str):
+    """A model folder whose index names `shard_name` for its one tensor; the weights lie beside
+    the folder, in `elsewhere.safetensors` (zeros: not the model's)."""
+    import torch
+    from safetensors.torch import save_file
+
+    d = tmp_path / "models" / "hf"
+    d.mkdir(parents=True)
+    save_file({"w": torch.zeros(2)}, str(tmp_path / "models" / "elsewhere.safetensors"))
+    (d / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": {"w": shard_name}}))
+    return d
+
+
+@pytest.mark.parametrize("name", ["../elsewhere.safetensors", "ABS", "link.safetensors", "sub/x.safetensors", ".."])
+def test_a_shard_outside_the_model_folder_is_refused(tmp_path, name):
+    from rft.sync.weights import hf_tensors, hf_weight_files
+
+    outside = tmp_path / "models" / "elsewhere.safetensors"
+    name = str(outside) if name == "ABS" else name
+    d = sharded(tmp_path, name)
+    if name == "link.safetensors":  # a plain name, but a link out of the folder
+        (d / name).symlink_to(outside)
+    message = (f"{d / 'model.safetensors.index.json'} lists {name!r} as the shard of 'w' (and maybe more), which is "
+               f"not a file of {d} itself: a shard is named by its file name beside the index, with no folder, '..' or "
+               f"absolute path, and is no link out of the folder. Save the model again with save_pretrained (it writes "
+               f"its shards there), or copy the shards into {d} and name them so.")
+    for read in (hf_weight_files, lambda d: dict(hf_tensors(d))):
+        with pytest.raises(ConfigError) as e:
+            read(d)
+        assert str(e.value) == message
+
+
+def test_shards_beside_the_index_are_read(tmp_path):
+    import shutil
+
+    from rft.sync.weights import hf_tensors, hf_weight_files
+
+    d = sharded(tmp_path, "model-00001-of-00001.safetensors")
+    shutil.copy(tmp_path / "models" / "elsewhere.safetensors", d / "model-00001-of-00001.safetensors")
+    assert hf_weight_files(d) == [d / "model-00001-of-00001.safetensors"]
+    assert dict(hf_tensors(d))["w"].tolist() == [0.0, 0.0]
+
+
+@pytest.mark.parametrize("text, why", [("[", "JSONDecodeError: Expecting value: line 1 column 2 (char 1)"),
+                                       ("[]", "TypeError: list indices must be integers or slices, not str"),
+                                       ('{"weight_map": {"w": ["a"]}}', "TypeError: unhashable type: 'list'")])
+def test_an_index_that_does_not_read_is_one_paragraph(tmp_path, text, why):
+    from rft.sync.weights import hf_weight_files
+
+    d = sharded(tmp_path, "x")
+    (d / "model.safetensors.index.json").write_text(text)
+    with pytest.raises(ConfigError) as e:
+        hf_weight_files(d)
+    assert str(e.value) == (f"{d / 'model.safetensors.index.json'} does not read as a safetensors index, "
+                            f"{{\"weight_map\": {{<tensor>: <shard file>}}}} ({why}). Save the model again with "
+                            f"save_pretrained, or remove the index where {d} holds one model.safetensors.")

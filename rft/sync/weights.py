@@ -30,7 +30,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from rft.errors import RunError
+from rft.errors import ConfigError, RunError
 from rft.registry import Registry
 
 # ---------------------------------------------------------------- the contract: what both sides agree on
@@ -39,16 +39,41 @@ from rft.registry import Registry
 def hf_weight_files(hf_dir) -> list[Path]:
     """The safetensors files of a Hugging Face model folder: model.safetensors, or the shards its
     model.safetensors.index.json lists (save_pretrained shards a model above max_shard_size)."""
-    import json
-
     d = Path(hf_dir)
     index = d / "model.safetensors.index.json"
     if index.exists():
-        return [d / f for f in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+        return _shards(d, index)
     if (d / "model.safetensors").exists():
         return [d / "model.safetensors"]
     raise FileNotFoundError(f"{d} holds no model weights (neither model.safetensors nor "
                             f"model.safetensors.index.json with its shards)")
+
+
+def _shards(d: Path, index: Path) -> list[Path]:
+    """The shard files `index` lists, each a file of folder `d` itself: a name with a folder in it,
+    '..', an absolute path or a link out of `d` would have the engine load weights from elsewhere."""
+    import json
+    import os
+
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+        names = sorted(set(weight_map.values()))
+    except (OSError, ValueError, RecursionError, KeyError, TypeError, AttributeError) as e:
+        raise ConfigError(f"{index} does not read as a safetensors index, {{\"weight_map\": {{<tensor>: <shard "
+                          f"file>}}}} ({type(e).__name__}: {e}). Save the model again with save_pretrained, or "
+                          f"remove the index where {d} holds one model.safetensors.") from None
+    root = os.path.realpath(d)
+    for name in names:
+        inside = (isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\\" not in name
+                  and "\0" not in name and os.path.dirname(os.path.realpath(d / name)) == root)
+        if not inside:
+            tensor = next(k for k, v in weight_map.items() if v == name)
+            raise ConfigError(f"{index} lists {name!r} as the shard of {tensor!r} (and maybe more), which is not a "
+                              f"file of {d} itself: a shard is named by its file name beside the index, with no "
+                              f"folder, '..' or absolute path, and is no link out of the folder. Save the model "
+                              f"again with save_pretrained (it writes its shards there), or copy the shards into "
+                              f"{d} and name them so.")
+    return [d / name for name in names]
 
 
 def hf_tensors(path):
