@@ -183,3 +183,73 @@ def test_an_index_that_does_not_read_is_one_paragraph(tmp_path, text, why):
     assert str(e.value) == (f"{d / 'model.safetensors.index.json'} does not read as a safetensors index, "
                             f"{{\"weight_map\": {{<tensor>: <shard file>}}}} ({why}). Save the model again with "
                             f"save_pretrained, or remove the index where {d} holds one model.safetensors.")
+
+
+# ---------------------------------------------------------------- moving a run's outputs aside
+
+
+def used_run(tmp_path):
+    """A run directory of four outputs, its lock and an earlier move's folder."""
+    run = tmp_path / "run"
+    for rel in ("metrics.jsonl", "grpo/checkpoints/step_2/state.json", ".hydra/config.yaml", "run.log"):
+        (run / rel).parent.mkdir(parents=True, exist_ok=True)
+        (run / rel).write_text(rel)
+    (run / ".run.lock").write_text("pid 1 on h\n")
+    (run / "previous_20261101_000000").mkdir()
+    return run
+
+
+def killed_after(monkeypatch, run, renames: int):
+    """os.rename (what shutil.move calls) of run's outputs raises KeyboardInterrupt after `renames` of them."""
+    import os
+
+    real, done = os.rename, []
+
+    def rename(src, dst, *a, **k):
+        if os.path.dirname(os.fspath(src)) == str(run) and not os.path.basename(os.fspath(src)).startswith("previous_"):
+            if len(done) == renames:
+                raise KeyboardInterrupt  # the kill
+            done.append(src)
+        return real(src, dst, *a, **k)
+
+    monkeypatch.setattr(os, "rename", rename)
+
+
+def outputs(d):
+    return sorted(p.relative_to(d).as_posix() for p in d.rglob("*") if p.is_file())
+
+
+def test_a_kill_while_outputs_move_aside_leaves_them_whole_in_one_folder(tmp_path, monkeypatch):
+    from rft.runtime import rundir
+
+    run = used_run(tmp_path)
+    with monkeypatch.context() as m:
+        killed_after(m, run, 2)
+        with pytest.raises(KeyboardInterrupt):
+            rundir.move_aside(run)
+    # the same command again: all four in one new folder, none left behind
+    moved = rundir.move_aside(run)
+    assert sorted(p.name for p in run.iterdir()) == [".run.lock", "previous_20261101_000000", moved.name]
+    assert moved.name.startswith("previous_") and not moved.name.endswith(".tmp")
+    assert outputs(moved) == [".hydra/config.yaml", "grpo/checkpoints/step_2/state.json", "metrics.jsonl", "run.log"]
+
+
+def test_a_run_that_resumes_after_the_kill_finds_no_half_of_the_outputs(tmp_path, caplog):
+    from rft.runtime import rundir
+
+    run = used_run(tmp_path)
+    # what a kill midway leaves: two outputs moved into the move's folder, two not yet
+    tmp = run / "previous_20261128_101010.tmp"
+    tmp.mkdir()
+    for name in ("run.log", ".hydra"):
+        (run / name).rename(tmp / name)
+    (run / "run.log").write_text("the next run's first line")  # Hydra's log of the run started after the kill
+    with rundir.run_lock(run):  # continue_from_checkpoint=true: no move of its own, yet none of the outputs left
+        assert sorted(p.name for p in run.iterdir()) == [".run.lock", "previous_20261101_000000",
+                                                         "previous_20261128_101010"]
+    moved = run / "previous_20261128_101010"
+    # the killed move's four, and the next run's run.log beside its namesake
+    assert outputs(moved) == [".hydra/config.yaml", "grpo/checkpoints/step_2/state.json", "metrics.jsonl", "run.log",
+                              "run.log-2"]
+    assert (moved / "run.log").read_text() == "run.log" and (moved / "run.log-2").read_text() == "the next run's first line"
+    assert f"a move of {run}'s earlier outputs, cut short by a kill, is finished: they are all in {moved}" in caplog.text

@@ -355,6 +355,10 @@ def run_lock(run_dir: Path):
                 f"this run another name (name=...).") from None
         except OSError as e:  # a filesystem without locks: the run goes on unguarded, as it did before
             log.warning("could not lock %s (%s): a second run of this name at once would not be stopped", path, e)
+        finished = finish_move_aside(run_dir)
+        if finished is not None:
+            log.warning("a move of %s's earlier outputs, cut short by a kill, is finished: they are all in %s",
+                        run_dir, finished)
         f.seek(0)
         before = f.read().strip()
         f.seek(0)
@@ -377,24 +381,52 @@ def requeued(before: str, env=os.environ) -> str | None:
 
 def move_aside(run_dir: Path) -> Path | None:
     """continue_from_checkpoint=false on a used directory: every earlier output, its .hydra/
-    record and logs included, moves to previous_<time>/ (not the lock this run holds)."""
-    old = [p for p in run_dir.iterdir() if not p.name.startswith("previous_") and p.name != RUN_LOCK]
-    if not old:
-        return None
+    record and logs included, moves to previous_<time>/ (not the lock this run holds), whole or
+    not at all: into previous_<time>.tmp/ first, renamed when all are in (a kill midway split
+    them over two previous_ folders, or left a resume half of them)."""
+    earlier = finish_move_aside(run_dir)  # (run_lock has finished one already)
+    if not _outputs(run_dir):
+        return earlier
     stamp = f"previous_{datetime.datetime.now():%Y%m%d_%H%M%S}"
     backup, n = run_dir / stamp, 1
-    while backup.exists():  # twice in one second, or the clock set back
+    while backup.exists() or backup.with_name(backup.name + ".tmp").exists():  # twice in a second, clock set back
         n += 1
         backup = run_dir / f"{stamp}-{n}"
-    backup.mkdir()
-    for p in old:
-        shutil.move(str(p), backup / p.name)
+    backup.with_name(backup.name + ".tmp").mkdir()
+    moved = finish_move_aside(run_dir)
     # a log file this process has open (Hydra's run.log) moved with the rest: let its handler
     # start a new one at the old path on its next line
     for h in logging.getLogger().handlers:
         if isinstance(h, logging.FileHandler) and Path(h.baseFilename).parent == run_dir:
             h.close()
-    return backup
+    return moved
+
+
+def _outputs(run_dir: Path) -> list[Path]:
+    return [p for p in run_dir.iterdir() if not p.name.startswith("previous_") and p.name != RUN_LOCK]
+
+
+def finish_move_aside(run_dir: Path) -> Path | None:
+    """Move every output into the previous_<time>.tmp/ a move aside began (a kill midway left it,
+    and run_lock finishes it before a run reads the directory), then rename it previous_<time>/;
+    returns that, or None when no move was begun. Renames within one directory: nothing is copied."""
+    done = None
+    for tmp in sorted(p for p in run_dir.glob("previous_*.tmp") if p.is_dir()):
+        for p in _outputs(run_dir):
+            dst, n = tmp / p.name, 1
+            while dst.exists():  # written again after the kill (this run's run.log): both kept
+                n += 1
+                dst = tmp / f"{p.name}-{n}"
+            os.rename(p, dst)
+        done = tmp.with_name(tmp.name.removesuffix(".tmp"))
+        os.rename(tmp, done)
+    if done is not None:
+        fd = os.open(run_dir, os.O_RDONLY)
+        try:
+            os.fsync(fd)  # the renames reach the disk before the run writes anew
+        finally:
+            os.close(fd)
+    return done
 
 
 def write_record(cfg, run_dir: Path) -> None:
