@@ -9,7 +9,9 @@
 import sys
 from pathlib import Path
 
-import hydra
+import rft.plan.search_path  # first: a study's random.py or code.py, named before Hydra's imports load it
+rft.plan.search_path.exit_on_shadowing(sys.path[0])
+import hydra  # noqa: E402
 from omegaconf import DictConfig
 
 import rft.config  # registers the typed schema with Hydra's ConfigStore

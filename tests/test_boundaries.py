@@ -253,3 +253,48 @@ def test_a_run_that_resumes_after_the_kill_finds_no_half_of_the_outputs(tmp_path
                               "run.log-2"]
     assert (moved / "run.log").read_text() == "run.log" and (moved / "run.log-2").read_text() == "the next run's first line"
     assert f"a move of {run}'s earlier outputs, cut short by a kill, is finished: they are all in {moved}" in caplog.text
+
+
+# ---------------------------------------------------------------- a study's module named like a standard one
+
+
+def test_a_study_module_named_like_a_standard_one_is_named_before_anything_imports_it(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    study = tmp_path / "study"
+    study.mkdir()
+    (study / "rewards.py").write_text("def mine(prompt, response, task):\n    return 1.0\n")
+    (study / "random.py").write_text("def pick(xs):\n    return xs[0]\n")  # Hydra's `from random import shuffle`
+    (study / "email").mkdir()  # a folder without __init__.py: a namespace package, which shadows nothing
+    env = {**os.environ, "PYTHONPATH": str(study)}
+    r = subprocess.run([sys.executable, "run.py", "dry_run=true"], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert r.stderr == (
+        f"\nrft: configuration error: {study / 'random.py'} is named like Python's standard module `random` ({study}, "
+        f"in PYTHONPATH). Python searches these folders before its standard library, so every import of that name "
+        f"in this run (Hydra's, torch's, rft's and Ray's workers' included) would load the study's instead, and fail "
+        f"far from it. Rename it (and the imports and dotted paths that name it), or keep the study's modules in a "
+        f"package of its own (my_study/random.py is imported as my_study.random, which shadows nothing).\n\n")
+
+
+def test_which_folders_and_names_shadow(tmp_path):
+    from rft.plan.search_path import shadowing, study_folders
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "code").mkdir()
+    (tmp_path / "a" / "code" / "__init__.py").write_text("")  # a package named like `code` (pdb imports it)
+    (tmp_path / "a" / "rewards.py").write_text("")
+    (tmp_path / "a" / "json.txt").write_text("")  # not a module
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "typing.py").write_text("")
+    folders = study_folders(str(tmp_path / "b"), {"PYTHONPATH": f"{tmp_path / 'a'}:{tmp_path / 'missing'}"})
+    assert folders == [(str(tmp_path / "b"), "the folder of run.py"), (str(tmp_path / "a"), "in PYTHONPATH"),
+                       (str(tmp_path / "missing"), "in PYTHONPATH")]
+    assert shadowing(folders) == [(str(tmp_path / "b" / "typing.py"), "typing", f"{tmp_path / 'b'}, the folder of run.py"),
+                                  (str(tmp_path / "a" / "code"), "code", f"{tmp_path / 'a'}, in PYTHONPATH")]
+    assert study_folders(None, {}) == []
