@@ -298,3 +298,69 @@ def test_which_folders_and_names_shadow(tmp_path):
     assert shadowing(folders) == [(str(tmp_path / "b" / "typing.py"), "typing", f"{tmp_path / 'b'}, the folder of run.py"),
                                   (str(tmp_path / "a" / "code"), "code", f"{tmp_path / 'a'}, in PYTHONPATH")]
     assert study_folders(None, {}) == []
+
+
+# ---------------------------------------------------------------- an experience operator of the wrong shape
+
+
+def op_takes_nothing():
+    return []
+
+
+def op_positional_only(experiences, k, /):
+    return experiences
+
+
+def op_task_shaped(rows, ctx):
+    return rows
+
+
+def op_slips(experiences, threshold=1):
+    return [e for e in experiences if len(e.reward) > threshold]  # len of a float: the operator's own TypeError
+
+
+SHAPE = "a function fn(experiences, **args) -> experiences (module.function)"
+
+
+@pytest.mark.parametrize("op, args, message", [
+    # was: "op_takes_nothing() takes 0 positional arguments but 1 was given; check the types of its args ({})"
+    ("op_takes_nothing", {}, ".name='test_boundaries.op_takes_nothing' is test_boundaries.op_takes_nothing(), which "
+                             f"cannot be called as {SHAPE}, with args {{}} (too many positional arguments). Give it "
+                             "that signature."),
+    ("op_positional_only", {"k": 1}, ".name='test_boundaries.op_positional_only' is "
+                                     "test_boundaries.op_positional_only(experiences, k, /), which cannot be called as "
+                                     f"{SHAPE}, with args {{'k': 1}} ('k' parameter is positional only, but was passed "
+                                     "as a keyword). Give it that signature."),
+    ("op_task_shaped", {}, ".args lacks ['ctx'], which test_boundaries.op_task_shaped needs; its arguments are ['ctx'] "
+                           f"(an operator there is {SHAPE})."),
+])
+def test_an_experience_operator_of_the_wrong_signature_is_named_at_planning(op, args, message):
+    from rft.data.pipeline import ExperiencePipeline
+
+    with pytest.raises(ConfigError) as e:
+        ExperiencePipeline([{"name": f"test_boundaries.{op}", "args": args}])
+    assert str(e.value) == "data_processor.experience_pipeline.operators[0]" + message
+
+
+def test_a_builtin_without_a_signature_is_one_paragraph(tmp_path):
+    from rft.data.pipeline import check_operators
+
+    cfg = pipeline_config(tmp_path)
+    cfg.data_processor.task_pipeline.operators[0].name = "builtins.max"  # was inspect's raw ValueError
+    with pytest.raises(ConfigError) as e:
+        check_operators(cfg)
+    assert str(e.value) == ("data_processor.task_pipeline.operators[0].name='builtins.max': its signature cannot be read "
+                            "(no signature found for builtin <built-in function max>); an operator there is a function "
+                            "fn(rows, ctx, **args) -> rows (module.function): wrap it in one.")
+
+
+def test_an_operators_own_type_error_names_its_line():
+    from rft.data.experience import Experience
+    from rft.data.pipeline import ExperiencePipeline
+
+    pipeline = ExperiencePipeline([{"name": "test_boundaries.op_slips"}])  # on no experiences: no slip
+    with pytest.raises(ConfigError) as e:
+        pipeline([Experience([1, 2, 3], 2, [-1.0], reward=1.0, task_id="t/0")])
+    line = op_slips.__code__.co_firstlineno + 1
+    assert str(e.value) == ("data_processor.experience_pipeline.operators[0] (test_boundaries.op_slips): object of type "
+                            f"'float' has no len() at {__file__}, line {line}; check the types of its args ({{}}).")

@@ -101,10 +101,17 @@ def _function(registry: Registry, name: str, where: str):
     return resolve(registry, name, f"{where}.name")
 
 
-def _checked_call(fn, name: str, where: str, fixed: int, *lead, **args):
-    """fn(*lead, **args) with the args checked against its signature (after its `fixed` leading
-    parameters); its ConfigError (a bad value) is prefixed with the operator's config key."""
-    params = list(inspect.signature(fn).parameters.values())[fixed:]
+def _checked_call(fn, registry: Registry, name: str, where: str, /, *lead, **args):
+    """fn(*lead, **args) with its signature checked first: `lead` (the rows and ctx, or the
+    experiences) in its leading parameters, `args` in the rest; its ConfigError (a bad value) is
+    prefixed with the operator's config key. A wrong signature was Python's TypeError ("takes 0
+    positional arguments"), which read as a wrong type of an arg."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError) as e:  # a builtin without a signature Python can read
+        raise ConfigError(f"{where}.name={name!r}: its signature cannot be read ({e}); an operator there is "
+                          f"{registry.shape}: wrap it in one.") from None
+    params = list(sig.parameters.values())[len(lead):]
     names = [p.name for p in params if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)]
     takes_any = any(p.kind == p.VAR_KEYWORD for p in params)
     unknown = [] if takes_any else sorted(set(args) - set(names))
@@ -116,13 +123,23 @@ def _checked_call(fn, name: str, where: str, fixed: int, *lead, **args):
     missing = [p.name for p in params if p.default is p.empty and p.name not in args
                and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)]
     if missing:
-        raise ConfigError(f"{where}.args lacks {missing}, which {name} needs; its arguments are {names}.")
+        raise ConfigError(f"{where}.args lacks {missing}, which {name} needs; its arguments are {names} (an operator "
+                          f"there is {registry.shape}).")
+    try:
+        sig.bind(*lead, **args)
+    except TypeError as e:
+        raise ConfigError(f"{where}.name={name!r} is {name}{sig}, which cannot be called as {registry.shape}, with "
+                          f"args {args} ({e}). Give it that signature.") from None
     try:
         return fn(*lead, **args)
     except ConfigError as e:
         raise ConfigError(f"{where} ({name}): {e}") from None
-    except TypeError as e:  # a value of the wrong type (a list where a number goes)
-        raise ConfigError(f"{where} ({name}): {e}; check the types of its args ({args}).") from None
+    except TypeError as e:  # a value of the wrong type (a list where a number goes), or the operator's own slip
+        from rft.registry import study_frame
+
+        frame = study_frame(e)
+        at = f" at {frame.filename}, line {frame.lineno}" if frame else ""
+        raise ConfigError(f"{where} ({name}): {e}{at}; check the types of its args ({args}).") from None
 
 
 def check_operators(cfg) -> None:
@@ -136,7 +153,7 @@ def check_operators(cfg) -> None:
     ctx = TaskContext(text=lambda row: "")
     for i, (name, args) in enumerate(operators(dp.task_pipeline.operators)):
         where = f"{TASK_KEY}[{i}]"
-        _checked_call(_function(TASK_OPERATORS, name, where), name, where, 2, [], ctx, **args)
+        _checked_call(_function(TASK_OPERATORS, name, where), TASK_OPERATORS, name, where, [], ctx, **args)
     ExperiencePipeline(dp.experience_pipeline.operators)
     cur = dp.online_curriculum
     if cur.enable:
@@ -319,7 +336,8 @@ def run_task_pipeline(cfg, pass_rates=None, say=print) -> dict:
                   "fingerprint": d.name, "operators": []}
         for i, (name, args) in enumerate(operators(cfg.data_processor.task_pipeline.operators)):
             where, before, t0 = f"{TASK_KEY}[{i}]", len(rows), time.perf_counter()
-            rows = _checked_call(_function(TASK_OPERATORS, name, where), name, where, 2, rows, ctx, **args)
+            fn = _function(TASK_OPERATORS, name, where)
+            rows = _checked_call(fn, TASK_OPERATORS, name, where, rows, ctx, **args)
             report["operators"].append({"name": name, "args": args, "rows_in": before, "rows_out": len(rows),
                                         "seconds": round(time.perf_counter() - t0, 3)})
             say(f"task pipeline: {describe_step(report['operators'][-1])}")
@@ -411,7 +429,7 @@ def _operator_call(fn, name: str, where: str, exps: list, args: dict):
     from rft.registry import study_frame
 
     try:
-        return _checked_call(fn, name, where, 1, exps, **args)
+        return _checked_call(fn, EXPERIENCE_OPERATORS, name, where, exps, **args)
     except ConfigError:
         raise
     except Exception as e:
