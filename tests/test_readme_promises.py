@@ -1,0 +1,286 @@
+"""README.md's promises that no other test file shows: the groups a newcomer changes first and what
+they default to, what differs from Trinity-RFT, the Trinity keys rft lacks, the Layout and the
+extension tables, and the documented defaults of the multi-turn sandbox. Each test quotes the
+README line it holds to; all are fast (composing the config, reading files, no run)."""
+
+import importlib
+import inspect
+import re
+
+import pytest
+from conftest import CONF, ROOT, compose_cfg
+from omegaconf import OmegaConf
+
+README = (ROOT / "README.md").read_text()
+
+
+def section(title: str) -> str:
+    """The README's text from the heading `title` to the next heading of the same or a higher level."""
+    start = README.index(title)
+    level = title.split()[0]
+    rest = README[start + len(title):]
+    ends = [m.start() for m in re.finditer(rf"^#{{1,{len(level)}}} ", rest, re.M)]
+    return rest[:ends[0]] if ends else rest
+
+
+def options(group: str) -> set[str]:
+    return {p.stem for p in (CONF / group).glob("*.yaml")}
+
+
+def test_the_groups_table_names_options_that_exist():
+    """"The five config groups a newcomer changes first" and the sentence after the model table:
+    each option named is a file under conf/<group>/."""
+    named = {
+        "algorithm": {"grpo", "dr_grpo", "dapo"},
+        "model": {"tiny", "qwen2.5-0.5b", "qwen7b", "qwen2.5-0.5b-shape", "qwen2.5-1.5b-shape", "tiny_tools"},
+        "task": {"arithmetic", "countdown", "long_tail", "gsm8k", "math"},
+        "cluster": {"local", "ray", "inline"},
+        "sync": {"memory", "checkpoint"},
+        # "and `buffer` ..., `explorer`, `trainer` (`torch` ..., `fsdp2`), `monitor` (`console`, `tensorboard`,
+        # `wandb`, `mlflow`)"
+        "trainer": {"torch", "fsdp2"},
+        "monitor": {"console", "tensorboard", "wandb", "mlflow"},
+    }
+    for group, names in named.items():
+        assert names <= options(group), (group, names - options(group))
+
+
+def test_the_algorithm_table_lists_every_algorithm_file_and_only_those():
+    """"### Algorithms": one row per `conf/algorithm/<name>.yaml`, so a new algorithm is documented
+    where a user picks it, and no row names one that `algorithm=<name>` cannot load."""
+    rows = re.findall(r"^\| `([a-z_]+)` \|", section("### Algorithms"), re.M)
+    assert sorted(rows) == sorted(options("algorithm"))
+    assert len(rows) == len(set(rows)) == 16
+
+
+def test_python_run_py_with_no_arguments(monkeypatch):
+    """"`python run.py` with no arguments runs two stages on a ~0.5M-parameter Qwen2-architecture model
+    that the project builds itself (`model=tiny`, cached in `~/.cache/rft`)", with "the defaults
+    (`explorer=hf`, `trainer=torch`, `sync=memory`, no GPU)", and its outputs in "default
+    ./checkpoints/rft/grpo-tiny-arithmetic/" ("## Outputs")."""
+    monkeypatch.delenv("RFT_CACHE_DIR")  # the session's cache (conftest): the user's own default here
+    monkeypatch.delenv("RFT_CHECKPOINT_ROOT_DIR", raising=False)
+    cfg = compose_cfg(keep_hydra=True)
+    choices = cfg.hydra.runtime.choices
+    assert {g: choices[g] for g in ("algorithm", "model", "task", "cluster", "sync", "buffer", "explorer", "trainer",
+                                    "monitor")} == {
+        "algorithm": "grpo", "model": "tiny", "task": "arithmetic", "cluster": "local", "sync": "memory",
+        "buffer": "queue", "explorer": "hf", "trainer": "torch", "monitor": "tensorboard"}
+    assert (cfg.cache_dir, cfg.model.model_path) == ("~/.cache/rft", "~/.cache/rft/models/tiny-qwen2-v1")
+    assert cfg.hydra.run.dir == "./checkpoints/rft/grpo-tiny-arithmetic"
+    assert [s.stage_name for s in cfg.stages] == ["sft_warmup", "grpo"]
+    assert (cfg.seed, cfg.cluster.gpu_per_node) == (42, 0)  # "(seed 42)"; CPU
+    # "Set `RFT_CHECKPOINT_ROOT_DIR` and `RFT_CACHE_DIR` to move outputs and the cache."
+    monkeypatch.setenv("RFT_CHECKPOINT_ROOT_DIR", "/data/runs")
+    monkeypatch.setenv("RFT_CACHE_DIR", "/data/cache")
+    cfg = compose_cfg(keep_hydra=True)
+    assert cfg.hydra.run.dir == "/data/runs/rft/grpo-tiny-arithmetic"
+    assert cfg.model.model_path == "/data/cache/models/tiny-qwen2-v1"
+
+
+def test_what_a_gpu_model_brings_beyond_what_test_memory_plan_checks():
+    """The model table: `qwen7b` "4 engines of 1 GPU, prefix caching, CUDA graphs | fsdp2 on the 4 GPUs
+    left | 1 node x 8 GPUs | prompt 1,024 + response 3,072"; `qwen2.5-0.5b` "vllm, 1 engine | torch
+    (one GPU) | collective | 1 node x 2 GPUs | prompt 512 + response 1,024" (the rest of each row:
+    tests/test_memory_plan.py)."""
+    from rft.plan.placement import trainer_ranks
+
+    cfg = compose_cfg(["model=qwen7b"])
+    rm = cfg.explorer.rollout_model
+    assert (rm.engine_num, rm.tensor_parallel_size, rm.enable_prefix_caching, rm.enforce_eager) == (4, 1, True, False)
+    assert (cfg.cluster.node_num, cfg.cluster.gpu_per_node, trainer_ranks(cfg)) == (1, 8, 4)  # 8 - 4 x 1
+    assert (cfg.model.max_prompt_tokens, cfg.model.max_response_tokens) == (1024, 3072)
+    cfg = compose_cfg(["model=qwen2.5-0.5b"])
+    rm = cfg.explorer.rollout_model
+    assert (rm.engine_type, rm.engine_num, rm.tensor_parallel_size) == ("vllm", 1, 1)
+    assert (cfg.trainer.trainer_strategy, cfg.synchronizer.sync_method) == ("torch", "collective")
+    assert (cfg.cluster.node_num, cfg.cluster.gpu_per_node) == (1, 2)
+    assert (cfg.model.max_prompt_tokens, cfg.model.max_response_tokens) == (512, 1024)
+    # "The tiny models and `qwen2.5-0.5b-shape` run on CPU with the defaults"
+    for model in ("tiny", "tiny_tools", "qwen2.5-0.5b-shape", "qwen2.5-1.5b-shape"):
+        cfg = compose_cfg([f"model={model}"])
+        assert (cfg.explorer.rollout_model.engine_type, cfg.trainer.trainer_strategy, cfg.synchronizer.sync_method,
+                cfg.cluster.gpu_per_node) == ("hf", "torch", "memory", 0), model
+
+
+def test_what_differs_from_trinity_rft():
+    """"Same name, different meaning or default, to know when coming from Trinity-RFT": each value as
+    the README gives it."""
+    cfg = compose_cfg()
+    # "`synchronizer.sync_offset` is null ..., the guide's 0 (on-policy) is `synchronizer.sync_offset=0`"
+    assert cfg.synchronizer.sync_offset is None
+    assert compose_cfg(["synchronizer.sync_offset=0"]).synchronizer.sync_offset == 0
+    # "`monitor.monitor_type` is a list (`monitor=wandb`: TensorBoard and wandb, or
+    # `'monitor.monitor_type=[wandb]'`: wandb alone)"
+    assert list(compose_cfg(["monitor=wandb"]).monitor.monitor_type) == ["tensorboard", "wandb"]
+    assert list(compose_cfg(["monitor.monitor_type=[wandb]"]).monitor.monitor_type) == ["wandb"]
+    # "`explorer.rollout_model.engine_type` is `hf` (the CPU default)"; "`enable_history` is true
+    # (Trinity: false)"; "`trainer.save_hf_checkpoint` is `always` (Trinity: `last`...)";
+    # "`trainer.use_dynamic_bsz` is false; `cluster.gpu_per_node` is 0 (CPU)"
+    assert cfg.explorer.rollout_model.engine_type == "hf" and cfg.explorer.rollout_model.enable_history is True
+    assert (cfg.trainer.save_hf_checkpoint, cfg.trainer.use_dynamic_bsz, cfg.cluster.gpu_per_node) == ("always", False, 0)
+    # "`algorithm.algorithm_type` is only a label": the default's stage is named by it
+    assert cfg.algorithm.algorithm_type == "grpo" and cfg.name == "grpo-tiny-arithmetic"
+
+
+@pytest.mark.parametrize("override, where", [
+    ("ray_namespace=rft", "Config"),
+    ("algorithm.sample_strategy=warmup", "AlgorithmConfig"),
+    ("algorithm.entropy_loss_fn=default", "AlgorithmConfig"),
+    ("model.chat_template_path=t.jinja", "ModelConfig"),
+    ("model.min_response_tokens=1", "ModelConfig"),
+    ("model.enable_prompt_truncation=true", "ModelConfig"),
+    ("buffer.explorer_input.taskset.storage_type=file", "TasksetConfig"),
+    ("explorer.env_vars={}", "ExplorerConfig"),
+    ("explorer.dynamic_timeout={}", "ExplorerConfig"),
+    ("trainer.save_strategy=whole", "TrainerConfig"),
+    ("trainer.ulysses_sequence_parallel_size=2", "TrainerConfig"),
+    ("service={}", "Config"),
+    ("log.group_by_node=true", "LogConfig"),
+    ("trainer.trainer_config={}", "TrainerConfig"),
+])
+def test_trinity_keys_rft_lacks_stop_the_run_as_a_misspelt_key_does(override, where):
+    """"Not every key of the guide exists here (`ray_namespace`, ... the verl `trainer_config`): such a
+    key stops the run as a misspelt one does": the schema's paragraph, before Hydra composes."""
+    from rft.plan.overlays import misspelt_override
+
+    key = override.split("=")[0]
+    message = misspelt_override([override], {p.name for p in CONF.iterdir() if p.is_dir()})
+    assert message.startswith(f"Could not override '{key}': Key '{key.split('.')[-1]}' not in '{where}'.")
+    assert message.endswith("The keys, each with a comment, are in rft/config.py; `python run.py --cfg job` prints "
+                            "the composed config.")
+
+
+@pytest.mark.parametrize("key, value, choices", [
+    # "`synchronizer.sync_method` takes `memory`, `checkpoint` or `collective` (Trinity's `nccl`)"
+    ("synchronizer.sync_method", "nccl", "[memory, checkpoint, collective]"),
+])
+def test_trinity_values_rft_names_otherwise_are_refused(key, value, choices):
+    from hydra.errors import ConfigCompositionException
+
+    with pytest.raises(ConfigCompositionException) as e:
+        compose_cfg([f"{key}={value}"])
+    assert f"Invalid value '{value}', expected one of {choices}" in str(e.value.__cause__ or e.value)
+
+
+@pytest.mark.parametrize("override, message", [
+    # "`trainer.trainer_strategy` is `torch` or `fsdp2` (no `fsdp`, `megatron`)"
+    ("trainer.trainer_strategy=megatron", "trainer.trainer_strategy='megatron' is not one of ['fsdp2', 'torch']"),
+    ("trainer.trainer_strategy=fsdp", "trainer.trainer_strategy='fsdp' is not one of ['fsdp2', 'torch']"),
+    # "`explorer.rollout_model.engine_type` is `hf` ... or `vllm` (no `vllm_async`)"
+    ("explorer.rollout_model.engine_type=vllm_async",
+     "explorer.rollout_model.engine_type='vllm_async' is not one of ['hf', 'vllm']"),
+    # "`trainer.save_hf_checkpoint` is `always` (Trinity: `last`, which only a LoRA run may take)"
+    ("trainer.save_hf_checkpoint=last", "trainer.save_hf_checkpoint=last: only a LoRA run (model.lora.rank > 0) can "
+                                        "leave out hf/"),
+])
+def test_trinity_choices_rft_lacks_fail_the_plan(override, message):
+    from rft.errors import ConfigError
+    from rft.plan.batch import make_plan, stage_configs
+
+    [stage] = stage_configs(compose_cfg(["stages=[]", override]))
+    with pytest.raises(ConfigError) as e:
+        make_plan(stage, 2000)  # what the dry run and the run plan, before any dataset is read
+    assert str(e.value).startswith(message)
+
+
+def test_the_registered_rewards_are_those_the_readme_names():
+    """"Name it by its key in `rft.rewards.verifiers.REWARD_FNS` (`exact_match`, `last_number`, `math`,
+    `countdown`, `format`, `reasoning_gym`)"; the served ones (`reward_model`, `remote`, `judge`) are
+    REWARD_CLIENTS ("Everything else ... served reward clients `REWARD_CLIENTS`")."""
+    from rft.rewards.scoring import REWARD_CLIENTS
+    from rft.rewards.verifiers import REWARD_FNS
+
+    named = re.search(r"by its key in\s+`([\w./]+)`\s+\(([^)]*)\)", README)
+    assert named.group(1) == "rft.rewards.verifiers.REWARD_FNS"
+    assert sorted(re.findall(r"`(\w+)`", named.group(2))) == sorted(REWARD_FNS)
+    assert {"reward_model", "remote", "judge"} <= set(REWARD_CLIENTS)
+
+
+LAYOUT_FILE = re.compile(r"\b([\w/]+\.(?:py|sh|sbatch))\b")
+
+
+def test_every_file_the_layout_names_exists_and_every_module_is_named():
+    """"## Layout": `rft/` is its parts, one folder each; each file named there exists, and each
+    module of rft/ is named (by its file name, or by its name in the folder's list: `rft/algorithms/`'s
+    "advantages, losses, KL, ...")."""
+    layout = section("## Layout")
+    folder, missing = None, []
+    for line in layout.splitlines():
+        start = re.match(r"    ([\w/]+/)\s", line)
+        if start:
+            folder = start.group(1)
+        for name in LAYOUT_FILE.findall(line):
+            under = ROOT / (folder or "") if not name.startswith(("rft/", "conf/", "launchers/", "tests/")) else ROOT
+            if not ((ROOT / name).exists() or (under / name).exists() or any(under.rglob(name))):
+                missing.append((folder, name))
+    assert missing == []
+    modules = [p for p in (ROOT / "rft").rglob("*.py") if p.name not in ("__init__.py", "__main__.py")]
+    unnamed = [str(p.relative_to(ROOT)) for p in modules
+               if p.name not in layout and not re.search(rf"\b{p.stem}\b", layout, re.I)]
+    assert unnamed == []
+
+
+@pytest.mark.parametrize("table, module", [
+    ("ADVANTAGE_FNS", "rft.algorithms"), ("POLICY_LOSS_FNS", "rft.algorithms"),
+    ("REWARD_FNS", "rft.rewards.verifiers"), ("WORKFLOWS", "rft.rollout.workflows.single_turn"),
+    ("ENVIRONMENTS", "rft.rollout.environments.tools"), ("ENGINES", "rft.registry"),
+    ("TRAINER_BACKENDS", "rft.registry"), ("MONITORS", "rft.reporting.monitor"), ("SYNC_METHODS", "rft.sync.weights"),
+    ("TASK_OPERATORS", "rft.data.pipeline"), ("EXPERIENCE_OPERATORS", "rft.data.pipeline"),
+    ("BUFFERS", "rft.data.buffer"), ("GENERATORS", "rft.data.tasks"), ("BUILDERS", "rft.models"),
+    ("PRIORITY_FNS", "rft.data.experience"), ("REWARD_CLIENTS", "rft.rewards.scoring"),
+    ("ACTOR_BACKENDS", "rft.runtime.actors"),
+])
+def test_each_extension_table_is_a_registry_where_the_readme_says(table, module):
+    """"## Extension points": "Each seam is a name table (a `Registry` in `rft/registry.py`'s sense)",
+    in the file the table names (a module of rft.algorithms: `rft/algorithms/__init__.py`)."""
+    from rft.registry import Registry
+
+    assert re.search(rf"\b{table}\b", section("## Extension points"))
+    assert isinstance(getattr(importlib.import_module(module), table), Registry)
+
+
+def test_the_protocols_the_extension_table_counts():
+    """"rollout engine | the `Engine` Protocol, `rft/rollout/engines/base.py` (8 methods)"; a tracker
+    "a class `(cfg, run_dir, stage, start_step)` with `log(step, metrics)`, `close()`"."""
+    from rft.reporting.monitor import TensorBoard
+    from rft.rollout.engines.base import Engine
+
+    methods = [n for n, v in vars(Engine).items() if callable(v) and not n.startswith("_")]
+    assert sorted(methods) == sorted(["generate", "update_weights", "load_weights_file", "collective_init",
+                                      "collective_receive", "fingerprint", "sleep", "wake_up"])
+    assert list(inspect.signature(TensorBoard).parameters)[:4] == ["cfg", "run_dir", "stage", "start_step"]
+    assert callable(TensorBoard.log) and callable(TensorBoard.close)
+
+
+def test_the_sandbox_and_the_agent_endpoint_limits_the_readme_gives():
+    """"Multi-turn agents and tools": the python environment's "`timeout_s` (5 s)", "`memory_mb` (512)",
+    "more than 32 processes and threads", "more than 1 MiB of output (killed; the tool answers the
+    first 4000 bytes)"; the endpoint's "`n` up to 128", "at most 1024 rollouts are recorded at once",
+    "or 0.5 s pass with none new"; "`hermes` (the default)"."""
+    from rft.rollout.environments.sandbox import run_python
+    from rft.rollout.environments.tools import PythonEnv
+    from rft.serving.batching import IDLE_S
+    from rft.serving.openai_api import MAX_N, MAX_OPEN_ROLLOUTS
+
+    p = inspect.signature(run_python).parameters
+    assert (p["timeout_s"].default, p["memory_mb"].default, p["max_processes"].default,
+            p["output_limit_bytes"].default, p["max_output_bytes"].default) == (5.0, 512, 32, 2**20, 4000)
+    env = inspect.signature(PythonEnv).parameters  # what env_args: {} gives
+    assert (env["timeout_s"].default, env["memory_mb"].default, env["allow_unisolated"].default) == (5.0, 512, False)
+    assert (MAX_N, MAX_OPEN_ROLLOUTS, IDLE_S) == (128, 1024, 0.5)
+    assert compose_cfg().model.tool_call_parser == "hermes"
+
+
+def test_the_makefile_targets_the_readme_names():
+    """"make run  # train the embedded default on CPU"; "`make test-fast` runs the tests of under a
+    second each" (those not marked slow); both "create or refresh `.venv` first"."""
+    make = (ROOT / "Makefile").read_text()
+    rules = dict(re.findall(r"^([\w-]+): (.*)$", make, re.M))
+    recipe = {t: re.search(rf"^{t}:.*\n((?:\t.*\n)+)", make, re.M).group(1) for t in ("run", "test", "test-fast")}
+    assert recipe["run"].strip() == "$(PY) run.py"  # no arguments: the embedded default
+    assert '-m "not slow"' in recipe["test-fast"] and "not slow" not in recipe["test"]
+    assert all("$(STAMP)" in rules[t] or "$(VLLM_STAMP)" in rules[t] for t in ("run", "test", "test-fast"))
+    # the help lines name each target the README gives
+    helped = re.findall(r"^# make ([\w-]+)", make, re.M)
+    assert {"run", "test", "test-fast", "studio"} <= set(helped)
