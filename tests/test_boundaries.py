@@ -364,3 +364,95 @@ def test_an_operators_own_type_error_names_its_line():
     line = op_slips.__code__.co_firstlineno + 1
     assert str(e.value) == ("data_processor.experience_pipeline.operators[0] (test_boundaries.op_slips): object of type "
                             f"'float' has no len() at {__file__}, line {line}; check the types of its args ({{}}).")
+
+
+# ---------------------------------------------------------------- Slurm's warning before the driver listens
+
+SCONTROL_STUB = """#!/bin/bash
+# stand-in: `scontrol show hostnames` names one node; `scontrol requeue J` is written down
+case "$1" in
+    show) echo node0 ;;
+    requeue) echo "requeue $2" >> "$STUB_DIR/called" ;;
+esac
+"""
+SRUN_STUB = "#!/bin/bash\nexec sleep 60 >/dev/null 2>&1  # stand-in for a Ray node's step: stopped by the script's EXIT trap\n"
+PYTHON_STUB = """#!/bin/bash
+# stand-in for RFT_PYTHON: a token as the real one makes it; the Ray wait and the driver, faked
+case "$1" in
+    -c) exec "$REAL_PY" "$@" ;;
+    -) cat > /dev/null; echo "fake: waiting for Ray"; sleep "$FAKE_RAY_WAIT_S" >/dev/null; echo "ray_slurm: 1 Ray node(s) up" ;;
+    run.py) shift; exec "$REAL_PY" "$STUB_DIR/driver.py" "$@" ;;
+esac
+"""
+# the driver: its imports take a while (SIGUSR2's default, to die, in force), then rft's watcher as run.py's
+DRIVER_STUB = """import os, sys, time
+print("fake: driver importing", flush=True)
+time.sleep(float(os.environ["FAKE_IMPORT_S"]))
+from rft.runtime import preemption
+with preemption.watch():
+    print("fake: driver watching", flush=True)
+    end = time.monotonic() + 3
+    while time.monotonic() < end:
+        time.sleep(0.05)
+print("fake: driver done", flush=True)
+"""
+
+
+def run_job_script(tmp_path, warn_after: str | None, ray_wait_s=0.0, import_s=0.0):
+    """launchers/ray_slurm.sbatch with stand-ins for Slurm, Ray and the driver; SIGUSR2 sent to the
+    batch shell (as Slurm's --signal=B:USR2 does) when the line `warn_after` is printed. Its output,
+    exit status, and the `scontrol requeue` calls."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, text in (("scontrol", SCONTROL_STUB), ("srun", SRUN_STUB), ("python", PYTHON_STUB)):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    (tmp_path / "driver.py").write_text(DRIVER_STUB)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "STUB_DIR": str(tmp_path),
+           "REAL_PY": sys.executable, "RFT_PYTHON": str(bin_dir / "python"), "SLURM_JOB_ID": "42",
+           "SLURM_JOB_NODELIST": "node0", "SLURM_SUBMIT_DIR": str(ROOT), "RFT_RAY_HEAD_IP": "127.0.0.1",
+           "FAKE_RAY_WAIT_S": str(ray_wait_s), "FAKE_IMPORT_S": str(import_s),
+           "PYTHONPATH": str(ROOT), "TMPDIR": str(tmp_path)}
+    env.pop("SUBMITIT_EXECUTOR", None)
+    p = subprocess.Popen(["bash", str(ROOT / "launchers" / "ray_slurm.sbatch"), "seed=1"], env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    out = []
+    for line in p.stdout:
+        out.append(line)
+        if warn_after and line.startswith(warn_after):
+            p.send_signal(signal.SIGUSR2)
+    rc = p.wait(60)
+    called = tmp_path / "called"
+    return "".join(out), rc, called.read_text() if called.exists() else ""
+
+
+@pytest.mark.parametrize("warn_after, ray_wait_s, import_s, says", [
+    # while the nodes join Ray: the script requeues the job itself (it died of the signal, unrequeued)
+    ("fake: waiting for Ray", 5, 0, "ray_slurm: Slurm warns that it will stop this job (SIGUSR2) before the driver "
+                                    "started: requeueing job 42 (scontrol requeue): it runs again and resumes from "
+                                    "its newest checkpoint\n"),
+    # while the driver imports: held until its watcher listens (passed on at once, it killed the driver)
+    ("fake: driver importing", 0, 2, "ray_slurm: Slurm warns that it will stop this job: passed on to the driver\n"),
+    # while it runs: passed on, as before
+    ("fake: driver watching", 0, 0, "ray_slurm: Slurm warns that it will stop this job: passed on to the driver\n"),
+])
+def test_slurms_warning_at_any_time_ends_in_a_requeue(tmp_path, warn_after, ray_wait_s, import_s, says):
+    out, rc, called = run_job_script(tmp_path, warn_after, ray_wait_s, import_s)
+    assert called == "requeue 42\n", out
+    assert says in out
+    assert "fake: driver done" not in out
+    if warn_after != "fake: waiting for Ray":  # the driver's own requeue (rft.runtime.preemption.requeue_self)
+        assert "rft: requeueing Slurm job 42 (scontrol requeue)" in out
+
+
+def test_without_a_warning_the_job_script_runs_the_driver_to_its_end(tmp_path):
+    out, rc, called = run_job_script(tmp_path, None)
+    assert rc == 0 and called == "" and "fake: driver done" in out
+    assert "ray_slurm: run.py exited with status 0" in out
