@@ -94,10 +94,11 @@ def seal(d: Path, identity: dict, known: dict | None = None) -> dict:
     return manifest
 
 
-def write_atomic(path: Path, text: str) -> None:
-    """`path` holds `text` whole or not at all, even across a crash: tmp, fsync, rename, fsync the folder."""
+def write_atomic(path: Path, text: str | bytes) -> None:
+    """`path` holds `text` (or bytes: a figure rendered in memory) whole or not at all, even across a
+    crash: tmp, fsync, rename, fsync the folder."""
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
+    with open(tmp, "wb" if isinstance(text, bytes) else "w") as f:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())

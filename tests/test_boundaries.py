@@ -456,3 +456,46 @@ def test_without_a_warning_the_job_script_runs_the_driver_to_its_end(tmp_path):
     out, rc, called = run_job_script(tmp_path, None)
     assert rc == 0 and called == "" and "fake: driver done" in out
     assert "ray_slurm: run.py exited with status 0" in out
+
+
+# ---------------------------------------------------------------- figures, written as the tables are
+
+
+def test_write_atomic_takes_bytes_and_leaves_no_tmp(tmp_path):
+    path = tmp_path / "f.png"
+    manifest.write_atomic(path, b"\x89PNG\r\n")
+    manifest.write_atomic(path, "text")
+    assert path.read_bytes() == b"text" and sorted(p.name for p in tmp_path.iterdir()) == ["f.png"]
+
+
+@pytest.mark.parametrize("which", ["report", "bench"])
+def test_a_figure_that_fails_midway_leaves_the_earlier_one_and_no_tmp(tmp_path, monkeypatch, which):
+    """savefig wrote into <name>.png.tmp then renamed (no fsync): a failure midway left the cut .tmp
+    beside the figure. Rendered in memory and written by manifest.write_atomic, as the tables are."""
+    from matplotlib.figure import Figure
+
+    from rft.reporting import report
+    from rft.runtime import bench
+    from test_report import GRPO, write_job
+
+    def cut(self, target, **kw):
+        if not hasattr(target, "write"):
+            target = open(target, "wb")
+        target.write(b"\x89PNG cut")
+        raise OSError(28, "No space left on device")
+
+    if which == "report":
+        write_job(tmp_path, 0, ["seed=1"], "grpo", {"grpo": GRPO})
+        png = tmp_path / "rewards.png"
+        make = lambda: report.report(tmp_path)  # noqa: E731
+    else:
+        png = tmp_path / "results.png"
+        rows = [{"stage": "grpo", "step": 2, "eval/a/accuracy": 0.5, "eval/a/accuracy_se": 0.1, "checkpoint": "c"}]
+        make = lambda: bench._write(tmp_path, rows)  # noqa: E731
+    make()
+    earlier = png.read_bytes()
+    assert earlier.startswith(b"\x89PNG\r\n")
+    monkeypatch.setattr(Figure, "savefig", cut)
+    with pytest.raises(OSError, match="No space left on device"):
+        make()
+    assert png.read_bytes() == earlier and not png.with_name(png.name + ".tmp").exists()

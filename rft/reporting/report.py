@@ -43,7 +43,6 @@ import csv
 import io
 import json
 import math
-import os
 import re
 import statistics
 import sys
@@ -668,8 +667,9 @@ def report(sweep_dir: Path, stage: str | None = None, metrics: list[str] | str |
         print("rft.reporting.report: matplotlib is not installed, so no rewards.png (pip install matplotlib).", file=sys.stderr)
     else:
         out["png"] = sweep_dir / "rewards.png"
-        fig.savefig(out["png"].with_name("rewards.png.tmp"), dpi=100, format="png")  # whole, or the earlier one
-        os.replace(out["png"].with_name("rewards.png.tmp"), out["png"])
+        png = io.BytesIO()  # rendered in memory, then written whole (or the earlier one kept)
+        fig.savefig(png, dpi=100, format="png")
+        manifest.write_atomic(out["png"], png.getvalue())
     return out
 
 

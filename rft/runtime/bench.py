@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import csv
 import io
-import os
 from pathlib import Path
 
 from rft import manifest
@@ -111,7 +110,8 @@ def _plot(path: Path, rows: list[dict], columns: list[str]) -> bool:
         ax.set_title(name)
         ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path.with_name(path.name + ".tmp"), dpi=90, format="png")
-    os.replace(path.with_name(path.name + ".tmp"), path)
+    png = io.BytesIO()  # rendered in memory, then written whole (or the earlier one kept)
+    fig.savefig(png, dpi=90, format="png")
+    manifest.write_atomic(path, png.getvalue())
     plt.close(fig)
     return True
