@@ -49,6 +49,13 @@ def _timeout(name: str, n: int, timeout: float, where: str) -> TimeoutError:
     )
 
 
+def _not_stored(what: str, e: Exception, cause: str, fix: str) -> RunError:
+    """A stored buffer's row or line that does not read back as an experience (`e`): `what` names
+    it, `cause` says why rft did not make it so, `fix` how to clear it."""
+    return RunError(f"the buffer {what} is not a stored experience ({type(e).__name__}: {str(e)[:200]}); {cause}. "
+                    f"{fix}, then run the same command again to resume from the newest checkpoint.")
+
+
 def _needs_path(buf_cfg, where: str, what: str, suffix: str) -> Path:
     """The buffer's file, `~` expanded and its directory created; a sqlite:/// URL is a file too."""
     if not buf_cfg.path:
@@ -389,12 +396,10 @@ class SQLBuffer:
         try:
             return _experience(row)
         except (ValueError, TypeError, RecursionError) as e:  # not JSON, or not an experience's fields
-            raise RunError(
-                f"the buffer {self.path}: row id {row.id} of table experiences is not a stored experience "
-                f"({type(e).__name__}: {str(e)[:200]}); rft writes each row whole, so something else changed it. "
-                f"Repair or delete that row (sqlite3 {self.path} 'DELETE FROM experiences WHERE id = {row.id}'), "
-                f"then run the same command again to resume from the newest checkpoint."
-            ) from None
+            raise _not_stored(f"{self.path}: row id {row.id} of table experiences", e,
+                              "rft writes each row whole, so something else changed it",
+                              f"Repair or delete that row (sqlite3 {self.path} 'DELETE FROM experiences WHERE id = "
+                              f"{row.id}')") from None
 
     def state(self) -> dict:
         return {"cursor": self.cursor, "last_id": self._last_id()}
@@ -500,12 +505,9 @@ class FileBuffer:
             try:
                 exps.append(Experience.from_dict(json.loads(line)))
             except (ValueError, TypeError, RecursionError) as e:  # not JSON, or not an experience's fields
-                raise RunError(
-                    f"the buffer {self.path}: line {self._line_number(line)} is not a stored experience "
-                    f"({type(e).__name__}: {str(e)[:200]}); a writer's kill leaves only a last line cut "
-                    f"short, so something else damaged the file. Repair or delete that line, then run the "
-                    f"same command again to resume from the newest checkpoint."
-                ) from None
+                raise _not_stored(f"{self.path}: line {self._line_number(line)}", e, "a writer's kill leaves "
+                                  "only a last line cut short, so something else damaged the file",
+                                  "Repair or delete that line") from None
         self.offset = offset
         return exps
 
