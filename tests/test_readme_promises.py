@@ -1,7 +1,8 @@
 """README.md's promises that no other test file shows: the groups a newcomer changes first and what
 they default to, what differs from Trinity-RFT, the Trinity keys rft lacks, the Layout and the
-extension tables, and the documented defaults of the multi-turn sandbox. Each test quotes the
-README line it holds to; all are fast (composing the config, reading files, no run)."""
+extension tables, the documented defaults of the multi-turn sandbox, and an empty stop set. Each
+test quotes the README line it holds to; all but the last are fast (composing the config, reading
+files, no run)."""
 
 import importlib
 import inspect
@@ -284,3 +285,37 @@ def test_the_makefile_targets_the_readme_names():
     # the help lines name each target the README gives
     helped = re.findall(r"^# make ([\w-]+)", make, re.M)
     assert {"run", "test", "test-fast", "studio"} <= set(helped)
+
+
+@pytest.mark.slow  # an engine (make test-fast runs none): ~5 s with the tiny model's first build
+def test_an_empty_stop_token_ids_lets_every_response_run_to_max_tokens(cache_dir):
+    """"`model.stop_token_ids=[...]` replaces that set (`[]`: none, every response runs to
+    `max_tokens`...)": with the tokenizer's eos made the likeliest token, the default set ends each
+    response at its first token, `[]` at none (greedy and sampled alike)."""
+    from types import SimpleNamespace
+
+    from rft.data.readers import encode_prompt
+    from rft.models import build_tiny_model, load_tokenizer
+    from rft.rollout.engines.hf import HFEngine
+
+    path = build_tiny_model(cache_dir / "models" / "tiny-qwen2-v1")
+    ends = {}
+    for stops in (None, []):
+        cfg = OmegaConf.create(dict(model_path=str(path), dtype="float32", trust_remote_code=False,
+                                    custom_chat_template=None, max_response_tokens=6, stop_token_ids=stops))
+        tok = load_tokenizer(cfg)
+        engine = HFEngine(cfg, SimpleNamespace(generate_batch_size=8), tok)
+
+        def eos_first(module, inputs, logits, eos=tok.eos_token_id):
+            logits = logits.clone()
+            logits[..., eos] += 50.0  # the untrained model would never sample it
+            return logits
+
+        engine.model.lm_head.register_forward_hook(eos_first)
+        prompts = [encode_prompt(tok, [{"role": "user", "content": q}], 24) for q in ("1+2", "33+44")]
+        for temperature in (1.0, 0.0):
+            out = engine.generate(prompts, n=2, seed=0, args=SimpleNamespace(
+                temperature=temperature, top_p=1.0, top_k=-1, max_tokens=None, stop=[]))
+            ends[str(stops), temperature] = {(len(s.token_ids), s.finish_reason) for g in out for s in g}
+    assert ends == {("None", 1.0): {(1, "stop")}, ("None", 0.0): {(1, "stop")},
+                    ("[]", 1.0): {(6, "length")}, ("[]", 0.0): {(6, "length")}}  # 6: model.max_response_tokens
