@@ -319,3 +319,27 @@ def test_an_empty_stop_token_ids_lets_every_response_run_to_max_tokens(cache_dir
             ends[str(stops), temperature] = {(len(s.token_ids), s.finish_reason) for g in out for s in g}
     assert ends == {("None", 1.0): {(1, "stop")}, ("None", 0.0): {(1, "stop")},
                     ("[]", 1.0): {(6, "length")}, ("[]", 0.0): {(6, "length")}}  # 6: model.max_response_tokens
+
+
+# names of the standard library rft might use, with the Python that added them
+NEWER_STDLIB = {
+    (3, 11): [r"\bStrEnum\b", r"\bimport tomllib\b", r"from typing import[^\n]*\bSelf\b", r"\bdatetime\.UTC\b",
+              r"\bTaskGroup\b", r"\bfile_digest\b", r"\bcontextlib\.chdir\b", r"\bExceptionGroup\b"],
+    (3, 12): [r"\bitertools\.batched\b", r"from itertools import[^\n]*\bbatched\b", r"from typing import[^\n]*\boverride\b"],
+}
+
+
+def test_the_python_the_readme_and_pyproject_name_runs_rft():
+    """"Python >= 3.x" (README, under the two make commands) is pyproject's `requires-python`, and no
+    module of rft or run.py uses the standard library of a later Python (rft/config.py's closed sets
+    of names are `enum.StrEnum`s, new in 3.11: on 3.10 `import rft.config` failed with an ImportError
+    where both promised 3.10)."""
+    import tomllib
+
+    floor = re.search(r"\(Python >= 3\.(\d+);", README)
+    declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["requires-python"]
+    assert floor and declared == f">=3.{floor.group(1)}"
+    sources = {p: p.read_text() for p in [ROOT / "run.py", *(ROOT / "rft").rglob("*.py")]}
+    needed = max([version for version, names in NEWER_STDLIB.items()
+                  if any(re.search(n, text) for n in names for text in sources.values())], default=(3, 10))
+    assert (3, int(floor.group(1))) >= needed
