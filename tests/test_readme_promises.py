@@ -343,3 +343,81 @@ def test_the_python_the_readme_and_pyproject_name_runs_rft():
     needed = max([version for version, names in NEWER_STDLIB.items()
                   if any(re.search(n, text) for n in names for text in sources.values())], default=(3, 10))
     assert (3, int(floor.group(1))) >= needed
+
+
+def test_a_key_a_stage_entry_lacks_is_added_with_a_plus():
+    """"### Stages": "A key the stage's entry does not hold yet is added with a `+`
+    (`+stages.1.buffer.explorer_input.taskset.workflow_args.agent=my_study.agent.solve`; without it
+    Hydra stops with "Key 'buffer' is not in struct")", and only that stage gets it."""
+    from hydra.errors import ConfigCompositionException
+
+    from rft.plan.batch import stage_configs
+
+    key = "stages.1.buffer.explorer_input.taskset.workflow_args.agent=my_study.agent.solve"
+    warm, rl = stage_configs(compose_cfg([f"+{key}"]))
+    assert dict(rl.buffer.explorer_input.taskset.workflow_args) == {"agent": "my_study.agent.solve"}
+    assert dict(warm.buffer.explorer_input.taskset.workflow_args) == {}
+    with pytest.raises(ConfigCompositionException) as e:
+        compose_cfg([key])
+    assert str(e.value).endswith(f"To append to your config use +{key}")
+    assert str(e.value.__cause__).startswith("Key 'buffer' is not in struct")
+
+
+def run_py_commands(text: str) -> list[str]:
+    """The overrides of each `python run.py ...` command in a markdown text (a line ending in `\\`
+    continues it; a comment ends it)."""
+    lines, found, i = text.splitlines(), [], 0
+    while i < len(lines):
+        m = re.search(r"(?:^|\s|`)python run\.py((?: [^`#]*)?)", lines[i])
+        if m:
+            command = m.group(1)
+            while command.rstrip().endswith("\\") and i + 1 < len(lines):
+                i += 1
+                command = command.rstrip()[:-1] + " " + lines[i].split("#")[0]
+            found.append(command.split("#")[0].strip())
+        i += 1
+    return found
+
+
+def compose_error(command: str) -> str | None:
+    """What composing `python run.py <command>` says is wrong (None: it composes); a sweep's first
+    value of each list stands for the sweep. None too for a command with placeholders (`<dir>`,
+    `$SFT`) or flags, and for one choosing a launcher (Hydra's plugins compose it)."""
+    import shlex
+
+    from rft.plan.overlays import misspelt_override
+
+    if any(c in command for c in "$<>") or "..." in command:
+        return None
+    words = [w for w in shlex.split(command) if w not in ("-m", "--multirun")]
+    if any(w.startswith(("-", "hydra/launcher")) for w in words):
+        return None
+    overrides = []
+    for w in words:
+        key, eq, value = w.partition("=")
+        if "," in value and not value.startswith(("[", "{", "'", '"')):
+            value = value.split(",")[0]
+        overrides.append(f"{key}={value}" if eq else w)
+    error = misspelt_override(overrides, {p.name for p in CONF.iterdir() if p.is_dir()})
+    if error:
+        return error
+    try:
+        compose_cfg(overrides)
+    except Exception as e:  # noqa: BLE001 (Hydra's and OmegaConf's many kinds: each is the answer)
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+@pytest.mark.slow  # ~8 s: some 55 commands composed
+def test_every_run_py_command_of_the_readmes_composes():
+    """Each `python run.py ...` command the README, experiments/*/README.md and launchers/README.md
+    give composes as written (a renamed key or option fails here, not for the reader)."""
+    readmes = [ROOT / "README.md", *sorted(ROOT.glob("experiments/*/README.md")), ROOT / "launchers" / "README.md"]
+    commands = [(r.relative_to(ROOT), c) for r in readmes for c in run_py_commands(r.read_text())]
+    assert len(commands) >= 60
+    wrong = [(str(r), c, error) for r, c in commands if (error := compose_error(c))]
+    assert wrong == []
+    # what a renamed key would give
+    assert compose_error("buffer.batchsize=8").startswith("Could not override 'buffer.batchsize': Key 'batchsize' "
+                                                          "not in 'BufferConfig'.")
+    assert compose_error("model=qwen8b").startswith("MissingConfigException: In 'config': Could not find 'model/qwen8b'")
