@@ -441,3 +441,26 @@ def test_every_key_the_readme_names_is_a_key_of_the_config():
     assert len(keys) > 100
     absent = {k for k in keys if OmegaConf.select(cfg, k, default="<absent>") == "<absent>"}
     assert absent == NOT_RFT_KEYS
+
+
+@pytest.mark.slow  # wandb starts a service process (~2 s)
+def test_wandb_holds_the_whole_config_and_a_resumed_stage_goes_on_in_its_run(tmp_path, monkeypatch):
+    """"`monitor`: ... a resumed stage goes on in its run; wandb's run config holds the whole config
+    too": the same run id for the same stage directory, the stage's composed config as its config."""
+    from rft.plan.batch import stage_configs
+    from rft.reporting.monitor import WandB
+
+    monkeypatch.setenv("WANDB_MODE", "offline")  # no account, no network
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    [stage] = stage_configs(compose_cfg(["stages=[]", "buffer.batch_size=12"]))
+    first = WandB(stage, tmp_path, "grpo", 0)
+    run_id, name, config = first.run.id, first.run.name, dict(first.run.config)
+    first.close()
+    resumed = WandB(stage, tmp_path, "grpo", 30)
+    assert resumed.run.id == run_id and name == "grpo-tiny-arithmetic/grpo"
+    resumed.close()
+    assert (config["stage"], config["buffer"]["batch_size"], config["algorithm"]["algorithm_type"]) == ("grpo", 12, "grpo")
+    assert set(config) >= {"model", "trainer", "explorer", "synchronizer", "cluster", "seed"}
+    other = WandB(stage, tmp_path / "other", "grpo", 0)
+    other.close()
+    assert other.run.id != run_id  # another run directory, another run
