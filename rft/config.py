@@ -759,10 +759,19 @@ class DataProcessorConfig:
     online_curriculum: OnlineCurriculumConfig = field(default_factory=OnlineCurriculumConfig)
 
 
+class LogLevel(StrEnum):
+    """log.level: logging's level names (another name stopped each actor at its start, a traceback)."""
+    DEBUG = "DEBUG"
+    INFO = "INFO"
+    WARNING = "WARNING"
+    ERROR = "ERROR"
+    CRITICAL = "CRITICAL"
+
+
 @dataclass
 class LogConfig:
-    # DEBUG | INFO | WARNING | ERROR, for log/<actor>.log
-    level: str = "INFO"
+    # DEBUG | INFO | WARNING | ERROR | CRITICAL, for log/<actor>.log
+    level: LogLevel = LogLevel.INFO
 
 
 @dataclass

@@ -246,9 +246,10 @@ def test_an_eval_set_that_reads_the_training_rows_is_warned_about(caplog):
 
 
 def test_sampling_settings_at_their_limits_plan():
-    # temperature 0 is greedy decoding, top_p 1 no cut, top_k 0 or -1 no top-k: all valid
-    plan = plan_for(["stages=[]", f"{TS}.rollout_args.temperature=0", f"{TS}.rollout_args.top_p=1",
-                     f"{TS}.rollout_args.top_k=0", "model.lora.rank=4", "model.lora.alpha=8", "trainer.grad_clip=inf",
+    # temperature 0 is greedy decoding, top_p 1 no cut, top_k 0 or -1 no top-k: all valid (greedy with an
+    # advantage that compares a group's rollouts is not: tests/test_config_audit.py)
+    plan = plan_for(["stages=[]", "algorithm.advantage_fn=reinforce_pp", f"{TS}.rollout_args.temperature=0",
+                     f"{TS}.rollout_args.top_p=1", f"{TS}.rollout_args.top_k=0", "model.lora.rank=4", "model.lora.alpha=8", "trainer.grad_clip=inf",
                      "explorer.max_failed_steps=0"])
     # planned as any run: the default's 16 tasks x 8 rollouts a step
     assert (plan.mode, plan.tasks_per_step, plan.rollouts_per_task) == ("both", 16, 8)

@@ -31,6 +31,7 @@ from rft.algorithms import ADVANTAGE_FNS, KL_FNS, POLICY_LOSS_FNS, Needs, algori
 from rft.errors import ConfigError
 from rft.registry import ENGINES, TRAINER_BACKENDS
 from rft.plan import memory
+from rft.plan.ranges import check_ranges
 from rft.plan.placement import check_placement, explorer_count, sync_offset, trainer_ranks
 from rft.plan.sync import check_lora_sync
 
@@ -164,6 +165,7 @@ def make_plan(cfg, dataset_size: int) -> BatchPlan:
     kind = input_kind(cfg)
     dp = trainer_ranks(cfg)  # trainer_strategy=torch is one process
     _check_algorithm(cfg, needs)
+    _check_greedy_groups(cfg, needs)
     _check_distill(cfg.algorithm, needs)
     _check_reward_head(cfg, needs, kind)
     train_bs, per_epoch = _step_batch(cfg, dataset_size, kind, needs)
@@ -209,6 +211,7 @@ def check_config(cfg) -> None:
         raise ConfigError(f"buffer.explorer_input.eval_tasksets: the name {twice[0]!r} is given to {names.count(twice[0])} "
                           f"eval sets; each needs a name of its own (their metrics are eval/<name>/...).")
     _check_names(cfg)
+    _check_no_nan(cfg, lists=True)
     _check_runtime(cfg)
     buf, algo = cfg.buffer, cfg.algorithm
     # a stage that only trains reads neither unless they size its step (no train_batch_size; a
@@ -228,6 +231,7 @@ def check_config(cfg) -> None:
         if value < 1:
             raise ConfigError(f"{key}={value} must be >= 1 (in steps).")
     _check_limits(cfg)
+    check_ranges(cfg)
     _check_model(cfg.model)
     check_lora_sync(cfg)
     if cfg.mode in ("both", "explore"):
@@ -247,14 +251,24 @@ def check_run_name(cfg) -> None:
                               f"fine). Choose another {key}.")
 
 
-def _check_no_nan(cfg) -> None:
-    """NaN is no setting anywhere (a NaN coefficient or learning rate trains a model of NaNs, with exit 0)."""
-    from rft.config import flat
+def _check_no_nan(cfg, lists: bool = False) -> None:
+    """NaN is no setting anywhere (a NaN coefficient or learning rate trains a model of NaNs, with exit 0).
+    `lists`: in a list's items too (an eval set's pass_threshold, an auxiliary model's settings), checked
+    after the checks of a list's own kind (a reward's parts), whose messages say more."""
+    tree = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True) if isinstance(cfg, DictConfig) else cfg
 
-    for key, value in flat(cfg).items():
-        if isinstance(value, float) and math.isnan(value):
+    def walk(node, key: str) -> None:
+        if isinstance(node, dict):
+            for k, v in node.items():
+                walk(v, f"{key}.{k}" if key else str(k))
+        elif isinstance(node, list) and lists:
+            for i, v in enumerate(node):
+                walk(v, f"{key}[{i}]")
+        elif isinstance(node, float) and math.isnan(node):
             raise ConfigError(f"{key}=nan is not a number; give it a value (`python run.py --cfg job` shows the "
                               f"defaults).")
+
+    walk(tree, "")
 
 
 def _check_limits(cfg) -> None:
@@ -396,6 +410,26 @@ def _check_algorithm(cfg, needs: Needs) -> None:
         )
     _unused_kl_coefs(algo)
     _unused_overlong_factor(algo)
+
+
+def _check_greedy_groups(cfg, needs: Needs) -> None:
+    """Temperature 0 is greedy decoding: a group's rollouts of one prompt are one response repeated, so
+    their rewards are equal and an advantage that compares them is 0 for every rollout (the run
+    trained nothing, with exit 0). A workflow other than single_turn may differ between rollouts
+    (an environment's own randomness): warned about only."""
+    ts, algo = cfg.buffer.explorer_input.taskset, cfg.algorithm
+    if cfg.mode not in ("both", "explore") or not needs.grouped or algo.repeat_times < 2:
+        return
+    if ts.rollout_args.temperature != 0:
+        return
+    text = (f"buffer.explorer_input.taskset.rollout_args.temperature=0 is greedy decoding, so the "
+            f"{algo.repeat_times} rollouts of a task (algorithm.repeat_times) are one response repeated, and "
+            f"algorithm.advantage_fn={algo.advantage_fn} compares them: every advantage is 0 and nothing is learned. "
+            f"Sample (temperature 1.0 is common; the eval sets' temperature can stay 0)")
+    if ts.workflow != "single_turn":
+        log.warning("%s, unless workflow %s makes the rollouts differ.", text, ts.workflow)
+        return
+    raise ConfigError(text + ".")
 
 
 def _unused_kl_coefs(algo) -> None:
@@ -691,17 +725,7 @@ def _check_model(model) -> None:
             f"config.json ({'it holds ' + ', '.join(held[:5]) + (' ...' if len(held) > 5 else '') if held else 'it is empty'}). "
             f"Point it at the model's own directory (config.json, the weights, the tokenizer files)."
         )
-    if model.lora.rank < 0:
-        raise ConfigError(f"model.lora.rank={model.lora.rank} must be >= 0 (0: no LoRA, train every weight).")
-    # the update is (alpha / rank) B A: with alpha 0 the adapters train but never change the model
-    if model.lora.rank and not 0 < model.lora.alpha < math.inf:
-        raise ConfigError(f"model.lora.alpha={model.lora.alpha} must be > 0 with model.lora.rank={model.lora.rank}: "
-                          f"the adapters' update is scaled by alpha / rank, so 0 leaves the model as it started. "
-                          f"16 or 2 x rank is common.")
-    if model.lora.rank and model.lora.dropout:
-        raise ConfigError(f"model.lora.dropout={model.lora.dropout}: the trainer computes without dropout so that its "
-                          f"log-probs are the ones the engine sampled with (the policy ratio's denominator). Set "
-                          f"model.lora.dropout=0.")
+    _check_lora(model.lora)
     if model.attn_implementation is not None and model.attn_implementation not in ATTN_IMPLEMENTATIONS:
         raise ConfigError(f"model.attn_implementation={model.attn_implementation!r} is not an attention kernel; "
                           f"choose one of {', '.join(ATTN_IMPLEMENTATIONS)} (or null for transformers' default, sdpa).")
@@ -714,6 +738,60 @@ def _check_model(model) -> None:
             f"({model.max_prompt_tokens}) + model.max_response_tokens ({model.max_response_tokens}) "
             f"= {need}. Raise max_model_len or lower the token budgets."
         )
+    _check_positions(model)
+
+
+def _check_positions(model) -> None:
+    """The longest sequence the run is sized for fits the model's positions (its config.json's
+    max_position_embeddings, times a rope_scaling factor; else model.architecture's): past them the
+    hf engine and the trainer went on at positions the model never learned (exit 0), and vLLM
+    refused the engine only after the model had loaded."""
+    raw, source = memory._read_config(model)
+    positions = (raw or {}).get("max_position_embeddings")
+    if isinstance(positions, bool) or not isinstance(positions, int) or positions < 1:
+        return
+    scaling = raw.get("rope_scaling")
+    factor = scaling.get("factor") if isinstance(scaling, dict) else None
+    limit = int(positions * factor) if isinstance(factor, int | float) and factor > 1 else positions
+    need = memory.longest(model)
+    if need <= limit:
+        return
+    named = (f"model.max_model_len={need}" if model.max_model_len else f"model.max_prompt_tokens + "
+             f"model.max_response_tokens = {model.max_prompt_tokens} + {model.max_response_tokens} = {need}")
+    raise ConfigError(
+        f"{named} tokens is more than the model's {limit} positions (max_position_embeddings="
+        f"{positions}{f' x rope_scaling factor {factor}' if limit != positions else ''}, in {source}): the "
+        f"model never learned positions past them. Lower the token budgets to {limit} tokens in all.")
+
+
+def _check_lora(lora) -> None:
+    import re
+
+    if lora.rank < 0:
+        raise ConfigError(f"model.lora.rank={lora.rank} must be >= 0 (0: no LoRA, train every weight).")
+    if not lora.rank:
+        return
+    # the update is (alpha / rank) B A: with alpha 0 the adapters train but never change the model
+    if not 0 < lora.alpha < math.inf:
+        raise ConfigError(f"model.lora.alpha={lora.alpha} must be > 0 with model.lora.rank={lora.rank}: "
+                          f"the adapters' update is scaled by alpha / rank, so 0 leaves the model as it started. "
+                          f"16 or 2 x rank is common.")
+    if lora.dropout:
+        raise ConfigError(f"model.lora.dropout={lora.dropout}: the trainer computes without dropout so that its "
+                          f"log-probs are the ones the engine sampled with (the policy ratio's denominator). Set "
+                          f"model.lora.dropout=0.")
+    tm = lora.target_modules
+    names = list(tm) if isinstance(tm, ListConfig | list) else None
+    try:
+        ok = bool(tm.strip() and re.compile(tm)) if isinstance(tm, str) else bool(
+            names and all(isinstance(m, str) and m.strip() for m in names))
+    except re.error:
+        ok = False
+    if not ok:
+        shown = "null" if tm is None else repr(tm)
+        raise ConfigError(f"model.lora.target_modules={shown} names no module to adapt: give all-linear (every linear "
+                          f"layer but the output layer), a list of module names ([q_proj, v_proj]), or a regular "
+                          f"expression that PEFT matches against the modules' full names.")
 
 
 def check_template(template, key: str) -> None:
@@ -769,6 +847,14 @@ def sft_buffer_config(cfg):
     if name in aux:
         where = f"buffer.trainer_input.auxiliary_buffers.{name}"
         return _typed_buffer(aux[name], where), where
+    if aux or name != C.AlgorithmConfig().sft_buffer:
+        # a misspelt name (or one whose buffer was left out) fell back to the taskset without a word
+        raise ConfigError(
+            f"algorithm.sft_buffer={name!r} names no buffer of buffer.trainer_input.auxiliary_buffers (it has "
+            f"{sorted(aux)}), so algorithm.sft_loss_weight={cfg.algorithm.sft_loss_weight} would learn from no expert "
+            f"data of yours. Set algorithm.sft_buffer to one of those names, or add "
+            f"+buffer.trainer_input.auxiliary_buffers.{name}.path=<dataset of prompt/response rows> (with neither, "
+            f"algorithm.sft_buffer={C.AlgorithmConfig().sft_buffer} learns from the taskset's reference answers).")
     ts = cfg.buffer.explorer_input.taskset
     where = "buffer.explorer_input.taskset"
     if not ts.format.response_key:

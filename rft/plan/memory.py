@@ -230,7 +230,13 @@ def lora_parameters(s: Shape, lora) -> int:
     sizes = {"q_proj": s.hidden + q, "k_proj": s.hidden + s.kv, "v_proj": s.hidden + s.kv, "o_proj": q + s.hidden,
              "gate_proj": s.hidden + s.intermediate, "up_proj": s.hidden + s.intermediate,
              "down_proj": s.intermediate + s.hidden}
-    targets = sizes if lora.target_modules == "all-linear" else {m: sizes.get(m, 0) for m in lora.target_modules}
+    tm = lora.target_modules
+    if tm == "all-linear":
+        targets = sizes
+    elif isinstance(tm, str):  # a regular expression PEFT matches against each module's full name
+        targets = {m: n for m, n in sizes.items() if re.search(tm, f"model.layers.0.{m}")}
+    else:
+        targets = {m: sizes.get(m, 0) for m in tm}
     return lora.rank * s.layers * sum(targets.values())
 
 

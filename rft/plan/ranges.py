@@ -1,0 +1,157 @@
+"""The numeric settings whose every value outside a range is a mistake, as one table checked when
+planning (rft.plan.batch.check_config), so that each ends the command with a paragraph naming the
+key, its value and the range before anything starts.
+
+Hydra types each key (an int key refuses 2.5) and the plan checks the keys that size the run
+(batch sizes, intervals); these are the rest: coefficients and bounds that the trainer or the
+explorer reads mid-run, where an out-of-range value did not fail but trained another run than
+the one asked for, with exit 0 (a negative clip ratio inverts the clip range, a negative KL
+coefficient pushes the policy away from its reference, an infinite weight decay or entropy
+coefficient fills the model with NaN, a tensor_parallel_size of 0 split the model in none).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+from omegaconf import OmegaConf
+
+from rft.errors import ConfigError
+
+INF = math.inf
+
+
+@dataclass(frozen=True)
+class Range:
+    key: str
+    lo: float
+    hi: float = INF
+    lo_open: bool = False  # lo itself is out of range
+    hi_open: bool = True  # hi itself is out of range (inf: the value must be finite)
+    why: str = ""
+    # whether the stage reads the key (a value it never reads is left alone)
+    when: Callable | None = None
+
+    def text(self, v) -> str:
+        if self.lo == -INF:
+            return "finite"
+        if self.hi == INF:
+            finite = " and finite" if self.hi_open and isinstance(v, float) else ""
+            return f"{'>' if self.lo_open else '>='} {self.lo:g}{finite}"
+        return f"in {'(' if self.lo_open else '['}{self.lo:g}, {self.hi:g}{')' if self.hi_open else ']'}"
+
+    def holds(self, v) -> bool:  # (comparisons with NaN are False: NaN is out of every range)
+        above = v > self.lo if self.lo_open else v >= self.lo
+        below = v < self.hi if self.hi_open else v <= self.hi
+        return bool(above and below)
+
+
+def _rl(cfg) -> bool:
+    """An RL stage (an advantage function): an SFT warm-up inherits the RL keys and reads none of them."""
+    return cfg.algorithm.advantage_fn != "none"
+
+
+def _critic(cfg) -> bool:
+    from rft.algorithms import algorithm_needs
+
+    return algorithm_needs(cfg.algorithm).critic
+
+
+def _kl(fn: str) -> Callable:
+    return lambda cfg: cfg.algorithm[fn] != "none"
+
+
+def _cosine(cfg) -> bool:
+    return cfg.algorithm.optimizer.warmup_style == "cosine"
+
+
+def _mixes_sft(cfg) -> bool:
+    return cfg.algorithm.sft_loss_weight > 0
+
+
+def _vllm(cfg) -> bool:
+    return cfg.explorer.rollout_model.engine_type == "vllm"
+
+
+RANGES = (
+    # ratio clipped to [1 - low, 1 + high]: a negative one puts 1 outside the range (inverted clip)
+    Range("algorithm.clip_ratio_low", 0, hi_open=False, why="the ratio is clipped to [1 - clip_ratio_low, "
+          "1 + clip_ratio_high]: a negative value puts the unchanged policy outside that range; inf: no lower clip"),
+    Range("algorithm.clip_ratio_high", 0, hi_open=False, why="the ratio is clipped to [1 - clip_ratio_low, "
+          "1 + clip_ratio_high]: a negative value puts the unchanged policy outside that range; inf: no upper clip"),
+    Range("algorithm.optimizer.min_lr_ratio", 0, 1, hi_open=False, when=_cosine,
+          why="the cosine schedule ends at lr x min_lr_ratio: below 0 the learning rate turns negative (the loss "
+              "is ascended), above 1 it grows"),
+    # (a negative one: rft.plan.batch._length's message)
+    Range("algorithm.optimizer.weight_decay", -INF, lo_open=True,
+          why="AdamW shrinks each weight by lr x weight_decay a step: an infinite one fills the model with NaN"),
+    Range("algorithm.gamma", 0, 1, hi_open=False, when=_rl,
+          why="a discount: 1 sums the rewards, below 1 discounts later ones"),
+    Range("algorithm.lam", 0, 1, hi_open=False, when=_critic,
+          why="GAE's lambda: 1 is the Monte Carlo return, 0 one step"),
+    Range("algorithm.critic_lr", 0, why="a negative learning rate ascends the critic's loss", when=_critic),
+    Range("algorithm.value_clip", 0, lo_open=True, hi_open=False, why="the critic's values are clipped to "
+          "old +- value_clip; inf: no clipping", when=_critic),
+    Range("algorithm.critic_warmup", 0, why="steps that train only the critic (0: none)", when=_critic),
+    Range("algorithm.tau", 0, lo_open=True, why="OPMD's temperature (the loss is divided by 1 + tau, the "
+          "logavgexp baseline divides by it)", when=_rl),
+    Range("algorithm.kl_loss_coef", 0, when=_kl("kl_loss_fn"),
+          why="a negative coefficient would reward moving away from the reference"),
+    Range("algorithm.kl_penalty_coef", 0, when=_kl("kl_penalty_fn"),
+          why="a negative coefficient would reward moving away from the reference"),
+    Range("algorithm.entropy_coef", -INF, lo_open=True, why="an infinite coefficient makes the loss infinite"),
+    Range("algorithm.sft_loss_weight", 0, why="0 turns the auxiliary SFT term off; a negative weight would unlearn "
+          "the expert data"),
+    Range("algorithm.sft_batch_size", 1, when=_mixes_sft, why="expert rows a step for the SFT term"),
+    Range("algorithm.dpo_beta", 0, lo_open=True, when=lambda cfg: cfg.algorithm.policy_loss_fn == "dpo",
+          why="DPO's beta scales the implicit reward (0.1 is common)"),
+    Range("algorithm.behavior_weight_cap", 0, lo_open=True, hi_open=False,
+          when=lambda cfg: _rl(cfg) and cfg.algorithm.off_policy_correction == "decoupled",
+          why="each stale token's policy loss is weighted by pi_prox / pi_behav capped here: at or below 0 the "
+              "weights are 0 or negative; inf: no cap"),
+    Range("algorithm.dynamic_sampling_max_tries", 0, why="task batches a step draws (0 or 1: off)", when=_rl),
+    Range("algorithm.overlong_buffer_frac", 0, 1, why="the share of the response budget at whose end responses "
+          "are penalised (0: off; DAPO's 0.2)", when=_rl),
+    Range("algorithm.overlong_penalty_factor", 0, why="the penalty at the length limit: a negative one rewards "
+          "overlong responses", when=lambda cfg: cfg.algorithm.overlong_buffer_frac > 0),
+    Range("algorithm.distill_coef", 0, why="0 turns distillation off; a negative coefficient moves away from the "
+          "teacher"),
+    Range("explorer.rollout_model.tensor_parallel_size", 1, why="devices each engine is split over"),
+    Range("explorer.rollout_model.generate_batch_size", 1, why="sequences per generate() call"),
+    Range("explorer.rollout_model.gpu_memory_utilization", 0, 1, lo_open=True, hi_open=False, when=_vllm,
+          why="the share of each GPU's memory vLLM may take (0.9 is common)"),
+    Range("explorer.rollout_model.cpu_kvcache_space_gb", 1, when=_vllm, why="GiB for vLLM's KV cache on CPU"),
+    Range("data_processor.online_curriculum.eps", 0, lo_open=True,
+          when=lambda cfg: cfg.data_processor.online_curriculum.enable,
+          why="the floor of every task's weight (0.05 is the default): at 0 a task always or never solved is "
+              "never drawn again, and an infinite one draws uniformly"),
+    Range("data_processor.online_curriculum.window", 1, when=lambda cfg: cfg.data_processor.online_curriculum.enable,
+          why="a task's newest rollouts its pass rate counts"),
+)
+
+# keys whose null means "the default": 0 is no default, and was taken for one (`x or default`)
+ZERO_IS_NOT_NULL = (
+    ("buffer.train_batch_size", "batch_size x algorithm.repeat_times in mode=both"),
+    ("trainer.mini_batch_size", "buffer.train_batch_size"),
+    ("trainer.max_token_len_per_gpu", "micro_batch_size_per_gpu x the longest sequence"),
+    ("trainer.logprob_chunk_size", "all tokens at once"),
+)
+
+
+def check_ranges(cfg) -> None:
+    for r in RANGES:
+        if r.when is not None and not r.when(cfg):
+            continue
+        v = OmegaConf.select(cfg, r.key)
+        if v is not None and not r.holds(v):
+            raise ConfigError(f"{r.key}={v} must be {r.text(v)}: {r.why}.")
+    for key, default in ZERO_IS_NOT_NULL:
+        v = OmegaConf.select(cfg, key)
+        if v is not None and v < 1:
+            raise ConfigError(f"{key}={v} must be >= 1, or null for the default ({default}).")
+    betas = list(cfg.algorithm.optimizer.betas)
+    if len(betas) != 2 or not all(0 <= b < 1 for b in betas):
+        raise ConfigError(f"algorithm.optimizer.betas={betas} must be two numbers in [0, 1) (Adam's decay rates of "
+                          f"the gradient's mean and of its square; [0.9, 0.999] is the default).")

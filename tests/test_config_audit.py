@@ -1,0 +1,190 @@
+"""A careless user's configuration, key by key: each value below was accepted by the plan and then
+trained another run than the one asked for (exit 0), or stopped mid-run with a traceback. Each now
+ends the plan with one paragraph naming the key, its value and the fix; a value no stage reads is
+left alone."""
+
+import json
+import logging
+
+import pytest
+from conftest import compose_cfg
+from hydra.errors import ConfigCompositionException
+
+from rft.errors import ConfigError
+from rft.plan.batch import make_plan, stage_configs
+
+TS = "buffer.explorer_input.taskset"
+
+
+def plan_for(overrides, size=2000):
+    """The RL stage's plan (stages=[]: the default's warm-up left out)."""
+    return make_plan(stage_configs(compose_cfg(["stages=[]", *overrides]))[-1], size)
+
+
+def error_of(overrides) -> str:
+    with pytest.raises(ConfigError) as e:
+        plan_for(overrides)
+    return str(e.value)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    # the clip range [1 - low, 1 + high] would not hold the unchanged policy's ratio 1
+    (["algorithm.clip_ratio_low=-0.1"],
+     "algorithm.clip_ratio_low=-0.1 must be >= 0: the ratio is clipped to [1 - clip_ratio_low, 1 + clip_ratio_high]: "
+     "a negative value puts the unchanged policy outside that range; inf: no lower clip."),
+    (["algorithm.optimizer.weight_decay=inf"],
+     "algorithm.optimizer.weight_decay=inf must be finite: AdamW shrinks each weight by lr x weight_decay a step: an "
+     "infinite one fills the model with NaN."),
+    (["algorithm.optimizer.betas=[0.9]"],
+     "algorithm.optimizer.betas=[0.9] must be two numbers in [0, 1) (Adam's decay rates of the gradient's mean and "
+     "of its square; [0.9, 0.999] is the default)."),
+    (["algorithm.optimizer.betas=[0.9,1.0]"],
+     "algorithm.optimizer.betas=[0.9, 1.0] must be two numbers in [0, 1) (Adam's decay rates of the gradient's mean "
+     "and of its square; [0.9, 0.999] is the default)."),
+    (["algorithm.optimizer.warmup_style=cosine", "algorithm.optimizer.min_lr_ratio=-0.5"],
+     "algorithm.optimizer.min_lr_ratio=-0.5 must be in [0, 1]: the cosine schedule ends at lr x min_lr_ratio: below "
+     "0 the learning rate turns negative (the loss is ascended), above 1 it grows."),
+    (["algorithm=reinforce_pp", "algorithm.gamma=1.5"],
+     "algorithm.gamma=1.5 must be in [0, 1]: a discount: 1 sums the rewards, below 1 discounts later ones."),
+    (["algorithm=ppo", "algorithm.lam=2"],
+     "algorithm.lam=2.0 must be in [0, 1]: GAE's lambda: 1 is the Monte Carlo return, 0 one step."),
+    (["algorithm=ppo", "algorithm.critic_lr=-1e-5"],
+     "algorithm.critic_lr=-1e-05 must be >= 0 and finite: a negative learning rate ascends the critic's loss."),
+    (["algorithm=opmd", "algorithm.tau=0"],
+     "algorithm.tau=0.0 must be > 0 and finite: OPMD's temperature (the loss is divided by 1 + tau, the logavgexp "
+     "baseline divides by it)."),
+    (["algorithm.kl_loss_fn=k3", "algorithm.kl_loss_coef=-0.01"],
+     "algorithm.kl_loss_coef=-0.01 must be >= 0 and finite: a negative coefficient would reward moving away from the "
+     "reference."),
+    (["algorithm.entropy_coef=-inf"],
+     "algorithm.entropy_coef=-inf must be finite: an infinite coefficient makes the loss infinite."),
+    (["algorithm=mix", "algorithm.sft_loss_weight=-0.1"],
+     "algorithm.sft_loss_weight=-0.1 must be >= 0 and finite: 0 turns the auxiliary SFT term off; a negative weight "
+     "would unlearn the expert data."),
+    (["algorithm=mix", "algorithm.sft_batch_size=0"],
+     "algorithm.sft_batch_size=0 must be >= 1: expert rows a step for the SFT term."),
+    (["algorithm=dapo", "algorithm.overlong_buffer_frac=1.0"],
+     "algorithm.overlong_buffer_frac=1.0 must be in [0, 1): the share of the response budget at whose end responses "
+     "are penalised (0: off; DAPO's 0.2)."),
+    (["algorithm=dapo", "algorithm.overlong_penalty_factor=-1"],
+     "algorithm.overlong_penalty_factor=-1.0 must be >= 0 and finite: the penalty at the length limit: a negative "
+     "one rewards overlong responses."),
+    (["algorithm.off_policy_correction=decoupled", "algorithm.behavior_weight_cap=0"],
+     "algorithm.behavior_weight_cap=0.0 must be > 0: each stale token's policy loss is weighted by pi_prox / pi_behav "
+     "capped here: at or below 0 the weights are 0 or negative; inf: no cap."),
+    (["explorer.rollout_model.tensor_parallel_size=0"],
+     "explorer.rollout_model.tensor_parallel_size=0 must be >= 1: devices each engine is split over."),
+    (["explorer.rollout_model.generate_batch_size=0"],
+     "explorer.rollout_model.generate_batch_size=0 must be >= 1: sequences per generate() call."),
+    (["explorer=vllm", "explorer.rollout_model.gpu_memory_utilization=1.5"],
+     "explorer.rollout_model.gpu_memory_utilization=1.5 must be in (0, 1]: the share of each GPU's memory vLLM may "
+     "take (0.9 is common)."),
+    (["data_processor.online_curriculum.enable=true", "data_processor.online_curriculum.eps=0"],
+     "data_processor.online_curriculum.eps=0.0 must be > 0 and finite: the floor of every task's weight (0.05 is the "
+     "default): at 0 a task always or never solved is never drawn again, and an infinite one draws uniformly."),
+    # 0 was read as null (`x or default`): a default the user did not ask for
+    (["buffer.train_batch_size=0"],
+     "buffer.train_batch_size=0 must be >= 1, or null for the default (batch_size x algorithm.repeat_times in "
+     "mode=both)."),
+    (["trainer.mini_batch_size=0"],
+     "trainer.mini_batch_size=0 must be >= 1, or null for the default (buffer.train_batch_size)."),
+    (["trainer.logprob_chunk_size=-1"],
+     "trainer.logprob_chunk_size=-1 must be >= 1, or null for the default (all tokens at once)."),
+])
+def test_a_value_outside_its_range_is_one_paragraph(overrides, message):
+    assert error_of(overrides) == message
+
+
+@pytest.mark.parametrize("overrides", [
+    ["algorithm.lam=2"],  # grpo has no critic: GAE's lambda is read by no one
+    ["algorithm.behavior_weight_cap=0"],  # off_policy_correction=behavior never weights
+    ["algorithm.optimizer.min_lr_ratio=-0.5"],  # warmup_style=constant
+    ["algorithm.dpo_beta=0"],  # grpo's loss is not DPO's
+    ["explorer.rollout_model.gpu_memory_utilization=1.5"],  # explorer=hf
+    ["algorithm.clip_ratio_low=inf", "algorithm.clip_ratio_high=0", "algorithm.entropy_coef=-0.01"],  # meaningful
+])
+def test_a_value_no_stage_reads_or_that_means_something_plans(overrides):
+    # the RL stage of the default: 16 tasks x 8 rollouts = 128 experiences a step
+    assert plan_for(overrides).experiences_per_step == 128
+
+
+def test_greedy_rollouts_under_an_advantage_that_compares_them_stop_the_plan():
+    # every rollout of a task is the same response: equal rewards, every GRPO advantage 0, nothing learned
+    assert error_of([f"{TS}.rollout_args.temperature=0"]) == (
+        f"{TS}.rollout_args.temperature=0 is greedy decoding, so the 8 rollouts of a task (algorithm.repeat_times) "
+        f"are one response repeated, and algorithm.advantage_fn=grpo compares them: every advantage is 0 and nothing "
+        f"is learned. Sample (temperature 1.0 is common; the eval sets' temperature can stay 0).")
+    # one rollout a task, or an advantage that does not compare a group's rollouts: greedy is fine
+    assert plan_for([f"{TS}.rollout_args.temperature=0", "algorithm.advantage_fn=reinforce_pp"]).rollouts_per_task == 8
+
+
+def test_greedy_rollouts_of_a_multi_turn_workflow_are_warned_about(caplog):
+    # an environment may make a group's rollouts differ: a warning, not an error
+    with caplog.at_level(logging.WARNING):
+        plan_for(["task=calculator", "model=tiny_tools", f"{TS}.rollout_args.temperature=0"])
+    assert any("unless workflow" in r.getMessage() and "every advantage is 0" in r.getMessage() for r in caplog.records)
+
+
+def test_nan_inside_a_list_item_is_one_paragraph():
+    # flat() reads a list as one value, so NaN in an eval set went through
+    assert error_of(["buffer.explorer_input.eval_tasksets.0.pass_threshold=nan"]) == (
+        "buffer.explorer_input.eval_tasksets[0].pass_threshold=nan is not a number; give it a value (`python run.py "
+        "--cfg job` shows the defaults).")
+
+
+def test_a_misspelt_sft_buffer_no_longer_falls_back_to_the_taskset():
+    assert error_of(["algorithm=mix", "algorithm.sft_buffer=sft_datset"]) == (
+        "algorithm.sft_buffer='sft_datset' names no buffer of buffer.trainer_input.auxiliary_buffers (it has []), so "
+        "algorithm.sft_loss_weight=0.1 would learn from no expert data of yours. Set algorithm.sft_buffer to one of "
+        "those names, or add +buffer.trainer_input.auxiliary_buffers.sft_datset.path=<dataset of prompt/response "
+        "rows> (with neither, algorithm.sft_buffer=sft_dataset learns from the taskset's reference answers).")
+    # the default name without such a buffer: the taskset's answers, as documented
+    assert plan_for(["algorithm=mix"]).sft_data[1] == TS
+
+
+def test_token_budgets_past_the_models_positions_stop_the_plan(tmp_path):
+    # the tiny model has 256 positions (conf/model/tiny.yaml's architecture, rft/models.py TINY_ARCH)
+    assert error_of(["model.max_response_tokens=300"]) == (
+        "model.max_prompt_tokens + model.max_response_tokens = 24 + 300 = 324 tokens is more than the model's 256 "
+        "positions (max_position_embeddings=256, in model.architecture): the model never learned positions past "
+        "them. Lower the token budgets to 256 tokens in all.")
+    assert plan_for(["model.max_response_tokens=232"]).experiences_per_step == 128  # 24 + 232 = 256: fits
+    # a model's own config.json wins, with its rope_scaling factor: 64 x 4 = 256 positions
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"max_position_embeddings": 64, "rope_scaling": {"factor": 4.0}}))
+    over = [f"model.model_path={model}", "model.builder=null"]
+    assert plan_for([*over, "model.max_model_len=256"]).experiences_per_step == 128
+    assert error_of([*over, "model.max_model_len=257"]) == (
+        f"model.max_model_len=257 tokens is more than the model's 256 positions (max_position_embeddings=64 x "
+        f"rope_scaling factor 4.0, in {model / 'config.json'}): the model never learned positions past them. Lower "
+        f"the token budgets to 256 tokens in all.")
+
+
+@pytest.mark.parametrize("value, shown", [("0", "0"), ("null", "null"), ("'('", "'('"), ("[]", "[]")])
+def test_lora_target_modules_that_name_no_module_are_one_paragraph(value, shown):
+    # an int or null raised a TypeError in the memory estimate (a traceback); [] adapted nothing
+    assert error_of(["model.lora.rank=8", f"model.lora.target_modules={value}"]) == (
+        f"model.lora.target_modules={shown} names no module to adapt: give all-linear (every linear layer but the "
+        f"output layer), a list of module names ([q_proj, v_proj]), or a regular expression that PEFT matches "
+        f"against the modules' full names.")
+
+
+def test_a_lora_regex_counts_the_modules_it_matches():
+    from rft.plan.memory import lora_parameters, shape_of
+
+    stage = stage_configs(compose_cfg(["stages=[]", "model.lora.rank=8", "model.lora.target_modules=.*q_proj"]))[-1]
+    shape, _ = shape_of(stage.model)
+    # q_proj alone: hidden 128 in + 4 heads x 32 = 128 out = 256; rank 8 x 2 layers x 256 = 4096
+    # (the string was read as its characters: no module matched, 0 parameters)
+    assert lora_parameters(shape, stage.model.lora) == 4096
+
+
+def test_a_log_level_that_logging_does_not_know_fails_when_composed():
+    # logging.setLevel('verbose') raised in every actor at its start, after the plan
+    with pytest.raises(ConfigCompositionException) as e:
+        compose_cfg(["log.level=verbose"])
+    assert "Invalid value 'verbose', expected one of [DEBUG, INFO, WARNING, ERROR, CRITICAL]" in str(e.value.__cause__)
+    level = compose_cfg(["log.level=DEBUG"]).log.level
+    logging.getLogger("rft.test_config_audit").setLevel(level)  # what rft.runtime.actors does with it
+    assert logging.getLogger("rft.test_config_audit").level == logging.DEBUG
