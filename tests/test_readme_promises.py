@@ -7,6 +7,7 @@ files, no run)."""
 import importlib
 import inspect
 import re
+import sys
 
 import pytest
 from conftest import CONF, ROOT, compose_cfg
@@ -464,3 +465,45 @@ def test_wandb_holds_the_whole_config_and_a_resumed_stage_goes_on_in_its_run(tmp
     other = WandB(stage, tmp_path / "other", "grpo", 0)
     other.close()
     assert other.run.id != run_id  # another run directory, another run
+
+
+def readme_code(first_line: str) -> str:
+    """The README's ```python block that begins with `first_line`."""
+    blocks = re.findall(r"```python\n(.*?)```", README, re.S)
+    [block] = [b for b in blocks if b.startswith(first_line)]
+    return block
+
+
+def test_the_readmes_reward_and_environment_examples_run_as_written(tmp_path, monkeypatch):
+    """"Writing a reward"'s `my_study/rewards.py` and "Multi-turn agents and tools"' `my_study/envs.py`,
+    copied from the README into a study's folder: the reward scores a wrapped answer 1 and a bare one
+    0; the environment passes planning's check with the README's workflow_args, runs a Qwen-style
+    tool call, answers a bad expression with the ToolError's reason, and scores the answer."""
+    from types import SimpleNamespace
+
+    from rft.rollout.workflows.multi_turn import check_args
+
+    study = tmp_path / "my_study"
+    study.mkdir()
+    (study / "rewards.py").write_text(readme_code("# my_study/rewards.py"))
+    (study / "envs.py").write_text(readme_code("# my_study/envs.py"))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    # the study's package is this test's alone: removed from sys.modules after it (monkeypatch
+    # restores the absent entries), so a later test of this process finds no my_study
+    for name in ("my_study", "my_study.rewards", "my_study.envs"):
+        monkeypatch.setitem(sys.modules, name, None)
+        del sys.modules[name]
+    from my_study.rewards import tagged
+
+    task = SimpleNamespace(answer="1776", messages=[{"role": "user", "content": "37*48"}])
+    assert (tagged("", " <answer>1776</answer>\n", task), tagged("", "1776", task)) == (1.0, 0.0)
+    assert tagged("", "<sol>1</sol>", task, tag="sol") == 1.0
+    env_cls = check_args({"env": "my_study.envs.Calculator", "env_args": {"max_tool_calls": 2}, "max_turns": 3})
+    env = env_cls(max_tool_calls=2)
+    assert env.reset(task) == task.messages
+    call = '<tool_call>{"name": "calculator", "arguments": {"expression": "%s"}}</tool_call>'
+    assert env.step(call % "37*48") == ({"role": "tool", "content": "1776"}, {}, False)
+    assert env.step(call % "37/48")[0] == {"role": "tool", "content": "error: not arithmetic: '37/48'"}
+    assert env.step(call % "1+1")[0]["content"] == "error: no more tool calls: 2 per conversation"
+    assert env.step("1776") == (None, {"correct": 1.0}, True)
+    assert env.info["tool_calls"] == 3 and env.info["tool_failures"] == 2
