@@ -507,3 +507,17 @@ def test_the_readmes_reward_and_environment_examples_run_as_written(tmp_path, mo
     assert env.step(call % "1+1")[0]["content"] == "error: no more tool calls: 2 per conversation"
     assert env.step("1776") == (None, {"correct": 1.0}, True)
     assert env.info["tool_calls"] == 3 and env.info["tool_failures"] == 2
+
+
+def test_every_repository_path_the_readmes_name_exists():
+    """Each `rft/...`, `tests/...`, `experiments/...`, `conf/...` and `launchers/...` path that README.md
+    and experiments/*/README.md name is in the repository (a moved or renamed file fails here; it
+    failed for `rft/rewards.REWARD_FNS`). Paths with a placeholder (`conf/task/<name>.yaml`) and what
+    the tests write (`tests/artifacts/`) are left out."""
+    missing = []
+    for readme in [ROOT / "README.md", *sorted(ROOT.glob("experiments/*/README.md"))]:
+        for path in set(re.findall(r"(?<![\w/.])((?:rft|tests|experiments|conf|launchers)/[\w./<>-]*[\w/>])",
+                                   readme.read_text())):
+            if "<" not in path and not path.startswith("tests/artifacts/") and not (ROOT / path).exists():
+                missing.append(f"{readme.relative_to(ROOT)}: {path}")
+    assert missing == []
