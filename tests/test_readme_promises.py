@@ -521,3 +521,26 @@ def test_every_repository_path_the_readmes_name_exists():
             if "<" not in path and not path.startswith("tests/artifacts/") and not (ROOT / path).exists():
                 missing.append(f"{readme.relative_to(ROOT)}: {path}")
     assert missing == []
+
+
+def test_every_dotted_name_of_rft_the_readme_gives_resolves():
+    """`rft.rewards.verifiers.REWARD_FNS`, `rft.runtime.actors.long_lived`, `python -m rft.manifest`, ...:
+    each dotted name of rft in the README is a module, or an attribute of one."""
+    import importlib.util
+
+    def is_module(dotted: str) -> bool:
+        try:
+            return importlib.util.find_spec(dotted) is not None
+        except ModuleNotFoundError:  # a name inside a module that is no package (rft.registry.ENGINES)
+            return False
+
+    unresolved = []
+    for name in sorted(set(re.findall(r"(?<![\w/.])(rft(?:\.\w+)+)", README))):
+        parts = name.split(".")
+        module = next(i for i in range(len(parts), 0, -1) if is_module(".".join(parts[:i])))
+        obj = importlib.import_module(".".join(parts[:module]))
+        for attr in parts[module:]:
+            obj = getattr(obj, attr, None)
+        if obj is None:
+            unresolved.append(name)
+    assert unresolved == []
