@@ -21,7 +21,8 @@ def pipeline_config(tmp_path):
     cfg.buffer.explorer_input.taskset.path = str(tmp_path / "tasks.jsonl")
     (tmp_path / "tasks.jsonl").write_text("".join(json.dumps({"question": q, "answer": "1"}) + "\n"
                                                   for q in ["1+1", "12+34"]))
-    return OmegaConf.merge(cfg, {"data_processor": {"task_pipeline": {"operators": [{"name": "document_deduplicator"}]}}})
+    ops = [{"name": "document_deduplicator"}]
+    return OmegaConf.merge(cfg, {"data_processor": {"task_pipeline": {"operators": ops}}})
 
 
 def sealed_output(cfg, report_text: str):
@@ -251,8 +252,10 @@ def test_a_run_that_resumes_after_the_kill_finds_no_half_of_the_outputs(tmp_path
     # the killed move's four, and the next run's run.log beside its namesake
     assert outputs(moved) == [".hydra/config.yaml", "grpo/checkpoints/step_2/state.json", "metrics.jsonl", "run.log",
                               "run.log-2"]
-    assert (moved / "run.log").read_text() == "run.log" and (moved / "run.log-2").read_text() == "the next run's first line"
-    assert f"a move of {run}'s earlier outputs, cut short by a kill, is finished: they are all in {moved}" in caplog.text
+    assert (moved / "run.log").read_text() == "run.log"
+    assert (moved / "run.log-2").read_text() == "the next run's first line"
+    said = f"a move of {run}'s earlier outputs, cut short by a kill, is finished: they are all in {moved}"
+    assert said in caplog.text
 
 
 # ---------------------------------------------------------------- a study's module named like a standard one
@@ -295,7 +298,8 @@ def test_which_folders_and_names_shadow(tmp_path):
     folders = study_folders(str(tmp_path / "b"), {"PYTHONPATH": f"{tmp_path / 'a'}:{tmp_path / 'missing'}"})
     assert folders == [(str(tmp_path / "b"), "the folder of run.py"), (str(tmp_path / "a"), "in PYTHONPATH"),
                        (str(tmp_path / "missing"), "in PYTHONPATH")]
-    assert shadowing(folders) == [(str(tmp_path / "b" / "typing.py"), "typing", f"{tmp_path / 'b'}, the folder of run.py"),
+    assert shadowing(folders) == [(str(tmp_path / "b" / "typing.py"), "typing",
+                                   f"{tmp_path / 'b'}, the folder of run.py"),
                                   (str(tmp_path / "a" / "code"), "code", f"{tmp_path / 'a'}, in PYTHONPATH")]
     assert study_folders(None, {}) == []
 
@@ -349,9 +353,9 @@ def test_a_builtin_without_a_signature_is_one_paragraph(tmp_path):
     cfg.data_processor.task_pipeline.operators[0].name = "builtins.max"  # was inspect's raw ValueError
     with pytest.raises(ConfigError) as e:
         check_operators(cfg)
-    assert str(e.value) == ("data_processor.task_pipeline.operators[0].name='builtins.max': its signature cannot be read "
-                            "(no signature found for builtin <built-in function max>); an operator there is a function "
-                            "fn(rows, ctx, **args) -> rows (module.function): wrap it in one.")
+    assert str(e.value) == ("data_processor.task_pipeline.operators[0].name='builtins.max': its signature cannot be "
+                            "read (no signature found for builtin <built-in function max>); an operator there is a "
+                            "function fn(rows, ctx, **args) -> rows (module.function): wrap it in one.")
 
 
 def test_an_operators_own_type_error_names_its_line():
@@ -362,8 +366,9 @@ def test_an_operators_own_type_error_names_its_line():
     with pytest.raises(ConfigError) as e:
         pipeline([Experience([1, 2, 3], 2, [-1.0], reward=1.0, task_id="t/0")])
     line = op_slips.__code__.co_firstlineno + 1
-    assert str(e.value) == ("data_processor.experience_pipeline.operators[0] (test_boundaries.op_slips): object of type "
-                            f"'float' has no len() at {__file__}, line {line}; check the types of its args ({{}}).")
+    assert str(e.value) == ("data_processor.experience_pipeline.operators[0] (test_boundaries.op_slips): object of "
+                            f"type 'float' has no len() at {__file__}, line {line}; check the types of its args "
+                            f"({{}}).")
 
 
 # ---------------------------------------------------------------- Slurm's warning before the driver listens
@@ -375,12 +380,16 @@ case "$1" in
     requeue) echo "requeue $2" >> "$STUB_DIR/called" ;;
 esac
 """
-SRUN_STUB = "#!/bin/bash\nexec sleep 60 >/dev/null 2>&1  # stand-in for a Ray node's step: stopped by the script's EXIT trap\n"
+# stand-in for a Ray node's step: stopped by the script's EXIT trap
+SRUN_STUB = "#!/bin/bash\nexec sleep 60 >/dev/null 2>&1\n"
+# stand-in: no end time known (the watcher then takes its default window), at once
+SQUEUE_STUB = "#!/bin/bash\nexit 0\n"
 PYTHON_STUB = """#!/bin/bash
 # stand-in for RFT_PYTHON: a token as the real one makes it; the Ray wait and the driver, faked
 case "$1" in
     -c) exec "$REAL_PY" "$@" ;;
-    -) cat > /dev/null; echo "fake: waiting for Ray"; sleep "$FAKE_RAY_WAIT_S" >/dev/null; echo "ray_slurm: 1 Ray node(s) up" ;;
+    -) cat > /dev/null; echo "fake: waiting for Ray"; sleep "$FAKE_RAY_WAIT_S" >/dev/null
+       echo "ray_slurm: 1 Ray node(s) up" ;;
     run.py) shift; exec "$REAL_PY" "$STUB_DIR/driver.py" "$@" ;;
 esac
 """
@@ -411,7 +420,8 @@ def run_job_script(tmp_path, warn_after: str | None, ray_wait_s=0.0, import_s=0.
 
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    for name, text in (("scontrol", SCONTROL_STUB), ("srun", SRUN_STUB), ("python", PYTHON_STUB)):
+    for name, text in (("scontrol", SCONTROL_STUB), ("srun", SRUN_STUB), ("squeue", SQUEUE_STUB),
+                       ("python", PYTHON_STUB)):
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(0o755)
     (tmp_path / "driver.py").write_text(DRIVER_STUB)
