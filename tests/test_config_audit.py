@@ -188,3 +188,70 @@ def test_a_log_level_that_logging_does_not_know_fails_when_composed():
     level = compose_cfg(["log.level=DEBUG"]).log.level
     logging.getLogger("rft.test_config_audit").setLevel(level)  # what rft.runtime.actors does with it
     assert logging.getLogger("rft.test_config_audit").level == logging.DEBUG
+
+
+@pytest.mark.parametrize("overrides, key, what", [
+    (["algorithm.critic_lr=1e-3"], "algorithm.critic_lr=0.001", "PPO's critic (algorithm.advantage_fn=gae: algorithm=ppo)"),
+    (["algorithm.tau=0.5"], "algorithm.tau=0.5", "OPMD (algorithm=opmd)"),
+    (["algorithm.dpo_beta=0.5"], "algorithm.dpo_beta=0.5", "DPO's loss (algorithm=dpo)"),
+])
+def test_a_key_of_another_algorithm_is_warned_about(caplog, overrides, key, what):
+    # a sweep over it ran the same job each time, without a word
+    with caplog.at_level(logging.WARNING):
+        plan_for(overrides)
+    assert f"{key} has no effect: only {what} reads it, and this stage runs algorithm.advantage_fn=grpo, " \
+           f"policy_loss_fn=ppo_clip." in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        plan_for(["algorithm=ppo", "algorithm.critic_lr=1e-3"])  # read: no warning
+    assert "has no effect" not in caplog.text
+
+
+def test_a_critic_warmup_as_long_as_the_stage_never_trains_the_policy():
+    # conf/model/tiny.yaml: 60 steps; steps 0..59 with critic_warmup=60 all train the critic alone
+    assert error_of(["algorithm=ppo", "algorithm.critic_warmup=60"]) == (
+        "algorithm.critic_warmup=60 steps train only the critic, but the stage has 60 steps: the policy would never "
+        "be trained. Lower critic_warmup below 60 (0: none), or train for more steps.")
+    assert plan_for(["algorithm=ppo", "algorithm.critic_warmup=59"]).total_steps == 60
+
+
+def test_a_queue_smaller_than_a_step_and_a_trainer_that_never_waits_are_one_paragraph():
+    eb = "buffer.trainer_input.experience_buffer"
+    # 16 tasks x 8 rollouts = 128 experiences a step
+    assert error_of([f"{eb}.capacity=127"]) == (
+        f"{eb}.capacity=127 holds fewer experiences than one step trains on (buffer.train_batch_size=128), so the "
+        f"trainer would wait for a batch that never fits. Raise capacity to at least 128.")
+    assert plan_for([f"{eb}.capacity=128"]).experiences_per_step == 128
+    assert error_of([f"{eb}.max_read_timeout=0"]) == (
+        f"{eb}.max_read_timeout=0.0 must be > 0: seconds the trainer waits for a full batch (and a writer for room in "
+        f"a full queue); at 0 it never waits, so a step trains on what happened to be there; inf: wait for ever.")
+
+
+def test_an_explorer_lead_of_the_whole_stage_is_warned_about(caplog):
+    with caplog.at_level(logging.WARNING):
+        plan_for(["synchronizer.sync_offset=60"])
+    assert ("synchronizer.sync_offset=60 is not below the stage's 60 steps: the explorers generate every step before "
+            "they take trained weights") in caplog.text
+
+
+@pytest.mark.parametrize("address, ok", [("zzzz", False), ("head", False), ("auto", True), ("10.0.0.1:6379", True),
+                                         ("ray://head:10001", True)])
+def test_a_ray_address_that_is_none_is_one_paragraph(address, ok):
+    # ray.init(address='zzzz') raised its own traceback when the run started
+    if ok:
+        assert plan_for([f"cluster.ray_address={address}"]).experiences_per_step == 128
+        return
+    assert error_of([f"cluster.ray_address={address}"]) == (
+        f"cluster.ray_address='{address}' is not a Ray address: give auto (the cluster `ray start` made on this "
+        f"node), host:port (its GCS, e.g. 10.0.0.1:6379), ray://host:port (Ray Client), or null to start a Ray "
+        f"instance of the run's own.")
+
+
+def test_a_chat_template_that_never_reads_the_messages_is_one_paragraph():
+    # a file's path given for the text parsed as a template of plain text: every prompt rendered as that path
+    assert error_of(["model.custom_chat_template=/srv/templates/chat.jinja"]) == (
+        "model.custom_chat_template='/srv/templates/chat.jinja' never reads `messages`, so every prompt would render "
+        "as the same text, whatever the task. Give the template's Jinja text (it loops over messages: {% for m in "
+        "messages %}...), not a file's path; a YAML block (key: |) holds a long one.")
+    good = "model.custom_chat_template='{% for m in messages %}{{ m.content }}{% endfor %}'"
+    assert plan_for([good]).experiences_per_step == 128

@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import re
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -31,7 +32,7 @@ from rft.algorithms import ADVANTAGE_FNS, KL_FNS, POLICY_LOSS_FNS, Needs, algori
 from rft.errors import ConfigError
 from rft.registry import ENGINES, TRAINER_BACKENDS
 from rft.plan import memory
-from rft.plan.ranges import check_ranges
+from rft.plan.ranges import check_ranges, warn_unread
 from rft.plan.placement import check_placement, explorer_count, sync_offset, trainer_ranks
 from rft.plan.sync import check_lora_sync
 
@@ -173,6 +174,7 @@ def make_plan(cfg, dataset_size: int) -> BatchPlan:
     _check_pairs(cfg, needs, kind, [("buffer.train_batch_size", train_bs), ("trainer.mini_batch_size", mini),
                                      ("trainer.micro_batch_size_per_gpu", micro)])
     total, opt_per_step = _length(cfg, per_epoch, train_bs // mini * cfg.trainer.ppo_epochs)
+    _check_schedule(cfg, needs, kind, train_bs, total)
     explores = cfg.mode in ("both", "explore")
     return BatchPlan(
         mode=cfg.mode,
@@ -283,6 +285,11 @@ def _check_limits(cfg) -> None:
     if cfg.cluster.num_cpus is not None and cfg.cluster.num_cpus < 1:
         raise ConfigError(f"cluster.num_cpus={cfg.cluster.num_cpus} must be >= 1 (or null: every CPU of this "
                           f"machine); with none, no actor could ever be placed and the run would wait forever.")
+    address = cfg.cluster.ray_address
+    if address is not None and address != "auto" and not re.fullmatch(r"(ray://)?\S+:\d+", address):
+        raise ConfigError(f"cluster.ray_address={address!r} is not a Ray address: give auto (the cluster `ray start` "
+                          f"made on this node), host:port (its GCS, e.g. 10.0.0.1:6379), ray://host:port (Ray "
+                          f"Client), or null to start a Ray instance of the run's own.")
     # clip_grad_norm_ scales the gradient by grad_clip / norm: 0 zeroes every update, a negative
     # value reverses it (the model would unlearn the reward, without a word)
     if not cfg.trainer.grad_clip > 0:
@@ -410,6 +417,7 @@ def _check_algorithm(cfg, needs: Needs) -> None:
         )
     _unused_kl_coefs(algo)
     _unused_overlong_factor(algo)
+    warn_unread(cfg)
 
 
 def _check_greedy_groups(cfg, needs: Needs) -> None:
@@ -703,6 +711,28 @@ def _length(cfg, per_epoch: int, opt_per_step: int) -> tuple[int, int]:
     return total, opt_per_step
 
 
+def _check_schedule(cfg, needs: Needs, kind: str, train_bs: int, total: int) -> None:
+    """What the run's length and a step's size make of the critic's warm-up, the queue and the
+    explorers' lead."""
+    warmup = cfg.algorithm.critic_warmup
+    if needs.critic and cfg.mode != "explore" and warmup >= total:
+        raise ConfigError(
+            f"algorithm.critic_warmup={warmup} steps train only the critic, but the stage has {total} steps: the policy "
+            f"would never be trained. Lower critic_warmup below {total} (0: none), or train for more steps.")
+    eb = cfg.buffer.trainer_input.experience_buffer
+    if kind == "rollouts" and eb.storage_type == "queue" and eb.capacity < train_bs:
+        # the trainer waits for a whole step's batch that the queue can never hold
+        raise ConfigError(
+            f"buffer.trainer_input.experience_buffer.capacity={eb.capacity} holds fewer experiences than one step "
+            f"trains on (buffer.train_batch_size={train_bs}), so the trainer would wait for a batch that never fits. "
+            f"Raise capacity to at least {train_bs}.")
+    lead = cfg.synchronizer.sync_offset
+    if cfg.mode == "both" and lead is not None and lead >= total > 1:
+        log.warning("synchronizer.sync_offset=%d is not below the stage's %d steps: the explorers generate every step "
+                    "before they take trained weights, so the whole stage learns from its starting policy's rollouts "
+                    "(offline). Lower sync_offset (null: 1 or 0) for an online run.", lead, total)
+
+
 def _check_model(model) -> None:
     for key in ("max_prompt_tokens", "max_response_tokens"):
         if model[key] < 1:
@@ -811,12 +841,20 @@ def check_template(template, key: str) -> None:
     if not isinstance(template, str) or not template.strip():
         raise ConfigError(f"{key}={template!r}: give the Jinja text of a chat template (or null: the tokenizer's own).")
     try:
-        jinja2.Environment(extensions=[Generation, loopcontrols]).parse(template)
+        parsed = jinja2.Environment(extensions=[Generation, loopcontrols]).parse(template)
     except jinja2.TemplateSyntaxError as e:
         line = template.splitlines()[e.lineno - 1] if 0 < e.lineno <= len(template.splitlines()) else ""
         raise ConfigError(f"{key} is not a valid Jinja template: at its line {e.lineno} ({line.strip()[:80]!r}): "
                           f"{(e.message or '').rstrip('.')}. Fix the template; transformers' chat templating docs "
                           f"show the syntax.") from None
+    from jinja2 import meta
+
+    if "messages" not in meta.find_undeclared_variables(parsed):
+        # a path given for the text, or a template that forgot them: every prompt the same text
+        raise ConfigError(f"{key}={template[:80]!r} never reads `messages`, so every prompt would render as the same "
+                          f"text, whatever the task. Give the template's Jinja text (it loops over messages: "
+                          f"{{% for m in messages %}}...), not a file's path; a YAML block (key: |) holds "
+                          f"a long one.")
 
 
 ATTN_IMPLEMENTATIONS = ("sdpa", "flash_attention_2", "flash_attention_3", "eager", "flex_attention")

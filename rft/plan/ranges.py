@@ -12,6 +12,7 @@ coefficient fills the model with NaN, a tensor_parallel_size of 0 split the mode
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 from typing import Callable
@@ -19,6 +20,8 @@ from typing import Callable
 from omegaconf import OmegaConf
 
 from rft.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 INF = math.inf
 
@@ -118,6 +121,9 @@ RANGES = (
           "overlong responses", when=lambda cfg: cfg.algorithm.overlong_buffer_frac > 0),
     Range("algorithm.distill_coef", 0, why="0 turns distillation off; a negative coefficient moves away from the "
           "teacher"),
+    Range("buffer.trainer_input.experience_buffer.max_read_timeout", 0, lo_open=True, hi_open=False,
+          why="seconds the trainer waits for a full batch (and a writer for room in a full queue); at 0 it never "
+              "waits, so a step trains on what happened to be there; inf: wait for ever"),
     Range("explorer.rollout_model.tensor_parallel_size", 1, why="devices each engine is split over"),
     Range("explorer.rollout_model.generate_batch_size", 1, why="sequences per generate() call"),
     Range("explorer.rollout_model.gpu_memory_utilization", 0, 1, lo_open=True, hi_open=False, when=_vllm,
@@ -155,3 +161,37 @@ def check_ranges(cfg) -> None:
     if len(betas) != 2 or not all(0 <= b < 1 for b in betas):
         raise ConfigError(f"algorithm.optimizer.betas={betas} must be two numbers in [0, 1) (Adam's decay rates of "
                           f"the gradient's mean and of its square; [0.9, 0.999] is the default).")
+
+
+# keys one kind of algorithm reads: set (away from the schema's default) in an RL stage whose
+# functions never read them, they changed nothing, without a word (a sweep over critic_lr under
+# grpo ran the same job each time), as an unused KL coefficient did (rft.plan.batch._unused_kl_coefs)
+UNREAD = (
+    ("algorithm.critic_lr", _critic, "PPO's critic (algorithm.advantage_fn=gae: algorithm=ppo)"),
+    ("algorithm.value_clip", _critic, "PPO's critic (algorithm.advantage_fn=gae: algorithm=ppo)"),
+    ("algorithm.lam", _critic, "PPO's critic (algorithm.advantage_fn=gae: algorithm=ppo)"),
+    ("algorithm.critic_warmup", _critic, "PPO's critic (algorithm.advantage_fn=gae: algorithm=ppo)"),
+    ("model.critic_model_path", _critic, "PPO's critic (algorithm.advantage_fn=gae: algorithm=ppo)"),
+    ("algorithm.tau", lambda cfg: cfg.algorithm.advantage_fn == "opmd" or cfg.algorithm.policy_loss_fn == "opmd",
+     "OPMD (algorithm=opmd)"),
+    ("algorithm.opmd_baseline", lambda cfg: cfg.algorithm.advantage_fn == "opmd", "OPMD's advantage (algorithm=opmd)"),
+    ("algorithm.dpo_beta", lambda cfg: cfg.algorithm.policy_loss_fn == "dpo", "DPO's loss (algorithm=dpo)"),
+    ("algorithm.behavior_weight_cap", lambda cfg: cfg.algorithm.off_policy_correction == "decoupled",
+     "algorithm.off_policy_correction=decoupled"),
+)
+
+
+def warn_unread(cfg) -> None:
+    """A key of another algorithm's set in this RL stage: a warning naming what reads it. Functions
+    given as a study's dotted path may read anything: left alone."""
+    from rft.config import Config
+
+    algo = cfg.algorithm
+    if algo.advantage_fn == "none" or "." in algo.advantage_fn or "." in algo.policy_loss_fn:
+        return
+    defaults = OmegaConf.structured(Config)
+    for key, reads, what in UNREAD:
+        value = OmegaConf.select(cfg, key)
+        if value != OmegaConf.select(defaults, key) and not reads(cfg):
+            log.warning("%s=%s has no effect: only %s reads it, and this stage runs algorithm.advantage_fn=%s, "
+                        "policy_loss_fn=%s.", key, value, what, algo.advantage_fn, algo.policy_loss_fn)
