@@ -70,6 +70,9 @@ def test_python_run_py_with_no_arguments(monkeypatch):
         "buffer": "queue", "explorer": "hf", "trainer": "torch", "monitor": "tensorboard"}
     assert (cfg.cache_dir, cfg.model.model_path) == ("~/.cache/rft", "~/.cache/rft/models/tiny-qwen2-v1")
     assert cfg.hydra.run.dir == "./checkpoints/rft/grpo-tiny-arithmetic"
+    # "A sweep (`-m`) puts each job in `<checkpoint_root_dir>/<project>/multirun/<date_time>/<job number>/`"
+    assert re.fullmatch(r"\./checkpoints/rft/multirun/\d{4}-\d\d-\d\d_\d\d-\d\d-\d\d", cfg.hydra.sweep.dir)
+    assert OmegaConf.to_container(cfg.hydra.sweep)["subdir"] == "${hydra.job.num}"
     assert [s.stage_name for s in cfg.stages] == ["sft_warmup", "grpo"]
     assert (cfg.seed, cfg.cluster.gpu_per_node) == (42, 0)  # "(seed 42)"; CPU
     # "Set `RFT_CHECKPOINT_ROOT_DIR` and `RFT_CACHE_DIR` to move outputs and the cache."
