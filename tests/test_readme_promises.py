@@ -547,3 +547,27 @@ def test_every_dotted_name_of_rft_the_readme_gives_resolves():
         if obj is None:
             unresolved.append(name)
     assert unresolved == []
+
+
+def test_the_readmes_data_processor_example_plans():
+    """"### Data pipelines": the `data_processor:` example, as written in the README, is a section of
+    the config whose every operator is known and takes its args (planning's check), its operators in
+    the order given and the curriculum on."""
+    from rft.data.pipeline import check_operators, operators
+
+    block = re.search(r"\n    data_processor:\n((?:      .*\n)+)", README).group(1)
+    section_cfg = OmegaConf.create("\n".join(line[4:] for line in block.splitlines()))
+    cfg = compose_cfg()
+    cfg.data_processor = OmegaConf.merge(cfg.data_processor, section_cfg)  # the schema's types and defaults
+    check_operators(cfg)
+    dp = cfg.data_processor
+    assert [name for name, _ in operators(dp.task_pipeline.operators)] == [
+        "text_length_filter", "document_deduplicator", "document_minhash_deduplicator", "llm_difficulty_score_filter",
+        "curriculum_order"]
+    assert [name for name, _ in operators(dp.experience_pipeline.operators)] == [
+        "reward_shaping_mapper", "group_diversity_filter"]
+    assert (dp.online_curriculum.enable, dp.online_curriculum.window, dp.online_curriculum.eps) == (True, 8, 0.05)
+    # "Both are empty by default"; the curriculum off
+    default = compose_cfg().data_processor
+    assert (list(default.task_pipeline.operators), list(default.experience_pipeline.operators),
+            default.online_curriculum.enable) == ([], [], False)
