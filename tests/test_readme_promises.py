@@ -501,6 +501,20 @@ def test_the_readmes_reward_and_environment_examples_run_as_written(tmp_path, mo
     task = SimpleNamespace(answer="1776", messages=[{"role": "user", "content": "37*48"}])
     assert (tagged("", " <answer>1776</answer>\n", task), tagged("", "1776", task)) == (1.0, 0.0)
     assert tagged("", "<sol>1</sol>", task, tag="sol") == 1.0
+    # the parts example below it (conf/task/<yours>.yaml): countdown plus the tagged format part at
+    # weight 0.1, "the experience's reward is the weighted sum", each part kept before weighting
+    import yaml
+
+    from rft.rewards.scoring import build
+
+    example = re.search(r"```yaml\n# conf/task/<yours>\.yaml \(or the command line, as one quoted list\)\n(.*?)```",
+                        README, re.S).group(1)
+    scorer = build(yaml.safe_load(example)["taskset"]["reward_fn"], "buffer.explorer_input.taskset.reward_fn")
+    row = SimpleNamespace(row={"numbers": [8, 2, 3], "target": 3}, task_id=0, answer=None)
+    rewards = scorer("8,2,3->3", ["<answer>8-2-3</answer>", "8-2-3", "<answer>8+2+3</answer>"], row)
+    assert [float(r) for r in rewards] == [1.1, 1.0, 0.1]  # 1 + 0.1 x 1; 1 + 0.1 x 0; 0 (8+2+3 = 13) + 0.1 x 1
+    assert [r.parts for r in rewards] == [{"countdown": 1.0, "format": 1.0}, {"countdown": 1.0, "format": 0.0},
+                                          {"countdown": 0.0, "format": 1.0}]
     env_cls = check_args({"env": "my_study.envs.Calculator", "env_args": {"max_tool_calls": 2}, "max_turns": 3})
     env = env_cls(max_tool_calls=2)
     assert env.reset(task) == task.messages
