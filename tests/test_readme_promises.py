@@ -515,7 +515,10 @@ def test_the_readmes_reward_and_environment_examples_run_as_written(tmp_path, mo
     assert [float(r) for r in rewards] == [1.1, 1.0, 0.1]  # 1 + 0.1 x 1; 1 + 0.1 x 0; 0 (8+2+3 = 13) + 0.1 x 1
     assert [r.parts for r in rewards] == [{"countdown": 1.0, "format": 1.0}, {"countdown": 1.0, "format": 0.0},
                                           {"countdown": 0.0, "format": 1.0}]
-    env_cls = check_args({"env": "my_study.envs.Calculator", "env_args": {"max_tool_calls": 2}, "max_turns": 3})
+    flow = re.search(r"```yaml\n# conf/task/<yours>\.yaml\ntaskset:\n  workflow: multi_turn\n(.*?)```", README, re.S)
+    args = yaml.safe_load(flow.group(1))["workflow_args"]
+    assert args == {"env": "my_study.envs.Calculator", "env_args": {"max_tool_calls": 2}, "max_turns": 3}
+    env_cls = check_args(args)
     env = env_cls(max_tool_calls=2)
     assert env.reset(task) == task.messages
     call = '<tool_call>{"name": "calculator", "arguments": {"expression": "%s"}}</tool_call>'
