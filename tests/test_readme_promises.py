@@ -588,3 +588,18 @@ def test_the_readmes_data_processor_example_plans():
     default = compose_cfg().data_processor
     assert (list(default.task_pipeline.operators), list(default.experience_pipeline.operators),
             default.online_curriculum.enable) == ([], [], False)
+
+
+def test_the_batch_plans_rows_are_those_the_readme_derives():
+    """"### The batch plan": each quantity of its formula block is a row of the dry run's plan, with the
+    value the formula gives for the default GRPO stage: 16 tasks x 8 rollouts = 128 experiences; 128
+    / 128 (mini-batch) x 1 pass = 1 optimizer step; 128 / (128 rows a micro-batch x 1 rank) = 1."""
+    from rft.plan.batch import format_plan, make_plan, stage_configs
+
+    block = re.search(r"\n    tasks per step +=.*?\n\n", section("### The batch plan"), re.S).group(0)
+    names = [line.split("=")[0].strip() for line in block.strip().splitlines()]
+    assert names == ["tasks per step", "rollouts per task", "experiences per step", "optimizer steps per step",
+                     "micro-batches per optimizer step"]
+    table = format_plan(make_plan(stage_configs(compose_cfg())[-1], 2000))
+    rows = {re.split(r"\s{2,}", line.strip())[0]: line.split()[-2] for line in table.splitlines() if re.search(r"\s\d+\s", line)}
+    assert [rows[n] for n in names] == ["16", "8", "128", "1", "1"]
