@@ -509,3 +509,25 @@ def test_a_figure_that_fails_midway_leaves_the_earlier_one_and_no_tmp(tmp_path, 
     with pytest.raises(OSError, match="No space left on device"):
         make()
     assert png.read_bytes() == earlier and not png.with_name(png.name + ".tmp").exists()
+
+
+# ---------------------------------------------------------------- a job's .hydra/config.yaml in a report
+
+LAUGHS = "\n".join(["a: &a [x,x,x,x,x,x,x,x,x]"] + [f"{c}: &{c} [{','.join(['*' + p] * 9)}]"
+                                                     for p, c in zip("abcdefgh", "bcdefghi")]) + "\n"
+
+
+@pytest.mark.parametrize("text", [
+    "x: &x 1\nstages:\n  - {stage_name: '${oc.env:NO_SUCH_VAR,grpo}', y: *x}\n",  # one alias: rft writes none
+    # nine of nine (9^9 values, expanded by OmegaConf, which an interpolation sends it to: never ended)
+    LAUGHS + "stages:\n  - {stage_name: '${oc.env:NO_SUCH_VAR,grpo}'}\n",
+])
+def test_a_job_config_rft_did_not_write_is_reported_without_its_plan(tmp_path, text):
+    from rft.reporting import report
+
+    (tmp_path / "0" / ".hydra").mkdir(parents=True)
+    (tmp_path / "0" / ".hydra" / "config.yaml").write_text(text)
+    assert report.planned_stages(tmp_path / "0") == []
+    # the same without the alias: OmegaConf's way, the default of the interpolation
+    (tmp_path / "0" / ".hydra" / "config.yaml").write_text("stages:\n  - {stage_name: '${oc.env:NO_SUCH_VAR,grpo}'}\n")
+    assert report.planned_stages(tmp_path / "0") == [("grpo", None)]

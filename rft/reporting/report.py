@@ -176,12 +176,18 @@ def planned_stages(job_dir: Path) -> list[tuple[str, int | None]]:
     if not path.exists():
         return []
     try:
-        return _plain_plan(yaml.load(path.read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader)))
-    except Exception:  # an interpolation beyond a plain ${a.b}, or a file that does not read: OmegaConf's way
+        # as rft wrote it (no aliases): nine of nine, expanded by OmegaConf, never ended (the report, the
+        # studio's runs table); a file that does not read is reported without its plan, by file times
+        plain = manifest.written_yaml(path.read_text())
+    except (yaml.YAMLError, RecursionError, UnicodeDecodeError, OSError):
+        return []
+    try:
+        return _plain_plan(plain)
+    except Exception:  # an interpolation beyond a plain ${a.b}: OmegaConf's way
         pass
     out = []
     try:
-        cfg = OmegaConf.load(path)
+        cfg = OmegaConf.create(plain)
         base = OmegaConf.masked_copy(cfg, [k for k in cfg if k != "stages"])
         for stage in cfg.get("stages") or []:
             merged = OmegaConf.merge(base, stage)
