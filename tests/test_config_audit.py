@@ -255,3 +255,26 @@ def test_a_chat_template_that_never_reads_the_messages_is_one_paragraph():
         "messages %}...), not a file's path; a YAML block (key: |) holds a long one.")
     good = "model.custom_chat_template='{% for m in messages %}{{ m.content }}{% endfor %}'"
     assert plan_for([good]).experiences_per_step == 128
+
+
+def test_an_eval_set_sampled_several_times_greedily_is_one_paragraph():
+    # 4 greedy samples of a task are one response: pass@4 would equal pass@1, a measurement in name only
+    ev = "buffer.explorer_input.eval_tasksets.0"
+    assert error_of([f"{ev}.repeat_times=4", f"{ev}.pass_k=[1,4]"]) == (
+        "buffer.explorer_input.eval_tasksets[0].repeat_times=4 samples each task 4 times, but its "
+        "rollout_args.temperature=0 is greedy decoding: the 4 samples are one response repeated, so pass@k equals "
+        "pass@1 for every k (and mean@n, maj@n, best@n say nothing more). Set "
+        "buffer.explorer_input.eval_tasksets[0].rollout_args.temperature (1.0 is common) for samples that differ, or "
+        "repeat_times=1.")
+    assert plan_for([f"{ev}.repeat_times=4", f"{ev}.pass_k=[1,4]", f"{ev}.rollout_args.temperature=1.0"]
+                    ).experiences_per_step == 128
+
+
+def test_a_mini_batch_that_the_ranks_cannot_share_names_the_ranks():
+    # 64 experiences over 3 ranks: no micro-batch size divides it, where the message said "a divisor of 21, e.g. 21"
+    assert error_of(["trainer=fsdp2", "trainer.ranks=3", "trainer.mini_batch_size=64"]) == (
+        "trainer.mini_batch_size=64 cannot be split evenly over the trainer's data-parallel size 3 (trainer.ranks, or "
+        "one per device the explorers leave): each rank takes an equal share. Choose trainer.ranks that divides 64, "
+        "e.g. 2, or a mini_batch_size that is a multiple of 3.")
+    # 64 / 4 ranks = 16 a rank: micro_batch_size_per_gpu=128 (conf/model/tiny.yaml) is capped at the rank's 16
+    assert plan_for(["trainer=fsdp2", "trainer.ranks=4", "trainer.mini_batch_size=64"]).micro_batch_size == 16

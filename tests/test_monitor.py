@@ -277,7 +277,8 @@ def test_mlflow_holds_the_runs_params_and_every_metric_of_metrics_jsonl(warm_sta
 
     args = ["stages=[]", f"model.model_path={warm_start}", "model.builder=null", "name=mlf", "cluster=inline",
             "monitor=mlflow", "buffer.total_steps=2", "explorer.eval_interval=2", "trainer.save_interval=2",
-            "buffer.explorer_input.eval_tasksets.0.repeat_times=2", "buffer.explorer_input.eval_tasksets.0.pass_k=[2]"]
+            "buffer.explorer_input.eval_tasksets.0.repeat_times=2", "buffer.explorer_input.eval_tasksets.0.pass_k=[2]",
+            "buffer.explorer_input.eval_tasksets.0.rollout_args.temperature=1.0"]  # two samples that may differ
     r = run_cli(*args, env={"RFT_CHECKPOINT_ROOT_DIR": str(tmp_path)})
     assert r.returncode == 0, r.stderr[-3000:]
     client = MlflowClient(f"sqlite:///{tmp_path / 'rft' / 'mlflow.db'}")

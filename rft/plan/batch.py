@@ -167,6 +167,7 @@ def make_plan(cfg, dataset_size: int) -> BatchPlan:
     dp = trainer_ranks(cfg)  # trainer_strategy=torch is one process
     _check_algorithm(cfg, needs)
     _check_greedy_groups(cfg, needs)
+    _check_greedy_evals(cfg)
     _check_distill(cfg.algorithm, needs)
     _check_reward_head(cfg, needs, kind)
     train_bs, per_epoch = _step_batch(cfg, dataset_size, kind, needs)
@@ -440,6 +441,20 @@ def _check_greedy_groups(cfg, needs: Needs) -> None:
     raise ConfigError(text + ".")
 
 
+def _check_greedy_evals(cfg) -> None:
+    """An eval set that samples a task more than once (repeat_times > 1: pass@k, mean@n, maj@n) at
+    temperature 0 (the eval sets' default) gets one response n times: pass@k equals pass@1 for every k,
+    a measurement that looks like one."""
+    for i, ts in enumerate(cfg.buffer.explorer_input.eval_tasksets):
+        n, where = ts.repeat_times or 1, f"buffer.explorer_input.eval_tasksets[{i}]"
+        if n > 1 and ts.rollout_args.temperature == 0 and ts.workflow == "single_turn":
+            raise ConfigError(
+                f"{where}.repeat_times={n} samples each task {n} times, but its rollout_args.temperature=0 is greedy "
+                f"decoding: the {n} samples are one response repeated, so pass@k equals pass@1 for every k (and "
+                f"mean@n, maj@n, best@n say nothing more). Set {where}.rollout_args.temperature (1.0 is common) for "
+                f"samples that differ, or repeat_times=1.")
+
+
 def _unused_kl_coefs(algo) -> None:
     """A KL coefficient set while its function is none is read by nothing: a sweep over it
     (grpo's kl_loss_fn is none) ran the same job twice, without a word. An SFT stage (no advantage
@@ -652,6 +667,12 @@ def _mini_batches(tr, train_bs: int, dp: int) -> tuple[int, int]:
         )
     # a micro-batch larger than the mini-batch means "the whole mini-batch at once"
     micro = min(tr.micro_batch_size_per_gpu, mini // dp)
+    if mini % dp:  # no micro-batch size can fix that: the message said "choose a divisor of 21, e.g. 21"
+        raise ConfigError(
+            f"trainer.mini_batch_size={mini} cannot be split evenly over the trainer's data-parallel size {dp} "
+            f"(trainer.ranks, or one per device the explorers leave): each rank takes an equal share. Choose "
+            f"trainer.ranks that divides {mini}, e.g. {_divisor_near(mini, dp)}, or a mini_batch_size that is a "
+            f"multiple of {dp}.")
     if micro < 1 or mini % (micro * dp):
         raise ConfigError(
             f"trainer.micro_batch_size_per_gpu={micro} x data-parallel size {dp} must divide "
