@@ -278,3 +278,13 @@ def test_a_mini_batch_that_the_ranks_cannot_share_names_the_ranks():
         "e.g. 2, or a mini_batch_size that is a multiple of 3.")
     # 64 / 4 ranks = 16 a rank: micro_batch_size_per_gpu=128 (conf/model/tiny.yaml) is capped at the rank's 16
     assert plan_for(["trainer=fsdp2", "trainer.ranks=4", "trainer.mini_batch_size=64"]).micro_batch_size == 16
+
+
+@pytest.mark.parametrize("value, shown", [("zzzz", "'zzzz'"), ("null", "null")])
+def test_a_replay_priority_argument_that_is_no_number_is_one_paragraph(value, shown):
+    # linear_decay's decay: version - decay x times_used raised a TypeError at the trainer's first read
+    rb = "buffer.trainer_input.experience_buffer.replay_buffer"
+    assert error_of([f"{rb}.enable=true", f"{rb}.priority_fn_args.decay={value}"]) == (
+        f"{rb}.priority_fn_args.decay={shown} must be a number: priority_fn=linear_decay takes decay as float (its "
+        f"default is 2.0).")
+    assert plan_for([f"{rb}.enable=true", f"{rb}.priority_fn_args.decay=0.5"]).experiences_per_step == 128

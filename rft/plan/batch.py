@@ -1134,9 +1134,28 @@ def _check_names(cfg) -> None:
         sft_buffer_config(cfg)
     rb = cfg.buffer.trainer_input.experience_buffer.replay_buffer
     check_priority_fn(rb.priority_fn, rb.priority_fn_args, "buffer.trainer_input.experience_buffer.replay_buffer")
+    if rb.enable:
+        _check_priority_args(rb, "buffer.trainer_input.experience_buffer.replay_buffer")
     for key, value, known in checks:
         if value not in known:
             raise ConfigError(f"{key}={value!r} is not one of {sorted(known)}.")
+
+
+def _check_priority_args(rb, where: str) -> None:
+    """A replay buffer's priority_fn_args that its function takes as numbers are numbers: 'zzzz' or null
+    raised a TypeError in the trainer's first read of the buffer, mid-run."""
+    import inspect
+
+    from rft.data.experience import PRIORITY_FNS
+
+    params = inspect.signature(PRIORITY_FNS[rb.priority_fn]).parameters
+    for name, value in (rb.priority_fn_args or {}).items():
+        kind = getattr(params.get(name), "annotation", None)
+        if kind in ("float", "int", float, int) and (isinstance(value, bool) or not isinstance(value, int | float)):
+            shown = "null" if value is None else repr(value)
+            raise ConfigError(f"{where}.priority_fn_args.{name}={shown} must be a number: priority_fn="
+                              f"{rb.priority_fn} takes {name} as {getattr(kind, '__name__', kind)} (its default is "
+                              f"{params[name].default}).")
 
 
 def _divisor_near(n: int, target: int) -> int:
