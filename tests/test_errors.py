@@ -100,9 +100,29 @@ def test_a_dataset_stage_through_ray_reads_its_dataset_in_the_trainer(tmp_path, 
 
 
 def test_wrong_type(run_root):
+    """A value the typed key does not take is rft's one paragraph with status 2 (Hydra's was five lines,
+    a HYDRA_FULL_ERROR hint and status 1), before anything starts."""
     r = run_cli("buffer.batch_size=lots", env=run_root)
-    assert r.returncode != 0
-    assert "Value 'lots' of type 'str' could not be converted to Integer" in r.stderr
+    assert r.returncode == 2
+    assert r.stderr.strip() == (
+        "rft: configuration error: buffer.batch_size=lots: Value 'lots' of type 'str' could not be converted "
+        "to Integer. The key's type and its comment are in rft/config.py; `python run.py --cfg job` prints the "
+        "composed config.")
+    assert_nothing_started(run_root)
+
+
+@pytest.mark.parametrize("args, says", [
+    (["synchronizer.sync_method=nccl"], "synchronizer.sync_method=nccl: Invalid value 'nccl', expected one of "
+                                        "[memory, checkpoint, collective]."),
+    (["seed=abc"], "seed=abc: Value 'abc' of type 'str' could not be converted to Integer."),
+    (["buffer.batch_size=1.5"], "buffer.batch_size=1.5: Value '1.5' of type 'float' could not be converted to Integer."),
+    # a sweep: each of its values is tried, the first that does not fit named
+    (["-m", "seed=1,x"], "seed=1,x: Value 'x' of type 'str' could not be converted to Integer."),
+])
+def test_a_value_its_key_does_not_take_is_one_paragraph(run_root, args, says):
+    r = run_cli(*args, "dry_run=true", env=run_root)
+    assert r.returncode == 2 and "HYDRA_FULL_ERROR" not in r.stderr
+    assert r.stderr.strip().startswith("rft: configuration error: " + says), r.stderr
     assert_nothing_started(run_root)
 
 

@@ -381,6 +381,45 @@ def scalar_for_list(args: list[str], groups: set[str]) -> str | None:
     return None
 
 
+def wrong_value_override(args: list[str], groups: set[str]) -> str | None:
+    """The message for a command-line value the schema's typed key does not take (`seed=abc`,
+    `buffer.batch_size=1.5`, `synchronizer.sync_method=nccl`): Hydra says it in five lines with a
+    hint at HYDRA_FULL_ERROR and exits 1, unlike rft's other configuration errors. Each value of a
+    choice sweep is tried; keys of free-form dicts and lists (stages, a reward's args) are Hydra's."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.core.override_parser.types import ChoiceSweep
+    from omegaconf import OmegaConf, ValueNode
+    from omegaconf.errors import OmegaConfBaseException
+
+    from rft.config import Config
+
+    try:
+        overrides = OverridesParser.create().parse_overrides([a for a in args if "=" in a and not a.startswith("-")])
+    except Exception:  # unparsable_override words these
+        return None
+    schema = OmegaConf.structured(Config)
+    for o in overrides:
+        key, value = o.key_or_group, o.value()
+        if o.is_delete() or key in groups or "/" in key or key.startswith("hydra"):
+            continue
+        values = value.list if isinstance(value, ChoiceSweep) else [] if o.is_sweep_override() else [value]
+        parent, _, last = key.rpartition(".")
+        try:
+            node = (OmegaConf.select(schema, parent) if parent else schema)._get_node(last)
+        except Exception:  # inside a free-form dict or list, or a key misspelt_override words
+            continue
+        for v in values:
+            if not isinstance(node, ValueNode) or v is None or isinstance(v, (list, dict)) or "${" in str(v):
+                continue
+            try:
+                OmegaConf.update(schema, key, v, merge=True)
+            except OmegaConfBaseException as e:
+                given = o.input_line.split("=", 1)[1]
+                return (f"{key}={given}: {str(e).splitlines()[0]}. The key's type and its comment are in "
+                        f"rft/config.py; `python run.py --cfg job` prints the composed config.")
+    return None
+
+
 def flag_after_override(args: list[str]) -> str | None:
     """The message for one of Hydra's flags given after an override that another override follows
     (`python run.py model=x -m seed=1,2`): Hydra's argument parser takes the overrides only as one
@@ -510,6 +549,7 @@ def exit_on_config_mistakes(args: list[str], conf_dir) -> None:
     message = (modes_at_once(args) or flag_after_override(args) or foreign_flag(args)
                or bad_yaml(Path(conf_dir)) or unparsable_override(args)
                or misspelt_override(args, groups) or scalar_for_list(args, groups)
+               or wrong_value_override(args, groups)
                or missing_option(args, roots) or check(args, roots))
     if message:
         print(f"\nrft: configuration error: {message}\n", file=sys.stderr)
