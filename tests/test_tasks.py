@@ -260,3 +260,22 @@ def test_the_tiny_models_budget_holds_a_19_character_question_and_a_5_character_
     assert lengths == [cfg.model.max_prompt_tokens, cfg.model.max_prompt_tokens + 1] == [24, 25]
     answer = tok.encode("12345", add_special_tokens=False) + [tok.eos_token_id]
     assert len(answer) == cfg.model.max_response_tokens == 6
+
+
+def test_an_eval_set_grouped_by_a_column_its_data_lacks_is_one_paragraph(tmp_path):
+    """group_by names a column of the rows: one the data lacks put every task in one group
+    'level=None' (its per-group metrics equal the set's, read as a result); now one paragraph."""
+    from rft.errors import ConfigError
+
+    data = tmp_path / "e.jsonl"
+    data.write_text('{"question": "1+1", "answer": "2", "difficulty": 1}\n')
+    ts = OmegaConf.structured(TasksetConfig(name="e", path=str(data), group_by="level"))
+    with pytest.raises(ConfigError) as e:
+        load_tasks(ts, "buffer.explorer_input.eval_tasksets[0]")
+    assert str(e.value) == (
+        f"buffer.explorer_input.eval_tasksets[0].group_by='level': buffer.explorer_input.eval_tasksets[0].path="
+        f"'{data}' has no column 'level', so every task would fall in one group 'level=None'; its columns are "
+        f"['answer', 'difficulty', 'question']. Set buffer.explorer_input.eval_tasksets[0].group_by to one of "
+        f"them, or to null for the set's metrics alone.")
+    ts.group_by = "difficulty"  # a column it has: loads
+    assert [t.row["difficulty"] for t in load_tasks(ts, "buffer.explorer_input.eval_tasksets[0]")] == [1]

@@ -742,6 +742,12 @@ def load_tasks(ts_cfg, where: str) -> list[Task]:
     (unless format.response_key is null) the reference answer the reward function reads."""
     rows = load_rows(ts_cfg.path, ts_cfg.split, ts_cfg.subset_name, key=f"{where}.path")
     check_columns(rows, ts_cfg.format, where, ts_cfg.path)
+    group_by = getattr(ts_cfg, "group_by", None)  # an eval set's: a column missing put every task in one group
+    if group_by and group_by not in rows.column_names:
+        raise ConfigError(
+            f"{where}.group_by={group_by!r}: {where}.path={ts_cfg.path!r} has no column {group_by!r}, so every "
+            f"task would fall in one group '{group_by}=None'; its columns are {sorted(rows.column_names)}. Set "
+            f"{where}.group_by to one of them, or to null for the set's metrics alone.")
     fmt, path, name = plain(ts_cfg.format), ts_cfg.path, ts_cfg.name
     answer_key = fmt.response_key
     tasks, empty = [], []
