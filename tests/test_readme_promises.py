@@ -47,6 +47,21 @@ def test_the_groups_table_names_every_option_of_its_groups():
     assert {"console", "tensorboard", "wandb", "mlflow"} == options("monitor")
 
 
+def test_the_defaults_list_comments_name_every_option_of_their_groups():
+    """conf/config.yaml's defaults list says each group's options beside its choice (`- monitor:
+    tensorboard   # console | tensorboard | wandb | mlflow`): every file under conf/<group>/ is named
+    there (monitor lacked mlflow, algorithm rm and reinforce_pp_baseline, model tiny_tools and the
+    1.5b shape, task long_tail and calculator)."""
+    text = (CONF / "config.yaml").read_text()
+    checked = 0
+    for group, comment in re.findall(r"^  - (\w+): \S+ +# (.*)$", text, re.M):
+        if (CONF / group).is_dir() and group != "experiment":  # studies: experiments/ lists them
+            named = set(re.findall(r"[\w.-]+", comment))
+            assert options(group) <= named, (group, options(group) - named)
+            checked += 1
+    assert checked == 9  # buffer, algorithm, task, explorer, trainer, sync, monitor, cluster, model
+
+
 def test_the_algorithm_table_lists_every_algorithm_file_and_only_those():
     """"### Algorithms": one row per `conf/algorithm/<name>.yaml`, so a new algorithm is documented
     where a user picks it, and no row names one that `algorithm=<name>` cannot load."""
