@@ -288,3 +288,17 @@ def test_a_replay_priority_argument_that_is_no_number_is_one_paragraph(value, sh
         f"{rb}.priority_fn_args.decay={shown} must be a number: priority_fn=linear_decay takes decay as float (its "
         f"default is 2.0).")
     assert plan_for([f"{rb}.enable=true", f"{rb}.priority_fn_args.decay=0.5"]).experiences_per_step == 128
+
+
+def test_a_reward_that_reads_the_answer_on_a_taskset_without_one_stops_the_plan():
+    """format.response_key=null makes every task's answer None: exact_match (the default task's reward),
+    last_number and math then score every response 0, and the run was warned of it only after 3 steps
+    of zeros. A reward that needs no answer (countdown reads the row's numbers) plans."""
+    assert error_of([f"{TS}.format.response_key=null"]) == (
+        f"{TS}.format.response_key is null, and its reward 'exact_match' compares each response with the task's "
+        f"reference answer (task.answer): every answer would be None and every reward 0. Set {TS}.format.response_key "
+        f"to the column that holds the answer, or use a reward that needs none ({TS}.reward_fn=<your module>.<function>).")
+    # a reward of parts: the part that reads the answer is named
+    assert "its reward 'math' compares" in error_of([f"{TS}.format.response_key=null",
+                                                      f"+{TS}.reward_fn=[{{fn: format, weight: 0.1}},{{fn: math, weight: 1.0}}]"])
+    assert plan_for(["task=countdown", f"{TS}.format.response_key=null"]) is not None

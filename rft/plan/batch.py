@@ -1111,10 +1111,9 @@ def _check_names(cfg) -> None:
     check_reward(spec_of(inp.default_reward_fn_type), "buffer.explorer_input.default_reward_fn_type")
     for i, ts in enumerate([inp.taskset, *inp.eval_tasksets]):
         where = "buffer.explorer_input." + ("taskset" if i == 0 else f"eval_tasksets[{i - 1}]")
-        if ts.reward_fn is not None:
-            check_reward(spec_of(ts.reward_fn), f"{where}.reward_fn")
         _check_workflow(resolve(WORKFLOWS, ts.workflow, f"{where}.workflow"), ts.workflow, f"{where}.workflow")
         flow = WORKFLOWS.info(ts.workflow)
+        _check_taskset_reward(ts, inp, where, flow)
         if flow.check_args:
             resolve({}, flow.check_args, f"{where}.workflow")(dict(ts.workflow_args), f"{where}.workflow_args")
         if flow.endpoint and not cfg.explorer.rollout_model.enable_openai_api:
@@ -1139,6 +1138,27 @@ def _check_names(cfg) -> None:
     for key, value, known in checks:
         if value not in known:
             raise ConfigError(f"{key}={value!r} is not one of {sorted(known)}.")
+
+
+def _check_taskset_reward(ts, inp, where: str, flow) -> None:
+    """A taskset's own reward names functions that exist, and a reward that compares the response
+    with the reference answer has one: with format.response_key null every task's answer is None,
+    every reward 0, and the run learned nothing (warned of only after 3 steps of zeros)."""
+    from rft.rewards.scoring import check as check_reward
+    from rft.rewards.scoring import spec_of
+    from rft.rewards.verifiers import READS_ANSWER
+
+    if ts.reward_fn is not None:
+        check_reward(spec_of(ts.reward_fn), f"{where}.reward_fn")
+    spec = spec_of(ts.reward_fn if ts.reward_fn is not None else inp.default_reward_fn_type)
+    names = [spec] if isinstance(spec, str) else [p.get("fn") for p in spec if isinstance(p, dict)]
+    reads = [n for n in names if n in READS_ANSWER]
+    if reads and ts.format.response_key is None and not flow.environment:
+        raise ConfigError(
+            f"{where}.format.response_key is null, and its reward {reads[0]!r} compares each response with the "
+            f"task's reference answer (task.answer): every answer would be None and every reward 0. Set "
+            f"{where}.format.response_key to the column that holds the answer, or use a reward that needs none "
+            f"({where}.reward_fn=<your module>.<function>).")
 
 
 def _check_priority_args(rb, where: str) -> None:

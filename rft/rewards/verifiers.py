@@ -468,6 +468,10 @@ def same_answer(spec):
     return lambda a, b: a == b or judge(a, b, **args)
 
 
+# the rewards above that compare a response with the task's reference answer (task.answer, the
+# taskset's format.response_key): planning refuses them on a taskset without one (rft/plan/batch.py)
+READS_ANSWER = frozenset({"exact_match", "last_number", "math"})
+
 _HERE = "rft.rewards.verifiers."
 REWARD_FNS = Registry("reward_fn", {name: _HERE + fn for name, fn in [
     ("exact_match", "exact_match"), ("last_number", "last_number"), ("math", "math"), ("countdown", "countdown"),
