@@ -412,7 +412,44 @@ def test_replay_used_experiences_make_room():
     buf.put(exps(3))  # versions 0, 1, 2
     buf.get(3, timeout=0)  # all used once: priorities -2, -1, 0
     buf.put(exps(2, start=3))  # drops t0 and t1, the lowest
+    state = buf.state()  # what a checkpoint holds: capacity experiences at most
+    assert (ids(map(Experience.from_dict, state["items"])), [u["exp"]["task_id"] for u in state["used"]]) == \
+        (["t3", "t4"], ["t2"])
     assert ids(buf.get(5, timeout=0.1)) == ["t4", "t3", "t2"]
+
+
+def test_a_restored_replay_buffer_reads_what_the_original_would():
+    """A priority that ranks a used experience above a new one (decay -2: each use adds 2): the
+    checkpoint keeps the used experience with its use count and the cooldown it has left."""
+    clock_a, clock_b = FakeClock(), FakeClock()
+    clock_b.t = 50.0  # another process: another monotonic clock
+    a = replay_buffer(clock_a, cooldown=10.0, **{"replay_buffer.priority_fn_args": {"decay": -2.0}})
+    a.put(exps(3))  # versions 0, 1, 2
+    assert ids(a.get(1, timeout=0)) == ["t2"]  # priority 2, then 2 + 2 = 4, ready at 1010
+    clock_a.t += 4
+    state = a.state()
+    assert (state["item_seqs"], state["next_seq"]) == ([0, 1], 3)
+    assert [(u["seq"], u["uses"], u["cooldown_left"], u["exp"]["task_id"]) for u in state["used"]] == [(2, 1, 6.0, "t2")]
+    b = replay_buffer(clock_b, cooldown=10.0, **{"replay_buffer.priority_fn_args": {"decay": -2.0}})
+    b.restore(json.loads(json.dumps(state)))  # as state.json holds it
+    for buf, clock in ((a, clock_a), (b, clock_b)):
+        assert len(buf) == 2
+        assert ids(buf.get(3, timeout=0.1)) == ["t1", "t0"]  # t2 cools down 6 s more
+        clock.t += 6
+        assert ids(buf.get(3, timeout=0.1)) == ["t2"]  # t1, t0 cool down 4 s more
+        clock.t += 10
+        # t2 2 + 2 x 2 = 6, t1 1 + 2 = 3, t0 0 + 2 = 2
+        assert ids(buf.get(3, timeout=0)) == ["t2", "t1", "t0"]
+
+
+def test_a_replay_buffer_restores_a_checkpoint_that_kept_unread_experiences_only():
+    """A checkpoint written before used experiences were kept: its unread ones come back, oldest first."""
+    buf = replay_buffer(FakeClock(), cooldown=0.0)
+    buf.restore({"items": [e.to_dict() for e in exps(2)]})
+    assert len(buf) == 2 and buf.state()["item_seqs"] == [0, 1] and buf.state()["used"] == []
+    assert ids(buf.get(2, timeout=0)) == ["t1", "t0"]  # policy_version 1 before 0
+    buf.put(exps(1, start=2))
+    assert buf.state()["next_seq"] == 3
 
 
 def test_unknown_priority_fn():

@@ -324,14 +324,12 @@ def test_a_multi_turn_tool_run_resumes_to_the_uninterrupted_run(tmp_path):
     assert any(m.get("rollout/tool_calls_mean", 0) > 0 for m in metrics)  # conversations with the tool
 
 
-@pytest.mark.xfail(strict=True, reason="QueueBuffer.state() keeps only the unread experiences: a resumed replay "
-                                       "buffer has lost those already read, which the uninterrupted run reads again")
 def test_a_replay_buffer_that_reads_experiences_again_resumes_to_the_uninterrupted_run(warm_start, tmp_path):
     """A replay priority that ranks a used experience above a new one (linear_decay with a negative
     decay, as a study's own priority_fn may): the uninterrupted run's step 4 trains on explore step
     0's experiences (stale by 3) for the third time, the resumed one on explore step 2's (stale by
-    1), since the checkpoint kept no used experience. Measured: weights, reward/mean 0.6875 against
-    0.75, staleness/max 3 against 1."""
+    1), where the checkpoint kept no used experience (weights, reward/mean 0.6875 against 0.75,
+    staleness/max 3 against 1): it keeps them now, with their use counts and cooldowns."""
     check_resumes(tmp_path, warm_start, ["buffer.trainer_input.experience_buffer.replay_buffer.enable=true",
                                          "buffer.trainer_input.experience_buffer.replay_buffer.reuse_cooldown_time=0",
                                          "buffer.trainer_input.experience_buffer.replay_buffer.priority_fn_args.decay=-2"])

@@ -185,17 +185,33 @@ class QueueBuffer:
             return out
 
     def state(self) -> dict:
-        """The unread experiences, oldest first (replay: used ones are not kept)."""
+        """The unread experiences, oldest first; with replay also the used ones, each with its
+        place in the write order, its use count and the cooldown it has left, as the priority
+        ranks them by these: a resumed run reads again what an uninterrupted one would. At most
+        `capacity` experiences in all (`_evict_used`), which bounds a checkpoint's size."""
         with self._cond:
-            unread = self._fifo if not self.replay else [e[3] for e in sorted(self._entries) if e[1] == 0]
-            return {"items": [e.to_dict() for e in unread]}
+            if not self.replay:
+                return {"items": [e.to_dict() for e in self._fifo]}
+            now, entries = self.clock(), sorted(self._entries, key=lambda e: e[0])
+            return {"items": [e[3].to_dict() for e in entries if e[1] == 0],
+                    "item_seqs": [e[0] for e in entries if e[1] == 0],
+                    "used": [{"seq": seq, "uses": used, "cooldown_left": max(0.0, ready - now), "exp": exp.to_dict()}
+                             for seq, used, ready, exp in entries if used > 0],
+                    "next_seq": self._seq}
 
     def restore(self, state: dict) -> None:
         exps = [Experience.from_dict(d) for d in state["items"]]
         with self._cond:
             self._fifo = deque([] if self.replay else exps)
-            self._entries = [[i, 0, float("-inf"), e] for i, e in enumerate(exps)] if self.replay else []
-            self._seq = len(exps)
+            self._entries, self._seq = [], len(exps)
+            if self.replay:
+                # a checkpoint written before the used experiences were kept has only "items"
+                seqs = state.get("item_seqs", range(len(exps)))
+                now = self.clock()
+                self._entries = [[s, 0, float("-inf"), e] for s, e in zip(seqs, exps)]
+                self._entries += [[u["seq"], u["uses"], now + u["cooldown_left"], Experience.from_dict(u["exp"])]
+                                  for u in state.get("used", [])]
+                self._seq = state.get("next_seq", len(exps))
             self._cond.notify_all()
 
     def close(self) -> None:
