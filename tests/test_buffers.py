@@ -354,6 +354,61 @@ def test_queue_put_larger_than_capacity_is_a_config_error():
     )
 
 
+def two_writers(buf, ours: str, theirs: str):
+    """This writer's rows and another's, interleaved after a checkpoint of 2 rows of each."""
+    def rows(start, group):
+        out = exps(2, start=start)
+        for e in out:
+            e.group_id = group
+        return out
+
+    buf.put(rows(0, ours) + rows(2, theirs))
+    checkpoint = buf.state()
+    buf.put(rows(4, ours))
+    buf.put(rows(6, theirs))
+    buf.put(rows(8, ours))
+    return checkpoint
+
+
+@pytest.mark.parametrize("kind", ["sql", "file"])
+def test_drop_own_after_drops_this_writers_rows_after_the_checkpoint_only(tmp_path, kind):
+    buf = make_buffer(buf_cfg(kind, path=str(tmp_path / ("b.db" if kind == "sql" else "b.jsonl"))))
+    checkpoint = two_writers(buf, ours="2/77/a", theirs="2/99/a")
+    assert buf.drop_own_after(checkpoint["last_id"], lambda g: g == "2/77/a") == 4  # t4 t5, t8 t9
+    assert buf.drop_own_after(checkpoint["last_id"], lambda g: g == "2/77/a") == 0
+    # before the checkpoint this writer's stay; the other writer's stay wherever they are
+    assert ids(buf.get(10, timeout=0.2)) == ["t0", "t1", "t2", "t3", "t6", "t7"]
+    buf.put(exps(1, start=100))  # written again after them
+    assert ids(buf.get(10, timeout=0.2)) == ["t100"]
+
+
+def test_file_drop_own_after_cuts_a_line_a_killed_writer_left(tmp_path):
+    buf = FileBuffer(buf_cfg("file", path=str(tmp_path / "b.jsonl")))
+    checkpoint = two_writers(buf, ours="2/77/a", theirs="2/99/a")
+    with open(tmp_path / "b.jsonl", "ab") as f:
+        f.write(b'{"tokens": [1')  # a write killed midway: no newline
+    assert buf.drop_own_after(checkpoint["last_id"], lambda g: g == "2/77/a") == 4
+    assert (tmp_path / "b.jsonl").read_bytes().endswith(b"\n")
+    assert ids(buf.get(10, timeout=0.2)) == ["t0", "t1", "t2", "t3", "t6", "t7"]
+
+
+def test_own_groups_knows_this_runs_group_ids_from_another_explorers():
+    """A group id is <explore step>/<step_seed(seed, step, salt)>/<task>: salt 1000 x the shard
+    (+ 100 + tries under DAPO's dynamic sampling)."""
+    from rft.data.readers import step_seed
+    from rft.runtime.saving import own_groups
+
+    cfg = OmegaConf.create({"seed": 42, "explorer": {"rollout_model": {"engine_num": 2}}})
+    own = own_groups(cfg, first_step=2)
+    assert own(f"2/{step_seed(42, 2)}/t0") and own(f"3/{step_seed(42, 3)}/t0")
+    assert own(f"2/{step_seed(42, 2, salt=1000)}/t0")  # the second explorer's
+    assert own(f"2/{step_seed(42, 2, salt=1000 + 100 + 3)}/t0")  # its fourth DAPO try
+    assert not own(f"2/{step_seed(42, 2, salt=2000)}/t0")  # a third explorer's: this run has two
+    assert not own(f"2/{step_seed(43, 2)}/t0") and not own(f"2/{step_seed(7, 2)}/t0")  # another run's seed
+    assert not own(f"1/{step_seed(42, 1)}/t0")  # before the checkpoint's next explore step
+    assert not own("g1") and not own("2/x/t0") and not own("")
+
+
 class FakeClock:
     def __init__(self):
         self.t = 1000.0

@@ -335,25 +335,46 @@ def test_a_replay_buffer_that_reads_experiences_again_resumes_to_the_uninterrupt
                                          "buffer.trainer_input.experience_buffer.replay_buffer.priority_fn_args.decay=-2"])
 
 
-def sql_rows(path: Path) -> list[dict]:
-    """A SQLite buffer's rows in order, without their ids and write times."""
+def stored_rows(path: Path) -> list[dict]:
+    """A sql or file buffer's rows in order, without a SQLite row's id and write time."""
+    if path.suffix == ".jsonl":
+        return [json.loads(line) for line in path.read_text().splitlines()]
     with sqlite3.connect(f"file:{path}?mode=ro", uri=True) as db:
         db.row_factory = sqlite3.Row
         return [{k: r[k] for k in r.keys() if k not in ("id", "created_at")}
                 for r in db.execute("select * from experiences order by id")]
 
 
-@pytest.mark.xfail(strict=True, reason="mode=explore writes a step's rows before the checkpoint of that step, and a "
-                                       "resume writes them again: nothing drops the rows written after the checkpoint")
-def test_a_killed_explorer_run_resumes_to_the_rows_an_uninterrupted_one_writes(warm_start, tmp_path):
-    """mode=explore into a sql buffer (a trainer elsewhere reads it), killed once explore step 2
-    wrote its rows: the resumed run's buffer holds the uninterrupted run's rows, each once.
-    Measured: 80 rows, explore step 2's 16 twice (the resume wrote them again after them)."""
+def another_explorer(path: Path, kind: str) -> list[dict]:
+    """Another explorer writing to the same buffer (its own seed, 7, the same explore step 2): 8 rows."""
+    from omegaconf import OmegaConf
+
+    from rft.config import ExperienceBufferConfig
+    from rft.data.buffer import make_buffer
+    from rft.data.experience import Experience
+    from rft.data.readers import step_seed
+
+    buf = make_buffer(OmegaConf.structured(ExperienceBufferConfig(storage_type=kind, path=str(path))))
+    buf.put([Experience(tokens=[1, 2, 3], prompt_length=1, logprobs=[-0.5, -0.25], reward=1.0, task_id=f"t{i}",
+                        group_id=f"2/{step_seed(7, 2)}/t{i // 4}") for i in range(8)])
+    buf.close()
+    return [{"group_id": f"2/{step_seed(7, 2)}/t{i // 4}", "task_id": f"t{i}"} for i in range(8)]
+
+
+@pytest.mark.parametrize("kind", ["sql", "file"])
+def test_a_killed_explorer_run_resumes_to_the_rows_an_uninterrupted_one_writes(kind, warm_start, tmp_path):
+    """mode=explore into a sql or file buffer (a trainer elsewhere reads it), killed once explore
+    step 2 wrote its rows, before its step's checkpoint; then another explorer writes 8 rows of its
+    own. The resumed run drops its own rows written after the checkpoint, and no other's, and writes
+    them again: the buffer holds the uninterrupted run's rows, each once (it held 80, explore step
+    2's 16 twice), and the other explorer's 8."""
     env = {**os.environ, "RFT_CHECKPOINT_ROOT_DIR": str(tmp_path)}
+    suffix = ".db" if kind == "sql" else ".jsonl"
 
     def args(name):
-        return [*SHORT, *NO_EVAL, f"model.model_path={warm_start}", "model.builder=null", "mode=explore", "buffer=sql",
-                f"buffer.trainer_input.experience_buffer.path={tmp_path / name}.db", f"name={name}"]
+        return [*SHORT, *NO_EVAL, f"model.model_path={warm_start}", "model.builder=null", "mode=explore",
+                f"buffer={kind}", f"buffer.trainer_input.experience_buffer.path={tmp_path / name}{suffix}",
+                f"name={name}"]
 
     straight = run_cli(*args("straight"), env=env)
     assert straight.returncode == 0, straight.stderr[-3000:]
@@ -361,10 +382,15 @@ def test_a_killed_explorer_run_resumes_to_the_rows_an_uninterrupted_one_writes(w
     # saves every step)
     killed_after_put(args("killed"), env, tmp_path, 3)
     assert sorted(p.name for p in (tmp_path / "rft" / "killed" / "checkpoints").iterdir()) == ["step_2"]
+    assert len(stored_rows(tmp_path / f"killed{suffix}")) == 3 * 16
+    other = another_explorer(tmp_path / f"killed{suffix}", kind)
     resumed = run_cli(*args("killed"), env=env)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    a, b = sql_rows(tmp_path / "straight.db"), sql_rows(tmp_path / "killed.db")
-    assert len(a) == 4 * 16
-    steps = [r["group_id"].split("/")[0] for r in b[::4]]  # a group's id: <explore step>/<seed>/<task>
+    a, b = stored_rows(tmp_path / f"straight{suffix}"), stored_rows(tmp_path / f"killed{suffix}")
+    assert len(a) == 4 * 16 and len(b) == 4 * 16 + 8
+    # the other explorer's rows, each once, where it wrote them: after the killed run's first 32
+    assert [{"group_id": r["group_id"], "task_id": r["task_id"]} for r in b[32:40]] == other
+    own = b[:32] + b[40:]
+    steps = [r["group_id"].split("/")[0] for r in own[::4]]  # a group's id: <explore step>/<seed>/<task>
     assert steps == [s for s in "0123" for _ in range(4)], steps
-    assert a == b
+    assert a == own

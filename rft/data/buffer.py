@@ -452,6 +452,17 @@ class SQLBuffer:
         with self.engine.begin() as c:
             return c.execute(sa.delete(_experiences).where(_experiences.c.id > last_id)).rowcount
 
+    def drop_own_after(self, last_id: int, own) -> int:
+        """Delete the rows after `last_id` whose group id `own(group_id)` says this writer wrote;
+        returns how many. Another writer's rows stay, ids unchanged (rft.runtime.saving: a resumed
+        mode=explore run writes its own again, and other explorers may share the file)."""
+        with self._damage_named(), self.engine.begin() as c:
+            after = c.execute(sa.select(_experiences.c.id, _experiences.c.group_id).where(_experiences.c.id > last_id))
+            ids = [r.id for r in after if own(r.group_id)]
+            for i in range(0, len(ids), 500):  # SQLite bounds the parameters of one statement
+                c.execute(sa.delete(_experiences).where(_experiences.c.id.in_(ids[i:i + 500])))
+        return len(ids)
+
     def close(self) -> None:
         self.engine.dispose()
 
@@ -574,6 +585,26 @@ class FileBuffer:
             f.truncate(last_id)
         return dropped
 
+    def drop_own_after(self, last_id: int, own) -> int:
+        """Remove the lines after byte `last_id` whose group id `own(group_id)` says this writer
+        wrote; returns how many. Another writer's lines stay, in their order (as SQLBuffer's). A
+        line that does not parse is not this writer's: it stays (a reader names it)."""
+        if not self.path.exists():
+            return 0
+        with self.lock, open(self.path, "rb+") as f:
+            end = _whole_lines_end(f, f.seek(0, os.SEEK_END))  # a cut last line: a killed writer's
+            f.seek(last_id)
+            lines = f.read(max(0, end - last_id)).splitlines(keepends=True)
+            kept = [line for line in lines if not _owned(line, own)]
+            if len(kept) == len(lines):
+                return 0
+            f.seek(last_id)
+            f.write(b"".join(kept))
+            f.truncate()
+            f.flush()
+            os.fsync(f.fileno())
+        return sum(1 for line in lines if line.strip()) - sum(1 for line in kept if line.strip())
+
     def close(self) -> None:
         pass
 
@@ -583,6 +614,14 @@ class FileBuffer:
         with open(self.path, "rb") as f:
             f.seek(self.offset)
             return sum(1 for line in f if line.endswith(b"\n") and line.strip())
+
+
+def _owned(line: bytes, own) -> bool:
+    try:
+        group = json.loads(line).get("group_id")
+    except (ValueError, AttributeError, RecursionError):
+        return False
+    return isinstance(group, str) and own(group)
 
 
 def _whole_lines_end(f, end: int) -> int:

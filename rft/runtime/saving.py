@@ -9,12 +9,31 @@ import logging
 import os
 from pathlib import Path
 
+from rft.data.readers import step_seed
 from rft.errors import RunError
 from rft.runtime import checkpoint
 from rft.runtime.checkpoint import Checkpoint, Owner, set_aside, usable_checkpoint
 from rft.runtime.faults import TrainerCalls, actor_died
 
 log = logging.getLogger(__name__)
+
+
+def own_groups(cfg, first_step: int):
+    """Whether a group id is of this run's explore step `first_step` or later. A group id is
+    f"{step}/{seed}/{task_id}" (rft/rollout/workflows), its seed `step_seed(cfg.seed, step, salt)`
+    with a salt below 1000 x the explorers (rft/rollout/explorer.py: 1000 x the shard, plus DAPO's
+    tries): another run's differs unless it has the same seed (explorers that share a buffer
+    sample with seeds of their own, or they would write the same rollouts)."""
+    shards = cfg.explorer.rollout_model.engine_num
+
+    def own(group_id: str) -> bool:
+        step, _, rest = group_id.partition("/")
+        seed = rest.partition("/")[0]
+        if not (step.isdigit() and seed.isdigit()) or int(step) < first_step:
+            return False
+        return (int(seed) - step_seed(cfg.seed, int(step))) % 2**31 < 1000 * shards
+
+    return own
 
 
 class StageCheckpoints:
@@ -65,6 +84,13 @@ class StageCheckpoints:
                       f"nothing in it was still to be read, so the run goes on")
                 state = buffer.state()  # read from its (new) end
                 state = {**state, "cursor": state["last_id"], "offset": state["last_id"]}
+        if self.cfg.mode == "explore" and state and hasattr(buffer, "drop_own_after"):
+            # explore steps' rows are written before their step's checkpoint: what this run wrote
+            # after it, it writes again, identically; other explorers may write to the file too,
+            # so only this run's own rows go (truncating would lose theirs)
+            dropped = buffer.drop_own_after(state["last_id"], own_groups(self.cfg, latest.state.get("next_explore", 0)))
+            if dropped:
+                log.info("dropped %d experiences this run wrote after the checkpoint", dropped)
         if state:
             self._check_unread(buffer, state, latest)
             buffer.restore(state)
