@@ -347,37 +347,52 @@ def misspelt_override(args: list[str], groups: set[str]) -> str | None:
     return None
 
 
-def scalar_for_list(args: list[str], groups: set[str]) -> str | None:
-    """The message for a list-typed key given one value (`monitor.monitor_type=wandb`, as
-    Trinity-RFT's guide writes it): Hydra says only "str is not a ListConfig, list or tuple"."""
+def _typed_overrides(args: list[str], groups: set[str]):
+    """Each command-line override of a key of the typed schema, as (override, key, its schema
+    node, the schema): group choices, hydra.* keys, deletions and keys inside free-form dicts and
+    lists (a stage, a reward's args: Hydra's to check) are left out, and so is every override when
+    one does not parse (unparsable_override words that)."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from omegaconf import OmegaConf
-    from omegaconf._utils import get_list_element_type, is_list_annotation
 
     from rft.config import Config
 
     try:
         overrides = OverridesParser.create().parse_overrides([a for a in args if "=" in a and not a.startswith("-")])
-    except Exception:  # unparsable_override words these
-        return None
+    except Exception:
+        return
     schema = OmegaConf.structured(Config)
     for o in overrides:
-        key, value = o.key_or_group, o.value()
-        if o.is_delete() or o.is_sweep_override() or key in groups or "/" in key or key.startswith("hydra"):
-            continue
-        if value is None or isinstance(value, (list, dict)) or "${" in str(value):
+        key = o.key_or_group
+        if o.is_delete() or key in groups or "/" in key or key.startswith("hydra"):
             continue
         parent, _, last = key.rpartition(".")
         try:
             node = (OmegaConf.select(schema, parent) if parent else schema)._get_node(last)
-        except Exception:  # inside a free-form dict or list (a stage, a reward's args): Hydra's
+        except Exception:  # inside a free-form dict or list, or a key misspelt_override words
             continue
-        if node is not None and is_list_annotation(node._metadata.ref_type):
-            given = o.input_line.split('=', 1)[1]
-            if get_list_element_type(node._metadata.ref_type) is int and not isinstance(value, int):
-                return (f"{key}={given}: {key} takes a list of integers (e.g. token ids), and {given!r} is not "
-                        f"one; write {key}=[a] or [a,b] with whole numbers, or {key}=[] for none.")
-            return f"{key}={given}: {key} takes a list; write {key}=[{value}] (a list of one), or several as [a,b]."
+        yield o, key, node, schema
+
+
+def _plain(value) -> bool:
+    """A single value (not null, a list, a dict or an interpolation) that a typed key can be checked on."""
+    return value is not None and not isinstance(value, (list, dict)) and "${" not in str(value)
+
+
+def scalar_for_list(args: list[str], groups: set[str]) -> str | None:
+    """The message for a list-typed key given one value (`monitor.monitor_type=wandb`, as
+    Trinity-RFT's guide writes it): Hydra says only "str is not a ListConfig, list or tuple"."""
+    from omegaconf._utils import get_list_element_type, is_list_annotation
+
+    for o, key, node, _ in _typed_overrides(args, groups):
+        value = o.value()
+        if o.is_sweep_override() or not _plain(value) or node is None or not is_list_annotation(node._metadata.ref_type):
+            continue
+        given = o.input_line.split('=', 1)[1]
+        if get_list_element_type(node._metadata.ref_type) is int and not isinstance(value, int):
+            return (f"{key}={given}: {key} takes a list of integers (e.g. token ids), and {given!r} is not "
+                    f"one; write {key}=[a] or [a,b] with whole numbers, or {key}=[] for none.")
+        return f"{key}={given}: {key} takes a list; write {key}=[{value}] (a list of one), or several as [a,b]."
     return None
 
 
@@ -385,31 +400,16 @@ def wrong_value_override(args: list[str], groups: set[str]) -> str | None:
     """The message for a command-line value the schema's typed key does not take (`seed=abc`,
     `buffer.batch_size=1.5`, `synchronizer.sync_method=nccl`): Hydra says it in five lines with a
     hint at HYDRA_FULL_ERROR and exits 1, unlike rft's other configuration errors. Each value of a
-    choice sweep is tried; keys of free-form dicts and lists (stages, a reward's args) are Hydra's."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
+    choice sweep is tried."""
     from hydra.core.override_parser.types import ChoiceSweep
     from omegaconf import OmegaConf, ValueNode
     from omegaconf.errors import OmegaConfBaseException
 
-    from rft.config import Config
-
-    try:
-        overrides = OverridesParser.create().parse_overrides([a for a in args if "=" in a and not a.startswith("-")])
-    except Exception:  # unparsable_override words these
-        return None
-    schema = OmegaConf.structured(Config)
-    for o in overrides:
-        key, value = o.key_or_group, o.value()
-        if o.is_delete() or key in groups or "/" in key or key.startswith("hydra"):
-            continue
+    for o, key, node, schema in _typed_overrides(args, groups):
+        value = o.value()
         values = value.list if isinstance(value, ChoiceSweep) else [] if o.is_sweep_override() else [value]
-        parent, _, last = key.rpartition(".")
-        try:
-            node = (OmegaConf.select(schema, parent) if parent else schema)._get_node(last)
-        except Exception:  # inside a free-form dict or list, or a key misspelt_override words
-            continue
-        for v in values:
-            if not isinstance(node, ValueNode) or v is None or isinstance(v, (list, dict)) or "${" in str(v):
+        for v in values if isinstance(node, ValueNode) else []:
+            if not _plain(v):
                 continue
             try:
                 OmegaConf.update(schema, key, v, merge=True)
