@@ -143,8 +143,9 @@ def test_a_misspelt_sft_buffer_no_longer_falls_back_to_the_taskset():
 
 
 def test_token_budgets_past_the_models_positions_stop_the_plan(tmp_path):
-    # the tiny model has 256 positions (conf/model/tiny.yaml's architecture, rft/models.py TINY_ARCH)
-    assert error_of(["model.max_response_tokens=300"]) == (
+    # the tiny model has 256 positions (conf/model/tiny.yaml's architecture, rft/models.py TINY_ARCH); an empty
+    # cache_dir: not yet built, so the plan reads model.architecture (built, its config.json says the same)
+    assert error_of(["model.max_response_tokens=300", f"cache_dir={tmp_path / 'cache'}"]) == (
         "model.max_prompt_tokens + model.max_response_tokens = 24 + 300 = 324 tokens is more than the model's 256 "
         "positions (max_position_embeddings=256, in model.architecture): the model never learned positions past "
         "them. Lower the token budgets to 256 tokens in all.")
