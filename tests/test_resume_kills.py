@@ -20,13 +20,15 @@ def test_a_run_killed_in_the_middle_of_a_step_resumes_to_the_uninterrupted_one(k
     """Killed the moment explore step 2's experiences are in the buffer (its third write), in
     training step 3, after the step-2 checkpoint: the resume drops what a stored buffer holds after
     the checkpoint and explores step 2 again, identically."""
-    check_resumes(tmp_path, warm_start, [f"buffer={kind}"], after_put=3)
+    rows, _ = check_resumes(tmp_path, warm_start, [f"buffer={kind}"], after_put=3)
+    assert [m["step"] for m in rows if "reward/mean" in m] == [1, 2, 3, 4]  # every step trained, once
 
 
 def test_an_async_run_killed_in_the_middle_of_a_step_resumes_to_the_uninterrupted_one(warm_start, tmp_path):
     """sync_offset=1 on a sql buffer: the step-2 checkpoint holds explore step 2's experiences,
     explored ahead; killed once explore step 3's are in (the buffer's fourth write)."""
-    check_resumes(tmp_path, warm_start, ["buffer=sql", "synchronizer.sync_offset=1"], after_put=4)
+    rows, _ = check_resumes(tmp_path, warm_start, ["buffer=sql", "synchronizer.sync_offset=1"], after_put=4)
+    assert [m["step"] for m in rows if "reward/mean" in m] == [1, 2, 3, 4]  # every step trained, once
 
 
 def test_a_trainer_run_on_a_stored_buffer_resumes_to_the_uninterrupted_one(warm_start, tmp_path):
@@ -48,7 +50,8 @@ def test_a_trainer_run_on_a_stored_buffer_resumes_to_the_uninterrupted_one(warm_
 def test_on_policy_distillation_resumes_to_the_uninterrupted_run(warm_start, tmp_path):
     """algorithm=opd: the randomly initialised tiny model learns from the warm start as its teacher
     (every token's advantage is the teacher's log-prob less the student's: weights move at once)."""
-    check_resumes(tmp_path, None, ["algorithm=opd", f"algorithm.teacher_model_path={warm_start}"])
+    rows, _ = check_resumes(tmp_path, None, ["algorithm=opd", f"algorithm.teacher_model_path={warm_start}"])
+    assert [m["step"] for m in rows if "reward/mean" in m] == [1, 2, 3, 4]
 
 
 def test_a_multi_turn_tool_run_resumes_to_the_uninterrupted_run(tmp_path):
@@ -68,9 +71,10 @@ def test_a_replay_buffer_that_reads_experiences_again_resumes_to_the_uninterrupt
     0's experiences (stale by 3) for the third time, the resumed one on explore step 2's (stale by
     1), where the checkpoint kept no used experience (weights, reward/mean 0.6875 against 0.75,
     staleness/max 3 against 1): it keeps them now, with their use counts and cooldowns."""
-    check_resumes(tmp_path, warm_start, ["buffer.trainer_input.experience_buffer.replay_buffer.enable=true",
-                                         "buffer.trainer_input.experience_buffer.replay_buffer.reuse_cooldown_time=0",
-                                         "buffer.trainer_input.experience_buffer.replay_buffer.priority_fn_args.decay=-2"])
+    rows, _ = check_resumes(tmp_path, warm_start, ["buffer.trainer_input.experience_buffer.replay_buffer.enable=true",
+                                                   "buffer.trainer_input.experience_buffer.replay_buffer.reuse_cooldown_time=0",
+                                                   "buffer.trainer_input.experience_buffer.replay_buffer.priority_fn_args.decay=-2"])
+    assert rows[-1]["staleness/max"] == 3  # step 4 read explore step 0's experiences again, as the docstring says
 
 
 def stored_rows(path: Path) -> list[dict]:
