@@ -56,11 +56,8 @@ CASES = {
     "ray-actors": ["cluster=local"],
     "two-engines": ["explorer.rollout_model.engine_num=2"],
     "async-checkpoint-sync": ["synchronizer.sync_offset=1", "sync=checkpoint"],
-    # partial rollouts in the test mode where which version writes which token is fixed (free-running,
-    # it depends on timing: tests/test_dynamic.py checks every group is trained once)
-    "partial-rollouts-fixed-interrupts": ["synchronizer.sync_style=dynamic_by_explorer", "explorer.partial_rollout=true",
-                                          "explorer.partial_chunk_tokens=2", "synchronizer.fixed_interrupts=true",
-                                          "cluster=local"],
+    # partial rollouts: tests/test_dynamic.py kills and resumes them bit for bit in the test mode (fixed
+    # interrupts; free-running, which version writes which token depends on timing)
     "fsdp2-two-ranks": ["trainer=fsdp2", "trainer.ranks=2", "cluster=local", "cluster.num_cpus=3"],
     # replay that never reads a used experience again (the newest version always ranks first)
     "replay-buffer": ["buffer.trainer_input.experience_buffer.replay_buffer.enable=true",
