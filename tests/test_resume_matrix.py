@@ -28,18 +28,14 @@ MIX_DATA = ["algorithm=mix", "algorithm.sft_batch_size=8",
             "+buffer.trainer_input.auxiliary_buffers.sft_dataset.format.response_key=answer"]
 
 CASES = {
-    # PPO: the critic (its weights and optimizer in trainer_state.pt) and GAE
-    "ppo-critic": ["algorithm=ppo", "algorithm.critic_lr=1e-3"],
     # a KL loss to the reference model (k3) and a KL penalty on the reward (k1), and an entropy bonus
     "kl-reference-entropy": ["algorithm.kl_loss_fn=k3", "algorithm.kl_loss_coef=0.1", "algorithm.kl_penalty_fn=k1",
                              "algorithm.kl_penalty_coef=0.1", "algorithm.entropy_coef=0.01"],
-    "lora": ["model.lora.rank=4", "model.lora.alpha=8", "algorithm.optimizer.lr=1e-2"],
     # several optimizer steps a step (mini-batches, two epochs), gradient accumulation over
     # micro-batches, micro-batches by token count
     "epochs-minibatches-accumulation": ["trainer.ppo_epochs=2", "trainer.mini_batch_size=8",
                                         "trainer.micro_batch_size_per_gpu=4", "trainer.use_dynamic_bsz=true",
                                         "trainer.max_token_len_per_gpu=64"],
-    "no-packing": ["trainer.use_remove_padding=false"],
     "warmup-cosine": ["algorithm.optimizer.warmup_steps=3", "algorithm.optimizer.warmup_style=cosine",
                       "algorithm.optimizer.min_lr_ratio=0.1"],
     # DAPO: dynamic sampling draws more task batches to fill a step, overlong shaping
@@ -49,15 +45,20 @@ CASES = {
     "mix-auxiliary-sft": MIX_DATA,
     # a reward part normalised by running statistics (kept by the driver, in state.json)
     "reward-normalisation": ["buffer.explorer_input.taskset.reward_fn=[{fn:exact_match,weight:1.0,normalize:true}]"],
+    # LoRA resumed from a checkpoint without hf/ (the adapter alone; with hf/: tests/test_lora.py,
+    # tests/test_lora_sync.py)
     "lora-hf-last": ["model.lora.rank=4", "model.lora.alpha=8", "algorithm.optimizer.lr=1e-2",
                      "trainer.save_hf_checkpoint=last"],
+    # PPO: the critic (its weights and optimizer in trainer_state.pt) and GAE; killed at step 2 in
+    # its warm-up (the critic alone trains until step 3), step 4 trains the actor too
     "ppo-critic-warmup": ["algorithm=ppo", "algorithm.critic_lr=1e-3", "algorithm.critic_warmup=3"],
     "sft-dataset": ["algorithm=sft", "algorithm.optimizer.lr=1e-3"],
-    "ray-actors": ["cluster=local"],
     "two-engines": ["explorer.rollout_model.engine_num=2"],
     "async-checkpoint-sync": ["synchronizer.sync_offset=1", "sync=checkpoint"],
     # partial rollouts: tests/test_dynamic.py kills and resumes them bit for bit in the test mode (fixed
     # interrupts; free-running, which version writes which token depends on timing)
+    # Ray actors (cluster=local): the trainer's two ranks and the explorer each restore in their own
+    # process (an explorer actor killed and restarted mid-run: tests/test_runtime.py)
     "fsdp2-two-ranks": ["trainer=fsdp2", "trainer.ranks=2", "cluster=local", "cluster.num_cpus=3"],
     # replay that never reads a used experience again (the newest version always ranks first)
     "replay-buffer": ["buffer.trainer_input.experience_buffer.replay_buffer.enable=true",
@@ -69,7 +70,9 @@ CASES = {
 AT_WORK = {
     "dapo-dynamic-sampling": lambda rows, state: max(m.get("rollout/sampling_tries", 0) for m in rows) > 1,
     "online-curriculum": lambda rows, state: len(state["curriculum"]["outcomes"]) > 0,
-    "ppo-critic": lambda rows, state: "critic/value_loss" in rows[-1],
+    # the critic trained at every step, the policy at step 4 alone (versions 0-2 warm the critic up)
+    "ppo-critic-warmup": lambda rows, state: (all("critic/value_loss" in m for m in rows if m["step"] > 0)
+                                              and [m["step"] for m in rows if "loss/policy" in m] == [4]),
     "reward-normalisation": lambda rows, state: state["reward_norm"]["exact_match"][0] == 4 * 16,
     "mix-auxiliary-sft": lambda rows, state: "loss/sft" in rows[-1],
     "kl-reference-entropy": lambda rows, state: rows[-1]["reward/kl_penalty"] != 0,
