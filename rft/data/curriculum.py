@@ -38,9 +38,13 @@ def rollout_outcomes(exps: list, threshold: float) -> list[tuple[str, int]]:
 
 
 class OnlineCurriculum:
-    def __init__(self, n_tasks: int, taskset_name: str, window: int, eps: float, threshold: float, seed: int):
+    def __init__(self, n_tasks: int, taskset_name: str, window: int, eps: float, threshold: float, seed: int,
+                 extra_tries: int = 0):
         self.n, self.name, self.window, self.eps = n_tasks, taskset_name, window, eps
         self.threshold, self.seed = threshold, seed
+        # DAPO dynamic sampling's extra tries (algorithm.dynamic_sampling_max_tries - 1): each step's
+        # draw holds their tasks too, drawn by the same weights (`draw`)
+        self.extra_tries = extra_tries
         # task row -> its last `window` outcomes (1: passed), oldest first
         self.outcomes: dict[int, list[int]] = {}
 
@@ -76,12 +80,21 @@ class OnlineCurriculum:
 
     def draw(self, step: int, k: int) -> list[int]:
         """Step `step`'s k task rows: drawn without replacement, each with probability in
-        proportion to its weight, by a generator seeded by (seed, step)."""
+        proportion to its weight, by a generator seeded by (seed, step). With `extra_tries`, then
+        up to extra_tries * k more, the tasks dynamic sampling's tries take k at a time (in this
+        order: rft.rollout.explorer.Explorer.extra_tries): drawn alike from the tasks not drawn
+        yet, by a generator of their own, so that the step's k are those a run without them draws."""
         import numpy as np
 
         w = np.asarray(self.weights(), dtype=np.float64)
         rng = np.random.default_rng(step_seed(self.seed, step, salt=17))
-        return [int(i) for i in rng.choice(self.n, size=min(k, self.n), replace=False, p=w / w.sum())]
+        rows = [int(i) for i in rng.choice(self.n, size=min(k, self.n), replace=False, p=w / w.sum())]
+        more = min(self.extra_tries * k, self.n - len(rows))
+        if more > 0:
+            w[rows] = 0.0  # a task once a step: every weight is > 0 (eps), so the rest can fill `more`
+            rng = np.random.default_rng(step_seed(self.seed, step, salt=18))
+            rows += [int(i) for i in rng.choice(self.n, size=more, replace=False, p=w / w.sum())]
+        return rows
 
     def metrics(self) -> dict:
         """The share of the tasks seen so far that were always solved, never solved, and seen."""
@@ -104,4 +117,5 @@ def make_curriculum(cfg, n_tasks: int) -> OnlineCurriculum | None:
     if dp is None or not dp.online_curriculum.enable or cfg.mode not in ("both", "explore"):
         return None
     ts, cur = cfg.buffer.explorer_input.taskset, dp.online_curriculum
-    return OnlineCurriculum(n_tasks, ts.name, cur.window, cur.eps, ts.pass_threshold, cfg.seed)
+    extra = max(cfg.algorithm.dynamic_sampling_max_tries - 1, 0)  # 0 and 1: dynamic sampling off
+    return OnlineCurriculum(n_tasks, ts.name, cur.window, cur.eps, ts.pass_threshold, cfg.seed, extra)

@@ -272,6 +272,20 @@ def task_rows_of(n: int, per_step: int, step: int, seed: int, in_order: bool) ->
     return epoch_batch(n, per_step, step, lambda epoch: step_seed(seed, epoch, salt=1))
 
 
+def extra_rows_of(n: int, drawn: list[int], step: int, seed: int, in_order: bool, count: int) -> list[int]:
+    """DAPO dynamic sampling's extra task rows of step `step`, in the order its tries take them:
+    at most `count`, none of the step's `drawn` rows (all explorers'), none twice, so a step trains
+    no task twice. `in_order` (the task pipeline's curriculum_order): the rows that follow the
+    step's in that order, from its start again after its end, so that the extras keep to the
+    order's place (easy to hard); else uniformly at random, seeded by (seed, step)."""
+    taken = set(drawn)
+    if in_order:
+        after = drawn[-1] + 1
+        return [r for r in ((after + j) % n for j in range(n)) if r not in taken][:count]
+    rest = [r for r in range(n) if r not in taken]
+    return random.Random(step_seed(seed, step, salt=99)).sample(rest, min(count, len(rest)))
+
+
 def pass_rates(explorer: "Explorer", n: int) -> list[float]:
     """Each task's share of n rollouts (the training workflow, sampling and reward) whose reward is
     >= the taskset's pass_threshold, per rollout; a failed task counts 0 (the task pipeline's
@@ -363,6 +377,20 @@ class Explorer(WeightsMixin):
         rows = task_rows_of(len(self.taskset), self.cfg.buffer.batch_size, step, self.cfg.seed, keeps_order(self.cfg))
         return rows[self.shard :: self.num_shards]
 
+    def extra_tries(self, step: int, rows: list[int] | None = None) -> list[list[int]]:
+        """This explorer's task rows for each of dynamic sampling's extra tries of step `step`: the
+        step's extras (with the online curriculum, `rows` past batch_size, drawn by its weights;
+        else `extra_rows_of`) batch_size a try, of which it takes its share as of the step's own
+        tasks. Every explorer computes the same extras, so two never run the same task."""
+        bs, tries = self.cfg.buffer.batch_size, self.cfg.algorithm.dynamic_sampling_max_tries
+        if tries <= 1:
+            return []
+        if rows is None:
+            drawn = task_rows_of(len(self.taskset), bs, step, self.cfg.seed, keeps_order(self.cfg))
+            rows = drawn + extra_rows_of(len(self.taskset), drawn, step, self.cfg.seed, keeps_order(self.cfg),
+                                         (tries - 1) * bs)
+        return [rows[i : i + bs][self.shard :: self.num_shards] for i in range(bs, len(rows), bs)]
+
     def tasks_for_step(self, step: int):
         return [self.taskset[i] for i in self.task_rows(step)]
 
@@ -451,7 +479,8 @@ class Explorer(WeightsMixin):
         return groups
 
     def explore(self, step: int, rows: list[int] | None = None):
-        """This explorer's experiences of step `step` (tasks `rows`: the online curriculum's draw) and counters."""
+        """This explorer's experiences of step `step` and counters (tasks `rows`: the online curriculum's
+        draw, its first batch_size the step's tasks, the rest dynamic sampling's extras)."""
         t0, busy0 = time.perf_counter(), self.engine.busy_s
         ts = self.cfg.buffer.explorer_input.taskset
         n = ts.repeat_times or self.cfg.algorithm.repeat_times
@@ -460,20 +489,21 @@ class Explorer(WeightsMixin):
         salt = 1000 * self.shard
         if self.partial is not None:
             return self._explore_partial(step, n, salt, counters, t0, busy0)
-        tasks = self.tasks_for_step(step) if rows is None else [self.taskset[i] for i in rows[self.shard :: self.num_shards]]
+        own = self.task_rows(step) if rows is None else rows[: self.cfg.buffer.batch_size][self.shard :: self.num_shards]
+        tasks = [self.taskset[i] for i in own]
         lost: list = []  # the outcomes of rollouts the step's experiences will not hold
         groups = self._rollouts(tasks, n, step, salt, counters, lost)
         tries = 1
-        max_tries = self.cfg.algorithm.dynamic_sampling_max_tries
-        if max_tries > 1:
+        if self.cfg.algorithm.dynamic_sampling_max_tries > 1:
             # DAPO dynamic sampling: groups whose rewards are all equal carry no signal; draw more
-            # tasks until the batch is full of groups that do, or the tries run out (then the
-            # batch is topped up with flat groups, so its size never changes)
+            # tasks until the batch is full of groups that do, or the tries (or the taskset) run
+            # out (then the batch is topped up with flat groups, so its size never changes)
             keep = [g for g in groups if not _flat(g)]
             flat = [g for g in groups if _flat(g)]
-            while len(keep) < len(tasks) and tries < max_tries:
-                rng = random.Random(step_seed(self.cfg.seed, step, salt=100 + tries + salt))
-                more = self._rollouts(rng.sample(self.taskset, len(tasks)), n, step, 100 + tries + salt, counters, lost)
+            for extra in self.extra_tries(step, rows):
+                if len(keep) >= len(tasks) or not extra:
+                    break
+                more = self._rollouts([self.taskset[i] for i in extra], n, step, 100 + tries + salt, counters, lost)
                 keep += [g for g in more if not _flat(g)]
                 flat += [g for g in more if _flat(g)]
                 tries += 1
