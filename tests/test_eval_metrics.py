@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 from conftest import compose_cfg
 
+from rft.data.experience import Experience
 from rft.errors import ConfigError
 from rft.rewards.eval_metrics import eval_metrics, majority, pass_at_k
 from rft.rewards.verifiers import answer_of, same_answer
@@ -58,7 +59,7 @@ def test_maj_at_n_votes_answers_the_verifier_calls_equal_together():
     cd = same_answer([{"fn": "countdown", "weight": 1.0, "args": {"integer_steps": True}}])
     assert majority(["1+9", "3+7", "7+3"]) == 0 and majority(["1+9", "3+7", "7+3"], cd) == 1
     # exact_match and last_number compare their answers as strings, as their verifiers do
-    assert not same_answer("exact_match")("2", "4/2") and not same_answer("last_number")("2.0", "4/2")
+    assert not same_answer("exact_match")("2", "4/2") and not same_answer("last_number")("2", "4/2")
 
 
 def test_maj_at_n_asks_the_verifier_only_where_the_vote_can_change_the_value():
@@ -124,13 +125,72 @@ def test_metrics_of_two_tasks_with_standard_errors_and_groups():
 
 
 def test_answers_are_what_each_verifier_reads():
-    assert answer_of("last_number", "so it is 42") == answer_of("last_number", "42.0") == "42.0"
+    assert answer_of("last_number", "so it is 42") == answer_of("last_number", "42.0") == "42"
     assert answer_of("last_number", "no number") is None
     assert answer_of("math", r"thus \boxed{\frac{1}{2}} done") == r"\frac{1}{2}"
     assert answer_of("exact_match", "  357 ") == "357"
     assert answer_of("countdown", "x <answer>1+2</answer>") == "1+2"
-    assert answer_of([{"fn": "last_number", "weight": 1.0}], "= 7") == "7.0"
+    assert answer_of([{"fn": "last_number", "weight": 1.0}], "= 7") == "7"
     assert answer_of("my_study.reward", " free text ") == "free text"
+
+
+def last_number_maj(reference: str, responses: list[str]) -> float:
+    """maj@n of one task of the last_number reward, as an eval set computes it (its rewards, its answers)."""
+    from rft.rewards.verifiers import last_number
+
+    task = SimpleNamespace(answer=reference, row={}, task_id="t/0")
+    rewards = [last_number("", r, task) for r in responses]
+    answers = [answer_of("last_number", r) for r in responses]
+    return eval_metrics([(rewards, answers, None)], [1], 1.0, "e", same_answer("last_number"))[f"e/maj@{len(responses)}"]
+
+
+def test_last_number_votes_numbers_the_reward_calls_equal_together_and_no_others():
+    """The reward compares exact decimals; the vote compared floats (repr), which merged and split
+    answers the reward does not. Each case: maj@n 1.0 (it was 0.0).
+    - 10000000000000000 (wrong), 10000000000000001 (right) twice, 7 twice: as floats one answer of
+      3 votes whose first sample is wrong; exactly, the right one (2) ties 7 (2) and came first.
+    - 0, -0 (both right for 0: Decimal("-0") == 0), 5, 5: as floats 0.0 1, -0.0 1, 5.0 2: 5 wins.
+    - 400 2s (wrong), 400 1s (right) twice, 7 twice: both inf as floats, one answer led by the wrong.
+    """
+    assert last_number_maj("10000000000000001", ["10000000000000000", "10000000000000001", "10000000000000001", "7", "7"]) == 1.0
+    assert last_number_maj("0", ["0", "-0", "5", "5"]) == 1.0
+    assert last_number_maj("1" * 400, ["2" * 400, "1" * 400, "1" * 400, "7", "7"]) == 1.0
+    # one spelling per value: leading zeros, trailing zeros, a sign on zero; thousands commas, as the reward
+    assert [answer_of("last_number", r) for r in ["007.50", "-0.0", "-000", "1,000", "-12.340", "0.05"]] == \
+        ["7.5", "0", "0", "1000", "-12.34", "0.05"]
+    # 5000 digits (over int()'s 4300-digit limit): read as text, no ValueError, no inf
+    assert answer_of("last_number", "9" * 5000) == "9" * 5000
+    assert last_number_maj("9" * 5000, ["9" * 4999 + "8", "9" * 5000, "9" * 5000]) == 1.0
+
+
+def test_reasoning_gym_votes_answers_its_scorer_calls_equal_together():
+    """chain_sum's scorer takes "1,000", "+01000.00" and "1000" for one number (Decimal, commas
+    dropped); spell_backward's is blind to case. Task 0 of each (seed 1) with its answer A: samples
+    A spelled two ways (both right), then a wrong answer twice. As strings: 1, 1, 2: the wrong one
+    wins, maj@4 0. As the scorer judges: A 2 votes, first sampled, right: maj@4 1. A wrong answer
+    never joins a right one, also where the scorer gives partial credit (spell_backward's 0.8)."""
+    from test_reasoning_gym import entry_task
+
+    from rft.rewards.eval_metrics import paper_metrics
+    from rft.rewards.reasoning_gym import reasoning_gym as reward
+
+    def maj(task, responses):
+        ts = SimpleNamespace(name="g", repeat_times=len(responses), pass_k=[1], group_by=None, pass_threshold=1.0,
+                             workflow="single_turn")
+        group = [Experience([0, 1], 1, [], reward=reward("", r, task), task_id=task.task_id, group_id="g",
+                            info={"response": r}) for r in responses]
+        assert [e.reward for e in group][:2] == [1.0, 1.0]  # the reward: both spellings right
+        return paper_metrics(ts, [task], [group], "reasoning_gym", "eval/g")["eval/g/maj@4"]
+
+    chain = entry_task("chain_sum")
+    a = int(chain.answer)
+    assert maj(chain, [f"<answer>{a}.00</answer>", str(a), str(a + 1), str(a + 1)]) == 1.0
+    spell = entry_task("spell_backward")
+    word = spell.answer
+    assert maj(spell, [word.upper(), word, word[:-1], word[:-1]]) == 1.0
+    same = same_answer("reasoning_gym", spell)
+    assert same(word.upper(), word) and not same(word, word[:-1] + "#") and not same(word, word + "x")
+    assert not same_answer("reasoning_gym")(word.upper(), word)  # no task: equal strings only
 
 
 def test_pass_k_above_the_samples_per_task_is_a_config_error():

@@ -12,7 +12,9 @@ Per eval set, over its tasks (a task's samples are its group):
              the set's verifier reads from a response (`rft.rewards.verifiers.ANSWERS`; the
              stripped response for a reward without one), and two answers its verifier judges
              equal are one (`rft.rewards.verifiers.same_answer`: for `math`, `1/2`, `0.5` and
-             `\\frac{1}{2}` vote together; for `countdown`, `3+7` and `7+3`; else equal strings);
+             `\\frac{1}{2}` vote together; for `countdown`, `3+7` and `7+3`; for `reasoning_gym`,
+             what the task's dataset's scorer takes for one, `1,000` and `1000` for chain_sum; for
+             `last_number`, its numbers as exact decimals, `7.50` and `7.5`; else equal strings);
              the vote's answer is its first sample's, and a tie goes to the answer sampled
              first; samples without an answer do not vote
 
@@ -88,9 +90,11 @@ def summarize(per_task: list[dict[str, float]], prefix: str) -> dict[str, float]
 def eval_metrics(samples: list[tuple[list[float], list, str | None]], ks: list[int], threshold: float,
                  prefix: str, same=None) -> dict[str, float]:
     """`samples`: per task, (its samples' rewards, their answers, its group as "<column>=<value>" or
-    None); `same`: whether two answers are one vote (None: equal strings). A failed task counts as n
-    samples of reward 0 without answers (as the accuracy counts it)."""
-    per_task = [task_values(r, a, ks, threshold, same) for r, a, _ in samples]
+    None); `same`: whether two answers are one vote (None: equal strings), or a list of one such per
+    task (a verifier that judges against the task's row). A failed task counts as n samples of reward
+    0 without answers (as the accuracy counts it)."""
+    judges = same if isinstance(same, list) else [same] * len(samples)
+    per_task = [task_values(r, a, ks, threshold, j) for (r, a, _), j in zip(samples, judges)]
     out = summarize(per_task, prefix)
     for value in sorted({g for _, _, g in samples if g is not None}, key=str):
         mine = [v for v, (_, _, g) in zip(per_task, samples) if g == value]
@@ -141,4 +145,4 @@ def paper_metrics(ts, tasks: list, groups: list, reward_spec, prefix: str) -> di
                 f"and the set asks for {n} (its repeat_times): a workflow returns at most n rollouts per task (an "
                 f"openai_agent run of several calls is one, by its info['rollout']).")
         samples.append(([r for r, _ in runs], [None if t is None else answer_of(reward_spec, t) for _, t in runs], label))
-    return eval_metrics(samples, list(ts.pass_k), ts.pass_threshold, prefix, same_answer(reward_spec))
+    return eval_metrics(samples, list(ts.pass_k), ts.pass_threshold, prefix, [same_answer(reward_spec, t) for t in tasks])

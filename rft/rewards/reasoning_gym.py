@@ -117,6 +117,30 @@ def reasoning_gym(prompt: str, response: str, task, timeout_seconds: float = 10.
     return float(out["score"])
 
 
+def same_answer(a: str, b: str, task=None, timeout_seconds: float = 10.0) -> bool:
+    """maj@n's judgement (rft.rewards.verifiers.SAME_ANSWER): whether the row's dataset's scorer takes
+    answers a and b for one, each scoring 1.0 with the other in the entry's answer ("1,000" and
+    "+01000.00" for chain_sum, "Olleh" and "olleh" for spell_backward; as strings they split the vote).
+    Both ways, so that a scorer that judges by the question's metadata, not the answer (countdown:
+    any expression that makes the target), joins two right answers but never a wrong one with a
+    right one. No task, a row without the scorer's columns, a timeout or an error: not one."""
+    row = (task.row if task is not None else None) or {}
+    if any(k not in row for k in ("dataset", "entry", "dataset_config")):
+        return False
+    library()
+    name, config, entry = str(row["dataset"]), str(row["dataset_config"]), json.loads(str(row["entry"]))
+
+    def full(answer: str, reference: str) -> bool:
+        try:
+            out = _WORKERS.call([name, config, json.dumps({**entry, "answer": reference}, default=str), answer],
+                                timeout_seconds, setup=name + config)
+        except (TimeoutError, NoWorker):
+            return False
+        return out.get("score") == 1.0
+
+    return full(b, a) and full(a, b)
+
+
 def _score(name: str, config: str, entry: str, answer: str) -> dict:
     """In the child: {"score": x}; a refused answer scores 0; any other error is the caller's."""
     try:

@@ -389,8 +389,21 @@ def format_match(prompt: str, response: str, task, pattern: str = r"<answer>.*</
 
 
 def _last_number_answer(response: str) -> str | None:
+    """The response's last number (as last_number reads it) in one spelling per value."""
     got = _NUMBER.findall(response.replace(",", ""))
-    return repr(float(got[-1])) if got else None  # "42" and "42.0" vote together, as the reward compares
+    return _exact_number(got[-1]) if got else None
+
+
+def _exact_number(number: str) -> str:
+    """A _NUMBER match written one way per value, exactly as the reward's Decimal compares them: no
+    leading zeros, no trailing zeros after the point, no sign on a zero ("007.50" -> "7.5", "-0.0" -> "0").
+    As a float (repr) the votes split and merged where the reward does not: -0.0 apart from 0.0 (both
+    right for 0), 10000000000000000 with 10000000000000001 (one wrong, one right), and any two
+    numbers of over 309 digits as inf; by text, a digit string of any length costs its length."""
+    sign, number = ("-", number[1:]) if number.startswith("-") else ("", number)
+    whole, _, frac = number.partition(".")
+    value = (whole.lstrip("0") or "0") + ("." + frac.rstrip("0") if frac.rstrip("0") else "")
+    return value if value == "0" else sign + value
 
 
 def _math_answer(response: str) -> str | None:
@@ -415,14 +428,14 @@ def _reasoning_gym_answer(response: str) -> str | None:
     return (response if tagged is None else tagged).strip() or None
 
 
-def _same_math(a: str, b: str, timeout_seconds: float = 10.0) -> bool:
+def _same_math(a: str, b: str, task=None, timeout_seconds: float = 10.0) -> bool:
     """The math reward's judgement: `b` (as a response's last box) equals `a` (as the reference):
     `1/2`, `0.5` and `\\frac{1}{2}` are one answer. A comparison that runs out of time is "not the
     same" (and not counted as a reward's timeout)."""
     return _math_call(a, "\\boxed{" + b + "}", timeout_seconds)[0] == 1.0
 
 
-def _same_countdown(a: str, b: str, integer_steps: bool = False) -> bool:
+def _same_countdown(a: str, b: str, task=None, integer_steps: bool = False) -> bool:
     """The countdown reward scores two expressions alike on every task when they use the same
     numbers and have the same value: `3+7` and `7+3` are one answer."""
     def key(expression: str):
@@ -438,8 +451,11 @@ def _same_countdown(a: str, b: str, integer_steps: bool = False) -> bool:
 
 # reward name -> whether two answers it reads (ANSWERS) are one, as its verifier judges them: maj@n's
 # votes go together (rft/rewards/eval_metrics.py); a reward not named here compares the answers as
-# strings (exact_match's verifier does; last_number's answer is its number already normalised)
-SAME_ANSWER = {"math": _same_math, "countdown": _same_countdown}
+# strings (exact_match's verifier does; last_number's answer is its number already written one way).
+# Each judge takes the task too (`task=`): reasoning-gym's scorers judge an answer against the row's entry
+SAME_ANSWER = Registry("same_answer", {"math": "rft.rewards.verifiers._same_math",
+                                      "countdown": "rft.rewards.verifiers._same_countdown",
+                                      "reasoning_gym": "rft.rewards.reasoning_gym.same_answer"})
 
 
 def _first_part(spec) -> tuple[str | None, dict]:
@@ -457,15 +473,15 @@ def answer_of(spec, response: str) -> str | None:
     return ANSWERS.get(_first_part(spec)[0], lambda r: r.strip())(response) or None
 
 
-def same_answer(spec):
-    """`same(a, b)`: whether answers a and b (answer_of's, not None) are one vote of maj@n, as the
-    reward `spec`'s verifier (a name, or parts: the first part's, with its args) judges them equal;
-    equal strings always are."""
+def same_answer(spec, task=None):
+    """`same(a, b)`: whether answers a and b (answer_of's, not None) of `task` are one vote of maj@n,
+    as the reward `spec`'s verifier (a name, or parts: the first part's, with its args) judges them
+    equal; equal strings always are."""
     name, args = _first_part(spec)
     judge = SAME_ANSWER.get(name)
     if judge is None:
         return lambda a, b: a == b
-    return lambda a, b: a == b or judge(a, b, **args)
+    return lambda a, b: a == b or judge(a, b, task=task, **args)
 
 
 # the rewards above that compare a response with the task's reference answer (task.answer, the
