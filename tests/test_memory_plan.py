@@ -310,6 +310,46 @@ def test_a_slurm_sweep_asks_for_the_gpus_it_plans_for_and_fits_them(no_gpu):
             "have). No job has started: every job is planned first.")
 
 
+def test_a_slurm_sweep_warns_once_when_a_save_would_not_fit_in_the_early_warning(no_gpu, capsys):
+    """Slurm warns signal_delay_s before a job's time limit; the step in progress and its save must
+    end 30 s before the stop. qwen7b (7,615,487,488 parameters, fp32 masters): hf/ 4 bytes each =
+    30.5 GB, Adam's two moments 60.9 GB: 91.4 GB at an assumed 1 GB/s + 30 s = ~121 s, more than half
+    of the default 120 s; twice that, rounded up to minutes: 300 s."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from omegaconf import read_write
+
+    from rft.runtime.callbacks import plan_jobs
+
+    def warned(*overrides):
+        cfg = compose("config", overrides=["hydra/launcher=slurm", "hydra.launcher.gpus_per_node=8", "stages=[]",
+                                           "model=qwen7b", *overrides], return_hydra_config=True)
+        with read_write(cfg.hydra.overrides.task):  # as `-m ... seed=1,2`
+            cfg.hydra.overrides.task.append("seed=1,2")
+        assert plan_jobs(cfg, "config") is None  # a warning: the sweep goes on
+        return [line for line in capsys.readouterr().err.splitlines() if line.startswith("rft: warning")]
+
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        said = warned()
+        assert said == ["rft: warning: job 0 of the sweep (seed=1): stage grpo: its checkpoint is ~91.4 GB, whose save "
+                        "takes ~91 s at ~1 GB/s (an assumed rate); with the 30 s rft keeps for the requeue that is more "
+                        "than half of hydra.launcher.signal_delay_s=120, the warning Slurm sends before a job's time "
+                        "limit (the step in progress needs the rest). A save cut at Slurm's stop costs the requeued job "
+                        "the steps since its newest whole checkpoint (up to trainer.save_interval=100). Set "
+                        "hydra.launcher.signal_delay_s=300 or more (README: Sweeps, Slurm and multi-node Ray)."]
+        assert warned("hydra.launcher.signal_delay_s=300") == []  # 121 s <= 300 / 2
+        # LoRA saving hf/ at the last step only: a save at the warning holds the adapters and their
+        # moments alone: rank 8 on q,k,v,o,gate,up,down of 28 layers (hidden 3584, kv 512, mlp 18944):
+        # 8 x (2 x 7168 + 2 x 4096 + 3 x 22528) x 28 = 20,185,088 parameters x 3 (weights, 2 moments)
+        # x 4 bytes = 0.24 GB; saving hf/ at every save too: 30.46 + 0.24 = 30.7 GB, 31 + 30 s > 60
+        lora = ("model.lora.rank=8", "model.lora.alpha=16")
+        assert warned(*lora, "trainer.save_hf_checkpoint=last") == []
+        said = warned(*lora)
+        assert len(said) == 1 and "its checkpoint is ~30.7 GB, whose save takes ~31 s" in said[0], said
+        assert warned("model=qwen2.5-0.5b", "cluster.gpu_per_node=8") == []  # ~6 GB: 36 s <= 60
+
+
 def test_the_device_query_reads_nvidia_smi(monkeypatch):
     def smi(cmd, **kw):
         assert cmd[0] == "nvidia-smi"

@@ -15,6 +15,7 @@ the stage's directory.
 
 from __future__ import annotations
 
+import math
 import shutil
 from pathlib import Path
 
@@ -70,6 +71,36 @@ def describe_disk(cfg, plan, stage_dir: Path) -> tuple[str, str | None]:
     return text, (f"the stage's kept checkpoints (~{_gb(total)}) would not fit in the {_gb(free)} free under "
                   f"{_existing(stage_dir)}; keep fewer (trainer.max_ckpt_to_keep), save less often "
                   f"(trainer.save_interval), or write elsewhere (checkpoint_root_dir)")
+
+
+# the rate the Slurm check assumes a checkpoint is written at (a login node cannot measure the
+# compute nodes' filesystem; ~1 GB/s is a shared filesystem's usual order)
+SAVE_BYTES_PER_S = 1e9
+
+
+def slow_save(cfg, plan, signal_delay_s, margin_s: float) -> str | None:
+    """The warning for a stage on Slurm whose save at a preemption or time-limit signal, and the
+    `margin_s` the requeue keeps (rft.runtime.preemption), would take more than half of
+    hydra.launcher.signal_delay_s (the rest is for the step in progress), or None. Such a save is
+    cut at Slurm's stop and the requeued job resumes from an older checkpoint: up to
+    trainer.save_interval steps trained again, which at a large model's size is hours."""
+    parts = checkpoint_parts(cfg, plan)
+    if parts is None or cfg.mode == "explore" or signal_delay_s is None:
+        return None
+    hf, state = parts
+    # a save before the last step holds hf/ only with save_hf_checkpoint=always (rft/runtime/saving.py)
+    nbytes = state + (hf if str(cfg.trainer.save_hf_checkpoint) == "always" else 0)
+    need_s = nbytes / SAVE_BYTES_PER_S + margin_s
+    if need_s <= float(signal_delay_s) / 2:
+        return None
+    enough = 60 * math.ceil(2 * need_s / 60)
+    title = cfg.stage_name or cfg.algorithm.algorithm_type
+    return (f"stage {title}: its checkpoint is ~{_gb(nbytes)}, whose save takes ~{need_s - margin_s:.0f} s "
+            f"at ~1 GB/s (an assumed rate); with the {margin_s:.0f} s rft keeps for the requeue that is more "
+            f"than half of hydra.launcher.signal_delay_s={signal_delay_s}, the warning Slurm sends before a job's time "
+            f"limit (the step in progress needs the rest). A save cut at Slurm's stop costs the requeued job the steps "
+            f"since its newest whole checkpoint (up to trainer.save_interval={cfg.trainer.save_interval}). Set "
+            f"hydra.launcher.signal_delay_s={enough} or more (README: Sweeps, Slurm and multi-node Ray).")
 
 
 def _existing(path: Path) -> Path:

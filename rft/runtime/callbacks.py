@@ -124,11 +124,15 @@ def plan_jobs(config, config_name: str | None) -> str | None:
         return _shared_dir(config, *shared, own)
     try:
         sizes = job_sizes_in_child([(stages, sources) for _, stages, sources in planned])
+        warnings = {}  # a warning once, however many jobs it holds for
         for (i, stages, sources), n in zip(planned, sizes):
-            _check_launch(config.hydra.launcher, stages, per_stage(checked_plan, stages, n, sources))
+            for w in _check_launch(config.hydra.launcher, stages, per_stage(checked_plan, stages, n, sources)):
+                warnings.setdefault(w, i)
     except ConfigError as e:
         i = planned[e.job][0] if hasattr(e, "job") else i
         return _job_error(i, own[i], e)
+    for w, i in warnings.items():
+        print(f"rft: warning: job {i} of the sweep ({' '.join(own[i]) or 'no overrides'}): {w}", file=sys.stderr, flush=True)
     return None
 
 
@@ -155,14 +159,17 @@ def _shared_dir(config, subdir: str, jobs: list[int], own: list[list[str]]) -> s
             f"has started: every job is planned first.")
 
 
-def _check_launch(launcher, stages: list, plans: list) -> None:
+def _check_launch(launcher, stages: list, plans: list) -> list[str]:
     """A sweep on Slurm (hydra/launcher=slurm): each job asks Slurm for the GPUs it plans for, and
     what surely cannot fit them stops the sweep before anything is queued (rft.plan.memory; this
-    machine, a login node, plans with cluster.gpu_memory_gb or an assumed 80 GiB GPU)."""
+    machine, a login node, plans with cluster.gpu_memory_gb or an assumed 80 GiB GPU). Returns the
+    warnings: a stage whose save at Slurm's early warning would not fit in it (rft.plan.disk)."""
+    from rft.plan.disk import slow_save
     from rft.plan.memory import check_memory
+    from rft.runtime.preemption import REQUEUE_MARGIN_S
 
     if "slurm" not in str(launcher.get("_target_", "")).lower():
-        return
+        return []
     c, asked = stages[-1].cluster, launcher.get("gpus_per_node")
     if (asked or 0) != c.gpu_per_node:
         raise ConfigError(f"cluster.gpu_per_node={c.gpu_per_node}, but hydra.launcher.gpus_per_node="
@@ -170,6 +177,8 @@ def _check_launch(launcher, stages: list, plans: list) -> None:
                           f"hydra.launcher.gpus_per_node={c.gpu_per_node} (or cluster.gpu_per_node to what the "
                           f"nodes have).")
     check_memory(stages, plans)
+    delay = launcher.get("signal_delay_s")
+    return [w for w in (slow_save(s, p, delay, REQUEUE_MARGIN_S) for s, p in zip(stages, plans)) if w]
 
 
 def _job_error(i: int, overrides: list[str], error: Exception) -> str:
