@@ -156,7 +156,9 @@ class _JobRun:
             if now - t0 > timeout:
                 del self.running[i]
                 self.counters["timeouts"] += 1
-                log.warning("job %d attempt %d timed out after %.1f s", i, self.tries[i], timeout)
+                # a hanging reward shows here alone (it raised nothing): name the key that bounds it
+                log.warning("job %d attempt %d timed out after %.1f s (explorer.max_timeout: its generation and "
+                            "reward together)", i, self.tries[i], timeout)
                 self.failed(i)
 
 
