@@ -471,7 +471,7 @@ def test_a_column_a_stage_names_is_named_by_the_key_that_sets_it(tmp_path):
         f"stages.0.{where}.format.response_key to the column that holds it.")
     # row 1 has no prompt: the key to change is the taskset's, which the stage reads
     assert error(f"stages.0.{where}.format.response_key=a") == (
-        f"{where}: row 1 (line 2 of its JSONL file) of '{data.parent}' has no 'q' (format.prompt_key); its keys "
+        f"{where}: row 1 (line 2 of train.jsonl) of '{data.parent}' has no 'q' (format.prompt_key); its keys "
         f"are ['a']. Fix the row (or leave it out), or set {ts}.prompt_key to the column that holds it.")
 
 

@@ -372,7 +372,7 @@ def test_a_dataset_of_conversations_reads_as_masked_experiences(tools_model, tmp
     buf = OmegaConf.create(dict(name="conv", path=str(tmp_path), split="train", format=dict(
         prompt_type="messages", messages_key="messages", prompt_key="q", response_key=None, chosen_key=None,
         rejected_key=None, system_prompt=None, enable_concatenated_multi_turn=True)))
-    with pytest.raises(ConfigError, match=r"row 1 \(line 2 of its JSONL file\).*'messages' must be a list of messages"):
+    with pytest.raises(ConfigError, match=r"row 1 \(line 2 of train.jsonl\).*'messages' must be a list of messages"):
         DatasetReader(buf, tok, 24, 96, seed=0, where="buf")
     (tmp_path / "train.jsonl").write_text(json.dumps({"messages": messages}) + "\n")
     [[e]] = DatasetReader(buf, tok, 24, 96, seed=0, where="buf").items

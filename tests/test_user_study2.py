@@ -12,6 +12,116 @@ import shutil
 
 import pytest
 
+from conftest import ROOT, load_script, run_cli
+
+STUDY = ["hydra.searchpath=[file://experiments/digit_max/conf]", "experiment=digit_max"]
+DATA = ROOT / "experiments" / "digit_max" / "data"
+
+
+@pytest.fixture(scope="module")
+def base_model(cache_dir):
+    """prepare.py's base model (the tiny model without its chat template) in the session's cache,
+    where the study's model file (${cache_dir}/models/digit-max-base) finds it."""
+    return load_script("experiments/digit_max/prepare.py", "digit_max_prepare").write_base_model(cache_dir)
+
+
+def _error(result) -> str:
+    """The one paragraph a run that stopped on its config prints (nothing else on stderr but it)."""
+    assert result.returncode == 2, result.stderr[-2000:]
+    return result.stderr.strip().removeprefix("rft: configuration error: ")
+
+
+def _with_row(tmp_path, split: str, line: int, row: str):
+    """A copy of the study's data with `row` as line `line` of the split's file."""
+    d = tmp_path / "data"
+    shutil.copytree(DATA, d)
+    lines = (d / f"{split}.jsonl").read_text().splitlines()
+    lines.insert(line - 1, row)
+    (d / f"{split}.jsonl").write_text("\n".join(lines) + "\n")
+    return d
+
+
+def test_the_prepared_data_is_what_the_study_reads():
+    # prepare.py's rows, written again, are the committed files byte for byte (seed 0)
+    prepare = load_script("experiments/digit_max/prepare.py", "digit_max_prepare")
+    rows = prepare.rows(260, __import__("random").Random(0))
+    assert (DATA / "train.jsonl").read_text() == "".join(json.dumps(r) + "\n" for r in rows[:200])
+    assert (DATA / "test.jsonl").read_text() == "".join(json.dumps(r) + "\n" for r in rows[200:])
+    assert rows[0] == {"puzzle": "max 660", "target": "6"}
+
+
+def test_a_malformed_row_of_a_data_directory_is_named_by_its_file_and_line(tmp_path, base_model):
+    """With a directory of split files (the layout "Starting a new study" suggests), a number among
+    the texts of `target` was "the column holds values of several kinds" with no row or file: 200
+    rows to search by hand. The row, its line and the split's file are named now; so is a blank
+    prompt of the eval set's split, which said "its JSONL file" of a directory of two files."""
+    d = _with_row(tmp_path, "train", 42, '{"puzzle": "max 123", "target": 3}')
+    out = run_cli(*STUDY, "dry_run=true", f"buffer.explorer_input.taskset.path={d}",
+                  f"buffer.explorer_input.eval_tasksets.0.path={d}")
+    assert _error(out) == (
+        f"buffer.explorer_input.taskset: row 41 (line 42 of train.jsonl) of '{d}' holds a number in 'target' "
+        f"(format.response_key), where the other 200 rows hold text. With two kinds of value in one column, the "
+        f"datasets library reads every value of it as JSON, so the text '58' would arrive as the number 58 and "
+        f"'007' as 7. Write that row's value as text (\"3\", quoted) or give every row of the column the same kind.")
+    d = _with_row(tmp_path / "eval", "test", 3, '{"puzzle": " ", "target": "3"}')
+    out = run_cli(*STUDY, "dry_run=true", f"buffer.explorer_input.eval_tasksets.0.path={d}")
+    assert _error(out) == (
+        f"buffer.explorer_input.eval_tasksets[0]: 1 of the 61 rows of '{d}' have an empty prompt in 'puzzle' "
+        f"(format.prompt_key): row 2 (line 3 of test.jsonl). Fill or remove those rows, or set "
+        f"buffer.explorer_input.eval_tasksets[0].format.prompt_key to the column that holds the prompts.")
+
+
+@pytest.mark.slow  # a sweep of two 2-step jobs of the tiny model in one run.py (~12 s)
+def test_the_study_sweeps_its_length_penalty_and_the_report_compares_the_jobs(tmp_path, base_model):
+    from rft.data.buffer import read_experiences
+
+    sweep = tmp_path / "sweep"
+    flaky = "{fn: experiments.digit_max.rewards.flaky, args: {raise_every: 7}, name: flaky}"
+    out = run_cli("-m", *STUDY, "buffer=sql", "buffer.total_steps=2", f"hydra.sweep.dir={sweep}",
+                  f"buffer.explorer_input.taskset.reward_fn=[{{fn: experiments.digit_max.rewards.exact_short, "
+                  f"name: exact_short, args: {{per_char: 0.0}}}}, {flaky}]",
+                  "buffer.explorer_input.taskset.reward_fn.0.args.per_char=0.0,0.3",
+                  env={"RFT_CHECKPOINT_ROOT_DIR": str(tmp_path)})
+    assert out.returncode == 0, out.stderr[-3000:]
+    # the raising reward is named with its file and line, its task retried, the run goes on
+    assert "raised ValueError: scorer backend refused" in out.stdout
+    rewards = ROOT / "experiments" / "digit_max" / "rewards.py"
+    line = next(i for i, text in enumerate(rewards.read_text().splitlines(), 1) if "raise ValueError" in text)
+    assert f"({rewards}, line {line})" in out.stdout
+    targets = [json.loads(r)["target"] for r in (DATA / "train.jsonl").read_text().splitlines()]
+    for job, per_char in ((0, 0.0), (1, 0.3)):
+        run = sweep / str(job)
+        overrides = (run / ".hydra" / "overrides.yaml").read_text()
+        assert f"buffer.explorer_input.taskset.reward_fn.0.args.per_char={per_char}" in overrides
+        rows = read_experiences(str(run / "buffer.db"), 1000)
+        assert len(rows) > 0
+        for e in rows:
+            # the study's reward by hand: exact match, minus per_char a character past the answer's 1
+            response, target = e.info["response"], targets[int(e.task_id.split("/")[-1])]
+            correct = e.reward_parts["exact_short/correct"]
+            assert correct == float(response.strip() == target)
+            assert e.reward_parts["exact_short/length"] == pytest.approx(-per_char * max(0, len(response.strip()) - 1))
+            assert e.reward_parts["flaky"] == correct  # exact_match again, when it did not raise
+            assert e.reward == pytest.approx(sum(e.reward_parts.values()))
+        metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+        assert sum(m.get("rollout/errors", 0) for m in metrics) > 0
+        lengths = [m["reward/exact_short/length/mean"] for m in metrics if "reward/exact_short/length/mean" in m]
+        assert len(lengths) == 2 and ((max(lengths) < 0) if per_char else (lengths == [0.0, 0.0]))
+    # the report: one row per job, the swept key as its column, the two values in it
+    rep = run_cli_report(sweep)
+    table = [line for line in rep.splitlines() if line.startswith("| ")]
+    assert "buffer.explorer_input.taskset.reward_fn.0.args.per_char" in table[0]
+    assert [row.split("|")[1:3] for row in table[1:]] == [[" 0 ", " 0.0 "], [" 1 ", " 0.3 "]]
+
+
+def run_cli_report(sweep) -> str:
+    import subprocess
+    import sys
+
+    subprocess.run([sys.executable, "-m", "rft.reporting.report", str(sweep)], cwd=ROOT, check=True,
+                   capture_output=True, env={**os.environ})
+    return (sweep / "report.md").read_text()
+
 
 def test_a_reward_that_hangs_times_out_naming_the_key_that_bounds_it(caplog):
     """A reward that hangs raises nothing: the warning was "job 0 attempt 1 timed out after 3.0 s",

@@ -121,7 +121,7 @@ class DatasetReader:
         self.items = []  # one entry per row: the list of its experiences
         if getattr(fmt, "enable_concatenated_multi_turn", False):
             self.items = [[conversation_experience(row, fmt, tokenizer, max_prompt_tokens + max_response_tokens,
-                                                   f"{buf_cfg.name}/{i}", where, i, buf_cfg.path)]
+                                                   f"{buf_cfg.name}/{i}", where, i, buf_cfg.path, buf_cfg.split)]
                           for i, row in enumerate(rows)]
             rows = []
             keys = [None]
@@ -129,7 +129,7 @@ class DatasetReader:
         # its tokenizer's eos may be <|end_of_text|>): one end token, the one generation stops on
         end = turn_end_id(tokenizer) if rows else None
         for i, row in enumerate(rows):
-            messages = rows_to_messages(row, fmt, where, i, buf_cfg.path)
+            messages = rows_to_messages(row, fmt, where, i, buf_cfg.path, buf_cfg.split)
             full_prompt = chat_ids(tokenizer, messages)
             # an over-long prompt keeps its end (the question and the generation prompt sit there)
             prompt = full_prompt[-max_prompt_tokens:]
@@ -137,7 +137,7 @@ class DatasetReader:
             for key in keys:
                 if row.get(key) is None:  # rft.runtime.main.dataset_size's check_columns finds it first
                     name = next(n for n in ("chosen_key", "rejected_key", "response_key") if getattr(fmt, n) == key)
-                    raise ConfigError(missing_value(where, buf_cfg.path, i, key, name, row))
+                    raise ConfigError(missing_value(where, buf_cfg.path, i, key, name, row, split=buf_cfg.split))
                 full = tokenizer.encode(str(row[key]), add_special_tokens=False)
                 response = full[: max_response_tokens - 1] + [end]
                 # counted in the step's metrics (train/truncated_prompts, train/truncated_responses)
@@ -158,7 +158,7 @@ class DatasetReader:
 
 
 def conversation_experience(row: dict, fmt, tokenizer, max_tokens: int, task_id: str, where: str, index: int,
-                            path: str) -> Experience:
+                            path: str, split: str = "train") -> Experience:
     """A `messages` row (a whole conversation) as one experience that trains on every assistant
     turn (format.enable_concatenated_multi_turn; rft/data/chat.py conversation_ids). A
     conversation longer than `max_tokens` (model.max_prompt_tokens + max_response_tokens) keeps
@@ -171,12 +171,12 @@ def conversation_experience(row: dict, fmt, tokenizer, max_tokens: int, task_id:
                           f"(rows of whole conversations in format.messages_key).")
     messages = row.get(fmt.messages_key)
     if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
-        raise ConfigError(f"{where}: {_line_hint(path, index)} of {path!r}: {fmt.messages_key!r} must be a list of "
+        raise ConfigError(f"{where}: {_line_hint(path, index, split)} of {path!r}: {fmt.messages_key!r} must be a list of "
                           f"messages ({{'role': ..., 'content': ...}}); got {str(messages)[:80]!r}.")
     try:
         ids, prompt_length, mask = conversation_ids(tokenizer, messages)
     except ConfigError as e:
-        raise ConfigError(f"{where}: {_line_hint(path, index)} of {path!r}: {e}") from None
+        raise ConfigError(f"{where}: {_line_hint(path, index, split)} of {path!r}: {e}") from None
     cut = len(ids) > max_tokens
     if cut:
         ids, mask = ids[:max_tokens], mask[: max(max_tokens - prompt_length, 0)]

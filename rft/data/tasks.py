@@ -592,7 +592,7 @@ def _json_why(e: ValueError, line: str | None = None) -> str:
 
 
 def check_columns(rows, fmt, where: str, path: str, pairs: bool = False, sources: dict | None = None,
-                  every_row: bool = False) -> None:
+                  every_row: bool = False, split: str = "train") -> None:
     """The dataset has every column its format names (prompt, response, or chosen and rejected);
     `every_row`: and every row a value in them (a training dataset, which the trainer reads row by
     row as it goes: its gap is found here, before the run, not when a step reaches it)."""
@@ -614,7 +614,7 @@ def check_columns(rows, fmt, where: str, path: str, pairs: bool = False, sources
                 f"{sorted(columns)}. Add the column to the data, or set {fix} to the column that holds it."
             )
         if name != "messages_key":  # messages are lists; the other columns are text
-            mixed = mixed_kinds(rows, col, where, path, name)
+            mixed = mixed_kinds(rows, col, where, path, name, split)
             if mixed:
                 raise ConfigError(mixed)
     for name, col in keys if every_row else []:
@@ -624,25 +624,25 @@ def check_columns(rows, fmt, where: str, path: str, pairs: bool = False, sources
             import pyarrow.compute as pc
 
             i = pc.index(pc.is_null(values), True).as_py()
-            raise ConfigError(missing_value(where, path, i, col, name, rows[i], fix))
+            raise ConfigError(missing_value(where, path, i, col, name, rows[i], fix, split))
         # a blank response teaches the model to say nothing, a blank prompt asks it nothing
         empty = _empty_rows(values)
         if empty:
-            raise ConfigError(empty_values(where, path, name, col, empty, len(rows), fix))
+            raise ConfigError(empty_values(where, path, name, col, empty, len(rows), fix, split))
 
 
 _KINDS = {str: "text", bool: "true/false", int: "number", float: "number", list: "list", dict: "object"}
 
 
-def mixed_kinds(rows, col: str, where: str, path: str, name: str) -> str | None:
+def mixed_kinds(rows, col: str, where: str, path: str, name: str, split: str = "train") -> str | None:
     """The message for a text column of a JSON(L) file that some rows fill with another kind of value
     (a number, a list): datasets then reads the whole column as JSON (its `Json` feature), and turns
     every text that parses as JSON into that value ("58" the number 58, "007" 7), without a word."""
     if type(rows.features.get(col)).__name__ != "Json":
         return None
-    local = Path(os.path.expanduser(path))
+    local = _jsonl_of(path, split)
     kinds: list = []
-    if local.suffix == ".jsonl" and local.is_file():  # the values as written, before datasets' decoding
+    if local is not None:  # the values as written, before datasets' decoding
         with open(local, encoding="utf-8") as fh:
             try:
                 kinds = [_KINDS.get(type(json.loads(line).get(col)), "null") for line in fh if line.strip()]
@@ -669,7 +669,7 @@ def mixed_kinds(rows, col: str, where: str, path: str, name: str) -> str | None:
     # a list or object as the prompt is most often chat messages under the wrong key
     chat = (f" For chat messages set {where}.format.prompt_type=messages (and format.messages_key)."
             if name == "prompt_key" and any(k in ("list", "object") for _, k in odd) else "")
-    return (f"{where}: row{'' if one else 's'} {which} (line{'' if one else 's'} {lines} of its JSONL file) of "
+    return (f"{where}: row{'' if one else 's'} {which} (line{'' if one else 's'} {lines} of {_file_words(path, local)}) of "
             f"{path!r} hold{'s' if one else ''} {what} in {col!r} (format.{name}), where {others} "
             f"text. With two kinds of value in one column, the datasets library reads every value of it as JSON, so "
             f"the text '58' would arrive as the number 58 and '007' as 7. Write {owner} as text ({first}, quoted) or "
@@ -690,18 +690,38 @@ def _empty_rows(values) -> list[int]:
     return pc.indices_nonzero(pc.fill_null(blank, False)).to_pylist()
 
 
-def missing_value(where: str, path: str, index: int, col: str, name: str, row: dict, fix: str | None = None) -> str:
+def missing_value(where: str, path: str, index: int, col: str, name: str, row: dict, fix: str | None = None,
+                  split: str = "train") -> str:
     """The message for a row of a training dataset without a value in column `col` (format.`name`);
     `fix`: the key that sets that column, where it is not {where}.format.{name} (a stage's own)."""
-    return (f"{where}: {_line_hint(path, index)} of {path!r} has no {col!r} (format.{name}); its keys are "
+    return (f"{where}: {_line_hint(path, index, split)} of {path!r} has no {col!r} (format.{name}); its keys are "
             f"{sorted(k for k, v in row.items() if v is not None)}. Fix the row (or leave it out), or set "
             f"{fix or f'{where}.format.{name}'} to the column that holds it.")
 
 
-def _line_hint(path: str, index: int) -> str:
-    if path.endswith(".jsonl") or Path(os.path.expanduser(path)).is_dir():
-        return f"row {index} (line {index + 1} of its JSONL file)"
+def _line_hint(path: str, index: int, split: str = "train") -> str:
+    local = _jsonl_of(path, split)
+    if local is not None:
+        return f"row {index} (line {index + 1} of {_file_words(path, local)})"
     return f"row {index}"
+
+
+def _jsonl_of(path: str, split: str) -> Path | None:
+    """The JSONL file whose lines are the rows of `split` read from `path` (the file itself, or a
+    directory's one file of that split, as datasets maps test.jsonl to split test); None where rows
+    and lines do not match one to one (Parquet, CSV, several files)."""
+    local = Path(os.path.expanduser(path))
+    if local.is_dir():
+        files = _split_files(local, split)
+        local = files[0] if len(files) == 1 else local
+    return local if local.suffix == ".jsonl" and local.is_file() else None
+
+
+def _file_words(path: str, local: Path, own: str = "its JSONL file") -> str:
+    """How a message names the JSONL file of a row: a directory's file by its name in it (a
+    directory holds one per split: "its file" would leave the user to guess which)."""
+    d = Path(os.path.expanduser(path))
+    return own if d == local else str(local.relative_to(d))
 
 
 def plain(fmt):
@@ -714,13 +734,13 @@ def plain(fmt):
     return SimpleNamespace(**OmegaConf.to_container(fmt)) if isinstance(fmt, DictConfig) else fmt
 
 
-def rows_to_messages(row: dict, fmt, where: str, index: int, path: str) -> list[dict]:
+def rows_to_messages(row: dict, fmt, where: str, index: int, path: str, split: str = "train") -> list[dict]:
     """The chat messages for one row, or a ConfigError naming the row and the missing key."""
     key = fmt.messages_key if fmt.prompt_type == "messages" else fmt.prompt_key
     value = row.get(key)
     if value is None:
         raise ConfigError(
-            f"{where}: {_line_hint(path, index)} of {path!r} has no {key!r} "
+            f"{where}: {_line_hint(path, index, split)} of {path!r} has no {key!r} "
             f"(format.{'messages_key' if fmt.prompt_type == 'messages' else 'prompt_key'}); its keys "
             f"are {sorted(k for k, v in row.items() if v is not None)}. Fix the row, or set "
             f"{where}.format.prompt_key to the column that holds the prompt."
@@ -729,7 +749,7 @@ def rows_to_messages(row: dict, fmt, where: str, index: int, path: str) -> list[
         return list(value)
     if isinstance(value, (list, dict)):  # str() would make "['1', '2']" the prompt, without a word
         raise ConfigError(
-            f"{where}: {_line_hint(path, index)} of {path!r} has a {type(value).__name__} in {key!r} "
+            f"{where}: {_line_hint(path, index, split)} of {path!r} has a {type(value).__name__} in {key!r} "
             f"(format.prompt_key), not a text. For chat messages set {where}.format.prompt_type=messages "
             f"(and format.messages_key); else make the column text."
         )
@@ -741,7 +761,7 @@ def load_tasks(ts_cfg, where: str) -> list[Task]:
     """Every row of a taskset as a Task; fails on the first row that lacks the prompt key or
     (unless format.response_key is null) the reference answer the reward function reads."""
     rows = load_rows(ts_cfg.path, ts_cfg.split, ts_cfg.subset_name, key=f"{where}.path")
-    check_columns(rows, ts_cfg.format, where, ts_cfg.path)
+    check_columns(rows, ts_cfg.format, where, ts_cfg.path, split=ts_cfg.split)
     group_by = getattr(ts_cfg, "group_by", None)  # an eval set's: a column missing put every task in one group
     if group_by and group_by not in rows.column_names:
         raise ConfigError(
@@ -752,24 +772,24 @@ def load_tasks(ts_cfg, where: str) -> list[Task]:
     answer_key = fmt.response_key
     tasks, empty = [], []
     for i, row in enumerate(rows):
-        messages = rows_to_messages(row, fmt, where, i, path)
+        messages = rows_to_messages(row, fmt, where, i, path, ts_cfg.split)
         if not any(str(m.get("content") or "").strip() for m in messages if m.get("role") != "system"):
             empty.append(i)
         if answer_key and row.get(answer_key) is None:
             raise ConfigError(
-                f"{where}: {_line_hint(path, i)} of {path!r} has no {answer_key!r} "
+                f"{where}: {_line_hint(path, i, ts_cfg.split)} of {path!r} has no {answer_key!r} "
                 f"(format.response_key: the reference answer the reward function reads as task.answer). "
                 f"Fix the row, or set {where}.format.response_key=null if your reward needs no answer."
             )
         tasks.append(Task(f"{name}/{i}", messages, row.get(answer_key) if answer_key else None, row))
     if empty:
         key = "messages_key" if fmt.prompt_type == "messages" else "prompt_key"
-        raise ConfigError(empty_values(where, path, key, getattr(fmt, key), empty, len(rows)))
+        raise ConfigError(empty_values(where, path, key, getattr(fmt, key), empty, len(rows), split=ts_cfg.split))
     return tasks
 
 
 def empty_values(where: str, path: str, key: str, column: str, empty: list[int], total: int,
-                 fix: str | None = None) -> str:
+                 fix: str | None = None, split: str = "train") -> str:
     """The message for rows whose prompt (or, in a training dataset, response) in `column`
     (format.`key`) is empty or blank. Any is an error, not a share: a blank prompt asks the model
     nothing but the chat template's scaffolding, and its answers are scored as if it were asked the
@@ -777,7 +797,9 @@ def empty_values(where: str, path: str, key: str, column: str, empty: list[int],
     what = "prompt" if key in ("prompt_key", "messages_key") else "response"
     more = f" and {len(empty) - 5} more" if len(empty) > 5 else ""
     rows = ", ".join(str(i) for i in empty[:5]) + more
-    lines = f" (lines {', '.join(str(i + 1) for i in empty[:5])}{more} of the file)" if path.endswith(".jsonl") else ""
+    local = _jsonl_of(path, split)
+    lines = (f" (line{'s' if len(empty) > 1 else ''} {', '.join(str(i + 1) for i in empty[:5])}{more} of "
+             f"{_file_words(path, local, 'the file')})" if local else "")
     return (f"{where}: {len(empty)} of the {total} rows of {path!r} have an empty {what} in {column!r} "
-            f"(format.{key}): rows {rows}{lines}. Fill or remove those rows, or set {fix or f'{where}.format.{key}'} "
+            f"(format.{key}): row{'s' if len(empty) > 1 else ''} {rows}{lines}. Fill or remove those rows, or set {fix or f'{where}.format.{key}'} "
             f"to the column that holds the {what}s.")
