@@ -350,6 +350,37 @@ def test_a_slurm_sweep_warns_once_when_a_save_would_not_fit_in_the_early_warning
         assert warned("model=qwen2.5-0.5b", "cluster.gpu_per_node=8") == []  # ~6 GB: 36 s <= 60
 
 
+def test_a_dry_run_sweep_on_slurm_plans_every_job_here_and_queues_nothing(no_gpu, capsys, tmp_path):
+    """`python run.py -m hydra/launcher=slurm ... dry_run=true` queued every job, each to wait for
+    its allocation and then print a plan: a dry run starts nothing."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from omegaconf import read_write
+
+    from rft.runtime.callbacks import plan_jobs
+
+    sweep_dir = tmp_path / "multirun"
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose("config", overrides=["hydra/launcher=slurm", "hydra.launcher.gpus_per_node=8", "stages=[]",
+                                           "model=qwen2.5-0.5b", "cluster.gpu_per_node=8", "dry_run=true",
+                                           f"hydra.sweep.dir={sweep_dir}"], return_hydra_config=True)
+        with read_write(cfg.hydra.overrides.task):  # as `-m ... seed=1,2,3`
+            cfg.hydra.overrides.task.append("seed=1,2,3")
+        sweep_dir.mkdir()  # as Hydra makes it before the callback
+        with pytest.raises(SystemExit) as stop:
+            plan_jobs(cfg, "config")
+        assert stop.value.code == 0 and not sweep_dir.exists()
+        assert capsys.readouterr().out == (
+            "dry_run=true: the sweep's 3 jobs planned here and fit; nothing was queued. One job's whole plan: "
+            "`python run.py <its overrides> dry_run=true` (without -m); without dry_run=true the sweep queues them.\n")
+        # a job that cannot plan is still the paragraph, dry run or not
+        with read_write(cfg.hydra.overrides.task):
+            cfg.hydra.overrides.task.append("buffer.batch_size=0")
+        said = plan_jobs(cfg, "config")
+        assert said.startswith("job 0 of the sweep (seed=1): buffer.batch_size=0 ") and said.endswith("every job is planned first.")
+
+
 def test_the_device_query_reads_nvidia_smi(monkeypatch):
     def smi(cmd, **kw):
         assert cmd[0] == "nvidia-smi"

@@ -101,7 +101,7 @@ def plan_jobs(config, config_name: str | None) -> str | None:
     queued = "submitit" in str(config.hydra.launcher.get("_target_", "")).lower()
     if len(jobs) < 2 and not queued:
         return None  # a lone local job plans itself before it starts anything (queued: after its wait)
-    saved, own, planned, dirs = HydraConfig.instance().cfg, distinct_overrides(jobs), [], {}
+    saved, own, planned, dirs, dry = HydraConfig.instance().cfg, distinct_overrides(jobs), [], {}, []
     # a study's config groups kept outside conf/ (hydra.searchpath on the command line: a hydra
     # override, not one of the jobs'): without it a job naming one of its options does not compose
     search = [o for o in config.hydra.overrides.get("hydra") or [] if o.lstrip("+").startswith("hydra.searchpath=")]
@@ -110,6 +110,7 @@ def plan_jobs(config, config_name: str | None) -> str | None:
             cfg = compose(config_name=config_name, overrides=[*search, *job], return_hydra_config=True)
             HydraConfig.instance().set_config(cfg)  # the run's name reads hydra's choices
             dirs.setdefault(_job_subdir(config, cfg, i), []).append(i)
+            dry.append(bool(cfg.get("dry_run")))
             with open_dict(cfg):
                 del cfg["hydra"]
             if cfg.mode != "bench":
@@ -133,6 +134,16 @@ def plan_jobs(config, config_name: str | None) -> str | None:
         return _job_error(i, own[i], e)
     for w, i in warnings.items():
         print(f"rft: warning: job {i} of the sweep ({' '.join(own[i]) or 'no overrides'}): {w}", file=sys.stderr, flush=True)
+    if queued and dry and all(dry):
+        # a dry run starts nothing: queued, each job would wait for its allocation to print a plan
+        print(f"dry_run=true: the sweep's {len(jobs)} job{'s' * (len(jobs) != 1)} planned here and fit; nothing "
+              f"was queued. One job's whole plan: `python run.py <its overrides> dry_run=true` (without -m); "
+              f"without dry_run=true the sweep queues them.", flush=True)
+        try:
+            Path(str(config.hydra.sweep.dir)).rmdir()  # Hydra made it; a dry run leaves nothing behind
+        except OSError:
+            pass  # not empty: another sweep's, or not made
+        sys.exit(0)
     return None
 
 
