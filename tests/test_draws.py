@@ -59,7 +59,7 @@ def test_two_explorers_extra_draws_cover_the_taskset_once_a_step():
     for step in range(20):
         shards = [explored(explorer(cfg, 12, shard, 2), step) for shard in range(2)]
         for tries, counters in shards:
-            assert [len(t) for t in tries] == [2, 2, 2] and counters["sampling_tries"] == 3
+            assert [len(t) for t in tries] == [2, 2, 2] and counters["max_sampling_tries"] == 3
         # the step's own tasks are those a run without dynamic sampling draws
         assert shards[0][0][0] + shards[1][0][0] == task_rows_of(12, 4, step, cfg.seed, False)[0::2] + task_rows_of(12, 4, step, cfg.seed, False)[1::2]
         runs = Counter(r for tries, _ in shards for t in tries for r in t)
@@ -71,7 +71,7 @@ def test_tries_stop_when_the_taskset_has_no_task_left_for_the_step():
     batch is topped up with flat groups: 4 groups), not a task the step ran already."""
     cfg = config("buffer.batch_size=4", "algorithm.dynamic_sampling_max_tries=5")
     tries, counters = explored(explorer(cfg, 6), 0)
-    assert [len(t) for t in tries] == [4, 2] and counters["sampling_tries"] == 2
+    assert [len(t) for t in tries] == [4, 2] and counters["max_sampling_tries"] == 2
     assert sorted(tries[0] + tries[1]) == list(range(6))
     assert counters["generated"] == 6 * 2  # 6 tasks x repeat_times 2
     assert len(counters["exps"]) == 4 * 2  # the batch: 4 groups of 2
@@ -123,3 +123,29 @@ def test_curriculum_extras_follow_its_weights():
     ex = explorer(cfg, 4)
     with_0 = sum(0 in sum(explored(ex, step, cur.draw(step, 1))[0], []) for step in range(1200))
     assert with_0 / 1200 == pytest.approx(11 / 12, abs=0.03)
+
+
+def test_sampling_tries_is_the_most_an_explorer_took_not_their_sum():
+    """2 explorers, 3 tries each (every group flat): rollout/sampling_tries is 3, at most max_tries
+    (summed over the explorers as the other counters are, it read 6); rollout/generated is their sum,
+    12 tasks x 2 rollouts = 24."""
+    from rft.rollout.explorer import step_metrics
+    from rft.runtime.explorers import ExplorerPool
+
+    class Inline:  # an explorer actor whose calls run when submitted (as cluster=inline runs them)
+        def __init__(self, explorer):
+            self.explorer = explorer
+
+        def submit(self, method, *args):
+            return getattr(self.explorer, method)(*args)
+
+        def get(self, future):
+            return future
+
+    cfg = config("buffer.batch_size=4", "algorithm.dynamic_sampling_max_tries=3")
+    pool = ExplorerPool(cfg, [Inline(explorer(cfg, 12, shard, 2)) for shard in range(2)], None, None, synced=0,
+                        monitor=None, stage_dir=None, title="t", owner=None)
+    pool.submit(0)
+    p, exps, counters, _ = pool.collect()
+    m = step_metrics(exps, counters, len(p.futures))
+    assert m["rollout/sampling_tries"] == 3 and m["rollout/generated"] == 24 and m["rollout/experiences"] == 4 * 2

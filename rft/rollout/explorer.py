@@ -262,6 +262,8 @@ def step_metrics(exps: list, counters: dict, explorers: int) -> dict:
         m["perf/explorer_max_memory_gb"] = counters["max_memory_gb"]
     for k in ("explore_s", "reward_s", "workflow_s", "generate_s", "sync_load_s", "sync_check_s", "max_memory_gb"):
         m.pop(f"rollout/{k}", None)
+    if "rollout/max_sampling_tries" in m:
+        m["rollout/sampling_tries"] = m.pop("rollout/max_sampling_tries")
     return m
 
 
@@ -512,7 +514,8 @@ class Explorer(WeightsMixin):
             groups = (keep + flat)[: len(tasks)]
             dropped = [e for g in (keep + flat)[len(tasks):] for e in g]
             lost += rollout_outcomes(dropped, self.cfg.buffer.explorer_input.taskset.pass_threshold)
-        counters["sampling_tries"] = tries
+        # the most tries an explorer took (a sum over explorers would read as more than max_tries)
+        counters["max_sampling_tries"] = tries
         if rows is not None:
             # the online curriculum's draw: it learns of every task it drew, also of those the
             # experiences leave out (rft/data/curriculum.py OnlineCurriculum.observe)
