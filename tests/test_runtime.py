@@ -129,7 +129,7 @@ def test_killed_async_run_resumes_on_the_same_experiences(warm_start, tmp_path):
     assert not (run / "checkpoints" / "step_8").exists(), "killed too late to test anything"
     # the checkpoint holds the step explored ahead (step index 4), not yet trained on
     state = json.loads((run / "checkpoints" / "step_4" / "state.json").read_text())
-    assert state["next_explore"] == 5 and len(state["buffer"]["items"]) == 128
+    assert state["next_explore"] == 5 and state["buffer"]["items"] == 128  # packed beside it (QueueBuffer.stored_state)
 
     resumed = run_cli(*base(warm_start, "killed", *ASYNC), env=env)
     assert resumed.returncode == 0, resumed.stderr[-3000:]

@@ -77,28 +77,31 @@ class Experience:
         }
 
     @classmethod
-    def from_dict(cls, d: dict) -> "Experience":
+    def from_dict(cls, d: dict, typed: bool = False) -> "Experience":
         """The inverse of `to_dict`; keys that are not fields (a newer writer's) are ignored. A
         ValueError names the first field that is not what to_dict writes (a damaged row, another
         tool's file): logprobs of every token, prompt included, were placed from the prompt's end
-        and trained on as the response's, without a word."""
+        and trained on as the response's, without a word. `typed`: the lists come from arrays of
+        their types (rft.data.buffer.unpack_experiences), so only their lengths are checked (the
+        check of each element was three quarters of reading 4,096 experiences of 1,024 tokens)."""
         if not isinstance(d, dict):
             raise ValueError(f"a JSON {type(d).__name__}, not an object")
         exp = cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d})
-        _check_stored(exp)
+        _check_stored(exp, typed)
         return exp
 
 
-def _check_stored(e: Experience) -> None:
+def _check_stored(e: Experience, typed: bool = False) -> None:
     whole = (lambda v: type(v) is int)  # noqa: E731 (JSON's true is no token id)
     number = (lambda v: type(v) in (int, float))  # noqa: E731
-    if not (isinstance(e.tokens, list) and e.tokens and all(map(whole, e.tokens))):
+    each = (lambda ok, v: typed or all(map(ok, v)))  # noqa: E731
+    if not (isinstance(e.tokens, list) and e.tokens and each(whole, e.tokens)):
         raise ValueError("tokens is not a non-empty list of token ids (whole numbers)")
     if not (whole(e.prompt_length) and 1 <= e.prompt_length <= len(e.tokens)):
         raise ValueError(f"prompt_length {e.prompt_length!r} is not a whole number from 1 to the {len(e.tokens)} tokens")
     for name, ok in (("logprobs", number), ("loss_mask", whole), ("token_versions", whole)):
         v = getattr(e, name)
-        if not (isinstance(v, list) and all(map(ok, v))):
+        if not (isinstance(v, list) and each(ok, v)):
             raise ValueError(f"{name} is not a list of {'numbers' if ok is number else 'whole numbers'}")
         if v and len(v) != e.response_length:
             raise ValueError(f"{name} has {len(v)} entries for the {e.response_length} response tokens (tokens after "

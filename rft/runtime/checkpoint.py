@@ -5,6 +5,9 @@
         adapter/           LoRA: the adapter alone (what a LoRA run resumes from)
         trainer_state.pt   optimizer, scheduler, step, RNG, critic
         state.json         the schedule's place: buffer position, metrics, reward statistics
+        buffer_experiences.safetensors
+                           a queue buffer's experiences (rft.data.buffer.pack_experiences), which
+                           state.json's buffer part names
         manifest.json      written last (rft/manifest.py): every other file's size and digest, and
                            the checkpoint's identity: run, stage, step, the stage config's
                            fingerprint and the model the stage starts from
@@ -277,10 +280,10 @@ def set_aside(ckpt: Checkpoint, why: str, title: str, say) -> None:
 
 
 def write(stage_dir: Path, step: int, state: dict, save_model=None, keep: int | None = None, say=None,
-          owner: Owner | None = None) -> Path:
+          owner: Owner | None = None, files: dict[str, bytes] | None = None) -> Path:
     """Write checkpoint `step`: `save_model(tmp_dir) -> dict` (the trainer's files; what it returns
-    joins the state), state.json, then the manifest (of `owner`'s identity), then the directory is
-    moved into place in one rename. A save that fails for any reason (a full disk, a directory
+    joins the state), `files` (name -> bytes: a queue buffer's experiences), state.json, then the
+    manifest (of `owner`'s identity), then the directory is moved into place in one rename. A save that fails for any reason (a full disk, a directory
     made read-only, a file where a directory should be) stops the run with one paragraph and leaves
     no step_<N>.tmp; a killed save's step_<M>.tmp goes once a checkpoint is in place. Then only
     the newest `keep` checkpoints stay (None: all; trainer.max_ckpt_to_keep; mode=explore keeps 1),
@@ -293,6 +296,8 @@ def write(stage_dir: Path, step: int, state: dict, save_model=None, keep: int | 
         tmp.mkdir(parents=True)
         if save_model is not None:
             state.update(save_model(tmp))
+        for name, data in (files or {}).items():
+            (tmp / name).write_bytes(data)
         (tmp / "state.json").write_text(json.dumps(state))
         manifest.seal(tmp, owner.identity(step) if owner else {"step": step})
         shutil.rmtree(final, ignore_errors=True)

@@ -9,6 +9,7 @@ import logging
 import os
 from pathlib import Path
 
+from rft.data.buffer import unpack_experiences
 from rft.data.readers import step_seed
 from rft.errors import RunError
 from rft.runtime import checkpoint
@@ -93,18 +94,47 @@ class StageCheckpoints:
                 log.info("dropped %d experiences this run wrote after the checkpoint", dropped)
         if state:
             self._check_unread(buffer, state, latest)
-            buffer.restore(state)
+            self._restore(buffer, state, latest)
         elif eb.storage_type == "sql":
             buffer.restore({"cursor": 0})  # a fresh run reads from the start
 
-    def buffer_state(self, buffer) -> dict:
-        """The buffer's part of a checkpoint: its read and write positions; in mode=both (this run
-        its only writer) also the digest of the experiences explored ahead and not read yet, which
-        the resume checks (`_check_unread`)."""
+    def _restore(self, buffer, state: dict, latest: Checkpoint) -> None:
+        """`buffer.restore(state)`, a queue's experiences read from the file beside state.json
+        that `state["experiences"]` names (checked against the manifest with the rest); a state
+        or file that does not restore (edited, the manifest sealed again) is one paragraph."""
+        where = latest.path / "state.json"
+        try:
+            name = state.get("experiences")
+            if name is None:  # a sql or file buffer, or a queue's checkpoint that holds them in state.json
+                buffer.restore(state)
+                return
+            if not (isinstance(name, str) and name == Path(name).name and name.endswith(".safetensors")):
+                raise ValueError(f'its "experiences" ({str(name)[:80]}) is not the name of a .safetensors file beside it')
+            where = latest.path / name
+            experiences = unpack_experiences(where.read_bytes())
+            where = latest.path / "state.json"
+            buffer.restore(state, experiences)
+        except (ValueError, KeyError, TypeError, OSError) as e:
+            why = f"{type(e).__name__}: {e}" if isinstance(e, (KeyError, TypeError, OSError)) else str(e)
+            raise RunError(
+                f"{where}: the buffer's part of checkpoint step {latest.step} does not restore ({why}); rft writes "
+                f"it whole, so it was edited or damaged since (and the checkpoint's manifest sealed again). Put "
+                f"it back as it was, or move {latest.path} away to resume from the checkpoint before it, or "
+                f"start this stage again (continue_from_checkpoint=false)."
+            ) from None
+
+    def buffer_state(self, buffer) -> tuple[dict, dict[str, bytes]]:
+        """The buffer's part of a checkpoint, and the files that go beside state.json: its read and
+        write positions; in mode=both (this run its only writer) also the digest of the experiences
+        explored ahead and not read yet, which the resume checks (`_check_unread`). A queue's
+        experiences go in a file of their own (QueueBuffer.stored_state)."""
+        if hasattr(buffer, "stored_state"):
+            state, data = buffer.stored_state()
+            return state, {state["experiences"]: data} if data is not None else {}
         state = buffer.state()
         if self.cfg.mode == "both" and hasattr(buffer, "unread_digest"):
             state["unread_digest"] = buffer.unread_digest(state.get("cursor", state.get("offset")), state["last_id"])
-        return state
+        return state, {}
 
     def _check_unread(self, buffer, state: dict, latest: Checkpoint | None) -> None:
         """A sql or file buffer's experiences explored ahead, still to be trained on, must be those the
@@ -120,9 +150,10 @@ class StageCheckpoints:
                 f"again (continue_from_checkpoint=false)."
             )
 
-    def write(self, step: int, state: dict, trainer: TrainerCalls | None, say) -> None:
-        """The checkpoint of step `step`: the trainer (if any), then `state` (state.json), written
-        last. `say`: where a note on pruning old checkpoints goes."""
+    def write(self, step: int, state: dict, trainer: TrainerCalls | None, say, files: dict | None = None) -> None:
+        """The checkpoint of step `step`: the trainer (if any), `files` (name -> bytes: the buffer's,
+        `buffer_state`), then `state` (state.json), written last. `say`: where a note on pruning old
+        checkpoints goes."""
 
         def save_trainer(tmp: Path) -> dict:
             # the parameters' fingerprint: what an explorer serving this checkpoint checks its load
@@ -138,8 +169,8 @@ class StageCheckpoints:
         with_hf = when == "always" or (when == "last" and step >= self.plan.total_steps)
         # an explorer's place (mode=explore): only the newest matters, its pruning not worth a line
         if trainer is None:
-            checkpoint.write(self.dir, step, state, keep=1, owner=self.owner)
+            checkpoint.write(self.dir, step, state, keep=1, owner=self.owner, files=files)
         else:
             checkpoint.write(self.dir, step, state, save_trainer, keep=self.cfg.trainer.max_ckpt_to_keep,
                              say=lambda m: say(f"[{self.title}] trainer.max_ckpt_to_keep: {m}"),
-                             owner=self.owner)
+                             owner=self.owner, files=files)

@@ -244,10 +244,10 @@ class Schedule:
         self.pool.finish_sync()
         while self.pool.pending:
             self._collect()
-        state = {**self._state(), "metrics": metrics}
+        state, files = {**self._state(), "metrics": metrics}, {}
         if self.buffer is not None:
-            state["buffer"] = self.checkpoints.buffer_state(self.buffer)
-        self.checkpoints.write(step, state, self.trainer, self.monitor.print)
+            state["buffer"], files = self.checkpoints.buffer_state(self.buffer)
+        self.checkpoints.write(step, state, self.trainer, self.monitor.print, files)
 
     def _state(self) -> dict:
         """Where the schedule stands, for a resumed run to go on from there."""
