@@ -271,3 +271,25 @@ def test_a_bench_table_over_two_checkpoints_and_two_sets_matches_its_samples(war
                 assert float(row[f"eval/{name}/pass@{k}"]) == pytest.approx(want, abs=1e-9)
             mean = sum(sum(v) for v in by_task.values()) / 600
             assert float(row[f"eval/{name}/mean@3"]) == pytest.approx(mean, abs=1e-9)
+
+
+def test_the_vote_reads_the_verifier_part_of_a_reward_of_several_parts():
+    """reward_fn=[format, math] (a format part first) and reward_fn={fn: math} (one part, as a dict)
+    vote on math's answers, as reward_fn=math does. Samples "so 0.3", \boxed{1/2}, "so 0.3",
+    \boxed{0.5}, \boxed{1/2} (rewards 0, 1, 0, 1, 1): one half has 3 votes (1/2, 0.5 and 1/2
+    again), 0.3 has 2: maj@5 1. On the whole responses (before, for those two specs) "so 0.3" has 2
+    votes and each other response 1: the vote is sample 0, wrong, maj@5 0."""
+    from rft.rewards.eval_metrics import paper_metrics
+
+    responses = ["so 0.3", r"I get \boxed{1/2}", "so 0.3", r"thus \boxed{0.5}", r"it is \boxed{1/2}"]
+    rewards = [0.0, 1.0, 0.0, 1.0, 1.0]
+    group = [Experience([0, 1], 1, [], reward=r, task_id="m/0", group_id="m", info={"response": t})
+             for t, r in zip(responses, rewards)]
+    ts = SimpleNamespace(name="m", repeat_times=5, pass_k=[1], group_by=None, pass_threshold=1.0, workflow="single_turn")
+    task = SimpleNamespace(task_id="m/0", row={})
+    for spec in ["math", [{"fn": "format", "weight": 0.1, "args": {"pattern": ".*"}}, {"fn": "math", "weight": 1.0}],
+                 {"fn": "math"}]:
+        assert [answer_of(spec, t) for t in responses] == ["0.3", "1/2", "0.3", "0.5", "1/2"], spec
+        assert paper_metrics(ts, [task], [group], spec, "eval/m")["eval/m/maj@5"] == 1.0, spec
+    # a reward without a verifier part votes on the stripped responses
+    assert answer_of([{"fn": "format", "args": {"pattern": ".*"}}], " so 0.3 ") == "so 0.3"

@@ -458,26 +458,30 @@ SAME_ANSWER = Registry("same_answer", {"math": "rft.rewards.verifiers._same_math
                                       "reasoning_gym": "rft.rewards.reasoning_gym.same_answer"})
 
 
-def _first_part(spec) -> tuple[str | None, dict]:
-    """The reward `spec`'s name and args: a name's, or of parts the first part's."""
+def _voting_part(spec) -> tuple[str | None, dict]:
+    """The name and args of the reward `spec`'s part whose answers maj@n votes on: a name's; of
+    parts (or one part as a dict), the first whose fn reads an answer (ANSWERS: a verifier), else
+    the first. With a format part listed before the verifier ([format, math]), or one part given as
+    {fn: math}, the vote was on whole responses, which differ where their answers agree."""
     if isinstance(spec, str):
         return spec, {}
-    if isinstance(spec, list) and spec and isinstance(spec[0], dict):
-        return spec[0].get("fn"), dict(spec[0].get("args") or {})
-    return None, {}
+    spec = [spec] if isinstance(spec, dict) else spec  # reward_fn={fn: math, args: {...}}: one part
+    parts = [p for p in spec if isinstance(p, dict)] if isinstance(spec, list) else []
+    part = next((p for p in parts if p.get("fn") in ANSWERS), parts[0] if parts else None)
+    return (None, {}) if part is None else (part.get("fn"), dict(part.get("args") or {}))
 
 
 def answer_of(spec, response: str) -> str | None:
-    """The answer a response gives, as the reward `spec` (a name, or parts: the first part's fn)
+    """The answer a response gives, as the reward `spec` (a name, or parts: `_voting_part`'s fn)
     reads it; None for none, a blank one too (maj@n: blank responses must not outvote an answer)."""
-    return ANSWERS.get(_first_part(spec)[0], lambda r: r.strip())(response) or None
+    return ANSWERS.get(_voting_part(spec)[0], lambda r: r.strip())(response) or None
 
 
 def same_answer(spec, task=None):
     """`same(a, b)`: whether answers a and b (answer_of's, not None) of `task` are one vote of maj@n,
-    as the reward `spec`'s verifier (a name, or parts: the first part's, with its args) judges them
+    as the reward `spec`'s verifier (a name, or parts: `_voting_part`'s, with its args) judges them
     equal; equal strings always are."""
-    name, args = _first_part(spec)
+    name, args = _voting_part(spec)
     judge = SAME_ANSWER.get(name)
     if judge is None:
         return lambda a, b: a == b
