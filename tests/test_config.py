@@ -83,9 +83,13 @@ def test_batch_plan_values():
          "buffer.train_batch_size=100 must equal buffer.batch_size (16) x algorithm.repeat_times (8) = 128"),
         (["algorithm.repeat_times=1"], "algorithm.repeat_times=1 gives groups of one"),
         (["algorithm.optimizer.warmup_steps=500"], "algorithm.optimizer.warmup_steps=500 must be between 0 and the run's 60 optimizer steps (60 steps x 1 per step)."),
-        (["algorithm.optimizer.lr=-1e-3"], "algorithm.optimizer.lr=-0.001 must be >= 0 and finite."),
-        (["algorithm.optimizer.lr=inf"], "algorithm.optimizer.lr=inf must be >= 0 and finite."),
-        (["algorithm.optimizer.weight_decay=-0.1"], "algorithm.optimizer.weight_decay=-0.1 must be >= 0."),
+        (["algorithm.optimizer.lr=-1e-3"], "algorithm.optimizer.lr=-0.001 must be >= 0 and finite: a negative learning rate ascends "
+                                           "the loss."),
+        (["algorithm.optimizer.lr=inf"], "algorithm.optimizer.lr=inf must be >= 0 and finite: a negative learning rate ascends the "
+                                         "loss."),
+        (["algorithm.optimizer.weight_decay=-0.1"],
+         "algorithm.optimizer.weight_decay=-0.1 must be >= 0 and finite: AdamW shrinks each weight by lr x weight_decay "
+         "a step: a negative one grows them, an infinite one fills the model with NaN."),
         (["algorithm.advantage_fn=grpoo"],
          "algorithm.advantage_fn='grpoo' is not one of ['dr_grpo', 'gae', 'grpo', 'none', 'opmd', 'reinforce_pp', "
          "'reinforce_pp_baseline', 'rloo']; give a registered name or the dotted path of a function with the "
@@ -119,7 +123,7 @@ TS = "buffer.explorer_input.taskset"
 
 @pytest.mark.parametrize("overrides, message", [
     # the engine raised mid-run (transformers: "`temperature` (=-1.0) has to be a strictly positive float")
-    ([f"{TS}.rollout_args.temperature=-1"], f"{TS}.rollout_args.temperature=-1.0 must be >= 0 (0: greedy)."),
+    ([f"{TS}.rollout_args.temperature=-1"], f"{TS}.rollout_args.temperature=-1.0 must be >= 0 and finite (0: greedy)."),
     (["buffer.explorer_input.eval_tasksets.0.rollout_args.top_p=0"],
      "buffer.explorer_input.eval_tasksets[0].rollout_args.top_p=0.0 must be in (0, 1] (1: no nucleus cut)."),
     ([f"{TS}.rollout_args.max_tokens=0"],
@@ -134,17 +138,17 @@ TS = "buffer.explorer_input.taskset"
      f"repeat_times null."),
     # the merged model equalled the warm start (exit 0)
     (["model.lora.rank=4", "model.lora.alpha=0"],
-     "model.lora.alpha=0.0 must be > 0 with model.lora.rank=4: the adapters' update is scaled by alpha / rank, "
-     "so 0 leaves the model as it started. 16 or 2 x rank is common."),
+     "model.lora.alpha=0.0 must be > 0 and finite: with model.lora.rank > 0 the adapters' update is scaled by "
+     "alpha / rank, so 0 leaves the model as it started; 16 or 2 x rank is common."),
     (["explorer.max_failed_steps=-1"],
      "explorer.max_failed_steps=-1 must be >= 0 (0: never stop a run whose tasks all fail)."),
     (["synchronizer.sync_timeout=0"], "synchronizer.sync_timeout=0.0 must be > 0 (seconds)."),
     (["cluster.num_cpus=0"],
-     "cluster.num_cpus=0 must be >= 1 (or null: every CPU of this machine); with none, no actor could ever be "
+     "cluster.num_cpus=0 must be >= 1 (or null: every CPU of this machine): with none, no actor could ever be "
      "placed and the run would wait forever."),
     # clip_grad_norm_ with a negative max_norm reverses every update (exit 0, a worse model)
     (["trainer.grad_clip=-1"],
-     "trainer.grad_clip=-1.0 must be > 0 (the largest gradient norm; inf: no clipping). 0 would zero every "
+     "trainer.grad_clip=-1.0 must be > 0 (the largest gradient norm; inf: no clipping): 0 would zero every "
      "update and a negative value reverse it."),
     (["buffer.explorer_input.default_reward_fn_type=os.sep"],
      "buffer.explorer_input.default_reward_fn_type='os.sep' is a str, not a function or class; give the dotted "

@@ -33,8 +33,8 @@ def error_of(overrides) -> str:
      "algorithm.clip_ratio_low=-0.1 must be >= 0: the ratio is clipped to [1 - clip_ratio_low, 1 + clip_ratio_high]: "
      "a negative value puts the unchanged policy outside that range; inf: no lower clip."),
     (["algorithm.optimizer.weight_decay=inf"],
-     "algorithm.optimizer.weight_decay=inf must be finite: AdamW shrinks each weight by lr x weight_decay a step: an "
-     "infinite one fills the model with NaN."),
+     "algorithm.optimizer.weight_decay=inf must be >= 0 and finite: AdamW shrinks each weight by lr x weight_decay a "
+     "step: a negative one grows them, an infinite one fills the model with NaN."),
     (["algorithm.optimizer.betas=[0.9]"],
      "algorithm.optimizer.betas=[0.9] must be two numbers in [0, 1) (Adam's decay rates of the gradient's mean and "
      "of its square; [0.9, 0.999] is the default)."),
@@ -62,7 +62,7 @@ def error_of(overrides) -> str:
      "algorithm.sft_loss_weight=-0.1 must be >= 0 and finite: 0 turns the auxiliary SFT term off; a negative weight "
      "would unlearn the expert data."),
     (["algorithm=mix", "algorithm.sft_batch_size=0"],
-     "algorithm.sft_batch_size=0 must be >= 1: expert rows a step for the SFT term."),
+     "algorithm.sft_batch_size=0 must be >= 1 (expert rows a step for the SFT term)."),
     (["algorithm=dapo", "algorithm.overlong_buffer_frac=1.0"],
      "algorithm.overlong_buffer_frac=1.0 must be in [0, 1): the share of the response budget at whose end responses "
      "are penalised (0: off; DAPO's 0.2)."),
@@ -73,9 +73,9 @@ def error_of(overrides) -> str:
      "algorithm.behavior_weight_cap=0.0 must be > 0: each stale token's policy loss is weighted by pi_prox / pi_behav "
      "capped here: at or below 0 the weights are 0 or negative; inf: no cap."),
     (["explorer.rollout_model.tensor_parallel_size=0"],
-     "explorer.rollout_model.tensor_parallel_size=0 must be >= 1: devices each engine is split over."),
+     "explorer.rollout_model.tensor_parallel_size=0 must be >= 1 (devices each engine is split over)."),
     (["explorer.rollout_model.generate_batch_size=0"],
-     "explorer.rollout_model.generate_batch_size=0 must be >= 1: sequences per generate() call."),
+     "explorer.rollout_model.generate_batch_size=0 must be >= 1 (sequences per generate() call)."),
     (["explorer=vllm", "explorer.rollout_model.gpu_memory_utilization=1.5"],
      "explorer.rollout_model.gpu_memory_utilization=1.5 must be in (0, 1]: the share of each GPU's memory vLLM may "
      "take (0.9 is common)."),
@@ -84,12 +84,13 @@ def error_of(overrides) -> str:
      "default): at 0 a task always or never solved is never drawn again, and an infinite one draws uniformly."),
     # 0 was read as null (`x or default`): a default the user did not ask for
     (["buffer.train_batch_size=0"],
-     "buffer.train_batch_size=0 must be >= 1, or null for the default (batch_size x algorithm.repeat_times in "
+     "buffer.train_batch_size=0 must be >= 1 (or null for the default: batch_size x algorithm.repeat_times in "
      "mode=both)."),
     (["trainer.mini_batch_size=0"],
-     "trainer.mini_batch_size=0 must be >= 1, or null for the default (buffer.train_batch_size)."),
+     "trainer.mini_batch_size=0 must be >= 1 (or null for the default: buffer.train_batch_size)."),
     (["trainer.logprob_chunk_size=-1"],
-     "trainer.logprob_chunk_size=-1 must be >= 1, or null for the default (all tokens at once)."),
+     "trainer.logprob_chunk_size=-1 must be >= 1 (or null for the default: all tokens at once)."),
+    (["trainer.ppo_epochs=0"], "trainer.ppo_epochs=0 must be >= 1 (passes over each step's experiences)."),
 ])
 def test_a_value_outside_its_range_is_one_paragraph(overrides, message):
     assert error_of(overrides) == message
@@ -106,6 +107,31 @@ def test_a_value_outside_its_range_is_one_paragraph(overrides, message):
 def test_a_value_no_stage_reads_or_that_means_something_plans(overrides):
     # the RL stage of the default: 16 tasks x 8 rollouts = 128 experiences a step
     assert plan_for(overrides).experiences_per_step == 128
+
+
+def test_every_range_names_a_key_of_the_schema_and_holds_its_default():
+    # a misspelt key in the table would check nothing (OmegaConf.select gives None, which passes)
+    from omegaconf import OmegaConf
+
+    from rft.plan.ranges import RANGES
+
+    cfg = stage_configs(compose_cfg(["stages=[]"]))[-1]
+    for r in RANGES:
+        keys = r.keys(cfg)
+        assert keys, r.key  # the default has an eval set: [*] stands for one key at least
+        for key in keys:
+            assert OmegaConf.select(cfg, key, default="missing") != "missing", key
+            v = OmegaConf.select(cfg, key)
+            assert v is None or r.holds(v), (key, v)
+
+
+def test_the_first_error_is_the_range_of_the_runs_shape():
+    # a batch of 0 tasks and an absurd eval interval: the run's shape is named first, as it was
+    assert error_of(["buffer.batch_size=0", "explorer.eval_interval=0", "trainer.grad_clip=0"]) == (
+        "buffer.batch_size=0 must be >= 1 (tasks per step).")
+    # a range before what compares keys: sync_offset=-1 is named, not the dynamic schedule's need of >= 1
+    assert error_of(["synchronizer.sync_offset=-1", "synchronizer.sync_style=dynamic_by_explorer",
+                     "cluster=local"]) == "synchronizer.sync_offset=-1 must be >= 0 (steps the explorer runs ahead)."
 
 
 def test_greedy_rollouts_under_an_advantage_that_compares_them_stop_the_plan():

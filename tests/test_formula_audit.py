@@ -222,10 +222,9 @@ def test_a_dual_clip_at_or_below_1_is_refused(c):
     with pytest.raises(ConfigError) as e:
         plan_for([f"algorithm.clip_ratio_c={c}"])
     assert str(e.value) == (
-        f"algorithm.clip_ratio_c={c} must be > 1 (the dual clip caps the loss of a token with a negative "
-        f"advantage at -A x clip_ratio_c, where its ratio is above clip_ratio_c; at or below 1 it caps tokens "
-        f"whose ratio has not moved, and they give no gradient). 3 is the usual value; null turns the dual "
-        f"clip off.")
+        f"algorithm.clip_ratio_c={c} must be > 1 (or null: no dual clip): the dual clip caps the loss of a token "
+        f"with a negative advantage at -A x clip_ratio_c, where its ratio is above clip_ratio_c; at or below 1 it "
+        f"caps tokens whose ratio has not moved, and they give no gradient. 3 is the usual value.")
 
 @pytest.mark.parametrize("dtype", [F32, F64])
 def test_ppo_clip_on_the_bounds_keeps_the_gradient(dtype):

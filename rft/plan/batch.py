@@ -32,7 +32,7 @@ from rft.algorithms import ADVANTAGE_FNS, KL_FNS, POLICY_LOSS_FNS, Needs, algori
 from rft.errors import ConfigError
 from rft.registry import ENGINES, TRAINER_BACKENDS
 from rft.plan import memory
-from rft.plan.ranges import check_ranges, warn_unread
+from rft.plan.ranges import check_ranges, stored_experiences, warn_unread
 from rft.plan.placement import check_placement, explorer_count, sync_offset, trainer_ranks
 from rft.plan.sync import check_lora_sync
 
@@ -215,26 +215,9 @@ def check_config(cfg) -> None:
                           f"eval sets; each needs a name of its own (their metrics are eval/<name>/...).")
     _check_names(cfg)
     _check_no_nan(cfg, lists=True)
+    check_ranges(cfg)  # (before the checks that compare keys: each of those reads keys in range)
+    _check_ray_address(cfg.cluster.ray_address)
     _check_runtime(cfg)
-    buf, algo = cfg.buffer, cfg.algorithm
-    # a stage that only trains reads neither unless they size its step (no train_batch_size; a
-    # stored buffer's whole groups): the SFT warm-up named in an error about the RL stage's batch
-    explores = cfg.mode in ("both", "explore")
-    if buf.batch_size < 1 and (explores or not buf.train_batch_size):
-        raise ConfigError(f"buffer.batch_size={buf.batch_size} must be >= 1 (tasks per step).")
-    if algo.repeat_times < 1 and (explores or stored_experiences(buf.trainer_input.experience_buffer)):
-        raise ConfigError(f"algorithm.repeat_times={algo.repeat_times} must be >= 1 (rollouts per task).")
-    if cfg.trainer.ppo_epochs < 1:
-        raise ConfigError(f"trainer.ppo_epochs={cfg.trainer.ppo_epochs} must be >= 1.")
-    for key, value in [
-        ("trainer.save_interval", cfg.trainer.save_interval),
-        ("explorer.eval_interval", cfg.explorer.eval_interval),
-        ("synchronizer.sync_interval", cfg.synchronizer.sync_interval),
-    ]:
-        if value < 1:
-            raise ConfigError(f"{key}={value} must be >= 1 (in steps).")
-    _check_limits(cfg)
-    check_ranges(cfg)
     _check_model(cfg.model)
     check_lora_sync(cfg)
     if cfg.mode in ("both", "explore"):
@@ -274,28 +257,11 @@ def _check_no_nan(cfg, lists: bool = False) -> None:
     walk(tree, "")
 
 
-def _check_limits(cfg) -> None:
-    """Counts and durations that a run would only trip over later (or never say were wrong)."""
-    ex, sc = cfg.explorer, cfg.synchronizer
-    if ex.max_failed_steps < 0:
-        raise ConfigError(f"explorer.max_failed_steps={ex.max_failed_steps} must be >= 0 (0: never stop a run "
-                          f"whose tasks all fail).")
-    for key, value in [("synchronizer.sync_timeout", sc.sync_timeout), ("explorer.restart_timeout", ex.restart_timeout)]:
-        if not value > 0:  # (not >: NaN too)
-            raise ConfigError(f"{key}={value} must be > 0 (seconds).")
-    if cfg.cluster.num_cpus is not None and cfg.cluster.num_cpus < 1:
-        raise ConfigError(f"cluster.num_cpus={cfg.cluster.num_cpus} must be >= 1 (or null: every CPU of this "
-                          f"machine); with none, no actor could ever be placed and the run would wait forever.")
-    address = cfg.cluster.ray_address
+def _check_ray_address(address) -> None:
     if address is not None and address != "auto" and not re.fullmatch(r"(ray://)?\S+:\d+", address):
         raise ConfigError(f"cluster.ray_address={address!r} is not a Ray address: give auto (the cluster `ray start` "
                           f"made on this node), host:port (its GCS, e.g. 10.0.0.1:6379), ray://host:port (Ray "
                           f"Client), or null to start a Ray instance of the run's own.")
-    # clip_grad_norm_ scales the gradient by grad_clip / norm: 0 zeroes every update, a negative
-    # value reverses it (the model would unlearn the reward, without a word)
-    if not cfg.trainer.grad_clip > 0:
-        raise ConfigError(f"trainer.grad_clip={cfg.trainer.grad_clip} must be > 0 (the largest gradient norm; "
-                          f"inf: no clipping). 0 would zero every update and a negative value reverse it.")
 
 
 def _check_context(model, where: str, max_tokens: int | None) -> None:
@@ -318,26 +284,19 @@ def _check_context(model, where: str, max_tokens: int | None) -> None:
 
 
 def _check_rollouts(cfg) -> None:
-    """The sampling settings of every taskset, and the training taskset's rollouts per task."""
+    """The sampling settings of every taskset that compare keys (their ranges: rft.plan.ranges), and the
+    training taskset's rollouts per task."""
     inp, algo = cfg.buffer.explorer_input, cfg.algorithm
     ts_keys = [("buffer.explorer_input.taskset", inp.taskset)]
     ts_keys += [(f"buffer.explorer_input.eval_tasksets[{i}]", ts) for i, ts in enumerate(inp.eval_tasksets)]
     for where, ts in ts_keys:
         r = ts.rollout_args
-        # temperature 0 is greedy decoding (the eval sets' default); below 0 no engine samples
-        if not 0 <= r.temperature < math.inf:
-            raise ConfigError(f"{where}.rollout_args.temperature={r.temperature} must be >= 0 (0: greedy).")
         if 0 < r.temperature < 0.01:  # vLLM's SamplingParams raises it to 0.01 (its _MAX_TEMP)
             raise ConfigError(
                 f"{where}.rollout_args.temperature={r.temperature} is below 0.01 (and not 0, greedy): vLLM raises such "
                 f"a temperature to 0.01 (against inf and NaN in its sampler), so explorer=vllm would sample at 0.01 "
                 f"and return log-probs of that distribution, while the trainer recomputes them at {r.temperature} (and "
                 f"explorer=hf samples at {r.temperature}). Set 0.01 or more, or 0 for greedy decoding.")
-        if not 0 < r.top_p <= 1:
-            raise ConfigError(f"{where}.rollout_args.top_p={r.top_p} must be in (0, 1] (1: no nucleus cut).")
-        if r.max_tokens is not None and r.max_tokens < 1:
-            raise ConfigError(f"{where}.rollout_args.max_tokens={r.max_tokens} must be >= 1 (or null: "
-                              f"model.max_response_tokens).")
         _check_context(cfg.model, where, r.max_tokens)
         if any(not isinstance(x, str) or not x for x in r.stop):  # "" is in every text: one-token responses
             raise ConfigError(f"{where}.rollout_args.stop={list(r.stop)!r}: every stop string must be a non-empty "
@@ -347,9 +306,6 @@ def _check_rollouts(cfg) -> None:
             raise ConfigError(f"{where}.format.prompt_key and response_key both name the column {fmt.prompt_key!r}: "
                               f"the model would be shown the answer it is scored against. Point response_key at the "
                               f"reference answers (or null if the reward needs none).")
-        if ts.repeat_times is not None and ts.repeat_times < 1:
-            raise ConfigError(f"{where}.repeat_times={ts.repeat_times} must be >= 1 (or null: the default, "
-                              f"algorithm.repeat_times for the taskset, 1 for an eval set).")
     for where, ts in ts_keys[1:]:
         n = ts.repeat_times or 1
         if any(not 1 <= k <= n for k in ts.pass_k):
@@ -377,16 +333,7 @@ def _check_algorithm(cfg, needs: Needs) -> None:
 
     algo = cfg.algorithm
     rollout_is.check_config(algo)
-    c = algo.clip_ratio_c
-    if c is not None and not c > 1:
-        raise ConfigError(f"algorithm.clip_ratio_c={c} must be > 1 (the dual clip caps the loss of a token with a "
-                          f"negative advantage at -A x clip_ratio_c, where its ratio is above clip_ratio_c; at or "
-                          f"below 1 it caps tokens whose ratio has not moved, and they give no gradient). 3 is the "
-                          f"usual value; null turns the dual clip off.")
     t = cfg.trainer
-    if t.max_ckpt_to_keep is not None and t.max_ckpt_to_keep < 1:
-        raise ConfigError(f"trainer.max_ckpt_to_keep={t.max_ckpt_to_keep} must be >= 1 (or null to keep every "
-                          f"checkpoint): a run resumes from its newest.")
     if t.save_hf_checkpoint not in ("always", "last", "never"):
         raise ConfigError(f"trainer.save_hf_checkpoint={t.save_hf_checkpoint!r}: choose always, last or never.")
     if t.save_hf_checkpoint != "always" and not cfg.model.lora.rank:
@@ -711,18 +658,8 @@ def _check_pairs(cfg, needs: Needs, kind: str, sizes: list[tuple[str, int]]) -> 
 def _length(cfg, per_epoch: int, opt_per_step: int) -> tuple[int, int]:
     """(total steps, optimizer steps per step), with the warm-up checked against them."""
     buf = cfg.buffer
-    if buf.total_steps is not None:
-        if buf.total_steps < 1:
-            raise ConfigError(f"buffer.total_steps={buf.total_steps} must be >= 1 (or null to use total_epochs).")
-        total = buf.total_steps
-    else:
-        if buf.total_epochs < 1:
-            raise ConfigError(f"buffer.total_epochs={buf.total_epochs} must be >= 1.")
-        total = buf.total_epochs * per_epoch
+    total = buf.total_steps if buf.total_steps is not None else buf.total_epochs * per_epoch
     opt = cfg.algorithm.optimizer
-    if not 0 <= opt.lr < math.inf or not opt.weight_decay >= 0:  # (not >=: NaN too) a negative lr ascends the loss
-        key, value = ("lr", opt.lr) if not 0 <= opt.lr < math.inf else ("weight_decay", opt.weight_decay)
-        raise ConfigError(f"algorithm.optimizer.{key}={value} must be >= 0{' and finite' * (key == 'lr')}.")
     warmup = opt.warmup_steps
     if not 0 <= warmup <= total * opt_per_step:
         raise ConfigError(
@@ -755,9 +692,6 @@ def _check_schedule(cfg, needs: Needs, kind: str, train_bs: int, total: int) -> 
 
 
 def _check_model(model) -> None:
-    for key in ("max_prompt_tokens", "max_response_tokens"):
-        if model[key] < 1:
-            raise ConfigError(f"model.{key}={model[key]} must be >= 1 (tokens).")
     if model.dtype not in C.DTYPES:
         raise ConfigError(f"model.dtype={model.dtype!r} is not a dtype; choose one of {', '.join(C.DTYPES)}.")
     path = os.path.expanduser(model.model_path)
@@ -818,15 +752,8 @@ def _check_positions(model) -> None:
 def _check_lora(lora) -> None:
     import re
 
-    if lora.rank < 0:
-        raise ConfigError(f"model.lora.rank={lora.rank} must be >= 0 (0: no LoRA, train every weight).")
-    if not lora.rank:
+    if not lora.rank:  # (its range, and alpha's: rft.plan.ranges)
         return
-    # the update is (alpha / rank) B A: with alpha 0 the adapters train but never change the model
-    if not 0 < lora.alpha < math.inf:
-        raise ConfigError(f"model.lora.alpha={lora.alpha} must be > 0 with model.lora.rank={lora.rank}: "
-                          f"the adapters' update is scaled by alpha / rank, so 0 leaves the model as it started. "
-                          f"16 or 2 x rank is common.")
     if lora.dropout:
         raise ConfigError(f"model.lora.dropout={lora.dropout}: the trainer computes without dropout so that its "
                           f"log-probs are the ones the engine sampled with (the policy ratio's denominator). Set "
@@ -889,8 +816,6 @@ def _token_budget(cfg, micro: int) -> int | None:
         return None
     longest = memory.longest(model)
     budget = t.max_token_len_per_gpu or micro * longest
-    if budget < 1:
-        raise ConfigError(f"trainer.max_token_len_per_gpu={budget} must be >= 1 (tokens per micro-batch).")
     if budget < longest:
         log.warning("trainer.max_token_len_per_gpu=%d is below the longest sequence (%d tokens: "
                     "model.max_model_len or max_prompt_tokens + max_response_tokens); a longer sequence "
@@ -947,15 +872,6 @@ def _typed_buffer(value, where: str):
     return merged
 
 
-def stored_experiences(buf_cfg) -> bool:
-    """The trainer's input is experiences an explorer stored (not a dataset of prompt/response rows)."""
-    from rft.data.experience import is_experience_file
-
-    return buf_cfg.storage_type == "sql" or (
-        buf_cfg.storage_type == "file" and bool(buf_cfg.path) and is_experience_file(buf_cfg.path)
-    )
-
-
 def _check_runtime(cfg) -> None:
     """Modes, buffers, the synchronizer's schedule and staleness bound, runners, placement."""
     sc, ex, eb = cfg.synchronizer, cfg.explorer, cfg.buffer.trainer_input.experience_buffer
@@ -972,8 +888,6 @@ def _check_runtime(cfg) -> None:
         )
     if sc.sync_offset is None:  # a config not from stage_configs (tests, notebooks)
         sc = OmegaConf.merge(sc, {"sync_offset": sync_offset(cfg)})
-    if sc.sync_offset < 0:
-        raise ConfigError(f"synchronizer.sync_offset={sc.sync_offset} must be >= 0 (steps the explorer runs ahead).")
     # mode=explore never syncs from a trainer (it reads checkpoints), so any method is fine there
     if sc.sync_method == "collective" and cfg.cluster.backend != "ray" and cfg.mode != "explore":
         raise ConfigError(
@@ -992,12 +906,6 @@ def _check_runtime(cfg) -> None:
             f"{worst}, so experiences would be dropped every step. Raise max_staleness to {worst} "
             f"or lower sync_offset / sync_interval."
         )
-    for k, v, lo in [("explorer.runner_per_model", ex.runner_per_model, 1),
-                     ("explorer.max_retry_times", ex.max_retry_times, 0)]:
-        if v < lo:
-            raise ConfigError(f"{k}={v} must be >= {lo}.")
-    if ex.max_timeout <= 0:
-        raise ConfigError(f"explorer.max_timeout={ex.max_timeout} must be > 0 (seconds).")
     rm = ex.rollout_model
     if rm.enable_sleep_mode and (sc.sync_offset > 0 or not C.colocated(cfg)):
         raise ConfigError(
@@ -1013,8 +921,6 @@ def _check_runtime(cfg) -> None:
         )
     if rm.dtype is not None and rm.dtype not in C.DTYPES:
         raise ConfigError(f"explorer.rollout_model.dtype={rm.dtype!r} is not a dtype; choose one of {', '.join(C.DTYPES)} (or null: model.dtype).")
-    if not 0 <= ex.over_rollout.ratio < 1:
-        raise ConfigError(f"explorer.over_rollout.ratio={ex.over_rollout.ratio} must be in [0, 1).")
     check_placement(cfg)
 
 
@@ -1050,12 +956,6 @@ def _check_dynamic(cfg, sc) -> bool:
                 f"carries the rest over, which algorithm.dynamic_sampling_max_tries="
                 f"{cfg.algorithm.dynamic_sampling_max_tries} and explorer.over_rollout.ratio="
                 f"{ex.over_rollout.ratio} would do otherwise: set them to 1 and 0, or partial_rollout=false.")
-        if ex.partial_in_flight < 1:
-            raise ConfigError(f"explorer.partial_in_flight={ex.partial_in_flight} must be >= 1 (groups in flight, "
-                              f"in explore steps' worth: an explore step needs its batch_size groups).")
-        if ex.partial_chunk_tokens < 1:
-            raise ConfigError(f"explorer.partial_chunk_tokens={ex.partial_chunk_tokens} must be >= 1 (tokens "
-                              f"generated between two chances to take new weights).")
     if sc.fixed_interrupts and not (ex.partial_rollout and sc.sync_offset == 1):
         raise ConfigError(
             f"synchronizer.fixed_interrupts=true (a test mode) makes explore step s wait for the weights of "

@@ -1,13 +1,15 @@
 """The numeric settings whose every value outside a range is a mistake, as one table checked when
 planning (rft.plan.batch.check_config), so that each ends the command with a paragraph naming the
-key, its value and the range before anything starts.
+key, its value, the range and what the value means, before anything starts.
 
-Hydra types each key (an int key refuses 2.5) and the plan checks the keys that size the run
-(batch sizes, intervals); these are the rest: coefficients and bounds that the trainer or the
-explorer reads mid-run, where an out-of-range value did not fail but trained another run than
-the one asked for, with exit 0 (a negative clip ratio inverts the clip range, a negative KL
-coefficient pushes the policy away from its reference, an infinite weight decay or entropy
-coefficient fills the model with NaN, a tensor_parallel_size of 0 split the model in none).
+Hydra types each key (an int key refuses 2.5); the ranges are what the type cannot say: the counts
+and intervals that size the run (a batch of 0 tasks), the durations (a timeout of 0 s), and the
+coefficients and bounds that the trainer or the explorer reads mid-run, where an out-of-range
+value did not fail but trained another run than the one asked for, with exit 0 (a negative clip
+ratio inverts the clip range, a negative KL coefficient pushes the policy away from its
+reference, an infinite weight decay or entropy coefficient fills the model with NaN, a
+tensor_parallel_size of 0 split the model in none). A check that compares two keys, or whose
+bound is the run's own length or data, stays with the plan (rft.plan.batch).
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ class Range:
     lo_open: bool = False  # lo itself is out of range
     hi_open: bool = True  # hi itself is out of range (inf: the value must be finite)
     why: str = ""
+    # what the value means, in parentheses after the range: "tasks per step", "0: greedy", "or null: ..."
+    note: str = ""
     # whether the stage reads the key (a value it never reads is left alone)
     when: Callable | None = None
 
@@ -44,6 +48,17 @@ class Range:
             finite = " and finite" if self.hi_open and isinstance(v, float) else ""
             return f"{'>' if self.lo_open else '>='} {self.lo:g}{finite}"
         return f"in {'(' if self.lo_open else '['}{self.lo:g}, {self.hi:g}{')' if self.hi_open else ']'}"
+
+    def message(self, key: str, v) -> str:
+        note = f" ({self.note})" if self.note else ""
+        return f"{key}={v} must be {self.text(v)}{note}{': ' + self.why if self.why else ''}."
+
+    def keys(self, cfg) -> list[str]:
+        """The key, or one per item of the list that `[*]` stands for (each eval set)."""
+        if "[*]" not in self.key:
+            return [self.key]
+        head, tail = self.key.split("[*]", 1)
+        return [f"{head}[{i}]{tail}" for i in range(len(OmegaConf.select(cfg, head) or ()))]
 
     def holds(self, v) -> bool:  # (comparisons with NaN are False: NaN is out of every range)
         above = v > self.lo if self.lo_open else v >= self.lo
@@ -78,7 +93,92 @@ def _vllm(cfg) -> bool:
     return cfg.explorer.rollout_model.engine_type == "vllm"
 
 
+def _explores(cfg) -> bool:
+    return cfg.mode in ("both", "explore")
+
+
+def _sizes_by_tasks(cfg) -> bool:
+    """A stage that only trains reads buffer.batch_size only to size its step (no train_batch_size):
+    the SFT warm-up was named in an error about the RL stage's batch."""
+    return _explores(cfg) or not cfg.buffer.train_batch_size
+
+
+def stored_experiences(buf_cfg) -> bool:
+    """The trainer's input is experiences an explorer stored (not a dataset of prompt/response rows)."""
+    from rft.data.experience import is_experience_file
+
+    return buf_cfg.storage_type == "sql" or (
+        buf_cfg.storage_type == "file" and bool(buf_cfg.path) and is_experience_file(buf_cfg.path)
+    )
+
+
+def _reads_groups(cfg) -> bool:
+    """algorithm.repeat_times: the explorer's group size, or a stored buffer's whole groups."""
+    return _explores(cfg) or stored_experiences(cfg.buffer.trainer_input.experience_buffer)
+
+
+def _partial(cfg) -> bool:
+    return cfg.explorer.partial_rollout
+
+
+def _tasksets(field: str, *args, **kw) -> tuple[Range, Range]:
+    """One range for the training taskset's `field`, read where the stage explores, and one for each
+    eval set's, read in every mode (mode=train evaluates too: rft.plan.placement.explorer_count)."""
+    return (Range(f"buffer.explorer_input.taskset.{field}", *args, **kw, when=_explores),
+            Range(f"buffer.explorer_input.eval_tasksets[*].{field}", *args, **kw))
+
+
+STEPS = "in steps"
+SECONDS = "seconds"
+
 RANGES = (
+    # the run's shape first: its errors are the ones a user most likely made
+    Range("buffer.batch_size", 1, note="tasks per step", when=_sizes_by_tasks),
+    Range("algorithm.repeat_times", 1, note="rollouts per task", when=_reads_groups),
+    Range("buffer.train_batch_size", 1, note="or null for the default: batch_size x algorithm.repeat_times in "
+          "mode=both"),
+    Range("trainer.mini_batch_size", 1, note="or null for the default: buffer.train_batch_size"),
+    Range("trainer.ppo_epochs", 1, note="passes over each step's experiences"),
+    Range("buffer.total_steps", 1, note="or null to use total_epochs"),
+    Range("buffer.total_epochs", 1, when=lambda cfg: cfg.buffer.total_steps is None),
+    Range("trainer.save_interval", 1, note=STEPS),
+    Range("explorer.eval_interval", 1, note=STEPS),
+    Range("synchronizer.sync_interval", 1, note=STEPS),
+    Range("synchronizer.sync_offset", 0, note="steps the explorer runs ahead"),
+    Range("model.max_prompt_tokens", 1, note="tokens"),
+    Range("model.max_response_tokens", 1, note="tokens"),
+    Range("model.lora.rank", 0, note="0: no LoRA, train every weight"),
+    # the update is (alpha / rank) B A: with alpha 0 the adapters train but never change the model
+    Range("model.lora.alpha", 0, lo_open=True, when=lambda cfg: cfg.model.lora.rank > 0,
+          why="with model.lora.rank > 0 the adapters' update is scaled by alpha / rank, so 0 leaves the model as it "
+              "started; 16 or 2 x rank is common"),
+    Range("trainer.max_token_len_per_gpu", 1, note="or null for the default: micro_batch_size_per_gpu x the longest "
+          "sequence"),
+    Range("trainer.logprob_chunk_size", 1, note="or null for the default: all tokens at once"),
+    Range("trainer.max_ckpt_to_keep", 1, note="or null to keep every checkpoint", why="a run resumes from its newest"),
+    # clip_grad_norm_ scales the gradient by grad_clip / norm
+    Range("trainer.grad_clip", 0, lo_open=True, hi_open=False, note="the largest gradient norm; inf: no clipping",
+          why="0 would zero every update and a negative value reverse it"),
+    Range("cluster.num_cpus", 1, note="or null: every CPU of this machine",
+          why="with none, no actor could ever be placed and the run would wait forever"),
+    Range("explorer.max_failed_steps", 0, note="0: never stop a run whose tasks all fail"),
+    Range("synchronizer.sync_timeout", 0, lo_open=True, hi_open=False, note=SECONDS),
+    Range("explorer.restart_timeout", 0, lo_open=True, hi_open=False, note=SECONDS),
+    Range("explorer.max_timeout", 0, lo_open=True, hi_open=False, note=SECONDS),
+    Range("explorer.runner_per_model", 1),
+    Range("explorer.max_retry_times", 0),
+    Range("explorer.over_rollout.ratio", 0, 1),
+    Range("explorer.partial_in_flight", 1, when=_partial,
+          note="groups in flight, in explore steps' worth: an explore step needs its batch_size groups"),
+    Range("explorer.partial_chunk_tokens", 1, when=_partial,
+          note="tokens generated between two chances to take new weights"),
+    Range("algorithm.optimizer.lr", 0, why="a negative learning rate ascends the loss"),
+    # (a temperature in (0, 0.01), which vLLM raises, and 0 under a grouped advantage: rft.plan.batch)
+    *_tasksets("rollout_args.temperature", 0, note="0: greedy"),
+    *_tasksets("rollout_args.top_p", 0, 1, lo_open=True, hi_open=False, note="1: no nucleus cut"),
+    *_tasksets("rollout_args.max_tokens", 1, note="or null: model.max_response_tokens"),
+    *_tasksets("repeat_times", 1, note="or null: the default, algorithm.repeat_times for the taskset, 1 for an eval "
+               "set"),
     # ratio clipped to [1 - low, 1 + high]: a negative one puts 1 outside the range (inverted clip)
     Range("algorithm.clip_ratio_low", 0, hi_open=False, why="the ratio is clipped to [1 - clip_ratio_low, "
           "1 + clip_ratio_high]: a negative value puts the unchanged policy outside that range; inf: no lower clip"),
@@ -87,9 +187,9 @@ RANGES = (
     Range("algorithm.optimizer.min_lr_ratio", 0, 1, hi_open=False, when=_cosine,
           why="the cosine schedule ends at lr x min_lr_ratio: below 0 the learning rate turns negative (the loss "
               "is ascended), above 1 it grows"),
-    # (a negative one: rft.plan.batch._length's message)
-    Range("algorithm.optimizer.weight_decay", -INF, lo_open=True,
-          why="AdamW shrinks each weight by lr x weight_decay a step: an infinite one fills the model with NaN"),
+    Range("algorithm.optimizer.weight_decay", 0,
+          why="AdamW shrinks each weight by lr x weight_decay a step: a negative one grows them, an infinite one fills "
+              "the model with NaN"),
     Range("algorithm.gamma", 0, 1, hi_open=False, when=_rl,
           why="a discount: 1 sums the rewards, below 1 discounts later ones"),
     Range("algorithm.lam", 0, 1, hi_open=False, when=_critic,
@@ -97,7 +197,7 @@ RANGES = (
     Range("algorithm.critic_lr", 0, why="a negative learning rate ascends the critic's loss", when=_critic),
     Range("algorithm.value_clip", 0, lo_open=True, hi_open=False, why="the critic's values are clipped to "
           "old +- value_clip; inf: no clipping", when=_critic),
-    Range("algorithm.critic_warmup", 0, why="steps that train only the critic (0: none)", when=_critic),
+    Range("algorithm.critic_warmup", 0, note="steps that train only the critic; 0: none", when=_critic),
     Range("algorithm.tau", 0, lo_open=True, why="OPMD's temperature (the loss is divided by 1 + tau, the "
           "logavgexp baseline divides by it)", when=_rl),
     Range("algorithm.kl_loss_coef", 0, when=_kl("kl_loss_fn"),
@@ -107,14 +207,18 @@ RANGES = (
     Range("algorithm.entropy_coef", -INF, lo_open=True, why="an infinite coefficient makes the loss infinite"),
     Range("algorithm.sft_loss_weight", 0, why="0 turns the auxiliary SFT term off; a negative weight would unlearn "
           "the expert data"),
-    Range("algorithm.sft_batch_size", 1, when=_mixes_sft, why="expert rows a step for the SFT term"),
+    Range("algorithm.sft_batch_size", 1, when=_mixes_sft, note="expert rows a step for the SFT term"),
+    Range("algorithm.clip_ratio_c", 1, lo_open=True, hi_open=False, note="or null: no dual clip",
+          why="the dual clip caps the loss of a token with a negative advantage at -A x clip_ratio_c, where its ratio "
+              "is above clip_ratio_c; at or below 1 it caps tokens whose ratio has not moved, and they give no "
+              "gradient. 3 is the usual value"),
     Range("algorithm.dpo_beta", 0, lo_open=True, when=lambda cfg: cfg.algorithm.policy_loss_fn == "dpo",
           why="DPO's beta scales the implicit reward (0.1 is common)"),
     Range("algorithm.behavior_weight_cap", 0, lo_open=True, hi_open=False,
           when=lambda cfg: _rl(cfg) and cfg.algorithm.off_policy_correction == "decoupled",
           why="each stale token's policy loss is weighted by pi_prox / pi_behav capped here: at or below 0 the "
               "weights are 0 or negative; inf: no cap"),
-    Range("algorithm.dynamic_sampling_max_tries", 0, why="task batches a step draws (0 or 1: off)", when=_rl),
+    Range("algorithm.dynamic_sampling_max_tries", 0, note="task batches a step draws; 0 or 1: off", when=_rl),
     Range("algorithm.overlong_buffer_frac", 0, 1, why="the share of the response budget at whose end responses "
           "are penalised (0: off; DAPO's 0.2)", when=_rl),
     Range("algorithm.overlong_penalty_factor", 0, why="the penalty at the length limit: a negative one rewards "
@@ -124,39 +228,29 @@ RANGES = (
     Range("buffer.trainer_input.experience_buffer.max_read_timeout", 0, lo_open=True, hi_open=False,
           why="seconds the trainer waits for a full batch (and a writer for room in a full queue); at 0 it never "
               "waits, so a step trains on what happened to be there; inf: wait for ever"),
-    Range("explorer.rollout_model.tensor_parallel_size", 1, why="devices each engine is split over"),
-    Range("explorer.rollout_model.generate_batch_size", 1, why="sequences per generate() call"),
+    Range("explorer.rollout_model.tensor_parallel_size", 1, note="devices each engine is split over"),
+    Range("explorer.rollout_model.generate_batch_size", 1, note="sequences per generate() call"),
     Range("explorer.rollout_model.gpu_memory_utilization", 0, 1, lo_open=True, hi_open=False, when=_vllm,
           why="the share of each GPU's memory vLLM may take (0.9 is common)"),
-    Range("explorer.rollout_model.cpu_kvcache_space_gb", 1, when=_vllm, why="GiB for vLLM's KV cache on CPU"),
+    Range("explorer.rollout_model.cpu_kvcache_space_gb", 1, when=_vllm, note="GiB for vLLM's KV cache on CPU"),
     Range("data_processor.online_curriculum.eps", 0, lo_open=True,
           when=lambda cfg: cfg.data_processor.online_curriculum.enable,
           why="the floor of every task's weight (0.05 is the default): at 0 a task always or never solved is "
               "never drawn again, and an infinite one draws uniformly"),
     Range("data_processor.online_curriculum.window", 1, when=lambda cfg: cfg.data_processor.online_curriculum.enable,
-          why="a task's newest rollouts its pass rate counts"),
+          note="a task's newest rollouts its pass rate counts"),
 )
-
-# keys whose null means "the default": 0 is no default, and was taken for one (`x or default`)
-ZERO_IS_NOT_NULL = (
-    ("buffer.train_batch_size", "batch_size x algorithm.repeat_times in mode=both"),
-    ("trainer.mini_batch_size", "buffer.train_batch_size"),
-    ("trainer.max_token_len_per_gpu", "micro_batch_size_per_gpu x the longest sequence"),
-    ("trainer.logprob_chunk_size", "all tokens at once"),
-)
-
 
 def check_ranges(cfg) -> None:
+    """The first key out of its range, in the table's order. A null is left alone: where a key may be
+    null its note says what null means (a key that may not be is typed so)."""
     for r in RANGES:
         if r.when is not None and not r.when(cfg):
             continue
-        v = OmegaConf.select(cfg, r.key)
-        if v is not None and not r.holds(v):
-            raise ConfigError(f"{r.key}={v} must be {r.text(v)}: {r.why}.")
-    for key, default in ZERO_IS_NOT_NULL:
-        v = OmegaConf.select(cfg, key)
-        if v is not None and v < 1:
-            raise ConfigError(f"{key}={v} must be >= 1, or null for the default ({default}).")
+        for key in r.keys(cfg):
+            v = OmegaConf.select(cfg, key)
+            if v is not None and not r.holds(v):
+                raise ConfigError(r.message(key, v))
     betas = list(cfg.algorithm.optimizer.betas)
     if len(betas) != 2 or not all(0 <= b < 1 for b in betas):
         raise ConfigError(f"algorithm.optimizer.betas={betas} must be two numbers in [0, 1) (Adam's decay rates of "
