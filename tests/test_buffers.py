@@ -371,25 +371,93 @@ def two_writers(buf, ours: str, theirs: str):
 
 
 @pytest.mark.parametrize("kind", ["sql", "file"])
-def test_drop_own_after_drops_this_writers_rows_after_the_checkpoint_only(tmp_path, kind):
-    buf = make_buffer(buf_cfg(kind, path=str(tmp_path / ("b.db" if kind == "sql" else "b.jsonl"))))
-    checkpoint = two_writers(buf, ours="2/77/a", theirs="2/99/a")
-    assert buf.drop_own_after(checkpoint["last_id"], lambda g: g == "2/77/a") == 4  # t4 t5, t8 t9
-    assert buf.drop_own_after(checkpoint["last_id"], lambda g: g == "2/77/a") == 0
-    # before the checkpoint this writer's stay; the other writer's stay wherever they are
-    assert ids(buf.get(10, timeout=0.2)) == ["t0", "t1", "t2", "t3", "t6", "t7"]
-    buf.put(exps(1, start=100))  # written again after them
-    assert ids(buf.get(10, timeout=0.2)) == ["t100"]
+def test_a_resumed_writer_keeps_its_rows_after_the_checkpoint_and_writes_only_the_rest(tmp_path, kind):
+    """A resumed mode=explore run removes nothing: its rows after the checkpoint stay, and exploring
+    their step again it leaves out, per group, as many rows as are stored (a write killed midway
+    stored the first of each group); another writer's rows are never its own."""
+    path = str(tmp_path / ("b.db" if kind == "sql" else "b.jsonl"))
+    buf = make_buffer(buf_cfg(kind, path=path))
+    checkpoint = two_writers(buf, ours="2/77/a", theirs="2/99/a")  # t4 t5 and t8 t9 ours after it
+    resumed = make_buffer(buf_cfg(kind, path=path))
+    assert resumed.keep_written(checkpoint["last_id"], lambda g: g == "2/77/a") == 4
+    # its step explored again: t4 t5 t8 t9 stored, t10 of the same group not (the write was cut
+    # before it), t11 of the next step
+    again = [e for e in exps(8, start=4) if e.task_id not in ("t6", "t7")]
+    for e in again:
+        e.group_id = "3/77/a" if e.task_id == "t11" else "2/77/a"
+    resumed.put(again)
+    reader = make_buffer(buf_cfg(kind, path=path))
+    # the first 4 of group 2/77/a are left out, as 4 are stored; t10 and t11 written
+    assert ids(reader.get(20, timeout=0.2)) == [f"t{i}" for i in range(12)]
+    resumed.put(exps(1, start=100))  # past what was stored: written
+    assert ids(reader.get(20, timeout=0.2)) == ["t100"]
 
 
-def test_file_drop_own_after_cuts_a_line_a_killed_writer_left(tmp_path):
+def test_a_file_writer_resumed_after_a_cut_line_keeps_the_whole_lines(tmp_path):
     buf = FileBuffer(buf_cfg("file", path=str(tmp_path / "b.jsonl")))
     checkpoint = two_writers(buf, ours="2/77/a", theirs="2/99/a")
     with open(tmp_path / "b.jsonl", "ab") as f:
-        f.write(b'{"tokens": [1')  # a write killed midway: no newline
-    assert buf.drop_own_after(checkpoint["last_id"], lambda g: g == "2/77/a") == 4
+        f.write(b'{"tokens": [1')  # a write killed midway: no newline, and no group
+    assert buf.keep_written(checkpoint["last_id"], lambda g: g == "2/77/a") == 4
+    buf.put(exps(1, start=100))
     assert (tmp_path / "b.jsonl").read_bytes().endswith(b"\n")
-    assert ids(buf.get(10, timeout=0.2)) == ["t0", "t1", "t2", "t3", "t6", "t7"]
+    assert ids(buf.get(20, timeout=0.2)) == ["t0", "t1", "t2", "t3", "t4", "t5", "t6", "t7", "t8", "t9", "t100"]
+
+
+LIVE_READER = """
+import json, sys, time
+from pathlib import Path
+sys.path.insert(0, "tests")
+from test_buffers import buf_cfg
+from rft.data.buffer import make_buffer
+kind, path, signals = sys.argv[1], sys.argv[2], Path(sys.argv[3])
+buf = make_buffer(buf_cfg(kind, path=path))
+got = [e.task_id for e in buf.get(3, timeout=10)]
+(signals / "read").write_text("")
+while not (signals / "go").exists():
+    time.sleep(0.01)
+try:
+    while True:
+        got += [e.task_id for e in buf.get(1, timeout=1)]
+except TimeoutError:
+    pass
+print(json.dumps(got))
+"""
+
+
+@pytest.mark.parametrize("kind", ["sql", "file"])
+def test_a_trainer_reading_live_reads_each_row_once_across_an_explorers_resume(tmp_path, kind):
+    """README's explore/train split: a mode=train job reads the buffer while the mode=explore run
+    is killed after explore step 2's rows, before their checkpoint, and resumes. Before, the resume
+    removed those rows and wrote them again: the reader, past the first of them, read 'own0' twice
+    (sql: its id above the reader's cursor again), or, in a file, read 'own0' twice and never 'oth0'
+    (its byte offset now mid-file; exit 0) or, where the lines differ in length, from the middle of
+    a line (RunError: line 3 is not a stored experience)."""
+    path = str(tmp_path / ("b.db" if kind == "sql" else "b.jsonl"))
+
+    def rows(*names, group):
+        return [Experience(tokens=[0, 1, 2, 3], prompt_length=1, logprobs=[-0.5] * 3, task_id=n, group_id=group)
+                for n in names]
+
+    ours = "2/77/a"
+    explorer = make_buffer(buf_cfg(kind, path=path))
+    explorer.put(rows("c0", "c1", group="1/77/a"))
+    checkpoint = explorer.state()  # the explorer's checkpoint of step 1
+    explorer.put(rows("own0", "own1", group=ours))  # explore step 2, killed before its checkpoint
+    make_buffer(buf_cfg(kind, path=path)).put(rows("oth0", "oth1", group="2/99/a"))  # another explorer
+    reader = subprocess.Popen([sys.executable, "-c", LIVE_READER, kind, path, str(tmp_path)], cwd=ROOT,
+                              stdout=subprocess.PIPE, text=True)
+    while not (tmp_path / "read").exists():  # it has read c0, c1, own0
+        assert reader.poll() is None
+        time.sleep(0.01)
+    resumed = make_buffer(buf_cfg(kind, path=path))  # what rft.runtime.saving.restore_buffer does
+    assert resumed.keep_written(checkpoint["last_id"], lambda g: g == ours) == 2
+    resumed.put(rows("own0", "own1", group=ours))  # explore step 2 again
+    resumed.put(rows("next0", "next1", group="3/77/a"))
+    (tmp_path / "go").write_text("")
+    read = json.loads(reader.communicate(timeout=60)[0])
+    assert read == ["c0", "c1", "own0", "own1", "oth0", "oth1", "next0", "next1"]
+    assert [e.task_id for e in read_experiences(path, 20)] == read
 
 
 def test_own_groups_knows_this_runs_group_ids_from_another_explorers():

@@ -107,9 +107,10 @@ def another_explorer(path: Path, kind: str) -> list[dict]:
 def test_a_killed_explorer_run_resumes_to_the_rows_an_uninterrupted_one_writes(kind, warm_start, tmp_path):
     """mode=explore into a sql or file buffer (a trainer elsewhere reads it), killed once explore
     step 2 wrote its rows, before its step's checkpoint; then another explorer writes 8 rows of its
-    own. The resumed run drops its own rows written after the checkpoint, and no other's, and writes
-    them again: the buffer holds the uninterrupted run's rows, each once (it held 80, explore step
-    2's 16 twice), and the other explorer's 8."""
+    own. The resumed run keeps its own rows written after the checkpoint and does not write them
+    again (nothing is removed: a trainer may be reading the buffer live): the buffer holds the
+    uninterrupted run's rows, each once (it held 80, explore step 2's 16 twice), and the other
+    explorer's 8 where it wrote them."""
     env = {**os.environ, "RFT_CHECKPOINT_ROOT_DIR": str(tmp_path)}
     suffix = ".db" if kind == "sql" else ".jsonl"
 
@@ -130,9 +131,9 @@ def test_a_killed_explorer_run_resumes_to_the_rows_an_uninterrupted_one_writes(k
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     a, b = stored_rows(tmp_path / f"straight{suffix}"), stored_rows(tmp_path / f"killed{suffix}")
     assert len(a) == 4 * 16 and len(b) == 4 * 16 + 8
-    # the other explorer's rows, each once, where it wrote them: after the killed run's first 32
-    assert [{"group_id": r["group_id"], "task_id": r["task_id"]} for r in b[32:40]] == other
-    own = b[:32] + b[40:]
+    # the other explorer's rows, each once, where it wrote them: after the killed run's 48
+    assert [{"group_id": r["group_id"], "task_id": r["task_id"]} for r in b[48:56]] == other
+    own = b[:48] + b[56:]
     steps = [r["group_id"].split("/")[0] for r in own[::4]]  # a group's id: <explore step>/<seed>/<task>
     assert steps == [s for s in "0123" for _ in range(4)], steps
     assert a == own

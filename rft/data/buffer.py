@@ -27,7 +27,7 @@ import sqlite3
 import sys
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -478,7 +478,35 @@ def _select_experiences(c):
     return sa.select(*[col for col in _experiences.columns if col.name in have])
 
 
-class SQLBuffer:
+class _KeepsWhatItWrote:
+    """A resumed writer's rows written after its checkpoint stay where they are (mode=explore,
+    rft.runtime.saving): a trainer elsewhere may be reading the buffer live, its place a row id or a
+    byte offset, and removing or rewriting rows under it made it read a row twice and skip another
+    (exit 0), or read from the middle of a line; other explorers' rows sit among them. The resumed
+    run explores those steps again and `put` leaves out the rows already stored: per group id as
+    many as there are (a put is one explore step's rows, each group's in order, so a write killed
+    midway leaves the first rows of each group), so each row is stored, and read, once."""
+
+    def keep_written(self, last_id: int, own) -> int:
+        """The rows after `last_id` whose group id `own(group_id)` says this writer wrote are not
+        written again (`_unwritten`); returns how many."""
+        self._written = Counter(self._groups_after(last_id, own))
+        return sum(self._written.values())
+
+    def _unwritten(self, exps: list[Experience]) -> list[Experience]:
+        written = getattr(self, "_written", None)
+        if not written:
+            return exps
+        out = []
+        for e in exps:
+            if written[e.group_id] > 0:
+                written[e.group_id] -= 1
+            else:
+                out.append(e)
+        return out
+
+
+class SQLBuffer(_KeepsWhatItWrote):
     """Experiences in a SQLite database: any number of writer processes, one reader per name.
 
     The reader reads rows in id order after its cursor (the last id it read), which it stores in
@@ -537,6 +565,7 @@ class SQLBuffer:
             ) from None
 
     def put(self, exps: list[Experience]) -> None:
+        exps = self._unwritten(exps)
         if exps:
             now = time.time()
             with self._damage_named(), self.engine.begin() as c:  # one transaction: all rows or none
@@ -607,16 +636,12 @@ class SQLBuffer:
         with self.engine.begin() as c:
             return c.execute(sa.delete(_experiences).where(_experiences.c.id > last_id)).rowcount
 
-    def drop_own_after(self, last_id: int, own) -> int:
-        """Delete the rows after `last_id` whose group id `own(group_id)` says this writer wrote;
-        returns how many. Another writer's rows stay, ids unchanged (rft.runtime.saving: a resumed
-        mode=explore run writes its own again, and other explorers may share the file)."""
-        with self._damage_named(), self.engine.begin() as c:
-            after = c.execute(sa.select(_experiences.c.id, _experiences.c.group_id).where(_experiences.c.id > last_id))
-            ids = [r.id for r in after if own(r.group_id)]
-            for i in range(0, len(ids), 500):  # SQLite bounds the parameters of one statement
-                c.execute(sa.delete(_experiences).where(_experiences.c.id.in_(ids[i:i + 500])))
-        return len(ids)
+    def _groups_after(self, last_id: int, own) -> list[str]:
+        """The group ids of the rows after `last_id` that `own` says are this writer's, in order."""
+        with self._damage_named(), self.engine.connect() as c:
+            rows = c.execute(sa.select(_experiences.c.group_id).where(_experiences.c.id > last_id)
+                             .order_by(_experiences.c.id))
+            return [g for (g,) in rows if own(g)]
 
     def close(self) -> None:
         self.engine.dispose()
@@ -628,7 +653,7 @@ class SQLBuffer:
 
 # ---------------------------------------------------------------- file (JSONL)
 
-class FileBuffer:
+class FileBuffer(_KeepsWhatItWrote):
     """Experiences as lines of JSON (`Experience.to_dict`) in one file.
 
     Writers append under a file lock (`<path>.lock`) and fsync. The reader keeps a byte offset
@@ -646,6 +671,9 @@ class FileBuffer:
         return (_reopened, (type(self), self.cfg, self.where, self.state()))
 
     def put(self, exps: list[Experience]) -> None:
+        exps = self._unwritten(exps)
+        if not exps:
+            return
         data = "".join(json.dumps(e.to_dict()) + "\n" for e in exps).encode()
         with self.lock, open(self.path, "ab+") as f:
             # under the lock no write is in progress: a last line without its newline is what a
@@ -740,25 +768,16 @@ class FileBuffer:
             f.truncate(last_id)
         return dropped
 
-    def drop_own_after(self, last_id: int, own) -> int:
-        """Remove the lines after byte `last_id` whose group id `own(group_id)` says this writer
-        wrote; returns how many. Another writer's lines stay, in their order (as SQLBuffer's). A
-        line that does not parse is not this writer's: it stays (a reader names it)."""
+    def _groups_after(self, last_id: int, own) -> list[str]:
+        """The group ids of the whole lines after byte `last_id` that `own` says are this writer's,
+        in order (a line that does not parse is not this writer's: a reader names it)."""
         if not self.path.exists():
-            return 0
-        with self.lock, open(self.path, "rb+") as f:
+            return []
+        with open(self.path, "rb") as f:
             end = _whole_lines_end(f, f.seek(0, os.SEEK_END))  # a cut last line: a killed writer's
             f.seek(last_id)
-            lines = f.read(max(0, end - last_id)).splitlines(keepends=True)
-            kept = [line for line in lines if not _owned(line, own)]
-            if len(kept) == len(lines):
-                return 0
-            f.seek(last_id)
-            f.write(b"".join(kept))
-            f.truncate()
-            f.flush()
-            os.fsync(f.fileno())
-        return sum(1 for line in lines if line.strip()) - sum(1 for line in kept if line.strip())
+            lines = f.read(max(0, end - last_id)).splitlines()
+        return [g for g in map(_group_of, lines) if g is not None and own(g)]
 
     def close(self) -> None:
         pass
@@ -771,12 +790,12 @@ class FileBuffer:
             return sum(1 for line in f if line.endswith(b"\n") and line.strip())
 
 
-def _owned(line: bytes, own) -> bool:
+def _group_of(line: bytes) -> str | None:
     try:
         group = json.loads(line).get("group_id")
     except (ValueError, AttributeError, RecursionError):
-        return False
-    return isinstance(group, str) and own(group)
+        return None
+    return group if isinstance(group, str) else None
 
 
 def _whole_lines_end(f, end: int) -> int:

@@ -85,13 +85,14 @@ class StageCheckpoints:
                       f"nothing in it was still to be read, so the run goes on")
                 state = buffer.state()  # read from its (new) end
                 state = {**state, "cursor": state["last_id"], "offset": state["last_id"]}
-        if self.cfg.mode == "explore" and state and hasattr(buffer, "drop_own_after"):
+        if self.cfg.mode == "explore" and state and hasattr(buffer, "keep_written"):
             # explore steps' rows are written before their step's checkpoint: what this run wrote
-            # after it, it writes again, identically; other explorers may write to the file too,
-            # so only this run's own rows go (truncating would lose theirs)
-            dropped = buffer.drop_own_after(state["last_id"], own_groups(self.cfg, latest.state.get("next_explore", 0)))
-            if dropped:
-                log.info("dropped %d experiences this run wrote after the checkpoint", dropped)
+            # after it stays, and exploring those steps again it does not write it again. Nothing
+            # is removed: a trainer elsewhere may be reading the buffer live, and other explorers
+            # may write to it too (rft.data.buffer._KeepsWhatItWrote)
+            kept = buffer.keep_written(state["last_id"], own_groups(self.cfg, latest.state.get("next_explore", 0)))
+            if kept:
+                log.info("%d experiences this run wrote after the checkpoint stay; they are not written again", kept)
         if state:
             self._check_unread(buffer, state, latest)
             self._restore(buffer, state, latest)

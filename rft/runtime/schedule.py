@@ -272,11 +272,11 @@ class Schedule:
                                                                         or step == self.plan.total_steps)
 
     def _wants_save(self, step: int) -> bool:
-        # mode=explore saves its place every step (a small state.json): a resumed explorer drops
-        # the rows it wrote after its checkpoint, its own only (rft.runtime.saving.own_groups),
-        # and writes them again; killed before its first checkpoint it keeps them, and its
-        # explore step 0's rows are there twice (with no checkpoint it cannot tell its rows from
-        # those of an earlier run with its seed)
+        # mode=explore saves its place every step (a small state.json): a resumed explorer keeps
+        # the rows it wrote after its checkpoint, its own (rft.runtime.saving.own_groups), and
+        # does not write them again; killed before its first checkpoint it writes its explore step
+        # 0's rows again, there twice (with no checkpoint it cannot tell its rows from those of an
+        # earlier run with its seed)
         cfg = self.cfg
         return (step % cfg.trainer.save_interval == 0 or step == self.plan.total_steps or cfg.mode == "explore"
                 or self.preempted_at == step)
