@@ -90,6 +90,17 @@ def error_of(overrides) -> str:
      "trainer.mini_batch_size=0 must be >= 1 (or null for the default: buffer.train_batch_size)."),
     (["trainer.logprob_chunk_size=-1"],
      "trainer.logprob_chunk_size=-1 must be >= 1 (or null for the default: all tokens at once)."),
+    # accepted, and read as 0 (the explorer drops a step's last tasks once (1 - ratio) are done): a sign typo
+    (["explorer.over_rollout.ratio=0.25", "explorer.over_rollout.wait_after_min=-5"],
+     "explorer.over_rollout.wait_after_min=-5.0 must be >= 0 (seconds): how long a step waits for its last tasks "
+     "once (1 - ratio) of them are done; inf: for all of them."),
+    # +inf: every sample incorrect (pass@k 0 whatever the model), -inf: every one correct (pass@k 1)
+    (["buffer.explorer_input.eval_tasksets.0.pass_threshold=inf"],
+     "buffer.explorer_input.eval_tasksets[0].pass_threshold=inf must be finite: the reward at or above which a "
+     "sample is correct (pass@k, maj@n, the curriculum's pass rates)."),
+    ([f"{TS}.pass_threshold=-inf"],
+     f"{TS}.pass_threshold=-inf must be finite: the reward at or above which a sample is correct (pass@k, maj@n, "
+     f"the curriculum's pass rates)."),
     (["trainer.ppo_epochs=0"], "trainer.ppo_epochs=0 must be >= 1 (passes over each step's experiences)."),
 ])
 def test_a_value_outside_its_range_is_one_paragraph(overrides, message):

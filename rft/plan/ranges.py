@@ -168,6 +168,8 @@ RANGES = (
     Range("explorer.runner_per_model", 1),
     Range("explorer.max_retry_times", 0),
     Range("explorer.over_rollout.ratio", 0, 1),
+    Range("explorer.over_rollout.wait_after_min", 0, hi_open=False, note=SECONDS,
+          why="how long a step waits for its last tasks once (1 - ratio) of them are done; inf: for all of them"),
     Range("explorer.partial_in_flight", 1, when=_partial,
           note="groups in flight, in explore steps' worth: an explore step needs its batch_size groups"),
     Range("explorer.partial_chunk_tokens", 1, when=_partial,
@@ -179,6 +181,9 @@ RANGES = (
     *_tasksets("rollout_args.max_tokens", 1, note="or null: model.max_response_tokens"),
     *_tasksets("repeat_times", 1, note="or null: the default, algorithm.repeat_times for the taskset, 1 for an eval "
                "set"),
+    # every rollout fails at +inf and passes at -inf: pass@k, maj@n and the curriculum's pass rates say nothing
+    *_tasksets("pass_threshold", -INF, lo_open=True,
+               why="the reward at or above which a sample is correct (pass@k, maj@n, the curriculum's pass rates)"),
     # ratio clipped to [1 - low, 1 + high]: a negative one puts 1 outside the range (inverted clip)
     Range("algorithm.clip_ratio_low", 0, hi_open=False, why="the ratio is clipped to [1 - clip_ratio_low, "
           "1 + clip_ratio_high]: a negative value puts the unchanged policy outside that range; inf: no lower clip"),
