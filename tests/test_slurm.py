@@ -164,6 +164,34 @@ def test_a_dead_jobs_error_names_the_job_state_and_log(tmp_path):
     assert log_tail(tmp_path / "missing.err") == []
 
 
+def test_a_submission_slurm_refuses_is_one_paragraph_naming_the_launchers_keys():
+    """submitit's sbatch failed (a partition the cluster lacks, GPUs its nodes do not have, Slurm
+    down): it raised FailedJobError holding sbatch's stderr, which rft called 'a job of the sweep
+    failed' under Hydra's HYDRA_FULL_ERROR line, though no job had been queued."""
+    from submitit.core.utils import FailedJobError
+
+    stderr = "sbatch: error: invalid partition specified: nosuch\nsbatch: error: Batch job submission failed: Invalid partition name specified"
+    try:
+        raise FailedJobError(stderr) from subprocess.CalledProcessError(1, ["sbatch", "/s/submission_file.sh"], stderr=stderr)
+    except FailedJobError as e:
+        text = explain(e, "/s")
+    assert text == (
+        "rft: Slurm refused the sweep's jobs, so none was queued: sbatch: error: invalid partition specified: nosuch "
+        "sbatch: error: Batch job submission failed: Invalid partition name specified. Check the launcher's keys against "
+        "the cluster's partitions and nodes (hydra.launcher.partition, gpus_per_node, cpus_per_task, mem_gb, timeout_min, "
+        "additional_parameters: `python run.py -m <the same overrides> --cfg hydra -p hydra.launcher` prints them; `sinfo` "
+        "lists what the cluster has) and that Slurm answers (`sinfo`), then run the same command again.")
+
+
+@pytest.mark.slow
+def test_a_sweep_with_a_partition_slurm_lacks_stops_with_that_paragraph(slurm, tmp_path):
+    r = run_cli("-m", "hydra/launcher=slurm", *TINY, "hydra.launcher.partition=nosuch", f"hydra.sweep.dir={tmp_path}")
+    assert r.returncode == 1, r.stderr[-3000:]
+    assert "rft: Slurm refused the sweep's jobs, so none was queued: sbatch: error: " in r.stderr, r.stderr[-3000:]
+    assert "nosuch" in r.stderr.split("so none was queued:")[1].split(". Check")[0]
+    assert "Traceback" not in r.stderr and "HYDRA_FULL_ERROR" not in r.stderr
+
+
 def test_slurms_reason_stays_in_the_tail_when_the_job_printed_on_after_it(tmp_path):
     # submitit ignores scancel's SIGTERM, so the job prints on until KillWait runs out
     log = tmp_path / "12_1_0_log.err"
@@ -233,7 +261,7 @@ def test_a_killed_slurm_job_ends_the_sweep_with_a_clear_error_and_the_same_sweep
     assert proc.returncode == 1, stderr[-3000:]
     assert f"rft: the sweep stopped: job {task} ended with state CANCELLED" in stderr, stderr[-3000:]
     assert "*** JOB" in stderr and f"{task}_0_log.err" in stderr
-    assert "Traceback" not in stderr and "it/s" not in stderr
+    assert "Traceback" not in stderr and "it/s" not in stderr and "HYDRA_FULL_ERROR" not in stderr
     assert sweep_jobs(sweep)[task].startswith("CANCELLED")
     assert re.search(rf"^\[sweep\] job 1 \({task}\) ended with state CANCELLED.* and no result", stdout, re.M), stdout
     assert re.search(r"^\[sweep\] job 0 \(\S+_0\) finished, eval/accuracy = ", stdout, re.M), stdout

@@ -22,9 +22,10 @@ job directory. Whether a dead job is noticed at all is up to Slurm's accounting:
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 from pathlib import Path
 
-from hydra.errors import CompactHydraException
 from omegaconf import OmegaConf
 
 # submitit's UncompletedJobError message: "Job <id> (task: <n>) with path <result.pkl>\n
@@ -33,10 +34,6 @@ _UNCOMPLETED = re.compile(
     r"Job (?P<job>\S+) \(task: (?P<task>\d+)\) with path (?P<pickle>\S+)\s+"
     r"has not produced any output \(state: (?P<state>[^)]*)\)"
 )
-
-
-class SweepJobError(CompactHydraException):
-    """Hydra prints a CompactHydraException as its message alone and exits with status 1."""
 
 
 # what Slurm writes into a job's log when it ends it: "*** JOB 12 ON vm CANCELLED AT ... ***"
@@ -60,6 +57,15 @@ def log_tail(path: Path, lines: int = 8) -> list[str]:
 
 
 def explain(error: Exception, sweep_dir: str) -> str:
+    cause = error.__cause__
+    if isinstance(cause, subprocess.CalledProcessError) and "sbatch" in str(cause.cmd):
+        # submitit's submission (one sbatch for the sweep's array) failed: no job was queued
+        said = " ".join(str(cause.stderr or error).split()) or f"sbatch exited with status {cause.returncode}"
+        return (f"rft: Slurm refused the sweep's jobs, so none was queued: {said}. Check the launcher's keys "
+                f"against the cluster's partitions and nodes (hydra.launcher.partition, gpus_per_node, cpus_per_task, "
+                f"mem_gb, timeout_min, additional_parameters: `python run.py -m <the same overrides> --cfg hydra -p "
+                f"hydra.launcher` prints them; `sinfo` lists what the cluster has) and that Slurm answers (`sinfo`), "
+                f"then run the same command again.")
     m = _UNCOMPLETED.search(str(error))
     if m is None:  # a job that raised inside submitit itself: its message is the traceback
         return f"rft: a job of the sweep failed; the sweep stopped.\n{error}"
@@ -242,7 +248,9 @@ def install() -> None:
         try:
             return launch(self, job_overrides, initial_job_idx)
         except (UncompletedJobError, FailedJobError) as e:
-            raise SweepJobError(explain(e, sweep_dir)) from None
+            # the paragraph alone, status 1 (Hydra would add its HYDRA_FULL_ERROR line to an exception)
+            print(explain(e, sweep_dir), file=sys.stderr, flush=True)
+            sys.exit(1)
         finally:
             del submitit.AutoExecutor.map_array  # submitit's own (Executor's) again
 
