@@ -102,6 +102,19 @@ def error_of(overrides) -> str:
      f"{TS}.pass_threshold=-inf must be finite: the reward at or above which a sample is correct (pass@k, maj@n, "
      f"the curriculum's pass rates)."),
     (["trainer.ppo_epochs=0"], "trainer.ppo_epochs=0 must be >= 1 (passes over each step's experiences)."),
+    (["explorer.rollout_model.engine_num=1000000000000"],  # a MemoryError, building that many Ray bundles
+     "explorer.rollout_model.engine_num=1000000000000 engine(s) and 1 trainer rank(s) (trainer.ranks) are "
+     "1000000000001 processes, more than the CPUs of cluster.node_num=1 node(s) (at most 4096 each, more than any "
+     "machine has), so they could never all be placed. Lower engine_num or trainer.ranks (to the cluster's CPUs "
+     "over cluster.cpus_per_actor=1 each)."),
+    (["trainer=fsdp2", "cluster=local", "cluster.colocate=true", "trainer.ranks=1000000000000"],
+     "explorer.rollout_model.engine_num=1 engine(s) and 1000000000000 trainer rank(s) (trainer.ranks) are "
+     "1000000000001 processes, more than the CPUs of cluster.node_num=1 node(s) (at most 4096 each, more than any "
+     "machine has), so they could never all be placed. Lower engine_num or trainer.ranks (to the cluster's CPUs "
+     "over cluster.cpus_per_actor=1 each)."),
+    (["mode=explore", "buffer=sql", "cluster.gpu_per_node=8", "explorer.rollout_model.engine_num=1000000000000"],
+     "the explorers need engine_num (1000000000000) x tensor_parallel_size (1) = 1000000000000 GPUs but "
+     "cluster.node_num x gpu_per_node = 8. Lower explorer.rollout_model.engine_num, or add nodes."),
 ])
 def test_a_value_outside_its_range_is_one_paragraph(overrides, message):
     assert error_of(overrides) == message

@@ -172,6 +172,7 @@ def check_placement(cfg) -> Placement:
     if mapping(cfg) is not None:
         return _mapped(cfg, trainer, engines, rms)
     if c.gpu_per_node == 0:  # CPU only: every actor reserves its CPUs
+        _check_cpus(cfg, trainer, engines)
         if c.colocate:
             return _colocated(c, actors, rms, explorer_gpus=0, trainer_gpus=0)
         bundles = [{"CPU": c.cpus_per_actor}] * actors
@@ -216,6 +217,27 @@ def _check_counts(cfg) -> None:
     torch_threads(cfg)  # checks cluster.threads_per_actor
 
 
+# CPUs a node may have, at most: more than any machine has, so a count of actors past it is a typo
+# (engine_num=1000000000000 built a list of that many Ray bundles: a MemoryError, not a message). The
+# cluster's own CPUs are counted where Ray starts (rft.runtime.actors.placement_for): the plan may
+# run on a machine other than the cluster's
+MAX_CPUS_PER_NODE = 4096
+
+
+def _check_cpus(cfg, trainer: int, engines: int) -> None:
+    """On CPU each actor is a process reserving cluster.cpus_per_actor CPUs (colocate=true: sharing
+    one set): no more of them than MAX_CPUS_PER_NODE a node."""
+    c = cfg.cluster
+    actors, have = trainer + engines, c.node_num * MAX_CPUS_PER_NODE
+    if actors <= have:
+        return
+    raise ConfigError(
+        f"explorer.rollout_model.engine_num={engines} engine(s) and {trainer} trainer rank(s) (trainer.ranks) are "
+        f"{actors} processes, more than the CPUs of cluster.node_num={c.node_num} node(s) (at most {MAX_CPUS_PER_NODE} "
+        f"each, more than any machine has), so they could never all be placed. Lower engine_num or trainer.ranks (to "
+        f"the cluster's CPUs over cluster.cpus_per_actor={c.cpus_per_actor} each).")
+
+
 def _colocated(c, actors: int, rms: list, explorer_gpus: int, trainer_gpus: int) -> Placement:
     """cluster.colocate: one bundle, shared evenly by every actor, reward models included."""
     n = actors + len(rms)
@@ -244,6 +266,10 @@ def _check_own_gpus(trainer: int, engines: int, tp: int, total: int, rms: list) 
     """Not colocated: the explorers' GPUs, then the reward models' own, then a GPU per trainer
     rank fit in the cluster's; each shortfall names what to lower."""
     explorer_total = engines * tp
+    if explorer_total > total:  # (mode=explore has no trainer whose check below would say so)
+        raise ConfigError(
+            f"the explorers need engine_num ({engines}) x tensor_parallel_size ({tp}) = {explorer_total} GPUs but "
+            f"cluster.node_num x gpu_per_node = {total}. Lower explorer.rollout_model.engine_num, or add nodes.")
     own_gpu = sum(not r.args["colocate"] for r in rms)
     if own_gpu and total - explorer_total - trainer < own_gpu:
         raise ConfigError(
