@@ -121,6 +121,19 @@ def test_a_misspelt_dataset_is_one_paragraph_with_the_close_names(tmp_path):
         write(tmp_path / "x", {"datasets": [ADD], "size": 10, "eval_size": 130})
 
 
+def test_a_split_of_more_rows_than_can_be_generated_is_one_paragraph_before_any_is(tmp_path):
+    # size=10**12: the dry run generated rows into a list for ever (every row is made before the run starts)
+    with pytest.raises(ConfigError) as e:
+        write(tmp_path / "x", {"datasets": [ADD], "size": 10**12})
+    assert str(e.value) == (
+        f"{KEY}.size=1000000000000, .eval_size=200: at most 1000000 rows a split. The rows are generated before the "
+        f"run starts and held in memory while written (~600 bytes each: a million is ~0.6 GB and minutes of "
+        f"generating). Lower them to what the run reads: a step reads buffer.batch_size rows of the train split.")
+    assert not (tmp_path / "x").exists()  # refused before anything was written
+    with pytest.raises(ConfigError, match=r"size=10, .eval_size=1000001: at most 1000000 rows a split"):
+        write(tmp_path / "x", {"datasets": [ADD], "size": 10, "eval_size": 10**6 + 1})
+
+
 def test_the_missing_package_names_the_extra(monkeypatch):
     from rft.rewards.reasoning_gym import library
 

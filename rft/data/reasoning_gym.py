@@ -26,6 +26,7 @@ from rft.errors import ConfigError
 from rft.rewards.reasoning_gym import check_dataset, library, make_dataset
 
 KEY = "buffer.explorer_input.reasoning_gym"
+MAX_ROWS = 1_000_000  # a split's rows
 PREFIX = "reasoning-gym-"
 
 
@@ -78,6 +79,12 @@ def check(section) -> None:
     if s.size < 1 or s.eval_size < 1:
         raise ConfigError(f"{KEY}.size={s.size}, .eval_size={s.eval_size}: both splits need at least one row "
                           f"(the train split is the taskset, the test split its eval set).")
+    if max(s.size, s.eval_size) > MAX_ROWS:
+        # every row is generated before the run starts, and held in memory until written: size=10**12 ran for ever
+        raise ConfigError(f"{KEY}.size={s.size}, .eval_size={s.eval_size}: at most {MAX_ROWS} rows a split. The "
+                          f"rows are generated before the run starts and held in memory while written (~600 bytes "
+                          f"each: a million is ~0.6 GB and minutes of generating). Lower them to what the run reads: "
+                          f"a step reads buffer.batch_size rows of the train split.")
     if not 0 <= s.teacher_error_rate <= 1:
         raise ConfigError(f"{KEY}.teacher_error_rate={s.teacher_error_rate} is not a share in [0, 1].")
 
