@@ -138,3 +138,24 @@ def test_a_reward_that_hangs_times_out_naming_the_key_that_bounds_it(caplog):
     assert results == [None] and counters["timeouts"] == 1 and counters["failed"] == 1
     assert [r.getMessage() for r in caplog.records] == [
         "job 0 attempt 1 timed out after 0.1 s (explorer.max_timeout: its generation and reward together)"]
+
+
+def test_a_csv_answer_reaches_the_reward_as_written(tmp_path):
+    """The study's data as CSV files: the csv reader typed the `target` column as numbers (every
+    value parses as one), so the answer `02` reached the reward as the number 2, and a model answering
+    `02` scored 0 with exit 0. The prompt and answer columns of a CSV file are read as written now;
+    other columns keep their types (`level`, a number to sort or filter by)."""
+    from conftest import compose_cfg
+    from rft.data.tasks import load_tasks
+    from rft.rewards.verifiers import exact_match
+
+    d = tmp_path / "csv"
+    d.mkdir()
+    for split in ("train", "test"):
+        (d / f"{split}.csv").write_text("puzzle,target,level\nmax 012,02,1\nmax 100,1.50,2\nmax 777,10,3\n")
+    cfg = compose_cfg([f"hydra.searchpath=[file://{ROOT}/experiments/digit_max/conf]", "experiment=digit_max",
+                       f"buffer.explorer_input.taskset.path={d}"])
+    tasks = load_tasks(cfg.buffer.explorer_input.taskset, "buffer.explorer_input.taskset")
+    assert [t.answer for t in tasks] == ["02", "1.50", "10"]  # were 2.0, 1.5 and 10.0
+    assert [t.row["level"] for t in tasks] == [1, 2, 3]
+    assert [exact_match("", answer, t) for t, answer in zip(tasks, ["02", "1.50", "10"])] == [1.0, 1.0, 1.0]

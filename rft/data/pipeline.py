@@ -330,7 +330,8 @@ def run_task_pipeline(cfg, pass_rates=None, say=print) -> dict:
             aside = manifest.put_aside(d, "damaged")  # built again, as a damaged file the manifest catches
             say(f"warning: the task pipeline output in {d} is damaged (its report.json is not one rft writes); "
                 f"moved it to {aside.name} and building it again")
-        rows = [dict(r) for r in load_rows(ts.path, ts.split, ts.subset_name, key="buffer.explorer_input.taskset.path")]
+        rows = [dict(r) for r in load_rows(ts.path, ts.split, ts.subset_name, key="buffer.explorer_input.taskset.path",
+                                           fmt=ts.format)]
         ctx = TaskContext(text=_row_text(ts.format), pass_rates=pass_rates)
         report = {"input": str(ts.path), "split": ts.split, "rows": len(rows), "output": str(d / "train.jsonl"),
                   "fingerprint": d.name, "operators": []}

@@ -113,7 +113,7 @@ class DatasetReader:
                  where: str = WHERE):
         if not buf_cfg.path:
             raise ConfigError(f"{where}.storage_type=file needs {where}.path (a dataset of prompt/response rows).")
-        rows = load_rows(buf_cfg.path, buf_cfg.split, key=f"{where}.path")
+        rows = load_rows(buf_cfg.path, buf_cfg.split, key=f"{where}.path", fmt=buf_cfg.format)
         fmt = plain(buf_cfg.format)
         # with chosen_key and rejected_key set, each row is a preference pair: two experiences,
         # chosen then rejected, always kept next to each other

@@ -364,8 +364,9 @@ def ensure_task_data(explorer_input_cfg) -> None:
 # ---------------------------------------------------------------- loading
 
 
-def load_rows(path: str, split: str = "train", subset_name: str | None = None, key: str = "path"):
-    """Load a dataset split through `datasets`: a file, a directory of files, or a hub id."""
+def load_rows(path: str, split: str = "train", subset_name: str | None = None, key: str = "path", fmt=None):
+    """Load a dataset split through `datasets`: a file, a directory of files, or a hub id; `fmt`
+    (a format config): its prompt and answer columns of a CSV file are read as written (`text_columns`)."""
     import datasets
 
     datasets.disable_progress_bars()
@@ -378,13 +379,13 @@ def load_rows(path: str, split: str = "train", subset_name: str | None = None, k
                 raise FileNotFoundError(path)
             _check_split_of_file(local, split, key, path)
             return _checked(lambda: datasets.load_dataset(_FILE_BUILDERS[local.suffix], data_files=str(local),
-                                                          split="train"), [local], key, path)
+                                                          split="train", **_as_text([local], fmt)), [local], key, path)
         if local.is_dir():
             files = sorted(f for f in local.rglob("*") if f.suffix in _FILE_BUILDERS)
             _check_holds_data(local, files, key, path)
             try:
-                return _checked(lambda: datasets.load_dataset(str(local), name=subset_name, split=split),
-                                files, key, path)
+                return _checked(lambda: datasets.load_dataset(str(local), name=subset_name, split=split,
+                                                              **_as_text(files, fmt)), files, key, path)
             except ValueError as e:
                 # a plain directory of data files has no named subsets (a hub snapshot has), so
                 # gsm8k's subset_name=main must not stop a local copy
@@ -416,6 +417,23 @@ def load_rows(path: str, split: str = "train", subset_name: str | None = None, k
             ) from e
         raise ConfigError(f"{key}={path!r}, split={split!r}: {e}") from e
     return _from_hub(datasets, path, split, subset_name, key)
+
+
+def text_columns(fmt) -> list[str]:
+    """The columns of a format that hold text: the prompt (plaintext), the answer, a pair's two."""
+    keys = [fmt.prompt_key if fmt.prompt_type == "plaintext" else None, fmt.response_key,
+            getattr(fmt, "chosen_key", None), getattr(fmt, "rejected_key", None)]
+    return [k for k in keys if k]
+
+
+def _as_text(files: list[Path], fmt) -> dict:
+    """load_dataset's arguments that read a CSV file's text columns as written: the csv reader types
+    a column whose every value parses as a number, so the answer `02` reached the reward as the number
+    2 (`1.50` as 1.5, `true` as True) and a right answer scored 0, without a word. Other columns keep
+    their types (a `difficulty` to sort by); JSONL and Parquet files say their types themselves."""
+    if fmt is None or not files or any(f.suffix != ".csv" for f in files):
+        return {}
+    return {"converters": {c: str for c in text_columns(fmt)}}
 
 
 def _from_hub(datasets, path: str, split: str, subset_name: str | None, key: str):
@@ -760,7 +778,7 @@ def rows_to_messages(row: dict, fmt, where: str, index: int, path: str, split: s
 def load_tasks(ts_cfg, where: str) -> list[Task]:
     """Every row of a taskset as a Task; fails on the first row that lacks the prompt key or
     (unless format.response_key is null) the reference answer the reward function reads."""
-    rows = load_rows(ts_cfg.path, ts_cfg.split, ts_cfg.subset_name, key=f"{where}.path")
+    rows = load_rows(ts_cfg.path, ts_cfg.split, ts_cfg.subset_name, key=f"{where}.path", fmt=ts_cfg.format)
     check_columns(rows, ts_cfg.format, where, ts_cfg.path, split=ts_cfg.split)
     group_by = getattr(ts_cfg, "group_by", None)  # an eval set's: a column missing put every task in one group
     if group_by and group_by not in rows.column_names:

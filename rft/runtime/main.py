@@ -134,8 +134,8 @@ def dataset_size(cfg: DictConfig, sources: dict | None = None) -> int:
         from rft.plan.batch import sft_buffer_config
 
         aux, where = sft_buffer_config(cfg)
-        check_columns(load_rows(aux.path, aux.split, key=f"{where}.path"), aux.format, where, aux.path, every_row=True,
-                      split=aux.split)
+        check_columns(load_rows(aux.path, aux.split, key=f"{where}.path", fmt=aux.format), aux.format, where, aux.path,
+                      every_row=True, split=aux.split)
     if cfg.mode == "train" and eb.storage_type in ("sql", "file") and eb.path and stored_experiences(eb):
         from rft.data.buffer import count_experiences
 
@@ -164,7 +164,7 @@ def dataset_size(cfg: DictConfig, sources: dict | None = None) -> int:
         )
     for i, ts in enumerate(inp.eval_tasksets):
         load_tasks(ts, f"buffer.explorer_input.eval_tasksets[{i}]")
-    rows = load_rows(eb.path, eb.split, key=label(sources, f"{ebk}.path"))
+    rows = load_rows(eb.path, eb.split, key=label(sources, f"{ebk}.path"), fmt=eb.format)
     check_columns(rows, eb.format, ebk, eb.path, pairs=True, sources=sources, every_row=True, split=eb.split)
     return len(rows)
 
