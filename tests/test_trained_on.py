@@ -74,3 +74,14 @@ def test_what_the_trainer_trained_on_is_what_the_run_could_draw(warm_start, tmp_
     assert salts[0] < STEPS * BATCH and salts[0] + sum(salts[t] for t in salts if t) == STEPS * BATCH
     evals = [m for m in metrics.values() if "eval/arithmetic_test/maj@2" in m]
     assert [m["step"] for m in evals] == [2, 4, 6]
+
+
+def test_curriculum_with_dynamic_sampling_resumes_to_the_uninterrupted_run(warm_start, tmp_path):
+    """The curriculum draws each step's extra tasks with its own (in the driver, from the pass rates
+    the checkpoint holds): a run killed at its step-2 checkpoint and resumed trains the same batches
+    to the same weights as one straight through (resume_support.check_resumes compares them)."""
+    from resume_support import check_resumes
+
+    rows, state = check_resumes(tmp_path, warm_start, ["algorithm=dapo", "data_processor.online_curriculum.enable=true"])
+    assert max(m.get("rollout/sampling_tries", 0) for m in rows) > 1  # extra tries were drawn
+    assert len(state["curriculum"]["outcomes"]) > 4 * 4  # it saw more tasks than 4 steps of 4 drew
