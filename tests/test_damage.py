@@ -214,6 +214,56 @@ def test_a_lora_adapter_zeroed_falls_back_to_the_previous_checkpoint(made_lora, 
                files=("adapter/adapter_model.safetensors", "hf/model.safetensors"))
 
 
+REPLAY = ["buffer.trainer_input.experience_buffer.replay_buffer.enable=true",
+          "buffer.trainer_input.experience_buffer.replay_buffer.reuse_cooldown_time=0",
+          "buffer.trainer_input.experience_buffer.replay_buffer.priority_fn_args.decay=-2"]
+
+
+@pytest.fixture(scope="module")
+def made_replay(tmp_path_factory, warm_start):
+    """A replay buffer that reads used experiences again: each checkpoint holds them, in
+    buffer_experiences.safetensors beside state.json."""
+    return make_runs(tmp_path_factory.mktemp("damage_replay"),
+                     [*TINY, *REPLAY, f"model.model_path={warm_start}", "model.builder=null"])
+
+
+def test_a_replay_buffers_experiences_damaged_fall_back_to_the_previous_checkpoint(made_replay, tmp_path, capsys):
+    """A bit flipped in a log-prob of the stored experiences: the file loads (any bits are a float)
+    and would be trained on; the manifest names it, and the run resumes from step 2 as if undamaged."""
+    def flip(ckpt):
+        path = ckpt / "buffer_experiences.safetensors"
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2] ^= 1
+        path.write_bytes(data)
+
+    out, run = resume_damaged(made_replay, tmp_path, "replay", flip, capsys)
+    assert f"step_3/buffer_experiences.safetensors: {CHANGED}" in out, out
+    falls_back(out, run, made_replay.root / "rft" / "whole")
+
+
+def test_a_replay_state_edited_and_sealed_again_stops_with_one_paragraph(made_replay, tmp_path):
+    """A used entry without its use count, the manifest sealed again (so no digest tells): it was
+    a raw KeyError ('uses') from the buffer's restore."""
+    from rft import manifest
+
+    run = tmp_path / "rft" / "edited"
+    shutil.copytree(made_replay.root / "rft" / "base", run, symlinks=True)
+    ckpt = run / "checkpoints" / "step_3"
+    state = json.loads((ckpt / "state.json").read_text())
+    used = state["buffer"]["used"][0]
+    del used["uses"]
+    (ckpt / "state.json").write_text(json.dumps(state))
+    manifest.seal(ckpt, manifest.read(ckpt)[0]["identity"])
+    with pytest.raises(RunError) as e:
+        rft.runtime.main._main(compose_cfg([*made_replay.args, f"checkpoint_root_dir={tmp_path}", "name=edited",
+                                            "buffer.total_steps=4"]))
+    assert str(e.value) == (
+        f"{ckpt / 'state.json'}: the buffer's part of checkpoint step 3 does not restore (its \"used\" entry 0 "
+        f"({json.dumps(used)}) has no 'uses'); rft writes it whole, so it was edited or damaged since (and the "
+        f"checkpoint's manifest sealed again). Put it back as it was, or move {ckpt} away to resume from the "
+        f"checkpoint before it, or start this stage again (continue_from_checkpoint=false).")
+
+
 def test_every_checkpoint_damaged_starts_the_stage_again(made, tmp_path, capsys):
     def damage_all(ckpt):
         for step in (1, 2, 3):
