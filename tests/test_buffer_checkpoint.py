@@ -69,8 +69,10 @@ def test_packed_experiences_read_back_bit_for_bit():
     a.info, a.reward_parts = {"prompt": "1+1", "nested": [1.5, {"x": None}]}, {"exact_match": 1.0}
     b.loss_mask, b.token_versions, b.reward = [1, 0], [3, 4], 1 / 3
     c.logprobs = []  # an SFT row's
+    c.reward_parts = {"format": np.float32(0.5)}  # a reward function's numpy scalar: to_dict makes it a float
     back = unpack_experiences(pack_experiences([a, b, c]))
-    assert back == [a, b, c]
+    assert [e.to_dict() for e in back] == [e.to_dict() for e in (a, b, c)]
+    assert type(back[2].reward_parts["format"]) is float
     assert back[0].logprobs[0] == 0.30000000000000004 and back[1].reward == 1 / 3
     assert unpack_experiences(pack_experiences([])) == []
 

@@ -311,7 +311,6 @@ def _stored_experience(d, where: str, typed: bool = False) -> Experience:
 EXPERIENCES_FILE = "buffer_experiences.safetensors"  # beside state.json, sealed by its manifest
 _PER_TOKEN = ("tokens", "logprobs", "loss_mask", "token_versions")  # lists: one array each, and their lengths
 _PER_EXPERIENCE = {"prompt_length": "int64", "policy_version": "int64", "reward": "float64"}
-_AS_JSON = ("group_id", "task_id", "sampling", "info", "reward_parts")  # small, of any shape
 
 
 def pack_experiences(exps: list[Experience]) -> bytes:
@@ -333,7 +332,9 @@ def pack_experiences(exps: list[Experience]) -> bytes:
         arrays[name], arrays[f"{name}.lengths"] = _narrowed(flat), lengths
     for name, dtype in _PER_EXPERIENCE.items():
         arrays[name] = np.array([getattr(e, name) for e in exps], dtype=dtype)
-    text = json.dumps([{k: getattr(e, k) for k in _AS_JSON} for e in exps]).encode()
+    # as Experience.to_dict has them: a reward part may come as a numpy or torch scalar
+    text = json.dumps([{"group_id": e.group_id, "task_id": e.task_id, "sampling": e.sampling, "info": e.info,
+                        "reward_parts": {str(k): float(v) for k, v in e.reward_parts.items()}} for e in exps]).encode()
     arrays["fields"] = np.frombuffer(text, dtype=np.uint8)
     return save(arrays, metadata={"format": "rft experiences 1"})
 
