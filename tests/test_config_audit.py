@@ -149,6 +149,19 @@ def test_every_range_names_a_key_of_the_schema_and_holds_its_default():
             assert v is None or r.holds(v), (key, v)
 
 
+def test_an_eval_sets_range_is_checked_where_the_stage_only_trains():
+    # mode=train runs one explorer to evaluate (rft.plan.placement.explorer_count): it reads the eval
+    # sets' sampling settings, and not the training taskset's
+    from rft.plan.batch import check_config
+    from rft.plan.ranges import check_ranges
+
+    with pytest.raises(ConfigError) as e:
+        check_config(compose_cfg(["stages=[]", "mode=train", "buffer.explorer_input.eval_tasksets.0.rollout_args.top_p=0"]))
+    assert str(e.value) == ("buffer.explorer_input.eval_tasksets[0].rollout_args.top_p=0.0 must be in (0, 1] (1: no "
+                            "nucleus cut).")
+    assert check_ranges(compose_cfg(["stages=[]", "mode=train", f"{TS}.rollout_args.top_p=0"])) is None
+
+
 def test_the_first_error_is_the_range_of_the_runs_shape():
     # a batch of 0 tasks and an absurd eval interval: the run's shape is named first, as it was
     assert error_of(["buffer.batch_size=0", "explorer.eval_interval=0", "trainer.grad_clip=0"]) == (

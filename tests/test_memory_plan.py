@@ -268,9 +268,14 @@ def test_vllm_weights_over_the_gpu_and_the_cpu_total(monkeypatch):
 
 
 def test_a_gpu_memory_that_is_not_a_size(no_gpu):
-    stage, plan = plan_of(["model=qwen7b", "cluster.gpu_memory_gb=0"])
-    with pytest.raises(ConfigError, match=r"cluster.gpu_memory_gb=0.0 must be > 0 \(GiB of one GPU's memory\), or null"):
-        M.estimate(stage, plan)
+    for value in ("0", "inf"):  # (inf was taken for a GPU of endless memory: every plan fit)
+        with pytest.raises(ConfigError) as e:
+            plan_of(["model=qwen7b", "cluster.gpu_per_node=8", f"cluster.gpu_memory_gb={value}"])
+        assert str(e.value) == (f"cluster.gpu_memory_gb={float(value)} must be > 0 and finite (GiB of one GPU's "
+                                f"memory; or null: this machine's GPUs').")
+    with pytest.raises(ConfigError) as e:  # the tensor-parallel check said "at most -1"
+        plan_of(["cluster.gpu_per_node=-1"])
+    assert str(e.value) == "cluster.gpu_per_node=-1 must be >= 0 (0: a CPU-only cluster)."
 
 
 def test_a_slurm_sweep_asks_for_the_gpus_it_plans_for_and_fits_them(no_gpu):

@@ -270,10 +270,7 @@ def planned_devices(cfg) -> Devices:
     here = tuple(local_gpus())
     if not c.gpu_per_node:
         return Devices(0, c.node_num, host_memory(), "this machine's memory", here)
-    if c.gpu_memory_gb is not None:
-        if not c.gpu_memory_gb > 0:
-            raise ConfigError(f"cluster.gpu_memory_gb={c.gpu_memory_gb} must be > 0 (GiB of one GPU's memory), or null "
-                              f"for this machine's GPUs'.")
+    if c.gpu_memory_gb is not None:  # (> 0 and finite: rft.plan.ranges)
         return Devices(c.gpu_per_node, c.node_num, int(c.gpu_memory_gb * GiB), "cluster.gpu_memory_gb", here)
     if here:
         name, size = min(here, key=lambda g: g[1])

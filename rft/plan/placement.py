@@ -109,9 +109,7 @@ def trainer_ranks(cfg) -> int:
         return mapped
     if not ranks:
         return 1
-    if tr.ranks is not None:
-        if tr.ranks < 1:
-            raise ConfigError(f"trainer.ranks={tr.ranks} must be >= 1 (or null for the default).")
+    if tr.ranks is not None:  # (>= 1: rft.plan.ranges)
         return tr.ranks
     if c.gpu_per_node == 0:
         return 2
@@ -158,7 +156,7 @@ def check_placement(cfg) -> Placement:
     c, rm = cfg.cluster, cfg.explorer.rollout_model
     # mode=train still runs one explorer for evaluation when there are eval tasksets
     engines = explorer_count(cfg)
-    _check_counts(cfg)
+    torch_threads(cfg)  # checks cluster.threads_per_actor (read by the runner, which calls it too)
     trainer = trainer_ranks(cfg) if cfg.mode in ("both", "train") else 0
     if trainer > 1 and c.backend != "ray":
         raise ConfigError(
@@ -203,18 +201,6 @@ def _mapped(cfg, trainer: int, engines: int, rms: list) -> Placement:
     return Placement(tp if gpn else 0, trainer if gpn else 0, bundles, share=1.0, slots=tuple(slots),
                      reward_models=tuple(rms), devices=tuple(devices),
                      strategy="STRICT_SPREAD" if len(bundles) > 1 else "PACK")
-
-
-def _check_counts(cfg) -> None:
-    """The cluster's and the explorers' counts are at least 1 (the threads per actor too)."""
-    c, rm = cfg.cluster, cfg.explorer.rollout_model
-    if c.node_num < 1:
-        raise ConfigError(f"cluster.node_num={c.node_num} must be >= 1.")
-    if rm.engine_num < 1:
-        raise ConfigError(f"explorer.rollout_model.engine_num={rm.engine_num} must be >= 1.")
-    if c.cpus_per_actor < 1:
-        raise ConfigError(f"cluster.cpus_per_actor={c.cpus_per_actor} must be >= 1.")
-    torch_threads(cfg)  # checks cluster.threads_per_actor
 
 
 # CPUs a node may have, at most: more than any machine has, so a count of actors past it is a typo

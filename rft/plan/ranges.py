@@ -117,6 +117,13 @@ def _reads_groups(cfg) -> bool:
     return _explores(cfg) or stored_experiences(cfg.buffer.trainer_input.experience_buffer)
 
 
+def _ranked(cfg) -> bool:
+    """trainer.ranks is read by a backend of ranks (fsdp2; trainer=torch is one process)."""
+    from rft.registry import TRAINER_BACKENDS
+
+    return TRAINER_BACKENDS.info(cfg.trainer.trainer_strategy).ranks
+
+
 def _partial(cfg) -> bool:
     return cfg.explorer.partial_rollout
 
@@ -159,6 +166,13 @@ RANGES = (
     # clip_grad_norm_ scales the gradient by grad_clip / norm
     Range("trainer.grad_clip", 0, lo_open=True, hi_open=False, note="the largest gradient norm; inf: no clipping",
           why="0 would zero every update and a negative value reverse it"),
+    Range("cluster.node_num", 1, note="nodes"),
+    Range("explorer.rollout_model.engine_num", 1, note="rollout engines"),
+    Range("cluster.gpu_per_node", 0, note="0: a CPU-only cluster"),
+    Range("cluster.gpu_memory_gb", 0, lo_open=True, note="GiB of one GPU's memory; or null: this machine's GPUs'",
+          when=lambda cfg: cfg.cluster.gpu_per_node > 0),
+    Range("cluster.cpus_per_actor", 1, note="CPUs each actor reserves"),
+    Range("trainer.ranks", 1, note="or null for the default", when=_ranked),
     Range("cluster.num_cpus", 1, note="or null: every CPU of this machine",
           why="with none, no actor could ever be placed and the run would wait forever"),
     Range("explorer.max_failed_steps", 0, note="0: never stop a run whose tasks all fail"),
