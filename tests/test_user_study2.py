@@ -159,3 +159,36 @@ def test_a_csv_answer_reaches_the_reward_as_written(tmp_path):
     assert [t.answer for t in tasks] == ["02", "1.50", "10"]  # were 2.0, 1.5 and 10.0
     assert [t.row["level"] for t in tasks] == [1, 2, 3]
     assert [exact_match("", answer, t) for t, answer in zip(tasks, ["02", "1.50", "10"])] == [1.0, 1.0, 1.0]
+
+
+@pytest.mark.slow  # one run.py that loads the model and stops (~6 s)
+def test_a_base_model_without_a_chat_template_stops_with_one_paragraph_alone(base_model, tmp_path):
+    """The study's model has no chat template: the run stops naming model.custom_chat_template. The
+    error came up while the stage started, inside rft.runtime.actors.long_lived, which then froze
+    (gc.freeze) the half-built stage, the trainer's model included, so it outlived the interpreter's
+    shutdown and triton's bindings printed ~30 lines of "nanobind: leaked ..." below the paragraph."""
+    out = run_cli(*STUDY, "model.custom_chat_template=null", env={"RFT_CHECKPOINT_ROOT_DIR": str(tmp_path)})
+    assert _error(out) == (
+        f"model.model_path='{base_model}': its tokenizer has no chat template, and every prompt is rendered "
+        "with one (a base model's tokenizer often has none). Set model.custom_chat_template to a Jinja template, "
+        "e.g. \"{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\\n{% endfor %}{% if add_generation_prompt "
+        "%}assistant: {% endif %}\", or use the model's instruct variant.")
+
+
+def test_what_long_lived_made_is_not_frozen_when_making_it_failed():
+    import gc
+
+    from rft.runtime.actors import long_lived
+
+    before = gc.get_freeze_count()
+    with pytest.raises(ValueError):
+        with long_lived():
+            held = [object() for _ in range(1000)]  # noqa: F841  (a half-built stage's objects)
+            raise ValueError("a stage that could not start")
+    assert gc.get_freeze_count() == before
+    try:
+        with long_lived():
+            held = [object() for _ in range(1000)]  # noqa: F841
+        assert gc.get_freeze_count() >= before + 1000  # a stage that started is frozen, as before
+    finally:
+        gc.unfreeze()
