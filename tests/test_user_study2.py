@@ -192,3 +192,21 @@ def test_what_long_lived_made_is_not_frozen_when_making_it_failed():
         assert gc.get_freeze_count() >= before + 1000  # a stage that started is frozen, as before
     finally:
         gc.unfreeze()
+
+
+def test_a_sweep_job_killed_outright_is_reported_with_where_its_output_ended(tmp_path):
+    """hydra/launcher=local, job 1 killed with SIGKILL at step ~120: the sweep's paragraph gave "The
+    last lines of its log: (nothing)", its .err being empty (rft prints its steps to stdout); the
+    lines of its .out, where the job was, are given when its .err holds none."""
+    from rft.reporting.sweep import explain
+
+    folder = tmp_path / ".submitit" / "3260"
+    folder.mkdir(parents=True)
+    (folder / "3260_0_log.err").write_text("")
+    (folder / "3260_0_log.out").write_text("[grpo] step 100: eval accuracy 0.000\n"
+                                           "[grpo] step 120/300  reward.mean=0 eval.accuracy=0\n")
+    error = Exception(f"Job 3260 (task: 0) with path {folder}/3260_0_result.pkl\n"
+                      "has not produced any output (state: FINISHED)\nError stream produced:\n...")
+    text = explain(error, str(tmp_path))
+    assert ("The last lines of its log (3260_0_log.out):\n    [grpo] step 100: eval accuracy 0.000\n"
+            "    [grpo] step 120/300  reward.mean=0 eval.accuracy=0\nIts whole output: ") in text

@@ -72,11 +72,13 @@ def explain(error: Exception, sweep_dir: str) -> str:
     job, task, state = m["job"], m["task"], m["state"]
     folder = Path(m["pickle"]).parent
     err, out = folder / f"{job}_{task}_log.err", folder / f"{job}_{task}_log.out"
-    tail = "\n".join(f"    {line}" for line in log_tail(err)) or "    (nothing)"
+    # a job killed outright (SIGKILL, the OOM killer) writes no error: where it was is in its output
+    lines, log = (log_tail(err), err) if log_tail(err) else (log_tail(out), out)
+    tail = "\n".join(f"    {line}" for line in lines) or "    (nothing)"
     return (
         f"rft: the sweep stopped: job {job} ended with state {state} and no result (killed, "
         f"cancelled, out of memory or time, its node lost, or rft exiting on an error). The last "
-        f"lines of its log:\n{tail}\nIts whole output: {err} and {out}. The other jobs ran to their "
+        f"lines of its log ({log.name}):\n{tail}\nIts whole output: {err} and {out}. The other jobs ran to their "
         f"end (the lines above say how each ended) and keep their outputs in {sweep_dir}/<job number>/ "
         f"(`python -m rft.reporting.report {sweep_dir}` tabulates them). The same sweep with "
         f"hydra.sweep.dir={sweep_dir} resumes each job from its newest checkpoint; a finished job "
