@@ -102,6 +102,13 @@ def error_of(overrides) -> str:
      f"{TS}.pass_threshold=-inf must be finite: the reward at or above which a sample is correct (pass@k, maj@n, "
      f"the curriculum's pass rates)."),
     (["trainer.ppo_epochs=0"], "trainer.ppo_epochs=0 must be >= 1 (passes over each step's experiences)."),
+    # said "trainer.micro_batch_size_per_gpu=0 x data-parallel size 1 must divide ... Choose a divisor of 128, e.g. 1"
+    (["trainer.micro_batch_size_per_gpu=0"],
+     "trainer.micro_batch_size_per_gpu=0 must be >= 1 (experiences per forward/backward on each rank)."),
+    # planned; Ray's -1 restarts for ever, but a restarted explorer then redid its step without the
+    # weight snapshot it needs (snapshots are kept for max_actor_restarts > 0 only)
+    (["cluster=local", "cluster.max_actor_restarts=-1"],
+     "cluster.max_actor_restarts=-1 must be >= 0 (times Ray restarts a dead explorer actor; 0: never)."),
     (["explorer.rollout_model.engine_num=1000000000000"],  # a MemoryError, building that many Ray bundles
      "explorer.rollout_model.engine_num=1000000000000 engine(s) and 1 trainer rank(s) (trainer.ranks) are "
      "1000000000001 processes, more than the CPUs of cluster.node_num=1 node(s) (at most 4096 each, more than any "

@@ -43,9 +43,12 @@ def test_distillation_without_a_teacher_or_with_an_imitation_loss_is_refused():
     with pytest.raises(ConfigError) as e:
         _plan(["algorithm=opd", "algorithm.teacher_model_path=t", "algorithm.distill_jsd_beta=1.5"])
     assert str(e.value) == (
-        "algorithm.distill_jsd_beta=1.5, algorithm.distill_top_k=20: the generalised JSD's beta is in [0, 1] (0: the "
-        "forward KL to the teacher, 1: the reverse KL, 0.5: the symmetric JSD) and it compares the teacher's top k "
-        ">= 1 tokens (20 is common). Set both in range.")
+        "algorithm.distill_jsd_beta=1.5 must be in [0, 1] (0: the forward KL to the teacher, 1: the reverse KL, 0.5: "
+        "the symmetric JSD).")
+    with pytest.raises(ConfigError) as e:
+        _plan(["algorithm=opd", "algorithm.teacher_model_path=t", "algorithm.distill_top_k=0"])
+    assert str(e.value) == ("algorithm.distill_top_k=0 must be >= 1 (the teacher's top tokens the loss compares; 20 "
+                            "is common).")
     # the default's warm-up stage turns the term off (it inherits the RL stage's algorithm)
     cfgs = stage_configs(compose_cfg(["cluster=inline", "algorithm=opd", "algorithm.teacher_model_path=t"]))
     assert [c.algorithm.distill_coef for c in cfgs] == [0.0, 1.0]

@@ -487,12 +487,6 @@ def _check_distill(algo, needs: Needs) -> None:
             f"is not set. Give the teacher: a local directory or a hub id of a causal LM with the policy's "
             f"tokenizer (algorithm.teacher_model_path=<path>), or set algorithm.distill_coef=0."
         )
-    if not 0.0 <= algo.distill_jsd_beta <= 1.0 or algo.distill_top_k < 1:
-        raise ConfigError(
-            f"algorithm.distill_jsd_beta={algo.distill_jsd_beta}, algorithm.distill_top_k={algo.distill_top_k}: the "
-            f"generalised JSD's beta is in [0, 1] (0: the forward KL to the teacher, 1: the reverse KL, 0.5: the "
-            f"symmetric JSD) and it compares the teacher's top k >= 1 tokens (20 is common). Set both in range."
-        )
     if needs.imitation:
         raise ConfigError(
             f"algorithm.distill_coef={algo.distill_coef} adds the teacher's signal to the advantages, which "

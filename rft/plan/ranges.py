@@ -124,6 +124,10 @@ def _ranked(cfg) -> bool:
     return TRAINER_BACKENDS.info(cfg.trainer.trainer_strategy).ranks
 
 
+def _distils(cfg) -> bool:
+    return cfg.algorithm.distill_coef != 0
+
+
 def _partial(cfg) -> bool:
     return cfg.explorer.partial_rollout
 
@@ -145,6 +149,7 @@ RANGES = (
     Range("buffer.train_batch_size", 1, note="or null for the default: batch_size x algorithm.repeat_times in "
           "mode=both"),
     Range("trainer.mini_batch_size", 1, note="or null for the default: buffer.train_batch_size"),
+    Range("trainer.micro_batch_size_per_gpu", 1, note="experiences per forward/backward on each rank"),
     Range("trainer.ppo_epochs", 1, note="passes over each step's experiences"),
     Range("buffer.total_steps", 1, note="or null to use total_epochs"),
     Range("buffer.total_epochs", 1, when=lambda cfg: cfg.buffer.total_steps is None),
@@ -173,6 +178,10 @@ RANGES = (
           when=lambda cfg: cfg.cluster.gpu_per_node > 0),
     Range("cluster.cpus_per_actor", 1, note="CPUs each actor reserves"),
     Range("trainer.ranks", 1, note="or null for the default", when=_ranked),
+    # Ray's -1 (restart for ever) would restart an explorer without the weight snapshots a redone
+    # step needs (rft.runtime.explorers keeps them only for max_actor_restarts > 0)
+    Range("cluster.max_actor_restarts", 0, note="times Ray restarts a dead explorer actor; 0: never",
+          when=lambda cfg: cfg.cluster.backend == "ray"),
     Range("cluster.num_cpus", 1, note="or null: every CPU of this machine",
           why="with none, no actor could ever be placed and the run would wait forever"),
     Range("explorer.max_failed_steps", 0, note="0: never stop a run whose tasks all fail"),
@@ -244,6 +253,9 @@ RANGES = (
           "overlong responses", when=lambda cfg: cfg.algorithm.overlong_buffer_frac > 0),
     Range("algorithm.distill_coef", 0, why="0 turns distillation off; a negative coefficient moves away from the "
           "teacher"),
+    Range("algorithm.distill_jsd_beta", 0, 1, hi_open=False, when=_distils,
+          note="0: the forward KL to the teacher, 1: the reverse KL, 0.5: the symmetric JSD"),
+    Range("algorithm.distill_top_k", 1, when=_distils, note="the teacher's top tokens the loss compares; 20 is common"),
     Range("buffer.trainer_input.experience_buffer.max_read_timeout", 0, lo_open=True, hi_open=False,
           why="seconds the trainer waits for a full batch (and a writer for room in a full queue); at 0 it never "
               "waits, so a step trains on what happened to be there; inf: wait for ever"),
