@@ -50,6 +50,7 @@ def test_the_prepared_data_is_what_the_study_reads():
     assert rows[0] == {"puzzle": "max 660", "target": "6"}
 
 
+@pytest.mark.slow  # two dry runs of run.py (~3 s)
 def test_a_malformed_row_of_a_data_directory_is_named_by_its_file_and_line(tmp_path, base_model):
     """With a directory of split files (the layout "Starting a new study" suggests), a number among
     the texts of `target` was "the column holds values of several kinds" with no row or file: 200
