@@ -16,6 +16,7 @@ import torch
 from conftest import ROOT, run_cli
 from safetensors.torch import load_file
 
+from rft.data.buffer import EXPERIENCES_FILE, unpack_experiences
 from rft.reporting.monitor import read_metrics
 
 # wall-clock and process figures differ between two processes
@@ -174,6 +175,12 @@ def check_resumes(tmp_path: Path, warm_start: Path | None, extra: list[str], aft
     if (a / "buffer.db").exists():
         same_sql_buffer(a, b, sa.pop("buffer"), sb.pop("buffer"))
     assert sa == sb
+    # a queue buffer's experiences (explored ahead, or kept for replay) are in a file beside state.json
+    stored = [d / EXPERIENCES_FILE for d in (end_a, end_b)]
+    assert stored[0].exists() == stored[1].exists()
+    if stored[0].exists():
+        ea, eb = ([stable(e.to_dict()) for e in unpack_experiences(p.read_bytes())] for p in stored)
+        assert ea == eb
     assert read_metrics(a / "batches.jsonl") == read_metrics(b / "batches.jsonl")
     # the rows before the kill (the killed run's) and after it (the resumed run's)
     ma, mb = read_metrics(a / "metrics.jsonl"), read_metrics(b / "metrics.jsonl")

@@ -71,10 +71,12 @@ def test_a_replay_buffer_that_reads_experiences_again_resumes_to_the_uninterrupt
     0's experiences (stale by 3) for the third time, the resumed one on explore step 2's (stale by
     1), where the checkpoint kept no used experience (weights, reward/mean 0.6875 against 0.75,
     staleness/max 3 against 1): it keeps them now, with their use counts and cooldowns."""
-    rows, _ = check_resumes(tmp_path, warm_start, ["buffer.trainer_input.experience_buffer.replay_buffer.enable=true",
-                                                   "buffer.trainer_input.experience_buffer.replay_buffer.reuse_cooldown_time=0",
-                                                   "buffer.trainer_input.experience_buffer.replay_buffer.priority_fn_args.decay=-2"])
+    rows, state = check_resumes(tmp_path, warm_start, ["buffer.trainer_input.experience_buffer.replay_buffer.enable=true",
+                                                       "buffer.trainer_input.experience_buffer.replay_buffer.reuse_cooldown_time=0",
+                                                       "buffer.trainer_input.experience_buffer.replay_buffer.priority_fn_args.decay=-2"])
     assert rows[-1]["staleness/max"] == 3  # step 4 read explore step 0's experiences again, as the docstring says
+    # the used experiences, in the file beside state.json that check_resumes compared
+    assert state["buffer"]["used"] and state["buffer"]["experiences"] == "buffer_experiences.safetensors"
 
 
 def stored_rows(path: Path) -> list[dict]:
