@@ -211,3 +211,20 @@ def test_a_sweep_job_killed_outright_is_reported_with_where_its_output_ended(tmp
     text = explain(error, str(tmp_path))
     assert ("The last lines of its log (3260_0_log.out):\n    [grpo] step 100: eval accuracy 0.000\n"
             "    [grpo] step 120/300  reward.mean=0 eval.accuracy=0\nIts whole output: ") in text
+
+
+def test_an_eval_set_without_the_tasksets_system_prompt_is_warned_about(caplog):
+    """The study first set its system prompt on the taskset alone (the eval set has a format of its
+    own): its evals asked without it, prompts the run never trained on, and nothing said so."""
+    from conftest import compose_cfg
+    from rft.plan.batch import check_config, stage_configs
+
+    ts, ev = "buffer.explorer_input.taskset.format", "buffer.explorer_input.eval_tasksets.0.format"
+    check_config(stage_configs(compose_cfg(["stages=[]", f"{ts}.system_prompt=Add."]))[0])
+    assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == [
+        "buffer.explorer_input.eval_tasksets[0] (arithmetic_test) has format.system_prompt=None, the taskset 'Add.': "
+        "it is measured on prompts the run does not train on. Set buffer.explorer_input.eval_tasksets[0]"
+        ".format.system_prompt to the taskset's (or keep it, if that is the point)."]
+    caplog.clear()
+    check_config(stage_configs(compose_cfg(["stages=[]", f"{ts}.system_prompt=Add.", f"{ev}.system_prompt=Add."]))[0])
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]

@@ -319,6 +319,13 @@ def _check_rollouts(cfg) -> None:
             log.warning("%s (%s) reads the rows the run trains on (path %s, split %s): its accuracy measures "
                         "fitting the training set, not what was learned. Give it the held-out split to measure that.",
                         where, ts.name, ts.path, ts.split)
+        system = inp.taskset.format.system_prompt
+        if "plaintext" == ts.format.prompt_type == inp.taskset.format.prompt_type and ts.format.system_prompt != system:
+            # each taskset has a format of its own: a system prompt set on the taskset alone left the
+            # evals asking without it, their accuracy lower for prompts the run never trained on
+            log.warning("%s (%s) has format.system_prompt=%r, the taskset %r: it is measured on prompts the run does "
+                        "not train on. Set %s.format.system_prompt to the taskset's (or keep it, if that is the point).",
+                        where, ts.name, ts.format.system_prompt, system, where)
     n = inp.taskset.repeat_times
     if n is not None and n != algo.repeat_times:
         # the plan (experiences per step, whole groups) counts algorithm.repeat_times
