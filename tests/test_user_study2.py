@@ -7,8 +7,10 @@ sometimes), kept outside conf/ behind `hydra.searchpath`, swept with `-m` and re
 from __future__ import annotations
 
 import json
-import os
+import random
 import shutil
+import subprocess
+import sys
 
 import pytest
 
@@ -44,7 +46,7 @@ def _with_row(tmp_path, split: str, line: int, row: str):
 def test_the_prepared_data_is_what_the_study_reads():
     # prepare.py's rows, written again, are the committed files byte for byte (seed 0)
     prepare = load_script("experiments/digit_max/prepare.py", "digit_max_prepare")
-    rows = prepare.rows(260, __import__("random").Random(0))
+    rows = prepare.rows(260, random.Random(0))
     assert (DATA / "train.jsonl").read_text() == "".join(json.dumps(r) + "\n" for r in rows[:200])
     assert (DATA / "test.jsonl").read_text() == "".join(json.dumps(r) + "\n" for r in rows[200:])
     assert rows[0] == {"puzzle": "max 660", "target": "6"}
@@ -104,24 +106,15 @@ def test_the_study_sweeps_its_length_penalty_and_the_report_compares_the_jobs(tm
             assert e.reward_parts["exact_short/length"] == pytest.approx(-per_char * max(0, len(response.strip()) - 1))
             assert e.reward_parts["flaky"] == correct  # exact_match again, when it did not raise
             assert e.reward == pytest.approx(sum(e.reward_parts.values()))
-        metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+        metrics = [json.loads(m) for m in (run / "metrics.jsonl").read_text().splitlines()]
         assert sum(m.get("rollout/errors", 0) for m in metrics) > 0
         lengths = [m["reward/exact_short/length/mean"] for m in metrics if "reward/exact_short/length/mean" in m]
         assert len(lengths) == 2 and ((max(lengths) < 0) if per_char else (lengths == [0.0, 0.0]))
     # the report: one row per job, the swept key as its column, the two values in it
-    rep = run_cli_report(sweep)
-    table = [line for line in rep.splitlines() if line.startswith("| ")]
+    subprocess.run([sys.executable, "-m", "rft.reporting.report", str(sweep)], cwd=ROOT, check=True, capture_output=True)
+    table = [row for row in (sweep / "report.md").read_text().splitlines() if row.startswith("| ")]
     assert "buffer.explorer_input.taskset.reward_fn.0.args.per_char" in table[0]
     assert [row.split("|")[1:3] for row in table[1:]] == [[" 0 ", " 0.0 "], [" 1 ", " 0.3 "]]
-
-
-def run_cli_report(sweep) -> str:
-    import subprocess
-    import sys
-
-    subprocess.run([sys.executable, "-m", "rft.reporting.report", str(sweep)], cwd=ROOT, check=True,
-                   capture_output=True, env={**os.environ})
-    return (sweep / "report.md").read_text()
 
 
 def test_a_reward_that_hangs_times_out_naming_the_key_that_bounds_it(caplog):
