@@ -130,18 +130,10 @@ def test_sampling_tries_is_the_most_an_explorer_took_not_their_sum():
     """2 explorers, 3 tries each (every group flat): rollout/sampling_tries is 3, at most max_tries
     (summed over the explorers as the other counters are, it read 6); rollout/generated is their sum,
     12 tasks x 2 rollouts = 24."""
+    from test_curriculum_observe import Inline  # an explorer actor whose calls run when submitted
+
     from rft.rollout.explorer import step_metrics
     from rft.runtime.explorers import ExplorerPool
-
-    class Inline:  # an explorer actor whose calls run when submitted (as cluster=inline runs them)
-        def __init__(self, explorer):
-            self.explorer = explorer
-
-        def submit(self, method, *args):
-            return getattr(self.explorer, method)(*args)
-
-        def get(self, future):
-            return future
 
     cfg = config("buffer.batch_size=4", "algorithm.dynamic_sampling_max_tries=3")
     pool = ExplorerPool(cfg, [Inline(explorer(cfg, 12, shard, 2)) for shard in range(2)], None, None, synced=0,
