@@ -224,14 +224,18 @@ def local_device(cluster_cfg) -> torch.device:
 
 def peak_memory(device) -> int:
     """Bytes at this process's peak: on a GPU what torch allocated there, on CPU the resident set
-    (Linux reports KiB); what rft.plan.memory's estimate is checked against."""
+    (Linux reports it in KiB, macOS in bytes: KiB there would show a 100 MB process as 100 GB);
+    what rft.plan.memory's estimate is checked against."""
+    import sys
+
     import torch
 
     if torch.device(device).type == "cuda":
         return torch.cuda.max_memory_allocated(device)
     import resource
 
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss if sys.platform == "darwin" else rss * 1024
 
 
 def _not_loadable(path: str, e: Exception, key: str = "model.model_path") -> ConfigError:

@@ -1,0 +1,100 @@
+"""What a laptop that is not this project's Linux CI box gets: macOS's platform facts simulated
+(monkeypatch), and the Makefile on a machine whose python3 is too old or missing."""
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch  # imported before sys.platform is patched: torch's own imports ask it
+
+from rft.errors import ConfigError
+from rft.models import local_device, peak_memory
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_peak_memory_reads_macos_ru_maxrss_as_bytes(monkeypatch):
+    """Linux reports ru_maxrss in KiB, macOS in bytes: read as KiB on a Mac, a 100 MiB process
+    showed perf/max_memory_gb = 100 (1024 x its size)."""
+    import resource
+
+    monkeypatch.setattr(resource, "getrusage", lambda who: SimpleNamespace(ru_maxrss=100 * 2**20))
+    monkeypatch.setattr(sys, "platform", "darwin")
+    assert peak_memory("cpu") == 100 * 2**20  # bytes as given: 104,857,600
+    monkeypatch.setattr(sys, "platform", "linux")
+    assert peak_memory("cpu") == 100 * 2**30  # the same figure read as KiB: x 1024
+
+
+def test_sandbox_refuses_on_macos_with_one_paragraph_even_unisolated(monkeypatch):
+    """No bubblewrap, memfd or /proc on macOS: the python tool's sandbox refuses before trying, with
+    allow_unisolated too (that path reads /proc and calls os.memfd_create, an AttributeError there)."""
+    from rft.rollout.environments import sandbox
+
+    monkeypatch.setattr(sys, "platform", "darwin")
+    for unisolated in (False, True):
+        with pytest.raises(ConfigError) as e:
+            sandbox.check(allow_unisolated=unisolated)
+        msg = str(e.value)
+        assert "this platform (darwin) does not have" in msg and "on a Linux machine" in msg
+        assert "\n" not in msg  # one paragraph
+
+
+def test_shared_memory_sync_falls_back_without_dev_shm(monkeypatch):
+    """macOS has POSIX shared memory but no /dev/shm to measure: memory sync takes the other way
+    (the weights through Ray) rather than risk a segment it cannot size; sweep finds nothing to do."""
+    from rft.sync import weights
+
+    def no_dir(path):
+        raise FileNotFoundError(2, "No such file or directory", path)
+
+    monkeypatch.setattr(os, "statvfs", no_dir)
+    monkeypatch.setattr(os, "listdir", no_dir)
+    assert weights.shared_fits(1) is False
+    assert weights.sweep() is None  # returns quietly: no FileNotFoundError
+
+
+def test_segment_names_fit_macos_31_character_limit():
+    """macOS refuses a POSIX shm name over 31 characters with its leading '/' (PSHMNAMLEN); its
+    pids go up to 99,999: '/' + 'rft_' + 5 + '_' + 6 + '_' + 12 = 1 + 4 + 5 + 1 + 6 + 1 + 12 = 30."""
+    import secrets
+
+    from rft.sync import weights
+
+    name = "/" + weights.segment_prefix().replace(f"_{os.getpid()}_", "_99999_") + secrets.token_hex(6)
+    assert len(name) == 30
+
+
+def test_default_device_is_cpu_with_apple_mps(monkeypatch):
+    """A Mac's MPS device is not picked (nor crashed on): with gpu_per_node=0 every role computes on CPU."""
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert local_device(SimpleNamespace(gpu_per_node=0)) == torch.device("cpu")
+    assert local_device(SimpleNamespace(gpu_per_node=1)) == torch.device("cpu")
+
+
+def _make(tmp_path, python: str) -> subprocess.CompletedProcess:
+    """`make venv` in a copy of the Makefile, with PYTHON=python (no .venv there: it would create one)."""
+    shutil.copy(ROOT / "Makefile", tmp_path / "Makefile")
+    (tmp_path / "pyproject.toml").write_text("")
+    return subprocess.run(["make", "-s", "venv", f"PYTHON={python}"], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=60)
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="make is not installed")
+def test_make_refuses_an_old_or_missing_python_with_one_line(tmp_path):
+    """macOS's /usr/bin/python3 is 3.9: pip failed deep in the install (`requires a different
+    Python`); a missing one failed as `python3: No such file or directory`."""
+    old = tmp_path / "python3.9"
+    # what macOS's python3 answers: its version, and False to `sys.version_info >= (3, 11)`
+    old.write_text("#!/bin/sh\ncase \"$1\" in --version) echo 'Python 3.9.6';; *) exit 1;; esac\n")
+    old.chmod(0o755)
+    r = _make(tmp_path, str(old))
+    assert r.returncode != 0 and not (tmp_path / ".venv").exists()
+    assert f"make: rft needs Python >= 3.11, and {old} is Python 3.9.6" in r.stderr
+    r = _make(tmp_path, "rft-no-such-python")
+    assert r.returncode != 0
+    assert "make: rft needs Python >= 3.11, and rft-no-such-python is not installed" in r.stderr
