@@ -194,6 +194,13 @@ def isolation(bwrap: str) -> tuple[str | None, str]:
 def check(allow_unisolated: bool = False) -> str | None:
     """The sandbox's mode ("root", "user"), or None for an allowed unisolated run; raises
     ConfigError (one paragraph: what is missing, how to get it, the opt-out key) otherwise."""
+    if not sys.platform.startswith("linux"):
+        # even unisolated, the walls need Linux: stdin is a sealed memfd, memory is summed from /proc
+        raise ConfigError(
+            f"The python environment runs model-written code in a sandbox made of Linux namespaces "
+            f"(bubblewrap), a sealed memfd and /proc, which this platform ({sys.platform}) does not have, "
+            f"not even for `workflow_args.env_args.allow_unisolated: true`. Run tasks with the python tool "
+            f"on a Linux machine (or a Linux VM or container); every other task runs here.")
     mode, why = isolation(_BWRAP)
     if mode is None and not allow_unisolated:
         raise ConfigError(_missing(why))
