@@ -98,3 +98,19 @@ def test_make_refuses_an_old_or_missing_python_with_one_line(tmp_path):
     r = _make(tmp_path, "rft-no-such-python")
     assert r.returncode != 0
     assert "make: rft needs Python >= 3.11, and rft-no-such-python is not installed" in r.stderr
+
+
+def test_an_unwritable_home_stops_the_run_naming_cache_dir(tmp_path, monkeypatch):
+    """HOME on a file (a service account's /nonexistent, a read-only home): the default cache_dir
+    (~/.cache/rft) could not be made, and the run stopped with the dataset child's traceback
+    (NotADirectoryError in rft/data/tasks.py)."""
+    import rft.runtime.main
+    from conftest import compose_cfg
+
+    (tmp_path / "afile").write_text("")
+    monkeypatch.setenv("HOME", str(tmp_path / "afile" / "home"))
+    monkeypatch.delenv("RFT_CACHE_DIR", raising=False)
+    with pytest.raises(ConfigError) as e:
+        rft.runtime.main._main(compose_cfg(["dry_run=true", f"checkpoint_root_dir={tmp_path}/ck"]))
+    assert str(e.value) == (f"cannot write to {tmp_path}/afile/home/.cache/rft (NotADirectoryError: Not a directory). "
+                            f"Point cache_dir (or RFT_CACHE_DIR) at a writable directory.")

@@ -371,6 +371,9 @@ def _main(cfg: DictConfig) -> float | None:
         from rft.runtime.bench import bench
 
         return bench(cfg, run_dir_of(cfg))
+    # the tiny model and generated tasksets are built there (a dry run plans from them too); its
+    # default is under HOME, which a laptop's sandboxed or service account may not be able to write
+    rundir.check_writable(Path(os.path.expanduser(str(cfg.cache_dir))), "cache_dir")
     if not cfg.dry_run:  # a GPU run on a machine without them stops before it reads anything
         from rft.plan.memory import check_gpus_here, check_model_here
 

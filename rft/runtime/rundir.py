@@ -319,6 +319,9 @@ def note_changes(stage_dir: Path, diff: list[str]) -> None:
 # ---------------------------------------------------------------- the run's record
 
 
+_ENV = {"cache_dir": "RFT_CACHE_DIR"}  # conf/config.yaml: the environment variable each key's default reads
+
+
 def check_writable(run_dir: Path, key: str = "checkpoint_root_dir") -> None:
     """Fail now, not at the first checkpoint after training steps are lost."""
     try:
@@ -329,7 +332,7 @@ def check_writable(run_dir: Path, key: str = "checkpoint_root_dir") -> None:
     except OSError as e:
         raise ConfigError(
             f"cannot write to {run_dir} ({type(e).__name__}: {e.strerror or e}). Point {key} (or "
-            f"RFT_CHECKPOINT_ROOT_DIR) at a writable directory."
+            f"{_ENV.get(key, 'RFT_CHECKPOINT_ROOT_DIR')}) at a writable directory."
         ) from e
 
 
