@@ -114,3 +114,35 @@ def test_an_unwritable_home_stops_the_run_naming_cache_dir(tmp_path, monkeypatch
         rft.runtime.main._main(compose_cfg(["dry_run=true", f"checkpoint_root_dir={tmp_path}/ck"]))
     assert str(e.value) == (f"cannot write to {tmp_path}/afile/home/.cache/rft (NotADirectoryError: Not a directory). "
                             f"Point cache_dir (or RFT_CACHE_DIR) at a writable directory.")
+
+
+@pytest.mark.slow
+def test_a_one_cpu_ray_instance_is_told_it_may_count_more_cpus_than_cores(tmp_path):
+    """The default's explorer and trainer reserve a CPU each: with cluster.num_cpus=1 (or a machine of
+    one core) the run stopped at "Lower those", which cpus_per_actor=1 cannot be. Ray's count is a
+    reservation: `taskset -c 0 python run.py` (one core, Ray counting 2) ran the default to 0.965."""
+    from conftest import run_cli
+
+    r = run_cli("cluster.num_cpus=1", f"checkpoint_root_dir={tmp_path}", timeout=120)
+    assert r.returncode == 2
+    assert ("but the Ray cluster has 1. Lower those, or start Ray with more (cluster.num_cpus for a local "
+            "instance: it may exceed this machine's cores, e.g. cluster.num_cpus=2; or cluster=inline).") in r.stderr
+
+
+def test_an_unwritable_hugging_face_cache_stops_the_run_naming_it(tmp_path, monkeypatch):
+    """With cache_dir elsewhere, `datasets` still caches under HOME: the run stopped with
+    "buffer.explorer_input.eval_tasksets[0].path=... could not be read as a dataset (NotADirectoryError:
+    ... home)", blaming a dataset rft had just written."""
+    import rft.runtime.main
+    from conftest import compose_cfg
+
+    (tmp_path / "afile").write_text("")
+    for var in ("HF_HOME", "HF_DATASETS_CACHE", "XDG_CACHE_HOME"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "afile" / "datasets"))
+    with pytest.raises(ConfigError) as e:
+        rft.runtime.main._main(compose_cfg(["dry_run=true", f"checkpoint_root_dir={tmp_path}/ck",
+                                            f"cache_dir={tmp_path}/cache"]))
+    assert str(e.value) == (f"cannot write to {tmp_path}/afile/datasets (NotADirectoryError: Not a directory). "
+                            f"Point the environment variable HF_DATASETS_CACHE (or HF_HOME: Hugging Face's cache) "
+                            f"at a writable directory.")

@@ -319,7 +319,11 @@ def placement_for(cfg, timeout_s: float = 60.0):
                 f"{cfg.explorer.rollout_model.engine_num}, colocate={c.colocate}"
                 + (f", reward model workers={len(p.reward_models)}" if p.reward_models else "") + ") but the Ray "
                 f"cluster has {have.get(k, 0):g}. Lower those, or start Ray with more "
-                f"(cluster.num_cpus for a local instance)."
+                f"(cluster.num_cpus for a local instance"
+                # Ray's CPUs are reservations, not cores: a machine of one core runs the default's
+                # two actors when told it has two (they take turns on it), or cluster=inline runs them in one process
+                + (f": it may exceed this machine's cores, e.g. cluster.num_cpus={v:g}; or cluster=inline"
+                   if k == "CPU" and c.ray_address is None else "") + ")."
             )
     pg = placement_group(p.bundles, strategy=p.strategy)
     ready, _ = ray.wait([pg.ready()], timeout=timeout_s)

@@ -374,6 +374,7 @@ def _main(cfg: DictConfig) -> float | None:
     # the tiny model and generated tasksets are built there (a dry run plans from them too); its
     # default is under HOME, which a laptop's sandboxed or service account may not be able to write
     rundir.check_writable(Path(os.path.expanduser(str(cfg.cache_dir))), "cache_dir")
+    rundir.check_writable(rundir.datasets_cache(), "HF_DATASETS_CACHE")  # `datasets` writes every taskset it reads there
     if not cfg.dry_run:  # a GPU run on a machine without them stops before it reads anything
         from rft.plan.memory import check_gpus_here, check_model_here
 

@@ -319,7 +319,10 @@ def note_changes(stage_dir: Path, diff: list[str]) -> None:
 # ---------------------------------------------------------------- the run's record
 
 
-_ENV = {"cache_dir": "RFT_CACHE_DIR"}  # conf/config.yaml: the environment variable each key's default reads
+# what to point at a writable directory, by the key checked (conf/config.yaml: the environment
+# variable each key's default reads)
+_POINT = {"cache_dir": "cache_dir (or RFT_CACHE_DIR)",
+          "HF_DATASETS_CACHE": "the environment variable HF_DATASETS_CACHE (or HF_HOME: Hugging Face's cache)"}
 
 
 def check_writable(run_dir: Path, key: str = "checkpoint_root_dir") -> None:
@@ -331,9 +334,17 @@ def check_writable(run_dir: Path, key: str = "checkpoint_root_dir") -> None:
         probe.unlink()
     except OSError as e:
         raise ConfigError(
-            f"cannot write to {run_dir} ({type(e).__name__}: {e.strerror or e}). Point {key} (or "
-            f"{_ENV.get(key, 'RFT_CHECKPOINT_ROOT_DIR')}) at a writable directory."
+            f"cannot write to {run_dir} ({type(e).__name__}: {e.strerror or e}). Point "
+            f"{_POINT.get(key, f'{key} (or RFT_CHECKPOINT_ROOT_DIR)')} at a writable directory."
         ) from e
+
+
+def datasets_cache() -> Path:
+    """Where `datasets` caches what it reads (its config's HF_DATASETS_CACHE, without importing
+    `datasets` in the driver): under HOME unless the environment says otherwise."""
+    from huggingface_hub import constants
+
+    return Path(os.path.expanduser(os.environ.get("HF_DATASETS_CACHE") or os.path.join(constants.HF_HOME, "datasets")))
 
 
 @contextmanager
