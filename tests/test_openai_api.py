@@ -248,26 +248,72 @@ def test_a_prompt_that_takes_seconds_to_render_holds_up_no_other_request(served)
     import threading
     import time
 
+    from rft.serving.openai_api import Limits
+
     server, _, _ = served
     # 20,000 messages take seconds to render and tokenise (50,000: 21 s); that ran on the server's
-    # event loop, so every other agent's request, /v1/models too, waited for it (measured: 21 s)
-    big = {**CHAT, "messages": [{"role": "user", "content": "hello world " * 10}] * 20_000}
-    answers = []
-    slow = threading.Thread(target=lambda: answers.append(httpx.post(
-        server.url + "/chat/completions", json=big, headers={"Authorization": f"Bearer {server.token}"}, timeout=120)))
-    slow.start()
-    time.sleep(0.5)  # its body is in: the render has begun
-    waited = []
-    while slow.is_alive():
-        t = time.monotonic()
-        assert httpx.get(server.url + "/models", headers={"Authorization": f"Bearer {server.token}"},
-                         timeout=120).status_code == 200
-        waited.append(time.monotonic() - t)
-        time.sleep(0.1)
-    slow.join()
-    assert_refused(answers[0], 400, "prompt", "the prompt's 2060002 tokens and max_tokens=6 are over the model's context "
-                                       "of 256 tokens")  # 20,000 x 103 tokens + 2 (the generation prompt)
+    # event loop, so every other agent's request, /v1/models too, waited for it (measured: 21 s).
+    # The tiny model's context refuses them untokenised now: a context of 2,000,000 tokens lets them in.
+    saved = server.limits["policy"], server.max_messages
+    server.limits["policy"], server.max_messages = Limits(6, 103, 2_000_000), 2_000_000
+    try:
+        big = {**CHAT, "messages": [{"role": "user", "content": "hello world " * 10}] * 20_000}
+        answers = []
+        slow = threading.Thread(target=lambda: answers.append(httpx.post(
+            server.url + "/chat/completions", json=big, headers={"Authorization": f"Bearer {server.token}"},
+            timeout=120)))
+        slow.start()
+        time.sleep(0.5)  # its body is in: the render has begun
+        waited = []
+        while slow.is_alive():
+            t = time.monotonic()
+            assert httpx.get(server.url + "/models", headers={"Authorization": f"Bearer {server.token}"},
+                             timeout=120).status_code == 200
+            waited.append(time.monotonic() - t)
+            time.sleep(0.1)
+        slow.join()
+    finally:
+        server.limits["policy"], server.max_messages = saved
+    assert_refused(answers[0], 400, "prompt", "the prompt's 2060002 tokens and max_tokens=6 are over the model's "
+                                              "context of 2000000 tokens")  # 20,000 x 103 tokens + 2
     assert waited and max(waited) < 1.0, waited
+
+
+def test_a_prompt_too_long_for_the_context_is_refused_before_it_is_tokenised(served):
+    server, _, tok = served
+    auth = {"Authorization": f"Bearer {server.token}"}
+    # the tiny vocabulary's longest token is <|endoftext|>, 13 bytes: a text over 256 x 13 = 3,328
+    # bytes is more than 256 tokens whatever it says. 20 MB took 21 s of CPU to tokenise, then this 400
+    limit = "over the 3328 bytes that can fit the model's context of 256 tokens (13 bytes per token at most); " \
+            "it was not tokenised"
+    assert server.limits["policy"].token_bytes == max(len(t.encode()) for t in tok.get_vocab()) == 13
+    text = "hello world " * (20 * 2**20 // 12)  # 20,971,512 bytes
+    r = httpx.post(server.url + "/completions", json={"prompt": text}, headers=auth, timeout=60)
+    assert_refused(r, 400, "prompt", f"the prompt's 20971512 bytes of text are {limit}")
+    # rendered by the chat template: + "<|im_start|>user\n" (17) + "<|im_end|>\n" (11) + "<|im_start|>assistant\n" (22)
+    r = httpx.post(server.url + "/chat/completions", json={"messages": [{"role": "user", "content": text}]},
+                   headers=auth, timeout=60)
+    assert_refused(r, 400, "messages", f"the prompt's 20971562 bytes of text are {limit}")
+    # 3,328 bytes exactly may fit (a token of 13 bytes each): tokenised, and then refused by its tokens
+    r = httpx.post(server.url + "/completions", json={"prompt": "1" * 3328}, headers=auth, timeout=60)
+    assert_refused(r, 400, "prompt", "the prompt's 3328 tokens and max_tokens=6 are over the model's context of "
+                                     "256 tokens")
+
+
+def test_more_messages_than_the_context_has_tokens_are_refused_before_they_are_read(served):
+    server, _, _ = served
+    auth = {"Authorization": f"Bearer {server.token}"}
+    # 1,000,000 messages (30 MB) took 4 s to validate on the event loop (/v1/models waited 4 s), then
+    # 1 s to render and 14 s to tokenise, to be refused as over 256 tokens
+    r = httpx.post(server.url + "/chat/completions", headers=auth, timeout=60,
+                   json={"messages": [{"role": "user", "content": "hi"}] * 1_000_000})
+    assert_refused(r, 400, "messages", "1000000 messages cannot fit the served models' context of 256 tokens "
+                                       "(a message is one token at least)")
+    # 256 are read and rendered: 256 x 30 bytes ("<|im_start|>user\nhi<|im_end|>\n") + 22 = 7,702 bytes
+    r = httpx.post(server.url + "/chat/completions", headers=auth, timeout=60,
+                   json={"messages": [{"role": "user", "content": "hi"}] * 256})
+    assert_refused(r, 400, "messages", "the prompt's 7702 bytes of text are over the 3328 bytes that can fit the "
+                                       "model's context of 256 tokens (13 bytes per token at most); it was not tokenised")
 
 
 def test_a_body_over_32_mib_is_a_413(served):

@@ -44,7 +44,8 @@ Requests (OpenAI's error shape, `param` naming the field): n from 1 to 128 (Open
 top_logprobs (chat) or logprobs over 0 (completions): only each sampled token's log-prob is returned,
 presence/frequency/repetition penalties, min_p and logit_bias at their neutral values only (not
 applied here), max_tokens at most the model's model.max_response_tokens, prompt ids inside the vocabulary (an id
-outside it would take the engine down on CUDA), prompt + max_tokens within the model's context,
+outside it would take the engine down on CUDA), prompt + max_tokens within the model's context (a
+text over context x the longest token's bytes, or more messages than context tokens, refused untokenised),
 and every other field of the right type and range, else 400; a body over 32 MiB 413
 (rft.serving.auth, with the same timeouts and connection cap as the reward server).
 
@@ -198,12 +199,15 @@ def parsed(kind: type[Sampling], body) -> Sampling:
                       f"{where}: {err['msg']} (got {str(err.get('input'))[:100]})") from None
 
 
-def prompt_ids(tok, prompt) -> list[int]:
+def prompt_ids(tok, prompt, limits: "Limits | None" = None) -> list[int]:
     """/v1/completions' prompt as token ids: text (encoded without special tokens), or ids, or
-    either as a one-entry list (what the client sends for one prompt)."""
+    either as a one-entry list (what the client sends for one prompt); a text too long for
+    `limits`' context is refused before it is encoded."""
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
     if isinstance(prompt, str) and prompt:
+        if limits is not None:
+            limits.check_text(prompt, "prompt")
         return tok.encode(prompt, add_special_tokens=False)
     if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
         return prompt
@@ -214,10 +218,14 @@ def prompt_ids(tok, prompt) -> list[int]:
 @dataclass
 class Limits:
     """What a served model takes: `budget` new tokens at most (its max_response_tokens), ids below
-    `vocab`, prompt + new tokens within `context` (None: its engine does not say)."""
+    `vocab`, prompt + new tokens within `context` (None: its engine does not say). `token_bytes`:
+    the UTF-8 length of the vocabulary's longest token (special ones included), so that a prompt
+    text of more than context x token_bytes bytes cannot fit and is refused before it is tokenised
+    (20 MB of text took 20 s of CPU to tokenise, to be refused as over a context of 256 tokens)."""
     budget: int
     vocab: int
     context: int | None
+    token_bytes: int = 0
 
     @classmethod
     def of(cls, engine, tok, default_budget: int) -> "Limits":
@@ -226,10 +234,22 @@ class Limits:
         llm_config = getattr(getattr(inner, "llm", None), "model_config", None)  # vLLM
         hf_config = getattr(getattr(inner, "model", None), "config", None)
         vocab = min(len(tok), getattr(hf_config, "vocab_size", None) or len(tok))
+        # a byte-level token's text is one character per byte; a sentencepiece one's is longer than its text
+        token_bytes = max((len(t.encode()) for t in tok.get_vocab()), default=0)
         if llm_config is not None:
             vocab = min(vocab, llm_config.get_vocab_size())
-            return cls(budget, vocab, llm_config.max_model_len)
-        return cls(budget, vocab, getattr(hf_config, "max_position_embeddings", None))
+            return cls(budget, vocab, llm_config.max_model_len, token_bytes)
+        return cls(budget, vocab, getattr(hf_config, "max_position_embeddings", None), token_bytes)
+
+    def check_text(self, text: str, param: str) -> None:
+        """Refuse a prompt text too long to fit the context, whatever its tokens (see token_bytes)."""
+        if self.context is None or not self.token_bytes:
+            return
+        limit = self.context * self.token_bytes
+        if len(text) > limit and len(text.encode()) > limit:  # len(text) <= its UTF-8 length: no encode below
+            raise Invalid(param, f"the prompt's {len(text.encode())} bytes of text are over the {limit} bytes that "
+                                 f"can fit the model's context of {self.context} tokens ({self.token_bytes} bytes "
+                                 f"per token at most); it was not tokenised")
 
     def check(self, prompt: list[int], max_tokens: int, asked: bool) -> None:
         """Invalid when the request would index outside the model (a CUDA device assert takes the
@@ -283,6 +303,8 @@ class OpenAIServer:
 
         self.pool = ThreadPoolExecutor(max_workers=MAX_CONNECTIONS, thread_name_prefix="openai-api")
         self.limits = {name: Limits.of(engine, tok, max_tokens) for name, (engine, tok) in models.items()}
+        contexts = [lim.context for lim in self.limits.values()]
+        self.max_messages = None if None in contexts else max(contexts)
         self.rollouts: OrderedDict[str, tuple[object, list[Call]]] = OrderedDict()  # key -> (defaults, calls)
         self.max_rollouts, self.dropped_rollouts = max_rollouts, 0
         self.seeds = itertools.count(1)
@@ -383,6 +405,12 @@ class OpenAIServer:
             body = await request.json()
         except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError; nested too deep
             raise Invalid("body", f"malformed JSON: {e}") from None
+        messages = body.get("messages") if isinstance(body, dict) else None
+        if isinstance(messages, list) and self.max_messages is not None and len(messages) > self.max_messages:
+            # checked before they are validated, on the event loop every agent's request shares:
+            # 1,000,000 messages (30 MB) took 4 s there; each message's role markers are a token at least
+            raise Invalid("messages", f"{len(messages)} messages cannot fit the served models' context of "
+                                      f"{self.max_messages} tokens (a message is one token at least)")
         req = parsed(kind, body)
         field, k = req.alternatives()
         if k:  # answered with none, they would read as "no alternative was likely" (was: silently)
@@ -436,8 +464,8 @@ class OpenAIServer:
         @app.post("/v1/chat/completions")
         async def chat(request: Request):
             req = await self._checked(request, ChatRequest, expected)
-            tok, read = self.models[req.model][1], req.tools_read()
-            prompt, calls = await sampled(request, req, lambda: chat_prompt(tok, req.messages, req.tools))
+            tok, read, limits = self.models[req.model][1], req.tools_read(), self.limits[req.model]
+            prompt, calls = await sampled(request, req, lambda: chat_prompt(tok, req.messages, req.tools, limits))
             choices = []
             for i, c in enumerate(calls):
                 message, finish = reply_message(c.response_text, c.finish_reason, self.parsers[req.model], read)
@@ -451,7 +479,7 @@ class OpenAIServer:
         async def completions(request: Request):
             req = await self._checked(request, CompletionRequest, expected)
             tok = self.models[req.model][1]
-            prompt, calls = await sampled(request, req, lambda: prompt_ids(tok, req.prompt))
+            prompt, calls = await sampled(request, req, lambda: prompt_ids(tok, req.prompt, self.limits[req.model]))
             return _reply(req, {"id": f"cmpl-{secrets.token_hex(8)}", "object": "text_completion",
                                 "created": int(time.time()), "model": req.model, "usage": _usage(prompt, calls),
                                 "choices": [{"index": i, "text": c.response_text, "finish_reason": c.finish_reason,
@@ -491,15 +519,23 @@ def _logprobs(tok, c: Call, chat: bool) -> dict:
             "top_logprobs": None, "text_offset": None}
 
 
-def chat_prompt(tok, messages: list[Message], tools: list[Tool] | None = None) -> list[int]:
+def chat_prompt(tok, messages: list[Message], tools: list[Tool] | None = None,
+                limits: Limits | None = None) -> list[int]:
     """The chat template's ids of `messages` (and `tools`) and the generation prompt; a template
-    that cannot render them (a Jinja error, a content it does not take) is the request's error."""
+    that cannot render them (a Jinja error, a content it does not take) is the request's error. The
+    rendered text is first measured against `limits`: rendering is cheap (1,000,000 messages: 0.2 s),
+    tokenising is not (14 s), and a text too long to fit is refused untokenised."""
     try:
         rendered = template_messages(messages)
     except ValueError as e:
         raise Invalid("messages", str(e)) from None
+    schemas = [t.model_dump(exclude_unset=True) for t in tools] if tools else None
     try:
-        return render(tok, rendered, generation_prompt=True,
-                      tools=[t.model_dump(exclude_unset=True) for t in tools] if tools else None)
+        if limits is not None:
+            limits.check_text(tok.apply_chat_template(rendered, tools=schemas, tokenize=False,
+                                                      add_generation_prompt=True), "messages")
+        return render(tok, rendered, generation_prompt=True, tools=schemas)
+    except Invalid:
+        raise
     except Exception as e:
         raise Invalid("messages", f"messages: the chat template cannot render them: {type(e).__name__}: {e}") from None
