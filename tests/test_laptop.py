@@ -146,3 +146,19 @@ def test_an_unwritable_hugging_face_cache_stops_the_run_naming_it(tmp_path, monk
     assert str(e.value) == (f"cannot write to {tmp_path}/afile/datasets (NotADirectoryError: Not a directory). "
                             f"Point the environment variable HF_DATASETS_CACHE (or HF_HOME: Hugging Face's cache) "
                             f"at a writable directory.")
+
+
+@pytest.mark.parametrize("second, msg", [
+    ("SFT_Warmup", "stages[1].stage_name='SFT_Warmup' differs from the stage_name 'sft_warmup' of an earlier stage "
+                   "only in case: on a case-insensitive file system (macOS's, Windows') both are one directory. Rename one."),
+    ("sft_warmup", "stages[1].stage_name='sft_warmup' is used twice; stage names must be unique."),
+])
+def test_stage_names_differing_only_in_case_are_refused(second, msg):
+    """Each stage writes <run>/<stage_name>/: on a Mac, stages sft_warmup and SFT_Warmup shared one
+    directory, the second resuming the first's checkpoints as its own (exit 0, a wrong model)."""
+    from conftest import compose_cfg
+    from rft.plan.batch import stage_configs
+
+    with pytest.raises(ConfigError) as e:
+        stage_configs(compose_cfg([f"stages.1.stage_name={second}"]))
+    assert str(e.value) == msg

@@ -50,7 +50,7 @@ def stage_configs(cfg: DictConfig) -> list[DictConfig]:
     _open_free_dicts(base)
     if not stages:
         return [_settled(base)]
-    out, names = [], set()
+    out, names = [], {}
     for i, stage in enumerate(stages):
         if not isinstance(stage, DictConfig) or "stage_name" not in stage:
             raise ConfigError(f"stages[{i}] must be a mapping with a stage_name (got {stage!r}).")
@@ -59,9 +59,16 @@ def stage_configs(cfg: DictConfig) -> list[DictConfig]:
             OmegaConf.resolve(merged)
         except OmegaConfBaseException as e:
             raise ConfigError(f"stages[{i}] ({stage.get('stage_name')}): {_merge_problem(e)}") from e
-        if merged.stage_name in names:
+        # each stage's directory is named after it: on macOS's (and Windows') file systems names
+        # differing only in case are one directory, where a stage would take the other's checkpoints
+        other = names.get(str(merged.stage_name).casefold())
+        if other == merged.stage_name:
             raise ConfigError(f"stages[{i}].stage_name={merged.stage_name!r} is used twice; stage names must be unique.")
-        names.add(merged.stage_name)
+        if other is not None:
+            raise ConfigError(f"stages[{i}].stage_name={merged.stage_name!r} differs from the stage_name {other!r} "
+                              f"of an earlier stage only in case: on a case-insensitive file system (macOS's, "
+                              f"Windows') both are one directory. Rename one.")
+        names[str(merged.stage_name).casefold()] = merged.stage_name
         out.append(_settled(merged))
     return out
 
