@@ -162,3 +162,20 @@ def test_stage_names_differing_only_in_case_are_refused(second, msg):
     with pytest.raises(ConfigError) as e:
         stage_configs(compose_cfg([f"stages.1.stage_name={second}"]))
     assert str(e.value) == msg
+
+
+def test_an_unwritable_home_gives_the_local_ray_instance_its_token_through_the_environment(tmp_path, monkeypatch):
+    """Ray's init wrote the token of a new local instance to ~/.ray/auth_token and failed there with
+    NotADirectoryError under an unwritable HOME (HOME=<a file>/home python run.py stopped at ray.init)."""
+    from rft.runtime import main
+
+    (tmp_path / "afile").write_text("")
+    for var in ("RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("RAY_AUTH_MODE", "token")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))  # writable: Ray's own file is left to Ray
+    main._ray_token_without_home()
+    assert "RAY_AUTH_TOKEN" not in os.environ
+    monkeypatch.setenv("HOME", str(tmp_path / "afile" / "home"))
+    main._ray_token_without_home()
+    assert len(os.environ["RAY_AUTH_TOKEN"]) == 64  # 32 random bytes in hex

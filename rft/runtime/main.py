@@ -185,6 +185,7 @@ def _start_ray(cfg: DictConfig, run_dir: Path) -> bool:
         # on every run how to turn it off. Ray reads it when imported, so only before that; a value
         # the user set is kept
         os.environ.setdefault("RAY_AUTH_MODE", "token")
+        _ray_token_without_home()
     import ray
 
     if ray.is_initialized():
@@ -208,6 +209,24 @@ def _start_ray(cfg: DictConfig, run_dir: Path) -> bool:
     if local:
         _start_reaper()
     return True
+
+
+def _ray_token_without_home() -> None:
+    """Ray writes a new local instance's token to ~/.ray/auth_token, and its init failed
+    (NotADirectoryError, PermissionError) where HOME cannot be written (a service account's, a
+    read-only one): there, this run's instance takes a token of its own through the environment,
+    which every process Ray starts inherits. A token the user gave is kept."""
+    if os.environ.get("RAY_AUTH_MODE") != "token" or os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH"):
+        return
+    try:
+        home = Path.home() / ".ray"
+        if (home / "auth_token").is_file():
+            return
+        rundir.check_writable(home, "HOME")
+    except (ConfigError, RuntimeError):  # RuntimeError: no HOME and no passwd entry to find one
+        import secrets
+
+        os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
 
 
 _reaper = None
