@@ -179,3 +179,26 @@ def test_an_unwritable_home_gives_the_local_ray_instance_its_token_through_the_e
     monkeypatch.setenv("HOME", str(tmp_path / "afile" / "home"))
     main._ray_token_without_home()
     assert len(os.environ["RAY_AUTH_TOKEN"]) == 64  # 32 random bytes in hex
+
+
+def test_the_studio_sees_a_running_process_without_proc(monkeypatch):
+    """The studio read a run's lock holder's start time from /proc/<pid>/stat: on macOS (no /proc)
+    every run showed as not running."""
+    import time
+
+    from rft.studio import index
+
+    real = Path.read_text
+
+    def no_proc(self, *a, **k):
+        if str(self).startswith("/proc"):
+            raise FileNotFoundError(2, "No such file or directory", str(self))
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(Path, "read_text", no_proc)
+    started = index._started(os.getpid())
+    assert started is not None and started <= time.time()
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    while child.poll() is None:
+        time.sleep(0.01)
+    assert index._started(child.pid) is None  # ended and reaped

@@ -114,15 +114,14 @@ class CachedFiles(report.Files):
 
 
 def _started(pid: int) -> float | None:
-    """When process pid started (seconds since the epoch), from /proc; None where unknown."""
+    """When process pid started (seconds since the epoch); None where unknown or ended. From psutil
+    (a dependency of Ray), not /proc: macOS has none, and every run there showed as not running."""
+    import psutil
+
     try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        if fields[0] == "Z":  # ended, waiting for its parent
-            return None
-        boot = next(float(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
-                    if line.startswith("btime"))
-        return boot + int(fields[19]) / os.sysconf("SC_CLK_TCK")
-    except (OSError, StopIteration, IndexError, ValueError):
+        p = psutil.Process(pid)
+        return None if p.status() == psutil.STATUS_ZOMBIE else p.create_time()  # a zombie: ended, waiting for its parent
+    except psutil.Error:
         return None
 
 
