@@ -316,6 +316,33 @@ def test_more_messages_than_the_context_has_tokens_are_refused_before_they_are_r
                                        "model's context of 256 tokens (13 bytes per token at most); it was not tokenised")
 
 
+def test_a_reply_the_client_left_before_is_not_recorded(served):
+    import time
+
+    server, _, tok = served
+    auth = {"Authorization": f"Bearer {server.token}", ROLLOUT_HEADER: "a"}
+    server.open("a", ARGS)
+    server.open("b", ARGS)  # b never asks: a's requests wait the batcher's idle 0.5 s for it
+    try:
+        calls = server.batchers["policy"].calls
+        # an agent's own client with a timeout (or an asyncio cancel) gives up before the reply; the
+        # sample was recorded all the same (measured: 1 call), and its retry made a second experience
+        # of the same turn, the first one never read by the agent, both trained on with its reward
+        with pytest.raises(httpx.TimeoutException):
+            httpx.post(server.url + "/chat/completions", json={**CHAT, "max_tokens": 2}, headers=auth, timeout=0.1)
+        for _ in range(300):  # its batch goes after 0.5 s idle: the retry is then a batch of its own
+            if server.batchers["policy"].calls > calls:
+                break
+            time.sleep(0.01)
+        time.sleep(0.1)  # its handler looks at the connection right after the engine call
+        retry = httpx.post(server.url + "/chat/completions", json={**CHAT, "max_tokens": 2}, headers=auth, timeout=60)
+        assert retry.status_code == 200 and server.batchers["policy"].calls == calls + 2  # both were sampled
+        [call] = server.take_history("a")
+        assert tok.decode(call.token_ids, skip_special_tokens=True) == retry.json()["choices"][0]["message"]["content"]
+    finally:
+        server.take_history("a"), server.take_history("b")
+
+
 def test_a_body_over_32_mib_is_a_413(served):
     server, _, _ = served
     r = httpx.post(server.url + "/chat/completions", content=b"x" * (33 * 2**20),

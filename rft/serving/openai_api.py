@@ -25,7 +25,8 @@ waits until every open rollout has one waiting, then they go to the engine toget
 History (explorer.rollout_model.enable_history, default true). Every policy call's prompt ids,
 sampled ids and sampling log-probs are recorded under the rollout that made it (the client sends
 `X-RFT-Rollout`) and become that rollout's experiences: the ids the engine sampled, never
-re-tokenised from the text the agent saw. Each call is one experience, unless a call's prompt ids
+re-tokenised from the text the agent saw (a call whose client left before its reply, a timeout, is not
+recorded: the agent never read it). Each call is one experience, unless a call's prompt ids
 start with the previous call's prompt + sampled ids: then they are one experience, the loss mask 1
 on both calls' sampled tokens and 0 between. That holds for an agent continuing its own token ids
 through /v1/completions, and for a chat agent wherever the template renders the conversation so
@@ -59,6 +60,7 @@ rollout_args (greedy for an eval set at temperature 0).
 """
 
 
+import asyncio
 import itertools
 import logging
 import secrets
@@ -388,11 +390,14 @@ class OpenAIServer:
         prompt_text = tok.decode(prompt, skip_special_tokens=True)
         calls = [Call(list(prompt), list(s.token_ids), list(s.logprobs), s.finish_reason, dict(sampling), prompt_text,
                       tok.decode(s.token_ids, skip_special_tokens=True), rollout) for s in group]
+        return calls
+
+    def _record(self, model: str, rollout: str, calls: list[Call]) -> None:
+        """The policy's `calls` become `rollout`'s history (if it is open)."""
         if model == self.policy and self.history_on:
             with self.guard:
                 if rollout in self.rollouts:
                     self.rollouts[rollout][1].extend(calls)
-        return calls
 
     async def _checked(self, request, kind: type[Sampling], expected: bytes) -> Sampling:
         """The request as `kind`, its model set; a Refusal for a 401, 404 or 400."""
@@ -428,9 +433,28 @@ class OpenAIServer:
                           "not_found_error", "model")
         return req
 
+    async def _sampled(self, request, req: Sampling, prompt) -> tuple[list[int], list[Call]]:
+        """(the prompt's ids, the calls): `prompt()` renders or tokenises it, which may take seconds
+        (20,000 messages: 5 s), on a worker thread as the engine call, never on the event loop
+        that every other agent's request waits on. A client gone before the reply (its timeout, an
+        asyncio cancel) never sees it: its calls are not recorded, so the rollout does not train on
+        samples its agent never read (a retry after a timeout made two experiences of one turn)."""
+        rollout = request.headers.get(ROLLOUT_HEADER, "")
+
+        def work():
+            ids = prompt()
+            return ids, self._sample(req, ids, rollout)
+
+        ids, calls = await asyncio.get_running_loop().run_in_executor(self.pool, work)
+        if await request.is_disconnected():
+            log.info("OpenAI endpoint: the client of rollout %r left before its reply; its %d samples are not "
+                     "recorded", rollout, len(calls))
+        else:
+            self._record(req.model, rollout, calls)
+        return ids, calls
+
     def app(self):
         from fastapi import FastAPI, Request
-        import asyncio
 
         from rft.serving.auth import MAX_BODY, BodyLimit, BodyTooLarge, bearer_refusal
 
@@ -446,16 +470,6 @@ class OpenAIServer:
         async def refused(request, e):
             return _error(e)
 
-        async def sampled(request: Request, req: Sampling, prompt) -> tuple[list[int], list[Call]]:
-            """(the prompt's ids, the calls): `prompt()` renders or tokenises it, which may take seconds
-            (20,000 messages: 5 s), on a worker thread as the engine call, never on the event loop
-            that every other agent's request waits on."""
-            def work():
-                ids = prompt()
-                return ids, self._sample(req, ids, request.headers.get(ROLLOUT_HEADER, ""))
-
-            return await asyncio.get_running_loop().run_in_executor(self.pool, work)
-
         @app.get("/v1/models")
         async def models(request: Request):
             denied = bearer_refusal(request, expected, "the explorer's token")
@@ -465,7 +479,7 @@ class OpenAIServer:
         async def chat(request: Request):
             req = await self._checked(request, ChatRequest, expected)
             tok, read, limits = self.models[req.model][1], req.tools_read(), self.limits[req.model]
-            prompt, calls = await sampled(request, req, lambda: chat_prompt(tok, req.messages, req.tools, limits))
+            prompt, calls = await self._sampled(request, req, lambda: chat_prompt(tok, req.messages, req.tools, limits))
             choices = []
             for i, c in enumerate(calls):
                 message, finish = reply_message(c.response_text, c.finish_reason, self.parsers[req.model], read)
@@ -479,7 +493,7 @@ class OpenAIServer:
         async def completions(request: Request):
             req = await self._checked(request, CompletionRequest, expected)
             tok = self.models[req.model][1]
-            prompt, calls = await sampled(request, req, lambda: prompt_ids(tok, req.prompt, self.limits[req.model]))
+            prompt, calls = await self._sampled(request, req, lambda: prompt_ids(tok, req.prompt, self.limits[req.model]))
             return _reply(req, {"id": f"cmpl-{secrets.token_hex(8)}", "object": "text_completion",
                                 "created": int(time.time()), "model": req.model, "usage": _usage(prompt, calls),
                                 "choices": [{"index": i, "text": c.response_text, "finish_reason": c.finish_reason,
