@@ -202,3 +202,21 @@ def test_the_studio_sees_a_running_process_without_proc(monkeypatch):
     while child.poll() is None:
         time.sleep(0.01)
     assert index._started(child.pid) is None  # ended and reaped
+
+
+def test_sync_copies_use_threads_without_sched_getaffinity(monkeypatch):
+    """macOS has no os.sched_getaffinity: a sync's copies and sums ran on one thread there, not on
+    up to 4 (half the time on 2 cores)."""
+    import threading
+
+    from rft.sync import weights
+
+    monkeypatch.delattr(os, "sched_getaffinity", raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(weights, "_POOL", [])
+    ran_on = set()
+    # 2 x (2^23 + 1) = 2^24 + 2 elements, past the threshold (views of one float: no memory taken)
+    items = [torch.zeros(1).expand(weights._THREADED // 2 + 1) for _ in range(2)]
+    weights.in_threads(lambda t: ran_on.add(threading.current_thread().name), items)
+    assert ran_on and all(name.startswith("rft-sync") for name in ran_on)
+    weights._POOL[0].shutdown()

@@ -183,7 +183,8 @@ def in_threads(fn, items: list) -> list:
     from concurrent.futures import ThreadPoolExecutor
 
     size = sum((i[0] if isinstance(i, tuple) else i).numel() for i in items)
-    threads = min(4, len(os.sched_getaffinity(0))) if hasattr(os, "sched_getaffinity") else 1
+    # macOS has no sched_getaffinity: its CPU count (one thread there made its syncs twice as long)
+    threads = min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
     if size < _THREADED or threads < 2:
         return [fn(i) for i in items]
     if not _POOL:
