@@ -129,9 +129,12 @@ def test_run_jobs_keeps_its_threads_and_replaces_a_hung_one():
     def job_threads():
         return {t for t in threading.enumerate() if t.name == "rft-job"}
 
-    run_jobs(lambda x: x, list(range(4)), runners=4, timeout=5.0, retries=0)
+    # the first call's 4 jobs wait for each other: 4 threads run them at once (fast jobs could
+    # run on fewer, and a later call then start one more: a race, not the threads' reuse)
+    together = threading.Barrier(4)
+    run_jobs(lambda x: together.wait(10), list(range(4)), runners=4, timeout=5.0, retries=0)
     kept = job_threads()
-    assert kept  # the threads outlive the call
+    assert len(kept) >= 4  # the threads outlive the call
     for _ in range(20):  # 20 more steps of 4 jobs: no thread started (one per job would be 80)
         results, _ = run_jobs(lambda x: x + 1, list(range(4)), runners=4, timeout=5.0, retries=0)
         assert results == [1, 2, 3, 4]
