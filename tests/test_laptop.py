@@ -100,6 +100,30 @@ def test_make_refuses_an_old_or_missing_python_with_one_line(tmp_path):
     assert "make: rft needs Python >= 3.11, and rft-no-such-python is not installed" in r.stderr
 
 
+@pytest.mark.skipif(shutil.which("make") is None, reason="make is not installed")
+def test_make_installs_the_cpu_build_of_torch_on_linux_and_pypis_on_macos(tmp_path):
+    """On Linux PyPI's torch is the CUDA build (multi-GB of nvidia packages): `pip install
+    torch==2.13.0` gave it to a laptop without a GPU; the CPU build is on PyTorch's index. macOS's
+    torch on PyPI is the CPU one (no +cpu there). `make -n` prints what it would run."""
+    shutil.copy(ROOT / "Makefile", tmp_path / "Makefile")
+    (tmp_path / "pyproject.toml").write_text("")
+
+    def torch_install(env=None) -> list[str]:
+        r = subprocess.run(["make", "-n", "venv"], cwd=tmp_path, capture_output=True, text=True, timeout=60,
+                           env={**os.environ, **(env or {})})
+        assert r.returncode == 0, r.stderr
+        return [line for line in r.stdout.splitlines() if "pip install" in line and "torch" in line]
+
+    assert torch_install() == [".venv/bin/python -m pip install --quiet --no-deps torch==2.13.0+cpu "
+                               "--extra-index-url https://download.pytorch.org/whl/cpu"]
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "uname").write_text("#!/bin/sh\necho Darwin\n")
+    (fake / "uname").chmod(0o755)
+    assert torch_install({"PATH": f"{fake}:{os.environ['PATH']}"}) == [
+        ".venv/bin/python -m pip install --quiet torch==2.13.0"]
+
+
 def test_an_unwritable_home_stops_the_run_naming_cache_dir(tmp_path, monkeypatch):
     """HOME on a file (a service account's /nonexistent, a read-only home): the default cache_dir
     (~/.cache/rft) could not be made, and the run stopped with the dataset child's traceback
