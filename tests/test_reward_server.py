@@ -468,6 +468,28 @@ def test_the_servers_documented_defaults():
 
     a = _parser().parse_args(["--reward", "math"])
     assert (a.host, a.port, a.max_body_mb, a.request_timeout, a.max_connections) == ("127.0.0.1", 8000, 32.0, 10.0, 256)
+    assert a.max_responses == 1024
+
+
+def test_more_responses_than_the_server_scores_at_once_are_a_422_before_any_is_scored():
+    """Measured at ca8cf29 (no bound): 1,000,000 responses of "1" (a 4 MB body, under the 32 MiB
+    limit) were scored, 200 after 388 s of `math` on a worker thread. Now a 422 (not retried) that
+    names --max-responses, and the reward is never called."""
+    called = []
+
+    def reward(prompt, responses, task):
+        called.append(len(responses))
+        return [1.0] * len(responses)
+
+    with serving_app(make_app(reward, TOKEN, max_responses=3)) as url:
+        auth = {"Authorization": "Bearer " + TOKEN}
+        r = httpx.post(url + "/score", json={"prompt": "p", "responses": ["1"] * 4, "task": {}}, headers=auth)
+        assert r.status_code == 422 and r.json() == {"detail": (
+            "malformed request: 4 responses in one request, over the 3 this server scores at once (--max-responses); "
+            "send a group of at most 3, or start the server with a larger --max-responses")}
+        assert called == []
+        r = httpx.post(url + "/score", json={"prompt": "p", "responses": ["1"] * 3, "task": {}}, headers=auth)
+        assert r.status_code == 200 and r.json() == {"rewards": [1.0, 1.0, 1.0]} and called == [3]
 
 
 def test_a_200_mb_body_is_a_413_and_never_held():

@@ -10,7 +10,8 @@ served reward `remote`, is rft/rewards/remote.py.
 The server binds 127.0.0.1 unless --host says otherwise and answers only `Authorization: Bearer <token>`
 (the first line of --token-file, else $RFT_REWARD_TOKEN, else a generated one: never on the command line,
 where `ps` shows it to every local user). It accepts bodies up to --max-body-mb (32), requests that arrive
-whole within --request-timeout seconds (10) and --max-connections (256) connections at once (rft.serving.auth).
+whole within --request-timeout seconds (10) and --max-connections (256) connections at once (rft.serving.auth),
+and at most --max-responses (1024) responses in a request (a group: algorithm.repeat_times of them).
 The client's token defaults to $RFT_REWARD_TOKEN (or `args: {url: ..., token: ...}`; the config is saved
 with the run). Protocol: `make_app`; args: `RemoteReward`.
 """
@@ -26,13 +27,18 @@ from rft.serving.auth import is_loopback, listening_socket, positive
 
 log = logging.getLogger(__name__)
 
+# a request is one group of responses, algorithm.repeat_times of them; without a bound, 1,000,000
+# responses of "1" (4 MB, under the body limit) held a worker thread for 388 s of `math`
+MAX_RESPONSES = 1024
+
 
 # ---------------------------------------------------------------- the server
 
-def make_app(scorer, token: str, max_body: int | None = None):
+def make_app(scorer, token: str, max_body: int | None = None, max_responses: int = MAX_RESPONSES):
     """The FastAPI app that serves `scorer` (an `rft.rewards.scoring.Scorer`, or any callable
     `(prompt, responses, task) -> list[float | dict]`) to clients holding `token`, reading request
-    bodies of at most `max_body` bytes (default rft.serving.auth.MAX_BODY).
+    bodies of at most `max_body` bytes (default rft.serving.auth.MAX_BODY) and at most `max_responses`
+    responses.
 
     POST /score   {"prompt": str, "responses": [str, ...],
                    "task": {"task_id": str, "answer": any, "row": {...}, "messages": [...] (optional)}}
@@ -45,7 +51,7 @@ def make_app(scorer, token: str, max_body: int | None = None):
                   anyone else).
 
     Errors are JSON `{"detail": "..."}`: 401 without the right token, 413 for a body over the limit,
-    422 for a malformed body, 500 with the exception's text when the reward raises (the client
+    422 for a malformed body or one of more than `max_responses` responses, 500 with the exception's text when the reward raises (the client
     retries, then fails the task).
     Each request is scored on a worker thread, so a slow reward does not hold up the others.
     """
@@ -76,7 +82,7 @@ def make_app(scorer, token: str, max_body: int | None = None):
         if denied is not None:
             return denied
         try:
-            prompt, responses, task = _request(await request.json())
+            prompt, responses, task = _request(await request.json(), max_responses)
         except (ValueError, RecursionError) as e:  # json.JSONDecodeError; JSON nested too deep
             return JSONResponse({"detail": f"malformed request: {e}"}, status_code=422)
         try:
@@ -96,7 +102,7 @@ def _summary(scorer) -> str:
     return getattr(scorer, "__name__", type(scorer).__name__)
 
 
-def _request(body):
+def _request(body, max_responses: int = MAX_RESPONSES):
     """(prompt, responses, Task) from a request's JSON, or ValueError saying what is wrong."""
     from rft.data.tasks import Task
 
@@ -107,6 +113,10 @@ def _request(body):
         raise ValueError("'prompt' must be a string")
     if not isinstance(responses, list) or not all(isinstance(r, str) for r in responses):
         raise ValueError("'responses' must be a list of strings")
+    if len(responses) > max_responses:
+        raise ValueError(f"{len(responses)} responses in one request, over the {max_responses} this server scores at "
+                         f"once (--max-responses); send a group of at most {max_responses}, or start the server with "
+                         f"a larger --max-responses")
     if not isinstance(task, dict):
         raise ValueError("'task' must be an object {task_id, answer, row}")
     row, messages = task.get("row") or {}, task.get("messages") or []
@@ -180,6 +190,9 @@ def _parser() -> argparse.ArgumentParser:
                         f"(default {REQUEST_TIMEOUT:g})")
     p.add_argument("--max-connections", type=positive(int), default=MAX_CONNECTIONS,
                    help=f"connections at once; beyond, requests are answered 503 (default {MAX_CONNECTIONS})")
+    p.add_argument("--max-responses", type=positive(int), default=MAX_RESPONSES,
+                   help=f"most responses in one request (a group of algorithm.repeat_times); more are answered 422 "
+                        f"(default {MAX_RESPONSES})")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--access-log", action="store_true", help="log every request")
     return p
@@ -229,7 +242,7 @@ def main(argv=None) -> None:
 
     sock, host, port = listening_socket(args.host, args.port, "rft.serving.reward_server")
     print(f"rft.serving.reward_server: serving {describe(spec)} at http://{host}:{port} (POST /score, GET /health)", flush=True)
-    app = make_app(scorer, token, max_body=int(args.max_body_mb * 2**20))
+    app = make_app(scorer, token, max_body=int(args.max_body_mb * 2**20), max_responses=args.max_responses)
     config = server_config(app, request_timeout=args.request_timeout, max_connections=args.max_connections,
                            log_level=args.log_level, access_log=args.access_log)
     uvicorn.Server(config).run(sockets=[sock])
