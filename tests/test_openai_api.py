@@ -264,19 +264,19 @@ def test_a_prompt_that_takes_seconds_to_render_holds_up_no_other_request(served)
             timeout=120)))
         slow.start()
         time.sleep(0.5)  # its body is in: the render has begun
-        waited = []
+        answered = 0  # /v1/models answers while the long prompt renders
         while slow.is_alive():
-            t = time.monotonic()
             assert httpx.get(server.url + "/models", headers={"Authorization": f"Bearer {server.token}"},
                              timeout=120).status_code == 200
-            waited.append(time.monotonic() - t)
+            answered += slow.is_alive()  # answered before the long request ended
             time.sleep(0.1)
         slow.join()
     finally:
         server.limits["policy"], server.max_messages = saved
     assert_refused(answers[0], 400, "prompt", "the prompt's 2060002 tokens and max_tokens=6 are over the model's "
                                               "context of 2000000 tokens")  # 20,000 x 103 tokens + 2
-    assert waited and max(waited) < 1.0, waited
+    # a render on the event loop let none answer until it ended (then at most the one waiting)
+    assert answered >= 3, answered
 
 
 def test_a_prompt_too_long_for_the_context_is_refused_before_it_is_tokenised(served):
