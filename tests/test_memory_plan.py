@@ -563,7 +563,8 @@ def test_a_local_path_or_a_name_that_is_no_hub_id_is_left_to_the_plan(monkeypatc
 
     monkeypatch.setattr(HfApi, "model_info", lambda *a, **k: pytest.fail("asked the hub"))
     for path in ("/nowhere/model", "./model", "'~/models/mine'", "a/b/c"):
-        M.check_model_here(compose_cfg([f"model.model_path={path}", "model.builder=null"]))
+        # no paragraph (a local path the run reads, or no id at all), and the hub never asked
+        assert M.check_model_here(compose_cfg([f"model.model_path={path}", "model.builder=null"])) is None
 
 
 def test_the_jsd_teachers_top_tokens_are_counted_for_the_whole_step(no_gpu):
