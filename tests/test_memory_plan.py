@@ -5,6 +5,7 @@ a GPU run on a machine without GPUs, a faked 24 GiB GPU, and the estimate agains
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -265,6 +266,34 @@ def test_vllm_weights_over_the_gpu_and_the_cpu_total(monkeypatch):
         M.check_memory([stage], [plan])
     monkeypatch.setattr(M, "host_memory", lambda: 6 * GiB)  # over by the estimate of the rest: a warning
     assert not M.estimate(stage, plan).problems[-1][2]
+
+
+def test_this_machines_memory_is_its_control_groups_limit_where_that_is_lower(tmp_path):
+    """A container's --memory, a pod's limit or a Slurm job's --mem caps what a CPU run may use:
+    the plan read the machine's memory (SC_PHYS_PAGES) and said a plan fit that the kernel then
+    killed. A limit on a parent group holds too; "max" (v2) and v1's huge number mean none."""
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+    def machine(cgroup: str, files: dict) -> int:
+        root = tmp_path / str(len(list(tmp_path.iterdir())))
+        (root / "proc/self").mkdir(parents=True)
+        (root / "proc/self/cgroup").write_text(cgroup)
+        for path, text in files.items():
+            (root / path).parent.mkdir(parents=True, exist_ok=True)
+            (root / path).write_text(text)
+        return M.host_memory(str(root))
+
+    # v2: the job's group says max, its parent 2 GiB = 2,147,483,648 bytes
+    assert machine("0::/slurm/job_7/step_0\n", {"sys/fs/cgroup/slurm/job_7/step_0/memory.max": "max\n",
+                                                 "sys/fs/cgroup/slurm/job_7/memory.max": "2147483648\n",
+                                                 "sys/fs/cgroup/memory.max": "max\n"}) == 2 * GiB
+    # v1 (a memory controller among others), a container's 1 GiB on its own group
+    assert machine("9:cpu,cpuacct:/\n4:memory:/docker/abc\n",
+                   {"sys/fs/cgroup/memory/docker/abc/memory.limit_in_bytes": str(GiB)}) == GiB
+    # no limit (v1's "unlimited" is 2^63 rounded to a page), no cgroup files, no /proc: the machine's
+    assert machine("4:memory:/\n", {"sys/fs/cgroup/memory/memory.limit_in_bytes": "9223372036854771712"}) == physical
+    assert machine("0::/\n", {}) == physical
+    assert M.host_memory(str(tmp_path / "nothing")) == physical
 
 
 def test_a_gpu_memory_that_is_not_a_size(no_gpu):

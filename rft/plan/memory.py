@@ -261,8 +261,40 @@ def local_gpus() -> list[tuple[str, int]]:
     return gpus
 
 
-def host_memory() -> int:
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+def host_memory(root: str = "/") -> int:
+    """The memory this process may use: the machine's, or less where its control group caps it (a
+    container's --memory, a Kubernetes pod's limit, a Slurm job's --mem), past which the kernel
+    kills the run however much the machine has."""
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return min([physical, *_cgroup_limits(Path(root))])
+
+
+def _cgroup_limits(root: Path) -> list[int]:
+    """The memory limits of this process's control group and of each group above it (a limit on a
+    parent holds for its children): cgroup v2's memory.max, v1's memory.limit_in_bytes ("max", or
+    v1's huge number, means none)."""
+    try:
+        lines = (root / "proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return []
+    found = []
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":
+            base, name = root / "sys/fs/cgroup", "memory.max"
+        elif "memory" in controllers.split(","):
+            base, name = root / "sys/fs/cgroup/memory", "memory.limit_in_bytes"
+        else:
+            continue
+        parts = [p for p in path.split("/") if p]
+        for depth in range(len(parts), -1, -1):
+            try:
+                text = (base.joinpath(*parts[:depth]) / name).read_text().strip()
+            except OSError:
+                continue
+            if text.isdigit():
+                found.append(int(text))
+    return found
 
 
 def planned_devices(cfg) -> Devices:
