@@ -293,6 +293,7 @@ def test_this_machines_memory_is_its_control_groups_limit_where_that_is_lower(tm
     # no limit (v1's "unlimited" is 2^63 rounded to a page), no cgroup files, no /proc: the machine's
     assert machine("4:memory:/\n", {"sys/fs/cgroup/memory/memory.limit_in_bytes": "9223372036854771712"}) == physical
     assert machine("0::/\n", {}) == physical
+    assert machine("garbage\n\n4:memory:/c\n", {"sys/fs/cgroup/memory/c/memory.limit_in_bytes": str(GiB)}) == GiB
     assert M.host_memory(str(tmp_path / "nothing")) == physical
 
 

@@ -279,6 +279,8 @@ def _cgroup_limits(root: Path) -> list[int]:
         return []
     found = []
     for line in lines:
+        if line.count(":") < 2:
+            continue  # not a hierarchy line: the limit is left to the rest, not a traceback at planning
         _, controllers, path = line.split(":", 2)
         if controllers == "":
             base, name = root / "sys/fs/cgroup", "memory.max"
