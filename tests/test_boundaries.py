@@ -390,7 +390,10 @@ case "$1" in
     -c) exec "$REAL_PY" "$@" ;;
     -) cat > /dev/null; echo "fake: waiting for Ray"; sleep "$FAKE_RAY_WAIT_S" >/dev/null
        echo "ray_slurm: 1 Ray node(s) up" ;;
-    run.py) shift; exec "$REAL_PY" "$STUB_DIR/driver.py" "$@" ;;
+    run.py) shift
+        # a wrapper that runs Python as its child (no exec), as a script loading modules first would
+        [[ -n $FAKE_NO_EXEC ]] && { "$REAL_PY" "$STUB_DIR/driver.py" "$@"; exit $?; }
+        exec "$REAL_PY" "$STUB_DIR/driver.py" "$@" ;;
 esac
 """
 # the driver: its imports take a while (SIGUSR2's default, to die, in force), then rft's watcher as run.py's
@@ -407,7 +410,7 @@ print("fake: driver done", flush=True)
 """
 
 
-def run_job_script(tmp_path, warn_after: str | None, ray_wait_s=0.0, import_s=0.0):
+def run_job_script(tmp_path, warn_after: str | None, ray_wait_s=0.0, import_s=0.0, no_exec=False):
     """launchers/ray_slurm.sbatch with stand-ins for Slurm, Ray and the driver; SIGUSR2 sent to the
     batch shell (as Slurm's --signal=B:USR2 does) when the line `warn_after` is printed. Its output,
     exit status, and the `scontrol requeue` calls."""
@@ -429,7 +432,7 @@ def run_job_script(tmp_path, warn_after: str | None, ray_wait_s=0.0, import_s=0.
            "REAL_PY": sys.executable, "RFT_PYTHON": str(bin_dir / "python"), "SLURM_JOB_ID": "42",
            "SLURM_JOB_NODELIST": "node0", "SLURM_SUBMIT_DIR": str(ROOT), "RFT_RAY_HEAD_IP": "127.0.0.1",
            "FAKE_RAY_WAIT_S": str(ray_wait_s), "FAKE_IMPORT_S": str(import_s),
-           "PYTHONPATH": str(ROOT), "TMPDIR": str(tmp_path)}
+           "PYTHONPATH": str(ROOT), "TMPDIR": str(tmp_path), "FAKE_NO_EXEC": "1" if no_exec else ""}
     env.pop("SUBMITIT_EXECUTOR", None)
     p = subprocess.Popen(["bash", str(ROOT / "launchers" / "ray_slurm.sbatch"), "seed=1"], env=env,
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -460,6 +463,16 @@ def test_slurms_warning_at_any_time_ends_in_a_requeue(tmp_path, warn_after, ray_
     assert "fake: driver done" not in out
     if warn_after != "fake: waiting for Ray":  # the driver's own requeue (rft.runtime.preemption.requeue_self)
         assert "rft: requeueing Slurm job 42 (scontrol requeue)" in out
+
+
+def test_a_wrapper_as_rft_python_gets_the_warning_to_the_python_it_started(tmp_path):
+    # RFT_PYTHON a script that runs Python as its child: the script never listens for SIGUSR2, so the
+    # warning was held until the driver ended (the job then stopped at its limit, unrequeued); it goes
+    # to the child that listens
+    out, rc, called = run_job_script(tmp_path, "fake: driver watching", no_exec=True)
+    assert "ray_slurm: Slurm warns that it will stop this job: passed on to the driver\n" in out
+    assert called == "requeue 42\n", out
+    assert "rft: requeueing Slurm job 42 (scontrol requeue)" in out and "fake: driver done" not in out
 
 
 def test_without_a_warning_the_job_script_runs_the_driver_to_its_end(tmp_path):
