@@ -504,3 +504,17 @@ def test_the_rollouts_each_configuration_generated_are_a_column(tmp_path):
     assert by_config[3].endswith("| 80.000 ± 22.627 |")
     text = (d / "report.md").read_text()
     assert "`rollouts`: the responses the stage generated, those it did not train on included" in text
+
+
+def test_the_common_line_holds_the_search_path_of_a_study_kept_outside_the_repository(sweep):
+    # Hydra records hydra.searchpath among its own overrides (.hydra/hydra.yaml), not overrides.yaml:
+    # the line read `cluster=inline`, a command that could not find the study's configs
+    for job in ("0", "1", "2"):
+        (sweep / job / ".hydra" / "hydra.yaml").write_text(yaml.safe_dump({"hydra": {"overrides": {
+            "hydra": ["hydra.searchpath=[file:///studies/mine]", "hydra.mode=MULTIRUN"], "task": []}}}))
+    assert report.main([str(sweep)]) == 0
+    lines = (sweep / "report.md").read_text().splitlines()
+    assert "Common to all jobs: `'hydra.searchpath=[file:///studies/mine]' cluster=inline`" in lines
+    (sweep / "0" / ".hydra" / "hydra.yaml").write_text("hydra: [unclosed\n")  # damaged: the line as before
+    assert report.main([str(sweep)]) == 0
+    assert "Common to all jobs: `cluster=inline`" in (sweep / "report.md").read_text().splitlines()

@@ -167,6 +167,18 @@ def parse_overrides(job_dir: Path, name: str) -> dict[str, str] | None:
     return out
 
 
+def searchpath_override(job_dir: Path) -> str | None:
+    """The job's `hydra.searchpath=[...]` override, where it had one (a study kept outside the
+    repository): the common line needs it to be a command that runs; Hydra records it among its own
+    overrides in .hydra/hydra.yaml, not in overrides.yaml. None where absent or unreadable."""
+    try:
+        doc = manifest.written_yaml((job_dir / ".hydra" / "hydra.yaml").read_text())
+        items = doc["hydra"]["overrides"]["hydra"]
+    except (OSError, yaml.YAMLError, RecursionError, UnicodeDecodeError, KeyError, TypeError):
+        return None
+    return next((str(i) for i in items if str(i).startswith("hydra.searchpath=")), None) if isinstance(items, list) else None
+
+
 def planned_stages(job_dir: Path) -> list[tuple[str, int | None]]:
     """(stage name, buffer.total_steps or None) per configured stage, in order; [] without stages.
 
@@ -536,6 +548,8 @@ def _md_table(table: list[dict]) -> list[str]:
 def write_markdown(path: Path, sweep_dir: Path, jobs: list[Job], keys: list[str], table: list[dict],
                    by_config: list[dict]) -> None:
     common = [f"{k}={v}" for k, v in jobs[0].overrides.items() if k not in keys] if jobs else []
+    if jobs and (search := searchpath_override(jobs[0].path)):
+        common.insert(0, f"'{search}'")  # quoted: brackets are glob characters to a shell
     # a sweep's directory holds Hydra's multirun.yaml; any other (one run's, a folder of runs) is no sweep
     kind = "Sweep report" if (sweep_dir / "multirun.yaml").exists() else "Report"
     lines = [f"# {kind}: {sweep_dir.name}", ""]
