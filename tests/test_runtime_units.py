@@ -1079,3 +1079,56 @@ def test_an_environment_of_the_wrong_shape_stops_the_explorer_with_its_name_not_
         Explorer(cfg).explore(0)
     assert str(e.value).startswith("test_runtime_units.ReturnsAnInt.step(text) (turn 1) returned int 1; it must return")
     assert not [r for r in caplog.records if r.levelno >= 30 and r.exc_info]  # no traceback for the console
+
+
+# ---------------------------------------------------------------- joining a Ray cluster
+
+NO_RAY_FIX = ("Start the Ray cluster before the run (`ray start --head` on the head node, `ray start "
+              "--address=<head>:6379` on the others; launchers/ray_slurm.sbatch does both in a Slurm job), give the "
+              "head's host:port (`ray status` there prints it), or set cluster.ray_address=null for a Ray instance "
+              "of the run's own.")
+
+
+def closed_port() -> int:
+    import socket
+
+    with socket.socket() as s:  # bound, then closed: nothing listens there
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("scheme", ["", "ray://"])
+def test_a_ray_address_where_nothing_listens_is_one_paragraph_at_once(tmp_path, scheme, monkeypatch):
+    # ray.init printed GCS retry lines for minutes (over 200 s here) before it failed
+    import ray
+
+    from rft.runtime import main
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)  # another test's instance in this process
+
+    port = closed_port()
+    cfg = compose_cfg(["cluster=ray", f"cluster.ray_address={scheme}127.0.0.1:{port}"])
+    with pytest.raises(ConfigError) as e:
+        main._start_ray(cfg, tmp_path)
+    assert str(e.value) == (f"cluster.ray_address={scheme}127.0.0.1:{port}: nothing answers at 127.0.0.1:{port} "
+                            f"(Connection refused). " + NO_RAY_FIX)
+
+
+def test_auto_on_a_node_without_ray_is_one_paragraph(tmp_path, monkeypatch):
+    # Ray's ConnectionError was a traceback; its words (Ray 2.x) are kept in the paragraph
+    import ray
+
+    from rft.runtime import main
+
+    def no_cluster(**kwargs):
+        assert kwargs["address"] == "auto"
+        raise ConnectionError("Could not find any running Ray instance. Please specify the one to connect to by "
+                              "setting `--address` flag or `RAY_ADDRESS` environment variable.")
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", no_cluster)
+    with pytest.raises(ConfigError) as e:
+        main._start_ray(compose_cfg(["cluster=ray", "cluster.ray_address=auto"]), tmp_path)
+    assert str(e.value) == ("cluster.ray_address=auto: no Ray cluster runs on this node (Ray: Could not find any "
+                            "running Ray instance. Please specify the one to connect to by setting `--address` flag "
+                            "or `RAY_ADDRESS` environment variable). " + NO_RAY_FIX)

@@ -190,11 +190,49 @@ def _start_ray(cfg: DictConfig, run_dir: Path) -> bool:
 
     if ray.is_initialized():
         return False
+    if not local:
+        _check_ray_answers(cfg.cluster.ray_address)
     if local and not cfg.monitor.ray_dashboard:
         # Ray's own config, read from the environment by every process the instance starts: no
         # metrics export from each worker to the node's metrics agent (CPU time taken from the
         # explorer and trainer on a small machine). A value the user set is kept.
         os.environ.setdefault("RAY_enable_metrics_collection", "0")
+    try:
+        _init_ray(cfg, local, run_dir)
+    except ConnectionError as e:  # `auto` on a node where no `ray start` ran: Ray's traceback
+        if local:
+            raise
+        raise ConfigError(f"cluster.ray_address={cfg.cluster.ray_address}: no Ray cluster runs on this node "
+                          f"(Ray: {str(e).splitlines()[0].rstrip('.')}). {_NO_RAY_FIX}") from None
+    if local:
+        _start_reaper()
+    return True
+
+
+_NO_RAY_FIX = ("Start the Ray cluster before the run (`ray start --head` on the head node, `ray start --address=<head>:6379` on "
+               "the others; launchers/ray_slurm.sbatch does both in a Slurm job), give the head's host:port "
+               "(`ray status` there prints it), or set cluster.ray_address=null for a Ray instance of the run's own.")
+
+
+def _check_ray_answers(address: str) -> None:
+    """Something listens at a host:port the run joins: where nothing does, ray.init printed GCS
+    retry lines for minutes before it failed."""
+    import socket
+
+    if address == "auto":  # Ray finds the node's own cluster, or says there is none (above)
+        return
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=10).close()
+    except OSError as e:
+        reason = e.strerror or type(e).__name__  # a timeout has no strerror
+        raise ConfigError(f"cluster.ray_address={address}: nothing answers at {host}:{port} ({reason}). "
+                          f"{_NO_RAY_FIX}") from None
+
+
+def _init_ray(cfg: DictConfig, local: bool, run_dir: Path) -> None:
+    import ray
+
     ray.init(
         # "local": always a new instance of our own. With None, Ray joins the cluster named in
         # /tmp/ray/ray_current_cluster (the last `ray start` here), and waits forever if that one
@@ -206,9 +244,6 @@ def _start_ray(cfg: DictConfig, run_dir: Path) -> bool:
         namespace=ray_namespace(cfg, run_dir),
         logging_level=logging.WARNING,
     )
-    if local:
-        _start_reaper()
-    return True
 
 
 def _ray_token_without_home() -> None:
