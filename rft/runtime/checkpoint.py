@@ -336,3 +336,27 @@ def _unwritable(stage_dir: Path, step: int, tmp: Path, e: Exception) -> RunError
         f"command again to resume from the newest checkpoint "
         f"({f'step {previous[-1]}' if previous else 'none yet: the stage starts over'})."
     )
+
+
+EXPLORE_START = "explore_start.json"  # in the stage directory, beside checkpoints/
+
+
+def explore_start(stage_dir: Path, buffer, path: str) -> int | None:
+    """mode=explore with no checkpoint to resume from: where the buffer at `path` ended (its
+    `state()["last_id"]`: a row id, a byte offset) when this stage first started, or None on that
+    first start, which records it in <stage>/explore_start.json before any row is written. A run
+    killed before its first checkpoint resumes from there as from a checkpoint: the rows after it
+    of its seed are its own (rft.runtime.saving.own_groups); without the mark it could not tell them
+    from an earlier run's of its seed, and wrote its explore step 0's rows again. A mark of another
+    buffer path, or one that does not read, is recorded anew (continue_from_checkpoint=false moves
+    the stage directory, mark and all, aside)."""
+    mark = Path(stage_dir) / EXPLORE_START
+    try:
+        saved = json.loads(mark.read_text())
+        if saved["path"] == str(path) and type(saved["last_id"]) is int:
+            return saved["last_id"]
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    mark.parent.mkdir(parents=True, exist_ok=True)
+    manifest.write_atomic(mark, json.dumps({"path": str(path), "last_id": buffer.state()["last_id"]}))
+    return None

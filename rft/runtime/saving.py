@@ -85,12 +85,15 @@ class StageCheckpoints:
                       f"nothing in it was still to be read, so the run goes on")
                 state = buffer.state()  # read from its (new) end
                 state = {**state, "cursor": state["last_id"], "offset": state["last_id"]}
-        if self.cfg.mode == "explore" and state and hasattr(buffer, "keep_written"):
+        if self.cfg.mode == "explore" and hasattr(buffer, "keep_written"):
             # explore steps' rows are written before their step's checkpoint: what this run wrote
             # after it stays, and exploring those steps again it does not write it again. Nothing
             # is removed: a trainer elsewhere may be reading the buffer live, and other explorers
-            # may write to it too (rft.data.buffer._KeepsWhatItWrote)
-            kept = buffer.keep_written(state["last_id"], own_groups(self.cfg, latest.state.get("next_explore", 0)))
+            # may write to it too (rft.data.buffer._KeepsWhatItWrote). With no checkpoint yet, after
+            # where the buffer ended when the stage first started (checkpoint.explore_start)
+            start = state["last_id"] if state else checkpoint.explore_start(self.dir, buffer, eb.path)
+            first = latest.state.get("next_explore", 0) if state else 0
+            kept = 0 if start is None else buffer.keep_written(start, own_groups(self.cfg, first))
             if kept:
                 log.info("%d experiences this run wrote after the checkpoint stay; they are not written again", kept)
         if state:

@@ -274,9 +274,8 @@ class Schedule:
     def _wants_save(self, step: int) -> bool:
         # mode=explore saves its place every step (a small state.json): a resumed explorer keeps
         # the rows it wrote after its checkpoint, its own (rft.runtime.saving.own_groups), and
-        # does not write them again; killed before its first checkpoint it writes its explore step
-        # 0's rows again, there twice (with no checkpoint it cannot tell its rows from those of an
-        # earlier run with its seed)
+        # does not write them again (killed before its first checkpoint: those after where the
+        # buffer ended when the stage first started, rft.runtime.checkpoint.explore_start)
         cfg = self.cfg
         return (step % cfg.trainer.save_interval == 0 or step == self.plan.total_steps or cfg.mode == "explore"
                 or self.preempted_at == step)
