@@ -287,19 +287,25 @@ def _head_logprobs(hidden, head, select, targets, sampling, out, chunk_size, fp3
 
 
 def _chunk_logprobs(h, weight, bias, targets, temperature, top_p, top_k, with_entropy_grad, top=0, at=None, below=None):
-    return _from_logits(F.linear(h, weight, bias).float(), targets, temperature, top_p, top_k, with_entropy_grad,
+    # the float32 logits in a list that _from_logits empties: passed as themselves, this frame's
+    # reference (held for the call) kept the [N, V] tensor alive beside its log-softmax and entropy
+    return _from_logits([F.linear(h, weight, bias).float()], targets, temperature, top_p, top_k, with_entropy_grad,
                         top, at, below)
 
 
 def _from_logits(logits, targets, temperature, top_p, top_k, with_entropy_grad, top=0, at=None, below=None):
-    """logits [N, V] float32 and targets [N] -> log p(target) [N], entropy [N]; then, when asked,
-    the `top` most likely tokens' log-probs and ids [N, top] (among the ids < `below`) and the log
-    of the mass outside them [N, 1], and the log-probs at `at` [N, k] and the log of the mass
-    outside those [N, 1] (all of the distribution before the top-k / top-p cut)."""
+    """logits [N, V] float32 (or a list holding them, emptied here: the caller's frame then keeps
+    no reference and the [N, V] tensor goes once its log-softmax is made) and targets [N] -> log
+    p(target) [N], entropy [N]; then, when asked, the `top` most likely tokens' log-probs and ids
+    [N, top] (among the ids < `below`) and the log of the mass outside them [N, 1], and the
+    log-probs at `at` [N, k] and the log of the mass outside those [N, 1] (all of the distribution
+    before the top-k / top-p cut)."""
+    if isinstance(logits, list):
+        logits = logits.pop()
     if not bool((temperature == 1).all()):  # dividing by 1 changes nothing but costs two passes over [N, V]
         logits = logits / temperature[:, None]
     keep = None
-    uncut = logits
+    uncut = logits if top or at is not None else None  # else nothing reads them after the cut
     if top_k is not None or top_p is not None:
         keep = sampling_set(logits, targets, top_p, top_k)
         if keep is not None:
@@ -307,9 +313,8 @@ def _from_logits(logits, targets, temperature, top_p, top_k, with_entropy_grad, 
     # one fused log-softmax, kept for the backward (0.6 s less a micro-batch of 1,208 positions at
     # 151,936 on 2 CPU cores than logsumexp's max, subtract, exp and its backward's three passes)
     log_probs = torch.log_softmax(logits, dim=-1)
-    logp = log_probs.gather(-1, targets[:, None]).squeeze(-1)
-    with torch.set_grad_enabled(torch.is_grad_enabled() and with_entropy_grad):
-        entropy = _Entropy.apply(log_probs)
+    del logits  # [N, V] float32 that nothing reads any more (the log-softmax keeps its output)
+    logp, entropy = _TargetAndEntropy.apply(log_probs, targets, torch.is_grad_enabled() and with_entropy_grad)
     extra = []
     if top or at is not None:
         # distillation compares whole distributions: a cut would give a token the teacher ranks
@@ -325,29 +330,43 @@ def _from_logits(logits, targets, temperature, top_p, top_k, with_entropy_grad, 
     return (logp, entropy, *extra)
 
 
-class _Entropy(torch.autograd.Function):
-    """-sum p log p over the last dimension of log-probs, where a token of probability 0 (log-prob
-    -inf: outside the top-k/top-p set, or a -inf logit of the model's own) adds 0 to the value and
-    to the gradient, as 0 log 0 = 0 (torch.special.entr). Autograd's exp(lp) * lp made 0 x -inf =
-    NaN of both; entr and xlogy have the right value but an infinite derivative at p = 0, NaN once
-    multiplied by dp/dlp = p = 0. Keeps only the log-probs for the backward (the log-softmax keeps
-    them already): one [N, V] tensor fewer than the autograd product kept (its probabilities)."""
+class _TargetAndEntropy(torch.autograd.Function):
+    """From log-probs [N, V]: the target's log-prob [N] (a gather) and the entropy -sum p log p [N],
+    where a token of probability 0 (log-prob -inf: outside the top-k/top-p set, or a -inf logit of
+    the model's own) adds 0 to the value and to the gradient, as 0 log 0 = 0 (torch.special.entr).
+    Autograd's exp(lp) * lp made 0 x -inf = NaN of both; entr and xlogy have the right value but an
+    infinite derivative at p = 0, NaN once multiplied by dp/dlp = p = 0.
+
+    One Function for both so that each pass makes one [N, V] tensor besides the log-probs (which
+    the log-softmax keeps already, and this keeps too): the forward's p log p, made in place in p;
+    the backward's gradient, the entropy's made in place and the target's added into it. Autograd
+    made three more at 151,936 wide: the clamped log-probs and p in the forward, a zero [N, V] for
+    the gather's gradient and the sum of the two gradients in the backward. `entropy_grad` False:
+    the entropy is a metric only, no gradient flows back from it."""
 
     @staticmethod
-    def forward(ctx, log_probs):
-        ctx.save_for_backward(log_probs)
-        return -_finite(log_probs).mul_(log_probs.exp()).sum(-1)
+    def forward(ctx, log_probs, targets, entropy_grad):
+        ctx.save_for_backward(log_probs, targets)
+        ctx.entropy_grad = entropy_grad
+        logp = log_probs.gather(-1, targets[:, None]).squeeze(-1)
+        plogp = log_probs.exp().mul_(log_probs)
+        # 0 x -inf = NaN where p = 0: 0 log 0 = 0 (a NaN log-prob, of a NaN logit, stays NaN)
+        entropy = -plogp.masked_fill_(log_probs == float("-inf"), 0).sum(-1)
+        ctx.mark_non_differentiable(*(() if entropy_grad else (entropy,)))
+        return logp, entropy
 
     @staticmethod
-    def backward(ctx, grad):
-        (log_probs,) = ctx.saved_tensors
-        # d(-p lp)/d lp = -p (lp + 1): 0 where p = 0 (the finite stand-in for -inf, times p = 0)
-        return _finite(log_probs).add_(1).mul_(log_probs.exp()).mul_(-grad[..., None])
-
-
-def _finite(log_probs):
-    """The log-probs with -inf as the dtype's lowest finite value: times p = 0 it is 0, not NaN."""
-    return log_probs.clamp(min=torch.finfo(log_probs.dtype).min)
+    def backward(ctx, grad_logp, grad_entropy):
+        log_probs, targets = ctx.saved_tensors
+        if ctx.entropy_grad and grad_entropy is not None:
+            # d(-p lp)/d lp = -p (lp + 1) = -(p + p lp): 0 where p = 0 (0 + 0 x -inf is NaN: filled)
+            p = log_probs.exp()
+            grad = p.addcmul_(p, log_probs).masked_fill_(log_probs == float("-inf"), 0).mul_(-grad_entropy[:, None])
+        else:
+            grad = torch.zeros_like(log_probs)
+        if grad_logp is not None:
+            grad.scatter_add_(-1, targets[:, None], grad_logp[:, None])
+        return grad, None, None
 
 
 def _outside(log_probs, ids):

@@ -1,0 +1,72 @@
+"""What the trainer's log-probs hold in memory at a real vocabulary's width: the float32 [N, V]
+tensors of one chunk of positions (rft/trainer/logprobs.py), counted by the bytes torch allocates
+for them, as a ratio of one such tensor (not a time, not the machine's memory)."""
+
+import weakref
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map
+
+from rft.trainer import logprobs
+
+
+class LiveBytes(TorchDispatchMode):
+    """The bytes of the tensors made inside it still alive, and their peak; tensors made before it
+    (the inputs, the weights) are not counted, nor views of them."""
+
+    def __init__(self, *before):
+        super().__init__()
+        self.known = {t.untyped_storage().data_ptr() for t in before}
+        self.live = self.peak = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        tree_map(self._track, out)
+        return out
+
+    def _track(self, t):
+        if isinstance(t, torch.Tensor):
+            storage = t.untyped_storage()
+            key = storage.data_ptr()
+            if key and key not in self.known:
+                self.known.add(key)
+                self.live += storage.nbytes()
+                self.peak = max(self.peak, self.live)
+                weakref.finalize(storage, self._free, key, storage.nbytes())
+        return t
+
+    def _free(self, key, n):
+        self.known.discard(key)
+        self.live -= n
+
+
+@pytest.mark.parametrize("entropy_grad", [True, False])
+def test_a_chunks_log_probs_hold_few_float32_copies_of_its_logits(entropy_grad):
+    """A bfloat16 output layer, as a bfloat16 model's, over 32 positions of a 151,936-token
+    vocabulary (Qwen2.5's). Forward: the float32 logits (and their bfloat16 matmul a moment),
+    then the log-softmax, then p log p (and a bool mask of the -inf log-probs, a quarter): at most
+    2.25 [N, V] float32 tensors alive at once. It held 4: the float32 logits stayed referenced by
+    the caller's frame through the entropy, and the entropy made a clamped copy of the log-probs
+    beside p. Backward: the saved log-probs, the one gradient of the target's log-prob and the
+    entropy together, and the log-softmax's gradient: 3. It held 4: a zero [N, V] for the gather's
+    gradient and the sum of the two gradients."""
+    N, V, H = 32, 151936, 64
+    torch.manual_seed(0)
+    h = torch.randn(N, H, dtype=torch.bfloat16, requires_grad=True)
+    w = (torch.randn(V, H) * 0.02).to(torch.bfloat16)
+    targets = torch.randint(0, V, (N,))
+    one = N * V * 4  # one float32 [N, V] tensor: 19,447,808 bytes
+    with LiveBytes(h, w, targets) as mem:
+        logp, entropy = logprobs._chunk_logprobs(h, w, None, targets, torch.ones(N), None, None, entropy_grad)
+        forward = mem.peak
+        (logp.sum() + (entropy.sum() if entropy_grad else 0)).backward()
+    assert forward <= 2.25 * one + 4096, forward / one
+    assert mem.peak <= 3 * one + 4096, mem.peak / one
+    assert mem.live < 0.01 * one  # nothing [N, V] outlives the step
+    # the values are still the log-softmax's: log p(target) and -sum p log p of the same (bfloat16) logits
+    want = torch.log_softmax(torch.nn.functional.linear(h.detach(), w).float(), dim=-1)
+    assert torch.equal(logp.detach(), want.gather(-1, targets[:, None]).squeeze(-1))
+    assert torch.allclose(entropy.detach(), -(want.exp() * want).sum(-1), rtol=1e-6)
+    assert entropy.requires_grad is entropy_grad
