@@ -272,6 +272,18 @@ def load_tokenizer(model_cfg, chat: bool = True):
     return tok
 
 
+def check_tokenizer_here(model_cfg) -> None:
+    """The dry run's look at the policy's chat template, which every prompt is rendered with: a
+    ConfigError (check_chat_template's) where the model is a local directory whose tokenizer can
+    be read without its weights. A base model without one was found only by the run, when its
+    actors loaded it. Nothing is read for a hub id (a download) or a directory the project builds
+    (model.builder: its tokenizer has a template), nor where no tokenizer is there yet (the plan
+    says what is missing)."""
+    path = Path(os.path.expanduser(str(model_cfg.model_path)))
+    if model_cfg.builder is None and (path / "tokenizer_config.json").is_file():
+        load_tokenizer(model_cfg)
+
+
 def stop_token_ids(model_cfg, tok) -> list[int]:
     """The ids that end a response: model.stop_token_ids, or (null) the tokenizer's eos and the
     eos_token_id (an id or a list) of the model's generation_config.json, or of its config.json

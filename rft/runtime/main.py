@@ -443,6 +443,9 @@ def _main(cfg: DictConfig) -> float | None:
     stage_models.check(stages, plans)  # reward models of earlier stages (stage:<title>)
     run_dir = run_dir_of(cfg)
     if cfg.dry_run:
+        from rft.models import check_tokenizer_here
+
+        per_stage(lambda s, _: check_tokenizer_here(s.model), stages, [None] * len(stages))  # what the run's actors check
         print(plan_text(stages, plans, stage_dirs))
         _remove_if_empty(run_dir)  # Hydra made it; a dry run leaves nothing behind
         return None
