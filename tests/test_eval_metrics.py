@@ -293,3 +293,25 @@ def test_the_vote_reads_the_verifier_part_of_a_reward_of_several_parts():
         assert paper_metrics(ts, [task], [group], spec, "eval/m")["eval/m/maj@5"] == 1.0, spec
     # a reward without a verifier part votes on the stripped responses
     assert answer_of([{"fn": "format", "args": {"pattern": ".*"}}], " so 0.3 ") == "so 0.3"
+
+
+HOSTILE_NUMBERS = ["1e16", "10000000000000000", "10^16", "1.5 \\times 10^{3}", "1500", "1,500", ".5", "1/2", "0.50",
+                   "5e-1", "\u22125", "-5", "5", "+5", "\uff15", "\u0665", "-0", "0", "1/3", "2/6", "pages 5-7", "7",
+                   "1\u202f000", "1,000", "1000.0", "1e999999", "1/0", "nan", "x2", "2"]
+
+
+def test_last_number_vote_joins_exactly_the_answers_its_reward_calls_equal():
+    """For every pair of hostile responses a, b: the reward with a as the reference scores b 1.0 iff
+    a's and b's votes are one answer. Before, the vote split full-width `５` and Arabic-Indic `٥` from
+    `5` (their text differed; the reward read 5 in each) and read 1e16 as 16, as the reward did."""
+    from rft.rewards.verifiers import last_number
+
+    for a in HOSTILE_NUMBERS:
+        for b in HOSTILE_NUMBERS:
+            reward = last_number("", b, SimpleNamespace(answer=a, row={}, task_id="t/0"))
+            va, vb = answer_of("last_number", a), answer_of("last_number", b)
+            assert reward == float(va is not None and va == vb), (a, b, reward, va, vb)
+    assert [answer_of("last_number", r) for r in ["1e16", "1/2", "\uff15", "2/6", "1e999999", "1/0", "nan"]] == \
+        ["10000000000000000", "0.5", "5", "1/3", "1e999999", None, None]
+    # one half three ways, right, against 7 twice: one vote of 3 (as strings, 1 each: 7 would win)
+    assert last_number_maj("0.5", ["1/2", ".5", "5e-1", "7", "7"]) == 1.0

@@ -277,6 +277,39 @@ LAST_NUMBER_CASES = [
     # measured before the fix: both read as the float 1.2345678901234568e16, a reward of 1.0 for a wrong answer
     ("#### 12345678901234567", "12345678901234568", 0.0, "numbers past 2**53 compare exactly"),
     ("#### 100", "1" + "0" * 1_000_000, 0.0, "a million digits are a number, not an overflow (0.004 s)"),
+    # hostile spellings (rft/rewards/numbers.py). Down to "the number is 7" each scored the other way before:
+    # the old reader took the digits after the last non-digit ("1e16" -> 16, ".5" -> 5, "−5" -> 5, "1/2" -> 2)
+    ("#### 10000000000000000", "about 1e16", 1.0, "scientific notation is one number: 1e16 = 10**16"),
+    ("#### 16", "about 1e16", 0.0, "... not its exponent"),
+    ("#### 1500", r"1.5 \times 10^{3}", 1.0, "scientific notation as LaTeX writes it"),
+    ("#### -3", "so 10^{-3}", 0.0, "a power is its value (0.001), not its exponent"),
+    ("#### 1024", "2^10", 1.0, "a power of integers is its value"),
+    ("#### 0.5", "It is .5", 1.0, "a leading point: .5 is 0.5"),
+    ("#### 5", "It is .5", 0.0, "... not 5"),
+    ("#### -5", "It fell to \u22125.", 1.0, "U+2212 MINUS SIGN is a minus"),
+    ("#### 5", "It fell to \u22125.", 0.0, "... so -5 is not 5"),
+    ("#### 0.5", "1/2", 1.0, "a fraction is its value"),
+    ("#### 2", "1/2", 0.0, "... not its denominator"),
+    ("#### 1000", "1\u202f000", 1.0, "thousands grouped by a narrow no-break space (SI)"),
+    ("#### 123", "1,2,3", 0.0, "commas between groups that are not of three digits separate numbers (was 123)"),
+    ("#### -7", "pages 5-7", 0.0, "a minus right after a digit is a range or a subtraction, not a sign (was -7)"),
+    ("#### 7", "pages 5-7", 1.0, "... the number is 7"),
+    # conventions that held, now written down, and the bounds
+    ("#### 5", "\uff15", 1.0, "full-width digits are digits, as int() reads them"),
+    ("#### 5", "\u0665", 1.0, "Arabic-Indic digits too"),
+    ("#### 0", "-0", 1.0, "-0 is 0"),
+    ("#### 5", "+5\r\n", 1.0, "a plus sign, CRLF"),
+    ("#### 5", "The answer is 5.", 1.0, "a full stop after the number"),
+    ("#### 2", "multiply by x2", 1.0, "a number inside a word counts (documented)"),
+    ("#### 1000", "1 000", 0.0, "a plain space separates two numbers: 1 and 000 (documented)"),
+    ("#### 0", "nan", 0.0, "nan and inf are not numbers"),
+    ("#### 0", " \r\n\t", 0.0, "a blank response has no number"),
+    ("#### 1", "1/0", 0.0, "a fraction over zero is no number"),
+    # too large to work with: no number, at once (9^99999999 has 95 million digits; 10**16 digits below)
+    ("#### 9", "9^99999999", 0.0, "a power of over 10,000 digits is no number"),
+    ("#### 1", "1e99999999999999999", 0.0, "an exponent over 10**15 is no number"),
+    ("#### 1", "1/" + "3" * 1_000_000, 0.0, "a fraction with a side of over 10,000 digits is no number"),
+    ("#### 1", "1e1" + "0" * 1_000_000, 0.0, "an exponent of a million digits is no number, not a MemoryError"),
 ]
 
 

@@ -6,7 +6,8 @@ function and putting it in `REWARD_FNS`; select it with
 `buffer.explorer_input.default_reward_fn_type=<name>`.
 
 - `exact_match`: the response equals the reference (both stripped).
-- `last_number`: the last number of the response equals the reference's last number (GSM8K).
+- `last_number`: the last number of the response equals the reference's last number (GSM8K); what a
+  number is (`1,000`, `.5`, `−5`, `1e16`, `1/2`) is rft/rewards/numbers.py's.
 - `math`: the response's final answer (its last `\\boxed{}`) is mathematically equal to the
   reference's (the last `\\boxed{}` of a MATH solution, or a plain answer), by `math_verify`.
 - `format`: the response, stripped, matches a regular expression (`args: {pattern: ...}`): a
@@ -25,16 +26,13 @@ import logging
 import re
 import threading
 from collections import Counter
-from decimal import Decimal
 from fractions import Fraction
 
 from rft.registry import Registry
+from rft.rewards.numbers import equal, last_value, spelling
 from rft.rewards.workers import NoWorker, Workers, serve
 
 log = logging.getLogger(__name__)
-
-_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
-
 
 def exact_match(prompt: str, response: str, task) -> float:
     """1.0 if the response, stripped, equals the reference answer, stripped."""
@@ -44,12 +42,14 @@ def exact_match(prompt: str, response: str, task) -> float:
 def last_number(prompt: str, response: str, task) -> float:
     """1.0 if the last number in the response equals the reference's final number.
 
-    The reference may be a GSM8K-style solution ending in `#### 42`; its last number is used.
+    The reference may be a GSM8K-style solution ending in `#### 42`; its last number is used. A
+    number is read as rft/rewards/numbers.py says: scientific notation is one number (`1e16` is
+    10000000000000000, not 16), a fraction its value (`1/2` is 0.5), `−5` (U+2212) is -5, `.5` is
+    0.5, `1,000` is 1000; values compare exactly (as floats, 12345678901234567 equalled
+    12345678901234568). No number, or one too large to work with, scores 0.
     """
-    got = _NUMBER.findall(response.replace(",", ""))
-    want = _NUMBER.findall(str(task.answer).replace(",", ""))
-    # exact decimals: as floats, 12345678901234567 equalled 12345678901234568 (and Decimal has no digit limit)
-    return float(bool(got) and bool(want) and Decimal(got[-1]) == Decimal(want[-1]))
+    got, want = last_value(str(response)), last_value(str(task.answer))
+    return float(got is not None and want is not None and equal(got, want))
 
 
 # ---------------------------------------------------------------- math (MATH-style answers)
@@ -389,21 +389,10 @@ def format_match(prompt: str, response: str, task, pattern: str = r"<answer>.*</
 
 
 def _last_number_answer(response: str) -> str | None:
-    """The response's last number (as last_number reads it) in one spelling per value."""
-    got = _NUMBER.findall(response.replace(",", ""))
-    return _exact_number(got[-1]) if got else None
-
-
-def _exact_number(number: str) -> str:
-    """A _NUMBER match written one way per value, exactly as the reward's Decimal compares them: no
-    leading zeros, no trailing zeros after the point, no sign on a zero ("007.50" -> "7.5", "-0.0" -> "0").
-    As a float (repr) the votes split and merged where the reward does not: -0.0 apart from 0.0 (both
-    right for 0), 10000000000000000 with 10000000000000001 (one wrong, one right), and any two
-    numbers of over 309 digits as inf; by text, a digit string of any length costs its length."""
-    sign, number = ("-", number[1:]) if number.startswith("-") else ("", number)
-    whole, _, frac = number.partition(".")
-    value = (whole.lstrip("0") or "0") + ("." + frac.rstrip("0") if frac.rstrip("0") else "")
-    return value if value == "0" else sign + value
+    """The response's last number (as last_number reads it) in one spelling per value (`numbers.spelling`:
+    `1/2`, `.5` and `5e-1` are `0.5`, `-0` is `0`, `٥` is `5`): the vote splits and joins where the reward does."""
+    value = last_value(response)
+    return None if value is None else spelling(value)
 
 
 def _math_answer(response: str) -> str | None:
