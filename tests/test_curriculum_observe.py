@@ -127,3 +127,35 @@ def test_groups_dynamic_sampling_dropped_as_flat_count_with_their_rewards():
     # tasks 1 and 2: one pass and one fail per group of 2
     assert cur.outcomes[1] == cur.outcomes[2] == [1, 0, 1, 0]
     assert cur.weights() == pytest.approx([0.05, 0.3, 0.3, 0.05])
+
+
+HANG = __import__("threading").Event()
+
+
+def row_0_slow(prompt, response, task):
+    """Task 0's reward waits (for HANG, at most 30 s): explorer.over_rollout drops it every step, as
+    the slowest; the others pass at once."""
+    if task.task_id.endswith("/0"):
+        HANG.wait(30)
+    return 1.0
+
+
+def test_a_task_over_rollout_drops_for_being_slow_is_no_observation():
+    """explorer.over_rollout.ratio=0.25 of the 4 tasks a step (batch_size 4: each step draws them
+    all) waits for ceil(0.75 x 4) = 3, then wait_after_min=0 s more: task 0, whose reward is slow,
+    is dropped every step, tasks 1-3 always kept. Its rollouts never finished, so they say nothing
+    of its pass rate: it stays unseen (p = 0.5, weight 0.25 + 0.05 = 0.3). It was recorded as failed
+    ([0, 0, 0, 0], weight 0.05): a slow task's draws rose or fell by its timing."""
+    run = driver("row_0_slow", "buffer.batch_size=4", "explorer.over_rollout.ratio=0.25",
+                 "explorer.over_rollout.wait_after_min=0", "explorer.runner_per_model=4")
+    cur = run.curriculum
+    try:
+        for s in range(3):
+            assert sorted(step(run, s)) == [0, 1, 2, 3]
+            assert run.explore_metrics[s]["rollout/over_rollout_dropped"] == 1
+            assert run.explore_metrics[s]["rollout/failed_tasks"] == 0
+    finally:
+        HANG.set()  # the dropped calls' threads end
+    assert 0 not in cur.outcomes
+    assert cur.outcomes == {1: [1, 1, 1, 1], 2: [1, 1, 1, 1], 3: [1, 1, 1, 1]}  # window 4: 2 rollouts x 3 steps, the last 4
+    assert cur.weights() == pytest.approx([0.3, 0.05, 0.05, 0.05])

@@ -178,7 +178,7 @@ def run_jobs(fn, jobs: list, runners: int, timeout: float, retries: int,
     thread): it keeps its thread until it returns, but no longer holds a runner or the step.
     The calls run on `_THREADS`, threads kept from one call of run_jobs to the next.
     With `min_done`, once that many jobs have finished the rest get `wait_after_min` seconds more
-    and are then dropped (explorer.over_rollout).
+    and are then dropped (explorer.over_rollout; counters["dropped_jobs"] lists them, if any).
     """
     run = _JobRun(fn, jobs, retries)
     min_reached_at = None
@@ -191,6 +191,7 @@ def run_jobs(fn, jobs: list, runners: int, timeout: float, retries: int,
             min_reached_at = min_reached_at or now
             if now - min_reached_at >= wait_after_min and (run.todo or run.running):
                 run.counters["over_rollout_dropped"] = len(run.todo) + len(run.running)
+                run.counters["dropped_jobs"] = sorted([*run.todo, *run.running])  # not a count: which
                 break
     if run.repeats:
         log.warning("%d more calls raised an error logged above (each error is logged once a step; rollout/errors "
@@ -398,8 +399,10 @@ class Explorer(WeightsMixin):
     def tasks_for_step(self, step: int):
         return [self.taskset[i] for i in self.task_rows(step)]
 
-    def _run(self, ts_cfg, scorer, tasks, n: int, step: int, salt: int, counters: dict, min_done=None, engine=None):
-        """Run the workflow on `tasks`; returns one list of experiences per task (None: failed)."""
+    def _run(self, ts_cfg, scorer, tasks, n: int, step: int, salt: int, counters: dict, min_done=None, engine=None,
+             dropped_ids: set | None = None):
+        """Run the workflow on `tasks`; returns one list of experiences per task (None: failed, or
+        dropped by over_rollout: their task ids go into `dropped_ids`)."""
         ex = self.cfg.explorer
 
         dropped = 0  # tasks over_rollout dropped (None, but not failed)
@@ -420,6 +423,8 @@ class Explorer(WeightsMixin):
             t0 = time.perf_counter()
             results, c = run_jobs(lambda job: scorer(*job), jobs, ex.runner_per_model, ex.max_timeout, ex.max_retry_times,
                                   min_done, ex.over_rollout.wait_after_min)
+            gone = {getattr(jobs[i][2], "task_id", None) for i in c.pop("dropped_jobs", [])}  # job: (prompt, responses, task)
+            (set() if dropped_ids is None else dropped_ids).update(gone)
             counters["reward_s"] = counters.get("reward_s", 0.0) + time.perf_counter() - t0
             merge(c, "reward")
             return results
@@ -471,12 +476,16 @@ class Explorer(WeightsMixin):
 
     def _rollouts(self, tasks, n: int, step: int, salt: int, counters: dict, lost: list) -> list[list]:
         """Training rollouts, reward-shaped, as one list per task (a group); failed tasks (and those
-        over_rollout dropped) left out, and n failed rollouts each added to `lost` (rollout_outcomes')."""
+        over_rollout dropped) left out, a failed task's n rollouts each added to `lost` as a fail."""
         ts, algo = self.cfg.buffer.explorer_input.taskset, self.cfg.algorithm
         ratio = self.cfg.explorer.over_rollout.ratio
         min_done = math.ceil((1 - ratio) * len(tasks)) if ratio > 0 else None
-        out = self._run(ts, self.scorer, tasks, n, step, salt, counters, min_done)
-        lost += [(task.task_id, 0) for task, g in zip(tasks, out) if g is None for _ in range(n)]
+        dropped: set = set()
+        out = self._run(ts, self.scorer, tasks, n, step, salt, counters, min_done, dropped_ids=dropped)
+        # a task over_rollout dropped is no outcome: its rollouts did not finish, fail or pass (as a
+        # fail, a task slow to score was drawn less for its timing: rft/data/curriculum.py)
+        lost += [(task.task_id, 0) for task, g in zip(tasks, out) if g is None and task.task_id not in dropped
+                 for _ in range(n)]
         groups = [g for g in out if g is not None]
         counters["generated"] = counters.get("generated", 0) + n * len(tasks)  # asked for, kept or not: its cost
         apply_overlong([e for g in groups for e in g], algo, ts.rollout_args.max_tokens or self.cfg.model.max_response_tokens)
