@@ -180,3 +180,31 @@ def test_the_vllm_engine_stops_where_the_hf_engine_does(turn_end_model):
         assert got[False, t] == [[[stopped] * 2, [([X] * 8, "length")] * 2]] * 2
         # model.stop_token_ids=[0]: neither engine stops at <|im_end|> (vLLM did, whatever rft said)
         assert got[True, t] == [[[ran_on] * 2, [([X] * 8, "length")] * 2]] * 2
+
+
+def test_the_plan_bounds_the_stop_strings_both_engines_check_after_every_token():
+    """10,000 stop strings cost about 7 ms a token a response in the stop check (untimed in vLLM): the
+    plan takes at most 32, of at most 256 characters each, and names the key otherwise."""
+    from conftest import compose_cfg
+
+    from rft.plan.batch import make_plan, stage_configs
+
+    ts = "buffer.explorer_input.taskset"
+
+    def plan(stop: list[str]):
+        return make_plan(stage_configs(compose_cfg(["stages=[]", f"{ts}.rollout_args.stop={stop!r}"]))[-1], 2000)
+
+    plan(["s%d" % i for i in range(32)])  # at the bounds: planned
+    plan(["x" * 256])
+    with pytest.raises(ConfigError) as e:
+        plan(["s%d" % i for i in range(33)])  # before the bound: planned, and each token checked 33 times
+    assert str(e.value) == (
+        f"{ts}.rollout_args.stop has 33 stop string(s), the longest of 3 characters: at most 32 of at most 256 "
+        f"characters each. Both engines search the response for every stop string after every token, with no time "
+        f"limit (10,000 strings cost about 7 ms a token for each response). Keep the few strings that end an answer "
+        f"(a closing tag such as '</answer>', a turn marker).")
+    with pytest.raises(ConfigError, match=r"has 1 stop string\(s\), the longest of 257 characters"):
+        plan(["x" * 257])
+    with pytest.raises(ConfigError, match=r"eval_tasksets\[0\].rollout_args.stop has 40"):
+        make_plan(stage_configs(compose_cfg(
+            ["stages=[]", f"buffer.explorer_input.eval_tasksets.0.rollout_args.stop={['e%d' % i for i in range(40)]!r}"]))[-1], 2000)

@@ -290,6 +290,25 @@ def _check_context(model, where: str, max_tokens: int | None) -> None:
         f"explorer=hf goes on to {max_tokens}). Raise {fix}, or lower max_tokens.")
 
 
+# both engines look for every stop string after every token, untimed (vLLM's StopChecker, the hf
+# engine's StopStrings): 10,000 strings cost 7 ms a token a row, 32 of 256 characters under 0.1 ms
+MAX_STOP_STRINGS, MAX_STOP_CHARS = 32, 256
+
+
+def _check_stop(where: str, stop: list) -> None:
+    """A taskset's rollout_args.stop: non-empty texts, few and short enough to check after every token."""
+    if any(not isinstance(x, str) or not x for x in stop):  # "" is in every text: one-token responses
+        raise ConfigError(f"{where}.rollout_args.stop={stop!r}: every stop string must be a non-empty "
+                          f"text (an empty one ends each response after its first token).")
+    longest = max(map(len, stop), default=0)
+    if len(stop) > MAX_STOP_STRINGS or longest > MAX_STOP_CHARS:
+        raise ConfigError(
+            f"{where}.rollout_args.stop has {len(stop)} stop string(s), the longest of {longest} characters: at most "
+            f"{MAX_STOP_STRINGS} of at most {MAX_STOP_CHARS} characters each. Both engines search the response for "
+            f"every stop string after every token, with no time limit (10,000 strings cost about 7 ms a token for "
+            f"each response). Keep the few strings that end an answer (a closing tag such as '</answer>', a turn marker).")
+
+
 def _check_rollouts(cfg) -> None:
     """The sampling settings of every taskset that compare keys (their ranges: rft.plan.ranges), and the
     training taskset's rollouts per task."""
@@ -305,9 +324,7 @@ def _check_rollouts(cfg) -> None:
                 f"and return log-probs of that distribution, while the trainer recomputes them at {r.temperature} (and "
                 f"explorer=hf samples at {r.temperature}). Set 0.01 or more, or 0 for greedy decoding.")
         _check_context(cfg.model, where, r.max_tokens)
-        if any(not isinstance(x, str) or not x for x in r.stop):  # "" is in every text: one-token responses
-            raise ConfigError(f"{where}.rollout_args.stop={list(r.stop)!r}: every stop string must be a non-empty "
-                              f"text (an empty one ends each response after its first token).")
+        _check_stop(where, list(r.stop))
         fmt = ts.format
         if fmt.prompt_type == "plaintext" and fmt.prompt_key == fmt.response_key:
             raise ConfigError(f"{where}.format.prompt_key and response_key both name the column {fmt.prompt_key!r}: "
