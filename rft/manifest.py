@@ -96,9 +96,13 @@ def seal(d: Path, identity: dict, known: dict | None = None) -> dict:
 
 def write_atomic(path: Path, text: str | bytes) -> None:
     """`path` holds `text` (or bytes: a figure rendered in memory) whole or not at all, even across a
-    crash: tmp, fsync, rename, fsync the folder."""
+    crash: tmp, fsync, rename, fsync the folder. The tmp is made anew, never opened through a link:
+    a <path>.tmp planted as a link in a run directory someone handed over (or a shared results
+    folder) had the write truncate and fill the file it points to (a ~/.bashrc)."""
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb" if isinstance(text, bytes) else "w") as f:
+    tmp.unlink(missing_ok=True)  # a leftover (a killed write), or a link: the link goes, not its target
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o666)
+    with open(fd, "wb" if isinstance(text, bytes) else "w") as f:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())

@@ -12,6 +12,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from rft.config import flat
+from rft.manifest import write_atomic
 from rft.registry import Registry, resolve
 
 
@@ -302,10 +303,9 @@ def _reopen(path: Path, start_step: int):
     if lines and lines[-1][1] is None:
         lines.pop()
     kept = [(line, m) for line, m in lines if start_step > 0 and (m is None or m["step"] <= start_step)]
-    # written aside, then renamed over the log: a kill in between leaves the old log whole
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(line + "\n" for line, _ in kept))
-    os.replace(tmp, path)
+    # written aside, then renamed over the log: a kill in between leaves the old log whole (and a
+    # link in the place of either is replaced, never written through: rft.manifest.write_atomic)
+    write_atomic(path, "".join(line + "\n" for line, _ in kept))
     return open(path, "a"), {m["step"] for _, m in kept if m is not None}
 
 

@@ -196,9 +196,7 @@ def record_problem(stage_dir: Path) -> str | None:
 def write_config(cfg, stage_dir: Path) -> None:
     stage_dir.mkdir(parents=True, exist_ok=True)
     text = OmegaConf.to_yaml(cfg, resolve=True)
-    tmp = stage_dir / "config.yaml.tmp"
-    tmp.write_text(f"# fingerprint: {fingerprint(identity(cfg))}\n{text}")
-    os.replace(tmp, stage_dir / "config.yaml")
+    manifest.write_atomic(stage_dir / "config.yaml", f"# fingerprint: {fingerprint(identity(cfg))}\n{text}")
     manifest.write_atomic(stage_dir / DATA_RECORD, json.dumps(data_digests(cfg), indent=1, sort_keys=True))
 
 
@@ -312,7 +310,8 @@ def check_unchanged(cfg, stages, stage_dirs, run_dir: Path) -> dict[str, list[st
 
 
 def note_changes(stage_dir: Path, diff: list[str]) -> None:
-    with open(stage_dir / "config_changes.log", "a") as f:
+    fd = os.open(stage_dir / "config_changes.log", os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o666)
+    with open(fd, "a") as f:
         f.write(f"{datetime.datetime.now():%Y-%m-%d %H:%M:%S} resume_with_changes=true: " + "; ".join(diff) + "\n")
 
 
@@ -357,7 +356,8 @@ def run_lock(run_dir: Path):
     import socket
 
     path = run_dir / RUN_LOCK
-    with open(path, "a+") as f:
+    refuse_links(run_dir)
+    with open(os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o666), "r+") as f:
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -381,6 +381,35 @@ def run_lock(run_dir: Path):
         f.write(f"pid {os.getpid()} on {socket.gethostname()}{f' (Slurm job {job})' if job else ''}\n")
         f.flush()
         yield before
+
+
+def planted_links(run_dir: Path) -> list[Path]:
+    """The links in `run_dir` a run could write through: each one not to a folder (to a file, or to
+    nothing). rft makes none; a link to a folder (checkpoints on a scratch disk) is the user's own
+    and not entered. Not looked into: the checkpoints, sealed and never written into once made
+    (their manifest refuses a link: rft.manifest), and earlier outputs moved aside (previous_*)."""
+    found = []
+    for root, dirs, names in os.walk(run_dir):  # followlinks=False
+        here = Path(root)
+        found += [here / n for n in dirs + names if (here / n).is_symlink() and not (here / n).is_dir()]
+        dirs[:] = [d for d in dirs if not (d.startswith("previous_") and here == run_dir)
+                   and not (here.name == "checkpoints" and d.startswith("step_"))]
+    return sorted(found)
+
+
+def refuse_links(run_dir: Path) -> None:
+    """A RunError naming the first of `planted_links`: run.log, metrics.jsonl, .run.lock, a
+    config.yaml.tmp linked to a file elsewhere (a run directory handed over as "resume from mine", a
+    results folder others write to) had the run truncate that file, or append its log to it (a
+    ~/.bashrc, whose lines a shell runs)."""
+    links = planted_links(run_dir)
+    if links:
+        more = f" (and {len(links) - 1} more)" if len(links) > 1 else ""
+        raise RunError(
+            f"{links[0]} is a link (to {os.readlink(links[0])}){more}: rft writes its own files in the run directory "
+            f"{run_dir} and never makes a link there, so a run would write through it into the file it points to. It "
+            f"was put there by hand or came with a copy of the run. Remove the link{'s' if more else ''} (`find "
+            f"{run_dir} -type l` lists them; a link to a folder may stay), or give this run another name (name=...).")
 
 
 def requeued(before: str, env=os.environ) -> str | None:
@@ -425,7 +454,8 @@ def finish_move_aside(run_dir: Path) -> Path | None:
     and run_lock finishes it before a run reads the directory), then rename it previous_<time>/;
     returns that, or None when no move was begun. Renames within one directory: nothing is copied."""
     done = None
-    for tmp in sorted(p for p in run_dir.glob("previous_*.tmp") if p.is_dir()):
+    # a link named so (run_lock refuses one to a file) is no move of rft's: the outputs would go where it points
+    for tmp in sorted(p for p in run_dir.glob("previous_*.tmp") if p.is_dir() and not p.is_symlink()):
         for p in _outputs(run_dir):
             dst, n = tmp / p.name, 1
             while dst.exists():  # written again after the kill (this run's run.log): both kept
@@ -542,7 +572,7 @@ def _copy_entry(entry: Path, stage_dir: Path, final: Path, identity: dict) -> No
     # counts no time of its own for it); written after, a kill between left the other job's time this
     # one's. A copy killed before its checkpoint leaves it to a stage that trains itself (run_stage drops it)
     source = (entry / "source").read_text().strip() if (entry / "source").exists() else "?"
-    (stage_dir / "reused_from").write_text(f"{entry}\n{source}\n")
+    manifest.write_atomic(stage_dir / "reused_from", f"{entry}\n{source}\n")
     tmp = final.with_name(final.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.parent.mkdir(parents=True, exist_ok=True)
