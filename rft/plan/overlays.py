@@ -93,6 +93,19 @@ class Roots:
         path = Path(os.path.abspath(path))
         return str(path.relative_to(Path.cwd())) if path.is_relative_to(Path.cwd()) else str(path)
 
+    def absent(self) -> str:
+        """A sentence for the search folders that do not exist: a relative one is read from the
+        directory the command runs in, so a study's `file://experiments/<study>/conf` is no
+        folder from inside that study's own folder."""
+        import os
+
+        gone = [str(r) for r in self.extra if not r.is_dir()]
+        if not gone:
+            return ""
+        return (f" The search path's {', '.join(gone)} is no folder from {os.getcwd()}: a relative "
+                f"hydra.searchpath entry is read from the directory you run from; run from the folder it "
+                f"is relative to, or give it absolute (file:///...).")
+
     def dirs(self, group: str) -> str:
         """The folders that hold the group's files: `conf/<group>/`, and a search folder's."""
         found = [f"{self.shown(r / group)}/" for r in self.all if (r / group).is_dir()]
@@ -154,7 +167,7 @@ def _choices(args: list[str], roots: Roots) -> tuple[list[Path], str | None]:
                 near = difflib.get_close_matches(option, options, n=1)
                 hint = f" Did you mean {group}={near[0]}?" if near else ""
                 return [], (f"{group}={option}: there is no {roots.missing(group, option)} (the options of '{group}' "
-                            f"are {', '.join(options)}).{hint}")
+                            f"are {', '.join(options)}).{hint}{roots.absent()}")
             found += [path] if path else []
     return found, None
 

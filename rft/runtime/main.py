@@ -323,9 +323,27 @@ def per_stage(fn, stages: list, args: list, sources: list | None = None) -> list
         try:
             out.append(fn(s, arg))
         except ConfigError as e:
-            message = str(e) + (_own_key_hint(str(e), sources[i]) if sources else "")
+            hint = _merged_args_hint(str(e), i, sources[i]) if sources else ""
+            message = str(e) + (_own_key_hint(str(e), sources[i]) if hint is None else hint)
             raise ConfigError(f"stage {s.stage_name}: {message}" if s.stage_name else message) from e
     return out
+
+
+def _merged_args_hint(message: str, index: int, sources: dict) -> str | None:
+    """A function's `*_args` holding what the stage's function does not take: set globally and
+    merged into every stage (a stage's `advantage_args: {}` adds nothing and removes nothing), so
+    the fix is to set it in the entry of the stage that uses it, not to change this stage's function."""
+    import re
+
+    m = re.match(r"(algorithm\.\w+_args) has (\[[^]]*\])", message)
+    if not m:
+        return None  # not about a function's arguments
+    key, unknown = m[1], re.findall(r"'(\w+)'", m[2])
+    if any(sources.get(f"{key}.{k}", "").startswith("stages.") for k in unknown):
+        return ""  # the stage's own entry sets it: a misspelt argument, which the message names
+    return (f" A stage's entry is merged onto the global config, a dict key by key: `{key.split('.')[-1]}: {{}}` "
+            f"in it clears nothing. Set {key} only in the entry of the stage whose function takes it "
+            f"(stages.<i>.{key}), not globally; this is stages.{index}.")
 
 
 def _own_key_hint(message: str, sources: dict) -> str:

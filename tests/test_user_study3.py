@@ -1,0 +1,98 @@
+"""A new user's study made from the README alone (experiments/kv_lookup/): a multi-turn task whose
+model calls the study's own tool (`stock`, a key-value "database" of SKUs), an environment of its own
+that scores the final answer with its own reward (`graded`), a JSONL dataset with its own column
+names (`ask`, `truth`, `demo`), its own advantage function (`centred`) in the RL stage, kept outside
+conf/ behind `hydra.searchpath`; and the mistakes a user makes on the way, each one paragraph."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT, load_script, run_cli
+
+STUDY = ["hydra.searchpath=[file://experiments/kv_lookup/conf]", "experiment=kv_lookup"]
+HERE = ROOT / "experiments" / "kv_lookup"
+
+
+def _error(result) -> str:
+    """The one paragraph a run that stopped on its config prints (nothing else on stderr but it)."""
+    assert result.returncode == 2, result.stderr[-2000:]
+    return result.stderr.strip().removeprefix("rft: configuration error: ")
+
+
+def test_the_prepared_data_is_what_the_study_reads():
+    # prepare.py's rows, written again, are the committed files byte for byte (seed 0)
+    prepare = load_script("experiments/kv_lookup/prepare.py", "kv_lookup_prepare")
+    study = load_script("experiments/kv_lookup/study.py", "kv_lookup_study")
+    rows = [json.loads(line) for line in (HERE / "data" / "train.jsonl").read_text().splitlines()]
+    assert len(rows) == 2000 and set(rows[0]) == {"ask", "truth", "demo"}
+    # each row's truth is the database's stock of the SKU asked for; the teacher's call is that SKU
+    # or its last letter one further (kqz -> kqa), and its answer is what the tool said to the call
+    typo = 0
+    for r in rows:
+        sku = r["ask"].removeprefix("stock ")
+        assert r["truth"] == study.stock_of(sku)
+        called = r["demo"][1]["content"].split('"sku":"')[1][:3]
+        typo += called != sku
+        assert called in (sku, sku[:2] + study.LETTERS[(study.LETTERS.index(sku[2]) + 1) % 26])
+        assert r["demo"][2]["content"] == r["demo"][3]["content"] == study.stock_of(called)
+    assert 0.55 < typo / len(rows) < 0.65  # the sloppy teacher's 60%
+    assert prepare.row("abc", random.Random(1))["ask"] == "stock abc"
+
+
+def test_the_studys_reward_and_advantage_give_hand_computed_values():
+    import torch
+
+    study = load_script("experiments/kv_lookup/study.py", "kv_lookup_study")
+    assert study.graded(" 41 ", "41", tool_calls=1) == {"correct": 1.0, "guessed": 0.0}
+    assert study.graded("41", "41", tool_calls=0) == {"correct": 1.0, "guessed": -0.2}
+    assert study.graded("14", "41", tool_calls=2) == {"correct": 0.0, "guessed": 0.0}
+    # two groups: rewards [1, 0, 0, 1] (mean 0.5) and [1, 1] (mean 1); scale 2: 2 x (r - mean)
+    batch = {"rewards": torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0]),
+             "group_index": torch.tensor([0, 0, 0, 0, 1, 1]),
+             "response_mask": torch.tensor([[1.0, 1.0], [1.0, 0.0], [1.0, 1.0], [0.0, 1.0], [1.0, 1.0], [1.0, 1.0]])}
+    adv = study.centred(batch, None, scale=2.0)
+    assert adv.tolist() == [[1.0, 1.0], [-1.0, 0.0], [-1.0, -1.0], [0.0, 1.0], [0.0, 0.0], [0.0, 0.0]]
+
+
+@pytest.mark.slow  # two dry runs of run.py (~6 s)
+def test_an_advantage_argument_set_globally_names_the_stage_entry_to_move_it_to():
+    """A study's advantage function with an argument, set at the top of the overlay (as README's
+    `+algorithm.advantage_args.scale=...` shows), reaches the warm-up stage too, whose
+    advantage_fn none takes none; a stage's `advantage_args: {}` does not clear it (a stage's entry
+    is merged key by key). The message said "The stage's own entry sets algorithm.advantage_fn:
+    change it there", which would break the warm-up; it now says to set the argument in the entry of
+    the stage that uses it. A misspelt argument in that entry is named without that sentence."""
+    e = _error(run_cli(*STUDY, "dry_run=true", "+algorithm.advantage_args.scale=2"))
+    assert e == ("stage sft_warmup: algorithm.advantage_args has ['scale'], which algorithm.advantage_fn=none does "
+                 "not take; its own arguments are [] (the rest of its settings are the algorithm.* keys it reads "
+                 "from cfg). A stage's entry is merged onto the global config, a dict key by key: `advantage_args: "
+                 "{}` in it clears nothing. Set algorithm.advantage_args only in the entry of the stage whose "
+                 "function takes it (stages.<i>.algorithm.advantage_args), not globally; this is stages.0.")
+    e = _error(run_cli(*STUDY, "dry_run=true", "+stages.1.algorithm.advantage_args.scal=2"))
+    assert e == ("stage grpo: algorithm.advantage_args has ['scal'], which algorithm.advantage_fn="
+                 "experiments.kv_lookup.study.centred does not take; its own arguments are ['scale'] (the rest "
+                 "of its settings are the algorithm.* keys it reads from cfg).")
+
+
+@pytest.mark.slow  # one run.py that stops before composing (~2 s)
+def test_a_relative_search_path_run_from_the_studys_folder_says_where_it_was_read_from():
+    """`python ../../run.py 'hydra.searchpath=[file://experiments/kv_lookup/conf]' ...` from the
+    study's own folder: the relative folder is read from there and does not exist. The message
+    listed "conf/ or experiments/kv_lookup/conf/" as if that folder had been searched; it now says
+    the folder is not there from the directory the command ran in, and how to give it."""
+    r = subprocess.run([sys.executable, str(ROOT / "run.py"), *STUDY, "dry_run=true"], cwd=HERE,
+                       capture_output=True, text=True, timeout=120)
+    e = _error(r)
+    assert e.startswith("experiment=kv_lookup: there is no experiment/kv_lookup.yaml in conf/ or "
+                        "experiments/kv_lookup/conf/ (the options of 'experiment' are ")
+    assert e.endswith(f"The search path's experiments/kv_lookup/conf is no folder from {HERE}: a relative "
+                      f"hydra.searchpath entry is read from the directory you run from; run from the folder "
+                      f"it is relative to, or give it absolute (file:///...).")
+    # the same command from the repository's folder composes (the dry run's plan, status 0)
+    assert run_cli(*STUDY, "dry_run=true").returncode == 0
