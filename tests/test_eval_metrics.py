@@ -315,3 +315,37 @@ def test_last_number_vote_joins_exactly_the_answers_its_reward_calls_equal():
         ["10000000000000000", "0.5", "5", "1/3", "1e999999", None, None]
     # one half three ways, right, against 7 twice: one vote of 3 (as strings, 1 each: 7 would win)
     assert last_number_maj("0.5", ["1/2", ".5", "5e-1", "7", "7"]) == 1.0
+
+
+def test_math_votes_on_what_its_reward_scores():
+    """The vote read a response without a box by its last number ("the answer is $\\frac{1}{2}$"
+    voted 2, which the reward scored as 1/2) and a last box never closed by the number in it (the
+    reward scores it 0: no answer). Now the vote reads what the reward does."""
+    from rft.rewards.verifiers import math as math_reward
+
+    half, cut = "The answer is $\\frac{1}{2}$", "It is \\boxed{2} and then \\boxed{"
+    assert answer_of("math", half) == "\\frac{1}{2}"  # was "2"
+    assert answer_of("math", cut) is None  # was "2"
+    assert answer_of("math", "\\boxed 5") == "5" and answer_of("math", "no answer here") is None
+    # reference 2: only \boxed{2} is right; its one vote loses to the two halves: maj@4 0
+    task = SimpleNamespace(answer="2", row={}, task_id="t/0")
+    responses = [cut, half, "\\boxed{2}", half]
+    rewards = [math_reward("", r, task) for r in responses]
+    assert rewards == [0.0, 0.0, 1.0, 0.0]
+    answers = [answer_of("math", r) for r in responses]
+    assert answers == [None, "\\frac{1}{2}", "2", "\\frac{1}{2}"]
+    assert eval_metrics([(rewards, answers, None)], [1], 1.0, "e", same_answer("math"))["e/maj@4"] == 0.0
+    # reference 1/2: the halves are right and win: maj@4 1 (before, all four answers read "2": one vote whose
+    # first sample, the cut box, scored 0: maj@4 0)
+    task = SimpleNamespace(answer="\\frac{1}{2}", row={}, task_id="t/0")
+    rewards = [math_reward("", r, task) for r in responses]
+    assert rewards == [0.0, 1.0, 0.0, 1.0]
+    assert eval_metrics([(rewards, answers, None)], [1], 1.0, "e", same_answer("math"))["e/maj@4"] == 1.0
+    # off the main thread (the explorer's evals) the extraction runs in a scoring child: the same answers
+    import threading
+
+    off_main: list = []
+    worker = threading.Thread(target=lambda: off_main.extend(answer_of("math", r) for r in responses))
+    worker.start()
+    worker.join()
+    assert off_main == answers

@@ -55,6 +55,21 @@ MATH_CASES = [
     (r"First $\boxed{2}$, then the answer is $\boxed{\frac{3}{4}}$.", r"\boxed{0.75}", 1.0,
      "the reference's last box is its answer"),
     ("Sam has 3 + 4 = 7 apples.\n#### 7", r"\boxed{7}", 1.0, "a GSM8K-style reference: the answer after ####"),
+    # scored 0 before: math_verify reads neither other scripts' digits nor a thin space between digit groups
+    ("5", "\\boxed{\uff15}", 1.0, "full-width digits"),
+    ("5", "\\boxed{\u0665}", 1.0, "Arabic-Indic digits"),
+    (r"\frac{1}{2}", "\\boxed{\\frac{\uff11}{\uff12}}", 1.0, "full-width digits in LaTeX"),
+    ("10000", r"\boxed{10\,000}", 1.0, r"thousands grouped by LaTeX's thin space \, (it read 0)"),
+    (r"\boxed{10\,000}", r"\boxed{10000}", 1.0, "... in the reference too"),
+    ("1000", "\\boxed{1\u202f000}", 1.0, "thousands grouped by a narrow no-break space"),
+    # held, and written down
+    ("-5", "\\boxed{\u22125}", 1.0, "U+2212 MINUS SIGN"),
+    ("0.5", r"\boxed{.5}", 1.0, "a leading point"),
+    ("5", r"\boxed 5", 1.0, "a box without braces: math_verify reads it"),
+    ("5", "\\boxed{\r\n5\r\n}\r\n", 1.0, "CRLF"),
+    (r"2\,3", r"\boxed{23}", 0.0, "a thin space between digits not in groups of three is not a separator"),
+    ("10000000000000000", r"\boxed{1e16}", 0.0, "LaTeX has no e-notation: write 10^{16} (documented)"),
+    ("5", r"\boxed{nan}", 0.0, "nan is no number"),
 ]
 
 

@@ -25,6 +25,7 @@ import functools
 import logging
 import re
 import threading
+import unicodedata
 from collections import Counter
 from fractions import Fraction
 
@@ -80,6 +81,18 @@ def last_boxed(text: str) -> str | None:
     return None
 
 
+# a thin space between digit groups (`10\\,000`, `1 000` with U+202F): math_verify read `10\\,000` as 0
+_GROUP_SPACE = re.compile(r"(?<=\d)(?:\\[, ]|[\u00a0\u2009\u202f])(?=\d{3}(?!\d))")
+
+
+def _plain_digits(text: str) -> str:
+    """`text` with other scripts' decimal digits as ASCII (`５`, `٥` -> 5: math_verify scored `\\boxed{５}`
+    0 against 5) and the thin spaces between digit groups dropped (`10\\,000` -> 10000)."""
+    if not text.isascii():
+        text = re.sub(r"\d", lambda m: str(unicodedata.digit(m[0])), text)
+    return _GROUP_SPACE.sub("", text)
+
+
 def _parse_answer(answer: str, timeout: int | None) -> list:
     """math_verify's parse of one bare answer (LaTeX or plain): first as `\\boxed{answer}`, then, if
     that gave no sympy object, as `$answer$` (`10\\%` parses only the second way, `\\frac{1}{2}\\%`
@@ -96,6 +109,7 @@ def _parse_answer(answer: str, timeout: int | None) -> list:
 def _gold(reference: str, timeout: int | None) -> list:
     """The reference's answer: the last box of a solution, else after a GSM8K `####`, else the
     whole string as a bare answer, else whatever math_verify finds in it."""
+    reference = _plain_digits(reference)
     box = last_boxed(reference)
     if box is not None:
         return _parse_answer(box, timeout)
@@ -112,6 +126,7 @@ def _prediction(response: str, timeout: int | None) -> list:
     no answer."""
     from math_verify import parse
 
+    response = _plain_digits(response)
     if _BOXED.search(response):
         box = last_boxed(response)
         return [] if box is None else _parse_answer(box, timeout)
@@ -159,8 +174,25 @@ def _timeout_log() -> _TimeoutLog:
     return handler
 
 
-def _timed_score(reference: str, response: str, timeout: int | None) -> list:
-    """[score, whether a math_verify timeout made it 0]."""
+def _extracted(response: str, timeout: int | None) -> str | None:
+    """The answer math_verify finds in a response without a box, as its text (`\\frac{1}{2}` of
+    "the answer is $\\frac{1}{2}$"), None for none: what the reward scores, so what maj@n votes on."""
+    try:
+        found = _prediction(response, timeout)
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException:  # math_verify's TimeoutException is a BaseException
+        return None
+    if not any(not isinstance(x, str) for x in found):
+        return None  # nothing the reward could score
+    return next((x.strip() for x in found if isinstance(x, str) and x.strip()), None)
+
+
+def _timed_score(reference: str | None, response: str, timeout: int | None) -> list:
+    """[score, whether a math_verify timeout made it 0]; with no reference, [the answer math_verify
+    finds in the response (`_extracted`), False]."""
+    if reference is None:
+        return [_extracted(response, timeout), False]
     counts = _timeout_log().local
     counts.n = 0
     score = _guarded(reference, response, timeout)
@@ -395,9 +427,23 @@ def _last_number_answer(response: str) -> str | None:
     return None if value is None else spelling(value)
 
 
-def _math_answer(response: str) -> str | None:
-    boxed = last_boxed(response)
-    return boxed.strip() if boxed is not None else _last_number_answer(response)
+def _math_answer(response: str, timeout_seconds: float = 10.0) -> str | None:
+    """What the math reward scores: the last box's content; a last box never closed is no answer
+    (the reward scores it 0; the vote took the number in it); without a box, what math_verify
+    extracts (the vote took the last number: `$\\frac{1}{2}$` voted 2 where the reward read 1/2)."""
+    if _BOXED.search(response):
+        boxed = last_boxed(response)
+        return None if boxed is None else boxed.strip() or None
+    _require_math_verify()
+    if threading.current_thread() is threading.main_thread():
+        return _extracted(response, _op_timeout(timeout_seconds))
+    try:
+        answer = _WORKERS.call([None, response, _op_timeout(timeout_seconds)], timeout_seconds)
+    except TimeoutError:
+        return None
+    except NoWorker:
+        return _extracted(response, None)
+    return (answer or [None])[0]
 
 
 # reward name -> what its verifier reads from a response as the answer (None: no answer), the votes
