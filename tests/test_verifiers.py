@@ -19,6 +19,17 @@ def task(answer, **row):
     return SimpleNamespace(answer=answer, row={"answer": answer, **row}, task_id="t/0")
 
 
+def test_exact_match_reads_the_stripped_text_and_a_blank_reference_matches_nothing():
+    from rft.rewards.verifiers import exact_match
+
+    assert exact_match("", "42\r\n", task(" 42 ")) == 1.0  # CRLF and spaces around either are dropped
+    assert exact_match("", "4 2", task("42")) == 0.0  # inner whitespace counts
+    assert exact_match("", "ＡＢ", task("AB")) == 0.0  # as written: no Unicode normalisation (documented)
+    # a row whose answer is blank scored a blank response 1.0 (a reward for saying nothing)
+    assert exact_match("", "", task("")) == 0.0
+    assert exact_match("", " \r\n", task("  ")) == 0.0
+
+
 # ---------------------------------------------------------------- math
 
 MATH_CASES = [
@@ -183,6 +194,17 @@ COUNTDOWN_CASES = [
     ("07+3*2", [2, 3, 7], 13, "malformed", "a leading zero is not a Python integer"),
     ("", [2, 3, 7], 23, "empty", "an empty answer"),
     ("(" * 150 + "2" + ")" * 150 + "+3*7", [2, 3, 7], 23, "malformed", "longer than 200 characters"),
+    # "malformed" before: a right answer scored 0 for its spelling
+    ("2 +\r\n3*7", [2, 3, 7], 23, "ok", "a line break (CRLF) inside the expression"),
+    ("2\t+3*7", [2, 3, 7], 23, "ok", "a tab"),
+    ("2+3×7", [2, 3, 7], 23, "ok", "× is *"),
+    ("(7\u22122)÷(3+2)", [2, 3, 7, 2], 1, "ok", "U+2212 is -, ÷ is /"),
+    ("２+３*７", [2, 3, 7], 23, "ok", "full-width digits"),
+    # held: the value and the numbers are checked as before
+    ("2+3×8", [2, 3, 7], 26, "wrong numbers", "× does not let a number in that was not given"),
+    ("2+3*7.", [2, 3, 7], 23, "malformed", "a trailing full stop (documented: the expression only)"),
+    ("+2+3*7", [2, 3, 7], 23, "malformed", "no unary plus"),
+    (" \r\n ", [2, 3, 7], 23, "empty", "a blank answer"),
 ]
 
 

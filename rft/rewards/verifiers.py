@@ -36,8 +36,11 @@ from rft.rewards.workers import NoWorker, Workers, serve
 log = logging.getLogger(__name__)
 
 def exact_match(prompt: str, response: str, task) -> float:
-    """1.0 if the response, stripped, equals the reference answer, stripped."""
-    return float(response.strip() == str(task.answer).strip())
+    """1.0 if the response, stripped, equals the reference answer, stripped: as written (case, Unicode
+    forms and inner whitespace count). A blank reference matches nothing: a blank response scored 1
+    against a row whose answer was blank, a reward for saying nothing."""
+    want = str(task.answer).strip()
+    return float(bool(want) and response.strip() == want)
 
 
 def last_number(prompt: str, response: str, task) -> float:
@@ -309,9 +312,17 @@ class _CountdownError(Exception):
     pass
 
 
+# the signs a model writes for the four operations (× ÷ −), read as + - * /; any whitespace as a space
+_COUNTDOWN_SIGNS = str.maketrans({"×": "*", "÷": "/", "\u2212": "-", "\u2013": "-"})
+
+
 def _countdown_tree(expression: str):
     """(the expression's ast, the integers it uses), or raise _CountdownError("malformed")."""
-    if len(expression) > _COUNTDOWN_MAX_CHARS or not _COUNTDOWN_CHARS.fullmatch(expression):
+    if len(expression) > _COUNTDOWN_MAX_CHARS:
+        raise _CountdownError("malformed")
+    # `3 ×\n7` and `３+７` are 3*7 and 3+7 (they were "malformed": a right answer scored 0)
+    expression = " ".join(_plain_digits(expression).translate(_COUNTDOWN_SIGNS).split())
+    if not _COUNTDOWN_CHARS.fullmatch(expression):
         raise _CountdownError("malformed")
     try:
         tree = ast.parse(expression, mode="eval").body
@@ -355,8 +366,9 @@ def countdown_value(expression: str, integer_steps: bool = False) -> Fraction | 
 def check_countdown(expression: str, numbers, target, integer_steps: bool = False) -> tuple[float, str]:
     """Score a Countdown answer: (1.0, "ok") iff `expression` uses exactly `numbers` and equals `target`.
 
-    The expression is integer literals, `+ - * /` and parentheses (spaces allowed), e.g.
-    `(3+7)*9`. The rules are the standard Countdown / TinyZero ones: every given number is used
+    The expression is integer literals, `+ - * /` and parentheses (any whitespace allowed), e.g.
+    `(3+7)*9`; `×`, `÷`, `−` (U+2212) and `–` are read as `*`, `/` and `-`, other scripts' digits
+    (`３`) as ASCII ones. The rules are the standard Countdown / TinyZero ones: every given number is used
     exactly once, all of them (a repeated number must appear as often as it is given), no other
     number; no unary minus, no powers, no `//`, no decimals, no `=`. Division is exact
     (fractions), and intermediate values may be fractions (`8/(3-8/3)` = 24), as in TinyZero,
