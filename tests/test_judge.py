@@ -153,6 +153,9 @@ def test_the_parsers():
     assert parse_number("<think>Score: 2? no, 9</think>\nScore: 9") == 0.9
     assert parse_number("<think>maybe 3</think> I will not say.") is None
     assert parse_number("no number here") is None
+    # a scale without "Score:" was the last number: 7/10 read 10, a 1.0; U+2212 was dropped, .5 read 5
+    assert parse_number("I rate it 7/10.") == 0.7 and parse_number("Rating: 3 out of 10") == 0.3
+    assert parse_number("Score: \u22123") == 0.0 and parse_number("Score: .5") == 0.05
     assert parse_yes_no("Yes.") == 1.0 and parse_yes_no("no") == 0.0
     assert parse_yes_no("Is it right? No, it is not... yes, it is.") == 1.0  # the last one
     assert parse_yes_no("the sum is 357") is None  # "no" only inside a word does not count: "not", "know"

@@ -44,21 +44,23 @@ DEFAULT_YES_NO_TEMPLATE = (
 FIELDS = {"prompt", "question", "response", "answer", "max_score"}
 PARSERS = ("number", "yes_no")
 
-_NUMBER = r"-?\d+(?:\.\d+)?"
-_SCORE = re.compile(r"score[^\w-]{0,5}(" + _NUMBER + ")", re.I)  # "Score: 7", "**Score:** 7/10", "score = 7"
-_ANY_NUMBER = re.compile(_NUMBER)
+_NUMBER = r"[-\u2212]?(?:\d+(?:\.\d+)?|\.\d+)"  # U+2212 and .5 too: "Score: −3" read 3, "Score: .5" 5
+_SCORE = re.compile(r"score[^\w\-\u2212]{0,5}?(" + _NUMBER + ")", re.I)  # "Score: 7", "**Score:** 7/10", "score = 7"
+# a number with its scale ("7/10", "7 out of 10") is the number: the scale, the last number, read 10 (1.0)
+_ANY_NUMBER = re.compile("(" + _NUMBER + r")(?:\s*(?:/|out of)\s*\d+(?:\.\d+)?)?", re.I)
 _YES_NO = re.compile(r"\b(yes|no)\b", re.I)
 
 
 def parse_number(reply: str, max_score: float = 10.0) -> float | None:
-    """The judge's score in [0, 1]: the last "Score: N" of the reply (else its last number),
+    """The judge's score in [0, 1]: the last "Score: N" of the reply (else its last number, a scale
+    after it read as one: "7/10" and "7 out of 10" are 7),
     clamped to [0, max_score] and divided by max_score; None when the reply has no number.
     A reasoning model's `<think>...</think>` is dropped first."""
     text = reply.rsplit("</think>", 1)[-1]
     found = _SCORE.findall(text) or _ANY_NUMBER.findall(text)
     if not found:
         return None
-    return min(max(float(found[-1]), 0.0), max_score) / max_score
+    return min(max(float(found[-1].replace("\u2212", "-")), 0.0), max_score) / max_score
 
 
 def parse_yes_no(reply: str, max_score: float = 10.0) -> float | None:
