@@ -14,7 +14,8 @@ Per eval set, over its tasks (a task's samples are its group):
              equal are one (`rft.rewards.verifiers.same_answer`: for `math`, `1/2`, `0.5` and
              `\\frac{1}{2}` vote together; for `countdown`, `3+7` and `7+3`; for `reasoning_gym`,
              what the task's dataset's scorer takes for one, `1,000` and `1000` for chain_sum; for
-             `last_number`, its numbers as exact decimals, `7.50` and `7.5`; else equal strings);
+             `last_number`, its numbers in one spelling per value (rft/rewards/numbers.py: `7.50`,
+             `7.5` and `15/2`; `1e16` is 10000000000000000, as the reward reads it); else equal strings);
              the vote's answer is its first sample's, and a tie goes to the answer sampled
              first; samples without an answer do not vote
 
