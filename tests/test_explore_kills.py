@@ -6,12 +6,19 @@ sees half a row. (A kill after a step's rows and before its checkpoint: tests/te
 import json
 import os
 import shutil
+import signal
 import sqlite3
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
-from conftest import run_cli
+from conftest import ROOT, run_cli
+from omegaconf import OmegaConf
 from resume_support import NO_EVAL, SHORT, killed_after_put
+
+from rft.config import ExperienceBufferConfig
+from rft.data.buffer import make_buffer
 
 pytestmark = pytest.mark.slow
 
@@ -67,3 +74,126 @@ def test_an_explorer_killed_before_its_first_checkpoint_writes_step_0_once(kind,
     stored = stored_rows(path)
     assert len(stored) == 64 + 64, len(stored)  # 64 + 80 before the fix
     assert stored[:64] == rows and stored[64:] == rows
+
+
+# the run kills itself (SIGKILL) at KILL_AT=<where>:<n>, the n-th time it gets there (rft has no
+# fault hooks of its own: a sitecustomize on its PYTHONPATH wraps the buffer or the manifest)
+KILL_AT = """
+import os, sys, time
+if sys.argv and sys.argv[0].endswith("run.py") and os.environ.get("KILL_AT"):
+    import json
+    import rft.data.buffer as b
+    import rft.manifest as m
+    where, n = os.environ["KILL_AT"].split(":")
+    calls = [0]
+
+    def due():
+        calls[0] += 1
+        return calls[0] == int(n)
+
+    file_put, sql_put, keep_written, seal = b.FileBuffer.put, b.SQLBuffer.put, b._KeepsWhatItWrote.keep_written, m.seal
+
+    def cut_file_put(self, exps):  # a write killed midway: its first half there, the last line cut
+        if not due():
+            return file_put(self, exps)
+        data = "".join(json.dumps(e.to_dict()) + "\\n" for e in self._unwritten(exps)).encode()
+        with open(self.path, "ab") as f:
+            f.write(data[: len(data) // 2])
+        os.kill(os.getpid(), 9)
+
+    def uncommitted_sql_put(self, exps):  # killed inside the transaction: rows inserted, no commit
+        if not due():
+            return sql_put(self, exps)
+        with self.engine.begin() as c:
+            c.execute(b._experiences.insert(), [b._row(e, time.time()) for e in self._unwritten(exps)])
+            os.kill(os.getpid(), 9)
+
+    def killed_in_restore(self, *args):  # the resume has looked at the buffer; nothing written yet
+        out = keep_written(self, *args)
+        if due():
+            os.kill(os.getpid(), 9)
+        return out
+
+    def killed_in_save(d, *args, **kwargs):  # a checkpoint's files in step_<N>.tmp, no manifest, no rename
+        if str(d).endswith(".tmp") and due():
+            os.kill(os.getpid(), 9)
+        return seal(d, *args, **kwargs)
+
+    b.FileBuffer.put, b.SQLBuffer.put = cut_file_put, uncommitted_sql_put
+    b._KeepsWhatItWrote.keep_written, m.seal = killed_in_restore, killed_in_save
+    if where != "put":
+        b.FileBuffer.put, b.SQLBuffer.put = file_put, sql_put
+    if where != "restore":
+        b._KeepsWhatItWrote.keep_written = keep_written
+    if where != "save":
+        m.seal = seal
+"""
+
+
+def killed_at(args, env, tmp_path: Path, where: str, n: int) -> None:
+    """`python run.py <args>`, killed by itself the n-th time it gets to `where` (KILL_AT)."""
+    hook = tmp_path / "kill_at"
+    hook.mkdir(exist_ok=True)
+    (hook / "sitecustomize.py").write_text(KILL_AT)
+    env = {**env, "KILL_AT": f"{where}:{n}", "PYTHONPATH": os.pathsep.join([str(hook), str(ROOT)])}
+    r = subprocess.run([sys.executable, str(ROOT / "run.py"), *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == -signal.SIGKILL, r.stderr[-3000:]
+
+
+def drained(reader) -> list:
+    """Every experience the reader has not read yet (a mode=train job reading the buffer live)."""
+    out = []
+    try:
+        while True:
+            out += reader.get(64, timeout=0.2)
+    except TimeoutError:
+        return out
+
+
+@pytest.mark.parametrize("kind", ["sql", "file"])
+def test_an_explorer_killed_mid_write_then_while_resuming_holds_each_row_once(kind, straight, tmp_path):
+    """Killed in the middle of explore step 2's write (file: its first half written, the last line
+    cut; sql: inside its transaction), then, resuming, right after it looked at the buffer (before
+    any write), then once more after its first write (the rest of step 2); then it runs to the end.
+    A reader reading the buffer live between the kills reads whole rows only, each once: together,
+    what the uninterrupted run wrote; and the buffer holds that, each row once."""
+    env, rows = straight(kind)
+    path = tmp_path / f"killed{SUFFIX[kind]}"
+    args = explore_args(tmp_path, kind, "killed", "killed")
+    reader = make_buffer(OmegaConf.structured(ExperienceBufferConfig(storage_type=kind, path=str(path))))
+    killed_at(args, env, tmp_path, "put", 3)
+    partial = len(stored_rows(path)) if kind == "sql" else path.read_bytes().count(b"\n")
+    # the whole rows of steps 0 and 1, and (file) a few of step 2's
+    assert partial == 32 if kind == "sql" else 32 < partial < 48, partial
+    read = drained(reader)
+    assert len(read) == partial
+    killed_at(args, env, tmp_path, "restore", 1)
+    read += drained(reader)
+    killed_after_put(args, env, tmp_path, 1)
+    read += drained(reader)
+    resumed = run_cli(*args, env=env)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    read += drained(reader)
+    stored = stored_rows(path)
+    assert stored == rows
+    assert [(e.group_id, e.task_id, e.tokens) for e in read] == [
+        (r["group_id"], r["task_id"], r["tokens"] if kind == "file" else json.loads(r["tokens"])) for r in rows]
+
+
+@pytest.mark.parametrize("kind", ["sql", "file"])
+def test_an_explorer_killed_while_saving_resumes_from_the_checkpoint_before(kind, straight, tmp_path):
+    """Killed as it writes the step-3 checkpoint (explore step 2's rows in, step_3.tmp not sealed):
+    the resume is from step 2's, and explore step 2's rows, after it, stay and are not written again."""
+    env, rows = straight(kind)
+    path = tmp_path / f"killed{SUFFIX[kind]}"
+    args = explore_args(tmp_path, kind, "killed", "killed")
+    killed_at(args, env, tmp_path, "save", 3)
+    checkpoints = tmp_path / "rft" / "killed" / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step_2", "step_3.tmp"]
+    assert len(stored_rows(path)) == 48
+    resumed = run_cli(*args, env=env)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resuming from step 2" in resumed.stdout
+    assert stored_rows(path) == rows
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step_4"]
