@@ -265,3 +265,26 @@ def test_a_two_part_reward_run_logs_each_part_and_stores_them(warm_start, tmp_pa
     # the statistics run over the whole run: step 3's count all 3 * 32 values, so its mean is theirs
     assert by_step[3]["reward/exact_match/running_mean"] == pytest.approx(
         sum(e.reward_parts["exact_match"] for e in exps) / len(exps))
+
+
+def test_an_argument_of_a_part_without_args_is_one_paragraph_naming_the_plus_fix(tmp_path):
+    """`...reward_fn.0.args.x=1` on a part that lists no args was Hydra's "Could not override ... Key
+    'args' is not in struct" with a HYDRA_FULL_ERROR hint (status 1); run.py now says it in one paragraph
+    (status 2) before Hydra composes, and the `+` form it names composes."""
+    from conftest import run_cli
+
+    ts = "buffer.explorer_input.taskset.reward_fn"
+    env = {"RFT_CHECKPOINT_ROOT_DIR": str(tmp_path / "ck"), "RFT_CACHE_DIR": str(tmp_path / "cache")}
+    r = run_cli(f"{ts}=[{{fn: last_number}}, {{fn: format, weight: 0.1, args: {{pattern: x}}}}]",
+                f"{ts}.0.args.x=1", "dry_run=true", env=env)
+    assert r.returncode == 2 and "HYDRA_FULL_ERROR" not in r.stderr, r.stderr
+    assert r.stderr.strip() == (
+        f"rft: configuration error: {ts}.0.args.x=1: part 0 of {ts} ({{'fn': 'last_number'}}) lists no args, so it "
+        f"has no args.x to override (Hydra: Key 'args' is not in struct); its keys are ['fn']. Add the argument "
+        f"with a plus: +{ts}.0.args.x=1, or give the part `args: {{x: ...}}` where it is written, so that a sweep "
+        f"can vary it.")
+    # the part that lists args takes the override (no message of ours), and the + form composes
+    cfg = compose_cfg([f"{ts}=[{{fn: last_number}}, {{fn: format, args: {{pattern: x}}}}]", f"{ts}.1.args.pattern=y",
+                       f"+{ts}.0.args.x=1"])
+    assert cfg.buffer.explorer_input.taskset.reward_fn[0].args.x == 1
+    assert cfg.buffer.explorer_input.taskset.reward_fn[1].args.pattern == "y"

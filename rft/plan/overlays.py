@@ -557,13 +557,15 @@ def exit_on_config_mistakes(args: list[str], conf_dir) -> None:
     import sys
     from pathlib import Path
 
+    from rft.rewards.scoring import args_override_mistake
+
     roots = search_dirs(args, Path(conf_dir))
     groups = {p.name for d in roots.all if d.is_dir() for p in d.iterdir() if p.is_dir()}
     message = (modes_at_once(args) or flag_after_override(args) or foreign_flag(args)
                or bad_yaml(Path(conf_dir)) or unparsable_override(args)
                or misspelt_override(args, groups) or scalar_for_list(args, groups)
                or wrong_value_override(args, groups)
-               or missing_option(args, roots) or check(args, roots))
+               or missing_option(args, roots) or check(args, roots) or args_override_mistake(args, conf_dir))
     if message:
         print(f"\nrft: configuration error: {message}\n", file=sys.stderr)
         sys.exit(2)

@@ -34,6 +34,7 @@ import os
 import re
 import string
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 from rft.errors import ConfigError
@@ -438,3 +439,64 @@ def worker_name(args: dict) -> str:
     digest = hashlib.sha1(json.dumps(args, sort_keys=True).encode()).hexdigest()[:8]
     base = re.sub(r"[^A-Za-z0-9_.-]+", "_", os.path.basename(os.path.normpath(args["model_path"])))[:40]
     return f"reward_model_{base}_{digest}"
+
+
+# <...>.reward_fn.<i>.args.<name> (or default_reward_fn_type's): an argument of a listed part
+_ARGS_OVERRIDE = re.compile(r"(?P<parts>.*(?:\.reward_fn|default_reward_fn_type))\.(?P<i>\d+)\.args\.(?P<name>[^.]+)")
+
+
+def args_override_mistake(args: list[str], conf_dir) -> str | None:
+    """The message for an override of an argument of a reward part whose entry lists no `args`
+    (`...reward_fn.0.args.tag=answer`): Hydra's was "Could not override ... Key 'args' is not in
+    struct" with its HYDRA_FULL_ERROR hint. Run before Hydra (run.py); only when such an override is
+    given does it compose the config (without those overrides) to look at the parts. None for
+    anything else, or a config that does not compose: Hydra says that."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parser, hits, rest = OverridesParser.create(), [], []
+    for a in args:
+        if a.startswith("-"):
+            continue
+        try:
+            [o] = parser.parse_overrides([a]) if "=" in a else [None]
+        except Exception:
+            return None  # unparsable: Hydra (or run.py's other checks) word it
+        m = None if o is None or o.is_add() or o.is_force_add() or o.is_delete() else _ARGS_OVERRIDE.fullmatch(o.key_or_group)
+        if m:
+            hits.append((a, m))
+        elif o is None or not o.is_sweep_override():  # a sweep's values cannot compose: left out (parts are rarely swept)
+            rest.append(a)
+    if not hits:
+        return None
+    try:
+        cfg = _composed(rest, conf_dir)
+    except Exception:
+        return None
+    from omegaconf import DictConfig, OmegaConf
+
+    for arg, m in hits:
+        parts = OmegaConf.select(cfg, m["parts"], default=None)
+        i = int(m["i"])
+        part = parts[i] if parts is not None and not isinstance(parts, (str, DictConfig)) and i < len(parts) else None
+        if isinstance(part, DictConfig) and "args" not in part:
+            key, value = arg.split("=", 1)
+            return (f"{arg}: part {i} of {m['parts']} ({OmegaConf.to_container(part)}) lists no args, so it has no "
+                    f"args.{m['name']} to override (Hydra: Key 'args' is not in struct); its keys are {sorted(part)}. "
+                    f"Add the argument with a plus: +{key}={value}, or give the part `args: {{{m['name']}: ...}}` where "
+                    f"it is written, so that a sweep can vary it.")
+    return None
+
+
+def _composed(overrides: list[str], conf_dir):
+    """The config `python run.py <overrides>` composes (no sweep values: those raise)."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    import rft.config  # noqa: F401  the typed schema, in Hydra's ConfigStore
+
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(Path(conf_dir).resolve()), version_base="1.3"):
+            return compose("config", overrides=overrides)
+    finally:
+        GlobalHydra.instance().clear()
