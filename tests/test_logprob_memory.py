@@ -70,3 +70,23 @@ def test_a_chunks_log_probs_hold_few_float32_copies_of_its_logits(entropy_grad):
     assert torch.equal(logp.detach(), want.gather(-1, targets[:, None]).squeeze(-1))
     assert torch.allclose(entropy.detach(), -(want.exp() * want).sum(-1), rtol=1e-6)
     assert entropy.requires_grad is entropy_grad
+
+
+def test_the_distillation_path_holds_what_the_memory_plan_counts():
+    """On-policy distillation's JSD asks for the log-probs at the teacher's top tokens and the rest
+    bucket beside them (`also`): at most 5 [N, V] float32 tensors at the backward's peak, the 20
+    bytes a logit the memory plan counts for it (rft/plan/memory.py), 3.25 at the forward's."""
+    N, V, H = 32, 151936, 64
+    torch.manual_seed(0)
+    h = torch.randn(N, H, dtype=torch.bfloat16, requires_grad=True)
+    w = (torch.randn(V, H) * 0.02).to(torch.bfloat16)
+    targets, at = torch.randint(0, V, (N,)), torch.randint(0, V, (N, 20))
+    one = N * V * 4
+    with LiveBytes(h, w, targets, at) as mem:
+        logp, entropy, at_logp, at_rest = logprobs._chunk_logprobs(h, w, None, targets, torch.ones(N), None, None,
+                                                                   True, 0, at, None)
+        forward = mem.peak
+        (logp.sum() + entropy.sum() + at_logp.sum() + at_rest.sum()).backward()
+    assert forward <= 3.25 * one + 4096, forward / one
+    assert mem.peak <= 5 * one + 4096, mem.peak / one
+    assert at_logp.shape == (N, 20) and at_rest.shape == (N, 1)

@@ -29,10 +29,13 @@ shards the weights, gradients and optimizer state; trainer=torch is N = 1):
                  layer: the norms' and projections' inputs, q k v, the attention's output, the
                  MLP's gate, up and product); gradient_checkpointing: T x L x H b (each layer's
                  input) + one layer's whole
-    logits       C x V x 16             (the output layer's logits, their float32 log-softmax,
-                                         the probabilities for the entropy and the logits' gradient:
-                                         four [C, V] float32 tensors, C = logprob_chunk_size or T;
-                                         x 20 with distill_divergence=jsd: the rest bucket's fifth)
+    logits       C x V x 12             (at the backward's peak, three [C, V] float32 tensors: the
+                                         log-softmax kept for it, the gradient of the target's
+                                         log-prob and the entropy together, the logits' gradient;
+                                         the forward's peak is 2.25: rft/trainer/logprobs.py;
+                                         C = logprob_chunk_size or T; x 20 with
+                                         distill_divergence=jsd: five, the gradients of the rest
+                                         bucket and of the teacher's tokens' log-probs besides)
     runtime      1 GiB on a GPU (CUDA context, allocator slack); on CPU the process itself
                  (python, torch, transformers, Ray's worker: CPU_RUNTIME)
     host copies  in CPU memory: sync=memory's shared-memory segment P b (one node, Ray: mapped by
@@ -365,9 +368,10 @@ def trainer_role(cfg, plan, s: Shape, dev: Devices) -> Role:
     tokens = _tokens(cfg, plan)
     parts.append(_activations(cfg, s, tokens))
     chunk = min(t.logprob_chunk_size or tokens, tokens)
-    # the JSD's rest bucket: the student's log-probs with its top ids masked out, a fifth [C, V]
-    # float32 tensor, which the logsumexp over them keeps for its backward (rft.trainer.logprobs._outside)
-    per = 20 if plan.needs.teacher and str(cfg.algorithm.distill_divergence) == "jsd" else 16
+    # the JSD's rest bucket (the student's log-probs with the teacher's top ids masked out, which the
+    # logsumexp keeps for its backward: rft.trainer.logprobs._outside) and the log-probs at those ids:
+    # their gradients make the backward's peak five [C, V] float32 tensors (measured)
+    per = 20 if plan.needs.teacher and str(cfg.algorithm.distill_divergence) == "jsd" else 12
     parts.append((f"logits ({chunk:,}-token {'chunks' if chunk < tokens else 'micro-batch'})", chunk * s.vocab * per))
     parts.append(("runtime", GPU_RUNTIME if gpu else CPU_RUNTIME))
     total = sum(v for k, v in parts if where not in k)  # on a GPU, what its memory holds
