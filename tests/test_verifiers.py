@@ -347,6 +347,9 @@ LAST_NUMBER_CASES = [
     ("#### 1", "1e99999999999999999", 0.0, "an exponent over 10**15 is no number"),
     ("#### 1", "1/" + "3" * 1_000_000, 0.0, "a fraction with a side of over 10,000 digits is no number"),
     ("#### 1", "1e1" + "0" * 1_000_000, 0.0, "an exponent of a million digits is no number, not a MemoryError"),
+    # found by fuzzing the reader (random strings of digits, signs, letters): each raised
+    ("#### 5", "1ea5", 1.0, "a letter breaks an exponent (it raised ValueError: [+-−] was a range from + to −)"),
+    ("#### -47", "\uff0d47E7478300", 0.0, "a negative number of a large exponent (negating it overflowed the default context)"),
 ]
 
 

@@ -31,8 +31,8 @@ import re
 from decimal import MAX_EMAX, MAX_PREC, MIN_EMIN, Context, Decimal
 from fractions import Fraction
 
-_MINUS = "-\u2212\uff0d\ufe63"
-_EXP = rf"[-+{_MINUS}]?\d+"
+_MINUS = "\\-\u2212\uff0d\ufe63"  # escaped: inside [+...] a bare - made a range from + to U+2212 (letters too)
+_EXP = rf"[+{_MINUS}]?\d+"
 _TIMES = r"\s*(?:[×xX*·⋅]|\\times|\\cdot)\s*"
 _NUMBER = re.compile(
     rf"(?P<sign>(?<!\d)[{_MINUS}])?"
@@ -48,11 +48,12 @@ _MAX_DIGITS = 10_000
 
 
 def _int(text: str) -> int | None:
+    """An exponent's text as an int (any minus sign, any script's digits), None beyond 18 digits."""
     text = text.translate(_SIGNS)
     return int(text) if len(text.lstrip("+-")) <= 18 else None
 
 
-_SIGNS = str.maketrans({c: "-" for c in _MINUS})
+_SIGNS = str.maketrans({c: "-" for c in "\u2212\uff0d\ufe63"})
 
 
 def _power(base: str, power: str) -> tuple[Decimal, Decimal] | None:
@@ -100,7 +101,7 @@ def _value(m: re.Match) -> tuple[Decimal, Decimal] | None:
         value = dec, Decimal(1)
     if value is None:
         return None
-    return (-value[0], value[1]) if m["sign"] else value
+    return (value[0].copy_negate(), value[1]) if m["sign"] else value  # copy_negate: no context, no Overflow
 
 
 def last_value(text: str) -> tuple[Decimal, Decimal] | None:
