@@ -471,3 +471,29 @@ def test_a_scoring_child_compiles_expressions_only():
     for bad in ["__import__('os')", "().__class__", "x[0]", "lambda: 1", "import os", "getattr(x, 'y')",
                 "open('f', 'w')", "breakpoint()", "[c for c in x]", "f(x)(y)", "_x", "print(1)"]:
         assert not safe_source(bad), bad
+
+
+def test_the_number_reader_never_raises_and_spells_each_value_one_way():
+    """Seeded random strings of digits, signs, separators, exponents, powers and letters: last_value
+    never raises (it raised ValueError and decimal.Overflow on two such strings), two values are
+    equal exactly when their spellings are (the vote joins what the reward calls equal), and a plain
+    spelling reads back as its value."""
+    import random
+
+    from rft.rewards.numbers import equal, last_value, spelling
+
+    pieces = list("0123456789" * 3) + list("-+.,/^{}eExX* a\u2212\uff0d\u202f\u0665\uff15\u00d7\\") + [
+        "\\times", "10^", "e-", "/0", "\r\n", "e999999999999999", "^99999", "^{-9}"]
+    rng = random.Random(0)
+    read = []
+    for _ in range(5000):
+        s = "".join(rng.choice(pieces) for _ in range(rng.randint(0, 14)))
+        value = last_value(s)
+        if value is not None:
+            read.append((s, value, spelling(value)))
+    assert len(read) > 4000  # most strings hold a number: the checks below are not vacuous
+    for s, value, spelt in read[:150]:
+        for t, other, other_spelt in read[:150]:
+            assert equal(value, other) == (spelt == other_spelt), (s, t)
+        if "e" not in spelt and "/" not in spelt:
+            assert equal(last_value(spelt), value), (s, spelt)
