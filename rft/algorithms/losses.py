@@ -119,11 +119,13 @@ def cpgd_loss(logp, batch, cfg):
     logp_c = min(logp, old + log(1 + clip_ratio_high)) where A > 0,
              max(logp, old + log(1 - clip_ratio_low))  where A < 0;
     loss = -A * logp_c. Once a token's probability has moved far enough it gets no more gradient.
+    A clip_ratio_low of 1 or more (inf included) leaves no lower bound: a ratio is never below
+    1 - clip_ratio_low <= 0, whose log does not exist (math.log1p raised "math domain error").
     """
     old_logp, advantages, mask = batch["old_logp"], batch["advantages"], batch["response_mask"]
     logp, old_logp = masked(logp, mask), masked(old_logp, mask)
     upper = old_logp + math.log1p(cfg.clip_ratio_high)
-    lower = old_logp + math.log1p(-cfg.clip_ratio_low)
+    lower = old_logp + (math.log1p(-cfg.clip_ratio_low) if cfg.clip_ratio_low < 1 else -math.inf)
     clamped = torch.where(advantages > 0, torch.minimum(logp, upper), torch.maximum(logp, lower))
     log_ratio = torch.clamp(logp - old_logp, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     metrics = {
