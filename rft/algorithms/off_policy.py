@@ -43,6 +43,12 @@ def correct(exps, old_logp: torch.Tensor, mask: torch.Tensor, version: int, cfg)
     the current weights, over the sampling log-prob), capped at behavior_weight_cap. Fresh
     experiences are left alone, so on-policy runs are unchanged; so are the fresh tokens of a
     partial rollout (Experience.token_versions), whose older tokens are corrected.
+
+    Departure from AReaL (arXiv 2505.24298), which drops a token whose weight exceeds the cap
+    (weight 0): here the weight is truncated to the cap, as truncated IS does (min(w, cap)). A
+    token whose two log-probs are both -inf has no measurable weight; it counts as beyond the cap
+    (as in rft.algorithms.rollout_is), where -inf - -inf = NaN made the loss, the gradient and the
+    update NaN (skipped).
     """
     import torch  # here: the runner (no torch in its process) imports `staleness` from this module
 
@@ -61,6 +67,7 @@ def correct(exps, old_logp: torch.Tensor, mask: torch.Tensor, version: int, cfg)
         if cfg.off_policy_correction == "behavior":
             old_logp[i, start:end] = behav if old is None else torch.where(old, behav, old_logp[i, start:end])
         else:
-            r = torch.exp((old_logp[i, start:end] - behav).clamp(max=cap))
+            log_w = old_logp[i, start:end] - behav
+            r = torch.exp(torch.where(log_w.isnan(), math.inf, log_w).clamp(max=cap))
             w[i, start:end] = r if old is None else torch.where(old, r, torch.ones_like(r))
     return None if cfg.off_policy_correction == "behavior" else w
