@@ -26,23 +26,25 @@ def _error(result) -> str:
 
 
 def test_the_prepared_data_is_what_the_study_reads():
-    # prepare.py's rows, written again, are the committed files byte for byte (seed 0)
     prepare = load_script("experiments/kv_lookup/prepare.py", "kv_lookup_prepare")
     study = load_script("experiments/kv_lookup/study.py", "kv_lookup_study")
     rows = [json.loads(line) for line in (HERE / "data" / "train.jsonl").read_text().splitlines()]
     assert len(rows) == 2000 and set(rows[0]) == {"ask", "truth", "demo"}
     # each row's truth is the database's stock of the SKU asked for; the teacher's call is that SKU
-    # or its last letter one further (kqz -> kqa), and its answer is what the tool said to the call
+    # or its last digit one higher (47-83 -> 47-84, 47-89 -> 47-80, 47-39 -> 47-40), and its answer
+    # is what the tool said to the call
     typo = 0
     for r in rows:
-        sku = r["ask"].removeprefix("stock ")
-        assert r["truth"] == study.stock_of(sku)
-        called = r["demo"][1]["content"].split('"sku":"')[1][:3]
+        sku = r["ask"]
+        assert study.is_sku(sku) and r["truth"] == study.stock_of(sku)
+        called = r["demo"][1]["content"].split('"sku":"')[1][:5]
+        assert study.is_sku(called) and called[:3] == sku[:3]
         typo += called != sku
-        assert called in (sku, sku[:2] + study.LETTERS[(study.LETTERS.index(sku[2]) + 1) % 26])
         assert r["demo"][2]["content"] == r["demo"][3]["content"] == study.stock_of(called)
     assert 0.55 < typo / len(rows) < 0.65  # the sloppy teacher's 60%
-    assert prepare.row("abc", random.Random(1))["ask"] == "stock abc"
+    # Random(1)'s first draw is 0.134 < 0.6: the teacher mistypes, 83 -> 84
+    assert prepare.row("47-83", random.Random(1))["demo"][1]["content"] == (
+        '<tool_call>{"name":"stock","arguments":{"sku":"47-84"}}</tool_call>')
 
 
 def test_the_studys_reward_and_advantage_give_hand_computed_values():
@@ -96,3 +98,48 @@ def test_a_relative_search_path_run_from_the_studys_folder_says_where_it_was_rea
                       f"it is relative to, or give it absolute (file:///...).")
     # the same command from the repository's folder composes (the dry run's plan, status 0)
     assert run_cli(*STUDY, "dry_run=true").returncode == 0
+
+
+def test_a_tool_that_raises_its_own_exception_says_the_task_is_left_out_and_to_raise_tool_error():
+    """The study's tool first written as `return DB[sku]`: an SKU the model made up is a KeyError,
+    which fails the whole task (its 8 conversations left out of training, so the made-up call is
+    never scored). The warning said only "the environment's step raised or timed out at turn 1";
+    it now says what that costs and that a ToolError is a failed call the model reads back."""
+    from types import SimpleNamespace
+
+    from rft.rollout.workflows import multi_turn
+
+    study = load_script("experiments/kv_lookup/study.py", "kv_lookup_study")
+
+    class RaisingEnv(study.StockEnv):
+        tools = {"stock": lambda sku: {"47-83": "5120"}[sku]}
+
+    def call(fn, convs):  # the explorer's runners: a step that raised comes back as None
+        out = []
+        for c in convs:
+            try:
+                out.append(fn(c))
+            except Exception:
+                out.append(None)
+        return out
+
+    env = RaisingEnv()
+    env.reset(SimpleNamespace(messages=[], answer="5120"))
+    conv = multi_turn.Conversation(SimpleNamespace(task_id="kv_train/0"), env, [], [1, 2])
+    conv.turns = 1
+    conv.messages.append({"role": "assistant", "content": '<tool_call>{"name":"stock","arguments":{"sku":"47-84"}}</tool_call>'})
+    multi_turn._environment_turn([conv], call, RaisingEnv, tok=None, budget=56)
+    assert conv.failed == (
+        "the environment's step raised or timed out at turn 1 (a tool that raises anything but ToolError fails "
+        "its whole task, left out of training and counted in rollout/failed_tasks; the exception and its line are "
+        "in the warning before this one. For a call the model got wrong, raise "
+        "rft.rollout.environments.tools.ToolError(reason): the model reads `error: <reason>` back and the "
+        "conversation goes on)")
+    # the study's own tool raises ToolError: a failed call the model reads, counted, the task goes on
+    env = study.StockEnv()
+    env.reset(SimpleNamespace(messages=[], answer="5120"))
+    reply, parts, done = env.step('<tool_call>{"name":"stock","arguments":{"sku":"47-1"}}</tool_call>')
+    assert reply == {"role": "tool", "content": "error: no such sku '47-1': two numbers of 32..99 joined by a dash"}
+    assert (parts, done, env.info["tool_failures"]) == ({}, False, 1)
+    # then an answer: scored by the study's `graded`, a call having been made
+    assert env.step("5120") == (None, {"correct": 1.0, "guessed": 0.0}, True)

@@ -3,26 +3,27 @@ tools", "Extension points"): a stock "database" and its tool, the environment th
 reward of the final answer, and an advantage function."""
 
 import hashlib
-import string
 
 import torch
 
 from rft.rollout.environments.tools import ToolEnv, ToolError
 
-LETTERS = string.ascii_lowercase
-
-
 def stock_of(sku: str) -> str:
-    """The database: every three-letter lowercase SKU has a stock of 10..99 (a digest of its
-    name, so the table needs no file and the model cannot guess it)."""
-    return str(10 + int(hashlib.sha256(sku.encode()).hexdigest(), 16) % 90)
+    """The database: every SKU, two numbers of 32..99 joined by a dash ("47-83"), has a stock of
+    1000..9999 (a digest of its name, so the table needs no file and the model cannot guess it)."""
+    return str(1000 + int(hashlib.sha256(sku.encode()).hexdigest(), 16) % 9000)
+
+
+def is_sku(sku: str) -> bool:
+    parts = sku.split("-")
+    return len(parts) == 2 and all(len(p) == 2 and p.isdigit() and 32 <= int(p) <= 99 for p in parts)
 
 
 def stock(sku: str) -> str:
     """The tool: the stock of `sku`; an SKU the database does not hold is a failed call, which the
     model reads back as `error: <reason>`."""
-    if len(sku) != 3 or any(c not in LETTERS for c in sku):
-        raise ToolError(f"no such sku {sku!r}: three lowercase letters")
+    if not is_sku(sku):
+        raise ToolError(f"no such sku {sku!r}: two numbers of 32..99 joined by a dash")
     return stock_of(sku)
 
 

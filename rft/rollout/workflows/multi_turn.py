@@ -307,6 +307,18 @@ def _assistant_turn(engine, active: list[Conversation], groups, turn: int, args,
             c.done = True
 
 
+def _tool_hint(env_cls) -> str:
+    """What a ToolEnv's failed step most often is: a tool that raised its own exception (a KeyError
+    for a key the model made up), which fails the whole task where a ToolError would be a failed call
+    the model reads back and is scored on."""
+    if not isinstance(getattr(env_cls, "tools", None), dict):
+        return ""
+    return (" (a tool that raises anything but ToolError fails its whole task, left out of training and "
+            "counted in rollout/failed_tasks; the exception and its line are in the warning before this one. "
+            "For a call the model got wrong, raise rft.rollout.environments.tools.ToolError(reason): the model "
+            "reads `error: <reason>` back and the conversation goes on)")
+
+
 def _environment_turn(stepping: list[Conversation], call, env_cls, tok, budget: int) -> None:
     """The environments answer the assistant turns just sampled (on the runners): each adds its
     reward parts, then ends the conversation or appends its message (with the rest of the
@@ -316,7 +328,7 @@ def _environment_turn(stepping: list[Conversation], call, env_cls, tok, budget: 
 
     for c, result in zip(stepping, call(step, stepping)):
         if result is None:
-            c.failed = f"the environment's step raised or timed out at turn {c.turns}"
+            c.failed = f"the environment's step raised or timed out at turn {c.turns}{_tool_hint(env_cls)}"
             continue
         msg, parts, done = _step_result(result, env_cls, c.turns)
         for k, v in parts.items():
