@@ -339,6 +339,8 @@ LAST_NUMBER_CASES = [
     ("#### 5", "The answer is 5.", 1.0, "a full stop after the number"),
     ("#### 2", "multiply by x2", 1.0, "a number inside a word counts (documented)"),
     ("#### 1000", "1 000", 0.0, "a plain space separates two numbers: 1 and 000 (documented)"),
+    ("#### 123456", "1,23,456", 1.0, "the Indian grouping of thousands and lakhs"),
+    ("#### 1234567.5", "12,34,567.5", 1.0, "... with a decimal part"),
     ("#### 0", "nan", 0.0, "nan and inf are not numbers"),
     ("#### 0", " \r\n\t", 0.0, "a blank response has no number"),
     ("#### 1", "1/0", 0.0, "a fraction over zero is no number"),

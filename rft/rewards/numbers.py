@@ -9,8 +9,9 @@ What counts as a number (the README's verifier table says the same):
 - a sign: `-5`, `−5` (U+2212), `－5`; `+5` is 5; a minus right after a digit is a subtraction or a
   range, not a sign (`5-7` ends with 7, not -7);
 - thousands: groups of three digits after a comma, a no-break or a thin space (`1,000`,
-  `1 000` with U+202F), one separator throughout; a plain space separates two numbers (`1 000`
-  is 1 and 000), and so does a comma between groups that are not of three (`1,2,3` is 1, 2, 3);
+  `1 000` with U+202F), one separator throughout, or the Indian grouping (`1,23,456` is 123456);
+  a plain space separates two numbers (`1 000` is 1 and 000), and so does a comma between other
+  groups (`1,2,3` is 1, 2, 3);
   a decimal comma is not read (`2,5` is 2 and 5);
 - scientific notation is one number: `1e16`, `1.5E-3`, `1.5 × 10^16`, `1.5\\times 10^{16}`;
   a power of integers too (`2^10` is 1024, `10^{-3}` is 0.001), while its digits stay under
@@ -37,6 +38,7 @@ _TIMES = r"\s*(?:[×xX*·⋅]|\\times|\\cdot)\s*"
 _NUMBER = re.compile(
     rf"(?P<sign>(?<!\d)[{_MINUS}])?"
     rf"(?P<dec>\d{{1,3}}(?P<sep>[,\u00a0\u2009\u202f])\d{{3}}(?:(?P=sep)\d{{3}})*+(?!\d)(?:\.\d++)?"
+    rf"|(?P<lakh>\d{{1,2}}(?:,\d{{2}})+,\d{{3}})(?!\d)(?:\.\d++)?"  # Indian grouping: 1,23,456
     rf"|\d++(?:\.\d++)?|(?<![\d.])\.\d++)"
     rf"(?:\^\{{?(?P<pow>{_EXP})\}}?"  # 2^10, 10^{{-3}}
     rf"|/(?P<den>\d++(?:\.\d++)?)"  # 1/2
@@ -83,7 +85,7 @@ def _coefficient(d: Decimal) -> tuple[int, int]:
 
 def _value(m: re.Match) -> tuple[Decimal, Decimal] | None:
     """A match's exact value as (numerator, denominator > 0), None for no number."""
-    dec = m["dec"].replace(m["sep"], "") if m["sep"] else m["dec"]
+    dec = m["dec"].replace(m["sep"] or ",", "") if m["sep"] or m["lakh"] else m["dec"]
     if m["pow"] is not None:
         value = _power(dec, m["pow"])
     elif m["den"] is not None:
