@@ -124,8 +124,10 @@ def _whiten(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def _discounted_whitened(rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
-    """The reward sits on each sequence's last response token; return_t = gamma^(last - t) * R;
-    then whiten over every response token of the batch."""
+    """The reward sits on each sequence's last response token; return_t = gamma^(last - t) * R,
+    t counting the tokens the loss counts only: a multi-turn row's environment tokens are stepped
+    over, as gae_returns does, so every turn of the row sees its reward; then whiten over every
+    response token of the batch."""
     pos = mask.double().cumsum(-1)  # 1..len on response tokens
     last = pos.max(-1, keepdim=True).values  # response length per row
     returns = rewards.double()[:, None] * gamma ** (last - pos)
