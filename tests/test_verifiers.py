@@ -327,6 +327,8 @@ LAST_NUMBER_CASES = [
     ("#### 5", "It fell to \u22125.", 0.0, "... so -5 is not 5"),
     ("#### 0.5", "1/2", 1.0, "a fraction is its value"),
     ("#### 2", "1/2", 0.0, "... not its denominator"),
+    ("#### 1.5", "1 1/2 cups", 1.0, "a mixed number (the old reader: 2; the fraction alone: 0.5)"),
+    ("#### 3.5", "3 7/2", 1.0, "... only with a proper fraction: 3 7/2 is 3, then 7/2"),
     ("#### 1000", "1\u202f000", 1.0, "thousands grouped by a narrow no-break space (SI)"),
     ("#### 123", "1,2,3", 0.0, "commas between groups that are not of three digits separate numbers (was 123)"),
     ("#### -7", "pages 5-7", 0.0, "a minus right after a digit is a range or a subtraction, not a sign (was -7)"),

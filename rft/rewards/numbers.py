@@ -16,7 +16,8 @@ What counts as a number (the README's verifier table says the same):
 - scientific notation is one number: `1e16`, `1.5E-3`, `1.5 × 10^16`, `1.5\\times 10^{16}`;
   a power of integers too (`2^10` is 1024, `10^{-3}` is 0.001), while its digits stay under
   10,000;
-- a fraction of two unsigned decimals is its value: `1/2` is 0.5, `-3/4` is -0.75; `1/0` is no number;
+- a fraction of two unsigned decimals is its value: `1/2` is 0.5, `-3/4` is -0.75, the mixed
+  number `1 1/2` 1.5; `1/0` is no number;
 - `nan`, `inf` and number words are not numbers.
 
 Values compare exactly (`Decimal`, cross-multiplied for fractions: no float rounding, no digit
@@ -37,6 +38,7 @@ _EXP = rf"[+{_MINUS}]?\d+"
 _TIMES = r"\s*(?:[×xX*·⋅]|\\times|\\cdot)\s*"
 _NUMBER = re.compile(
     rf"(?P<sign>(?<!\d)[{_MINUS}])?"
+    rf"(?:(?<![\d.])(?P<whole>\d{{1,10}})[ \u00a0](?=\d+/\d))?"  # a mixed number: 1 1/2
     rf"(?P<dec>\d{{1,3}}(?P<sep>[,\u00a0\u2009\u202f])\d{{3}}(?:(?P=sep)\d{{3}})*+(?!\d)(?:\.\d++)?"
     rf"|(?P<lakh>\d{{1,2}}(?:,\d{{2}})+,\d{{3}})(?!\d)(?:\.\d++)?"  # Indian grouping: 1,23,456
     rf"|\d++(?:\.\d++)?|(?<![\d.])\.\d++)"
@@ -92,6 +94,8 @@ def _value(m: re.Match) -> tuple[Decimal, Decimal] | None:
         if max(len(dec), len(m["den"])) > _MAX_DIGITS or Decimal(m["den"]) == 0:
             return None
         value = Decimal(dec), Decimal(m["den"])
+        if m["whole"] and value[0] < value[1]:  # 1 1/2 is 3/2; 3 7/2 is two numbers, the last 7/2
+            value = _EXACT.add(_EXACT.multiply(Decimal(m["whole"]), value[1]), value[0]), value[1]
     else:
         dec = Decimal(dec)
         shift = m["e"] or m["e10"]
