@@ -327,6 +327,8 @@ def test_math_votes_on_what_its_reward_scores():
     assert answer_of("math", half) == "\\frac{1}{2}"  # was "2"
     assert answer_of("math", cut) is None  # was "2"
     assert answer_of("math", "\\boxed 5") == "5" and answer_of("math", "no answer here") is None
+    # an answer math_verify reads as text only (no sympy object) is scored too (1.0 against \text{Monday}): it votes
+    assert answer_of("math", "so $\\text{Monday}$") == "\\text{Monday}"
     # reference 2: only \boxed{2} is right; its one vote loses to the two halves: maj@4 0
     task = SimpleNamespace(answer="2", row={}, task_id="t/0")
     responses = [cut, half, "\\boxed{2}", half]

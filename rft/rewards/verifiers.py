@@ -186,8 +186,6 @@ def _extracted(response: str, timeout: int | None) -> str | None:
         raise
     except BaseException:  # math_verify's TimeoutException is a BaseException
         return None
-    if not any(not isinstance(x, str) for x in found):
-        return None  # nothing the reward could score
     return next((x.strip() for x in found if isinstance(x, str) and x.strip()), None)
 
 
