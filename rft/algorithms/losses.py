@@ -119,6 +119,9 @@ def cpgd_loss(logp, batch, cfg):
     logp_c = min(logp, old + log(1 + clip_ratio_high)) where A > 0,
              max(logp, old + log(1 - clip_ratio_low))  where A < 0;
     loss = -A * logp_c. Once a token's probability has moved far enough it gets no more gradient.
+    Departure: the paper also adds a policy-drift term (a KL divergence between the old and the
+    current policy, with a coefficient of its own) to the clipped objective; it is not part of this
+    loss (algorithm.kl_loss_fn regularises towards the frozen reference, not the old policy).
     A clip_ratio_low of 1 or more (inf included) leaves no lower bound: a ratio is never below
     1 - clip_ratio_low <= 0, whose log does not exist (math.log1p raised "math domain error").
     """
