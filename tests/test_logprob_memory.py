@@ -2,44 +2,14 @@
 tensors of one chunk of positions (rft/trainer/logprobs.py), counted by the bytes torch allocates
 for them, as a ratio of one such tensor (not a time, not the machine's memory)."""
 
-import weakref
-
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_map
+from conftest import load_script
 
 from rft.trainer import logprobs
 
-
-class LiveBytes(TorchDispatchMode):
-    """The bytes of the tensors made inside it still alive, and their peak; tensors made before it
-    (the inputs, the weights) are not counted, nor views of them."""
-
-    def __init__(self, *before):
-        super().__init__()
-        self.known = {t.untyped_storage().data_ptr() for t in before}
-        self.live = self.peak = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        tree_map(self._track, out)
-        return out
-
-    def _track(self, t):
-        if isinstance(t, torch.Tensor):
-            storage = t.untyped_storage()
-            key = storage.data_ptr()
-            if key and key not in self.known:
-                self.known.add(key)
-                self.live += storage.nbytes()
-                self.peak = max(self.peak, self.live)
-                weakref.finalize(storage, self._free, key, storage.nbytes())
-        return t
-
-    def _free(self, key, n):
-        self.known.discard(key)
-        self.live -= n
+# the benchmark's counter of what torch allocates (experiments/trainer_benchmark: --logprobs)
+live_bytes = load_script("experiments/trainer_benchmark/benchmark.py", "trainer_benchmark").live_bytes
 
 
 @pytest.mark.parametrize("entropy_grad", [True, False])
@@ -58,7 +28,7 @@ def test_a_chunks_log_probs_hold_few_float32_copies_of_its_logits(entropy_grad):
     w = (torch.randn(V, H) * 0.02).to(torch.bfloat16)
     targets = torch.randint(0, V, (N,))
     one = N * V * 4  # one float32 [N, V] tensor: 19,447,808 bytes
-    with LiveBytes(h, w, targets) as mem:
+    with live_bytes(h, w, targets) as mem:
         logp, entropy = logprobs._chunk_logprobs(h, w, None, targets, torch.ones(N), None, None, entropy_grad)
         forward = mem.peak
         (logp.sum() + (entropy.sum() if entropy_grad else 0)).backward()
@@ -82,7 +52,7 @@ def test_the_distillation_path_holds_what_the_memory_plan_counts():
     w = (torch.randn(V, H) * 0.02).to(torch.bfloat16)
     targets, at = torch.randint(0, V, (N,)), torch.randint(0, V, (N, 20))
     one = N * V * 4
-    with LiveBytes(h, w, targets, at) as mem:
+    with live_bytes(h, w, targets, at) as mem:
         logp, entropy, at_logp, at_rest = logprobs._chunk_logprobs(h, w, None, targets, torch.ones(N), None, None,
                                                                    True, 0, at, None)
         forward = mem.peak
@@ -90,3 +60,14 @@ def test_the_distillation_path_holds_what_the_memory_plan_counts():
     assert forward <= 3.25 * one + 4096, forward / one
     assert mem.peak <= 5 * one + 4096, mem.peak / one
     assert at_logp.shape == (N, 20) and at_rest.shape == (N, 1)
+
+
+def test_the_counter_counts_what_torch_allocates_and_frees():
+    """live_bytes itself: a tensor made inside counts its bytes until it goes; one made before does not."""
+    before = torch.ones(1000)
+    with live_bytes(before) as mem:
+        a = torch.empty(1000)  # 4,000 bytes
+        b = before.view(10, 100)  # a view of a tensor made before: nothing new
+        c = a * 2  # 4,000 more
+        del a, c
+    assert mem.peak == 8000 and mem.live == 0 and b.shape == (10, 100)

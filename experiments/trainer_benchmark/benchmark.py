@@ -17,6 +17,15 @@ set just before; the optimizer's state, allocated in the first, is in every arm)
 padded and the size of the largest micro-batch's float32 logits tensor, which chunking never
 holds whole. `--small`: a 2-layer model and 8 rows (seconds; what the test runs).
 
+    .venv/bin/python experiments/trainer_benchmark/benchmark.py --logprobs [--rows 8] [--response 128]
+
+measures instead what one micro-batch's log-probs (rft.trainer.logprobs.token_logprobs, packed,
+from the last prompt token, as the trainer calls it) allocate at the Qwen2.5-0.5B shape
+(model=qwen2.5-0.5b-shape, bfloat16, vocabulary 151,936) through their forward and backward,
+whole and in chunks of 256 positions: the peak of the bytes torch allocates beyond the model's
+weights (`live_bytes`: exact, not the process's resident set, which the allocator's caching blurs),
+the gradients of the weights included, and that peak over one float32 [positions, vocabulary] tensor.
+
 A shared 2-core machine is noisy: read the ratios from one invocation, not the absolute figures.
 """
 
@@ -163,16 +172,93 @@ def summarize(results: list[dict]) -> dict:
     return out
 
 
+def live_bytes(*before):
+    """Within `with live_bytes(*tensors) as mem:`, the bytes of the tensors torch makes that are
+    alive (mem.live) and their peak (mem.peak), counted by storage as each op returns and freed
+    as each storage goes; storages made before (the given tensors: inputs, weights) are not
+    counted, nor views of them. (A TorchDispatchMode: torch is imported when it is made.)"""
+    import weakref
+
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_map
+
+    class Mode(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.known = {t.untyped_storage().data_ptr() for t in before}
+            self.live = self.peak = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            tree_map(self._track, out)
+            return out
+
+        def _track(self, t):
+            if isinstance(t, torch.Tensor):
+                storage = t.untyped_storage()
+                key = storage.data_ptr()
+                if key and key not in self.known:
+                    self.known.add(key)
+                    self.live += storage.nbytes()
+                    self.peak = max(self.peak, self.live)
+                    weakref.finalize(storage, self._free, key, storage.nbytes())
+            return t
+
+        def _free(self, key, n):
+            self.known.discard(key)
+            self.live -= n
+
+    return Mode()
+
+
+def logprob_peaks(rows: int, response: int, chunks=(None, 256)) -> list[dict]:
+    """The --logprobs measurement (module docstring), one dict per chunk size."""
+    import torch
+
+    from rft.models import ensure_model, load_model
+    from rft.trainer.logprobs import token_logprobs
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    cfg = _compose(["stages=[]", "model=qwen2.5-0.5b-shape"]).model
+    ensure_model(cfg)
+    model = load_model(cfg)
+    prompt, vocab = 20, model.config.vocab_size
+    ids = torch.randint(3, vocab, (rows, prompt + response), generator=torch.Generator().manual_seed(0))
+    one = rows * response * vocab * 4  # float32 [positions, vocabulary]
+    out = []
+    for chunk in chunks:
+        model.zero_grad(set_to_none=True)
+        with live_bytes(ids, *model.parameters()) as mem:
+            logp, entropy = token_logprobs(model, ids, torch.ones_like(ids), packed=True, chunk_size=chunk,
+                                           first=torch.full((rows,), prompt - 1))
+            forward = mem.peak
+            (logp.sum() + entropy.sum()).backward()
+        out.append({"positions": rows * response, "chunk": chunk or rows * response, "forward_mb": forward / 2**20,
+                    "peak_mb": mem.peak / 2**20, "forward_x": forward / one, "peak_x": mem.peak / one,
+                    "logits_mb": one / 2**20})
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", type=int, default=None, help="experiences in the step (default 32; --small 8)")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--small", action="store_true", help="a 2-layer model: seconds, for the test")
+    ap.add_argument("--logprobs", action="store_true", help="the log-probs' peak allocation at the 0.5B shape")
+    ap.add_argument("--response", type=int, default=128, help="--logprobs: response tokens a row")
     ap.add_argument("--arm", help=argparse.SUPPRESS)  # internal: run one arm, print its JSON
     ap.add_argument("--model-dir", help=argparse.SUPPRESS)
     args = ap.parse_args()
     size = "small" if args.small else "full"
-    rows = args.rows or (8 if args.small else 32)
+    rows = args.rows or (8 if args.small or args.logprobs else 32)
+    if args.logprobs:
+        print(f"{'positions':>9} {'chunk':>6} {'forward MB':>11} {'peak MB':>9} {'forward / logits':>17} "
+              f"{'peak / logits':>14} {'logits MB':>10}")
+        for r in logprob_peaks(rows, args.response):
+            print(f"{r['positions']:9d} {r['chunk']:6d} {r['forward_mb']:11.0f} {r['peak_mb']:9.0f} {r['forward_x']:17.2f} "
+                  f"{r['peak_x']:14.2f} {r['logits_mb']:10.0f}")
+        return
     if args.arm:
         print(json.dumps(arm(args.arm, args.model_dir, rows, size)))
         return
