@@ -195,3 +195,22 @@ def test_micro_batches_give_the_one_batch_gradient_for_every_mode(extra):
         torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-7, msg=name)
     assert m_split["loss/policy"] == pytest.approx(m_whole["loss/policy"], rel=1e-5, abs=1e-8)
     assert m_split["actor/grad_norm"] == pytest.approx(m_whole["actor/grad_norm"], rel=1e-5)
+
+
+@pytest.mark.slow  # a Ray run of two fsdp2 ranks
+@pytest.mark.parametrize("extra", [
+    ["algorithm=gspo"],  # seq-mean-token-mean: each rank divides by the whole mini-batch's rows
+    ["algorithm.loss_agg_mode=seq-mean-token-sum", "algorithm.kl_loss_fn=k3", "algorithm.kl_loss_coef=0.1",
+     "algorithm.entropy_coef=0.01"],
+], ids=["gspo", "kl_entropy"])
+def test_two_ranks_update_as_one_process_for_the_sequence_modes(tmp_path, extra):
+    import ray
+    from test_fsdp import two_ranks_as_one_process
+
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        # 128 rows then 9 (5 + 4 over the ranks): the same loss, grad norm and weights as one process
+        m_two = two_ranks_as_one_process(tmp_path, extra)
+    finally:
+        ray.shutdown()
+    assert m_two["train/experiences"] == 9
