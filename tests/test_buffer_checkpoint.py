@@ -96,6 +96,24 @@ def test_a_checkpoint_packs_1024_token_experiences_in_6_kb_each(tmp_path):
     assert restored(tmp_path, latest).state() == buf.state()
 
 
+def test_unpacking_holds_little_beside_the_experiences_it_makes():
+    """A restore's memory beyond the experiences it gives back (which the queue then holds): the
+    arrays read from the file, about the file's size. It held a list of every token besides (8 bytes
+    a token): 2.3 x the file's size here, now under 1.5 x. (4,096 experiences of 4,096 tokens, a
+    129 MiB file, held in 1,030 MiB: a restore's peak was 1,413 MiB, now 1,287.)"""
+    import tracemalloc
+
+    data = pack_experiences(long_experiences(32, 2048, 2048))
+    tracemalloc.start()
+    try:
+        out = unpack_experiences(data)
+        held, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert len(out) == 32 and len(out[0].tokens) == 4096
+    assert peak - held < 1.5 * len(data), (peak - held) / len(data)
+
+
 def test_a_plain_queue_packs_its_unread_experiences_and_an_empty_one_writes_no_file(tmp_path):
     """A run a step ahead (sync_offset=1) checkpoints the step it explored and has not trained on."""
     buf = QueueBuffer(buf_cfg())

@@ -370,8 +370,10 @@ def unpack_experiences(data: bytes) -> list[Experience]:
         if arrays[name].dtype.kind != ("f" if name in ("logprobs", "reward") else "i"):
             raise ValueError(f"its {name!r} is of {arrays[name].dtype}, not of {'floats' if name in ('logprobs', 'reward') else 'integers'}")
         if name in _PER_TOKEN:
-            flat, ends = arrays[name].tolist(), np.cumsum(per).tolist()
-            columns[name] = [flat[a:b] for a, b in zip([0, *ends], ends)]
+            # each experience's slice as a list: a list of all (every token's pointer, 8 bytes, beside
+            # the ones the experiences hold) added 37% to the peak of a restore
+            flat, ends = arrays[name], np.cumsum(per).tolist()
+            columns[name] = [flat[a:b].tolist() for a, b in zip([0, *ends], ends)]
         else:
             columns[name] = per.tolist()
     # the arrays' dtypes (checked above) make every element of its type: only lengths are checked
