@@ -370,8 +370,9 @@ def unpack_experiences(data: bytes) -> list[Experience]:
         if arrays[name].dtype.kind != ("f" if name in ("logprobs", "reward") else "i"):
             raise ValueError(f"its {name!r} is of {arrays[name].dtype}, not of {'floats' if name in ('logprobs', 'reward') else 'integers'}")
         if name in _PER_TOKEN:
-            # each experience's slice as a list: a list of all (every token's pointer, 8 bytes, beside
-            # the ones the experiences hold) added 37% to the peak of a restore
+            # each experience's slice made a list by itself: a list of all tokens first (8 bytes a
+            # token beside what the experiences hold) raised a restore's peak from 1,287 to 1,413 MiB
+            # (4,096 experiences of 4,096 tokens, held in 1,030)
             flat, ends = arrays[name], np.cumsum(per).tolist()
             columns[name] = [flat[a:b].tolist() for a, b in zip([0, *ends], ends)]
         else:
