@@ -133,6 +133,8 @@ CHAT = {"model": "policy", "messages": MESSAGES}
     # it in rollout_args.stop)
     ("stop", "", "stop", "stop[0]: String should have at least 1 character (got )"),
     ("stop", ["\n", ""], "stop", "stop[1]: String should have at least 1 character (got )"),
+    # a stop string of any length was taken (the engine searches each after every token): 256 as rollout_args.stop
+    ("stop", ["\n", "ab" * 200], "stop", "stop[1]: String should have at most 256 characters (got " + "ab" * 50 + ")"),  # got: 100 chars
     ("messages", [], "messages", "messages: List should have at least 1 item after validation, not 0 (got [])"),
     ("messages", "hi", "messages", "messages: Input should be a valid list (got hi)"),
     ("messages", [{"content": "hi"}], "messages", "messages[0].role: Field required (got {'content': 'hi'})"),

@@ -85,6 +85,9 @@ log = logging.getLogger(__name__)
 ROLLOUT_HEADER = "X-RFT-Rollout"
 MAX_N = 128  # OpenAI's own cap on n: what an agent written against its API may ask for
 MAX_STOP = 4  # OpenAI's cap on stop sequences
+# the length rollout_args.stop allows a stop string (rft/plan/batch.py MAX_STOP_CHARS): the engine
+# searches each after every token, untimed, so an unbounded one cost every rollout in the batch
+MAX_STOP_CHARS = 256
 MAX_TOOLS = 128  # OpenAI's cap on tools per request
 MAX_OPEN_ROLLOUTS = 1024  # rollouts in flight are the explorer's runner threads: far fewer
 GREEDY_BELOW = 1e-5  # a temperature this small samples greedily (as vLLM does): 1e-40 overflows logits / t
@@ -121,7 +124,7 @@ class Sampling(BaseModel):
     top_k: int | None = Field(None, ge=-1)
     seed: int | None = None
     # "" is in every text: it would end each completion after its first token (rollout_args.stop refuses it too)
-    stop: list[Annotated[str, Field(min_length=1)]] | None = Field(None, max_length=MAX_STOP)
+    stop: list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]] | None = Field(None, max_length=MAX_STOP)
     # the reply as server-sent events (rft/serving/openai_chat.py sse)
     stream: bool = False
     stream_options: StreamOptions | None = None
