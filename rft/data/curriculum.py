@@ -11,8 +11,8 @@ may be luck.
 
 It lives in the driver (rft.runtime.schedule.Schedule): it learns from each explore step's
 experiences as they are collected, in step order (and from the drawn tasks that left none: a failed
-task's rollouts are fails; a task explorer.over_rollout dropped, unfinished, is no outcome), and draws a step's tasks when that step is
-submitted, from a generator seeded by (seed, step). Collects and submissions happen at points the
+task's rollouts are fails; a task explorer.over_rollout dropped, unfinished, is no outcome), and
+draws a step's tasks when that step is submitted, from a generator seeded by (seed, step). Collects and submissions happen at points the
 config fixes, so the draws are a function of the config; its state (the outcomes it holds) is
 saved in the checkpoint, and a resumed run draws what an uninterrupted one would.
 """
@@ -57,8 +57,9 @@ class OnlineCurriculum:
         """Record each rollout's outcome against its task, in the order given: the step's experiences,
         then `unreturned`, the (task id, passed) of the rollouts of tasks drawn whose experiences the
         step does not hold (rft.rollout.explorer: a failed task's, each a fail; a group dynamic
-        sampling dropped, as it scored; none of a task over_rollout dropped, which did not finish): else a task that always fails would keep p = 0.5, the top
-        priority, and be drawn again and again."""
+        sampling dropped, as it scored; none of a task over_rollout dropped, which did not finish):
+        else a task that always fails would keep p = 0.5, the top priority, and be drawn again and
+        again."""
         for task_id, passed in [*rollout_outcomes(exps, self.threshold), *(unreturned or [])]:
             row = self._row(task_id)
             if row is not None:
