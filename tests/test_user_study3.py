@@ -96,8 +96,13 @@ def test_a_relative_search_path_run_from_the_studys_folder_says_where_it_was_rea
     assert e.endswith(f"The search path's experiments/kv_lookup/conf is no folder from {HERE}: a relative "
                       f"hydra.searchpath entry is read from the directory you run from; run from the folder "
                       f"it is relative to, or give it absolute (file:///...).")
-    # the same command from the repository's folder composes (the dry run's plan, status 0)
-    assert run_cli(*STUDY, "dry_run=true").returncode == 0
+    # the same command from the repository's folder composes (the dry run's plan, status 0); its
+    # warm-up reads the `demo` column's conversations (it said "responses in None, prompts in
+    # 'question'", two columns the file does not have and the stage does not read)
+    r = run_cli(*STUDY, "dry_run=true")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert ("trains on      experiments/kv_lookup/data (file; conversations in 'demo', every assistant turn "
+            "trained on)\n") in r.stdout
 
 
 def test_a_tool_that_raises_its_own_exception_says_the_task_is_left_out_and_to_raise_tool_error():
@@ -143,3 +148,48 @@ def test_a_tool_that_raises_its_own_exception_says_the_task_is_left_out_and_to_r
     assert (parts, done, env.info["tool_failures"]) == ({}, False, 1)
     # then an answer: scored by the study's `graded`, a call having been made
     assert env.step("5120") == (None, {"correct": 1.0, "guessed": 0.0}, True)
+
+
+@pytest.mark.slow  # the study shortened: 250 warm-up steps, 10 GRPO steps, stopped and resumed (~90 s)
+def test_the_study_learns_stops_on_ctrl_c_resumes_and_exports_a_policy_transformers_loads(tmp_path):
+    """README's path for a user's own study, end to end: the run, Ctrl-C (SIGINT) after a GRPO
+    checkpoint, the same command again, then the export loaded with transformers alone."""
+    import os
+    import signal
+    import time
+
+    env = {**os.environ, "RFT_CHECKPOINT_ROOT_DIR": str(tmp_path / "runs")}
+    args = [*STUDY, "cluster=inline", "buffer.total_steps=10"]
+    grpo = tmp_path / "runs" / "rft" / "kv_lookup" / "grpo"
+    proc = subprocess.Popen([sys.executable, str(ROOT / "run.py"), *args], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 400
+    while not (grpo / "checkpoints" / "step_5" / "state.json").exists():
+        assert proc.poll() is None and time.time() < deadline, "the run ended before its step-5 checkpoint"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-2000:]
+    newest = err.split("the newest checkpoint: ")[1].split(")")[0]
+    assert err.strip().startswith("rft: interrupted. Run the same command again to resume")
+    assert newest.startswith(str(grpo / "checkpoints" / "step_"))
+
+    r = run_cli(*args, env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert f"[grpo] resuming from step {newest.rsplit('_', 1)[1]} ({newest})" in r.stdout
+    evals = {json.loads(line)["step"]: json.loads(line)["eval/kv_test/accuracy"]
+             for line in (grpo / "metrics.jsonl").read_text().splitlines() if "eval/kv_test/accuracy" in line}
+    # the warm start copies the right SKU 40% of the time and little of the tool's reply; 10 steps of
+    # the study's partial credit raise the held-out mean reward (0.17 -> 0.43 on our machine)
+    assert evals[10] > evals[0] + 0.1, evals
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    subprocess.run([sys.executable, "-m", "rft.runtime.export", str(grpo / "checkpoints" / "step_10"),
+                    str(tmp_path / "policy")], cwd=ROOT, env=env, check=True, capture_output=True)
+    tok = AutoTokenizer.from_pretrained(tmp_path / "policy")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "policy")
+    ids = tok.apply_chat_template([{"role": "user", "content": "47-83"}], add_generation_prompt=True,
+                                  return_tensors="pt", return_dict=True)
+    text = tok.decode(model.generate(**ids, max_new_tokens=12, do_sample=False)[0][ids["input_ids"].shape[1]:])
+    assert text.startswith('<tool_call>{"name":"stock","arguments":{"sku":"47-'), text

@@ -1185,7 +1185,11 @@ def describe(cfg, stage_dir, plan: BatchPlan | None = None, more_rows: list | tu
         fmt = eb.format
         what = (f"pairs of {fmt.chosen_key!r} over {fmt.rejected_key!r}" if fmt.chosen_key and fmt.rejected_key
                 else f"responses in {fmt.response_key!r}")
-        rows.append(("trains on", f"{eb.path} ({eb.storage_type}; {what}, prompts in {fmt.prompt_key!r})"))
+        if fmt.enable_concatenated_multi_turn:  # whole conversations: no prompt or response column is read
+            what = f"conversations in {fmt.messages_key!r}, every assistant turn trained on"
+        else:
+            what += f", prompts in {fmt.prompt_key!r}"
+        rows.append(("trains on", f"{eb.path} ({eb.storage_type}; {what})"))
     if algo.sft_loss_weight > 0:
         sft, where = sft_buffer_config(cfg)
         rows.append(("sft data", f"{sft.path} (column {sft.format.response_key!r}; {where})"))
