@@ -51,9 +51,12 @@ def test_the_studys_reward_and_advantage_give_hand_computed_values():
     import torch
 
     study = load_script("experiments/kv_lookup/study.py", "kv_lookup_study")
-    assert study.graded(" 41 ", "41", tool_calls=1) == {"correct": 1.0, "guessed": 0.0}
-    assert study.graded("41", "41", tool_calls=0) == {"correct": 1.0, "guessed": -0.2}
-    assert study.graded("14", "41", tool_calls=2) == {"correct": 0.0, "guessed": 0.0}
+    assert study.graded(" 5120 ", "5120", tool_calls=1) == {"correct": 1.0, "digits": 1.0, "guessed": 0.0}
+    assert study.graded("5120", "5120", tool_calls=0) == {"correct": 1.0, "digits": 1.0, "guessed": -0.2}
+    # 5 and 2 in their places, 1 and 0 swapped: 2 of 4 digits
+    assert study.graded("5021", "5120", tool_calls=2) == {"correct": 0.0, "digits": 0.5, "guessed": 0.0}
+    # another length: no digit is in its place
+    assert study.graded("512", "5120", tool_calls=1) == {"correct": 0.0, "digits": 0.0, "guessed": 0.0}
     # two groups: rewards [1, 0, 0, 1] (mean 0.5) and [1, 1] (mean 1); scale 2: 2 x (r - mean)
     batch = {"rewards": torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0]),
              "group_index": torch.tensor([0, 0, 0, 0, 1, 1]),
@@ -147,7 +150,7 @@ def test_a_tool_that_raises_its_own_exception_says_the_task_is_left_out_and_to_r
     assert reply == {"role": "tool", "content": "error: no such sku '47-1': two numbers of 32..99 joined by a dash"}
     assert (parts, done, env.info["tool_failures"]) == ({}, False, 1)
     # then an answer: scored by the study's `graded`, a call having been made
-    assert env.step("5120") == (None, {"correct": 1.0, "guessed": 0.0}, True)
+    assert env.step("5120") == (None, {"correct": 1.0, "digits": 1.0, "guessed": 0.0}, True)
 
 
 @pytest.mark.slow  # the study shortened: 250 warm-up steps, 10 GRPO steps, stopped and resumed (~90 s)

@@ -28,9 +28,13 @@ def stock(sku: str) -> str:
 
 
 def graded(answer: str, truth: str, tool_calls: int) -> dict:
-    """The reward's parts: `correct` 1 for the exact stock, and `guessed` -0.2 for an answer given
-    without looking it up (a number copied from nowhere)."""
-    return {"correct": float(answer.strip() == truth), "guessed": -0.2 if tool_calls == 0 else 0.0}
+    """The reward's parts: `correct` 1 for the exact stock; `digits` the share of the stock's digits
+    the answer has in their places (partial credit: a model that copies the tool's reply digit by
+    digit is rewarded on the way); `guessed` -0.2 for an answer given without looking it up."""
+    answer = answer.strip()
+    same = sum(a == b for a, b in zip(answer, truth)) if len(answer) == len(truth) else 0
+    return {"correct": float(answer == truth), "digits": same / len(truth),
+            "guessed": -0.2 if tool_calls == 0 else 0.0}
 
 
 class StockEnv(ToolEnv):
