@@ -28,6 +28,7 @@ modification times, part of the stage cache's keys, kept); others are moved asid
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -112,6 +113,26 @@ def write_atomic(path: Path, text: str | bytes) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def open_regular(path: Path):
+    """`path` opened to read bytes, where it is a regular file (a link to one is followed); an OSError
+    where it is not. A FIFO blocks the open and then every read until something writes to it, and
+    /dev/zero never ends: a results folder others write to, or a run directory handed over, may
+    hold either under the name of a log or record rft reads back (the studio's pages hung, the
+    report ran out of memory)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO's open returns at once
+    f = open(fd, "rb")
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        f.close()
+        raise OSError(errno.EINVAL, "not a regular file (a FIFO, a device or a socket)", str(path))
+    return f
+
+
+def read_regular(path: Path, most: int = -1) -> bytes:
+    """The bytes of regular file `path` (its first `most`): `open_regular`."""
+    with open_regular(path) as f:
+        return f.read(most)
 
 
 def read(d: Path) -> tuple[dict | None, str | None]:

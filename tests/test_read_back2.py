@@ -193,3 +193,59 @@ def test_a_lora_adapter_missing_tensors_is_refused_not_resumed_half_fresh(tmp_pa
     listed = f"{first} and 23 more" if drop == 28 else f"{names[:1]}"  # 28 = 5 named + 23
     assert str(e.value) == (f"{path} does not load (RuntimeError: the adapter does not match the model's LoRA "
                             f"config: missing {listed})")
+
+
+# ---------------------------------------------------------------- a FIFO where a log or record is read
+
+def finishes(fn, fifo, within_s=20):
+    """fn()'s value, asserting it returns: read through a FIFO it waits for a writer forever (the
+    test then opens the FIFO for writing so the stuck thread ends)."""
+    import threading
+
+    out = {}
+    t = threading.Thread(target=lambda: out.setdefault("value", fn()), daemon=True)
+    t.start()
+    t.join(within_s)
+    if t.is_alive():
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        t.join(5)
+    assert "value" in out, f"{fn} waited on the FIFO {fifo}"
+    return out["value"]
+
+
+def test_a_fifo_in_a_runs_place_of_a_log_is_left_out_by_the_report_and_the_studio(tmp_path, capsys):
+    """A results folder others write to, read by `python -m rft.reporting.report` and the studio's
+    pages: a FIFO named metrics.jsonl, .run.lock or .hydra/overrides.yaml blocked the open and the
+    read until something wrote to it (the page, the report hung for good); a link to /dev/zero in
+    that place was read until memory ran out (MemoryError)."""
+    from rft.reporting import report
+    from rft.studio.index import CachedFiles, holder_alive
+
+    run = tmp_path / "run"
+    (run / ".hydra").mkdir(parents=True)
+    for name in ("metrics.jsonl", ".run.lock", ".hydra/overrides.yaml"):
+        os.mkfifo(run / name)
+    assert finishes(lambda: report.read_jsonl(run / "metrics.jsonl"), run / "metrics.jsonl") == []
+    assert finishes(lambda: CachedFiles().jsonl(run / "metrics.jsonl"), run / "metrics.jsonl") == []
+    assert finishes(lambda: holder_alive(run), run / ".run.lock") is None
+    assert finishes(lambda: report.parse_overrides(run, "run"), run / ".hydra/overrides.yaml") is None
+    err = capsys.readouterr().err
+    assert (f"rft.reporting.report: warning: {run / 'metrics.jsonl'} does not read (not a regular file (a FIFO, a "
+            f"device or a socket)); its job is reported without metrics.") in err
+    assert (f"rft.reporting.report: warning: {run / '.hydra/overrides.yaml'} does not read (not a regular file (a FIFO, "
+            f"a device or a socket)); job run is reported as a configuration of its own, without its overrides.") in err
+
+
+def test_a_fifo_in_a_run_directory_stops_the_run_before_it_reads_it(tmp_path):
+    """A resume reads metrics.jsonl back (rft.reporting.monitor._reopen): a FIFO there hung it."""
+    run = tmp_path / "run"
+    (run / "grpo").mkdir(parents=True)
+    os.mkfifo(run / "grpo" / "metrics.jsonl")
+    with pytest.raises(RunError) as e:
+        with rundir.run_lock(run):
+            pass
+    assert str(e.value) == (
+        f"{run / 'grpo' / 'metrics.jsonl'} is not a regular file (a FIFO, a socket or a device): rft writes only files "
+        f"and folders in the run directory {run}, and a run reading it back would wait on it forever. It was put "
+        f"there by hand or came with a copy of the run. Remove it (`find {run} ! -type f ! -type d` lists such "
+        f"entries), or give this run another name (name=...).")

@@ -12,7 +12,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from rft.config import flat
-from rft.manifest import write_atomic
+from rft.manifest import read_regular, write_atomic
 from rft.registry import Registry, resolve
 
 
@@ -33,7 +33,10 @@ def _read(path: Path) -> list[tuple[str, dict | None]]:
     """
     if not path.exists():
         return []
-    lines = [(n, line) for n, line in enumerate(path.read_text(errors="replace").splitlines(), 1) if line.strip()]
+    # a FIFO or device in its place is an OSError (rft.manifest.read_regular), not a hang or /dev/zero read to
+    # the end of memory; a run's own directory holds none (rft.runtime.rundir.run_lock refuses one)
+    text = read_regular(path).decode(errors="replace")
+    lines = [(n, line) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
     out = []
     for i, (n, line) in enumerate(lines):
         try:

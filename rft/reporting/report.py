@@ -155,9 +155,10 @@ def parse_overrides(job_dir: Path, name: str) -> dict[str, str] | None:
     if not path.exists():
         return None
     try:
-        items = manifest.written_yaml(path.read_text()) or []
-    except (yaml.YAMLError, RecursionError, UnicodeDecodeError) as e:
-        print(f"rft.reporting.report: warning: {path} does not parse as YAML ({str(e).splitlines()[0]}); job {name} is "
+        items = manifest.written_yaml(manifest.read_regular(path).decode()) or []
+    except (yaml.YAMLError, RecursionError, UnicodeDecodeError, OSError) as e:
+        why = f"does not read ({e.strerror})" if isinstance(e, OSError) else f"does not parse as YAML ({str(e).splitlines()[0]})"
+        print(f"rft.reporting.report: warning: {path} {why}; job {name} is "
               f"reported as a configuration of its own, without its overrides.", file=sys.stderr)
         return None
     out = {}
@@ -172,7 +173,7 @@ def searchpath_override(job_dir: Path) -> str | None:
     repository): the common line needs it to be a command that runs; Hydra records it among its own
     overrides in .hydra/hydra.yaml, not in overrides.yaml. None where absent or unreadable."""
     try:
-        doc = manifest.written_yaml((job_dir / ".hydra" / "hydra.yaml").read_text())
+        doc = manifest.written_yaml(manifest.read_regular(job_dir / ".hydra" / "hydra.yaml").decode())
         items = doc["hydra"]["overrides"]["hydra"]
     except (OSError, yaml.YAMLError, RecursionError, UnicodeDecodeError, KeyError, TypeError):
         return None
@@ -190,7 +191,7 @@ def planned_stages(job_dir: Path) -> list[tuple[str, int | None]]:
     try:
         # as rft wrote it (no aliases): nine of nine, expanded by OmegaConf, never ended (the report, the
         # studio's runs table); a file that does not read is reported without its plan, by file times
-        plain = manifest.written_yaml(path.read_text())
+        plain = manifest.written_yaml(manifest.read_regular(path).decode())
     except (yaml.YAMLError, RecursionError, UnicodeDecodeError, OSError):
         return []
     try:
@@ -273,10 +274,17 @@ def is_row(m) -> bool:
 
 
 def read_jsonl(path: Path) -> list[dict]:
-    """metrics.jsonl, leaving out a line a killed job cut short."""
+    """metrics.jsonl, leaving out a line a killed job cut short; none, said, from a FIFO or device
+    in its place (manifest.read_regular: the report hung, or read /dev/zero until memory ran out)."""
     out = []
+    try:
+        data = manifest.read_regular(path)
+    except OSError as e:
+        print(f"rft.reporting.report: warning: {path} does not read ({e.strerror}); its job is reported without "
+              f"metrics.", file=sys.stderr)
+        return []
     # bytes that are not UTF-8 (damage from elsewhere) make their line unreadable, not the whole report
-    for line in path.read_text(errors="replace").splitlines():
+    for line in data.decode(errors="replace").splitlines():
         try:
             out.append(json.loads(line))
         except (json.JSONDecodeError, RecursionError):  # RecursionError: a line nested a thousand deep
@@ -357,7 +365,8 @@ def planned_jobs(sweep_dir: Path) -> list[dict[str, str]]:
         if path.stat().st_size > MAX_MULTIRUN_BYTES:
             return []
         # read as Hydra writes it: no aliases (nine of nine expand to a billion values), not nested past libyaml's limit
-        jobs = expand(OmegaConf.create(manifest.written_yaml(path.read_text())).hydra, most=MAX_PLANNED_JOBS)
+        text = manifest.read_regular(path).decode()
+        jobs = expand(OmegaConf.create(manifest.written_yaml(text)).hydra, most=MAX_PLANNED_JOBS)
     except TooManyJobs as e:
         raise ReportError(f"{path} plans {e} (its hydra.sweeper.params and hydra.overrides.task), more than the "
                           f"{MAX_PLANNED_JOBS:,} a report lists: not a sweep Hydra ran, or one no table could show. "

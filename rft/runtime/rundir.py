@@ -385,13 +385,16 @@ def run_lock(run_dir: Path):
 
 def planted_links(run_dir: Path) -> list[Path]:
     """The links in `run_dir` a run could write through: each one not to a folder (to a file, or to
-    nothing). rft makes none; a link to a folder (checkpoints on a scratch disk) is the user's own
-    and not entered. Not looked into: the checkpoints, sealed and never written into once made
-    (their manifest refuses a link: rft.manifest), and earlier outputs moved aside (previous_*)."""
+    nothing); and the FIFOs, sockets and devices, which a run reading its logs back would wait on
+    forever (or read without end). rft makes none; a link to a folder (checkpoints on a scratch
+    disk) is the user's own and not entered. Not looked into: the checkpoints, sealed and never
+    written into once made (their manifest refuses a link: rft.manifest), and earlier outputs
+    moved aside (previous_*)."""
     found = []
     for root, dirs, names in os.walk(run_dir):  # followlinks=False
         here = Path(root)
-        found += [here / n for n in dirs + names if (here / n).is_symlink() and not (here / n).is_dir()]
+        found += [here / n for n in dirs + names if (here / n).is_symlink() and not (here / n).is_dir()
+                  or not ((here / n).is_symlink() or (here / n).is_dir() or (here / n).is_file())]
         dirs[:] = [d for d in dirs if not (d.startswith("previous_") and here == run_dir)
                    and not (here.name == "checkpoints" and d.startswith("step_"))]
     return sorted(found)
@@ -403,6 +406,12 @@ def refuse_links(run_dir: Path) -> None:
     results folder others write to) had the run truncate that file, or append its log to it (a
     ~/.bashrc, whose lines a shell runs)."""
     links = planted_links(run_dir)
+    if links and not links[0].is_symlink():
+        raise RunError(
+            f"{links[0]} is not a regular file (a FIFO, a socket or a device): rft writes only files and folders in "
+            f"the run directory {run_dir}, and a run reading it back would wait on it forever. It was put there by "
+            f"hand or came with a copy of the run. Remove it (`find {run_dir} ! -type f ! -type d` lists such "
+            f"entries), or give this run another name (name=...).")
     if links:
         more = f" (and {len(links) - 1} more)" if len(links) > 1 else ""
         raise RunError(

@@ -403,6 +403,7 @@ def existing_run(job: DictConfig, stages: list, dirs: list[Path]) -> Exception |
     """What the run would stop on as it starts, found in the directory of its name: a run made
     with another configuration (rft.runtime.rundir.check_unchanged: the resume rules), or another
     process running in it (its lock). None for a dry run, a bench, or a run that starts over."""
+    from rft import manifest
     from rft.errors import ConfigError, RunError
     from rft.runtime import rundir
     from rft.runtime.main import run_dir_of
@@ -412,7 +413,7 @@ def existing_run(job: DictConfig, stages: list, dirs: list[Path]) -> Exception |
     if job.dry_run or job.mode == "bench" or not run_dir.is_dir():
         return None
     if holder_alive(run_dir):
-        lock = (run_dir / rundir.RUN_LOCK).read_text().strip()
+        lock = manifest.read_regular(run_dir / rundir.RUN_LOCK, 4096).decode(errors="replace").strip()
         return RunError(f"another rft process ({lock}) is running in {run_dir}; two runs writing one directory "
                         f"overwrite each other's checkpoints and logs. Wait for it to end (or stop it), or give this "
                         f"run another name (name=...).")

@@ -18,6 +18,7 @@ import json
 import os
 from pathlib import Path
 
+from rft import manifest
 from rft.studio.rollouts import _eval_rows, _experience_row, experiences
 
 SORTS = {"": "stored order", "spread": "reward spread, widest first", "mean_desc": "mean reward, highest first",
@@ -39,7 +40,7 @@ def _records(run: Path, source: str) -> tuple[list[dict], int]:
     path = inside(run, source)
     if "eval_trajectories" in Path(source).parts:
         rows, total = _eval_rows(path, source, None)
-        with open(path, "rb") as f:  # _eval_rows keeps no group ids: the same lines again (checked there)
+        with manifest.open_regular(path) as f:  # _eval_rows keeps no group ids: the same lines again (checked there)
             ids = [json.loads(line).get("group_id") or "" for line in itertools.islice((x for x in f if x.strip()), len(rows))]
         at = path.parent.name[5:]
         for r, g in zip(rows, ids):

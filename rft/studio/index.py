@@ -20,6 +20,7 @@ import threading
 import time
 from pathlib import Path
 
+from rft import manifest
 from rft.reporting import report
 
 # a run on another machine whose metrics changed this recently, and that is not done, is running
@@ -88,7 +89,12 @@ class CachedFiles(report.Files):
         stamp = _stamp(path)
         if stamp == log.stamp:
             return
-        with open(path, "rb") as f:
+        try:
+            f = manifest.open_regular(path)  # a FIFO or /dev/zero in a log's place: no rows, not a hung page
+        except OSError:
+            log.offset, log.rows, log.stamp = 0, [], stamp
+            return
+        with f:
             grown = log.stamp is not None and stamp[0] == log.stamp[0] and stamp[1] >= log.offset
             if grown and log.tail:
                 f.seek(log.offset - len(log.tail))
@@ -130,7 +136,7 @@ def holder_alive(run: Path) -> bool | None:
     None: the lock names another machine, or no lock was taken."""
     path = run / ".run.lock"
     try:
-        words = path.read_text().split()[:4]
+        words = manifest.read_regular(path, 4096).decode(errors="replace").split()[:4]  # a FIFO: an OSError
         written = path.stat().st_mtime
     except OSError:
         return None

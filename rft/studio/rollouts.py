@@ -12,6 +12,7 @@ import functools
 import json
 from pathlib import Path
 
+from rft import manifest
 from rft.data.buffer import SQL_SUFFIXES, count_experiences, read_experiences
 from rft.errors import ConfigError
 
@@ -158,7 +159,7 @@ def _eval_rows(path: Path, source: str, step: int | None) -> tuple[list[dict], i
     """(the rows of an eval trajectory file's first MAX_ROWS conversations, how many it holds); a
     ValueError naming the line that is not a JSON object."""
     rows, total = [], 0
-    with open(path, "rb") as f:
+    with manifest.open_regular(path) as f:  # a FIFO or device: an OSError, not a request that never ends
         for i, line in enumerate(f):
             if not line.strip():
                 continue

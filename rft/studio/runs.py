@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import csv
+import io
 import math
 import os
 import time
@@ -191,7 +192,7 @@ class Runs:
         def config(rel):
             path = inside(self.root, rel) / ".hydra" / "config.yaml"
             try:
-                cfg = manifest.written_yaml(path.read_text())
+                cfg = manifest.written_yaml(manifest.read_regular(path).decode())
             except (OSError, yaml.YAMLError, RecursionError, UnicodeDecodeError) as e:
                 raise ValueError(f"{rel}: its config ({path.name}) does not read: {e}") from None
             return _flat(cfg if isinstance(cfg, dict) else {})
@@ -206,8 +207,8 @@ class Runs:
         metric) and its plot (bench/results.png, as a data: URL)."""
         d = inside(self.root, rel) / "bench"
         try:
-            with open(d / "results.csv", newline="") as f:
-                rows = list(csv.DictReader(f))
+            text = manifest.read_regular(d / "results.csv").decode(errors="replace")
+            rows = list(csv.DictReader(io.StringIO(text, newline="")))
         except OSError as e:
             raise ValueError(f"{rel} has no bench table ({e.strerror}): run it with mode=bench") from None
         png = d / "results.png"
