@@ -17,6 +17,7 @@ Each violated constraint is a ConfigError that names the keys, their values and 
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import math
 import os
@@ -226,6 +227,7 @@ def check_config(cfg) -> None:
     _check_ray_address(cfg.cluster.ray_address)
     _check_runtime(cfg)
     _check_model(cfg.model)
+    _check_flash_attention(cfg.model.attn_implementation, cfg.cluster.gpu_per_node)
     check_lora_sync(cfg)
     if cfg.mode in ("both", "explore"):
         _check_rollouts(cfg)
@@ -831,6 +833,29 @@ def check_template(template, key: str) -> None:
 
 
 ATTN_IMPLEMENTATIONS = ("sdpa", "flash_attention_2", "flash_attention_3", "eager", "flex_attention")
+# the module each FlashAttention kernel is imported from (transformers' is_flash_attn_*_available)
+FLASH_MODULES = {"flash_attention_2": ("flash_attn", "flash-attn"),
+                 "flash_attention_3": ("flash_attn_interface", "flash-attn-3")}
+
+
+def _check_flash_attention(kernel: Optional[str], gpus: int) -> None:
+    """FlashAttention has CUDA kernels only, in a package of its own: without a GPU, or without the
+    package, the run got as far as its actors' model loads and stopped there with transformers'
+    ImportError, naming neither the key nor the way back to sdpa. The package is looked for in the
+    environment run.py starts from, which the actors it starts share; transformers' `kernels`
+    package can stand in for it (a kernel from the Hugging Face hub)."""
+    if kernel not in FLASH_MODULES:
+        return
+    module, package = FLASH_MODULES[kernel]
+    fix = "or leave model.attn_implementation null (transformers' default, sdpa, which packs sequences as well)"
+    if not gpus:
+        raise ConfigError(f"model.attn_implementation={kernel} runs on CUDA GPUs only, and this run has none "
+                          f"(cluster.gpu_per_node=0): set cluster.gpu_per_node, {fix}.")
+    if importlib.util.find_spec(module) is None and importlib.util.find_spec("kernels") is None:
+        raise ConfigError(f"model.attn_implementation={kernel} needs the {package} package, which is not installed "
+                          f"in this environment (the one run.py starts from, shared by the actors it starts). "
+                          f"Install it (`pip install {package} --no-build-isolation`, built against this torch and "
+                          f"CUDA), {fix}.")
 
 
 def _token_budget(cfg, micro: int) -> int | None:

@@ -1,0 +1,39 @@
+"""Errors the FAQs of Trinity-RFT, ROLL, verl and LightRFT list, met the same way here: each is one
+paragraph naming the key and the fix, before the run starts."""
+
+import importlib.util
+
+import pytest
+from conftest import compose_cfg
+
+from rft.errors import ConfigError
+from rft.plan.batch import _check_flash_attention, make_plan, stage_configs
+
+
+def test_flash_attention_on_cpu_stops_the_plan():
+    # before: the dry run passed, and the run stopped as its explorer loaded the model, with transformers'
+    # "FlashAttention2 has been toggled on, but it cannot be used ..." and no key named
+    with pytest.raises(ConfigError) as e:
+        make_plan(stage_configs(compose_cfg(["stages=[]", "model.attn_implementation=flash_attention_2"]))[0], 2000)
+    assert str(e.value) == (
+        "model.attn_implementation=flash_attention_2 runs on CUDA GPUs only, and this run has none "
+        "(cluster.gpu_per_node=0): set cluster.gpu_per_node, or leave model.attn_implementation null (transformers' "
+        "default, sdpa, which packs sequences as well).")
+
+
+def test_flash_attention_without_its_package_stops(monkeypatch):
+    # the Trinity-RFT FAQ's first error: flash_attn's ImportError on a GPU machine without the package
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name in ("flash_attn_interface", "kernels") else real(name, *a))
+    with pytest.raises(ConfigError) as e:
+        _check_flash_attention("flash_attention_3", 8)
+    assert str(e.value) == (
+        "model.attn_implementation=flash_attention_3 needs the flash-attn-3 package, which is not installed in this "
+        "environment (the one run.py starts from, shared by the actors it starts). Install it (`pip install "
+        "flash-attn-3 --no-build-isolation`, built against this torch and CUDA), or leave model.attn_implementation "
+        "null (transformers' default, sdpa, which packs sequences as well).")
+    # with the package (or transformers' kernels from the hub), and for the other kernels: no objection
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object())
+    assert _check_flash_attention("flash_attention_2", 8) is None
+    assert _check_flash_attention("sdpa", 0) is None and _check_flash_attention(None, 0) is None
