@@ -1,6 +1,6 @@
 """The sandbox's syscall filter (rft/rollout/environments/sandbox.py hands it to bwrap's --seccomp): a short deny list.
 
-The sandbox's walls are namespaces, rlimits and a memory count from /proc. Three things the kernel
+The sandbox's walls are namespaces, rlimits and a memory count from /proc. Four things the kernel
 offers every process pass all of them, and model-written code reaches each from pure Python (a
 fresh interpreter started through `_posixsubprocess` has no audit hook, and has ctypes):
 
@@ -9,10 +9,14 @@ fresh interpreter started through `_posixsubprocess` has no audit hook, and has 
 - SysV shared memory and message queues: a segment outlives every mapping of it, so it counts as
   no process's memory either;
 - the kernel's keyrings, which no namespace separates: the code would possess the caller's session
-  keyring (and read its keys) and could leave keys there for the next call.
+  keyring (and read its keys) and could leave keys there for the next call;
+- sockets, even on its own loopback: the data queued in a socket's buffers (up to net.core.wmem_max,
+  4 MiB a socket here, doubled by the kernel) is kernel memory no process's count holds: 30
+  socketpairs held 235 MiB in a sandbox of 128 MiB, 32 processes would hold ~7.5 GB. No code needs
+  one there (the audit hook refuses sockets, and the network namespace has nothing to reach).
 
-So these calls fail with EPERM: unshare, setns, clone with a namespace flag, the mount calls,
-shmget, msgget, add_key, request_key, keyctl. clone3, whose flags a filter cannot read, fails with
+So these calls fail with EPERM: socket, socketpair, unshare, setns, clone with a namespace flag,
+the mount calls, shmget, msgget, add_key, request_key, keyctl. clone3, whose flags a filter cannot read, fails with
 ENOSYS, on which the C library falls back to clone. The filter is compiled by libseccomp (through
 pyseccomp), which knows each architecture's syscall numbers; calls of another ABI than the
 machine's own (x32, or 32-bit code on a 64-bit kernel) fail with ENOSYS.
@@ -23,8 +27,8 @@ from __future__ import annotations
 import errno
 import tempfile
 
-DENIED = ("unshare", "setns", "mount", "umount2", "pivot_root", "open_tree", "move_mount", "fsopen", "fsconfig",
-          "fsmount", "fspick", "mount_setattr", "shmget", "msgget", "add_key", "request_key", "keyctl")
+DENIED = ("socket", "socketpair", "unshare", "setns", "mount", "umount2", "pivot_root", "open_tree", "move_mount",
+          "fsopen", "fsconfig", "fsmount", "fspick", "mount_setattr", "shmget", "msgget", "add_key", "request_key", "keyctl")
 # CLONE_NEWTIME, NEWNS, NEWCGROUP, NEWUTS, NEWIPC, NEWUSER, NEWPID, NEWNET: clone with any of them is
 # refused; fork and threads use clone without them
 CLONE_NAMESPACES = (0x80, 0x20000, 0x02000000, 0x04000000, 0x08000000, 0x10000000, 0x20000000, 0x40000000)
