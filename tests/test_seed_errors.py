@@ -37,3 +37,23 @@ def test_flash_attention_without_its_package_stops(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object())
     assert _check_flash_attention("flash_attention_2", 8) is None
     assert _check_flash_attention("sdpa", 0) is None and _check_flash_attention(None, 0) is None
+
+
+def test_wandb_without_a_key_names_the_variables_that_fix_it(tmp_path, monkeypatch):
+    # Trinity-RFT's FAQ: "UsageError: api_key not configured (no-tty)"; before, the paragraph ended "Fix what it
+    # needs", naming neither WANDB_API_KEY nor WANDB_MODE=offline (nor, with a key and no network, the latter)
+    from rft.reporting.monitor import start_trackers
+
+    for var in ("WANDB_API_KEY", "WANDB_MODE", "WANDB_DISABLED"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc, no saved login
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb_config"))
+    cfg = compose_cfg(["monitor.monitor_type=[wandb]"])
+    with pytest.raises(ConfigError) as e:
+        start_trackers(cfg, tmp_path, "grpo", 0)
+    assert str(e.value).startswith("monitor.monitor_type: the tracker wandb did not start: UsageError: ")
+    assert str(e.value).endswith(
+        ". wandb takes its key from WANDB_API_KEY (or `wandb login`); without a network to its server, "
+        "WANDB_MODE=offline logs into the run's directory (`wandb sync` uploads it later), and HTTPS_PROXY sets a "
+        "proxy, each in the environment run.py starts from, or leave it out of monitor.monitor_type (the console and "
+        "metrics.jsonl are always on).")

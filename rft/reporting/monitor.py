@@ -77,7 +77,7 @@ def start_trackers(cfg, run_dir: Path, stage: str, start_step: int) -> list:
             for tracker in trackers:
                 tracker.close()
             raise ConfigError(f"monitor.monitor_type: the tracker {name} did not start: {type(e).__name__}: {e}. "
-                              f"Fix what it needs, or leave it out of monitor.monitor_type (the console and "
+                              f"{getattr(cls, 'fix', 'Fix what it needs')}, or leave it out of monitor.monitor_type (the console and "
                               f"metrics.jsonl are always on).") from None
     return trackers
 
@@ -205,6 +205,11 @@ class TensorBoard:
 class WandB:
     """A wandb run per stage, named <name>/<stage>; a resumed run goes on with the same one
     (WANDB_MODE=offline works without an account)."""
+
+    # what start_trackers says when wandb.init raises: its own errors name neither variable
+    fix = ("wandb takes its key from WANDB_API_KEY (or `wandb login`); without a network to its server, "
+           "WANDB_MODE=offline logs into the run's directory (`wandb sync` uploads it later), and HTTPS_PROXY sets "
+           "a proxy, each in the environment run.py starts from")
 
     def __init__(self, cfg, run_dir: Path, stage: str, start_step: int):
         import wandb
