@@ -249,3 +249,21 @@ def test_a_fifo_in_a_run_directory_stops_the_run_before_it_reads_it(tmp_path):
         f"and folders in the run directory {run}, and a run reading it back would wait on it forever. It was put "
         f"there by hand or came with a copy of the run. Remove it (`find {run} ! -type f ! -type d` lists such "
         f"entries), or give this run another name (name=...).")
+
+
+def test_a_fifo_as_a_checkpoints_state_sets_it_aside_instead_of_hanging_the_resume(tmp_path):
+    """list_checkpoints reads every checkpoint's state.json before the manifest's check (the resume,
+    and mode=explore polling another run's checkpoints): a FIFO there blocked it for good. The
+    run's own lock does not look into checkpoints (sealed), so the read itself must not wait."""
+    from rft.runtime import checkpoint
+
+    stage = tmp_path / "grpo"
+    checkpoint.write(stage, 1, {"version": 1})
+    checkpoint.write(stage, 2, {"version": 2})
+    state = stage / "checkpoints" / "step_2" / "state.json"
+    state.unlink()
+    os.mkfifo(state)
+    found = finishes(lambda: checkpoint.list_checkpoints(stage), state)
+    assert [(c.step, c.problem) for c in found] == [
+        (1, None), (2, f"{state}: does not read (not a regular file (a FIFO, a device or a socket))")]
+    assert checkpoint.latest_checkpoint(stage).step == 1

@@ -84,10 +84,11 @@ def read_checkpoint(d: Path) -> Checkpoint | None:
     if sealed is None and why is None and not (d / "state.json").exists():
         return None
     try:
-        state = json.loads((d / "state.json").read_text())
+        state = json.loads(manifest.read_regular(d / "state.json"))  # a FIFO there: an OSError, not a hang
         problem = None if isinstance(state, dict) and isinstance(state.get("step"), int) else "holds no step"
     except (ValueError, OSError, RecursionError) as e:
-        state, problem = {}, "missing" if isinstance(e, FileNotFoundError) else "does not parse"
+        state, problem = {}, ("missing" if isinstance(e, FileNotFoundError) else f"does not read ({e.strerror})"
+                              if isinstance(e, OSError) else "does not parse")
     state = state if isinstance(state, dict) else {}
     problem = problem and f"{d / 'state.json'}: {problem}"
     identity = sealed["identity"] if sealed else None
