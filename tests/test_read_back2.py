@@ -267,3 +267,19 @@ def test_a_fifo_as_a_checkpoints_state_sets_it_aside_instead_of_hanging_the_resu
     assert [(c.step, c.problem) for c in found] == [
         (1, None), (2, f"{state}: does not read (not a regular file (a FIFO, a device or a socket))")]
     assert checkpoint.latest_checkpoint(stage).step == 1
+
+
+def test_pruning_old_checkpoints_never_deletes_through_a_linked_one(tmp_path):
+    """trainer.max_ckpt_to_keep deletes the oldest checkpoints: one that is a link to a folder
+    elsewhere (planted, a link to a folder being the user's own to make) loses at most the link's
+    place in the listing; the folder it points to and its files stay (shutil.rmtree refuses a link)."""
+    from rft.runtime import checkpoint
+
+    stage, theirs = tmp_path / "grpo", tmp_path / "theirs"
+    checkpoint.write(stage, 2, {"version": 2})
+    os.rename(stage / "checkpoints" / "step_2", theirs)  # a whole checkpoint, elsewhere
+    (theirs / "notes.txt").write_text("keep me")
+    (stage / "checkpoints" / "step_1").symlink_to(theirs, target_is_directory=True)
+    checkpoint.write(stage, 3, {"version": 3}, keep=1)
+    assert (theirs / "notes.txt").read_text() == "keep me" and (theirs / "state.json").exists()
+    assert sorted(p.name for p in (stage / "checkpoints").iterdir()) == ["step_1", "step_3"]
