@@ -13,7 +13,8 @@ writes it (dotted where the system nests it; `section.*` for the rest of a secti
 the exact keys) and a `ForeignKey`. Its meanings were checked against each system's own
 configuration reference and against rft/config.py; tests/test_foreign_keys.py checks that every
 key of rft an entry names exists. A study may add its own: `FOREIGN_KEYS["my.key"] = ForeignKey(...)`.
-Trinity-RFT's keys are rft's own names (rft/config.py's comments name its renamed ones).
+Trinity-RFT's keys are rft's own names (rft/config.py's comments name its renamed ones); the table
+holds those of its keys rft lacks, and its trainer.trainer_config, whose verl keys are verl's entries.
 """
 
 from __future__ import annotations
@@ -53,13 +54,20 @@ def _owners(systems: tuple[str, ...]) -> str:
 
 def foreign_key(key: str, prefix: str = "") -> str | None:
     """The paragraph for a key rft's schema does not have when it is another system's (its entry,
-    else the first section pattern it falls under); None when it is no other system's."""
+    else the first section pattern it falls under); None when it is no other system's. A verl key
+    under Trinity-RFT's trainer.trainer_config (which hands them to verl) is translated as verl's."""
+    if key.startswith(_TRINITY_VERL + "."):
+        inner = foreign_key(key[len(_TRINITY_VERL) + 1:], prefix)
+        if inner:
+            return f"{_TRINITY_VERL} holds verl's keys in Trinity-RFT; {key[len(_TRINITY_VERL) + 1:]}: {inner}"
+        key = _TRINITY_VERL
     entry = FOREIGN_KEYS[key] if key in FOREIGN_KEYS else next(
         (FOREIGN_KEYS[p] for p in FOREIGN_KEYS if "*" in p and fnmatch.fnmatchcase(key, p)), None)
     return entry.message(prefix) if entry else None
 
 
-VERL, ROLL, TRL = ("verl",), ("ROLL",), ("TRL",)
+VERL, ROLL, TRL, TRINITY = ("verl",), ("ROLL",), ("TRL",), ("Trinity-RFT",)
+_TRINITY_VERL = "trainer.trainer_config"
 LIGHTRFT = ("LightRFT", "OpenRLHF")  # LightRFT extends OpenRLHF: the same flags
 _TASKSET = "buffer.explorer_input.taskset"
 _ROLLOUT = "explorer.rollout_model"
@@ -114,6 +122,13 @@ FOREIGN_KEYS = Registry("a key of another system", shape="a ForeignKey (rft/fore
     "actor_rollout_ref.actor.ppo_epochs": ForeignKey(VERL, ("trainer.ppo_epochs",)),
     "actor_rollout_ref.actor.use_dynamic_bsz": ForeignKey(VERL, ("trainer.use_dynamic_bsz",)),
     "actor_rollout_ref.actor.ppo_max_token_len_per_gpu": ForeignKey(VERL, ("trainer.max_token_len_per_gpu",)),
+    # the memory knobs Trinity-RFT's FAQ gives for an out-of-memory trainer
+    "actor_rollout_ref.actor.entropy_from_logits_with_chunking": ForeignKey(VERL, ("trainer.logprob_chunk_size",), (
+        "Tokens per chunk, not a switch: each chunk's logits are recomputed in the backward, so the whole "
+        "[tokens, vocab] logits never exist at once.")),
+    "actor_rollout_ref.actor.ulysses_sequence_parallel_size": ForeignKey(VERL, (), (
+        "there is no sequence parallelism; for long sequences lower trainer.max_token_len_per_gpu (with "
+        "trainer.use_dynamic_bsz=true), or set trainer.logprob_chunk_size and trainer.gradient_checkpointing=true.")),
     "actor_rollout_ref.actor.grad_clip": ForeignKey(VERL, ("trainer.grad_clip",)),
     "actor_rollout_ref.actor.clip_ratio": ForeignKey(VERL, ("algorithm.clip_ratio_low", "algorithm.clip_ratio_high"), (
         "The ratio is clipped to [1 - clip_ratio_low, 1 + clip_ratio_high]: give both the value.")),
@@ -337,6 +352,35 @@ FOREIGN_KEYS = Registry("a key of another system", shape="a ForeignKey (rft/fore
         "On by default here: a run of the same name resumes from its newest checkpoint.")),
     "max_ckpt_num": ForeignKey(LIGHTRFT, ("trainer.max_ckpt_to_keep",)),
     "save_interval": ForeignKey(LIGHTRFT[:1], ("trainer.save_interval",)),
+    # ---------------------------------------------------------------- Trinity-RFT's keys that rft lacks
+    _TRINITY_VERL: ForeignKey(TRINITY, None, (
+        "it hands verl's keys to verl; here each is one of rft's own keys, set by itself (name one as "
+        "trainer.trainer_config.<verl's key>=<value> to be told which). " + _OTHER)),
+    "trainer.trainer_config_path": ForeignKey(TRINITY, (), (
+        "verl's keys in a file of their own: here each is one of rft's keys, in an overlay file "
+        "(conf/experiment/*.yaml, `python run.py experiment=<name>`) or on the command line.")),
+    "trainer.trainer_type": ForeignKey(TRINITY, ("trainer=torch", "trainer=fsdp2"), (
+        "There is no verl backend: the trainer is rft's own, one process (torch) or data-parallel ranks (fsdp2).")),
+    "monitor.monitor_args": ForeignKey(TRINITY, (), (
+        "wandb reads WANDB_API_KEY and WANDB_BASE_URL from the environment run.py starts from; MLflow's server is "
+        "monitor.mlflow_tracking_uri, its login MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD.")),
+    "monitor.monitor_args.*": ForeignKey(TRINITY, (), (
+        "wandb reads WANDB_API_KEY and WANDB_BASE_URL from the environment run.py starts from; MLflow's server is "
+        "monitor.mlflow_tracking_uri, its login MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD.")),
+    "model.chat_template_path": ForeignKey(TRINITY, ("model.custom_chat_template",), (
+        "It takes the template's Jinja text, not a file's path (a YAML block, key: |, holds a long one).")),
+    "model.enable_prompt_truncation": ForeignKey(TRINITY, ("model.max_prompt_tokens",), (
+        "A longer prompt is always cut here, from the left (its end kept), and counted per step "
+        "(rollout/truncated_prompts).")),
+    "model.min_response_tokens": ForeignKey(TRINITY, (), "a response may end at its first token."),
+    "algorithm.entropy_loss_fn": ForeignKey(TRINITY, ("algorithm.entropy_coef",), (
+        "One entropy bonus, loss -= entropy_coef x entropy; 0 (the default) turns it off.")),
+    "algorithm.sample_strategy": ForeignKey(TRINITY, (
+        "buffer.trainer_input.experience_buffer.replay_buffer.priority_fn",), (
+        "Which ready experience a queue buffer gives the trainer first, with replay_buffer.enable=true "
+        "(linear_decay: the newest weights' first, less each time it was read); otherwise the order written.")),
+    "service.*": ForeignKey(TRINITY, (), "there are no services (Data-Juicer) to start."),
+    "explorer.dynamic_timeout.*": ForeignKey(TRINITY, ("explorer.max_timeout",), "A fixed time a task may take."),
     # ---------------------------------------------------------------- TRL (GRPOConfig's fields)
     "num_generations": ForeignKey(TRL, ("algorithm.repeat_times",), "Responses sampled per prompt."),
     "per_device_train_batch_size": ForeignKey(ROLL + TRL, ("trainer.micro_batch_size_per_gpu",), (

@@ -78,6 +78,39 @@ GROUPS = {p.name for p in CONF.iterdir() if p.is_dir()}
      "that is ROLL's and TRL's key, not rft's; rft's is buffer.total_steps. ROLL counts pipeline steps, as rft "
      "counts steps (buffer.batch_size tasks each); TRL counts optimizer steps, of which a step here makes "
      "buffer.train_batch_size / trainer.mini_batch_size x trainer.ppo_epochs."),
+    # Trinity-RFT FAQ's memory knobs. Before: "has no translation here" for both
+    ("actor_rollout_ref.actor.entropy_from_logits_with_chunking=true",
+     "that is verl's key, not rft's; rft's is trainer.logprob_chunk_size. Tokens per chunk, not a switch: each "
+     "chunk's logits are recomputed in the backward, so the whole [tokens, vocab] logits never exist at once."),
+    ("actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",
+     "that is verl's key, not rft's, and rft has no counterpart: there is no sequence parallelism; for long "
+     "sequences lower trainer.max_token_len_per_gpu (with trainer.use_dynamic_bsz=true), or set "
+     "trainer.logprob_chunk_size and trainer.gradient_checkpointing=true."),
+    # Trinity-RFT's keys that rft lacks. Before: "Key 'trainer_config' not in 'TrainerConfig'." and no hint; a
+    # verl key under it is translated as verl's
+    ("trainer.trainer_config.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+     "trainer.trainer_config holds verl's keys in Trinity-RFT; actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu: "
+     "that is verl's key, not rft's; rft's is trainer.micro_batch_size_per_gpu. Both count experiences per GPU in "
+     "one forward and backward."),
+    ("trainer.trainer_config.foo=1",
+     "that is Trinity-RFT's key, not rft's, and has no translation here: it hands verl's keys to verl; here each is "
+     "one of rft's own keys, set by itself (name one as trainer.trainer_config.<verl's key>=<value> to be told "
+     "which). rft's keys, each with a comment, are in rft/config.py; `python run.py --cfg job` prints the composed "
+     "config."),
+    # before: "Did you mean monitor.monitor_type or monitor.console_keys?"
+    ("monitor.monitor_args.api_key=abc",
+     "that is Trinity-RFT's key, not rft's, and rft has no counterpart: wandb reads WANDB_API_KEY and WANDB_BASE_URL "
+     "from the environment run.py starts from; MLflow's server is monitor.mlflow_tracking_uri, its login "
+     "MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD."),
+    ("model.chat_template_path=/t.jinja",
+     "that is Trinity-RFT's key, not rft's; rft's is model.custom_chat_template. It takes the template's Jinja "
+     "text, not a file's path (a YAML block, key: |, holds a long one)."),
+    ("trainer.trainer_type=verl",
+     "that is Trinity-RFT's key, not rft's; rft's are trainer=torch and trainer=fsdp2. There is no verl backend: "
+     "the trainer is rft's own, one process (torch) or data-parallel ranks (fsdp2)."),
+    ("service.data_juicer.auto_start=true",
+     "that is Trinity-RFT's key, not rft's, and rft has no counterpart: there are no services (Data-Juicer) to "
+     "start."),
 ])
 def test_another_systems_key_on_the_command_line_is_translated(override, message):
     key = override.split("=")[0]
