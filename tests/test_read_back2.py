@@ -283,3 +283,21 @@ def test_pruning_old_checkpoints_never_deletes_through_a_linked_one(tmp_path):
     checkpoint.write(stage, 3, {"version": 3}, keep=1)
     assert (theirs / "notes.txt").read_text() == "keep me" and (theirs / "state.json").exists()
     assert sorted(p.name for p in (stage / "checkpoints").iterdir()) == ["step_1", "step_3"]
+
+
+def test_the_reports_common_line_quotes_what_a_shell_would_run(tmp_path):
+    """report.md's "Common to all jobs" line is the overrides to paste after `python run.py`: a value read
+    from a job's .hydra/overrides.yaml (a results folder others write to) went in as it was, so
+    `$(...)` in it ran in the shell of whoever pasted the line. Each one that needs it is quoted."""
+    import yaml
+    from test_report import write_job
+
+    from rft.reporting import report
+
+    sweep = tmp_path / "sweep"
+    common = ["cluster=inline", "name=x$(touch pwned)", "monitor.console_keys=[a, b]"]
+    write_job(sweep, 0, ["seed=1", *common], "grpo", {"grpo": [{"step": 1, "reward/mean": 0.5}]})
+    write_job(sweep, 1, ["seed=2", *common], "grpo", {"grpo": [{"step": 1, "reward/mean": 0.7}]})
+    assert yaml.safe_load((sweep / "0" / ".hydra" / "overrides.yaml").read_text())[2] == "name=x$(touch pwned)"
+    lines = report.report(sweep)["md"].read_text().splitlines()
+    assert "Common to all jobs: `cluster=inline 'name=x$(touch pwned)' 'monitor.console_keys=[a, b]'`" in lines

@@ -44,6 +44,7 @@ import io
 import json
 import math
 import re
+import shlex
 import statistics
 import sys
 from dataclasses import dataclass, field
@@ -556,9 +557,11 @@ def _md_table(table: list[dict]) -> list[str]:
 
 def write_markdown(path: Path, sweep_dir: Path, jobs: list[Job], keys: list[str], table: list[dict],
                    by_config: list[dict]) -> None:
-    common = [f"{k}={v}" for k, v in jobs[0].overrides.items() if k not in keys] if jobs else []
+    # each quoted for a POSIX shell where it needs it (brackets are glob characters; a value read from a
+    # job's .hydra/ in a folder others write to may hold `$(...)`, run by whoever pastes the line)
+    common = [shlex.quote(f"{k}={v}") for k, v in jobs[0].overrides.items() if k not in keys] if jobs else []
     if jobs and (search := searchpath_override(jobs[0].path)):
-        common.insert(0, f"'{search}'")  # quoted: brackets are glob characters to a shell
+        common.insert(0, shlex.quote(search))
     # a sweep's directory holds Hydra's multirun.yaml; any other (one run's, a folder of runs) is no sweep
     kind = "Sweep report" if (sweep_dir / "multirun.yaml").exists() else "Report"
     lines = [f"# {kind}: {sweep_dir.name}", ""]
