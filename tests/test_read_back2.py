@@ -301,3 +301,21 @@ def test_the_reports_common_line_quotes_what_a_shell_would_run(tmp_path):
     assert yaml.safe_load((sweep / "0" / ".hydra" / "overrides.yaml").read_text())[2] == "name=x$(touch pwned)"
     lines = report.report(sweep)["md"].read_text().splitlines()
     assert "Common to all jobs: `cluster=inline 'name=x$(touch pwned)' 'monitor.console_keys=[a, b]'`" in lines
+
+
+def test_a_handed_over_checkpoints_identity_reaches_the_console_without_its_escape_sequences(tmp_path):
+    """"resuming from step 2 of run <run>" printed the run its manifest names as it was: an escape
+    sequence there (OSC 52 sets the clipboard, others rewrite what the terminal shows) reached the
+    terminal. A value with a control character is shown as its repr."""
+    from rft.runtime import checkpoint
+
+    theirs = checkpoint.Owner(run="rft/x\x1b]52;c;Y3VybCBldmlsIHwgc2g=\x07", stage="grpo", config="c", model="m")
+    stage = tmp_path / "grpo"
+    checkpoint.write(stage, 2, {"version": 2}, owner=theirs)
+    said = []
+    mine = checkpoint.Owner(run="rft/mine", stage="grpo", config="c", model="m")
+    ckpt = checkpoint.usable_checkpoint(stage, mine, "grpo", said.append)
+    assert ckpt.step == 2
+    assert said == ["[grpo] resuming from step 2 of run 'rft/x\\x1b]52;c;Y3VybCBldmlsIHwgc2g=\\x07' (this run: "
+                    "rft/mine), written with the same stage, model and configuration"]
+    assert checkpoint.describe({"run": "rft/a b", "stage": "grpo"}) == "run rft/a b, stage grpo, model None, config None"

@@ -70,9 +70,17 @@ class Checkpoint:
         return self.path / "hf"
 
 
+def shown(value) -> str:
+    """A value read from a checkpoint's manifest, as the console shows it: its repr where it holds
+    a control character (an escape sequence in a handed-over checkpoint's identity would otherwise
+    reach the terminal, which may act on it: set the clipboard, rewrite what is shown)."""
+    text = str(value)
+    return text if text.isprintable() else repr(text)
+
+
 def describe(identity: dict) -> str:
-    return (f"run {identity.get('run')}, stage {identity.get('stage')}, model {identity.get('model')}, "
-            f"config {identity.get('config')}")
+    return (f"run {shown(identity.get('run'))}, stage {shown(identity.get('stage'))}, model "
+            f"{shown(identity.get('model'))}, config {shown(identity.get('config'))}")
 
 
 def read_checkpoint(d: Path) -> Checkpoint | None:
@@ -124,7 +132,7 @@ def damage(ckpt: Checkpoint, skip: tuple[str, ...] = ()) -> str | None:
         return ckpt.problem
     why = manifest.verify(ckpt.path, skip)  # state.json included: its verdict comes first
     if why is None and ckpt.identity.get("step") != ckpt.step:
-        why = (f"{ckpt.path / manifest.MANIFEST}: it is the checkpoint of step {ckpt.identity.get('step')}, in the "
+        why = (f"{ckpt.path / manifest.MANIFEST}: it is the checkpoint of step {shown(ckpt.identity.get('step'))}, in the "
                f"directory of step {ckpt.step} (copied over it?)")
     return why or ckpt.problem
 
@@ -142,7 +150,7 @@ def check_owner(ckpt: Checkpoint, owner: Owner, source: str, title: str, say) ->
         say(f"[{title}] resume_with_changes=true: resuming from checkpoint step {ckpt.step}, written with another "
             f"{' and '.join(differ)} ({describe(ckpt.identity)})")
     elif ckpt.identity.get("run") != owner.run:
-        say(f"[{title}] resuming from step {ckpt.step} of run {ckpt.identity.get('run')} (this run: {owner.run}), "
+        say(f"[{title}] resuming from step {ckpt.step} of run {shown(ckpt.identity.get('run'))} (this run: {owner.run}), "
             f"written with the same stage, model and configuration")
 
 
