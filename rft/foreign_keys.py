@@ -81,8 +81,15 @@ _OTHER = ("rft's keys, each with a comment, are in rft/config.py; `python run.py
           "config.")
 _FORWARDS = ("One size for every forward of the trainer: the update's, and the log-probs of the policy and the "
              "reference.")
-_ENVS = ForeignKey(ROLL, (), "set environment variables in the environment run.py starts from (a Ray instance rft "
-                   "starts passes them to its workers).")
+
+def _envs(systems: tuple[str, ...]) -> ForeignKey:
+    return ForeignKey(systems, (), "set environment variables in the environment run.py starts from (a Ray instance "
+                      "rft starts passes them to its workers).")
+
+
+_ENVS = _envs(ROLL)
+_NO_SP = ("there is no sequence parallelism; for long sequences lower trainer.max_token_len_per_gpu (with "
+          "trainer.use_dynamic_bsz=true), or set trainer.logprob_chunk_size and trainer.gradient_checkpointing=true.")
 
 FOREIGN_KEYS = Registry("a key of another system", shape="a ForeignKey (rft/foreign_keys.py)", table={
     # ---------------------------------------------------------------- verl (Hydra, dotted)
@@ -126,9 +133,7 @@ FOREIGN_KEYS = Registry("a key of another system", shape="a ForeignKey (rft/fore
     "actor_rollout_ref.actor.entropy_from_logits_with_chunking": ForeignKey(VERL, ("trainer.logprob_chunk_size",), (
         "Tokens per chunk, not a switch: each chunk's logits are recomputed in the backward, so the whole "
         "[tokens, vocab] logits never exist at once.")),
-    "actor_rollout_ref.actor.ulysses_sequence_parallel_size": ForeignKey(VERL, (), (
-        "there is no sequence parallelism; for long sequences lower trainer.max_token_len_per_gpu (with "
-        "trainer.use_dynamic_bsz=true), or set trainer.logprob_chunk_size and trainer.gradient_checkpointing=true.")),
+    "actor_rollout_ref.actor.ulysses_sequence_parallel_size": ForeignKey(VERL, (), _NO_SP),
     "actor_rollout_ref.actor.grad_clip": ForeignKey(VERL, ("trainer.grad_clip",)),
     "actor_rollout_ref.actor.clip_ratio": ForeignKey(VERL, ("algorithm.clip_ratio_low", "algorithm.clip_ratio_high"), (
         "The ratio is clipped to [1 - clip_ratio_low, 1 + clip_ratio_high]: give both the value.")),
@@ -379,8 +384,12 @@ FOREIGN_KEYS = Registry("a key of another system", shape="a ForeignKey (rft/fore
         "buffer.trainer_input.experience_buffer.replay_buffer.priority_fn",), (
         "Which ready experience a queue buffer gives the trainer first, with replay_buffer.enable=true "
         "(linear_decay: the newest weights' first, less each time it was read); otherwise the order written.")),
+    "service": ForeignKey(TRINITY, (), "there are no services (Data-Juicer) to start."),
     "service.*": ForeignKey(TRINITY, (), "there are no services (Data-Juicer) to start."),
+    "explorer.dynamic_timeout": ForeignKey(TRINITY, ("explorer.max_timeout",), "A fixed time a task may take."),
     "explorer.dynamic_timeout.*": ForeignKey(TRINITY, ("explorer.max_timeout",), "A fixed time a task may take."),
+    "explorer.env_vars": _envs(TRINITY),
+    "trainer.ulysses_sequence_parallel_size": ForeignKey(TRINITY, (), _NO_SP),
     # ---------------------------------------------------------------- TRL (GRPOConfig's fields)
     "num_generations": ForeignKey(TRL, ("algorithm.repeat_times",), "Responses sampled per prompt."),
     "per_device_train_batch_size": ForeignKey(ROLL + TRL, ("trainer.micro_batch_size_per_gpu",), (
