@@ -450,6 +450,7 @@ def test_every_run_py_command_of_the_readmes_composes():
 # says rft lacks or translates, and file names
 NOT_RFT_KEYS = {"algorithm.adv_estimator", "algorithm.kl_ctrl.type", "algorithm.sample_strategy", "explorer.env_vars",
                 "log.group_by_node", "model.chat_template_path", "trainer.save_strategy", "trainer.total_steps",
+                "monitor.monitor_args", "trainer.trainer_type", "trainer.trainer_config",
                 "buffer.db", "buffer.py", "model.safetensors", "monitor.py"}
 
 
