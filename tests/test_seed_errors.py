@@ -57,3 +57,15 @@ def test_wandb_without_a_key_names_the_variables_that_fix_it(tmp_path, monkeypat
         "WANDB_MODE=offline logs into the run's directory (`wandb sync` uploads it later), and HTTPS_PROXY sets a "
         "proxy, each in the environment run.py starts from, or leave it out of monitor.monitor_type (the console and "
         "metrics.jsonl are always on).")
+
+
+def test_tensor_parallel_with_the_hf_engine_stops_the_plan():
+    # before: the dry run planned "1 hf engine on 1 CPU each" and the run went on, the setting changing nothing
+    # (on GPUs: two reserved an engine, one of them idle)
+    with pytest.raises(ConfigError) as e:
+        make_plan(stage_configs(compose_cfg(["stages=[]", "explorer.rollout_model.tensor_parallel_size=2"]))[0], 2000)
+    assert str(e.value) == (
+        "explorer.rollout_model.tensor_parallel_size=2 splits a vLLM engine over GPUs, but "
+        "explorer.rollout_model.engine_type=hf runs each engine on one device (a GPU, or the CPU): the other devices "
+        "would be reserved and idle. Set tensor_parallel_size=1 (more engines: explorer.rollout_model.engine_num), or "
+        "use explorer=vllm on GPUs to split a model over several.")

@@ -228,6 +228,7 @@ def check_config(cfg) -> None:
     _check_runtime(cfg)
     _check_model(cfg.model)
     _check_flash_attention(cfg.model.attn_implementation, cfg.cluster.gpu_per_node)
+    _check_hf_tensor_parallel(cfg.explorer.rollout_model)
     check_lora_sync(cfg)
     if cfg.mode in ("both", "explore"):
         _check_rollouts(cfg)
@@ -836,6 +837,17 @@ ATTN_IMPLEMENTATIONS = ("sdpa", "flash_attention_2", "flash_attention_3", "eager
 # the module each FlashAttention kernel is imported from (transformers' is_flash_attn_*_available)
 FLASH_MODULES = {"flash_attention_2": ("flash_attn", "flash-attn"),
                  "flash_attention_3": ("flash_attn_interface", "flash-attn-3")}
+
+
+def _check_hf_tensor_parallel(rm) -> None:
+    """The hf engine loads its model on one device: a tensor_parallel_size above 1 reserved that many
+    GPUs an engine and left all but one idle (on CPU it changed nothing), with no word said."""
+    if rm.engine_type == "hf" and rm.tensor_parallel_size > 1:
+        raise ConfigError(
+            f"explorer.rollout_model.tensor_parallel_size={rm.tensor_parallel_size} splits a vLLM engine over GPUs, "
+            f"but explorer.rollout_model.engine_type=hf runs each engine on one device (a GPU, or the CPU): the "
+            f"other devices would be reserved and idle. Set tensor_parallel_size=1 (more engines: "
+            f"explorer.rollout_model.engine_num), or use explorer=vllm on GPUs to split a model over several.")
 
 
 def _check_flash_attention(kernel: Optional[str], gpus: int) -> None:
