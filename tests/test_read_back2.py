@@ -319,3 +319,24 @@ def test_a_handed_over_checkpoints_identity_reaches_the_console_without_its_esca
     assert said == ["[grpo] resuming from step 2 of run 'rft/x\\x1b]52;c;Y3VybCBldmlsIHwgc2g=\\x07' (this run: "
                     "rft/mine), written with the same stage, model and configuration"]
     assert checkpoint.describe({"run": "rft/a b", "stage": "grpo"}) == "run rft/a b, stage grpo, model None, config None"
+
+
+def test_an_export_into_a_shared_folder_never_writes_through_a_planted_partial_link(tmp_path):
+    """The export is written in <out>.partial and renamed to <out>: a link of that name (a models folder
+    others write to) had save_pretrained write the model into the folder it points to (theirs), and
+    the rename made <out> that link, so what is loaded from <out> later is whatever they put there."""
+    from rft.runtime.export import export
+
+    t = make_trainer(128)
+    d = tmp_path / "checkpoints" / "step_1"
+    d.mkdir(parents=True)
+    t.save(str(d))
+    (d / "state.json").write_text('{"step": 1, "manifest": 1}')
+    manifest.seal(d, {"step": 1})
+    shared, theirs = tmp_path / "models", tmp_path / "theirs"
+    shared.mkdir()
+    theirs.mkdir()
+    (shared / "mine.partial").symlink_to(theirs, target_is_directory=True)
+    out = export(d, shared / "mine")
+    assert not out.is_symlink() and out.is_dir() and manifest.verify(out) is None
+    assert list(theirs.iterdir()) == [] and not (shared / "mine.partial").exists()

@@ -61,7 +61,10 @@ def export(checkpoint_dir: str | Path, out_dir: str | Path, max_shard_size: str 
     # written beside it and renamed to `out` once sealed: a killed export leaves no `out` (one held a model
     # without its tokenizer, which from_pretrained loads); the next export of `out` removes the rest
     tmp = out.with_name(out.name + ".partial")
+    if tmp.is_symlink():  # planted in a shared folder: the model went where it points, and `out` became the link
+        tmp.unlink()
     shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()  # made here: one made in its place since is an error, not a folder written into
     model.save_pretrained(tmp, max_shard_size=max_shard_size)
     AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(tmp)
     manifest.seal(tmp, {**(ckpt.identity or {"step": ckpt.step}), "exported_from": str(ckpt_dir.resolve())})
