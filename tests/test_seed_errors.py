@@ -69,3 +69,15 @@ def test_tensor_parallel_with_the_hf_engine_stops_the_plan():
         "explorer.rollout_model.engine_type=hf runs each engine on one device (a GPU, or the CPU): the other devices "
         "would be reserved and idle. Set tensor_parallel_size=1 (more engines: explorer.rollout_model.engine_num), or "
         "use explorer=vllm on GPUs to split a model over several.")
+
+
+def test_a_model_path_that_is_a_file_says_so(tmp_path):
+    # before: "model.model_path='.../model.gguf': no such directory", of a file that exists
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF")
+    with pytest.raises(ConfigError) as e:
+        make_plan(stage_configs(compose_cfg(["stages=[]", "model=qwen2.5-0.5b", f"model.model_path={gguf}"]))[0], 2000)
+    assert str(e.value) == (
+        f"model.model_path='{gguf}' is a file, and a model in Hugging Face format is a directory (config.json, the "
+        f"weights as *.safetensors, the tokenizer files). Give that directory, or a hub id (e.g. "
+        f"Qwen/Qwen2.5-0.5B-Instruct); a GGUF file is not read here.")

@@ -725,6 +725,12 @@ def _check_model(model) -> None:
     path = os.path.expanduser(model.model_path)
     # a hub id ("org/name") cannot be checked here (no hub may be reachable); a local path can
     looks_local = path.startswith(("/", ".")) or path.count("/") > 1
+    if model.builder is None and os.path.isfile(path):
+        # a GGUF or a lone weights file: it exists, so "no such directory" would mislead
+        raise ConfigError(
+            f"model.model_path={model.model_path!r} is a file, and a model in Hugging Face format is a directory "
+            f"(config.json, the weights as *.safetensors, the tokenizer files). Give that directory, or a hub id "
+            f"(e.g. Qwen/Qwen2.5-0.5B-Instruct); a GGUF file is not read here.")
     if model.builder is None and looks_local and not os.path.isdir(path):
         raise ConfigError(
             f"model.model_path={model.model_path!r}: no such directory (relative paths are relative "
