@@ -81,3 +81,15 @@ def test_a_model_path_that_is_a_file_says_so(tmp_path):
         f"model.model_path='{gguf}' is a file, and a model in Hugging Face format is a directory (config.json, the "
         f"weights as *.safetensors, the tokenizer files). Give that directory, or a hub id (e.g. "
         f"Qwen/Qwen2.5-0.5B-Instruct); a GGUF file is not read here.")
+
+
+def test_a_timeline_asked_of_a_run_without_ray_is_warned_about(caplog):
+    # verl's FAQ: ray_init.timeline_file (here monitor.enable_ray_timeline). Before: cluster=inline took it, and
+    # the run ended with no timeline.json and no word
+    make_plan(stage_configs(compose_cfg(["stages=[]", "cluster=inline", "monitor.enable_ray_timeline=true"]))[0], 2000)
+    assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == [
+        "monitor.enable_ray_timeline=true writes Ray's timeline, and cluster=inline runs without Ray: no timeline.json "
+        "will be written. Use cluster=local for one."]
+    caplog.clear()
+    make_plan(stage_configs(compose_cfg(["stages=[]", "monitor.enable_ray_timeline=true"]))[0], 2000)  # local: Ray
+    assert [r for r in caplog.records if r.levelname == "WARNING"] == []

@@ -229,6 +229,10 @@ def check_config(cfg) -> None:
     _check_model(cfg.model)
     _check_flash_attention(cfg.model.attn_implementation, cfg.cluster.gpu_per_node)
     _check_hf_tensor_parallel(cfg.explorer.rollout_model)
+    if cfg.monitor.enable_ray_timeline and cfg.cluster.backend != "ray":
+        # the runner writes Ray's timeline only when there is Ray: without it the switch was a silent no-op
+        log.warning("monitor.enable_ray_timeline=true writes Ray's timeline, and cluster=inline runs without Ray: no "
+                    "timeline.json will be written. Use cluster=local for one.")
     check_lora_sync(cfg)
     if cfg.mode in ("both", "explore"):
         _check_rollouts(cfg)
