@@ -340,3 +340,13 @@ def test_an_export_into_a_shared_folder_never_writes_through_a_planted_partial_l
     out = export(d, shared / "mine")
     assert not out.is_symlink() and out.is_dir() and manifest.verify(out) is None
     assert list(theirs.iterdir()) == [] and not (shared / "mine.partial").exists()
+
+
+def test_the_write_check_before_the_lock_never_truncates_through_a_link(tmp_path, victim):
+    """check_writable runs before run_lock's look for links: its probe .write_test_<pid>, a name a
+    container's small pid space makes easy to guess, was opened through a link and truncated its target."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / f".write_test_{os.getpid()}").symlink_to(victim)
+    rundir.check_writable(run)
+    assert victim.read_text() == BASHRC and list(run.iterdir()) == []

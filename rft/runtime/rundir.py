@@ -329,7 +329,8 @@ def check_writable(run_dir: Path, key: str = "checkpoint_root_dir") -> None:
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         probe = run_dir / f".write_test_{os.getpid()}"
-        probe.write_text("")
+        probe.unlink(missing_ok=True)  # a link of that name goes, its target untouched (opening it truncated that)
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666))
         probe.unlink()
     except OSError as e:
         raise ConfigError(
