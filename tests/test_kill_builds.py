@@ -256,8 +256,10 @@ def test_a_rerun_killed_while_it_rewrites_the_runs_record_leaves_the_record_whol
 
     for name in sorted(record):  # killed in the write of each file in turn
         def killing_open(file, mode="r", *a, name=name, **k):
+            # write_atomic opens its tmp by descriptor (made with O_EXCL, never through a link): its name from /proc
+            path = Path(os.readlink(f"/proc/self/fd/{file}")) if isinstance(file, int) else Path(file)
             f = real_open(file, mode, *a, **k)
-            return HalfThenKilled(f) if "w" in mode and Path(file).name.startswith(name) else f
+            return HalfThenKilled(f) if "w" in mode and path.name.startswith(name) else f
 
         monkeypatch.setattr(builtins, "open", killing_open)
         monkeypatch.setattr(io, "open", killing_open)  # OmegaConf.save's
