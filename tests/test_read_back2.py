@@ -350,3 +350,20 @@ def test_the_write_check_before_the_lock_never_truncates_through_a_link(tmp_path
     (run / f".write_test_{os.getpid()}").symlink_to(victim)
     rundir.check_writable(run)
     assert victim.read_text() == BASHRC and list(run.iterdir()) == []
+
+
+def test_the_task_pipelines_report_is_not_written_through_a_planted_link(tmp_path, victim, monkeypatch):
+    # <stage>/task_pipeline.json was written with write_text: through a link of that name, into its target
+    import json
+
+    from rft.data import pipeline
+
+    stage = tmp_path / "run" / "grpo"
+    stage.mkdir(parents=True)
+    (stage / "task_pipeline.json").symlink_to(victim)
+    monkeypatch.setattr(pipeline, "has_task_pipeline", lambda cfg: True)
+    monkeypatch.setattr(pipeline, "cached_report", lambda cfg: {"rows": 10, "operators": []})
+    pipeline.write_report(None, stage)
+    assert victim.read_text() == BASHRC
+    assert not (stage / "task_pipeline.json").is_symlink()
+    assert json.loads((stage / "task_pipeline.json").read_text()) == {"rows": 10, "operators": []}

@@ -361,7 +361,8 @@ def write_report(cfg, stage_dir: Path) -> None:
     without a task pipeline)."""
     report = cached_report(cfg) if has_task_pipeline(cfg) else None
     if report is not None:
-        (stage_dir / "task_pipeline.json").write_text(json.dumps(report, indent=1, default=str))
+        # write_atomic: never through a link planted under that name in a run directory handed over
+        manifest.write_atomic(stage_dir / "task_pipeline.json", json.dumps(report, indent=1, default=str))
 
 
 def describe_step(step: dict) -> str:
