@@ -707,3 +707,28 @@ def test_viewer_missing_path(tmp_path):
     assert r.returncode == 2
     assert r.stderr == f"rft.data.buffer: {path}: no such file\n"
     assert not (tmp_path / "nope.db").exists()  # looking did not create it
+
+
+def test_another_tools_experiences_table_is_refused_and_left_as_it_was(tmp_path):
+    # a table of that name another tool made had rft's columns added and rows written into it, found
+    # only when reading them back (a RunError then)
+    import sqlite3
+
+    path = tmp_path / "theirs.db"
+    with sqlite3.connect(path) as db:
+        db.execute("CREATE TABLE experiences (id INTEGER PRIMARY KEY, x TEXT)")
+        db.execute("INSERT INTO experiences (x) VALUES ('theirs')")
+    db.close()
+    with pytest.raises(ConfigError) as e:
+        make_buffer(buf_cfg("sql", path=str(path)))
+    assert str(e.value) == (
+        f"{WHERE}.path='{path}' holds a table `experiences` that rft did not write (it has no column created_at, "
+        f"policy_version, task_id, group_id, reward, prompt_length, response_length, tokens, logprobs, info; another "
+        f"tool's database?). rft changes nothing in it: point {WHERE}.path at a file of its own (a new one is started "
+        f"there).")
+    with sqlite3.connect(path) as db:
+        assert db.execute("SELECT name FROM sqlite_master WHERE type = 'table'").fetchall() == [("experiences",)]
+        assert [r[1] for r in db.execute("PRAGMA table_info(experiences)")] == ["id", "x"]
+        assert db.execute("SELECT * FROM experiences").fetchall() == [(1, "theirs")]
+        assert db.execute("PRAGMA journal_mode").fetchone() == ("delete",)  # not switched to rft's WAL
+    db.close()

@@ -469,6 +469,33 @@ def _experience(row) -> Experience:
     })
 
 
+# the columns every version of rft wrote: a table `experiences` without them is another tool's
+_FIRST_COLUMNS = ("id", "created_at", "policy_version", "task_id", "group_id", "reward", "prompt_length",
+                  "response_length", "tokens", "logprobs", "info")
+
+
+def _not_anothers_table(path: Path, where: str) -> None:
+    """Before rft opens it to write (its WAL mode is the file's own setting) or creates or adds
+    anything: a file whose `experiences` table another tool made (a name anyone may use) had rft's
+    columns added to it and rows written into it, found only when reading them back."""
+    if not path.is_file():
+        return
+    try:
+        db = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)
+        try:
+            have = {r[1] for r in db.execute("PRAGMA table_info(experiences)")}
+        finally:
+            db.close()
+    except sqlite3.DatabaseError:  # not a database, or damaged: opening it below says so
+        return
+    missing = [name for name in _FIRST_COLUMNS if name not in have]
+    if have and missing:
+        raise ConfigError(
+            f"{where}.path={str(path)!r} holds a table `experiences` that rft did not write (it has no column "
+            f"{', '.join(missing)}; another tool's database?). rft changes nothing in it: point {where}.path at "
+            f"a file of its own (a new one is started there).")
+
+
 def _add_missing_columns(c) -> None:
     """A buffer written by an older version lacks newer (nullable) columns: add them."""
     have = {r[1] for r in c.exec_driver_sql("PRAGMA table_info(experiences)")}
@@ -527,6 +554,7 @@ class SQLBuffer(_KeepsWhatItWrote):
         _no_replay(buf_cfg, where)
         self.cfg, self.where, self.name = buf_cfg, where, buf_cfg.name
         self.path = _needs_path(buf_cfg, where, "SQLite file", ".db")
+        _not_anothers_table(self.path, where)
         self.engine = _engine(self.path)
         try:
             with self.engine.begin() as c:  # IF NOT EXISTS: several processes may create it at once
