@@ -367,3 +367,59 @@ def test_the_task_pipelines_report_is_not_written_through_a_planted_link(tmp_pat
     assert victim.read_text() == BASHRC
     assert not (stage / "task_pipeline.json").is_symlink()
     assert json.loads((stage / "task_pipeline.json").read_text()) == {"rows": 10, "operators": []}
+
+
+def fsdp_one_rank():
+    """trainer=fsdp2 as one rank in this process (its store hosted here, as the driver does)."""
+    import torch.distributed as dist
+    from conftest import compose_cfg
+
+    from rft.models import ensure_model
+    from rft.plan.batch import make_plan, stage_configs
+    from rft.trainer.fsdp import FSDPTrainer
+
+    cfg = stage_configs(compose_cfg(["stages=[]", "trainer=fsdp2", "trainer.ranks=1",
+                                     "trainer.micro_batch_size_per_gpu=128"]))[0]
+    ensure_model(cfg.model)
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    trainer = FSDPTrainer(cfg, make_plan(cfg, 2000), None, 0, 1, ("127.0.0.1", store.port))
+    trainer._store = store  # alive as long as the trainer
+    return trainer
+
+
+def renamed(state):
+    """fsdp2's form of a state (keyed by name) with the first parameter's name one the model lacks."""
+    opt = state["optimizer"]
+    opt["state"]["nosuch.weight"] = opt["state"].pop(opt["param_groups"][0]["params"][0])
+    opt["param_groups"][0]["params"][0] = "nosuch.weight"
+
+
+def test_trainer_fsdp2_refuses_a_state_of_another_shape_in_either_form(saved, tmp_path):
+    # fsdp2's load did not check: its set_optimizer_state_dict took what torch's form or its own gave
+    import torch.distributed as dist
+
+    t, d = saved
+    rank = fsdp_one_rank()
+    try:
+        before = rank.fingerprint()
+        (tmp_path / "torch_form").mkdir()
+        ckpt = edited(d, tmp_path / "torch_form", first_moment)  # trainer=torch's form: keyed by position
+        with pytest.raises(CheckpointFileError) as e:
+            rank.load(str(ckpt))
+        assert str(e.value) == (f"{ckpt / 'trainer_state.pt'} does not load (its optimizer's exp_avg of parameter 0 has "
+                                f"shape [3, 103, 128], the parameter [103, 128]: the trainer never saves one so)")
+        (tmp_path / "own").mkdir()
+        rank.save(str(tmp_path / "own"))  # keyed by parameter name
+        (tmp_path / "by_name").mkdir()
+        state = torch.load(tmp_path / "own" / "trainer_state.pt", weights_only=True)
+        assert all(isinstance(i, str) for i in state["optimizer"]["param_groups"][0]["params"])
+        ckpt = edited(tmp_path / "own", tmp_path / "by_name", renamed)
+        with pytest.raises(CheckpointFileError) as e:
+            rank.load(str(ckpt))
+        assert str(e.value) == (f"{ckpt / 'trainer_state.pt'} does not load (its optimizer names parameter "
+                                f"'nosuch.weight', which this model lacks: the trainer never saves one so)")
+        assert rank.fingerprint() == before and rank.version == 0
+        rank.load(str(d))  # as saved (torch's form): loads
+        assert rank.fingerprint() == t.fingerprint() and rank.version == 1
+    finally:
+        dist.destroy_process_group()

@@ -38,7 +38,7 @@ import torch
 from rft.models import local_device, torch_dtype
 from rft.sync.weights import fingerprint, format_fingerprint, hf_tensors, weight_sums
 from rft.trainer import lora, micro_batches
-from rft.trainer.state import load_state, reading, save_state, weights_file
+from rft.trainer.state import check_state, load_state, reading, save_state, weights_file
 from rft.trainer.trainer import Trainer, _lengths
 
 
@@ -237,6 +237,9 @@ class FSDPTrainer(Trainer):
         d = Path(directory)
         # the state first: a damaged file then leaves the model as it was (the runner falls back)
         state = load_state(d / "trainer_state.pt")
+        # its shapes before anything loads (a resealed state of another model's), as trainer=torch's
+        check_state(state, self.optimizer, self.scheduler, d / "trainer_state.pt",
+                    names={id(p): n for n, p in self.model.named_parameters()})
         if lora.is_lora(self.model):  # the adapter alone: the base is the stage's starting model
             from safetensors.torch import load_file
 

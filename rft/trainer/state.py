@@ -124,17 +124,19 @@ def save_state(state: dict, path: Path) -> None:
         set_crc32_options(before)
 
 
-def check_state(state, optimizer, scheduler, path: Path) -> None:
+def check_state(state, optimizer, scheduler, path: Path, names: dict | None = None) -> None:
     """A CheckpointFileError naming trainer_state.pt unless it is the shape the trainer saves, checked
     before any of it is loaded: torch loads an optimizer's moments of another shape without a word
     (the first step then fails in Adam with a bare traceback, or broadcasts), and a scheduler's
     state is put into the scheduler's own attributes as it is (its `optimizer` replaced by a dict)."""
-    why = _state_problem(state, optimizer, scheduler)
+    why = _state_problem(state, optimizer, scheduler, names)
     if why is not None:
         raise CheckpointFileError(f"{path} does not load ({why}: the trainer never saves one so)")
 
 
-def _state_problem(state, optimizer, scheduler) -> str | None:
+def _state_problem(state, optimizer, scheduler, names: dict | None = None) -> str | None:
+    """`names`: {id(parameter): name} where a state keyed by parameter name may come (trainer=fsdp2's
+    checkpoints; torch's own form is keyed by position)."""
     if not isinstance(state, dict) or not {"optimizer", "scheduler", "version", "rng"} <= set(state):
         return "it is not a dict of optimizer, scheduler, version and rng"
     if type(state["version"]) is not int or state["version"] < 0:
@@ -148,7 +150,10 @@ def _state_problem(state, optimizer, scheduler) -> str | None:
     own = [p for g in optimizer.param_groups for p in g["params"]]
     if len(saved) != len(own):
         return f"its optimizer holds {len(saved)} parameters, this model's {len(own)}"
-    params = dict(zip(saved, own))
+    by_name = names is not None and all(isinstance(i, str) for i in saved)
+    params = {names.get(id(p)): p for p in own} if by_name else dict(zip(saved, own))
+    if by_name and set(saved) != set(params):
+        return f"its optimizer names parameter {str(next(iter(set(saved) - set(params))))[:80]!r}, which this model lacks"
     for i, moments in opt["state"].items():
         if i not in params or not isinstance(moments, dict):
             return f"its optimizer's state names parameter {str(i)[:40]!r}, which no param group lists"
