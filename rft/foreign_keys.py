@@ -434,3 +434,26 @@ FOREIGN_KEYS = Registry("a key of another system", shape="a ForeignKey (rft/fore
         "A run writes to <checkpoint_root_dir>/<project>/<name>/.")),
     "bf16": ForeignKey(LIGHTRFT + TRL, ("model.dtype",), "bfloat16, the default here."),
 })
+
+
+# Values of rft's own keys as Trinity-RFT (or verl) writes them, and rft's for each: appended to the
+# paragraph the schema gives for a typed key. (A registry's names are its own: Registry(foreign=...).)
+@dataclass(frozen=True)
+class ForeignValue:
+    """What another system's value of one of rft's keys is here, as a sentence."""
+
+    note: str
+
+
+_LEVEL = "rft takes logging's level names in capitals: log.level={}."
+FOREIGN_VALUES = Registry("a value of another system", shape="a ForeignValue (rft/foreign_keys.py)", table={
+    "synchronizer.sync_method=nccl": ForeignValue("Trinity-RFT's nccl is collective here (sync=collective)."),
+    **{f"log.level={v}": ForeignValue(_LEVEL.format(v.upper())) for v in ("debug", "info", "warning", "error", "critical")},
+})
+
+
+def foreign_value(key: str, value) -> str:
+    """The sentence for another system's value of one of rft's keys, with a space before it; ''
+    when the value is no other system's."""
+    entry = f"{key}={value}"
+    return " " + FOREIGN_VALUES[entry].note if entry in FOREIGN_VALUES else ""

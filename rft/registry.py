@@ -36,9 +36,12 @@ class Registry(Mapping):
     instead of a name carries it as its attribute `info` (set by a decorator), else `default`."""
 
     def __init__(self, key: str, table: dict[str, str | tuple[str, Any]], info: str | None = None,
-                 default: Any = None, shape: str = "a function with the same signature (module.function)"):
+                 default: Any = None, shape: str = "a function with the same signature (module.function)",
+                 foreign: dict[str, str] | None = None):
         self.key, self._loaded, self._attr, self._default = key, {}, info, default
         self.shape = shape  # what a study's own entry is, for the error naming a misspelt one
+        # names other systems (Trinity-RFT, verl) give for an entry: the sentence that error adds
+        self.foreign = foreign or {}
         self._table = {n: v if isinstance(v, tuple) else (v, default) for n, v in table.items()}
 
     def __getitem__(self, name: str):
@@ -159,9 +162,10 @@ def resolve(registry: Mapping, name: str, key: str):
                               f"dotted path of a function (module.function) or a registered name.")
         return found
     shape = getattr(registry, "shape", "a function with the same signature (module.function)")
+    foreign = getattr(registry, "foreign", {}).get(name)  # another system's name for one of ours
     raise ConfigError(
         f"{key}={name!r} is not one of {sorted(registry)}; give a registered name or the dotted "
-        f"path of {shape}."
+        f"path of {shape}.{' ' + foreign if foreign else ''}"
     )
 
 
@@ -199,14 +203,18 @@ class TrainerBackendInfo:
 
 # explorer.rollout_model.engine_type -> the engine class
 ENGINES = Registry("explorer.rollout_model.engine_type", info="info", default=EngineInfo(),
-                   shape="a class with the methods of rft/rollout/engines/base.py (module.Class)", table={
+                   shape="a class with the methods of rft/rollout/engines/base.py (module.Class)",
+                   foreign={"vllm_async": "Trinity-RFT's vllm_async is vllm here (explorer=vllm)."}, table={
     "hf": ("rft.rollout.engines.hf.HFEngine", EngineInfo()),
     "vllm": ("rft.rollout.engines.vllm.VLLMEngine", EngineInfo(collective_tensor_parallel=False)),
 })
 
 # trainer.trainer_strategy -> the trainer class
 TRAINER_BACKENDS = Registry("trainer.trainer_strategy", info="info", default=TrainerBackendInfo(),
-                            shape="a class with the methods of rft/trainer/base.py (module.Class)", table={
+                            shape="a class with the methods of rft/trainer/base.py (module.Class)", foreign={
+    "fsdp": "Trinity-RFT's and verl's fsdp is fsdp2 here (trainer=fsdp2).",
+    "megatron": "There is no Megatron backend here: trainer=fsdp2 shards the weights, gradients and optimizer state "
+                "over its ranks."}, table={
     "torch": ("rft.trainer.trainer.Trainer", TrainerBackendInfo(builds_from_checkpoint=True)),
     "fsdp2": ("rft.trainer.fsdp.FSDPTrainer", TrainerBackendInfo(ranks=True, offload=True, mixed_precision=True,
                                                                  builds_from_checkpoint=True)),

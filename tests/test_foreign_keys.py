@@ -10,7 +10,8 @@ from conftest import CONF
 from omegaconf import OmegaConf
 
 from rft.config import Config, key_mistake, schema_keys
-from rft.foreign_keys import FOREIGN_KEYS, ForeignKey, foreign_key
+from rft.errors import ConfigError
+from rft.foreign_keys import FOREIGN_KEYS, FOREIGN_VALUES, ForeignKey, foreign_key
 from rft.plan.overlays import check, exit_on_config_mistakes, foreign_flag, misspelt_override
 
 GROUPS = {p.name for p in CONF.iterdir() if p.is_dir()}
@@ -236,3 +237,49 @@ def test_a_study_adds_its_own_entry():
         assert key_mistake(OmegaConf.structured(Config), "my_system.batch").startswith("that is MySystem's key")
     finally:
         del FOREIGN_KEYS["my_system.batch"]
+
+
+@pytest.mark.parametrize("override, message", [
+    # Trinity-RFT's values of rft's own keys: before, the paragraph listed rft's values and no more
+    ("synchronizer.sync_method=nccl",
+     "synchronizer.sync_method=nccl: Invalid value 'nccl', expected one of [memory, checkpoint, collective]. "
+     "Trinity-RFT's nccl is collective here (sync=collective). The key's type and its comment are in rft/config.py; "
+     "`python run.py --cfg job` prints the composed config."),
+    # Trinity-RFT's FAQ writes log.level=debug
+    ("log.level=debug",
+     "log.level=debug: Invalid value 'debug', expected one of [DEBUG, INFO, WARNING, ERROR, CRITICAL]. rft takes "
+     "logging's level names in capitals: log.level=DEBUG. The key's type and its comment are in rft/config.py; "
+     "`python run.py --cfg job` prints the composed config."),
+])
+def test_another_systems_value_of_a_typed_key_is_translated(override, message):
+    from rft.plan.overlays import wrong_value_override
+
+    assert wrong_value_override([override], GROUPS) == message
+
+
+def test_another_systems_name_in_a_registry_is_translated():
+    from rft.registry import TRAINER_BACKENDS, resolve
+
+    with pytest.raises(ConfigError) as e:
+        resolve(TRAINER_BACKENDS, "fsdp", "trainer.trainer_strategy")
+    assert str(e.value) == (
+        "trainer.trainer_strategy='fsdp' is not one of ['fsdp2', 'torch']; give a registered name or the dotted path "
+        "of a class with the methods of rft/trainer/base.py (module.Class). Trinity-RFT's and verl's fsdp is fsdp2 "
+        "here (trainer=fsdp2).")
+    # a name that is no other system's: the paragraph as before
+    with pytest.raises(ConfigError) as e:
+        resolve(TRAINER_BACKENDS, "xyz", "trainer.trainer_strategy")
+    assert str(e.value).endswith("(module.Class).")
+
+
+def test_every_foreign_value_is_of_rfts_key_and_refused_there():
+    from rft.plan.overlays import wrong_value_override
+    from rft.registry import ENGINES, TRAINER_BACKENDS
+
+    keys = set(schema_keys())
+    for entry in FOREIGN_VALUES:
+        key, value = entry.split("=", 1)
+        # a value rft takes would never reach its entry
+        assert key in keys and FOREIGN_VALUES[entry].note in wrong_value_override([entry], GROUPS), entry
+    for registry in (ENGINES, TRAINER_BACKENDS):
+        assert registry.foreign and not set(registry.foreign) & set(registry), registry.key

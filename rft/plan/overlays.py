@@ -427,9 +427,11 @@ def wrong_value_override(args: list[str], groups: set[str]) -> str | None:
             try:
                 OmegaConf.update(schema, key, v, merge=True)
             except OmegaConfBaseException as e:
+                from rft.foreign_keys import foreign_value
+
                 given = o.input_line.split("=", 1)[1]
-                return (f"{key}={given}: {str(e).splitlines()[0]}. The key's type and its comment are in "
-                        f"rft/config.py; `python run.py --cfg job` prints the composed config.")
+                return (f"{key}={given}: {str(e).splitlines()[0]}.{foreign_value(key, v)} The key's type and its "
+                        f"comment are in rft/config.py; `python run.py --cfg job` prints the composed config.")
     return None
 
 
