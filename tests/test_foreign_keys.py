@@ -283,3 +283,21 @@ def test_every_foreign_value_is_of_rfts_key_and_refused_there():
         assert key in keys and FOREIGN_VALUES[entry].note in wrong_value_override([entry], GROUPS), entry
     for registry in (ENGINES, TRAINER_BACKENDS):
         assert registry.foreign and not set(registry.foreign) & set(registry), registry.key
+
+
+@pytest.mark.parametrize("key, says", [
+    # Trinity-RFT's configuration guide writes advantage_fn: "ppo" (GAE) and names its clipped loss ppo
+    ("algorithm.advantage_fn", "Trinity-RFT's ppo advantage (GAE with a critic) is gae here: algorithm=ppo sets it "
+                               "with its critic."),
+    ("algorithm.policy_loss_fn", "Trinity-RFT's ppo policy loss is ppo_clip here."),
+])
+def test_trinitys_algorithm_function_names_get_rfts(key, says):
+    from rft.algorithms import ADVANTAGE_FNS, POLICY_LOSS_FNS
+    from rft.registry import resolve
+
+    registry = {"algorithm.advantage_fn": ADVANTAGE_FNS, "algorithm.policy_loss_fn": POLICY_LOSS_FNS}[key]
+    assert not set(registry.foreign) & set(registry)  # a name rft takes would never reach its note
+    with pytest.raises(ConfigError) as e:
+        resolve(registry, "ppo", key)
+    assert str(e.value).startswith(f"{key}='ppo' is not one of ") and str(e.value).endswith(
+        "give a registered name or the dotted path of a function with the same signature (module.function). " + says)

@@ -76,7 +76,9 @@ def needs(**kwargs):
 
 
 _ADV = "rft.algorithms.advantages."
-ADVANTAGE_FNS = Registry("algorithm.advantage_fn", info="needs", default=Needs(), table={
+ADVANTAGE_FNS = Registry("algorithm.advantage_fn", info="needs", default=Needs(), foreign={
+    "ppo": "Trinity-RFT's ppo advantage (GAE with a critic) is gae here: algorithm=ppo sets it with its critic.",
+}, table={
     "grpo": (_ADV + "grpo_advantage", Needs(grouped=True)),
     "dr_grpo": (_ADV + "dr_grpo_advantage", Needs(grouped=True)),
     "rloo": (_ADV + "rloo_advantage", Needs(grouped=True)),
@@ -88,7 +90,9 @@ ADVANTAGE_FNS = Registry("algorithm.advantage_fn", info="needs", default=Needs()
 })
 
 _LOSS = "rft.algorithms.losses."
-POLICY_LOSS_FNS = Registry("algorithm.policy_loss_fn", info="needs", default=Needs(), table={
+POLICY_LOSS_FNS = Registry("algorithm.policy_loss_fn", info="needs", default=Needs(), foreign={
+    "ppo": "Trinity-RFT's ppo policy loss is ppo_clip here.",
+}, table={
     "ppo_clip": (_LOSS + "ppo_clip_loss", Needs(zero_at_zero_advantage=True)),
     "gspo": (_LOSS + "gspo_loss", Needs(zero_at_zero_advantage=True)),
     "gmpo": (_LOSS + "gmpo_loss", Needs(zero_at_zero_advantage=True)),
