@@ -189,3 +189,11 @@ def check_resumes(tmp_path: Path, warm_start: Path | None, extra: list[str], aft
     return ma, json.loads((end_a / "state.json").read_text())
 
 
+def stored_rows(path: Path) -> list[dict]:
+    """A sql or file buffer's rows in order, without a SQLite row's id and write time."""
+    if path.suffix == ".jsonl":
+        return [json.loads(line) for line in path.read_text().splitlines()]
+    with sqlite3.connect(f"file:{path}?mode=ro", uri=True) as db:
+        db.row_factory = sqlite3.Row
+        return [{k: r[k] for k in r.keys() if k not in ("id", "created_at")}
+                for r in db.execute("select * from experiences order by id")]

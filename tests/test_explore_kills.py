@@ -7,7 +7,6 @@ import json
 import os
 import shutil
 import signal
-import sqlite3
 import subprocess
 import sys
 from pathlib import Path
@@ -15,7 +14,7 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, run_cli
 from omegaconf import OmegaConf
-from resume_support import NO_EVAL, SHORT, killed_after_put
+from resume_support import NO_EVAL, SHORT, killed_after_put, stored_rows
 
 from rft.config import ExperienceBufferConfig
 from rft.data.buffer import make_buffer
@@ -23,16 +22,6 @@ from rft.data.buffer import make_buffer
 pytestmark = pytest.mark.slow
 
 SUFFIX = {"sql": ".db", "file": ".jsonl"}
-
-
-def stored_rows(path: Path) -> list[dict]:
-    """A sql or file buffer's rows in order, without a SQLite row's id and write time."""
-    if path.suffix == ".jsonl":
-        return [json.loads(line) for line in path.read_text().splitlines()]
-    with sqlite3.connect(f"file:{path}?mode=ro", uri=True) as db:
-        db.row_factory = sqlite3.Row
-        return [{k: r[k] for k in r.keys() if k not in ("id", "created_at")}
-                for r in db.execute("select * from experiences order by id")]
 
 
 def explore_args(tmp_path: Path, kind: str, name: str, buffer: str) -> list[str]:

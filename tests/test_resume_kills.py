@@ -3,14 +3,12 @@ distillation, multi-turn tools, a replay buffer that reads experiences again, an
 beside another writer: each resumed run ends where the uninterrupted one does (the helpers and the
 comparison: tests/resume_support.py; the features one by one: tests/test_resume_matrix.py)."""
 
-import json
 import os
-import sqlite3
 from pathlib import Path
 
 import pytest
 from conftest import run_cli
-from resume_support import NO_EVAL, SHORT, check_resumes, killed_after_put
+from resume_support import NO_EVAL, SHORT, check_resumes, killed_after_put, stored_rows
 
 pytestmark = pytest.mark.slow
 
@@ -77,16 +75,6 @@ def test_a_replay_buffer_that_reads_experiences_again_resumes_to_the_uninterrupt
     assert rows[-1]["staleness/max"] == 3  # step 4 read explore step 0's experiences again, as the docstring says
     # the used experiences, in the file beside state.json that check_resumes compared
     assert state["buffer"]["used"] and state["buffer"]["experiences"] == "buffer_experiences.safetensors"
-
-
-def stored_rows(path: Path) -> list[dict]:
-    """A sql or file buffer's rows in order, without a SQLite row's id and write time."""
-    if path.suffix == ".jsonl":
-        return [json.loads(line) for line in path.read_text().splitlines()]
-    with sqlite3.connect(f"file:{path}?mode=ro", uri=True) as db:
-        db.row_factory = sqlite3.Row
-        return [{k: r[k] for k in r.keys() if k not in ("id", "created_at")}
-                for r in db.execute("select * from experiences order by id")]
 
 
 def another_explorer(path: Path, kind: str) -> list[dict]:
