@@ -6,25 +6,9 @@ Isolation needs bubblewrap: without it these tests skip, unless RFT_REQUIRE_SAND
 
 from __future__ import annotations
 
-import os
-
-import pytest
+from test_sandbox import isolated, no_guard  # noqa: F401 (fixtures: bubblewrap or skip; past the hook)
 
 from rft.rollout.environments import sandbox
-
-
-@pytest.fixture(autouse=True)
-def isolated():
-    mode, why = sandbox.isolation(sandbox._BWRAP)
-    if mode is None:
-        if os.environ.get("RFT_REQUIRE_SANDBOX"):
-            pytest.fail(f"no sandbox on this machine (RFT_REQUIRE_SANDBOX=1): {why}")
-        pytest.skip(f"no sandbox on this machine: {why} (as root: apt-get install bubblewrap)")
-
-
-@pytest.fixture
-def no_guard(monkeypatch):
-    monkeypatch.setattr(sandbox, "_guard", False)
 
 
 # 30 socketpairs, each sender's buffer raised to the kernel's most (net.core.wmem_max) and filled:
