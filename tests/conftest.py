@@ -10,9 +10,16 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import open_dict
 
 import rft.config  # noqa: F401  (registers the schema)
+import rft.runtime.main
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
+
+# Ray's own instances (a run's, a test's ray.init) take a token; it is settled once here, before any
+# starts: on a fresh machine the session's workers each wrote ~/.ray/auth_token at once, and a Ray
+# instance whose processes read another's token failed to start ("InvalidAuthToken")
+os.environ.setdefault("RAY_AUTH_MODE", "token")
+rft.runtime.main.ray_token()
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -5,6 +5,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -194,15 +195,47 @@ def test_an_unwritable_home_gives_the_local_ray_instance_its_token_through_the_e
     from rft.runtime import main
 
     (tmp_path / "afile").write_text("")
+    # the environment is the test's own: a RAY_AUTH_TOKEN left in this process's made its next Ray
+    # instance fail ("InvalidAuthToken": this process had read the file's token, Ray's new processes
+    # the variable's)
+    monkeypatch.setattr(os, "environ", dict(os.environ))
     for var in ("RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.setenv("RAY_AUTH_MODE", "token")
-    monkeypatch.setenv("HOME", str(tmp_path / "home"))  # writable: Ray's own file is left to Ray
-    main._ray_token_without_home()
+        os.environ.pop(var, None)
+    os.environ["RAY_AUTH_MODE"] = "token"
+    os.environ["HOME"] = str(tmp_path / "home")  # writable: the token goes to its file
+    main.ray_token()
     assert "RAY_AUTH_TOKEN" not in os.environ
-    monkeypatch.setenv("HOME", str(tmp_path / "afile" / "home"))
-    main._ray_token_without_home()
-    assert len(os.environ["RAY_AUTH_TOKEN"]) == 64  # 32 random bytes in hex
+    token = (tmp_path / "home" / ".ray" / "auth_token").read_text()
+    assert len(token) == 64  # 32 random bytes in hex
+    assert (tmp_path / "home" / ".ray" / "auth_token").stat().st_mode & 0o777 == 0o600
+    main.ray_token()  # a token there is kept
+    assert (tmp_path / "home" / ".ray" / "auth_token").read_text() == token
+    os.environ["HOME"] = str(tmp_path / "afile" / "home")
+    main.ray_token()
+    assert len(os.environ["RAY_AUTH_TOKEN"]) == 64
+
+
+def test_runs_starting_at_once_on_a_fresh_machine_share_one_ray_token(tmp_path):
+    """Ray wrote ~/.ray/auth_token (opened "w": truncated, then written) in each run that found none:
+    two starting at once on a fresh machine (a sweep's jobs, the test session's workers) each wrote
+    theirs, and a Ray instance whose processes read the other's token failed to start
+    ("InvalidAuthToken"). Sixteen processes settle the token at once: one file, one token, which each
+    of them read back whole."""
+    code = ("import os, sys\nfrom pathlib import Path\nfrom rft.runtime.main import ray_token\n"
+            "sys.stdin.read()\nray_token()\n"  # all released together
+            "print(Path(os.environ['HOME'], '.ray', 'auth_token').read_text(), end='')")
+    env = {**os.environ, "HOME": str(tmp_path), "RAY_AUTH_MODE": "token"}
+    env.pop("RAY_AUTH_TOKEN", None)
+    env.pop("RAY_AUTH_TOKEN_PATH", None)
+    procs = [subprocess.Popen([sys.executable, "-c", code], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True) for _ in range(16)]
+    time.sleep(3)  # each has imported rft and waits on its stdin
+    for p in procs:
+        p.stdin.close()
+    outs = [p.stdout.read() for p in procs]
+    assert [p.wait() for p in procs] == [0] * 16
+    assert len(set(outs)) == 1 and len(outs[0]) == 64, outs
+    assert os.listdir(tmp_path / ".ray") == ["auth_token"]  # no name of a process's own is left
 
 
 def test_the_studio_sees_a_running_process_without_proc(monkeypatch):

@@ -185,7 +185,7 @@ def _start_ray(cfg: DictConfig, run_dir: Path) -> bool:
         # on every run how to turn it off. Ray reads it when imported, so only before that; a value
         # the user set is kept
         os.environ.setdefault("RAY_AUTH_MODE", "token")
-        _ray_token_without_home()
+        ray_token()
     import ray
 
     if ray.is_initialized():
@@ -246,11 +246,17 @@ def _init_ray(cfg: DictConfig, local: bool, run_dir: Path) -> None:
     )
 
 
-def _ray_token_without_home() -> None:
-    """Ray writes a new local instance's token to ~/.ray/auth_token, and its init failed
-    (NotADirectoryError, PermissionError) where HOME cannot be written (a service account's, a
-    read-only one): there, this run's instance takes a token of its own through the environment,
-    which every process Ray starts inherits. A token the user gave is kept."""
+def ray_token() -> None:
+    """The token of this run's new local instance, settled before ray.init. Ray writes a new one to
+    ~/.ray/auth_token where none is: two runs starting at once on a fresh machine (a sweep's jobs)
+    each wrote theirs, and the one whose Ray processes read the other's token failed ("Failed to
+    start GCS ... InvalidAuthToken"). Here the file is made whole under a name of its own and
+    linked in place, which fails where another process was first: every run then reads the one
+    token. Where HOME cannot be written (a service account's, a read-only one; Ray's init failed
+    there with NotADirectoryError), the instance takes a token through the environment, which every
+    process Ray starts inherits. A token the user gave is kept."""
+    import secrets
+
     if os.environ.get("RAY_AUTH_MODE") != "token" or os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH"):
         return
     try:
@@ -258,10 +264,24 @@ def _ray_token_without_home() -> None:
         if (home / "auth_token").is_file():
             return
         rundir.check_writable(home, "HOME")
+        _link_new_token(home / "auth_token", secrets.token_hex(32))
     except (ConfigError, RuntimeError):  # RuntimeError: no HOME and no passwd entry to find one
-        import secrets
-
         os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
+
+
+def _link_new_token(path: Path, token: str) -> None:
+    """`path` holds `token` unless another process made it first (then that one's is kept): never
+    an empty or half-written file for a reader."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{token[:8]}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        with open(fd, "w") as f:
+            f.write(token)
+        os.link(tmp, path)
+    except FileExistsError:
+        pass
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 _reaper = None
