@@ -51,6 +51,23 @@ def test_grpo_group_of_one_and_equal_rewards_give_zero():
     assert torch.equal(adv, torch.zeros(4, 1))
 
 
+def test_rewards_whose_squares_overflow_still_give_their_advantages():
+    """The group std squared each deviation: rewards of 1e200 (float64; 1e20 in float32 before they
+    were taken to float64 alone) squared to inf, and every advantage came out 0 with no word.
+    Group [1e200, 3e200]: mean 2e200, deviations -+1e200, std sqrt(2e400 / 1) = 1.41421e200 ->
+    A = -+0.707107 (eps negligible); reinforce_pp whitens [1e200, 3e200] over the batch the same way."""
+    batch = {"rewards": torch.tensor([1e200, 3e200, 1e-200, 3e-200], dtype=torch.float64),
+             "group_index": torch.tensor([0, 0, 1, 1]), "response_mask": torch.ones(4, 1)}
+    # group 1: deviations -+1e-200, std 1.41421e-200, far below eps: A = -+1e-200 / 1e-6 ~ -+1e-194
+    adv = grpo(batch, None)[:, 0]
+    torch.testing.assert_close(adv[:2], torch.tensor([-1, 1], dtype=torch.float64) / math.sqrt(2))
+    assert adv[2] < 0 < adv[3] and abs(adv[3]) < 1e-190
+    rpp = ADVANTAGE_FNS["reinforce_pp"](
+        {"rewards": batch["rewards"][:2], "response_mask": torch.ones(2, 1), "group_index": torch.tensor([0, 1])},
+        algo(gamma=1.0))[:, 0]
+    torch.testing.assert_close(rpp, torch.tensor([-1, 1], dtype=torch.float64) / math.sqrt(2))
+
+
 def test_grpo_advantage_broadcasts_over_response_tokens_only():
     batch = {
         "rewards": torch.tensor([1.0, 0.0]),

@@ -44,10 +44,14 @@ def _group_stats(rewards: torch.Tensor, group_index: torch.Tensor):
     dev = r - _group_max(r, group_index, n_groups)
     count = r.new_zeros(n_groups).index_add_(0, group_index, torch.ones_like(r))
     centred = dev - (r.new_zeros(n_groups).index_add_(0, group_index, dev) / count)[group_index]
-    sq = r.new_zeros(n_groups).index_add_(0, group_index, centred**2)
+    # squares of deviations taken over the group's largest one: |R| above ~1e154 squared to inf
+    # (and A to 0) in float64, ~1e19 in float32
+    scale = _group_max(centred.abs(), group_index, n_groups)
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    sq = r.new_zeros(n_groups).index_add_(0, group_index, (centred / scale) ** 2)
     # unbiased (N - 1); a group of one has no spread to measure
-    std = torch.sqrt(sq / (count - 1).clamp(min=1))
-    return centred, std[group_index], count[group_index]
+    std = scale * torch.sqrt(sq[group_index] / (count[group_index] - 1).clamp(min=1))
+    return centred, std, count[group_index]
 
 
 def grpo_advantage(batch: dict, cfg) -> torch.Tensor:
@@ -119,7 +123,8 @@ def _whiten(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     dev = (x - ref) * m
     n = m.sum().clamp(min=1)
     centred = (dev - dev.sum() / n) * m
-    std = torch.sqrt((centred**2).sum() / (n - 1).clamp(min=1))
+    scale = centred.abs().max().clamp(min=torch.finfo(centred.dtype).tiny)  # squares that stay finite, as above
+    std = scale * torch.sqrt(((centred / scale) ** 2).sum() / (n - 1).clamp(min=1))
     return centred / (std + EPS)
 
 
