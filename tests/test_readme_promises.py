@@ -468,12 +468,17 @@ def test_every_key_the_readme_names_is_a_key_of_the_config():
 
 
 @pytest.mark.slow  # wandb starts a service process (~2 s)
-def test_wandb_holds_the_whole_config_and_a_resumed_stage_goes_on_in_its_run(tmp_path, monkeypatch):
+def test_wandb_holds_the_whole_config_and_a_resumed_stage_goes_on_in_its_run(tmp_path, monkeypatch, request):
     """"`monitor`: ... a resumed stage goes on in its run; wandb's run config holds the whole config
     too": the same run id for the same stage directory, the stage's composed config as its config."""
+    import wandb
+
     from rft.plan.batch import stage_configs
     from rft.reporting.monitor import WandB
 
+    # wandb keeps the settings it read from the environment for the life of the process: offline
+    # stayed on after this test, and a later test's wandb.init with no key started instead of failing
+    request.addfinalizer(wandb.teardown)
     monkeypatch.setenv("WANDB_MODE", "offline")  # no account, no network
     monkeypatch.setenv("WANDB_SILENT", "true")
     [stage] = stage_configs(compose_cfg(["stages=[]", "buffer.batch_size=12"]))
