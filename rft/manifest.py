@@ -42,6 +42,7 @@ FORMAT = 1
 HASH = "xxh3_128"
 _CHUNK = 8 << 20  # 8 MiB reads: the hash, not the calls, sets the pace
 _MAX_MANIFEST = 64 << 20  # a manifest lists files, not data: anything larger is not one
+MAX_RECORD = 64 << 20  # state.json, config.yaml, a stage's marks: records, not data; a larger one is damage
 
 
 def digest(path: Path) -> str:
@@ -133,6 +134,16 @@ def read_regular(path: Path, most: int = -1) -> bytes:
     """The bytes of regular file `path` (its first `most`): `open_regular`."""
     with open_regular(path) as f:
         return f.read(most)
+
+
+def read_record(path: Path, most: int = MAX_RECORD) -> bytes:
+    """The bytes of small record `path` (a state.json, a config.yaml rft wrote): an OSError where it
+    is not a regular file or holds more than `most` bytes. Read whole, a damaged or planted 10 GB
+    file under such a name took that much memory before it failed to parse."""
+    data = read_regular(path, most + 1)
+    if len(data) > most:
+        raise OSError(errno.EFBIG, f"larger than {most} bytes, which no record rft writes is", str(path))
+    return data
 
 
 def read(d: Path) -> tuple[dict | None, str | None]:

@@ -92,7 +92,7 @@ def read_checkpoint(d: Path) -> Checkpoint | None:
     if sealed is None and why is None and not (d / "state.json").exists():
         return None
     try:
-        state = json.loads(manifest.read_regular(d / "state.json"))  # a FIFO there: an OSError, not a hang
+        state = json.loads(manifest.read_record(d / "state.json"))  # a FIFO there: an OSError, not a hang
         problem = None if isinstance(state, dict) and isinstance(state.get("step"), int) else "holds no step"
     except (ValueError, OSError, RecursionError) as e:
         state, problem = {}, ("missing" if isinstance(e, FileNotFoundError) else f"does not read ({e.strerror})"
@@ -361,7 +361,7 @@ def explore_start(stage_dir: Path, buffer, path: str) -> int | None:
     the stage directory, mark and all, aside)."""
     mark = Path(stage_dir) / EXPLORE_START
     try:
-        saved = json.loads(mark.read_text())
+        saved = json.loads(manifest.read_record(mark))
         if saved["path"] == str(path) and type(saved["last_id"]) is int:
             return saved["last_id"]
     except (OSError, ValueError, KeyError, TypeError):

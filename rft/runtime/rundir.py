@@ -48,7 +48,7 @@ from omegaconf import OmegaConf
 from rft import manifest
 from rft.config import flat
 from rft.errors import ConfigError, RunError
-from rft.runtime.checkpoint import Owner, describe, read_checkpoint
+from rft.runtime.checkpoint import Owner, describe, read_checkpoint, shown
 
 log = logging.getLogger(__name__)
 
@@ -171,8 +171,8 @@ def saved_config(stage_dir: Path) -> dict | None:
     if not path.exists():
         return None
     try:
-        cfg = manifest.written_yaml(path.read_text())
-    except (yaml.YAMLError, RecursionError, UnicodeDecodeError):  # RecursionError: without libyaml
+        cfg = manifest.written_yaml(manifest.read_record(path).decode())
+    except (yaml.YAMLError, RecursionError, UnicodeDecodeError, OSError):  # RecursionError: without libyaml
         return None
     return cfg if isinstance(cfg, dict) else None
 
@@ -187,7 +187,7 @@ def record_problem(stage_dir: Path) -> str | None:
     cfg = saved_config(stage_dir)
     if cfg is None:
         return "does not parse as a config"
-    head = path.read_text().split("\n", 1)[0]
+    head = manifest.read_record(path).decode().split("\n", 1)[0]  # read whole just above
     if head != f"# fingerprint: {fingerprint(identity(cfg))}":
         return "is not the one saved (its first line's fingerprint does not match what follows: cut short or edited)"
     return None
@@ -231,7 +231,7 @@ def data_differences(stage_dir: Path, cfg) -> list[str]:
     if not record.exists():
         return []
     try:
-        old = json.loads(record.read_text())
+        old = json.loads(manifest.read_record(record))
         if not all(isinstance(v, dict) for v in old.values()):
             raise ValueError
     except (OSError, ValueError, AttributeError, RecursionError):
@@ -551,7 +551,7 @@ def reuse(entry: Path, stage_dir: Path, owner: Owner, title: str, say) -> Path |
         why = f"it is {describe(ckpt.identity)}, and this stage is {describe(owner.identity(ckpt.step))}"
     if why is not None:
         aside = manifest.put_aside(entry, "damaged")
-        say(f"[{title}] the stage cache's copy of this stage is damaged ({why}); moved it to {aside} "
+        say(f"[{title}] the stage cache's copy of this stage is damaged ({shown(why)}); moved it to {shown(aside)} "
             f"and running the stage")
         return None
     final = stage_dir / "checkpoints" / f"step_{ckpt.step}"
@@ -559,12 +559,20 @@ def reuse(entry: Path, stage_dir: Path, owner: Owner, title: str, say) -> Path |
         _copy_entry(entry, stage_dir, final, owner.identity(ckpt.step))
     except OSError as e:  # a full disk, most likely: the stage's own run then says so at its first save
         shutil.rmtree(final.with_name(final.name + ".tmp"), ignore_errors=True)
-        say(f"[{title}] copying the stage cache's {entry} failed ({type(e).__name__}: {e}); running the stage")
+        say(f"[{title}] copying the stage cache's {shown(entry)} failed ({type(e).__name__}: {e}); running the stage")
         return None
-    source = (entry / "source").read_text().strip() if (entry / "source").exists() else "?"
+    source = _source(entry)
     say(f"[{title}] reused: the same stage (same config, starting model and data) finished in "
-        f"{source}; copied from the stage cache {entry}")
+        f"{shown(source)}; copied from the stage cache {shown(entry)}")  # escaped: names are the user's
     return final / "hf"
+
+
+def _source(entry: Path) -> str:
+    """Where a cache entry's stage ran, as the console shows it ('?' where its record does not read)."""
+    try:
+        return manifest.read_record(entry / "source", 4096).decode().strip()
+    except (OSError, UnicodeDecodeError):
+        return "?"
 
 
 def _copy_entry(entry: Path, stage_dir: Path, final: Path, identity: dict) -> None:
@@ -581,7 +589,7 @@ def _copy_entry(entry: Path, stage_dir: Path, final: Path, identity: dict) -> No
     # before the checkpoint, as the logs: a stage with the copied checkpoint is told copied (the report
     # counts no time of its own for it); written after, a kill between left the other job's time this
     # one's. A copy killed before its checkpoint leaves it to a stage that trains itself (run_stage drops it)
-    source = (entry / "source").read_text().strip() if (entry / "source").exists() else "?"
+    source = _source(entry)
     manifest.write_atomic(stage_dir / "reused_from", f"{entry}\n{source}\n")
     tmp = final.with_name(final.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
