@@ -75,3 +75,24 @@ def test_a_stage_cache_path_with_control_characters_is_shown_escaped(stage, tmp_
     assert rundir.reuse(entry, tmp_path / "second", Owner(**{**vars(OWNER), "run": "rft/second"}), "grpo", say)
     assert len(lines) == 1 and "\x1b" not in lines[0] and "\x07" not in lines[0]
     assert lines[0].endswith(f"copied from the stage cache {str(entry)!r}")  # repr: \x1b and \x07 as text
+
+
+def test_pruning_a_link_planted_as_a_checkpoint_removes_the_link_never_its_target(stage, tmp_path):  # noqa: F811
+    outside = tmp_path / "outside"
+    (stage / "checkpoints" / "step_1").rename(outside)  # a whole checkpoint, outside the run
+    before = sorted(p.relative_to(outside) for p in outside.rglob("*"))
+    (stage / "checkpoints" / "step_1").symlink_to(outside, target_is_directory=True)
+    lines, say = said()
+    checkpoint.write(stage, 3, {"version": 3}, keep=2, say=say, owner=OWNER)  # keeps step_2 and step_3
+    assert not os.path.lexists(stage / "checkpoints" / "step_1")  # the link is gone (it stayed, read as step 1)
+    assert sorted(p.relative_to(outside) for p in outside.rglob("*")) == before and len(before) > 3  # untouched
+    assert [c.step for c in checkpoint.list_checkpoints(stage)] == [2, 3]
+
+
+def test_a_linked_checkpoints_folder_is_pruned_inside_its_target(stage, tmp_path):  # noqa: F811
+    """checkpoints/ linked to a bigger disk on purpose: saving and pruning work there."""
+    disk = tmp_path / "disk"
+    (stage / "checkpoints").rename(disk)
+    (stage / "checkpoints").symlink_to(disk, target_is_directory=True)
+    checkpoint.write(stage, 3, {"version": 3}, keep=2, owner=OWNER)
+    assert sorted(p.name for p in disk.iterdir()) == ["step_2", "step_3"]  # step_1 pruned, in the target

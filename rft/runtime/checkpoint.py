@@ -301,7 +301,7 @@ def write(stage_dir: Path, step: int, state: dict, save_model=None, keep: int | 
     tmp = final.with_name(final.name + ".tmp")
     state = {"step": step, **state, "manifest": manifest.FORMAT}
     try:
-        shutil.rmtree(tmp, ignore_errors=True)
+        _remove(tmp)
         tmp.mkdir(parents=True)
         if save_model is not None:
             state.update(save_model(tmp))
@@ -309,13 +309,13 @@ def write(stage_dir: Path, step: int, state: dict, save_model=None, keep: int | 
             (tmp / name).write_bytes(data)
         (tmp / "state.json").write_text(json.dumps(state))
         manifest.seal(tmp, owner.identity(step) if owner else {"step": step})
-        shutil.rmtree(final, ignore_errors=True)
+        _remove(final)
         os.replace(tmp, final)
         # a save killed before its rename (a job Slurm stopped mid-save after its warning, a kill)
         # left its step_<M>.tmp, which no resume reads (at 7B up to ~92 GB): the stage has one writer
         # (rft.runtime.rundir.run_lock), so every other one is such a leftover
         for stale in final.parent.glob("step_*.tmp"):
-            shutil.rmtree(stale, ignore_errors=True)
+            _remove(stale)
     except Exception as e:
         shutil.rmtree(tmp, ignore_errors=True)  # no half-written step_N.tmp left behind
         if isinstance(e, RunError):  # the trainer died: its own message
@@ -324,10 +324,20 @@ def write(stage_dir: Path, step: int, state: dict, save_model=None, keep: int | 
     if keep is not None:
         others = [c for c in list_checkpoints(stage_dir) if c.step != step]  # oldest first
         for old in others[:max(0, len(others) + 1 - keep)]:
-            shutil.rmtree(old.path, ignore_errors=True)
+            _remove(old.path)
             if say is not None:
                 say(f"deleted checkpoint step {old.step} ({old.path}): keeping the newest {keep}")
     return final
+
+
+def _remove(path: Path) -> None:
+    """A checkpoint folder deleted, or where a link stands in its place, the link alone: rmtree
+    refuses a link (and ignore_errors hid that), so a link planted as step_<N> stayed, read as a
+    checkpoint, and pruning said it deleted it. Its target, outside the run, is never touched."""
+    if path.is_symlink():
+        path.unlink()
+    else:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def _unwritable(stage_dir: Path, step: int, tmp: Path, e: Exception) -> RunError:
