@@ -239,7 +239,7 @@ class FSDPTrainer(Trainer):
         state = load_state(d / "trainer_state.pt")
         # its shapes before anything loads (a resealed state of another model's), as trainer=torch's
         check_state(state, self.optimizer, self.scheduler, d / "trainer_state.pt",
-                    names={id(p): n for n, p in self.model.named_parameters()})
+                    names={id(p): n for n, p in self.model.named_parameters()}, critic=self.critic)
         if lora.is_lora(self.model):  # the adapter alone: the base is the stage's starting model
             from safetensors.torch import load_file
 

@@ -52,7 +52,7 @@ class CheckpointMixin:
         d = Path(directory)
         # the state first: a damaged file then leaves the model as it was (the runner falls back)
         state = load_state(d / "trainer_state.pt")
-        check_state(state, self.optimizer, self.scheduler, d / "trainer_state.pt")
+        check_state(state, self.optimizer, self.scheduler, d / "trainer_state.pt", critic=self.critic)
         if lora.is_lora(self.model):
             from safetensors.torch import load_file
 
@@ -124,12 +124,15 @@ def save_state(state: dict, path: Path) -> None:
         set_crc32_options(before)
 
 
-def check_state(state, optimizer, scheduler, path: Path, names: dict | None = None) -> None:
+def check_state(state, optimizer, scheduler, path: Path, names: dict | None = None, critic=None) -> None:
     """A CheckpointFileError naming trainer_state.pt unless it is the shape the trainer saves, checked
     before any of it is loaded: torch loads an optimizer's moments of another shape without a word
     (the first step then fails in Adam with a bare traceback, or broadcasts), and a scheduler's
-    state is put into the scheduler's own attributes as it is (its `optimizer` replaced by a dict)."""
+    state is put into the scheduler's own attributes as it is (its `optimizer` replaced by a dict).
+    `critic` (algorithm=ppo's value model) has its part checked alike: its weights and moments."""
     why = _state_problem(state, optimizer, scheduler, names)
+    if why is None and critic is not None:
+        why = _critic_problem(state.get("critic"), critic, names is not None)
     if why is not None:
         raise CheckpointFileError(f"{path} does not load ({why}: the trainer never saves one so)")
 
@@ -141,31 +144,52 @@ def _state_problem(state, optimizer, scheduler, names: dict | None = None) -> st
         return "it is not a dict of optimizer, scheduler, version and rng"
     if type(state["version"]) is not int or state["version"] < 0:
         return f"its version {str(state['version'])[:40]!r} is not a step count"
-    opt, sched = state["optimizer"], state["scheduler"]
-    if not (isinstance(opt, dict) and isinstance(opt.get("state"), dict) and isinstance(opt.get("param_groups"), list)
-            and all(isinstance(g, dict) and isinstance(g.get("params"), list) for g in opt["param_groups"])):
-        return "its optimizer part is not an optimizer's state (state, param_groups)"
-    # torch pairs the saved ids with the optimizer's parameters in this order (Optimizer.load_state_dict)
-    saved = [i for g in opt["param_groups"] for i in g["params"]]
-    own = [p for g in optimizer.param_groups for p in g["params"]]
-    if len(saved) != len(own):
-        return f"its optimizer holds {len(saved)} parameters, this model's {len(own)}"
-    by_name = names is not None and all(isinstance(i, str) for i in saved)
-    params = {names.get(id(p)): p for p in own} if by_name else dict(zip(saved, own))
-    if by_name and set(saved) != set(params):
-        return f"its optimizer names parameter {str(next(iter(set(saved) - set(params))))[:80]!r}, which this model lacks"
-    for i, moments in opt["state"].items():
-        if i not in params or not isinstance(moments, dict):
-            return f"its optimizer's state names parameter {str(i)[:40]!r}, which no param group lists"
-        for k, v in moments.items():
-            if torch.is_tensor(v) and v.dim() > 0 and v.shape != params[i].shape:
-                return (f"its optimizer's {k} of parameter {saved.index(i)} has shape {list(v.shape)}, the "
-                        f"parameter {list(params[i].shape)}")
+    why = _optimizer_problem(state["optimizer"], optimizer, names, "optimizer")
+    if why is not None:
+        return why
+    sched = state["scheduler"]
     if not isinstance(sched, dict) or not set(sched) <= set(scheduler.state_dict()):
         extra = sorted(set(sched) - set(scheduler.state_dict())) if isinstance(sched, dict) else []
         return f"its scheduler part holds {extra[:3] or 'no dict'}, which is not a state of the trainer's scheduler"
     if type(sched.get("last_epoch", 0)) is not int:
         return f"its scheduler's last_epoch {str(sched['last_epoch'])[:40]!r} is not a step count"
+    return None
+
+
+def _critic_problem(part, critic, by_name: bool) -> str | None:
+    """The value model's part: {"model": state dict, "optimizer": its optimizer's} of this critic's shapes
+    (load_state_dict checks the weights' shapes but not the optimizer's moments)."""
+    if not isinstance(part, dict) or not {"model", "optimizer"} <= set(part) or not isinstance(part["model"], dict):
+        return "its critic part is not a dict of model and optimizer"
+    own = critic.model.state_dict()
+    for k, v in part["model"].items():
+        if k not in own or not torch.is_tensor(v) or v.shape != own[k].shape:
+            shape = list(v.shape) if torch.is_tensor(v) else type(v).__name__
+            return f"its critic's weight {str(k)[:80]!r} is {shape}, which this value model does not hold so"
+    names = {id(p): n for n, p in critic.model.named_parameters()} if by_name else None
+    return _optimizer_problem(part["optimizer"], critic.optimizer, names, "critic's optimizer")
+
+
+def _optimizer_problem(opt, optimizer, names: dict | None, what: str) -> str | None:
+    if not (isinstance(opt, dict) and isinstance(opt.get("state"), dict) and isinstance(opt.get("param_groups"), list)
+            and all(isinstance(g, dict) and isinstance(g.get("params"), list) for g in opt["param_groups"])):
+        return f"its {what} part is not an optimizer's state (state, param_groups)"
+    # torch pairs the saved ids with the optimizer's parameters in this order (Optimizer.load_state_dict)
+    saved = [i for g in opt["param_groups"] for i in g["params"]]
+    own = [p for g in optimizer.param_groups for p in g["params"]]
+    if len(saved) != len(own):
+        return f"its {what} holds {len(saved)} parameters, this model's {len(own)}"
+    by_name = names is not None and all(isinstance(i, str) for i in saved)
+    params = {names.get(id(p)): p for p in own} if by_name else dict(zip(saved, own))
+    if by_name and set(saved) != set(params):
+        return f"its {what} names parameter {str(next(iter(set(saved) - set(params))))[:80]!r}, which this model lacks"
+    for i, moments in opt["state"].items():
+        if i not in params or not isinstance(moments, dict):
+            return f"its {what}'s state names parameter {str(i)[:40]!r}, which no param group lists"
+        for k, v in moments.items():
+            if torch.is_tensor(v) and v.dim() > 0 and v.shape != params[i].shape:
+                return (f"its {what}'s {k} of parameter {saved.index(i)} has shape {list(v.shape)}, the "
+                        f"parameter {list(params[i].shape)}")
     return None
 
 
