@@ -17,7 +17,8 @@ it in `python -I -S` (the standard library only) inside bubblewrap (`bwrap`), be
 - user: an unprivileged uid with no capabilities and no_new_privs.
 - kernel: a syscall filter (rft/rollout/environments/seccomp.py) refuses what no namespace here separates or counts:
   sockets (their buffers), namespaces of its own (a tmpfs there), SysV shared memory and message
-  queues, the keyrings (the caller's session keyring among them), io_uring (sockets past the rule).
+  queues, the keyrings (the caller's session keyring among them), io_uring (sockets past the rule),
+  memfd_secret (memory no count sees).
 - time, memory, output: the caller reads stdout and stderr in chunks while the code runs, keeps at
   most `max_output_bytes` of each, and kills the sandbox at `timeout_s`, when the output passes
   `output_limit_bytes`, or when the resident memory of all its processes together passes
