@@ -96,3 +96,35 @@ def test_a_linked_checkpoints_folder_is_pruned_inside_its_target(stage, tmp_path
     (stage / "checkpoints").symlink_to(disk, target_is_directory=True)
     checkpoint.write(stage, 3, {"version": 3}, keep=2, owner=OWNER)
     assert sorted(p.name for p in disk.iterdir()) == ["step_2", "step_3"]  # step_1 pruned, in the target
+
+
+@pytest.mark.slow  # two training runs
+def test_a_config_error_at_run_time_leaves_a_directory_the_fixed_run_starts_clean_in(tmp_path, monkeypatch, capsys):
+    """A ConfigError raised once the directory is made (.hydra/, .run.lock, the stage's config.yaml):
+    the next run starts from step 0, is not told another run holds the lock, and logs only its own steps."""
+    import rft.runtime.main
+    from conftest import compose_cfg
+    from test_rundir import TINY, steps
+
+    from rft.errors import ConfigError
+    from rft.runtime import runner
+
+    args = [*TINY, f"checkpoint_root_dir={tmp_path}", "name=edge", "stage_cache_dir=null"]
+    real = runner.StageRun.loop
+
+    def refuse(self):
+        raise ConfigError("trainer.something: checked when the trainer starts")
+
+    monkeypatch.setattr(runner.StageRun, "loop", refuse)
+    with pytest.raises(ConfigError):
+        rft.runtime.main._main(compose_cfg(args))
+    run = tmp_path / "rft" / "edge"
+    assert (run / ".hydra" / "config.yaml").exists() and (run / rundir.RUN_LOCK).exists()  # the leftovers
+    monkeypatch.setattr(runner.StageRun, "loop", real)
+    capsys.readouterr()
+    rft.runtime.main.main(compose_cfg([*args, "algorithm.optimizer.lr=1e-3"]))  # the fixed config: not "changed"
+    out = capsys.readouterr().out
+    assert "resum" not in out.lower() and "another rft process" not in out
+    assert steps(run / "metrics.jsonl") == [1, 2]
+    assert [c.step for c in checkpoint.list_checkpoints(run)] == [2]
+    assert "lr: 0.001" in (run / "config.yaml").read_text()  # the record is the fixed run's, written anew
