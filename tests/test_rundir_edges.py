@@ -128,3 +128,16 @@ def test_a_config_error_at_run_time_leaves_a_directory_the_fixed_run_starts_clea
     assert steps(run / "metrics.jsonl") == [1, 2]
     assert [c.step for c in checkpoint.list_checkpoints(run)] == [2]
     assert "lr: 0.001" in (run / "config.yaml").read_text()  # the record is the fixed run's, written anew
+
+
+def test_a_stage_cache_that_cannot_take_a_stage_names_its_folder_escaped(stage, tmp_path, monkeypatch):  # noqa: F811
+    def full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(manifest, "seal", full)
+    cache = tmp_path / "cache\x1b[2J"  # ESC [2J: clears the terminal
+    cache.mkdir()
+    lines, say = said()
+    rundir.publish(cache / "key", stage, stage / "checkpoints" / "step_2", say)
+    assert lines == [f"rft: warning: the stage cache {str(cache)!r} did not take this stage (OSError: [Errno 28] "
+                     f"No space left on device); a later run with the same stage trains it again"]

@@ -625,5 +625,5 @@ def publish(entry: Path, stage_dir: Path, final: Path, say) -> None:
         os.replace(tmp, entry)
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
-        say(f"rft: warning: the stage cache {entry.parent} did not take this stage ({type(e).__name__}: {e}); "
+        say(f"rft: warning: the stage cache {shown(entry.parent)} did not take this stage ({type(e).__name__}: {e}); "
             f"a later run with the same stage trains it again")
