@@ -6,7 +6,7 @@ Isolation needs bubblewrap: without it these tests skip, unless RFT_REQUIRE_SAND
 
 from __future__ import annotations
 
-from test_sandbox import isolated, no_guard  # noqa: F401 (fixtures: bubblewrap or skip; past the hook)
+from test_sandbox import isolated, no_bwrap, no_guard  # noqa: F401 (fixtures: bubblewrap or skip; none; past the hook)
 
 from rft.rollout.environments import sandbox
 
@@ -92,3 +92,11 @@ def test_secret_memory_cannot_hold_memory_past_the_limit(no_guard):
     r = sandbox.run_python(SECRET_MEMORY, memory_mb=128, timeout_s=10)
     assert r.stdout == ""
     assert r.reason == "exited with status 1: PermissionError: [Errno 1] Operation not permitted"
+
+
+def test_secret_memory_counts_in_an_unisolated_run(no_bwrap, no_guard):
+    # no filter there (allow_unisolated: true): the memory count must see secret memory's files itself.
+    # before: 300 MiB held past memory_mb=128 and the run ended "ok" after its 2 s sleep
+    r = sandbox.run_python(SECRET_MEMORY + "import time\ntime.sleep(2)\n", memory_mb=128, timeout_s=10,
+                           allow_unisolated=True)
+    assert r.reason == "memory limit of 128 MiB exceeded (all its processes together; killed)"
