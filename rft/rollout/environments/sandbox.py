@@ -275,18 +275,22 @@ def _processes(root: int) -> list[int]:
 
 
 def _memory(pids: list[int]) -> int:
-    """Resident bytes of these processes, plus the memfds they hold open (not resident until mapped)."""
+    """Resident bytes of these processes, plus the memfds and secret memory files they hold open
+    (not resident until mapped, or once unmapped)."""
     total, seen = 0, set()
     for pid in pids:
         try:
             with open(f"/proc/{pid}/statm", "rb") as f:
                 total += int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
             for fd in os.listdir(f"/proc/{pid}/fd"):
-                if os.readlink(f"/proc/{pid}/fd/{fd}").startswith("/memfd:"):
+                # memfd_secret's files read "/secretmem (deleted)" and report no blocks, so their
+                # size counts (the filter refuses them; an unisolated run has no filter)
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if link.startswith(("/memfd:", "/secretmem")):
                     st = os.stat(f"/proc/{pid}/fd/{fd}")
                     if (st.st_dev, st.st_ino) not in seen:
                         seen.add((st.st_dev, st.st_ino))
-                        total += st.st_blocks * 512
+                        total += st.st_size if link.startswith("/secretmem") else st.st_blocks * 512
         except OSError:  # it ended meanwhile
             continue
     return total
