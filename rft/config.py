@@ -816,6 +816,16 @@ class Config:
     data_processor: DataProcessorConfig = field(default_factory=DataProcessorConfig)
 
 
+def near_args(unknown, known) -> str:
+    """" Did you mean ...?" for each misspelt key of a free-form args dict (workflow_args, reward_fn[i].args,
+    advantage_args): the list of what it takes alone left the user to spot max_turn against max_turns."""
+    import difflib
+
+    pairs = [(u, difflib.get_close_matches(str(u), [str(k) for k in known], n=1, cutoff=0.6)) for u in unknown]
+    near = [f"{m[0]} (not {u})" for u, m in pairs if m]
+    return f" Did you mean {', '.join(near)}?" if near else ""
+
+
 def lora_adapter_sync(model_cfg) -> bool:
     """Whether the engines get the LoRA adapters alone (model.lora.sync=adapter), not merged weights."""
     lora = model_cfg.get("lora")

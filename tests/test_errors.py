@@ -508,7 +508,7 @@ def test_a_plan_error_about_a_key_a_stage_sets_names_the_stages_key(tmp_path):
      "path of a class with the methods of rft/trainer/base.py (module.Class)."),
     (["stages=[]", "+buffer.trainer_input.experience_buffer.replay_buffer.priority_fn_args.decayy=3"],
      "buffer.trainer_input.experience_buffer.replay_buffer.priority_fn_args has ['decayy'], which "
-     "priority_fn=linear_decay does not take; its arguments are ['decay']."),
+     "priority_fn=linear_decay does not take; its arguments are ['decay']. Did you mean decay (not decayy)?"),
 ])
 @pytest.mark.slow
 def test_user_mistakes_found_while_planning(tmp_path, overrides, message):

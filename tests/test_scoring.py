@@ -119,7 +119,7 @@ def needs_limit(prompt, response, task, limit):
          "reward_fn[1]: two parts are named 'exact_match'; give one a `name` of its own"),
         ([{"fn": "exact_match", "weight": "high"}], "reward_fn[0].weight='high' is not a number."),
         ([{"fn": "test_scoring.short", "args": {"limt": 3}}],
-         "reward_fn[0].args has ['limt'], which test_scoring.short does not take; its arguments are ['limit']."),
+         "reward_fn[0].args has ['limt'], which test_scoring.short does not take; its arguments are ['limit']. Did you mean limit (not limt)?"),
         ([{"fn": "exact_match", "name": "a/b"}], "reward_fn[0].name='a/b': a part's name cannot contain '/'"),
         ([{"weight": 1.0}], "reward_fn[0]={'weight': 1.0}: each part is a name or a dict with at least `fn`"),
         ([], "reward_fn=[]: give a reward name (e.g. exact_match), a dotted path (module.function), or a list of parts"),
@@ -288,3 +288,15 @@ def test_an_argument_of_a_part_without_args_is_one_paragraph_naming_the_plus_fix
                        f"+{ts}.0.args.x=1"])
     assert cfg.buffer.explorer_input.taskset.reward_fn[0].args.x == 1
     assert cfg.buffer.explorer_input.taskset.reward_fn[1].args.pattern == "y"
+
+
+def test_a_misspelt_workflow_argument_is_named_with_its_close_match():
+    # multi_turn read max_turns; max_turn was listed among what it takes, its match left to the eye
+    from rft.rollout.workflows.multi_turn import check_args
+
+    with pytest.raises(ConfigError) as e:
+        check_args({"env": "calculator", "max_turn": 3}, "buffer.explorer_input.taskset.workflow_args")
+    assert str(e.value) == (
+        "buffer.explorer_input.taskset.workflow_args has ['max_turn'], which workflow multi_turn does not take; its "
+        "arguments are ['env', 'env_args', 'max_total_tokens', 'max_turns', 'stop', 'strict']. Did you mean "
+        "max_turns (not max_turn)?")

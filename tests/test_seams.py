@@ -301,7 +301,8 @@ def test_a_study_engine_trainer_loss_and_reward_of_its_own_run_a_stage(tmp_path)
      "set +algorithm.args.scale=<value>."),
     (["algorithm.policy_loss_fn=test_seams.scaled_loss", "+algorithm.args.scale=1", "+algorithm.args.scael=2"],
      "algorithm.args has ['scael'], which algorithm.policy_loss_fn=test_seams.scaled_loss does not take; its own "
-     "arguments are ['scale'] (the rest of its settings are the algorithm.* keys it reads from cfg)."),
+     "arguments are ['scale'] (the rest of its settings are the algorithm.* keys it reads from cfg). Did you mean "
+     "scale (not scael)?"),
     # a built-in loss reads its settings from the algorithm section: it takes no args
     (["+algorithm.args.clip=0.1"],
      "algorithm.args has ['clip'], which algorithm.policy_loss_fn=ppo_clip does not take; its own arguments are [] "

@@ -82,7 +82,7 @@ def test_an_advantage_argument_set_globally_names_the_stage_entry_to_move_it_to(
     e = _error(run_cli(*STUDY, "dry_run=true", "+stages.1.algorithm.advantage_args.scal=2"))
     assert e == ("stage grpo: algorithm.advantage_args has ['scal'], which algorithm.advantage_fn="
                  "experiments.kv_lookup.study.centred does not take; its own arguments are ['scale'] (the rest "
-                 "of its settings are the algorithm.* keys it reads from cfg).")
+                 "of its settings are the algorithm.* keys it reads from cfg). Did you mean scale (not scal)?")
 
 
 @pytest.mark.slow  # one run.py that stops before composing (~2 s)

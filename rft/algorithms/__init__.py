@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rft.config import AGG_MODES
+from rft.config import AGG_MODES, near_args
 from rft.errors import ConfigError
 from rft.registry import Registry
 
@@ -157,7 +157,8 @@ def check_args(registry: Registry, name: str, args, args_key: str):
     unknown = sorted(set(args) - set(known))
     if unknown and not any(p.kind is p.VAR_KEYWORD for p in own):
         raise ConfigError(f"{args_key} has {unknown}, which {registry.key}={name} does not take; its own arguments "
-                          f"are {known} (the rest of its settings are the algorithm.* keys it reads from cfg).")
+                          f"are {known} (the rest of its settings are the algorithm.* keys it reads from cfg)."
+                          f"{near_args(unknown, known)}")
     missing = [p.name for p in own if p.name in known and p.default is p.empty and p.name not in args]
     if missing:
         raise ConfigError(f"{registry.key}={name} needs {missing} in {args_key}, which has no default: set "

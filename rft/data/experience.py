@@ -221,6 +221,8 @@ def check_priority_fn(name: str, args, where: str) -> None:
     """replay_buffer.priority_fn names a known function, and priority_fn_args are arguments it takes."""
     import inspect
 
+    from rft.config import near_args
+
     if name not in PRIORITY_FNS:
         raise ConfigError(f"{where}.priority_fn={name!r} is not known; choose one of {sorted(PRIORITY_FNS)}.")
     params = list(inspect.signature(PRIORITY_FNS[name]).parameters)[2:]
@@ -228,5 +230,5 @@ def check_priority_fn(name: str, args, where: str) -> None:
     if unknown:
         raise ConfigError(
             f"{where}.priority_fn_args has {unknown}, which priority_fn={name} does not take; "
-            f"its arguments are {params}."
+            f"its arguments are {params}.{near_args(unknown, params)}"
         )

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from rft.config import near_args
 from rft.errors import ConfigError
 from rft.registry import Registry
 
@@ -240,6 +241,7 @@ def check(spec, where: str) -> list[dict]:
             if unknown:
                 raise ConfigError(
                     f"{where}[{i}].args has {unknown}, which {e['fn']} does not take; its arguments are {known}."
+                    f"{near_args(unknown, known)}"
                 )
         third = list(params.values())[2:3] if not isinstance(fn, type) else []
         if third and third[0].name in _ANSWER_NAMES and third[0].kind is not third[0].VAR_POSITIONAL:

@@ -48,6 +48,7 @@ import numbers
 from collections.abc import Mapping
 from types import SimpleNamespace
 
+from rft.config import near_args
 from rft.data.chat import closing_ids, common_prefix, message_ids, render
 from rft.data.experience import Experience
 from rft.errors import ConfigError, RunError
@@ -180,7 +181,7 @@ def check_args(args, where: str = "workflow_args"):
                           f"(calculator, python) or the dotted path of an environment class.")
     if set(args) - ARGS:
         raise ConfigError(f"{where} has {sorted(set(args) - ARGS)}, which workflow multi_turn does not take; "
-                          f"its arguments are {sorted(ARGS)}.")
+                          f"its arguments are {sorted(ARGS)}.{near_args(set(args) - ARGS, ARGS)}")
     # max_turns 0 would end every conversation before the model speaks: empty responses, reward 0
     for key, default, least in [("max_turns", 4, 1), ("max_total_tokens", None, 1)]:
         value = args.get(key, default)
