@@ -6,6 +6,12 @@ Isolation needs bubblewrap: without it these tests skip, unless RFT_REQUIRE_SAND
 
 from __future__ import annotations
 
+import os
+import platform
+import subprocess
+import sys
+
+import pytest
 from test_sandbox import isolated, no_bwrap, no_guard  # noqa: F401 (fixtures: bubblewrap or skip; none; past the hook)
 
 from rft.rollout.environments import sandbox
@@ -100,3 +106,30 @@ def test_secret_memory_counts_in_an_unisolated_run(no_bwrap, no_guard):
     r = sandbox.run_python(SECRET_MEMORY + "import time\ntime.sleep(2)\n", memory_mb=128, timeout_s=10,
                            allow_unisolated=True)
     assert r.reason == "memory limit of 128 MiB exceeded (all its processes together; killed)"
+
+
+# the filter loaded by hand (prctl, as bwrap's --seccomp does), then bpf(BPF_MAP_CREATE) of an array
+# map of 1 entry of 64 KiB; x86_64's bpf is call 321, BPF_MAP_TYPE_ARRAY is 2
+BPF_MAP = r"""
+import ctypes, struct, sys
+libc = ctypes.CDLL(None, use_errno=True)
+prog = sys.stdin.buffer.read()
+buf = ctypes.create_string_buffer(prog, len(prog))
+fprog = struct.pack("HxxxxxxQ", len(prog) // 8, ctypes.addressof(buf))
+assert libc.prctl(38, 1, 0, 0, 0) == 0  # PR_SET_NO_NEW_PRIVS
+assert libc.prctl(22, 2, ctypes.c_char_p(fprog), 0, 0) == 0  # PR_SET_SECCOMP, SECCOMP_MODE_FILTER
+attr = ctypes.create_string_buffer(struct.pack("IIII", 2, 4, 65536, 1), 128)
+print(libc.syscall(321, 0, attr, 128), ctypes.get_errno())
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or platform.machine() != "x86_64",
+                    reason="root (whom the kernel lets make BPF maps whatever the sysctl) on x86_64")
+def test_bpf_maps_are_refused_by_the_filter():
+    # where kernel.unprivileged_bpf_disabled is 0 any uid makes BPF maps: kernel memory no process's
+    # count holds. The filter alone must refuse them: run as root so the kernel itself would not.
+    # before: "3 0" (a map's fd); now bpf fails with EPERM (errno 1)
+    from rft.rollout.environments import seccomp
+
+    r = subprocess.run([sys.executable, "-c", BPF_MAP], input=seccomp.program(), capture_output=True, timeout=60)
+    assert r.stdout.decode() == "-1 1\n", r.stderr.decode()
