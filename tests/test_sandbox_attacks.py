@@ -133,3 +133,20 @@ def test_bpf_maps_are_refused_by_the_filter():
 
     r = subprocess.run([sys.executable, "-c", BPF_MAP], input=seccomp.program(), capture_output=True, timeout=60)
     assert r.stdout.decode() == "-1 1\n", r.stderr.decode()
+
+
+# io_setup(65536 events): the kernel bounds AIO contexts by fs.aio-max-nr (65536) for the whole machine
+AIO_CONTEXT = r"""
+import ctypes
+libc = ctypes.CDLL(None, use_errno=True)
+ctx = ctypes.c_ulong(0)
+print(libc.syscall(206, 65536, ctypes.byref(ctx)), ctypes.get_errno())
+"""
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="io_setup is call 206 on x86_64")
+def test_aio_contexts_are_refused(no_guard):
+    # before: "0 0": one call took all of fs.aio-max-nr (65536 events), and every other process of the
+    # machine (libaio in the trainer) got EAGAIN from io_setup while it ran; now EPERM (errno 1)
+    r = sandbox.run_python(AIO_CONTEXT, memory_mb=128, timeout_s=10)
+    assert r.stdout == "-1 1\n"

@@ -1,6 +1,6 @@
 """The sandbox's syscall filter (rft/rollout/environments/sandbox.py hands it to bwrap's --seccomp): a short deny list.
 
-The sandbox's walls are namespaces, rlimits and a memory count from /proc. Seven things the kernel
+The sandbox's walls are namespaces, rlimits and a memory count from /proc. Eight things the kernel
 offers every process pass all of them, and model-written code reaches each from pure Python (a
 fresh interpreter started through `_posixsubprocess` has no audit hook, and has ctypes):
 
@@ -19,10 +19,12 @@ fresh interpreter started through `_posixsubprocess` has no audit hook, and has 
 - memfd_secret: its pages leave every process's resident count once unmapped, and its files are no
   "/memfd:" the count finds (a sandbox of 128 MiB held 300 MiB in them);
 - bpf: where kernel.unprivileged_bpf_disabled is 0 (the kernel's default), any uid may create BPF
-  maps, kernel memory no process's count holds (one array map takes max_entries x value_size).
+  maps, kernel memory no process's count holds (one array map takes max_entries x value_size);
+- AIO contexts (io_setup): the kernel bounds their events by fs.aio-max-nr for the whole machine
+  (65536), and one call took them all: every other process's io_setup (libaio) failed while it ran.
 
 So these calls fail with EPERM: socket, socketpair, unshare, setns, clone with a namespace flag,
-the mount calls, shmget, msgget, add_key, request_key, keyctl, io_uring_setup/enter/register, memfd_secret, bpf. clone3, whose flags a filter cannot read, fails with
+the mount calls, shmget, msgget, add_key, request_key, keyctl, io_uring_setup/enter/register, memfd_secret, bpf, io_setup. clone3, whose flags a filter cannot read, fails with
 ENOSYS, on which the C library falls back to clone. The filter is compiled by libseccomp (through
 pyseccomp), which knows each architecture's syscall numbers; calls of another ABI than the
 machine's own (x32, or 32-bit code on a 64-bit kernel) fail with ENOSYS.
@@ -35,7 +37,7 @@ import tempfile
 
 DENIED = ("socket", "socketpair", "unshare", "setns", "mount", "umount2", "pivot_root", "open_tree", "move_mount",
           "fsopen", "fsconfig", "fsmount", "fspick", "mount_setattr", "shmget", "msgget", "add_key", "request_key", "keyctl",
-          "io_uring_setup", "io_uring_enter", "io_uring_register", "memfd_secret", "bpf")
+          "io_uring_setup", "io_uring_enter", "io_uring_register", "memfd_secret", "bpf", "io_setup")
 # CLONE_NEWTIME, NEWNS, NEWCGROUP, NEWUTS, NEWIPC, NEWUSER, NEWPID, NEWNET: clone with any of them is
 # refused; fork and threads use clone without them
 CLONE_NAMESPACES = (0x80, 0x20000, 0x02000000, 0x04000000, 0x08000000, 0x10000000, 0x20000000, 0x40000000)
