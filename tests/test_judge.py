@@ -25,12 +25,14 @@ TASK = Task(task_id="t1", messages=[{"role": "system", "content": "Add."}, {"rol
 class FakeOpenAI:
     """POST /v1/chat/completions: a chat.completion whose reply is `replies[<the response graded>]`;
     the first `fail_first` requests get a 500, every one a 401 with a wrong key; records each
-    request (body and Authorization header) and the most requests in flight at once."""
+    request (body and Authorization header) and the most requests in flight at once. With `hold`, each
+    request waits (up to 10 s) until that many are in flight: a count of concurrency that no timing
+    of a loaded machine changes."""
 
     def __init__(self, replies: dict, key: str = "sk-test", fail_first: int = 0, sleep: float = 0.0,
-                 graded=lambda text: text.split("Response:\n")[1].split("\n\n")[0]):
+                 graded=lambda text: text.split("Response:\n")[1].split("\n\n")[0], hold: int = 0):
         self.replies, self.key, self.fail_first, self.sleep, self.graded = replies, key, fail_first, sleep, graded
-        self.requests, self.lock, self.now, self.most = [], threading.Lock(), 0, 0
+        self.requests, self.lock, self.now, self.most, self.hold = [], threading.Condition(), 0, 0, hold
         self.app = FastAPI()
         self.app.post("/v1/chat/completions")(self.complete)
 
@@ -40,6 +42,8 @@ class FakeOpenAI:
             n = len(self.requests)
             self.now += 1
             self.most = max(self.most, self.now)
+            self.lock.notify_all()
+            self.lock.wait_for(lambda: self.now >= self.hold, timeout=10)
         try:
             time.sleep(self.sleep)
             if request.headers.get("authorization") != f"Bearer {self.key}":
@@ -117,7 +121,8 @@ def test_the_documented_client_defaults_of_the_remote_reward_and_the_judge():
 def test_requests_go_out_concurrently_up_to_the_limit():
     replies = {str(i): f"Score: {i}" for i in range(6)}
     for limit, most in [(2, 2), (6, 6)]:
-        fake = FakeOpenAI(replies, sleep=0.2)
+        # each request held until `limit` are in flight: one more than the limit would show as most
+        fake = FakeOpenAI(replies, sleep=0.05, hold=limit)
         with serving_app(fake.app) as url:
             judge = JudgeReward(base_url=url + "/v1", model="m", api_key="JUDGE_TEST_KEY", max_concurrency=limit)
             assert judge("p", list(replies), TASK) == [0.0, 0.1, 0.2, 0.3, 0.4, 0.5]
