@@ -153,31 +153,6 @@ def torch_threads(cfg) -> int:
 
 
 def check_placement(cfg) -> Placement:
-    p = _placement(cfg)
-    _check_local_cpus(cfg, p)
-    return p
-
-
-def _check_local_cpus(cfg, p: Placement) -> None:
-    """A Ray instance of rft's own (cluster.ray_address null) has cluster.num_cpus CPUs: bundles needing
-    more (reward-model workers included) are refused here, in the dry run too, and not only where Ray
-    starts (rft.runtime.actors.placement_for)."""
-    c = cfg.cluster
-    if c.backend != "ray" or c.ray_address is not None or c.num_cpus is None:
-        return
-    need = sum(b.get("CPU", 0) for b in p.bundles)
-    if need <= c.num_cpus:
-        return
-    rms = f", and {len(p.reward_models)} reward-model worker(s) ({', '.join(r.where for r in p.reward_models)}: " \
-          f"args.num_cpus each, default 1)" if p.reward_models else ""
-    raise ConfigError(
-        f"the actors need {need:g} CPUs (cluster.cpus_per_actor={c.cpus_per_actor} for each of the trainer's ranks and "
-        f"explorer.rollout_model.engine_num={cfg.explorer.rollout_model.engine_num} engine(s){rms}), but "
-        f"cluster.num_cpus={c.num_cpus} gives Ray only that many, so they could never all be placed. Set "
-        f"cluster.num_cpus={need:g} or more (Ray's CPUs are reservations, not cores), or lower those.")
-
-
-def _placement(cfg) -> Placement:
     c, rm = cfg.cluster, cfg.explorer.rollout_model
     # mode=train still runs one explorer for evaluation when there are eval tasksets
     engines = explorer_count(cfg)
