@@ -817,7 +817,7 @@ class Config:
 
 
 def near_args(unknown, known) -> str:
-    """" Did you mean ...?" for each misspelt key of a free-form args dict (workflow_args, reward_fn[i].args,
+    """The " Did you mean ...?" sentence for each misspelt key of a free-form args dict (workflow_args, reward_fn[i].args,
     advantage_args): the list of what it takes alone left the user to spot max_turn against max_turns."""
     import difflib
 
