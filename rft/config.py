@@ -817,8 +817,9 @@ class Config:
 
 
 def near_args(unknown, known) -> str:
-    """The " Did you mean ...?" sentence for each misspelt key of a free-form args dict (workflow_args, reward_fn[i].args,
-    advantage_args): the list of what it takes alone left the user to spot max_turn against max_turns."""
+    """The " Did you mean ...?" sentence for each misspelt key of a free-form args dict (workflow_args,
+    reward_fn[i].args, advantage_args): the list of what it takes alone left the user to spot max_turn
+    against max_turns."""
     import difflib
 
     pairs = [(u, difflib.get_close_matches(str(u), [str(k) for k in known], n=1, cutoff=0.6)) for u in unknown]
