@@ -581,7 +581,7 @@ def _here(dev: Devices) -> str:
 
 
 def _placement(cfg) -> str:
-    from rft.plan.placement import explorer_count, trainer_ranks
+    from rft.plan.placement import explorer_count, reward_models, trainer_ranks
 
     rm, tr, c = cfg.explorer.rollout_model, cfg.trainer, cfg.cluster
     if device_mapping(cfg) is not None:
@@ -595,8 +595,23 @@ def _placement(cfg) -> str:
     if cfg.mode in ("both", "train"):
         n = trainer_ranks(cfg)
         out.append(f"trainer {tr.trainer_strategy}, {n} rank{'s' * (n > 1)}" + (" on a GPU each" if c.gpu_per_node else ""))
+    out += [_reward_model_place(c, r) for r in reward_models(cfg)]
     out.append(f"weights by sync={cfg.synchronizer.sync_method}" if cfg.mode == "both" else "")
     return "; ".join(o for o in out if o) + ("; colocated (cluster.colocate)" if c.colocate else "")
+
+
+def _reward_model_place(c, r) -> str:
+    """A reward-model worker's part of the placement row, as rft.plan.placement places it (they reserve
+    CPUs or a GPU like the actors, so the row says where they go)."""
+    if c.colocate:
+        where = "sharing the one bundle"
+    elif r.args["colocate"]:
+        where = "sharing bundle 0 (args.colocate)"
+    elif c.gpu_per_node:
+        where = "on a GPU of its own"
+    else:
+        where = f"on {r.args['num_cpus'] or 1} CPU (args.num_cpus)"
+    return f"reward model {r.where} {where}"
 
 
 def _mapped_placement(cfg) -> str:

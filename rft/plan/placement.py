@@ -153,6 +153,51 @@ def torch_threads(cfg) -> int:
 
 
 def check_placement(cfg) -> Placement:
+    """The actors' bundles, checked against the config; against a local Ray instance's resources too
+    where the config gives them (local_resources), so the dry run refuses what Ray could not place."""
+    p = _plan(cfg)
+    have = local_resources(cfg)
+    if have is not None:
+        check_resources(cfg, p, have)
+    return p
+
+
+def local_resources(cfg) -> dict | None:
+    """What rft's own Ray instance (cluster.ray_address null) will have: cluster.num_cpus CPUs and the
+    configured GPUs. None where that is not known before Ray starts (num_cpus null: every CPU of the
+    machine Ray starts on, which the dry run's may not be; a cluster it joins), and inline."""
+    c = cfg.cluster
+    if c.backend != "ray" or c.ray_address is not None or c.num_cpus is None:
+        return None
+    return {"CPU": c.num_cpus, "GPU": c.node_num * c.gpu_per_node}
+
+
+def check_resources(cfg, p: Placement, have: dict) -> None:
+    """The bundles' resources summed per kind against `have` (local_resources in the plan, Ray's
+    cluster_resources() at start: one message for both)."""
+    c = cfg.cluster
+    need: dict[str, float] = {}
+    for b in p.bundles:
+        for k, v in b.items():
+            need[k] = need.get(k, 0) + v
+    for k, v in need.items():
+        if have.get(k, 0) >= v:
+            continue
+        raise ConfigError(
+            f"the actors need {v:g} {k} (cluster.cpus_per_actor={c.cpus_per_actor}, "
+            f"gpu_per_node={c.gpu_per_node}, explorer.rollout_model.engine_num="
+            f"{cfg.explorer.rollout_model.engine_num}, colocate={c.colocate}"
+            + (f", reward model workers={len(p.reward_models)}" if p.reward_models else "") + ") but the Ray "
+            f"cluster has {have.get(k, 0):g}. Lower those, or start Ray with more "
+            f"(cluster.num_cpus for a local instance"
+            # Ray's CPUs are reservations, not cores: a machine of one core runs the default's
+            # two actors when told it has two (they take turns on it), or cluster=inline runs them in one process
+            + (f": it may exceed this machine's cores, e.g. cluster.num_cpus={v:g}; or cluster=inline"
+               if k == "CPU" and c.ray_address is None else "") + ")."
+        )
+
+
+def _plan(cfg) -> Placement:
     c, rm = cfg.cluster, cfg.explorer.rollout_model
     # mode=train still runs one explorer for evaluation when there are eval tasksets
     engines = explorer_count(cfg)

@@ -296,35 +296,17 @@ def placement_for(cfg, timeout_s: float = 60.0):
     from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    from rft.plan.placement import check_placement
+    from rft.plan.placement import check_placement, check_resources
 
     p = check_placement(cfg)
     c = cfg.cluster
-    have = ray.cluster_resources()
     nodes = [n for n in ray.nodes() if n.get("Alive")]
     if c.node_num > len(nodes):
         raise ConfigError(
             f"cluster.node_num={c.node_num} but the Ray cluster has {len(nodes)} node(s). Start "
             f"Ray on every node of the allocation, or set cluster.node_num={len(nodes)}."
         )
-    need: dict[str, float] = {}
-    for b in p.bundles:
-        for k, v in b.items():
-            need[k] = need.get(k, 0) + v
-    for k, v in need.items():
-        if have.get(k, 0) < v:
-            raise ConfigError(
-                f"the actors need {v:g} {k} (cluster.cpus_per_actor={c.cpus_per_actor}, "
-                f"gpu_per_node={c.gpu_per_node}, explorer.rollout_model.engine_num="
-                f"{cfg.explorer.rollout_model.engine_num}, colocate={c.colocate}"
-                + (f", reward model workers={len(p.reward_models)}" if p.reward_models else "") + ") but the Ray "
-                f"cluster has {have.get(k, 0):g}. Lower those, or start Ray with more "
-                f"(cluster.num_cpus for a local instance"
-                # Ray's CPUs are reservations, not cores: a machine of one core runs the default's
-                # two actors when told it has two (they take turns on it), or cluster=inline runs them in one process
-                + (f": it may exceed this machine's cores, e.g. cluster.num_cpus={v:g}; or cluster=inline"
-                   if k == "CPU" and c.ray_address is None else "") + ")."
-            )
+    check_resources(cfg, p, ray.cluster_resources())
     pg = placement_group(p.bundles, strategy=p.strategy)
     ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
     if not ready:
