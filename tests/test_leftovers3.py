@@ -55,3 +55,80 @@ def test_without_num_cpus_the_plan_leaves_the_count_to_ray():
     assert local_resources(compose_cfg(["stages=[]", "cluster=ray", RM])) is None
     assert local_resources(compose_cfg(["stages=[]", "cluster.num_cpus=4"])) == {"CPU": 4, "GPU": 0}
     assert len(check_placement(compose_cfg(["stages=[]", RM])).bundles) == 3  # 1 + 1 + the reward model's 2 CPUs
+
+
+def _huge(path, size=256 << 20):
+    """A sparse file of `size` bytes (no disk taken): a damaged or planted record."""
+    with open(path, "wb") as f:
+        f.truncate(size)
+    return path
+
+
+def _peak(fn):
+    """fn()'s result and the most memory Python held meanwhile, in MiB."""
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        out = fn()
+        return out, tracemalloc.get_traced_memory()[1] / (1 << 20)
+    finally:
+        tracemalloc.stop()
+
+
+def test_a_huge_report_json_is_not_a_report_and_is_not_read_whole(tmp_path):
+    """A 256 MiB report.json was read whole (256 MiB of bytes, then as much text) before it failed to
+    parse; read_record stops at its 64 MiB bound: not a report, so the pipeline runs again."""
+    from rft.data.pipeline import _read_report
+
+    _huge(tmp_path / "report.json")
+    got, peak = _peak(lambda: _read_report(tmp_path))
+    assert got is None
+    assert peak < 100  # the bound's 64 MiB + 1 read, not 256 + 256
+
+
+def test_a_huge_safetensors_index_is_the_paragraph_not_read_whole(tmp_path):
+    from rft.sync.weights import hf_weight_files
+
+    def read():
+        with pytest.raises(ConfigError) as e:
+            hf_weight_files(tmp_path)
+        return e
+
+    index = _huge(tmp_path / "model.safetensors.index.json")
+    e, peak = _peak(read)
+    assert peak < 100  # the bound's 64 MiB + 1 read, not 256 + 256
+    assert str(e.value) == (
+        f"{index} does not read as a safetensors index, {{\"weight_map\": {{<tensor>: <shard file>}}}} (OSError: "
+        f"[Errno 27] larger than 67108864 bytes, which no record rft writes is: '{index}'). Save the model again "
+        f"with save_pretrained, or remove the index where {tmp_path} holds one model.safetensors.")
+
+
+@pytest.mark.parametrize("answer, why", [
+    ('{"sizes": [[12, 3', "JSONDecodeError: Expecting ',' delimiter: line 1 column 18 (char 17)"),  # cut short
+    (None, "OSError: [Errno 27] larger than 67108864 bytes, which no record rft writes is: '{path}'"),
+    ('[1, 2]', "[1, 2]"),  # parses, but is no answer
+])
+def test_a_damaged_answer_from_the_sizes_child_is_a_run_error(monkeypatch, answer, why):
+    """The child that counts a sweep's datasets (job_sizes_in_child) writes its answer last; one cut
+    short (the child killed as it wrote) was json's traceback in the parent."""
+    import subprocess
+
+    from rft.errors import RunError
+    from rft.runtime.main import job_sizes_in_child
+
+    seen = {}
+
+    def child(argv, **_):
+        path = seen["path"] = argv[-1]
+        if answer is None:
+            _huge(path)
+        else:
+            open(path, "w").write(answer)
+        return subprocess.CompletedProcess(argv, 0)
+
+    monkeypatch.setattr(subprocess, "run", child)
+    with pytest.raises(RunError) as e:
+        job_sizes_in_child([([], [])])
+    assert str(e.value) == ("checking the stages' datasets in a child process failed (exit 0); its answer did "
+                            f"not read back ({why.format(path=seen['path'])}).")

@@ -269,8 +269,9 @@ def _read_report(d: Path) -> dict | None:
     is not enough: one sealed again by hand (or by an rft whose report differs) may hold anything,
     such as brackets nested ten thousand deep (json's RecursionError) or a list."""
     try:
-        r = json.loads((d / "report.json").read_text())
-    except (OSError, ValueError, RecursionError):  # OSError: moved aside by another run between the checks
+        # bounded: a damaged or planted 10 GB report.json was read whole before it failed to parse
+        r = json.loads(manifest.read_record(d / "report.json"))
+    except (OSError, ValueError, RecursionError):  # OSError: moved aside by another run between the checks, too large
         return None
     steps = r.get("operators") if isinstance(r, dict) else None
     if not (isinstance(steps, list) and isinstance(r.get("rows"), int) and isinstance(r.get("input"), str)

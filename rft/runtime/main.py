@@ -413,15 +413,32 @@ def job_sizes_in_child(jobs: list[tuple[list, list]]) -> list[list[int]]:
         root = str(Path(__file__).resolve().parents[2])
         code = f"import sys; sys.path.insert(0, {root!r}); from rft.runtime.main import _sizes_of; _sizes_of(*sys.argv[1:])"
         rc = subprocess.run([sys.executable, "-c", code, str(ask), str(answer)], stdin=subprocess.DEVNULL).returncode
-        got = json.loads(answer.read_text()) if answer.is_file() else None
-    if got is None:
-        raise RunError(f"checking the stages' datasets in a child process failed (exit {rc}); its "
-                       f"traceback is above.")
+        got = _answer(answer)
+    if not isinstance(got, dict) or not ("error" in got or isinstance(got.get("sizes"), list)):
+        raise RunError(f"checking the stages' datasets in a child process failed (exit {rc}); "
+                       + ("its traceback is above." if rc else f"its answer did not read back ({got})."))
     if "error" in got:
         error = ConfigError(got["error"])
         error.job = got["job"]
         raise error
     return got["sizes"]
+
+
+def _answer(path: Path) -> dict | str:
+    """The child's answer (job_sizes_in_child), or why it does not read: a child killed while it
+    wrote leaves it cut short (json's error was a traceback), and the bound keeps a damaged one
+    from being read whole. Its question (stages.json) is this process's own, unbounded: it grows
+    with the sweep, and no one else writes the private folder it is in."""
+    import json
+
+    from rft.manifest import read_record
+
+    try:
+        return json.loads(read_record(path))
+    except FileNotFoundError:
+        return "none written"
+    except (OSError, ValueError, RecursionError) as e:
+        return f"{type(e).__name__}: {e}"
 
 
 def _sizes_of(ask: str, answer: str) -> None:
@@ -432,6 +449,7 @@ def _sizes_of(ask: str, answer: str) -> None:
 
     sizes, known = [], {}
     got: dict = {"sizes": sizes}
+    # unbounded: the parent's own question, written a moment before (_answer says why)
     for i, job in enumerate(json.loads(Path(ask).read_text())["jobs"]):
         # a sweep's jobs mostly differ in what dataset_size does not read (seeds, algorithms): a
         # stage is read once per distinct (mode, buffer, auxiliary SFT data, sources)

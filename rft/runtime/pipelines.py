@@ -89,6 +89,8 @@ def _in_child(cfg) -> None:
 
 def _child(ask: str, error: str) -> None:
     """The child's side of `_in_child`."""
+    # not read_record's bound: the parent wrote it a moment before into a folder of its own (0700)
+    # from the config it holds, so its size is what that process already held; nothing else writes it
     cfg = OmegaConf.create(json.loads(Path(ask).read_text()))
     try:
         run_task_pipeline(cfg, pass_rates=lambda rows, n: pass_rates(cfg, rows, n))

@@ -55,8 +55,12 @@ def _shards(d: Path, index: Path) -> list[Path]:
     import json
     import os
 
+    from rft.manifest import read_record
+
     try:
-        weight_map = json.loads(index.read_text())["weight_map"]
+        # bounded (an index is ~100 bytes a tensor: a few MB for the largest models): a damaged or
+        # planted 10 GB index was read whole into memory before it failed to parse
+        weight_map = json.loads(read_record(index))["weight_map"]
         names = sorted(set(weight_map.values()))
     except (OSError, ValueError, RecursionError, KeyError, TypeError, AttributeError) as e:
         raise ConfigError(f"{index} does not read as a safetensors index, {{\"weight_map\": {{<tensor>: <shard "
