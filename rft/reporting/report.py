@@ -346,9 +346,17 @@ def read_jobs(sweep_dir: Path, stage: str | None = None) -> list[Job]:
         )
     names = {d: d.name if d == sweep_dir else d.relative_to(sweep_dir).as_posix() for d in dirs}
     jobs = _read_stage(sweep_dir, dirs, names, stage)
+    planned = planned_jobs(sweep_dir)
+    for j in jobs:
+        # a job killed before rft wrote its record (.hydra/ comes once the run is about to start) is
+        # an empty directory: its planned overrides, or its row has blank sweep keys and a
+        # configuration of its own, and every key common to the sweep becomes a column
+        if j.num.isdigit() and int(j.num) < len(planned) and not (j.path / ".hydra").exists():
+            j.overrides = planned[int(j.num)]
+            j.config = tuple((k, v) for k, v in j.overrides.items() if k != "seed")
     slot = max((j.slot for j in jobs), default=0)
     unstarted = [Job(str(i), sweep_dir / str(i), o, tuple((k, v) for k, v in o.items() if k != "seed"), slot=slot,
-                     status=NOT_STARTED) for i, o in enumerate(planned_jobs(sweep_dir)) if str(i) not in names.values()]
+                     status=NOT_STARTED) for i, o in enumerate(planned) if str(i) not in names.values()]
     if not unstarted:
         return jobs
     return sorted(jobs + unstarted, key=lambda j: (j.slot, _job_order(Path(j.num))))  # a multirun's: numbered
