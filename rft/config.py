@@ -816,15 +816,34 @@ class Config:
     data_processor: DataProcessorConfig = field(default_factory=DataProcessorConfig)
 
 
-def near_args(unknown, known) -> str:
+def near_args(unknown, known, section: str = "") -> str:
     """The " Did you mean ...?" sentence for each misspelt key of a free-form args dict (workflow_args,
     reward_fn[i].args, advantage_args): the list of what it takes alone left the user to spot max_turn
-    against max_turns."""
+    against max_turns. `section` ("algorithm"): the schema section the function reads the rest of its
+    settings from; a key near none it takes but near one of that section's is named as that key, to
+    be set there (GAE's lambda given to advantage_args as lamda, lambda or gae_lambda: algorithm.lam)."""
     import difflib
 
-    pairs = [(u, difflib.get_close_matches(str(u), [str(k) for k in known], n=1, cutoff=0.6)) for u in unknown]
-    near = [f"{m[0]} (not {u})" for u, m in pairs if m]
-    return f" Did you mean {', '.join(near)}?" if near else ""
+    def close(name, names):
+        return next(iter(difflib.get_close_matches(name, names, n=1, cutoff=0.6)), None)
+
+    own = [str(k) for k in known]
+    there = [k.rpartition(".")[2] for k in schema_keys() if k.rpartition(".")[0] == section] if section else []
+    near, moved = [], []
+    for u in map(str, unknown):
+        if close(u, own):
+            near.append(f"{close(u, own)} (not {u})")
+        # another system's prefix on the name (gae_lambda, ppo_epochs): its last word too
+        elif m := close(u, there) or close(u.rpartition("_")[2], there):
+            moved.append((u, f"{section}.{m}"))
+    said = near + [key + (f" (not {u})" if u != key.rpartition(".")[2] else "") for u, key in moved]
+    out = f" Did you mean {', '.join(said)}?" if said else ""
+    if moved:
+        one = len(moved) == 1
+        out += (f" {'That is a key' if one else 'Those are keys'} of {section} itself, which the function reads "
+                f"from cfg, not {'an argument' if one else 'arguments'}: set {', '.join(k + '=<value>' for _, k in moved)}, "
+                f"and drop {', '.join(u for u, _ in moved)} from the args.")
+    return out
 
 
 def lora_adapter_sync(model_cfg) -> bool:

@@ -169,7 +169,8 @@ TS = "buffer.explorer_input.taskset"
      f"reset(task) and step(text) methods (rft/rollout/environments/tools.py), and is a function."),
     ([*CALC, f"+{TS}.workflow_args.env_args.max_calls=2"],
      f"{TS}.workflow_args.env_args={{'max_calls': 2}} does not fit calculator(max_tool_calls: 'int' = 4) (got an "
-     f"unexpected keyword argument 'max_calls'). Give the keyword arguments its constructor takes."),
+     f"unexpected keyword argument 'max_calls'). Give the keyword arguments its constructor takes. Did you mean "
+     f"max_tool_calls (not max_calls)?"),
     # a NaN coefficient trains a model of NaNs with exit 0
     (["algorithm.entropy_coef=nan"],
      "algorithm.entropy_coef=nan is not a number; give it a value (`python run.py --cfg job` shows the defaults)."),

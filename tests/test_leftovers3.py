@@ -132,3 +132,53 @@ def test_a_damaged_answer_from_the_sizes_child_is_a_run_error(monkeypatch, answe
         job_sizes_in_child([([], [])])
     assert str(e.value) == ("checking the stages' datasets in a child process failed (exit 0); its answer did "
                             f"not read back ({why.format(path=seen['path'])}).")
+
+
+def test_a_misspelt_env_arg_is_told_its_near_match():
+    """workflow_args' own keys got 'Did you mean'; the environment's (env_args) only the signature."""
+    from rft.rollout.workflows.multi_turn import check_args
+
+    where = "buffer.explorer_input.taskset.workflow_args"
+    with pytest.raises(ConfigError) as e:
+        check_args({"env": "calculator", "env_args": {"max_tool_call": 2}}, where)
+    assert str(e.value) == (
+        f"{where}.env_args={{'max_tool_call': 2}} does not fit calculator(max_tool_calls: 'int' = 4) (got an unexpected "
+        f"keyword argument 'max_tool_call'). Give the keyword arguments its constructor takes. Did you mean "
+        f"max_tool_calls (not max_tool_call)?")
+
+
+@pytest.mark.parametrize("name", ["lamda", "lambda", "gae_lambda"])
+def test_gaes_lambda_given_as_an_advantage_arg_points_to_algorithm_lam(tmp_path, name):
+    """verl's, TRL's and others' spellings of GAE's lambda under algorithm.advantage_args: gae takes no
+    arguments (it reads algorithm.lam from cfg), so the message listed [] and, with one stage, told
+    the user to move the key into 'stages.0' of a config without stages."""
+    with pytest.raises(ConfigError) as e:
+        rft.runtime.main._main(compose_cfg(["algorithm=ppo", "stages=[]", f"+algorithm.advantage_args.{name}=0.95",
+                                            "dry_run=true", f"checkpoint_root_dir={tmp_path}"]))
+    assert str(e.value) == (
+        f"algorithm.advantage_args has ['{name}'], which algorithm.advantage_fn=gae does not take; its own arguments "
+        f"are [] (the rest of its settings are the algorithm.* keys it reads from cfg). Did you mean algorithm.lam "
+        f"(not {name})? That is a key of algorithm itself, which the function reads from cfg, not an argument: set "
+        f"algorithm.lam=<value>, and drop {name} from the args.")
+
+
+def test_with_stages_an_algorithm_key_given_as_an_arg_is_not_told_to_move_between_stages(tmp_path):
+    """Set globally, advantage_args.lamda reaches the warm-up stage first; the merged-args hint (set it
+    in the entry of the stage whose function takes it) would send the user to the grpo stage, whose
+    function does not take it either."""
+    with pytest.raises(ConfigError) as e:
+        rft.runtime.main._main(compose_cfg(["+algorithm.advantage_args.lamda=0.95", "dry_run=true",
+                                            f"checkpoint_root_dir={tmp_path}"]))
+    assert str(e.value).startswith("stage sft_warmup: algorithm.advantage_args has ['lamda']")
+    assert str(e.value).endswith("Did you mean algorithm.lam (not lamda)? That is a key of algorithm itself, which "
+                                 "the function reads from cfg, not an argument: set algorithm.lam=<value>, and drop "
+                                 "lamda from the args.")
+
+
+def test_an_own_argument_misspelt_is_named_as_before():
+    """A name near one of the function's own arguments is that argument, not a key of algorithm."""
+    from rft.config import near_args
+
+    assert near_args(["epsilonn"], ["epsilon"], section="algorithm") == " Did you mean epsilon (not epsilonn)?"
+    assert near_args(["zzz"], ["epsilon"], section="algorithm") == ""
+    assert near_args(["lamda"], ["epsilon"]) == ""  # no section: free-form args of no schema section

@@ -158,7 +158,7 @@ def check_args(registry: Registry, name: str, args, args_key: str):
     if unknown and not any(p.kind is p.VAR_KEYWORD for p in own):
         raise ConfigError(f"{args_key} has {unknown}, which {registry.key}={name} does not take; its own arguments "
                           f"are {known} (the rest of its settings are the algorithm.* keys it reads from cfg)."
-                          f"{near_args(unknown, known)}")
+                          f"{near_args(unknown, known, section=args_key.rpartition('.')[0])}")
     missing = [p.name for p in own if p.name in known and p.default is p.empty and p.name not in args]
     if missing:
         raise ConfigError(f"{registry.key}={name} needs {missing} in {args_key}, which has no default: set "

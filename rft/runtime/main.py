@@ -343,7 +343,8 @@ def per_stage(fn, stages: list, args: list, sources: list | None = None) -> list
         try:
             out.append(fn(s, arg))
         except ConfigError as e:
-            hint = _merged_args_hint(str(e), i, sources[i]) if sources else ""
+            # one stage: nothing is merged into another, so the merged-args hint does not apply
+            hint = _merged_args_hint(str(e), i, sources[i]) if sources and len(stages) > 1 else ""
             message = str(e) + (_own_key_hint(str(e), sources[i]) if hint is None else hint)
             raise ConfigError(f"stage {s.stage_name}: {message}" if s.stage_name else message) from e
     return out
@@ -358,6 +359,8 @@ def _merged_args_hint(message: str, index: int, sources: dict) -> str | None:
     m = re.match(r"(algorithm\.\w+_args) has (\[[^]]*\])", message)
     if not m:
         return None  # not about a function's arguments
+    if " Did you mean algorithm." in message:
+        return ""  # an algorithm.* key given as an argument (rft.config.near_args): the fix is that key
     key, unknown = m[1], re.findall(r"'(\w+)'", m[2])
     if any(sources.get(f"{key}.{k}", "").startswith("stages.") for k in unknown):
         return ""  # the stage's own entry sets it: a misspelt argument, which the message names

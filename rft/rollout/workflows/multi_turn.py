@@ -206,11 +206,13 @@ def _check_env_class(env_cls, args, where: str) -> None:
         raise ConfigError(f"{where}.env={name!r} is not an environment: it needs to be a class with reset(task) and "
                           f"step(text) methods (rft/rollout/environments/tools.py), and "
                           f"{'is a ' + type(env_cls).__name__ if not isinstance(env_cls, type) else 'has no ' + ' or '.join(missing)}.")
+    given, known = dict(args.get("env_args") or {}), list(inspect.signature(env_cls).parameters)
     try:
-        inspect.signature(env_cls).bind(**dict(args.get("env_args") or {}))
+        inspect.signature(env_cls).bind(**given)
     except TypeError as e:
-        raise ConfigError(f"{where}.env_args={dict(args.get('env_args') or {})!r} does not fit {name}{inspect.signature(env_cls)} "
-                          f"({e}). Give the keyword arguments its constructor takes.") from None
+        raise ConfigError(f"{where}.env_args={given!r} does not fit {name}{inspect.signature(env_cls)} "
+                          f"({e}). Give the keyword arguments its constructor takes."
+                          f"{near_args(sorted(set(given) - set(known)), known)}") from None
     # an environment may check its arguments against this machine too (python: is there a sandbox?)
     if callable(getattr(env_cls, "check_config", None)):
         env_cls.check_config(**dict(args.get("env_args") or {}))
