@@ -150,3 +150,55 @@ def test_aio_contexts_are_refused(no_guard):
     # machine (libaio in the trainer) got EAGAIN from io_setup while it ran; now EPERM (errno 1)
     r = sandbox.run_python(AIO_CONTEXT, memory_mb=128, timeout_s=10)
     assert r.stdout == "-1 1\n"
+
+
+# empty files in its 64 MiB /tmp: the tmpfs's size counts their data, not their inodes and names,
+# which are kernel memory (a shmem inode, a dentry, a name past 32 bytes) no process's count holds
+EMPTY_FILES = r"""
+import os, time
+for n in range(150000):
+    os.close(os.open(f"/tmp/{n:0200d}", os.O_CREAT | os.O_WRONLY))
+print("files", n + 1, flush=True)
+time.sleep(3)
+"""
+
+
+def test_empty_files_in_its_tmpfs_count_against_the_memory_limit(no_guard):
+    # before: one process made 343000 such files in 2.5 s: ~420 MiB of slab (shmem_inode_cache 246,
+    # kmalloc-rcl-256 84, dentry 57: ~1.25 KiB a file) in a sandbox of 512 MiB whose tmpfs read
+    # "0 bytes used", and ran to the end. Here 150000 files x 1.25 KiB = ~183 MiB, past 128 MiB
+    r = sandbox.run_python(EMPTY_FILES, memory_mb=128, timeout_s=20)
+    assert r.reason == "memory limit of 128 MiB exceeded (all its processes together; killed)"
+
+
+# mappings of one page each, shared and anonymous, so none merges with the next: each is a
+# vm_area_struct plus a shmem inode, file and dentry (~1.3 KiB of slab), no resident page at all
+MANY_MAPPINGS = r"""
+import mmap, os, time
+for _ in range(4):
+    if os.fork() == 0:
+        maps = [mmap.mmap(-1, 4096) for _ in range(40000)]
+        print("maps", len(maps), flush=True)
+        time.sleep(5)
+        os._exit(0)
+time.sleep(5)
+"""
+
+
+def test_many_mappings_count_against_the_memory_limit(no_guard):
+    # before: 65477 mappings held 82 MiB of slab (vm_area_struct 12, shmem_inode_cache 47, filp 12,
+    # dentry 6) at ~15 MiB resident; RLIMIT_AS (memory_mb) allows 65530 (vm.max_map_count) a process,
+    # so 32 processes held ~2.6 GB. Here 4 x 40000 mappings (156 MiB of address space each, under
+    # RLIMIT_AS) x ~1.3 KiB = ~200 MiB past 4 x ~12 MiB resident, in a sandbox of 256 MiB that ended
+    # "ok" after its 5 s sleep
+    r = sandbox.run_python(MANY_MAPPINGS, memory_mb=256, timeout_s=20)
+    assert r.reason == "memory limit of 256 MiB exceeded (all its processes together; killed)"
+
+
+def test_the_inode_count_never_charges_this_machines_own_tmp():
+    # before bwrap has moved into the sandbox's root, its processes' root is this machine's: a /tmp
+    # and /work on a disk with 1.5 million inodes in use (without the check: 1502236 here) would
+    # charge 2.2 GB and kill a sandbox of 512 MiB at its first poll. This process's root is such a
+    # root: nothing counts
+    assert os.statvfs("/tmp").f_blocks * os.statvfs("/tmp").f_frsize != sandbox.TMPFS_BYTES
+    assert sandbox._tmpfs_inodes([os.getpid()]) == 0

@@ -36,7 +36,10 @@ counts RLIMIT_NPROC per user namespace there (Linux 5.14 or newer).
 Why memory is summed from /proc rather than a cgroup: cgroups differ between machines (v1 or v2,
 delegated or not, writable only by root); /proc works for every caller. The sum counts each
 process's resident pages and the memfds it holds open (SysV shared memory, which no process's
-count holds once unmapped, is refused by the filter); an allocation faster than POLL_S is caught late.
+count holds once unmapped, is refused by the filter), and KERNEL_BYTES for each mapping of a process and
+each inode of its tmpfs (empty files and one-page mappings are kernel memory that neither a
+resident count nor a tmpfs's size sees: 343000 empty files held ~420 MiB); an allocation faster
+than POLL_S is caught late.
 
 The audit hook (PEP 578) refuses, with a readable reason, what a model does by mistake:
 subprocesses, signals, ctypes, sockets, writes outside its directory. It is a guard against
@@ -76,6 +79,11 @@ OPEN_FILES = 64  # RLIMIT_NOFILE
 POLL_S = 0.05  # how often the sandbox's memory is summed
 GRACE_S = 2.0  # after a kill: how long its pipes may take to close
 CHUNK = 1 << 16
+# kernel memory charged for each mapping of a sandbox's process and each inode of its tmpfs, which
+# no resident count holds: measured 1.3 KiB of slab for a one-page shared anonymous mapping (its
+# vm_area_struct and a shmem inode, file and dentry) and 1.25 KiB for an empty file with a 200-byte
+# name; a plain Python process has ~100 mappings (150 KiB)
+KERNEL_BYTES = 1536
 
 # the first refusal, written on the child's stderr after this marker (and parsed out of it)
 _MARK = "@@rft-sandbox-refused:"
@@ -274,14 +282,20 @@ def _processes(root: int) -> list[int]:
     return out
 
 
-def _memory(pids: list[int]) -> int:
+def _memory(pids: list[int], isolated: bool) -> int:
     """Resident bytes of these processes, plus the memfds and secret memory files they hold open
-    (not resident until mapped, or once unmapped)."""
+    (not resident until mapped, or once unmapped), plus KERNEL_BYTES for each of their mappings and
+    each inode of the sandbox's tmpfs (kernel memory that neither a resident count nor a tmpfs's
+    size holds)."""
     total, seen = 0, set()
+    if isolated:
+        total += _tmpfs_inodes(pids[1:]) * KERNEL_BYTES
     for pid in pids:
         try:
             with open(f"/proc/{pid}/statm", "rb") as f:
                 total += int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+            with open(f"/proc/{pid}/maps", "rb") as f:  # a line a mapping
+                total += sum(chunk.count(b"\n") for chunk in iter(lambda: f.read(CHUNK), b"")) * KERNEL_BYTES
             for fd in os.listdir(f"/proc/{pid}/fd"):
                 # memfd_secret's files read "/secretmem (deleted)" and report no blocks, so their
                 # size counts (the filter refuses them; an unisolated run has no filter)
@@ -294,6 +308,24 @@ def _memory(pids: list[int]) -> int:
         except OSError:  # it ended meanwhile
             continue
     return total
+
+
+def _tmpfs_inodes(pids: list[int]) -> int:
+    """Inodes in use on the sandbox's /tmp and /work, seen through the root of one of its processes
+    (bwrap's own is this machine's): each is a shmem inode and a dentry whatever its size (an
+    empty file, a directory, a link)."""
+    for pid in pids:
+        try:
+            used = 0
+            for d in ("/tmp", "/work"):
+                st = os.statvfs(f"/proc/{pid}/root{d}")
+                if st.f_blocks * st.f_frsize != TMPFS_BYTES:
+                    return 0  # not the sandbox's tmpfs: bwrap has not yet moved into its root (this machine's /tmp)
+                used += st.f_files - st.f_ffree
+            return used
+        except OSError:  # it ended meanwhile
+            continue
+    return 0
 
 
 def _running(p: subprocess.Popen) -> bool:
@@ -356,7 +388,7 @@ def _watch(p: subprocess.Popen, isolated: bool, timeout_s: float, memory: int, k
                 _kill(p, isolated)
             if wall is None and time.monotonic() >= next_poll:
                 next_poll = time.monotonic() + POLL_S
-                if _memory(_processes(p.pid)) > memory:
+                if _memory(_processes(p.pid), isolated) > memory:
                     wall, deadline = "memory", time.monotonic() + GRACE_S
                     _kill(p, isolated)
     return kept, read, wall
