@@ -182,3 +182,48 @@ def test_an_own_argument_misspelt_is_named_as_before():
     assert near_args(["epsilonn"], ["epsilon"], section="algorithm") == " Did you mean epsilon (not epsilonn)?"
     assert near_args(["zzz"], ["epsilon"], section="algorithm") == ""
     assert near_args(["lamda"], ["epsilon"]) == ""  # no section: free-form args of no schema section
+
+
+@pytest.mark.slow  # two fsdp2 ranks built in turn, one step
+def test_an_fsdp2_critic_state_of_another_shape_is_refused_before_anything_loads(tmp_path):
+    """algorithm=ppo on trainer=fsdp2: the critic's part of trainer_state.pt goes through check_state
+    as trainer=torch's does (tests/test_critic_state.py); its optimizer's state is keyed by parameter
+    name here, and set_optimizer_state_dict would take moments of another shape."""
+    import torch
+    from test_mixed_precision import one_rank
+    from test_read_back2 import edited
+    from test_trainer import experiences
+
+    from rft.trainer.state import CheckpointFileError
+
+    def critic_moment(state):  # the first moment of the critic's first parameter tripled: [3, *shape]
+        m = next(iter(state["critic"]["optimizer"]["state"].values()))
+        m["exp_avg"] = torch.zeros(3, *m["exp_avg"].shape)
+
+    saved, ppo = tmp_path / "saved", ("algorithm=ppo", "algorithm.critic_warmup=0")
+    saved.mkdir()
+    t = one_rank(*ppo)
+    try:
+        t.train_step(experiences())
+        t.save(str(saved))
+    finally:
+        t.close()
+    state = torch.load(saved / "trainer_state.pt", weights_only=True)["critic"]["optimizer"]
+    name = next(iter(state["state"]))
+    assert isinstance(name, str)  # keyed by name, not torch's positions
+    shape = list(state["state"][name]["exp_avg"].shape)
+    (tmp_path / "moment").mkdir()
+    ckpt = edited(saved, tmp_path / "moment", critic_moment)
+    fresh = one_rank(*ppo)
+    try:
+        before = fresh.fingerprint()
+        with pytest.raises(CheckpointFileError) as e:
+            fresh.load(str(ckpt))
+        assert str(e.value) == (f"{ckpt / 'trainer_state.pt'} does not load (its critic's optimizer's exp_avg of "
+                                f"parameter 0 has shape {[3, *shape]}, the parameter {shape}: the trainer never saves "
+                                f"one so)")
+        assert fresh.fingerprint() == before and fresh.version == 0
+        fresh.load(str(saved))  # as saved: loads
+        assert fresh.version == 1
+    finally:
+        fresh.close()
