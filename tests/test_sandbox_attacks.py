@@ -12,7 +12,7 @@ import subprocess
 import sys
 
 import pytest
-from test_sandbox import isolated, no_bwrap, no_guard  # noqa: F401 (fixtures: bubblewrap or skip; none; past the hook)
+from test_sandbox import isolated, no_bwrap, no_guard, unguarded  # noqa: F401 (fixtures: bubblewrap or skip; none; past the hook)
 
 from rft.rollout.environments import sandbox
 
@@ -202,3 +202,25 @@ def test_the_inode_count_never_charges_this_machines_own_tmp():
     # root: nothing counts
     assert os.statvfs("/tmp").f_blocks * os.statvfs("/tmp").f_frsize != sandbox.TMPFS_BYTES
     assert sandbox._tmpfs_inodes([os.getpid()]) == 0
+
+
+# perf_event_open of a software clock on itself, user space only (what perf_event_paranoid 2 allows
+# any uid), and userfaultfd in user mode only (what vm.unprivileged_userfaultfd 0 allows)
+PERF_AND_USERFAULTFD = r"""
+import ctypes, platform, struct
+libc = ctypes.CDLL(None, use_errno=True)
+perf_event_open, userfaultfd = {"x86_64": (298, 323), "aarch64": (241, 282)}[platform.machine()]
+attr = ctypes.create_string_buffer(struct.pack("IIQQQQQ", 1, 64, 0, 0, 0, 0, (1 << 5) | (1 << 6)) + bytes(16), 64)
+print("perf_event_open", libc.syscall(perf_event_open, attr, 0, -1, -1, 0), ctypes.get_errno(), flush=True)
+print("userfaultfd", libc.syscall(userfaultfd, 1), ctypes.get_errno(), flush=True)
+"""
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "aarch64"), reason="the calls' numbers on x86_64 and aarch64")
+def test_perf_events_and_userfaultfd_are_refused(no_guard):
+    # before: "perf_event_open 3 0" and "userfaultfd 4 0" (descriptors). Where perf_event_paranoid is
+    # 0 or less, perf events on a whole CPU count every process that runs there (the explorer's, the
+    # trainer's); userfaultfd stalls page faults at the code's choosing, the kernel-race tool of many
+    # exploits. No code here needs either; both now fail with EPERM (errno 1)
+    r = sandbox.run_python(unguarded(PERF_AND_USERFAULTFD), memory_mb=128, timeout_s=10)
+    assert r.stdout == "perf_event_open -1 1\nuserfaultfd -1 1\n", r.stderr

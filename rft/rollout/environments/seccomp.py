@@ -1,6 +1,6 @@
 """The sandbox's syscall filter (rft/rollout/environments/sandbox.py hands it to bwrap's --seccomp): a short deny list.
 
-The sandbox's walls are namespaces, rlimits and a memory count from /proc. Eight things the kernel
+The sandbox's walls are namespaces, rlimits and a memory count from /proc. Ten things the kernel
 offers every process pass all of them, and model-written code reaches each from pure Python (a
 fresh interpreter started through `_posixsubprocess` has no audit hook, and has ctypes):
 
@@ -21,10 +21,16 @@ fresh interpreter started through `_posixsubprocess` has no audit hook, and has 
 - bpf: where kernel.unprivileged_bpf_disabled is 0 (the kernel's default), any uid may create BPF
   maps, kernel memory no process's count holds (one array map takes max_entries x value_size);
 - AIO contexts (io_setup): the kernel bounds their events by fs.aio-max-nr for the whole machine
-  (65536), and one call took them all: every other process's io_setup (libaio) failed while it ran.
+  (65536), and one call took them all: every other process's io_setup (libaio) failed while it ran;
+- perf_event_open: where kernel.perf_event_paranoid is 0 or less, an event on a whole CPU counts
+  every process that runs there (the explorer's, the trainer's), and its ring buffers are locked
+  memory of the uid's; refused at every setting, as kernel surface no code here needs;
+- userfaultfd: it stalls page faults at the code's choosing, the kernel-race tool of many exploits
+  (user faults only where vm.unprivileged_userfaultfd is 0, yet still surface no code here needs).
 
 So these calls fail with EPERM: socket, socketpair, unshare, setns, clone with a namespace flag,
-the mount calls, shmget, msgget, add_key, request_key, keyctl, io_uring_setup/enter/register, memfd_secret, bpf, io_setup. clone3, whose flags a filter cannot read, fails with
+the mount calls, shmget, msgget, add_key, request_key, keyctl, io_uring_setup/enter/register, memfd_secret, bpf, io_setup,
+perf_event_open, userfaultfd. clone3, whose flags a filter cannot read, fails with
 ENOSYS, on which the C library falls back to clone. The filter is compiled by libseccomp (through
 pyseccomp), which knows each architecture's syscall numbers; calls of another ABI than the
 machine's own (x32, or 32-bit code on a 64-bit kernel) fail with ENOSYS.
@@ -37,7 +43,8 @@ import tempfile
 
 DENIED = ("socket", "socketpair", "unshare", "setns", "mount", "umount2", "pivot_root", "open_tree", "move_mount",
           "fsopen", "fsconfig", "fsmount", "fspick", "mount_setattr", "shmget", "msgget", "add_key", "request_key", "keyctl",
-          "io_uring_setup", "io_uring_enter", "io_uring_register", "memfd_secret", "bpf", "io_setup")
+          "io_uring_setup", "io_uring_enter", "io_uring_register", "memfd_secret", "bpf", "io_setup",
+          "perf_event_open", "userfaultfd")
 # CLONE_NEWTIME, NEWNS, NEWCGROUP, NEWUTS, NEWIPC, NEWUSER, NEWPID, NEWNET: clone with any of them is
 # refused; fork and threads use clone without them
 CLONE_NAMESPACES = (0x80, 0x20000, 0x02000000, 0x04000000, 0x08000000, 0x10000000, 0x20000000, 0x40000000)
