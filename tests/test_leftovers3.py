@@ -1,5 +1,5 @@
-"""Leftovers of earlier audits: the dry run's placement against a local Ray instance's CPUs, files a
-run reads back bounded, misspelt keys in free-form args."""
+"""The dry run's placement against a local Ray instance's CPUs, files a run reads back bounded,
+misspelt keys in free-form args, and trainer=fsdp2's critic state checked on resume."""
 
 import pytest
 from conftest import compose_cfg
