@@ -224,3 +224,27 @@ def test_perf_events_and_userfaultfd_are_refused(no_guard):
     # exploits. No code here needs either; both now fail with EPERM (errno 1)
     r = sandbox.run_python(unguarded(PERF_AND_USERFAULTFD), memory_mb=128, timeout_s=10)
     assert r.stdout == "perf_event_open -1 1\nuserfaultfd -1 1\n", r.stderr
+
+
+# pseudo-terminals from its /dev/ptmx: the kernel bounds them for the whole machine (kernel.pty.max
+# 4096, of which every devpts but the machine's first shares 4096 - kernel.pty.reserve = 3072)
+PTYS = r"""
+import os
+n, error = 0, None
+try:
+    for _ in range(60):
+        os.open("/dev/ptmx", os.O_RDWR | os.O_NOCTTY)
+        n += 1
+    os.openpty()
+except OSError as e:
+    error = type(e).__name__
+print(n, error)
+"""
+
+
+def test_it_cannot_take_the_machines_pseudo_terminals(no_guard):
+    # before: "60 OSError" (60 ptys opened), and 31 processes opening ptys until RLIMIT_NOFILE held 1891
+    # (/proc/sys/kernel/pty/nr): two sandboxes at once take all 3072 that containers (and other
+    # sandboxes) share, whose terminals then fail to open. No code here needs one
+    r = sandbox.run_python(PTYS, timeout_s=10)
+    assert r.stdout == "0 PermissionError\n"

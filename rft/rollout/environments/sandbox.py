@@ -4,7 +4,7 @@ Code a model wrote never runs in the explorer's or the trainer's process. `run_p
 it in `python -I -S` (the standard library only) inside bubblewrap (`bwrap`), behind these walls:
 
 - files: a mount namespace whose root holds only /usr (and /bin, /lib...) and the interpreter's
-  prefix, read-only, its own /proc, a minimal read-only /dev, and two tmpfs of TMPFS_BYTES each:
+  prefix, read-only, its own /proc, a minimal read-only /dev (no ptys), and two tmpfs of TMPFS_BYTES each:
   /work (its working directory) and /tmp. The project, the venv, /etc, /home, the host's sockets:
   not there. RLIMIT_FSIZE caps a file at FILE_BYTES. Its stdin is a sealed memfd (no one can write
   it, and it counts in its memory).
@@ -245,7 +245,9 @@ def _bwrap_args(exe: str, mode: str, uid: str, filter_fd: int) -> list[str]:
             parents = [p for p in _parents(prefix) if p != "/"]
             a += [x for p in parents for x in ("--perms", "0755", "--dir", p)] + ["--ro-bind", prefix, prefix]
     # /dev read-only: in user mode bwrap's /dev tmpfs (no size limit) would be the code's to fill
-    a += ["--proc", "/proc", "--dev", "/dev", "--remount-ro", "/dev"]
+    # and its /dev/ptmx read-only /dev/null: the machine's ptys are few (kernel.pty.max), and one
+    # sandbox's processes took 1891 of the 3072 that every container shares
+    a += ["--proc", "/proc", "--dev", "/dev", "--ro-bind", "/dev/null", "/dev/pts/ptmx", "--remount-ro", "/dev"]
     for d in ("/tmp", "/work"):
         a += ["--size", str(TMPFS_BYTES), "--perms", "1777", "--tmpfs", d]
     a += ["--chdir", "/work"]
