@@ -28,3 +28,31 @@ def test_a_job_killed_before_its_record_is_reported_with_its_planned_overrides(t
     # grpo: both seeds done; dapo: job 2 (killed) and job 3 (never started), none done
     assert [r.split(" | ")[:5] for r in by_config[2:]] == [["| grpo", "1,2", "grpo", "done", "2"],
                                                          ["| dapo", "1,2", "", "0/2 done", "0"]]
+
+
+def test_a_local_job_killed_outright_is_not_said_to_have_finished(tmp_path, capsys):
+    """`kill -9` of a hydra/launcher=local job's process at step 29 of 200: submitit's local state
+    for it is FINISHED (its controller, the process the sweep names, exited normally), and the
+    sweep printed "[sweep] job 1 (25795) ended with state FINISHED and no result", then "the sweep
+    stopped: job 25795 ended with state FINISHED": a killed job read as one that finished. The
+    state of a job with no result is now told as what it is."""
+    from submitit.core.utils import UncompletedJobError
+    from test_sweep_local import FakeJob
+
+    from rft.reporting.sweep import explain, watch
+
+    dead = UncompletedJobError(f"Job 25795 (task: 0) with path {tmp_path}/.submitit/25795/25795_0_result.pkl\n"
+                               "has not produced any output (state: FINISHED)\nError stream produced:\n...")
+    (tmp_path / ".submitit" / "25795").mkdir(parents=True)
+    (tmp_path / ".submitit" / "25795" / "25795_0_log.out").write_text("[grpo] step 20: eval accuracy 1.000\n")
+    try:
+        watch([FakeJob("25795", tmp_path / ".submitit" / "%j", 1, dead)], [["seed=1"]], 1, str(tmp_path), poll_s=0.01)
+    except UncompletedJobError as e:
+        text = explain(e, str(tmp_path))
+    line = capsys.readouterr().out.splitlines()[-1]
+    assert line == ("[sweep] job 1 (25795) ended with no result: its process stopped without one (submitit's "
+                    "local launcher calls that state FINISHED) [1/1 ended]")
+    assert text.startswith("rft: the sweep stopped: job 25795 ended with no result: its process stopped without "
+                           "one (submitit's local launcher calls that state FINISHED). It was killed, cancelled, "
+                           "out of memory or time, its node lost, or rft exited on an error. The last lines of its "
+                           "log (25795_0_log.out):\n    [grpo] step 20: eval accuracy 1.000\n")

@@ -56,6 +56,16 @@ def log_tail(path: Path, lines: int = 8) -> list[str]:
     return said + tail
 
 
+def no_result(state: str) -> str:
+    """How a job that left no result ended, from submitit's state for it."""
+    if state == "FINISHED":
+        # the local launcher's word once the job's controller exited, though the job's own process
+        # was killed (SIGKILL, the OOM killer): "ended with state FINISHED" read as a success
+        return ("ended with no result: its process stopped without one (submitit's local launcher calls "
+                "that state FINISHED)")
+    return f"ended with state {state} and no result"
+
+
 def explain(error: Exception, sweep_dir: str) -> str:
     cause = error.__cause__
     if isinstance(cause, subprocess.CalledProcessError) and "sbatch" in str(cause.cmd):
@@ -76,8 +86,8 @@ def explain(error: Exception, sweep_dir: str) -> str:
     lines, log = (log_tail(err), err) if log_tail(err) else (log_tail(out), out)
     tail = "\n".join(f"    {line}" for line in lines) or "    (nothing)"
     return (
-        f"rft: the sweep stopped: job {job} ended with state {state} and no result (killed, "
-        f"cancelled, out of memory or time, its node lost, or rft exiting on an error). The last "
+        f"rft: the sweep stopped: job {job} {no_result(state)}. It was killed, cancelled, out of memory "
+        f"or time, its node lost, or rft exited on an error. The last "
         f"lines of its log ({log.name}):\n{tail}\nIts whole output: {err} and {out}. The other jobs ran to their "
         f"end (the lines above say how each ended) and keep their outputs in {sweep_dir}/<job number>/ "
         f"(`python -m rft.reporting.report {sweep_dir}` tabulates them). The same sweep with "
@@ -210,7 +220,7 @@ def watch(jobs, job_overrides, first_num: int, sweep_dir: str, poll_s: float = 1
         except (UncompletedJobError, FailedJobError) as e:
             dead[num] = e
             m = _UNCOMPLETED.search(str(e))
-            what = f"ended with state {m['state']} and no result" if m else "failed in submitit"
+            what = no_result(m["state"]) if m else "failed in submitit"
         print(f"[sweep] job {num} ({job.job_id}) {what} [{ended}/{len(jobs)} ended]", flush=True)
     if dead:
         raise dead[min(dead)]
