@@ -56,3 +56,23 @@ def test_a_local_job_killed_outright_is_not_said_to_have_finished(tmp_path, caps
                            "one (submitit's local launcher calls that state FINISHED). It was killed, cancelled, "
                            "out of memory or time, its node lost, or rft exited on an error. The last lines of its "
                            "log (25795_0_log.out):\n    [grpo] step 20: eval accuracy 1.000\n")
+
+
+def test_the_studio_sweep_table_lists_every_planned_job_as_the_report_does(tmp_path):
+    """The README: the studio's sweep table "is python -m rft.reporting.report's". For a sweep
+    killed in its third of four jobs the report listed four rows (a killed job with its planned
+    overrides, a job never started), but the studio read the job directories alone: three rows,
+    the killed one with blank keys, and 'experiment' a column, as if it differed."""
+    from rft.studio.runs import Runs
+
+    d = tmp_path / "rft" / "multirun" / "2026-11-29_01-39-17"
+    write_job(d, 0, ["algorithm=grpo", "seed=1", "experiment=cmp"], "grpo", {"sft_warmup": SFT, "grpo": GRPO})
+    write_job(d, 1, ["algorithm=grpo", "seed=2", "experiment=cmp"], "grpo", {"sft_warmup": SFT, "grpo": GRPO})
+    (d / "2").mkdir()  # killed before its record
+    (d / "multirun.yaml").write_text(MULTIRUN)  # 4 jobs: grpo 1, grpo 2, dapo 1, dapo 2
+    table = Runs(tmp_path).sweep_table("rft/multirun/2026-11-29_01-39-17")
+    assert [(r["job"], r["algorithm"], r["seed"], r["status"]) for r in table["jobs"]] == [
+        ("0", "grpo", "1", "done"), ("1", "grpo", "2", "done"), ("2", "dapo", "1", report.NO_METRICS),
+        ("3", "dapo", "2", report.NOT_STARTED)]
+    assert "experiment" not in table["jobs"][0]  # common to all four: no column
+    assert [(c["algorithm"], c["n"]) for c in table["configs"]] == [("grpo", 2), ("dapo", 0)]

@@ -334,9 +334,10 @@ def read_job(job_dir: Path, stage: str | None = None, name: str | None = None, f
     return job
 
 
-def read_jobs(sweep_dir: Path, stage: str | None = None) -> list[Job]:
+def read_jobs(sweep_dir: Path, stage: str | None = None, files: Files = FILES) -> list[Job]:
     """Every job's results in `stage` (None: each job's last; "all": a Job per job and stage,
-    ordered by stage, then job)."""
+    ordered by stage, then job), the jobs a sweep planned and never started included. `files`:
+    how they are read (the studio's index)."""
     dirs = find_jobs(sweep_dir)
     if not dirs:
         raise FileNotFoundError(
@@ -345,7 +346,7 @@ def read_jobs(sweep_dir: Path, stage: str | None = None) -> list[Job]:
             f"checkpoints/rft/multirun/<date_time>, or a run's, e.g. checkpoints/rft/<name>."
         )
     names = {d: d.name if d == sweep_dir else d.relative_to(sweep_dir).as_posix() for d in dirs}
-    jobs = _read_stage(sweep_dir, dirs, names, stage)
+    jobs = _read_stage(sweep_dir, dirs, names, stage, files)
     planned = planned_jobs(sweep_dir)
     for j in jobs:
         # a job killed before rft wrote its record (.hydra/ comes once the run is about to start) is
@@ -386,10 +387,11 @@ def planned_jobs(sweep_dir: Path) -> list[dict[str, str]]:
     return [dict(o.partition("=")[::2] for o in job) for job in jobs]
 
 
-def _read_stage(sweep_dir: Path, dirs: list[Path], names: dict, stage: str | None) -> list[Job]:
+def _read_stage(sweep_dir: Path, dirs: list[Path], names: dict, stage: str | None,
+                files: Files = FILES) -> list[Job]:
     if stage is None:
-        return [read_job(d, None, names[d]) for d in dirs]
-    per_job = {d: job_stages(d) for d in dirs}
+        return [read_job(d, None, names[d], files) for d in dirs]
+    per_job = {d: job_stages(d, files) for d in dirs}
     found = list(dict.fromkeys(s for stages in per_job.values() for s in stages if s))
     if stage == "all":
         jobs = []
@@ -399,7 +401,7 @@ def _read_stage(sweep_dir: Path, dirs: list[Path], names: dict, stage: str | Non
         for d in dirs:
             own = per_job[d] or [""]
             for i, s in enumerate(own):
-                jobs.append(read_job(d, s, names[d]))
+                jobs.append(read_job(d, s, names[d], files))
                 jobs[-1].slot = most - len(own) + i
         return sorted(jobs, key=lambda j: j.slot)  # stable: within a stage, jobs keep their order
     if stage not in found and not found:
@@ -408,7 +410,7 @@ def _read_stage(sweep_dir: Path, dirs: list[Path], names: dict, stage: str | Non
     if stage not in found:
         raise ReportError(f"--stage {stage}: no job in {sweep_dir} has a stage of that name. The stages "
                           f"found: {', '.join(found)}. Give one of them, or --stage all for every stage.")
-    return [read_job(d, stage, names[d]) for d in dirs]
+    return [read_job(d, stage, names[d], files) for d in dirs]
 
 
 # ---------------------------------------------------------------- metrics and rows

@@ -170,7 +170,8 @@ class Runs:
         dirs = report.find_jobs(d)
         if not dirs:
             raise ValueError(f"{sweep} holds no job directories")
-        jobs = [report.read_job(j, None, j.relative_to(d).as_posix(), self.full) for j in dirs]
+        # the report's reading: a killed job with its planned overrides, the jobs never started
+        jobs = report.read_jobs(d, None, self.full)
         keys = report.differing_keys(jobs)
         metrics = report.choose_metrics(jobs, None)
         table = report.rows(jobs, keys, metrics)
