@@ -248,3 +248,70 @@ def test_it_cannot_take_the_machines_pseudo_terminals(no_guard):
     # sandboxes) share, whose terminals then fail to open. No code here needs one
     r = sandbox.run_python(PTYS, timeout_s=10)
     assert r.stdout == "0 PermissionError\n"
+
+
+# a daemon as a model would write one: setsid, fork again, close its descriptors, burn CPU; the call
+# itself returns at once
+DAEMON = r"""
+import os, sys
+r, w = os.pipe()  # close-on-exec: its read ends once the daemon runs
+if os.fork() == 0:
+    os.setsid()
+    if os.fork() == 0:
+        for fd in (0, 1, 2):
+            os.close(fd)
+        os.execv(sys.executable, [sys.executable, "-c", "while True: pass", sys.argv[0] + MARKER])
+    os._exit(0)
+os.close(w)
+os.read(r, 1)
+print("returned")
+"""
+
+
+@pytest.mark.parametrize("unisolated", [False, True])
+def test_a_daemon_does_not_outlive_a_call_that_returned(no_guard, unisolated, monkeypatch):
+    # the kernel ends a pid namespace's processes with its pid 1 (bwrap's), which ends after the code.
+    # before: bwrap returned first, and its pid 1 ended a moment later: the daemon was still running
+    # when the call had returned in 5 calls of 60 (for up to 30 ms), so 20 calls saw it ~4 times in 5.
+    # Unisolated (allow_unisolated: true) a process in a session of its own outlives the call, as the
+    # README says: the same test sees it there, so it would see it in the sandbox
+    import uuid
+
+    from test_sandbox import host_pids_with
+
+    if unisolated:
+        monkeypatch.setattr(sandbox, "_BWRAP", "rft-no-such-bwrap")
+    markers = [f"rft-{uuid.uuid4().hex}" for _ in range(1 if unisolated else 20)]
+    try:
+        for marker in markers:
+            r = sandbox.run_python(f"MARKER = {marker!r}\n" + DAEMON, timeout_s=10, allow_unisolated=unisolated)
+            assert (r.ok, r.stdout) == (True, "returned\n")
+            assert (host_pids_with(marker) != []) == unisolated
+    finally:
+        for pid in [pid for marker in markers for pid in host_pids_with(marker)]:
+            os.kill(pid, 9)
+
+
+SIGNALS = r"""
+import os, signal, time
+child = os.fork()
+if child == 0:
+    time.sleep(30)
+for what, pid in (("parent", os.getppid()), ("pid 1", 1)):
+    try:
+        os.kill(pid, signal.SIGKILL)
+        print(what, "killed")
+    except OSError as e:
+        print(what, e.strerror)
+os.kill(-1, signal.SIGKILL)  # every process it may signal but itself
+print("sibling", os.waitpid(child, 0)[1])
+"""
+
+
+def test_its_signals_reach_its_own_processes_only(no_guard):
+    # its parent is bwrap's pid 1 (another uid, and a pid namespace's init ignores SIGKILL from
+    # inside); kill(-1) reaches only its own child (status 9); this process and its group live on
+    me = os.getpid()
+    r = sandbox.run_python(SIGNALS, timeout_s=10)
+    assert r.stdout == "parent Operation not permitted\npid 1 Operation not permitted\nsibling 9\n", r.stderr
+    assert os.getpid() == me and os.getpgid(0) > 0

@@ -58,8 +58,10 @@ caller can read.
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import secrets
+import select
 import selectors
 import shutil
 import signal
@@ -330,6 +332,46 @@ def _tmpfs_inodes(pids: list[int]) -> int:
     return 0
 
 
+def _namespace_init(info_r: int, bwrap: int, timeout_s: float) -> int | None:
+    """A pidfd of the sandbox's pid 1 (its "child-pid" on bwrap's --info-fd, which this closes), or
+    None where it has ended already. bwrap exits as soon as the code does, and its pid 1, no
+    longer a descendant of this process, ends a moment later (bwrap's --die-with-parent) with its
+    namespace: a daemon the code left outlived the call by up to 30 ms (5 calls of 60) unless the
+    call waits for that pid 1."""
+    with open(info_r, "rb") as f:
+        if not select.select([f], [], [], timeout_s + GRACE_S)[0]:
+            return None
+        try:
+            pid = int(json.loads(f.read())["child-pid"])
+            fd = os.pidfd_open(pid)
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            ppid = int(f.read().rsplit(b")", 1)[1].split()[1])
+        signal.pidfd_send_signal(fd, 0)  # still alive: so the stat read was its own, not a reused pid's
+        if ppid == bwrap:
+            return fd
+    except OSError:
+        pass
+    os.close(fd)
+    return None
+
+
+def _end_namespace(init: int | None) -> None:
+    """Kills the sandbox's pid 1 and waits (GRACE_S at most) until it has ended: the kernel ends a
+    pid namespace's init only after every other process of it."""
+    if init is None:
+        return
+    try:
+        signal.pidfd_send_signal(init, signal.SIGKILL)
+        select.select([init], [], [], GRACE_S)  # readable once it has exited
+    except OSError:  # ended already
+        pass
+    finally:
+        os.close(init)
+
+
 def _running(p: subprocess.Popen) -> bool:
     """Whether the child still runs; an ended child is left unreaped (WNOWAIT), so its pid and
     process group cannot be reused by another process before `_kill` is done with them."""
@@ -453,20 +495,23 @@ def run_python(code: str, timeout_s: float = 5.0, memory_mb: int = 512, max_outp
                 str(nproc), str(FILE_BYTES), str(OPEN_FILES), str(src.fileno()), "/work" if mode else work, _MARK,
                 "1" if _guard else "0"]
         uid = str((1 << 30) + secrets.randbelow((1 << 30) - 1))
-        filter_fd = _filter_fd() if mode else -1
+        filter_fd, (info_r, info_w) = (_filter_fd(), os.pipe()) if mode else (-1, (-1, -1))
         cmd = _bwrap_args(shutil.which(_BWRAP), mode, uid, filter_fd) + boot if mode else boot
+        cmd[1:1] = ["--info-fd", str(info_w)] if mode else []
         try:
             p = subprocess.Popen(cmd, cwd=work, stdin=stdin_ro, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                 pass_fds=(src.fileno(),) + ((filter_fd,) if mode else ()), start_new_session=True,
+                                 pass_fds=(src.fileno(),) + ((filter_fd, info_w) if mode else ()), start_new_session=True,
                                  env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": work})
         finally:
             if mode:
-                os.close(filter_fd)
+                os.close(filter_fd), os.close(info_w)
+        init = _namespace_init(info_r, p.pid, timeout_s) if mode else None
         fds = p.stdout.fileno(), p.stderr.fileno()
         try:
             kept, read, wall = _watch(p, mode is not None, timeout_s, memory_mb << 20, max_output_bytes, output_limit_bytes)
         finally:
             _kill(p, mode is not None)  # what an unisolated run left behind in its group; then reap it
+            _end_namespace(init)
             try:
                 p.wait(GRACE_S)
             except subprocess.TimeoutExpired:
