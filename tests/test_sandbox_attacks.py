@@ -315,3 +315,29 @@ def test_its_signals_reach_its_own_processes_only(no_guard):
     r = sandbox.run_python(SIGNALS, timeout_s=10)
     assert r.stdout == "parent Operation not permitted\npid 1 Operation not permitted\nsibling 9\n", r.stderr
     assert os.getpid() == me and os.getpgid(0) > 0
+
+
+# code that would rather not end: SIGTERM and friends ignored, every signal blocked, and a child and
+# itself blocked in a read of a pipe whose write end it holds open (no EOF ever)
+STUBBORN = r"""
+import os, signal
+for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGALRM, signal.SIGXCPU):
+    signal.signal(s, signal.SIG_IGN)
+signal.pthread_sigmask(signal.SIG_BLOCK, set(signal.valid_signals()))
+r, w = os.pipe()
+os.fork()
+print("reading", flush=True)
+os.read(r, 1)
+"""
+
+
+def test_code_that_ignores_signals_and_blocks_in_a_read_still_times_out(no_guard):
+    # SIGKILL is neither blocked nor ignored, and a pipe read sleeps interruptibly: the tool call
+    # answers the timeout's reason, and the caller never waits on the code
+    from rft.rollout.environments.tools import ToolError, run_python
+
+    r = sandbox.run_python(STUBBORN, timeout_s=1)
+    assert (r.reason, r.stdout) == ("timed out after 1 s (killed)", "reading\nreading\n")
+    assert r.seconds < 10  # 1 s and the kill; never the code's own time
+    with pytest.raises(ToolError, match=r"^timed out after 1 s \(killed\)$"):
+        run_python(STUBBORN, timeout_s=1)
