@@ -10,15 +10,16 @@ it in `python -I -S` (the standard library only) inside bubblewrap (`bwrap`), be
   it, and it counts in its memory).
 - processes: a pid namespace of its own (it sees only itself). At a wall, the caller kills the
   sandbox's pid 1 (the kernel then kills every process of the namespace, setsid or not) and then
-  bwrap; `--die-with-parent` does the same if the caller dies. RLIMIT_NPROC caps its processes
-  and threads at `max_processes`.
+  bwrap; `--die-with-parent` does the same if the caller dies. At every end the caller kills that
+  pid 1 and waits for it (through a pidfd from bwrap's --info-fd), so nothing outlives the call.
+  RLIMIT_NPROC caps its processes and threads at `max_processes`.
 - network: a network namespace with only its own loopback; also IPC and UTS namespaces (its host
   name is `sandbox`, not this machine's).
 - user: an unprivileged uid with no capabilities and no_new_privs.
 - kernel: a syscall filter (rft/rollout/environments/seccomp.py) refuses what no namespace here separates or counts:
   sockets (their buffers), namespaces of its own (a tmpfs there), SysV shared memory and message
   queues, the keyrings (the caller's session keyring among them), io_uring (sockets past the rule),
-  memfd_secret (memory no count sees).
+  memfd_secret (memory no count sees), BPF, AIO contexts, perf events, userfaultfd.
 - time, memory, output: the caller reads stdout and stderr in chunks while the code runs, keeps at
   most `max_output_bytes` of each, and kills the sandbox at `timeout_s`, when the output passes
   `output_limit_bytes`, or when the resident memory of all its processes together passes
