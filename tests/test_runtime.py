@@ -197,7 +197,9 @@ def test_killed_trainer_leaves_a_resumable_checkpoint(warm_start, tmp_path):
     assert "Run the same command again to resume from it." in err
     assert "Traceback" not in err
 
-    again = run_cli(*args, env=env_for(tmp_path))
+    # resumed in one process (cluster=inline): what is checked is the checkpoint the kill left; a
+    # resume under Ray is test_lora_sync's and test_resume_matrix's fsdp2 case
+    again = run_cli(*args, "cluster=inline", "synchronizer.sync_offset=1", env=env_for(tmp_path))
     assert again.returncode == 0, again.stderr[-3000:]
     assert re.search(r"resuming from step [2-5] ", again.stdout)
     assert [m["step"] for m in read_metrics(run / "metrics.jsonl")] == list(range(7))
@@ -238,7 +240,9 @@ def test_killed_explorer_with_sync_offset_redoes_its_step_on_the_scheduled_weigh
     k - 1 (the trainer is at k already), it is restarted and redoes step k on version k - 1: the
     run ends bit-identical to the uninterrupted one."""
     env = {**os.environ, **env_for(tmp_path)}
-    straight = run_cli(*base(warm_start, "straight", *OFFSET_SQL), env=env)
+    # the uninterrupted run in one process (cluster=inline): with sync_offset=1 its actors get the
+    # threads Ray's do (cluster.cpus_per_actor; rft.plan.placement.torch_threads), so the same bits
+    straight = run_cli(*base(warm_start, "straight", "cluster=inline", *OFFSET_SQL), env=env)
     assert straight.returncode == 0, straight.stderr[-3000:]
     run = tmp_path / "rft" / "killed"
     proc = subprocess.Popen([sys.executable, str(ROOT / "run.py"), *base(warm_start, "killed", *OFFSET_SQL)],
