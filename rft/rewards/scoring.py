@@ -26,6 +26,7 @@ saved in checkpoints, so a resumed run normalises as an uninterrupted one).
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import inspect
 import json
@@ -89,7 +90,13 @@ class Scorer:
     def __call__(self, prompt: str, responses: list[str], task) -> list[Reward]:
         per_part = []
         for p in self.parts:
-            values = p.call(prompt, responses, task)
+            # each part gets copies: one that edits the list or the task (task.row["answer"] = ...) would
+            # change what the next part scores, the texts the buffer keeps, and the taskset's task for
+            # every later epoch
+            values = p.call(prompt, list(responses), copy.deepcopy(task))
+            if not isinstance(values, (list, tuple)):  # a dict of 2 keys would pass as 2 rewards (its keys)
+                raise ValueError(f"reward {p.name!r} returned {type(values).__name__} {_short(values)} for a group of "
+                                 f"{len(responses)} responses: a served reward returns a list of one reward per response")
             if len(values) != len(responses):
                 raise ValueError(f"reward {p.name!r} returned {len(values)} values for {len(responses)} responses")
             per_part.append(values)
@@ -113,11 +120,20 @@ class Scorer:
                 out[f"reward/{p.name}/{k}"] = v
         return out
 
+    def describe(self) -> str:
+        """The parts by name, for messages: `reward 'correct' + 'format'`."""
+        return "reward " + " + ".join(repr(p.name) for p in self.parts)
+
     def weights(self) -> dict[str, float]:
         return {p.name: p.weight for p in self.parts}
 
     def normalized(self) -> list[str]:
         return [p.name for p in self.parts if p.normalize]
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _named(name: str, value) -> dict[str, float]:
@@ -276,7 +292,8 @@ def build(spec, where: str) -> Scorer:
 
 def _per_response(fn, args: dict) -> Callable:
     def call(prompt, responses, task):
-        return [fn(prompt, r, task, **args) for r in responses]
+        # a task of its own per call: one response's call that edits it would change the next one's
+        return [fn(prompt, r, copy.deepcopy(task), **args) for r in responses]
 
     if callable(getattr(fn, "take_counters", None)):  # a function's own counts (math: its timeouts)
         call.take_counters = fn.take_counters
