@@ -339,14 +339,20 @@ def _namespace_init(info_r: int, bwrap: int, timeout_s: float) -> int | None:
     longer a descendant of this process, ends a moment later (bwrap's --die-with-parent) with its
     namespace: a daemon the code left outlived the call by up to 30 ms (5 calls of 60) unless the
     call waits for that pid 1."""
-    with open(info_r, "rb") as f:
-        if not select.select([f], [], [], timeout_s + GRACE_S)[0]:
-            return None
-        try:
-            pid = int(json.loads(f.read())["child-pid"])
-            fd = os.pidfd_open(pid)
-        except (OSError, ValueError, KeyError, TypeError):
-            return None
+    info, until = b"", time.monotonic() + timeout_s + GRACE_S
+    try:
+        # bwrap writes it in pieces and closes it; never waited on past the code's own time
+        while select.select([info_r], [], [], max(0.0, until - time.monotonic()))[0]:
+            chunk = os.read(info_r, CHUNK)
+            if not chunk:
+                break
+            info += chunk
+        pid = int(json.loads(info)["child-pid"])
+        fd = os.pidfd_open(pid)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    finally:
+        os.close(info_r)
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             ppid = int(f.read().rsplit(b")", 1)[1].split()[1])
