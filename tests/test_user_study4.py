@@ -1,5 +1,9 @@
 """A researcher's sweep study (experiments/lr_vs_group/): what the sweep and its report showed."""
 
+import json
+
+import pytest
+from conftest import run_cli
 from test_report import GRPO, MULTIRUN, SFT, tables, write_job
 
 from rft.reporting import report
@@ -76,3 +80,30 @@ def test_the_studio_sweep_table_lists_every_planned_job_as_the_report_does(tmp_p
         ("3", "dapo", "2", report.NOT_STARTED)]
     assert "experiment" not in table["jobs"][0]  # common to all four: no column
     assert [(c["algorithm"], c["n"]) for c in table["configs"]] == [("grpo", 2), ("dapo", 0)]
+
+
+# what varies between two runs of one config: the clock, and what is measured by it or by the process
+UNEVEN = ("timing/", "tokens_per_s", "perf/")
+
+
+@pytest.mark.slow
+def test_a_sweep_in_one_process_repeats_a_config_exactly_and_a_seed_changes_it(tmp_path):
+    """`-m seed=1,1,2` with the basic launcher: the three jobs run one after another in one process
+    (cluster=inline), so anything a job leaves behind (a random state, a cache) would reach the
+    next. The two seed-1 jobs log the same values at every step; seed 2 differs."""
+    sweep = tmp_path / "sweep"
+    r = run_cli("-m", "seed=1,1,2", "stages=[]", "cluster=inline", "monitor=console", "buffer.batch_size=4",
+                "algorithm.repeat_times=2", "buffer.total_steps=3", "explorer.eval_interval=3",
+                "stage_cache_dir=null", f"checkpoint_root_dir={tmp_path}", f"hydra.sweep.dir={sweep}")
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+
+    def logged(job):
+        rows = [json.loads(line) for line in (sweep / str(job) / "metrics.jsonl").read_text().splitlines()]
+        return [{k: v for k, v in m.items() if not any(u in k for u in UNEVEN)} for m in rows]
+
+    first, again, other = logged(0), logged(1), logged(2)
+    assert [m["step"] for m in first] == [0, 1, 2, 3]
+    assert first == again
+    # untrained, every reward is 0 and nothing is learned: seed 2 samples other responses (seed 1's
+    # first step: 5.5 tokens on average, seed 2's: 6.0, the cap)
+    assert [m.get("response_length/mean") for m in first] != [m.get("response_length/mean") for m in other]
