@@ -341,3 +341,27 @@ def test_code_that_ignores_signals_and_blocks_in_a_read_still_times_out(no_guard
     assert r.seconds < 10  # 1 s and the kill; never the code's own time
     with pytest.raises(ToolError, match=r"^timed out after 1 s \(killed\)$"):
         run_python(STUBBORN, timeout_s=1)
+
+
+# user extended attributes on files of its tmpfs (Linux 6.6 and newer): their values are kernel
+# memory, outside the tmpfs's size, which the kernel counts in the tmpfs's inode space instead
+XATTRS = r"""
+import os, time
+for i in range(3000):
+    open(f"/tmp/{i}", "w").close()
+    try:
+        os.setxattr(f"/tmp/{i}", "user.x", b"x" * 60000)
+    except OSError as e:
+        print(e.strerror, flush=True)
+        raise SystemExit
+print("xattr MiB", 3000 * 60000 >> 20, flush=True)
+time.sleep(3)
+"""
+
+
+def test_extended_attributes_in_its_tmpfs_count_against_the_memory_limit(no_guard):
+    # before: "xattr MiB 171" in a sandbox of 128 MiB whose tmpfs read 0 bytes used, and ran to the end
+    r = sandbox.run_python(XATTRS, memory_mb=128, timeout_s=20)
+    if r.stdout.startswith("Operation not supported"):
+        pytest.skip("this kernel's tmpfs has no user extended attributes (Linux 6.6 and newer)")
+    assert r.reason == "memory limit of 128 MiB exceeded (all its processes together; killed)"
