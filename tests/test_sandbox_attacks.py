@@ -365,3 +365,29 @@ def test_extended_attributes_in_its_tmpfs_count_against_the_memory_limit(no_guar
     if r.stdout.startswith("Operation not supported"):
         pytest.skip("this kernel's tmpfs has no user extended attributes (Linux 6.6 and newer)")
     assert r.reason == "memory limit of 128 MiB exceeded (all its processes together; killed)"
+
+
+# address space past memory_mb without touching it: MAP_NORESERVE, a huge sparse mapping, a mapping
+# grown by mremap; and /dev/shm, the tmpfs of POSIX shared memory
+MAPPINGS_AND_SHM = r"""
+import mmap
+def attempt(what, f):
+    try:
+        f()
+        print(what, "ok")
+    except OSError as e:
+        print(what, e.strerror)
+attempt("noreserve", lambda: mmap.mmap(-1, 4 << 30, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | 0x4000))
+attempt("sparse", lambda: mmap.mmap(-1, 100 << 30))
+m = mmap.mmap(-1, 64 << 20)
+attempt("mremap", lambda: m.resize(2 << 30))
+attempt("shm", lambda: open("/dev/shm/x", "wb"))
+"""
+
+
+def test_address_space_and_dev_shm_past_the_limit_are_refused(no_guard):
+    # RLIMIT_AS (memory_mb) counts reserved address space, touched or not (ENOMEM); /dev is
+    # read-only, its shm directory too (EROFS). Measured so, here for the next change to keep
+    r = sandbox.run_python(MAPPINGS_AND_SHM, memory_mb=128, timeout_s=10)
+    assert r.stdout == ("noreserve Cannot allocate memory\nsparse Cannot allocate memory\n"
+                        "mremap Cannot allocate memory\nshm Read-only file system\n"), r.stderr
