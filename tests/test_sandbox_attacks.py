@@ -387,7 +387,7 @@ attempt("shm", lambda: open("/dev/shm/x", "wb"))
 
 def test_address_space_and_dev_shm_past_the_limit_are_refused(no_guard):
     # RLIMIT_AS (memory_mb) counts reserved address space, touched or not (ENOMEM); /dev is
-    # read-only, its shm directory too (EROFS). Measured so, here for the next change to keep
+    # read-only, its shm directory too (EROFS). Each held when tried; the test keeps them so
     r = sandbox.run_python(MAPPINGS_AND_SHM, memory_mb=128, timeout_s=10)
     assert r.stdout == ("noreserve Cannot allocate memory\nsparse Cannot allocate memory\n"
                         "mremap Cannot allocate memory\nshm Read-only file system\n"), r.stderr
