@@ -59,25 +59,45 @@ class _Threads:
         self.work: queue.SimpleQueue = queue.SimpleQueue()
         self.idle = 0
         self.lock = threading.Lock()
+        self.running: set = set()  # tokens of the calls on a thread now
+        # those of them abandoned (past their timeout), each holding a thread: rollout/hung_calls
+        self.hung: set = set()
 
-    def start(self, fn, args: tuple, deliver) -> None:
-        """Run fn(*args) on a kept thread, then deliver(its result)."""
+    def start(self, fn, args: tuple, deliver) -> object:
+        """Run fn(*args) on a kept thread, then deliver(its result); returns the call's token."""
+        token = object()
         with self.lock:
             spawn = self.idle == 0
             self.idle -= not spawn
+            self.running.add(token)
         if spawn:
             threading.Thread(target=self._serve, daemon=True, name="rft-job").start()
-        self.work.put((fn, args, deliver))
+        self.work.put((fn, args, deliver, token))
+        return token
+
+    def abandon(self, token) -> int:
+        """The call no longer holds the step (it timed out); returns how many such calls still run."""
+        with self.lock:
+            if token in self.running:
+                self.hung.add(token)
+            return len(self.hung)
 
     def _serve(self) -> None:
         while True:
-            fn, args, deliver = self.work.get()
+            fn, args, deliver, token = self.work.get()
             result = fn(*args)  # never raises: _JobRun.call catches every exception
             # idle before the result is seen: the caller's next job, started on that result,
             # finds this thread idle instead of starting another
             with self.lock:
                 self.idle += 1
+                self.running.discard(token)
+                self.hung.discard(token)
             deliver(result)
+
+
+# abandoned calls that may still hold a thread each (and what they hold) in one process: a reward
+# that hangs on some task hangs there every epoch, so without a bound they pile up over a long run
+MAX_HUNG_CALLS = 64
 
 
 _THREADS = _Threads()
@@ -87,8 +107,8 @@ class _JobRun:
     """The state of one run_jobs call: which jobs wait, run (since when) and are done, and the
     counters. Calls answer on `finished`; an answer is taken only from a job's latest attempt."""
 
-    def __init__(self, fn, jobs: list, retries: int):
-        self.fn, self.jobs, self.retries = fn, jobs, retries
+    def __init__(self, fn, jobs: list, retries: int, what: str | None = None):
+        self.fn, self.jobs, self.retries, self.what = fn, jobs, retries, what
         self.results: list = [None] * len(jobs)
         self.tries = [0] * len(jobs)
         self.counters = {"errors": 0, "timeouts": 0, "retries": 0, "failed": 0, "over_rollout_dropped": 0}
@@ -100,6 +120,7 @@ class _JobRun:
         self.repeats = 0
         self.todo = list(range(len(jobs)))
         self.running: dict[int, float] = {}  # job -> start time
+        self.tokens: dict[int, object] = {}  # job -> its latest call's token (_Threads)
         self.finished: queue.Queue = queue.Queue()  # (job, attempt, ok, value)
         self.done = 0
 
@@ -126,7 +147,7 @@ class _JobRun:
             i = self.todo.pop(0)
             self.tries[i] += 1
             self.running[i] = time.monotonic()
-            _THREADS.start(self.call, (i, self.tries[i]), self.finished.put)
+            self.tokens[i] = _THREADS.start(self.call, (i, self.tries[i]), self.finished.put)
 
     def take_answer(self) -> None:
         """Take one call's answer, waiting for it at most 0.01 s (the loop then checks timeouts)."""
@@ -156,10 +177,24 @@ class _JobRun:
             if now - t0 > timeout:
                 del self.running[i]
                 self.counters["timeouts"] += 1
+                if _THREADS.abandon(self.tokens[i]) > MAX_HUNG_CALLS:
+                    raise RunError(self.too_many_hung(i, timeout))
                 # a hanging reward shows here alone (it raised nothing): name the key that bounds it
                 log.warning("job %d attempt %d timed out after %.1f s (explorer.max_timeout: its generation and "
                             "reward together)", i, self.tries[i], timeout)
                 self.failed(i)
+
+    def too_many_hung(self, i: int, timeout: float) -> str:
+        if self.what:  # the reward's: its job is (prompt, responses, task)
+            what = f"calls of {self.what} (the last on task {getattr(self.jobs[i][2], 'task_id', '?')!r})"
+        else:
+            what = "calls of the workflow's jobs (an environment's steps, say)"
+        return (f"{MAX_HUNG_CALLS + 1} {what} ran past explorer.max_timeout ({timeout:g} s) and have not returned. "
+                f"A call past the timeout is abandoned, not stopped (Python cannot stop a thread): each keeps its "
+                f"thread and what it holds, and a call that hangs on a task hangs there again every epoch, so the "
+                f"run stops before they pile up. Give the function a timeout of its own (a request's timeout, a "
+                f"bound on its loop), or raise explorer.max_timeout if it is only slow; then run the same command "
+                f"again to resume from the newest checkpoint.")
 
 
 def describe_error(e: BaseException) -> str:
@@ -170,7 +205,7 @@ def describe_error(e: BaseException) -> str:
 
 
 def run_jobs(fn, jobs: list, runners: int, timeout: float, retries: int,
-             min_done: int | None = None, wait_after_min: float = 0.0):
+             min_done: int | None = None, wait_after_min: float = 0.0, what: str | None = None):
     """`fn(job)` for every job on at most `runners` threads at once; returns (results, counters).
 
     A call that raises, or runs longer than `timeout` seconds, is retried up to `retries` times;
@@ -180,7 +215,7 @@ def run_jobs(fn, jobs: list, runners: int, timeout: float, retries: int,
     With `min_done`, once that many jobs have finished the rest get `wait_after_min` seconds more
     and are then dropped (explorer.over_rollout; counters["dropped_jobs"] lists them, if any).
     """
-    run = _JobRun(fn, jobs, retries)
+    run = _JobRun(fn, jobs, retries, what)
     min_reached_at = None
     while run.todo or run.running:
         run.start(runners)
@@ -298,6 +333,25 @@ def pass_rates(explorer: "Explorer", n: int) -> list[float]:
     ts = explorer.cfg.buffer.explorer_input.taskset
     groups = explorer._run(ts, explorer.scorer, explorer.taskset, n, 0, 3, {})
     return [sum(r >= ts.pass_threshold for r, _ in s) / len(s) for s in (rollout_samples(g, n) for g in groups)]
+
+
+def vocab_size(engine, tokenizer) -> int:
+    """The ids the trainer's embedding takes: the model's vocab_size where the engine says it (hf,
+    vLLM; it may be padded past the tokenizer's), else the tokenizer's length."""
+    hf_config = getattr(getattr(engine, "model", None), "config", None)
+    llm_config = getattr(getattr(engine, "llm", None), "model_config", None)
+    if llm_config is not None:
+        return int(llm_config.get_vocab_size())
+    return int(getattr(hf_config, "vocab_size", None) or len(tokenizer))
+
+
+def token_budget(model_cfg, workflow: str, args: dict) -> int | None:
+    """The most tokens an experience of this workflow may hold: the prompt's and the response's
+    budgets (a multi-turn conversation's workflow_args.max_total_tokens, if larger); None for an
+    agent's (its calls are bounded by the model's context: rft/serving/openai_api.py)."""
+    if WORKFLOWS.info(workflow).endpoint:
+        return None
+    return max(model_cfg.max_prompt_tokens + model_cfg.max_response_tokens, int(args.get("max_total_tokens") or 0))
 
 
 class Explorer(WeightsMixin):
@@ -422,7 +476,7 @@ class Explorer(WeightsMixin):
         def score(jobs):
             t0 = time.perf_counter()
             results, c = run_jobs(lambda job: scorer(*job), jobs, ex.runner_per_model, ex.max_timeout, ex.max_retry_times,
-                                  min_done, ex.over_rollout.wait_after_min)
+                                  min_done, ex.over_rollout.wait_after_min, what=scorer.describe())
             gone = {getattr(jobs[i][2], "task_id", None) for i in c.pop("dropped_jobs", [])}  # job: (prompt, responses, task)
             (set() if dropped_ids is None else dropped_ids).update(gone)
             counters["reward_s"] = counters.get("reward_s", 0.0) + time.perf_counter() - t0
@@ -459,8 +513,8 @@ class Explorer(WeightsMixin):
         """The workflow's output for `tasks`, checked; an error of its own stops the run."""
         try:
             out = resolve(WORKFLOWS, name, "workflow")(tasks, engine, ctx)
-        except ConfigError:
-            raise  # a mistake of the study's own code, named (an environment's wrong answer): as it is
+        except (ConfigError, RunError):
+            raise  # a mistake of the study's own code, named (an environment's wrong answer, calls that hang): as it is
         except Exception as e:
             # a reward that raises is one failed task (ctx.score retries it); a workflow that
             # raises has no task to blame: the step cannot be made. The traceback goes to the
@@ -471,7 +525,7 @@ class Explorer(WeightsMixin):
                 f"is in the explorer's log under <stage>/log/). Fix the workflow, then run the same "
                 f"command again to resume from the newest checkpoint."
             ) from None
-        check_output(out, tasks, name)
+        check_output(out, tasks, name, vocab_size(self.engine, self.tokenizer), token_budget(self.cfg.model, name, ctx.args))
         return out
 
     def _rollouts(self, tasks, n: int, step: int, salt: int, counters: dict, lost: list) -> list[list]:
@@ -533,7 +587,7 @@ class Explorer(WeightsMixin):
 
     def _explored(self, groups: list, counters: dict, t0: float, busy0: float):
         """An explore step's experiences and counters, with its time, memory and weight loads."""
-        counters["failed_tasks"] = counters.pop("failed", 0)
+        counters["failed_tasks"], counters["hung_calls"] = counters.pop("failed", 0), len(_THREADS.hung)
         counters["explore_s"] = time.perf_counter() - t0
         counters["generate_s"] = self.engine.busy_s - busy0
         # this process's (with vLLM, not its engine's own processes); the explorers' largest

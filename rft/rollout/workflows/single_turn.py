@@ -179,9 +179,13 @@ def check_agent_args(args, where: str = "workflow_args") -> None:
                           f"**{where} without agent) ({e}).") from None
 
 
-def check_output(out, tasks, name: str) -> None:
+def check_output(out, tasks, name: str, vocab: int | None = None, max_tokens: int | None = None) -> None:
     """What a workflow returned has the shape the buffers and the trainer rely on; a workflow of
-    a study's own gets one clear message naming it, not a failure later in the trainer."""
+    a study's own gets one clear message naming it, not a failure later in the trainer (or, worse,
+    a step that trains on what it should not). `vocab`: the model's vocabulary size (a token id
+    past it is an index error in the trainer's embedding, a device assert on a GPU); `max_tokens`:
+    the most tokens an experience may hold (what the memory plan and the loss's normalisation
+    assume)."""
     from rft.errors import ConfigError
 
     if not isinstance(out, list) or len(out) != len(tasks):
@@ -190,19 +194,73 @@ def check_output(out, tasks, name: str) -> None:
             f"entries for {len(tasks)} tasks; it must return one entry per task: a list of Experience, "
             f"or None for a task that failed."
         )
-    for group in out:
-        for e in group or []:
-            if e.prompt_length < 1:
+    seen: set[int] = set()
+    for task, group in zip(tasks, out):
+        if group is None:
+            continue
+        tid = getattr(task, "task_id", task)
+        if not isinstance(group, list) or not group or not all(isinstance(e, Experience) for e in group):
+            got = (f"{type(group).__name__}" if not isinstance(group, list) else "an empty list" if not group else
+                   f"a list holding {sorted({type(e).__name__ for e in group if not isinstance(e, Experience)})}")
+            raise ConfigError(
+                f"workflow {name!r} returned {got} for task {tid!r}; a task's entry is a non-empty list of "
+                f"Experience (rft.data.experience), or None for a task that failed (it is then counted in "
+                f"rollout/failed_tasks; an empty list would leave the task out without a count)."
+            )
+        for e in group:
+            if id(e) in seen:  # trained twice, and shaped twice (the overlong penalty rewrites e.reward)
                 raise ConfigError(
-                    f"workflow {name!r} returned an experience (task {e.task_id!r}) with prompt_length "
-                    f"{e.prompt_length}: the response's first token is predicted from the prompt, so "
-                    f"prompt_length must be at least 1 (the prompt's token count: tokens[:prompt_length])."
+                    f"workflow {name!r} returned the same Experience object twice (task {e.task_id!r}): it would "
+                    f"be trained on twice and its reward shaped twice. Build one Experience per rollout."
                 )
-            for field_name in ("logprobs", "loss_mask"):
-                n = len(getattr(e, field_name))
-                if n and n != e.response_length:
-                    raise ConfigError(
-                        f"workflow {name!r} returned an experience (task {e.task_id!r}) whose {field_name} has "
-                        f"{n} entries for its {e.response_length} response tokens: it needs one per token "
-                        f"after the prompt (tokens[prompt_length:]), or none."
-                    )
+            seen.add(id(e))
+            _check_experience(e, name, vocab, max_tokens)
+
+
+def _check_experience(e: Experience, name: str, vocab: int | None, max_tokens: int | None) -> None:
+    """One experience of a workflow's output (check_output)."""
+    import math
+    import numbers
+
+    from rft.errors import ConfigError
+
+    head = f"workflow {name!r} returned an experience (task {e.task_id!r})"
+    if e.prompt_length < 1:
+        raise ConfigError(
+            f"{head} with prompt_length {e.prompt_length}: the response's first token is predicted from the "
+            f"prompt, so prompt_length must be at least 1 (the prompt's token count: tokens[:prompt_length]).")
+    if e.response_length < 1:  # nothing to train on, yet its reward would move its group's baseline
+        raise ConfigError(
+            f"{head} with no response tokens (tokens has {len(e.tokens)}, prompt_length {e.prompt_length}): every "
+            f"experience needs at least one token after the prompt; return None for a task without a response (a "
+            f"multi_turn conversation has none when its prompt fills workflow_args.max_total_tokens: raise it).")
+    for field_name in ("logprobs", "loss_mask"):
+        n = len(getattr(e, field_name))
+        if n and n != e.response_length:
+            raise ConfigError(
+                f"{head} whose {field_name} has {n} entries for its {e.response_length} response tokens: it "
+                f"needs one per token after the prompt (tokens[prompt_length:]), or none.")
+    if max_tokens is not None and len(e.tokens) > max_tokens:
+        raise ConfigError(
+            f"{head} of {len(e.tokens)} tokens, more than the {max_tokens} of model.max_prompt_tokens + "
+            f"model.max_response_tokens (or workflow_args.max_total_tokens), which the memory plan and the "
+            f"loss assume: cut the response to fit, or raise model.max_response_tokens.")
+    top = vocab or 1 << 62
+    if not all(type(t) is int for t in e.tokens) or min(e.tokens) < 0 or max(e.tokens) >= top:  # C-speed first
+        bad = [t for t in e.tokens if isinstance(t, bool) or not isinstance(t, numbers.Integral) or not 0 <= t < top]
+        if bad:
+            raise ConfigError(
+                f"{head} with token ids {bad[:5]} outside the model's vocabulary (ints 0..{top - 1}): the trainer "
+                f"could not embed them. Give the tokenizer's ids (ctx.tokenizer).")
+    if not math.isfinite(e.reward):  # a NaN reward makes every advantage of its group NaN
+        raise ConfigError(
+            f"{head} with reward {e.reward}: rewards must be finite numbers. Score through ctx.score (which "
+            f"leaves such a task out and counts it), or return None for the task.")
+    if math.isfinite(sum(e.logprobs)):
+        return
+    mask = e.loss_mask or [1] * len(e.logprobs)
+    odd = [i for i, (x, m) in enumerate(zip(e.logprobs, mask)) if m and not math.isfinite(x)]
+    if odd:
+        raise ConfigError(
+            f"{head} whose logprobs are not finite at response tokens {odd[:5]} the loss trains on: the "
+            f"ratio to the new policy would be NaN or inf. Give the engine's sampling log-probs (samples' logprobs).")
