@@ -107,3 +107,32 @@ def test_a_sweep_in_one_process_repeats_a_config_exactly_and_a_seed_changes_it(t
     # untrained, every reward is 0 and nothing is learned: seed 2 samples other responses (seed 1's
     # first step: 5.5 tokens on average, seed 2's: 6.0, the cap)
     assert [m.get("response_length/mean") for m in first] != [m.get("response_length/mean") for m in other]
+
+
+def _sweeps(root):
+    """The sweep directories under a checkpoint root's multirun/ (what 'the newest' is picked from)."""
+    d = root / "rft" / "multirun"
+    return sorted(p.name for p in d.iterdir()) if d.exists() else []
+
+
+def test_a_sweep_refused_before_it_starts_leaves_no_sweep_directory(tmp_path):
+    """The README: a sweep killed outright prints nothing, and "its directory is the newest under
+    <checkpoint_root_dir>/<project>/multirun/". A sweep refused at its plan (a batch size of 0 among
+    the values) left an empty directory there, newer than the killed one: the README's way to find
+    it then found the empty one."""
+    r = run_cli("-m", "buffer.batch_size=4,0", "cluster=inline", f"checkpoint_root_dir={tmp_path}")
+    assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-3000:]
+    assert "rft: configuration error: job 1 of the sweep (buffer.batch_size=0)" in r.stderr
+    assert _sweeps(tmp_path) == []
+
+
+@pytest.mark.slow
+def test_a_dry_run_sweep_leaves_no_sweep_directory(tmp_path):
+    """`-m ... dry_run=true` printed each job's plan and wrote nothing of the jobs, but left the
+    sweep's directory with Hydra's multirun.yaml alone in it: the newest under multirun/ (the
+    README's way to find a killed sweep), a sweep of no jobs in the studio's list, and one the
+    report refused ('holds no job directories'). A dry run leaves nothing behind."""
+    r = run_cli("-m", "seed=1,2", "dry_run=true", "cluster=inline", f"checkpoint_root_dir={tmp_path}")
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    assert r.stdout.count("tasks per step") == 2  # each job's plan printed
+    assert _sweeps(tmp_path) == []

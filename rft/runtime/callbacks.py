@@ -33,8 +33,29 @@ class Checks(Callback):
             print(f"rft: warning: {warning}", file=sys.stderr, flush=True)
 
     def on_multirun_start(self, config: DictConfig, config_name: str | None = None, **kwargs) -> None:
+        # resolved once: its name holds the time (${now:...}), which on_multirun_end must not read anew
+        self.sweep_dir = Path(str(OmegaConf.select(config, "hydra.sweep.dir")))
+        made = not self.sweep_dir.exists()
         _exit_on(lambda: _check_dir(config, "hydra.sweep.dir"))
-        _exit_on(lambda: _raise(plan_jobs(config, config_name)))
+        # a sweep refused before it starts leaves no directory: a README's way to find a sweep
+        # killed outright is the newest one under multirun/
+        _exit_on(lambda: _raise(plan_jobs(config, config_name)), on_error=lambda: made and _rmdir(self.sweep_dir))
+
+    def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
+        # a dry run writes nothing, but Hydra's basic sweeper wrote multirun.yaml into the sweep's
+        # directory before the jobs printed their plans: a sweep of no jobs, newest under multirun/
+        sweep = getattr(self, "sweep_dir", None)
+        if sweep is not None and OmegaConf.select(config, "dry_run") is True and \
+                sorted(p.name for p in sweep.iterdir()) == ["multirun.yaml"]:
+            (sweep / "multirun.yaml").unlink()
+            _rmdir(sweep)
+
+
+def _rmdir(path: Path) -> None:
+    try:
+        path.rmdir()
+    except OSError:
+        pass  # not empty (not only what this sweep made), or already gone
 
 
 def _check_dir(config: DictConfig, key: str) -> None:
@@ -68,10 +89,12 @@ def _raise(message: str | None) -> None:
         raise ConfigError(message)
 
 
-def _exit_on(check) -> None:
+def _exit_on(check, on_error=None) -> None:
     try:
         check()
     except ConfigError as e:
+        if on_error:
+            on_error()
         print(f"\nrft: configuration error: {e}\n", file=sys.stderr)
         sys.exit(2)
 
