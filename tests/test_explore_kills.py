@@ -31,16 +31,31 @@ def explore_args(tmp_path: Path, kind: str, name: str, buffer: str) -> list[str]
             f"buffer.trainer_input.experience_buffer.path={tmp_path / buffer}{SUFFIX[kind]}", f"name={name}"]
 
 
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The uninterrupted explore run of each kind, run once for the module (the three tests compare
+    with the same run); kind -> its buffer file."""
+    made = {}
+
+    def run(kind: str) -> Path:
+        if kind not in made:
+            root = tmp_path_factory.mktemp(f"straight_{kind}")
+            env = {**os.environ, "RFT_CHECKPOINT_ROOT_DIR": str(root)}
+            r = run_cli(*explore_args(root, kind, "straight", "straight"), env=env)
+            assert r.returncode == 0, r.stderr[-3000:]
+            made[kind] = root / f"straight{SUFFIX[kind]}"
+        return made[kind]
+    return run
+
+
 @pytest.fixture
-def straight(tmp_path):
-    """Runs the uninterrupted explore run of `kind` once; returns (env, its rows)."""
+def straight(uninterrupted, tmp_path):
+    """The uninterrupted explore run of `kind`, its buffer copied to tmp_path; returns (env, its rows)."""
     def run(kind: str) -> tuple[dict, list[dict]]:
-        env = {**os.environ, "RFT_CHECKPOINT_ROOT_DIR": str(tmp_path)}
-        r = run_cli(*explore_args(tmp_path, kind, "straight", "straight"), env=env)
-        assert r.returncode == 0, r.stderr[-3000:]
+        shutil.copy(uninterrupted(kind), tmp_path / f"straight{SUFFIX[kind]}")
         rows = stored_rows(tmp_path / f"straight{SUFFIX[kind]}")
         assert len(rows) == 4 * 16
-        return env, rows
+        return {**os.environ, "RFT_CHECKPOINT_ROOT_DIR": str(tmp_path)}, rows
     return run
 
 
