@@ -262,3 +262,16 @@ def test_a_run_with_a_careless_workflow_stops_with_its_paragraph(tmp_path, capsy
     err = capsys.readouterr().err
     assert e.value.code == 2 and "Traceback" not in err
     assert "workflow 'test_user_faults.careless' " in err and said.format(value) in err
+
+
+def test_a_dict_reward_whose_keys_differ_between_responses_is_warned_about_once(caplog):
+    # before, nothing said so: reward/p0/correct/mean read 1.0 where 1 response of 8 had the key
+    scorer = _scorer(lambda p, r, t: {"correct": 1.0} if r == "357" else {"format": 0.5})
+    with caplog.at_level("WARNING", logger="rft.rewards.scoring"):
+        rewards = scorer("q", ["357", "1", "2"], _task()) + scorer("q", ["357", "1"], _task())
+    # a missing key adds 0: 1.0, 0.5, 0.5, then 1.0, 0.5
+    assert [float(r) for r in rewards] == [1.0, 0.5, 0.5, 1.0, 0.5]
+    assert [r.getMessage() for r in caplog.records] == [
+        "reward 'p0' returned a dict with keys ['correct'] for one response and ['format'] for another: a missing "
+        "key adds 0 to the reward, and reward/p0/<key>/mean averages only the responses that have it (it would "
+        "read 1.0 where 1 response of 8 was scored 1.0). Return every key, 0.0 where it does not apply (warned once)."]

@@ -30,6 +30,7 @@ import copy
 import hashlib
 import inspect
 import json
+import logging
 import math
 import os
 import re
@@ -41,6 +42,8 @@ from typing import Any, Callable
 from rft.config import near_args
 from rft.errors import ConfigError
 from rft.registry import Registry
+
+log = logging.getLogger(__name__)
 
 # served rewards: name -> class, imported when chosen
 REWARD_CLIENTS = Registry("reward_fn", {
@@ -86,6 +89,8 @@ class Scorer:
     """The parts of one taskset's reward; `scorer(prompt, responses, task)` scores a group."""
 
     parts: list[Part] = field(default_factory=list)
+    # a dict part's keys as first seen, to warn once when a later response's differ
+    keys: dict = field(default_factory=dict)
 
     def __call__(self, prompt: str, responses: list[str], task) -> list[Reward]:
         per_part = []
@@ -105,11 +110,24 @@ class Scorer:
             parts: dict[str, float] = {}
             total = 0.0
             for p, values in zip(self.parts, per_part):
+                if isinstance(values[i], dict):
+                    self._same_keys(p.name, values[i])
                 for key, v in _named(p.name, values[i]).items():
                     parts[key] = v
                     total += p.weight * v
             out.append(Reward(total, parts))
         return out
+
+    def _same_keys(self, name: str, value: dict) -> None:
+        """Warn once a part when a response's dict has other keys than the first one's: a missing key
+        adds 0 to the reward, while reward/<part>/<key>/mean averages the responses that have it."""
+        first = self.keys.setdefault(name, sorted(value))
+        if first is not None and sorted(value) != first:
+            self.keys[name] = None  # warned
+            log.warning("reward %r returned a dict with keys %s for one response and %s for another: a missing key "
+                        "adds 0 to the reward, and reward/%s/<key>/mean averages only the responses that have it "
+                        "(it would read 1.0 where 1 response of 8 was scored 1.0). Return every key, 0.0 where it "
+                        "does not apply (warned once).", name, first, sorted(value), name)
 
     def take_counters(self) -> dict[str, float]:
         """Served rewards' counts since the last call, as reward/<part>/<counter>."""
