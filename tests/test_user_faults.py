@@ -275,3 +275,20 @@ def test_a_dict_reward_whose_keys_differ_between_responses_is_warned_about_once(
         "reward 'p0' returned a dict with keys ['correct'] for one response and ['format'] for another: a missing "
         "key adds 0 to the reward, and reward/p0/<key>/mean averages only the responses that have it (it would "
         "read 1.0 where 1 response of 8 was scored 1.0). Return every key, 0.0 where it does not apply (warned once)."]
+
+
+def test_calls_that_time_out_are_logged_once_a_step_then_counted(caplog):
+    # before, every timed-out call logged its own line: a reward hanging on every task of a step of
+    # 64 tasks, 3 tries each, logged 192 lines a step
+    release = threading.Event()
+    try:
+        with caplog.at_level("WARNING", logger="rft.rollout.explorer"):
+            results, c = run_jobs(lambda job: release.wait(), [0, 1, 2], runners=3, timeout=0.05, retries=1)
+    finally:
+        release.set()
+    # 3 jobs x (1 try + 1 retry) = 6 timeouts: one line, then the count of the other 5
+    assert results == [None] * 3 and c["timeouts"] == 6
+    assert [r.getMessage() for r in caplog.records] == [
+        "job 0 attempt 1 timed out after 0.1 s (explorer.max_timeout: its generation and reward together)",
+        "5 more calls timed out (the first is logged above, once a step; rollout/timeouts counts them, "
+        "rollout/hung_calls those still running)"]

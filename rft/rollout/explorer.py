@@ -118,6 +118,7 @@ class _JobRun:
         self.last_source = None
         self.logged: set[str] = set()  # each error once: a broken reward fails every call alike
         self.repeats = 0
+        self.late = 0  # calls timed out (the first is logged)
         self.todo = list(range(len(jobs)))
         self.running: dict[int, float] = {}  # job -> start time
         self.tokens: dict[int, object] = {}  # job -> its latest call's token (_Threads)
@@ -179,9 +180,12 @@ class _JobRun:
                 self.counters["timeouts"] += 1
                 if _THREADS.abandon(self.tokens[i]) > MAX_HUNG_CALLS:
                     raise RunError(self.too_many_hung(i, timeout))
-                # a hanging reward shows here alone (it raised nothing): name the key that bounds it
-                log.warning("job %d attempt %d timed out after %.1f s (explorer.max_timeout: its generation and "
-                            "reward together)", i, self.tries[i], timeout)
+                # a hanging reward shows here alone (it raised nothing): name the key that bounds it, once
+                # a step (a reward that hangs on every task would log a line per call and retry)
+                if not self.late:
+                    log.warning("job %d attempt %d timed out after %.1f s (explorer.max_timeout: its generation and "
+                                "reward together)", i, self.tries[i], timeout)
+                self.late += 1
                 self.failed(i)
 
     def too_many_hung(self, i: int, timeout: float) -> str:
@@ -228,6 +232,9 @@ def run_jobs(fn, jobs: list, runners: int, timeout: float, retries: int,
                 run.counters["over_rollout_dropped"] = len(run.todo) + len(run.running)
                 run.counters["dropped_jobs"] = sorted([*run.todo, *run.running])  # not a count: which
                 break
+    if run.late > 1:
+        log.warning("%d more calls timed out (the first is logged above, once a step; rollout/timeouts counts them, "
+                    "rollout/hung_calls those still running)", run.late - 1)
     if run.repeats:
         log.warning("%d more calls raised an error logged above (each error is logged once a step; rollout/errors "
                     "counts them)", run.repeats)
