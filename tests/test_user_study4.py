@@ -136,3 +136,39 @@ def test_a_dry_run_sweep_leaves_no_sweep_directory(tmp_path):
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     assert r.stdout.count("tasks per step") == 2  # each job's plan printed
     assert _sweeps(tmp_path) == []
+
+
+def test_a_local_job_whose_printed_process_is_killed_stops_its_task_too(tmp_path, capsys):
+    """`kill -9` of the process id the sweep printed for a hydra/launcher=local job (submitit's
+    controller): the sweep said the job "ended with state INTERRUPTED and no result" and exited,
+    while the job's own process, orphaned, trained on to its last step in the job's directory (a
+    resume then met its run lock). The task (SUBMITIT_LOCAL_JOB_ID=<that id> in its environment)
+    is now stopped as its controller was, and the line says so."""
+    import os
+    import subprocess
+    import sys
+
+    from submitit.core.utils import UncompletedJobError
+    from test_sweep_local import FakeJob
+
+    from rft.reporting.sweep import watch
+
+    job_id = f"t{os.getpid()}x"  # no real controller's id: a test's own
+    task = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"],
+                            env={**os.environ, "SUBMITIT_LOCAL_JOB_ID": job_id})
+    bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"],
+                                 env={**os.environ, "SUBMITIT_LOCAL_JOB_ID": job_id + "0"})
+    try:
+        dead = UncompletedJobError(f"Job {job_id} (task: 0) with path {tmp_path}/{job_id}_0_result.pkl\n"
+                                   "has not produced any output (state: INTERRUPTED)")
+        with pytest.raises(UncompletedJobError):
+            watch([FakeJob(job_id, tmp_path / "%j", 1, dead)], [["seed=1"]], 1, str(tmp_path), poll_s=0.01)
+        assert task.wait(timeout=10) == -9  # killed as its controller was
+        assert bystander.poll() is None  # another job's task runs on
+        assert capsys.readouterr().out.splitlines()[-1] == (
+            f"[sweep] job 1 ({job_id}) ended with state INTERRUPTED and no result; its process {task.pid}, "
+            f"which outlived it, stopped [1/1 ended]")
+    finally:
+        for p in (task, bystander):
+            p.kill()
+            p.wait()

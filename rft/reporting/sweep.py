@@ -21,6 +21,7 @@ job directory. Whether a dead job is noticed at all is up to Slurm's accounting:
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -64,6 +65,25 @@ def no_result(state: str) -> str:
         return ("ended with no result: its process stopped without one (submitit's local launcher calls "
                 "that state FINISHED)")
     return f"ended with state {state} and no result"
+
+
+def stop_orphans(job_id: str) -> list[int]:
+    """Kill what a local job's killed controller left running: the pid the sweep prints for a
+    job is its controller's, which runs the job's task as a child; `kill -9` of it orphans the task,
+    which trained on to its end in the job's directory after the sweep had said the job ended (a
+    SIGTERM is passed on to the task, a SIGKILL cannot be). The task, and what it started, carry
+    SUBMITIT_LOCAL_JOB_ID=<job id> in their environment. The pids killed."""
+    import psutil
+
+    killed = []
+    for p in psutil.process_iter():
+        try:
+            if p.pid != os.getpid() and p.environ().get("SUBMITIT_LOCAL_JOB_ID") == str(job_id):
+                p.kill()
+                killed.append(p.pid)
+        except psutil.Error:  # another user's (not readable), or gone meanwhile
+            continue
+    return killed
 
 
 def explain(error: Exception, sweep_dir: str) -> str:
@@ -221,6 +241,9 @@ def watch(jobs, job_overrides, first_num: int, sweep_dir: str, poll_s: float = 1
             dead[num] = e
             m = _UNCOMPLETED.search(str(e))
             what = no_result(m["state"]) if m else "failed in submitit"
+            if m and m["state"] == "INTERRUPTED":  # the local launcher's controller, killed by a signal
+                left = stop_orphans(job.job_id)
+                what += "".join(f"; its process {pid}, which outlived it, stopped" for pid in left)
         print(f"[sweep] job {num} ({job.job_id}) {what} [{ended}/{len(jobs)} ended]", flush=True)
     if dead:
         raise dead[min(dead)]
