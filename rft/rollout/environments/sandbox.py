@@ -333,6 +333,16 @@ def _tmpfs_inodes(pids: list[int]) -> int:
     return 0
 
 
+def _readable(fd: int, timeout_s: float) -> bool:
+    """Whether `fd` becomes readable (or its other end closes) within `timeout_s`. poll, not
+    select.select: a caller holding over 1024 descriptors (vLLM and Ray raise RLIMIT_NOFILE) gets
+    numbers select.select refuses (ValueError), and bwrap, its info pipe closed unread, died of
+    SIGPIPE: calls ended 'timed out' with the code never run."""
+    poll = select.poll()
+    poll.register(fd, select.POLLIN)
+    return bool(poll.poll(max(0, int(timeout_s * 1000))))
+
+
 def _namespace_init(info_r: int, bwrap: int, timeout_s: float) -> int | None:
     """A pidfd of the sandbox's pid 1 (its "child-pid" on bwrap's --info-fd, which this closes), or
     None where it has ended already. bwrap exits as soon as the code does, and its pid 1, no
@@ -342,7 +352,7 @@ def _namespace_init(info_r: int, bwrap: int, timeout_s: float) -> int | None:
     info, until = b"", time.monotonic() + timeout_s + GRACE_S
     try:
         # bwrap writes it in pieces and closes it; never waited on past the code's own time
-        while select.select([info_r], [], [], max(0.0, until - time.monotonic()))[0]:
+        while _readable(info_r, until - time.monotonic()):
             chunk = os.read(info_r, CHUNK)
             if not chunk:
                 break
@@ -372,7 +382,7 @@ def _end_namespace(init: int | None) -> None:
         return
     try:
         signal.pidfd_send_signal(init, signal.SIGKILL)
-        select.select([init], [], [], GRACE_S)  # readable once it has exited
+        _readable(init, GRACE_S)  # readable once it has exited
     except OSError:  # ended already
         pass
     finally:

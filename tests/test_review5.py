@@ -1,0 +1,49 @@
+"""Review of the sandbox's latest walls (rft/rollout/environments/sandbox.py): each still holds in a
+caller that holds many descriptors. Isolation needs bubblewrap: without it these tests skip."""
+
+from __future__ import annotations
+
+import os
+import resource
+import uuid
+
+import pytest
+from test_sandbox import host_pids_with, isolated, no_guard  # noqa: F401 (fixtures: bubblewrap or skip; past the hook)
+from test_sandbox_attacks import DAEMON
+
+from rft.rollout.environments import sandbox
+
+
+@pytest.fixture
+def high_fds():
+    """Descriptors 0..1099 taken, so the call's own pipes and pidfd get numbers past select()'s 1024
+    (FD_SETSIZE): an explorer under vLLM or Ray runs with its soft RLIMIT_NOFILE raised and may hold as many."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 2048:
+        pytest.skip(f"RLIMIT_NOFILE's hard limit is {hard}")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (2048, hard))
+    held = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+    try:
+        yield
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_a_daemon_does_not_outlive_the_call_in_a_caller_of_many_descriptors(no_guard, high_fds):
+    # before: bwrap's info pipe was waited on with select.select, which takes no descriptor past
+    # 1023: its ValueError was taken for "no pid 1" and the pipe closed unread, bwrap died of SIGPIPE
+    # writing to it, and the call ended "timed out after 10 s (killed)" with the code never run (2
+    # calls of 3); a pidfd past 1023 would have raised out of run_python from _end_namespace
+    markers = [f"rft-{uuid.uuid4().hex}" for _ in range(20)]
+    seen = []
+    try:
+        for marker in markers:
+            r = sandbox.run_python(f"MARKER = {marker!r}\n" + DAEMON, timeout_s=10)
+            assert (r.ok, r.stdout) == (True, "returned\n")
+            seen += host_pids_with(marker)
+        assert seen == []
+    finally:
+        for pid in [pid for marker in markers for pid in host_pids_with(marker)]:
+            os.kill(pid, 9)
