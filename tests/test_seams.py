@@ -167,9 +167,9 @@ def test_a_workflow_that_returns_the_wrong_shape_is_named():
     from rft.errors import ConfigError
     from rft.rollout.workflows.single_turn import check_output
 
-    good = Experience([5, 6, 7, 8], 2, [-1.0, -1.0], loss_mask=[1, 0], task_id="t/0")
+    good = Experience([5, 6, 7, 8], 2, [-1.0, -1.0], loss_mask=[1, 0], task_id="t/0", group_id="0/1/t/0")
     check_output([[good], None], [0, 1], "my.workflow")  # None: a failed task
-    bad = Experience([5, 6, 7, 8], 2, [-1.0, -1.0], loss_mask=[1, 0, 1], task_id="t/1")
+    bad = Experience([5, 6, 7, 8], 2, [-1.0, -1.0], loss_mask=[1, 0, 1], task_id="t/1", group_id="0/1/t/1")
     with pytest.raises(ConfigError) as e:
         check_output([[bad]], [0], "my.workflow")
     assert str(e.value) == (
@@ -178,7 +178,7 @@ def test_a_workflow_that_returns_the_wrong_shape_is_named():
     with pytest.raises(ConfigError, match="returned list of 1 entries for 2 tasks; it must return one entry per task"):
         check_output([[good]], [0, 1], "my.workflow")
     with pytest.raises(ConfigError) as e:
-        check_output([[Experience([5, 6], 0, [], task_id="t/2")]], [0], "my.workflow")
+        check_output([[Experience([5, 6], 0, [], task_id="t/2", group_id="0/1/t/2")]], [0], "my.workflow")
     assert str(e.value) == (
         "workflow 'my.workflow' returned an experience (task 't/2') with prompt_length 0: the response's "
         "first token is predicted from the prompt, so prompt_length must be at least 1 (the prompt's "

@@ -151,6 +151,7 @@ def test_calls_that_hang_past_the_timeout_are_counted_and_bounded(monkeypatch):
 
 def _exp(tokens=(5, 6, 7, 8), prompt_length=2, **kw):
     kw.setdefault("logprobs", [-1.0] * (len(tokens) - prompt_length))
+    kw.setdefault("group_id", "0/1/t/1")
     return Experience(list(tokens), prompt_length, task_id="t/1", **kw)
 
 
@@ -177,6 +178,26 @@ def test_the_same_experience_twice_is_named():
         "workflow 'my.workflow' returned the same Experience object twice (task 't/1'): it would be trained on "
         "twice and its reward shaped twice. Build one Experience per rollout.")
     check_output([[_exp(), _exp()]], [0], "my.workflow")  # equal copies are two rollouts (greedy sampling)
+
+
+GROUPS = ("the trainer groups rollouts by group_id (a group's advantages are relative to its mean), so each "
+          "task's rollouts need one of their own, e.g. group_id=f\"{ctx.step}/{ctx.seed}/{task.task_id}\" as "
+          "single_turn gives them.")
+
+
+def test_an_experience_without_a_group_of_its_own_is_named():
+    # before, Experience's default group_id "" made every task's rollouts one group: GRPO's baseline
+    # was the mean over the whole batch, with exit 0
+    tasks = [Task("t/1", [], "", {}), Task("t/2", [], "", {})]
+    with pytest.raises(ConfigError) as e:
+        check_output([[_exp(group_id="")], None], tasks, "my.workflow")
+    assert str(e.value) == f"{HEAD} with no group_id: {GROUPS}"
+    with pytest.raises(ConfigError) as e:
+        check_output([[_exp(group_id="g")], [_exp(group_id="g")]], tasks, "my.workflow")
+    assert str(e.value) == ("workflow 'my.workflow' returned an experience (task 't/2') with group_id 'g', which "
+                            f"task 't/1''s experiences have too: {GROUPS}")
+    # the same task twice in a step (a batch larger than the taskset) keeps one group, as before
+    check_output([[_exp(group_id="g")], [_exp(group_id="g")]], [tasks[0], tasks[0]], "my.workflow")
 
 
 HEAD = "workflow 'my.workflow' returned an experience (task 't/1')"
@@ -236,6 +257,10 @@ def careless(tasks, engine, ctx):
         e.logprobs += [-1.0] * extra
     elif MODE["mode"] == "empty":
         out[1] = []
+    elif MODE["mode"] == "group":
+        for group in out:
+            for x in group:
+                x.group_id = ""
     return out
 
 
@@ -244,6 +269,7 @@ def careless(tasks, engine, ctx):
     ("vocab", "with token ids [{}] outside the model's vocabulary"),
     ("long", "tokens, more than the {} of model.max_prompt_tokens + model.max_response_tokens"),
     ("empty", "returned an empty list for task"),
+    ("group", "with no group_id: the trainer groups rollouts by group_id"),
 ])
 def test_a_run_with_a_careless_workflow_stops_with_its_paragraph(tmp_path, capsys, mode, said):
     # before, out-of-vocabulary ids reached the trainer's embedding (IndexError there, a device assert

@@ -342,14 +342,14 @@ def pass_rates(explorer: "Explorer", n: int) -> list[float]:
     return [sum(r >= ts.pass_threshold for r, _ in s) / len(s) for s in (rollout_samples(g, n) for g in groups)]
 
 
-def vocab_size(engine, tokenizer) -> int:
+def vocab_size(engine, tokenizer) -> int | None:
     """The ids the trainer's embedding takes: the model's vocab_size where the engine says it (hf,
-    vLLM; it may be padded past the tokenizer's), else the tokenizer's length."""
+    vLLM; it may be padded past the tokenizer's), else the tokenizer's length (None: neither known)."""
     hf_config = getattr(getattr(engine, "model", None), "config", None)
     llm_config = getattr(getattr(engine, "llm", None), "model_config", None)
     if llm_config is not None:
         return int(llm_config.get_vocab_size())
-    return int(getattr(hf_config, "vocab_size", None) or len(tokenizer))
+    return getattr(hf_config, "vocab_size", None) or (len(tokenizer) if hasattr(tokenizer, "__len__") else None)
 
 
 def token_budget(model_cfg, workflow: str, args: dict) -> int | None:

@@ -195,6 +195,7 @@ def check_output(out, tasks, name: str, vocab: int | None = None, max_tokens: in
             f"or None for a task that failed."
         )
     seen: set[int] = set()
+    owners: dict[str, str] = {}  # group_id -> the task whose entry holds it
     for task, group in zip(tasks, out):
         if group is None:
             continue
@@ -214,7 +215,21 @@ def check_output(out, tasks, name: str, vocab: int | None = None, max_tokens: in
                     f"be trained on twice and its reward shaped twice. Build one Experience per rollout."
                 )
             seen.add(id(e))
+            _check_group(e, owners.setdefault(e.group_id, tid), tid, name)
             _check_experience(e, name, vocab, max_tokens)
+
+
+def _check_group(e: Experience, owner, tid, name: str) -> None:
+    """The trainer's groups are the experiences of one group_id (GRPO's baseline is their mean): one
+    without it, or one that shares another task's, would be scored against other tasks' rollouts."""
+    from rft.errors import ConfigError
+
+    if not e.group_id or owner != tid:
+        said = "no group_id" if not e.group_id else f"group_id {e.group_id!r}, which task {owner!r}'s experiences have too"
+        raise ConfigError(
+            f"workflow {name!r} returned an experience (task {tid!r}) with {said}: the trainer groups rollouts by "
+            f"group_id (a group's advantages are relative to its mean), so each task's rollouts need one of their "
+            f"own, e.g. group_id=f\"{{ctx.step}}/{{ctx.seed}}/{{task.task_id}}\" as single_turn gives them.")
 
 
 def _check_experience(e: Experience, name: str, vocab: int | None, max_tokens: int | None) -> None:
