@@ -161,8 +161,18 @@ def test_a_local_job_whose_printed_process_is_killed_stops_its_task_too(tmp_path
     try:
         dead = UncompletedJobError(f"Job {job_id} (task: 0) with path {tmp_path}/{job_id}_0_result.pkl\n"
                                    "has not produced any output (state: INTERRUPTED)")
+        class Killed(FakeJob):
+            state = "INTERRUPTED"  # submitit's LocalJob.state once its controller died of a signal
+
+            def results(self):
+                # stopped before results(), which for a real job waits 15 s for a result file
+                # (the task trained 17 s on after the kill)
+                assert task.wait(timeout=5) == -9
+                return super().results()
+
+        job = Killed(job_id, tmp_path / "%j", 1, dead)
         with pytest.raises(UncompletedJobError):
-            watch([FakeJob(job_id, tmp_path / "%j", 1, dead)], [["seed=1"]], 1, str(tmp_path), poll_s=0.01)
+            watch([job], [["seed=1"]], 1, str(tmp_path), poll_s=0.01)
         assert task.wait(timeout=10) == -9  # killed as its controller was
         assert bystander.poll() is None  # another job's task runs on
         assert capsys.readouterr().out.splitlines()[-1] == (

@@ -235,15 +235,16 @@ def watch(jobs, job_overrides, first_num: int, sweep_dir: str, poll_s: float = 1
     dead = {}
     for ended, job in enumerate(_ended(jobs, poll_s), 1):
         num = nums[job.job_id]
+        # the local launcher's controller killed by a signal: its task runs on; stopped now, not
+        # after results() has waited 15 s for the result file that will not come
+        left = stop_orphans(job.job_id) if getattr(job, "state", None) == "INTERRUPTED" else []
         try:
             what = _outcome(job.results()[0])
         except (UncompletedJobError, FailedJobError) as e:
             dead[num] = e
             m = _UNCOMPLETED.search(str(e))
             what = no_result(m["state"]) if m else "failed in submitit"
-            if m and m["state"] == "INTERRUPTED":  # the local launcher's controller, killed by a signal
-                left = stop_orphans(job.job_id)
-                what += "".join(f"; its process {pid}, which outlived it, stopped" for pid in left)
+            what += "".join(f"; its process {pid}, which outlived it, stopped" for pid in left)
         print(f"[sweep] job {num} ({job.job_id}) {what} [{ended}/{len(jobs)} ended]", flush=True)
     if dead:
         raise dead[min(dead)]
