@@ -828,22 +828,40 @@ def near_args(unknown, known, section: str = "") -> str:
         return next(iter(difflib.get_close_matches(name, names, n=1, cutoff=0.6)), None)
 
     own = [str(k) for k in known]
-    there = [k.rpartition(".")[2] for k in schema_keys() if k.rpartition(".")[0] == section] if section else []
     near, moved = [], []
     for u in map(str, unknown):
         if close(u, own):
             near.append(f"{close(u, own)} (not {u})")
-        # another system's prefix on the name (gae_lambda, ppo_epochs): its last word too
-        elif m := close(u, there) or close(u.rpartition("_")[2], there):
-            moved.append((u, f"{section}.{m}"))
-    said = near + [key + (f" (not {u})" if u != key.rpartition(".")[2] else "") for u, key in moved]
+        elif keys := _section_keys(u, section, close):
+            moved.append((u, keys))
+    said = near + [" and ".join(keys) + (f" (not {u})" if [u] != [k.rpartition(".")[2] for k in keys] else "")
+                   for u, keys in moved]
     out = f" Did you mean {', '.join(said)}?" if said else ""
     if moved:
-        one = len(moved) == 1
+        one = sum(len(keys) for _, keys in moved) == 1
         out += (f" {'That is a key' if one else 'Those are keys'} of {section} itself, which the function reads "
-                f"from cfg, not {'an argument' if one else 'arguments'}: set {', '.join(k + '=<value>' for _, k in moved)}, "
+                f"from cfg, not {'an argument' if one else 'arguments'}: set "
+                f"{', '.join(k + '=<value>' for _, keys in moved for k in keys)}, "
                 f"and drop {', '.join(u for u, _ in moved)} from the args.")
     return out
+
+
+def _section_keys(name: str, section: str, close) -> list[str]:
+    """The keys of schema section `section` that an argument `name` stands for: those another
+    system's key of that name is (rft.foreign_keys: clip_ratio is verl's clip_ratio_low and
+    clip_ratio_high, where the nearest spelling, clip_ratio_c, is the dual clip), else the nearest
+    one, its last word too (another system's prefix on the name: gae_lambda)."""
+    if not section:
+        return []
+    from rft.foreign_keys import FOREIGN_KEYS
+
+    theirs = [o for k in FOREIGN_KEYS if "*" not in k and k.rpartition(".")[2] == name
+              for o in FOREIGN_KEYS[k].ours or () if o.rpartition(".")[0] == section]
+    if theirs:
+        return list(dict.fromkeys(theirs))
+    there = [k.rpartition(".")[2] for k in schema_keys() if k.rpartition(".")[0] == section]
+    m = close(name, there) or close(name.rpartition("_")[2], there)
+    return [f"{section}.{m}"] if m else []
 
 
 def lora_adapter_sync(model_cfg) -> bool:

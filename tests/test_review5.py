@@ -47,3 +47,21 @@ def test_a_daemon_does_not_outlive_the_call_in_a_caller_of_many_descriptors(no_g
     finally:
         for pid in [pid for marker in markers for pid in host_pids_with(marker)]:
             os.kill(pid, 9)
+
+
+def test_verls_clip_ratio_as_a_loss_arg_is_told_both_clip_keys_not_the_dual_clip(tmp_path):
+    # before (905ebef): the nearest spelling among algorithm's keys, 'Did you mean algorithm.clip_ratio_c
+    # (not clip_ratio)? ... set algorithm.clip_ratio_c=<value>': the dual clip's constant (> 1), not
+    # verl's clip_ratio, which is the clip's epsilon on both sides (rft.foreign_keys says so)
+    import rft.runtime.main
+    from conftest import compose_cfg
+
+    from rft.errors import ConfigError
+
+    with pytest.raises(ConfigError) as e:
+        rft.runtime.main._main(compose_cfg(["stages=[]", "+algorithm.args.clip_ratio=0.2", "dry_run=true",
+                                            f"checkpoint_root_dir={tmp_path}"]))
+    assert str(e.value).endswith(
+        "Did you mean algorithm.clip_ratio_low and algorithm.clip_ratio_high (not clip_ratio)? Those are keys of "
+        "algorithm itself, which the function reads from cfg, not arguments: set algorithm.clip_ratio_low=<value>, "
+        "algorithm.clip_ratio_high=<value>, and drop clip_ratio from the args.")
