@@ -12,7 +12,7 @@ from __future__ import annotations
 import sys
 import time
 
-import psutil  # a dependency of Ray
+import psutil
 
 
 def watch(driver_pid: int, poll_s: float = 1.0) -> None:
