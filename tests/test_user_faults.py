@@ -211,9 +211,9 @@ HEAD = "workflow 'my.workflow' returned an experience (task 't/1')"
     (_exp(logprobs=[-1.0]), "whose logprobs has 1 entries for its 2 response tokens: it needs one per token after "
                             "the prompt (tokens[prompt_length:]), or none."),
     (_exp((5, 6, 7, 8, 9, 10, 11)), "of 7 tokens, more than the 6 of model.max_prompt_tokens + "
-                                    "model.max_response_tokens (or workflow_args.max_total_tokens), which the memory "
-                                    "plan and the loss assume: cut the response to fit, or raise "
-                                    "model.max_response_tokens."),
+                                    "model.max_response_tokens (model.max_model_len where set, or "
+                                    "workflow_args.max_total_tokens), the context the memory plan sized the run for: "
+                                    "cut the response to fit, or raise model.max_response_tokens."),
     (_exp((5, 6, 7, 100)), "with token ids [100] outside the model's vocabulary (ints 0..99): the trainer could "
                            "not embed them. Give the tokenizer's ids (ctx.tokenizer)."),
     (_exp((5, 6, -1, 8)), "with token ids [-1] outside the model's vocabulary (ints 0..99): the trainer could "
@@ -230,6 +230,20 @@ def test_an_experience_the_trainer_cannot_use_is_named(exp, said):
     with pytest.raises(ConfigError) as e:
         check_output([[exp]], [0], "my.workflow", vocab=100, max_tokens=6)
     assert str(e.value) == f"{HEAD} {said}"
+
+
+def test_the_token_budget_is_the_context_the_run_is_sized_for():
+    from omegaconf import OmegaConf
+
+    from rft.rollout.explorer import token_budget
+
+    model = OmegaConf.create({"max_prompt_tokens": 64, "max_response_tokens": 32, "max_model_len": None})
+    assert token_budget(model, "single_turn", {}) == 96  # 64 + 32
+    assert token_budget(model, "multi_turn", {"max_total_tokens": 200}) == 200
+    assert token_budget(model, "openai_agent", {}) is None  # the endpoint bounds its calls by the model's context
+    # rollout_args.max_tokens may exceed max_response_tokens where max_model_len holds it (rft/plan/batch.py)
+    model.max_model_len = 512
+    assert token_budget(model, "single_turn", {}) == 512
 
 
 def test_what_the_trainer_can_use_passes():

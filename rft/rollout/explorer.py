@@ -353,12 +353,14 @@ def vocab_size(engine, tokenizer) -> int | None:
 
 
 def token_budget(model_cfg, workflow: str, args: dict) -> int | None:
-    """The most tokens an experience of this workflow may hold: the prompt's and the response's
-    budgets (a multi-turn conversation's workflow_args.max_total_tokens, if larger); None for an
-    agent's (its calls are bounded by the model's context: rft/serving/openai_api.py)."""
+    """The most tokens an experience of this workflow may hold: the context the run is sized for
+    (model.max_model_len, else the prompt's and the response's budgets; a multi-turn conversation's
+    workflow_args.max_total_tokens, if larger); None for an agent's (its calls are bounded by the
+    model's context: rft/serving/openai_api.py)."""
     if WORKFLOWS.info(workflow).endpoint:
         return None
-    return max(model_cfg.max_prompt_tokens + model_cfg.max_response_tokens, int(args.get("max_total_tokens") or 0))
+    context = model_cfg.max_model_len or model_cfg.max_prompt_tokens + model_cfg.max_response_tokens
+    return max(context, int(args.get("max_total_tokens") or 0))
 
 
 class Explorer(WeightsMixin):
