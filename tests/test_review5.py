@@ -65,3 +65,14 @@ def test_verls_clip_ratio_as_a_loss_arg_is_told_both_clip_keys_not_the_dual_clip
         "Did you mean algorithm.clip_ratio_low and algorithm.clip_ratio_high (not clip_ratio)? Those are keys of "
         "algorithm itself, which the function reads from cfg, not arguments: set algorithm.clip_ratio_low=<value>, "
         "algorithm.clip_ratio_high=<value>, and drop clip_ratio from the args.")
+
+
+def test_a_bwrap_without_info_fd_is_no_sandbox_rather_than_every_call_failing(tmp_path):
+    # before: isolation()'s probe ran bwrap without --info-fd (f95ed93 added it to run_python only),
+    # so such a bwrap passed it and every call then ended 'exited with status 1: bwrap: Unknown option
+    # --info-fd', the model's code never run: the environment scored it as failing code
+    fake = tmp_path / "bwrap"
+    fake.write_text('#!/bin/sh\nfor a in "$@"; do [ "$a" = "--info-fd" ] && { echo "bwrap: Unknown option --info-fd" >&2; '
+                    f'exit 1; }}; done\nexec {sandbox.shutil.which("bwrap")} "$@"\n')
+    fake.chmod(0o755)
+    assert sandbox.isolation(str(fake)) == (None, f"{fake} failed: bwrap: Unknown option --info-fd")

@@ -190,13 +190,18 @@ def isolation(bwrap: str) -> tuple[str | None, str]:
         fd = _filter_fd()
     except ValueError as e:
         return None, str(e)
+    # with run_python's --info-fd: a bwrap without it passed here, and every call then failed
+    # 'exited with status 1: bwrap: Unknown option --info-fd' (model code never run, scored as wrong)
+    info_r, info_w = os.pipe()
     try:
-        p = subprocess.run(_bwrap_args(exe, mode, str(1 << 30), fd) + [sys._base_executable, "-I", "-S", "-c", "pass"],
-                           capture_output=True, text=True, timeout=30, pass_fds=(fd,))
+        args = _bwrap_args(exe, mode, str(1 << 30), fd)
+        args[1:1] = ["--info-fd", str(info_w)]
+        p = subprocess.run(args + [sys._base_executable, "-I", "-S", "-c", "pass"],
+                           capture_output=True, text=True, timeout=30, pass_fds=(fd, info_w))
     except (OSError, subprocess.TimeoutExpired) as e:
         return None, f"{exe} did not run ({e})"
     finally:
-        os.close(fd)
+        os.close(fd), os.close(info_w), os.close(info_r)
     if p.returncode != 0:
         last = (p.stderr.strip().splitlines() or [f"exit status {p.returncode}"])[-1]
         return None, f"{exe} failed: {last}"
