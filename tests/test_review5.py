@@ -76,3 +76,19 @@ def test_a_bwrap_without_info_fd_is_no_sandbox_rather_than_every_call_failing(tm
                     f'exit 1; }}; done\nexec {sandbox.shutil.which("bwrap")} "$@"\n')
     fake.chmod(0o755)
     assert sandbox.isolation(str(fake)) == (None, f"{fake} failed: bwrap: Unknown option --info-fd")
+
+
+def test_a_call_whose_fork_fails_leaves_no_descriptor_behind(monkeypatch):
+    # before: the info pipe's read end stayed open when Popen raised (f95ed93): one descriptor a
+    # failed call, 20 calls 20 more
+    import errno
+
+    def no_fork(*args, **kwargs):
+        raise OSError(errno.EAGAIN, "Resource temporarily unavailable")
+
+    monkeypatch.setattr(sandbox.subprocess, "Popen", no_fork)
+    before = len(os.listdir("/proc/self/fd"))
+    for _ in range(20):
+        with pytest.raises(OSError, match="Resource temporarily unavailable"):
+            sandbox.run_python("print(1)")
+    assert len(os.listdir("/proc/self/fd")) == before

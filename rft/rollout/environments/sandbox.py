@@ -524,6 +524,10 @@ def run_python(code: str, timeout_s: float = 5.0, memory_mb: int = 512, max_outp
             p = subprocess.Popen(cmd, cwd=work, stdin=stdin_ro, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                  pass_fds=(src.fileno(),) + ((filter_fd, info_w) if mode else ()), start_new_session=True,
                                  env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": work})
+        except BaseException:  # no fork (EAGAIN, ENOMEM): the info pipe's read end is left to no one
+            if mode:
+                os.close(info_r)
+            raise
         finally:
             if mode:
                 os.close(filter_fd), os.close(info_w)
