@@ -108,6 +108,29 @@ def test_code_that_allocates_10_gib_is_stopped():
     assert r.reason == "memory limit of 256 MiB exceeded"
 
 
+THREADS = """
+import threading
+ev, n = threading.Event(), 0
+try:
+    for _ in range(40):
+        threading.Thread(target=ev.wait).start()
+        n += 1
+except RuntimeError:
+    pass
+ev.set()
+print(n)
+"""
+
+
+def test_threads_are_bounded_by_their_stacks_reservation_until_the_code_makes_stacks_smaller():
+    # RLIMIT_AS (memory_mb, 512) counts each thread's 8 MiB stack reservation: fewer than 31 start
+    # (14 here); with 256 KiB stacks the process cap of 32 is what stops them: 31 beside the main one
+    r = run(THREADS)
+    assert r.ok and 0 < int(r.stdout) < 31
+    r = run("import threading; threading.stack_size(256 * 1024)\n" + THREADS)
+    assert r.ok and int(r.stdout) == 31
+
+
 def test_output_is_cut_at_the_limit():
     r = run("print('x' * 10**6)", max_output_bytes=100)
     assert r.ok and r.stdout == "x" * 100 + "\n... [cut: 999901 more bytes]"  # 10**6 + 1 (newline) - 100
