@@ -292,7 +292,8 @@ def test_mistakes_in_stage_and_metrics_are_one_paragraph(lr_sweep, capsys):
         "sft_warmup, grpo. Give one of them, or --stage all for every stage.\n")
     assert report.main([str(lr_sweep), "--metrics", "reward/mean,eval/acc"]) == 2
     assert capsys.readouterr().err == (
-        "rft.reporting.report: --metrics eval/acc: not logged by any job in the stage reported. The metrics found: "
+        "rft.reporting.report: --metrics eval/acc: not logged by any job in the stage reported. Did you mean "
+        "eval/accuracy (not eval/acc)? The metrics found: "
         "eval/arith/accuracy, eval/accuracy, eval/hard/accuracy, timing/eval_s, reward/mean, timing/step_s. "
         "Give a comma-separated list of them, e.g. --metrics reward/mean,eval/arith/accuracy,eval/hard/accuracy.\n")
     assert not (lr_sweep / "report.md").exists()  # nothing written on a mistake

@@ -54,6 +54,7 @@ import yaml
 from omegaconf import OmegaConf
 
 from rft import manifest
+from rft.config import near_args
 
 TIMING_KEYS = ("timing/step_s", "timing/eval_s", "timing/save_s")
 NO_METRICS = "no metrics (failed before its first step, or not started)"
@@ -441,7 +442,8 @@ def choose_metrics(jobs: list[Job], metrics: list[str] | str | None) -> list[str
     unknown = [m for m in metrics if m not in found]
     if not metrics or (unknown and found):  # with no metrics logged at all, there is nothing to check against
         raise ReportError(
-            f"--metrics {','.join(unknown) or '(empty)'}: not logged by any job in the stage reported. The metrics "
+            f"--metrics {','.join(unknown) or '(empty)'}: not logged by any job in the stage reported."
+            f"{near_args(unknown, found)} The metrics "
             f"found: {', '.join(found)}. Give a comma-separated list of them, e.g. "
             f"--metrics {','.join(default_metrics(found))}.")
     return metrics
