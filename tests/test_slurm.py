@@ -717,7 +717,14 @@ def test_a_preempted_slurm_job_saves_the_step_it_is_at_and_resumes_from_it(slurm
                          r"that checkpoint\)$", out, re.M)
     assert said and 3300 < int(said[1]) <= 3570, out[-3000:]
     assert f"[grpo] preemption signal: saving the checkpoint at step {newest}, then requeue\n" in out
-    assert f"Requeued job {job} (3 remaining timeouts)" in out  # max_num_timeout=3; a preemption is not counted
+    # max_num_timeout=3, and a preemption is not counted: the requeued job ran from a pickle whose countdown
+    # is still 3. submitit logs it ("Requeued job N (3 remaining timeouts)") after `scontrol requeue`, which
+    # has Slurm stop the job: the line is lost where the stop comes first
+    from submitit.core.utils import DelayedSubmission
+
+    assert DelayedSubmission.load(sweep / ".submitit" / job / f"{job}_submitted.pkl")._timeout_countdown == 3
+    said = re.search(rf"^.*Requeued job {job} \((\d+) remaining timeouts\)$", out, re.M)
+    assert said is None or said[1] == "3", said
     assert (f"continue_from_checkpoint=false, but this is a requeued job (Slurm job {job}, restart 1) and the "
             f"outputs are its own: it resumes them") in out
     assert f"[grpo] resuming from step {newest} (" in out
