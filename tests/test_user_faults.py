@@ -205,9 +205,8 @@ HEAD = "workflow 'my.workflow' returned an experience (task 't/1')"
 
 @pytest.mark.parametrize("exp, said", [
     (_exp((5, 6), 2, logprobs=[]), "with no response tokens (tokens has 2, prompt_length 2): every experience needs "
-                                   "at least one token after the prompt; return None for a task without a response (a multi_turn "
-                                   "conversation has none when its prompt fills workflow_args.max_total_tokens: "
-                                   "raise it)."),
+                                   "at least one token after the prompt; return None for a task without a response (counted in "
+                                   "rollout/failed_tasks)."),
     (_exp(logprobs=[-1.0]), "whose logprobs has 1 entries for its 2 response tokens: it needs one per token after "
                             "the prompt (tokens[prompt_length:]), or none."),
     (_exp((5, 6, 7, 8, 9, 10, 11)), "of 7 tokens, more than the 6 of model.max_prompt_tokens + "

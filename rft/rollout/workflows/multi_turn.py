@@ -227,7 +227,7 @@ def multi_turn(tasks, engine, ctx) -> list[list[Experience] | None]:
     strict = bool(a.get("strict", False))
     call = ctx.call or (lambda fn, jobs: [fn(j) for j in jobs])
 
-    convs, groups = _start_conversations(tasks, env_cls, a, ctx, call)
+    convs, groups = _start_conversations(tasks, env_cls, a, ctx, call, budget)
     args, sampling = _sampling_args(ctx, a, env_cls)
     for turn in range(max_turns):
         active = [c for c in convs if not c.done and not c.failed]
@@ -241,9 +241,10 @@ def multi_turn(tasks, engine, ctx) -> list[list[Experience] | None]:
     return _experiences(tasks, convs, ctx, strict, sampling)
 
 
-def _start_conversations(tasks, env_cls, a: dict, ctx, call) -> tuple[list[Conversation], list[list[Conversation]]]:
+def _start_conversations(tasks, env_cls, a: dict, ctx, call, budget: int) -> tuple[list[Conversation], list[list[Conversation]]]:
     """`ctx.n` conversations per task, each with an environment of its own, and the conversations
-    grouped by task. A conversation whose reset failed fails its whole group."""
+    grouped by task. A conversation whose reset failed fails its whole group, and so does one whose
+    first prompt fills the budget (no response token: the budget is never an error of the run)."""
     tok = ctx.tokenizer
 
     # one conversation per rollout; reset on the runners (an environment may do work there)
@@ -260,6 +261,11 @@ def _start_conversations(tasks, env_cls, a: dict, ctx, call) -> tuple[list[Conve
         else:
             messages = _first_messages(got[1], env_cls)
             c = Conversation(task, got[0], messages, render(tok, messages, generation_prompt=True))
+            if c.prompt_length >= budget:
+                c.failed = (f"its first prompt is {c.prompt_length} tokens, which leaves no room for the model under "
+                            f"the conversation's budget of {budget} tokens (workflow_args.max_total_tokens; default "
+                            f"model.max_prompt_tokens + model.max_response_tokens): raise it, or shorten the task's "
+                            f"first message")
         convs.append(c)
     groups = [convs[i : i + ctx.n] for i in range(0, len(convs), ctx.n)]
     for g in groups:  # a task fails as a whole: its group is incomplete

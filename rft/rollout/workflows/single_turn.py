@@ -247,8 +247,8 @@ def _check_experience(e: Experience, name: str, vocab: int | None, max_tokens: i
     if e.response_length < 1:  # nothing to train on, yet its reward would move its group's baseline
         raise ConfigError(
             f"{head} with no response tokens (tokens has {len(e.tokens)}, prompt_length {e.prompt_length}): every "
-            f"experience needs at least one token after the prompt; return None for a task without a response (a "
-            f"multi_turn conversation has none when its prompt fills workflow_args.max_total_tokens: raise it).")
+            f"experience needs at least one token after the prompt; return None for a task without a response (counted "
+            f"in rollout/failed_tasks).")
     for field_name in ("logprobs", "loss_mask"):
         n = len(getattr(e, field_name))
         if n and n != e.response_length:

@@ -1,0 +1,41 @@
+"""What a review of the workflow-output checks, reward calls and sweeps found, each with its test."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from rft.data.tasks import Task
+from rft.models import build_tiny_model
+from rft.rollout.workflows.multi_turn import multi_turn
+from rft.rollout.workflows.single_turn import check_output
+from tests.test_multi_turn import CALL, Scripted, ctx_for, tokenizer
+
+
+@pytest.fixture(scope="module")
+def tools_model(cache_dir):
+    return build_tiny_model(cache_dir / "models" / "tiny-qwen2-tools-v2", tools=True)
+
+
+# ---------------------------------------------------------------- multi_turn's budget
+
+def test_a_first_prompt_that_fills_the_conversation_budget_fails_its_task_not_the_run(tools_model, caplog):
+    # workflow_args.max_total_tokens is "never an error" (README): a turn is cut to what is left. A
+    # first prompt of 8 tokens (<|im_start|> user 7 * 8 <|im_end|> <|im_start|> assistant) under a
+    # budget of 8 leaves 0 for the model, so the conversation had no response tokens, and the
+    # workflow-output check then stopped the whole run on one long task. It is a failed task now
+    # (counted in rollout/failed_tasks), never sent to the engine; the other task goes on.
+    tok = tokenizer(tools_model)
+    long_task = Task("calc/1", [{"role": "user", "content": "7*8"}], "56", {})
+    short = Task("calc/2", [{"role": "user", "content": "7"}], "7", {})  # 6 tokens: room for 2
+    engine = Scripted(tok, [(CALL, "stop")])
+    with caplog.at_level(logging.WARNING, logger="rft.rollout.workflows.multi_turn"):
+        out = multi_turn([long_task, short], engine, ctx_for(tok, {"env": "calculator", "max_total_tokens": 8}, n=2))
+    assert out[0] is None
+    assert [len(e.tokens) - e.prompt_length for e in out[1]] == [2, 2]  # 8 - 6: the call cut to 2 tokens
+    assert engine.calls[0] == [out[1][0].tokens[:6]]  # the short task's prompt alone went to the engine
+    check_output(out, [long_task, short], "multi_turn", vocab=len(tok), max_tokens=8)  # nothing to refuse
+    assert ("task calc/1 failed: its first prompt is 8 tokens, which leaves no room for the model under the "
+            "conversation's budget of 8 tokens (workflow_args.max_total_tokens; default model.max_prompt_tokens + "
+            "model.max_response_tokens): raise it, or shorten the task's first message") in caplog.text
