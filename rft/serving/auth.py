@@ -9,6 +9,10 @@ Limits, each measured against `python -m rft.serving.reward_server` (tests/test_
   (or of the previous answer on a kept-alive one); else the connection is closed. uvicorn times out
   idle kept-alive connections only: a client sending its head a byte at a time held a connection
   for as long as it liked (TimedH11);
+- a client must read its answer: one that reads none of it for `request_timeout` seconds while
+  the server has more to send (past the 64 KiB transport buffer) has its connection dropped.
+  uvicorn waited for it forever: ten connections asking for the studio's plotly.min.js (no token
+  needed) and never reading held a studio of --max-connections 8 at 503 for good (TimedH11);
 - at most `max_connections` connections at once: beyond, a request is answered 503 (uvicorn's
   limit_concurrency), which the clients retry;
 - an unfinished request head over 16 KiB is answered 400 (h11's default limit, stated in
@@ -118,7 +122,7 @@ class TimedH11(H11Protocol):
     head and body are in, so a slow reward or engine call is never cut."""
 
     def connection_made(self, transport) -> None:
-        self._deadline = None
+        self._deadline = self._stalled = None
         super().connection_made(transport)
         self._arm()
 
@@ -134,9 +138,24 @@ class TimedH11(H11Protocol):
             self._arm()
 
     def connection_lost(self, exc) -> None:
-        if self._deadline is not None:
-            self._deadline.cancel()
+        for timer in (self._deadline, self._stalled):
+            if timer is not None:
+                timer.cancel()
         super().connection_lost(exc)
+
+    # the transport calls these as its write buffer passes the high and low water marks: a client
+    # that reads nothing of its answer for request_timeout seconds is dropped (abort: close() would
+    # wait to send it the buffered rest, forever)
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self._stalled is None:
+            self._stalled = self.loop.call_later(self.config.request_timeout, self.transport.abort)
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        if self._stalled is not None:
+            self._stalled.cancel()
+            self._stalled = None
 
     def _arm(self) -> None:
         if self._deadline is not None:
