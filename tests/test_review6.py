@@ -39,3 +39,26 @@ def test_a_first_prompt_that_fills_the_conversation_budget_fails_its_task_not_th
     assert ("task calc/1 failed: its first prompt is 8 tokens, which leaves no room for the model under the "
             "conversation's budget of 8 tokens (workflow_args.max_total_tokens; default model.max_prompt_tokens + "
             "model.max_response_tokens): raise it, or shorten the task's first message") in caplog.text
+
+
+# ---------------------------------------------------------------- reward calls past the timeout
+
+def test_a_burst_of_calls_a_little_past_the_timeout_does_not_stop_the_run(monkeypatch):
+    # openai_agent runs up to 128 agents at once (and explorer.runner_per_model has no upper bound):
+    # a step whose agents all ran a little past explorer.max_timeout abandoned them in one pass, and
+    # the 65th stopped the run saying they 'have not returned', though each returned 0.3 s later.
+    # The bound counts calls still running a timeout after they were abandoned (MAX_HUNG_CALLS 4
+    # here, for 8 calls).
+    import time
+
+    from rft.rollout import explorer
+    from rft.rollout.explorer import run_jobs
+
+    monkeypatch.setattr(explorer, "MAX_HUNG_CALLS", 4)
+    results, c = run_jobs(lambda job: time.sleep(0.5), list(range(8)), runners=8, timeout=0.2, retries=0)
+    assert results == [None] * 8 and (c["timeouts"], c["failed"]) == (8, 8)  # timed out, counted, not fatal
+    for _ in range(300):  # they return 0.3 s after their timeout
+        if not explorer._THREADS.hung:
+            break
+        time.sleep(0.01)
+    assert not explorer._THREADS.hung

@@ -126,12 +126,14 @@ def test_calls_that_hang_past_the_timeout_are_counted_and_bounded(monkeypatch):
         # t/7 hangs twice (1 try + 1 retry): 2 calls hold a thread, under the bound of 4
         assert results == [None, [1.0]] and (c["timeouts"], c["failed"]) == (2, 1)
         assert len(explorer._THREADS.hung) == 2
+        # the bound counts calls still running a timeout after they were abandoned: the 2 above, then
+        # these 3 once their retries time out too (2 + 3 = 5 > 4)
         with pytest.raises(RunError) as e:
-            run_jobs(lambda job: scorer(*job), [("q", ["357"], _task())] * 3, runners=3, timeout=0.2, retries=0,
+            run_jobs(lambda job: scorer(*job), [("q", ["357"], _task())] * 3, runners=3, timeout=0.2, retries=2,
                      what=scorer.describe())
         assert str(e.value) == (
             "5 calls of reward 'p0' (the last on task 't/7') ran past explorer.max_timeout (0.2 s) and have not "
-            "returned. A call past the timeout is abandoned, not stopped (Python cannot stop a thread): each keeps "
+            "returned 0.2 s after that. A call past the timeout is abandoned, not stopped (Python cannot stop a thread): each keeps "
             "its thread and what it holds, and a call that hangs on a task hangs there again every epoch, so the "
             "run stops before they pile up. Give the function a timeout of its own (a request's timeout, a bound "
             "on its loop), or raise explorer.max_timeout if it is only slow; then run the same command again to "

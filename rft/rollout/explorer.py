@@ -60,8 +60,9 @@ class _Threads:
         self.idle = 0
         self.lock = threading.Lock()
         self.running: set = set()  # tokens of the calls on a thread now
-        # those of them abandoned (past their timeout), each holding a thread: rollout/hung_calls
-        self.hung: set = set()
+        # those of them abandoned (past their timeout), each holding a thread: rollout/hung_calls;
+        # token -> when it was abandoned (time.monotonic)
+        self.hung: dict = {}
 
     def start(self, fn, args: tuple, deliver) -> object:
         """Run fn(*args) on a kept thread, then deliver(its result); returns the call's token."""
@@ -75,12 +76,14 @@ class _Threads:
         self.work.put((fn, args, deliver, token))
         return token
 
-    def abandon(self, token) -> int:
-        """The call no longer holds the step (it timed out); returns how many such calls still run."""
+    def abandon(self, token, now: float, grace: float) -> int:
+        """The call no longer holds the step (it timed out); returns how many such calls still run
+        `grace` seconds after they were abandoned: a call only a little slower than its timeout (a
+        burst of them, 128 agents at once) returns meanwhile and is not one that piles up."""
         with self.lock:
             if token in self.running:
-                self.hung.add(token)
-            return len(self.hung)
+                self.hung[token] = now
+            return sum(at <= now - grace for at in self.hung.values())
 
     def _serve(self) -> None:
         while True:
@@ -91,7 +94,7 @@ class _Threads:
             with self.lock:
                 self.idle += 1
                 self.running.discard(token)
-                self.hung.discard(token)
+                self.hung.pop(token, None)
             deliver(result)
 
 
@@ -178,7 +181,7 @@ class _JobRun:
             if now - t0 > timeout:
                 del self.running[i]
                 self.counters["timeouts"] += 1
-                if _THREADS.abandon(self.tokens[i]) > MAX_HUNG_CALLS:
+                if _THREADS.abandon(self.tokens[i], now, timeout) > MAX_HUNG_CALLS:
                     raise RunError(self.too_many_hung(i, timeout))
                 # a hanging reward shows here alone (it raised nothing): name the key that bounds it, once
                 # a step (a reward that hangs on every task would log a line per call and retry)
@@ -193,7 +196,8 @@ class _JobRun:
             what = f"calls of {self.what} (the last on task {getattr(self.jobs[i][2], 'task_id', '?')!r})"
         else:
             what = "calls of the workflow's jobs (an environment's steps, say)"
-        return (f"{MAX_HUNG_CALLS + 1} {what} ran past explorer.max_timeout ({timeout:g} s) and have not returned. "
+        return (f"{MAX_HUNG_CALLS + 1} {what} ran past explorer.max_timeout ({timeout:g} s) and have not returned "
+                f"{timeout:g} s after that. "
                 f"A call past the timeout is abandoned, not stopped (Python cannot stop a thread): each keeps its "
                 f"thread and what it holds, and a call that hangs on a task hangs there again every epoch, so the "
                 f"run stops before they pile up. Give the function a timeout of its own (a request's timeout, a "
