@@ -30,9 +30,10 @@ def _ratio_metrics(log_ratio, pg_loss1, pg_loss2, advantages, mask) -> dict:
     `log_ratio` is each token's own (clamped) log-ratio, also for a loss whose ratio is per sequence:
     approx KL means the same for every loss."""
     clipped = (pg_loss2 > pg_loss1).float() * mask
-    # approx KL(old || new): Schulman's k3 on the token's ratio (a metric: no autograd graph)
+    # approx KL(old || new): Schulman's k3 on the token's ratio (a metric: no autograd graph), as
+    # expm1: exp(x) - 1 - x is 0 in float32 for |x| below ~1.5e-4 (rft.algorithms.kl.k3)
     log_ratio = log_ratio.detach()
-    approx_kl = torch.exp(log_ratio) - 1.0 - log_ratio
+    approx_kl = torch.expm1(log_ratio) - log_ratio
     return {
         "actor/clip_frac": clipped.sum().item(),
         "actor/clip_frac_low": (clipped * (advantages < 0)).sum().item(),
@@ -104,11 +105,10 @@ def gmpo_loss(logp, batch, cfg):
     seq_ratio = torch.exp((pessimistic * mask).sum(-1) / mask.sum(-1).clamp(min=1))
     seq_adv = (advantages * mask).sum(-1) / mask.sum(-1).clamp(min=1)
     loss = masked((-seq_adv * seq_ratio)[:, None].expand_as(logp), mask)
-    ratio = torch.exp(log_ratio)
     metrics = {
         # the tokens whose clip binds: the upper bound for A > 0, the lower for A < 0
         "actor/clip_frac": ((pessimistic != log_ratio).float() * (sign != 0) * mask).sum().item(),
-        "actor/approx_kl": ((ratio - 1.0 - log_ratio).detach() * mask).sum().item(),
+        "actor/approx_kl": ((torch.expm1(log_ratio) - log_ratio).detach() * mask).sum().item(),
     }
     return loss, metrics
 
@@ -134,7 +134,7 @@ def cpgd_loss(logp, batch, cfg):
     metrics = {
         # the tokens whose clamp binds (an advantage of 0 has no bound)
         "actor/clip_frac": ((clamped != logp).float() * (advantages != 0) * mask).sum().item(),
-        "actor/approx_kl": ((torch.exp(log_ratio) - 1.0 - log_ratio).detach() * mask).sum().item(),
+        "actor/approx_kl": ((torch.expm1(log_ratio) - log_ratio).detach() * mask).sum().item(),
     }
     return masked(-advantages * clamped, mask), metrics
 
