@@ -8,7 +8,7 @@ import socket
 import time
 
 import pytest
-from test_studio import _stop, _studio
+from test_studio import _stop, _studio, browser  # noqa: F401  (browser: a fixture)
 
 
 def _hold_unread(port: int, path: str, n: int) -> list[socket.socket]:
@@ -46,3 +46,41 @@ def test_clients_that_never_read_their_answer_cannot_lock_the_studio_out(tmp_pat
         for s in held:
             s.close()
         _stop(proc)
+
+
+@pytest.mark.slow
+def test_a_token_of_any_printable_ascii_reaches_the_api_from_the_printed_link(browser, tmp_path):  # noqa: F811
+    """Measured before: $RFT_STUDIO_TOKEN with a '%' printed a link whose page stopped on "URI
+    malformed" (its script decodes the fragment), and one with an '&' a page whose every request was
+    refused (the token cut at the '&'). The link now holds the token quoted."""
+    token = "abcd%zz&efgh#ij+k/l=m%41"
+    proc, url, printed = _studio(tmp_path, extra_env={"RFT_STUDIO_TOKEN": token})
+    try:
+        assert printed == "abcd%25zz%26efgh%23ij%2Bk%2Fl%3Dm%2541"  # quote(token, safe="")
+        page = browser.new_context(bypass_csp=True).new_page()
+        errors, answers = [], []
+        page.on("pageerror", lambda e: errors.append(str(e)))
+        page.on("response", lambda r: answers.append((r.url.removeprefix(url), r.status)))
+        page.goto(proc.link)
+        page.wait_for_function("document.body.dataset.composed")
+        assert errors == [] and ("/api/page/compose", 200) in answers, (errors, answers)
+        assert page.evaluate("localStorage.getItem('rft-studio-token')") == token
+    finally:
+        _stop(proc)
+
+
+def test_a_token_no_header_can_carry_or_a_token_file_that_is_not_text_is_one_line(tmp_path, monkeypatch):
+    from rft.studio.__main__ import read_token
+
+    monkeypatch.setenv("RFT_STUDIO_TOKEN", "a-token-of-twenty-€-signs")
+    with pytest.raises(SystemExit) as e:
+        read_token(None)
+    assert str(e.value) == ("rft.studio: the token in $RFT_STUDIO_TOKEN holds a character an HTTP header cannot carry "
+                            "(a letter outside ASCII, a space, a line break): make one with python -c 'import secrets; "
+                            "print(secrets.token_urlsafe(24))'.")
+    binary = tmp_path / "token"
+    binary.write_bytes(b"\xff\xfe a key file, not text")
+    binary.chmod(0o600)
+    with pytest.raises(SystemExit) as e:  # was a UnicodeDecodeError's traceback
+        read_token(str(binary))
+    assert str(e.value) == f"rft.studio: --token-file {binary}: cannot read it (not UTF-8 text)."

@@ -17,6 +17,7 @@ import secrets
 import socket
 import sys
 from pathlib import Path
+from urllib.parse import quote
 
 REPO = Path(__file__).resolve().parents[2]
 TOKEN_ENV = "RFT_STUDIO_TOKEN"
@@ -31,8 +32,9 @@ def read_token(path: str | None) -> str:
         file = Path(path).expanduser()
         try:
             token, source = file.read_text().strip(), f"--token-file {path}"
-        except OSError as e:
-            raise SystemExit(f"rft.studio: --token-file {path}: cannot read it ({e.strerror}).")
+        except (OSError, UnicodeDecodeError) as e:  # a binary file was a traceback
+            raise SystemExit(f"rft.studio: --token-file {path}: cannot read it "
+                             f"({getattr(e, 'strerror', None) or 'not UTF-8 text'}).")
         if file.stat().st_mode & 0o077:
             print(f"rft.studio: WARNING: --token-file {path} is readable by other users: chmod 600 {path}",
                   file=sys.stderr, flush=True)
@@ -40,9 +42,13 @@ def read_token(path: str | None) -> str:
         token, source = os.environ[TOKEN_ENV], f"${TOKEN_ENV}"
     else:
         return secrets.token_urlsafe(24)
-    if len(token) < MIN_TOKEN or any(c.isspace() or not c.isprintable() for c in token):
-        raise SystemExit(f"rft.studio: the token in {source} is shorter than {MIN_TOKEN} characters or holds spaces; "
-                         f"make one with python -c 'import secrets; print(secrets.token_urlsafe(24))'.")
+    from rft.rewards.remote import NEW_TOKEN, UNSENDABLE, sendable
+
+    # the page sends the token in a header: a letter outside ASCII was a studio refusing its own page
+    if not sendable(token):
+        raise SystemExit(f"rft.studio: the token in {source} {UNSENDABLE}: {NEW_TOKEN}.")
+    if len(token) < MIN_TOKEN:
+        raise SystemExit(f"rft.studio: the token in {source} is shorter than {MIN_TOKEN} characters: {NEW_TOKEN}.")
     return token
 
 
@@ -117,8 +123,9 @@ def _serve(app, args, root: Path, token: str) -> None:
               f"has the token can launch runs, and the traffic is plain HTTP.", file=sys.stderr, flush=True)
     shown = "127.0.0.1" if args.host in ("0.0.0.0", "::") else host
     print(f"rft.studio: runs under {root}", flush=True)
-    # the token after '#': the browser keeps it from every request, log and Referer
-    print(f"rft.studio: open http://{shown}:{port}/compose#token={token}", flush=True)
+    # the token after '#': the browser keeps it from every request, log and Referer. Quoted, as
+    # the page decodes it: a token's '%' stopped the page's script, its '&' cut the token short
+    print(f"rft.studio: open http://{shown}:{port}/compose#token={quote(token, safe='')}", flush=True)
 
     import uvicorn
 
