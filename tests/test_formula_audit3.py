@@ -56,3 +56,31 @@ def test_a_kl_next_to_the_reference_survives_float32(name):
         # 4.77e-7 x 2 + 7.45e-9 x 2 + 1.16e-10 = 9.6847e-7 (the small ones were 1.5% of it, and lost)
         _, metrics = call_loss(name, base + x, base, torch.ones_like(x), torch.ones_like(x))
         assert metrics["actor/approx_kl"] == pytest.approx(math.fsum(k3_exact(-v) for v in SMALL_X), rel=1e-3)
+
+
+# ---------------------------------------------------------------- half precision
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_inputs_are_computed_in_float32(dtype):
+    # log-ratios 15, 15, 0.125, -15 (old -2: exact in both halves), A = 0 (a flat group's), 1, 1, -1
+    x, a = [15.0, 15.0, 0.125, -15.0], [0.0, 1.0, 1.0, -1.0]
+    old = torch.full((1, 4), -2.0, dtype=dtype)
+    logp = (old + torch.tensor([x], dtype=dtype)).requires_grad_()
+    adv, mask = torch.tensor([a], dtype=dtype), torch.ones(1, 4, dtype=dtype)
+    loss, _ = call_loss("ppo_clip", logp, old, adv, mask, clip_ratio_low=0.2, clip_ratio_high=0.28)
+    (grad,) = torch.autograd.grad(loss.sum(), logp)
+    # max(-A r, -A clip(r, 0.8, 1.28)): A = 0: 0 (in float16 e^15 = 3.3e6 overflowed 65504: 0 x inf
+    # = NaN, value and gradient); -1.28 (clipped, no gradient); -e^0.125 = -1.133148, gradient the
+    # same (bfloat16's exp gave 1.1328); A = -1, r = e^-15: max(3.1e-7, 0.8) = 0.8 (clipped)
+    e = math.exp(0.125)
+    assert loss.dtype == F32 and grad.dtype == dtype  # the gradient reaches the half-precision logp
+    assert loss[0].tolist() == pytest.approx([0.0, -1.28, -e, 0.8], rel=1e-6)
+    assert grad[0].float().tolist() == pytest.approx([0.0, 0.0, -e, 0.0], rel=4e-3)  # (grad rounded to dtype)
+    kl = KL_FNS["k3"](logp, old)
+    (grad,) = torch.autograd.grad(kl.sum(), logp)
+    # k3 = exp(-x) + x - 1, clamped to 10: x = 15: 14.0000003 -> 10; x = 0.125: 0.0074969;
+    # x = -15: e^15 - 16 -> 10 (float16: e^15 = inf, 10 after the clamp, its gradient 0 x inf = NaN);
+    # gradient 1 - exp(-x) where not clamped: 1 - e^-0.125 = 0.117503
+    assert kl.dtype == F32 and kl[0].tolist() == pytest.approx([10.0, 10.0, math.expm1(-0.125) + 0.125, 10.0], rel=1e-6)
+    assert grad[0].float().tolist() == pytest.approx([0.0, 0.0, -math.expm1(-0.125), 0.0], rel=4e-3)

@@ -24,6 +24,15 @@ def masked(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return torch.where(mask != 0, x, 0.0)
 
 
+def wide(*tensors):
+    """The inputs, those in half precision (bfloat16, float16) in float32, with their gradient: a
+    loss is computed in float32 or wider, as the advantages are. In float16 exp() overflows past
+    a log-ratio of 11.1 (inf, and 0 x inf = NaN for a zero advantage, in the gradient too), and
+    bfloat16's 8-bit mantissa puts a ratio of e^0.1 = 1.105 at 1.109 and 1.28 at 1.281, beside the
+    clip bounds. (The trainer's log-probs are float32 whatever the model's dtype.)"""
+    return [t.float() if t is not None and t.dtype in (torch.float16, torch.bfloat16) else t for t in tensors]
+
+
 def agg_loss(
     loss: torch.Tensor,
     mask: torch.Tensor,

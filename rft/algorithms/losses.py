@@ -10,7 +10,8 @@ is a (sum, count) pair, added up the same way (DPO's, over preference pairs).
 
 Positions outside `response_mask` may hold anything (an environment's tokens, -inf or NaN
 log-probs): each loss reads its inputs there through `masked` (0 instead), so that nothing there
-reaches the loss, a sequence's sum, the metrics or the gradient, and returns 0 there.
+reaches the loss, a sequence's sum, the metrics or the gradient, and returns 0 there. Inputs in
+half precision are computed in float32 (`wide`).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import math
 
 import torch
 
-from rft.algorithms.aggregation import masked
+from rft.algorithms.aggregation import masked, wide
 
 # exp() of a log-ratio beyond this overflows nothing but means the sample is useless; clamp it
 LOG_RATIO_CLAMP = 20.0
@@ -51,7 +52,7 @@ def ppo_clip_loss(logp, batch, cfg):
     Dual clip (arXiv 1912.09729), when clip_ratio_c is set: for A < 0 the loss is capped at
     -A * clip_ratio_c, so a huge ratio on a bad token cannot dominate.
     """
-    old_logp, advantages, mask = batch["old_logp"], batch["advantages"], batch["response_mask"]
+    logp, old_logp, advantages, mask = wide(logp, batch["old_logp"], batch["advantages"], batch["response_mask"])
     log_ratio = torch.clamp(masked(logp - old_logp, mask), -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     ratio = torch.exp(log_ratio)
     pg_loss1 = -advantages * ratio
@@ -72,7 +73,7 @@ def gspo_loss(logp, batch, cfg):
     at 10 before exp, so a sequence far off the old policy with A < 0 costs at most -A e^10, with
     no gradient, instead of overflowing.
     """
-    old_logp, advantages, mask = batch["old_logp"], batch["advantages"], batch["response_mask"]
+    logp, old_logp, advantages, mask = wide(logp, batch["old_logp"], batch["advantages"], batch["response_mask"])
     token_log_ratio = masked(logp - old_logp, mask)
     seq_log_ratio = token_log_ratio.sum(-1) / mask.sum(-1).clamp(min=1)
     logp = masked(logp, mask)
@@ -97,7 +98,7 @@ def gmpo_loss(logp, batch, cfg):
     bounds on the *log*-ratio (the paper uses 0.4). The per-token loss returned is the sequence's
     loss on each of its tokens: use loss_agg_mode=seq-mean-token-mean.
     """
-    old_logp, advantages, mask = batch["old_logp"], batch["advantages"], batch["response_mask"]
+    logp, old_logp, advantages, mask = wide(logp, batch["old_logp"], batch["advantages"], batch["response_mask"])
     log_ratio = torch.clamp(masked(logp - old_logp, mask), -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     sign = torch.sign(advantages)
     clipped = torch.clamp(log_ratio, -cfg.clip_ratio_low, cfg.clip_ratio_high)
@@ -125,7 +126,7 @@ def cpgd_loss(logp, batch, cfg):
     A clip_ratio_low of 1 or more (inf included) leaves no lower bound: a ratio is never below
     1 - clip_ratio_low <= 0, whose log does not exist (math.log1p raised "math domain error").
     """
-    old_logp, advantages, mask = batch["old_logp"], batch["advantages"], batch["response_mask"]
+    logp, old_logp, advantages, mask = wide(logp, batch["old_logp"], batch["advantages"], batch["response_mask"])
     logp, old_logp = masked(logp, mask), masked(old_logp, mask)
     upper = old_logp + math.log1p(cfg.clip_ratio_high)
     lower = old_logp + (math.log1p(-cfg.clip_ratio_low) if cfg.clip_ratio_low < 1 else -math.inf)
@@ -141,13 +142,14 @@ def cpgd_loss(logp, batch, cfg):
 
 def opmd_loss(logp, batch, cfg):
     """OPMD (Trinity-RFT, arXiv 2505.17826): -A * logp / (1 + tau), no importance ratio."""
-    mask = batch["response_mask"]
-    return masked(-batch["advantages"] * masked(logp, mask) / (1.0 + cfg.tau), mask), {}
+    logp, advantages, mask = wide(logp, batch["advantages"], batch["response_mask"])
+    return masked(-advantages * masked(logp, mask) / (1.0 + cfg.tau), mask), {}
 
 
 def sft_loss(logp, batch, cfg):
     """Supervised fine-tuning: -log p(token) on response tokens."""
-    return -masked(logp, batch["response_mask"]), {}
+    logp, mask = wide(logp, batch["response_mask"])
+    return -masked(logp, mask), {}
 
 
 def dpo_loss(logp, batch, cfg):
@@ -161,7 +163,7 @@ def dpo_loss(logp, batch, cfg):
     tokens (dpo.yaml sets that mode). A pair with no response tokens at all has nowhere to put its
     loss: it contributes 0 (its rows still count in the normaliser).
     """
-    mask, ref = batch["response_mask"], batch["ref_logp"]
+    logp, mask, ref = wide(logp, batch["response_mask"], batch["ref_logp"])
     seq = masked(logp, mask).sum(-1)
     seq_ref = masked(ref, mask).sum(-1)
     chosen_reward = cfg.dpo_beta * (seq[0::2] - seq_ref[0::2])
@@ -194,7 +196,7 @@ def bradley_terry_loss(logp, batch, cfg):
     its tokens the same way (dpo_loss), so loss_agg_mode=seq-mean-token-sum gives the mean over
     pairs. d loss / d r_chosen = -(1 - sigmoid(r_c - r_r)) = -d loss / d r_rejected.
     """
-    mask = batch["response_mask"]
+    logp, mask = wide(logp, batch["response_mask"])
     score = masked(logp, mask).sum(-1)
     margin = score[0::2] - score[1::2]
     pair_loss = -torch.nn.functional.logsigmoid(margin)
