@@ -30,7 +30,9 @@ def main(cfg: DictConfig) -> float | None:
     try:
         # in a Slurm job, from the start (what starts after inherits it): Slurm's warning before a
         # preemption or the time limit saves the step in progress, then requeues the job
-        with preemption.watch():
+        # elsewhere SIGTERM (kill, timeout, a scheduler, the studio's stop) stops the run as Ctrl-C does, and
+        # the paragraph below says so: it died without a word
+        with preemption.watch(), preemption.sigterm_stops():
             return _main(cfg)
     except ConfigError as e:
         _remove_if_empty(run_dir_of(cfg))  # Hydra made it; a run stopped by its config leaves nothing
@@ -49,13 +51,14 @@ def main(cfg: DictConfig) -> float | None:
     except preemption.Refused as e:  # Slurm's warning, and submitit would not requeue the job
         print(f"\nrft: the run stopped: {e.paragraph(_resume_point(cfg), _sweep_dir())}\n", file=sys.stderr)
         sys.exit(1)
+    except preemption.Terminated as e:  # what was saved is safe, as at Ctrl-C
+        text = f"stopped by SIGTERM {e.where}. {_how_to_resume(cfg)} The command: {_resume_command()}"
+        log.info(text)  # run.log ended mid-stage without a word
+        print(f"\nrft: {text}\n", file=sys.stderr)
+        sys.exit(128 + 15)  # a shell's status of a process SIGTERM ended
     except KeyboardInterrupt:
         # Ctrl-C: what was saved is safe (checkpoints are written whole, then renamed into place)
-        where = _resume_point(cfg)
-        sweep = _sweep_dir()
-        how = (f"with hydra.sweep.dir={sweep} to resume this sweep ({where}); without it, the sweep starts over in "
-               f"a new directory." if sweep else f"to resume ({where}).")
-        print(f"\nrft: interrupted. Run the same command again {how}\n", file=sys.stderr)
+        print(f"\nrft: interrupted. {_how_to_resume(cfg)}\n", file=sys.stderr)
         sys.exit(130)
     except OSError as e:
         # a disk that fills (or turns read-only) while a log, buffer or record is written; a
@@ -65,6 +68,26 @@ def main(cfg: DictConfig) -> float | None:
             raise
         print(f"\nrft: the run stopped: {_disk_failed(cfg, cause)}\n", file=sys.stderr)
         sys.exit(1)
+
+
+def _how_to_resume(cfg: DictConfig) -> str:
+    where = _resume_point(cfg)
+    sweep = _sweep_dir()
+    how = (f"with hydra.sweep.dir={sweep} to resume this sweep ({where}); without it, the sweep starts over in "
+           f"a new directory." if sweep else f"to resume ({where}).")
+    return f"Run the same command again {how}"
+
+
+def _resume_command() -> str:
+    """The command line of this process, with the sweep's directory for a sweep (SIGTERM often comes
+    from a program, not from the terminal the command was typed in)."""
+    import shlex
+
+    argv = ["python", *sys.argv]
+    sweep = _sweep_dir()
+    if sweep and not any(a.startswith("hydra.sweep.dir=") for a in argv):
+        argv.append(f"hydra.sweep.dir={sweep}")
+    return shlex.join(argv)
 
 
 def _resume_point(cfg: DictConfig) -> str:
@@ -244,6 +267,7 @@ def _init_ray(cfg: DictConfig, local: bool, run_dir: Path) -> None:
         namespace=ray_namespace(cfg, run_dir),
         logging_level=logging.WARNING,
     )
+    preemption.retake_sigterm()  # from Ray's core worker, which took it over
 
 
 def ray_token() -> None:

@@ -32,16 +32,21 @@ So `watch()`, around a run in a submitit Slurm job or such a script (anywhere el
   job, the save in progress is cut (step_<N>.tmp, never a step_<N>), and the newest whole
   checkpoint stays the resume point.
 
-SIGTERM is left alone: outside Slurm it is `kill` or the studio's stop, which must stop the run at
-once (the studio sends SIGKILL 15 s later, less than a large model's step and save take, so a save
-begun then would mostly be cut anyway); inside Slurm it comes at the very end (KillWait, 30 s by
-default, before SIGKILL), too late for a save. Slurm's early warning is this signal.
+SIGTERM saves nothing: outside Slurm it is `kill`, `timeout`, another scheduler or the studio's stop,
+which must stop the run at once (the studio sends SIGKILL 15 s later, less than a large model's step
+and save take, so a save begun then would mostly be cut anyway); inside Slurm it comes at the very
+end (KillWait, 30 s by default, before SIGKILL), too late for a save. Slurm's early warning is the
+signal above. Where nothing else handles SIGTERM (`sigterm_stops`), it stops the run as Ctrl-C does,
+at once, so that the run can say where it stopped, what is saved and how to resume (it died without
+a word); in a submitit job (whose own handler ignores it, waiting for Slurm's warning) and in a job
+`watch` watches, it is left as it was.
 """
 
 from __future__ import annotations
 
 import _thread
 import logging
+import os
 import signal
 import sys
 import threading
@@ -250,6 +255,7 @@ def signalled() -> bool:
 def due(step: int) -> bool:
     """Whether step `step`, ending now, saves a checkpoint and then requeues the job (Slurm's
     warning came); says so."""
+    _progress["step"] = step  # (every step ends here: what a SIGTERM's paragraph names)
     p = current
     if not signalled():
         return False
@@ -263,9 +269,77 @@ def requeue_if_signalled() -> None:
         current.requeue()
 
 
+@contextmanager
 def steps(title: str, say):
-    """Around a stage's step loop (rft.runtime.runner): `Preemption.steps`, or nothing."""
-    return current.steps(title, say) if current is not None else nullcontext()
+    """Around a stage's step loop (rft.runtime.runner): `Preemption.steps` where Slurm's warning is
+    watched; and the stage's steps are counted for `where`."""
+    _progress.update(title=title, step=None)
+    with current.steps(title, say) if current is not None else nullcontext():
+        yield
+
+
+# the stage whose steps run (or ran last in this process) and its last step to end (`due`)
+_progress: dict = {"title": None, "step": None}
+
+
+def where() -> str:
+    """Where the run is, for a paragraph: "after step 320 of stage sft_warmup"."""
+    title, step = _progress["title"], _progress["step"]
+    if title is None:
+        return "before the first stage's steps began"
+    return f"in stage {title}, before its first step ended" if step is None else f"after step {step} of stage {title}"
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM stopped the run (`sigterm_stops`). Ctrl-C's kind: what lets a KeyboardInterrupt
+    through (every `except Exception` on the way, a reward scorer that answers None for any other
+    BaseException) lets this through too; rft.runtime.main says `where` it stopped and how to resume."""
+
+    def __init__(self, where: str):
+        super().__init__(where)
+        self.where = where
+
+
+@contextmanager
+def sigterm_stops():
+    """Around a run: SIGTERM raises `Terminated` in the main thread, as Ctrl-C raises
+    KeyboardInterrupt, where nothing else handles it: not in a submitit job (its handler ignores
+    SIGTERM: Slurm's preemption sends it, and the job is requeued at the warning `watch` answers),
+    nor in a Slurm job `watch` watches (it comes when Slurm stops the job, as it did). A second
+    SIGTERM, and one to a process forked from this one, ends the process at once, as before."""
+    if (threading.current_thread() is not threading.main_thread() or current is not None
+            or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL):
+        yield
+        return
+    owner = os.getpid()
+
+    def stop(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        if os.getpid() != owner:  # a forked copy (it inherits the handler): ended as without it
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
+        raise Terminated(where())
+
+    global _sigterm
+    signal.signal(signal.SIGTERM, stop)
+    _sigterm = stop
+    try:
+        yield
+    finally:
+        _sigterm = None
+        if signal.getsignal(signal.SIGTERM) is stop:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+_sigterm = None  # sigterm_stops' handler while it is in force
+
+
+def retake_sigterm() -> None:
+    """After ray.init, which puts handlers of its own on SIGTERM in the driver (ray.init's, which
+    exits with status 15, and beneath it absl's, which prints a stack trace: the run ended so
+    without the paragraph), `sigterm_stops`' is put back."""
+    if _sigterm is not None and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _sigterm)
 
 
 @contextmanager

@@ -1,0 +1,154 @@
+"""SIGTERM outside Slurm says where the run stopped and how to resume it."""
+
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+from conftest import ROOT
+
+from rft.runtime import preemption
+
+LONG = ["stages=[]", "cluster=inline", "monitor=console", "buffer.total_steps=400", "trainer.save_interval=2",
+        "explorer.eval_interval=1000"]
+
+
+def _terminated_at_step_2(args: list[str], root: Path, checkpoints: str) -> tuple[int, str]:
+    """`python run.py <args>`, sent SIGTERM once the checkpoint of step 2 matching `checkpoints` (a
+    glob under `root`) is whole; its exit status and stderr."""
+    proc = subprocess.Popen([sys.executable, str(ROOT / "run.py"), *args], cwd=ROOT,
+                            env={**os.environ, "RFT_CHECKPOINT_ROOT_DIR": str(root)},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 300
+    while not list(root.glob(checkpoints)):
+        assert proc.poll() is None and time.time() < deadline, "the run ended before its step-2 checkpoint"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)  # what kill, timeout, or a scheduler other than Slurm sends
+    _, err = proc.communicate(timeout=120)
+    return proc.returncode, err
+
+
+@pytest.mark.slow  # a training run
+@pytest.mark.parametrize("cluster", ["inline", "local"])
+def test_sigterm_stops_a_run_with_where_it_stopped_and_the_command_that_resumes_it(cluster, tmp_path):
+    # it died by the signal without a word (exit -15: the console and run.log ended mid-stage); with a
+    # Ray instance (cluster=local), ray.init's handler exited 15 after a stack trace of absl's
+    args = [*LONG, f"cluster={cluster}", "name=stopped"]
+    rc, err = _terminated_at_step_2(args, tmp_path, "rft/stopped/checkpoints/step_2/state.json")
+    assert rc == 143, err[-3000:]  # 128 + 15, as a shell reports a process SIGTERM ended
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err and "SIGTERM received" not in err, err[-3000:]
+    run = tmp_path / "rft" / "stopped"
+    said = re.search(r"^rft: stopped by SIGTERM after step (\d+) of stage grpo\. Run the same command again to "
+                     r"resume \(the newest checkpoint: (\S+)\)\. The command: (.*)$", err, re.M)
+    assert said, err[-3000:]
+    step, newest = int(said[1]), Path(said[2])
+    # the newest whole checkpoint at the signal: step 2 or a later one (every 2 steps), at most the last to end
+    assert newest.parent == run / "checkpoints" and (newest / "state.json").exists()
+    assert 2 <= int(newest.name.removeprefix("step_")) <= step
+    # as a shell takes it: stages=[] quoted (a glob's brackets)
+    assert said[3] == shlex.join(["python", str(ROOT / "run.py"), *args])
+    # and the run's log ends with the same line
+    assert (run / "run.log").read_text().rstrip().endswith(said[0].removeprefix("rft: "))
+
+
+@pytest.mark.slow  # a training run
+def test_sigterm_to_a_sweep_of_the_basic_launcher_names_the_sweeps_directory(tmp_path):
+    rc, err = _terminated_at_step_2(["-m", *LONG, "seed=1,2"], tmp_path, "rft/multirun/*/0/checkpoints/step_2/state.json")
+    [sweep] = (tmp_path / "rft" / "multirun").iterdir()
+    assert rc == 143 and "Traceback" not in err, err[-3000:]
+    command = shlex.join(["python", str(ROOT / "run.py"), "-m", *LONG, "seed=1,2", f"hydra.sweep.dir={sweep}"])
+    said = (rf"^rft: stopped by SIGTERM after step \d+ of stage grpo\. Run the same command again with "
+            rf"hydra\.sweep\.dir={sweep} to resume this sweep \(the newest checkpoint: {sweep}/0/checkpoints/"
+            rf"step_\d+\); without it, the sweep starts over in a new directory\. The command: ")
+    assert re.search(said + re.escape(command) + "$", err, re.M), err[-3000:]
+
+
+def _run_script(code: str) -> subprocess.CompletedProcess:
+    """`code` in a fresh interpreter (its own signal handlers, not pytest's)."""
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=60)
+
+
+def test_sigterm_raises_terminated_naming_the_stage_and_the_last_step_to_end():
+    r = _run_script("""
+        import os, signal
+        from rft.runtime import preemption
+
+        def term(where):
+            try:
+                with preemption.sigterm_stops():
+                    os.kill(os.getpid(), signal.SIGTERM)
+                    for _ in range(10**6):  # the handler runs at the next bytecode
+                        pass
+            except preemption.Terminated as e:
+                print(e.where)
+            # the default again once the run is over
+            print(signal.getsignal(signal.SIGTERM) is signal.SIG_DFL)
+
+        term(None)
+        with preemption.steps("grpo", print):
+            term(None)
+            preemption.due(7)
+            term(None)
+    """)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines() == ["before the first stage's steps began", "True",
+                                     "in stage grpo, before its first step ended", "True",
+                                     "after step 7 of stage grpo", "True"]
+
+
+def test_sigterm_is_left_to_a_handler_already_there_a_fork_and_a_second_signal():
+    """submitit's job ignores SIGTERM (its handler `bypass`: Slurm's preemption sends it, the job is
+    requeued at the warning): kept. A process forked from the run, and a second SIGTERM, end as before."""
+    r = _run_script("""
+        import os, signal, time
+        from rft.runtime import preemption
+
+        def bypass(signum, frame):
+            print("bypassed")
+
+        signal.signal(signal.SIGTERM, bypass)
+        with preemption.sigterm_stops():
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.1)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+        with preemption.sigterm_stops():
+            pid = os.fork()
+            if pid == 0:
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(5)
+                os._exit(0)
+            _, status = os.waitpid(pid, 0)
+            print("child", os.WIFSIGNALED(status) and os.WTERMSIG(status))
+            try:
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(5)
+            except preemption.Terminated:
+                print("first")
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(5)
+                print("not ended")
+    """)
+    assert r.stdout.splitlines() == ["bypassed", "child 15", "first"], r.stderr
+    assert r.returncode == -signal.SIGTERM
+
+
+def test_sigterm_is_left_alone_in_a_slurm_job_that_the_watcher_watches():
+    """launchers/ray_slurm.sbatch: Slurm's SIGTERM comes at the job's very end, after its requeue."""
+    before = signal.getsignal(signal.SIGTERM)
+    preemption.current = object()  # what `watch` sets in such a job
+    try:
+        with preemption.sigterm_stops():
+            assert signal.getsignal(signal.SIGTERM) is before
+    finally:
+        preemption.current = None
+    with preemption.sigterm_stops():
+        assert signal.getsignal(signal.SIGTERM) is not before  # elsewhere it is taken
+    assert signal.getsignal(signal.SIGTERM) is before
