@@ -62,3 +62,30 @@ def test_a_burst_of_calls_a_little_past_the_timeout_does_not_stop_the_run(monkey
             break
         time.sleep(0.01)
     assert not explorer._THREADS.hung
+
+
+# ---------------------------------------------------------------- token ids of another kind
+
+def test_torch_integer_ids_pass_the_vocabulary_check_and_float_ones_do_not():
+    # Experience.to_dict stores an engine's numpy or torch scalars as ints; the check of 9c3a23a took
+    # integers for numbers.Integral alone, so a study's workflow that built tokens as list(tensor)
+    # was stopped with 'token ids [tensor(5), tensor(6), ...] outside the model's vocabulary (ints
+    # 0..99)': ids inside it
+    import torch
+
+    from rft.data.experience import Experience
+    from rft.errors import ConfigError
+
+    def exp(tokens):
+        return Experience(list(tokens), 2, [-1.0, -1.0], group_id="0/1/t", task_id="t")
+
+    ids = exp(torch.tensor([5, 6, 7, 99]))
+    check_output([[ids]], [0], "my.workflow", vocab=100, max_tokens=4)
+    assert ids.to_dict()["tokens"] == [5, 6, 7, 99]
+    for bad, shown in [(torch.tensor([5, 6, 7, 100]), "[tensor(100)]"), (torch.tensor([5.0, 6.0, 7.0, 8.0]),
+                       "[tensor(5.), tensor(6.), tensor(7.), tensor(8.)]"), ([5, 6, True, 8], "[True]")]:
+        with pytest.raises(ConfigError) as e:
+            check_output([[exp(bad)]], [0], "my.workflow", vocab=100, max_tokens=4)
+        assert str(e.value) == (f"workflow 'my.workflow' returned an experience (task 't') with token ids {shown} "
+                                f"outside the model's vocabulary (ints 0..99): the trainer could not embed them. "
+                                f"Give the tokenizer's ids (ctx.tokenizer).")

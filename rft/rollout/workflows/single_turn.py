@@ -232,10 +232,22 @@ def _check_group(e: Experience, owner, tid, name: str) -> None:
             f"own, e.g. group_id=f\"{{ctx.step}}/{{ctx.seed}}/{{task.task_id}}\" as single_turn gives them.")
 
 
+def _token_id(t) -> int:
+    """A token id as an int, -1 where it is none: an int, a numpy or a torch integer (engines' ids;
+    Experience.to_dict stores them as ints) but not a bool or a float."""
+    import operator
+
+    if isinstance(t, bool):
+        return -1
+    try:
+        return operator.index(t)
+    except TypeError:  # a float, a string, a float tensor
+        return -1
+
+
 def _check_experience(e: Experience, name: str, vocab: int | None, max_tokens: int | None) -> None:
     """One experience of a workflow's output (check_output)."""
     import math
-    import numbers
 
     from rft.errors import ConfigError
 
@@ -262,7 +274,7 @@ def _check_experience(e: Experience, name: str, vocab: int | None, max_tokens: i
             f"context the memory plan sized the run for: cut the response to fit, or raise model.max_response_tokens.")
     top = vocab or 1 << 62
     if not all(type(t) is int for t in e.tokens) or min(e.tokens) < 0 or max(e.tokens) >= top:  # C-speed first
-        bad = [t for t in e.tokens if isinstance(t, bool) or not isinstance(t, numbers.Integral) or not 0 <= t < top]
+        bad = [t for t in e.tokens if not 0 <= _token_id(t) < top]
         if bad:
             raise ConfigError(
                 f"{head} with token ids {bad[:5]} outside the model's vocabulary (ints 0..{top - 1}): the trainer "
