@@ -214,7 +214,7 @@ HEAD = "workflow 'my.workflow' returned an experience (task 't/1')"
     (_exp((5, 6, 7, 8, 9, 10, 11)), "of 7 tokens, more than the 6 of model.max_prompt_tokens + "
                                     "model.max_response_tokens (model.max_model_len where set, or "
                                     "workflow_args.max_total_tokens), the context the memory plan sized the run for: "
-                                    "cut the response to fit, or raise model.max_response_tokens."),
+                                    "cut the response to fit, or raise the key that sets it."),
     (_exp((5, 6, 7, 100)), "with token ids [100] outside the model's vocabulary (ints 0..99): the trainer could "
                            "not embed them. Give the tokenizer's ids (ctx.tokenizer)."),
     (_exp((5, 6, -1, 8)), "with token ids [-1] outside the model's vocabulary (ints 0..99): the trainer could "
