@@ -12,7 +12,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from rft.algorithms import KL_FNS, POLICY_LOSS_FNS
+from rft.algorithms import KL_FNS, POLICY_LOSS_FNS, rollout_is
 from rft.config import AlgorithmConfig
 
 F32, F64 = torch.float32, torch.float64
@@ -84,3 +84,120 @@ def test_half_precision_inputs_are_computed_in_float32(dtype):
     # gradient 1 - exp(-x) where not clamped: 1 - e^-0.125 = 0.117503
     assert kl.dtype == F32 and kl[0].tolist() == pytest.approx([10.0, 10.0, math.expm1(-0.125) + 0.125, 10.0], rel=1e-6)
     assert grad[0].float().tolist() == pytest.approx([0.0, 0.0, -math.expm1(-0.125), 0.0], rel=4e-3)
+
+
+# ---------------------------------------------------------------- advantages of a careless batch
+
+# groups interleaved as rows arrive, of sizes 3, 2, 4 and 1: {1e6, 1e6 + 1, 1e6 + 3} (float32 holds
+# each: its spacing at 1e6 is 0.0625), {1e-8, 3e-8}, {0.9 x 4}, {5}
+ROWS = [(0, 1e6), (1, 1e-8), (2, 0.9), (3, 5.0), (0, 1e6 + 1), (2, 0.9), (1, 3e-8), (2, 0.9), (0, 1e6 + 3), (2, 0.9)]
+STD0 = math.sqrt(((4 / 3) ** 2 + (1 / 3) ** 2 + (5 / 3) ** 2) / 2)  # sqrt(42 / 9 / 2) = sqrt(7 / 3) = 1.527525
+# group 0's mean is 1e6 + 4/3: deviations -4/3, -1/3, 5/3; group 1's 2e-8: deviations -1e-8, 1e-8
+DEV = {0: [-4 / 3, -1 / 3, 5 / 3], 1: [-1e-8, 1e-8], 2: [0.0] * 4, 3: [0.0]}
+LSE0 = math.log((math.exp(-3) + math.exp(-2) + 1) / 3)  # log((0.049787 + 0.135335 + 1) / 3) = -0.928755
+LSE1 = math.log((math.exp(-2e-8) + 1) / 2)  # = -1e-8 + 1e-16 / 2 ... = -9.9999999e-9
+WANT = {
+    # (R - mean) / (unbiased std + 1e-6): -0.872872, -0.218218, 1.091089; -1e-8 / (1.414214e-8 + 1e-6)
+    # = -0.00986055, +0.00986055; a flat group and a group of one: 0
+    "grpo": {0: [d / (STD0 + 1e-6) for d in DEV[0]], 1: [d / (math.sqrt(2) * 1e-8 + 1e-6) for d in DEV[1]]},
+    "dr_grpo": DEV,
+    # G / (G - 1) x (R - mean): 1.5 x -> -2, -0.5, 2.5; 2 x -> -2e-8, 2e-8
+    "rloo": {0: [-2.0, -0.5, 2.5], 1: [-2e-8, 2e-8]},
+    # (R - max) - tau log(mean exp((R - max) / tau)), tau 1: -3 + 0.928755 = -2.071245, -1.071245, 0.928755;
+    # -2e-8 - LSE1 = -1e-8, 0 - LSE1 = 1e-8
+    "logavgexp": {0: [-3 - LSE0, -2 - LSE0, -LSE0], 1: [-2e-8 - LSE1, -LSE1]},
+}
+
+
+@pytest.mark.parametrize("dtype", [F32, F64])
+@pytest.mark.parametrize("name", ["grpo", "dr_grpo", "rloo", "logavgexp"])
+def test_interleaved_groups_of_every_size_with_rewards_of_1e6_and_1e_8(name, dtype):
+    from rft.algorithms import ADVANTAGE_FNS
+
+    groups, rewards = zip(*ROWS)
+    mask = torch.ones(len(ROWS), 3, dtype=dtype)
+    mask[3, 1:] = 0  # the group of one has a single token; row 5 none (truncated to nothing)
+    mask[5] = 0
+    kw = dict(opmd_baseline="logavgexp", tau=1.0) if name == "logavgexp" else {}
+    batch = {"rewards": torch.tensor(rewards, dtype=dtype), "group_index": torch.tensor(groups), "response_mask": mask}
+    got = ADVANTAGE_FNS["opmd" if name == "logavgexp" else name](batch, algo(**kw))
+    seen = {g: iter(WANT[name].get(g, [0.0] * 4)) for g in range(4)}
+    want = torch.tensor([[next(seen[g])] * 3 for g in groups], dtype=F64) * mask.double()
+    assert got.dtype == dtype
+    # float32's 1e-8 and 3e-8 are 1e-8 x (1 - 6e-9) and 3e-8 x (1 - 7e-9): the same to 1e-6
+    tol = dict(rtol=1e-6, atol=1e-12) if dtype == F32 else dict(rtol=1e-9, atol=1e-15)
+    torch.testing.assert_close(got.double(), want, **tol)
+    assert (got[[2, 3, 5, 7, 9]] == 0).all()  # no signal is exactly 0, not a rounding step
+
+
+# ---------------------------------------------------------------- 8k tokens, aggregation, micro-batches
+
+LENS = [8192, 1, 0, 3]  # a long answer, a one-token one, one truncated to nothing, a short one
+N_TOK, N_SEQ, MAX_LEN = 8196, 4, 8192
+# per mode: the loss of -logp at logp = -0.5 on every token, and d loss / d logp per row's token
+AGG_WANT = {
+    "token-mean": (0.5, [-1 / N_TOK] * 4),  # 0.5 x 8196 / 8196; each token 1/8196
+    "seq-mean-token-sum": (0.5 * N_TOK / N_SEQ, [-1 / N_SEQ] * 4),  # 4098 / 4 = 1024.5
+    # (0.5 + 0.5 + 0 + 0.5) / 4 = 0.375: a token of the 8k answer weighs 1/(4 x 8192), 8192 times
+    # less than the one-token answer's (GRPO's length bias)
+    "seq-mean-token-mean": (0.375, [-1 / (N_SEQ * 8192), -1 / N_SEQ, 0.0, -1 / (N_SEQ * 3)]),
+    # Dr. GRPO: 4098 / (4 x 8192) = 0.125061; every token the same weight, whatever its answer's length
+    "seq-mean-token-sum-norm": (0.5 * N_TOK / (N_SEQ * MAX_LEN), [-1 / (N_SEQ * MAX_LEN)] * 4),
+}
+
+
+def _long_batch(dtype):
+    mask = torch.zeros(len(LENS), max(LENS), dtype=dtype)
+    for i, n in enumerate(LENS):
+        mask[i, :n] = 1
+    return mask
+
+
+@pytest.mark.parametrize("dtype", [F32, F64])
+@pytest.mark.parametrize("mode", list(AGG_WANT))
+def test_an_8k_token_row_beside_short_and_empty_ones(mode, dtype):
+    from rft.algorithms import agg_loss
+
+    mask = _long_batch(dtype)
+    logp = torch.full(mask.shape, -0.5, dtype=dtype, requires_grad=True)
+    loss, _ = call_loss("sft", logp, None, None, mask)
+    total = agg_loss(loss, mask, mode, N_SEQ, N_TOK, MAX_LEN)
+    (grad,) = torch.autograd.grad(total, logp)
+    value, per_row = AGG_WANT[mode]
+    assert total.dtype == dtype and total.item() == pytest.approx(value, rel=1e-6)
+    want = torch.tensor(per_row, dtype=F64)[:, None] * mask.double()
+    torch.testing.assert_close(grad.double(), want, rtol=1e-6, atol=0)
+
+    # the trainer's composition, micro-batch by micro-batch, each cut to its own longest row and
+    # normalised by the whole batch's counts, adds up to the one-batch loss and gradient: ppo_clip
+    # at log-ratios up to +-50, times a TIS weight (cap 2), plus 0.1 x k3 to the reference
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(mask.shape, generator=g, dtype=dtype) * 0.3
+    x[0, :4] = torch.tensor([50.0, -50.0, 3.0, -3.0], dtype=dtype)
+    old = torch.full(mask.shape, -2.0, dtype=dtype)
+    engine = old + torch.randn(mask.shape, generator=g, dtype=dtype)
+    ref = old + torch.randn(mask.shape, generator=g, dtype=dtype) * 0.1
+    adv = torch.tensor([1.0, -1.0, 0.5, -0.5], dtype=dtype)[:, None] * mask
+    logp = (old + x).requires_grad_()
+
+    def loss_of(s, e):
+        L = max(max(LENS[s:e]), 1)
+        cut = lambda t: t[s:e, :L]  # noqa: E731
+        m = cut(mask)
+        lp = logp[s:e, :L]
+        loss, _ = call_loss("ppo_clip", lp, cut(old), cut(adv), m, clip_ratio_c=3.0, clip_ratio_high=0.28)
+        w, _ = rollout_is.weights(cut(old), cut(engine), m, "tis", 2.0)
+        loss = loss * w + 0.1 * KL_FNS["k3"](lp, cut(ref))
+        return agg_loss(loss, m, mode, N_SEQ, N_TOK, MAX_LEN)
+
+    whole = loss_of(0, 4)
+    (g_whole,) = torch.autograd.grad(whole, logp)
+    split = [loss_of(s, e) for s, e in [(0, 1), (1, 3), (3, 4)]]
+    (g_split,) = torch.autograd.grad(sum(split), logp)
+    tol = dict(rtol=1e-5, atol=1e-9) if dtype == F32 else dict(rtol=1e-12, atol=1e-15)
+    torch.testing.assert_close(sum(split), whole, **tol)
+    torch.testing.assert_close(g_split, g_whole, **tol)
+    # log-ratios +-50: beyond the +-20 clamps of the ratio and of k3, no gradient; at 3 the ratio is
+    # clipped (A = 1 > 0, e^3 > 1.28) but k3 still pulls towards the reference: 0.1 x (1 - e^-x) > 0,
+    # times the mode's normaliser
+    assert torch.isfinite(g_whole).all() and (g_whole[0, :2] == 0).all() and g_whole[0, 2] > 0
