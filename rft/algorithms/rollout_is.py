@@ -11,13 +11,15 @@ slime#179). Each token's policy loss is weighted, without gradient, by
                                                        efficient RL framework secretly brings you
                                                        off-policy RL training"; TRL's
                                                        vllm_importance_sampling_correction, C = 2)
-    mis: w = r if r <= C else 0                        masked IS (verl's rollout_is, mode mask;
-                                                       IcePop): a token beyond the cap adds
+    mis: w = r if r <= C else 0                        masked IS, one-sided (TRL's token_mask
+                                                       mode): a token beyond the cap adds
                                                        nothing (it still counts in the loss's
                                                        normaliser, as a weight of 0 does)
     none: w = 1
 
-with C = algorithm.rollout_is_cap (inf: plain IS). Where this departs from the formulas: a weight
+with C = algorithm.rollout_is_cap (inf: plain IS). verl's mask mode and IcePop mask both sides,
+r outside [1/C, C] (verl's default lower bound) or [0.5, 5]: here a token far below 1 keeps its
+small weight r (e^-3 = 0.05 at r = e^-3) rather than 0. Where this departs from the formulas: a weight
 is never above e^20 (LOG_RATIO_CLAMP, the bound the policy losses put on their ratio), whatever
 C: with C = inf a token 100 nats off would otherwise weigh e^100, inf in float32, and a
 zero-advantage token's loss 0 * inf would be NaN. mis compares the true log r with log C (a token
