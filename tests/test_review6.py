@@ -89,3 +89,20 @@ def test_torch_integer_ids_pass_the_vocabulary_check_and_float_ones_do_not():
         assert str(e.value) == (f"workflow 'my.workflow' returned an experience (task 't') with token ids {shown} "
                                 f"outside the model's vocabulary (ints 0..99): the trainer could not embed them. "
                                 f"Give the tokenizer's ids (ctx.tokenizer).")
+
+
+# ---------------------------------------------------------------- a reward call's copy of its task
+
+def test_a_task_that_cannot_be_copied_is_still_scored():
+    # 31d77a0 gives each reward call a deep copy of its task; a study's workflow scoring a task of its
+    # own that holds a lock (an open file, a process) then failed every call with 'TypeError: cannot
+    # pickle '_thread.lock' object', so every task failed where it had been scored
+    import threading
+
+    from rft.rollout.explorer import run_jobs
+    from tests.test_user_faults import Served, _scorer
+
+    task = Task("t/7", [{"role": "user", "content": "042+315"}], "357", {"answer": "357", "lock": threading.Lock()})
+    scorer = _scorer(lambda p, r, t: float(r == t.answer), Served([0.5, 0.5]))
+    results, c = run_jobs(lambda job: scorer(*job), [("q", ["357", "1"], task)], runners=1, timeout=5.0, retries=0)
+    assert c["failed"] == 0 and [float(r) for r in results[0]] == [1.5, 0.5]  # 1 + 0.5, 0 + 0.5

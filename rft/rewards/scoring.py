@@ -98,7 +98,7 @@ class Scorer:
             # each part gets copies: one that edits the list or the task (task.row["answer"] = ...) would
             # change what the next part scores, the texts the buffer keeps, and the taskset's task for
             # every later epoch
-            values = p.call(prompt, list(responses), copy.deepcopy(task))
+            values = p.call(prompt, list(responses), own_copy(task))
             if not isinstance(values, (list, tuple)):  # a dict of 2 keys would pass as 2 rewards (its keys)
                 raise ValueError(f"reward {p.name!r} returned {type(values).__name__} {_short(values)} for a group of "
                                  f"{len(responses)} responses: a served reward returns a list of one reward per response")
@@ -147,6 +147,17 @@ class Scorer:
 
     def normalized(self) -> list[str]:
         return [p.name for p in self.parts if p.normalize]
+
+
+def own_copy(task):
+    """A reward call's own copy of `task`; the task itself where it cannot be copied (a study's
+    workflow scoring a task of its own that holds a lock, an open file or a process: every call
+    raised 'TypeError: cannot pickle ...' and every task failed, where before copies were made it
+    was scored; such a task's edits are then shared, as they were)."""
+    try:
+        return copy.deepcopy(task)
+    except Exception:  # TypeError (cannot pickle), copy.Error, an object's own __deepcopy__ failing
+        return task
 
 
 def _short(value) -> str:
@@ -311,7 +322,7 @@ def build(spec, where: str) -> Scorer:
 def _per_response(fn, args: dict) -> Callable:
     def call(prompt, responses, task):
         # a task of its own per call: one response's call that edits it would change the next one's
-        return [fn(prompt, r, copy.deepcopy(task), **args) for r in responses]
+        return [fn(prompt, r, own_copy(task), **args) for r in responses]
 
     if callable(getattr(fn, "take_counters", None)):  # a function's own counts (math: its timeouts)
         call.take_counters = fn.take_counters
