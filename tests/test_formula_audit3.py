@@ -86,6 +86,27 @@ def test_half_precision_inputs_are_computed_in_float32(dtype):
     assert grad[0].float().tolist() == pytest.approx([0.0, 0.0, -math.expm1(-0.125), 0.0], rel=4e-3)
 
 
+def test_a_bfloat16_models_loss_is_computed_in_float32():
+    # what the trainer does (rft.trainer.logprobs): the logits of a bfloat16 model are made float32
+    # before the log-softmax, so the log-probs, the ratio and the loss are float32, the gradient
+    # reaching the bfloat16 weights
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from rft.trainer.logprobs import token_logprobs
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=2)).to(torch.bfloat16)
+    ids = torch.randint(0, 64, (2, 6))
+    logp, entropy = token_logprobs(model, ids, torch.ones_like(ids))
+    mask = torch.ones_like(logp)
+    loss, _ = call_loss("ppo_clip", logp, logp.detach() - 0.1, torch.ones_like(logp), mask)
+    assert logp.dtype == entropy.dtype == loss.dtype == F32
+    loss.sum().backward()
+    head = model.get_output_embeddings().weight
+    assert head.grad is not None and head.grad.dtype == torch.bfloat16 and head.grad.abs().sum() > 0
+
+
 # ---------------------------------------------------------------- advantages of a careless batch
 
 # groups interleaved as rows arrive, of sizes 3, 2, 4 and 1: {1e6, 1e6 + 1, 1e6 + 3} (float32 holds
