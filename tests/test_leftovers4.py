@@ -152,3 +152,38 @@ def test_sigterm_is_left_alone_in_a_slurm_job_that_the_watcher_watches():
     with preemption.sigterm_stops():
         assert signal.getsignal(signal.SIGTERM) is not before  # elsewhere it is taken
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+# ---------------------------------------------------------------- a misspelt launcher
+
+def test_a_misspelt_launcher_says_did_you_mean_as_rfts_own_groups_do():
+    """hydra/launcher=locale printed Hydra's 'Could not find' with its search path and HYDRA_FULL_ERROR;
+    now the paragraph of a misspelt cluster=inlin. The options are conf/hydra/launcher's files (local,
+    slurm) and Hydra's own and its plugins' (basic, submitit_local, submitit_slurm)."""
+    from conftest import run_cli
+
+    r = run_cli("-m", "hydra/launcher=locale", "seed=1,2")
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert r.stderr == (
+        "\nrft: configuration error: hydra/launcher=locale: there is no conf/hydra/launcher/locale.yaml (the options "
+        "of 'hydra/launcher' are basic, local, slurm, submitit_local, submitit_slurm). Did you mean "
+        "hydra/launcher=local?\n\n")
+
+
+@pytest.mark.parametrize("launcher", ["basic", "submitit_local", "local", "slurm"])
+def test_the_launchers_of_hydra_its_plugins_and_conf_pass_the_check(launcher):
+    from conftest import CONF
+
+    from rft.plan.overlays import check
+
+    assert check(["-m", f"hydra/launcher={launcher}", "seed=1,2"], CONF) is None
+
+
+def test_a_misspelt_launcher_in_a_sweeps_list_is_named():
+    from conftest import CONF
+
+    from rft.plan.overlays import check
+
+    assert check(["-m", "hydra/launcher=basic,slrum"], CONF) == (
+        "hydra/launcher=slrum: there is no conf/hydra/launcher/slrum.yaml (the options of 'hydra/launcher' are basic, "
+        "local, slurm, submitit_local, submitit_slurm). Did you mean hydra/launcher=slurm?")

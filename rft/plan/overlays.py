@@ -152,7 +152,8 @@ def _choices(args: list[str], roots: Roots) -> tuple[list[Path], str | None]:
     found = []
     for o in overrides:
         group = o.key_or_group
-        if o.is_delete() or group.startswith("hydra") or not roots.has_group(group):
+        hydra = group.startswith("hydra/")  # Hydra's own groups (hydra/launcher): checked for a name only
+        if o.is_delete() or not (hydra or (roots.has_group(group) and not group.startswith("hydra"))):
             continue
         try:
             values = list(o.sweep_string_iterator()) if o.is_sweep_override() else [o.get_value_element_as_str()]
@@ -163,13 +164,24 @@ def _choices(args: list[str], roots: Roots) -> tuple[list[Path], str | None]:
                 continue
             path = roots.file(group, option)
             if path is None and not roots.opaque:
-                options = roots.options(group)
+                options = sorted({*roots.options(group), *(_hydra_options(group) if hydra else ())})
+                if hydra and (option in options or not options):  # no group of Hydra's: Hydra says so
+                    continue
                 near = difflib.get_close_matches(option, options, n=1)
                 hint = f" Did you mean {group}={near[0]}?" if near else ""
                 return [], (f"{group}={option}: there is no {roots.missing(group, option)} (the options of '{group}' "
                             f"are {', '.join(options)}).{hint}{roots.absent()}")
-            found += [path] if path else []
+            found += [path] if path and not hydra else []  # (a launcher's keys are no keys of rft's config)
     return found, None
+
+
+def _hydra_options(group: str) -> list[str]:
+    """The options Hydra and its plugins have of one of Hydra's groups: hydra/launcher's basic,
+    submitit_local, submitit_slurm (conf/hydra/launcher adds local and slurm)."""
+    from hydra._internal.config_loader_impl import ConfigLoaderImpl
+    from hydra._internal.utils import create_config_search_path
+
+    return ConfigLoaderImpl(config_search_path=create_config_search_path(None)).get_group_options(group)
 
 
 def _reachable(chosen: list[Path], roots: Roots) -> list[Path]:
