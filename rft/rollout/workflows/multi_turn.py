@@ -28,7 +28,8 @@ workflow_args of `multi_turn`:
     max_total_tokens the whole conversation's budget (default model.max_prompt_tokens +
                      model.max_response_tokens): an assistant turn is cut to what is left (finish
                      reason "length"), and a message that does not fit ends the conversation
-                     before it (info["budget_truncated"]); never an error
+                     before it (info["budget_truncated"]); a first prompt that fills it fails
+                     its task (rollout/failed_tasks); never an error of the run
     stop             strings that end every assistant turn (besides rollout_args.stop and the
                      environment's own `stop`)
     strict           true: a drift stops the run (default false: counted)
