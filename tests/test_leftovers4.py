@@ -187,3 +187,59 @@ def test_a_misspelt_launcher_in_a_sweeps_list_is_named():
     assert check(["-m", "hydra/launcher=basic,slrum"], CONF) == (
         "hydra/launcher=slrum: there is no conf/hydra/launcher/slrum.yaml (the options of 'hydra/launcher' are basic, "
         "local, slurm, submitit_local, submitit_slurm). Did you mean hydra/launcher=slurm?")
+
+
+# ---------------------------------------------------------------- the studio's count of a sweep's jobs
+
+SIX = """hydra:
+  sweeper:
+    _target_: hydra._internal.core_plugins.basic_sweeper.BasicSweeper
+    max_batch_size: null
+    params: null
+  overrides:
+    task: ['algorithm=grpo,dapo', 'seed=1,2,3']
+"""
+
+
+def _job(sweep: Path, num: int) -> None:
+    import json
+
+    (sweep / str(num) / ".hydra").mkdir(parents=True)
+    (sweep / str(num) / ".hydra" / "overrides.yaml").write_text(f"- seed={num}\n")
+    (sweep / str(num) / "metrics.jsonl").write_text(json.dumps({"step": 1, "eval/accuracy": 0.5}) + "\n")
+
+
+def test_the_studios_sweep_list_counts_the_jobs_planned_beside_those_started(tmp_path):
+    """6 jobs planned (2 algorithms x 3 seeds), 4 started: the list said "4 jobs"; the planned count
+    comes from the report's reading of multirun.yaml (None where it cannot tell: another sweeper, or no
+    multirun.yaml)."""
+    from rft.studio.runs import Runs
+
+    sweep = tmp_path / "rft" / "multirun" / "2026-11-29_05-00-00"
+    for num in range(4):
+        _job(sweep, num)
+    (sweep / "multirun.yaml").write_text(SIX)
+    other = tmp_path / "rft" / "multirun" / "2026-11-29_06-00-00"
+    _job(other, 0)
+    _job(other, 1)
+    os.utime(other, (1, 1))  # the older: listed second
+    assert Runs(tmp_path).listing()["sweeps"] == [
+        {"id": "rft/multirun/2026-11-29_05-00-00", "jobs": 4, "planned": 6},
+        {"id": "rft/multirun/2026-11-29_06-00-00", "jobs": 2, "planned": None}]
+
+
+@pytest.mark.parametrize("jobs, planned, shown", [(4, 6, "4 of 6 jobs"), (6, 6, "6 jobs"), (2, None, "2 jobs"),
+                                                     (7, 6, "7 jobs")])
+def test_the_sweep_list_says_how_many_of_the_planned_jobs_started(jobs, planned, shown):
+    """studio.js's label of a sweep in the list, run by node."""
+    import json
+    import shutil
+
+    node = shutil.which("node")
+    if node is None:
+        pytest.skip("no node to run studio.js's function with")
+    js = (ROOT / "rft" / "studio" / "static" / "studio.js").read_text()
+    [fn] = re.findall(r"^function sweepLabel\(s\) \{.*?^\}$", js, re.S | re.M)
+    r = subprocess.run([node, "-e", f"{fn}\nconsole.log(sweepLabel({json.dumps({'jobs': jobs, 'planned': planned})}))"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.stdout.strip() == shown, r.stderr

@@ -170,7 +170,7 @@ def test_runs_lists_runs_and_sweeps_with_their_curves_and_table(tmp_path):
     assert (a["stage"], a["steps"], a["last_eval"], a["status"], a["detail"]) == ("grpo", 2, 0.5, "done", "done")
     # the override that differs between the runs is a column; a's has none
     assert listing["columns"] == ["seed"] and a["params"] == {} and a["config"] == "(defaults)"
-    assert listing["sweeps"] == [{"id": "rft/multirun/2026-01-01_00-00-00", "jobs": 2}]
+    assert listing["sweeps"] == [{"id": "rft/multirun/2026-01-01_00-00-00", "jobs": 2, "planned": None}]  # no multirun.yaml
     traces = runs.curves(["rft/a", "rft/multirun/2026-01-01_00-00-00/1"], "eval/accuracy")
     assert [(t["x"], t["y"]) for t in traces] == [([1, 2], [0.1, 0.5]), ([1], [0.6])]
     # legend and hover names: what is left of each run's name after the directories they share

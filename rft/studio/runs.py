@@ -75,6 +75,16 @@ def _mtime(p: Path) -> float | None:
         return None
 
 
+def _planned(sweep: Path) -> int | None:
+    """How many jobs the sweep planned (its multirun.yaml, as the report reads it): the list said
+    "4 jobs" of a sweep of 6 whose 2 last never started. None where that is not known (another
+    sweeper, no multirun.yaml, or more than a report lists)."""
+    try:
+        return len(report.planned_jobs(sweep)) or None
+    except report.ReportError:
+        return None
+
+
 def short_names(ids: list[str]) -> dict[str, str]:
     """Each run's name less the directories every one of them shares: `rft/multirun/<time>/3` -> `3`."""
     parts = [i.split("/") for i in ids]
@@ -123,8 +133,8 @@ class Runs:
         keys = list(dict.fromkeys(k for r in rows for k in r["params"]))
         columns = [k for k in keys if len({r["params"].get(k) for r in rows}) > 1] if len(rows) > 1 else keys
         return {"runs": rows, "columns": columns,
-                "sweeps": [{"id": s.relative_to(self.root).as_posix(), "jobs": len(report.find_jobs(s))}
-                           for s in sorted(sweeps, key=lambda s: -(_mtime(s) or 0))]}
+                "sweeps": [{"id": s.relative_to(self.root).as_posix(), "jobs": len(report.find_jobs(s)),
+                            "planned": _planned(s)} for s in sorted(sweeps, key=lambda s: -(_mtime(s) or 0))]}
 
     def _job(self, rel: str, stage: str | None = None) -> report.Job:
         return report.read_job(inside(self.root, rel), stage, rel, self.full)

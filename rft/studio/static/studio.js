@@ -67,6 +67,10 @@ function placeRows(tbody, wanted) {
 
 function setText(el, text) { if (el.textContent !== text) el.textContent = text; }
 
+function sweepLabel(s) {  // "4 of 6 jobs": the job directories of the jobs the sweep planned (null: not known)
+  return s.planned > s.jobs ? `${s.jobs} of ${s.planned} jobs` : `${s.jobs} jobs`;
+}
+
 // ------------------------------------------------------------------ jobs (compose and runs pages)
 
 const jobs = {
@@ -377,8 +381,11 @@ const runs = {
     try { this.data = await api("/api/runs"); } catch (e) { setText($("#runs-count"), e.message); return; }
     this.render();
     const sel = $("#sweep-choice");
-    const known = new Set($$("option", sel).map(o => o.value));
-    this.data.sweeps.forEach(s => { if (!known.has(s.id)) sel.add(new Option(`${s.id} (${s.jobs} jobs)`, s.id)); });
+    const known = new Map($$("option", sel).map(o => [o.value, o]));
+    this.data.sweeps.forEach(s => {  // a running sweep's count grows as its jobs start
+      const label = `${s.id} (${sweepLabel(s)})`, old = known.get(s.id);
+      if (!old) sel.add(new Option(label, s.id)); else if (old.text !== label) old.text = label;
+    });
   },
 
   query() { return Array.from(this.checked).map(r => "run=" + encodeURIComponent(r)).join("&"); },
