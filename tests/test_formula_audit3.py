@@ -222,3 +222,23 @@ def test_an_8k_token_row_beside_short_and_empty_ones(mode, dtype):
     # clipped (A = 1 > 0, e^3 > 1.28) but k3 still pulls towards the reference: 0.1 x (1 - e^-x) > 0,
     # times the mode's normaliser
     assert torch.isfinite(g_whole).all() and (g_whole[0, :2] == 0).all() and g_whole[0, 2] > 0
+
+
+def test_dpo_margin_of_8k_token_answers_in_float32():
+    # DPO's implicit reward beta (log pi(y) - log ref(y)) of an 8192-token answer: each sequence
+    # log-prob is ~ -20000, where float32's spacing is 0.002, so the difference of the two sums
+    # was off by ~5e-3 nats (its rounding) against a signal of ~8; summed per token, the
+    # difference log pi - log ref of each token is exact (Sterbenz) and only their sum rounds
+    T = 8192
+    ref = -(torch.arange(T, dtype=F32) % 5 + 0.5)[None].expand(2, T).clone()  # -0.5 .. -4.5
+    step = torch.tensor([[1e-3], [-1e-3]])  # chosen: 1e-3 above the reference per token, rejected: below
+    logp = (ref + step).requires_grad_()
+    mask = torch.ones(2, T)
+    loss, metrics = POLICY_LOSS_FNS["dpo"](logp, {"response_mask": mask, "ref_logp": ref}, algo(dpo_beta=0.1))
+    # the reference from the float32 inputs themselves, in float64: z = beta (sum_c - sum_r) ~ 0.1 x 16.4
+    d = (logp.detach().double() - ref.double()).sum(-1)
+    z = 0.1 * (d[0] - d[1]).item()
+    margin, pairs = metrics["dpo/reward_margin"]
+    assert pairs == 1 and margin == pytest.approx(z, abs=1e-5)
+    # the pair's loss -log sigmoid(z) spread over its 2 x 8192 tokens, 2 l / n on each
+    assert loss.sum().item() == pytest.approx(2 * math.log1p(math.exp(-z)), rel=1e-5)
