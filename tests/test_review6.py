@@ -106,3 +106,37 @@ def test_a_task_that_cannot_be_copied_is_still_scored():
     scorer = _scorer(lambda p, r, t: float(r == t.answer), Served([0.5, 0.5]))
     results, c = run_jobs(lambda job: scorer(*job), [("q", ["357", "1"], task)], runners=1, timeout=5.0, retries=0)
     assert c["failed"] == 0 and [float(r) for r in results[0]] == [1.5, 0.5]  # 1 + 0.5, 0 + 0.5
+
+
+def test_calls_over_rollout_drops_still_running_are_hung_calls_and_bounded(monkeypatch):
+    # explorer.over_rollout drops the calls still running once enough tasks are done; they keep their
+    # threads as timed-out calls do, but were neither counted in rollout/hung_calls nor bounded: a
+    # reward that hangs on some task, dropped every step before explorer.max_timeout, piled up
+    # threads without a word
+    import threading
+    import time
+
+    from rft.errors import RunError
+    from rft.rollout import explorer
+    from rft.rollout.explorer import run_jobs
+
+    release = threading.Event()
+    monkeypatch.setattr(explorer, "MAX_HUNG_CALLS", 1)
+    fn = lambda job: job or release.wait()  # noqa: E731  job 0 hangs, job 1 returns at once
+    try:
+        results, c = run_jobs(fn, [0, 1], runners=2, timeout=0.2, retries=0, min_done=1)
+        assert results == [None, 1] and c["over_rollout_dropped"] == 1 and c["dropped_jobs"] == [0]
+        assert len(explorer._THREADS.hung) == 1  # rollout/hung_calls
+        run_jobs(fn, [0, 1], runners=2, timeout=0.2, retries=0, min_done=1)
+        time.sleep(0.25)  # a timeout later the 2 dropped calls still run: over the bound of 1 at the next drop
+        with pytest.raises(RunError) as e:
+            run_jobs(fn, [0, 1], runners=2, timeout=0.2, retries=0, min_done=1)
+        assert str(e.value).startswith("2 calls of the workflow's jobs (an environment's steps, say) ran past "
+                                       "explorer.max_timeout (0.2 s) and have not returned 0.2 s after that.")
+    finally:
+        release.set()
+    for _ in range(300):
+        if not explorer._THREADS.hung:
+            break
+        time.sleep(0.01)
+    assert not explorer._THREADS.hung

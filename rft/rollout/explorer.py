@@ -191,6 +191,14 @@ class _JobRun:
                 self.late += 1
                 self.failed(i)
 
+    def abandon_all(self, now: float, timeout: float) -> None:
+        """over_rollout's cut: the calls still running no longer hold the step, and keep their
+        threads as timed-out ones do: rollout/hung_calls, under the same bound."""
+        for i in list(self.running):
+            del self.running[i]
+            if _THREADS.abandon(self.tokens[i], now, timeout) > MAX_HUNG_CALLS:
+                raise RunError(self.too_many_hung(i, timeout))
+
     def too_many_hung(self, i: int, timeout: float) -> str:
         if self.what:  # the reward's: its job is (prompt, responses, task)
             what = f"calls of {self.what} (the last on task {getattr(self.jobs[i][2], 'task_id', '?')!r})"
@@ -235,6 +243,7 @@ def run_jobs(fn, jobs: list, runners: int, timeout: float, retries: int,
             if now - min_reached_at >= wait_after_min and (run.todo or run.running):
                 run.counters["over_rollout_dropped"] = len(run.todo) + len(run.running)
                 run.counters["dropped_jobs"] = sorted([*run.todo, *run.running])  # not a count: which
+                run.abandon_all(now, timeout)
                 break
     if run.late > 1:
         log.warning("%d more calls timed out (the first is logged above, once a step; rollout/timeouts counts them, "
