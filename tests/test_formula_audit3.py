@@ -1,9 +1,10 @@
 """A third audit of rft/algorithms at the edges a careless batch brings, in float32 and float64:
-a KL of a policy next to its reference (float32's exp(x) - 1 rounds it away), groups of every
-size interleaved in one batch with rewards of 1e6 and 1e-8, an 8k-token row beside a one-token
-row and an empty one under each aggregation mode and micro-batch split, half-precision inputs, and
-the rollout IS weights on both sides of their cap. Expected values are written from the formulas
-(/ALGORITHMS.md, the papers) with the arithmetic in the comments, never by calling rft.
+a KL of a policy next to its reference (float32's exp(x) - 1 rounds it away), half-precision
+inputs and a bfloat16 model, groups of every size interleaved in one batch with rewards of 1e6 and
+1e-8, an 8k-token row beside a one-token row and an empty one under each aggregation mode and cut
+into micro-batches (with TIS weights and a k3 term), and DPO's margin of 8k-token answers.
+Expected values are written from the formulas (the papers rft/algorithms cites) with the
+arithmetic in the comments, never by calling rft.
 """
 
 import math
