@@ -171,8 +171,21 @@ BUILDERS = Registry("model.builder", {"tiny": "rft.models.build_tiny_model",
                                      "qwen2.5-1.5b-shape": "rft.models.build_qwen15_shape_model"})
 
 
+def not_built_here(model_path) -> bool:
+    """Whether `model_path` holds a model no builder made: a checkpoint's hf/, an export, a copy of
+    either (`model=tiny model.model_path=<run>/<stage>/checkpoints/step_N/hf` keeps the builder).
+    The builder took such a folder for an older or damaged build of its own and moved the trained
+    weights aside for random ones; it is the user's model, started from as it is."""
+    path = Path(os.path.expanduser(str(model_path)))
+    if not (path / "config.json").is_file():
+        return False
+    found, _ = manifest.read(path)
+    return found is None or "built" not in found["identity"]
+
+
 def ensure_model(model_cfg) -> None:
-    """Build the model if its config names a builder and the directory is missing."""
+    """Build the model if its config names a builder and the directory is missing (or holds a
+    build of its own that is damaged)."""
     if model_cfg.builder is None:
         return
     if model_cfg.builder not in BUILDERS:
@@ -180,6 +193,8 @@ def ensure_model(model_cfg) -> None:
             f"model.builder={model_cfg.builder!r} is not a known builder; "
             f"choose one of {sorted(BUILDERS)} or set model.builder=null for a hub id or local path."
         )
+    if not_built_here(model_cfg.model_path):
+        return
     extra = list(model_cfg.get("extra_tokens") or [])
     if not extra:
         BUILDERS[model_cfg.builder](model_cfg.model_path)
