@@ -91,8 +91,8 @@ def read_checkpoint(d: Path) -> Checkpoint | None:
     sealed, why = manifest.read(d)
     if sealed is None and why is None and not (d / "state.json").exists():
         return None
-    try:
-        state = json.loads(manifest.read_record(d / "state.json"))  # a FIFO there: an OSError, not a hang
+    try:  # a FIFO there: an OSError, not a hang
+        state = json.loads(manifest.read_record(d / "state.json", state_bound(sealed)))
         problem = None if isinstance(state, dict) and isinstance(state.get("step"), int) else "holds no step"
     except (ValueError, OSError, RecursionError) as e:
         state, problem = {}, ("missing" if isinstance(e, FileNotFoundError) else f"does not read ({e.strerror})"
@@ -110,6 +110,16 @@ def read_checkpoint(d: Path) -> Checkpoint | None:
                    f"(copied over it?)")
     step = named if named is not None else (identity or state).get("step", -1)
     return Checkpoint(step if isinstance(step, int) else -1, d, state, identity, problem)
+
+
+def state_bound(sealed: dict | None) -> int:
+    """How many bytes of a checkpoint's state.json are read: the size its manifest lists, where that
+    is over the bound on records (a sealed state.json's size is the run's own record of it). A long
+    run's state can pass that bound legitimately (data_processor.online_curriculum over 3,000,000
+    tasks of window 8: 64.7 MiB), and resume moved every checkpoint aside as damaged and started
+    over. A file with no manifest keeps the bound; one longer than listed is damage either way."""
+    listed = (sealed or {}).get("files", {}).get("state.json")
+    return max(manifest.MAX_RECORD, listed[0]) if listed else manifest.MAX_RECORD
 
 
 def list_checkpoints(stage_dir: Path) -> list[Checkpoint]:

@@ -1,0 +1,59 @@
+"""A long run's sealed state.json over the bound on records still resumes, a damaged or unsealed
+one over it is still refused."""
+import json
+
+from test_checkpoints_manifest import OWNER, said
+
+from rft import manifest
+from rft.runtime import checkpoint
+from rft.runtime.checkpoint import read_checkpoint, usable_checkpoint
+
+WINDOW = 4096  # data_processor.online_curriculum.window (no upper bound): long outcome strings, few objects
+
+
+def long_state(d, tasks=17_000):
+    """Checkpoint step_2 of stage `d` whose state.json holds an online curriculum's outcomes for
+    `tasks` tasks, written as the run writes it and sealed: each entry '"<row>": "<4096 digits>", '
+    is ~4,100 bytes, 17,000 of them ~69.8 MB (66.6 MiB), over the 64 MiB bound."""
+    outcomes = {str(r): ("01" if r % 2 else "10") * (WINDOW // 2) for r in range(tasks)}
+    checkpoint.write(d, 1, {"version": 1}, owner=OWNER)
+    return checkpoint.write(d, 2, {"version": 2, "curriculum": {"outcomes": outcomes}}, owner=OWNER)
+
+
+def test_a_sealed_state_json_over_the_record_bound_resumes(tmp_path):
+    d = tmp_path / "grpo"
+    step2 = long_state(d)
+    size = (step2 / "state.json").stat().st_size
+    assert size > manifest.MAX_RECORD  # 67 MiB > 64 MiB
+    assert json.loads((step2 / manifest.MANIFEST).read_text())["files"]["state.json"][0] == size
+    lines, say = said()
+    ckpt = usable_checkpoint(d, OWNER, "grpo", say)
+    assert ckpt.step == 2 and ckpt.problem is None and lines == []  # nothing moved aside
+    assert len(ckpt.state["curriculum"]["outcomes"]) == 17_000
+    assert ckpt.state["curriculum"]["outcomes"]["3"] == "01" * 2048
+    assert sorted(p.name for p in (d / "checkpoints").iterdir()) == ["step_1", "step_2"]
+
+
+def test_a_long_state_json_grown_past_its_listed_size_is_damaged(tmp_path):
+    d = tmp_path / "grpo"
+    step2 = long_state(d)
+    size = (step2 / "state.json").stat().st_size
+    with open(step2 / "state.json", "ab") as f:
+        f.write(b" ")  # one byte more than the manifest lists: not read, damage
+    assert read_checkpoint(step2).problem == (f"{step2 / 'state.json'}: does not read (larger than {size} bytes, "
+                                              f"which no record rft writes is)")
+    lines, say = said()
+    assert usable_checkpoint(d, OWNER, "grpo", say).step == 1  # the one before
+    assert len(lines) == 1 and "checkpoint step 2 is damaged" in lines[0]
+
+
+def test_an_unsealed_state_json_over_the_bound_is_still_refused(tmp_path):
+    """No manifest (a legacy checkpoint): nothing vouches for its size, so the bound holds."""
+    d = tmp_path / "grpo"
+    step2 = long_state(d)
+    (step2 / manifest.MANIFEST).unlink()
+    state = json.loads((step2 / "state.json").read_text())
+    del state["manifest"]  # written before manifests: no mark of one
+    (step2 / "state.json").write_text(json.dumps(state))
+    assert read_checkpoint(step2).problem == (f"{step2 / 'state.json'}: does not read (larger than "
+                                              f"{manifest.MAX_RECORD} bytes, which no record rft writes is)")
