@@ -4,6 +4,7 @@ study met, or a promise it checked."""
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -13,6 +14,8 @@ from omegaconf import OmegaConf
 from safetensors.torch import load_file, save_file
 
 from rft.models import build_tiny_model, ensure_model
+from rft.reporting.monitor import read_metrics
+from conftest import ROOT, kill_at_checkpoint, load_script, run_cli
 
 
 def _trained_copy(tmp_path: Path) -> Path:
@@ -39,3 +42,56 @@ def test_model_tiny_started_from_a_checkpoint_keeps_its_weights(tmp_path, capsys
     assert all(torch.equal(before[k], after[k]) for k in before)
     assert sorted(p.name for p in hf.parent.iterdir()) == ["hf"]  # nothing moved aside, no lock left
     assert "damaged" not in capsys.readouterr().err
+
+
+STUDY = ROOT / "experiments" / "dpo_then_grpo"
+
+
+def _study_data(tmp_path: Path) -> Path:
+    """The study's data (make_data.py's rows), cut to 64 training and 16 test rows."""
+    data = tmp_path / "data"
+    load_script("experiments/dpo_then_grpo/make_data.py", "make_data").main(str(data))
+    for name, n in (("train.jsonl", 64), ("test.jsonl", 16)):
+        lines = (data / name).read_text().splitlines(keepends=True)
+        (data / name).write_text("".join(lines[:n]))
+    return data
+
+
+def _study_args(data: Path, name: str) -> list[str]:
+    """The study's command (its README), shortened: 4 warm-up, 2 DPO and 4 GRPO steps."""
+    return [f"hydra.searchpath=[file://{STUDY / 'conf'}]", "experiment=dpo_then_grpo", f"name={name}",
+            "cluster=inline", "monitor=console", "stage_cache_dir=null", "trainer.save_interval=2",
+            f"buffer.explorer_input.taskset.path={data}", f"buffer.explorer_input.eval_tasksets.0.path={data}",
+            "stages.0.buffer.total_steps=4", "stages.0.algorithm.optimizer.warmup_steps=1", "stages.1.buffer.total_steps=2", "buffer.total_steps=4",
+            "buffer.batch_size=4", "algorithm.repeat_times=4"]
+
+
+@pytest.mark.slow
+def test_study_stages_say_what_they_start_from_and_a_kill_in_grpo_resumes_there(tmp_path):
+    data, env = _study_data(tmp_path), {"RFT_CHECKPOINT_ROOT_DIR": str(tmp_path / "out")}
+    straight = run_cli(*_study_args(data, "straight"), env=env)
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    run = tmp_path / "out" / "rft" / "straight"
+    # each later stage names the model it starts from (its config.yaml's model.model_path is the
+    # run's first model): the warm-up's last checkpoint for DPO, DPO's for GRPO
+    assert f"[dpo] starts from the previous stage's final model: {run}/sft_warmup/checkpoints/step_4/hf" in straight.stdout
+    assert f"[grpo] starts from the previous stage's final model: {run}/dpo/checkpoints/step_2/hf" in straight.stdout
+    assert "[sft_warmup] starts from" not in straight.stdout
+    # the DPO stage read the study's own columns: each step's pairs are `good` over `bad`
+    dpo = read_metrics(run / "dpo" / "metrics.jsonl")
+    assert [m["train/experiences"] for m in dpo if m["step"] > 0] == [64, 64]  # 32 pairs a step, 2 rows each
+    assert all(0 <= m["dpo/accuracy"] <= 1 for m in dpo if m["step"] > 0)
+
+    killed = tmp_path / "out" / "rft" / "killed"
+    kill_at_checkpoint(_study_args(data, "killed"), killed / "grpo", 2, {**os.environ, **env})
+    resumed = run_cli(*_study_args(data, "killed"), env=env)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    # the finished stages are not trained again; GRPO goes on from its step-2 checkpoint
+    assert "[sft_warmup] already finished (step 4)" in resumed.stdout
+    assert "[dpo] already finished (step 2)" in resumed.stdout
+    assert f"[grpo] resuming from step 2 ({killed}/grpo/checkpoints/step_2)" in resumed.stdout
+    # and ends where the uninterrupted run did: the same batches, the same final weights
+    assert read_metrics(killed / "grpo" / "batches.jsonl") == read_metrics(run / "grpo" / "batches.jsonl")
+    a = load_file(run / "grpo" / "checkpoints" / "step_4" / "hf" / "model.safetensors")
+    b = load_file(killed / "grpo" / "checkpoints" / "step_4" / "hf" / "model.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)

@@ -162,6 +162,8 @@ class StageRun:
             self.monitor.print(f"[{self.title}] experiences go to {eb.path} (view them: python -m rft.data.buffer {eb.path})")
         if start:
             self.monitor.print(f"[{self.title}] resuming from step {start} ({latest.path})")
+        elif self.init_path:  # its config.yaml's model.model_path is the run's first model, not this one
+            self.monitor.print(f"[{self.title}] starts from the previous stage's final model: {self.init_path}")
 
     def _default_buffer_path(self) -> None:
         """A sql or file buffer without a path lives in the stage directory."""
