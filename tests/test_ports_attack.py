@@ -5,6 +5,8 @@ test_reward_server.py and test_openai_api.py already try is not repeated here.
 """
 
 import socket
+import subprocess
+import sys
 import time
 
 import pytest
@@ -84,3 +86,26 @@ def test_a_token_no_header_can_carry_or_a_token_file_that_is_not_text_is_one_lin
     with pytest.raises(SystemExit) as e:  # was a UnicodeDecodeError's traceback
         read_token(str(binary))
     assert str(e.value) == f"rft.studio: --token-file {binary}: cannot read it (not UTF-8 text)."
+
+
+def test_a_console_line_of_a_mebibyte_is_read_in_one_pass():
+    """Each console read dropped a progress bar's older forms with a regex that scanned the rest of
+    a line from each of its characters: an 80 kB line took 11 s of the studio's CPU, under the GIL
+    every other request waits on, and a 1 MiB one (what a read returns at most) far longer."""
+    import re
+
+    from rft.studio.launch import newest_bars
+
+    # a bar's newest form is kept; a CRLF's CR stays; a lone CR at the end of what was read ends a
+    # form not yet drawn over, so the line shows nothing until it is (the regex's rule, kept)
+    assert newest_bars("10%\r50%\r100%\ndone\r\nnext\r") == "100%\ndone\r\n"
+    assert newest_bars("a\rb\n\r\n\rc") == "b\n\r\nc"
+    old = r"[^\n\r]*\r(?!\n)"
+    for text in ("10%\r50%\r100%\ndone\r\nnext\r", "a\rb\n\r\n\rc", "\r\r\n\n\r", "x\ry\rz"):
+        assert newest_bars(text) == re.sub(old, "", text), repr(text)
+    # a line of 1 MiB without a CR (the regex's worst case), then a bar, in a process given a minute
+    # (it takes milliseconds; a regex holds the GIL, so a thread could not be timed out)
+    script = ("import sys; from rft.studio.launch import newest_bars; "
+              "sys.stdout.write(newest_bars('x' * (1 << 20) + '\\n10%\\r100%\\n')[-7:])")
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert (r.returncode, r.stdout) == (0, "x\n100%\n"), r.stderr
