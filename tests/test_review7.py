@@ -2,6 +2,7 @@
 one over it is still refused."""
 import json
 
+import pytest
 from test_checkpoints_manifest import OWNER, said
 
 from rft import manifest
@@ -57,3 +58,33 @@ def test_an_unsealed_state_json_over_the_bound_is_still_refused(tmp_path):
     (step2 / "state.json").write_text(json.dumps(state))
     assert read_checkpoint(step2).problem == (f"{step2 / 'state.json'}: does not read (larger than "
                                               f"{manifest.MAX_RECORD} bytes, which no record rft writes is)")
+
+
+def test_a_conversation_budget_over_the_context_is_refused_at_planning():
+    """vLLM's engine holds model.max_model_len (else max_prompt_tokens + max_response_tokens) and
+    refused a longer conversation mid-run, where the plan had taken it (KV cache sized 56 tokens)."""
+    from conftest import compose_cfg
+
+    from rft.errors import ConfigError
+    from rft.plan.batch import make_plan, stage_configs
+
+    def plan(*overrides):
+        return make_plan(stage_configs(compose_cfg(["model=tiny_tools", "task=calculator", *overrides]))[-1], 2000)
+
+    ts, ev = "buffer.explorer_input.taskset", "buffer.explorer_input.eval_tasksets.0"
+    with pytest.raises(ConfigError) as e:
+        plan(f"+{ts}.workflow_args.max_total_tokens=100")  # tiny_tools: 24 + 32 = 56
+    assert str(e.value) == (
+        f"{ts}.workflow_args.max_total_tokens=100 is over the context the run is sized for, model.max_prompt_tokens "
+        "+ model.max_response_tokens = 56: explorer=vllm's engine holds only that context and would stop the run at "
+        "the first conversation longer than it ('longer than the maximum model length'), and the memory plan does not "
+        "size for the longer one. Raise model.max_model_len to 100 (or model.max_response_tokens to 76), or lower "
+        "max_total_tokens to 56 or less.")  # 76 = 100 - 24
+    with pytest.raises(ConfigError) as e:
+        plan(f"+{ev}.workflow_args.max_total_tokens=81", "model.max_model_len=80")
+    assert str(e.value).startswith("buffer.explorer_input.eval_tasksets[0].workflow_args.max_total_tokens=81 is over "
+                                   "the context the run is sized for, model.max_model_len=80: ")
+    assert str(e.value).endswith("Raise model.max_model_len to 81, or lower max_total_tokens to 80 or less.")
+    # within the context: planned as before
+    plan(f"+{ts}.workflow_args.max_total_tokens=56")
+    plan(f"+{ts}.workflow_args.max_total_tokens=80", "model.max_model_len=80")

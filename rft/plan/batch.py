@@ -297,6 +297,27 @@ def _check_context(model, where: str, max_tokens: int | None) -> None:
         f"explorer=hf goes on to {max_tokens}). Raise {fix}, or lower max_tokens.")
 
 
+def _check_total_tokens(model, where: str, ts) -> None:
+    """A conversation's budget (workflow_args.max_total_tokens) fits the context the run is sized
+    for: vLLM's engine holds only that context and refuses a longer prompt mid-run
+    (VLLMValidationError, "longer than the maximum model length"), and the memory plan (KV cache,
+    the trainer's micro-batches) sizes for that context, not for the budget."""
+    from rft.rollout.workflows.single_turn import WORKFLOWS
+
+    total = (ts.workflow_args or {}).get("max_total_tokens")
+    context = model.max_model_len or model.max_prompt_tokens + model.max_response_tokens
+    if type(total) is not int or total <= context or WORKFLOWS.info(ts.workflow).endpoint:
+        return  # an agent's calls are bounded by the endpoint itself; a non-int: the workflow's own check
+    named, fix = ((f"model.max_model_len={context}", f"model.max_model_len to {total}") if model.max_model_len else
+                  (f"model.max_prompt_tokens + model.max_response_tokens = {context}",
+                   f"model.max_model_len to {total} (or model.max_response_tokens to {total - model.max_prompt_tokens})"))
+    raise ConfigError(
+        f"{where}.workflow_args.max_total_tokens={total} is over the context the run is sized for, {named}: "
+        f"explorer=vllm's engine holds only that context and would stop the run at the first conversation longer "
+        f"than it ('longer than the maximum model length'), and the memory plan does not size for the longer one. "
+        f"Raise {fix}, or lower max_total_tokens to {context} or less.")
+
+
 # both engines look for every stop string after every token, untimed (vLLM's StopChecker, the hf
 # engine's StopStrings): 10,000 strings cost 7 ms a token a row, 32 of 256 characters under 0.1 ms
 MAX_STOP_STRINGS, MAX_STOP_CHARS = 32, 256
@@ -331,6 +352,7 @@ def _check_rollouts(cfg) -> None:
                 f"and return log-probs of that distribution, while the trainer recomputes them at {r.temperature} (and "
                 f"explorer=hf samples at {r.temperature}). Set 0.01 or more, or 0 for greedy decoding.")
         _check_context(cfg.model, where, r.max_tokens)
+        _check_total_tokens(cfg.model, where, ts)
         _check_stop(where, list(r.stop))
         fmt = ts.format
         if fmt.prompt_type == "plaintext" and fmt.prompt_key == fmt.response_key:
