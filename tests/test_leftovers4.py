@@ -243,3 +243,55 @@ def test_the_sweep_list_says_how_many_of_the_planned_jobs_started(jobs, planned,
     r = subprocess.run([node, "-e", f"{fn}\nconsole.log(sweepLabel({json.dumps({'jobs': jobs, 'planned': planned})}))"],
                        capture_output=True, text=True, timeout=60)
     assert r.stdout.strip() == shown, r.stderr
+
+
+# ---------------------------------------------------------------- what a reward prints, capped
+
+def _loud(prompt, response, task):
+    print("x" * 99)  # 100 characters a call, its newline included
+    return 1.0
+
+
+def test_what_rewards_print_is_capped_with_one_note_and_the_runs_own_lines_pass(monkeypatch, capsys):
+    """A reward's print is multiplied by every response: 1 MB a call wrote 2.9 GB to the console in the
+    tiny default's 20 steps. Past the cap (here 250 characters) it is left out, with one note."""
+    import threading
+
+    from rft.rewards import scoring, stdout_cap
+
+    monkeypatch.setattr(stdout_cap, "CAP_CHARS", 250)
+    scorer = scoring.Scorer([scoring.Part("loud", 1.0, scoring._per_response(_loud, {}), False)])
+    task = scoring.Reward(0.0)  # (any object: the function does not read it)
+    assert scorer("p", ["a", "b", "c", "d"], task) == [1.0] * 4  # 4 calls, 400 characters
+    print("[grpo] step 1/2")  # the run's own line, past the cap: printed
+    done = threading.Event()
+    threading.Thread(target=lambda: (scorer("p", ["e"], task), done.set())).start()  # an explorer's thread
+    assert done.wait(10)
+    out = capsys.readouterr().out
+    # 250 = 2 whole lines of 100 + 50 characters of the third; then the note, once
+    assert out == ("x" * 99 + "\n") * 2 + "x" * 50 + (
+        "\nrft: reward 'loud' printed more than 250 characters: what this taskset's rewards print from here on is left "
+        "out (every response calls them, so their prints would fill the console and the disk its log is on). Print a "
+        "sample of the calls, or write to a file of your own.\n") + "[grpo] step 1/2\n"
+    # another Scorer (the eval set's; a sweep's next job in the same process) prints again, up to its own cap
+    again = scoring.Scorer([scoring.Part("loud", 1.0, scoring._per_response(_loud, {}), False)])
+    assert again("p", ["a"], task) == [1.0] and capsys.readouterr().out == "x" * 99 + "\n"
+
+
+@pytest.mark.slow  # a training run
+def test_a_reward_that_prints_a_megabyte_a_call_leaves_a_console_of_about_a_megabyte(tmp_path):
+    """The tiny default (stages=[]), 3 steps and the evals: 612 MB were printed (584 calls)."""
+    (tmp_path / "loud_reward.py").write_text("def loud(prompt, response, task):\n    print('x' * 2**20)\n    return 0.0\n")
+    from conftest import run_cli
+
+    r = run_cli("stages=[]", "cluster=inline", "buffer.total_steps=3", "explorer.eval_on_startup=false",
+                "buffer.explorer_input.default_reward_fn_type=loud_reward.loud", "name=loud",
+                env={"RFT_CHECKPOINT_ROOT_DIR": str(tmp_path), "PYTHONPATH": str(tmp_path)})
+    assert r.returncode == 0, r.stderr[-3000:]
+    from rft.rewards.stdout_cap import CAP_CHARS
+
+    # the cap of each taskset's Scorer (the training set's and the eval set's), a note each (~300 characters) and
+    # the run's own lines (~2 KB)
+    assert 2 * CAP_CHARS < len(r.stdout) < 2 * CAP_CHARS + 10_000
+    assert r.stdout.count("rft: reward 'loud' printed more than 1,048,576 characters: ") == 2
+    assert "[grpo] step 3/3" in r.stdout

@@ -42,6 +42,7 @@ from typing import Any, Callable
 from rft.config import near_args
 from rft.errors import ConfigError
 from rft.registry import Registry
+from rft.rewards import stdout_cap
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +92,7 @@ class Scorer:
     parts: list[Part] = field(default_factory=list)
     # a dict part's keys as first seen, to warn once when a later response's differ
     keys: dict = field(default_factory=dict)
+    printed: stdout_cap.Budget = field(default_factory=stdout_cap.Budget)  # what its rewards printed
 
     def __call__(self, prompt: str, responses: list[str], task) -> list[Reward]:
         per_part = []
@@ -98,7 +100,8 @@ class Scorer:
             # each part gets copies: one that edits the list or the task (task.row["answer"] = ...) would
             # change what the next part scores, the texts the buffer keeps, and the taskset's task for
             # every later epoch
-            values = p.call(prompt, list(responses), own_copy(task))
+            with stdout_cap.capped(p.name, self.printed):  # a print in it is multiplied by every response
+                values = p.call(prompt, list(responses), own_copy(task))
             if not isinstance(values, (list, tuple)):  # a dict of 2 keys would pass as 2 rewards (its keys)
                 raise ValueError(f"reward {p.name!r} returned {type(values).__name__} {_short(values)} for a group of "
                                  f"{len(responses)} responses: a served reward returns a list of one reward per response")
