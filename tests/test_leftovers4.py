@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from conftest import ROOT
+from test_studio import browser  # noqa: F401  (a fixture: headless Chromium)
 
 from rft.runtime import preemption
 
@@ -295,3 +296,24 @@ def test_a_reward_that_prints_a_megabyte_a_call_leaves_a_console_of_about_a_mega
     assert 2 * CAP_CHARS < len(r.stdout) < 2 * CAP_CHARS + 10_000
     assert r.stdout.count("rft: reward 'loud' printed more than 1,048,576 characters: ") == 2
     assert "[grpo] step 3/3" in r.stdout
+
+
+def test_the_runs_pages_sweep_list_reads_4_of_6_jobs_and_counts_on_as_jobs_start(browser, tmp_path):
+    from test_studio import _stop, _studio
+
+    sweep = tmp_path / "rft" / "multirun" / "2026-11-29_05-00-00"
+    for num in range(4):
+        _job(sweep, num)
+    (sweep / "multirun.yaml").write_text(SIX)
+    proc, url, token = _studio(tmp_path)
+    try:
+        page = browser.new_page(bypass_csp=True)
+        page.goto(f"{url}/runs#token={token}")
+        option = '#sweep-choice option[value="rft/multirun/2026-11-29_05-00-00"]'
+        page.wait_for_selector(option, state="attached")
+        assert page.text_content(option) == "rft/multirun/2026-11-29_05-00-00 (4 of 6 jobs)"
+        _job(sweep, 4)  # a job starts: the list, refreshed every 2 s, counts it
+        page.wait_for_function(f"document.querySelector('{option}').textContent.endsWith('(5 of 6 jobs)')",
+                               timeout=30000)
+    finally:
+        _stop(proc)
