@@ -832,7 +832,7 @@ def near_args(unknown, known, section: str = "") -> str:
     for u in map(str, unknown):
         if close(u, own):
             near.append(f"{close(u, own)} (not {u})")
-        elif keys := _section_keys(u, section, close):
+        elif keys := _section_keys(u, section):
             moved.append((u, keys))
     said = near + [" and ".join(keys) + (f" (not {u})" if [u] != [k.rpartition(".")[2] for k in keys] else "")
                    for u, keys in moved]
@@ -846,22 +846,48 @@ def near_args(unknown, known, section: str = "") -> str:
     return out
 
 
-def _section_keys(name: str, section: str, close) -> list[str]:
+def _section_keys(name: str, section: str) -> list[str]:
     """The keys of schema section `section` that an argument `name` stands for: those another
     system's key of that name is (rft.foreign_keys: clip_ratio is verl's clip_ratio_low and
-    clip_ratio_high, where the nearest spelling, clip_ratio_c, is the dual clip), else the nearest
-    one, its last word too (another system's prefix on the name: gae_lambda)."""
+    clip_ratio_high, where the nearest spelling, clip_ratio_c, is the dual clip), else a setting
+    (not a sub-section such as args or optimizer) that `name` is a misspelling of, word for word
+    (`_spelt_as`), or its last words are (another system's prefix on the name: gae_lambda).
+    Nearness of spelling alone named keys of other meanings, which a user following the hint set
+    to no effect (TRL's delta and kl_beta as dpo_beta, clip_ratio_dual as clip_ratio_low, kl_target
+    as args): no hint is better than a wrong one."""
     if not section:
         return []
+    import difflib
+
+    from omegaconf import DictConfig, OmegaConf
+
     from rft.foreign_keys import FOREIGN_KEYS
 
     theirs = [o for k in FOREIGN_KEYS if "*" not in k and k.rpartition(".")[2] == name
               for o in FOREIGN_KEYS[k].ours or () if o.rpartition(".")[0] == section]
     if theirs:
         return list(dict.fromkeys(theirs))
-    there = [k.rpartition(".")[2] for k in schema_keys() if k.rpartition(".")[0] == section]
-    m = close(name, there) or close(name.rpartition("_")[2], there)
-    return [f"{section}.{m}"] if m else []
+    node = OmegaConf.select(OmegaConf.structured(Config), section)
+    if not isinstance(node, DictConfig):  # a stage's (stages.0.algorithm): not a section of the schema
+        return []
+    there = [k for k in node.keys() if not isinstance(node._get_node(k), DictConfig)]
+    words = name.split("_")
+    for tail in ("_".join(words[i:]) for i in range(len(words))):  # the whole name first, then its last words
+        spelt = [k for k in there if _spelt_as(tail, k)]
+        if spelt:
+            return [f"{section}.{max(spelt, key=lambda k: difflib.SequenceMatcher(None, tail, k).ratio())}"]
+    return []
+
+
+def _spelt_as(name: str, key: str) -> bool:
+    """Whether `name` is `key` misspelt: as many words, each the key's word, a typo of it (entropy_coeff)
+    or the word the key's cuts short (lambda, lamda: lam)."""
+    import difflib
+
+    pairs = list(zip(name.split("_"), key.split("_")))
+    return len(pairs) == len(name.split("_")) == len(key.split("_")) and all(
+        a == b or difflib.SequenceMatcher(None, a, b).ratio() >= 0.8 or (len(b) >= 3 and a.startswith(b))
+        for a, b in pairs)
 
 
 def lora_adapter_sync(model_cfg) -> bool:

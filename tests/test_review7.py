@@ -88,3 +88,42 @@ def test_a_conversation_budget_over_the_context_is_refused_at_planning():
     # within the context: planned as before
     plan(f"+{ts}.workflow_args.max_total_tokens=56")
     plan(f"+{ts}.workflow_args.max_total_tokens=80", "model.max_model_len=80")
+
+
+def test_an_unknown_loss_arg_gets_no_hint_rather_than_a_wrong_one(tmp_path):
+    """TRL's delta (its two-sided clip) given to GRPO's loss was told 'Did you mean algorithm.dpo_beta
+    (not delta)? ... set algorithm.dpo_beta=<value>': a key GRPO never reads, so the run went on as
+    if the clip were set. The message now lists the loss's own arguments and stops there."""
+    import rft.runtime.main
+    from conftest import compose_cfg
+
+    from rft.errors import ConfigError
+
+    with pytest.raises(ConfigError) as e:
+        rft.runtime.main._main(compose_cfg(["stages=[]", "+algorithm.args.delta=1.5", "dry_run=true",
+                                            f"checkpoint_root_dir={tmp_path}"]))
+    assert str(e.value) == ("algorithm.args has ['delta'], which algorithm.policy_loss_fn=ppo_clip does not take; its "
+                            "own arguments are [] (the rest of its settings are the algorithm.* keys it reads from cfg).")
+
+
+@pytest.mark.parametrize("name", ["delta", "kl_target", "kl_beta", "clip_ratio_dual", "optim", "args"])
+def test_a_key_near_in_spelling_only_is_not_named(name):
+    # before: delta and kl_beta -> algorithm.dpo_beta, kl_target -> algorithm.args ('set
+    # algorithm.args=<value>'), clip_ratio_dual -> algorithm.clip_ratio_low (the dual clip is
+    # clip_ratio_c), optim -> algorithm.optimizer, a section, not a setting
+    from rft.config import near_args
+
+    assert near_args([name], ["epsilon"], section="algorithm") == ""
+
+
+@pytest.mark.parametrize("name, key", [
+    ("lamda", "lam"), ("lambda", "lam"), ("gae_lambda", "lam"),  # a word cut short, another system's prefix
+    ("entropy_coeff", "entropy_coef"), ("kl_loss_coefficient", "kl_loss_coef"), ("clip_ratio_lower", "clip_ratio_low"),
+    ("rollout_is_capp", "rollout_is_cap"), ("actor_entropy_coef", "entropy_coef"),
+])
+def test_a_misspelt_setting_is_still_named(name, key):
+    from rft.config import near_args
+
+    assert near_args([name], ["epsilon"], section="algorithm") == (
+        f" Did you mean algorithm.{key} (not {name})? That is a key of algorithm itself, which the function reads "
+        f"from cfg, not an argument: set algorithm.{key}=<value>, and drop {name} from the args.")
