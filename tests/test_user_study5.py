@@ -95,3 +95,26 @@ def test_study_stages_say_what_they_start_from_and_a_kill_in_grpo_resumes_there(
     a = load_file(run / "grpo" / "checkpoints" / "step_4" / "hf" / "model.safetensors")
     b = load_file(killed / "grpo" / "checkpoints" / "step_4" / "hf" / "model.safetensors")
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_export_of_a_step_that_is_not_there_names_the_checkpoints_that_are(tmp_path):
+    # `python -m rft.runtime.export <stage>/checkpoints/step_70 out/` where the stage saved steps 30
+    # and 60: the paragraph said step_70 "is not a checkpoint ... (one without it is a save that did
+    # not finish)", as if a save had been cut, and named none the user could export
+    from rft.errors import ConfigError
+    from rft.runtime.export import export
+
+    stage = tmp_path / "run" / "grpo"
+    for step in (30, 60):
+        (stage / "checkpoints" / f"step_{step}").mkdir(parents=True)
+        (stage / "checkpoints" / f"step_{step}" / "manifest.json").write_text("{}")
+    (stage / "checkpoints" / "step_90.tmp").mkdir()  # a save that did not finish: not offered
+    ckpts = stage / "checkpoints"
+    for given in (ckpts / "step_70", stage, ckpts / "step_60" / "hf"):
+        with pytest.raises(ConfigError) as e:
+            export(given, tmp_path / "out")
+        assert str(e.value).endswith(f"The checkpoints there: {ckpts / 'step_30'}, {ckpts / 'step_60'}.")
+    with pytest.raises(ConfigError) as e:
+        export(ckpts / "step_70", tmp_path / "out")
+    assert str(e.value).startswith(f"{ckpts / 'step_70'} does not exist: a checkpoint is a directory ")
+    assert not (tmp_path / "out").exists()

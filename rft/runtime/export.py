@@ -22,6 +22,17 @@ from pathlib import Path
 from rft.errors import ConfigError
 
 
+def _checkpoints_near(path: Path) -> list[Path]:
+    """The complete checkpoints a user who gave `path` may have meant: its siblings (a step that is
+    not there), its parent's (an hf/ inside one), a stage's or a run's (the directory given); the
+    newest three of each stage."""
+    places = {path.parent, path.parent.parent, path / "checkpoints", *path.glob("*/checkpoints")}
+    found = {d for p in places for d in p.glob("step_*") if d.is_dir() and d.name[5:].isdigit()
+             and (d / "manifest.json").is_file()}
+    ordered = sorted(found, key=lambda d: (str(d.parent), int(d.name[5:])))
+    return [d for d in ordered if sum(o.parent == d.parent and int(o.name[5:]) > int(d.name[5:]) for o in ordered) < 3]
+
+
 def export(checkpoint_dir: str | Path, out_dir: str | Path, max_shard_size: str = "5GB") -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -31,8 +42,10 @@ def export(checkpoint_dir: str | Path, out_dir: str | Path, max_shard_size: str 
     ckpt_dir = Path(checkpoint_dir).expanduser()
     ckpt = read_checkpoint(ckpt_dir) if ckpt_dir.is_dir() else None
     if ckpt is None:
-        raise ConfigError(f"{ckpt_dir} is not a checkpoint: a checkpoint is a directory <run>/<stage>/checkpoints/"
-                          f"step_<N> with a manifest.json (one without it is a save that did not finish).")
+        near = ", ".join(str(c) for c in _checkpoints_near(ckpt_dir))
+        raise ConfigError(f"{ckpt_dir} {'is not a checkpoint' if ckpt_dir.exists() else 'does not exist'}: a checkpoint "
+                          f"is a directory <run>/<stage>/checkpoints/step_<N> with a manifest.json (one without it is "
+                          f"a save that did not finish).{f' The checkpoints there: {near}.' if near else ''}")
     out = Path(out_dir).expanduser()
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError(f"{out} is not an empty folder: the export is sealed with a manifest of every file in "
