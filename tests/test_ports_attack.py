@@ -109,3 +109,39 @@ def test_a_console_line_of_a_mebibyte_is_read_in_one_pass():
               "sys.stdout.write(newest_bars('x' * (1 << 20) + '\\n10%\\r100%\\n')[-7:])")
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert (r.returncode, r.stdout) == (0, "x\n100%\n"), r.stderr
+
+
+@pytest.mark.slow
+def test_the_reward_server_takes_its_token_only_exactly_and_only_in_the_header():
+    """Held (tried against the command, as the README starts it): the token in another case, cut,
+    lengthened, in the query string, under another scheme or in a 60 kB header is refused; a page of
+    another origin (or a rebinding DNS name) gets no CORS answer, so its script can neither send the
+    header nor read a reply; a 1 GiB body without the token is answered 401 before any of it is sent."""
+    import httpx
+    from test_reward_server import TOKEN, command, stopped
+
+    proc, url = command()
+    try:
+        body = {"prompt": "p", "responses": ["357"], "task": {"answer": "357"}}
+
+        def status(path="/score", **headers):
+            return httpx.post(url + path, json=body, headers=headers).status_code
+
+        assert status(Authorization=f"Bearer {TOKEN}") == 200
+        assert status(Authorization=f"bearer {TOKEN}") == 200  # the scheme is case-blind (RFC 7235)
+        for wrong in (TOKEN.upper(), TOKEN[:-1], TOKEN + "x", f"{TOKEN} {TOKEN}", "A" * 60_000):
+            assert status(Authorization=f"Bearer {wrong}") == 401, wrong[:40]
+        assert status(Authorization=f"Basic {TOKEN}") == 401
+        assert status(path=f"/score?token={TOKEN}&access_token={TOKEN}") == 401
+        preflight = httpx.options(url + "/score", headers={"Origin": "http://evil.example",
+                                                           "Access-Control-Request-Method": "POST",
+                                                           "Access-Control-Request-Headers": "authorization"})
+        assert preflight.status_code == 405 and not any(k.startswith("access-control") for k in preflight.headers)
+        s = socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1])))
+        s.sendall(b"POST /score HTTP/1.1\r\nHost: evil.example\r\nContent-Length: 1073741824\r\n"
+                  b"Content-Type: application/json\r\n\r\n")
+        s.settimeout(10)
+        assert s.recv(12) == b"HTTP/1.1 401"
+        s.close()
+    finally:
+        stopped(proc)
