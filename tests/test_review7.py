@@ -127,3 +127,80 @@ def test_a_misspelt_setting_is_still_named(name, key):
     assert near_args([name], ["epsilon"], section="algorithm") == (
         f" Did you mean algorithm.{key} (not {name})? That is a key of algorithm itself, which the function reads "
         f"from cfg, not an argument: set algorithm.{key}=<value>, and drop {name} from the args.")
+
+
+def _sleeper(job_id, folder, child_pid_file=None):
+    """A process as a local job's task: submitit's controller's environment (its job id, and its
+    command naming the job's folder); with `child_pid_file`, it starts a child of its own, which
+    inherits that environment, and writes the child's pid there."""
+    import os
+    import subprocess
+    import sys
+
+    code = "import time; time.sleep(120)"
+    if child_pid_file:
+        code = (f"import subprocess, sys, time; c = subprocess.Popen([sys.executable, '-c', {code!r}]); "
+                f"open({str(child_pid_file)!r}, 'w').write(str(c.pid)); time.sleep(120)")
+    return subprocess.Popen([sys.executable, "-c", code], env={
+        **os.environ, "SUBMITIT_LOCAL_JOB_ID": job_id,
+        "SUBMITIT_LOCAL_COMMAND": f"{sys.executable} -u -m submitit.core._submit '{folder}/%j'"})
+
+
+def test_orphans_are_those_of_the_jobs_folder_not_another_sweeps_job_of_the_same_id(tmp_path):
+    """The job id of a local job is its controller's pid: after pid reuse, another sweep's job can
+    have the same one. Its task (SUBMITIT_LOCAL_COMMAND naming the other sweep's folder) was killed."""
+    import os
+    import time
+
+    import psutil
+
+    from rft.reporting.sweep import stop_orphans
+
+    job_id = f"t{os.getpid()}r"
+    ours, theirs = tmp_path / "ours" / ".submitit", tmp_path / "theirs" / ".submitit"
+    task = _sleeper(job_id, ours, tmp_path / "child.pid")
+    other = _sleeper(job_id, theirs)
+    try:
+        for _ in range(500):  # the child started and said its pid
+            if (tmp_path / "child.pid").exists() and (tmp_path / "child.pid").read_text():
+                break
+            time.sleep(0.02)
+        child = int((tmp_path / "child.pid").read_text())
+        killed, unlooked = stop_orphans(job_id, ours / job_id)
+        assert sorted(killed) == sorted([task.pid, child]) and unlooked is None  # the child inherited both keys
+        assert task.wait(timeout=10) == -9
+        for _ in range(500):  # not ours to wait for: gone, or a zombie its new parent has not reaped
+            if not psutil.pid_exists(child) or psutil.Process(child).status() == psutil.STATUS_ZOMBIE:
+                break
+            time.sleep(0.02)
+        assert not psutil.pid_exists(child) or psutil.Process(child).status() == psutil.STATUS_ZOMBIE
+        assert other.poll() is None  # the other sweep's job runs on
+    finally:
+        for p in (task, other):
+            p.kill()
+            p.wait()
+
+
+def test_a_process_table_that_cannot_be_listed_is_said_not_a_traceback(tmp_path, monkeypatch, capsys):
+    import psutil
+    from submitit.core.utils import UncompletedJobError
+    from test_sweep_local import FakeJob
+
+    from rft.reporting.sweep import watch
+
+    def hidden(*a, **k):
+        raise PermissionError(13, "Permission denied", "/proc")
+
+    monkeypatch.setattr(psutil, "process_iter", hidden)
+    dead = UncompletedJobError(f"Job 41 (task: 0) with path {tmp_path}/41/41_0_result.pkl\n"
+                               "has not produced any output (state: INTERRUPTED)")
+
+    class Killed(FakeJob):
+        state = "INTERRUPTED"
+
+    with pytest.raises(UncompletedJobError):
+        watch([Killed("41", tmp_path / "%j", 1, dead)], [["seed=1"]], 1, str(tmp_path), poll_s=0.01)
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        "[sweep] job 1 (41) ended with state INTERRUPTED and no result; what it left running could not be looked "
+        "for (PermissionError: [Errno 13] Permission denied: '/proc'): stop any process whose environment holds "
+        "SUBMITIT_LOCAL_JOB_ID=41 (`ps eww`) [1/1 ended]")

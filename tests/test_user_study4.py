@@ -155,7 +155,8 @@ def test_a_local_job_whose_printed_process_is_killed_stops_its_task_too(tmp_path
 
     job_id = f"t{os.getpid()}x"  # no real controller's id: a test's own
     task = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"],
-                            env={**os.environ, "SUBMITIT_LOCAL_JOB_ID": job_id})
+                            env={**os.environ, "SUBMITIT_LOCAL_JOB_ID": job_id, "SUBMITIT_LOCAL_COMMAND":
+                                 f"{sys.executable} -u -m submitit.core._submit '{tmp_path}/%j'"})
     bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"],
                                  env={**os.environ, "SUBMITIT_LOCAL_JOB_ID": job_id + "0"})
     try:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -67,23 +68,44 @@ def no_result(state: str) -> str:
     return f"ended with state {state} and no result"
 
 
-def stop_orphans(job_id: str) -> list[int]:
+def stop_orphans(job_id: str, folder) -> tuple[list[int], str | None]:
     """Kill what a local job's killed controller left running: the pid the sweep prints for a
     job is its controller's, which runs the job's task as a child; `kill -9` of it orphans the task,
     which trained on to its end in the job's directory after the sweep had said the job ended (a
     SIGTERM is passed on to the task, a SIGKILL cannot be). The task, and what it started, carry
-    SUBMITIT_LOCAL_JOB_ID=<job id> in their environment. The pids killed."""
+    SUBMITIT_LOCAL_JOB_ID=<job id> and SUBMITIT_LOCAL_COMMAND (which names the job's submitit
+    folder, `folder`: job.paths.folder) in their environment: both must match, as the job id alone
+    (the controller's pid) may be another sweep's job's after pid reuse. Returns the pids killed,
+    and why no process could be looked at (None: all were), where the process table cannot be
+    listed (/proc mounted hidepid or unreadable), which ended the sweep's watch in a traceback."""
     import psutil
 
     killed = []
-    for p in psutil.process_iter():
+    try:
+        procs = list(psutil.process_iter())
+    except (psutil.Error, OSError) as e:
+        return killed, f"{type(e).__name__}: {e}"
+    for p in procs:
         try:
-            if p.pid != os.getpid() and p.environ().get("SUBMITIT_LOCAL_JOB_ID") == str(job_id):
+            env = p.environ()
+            if (p.pid != os.getpid() and env.get("SUBMITIT_LOCAL_JOB_ID") == str(job_id)
+                    and _job_folder(env.get("SUBMITIT_LOCAL_COMMAND"), job_id) == Path(folder)):
                 p.kill()
                 killed.append(p.pid)
         except psutil.Error:  # another user's (not readable), or gone meanwhile
             continue
-    return killed
+    return killed, None
+
+
+def _job_folder(command: str | None, job_id: str) -> Path | None:
+    """The job folder submitit's local controller was started for: the last word of its
+    SUBMITIT_LOCAL_COMMAND (`python -u -m submitit.core._submit <folder with %j>`), `%j` as `job_id`."""
+    from submitit.core.utils import JobPaths
+
+    try:
+        return JobPaths(shlex.split(command or "")[-1], str(job_id)).folder
+    except (ValueError, IndexError):  # not a controller's command, or a folder of %a outside an array
+        return None
 
 
 def explain(error: Exception, sweep_dir: str) -> str:
@@ -237,7 +259,8 @@ def watch(jobs, job_overrides, first_num: int, sweep_dir: str, poll_s: float = 1
         num = nums[job.job_id]
         # the local launcher's controller killed by a signal: its task runs on; stopped now, not
         # after results() has waited 15 s for the result file that will not come
-        left = stop_orphans(job.job_id) if getattr(job, "state", None) == "INTERRUPTED" else []
+        interrupted = getattr(job, "state", None) == "INTERRUPTED"
+        left, unlooked = stop_orphans(job.job_id, job.paths.folder) if interrupted else ([], None)
         try:
             what = _outcome(job.results()[0])
         except (UncompletedJobError, FailedJobError) as e:
@@ -245,6 +268,8 @@ def watch(jobs, job_overrides, first_num: int, sweep_dir: str, poll_s: float = 1
             m = _UNCOMPLETED.search(str(e))
             what = no_result(m["state"]) if m else "failed in submitit"
             what += "".join(f"; its process {pid}, which outlived it, stopped" for pid in left)
+            what += (f"; what it left running could not be looked for ({unlooked}): stop any process whose "
+                     f"environment holds SUBMITIT_LOCAL_JOB_ID={job.job_id} (`ps eww`)" if unlooked else "")
         print(f"[sweep] job {num} ({job.job_id}) {what} [{ended}/{len(jobs)} ended]", flush=True)
     if dead:
         raise dead[min(dead)]
