@@ -102,8 +102,9 @@ def test_an_unknown_loss_arg_gets_no_hint_rather_than_a_wrong_one(tmp_path):
     with pytest.raises(ConfigError) as e:
         rft.runtime.main._main(compose_cfg(["stages=[]", "+algorithm.args.delta=1.5", "dry_run=true",
                                             f"checkpoint_root_dir={tmp_path}"]))
-    assert str(e.value) == ("algorithm.args has ['delta'], which algorithm.policy_loss_fn=ppo_clip does not take; its "
-                            "own arguments are [] (the rest of its settings are the algorithm.* keys it reads from cfg).")
+    assert str(e.value) == ("algorithm.args has ['delta'], which algorithm.policy_loss_fn=ppo_clip does not take; "
+                            "its own arguments are [] (the rest of its settings are the algorithm.* keys it reads "
+                            "from cfg).")
 
 
 @pytest.mark.parametrize("name", ["delta", "kl_target", "kl_beta", "clip_ratio_dual", "optim", "args"])

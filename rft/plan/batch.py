@@ -308,9 +308,10 @@ def _check_total_tokens(model, where: str, ts) -> None:
     context = model.max_model_len or model.max_prompt_tokens + model.max_response_tokens
     if type(total) is not int or total <= context or WORKFLOWS.info(ts.workflow).endpoint:
         return  # an agent's calls are bounded by the endpoint itself; a non-int: the workflow's own check
+    response = total - model.max_prompt_tokens
     named, fix = ((f"model.max_model_len={context}", f"model.max_model_len to {total}") if model.max_model_len else
                   (f"model.max_prompt_tokens + model.max_response_tokens = {context}",
-                   f"model.max_model_len to {total} (or model.max_response_tokens to {total - model.max_prompt_tokens})"))
+                   f"model.max_model_len to {total} (or model.max_response_tokens to {response})"))
     raise ConfigError(
         f"{where}.workflow_args.max_total_tokens={total} is over the context the run is sized for, {named}: "
         f"explorer=vllm's engine holds only that context and would stop the run at the first conversation longer "
