@@ -118,3 +118,23 @@ def test_export_of_a_step_that_is_not_there_names_the_checkpoints_that_are(tmp_p
         export(ckpts / "step_70", tmp_path / "out")
     assert str(e.value).startswith(f"{ckpts / 'step_70'} does not exist: a checkpoint is a directory ")
     assert not (tmp_path / "out").exists()
+
+
+def test_a_dpo_stage_without_storage_type_file_is_told_that_not_that_its_path_is_unset():
+    # a DPO stage written from the README's "the file's keys" without dpo.yaml's `buffer: file`
+    # (the run's buffer is the queue): the paragraph said experience_buffer.path "is not set",
+    # while it was set (to the taskset's file), sending the user after the wrong key
+    from conftest import compose_cfg
+
+    from rft.errors import ConfigError
+    from rft.runtime.main import dataset_size
+
+    cfg = compose_cfg(["algorithm=dpo", "stages=[]", "buffer.trainer_input.experience_buffer.storage_type=queue"])
+    with pytest.raises(ConfigError) as e:
+        dataset_size(cfg)
+    path = cfg.buffer.trainer_input.experience_buffer.path
+    assert str(e.value) == (
+        f"mode=train reads a dataset or a stored buffer, but buffer.trainer_input.experience_buffer.storage_type=queue "
+        f"(in memory, empty when the stage starts), so its path={path!r} is not read. Set "
+        f"buffer.trainer_input.experience_buffer.storage_type=file for a dataset (algorithm=sft and dpo set it), or "
+        f"sql for the buffer.db a mode=explore run wrote.")

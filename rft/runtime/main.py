@@ -178,6 +178,11 @@ def dataset_size(cfg: DictConfig, sources: dict | None = None) -> int:
         for i, ts in enumerate(inp.eval_tasksets):
             load_tasks(ts, f"buffer.explorer_input.eval_tasksets[{i}]")
         return size
+    if eb.storage_type not in ("sql", "file") and eb.path:  # the path is set, the queue would not read it
+        raise ConfigError(
+            f"mode=train reads a dataset or a stored buffer, but {ebk}.storage_type={eb.storage_type} (in memory, empty "
+            f"when the stage starts), so its path={eb.path!r} is not read. Set {ebk}.storage_type=file for a dataset "
+            f"(algorithm=sft and dpo set it), or sql for the buffer.db a mode=explore run wrote.")
     if eb.storage_type not in ("sql", "file") or not eb.path:
         raise ConfigError(
             "mode=train reads its data from buffer.trainer_input.experience_buffer.path, which is "
