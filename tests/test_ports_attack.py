@@ -145,3 +145,30 @@ def test_the_reward_server_takes_its_token_only_exactly_and_only_in_the_header()
         s.close()
     finally:
         stopped(proc)
+
+
+def test_a_source_linked_out_of_the_run_is_listed_unread(tmp_path):
+    """A run directory handed over may hold links. Reading a source through one is refused (its path
+    leaves the run), while the list of sources counted the lines of the file it points to: 3 here,
+    the lines of a file outside the checkpoint root. A link within the run is a source as any."""
+    from rft.studio import rollouts as R
+
+    outside = tmp_path / "outside.jsonl"
+    outside.write_text('{"secret": 1}\n{"secret": 2}\n{"secret": 3}\n')
+    run = tmp_path / "root" / "rft" / "r"
+    step = run / "grpo" / "eval_trajectories" / "step_1"
+    step.mkdir(parents=True)
+    (step / "set.jsonl").write_text('{"task_id": "0", "reward": 1.0, "messages": []}\n')
+    (step / "linked.jsonl").symlink_to(outside)
+    (step / "here.jsonl").symlink_to(step / "set.jsonl")
+    (run / "grpo" / "experiences.jsonl").symlink_to(outside)
+    (run / "notes.txt").symlink_to(outside)  # not a source: not listed
+    assert R.sources(run) == [
+        {"path": "grpo/eval_trajectories/step_1/here.jsonl", "kind": "eval", "count": 1},
+        {"path": "grpo/eval_trajectories/step_1/linked.jsonl", "kind": "eval", "count": None,
+         "error": "a link out of the run directory: not read"},
+        {"path": "grpo/eval_trajectories/step_1/set.jsonl", "kind": "eval", "count": 1},
+        {"path": "grpo/experiences.jsonl", "kind": "experiences", "count": None,
+         "error": "a link out of the run directory: not read"}]
+    with pytest.raises(ValueError, match="'grpo/eval_trajectories/step_1/linked.jsonl' is not under the checkpoint root"):
+        R.read(run, "grpo/eval_trajectories/step_1/linked.jsonl")

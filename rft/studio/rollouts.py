@@ -66,21 +66,34 @@ def _reward(x) -> float:
 
 def sources(run: Path) -> list[dict]:
     """{"path" (relative to the run), "kind": "experiences" | "eval", "count"} for each source; one
-    that cannot be read has count None and its "error"."""
+    that cannot be read has count None and its "error" (a link out of the run among them: read()
+    refuses it, and counting its lines read a file from outside the checkpoint root)."""
+    from rft.studio.runs import inside
+
     run = Path(run)
     out = []
     for p in sorted(run.rglob("*")):
         rel = p.relative_to(run)
         if not p.is_file() or any(part.startswith("previous_") or part == "checkpoints" for part in rel.parts):
             continue
-        if "eval_trajectories" in rel.parts and p.suffix == ".jsonl":
+        kind = ("eval" if "eval_trajectories" in rel.parts and p.suffix == ".jsonl" else
+                "experiences" if p.suffix in SQL_SUFFIXES or p.name.endswith("experiences.jsonl") else None)
+        if kind is None:
+            continue
+        entry = {"path": rel.as_posix(), "kind": kind}
+        try:
+            inside(run, rel.as_posix())
+        except ValueError:
+            out.append({**entry, "count": None, "error": "a link out of the run directory: not read"})
+            continue
+        if kind == "eval":
             with open(p, "rb") as f:
-                out.append({"path": rel.as_posix(), "kind": "eval", "count": sum(1 for line in f if line.strip())})
-        elif p.suffix in SQL_SUFFIXES or p.name.endswith("experiences.jsonl"):
-            try:
-                out.append({"path": rel.as_posix(), "kind": "experiences", "count": count_experiences(str(p))})
-            except Exception as e:  # damaged, or not a buffer: listed, saying why it cannot be read
-                out.append({"path": rel.as_posix(), "kind": "experiences", "count": None, "error": str(e)})
+                out.append({**entry, "count": sum(1 for line in f if line.strip())})
+            continue
+        try:
+            out.append({**entry, "count": count_experiences(str(p))})
+        except Exception as e:  # damaged, or not a buffer: listed, saying why it cannot be read
+            out.append({**entry, "count": None, "error": str(e)})
     return out
 
 
