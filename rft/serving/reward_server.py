@@ -10,7 +10,8 @@ served reward `remote`, is rft/rewards/remote.py.
 The server binds 127.0.0.1 unless --host says otherwise and answers only `Authorization: Bearer <token>`
 (the first line of --token-file, else $RFT_REWARD_TOKEN, else a generated one: never on the command line,
 where `ps` shows it to every local user). It accepts bodies up to --max-body-mb (32), requests that arrive
-whole within --request-timeout seconds (10) and --max-connections (256) connections at once (rft.serving.auth),
+whole within --request-timeout seconds (10; a client reading nothing of its answer as long is dropped)
+and --max-connections (256) connections at once (rft.serving.auth),
 and at most --max-responses (1024) responses in a request (a group: algorithm.repeat_times of them).
 The client's token defaults to $RFT_REWARD_TOKEN (or `args: {url: ..., token: ...}`; the config is saved
 with the run). Protocol: `make_app`; args: `RemoteReward`.
@@ -186,8 +187,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-body-mb", type=positive(float), default=MAX_BODY / 2**20,
                    help=f"largest request body in MiB; a larger one is answered 413 (default {MAX_BODY / 2**20:g})")
     p.add_argument("--request-timeout", type=positive(float), default=REQUEST_TIMEOUT,
-                   help=f"seconds a request has to arrive whole; a slower one's connection is closed "
-                        f"(default {REQUEST_TIMEOUT:g})")
+                   help=f"seconds a request has to arrive whole, and a client to read on in its answer; a slower one's "
+                        f"connection is closed (default {REQUEST_TIMEOUT:g})")
     p.add_argument("--max-connections", type=positive(int), default=MAX_CONNECTIONS,
                    help=f"connections at once; beyond, requests are answered 503 (default {MAX_CONNECTIONS})")
     p.add_argument("--max-responses", type=positive(int), default=MAX_RESPONSES,

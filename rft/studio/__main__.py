@@ -5,8 +5,9 @@ Serves the studio on loopback with a fresh token in the printed URL (or the one 
 $RFT_STUDIO_TOKEN or --token-file: never on the command line, where `ps` shows it to every local
 user); --host to share it deliberately (plain HTTP: anyone who can reach the port and has the
 token can launch runs). As the project's servers (rft.serving.auth), a request has --request-timeout
-seconds to arrive whole and at most --max-connections are served at once (503 beyond): connections
-held open half-sent, which need no token, cannot spend the studio's files.
+seconds to arrive whole (and its client as long to read on in the answer) and at most
+--max-connections are served at once (503 beyond): connections held open half-sent or unread, which
+need no token, cannot spend the studio's files.
 """
 
 from __future__ import annotations
@@ -83,8 +84,8 @@ def _parser() -> argparse.ArgumentParser:
     # taken only to refuse it with the reason (main), rather than argparse's "unrecognized argument"
     p.add_argument("--token", default=None, help=argparse.SUPPRESS)
     p.add_argument("--request-timeout", type=positive(float), default=REQUEST_TIMEOUT,
-                   help=f"seconds a request has to arrive whole; a slower one's connection is closed "
-                        f"(default {REQUEST_TIMEOUT:g})")
+                   help=f"seconds a request has to arrive whole, and a client to read on in its answer; a slower one's "
+                        f"connection is closed (default {REQUEST_TIMEOUT:g})")
     p.add_argument("--max-connections", type=positive(int), default=MAX_CONNECTIONS,
                    help=f"connections at once; beyond, requests are answered 503 (default {MAX_CONNECTIONS})")
     return p
