@@ -138,3 +138,17 @@ def test_a_dpo_stage_without_storage_type_file_is_told_that_not_that_its_path_is
         f"(in memory, empty when the stage starts), so its path={path!r} is not read. Set "
         f"buffer.trainer_input.experience_buffer.storage_type=file for a dataset (algorithm=sft and dpo set it), or "
         f"sql for the buffer.db a mode=explore run wrote.")
+
+
+@pytest.mark.parametrize("text", ["", "\n\n", " \n\t\n"])
+def test_a_preference_file_of_blank_lines_is_empty_as_an_empty_one_is(tmp_path, text):
+    # a data script that wrote a newline per row and no JSON: the dry run printed datasets' own
+    # 'split='train': Instruction "train" corresponds to no data!', where an empty file is named
+    from rft.data.tasks import load_rows
+    from rft.errors import ConfigError
+
+    f = tmp_path / "prefs.jsonl"
+    f.write_text(text)
+    with pytest.raises(ConfigError) as e:
+        load_rows(str(f), "train", key="buffer.trainer_input.experience_buffer.path")
+    assert str(e.value) == f"buffer.trainer_input.experience_buffer.path={str(f)!r} is empty: it holds no rows."

@@ -562,7 +562,7 @@ def _checked(load, files: list[Path], key: str, path: str):
                     f"file must be one JSON object, e.g. {{\"question\": \"1+1\", \"answer\": \"2\"}}; fix "
                     f"or remove that line."
                 ) from e
-        if files and all(f.stat().st_size == 0 for f in files):
+        if files and all(_blank(f) for f in files):  # blank lines too: datasets says its split "corresponds to no data"
             raise ConfigError(f"{key}={path!r} is empty: it holds no rows.") from e
         if isinstance(e, (ValueError, KeyError)):  # an unknown split or subset: the caller's to word
             raise
@@ -570,6 +570,15 @@ def _checked(load, files: list[Path], key: str, path: str):
     if len(rows) == 0:
         raise ConfigError(f"{key}={path!r} is empty: it holds no rows.")
     return rows
+
+
+def _blank(f: Path) -> bool:
+    """Whether file `f` holds nothing but whitespace (read a MiB at a time, up to the first other byte)."""
+    with open(f, "rb") as fh:
+        while chunk := fh.read(2**20):
+            if chunk.strip():
+                return False
+    return True
 
 
 def _first_bad_json_line(f: Path):
