@@ -13,9 +13,10 @@ import time
 from pathlib import Path
 
 import torch
-from conftest import ROOT, run_cli
+from conftest import ROOT, compose_cfg, run_cli
 from safetensors.torch import load_file
 
+import rft.runtime.main
 from rft.data.buffer import EXPERIENCES_FILE, unpack_experiences
 from rft.reporting.monitor import read_metrics
 
@@ -60,6 +61,21 @@ def weights(ckpt: Path) -> dict:
     for f in files:
         out.update({f"{f.parent.name}/{k}": v for k, v in load_file(f).items()})
     return out
+
+
+def run_here(args, root: Path) -> None:
+    """`python run.py <args>` with RFT_CHECKPOINT_ROOT_DIR=<root>, for the files it writes (a reference
+    run, a buffer to read): in this process where the run is (cluster=inline; the same files bit for
+    bit), which saves a fresh interpreter's imports (~4 s of the ~5 s a short run takes); a run of
+    Ray actors in a process of its own. What a test checks of the command itself (its exit, its
+    words, a kill and the resume after it) stays in a fresh process: a resume is a new process
+    reading what the killed one left."""
+    cfg = compose_cfg([*args, f"checkpoint_root_dir={root}"])
+    if cfg.cluster.backend != "inline":
+        r = run_cli(*args, env={"RFT_CHECKPOINT_ROOT_DIR": str(root)})
+        assert r.returncode == 0, r.stderr[-3000:]
+        return
+    rft.runtime.main.main(cfg)
 
 
 def launch(args, env):
@@ -145,8 +161,7 @@ def check_resumes(tmp_path: Path, warm_start: Path | None, extra: list[str], aft
         return [*(x for x in short if x.split("=")[0] not in groups), *([] if evals else NO_EVAL), *model, *extra,
                 f"name={name}"]
 
-    straight = run_cli(*args("straight"), env=env)
-    assert straight.returncode == 0, straight.stderr[-3000:]
+    run_here(args("straight"), tmp_path)
     a, b = tmp_path / "rft" / "straight" / stage, tmp_path / "rft" / "killed" / stage
     if after_put:
         killed_after_put(args("killed"), env, tmp_path, after_put)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 from conftest import run_cli
-from resume_support import NO_EVAL, SHORT, check_resumes, killed_after_put, stored_rows
+from resume_support import NO_EVAL, SHORT, check_resumes, killed_after_put, run_here, stored_rows
 
 pytestmark = pytest.mark.slow
 
@@ -34,10 +34,8 @@ def test_a_trainer_run_on_a_stored_buffer_resumes_to_the_uninterrupted_one(warm_
     copy (a buffer's read cursor is its reader's), the killed one resumes its cursor."""
     import shutil
 
-    env = {**os.environ, "RFT_CHECKPOINT_ROOT_DIR": str(tmp_path)}
-    r = run_cli(*SHORT, *NO_EVAL, f"model.model_path={warm_start}", "model.builder=null", "mode=explore", "buffer=sql",
-                f"buffer.trainer_input.experience_buffer.path={tmp_path / 'explored.db'}", "name=explorer", env=env)
-    assert r.returncode == 0, r.stderr[-3000:]
+    run_here([*SHORT, *NO_EVAL, f"model.model_path={warm_start}", "model.builder=null", "mode=explore", "buffer=sql",
+                   f"buffer.trainer_input.experience_buffer.path={tmp_path / 'explored.db'}", "name=explorer"], tmp_path)
     for name in ("straight", "killed"):
         shutil.copy(tmp_path / "explored.db", tmp_path / f"{name}.db")
     own_copy = "buffer.trainer_input.experience_buffer.path=${checkpoint_root_dir}/${name}.db"
@@ -109,8 +107,7 @@ def test_a_killed_explorer_run_resumes_to_the_rows_an_uninterrupted_one_writes(k
                 f"buffer={kind}", f"buffer.trainer_input.experience_buffer.path={tmp_path / name}{suffix}",
                 f"name={name}"]
 
-    straight = run_cli(*args("straight"), env=env)
-    assert straight.returncode == 0, straight.stderr[-3000:]
+    run_here(args("straight"), tmp_path)
     # killed the moment explore step 2's rows are in, before its step's checkpoint (mode=explore
     # saves every step)
     killed_after_put(args("killed"), env, tmp_path, 3)

@@ -15,8 +15,7 @@ sitecustomize the test puts on the killed run's PYTHONPATH.
 
 import pytest
 import torch
-from conftest import run_cli
-from resume_support import NO_EVAL, SHORT, check_resumes, weights
+from resume_support import NO_EVAL, SHORT, check_resumes, run_here, weights
 
 from rft.reporting.monitor import read_metrics
 
@@ -99,9 +98,7 @@ def test_a_run_with_sampled_evals_resumes_and_its_evals_draw_nothing_training_dr
     same weights on the same batches."""
     rows, _ = check_resumes(tmp_path, warm_start, SAMPLED_EVAL)
     assert [m["step"] for m in rows if "eval/arithmetic_test/maj@2" in m] == [0, 2, 4]
-    r = run_cli(*SHORT, *NO_EVAL, f"model.model_path={warm_start}", "model.builder=null", "name=no_eval",
-                env={"RFT_CHECKPOINT_ROOT_DIR": str(tmp_path)})
-    assert r.returncode == 0, r.stderr[-3000:]
+    run_here([*SHORT, *NO_EVAL, f"model.model_path={warm_start}", "model.builder=null", "name=no_eval"], tmp_path)
     a, b = tmp_path / "rft" / "straight", tmp_path / "rft" / "no_eval"
     wa, wb = weights(a / "checkpoints" / "step_4"), weights(b / "checkpoints" / "step_4")
     assert all(torch.equal(wa[k], wb[k]) for k in wa)

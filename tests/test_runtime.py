@@ -17,6 +17,7 @@ import pytest
 import torch
 from conftest import ROOT, compose_cfg, kill_at_checkpoint, run_cli
 from faulty_reward import fault_class
+from resume_support import run_here
 from safetensors.torch import load_file
 
 from rft.data.buffer import read_experiences
@@ -43,17 +44,14 @@ def env_for(tmp_path):
 def test_explore_writes_sql_then_train_learns_from_it_then_bench(warm_start, tmp_path):
     db = tmp_path / "exp.db"
     sql = ["buffer=sql", f"buffer.trainer_input.experience_buffer.path={db}"]
-    r = run_cli(*base(warm_start, "explorer", "cluster=inline", "mode=explore", "buffer.total_steps=10", *sql),
-                env=env_for(tmp_path))
-    assert r.returncode == 0, r.stderr[-3000:]
+    run_here(base(warm_start, "explorer", "cluster=inline", "mode=explore", "buffer.total_steps=10", *sql), tmp_path)
     listing = subprocess.run([sys.executable, "-m", "rft.data.buffer", str(db), "--limit", "2"],
                              capture_output=True, text=True, cwd=ROOT)
     assert listing.returncode == 0 and "reward" in listing.stdout, listing.stdout + listing.stderr
 
     # 10 steps x 16 tasks x 8 rollouts = 1280 stored experiences = 10 training steps of 128
-    r = run_cli(*base(warm_start, "learner", "cluster=inline", "mode=train", "explorer.eval_interval=10",
-                      "buffer.total_steps=10", "trainer.save_interval=5", *sql), env=env_for(tmp_path))
-    assert r.returncode == 0, r.stderr[-3000:]
+    run_here(base(warm_start, "learner", "cluster=inline", "mode=train", "explorer.eval_interval=10",
+                       "buffer.total_steps=10", "trainer.save_interval=5", *sql), tmp_path)
     metrics = read_metrics(tmp_path / "rft" / "learner" / "metrics.jsonl")
     assert [m["step"] for m in metrics] == list(range(11))
     start, end = evals(metrics)
@@ -121,8 +119,7 @@ ASYNC = ["cluster=inline", "synchronizer.sync_offset=1", "buffer.total_steps=8",
 
 def test_killed_async_run_resumes_on_the_same_experiences(warm_start, tmp_path):
     env = {**os.environ, **env_for(tmp_path)}
-    straight = run_cli(*base(warm_start, "straight", *ASYNC), env=env)
-    assert straight.returncode == 0, straight.stderr[-3000:]
+    run_here(base(warm_start, "straight", *ASYNC), tmp_path)
 
     run = tmp_path / "rft" / "killed"
     kill_at_checkpoint(base(warm_start, "killed", *ASYNC), run, 4, env)
@@ -242,8 +239,7 @@ def test_killed_explorer_with_sync_offset_redoes_its_step_on_the_scheduled_weigh
     env = {**os.environ, **env_for(tmp_path)}
     # the uninterrupted run in one process (cluster=inline): with sync_offset=1 its actors get the
     # threads Ray's do (cluster.cpus_per_actor; rft.plan.placement.torch_threads), so the same bits
-    straight = run_cli(*base(warm_start, "straight", "cluster=inline", *OFFSET_SQL), env=env)
-    assert straight.returncode == 0, straight.stderr[-3000:]
+    run_here(base(warm_start, "straight", "cluster=inline", *OFFSET_SQL), tmp_path)
     run = tmp_path / "rft" / "killed"
     proc = subprocess.Popen([sys.executable, str(ROOT / "run.py"), *base(warm_start, "killed", *OFFSET_SQL)],
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -266,12 +262,10 @@ def test_stale_stored_experiences_beyond_max_staleness_are_dropped_in_mode_train
     db = tmp_path / "exp.db"
     sql = ["buffer=sql", f"buffer.trainer_input.experience_buffer.path={db}", "buffer.batch_size=4",
            "algorithm.repeat_times=2", "cluster=inline"]
-    r = run_cli(*base(warm_start, "explorer", "mode=explore", "buffer.total_steps=5", *sql), env=env_for(tmp_path))
-    assert r.returncode == 0, r.stderr[-3000:]
+    run_here(base(warm_start, "explorer", "mode=explore", "buffer.total_steps=5", *sql), tmp_path)
     # 5 stored steps of 8, all made by version 0; trained at steps 1..5 they are 0..4 steps stale
-    r = run_cli(*base(warm_start, "learner", "mode=train", "buffer.total_steps=5", "synchronizer.max_staleness=2",
-                      "explorer.eval_interval=100", *sql), env=env_for(tmp_path))
-    assert r.returncode == 0, r.stderr[-3000:]
+    run_here(base(warm_start, "learner", "mode=train", "buffer.total_steps=5", "synchronizer.max_staleness=2",
+                       "explorer.eval_interval=100", *sql), tmp_path)
     metrics = read_metrics(tmp_path / "rft" / "learner" / "metrics.jsonl")[1:]
     assert [m["staleness/max"] for m in metrics] == [0, 1, 2, 3, 4]
     assert [m["staleness/dropped"] for m in metrics] == [0, 0, 0, 8, 8]
