@@ -123,8 +123,27 @@ def test_a_local_ray_instance_exports_no_metrics_unless_asked(monkeypatch, tmp_p
     rft.runtime.main._start_ray(compose_cfg(["stages=[]"]), tmp_path)
     assert calls[-1][0]["include_dashboard"] is False and calls[-1][1] == "0"
     monkeypatch.delenv("RAY_enable_metrics_collection", raising=False)
+    monkeypatch.setattr("ray._private.utils.get_dashboard_dependency_error", lambda: None)  # as with ray[default]
     rft.runtime.main._start_ray(compose_cfg(["stages=[]", "monitor.ray_dashboard=true"]), tmp_path)
     assert calls[-1][0]["include_dashboard"] is True and calls[-1][1] is None
+
+
+def test_the_dashboard_without_its_packages_is_one_paragraph_before_ray_starts(monkeypatch, tmp_path):
+    # the project installs minimal Ray (no aiohttp_cors): ray.init raised 'Cannot include dashboard with
+    # missing packages' after its own log lines
+    import rft.runtime.main
+    from rft.errors import ConfigError
+
+    monkeypatch.setattr("ray.is_initialized", lambda: False)
+    monkeypatch.setattr("ray._private.utils.get_dashboard_dependency_error",
+                        lambda: ModuleNotFoundError("No module named 'aiohttp_cors'"))
+    monkeypatch.setattr("ray.init", lambda **kw: pytest.fail("ray.init called"))
+    with pytest.raises(ConfigError) as e:
+        rft.runtime.main._start_ray(compose_cfg(["stages=[]", "monitor.ray_dashboard=true"]), tmp_path)
+    assert str(e.value) == (
+        "monitor.ray_dashboard=true: Ray's dashboard needs the packages of ray[default], and this environment has "
+        "minimal Ray (No module named 'aiohttp_cors'). Install them (pip install 'ray[default]'), or set "
+        "monitor.ray_dashboard=false (the run's metrics are in its monitor: console, tensorboard, wandb or mlflow).")
 
 
 def _bench():

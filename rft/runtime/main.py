@@ -220,6 +220,8 @@ def _start_ray(cfg: DictConfig, run_dir: Path) -> bool:
         return False
     if not local:
         _check_ray_answers(cfg.cluster.ray_address)
+    if local and cfg.monitor.ray_dashboard:
+        _check_dashboard_packages()
     if local and not cfg.monitor.ray_dashboard:
         # Ray's own config, read from the environment by every process the instance starts: no
         # metrics export from each worker to the node's metrics agent (CPU time taken from the
@@ -235,6 +237,19 @@ def _start_ray(cfg: DictConfig, run_dir: Path) -> bool:
     if local:
         _start_reaper()
     return True
+
+
+def _check_dashboard_packages() -> None:
+    """Ray's dashboard needs ray[default]'s packages, which the project's install (minimal Ray) lacks:
+    ray.init raised 'Cannot include dashboard with missing packages' after its own log lines."""
+    from ray._private.utils import get_dashboard_dependency_error
+
+    missing = get_dashboard_dependency_error()
+    if missing:
+        raise ConfigError(f"monitor.ray_dashboard=true: Ray's dashboard needs the packages of ray[default], and this "
+                          f"environment has minimal Ray ({missing}). Install them (pip install 'ray[default]'), or "
+                          f"set monitor.ray_dashboard=false (the run's metrics are in its monitor: console, "
+                          f"tensorboard, wandb or mlflow).")
 
 
 _NO_RAY_FIX = ("Start the Ray cluster before the run (`ray start --head` on the head node, `ray start --address=<head>:6379` on "
