@@ -183,6 +183,23 @@ def not_built_here(model_path) -> bool:
     return found is None or "built" not in found["identity"]
 
 
+def missing_checkpoint(model_cfg) -> None:
+    """A ConfigError for a model.model_path of a checkpoint that is not there (<stage>/checkpoints/step_N,
+    or its hf/): a mistyped step, where the builder would write a random model and the run train from
+    it, exit 0."""
+    path = Path(os.path.expanduser(str(model_cfg.model_path)))
+    step = path.parent if path.name == "hf" else path
+    if path.exists() or not (step.name.startswith("step_") and step.parent.name == "checkpoints"):
+        return
+    there = sorted((d for d in step.parent.glob("step_*") if d.name[5:].isdigit() and (d / "manifest.json").is_file()),
+                   key=lambda d: int(d.name[5:]))
+    which = (f"The checkpoints there: {', '.join(d.name for d in there)}; start from one's hf/ ({there[-1] / 'hf'})"
+             if there else "It holds no complete checkpoint (one with a manifest.json)")
+    raise ConfigError(f"model.model_path={str(model_cfg.model_path)!r} does not exist: {step.parent} has no {step.name}. "
+                      f"{which}. model.builder={model_cfg.builder} builds a random model only where there is none yet, "
+                      f"never in a run's checkpoints.")
+
+
 def ensure_model(model_cfg) -> None:
     """Build the model if its config names a builder and the directory is missing (or holds a
     build of its own that is damaged)."""
@@ -195,6 +212,7 @@ def ensure_model(model_cfg) -> None:
         )
     if not_built_here(model_cfg.model_path):
         return
+    missing_checkpoint(model_cfg)
     extra = list(model_cfg.get("extra_tokens") or [])
     if not extra:
         BUILDERS[model_cfg.builder](model_cfg.model_path)

@@ -152,3 +152,23 @@ def test_a_preference_file_of_blank_lines_is_empty_as_an_empty_one_is(tmp_path, 
     with pytest.raises(ConfigError) as e:
         load_rows(str(f), "train", key="buffer.trainer_input.experience_buffer.path")
     assert str(e.value) == f"buffer.trainer_input.experience_buffer.path={str(f)!r} is empty: it holds no rows."
+
+
+@pytest.mark.parametrize("given", ["step_50/hf", "step_50"])
+def test_model_tiny_started_from_a_checkpoint_that_is_not_there_is_refused(tmp_path, given):
+    # a mistyped step (step_50 where the stage saved 30 and 40): model=tiny's builder wrote a random
+    # model at <stage>/checkpoints/step_50/hf, the run trained from it (eval 0.000, exit 0), and the
+    # stage's checkpoints gained a step_50 that no save wrote
+    from rft.errors import ConfigError
+
+    ckpts = tmp_path / "run" / "dpo" / "checkpoints"
+    for step in (30, 40):
+        (ckpts / f"step_{step}" / "hf").mkdir(parents=True)
+        (ckpts / f"step_{step}" / "manifest.json").write_text("{}")
+    with pytest.raises(ConfigError) as e:
+        ensure_model(OmegaConf.create({"builder": "tiny", "model_path": str(ckpts / given), "extra_tokens": []}))
+    assert str(e.value) == (
+        f"model.model_path={str(ckpts / given)!r} does not exist: {ckpts} has no step_50. The checkpoints there: "
+        f"step_30, step_40; start from one's hf/ ({ckpts / 'step_40' / 'hf'}). model.builder=tiny builds a random "
+        f"model only where there is none yet, never in a run's checkpoints.")
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step_30", "step_40"]
