@@ -187,7 +187,8 @@ class AlgorithmConfig:
     # silently off-policy. Each token's policy loss (not the KL or entropy terms; not sft or dpo)
     # is weighted, without gradient, by r = pi_trainer / pi_engine: tis: min(r, rollout_is_cap)
     # (truncated IS, Yao et al. 2025; TRL's vllm_importance_sampling_correction, cap 2); mis: r,
-    # or 0 (the token masked) where r > rollout_is_cap (verl's rollout_is mask mode, IcePop);
+    # or 0 (the token masked) where r > rollout_is_cap (one-sided, as TRL's token_mask; verl's and
+    # IcePop's masks also drop r below a lower bound, this one keeps it);
     # none: off. Only tokens with sampling log-probs whose old log-probs off_policy_correction
     # left alone (fresh experiences; stale ones too with off_policy_correction=none): one
     # importance weight per token, never two. With the hf engine r is 1 to ~1e-5. Logged (also
