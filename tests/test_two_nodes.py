@@ -122,34 +122,38 @@ def actor_node(log: Path) -> str:
     return re.search(r"started in process \d+ on host \S+, Ray node ([0-9a-f]+)", log.read_text())[1]
 
 
-@pytest.mark.parametrize("sync", ["memory", "checkpoint", "collective"])
+def assert_across_two_nodes(env: dict, run: Path, code: int, log: str, left: list) -> None:
+    """The launcher's run ended well, each of its Ray nodes stopped, the trainer and the explorer
+    on the two nodes, and both steps trained with each sync's weights loaded and checked by
+    fingerprint."""
+    assert code == 0, log[-4000:]
+    assert "ray_slurm: 2 Ray node(s) up" in log and "run.py exited with status 0" in log
+    assert left == [], f"processes of the launcher still running after it ended: {left}"
+    # each raylet names its node in its own log: the head's raylet.out, the worker's raylet.1.out
+    ray_logs = Path(env["TMPDIR"]) / f"rft-ray-{env['SLURM_JOB_ID']}" / "session_latest" / "logs"
+    raylets = {f.name: re.search(r"Setting node ID node_id=([0-9a-f]+)", f.read_text())[1]
+               for f in ray_logs.glob("raylet*.out")}
+    trainer, explorer = actor_node(run / "log" / "grpo_trainer.log"), actor_node(run / "log" / "grpo_explorer.log")
+    which = {node: file for file, node in raylets.items()}
+    print(f"{run.name}: trainer on Ray node {trainer} ({which.get(trainer)}), "
+          f"explorer on Ray node {explorer} ({which.get(explorer)})")
+    assert len(raylets) == 2 and {trainer, explorer} == set(raylets.values()), (raylets, trainer, explorer)
+    metrics = read_metrics(run / "metrics.jsonl")
+    assert [(m["step"], m["sync/version"]) for m in metrics] == [(1, 1), (2, 2)], metrics
+
+
+# sync=checkpoint: the device mapping's run below (its GPUs are Ray's word only: the sync is the same file)
+@pytest.mark.parametrize("sync", ["memory", "collective"])
 def test_a_run_over_two_ray_nodes_has_trainer_and_explorer_on_different_nodes(sync, two_node_slurm, tmp_path):
     name = f"two_nodes_{sync}"
     code, log, left = run_launcher(two_node_slurm, [
         "stages=[]", "monitor=console", f"name={name}", f"sync={sync}", "cluster.node_num=2",
         "buffer.total_steps=2", "explorer.eval_interval=100", "explorer.eval_on_startup=false",
         f"checkpoint_root_dir={tmp_path}"])
-    assert code == 0, log[-4000:]
-    assert "ray_slurm: 2 Ray node(s) up" in log and "run.py exited with status 0" in log
-    assert left == [], f"processes of the launcher still running after it ended: {left}"
-    # each raylet names its node in its own log: the head's raylet.out, the worker's raylet.1.out
-    ray_logs = Path(two_node_slurm["TMPDIR"]) / f"rft-ray-{two_node_slurm['SLURM_JOB_ID']}" / "session_latest" / "logs"
-    raylets = {f.name: re.search(r"Setting node ID node_id=([0-9a-f]+)", f.read_text())[1]
-               for f in ray_logs.glob("raylet*.out")}
     run = tmp_path / "rft" / name
-    trainer, explorer = actor_node(run / "log" / "grpo_trainer.log"), actor_node(run / "log" / "grpo_explorer.log")
-    which = {node: file for file, node in raylets.items()}
-    print(f"sync={sync}: trainer on Ray node {trainer} ({which.get(trainer)}), "
-          f"explorer on Ray node {explorer} ({which.get(explorer)})")
-    assert len(raylets) == 2 and {trainer, explorer} == set(raylets.values()), (raylets, trainer, explorer)
-    # both steps trained, and each sync's weights were loaded and checked by fingerprint
-    metrics = read_metrics(run / "metrics.jsonl")
-    assert [(m["step"], m["sync/version"]) for m in metrics] == [(1, 1), (2, 2)], metrics
-    trainer_log = (run / "log" / "grpo_trainer.log").read_text()
+    assert_across_two_nodes(two_node_slurm, run, code, log, left)
     if sync == "memory":  # another node: the object store, never the trainer's shared-memory segment
-        assert "memory sync through shared memory" not in trainer_log
-    if sync == "checkpoint":  # the file both nodes read: the run dir on a filesystem they share
-        assert (run / "sync" / "model.safetensors").exists()
+        assert "memory sync through shared memory" not in (run / "log" / "grpo_trainer.log").read_text()
 
 
 def test_a_device_mapping_over_two_nodes_puts_each_role_on_its_nodes_gpus(two_node_slurm, tmp_path):
@@ -162,12 +166,10 @@ def test_a_device_mapping_over_two_nodes_puts_each_role_on_its_nodes_gpus(two_no
         "cluster.gpu_per_node=2", "cluster.device_mapping.trainer=[1]", "cluster.device_mapping.explorer=[2]",
         "buffer.total_steps=2", "explorer.eval_interval=100", "explorer.eval_on_startup=false",
         f"checkpoint_root_dir={tmp_path}"])
-    assert code == 0, log[-4000:]
-    assert left == [], f"processes of the launcher still running after it ended: {left}"
     run = tmp_path / "rft" / "mapped"
+    assert_across_two_nodes(env, run, code, log, left)
     trainer, explorer = (run / "log" / "grpo_trainer.log").read_text(), (run / "log" / "grpo_explorer.log").read_text()
     assert "devices 1 of its node (cluster.device_mapping): CUDA_VISIBLE_DEVICES=1" in trainer
     assert "devices 0 of its node (cluster.device_mapping): CUDA_VISIBLE_DEVICES=0" in explorer
-    assert actor_node(run / "log" / "grpo_trainer.log") != actor_node(run / "log" / "grpo_explorer.log")
-    metrics = read_metrics(run / "metrics.jsonl")
-    assert [(m["step"], m["sync/version"]) for m in metrics] == [(1, 1), (2, 2)], metrics
+    # sync=checkpoint across the nodes: the file both read, the run dir on a filesystem they share
+    assert (run / "sync" / "model.safetensors").exists()
