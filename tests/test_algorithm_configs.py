@@ -105,6 +105,27 @@ def test_odd_batch_with_preference_pairs_is_a_config_error(tmp_path):
         rft.runtime.main._main(cfg)
 
 
+@pytest.mark.parametrize("algorithm,loss", [("dpo", "dpo"), ("rm", "bradley_terry")])
+def test_a_pair_loss_under_another_aggregation_is_a_config_error(algorithm, loss):
+    # each pair's loss l is spread as 2l/n over the n tokens of its two rows: seq-mean-token-sum (rows' sums,
+    # over the rows) gives sum(2l)/(2 pairs) = the mean over pairs; seq-mean-token-mean gave each pair
+    # 2 * (2l/n) / rows: a pair of 2 tokens 50x one of 100 (no error, exit 0)
+    from rft.errors import ConfigError
+    from rft.plan.batch import make_plan
+
+    for mode, why in [("seq-mean-token-mean", "would weight each pair by 1 over its length"),
+                      ("token-mean", "would scale it by 1 over the step's tokens, a different factor each step"),
+                      ("seq-mean-token-sum-norm", "would scale it by 1 over model.max_response_tokens")]:
+        cfg = compose_cfg([f"algorithm={algorithm}", f"algorithm.loss_agg_mode={mode}"])
+        with pytest.raises(ConfigError) as e:
+            make_plan(cfg, 1000)
+        assert str(e.value) == (
+            f"algorithm.loss_agg_mode={mode} with algorithm.policy_loss_fn={loss}: its loss is one value per "
+            f"preference pair, spread over the pair's tokens so that seq-mean-token-sum gives the mean over pairs; "
+            f"{mode} {why}. Set algorithm.loss_agg_mode=seq-mean-token-sum (algorithm={algorithm}'s).")
+    make_plan(compose_cfg([f"algorithm={algorithm}"]), 1000)  # the algorithm's own mode plans
+
+
 @pytest.mark.slow  # a real engine, Ray or training run
 def test_mix_adds_a_weighted_sft_loss_from_an_auxiliary_buffer(tmp_path):
     cfg = compose_cfg(["algorithm=mix", "stages=[]", "cluster=inline", "monitor=console",

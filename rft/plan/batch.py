@@ -684,6 +684,23 @@ def _mini_batches(tr, train_bs: int, dp: int) -> tuple[int, int]:
     return mini, micro
 
 
+_PAIR_AGG = {"seq-mean-token-mean": "would weight each pair by 1 over its length",
+             "token-mean": "would scale it by 1 over the step's tokens, a different factor each step",
+             "seq-mean-token-sum-norm": "would scale it by 1 over model.max_response_tokens"}
+
+
+def _check_pair_aggregation(algo) -> None:
+    """dpo and bradley_terry spread each pair's one loss over the pair's tokens so that
+    seq-mean-token-sum (a mean over rows) is the mean over pairs; seq-mean-token-mean weighted a pair
+    by 1/its length (a 2-token pair 50x a 100-token one) and token-mean by 1/the batch's tokens."""
+    if algo.policy_loss_fn in ("dpo", "bradley_terry") and algo.loss_agg_mode != "seq-mean-token-sum":
+        raise ConfigError(
+            f"algorithm.loss_agg_mode={algo.loss_agg_mode} with algorithm.policy_loss_fn={algo.policy_loss_fn}: its "
+            f"loss is one value per preference pair, spread over the pair's tokens so that seq-mean-token-sum "
+            f"gives the mean over pairs; {algo.loss_agg_mode} {_PAIR_AGG[algo.loss_agg_mode]}. "
+            f"Set algorithm.loss_agg_mode=seq-mean-token-sum (algorithm={'dpo' if algo.policy_loss_fn == 'dpo' else 'rm'}'s).")
+
+
 def _check_pairs(cfg, needs: Needs, kind: str, sizes: list[tuple[str, int]]) -> None:
     """A loss that learns from preference pairs gets a dataset of them, in whole pairs."""
     eb = cfg.buffer.trainer_input.experience_buffer
@@ -699,6 +716,7 @@ def _check_pairs(cfg, needs: Needs, kind: str, sizes: list[tuple[str, int]]) -> 
             f"rejected_key={fmt.rejected_key}. Give it a dataset of pairs (a taskset whose format sets "
             f"chosen_key and rejected_key serves by default)."
         )
+    _check_pair_aggregation(cfg.algorithm)
     if cfg.mode == "train" and fmt.chosen_key and fmt.rejected_key or online:
         # preference pairs (two rows each) must not be split across batches
         for key, value in sizes:
