@@ -172,3 +172,24 @@ def test_model_tiny_started_from_a_checkpoint_that_is_not_there_is_refused(tmp_p
         f"step_30, step_40; start from one's hf/ ({ckpts / 'step_40' / 'hf'}). model.builder=tiny builds a random "
         f"model only where there is none yet, never in a run's checkpoints.")
     assert sorted(p.name for p in ckpts.iterdir()) == ["step_30", "step_40"]
+
+
+@pytest.mark.parametrize("builder", ["tiny", None])
+def test_a_checkpoint_given_as_the_model_is_told_to_give_its_hf_folder(tmp_path, builder):
+    # model.model_path=<stage>/checkpoints/step_40 (not .../hf): with the tiny builder the dry run passed and
+    # the run failed on the tokenizer, naming neither; without one it said 'no config.json (it holds hf)'
+    from conftest import compose_cfg
+
+    from rft.errors import ConfigError
+    from rft.plan.batch import check_config
+
+    step = tmp_path / "run" / "dpo" / "checkpoints" / "step_40"
+    (step / "hf").mkdir(parents=True)
+    (step / "hf" / "config.json").write_text("{}")
+    cfg = compose_cfg(["stages=[]", f"model.model_path={step}", f"model.builder={builder or 'null'}"])
+    with pytest.raises(ConfigError) as e:
+        check_config(cfg)
+    assert str(e.value) == (f"model.model_path={str(step)!r} is a run's checkpoint, not a model: its model is in its "
+                            f"hf/ folder. Give model.model_path={str(step / 'hf')!r}.")
+    (step / "config.json").write_text("{}")  # a model's own folder that happens to be called step_40: not refused
+    check_config(compose_cfg(["stages=[]", f"model.model_path={step}", "model.builder=null"]))

@@ -770,6 +770,12 @@ def _check_model(model) -> None:
     path = os.path.expanduser(model.model_path)
     # a hub id ("org/name") cannot be checked here (no hub may be reachable); a local path can
     looks_local = path.startswith(("/", ".")) or path.count("/") > 1
+    if re.fullmatch(r"step_\d+", os.path.basename(path.rstrip("/"))) and os.path.isfile(os.path.join(path, "hf", "config.json")) \
+            and not os.path.isfile(os.path.join(path, "config.json")):
+        # a run's checkpoint given where its model is meant: transformers failed on the tokenizer (or
+        # model=tiny's builder took the folder for its own), naming neither
+        raise ConfigError(f"model.model_path={model.model_path!r} is a run's checkpoint, not a model: its model is in "
+                          f"its hf/ folder. Give model.model_path={os.path.join(path, 'hf')!r}.")
     if model.builder is None and os.path.isfile(path):
         # a GGUF or a lone weights file: it exists, so "no such directory" would mislead
         raise ConfigError(
