@@ -179,7 +179,9 @@ def not_built_here(model_path) -> bool:
     path = Path(os.path.expanduser(str(model_path)))
     if not (path / "config.json").is_file():
         return False
-    found, _ = manifest.read(path)
+    found, damaged = manifest.read(path)
+    if damaged:  # whose it is cannot be read: the builder's check moves it aside (kept) and says so
+        return False
     return found is None or "built" not in found["identity"]
 
 

@@ -193,3 +193,18 @@ def test_a_checkpoint_given_as_the_model_is_told_to_give_its_hf_folder(tmp_path,
                             f"hf/ folder. Give model.model_path={str(step / 'hf')!r}.")
     (step / "config.json").write_text("{}")  # a model's own folder that happens to be called step_40: not refused
     check_config(compose_cfg(["stages=[]", f"model.model_path={step}", "model.builder=null"]))
+
+
+def test_a_tiny_build_whose_manifest_is_damaged_is_still_built_again(tmp_path, capsys):
+    # not_built_here (above) starts from a folder no builder made as it is; a build of the tiny model whose
+    # manifest.json was cut could be read as one (no 'built' identity), trained from unverified weights
+    from rft import manifest
+
+    path = build_tiny_model(tmp_path / "tiny")
+    (path / "model.safetensors").write_bytes(b"\0" * 64)  # its weights damaged too
+    (path / "manifest.json").write_text('{"format": ')
+    ensure_model(OmegaConf.create({"builder": "tiny", "model_path": str(path), "extra_tokens": []}))
+    assert manifest.verify(path) is None  # built again, whole
+    (aside,) = tmp_path.glob("tiny.damaged-*")
+    assert (aside / "manifest.json").read_text() == '{"format": '
+    assert "is damaged" in capsys.readouterr().err
