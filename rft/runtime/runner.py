@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 
 import gc
+import sys
 from pathlib import Path
 
 from omegaconf import open_dict
@@ -215,7 +216,10 @@ class StageRun:
                     pass
         if self.buffer is not None:
             self.buffer.close()
-        if self.pg is not None:
+        # stopped by Ctrl-C or SIGTERM, the process ends and its placement group with it; removing it
+        # waits on Ray's GCS, which a SIGTERM to the whole process group (the studio's stop) ended too:
+        # until the studio's SIGKILL 15 s later, with no word of where the run stopped
+        if self.pg is not None and not isinstance(sys.exc_info()[1], KeyboardInterrupt):
             from ray.util.placement_group import remove_placement_group
 
             remove_placement_group(self.pg)
