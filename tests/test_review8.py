@@ -2,6 +2,7 @@
 (f792b31) and the hydra/ group check (b614dcc): legitimate uses each must keep."""
 
 import os
+import socket
 import time
 from pathlib import Path
 
@@ -30,3 +31,58 @@ def test_the_studios_stop_of_a_ray_run_ends_it_with_the_paragraph_not_its_sigkil
     assert launch.proc.returncode == 143, console[-3000:]  # not -9, the studio's SIGKILL
     assert "rft: stopped by SIGTERM after step" in console, console[-3000:]
     assert launches.read(launch.id)["status"] == "stopped"
+
+
+def _serve_in_thread(app, request_timeout: float):
+    """uvicorn with this project's server_config (TimedH11) on a free loopback port: (server, port)."""
+    import threading
+
+    import uvicorn
+
+    from rft.serving.auth import server_config
+
+    sock = socket.socket()
+    # a send buffer of a few kB, which its connections inherit: the kernel then holds little of an
+    # answer, as for a file larger than a slow link's buffers (plotly.min.js, 4.8 MB)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(server_config(app, request_timeout=request_timeout, log_level="warning"))
+    threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True).start()
+    while not server.started:
+        time.sleep(0.01)
+    return server, sock.getsockname()[1]
+
+
+@pytest.mark.slow  # 6 s of reading
+def test_a_slow_client_that_reads_its_answer_steadily_is_not_dropped():
+    # f792b31 dropped a client once its answer's transport buffer stayed over the low water mark
+    # (16 KiB) for request_timeout seconds: draining 48 KiB from the high mark (64 KiB) takes a
+    # client reading 16 KiB/s 3 s, so with --request-timeout 1 it was dropped while reading (as a
+    # browser reading plotly.min.js at 1 KB/s was with the default 10 s). Reads in progress now
+    # keep it; one that reads nothing is still dropped (test_ports_attack)
+    body = bytes(range(256)) * 384  # 96 KiB: 6 s at 16 KiB/s
+
+    async def app(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
+
+    server, port = _serve_in_thread(app, request_timeout=1)
+    try:
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # the kernel takes little for it
+        s.connect(("127.0.0.1", port))
+        s.sendall(b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        got = b""
+        while True:
+            chunk = s.recv(1024)  # 1 KiB each 1/16 s: 16 KiB/s
+            if not chunk:
+                break
+            got += chunk
+            if got.endswith(body):
+                break
+            time.sleep(1 / 16)
+        s.close()
+        assert got.split(b"\r\n\r\n", 1)[1] == body  # all 98,304 bytes, not a connection dropped midway
+    finally:
+        server.should_exit = True
