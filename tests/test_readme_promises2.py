@@ -218,3 +218,57 @@ def test_each_command_beside_a_figure_takes_the_arguments_it_is_given(readme, wh
     except SystemExit:
         pytest.fail(f"{readme}: python {where} {' '.join(argv)}\n{capsys.readouterr().err}")
     assert parser.prog
+
+
+def test_a_vllm_older_than_the_extras_floor_is_refused_when_the_engine_starts():
+    """"That `reload_weights(weights_iterator=...)` needs vLLM 0.18 or later (the `vllm` extra's floor);
+    an older vLLM is refused when the engine starts, rather than failing at the first sync": the floor
+    is pyproject's, an older release is one paragraph naming both versions and the fix, and 0.18 itself,
+    a later one and a development build (a checkout without tags calls itself 0.1.dev) pass."""
+    import tomllib
+
+    from rft.errors import ConfigError
+    from rft.rollout.engines.vllm import MIN_VLLM, check_version
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert extras["vllm"] == ["vllm>=0.18"] and MIN_VLLM == (0, 18)
+    assert re.search(r"needs vLLM (\d+\.\d+) or later \(the `vllm` extra's floor\)", README).group(1) == "0.18"
+    with pytest.raises(ConfigError) as e:
+        check_version("0.11.2")
+    assert str(e.value) == (
+        "explorer=vllm needs vLLM >= 0.18, but 0.11.2 is installed: the weight syncs load the trainer's weights in "
+        "place through vLLM's reload_weights(weights_iterator=...), which older vLLM lacks. pip install -U -e "
+        "'.[vllm]' (or use explorer=hf).")
+    for version in ("0.17.9", "0.9.1"):  # compared as numbers, not text: "0.9" > "0.18" as strings
+        with pytest.raises(ConfigError):
+            check_version(version)
+    for version in ("0.18.0", "0.32.0+cpu", "1.0.0", "0.1.dev5+g1234"):
+        assert check_version(version) is None
+
+
+@pytest.mark.slow
+def test_a_run_under_a_path_with_a_space_and_a_non_ascii_letter_trains_and_resumes(tmp_path):
+    """"Paths with spaces or non-ASCII letters work (quote them for Hydra:
+    `'checkpoint_root_dir="/Users/me/my runs"'`)": the default's two stages, on a budget, written under
+    `my runs/ünï`: both stages train (the RL stage from the warm-up's checkpoint under that path), save
+    sealed checkpoints, and the same command again finds both finished."""
+    root = tmp_path / "my runs" / "ünï"
+    quoted = f'checkpoint_root_dir="{root}"'
+    assert 'checkpoint_root_dir="/Users/me/my runs"' in README
+    budget = ["cluster=inline", "monitor=console", "stages.0.buffer.total_steps=4",
+              "stages.0.algorithm.optimizer.warmup_steps=0", "buffer.total_steps=2", "buffer.batch_size=4",
+              "algorithm.repeat_times=2", "explorer.eval_interval=2", "explorer.eval_on_startup=false", "name=spaced"]
+    from conftest import run_cli
+
+    r = run_cli(*budget, quoted, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    run = root / "rft" / "spaced"
+    for stage, steps in (("sft_warmup", 4), ("grpo", 2)):
+        rows = (run / stage / "metrics.jsonl").read_text().splitlines()
+        assert len(rows) == steps, (stage, rows)
+        assert (run / stage / "checkpoints" / f"step_{steps}" / "manifest.json").is_file()
+    assert f"starts from the previous stage's final model: {run}/sft_warmup/checkpoints/step_4/hf" in " ".join(
+        r.stdout.split())
+    again = run_cli(*budget, quoted, timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "already finished" in again.stdout + again.stderr
