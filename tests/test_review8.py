@@ -1,8 +1,11 @@
 """Review of SIGTERM's stop (1fd4a92), the reward stdout cap (02ac0f5), the servers' write deadline
 (f792b31) and the hydra/ group check (b614dcc): legitimate uses each must keep."""
 
+import contextlib
+import io
 import os
 import socket
+import threading
 import time
 from pathlib import Path
 
@@ -86,3 +89,42 @@ def test_a_slow_client_that_reads_its_answer_steadily_is_not_dropped():
         assert got.split(b"\r\n\r\n", 1)[1] == body  # all 98,304 bytes, not a connection dropped midway
     finally:
         server.should_exit = True
+
+
+# ---------------------------------------------------------------- what rewards print, capped (02ac0f5)
+
+_started, _go = threading.Event(), threading.Event()
+
+
+def _runs_a_program(prompt, response, task):
+    """A code reward as often written: the program's output captured with redirect_stdout, compared."""
+    if response == "quick":  # another response's call, entering while this one captures
+        return 0.0
+    print("debug " * 10)  # a debugging print: past the cap (10 characters here) at once
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        _started.set()
+        assert _go.wait(10)
+        print(response)  # the program's output
+    return float(buf.getvalue() == response + "\n")
+
+
+def test_a_rewards_own_capture_of_stdout_is_not_capped(monkeypatch, capsys):
+    # redirect_stdout puts the reward's buffer in sys.stdout for every thread; another call starting
+    # meanwhile wrapped that buffer as the console, so once the rewards had printed the cap the
+    # program's output went missing from its capture: reward 0.0 for a right answer, without a word
+    # beyond the cap's note
+    from rft.rewards import scoring, stdout_cap
+
+    monkeypatch.setattr(stdout_cap, "CAP_CHARS", 10)
+    scorer = scoring.Scorer([scoring.Part("program", 1.0, scoring._per_response(_runs_a_program, {}), False)])
+    task = scoring.Reward(0.0)  # (any object: the function does not read it)
+    got = []
+    first = threading.Thread(target=lambda: got.append(scorer("p", ["42"], task)))
+    first.start()
+    assert _started.wait(10)
+    assert scorer("p", ["quick"], task) == [0.0]  # this thread's call, while the first captures
+    _go.set()
+    first.join(10)
+    assert got == [[1.0]]  # the program printed 42 and its capture holds it
+    assert capsys.readouterr().out.startswith("debug debu\nrft: reward 'program' printed more than 10 characters")

@@ -20,6 +20,7 @@ CAP_CHARS = 2**20  # ~1 MB: thousands of lines of a reward's debugging, a step o
 
 _inside = threading.local()  # .call: (the reward's name, its Budget) of the call this thread is in
 _lock = threading.Lock()
+_running = 0  # calls inside `capped` now, in every thread
 
 
 class Budget:
@@ -65,12 +66,19 @@ class _Capped:
 def capped(name: str, budget: Budget):
     """Around a call of reward `name`: what this thread prints meanwhile counts against `budget` (its
     Scorer's) and is left out past CAP_CHARS."""
+    global _running
     with _lock:
-        # (again after something put its own in place: a test's capture); none: print writes nothing
-        if sys.stdout is not None and not isinstance(sys.stdout, _Capped):
+        # (again after something put its own in place: a test's capture); none: print writes nothing.
+        # Only while no call runs: a call's redirect_stdout (a code reward capturing its program's
+        # output) is sys.stdout for every thread meanwhile, and wrapped, that capture lost what it
+        # was to compare past the cap (reward 0 for a right answer)
+        if not _running and sys.stdout is not None and not isinstance(sys.stdout, _Capped):
             sys.stdout = _Capped(sys.stdout)
+        _running += 1
     before, _inside.call = getattr(_inside, "call", None), (name, budget)
     try:
         yield
     finally:
         _inside.call = before
+        with _lock:
+            _running -= 1
