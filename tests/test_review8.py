@@ -3,6 +3,7 @@
 
 import contextlib
 import io
+import json
 import os
 import socket
 import threading
@@ -128,3 +129,35 @@ def test_a_rewards_own_capture_of_stdout_is_not_capped(monkeypatch, capsys):
     first.join(10)
     assert got == [[1.0]]  # the program printed 42 and its capture holds it
     assert capsys.readouterr().out.startswith("debug debu\nrft: reward 'program' printed more than 10 characters")
+
+
+# ---------------------------------------------------------------- a state.json read to its listed size (15b9a3c)
+
+@pytest.mark.parametrize("listed", [2**30, 100 * 10**9])
+def test_a_manifest_listing_a_huge_state_json_takes_no_memory_for_it(tmp_path, listed):
+    # 15b9a3c reads a sealed state.json up to the size its manifest lists, and f.read(n) allocates n
+    # bytes before it reads: a damaged size (a bit flipped) took 1 GiB for a file of 2 kB, and 100 GB
+    # ended resume in a raw MemoryError, not the checkpoint moved aside as damaged
+    import tracemalloc
+
+    from test_checkpoints_manifest import OWNER, said
+
+    from rft import manifest
+    from rft.runtime import checkpoint
+
+    d = tmp_path / "grpo"
+    checkpoint.write(d, 1, {"version": 1}, owner=OWNER)
+    step2 = checkpoint.write(d, 2, {"version": 2}, owner=OWNER)
+    m = json.loads((step2 / manifest.MANIFEST).read_text())
+    m["files"]["state.json"][0] = listed  # the real file: ~100 bytes
+    (step2 / manifest.MANIFEST).write_text(json.dumps(m))
+    tracemalloc.start()
+    try:
+        lines, say = said()
+        ckpt = checkpoint.usable_checkpoint(d, OWNER, "grpo", say)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 2**26, peak  # under 64 MiB (it was the listed size)
+    assert ckpt.step == 1  # step 2 is damaged: the one before
+    assert len(lines) == 1 and "checkpoint step 2 is damaged" in lines[0], lines
