@@ -1,10 +1,13 @@
 """What tests/test_resume_matrix.py and tests/test_resume_kills.py share: a short run from the
 session's SFT warm start run straight, SIGKILLed (at a checkpoint, or by itself in the middle of a step
-through a sitecustomize on its PYTHONPATH: rft has no fault hooks of its own) and run again, and the
-comparison of everything the two runs leave (check_resumes)."""
+through a sitecustomize the process runs first: rft has no fault hooks of its own) and run again, and
+the comparison of everything the two runs leave (check_resumes). The straight run runs in the test's
+process (run_here); the killed and the resumed run each in a process of its own (launch)."""
 
+import atexit
 import json
 import os
+import select
 import signal
 import sqlite3
 import subprocess
@@ -78,19 +81,99 @@ def run_here(args, root: Path) -> None:
     rft.runtime.main.main(cfg)
 
 
-def launch(args, env):
-    return subprocess.Popen([sys.executable, str(ROOT / "run.py"), *args], cwd=ROOT, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+# The killed and resumed runs of an inline case: each a process of its own, forked from a process
+# that imported what every run imports first and nothing else (torch, transformers with peft,
+# datasets: ~4 of a short run's ~5 CPU seconds), never anything of rft's, never run anything: rft
+# starts afresh in each, from `python run.py <args>`'s own code (runpy), its argv, environment and
+# working directory. Its stdin takes one job a line; it answers the child's pid, then its exit status.
+FORKER = """
+import json, os, runpy, sys
+import datasets, torch, transformers.optimization  # noqa: F401
+for line in sys.stdin:
+    job = json.loads(line)
+    pid = os.fork()
+    if pid == 0:
+        os.chdir(job["cwd"])
+        os.environ.clear()
+        os.environ.update(job["env"])
+        for fd, path in ((0, os.devnull), (1, job["out"]), (2, job["err"])):
+            f = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC)
+            os.dup2(f, fd)
+            os.close(f)
+        sys.argv = [job["script"], *job["args"]]
+        sys.path[0] = os.path.dirname(job["script"])  # then PYTHONPATH's, as an interpreter puts them
+        sys.path[1:1] = [p for p in job["env"].get("PYTHONPATH", "").split(os.pathsep) if p and p not in sys.path]
+        if job["hook"]:  # a sitecustomize, which a fresh interpreter would have imported first
+            exec(compile(open(job["hook"]).read(), job["hook"], "exec"), {"__name__": "sitecustomize"})
+        runpy.run_path(job["script"], run_name="__main__")
+        sys.exit(0)  # as the interpreter ends after run.py: atexit handlers, then exit
+    print(pid, flush=True)
+    print(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), flush=True)
+"""
 
 
-def kill_when(args, env, ready, timeout: float = 300) -> None:
+class Forked:
+    """A run forked by the forker: `pid`, `poll()` and `wait()` as subprocess.Popen's."""
+
+    forker = None
+
+    def __init__(self, args, env, out: Path, hook: Path | None = None):
+        if Forked.forker is None or Forked.forker.poll() is not None:
+            Forked.forker = subprocess.Popen([sys.executable, "-c", FORKER], stdin=subprocess.PIPE,
+                                             stdout=subprocess.PIPE, text=True, cwd=ROOT)
+            atexit.register(Forked.forker.stdin.close)  # its loop ends, and it with it
+        self.returncode = None
+        job = dict(script=str(ROOT / "run.py"), args=list(args), env=dict(env), cwd=str(ROOT),
+                   out=str(out.with_suffix(".out")), err=str(out.with_suffix(".err")), hook=hook and str(hook))
+        Forked.forker.stdin.write(json.dumps(job) + "\n")
+        Forked.forker.stdin.flush()
+        self.pid = int(Forked.forker.stdout.readline())
+
+    def poll(self, timeout: float = 0):
+        if self.returncode is None and select.select([Forked.forker.stdout], [], [], timeout)[0]:
+            self.returncode = int(Forked.forker.stdout.readline())
+        return self.returncode
+
+    def wait(self, timeout: float = 600):
+        if self.poll(timeout) is None:
+            os.kill(self.pid, signal.SIGKILL)  # as subprocess.run's timeout, which kills the child
+            self.poll(60)
+            raise AssertionError(f"run.py (pid {self.pid}) still running after {timeout} s: killed")
+        return self.returncode
+
+
+def inline(args) -> bool:
+    return compose_cfg(args).cluster.backend == "inline"
+
+
+def launch(args, env, out: Path, hook: Path | None = None):
+    """`python run.py <args>`, its output in <out>.out and <out>.err: forked (Forked) where the run
+    is inline, else in a fresh interpreter (Ray's processes are its children)."""
+    if inline(args):
+        return Forked(args, env, out, hook)
+    if hook:
+        env = {**env, "PYTHONPATH": os.pathsep.join([str(hook.parent), str(ROOT)])}
+    with open(out.with_suffix(".out"), "w") as stdout, open(out.with_suffix(".err"), "w") as stderr:
+        return subprocess.Popen([sys.executable, str(ROOT / "run.py"), *args], cwd=ROOT, env=env, stdout=stdout,
+                                stderr=stderr)
+
+
+def run_to_end(args, env, out: Path, hook: Path | None = None):
+    """`python run.py <args>` run to its end: `returncode`, `stdout` and `stderr` as subprocess.run's."""
+    proc = launch(args, env, out, hook)
+    proc.wait(timeout=600)
+    proc.stdout, proc.stderr = out.with_suffix(".out").read_text(), out.with_suffix(".err").read_text()
+    return proc
+
+
+def kill_when(args, env, ready, out: Path, timeout: float = 300) -> None:
     """`python run.py <args>`, SIGKILLed as soon as `ready()`; fails if the run ends first."""
-    proc = launch(args, env)
+    proc = launch(args, env, out)
     deadline = time.time() + timeout
     while not ready():
         assert proc.poll() is None and time.time() < deadline, "the run ended before the point of its kill"
         time.sleep(0.02)
-    proc.send_signal(signal.SIGKILL)
+    os.kill(proc.pid, signal.SIGKILL)
     assert proc.wait() == -signal.SIGKILL
 
 
@@ -122,10 +205,8 @@ def killed_after_put(args, env, tmp_path: Path, n: int) -> None:
     hook = tmp_path / "hook"
     hook.mkdir(exist_ok=True)
     (hook / "sitecustomize.py").write_text(KILL_AFTER_PUT)
-    env = {**env, "KILL_AFTER_PUT": str(n), "PYTHONPATH": os.pathsep.join([str(hook), str(ROOT)])}
-    r = subprocess.run([sys.executable, str(ROOT / "run.py"), *args], cwd=ROOT, env=env, capture_output=True, text=True,
-                       timeout=300)
-    assert r.returncode == -signal.SIGKILL, r.stderr[-3000:]
+    proc = run_to_end(args, {**env, "KILL_AFTER_PUT": str(n)}, tmp_path / "killed_run", hook / "sitecustomize.py")
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
 
 
 def same_sql_buffer(a: Path, b: Path, sa: dict, sb: dict) -> None:
@@ -166,10 +247,10 @@ def check_resumes(tmp_path: Path, warm_start: Path | None, extra: list[str], aft
     if after_put:
         killed_after_put(args("killed"), env, tmp_path, after_put)
     else:
-        kill_when(args("killed"), env, at_checkpoint(b, 2))
+        kill_when(args("killed"), env, at_checkpoint(b, 2), tmp_path / "killed_run")
     assert (b / "checkpoints" / "step_2").exists() and not (b / "checkpoints" / "step_4").exists(), \
         "killed too late to test anything"
-    resumed = run_cli(*args("killed"), env=env)
+    resumed = run_to_end(args("killed"), env, tmp_path / "resumed_run")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resuming from step 2" in resumed.stdout, resumed.stdout[-2000:]
 

@@ -7,8 +7,7 @@ import os
 from pathlib import Path
 
 import pytest
-from conftest import run_cli
-from resume_support import NO_EVAL, SHORT, check_resumes, killed_after_put, run_here, stored_rows
+from resume_support import NO_EVAL, SHORT, check_resumes, killed_after_put, run_here, run_to_end, stored_rows
 
 pytestmark = pytest.mark.slow
 
@@ -114,7 +113,7 @@ def test_a_killed_explorer_run_resumes_to_the_rows_an_uninterrupted_one_writes(k
     assert sorted(p.name for p in (tmp_path / "rft" / "killed" / "checkpoints").iterdir()) == ["step_2"]
     assert len(stored_rows(tmp_path / f"killed{suffix}")) == 3 * 16
     other = another_explorer(tmp_path / f"killed{suffix}", kind)
-    resumed = run_cli(*args("killed"), env=env)
+    resumed = run_to_end(args("killed"), env, tmp_path / "resumed_run")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     a, b = stored_rows(tmp_path / f"straight{suffix}"), stored_rows(tmp_path / f"killed{suffix}")
     assert len(a) == 4 * 16 and len(b) == 4 * 16 + 8

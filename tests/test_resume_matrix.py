@@ -9,7 +9,9 @@ Each case is a short run from the session's SFT warm start (conftest.warm_start)
 then again, SIGKILLed once its step-2 checkpoint is written (or, in the middle of a step, by
 itself the moment its buffer has taken an explore step's experiences that no checkpoint accounts
 for yet), then the same command once more. rft has no fault hooks of its own: the self-kill is a
-sitecustomize the test puts on the killed run's PYTHONPATH.
+sitecustomize the killed run's process runs first. The straight run runs in the test's process (the
+same files, bit for bit, without a fresh interpreter's imports); the killed run and the resumed one
+each in a process of its own (resume_support.launch).
 """
 
 

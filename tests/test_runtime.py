@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, compose_cfg, kill_at_checkpoint, run_cli
+from conftest import ROOT, compose_cfg, run_cli
 from faulty_reward import fault_class
-from resume_support import run_here
+from resume_support import kill_when, run_here, run_to_end
 from safetensors.torch import load_file
 
 from rft.data.buffer import read_experiences
@@ -122,13 +122,14 @@ def test_killed_async_run_resumes_on_the_same_experiences(warm_start, tmp_path):
     run_here(base(warm_start, "straight", *ASYNC), tmp_path)
 
     run = tmp_path / "rft" / "killed"
-    kill_at_checkpoint(base(warm_start, "killed", *ASYNC), run, 4, env)
+    kill_when(base(warm_start, "killed", *ASYNC), env, lambda: (run / "checkpoints" / "step_4" / "state.json").exists(),
+              tmp_path / "killed_run")
     assert not (run / "checkpoints" / "step_8").exists(), "killed too late to test anything"
     # the checkpoint holds the step explored ahead (step index 4), not yet trained on
     state = json.loads((run / "checkpoints" / "step_4" / "state.json").read_text())
     assert state["next_explore"] == 5 and state["buffer"]["items"] == 128  # packed beside it (QueueBuffer.stored_state)
 
-    resumed = run_cli(*base(warm_start, "killed", *ASYNC), env=env)
+    resumed = run_to_end(base(warm_start, "killed", *ASYNC), env, tmp_path / "resumed_run")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resuming from step 4" in resumed.stdout
     assert "has no line for step" not in resumed.stderr  # a kill costs batches.jsonl no line
@@ -142,10 +143,10 @@ def test_killed_async_run_resumes_on_the_same_experiences(warm_start, tmp_path):
 
 
 def test_failing_and_hanging_reward_is_retried_counted_and_the_run_goes_on(warm_start, tmp_path):
-    r = run_cli(*base(warm_start, "faulty", "cluster=inline", "buffer.total_steps=3", "explorer.eval_interval=3",
-                      "buffer.explorer_input.default_reward_fn_type=faulty_reward.flaky",
-                      "explorer.max_timeout=0.5", "explorer.max_retry_times=1"),
-                env={**env_for(tmp_path), "PYTHONPATH": str(ROOT / "tests")}, timeout=300)
+    r = run_to_end(base(warm_start, "faulty", "cluster=inline", "buffer.total_steps=3", "explorer.eval_interval=3",
+                         "buffer.explorer_input.default_reward_fn_type=faulty_reward.flaky",
+                         "explorer.max_timeout=0.5", "explorer.max_retry_times=1"),
+                   {**os.environ, **env_for(tmp_path), "PYTHONPATH": str(ROOT / "tests")}, tmp_path / "run")
     assert r.returncode == 0, r.stderr[-3000:]
     metrics = read_metrics(tmp_path / "rft" / "faulty" / "metrics.jsonl")
     batches = read_metrics(tmp_path / "rft" / "faulty" / "batches.jsonl")
@@ -196,7 +197,8 @@ def test_killed_trainer_leaves_a_resumable_checkpoint(warm_start, tmp_path):
 
     # resumed in one process (cluster=inline): what is checked is the checkpoint the kill left; a
     # resume under Ray is test_lora_sync's and test_resume_matrix's fsdp2 case
-    again = run_cli(*args, "cluster=inline", "synchronizer.sync_offset=1", env=env_for(tmp_path))
+    again = run_to_end([*args, "cluster=inline", "synchronizer.sync_offset=1"], {**os.environ, **env_for(tmp_path)},
+                       tmp_path / "again")
     assert again.returncode == 0, again.stderr[-3000:]
     assert re.search(r"resuming from step [2-5] ", again.stdout)
     assert [m["step"] for m in read_metrics(run / "metrics.jsonl")] == list(range(7))
@@ -285,9 +287,9 @@ FAILING = ["cluster=inline", "buffer.batch_size=4", "algorithm.repeat_times=2", 
 ])
 def test_a_run_whose_every_task_fails_stops_instead_of_finishing_with_nothing_learned(warm_start, tmp_path,
                                                                                       reward, last_error):
-    r = run_cli(*base(warm_start, "nothing", *FAILING, f"buffer.explorer_input.default_reward_fn_type={reward}",
-                      "explorer.max_timeout=0.2"),
-                env={**env_for(tmp_path), "PYTHONPATH": str(ROOT / "tests")}, timeout=300)
+    r = run_to_end(base(warm_start, "nothing", *FAILING, f"buffer.explorer_input.default_reward_fn_type={reward}",
+                         "explorer.max_timeout=0.2"),
+                   {**os.environ, **env_for(tmp_path), "PYTHONPATH": str(ROOT / "tests")}, tmp_path / "run")
     assert r.returncode == 1, r.stderr[-3000:]
     assert "rft: the run stopped: every task of the last 3 steps failed (reward function " in r.stderr
     assert last_error in r.stderr and "Traceback" not in r.stderr
@@ -298,11 +300,11 @@ def test_a_run_whose_every_task_fails_stops_instead_of_finishing_with_nothing_le
 
 def test_identical_rewards_and_failed_eval_tasks_are_reported(warm_start, tmp_path):
     # explorer.max_failed_steps=0: an eval whose every task failed is logged as 0, and the run goes on
-    r = run_cli(*base(warm_start, "flat", *FAILING, "buffer.total_steps=3", "explorer.eval_interval=3",
-                      "explorer.max_failed_steps=0",
-                      "buffer.explorer_input.default_reward_fn_type=faulty_reward.constant",
-                      "buffer.explorer_input.eval_tasksets.0.reward_fn=faulty_reward.always_raises"),
-                env={**env_for(tmp_path), "PYTHONPATH": str(ROOT / "tests")}, timeout=300)
+    r = run_to_end(base(warm_start, "flat", *FAILING, "buffer.total_steps=3", "explorer.eval_interval=3",
+                         "explorer.max_failed_steps=0",
+                         "buffer.explorer_input.default_reward_fn_type=faulty_reward.constant",
+                         "buffer.explorer_input.eval_tasksets.0.reward_fn=faulty_reward.always_raises"),
+                   {**os.environ, **env_for(tmp_path), "PYTHONPATH": str(ROOT / "tests")}, tmp_path / "run")
     assert r.returncode == 0, r.stderr[-3000:]
     assert ("[grpo] WARNING: every reward of the first 3 steps was 0.9: the advantages are all 0 and nothing "
             "is learned.") in r.stdout
@@ -314,9 +316,9 @@ def test_identical_rewards_and_failed_eval_tasks_are_reported(warm_start, tmp_pa
 
 def test_an_eval_whose_every_task_fails_stops_the_run_before_it_trains(warm_start, tmp_path):
     # a broken reward found by the first eval, not after a whole stage of evals of 0
-    r = run_cli(*base(warm_start, "broken", *FAILING, "explorer.eval_on_startup=true",
-                      "buffer.explorer_input.default_reward_fn_type=faulty_reward.always_raises"),
-                env={**env_for(tmp_path), "PYTHONPATH": str(ROOT / "tests")}, timeout=300)
+    r = run_to_end(base(warm_start, "broken", *FAILING, "explorer.eval_on_startup=true",
+                         "buffer.explorer_input.default_reward_fn_type=faulty_reward.always_raises"),
+                   {**os.environ, **env_for(tmp_path), "PYTHONPATH": str(ROOT / "tests")}, tmp_path / "run")
     assert r.returncode == 1, r.stderr[-3000:]
     assert ("rft: the run stopped: every task of the eval set buffer.explorer_input.eval_tasksets[0] "
             "(arithmetic_test) failed at step 0 (the last error: ValueError: no reward for arithmetic_test/") in r.stderr
