@@ -881,14 +881,18 @@ def _section_keys(name: str, section: str) -> list[str]:
 
 
 def _spelt_as(name: str, key: str) -> bool:
-    """Whether `name` is `key` misspelt: as many words, each the key's word, a typo of it (entropy_coeff)
-    or the word the key's cuts short (lambda, lamda: lam)."""
+    """Whether `name` is `key` misspelt: in another case (clip_ratio_C), its words joined or split
+    (entropycoef, gamma_), or as many words, each the key's word, a typo of it (entropy_coeff), the
+    word the key's cuts short (lambda, lamda: lam) or the key's word cut short (hi: high)."""
     import difflib
 
+    name = name.lower()  # the schema's keys are lower case
+    if name.replace("_", "") == key.replace("_", ""):
+        return True
     pairs = list(zip(name.split("_"), key.split("_")))
     return len(pairs) == len(name.split("_")) == len(key.split("_")) and all(
         a == b or difflib.SequenceMatcher(None, a, b).ratio() >= 0.8 or (len(b) >= 3 and a.startswith(b))
-        for a, b in pairs)
+        or (len(a) >= 2 and b.startswith(a)) for a, b in pairs)
 
 
 def lora_adapter_sync(model_cfg) -> bool:

@@ -161,3 +161,22 @@ def test_a_manifest_listing_a_huge_state_json_takes_no_memory_for_it(tmp_path, l
     assert peak < 2**26, peak  # under 64 MiB (it was the listed size)
     assert ckpt.step == 1  # step 2 is damaged: the one before
     assert len(lines) == 1 and "checkpoint step 2 is damaged" in lines[0], lines
+
+
+# ---------------------------------------------------------------- a misspelt setting still named (06da9bc)
+
+@pytest.mark.parametrize("name, key", [
+    ("clip_ratio_C", "clip_ratio_c"),  # the dual clip's C, as papers write it
+    ("entropycoef", "entropy_coef"), ("clipratio_low", "clip_ratio_low"), ("lossaggmode", "loss_agg_mode"),
+    ("gamma_", "gamma"),  # words joined, or a stray underscore
+    ("clip_ratio_hi", "clip_ratio_high"), ("clip_ratio_lo", "clip_ratio_low"),  # a word cut short
+])
+def test_a_setting_misspelt_by_case_underscores_or_a_short_word_is_named(name, key):
+    # 06da9bc named a setting only where each word matched the key's word by word: these got no hint,
+    # where before they were told the key (and the keys of other meanings it guards against still
+    # get none: test_review7)
+    from rft.config import near_args
+
+    assert near_args([name], ["epsilon"], section="algorithm") == (
+        f" Did you mean algorithm.{key} (not {name})? That is a key of algorithm itself, which the function reads "
+        f"from cfg, not an argument: set algorithm.{key}=<value>, and drop {name} from the args.")
