@@ -180,3 +180,26 @@ def test_a_setting_misspelt_by_case_underscores_or_a_short_word_is_named(name, k
     assert near_args([name], ["epsilon"], section="algorithm") == (
         f" Did you mean algorithm.{key} (not {name})? That is a key of algorithm itself, which the function reads "
         f"from cfg, not an argument: set algorithm.{key}=<value>, and drop {name} from the args.")
+
+
+# ---------------------------------------------------------------- Hydra's --config-dir (b614dcc)
+
+@pytest.mark.parametrize("flag", [["--config-dir", "{d}"], ["--config-dir={d}"], ["-cd", "{d}"]])
+def test_a_groups_option_in_hydras_config_dir_is_not_refused(tmp_path, flag):
+    # Hydra reads config groups from --config-dir (-cd) too; the check looked in conf/ and
+    # hydra.searchpath only: 'hydra/job_logging=mine: there is no conf/hydra/job_logging/mine.yaml'
+    # for a file Hydra composes (and model=mine alike)
+    from conftest import CONF
+
+    from rft.plan.overlays import check, search_dirs
+
+    (tmp_path / "hydra" / "job_logging").mkdir(parents=True)
+    (tmp_path / "hydra" / "job_logging" / "mine.yaml").write_text("version: 1\n")
+    flags = [f.format(d=tmp_path) for f in flag]
+    args = [*flags, "hydra/job_logging=mine"]
+    assert check(args, search_dirs(args, CONF)) is None
+    # a name in no folder is still refused, the folder's options listed with conf's and Hydra's
+    args = [*flags, "hydra/job_logging=mien"]
+    assert check(args, search_dirs(args, CONF)) == (
+        f"hydra/job_logging=mien: there is no hydra/job_logging/mien.yaml in conf/ or {tmp_path}/ (the options of "
+        f"'hydra/job_logging' are default, disabled, mine, none, stdout). Did you mean hydra/job_logging=mine?")

@@ -622,7 +622,18 @@ def search_dirs(args: list[str], conf_dir: Path) -> Roots:
     except Exception:  # unparsable_override or bad_yaml words it
         entries = []
     folders = tuple(Path(str(e).removeprefix("file://")) for e in entries if "://" not in str(e).removeprefix("file://"))
-    return Roots(conf_dir, folders, opaque=len(folders) < len(entries))
+    return Roots(conf_dir, (*_config_dir(args), *folders), opaque=len(folders) < len(entries))
+
+
+def _config_dir(args: list[str]) -> list[Path]:
+    """Hydra's --config-dir (-cd) folder, whose config groups it reads after conf/'s; none where it is no
+    folder (Hydra says so itself)."""
+    for i, a in enumerate(args):
+        flag, eq, value = a.partition("=")
+        if flag in ("--config-dir", "-cd"):
+            value = value if eq else (args[i + 1] if i + 1 < len(args) else "")
+            return [Path(value)] if value and Path(value).is_dir() else []
+    return []
 
 
 def bad_yaml(conf_dir) -> str | None:
