@@ -358,7 +358,9 @@ def run_lock(run_dir: Path):
 
     path = run_dir / RUN_LOCK
     refuse_links(run_dir)
-    with open(os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o666), "r+") as f:
+    # errors="replace": the text is a note (who held it), and bytes that are not UTF-8 (a damaged
+    # file) must not stop every later run of the name; it is rewritten below
+    with open(os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o666), "r+", errors="replace") as f:
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

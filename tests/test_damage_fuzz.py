@@ -1,0 +1,21 @@
+"""What experiments/damage_fuzz found: damage to a file a run reads back that ended in a raw
+traceback, a hang or a silently different result, pinned case by case."""
+
+import os
+
+from rft.runtime import rundir
+
+
+def test_a_run_lock_holding_bytes_that_are_not_text_is_rewritten(tmp_path):
+    # the fuzzer's case: 64 random bytes appended to .run.lock (a disk error, a copy gone wrong).
+    # The lock's text is only a note of who held it (shown if it is still held, and compared for a
+    # requeued Slurm job), yet reading it as UTF-8 ended every later run of the name in a raw
+    # UnicodeDecodeError from run_lock, before anything started
+    lock = tmp_path / rundir.RUN_LOCK
+    lock.write_bytes(b"pid 12 on node7\n\x9b\xff\xfe garbage")
+    with rundir.run_lock(tmp_path) as before:
+        # each undecodable byte read as U+FFFD: 3 of them after the earlier holder's line
+        assert before == "pid 12 on node7\n\ufffd\ufffd\ufffd garbage"
+        assert rundir.requeued(before, {"SLURM_JOB_ID": "5", "SLURM_RESTART_COUNT": "1"}) is None
+    # the note is this run's again
+    assert lock.read_text().startswith(f"pid {os.getpid()} on ")
