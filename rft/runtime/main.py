@@ -51,13 +51,11 @@ def main(cfg: DictConfig) -> float | None:
     except preemption.Refused as e:  # Slurm's warning, and submitit would not requeue the job
         print(f"\nrft: the run stopped: {e.paragraph(_resume_point(cfg), _sweep_dir())}\n", file=sys.stderr)
         sys.exit(1)
-    except preemption.Terminated as e:  # what was saved is safe, as at Ctrl-C
-        text = f"stopped by SIGTERM {e.where}. {_how_to_resume(cfg)} The command: {_resume_command()}"
-        log.info(text)  # run.log ended mid-stage without a word
-        print(f"\nrft: {text}\n", file=sys.stderr)
-        sys.exit(128 + 15)  # a shell's status of a process SIGTERM ended
-    except KeyboardInterrupt:
-        # Ctrl-C: what was saved is safe (checkpoints are written whole, then renamed into place)
+    except KeyboardInterrupt as e:
+        # Ctrl-C or SIGTERM: what was saved is safe (checkpoints are written whole, then renamed into place)
+        if preemption.terminated(e) is not None:
+            _say_terminated(cfg, e)
+            sys.exit(128 + 15)  # a shell's status of a process SIGTERM ended
         print(f"\nrft: interrupted. {_how_to_resume(cfg)}\n", file=sys.stderr)
         sys.exit(130)
     except OSError as e:
@@ -68,6 +66,18 @@ def main(cfg: DictConfig) -> float | None:
             raise
         print(f"\nrft: the run stopped: {_disk_failed(cfg, cause)}\n", file=sys.stderr)
         sys.exit(1)
+
+
+def _say_terminated(cfg: DictConfig, e: KeyboardInterrupt) -> None:
+    """The paragraph of a run SIGTERM stopped, once. Said before Ray's shutdown too (`_run_locked`):
+    after a SIGTERM to the whole process group (the studio's stop) Ray's GCS is dead, and the
+    shutdown waits seconds on it, at times past the studio's SIGKILL 15 s after its SIGTERM."""
+    if getattr(e, "said", False):
+        return
+    e.said = True
+    text = f"stopped by SIGTERM {preemption.terminated(e)}. {_how_to_resume(cfg)} The command: {_resume_command()}"
+    log.info(text)  # run.log ended mid-stage without a word
+    print(f"\nrft: {text}\n", file=sys.stderr, flush=True)
 
 
 def _how_to_resume(cfg: DictConfig) -> str:
@@ -616,6 +626,8 @@ def _run_locked(cfg: DictConfig, stages: list, plans: list, stage_dirs: list[Pat
         if started_ray:
             import ray
 
+            if preemption.terminated(sys.exc_info()[1]) is not None:
+                _say_terminated(cfg, sys.exc_info()[1])  # before the shutdown, which may outlast the stop's grace
             ray.shutdown()
     print(f"outputs: {run_dir}")
     values = [m[cfg.objective] for m in read_metrics(stage_dir / "metrics.jsonl") if cfg.objective in m]

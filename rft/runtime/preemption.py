@@ -318,9 +318,12 @@ def sigterm_stops():
         if os.getpid() != owner:  # a forked copy (it inherits the handler): ended as without it
             os.kill(os.getpid(), signal.SIGTERM)
             return
-        raise Terminated(where())
+        global _terminated
+        _terminated = where()
+        raise Terminated(_terminated)
 
-    global _sigterm
+    global _sigterm, _terminated
+    _terminated = None
     signal.signal(signal.SIGTERM, stop)
     _sigterm = stop
     try:
@@ -332,6 +335,16 @@ def sigterm_stops():
 
 
 _sigterm = None  # sigterm_stops' handler while it is in force
+_terminated = None  # where the run was when its SIGTERM came (`where`), None before one
+
+
+def terminated(e: BaseException | None) -> str | None:
+    """Where SIGTERM stopped the run, for exception `e` on its way out (None: not SIGTERM): a
+    `Terminated`, or the plain KeyboardInterrupt that ray.get raises in its place (it turns any
+    exception of a signal handler into one: a cluster=local run waits in ray.get most of the time)."""
+    if isinstance(e, Terminated):
+        return e.where
+    return _terminated if isinstance(e, KeyboardInterrupt) else None
 
 
 def retake_sigterm() -> None:
