@@ -3,6 +3,9 @@ traceback, a hang or a silently different result, pinned case by case."""
 
 import os
 
+import pytest
+
+from rft.errors import RunError
 from rft.runtime import rundir
 
 
@@ -19,3 +22,18 @@ def test_a_run_lock_holding_bytes_that_are_not_text_is_rewritten(tmp_path):
         assert rundir.requeued(before, {"SLURM_JOB_ID": "5", "SLURM_RESTART_COUNT": "1"}) is None
     # the note is this run's again
     assert lock.read_text().startswith(f"pid {os.getpid()} on ")
+
+
+def test_a_stage_cache_lock_replaced_by_a_link_is_one_paragraph(tmp_path):
+    # the fuzzer's case: <stage_cache_dir>/<key>.lock a link to /dev/zero. filelock opens it with
+    # O_NOFOLLOW, and the run ended in a raw "OSError: [Errno 40] Too many levels of symbolic links"
+    entry = tmp_path / "stage_cache" / "aa683dad4e9a4289"
+    entry.parent.mkdir()
+    (tmp_path / "stage_cache" / "aa683dad4e9a4289.lock").symlink_to("/dev/zero")
+    with pytest.raises(RunError) as e:
+        with rundir.stage_lock(entry, "sft_warmup", print):
+            pass
+    assert str(e.value) == (
+        f"[sft_warmup] the stage cache's lock {entry}.lock cannot be opened: it is a link (to /dev/zero), which rft "
+        f"never makes there. Remove it (rft makes the lock again), or run without the stage cache "
+        f"(stage_cache_dir=null). A stage cache others can write to is not guarded: keep it writable by you alone.")

@@ -532,6 +532,13 @@ def stage_lock(entry: Path | None, title: str, say):
         t0 = time.monotonic()
         lock.acquire()
         say(f"[{title}] the other job finished after {time.monotonic() - t0:.0f} s")
+    except OSError as e:  # (after Timeout, an OSError too) a link there: filelock opens with O_NOFOLLOW
+        path = Path(str(entry) + ".lock")
+        why = f"it is a link (to {os.readlink(path)}), which rft never makes there" if path.is_symlink() else e.strerror
+        raise RunError(
+            f"[{title}] the stage cache's lock {path} cannot be opened: {why}. Remove it (rft makes the lock again), "
+            f"or run without the stage cache (stage_cache_dir=null). A stage cache others can write to is not "
+            f"guarded: keep it writable by you alone.") from None
     try:
         yield
     finally:
