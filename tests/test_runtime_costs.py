@@ -196,3 +196,35 @@ def test_the_trl_comparison_at_the_05b_shape_gives_both_sides_the_same_step():
     # steps 3 and 4: 13 and 14 s -> 13.5; overheads 1 - 9/13 and 1 - 9/14 -> their median
     assert s["step_s"] == pytest.approx(13.5) and s["final"] is None and s["to_target_s"] is None
     assert s["overhead"] == pytest.approx(((1 - 9 / 13) + (1 - 9 / 14)) / 2) and s["peak_gb"] == 2.0
+
+
+def test_a_worker_rays_memory_monitor_killed_is_one_paragraph(monkeypatch, tmp_path, capsys):
+    # Ray's OutOfMemoryError reached the user as Hydra's 'Error executing job' and Ray's traceback
+    import ray.exceptions
+
+    import rft.runtime.main
+
+    said = ("Task was killed due to the node running low on memory.\nMemory on the node (IP: 10.0.0.5, ID: ab12) "
+            "where the task (actor ID: cd34, name=Trainer.__init__, pid=4242, memory used=0.30GB) was running was "
+            "23.20GB / 23.54GB (0.985), which exceeds the memory usage threshold of 0.95. Ray killed this worker")
+
+    def fail(cfg):
+        raise ray.exceptions.OutOfMemoryError(said)
+
+    monkeypatch.setattr(rft.runtime.main, "_main", fail)
+    cfg = compose_cfg(["stages=[]", f"checkpoint_root_dir={tmp_path}"])
+    with pytest.raises(SystemExit) as e:
+        rft.runtime.main.main(cfg)
+    assert e.value.code == 1
+    err = capsys.readouterr().err
+    assert err.startswith("\nrft: the run stopped: Ray's memory monitor killed one of the run's workers: the "
+                          "machine's memory was nearly full (23.20GB of 23.54GB in use). Run the same command again "
+                          "to resume (no checkpoint was saved yet: the run starts over).")
+    assert "RAY_memory_usage_threshold (0.95)" in err and "Traceback" not in err
+
+    def other(cfg):  # any other error is not taken for it
+        raise ValueError("x")
+
+    monkeypatch.setattr(rft.runtime.main, "_main", other)
+    with pytest.raises(ValueError):
+        rft.runtime.main.main(cfg)

@@ -66,6 +66,11 @@ def main(cfg: DictConfig) -> float | None:
             raise
         print(f"\nrft: the run stopped: {_disk_failed(cfg, cause)}\n", file=sys.stderr)
         sys.exit(1)
+    except Exception as e:
+        if not _ray_out_of_memory(e):
+            raise
+        print(f"\nrft: the run stopped: {_out_of_memory(cfg, e)}\n", file=sys.stderr)
+        sys.exit(1)
 
 
 def _say_terminated(cfg: DictConfig, e: KeyboardInterrupt) -> None:
@@ -98,6 +103,26 @@ def _resume_command() -> str:
     if sweep and not any(a.startswith("hydra.sweep.dir=") for a in argv):
         argv.append(f"hydra.sweep.dir={sweep}")
     return shlex.join(argv)
+
+
+def _ray_out_of_memory(e: Exception) -> bool:
+    # without Ray imported no Ray worker ran (cluster=inline)
+    exceptions = sys.modules.get("ray.exceptions")
+    return exceptions is not None and isinstance(e, exceptions.OutOfMemoryError)
+
+
+def _out_of_memory(cfg: DictConfig, e: Exception) -> str:
+    """Ray's memory monitor killed one of the run's workers (the node past its threshold, 0.95 of its
+    memory, whoever used it): Hydra's 'Error executing job' and Ray's traceback said so in Ray's words."""
+    import re
+
+    used = re.search(r"was ([\d.]+ ?[KMGT]i?B) / ([\d.]+ ?[KMGT]i?B)", str(e))
+    how_full = f" ({used[1]} of {used[2]} in use)" if used else ""
+    return (f"Ray's memory monitor killed one of the run's workers: the machine's memory was nearly full{how_full}. "
+            f"{_how_to_resume(cfg)} If other programs held the memory, run again when they are done; if this run did, "
+            f"`dry_run=true` prints each role's memory: lower the batch or the number of actors (cluster.num_cpus, "
+            f"explorer.rollout_model.engine_num). Ray's own settings: RAY_memory_usage_threshold (0.95), "
+            f"RAY_memory_monitor_refresh_ms=0 turns the monitor off.")
 
 
 def _resume_point(cfg: DictConfig) -> str:
