@@ -143,16 +143,22 @@ def test_sigterm_is_left_to_a_handler_already_there_a_fork_and_a_second_signal()
 
 def test_sigterm_is_left_alone_in_a_slurm_job_that_the_watcher_watches():
     """launchers/ray_slurm.sbatch: Slurm's SIGTERM comes at the job's very end, after its requeue."""
-    before = signal.getsignal(signal.SIGTERM)
-    preemption.current = object()  # what `watch` sets in such a job
+    # SIGTERM as a fresh `python run.py` has it: a test before this one in the same pytest worker may have
+    # left Ray's own handler (ray.init installs it), which sigterm_stops leaves alone by design
+    found = signal.signal(signal.SIGTERM, signal.SIG_DFL)
     try:
+        before = signal.getsignal(signal.SIGTERM)
+        preemption.current = object()  # what `watch` sets in such a job
+        try:
+            with preemption.sigterm_stops():
+                assert signal.getsignal(signal.SIGTERM) is before
+        finally:
+            preemption.current = None
         with preemption.sigterm_stops():
-            assert signal.getsignal(signal.SIGTERM) is before
+            assert signal.getsignal(signal.SIGTERM) is not before  # elsewhere it is taken
+        assert signal.getsignal(signal.SIGTERM) is before
     finally:
-        preemption.current = None
-    with preemption.sigterm_stops():
-        assert signal.getsignal(signal.SIGTERM) is not before  # elsewhere it is taken
-    assert signal.getsignal(signal.SIGTERM) is before
+        signal.signal(signal.SIGTERM, found)
 
 
 # ---------------------------------------------------------------- a misspelt launcher
