@@ -22,6 +22,12 @@ def actor_died(e: Exception) -> bool:
     return exceptions is not None and isinstance(e, exceptions.RayActorError)
 
 
+def ray_out_of_memory(e: Exception) -> bool:
+    # Ray's memory monitor killed a worker (a task's error, not RayActorError); imported as actor_died's
+    exceptions = sys.modules.get("ray.exceptions")
+    return exceptions is not None and isinstance(e, exceptions.OutOfMemoryError)
+
+
 def resume_point(stage_dir: Path) -> str:
     """The checkpoint a rerun of the same command resumes from, for a message."""
     latest = latest_checkpoint(stage_dir)

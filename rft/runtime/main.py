@@ -67,7 +67,9 @@ def main(cfg: DictConfig) -> float | None:
         print(f"\nrft: the run stopped: {_disk_failed(cfg, cause)}\n", file=sys.stderr)
         sys.exit(1)
     except Exception as e:
-        if not _ray_out_of_memory(e):
+        from rft.runtime.faults import ray_out_of_memory  # here: the dry run imports no checkpoint code
+
+        if not ray_out_of_memory(e):
             raise
         print(f"\nrft: the run stopped: {_out_of_memory(cfg, e)}\n", file=sys.stderr)
         sys.exit(1)
@@ -103,12 +105,6 @@ def _resume_command() -> str:
     if sweep and not any(a.startswith("hydra.sweep.dir=") for a in argv):
         argv.append(f"hydra.sweep.dir={sweep}")
     return shlex.join(argv)
-
-
-def _ray_out_of_memory(e: Exception) -> bool:
-    # without Ray imported no Ray worker ran (cluster=inline)
-    exceptions = sys.modules.get("ray.exceptions")
-    return exceptions is not None and isinstance(e, exceptions.OutOfMemoryError)
 
 
 def _out_of_memory(cfg: DictConfig, e: Exception) -> str:
