@@ -404,6 +404,11 @@ FOREIGN_KEYS = Registry("a key of another system", shape="a ForeignKey (rft/fore
         "The ratio is clipped to [1 - clip_ratio_low, 1 + clip_ratio_high]; TRL's epsilon sets both unless "
         "epsilon_high is given.")),
     "epsilon_high": ForeignKey(TRL, ("algorithm.clip_ratio_high",)),
+    # TRL clamps the unclipped ratio at delta inside the min: for A > 0 min(r, 1 + eps) already caps it, so
+    # only A < 0 changes, where -A x min(max(r, clip(r)), delta) is the dual clip's bound
+    "delta": ForeignKey(TRL, ("algorithm.clip_ratio_c",), (
+        "TRL's two-sided clip (INTELLECT-2) caps a negative advantage's ratio at delta: the dual clip, the same loss "
+        "and gradient for delta above 1 + epsilon_high.")),
     "num_iterations": ForeignKey(TRL, ("trainer.ppo_epochs",), "Passes over each step's experiences."),
     "max_prompt_length": ForeignKey(TRL, ("model.max_prompt_tokens",)),
     "max_completion_length": ForeignKey(TRL, ("model.max_response_tokens",)),

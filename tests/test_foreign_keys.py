@@ -6,6 +6,7 @@ import re
 import shutil
 
 import pytest
+import torch
 from conftest import CONF
 from omegaconf import OmegaConf
 
@@ -75,6 +76,11 @@ GROUPS = {p.name for p in CONF.iterdir() if p.is_dir()}
      "that is TRL's key, not rft's; rft's are algorithm.kl_loss_coef and algorithm.dpo_beta. GRPOConfig's beta "
      "weighs a k3 KL loss term: algorithm.kl_loss_coef with algorithm.kl_loss_fn=k3 (kl_loss_fn=none is beta=0); "
      "DPOConfig's beta is algorithm.dpo_beta."),
+    # before: Hydra's own "Could not override 'delta'" with no hint (near_args names none: 06da9bc)
+    ("delta=4.0",
+     "that is TRL's key, not rft's; rft's is algorithm.clip_ratio_c. TRL's two-sided clip (INTELLECT-2) caps a "
+     "negative advantage's ratio at delta: the dual clip, the same loss and gradient for delta above 1 + "
+     "epsilon_high."),
     ("max_steps=100",
      "that is ROLL's and TRL's key, not rft's; rft's is buffer.total_steps. ROLL counts pipeline steps, as rft "
      "counts steps (buffer.batch_size tasks each); TRL counts optimizer steps, of which a step here makes "
@@ -301,3 +307,33 @@ def test_trinitys_algorithm_function_names_get_rfts(key, says):
         resolve(registry, "ppo", key)
     assert str(e.value).startswith(f"{key}='ppo' is not one of ") and str(e.value).endswith(
         "give a registered name or the dotted path of a function with the same signature (module.function). " + says)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_trls_delta_is_the_dual_clip(dtype):
+    """The translation of TRL's delta above holds: TRL's loss, -min(min(r, delta) A, clip(r, 1 - eps, 1 +
+    eps_high) A), written out here from its GRPOTrainer, equals rft's ppo_clip with clip_ratio_c = delta in
+    value and gradient, for both signs of A and ratios below, between and above the bounds. By hand, A = -1,
+    r = e^2 = 7.39, delta = 4: TRL -min(-4, -1.28) = 4; rft max(7.39, 1.28) = 7.39, capped at -A c = 4."""
+    from rft.algorithms import POLICY_LOSS_FNS
+    from rft.config import AlgorithmConfig
+
+    delta, lo, hi = 4.0, 0.2, 0.28
+    x = torch.tensor([[-2.0, -0.3, 0.0, 0.1, 0.3, 1.0, 1.5, 2.0, 3.0]], dtype=dtype)
+    adv = torch.tensor([[1.0, -1.0, 1.0, -0.5, -1.0, 1.0, -2.0, -1.0, 0.7]], dtype=dtype)
+    mask = torch.ones_like(x)
+    grads = []
+    for rft_form in (True, False):
+        logp = x.clone().requires_grad_(True)
+        if rft_form:
+            cfg = AlgorithmConfig(clip_ratio_low=lo, clip_ratio_high=hi, clip_ratio_c=delta)
+            batch = {"old_logp": torch.zeros_like(x), "advantages": adv, "response_mask": mask, "ref_logp": None}
+            loss, _ = POLICY_LOSS_FNS["ppo_clip"](logp, batch, cfg)
+        else:
+            r = torch.exp(logp)
+            loss = -torch.min(torch.clamp(r, max=delta) * adv, torch.clamp(r, 1 - lo, 1 + hi) * adv)
+        loss.sum().backward()
+        grads.append((loss.detach(), logp.grad))
+    assert grads[0][0][0, 7].item() == pytest.approx(4.0)  # the hand-computed token above
+    torch.testing.assert_close(grads[0][0], grads[1][0])
+    torch.testing.assert_close(grads[0][1], grads[1][1])
