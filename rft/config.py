@@ -865,7 +865,11 @@ def _section_keys(name: str, section: str) -> list[str]:
     from rft.foreign_keys import FOREIGN_KEYS
 
     theirs = [o for k in FOREIGN_KEYS if "*" not in k and k.rpartition(".")[2] == name
-              for o in FOREIGN_KEYS[k].ours or () if o.rpartition(".")[0] == section]
+              for o in FOREIGN_KEYS[k].ours or ()]
+    if any(o.rpartition(".")[0] != section for o in theirs):
+        # another system's name of a key outside the section too (lr: verl's actor's is algorithm.optimizer.lr,
+        # its critic's algorithm.critic_lr): the one in the section alone was named, a setting GRPO never reads
+        return []
     if theirs:
         return list(dict.fromkeys(theirs))
     node = OmegaConf.select(OmegaConf.structured(Config), section)

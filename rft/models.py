@@ -193,13 +193,17 @@ def missing_checkpoint(model_cfg) -> None:
     step = path.parent if path.name == "hf" else path
     if path.exists() or not (step.name.startswith("step_") and step.parent.name == "checkpoints"):
         return
-    there = sorted((d for d in step.parent.glob("step_*") if d.name[5:].isdigit() and (d / "manifest.json").is_file()),
-                   key=lambda d: int(d.name[5:]))
-    which = (f"The checkpoints there: {', '.join(d.name for d in there)}; start from one's hf/ ({there[-1] / 'hf'})"
-             if there else "It holds no complete checkpoint (one with a manifest.json)")
-    raise ConfigError(f"model.model_path={str(model_cfg.model_path)!r} does not exist: {step.parent} has no {step.name}. "
-                      f"{which}. model.builder={model_cfg.builder} builds a random model only where there is none yet, "
-                      f"never in a run's checkpoints.")
+    # those with a model: a mode=explore stage's, or one saved without hf/ (trainer.save_hf_checkpoint), has none
+    there = sorted((d for d in step.parent.glob("step_*") if d.name[5:].isdigit() and (d / "manifest.json").is_file()
+                    and (d / "hf").is_dir()), key=lambda d: int(d.name[5:]))
+    which = (f"The checkpoints there: {', '.join(d.name for d in there)}; start from one's hf/ "
+             f"({there[-1] / 'hf'})" if there else "It holds no complete checkpoint with a model (its hf/ beside a "
+             "manifest.json)")
+    gone = (f"{step} holds no hf/ (a checkpoint saved without its model)" if step.is_dir()
+            else f"{step.parent} has no {step.name}")
+    raise ConfigError(f"model.model_path={str(model_cfg.model_path)!r} does not exist: {gone}. {which}. "
+                      f"model.builder={model_cfg.builder} builds a random model only where there is none yet, never in "
+                      f"a run's checkpoints.")
 
 
 def ensure_model(model_cfg) -> None:
@@ -212,10 +216,19 @@ def ensure_model(model_cfg) -> None:
             f"model.builder={model_cfg.builder!r} is not a known builder; "
             f"choose one of {sorted(BUILDERS)} or set model.builder=null for a hub id or local path."
         )
+    extra = list(model_cfg.get("extra_tokens") or [])
     if not_built_here(model_cfg.model_path):
+        # a checkpoint's hf/ or an export keeps the tokens its run was built with; one without these
+        # spelt them character by character, without a word
+        missing = _not_in_tokenizer(model_cfg.model_path, extra)
+        if missing:
+            raise ConfigError(
+                f"model.model_path={model_cfg.model_path} holds a model rft did not build here (a checkpoint's hf/, "
+                f"an export) whose tokenizer has not the model.extra_tokens {missing}: they are added only when the "
+                f"tiny model is built. Give model.extra_tokens as the run that trained it had them, or start from a "
+                f"model built with these.")
         return
     missing_checkpoint(model_cfg)
-    extra = list(model_cfg.get("extra_tokens") or [])
     if not extra:
         BUILDERS[model_cfg.builder](model_cfg.model_path)
         return
@@ -224,13 +237,25 @@ def ensure_model(model_cfg) -> None:
                           f"builds); model.builder={model_cfg.builder} keeps its own. Leave extra_tokens empty.")
     path = BUILDERS[model_cfg.builder](model_cfg.model_path, extra_tokens=extra)
     # a model built before with other extra tokens: its tokenizer would spell these character by character
-    added = json.loads((Path(path) / "tokenizer.json").read_text()).get("added_tokens", [])
-    missing = sorted(set(extra) - {t["content"] for t in added})
+    missing = _not_in_tokenizer(path, extra)
     if missing:
         raise ConfigError(
             f"model.model_path={model_cfg.model_path} holds a tiny model built without the model.extra_tokens "
             f"{missing}: a model is built once per directory. Give model.model_path a new directory (it is "
             f"built there on first use), or delete this one.")
+
+
+def _not_in_tokenizer(path, extra: list[str]) -> list[str]:
+    """Which of `extra` the tokenizer.json in `path` does not hold as added tokens (none read where
+    `extra` is empty or there is no tokenizer.json)."""
+    tokenizer = Path(os.path.expanduser(str(path))) / "tokenizer.json"
+    if not extra or not tokenizer.is_file():
+        return []
+    try:
+        added = json.loads(tokenizer.read_text()).get("added_tokens", [])
+    except (ValueError, AttributeError):  # not a tokenizer's JSON: loading it says so
+        return []
+    return sorted(set(extra) - {t.get("content") for t in added if isinstance(t, dict)})
 
 
 def torch_dtype(name: str) -> torch.dtype:

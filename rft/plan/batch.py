@@ -770,10 +770,11 @@ def _check_model(model) -> None:
     path = os.path.expanduser(model.model_path)
     # a hub id ("org/name") cannot be checked here (no hub may be reachable); a local path can
     looks_local = path.startswith(("/", ".")) or path.count("/") > 1
-    if re.fullmatch(r"step_\d+", os.path.basename(path.rstrip("/"))) and os.path.isfile(os.path.join(path, "hf", "config.json")) \
-            and not os.path.isfile(os.path.join(path, "config.json")):
+    if re.fullmatch(r"step_\d+", os.path.basename(os.path.realpath(path))) and not os.path.isfile(
+            os.path.join(path, "config.json")) and os.path.isfile(os.path.join(path, "hf", "config.json")):
         # a run's checkpoint given where its model is meant: transformers failed on the tokenizer (or
-        # model=tiny's builder took the folder for its own), naming neither
+        # model=tiny's builder took the folder for its own), naming neither. By its real name: a link
+        # to one (best -> step_40) was the same
         raise ConfigError(f"model.model_path={model.model_path!r} is a run's checkpoint, not a model: its model is in "
                           f"its hf/ folder. Give model.model_path={os.path.join(path, 'hf')!r}.")
     if model.builder is None and os.path.isfile(path):
