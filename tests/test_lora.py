@@ -98,7 +98,8 @@ def test_lora_config_errors():
     assert make_plan(stage_configs(compose_cfg(["stages=[]", "model.lora.rank=4", "trainer=fsdp2"]))[0], 2000).dp_size == 2
     with pytest.raises(ConfigError) as e:
         make_trainer(8, ["model.lora.rank=4", "model.lora.target_modules=[attn_q]"])
-    assert str(e.value).startswith("model.lora.target_modules=['attn_q']: Target modules")
+    # the plan reads the module names from the weights' headers (tests/test_user_study6.py)
+    assert str(e.value).startswith("model.lora.target_modules: 'attn_q' names no module of the model")
 
 
 @pytest.mark.slow

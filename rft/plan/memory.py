@@ -202,13 +202,53 @@ def parameter_count(model_path: str) -> tuple[int | None, str]:
     return (round(float(m.group(1)) * 1e9), "its name") if m else (None, "")
 
 
-def _header_parameters(path: Path) -> int:
-    """The parameters a safetensors file's header lists (its first 8 bytes: the header's length)."""
+def _header(path: Path) -> dict:
+    """A safetensors file's header (its first 8 bytes: the header's length)."""
     with open(path, "rb") as fh:
         size = int.from_bytes(fh.read(8), "little")
         if not 0 < size <= 100 * 2**20:  # the format caps its header at 100 MB
             raise ValueError(f"{path}: not a safetensors header")
-        header = json.loads(fh.read(size))
+        return json.loads(fh.read(size))
+
+
+def weight_modules(model_path: str) -> list[str] | None:
+    """The full names of the modules with a 2-D weight (linear layers, embeddings) in a local model
+    directory's safetensors headers, as PEFT sees them; None when the weights are not here or
+    cannot be read (loading the model then says why)."""
+    path = Path(os.path.expanduser(model_path))
+    files = sorted(path.glob("*.safetensors")) if path.is_dir() else []
+    try:
+        names = [n for f in files for n, v in _header(f).items()
+                 if n != "__metadata__" and n.endswith(".weight") and len(v["shape"]) == 2]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+    return sorted(n.removesuffix(".weight") for n in names) or None
+
+
+def check_lora_targets(lora, model_path: str) -> None:
+    """Each name of a model.lora.target_modules list matches a module of the model, where its weights
+    are here: PEFT refuses a list that matches nothing only when the trainer is built (after a sweep
+    is queued), and skips a name that matches nothing while another matches (a misspelt v_proj:
+    q_proj alone adapted, silently)."""
+    tm = lora.target_modules
+    if not lora.rank or isinstance(tm, str) or tm is None:  # all-linear, or a regular expression
+        return
+    modules = weight_modules(model_path)
+    if not modules:
+        return
+    for name in tm:  # PEFT's rule for a list: the full name, or its end after a dot
+        if not any(m == name or m.endswith(f".{name}") for m in modules):
+            linear = sorted({m.rsplit(".", 1)[-1] for m in modules if ".layers." in m or ".h." in m})
+            example = next((m for m in modules if m.endswith(f".{linear[0]}")), modules[0]) if linear else modules[0]
+            raise ConfigError(f"model.lora.target_modules: {name!r} names no module of the model at model.model_path "
+                              f"(its linear layers: {', '.join(linear) or ', '.join(modules)}). PEFT matches a name "
+                              f"against the end of each module's full name ({example.rsplit('.', 1)[-1]}: {example}); "
+                              f"give those names, or all-linear.")
+
+
+def _header_parameters(path: Path) -> int:
+    """The parameters a safetensors file's header lists."""
+    header = _header(path)
     total = 0
     for name, v in header.items():
         if name != "__metadata__" and v["dtype"] in _HEADER_DTYPES:

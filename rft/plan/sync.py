@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from rft.config import lora_adapter_sync
 from rft.errors import ConfigError
-from rft.plan.memory import dtype_bytes, lora_parameters, parameter_count, shape_of
+from rft.plan.memory import check_lora_targets, dtype_bytes, lora_parameters, parameter_count, shape_of
 
 # bytes per sync from which moving the weights as bytes through an RPC, or through a file on
 # disk, every step is worth a warning: a 0.5B model in bfloat16 (~1 GB) through vLLM's RPC took
@@ -76,7 +76,9 @@ def route(cfg) -> tuple[str, str | None]:
 
 
 def check_lora_sync(cfg) -> None:
-    """model.lora.sync=adapter: what can serve and carry the adapters alone."""
+    """model.lora.sync=adapter: what can serve and carry the adapters alone (and, as it reads the
+    model's files as this module does, that model.lora.target_modules names modules of it)."""
+    check_lora_targets(cfg.model.lora, cfg.model.model_path)
     if not lora_adapter_sync(cfg.model):
         return
     rm, method = cfg.explorer.rollout_model, str(cfg.synchronizer.sync_method)
