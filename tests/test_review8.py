@@ -227,14 +227,20 @@ def test_sigterm_in_ray_get_is_still_told_apart_from_ctrl_c():
             ray.init(num_cpus=1, include_dashboard=False, logging_level="ERROR")
             preemption.retake_sigterm()  # as rft.runtime.main does
             slow = ray.remote(lambda: time.sleep(60))
+            try:  # Ctrl-C's, before any SIGTERM: a plain KeyboardInterrupt out of ray.get too
+                threading.Timer(1, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+                ray.get(slow.remote())
+            except KeyboardInterrupt as e:
+                print("Ctrl-C's:", type(e).__name__, "|", preemption.terminated(e))
             threading.Timer(1, lambda: os.kill(os.getpid(), signal.SIGTERM)).start()
             try:
                 ray.get(slow.remote())
             except KeyboardInterrupt as e:
                 print(type(e).__name__, "|", preemption.terminated(e))
-            print("Ctrl-C's:", preemption.terminated(ValueError()))
+            print("another error:", preemption.terminated(ValueError()))
         ray.shutdown()
     """)
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=180)
-    assert r.stdout.splitlines() == ["KeyboardInterrupt | before the first stage's steps began",
-                                     "Ctrl-C's: None"], r.stderr[-3000:]
+    assert r.stdout.splitlines() == ["Ctrl-C's: KeyboardInterrupt | None",
+                                     "KeyboardInterrupt | before the first stage's steps began",
+                                     "another error: None"], r.stderr[-3000:]
