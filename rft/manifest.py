@@ -23,7 +23,9 @@ config.json, a zeroed block of weights) is moved aside to <dir>.damaged-<time>, 
 again; its builder is deterministic, so the new one is the one that was damaged. Unchecked, a
 train.jsonl cut at a line's end was trained on as it was. One built by an rft from before these
 manifests is built again and compared: the same files are sealed where they are (their
-modification times, part of the stage cache's keys, kept); others are moved aside as damaged.
+modification times, part of the stage cache's keys, kept); others are moved aside as damaged. Not
+a model folder with its config.json and no manifest: that is taken for the user's own (a
+checkpoint's hf/, an export) and started from as it is (rft.models.not_built_here).
 """
 
 from __future__ import annotations
