@@ -14,6 +14,7 @@ from tqdm import tqdm
 from rft.config import flat
 from rft.manifest import read_regular, write_atomic
 from rft.registry import Registry, resolve
+from rft.reporting.redact import redact, redacted_argv
 
 
 def read_metrics(path: str | Path) -> list[dict]:
@@ -214,8 +215,10 @@ class WandB:
     def __init__(self, cfg, run_dir: Path, stage: str, start_step: int):
         import wandb
 
-        self.run = wandb.init(project=cfg.project, name=f"{cfg.name}/{stage}", dir=str(run_dir),
-                              config={"stage": stage, **config_dict(cfg)}, resume="allow", id=_wandb_id(run_dir))
+        # wandb's run metadata records the command line: a token typed on it is masked there too
+        with redacted_argv():
+            self.run = wandb.init(project=cfg.project, name=f"{cfg.name}/{stage}", dir=str(run_dir),
+                                  config={"stage": stage, **config_dict(cfg)}, resume="allow", id=_wandb_id(run_dir))
 
     def log(self, step: int, metrics: dict) -> None:
         self.run.log(metrics, step=step)
@@ -225,10 +228,11 @@ class WandB:
 
 
 def config_dict(cfg) -> dict:
-    """The stage's whole composed config, resolved, as plain containers."""
+    """The stage's whole composed config, resolved, as plain containers, its secrets masked
+    (rft/reporting/redact.py: a tracker's copy is uploaded and shared)."""
     from omegaconf import DictConfig, OmegaConf
 
-    return OmegaConf.to_container(cfg, resolve=True, enum_to_str=True) if isinstance(cfg, DictConfig) else dict(cfg)
+    return redact(OmegaConf.to_container(cfg, resolve=True, enum_to_str=True) if isinstance(cfg, DictConfig) else dict(cfg))
 
 
 def mlflow_name(key: str) -> str:

@@ -55,6 +55,7 @@ from omegaconf import OmegaConf
 
 from rft import manifest
 from rft.config import near_args
+from rft.reporting.redact import redact_overrides
 
 TIMING_KEYS = ("timing/step_s", "timing/eval_s", "timing/save_s")
 NO_METRICS = "no metrics (failed before its first step, or not started)"
@@ -164,8 +165,10 @@ def parse_overrides(job_dir: Path, name: str) -> dict[str, str] | None:
               f"reported as a configuration of its own, without its overrides.", file=sys.stderr)
         return None
     out = {}
-    for item in items if isinstance(items, list) else []:
-        key, _, value = str(item).partition("=")
+    # a token typed on the command line is in the record (a run of an older rft, or one whose
+    # record was written unmasked): the report, a page others read, shows it masked
+    for item in redact_overrides(items) if isinstance(items, list) else []:
+        key, _, value = item.partition("=")
         out[key] = value
     return out
 

@@ -22,6 +22,7 @@ import threading
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 
 from rft.errors import ConfigError
+from rft.reporting.redact import MASK
 from rft.rewards.remote import RetryingHTTP, bearer_header
 from rft.rewards.scoring import check_template
 
@@ -81,6 +82,9 @@ def _api_key(value: str | None) -> str | None:
     """`api_key` is the name of an environment variable (its value is taken) or the key itself."""
     if not value:
         return None
+    if value == MASK:  # a saved record's masked key (rft/reporting/redact.py) composed again
+        raise ConfigError("api_key is '***', a key masked in a saved record: set api_key to the name of the "
+                          "environment variable that holds the key (default OPENAI_API_KEY).")
     if value in os.environ:
         return os.environ[value]
     if re.fullmatch(r"[A-Z_][A-Z0-9_]*", value):  # the name of a variable that is not set
@@ -142,7 +146,9 @@ class JudgeReward:
         self.max_score, self.max_tokens, self.temperature = float(max_score), max_tokens, float(temperature)
         headers = bearer_header(_api_key(api_key), "the judge's API key (api_key, or the variable it names)",
                                 "give the key as its provider issued it")
-        hint = (f"Check the API key: api_key names an environment variable (now {api_key!r}) that must hold a key "
+        # the key itself is never shown: this hint ends up in logs
+        named = repr(api_key) if api_key is None or re.fullmatch(r"[A-Z_][A-Z0-9_]*", str(api_key)) else "a key, not a name"
+        hint = (f"Check the API key: api_key names an environment variable (now {named}) that must hold a key "
                 f"this server accepts.")
         self.http = RetryingHTTP(timeout=timeout, retries=retries, backoff=backoff, max_backoff=max_backoff,
                                  max_concurrency=max_concurrency, auth_hint=hint, headers=headers)

@@ -3,8 +3,8 @@ helper it shares with the judge (rft/rewards/judge.py).
 
     buffer.explorer_input.taskset.reward_fn=[{fn: remote, args: {url: "http://127.0.0.1:8000"}}]
 
-The token defaults to $RFT_REWARD_TOKEN (or `args: {url: ..., token: ...}`; the config is saved
-with the run). Each group is one request, retried on timeouts, connection errors and 5xx
+The token defaults to $RFT_REWARD_TOKEN (or `args: {url: ..., token: ...}`, which the saved config,
+the trackers and the report show as `***`, and which `ps` shows when typed on the command line). Each group is one request, retried on timeouts, connection errors and 5xx
 (`RetryingHTTP`); args: `RemoteReward`. The server is rft/serving/reward_server.py: this client
 imports none of it.
 """
@@ -14,6 +14,8 @@ import logging
 import os
 import threading
 import time
+
+from rft.reporting.redact import MASK
 
 log = logging.getLogger(__name__)
 
@@ -213,7 +215,8 @@ class RemoteReward:
         if not isinstance(url, str) or not url.startswith(("http://", "https://")):
             raise ConfigError(f"url={url!r}: give the reward server's URL, e.g. http://127.0.0.1:8000.")
         self.url = url.rstrip("/").removesuffix("/score")
-        token = token if token is not None else os.environ.get(TOKEN_ENV)
+        # MASK: a saved record's masked token (rft/reporting/redact.py) composed again; the environment has it
+        token = token if token not in (None, MASK) else os.environ.get(TOKEN_ENV)
         hint = (f"Give the token the server printed or was started with: set ${TOKEN_ENV} where the explorer runs, "
                 f"or args.token of the remote reward part.")
         headers = bearer_header(token, f"the remote reward's token (args.token or ${TOKEN_ENV})")

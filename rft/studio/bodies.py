@@ -11,6 +11,7 @@ import re
 import shlex
 from pathlib import Path
 
+from rft.reporting.redact import redact_override
 from rft.studio.compose import control_character
 
 # Hydra's own settings, in any override form (hydra.job.env_set.X, +hydra..., hydra/launcher=...,
@@ -50,6 +51,18 @@ def _key(where: str, key: str) -> None:
                          f"launcher, the job's environment); set them in a file under conf/, the launcher on the form.")
 
 
+def _no_secret(where: str, override: str) -> None:
+    """A ValueError naming `where` when the override holds a secret (rft/reporting/redact.py): a
+    launched run has its overrides on its command line, which `ps` shows to every local user, and
+    the saved study and the launch record would keep it."""
+    if redact_override(override) != override:
+        raise ValueError(f"{where}: holds a secret (a token, an API key or a password), which the studio does not "
+                         f"take: a run it launches has its values on its command line, which `ps` shows to every "
+                         f"local user, and a saved study or the launch record would keep it. Set it in the "
+                         f"environment the studio starts from ($RFT_REWARD_TOKEN for the remote reward's token; a "
+                         f"judge's api_key names the variable that holds its key) and leave it out of the form.")
+
+
 def composition(body: dict, options: dict[str, list[str]]) -> tuple[dict[str, str], dict[str, str]]:
     """(choices, keys) of a compose, save or launch body: each group one of conf/'s, each option
     one of its files, each key and value one line (a number or a boolean is taken as its text)."""
@@ -67,6 +80,7 @@ def composition(body: dict, options: dict[str, list[str]]) -> tuple[dict[str, st
         if not isinstance(value, (str, int, float)):
             raise ValueError(f"{where}: give the value as text (an override's right-hand side), not a {type(value).__name__}.")
         control_character(where, str(value))
+        _no_secret(where, f"{key}={value}")
         keys[key] = str(value)
     return choices, keys
 
@@ -91,6 +105,7 @@ def sweep_args(body: dict) -> list[str]:
         if "=" not in arg:
             raise ValueError(f"sweep_params: {arg!r} is not an override; write key=value1,value2 (e.g. seed=1,2,3).")
         _key(f"sweep_params {arg!r}", arg.split("=", 1)[0])
+        _no_secret(f"sweep_params {arg.split('=', 1)[0]!r}", arg)  # the key alone: the message shows no secret
     return args
 
 

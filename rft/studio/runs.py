@@ -19,6 +19,7 @@ import yaml
 
 from rft import manifest
 from rft.reporting import report
+from rft.reporting.redact import redact
 from rft.studio import index as X
 
 # metrics the curves offer first (where the runs logged them), then the rest in logged order
@@ -39,9 +40,13 @@ def find(root: Path) -> tuple[list[Path], list[Path]]:
     directory with `.hydra/` (a sweep's jobs included); a sweep is a directory inside one named
     `multirun` (`<root>/<project>/multirun/<date_time>`, or a study's `<name>/multirun/...`)."""
     runs, sweeps = [], []
+    top = Path(root).resolve()
 
     def walk(d: Path, depth: int):
-        for p in sorted(Path(x.path) for x in os.scandir(d) if x.is_dir() and not _skip(Path(x.path))):
+        # a link that leaves the root (to another user's folder, to /) is not followed: the
+        # routes refuse what it leads to (inside), so the list does not show it either
+        for p in sorted(Path(x.path) for x in os.scandir(d) if x.is_dir() and not _skip(Path(x.path))
+                        and (not x.is_symlink() or _within(top, Path(x.path)))):
             is_run = (p / ".hydra").is_dir()
             if is_run:
                 runs.append(p)
@@ -59,11 +64,17 @@ def _num(v):
     return v if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) else None
 
 
+def _within(top: Path, path: Path) -> bool:
+    """Whether `path`, its links followed, is `top` (resolved) or under it: inside's rule."""
+    path = path.resolve()
+    return path == top or top in path.parents
+
+
 def inside(root: Path, rel: str) -> Path:
     """root/rel, refusing a path that leaves root (the page names runs by their path under it)."""
     root = Path(root).resolve()
     path = (root / rel).resolve()
-    if path != root and root not in path.parents:
+    if not _within(root, path):
         raise ValueError(f"{rel!r} is not under the checkpoint root")
     return path
 
@@ -206,7 +217,7 @@ class Runs:
                 cfg = manifest.written_yaml(manifest.read_regular(path).decode())
             except (OSError, yaml.YAMLError, RecursionError, UnicodeDecodeError) as e:
                 raise ValueError(f"{rel}: its config ({path.name}) does not read: {e}") from None
-            return _flat(cfg if isinstance(cfg, dict) else {})
+            return _flat(redact(cfg) if isinstance(cfg, dict) else {})  # a record written unmasked shows none
 
         left, right = config(a), config(b)
         missing = "(absent)"

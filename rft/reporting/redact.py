@@ -1,0 +1,87 @@
+"""Secrets kept out of what a run saves and shows: a config, its overrides, a tracker's copy of them.
+
+A secret is the value of a key named `token`, `api_key`, `password` or `secret` (any letter case;
+the remote reward's `args.token`, a judge's `args.api_key`), and the password of a URL
+(`https://user:password@host`, an MLflow server's say). It is written `***` (MASK). A judge's
+`api_key` that is the name of an environment variable (`OPENAI_API_KEY`: upper-case letters, digits
+and `_`, as rft/rewards/judge.py documents it) is not the key and is kept, as is a secret already
+written MASK. A value under such a key that is not text (null: none given) is kept.
+
+The remote reward reads MASK as "not given": its token comes from $RFT_REWARD_TOKEN, so that a run
+composed again from a saved record (the studio's launch form filled from one) gets the token from
+the environment, where it should have been all along, and not the three characters.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from collections.abc import Mapping
+from contextlib import contextmanager
+
+MASK = "***"
+SECRET_KEYS = frozenset({"token", "api_key", "password", "secret"})
+# the name of an environment variable (judge.py's api_key holds one by default): not the secret
+ENV_NAME = re.compile(r"[A-Z_][A-Z0-9_]*\Z")
+# scheme://user:password@ -> scheme://user:***@
+URL_PASSWORD = re.compile(r"(?<=://)([^/@:\s]*):([^/@\s]+)@")
+# a secret key inside an override's value (`reward_fn=[{fn: remote, args: {token: abc}}]`, YAML
+# flow or JSON, a URL's query): the key, then its value quoted or up to the next , } ] & or space
+INLINE = re.compile(r"""(?P<key>(?<![\w.-])["']?(?P<name>token|api_key|password|secret)["']?\s*[:=]\s*)"""
+                    r"""(?P<value>"(?:[^"\\]|\\.)*"|'[^']*'|[^,}\]\s&"']+)""", re.IGNORECASE)
+
+
+def is_secret(key, value) -> bool:
+    """Whether `value`, found under `key`, is a secret to hide (module docstring)."""
+    if not isinstance(key, str) or key.lower() not in SECRET_KEYS or not isinstance(value, str):
+        return False
+    value = value.strip().strip("\"'")
+    if not value or value == MASK:
+        return False
+    return not (key.lower() == "api_key" and ENV_NAME.match(value))
+
+
+def redact_text(text: str) -> str:
+    """`text` with each URL's password and each inline `token: value` (see INLINE) masked."""
+    def inline(m: re.Match) -> str:
+        if not is_secret(m["name"], m["value"]):
+            return m[0]
+        quote = m["value"][0] if m["value"][0] in "\"'" else ""
+        return f"{m['key']}{quote}{MASK}{quote}"
+
+    return INLINE.sub(inline, URL_PASSWORD.sub(rf"\1:{MASK}@", text))
+
+
+def redact(tree):
+    """A copy of `tree` (dicts, lists and scalars: a config as plain containers) with every secret
+    MASK; text elsewhere has its URLs' passwords masked."""
+    if isinstance(tree, Mapping):
+        return {k: MASK if is_secret(k, v) else redact(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return [redact(v) for v in tree]
+    return redact_text(tree) if isinstance(tree, str) else tree
+
+
+def redact_override(override: str) -> str:
+    """A Hydra override (`[+~]key=value`) with its secret masked: the whole value where the key's
+    last part is a secret's name (`...args.token=abc`), else the secrets inside the value."""
+    key, eq, value = override.partition("=")
+    if eq and is_secret(key.lstrip("+~").split("@")[0].rsplit(".", 1)[-1], value):
+        return f"{key}={MASK}"
+    return redact_text(override)
+
+
+def redact_overrides(overrides) -> list[str]:
+    return [redact_override(str(o)) for o in overrides]
+
+
+@contextmanager
+def redacted_argv():
+    """sys.argv with its secrets masked while the block runs: what a tracker records as the
+    command line (wandb's run metadata reads sys.argv) shows no token typed on it."""
+    saved = sys.argv
+    sys.argv = [saved[0], *redact_overrides(saved[1:])] if saved else saved
+    try:
+        yield
+    finally:
+        sys.argv = saved

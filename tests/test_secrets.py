@@ -1,0 +1,145 @@
+"""Secrets at rest and on show: a token or API key in a run's config is masked (`***`) where rft
+saves or shows it (trackers, the report, the studio), the studio takes none on its form (its
+launches put the form's values on a command line, which `ps` shows every local user), a masked
+token composed again is taken from the environment, and the studio's run list follows no link
+that leaves its root (rft/reporting/redact.py, rft/studio/runs.py)."""
+
+import os
+import sys
+
+import pytest
+import yaml
+
+from conftest import compose_cfg
+
+from rft.reporting import redact as R
+
+TOKEN = "SEKRETtok123456789abc"
+REMOTE = f'buffer.explorer_input.taskset.reward_fn=[{{fn: remote, args: {{url: "http://127.0.0.1:9", token: {TOKEN}}}}}]'
+
+
+def test_secret_values_are_masked_and_names_of_variables_are_kept():
+    tree = {"reward_fn": [{"fn": "remote", "args": {"url": "http://127.0.0.1:9", "token": TOKEN}},
+                          {"fn": "judge", "args": {"api_key": "OPENAI_API_KEY", "base_url": "https://u:pw@h/v1"}},
+                          {"fn": "judge", "args": {"api_key": "sk-abc", "Password": "p", "token": None}}],
+            "model": {"max_tokens": 5, "stop_token_ids": [1], "prompt_key": "question"}}
+    assert R.redact(tree) == {
+        "reward_fn": [{"fn": "remote", "args": {"url": "http://127.0.0.1:9", "token": "***"}},
+                      # a variable's name is not the key; a URL's password is
+                      {"fn": "judge", "args": {"api_key": "OPENAI_API_KEY", "base_url": "https://u:***@h/v1"}},
+                      {"fn": "judge", "args": {"api_key": "***", "Password": "***", "token": None}}],
+        "model": {"max_tokens": 5, "stop_token_ids": [1], "prompt_key": "question"}}  # keys merely like them: kept
+    assert tree["reward_fn"][0]["args"]["token"] == TOKEN  # a copy: the config itself is unchanged
+    assert R.redact(R.redact(tree)) == R.redact(tree)
+
+
+@pytest.mark.parametrize("override, shown", [
+    (REMOTE, 'buffer.explorer_input.taskset.reward_fn=[{fn: remote, args: {url: "http://127.0.0.1:9", token: ***}}]'),
+    (f"+buffer.explorer_input.taskset.reward_fn.0.args.token={TOKEN}", "+buffer.explorer_input.taskset.reward_fn.0.args.token=***"),
+    ("x.reward_fn=[{fn: judge, args: {api_key: 'sk-1', model: m}}]", "x.reward_fn=[{fn: judge, args: {api_key: '***', model: m}}]"),
+    ('x.args={"token": "a b", "url": "http://h/?token=abc&x=1"}', 'x.args={"token": "***", "url": "http://h/?token=***&x=1"}'),
+    ("x.reward_fn=[{fn: judge, args: {api_key: MY_KEY}}]", "x.reward_fn=[{fn: judge, args: {api_key: MY_KEY}}]"),
+    ("model.max_tokens=5", "model.max_tokens=5"), ("x.stop_token=abc", "x.stop_token=abc"),
+])
+def test_an_override_shows_no_secret(override, shown):
+    assert R.redact_override(override) == shown
+
+
+def test_trackers_get_the_config_and_command_line_masked(monkeypatch):
+    """wandb's run config and MLflow's params are config_dict's; wandb's metadata records sys.argv."""
+    from rft.reporting.monitor import config_dict
+
+    cfg = compose_cfg([REMOTE])
+    saved = config_dict(cfg)
+    assert saved["buffer"]["explorer_input"]["taskset"]["reward_fn"][0]["args"] == {"url": "http://127.0.0.1:9",
+                                                                                  "token": "***"}
+    assert TOKEN not in repr(saved)
+    monkeypatch.setattr(sys, "argv", ["run.py", REMOTE, "seed=1"])
+    with R.redacted_argv():
+        seen = list(sys.argv)
+    assert seen[0] == "run.py" and seen[2] == "seed=1" and "token: ***" in seen[1] and TOKEN not in repr(seen)
+    assert sys.argv[1] == REMOTE  # put back after
+
+
+@pytest.mark.slow  # wandb starts a service process (~2 s)
+def test_wandbs_offline_run_file_holds_no_token(tmp_path, monkeypatch, request):
+    import wandb
+
+    from rft.plan.batch import stage_configs
+    from rft.reporting.monitor import WandB
+
+    request.addfinalizer(wandb.teardown)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setattr(sys, "argv", ["run.py", REMOTE])
+    [stage] = stage_configs(compose_cfg(["stages=[]", REMOTE]))
+    run = WandB(stage, tmp_path, "grpo", 0)
+    run.close()
+    files = [p for p in tmp_path.rglob("*") if p.is_file()]
+    assert any(p.suffix == ".wandb" for p in files)
+    assert [p.name for p in files if TOKEN.encode() in p.read_bytes()] == []
+
+
+def test_the_sweep_report_shows_overrides_masked(tmp_path):
+    from rft.reporting.report import parse_overrides
+
+    (tmp_path / ".hydra").mkdir()
+    (tmp_path / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump([REMOTE, "seed=1"]))
+    assert parse_overrides(tmp_path, "0") == {
+        "buffer.explorer_input.taskset.reward_fn": '[{fn: remote, args: {url: "http://127.0.0.1:9", token: ***}}]',
+        "seed": "1"}
+
+
+def test_the_studio_takes_no_secret_and_names_only_the_key():
+    from rft.studio.bodies import composition, sweep_args
+
+    key, value = REMOTE.split("=", 1)
+    with pytest.raises(ValueError) as e:
+        composition({"keys": {key: value}}, {})
+    assert str(e.value).startswith(f"keys[{key!r}]: holds a secret (a token, an API key or a password), which the "
+                                   f"studio does not take: a run it launches has its values on its command line, "
+                                   f"which `ps` shows to every local user")
+    assert TOKEN not in str(e.value) and "$RFT_REWARD_TOKEN" in str(e.value)
+    with pytest.raises(ValueError, match=r"^sweep_params 'x.args.token': holds a secret") as e:
+        sweep_args({"sweep_params": f"seed=1,2 x.args.token={TOKEN}"})
+    assert TOKEN not in str(e.value)
+    assert composition({"keys": {"x.args.api_key": "OPENAI_API_KEY"}}, {}) == ({}, {"x.args.api_key": "OPENAI_API_KEY"})
+
+
+def test_the_studios_config_diff_shows_tokens_masked(tmp_path):
+    from rft.studio.runs import Runs
+
+    for name, token in (("a", TOKEN), ("b", TOKEN + "x")):
+        (tmp_path / name / ".hydra").mkdir(parents=True)
+        (tmp_path / name / ".hydra" / "config.yaml").write_text(
+            yaml.safe_dump({"seed": 1 if name == "a" else 2, "r": {"args": {"token": token}}}))
+    assert Runs(tmp_path).diff("a", "b") == [{"key": "seed", "a": "1", "b": "2"}]  # the tokens differ, unseen
+
+
+def test_a_masked_token_composed_again_is_taken_from_the_environment(monkeypatch):
+    from rft.errors import ConfigError
+    from rft.rewards.judge import JudgeReward
+    from rft.rewards.remote import RemoteReward
+
+    monkeypatch.setenv("RFT_REWARD_TOKEN", "from-env-123")
+    remote = RemoteReward("http://127.0.0.1:9", token="***", check=False)
+    assert remote.http.client.headers["Authorization"] == "Bearer from-env-123"
+    with pytest.raises(ConfigError, match=r"^api_key is '\*\*\*', a key masked in a saved record: set api_key to "
+                                          r"the name of the environment variable that holds the key"):
+        JudgeReward("http://127.0.0.1:9/v1", "m", api_key="***")
+    # a 401's hint ends up in logs: it names the variable, never the key itself
+    assert "sk-abc" not in JudgeReward("http://127.0.0.1:9/v1", "m", api_key="sk-abc").http.auth_hint
+
+
+def test_the_run_list_follows_no_link_that_leaves_the_root(tmp_path):
+    from rft.studio import runs as U
+
+    root, elsewhere = tmp_path / "root", tmp_path / "elsewhere"
+    for d in (root / "p" / "mine", elsewhere / "theirs"):
+        (d / ".hydra").mkdir(parents=True)
+    (root / "p" / "out").symlink_to(elsewhere)           # another user's folder
+    (root / "p" / "again").symlink_to(root / "p" / "mine")  # a link inside the root: listed, as its route answers
+    runs, _ = U.find(root)
+    assert [p.relative_to(root).as_posix() for p in runs] == ["p/again", "p/mine"]
+    with pytest.raises(ValueError, match="is not under the checkpoint root"):
+        U.inside(root, "p/out/theirs")  # what the routes say of the link left out
