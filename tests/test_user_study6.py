@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, compose_cfg, load_script
+from conftest import ROOT, compose_cfg, load_script, run_cli
 from rft.errors import ConfigError
 from rft.plan.batch import describe, make_plan, stage_configs
 
@@ -53,3 +53,38 @@ def test_a_target_module_the_model_lacks_stops_the_dry_run(tiny):
                                                     "model.lora.target_modules=[q_proj,v_prj]")
     # full names and suffixes of them match, as PEFT matches them
     _plan(at, "model.lora.rank=4", "model.lora.target_modules=[self_attn.q_proj,model.layers.1.mlp.up_proj]")
+
+
+def test_the_dry_run_says_what_lora_trains(tiny):
+    # Nothing in the dry run or the run's logs said LoRA was on, or how much trained: a study's
+    # `model.lora.rank=8` and a misspelt or ignored one (rank 0 is "no LoRA", every weight trains)
+    # looked alike until the checkpoints' adapter/ folders. The dry run now has a `lora` row.
+    # Hand count, the tiny model (hidden 128, intermediate 512, 2 layers, 4 heads of 32, 4 kv heads):
+    # rank x (in + out) per adapted layer: q k v o 4 x (128 + 128) = 1024, gate up 2 x (128 + 512)
+    # = 1280, down 512 + 128 = 640; 2944 a layer, 5888 for 2, x rank 8 = 47,104 of its 538,880
+    # parameters (embeddings 103 x 128 = 13,184 tied; a layer 4 x 128^2 + 3 x 128 q/k/v biases
+    # + 3 x 128 x 512 + 2 x 128 norms = 262,784; the final norm 128): 8.7%
+    out = run_cli("stages=[]", f"model.model_path={tiny}", "model.lora.rank=8", "dry_run=true")
+    assert out.returncode == 0, out.stderr
+    assert ("lora           rank 8, alpha 16 (updates scaled by alpha / rank = 2), target_modules all-linear: "
+            "47,104 adapter parameters train, 8.7% of the 538,880; the base weights are frozen") in out.stdout
+    out = run_cli("stages=[]", f"model.model_path={tiny}", "model.lora.alpha=32", "dry_run=true")
+    assert ("lora           off (model.lora.rank=0): every weight trains, though model.lora.alpha=32 is set"
+            in out.stdout)
+
+
+def test_the_run_logs_what_peft_built(tiny, caplog):
+    # the dry run's count is planned from the weights' headers; the run logs PEFT's own count of
+    # the model it built, so the two can be compared (47,104 = 5888 x 8: the test above)
+    import logging
+
+    from transformers import AutoModelForCausalLM
+
+    from rft.trainer import lora
+
+    cfg = compose_cfg(["stages=[]", "model.lora.rank=8"])
+    with caplog.at_level(logging.INFO, logger="rft.trainer.lora"):
+        peft = lora.apply(AutoModelForCausalLM.from_pretrained(tiny), cfg.model.lora)
+    assert sum(p.numel() for p in peft.parameters() if p.requires_grad) == 47_104
+    assert ("LoRA rank 8, alpha 16 on 14 modules: 47,104 adapter parameters train, 8.7% of the base model's "
+            "538,880 (frozen)") in caplog.messages

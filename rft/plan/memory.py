@@ -211,18 +211,36 @@ def _header(path: Path) -> dict:
         return json.loads(fh.read(size))
 
 
-def weight_modules(model_path: str) -> list[str] | None:
-    """The full names of the modules with a 2-D weight (linear layers, embeddings) in a local model
-    directory's safetensors headers, as PEFT sees them; None when the weights are not here or
-    cannot be read (loading the model then says why)."""
+def weight_modules(model_path: str) -> dict[str, list[int]] | None:
+    """The modules with a 2-D weight (linear layers, embeddings) in a local model directory's
+    safetensors headers, by full name as PEFT sees them, with the weight's [out, in] shape; None
+    when the weights are not here or cannot be read (loading the model then says why)."""
     path = Path(os.path.expanduser(model_path))
     files = sorted(path.glob("*.safetensors")) if path.is_dir() else []
     try:
-        names = [n for f in files for n, v in _header(f).items()
-                 if n != "__metadata__" and n.endswith(".weight") and len(v["shape"]) == 2]
+        found = {n.removesuffix(".weight"): v["shape"] for f in files for n, v in _header(f).items()
+                 if n != "__metadata__" and n.endswith(".weight") and len(v["shape"]) == 2}
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
-    return sorted(n.removesuffix(".weight") for n in names) or None
+    return dict(sorted(found.items())) or None
+
+
+def adapter_parameters(model_path: str, lora) -> int | None:
+    """LoRA's parameters counted on the model's own layers (rank x (in + out) for each adapted one),
+    where its weights are here: all-linear as PEFT takes it (every linear layer but the output
+    layer; embeddings are no linear layer), a list by PEFT's suffix rule, a string as a regular
+    expression over full names. None when the weights are not here."""
+    modules = weight_modules(model_path)
+    if modules is None:
+        return None
+    tm = lora.target_modules
+    if tm == "all-linear":
+        chosen = [m for m in modules if "embed" not in m.rsplit(".", 1)[-1] and m.rsplit(".", 1)[-1] != "lm_head"]
+    elif isinstance(tm, str):
+        chosen = [m for m in modules if re.fullmatch(tm, m)]
+    else:
+        chosen = [m for m in modules if any(m == t or m.endswith(f".{t}") for t in tm)]
+    return lora.rank * sum(modules[m][0] + modules[m][1] for m in chosen)
 
 
 def check_lora_targets(lora, model_path: str) -> None:
@@ -233,7 +251,7 @@ def check_lora_targets(lora, model_path: str) -> None:
     tm = lora.target_modules
     if not lora.rank or isinstance(tm, str) or tm is None:  # all-linear, or a regular expression
         return
-    modules = weight_modules(model_path)
+    modules = list(weight_modules(model_path) or [])
     if not modules:
         return
     for name in tm:  # PEFT's rule for a list: the full name, or its end after a dot
@@ -604,12 +622,31 @@ def describe_devices(cfg, est: Estimate) -> list[tuple[str, str]]:
     n = est.shape.parameters
     count = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
     rows.append(("memory", f"GiB on {where}, for {count} parameters (shape from {est.source})"))
+    rows += _lora_row(cfg, est.shape)
     for r in est.roles:
         on = " + ".join(f"{k} {gib(v)}" for k, v in r.parts)
         rows.append(("", f"{r.name}: ~{gib(r.total)} = {on}"))
     for what, keys, _ in est.problems:
         rows.append(("does not fit", f"{what}; change: {keys}"))
     return rows
+
+
+def _lora_row(cfg, s: Shape) -> list[tuple[str, str]]:
+    """What LoRA trains (the dry run's `lora` row): rank 0 is no LoRA, so a study's other LoRA keys
+    set beside it are named, as a sweep over them would change nothing."""
+    lora = cfg.model.lora
+    tm = lora.target_modules
+    shown = tm if isinstance(tm, str) else f"[{', '.join(map(str, tm))}]"
+    if not lora.rank:
+        set_ = [f"model.lora.alpha={lora.alpha:g}"] * (lora.alpha != 16) + [f"model.lora.target_modules={shown}"] * (
+            tm != "all-linear")
+        return [("lora", f"off (model.lora.rank=0): every weight trains, though {' and '.join(set_)} "
+                         f"{'is' if len(set_) == 1 else 'are'} set")] if set_ else []
+    n = adapter_parameters(str(cfg.model.model_path), lora)
+    n = lora_parameters(s, lora) if n is None else n
+    return [("lora", f"rank {lora.rank}, alpha {lora.alpha:g} (updates scaled by alpha / rank = "
+                     f"{lora.alpha / lora.rank:g}), target_modules {shown}: {n:,} adapter parameters train, "
+                     f"{n / s.parameters:.1%} of the {s.parameters:,}; the base weights are frozen")]
 
 
 def _here(dev: Devices) -> str:

@@ -12,11 +12,15 @@
 
 from __future__ import annotations
 
+import logging
 from contextlib import nullcontext
 
 import torch
 
 from rft.errors import ConfigError
+
+
+log = logging.getLogger(__name__)
 
 
 def enabled(model_cfg) -> bool:
@@ -31,11 +35,18 @@ def apply(model, lora_cfg):
     targets = lora_cfg.target_modules
     targets = targets if isinstance(targets, str) else list(targets)
     try:
-        return get_peft_model(model, LoraConfig(r=lora_cfg.rank, lora_alpha=lora_cfg.alpha, lora_dropout=lora_cfg.dropout,
+        peft = get_peft_model(model, LoraConfig(r=lora_cfg.rank, lora_alpha=lora_cfg.alpha, lora_dropout=lora_cfg.dropout,
                                                 target_modules=targets, bias="none"))
     except ValueError as e:  # PEFT: "Target modules ... not found in the base model"
         raise ConfigError(f"model.lora.target_modules={targets!r}: {str(e).splitlines()[0]} Give module names of "
                           f"{type(model).__name__} (e.g. q_proj, v_proj) or all-linear.") from e
+    # what the dry run's `lora` row planned, as PEFT built it (the run's log: run.log, the trainer's)
+    trained, total = peft.get_nb_trainable_parameters()
+    base = total - trained
+    log.info("LoRA rank %d, alpha %g on %d modules: %s adapter parameters train, %.1f%% of the base model's %s "
+             "(frozen)", lora_cfg.rank, lora_cfg.alpha, sum(1 for _ in _lora_layers(peft.get_base_model(), False)),
+             f"{trained:,}", 100 * trained / max(base, 1), f"{base:,}")
+    return peft
 
 
 def is_lora(model) -> bool:
