@@ -714,6 +714,9 @@ class ClusterConfig:
     device_mapping: DeviceMappingConfig = field(default_factory=DeviceMappingConfig)
     # times Ray restarts a dead explorer actor (its weights are re-synced, its step re-run)
     max_actor_restarts: int = 3
+    # seconds a local Ray instance may take to start (ray.init) before the run stops, saying why;
+    # a line says how long it has waited from 15 s on (rft/runtime/reaper.py)
+    init_timeout_s: float = 180.0
 
 
 @dataclass

@@ -182,6 +182,8 @@ RANGES = (
     # step needs (rft.runtime.explorers keeps them only for max_actor_restarts > 0)
     Range("cluster.max_actor_restarts", 0, note="times Ray restarts a dead explorer actor; 0: never",
           when=lambda cfg: cfg.cluster.backend == "ray"),
+    Range("cluster.init_timeout_s", 0, lo_open=True, hi_open=False, note=SECONDS + "; inf: no bound",
+          when=lambda cfg: cfg.cluster.backend == "ray" and cfg.cluster.ray_address is None),
     Range("cluster.num_cpus", 1, note="or null: every CPU of this machine",
           why="with none, no actor could ever be placed and the run would wait forever"),
     Range("explorer.max_failed_steps", 0, note="0: never stop a run whose tasks all fail"),

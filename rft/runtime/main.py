@@ -258,6 +258,11 @@ def _start_ray(cfg: DictConfig, run_dir: Path) -> bool:
         # metrics export from each worker to the node's metrics agent (CPU time taken from the
         # explorer and trainer on a small machine). A value the user set is kept.
         os.environ.setdefault("RAY_enable_metrics_collection", "0")
+    if local:
+        # before ray.init: what a kill during it leaves is stopped too, and it bounds ray.init's wait
+        _start_reaper()
+        _tell_reaper({"init": cfg.cluster.init_timeout_s, "progress": INIT_PROGRESS_S,
+                      "resume": f"{_how_to_resume(cfg)} The command: {_resume_command()}"})
     try:
         _init_ray(cfg, local, run_dir)
     except ConnectionError as e:  # `auto` on a node where no `ray start` ran: Ray's traceback
@@ -265,8 +270,17 @@ def _start_ray(cfg: DictConfig, run_dir: Path) -> bool:
             raise
         raise ConfigError(f"cluster.ray_address={cfg.cluster.ray_address}: no Ray cluster runs on this node "
                           f"(Ray: {str(e).splitlines()[0].rstrip('.')}). {_NO_RAY_FIX}") from None
-    if local:
-        _start_reaper()
+    except Exception as e:
+        if not local or "timed out during startup" not in str(e):
+            raise
+        # Ray's own bound (30 s for the raylet to register), raised as a bare Exception: its traceback
+        raise RunError(f"Ray's local instance did not start: its raylet did not register within Ray's own 30 s "
+                       f"(Ray: {str(e).splitlines()[0]}). The machine may be short of memory or heavily loaded, or "
+                       f"Ray's session files (/tmp/ray) on a full disk. {_how_to_resume(cfg)} The command: "
+                       f"{_resume_command()}") from None
+    finally:
+        if local:
+            _tell_reaper({"init": None})
     return True
 
 
@@ -360,16 +374,32 @@ def _link_new_token(path: Path, token: str) -> None:
 
 
 _reaper = None
+INIT_PROGRESS_S = 15.0  # ray.init's wait is said after this (rft.runtime.reaper); usually it takes 3-5 s
 
 
 def _start_reaper() -> None:
-    """Once per process: a watcher that stops what a SIGKILL of this process would leave of Ray."""
+    """Once per process: a watcher that stops what a SIGKILL of this process would leave of Ray, and
+    this process where ray.init outlasts cluster.init_timeout_s (`_tell_reaper`). Its stderr is this
+    process's: it prints there while ray.init waits."""
     global _reaper
     if _reaper is None or _reaper.poll() is not None:
         import subprocess
 
         _reaper = subprocess.Popen([sys.executable, "-m", "rft.runtime.reaper", str(os.getpid())], start_new_session=True,
-                                   stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                                   stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+
+
+def _tell_reaper(said: dict) -> None:
+    """A line to the reaper: ray.init begins (its bound, how to resume) or is done (rft.runtime.reaper)."""
+    import json
+
+    if _reaper is None or _reaper.poll() is not None:
+        return
+    try:
+        _reaper.stdin.write(json.dumps(said) + "\n")
+        _reaper.stdin.flush()
+    except OSError:  # it ended since: then there is nothing to bound
+        pass
 
 
 def plan_stages(cfg: DictConfig, isolated: bool = False) -> tuple[list, list, list[Path]]:

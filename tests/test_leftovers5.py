@@ -1,0 +1,167 @@
+"""A hung ray.init, what a kill during it leaves, a refused start's run directory, exported files' modes."""
+
+import os
+import re
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from conftest import ROOT, compose_cfg
+
+from rft.runtime import reaper
+
+# a driver whose ray.init never returns, in the way it hung: blocked in C while holding Python's lock
+# (ctypes.PyDLL keeps the GIL through the call), so no thread or signal handler of the driver runs
+HUNG_DRIVER = textwrap.dedent("""
+    import ctypes, sys
+    from pathlib import Path
+    sys.path.insert(0, {root!r}); sys.path.insert(0, {root!r} + "/tests")
+    from conftest import compose_cfg
+    import ray
+    from rft.runtime import main
+    main.INIT_PROGRESS_S = 1.0
+    ray.init = lambda **kw: ctypes.PyDLL(None).sleep(600)
+    cfg = compose_cfg(["cluster=local", "cluster.init_timeout_s=5", "checkpoint_root_dir={tmp}"])
+    main._start_ray(cfg, Path({tmp!r}))
+    print("ray.init returned")
+""")
+
+
+def test_a_ray_init_that_hangs_holding_the_gil_is_stopped_past_init_timeout_s_with_a_paragraph(tmp_path):
+    # it waited for ever (20 minutes seen, under memory pressure and a load of 18), printing nothing
+    code = HUNG_DRIVER.format(root=str(ROOT), tmp=str(tmp_path))
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -9, proc.stderr[-3000:]  # the reaper's SIGKILL: a shell says 137
+    assert "ray.init returned" not in proc.stdout
+    # lines at 1 s and 2 s and 4 s (each at twice the time of the one before), then the paragraph at 5 s
+    lines = re.findall(r"^rft: starting Ray\.\.\. \((\d+) s\)$", proc.stderr, re.M)
+    assert [int(n) for n in lines] == [1, 2, 4], proc.stderr
+    said = re.search(r"^rft: the run stopped: Ray's local instance did not start: ray\.init waited (\d+) s for its GCS "
+                     r"and raylet to answer, past cluster\.init_timeout_s=5, and the driver is stopped \(exit 137\)\. "
+                     r"Likely causes: memory or load \(the machine's memory is \d+% in use, [\d.]+ GiB available, its load "
+                     r"[\d.]+ on \d+ cores: Ray's processes start slowly, or stall, where either is high\); (.*)"
+                     r"Ray's processes of this run are stopped\. Try again when memory and load are lower \(or with "
+                     r"a larger cluster\.init_timeout_s where the machine is slow but not stuck; cluster=inline runs "
+                     r"without Ray\): Run the same command again to resume \(no checkpoint was saved yet: the run "
+                     r"starts over\)\. The command: python -c$", proc.stderr, re.M)
+    assert said and int(said[1]) >= 5, proc.stderr
+    assert said[2].endswith("or Ray's session files (/tmp/ray) are on a disk that is full or slow. ")
+    assert "Traceback" not in proc.stderr
+
+
+def test_the_reaper_counts_a_ray_init_bound_only_while_the_driver_says_it_waits():
+    # ray.init done ({"init": null}) before its bound of 1 s: the driver is left alone after it
+    import threading
+
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    done = threading.Event()
+    lines = ['{"init": 1, "progress": 100, "resume": "r"}\n', '{"init": null}\n']
+    t = threading.Thread(target=reaper.watch, args=(sleeper.pid, 0.1, _open_until(lines, done)), daemon=True)
+    try:
+        t.start()
+        time.sleep(3)  # three times the bound
+        assert sleeper.poll() is None
+    finally:
+        done.set()
+        sleeper.kill()
+        sleeper.wait()
+    t.join(10)
+    assert not t.is_alive()  # the watch ends with its driver
+
+
+def _open_until(lines: list[str], done):
+    """The driver's stdin: `lines`, then open (no EOF) until `done`."""
+    yield from lines
+    done.wait()
+
+
+# run.py's process only: its raylet frozen (SIGSTOP, as a machine out of memory stalls it) just as the
+# driver connects to it, after the raylet registered; the driver then waits in Ray's C++ code
+FREEZE_RAYLET = textwrap.dedent("""
+    import sys
+    if sys.argv and sys.argv[0].endswith("run.py"):
+        import os
+        import psutil
+        import rft.runtime.main as main
+        start = main._init_ray
+        def _init_ray(*args, **kwargs):
+            import ray._private.worker as worker
+            connect = worker.connect
+            def frozen(*a, **k):
+                ray_procs = psutil.Process().children(recursive=True)
+                for p in ray_procs:
+                    if p.name() == "raylet":
+                        p.suspend()
+                open({out!r}, "w").write(" ".join(f"{{p.pid}}:{{p.create_time()}}" for p in ray_procs))
+                return connect(*a, **k)
+            worker.connect = frozen
+            return start(*args, **kwargs)
+        main._init_ray = _init_ray
+""")
+
+
+@pytest.mark.slow  # Ray's start and a bound of 8 s
+def test_a_run_whose_raylet_stalls_in_ray_init_stops_past_the_bound_and_leaves_no_ray_process(tmp_path):
+    # it sat in ray.init, printing nothing; here Ray's own 30 s wait for the raylet then ended the
+    # process with a line of Ray's C++ ("Failed to get the system config from raylet because it is dead")
+    hook, pids = tmp_path / "hook", tmp_path / "ray_pids.txt"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(FREEZE_RAYLET.format(out=str(pids)))
+    args = ["cluster=local", "cluster.init_timeout_s=8", "monitor=console", "stages=[]", "name=stalled"]
+    run = subprocess.Popen([sys.executable, str(ROOT / "run.py"), *args], cwd=ROOT, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True, env={**os.environ, "RFT_CHECKPOINT_ROOT_DIR": str(tmp_path),
+                                                                   "PYTHONPATH": os.pathsep.join([str(hook), str(ROOT)])})
+    out, err = run.communicate(timeout=300)
+    proc = subprocess.CompletedProcess(run.args, run.returncode, out, err)
+    assert proc.returncode == -9, proc.stderr[-3000:]
+    assert re.search(r"^rft: the run stopped: Ray's local instance did not start: ray\.init waited \d+ s for its GCS "
+                     r"and raylet to answer, past cluster\.init_timeout_s=8, and the driver is stopped \(exit 137\)\.",
+                     proc.stderr, re.M), proc.stderr[-3000:]
+    assert "Ray's processes of this run are stopped." in proc.stderr
+    assert f"The command: python {ROOT / 'run.py'} {' '.join(args[:3])} 'stages=[]' name=stalled" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    # the GCS, the raylet (frozen) and what they started: each ended (a zombie has, its parent gone)
+    time.sleep(2)
+    frozen = dict(p.split(":") for p in pids.read_text().split())
+    assert len(frozen) >= 2  # the GCS and the raylet at least
+    # and any process of the Ray session the driver started (Ray names it with the driver's pid)
+    left = [(p.pid, p.info["cmdline"][:1]) for p in psutil.process_iter(["cmdline", "status"])
+            if re.search(rf"/session_[\d_-]+_{run.pid}/", " ".join(p.info["cmdline"] or []))
+            and p.info["status"] != psutil.STATUS_ZOMBIE]
+    assert left == []
+    for pid, started in frozen.items():
+        try:
+            p = psutil.Process(int(pid))
+            assert p.create_time() != float(started) or p.status() == psutil.STATUS_ZOMBIE, p
+        except psutil.NoSuchProcess:
+            pass
+
+
+def test_rays_own_startup_timeout_is_a_paragraph_not_its_traceback(tmp_path, monkeypatch, capsys):
+    # a raylet that never registers (stopped before it did): after Ray's own 30 s, Hydra's "Error
+    # executing job" and Ray's bare Exception ("The current node timed out during startup...")
+    import ray
+
+    import rft.runtime.main as main
+
+    def times_out(**kwargs):
+        raise Exception("The current node timed out during startup. This could happen because some of the raylet "
+                        "failed to startup or the GCS has become overloaded.")
+
+    monkeypatch.setattr(ray, "init", times_out)
+    monkeypatch.setattr(main, "_start_reaper", lambda: None)
+    cfg = compose_cfg(["cluster=local", f"checkpoint_root_dir={tmp_path}", "name=slow"])
+    with pytest.raises(SystemExit) as e:
+        main.main(cfg)
+    assert e.value.code == 1
+    err = capsys.readouterr().err
+    assert err.startswith("\nrft: the run stopped: Ray's local instance did not start: its raylet did not register "
+                          "within Ray's own 30 s (Ray: The current node timed out during startup. This could happen "
+                          "because some of the raylet failed to startup or the GCS has become overloaded.). The "
+                          "machine may be short of memory or heavily loaded, or Ray's session files (/tmp/ray) on a "
+                          "full disk. Run the same command again to resume (no checkpoint was saved yet: the run "
+                          "starts over). The command: python "), err
