@@ -293,3 +293,39 @@ def stored_rows(path: Path) -> list[dict]:
         db.row_factory = sqlite3.Row
         return [{k: r[k] for k in r.keys() if k not in ("id", "created_at")}
                 for r in db.execute("select * from experiences order by id")]
+
+
+def forked_to_end(args, env, out: Path):
+    """`python run.py <args>` run to its end in a forked process (Forked), as run_to_end, whatever its
+    cluster: for a run that starts no Ray (mode=bench evaluates in its own process, a dry run, a
+    configuration error), where a fresh interpreter would add only its imports."""
+    proc = Forked(args, env, out)
+    proc.wait(timeout=600)
+    proc.stdout, proc.stderr = out.with_suffix(".out").read_text(), out.with_suffix(".err").read_text()
+    return proc
+
+
+class ForkedScript(Forked):
+    """`python <script> <args>` for a script of the repository other than run.py (an experiment's),
+    forked by the same forker as Forked: `pid`, `poll()` and `wait()` as Forked's."""
+
+    def __init__(self, script: Path, args, env, out: Path):
+        if Forked.forker is None or Forked.forker.poll() is not None:
+            Forked.forker = subprocess.Popen([sys.executable, "-c", FORKER], stdin=subprocess.PIPE,
+                                             stdout=subprocess.PIPE, text=True, cwd=ROOT)
+            atexit.register(Forked.forker.stdin.close)
+        self.returncode = None
+        job = dict(script=str(script), args=list(args), env=dict(env), cwd=str(ROOT), out=str(out.with_suffix(".out")),
+                   err=str(out.with_suffix(".err")), hook=None)
+        Forked.forker.stdin.write(json.dumps(job) + "\n")
+        Forked.forker.stdin.flush()
+        self.pid = int(Forked.forker.stdout.readline())
+
+
+def script_to_end(script: Path, args, out: Path, env=None, timeout: float = 900):
+    """`python <script> <args>` (ForkedScript) run to its end, in the repository's root: `returncode`,
+    `stdout` and `stderr` as subprocess.run's."""
+    proc = ForkedScript(script, args, {**os.environ, **(env or {})}, out)
+    proc.wait(timeout=timeout)
+    proc.stdout, proc.stderr = out.with_suffix(".out").read_text(), out.with_suffix(".err").read_text()
+    return proc
