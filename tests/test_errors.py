@@ -608,24 +608,24 @@ def test_prompts_and_responses_past_the_token_budgets_are_counted_and_warned_abo
 @pytest.mark.slow  # a real engine, Ray or training run
 def test_ctrl_c_says_how_to_resume_without_a_traceback(run_root):
     import signal
-    import subprocess
-    import sys
     import time
 
-    from conftest import ROOT
+    from resume_support import Forked
 
     env = {**os.environ, **run_root}
     args = ["stages=[]", "cluster=inline", "monitor=console", "name=stopped", "buffer.total_steps=400",
             "trainer.save_interval=2", "explorer.eval_interval=1000"]
-    proc = subprocess.Popen([sys.executable, str(ROOT / "run.py"), *args], cwd=ROOT, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    # `python run.py <args>` forked from a process that imported torch (resume_support.Forked: the
+    # same run without a fresh interpreter's imports; SIGINT's handler is Python's own, as there)
+    proc = Forked(args, env, Path(run_root["RFT_CHECKPOINT_ROOT_DIR"]).parent / "stopped_run")
     step_2 = Path(run_root["RFT_CHECKPOINT_ROOT_DIR"]) / "rft" / "stopped" / "checkpoints" / "step_2"
     deadline = time.time() + 300
     while not (step_2 / "state.json").exists():
         assert proc.poll() is None and time.time() < deadline, "the run ended before its step-2 checkpoint"
         time.sleep(0.05)
-    proc.send_signal(signal.SIGINT)  # what Ctrl-C sends
-    _, err = proc.communicate(timeout=120)
+    os.kill(proc.pid, signal.SIGINT)  # what Ctrl-C sends
+    proc.wait(timeout=120)
+    err = (Path(run_root["RFT_CHECKPOINT_ROOT_DIR"]).parent / "stopped_run.err").read_text()
     assert proc.returncode == 130, err[-3000:]
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
     newest = re.search(r"rft: interrupted\. Run the same command again to resume \(the newest checkpoint: (\S+)\)\.",
@@ -639,34 +639,33 @@ def test_ctrl_c_says_how_to_resume_without_a_traceback(run_root):
 def test_ctrl_c_in_a_sweep_says_how_to_resume_that_sweep(run_root):
     # it said "Run the same command again", which starts the sweep over in a new directory
     import signal
-    import subprocess
-    import sys
     import time
 
     from conftest import ROOT
+    from resume_support import Forked, forked_to_end
 
     args = ["-m", "stages=[]", "cluster=inline", "monitor=console", "buffer.total_steps=400", "trainer.save_interval=2",
             "explorer.eval_interval=1000", "seed=1,2"]
-    proc = subprocess.Popen([sys.executable, str(ROOT / "run.py"), *args], cwd=ROOT, env={**os.environ, **run_root},
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    # forked as in test_ctrl_c_says_how_to_resume_without_a_traceback (the basic launcher runs the jobs in it)
+    out = Path(run_root["RFT_CHECKPOINT_ROOT_DIR"]).parent / "sweep_run"
+    proc = Forked(args, {**os.environ, **run_root}, out)
     sweeps = Path(run_root["RFT_CHECKPOINT_ROOT_DIR"]) / "rft" / "multirun"
     deadline = time.time() + 300
     while not list(sweeps.glob("*/0/checkpoints/step_2/state.json")):
         assert proc.poll() is None and time.time() < deadline, "the sweep ended before its step-2 checkpoint"
         time.sleep(0.05)
-    proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=120)
+    os.kill(proc.pid, signal.SIGINT)
+    proc.wait(timeout=120)
+    err = out.with_suffix(".err").read_text()
     [sweep] = sweeps.iterdir()
     assert proc.returncode == 130 and "Traceback" not in err, err[-3000:]
     assert (f"rft: interrupted. Run the same command again with hydra.sweep.dir={sweep} to resume this sweep (the "
             f"newest checkpoint: {sweep}/0/checkpoints/step_") in err, err[-3000:]
     assert "without it, the sweep starts over in a new directory." in err
     # a job the run stops says so too
-    from conftest import run_cli
-
-    r = run_cli("-m", "stages=[]", "cluster=inline", "buffer.total_steps=2", "seed=1,2",
-                "buffer.explorer_input.default_reward_fn_type=faulty_reward.always_raises",
-                env={**run_root, "PYTHONPATH": str(ROOT / "tests")}, timeout=300)
+    r = forked_to_end(["-m", "stages=[]", "cluster=inline", "buffer.total_steps=2", "seed=1,2",
+                       "buffer.explorer_input.default_reward_fn_type=faulty_reward.always_raises"],
+                      {**os.environ, **run_root, "PYTHONPATH": str(ROOT / "tests")}, out.parent / "failing_sweep")
     [second] = [d for d in sweeps.iterdir() if d != sweep]
     assert r.returncode == 1 and "rft: the run stopped: every task of the eval set" in r.stderr, r.stderr[-3000:]
     assert (f"run the same command again to resume from the newest checkpoint: none yet. explorer.max_failed_steps=0 "
