@@ -234,10 +234,12 @@ def _check_group(e: Experience, owner, tid, name: str) -> None:
 
 def _token_id(t) -> int:
     """A token id as an int, -1 where it is none: an int, a numpy or a torch integer (engines' ids;
-    Experience.to_dict stores them as ints) but not a bool or a float."""
+    Experience.to_dict stores them as ints) but not a bool or a float. operator.index also takes a
+    torch bool (as 0 or 1) and a tensor or array of one element (tensor([5]): tokens from a [T, 1]
+    tensor), which are no ids: refused by their dtype and shape."""
     import operator
 
-    if isinstance(t, bool):
+    if isinstance(t, bool) or getattr(t, "ndim", 0) or str(getattr(t, "dtype", "")) in ("bool", "torch.bool"):
         return -1
     try:
         return operator.index(t)

@@ -1,0 +1,35 @@
+"""Review of the token-id check (e24d4d3) and the reward print cap (02ac0f5, 77357f6): inputs of the
+same kind as those the fixes named."""
+
+import pytest
+
+from rft.data.experience import Experience
+from rft.rollout.workflows.single_turn import check_output
+
+# ---------------------------------------------------------------- token ids: a bool tensor, a tensor of one id
+
+
+def _exp(tokens):
+    return Experience(list(tokens), 2, [-1.0, -1.0], group_id="0/1/t", task_id="t")
+
+
+def test_a_bool_tensor_or_a_one_element_tensor_is_no_token_id():
+    # e24d4d3 took an id for whatever operator.index takes, "not a bool": but torch's bool tensor
+    # passes operator.index (as 1), and so does a tensor of one element, tensor([5]) (a workflow's
+    # tokens built from a [T, 1] tensor): Experience.to_dict then stored them as 1 and 5, the
+    # experience trained on tokens nobody chose
+    import numpy as np
+    import torch
+
+    from rft.errors import ConfigError
+
+    check_output([[_exp([5, 6, torch.tensor(7), np.int64(8)])]], [0], "my.workflow", vocab=100, max_tokens=4)
+    for bad, shown in [([5, 6, torch.tensor(True), 8], "[tensor(True)]"),
+                       ([5, 6, torch.tensor([7]), 8], "[tensor([7])]"),
+                       ([5, 6, np.array([7]), 8], "[array([7])]"),
+                       ([5, 6, np.bool_(True), 8], "[np.True_]")]:
+        with pytest.raises(ConfigError) as e:
+            check_output([[_exp(bad)]], [0], "my.workflow", vocab=100, max_tokens=4)
+        assert str(e.value) == (f"workflow 'my.workflow' returned an experience (task 't') with token ids {shown} "
+                                f"outside the model's vocabulary (ints 0..99): the trainer could not embed them. "
+                                f"Give the tokenizer's ids (ctx.tokenizer).")
