@@ -1,6 +1,8 @@
 """Review of the token-id check (e24d4d3) and the reward print cap (02ac0f5, 77357f6): inputs of the
 same kind as those the fixes named."""
 
+import sys
+
 import pytest
 
 from rft.data.experience import Experience
@@ -33,3 +35,29 @@ def test_a_bool_tensor_or_a_one_element_tensor_is_no_token_id():
         assert str(e.value) == (f"workflow 'my.workflow' returned an experience (task 't') with token ids {shown} "
                                 f"outside the model's vocabulary (ints 0..99): the trainer could not embed them. "
                                 f"Give the tokenizer's ids (ctx.tokenizer).")
+
+
+# ---------------------------------------------------------------- what rewards print to stderr, capped too
+
+def _loud_on_stderr(prompt, response, task):
+    print("x" * 99, file=sys.stderr)  # 100 characters a call, its newline included
+    return 1.0
+
+
+def test_what_rewards_print_to_stderr_is_capped_as_their_stdout(monkeypatch, capsys):
+    # 02ac0f5 capped sys.stdout alone: print(..., file=sys.stderr), warnings and a reward's logging
+    # without a handler of the run's (logging.lastResort writes to sys.stderr) were not, and 1 MB a
+    # call filled the console (a Slurm job's .err, the studio's launch log) as before
+    from rft.rewards import scoring, stdout_cap
+
+    monkeypatch.setattr(stdout_cap, "CAP_CHARS", 250)
+    scorer = scoring.Scorer([scoring.Part("loud", 1.0, scoring._per_response(_loud_on_stderr, {}), False)])
+    task = scoring.Reward(0.0)  # (any object: the function does not read it)
+    assert scorer("p", ["a", "b", "c", "d"], task) == [1.0] * 4  # 4 calls, 400 characters
+    print("[grpo] step 1/2", file=sys.stderr)  # the run's own line (a progress bar's), past the cap: printed
+    err = capsys.readouterr().err
+    # 250 = 2 whole lines of 100 + 50 characters of the third; then the note, once
+    assert err == ("x" * 99 + "\n") * 2 + "x" * 50 + (
+        "\nrft: reward 'loud' printed more than 250 characters: what this taskset's rewards print from here on is left "
+        "out (every response calls them, so their prints would fill the console and the disk its log is on). Print a "
+        "sample of the calls, or write to a file of your own.\n") + "[grpo] step 1/2\n"

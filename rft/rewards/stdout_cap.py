@@ -5,7 +5,11 @@ A reward is called for every response, so a print in it is multiplied: a debuggi
 in the tiny default wrote 2.9 GB to the console in 20 steps (22 s; 2,760 calls), and the console is
 often a file (a Slurm job's .out, the studio's log of a launch, a Ray worker's log), on the disk the
 checkpoints need. Only the calls' own writes count (a thread inside `capped`): the run's own lines,
-printed meanwhile by other threads, pass as before."""
+printed meanwhile by other threads, pass as before. sys.stderr is capped as sys.stdout, against the same
+budget (print(..., file=sys.stderr), warnings, logging with no handler of the run's: 1 MB a call filled
+a Slurm job's .err as well). Not capped: what reaches the console past sys.stdout and sys.stderr (threads
+a reward starts itself, sys.stdout.buffer, os.write(1, ...), a logging handler made before the first call,
+which holds the stream itself: the run's console handler)."""
 
 from __future__ import annotations
 
@@ -64,16 +68,18 @@ class _Capped:
 
 @contextmanager
 def capped(name: str, budget: Budget):
-    """Around a call of reward `name`: what this thread prints meanwhile counts against `budget` (its
-    Scorer's) and is left out past CAP_CHARS."""
+    """Around a call of reward `name`: what this thread prints meanwhile (sys.stdout, sys.stderr) counts
+    against `budget` (its Scorer's) and is left out past CAP_CHARS."""
     global _running
     with _lock:
         # (again after something put its own in place: a test's capture); none: print writes nothing.
         # Only while no call runs: a call's redirect_stdout (a code reward capturing its program's
         # output) is sys.stdout for every thread meanwhile, and wrapped, that capture lost what it
         # was to compare past the cap (reward 0 for a right answer)
-        if not _running and sys.stdout is not None and not isinstance(sys.stdout, _Capped):
-            sys.stdout = _Capped(sys.stdout)
+        for which in ("stdout", "stderr") if not _running else ():  # (`name` is the reward's)
+            stream = getattr(sys, which)
+            if stream is not None and not isinstance(stream, _Capped):
+                setattr(sys, which, _Capped(stream))
         _running += 1
     before, _inside.call = getattr(_inside, "call", None), (name, budget)
     try:
