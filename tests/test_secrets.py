@@ -45,6 +45,27 @@ def test_an_override_shows_no_secret(override, shown):
     assert R.redact_override(override) == shown
 
 
+def test_a_records_yaml_and_a_flat_configs_keys_are_masked_and_interpolations_kept():
+    """config_yaml is what a run's record (.hydra/config.yaml, a stage's config.yaml) is written
+    with; a flat config (the resume check's identity) has dotted keys; Hydra's override_dirname
+    joins overrides with commas."""
+    from omegaconf import OmegaConf
+
+    from rft.config import flat
+
+    cfg = compose_cfg([REMOTE])
+    text = R.config_yaml(cfg, resolve=True)
+    assert TOKEN not in text and "token: '***'" in text
+    assert yaml.safe_load(text)["seed"] == cfg.seed  # the rest as it was
+    flat_cfg = R.redact(flat(cfg))
+    assert flat_cfg["buffer.explorer_input.taskset.reward_fn"][0]["args"]["token"] == "***"
+    assert R.redact({"a.b.token": TOKEN, "a.b.tokens": 3}) == {"a.b.token": "***", "a.b.tokens": 3}
+    # where the token comes from is not the token: kept, as composed
+    assert R.config_yaml(OmegaConf.create({"r": {"token": "${oc.env:RFT_REWARD_TOKEN}"}})) == \
+        "r:\n  token: ${oc.env:RFT_REWARD_TOKEN}\n"
+    assert R.redact_text(f"a=1,x.args.token={TOKEN},b=2") == "a=1,x.args.token=***,b=2"
+
+
 def test_trackers_get_the_config_and_command_line_masked(monkeypatch):
     """wandb's run config and MLflow's params are config_dict's; wandb's metadata records sys.argv."""
     from rft.reporting.monitor import config_dict

@@ -27,18 +27,21 @@ ENV_NAME = re.compile(r"[A-Z_][A-Z0-9_]*\Z")
 URL_PASSWORD = re.compile(r"(?<=://)([^/@:\s]*):([^/@\s]+)@")
 # a secret key inside an override's value (`reward_fn=[{fn: remote, args: {token: abc}}]`, YAML
 # flow or JSON, a URL's query): the key, then its value quoted or up to the next , } ] & or space
-INLINE = re.compile(r"""(?P<key>(?<![\w.-])["']?(?P<name>token|api_key|password|secret)["']?\s*[:=]\s*)"""
+INLINE = re.compile(r"""(?P<key>(?<![\w-])["']?(?P<name>token|api_key|password|secret)["']?\s*[:=]\s*)"""
                     r"""(?P<value>"(?:[^"\\]|\\.)*"|'[^']*'|[^,}\]\s&"']+)""", re.IGNORECASE)
 
 
 def is_secret(key, value) -> bool:
-    """Whether `value`, found under `key`, is a secret to hide (module docstring)."""
-    if not isinstance(key, str) or key.lower() not in SECRET_KEYS or not isinstance(value, str):
+    """Whether `value`, found under `key` (its last dotted part: a flat config's keys), is a
+    secret to hide (module docstring). An interpolation (`${oc.env:RFT_REWARD_TOKEN}`, in a config
+    as composed) is where the secret comes from, not the secret: kept."""
+    name = key.rsplit(".", 1)[-1].lower() if isinstance(key, str) else None
+    if name not in SECRET_KEYS or not isinstance(value, str):
         return False
     value = value.strip().strip("\"'")
-    if not value or value == MASK:
+    if not value or value == MASK or value.startswith("${"):
         return False
-    return not (key.lower() == "api_key" and ENV_NAME.match(value))
+    return not (name == "api_key" and ENV_NAME.match(value))
 
 
 def redact_text(text: str) -> str:
@@ -66,7 +69,7 @@ def redact_override(override: str) -> str:
     """A Hydra override (`[+~]key=value`) with its secret masked: the whole value where the key's
     last part is a secret's name (`...args.token=abc`), else the secrets inside the value."""
     key, eq, value = override.partition("=")
-    if eq and is_secret(key.lstrip("+~").split("@")[0].rsplit(".", 1)[-1], value):
+    if eq and is_secret(key.lstrip("+~").split("@")[0], value):
         return f"{key}={MASK}"
     return redact_text(override)
 
@@ -85,3 +88,12 @@ def redacted_argv():
         yield
     finally:
         sys.argv = saved
+
+
+def config_yaml(cfg, resolve: bool = False) -> str:
+    """A config (DictConfig, or plain containers) as YAML with its secrets masked: what a run's
+    record (.hydra/config.yaml, as composed; a stage's config.yaml, resolved) should hold."""
+    from omegaconf import OmegaConf
+
+    tree = OmegaConf.to_container(cfg, resolve=resolve) if OmegaConf.is_config(cfg) else cfg
+    return OmegaConf.to_yaml(OmegaConf.create(redact(tree)))
