@@ -17,7 +17,7 @@ import pytest
 import torch
 from conftest import ROOT, compose_cfg, run_cli
 from faulty_reward import fault_class
-from resume_support import kill_when, run_here, run_to_end
+from resume_support import forked_to_end, kill_when, run_here, run_to_end
 from safetensors.torch import load_file
 
 from rft.data.buffer import read_experiences
@@ -62,7 +62,10 @@ def test_explore_writes_sql_then_train_learns_from_it_then_bench(warm_start, tmp
     assert [m["staleness/max"] for m in metrics[1:]] == list(range(10))
     assert metrics[1]["actor/clip_frac"] == 0 and max(m["actor/clip_frac"] for m in metrics[2:]) > 0
 
-    r = run_cli(*base(warm_start, "learner", "mode=bench"), env=env_for(tmp_path))
+    # the later commands each in a process forked from one that imported torch (resume_support.Forked):
+    # mode=bench evaluates in its own process (no Ray), the explorers below are cluster=inline
+    env = {**os.environ, **env_for(tmp_path)}
+    r = forked_to_end(base(warm_start, "learner", "mode=bench"), env, tmp_path / "bench_run")
     assert r.returncode == 0, r.stderr[-3000:]
     bench = tmp_path / "rft" / "learner" / "bench"
     rows = (bench / "results.csv").read_text().splitlines()
@@ -75,9 +78,9 @@ def test_explore_writes_sql_then_train_learns_from_it_then_bench(warm_start, tmp
 
     # an explorer that follows a trainer's checkpoints serves (and stamps) the newest one
     db2 = tmp_path / "exp2.db"
-    r = run_cli(*base(warm_start, "follower", "cluster=inline", "mode=explore", "buffer.total_steps=1", "buffer=sql",
-                      f"buffer.trainer_input.experience_buffer.path={db2}",
-                      f"synchronizer.checkpoint_dir={tmp_path / 'rft' / 'learner'}"), env=env_for(tmp_path))
+    r = run_to_end(base(warm_start, "follower", "cluster=inline", "mode=explore", "buffer.total_steps=1", "buffer=sql",
+                        f"buffer.trainer_input.experience_buffer.path={db2}",
+                        f"synchronizer.checkpoint_dir={tmp_path / 'rft' / 'learner'}"), env, tmp_path / "follower_run")
     assert r.returncode == 0, r.stderr[-3000:]
     assert "synchronizer.checkpoint_dir" not in r.stdout + r.stderr
     stored = read_experiences(str(db2), limit=1000)
@@ -85,9 +88,9 @@ def test_explore_writes_sql_then_train_learns_from_it_then_bench(warm_start, tmp
     # a misspelt directory serves nothing, ever: said at the start, not silent
     db3 = tmp_path / "exp3.db"
     typo = tmp_path / "rft" / "lerner"
-    r = run_cli(*base(warm_start, "typo", "cluster=inline", "mode=explore", "buffer.total_steps=1", "buffer=sql",
-                      f"buffer.trainer_input.experience_buffer.path={db3}", f"synchronizer.checkpoint_dir={typo}"),
-                env=env_for(tmp_path))
+    r = run_to_end(base(warm_start, "typo", "cluster=inline", "mode=explore", "buffer.total_steps=1", "buffer=sql",
+                        f"buffer.trainer_input.experience_buffer.path={db3}", f"synchronizer.checkpoint_dir={typo}"),
+                   env, tmp_path / "typo_run")
     assert r.returncode == 0, r.stderr[-3000:]
     assert (f"WARNING: synchronizer.checkpoint_dir='{typo}': no such directory yet; the explorers serve their "
             f"starting weights until a train run writes checkpoints there") in r.stdout
