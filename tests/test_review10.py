@@ -103,3 +103,23 @@ def test_extra_tokens_a_started_from_model_lacks_are_refused(tmp_path):
         f"built. Give model.extra_tokens as the run that trained it had them, or start from a model built with these.")
     ensure_model(OmegaConf.create({"builder": "tiny", "model_path": str(hf), "extra_tokens": ["system"]}))  # it has it
     assert sorted(p.name for p in hf.parent.iterdir()) == ["hf"]  # nothing moved aside or built
+
+
+def test_a_hub_id_under_a_builder_is_refused_not_built_as_a_random_model(tmp_path, monkeypatch):
+    # model.model_path=<hub id> keeping model=tiny's builder: the builder built a random tiny model in
+    # ./Qwen/Qwen2.5-0.5B-Instruct and the run trained it, exit 0 (the dry run said nothing)
+    from rft.plan.batch import check_config
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError) as e:
+        check_config(compose_cfg(["stages=[]", "model.model_path=Qwen/Qwen2.5-0.5B-Instruct"]))
+    assert str(e.value) == (
+        "model.model_path='Qwen/Qwen2.5-0.5B-Instruct' reads as a hub id (org/name: there is no Qwen/ here), and "
+        "model.builder=tiny builds a model of its own with random weights where model_path is not there yet: the run "
+        "would train that, not the hub's model. For a model from the hub (or a folder of your own) set "
+        "model.builder=null too (model=qwen2.5-0.5b does); for a new tiny model built there, write the path as "
+        "./Qwen/Qwen2.5-0.5B-Instruct.")
+    check_config(compose_cfg(["stages=[]", "model.model_path=./Qwen/Qwen2.5-0.5B-Instruct"]))  # built there
+    check_config(compose_cfg(["stages=[]", "model.model_path=Qwen/Qwen2.5-0.5B-Instruct", "model.builder=null"]))
+    (tmp_path / "models").mkdir()
+    check_config(compose_cfg(["stages=[]", "model.model_path=models/tiny"]))  # a folder of this machine's

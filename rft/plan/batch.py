@@ -777,6 +777,16 @@ def _check_model(model) -> None:
         # to one (best -> step_40) was the same
         raise ConfigError(f"model.model_path={model.model_path!r} is a run's checkpoint, not a model: its model is in "
                           f"its hf/ folder. Give model.model_path={os.path.join(path, 'hf')!r}.")
+    if model.builder is not None and not looks_local and "/" in path and not os.path.exists(path) \
+            and not os.path.isdir(path.split("/")[0]):
+        # model=tiny's builder kept with a hub id (model.model_path=Qwen/Qwen2.5-0.5B-Instruct): it built a
+        # random tiny model in ./Qwen/Qwen2.5-0.5B-Instruct and the run trained that, exit 0
+        raise ConfigError(
+            f"model.model_path={model.model_path!r} reads as a hub id (org/name: there is no {path.split('/')[0]}/ "
+            f"here), and model.builder={model.builder} builds a model of its own with random weights where "
+            f"model_path is not there yet: the run would train that, not the hub's model. For a model from the hub "
+            f"(or a folder of your own) set model.builder=null too (model=qwen2.5-0.5b does); for a new "
+            f"{model.builder} model built there, write the path as ./{path}.")
     if model.builder is None and os.path.isfile(path):
         # a GGUF or a lone weights file: it exists, so "no such directory" would mislead
         raise ConfigError(
