@@ -61,3 +61,32 @@ def test_what_rewards_print_to_stderr_is_capped_as_their_stdout(monkeypatch, cap
         "\nrft: reward 'loud' printed more than 250 characters: what this taskset's rewards print from here on is left "
         "out (every response calls them, so their prints would fill the console and the disk its log is on). Print a "
         "sample of the calls, or write to a file of your own.\n") + "[grpo] step 1/2\n"
+
+
+# ---------------------------------------------------------------- a task that cannot be deep-copied
+
+def test_a_task_holding_a_lock_is_copied_around_it_so_a_rewards_edit_stays_its_own():
+    # f6771d5 passed a task that cannot be deep-copied as it is: a reward that edits it (the answer
+    # normalised in place, as 31d77a0's copies were made for) changed what the next part scored
+    # and the taskset's task for every later epoch, without a word. The lock is now shared and the
+    # rest copied around it
+    import threading
+
+    from rft.data.tasks import Task
+    from rft.rewards import scoring
+
+    lock = threading.Lock()
+    task = Task("t/7", [{"role": "user", "content": "042+315"}], "357", {"answer": "357", "lock": lock})
+
+    def edits(p, r, t):
+        t.answer, t.row["answer"] = "1", "1"  # the next part and a later epoch must not see these
+        return 0.0
+
+    def exact(p, r, t):
+        assert t.row["lock"] is lock  # shared, not copied (it cannot be)
+        return float(r == t.answer) + float(r == t.row["answer"])
+
+    scorer = scoring.Scorer([scoring.Part("edits", 1.0, scoring._per_response(edits, {}), False),
+                             scoring.Part("exact", 1.0, scoring._per_response(exact, {}), False)])
+    assert [float(r) for r in scorer("q", ["357", "1"], task)] == [2.0, 0.0]  # 0 + (1 + 1); 0 + (0 + 0)
+    assert (task.answer, task.row["answer"], task.row["lock"]) == ("357", "357", lock)  # the taskset's own

@@ -152,15 +152,29 @@ class Scorer:
         return [p.name for p in self.parts if p.normalize]
 
 
-def own_copy(task):
-    """A reward call's own copy of `task`; the task itself where it cannot be copied (a study's
-    workflow scoring a task of its own that holds a lock, an open file or a process: every call
-    raised 'TypeError: cannot pickle ...' and every task failed, where before copies were made it
-    was scored; such a task's edits are then shared, as they were)."""
+def own_copy(task, depth: int = 4):
+    """A reward call's own copy of `task`. A task of a study's own may hold what cannot be copied (a
+    lock, an open file, a process: every call raised 'TypeError: cannot pickle ...' and every task
+    failed): that is shared, and the rest copied around it, its fields and the dicts, lists and
+    tuples in them (`depth` levels down), so that a reward's task.row["answer"] = ... still reaches
+    neither the next part nor a later epoch; what is shared is passed as it is."""
     try:
         return copy.deepcopy(task)
     except Exception:  # TypeError (cannot pickle), copy.Error, an object's own __deepcopy__ failing
-        return task
+        pass
+    try:
+        if depth and type(task) in (dict, list, tuple):
+            items = [(k, own_copy(v, depth - 1)) for k, v in (task.items() if type(task) is dict else enumerate(task))]
+            return dict(items) if type(task) is dict else type(task)(v for _, v in items)
+        fields = getattr(task, "__dict__", None)
+        if depth and isinstance(fields, dict):
+            twin = copy.copy(task)  # the object's own kind, its fields then each copied where they can be
+            if twin is not task and getattr(twin, "__dict__", None) is not fields:
+                twin.__dict__.update({k: own_copy(v, depth - 1) for k, v in fields.items()})
+                return twin
+    except Exception:  # a kind copy.copy cannot make either: the task itself
+        pass
+    return task
 
 
 def _short(value) -> str:
