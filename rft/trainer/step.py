@@ -249,7 +249,7 @@ class StepMixin:
                     # are ids the student may have no logit for)
                     also = {"top": k, "below": len(self.tokenizer)} if k and model is self.teacher_model else None
                     with ctx():
-                        (lp, _), L = self._forward(model, full, s, e, also=also)
+                        (lp, _), L = self._forward(model, full, s, e, also=also, live=live)
                     if live:
                         logp[s:e, : L - 1] = lp
                         for name in ("top_logp", "top_ids", "top_rest") if also else ():
@@ -317,7 +317,7 @@ class StepMixin:
         for s, e, live in self._my_micro_batches(step.full, m0, min(m1, step.trained)):
             # distill_divergence=jsd: the student's log-probs of the teacher's top tokens too
             step.student_top = None if step.teacher_top is None else {"at_ids": step.teacher_top["top_ids"][s:e]}
-            (logp, entropy), L = self._forward(self.model, step.full, s, e, also=step.student_top)
+            (logp, entropy), L = self._forward(self.model, step.full, s, e, also=step.student_top, live=live)
             rows = _Rows(s, e, L)
             m = rows(step.mask) * live
             if step.old_logp is None:  # the update's own are the old ones (_old_is_current)
@@ -412,7 +412,7 @@ class StepMixin:
         num_tokens = int(aux["response_mask"].sum())
         total = 0.0
         for s, e, live in self._my_micro_batches(aux, 0, len(exps)):
-            (logp, _), L = self._forward(self.model, aux, s, e)
+            (logp, _), L = self._forward(self.model, aux, s, e, live=live)
             m = aux["response_mask"][s:e, : L - 1] * live
             loss = algo.sft_loss_weight * agg_loss(-logp, m, "token-mean", len(exps), num_tokens, 1)
             (loss * self.loss_scale).backward()

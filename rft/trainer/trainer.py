@@ -263,7 +263,7 @@ class Trainer(StepMixin, MetricsMixin, WeightsMixin, CheckpointMixin):
                                               t.use_remove_padding, self._unit)
         return micro_batches.fixed(start, end, self.plan.micro_batch_size)
 
-    def _forward(self, model, full, s, e, also=None):
+    def _forward(self, model, full, s, e, also=None, live: bool = True):
         # trim the right padding shared by this micro-batch's rows
         lengths = _lengths(full)[s:e]
         L = max(lengths)
@@ -273,8 +273,10 @@ class Trainer(StepMixin, MetricsMixin, WeightsMixin, CheckpointMixin):
         units = prompts and prompt_units(full["input_ids"][s:e], lengths, prompts)
         sequences = units[1] if units else lengths  # what is computed: a shared prompt once
         grad = "grad" if torch.is_grad_enabled() else "nograd"
-        self._work[f"perf/{grad}_tokens"] += sum(sequences)
-        self._work["perf/shared_tokens"] += sum(lengths) - sum(sequences)
+        # a dead pass (a data-parallel rank short of rows, its result weighted 0) computes rows that
+        # another pass already counted: padding, not the rows' tokens (nor their FLOPs)
+        self._work[f"perf/{grad}_tokens"] += sum(sequences) * live
+        self._work["perf/shared_tokens"] += (sum(lengths) - sum(sequences)) * live
         if t.use_remove_padding:  # the packed rows' unused ends are the padding
             rows, width = micro_batches.packed_shape(sequences, one_row(model))
             self._work["perf/computed_tokens"] += rows * width
@@ -316,7 +318,7 @@ class Trainer(StepMixin, MetricsMixin, WeightsMixin, CheckpointMixin):
         scores = torch.zeros(len(rows), device=self.device)
         with torch.no_grad():
             for s, e, live in self._my_micro_batches(full, 0, len(rows)):
-                (out, _), L = self._forward(self.model, full, s, e)
+                (out, _), L = self._forward(self.model, full, s, e, live=live)
                 if live:
                     scores[s:e] = out.sum(-1)  # one score per row, the rest of the row 0
         scores = self._all_sum(scores)
