@@ -91,27 +91,29 @@ def test_a_conversation_budget_over_the_context_is_refused_at_planning():
 
 
 def test_an_unknown_loss_arg_gets_no_hint_rather_than_a_wrong_one(tmp_path):
-    """TRL's delta (its two-sided clip) given to GRPO's loss was told 'Did you mean algorithm.dpo_beta
-    (not delta)? ... set algorithm.dpo_beta=<value>': a key GRPO never reads, so the run went on as
-    if the clip were set. The message now lists the loss's own arguments and stops there."""
+    """kl_beta (another system's KL weight) given to GRPO's loss was told 'Did you mean algorithm.dpo_beta
+    (not kl_beta)? ... set algorithm.dpo_beta=<value>': a key GRPO never reads, so the run went on as
+    if the KL were weighted. The message now lists the loss's own arguments and stops there. (TRL's
+    delta, told dpo_beta alike, now names the dual clip it is: algorithm.clip_ratio_c, 15c66f6.)"""
     import rft.runtime.main
     from conftest import compose_cfg
 
     from rft.errors import ConfigError
 
     with pytest.raises(ConfigError) as e:
-        rft.runtime.main._main(compose_cfg(["stages=[]", "+algorithm.args.delta=1.5", "dry_run=true",
+        rft.runtime.main._main(compose_cfg(["stages=[]", "+algorithm.args.kl_beta=0.1", "dry_run=true",
                                             f"checkpoint_root_dir={tmp_path}"]))
-    assert str(e.value) == ("algorithm.args has ['delta'], which algorithm.policy_loss_fn=ppo_clip does not take; "
+    assert str(e.value) == ("algorithm.args has ['kl_beta'], which algorithm.policy_loss_fn=ppo_clip does not take; "
                             "its own arguments are [] (the rest of its settings are the algorithm.* keys it reads "
                             "from cfg).")
 
 
-@pytest.mark.parametrize("name", ["delta", "kl_target", "kl_beta", "clip_ratio_dual", "optim", "args"])
+@pytest.mark.parametrize("name", ["kl_target", "kl_beta", "clip_ratio_dual", "optim", "args"])
 def test_a_key_near_in_spelling_only_is_not_named(name):
     # before: delta and kl_beta -> algorithm.dpo_beta, kl_target -> algorithm.args ('set
     # algorithm.args=<value>'), clip_ratio_dual -> algorithm.clip_ratio_low (the dual clip is
-    # clip_ratio_c), optim -> algorithm.optimizer, a section, not a setting
+    # clip_ratio_c), optim -> algorithm.optimizer, a section, not a setting. (delta is TRL's name of
+    # the dual clip, named as algorithm.clip_ratio_c since 15c66f6: tests/test_foreign_keys.py)
     from rft.config import near_args
 
     assert near_args([name], ["epsilon"], section="algorithm") == ""
