@@ -189,3 +189,25 @@ def test_packing_and_token_budgets_log_the_unpacked_figures():
             assert tokens(m) == (103, 2 * 583), name  # 32 x 15 prompt + 103 response tokens, twice
     assert runs["padded"][0]["perf/padding_frac"] > 0  # rows padded to their micro-batch's longest
     assert runs["packed"][0]["perf/padding_frac"] == 0
+
+
+@pytest.mark.slow  # a one-process trainer, one step
+def test_value_loss_is_the_mean_over_the_critic_updates_that_ran():
+    """critic/value_loss of a step is the mean over its critic updates of each one's token-mean
+    loss, like loss/policy. The plan counts 128 rows a step (8 updates of 16); a step of 32 rows
+    (failed tasks, stale rows dropped, a pipeline's filter) runs 2, and the sum of their losses
+    was divided by the plan's 8, logging a quarter of the loss. critic_lr 0 keeps every value at
+    the zero head's 0, so update j's loss is 0.5 x the token mean of reward^2 over its 16 rows."""
+    cfg = stage_configs(compose_cfg(["stages=[]", "cluster=inline", *PPO, "trainer.mini_batch_size=16",
+                                     "algorithm.critic_lr=0.0"]))[0]
+    ensure_model(cfg.model)
+    plan = make_plan(cfg, 2000)
+    assert plan.optimizer_steps_per_step == 8
+    batch = experiences(n_groups=4, group=8)
+    m = Trainer(cfg, plan).train_step(batch)
+    per_update = []
+    for part in (batch[:16], batch[16:]):
+        n = [e.response_length for e in part]
+        per_update.append(0.5 * sum(e.reward ** 2 * k for e, k in zip(part, n)) / sum(n))
+    assert per_update[0] != per_update[1]  # a mean of the two, not either one
+    assert m["critic/value_loss"] == pytest.approx(statistics.fmean(per_update), rel=1e-6)

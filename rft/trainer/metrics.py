@@ -146,7 +146,8 @@ class MetricsMixin:
     def _critic_metrics(self, step: Step, total_tokens: float) -> dict:
         values, mask = step.batch["values"], step.mask
         return {
-            "critic/value_loss": step.critic_sums["critic/value_loss"] / self.plan.optimizer_steps_per_step,
+            # the mean over the updates that ran: a step of fewer rows than the plan's runs fewer
+            "critic/value_loss": step.critic_sums["critic/value_loss"] / max(step.critic_updates, 1),
             "critic/vf_clip_frac": step.critic_sums["critic/vf_clip_tokens"] / total_tokens,
             # how much of the return variance the values (before this step's updates) explained
             "critic/explained_variance": explained_variance(step.returns, values, mask),

@@ -68,6 +68,7 @@ class Step:
     loss_metric_sums: dict = field(default_factory=dict)  # the policy loss's metrics, token sums
     loss_metric_counts: dict = field(default_factory=dict)  # the counts of those given as (sum, count)
     critic_sums: dict = field(default_factory=dict)
+    critic_updates: int = 0  # the critic's optimizer steps this step ran (the same on every rank)
     grad_norms: list = field(default_factory=list)
     skipped: int = 0  # policy updates whose gradient was not finite, so not applied (StepMixin._apply)
     # the learning rate each applied policy update took: the scheduler's own lr after the step is
@@ -278,6 +279,7 @@ class StepMixin:
                                             list(self._my_micro_batches(step.full, m0, m1)), num_tokens, self.loss_scale,
                                             self._optimizer_step)
                     _add(step.critic_sums, cm)
+                    step.critic_updates += 1
                 if train_actor:
                     self._actor_update(step, m0, m1, num_tokens)
         self._check_finite(step)
