@@ -165,3 +165,43 @@ def test_rays_own_startup_timeout_is_a_paragraph_not_its_traceback(tmp_path, mon
                           "machine may be short of memory or heavily loaded, or Ray's session files (/tmp/ray) on a "
                           "full disk. Run the same command again to resume (no checkpoint was saved yet: the run "
                           "starts over). The command: python "), err
+
+
+def test_a_start_refused_after_the_run_lock_leaves_no_run_directory(tmp_path):
+    # monitor.ray_dashboard=true on minimal Ray is refused as Ray starts, after the run took its lock:
+    # it left <run>/.hydra/ (the refused config as the run's record), .run.lock and run.log (its line
+    # "built the tiny model", in a fresh cache), and a later
+    # continue_from_checkpoint=false moved them to previous_<time>/ as "the earlier outputs"
+    env = {"RFT_CHECKPOINT_ROOT_DIR": str(tmp_path)}
+    from conftest import run_cli
+
+    proc = run_cli("name=refused", "monitor.ray_dashboard=true", "stages=[]", env=env)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "rft: configuration error: monitor.ray_dashboard=true: Ray's dashboard needs the packages" in proc.stderr
+    assert not (tmp_path / "rft" / "refused").exists()
+    proc = run_cli("name=refused", "monitor.ray_dashboard=true", "stages=[]", "continue_from_checkpoint=false", env=env)
+    assert proc.returncode == 2 and "moved the earlier outputs" not in proc.stdout, proc.stdout
+    assert not (tmp_path / "rft" / "refused").exists()
+
+
+def test_a_refused_start_leaves_a_lock_another_run_holds_and_a_used_directory(tmp_path):
+    import fcntl
+
+    from rft.runtime import rundir
+
+    held = tmp_path / "held"
+    held.mkdir()
+    with open(held / rundir.RUN_LOCK, "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a run of the same name that started meanwhile
+        rundir.remove_if_unused(held)
+        assert (held / rundir.RUN_LOCK).is_file()
+    used = tmp_path / "used"
+    (used / "grpo").mkdir(parents=True)
+    (used / rundir.RUN_LOCK).write_text("pid 1 on host\n")
+    rundir.remove_if_unused(used)
+    assert sorted(p.name for p in used.iterdir()) == [rundir.RUN_LOCK, "grpo"]
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / rundir.RUN_LOCK).write_text("")
+    rundir.remove_if_unused(empty)
+    assert not empty.exists()

@@ -35,7 +35,7 @@ def main(cfg: DictConfig) -> float | None:
         with preemption.watch(), preemption.sigterm_stops():
             return _main(cfg)
     except ConfigError as e:
-        _remove_if_empty(run_dir_of(cfg))  # Hydra made it; a run stopped by its config leaves nothing
+        rundir.remove_if_unused(run_dir_of(cfg))  # Hydra made it; a run stopped by its config leaves nothing
         # raised inside a Ray actor it arrives wrapped; its cause holds the message
         print(f"\nrft: configuration error: {getattr(e, 'cause', e)}\n", file=sys.stderr)
         sys.exit(2)
@@ -624,6 +624,11 @@ def _run(cfg: DictConfig, stages: list, plans: list, stage_dirs: list[Path], run
 
     check_allocation(cfg)
     check_memory(stages, plans)
+    for s in stages[:-1]:
+        if s.trainer.save_hf_checkpoint == "never" and s.mode != "explore":
+            raise ConfigError(f"stage {s.stage_name or s.algorithm.algorithm_type!r}: trainer.save_hf_checkpoint=never "
+                              f"leaves no model for the next stage to start from. Use last (the merged model of "
+                              f"its final step only).")
     rundir.check_writable(run_dir)
     with rundir.run_lock(run_dir) as before:
         return _run_locked(cfg, stages, plans, stage_dirs, run_dir, rundir.requeued(before))
@@ -649,15 +654,12 @@ def _run_locked(cfg: DictConfig, stages: list, plans: list, stage_dirs: list[Pat
     cache = cfg.stage_cache_dir and Path(os.path.expanduser(cfg.stage_cache_dir))
     if cache:
         rundir.check_writable(cache, "stage_cache_dir")
-    rundir.write_record(cfg, run_dir)
     ensure_model(stages[0].model)
-    for s in stages[:-1]:
-        if s.trainer.save_hf_checkpoint == "never" and s.mode != "explore":
-            raise ConfigError(f"stage {s.stage_name or s.algorithm.algorithm_type!r}: trainer.save_hf_checkpoint=never "
-                              f"leaves no model for the next stage to start from. Use last (the merged model of "
-                              f"its final step only).")
     started_ray = stages[0].cluster.backend == "ray" and _start_ray(stages[0], run_dir)
     try:
+        # once the model and Ray are there: a start they refuse (a ConfigError) leaves no record of
+        # a run that never ran (main removes the lock of a directory left empty)
+        rundir.write_record(cfg, run_dir)
         init_path, before = None, None
         reward_models: dict[str, str] = {}  # a reward-model stage's title -> its final model
         for i, (s, plan, stage_dir, key) in enumerate(zip(stages, plans, stage_dirs, cache_keys(stages, plans))):

@@ -386,6 +386,34 @@ def run_lock(run_dir: Path):
         yield before
 
 
+def remove_if_unused(run_dir: Path) -> None:
+    """`run_dir` removed if it holds nothing but its unheld lock and this process's log (Hydra's
+    run.log: a line or two before the refusal, which the terminal showed): what a start refused
+    after run_lock leaves (with it, `continue_from_checkpoint=false` later moved it aside as "the
+    earlier outputs", and a folder with no run was listed beside the runs). A lock another run holds
+    now stays, and so does every folder with anything else in it."""
+    import fcntl
+
+    lock = run_dir / RUN_LOCK
+    try:
+        here = run_dir.resolve()
+        logs = [h for h in logging.getLogger().handlers
+                if isinstance(h, logging.FileHandler) and Path(h.baseFilename).parent == here]
+        if any(p.name != RUN_LOCK and p.resolve() not in {Path(h.baseFilename) for h in logs} for p in run_dir.iterdir()):
+            return
+        for h in logs:  # taken off too: a line logged later would make the file, or fail, again
+            logging.getLogger().removeHandler(h)
+            h.close()
+            Path(h.baseFilename).unlink(missing_ok=True)
+        if lock.is_file() and not lock.is_symlink():
+            with open(lock, "rb") as f:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)  # BlockingIOError (an OSError): held
+                lock.unlink()
+        run_dir.rmdir()  # only succeeds when empty
+    except OSError:
+        pass
+
+
 def planted_links(run_dir: Path) -> list[Path]:
     """The links in `run_dir` a run could write through: each one not to a folder (to a file, or to
     nothing); and the FIFOs, sockets and devices, which a run reading its logs back would wait on
