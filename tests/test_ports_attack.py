@@ -41,7 +41,9 @@ def test_clients_that_never_read_their_answer_cannot_lock_the_studio_out(tmp_pat
         auth = {"Authorization": f"Bearer {token}"}
         held = _hold_unread(port, "/static/plotly.min.js", 10)
         time.sleep(0.3)
-        assert httpx.get(url + "/api/launches", headers=auth).status_code == 503  # 10 held, 8 allowed
+        # 10 held, 8 allowed: the oldest without the token gives its slot up to the request with it
+        # (rft.serving.auth; tests/test_secrets.py); the rest are dropped as they read nothing
+        assert httpx.get(url + "/api/launches", headers=auth).status_code == 200
         time.sleep(3)  # each dropped ~1 s after its transport's buffer filled
         assert httpx.get(url + "/api/launches", headers=auth).status_code == 200
     finally:

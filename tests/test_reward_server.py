@@ -557,7 +557,9 @@ def test_half_sent_requests_are_dropped_and_connections_are_capped():
                         + b"\r\nContent-Length: 100\r\n\r\n{")
         time.sleep(0.2)
         r = httpx.get(url + "/health", headers={"Authorization": "Bearer " + TOKEN})
-        assert r.status_code == 503  # 21 connections held, 8 allowed
+        # 21 connections held, 8 allowed: those without the token give up their slots to one with
+        # it (tests/test_secrets.py), the others wait for their deadline
+        assert r.status_code == 200
         assert all(closed_by_server(s, 3.0) for s in slow_heads + [slow_body])
         assert time.monotonic() - t0 < 3.0  # dropped after ~1 s
         r = httpx.get(url + "/health", headers={"Authorization": "Bearer " + TOKEN})

@@ -4,6 +4,7 @@ launches put the form's values on a command line, which `ps` shows every local u
 token composed again is taken from the environment, and the studio's run list follows no link
 that leaves its root (rft/reporting/redact.py, rft/studio/runs.py)."""
 
+import json
 import os
 import sys
 
@@ -164,3 +165,66 @@ def test_the_run_list_follows_no_link_that_leaves_the_root(tmp_path):
     assert [p.relative_to(root).as_posix() for p in runs] == ["p/again", "p/mine"]
     with pytest.raises(ValueError, match="is not under the checkpoint root"):
         U.inside(root, "p/out/theirs")  # what the routes say of the link left out
+
+
+def _answer(s) -> bytes:
+    """One answer's head and its small body off a kept-alive connection."""
+    s.settimeout(5)
+    data = b""
+    while b"\r\n\r\n" not in data or not data.rstrip().endswith((b"}", b"]")):
+        data += s.recv(65536)
+    return data
+
+
+def test_connections_without_the_token_never_keep_a_client_with_it_out():
+    """The slots are the server's (every local user is 127.0.0.1). Measured before: 7 connections
+    held by a local user without the token (half-sent heads, or kept alive with a request refused
+    401 every few seconds, which re-arms --request-timeout) answered the client with the token
+    503 for as long as they were held. Now its connection takes the oldest one's slot; the limit
+    still holds against connections that sent the token."""
+    import httpx
+    from test_reward_server import TOKEN as SERVER_TOKEN, closed_by_server, command, raw, stopped
+
+    proc, url = command("--request-timeout", "30", "--max-connections", "8")
+    held = []
+    try:
+        # 7 held: with the 8th, a request is at uvicorn's limit (len(connections) >= 8: 503)
+        held = [raw(url, b"POST /score HTTP/1.1\r\nHost: x\r\nX-Slow: ") for _ in range(3)]
+        for _ in range(4):  # whole requests without the token, kept alive
+            held.append(raw(url, b"GET /health HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer wrong\r\n\r\n"))
+            assert _answer(held[-1]).startswith(b"HTTP/1.1 401")
+        auth = {"Authorization": "Bearer " + SERVER_TOKEN}
+        assert httpx.get(url + "/health", headers=auth).status_code == 200
+        # the oldest went (long before its 30 s), the other 6 are still open
+        assert closed_by_server(held[0], 2.0) and not any(closed_by_server(s, 0.1) for s in held[1:])
+        for s in held:
+            s.close()
+        # 7 connections that sent the token, kept alive: with the 8th that asks, at the limit
+        held = [raw(url, f"GET /health HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {SERVER_TOKEN}\r\n\r\n".encode())
+                for _ in range(7)]
+        assert all(_answer(s).startswith(b"HTTP/1.1 200") for s in held)
+        r = httpx.get(url + "/health", headers=auth)
+        assert r.status_code == 503
+    finally:
+        for s in held:
+            s.close()
+        stopped(proc)
+
+
+def test_model_written_code_and_the_studios_runs_see_no_token(monkeypatch, tmp_path):
+    """The sandbox's code gets PATH, LANG and HOME only (and bubblewrap's PWD; no $RFT_REWARD_TOKEN, ...),
+    isolated or not; the studio's token leaves its environment before it starts anything."""
+    from rft.rollout.environments import sandbox
+    from rft.studio.__main__ import _environments
+
+    for name in ("RFT_REWARD_TOKEN", "OPENAI_API_KEY", "RFT_STUDIO_TOKEN", "WANDB_API_KEY"):
+        monkeypatch.setenv(name, TOKEN)
+    result = sandbox.run_python("import json, os; print(json.dumps(dict(os.environ)))", timeout_s=10,
+                                allow_unisolated=True)
+    seen = json.loads(result.stdout)
+    assert set(seen) <= {"HOME", "LANG", "PATH", "PWD"} and TOKEN not in result.stdout, result  # PWD: bubblewrap's
+    for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "RFT_CHECKPOINT_ROOT_DIR"):  # _environments sets them
+        monkeypatch.setenv(name, os.environ.get(name, "1"))
+    launched = _environments(tmp_path)
+    assert "RFT_STUDIO_TOKEN" not in launched and "RFT_STUDIO_TOKEN" not in os.environ
+    assert launched["RFT_CHECKPOINT_ROOT_DIR"] == str(tmp_path)

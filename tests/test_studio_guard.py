@@ -676,7 +676,9 @@ def test_half_sent_requests_cannot_lock_the_studio_out(tmp_path):
             s.sendall(b"GET /api/runs HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: ")
         time.sleep(0.2)
         auth = {"Authorization": f"Bearer {token}"}
-        assert httpx.get(url + "/api/runs", headers=auth).status_code == 503  # 20 held, 8 allowed
+        # 20 held, 8 allowed: the oldest without the token gives its slot up to the request with it
+        # (rft.serving.auth; tests/test_secrets.py); the rest are dropped at their deadline
+        assert httpx.get(url + "/api/runs", headers=auth).status_code == 200
         time.sleep(2)  # each dropped after ~1 s
         for s in held:
             s.settimeout(1)

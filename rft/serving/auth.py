@@ -14,7 +14,12 @@ Limits, each measured against `python -m rft.serving.reward_server` (tests/test_
   uvicorn waited for it forever: ten connections asking for the studio's plotly.min.js (no token
   needed) and never reading held a studio of --max-connections 8 at 503 for good (TimedH11);
 - at most `max_connections` connections at once: beyond, a request is answered 503 (uvicorn's
-  limit_concurrency), which the clients retry;
+  limit_concurrency), which the clients retry. The slots are the server's, not a client
+  address's (every local user is 127.0.0.1). A connection that has not yet sent the server's token
+  holds its slot only until one is wanted: a connection that would be over the limit closes the
+  oldest such one to take its place (TimedH11). So connections held open without the token, however
+  fast they are opened again, never keep a client with the token out; only connections that sent
+  it count against the limit for good (a client of the server's own, or anyone who has the token);
 - an unfinished request head over 16 KiB is answered 400 (h11's default limit, stated in
   server_config; a head that one read brings in whole, up to 64 KiB, is parsed).
 """
@@ -23,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
+import itertools
 import os
 import secrets
 import socket
@@ -116,6 +122,9 @@ class BodyLimit:
         await self.app(scope, limited, send)
 
 
+_OPENED = itertools.count()  # the order connections opened in: the oldest untrusted one makes room
+
+
 class TimedH11(H11Protocol):
     """uvicorn's h11 protocol with a deadline for each request to arrive whole (see the module
     docstring): armed when a connection opens and after each answer, disarmed once the request's
@@ -123,14 +132,30 @@ class TimedH11(H11Protocol):
 
     def connection_made(self, transport) -> None:
         self._deadline = self._stalled = None
+        self._trusted, self._since = False, next(_OPENED)
         super().connection_made(transport)
         self._arm()
+        self._make_room()
 
     def data_received(self, data: bytes) -> None:
         super().data_received(data)
         if self.conn.their_state is h11.DONE and self._deadline is not None:
             self._deadline.cancel()
             self._deadline = None
+        if not self._trusted and self.headers is not None:  # a request's head is in: did it bring the token?
+            self._trusted = sends_token(self.headers, getattr(self.config, "token", None))
+
+    def _make_room(self) -> None:
+        """Over the limit with this connection (uvicorn would answer its request 503): close the
+        oldest other connection that has not sent the token, if there is one (module docstring)."""
+        limit = self.config.limit_concurrency
+        if limit is None or len(self.connections) < limit or getattr(self.config, "token", None) is None:
+            return
+        idle = [c for c in self.connections if c is not self and not getattr(c, "_trusted", True)]
+        if idle:
+            oldest = min(idle, key=lambda c: c._since)
+            oldest.transport.abort()
+            self.connections.discard(oldest)  # now: its connection_lost comes on the loop's next turn
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
@@ -182,15 +207,29 @@ class TimedH11(H11Protocol):
             self.transport.close()
 
 
+def sends_token(headers, token: bytes | None) -> bool:
+    """Whether a request's headers (uvicorn's: lower-case names, bytes) carry `Authorization:
+    Bearer <token>` (compared in constant time)."""
+    if token is None:
+        return False
+    for name, value in headers:
+        if name == b"authorization":
+            scheme, _, given = value.partition(b" ")
+            return scheme.lower() == b"bearer" and secrets.compare_digest(given.strip(), token)
+    return False
+
+
 def server_config(app, *, request_timeout: float = REQUEST_TIMEOUT, max_connections: int = MAX_CONNECTIONS,
-                  **kwargs):
+                  token: str | None = None, **kwargs):
     """The uvicorn.Config of a server of this project: TimedH11 with `request_timeout`, uvicorn's
-    limit_concurrency at `max_connections`, h11's head limit; `kwargs` go to uvicorn.Config."""
+    limit_concurrency at `max_connections`, h11's head limit; `token`: the one the app checks, so
+    that connections without it give up their slots (module docstring); `kwargs` go to uvicorn.Config."""
     import uvicorn
 
     config = uvicorn.Config(app, http=TimedH11, limit_concurrency=max_connections,
                             h11_max_incomplete_event_size=MAX_HEAD, **kwargs)
     config.request_timeout = request_timeout
+    config.token = token.encode() if token else None
     return config
 
 

@@ -327,7 +327,8 @@ class OpenAIServer:
 
         from rft.serving.auth import server_config
 
-        self.server = uvicorn.Server(server_config(self.app(), host=self.host, port=self.port, log_level="warning"))
+        self.server = uvicorn.Server(server_config(self.app(), host=self.host, port=self.port, token=self.token,
+                                                   log_level="warning"))
         threading.Thread(target=self.server.run, daemon=True, name="openai-api").start()
         t0 = time.monotonic()
         while not self.server.started:

@@ -245,7 +245,7 @@ def main(argv=None) -> None:
     print(f"rft.serving.reward_server: serving {describe(spec)} at http://{host}:{port} (POST /score, GET /health)", flush=True)
     app = make_app(scorer, token, max_body=int(args.max_body_mb * 2**20), max_responses=args.max_responses)
     config = server_config(app, request_timeout=args.request_timeout, max_connections=args.max_connections,
-                           log_level=args.log_level, access_log=args.access_log)
+                           token=token, log_level=args.log_level, access_log=args.access_log)
     uvicorn.Server(config).run(sockets=[sock])
 
 

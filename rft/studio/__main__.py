@@ -133,7 +133,7 @@ def _serve(app, args, root: Path, token: str) -> None:
     from rft.serving.auth import server_config
 
     config = server_config(app, request_timeout=args.request_timeout, max_connections=args.max_connections,
-                           log_level="warning")
+                           token=token, log_level="warning")
     uvicorn.Server(config).run(sockets=[sock])
 
 
