@@ -75,15 +75,19 @@ def test_a_task_holding_a_lock_is_copied_around_it_so_a_rewards_edit_stays_its_o
     from rft.data.tasks import Task
     from rft.rewards import scoring
 
-    lock = threading.Lock()
-    task = Task("t/7", [{"role": "user", "content": "042+315"}], "357", {"answer": "357", "lock": lock})
+    class Env:  # an object of the study's own that cannot be copied (a process's handle, say)
+        def __init__(self):
+            self.lock = threading.Lock()
+
+    lock, env = threading.Lock(), Env()
+    task = Task("t/7", [{"role": "user", "content": "042+315"}], "357", {"answer": "357", "lock": lock, "env": env})
 
     def edits(p, r, t):
         t.answer, t.row["answer"] = "1", "1"  # the next part and a later epoch must not see these
         return 0.0
 
     def exact(p, r, t):
-        assert t.row["lock"] is lock  # shared, not copied (it cannot be)
+        assert t.row["lock"] is lock and t.row["env"] is env  # shared, not copied (they cannot be)
         return float(r == t.answer) + float(r == t.row["answer"])
 
     scorer = scoring.Scorer([scoring.Part("edits", 1.0, scoring._per_response(edits, {}), False),

@@ -152,29 +152,41 @@ class Scorer:
         return [p.name for p in self.parts if p.normalize]
 
 
-def own_copy(task, depth: int = 4):
+def own_copy(task):
     """A reward call's own copy of `task`. A task of a study's own may hold what cannot be copied (a
     lock, an open file, a process: every call raised 'TypeError: cannot pickle ...' and every task
-    failed): that is shared, and the rest copied around it, its fields and the dicts, lists and
-    tuples in them (`depth` levels down), so that a reward's task.row["answer"] = ... still reaches
-    neither the next part nor a later epoch; what is shared is passed as it is."""
+    failed): that is shared, and the rest copied around it, the task's fields and the dicts, lists
+    and tuples in them, so that a reward's task.row["answer"] = ... still reaches neither the next
+    part nor a later epoch. Only the task itself is copied field by field: an object in it that
+    cannot be deep-copied is shared whole (a copy.copy of a subprocess.Popen, a second object of
+    one process, could reap it under the first)."""
     try:
         return copy.deepcopy(task)
     except Exception:  # TypeError (cannot pickle), copy.Error, an object's own __deepcopy__ failing
         pass
+    fields = getattr(task, "__dict__", None)
+    if isinstance(fields, dict) and type(task) not in (dict, list, tuple):
+        try:
+            twin = copy.copy(task)  # the task's own kind, its fields then each copied where they can be
+        except Exception:
+            return task
+        if twin is not task and getattr(twin, "__dict__", None) is not fields:
+            twin.__dict__.update({k: _copied_around(v, 3) for k, v in fields.items()})
+            return twin
+    return _copied_around(task, 4)
+
+
+def _copied_around(x, depth: int):
+    """`x` deep-copied, or where it cannot be, a dict, list or tuple of its items so copied (`depth`
+    levels down); anything else that cannot be copied is `x` itself."""
     try:
-        if depth and type(task) in (dict, list, tuple):
-            items = [(k, own_copy(v, depth - 1)) for k, v in (task.items() if type(task) is dict else enumerate(task))]
-            return dict(items) if type(task) is dict else type(task)(v for _, v in items)
-        fields = getattr(task, "__dict__", None)
-        if depth and isinstance(fields, dict):
-            twin = copy.copy(task)  # the object's own kind, its fields then each copied where they can be
-            if twin is not task and getattr(twin, "__dict__", None) is not fields:
-                twin.__dict__.update({k: own_copy(v, depth - 1) for k, v in fields.items()})
-                return twin
-    except Exception:  # a kind copy.copy cannot make either: the task itself
+        return copy.deepcopy(x)
+    except Exception:
         pass
-    return task
+    if depth and type(x) in (dict, list, tuple):
+        items = [(k, _copied_around(v, depth - 1)) for k, v in (x.items() if type(x) is dict else enumerate(x))]
+        return dict(items) if type(x) is dict else type(x)(v for _, v in items)
+    return x
 
 
 def _short(value) -> str:
