@@ -205,3 +205,36 @@ def test_a_refused_start_leaves_a_lock_another_run_holds_and_a_used_directory(tm
     (empty / rundir.RUN_LOCK).write_text("")
     rundir.remove_if_unused(empty)
     assert not empty.exists()
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027])
+def test_an_exports_files_all_follow_the_umask(umask, tmp_path):
+    # model.safetensors came out 0600 (safetensors writes through a temporary file) beside 0644 files:
+    # a colleague, or a serving process of another user, could read the config but not the weights
+    import shutil
+    from pathlib import Path
+
+    from rft.models import ensure_model
+    from rft.runtime import checkpoint
+    from rft.runtime.checkpoint import Owner
+    from rft.runtime.export import export
+
+    model = compose_cfg(["model=tiny"]).model
+    ensure_model(model)
+
+    def save_files(tmp):
+        shutil.copytree(Path(model.model_path).expanduser(), tmp / "hf")
+        return {"fingerprint": "1/2/3"}
+
+    stage = tmp_path / "grpo"
+    checkpoint.write(stage, 1, {"version": 1}, save_files, owner=Owner(run="rft/x", stage="grpo", config="c0ffee00",
+                                                                         model=str(model.model_path)))
+    before = os.umask(umask)
+    try:
+        out = export(stage / "checkpoints" / "step_1", tmp_path / "out")
+    finally:
+        os.umask(before)
+    modes = {f.name: f.stat().st_mode & 0o777 for f in out.iterdir()}
+    assert "model.safetensors" in modes and "manifest.json" in modes and "config.json" in modes
+    # 0666 less the umask: 0644 with 022, 0640 with 027 (a group may read, others not)
+    assert set(modes.values()) == {0o666 & ~umask}, {k: oct(v) for k, v in modes.items()}
