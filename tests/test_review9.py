@@ -1,5 +1,5 @@
-"""Review of the token-id check (e24d4d3) and the reward print cap (02ac0f5, 77357f6): inputs of the
-same kind as those the fixes named."""
+"""Review of the token-id check (e24d4d3), the reward print cap (02ac0f5, 77357f6) and a reward call's
+copy of a task that cannot be deep-copied (f6771d5): inputs of the same kind as those the fixes named."""
 
 import sys
 
