@@ -35,8 +35,8 @@ class Budget:
 
 
 class _Capped:
-    """sys.stdout while rewards may print: a write from a thread inside `capped` counts against
-    CAP_CHARS; every other write, and every other attribute, is the stream's own."""
+    """sys.stdout (and sys.stderr) while rewards may print: a write from a thread inside `capped`
+    counts against CAP_CHARS; every other write, and every other attribute, is the stream's own."""
 
     def __init__(self, stream):
         self._stream = stream
