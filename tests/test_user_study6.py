@@ -88,3 +88,17 @@ def test_the_run_logs_what_peft_built(tiny, caplog):
     assert sum(p.numel() for p in peft.parameters() if p.requires_grad) == 47_104
     assert ("LoRA rank 8, alpha 16 on 14 modules: 47,104 adapter parameters train, 8.7% of the base model's "
             "538,880 (frozen)") in caplog.messages
+
+
+def test_too_few_cpus_for_fsdp2_ranks_names_the_ranks():
+    # `trainer=fsdp2 model.lora.rank=4` on 2 cores: "the actors need 3 CPU (cluster.cpus_per_actor=1,
+    # gpu_per_node=0, explorer.rollout_model.engine_num=1, colocate=False) but the Ray cluster has 2"
+    # named every term of the 3 but the one that made it: fsdp2's 2 trainer ranks (1 engine + 2 ranks)
+    from rft.plan.placement import check_placement
+
+    cfg = stage_configs(compose_cfg(["stages=[]", "model.lora.rank=4", "trainer=fsdp2", "cluster.num_cpus=2"]))[0]
+    with pytest.raises(ConfigError) as e:
+        check_placement(cfg)
+    assert str(e.value).startswith(
+        "the actors need 3 CPU (cluster.cpus_per_actor=1, gpu_per_node=0, explorer.rollout_model.engine_num=1, "
+        "trainer.ranks=2, colocate=False) but the Ray cluster has 2.")

@@ -186,7 +186,8 @@ def check_resources(cfg, p: Placement, have: dict) -> None:
         raise ConfigError(
             f"the actors need {v:g} {k} (cluster.cpus_per_actor={c.cpus_per_actor}, "
             f"gpu_per_node={c.gpu_per_node}, explorer.rollout_model.engine_num="
-            f"{cfg.explorer.rollout_model.engine_num}, colocate={c.colocate}"
+            f"{cfg.explorer.rollout_model.engine_num}"
+            + (f", trainer.ranks={trainer_ranks(cfg)}" if trainer_ranks(cfg) > 1 else "") + f", colocate={c.colocate}"
             + (f", reward model workers={len(p.reward_models)}" if p.reward_models else "") + ") but the Ray "
             f"cluster has {have.get(k, 0):g}. Lower those, or start Ray with more "
             f"(cluster.num_cpus for a local instance"
