@@ -238,3 +238,26 @@ def test_an_exports_files_all_follow_the_umask(umask, tmp_path):
     assert "model.safetensors" in modes and "manifest.json" in modes and "config.json" in modes
     # 0666 less the umask: 0644 with 022, 0640 with 027 (a group may read, others not)
     assert set(modes.values()) == {0o666 & ~umask}, {k: oct(v) for k, v in modes.items()}
+
+
+def test_a_checkpoints_files_follow_the_umask(tmp_path):
+    # its hf/model.safetensors was 0600 (safetensors' temporary file) beside a 0644 trainer_state.pt:
+    # the checkpoint was not private, its weights alone unreadable to others (model.model_path=<it>/hf)
+    from rft.runtime import checkpoint
+
+    def save_files(tmp):
+        (tmp / "hf").mkdir()
+        fd = os.open(tmp / "hf" / "model.safetensors", os.O_WRONLY | os.O_CREAT, 0o600)  # as safetensors makes it
+        os.write(fd, b"weights")
+        os.close(fd)
+        (tmp / "trainer_state.pt").write_bytes(b"\1")
+        return {}
+
+    before = os.umask(0o022)
+    try:
+        step = checkpoint.write(tmp_path / "grpo", 1, {}, save_files)
+    finally:
+        os.umask(before)
+    modes = {str(f.relative_to(step)): f.stat().st_mode & 0o777 for f in step.rglob("*") if f.is_file()}
+    assert modes == {"hf/model.safetensors": 0o644, "trainer_state.pt": 0o644, "state.json": 0o644,
+                     "manifest.json": 0o644}, {k: oct(v) for k, v in modes.items()}
