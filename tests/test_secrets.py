@@ -23,13 +23,17 @@ def test_secret_values_are_masked_and_names_of_variables_are_kept():
     tree = {"reward_fn": [{"fn": "remote", "args": {"url": "http://127.0.0.1:9", "token": TOKEN}},
                           {"fn": "judge", "args": {"api_key": "OPENAI_API_KEY", "base_url": "https://u:pw@h/v1"}},
                           {"fn": "judge", "args": {"api_key": "sk-abc", "Password": "p", "token": None}}],
-            "model": {"max_tokens": 5, "stop_token_ids": [1], "prompt_key": "question"}}
+            "model": {"max_tokens": 5, "stop_token_ids": [1], "prompt_key": "question"},
+            "template": "Rate it. token: {response}",
+            "hydra": {"overrides": {"task": [f"x.args.token={TOKEN}"]}, "job": {"override_dirname": f"a.token={TOKEN},b=1"}}}
     assert R.redact(tree) == {
         "reward_fn": [{"fn": "remote", "args": {"url": "http://127.0.0.1:9", "token": "***"}},
                       # a variable's name is not the key; a URL's password is
                       {"fn": "judge", "args": {"api_key": "OPENAI_API_KEY", "base_url": "https://u:***@h/v1"}},
                       {"fn": "judge", "args": {"api_key": "***", "Password": "***", "token": None}}],
-        "model": {"max_tokens": 5, "stop_token_ids": [1], "prompt_key": "question"}}  # keys merely like them: kept
+        "model": {"max_tokens": 5, "stop_token_ids": [1], "prompt_key": "question"},  # keys merely like them: kept
+        "template": "Rate it. token: {response}",  # text, not an override: as written
+        "hydra": {"overrides": {"task": ["x.args.token=***"]}, "job": {"override_dirname": "a.token=***,b=1"}}}
     assert tree["reward_fn"][0]["args"]["token"] == TOKEN  # a copy: the config itself is unchanged
     assert R.redact(R.redact(tree)) == R.redact(tree)
 

@@ -27,6 +27,8 @@ ENV_NAME = re.compile(r"[A-Z_][A-Z0-9_]*\Z")
 URL_PASSWORD = re.compile(r"(?<=://)([^/@:\s]*):([^/@\s]+)@")
 # a secret key inside an override's value (`reward_fn=[{fn: remote, args: {token: abc}}]`, YAML
 # flow or JSON, a URL's query): the key, then its value quoted or up to the next , } ] & or space
+# text that is a Hydra override: `key=`, `+key=`, `~key=`, `group@package=`
+OVERRIDE = re.compile(r"[+~]*[\w.@/-]+=")
 INLINE = re.compile(r"""(?P<key>(?<![\w-])["']?(?P<name>token|api_key|password|secret)["']?\s*[:=]\s*)"""
                     r"""(?P<value>"(?:[^"\\]|\\.)*"|'[^']*'|[^,}\]\s&"']+)""", re.IGNORECASE)
 
@@ -57,12 +59,17 @@ def redact_text(text: str) -> str:
 
 def redact(tree):
     """A copy of `tree` (dicts, lists and scalars: a config as plain containers) with every secret
-    MASK; text elsewhere has its URLs' passwords masked."""
+    MASK; text elsewhere has its URLs' passwords masked, and text that is an override (Hydra's
+    record of the command line: `hydra.overrides.task`, `override_dirname`) its secrets. Other
+    text (a judge's template saying "token: {response}") is left as written."""
     if isinstance(tree, Mapping):
         return {k: MASK if is_secret(k, v) else redact(v) for k, v in tree.items()}
     if isinstance(tree, (list, tuple)):
         return [redact(v) for v in tree]
-    return redact_text(tree) if isinstance(tree, str) else tree
+    if isinstance(tree, str):
+        # redact_text, not redact_override: override_dirname joins overrides with commas, where it stops
+        return redact_text(tree) if OVERRIDE.match(tree) else URL_PASSWORD.sub(rf"\1:{MASK}@", tree)
+    return tree
 
 
 def redact_override(override: str) -> str:
