@@ -261,3 +261,57 @@ def test_a_checkpoints_files_follow_the_umask(tmp_path):
     modes = {str(f.relative_to(step)): f.stat().st_mode & 0o777 for f in step.rglob("*") if f.is_file()}
     assert modes == {"hf/model.safetensors": 0o644, "trainer_state.pt": 0o644, "state.json": 0o644,
                      "manifest.json": 0o644}, {k: oct(v) for k, v in modes.items()}
+
+
+# run.py's process only: when ray.init has started the GCS and the raylet and the driver is about to
+# connect to them, a process of the session that outlives the driver, as Ray's dashboard and
+# runtime-env agents did (up to 27 s under load), and not its descendant (started through a shell
+# that exits: one the reaper has not seen); then a file says so, and the driver waits, to be killed
+MARK_IN_INIT = textwrap.dedent("""
+    import sys
+    if sys.argv and sys.argv[0].endswith("run.py"):
+        import subprocess, time
+        import rft.runtime.main as main
+        start = main._init_ray
+        def _init_ray(*args, **kwargs):
+            import ray._private.worker as worker
+            def connect(node, *a, **k):
+                agent = f"{{sys.executable}} -c 'import time; time.sleep(120)' {{node.get_session_dir_path()}}/agent"
+                subprocess.run(["sh", "-c", f"setsid {{agent}} >/dev/null 2>&1 &"])
+                open({out!r}, "w").write("in ray.init")
+                time.sleep(120)
+            worker.connect = connect
+            return start(*args, **kwargs)
+        main._init_ray = _init_ray
+""")
+
+
+def _session_processes(driver_pid: int) -> list:
+    """The processes of the Ray session a driver started (Ray names it with the driver's pid), but zombies."""
+    return [(p.pid, p.info["cmdline"][:1]) for p in psutil.process_iter(["cmdline", "status"])
+            if re.search(rf"/session_[\d_-]+_{driver_pid}/", " ".join(p.info["cmdline"] or []))
+            and p.info["status"] != psutil.STATUS_ZOMBIE]
+
+
+@pytest.mark.slow  # Ray's start
+def test_a_driver_killed_during_ray_init_leaves_no_ray_process(tmp_path):
+    # the reaper started once ray.init had returned: Ray's processes of a driver SIGKILLed during it
+    # were left to Ray's own fate-sharing, which the dashboard and runtime-env agents outlive
+    hook, mark = tmp_path / "hook", tmp_path / "in_init"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(MARK_IN_INIT.format(out=str(mark)))
+    run = subprocess.Popen([sys.executable, str(ROOT / "run.py"), "cluster=local", "stages=[]", "name=killed"], cwd=ROOT,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                           env={**os.environ, "RFT_CHECKPOINT_ROOT_DIR": str(tmp_path),
+                                "PYTHONPATH": os.pathsep.join([str(hook), str(ROOT)])})
+    deadline = time.time() + 240
+    while not mark.exists():
+        assert run.poll() is None and time.time() < deadline, "run.py ended before it was in ray.init"
+        time.sleep(0.1)
+    assert _session_processes(run.pid)  # the GCS and the raylet at least
+    run.kill()
+    run.wait()
+    deadline = time.time() + 5  # the reaper looks once a second
+    while _session_processes(run.pid) and time.time() < deadline:
+        time.sleep(0.2)
+    assert _session_processes(run.pid) == []
