@@ -212,8 +212,8 @@ HEAD = "workflow 'my.workflow' returned an experience (task 't/1')"
     (_exp(logprobs=[-1.0]), "whose logprobs has 1 entries for its 2 response tokens: it needs one per token after "
                             "the prompt (tokens[prompt_length:]), or none."),
     (_exp((5, 6, 7, 8, 9, 10, 11)), "of 7 tokens, more than the 6 of model.max_prompt_tokens + "
-                                    "model.max_response_tokens (model.max_model_len where set, or "
-                                    "workflow_args.max_total_tokens), the context the memory plan sized the run for: "
+                                    "model.max_response_tokens (model.max_model_len where set), the context the memory plan "
+                                    "sized the run for: "
                                     "cut the response to fit, or raise the key that sets it."),
     (_exp((5, 6, 7, 100)), "with token ids [100] outside the model's vocabulary (ints 0..99): the trainer could "
                            "not embed them. Give the tokenizer's ids (ctx.tokenizer)."),

@@ -367,9 +367,11 @@ def vocab_size(engine, tokenizer) -> int | None:
 
 def token_budget(model_cfg, workflow: str, args: dict) -> int | None:
     """The most tokens an experience of this workflow may hold: the context the run is sized for
-    (model.max_model_len, else the prompt's and the response's budgets; a multi-turn conversation's
-    workflow_args.max_total_tokens, if larger); None for an agent's (its calls are bounded by the
-    model's context: rft/serving/openai_api.py)."""
+    (model.max_model_len, else the prompt's and the response's budgets); None for an agent's (its
+    calls are bounded by the model's context: rft/serving/openai_api.py). A multi-turn
+    conversation's workflow_args.max_total_tokens is at most that context (the plan refuses a
+    larger one: vLLM's engine holds no more), so the max below is the context; it stays so a
+    budget that reaches here unplanned is the larger, as before, not a refusal of every experience."""
     if WORKFLOWS.info(workflow).endpoint:
         return None
     context = model_cfg.max_model_len or model_cfg.max_prompt_tokens + model_cfg.max_response_tokens

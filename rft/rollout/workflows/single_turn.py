@@ -272,7 +272,7 @@ def _check_experience(e: Experience, name: str, vocab: int | None, max_tokens: i
     if max_tokens is not None and len(e.tokens) > max_tokens:
         raise ConfigError(
             f"{head} of {len(e.tokens)} tokens, more than the {max_tokens} of model.max_prompt_tokens + "
-            f"model.max_response_tokens (model.max_model_len where set, or workflow_args.max_total_tokens), the "
+            f"model.max_response_tokens (model.max_model_len where set), the "
             f"context the memory plan sized the run for: cut the response to fit, or raise the key that sets it.")
     top = vocab or 1 << 62
     if not all(type(t) is int for t in e.tokens) or min(e.tokens) < 0 or max(e.tokens) >= top:  # C-speed first
