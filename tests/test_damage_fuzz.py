@@ -2,6 +2,7 @@
 traceback, a hang or a silently different result, pinned case by case."""
 
 import os
+import time
 
 import pytest
 
@@ -37,3 +38,37 @@ def test_a_stage_cache_lock_replaced_by_a_link_is_one_paragraph(tmp_path):
         f"[sft_warmup] the stage cache's lock {entry}.lock cannot be opened: it is a link (to /dev/zero), which rft "
         f"never makes there. Remove it (rft makes the lock again), or run without the stage cache "
         f"(stage_cache_dir=null). A stage cache others can write to is not guarded: keep it writable by you alone.")
+
+
+def test_a_stage_cache_lock_that_becomes_a_link_while_a_job_waits_is_the_same_paragraph(tmp_path):
+    # another job holds the lock; while this one waits, the lock file is replaced by a link. The
+    # wait's own acquire was outside the handler: a raw "OSError: [Errno 40]" after the wait
+    import threading
+
+    from filelock import FileLock
+
+    entry = tmp_path / "stage_cache" / "aa683dad4e9a4289"
+    entry.parent.mkdir()
+    lock_path = tmp_path / "stage_cache" / "aa683dad4e9a4289.lock"
+    said, held = [], threading.Event()
+
+    def other_job():  # a thread: filelock refuses a second holder in the same thread
+        other = FileLock(str(lock_path))
+        other.acquire()
+        held.set()
+        while not said:  # this job has said it waits
+            time.sleep(0.05)
+        other.release()
+        lock_path.unlink()
+        lock_path.symlink_to("/dev/zero")
+
+    t = threading.Thread(target=other_job)
+    t.start()
+    held.wait()
+    with pytest.raises(RunError) as e:
+        with rundir.stage_lock(entry, "sft_warmup", said.append):
+            pass
+    t.join()
+    assert said == [f"[sft_warmup] waiting for another job that trains the same stage (lock {entry}.lock)"]
+    assert str(e.value).startswith(f"[sft_warmup] the stage cache's lock {entry}.lock cannot be opened: it is a "
+                                   f"link (to /dev/zero), which rft never makes there.")

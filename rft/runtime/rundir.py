@@ -553,14 +553,19 @@ def stage_lock(entry: Path | None, title: str, say):
 
     entry.parent.mkdir(parents=True, exist_ok=True)
     lock = FileLock(str(entry) + ".lock")
-    try:
-        lock.acquire(timeout=1)
-    except Timeout:
-        say(f"[{title}] waiting for another job that trains the same stage (lock {entry}.lock)")
-        t0 = time.monotonic()
-        lock.acquire()
-        say(f"[{title}] the other job finished after {time.monotonic() - t0:.0f} s")
-    except OSError as e:  # (after Timeout, an OSError too) a link there: filelock opens with O_NOFOLLOW
+
+    def acquire():
+        try:
+            lock.acquire(timeout=1)
+        except Timeout:
+            say(f"[{title}] waiting for another job that trains the same stage (lock {entry}.lock)")
+            t0 = time.monotonic()
+            lock.acquire()
+            say(f"[{title}] the other job finished after {time.monotonic() - t0:.0f} s")
+
+    try:  # both acquires: the lock may become a link while this job waits
+        acquire()
+    except OSError as e:  # (Timeout is an OSError too: caught inside) a link there: filelock opens with O_NOFOLLOW
         path = Path(str(entry) + ".lock")
         why = f"it is a link (to {os.readlink(path)}), which rft never makes there" if path.is_symlink() else e.strerror
         raise RunError(
