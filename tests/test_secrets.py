@@ -232,3 +232,22 @@ def test_model_written_code_and_the_studios_runs_see_no_token(monkeypatch, tmp_p
     launched = _environments(tmp_path)
     assert "RFT_STUDIO_TOKEN" not in launched and "RFT_STUDIO_TOKEN" not in os.environ
     assert launched["RFT_CHECKPOINT_ROOT_DIR"] == str(tmp_path)
+
+
+def test_a_sweeps_table_follows_no_job_link_that_leaves_the_root(tmp_path):
+    """A sweep's jobs (the studio's table and its count) are found as the run list's: a job that is a
+    link out of the root is left out; the command line's report still follows it."""
+    from rft.reporting.report import find_jobs
+    from rft.studio.runs import Runs
+
+    root, elsewhere = tmp_path / "root", tmp_path / "elsewhere"
+    sweep = root / "p" / "multirun" / "d"
+    for d, seed in ((sweep / "0", 1), (elsewhere / "theirs", 2)):
+        (d / ".hydra").mkdir(parents=True)
+        (d / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump([f"seed={seed}"]))
+        (d / "metrics.jsonl").write_text('{"step": 1, "reward/mean": 0.5}\n')
+    (sweep / "1").symlink_to(elsewhere / "theirs")
+    assert [p.name for p in find_jobs(sweep)] == ["0", "1"]
+    runs = Runs(root)
+    assert [(j["job"], j["seed"]) for j in runs.sweep_table("p/multirun/d")["jobs"]] == [("0", "1")]
+    assert runs.listing()["sweeps"] == [{"id": "p/multirun/d", "jobs": 1, "planned": None}]

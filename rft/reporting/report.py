@@ -130,24 +130,28 @@ def _job_order(p: Path):
     return (not p.name.isdigit(), int(p.name) if p.name.isdigit() else 0, p.name)
 
 
-def _subdirs(d: Path) -> list[Path]:
-    # not .submitit/ (launcher logs), nor previous_*/ (outputs moved aside)
-    return sorted((p for p in d.iterdir() if p.is_dir() and not p.name.startswith((".", "previous_"))),
+def _subdirs(d: Path, within: Path | None = None) -> list[Path]:
+    # not .submitit/ (launcher logs), nor previous_*/ (outputs moved aside); with `within`, no link
+    # that leads out of it
+    return sorted((p for p in d.iterdir() if p.is_dir() and not p.name.startswith((".", "previous_"))
+                   and (within is None or not p.is_symlink() or within in p.resolve().parents)),
                   key=_job_order)
 
 
-def find_jobs(sweep_dir: Path) -> list[Path]:
+def find_jobs(sweep_dir: Path, within: Path | None = None) -> list[Path]:
     """The job directories: the directory itself if it is a run, else those one level down
     (Hydra's numbered job directories: one that never started may have no .hydra/) and, under a
-    directory that is neither, the runs two levels down (e.g. checkpoints/<project>/<name>/)."""
+    directory that is neither, the runs two levels down (e.g. checkpoints/<project>/<name>/).
+    `within` (resolved; the studio's root): a link to a directory outside it is not followed; the
+    command line's report follows links (a folder of links to runs compares them)."""
     if (sweep_dir / ".hydra").is_dir():  # a single run
         return [sweep_dir]
     jobs = []
-    for p in _subdirs(sweep_dir):
+    for p in _subdirs(sweep_dir, within):
         if p.name.isdigit() or (p / ".hydra").is_dir():
             jobs.append(p)
         else:
-            jobs += [q for q in _subdirs(p) if (q / ".hydra").is_dir()]
+            jobs += [q for q in _subdirs(p, within) if (q / ".hydra").is_dir()]
     return jobs
 
 
@@ -338,11 +342,11 @@ def read_job(job_dir: Path, stage: str | None = None, name: str | None = None, f
     return job
 
 
-def read_jobs(sweep_dir: Path, stage: str | None = None, files: Files = FILES) -> list[Job]:
+def read_jobs(sweep_dir: Path, stage: str | None = None, files: Files = FILES, within: Path | None = None) -> list[Job]:
     """Every job's results in `stage` (None: each job's last; "all": a Job per job and stage,
     ordered by stage, then job), the jobs a sweep planned and never started included. `files`:
-    how they are read (the studio's index)."""
-    dirs = find_jobs(sweep_dir)
+    how they are read (the studio's index); `within`: find_jobs'."""
+    dirs = find_jobs(sweep_dir, within)
     if not dirs:
         raise FileNotFoundError(
             f"{sweep_dir} holds no job directories (0/, 1/, ... or run directories, with .hydra/ "

@@ -144,7 +144,7 @@ class Runs:
         keys = list(dict.fromkeys(k for r in rows for k in r["params"]))
         columns = [k for k in keys if len({r["params"].get(k) for r in rows}) > 1] if len(rows) > 1 else keys
         return {"runs": rows, "columns": columns,
-                "sweeps": [{"id": s.relative_to(self.root).as_posix(), "jobs": len(report.find_jobs(s)),
+                "sweeps": [{"id": s.relative_to(self.root).as_posix(), "jobs": len(report.find_jobs(s, self.root.resolve())),
                             "planned": _planned(s)} for s in sorted(sweeps, key=lambda s: -(_mtime(s) or 0))]}
 
     def _job(self, rel: str, stage: str | None = None) -> report.Job:
@@ -188,11 +188,11 @@ class Runs:
         """A sweep's report (rft.reporting.report): one row per job, then one per configuration
         with (mean, std) over its seeds. {"jobs": [...], "configs": [...]}"""
         d = inside(self.root, sweep)
-        dirs = report.find_jobs(d)
+        dirs = report.find_jobs(d, self.root.resolve())
         if not dirs:
             raise ValueError(f"{sweep} holds no job directories")
         # the report's reading: a killed job with its planned overrides, the jobs never started
-        jobs = report.read_jobs(d, None, self.full)
+        jobs = report.read_jobs(d, None, self.full, self.root.resolve())
         keys = report.differing_keys(jobs)
         metrics = report.choose_metrics(jobs, None)
         table = report.rows(jobs, keys, metrics)
