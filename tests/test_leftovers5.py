@@ -37,9 +37,10 @@ def test_a_ray_init_that_hangs_holding_the_gil_is_stopped_past_init_timeout_s_wi
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == -9, proc.stderr[-3000:]  # the reaper's SIGKILL: a shell says 137
     assert "ray.init returned" not in proc.stdout
-    # lines at 1 s and 2 s and 4 s (each at twice the time of the one before), then the paragraph at 5 s
-    lines = re.findall(r"^rft: starting Ray\.\.\. \((\d+) s\)$", proc.stderr, re.M)
-    assert [int(n) for n in lines] == [1, 2, 4], proc.stderr
+    # lines from 1 s on, each at twice the time of the one before (1, 2, 4 s: said at the reaper's next
+    # look, once a second, so a loaded machine may say 2, 3, 5 or skip one), then the paragraph at 5 s
+    lines = [int(n) for n in re.findall(r"^rft: starting Ray\.\.\. \((\d+) s\)$", proc.stderr, re.M)]
+    assert lines and lines[0] >= 1 and lines == sorted(set(lines)), proc.stderr
     said = re.search(r"^rft: the run stopped: Ray's local instance did not start: ray\.init waited (\d+) s for its GCS "
                      r"and raylet to answer, past cluster\.init_timeout_s=5, and the driver is stopped \(exit 137\)\. "
                      r"Likely causes: memory or load \(the machine's memory is \d+% in use, [\d.]+ GiB available, its load "
@@ -48,7 +49,7 @@ def test_a_ray_init_that_hangs_holding_the_gil_is_stopped_past_init_timeout_s_wi
                      r"a larger cluster\.init_timeout_s where the machine is slow but not stuck; cluster=inline runs "
                      r"without Ray\): Run the same command again to resume \(no checkpoint was saved yet: the run "
                      r"starts over\)\. The command: python -c$", proc.stderr, re.M)
-    assert said and int(said[1]) >= 5, proc.stderr
+    assert said and int(said[1]) >= 5 and lines[-1] <= int(said[1]), proc.stderr
     assert said[2].endswith("or Ray's session files (/tmp/ray) are on a disk that is full or slow. ")
     assert "Traceback" not in proc.stderr
 
@@ -80,38 +81,38 @@ def _open_until(lines: list[str], done):
 
 
 # run.py's process only: its raylet frozen (SIGSTOP, as a machine out of memory stalls it) just as the
-# driver connects to it, after the raylet registered; the driver then waits in Ray's C++ code
+# driver connects to it, after the raylet registered; the driver then blocks holding the GIL, as the
+# one that hung for 20 minutes did reading the raylet's socket (Ray's own connect to a frozen raylet
+# gives up after 30 s, so it stands in for that read, and the bound can be generous under load)
 FREEZE_RAYLET = textwrap.dedent("""
     import sys
     if sys.argv and sys.argv[0].endswith("run.py"):
-        import os
+        import ctypes
         import psutil
         import rft.runtime.main as main
         start = main._init_ray
         def _init_ray(*args, **kwargs):
             import ray._private.worker as worker
-            connect = worker.connect
             def frozen(*a, **k):
                 ray_procs = psutil.Process().children(recursive=True)
                 for p in ray_procs:
                     if p.name() == "raylet":
                         p.suspend()
                 open({out!r}, "w").write(" ".join(f"{{p.pid}}:{{p.create_time()}}" for p in ray_procs))
-                return connect(*a, **k)
+                ctypes.PyDLL(None).sleep(600)
             worker.connect = frozen
             return start(*args, **kwargs)
         main._init_ray = _init_ray
 """)
 
 
-@pytest.mark.slow  # Ray's start and a bound of 8 s
+@pytest.mark.slow  # Ray's start and a bound of 40 s
 def test_a_run_whose_raylet_stalls_in_ray_init_stops_past_the_bound_and_leaves_no_ray_process(tmp_path):
-    # it sat in ray.init, printing nothing; here Ray's own 30 s wait for the raylet then ended the
-    # process with a line of Ray's C++ ("Failed to get the system config from raylet because it is dead")
+    # it sat in ray.init for 20 minutes, printing nothing
     hook, pids = tmp_path / "hook", tmp_path / "ray_pids.txt"
     hook.mkdir()
     (hook / "sitecustomize.py").write_text(FREEZE_RAYLET.format(out=str(pids)))
-    args = ["cluster=local", "cluster.init_timeout_s=8", "monitor=console", "stages=[]", "name=stalled"]
+    args = ["cluster=local", "cluster.init_timeout_s=40", "monitor=console", "stages=[]", "name=stalled"]
     run = subprocess.Popen([sys.executable, str(ROOT / "run.py"), *args], cwd=ROOT, stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, text=True, env={**os.environ, "RFT_CHECKPOINT_ROOT_DIR": str(tmp_path),
                                                                    "PYTHONPATH": os.pathsep.join([str(hook), str(ROOT)])})
@@ -119,13 +120,14 @@ def test_a_run_whose_raylet_stalls_in_ray_init_stops_past_the_bound_and_leaves_n
     proc = subprocess.CompletedProcess(run.args, run.returncode, out, err)
     assert proc.returncode == -9, proc.stderr[-3000:]
     assert re.search(r"^rft: the run stopped: Ray's local instance did not start: ray\.init waited \d+ s for its GCS "
-                     r"and raylet to answer, past cluster\.init_timeout_s=8, and the driver is stopped \(exit 137\)\.",
+                     r"and raylet to answer, past cluster\.init_timeout_s=40, and the driver is stopped \(exit 137\)\.",
                      proc.stderr, re.M), proc.stderr[-3000:]
     assert "Ray's processes of this run are stopped." in proc.stderr
     assert f"The command: python {ROOT / 'run.py'} {' '.join(args[:3])} 'stages=[]' name=stalled" in proc.stderr
     assert "Traceback" not in proc.stderr
     # the GCS, the raylet (frozen) and what they started: each ended (a zombie has, its parent gone)
     time.sleep(2)
+    assert pids.exists(), "ray.init did not reach its connect within the bound"
     frozen = dict(p.split(":") for p in pids.read_text().split())
     assert len(frozen) >= 2  # the GCS and the raylet at least
     # and any process of the Ray session the driver started (Ray names it with the driver's pid)
