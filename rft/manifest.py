@@ -79,6 +79,31 @@ def listing(d: Path) -> tuple[dict[str, int], list[str]]:
     return files, sorted(odd)
 
 
+def umask() -> int:
+    """The process's umask, read without changing it where Linux says it (/proc/self/status, since
+    4.7): setting it to read it leaves a moment in which a file another thread makes gets 0666."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o077)  # elsewhere: set, so that the moment's files are private, not public
+    os.umask(mask)
+    return mask
+
+
+def follow_umask(folder: Path) -> None:
+    """Each file in `folder` given the mode a new file gets here (0666 less the umask; 0644 with
+    the usual 022): safetensors writes through a temporary file made 0600, so the weights alone
+    were unreadable to a colleague or a serving process of another user, beside a 0644 config.
+    Checkpoints and exports call it before they are sealed."""
+    mode = 0o666 & ~umask()
+    for f in Path(folder).rglob("*"):
+        if f.is_file() and not f.is_symlink():
+            f.chmod(mode)
+
+
 def seal(d: Path, identity: dict, known: dict | None = None) -> dict:
     """Write `d`'s manifest (atomically: a temporary file, fsync, rename), last. `known`: digests
     already computed (relative path -> [size, digest]), reused for files of that size instead of

@@ -318,9 +318,7 @@ def write(stage_dir: Path, step: int, state: dict, save_model=None, keep: int | 
         for name, data in (files or {}).items():
             (tmp / name).write_bytes(data)
         (tmp / "state.json").write_text(json.dumps(state))
-        from rft.runtime.export import follow_umask
-
-        follow_umask(tmp)  # hf/model.safetensors was 0600 beside 0644 files: a model others load too
+        manifest.follow_umask(tmp)  # hf/model.safetensors was 0600 beside 0644 files: a model others load too
         manifest.seal(tmp, owner.identity(step) if owner else {"step": step})
         _remove(final)
         os.replace(tmp, final)

@@ -80,21 +80,10 @@ def export(checkpoint_dir: str | Path, out_dir: str | Path, max_shard_size: str 
     tmp.mkdir()  # made here: one made in its place since is an error, not a folder written into
     model.save_pretrained(tmp, max_shard_size=max_shard_size)
     AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(tmp)
-    follow_umask(tmp)
+    manifest.follow_umask(tmp)
     manifest.seal(tmp, {**(ckpt.identity or {"step": ckpt.step}), "exported_from": str(ckpt_dir.resolve())})
     os.replace(tmp, out)  # over an empty folder too
     return out
-
-
-def follow_umask(folder: Path) -> None:
-    """Each file in `folder` given the mode a new file gets here (0666 less the umask; 0644 with
-    the usual 022): safetensors writes through a temporary file made 0600, so the weights alone
-    were unreadable to a colleague or a serving process of another user, beside a 0644 config."""
-    mask = os.umask(0)  # read by setting it: no call reads it alone
-    os.umask(mask)
-    for f in folder.rglob("*"):
-        if f.is_file() and not f.is_symlink():
-            f.chmod(0o666 & ~mask)
 
 
 def main(argv: list[str] | None = None) -> int:
