@@ -476,3 +476,19 @@ def test_export_refuses_a_damaged_checkpoint(stage, tmp_path):
     assert str(e.value) == (f"{d} is damaged: {d}/hf/model.safetensors: its contents are not the ones saved (their "
                             f"digest differs). Export another checkpoint.")
     assert not (tmp_path / "out").exists()
+
+
+def test_the_umask_is_read_without_being_set(monkeypatch):
+    # follow_umask read it by os.umask(0) and back: for that moment a file another thread made
+    # (a Ray actor's, a reward's) came out 0666. On Linux it is read from /proc/self/status
+    import os
+
+    from rft import manifest
+
+    before = os.umask(0o027)
+    try:
+        monkeypatch.setattr(os, "umask", lambda m: pytest.fail(f"os.umask({m:o}) called"))
+        assert manifest.umask() == 0o027
+    finally:
+        monkeypatch.undo()
+        os.umask(before)
