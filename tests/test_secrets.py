@@ -251,3 +251,16 @@ def test_a_sweeps_table_follows_no_job_link_that_leaves_the_root(tmp_path):
     runs = Runs(root)
     assert [(j["job"], j["seed"]) for j in runs.sweep_table("p/multirun/d")["jobs"]] == [("0", "1")]
     assert runs.listing()["sweeps"] == [{"id": "p/multirun/d", "jobs": 1, "planned": None}]
+
+
+def test_the_studios_preview_shows_a_token_from_conf_masked():
+    """A token written in a file under conf/ (here the same override) is shown *** in the preview's
+    YAML and values, as the trackers show it; the form then sends *** back, which the remote reward
+    reads as $RFT_REWARD_TOKEN."""
+    from conftest import ROOT
+
+    from rft.studio.compose import compose_overrides
+
+    comp = compose_overrides(ROOT / "conf", [REMOTE])
+    assert TOKEN not in comp.yaml and "token: '***'" in comp.yaml
+    assert TOKEN not in repr(comp.values) and "token: '***'" in comp.values["buffer.explorer_input.taskset.reward_fn"]

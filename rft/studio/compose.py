@@ -27,6 +27,7 @@ import yaml
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from rft import config as C
+from rft.reporting.redact import config_yaml, redact
 from rft.studio import imports as I
 from rft.studio import writes as W
 
@@ -297,8 +298,9 @@ def _composition(conf_dir: Path, overrides: list[str], choices: dict[str, str], 
         OmegaConf.set_readonly(job, False)
         with open_dict(job):  # what `--cfg job` prints, and what rft.runtime.main receives
             del job["hydra"]
-        text = OmegaConf.to_yaml(job)
-        written = OmegaConf.to_container(job, resolve=False, enum_to_str=True)  # `${...}` kept, as the files say
+        # a token written in a file under conf/ shows as *** (rft/reporting/redact.py), as the run's trackers show it
+        text = config_yaml(job)
+        written = redact(OmegaConf.to_container(job, resolve=False, enum_to_str=True))  # `${...}` kept, as the files say
         values = {f["key"]: _override_text(_get(written, f["key"])) for f in schema()}
         resolved = _container(job)
         imports = I.foreign(resolved, REPO) + I.remote_code(resolved) + I.foreign_hydra(_container(cfg.hydra), REPO)
