@@ -274,7 +274,7 @@ def test_a_run_under_a_path_with_a_space_and_a_non_ascii_letter_trains_and_resum
         rows = (run / stage / "metrics.jsonl").read_text().splitlines()
         assert len(rows) == steps, (stage, rows)
         assert (run / stage / "checkpoints" / f"step_{steps}" / "manifest.json").is_file()
-    assert f"starts from the previous stage's final model: {run}/sft_warmup/checkpoints/step_4/hf" in " ".join(
+    assert f"starts from sft_warmup's final model: {run}/sft_warmup/checkpoints/step_4/hf" in " ".join(
         r.stdout.split())
     again = run_cli(*budget, quoted, timeout=300)
     assert again.returncode == 0, again.stderr[-3000:]

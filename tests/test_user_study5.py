@@ -74,8 +74,8 @@ def test_study_stages_say_what_they_start_from_and_a_kill_in_grpo_resumes_there(
     run = tmp_path / "out" / "rft" / "straight"
     # each later stage names the model it starts from (its config.yaml's model.model_path is the
     # run's first model): the warm-up's last checkpoint for DPO, DPO's for GRPO
-    assert f"[dpo] starts from the previous stage's final model: {run}/sft_warmup/checkpoints/step_4/hf" in straight.stdout
-    assert f"[grpo] starts from the previous stage's final model: {run}/dpo/checkpoints/step_2/hf" in straight.stdout
+    assert f"[dpo] starts from sft_warmup's final model: {run}/sft_warmup/checkpoints/step_4/hf" in straight.stdout
+    assert f"[grpo] starts from dpo's final model: {run}/dpo/checkpoints/step_2/hf" in straight.stdout
     assert "[sft_warmup] starts from" not in straight.stdout
     # the DPO stage read the study's own columns: each step's pairs are `good` over `bad`
     dpo = read_metrics(run / "dpo" / "metrics.jsonl")

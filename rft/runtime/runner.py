@@ -164,7 +164,12 @@ class StageRun:
         if start:
             self.monitor.print(f"[{self.title}] resuming from step {start} ({latest.path})")
         elif self.init_path:  # its config.yaml's model.model_path is the run's first model, not this one
-            self.monitor.print(f"[{self.title}] starts from the previous stage's final model: {self.init_path}")
+            # named by the stage that wrote it: after a reward-model stage (whose model scores and
+            # is not started from) or an explore-only one, that is not the stage just before
+            src = Path(self.init_path)
+            whose = f"{src.parents[2].name}'s" if src.name == "hf" and src.parents[1].name == "checkpoints" else (
+                "the previous stage's")
+            self.monitor.print(f"[{self.title}] starts from {whose} final model: {self.init_path}")
 
     def _default_buffer_path(self) -> None:
         """A sql or file buffer without a path lives in the stage directory."""
