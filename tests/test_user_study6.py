@@ -6,13 +6,16 @@ checked."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from conftest import ROOT, compose_cfg, load_script, run_cli
 from rft.errors import ConfigError
-from rft.plan.batch import describe, make_plan, stage_configs
+from rft.plan.batch import make_plan, stage_configs
+from test_slurm import slurm  # noqa: F401 (the fixture: skips without a Slurm cluster, as there)
 
 STUDY = ROOT / "experiments" / "lora_sweep"
 
@@ -102,3 +105,91 @@ def test_too_few_cpus_for_fsdp2_ranks_names_the_ranks():
     assert str(e.value).startswith(
         "the actors need 3 CPU (cluster.cpus_per_actor=1, gpu_per_node=0, explorer.rollout_model.engine_num=1, "
         "trainer.ranks=2, colocate=False) but the Ray cluster has 2.")
+
+
+def test_the_study_reward_is_the_answer_column_on_every_row():
+    # the reward reads the question (`rev <word>`), not the answer column: both must agree on every
+    # row the study ships, or the eval and the data would disagree about what is right
+    from types import SimpleNamespace
+
+    reward = load_script("experiments/lora_sweep/rewards.py", "lora_rewards").reversed_word
+    for split, n in (("train", 2000), ("test", 200)):
+        rows = [json.loads(line) for line in (STUDY / "data" / f"{split}.jsonl").read_text().splitlines()]
+        assert len(rows) == n
+        assert all(reward("", r["answer"], SimpleNamespace(row=r)) == 1.0 for r in rows)
+        assert all(reward("", f" {r['answer']}\n", SimpleNamespace(row=r)) == 1.0 for r in rows[:5])  # stripped
+        # the word itself, unreversed, scores 0 (unless it reads the same both ways)
+        unreversed = [r for r in rows if r["answer"] != r["question"][4:]]
+        assert not any(reward("", r["question"][4:], SimpleNamespace(row=r)) for r in unreversed)
+    train = {json.loads(line)["question"] for line in (STUDY / "data" / "train.jsonl").read_text().splitlines()}
+    test = {json.loads(line)["question"] for line in (STUDY / "data" / "test.jsonl").read_text().splitlines()}
+    assert not train & test  # held-out words are never trained on
+
+
+def _study(*overrides: str) -> list[str]:
+    return [f"hydra.searchpath=[file://{STUDY / 'conf'}]", "experiment=lora_sweep", *overrides]
+
+
+def test_the_study_plans_as_its_readme_says(tiny):
+    # the overlay's sweep as README.md gives it: the warm-up trains every weight, the RL stage adapters
+    out = run_cli("-m", *_study("+stages.1.model.lora.rank=4,16", "algorithm.optimizer.lr=1e-3,3e-3",
+                                "hydra/launcher=slurm", "dry_run=true"))
+    assert out.returncode == 0, out.stderr
+    assert "dry_run=true: the sweep's 4 jobs planned here and fit; nothing was queued." in out.stdout + out.stderr
+    out = run_cli(*_study("+stages.1.model.lora.rank=16", f"model.model_path={tiny}", "dry_run=true"))
+    warmup, grpo = out.stdout.split("batch plan: stage grpo")
+    assert "lora " not in warmup
+    # 5888 x 16 = 94,208 adapter parameters (the hand count above), 17.5% of 538,880
+    assert ("lora           rank 16, alpha 16 (updates scaled by alpha / rank = 1), target_modules all-linear: "
+            "94,208 adapter parameters train, 17.5% of the 538,880") in grpo
+    # where the weights are not on this machine, the count is the shape's (model.architecture), whose
+    # parameter total leaves out the 768 q/k/v biases (2 layers x 3 x 128): 538,112
+    out = run_cli(*_study("+stages.1.model.lora.rank=16", "dry_run=true"), env={"RFT_CACHE_DIR": str(tiny.parent)})
+    assert "94,208 adapter parameters train, 17.5% of the 538,112" in out.stdout
+
+
+@pytest.mark.slow
+def test_a_lora_job_on_slurm_exports_and_answers_outside_rft_as_its_eval_said(slurm, tiny, tmp_path):
+    # the study's part (c) on a budget: one LoRA job of the study on the Slurm launcher (from the
+    # built tiny model, no warm-up, 4 steps), its last checkpoint exported as README.md says
+    # (python -m rft.runtime.export), loaded with transformers (merged) and with peft (the
+    # checkpoint's adapter/ on the base it names), generating greedily: every answer is the one
+    # rft's own eval of that step wrote (eval_trajectories/step_4), and the accuracy is its figure
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rft.reporting.monitor import read_metrics
+
+    sweep = tmp_path / "sweep"
+    out = run_cli("-m", *_study("hydra/launcher=slurm", "hydra.launcher.timeout_min=10", "stages=[]",
+                                f"model.model_path={tiny}", "model.lora.rank=4", "algorithm.optimizer.lr=3e-2",
+                                "buffer.total_steps=4", "explorer.eval_interval=4", "trainer.save_interval=4",
+                                "monitor=console", f"checkpoint_root_dir={tmp_path}", f"hydra.sweep.dir={sweep}"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    ckpt = sweep / "0" / "checkpoints" / "step_4"
+    assert (ckpt / "adapter" / "adapter_model.safetensors").stat().st_size > 4 * 5888 * 4  # 23,552 float32 + header
+    exported = tmp_path / "exported"
+    export = subprocess.run([sys.executable, "-m", "rft.runtime.export", str(ckpt), str(exported)], cwd=ROOT,
+                            capture_output=True, text=True)
+    assert export.returncode == 0, export.stderr
+    evals = sweep / "0" / "eval_trajectories" / "step_4" / "rev3_test.jsonl"
+    said = [json.loads(line) for line in evals.read_text().splitlines()]
+    rows = [json.loads(line) for line in (STUDY / "data" / "test.jsonl").read_text().splitlines()]
+    tok = AutoTokenizer.from_pretrained(exported)
+    merged = AutoModelForCausalLM.from_pretrained(exported).eval()
+    base = json.loads((ckpt / "adapter" / "adapter_config.json").read_text())["base_model_name_or_path"]
+    adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), ckpt / "adapter").eval()
+
+    def answer(model, question: str) -> str:
+        ids = tok.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
+                                      return_tensors="pt", return_dict=True)
+        with torch.no_grad():
+            g = model.generate(**ids, max_new_tokens=6, do_sample=False)
+        return tok.decode(g[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
+
+    by_id = {d["task_id"]: d["messages"][-1]["content"] for d in said}
+    for i, r in enumerate(rows[:20]):
+        assert answer(merged, r["question"]) == answer(adapted, r["question"]) == by_id[f"rev3_test/{i}"], r
+    last = [m for m in read_metrics(sweep / "0" / "metrics.jsonl") if "eval/rev3_test/accuracy" in m][-1]
+    assert last["step"] == 4 and last["eval/rev3_test/accuracy"] == sum(d["reward"] for d in said) / 200
