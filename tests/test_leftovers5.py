@@ -54,6 +54,24 @@ def test_a_ray_init_that_hangs_holding_the_gil_is_stopped_past_init_timeout_s_wi
     assert "Traceback" not in proc.stderr
 
 
+def test_a_driver_that_ray_ends_in_ray_init_gets_the_paragraph_after_rays_line(tmp_path):
+    # a raylet frozen as the driver connects: after 30 s Ray's C++ code ends the driver (exit 1) with its
+    # one line, "Failed to get the system config from raylet because it is dead. Worker will terminate.",
+    # and nothing of rft's (seen with a SIGSTOPped raylet); here Ray's end is an _exit(1) after 2 s
+    code = HUNG_DRIVER.format(root=str(ROOT), tmp=str(tmp_path)).replace(
+        "ray.init = lambda **kw: ctypes.PyDLL(None).sleep(600)",
+        "import os, time; ray.init = lambda **kw: (time.sleep(2), print('Worker will terminate.', file=sys.stderr, "
+        "flush=True), os._exit(1))").replace("main.INIT_PROGRESS_S = 1.0", "main.INIT_PROGRESS_S = 100.0")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    said = re.search(r"^Worker will terminate\.\n\nrft: the run stopped: the run's process ended (\d+) s into "
+                     r"ray\.init, before Ray's local instance answered \(Ray's line above, if any, says why\)\. "
+                     r"Likely causes: memory or load .*\. Ray's processes of this run are stopped\. Try again when "
+                     r"memory and load are lower .*: Run the same command again to resume \(no checkpoint was saved "
+                     r"yet: the run starts over\)\. The command: python -c\n", proc.stderr, re.M)
+    assert said and int(said[1]) >= 2, proc.stderr
+
+
 def test_the_reaper_counts_a_ray_init_bound_only_while_the_driver_says_it_waits():
     # ray.init done ({"init": null}) before its bound of 1 s: the driver is left alone after it
     import threading

@@ -35,7 +35,8 @@ def watch(driver_pid: int, poll_s: float = 1.0, commands=None) -> None:
     # the driver's ray.init in progress (its bound, when it began, the next line's time), or None:
     # the reader puts a new dict in place, so the one read here never changes keys under the loop
     waiting: list[dict | None] = [None]
-    threading.Thread(target=_read, args=(commands or sys.stdin, waiting), daemon=True).start()
+    reader = threading.Thread(target=_read, args=(commands or sys.stdin, waiting), daemon=True)
+    reader.start()
     driver_started = 0.0
     try:
         driver = psutil.Process(driver_pid)
@@ -48,7 +49,15 @@ def watch(driver_pid: int, poll_s: float = 1.0, commands=None) -> None:
             time.sleep(poll_s)
     except psutil.NoSuchProcess:
         pass
-    _kill(_theirs(seen, driver_pid, driver_started, me.pid))
+    theirs = _theirs(seen, driver_pid, driver_started, me.pid)
+    _kill(theirs)
+    reader.join(2)  # the driver's last line (ray.init done, then an exit) read before its end is judged
+    wait = waiting[0]
+    if wait is not None:
+        # Ray's own end of a driver whose raylet does not answer: after 30 s, one line of its C++ code
+        # ("Failed to get the system config from raylet because it is dead") and exit 1
+        _say(f"the run's process ended {time.monotonic() - wait['since']:.0f} s into ray.init, before Ray's local "
+             f"instance answered (Ray's line above, if any, says why).", wait, theirs, driver_pid)
 
 
 def _read(commands, waiting: list) -> None:
@@ -85,20 +94,25 @@ def _waited_too_long(driver: psutil.Process, me: psutil.Process, seen: dict, wai
     # frozen first: a driver woken by its raylet's end would go on to print Ray's errors and our
     # paragraph of another cause; killed last, so the shell waits for this paragraph
     driver.suspend()
-    started = driver.create_time()
-    theirs = _theirs(seen, driver.pid, started, me.pid)
+    theirs = _theirs(seen, driver.pid, driver.create_time(), me.pid)
     _kill(theirs)
-    gone_by = time.monotonic() + 5
-    while time.monotonic() < gone_by and _alive(theirs):
-        time.sleep(0.1)
-    print(f"\nrft: the run stopped: {_paragraph(waited, wait, _alive(theirs), driver.pid)}\n", file=sys.stderr,
-          flush=True)
+    _say(f"Ray's local instance did not start: ray.init waited {waited:.0f} s for its GCS and raylet to answer, past "
+         f"cluster.init_timeout_s={wait['bound']:g}, and the driver is stopped (exit 137).", wait, theirs, driver.pid)
     driver.kill()
     return True
 
 
-def _paragraph(waited: float, wait: dict, left: dict[int, str], driver_pid: int) -> str:
-    """What was waited on, how long, what the machine looked like, what to try, how to resume."""
+def _say(head: str, wait: dict, theirs: dict[int, float], driver_pid: int) -> None:
+    """The paragraph on the driver's stderr, once the processes killed (`theirs`) are gone (or 5 s)."""
+    gone_by = time.monotonic() + 5
+    while time.monotonic() < gone_by and _alive(theirs):
+        time.sleep(0.1)
+    print(f"\nrft: the run stopped: {head} {_paragraph(wait, _alive(theirs), driver_pid)}\n", file=sys.stderr,
+          flush=True)
+
+
+def _paragraph(wait: dict, left: dict[int, str], driver_pid: int) -> str:
+    """What the machine looked like, what to try, how to resume."""
     mem = psutil.virtual_memory()
     load = os.getloadavg()[0]
     others = [p for p in _ray_processes() if p.info["name"] == "raylet" and f"_{driver_pid}/" not in " ".join(
@@ -107,14 +121,12 @@ def _paragraph(waited: float, wait: dict, left: dict[int, str], driver_pid: int)
               f"available, its load {load:.1f} on {os.cpu_count()} cores: Ray's processes start slowly, or stall, "
               f"where either is high)"]
     if others:
-        causes.append(f"{len(others)} other Ray instance(s) run here (`ray status` shows one; `ray stop` stops this "
-                      f"user's, which an earlier run may have left)")
+        causes.append(f"{len(others)} other Ray instance(s) running here (another program's, or one an earlier run "
+                      f"left: `ray stop` stops every one of this user's)")
     causes.append("or Ray's session files (/tmp/ray) are on a disk that is full or slow")
     remain = (f"These of its processes remain: {', '.join(f'{pid} ({name})' for pid, name in left.items())}."
               if left else "Ray's processes of this run are stopped.")
-    return (f"Ray's local instance did not start: ray.init waited {waited:.0f} s for its GCS and raylet to answer, "
-            f"past cluster.init_timeout_s={wait['bound']:g}, and the driver is stopped (exit 137). Likely causes: "
-            f"{'; '.join(causes)}. {remain} Try again when memory and load are lower (or with a larger "
+    return (f"Likely causes: {'; '.join(causes)}. {remain} Try again when memory and load are lower (or with a larger "
             f"cluster.init_timeout_s where the machine is slow but not stuck; cluster=inline runs without Ray): "
             f"{wait['resume']}")
 
