@@ -244,3 +244,39 @@ def test_sigterm_in_ray_get_is_still_told_apart_from_ctrl_c():
     assert r.stdout.splitlines() == ["Ctrl-C's: KeyboardInterrupt | None",
                                      "KeyboardInterrupt | before the first stage's steps began",
                                      "another error: None"], r.stderr[-3000:]
+
+
+def test_sigterm_while_ray_init_runs_is_the_same_stop_said_the_same_way():
+    # Ray puts its own SIGTERM handler on as ray.init starts (sys.exit(15)), and retake_sigterm ran
+    # only after ray.init: a SIGTERM in between ended the run with status 15 and nothing printed.
+    # Here ray.init is a stand-in that does what Ray does, then receives the SIGTERM
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent("""
+        import os, signal, sys, ray
+        from omegaconf import OmegaConf
+        from rft.runtime import main, preemption
+
+        def ray_init(**kw):
+            signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(signum))  # Ray's handler
+            os.kill(os.getpid(), signal.SIGTERM)
+
+        ray.init = ray_init
+        main.ray_namespace = lambda cfg, run_dir: "ns"
+        cfg = OmegaConf.create({"cluster": {"num_cpus": 1, "ray_address": None}, "monitor": {"ray_dashboard": False}})
+        with preemption.sigterm_stops():
+            try:
+                main._init_ray(cfg, True, None)
+            except KeyboardInterrupt as e:
+                print(type(e).__name__, "|", preemption.terminated(e))
+        try:  # outside sigterm_stops (a submitit job's, whose handler ignores it): Ray's exit as it was
+            main._init_ray(cfg, True, None)
+        except SystemExit as e:
+            print("SystemExit", e.code)
+    """)
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    # before: the process ended with status 15 at the first call, printing nothing
+    assert r.stdout.splitlines() == ["Terminated | before the first stage's steps began", "SystemExit 15"], (
+        r.returncode, r.stderr[-3000:])

@@ -321,18 +321,24 @@ def _check_ray_answers(address: str) -> None:
 def _init_ray(cfg: DictConfig, local: bool, run_dir: Path) -> None:
     import ray
 
-    ray.init(
-        # "local": always a new instance of our own. With None, Ray joins the cluster named in
-        # /tmp/ray/ray_current_cluster (the last `ray start` here), and waits forever if that one
-        # died without `ray stop`
-        address="local" if local else cfg.cluster.ray_address,
-        num_cpus=cfg.cluster.num_cpus if local else None,
-        include_dashboard=cfg.monitor.ray_dashboard if local else None,
-        log_to_driver=False,
-        namespace=ray_namespace(cfg, run_dir),
-        logging_level=logging.WARNING,
-    )
-    preemption.retake_sigterm()  # from Ray's core worker, which took it over
+    try:
+        ray.init(
+            # "local": always a new instance of our own. With None, Ray joins the cluster named in
+            # /tmp/ray/ray_current_cluster (the last `ray start` here), and waits forever if that one
+            # died without `ray stop`
+            address="local" if local else cfg.cluster.ray_address,
+            num_cpus=cfg.cluster.num_cpus if local else None,
+            include_dashboard=cfg.monitor.ray_dashboard if local else None,
+            log_to_driver=False,
+            namespace=ray_namespace(cfg, run_dir),
+            logging_level=logging.WARNING,
+        )
+        preemption.retake_sigterm()  # from Ray's core worker, which took it over
+    except SystemExit as e:  # SIGTERM before the retake: Ray's handler exits with 15, nothing said
+        stop = preemption.ray_exit_as_terminated(e)
+        if stop is None:
+            raise
+        raise stop from None
 
 
 def ray_token() -> None:

@@ -355,6 +355,15 @@ def retake_sigterm() -> None:
         signal.signal(signal.SIGTERM, _sigterm)
 
 
+def ray_exit_as_terminated(e: SystemExit) -> Terminated | None:
+    """The SIGTERM that came while ray.init ran, before `retake_sigterm`: Ray's handler, put on as
+    it starts, exits with status 15 (the run ended without a word). Where `sigterm_stops` is on,
+    that is its stop, said as any other (None: another exit, or SIGTERM not this run's to say)."""
+    if e.code == signal.SIGTERM and _sigterm is not None:
+        return Terminated(where())
+    return None
+
+
 @contextmanager
 def watch():
     """Around a run: the watcher of Slurm's warning in a submitit Slurm job or a job script that forwards it
