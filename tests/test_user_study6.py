@@ -193,3 +193,46 @@ def test_a_lora_job_on_slurm_exports_and_answers_outside_rft_as_its_eval_said(sl
         assert answer(merged, r["question"]) == answer(adapted, r["question"]) == by_id[f"rev3_test/{i}"], r
     last = [m for m in read_metrics(sweep / "0" / "metrics.jsonl") if "eval/rev3_test/accuracy" in m][-1]
     assert last["step"] == 4 and last["eval/rev3_test/accuracy"] == sum(d["reward"] for d in said) / 200
+
+
+def _sweep_with_a_stopped_job(tmp_path: Path, err: str) -> Path:
+    """A sweep's directory as hydra/launcher=slurm leaves it: job 0 done (30 of 30 steps), job 1
+    stopped after 6 of 30, its submitit log ending with `err`."""
+    sweep = tmp_path / "sweep"
+    (sweep / "multirun.yaml").parent.mkdir(parents=True)
+    (sweep / "multirun.yaml").write_text("hydra: {}\n")
+    for job, steps in (("0", 30), ("1", 6)):
+        (sweep / job / ".hydra").mkdir(parents=True)
+        (sweep / job / ".hydra" / "overrides.yaml").write_text(f"- algorithm.optimizer.lr={job}e-3\n")
+        (sweep / job / ".hydra" / "config.yaml").write_text("stages: [{stage_name: grpo, buffer: {total_steps: 30}}]\n")
+        (sweep / job / "grpo" / "checkpoints" / f"step_{steps}").mkdir(parents=True)
+        (sweep / job / "grpo" / "metrics.jsonl").write_text(
+            "".join(json.dumps({"step": s, "reward/mean": 0.5}) + "\n" for s in range(1, steps + 1)))
+        log = sweep / ".submitit" / f"173_{job}" / f"173_{job}_0_log.err"
+        log.parent.mkdir(parents=True)
+        log.write_text("some warning\n" + (err if job == "1" else ""))
+    return sweep
+
+
+@pytest.mark.parametrize("err, why", [
+    ("rft: the run stopped: every task of the eval set failed at step 0. Fix the reward function.\n"
+     "srun: error: vm: task 0: Exited with exit code 1\n",
+     "the run stopped: every task of the eval set failed at step 0. Fix the reward function."),
+    ("slurmstepd-vm: error: *** STEP 170.0 ON vm CANCELLED AT 2026-11-29T07:36:41 ***\n"
+     "srun: error: vm: task 0: Killed\n",
+     "Slurm: *** STEP 170.0 ON vm CANCELLED AT 2026-11-29T07:36:41 ***"),
+])
+def test_the_report_says_why_a_sweep_job_stopped(tmp_path, err, why):
+    # a sweep job that failed (its reward raised) or was killed showed in the report as
+    # `incomplete (6/30 steps)`, as a job still running does: why it stopped was in the sweep's closing
+    # message alone, gone with the terminal. The report now lists each job that did not finish with
+    # the last line its launcher's log has from rft (or Slurm's line of its end), and that log's path.
+    sweep = _sweep_with_a_stopped_job(tmp_path, err)
+    out = subprocess.run([sys.executable, "-m", "rft.reporting.report", str(sweep)], cwd=ROOT, capture_output=True,
+                         text=True)
+    assert out.returncode == 0, out.stderr
+    md = (sweep / "report.md").read_text()
+    assert "| 1 | 1e-3 | grpo | incomplete (6/30 steps) | 6 |" in md
+    log = sweep / ".submitit" / "173_1" / "173_1_0_log.err"
+    assert f"## Jobs that stopped\n\n- job 1, incomplete (6/30 steps): {why} ({log})\n" in md
+    assert "- job 0" not in md

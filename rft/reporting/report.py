@@ -43,6 +43,7 @@ import csv
 import io
 import json
 import math
+import os
 import re
 import shlex
 import statistics
@@ -574,6 +575,44 @@ def _md_table(table: list[dict]) -> list[str]:
             *("| " + " | ".join(_cell(r[h]) for h in header) + " |" for r in table)]
 
 
+# how a launcher's job ended, in its submitit log: rft's paragraph (one line, "rft: ..."), else Slurm's
+# own line of the end of a job or step it killed or cancelled
+_SLURM_END = re.compile(r"\*\*\* (?:JOB|STEP) \S+ ON \S+ [A-Z].*\*\*\*")
+
+
+def why_stopped(job: Job) -> tuple[str, Path] | None:
+    """(why, the log saying it) for a job of a hydra/launcher=slurm|local sweep that did not finish
+    and whose newest launcher log (<sweep>/.submitit/<id>_<job number>/) says how it ended; None for
+    a finished job, one still running, or one without such a log. Its last 64 kB are read (a FIFO or
+    device in its place is left out, manifest.open_regular)."""
+    sub = job.path.parent / ".submitit"
+    if job.status == "done" or not job.path.name.isdigit() or not sub.is_dir():
+        return None
+    logs = [p for p in sub.glob(f"*_{job.path.name}/*_{job.path.name}_*_log.err") if p.is_file()]
+    if not logs:
+        return None
+    log = max(logs, key=lambda p: p.stat().st_mtime)  # a resumed sweep's newest attempt
+    try:
+        with manifest.open_regular(log) as f:
+            f.seek(max(0, os.fstat(f.fileno()).st_size - 65536))
+            lines = f.read().decode(errors="replace").splitlines()
+    except OSError:
+        return None
+    for line in reversed(lines):
+        if line.startswith("rft: "):
+            return line.removeprefix("rft: ").strip(), log
+    for line in reversed(lines):
+        if m := _SLURM_END.search(line):
+            return f"Slurm: {m.group(0)}", log
+    return None
+
+
+def _stopped_lines(jobs: list[Job]) -> list[str]:
+    stopped = [(j, w) for j in jobs if (w := why_stopped(j))]
+    return (["", "## Jobs that stopped", ""] + [f"- job {j.num}, {j.status}: {why} ({log})" for j, (why, log) in stopped]
+            if stopped else [])
+
+
 def write_markdown(path: Path, sweep_dir: Path, jobs: list[Job], keys: list[str], table: list[dict],
                    by_config: list[dict]) -> None:
     # each quoted for a POSIX shell where it needs it (brackets are glob characters; a value read from a
@@ -586,7 +625,7 @@ def write_markdown(path: Path, sweep_dir: Path, jobs: list[Job], keys: list[str]
     lines = [f"# {kind}: {sweep_dir.name}", ""]
     if common:
         lines += ["Common to all jobs: `" + " ".join(common) + "`", ""]
-    lines += _md_table(table)
+    lines += _md_table(table) + _stopped_lines(jobs)
     if by_config:
         lines += ["", "## By configuration: mean ± std over seeds", ""] + _md_table(by_config)
     lines += ["", "![the metrics over steps](rewards.png)", "",
