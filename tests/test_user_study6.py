@@ -236,3 +236,14 @@ def test_the_report_says_why_a_sweep_job_stopped(tmp_path, err, why):
     log = sweep / ".submitit" / "173_1" / "173_1_0_log.err"
     assert f"## Jobs that stopped\n\n- job 1, incomplete (6/30 steps): {why} ({log})\n" in md
     assert "- job 0" not in md
+    # a sweep of one job is no Slurm array: its log is .submitit/<id>/<id>_0_log.err
+    for job in ("0", "1"):
+        (sweep / ".submitit" / f"173_{job}" / f"173_{job}_0_log.err").unlink()
+    (sweep / ".submitit" / "180").mkdir()
+    (sweep / ".submitit" / "180" / "180_0_log.err").write_text(err)
+    (sweep / "0" / "grpo" / "metrics.jsonl").write_text(json.dumps({"step": 1, "reward/mean": 0.5}) + "\n")
+    out = subprocess.run([sys.executable, "-m", "rft.reporting.report", str(sweep)], cwd=ROOT, capture_output=True,
+                         text=True)
+    md = (sweep / "report.md").read_text()
+    assert f"- job 0, incomplete (1/30 steps): {why} ({sweep / '.submitit' / '180' / '180_0_log.err'})\n" in md
+    assert "- job 1" not in md  # its log is gone

@@ -588,7 +588,11 @@ def why_stopped(job: Job) -> tuple[str, Path] | None:
     sub = job.path.parent / ".submitit"
     if job.status == "done" or not job.path.name.isdigit() or not sub.is_dir():
         return None
-    logs = [p for p in sub.glob(f"*_{job.path.name}/*_{job.path.name}_*_log.err") if p.is_file()]
+    # <id>_<job number>/<id>_<job number>_0_log.err in a job array; a sweep of one job is no array:
+    # <id>/<id>_0_log.err
+    dirs = [d for d in sub.iterdir()
+            if (m := re.fullmatch(r"\d+(?:_(\d+))?", d.name)) and (m[1] or "0") == job.path.name]
+    logs = [d / f"{d.name}_0_log.err" for d in dirs if (d / f"{d.name}_0_log.err").is_file()]
     if not logs:
         return None
     log = max(logs, key=lambda p: p.stat().st_mtime)  # a resumed sweep's newest attempt
@@ -609,8 +613,8 @@ def why_stopped(job: Job) -> tuple[str, Path] | None:
 
 def _stopped_lines(jobs: list[Job]) -> list[str]:
     stopped = [(j, w) for j in jobs if (w := why_stopped(j))]
-    return (["", "## Jobs that stopped", ""] + [f"- job {j.num}, {j.status}: {why} ({log})" for j, (why, log) in stopped]
-            if stopped else [])
+    lines = [f"- job {j.num}, {j.status}: {why} ({log})" for j, (why, log) in stopped]
+    return ["", "## Jobs that stopped", "", *lines] if lines else []
 
 
 def write_markdown(path: Path, sweep_dir: Path, jobs: list[Job], keys: list[str], table: list[dict],
