@@ -13,6 +13,7 @@ import statistics
 
 import pytest
 import torch
+from conftest import compose_cfg
 from test_fsdp import configs, fsdp_group, local_ray  # noqa: F401  (the module's Ray instance)
 from test_metrics_audit import _policy_stats
 from test_trainer import experiences
@@ -20,7 +21,6 @@ from test_trainer import experiences
 from rft.models import ensure_model
 from rft.plan.batch import make_plan, stage_configs
 from rft.trainer.trainer import Trainer
-from conftest import compose_cfg
 
 # the figures that describe the layout's own work or time, not the batch: compared below as
 # token counts (x timing/train_compute_s) or not at all
