@@ -34,12 +34,42 @@ def resume_point(stage_dir: Path) -> str:
     return f"step {latest.step} ({latest.path})" if latest else "none yet"
 
 
+class TrainerDied(RunError):
+    """A trainer that died, said as TrainerCalls.died says it: code that tells an actor's death from
+    the errors of a call (rft.runtime.saving's checkpoint load) treats it as a death still."""
+
+
+class _Guarded:
+    """The trainer's actor (or its ranks, trainer=fsdp2) as the stage calls it directly: its start's
+    checks, the checkpoint load, weight syncs. The same calls; a death (a rank SIGKILLed as the stage
+    started) is TrainerCalls.died's paragraph, not Ray's ActorDiedError under Hydra's traceback."""
+
+    def __init__(self, actor, died):
+        self._actor, self._died = actor, died
+
+    def __getattr__(self, name: str):
+        if name.startswith("_"):  # not set yet (copy, pickle): no recursion through _actor
+            raise AttributeError(name)
+        return getattr(self._actor, name)
+
+    def get(self, future, timeout: float | None = None):
+        try:
+            return self._actor.get(future, timeout)
+        except Exception as e:
+            if not actor_died(e):
+                raise
+            raise self._died(e) from e
+
+    def call(self, method: str, *args):
+        return self.get(self._actor.submit(method, *args))
+
+
 class TrainerCalls:
     """The stage's trainer actor (`actor`), whose results are taken here: a trainer that died stops
     the run with a RunError naming the checkpoint a rerun resumes from, not a raw Ray error."""
 
     def __init__(self, actor, stage_dir: Path):
-        self.actor, self.dir = actor, stage_dir
+        self.actor, self.dir = _Guarded(actor, self.died), stage_dir
 
     def __call__(self, method: str, *args):
         return self.result(self.actor.submit(method, *args))
@@ -48,19 +78,14 @@ class TrainerCalls:
         return self.actor.submit(method, *args)
 
     def result(self, future):
-        try:
-            return self.actor.get(future)
-        except Exception as e:
-            if not actor_died(e):
-                raise
-            raise self.died(e) from e
+        return self.actor.get(future)  # a death: died's paragraph (_Guarded)
 
-    def died(self, e: Exception) -> RunError:
+    def died(self, e: Exception) -> TrainerDied:
         latest = latest_checkpoint(self.dir)
         where = f"step {latest.step} ({latest.path})" if latest else "none yet (the stage restarts from its beginning)"
         who = f": {e.rft_actor}, its log {e.rft_log}" if getattr(e, "rft_actor", None) else ""
-        return RunError(f"the trainer actor died ({type(e).__name__}{who}). Its newest checkpoint: {where}. "
-                        f"Run the same command again to resume from it.")
+        return TrainerDied(f"the trainer actor died ({type(e).__name__}{who}). Its newest checkpoint: {where}. "
+                           f"Run the same command again to resume from it.")
 
 
 SLOW = " (or raise explorer.max_timeout if it is only slow)"

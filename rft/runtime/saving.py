@@ -14,7 +14,7 @@ from rft.data.readers import step_seed
 from rft.errors import RunError
 from rft.runtime import checkpoint
 from rft.runtime.checkpoint import Checkpoint, Owner, set_aside, usable_checkpoint
-from rft.runtime.faults import TrainerCalls, actor_died
+from rft.runtime.faults import TrainerCalls, TrainerDied, actor_died
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ class StageCheckpoints:
                 log.info("resumed %s from %s", self.title, latest.path)
                 return latest
             except Exception as e:
-                if actor_died(e):
+                if actor_died(e) or isinstance(e, TrainerDied):  # not the checkpoint's fault: nothing set aside
                     raise
                 cause = getattr(e, "cause", e)
                 # a refused pickle says why itself (rft.trainer.state.load_state: it would run code)
