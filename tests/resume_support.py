@@ -298,7 +298,9 @@ def stored_rows(path: Path) -> list[dict]:
 def forked_to_end(args, env, out: Path):
     """`python run.py <args>` run to its end in a forked process (Forked), as run_to_end, whatever its
     cluster: for a run that starts no Ray (mode=bench evaluates in its own process, a dry run, a
-    configuration error), where a fresh interpreter would add only its imports."""
+    configuration error), where a fresh interpreter would add only its imports. A Ray run gains
+    nothing here (measured): its driver imports no torch, and a configuration error before Ray
+    starts neither (the datasets are read in a child process)."""
     proc = Forked(args, env, out)
     proc.wait(timeout=600)
     proc.stdout, proc.stderr = out.with_suffix(".out").read_text(), out.with_suffix(".err").read_text()

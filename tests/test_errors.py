@@ -72,13 +72,7 @@ def test_a_dataset_stage_through_ray_reads_its_dataset_in_the_trainer(tmp_path, 
     bad = write_jsonl(tmp_path / "bad.jsonl", good[:2] + [{"question": "2+2", "answer": None}] + good[3:])
     common = ["stages=[]", "algorithm=sft", "buffer.explorer_input.generator=null", "buffer.explorer_input.eval_tasksets=[]",
               "buffer.train_batch_size=4", "buffer.total_steps=2", "cluster=local", "monitor=console"]
-    # stopped in planning, before Ray starts: forked from a process that imported torch (resume_support:
-    # the same run.py without a fresh interpreter's imports); the good run below is a fresh process,
-    # whose modules are checked
-    from resume_support import forked_to_end
-
-    r = forked_to_end([*common, f"buffer.explorer_input.taskset.path={bad}", "name=bad"], {**os.environ, **run_root},
-                      tmp_path / "bad_run")
+    r = run_cli(*common, f"buffer.explorer_input.taskset.path={bad}", "name=bad", env=run_root)
     assert r.returncode == 2, r.stderr[-3000:]
     assert (f"rft: configuration error: buffer.trainer_input.experience_buffer: row 2 (line 3 of its JSONL file) "
             f"of '{bad}' has no 'answer' (format.response_key); its keys are ['question']. Fix the row (or leave "
