@@ -128,6 +128,18 @@ def test_two_ranks_log_one_process_figures_and_the_counts(grpo_layouts):
     assert len(norms) == 5  # 2 + 2 + 1 updates
     for m, part in zip(m_two, (norms[0:2], norms[2:4], norms[4:])):
         assert m["actor/grad_norm"] == pytest.approx(statistics.fmean(part), rel=1e-5)
+    # loss/policy: the loss each update back-propagated (its micro-batches' parts, each over the
+    # update's 16 rows' tokens, summed over micro-batches and ranks), a mean over the 2 updates;
+    # at ratio 1 the clipped loss of a token is -A, GRPO's A = (r - group mean) / (group std + 1e-6),
+    # times its rollout IS weight min(p, 2) = p (algorithm.rollout_is=tis, the default)
+    groups: dict = {}
+    for e in batch:
+        groups.setdefault(e.group_id, []).append(e.reward)
+    tok = [((e.reward - statistics.fmean(groups[e.group_id])) / (statistics.stdev(groups[e.group_id]) + 1e-6), i)
+           for i, e in enumerate(batch) for _ in range(e.response_length)]  # (A, row) per token, as logp's
+    per_update = [sum(-a * math.exp(lp) for (a, i), lp in zip(tok, logp) if j <= i < j + 16)
+                  / sum(e.response_length for e in batch[j:j + 16]) for j in (0, 16)]
+    assert m_two[0]["loss/policy"] == pytest.approx(statistics.fmean(per_update), abs=1e-6)
     # step 2's stale rows crossed the clip bounds: the clip fractions compared something
     assert m_two[1]["actor/clip_frac"] > 0.1 and m_two[1]["actor/approx_kl"] > 0.1
 
