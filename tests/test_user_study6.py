@@ -54,8 +54,14 @@ def test_a_target_module_the_model_lacks_stops_the_dry_run(tiny):
         f"(down_proj: model.layers.0.mlp.down_proj); give those names, or all-linear.")
     assert "'v_prj' names no module" in _plan_error(at, "model.lora.rank=4",
                                                     "model.lora.target_modules=[q_proj,v_prj]")
-    # full names and suffixes of them match, as PEFT matches them
-    _plan(at, "model.lora.rank=4", "model.lora.target_modules=[self_attn.q_proj,model.layers.1.mlp.up_proj]")
+    # (PEFT itself on [q_proj, v_prj] at rank 4: 2048 trainable parameters, q_proj's 2 x 4 x 256 alone)
+    # full names and suffixes of them match, as PEFT matches them, and the plan counts what PEFT
+    # adapts: q_proj in both layers 2 x 4 x (128 + 128) = 2048, up_proj of layer 1 4 x (128 + 512)
+    # = 2560: 4608, PEFT's get_nb_trainable_parameters() for the same list
+    from rft.plan.memory import adapter_parameters
+
+    cfg, _ = _plan(at, "model.lora.rank=4", "model.lora.target_modules=[self_attn.q_proj,model.layers.1.mlp.up_proj]")
+    assert adapter_parameters(str(tiny), cfg.model.lora) == 4608
 
 
 def test_the_dry_run_says_what_lora_trains(tiny):
