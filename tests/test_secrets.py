@@ -264,3 +264,36 @@ def test_the_studios_preview_shows_a_token_from_conf_masked():
     comp = compose_overrides(ROOT / "conf", [REMOTE])
     assert TOKEN not in comp.yaml and "token: '***'" in comp.yaml
     assert TOKEN not in repr(comp.values) and "token: '***'" in comp.values["buffer.explorer_input.taskset.reward_fn"]
+def test_a_runs_record_holds_the_token_masked_and_a_resume_finds_its_config_unchanged(tmp_path):
+    from rft.runtime import rundir
+
+    cfg = compose_cfg([REMOTE])
+    rundir.write_config(cfg, tmp_path)
+    text = (tmp_path / "config.yaml").read_text()
+    assert TOKEN not in text and "token: '***'" in text
+    assert rundir.record_problem(tmp_path) is None  # its first line's fingerprint is the masked config's
+    assert rundir.differences(rundir.identity(rundir.saved_config(tmp_path)), rundir.identity(cfg)) == []
+
+
+@pytest.mark.slow  # wandb starts a service process (~2 s)
+def test_a_run_that_logs_to_wandb_resumes_past_wandbs_own_links(tmp_path, monkeypatch, request):
+    # wandb makes links in its folder (wandb/debug.log -> its run's logs, debug-core.log into
+    # ~/.cache/wandb), and the run directory's link check refused every resume of a
+    # monitor_type=[wandb] run: 'debug-internal.log is a link ... (and 2 more)'
+    import wandb
+
+    from rft.plan.batch import stage_configs
+    from rft.reporting.monitor import WandB
+    from rft.runtime import rundir
+
+    request.addfinalizer(wandb.teardown)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    [stage] = stage_configs(compose_cfg(["stages=[]"]))
+    WandB(stage, tmp_path, "grpo", 0).close()
+    assert [p.name for p in tmp_path.glob("wandb/*.log") if p.is_symlink()]  # wandb's links are there
+    rundir.refuse_links(tmp_path)  # before: RunError
+    # a link planted beside wandb's folder is still refused
+    (tmp_path / "run.log").symlink_to(tmp_path / "elsewhere.log")
+    with pytest.raises(Exception, match="run.log is a link"):
+        rundir.refuse_links(tmp_path)

@@ -48,6 +48,7 @@ from omegaconf import OmegaConf
 from rft import manifest
 from rft.config import flat
 from rft.errors import ConfigError, RunError
+from rft.reporting.redact import config_yaml, redact, redact_overrides
 from rft.runtime.checkpoint import Owner, describe, read_checkpoint, shown
 
 log = logging.getLogger(__name__)
@@ -77,7 +78,7 @@ def identity(cfg) -> dict[str, Any]:
     """What determines a stage's results: its flat config without WHERE_AND_HOW, nor a teacher that
     distillation does not read (a warm-up stage inherits the RL stage's: grpo and opd arms of a
     sweep share their warm-up)."""
-    keys = flat(cfg)
+    keys = redact(flat(cfg))  # a token is not what a result depends on, and the saved config holds it masked
     unused = () if keys.get("algorithm.distill_coef") else ("algorithm.teacher_model_path",)
     return {k: v for k, v in keys.items()
             if not any(k == w or k.startswith(w + ".") for w in WHERE_AND_HOW) and k not in unused}
@@ -195,7 +196,7 @@ def record_problem(stage_dir: Path) -> str | None:
 
 def write_config(cfg, stage_dir: Path) -> None:
     stage_dir.mkdir(parents=True, exist_ok=True)
-    text = OmegaConf.to_yaml(cfg, resolve=True)
+    text = config_yaml(cfg, resolve=True)
     manifest.write_atomic(stage_dir / "config.yaml", f"# fingerprint: {fingerprint(identity(cfg))}\n{text}")
     manifest.write_atomic(stage_dir / DATA_RECORD, json.dumps(data_digests(cfg), indent=1, sort_keys=True))
 
@@ -419,15 +420,17 @@ def planted_links(run_dir: Path) -> list[Path]:
     nothing); and the FIFOs, sockets and devices, which a run reading its logs back would wait on
     forever (or read without end). rft makes none; a link to a folder (checkpoints on a scratch
     disk) is the user's own and not entered. Not looked into: the checkpoints, sealed and never
-    written into once made (their manifest refuses a link: rft.manifest), and earlier outputs
-    moved aside (previous_*)."""
+    written into once made (their manifest refuses a link: rft.manifest), earlier outputs
+    moved aside (previous_*), and wandb's folder, which rft never writes and whose logs are links
+    wandb makes (wandb/debug.log to its latest run's; debug-core.log into ~/.cache/wandb): with
+    them, every resume of a monitor_type=[wandb] run was refused."""
     found = []
     for root, dirs, names in os.walk(run_dir):  # followlinks=False
         here = Path(root)
         found += [here / n for n in dirs + names if (here / n).is_symlink() and not (here / n).is_dir()
                   or not ((here / n).is_symlink() or (here / n).is_dir() or (here / n).is_file())]
         dirs[:] = [d for d in dirs if not (d.startswith("previous_") and here == run_dir)
-                   and not (here.name == "checkpoints" and d.startswith("step_"))]
+                   and not (here.name == "checkpoints" and d.startswith("step_")) and d != "wandb"]
     return sorted(found)
 
 
@@ -521,11 +524,11 @@ def write_record(cfg, run_dir: Path) -> None:
     d.mkdir(parents=True, exist_ok=True)
     # each file whole or not at all: every run of the name writes them again (a resumed sweep's
     # finished jobs too), and one cut by a kill still parsed, as a plan of fewer stages or fewer overrides
-    manifest.write_atomic(d / "config.yaml", OmegaConf.to_yaml(cfg))
+    manifest.write_atomic(d / "config.yaml", config_yaml(cfg))
     if HydraConfig.initialized():
         hydra_cfg = HydraConfig.instance().cfg
-        manifest.write_atomic(d / "hydra.yaml", OmegaConf.to_yaml(hydra_cfg))
-        manifest.write_atomic(d / "overrides.yaml", OmegaConf.to_yaml(hydra_cfg.hydra.overrides.task))
+        manifest.write_atomic(d / "hydra.yaml", config_yaml(hydra_cfg))
+        manifest.write_atomic(d / "overrides.yaml", OmegaConf.to_yaml(redact_overrides(hydra_cfg.hydra.overrides.task)))
 
 
 # ---------------------------------------------------------------- the stage cache
