@@ -143,6 +143,7 @@ def test_reward_and_length_metrics_are_the_batch_they_name(grpo):
         lengths = [len(r["tokens"]) - r["prompt_length"] for r in rows]
         assert m["response_length/mean"] == pytest.approx(statistics.fmean(lengths), abs=1e-12)
         assert m["response_length/max"] == max(lengths) <= MAX_TOKENS
+        assert m["response_length/min"] == min(lengths) >= 1
         # clipped: cut at max_tokens without an EOS (one that ended with EOS as its 6th token was not cut)
         eos = {r["tokens"][-1] for r in rows if r["info"]["finish_reason"] == "stop"}
         assert len(eos) <= 1

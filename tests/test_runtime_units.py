@@ -687,6 +687,7 @@ def test_rollout_metrics_by_hand():
     assert m["reward/std"] == pytest.approx(0.5, rel=1e-15)
     assert (m["reward/min"], m["reward/max"]) == (0.0, 1.0)
     assert m["response_length/mean"] == 4.0 and m["response_length/max"] == 6.0  # (4 + 2 + 6) / 3
+    assert m["response_length/min"] == 2.0
     assert m["rollout/tokens_per_s"] == 6.0  # 12 tokens in 2 s
     one = rollout_metrics(exps[:1], [exps[:1]], {}, 1.0)
     assert one["reward/std"] == 0.0 and one["reward/mean"] == 1.0

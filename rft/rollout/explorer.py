@@ -280,6 +280,7 @@ def rollout_metrics(exps: list, groups: list, counters: dict, elapsed: float) ->
         "reward/max": max(rewards),
         "response_length/mean": sum(lengths) / len(lengths),
         "response_length/max": float(max(lengths)),
+        "response_length/min": float(min(lengths)),  # verl's too: a collapse to short answers shows here first
     }
     m |= {
         "rollout/truncated_frac": sum(e.info.get("finish_reason") == "length" for e in exps) / max(len(exps), 1),
