@@ -20,6 +20,7 @@ driver.
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import re
@@ -89,7 +90,7 @@ def _waited_too_long(driver: psutil.Process, me: psutil.Process, seen: dict, wai
     if waited < wait["bound"]:
         if waited >= wait["next"]:
             print(f"rft: starting Ray... ({waited:.0f} s)", file=sys.stderr, flush=True)
-            wait["next"] *= 2
+            wait["next"] *= 3
         return False
     # frozen first: a driver woken by its raylet's end would go on to print Ray's errors and our
     # paragraph of another cause; killed last, so the shell waits for this paragraph
@@ -137,18 +138,29 @@ def _ray_processes():
 
 def _theirs(seen: dict, driver_pid: int, driver_started: float, me: int) -> dict[int, float]:
     """`seen` and the processes of the Ray session the driver started that are this user's and younger
-    than the driver: Ray names a session's directory session_<date>_<time>_<pid of its starter>."""
+    than the driver: Ray names a session's directory session_<local date>_<time>_<microseconds>_<pid of
+    its starter>. The session must also be younger than the driver: the pid of a `ray start` that
+    exited long ago (its cluster still running, its new workers younger than the driver) may be the
+    driver's now, pids being reused."""
     found = dict(seen)
-    session = re.compile(rf"/session_[\d_-]+_{driver_pid}(/|\s|$)")
+    session = re.compile(rf"/session_(\d{{4}}-\d\d-\d\d_\d\d-\d\d-\d\d_\d{{6}})_{driver_pid}(/|\s|$)")
     uid = os.getuid()
     for p in _ray_processes():
         try:
+            named = session.search(" ".join(p.info["cmdline"] or []))
             if (p.pid != me and p.pid not in found and p.info["uids"] and p.info["uids"].real == uid
-                    and p.info["create_time"] >= driver_started and session.search(" ".join(p.info["cmdline"] or []))):
+                    and p.info["create_time"] >= driver_started and named
+                    # 1 s: the process's start time is counted in clock ticks, the session's in microseconds
+                    and _session_began(named.group(1)) >= driver_started - 1):
                 found[p.pid] = p.info["create_time"]
         except (psutil.Error, TypeError):
             pass
     return found
+
+
+def _session_began(date: str) -> float:
+    """When a session began, from its name (Ray writes the local time: datetime.today())."""
+    return datetime.datetime.strptime(date, "%Y-%m-%d_%H-%M-%S_%f").timestamp()
 
 
 def _kill(procs: dict[int, float]) -> None:
