@@ -90,7 +90,7 @@ def _waited_too_long(driver: psutil.Process, me: psutil.Process, seen: dict, wai
     if waited < wait["bound"]:
         if waited >= wait["next"]:
             print(f"rft: starting Ray... ({waited:.0f} s)", file=sys.stderr, flush=True)
-            wait["next"] *= 3
+            wait["next"] *= 2
         return False
     # frozen first: a driver woken by its raylet's end would go on to print Ray's errors and our
     # paragraph of another cause; killed last, so the shell waits for this paragraph
