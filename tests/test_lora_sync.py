@@ -2,9 +2,12 @@
 serves them as a LoRA request on the base weights it keeps; whole weights (a checkpoint's
 merged hf/) replace the base and end the adapter. Every load is checked by fingerprint."""
 
+import os
+
 import pytest
 import torch
 from conftest import compose_cfg, run_cli
+from resume_support import run_to_end
 from test_runtime import base, env_for
 from test_trainer import experiences, make_trainer
 
@@ -120,8 +123,11 @@ def test_a_run_with_adapter_sync_trains_and_resumes(warm_start, tmp_path):
                   "explorer.eval_interval=100", "synchronizer.sync_offset=0")  # on-policy: every step's log-probs compared
     # the first two steps in one process (cluster=inline, its syncs in memory): they make the
     # checkpoint the Ray run resumes from; there every sync (shared memory, the explorer on the
-    # trainer's node) is checked by fingerprint
-    r = run_cli(*common, "cluster=inline", "buffer.total_steps=2", env=env_for(tmp_path))
+    # trainer's node) is checked by fingerprint. The inline run forked from a process that imported
+    # torch (resume_support.run_to_end: the same run without a fresh interpreter's imports; the Ray
+    # run's driver imports no torch, so it gains nothing from a fork)
+    r = run_to_end([*common, "cluster=inline", "buffer.total_steps=2"], {**os.environ, **env_for(tmp_path)},
+                   tmp_path / "inline_run")
     assert r.returncode == 0, r.stderr[-3000:]
     # resumed from step 2: the engine starts on the base model again (not the checkpoint's merged
     # hf/, which the adapters would go on top of) and gets the resumed adapters by a sync
