@@ -578,6 +578,8 @@ def _md_table(table: list[dict]) -> list[str]:
 # how a launcher's job ended, in its submitit log: rft's paragraph (one line, "rft: ..."), else Slurm's
 # own line of the end of a job or step it killed or cancelled
 _SLURM_END = re.compile(r"\*\*\* (?:JOB|STEP) \S+ ON \S+ [A-Z].*\*\*\*")
+# rft's lines of a job that runs on (a warning, Ray's start, a requeue's note): never why it stopped
+_RUNNING = ("rft: warning: ", "rft: starting Ray... ", "rft: requeueing ")
 
 
 def why_stopped(job: Job) -> tuple[str, Path] | None:
@@ -603,7 +605,7 @@ def why_stopped(job: Job) -> tuple[str, Path] | None:
     except OSError:
         return None
     for line in reversed(lines):
-        if line.startswith("rft: "):
+        if line.startswith("rft: ") and not line.startswith(_RUNNING):
             return line.removeprefix("rft: ").strip(), log
     for line in reversed(lines):
         if m := _SLURM_END.search(line):

@@ -1,0 +1,104 @@
+"""README.md's promises of the sentences added or changed beside the report's "Jobs that stopped" and
+Ray's start (`cluster.init_timeout_s`) that no other test shows: a sweep job still running is not
+listed as stopped, whatever rft printed on its way; a job that stopped after a warning is listed with
+why it stopped, not with the warning; the 180 s bound and the 15 s line are the numbers the README
+gives. All fast: files written by hand, the report read in this process, no run."""
+
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import ROOT, compose_cfg
+
+from rft.reporting import report
+
+README = (ROOT / "README.md").read_text()
+
+# lines rft prints to a job's stderr (its launcher log) while the job runs on: none says why it stopped
+WHILE_RUNNING = ("rft: warning: stage grpo: reward/mean was 0 for 5 steps\n"
+                 "rft: starting Ray... (15 s)\n"
+                 "rft: requeueing Slurm job 173_1 (scontrol requeue): it runs again and resumes from its newest "
+                 "checkpoint\n")
+
+
+def _sweep(tmp_path: Path, err: str) -> Path:
+    """A sweep's directory as hydra/launcher=slurm leaves it: job 0 done (30 of 30 steps), job 1 at
+    6 of 30, its submitit log (.submitit/173_1/173_1_0_log.err) ending with `err`."""
+    sweep = tmp_path / "sweep"
+    sweep.mkdir()
+    (sweep / "multirun.yaml").write_text("hydra: {}\n")
+    for job, steps in (("0", 30), ("1", 6)):
+        (sweep / job / ".hydra").mkdir(parents=True)
+        (sweep / job / ".hydra" / "overrides.yaml").write_text(f"- algorithm.optimizer.lr={job}e-3\n")
+        (sweep / job / ".hydra" / "config.yaml").write_text("stages: [{stage_name: grpo, buffer: {total_steps: 30}}]\n")
+        (sweep / job / "grpo" / "checkpoints" / f"step_{steps}").mkdir(parents=True)
+        (sweep / job / "grpo" / "metrics.jsonl").write_text(
+            "".join(f'{{"step": {s}, "reward/mean": 0.5}}\n' for s in range(1, steps + 1)))
+        log = sweep / ".submitit" / f"173_{job}" / f"173_{job}_0_log.err"
+        log.parent.mkdir(parents=True)
+        log.write_text("some warning of a library\n" + (err if job == "1" else ""))
+    return sweep
+
+
+def _why(sweep: Path) -> dict[str, tuple[str, Path] | None]:
+    return {j.num: report.why_stopped(j) for j in report.read_jobs(sweep)}
+
+
+def test_a_job_still_running_is_not_listed_as_stopped_whatever_rft_printed(tmp_path):
+    # README: under "Jobs that stopped" each job that did not finish, with why, "and that log's path
+    # (a job still running has none)". A running job's log holds rft's warnings, Ray's start line
+    # and a requeue's note; each was read as why it stopped (the last line starting "rft: "), so a
+    # job running on read "Jobs that stopped: job 1 ...: requeueing Slurm job ..."
+    sweep = _sweep(tmp_path, WHILE_RUNNING)
+    assert _why(sweep) == {"0": None, "1": None}
+    out = subprocess.run([sys.executable, "-m", "rft.reporting.report", str(sweep)], cwd=ROOT, capture_output=True,
+                         text=True)
+    assert out.returncode == 0, out.stderr
+    md = (sweep / "report.md").read_text()
+    assert "| 1 | 1e-3 | grpo | incomplete (6/30 steps) | 6 |" in md
+    assert "Jobs that stopped" not in md
+
+
+@pytest.mark.parametrize("end, why", [
+    # rft's paragraph, after the lines a run prints on its way
+    ("rft: the run stopped: every task of the eval set failed at step 0. Fix the reward function.\n"
+     "srun: error: vm: task 0: Exited with exit code 1\n",
+     "the run stopped: every task of the eval set failed at step 0. Fix the reward function."),
+    # Slurm's line of a time limit (README: "Slurm's line of its end: `CANCELLED`, a time limit"):
+    # rft printed nothing of its end, its warning before is not why
+    ("slurmstepd-vm: error: *** JOB 173 ON vm CANCELLED AT 2026-11-29T08:00:00 DUE TO TIME LIMIT ***\n",
+     "Slurm: *** JOB 173 ON vm CANCELLED AT 2026-11-29T08:00:00 DUE TO TIME LIMIT ***"),
+])
+def test_a_stopped_job_is_listed_with_why_it_stopped_not_a_warning_before(tmp_path, end, why):
+    sweep = _sweep(tmp_path, WHILE_RUNNING + end)
+    log = sweep / ".submitit" / "173_1" / "173_1_0_log.err"
+    assert _why(sweep) == {"0": None, "1": (why, log)}
+
+
+def test_rays_start_bound_and_its_line_are_the_readmes():
+    # README: "within `cluster.init_timeout_s` (`conf/cluster/local.yaml`: 180 s; from 15 s on a line
+    # `rft: starting Ray... (N s)` says how long it has waited)"
+    from rft.runtime import main
+
+    words = r"`cluster.init_timeout_s` (`conf/cluster/local.yaml`: (\d+) s; from (\d+) s on a line `rft: starting Ray... (N s)`"
+    # the README's words as a pattern: its line breaks anywhere, its numbers read
+    pattern = r"\s+".join(re.escape(w).replace(r"\(\\d\+\)", r"(\d+)") for w in words.split())
+    bound, first = re.findall(pattern, README)[0]
+    assert compose_cfg(["cluster=local"]).cluster.init_timeout_s == float(bound) == 180
+    assert main.INIT_PROGRESS_S == float(first) == 15
+
+
+def test_the_reaper_says_the_wait_from_15_s_on_each_at_twice_the_last(capsys):
+    # the reaper's view of a driver in ray.init, as it reads it from the driver's line; the driver
+    # (suspended and killed past the bound) is not reached before the bound: None stands for it
+    from rft.runtime import main, reaper
+
+    wait = {"bound": 180.0, "resume": "", "next": main.INIT_PROGRESS_S}
+    for waited, said in ((14, ""), (16, "rft: starting Ray... (16 s)\n"), (20, ""), (31, "rft: starting Ray... (31 s)\n")):
+        wait["since"] = time.monotonic() - waited
+        assert reaper._waited_too_long(None, None, {}, wait) is False
+        assert capsys.readouterr().err == said
+    assert wait["next"] == 60  # 15, then 30, then 60: each line at twice the time of the one before
