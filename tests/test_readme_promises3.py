@@ -102,3 +102,22 @@ def test_the_reaper_says_the_wait_from_15_s_on_each_at_twice_the_last(capsys):
         assert reaper._waited_too_long(None, None, {}, wait) is False
         assert capsys.readouterr().err == said
     assert wait["next"] == 60  # 15, then 30, then 60: each line at twice the time of the one before
+
+
+def test_the_start_line_names_the_stage_whose_final_model_a_stage_starts_from(tmp_path):
+    # README ("Stages"): a reward-model stage's final model "is read, not started from: the stage after
+    # it starts from the policy before it", and the stage "says whose as it starts ([grpo] starts from
+    # dpo's final model: <run>/dpo/checkpoints/step_40/hf)". The run hands a stage the last policy's
+    # path (rft.runtime.main skips a reward-model stage's, test_reward_model_training shows the
+    # weights); the line names the stage that wrote it, here the warm-up before the `rm` stage
+    from types import SimpleNamespace
+
+    from rft.runtime.runner import StageRun
+
+    said = []
+    hf = tmp_path / "run" / "sft_warmup" / "checkpoints" / "step_4" / "hf"
+    stage = SimpleNamespace(title="grpo", init_path=str(hf), cfg=SimpleNamespace(mode="both"),
+                            monitor=SimpleNamespace(print=said.append))
+    StageRun._announce(stage, 0, {}, None)
+    assert said == [f"[grpo] starts from sft_warmup's final model: {hf}"]
+    assert re.search(r"\(`\[grpo\] starts from dpo's final model:\s+<run>/dpo/checkpoints/step_40/hf`", README)
