@@ -37,3 +37,20 @@ def test_the_reaper_leaves_a_session_of_an_earlier_process_that_had_the_drivers_
         for p in (theirs_old, ours):
             p.kill()
             p.wait()
+
+
+def test_two_stages_differing_in_a_reward_argument_named_token_do_not_share_a_stage_cache_key():
+    # redact masks any key named token (a remote reward's secret), and the stage's identity is
+    # masked to compare with the saved record; a reward of the user's whose argument `token` is the
+    # tag it looks for then gave two sweep jobs one cache key: the second reused the first's stage
+    from conftest import compose_cfg
+
+    from rft.plan.batch import stage_configs
+    from rft.runtime import rundir
+
+    def key(tag: str) -> str:
+        cfg = compose_cfg([f"buffer.explorer_input.taskset.reward_fn=[{{fn: exact_match, args: {{token: '{tag}'}}}}]"])
+        return rundir.cache_key(stage_configs(cfg)[-1], "start")
+
+    assert key("<answer>") != key("</think>")
+    assert key("<answer>") == key("<answer>")

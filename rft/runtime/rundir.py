@@ -74,11 +74,13 @@ DATA_RECORD = "data.json"
 # ---------------------------------------------------------------- fingerprints
 
 
-def identity(cfg) -> dict[str, Any]:
+def identity(cfg, masked: bool = True) -> dict[str, Any]:
     """What determines a stage's results: its flat config without WHERE_AND_HOW, nor a teacher that
     distillation does not read (a warm-up stage inherits the RL stage's: grpo and opd arms of a
-    sweep share their warm-up)."""
-    keys = redact(flat(cfg))  # a token is not what a result depends on, and the saved config holds it masked
+    sweep share their warm-up). `masked`: secrets as the saved config holds them (***), for what is
+    compared with it; the stage cache's key takes them whole, since a key named `token` may be a
+    reward's argument that changes its results (a tag to look for), not a secret."""
+    keys = redact(flat(cfg)) if masked else flat(cfg)
     unused = () if keys.get("algorithm.distill_coef") else ("algorithm.teacher_model_path",)
     return {k: v for k, v in keys.items()
             if not any(k == w or k.startswith(w + ".") for w in WHERE_AND_HOW) and k not in unused}
@@ -150,7 +152,7 @@ def cache_key(cfg, start: str, reads: dict[str, str] | None = None) -> str:
     teacher's or reward model's files; `reads`: the keys of the earlier stages whose reward models
     it reads as stage:<title>). Each only when there is one: the key of a stage without stays as it was."""
     models = [path_identity(p) for p in model_paths(cfg)]
-    return fingerprint({"stage": identity(cfg), "start": start, "data": [path_identity(p) for p in data_paths(cfg)],
+    return fingerprint({"stage": identity(cfg, masked=False), "start": start, "data": [path_identity(p) for p in data_paths(cfg)],
                         **({"models": models} if models else {}), **({"reads": reads} if reads else {})})
 
 
