@@ -9,8 +9,10 @@ Limits, each measured against `python -m rft.serving.reward_server` (tests/test_
   (or of the previous answer on a kept-alive one); else the connection is closed. uvicorn times out
   idle kept-alive connections only: a client sending its head a byte at a time held a connection
   for as long as it liked (TimedH11);
-- a client must read its answer: one that reads none of it for `request_timeout` seconds while
-  the server has more to send (past the 64 KiB transport buffer) has its connection dropped.
+- a client must read its answer: one that reads none of it while the server has more to send
+  (past the 64 KiB transport buffer) has its connection dropped after `request_timeout` seconds,
+  or the time to read at 1 KiB/s what its kernel took (up to 256 s: a reader is seen only as its
+  kernel takes more, in steps of half its buffer, so a client reading 1 KiB/s is never dropped).
   uvicorn waited for it forever: ten connections asking for the studio's plotly.min.js (no token
   needed) and never reading held a studio of --max-connections 8 at 503 for good (TimedH11);
 - at most `max_connections` connections at once: beyond, a request is answered 503 (uvicorn's
@@ -43,6 +45,8 @@ MAX_BODY = 32 * 2**20  # a group of 64 responses of 128k characters is 8 MiB
 REQUEST_TIMEOUT = 10.0
 MAX_CONNECTIONS = 256  # above the clients' pools: 8 explorers x 8 kept-alive connections is 64
 MAX_HEAD = 16 * 2**10
+MIN_READ_RATE = 2**10  # bytes/s: a client reading at least this fast is never dropped (TimedH11)
+MAX_UNREAD = 256 * 2**10  # the most a client is assumed to hold unread (the kernel's default buffer takes ~175 KB)
 
 
 def bearer_refusal(request, expected: bytes, which: str):
@@ -169,13 +173,19 @@ class TimedH11(H11Protocol):
         super().connection_lost(exc)
 
     # the transport calls these as its write buffer passes the high and low water marks: a client
-    # that reads nothing of its answer for request_timeout seconds is dropped (abort: close() would
-    # wait to send it the buffered rest, forever). Any read is progress: the buffer's fall from 64 to
-    # 16 KiB took a client reading 1 KB/s (a slow link fetching plotly.min.js) 48 s, past the default 10
+    # that reads nothing of its answer while more is to be sent is dropped (abort: close() would
+    # wait to send it the buffered rest, forever). Any read is progress, but the server sees a read
+    # only when the client's kernel takes more, which it does in steps: its window reopens once it
+    # has room for half its buffer (measured on loopback with the kernel's buffers: ~175 KB taken at
+    # once, then nothing for 15 s while a client read 8 KiB/s), so a client is given the time to read
+    # all its kernel may hold unread at 1 KiB/s (MIN_READ_RATE), and request_timeout at least. A
+    # client that reads nothing is indistinguishable meanwhile: dropped after ~171 s with the
+    # kernel's default buffers, MAX_UNREAD / MIN_READ_RATE at most; after less as its kernel takes less
     def pause_writing(self) -> None:
         super().pause_writing()
         if self._stalled is None:
-            self._look_for_progress(self.transport.get_write_buffer_size(), self.loop.time())
+            taken = _bytes_taken(self.transport)
+            self._look_for_progress(self._unsent(), taken, self._allowance(taken), self.loop.time())
 
     def resume_writing(self) -> None:
         super().resume_writing()
@@ -183,16 +193,28 @@ class TimedH11(H11Protocol):
             self._stalled.cancel()
             self._stalled = None
 
-    def _look_for_progress(self, size: int, since: float) -> None:
-        """Looked at 4 times a request_timeout: dropped once the buffer (`size` bytes at the last
-        look) has not shrunk since `since` for request_timeout seconds."""
+    def _unsent(self) -> int:
+        return self.transport.get_write_buffer_size()
+
+    def _allowance(self, taken: int | None) -> float:
+        """Seconds a client whose kernel has taken `taken` bytes (all of which it may hold unread)
+        may go without taking more."""
+        return max(self.config.request_timeout, min(taken or 0, MAX_UNREAD) / MIN_READ_RATE)
+
+    def _look_for_progress(self, size: int, taken: int | None, allowed: float, since: float) -> None:
+        """Looked at 4 times a request_timeout: dropped once the client's kernel has taken nothing
+        more (bytes acknowledged, `taken` at the last look; where the kernel does not say, the
+        buffer, `size` bytes at the last look, not shrinking) for `allowed` seconds since `since`."""
         def look() -> None:
-            now, left = self.loop.time(), self.transport.get_write_buffer_size()
-            if left >= size and now - since >= self.config.request_timeout:
+            now, left, took = self.loop.time(), self._unsent(), _bytes_taken(self.transport)
+            moved = took > taken if took is not None and taken is not None else left < size
+            if not moved and now - since >= allowed:
                 self._stalled = None
                 self.transport.abort()
+            elif moved:
+                self._look_for_progress(left, took, self._allowance(took), now)
             else:
-                self._look_for_progress(left, now if left < size else since)
+                self._look_for_progress(left, took, allowed, since)
 
         self._stalled = self.loop.call_later(self.config.request_timeout / 4, look)
 
@@ -205,6 +227,17 @@ class TimedH11(H11Protocol):
         self._deadline = None
         if not self.transport.is_closing():
             self.transport.close()
+
+
+def _bytes_taken(transport) -> int | None:
+    """Bytes of the connection's answers the client's kernel has acknowledged (Linux's TCP_INFO
+    tcpi_bytes_acked, at offset 120), or None where the kernel does not say."""
+    sock = transport.get_extra_info("socket")
+    try:
+        info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 128)
+    except (AttributeError, OSError):
+        return None
+    return int.from_bytes(info[120:128], sys.byteorder) if len(info) >= 128 else None
 
 
 def sends_token(headers, token: bytes | None) -> bool:

@@ -1,0 +1,91 @@
+"""Defects a review found in the servers' slow-client drop (36b8f8b) and the studio's runs page
+(d1494c3), each shown by a test that failed before its fix."""
+
+import socket
+import threading
+import time
+
+import pytest
+
+# ---------------------------------------------------------------- a slow reader with the kernel's buffers (36b8f8b)
+
+
+def _serve(body: bytes, request_timeout: float):
+    """uvicorn with this project's server_config (TimedH11) on a free loopback port answering every
+    request with `body`: (server, port). A send buffer of a few kB, which its connections inherit
+    (as tests/test_review8.py's): the kernel's autotuned one took the whole answer on loopback."""
+    import uvicorn
+
+    from rft.serving.auth import server_config
+
+    async def app(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
+
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(server_config(app, request_timeout=request_timeout, log_level="warning"))
+    threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True).start()
+    while not server.started:
+        time.sleep(0.01)
+    return server, sock.getsockname()[1]
+
+
+def _ask(port: int, rcvbuf: int | None = None) -> socket.socket:
+    s = socket.socket()
+    if rcvbuf is not None:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    s.connect(("127.0.0.1", port))
+    s.sendall(b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+    return s
+
+
+@pytest.mark.slow  # 20 s of reading
+def test_a_client_reading_steadily_with_the_kernels_buffers_is_not_dropped():
+    # Measured before: a client with the kernel's default receive buffer took the first 175,713
+    # bytes of an answer at once, and more only once it had read about half of them (its window
+    # reopens when half its buffer is free; the server's send queue stood still 15 s while a client
+    # read 8 KiB/s), so the transport's buffer, the only progress the server looked at, stood still
+    # while the client read: with --request-timeout 1 a client reading 16 KiB/s was dropped after
+    # 10.8 s at 175,713 bytes of 327,777 (with the default 10 s, one reading 8 KiB/s, as through an
+    # ssh tunnel, after 21.7 s). Bytes its kernel acknowledges now count, and a client is given the
+    # time to read all its kernel may hold at 1 KiB/s before it is taken for one reading nothing.
+    body = bytes(range(256)) * 1280  # 320 KiB: 20 s at 16 KiB/s
+    server, port = _serve(body, request_timeout=1)
+    try:
+        s, got = _ask(port), b""
+        while not got.endswith(body):
+            chunk = s.recv(1024)  # 1 KiB each 1/16 s: 16 KiB/s
+            if not chunk:
+                break
+            got += chunk
+            time.sleep(1 / 16)
+        s.close()
+        assert len(got.split(b"\r\n\r\n", 1)[1]) == 327_680  # 1280 x 256, not a connection dropped midway
+    finally:
+        server.should_exit = True
+
+
+@pytest.mark.slow  # 10 s of waiting
+def test_a_client_that_reads_nothing_is_still_dropped():
+    # it is given the time to read what its kernel took at 1 KiB/s: a receive buffer of 4096 bytes
+    # (the kernel doubles it) takes under 8 KiB, so under 8 s, then looked at each 1/4 s
+    body = bytes(range(256)) * 4096  # 1 MiB
+    server, port = _serve(body, request_timeout=1)
+    try:
+        s = _ask(port, rcvbuf=4096)
+        time.sleep(10)
+        s.settimeout(10)
+        got = b""
+        try:
+            while chunk := s.recv(1 << 20):
+                got += chunk
+        except ConnectionResetError:  # the abort's RST
+            pass
+        s.close()
+        assert 0 < len(got) < 16384  # what its kernel held when the connection was dropped, not the 1 MiB
+    finally:
+        server.should_exit = True
+
