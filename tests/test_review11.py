@@ -89,3 +89,38 @@ def test_a_client_that_reads_nothing_is_still_dropped():
     finally:
         server.should_exit = True
 
+
+# ---------------------------------------------------------------- the runs page's sweeps, read once (d1494c3)
+
+def _plan(lrs: str, seeds: str) -> str:
+    return ("hydra:\n  sweeper:\n    _target_: hydra._internal.core_plugins.basic_sweeper.BasicSweeper\n"
+            f"    params:\n      algorithm.optimizer.lr: {lrs}\n      seed: {seeds}\n"
+            "  overrides:\n    task: []\n")
+
+
+def test_a_sweeps_plan_is_read_again_only_when_its_multirun_yaml_changed(tmp_path, monkeypatch):
+    # Measured before: every poll of the runs page (each 2 s) expanded every sweep's multirun.yaml
+    # again, 31-63 ms a sweep on a loaded machine: ~1 s of CPU a poll at 20 sweeps
+    import os
+
+    from rft.reporting import report
+    from rft.studio import runs
+
+    reads, expand = [], report.planned_jobs
+    monkeypatch.setattr(report, "planned_jobs", lambda d: reads.append(d) or expand(d))
+    sweep = tmp_path / "rft" / "multirun" / "2026-01-01_00-00-00"
+    sweep.mkdir(parents=True)
+    plan = sweep / "multirun.yaml"
+    plan.write_text(_plan("1e-4,3e-4", "1,2,3"))
+    assert [runs._planned(sweep) for _ in range(3)] == [6, 6, 6]  # 2 lrs x 3 seeds
+    assert reads == [sweep]  # read once, not at each poll
+    plan.write_text(_plan("1e-4,3e-4", "1,2,3,4"))  # another size
+    assert runs._planned(sweep) == 8 and len(reads) == 2  # 2 x 4
+    size, mtime = plan.stat().st_size, plan.stat().st_mtime_ns
+    plan.write_text(_plan("1e-4,3e-4,1e-3", "56"))  # the same size: 9 + 7 characters then, 14 + 2 now
+    os.utime(plan, ns=(mtime, mtime + 10**9))  # written a second later
+    assert plan.stat().st_size == size
+    assert runs._planned(sweep) == 3 and len(reads) == 3  # 3 x 1
+    assert runs._planned(sweep) == 3 and len(reads) == 3
+    plan.unlink()
+    assert runs._planned(sweep) is None and runs._planned(sweep) is None  # no plan: nothing to remember
