@@ -54,3 +54,27 @@ def test_two_stages_differing_in_a_reward_argument_named_token_do_not_share_a_st
 
     assert key("<answer>") != key("</think>")
     assert key("<answer>") == key("<answer>")
+
+
+def test_a_run_with_a_token_in_its_config_resumes_from_what_an_rft_before_masking_wrote(tmp_path):
+    # 99a0d97 masked secrets in the stage's identity: the record's first-line fingerprint and the
+    # checkpoints' config fingerprint that an earlier rft wrote (the token whole) no longer matched,
+    # and resuming such a run after the upgrade was refused ('... is not the one saved (cut short
+    # or edited)', then the checkpoint 'of another configuration')
+    from conftest import compose_cfg
+    from omegaconf import OmegaConf
+
+    from rft.plan.batch import stage_configs
+    from rft.runtime import rundir
+
+    cfg = stage_configs(compose_cfg(
+        ['buffer.explorer_input.taskset.reward_fn=[{fn: remote, args: {url: "http://127.0.0.1:9", token: s3cret}}]']))[-1]
+    old = rundir.fingerprint(rundir.identity(cfg, masked=False))  # how the earlier rft wrote it
+    assert old != rundir.fingerprint(rundir.identity(cfg))
+    (tmp_path / "config.yaml").write_text(f"# fingerprint: {old}\n{OmegaConf.to_yaml(cfg, resolve=True)}")
+    assert rundir.record_problem(tmp_path) is None
+    assert rundir.differences(rundir.identity(rundir.saved_config(tmp_path)), rundir.identity(cfg)) == []
+    owner = rundir.owner(cfg, "grpo", None)
+    written = {**owner.identity(3), "config": rundir.config_fingerprint(cfg, masked=False)}
+    assert owner.differences(written) == []
+    assert owner.differences({**written, "config": "0123456789abcdef"}) == ["config"]  # another config still differs

@@ -49,12 +49,16 @@ class Owner:
     config: str
     model: str
     changes_ok: bool = False  # resume_with_changes=true
+    # `config` as an rft from before secrets were masked in it wrote it (a token whole): the same
+    # configuration, so its checkpoints resume after an upgrade
+    unmasked_config: str = ""
 
     def identity(self, step: int) -> dict:
         return {"run": self.run, "stage": self.stage, "step": step, "config": self.config, "model": self.model}
 
     def differences(self, saved: dict, keys=("stage", "model", "config")) -> list[str]:
-        return [k for k in keys if saved.get(k) != getattr(self, k)]
+        return [k for k in keys if saved.get(k) != getattr(self, k)
+                and not (k == "config" and self.unmasked_config and saved.get(k) == self.unmasked_config)]
 
 
 @dataclass

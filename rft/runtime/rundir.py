@@ -90,10 +90,10 @@ def fingerprint(obj) -> str:
     return hashlib.sha1(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def config_fingerprint(cfg) -> str:
+def config_fingerprint(cfg, masked: bool = True) -> str:
     """The fingerprint a stage's checkpoints carry: its identity, less the keys that may grow on
     resume (what check_unchanged lets pass without resume_with_changes)."""
-    return fingerprint({k: v for k, v in identity(cfg).items() if k not in MAY_GROW})
+    return fingerprint({k: v for k, v in identity(cfg, masked).items() if k not in MAY_GROW})
 
 
 def owner(cfg, title: str, after: str | None) -> Owner:
@@ -101,6 +101,7 @@ def owner(cfg, title: str, after: str | None) -> Owner:
     from (model.model_path, then the stage `after`, whose final model a later stage starts from)."""
     model = os.path.expanduser(str(cfg.model.model_path))
     return Owner(run=f"{cfg.project}/{cfg.name}", stage=title, config=config_fingerprint(cfg),
+                 unmasked_config=config_fingerprint(cfg, masked=False),
                  model=model if after is None else f"{model}, then stage {after}",
                  changes_ok=bool(cfg.resume_with_changes))
 
@@ -191,7 +192,8 @@ def record_problem(stage_dir: Path) -> str | None:
     if cfg is None:
         return "does not parse as a config"
     head = manifest.read_record(path).decode().split("\n", 1)[0]  # read whole just above
-    if head != f"# fingerprint: {fingerprint(identity(cfg))}":
+    # unmasked: the record of an rft from before secrets were masked in it, holding a token whole
+    if head not in (f"# fingerprint: {fingerprint(identity(cfg))}", f"# fingerprint: {fingerprint(identity(cfg, False))}"):
         return "is not the one saved (its first line's fingerprint does not match what follows: cut short or edited)"
     return None
 
