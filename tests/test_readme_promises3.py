@@ -121,3 +121,26 @@ def test_the_start_line_names_the_stage_whose_final_model_a_stage_starts_from(tm
     StageRun._announce(stage, 0, {}, None)
     assert said == [f"[grpo] starts from sft_warmup's final model: {hf}"]
     assert re.search(r"\(`\[grpo\] starts from dpo's final model:\s+<run>/dpo/checkpoints/step_40/hf`", README)
+
+
+@pytest.mark.slow  # a refused start and a 1-step run on the tiny model (~20 s)
+def test_a_configuration_error_as_the_trainer_is_built_leaves_a_record_the_fixed_command_takes_over(tmp_path):
+    # README: a run stopped by a configuration error before its model and Ray are there leaves no run
+    # directory (tests/test_leftovers5.py); "one found later, as a stage builds its trainer (a
+    # `model.lora.target_modules` pattern that matches no module), leaves the directory with its record
+    # and no checkpoint, which the corrected command takes over as its own"
+    from conftest import run_cli
+
+    args = ["cluster=inline", "stages=[]", "model.lora.rank=4", "buffer.total_steps=1", f"checkpoint_root_dir={tmp_path}",
+            "name=fixed"]
+    run = tmp_path / "rft" / "fixed"
+    out = run_cli(*args, "model.lora.target_modules=nothing_here_.*")
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert ("rft: configuration error: model.lora.target_modules='nothing_here_.*': Target modules nothing_here_.* "
+            "not found in the base model.") in out.stderr
+    assert (run / ".hydra" / "config.yaml").is_file() and not (run / "checkpoints").exists()
+    out = run_cli(*args, "model.lora.target_modules=all-linear")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert (run / "checkpoints" / "step_1" / "adapter").is_dir()  # a LoRA run's checkpoint: the corrected one
+    assert "target_modules: all-linear" in (run / "config.yaml").read_text()
+    assert "nothing_here_" not in (run / ".hydra" / "config.yaml").read_text()
