@@ -144,3 +144,39 @@ def test_a_configuration_error_as_the_trainer_is_built_leaves_a_record_the_fixed
     assert (run / "checkpoints" / "step_1" / "adapter").is_dir()  # a LoRA run's checkpoint: the corrected one
     assert "target_modules: all-linear" in (run / "config.yaml").read_text()
     assert "nothing_here_" not in (run / ".hydra" / "config.yaml").read_text()
+
+
+@pytest.mark.slow  # the tiny model's engine loaded, 255 connections opened (~7 s)
+def test_the_explorers_endpoint_gives_a_slot_held_without_the_token_to_a_client_with_it(cache_dir):
+    # README's threat table: "connections without the token keeping a client with it out (the
+    # `--max-connections` slots are the server's ...: a connection that has not sent the token gives
+    # its slot up to a new one when all are taken, the oldest first" for the reward server and the
+    # explorer's OpenAI endpoint; tests/test_secrets.py shows the reward server, test_studio_guard the
+    # studio, this the endpoint (its limit: rft.serving.auth.MAX_CONNECTIONS)
+    import httpx
+    from test_openai_api import ARGS, engine_for
+    from test_reward_server import closed_by_server, raw
+
+    from rft.models import build_tiny_model
+    from rft.serving.auth import MAX_CONNECTIONS
+    from rft.serving.openai_api import OpenAIServer
+
+    engine, tok = engine_for(build_tiny_model(cache_dir / "models" / "tiny-qwen2-v1"))
+    server = OpenAIServer({"policy": (engine, tok)}, "policy", ARGS, 6).start()
+    base = f"http://{server.host}:{server.port}"
+    held = []
+    try:
+        # all slots but one held by half-sent heads: with the client's, at uvicorn's limit (503 before)
+        held = [raw(base, b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nX-Slow: ") for _ in range(MAX_CONNECTIONS - 1)]
+        deadline = time.monotonic() + 10
+        while len(server.server.server_state.connections) < MAX_CONNECTIONS - 1 and time.monotonic() < deadline:
+            time.sleep(0.05)  # each accepted: the client's connection is the one at the limit
+        assert len(server.server.server_state.connections) == MAX_CONNECTIONS - 1
+        r = httpx.get(server.url + "/models", headers={"Authorization": f"Bearer {server.token}"})
+        assert r.status_code == 200 and r.json()["data"][0]["id"] == "policy"
+        assert closed_by_server(held[0], 2.0)  # the oldest gave its slot up; the next ones hold theirs
+        assert not any(closed_by_server(s, 0.05) for s in held[1:4])
+    finally:
+        for s in held:
+            s.close()
+        server.stop()
