@@ -2,7 +2,8 @@
 (rft/runtime/rundir.py): `.hydra/` (config.yaml as composed, overrides.yaml, hydra.yaml), `.run.lock`,
 `run.log`, and per stage (sft_warmup then grpo) `config.yaml` with its fingerprint line, `data.json`,
 `metrics.jsonl` (the keys a default run logs, an eval every 10 steps), `batches.jsonl` and
-`checkpoints/step_<k>/`. A fifth of them are the jobs of one sweep (`multirun/<time>/<n>/`).
+`checkpoints/step_<k>/`. A fifth of them are the jobs of sweeps (`multirun/<time>/<n>/`; one sweep,
+or `--sweeps` of them), each sweep with the `multirun.yaml` Hydra writes (its lr x seed grid).
 
     .venv/bin/python experiments/studio_runs_benchmark/make_runs.py /tmp/studio_bench --runs 100
 
@@ -92,29 +93,44 @@ def write_run(run: Path, cfg: dict, hydra_text: str, overrides: list[str], rng: 
             (d / "checkpoints" / f"step_{k}" / "state.json").write_text(json.dumps({"step": k}))
 
 
+def write_plan(sweep: Path, cfg: dict, jobs: int) -> None:
+    """The sweep's multirun.yaml as Hydra writes it (the config with its `hydra` node, in which the
+    basic sweeper's params): the four learning rates x as many seeds as make `jobs` (or more)."""
+    seeds = ",".join(str(s) for s in range(1, -(-jobs // 4) + 1))
+    hydra = {"mode": "MULTIRUN", "sweep": {"dir": "multirun/${now:%Y-%m-%d_%H-%M-%S}", "subdir": "${hydra.job.num}"},
+             "sweeper": {"_target_": "hydra._internal.core_plugins.basic_sweeper.BasicSweeper", "max_batch_size": None,
+                         "params": {"algorithm.optimizer.lr": "1e-4,3e-4,1e-3,3e-3", "seed": seeds}},
+             "overrides": {"hydra": ["hydra.mode=MULTIRUN"], "task": []}}
+    (sweep / "multirun.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create({"hydra": hydra, **cfg})))
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("root", type=Path, help="the checkpoint root to fill (must not exist)")
     p.add_argument("--runs", type=int, default=100)
     p.add_argument("--sft-steps", type=int, default=400)
     p.add_argument("--rl-steps", type=int, default=200)
+    p.add_argument("--sweeps", type=int, default=1, help="how many sweeps a fifth of the runs are the jobs of")
     args = p.parse_args(argv)
     if args.root.exists():
         raise SystemExit(f"make_runs: {args.root} exists; give a new directory.")
     rng = random.Random(0)
     sweep = args.runs // 5
+    per_sweep = -(-sweep // args.sweeps)  # jobs a sweep, the last one's fewer
     base, hydra_text = composed([])
     for n in range(args.runs):
         lr, seed = [1e-4, 3e-4, 1e-3, 3e-3][n % 4], 1 + n // 4
         overrides = [f"algorithm.optimizer.lr={lr}", f"seed={seed}"]
         cfg = {**base, "seed": seed, "algorithm": {**base["algorithm"], "optimizer": {**base["algorithm"]["optimizer"], "lr": lr}}}
         if n < sweep:
-            run = args.root / "rft" / "multirun" / "2026-01-01_00-00-00" / str(n)
+            run = args.root / "rft" / "multirun" / f"2026-01-01_00-00-{n // per_sweep:02d}" / str(n % per_sweep)
         else:
             run = args.root / "rft" / f"run_{n:03d}"
             overrides.append(f"name=run_{n:03d}")
         write_run(run, cfg, hydra_text, overrides, rng, args.sft_steps, args.rl_steps)
-    print(f"wrote {args.runs} runs ({sweep} of them one sweep's jobs) under {args.root}")
+    for k in range(-(-sweep // per_sweep) if sweep else 0):
+        write_plan(args.root / "rft" / "multirun" / f"2026-01-01_00-00-{k:02d}", base, min(per_sweep, sweep - k * per_sweep))
+    print(f"wrote {args.runs} runs ({sweep} of them the jobs of {args.sweeps} sweep(s)) under {args.root}")
 
 
 if __name__ == "__main__":
