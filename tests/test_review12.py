@@ -78,3 +78,36 @@ def test_a_run_with_a_token_in_its_config_resumes_from_what_an_rft_before_maskin
     written = {**owner.identity(3), "config": rundir.config_fingerprint(cfg, masked=False)}
     assert owner.differences(written) == []
     assert owner.differences({**written, "config": "0123456789abcdef"}) == ["config"]  # another config still differs
+
+
+def test_a_driver_past_the_init_bound_is_killed_after_the_paragraph_never_frozen(capsys):
+    # it was frozen (SIGSTOP) while Ray's processes were stopped and the paragraph written: a terminal's
+    # shell, which waits for its foreground job with WUNTRACED, said '[1]+ Stopped' (status 147, not the
+    # README's 137) and gave its prompt back before the paragraph
+    import os
+    import signal
+    import threading
+
+    driver = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    seen = {}
+
+    def shell():
+        seen["status"] = os.waitpid(driver.pid, os.WUNTRACED)[1]
+        seen["printed"] = capsys.readouterr().err  # what the terminal showed as the prompt came back
+
+    t = threading.Thread(target=shell)
+    t.start()
+    try:
+        wait = {"bound": 0.0, "resume": "Run the same command again.", "since": time.monotonic(), "next": 100.0}
+        assert reaper._waited_too_long(psutil.Process(driver.pid), psutil.Process(), {}, wait)
+        t.join(10)
+    finally:
+        if t.is_alive() or not seen:
+            driver.kill()
+            t.join(10)
+        driver.returncode = -9  # reaped by the thread
+    assert not os.WIFSTOPPED(seen["status"])
+    assert os.WIFSIGNALED(seen["status"]) and os.WTERMSIG(seen["status"]) == signal.SIGKILL  # a shell's 137
+    assert "\nrft: the run stopped: Ray's local instance did not start: ray.init waited 0 s for its GCS and raylet " \
+           "to answer, past cluster.init_timeout_s=0, and the driver is stopped (exit 137). Likely causes: " in seen["printed"]
+    assert seen["printed"].rstrip().endswith("Run the same command again.")

@@ -14,8 +14,8 @@ While the driver is in ray.init it says so on its stdin (a JSON line: `{"init": 
 its own (Ray's maintainers suggest a timer of the caller's: ray-project/ray#46863), and a driver
 whose raylet stalls (a machine out of memory, a load of 18) waits in Ray's C++ code holding
 Python's lock, where no thread or signal handler of its own runs again: this process, outside it,
-prints a line while it waits, and past the bound one paragraph, then stops Ray's processes and the
-driver.
+prints a line while it waits, and past the bound one paragraph, then stops the driver and Ray's
+processes.
 """
 
 from __future__ import annotations
@@ -92,24 +92,39 @@ def _waited_too_long(driver: psutil.Process, me: psutil.Process, seen: dict, wai
             print(f"rft: starting Ray... ({waited:.0f} s)", file=sys.stderr, flush=True)
             wait["next"] *= 2
         return False
-    # frozen first: a driver woken by its raylet's end would go on to print Ray's errors and our
-    # paragraph of another cause; killed last, so the shell waits for this paragraph
-    driver.suspend()
+    # the paragraph first, while the driver, blocked in ray.init, prints nothing; then the driver
+    # killed, so that the shell's prompt comes after the paragraph, and before Ray's processes, so
+    # that it does not wake to their end and print Ray's errors and a paragraph of another cause.
+    # (Frozen with SIGSTOP instead, a terminal's shell took it for a job stopped: '[1]+ Stopped',
+    # status 147, its prompt back before the paragraph.)
     theirs = _theirs(seen, driver.pid, driver.create_time(), me.pid)
-    _kill(theirs)
-    _say(f"Ray's local instance did not start: ray.init waited {waited:.0f} s for its GCS and raylet to answer, past "
-         f"cluster.init_timeout_s={wait['bound']:g}, and the driver is stopped (exit 137).", wait, theirs, driver.pid)
+    print(f"\nrft: the run stopped: Ray's local instance did not start: ray.init waited {waited:.0f} s for its GCS and "
+          f"raylet to answer, past cluster.init_timeout_s={wait['bound']:g}, and the driver is stopped (exit 137). "
+          f"{_paragraph(wait, {}, driver.pid)}\n", file=sys.stderr, flush=True)
     driver.kill()
+    _kill(theirs)
+    left = _gone_or_left(theirs)
+    if left:
+        print(f"rft: these of the run's Ray processes remain: {_listed(left)}.", file=sys.stderr, flush=True)
     return True
 
 
 def _say(head: str, wait: dict, theirs: dict[int, float], driver_pid: int) -> None:
     """The paragraph on the driver's stderr, once the processes killed (`theirs`) are gone (or 5 s)."""
+    print(f"\nrft: the run stopped: {head} {_paragraph(wait, _gone_or_left(theirs), driver_pid)}\n", file=sys.stderr,
+          flush=True)
+
+
+def _gone_or_left(theirs: dict[int, float]) -> dict[int, str]:
+    """Those of the processes killed (`theirs`) still running after up to 5 s."""
     gone_by = time.monotonic() + 5
     while time.monotonic() < gone_by and _alive(theirs):
         time.sleep(0.1)
-    print(f"\nrft: the run stopped: {head} {_paragraph(wait, _alive(theirs), driver_pid)}\n", file=sys.stderr,
-          flush=True)
+    return _alive(theirs)
+
+
+def _listed(left: dict[int, str]) -> str:
+    return ", ".join(f"{pid} ({name})" for pid, name in left.items())
 
 
 def _paragraph(wait: dict, left: dict[int, str], driver_pid: int) -> str:
@@ -125,7 +140,7 @@ def _paragraph(wait: dict, left: dict[int, str], driver_pid: int) -> str:
         causes.append(f"{len(others)} other Ray instance(s) running here (another program's, or one an earlier run "
                       f"left: `ray stop` stops every one of this user's)")
     causes.append("or Ray's session files (/tmp/ray) are on a disk that is full or slow")
-    remain = (f"These of its processes remain: {', '.join(f'{pid} ({name})' for pid, name in left.items())}."
+    remain = (f"These of its processes remain: {_listed(left)}."
               if left else "Ray's processes of this run are stopped.")
     return (f"Likely causes: {'; '.join(causes)}. {remain} Try again when memory and load are lower (or with a larger "
             f"cluster.init_timeout_s where the machine is slow but not stuck; cluster=inline runs without Ray): "
