@@ -180,3 +180,38 @@ def test_the_explorers_endpoint_gives_a_slot_held_without_the_token_to_a_client_
         for s in held:
             s.close()
         server.stop()
+
+
+def _local_sweep(tmp_path: Path, jobs: int) -> Path:
+    """A sweep's directory as hydra/launcher=local leaves it: each job's launcher folder named by its
+    process id, no job number (.submitit/<pid>/<pid>_0_log.err), jobs started in order; job 0 killed
+    at 6 of 30 steps (its log says nothing of its end), the last job stopped by a configuration error."""
+    tmp_path.mkdir()
+    sweep = _sweep(tmp_path, "")
+    (sweep / "multirun.yaml").write_text(
+        "hydra:\n  launcher:\n    _target_: hydra_plugins.hydra_submitit_launcher.submitit_launcher.LocalLauncher\n")
+    for job in ("0", "1"):
+        (sweep / ".submitit" / f"173_{job}" / f"173_{job}_0_log.err").unlink()
+        (sweep / ".submitit" / f"173_{job}").rmdir()
+    (sweep / "0" / "grpo" / "metrics.jsonl").write_text('{"step": 1, "reward/mean": 0.5}\n')
+    for n, pid in enumerate((32598, 32609)[:jobs]):
+        (sweep / ".submitit" / str(pid)).mkdir()
+        (sweep / ".submitit" / str(pid) / f"{pid}_0_log.err").write_text(
+            "rft: configuration error: model.lora.target_modules='x': no such module.\n" if n == jobs - 1 else "")
+        time.sleep(0.01)  # the later job's log the newer
+    if jobs == 1:
+        (sweep / "1").rename(tmp_path / "not_of_this_sweep")
+    return sweep
+
+
+def test_a_local_sweeps_logs_named_by_process_are_not_read_as_job_0s(tmp_path):
+    # hydra/launcher=local names each job's folder by its process id, so every folder read as job 0's
+    # (the form of a one-job Slurm sweep): job 1's configuration error was listed as why job 0,
+    # killed, stopped. Which job a process ran is not in its folder: in a local sweep of more than
+    # one job none is listed (the sweep's closing message said how each ended), in one of one it is
+    # job 0's (README: "Jobs that stopped", a local sweep of one job)
+    sweep = _local_sweep(tmp_path / "two", jobs=2)
+    assert _why(sweep) == {"0": None, "1": None}
+    sweep = _local_sweep(tmp_path / "one", jobs=1)
+    log = sweep / ".submitit" / "32598" / "32598_0_log.err"
+    assert _why(sweep) == {"0": ("configuration error: model.lora.target_modules='x': no such module.", log)}

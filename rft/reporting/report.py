@@ -582,8 +582,17 @@ _SLURM_END = re.compile(r"\*\*\* (?:JOB|STEP) \S+ ON \S+ [A-Z].*\*\*\*")
 _RUNNING = ("rft: warning: ", "rft: starting Ray... ", "rft: requeueing ")
 
 
+def _local_launcher(sweep: Path) -> bool:
+    """Whether hydra/launcher=local ran the sweep (its multirun.yaml names submitit's LocalLauncher)."""
+    try:
+        path = sweep / "multirun.yaml"
+        return path.stat().st_size <= MAX_MULTIRUN_BYTES and b".LocalLauncher\n" in manifest.read_regular(path)
+    except OSError:
+        return False
+
+
 def why_stopped(job: Job) -> tuple[str, Path] | None:
-    """(why, the log saying it) for a job of a hydra/launcher=slurm|local sweep that did not finish
+    """(why, the log saying it) for a job of a hydra/launcher=slurm sweep (or local, of one job) that did not finish
     and whose newest launcher log (<sweep>/.submitit/<id>_<job number>/) says how it ended; None for
     a finished job, one still running, or one without such a log. Its last 64 kB are read (a FIFO or
     device in its place is left out, manifest.open_regular)."""
@@ -591,9 +600,11 @@ def why_stopped(job: Job) -> tuple[str, Path] | None:
     if job.status == "done" or not job.path.name.isdigit() or not sub.is_dir():
         return None
     # <id>_<job number>/<id>_<job number>_0_log.err in a job array; a sweep of one job is no array:
-    # <id>/<id>_0_log.err
+    # <id>/<id>_0_log.err. hydra/launcher=local names every job's folder so, <id> its process id: one
+    # is job 0's only in a sweep of one job (else another job's error would read as job 0's)
+    alone = not _local_launcher(job.path.parent) or sum(d.name.isdigit() for d in job.path.parent.iterdir()) == 1
     dirs = [d for d in sub.iterdir()
-            if (m := re.fullmatch(r"\d+(?:_(\d+))?", d.name)) and (m[1] or "0") == job.path.name]
+            if (m := re.fullmatch(r"\d+(?:_(\d+))?", d.name)) and (m[1] or "0") == job.path.name and (m[1] or alone)]
     logs = [d / f"{d.name}_0_log.err" for d in dirs if (d / f"{d.name}_0_log.err").is_file()]
     if not logs:
         return None
