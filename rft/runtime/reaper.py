@@ -105,7 +105,9 @@ def _waited_too_long(driver: psutil.Process, me: psutil.Process, seen: dict, wai
     _kill(theirs)
     left = _gone_or_left(theirs)
     if left:
-        print(f"rft: these of the run's Ray processes remain: {_listed(left)}.", file=sys.stderr, flush=True)
+        # no "rft: " of its own: the paragraph above stays the line that says why the run stopped
+        # (rft.reporting.report reads a sweep job's last one)
+        print(f"(These of the run's Ray processes remain: {_listed(left)}.)", file=sys.stderr, flush=True)
     return True
 
 
