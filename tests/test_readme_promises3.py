@@ -215,3 +215,22 @@ def test_a_local_sweeps_logs_named_by_process_are_not_read_as_job_0s(tmp_path):
     sweep = _local_sweep(tmp_path / "one", jobs=1)
     log = sweep / ".submitit" / "32598" / "32598_0_log.err"
     assert _why(sweep) == {"0": ("configuration error: model.lora.target_modules='x': no such module.", log)}
+
+
+@pytest.mark.slow  # the tiny model loaded before the reward is built (~8 s)
+def test_a_remote_reward_that_does_not_answer_leaves_a_record_with_its_token_masked(tmp_path):
+    # README: a configuration error found "as a stage builds its trainer or rewards (... a remote
+    # reward that does not answer) leaves the directory with its record"; the threat table: a
+    # remote reward's args.token is "shown as `***` in the run's own record (`.hydra/`, each stage's
+    # `config.yaml`)". Port 9 (discard) has no server here
+    from conftest import run_cli
+
+    token = "t0ken-of-a-remote-reward"
+    out = run_cli("cluster=inline", "stages=[]", "buffer.total_steps=1", f"checkpoint_root_dir={tmp_path}", "name=remote",
+                  f"buffer.explorer_input.taskset.reward_fn=[{{fn: remote, args: {{url: 'http://127.0.0.1:9', token: {token}}}}}]")
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert "rft: configuration error: the remote reward at http://127.0.0.1:9 cannot be used: GET " in out.stderr
+    run = tmp_path / "rft" / "remote"
+    assert (run / ".hydra" / "config.yaml").is_file() and not (run / "checkpoints").exists()
+    assert "token: '***'" in (run / "config.yaml").read_text()
+    assert [p for p in run.rglob("*") if p.is_file() and token.encode() in p.read_bytes()] == []
