@@ -111,3 +111,18 @@ def test_a_driver_past_the_init_bound_is_killed_after_the_paragraph_never_frozen
     assert "\nrft: the run stopped: Ray's local instance did not start: ray.init waited 0 s for its GCS and raylet " \
            "to answer, past cluster.init_timeout_s=0, and the driver is stopped (exit 137). Likely causes: " in seen["printed"]
     assert seen["printed"].rstrip().endswith("Run the same command again.")
+
+
+def test_a_sweeps_jobs_never_started_show_a_token_masked_as_the_started_ones(tmp_path):
+    # multirun.yaml is Hydra's own file, with the command line's token whole: the report's rows of the
+    # jobs it planned and never started (and of one killed before its record) showed it, and their
+    # configuration (token=abc) was another than their started seeds' (token=***)
+    from rft.reporting import report
+
+    d = tmp_path / "2026-11-29_08-00-00"
+    (d / "0" / ".hydra").mkdir(parents=True)
+    (d / "0" / ".hydra" / "overrides.yaml").write_text("- x.args.token=***\n- seed=1\n")
+    (d / "multirun.yaml").write_text(
+        "hydra:\n  sweeper:\n    _target_: hydra._internal.core_plugins.basic_sweeper.BasicSweeper\n"
+        "    max_batch_size: null\n    params: {}\n  overrides:\n    task: [x.args.token=s3cr3t, 'seed=1,2']\n")
+    assert report.planned_jobs(d) == [{"x.args.token": "***", "seed": "1"}, {"x.args.token": "***", "seed": "2"}]

@@ -393,7 +393,9 @@ def planned_jobs(sweep_dir: Path) -> list[dict[str, str]]:
                           f"report then lists the job directories found, without the jobs never started.") from None
     except Exception:  # no multirun.yaml, a damaged one, or overrides only Hydra's config can expand
         return []
-    return [dict(o.partition("=")[::2] for o in job) for job in jobs]
+    # masked as a started job's record is (Hydra writes multirun.yaml itself, the token whole): a job
+    # never started showed it, and with it was a configuration of its own beside its started seeds
+    return [dict(o.partition("=")[::2] for o in redact_overrides(job)) for job in jobs]
 
 
 def _read_stage(sweep_dir: Path, dirs: list[Path], names: dict, stage: str | None,
