@@ -126,3 +126,17 @@ def test_a_sweeps_jobs_never_started_show_a_token_masked_as_the_started_ones(tmp
         "hydra:\n  sweeper:\n    _target_: hydra._internal.core_plugins.basic_sweeper.BasicSweeper\n"
         "    max_batch_size: null\n    params: {}\n  overrides:\n    task: [x.args.token=s3cr3t, 'seed=1,2']\n")
     assert report.planned_jobs(d) == [{"x.args.token": "***", "seed": "1"}, {"x.args.token": "***", "seed": "2"}]
+
+
+def test_a_session_name_of_no_real_date_is_left_and_does_not_stop_the_reaper():
+    # strptime's ValueError (month 13) ended the reaper with a traceback before it stopped anything
+    me = psutil.Process()
+    odd = _sleeper(f"session_2026-13-40_00-00-00_000000_{me.pid}")
+    try:
+        deadline = time.time() + 10  # its command line is there once the child has exec'd
+        while time.time() < deadline and "session_2026-13" not in " ".join(psutil.Process(odd.pid).cmdline()):
+            time.sleep(0.05)
+        assert odd.pid not in reaper._theirs({}, me.pid, me.create_time(), -1)
+    finally:
+        odd.kill()
+        odd.wait()

@@ -170,7 +170,7 @@ def _theirs(seen: dict, driver_pid: int, driver_started: float, me: int) -> dict
                     # 1 s: the process's start time is counted in clock ticks, the session's in microseconds
                     and _session_began(named.group(1)) >= driver_started - 1):
                 found[p.pid] = p.info["create_time"]
-        except (psutil.Error, TypeError):
+        except (psutil.Error, TypeError, ValueError):  # ValueError: a name of no real date
             pass
     return found
 
