@@ -83,7 +83,8 @@ def test_rays_start_bound_and_its_line_are_the_readmes():
     # `rft: starting Ray... (N s)` says how long it has waited)"
     from rft.runtime import main
 
-    words = r"`cluster.init_timeout_s` (`conf/cluster/local.yaml`: (\d+) s; from (\d+) s on a line `rft: starting Ray... (N s)`"
+    words = (r"`cluster.init_timeout_s` (`conf/cluster/local.yaml`: (\d+) s; from (\d+) s on a line "
+             r"`rft: starting Ray... (N s)`")
     # the README's words as a pattern: its line breaks anywhere, its numbers read
     pattern = r"\s+".join(re.escape(w).replace(r"\(\\d\+\)", r"(\d+)") for w in words.split())
     bound, first = re.findall(pattern, README)[0]
@@ -97,7 +98,8 @@ def test_the_reaper_says_the_wait_from_15_s_on_each_at_twice_the_last(capsys):
     from rft.runtime import main, reaper
 
     wait = {"bound": 180.0, "resume": "", "next": main.INIT_PROGRESS_S}
-    for waited, said in ((14, ""), (16, "rft: starting Ray... (16 s)\n"), (20, ""), (31, "rft: starting Ray... (31 s)\n")):
+    for waited, said in ((14, ""), (16, "rft: starting Ray... (16 s)\n"), (20, ""),
+                         (31, "rft: starting Ray... (31 s)\n")):
         wait["since"] = time.monotonic() - waited
         assert reaper._waited_too_long(None, None, {}, wait) is False
         assert capsys.readouterr().err == said
@@ -131,8 +133,8 @@ def test_a_configuration_error_as_the_trainer_is_built_leaves_a_record_the_fixed
     # and no checkpoint, which the corrected command takes over as its own"
     from conftest import run_cli
 
-    args = ["cluster=inline", "stages=[]", "model.lora.rank=4", "buffer.total_steps=1", f"checkpoint_root_dir={tmp_path}",
-            "name=fixed"]
+    args = ["cluster=inline", "stages=[]", "model.lora.rank=4", "buffer.total_steps=1",
+            f"checkpoint_root_dir={tmp_path}", "name=fixed"]
     run = tmp_path / "rft" / "fixed"
     out = run_cli(*args, "model.lora.target_modules=nothing_here_.*")
     assert out.returncode == 2, out.stderr[-3000:]
@@ -167,7 +169,8 @@ def test_the_explorers_endpoint_gives_a_slot_held_without_the_token_to_a_client_
     held = []
     try:
         # all slots but one held by half-sent heads: with the client's, at uvicorn's limit (503 before)
-        held = [raw(base, b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nX-Slow: ") for _ in range(MAX_CONNECTIONS - 1)]
+        head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nX-Slow: "
+        held = [raw(base, head) for _ in range(MAX_CONNECTIONS - 1)]
         deadline = time.monotonic() + 10
         while len(server.server.server_state.connections) < MAX_CONNECTIONS - 1 and time.monotonic() < deadline:
             time.sleep(0.05)  # each accepted: the client's connection is the one at the limit
@@ -226,11 +229,38 @@ def test_a_remote_reward_that_does_not_answer_leaves_a_record_with_its_token_mas
     from conftest import run_cli
 
     token = "t0ken-of-a-remote-reward"
-    out = run_cli("cluster=inline", "stages=[]", "buffer.total_steps=1", f"checkpoint_root_dir={tmp_path}", "name=remote",
-                  f"buffer.explorer_input.taskset.reward_fn=[{{fn: remote, args: {{url: 'http://127.0.0.1:9', token: {token}}}}}]")
+    remote = f"{{fn: remote, args: {{url: 'http://127.0.0.1:9', token: {token}}}}}"
+    out = run_cli("cluster=inline", "stages=[]", "buffer.total_steps=1", f"checkpoint_root_dir={tmp_path}",
+                  "name=remote", f"buffer.explorer_input.taskset.reward_fn=[{remote}]")
     assert out.returncode == 2, out.stderr[-3000:]
     assert "rft: configuration error: the remote reward at http://127.0.0.1:9 cannot be used: GET " in out.stderr
     run = tmp_path / "rft" / "remote"
     assert (run / ".hydra" / "config.yaml").is_file() and not (run / "checkpoints").exists()
     assert "token: '***'" in (run / "config.yaml").read_text()
     assert [p for p in run.rglob("*") if p.is_file() and token.encode() in p.read_bytes()] == []
+
+
+@pytest.mark.slow  # a reward server and a 2-step run on the tiny model (~20 s)
+def test_a_token_typed_in_args_is_in_no_file_the_run_writes(tmp_path):
+    # README (the remote reward): "`args: {token: ...}` works, but is shown as `***`"; the threat table:
+    # such a token is held as `***` in the run's own record. The whole run directory is searched:
+    # record, logs, metrics, TensorBoard, checkpoints (trainer_state.pt, state.json, manifest) included
+    import os
+
+    from test_reward_server import TOKEN, command, stopped
+
+    proc, url = command()
+    try:
+        env = {k: v for k, v in os.environ.items() if k != "RFT_REWARD_TOKEN"}  # the args' token alone
+        out = subprocess.run(
+            [sys.executable, str(ROOT / "run.py"), "cluster=inline", "stages=[]", "buffer.total_steps=2",
+             f"checkpoint_root_dir={tmp_path}", "name=typed",
+             f"buffer.explorer_input.taskset.reward_fn=[{{fn: remote, args: {{url: '{url}', token: {TOKEN}}}}}]"],
+            cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    finally:
+        stopped(proc)
+    assert out.returncode == 0, out.stderr[-3000:]
+    run = tmp_path / "rft" / "typed"
+    files = [p for p in run.rglob("*") if p.is_file()]
+    assert (run / "checkpoints" / "step_2" / "trainer_state.pt") in files
+    assert [p for p in files if TOKEN.encode() in p.read_bytes()] == []
