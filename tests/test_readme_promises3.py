@@ -264,3 +264,20 @@ def test_a_token_typed_in_args_is_in_no_file_the_run_writes(tmp_path):
     files = [p for p in run.rglob("*") if p.is_file()]
     assert (run / "checkpoints" / "step_2" / "trainer_state.pt") in files
     assert [p for p in files if TOKEN.encode() in p.read_bytes()] == []
+
+
+def test_a_slow_readers_allowance_is_the_readmes_1_kib_a_second_and_256_s_at_most():
+    # README (the reward server, the endpoint and the studio alike): a client that reads nothing of its
+    # answer is dropped after --request-timeout "or for the time to read at 1 KiB/s what its kernel
+    # took (at most 256 s: a client reading at least 1 KiB/s is never dropped)"
+    from types import SimpleNamespace
+
+    from rft.serving.auth import TimedH11
+
+    rate, most = re.findall(r"or for the time to read at (\d+) KiB/s what its kernel took \(at most (\d+) s:", README)[0]
+    assert (int(rate), int(most)) == (1, 256)
+    conn = SimpleNamespace(config=SimpleNamespace(request_timeout=10.0))
+    allowance = {taken: TimedH11._allowance(conn, taken) for taken in (None, 4096, 175_713, 2**20)}
+    # nothing known, or 4 KiB (4 s at 1 KiB/s): the request timeout; 175,713 B / 1024 B/s = 171.6 s;
+    # 1 MiB: capped at 256 KiB, 256 s
+    assert allowance == {None: 10.0, 4096: 10.0, 175_713: 175_713 / 1024, 2**20: 256.0}
