@@ -580,8 +580,9 @@ def _md_table(table: list[dict]) -> list[str]:
 # how a launcher's job ended, in its submitit log: rft's paragraph (one line, "rft: ..."), else Slurm's
 # own line of the end of a job or step it killed or cancelled
 _SLURM_END = re.compile(r"\*\*\* (?:JOB|STEP) \S+ ON \S+ [A-Z].*\*\*\*")
-# rft's lines of a job that runs on (a warning, Ray's start, a requeue's note): never why it stopped
-_RUNNING = ("rft: warning: ", "rft: starting Ray... ", "rft: requeueing ")
+# rft's paragraphs of a run's end (rft.runtime.main, the reaper); its other lines are of a job that
+# runs on (a warning, Ray's start, a requeue, a reward's prints cut), never why it stopped
+_ENDS = ("rft: the run stopped: ", "rft: configuration error: ", "rft: interrupted. ", "rft: stopped by SIGTERM")
 
 
 def _local_launcher(sweep: Path) -> bool:
@@ -618,7 +619,7 @@ def why_stopped(job: Job) -> tuple[str, Path] | None:
     except OSError:
         return None
     for line in reversed(lines):
-        if line.startswith("rft: ") and not line.startswith(_RUNNING):
+        if line.startswith(_ENDS):
             return line.removeprefix("rft: ").strip(), log
     for line in reversed(lines):
         if m := _SLURM_END.search(line):
