@@ -60,7 +60,7 @@ LAYOUTS = {
     "ppo": (["algorithm=ppo"], "ppo"),
     # LoRA adapters in the RL stage (from the full warm-up: a LoRA warm-up of 400 steps leaves every
     # reward 0): checkpoints of the adapters, the engine given the merged weights
-    "lora": (["stages.1.model.lora.rank=4"], "grpo"),
+    "lora": (["+stages.1.model.lora.rank=4"], "grpo"),
     # the shipped multi-turn tool task (the calculator conversations; its warm-up with
     # --full-warmup, else TINY's 12 steps of it)
     "multiturn": (["experiment=calculator_tool"], "grpo"),
