@@ -124,3 +124,45 @@ def test_a_sweeps_plan_is_read_again_only_when_its_multirun_yaml_changed(tmp_pat
     assert runs._planned(sweep) == 3 and len(reads) == 3
     plan.unlink()
     assert runs._planned(sweep) is None and runs._planned(sweep) is None  # no plan: nothing to remember
+
+
+def test_a_connection_whose_answer_is_under_way_keeps_its_slot():
+    # 02f5649: over --max-connections a new connection closes the oldest one that has not sent the
+    # token, and that was also one whose request was being answered: a page or asset the studio
+    # serves without the token, cut after its headers under a burst of connections (a review
+    # reproduced it with a limit of 3). Idle ones without the token make room; this one is answered
+    import asyncio
+
+    import uvicorn
+
+    from rft.serving.auth import server_config
+
+    async def app(scope, receive, send):
+        if scope["type"] != "http":
+            return
+        await asyncio.sleep(1.0)  # an answer under way while the others connect
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"5")]})
+        await send({"type": "http.response.body", "body": b"asset"})
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(server_config(app, max_connections=3, token="tok", log_level="warning"))
+    threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True).start()
+    while not server.started:
+        time.sleep(0.01)
+    port = sock.getsockname()[1]
+    try:
+        page = _ask(port)  # no token: the studio's static files need none
+        time.sleep(0.2)
+        idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(4)]  # past the limit of 3
+        page.settimeout(10)
+        got = b""
+        while not got.endswith(b"asset"):
+            chunk = page.recv(1024)
+            assert chunk, f"closed mid-answer after {got!r}"  # before: closed, nothing or the head only
+            got += chunk
+        assert got.startswith(b"HTTP/1.1 200")
+        for s in idle + [page]:
+            s.close()
+    finally:
+        server.should_exit = True

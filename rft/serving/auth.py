@@ -129,6 +129,12 @@ class BodyLimit:
 _OPENED = itertools.count()  # the order connections opened in: the oldest untrusted one makes room
 
 
+def _answering(conn) -> bool:
+    """Whether `conn` (a uvicorn H11Protocol) has a request whose answer is not yet complete."""
+    cycle = getattr(conn, "cycle", None)
+    return cycle is not None and not cycle.response_complete
+
+
 class TimedH11(H11Protocol):
     """uvicorn's h11 protocol with a deadline for each request to arrive whole (see the module
     docstring): armed when a connection opens and after each answer, disarmed once the request's
@@ -155,7 +161,11 @@ class TimedH11(H11Protocol):
         limit = self.config.limit_concurrency
         if limit is None or len(self.connections) < limit or getattr(self.config, "token", None) is None:
             return
-        idle = [c for c in self.connections if c is not self and not getattr(c, "_trusted", True)]
+        # not one whose request is being answered (a page or asset the studio serves without the
+        # token): cut mid-answer, a browser under load lost it. A request held half-sent is the
+        # kind this is against, and the request deadline drops one whose body never comes
+        idle = [c for c in self.connections if c is not self and not getattr(c, "_trusted", True)
+                and not _answering(c)]
         if idle:
             oldest = min(idle, key=lambda c: c._since)
             oldest.transport.abort()
