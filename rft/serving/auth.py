@@ -130,9 +130,11 @@ _OPENED = itertools.count()  # the order connections opened in: the oldest untru
 
 
 def _answering(conn) -> bool:
-    """Whether `conn` (a uvicorn H11Protocol) has a request whose answer is not yet complete."""
-    cycle = getattr(conn, "cycle", None)
-    return cycle is not None and not cycle.response_complete
+    """Whether `conn` (a uvicorn H11Protocol) has a request whose answer is under way and being
+    read: not one whose client has stopped reading it (its writes paused), which is the hold on a
+    slot this is against (a client asking for a large file and reading none of it)."""
+    cycle, flow = getattr(conn, "cycle", None), getattr(conn, "flow", None)
+    return cycle is not None and not cycle.response_complete and not (flow is not None and flow.write_paused)
 
 
 class TimedH11(H11Protocol):
