@@ -30,6 +30,7 @@ import time
 
 import psutil
 
+
 def watch(driver_pid: int, poll_s: float = 1.0, commands=None) -> None:
     me = psutil.Process()
     seen: dict[int, float] = {}  # pid -> start time
