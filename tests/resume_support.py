@@ -116,18 +116,29 @@ class Forked:
     """A run forked by the forker: `pid`, `poll()` and `wait()` as subprocess.Popen's."""
 
     forker = None
+    last = None  # the run forked last: its exit status is the forker's next line, before another's pid
 
     def __init__(self, args, env, out: Path, hook: Path | None = None):
+        self._submit(dict(script=str(ROOT / "run.py"), args=list(args), env=dict(env), cwd=str(ROOT),
+                          out=str(out.with_suffix(".out")), err=str(out.with_suffix(".err")), hook=hook and str(hook)))
+
+    def _submit(self, job: dict) -> None:
         if Forked.forker is None or Forked.forker.poll() is not None:
             Forked.forker = subprocess.Popen([sys.executable, "-c", FORKER], stdin=subprocess.PIPE,
                                              stdout=subprocess.PIPE, text=True, cwd=ROOT)
             atexit.register(Forked.forker.stdin.close)  # its loop ends, and it with it
+            Forked.last = None
+        elif Forked.last is not None and Forked.last.poll() is None:
+            # a run a failed test left running (kill_when's assertion): ended and its status read, or
+            # the next pid read would be its exit status, 0, and os.kill(0, ...) the whole pytest group
+            os.kill(Forked.last.pid, signal.SIGKILL)
+            Forked.last.poll(60)
         self.returncode = None
-        job = dict(script=str(ROOT / "run.py"), args=list(args), env=dict(env), cwd=str(ROOT),
-                   out=str(out.with_suffix(".out")), err=str(out.with_suffix(".err")), hook=hook and str(hook))
         Forked.forker.stdin.write(json.dumps(job) + "\n")
         Forked.forker.stdin.flush()
         self.pid = int(Forked.forker.stdout.readline())
+        assert self.pid > 0, self.pid
+        Forked.last = self
 
     def poll(self, timeout: float = 0):
         if self.returncode is None and select.select([Forked.forker.stdout], [], [], timeout)[0]:
@@ -171,7 +182,12 @@ def kill_when(args, env, ready, out: Path, timeout: float = 300) -> None:
     proc = launch(args, env, out)
     deadline = time.time() + timeout
     while not ready():
-        assert proc.poll() is None and time.time() < deadline, "the run ended before the point of its kill"
+        if proc.poll() is not None or time.time() >= deadline:
+            if proc.poll() is None:  # not left running for the next test (nor its status for Forked's next pid)
+                os.kill(proc.pid, signal.SIGKILL)
+                proc.wait()
+            err = out.with_suffix(".err").read_text()[-3000:] if out.with_suffix(".err").exists() else ""
+            raise AssertionError(f"the run ended (or ran past {timeout} s) before the point of its kill:\n{err}")
         time.sleep(0.02)
     os.kill(proc.pid, signal.SIGKILL)
     assert proc.wait() == -signal.SIGKILL
@@ -312,16 +328,8 @@ class ForkedScript(Forked):
     forked by the same forker as Forked: `pid`, `poll()` and `wait()` as Forked's."""
 
     def __init__(self, script: Path, args, env, out: Path):
-        if Forked.forker is None or Forked.forker.poll() is not None:
-            Forked.forker = subprocess.Popen([sys.executable, "-c", FORKER], stdin=subprocess.PIPE,
-                                             stdout=subprocess.PIPE, text=True, cwd=ROOT)
-            atexit.register(Forked.forker.stdin.close)
-        self.returncode = None
-        job = dict(script=str(script), args=list(args), env=dict(env), cwd=str(ROOT), out=str(out.with_suffix(".out")),
-                   err=str(out.with_suffix(".err")), hook=None)
-        Forked.forker.stdin.write(json.dumps(job) + "\n")
-        Forked.forker.stdin.flush()
-        self.pid = int(Forked.forker.stdout.readline())
+        self._submit(dict(script=str(script), args=list(args), env=dict(env), cwd=str(ROOT),
+                          out=str(out.with_suffix(".out")), err=str(out.with_suffix(".err")), hook=None))
 
 
 def script_to_end(script: Path, args, out: Path, env=None, timeout: float = 900):
