@@ -14,6 +14,7 @@ import pytest
 from conftest import ROOT, compose_cfg
 
 from rft.reporting import report
+from test_user_study6 import _sweep_with_a_stopped_job as _sweep  # job 0 done, job 1 at 6 of 30
 
 README = (ROOT / "README.md").read_text()
 
@@ -24,25 +25,6 @@ WHILE_RUNNING = ("rft: warning: stage grpo: reward/mean was 0 for 5 steps\n"
                  "checkpoint\n"
                  "rft: reward 'judge' printed more than 100,000 characters: what this taskset's rewards print from "
                  "here on is left out\n")
-
-
-def _sweep(tmp_path: Path, err: str) -> Path:
-    """A sweep's directory as hydra/launcher=slurm leaves it: job 0 done (30 of 30 steps), job 1 at
-    6 of 30, its submitit log (.submitit/173_1/173_1_0_log.err) ending with `err`."""
-    sweep = tmp_path / "sweep"
-    sweep.mkdir()
-    (sweep / "multirun.yaml").write_text("hydra: {}\n")
-    for job, steps in (("0", 30), ("1", 6)):
-        (sweep / job / ".hydra").mkdir(parents=True)
-        (sweep / job / ".hydra" / "overrides.yaml").write_text(f"- algorithm.optimizer.lr={job}e-3\n")
-        (sweep / job / ".hydra" / "config.yaml").write_text("stages: [{stage_name: grpo, buffer: {total_steps: 30}}]\n")
-        (sweep / job / "grpo" / "checkpoints" / f"step_{steps}").mkdir(parents=True)
-        (sweep / job / "grpo" / "metrics.jsonl").write_text(
-            "".join(f'{{"step": {s}, "reward/mean": 0.5}}\n' for s in range(1, steps + 1)))
-        log = sweep / ".submitit" / f"173_{job}" / f"173_{job}_0_log.err"
-        log.parent.mkdir(parents=True)
-        log.write_text("some warning of a library\n" + (err if job == "1" else ""))
-    return sweep
 
 
 def _why(sweep: Path) -> dict[str, tuple[str, Path] | None]:

@@ -11,26 +11,16 @@ import pytest
 
 
 def _serve(body: bytes, request_timeout: float):
-    """uvicorn with this project's server_config (TimedH11) on a free loopback port answering every
-    request with `body`: (server, port). A send buffer of a few kB, which its connections inherit
-    (as tests/test_review8.py's): the kernel's autotuned one took the whole answer on loopback."""
-    import uvicorn
-
-    from rft.serving.auth import server_config
+    """tests/test_review8's server (a send buffer of a few kB) answering every request with `body`:
+    (server, port)."""
+    from test_review8 import _serve_in_thread
 
     async def app(scope, receive, send):
         await send({"type": "http.response.start", "status": 200,
                     "headers": [(b"content-length", str(len(body)).encode())]})
         await send({"type": "http.response.body", "body": body})
 
-    sock = socket.socket()
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(server_config(app, request_timeout=request_timeout, log_level="warning"))
-    threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True).start()
-    while not server.started:
-        time.sleep(0.01)
-    return server, sock.getsockname()[1]
+    return _serve_in_thread(app, request_timeout)
 
 
 def _ask(port: int, rcvbuf: int | None = None) -> socket.socket:
