@@ -557,14 +557,14 @@ def test_runs_page_overlays_two_runs_and_shows_a_sweep_table(browser, tmp_path):
         page.wait_for_selector('[data-pick="rft/a"]')
         page.check('[data-pick="rft/a"]')
         page.check('[data-pick="rft/b"]')
-        page.wait_for_function("(document.getElementById('chart').data || []).length == 2")
+        page.wait_for_function("(document.getElementById('chart')?.data || []).length == 2")
         traces = sorted(_chart(page), key=lambda t: t["name"])
         assert traces == [{"name": "a (grpo)", "x": [1, 2], "y": [0.1, 0.5]}, {"name": "b (grpo)", "x": [1, 2], "y": [0.2, 0.3]}]
         # a run of two stages: every stage of it, each a trace of its own
         page.uncheck('[data-pick="rft/b"]')
         page.check('[data-pick="rft/two"]')
         page.select_option("#stage", "all")
-        page.wait_for_function("(document.getElementById('chart').data || []).length == 3")
+        page.wait_for_function("(document.getElementById('chart')?.data || []).length == 3")
         assert sorted(t["name"] for t in _chart(page)) == ["a (grpo)", "two (grpo)", "two (sft_warmup)"]
         page.select_option("#sweep-choice", "rft/multirun/2026-01-01_00-00-00")
         page.wait_for_selector("#table-jobs tbody tr")

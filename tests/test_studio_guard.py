@@ -823,7 +823,7 @@ def test_the_pages_work_under_their_content_security_policy(browser, tmp_path): 
         page.goto(f"{url}/runs")  # the token is kept in this origin's localStorage
         page.wait_for_selector('[data-pick="rft/a"]')
         page.check('[data-pick="rft/a"]')
-        assert until("(document.getElementById('chart').data || []).map(t => Array.from(t.y).join(',')).join(';')") == "0.1,0.5"
+        assert until("(document.getElementById('chart')?.data || []).map(t => Array.from(t.y).join(',')).join(';')") == "0.1,0.5"
         assert page.query_selector("#chart .main-svg") is not None and blocked == []  # plotly drew its SVG
         import httpx
 

@@ -178,9 +178,9 @@ def test_a_bench_run_shows_its_table_and_plot(chromium, studio):
 
 def test_curves_name_each_run_by_what_tells_it_apart_and_put_every_stage_after_the_one_before(chromium, studio):
     page = _open(chromium, studio, "/runs?run=rft/two&run=rft/a")
-    page.wait_for_function("(document.getElementById('chart').data || []).length == 2")
+    page.wait_for_function("(document.getElementById('chart')?.data || []).length == 2")
     page.select_option("#stage", "all")
-    page.wait_for_function("(document.getElementById('chart').data || []).length == 3")
+    page.wait_for_function("(document.getElementById('chart')?.data || []).length == 3")
     traces = page.evaluate("document.getElementById('chart').data.map(t => [t.name, Array.from(t.x), Array.from(t.customdata)])")
     # two's warm-up logged steps 0 and 2; its GRPO's steps 0 and 2 come after: at 2 and 4
     assert traces == [["two (sft_warmup)", [0, 2], [0, 2]], ["two (grpo)", [2, 4], [0, 2]], ["a (grpo)", [1, 2], [1, 2]]]
@@ -348,7 +348,7 @@ def test_a_reward_curves_point_opens_its_steps_groups_side_by_side(chromium, stu
     if not (root / "rft" / "groups").exists():
         _grouped_run(root)
     page = _open(chromium, studio, "/runs?run=rft/groups")
-    page.wait_for_function("(document.getElementById('chart').data || []).length == 1")
+    page.wait_for_function("(document.getElementById('chart')?.data || []).length == 1")
     # a real click on step 4's point (pixel from the plot's own axes); again if the page moved
     # under the pointer (the table above it refreshes every 2 s)
     for attempt in range(3):
