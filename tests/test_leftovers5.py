@@ -124,13 +124,14 @@ FREEZE_RAYLET = textwrap.dedent("""
 """)
 
 
-@pytest.mark.slow  # Ray's start and a bound of 40 s
+@pytest.mark.slow  # Ray's start and a bound of 25 s
 def test_a_run_whose_raylet_stalls_in_ray_init_stops_past_the_bound_and_leaves_no_ray_process(tmp_path):
-    # it sat in ray.init for 20 minutes, printing nothing
+    # it sat in ray.init for 20 minutes, printing nothing. The bound only has to outlast Ray's start up
+    # to the frozen connect: measured 9.5-11.5 s into ray.init at a load of 12-14 on 2 cores
     hook, pids = tmp_path / "hook", tmp_path / "ray_pids.txt"
     hook.mkdir()
     (hook / "sitecustomize.py").write_text(FREEZE_RAYLET.format(out=str(pids)))
-    args = ["cluster=local", "cluster.init_timeout_s=40", "monitor=console", "stages=[]", "name=stalled"]
+    args = ["cluster=local", "cluster.init_timeout_s=25", "monitor=console", "stages=[]", "name=stalled"]
     run = subprocess.Popen([sys.executable, str(ROOT / "run.py"), *args], cwd=ROOT, stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, text=True, env={**os.environ, "RFT_CHECKPOINT_ROOT_DIR": str(tmp_path),
                                                                    "PYTHONPATH": os.pathsep.join([str(hook), str(ROOT)])})
@@ -138,7 +139,7 @@ def test_a_run_whose_raylet_stalls_in_ray_init_stops_past_the_bound_and_leaves_n
     proc = subprocess.CompletedProcess(run.args, run.returncode, out, err)
     assert proc.returncode == -9, proc.stderr[-3000:]
     assert re.search(r"^rft: the run stopped: Ray's local instance did not start: ray\.init waited \d+ s for its GCS "
-                     r"and raylet to answer, past cluster\.init_timeout_s=40, and the driver is stopped \(exit 137\)\.",
+                     r"and raylet to answer, past cluster\.init_timeout_s=25, and the driver is stopped \(exit 137\)\.",
                      proc.stderr, re.M), proc.stderr[-3000:]
     assert "Ray's processes of this run are stopped." in proc.stderr
     assert f"The command: python {ROOT / 'run.py'} {' '.join(args[:3])} 'stages=[]' name=stalled" in proc.stderr
