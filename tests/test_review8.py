@@ -64,14 +64,14 @@ def _serve_in_thread(app, request_timeout: float):
     return server, sock.getsockname()[1]
 
 
-@pytest.mark.slow  # 6 s of reading
+@pytest.mark.slow  # 3 s of reading
 def test_a_slow_client_that_reads_its_answer_steadily_is_not_dropped():
     # f792b31 dropped a client once its answer's transport buffer stayed over the low water mark
     # (16 KiB) for request_timeout seconds: draining 48 KiB from the high mark (64 KiB) takes a
-    # client reading 16 KiB/s 3 s, so with --request-timeout 1 it was dropped while reading (as a
+    # client reading 32 KiB/s 1.5 s, so with --request-timeout 1 it was dropped while reading (as a
     # browser reading plotly.min.js at 1 KB/s was with the default 10 s). Reads in progress now
     # keep it; one that reads nothing is still dropped (test_ports_attack)
-    body = bytes(range(256)) * 384  # 96 KiB: 6 s at 16 KiB/s
+    body = bytes(range(256)) * 384  # 96 KiB: 3 s at 32 KiB/s
 
     async def app(scope, receive, send):
         await send({"type": "http.response.start", "status": 200,
@@ -86,13 +86,13 @@ def test_a_slow_client_that_reads_its_answer_steadily_is_not_dropped():
         s.sendall(b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
         got = b""
         while True:
-            chunk = s.recv(1024)  # 1 KiB each 1/16 s: 16 KiB/s
+            chunk = s.recv(1024)  # 1 KiB each 1/32 s: 32 KiB/s
             if not chunk:
                 break
             got += chunk
             if got.endswith(body):
                 break
-            time.sleep(1 / 16)
+            time.sleep(1 / 32)
         s.close()
         assert got.split(b"\r\n\r\n", 1)[1] == body  # all 98,304 bytes, not a connection dropped midway
     finally:
