@@ -164,6 +164,46 @@ def test_a_dead_jobs_error_names_the_job_state_and_log(tmp_path):
     assert log_tail(tmp_path / "missing.err") == []
 
 
+def test_a_job_slurm_ended_is_reported_without_waiting_for_a_result_file(tmp_path, monkeypatch, capsys):
+    """submitit's results() waits 15 s for a job's result file (a shared filesystem may show it
+    late), also for a job Slurm cancelled, which writes none: each such job kept the sweep 15 s
+    longer. A job that failed by itself (FAILED: rft's error may be in a result file on its way)
+    is still waited for. Real submitit Slurm jobs, `sacct` and `squeue` stood in; submitit's clock
+    is a fake one that moves only when submitit sleeps."""
+    from submitit.core import core
+    from submitit.core.utils import UncompletedJobError
+    from submitit.slurm.slurm import SlurmInfoWatcher, SlurmJob
+
+    from rft.reporting.sweep import watch
+
+    class Clock:
+        now, slept = 1000.0, 0.0
+
+        def time(self):
+            return self.now
+
+        def sleep(self, s):
+            self.now += s
+            self.slept += s
+
+    clock = Clock()
+    monkeypatch.setattr(core, "_time", clock)
+    monkeypatch.setattr(SlurmJob, "watcher", SlurmInfoWatcher(delay_s=600))  # not the process's own
+    (tmp_path / "bin").mkdir()
+    for tool, text in (("sacct", "JobID|State|NodeList\n12_0|FAILED|vm\n12_1|CANCELLED by 0|vm\n"), ("squeue", "")):
+        (tmp_path / "bin" / tool).write_text(f"#!/bin/sh\nprintf '{text}'\n")
+        (tmp_path / "bin" / tool).chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}")
+    jobs = [SlurmJob(folder=tmp_path, job_id=f"12_{i}") for i in (0, 1)]
+    with pytest.raises(UncompletedJobError) as e:
+        watch(jobs, [["seed=1"], ["seed=2"]], 0, str(tmp_path))
+    assert "(state: FAILED)" in str(e.value)  # the first dead job by number
+    out = capsys.readouterr().out
+    assert "[sweep] job 0 (12_0) ended with state FAILED and no result [1/2 ended]\n" in out
+    assert "[sweep] job 1 (12_1) ended with state CANCELLED by 0 and no result [2/2 ended]\n" in out
+    assert clock.slept == 15  # the FAILED job's 15 s (15 x 1 s); the cancelled one's 15 s no more
+
+
 def test_a_submission_slurm_refuses_is_one_paragraph_naming_the_launchers_keys():
     """submitit's sbatch failed (a partition the cluster lacks, GPUs its nodes do not have, Slurm
     down): it raised FailedJobError holding sbatch's stderr, which rft called 'a job of the sweep

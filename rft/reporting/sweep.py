@@ -38,6 +38,9 @@ _UNCOMPLETED = re.compile(
 )
 
 
+# sacct's states of a job whose process Slurm ended (scancel, its time limit, memory, its node)
+SLURM_ENDED_IT = ("CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "DEADLINE", "BOOT_FAIL")
+
 # what Slurm writes into a job's log when it ends it: "*** JOB 12 ON vm CANCELLED AT ... ***"
 SCHEDULER_LINE = re.compile(r"\*\*\* (JOB|STEP) \S+ ON .* \*\*\*")
 
@@ -259,8 +262,14 @@ def watch(jobs, job_overrides, first_num: int, sweep_dir: str, poll_s: float = 1
         num = nums[job.job_id]
         # the local launcher's controller killed by a signal: its task runs on; stopped now, not
         # after results() has waited 15 s for the result file that will not come
-        interrupted = getattr(job, "state", None) == "INTERRUPTED"
+        state = str(getattr(job, "state", ""))
+        interrupted = state == "INTERRUPTED"
         left, unlooked = stop_orphans(job.job_id, job.paths.folder) if interrupted else ([], None)
+        if state.startswith(SLURM_ENDED_IT):
+            # Slurm ended the job's process, so no result file is coming: results() need not wait
+            # its 15 s for one that a shared filesystem shows late (a job that ran to its end,
+            # COMPLETED or FAILED with rft's error, may still have one on the way)
+            job._results_timeout_s = 0
         try:
             what = _outcome(job.results()[0])
         except (UncompletedJobError, FailedJobError) as e:
