@@ -427,10 +427,7 @@ def test_the_dashboard_draws_every_metric_by_prefix_with_seed_bands_smoothing_an
     again.evaluate("document.querySelector('.panel[data-metric=\"eval/accuracy\"]').mark = 1")
     with open(root / "rft" / "a" / "grpo" / "metrics.jsonl", "a") as f:
         f.write(json.dumps({"step": 3, "eval/accuracy": 0.9, "timing/step_s": 1.0}) + "\n")
-    again.wait_for_function("document.querySelector('.panel[data-metric=\"eval/accuracy\"]').data[0].x.length == 3", timeout=15000)
-    assert _plot(again, "eval/accuracy")[0][1] == [1.5, 2.75, 3.75]
-    assert again.evaluate("document.querySelector('.panel[data-metric=\"eval/accuracy\"]').mark") == 1
-    assert again.evaluate("window.pwned") is None  # the list holds the run named with markup
+    # (meanwhile, another page: the 5 s until the refresh are spent on it)
     # by experiences trained on: 8 a step, summed (8, 16), each stage after the one before (then 16 + 4)
     run = _fake_run(root, "rft/exps", [{"step": 1, "train/experiences": 8, "loss/policy": 0.5},
                                        {"step": 2, "train/experiences": 8, "loss/policy": 0.25}], stage="sft")
@@ -441,4 +438,8 @@ def test_the_dashboard_draws_every_metric_by_prefix_with_seed_bands_smoothing_an
     exps.wait_for_selector('.panel[data-metric="loss/policy"] .main-svg')
     assert _plot(exps, "loss/policy") == [["rft/exps", [8, 16, 20], [0.5, 0.25, 0.125]]]
     assert exps.evaluate("document.querySelector('.panel[data-metric=\"loss/policy\"]').layout.shapes.map(s => s.x0)") == [16]
+    again.wait_for_function("document.querySelector('.panel[data-metric=\"eval/accuracy\"]').data[0].x.length == 3", timeout=15000)
+    assert _plot(again, "eval/accuracy")[0][1] == [1.5, 2.75, 3.75]
+    assert again.evaluate("document.querySelector('.panel[data-metric=\"eval/accuracy\"]').mark") == 1
+    assert again.evaluate("window.pwned") is None  # the list holds the run named with markup
     assert httpx.get(studio[0] + "/api/dashboard", params={"run": "rft/a"}).status_code == 401  # no token
