@@ -73,16 +73,16 @@ def test_a_driver_that_ray_ends_in_ray_init_gets_the_paragraph_after_rays_line(t
 
 
 def test_the_reaper_counts_a_ray_init_bound_only_while_the_driver_says_it_waits():
-    # ray.init done ({"init": null}) before its bound of 1 s: the driver is left alone after it
+    # ray.init done ({"init": null}) before its bound of 0.5 s: the driver is left alone after it
     import threading
 
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     done = threading.Event()
-    lines = ['{"init": 1, "progress": 100, "resume": "r"}\n', '{"init": null}\n']
+    lines = ['{"init": 0.5, "progress": 100, "resume": "r"}\n', '{"init": null}\n']
     t = threading.Thread(target=reaper.watch, args=(sleeper.pid, 0.1, _open_until(lines, done)), daemon=True)
     try:
         t.start()
-        time.sleep(3)  # three times the bound
+        time.sleep(1.5)  # three times the bound
         assert sleeper.poll() is None
     finally:
         done.set()
