@@ -204,6 +204,51 @@ def test_a_job_slurm_ended_is_reported_without_waiting_for_a_result_file(tmp_pat
     assert clock.slept == 15  # the FAILED job's 15 s (15 x 1 s); the cancelled one's 15 s no more
 
 
+def test_slurms_line_in_a_jobs_log_has_its_end_seen_at_once(tmp_path, monkeypatch):
+    """submitit asks sacct for a job's state every age/2 (up to every 10 min): a job cancelled
+    20 min into a sweep was reported ended up to 10 min later. Slurm's line in the job's .err
+    ("*** JOB 12 ON vm CANCELLED AT ...") has sacct asked at the next poll. `sacct` and `squeue`
+    stood in; submitit's clock moves 10 ms a look, so its own schedule (2 s at the least) does not
+    ask again."""
+    from submitit.core import core
+    from submitit.slurm.slurm import SlurmInfoWatcher, SlurmJob
+
+    from rft.reporting.sweep import _ended, _slurm_ended_it
+
+    looks = iter(range(10**6))
+    monkeypatch.setattr(core, "_time", type("Slow", (), {"time": staticmethod(lambda: 1000 + next(looks) / 100)})())
+    monkeypatch.setattr(SlurmJob, "watcher", SlurmInfoWatcher(delay_s=600))
+    (tmp_path / "state").write_text("RUNNING")
+    (tmp_path / "bin").mkdir()
+    for tool, text in (("sacct", f"printf 'JobID|State|NodeList\\n12_1|%s|vm\\n' \"$(cat {tmp_path}/state)\""),
+                       ("squeue", "true")):
+        (tmp_path / "bin" / tool).write_text(f"#!/bin/sh\n{text}\n")
+        (tmp_path / "bin" / tool).chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}")
+    job = SlurmJob(folder=tmp_path, job_id="12_1")
+    line = "slurmstepd-vm: error: *** JOB 12 ON vm CANCELLED AT 2026-11-22T12:39:12 ***\n"
+    polls, sleep = [], time.sleep
+
+    def poll(s):
+        if s != 1.0:  # subprocess's own waits for sacct and squeue
+            return sleep(s)
+        polls.append(s)
+        if len(polls) == 2:  # cancelled meanwhile
+            (tmp_path / "state").write_text("CANCELLED by 0")
+            job.paths.stderr.write_text("step 40\n" + line)
+        assert len(polls) < 6, "the cancelled job was not seen ended"
+
+    monkeypatch.setattr(time, "sleep", poll)
+    assert next(_ended([job], 1.0)) is job and polls == [1.0, 1.0]  # seen at the poll after the line
+    # the line is taken once, and only whole: a line half written is read at the next look
+    looked = {}
+    job.paths.stderr.write_text(line[:30])
+    assert not _slurm_ended_it(job, looked) and looked == {"12_1": 0}
+    job.paths.stderr.write_text(line)
+    assert _slurm_ended_it(job, looked) and looked == {"12_1": len(line)}
+    assert not _slurm_ended_it(job, looked)
+
+
 def test_a_submission_slurm_refuses_is_one_paragraph_naming_the_launchers_keys():
     """submitit's sbatch failed (a partition the cluster lacks, GPUs its nodes do not have, Slurm
     down): it raised FailedJobError holding sbatch's stderr, which rft called 'a job of the sweep

@@ -231,12 +231,39 @@ def requeued(job) -> bool:
     return bool(listed)
 
 
+def _slurm_ended_it(job, looked: dict) -> bool:
+    """Whether Slurm's line ending a Slurm job ("*** JOB 12 ON vm CANCELLED AT ... ***": scancel,
+    its time limit, its node lost) came into the job's .err since the last look (`looked`: the
+    offset read to, by job)."""
+    if "Slurm" not in type(job).__name__:
+        return False
+    start = looked.get(job.job_id, 0)
+    try:
+        with open(job.paths.stderr, "rb") as f:
+            f.seek(start)
+            new = f.read()
+    except OSError:  # no log yet
+        return False
+    whole = new[: new.rfind(b"\n") + 1]  # a line half written is read whole at the next look
+    looked[job.job_id] = start + len(whole)
+    return bool(SCHEDULER_LINE.search(whole.decode(errors="replace")))
+
+
 def _ended(jobs: list, poll_s: float):
-    """The jobs as they end (finished, failed or cancelled, and not requeued), in that order."""
+    """The jobs as they end (finished, failed or cancelled, and not requeued), in that order.
+
+    submitit asks sacct for the jobs' states less and less often as they run (every age/2, up to
+    every 10 min), so a job that Slurm ended was reported minutes later; Slurm's line in its log
+    has sacct asked now, and at each poll for 30 s after (accounting may lag the line): one call
+    for all the jobs."""
     import time
 
-    pending = list(jobs)
+    pending, looked, ask_until = list(jobs), {}, 0.0
     while pending:
+        if [j for j in pending if _slurm_ended_it(j, looked)]:  # (each job's log read: no short cut)
+            ask_until = time.monotonic() + 30
+        if time.monotonic() < ask_until:
+            pending[0].get_info(mode="force")  # the watcher's one sacct call, for every job
         for job in [j for j in pending if j.done() and (j.paths.result_pickle.exists() or not requeued(j))]:
             pending.remove(job)
             yield job
