@@ -242,9 +242,13 @@ def test_dry_run_never_touches_ray_or_a_model(monkeypatch):
 
 
 def plan_error(tmp_path, *overrides) -> str:
-    """The ConfigError `python run.py <overrides>` stops with, before anything starts."""
+    """The ConfigError `python run.py <overrides>` stops with, before anything starts. Planned with
+    cluster=inline (an override may name another): the datasets are read in this process, where a
+    Ray run's driver reads them in a child process that imports `datasets` afresh, ~1 s a call; the
+    child's ConfigError is this one word for word
+    (test_a_ray_driver_reads_the_datasets_in_a_child_with_the_same_plans_and_errors)."""
     with pytest.raises(rft.runtime.main.ConfigError) as e:
-        rft.runtime.main._main(compose_cfg([f"checkpoint_root_dir={tmp_path / 'ck'}", *overrides]))
+        rft.runtime.main._main(compose_cfg([f"checkpoint_root_dir={tmp_path / 'ck'}", "cluster=inline", *overrides]))
     assert not (tmp_path / "ck").exists()  # nothing written
     return str(e.value)
 
@@ -277,8 +281,9 @@ def test_empty_and_malformed_datasets_name_the_file_and_line(tmp_path):
     bad.write_text('{"question": "3+3" "answer": "6"}\n')
     assert f"line 1 of {bad} is not valid JSON (Expecting ',' delimiter at column 20)." in plan_error(
         tmp_path, *taskset(bad))
-    # a value nested 5,000 deep: json's RecursionError, which was a raw traceback (and a whole .json file too)
-    deep = '{"question": "4+4", "answer": "8", "x": ' + "[" * 5000 + "]" * 5000 + "}"
+    # a value nested 2,000 deep: json's RecursionError, which was a raw traceback (and a whole .json file too);
+    # twice the limit of ~1,000 (5,000 took datasets' reader ~3 s of the ~0.4 s it takes now)
+    deep = '{"question": "4+4", "answer": "8", "x": ' + "[" * 2000 + "]" * 2000 + "}"
     bad.write_text('{"question": "1+1", "answer": "2"}\n' + deep + "\n")
     too_deep = "is not valid JSON (nested too deeply to read (more than about 1,000 levels of brackets))."
     assert f"line 2 of {bad} {too_deep}" in plan_error(tmp_path, *taskset(bad))
@@ -613,8 +618,10 @@ def test_ctrl_c_says_how_to_resume_without_a_traceback(run_root):
     from resume_support import Forked
 
     env = {**os.environ, **run_root}
+    # small steps and no eval at the start: the interrupt comes once step 2's checkpoint is whole
     args = ["stages=[]", "cluster=inline", "monitor=console", "name=stopped", "buffer.total_steps=400",
-            "trainer.save_interval=2", "explorer.eval_interval=1000"]
+            "trainer.save_interval=2", "explorer.eval_interval=1000", "explorer.eval_on_startup=false",
+            "buffer.batch_size=4", "algorithm.repeat_times=2"]
     # `python run.py <args>` forked from a process that imported torch (resume_support.Forked: the
     # same run without a fresh interpreter's imports; SIGINT's handler is Python's own, as there)
     proc = Forked(args, env, Path(run_root["RFT_CHECKPOINT_ROOT_DIR"]).parent / "stopped_run")
@@ -645,7 +652,8 @@ def test_ctrl_c_in_a_sweep_says_how_to_resume_that_sweep(run_root):
     from resume_support import Forked, forked_to_end
 
     args = ["-m", "stages=[]", "cluster=inline", "monitor=console", "buffer.total_steps=400", "trainer.save_interval=2",
-            "explorer.eval_interval=1000", "seed=1,2"]
+            "explorer.eval_interval=1000", "explorer.eval_on_startup=false", "buffer.batch_size=4",
+            "algorithm.repeat_times=2", "seed=1,2"]
     # forked as in test_ctrl_c_says_how_to_resume_without_a_traceback (the basic launcher runs the jobs in it)
     out = Path(run_root["RFT_CHECKPOINT_ROOT_DIR"]).parent / "sweep_run"
     proc = Forked(args, {**os.environ, **run_root}, out)
