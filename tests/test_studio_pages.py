@@ -118,7 +118,10 @@ def test_the_runs_table_shows_the_files_values_and_keeps_its_rows_and_focus(chro
     # the table refreshes every 2 s in place: the same row elements, the focus kept
     page.focus('[data-pick="rft/b"]')
     page.evaluate("document.querySelector('tr[data-run=\"rft/b\"]').mark = 1")
-    page.wait_for_timeout(4500)
+    # two refreshes drawn (runs.render counted), not a fixed 4.5 s: a page that stopped refreshing fails here
+    page.evaluate("(() => { const draw = runs.render; window.drawn = 0; "
+                  "runs.render = function (...a) { const out = draw.apply(this, a); window.drawn++; return out; }; })()")
+    page.wait_for_function("window.drawn >= 2", timeout=15000)
     assert page.evaluate("document.activeElement.dataset.pick") == "rft/b"
     assert page.evaluate("document.querySelector('tr[data-run=\"rft/b\"]').mark") == 1
     # search, status filter, sort, grouping
