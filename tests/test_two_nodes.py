@@ -110,7 +110,10 @@ def run_launcher(env: dict, args: list, timeout_s: float = 420) -> tuple[int, st
         except subprocess.TimeoutExpired:
             pass
         finally:
-            time.sleep(1)  # the nodes' processes finish stopping (the script waited for `ray start`)
+            # the nodes' processes finish stopping (the script waited for `ray start`): up to 1 s
+            deadline = time.monotonic() + 1
+            while session_pids(proc.pid) and time.monotonic() < deadline:
+                time.sleep(0.05)
             left = stop_session(proc.pid)
             proc.wait()
         out.seek(0)
