@@ -8,15 +8,13 @@ import pytest
 import ray
 import torch
 import torch.distributed as dist
-from conftest import compose_cfg, run_cli
+from conftest import compose_cfg
 from test_fsdp import assert_same_model, configs, fsdp_group
-from test_runtime import base, env_for
 from test_trainer import experiences, make_trainer
 
 from rft.errors import ConfigError
 from rft.models import ensure_model, load_model
 from rft.plan.batch import make_plan, stage_configs
-from rft.reporting.monitor import read_metrics
 from rft.sync.weights import broadcast, fingerprint, open_group, same_weights
 from rft.trainer.fsdp import FSDPTrainer
 from rft.trainer.trainer import Trainer
@@ -265,16 +263,6 @@ def test_one_ranks_weights_are_a_copy_that_training_leaves_alone():
         t.close()
 
 
-@pytest.mark.slow  # a training run
-def test_a_lora_run_with_two_fsdp2_ranks_syncs_the_merged_weights(warm_start, tmp_path):
-    # sync=collective: rank 0 broadcasts the merged model; every explorer compares its engine's
-    # fingerprint with the trainer's after each sync, so a run that finishes agreed on each
-    r = run_cli(*base(warm_start, "lora2", "trainer=fsdp2", "sync=collective", "cluster.num_cpus=3", *LORA,
-                      "buffer.total_steps=2", "explorer.eval_interval=100", "trainer.save_interval=2"),
-                env=env_for(tmp_path))
-    assert r.returncode == 0, r.stderr[-3000:]
-    run = tmp_path / "rft" / "lora2"
-    metrics = read_metrics(run / "metrics.jsonl")
-    assert [m["sync/version"] for m in metrics if "sync/version" in m][-2:] == [1, 2]
-    step = run / "checkpoints" / "step_2"
-    assert (step / "adapter" / "adapter_model.safetensors").exists() and (step / "hf" / "model.safetensors").exists()
+# a LoRA run on two ranks whose rank 0 broadcasts the merged model (sync=collective, each sync
+# fingerprint-checked), its checkpoints holding adapter/ and the merged hf/: the Ray case of
+# tests/test_resume_matrix.py (fsdp2-two-ranks-ppo-lora-collective), which also resumes it bit for bit

@@ -15,6 +15,8 @@ each in a process of its own (resume_support.launch).
 """
 
 
+from pathlib import Path
+
 import pytest
 import torch
 from resume_support import NO_EVAL, SHORT, check_resumes, run_here, weights
@@ -63,29 +65,49 @@ CASES = {
     # partial rollouts: tests/test_dynamic.py kills and resumes them bit for bit in the test mode (fixed
     # interrupts; free-running, which version writes which token depends on timing)
     # Ray actors (cluster=local): the trainer's two ranks and the explorer each restore in their own
-    # process (an explorer actor killed and restarted mid-run: tests/test_runtime.py)
-    "fsdp2-two-ranks": ["trainer=fsdp2", "trainer.ranks=2", "cluster=local", "cluster.num_cpus=3"],
+    # process (an explorer actor killed and restarted mid-run: tests/test_runtime.py). The ranks
+    # shard PPO's critic (gathered into trainer_state.pt) and LoRA's frozen base with the adapters,
+    # and rank 0 broadcasts the merged model to the explorer (sync=collective), fingerprint-checked
+    # at each sync: this case is the run that shows those (a Ray run costs ~20 s to start)
+    "fsdp2-two-ranks-ppo-lora-collective": ["trainer=fsdp2", "trainer.ranks=2", "cluster=local", "cluster.num_cpus=3",
+                                            "algorithm=ppo", "model.lora.rank=4", "model.lora.alpha=8",
+                                            "algorithm.optimizer.lr=1e-2", "sync=collective"],
 }
 
 
-# that the feature was at work in the run (metrics rows, the final state.json)
+def sharded_critic_and_adapters(rows, state, end: Path) -> bool:
+    """The critic (from the warm start: some rollouts are rewarded, so the returns and the value loss
+    are not 0) and the policy trained at every step; the explorer took each version by broadcast; the
+    checkpoint holds the critic gathered from the ranks, and the adapter beside the merged hf/."""
+    trained = [m for m in rows if "critic/value_loss" in m]
+    critic = torch.load(end / "trainer_state.pt", weights_only=True)["critic"]
+    return ([m["step"] for m in trained] == [1, 2, 3, 4] and all(m["critic/value_loss"] > 0 for m in trained)
+            and [m["step"] for m in rows if "loss/policy" in m] == [1, 2, 3, 4]
+            and [m["sync/version"] for m in rows if "sync/version" in m][-4:] == [1, 2, 3, 4]
+            and critic is not None and "head.weight" in critic["model"]
+            and (end / "adapter" / "adapter_model.safetensors").exists() and (end / "hf" / "model.safetensors").exists())
+
+
+# that the feature was at work in the run (metrics rows, the final state.json, the final checkpoint)
 AT_WORK = {
     # the critic trained at every step, the policy at step 4 alone (versions 0-2 warm the critic up)
-    "ppo-critic-warmup": lambda rows, state: (all("critic/value_loss" in m for m in rows if m["step"] > 0)
-                                              and [m["step"] for m in rows if "loss/policy" in m] == [4]),
-    "mix-auxiliary-sft": lambda rows, state: "loss/sft" in rows[-1],
+    "ppo-critic-warmup": lambda rows, state, end: (all("critic/value_loss" in m for m in rows if m["step"] > 0)
+                                                   and [m["step"] for m in rows if "loss/policy" in m] == [4]),
+    "mix-auxiliary-sft": lambda rows, state, end: "loss/sft" in rows[-1],
     # 4 steps x 16 rewards normalised; the penalty on the reward; the lr warming up over steps 1-3
     # (measured: 0, 6.7e-5, 1.3e-4, then 2e-4)
-    "kl-entropy-schedule-reward-normalisation": lambda rows, state: (
+    "kl-entropy-schedule-reward-normalisation": lambda rows, state, end: (
         state["reward_norm"]["exact_match"][0] == 4 * 16 and rows[-1]["reward/kl_penalty"] != 0
         and rows[0]["actor/lr"] < rows[1]["actor/lr"] < rows[2]["actor/lr"] < rows[3]["actor/lr"]),
+    "fsdp2-two-ranks-ppo-lora-collective": sharded_critic_and_adapters,
 }
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_a_killed_run_resumes_to_the_uninterrupted_one(name, warm_start, tmp_path):
     rows, state = check_resumes(tmp_path, warm_start, CASES[name])
-    assert AT_WORK.get(name, lambda rows, state: True)(rows, state)
+    end = tmp_path / "rft" / "straight" / "checkpoints" / "step_4"
+    assert AT_WORK.get(name, lambda rows, state, end: True)(rows, state, end)
 
 
 # an eval at the start and every 2 steps, sampled (temperature 1, 2 samples a task)

@@ -260,6 +260,11 @@ class FSDPTrainer(Trainer):
             set_optimizer_state_dict(self.critic.model, self.critic.optimizer,
                                      _by_name(c["optimizer"], self.critic.model, self.critic.optimizer),
                                      options=StateDictOptions(full_state_dict=True))
+            # torch.distributed.checkpoint gives the groups' betas back as a list: torch's tuple again, as
+            # a fresh optimizer has it, so a resumed run's checkpoints are the uninterrupted run's to the
+            # bit (the policy's groups get theirs from the config: _configured_optimizer)
+            for group in self.critic.optimizer.param_groups:
+                group["betas"] = tuple(group["betas"])
         self.scheduler.load_state_dict(state["scheduler"])
         self._configured_optimizer()
         self.version = state["version"]
