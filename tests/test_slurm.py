@@ -323,20 +323,21 @@ def test_a_sweep_of_two_tiny_runs_on_slurm_and_its_report(slurm, tmp_path):
 
 @pytest.mark.slow
 def test_a_killed_slurm_job_ends_the_sweep_with_a_clear_error_and_the_same_sweep_resumes_it(slurm, tmp_path):
-    """Job 1 (1000 steps, a checkpoint every 10) is cancelled while it trains; job 0 (2 steps)
+    """Job 1 (1000 steps, a checkpoint every 100) is cancelled while it trains; job 0 (2 steps)
     finishes. The sweep ends with one paragraph naming the job and its state, not a traceback, and
     not a wait forever. The same sweep again skips job 0, resumes job 1 from its newest checkpoint,
     and job 1's metrics end up whole: each step once.
 
     submitit's job ignores scancel's SIGTERM; Slurm kills it KillWait seconds later (5 with
     launchers/slurm_local.sh), so job 1 must have well more than that left to run when cancelled:
-    a tiny step takes ~0.02 s on 2 cores, so 200 steps were not enough on a quiet machine."""
+    a tiny step takes ~0.02 s on 2 cores, so 200 steps were not enough on a quiet machine. (A
+    checkpoint every 100, not 10: the resumed job saves 9 checkpoints, not 90.)"""
     sweep = tmp_path / "sweep"
-    args = ["-m", "hydra/launcher=slurm", *TINY, "buffer.total_steps=2,1000", "trainer.save_interval=10",
+    args = ["-m", "hydra/launcher=slurm", *TINY, "buffer.total_steps=2,1000", "trainer.save_interval=100",
             "explorer.eval_interval=1000", f"hydra.sweep.dir={sweep}"]
     proc = sweep_process(args)
     try:
-        wait_for_step(proc, sweep / "1" / "metrics.jsonl", 11, "job 1 never got to step 11")  # past its checkpoint
+        wait_for_step(proc, sweep / "1" / "metrics.jsonl", 101, "job 1 never got to step 101")  # past its checkpoint
         (task,) = [p.name for p in (sweep / ".submitit").iterdir() if p.name.endswith("_1")]
         subprocess.run(["scancel", task], check=True)
         stdout, stderr = proc.communicate(timeout=300)  # a hang fails here
@@ -353,7 +354,7 @@ def test_a_killed_slurm_job_ends_the_sweep_with_a_clear_error_and_the_same_sweep
     # the other job's outputs are kept
     assert [m["step"] for m in read_metrics(sweep / "0" / "metrics.jsonl")] == [0, 1, 2]
     newest = latest_checkpoint(sweep / "1").step
-    assert 10 <= newest < 1000
+    assert 100 <= newest < 1000 and newest % 100 == 0
 
     r = run_cli(*args)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
