@@ -7,14 +7,11 @@ import json
 import os
 import shutil
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, run_cli
 from omegaconf import OmegaConf
-from resume_support import NO_EVAL, SHORT, killed_after_put, stored_rows
+from resume_support import NO_EVAL, SHORT, killed_after_put, run_here, run_to_end, stored_rows
 
 from rft.config import ExperienceBufferConfig
 from rft.data.buffer import make_buffer
@@ -34,15 +31,13 @@ def explore_args(tmp_path: Path, kind: str, name: str, buffer: str) -> list[str]
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
     """The uninterrupted explore run of each kind, run once for the module (the three tests compare
-    with the same run); kind -> its buffer file."""
+    with the same run), in this process (run_here: only its buffer is read); kind -> its buffer file."""
     made = {}
 
     def run(kind: str) -> Path:
         if kind not in made:
             root = tmp_path_factory.mktemp(f"straight_{kind}")
-            env = {**os.environ, "RFT_CHECKPOINT_ROOT_DIR": str(root)}
-            r = run_cli(*explore_args(root, kind, "straight", "straight"), env=env)
-            assert r.returncode == 0, r.stderr[-3000:]
+            run_here(explore_args(root, kind, "straight", "straight"), root)
             made[kind] = root / f"straight{SUFFIX[kind]}"
         return made[kind]
     return run
@@ -73,7 +68,7 @@ def test_an_explorer_killed_before_its_first_checkpoint_writes_step_0_once(kind,
     killed_after_put(args, env, tmp_path, 1)
     assert not (tmp_path / "rft" / "killed" / "checkpoints").exists()  # killed before the first checkpoint
     assert len(stored_rows(path)) == 64 + 16
-    resumed = run_cli(*args, env=env)
+    resumed = run_to_end(args, env, tmp_path / "resumed_run")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     stored = stored_rows(path)
     assert len(stored) == 64 + 64, len(stored)  # 64 + 80 before the fix
@@ -135,13 +130,12 @@ if sys.argv and sys.argv[0].endswith("run.py") and os.environ.get("KILL_AT"):
 
 
 def killed_at(args, env, tmp_path: Path, where: str, n: int) -> None:
-    """`python run.py <args>`, killed by itself the n-th time it gets to `where` (KILL_AT)."""
+    """`python run.py <args>`, killed by itself the n-th time it gets to `where` (KILL_AT); forked
+    (resume_support.run_to_end, the hook run first as a fresh interpreter's sitecustomize would be)."""
     hook = tmp_path / "kill_at"
     hook.mkdir(exist_ok=True)
     (hook / "sitecustomize.py").write_text(KILL_AT)
-    env = {**env, "KILL_AT": f"{where}:{n}", "PYTHONPATH": os.pathsep.join([str(hook), str(ROOT)])}
-    r = subprocess.run([sys.executable, str(ROOT / "run.py"), *args], cwd=ROOT, env=env, capture_output=True, text=True,
-                       timeout=300)
+    r = run_to_end(args, {**env, "KILL_AT": f"{where}:{n}"}, tmp_path / f"killed_at_{where}", hook / "sitecustomize.py")
     assert r.returncode == -signal.SIGKILL, r.stderr[-3000:]
 
 
@@ -176,7 +170,7 @@ def test_an_explorer_killed_mid_write_then_while_resuming_holds_each_row_once(ki
     read += drained(reader)
     killed_after_put(args, env, tmp_path, 1)
     read += drained(reader)
-    resumed = run_cli(*args, env=env)
+    resumed = run_to_end(args, env, tmp_path / "resumed_run")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     read += drained(reader)
     stored = stored_rows(path)
@@ -196,7 +190,7 @@ def test_an_explorer_killed_while_saving_resumes_from_the_checkpoint_before(kind
     checkpoints = tmp_path / "rft" / "killed" / "checkpoints"
     assert sorted(p.name for p in checkpoints.iterdir()) == ["step_2", "step_3.tmp"]
     assert len(stored_rows(path)) == 48
-    resumed = run_cli(*args, env=env)
+    resumed = run_to_end(args, env, tmp_path / "resumed_run")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resuming from step 2" in resumed.stdout
     assert stored_rows(path) == rows
