@@ -16,8 +16,10 @@ from test_studio import browser  # noqa: F401  (a fixture: headless Chromium)
 
 from rft.runtime import preemption
 
+# small steps (4 tasks x 2 rollouts) and no eval at the start: the signal comes once step 2's checkpoint is
+# whole, and what it says depends on no step's size
 LONG = ["stages=[]", "cluster=inline", "monitor=console", "buffer.total_steps=400", "trainer.save_interval=2",
-        "explorer.eval_interval=1000"]
+        "explorer.eval_interval=1000", "explorer.eval_on_startup=false", "buffer.batch_size=4", "algorithm.repeat_times=2"]
 
 
 def _terminated_at_step_2(args: list[str], root: Path, checkpoints: str) -> tuple[int, str]:
@@ -291,7 +293,9 @@ def test_a_reward_that_prints_a_megabyte_a_call_leaves_a_console_of_about_a_mega
     (tmp_path / "loud_reward.py").write_text("def loud(prompt, response, task):\n    print('x' * 2**20)\n    return 0.0\n")
     from conftest import run_cli
 
+    # 4 tasks x 2 rollouts a step: any call past the first of each taskset's is past its cap already
     r = run_cli("stages=[]", "cluster=inline", "buffer.total_steps=3", "explorer.eval_on_startup=false",
+                "buffer.batch_size=4", "algorithm.repeat_times=2",
                 "buffer.explorer_input.default_reward_fn_type=loud_reward.loud", "name=loud",
                 env={"RFT_CHECKPOINT_ROOT_DIR": str(tmp_path), "PYTHONPATH": str(tmp_path)})
     assert r.returncode == 0, r.stderr[-3000:]
