@@ -1,9 +1,11 @@
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from filelock import FileLock
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
@@ -22,28 +24,45 @@ os.environ.setdefault("RAY_AUTH_MODE", "token")
 rft.runtime.main.ray_token()
 
 
+def shared_dir(tmp_path_factory) -> Path:
+    """The session's directory that every pytest-xdist worker of it shares (each worker has a
+    basetemp of its own below it), or the basetemp itself without xdist."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
 @pytest.fixture(scope="session", autouse=True)
 def cache_dir(tmp_path_factory):
-    """One cache (tiny model, generated data) for the whole session, never the user's own."""
-    d = tmp_path_factory.mktemp("rft-cache")
+    """One cache (tiny model, generated data) for the whole session, never the user's own; shared
+    by the xdist workers (rft builds into it under a lock per entry, as for concurrent jobs), so
+    that the warm start below, keyed by that data and model, is theirs too."""
+    d = shared_dir(tmp_path_factory) / "rft-cache"
+    d.mkdir(exist_ok=True)
     os.environ["RFT_CACHE_DIR"] = str(d)
     return d
 
 
 @pytest.fixture(scope="session")
 def warm_start(tmp_path_factory):
-    """The default's SFT warm-up stage alone (~45 s, once per session); its final HF-format model.
+    """The default's SFT warm-up stage alone (~45 s, once per session, whatever the number of
+    xdist workers: the first to need it trains it, under a lock, and the others wait for it); its
+    final HF-format model.
 
     Tests of RL behaviour start here: the model answers about 15% of held-out problems, so
     rewards vary within groups and a few RL steps visibly raise accuracy.
     """
     import rft.runtime.main
 
-    root = tmp_path_factory.mktemp("warm")
+    shared = shared_dir(tmp_path_factory)
+    root, built = shared / "warm", shared / "warm.built"
     # the default with one GRPO step: the warm-up, a stage the next one starts from, goes into the
     # stage cache <root>/rft/stage_cache, where a test of the whole default reuses it (warm_cache)
     cfg = compose_cfg(["cluster=inline", "monitor=console", f"checkpoint_root_dir={root}", "buffer.total_steps=1"])
-    rft.runtime.main.main(cfg)
+    with FileLock(str(shared / "warm.lock")):
+        if not built.exists():  # else another worker built it; a build it did not finish is started afresh
+            shutil.rmtree(root, ignore_errors=True)
+            rft.runtime.main.main(cfg)
+            built.touch()
     return root / "rft" / cfg.name / "sft_warmup" / "checkpoints" / "step_400" / "hf"
 
 
