@@ -52,7 +52,7 @@ def test_on_policy_distillation_resumes_to_the_uninterrupted_run(warm_start, tmp
 def test_a_multi_turn_tool_run_resumes_to_the_uninterrupted_run(tmp_path):
     """experiment=calculator_tool (a warm-up on the teacher's conversations, then GRPO over
     conversations with the calculator), its warm-up shortened to 20 steps (0.69-0.94 tool calls a
-    conversation in the GRPO steps, 0.94-1.06 after 60): the GRPO stage killed and resumed. The
+    conversation in the GRPO steps, 1.0-1.06 after 60): the GRPO stage killed and resumed. The
     killed run takes its warm-up from the stage cache."""
     metrics, _ = check_resumes(tmp_path, None, ["experiment=calculator_tool", "stages.0.buffer.total_steps=20",
                                              "stages.0.algorithm.optimizer.warmup_steps=10",
