@@ -54,12 +54,13 @@ def assert_same_model(weights: dict, model, rtol=1e-4, atol=1e-5):
 
 
 @pytest.mark.slow  # a real engine, Ray or training run
-@pytest.mark.parametrize("extra", [[], ["trainer.param_offload=true", "trainer.optimizer_offload=true",
-                                        "trainer.use_dynamic_bsz=true", "trainer.max_token_len_per_gpu=60"],
+@pytest.mark.parametrize("extra", [["trainer.param_offload=true", "trainer.optimizer_offload=true",
+                                    "trainer.use_dynamic_bsz=true", "trainer.max_token_len_per_gpu=60"],
                                    ["algorithm=ppo", "algorithm.critic_warmup=0"]],
-                         ids=["plain", "offload+token_budget", "ppo"])
+                         ids=["offload+token_budget", "ppo"])
 def test_two_ranks_update_the_model_as_one_process_does(local_ray, tmp_path, extra):
-    m_two = two_ranks_as_one_process(tmp_path, extra)
+    # (the plain config: test_checkpoints_are_trainer_torch_checkpoints_both_ways, from the same two steps)
+    m_two, _, _ = two_ranks_as_one_process(tmp_path, extra)
     assert m_two["train/experiences"] == 9  # the last step's rows, split 5 + 4 over the ranks
 
 
@@ -68,16 +69,17 @@ def test_two_ranks_distil_with_the_jsd_as_one_process_does(local_ray, tmp_path):
     # each rank computes the teacher's top tokens of its own rows; summed over the ranks, every
     # rank holds the whole step's table (rft.trainer.step StepMixin._old_and_ref_logp)
     teacher = build_tiny_model(tmp_path / "teacher", seed=1)
-    m_two = two_ranks_as_one_process(tmp_path, ["algorithm=opd", "algorithm.repeat_times=8",
-                                                f"algorithm.teacher_model_path={teacher}",
-                                                "algorithm.distill_divergence=jsd", "algorithm.distill_top_k=5"],
-                                     extra_keys=("distill/jsd", "distill/reverse_kl"))
+    m_two, _, _ = two_ranks_as_one_process(tmp_path, ["algorithm=opd", "algorithm.repeat_times=8",
+                                                      f"algorithm.teacher_model_path={teacher}",
+                                                      "algorithm.distill_divergence=jsd", "algorithm.distill_top_k=5"],
+                                           extra_keys=("distill/jsd", "distill/reverse_kl"))
     assert m_two["distill/jsd"] > 1e-4
 
 
 def two_ranks_as_one_process(tmp_path, extra, extra_keys=()):
     """Two steps (128 rows, then 9) on one process and on two fsdp2 ranks: the same metrics
-    (`extra_keys` too) and the same weights. Returns the ranks' last metrics."""
+    (`extra_keys` too) and the same weights. Returns the ranks' last metrics, the process's
+    Trainer and the ranks' group."""
     (one_cfg, one_plan), (two_cfg, two_plan) = configs(*extra)
     # 128 experiences, micro-batches of 4: each rank 64 rows in 16 passes (or, with a budget of
     # 60 tokens, about 3 rows of 16-21 tokens a pass, the ranks' shares balanced by tokens)
@@ -107,7 +109,7 @@ def two_ranks_as_one_process(tmp_path, extra, extra_keys=()):
         assert m_two["train/experiences"] == len(rows)
         assert_same_model(two.call("weights"), one.model)
     assert m_one["actor/grad_norm"] > 0.01  # the steps did move the weights
-    return m_two
+    return m_two, one, two
 
 
 @pytest.mark.slow  # a real engine, Ray or training run
@@ -131,12 +133,11 @@ def test_a_dead_rank_is_reported_as_a_dead_actor(local_ray, tmp_path):
 
 @pytest.mark.slow  # a real engine, Ray or training run
 def test_checkpoints_are_trainer_torch_checkpoints_both_ways(local_ray, tmp_path):
+    # from two steps of the plain config, where the ranks train as one process does
+    m_two, one, two = two_ranks_as_one_process(tmp_path, [])
+    assert m_two["train/experiences"] == 9  # the last step's rows, split 5 + 4 over the ranks
     (one_cfg, one_plan), (two_cfg, two_plan) = configs()
-    one = Trainer(one_cfg, one_plan)
-    two = fsdp_group(two_cfg, two_plan, tmp_path)
     batch = experiences()
-    one.train_step(batch)
-    two.call("train_step", batch)
     (tmp_path / "from_fsdp").mkdir()
     two.call("save", str(tmp_path / "from_fsdp"))
     # 2 fresh ranks resume it: the whole model and Adam state, each rank keeping its shard; built
@@ -144,7 +145,7 @@ def test_checkpoints_are_trainer_torch_checkpoints_both_ways(local_ray, tmp_path
     again = fsdp_group(two_cfg, two_plan, tmp_path / "again", num_cpus=0, name="again",  # beside `two` on 2 CPUs
                        resume=str(tmp_path / "from_fsdp"))
     again.call("load", str(tmp_path / "from_fsdp"))
-    assert again.call("get_version") == 1 and same_weights(again.call("fingerprint"), two.call("fingerprint"))
+    assert again.call("get_version") == 2 and same_weights(again.call("fingerprint"), two.call("fingerprint"))
     w_again, w_two = again.call("weights"), two.call("weights")
     assert all(torch.equal(w_again[k], w_two[k]) for k in w_two)  # to the bit
     m_two, m_again = two.call("train_step", batch[:64]), again.call("train_step", batch[:64])
@@ -156,7 +157,7 @@ def test_checkpoints_are_trainer_torch_checkpoints_both_ways(local_ray, tmp_path
     # trainer=torch resumes the FSDP checkpoint (one rank): same weights, same Adam moments
     resumed = Trainer(one_cfg, one_plan)
     resumed.load(str(tmp_path / "from_fsdp"))
-    assert resumed.version == 1
+    assert resumed.version == 2
     assert_same_model(resumed.model.state_dict(), one.model)
     for (a, b) in zip(resumed.optimizer.state.values(), one.optimizer.state.values()):
         torch.testing.assert_close(a["exp_avg_sq"], b["exp_avg_sq"], rtol=1e-3, atol=1e-12)
@@ -164,7 +165,7 @@ def test_checkpoints_are_trainer_torch_checkpoints_both_ways(local_ray, tmp_path
     (tmp_path / "from_torch").mkdir()
     one.save(str(tmp_path / "from_torch"))
     two.call("load", str(tmp_path / "from_torch"))
-    assert two.call("get_version") == 1
+    assert two.call("get_version") == 2
     assert_same_model(two.call("weights"), one.model, rtol=0, atol=0)
     m_one, m_two = one.train_step(batch[:64]), two.call("train_step", batch[:64])
     assert m_two["loss/policy"] == pytest.approx(m_one["loss/policy"], rel=1e-4, abs=1e-6)
@@ -257,16 +258,5 @@ def test_a_grpo_run_with_two_fsdp2_ranks_learns(warm_start, tmp_path):
     assert (run / "checkpoints" / "step_6" / "hf" / "model.safetensors").exists()
 
 
-@pytest.mark.slow
-def test_ppo_runs_on_two_fsdp2_ranks_with_a_sharded_critic(warm_start, tmp_path):
-    # from the warm start: some rollouts are rewarded, so the returns and the value loss are not 0
-    r = run_cli(*base(warm_start, "ppo2", "algorithm=ppo", "trainer=fsdp2", "cluster.num_cpus=3",
-                      "buffer.total_steps=2", "explorer.eval_interval=100", "trainer.save_interval=2"),
-                env=env_for(tmp_path))
-    assert r.returncode == 0, r.stderr[-3000:]
-    metrics = read_metrics(tmp_path / "rft" / "ppo2" / "metrics.jsonl")
-    trained = [m for m in metrics if "critic/value_loss" in m]
-    assert len(trained) == 2 and all(m["critic/value_loss"] > 0 for m in trained)
-    # the checkpoint holds the critic too (gathered from the ranks), so the run can resume
-    state = torch.load(tmp_path / "rft" / "ppo2" / "checkpoints" / "step_2" / "trainer_state.pt", weights_only=True)
-    assert state["critic"] is not None and "head.weight" in state["critic"]["model"]
+# a PPO run on two ranks, its critic sharded and gathered into the checkpoint: the Ray case of
+# tests/test_resume_matrix.py (fsdp2-two-ranks-ppo-lora-collective), which also resumes it bit for bit
