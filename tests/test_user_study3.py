@@ -153,22 +153,24 @@ def test_a_tool_that_raises_its_own_exception_says_the_task_is_left_out_and_to_r
     assert env.step("5120") == (None, {"correct": 1.0, "digits": 1.0, "guessed": 0.0}, True)
 
 
-@pytest.mark.slow  # the study shortened: 250 warm-up steps, 10 GRPO steps, stopped and resumed (~90 s)
+@pytest.mark.slow  # the study shortened: 250 warm-up steps, 6 GRPO steps, stopped and resumed (~45 s)
 def test_the_study_learns_stops_on_ctrl_c_resumes_and_exports_a_policy_transformers_loads(tmp_path):
     """README's path for a user's own study, end to end: the run, Ctrl-C (SIGINT) after a GRPO
-    checkpoint, the same command again, then the export loaded with transformers alone."""
+    checkpoint, the same command again, then the export loaded with transformers alone. The warm-up
+    evaluates only at its start and end (the test reads the GRPO stage's evals alone)."""
     import os
     import signal
     import time
 
     env = {**os.environ, "RFT_CHECKPOINT_ROOT_DIR": str(tmp_path / "runs")}
-    args = [*STUDY, "cluster=inline", "buffer.total_steps=10"]
+    args = [*STUDY, "cluster=inline", "buffer.total_steps=6", "trainer.save_interval=3", "explorer.eval_interval=3",
+            "stages.0.explorer.eval_interval=250"]
     grpo = tmp_path / "runs" / "rft" / "kv_lookup" / "grpo"
     proc = subprocess.Popen([sys.executable, str(ROOT / "run.py"), *args], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 400
-    while not (grpo / "checkpoints" / "step_5" / "state.json").exists():
-        assert proc.poll() is None and time.time() < deadline, "the run ended before its step-5 checkpoint"
+    while not (grpo / "checkpoints" / "step_3" / "state.json").exists():
+        assert proc.poll() is None and time.time() < deadline, "the run ended before its step-3 checkpoint"
         time.sleep(0.05)
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=120)
@@ -182,13 +184,14 @@ def test_the_study_learns_stops_on_ctrl_c_resumes_and_exports_a_policy_transform
     assert f"[grpo] resuming from step {newest.rsplit('_', 1)[1]} ({newest})" in r.stdout
     evals = {json.loads(line)["step"]: json.loads(line)["eval/kv_test/accuracy"]
              for line in (grpo / "metrics.jsonl").read_text().splitlines() if "eval/kv_test/accuracy" in line}
-    # the warm start copies the right SKU 40% of the time and little of the tool's reply; 10 steps of
-    # the study's partial credit raise the held-out mean reward (0.17 -> 0.43 on our machine)
-    assert evals[10] > evals[0] + 0.1, evals
+    # the warm start copies the right SKU 40% of the time and little of the tool's reply; 6 steps of
+    # the study's partial credit raise the held-out mean reward (0.17 -> 0.40 on our machine; 0.61 -> 1.91
+    # with seed=1)
+    assert evals[6] > evals[0] + 0.1, evals
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    subprocess.run([sys.executable, "-m", "rft.runtime.export", str(grpo / "checkpoints" / "step_10"),
+    subprocess.run([sys.executable, "-m", "rft.runtime.export", str(grpo / "checkpoints" / "step_6"),
                     str(tmp_path / "policy")], cwd=ROOT, env=env, check=True, capture_output=True)
     tok = AutoTokenizer.from_pretrained(tmp_path / "policy")
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "policy")
