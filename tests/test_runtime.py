@@ -146,8 +146,9 @@ def test_killed_async_run_resumes_on_the_same_experiences(warm_start, tmp_path):
 
 
 def test_failing_and_hanging_reward_is_retried_counted_and_the_run_goes_on(warm_start, tmp_path):
+    # one eval, the last step's, whose failing tasks must not count in that step's rollout/ figures
     r = run_to_end(base(warm_start, "faulty", "cluster=inline", "buffer.total_steps=3", "explorer.eval_interval=3",
-                         "buffer.explorer_input.default_reward_fn_type=faulty_reward.flaky",
+                         "explorer.eval_on_startup=false", "buffer.explorer_input.default_reward_fn_type=faulty_reward.flaky",
                          "explorer.max_timeout=0.5", "explorer.max_retry_times=1"),
                    {**os.environ, **env_for(tmp_path), "PYTHONPATH": str(ROOT / "tests")}, tmp_path / "run")
     assert r.returncode == 0, r.stderr[-3000:]
@@ -155,7 +156,8 @@ def test_failing_and_hanging_reward_is_retried_counted_and_the_run_goes_on(warm_
     batches = read_metrics(tmp_path / "rft" / "faulty" / "batches.jsonl")
     cfg = compose_cfg(base(warm_start, "faulty"))
     tasks = load_tasks(cfg.buffer.explorer_input.taskset, "taskset")
-    for m, b in zip(metrics[1:], batches):
+    assert [m["step"] for m in metrics] == [1, 2, 3]  # no step-0 row: no eval on startup
+    for m, b in zip(metrics, batches):
         step = m["step"] - 1
         ids = [tasks[i].task_id for i in epoch_batch(len(tasks), 16, step, lambda e: step_seed(42, e, salt=1))]
         kinds = [fault_class(t) for t in ids]
@@ -167,7 +169,7 @@ def test_failing_and_hanging_reward_is_retried_counted_and_the_run_goes_on(warm_
         assert m["rollout/timeouts"] == 2 * kinds.count("hang")
         assert m["rollout/retries"] == kinds.count("raise") + kinds.count("hang")
         assert m["train/experiences"] == 8 * kinds.count("ok")
-    assert sum(m["rollout/failed_tasks"] for m in metrics[1:]) > 0
+    assert sum(m["rollout/failed_tasks"] for m in metrics) > 0
 
 
 def _pid(log_file: Path) -> int:
@@ -183,7 +185,8 @@ def _wait_for_step(proc, metrics_file: Path, step: int, timeout: float = 300) ->
 
 def test_killed_trainer_leaves_a_resumable_checkpoint(warm_start, tmp_path):
     run = tmp_path / "rft" / "fragile"
-    args = base(warm_start, "fragile", "buffer.total_steps=6", "trainer.save_interval=2", "explorer.eval_interval=100")
+    args = base(warm_start, "fragile", "buffer.total_steps=6", "trainer.save_interval=2", "explorer.eval_interval=100",
+                "explorer.eval_on_startup=false")
     proc = subprocess.Popen([sys.executable, str(ROOT / "run.py"), *args], cwd=ROOT,
                             env={**os.environ, **env_for(tmp_path)}, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
@@ -204,19 +207,21 @@ def test_killed_trainer_leaves_a_resumable_checkpoint(warm_start, tmp_path):
                        tmp_path / "again")
     assert again.returncode == 0, again.stderr[-3000:]
     assert re.search(r"resuming from step [2-5] ", again.stdout)
-    assert [m["step"] for m in read_metrics(run / "metrics.jsonl")] == list(range(7))
+    assert [m["step"] for m in read_metrics(run / "metrics.jsonl")] == list(range(1, 7))  # no eval on startup: no step 0
 
 
 def test_two_explorers_with_collective_sync(warm_start, tmp_path):
     """Two explorer actors share each step's tasks; weights reach both by a gloo broadcast."""
     r = run_cli(*base(warm_start, "collective", "sync=collective", "explorer.rollout_model.engine_num=2",
-                      "cluster.num_cpus=3", "buffer.total_steps=3", "explorer.eval_interval=3"),
+                      "cluster.num_cpus=3", "buffer.total_steps=3", "explorer.eval_interval=3",
+                      "explorer.eval_on_startup=false"),
                 env=env_for(tmp_path))
     assert r.returncode == 0, r.stderr[-3000:]
     run = tmp_path / "rft" / "collective"
     metrics = read_metrics(run / "metrics.jsonl")
-    assert [m["sync/version"] for m in metrics[1:]] == [1, 2, 3]
-    assert all(m["rollout/experiences"] == 128 for m in metrics[1:])
+    assert [m["step"] for m in metrics] == [1, 2, 3]  # no eval on startup: no step-0 row
+    assert [m["sync/version"] for m in metrics] == [1, 2, 3]
+    assert all(m["rollout/experiences"] == 128 for m in metrics)
     batches = read_metrics(run / "batches.jsonl")
     # 16 distinct tasks a step, 8 from each explorer (their sampling seeds differ)
     assert all(len(b["groups"]) == 16 for b in batches)
@@ -233,8 +238,8 @@ def test_a_cluster_too_small_for_the_actors_is_a_config_error(warm_start, tmp_pa
             "explorer.rollout_model.engine_num=2, colocate=False) but the Ray cluster has 2.") in r.stderr
 
 
-OFFSET_SQL = ["synchronizer.sync_offset=1", "buffer=sql", "buffer.total_steps=8", "trainer.save_interval=100", "buffer.batch_size=8",
-              "explorer.eval_interval=100"]
+OFFSET_SQL = ["synchronizer.sync_offset=1", "buffer=sql", "buffer.total_steps=6", "trainer.save_interval=100", "buffer.batch_size=8",
+              "explorer.eval_interval=100", "explorer.eval_on_startup=false"]
 
 
 def test_killed_explorer_with_sync_offset_redoes_its_step_on_the_scheduled_weights(warm_start, tmp_path):
@@ -255,11 +260,11 @@ def test_killed_explorer_with_sync_offset_redoes_its_step_on_the_scheduled_weigh
     assert "grpo_explorer died" in out and "grpo_explorer is back" in out
     a = read_metrics(tmp_path / "rft" / "straight" / "batches.jsonl")
     b = read_metrics(run / "batches.jsonl")
-    assert [x["step"] for x in b] == list(range(1, 9))
+    assert [x["step"] for x in b] == list(range(1, 7))
     assert a == b  # the same groups, the same policy versions (staleness 1 after step 1), the same tokens
     assert all(set(x["versions"]) == {x["step"] - 2} for x in b[1:])
-    wa = load_file(tmp_path / "rft" / "straight" / "checkpoints" / "step_8" / "hf" / "model.safetensors")
-    wb = load_file(run / "checkpoints" / "step_8" / "hf" / "model.safetensors")
+    wa = load_file(tmp_path / "rft" / "straight" / "checkpoints" / "step_6" / "hf" / "model.safetensors")
+    wb = load_file(run / "checkpoints" / "step_6" / "hf" / "model.safetensors")
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
