@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import ROOT, driver_modules_env, run_cli
+from resume_support import run_here, run_to_end
 from safetensors.torch import load_file
 
 from rft.reporting.monitor import read_metrics
@@ -91,9 +92,8 @@ def test_shortened_default_learns_through_ray(tmp_path, warm_cache):
 
 
 RESUME_ARGS = [
-    # the killed run copies the straight one's warm-up from the stage cache, and trains GRPO
-    "cluster=inline", "monitor=console", "stages.0.buffer.total_steps=150",
-    "buffer.total_steps=8", "trainer.save_interval=4", "explorer.eval_interval=4",
+    # both runs copy the session's warm-up from its stage cache (warm_cache), and train GRPO
+    "cluster=inline", "monitor=console", "buffer.total_steps=8", "trainer.save_interval=4", "explorer.eval_interval=4",
 ]
 # wall-clock and process figures differ between two processes; perf/padding_frac does not
 VOLATILE = ("timing/", "tokens_per_s", "perf/tflops", "perf/mfu", "perf/max_memory_gb")
@@ -104,13 +104,14 @@ def stable(metrics, first):
             for m in metrics if m["step"] >= first]
 
 
-def test_killed_run_resumes_bit_exactly(tmp_path):
+def test_killed_run_resumes_bit_exactly(tmp_path, warm_cache):
     env = {**os.environ, "RFT_CHECKPOINT_ROOT_DIR": str(tmp_path)}
-    straight = run_cli(*RESUME_ARGS, "name=straight", env=env)
+    args = [*RESUME_ARGS, f"stage_cache_dir={warm_cache}"]
+    straight = run_cli(*args, "name=straight", env=env)
     assert straight.returncode == 0, straight.stderr[-3000:]
 
     # the same command, killed with SIGKILL once the step-4 checkpoint of the GRPO stage exists
-    cmd = [sys.executable, str(ROOT / "run.py"), *RESUME_ARGS, "name=killed"]
+    cmd = [sys.executable, str(ROOT / "run.py"), *args, "name=killed"]
     grpo_dir = tmp_path / "rft" / "killed" / "grpo"
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 300
@@ -121,7 +122,7 @@ def test_killed_run_resumes_bit_exactly(tmp_path):
     assert proc.wait() == -signal.SIGKILL
     assert not (grpo_dir / "checkpoints" / "step_8").exists(), "killed too late to test anything"
 
-    resumed = run_cli(*RESUME_ARGS, "name=killed", env=env)
+    resumed = run_cli(*args, "name=killed", env=env)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "[sft_warmup] already finished" in resumed.stdout
 
@@ -143,9 +144,11 @@ def test_killed_run_resumes_bit_exactly(tmp_path):
 
 def test_checkpoint_sync_wandb_offline_and_inline_cluster(tmp_path):
     """The other sync method and monitor, in one process: a short run completes and logs."""
-    r = run_cli("stages=[]", "cluster=inline", "sync=checkpoint", "monitor=wandb", "buffer.total_steps=2",
-                "explorer.eval_interval=1", "name=other",
-                env={"RFT_CHECKPOINT_ROOT_DIR": str(tmp_path), "WANDB_MODE": "offline", "WANDB_SILENT": "true"})
+    # forked (resume_support.run_to_end): a run of one process gains nothing from a fresh interpreter
+    r = run_to_end(["stages=[]", "cluster=inline", "sync=checkpoint", "monitor=wandb", "buffer.total_steps=2",
+                    "buffer.batch_size=4", "algorithm.repeat_times=4", "explorer.eval_interval=1", "name=other"],
+                   {**os.environ, "RFT_CHECKPOINT_ROOT_DIR": str(tmp_path), "WANDB_MODE": "offline",
+                    "WANDB_SILENT": "true"}, tmp_path / "run")
     assert r.returncode == 0, r.stderr[-3000:]
     run = tmp_path / "rft" / "other"
     metrics = read_metrics(run / "metrics.jsonl")
@@ -161,17 +164,17 @@ def test_a_finished_stage_killed_before_its_last_row_was_logged_logs_it_on_the_r
     """A kill after the last checkpoint and before its step's row reached metrics.jsonl: the rerun
     finds the stage finished and writes the row from the checkpoint (the run's objective, the final
     eval, comes from it)."""
-    env = {"RFT_CHECKPOINT_ROOT_DIR": str(tmp_path)}
-    args = ["stages=[]", "cluster=inline", "monitor=console", "name=cut", "buffer.total_steps=2",
-            "explorer.eval_interval=1", "trainer.save_interval=2"]
-    r = run_cli(*args, env=env)
-    assert r.returncode == 0, r.stderr[-3000:]
+    env = {**os.environ, "RFT_CHECKPOINT_ROOT_DIR": str(tmp_path)}
+    args = ["stages=[]", "cluster=inline", "monitor=console", "name=cut", "buffer.total_steps=2", "buffer.batch_size=4",
+            "algorithm.repeat_times=4", "explorer.eval_interval=1", "trainer.save_interval=2"]
+    # the first run in this process (resume_support.run_here), the rerun a process of its own (forked)
+    run_here(args, tmp_path)
     path = tmp_path / "rft" / "cut" / "metrics.jsonl"
     rows = read_metrics(path)
     assert [m["step"] for m in rows] == [0, 1, 2] and "eval/accuracy" in rows[2]
     # what the kill leaves: the step-2 checkpoint, and the log without its row
     path.write_text("".join(line + "\n" for line in path.read_text().splitlines()[:2]))
-    r = run_cli(*args, env=env)
+    r = run_to_end(args, env, tmp_path / "rerun")
     assert r.returncode == 0, r.stderr[-3000:]
     assert "already finished (step 2)" in r.stdout
     again = read_metrics(path)
