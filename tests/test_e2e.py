@@ -92,8 +92,9 @@ def test_shortened_default_learns_through_ray(tmp_path, warm_cache):
 
 
 RESUME_ARGS = [
-    # both runs copy the session's warm-up from its stage cache (warm_cache), and train GRPO
-    "cluster=inline", "monitor=console", "buffer.total_steps=8", "trainer.save_interval=4", "explorer.eval_interval=4",
+    # the killed run copies the straight one's warm-up from the stage cache, and trains GRPO
+    "cluster=inline", "monitor=console", "stages.0.buffer.total_steps=150",
+    "buffer.total_steps=8", "trainer.save_interval=4", "explorer.eval_interval=4",
 ]
 # wall-clock and process figures differ between two processes; perf/padding_frac does not
 VOLATILE = ("timing/", "tokens_per_s", "perf/tflops", "perf/mfu", "perf/max_memory_gb")
@@ -104,14 +105,13 @@ def stable(metrics, first):
             for m in metrics if m["step"] >= first]
 
 
-def test_killed_run_resumes_bit_exactly(tmp_path, warm_cache):
+def test_killed_run_resumes_bit_exactly(tmp_path):
     env = {**os.environ, "RFT_CHECKPOINT_ROOT_DIR": str(tmp_path)}
-    args = [*RESUME_ARGS, f"stage_cache_dir={warm_cache}"]
-    straight = run_cli(*args, "name=straight", env=env)
+    straight = run_cli(*RESUME_ARGS, "name=straight", env=env)
     assert straight.returncode == 0, straight.stderr[-3000:]
 
     # the same command, killed with SIGKILL once the step-4 checkpoint of the GRPO stage exists
-    cmd = [sys.executable, str(ROOT / "run.py"), *args, "name=killed"]
+    cmd = [sys.executable, str(ROOT / "run.py"), *RESUME_ARGS, "name=killed"]
     grpo_dir = tmp_path / "rft" / "killed" / "grpo"
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 300
@@ -122,7 +122,7 @@ def test_killed_run_resumes_bit_exactly(tmp_path, warm_cache):
     assert proc.wait() == -signal.SIGKILL
     assert not (grpo_dir / "checkpoints" / "step_8").exists(), "killed too late to test anything"
 
-    resumed = run_cli(*args, "name=killed", env=env)
+    resumed = run_cli(*RESUME_ARGS, "name=killed", env=env)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "[sft_warmup] already finished" in resumed.stdout
 
