@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import ROOT, driver_modules_env, run_cli
-from resume_support import run_here, run_to_end
+from resume_support import VOLATILE, run_here, run_to_end
 from safetensors.torch import load_file
 
 from rft.reporting.monitor import read_metrics
@@ -96,8 +96,6 @@ RESUME_ARGS = [
     "cluster=inline", "monitor=console", "stages.0.buffer.total_steps=150",
     "buffer.total_steps=8", "trainer.save_interval=4", "explorer.eval_interval=4",
 ]
-# wall-clock and process figures differ between two processes; perf/padding_frac does not
-VOLATILE = ("timing/", "tokens_per_s", "perf/tflops", "perf/mfu", "perf/max_memory_gb")
 
 
 def stable(metrics, first):
