@@ -210,7 +210,7 @@ def test_two_ranks_update_as_one_process_for_the_sequence_modes(tmp_path, extra)
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         # 128 rows then 9 (5 + 4 over the ranks): the same loss, grad norm and weights as one process
-        m_two = two_ranks_as_one_process(tmp_path, extra)
+        m_two, _, _ = two_ranks_as_one_process(tmp_path, extra)
     finally:
         ray.shutdown()
     assert m_two["train/experiences"] == 9
