@@ -247,6 +247,12 @@ def test_slurms_line_in_a_jobs_log_has_its_end_seen_at_once(tmp_path, monkeypatc
     job.paths.stderr.write_text(line)
     assert _slurm_ended_it(job, looked) and looked == {"12_1": len(line)}
     assert not _slurm_ended_it(job, looked)
+    # a progress bar's redraws (\r, no \n) are read once: 2 x 14 bytes, then Slurm's line after them
+    bar = "steps: 1/9\x1b[A\r" * 2
+    job.paths.stderr.write_text(line + bar)
+    assert not _slurm_ended_it(job, looked) and looked == {"12_1": len(line) + 28}
+    job.paths.stderr.write_text(line + bar + line)
+    assert _slurm_ended_it(job, looked) and looked == {"12_1": 2 * len(line) + 28}
 
 
 def test_a_submission_slurm_refuses_is_one_paragraph_naming_the_launchers_keys():

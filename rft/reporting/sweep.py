@@ -244,7 +244,9 @@ def _slurm_ended_it(job, looked: dict) -> bool:
             new = f.read()
     except OSError:  # no log yet
         return False
-    whole = new[: new.rfind(b"\n") + 1]  # a line half written is read whole at the next look
+    # a line half written is read whole at the next look; a progress bar's \r ends its text too, so
+    # a bar redrawn for hours (no \n) is not read again at every poll
+    whole = new[: max(new.rfind(b"\n"), new.rfind(b"\r")) + 1]
     looked[job.job_id] = start + len(whole)
     return bool(SCHEDULER_LINE.search(whole.decode(errors="replace")))
 
