@@ -253,6 +253,10 @@ def test_slurms_line_in_a_jobs_log_has_its_end_seen_at_once(tmp_path, monkeypatc
     assert not _slurm_ended_it(job, looked) and looked == {"12_1": len(line) + 28}
     job.paths.stderr.write_text(line + bar + line)
     assert _slurm_ended_it(job, looked) and looked == {"12_1": 2 * len(line) + 28}
+    # a FIFO in the log's place is no log (opened plainly, the sweep waited on it for ever)
+    job.paths.stderr.unlink()
+    os.mkfifo(job.paths.stderr)
+    assert not _slurm_ended_it(job, {})
 
 
 def test_a_submission_slurm_refuses_is_one_paragraph_naming_the_launchers_keys():

@@ -30,6 +30,8 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from rft.manifest import open_regular
+
 # submitit's UncompletedJobError message: "Job <id> (task: <n>) with path <result.pkl>\n
 # has not produced any output (state: <STATE>)"
 _UNCOMPLETED = re.compile(
@@ -239,10 +241,10 @@ def _slurm_ended_it(job, looked: dict) -> bool:
         return False
     start = looked.get(job.job_id, 0)
     try:
-        with open(job.paths.stderr, "rb") as f:
+        with open_regular(job.paths.stderr) as f:  # a FIFO in its place would hang the sweep
             f.seek(start)
             new = f.read()
-    except OSError:  # no log yet
+    except OSError:  # no log yet, or no file
         return False
     # a line half written is read whole at the next look; a progress bar's \r ends its text too, so
     # a bar redrawn for hours (no \n) is not read again at every poll
