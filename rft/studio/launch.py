@@ -24,6 +24,8 @@ import time
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
+from rft import manifest
+
 STOP_GRACE_S = 15
 STATE = "jobs.json"
 # the launches a state file keeps (the oldest go first, their logs with them)
@@ -125,9 +127,12 @@ class Launches:
                 print(f"rft.studio: WARNING: {path} (or its folder) is not this user's alone: its launches are not "
                       f"listed.", file=sys.stderr, flush=True)
                 return {}
-            records = [r for r in json.loads(path.read_text()) if _own_log(r.get("log"))]
+            # a FIFO in its place: an OSError, not a studio that never starts (rft.manifest.read_record)
+            records = json.loads(manifest.read_record(path).decode())
+            if not isinstance(records, list) or not all(map(_recorded, records)):
+                raise ValueError("not a list of launch records as the studio writes them")
             launches = [Launch(**{k: r[k] for k in RECORDED if k in r} | {"log": self.log_dir / r["log"]})
-                        for r in records]
+                        for r in records if _own_log(r.get("log"))]
         except FileNotFoundError:
             return {}
         except (OSError, ValueError, TypeError, KeyError) as e:
@@ -228,6 +233,25 @@ class Launches:
         for n in list(self.all):
             if self.all[n].proc is not None:  # those this studio started
                 self.stop(n)
+
+
+def _recorded(r) -> bool:
+    """Whether `r` is a record as Launch.record writes it: a JSON object with each field of its type.
+    Read as it came, a damaged jobs.json (an object for the list, a pid or time as text) stopped the
+    studio's start with a traceback, or every later /api/launches; a pid of 0 or below would have
+    had "stop" signal the studio's own process group (os.killpg(0, ...))."""
+    def whole(v) -> bool:
+        return type(v) is int
+
+    def number(v) -> bool:
+        return type(v) in (int, float)
+
+    return (isinstance(r, dict) and whole(r.get("id")) and whole(r.get("pid")) and r["pid"] > 0
+            and isinstance(r.get("argv"), list) and all(isinstance(a, str) for a in r["argv"])
+            and number(r.get("started", 0.0)) and type(r.get("stopped", False)) is bool
+            and (r.get("returncode") is None or whole(r["returncode"]))
+            and (r.get("ended") is None or number(r["ended"]))
+            and all(r.get(k) is None or isinstance(r[k], str) for k in ("run", "sweep")))
 
 
 def _own_log(name) -> bool:

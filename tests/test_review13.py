@@ -1,0 +1,64 @@
+"""Review of the files read back and the ports, attacked as a careless user or an intruder would."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from pathlib import Path
+
+import pytest
+
+
+def _jobs_json(log_dir: Path, text: str) -> Path:
+    log_dir.mkdir(mode=0o700, exist_ok=True)
+    path = log_dir / "jobs.json"
+    path.unlink(missing_ok=True)
+    path.write_text(text)
+    path.chmod(0o600)
+    return path
+
+
+GOOD = {"id": 1, "argv": ["python", "run.py"], "log": "launch_1_ab12.log", "pid": 2**22 + 1, "started": 1.0,
+        "stopped": False, "returncode": 0, "ended": 2.0, "run": "rft/grpo", "sweep": None}
+
+
+@pytest.mark.parametrize("records", [
+    {"1": GOOD},  # an object for the list: AttributeError ('str' object has no attribute 'get')
+    [1],  # AttributeError ('int' ...)
+    [{**GOOD, "id": "1"}, {**GOOD, "log": "launch_2_cd34.log"}],  # TypeError in max() at the next launch
+    [{**GOOD, "returncode": None, "started": "yesterday"}],  # TypeError in alive(): every /api/launches a 500
+    [{**GOOD, "pid": "4194305"}],  # TypeError in os.killpg at a stop
+    [{**GOOD, "pid": 0, "returncode": None, "started": 1e12}],  # os.killpg(0): the studio's own process group
+])
+def test_a_jobs_json_of_other_types_is_warned_of_and_not_listed(tmp_path, capsys, records):
+    # the studio writes jobs.json itself, atomically; a damaged or hand-edited one stopped its start
+    # with a traceback (or broke a page later): now one warning and no launches listed
+    from rft.studio.launch import Launches
+
+    path = _jobs_json(tmp_path / ".studio", json.dumps(records))
+    launches = Launches(tmp_path, tmp_path / ".studio")
+    assert launches.all == {}
+    assert capsys.readouterr().err == (f"rft.studio: WARNING: {path} does not read (not a list of launch records as "
+                                       f"the studio writes them); the earlier launches are not listed.\n")
+    # still the studio's: the next launch is number 1 and the file is written anew, whole
+    _jobs_json(tmp_path / ".studio", json.dumps([GOOD]))
+    assert list(Launches(tmp_path, tmp_path / ".studio").all) == [1]
+
+
+def test_a_fifo_in_the_place_of_jobs_json_does_not_hold_the_studios_start(tmp_path, capsys):
+    from rft.studio.launch import Launches
+
+    log_dir = tmp_path / ".studio"
+    log_dir.mkdir(mode=0o700)
+    os.mkfifo(log_dir / "jobs.json", 0o600)
+    got = {}
+    t = threading.Thread(target=lambda: got.update(all=Launches(tmp_path, log_dir).all), daemon=True)
+    t.start()
+    t.join(10)
+    if t.is_alive():  # read_text() waits for a writer for ever: open it for one so the thread ends
+        os.close(os.open(log_dir / "jobs.json", os.O_WRONLY | os.O_NONBLOCK))
+        t.join(5)
+        pytest.fail("the studio's start waited on a FIFO named jobs.json")
+    assert got["all"] == {}
+    assert "jobs.json does not read ([Errno 22] not a regular file" in capsys.readouterr().err
