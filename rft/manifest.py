@@ -251,6 +251,22 @@ def put_aside(path: Path, why: str) -> Path:
     return aside
 
 
+def clear(path: Path) -> None:
+    """`path` removed, whatever stands there: a folder (a killed build's leftovers), a file, or a link,
+    the link alone and never what it points to. shutil.rmtree refuses a link and a file, and with
+    ignore_errors nothing said so: a <dir>.tmp that was a link had the build write through it into
+    the folder it points to (and the link renamed into place as the build), a file ended the run in
+    a raw FileExistsError."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return
+    if stat.S_ISDIR(mode):
+        shutil.rmtree(path, ignore_errors=True)  # a folder of another user's files: the mkdir after it says so
+    else:
+        os.unlink(path)
+
+
 def whole(path: Path, what: str) -> bool:
     """Whether built directory `path` is there and whole: nothing to build. A damaged one is moved
     aside and said; one without a manifest (an older rft's) is left for `install` to compare. Call

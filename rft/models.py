@@ -12,7 +12,6 @@ import json
 
 import logging
 import os
-import shutil
 import string
 from pathlib import Path
 
@@ -127,7 +126,8 @@ def build_tiny_model(path: str | Path, seed: int = 0, arch: dict | None = None, 
             torch.manual_seed(seed)
             model = AutoModelForCausalLM.from_config(config).to(getattr(torch, dtype))
         tmp = path.with_name(path.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
+        manifest.clear(tmp)  # a killed build's leftovers; a link there goes, never its target
+        tmp.mkdir()  # made here: one planted in its place since is an error, not a folder written into
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         manifest.install(tmp, path, "tiny model")

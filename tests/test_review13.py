@@ -62,3 +62,59 @@ def test_a_fifo_in_the_place_of_jobs_json_does_not_hold_the_studios_start(tmp_pa
         pytest.fail("the studio's start waited on a FIFO named jobs.json")
     assert got["all"] == {}
     assert "jobs.json does not read ([Errno 22] not a regular file" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- the build cache (cache_dir)
+
+def _splits(rng):
+    return {"train": [{"question": str(rng.random()), "answer": "1"}]}
+
+
+@pytest.mark.parametrize("planted", ["file", "link"])
+def test_generated_data_is_built_whatever_stands_in_its_tmp_folders_place(tmp_path, planted):
+    # what a killed build left as <entry>.tmp is removed; a file or a link there was left by
+    # rmtree(ignore_errors=True), and the mkdir after it ended in 'FileExistsError: [Errno 17]'
+    from rft.data.tasks import _generate
+
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "mine.txt").write_text("kept")
+    tmp = tmp_path / "data.tmp"
+    if planted == "file":
+        tmp.write_text("x")
+    else:
+        tmp.symlink_to(elsewhere)
+    out = _generate(tmp_path / "data", 0, _splits)
+    assert not out.is_symlink() and sorted(p.name for p in out.iterdir()) == ["manifest.json", "train.jsonl"]
+    assert sorted(p.name for p in elsewhere.iterdir()) == ["mine.txt"]  # the link went, not its target
+    assert not tmp.exists() and not tmp.is_symlink()
+
+
+def test_the_tiny_model_is_not_written_through_a_link_in_place_of_its_tmp_folder(tmp_path):
+    # the build wrote the model and tokenizer into the folder the link named, then renamed the link
+    # into place: the cache entry was a link to that folder (7 files written there)
+    from rft.models import build_tiny_model
+
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (tmp_path / "tiny.tmp").symlink_to(elsewhere)
+    out = build_tiny_model(tmp_path / "tiny", arch={"num_hidden_layers": 1})
+    assert list(elsewhere.iterdir()) == []
+    assert not out.is_symlink() and (out / "model.safetensors").is_file() and (out / "manifest.json").is_file()
+
+
+@pytest.mark.slow  # ~1.5 s, importing `datasets` (which reads the rows)
+def test_the_task_pipeline_output_is_not_written_through_a_link_in_place_of_its_tmp_folder(tmp_path):
+    from test_boundaries import pipeline_config
+
+    from rft.data.pipeline import output_dir, run_task_pipeline
+
+    cfg = pipeline_config(tmp_path)
+    d = output_dir(cfg)
+    d.parent.mkdir(parents=True)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    d.with_name(d.name + ".tmp").symlink_to(elsewhere)
+    report = run_task_pipeline(cfg, say=lambda _: None)
+    assert report["rows"] == 2 and not report["cached"]  # 2 rows in ("1+1", "12+34"), none the same
+    assert list(elsewhere.iterdir()) == [] and not d.is_symlink() and (d / "train.jsonl").is_file()

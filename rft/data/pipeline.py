@@ -22,7 +22,6 @@ import difflib
 import inspect
 import json
 import logging
-import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -347,7 +346,7 @@ def run_task_pipeline(cfg, pass_rates=None, say=print) -> dict:
             raise ConfigError(f"data_processor.task_pipeline left no rows of {ts.path} ({format_report(report)}). "
                               f"Loosen the operators' args.")
         tmp = d.with_name(d.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)  # a killed run's leftovers (as rft.data.tasks._generate)
+        manifest.clear(tmp)  # a killed run's leftovers (as rft.data.tasks._generate)
         tmp.mkdir()
         with open(tmp / "train.jsonl", "w") as f:
             for r in rows:

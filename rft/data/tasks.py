@@ -12,7 +12,6 @@ import json
 import os
 import random
 import re
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -88,7 +87,7 @@ def _generate(path: str | Path, seed: int, splits) -> Path:
         tmp = path.with_name(path.name + ".tmp")
         # what a killed build left there (a cut file, its manifest.json.tmp) is not this build's: sealed
         # with it, the data was called damaged at its next use and generated again
-        shutil.rmtree(tmp, ignore_errors=True)
+        manifest.clear(tmp)
         tmp.mkdir(parents=True)
         for split, rows in splits(random.Random(seed)).items():
             with open(tmp / f"{split}.jsonl", "w") as f:
