@@ -97,9 +97,15 @@ def gmpo_loss(logp, batch, cfg):
     exp(mean_t clipped log-ratio) and the sequence loss -A * ratio. Here clip_ratio_low/high are
     bounds on the *log*-ratio (the paper uses 0.4). The per-token loss returned is the sequence's
     loss on each of its tokens: use loss_agg_mode=seq-mean-token-mean.
+    Departure from verl's geo_mean loss (which leaves its +-20 clamp commented out): each
+    token's log-ratio is clamped to +-20 first, as ppo_clip's, so a token 30 nats above the old
+    policy with A < 0 counts as 20 (no gradient) instead of overflowing the sequence ratio.
     """
     logp, old_logp, advantages, mask = wide(logp, batch["old_logp"], batch["advantages"], batch["response_mask"])
     log_ratio = torch.clamp(masked(logp - old_logp, mask), -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    # the sequence sums below multiply by the mask: an advantage of inf or NaN outside it (which
+    # the advantage contract allows, rft.algorithms.contract) gave 0 x NaN = NaN to the whole row
+    advantages = masked(advantages, mask)
     sign = torch.sign(advantages)
     clipped = torch.clamp(log_ratio, -cfg.clip_ratio_low, cfg.clip_ratio_high)
     pessimistic = sign * torch.minimum(sign * log_ratio, sign * clipped)
@@ -130,7 +136,11 @@ def cpgd_loss(logp, batch, cfg):
     logp, old_logp = masked(logp, mask), masked(old_logp, mask)
     upper = old_logp + math.log1p(cfg.clip_ratio_high)
     lower = old_logp + (math.log1p(-cfg.clip_ratio_low) if cfg.clip_ratio_low < 1 else -math.inf)
-    clamped = torch.where(advantages > 0, torch.minimum(logp, upper), torch.maximum(logp, lower))
+    # where, not minimum/maximum: those split the gradient of a tie in half, so a token exactly on
+    # its bound (float32 lands there) got half its gradient; the paper's clip(log r, log(1 - eps),
+    # log(1 + eps)) passes all of it there, as torch.clamp and ppo_clip's bounds do
+    clamped = torch.where(advantages > 0, torch.where(logp > upper, upper, logp),
+                          torch.where(logp < lower, lower, logp))
     log_ratio = torch.clamp(logp - old_logp, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     metrics = {
         # the tokens whose clamp binds (an advantage of 0 has no bound)
