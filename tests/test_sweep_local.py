@@ -118,6 +118,8 @@ def test_the_driver_says_where_each_job_is_and_how_it_ended(two_job_sweep):
         # the local launcher's job id is the process id of the job's controller
         assert log == sweep / ".submitit" / job_id / f"{job_id}_0_log.out" and log.exists()
         assert log.with_suffix(".err").exists()
+        # the job's own record of it, which the report reads when the job dies (the folder's name is no job number)
+        assert (sweep / str(num) / ".launcher_log").read_text() == f".submitit/{job_id}/{job_id}_0_log.err\n"
         assert f"[sweep] job {num} is {job_id} (seed={num + 1}): outputs in {sweep}/{num}, " in stdout
         assert f"outputs: {sweep}/{num}\n" in log.read_text()  # the job's own last word, in its log
         metrics = read_metrics(sweep / str(num) / "metrics.jsonl")

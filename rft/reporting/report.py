@@ -57,6 +57,7 @@ from omegaconf import OmegaConf
 from rft import manifest
 from rft.config import near_args
 from rft.reporting.redact import redact_overrides
+from rft.reporting.sweep import own_log
 
 TIMING_KEYS = ("timing/step_s", "timing/eval_s", "timing/save_s")
 NO_METRICS = "no metrics (failed before its first step, or not started)"
@@ -594,24 +595,36 @@ def _local_launcher(sweep: Path) -> bool:
         return False
 
 
-def why_stopped(job: Job) -> tuple[str, Path] | None:
-    """(why, the log saying it) for a job of a hydra/launcher=slurm sweep (or local, of one job) that did not finish
-    and whose newest launcher log (<sweep>/.submitit/<id>_<job number>/) says how it ended; None for
-    a finished job, one still running, or one without such a log. Its last 64 kB are read (a FIFO or
-    device in its place is left out, manifest.open_regular)."""
+def _launcher_log(job: Job) -> Path | None:
+    """The job's newest launcher log: the one it recorded as its own as it started
+    (rft.reporting.sweep.OWN_LOG), else found by its folder's name under <sweep>/.submitit/."""
+    log = own_log(job.path)
+    if log is not None and log.is_file():
+        return log
     sub = job.path.parent / ".submitit"
-    if job.status == "done" or not job.path.name.isdigit() or not sub.is_dir():
+    if not sub.is_dir():
         return None
     # <id>_<job number>/<id>_<job number>_0_log.err in a job array; a sweep of one job is no array:
     # <id>/<id>_0_log.err. hydra/launcher=local names every job's folder so, <id> its process id: one
-    # is job 0's only in a sweep of one job (else another job's error would read as job 0's)
+    # is job 0's only in a sweep of one job (else another job's error would read as job 0's); a job
+    # of rft's that recorded its own log is not left to this guess
     alone = not _local_launcher(job.path.parent) or sum(d.name.isdigit() for d in job.path.parent.iterdir()) == 1
     dirs = [d for d in sub.iterdir()
             if (m := re.fullmatch(r"\d+(?:_(\d+))?", d.name)) and (m[1] or "0") == job.path.name and (m[1] or alone)]
     logs = [d / f"{d.name}_0_log.err" for d in dirs if (d / f"{d.name}_0_log.err").is_file()]
-    if not logs:
+    return max(logs, key=lambda p: p.stat().st_mtime) if logs else None  # a resumed sweep's newest attempt
+
+
+def why_stopped(job: Job) -> tuple[str, Path] | None:
+    """(why, the log saying it) for a job of a submitit sweep (hydra/launcher=slurm or local) that did
+    not finish and whose newest launcher log (_launcher_log) says how it ended; None for a finished
+    job, one still running, or one without such a log. Its last 64 kB are read (a FIFO or device in
+    its place is left out, manifest.open_regular)."""
+    if job.status == "done" or not job.path.name.isdigit():
         return None
-    log = max(logs, key=lambda p: p.stat().st_mtime)  # a resumed sweep's newest attempt
+    log = _launcher_log(job)
+    if log is None:
+        return None
     try:
         with manifest.open_regular(log) as f:
             f.seek(max(0, os.fstat(f.fileno()).st_size - 65536))

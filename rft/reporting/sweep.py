@@ -30,7 +30,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from rft.manifest import open_regular
+from rft.manifest import open_regular, write_atomic
 
 # submitit's UncompletedJobError message: "Job <id> (task: <n>) with path <result.pkl>\n
 # has not produced any output (state: <STATE>)"
@@ -141,6 +141,51 @@ def explain(error: Exception, sweep_dir: str) -> str:
         f"hydra.sweep.dir={sweep_dir} resumes each job from its newest checkpoint; a finished job "
         f"is not run again."
     )
+
+
+# ---------------------------------------------------------------- which launcher log is a job's own
+
+# <job dir>/.launcher_log: the path of the job's own launcher log (submitit's stderr of it), relative
+# to the sweep's directory where it lies below it; the job writes it as it starts
+# (rft.runtime.callbacks). hydra/launcher=local names each job's .submitit folder by the process id
+# of its controller, which says nothing of the job's number, and hydra.launcher.submitit_folder may
+# name any folder: the report (rft.reporting.report.why_stopped) could not tell whose log was whose
+OWN_LOG = ".launcher_log"
+# what submitit names a job's stderr (JobPaths.stderr: <job id>_<task>_log.err): anything else
+# recorded there (a record in a folder others write to) is not read
+_LOG_NAME = re.compile(r"[\w.-]+_\d+_log\.err")
+
+
+def record_own_log(job_dir) -> Path | None:
+    """In a job that submitit runs: write OWN_LOG into `job_dir`; returns the log (None outside one)."""
+    if not os.environ.get("SUBMITIT_EXECUTOR"):
+        return None
+    import submitit
+
+    try:
+        log = submitit.JobEnvironment().paths.stderr
+    except (KeyError, ValueError):  # a job environment submitit did not make whole: nothing to tell
+        return None
+    job_dir = Path(job_dir).absolute()
+    try:
+        text = str(log.relative_to(job_dir.parent))
+    except ValueError:  # a submitit_folder outside the sweep's
+        text = str(log)
+    write_atomic(job_dir / OWN_LOG, text + "\n")
+    return log
+
+
+def own_log(job_dir: Path) -> Path | None:
+    """The launcher log the job of `job_dir` recorded as its own (record_own_log), or None: none
+    recorded, or a record that does not name a submitit log."""
+    try:
+        with open_regular(job_dir / OWN_LOG) as f:
+            text = f.read(4097).decode().strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    if not text or len(text) > 4096 or "\n" in text or "\0" in text or not _LOG_NAME.fullmatch(Path(text).name):
+        return None
+    return job_dir.parent / text  # an absolute path stays itself
 
 
 def planned_jobs(hydra, most: int | None = None) -> list[list[str]]:

@@ -11,6 +11,9 @@ rft runs, which would otherwise end in its traceback or after work was done.
   write to one directory (a hydra.sweep.subdir that does not differ between them: `_shared_dir`).
 
 Each ends the command with one paragraph and status 2, as rft's other configuration errors.
+
+And one record: a submitit sweep's job writes which launcher log is its own into its folder as it
+starts (on_job_start; rft.reporting.sweep.record_own_log), for the report to find it if the job dies.
 """
 
 from __future__ import annotations
@@ -40,6 +43,14 @@ class Checks(Callback):
         # a sweep refused before it starts leaves no directory: a README's way to find a sweep
         # killed outright is the newest one under multirun/
         _exit_on(lambda: _raise(plan_jobs(config, config_name)), on_error=lambda: made and _rmdir(self.sweep_dir))
+
+    def on_job_start(self, config: DictConfig, **kwargs) -> None:
+        # a sweep's job says which launcher log is its own, in its own folder: the report finds it
+        # there when the job dies (the local launcher names its log folders by process id)
+        if "submitit" in str(OmegaConf.select(config, "hydra.launcher._target_") or "").lower():
+            from rft.reporting.sweep import record_own_log
+
+            record_own_log(Path(str(config.hydra.runtime.output_dir)))
 
     def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
         # a dry run writes nothing, but Hydra's basic sweeper wrote multirun.yaml into the sweep's

@@ -49,6 +49,7 @@ from rft import manifest
 from rft.config import flat
 from rft.errors import ConfigError, RunError
 from rft.reporting.redact import config_yaml, redact, redact_overrides
+from rft.reporting.sweep import OWN_LOG
 from rft.runtime.checkpoint import Owner, describe, read_checkpoint, shown
 
 log = logging.getLogger(__name__)
@@ -432,10 +433,25 @@ def planted_links(run_dir: Path) -> list[Path]:
     for root, dirs, names in os.walk(run_dir):  # followlinks=False
         here = Path(root)
         found += [here / n for n in dirs + names if (here / n).is_symlink() and not (here / n).is_dir()
-                  or not ((here / n).is_symlink() or (here / n).is_dir() or (here / n).is_file())]
+                  or not ((here / n).is_symlink() or (here / n).is_dir() or (here / n).is_file())
+                  or _folder_for_a_file(here / n, here == run_dir)]
         dirs[:] = [d for d in dirs if not (d.startswith("previous_") and here == run_dir)
                    and not (here.name == "checkpoints" and d.startswith("step_")) and d != "wandb"]
     return sorted(found)
+
+
+# a folder under one of these names is where rft writes a file: run.log, .run.lock, and below the run's
+# top level its records and logs (.hydra/config.yaml, <stage>/metrics.jsonl, data.json, log/<actor>.log)
+TOP_FILES = ("run.log", RUN_LOCK)
+FILE_SUFFIXES = (".log", ".jsonl", ".json", ".yaml", ".lock")
+
+
+def _folder_for_a_file(p: Path, top: bool) -> bool:
+    """Whether `p` is a folder (not a link to one) under a name rft writes a file of: opened, read or
+    replaced by the run, it ended in a raw IsADirectoryError. A stage's folder is named by its
+    stage_name, so at the top level only rft's own names count."""
+    return (p.is_dir() and not p.is_symlink()
+            and (p.name in TOP_FILES if top else p.name.endswith(FILE_SUFFIXES) or p.name == "reused_from"))
 
 
 def refuse_links(run_dir: Path) -> None:
@@ -444,6 +460,11 @@ def refuse_links(run_dir: Path) -> None:
     results folder others write to) had the run truncate that file, or append its log to it (a
     ~/.bashrc, whose lines a shell runs)."""
     links = planted_links(run_dir)
+    if links and links[0].is_dir() and not links[0].is_symlink():
+        raise RunError(
+            f"{links[0]} is a folder, where rft writes a file of that name in the run directory {run_dir} (its log, "
+            f"a record it reads back on resume). It was put there by hand or came with a copy of the run. Move it "
+            f"away (a file of its contents, if any, is the run's own), or give this run another name (name=...).")
     if links and not links[0].is_symlink():
         raise RunError(
             f"{links[0]} is not a regular file (a FIFO, a socket or a device): rft writes only files and folders in "
@@ -493,7 +514,8 @@ def move_aside(run_dir: Path) -> Path | None:
 
 
 def _outputs(run_dir: Path) -> list[Path]:
-    return [p for p in run_dir.iterdir() if not p.name.startswith("previous_") and p.name != RUN_LOCK]
+    # a sweep job's record of its launcher log (rft.reporting.sweep.OWN_LOG) is this attempt's: it stays
+    return [p for p in run_dir.iterdir() if not p.name.startswith("previous_") and p.name not in (RUN_LOCK, OWN_LOG)]
 
 
 def finish_move_aside(run_dir: Path) -> Path | None:

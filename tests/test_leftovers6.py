@@ -1,0 +1,74 @@
+"""A sweep job's own launcher log, vLLM's ipc sockets of a killed run, a token typed on the command
+line, a LoRA adapter of a run directory moved elsewhere."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import ROOT
+from omegaconf import OmegaConf
+
+from rft.reporting import report
+
+# ---------------------------------------------------------------- a local sweep's dead job in the report
+
+
+def _job_starts(monkeypatch, sweep: Path, job: str, pid: int) -> None:
+    """Job `job` of the sweep as hydra/launcher=local starts it: submitit's variables of that job's
+    process (its controller's pid the job id, the folder with %j), then Hydra's on_job_start."""
+    from rft.runtime.callbacks import Checks
+
+    monkeypatch.setenv("SUBMITIT_EXECUTOR", "local")
+    monkeypatch.setenv("SUBMITIT_LOCAL_JOB_ID", str(pid))
+    monkeypatch.setenv("SUBMITIT_LOCAL_GLOBALID", "0")
+    monkeypatch.setenv("SUBMITIT_FOLDER", str(sweep / ".submitit" / "%j"))
+    config = OmegaConf.create({"hydra": {
+        "launcher": {"_target_": "hydra_plugins.hydra_submitit_launcher.submitit_launcher.LocalLauncher"},
+        "runtime": {"output_dir": str(sweep / job)}}})
+    Checks().on_job_start(config=config, task_function=None)
+
+
+def test_a_local_sweeps_dead_job_is_listed_with_the_log_it_recorded_as_its_own(tmp_path, monkeypatch):
+    # the local launcher names each job's .submitit folder by its controller's process id, so in a
+    # sweep of two jobs the report could not tell whose log was whose and listed no job that stopped;
+    # each job now writes which log is its own into its folder as it starts
+    from test_readme_promises3 import _local_sweep
+
+    sweep = _local_sweep(tmp_path / "two", jobs=2)  # job 1 (pid 32609) stopped on a configuration error
+    _job_starts(monkeypatch, sweep, "0", 32598)
+    _job_starts(monkeypatch, sweep, "1", 32609)
+    log = sweep / ".submitit" / "32609" / "32609_0_log.err"
+    why = "configuration error: model.lora.target_modules='x': no such module."
+    assert {j.num: report.why_stopped(j) for j in report.read_jobs(sweep)} == {"0": None, "1": (why, log)}
+    assert (sweep / "1" / ".launcher_log").read_text() == ".submitit/32609/32609_0_log.err\n"
+    subprocess.run([sys.executable, "-m", "rft.reporting.report", str(sweep)], cwd=ROOT, check=True,
+                   capture_output=True)
+    assert f"## Jobs that stopped\n\n- job 1, incomplete (6/30 steps): {why} ({log})\n" in \
+        (sweep / "report.md").read_text()
+
+
+def test_a_jobs_log_record_survives_its_run_moved_aside_and_a_moved_sweep(tmp_path, monkeypatch):
+    # continue_from_checkpoint=false moves a job's outputs aside after the job recorded its log: the
+    # record is this attempt's and stays; it is relative to the sweep, which may move
+    from rft.runtime import rundir
+    from test_readme_promises3 import _local_sweep
+
+    sweep = _local_sweep(tmp_path / "two", jobs=2)
+    _job_starts(monkeypatch, sweep, "1", 32609)
+    moved = rundir.move_aside(sweep / "1")
+    assert (sweep / "1" / ".launcher_log").is_file() and not (moved / ".launcher_log").exists()
+    sweep.rename(tmp_path / "elsewhere")
+    job = next(j for j in report.read_jobs(tmp_path / "elsewhere") if j.num == "1")
+    assert report.why_stopped(job)[1] == tmp_path / "elsewhere" / ".submitit" / "32609" / "32609_0_log.err"
+
+
+def test_a_record_that_names_no_submitit_log_is_not_read(tmp_path, monkeypatch):
+    # a record in a folder others write to may name any file: only a submitit log's name is read
+    from test_readme_promises3 import _local_sweep
+
+    sweep = _local_sweep(tmp_path / "two", jobs=2)
+    secret = tmp_path / "notes.txt"
+    secret.write_text("rft: the run stopped: a line of another file\n")
+    (sweep / "1" / ".launcher_log").write_text(f"{secret}\n")
+    assert {j.num: report.why_stopped(j) for j in report.read_jobs(sweep)} == {"0": None, "1": None}
