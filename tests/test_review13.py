@@ -118,3 +118,39 @@ def test_the_task_pipeline_output_is_not_written_through_a_link_in_place_of_its_
     report = run_task_pipeline(cfg, say=lambda _: None)
     assert report["rows"] == 2 and not report["cached"]  # 2 rows in ("1+1", "12+34"), none the same
     assert list(elsewhere.iterdir()) == [] and not d.is_symlink() and (d / "train.jsonl").is_file()
+
+
+# ---------------------------------------------------------------- a folder where the run writes a file
+
+@pytest.mark.parametrize("where", ["run.log", ".run.lock", ".hydra/config.yaml", "grpo/metrics.jsonl",
+                                   "grpo/batches.jsonl", "grpo/log/grpo_trainer.log"])
+def test_a_folder_in_place_of_a_file_the_run_writes_is_one_paragraph_before_anything_is_written(tmp_path, where):
+    # each ended the resumed run in a raw IsADirectoryError (experiments/damage_fuzz, each of the run's
+    # files replaced by a folder: 9 of 31 cases): open() of run.log, .run.lock or an actor's log, the
+    # monitor reading metrics.jsonl back, os.replace onto .hydra/config.yaml
+    from rft.errors import RunError
+    from rft.runtime import rundir
+
+    run = tmp_path / "run"
+    (run / "grpo" / "checkpoints").mkdir(parents=True)
+    (run / where).mkdir(parents=True)
+    with pytest.raises(RunError) as e:
+        with rundir.run_lock(run):
+            pass
+    assert str(e.value) == (
+        f"{run / where} is a folder, where rft writes a file of that name in the run directory {run} (its log, a "
+        f"record it reads back on resume). It was put there by hand or came with a copy of the run. Move it away (a "
+        f"file of its contents, if any, is the run's own), or give this run another name (name=...).")
+
+
+def test_the_folders_a_run_makes_are_not_taken_for_files(tmp_path):
+    # a stage's folder is named by its stage_name, which may end so; checkpoints, eval trajectories,
+    # logs and a killed save's step_<N>.tmp are folders of the run's own
+    from rft.runtime import rundir
+
+    run = tmp_path / "run"
+    for d in ["sft.v2.yaml/checkpoints/step_2.tmp/hf", "grpo/eval_trajectories/step_2", "grpo/log", ".hydra",
+              "grpo/checkpoints/step_1.damaged-20261129_120000"]:
+        (run / d).mkdir(parents=True)
+    (run / "grpo" / "eval_trajectories" / "step_2" / "arithmetic_test.jsonl").write_text("")
+    assert rundir.planted_links(run) == []

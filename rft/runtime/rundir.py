@@ -49,7 +49,6 @@ from rft import manifest
 from rft.config import flat
 from rft.errors import ConfigError, RunError
 from rft.reporting.redact import config_yaml, redact, redact_overrides
-from rft.reporting.sweep import OWN_LOG
 from rft.runtime.checkpoint import Owner, describe, read_checkpoint, shown
 
 log = logging.getLogger(__name__)
@@ -423,7 +422,8 @@ def remove_if_unused(run_dir: Path) -> None:
 def planted_links(run_dir: Path) -> list[Path]:
     """The links in `run_dir` a run could write through: each one not to a folder (to a file, or to
     nothing); and the FIFOs, sockets and devices, which a run reading its logs back would wait on
-    forever (or read without end). rft makes none; a link to a folder (checkpoints on a scratch
+    forever (or read without end); and a folder where rft writes a file (`_folder_for_a_file`). rft
+    makes none; a link to a folder (checkpoints on a scratch
     disk) is the user's own and not entered. Not looked into: the checkpoints, sealed and never
     written into once made (their manifest refuses a link: rft.manifest), earlier outputs
     moved aside (previous_*), and wandb's folder, which rft never writes and whose logs are links
@@ -514,8 +514,7 @@ def move_aside(run_dir: Path) -> Path | None:
 
 
 def _outputs(run_dir: Path) -> list[Path]:
-    # a sweep job's record of its launcher log (rft.reporting.sweep.OWN_LOG) is this attempt's: it stays
-    return [p for p in run_dir.iterdir() if not p.name.startswith("previous_") and p.name not in (RUN_LOCK, OWN_LOG)]
+    return [p for p in run_dir.iterdir() if not p.name.startswith("previous_") and p.name != RUN_LOCK]
 
 
 def finish_move_aside(run_dir: Path) -> Path | None:
