@@ -305,3 +305,24 @@ def test_the_overlong_penalty_stops_at_minus_the_factor_past_the_limit():
     # formula, -0.5 here (shaping.overlong_penalty's docstring: never below -factor)
     got = [shaping.overlong_penalty(n, 100, 20, 0.5) for n in (80, 81, 100, 110)]
     assert got == [0.0, -0.025, -0.5, -0.5]
+
+
+def test_a_study_advantage_off_the_mask_reaches_the_trainer_as_0():
+    # a study's function (a dotted path) may leave anything off the mask (the contract checks the
+    # mask's tokens only): here each row's reward broadcast over all 3 positions, inf on one. The
+    # trainer gets 0 there, as from a registered function. Before, its advantage/mean (the sum over
+    # every position / the tokens) was (3 x 2 + 2 x -4 + inf) / 3 = inf (-2 without the inf) for
+    # the tokens' (2 + 2 - 4) / 3 = 0, and a row whose tokens had 0 was not skipped as one without
+    # signal (trainer.skip_zero_advantage)
+    from rft.algorithms.contract import checked
+
+    def broadcast(batch, cfg):
+        adv = batch["rewards"][:, None].expand_as(batch["response_mask"]).clone()
+        adv[1, 2] = INF
+        return adv
+
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    batch = dict(rewards=torch.tensor([2.0, -4.0], dtype=F64), group_index=torch.tensor([0, 0]), response_mask=mask)
+    got = checked(ADVANTAGE_FNS, "my_study.broadcast", broadcast)(batch, algo())
+    assert got.tolist() == [[2.0, 2.0, 0.0], [-4.0, 0.0, 0.0]]
+    assert got.sum().item() / mask.sum().item() == 0.0  # advantage/mean: (2 + 2 - 4) / 3

@@ -17,6 +17,7 @@ import logging
 
 import torch
 
+from rft.algorithms.aggregation import masked
 from rft.errors import ConfigError, RunError
 from rft.registry import study_frame
 
@@ -34,7 +35,10 @@ def checked(registry, name: str, fn):
         def advantages(batch, cfg):
             adv = _call(fn, name, ADVANTAGE_KEY, batch, cfg)
             check_advantages(adv, batch["response_mask"], name)
-            return adv
+            # 0 off the mask, as the registered functions give: the trainer's advantage/mean summed
+            # every position (a value broadcast over a row's padding counted in it), its skip of
+            # zero-advantage rows kept a row whose only non-zero was off the mask, and gmpo read it
+            return masked(adv, batch["response_mask"])
         return advantages
 
     def policy_loss(logp, batch, cfg):
@@ -66,7 +70,7 @@ def _shape(x) -> str:
 
 def check_advantages(adv, mask: torch.Tensor, name: str) -> None:
     """An advantage function returns a real tensor of response_mask's shape [N, T], finite where the
-    mask is 1 (what it holds elsewhere is multiplied by 0)."""
+    mask is 1 (what it holds elsewhere is set to 0 by `checked`)."""
     want = (f"a tensor of one advantage per response token, of batch['response_mask']'s shape "
             f"{list(mask.shape)} (N rows x T positions)")
     if not isinstance(adv, torch.Tensor) or adv.shape != mask.shape or adv.is_complex():
