@@ -49,6 +49,7 @@ from rft import manifest
 from rft.config import flat
 from rft.errors import ConfigError, RunError
 from rft.reporting.redact import config_yaml, redact, redact_overrides
+from rft.reporting.sweep import OWN_LOG
 from rft.runtime.checkpoint import Owner, describe, read_checkpoint, shown
 
 log = logging.getLogger(__name__)
@@ -514,7 +515,8 @@ def move_aside(run_dir: Path) -> Path | None:
 
 
 def _outputs(run_dir: Path) -> list[Path]:
-    return [p for p in run_dir.iterdir() if not p.name.startswith("previous_") and p.name != RUN_LOCK]
+    # a sweep job's record of its launcher log (rft.reporting.sweep.OWN_LOG) is this attempt's: it stays
+    return [p for p in run_dir.iterdir() if not p.name.startswith("previous_") and p.name not in (RUN_LOCK, OWN_LOG)]
 
 
 def finish_move_aside(run_dir: Path) -> Path | None:
