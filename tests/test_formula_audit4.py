@@ -326,3 +326,22 @@ def test_a_study_advantage_off_the_mask_reaches_the_trainer_as_0():
     got = checked(ADVANTAGE_FNS, "my_study.broadcast", broadcast)(batch, algo())
     assert got.tolist() == [[2.0, 2.0, 0.0], [-4.0, 0.0, 0.0]]
     assert got.sum().item() / mask.sum().item() == 0.0  # advantage/mean: (2 + 2 - 4) / 3
+
+
+def test_gmpo_clips_every_token_on_the_side_of_its_rows_advantage():
+    # per-token advantages [+1, -3] (gae or distill_coef give such rows): A = their mean, -1; both
+    # log-ratios 0.5, clip 0.4. sgn(A) = -1 clips from below: max(0.5, 0.4) = 0.5 on each token, the
+    # ratio e^0.5 = 1.6487213, the row's loss -A e^0.5 = 1.6487213 (seq-mean-token-mean of one row)
+    # and d/dlogp_t = -A e^0.5 / 2 = 0.8243606 on each token. Each token's own sign clipped the
+    # first at 0.4: the ratio e^0.45 = 1.5683122, and that token had no gradient
+    old = torch.zeros(1, 2, dtype=F64)
+    logp = torch.tensor([[0.5, 0.5]], dtype=F64, requires_grad=True)
+    mask = torch.ones(1, 2, dtype=F64)
+    adv = torch.tensor([[1.0, -3.0]], dtype=F64)
+    loss, m = POLICY_LOSS_FNS["gmpo"](logp, dict(old_logp=old, advantages=adv, response_mask=mask),
+                                      algo(clip_ratio_low=0.4, clip_ratio_high=0.4))
+    total = agg_loss(loss, mask, "seq-mean-token-mean", 1, 2, 2)
+    (grad,) = torch.autograd.grad(total, logp)
+    assert total.item() == pytest.approx(math.exp(0.5), rel=1e-12)
+    assert grad[0].tolist() == pytest.approx([math.exp(0.5) / 2] * 2, rel=1e-12)
+    assert m["actor/clip_frac"] == 0.0  # for A < 0 the 0.4 upper bound never binds

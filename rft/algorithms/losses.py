@@ -96,7 +96,9 @@ def gmpo_loss(logp, batch, cfg):
     the sign of A (min of clipped and unclipped for A > 0, max for A < 0); the sequence ratio is
     exp(mean_t clipped log-ratio) and the sequence loss -A * ratio. Here clip_ratio_low/high are
     bounds on the *log*-ratio (the paper uses 0.4). The per-token loss returned is the sequence's
-    loss on each of its tokens: use loss_agg_mode=seq-mean-token-mean.
+    loss on each of its tokens: use loss_agg_mode=seq-mean-token-mean. With per-token advantages
+    (gae, distill_coef), A is their mean over the row's response tokens, and its sign sets the
+    side of every token's clip.
     Departure from verl's geo_mean loss (which leaves its +-20 clamp commented out): each
     token's log-ratio is clamped to +-20 first, as ppo_clip's, so a token 30 nats above the old
     policy with A < 0 counts as 20 (no gradient) instead of overflowing the sequence ratio.
@@ -106,11 +108,14 @@ def gmpo_loss(logp, batch, cfg):
     # the sequence sums below multiply by the mask: an advantage of inf or NaN outside it (which
     # the advantage contract allows, rft.algorithms.contract) gave 0 x NaN = NaN to the whole row
     advantages = masked(advantages, mask)
-    sign = torch.sign(advantages)
+    seq_adv = (advantages * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+    # the side of the clip is the sign of the advantage the ratio is multiplied by, the row's (the
+    # paper's sgn(A_i)): a token's own sign, where per-token advantages differ in sign (gae,
+    # distill_coef), clipped that token on the optimistic side for the row's loss
+    sign = torch.sign(seq_adv)[:, None]
     clipped = torch.clamp(log_ratio, -cfg.clip_ratio_low, cfg.clip_ratio_high)
     pessimistic = sign * torch.minimum(sign * log_ratio, sign * clipped)
     seq_ratio = torch.exp((pessimistic * mask).sum(-1) / mask.sum(-1).clamp(min=1))
-    seq_adv = (advantages * mask).sum(-1) / mask.sum(-1).clamp(min=1)
     loss = masked((-seq_adv * seq_ratio)[:, None].expand_as(logp), mask)
     metrics = {
         # the tokens whose clip binds: the upper bound for A > 0, the lower for A < 0
