@@ -154,3 +154,45 @@ def test_the_folders_a_run_makes_are_not_taken_for_files(tmp_path):
         (run / d).mkdir(parents=True)
     (run / "grpo" / "eval_trajectories" / "step_2" / "arithmetic_test.jsonl").write_text("")
     assert rundir.planted_links(run) == []
+
+
+# ---------------------------------------------------------------- export
+
+def _sealed_checkpoint(tmp_path: Path) -> Path:
+    from test_trainer import make_trainer
+
+    from rft import manifest
+
+    d = tmp_path / "checkpoints" / "step_1"
+    d.mkdir(parents=True)
+    make_trainer(128).save(str(d))
+    (d / "state.json").write_text('{"step": 1, "manifest": 1}')
+    manifest.seal(d, {"step": 1})
+    return d
+
+
+def test_an_export_over_a_file_left_as_its_partial_folder_is_written(tmp_path):
+    # <out>.partial a file (not a folder, not a link): rmtree(ignore_errors=True) left it and the
+    # mkdir after it was a raw FileExistsError, once the model had loaded
+    from rft import manifest
+    from rft.runtime.export import export
+
+    (tmp_path / "mine.partial").write_text("x")
+    out = export(_sealed_checkpoint(tmp_path), tmp_path / "mine")
+    assert out.is_dir() and manifest.verify(out) is None and not (tmp_path / "mine.partial").exists()
+
+
+def test_an_export_to_a_link_is_refused_before_anything_is_written(tmp_path):
+    # the sealed folder is renamed onto <out>: over a link to an empty folder that rename failed
+    # ('NotADirectoryError: [Errno 20]') after the whole export had been written beside it
+    from rft.errors import ConfigError
+    from rft.runtime.export import export
+
+    (tmp_path / "scratch").mkdir()
+    (tmp_path / "mine").symlink_to(tmp_path / "scratch", target_is_directory=True)
+    with pytest.raises(ConfigError) as e:
+        export(_sealed_checkpoint(tmp_path), tmp_path / "mine")
+    assert str(e.value) == (f"{tmp_path / 'mine'} is a link (to {tmp_path / 'scratch'}): the export is written beside "
+                            f"its folder and renamed into place. Give the folder itself ({tmp_path / 'scratch'}), or a "
+                            f"new folder.")
+    assert list(tmp_path.glob("mine.partial")) == [] and list((tmp_path / "scratch").iterdir()) == []

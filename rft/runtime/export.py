@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import sys
 from pathlib import Path
 
@@ -47,6 +46,9 @@ def export(checkpoint_dir: str | Path, out_dir: str | Path, max_shard_size: str 
                           f"is a directory <run>/<stage>/checkpoints/step_<N> with a manifest.json (one without it is "
                           f"a save that did not finish).{f' The checkpoints there: {near}.' if near else ''}")
     out = Path(out_dir).expanduser()
+    if out.is_symlink():  # the sealed folder is renamed onto `out`, which a link cannot take (a raw ENOTDIR at the end)
+        raise ConfigError(f"{out} is a link (to {os.readlink(out)}): the export is written beside its folder and "
+                          f"renamed into place. Give the folder itself ({out.resolve()}), or a new folder.")
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError(f"{out} is not an empty folder: the export is sealed with a manifest of every file in "
                           f"its folder. Give a new folder (or empty this one).")
@@ -74,9 +76,9 @@ def export(checkpoint_dir: str | Path, out_dir: str | Path, max_shard_size: str 
     # written beside it and renamed to `out` once sealed: a killed export leaves no `out` (one held a model
     # without its tokenizer, which from_pretrained loads); the next export of `out` removes the rest
     tmp = out.with_name(out.name + ".partial")
-    if tmp.is_symlink():  # planted in a shared folder: the model went where it points, and `out` became the link
-        tmp.unlink()
-    shutil.rmtree(tmp, ignore_errors=True)
+    # a link planted in a shared folder goes (the model went where it pointed, and `out` became the
+    # link), as does a file of that name (its mkdir was a raw FileExistsError after the model loaded)
+    manifest.clear(tmp)
     tmp.mkdir()  # made here: one made in its place since is an error, not a folder written into
     model.save_pretrained(tmp, max_shard_size=max_shard_size)
     AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(tmp)
