@@ -3,7 +3,9 @@ plain loops (one sequence, one token at a time), compared with rft's functions o
 float64 inputs, the value and the autograd gradient. The cases the other audits leave out: inf or
 NaN *advantages* where the mask is 0 (the advantage contract allows them there), a policy loss
 under each of the four aggregation modes at once with log-ratios of +-30, a token exactly on
-CPGD's bound, batches with no response token, one token, or one row for every advantage function.
+CPGD's bound, GMPO's clip side for a row whose token advantages differ in sign, a study's advantage
+function leaving values off the mask, batches with no response token, one token, or one row for
+every advantage function.
 Where rft departs from the formula on purpose (GSPO's cap at 10, the +-20 clamp of a token's
 log-ratio, the overlong penalty's floor) the reference applies the same departure, named there.
 """
@@ -98,14 +100,12 @@ def ref_gae(R, V, m, gamma, lam):
     return out
 
 
-def ref_token_loss(name, x, a, lo, hi, c=None):
-    """Per token, x = logp - old: ppo_clip (log-ratio clamped to +-20, dual clip c), cpgd, opmd
-    (tau 0.5), sft; as functions of torch float64 scalars, so autograd gives the gradient."""
-    if name == "ppo_clip":
-        r = torch.exp(x.clamp(-20, 20))
-        loss = torch.maximum(-a * r, -a * r.clamp(1 - lo, 1 + hi))
-        return loss.clamp(max=-a * c) if c is not None and a < 0 else loss
-    raise ValueError(name)
+def ref_ppo_clip(x, a, lo, hi, c=None):
+    """One token's PPO loss from x = logp - old (a float64 scalar with grad): max(-A r, -A clip(r,
+    1 - lo, 1 + hi)), r = exp(x clamped to +-20); the dual clip caps it at -A c for A < 0."""
+    r = torch.exp(x.clamp(-20, 20))
+    loss = torch.maximum(-a * r, -a * r.clamp(1 - lo, 1 + hi))
+    return loss.clamp(max=-a * c) if c is not None and a < 0 else loss
 
 
 def ref_seq_loss(name, xs, a, lo, hi):
@@ -212,7 +212,7 @@ def ref_rows(name, kw, x):
         elif name in ("gspo", "gmpo"):
             rows.append(ref_seq_loss(name, xs, a, lo, hi))
         elif name == "ppo_clip":
-            rows.append([ref_token_loss(name, v, a, lo, hi, cfg.clip_ratio_c) for v in xs])
+            rows.append([ref_ppo_clip(v, a, lo, hi, cfg.clip_ratio_c) for v in xs])
         elif name == "cpgd":  # the log-ratio clamped on A's side (log(1 + hi) above, log(1 - lo) below)
             rows.append([-a * (v.clamp(max=math.log1p(hi)) if a > 0 else v.clamp(min=math.log1p(-lo))) for v in xs])
         elif name == "opmd":
