@@ -196,3 +196,21 @@ def test_an_export_to_a_link_is_refused_before_anything_is_written(tmp_path):
                             f"its folder and renamed into place. Give the folder itself ({tmp_path / 'scratch'}), or a "
                             f"new folder.")
     assert list(tmp_path.glob("mine.partial")) == [] and list((tmp_path / "scratch").iterdir()) == []
+
+
+# ---------------------------------------------------------------- metrics.jsonl read back on resume
+
+@pytest.mark.parametrize("bad", ['{"step": "1"}', '{"step": null}', '{"step": [1]}', '{"step": 1.5}'])
+def test_a_logged_row_whose_step_is_not_a_whole_number_is_a_damaged_line_not_a_traceback(tmp_path, capsys, bad):
+    # _read took any object with a "step" for a row: on resume its step was compared with the
+    # checkpoint's ('<=' not supported between instances of 'str' and 'int'), and 1.5 was kept as a step
+    from rft.reporting.monitor import _reopen, read_metrics
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text(f'{{"step": 1, "a": 1}}\n{bad}\n{{"step": 2}}\n{{"step": 3}}\n')
+    assert read_metrics(path) == [{"step": 1, "a": 1}, {"step": 2}, {"step": 3}]
+    f, steps = _reopen(path, 2)  # resumed from step 2's checkpoint: step 3 is logged again
+    f.close()
+    assert steps == {1, 2}
+    assert path.read_text() == f'{{"step": 1, "a": 1}}\n{bad}\n{{"step": 2}}\n'  # the damaged line kept, as said
+    assert f"{path} line 2 is not a JSON record" in capsys.readouterr().err

@@ -44,7 +44,9 @@ def _read(path: Path) -> list[tuple[str, dict | None]]:
             record = json.loads(line)
         except (json.JSONDecodeError, RecursionError):  # RecursionError: a line nested a thousand deep
             record = None
-        if not (isinstance(record, dict) and "step" in record):
+        # a step that is not a whole number (text, null: an edit, another program's log) is no row: it
+        # is compared with the checkpoint's step on resume, a raw TypeError there ('str' <= 'int')
+        if not (isinstance(record, dict) and type(record.get("step")) is int):
             record = None
             if i < len(lines) - 1:
                 print(f"rft: warning: {path} line {n} is not a JSON record (a kill cuts only the last line, "
