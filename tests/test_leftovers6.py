@@ -135,3 +135,103 @@ def test_the_ipc_folder_goes_at_exit_and_a_base_the_user_set_is_kept(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={**env, "VLLM_RPC_BASE_PATH": str(mine)},
                          capture_output=True, text=True, check=True).stdout.strip()
     assert out == str(mine)
+
+
+# ---------------------------------------------------------------- a secret typed on the command line
+
+TYPED = "p4ss-typed-on-the-command-line"
+WARNING = ("rft: warning: a secret is typed on the command line ({shown}): every user of this machine sees a "
+           "command line in `ps` while it runs. Give it through the environment instead: the remote reward's token "
+           "in $RFT_REWARD_TOKEN (or args.token_file), a judge's api_key as the name of the environment variable "
+           "that holds the key, MLflow's password in $MLFLOW_TRACKING_PASSWORD, wandb's key in $WANDB_API_KEY. "
+           "What the run writes holds it as ***.")
+
+
+def test_a_secret_typed_on_the_command_line_is_warned_of_in_one_line():
+    from conftest import run_cli
+
+    remote = f"buffer.explorer_input.taskset.reward_fn=[{{fn: remote, args: {{url: 'http://127.0.0.1:9', token: {TYPED}}}}}]"
+    out = run_cli("dry_run=true", remote)
+    assert out.returncode == 0, out.stderr[-3000:]
+    shown = remote.replace(TYPED, "***")
+    assert out.stderr.splitlines().count(WARNING.format(shown=shown)) == 1, out.stderr
+    assert TYPED not in out.stdout + out.stderr
+
+
+def test_what_is_no_secret_on_the_command_line_is_not_warned_of():
+    from rft.reporting.redact import command_line_warning
+
+    assert command_line_warning([
+        "buffer.explorer_input.taskset.reward_fn=[{fn: remote, args: {url: 'http://127.0.0.1:9', token: '***'}}]",
+        "buffer.explorer_input.taskset.reward_fn.0.args.api_key=MY_JUDGE_KEY",  # a variable's name
+        "monitor.mlflow_tracking_uri=https://mlflow.example:5000", "seed=1"]) is None
+
+
+def test_hydras_multirun_yaml_is_masked_as_the_basic_sweeps_first_job_starts(tmp_path):
+    # Hydra's basic sweeper writes multirun.yaml, the composed config and the command line, itself:
+    # a token typed there stayed in it whole, beside every job's masked .hydra/ record
+    from rft.runtime.callbacks import Checks
+
+    typed = f"buffer.explorer_input.taskset.reward_fn=[{{fn: remote, args: {{url: 'http://127.0.0.1:9', token: {TYPED}}}}}]"
+    multirun = tmp_path / "multirun.yaml"
+    multirun.write_text(OmegaConf.to_yaml({
+        "hydra": {"mode": "MULTIRUN", "sweep": {"dir": str(tmp_path)}, "overrides": {"task": [typed, "seed=1,2"]}},
+        "name": "${algorithm.algorithm_type}-${hydra:runtime.choices.model}",
+        "buffer": {"explorer_input": {"taskset": {"reward_fn": [{"fn": "remote", "args": {"token": TYPED}}]}}}}))
+    config = OmegaConf.create({"hydra": {"mode": "MULTIRUN", "sweep": {"dir": str(tmp_path)},
+                                         "launcher": {"_target_": "hydra._internal.core_plugins.basic_launcher.BasicLauncher"}}})
+    Checks().on_job_start(config=config, task_function=None)
+    saved = OmegaConf.load(multirun)
+    assert TYPED not in multirun.read_text()
+    assert list(saved.hydra.overrides.task) == [typed.replace(TYPED, "***"), "seed=1,2"]
+    assert saved.buffer.explorer_input.taskset.reward_fn[0].args.token == "***"
+    # interpolations stay as written (the report composes the planned jobs from this file)
+    assert OmegaConf.to_container(saved, resolve=False)["name"] == "${algorithm.algorithm_type}-${hydra:runtime.choices.model}"
+    before = multirun.stat().st_mtime_ns
+    Checks().on_job_start(config=config, task_function=None)  # the next job: nothing left to mask, not written
+    assert multirun.stat().st_mtime_ns == before
+
+
+@pytest.mark.slow  # a local sweep of one 1-step job of 2 tasks x 2 rollouts (~19 s, 9 CPU s)
+def test_a_local_sweep_writes_a_typed_secret_only_into_its_owner_only_submitit_folder(tmp_path):
+    # multirun.yaml, Hydra's "#0 : <overrides>" line and the sweep's job lines held the password whole;
+    # the job pickles must (the job composes its config from them): their folder is now its owner's alone
+    from conftest import run_cli
+
+    sweep = tmp_path / "sweep"
+    typed = f"monitor.mlflow_tracking_uri=https://me:{TYPED}@127.0.0.1:9"  # monitor=console: never contacted
+    out = run_cli("-m", "hydra/launcher=local", "hydra.launcher.timeout_min=5", "cluster=inline", "stages=[]",
+                  "buffer.total_steps=1", "buffer.batch_size=2", "algorithm.repeat_times=2",
+                  "explorer.eval_on_startup=false", "monitor=console", f"hydra.sweep.dir={sweep}", typed)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert WARNING.format(shown="monitor.mlflow_tracking_uri=https://me:***@127.0.0.1:9") in out.stderr.splitlines()
+    assert TYPED not in out.stdout + out.stderr and "me\\:***@127.0.0.1" in out.stdout  # Hydra's and the sweep's lines
+    holding = sorted(p.relative_to(sweep).parts[0] for p in sweep.rglob("*") if p.is_file() and TYPED.encode() in p.read_bytes())
+    assert holding == [".submitit", ".submitit"]  # the job's submitted and result pickles
+    assert (sweep / ".submitit").stat().st_mode & 0o777 == 0o700
+    assert "***" in (sweep / "multirun.yaml").read_text() and (sweep / "0" / "metrics.jsonl").is_file()
+
+
+def test_the_remote_rewards_token_is_read_from_args_token_file(tmp_path, caplog):
+    from rft.errors import ConfigError
+    from rft.rewards.remote import RemoteReward
+
+    path = tmp_path / "token"
+    path.write_text("t0ken-in-a-file  \nsecond line\n")
+    path.chmod(0o600)
+    for token in (None, "***"):  # *** is a saved record's mask: the file has it
+        client = RemoteReward("http://127.0.0.1:9", token=token, token_file=str(path), check=False)
+        assert client.http.client.headers["Authorization"] == "Bearer t0ken-in-a-file"
+    assert "can be read by other users" not in caplog.text
+    path.chmod(0o644)
+    RemoteReward("http://127.0.0.1:9", token_file=str(path), check=False)
+    assert (f"the remote reward's args.token_file {path} can be read by other users (mode 644): "
+            f"`chmod 600 {path}` keeps the token yours") in caplog.text
+    path.write_text("\n")
+    with pytest.raises(ConfigError) as e:
+        RemoteReward("http://127.0.0.1:9", token_file=str(path), check=False)
+    assert str(e.value) == f"the remote reward's args.token_file {path} is empty: write the token on its first line."
+    with pytest.raises(ConfigError) as e:
+        RemoteReward("http://127.0.0.1:9", token_file=str(tmp_path / "none"), check=False)
+    assert str(e.value) == (f"the remote reward's args.token_file {tmp_path / 'none'}: cannot read it (No such file or "
+                            f"directory). Write the token on its first line (or give it in $RFT_REWARD_TOKEN).")

@@ -104,3 +104,47 @@ def config_yaml(cfg, resolve: bool = False) -> str:
 
     tree = OmegaConf.to_container(cfg, resolve=resolve) if OmegaConf.is_config(cfg) else cfg
     return OmegaConf.to_yaml(OmegaConf.create(redact(tree)))
+
+
+# where each secret is given instead of on the command line (rft/rewards/remote.py, judge.py,
+# rft/reporting/monitor.py): a command line is in `ps` for every local user while the run lives
+FROM_ENVIRONMENT = ("the remote reward's token in $RFT_REWARD_TOKEN (or args.token_file), a judge's api_key as the name "
+                    "of the environment variable that holds the key, MLflow's password in $MLFLOW_TRACKING_PASSWORD, "
+                    "wandb's key in $WANDB_API_KEY")
+
+
+def typed_secrets(overrides) -> list[str]:
+    """The overrides (a command line's) that hold a secret, each as it is shown: masked."""
+    return [shown for o in overrides if (shown := redact_override(str(o))) != str(o)]
+
+
+def command_line_warning(overrides) -> str | None:
+    """One line for a command line that holds a secret (None: none does)."""
+    typed = typed_secrets(overrides)
+    if not typed:
+        return None
+    return (f"a secret is typed on the command line ({'; '.join(typed)}): every user of this machine sees a "
+            f"command line in `ps` while it runs. Give it through the environment instead: {FROM_ENVIRONMENT}. "
+            f"What the run writes holds it as {MASK}.")
+
+
+def redact_file(path) -> bool:
+    """Rewrite the YAML record at `path` (a sweep's multirun.yaml, which Hydra writes itself, the
+    command line's secrets whole) with its secrets masked; True when it held one. Interpolations
+    stay as written (not resolved). A file that is not there or not a mapping is left alone."""
+    from pathlib import Path
+
+    from omegaconf import OmegaConf
+
+    from rft import manifest
+
+    path = Path(path)
+    try:
+        tree = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+    except Exception:  # missing, or not YAML OmegaConf reads: nothing rft can mask in it
+        return False
+    masked = redact(tree)
+    if masked == tree:
+        return False
+    manifest.write_atomic(path, OmegaConf.to_yaml(OmegaConf.create(masked)))
+    return True

@@ -21,6 +21,7 @@ job directory. Whether a dead job is noticed at all is up to Slurm's accounting:
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import shlex
@@ -31,6 +32,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from rft.manifest import open_regular, write_atomic
+from rft.reporting.redact import redact_file, redact_overrides, redact_text, typed_secrets
 
 # submitit's UncompletedJobError message: "Job <id> (task: <n>) with path <result.pkl>\n
 # has not produced any output (state: <STATE>)"
@@ -330,7 +332,7 @@ def watch(jobs, job_overrides, first_num: int, sweep_dir: str, poll_s: float = 1
     nums = {}
     for i, (job, overrides) in enumerate(zip(jobs, distinct_overrides(job_overrides))):
         nums[job.job_id] = num = first_num + i
-        own = " ".join(overrides) or "no overrides"
+        own = " ".join(redact_overrides(overrides)) or "no overrides"
         print(f"[sweep] job {num} is {job.job_id} ({own}): outputs in {sweep_dir}/{num}, "
               f"log in {job.paths.stdout} and .err", flush=True)
     dead = {}
@@ -361,12 +363,16 @@ def watch(jobs, job_overrides, first_num: int, sweep_dir: str, poll_s: float = 1
 
 
 def install() -> None:
-    """Make hydra-submitit-launcher's `launch` report its jobs (`watch`) and explain a dead one."""
+    """Make hydra-submitit-launcher's `launch` report its jobs (`watch`) and explain a dead one, and
+    keep a secret typed on the command line out of what the launchers write (rft.reporting.redact)."""
     from hydra.core.plugins import Plugins
 
     # Hydra's plugin scan executes every hydra_plugins module once (again, if it was imported
     # before), defining the launcher classes anew: scan first, then wrap what the scan defined
     Plugins.instance()
+    # the launchers log each job's overrides (Hydra's "#0 : ..." lines): a secret among them masked
+    for name in ("hydra_plugins.hydra_submitit_launcher.submitit_launcher", "hydra._internal.core_plugins.basic_launcher"):
+        logging.getLogger(name).addFilter(_masks_secrets)
     try:
         import submitit
         from hydra_plugins.hydra_submitit_launcher.submitit_launcher import BaseSubmititLauncher
@@ -380,6 +386,10 @@ def install() -> None:
     def launch_and_watch(self, job_overrides, initial_job_idx):
         sweep_dir = str(self.config.hydra.sweep.dir)
         map_array = submitit.AutoExecutor.map_array
+        # Hydra's sweeper wrote it just now, the command line's secrets whole: masked before any job waits in a queue
+        redact_file(Path(sweep_dir) / "multirun.yaml")
+        if typed_secrets(self.config.hydra.overrides.task):
+            private_folder(str(self.params["submitit_folder"]), sweep_dir)
 
         # The plugin's launch submits with executor.map_array, then waits on each job's results()
         # in turn. For the length of this call map_array also watches the jobs it submitted to
@@ -402,3 +412,25 @@ def install() -> None:
 
     launch_and_watch.rft_watches = True
     BaseSubmititLauncher.launch = launch_and_watch
+
+
+def _masks_secrets(record: logging.LogRecord) -> bool:
+    """A logging filter: the record's message with its secrets masked (rft.reporting.redact.redact_text)."""
+    record.msg, record.args = redact_text(record.getMessage()), ()
+    return True
+
+
+def private_folder(submitit_folder: str, sweep_dir: str) -> Path | None:
+    """Make the sweep's submitit folder (<sweep>/.submitit: submitit_folder up to its first %-field)
+    readable by its owner alone, before submitit writes into it; returns it (None: a folder outside
+    the sweep's, a shared one perhaps, is left as it is). Each job's pickles hold its call, the
+    sweep's config and the job's overrides in it: a secret typed on the command line whole (the job
+    needs it), written with the umask's mode, again at each requeue, and its result too."""
+    parts = Path(submitit_folder).parts
+    fixed = Path(*parts[:next((i for i, p in enumerate(parts) if "%" in p), len(parts))])
+    sweep = Path(sweep_dir).absolute()
+    if not fixed.absolute().is_relative_to(sweep) or fixed.absolute() == sweep:
+        return None
+    fixed.mkdir(parents=True, exist_ok=True)
+    os.chmod(fixed, 0o700)
+    return fixed

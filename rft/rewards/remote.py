@@ -3,8 +3,9 @@ helper it shares with the judge (rft/rewards/judge.py).
 
     buffer.explorer_input.taskset.reward_fn=[{fn: remote, args: {url: "http://127.0.0.1:8000"}}]
 
-The token defaults to $RFT_REWARD_TOKEN (or `args: {url: ..., token: ...}`, which the saved config,
-the trackers and the report show as `***`, and which `ps` shows when typed on the command line). Each group is one request, retried on timeouts, connection errors and 5xx
+The token defaults to $RFT_REWARD_TOKEN (or the first line of `args: {url: ..., token_file: ...}`; or
+`args: {url: ..., token: ...}`, which the saved config, the trackers and the report show as `***`,
+and which `ps` shows when typed on the command line: the run warns of that). Each group is one request, retried on timeouts, connection errors and 5xx
 (`RetryingHTTP`); args: `RemoteReward`. The server is rft/serving/reward_server.py: this client
 imports none of it.
 """
@@ -186,6 +187,30 @@ def _jsonable(o):
     return str(o)
 
 
+def read_token_file(path: str) -> str:
+    """The first line of the remote reward's args.token_file; a ConfigError naming the file (never its
+    text) where it cannot be read or is empty, and a warning where other users may read it."""
+    import stat
+
+    from rft.errors import ConfigError
+
+    where = os.path.expanduser(str(path))
+    try:
+        with open(where, encoding="utf-8") as f:
+            first = f.readline(4097)
+        mode = os.stat(where).st_mode
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"the remote reward's args.token_file {path}: cannot read it "
+                          f"({getattr(e, 'strerror', None) or type(e).__name__}). Write the token on its first line "
+                          f"(or give it in ${TOKEN_ENV}).") from None
+    if not first.strip():
+        raise ConfigError(f"the remote reward's args.token_file {path} is empty: write the token on its first line.")
+    if stat.S_IMODE(mode) & 0o044:
+        log.warning("the remote reward's args.token_file %s can be read by other users (mode %o): `chmod 600 %s` "
+                    "keeps the token yours", path, stat.S_IMODE(mode), path)
+    return first.strip()
+
+
 # ---------------------------------------------------------------- the client
 
 class RemoteReward:
@@ -193,7 +218,9 @@ class RemoteReward:
 
     args:
         url              the server's base URL, e.g. http://127.0.0.1:8000
-        token            its token (default: $RFT_REWARD_TOKEN; keep it out of the saved config)
+        token            its token (default: the first line of token_file, else $RFT_REWARD_TOKEN; typed
+                         here it is in `ps` and the launcher's files: give it by either of those)
+        token_file       a file holding the token on its first line (keep it yours: chmod 600)
         timeout          seconds per try (connect, and each read); a slower answer is a timeout
         retries          tries after the first, after a timeout, a connection error or a 5xx, with
         backoff          sleeps of backoff * 2**k seconds, at most max_backoff; 401/403 and other
@@ -209,14 +236,16 @@ class RemoteReward:
     """
 
     def __init__(self, url: str, token: str | None = None, timeout: float = 30.0, retries: int = 3,
-                 backoff: float = 0.5, max_backoff: float = 8.0, max_concurrency: int = 8, check: bool = True):
+                 backoff: float = 0.5, max_backoff: float = 8.0, max_concurrency: int = 8, check: bool = True,
+                 token_file: str | None = None):
         from rft.errors import ConfigError
 
         if not isinstance(url, str) or not url.startswith(("http://", "https://")):
             raise ConfigError(f"url={url!r}: give the reward server's URL, e.g. http://127.0.0.1:8000.")
         self.url = url.rstrip("/").removesuffix("/score")
-        # MASK: a saved record's masked token (rft/reporting/redact.py) composed again; the environment has it
-        token = token if token not in (None, MASK) else os.environ.get(TOKEN_ENV)
+        # MASK: a saved record's masked token (rft/reporting/redact.py) composed again; the file or the environment has it
+        if token in (None, MASK):
+            token = read_token_file(token_file) if token_file else os.environ.get(TOKEN_ENV)
         hint = (f"Give the token the server printed or was started with: set ${TOKEN_ENV} where the explorer runs, "
                 f"or args.token of the remote reward part.")
         headers = bearer_header(token, f"the remote reward's token (args.token or ${TOKEN_ENV})")

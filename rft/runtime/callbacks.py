@@ -14,6 +14,8 @@ Each ends the command with one paragraph and status 2, as rft's other configurat
 
 And one record: a submitit sweep's job writes which launcher log is its own into its folder as it
 starts (on_job_start; rft.reporting.sweep.record_own_log), for the report to find it if the job dies.
+A secret typed on the command line is warned of (one line: `ps` shows it), and masked in the
+sweep's multirun.yaml, which Hydra writes whole (rft.reporting.redact).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from rft.errors import ConfigError
 
 class Checks(Callback):
     def on_run_start(self, config: DictConfig, **kwargs) -> None:
+        _warn_of_typed_secrets(config)
         _exit_on(lambda: _check_dir(config, "hydra.run.dir"))
         warning = unswept(config)
         if warning:
@@ -38,6 +41,7 @@ class Checks(Callback):
     def on_multirun_start(self, config: DictConfig, config_name: str | None = None, **kwargs) -> None:
         # resolved once: its name holds the time (${now:...}), which on_multirun_end must not read anew
         self.sweep_dir = Path(str(OmegaConf.select(config, "hydra.sweep.dir")))
+        _warn_of_typed_secrets(config)
         made = not self.sweep_dir.exists()
         _exit_on(lambda: _check_dir(config, "hydra.sweep.dir"))
         # a sweep refused before it starts leaves no directory: a README's way to find a sweep
@@ -45,6 +49,12 @@ class Checks(Callback):
         _exit_on(lambda: _raise(plan_jobs(config, config_name)), on_error=lambda: made and _rmdir(self.sweep_dir))
 
     def on_job_start(self, config: DictConfig, **kwargs) -> None:
+        if str(OmegaConf.select(config, "hydra.mode")).endswith("MULTIRUN"):  # RunMode.MULTIRUN
+            # Hydra's basic sweeper wrote multirun.yaml, the command line's secrets whole, just before
+            # its first job (a submitit launcher's driver masks it before it submits: rft.reporting.sweep)
+            from rft.reporting.redact import redact_file
+
+            redact_file(Path(str(config.hydra.sweep.dir)) / "multirun.yaml")
         # a sweep's job says which launcher log is its own, in its own folder: the report finds it
         # there when the job dies (the local launcher names its log folders by process id)
         if "submitit" in str(OmegaConf.select(config, "hydra.launcher._target_") or "").lower():
@@ -60,6 +70,15 @@ class Checks(Callback):
                 sorted(p.name for p in sweep.iterdir()) == ["multirun.yaml"]:
             (sweep / "multirun.yaml").unlink()
             _rmdir(sweep)
+
+
+def _warn_of_typed_secrets(config: DictConfig) -> None:
+    from rft.reporting.redact import command_line_warning
+
+    warning = command_line_warning([*(config.hydra.overrides.get("task") or []),
+                                    *(config.hydra.overrides.get("hydra") or [])])
+    if warning:
+        print(f"rft: warning: {warning}", file=sys.stderr, flush=True)
 
 
 def _rmdir(path: Path) -> None:
