@@ -214,3 +214,26 @@ def test_a_logged_row_whose_step_is_not_a_whole_number_is_a_damaged_line_not_a_t
     assert steps == {1, 2}
     assert path.read_text() == f'{{"step": 1, "a": 1}}\n{bad}\n{{"step": 2}}\n'  # the damaged line kept, as said
     assert f"{path} line 2 is not a JSON record" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- a sql buffer under a run name of URL characters
+
+def test_a_sql_buffer_is_the_file_its_path_names_whatever_characters_the_run_name_holds(tmp_path):
+    # f"sqlite:///{path}" parsed the path as a URL: in a run named "lr?seed=1" the rest was the URL's
+    # query, so the first two runs below wrote one database, <project>/lr, and their buffer.db was
+    # never made; "?timeout=1" was a raw ValueError, "50%25" a buffer said to be damaged; and the read-only
+    # URI of `python -m rft.data.buffer` and the studio cut a path at its '#' (another file read)
+    from test_buffers import buf_cfg, exps, ids
+
+    from rft.data.buffer import count_experiences, make_buffer, read_experiences
+
+    names = ["lr?seed=1", "lr?seed=2", "lr?timeout=1", "50%25data", "x#1"]
+    for n, name in enumerate(names):
+        path = tmp_path / name / "grpo" / "buffer.db"
+        buf = make_buffer(buf_cfg("sql", path=str(path)))
+        buf.put(exps(2, start=2 * n))
+        assert ids(buf.get(4, timeout=0.2)) == [f"t{2 * n}", f"t{2 * n + 1}"]  # its own rows alone
+        buf.close()
+        assert path.is_file()
+        assert count_experiences(str(path)) == 2 and ids(read_experiences(str(path), 10)) == [f"t{2 * n}", f"t{2 * n + 1}"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(names)  # no database beside the run folders

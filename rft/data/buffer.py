@@ -422,9 +422,16 @@ _DIGESTED = ("id", "created_at", "policy_version", "task_id", "group_id", "rewar
 
 
 def _engine(path: Path, read_only: bool = False) -> sa.Engine:
+    # the URL made from its parts, never parsed from text: in f"sqlite:///{path}" a path holding '?'
+    # (a run named "lr?1") had the rest taken for the URL's query, so the buffer was the file before
+    # it (<project>/lr, shared by every such run) or a raw ValueError (?timeout=...), '%' was decoded
+    # ("50%25" -> "50%"), and in the read-only file: URI a '#' ended the path (another file read)
     if read_only:  # a uri with mode=ro: never creates the file, never writes
-        return sa.create_engine(f"sqlite:///file:{path}?mode=ro&uri=true")
-    engine = sa.create_engine(f"sqlite:///{path}")
+        from urllib.parse import quote
+
+        return sa.create_engine(sa.URL.create("sqlite", database=f"file:{quote(str(path))}",
+                                              query={"mode": "ro", "uri": "true"}))
+    engine = sa.create_engine(sa.URL.create("sqlite", database=str(path)))
 
     @sa.event.listens_for(engine, "connect")
     def _pragmas(dbapi_conn, _record):
