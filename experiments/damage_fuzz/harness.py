@@ -31,7 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-DAMAGES = ["flip", "truncate", "append", "empty", "other_step", "delete", "link_zero", "fifo"]
+DAMAGES = ["flip", "truncate", "append", "empty", "other_step", "delete", "link_zero", "fifo", "dir"]
 # files a run may find beside the ones the template holds: SQLite's journals, a file added to a
 # sealed checkpoint, a stage-cache entry's
 EXTRA = ["grpo/buffer.db-wal", "grpo/buffer.db-journal", "grpo/checkpoints/step_2/extra.bin"]
@@ -95,7 +95,7 @@ def result(run_dir: Path, step: int) -> dict:
 def damage(path: Path, how: str, rng: random.Random, other: Path | None) -> str | None:
     """Apply one damage; None where it does not apply (a note of why otherwise)."""
     exists = path.exists() or path.is_symlink()
-    if how in ("flip", "truncate", "empty", "delete", "other_step") and not exists:
+    if how in ("flip", "truncate", "empty", "delete", "other_step", "dir") and not exists:
         return "n/a"
     if how == "flip":
         data = bytearray(path.read_bytes())
@@ -133,6 +133,10 @@ def damage(path: Path, how: str, rng: random.Random, other: Path | None) -> str 
     path.parent.mkdir(parents=True, exist_ok=True)
     if exists:
         path.unlink()
+    if how == "dir":  # a folder (holding a file) where the run wrote a file
+        path.mkdir()
+        (path / "x").write_text("x")
+        return ""
     if how == "link_zero":
         path.symlink_to("/dev/zero")
     else:
