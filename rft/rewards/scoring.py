@@ -225,11 +225,22 @@ def spec_of(reward_fn, default=None) -> Any:
 
 
 def describe(spec) -> str:
-    """A short text of a reward config, for the dry run and messages."""
+    """A short text of a reward config, for the dry run and messages. A part's args are shown: a
+    sweep over `reward_fn.0.args.<name>` is checked by the dry run's reward line, which showed
+    `1 * fn` for every value (and a part given as one dict as Python's repr of it)."""
+    if isinstance(spec, dict):
+        spec = [spec]
     if isinstance(spec, (list, tuple)):
-        return " + ".join(f"{e.get('weight', 1.0):g} * {e.get('name') or e.get('fn')}" if isinstance(e, dict) else str(e)
-                          for e in spec)
+        return " + ".join(_describe_part(e) if isinstance(e, dict) else str(e) for e in spec)
     return str(spec)
+
+
+def _describe_part(e: dict) -> str:
+    from rft.reporting.redact import redact
+
+    args = redact(e.get("args") or {})  # a remote reward's token, a judge's api_key: shown as ***
+    shown = f" (args: {', '.join(f'{k}={v!r}' for k, v in args.items())})" if args else ""
+    return f"{e.get('weight', 1.0):g} * {e.get('name') or e.get('fn')}{shown}"
 
 
 def entries(spec, where: str) -> list[dict]:
@@ -518,14 +529,16 @@ def worker_name(args: dict) -> str:
     return f"reward_model_{base}_{digest}"
 
 
-# <...>.reward_fn.<i>.args.<name> (or default_reward_fn_type's): an argument of a listed part
-_ARGS_OVERRIDE = re.compile(r"(?P<parts>.*(?:\.reward_fn|default_reward_fn_type))\.(?P<i>\d+)\.args\.(?P<name>[^.]+)")
+# <...>.reward_fn.<i>.args.<name> (or default_reward_fn_type's): an argument of a listed part;
+# without <i>, of a reward_fn given as one part ({fn: ..., args: {...}})
+_ARGS_OVERRIDE = re.compile(r"(?P<parts>.*(?:\.reward_fn|default_reward_fn_type))(?:\.(?P<i>\d+))?\.args\.(?P<name>[^.]+)")
 
 
 def args_override_mistake(args: list[str], conf_dir) -> str | None:
     """The message for an override of an argument of a reward part whose entry lists no `args`
-    (`...reward_fn.0.args.tag=answer`): Hydra's was "Could not override ... Key 'args' is not in
-    struct" with its HYDRA_FULL_ERROR hint. Run before Hydra (run.py); only when such an override is
+    (`...reward_fn.0.args.tag=answer`), or whose `args` lack that name (a misspelt `partail` for
+    `partial`): Hydra's was "Could not override ... Key 'args' (or 'partail') is not in struct" with
+    its HYDRA_FULL_ERROR hint, and its "use +" advice, which for a misspelt name only moves the error. Run before Hydra (run.py); only when such an override is
     given does it compose the config (without those overrides) to look at the parts. None for
     anything else, or a config that does not compose: Hydra says that."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -552,16 +565,38 @@ def args_override_mistake(args: list[str], conf_dir) -> str | None:
     from omegaconf import DictConfig, OmegaConf
 
     for arg, m in hits:
-        parts = OmegaConf.select(cfg, m["parts"], default=None)
+        message = _args_message(arg, m, OmegaConf.select(cfg, m["parts"], default=None))
+        if message:
+            return message
+    return None
+
+
+def _args_message(arg: str, m, parts) -> str | None:
+    """args_override_mistake's paragraph for one override (`m`: its _ARGS_OVERRIDE match) of the
+    composed reward config `parts`, or None where the override names an argument the part lists."""
+    from omegaconf import DictConfig, OmegaConf
+
+    if m["i"] is None:  # reward_fn as one part: its keys are the part's own
+        part, label = (parts if isinstance(parts, DictConfig) else None), m["parts"]
+    else:
         i = int(m["i"])
         part = parts[i] if parts is not None and not isinstance(parts, (str, DictConfig)) and i < len(parts) else None
-        if isinstance(part, DictConfig) and "args" not in part:
-            key, value = arg.split("=", 1)
-            return (f"{arg}: part {i} of {m['parts']} ({OmegaConf.to_container(part)}) lists no args, so it has no "
-                    f"args.{m['name']} to override (Hydra: Key 'args' is not in struct); its keys are {sorted(part)}. "
-                    f"Add the argument with a plus: +{key}={value}, or give the part `args: {{{m['name']}: ...}}` where "
-                    f"it is written, so that a sweep can vary it.")
-    return None
+        label = f"part {i} of {m['parts']}"
+    if not isinstance(part, DictConfig):
+        return None
+    key, value = arg.split("=", 1)
+    if "args" not in part:
+        return (f"{arg}: {label} ({OmegaConf.to_container(part)}) lists no args, so it has no "
+                f"args.{m['name']} to override (Hydra: Key 'args' is not in struct); its keys are {sorted(part)}. "
+                f"Add the argument with a plus: +{key}={value}, or give the part `args: {{{m['name']}: ...}}` where "
+                f"it is written, so that a sweep can vary it.")
+    listed = part.args if isinstance(part.args, DictConfig) else {}
+    if m["name"] in listed:
+        return None
+    return (f"{arg}: {label} ({part.get('fn')}) lists args {sorted(map(str, listed))}, not {m['name']!r} (Hydra: Key "
+            f"{m['name']!r} is not in struct).{near_args([m['name']], listed)} Fix the name; an argument of the "
+            f"function that the part does not list yet is added with a plus, +{key}={value} (checked against the "
+            f"function's signature when planning).")
 
 
 def _composed(overrides: list[str], conf_dir):
