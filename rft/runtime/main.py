@@ -724,7 +724,7 @@ def _run_or_reuse(cfg, plan, stage_dir: Path, init_path, owner, entry: Path | No
     title = owner.stage
     with rundir.stage_lock(entry, title, print):
         if entry is not None and cfg.continue_from_checkpoint and not list_checkpoints(stage_dir):
-            reused = rundir.reuse(entry, stage_dir, owner, title, print)
+            reused = rundir.reuse(entry, stage_dir, owner, title, print, cfg)
             if reused is not None:
                 return reused
         if changes:

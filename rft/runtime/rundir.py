@@ -63,6 +63,9 @@ WHERE_AND_HOW = (
     # which checkpoint a run resumes from, how many it keeps and which of them hold hf/
     "trainer.resume_from_path", "trainer.max_ckpt_to_keep", "trainer.save_hf_checkpoint",
 )
+# the keys of the taskset's reward (reward_fn, or its parts reward_fn.<i>.*): read only where the
+# stage explores (cache_key)
+TASKSET_REWARD = "buffer.explorer_input.taskset.reward_fn"
 # may go up on resume (a longer run); anything else that differs is a change
 MAY_GROW = ("buffer.total_steps",)
 # in the run directory: held by the run writing it (run_lock)
@@ -154,8 +157,18 @@ def cache_key(cfg, start: str, reads: dict[str, str] | None = None) -> str:
     teacher's or reward model's files; `reads`: the keys of the earlier stages whose reward models
     it reads as stage:<title>). Each only when there is one: the key of a stage without stays as it was."""
     models = [path_identity(p) for p in model_paths(cfg)]
-    return fingerprint({"stage": identity(cfg, masked=False), "start": start, "data": [path_identity(p) for p in data_paths(cfg)],
+    stage = identity(cfg, masked=False)
+    if not reads_taskset_reward(cfg):  # a sweep over the RL stage's reward trained its warm-up once per job
+        stage = {k: v for k, v in stage.items() if not k.startswith(TASKSET_REWARD)}
+    return fingerprint({"stage": stage, "start": start, "data": [path_identity(p) for p in data_paths(cfg)],
                         **({"models": models} if models else {}), **({"reads": reads} if reads else {})})
+
+
+def reads_taskset_reward(cfg) -> bool:
+    """Whether the stage calls the taskset's reward: a stage that explores nothing (mode=train) never
+    does (its eval sets name their own, or default_reward_fn_type), unless a task pipeline, which
+    may choose its rows by that reward (llm_difficulty_score_filter), runs before it."""
+    return cfg.mode != "train" or bool(cfg.data_processor.task_pipeline.operators)
 
 
 def start_identity(model_cfg) -> str:
@@ -608,10 +621,14 @@ def stage_lock(entry: Path | None, title: str, say):
         lock.release()
 
 
-def reuse(entry: Path, stage_dir: Path, owner: Owner, title: str, say) -> Path | None:
+def reuse(entry: Path, stage_dir: Path, owner: Owner, title: str, say, cfg=None) -> Path | None:
     """Copy a published stage into stage_dir; returns its final model's directory (None: no entry,
     or one that is damaged or not this stage's, which is moved aside to <entry>.damaged-<time>:
-    the stage runs, and publishes anew). The copy's manifest names this run."""
+    the stage runs, and publishes anew). The copy's manifest names this run. `cfg`: the stage's
+    config; where its key leaves the taskset's reward out (reads_taskset_reward), the publisher's
+    config may hold another reward: its fingerprint is not compared, and the copy's config.yaml is
+    this stage's (the publisher's made the same command's rerun stop as a changed configuration)."""
+    same_config = cfg is None or reads_taskset_reward(cfg)
     ckpt = read_checkpoint(entry / "checkpoint")
     if ckpt is None:
         return None
@@ -619,7 +636,8 @@ def reuse(entry: Path, stage_dir: Path, owner: Owner, title: str, say) -> Path |
     why = manifest.verify(entry, skip=("checkpoint/trainer_state.pt",))
     if manifest.read(entry) == (None, None):
         why = f"{entry / manifest.MANIFEST}: missing (written by an rft from before entries carried one: it cannot be checked)"
-    if why is None and ckpt.identity is not None and owner.differences(ckpt.identity):
+    keys = ("stage", "model", "config") if same_config else ("stage", "model")
+    if why is None and ckpt.identity is not None and owner.differences(ckpt.identity, keys):
         why = f"it is {describe(ckpt.identity)}, and this stage is {describe(owner.identity(ckpt.step))}"
     if why is not None:
         aside = manifest.put_aside(entry, "damaged")
@@ -628,7 +646,7 @@ def reuse(entry: Path, stage_dir: Path, owner: Owner, title: str, say) -> Path |
         return None
     final = stage_dir / "checkpoints" / f"step_{ckpt.step}"
     try:
-        _copy_entry(entry, stage_dir, final, owner.identity(ckpt.step))
+        _copy_entry(entry, stage_dir, final, owner.identity(ckpt.step), None if same_config else cfg)
     except OSError as e:  # a full disk, most likely: the stage's own run then says so at its first save
         shutil.rmtree(final.with_name(final.name + ".tmp"), ignore_errors=True)
         say(f"[{title}] copying the stage cache's {shown(entry)} failed ({type(e).__name__}: {e}); running the stage")
@@ -647,15 +665,17 @@ def _source(entry: Path) -> str:
         return "?"
 
 
-def _copy_entry(entry: Path, stage_dir: Path, final: Path, identity: dict) -> None:
-    """The entry's logs into `stage_dir` (config.yaml first, each whole or not at all), then its
+def _copy_entry(entry: Path, stage_dir: Path, final: Path, identity: dict, cfg=None) -> None:
+    """The entry's logs into `stage_dir` (config.yaml first, `cfg`'s own where given, each whole or not at all), then its
     checkpoint as `final`, its manifest naming this run (written anew, which replaces the link: the
     entry's own file stays), moved into place last. A copy killed midway leaves no checkpoint, and a
     stage without one is copied again (_run_or_reuse); the checkpoint alone was a stage without its
     config.yaml, whose resume stopped."""
     stage_dir.mkdir(parents=True, exist_ok=True)
+    if cfg is not None:
+        write_config(cfg, stage_dir)
     for name in ("config.yaml", "metrics.jsonl", "batches.jsonl"):
-        if (entry / name).exists():
+        if (entry / name).exists() and not (name == "config.yaml" and cfg is not None):
             shutil.copy2(entry / name, stage_dir / f"{name}.tmp")
             os.replace(stage_dir / f"{name}.tmp", stage_dir / name)
     # before the checkpoint, as the logs: a stage with the copied checkpoint is told copied (the report
