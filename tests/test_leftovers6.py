@@ -235,3 +235,60 @@ def test_the_remote_rewards_token_is_read_from_args_token_file(tmp_path, caplog)
         RemoteReward("http://127.0.0.1:9", token_file=str(tmp_path / "none"), check=False)
     assert str(e.value) == (f"the remote reward's args.token_file {tmp_path / 'none'}: cannot read it (No such file or "
                             f"directory). Write the token on its first line (or give it in $RFT_REWARD_TOKEN).")
+
+
+# ---------------------------------------------------------------- a LoRA adapter of a moved run directory
+
+@pytest.mark.slow  # a LoRA run on the tiny model: 2 SFT warm-up steps, then 1 GRPO step of 2 tasks x 2 (~9 s)
+def test_a_lora_adapter_loads_from_its_run_directory_moved_elsewhere(tmp_path, monkeypatch):
+    # the GRPO stage's adapter goes on the warm-up's model, in the run's directory: state.json's
+    # lora_base and the adapter's adapter_config.json named it by its absolute path, so a run directory
+    # moved (or copied to another machine) exported nothing ("... is not a directory here") and PEFT
+    # looked for the base where the run had been
+    import json
+
+    import torch
+    from peft import AutoPeftModelForCausalLM
+    from transformers import AutoModelForCausalLM
+
+    import rft.runtime.main
+
+    rft.runtime.main.main(compose_cfg([
+        "cluster=inline", "monitor=console", f"checkpoint_root_dir={tmp_path}", "name=lora", "model.lora.rank=4",
+        "model.lora.alpha=8", "stages.0.buffer.total_steps=2", "stages.0.algorithm.optimizer.warmup_steps=0",
+        "stages.0.buffer.train_batch_size=8", "buffer.total_steps=1", "buffer.batch_size=2", "algorithm.repeat_times=2",
+        "explorer.eval_on_startup=false", "explorer.eval_interval=100", "stage_cache_dir=null",
+        "+stages.1.trainer.save_hf_checkpoint=never"]))  # the adapter alone: export merges it onto its base
+    run = tmp_path / "moved" / "lora"
+    (tmp_path / "moved").mkdir()
+    (tmp_path / "rft" / "lora").rename(run)
+    ckpt = run / "grpo" / "checkpoints" / "step_1"
+    assert not (ckpt / "hf").exists()
+    out = subprocess.run([sys.executable, "-m", "rft.runtime.export", str(ckpt), str(tmp_path / "out")], cwd=ROOT,
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    state = json.loads((ckpt / "state.json").read_text())
+    assert state["lora_base_relative"] == "../../../sft_warmup/checkpoints/step_2/hf"
+    assert json.loads((ckpt / "adapter" / "adapter_config.json").read_text())["base_model_name_or_path"] == \
+        "sft_warmup/checkpoints/step_2/hf"  # from the run's directory
+    monkeypatch.chdir(run)
+    peft = AutoPeftModelForCausalLM.from_pretrained("grpo/checkpoints/step_1/adapter")
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
+    with torch.no_grad():
+        got = peft(ids).logits
+        want = AutoModelForCausalLM.from_pretrained(tmp_path / "out")(ids).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)  # PEFT's adapter on its base = the export's merge
+
+
+def test_a_lora_base_given_by_hub_id_is_kept_as_the_id(tmp_path, monkeypatch):
+    # os.path.abspath made "Qwen/Qwen2.5-0.5B" a folder under the working directory, which export
+    # then called "not a directory here"
+    from rft.runtime.saving import lora_base
+
+    monkeypatch.chdir(tmp_path)
+    assert lora_base("Qwen/Qwen2.5-0.5B", tmp_path / "run", tmp_path / "run" / "grpo" / "checkpoints" / "step_1.tmp") == \
+        {"lora_base": "Qwen/Qwen2.5-0.5B"}
+    outside = tmp_path / "models" / "base"
+    outside.mkdir(parents=True)  # a folder outside the run's: absolute, as before (moving the run keeps it right)
+    assert lora_base(str(outside), tmp_path / "run", tmp_path / "run" / "grpo" / "checkpoints" / "step_1.tmp") == \
+        {"lora_base": str(outside)}

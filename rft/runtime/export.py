@@ -32,6 +32,16 @@ def _checkpoints_near(path: Path) -> list[Path]:
     return [d for d in ordered if sum(o.parent == d.parent and int(o.name[5:]) > int(d.name[5:]) for o in ordered) < 3]
 
 
+def lora_base(ckpt_path: Path, state: dict) -> str | None:
+    """The model a LoRA checkpoint's adapter goes on (rft.runtime.saving.lora_base): an earlier stage's
+    model by its path from the checkpoint (right in a run directory moved or copied elsewhere), else
+    `lora_base` as saved: a folder's absolute path, or a hub id."""
+    relative = state.get("lora_base_relative")
+    if isinstance(relative, str) and (ckpt_path / relative).is_dir():
+        return os.path.normpath(ckpt_path / relative)
+    return state.get("lora_base")
+
+
 def export(checkpoint_dir: str | Path, out_dir: str | Path, max_shard_size: str = "5GB") -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -67,8 +77,8 @@ def export(checkpoint_dir: str | Path, out_dir: str | Path, max_shard_size: str 
     else:
         from peft import PeftModel
 
-        base = ckpt.state.get("lora_base")
-        if not base or not Path(base).is_dir():
+        base = lora_base(ckpt.path, ckpt.state)
+        if not base or (not Path(base).is_dir() and (os.path.isabs(base) or base.startswith((".", "~")))):
             raise ConfigError(f"{ckpt_dir}: its LoRA base model {base!r} is not a directory here; the adapter "
                               f"alone is in {adapter} (PEFT's format, for PeftModel.from_pretrained on that base).")
         model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), adapter).merge_and_unload()

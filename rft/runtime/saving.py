@@ -37,6 +37,33 @@ def own_groups(cfg, first_step: int):
     return own
 
 
+def lora_base(base: str, run_dir: Path, ckpt_dir: Path) -> dict:
+    """How a LoRA checkpoint at `ckpt_dir` names the model its adapter goes on, for state.json:
+    `lora_base`, a local folder's absolute path or a hub id as given; and, for a folder inside the
+    run's directory (an earlier stage's model), `lora_base_relative`, its path from the checkpoint's
+    folder, which stays right when the run's directory is moved or copied elsewhere. The adapter's
+    adapter_config.json (PEFT's base_model_name_or_path, written by save_pretrained as the absolute
+    path the base was loaded from) then names it from the run's directory: `cd <run>` and
+    AutoPeftModelForCausalLM.from_pretrained("<stage>/checkpoints/step_<N>/adapter") loads it."""
+    local = Path(os.path.expanduser(str(base)))
+    if not local.exists():  # a hub id: itself (os.path.abspath made it a folder under the working directory)
+        return {"lora_base": str(base)}
+    local = Path(os.path.abspath(local))
+    out = {"lora_base": str(local)}
+    run_dir = Path(os.path.abspath(run_dir))
+    if local.is_relative_to(run_dir):
+        # ckpt_dir may be step_<N>.tmp, renamed beside itself: the same depth, so the same relative path
+        out["lora_base_relative"] = os.path.relpath(local, os.path.abspath(ckpt_dir))
+        config = Path(ckpt_dir) / "adapter" / "adapter_config.json"
+        if config.is_file():
+            import json
+
+            adapter = json.loads(config.read_text())
+            adapter["base_model_name_or_path"] = local.relative_to(run_dir).as_posix()
+            config.write_text(json.dumps(adapter, indent=2, sort_keys=True))
+    return out
+
+
 class StageCheckpoints:
     def __init__(self, cfg, plan, stage_dir: Path, title: str, owner: Owner, init_path: str | None):
         self.cfg, self.plan, self.dir, self.title, self.owner, self.init_path = cfg, plan, stage_dir, title, owner, init_path
@@ -165,7 +192,8 @@ class StageCheckpoints:
             trainer("save", str(tmp), with_hf)
             out = {"fingerprint": trainer("fingerprint")}
             if self.cfg.model.lora.rank:  # the base the adapter goes on (python -m rft.runtime.export merges them)
-                out["lora_base"] = os.path.abspath(os.path.expanduser(self.init_path or self.cfg.model.model_path))
+                run_dir = self.dir.parent if self.cfg.get("stage_name") else self.dir
+                out.update(lora_base(self.init_path or self.cfg.model.model_path, run_dir, tmp))
             return out
 
         # LoRA (trainer.save_hf_checkpoint): the merged model in hf/ at every save, the last, or never
