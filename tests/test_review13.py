@@ -237,3 +237,44 @@ def test_a_sql_buffer_is_the_file_its_path_names_whatever_characters_the_run_nam
         assert path.is_file()
         assert count_experiences(str(path)) == 2 and ids(read_experiences(str(path), 10)) == [f"t{2 * n}", f"t{2 * n + 1}"]
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(names)  # no database beside the run folders
+
+
+# ---------------------------------------------------------------- python -m rft.data.buffer on a damaged file
+
+def _stored_line(**fields) -> str:
+    from rft.data.experience import Experience
+
+    e = Experience(tokens=[1, 2, 3, 4], prompt_length=2, logprobs=[-0.1, -0.2], reward=1.0, group_id="g",
+                   task_id="t", policy_version=0)
+    return json.dumps({**e.to_dict(), **fields})
+
+
+def test_the_buffer_cli_names_the_line_that_does_not_read(tmp_path, capsys):
+    # a line cut short in the middle of the file (not the last, which a killed writer leaves) ended
+    # `python -m rft.data.buffer` in a raw JSONDecodeError, and one of wrong types in a ValueError
+    from rft.data.buffer import main
+
+    good = _stored_line()
+    path = tmp_path / "experiences.jsonl"
+    path.write_text(f"{good}\n{good[:40]}x\n{good}\n")
+    assert main([str(path)]) == 2
+    assert capsys.readouterr().err == (
+        f"rft.data.buffer: {path}: line 2 is not a stored experience (JSONDecodeError: Expecting ':' delimiter: line 1 "
+        f"column 41 (char 40)): the file is damaged or edited there; repair or delete it to read past it.\n")
+    path.write_text(f"{good}\n{_stored_line(tokens='abc')}\n")
+    assert main([str(path)]) == 2
+    assert "line 2 is not a stored experience (ValueError: tokens is not a non-empty list" in capsys.readouterr().err
+    assert main([str(path), "--limit", "1"]) == 0  # the lines before it still read
+
+
+def test_the_buffer_cli_shows_a_stored_id_with_an_escape_sequence_as_its_repr(tmp_path, capsys):
+    # task_id and group_id went to the terminal as stored: OSC 52 (here) sets the clipboard, others
+    # rewrite what the terminal shows; the prompt and response were repr'd already
+    from rft.data.buffer import main
+
+    path = tmp_path / "experiences.jsonl"
+    path.write_text(_stored_line(task_id="\x1b]52;c;aGk=\x07", group_id="g\x1b[2J") + "\n")
+    assert main([str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "\x1b" not in out
+    assert "[0] task_id='\\x1b]52;c;aGk=\\x07' group_id='g\\x1b[2J' policy_version=0 reward=1" in out

@@ -883,8 +883,9 @@ def make_buffer(buf_cfg, where: str = WHERE):
 SQL_SUFFIXES = (".db", ".sqlite", ".sqlite3")
 
 
-def _stored(path: str, limit: int, offset: int) -> tuple[int, list[tuple[int, Experience]]]:
-    """(how many are stored, [(id, experience)] of up to `limit` after the first `offset`)."""
+def _stored(path: str, limit: int, offset: int, located: bool = False) -> tuple[int, list[tuple[int, Experience]]]:
+    """(how many are stored, [(id, experience)] of up to `limit` after the first `offset`); `located`:
+    one that does not read is a ConfigError naming its line or row (else the reader's own error)."""
     path = str(path)
     local = Path(os.path.expanduser(path[len("sqlite:///"):] if path.startswith("sqlite:///") else path))
     if not local.is_file():
@@ -895,7 +896,8 @@ def _stored(path: str, limit: int, offset: int) -> tuple[int, list[tuple[int, Ex
             with engine.connect() as c:
                 total = c.execute(sa.select(sa.func.count()).select_from(_experiences)).scalar()
                 query = _select_experiences(c).order_by(_experiences.c.id).limit(limit).offset(offset)
-                return total, [(r.id, _experience(r)) for r in c.execute(query)]
+                return total, [(r.id, _read_back(_experience, r, f"{path}: row id {r.id}", located))
+                               for r in c.execute(query)]
         except sa.exc.DatabaseError as e:
             raise ConfigError(f"{path} is not a database of stored experiences ({e.orig}).") from e
         finally:
@@ -905,15 +907,29 @@ def _stored(path: str, limit: int, offset: int) -> tuple[int, list[tuple[int, Ex
             raise ConfigError(f"{path} is not a file of stored experiences (a dataset of prompt/response rows?).")
         total, out = 0, []
         with open(local, "rb") as f:
-            for line in f:
+            for n, line in enumerate(f, 1):
                 if line.endswith(b"\n") and line.strip():
                     if offset <= total < offset + limit:
-                        out.append((total, Experience.from_dict(json.loads(line))))
+                        out.append((total, _read_back(lambda x: Experience.from_dict(json.loads(x)), line,
+                                                      f"{path}: line {n}", located)))
                     total += 1
         return total, out
     raise ConfigError(
         f"{path}: not a buffer; expected a SQLite file ({', '.join(SQL_SUFFIXES)} or sqlite:///...) or a .jsonl file."
     )
+
+
+def _read_back(read, what, where: str, located: bool) -> Experience:
+    """`read(what)`, the stored experience; where it is not one and `located`, a ConfigError naming
+    `where` (the file and its line or row): a damaged line ended `python -m rft.data.buffer` in a raw
+    JSONDecodeError. (The studio says it its own way, naming the run's file.)"""
+    try:
+        return read(what)
+    except (ValueError, TypeError, RecursionError) as e:  # not JSON, or not an experience's fields
+        if not located:
+            raise
+        raise ConfigError(f"{where} is not a stored experience ({type(e).__name__}: {str(e)[:200]}): the file is "
+                          f"damaged or edited there; repair or delete it to read past it.") from None
 
 
 def read_experiences(path: str, limit: int, offset: int = 0) -> list[Experience]:
@@ -932,6 +948,11 @@ def count_experiences(path: str, key: str = "path") -> int:
 
 # ---------------------------------------------------------------- python -m rft.data.buffer <path>
 
+def _shown(text) -> str:
+    text = str(text)
+    return text if text.isprintable() else repr(text)
+
+
 def _text(exp: Experience, key: str, tokens: list[int]) -> str:
     text = exp.info.get(key)
     return repr(text) if text is not None else f"token ids {tokens}"
@@ -945,13 +966,14 @@ def main(argv=None) -> int:
     parser.add_argument("--offset", type=int, default=0, help="how many to skip first")
     args = parser.parse_args(argv)
     try:
-        total, rows = _stored(args.path, args.limit, args.offset)
+        total, rows = _stored(args.path, args.limit, args.offset, located=True)
     except (FileNotFoundError, ConfigError) as e:
         print(f"rft.data.buffer: {e}", file=sys.stderr)
         return 2
     print(f"{args.path}: {total} experiences; showing {len(rows)} from offset {args.offset}")
     for i, e in rows:
-        print(f"\n[{i}] task_id={e.task_id} group_id={e.group_id} policy_version={e.policy_version} "
+        # a stored id is text from the file: with an escape sequence (OSC 52 sets the clipboard) shown as its repr
+        print(f"\n[{i}] task_id={_shown(e.task_id)} group_id={_shown(e.group_id)} policy_version={e.policy_version} "
               f"reward={e.reward:g}")
         if e.reward_parts:
             print("  parts:    " + ", ".join(f"{k}={v:g}" for k, v in e.reward_parts.items()))
