@@ -331,6 +331,8 @@ def test_an_eval_whose_every_task_fails_stops_the_run_before_it_trains(warm_star
     assert ("rft: the run stopped: every task of the eval set buffer.explorer_input.eval_tasksets[0] "
             "(arithmetic_test) failed at step 0 (the last error: ValueError: no reward for arithmetic_test/") in r.stderr
     assert "resume from the newest checkpoint: none yet. explorer.max_failed_steps=0 lets a run go on" in r.stderr
+    # it raised on every try, none timed out: a longer explorer.max_timeout is no fix to offer
+    assert "Fix the reward function, then run the same command again" in r.stderr
     assert "Traceback" not in r.stderr
     assert not (tmp_path / "rft" / "broken" / "checkpoints").exists()  # nothing trained
 

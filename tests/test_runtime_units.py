@@ -927,9 +927,18 @@ def test_a_run_shorter_than_max_failed_steps_whose_every_step_failed_stops_namin
     assert str(e.value) == (
         f"every task of the last 2 steps failed (environment 'calculator' (workflow_args.env): 8 errors and 0 "
         f"timeouts in the last step; the last error: TypeError: boom), so nothing can be learned. Each explorer's "
-        f"log in {tmp_path / 'log'} has the details. Fix the environment (its constructor, reset or step) (or raise "
-        f"explorer.max_timeout if it is only slow), then run the same command again to resume from the newest "
-        f"checkpoint: none yet. explorer.max_failed_steps=3 sets how many such steps stop a run (0: never).")
+        f"log in {tmp_path / 'log'} has the details. Fix the environment (its constructor, reset or step), then "
+        f"run the same command again to resume from the newest checkpoint: none yet. explorer.max_failed_steps=3 "
+        f"sets how many such steps stop a run (0: never).")
+    # a longer explorer.max_timeout is offered only where calls timed out (8 errors, 0 timeouts above: a
+    # larger timeout would not help an environment that raises)
+    run = stage_run_of(cfg, tmp_path, total_steps=2)
+    timed_out = {**FAILED_STEP, "rollout/errors": 0, "rollout/timeouts": 8}
+    run.check(0, timed_out, None)
+    with pytest.raises(RunError, match=r"0 errors and 8 timeouts in the last step; the last error: none recorded "
+                                       r"\(timeouts\)\), .* Fix the reward function \(or raise explorer.max_timeout if "
+                                       r"it is only slow\), then"):
+        run.check(1, timed_out, None)
     # resumed at step 9 of 10: its one step failed, and it is all this run does
     run = stage_run_of(compose_cfg(["stages=[]"]), tmp_path, total_steps=10, start=9)
     with pytest.raises(RunError, match=r"^every task of the last 1 steps failed \(reward function 'exact_match': "):

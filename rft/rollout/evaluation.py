@@ -46,7 +46,7 @@ def evaluate_sets(explorer, step: int, save_dir: str | None = None) -> dict:
             source, last = counters.get("last_error") or (None, None)
             last = last or "none recorded (timeouts)"
             log.warning("every task of eval set %s failed at step %d (the last error: %s)", ts.name, step, last)
-            metrics.setdefault("eval_failed", (i, last, source))
+            metrics.setdefault("eval_failed", (i, last, source, counters.get("timeouts", 0) > 0))
         if i == 0:
             metrics["eval/accuracy"] = acc
             metrics["eval/failed_tasks"] = failed

@@ -113,9 +113,9 @@ class ExplorerPool:
         if failed and self.cfg.explorer.max_failed_steps:
             # a reward that fails on every eval task fails on every training task too: say so now,
             # not after a stage (an SFT warm-up) trained to its end with evals of 0
-            i, last, source = failed
+            i, last, source, timed_out = failed
             ts = self.cfg.buffer.explorer_input.eval_tasksets[i]
-            what, fix = culprit(self.cfg.buffer.explorer_input, ts, source, self.dir / "log")
+            what, fix = culprit(self.cfg.buffer.explorer_input, ts, source, self.dir / "log", timed_out)
             raise RunError(
                 f"every task of the eval set buffer.explorer_input.eval_tasksets[{i}] ({ts.name}) failed at "
                 f"step {step} (the last error: {last}; from its {what}), so the eval measures nothing. Each "

@@ -91,11 +91,15 @@ class TrainerCalls:
 SLOW = " (or raise explorer.max_timeout if it is only slow)"
 
 
-def culprit(inp, ts, source: str | tuple | None, log_dir: Path | None = None) -> tuple[str, str]:
+def culprit(inp, ts, source: str | tuple | None, log_dir: Path | None = None,
+            timed_out: bool = True) -> tuple[str, str]:
     """(what failed, its fix) when every task of taskset `ts` failed: the reward function, or,
     when the workflow's own jobs failed (`source`), the environment (multi_turn) or the workflow,
     or, when a reward model's worker died (source ("reward_model", worker, model_path):
-    rft.rewards.reward_model.WorkerDied), that reward model, with its worker's log in `log_dir`."""
+    rft.rewards.reward_model.WorkerDied), that reward model, with its worker's log in `log_dir`.
+    `timed_out`: some of the calls timed out; only then is a longer explorer.max_timeout a fix (a
+    reward that returns a string fails as fast on every retry)."""
+    slow = SLOW if timed_out else ""
     if isinstance(source, tuple) and source[0] == "reward_model":
         _, worker, model_path = source
         log = Path(log_dir) / f"{worker}.log" if log_dir is not None else f"<stage>/log/{worker}.log"
@@ -106,11 +110,11 @@ def culprit(inp, ts, source: str | tuple | None, log_dir: Path | None = None) ->
                 f"args.colocate=false)")
     if source == "workflow" and environment_scores(ts):
         return (f"environment {ts.workflow_args.get('env')!r} (workflow_args.env)",
-                f"Fix the environment (its constructor, reset or step){SLOW}")
+                f"Fix the environment (its constructor, reset or step){slow}")
     if source == "workflow":
-        return f"workflow {ts.workflow!r}, in the jobs it ran", f"Fix the workflow{SLOW}"
+        return f"workflow {ts.workflow!r}, in the jobs it ran", f"Fix the workflow{slow}"
     reward = describe_reward(spec_of(ts.reward_fn, inp.default_reward_fn_type))
-    return f"reward function {reward!r}", f"Fix the reward function{SLOW}"
+    return f"reward function {reward!r}", f"Fix the reward function{slow}"
 
 
 def _scorer_kind(ts) -> str:
@@ -142,7 +146,7 @@ class LearningSignal:
         limit = min(cfg.explorer.max_failed_steps, self.plan.total_steps - self.start)
         if limit > 0 and self.failed_steps >= limit:
             source, last = last_error or (None, None)
-            what, fix = culprit(inp, inp.taskset, source, self.dir / "log")
+            what, fix = culprit(inp, inp.taskset, source, self.dir / "log", m.get("rollout/timeouts", 0) > 0)
             raise RunError(
                 f"every task of the last {self.failed_steps} steps failed ({what}: "
                 f"{m.get('rollout/errors', 0)} errors and {m.get('rollout/timeouts', 0)} timeouts in the "
