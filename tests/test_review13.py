@@ -278,3 +278,33 @@ def test_the_buffer_cli_shows_a_stored_id_with_an_escape_sequence_as_its_repr(tm
     out = capsys.readouterr().out
     assert "\x1b" not in out
     assert "[0] task_id='\\x1b]52;c;aGk=\\x07' group_id='g\\x1b[2J' policy_version=0 reward=1" in out
+
+
+# ---------------------------------------------------------------- names from a handed-over run, on the console
+
+def test_a_damaged_checkpoints_file_name_reaches_the_console_without_its_escape_sequence(tmp_path):
+    # the identity in a manifest was shown as its repr (its run name); the name of a file added to a
+    # checkpoint, which the damage message names, went out as it was: OSC 52 sets the clipboard
+    from rft.runtime import checkpoint
+
+    owner = checkpoint.Owner(run="r", stage="grpo", config="c", model="m")
+    stage = tmp_path / "grpo"
+    checkpoint.write(stage, 1, {}, owner=owner)
+    checkpoint.write(stage, 2, {}, owner=owner)
+    (stage / "checkpoints" / "step_2" / "\x1b]52;c;aGk=\x07").write_text("x")
+    said = []
+    assert checkpoint.usable_checkpoint(stage, owner, "grpo", said.append).step == 1  # step 2 set aside
+    assert len(said) == 1 and "\x1b" not in said[0] and "\\x1b]52;c;aGk=\\x07: not in manifest.json" in said[0]
+
+
+def test_a_planted_entrys_name_in_the_run_directory_reaches_the_console_without_its_escape_sequence(tmp_path):
+    from rft.errors import RunError
+    from rft.runtime import rundir
+
+    run = tmp_path / "run"
+    (run / "grpo").mkdir(parents=True)
+    (run / "grpo" / "\x1b[2Jx.log").symlink_to("/tmp/\x1b[2J")
+    with pytest.raises(RunError) as e:
+        rundir.refuse_links(run)
+    assert "\x1b" not in str(e.value)
+    assert str(e.value).startswith(f"'{run}/grpo/\\x1b[2Jx.log' is a link (to '/tmp/\\x1b[2J'): ")

@@ -220,7 +220,7 @@ def chosen_checkpoint(stage_dir: Path, path: str, owner: Owner, title: str, say)
                           f"step_<N>; this stage's checkpoints: {have}. Or leave it null to resume from the newest.")
     why = damage(ckpt)
     if why is not None:
-        raise ConfigError(f"trainer.resume_from_path={path!r} is damaged: {why}. Choose another checkpoint.")
+        raise ConfigError(f"trainer.resume_from_path={path!r} is damaged: {shown(why)}. Choose another checkpoint.")
     own = d.resolve().parent == (Path(stage_dir) / "checkpoints").resolve()
     if ckpt.identity is None and not own and not owner.changes_ok:
         raise ConfigError(
@@ -282,7 +282,7 @@ def served_checkpoint(stage_dir: Path, owner: Owner, newer_than: int, damaged: s
         why = damage(ckpt, skip=("trainer_state.pt",))
         if why is not None:
             damaged.add(ckpt.path)
-            say(f"[{title}] synchronizer.checkpoint_dir: checkpoint step {ckpt.step} is damaged ({why}); not served")
+            say(f"[{title}] synchronizer.checkpoint_dir: checkpoint step {ckpt.step} is damaged ({shown(why)}); not served")
             continue
         if ckpt.identity is not None and owner.differences(ckpt.identity, ("model",)):
             raise ConfigError(
@@ -298,7 +298,8 @@ def served_checkpoint(stage_dir: Path, owner: Owner, newer_than: int, damaged: s
 
 def set_aside(ckpt: Checkpoint, why: str, title: str, say) -> None:
     aside = manifest.put_aside(ckpt.path, "damaged")
-    say(f"[{title}] checkpoint step {ckpt.step} is damaged ({why}); moved it to {aside.name} and "
+    # shown: `why` names a file of the checkpoint, whose name (in a handed-over run) may hold an escape sequence
+    say(f"[{title}] checkpoint step {ckpt.step} is damaged ({shown(why)}); moved it to {aside.name} and "
         f"falling back to the previous complete checkpoint")
 
 

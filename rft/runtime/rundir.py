@@ -474,21 +474,22 @@ def refuse_links(run_dir: Path) -> None:
     results folder others write to) had the run truncate that file, or append its log to it (a
     ~/.bashrc, whose lines a shell runs)."""
     links = planted_links(run_dir)
+    first = shown(links[0]) if links else ""  # its name came with the run: an escape sequence is shown as text
     if links and links[0].is_dir() and not links[0].is_symlink():
         raise RunError(
-            f"{links[0]} is a folder, where rft writes a file of that name in the run directory {run_dir} (its log, "
+            f"{first} is a folder, where rft writes a file of that name in the run directory {run_dir} (its log, "
             f"a record it reads back on resume). It was put there by hand or came with a copy of the run. Move it "
             f"away (a file of its contents, if any, is the run's own), or give this run another name (name=...).")
     if links and not links[0].is_symlink():
         raise RunError(
-            f"{links[0]} is not a regular file (a FIFO, a socket or a device): rft writes only files and folders in "
+            f"{first} is not a regular file (a FIFO, a socket or a device): rft writes only files and folders in "
             f"the run directory {run_dir}, and a run reading it back would wait on it forever. It was put there by "
             f"hand or came with a copy of the run. Remove it (`find {run_dir} ! -type f ! -type d` lists such "
             f"entries), or give this run another name (name=...).")
     if links:
         more = f" (and {len(links) - 1} more)" if len(links) > 1 else ""
         raise RunError(
-            f"{links[0]} is a link (to {os.readlink(links[0])}){more}: rft writes its own files in the run directory "
+            f"{first} is a link (to {shown(os.readlink(links[0]))}){more}: rft writes its own files in the run directory "
             f"{run_dir} and never makes a link there, so a run would write through it into the file it points to. It "
             f"was put there by hand or came with a copy of the run. Remove the link{'s' if more else ''} (`find "
             f"{run_dir} -type l` lists them; a link to a folder may stay), or give this run another name (name=...).")
