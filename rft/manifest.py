@@ -37,6 +37,7 @@ import shutil
 import stat
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path, PurePosixPath
 
 MANIFEST = "manifest.json"
@@ -249,6 +250,30 @@ def put_aside(path: Path, why: str) -> Path:
         aside = path.with_name(f"{stamp}-{n}")
     os.replace(path, aside)
     return aside
+
+
+@contextmanager
+def build_lock(path: Path, what: str):
+    """Held while built directory `path` (the `what`) is checked and built: <path>.lock, so that jobs
+    that need it at once build it once. A lock that cannot be opened (a folder in its place, or a
+    link, which filelock refuses with O_NOFOLLOW) is one paragraph, as the stage cache's is
+    (rft.runtime.rundir.stage_lock): it was a raw IsADirectoryError or 'Too many levels of symbolic links'."""
+    from filelock import FileLock
+
+    from rft.errors import RunError
+
+    lock = FileLock(str(path) + ".lock")
+    try:
+        lock.acquire()
+    except OSError as e:
+        where = Path(lock.lock_file)
+        why = f"it is a link (to {os.readlink(where)}), which rft never makes there" if where.is_symlink() else e.strerror
+        raise RunError(f"the lock {where} of the {what} in {path.parent} cannot be opened: {why}. Remove it (rft makes "
+                       f"the lock again) and run the same command again.") from None
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 def clear(path: Path) -> None:

@@ -15,8 +15,6 @@ import os
 import string
 from pathlib import Path
 
-from filelock import FileLock
-
 from rft import manifest
 from rft.config import DTYPES as CONFIG_DTYPES
 from rft.errors import ConfigError
@@ -102,7 +100,7 @@ def build_tiny_model(path: str | Path, seed: int = 0, arch: dict | None = None, 
 
     _quiet_transformers()
     path.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(path) + ".lock"):
+    with manifest.build_lock(path, "tiny model"):
         if manifest.whole(path, "tiny model"):  # one damaged is moved aside
             return path
         vocab = {tok: i for i, tok in enumerate(_SPECIAL_TOKENS + _ROLE_TOKENS + _CHARS)}

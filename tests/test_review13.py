@@ -90,6 +90,25 @@ def test_generated_data_is_built_whatever_stands_in_its_tmp_folders_place(tmp_pa
     assert not tmp.exists() and not tmp.is_symlink()
 
 
+@pytest.mark.parametrize("planted", ["folder", "link"])
+def test_a_build_lock_that_cannot_be_opened_is_one_paragraph(tmp_path, planted):
+    # <entry>.lock in cache_dir a folder, or a link (filelock opens with O_NOFOLLOW): a raw
+    # 'IsADirectoryError: [Errno 21]' or 'OSError: [Errno 40] Too many levels of symbolic links',
+    # where the stage cache's lock of the same kind is one paragraph (rundir.stage_lock)
+    from rft.data.tasks import _generate
+    from rft.errors import RunError
+
+    lock = tmp_path / "data.lock"
+    lock.mkdir() if planted == "folder" else lock.symlink_to("/dev/zero")
+    with pytest.raises(RunError) as e:
+        _generate(tmp_path / "data", 0, _splits)
+    why = "Is a directory" if planted == "folder" else "it is a link (to /dev/zero), which rft never makes there"
+    assert str(e.value) == (f"the lock {lock} of the generated task data in {tmp_path} cannot be opened: {why}. "
+                            f"Remove it (rft makes the lock again) and run the same command again.")
+    lock.rmdir() if planted == "folder" else lock.unlink()
+    assert (_generate(tmp_path / "data", 0, _splits) / "train.jsonl").is_file()  # as the paragraph says
+
+
 def test_the_tiny_model_is_not_written_through_a_link_in_place_of_its_tmp_folder(tmp_path):
     # the build wrote the model and tokenizer into the folder the link named, then renamed the link
     # into place: the cache entry was a link to that folder (7 files written there)

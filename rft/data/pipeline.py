@@ -315,14 +315,12 @@ def in_input(cfg, e: ConfigError) -> ConfigError:
 
 def run_task_pipeline(cfg, pass_rates=None, say=print) -> dict:
     """The task pipeline's output for `cfg` (made, or found in the cache); returns its report."""
-    from filelock import FileLock
-
     from rft.data.operators import TaskContext
     from rft.data.tasks import load_rows
 
     ts, d = cfg.buffer.explorer_input.taskset, output_dir(cfg)
     d.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(d) + ".lock"):
+    with manifest.build_lock(d, "task pipeline output"):
         if manifest.whole(d, "task pipeline output") and (d / "report.json").is_file():
             report = _read_report(d)
             if report is not None:

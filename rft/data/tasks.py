@@ -16,8 +16,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from filelock import FileLock
-
 from rft import manifest
 from rft.errors import ConfigError
 from rft.registry import Registry
@@ -81,7 +79,7 @@ def _generate(path: str | Path, seed: int, splits) -> Path:
     sealed by its manifest: a cut file is generated again, not read."""
     path = Path(path).expanduser()
     path.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(path) + ".lock"):
+    with manifest.build_lock(path, "generated task data"):
         if manifest.whole(path, "generated task data"):
             return path
         tmp = path.with_name(path.name + ".tmp")
