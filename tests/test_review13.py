@@ -327,3 +327,21 @@ def test_a_planted_entrys_name_in_the_run_directory_reaches_the_console_without_
         rundir.refuse_links(run)
     assert "\x1b" not in str(e.value)
     assert str(e.value).startswith(f"'{run}/grpo/\\x1b[2Jx.log' is a link (to '/tmp/\\x1b[2J'): ")
+
+
+@pytest.mark.parametrize("storage", ["file", "sql"])
+def test_a_folder_given_as_the_buffers_path_is_one_paragraph(tmp_path, storage):
+    # buffer.path=<a folder>: the file buffer's first put was a raw 'IsADirectoryError: [Errno 21]'
+    # (after the run had started), the sql buffer's 'not a SQLite database ..., or it is damaged'
+    from test_buffers import buf_cfg
+
+    from rft.data.buffer import make_buffer
+    from rft.errors import ConfigError
+
+    with pytest.raises(ConfigError) as e:
+        make_buffer(buf_cfg(storage, path=f"{tmp_path}/"), "buffer.trainer_input.experience_buffer")
+    what, suffix = {"file": ("JSONL file", ".jsonl"), "sql": ("SQLite file", ".db")}[storage]
+    name = buf_cfg(storage).name
+    assert str(e.value) == (f"buffer.trainer_input.experience_buffer.path='{tmp_path}/' is a folder; the buffer is one "
+                            f"{what} (rft makes it). Name a file in it, e.g. buffer.trainer_input.experience_buffer.path="
+                            f"{tmp_path}/{name}{suffix}.")

@@ -68,6 +68,10 @@ def _needs_path(buf_cfg, where: str, what: str, suffix: str) -> Path:
     if path.startswith("sqlite:///"):
         path = path[len("sqlite:///"):]
     path = Path(os.path.expanduser(path))
+    if path.is_dir():  # a folder given for the buffer: the file buffer's first put was a raw IsADirectoryError
+        raise ConfigError(
+            f"{where}.path={str(buf_cfg.path)!r} is a folder; the buffer is one {what} (rft makes it). Name a file in "
+            f"it, e.g. {where}.path={str(buf_cfg.path).rstrip('/')}/{buf_cfg.name}{suffix}.")
     path.parent.mkdir(parents=True, exist_ok=True)
     return path
 
