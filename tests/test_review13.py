@@ -345,3 +345,37 @@ def test_a_folder_given_as_the_buffers_path_is_one_paragraph(tmp_path, storage):
     assert str(e.value) == (f"buffer.trainer_input.experience_buffer.path='{tmp_path}/' is a folder; the buffer is one "
                             f"{what} (rft makes it). Name a file in it, e.g. buffer.trainer_input.experience_buffer.path="
                             f"{tmp_path}/{name}{suffix}.")
+
+
+# ---------------------------------------------------------------- the reaper and the user's own tools
+
+def test_the_reaper_leaves_a_users_tool_that_names_a_file_of_the_drivers_session(tmp_path):
+    # once the driver ended, every process of this user whose command line named its Ray session
+    # (and started after it) was SIGKILLed: also a `tail -f` of the session's logs, a `less`, an editor
+    import datetime
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    from rft.runtime import reaper
+
+    me = psutil.Process()
+    session = f"session_{datetime.datetime.today().strftime('%Y-%m-%d_%H-%M-%S_%f')}_{me.pid}"
+    log = tmp_path / session / "logs" / "raylet.out"
+    log.parent.mkdir(parents=True)
+    log.write_text("")
+    tail = subprocess.Popen(["tail", "-f", str(log)])
+    ray_like = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", str(log)])
+    try:
+        deadline = time.time() + 10  # its command line is there once the child has exec'd
+        while time.time() < deadline and ray_like.pid not in reaper._theirs({}, me.pid, me.create_time(), -1):
+            time.sleep(0.05)
+        found = reaper._theirs({}, me.pid, me.create_time(), -1)
+        assert ray_like.pid in found  # a Python process of the session (as Ray's log monitor, its agents)
+        assert tail.pid not in found
+    finally:
+        for p in (tail, ray_like):
+            p.kill()
+            p.wait()

@@ -167,13 +167,25 @@ def _theirs(seen: dict, driver_pid: int, driver_started: float, me: int) -> dict
         try:
             named = session.search(" ".join(p.info["cmdline"] or []))
             if (p.pid != me and p.pid not in found and p.info["uids"] and p.info["uids"].real == uid
-                    and p.info["create_time"] >= driver_started and named
+                    and p.info["create_time"] >= driver_started and named and _ray_kind(p.info["name"])
                     # 1 s: the process's start time is counted in clock ticks, the session's in microseconds
                     and _session_began(named.group(1)) >= driver_started - 1):
                 found[p.pid] = p.info["create_time"]
         except (psutil.Error, TypeError, ValueError):  # ValueError: a name of no real date
             pass
     return found
+
+
+# the processes of a Ray session that name its folder on their command lines: its GCS, its raylet, and
+# Python ones (the log monitor, the dashboard, agents); the workers and agents it renames (ray::...) are
+# found as the driver's descendants. Not a tool of the user's that names a file of the session: a
+# `tail -f` or `less` of its logs, an editor, were killed with the session. (pt_main_thread: a name
+# torch may give a Python process's main thread, which /proc then shows as the process's)
+RAY_KINDS = ("gcs_server", "raylet", "python", "ray", "pt_main_thread")
+
+
+def _ray_kind(name) -> bool:
+    return isinstance(name, str) and name.lower().startswith(RAY_KINDS)
 
 
 def _session_began(date: str) -> float:
