@@ -235,11 +235,47 @@ def test_characters_the_tokenizer_does_not_know_are_warned_about(tmp_path):
     text = budget_report(cfg.buffer.explorer_input.taskset, tok, cfg.model, False, where)
     assert text == (f"1 of the first 3 prompts of {where} ({data}) hold characters the tokenizer has no token for "
                     f"('Σ', '数', '🙂'): the model does not see them (each is dropped or read as the one unknown "
-                    f"token). Use a model whose tokenizer has them, or data without them.")
+                    f"token). Use a model whose tokenizer has them, or data without them. 1 of the first 3 prompts "
+                    f"of {where} ({data}) hold whitespace between two characters that the tokenizer drops ('Σ数 1+1 🙂' "
+                    f"reaches the model as 'Σ数1+1🙂'): the model cannot see where a word ends, nor write an answer "
+                    f"that holds a space. Join the parts with a character it keeps (a comma, as task=countdown does), "
+                    f"or use a model whose tokenizer keeps spaces.")
     # a training dataset's responses too
     text = budget_report(cfg.buffer.explorer_input.taskset, tok, cfg.model, True, where)
-    assert text.endswith("; 1 of its first 3 responses ('四'): the model does not see them (each is dropped or "
-                         "read as the one unknown token). Use a model whose tokenizer has them, or data without them.")
+    assert ("; 1 of its first 3 responses ('四'): the model does not see them (each is dropped or read as the one "
+            "unknown token). Use a model whose tokenizer has them, or data without them. 1 of the first 6 prompts and "
+            "answers") in text
+
+
+def test_spaces_the_tokenizer_drops_between_words_are_warned_about():
+    """The tiny model's tokenizer drops spaces and newlines (transformers loads its character
+    vocabulary into Qwen2's byte-level pre-tokenizer, whose space is a byte the vocabulary lacks):
+    a study's "sort gadf" reached the model as "sortgadf", its answer "12 34" could never be
+    written, and the run said nothing. A space at a prompt's end joins nothing: no sentence."""
+    from conftest import compose_cfg
+
+    from rft.data.readers import dropped_spaces
+    from rft.models import ensure_model, load_tokenizer
+
+    cfg = compose_cfg(["stages=[]"])
+    ensure_model(cfg.model)
+    tok = load_tokenizer(cfg.model)
+    assert tok.encode("sort gadf", add_special_tokens=False) == tok.encode("sortgadf", add_special_tokens=False)
+    prompts = [["sort gadf"], ["1+2"], ["Add.", "3+4 "]]  # a system prompt and a trailing space: kept apart
+    assert dropped_spaces(tok, prompts[1:], ["3", "7"], "of X (x.jsonl)") is None
+    assert dropped_spaces(tok, prompts, ["12 34", "3", "7"], "of X (x.jsonl)") == (
+        # 2 of 6: "sort gadf" and the answer "12 34" (3 prompts + 3 answers)
+        "2 of the first 6 prompts and answers of X (x.jsonl) hold whitespace between two characters that the "
+        "tokenizer drops ('sort gadf' reaches the model as 'sortgadf'): the model cannot see where a word ends, nor "
+        "write an answer that holds a space. Join the parts with a character it keeps (a comma, as task=countdown "
+        "does), or use a model whose tokenizer keeps spaces.")
+    assert dropped_spaces(tok, prompts, [], "of X (x.jsonl)").startswith("1 of the first 3 prompts of X")
+
+    class KeepsSpaces:  # a tokenizer with a token for every character, whitespace included
+        def encode(self, text, add_special_tokens=False):
+            return [ord(c) for c in text]
+
+    assert dropped_spaces(KeepsSpaces(), prompts, ["12 34"], "of X (x.jsonl)") is None
 
 
 @pytest.mark.slow  # builds the tiny model where the session has not yet (~10 s)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import json
 import random
+import re
 import threading
 import weakref
 from array import array
@@ -220,8 +221,40 @@ def budget_report(ds, tokenizer, model_cfg, responses: bool, where: str, first: 
     texts = [" ".join(str(m.get("content", "")) for m in ms) for ms in messages]
     out = ["; ".join(parts) + ". Raise the budget or shorten the data (metrics: rollout/truncated_prompts, "
            "train/truncated_*)."] if parts else []
-    out += [unknown_characters(tokenizer, texts, answers, f"of {where} ({ds.path})")]
+    out += [unknown_characters(tokenizer, texts, answers, f"of {where} ({ds.path})"),
+            dropped_spaces(tokenizer, [[str(m.get("content", "")) for m in ms] for ms in messages], answers,
+                           f"of {where} ({ds.path})")]
     return " ".join(t for t in out if t) or None
+
+
+def dropped_spaces(tokenizer, prompts: list[list[str]], answers: list[str], where: str) -> str | None:
+    """A sentence when the tokenizer drops the whitespace between two other characters of the
+    `prompts` (each its messages' contents) or `answers`, None when it keeps it. The tiny model's does: transformers loads its
+    character vocabulary into Qwen2's byte-level pre-tokenizer, whose space and newline are bytes
+    the vocabulary lacks, so "sort dbca" reaches the model as "sortdbca" and an answer "12 34" can
+    never be written. The built-in tasks carry no such space (countdown's numbers are joined by
+    commas); a study's own data may."""
+    gaps = re.compile(r"\S(\s+)\S")
+    dropped: dict[str, bool] = {}
+
+    def drops(text: str) -> bool:
+        for gap in {m.group(1) for m in gaps.finditer(text)}:
+            if gap not in dropped:
+                enc = lambda t: tokenizer.encode(t, add_special_tokens=False)  # noqa: E731
+                dropped[gap] = enc(f"a{gap}b") == enc("ab")
+            if dropped[gap]:
+                return True
+        return False
+
+    rows = prompts + [[a] for a in answers]
+    hit = [t for row in rows if (t := next((t for t in row if drops(t)), None)) is not None]
+    if not hit:
+        return None
+    what, shown = "prompts and answers" if answers else "prompts", hit[0][:40]
+    return (f"{len(hit)} of the first {len(rows)} {what} {where} hold whitespace between two characters "
+            f"that the tokenizer drops ({shown!r} reaches the model as {''.join(shown.split())!r}): the "
+            f"model cannot see where a word ends, nor write an answer that holds a space. Join the parts with a "
+            f"character it keeps (a comma, as task=countdown does), or use a model whose tokenizer keeps spaces.")
 
 
 def unknown_characters(tokenizer, prompts: list[str], responses: list[str], where: str) -> str | None:
