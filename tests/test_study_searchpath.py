@@ -61,12 +61,12 @@ def test_a_missing_option_in_a_study_defaults_list_names_the_folders_searched(st
     # the options are both folders' (conf/task/*.yaml and the study's mine), as Hydra lists them
     assert message == ("study/experiment/mine.yaml, line 4: its defaults list names 'task/mien', but there is no "
                        "task/mien.yaml in conf/ or study/ (the options of 'task' are arithmetic, calculator, "
-                       "countdown, gsm8k, long_tail, math, mine, reasoning_gym). Fix the name in that file.")
+                       "countdown, gsm8k, long_tail, math, mine, reasoning_gym, word_sort). Fix the name in that file.")
     # the command line's choice of a study's option: the same folders
     assert said([f"hydra.searchpath=[file://{study}]", "experiment=mien"], capsys) == (
         "experiment=mien: there is no experiment/mien.yaml in conf/ or study/ (the options of 'experiment' are "
         "algorithms_countdown, calculator_tool, claims_clip_higher, claims_dr_grpo, claims_opd, claims_overopt, "
-        "claims_teacher, mine, qwen_gsm8k, reasoning_gym, rm_online, rm_pipeline, tiny_arithmetic, tiny_seeds). "
+        "claims_teacher, mine, qwen_gsm8k, reasoning_gym, rm_online, rm_pipeline, tiny_arithmetic, tiny_seeds, word_sort). "
         "Did you mean experiment=mine?")
 
 
