@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 import os
@@ -249,8 +250,8 @@ class MLflow:
     """An MLflow run per stage, named <name>/<stage>, in the experiment <project>: the whole config
     as params (flattened, at the run's start), every step's metrics (names through `mlflow_name`),
     and metrics.jsonl and batches.jsonl as artifacts at the end. A resumed stage goes on in the same
-    run (found by its tag rft.stage_dir); the steps after its checkpoint are logged again (MLflow
-    keeps both values: the later is the resumed run's)."""
+    run (found by its tag rft.stage_key, a digest of the stage's directory, rft.stage_dir); the steps
+    after its checkpoint are logged again (MLflow keeps both values: the later is the resumed run's)."""
 
     def __init__(self, cfg, run_dir: Path, stage: str, start_step: int):
         # a server that does not answer: a few seconds to the message, not MLflow's 7 retries with
@@ -259,23 +260,43 @@ class MLflow:
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "20")
         from mlflow.tracking import MlflowClient
 
+        import sqlalchemy as sa
+
         root = Path(cfg.checkpoint_root_dir).expanduser().resolve() / cfg.project
-        uri = cfg.monitor.mlflow_tracking_uri or f"sqlite:///{root / 'mlflow.db'}"
-        if uri.startswith("sqlite:///"):
-            Path(uri[len("sqlite:///"):]).parent.mkdir(parents=True, exist_ok=True)
+        # the URL made from its parts, never parsed from text (as rft.data.buffer._engine's): in
+        # f"sqlite:///{path}" a '?' in checkpoint_root_dir or the project began the URL's query (the store was
+        # another file, <dir>/lr, shared), and '%41' was decoded (a folder that is not there: 100 s of retries).
+        # sqlite+pysqlite (the same driver), as MLflow makes the folder of a sqlite:/// URL from its text,
+        # undecoded (an empty <dir>/lr%3Fseed...); rft makes it just below
+        own = sa.URL.create("sqlite+pysqlite", database=str(root / "mlflow.db")).render_as_string(hide_password=False)
+        uri = cfg.monitor.mlflow_tracking_uri or own
+        if uri.startswith(("sqlite:///", "sqlite+pysqlite:///")):
+            Path(sa.make_url(uri).database).parent.mkdir(parents=True, exist_ok=True)
         self.client, self.dir = MlflowClient(uri), run_dir
         exp = self.client.get_experiment_by_name(cfg.project)
         exp_id = exp.experiment_id if exp else self.client.create_experiment(
-            cfg.project, artifact_location=None if cfg.monitor.mlflow_tracking_uri else str(root / "mlartifacts"))
+            cfg.project, artifact_location=None if cfg.monitor.mlflow_tracking_uri else (root / "mlartifacts").as_uri())
         tag = str(run_dir.resolve())
-        found = self.client.search_runs([exp_id], filter_string=f"tags.`rft.stage_dir` = '{tag}'", max_results=1)
-        if found:
-            self.run_id = found[0].info.run_id
+        key = hashlib.sha256(os.fsencode(tag)).hexdigest()[:32]
+        self.run_id = self._found(exp_id, tag, key)
+        if self.run_id is not None:
             self.client.update_run(self.run_id, status="RUNNING")
         else:
-            self.run_id = self.client.create_run(exp_id, run_name=f"{cfg.name}/{stage}",
-                                                 tags={"rft.stage_dir": tag, "rft.stage": stage}).info.run_id
+            self.run_id = self.client.create_run(exp_id, run_name=f"{cfg.name}/{stage}", tags={
+                "rft.stage_dir": tag, "rft.stage_key": key, "rft.stage": stage}).info.run_id
             self._params({k: str(v) for k, v in flat(config_dict(cfg)).items()})
+
+    def _found(self, exp_id: str, tag: str, key: str) -> str | None:
+        """The run of this stage's directory `tag`, where one was started (by its digest `key`)."""
+        # by the digest, hex digits: a filter's value is quoted text that MLflow's parser never unescapes,
+        # so a ' in the run's name ended the start in 'Invalid clause(s) in filter string'
+        found = self.client.search_runs([exp_id], filter_string=f"tags.`rft.stage_key` = '{key}'", max_results=1)
+        if not found and not ("'" in tag and '"' in tag):  # a run an rft before rft.stage_key started
+            q = '"' if "'" in tag else "'"
+            found = self.client.search_runs([exp_id], filter_string=f"tags.`rft.stage_dir` = {q}{tag}{q}", max_results=1)
+            if found:
+                self.client.set_tag(found[0].info.run_id, "rft.stage_key", key)
+        return found[0].info.run_id if found else None
 
     def _params(self, params: dict[str, str]) -> None:
         from mlflow.entities import Param
