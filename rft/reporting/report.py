@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import errno
 import io
 import json
 import math
@@ -157,6 +158,27 @@ def find_jobs(sweep_dir: Path, within: Path | None = None) -> list[Path]:
     return jobs
 
 
+# the .hydra/ files said to be too large, with their size: a report reads a job's plan more than once
+# (read_job, job_stages) and the studio at each change, and each is said once
+_WARNED: set[tuple[Path, int]] = set()
+
+
+def hydra_record(path: Path) -> bytes:
+    """A run's .hydra/ file (YAML of kilobytes), read within manifest.read_record's bound: read whole, a
+    damaged or planted one of gigabytes (a sparse file) took that memory, or the OOM killer, before it
+    failed to parse. One too large is said once (its size), then raised as an OSError as any that does
+    not read, which the callers take for a missing file."""
+    try:
+        return manifest.read_record(path)
+    except OSError as e:
+        if e.errno == errno.EFBIG and (seen := (path, path.stat().st_size)) not in _WARNED:
+            _WARNED.add(seen)
+            print(f"rft.reporting.report: warning: {path} does not read ({e.strerror}): not the file Hydra "
+                  f"wrote; its job is reported as if it had none. Move it out of the run's directory to "
+                  f"silence this warning.", file=sys.stderr)
+        raise
+
+
 def parse_overrides(job_dir: Path, name: str) -> dict[str, str] | None:
     """The job's overrides; None when its record is missing or does not read (cut short, edited):
     the job is then a configuration of its own, and one damaged record does not stop the report."""
@@ -164,7 +186,7 @@ def parse_overrides(job_dir: Path, name: str) -> dict[str, str] | None:
     if not path.exists():
         return None
     try:
-        items = manifest.written_yaml(manifest.read_regular(path).decode()) or []
+        items = manifest.written_yaml(manifest.read_record(path).decode()) or []
     except (yaml.YAMLError, RecursionError, UnicodeDecodeError, OSError) as e:
         why = f"does not read ({e.strerror})" if isinstance(e, OSError) else f"does not parse as YAML ({str(e).splitlines()[0]})"
         print(f"rft.reporting.report: warning: {path} {why}; job {name} is "
@@ -184,7 +206,7 @@ def searchpath_override(job_dir: Path) -> str | None:
     repository): the common line needs it to be a command that runs; Hydra records it among its own
     overrides in .hydra/hydra.yaml, not in overrides.yaml. None where absent or unreadable."""
     try:
-        doc = manifest.written_yaml(manifest.read_regular(job_dir / ".hydra" / "hydra.yaml").decode())
+        doc = manifest.written_yaml(hydra_record(job_dir / ".hydra" / "hydra.yaml").decode())
         items = doc["hydra"]["overrides"]["hydra"]
     except (OSError, yaml.YAMLError, RecursionError, UnicodeDecodeError, KeyError, TypeError):
         return None
@@ -202,7 +224,7 @@ def planned_stages(job_dir: Path) -> list[tuple[str, int | None]]:
     try:
         # as rft wrote it (no aliases): nine of nine, expanded by OmegaConf, never ended (the report, the
         # studio's runs table); a file that does not read is reported without its plan, by file times
-        plain = manifest.written_yaml(manifest.read_regular(path).decode())
+        plain = manifest.written_yaml(hydra_record(path).decode())
     except (yaml.YAMLError, RecursionError, UnicodeDecodeError, OSError):
         return []
     try:
@@ -382,10 +404,9 @@ def planned_jobs(sweep_dir: Path) -> list[dict[str, str]]:
 
     path = sweep_dir / "multirun.yaml"
     try:
-        if path.stat().st_size > MAX_MULTIRUN_BYTES:
-            return []
-        # read as Hydra writes it: no aliases (nine of nine expand to a billion values), not nested past libyaml's limit
-        text = manifest.read_regular(path).decode()
+        # read as Hydra writes it: no aliases (nine of nine expand to a billion values), not nested past
+        # libyaml's limit; within its bound as it is read (a file grown past it after a stat was read whole)
+        text = manifest.read_record(path, MAX_MULTIRUN_BYTES).decode()
         jobs = expand(OmegaConf.create(manifest.written_yaml(text)).hydra, most=MAX_PLANNED_JOBS)
     except TooManyJobs as e:
         raise ReportError(f"{path} plans {e} (its hydra.sweeper.params and hydra.overrides.task), more than the "

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import csv
+import errno
 import io
 import math
 import os
@@ -237,9 +238,11 @@ class Runs:
         def config(rel):
             path = inside(self.root, rel) / ".hydra" / "config.yaml"
             try:
-                cfg = manifest.written_yaml(manifest.read_regular(path).decode())
+                # within manifest.read_record's bound: a config.yaml of gigabytes (damage, a sparse file) was read whole
+                cfg = manifest.written_yaml(manifest.read_record(path).decode())
             except (OSError, yaml.YAMLError, RecursionError, UnicodeDecodeError) as e:
-                raise ValueError(f"{rel}: its config ({path.name}) does not read: {e}") from None
+                raise ValueError(f"{rel}: its config ({path.name}) does not read: "
+                                 f"{e.strerror if isinstance(e, OSError) else e}") from None
             return _flat(redact(cfg) if isinstance(cfg, dict) else {})  # a record written unmasked shows none
 
         left, right = config(a), config(b)
@@ -252,10 +255,17 @@ class Runs:
         metric) and its plot (bench/results.png, as a data: URL)."""
         d = inside(self.root, rel) / "bench"
         try:
-            text = manifest.read_regular(d / "results.csv").decode(errors="replace")
+            # a row per checkpoint: kilobytes; one of gigabytes (damage, a sparse file) was read whole
+            text = manifest.read_record(d / "results.csv").decode(errors="replace")
             rows = list(csv.DictReader(io.StringIO(text, newline="")))
         except OSError as e:
+            if e.errno == errno.EFBIG:
+                raise ValueError(f"{rel}: its bench table (bench/results.csv) does not read ({e.strerror}): not the "
+                                 f"table mode=bench writes; run it again with mode=bench to write it anew.") from None
             raise ValueError(f"{rel} has no bench table ({e.strerror}): run it with mode=bench") from None
+        except csv.Error as e:  # a field past csv's limit (128 kB): damage, not a 500
+            raise ValueError(f"{rel}: its bench table (bench/results.csv) does not read as CSV ({e}): run it again "
+                             f"with mode=bench to write it anew.") from None
         png = d / "results.png"
         image = None
         if png.is_file() and png.stat().st_size <= MAX_PNG:
