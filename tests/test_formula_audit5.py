@@ -486,3 +486,33 @@ def test_qwen7b_memory_parts_by_hand():
     # the README's line: ~39.9 GiB a rank (GPU parts only)
     gpu = sum(v for k, v in trainer.items() if "CPU" not in k)
     assert round(gpu / gib, 1) == 39.9
+
+
+# ---------------------------------------------------------------- the experience pipeline's reward shaping
+
+@pytest.mark.parametrize("op,v,want", [("ADD", 4.0, 0.8 + 0.5 * 4), ("SUB", 4.0, 0.8 - 0.5 * 4),
+                                       ("MUL", 4.0, 0.8 * 0.5 * 4), ("DIV", 4.0, 0.8 / (0.5 * 4))])
+def test_reward_shaping_ops_by_hand(op, v, want):
+    from rft.data import operators
+    from rft.data.experience import Experience
+    e = Experience([1, 2], 1, [0.0], reward=0.8, reward_parts={"acc": 0.8, "format": v})
+    operators.reward_shaping_mapper([e], [{"stats_key": "format", "op_type": op, "weight": 0.5}])
+    assert e.reward == pytest.approx(want, rel=1e-15)
+    assert e.reward_parts[f"{op.lower()}_format"] == pytest.approx(want - 0.8, rel=1e-12)
+
+
+@pytest.mark.parametrize("op,v,says", [
+    ("DIV", 0.0, "DIV by stats_key 'format' = 0.0 (weight 0.5) on experience 't/3', whose reward is 0.8, divides it "
+                 "by 0.5 x 0.0 = 0: give DIV a stats_key that is never 0 (or use SUB, or ADD with a negative weight)."),
+    ("ADD", float("nan"), "ADD by stats_key 'format' = nan (weight 0.5) on experience 't/3', whose reward is 0.8, makes "
+                          "it nan: a reward must stay a finite number; give a stats_key whose values are finite."),
+])
+def test_reward_shaping_that_breaks_the_reward_names_it(op, v, says):
+    # was a bare ZeroDivisionError mid-run, and a NaN reward passed on to the advantages silently
+    from rft.data import operators
+    from rft.data.experience import Experience
+    from rft.errors import ConfigError
+    e = Experience([1, 2], 1, [0.0], reward=0.8, reward_parts={"acc": 0.8, "format": v}, task_id="t/3")
+    with pytest.raises(ConfigError) as err:
+        operators.reward_shaping_mapper([e], [{"stats_key": "format", "op_type": op, "weight": 0.5}])
+    assert str(err.value) == "reward_shaping_configs: " + says

@@ -224,8 +224,25 @@ def reward_shaping_mapper(exps: list, reward_shaping_configs: list) -> list:
             if not isinstance(v, (int, float)):
                 raise ConfigError(f"stats_key {key!r} is not a number on experience {e.task_id!r} (its reward parts: "
                                   f"{sorted(e.reward_parts)}, info keys: {sorted(e.info)}); name one of those.")
-            add_part(e, f"{op.lower()}_{key}", _OPS[op](e.reward, float(v), w) - e.reward)
+            add_part(e, f"{op.lower()}_{key}", _shaped(e, key, op, float(v), w) - e.reward)
     return exps
+
+
+def _shaped(e, key: str, op: str, v: float, w: float) -> float:
+    """The reward after one shaping config; a division by 0 or a reward that is no longer finite
+    stops the run naming the experience, where it was a bare ZeroDivisionError, or a NaN reward
+    passed silently to the advantages (the workflow's finite-reward check has run by then)."""
+    try:
+        r = _OPS[op](e.reward, v, w)
+    except ZeroDivisionError:
+        r = math.nan
+    if not math.isfinite(r):
+        what = (f"divides it by {w} x {v} = 0: give DIV a stats_key that is never 0 (or use SUB, or ADD with a "
+                f"negative weight)" if op == "DIV" and w * v == 0 else
+                f"makes it {r}: a reward must stay a finite number; give a stats_key whose values are finite")
+        raise ConfigError(f"reward_shaping_configs: {op} by stats_key {key!r} = {v} (weight {w}) on experience "
+                          f"{e.task_id!r}, whose reward is {e.reward}, {what}.")
+    return r
 
 
 def reward_filter(exps: list, min_reward: float | None = None, max_reward: float | None = None) -> list:
