@@ -516,3 +516,29 @@ def test_reward_shaping_that_breaks_the_reward_names_it(op, v, says):
     with pytest.raises(ConfigError) as err:
         operators.reward_shaping_mapper([e], [{"stats_key": "format", "op_type": op, "weight": 0.5}])
     assert str(err.value) == "reward_shaping_configs: " + says
+
+
+def test_tiny_default_memory_parts_by_hand():
+    """The default (`stages=[]`, the tiny model, float32, one trainer, one hf explorer, CPU):
+    H 128, I 512, 2 layers, 4 heads of 32, kv 4 x 32, V 103, tied; 16 tasks x 8 rollouts, micro 128
+    rows of 24 + 6 tokens."""
+    from conftest import compose_cfg
+    from rft.models import ensure_model
+    from rft.plan import memory
+    from rft.plan.batch import make_plan, stage_configs
+    cfg = stage_configs(compose_cfg(["stages=[]"]))[-1]
+    ensure_model(cfg.model)
+    est = memory.estimate(cfg, make_plan(cfg, 2000))
+    H, I, L, V, kv, q = 128, 512, 2, 103, 128, 128
+    # from the files: 103 x 128 + 2 x (q k v o, MLP, norms, q/k/v biases 3 x 128) + norm = 538,880
+    P = V * H + L * (H * q + 2 * H * kv + q * H + 3 * H * I + 2 * H + 3 * 128) + H
+    assert est.shape.parameters == P == 538_880
+    trainer, explorer = (dict(r.parts) for r in est.roles)
+    assert (trainer["weights"], trainer["gradients"], trainer["Adam"]) == (4 * P, 4 * P, 8 * P)
+    # not checkpointed: L x T x (6H + 2kv + 4I) x 4 bytes, T = 128 rows x 30 = 3,840: 94,371,840
+    T = 128 * 30
+    assert trainer["activations (3,840 tokens)"] == L * T * (6 * H + 2 * kv + 4 * I) * 4 == 94_371_840
+    assert trainer["logits (3,840-token micro-batch)"] == T * V * 12
+    # hf: min(generate_batch_size 256, 128 rollouts) rows x 30 tokens x 2 (k, v) x L x kv x 4 bytes
+    assert explorer["KV cache (128 rows x 30 tokens)"] == 128 * 30 * 2 * L * kv * 4 == 7_864_320
+    assert explorer["scores (128 rows)"] == 3 * 128 * V * 4
