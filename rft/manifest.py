@@ -46,6 +46,7 @@ HASH = "xxh3_128"
 _CHUNK = 8 << 20  # 8 MiB reads: the hash, not the calls, sets the pace
 _MAX_MANIFEST = 64 << 20  # a manifest lists files, not data: anything larger is not one
 MAX_RECORD = 64 << 20  # state.json, config.yaml, a stage's marks: records, not data; a larger one is damage
+MAX_LINE = 16 << 20  # a line of a log rft writes (a step's metrics, its batch record) is kilobytes: a longer one is damage
 
 
 def digest(path: Path) -> str:
@@ -164,6 +165,51 @@ def read_regular(path: Path, most: int = -1) -> bytes:
         if most >= 0:  # f.read(n) takes n bytes before it reads: a manifest's damaged size (100 GB) for a file of 2 kB
             most = min(most, os.fstat(f.fileno()).st_size + 1)  # (+1: a file grown past its size still reads long)
         return f.read(most)
+
+
+def read_lines(f, start: int = 0, most: int = MAX_LINE):
+    """Each line of regular file `f` (open_regular) from byte `start`, one at a time: (its bytes, the
+    newline included where it has one, and the offset after it); None for the bytes of a line longer
+    than `most`, passed without being held. A log read whole (metrics.jsonl, batches.jsonl: a run's,
+    or a handed-over one's, read by the monitor, the report and the studio) took the memory of its
+    size: a sparse 20 GB file (truncate -s), one line of zeros, was a MemoryError or the OOM killer."""
+    fd, pos = f.fileno(), start  # pos: the offset of buf[0]; pread leaves f's own position alone
+    buf, i = b"", 0  # i: where the next line starts in buf
+    while True:
+        nl = buf.find(b"\n", i)
+        if nl < 0 and len(buf) - i <= most:  # no whole line left, the one begun within the bound: read on
+            chunk = os.pread(fd, 1 << 20, pos + len(buf))
+            if chunk:
+                buf, pos, i = buf[i:] + chunk, pos + i, 0
+                continue
+            if i < len(buf):
+                yield buf[i:], pos + len(buf)  # the last line, with no newline (a kill cut it, or it is being written)
+            return
+        if nl >= 0 and nl - i <= most:
+            yield buf[i:nl + 1], pos + nl + 1
+            i = nl + 1
+            continue
+        end = pos + nl + 1 if nl >= 0 else _past_line(fd, pos + len(buf))
+        yield None, end
+        buf, pos, i = b"", end, 0
+
+
+def _past_line(fd: int, pos: int) -> int:
+    """The offset after the first newline from `pos` on, or the file's end. A sparse file's holes are
+    zeros, no newline, so they are passed unread (SEEK_DATA): read, 2 GB of them took 10 s here."""
+    while True:
+        try:
+            pos = os.lseek(fd, pos, getattr(os, "SEEK_DATA", os.SEEK_SET))
+        except OSError as e:
+            if e.errno == errno.ENXIO:  # nothing but a hole from pos to the end
+                return max(pos, os.fstat(fd).st_size)
+        chunk = os.pread(fd, _CHUNK, pos)
+        if not chunk:
+            return pos
+        nl = chunk.find(b"\n")
+        if nl >= 0:
+            return pos + nl + 1
+        pos += len(chunk)
 
 
 def read_record(path: Path, most: int = MAX_RECORD) -> bytes:

@@ -112,3 +112,70 @@ def test_the_studios_diff_and_bench_refuse_files_past_the_bound_in_one_sentence(
     (tmp_path / "b" / "bench" / "results.csv").write_text("step,eval/a/accuracy\n0,0.25\n2,0.5\n")  # as bench writes it
     assert Runs(tmp_path).bench("b")["rows"] == [{"step": "0", "eval/a/accuracy": "0.25"},
                                                   {"step": "2", "eval/a/accuracy": "0.5"}]
+
+
+def _holed_log(path: Path, hole: int) -> Path:
+    """metrics.jsonl: step 1, a line of `hole` zero bytes that takes no disk (a sparse file's hole, as
+    truncate -s makes), step 2, and a last line cut short."""
+    with open(path, "wb") as f:
+        f.write(b'{"step": 1, "reward/mean": 0.5}\n')
+        f.seek(hole, os.SEEK_CUR)
+        f.write(b'\n{"step": 2, "reward/mean": 0.75}\n{"step": 3, "rew')
+    return path
+
+
+def _peak(fn):
+    """(fn(), the most memory Python held while it ran, in MiB)."""
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        out = fn()
+        return out, tracemalloc.get_traced_memory()[1] / 2**20
+    finally:
+        tracemalloc.stop()
+
+
+def test_the_report_the_studio_and_the_monitor_read_a_log_a_line_at_a_time(tmp_path, capsys):
+    """metrics.jsonl and batches.jsonl were read whole (and decoded, and split) by the report, the
+    studio's index and the monitor: a sparse 20 GB file was a MemoryError or the OOM killer. With a
+    160 MiB line of zeros (old: each held 320 MiB or more; a 20 GB one took ~0.3 s now) each holds at
+    most ~2 of manifest.MAX_LINE (16 MiB), the line is left out as a damaged one (the monitor says so)
+    and the rows around it are read as before."""
+    from rft import manifest
+    from rft.reporting import monitor, report
+    from rft.studio.index import CachedFiles
+
+    log = _holed_log(tmp_path / "metrics.jsonl", 160 << 20)
+    rows = [{"step": 1, "reward/mean": 0.5}, {"step": 2, "reward/mean": 0.75}]
+    for read in (report.read_jsonl, monitor.read_metrics, CachedFiles().jsonl):
+        got, peak = _peak(lambda: read(log))
+        assert got == rows and peak < 40, (read, peak)  # MiB: a line of 16 MiB and the next 17 as it grows
+    assert capsys.readouterr().err == (f"rft: warning: {log} line 2 is longer than 16 MiB, which no record is (damage "
+                                       f"from elsewhere, or a sparse file); it is left out of what is read.\n")
+    # a line of 16 MiB is still one (exactly at the bound); 16 MiB + 1 is not
+    for size, want in ((manifest.MAX_LINE, True), (manifest.MAX_LINE + 1, False)):
+        line = b'{"step": 4, "x": "' + b"a" * (size - 20) + b'"}'
+        assert len(line) == size
+        (tmp_path / "b.jsonl").write_bytes(line + b"\n")
+        assert (report.read_jsonl(tmp_path / "b.jsonl") != []) is want
+
+
+def test_a_resume_sets_aside_a_log_holding_a_line_too_long_to_copy(tmp_path, capsys):
+    """A resume rewrites the log with its rows up to the checkpoint (monitor._reopen), damaged lines kept
+    as they are: a line of gigabytes cannot be, so the whole file is moved aside (never deleted) and the
+    log goes on with its rows. The old code read it whole, and dropped such a last line as a kill's cut."""
+    from rft.reporting import monitor
+
+    log = tmp_path / "batches.jsonl"
+    with open(log, "wb") as f:
+        f.write(b'{"step": 1, "digest": "ab"}\n{"step": 2, "digest": "cd"}\n')
+        f.truncate(f.tell() + (32 << 20))  # as truncate -s leaves it: a hole to the end, no newline
+    f, steps = monitor._reopen(log, 1)
+    f.close()
+    assert steps == {1} and log.read_text() == '{"step": 1, "digest": "ab"}\n'
+    aside = [p for p in tmp_path.iterdir() if p.name.startswith("batches.jsonl.damaged-")]
+    assert len(aside) == 1 and aside[0].stat().st_size == 56 + (32 << 20)  # 28 + 28 bytes of rows, then the hole
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"rft: warning: {log} holds a line longer than 16 MiB (see above), which rft does not copy; the file is moved "
+        f"to {aside[0].name} beside it, and the log goes on without that line.")

@@ -13,48 +13,64 @@ from pathlib import Path
 from tqdm import tqdm
 
 from rft.config import flat
-from rft.manifest import read_regular, write_atomic
+from rft.manifest import MAX_LINE, open_regular, put_aside, read_lines, write_atomic
 from rft.registry import Registry, resolve
 from rft.reporting.redact import redact, redacted_argv
 
 
 def read_metrics(path: str | Path) -> list[dict]:
     """The records of a per-step JSONL log (metrics.jsonl, batches.jsonl), in order."""
-    return [record for _, record in _read(Path(path)) if record is not None]
+    return [record for _, record, _ in _read(Path(path)) if record is not None]
 
 
-def _read(path: Path) -> list[tuple[str, dict | None]]:
-    """Each line of a JSONL log with its record, None where the line is not one.
+def _read(path: Path):
+    """Each line of a JSONL log, read a line at a time: (its text, None where it is longer than
+    manifest.MAX_LINE; its record, None where the line is not one; whether it is the last line).
 
     Each record is written and flushed whole before the next, so a kill can cut short only the
     last line: that one is left out without a word (a resumed run logs its step again). A bad
     line before the last is damage from elsewhere (two runs writing one directory, an edit by
     hand). It is left out too, since one bad line must not hide a whole run's metrics, but never
     silently: each read warns, naming the file and line, and rft never deletes it (see _reopen),
-    so what it held can still be recovered by hand.
+    so what it held can still be recovered by hand. So is a line longer than any record, wherever
+    it is (a sparse 20 GB file is one line of zeros: read whole, the OOM killer).
     """
     if not path.exists():
-        return []
-    # a FIFO or device in its place is an OSError (rft.manifest.read_regular), not a hang or /dev/zero read to
+        return
+    # a FIFO or device in its place is an OSError (rft.manifest.open_regular), not a hang or /dev/zero read to
     # the end of memory; a run's own directory holds none (rft.runtime.rundir.run_lock refuses one)
-    text = read_regular(path).decode(errors="replace")
-    lines = [(n, line) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
-    out = []
-    for i, (n, line) in enumerate(lines):
-        try:
-            record = json.loads(line)
-        except (json.JSONDecodeError, RecursionError):  # RecursionError: a line nested a thousand deep
-            record = None
-        # a step that is not a whole number (text, null: an edit, another program's log) is no row: it
-        # is compared with the checkpoint's step on resume, a raw TypeError there ('str' <= 'int')
-        if not (isinstance(record, dict) and type(record.get("step")) is int):
-            record = None
-            if i < len(lines) - 1:
-                print(f"rft: warning: {path} line {n} is not a JSON record (a kill cuts only the last line, "
-                      f"so something else damaged it); it is left out of what is read and kept in the file. "
-                      f"Repair or delete that line to silence this warning.", file=sys.stderr)
-        out.append((line, record))
-    return out
+    with open_regular(path) as f:
+        ahead = None  # a line held until the next says it is not the last
+        for n, (raw, _) in enumerate(read_lines(f), 1):
+            if raw is not None and not raw.strip():
+                continue
+            if ahead is not None:
+                yield _record(path, *ahead, last=False)
+            ahead = (n, raw)
+        if ahead is not None:
+            yield _record(path, *ahead, last=True)
+
+
+def _record(path: Path, n: int, raw: bytes | None, last: bool) -> tuple[str | None, dict | None, bool]:
+    """(line n's text, its record or None, last) for _read, warning of a damaged line."""
+    if raw is None:
+        print(f"rft: warning: {path} line {n} is longer than {MAX_LINE >> 20} MiB, which no record is (damage from "
+              f"elsewhere, or a sparse file); it is left out of what is read.", file=sys.stderr)
+        return None, None, last
+    line = raw.decode(errors="replace").rstrip("\r\n")
+    try:
+        record = json.loads(line)
+    except (json.JSONDecodeError, RecursionError):  # RecursionError: a line nested a thousand deep
+        record = None
+    # a step that is not a whole number (text, null: an edit, another program's log) is no row: it
+    # is compared with the checkpoint's step on resume, a raw TypeError there ('str' <= 'int')
+    if not (isinstance(record, dict) and type(record.get("step")) is int):
+        record = None
+        if not last:
+            print(f"rft: warning: {path} line {n} is not a JSON record (a kill cuts only the last line, "
+                  f"so something else damaged it); it is left out of what is read and kept in the file. "
+                  f"Repair or delete that line to silence this warning.", file=sys.stderr)
+    return line, record, last
 
 
 def _line_every(total_steps: int) -> int:
@@ -334,10 +350,15 @@ def _reopen(path: Path, start_step: int):
     steps again, so what a killed run logged of them goes, and so does a last line it cut short. A
     damaged line, whose step is unknown, stays as it is unless the run starts from nothing (see _read).
     Returns the file and the steps of the rows kept."""
-    lines = _read(path)
-    if lines and lines[-1][1] is None:
-        lines.pop()
-    kept = [(line, m) for line, m in lines if start_step > 0 and (m is None or m["step"] <= start_step)]
+    # a last line that is no record is what a kill cut short
+    kept = [(line, m) for line, m, last in _read(path)
+            if start_step > 0 and (m is None or m["step"] <= start_step) and not (last and m is None and line is not None)]
+    if any(line is None for line, _ in kept):  # a line too long to hold: the file is kept whole aside
+        aside = put_aside(path, "damaged")
+        print(f"rft: warning: {path} holds a line longer than {MAX_LINE >> 20} MiB (see above), which rft does not "
+              f"copy; the file is moved to {aside.name} beside it, and the log goes on without that line.",
+              file=sys.stderr)
+        kept = [(line, m) for line, m in kept if line is not None]
     # written aside, then renamed over the log: a kill in between leaves the old log whole (and a
     # link in the place of either is replaced, never written through: rft.manifest.write_atomic)
     write_atomic(path, "".join(line + "\n" for line, _ in kept))

@@ -308,21 +308,27 @@ def is_row(m) -> bool:
 
 def read_jsonl(path: Path) -> list[dict]:
     """metrics.jsonl, leaving out a line a killed job cut short; none, said, from a FIFO or device
-    in its place (manifest.read_regular: the report hung, or read /dev/zero until memory ran out)."""
+    in its place (manifest.open_regular: the report hung, or read /dev/zero until memory ran out).
+    Read a line at a time (manifest.read_lines): read whole, a sparse 20 GB file was the OOM killer;
+    a line longer than any row is left out as a damaged one is."""
     out = []
     try:
-        data = manifest.read_regular(path)
+        with manifest.open_regular(path) as f:
+            for line, _ in manifest.read_lines(f):
+                if line is None:
+                    continue
+                try:
+                    # bytes that are not UTF-8 (damage from elsewhere) make their line unreadable, not the whole report
+                    m = json.loads(line.decode(errors="replace"))
+                except (json.JSONDecodeError, RecursionError):  # RecursionError: a line nested a thousand deep
+                    continue
+                if is_row(m):
+                    out.append(m)
     except OSError as e:
         print(f"rft.reporting.report: warning: {path} does not read ({e.strerror}); its job is reported without "
               f"metrics.", file=sys.stderr)
         return []
-    # bytes that are not UTF-8 (damage from elsewhere) make their line unreadable, not the whole report
-    for line in data.decode(errors="replace").splitlines():
-        try:
-            out.append(json.loads(line))
-        except (json.JSONDecodeError, RecursionError):  # RecursionError: a line nested a thousand deep
-            continue
-    return [m for m in out if is_row(m)]
+    return out
 
 
 def read_job(job_dir: Path, stage: str | None = None, name: str | None = None, files: Files = FILES) -> Job:

@@ -92,7 +92,7 @@ class CachedFiles(report.Files):
         try:
             f = manifest.open_regular(path)  # a FIFO or /dev/zero in a log's place: no rows, not a hung page
         except OSError:
-            log.offset, log.rows, log.stamp = 0, [], stamp
+            log.offset, log.rows, log.tail, log.stamp = 0, [], b"", stamp
             return
         with f:
             grown = log.stamp is not None and stamp[0] == log.stamp[0] and stamp[1] >= log.offset
@@ -100,19 +100,21 @@ class CachedFiles(report.Files):
                 f.seek(log.offset - len(log.tail))
                 grown = f.read(len(log.tail)) == log.tail
             if not grown:
-                log.offset, log.rows = 0, []
-            f.seek(log.offset)
-            data = f.read()
-        end = data.rfind(b"\n") + 1  # a line being written comes whole next time
-        for line in data[:end].splitlines():
-            try:
-                m = json.loads(line)
-            except (ValueError, RecursionError):
-                continue  # as report.read_jsonl: a line a killed run cut short
-            if report.is_row(m):
-                log.rows.append(m if self.keys is None else {k: m[k] for k in self.keys if k in m})
-        log.offset += end
-        log.tail = data[max(0, end - 64):end] if end else log.tail
+                log.offset, log.rows, log.tail = 0, [], b""
+            # a line at a time (rft.manifest.read_lines), not the rest of the file at once: a sparse 20 GB
+            # metrics.jsonl (a handed-over run's) was read whole at each change, a MemoryError or the OOM killer
+            for line, end in manifest.read_lines(f, log.offset):
+                if line is not None and not line.endswith(b"\n"):
+                    break  # a line being written comes whole next time (one too long to hold is passed)
+                log.offset = end
+                try:
+                    m = json.loads(line)
+                except (TypeError, ValueError, RecursionError):
+                    continue  # as report.read_jsonl: a line a killed run cut short, or too long (None)
+                if report.is_row(m):
+                    log.rows.append(m if self.keys is None else {k: m[k] for k in self.keys if k in m})
+            if log.offset:  # the last bytes read, to know the file again (a shorter one rewritten in place)
+                log.tail = os.pread(f.fileno(), min(64, log.offset), log.offset - min(64, log.offset))
         log.stamp = stamp
 
 
