@@ -330,6 +330,27 @@ def test_1_2_4_micro_batches_give_the_one_batch_gradient_and_the_formula(zero_lr
         assert metrics["actor/entropy"] == pytest.approx(entropy, rel=1e-5), (mode, micro)
 
 
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
+@pytest.mark.parametrize("packed", [True, False])
+def test_token_budget_micro_batches_give_the_formula_gradient(zero_lr_trainer, mode, packed):
+    """trainer.use_dynamic_bsz: micro-batches by a token budget (rows of 13 to 18 tokens: 40 packed
+    tokens hold 2 or 3 rows, padded 2), packed or padded rows: the same gradient as the formula."""
+    import dataclasses
+    t, rows = zero_lr_trainer
+    t.cfg.algorithm.loss_agg_mode = mode
+    t.cfg.trainer.use_dynamic_bsz, t.cfg.trainer.use_remove_padding = True, packed
+    t.plan = dataclasses.replace(t.plan, max_token_len_per_gpu=40)
+    try:
+        assert len(t._micro_batches([len(e.tokens) for e in rows], 0, 8)) >= 3  # several, of unequal rows
+        want, _ = ref_gradient_and_entropy(t.model, rows, mode, t.cfg.model.max_response_tokens)
+        t.train_step(copy.deepcopy(rows))
+        for name, p in t.model.named_parameters():
+            if p.grad is not None:
+                torch_close(p.grad, want[name], f"{mode}, budget 40, packed={packed}: {name}")
+    finally:
+        t.cfg.trainer.use_dynamic_bsz, t.cfg.trainer.use_remove_padding = False, True
+
+
 def torch_close(got, want, msg):
     import torch
     torch.testing.assert_close(got.double(), want, rtol=2e-4, atol=1e-7, msg=msg)
