@@ -58,8 +58,11 @@ class Registry(Mapping):
         (target, info) says what it needs or offers. A name rft ships (an "rft." path) is not
         replaced: a study's module that did so changed what every config naming it runs, and only in
         the processes that imported that module (not in Ray's actors, which never do)."""
-        entry = target if isinstance(target, tuple) else (target, self._default)
         shipped = self.path(name)
+        # the same path again (a study's module imported twice) keeps what the entry needs: it was
+        # reset to the default, and grpo lost its `grouped` need (repeat_times 1 then passed planning)
+        same = shipped is not None and not isinstance(target, tuple) and target == shipped
+        entry = target if isinstance(target, tuple) else (target, self._table[name][1] if same else self._default)
         if shipped and shipped.startswith("rft.") and entry[0] != shipped:
             raise ConfigError(f"{self.key}: {name!r} is rft's own entry ({shipped}); a study's entry takes a name not "
                               f"taken (taken: {', '.join(sorted(self._table))}), or the config gives the dotted path "

@@ -152,6 +152,11 @@ def check_args(registry: Registry, name: str, args, args_key: str):
         return None
     fn = resolve(registry, name, registry.key)
     fixed = CALLED_WITH[registry.key]
+    try:  # the fixed parameters first: fn(batch) given a setting was told it "does not take" the setting
+        inspect.signature(fn).bind_partial(*fixed)
+    except TypeError as e:
+        raise ConfigError(f"{registry.key}={name} cannot be called as fn({', '.join(fixed)}, **{args_key}): {e}. "
+                          f"Give it the signature of the registry's functions (rft/algorithms/__init__.py).") from None
     own = list(inspect.signature(fn).parameters.values())[len(fixed):]
     known = [p.name for p in own if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
     unknown = sorted(set(args) - set(known))

@@ -78,6 +78,9 @@ def check_advantages(adv, mask: torch.Tensor, name: str) -> None:
         raise ConfigError(f"{ADVANTAGE_KEY}={name} returned {got} where {want} goes. A value per sequence is "
                           f"broadcast over its tokens as `adv[:, None] * batch['response_mask']` "
                           f"(rft/algorithms/advantages.py).")
+    if adv.dtype == torch.bool:  # a comparison (adv > 0) where its values were meant: it trained on 1 and 0
+        raise ConfigError(f"{ADVANTAGE_KEY}={name} returned a bool tensor (a comparison?) where {want} goes: return "
+                          f"the advantages' values, or `.float()` of it if 1 and 0 are the advantages meant.")
     bad = ~torch.isfinite(adv.double()) & (mask > 0)
     if bad.any():
         rows = sorted(set(bad.nonzero()[:, 0].tolist()))

@@ -1258,6 +1258,12 @@ def _reward_row(ts, default_reward) -> str:
     return f"{call} with {answer}"
 
 
+def _called(fn: str, args) -> str:
+    """A function with its own settings (advantage_args, args), as the dry run shows it: the value a
+    sweep or a stage's entry gives is seen to reach the function (the line named the function alone)."""
+    return f"{fn}({', '.join(f'{k}={v}' for k, v in sorted((args or {}).items()))})" if args else fn
+
+
 def describe(cfg, stage_dir, plan: BatchPlan | None = None, more_rows: list | tuple = ()) -> str:
     """What the dry run says besides the numbers: the functions, the data, the outputs; with the
     plan, the devices and the memory per role (rft/plan/memory.py)."""
@@ -1270,8 +1276,8 @@ def describe(cfg, stage_dir, plan: BatchPlan | None = None, more_rows: list | tu
     signal = ("(log p_teacher - log p_student) per token" if algo.distill_divergence == "reverse_kl" else
               f"JSD_{algo.distill_jsd_beta:g}(teacher, student) on the teacher's top {algo.distill_top_k} tokens")
     extra += f", + {algo.distill_coef:g} x {signal} from the teacher {algo.teacher_model_path}" if algo.distill_coef else ""
-    rows = [("algorithm", f"{algo.algorithm_type}: advantage_fn={algo.advantage_fn}, policy_loss_fn="
-                          f"{algo.policy_loss_fn}, loss_agg_mode={algo.loss_agg_mode}{extra}"),
+    rows = [("algorithm", f"{algo.algorithm_type}: advantage_fn={_called(algo.advantage_fn, algo.advantage_args)}, "
+                          f"policy_loss_fn={_called(algo.policy_loss_fn, algo.args)}, loss_agg_mode={algo.loss_agg_mode}{extra}"),
             ("learning rate", f"{opt.lr:g} (algorithm.optimizer.lr), {opt.warmup_steps} warm-up optimizer "
                               f"steps, then {opt.warmup_style}")]
 

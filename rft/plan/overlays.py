@@ -131,12 +131,51 @@ def check(args: list[str], conf_dir: Path) -> str | None:
         return message
     schema = OmegaConf.structured(Config)
     primary = {e.group for e in entries(roots.conf / "config.yaml", roots) if e.group and not e.bare}
-    for path in _reachable(chosen, roots):  # a search folder's files: bad_yaml read conf/ only
+    reached = _reachable(chosen, roots)
+    for path in reached:  # a search folder's files: bad_yaml read conf/ only
         message = (yaml_problem(path, roots.shown(path)) or _package_mistake(path, roots, schema)
                    or _header_mistake(path, roots, schema) or _defaults_mistake(path, roots, primary)
                    or _key_mistake(path, roots, schema))
         if message:
             return message
+    return _replaced_stage(args, reached, roots)
+
+
+def _stages(path: Path) -> list[tuple[str, set, int]]:
+    """(stage_name as written, its top-level keys, line) of each entry of a `_global_` file's `stages:` list."""
+    root = _node(path)
+    found = next((v.value for k, v in getattr(root, "value", []) or []
+                  if getattr(k, "value", None) == "stages" and isinstance(v, yaml.SequenceNode)), [])
+    out = []
+    for item in found:
+        keys = {k.value: v for k, v in item.value} if isinstance(item, yaml.MappingNode) else {}
+        if isinstance(keys.get("stage_name"), yaml.ScalarNode):
+            out.append((keys["stage_name"].value, set(keys), item.start_mark.line + 1))
+    return out
+
+
+def _replaced_stage(args: list[str], reached: list[Path], roots: Roots) -> str | None:
+    """An overlay's `stages:` entry named like one of the model file's, lacking keys that entry has: Hydra
+    replaces the model's whole list, so `- {stage_name: sft_warmup, buffer: {total_steps: 60}}` ran a
+    60-step GRPO stage under the warm-up's name (its mode and algorithm gone), and the run said nothing."""
+    if any(a.startswith(("stages=", "+stages=")) for a in args):  # the command line's list replaces the overlay's
+        return None
+    model = next((a.split("=", 1)[1] for a in reversed(args) if a.startswith("model=") and "," not in a), None)
+    model = model or next((e.option for p in reached for e in entries(p, roots) if e.group == "model" and e.option),
+                          None) or next((e.option for e in entries(roots.conf / "config.yaml", roots)
+                                         if e.group == "model" and e.option), None)
+    shipped = roots.file("model", model) if model else None
+    theirs = {name: keys for name, keys, _ in _stages(shipped)} if shipped else {}
+    for path in (p for p in reached if p != shipped and package(p, roots) == ""):
+        for name, keys, line in _stages(path):
+            lost = sorted(theirs.get(name, set()) - keys)
+            if lost:
+                return (f"{roots.shown(path)}, line {line}: its stages entry '{name}' lacks {', '.join(lost)}, "
+                        f"which {roots.shown(shipped)}'s entry of that name has. A `stages:` list in an overlay "
+                        f"replaces the model's whole list (Hydra replaces lists; it does not merge them), so this "
+                        f"stage would run without them. Copy that entry whole "
+                        f"and change what differs (conf/experiment/calculator_tool.yaml does), change one key on the "
+                        f"command line instead (stages.0.buffer.total_steps=60), or give a new stage a name of its own.")
     return None
 
 

@@ -370,13 +370,20 @@ def _per_response(fn, args: dict) -> Callable:
 
 
 def part_metrics(exps, prefix: str = "reward") -> dict:
-    """`<prefix>/<part>/mean` for every part the experiences carry (a missing part counts as absent)."""
+    """`<prefix>/<part>/mean` for every part the experiences carry. A part missing from a single
+    turn's experience is absent (the overlong penalty: its mean is over those it penalised); one
+    missing from a conversation (info "turns": rft/rollout/workflows/multi_turn.py) counts 0, since
+    its reward is the sum of the parts its environment returned: a `solved` given only when the
+    game is won read 1.0 over the winners alone, beside a reward/mean of 0.03."""
     sums: dict[str, list] = {}
     for e in exps:
         for k, v in e.reward_parts.items():
             s = sums.setdefault(k, [0.0, 0])
             s[0] += v
             s[1] += 1
+    convs = [e for e in exps if "turns" in e.info]
+    for k, s in sums.items():
+        s[1] += sum(k not in e.reward_parts for e in convs)
     return {f"{prefix}/{k}/mean": s[0] / s[1] for k, s in sorted(sums.items())}
 
 

@@ -133,6 +133,10 @@ def _step_result(result, env_cls, turn: int) -> tuple:
         # bool is an int: True counts 1 (a check passed); numpy's scalars are numbers.Real too
         if not isinstance(v, numbers.Real) or not math.isfinite(v):
             raise ConfigError(f"{where} returned the reward part {k!r}={_short(v)}, not a finite number; {shape}.")
+    # a str or None read by its truth: done="False" ended every conversation at its first turn
+    if not (isinstance(done, numbers.Integral) or getattr(getattr(done, "dtype", None), "kind", None) == "b"):
+        raise ConfigError(f"{where} returned done={_short(done)}, a {type(done).__name__}: give True (the conversation "
+                          f"ends) or False (the model speaks again); {shape}.")
     return msg, {k: float(v) for k, v in (parts or {}).items()}, bool(done)
 
 
@@ -214,6 +218,12 @@ def _check_env_class(env_cls, args, where: str) -> None:
         raise ConfigError(f"{where}.env_args={given!r} does not fit {name}{inspect.signature(env_cls)} "
                           f"({e}). Give the keyword arguments its constructor takes."
                           f"{near_args(sorted(set(given) - set(known)), known)}") from None
+    # a str is a sequence of one-character strings: stop = "</g>" ended each turn at its first '<', '/', 'g' or '>'
+    for what, stop in [(f"{name}.stop", getattr(env_cls, "stop", [])), (f"{where}.stop", args.get("stop"))]:
+        if stop is not None and (isinstance(stop, str) or not all(isinstance(s, str) for s in stop)):
+            example = [stop] if isinstance(stop, str) else ["</answer>"]
+            raise ConfigError(f"{what}={_short(stop)}: give a list of strings, each of which ends an assistant turn "
+                              f"(e.g. {example!r}); a str is read as its characters, each one a stop.")
     # an environment may check its arguments against this machine too (python: is there a sandbox?)
     if callable(getattr(env_cls, "check_config", None)):
         env_cls.check_config(**dict(args.get("env_args") or {}))
@@ -387,7 +397,11 @@ def _experience(task, c: Conversation, ctx, strict: bool, sampling: dict) -> Exp
         raise RunError(drift_message(tok, c, *drift))
     from rft.rewards.scoring import Reward
 
-    info = {**{k: v for k, v in (c.env.info or {}).items()}, **c.info}
+    own = getattr(c.env, "info", None) or {}  # an environment without counters has no `info`
+    if not isinstance(own, Mapping):
+        raise ConfigError(f"{_env_name(type(c.env))}.info is a {type(own).__name__}: make it a dict of counters "
+                          f"(name -> number, logged as rollout/<name>_mean), or leave it out.")
+    info = {**own, **c.info}
     info.update({
         "finish_reason": c.finish_reason, "turns": c.turns, "drift": drift is not None,
         "prompt": tok.decode(c.ids[: c.prompt_length], skip_special_tokens=True),
