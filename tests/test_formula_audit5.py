@@ -330,8 +330,7 @@ def test_1_2_4_micro_batches_give_the_one_batch_gradient_and_the_formula(zero_lr
         assert metrics["actor/entropy"] == pytest.approx(entropy, rel=1e-5), (mode, micro)
 
 
-@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
-@pytest.mark.parametrize("packed", [True, False])
+@pytest.mark.parametrize("mode,packed", [("token-mean", True), ("seq-mean-token-mean", False)])
 def test_token_budget_micro_batches_give_the_formula_gradient(zero_lr_trainer, mode, packed):
     """trainer.use_dynamic_bsz: micro-batches by a token budget (rows of 13 to 18 tokens: 40 packed
     tokens hold 2 or 3 rows, padded 2), packed or padded rows: the same gradient as the formula."""
@@ -563,3 +562,17 @@ def test_tiny_default_memory_parts_by_hand():
     # hf: min(generate_batch_size 256, 128 rollouts) rows x 30 tokens x 2 (k, v) x L x kv x 4 bytes
     assert explorer["KV cache (128 rows x 30 tokens)"] == 128 * 30 * 2 * L * kv * 4 == 7_864_320
     assert explorer["scores (128 rows)"] == 3 * 128 * V * 4
+
+
+def test_group_diversity_filter_uses_the_population_std_inclusive():
+    # groups: [1, 0] (std 0.5), [0.5, 0.5] (0), [1, 0, 0, 0] (sqrt(3/16) = 0.433)
+    from rft.data import operators
+    from rft.data.experience import Experience
+    groups = {"a": [1, 0], "b": [0.5, 0.5], "c": [1, 0, 0, 0]}
+    exps = [Experience([1, 2], 1, [0.0], reward=float(r), group_id=f"0/{g}") for g, rs in groups.items() for r in rs]
+
+    def kept(min_std):
+        return sorted({e.group_id[2:] for e in operators.group_diversity_filter(exps, min_std=min_std)})
+    assert kept(0.0) == ["a", "c"]
+    assert kept(0.43) == ["a", "c"] and kept(0.44) == ["a"]
+    assert kept(0.5) == []  # <= min_std is dropped
