@@ -576,3 +576,17 @@ def test_group_diversity_filter_uses_the_population_std_inclusive():
     assert kept(0.0) == ["a", "c"]
     assert kept(0.43) == ["a", "c"] and kept(0.44) == ["a"]
     assert kept(0.5) == []  # <= min_std is dropped
+
+
+def test_lr_after_a_resume_into_a_longer_plan_follows_the_new_length():
+    # 5 updates of a 10-update cosine plan, resumed with 20 (a run made longer): update k takes the
+    # 20-update schedule's lr at k (warm-up 2, min 0.1), as rft.trainer.state says
+    from rft.trainer.state import CheckpointMixin
+    first = _scheduled("cosine", 2, 10)
+    head = _applied(first, 5)
+    second = _scheduled("cosine", 2, 20)
+    second.optimizer.load_state_dict(first.optimizer.state_dict())
+    second.scheduler.load_state_dict(first.scheduler.state_dict())
+    CheckpointMixin._configured_optimizer(second)
+    assert head == pytest.approx([ref_lr(k, 1e-3, 2, 10, "cosine", 0.1) for k in range(5)], rel=1e-12, abs=1e-18)
+    assert _applied(second, 15) == pytest.approx([ref_lr(k, 1e-3, 2, 20, "cosine", 0.1) for k in range(5, 20)], rel=1e-12)
