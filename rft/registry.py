@@ -164,11 +164,15 @@ def resolve(registry: Mapping, name: str, key: str):
             raise ConfigError(f"{key}={name!r} is a {type(found).__name__}, not a function or class; give the "
                               f"dotted path of a function (module.function) or a registered name.")
         return found
+    import difflib
+
     shape = getattr(registry, "shape", "a function with the same signature (module.function)")
     foreign = getattr(registry, "foreign", {}).get(name)  # another system's name for one of ours
+    # a misspelt registered name (workflow=multiturn) was left to be found in the list by eye
+    near = difflib.get_close_matches(name, sorted(registry), n=1) if not foreign else []
     raise ConfigError(
         f"{key}={name!r} is not one of {sorted(registry)}; give a registered name or the dotted "
-        f"path of {shape}.{' ' + foreign if foreign else ''}"
+        f"path of {shape}.{' ' + foreign if foreign else ''}{f' Did you mean {near[0]}?' if near else ''}"
     )
 
 

@@ -93,7 +93,7 @@ def test_batch_plan_values():
         (["algorithm.advantage_fn=grpoo"],
          "algorithm.advantage_fn='grpoo' is not one of ['dr_grpo', 'gae', 'grpo', 'none', 'opmd', 'reinforce_pp', "
          "'reinforce_pp_baseline', 'rloo']; give a registered name or the dotted path of a function with the "
-         "same signature (module.function)."),
+         "same signature (module.function). Did you mean grpo?"),
         (["algorithm.advantage_fn=my_study.nowhere.fn"],
          # run from a study's own folder (python ../rft/run.py), that folder is not on Python's path
          "algorithm.advantage_fn='my_study.nowhere.fn': cannot import it (ModuleNotFoundError: No module named 'my_study'). "

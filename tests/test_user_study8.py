@@ -241,3 +241,23 @@ def test_a_shipped_entry_added_again_with_its_own_path_keeps_its_needs():
     ADVANTAGE_FNS["grpo"] = "rft.algorithms.advantages.grpo_advantage"
     assert ADVANTAGE_FNS.info("grpo") == Needs(grouped=True)
     assert algorithm_needs(compose_cfg([]).algorithm).grouped
+
+
+def test_an_unknown_environment_name_is_told_to_give_a_class_and_a_near_name_is_offered():
+    """`env: guess` was told to give "the dotted path of a function with the same signature" (an
+    environment is a class), and `workflow: multiturn` found no "Did you mean multi_turn?"."""
+    from rft.registry import resolve
+    from rft.rollout.environments.tools import ENVIRONMENTS
+    from rft.rollout.workflows.single_turn import WORKFLOWS
+
+    with pytest.raises(ConfigError) as e:
+        mt.check_args({"env": "guess"})
+    assert str(e.value) == (
+        "workflow_args.env='guess' is not one of ['calculator', 'python']; give a registered name or the dotted path "
+        "of an environment class with reset(task) and step(text) (module.Class; rft/rollout/environments/tools.py).")
+    with pytest.raises(ConfigError) as e:
+        resolve(WORKFLOWS, "multiturn", "buffer.explorer_input.taskset.workflow")
+    assert str(e.value).endswith("(module.function). Did you mean multi_turn?")
+    with pytest.raises(ConfigError) as e:
+        resolve(ENVIRONMENTS, "calculater", "workflow_args.env")
+    assert str(e.value).endswith("Did you mean calculator?")

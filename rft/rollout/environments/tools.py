@@ -202,7 +202,8 @@ class PythonEnv(ToolEnv):
 
 
 # workflow_args.env: a name here, or the dotted path of a class with the same methods
+# (`shape`: an unknown name was told to give "a function with the same signature", for a class)
 ENVIRONMENTS = Registry("workflow_args.env", {
     "calculator": "rft.rollout.environments.tools.CalculatorEnv",
     "python": "rft.rollout.environments.tools.PythonEnv",
-})
+}, shape="an environment class with reset(task) and step(text) (module.Class; rft/rollout/environments/tools.py)")
