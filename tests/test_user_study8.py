@@ -261,3 +261,17 @@ def test_an_unknown_environment_name_is_told_to_give_a_class_and_a_near_name_is_
     with pytest.raises(ConfigError) as e:
         resolve(ENVIRONMENTS, "calculater", "workflow_args.env")
     assert str(e.value).endswith("Did you mean calculator?")
+
+
+def test_a_per_row_metric_of_a_loss_is_named_by_its_shape():
+    """A length-normalised REINFORCE loss returning {"tokens": mask.sum(-1)} (a value per row, where a
+    sum over tokens goes) was told so with the tensor's repr: 64 values over 5 lines in the paragraph."""
+    from rft.algorithms.contract import check_loss
+
+    logp = torch.zeros(64, 18, requires_grad=True)
+    with pytest.raises(ConfigError) as e:
+        check_loss((logp * 2, {"tokens": torch.full((64,), 18.0)}), logp, "my.len_reinforce")
+    assert str(e.value) == (
+        "algorithm.policy_loss_fn=my.len_reinforce returned metrics of the wrong kind ('tokens': a torch.float32 "
+        "tensor of shape [64]): a dict of name -> number (a sum over the micro-batch's tokens, added up over "
+        "micro-batches), or name -> (sum, count) for a mean over something else; {} for none.")

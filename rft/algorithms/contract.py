@@ -108,11 +108,20 @@ def check_loss(out, logp: torch.Tensor, name: str) -> None:
                           f"detached or recomputed log-prob?), so the update would not change the policy. Compute "
                           f"it from the logp it is given.")
     if not isinstance(metrics, dict) or not all(isinstance(k, str) and _number(v) for k, v in metrics.items()):
-        bad = "" if not isinstance(metrics, dict) else next(f" ({k!r}: {v!r})" for k, v in metrics.items()
+        bad = "" if not isinstance(metrics, dict) else next(f" ({k!r}: {_shown(v)})" for k, v in metrics.items()
                                                             if not (isinstance(k, str) and _number(v)))
         raise ConfigError(f"{LOSS_KEY}={name} returned metrics of the wrong kind{bad}: a dict of name -> number "
                           f"(a sum over the micro-batch's tokens, added up over micro-batches), or name -> (sum, "
                           f"count) for a mean over something else; {{}} for none.")
+
+
+def _shown(v) -> str:
+    """A wrong metric value in a message: a tensor by its shape (a per-row tensor's repr filled the
+    paragraph with every row's value over many lines), anything else its repr, cut to 80 characters."""
+    if isinstance(v, torch.Tensor):
+        return f"a {v.dtype} tensor of shape {list(v.shape)}"
+    text = repr(v)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _number(v) -> bool:
