@@ -275,3 +275,17 @@ def test_a_per_row_metric_of_a_loss_is_named_by_its_shape():
         "algorithm.policy_loss_fn=my.len_reinforce returned metrics of the wrong kind ('tokens': a torch.float32 "
         "tensor of shape [64]): a dict of name -> number (a sum over the micro-batch's tokens, added up over "
         "micro-batches), or name -> (sum, count) for a mean over something else; {} for none.")
+
+
+def test_a_study_overlay_chosen_without_its_search_path_is_pointed_at_it():
+    """`python run.py experiment=guess_number` (the study's search path left out) was told only that
+    conf/experiment/ lacks it and which overlays conf/ has."""
+    args = ["experiment=guess_number"]
+    message = check(args, search_dirs(args, ROOT / "conf"))
+    assert message.startswith("experiment=guess_number: there is no conf/experiment/guess_number.yaml (the options ")
+    assert message.endswith(
+        "). experiments/guess_number/conf/experiment/guess_number.yaml has it: a study's folder comes in through "
+        f"Hydra's search path, 'hydra.searchpath=[file://experiments/guess_number/conf]' (run from {ROOT}).")
+    args = ["experiment=no_such_study"]  # no study has it: the message as before
+    message = check(args, search_dirs(args, ROOT / "conf"))
+    assert message.endswith(").") and "search path" not in message

@@ -111,6 +111,18 @@ class Roots:
         found = [f"{self.shown(r / group)}/" for r in self.all if (r / group).is_dir()]
         return found[0] if len(found) == 1 else f"{', '.join(found[:-1])} and {found[-1]}"
 
+    def elsewhere(self, group: str, option: str) -> str:
+        """A sentence for a study's conf folder (experiments/<study>/conf) that has the option while no
+        search path names it: `experiment=kv_lookup` without its hydra.searchpath was told only
+        that conf/experiment/ lacks it."""
+        there = sorted(p for p in self.conf.parent.glob(f"experiments/*/conf/{group}/{option}.yaml")
+                       if p.parent.parent not in self.all)
+        if not there:
+            return ""
+        folder = there[0].parent.parent.relative_to(self.conf.parent).as_posix()
+        return (f" {folder}/{group}/{option}.yaml has it: a study's folder comes in through Hydra's search path, "
+                f"'hydra.searchpath=[file://{folder}]' (run from {self.conf.parent}).")
+
     def missing(self, group: str, option: str) -> str:
         """Where the option's file was looked for: conf/<group>/<option>.yaml, or every folder."""
         if not self.extra:
@@ -209,7 +221,7 @@ def _choices(args: list[str], roots: Roots) -> tuple[list[Path], str | None]:
                 near = difflib.get_close_matches(option, options, n=1)
                 hint = f" Did you mean {group}={near[0]}?" if near else ""
                 return [], (f"{group}={option}: there is no {roots.missing(group, option)} (the options of '{group}' "
-                            f"are {', '.join(options)}).{hint}{roots.absent()}")
+                            f"are {', '.join(options)}).{hint}{roots.absent()}{roots.elsewhere(group, option)}")
             found += [path] if path and not hydra else []  # (a launcher's keys are no keys of rft's config)
     return found, None
 
