@@ -17,6 +17,9 @@ NEEDS_HUB = {("task", "gsm8k")}
 NEEDS_LOCAL = {("task", "math")}
 # options that need a model the user names (algorithm=opd: its teacher): a clear error without it
 NEEDS_TEACHER = {("algorithm", "opd")}
+# a study's own task, whose data its prepare.py writes (experiments/word_sort): written here, in this
+# test's own folder (the session's cache_dir is another test's to fill)
+PREPARED = {("task", "word_sort")}
 
 
 @pytest.mark.slow  # ~40 s for all of them
@@ -34,7 +37,13 @@ def test_every_option_plans_on_the_default(group, option, tmp_path, monkeypatch,
     monkeypatch.setattr(datasets, "load_dataset", no_hub)
     monkeypatch.setattr(rft.data.tasks, "_hub_cached", lambda path: False)  # whatever this machine downloaded
     monkeypatch.setattr(rft.data.tasks, "_hub_unreachable", lambda path: None)  # ask load_dataset, patched above
-    cfg = compose_cfg([f"{group}={option}", "dry_run=true", f"checkpoint_root_dir={tmp_path}"])
+    extra = []
+    if (group, option) in PREPARED:
+        from experiments.word_sort.prepare import write_data
+
+        data = write_data(tmp_path / "data")
+        extra = [f"buffer.explorer_input.taskset.path={data}", f"buffer.explorer_input.eval_tasksets.0.path={data}"]
+    cfg = compose_cfg([f"{group}={option}", "dry_run=true", f"checkpoint_root_dir={tmp_path}", *extra])
     if (group, option) in NEEDS_HUB:
         with pytest.raises(rft.runtime.main.ConfigError, match="there is no such local file or directory .*, and loading "
                                                        "it as a Hugging Face dataset id failed"):

@@ -253,7 +253,7 @@ def test_bad_client_args_fail_when_built():
         RemoteReward("http://127.0.0.1:8000", token=TOKEN, timeout=0, check=False)
     with pytest.raises(ConfigError, match=r"args has \['retry'\], which remote does not take; its arguments are "
                                           r"\['url', 'token', 'timeout', 'retries', 'backoff', 'max_backoff', "
-                                          r"'max_concurrency', 'check'\]"):
+                                          r"'max_concurrency', 'check', 'token_file'\]\. Did you mean retries \(not retry\)\?"):
         build([{"fn": "remote", "args": {"url": "http://127.0.0.1:8000", "retry": 1}}], "reward_fn")
 
 
