@@ -114,7 +114,8 @@ class Roots:
     def elsewhere(self, group: str, option: str) -> str:
         """A sentence for a study's conf folder (experiments/<study>/conf) that has the option while no
         search path names it: `experiment=kv_lookup` without its hydra.searchpath was told only
-        that conf/experiment/ lacks it."""
+        that conf/experiment/ lacks it. (Not where a search path given is no folder from here: that
+        sentence, Roots.absent, is the one to read.)"""
         there = sorted(p for p in self.conf.parent.glob(f"experiments/*/conf/{group}/{option}.yaml")
                        if p.parent.parent not in self.all)
         if not there:
@@ -221,7 +222,7 @@ def _choices(args: list[str], roots: Roots) -> tuple[list[Path], str | None]:
                 near = difflib.get_close_matches(option, options, n=1)
                 hint = f" Did you mean {group}={near[0]}?" if near else ""
                 return [], (f"{group}={option}: there is no {roots.missing(group, option)} (the options of '{group}' "
-                            f"are {', '.join(options)}).{hint}{roots.absent()}{roots.elsewhere(group, option)}")
+                            f"are {', '.join(options)}).{hint}{roots.absent() or roots.elsewhere(group, option)}")
             found += [path] if path and not hydra else []  # (a launcher's keys are no keys of rft's config)
     return found, None
 
