@@ -235,12 +235,14 @@ def dropped_spaces(tokenizer, prompts: list[list[str]], answers: list[str], wher
     never be written. The built-in tasks carry no such space (countdown's numbers are joined by
     commas); a study's own data may."""
     gaps = re.compile(r"\S(\s+)\S")
-    dropped: dict[str, bool] = {}
+    dropped: dict[str, bool] = {}  # each gap's answer, asked of the tokenizer once
+
+    def enc(text: str) -> list[int]:
+        return tokenizer.encode(text, add_special_tokens=False)
 
     def drops(text: str) -> bool:
         for gap in {m.group(1) for m in gaps.finditer(text)}:
             if gap not in dropped:
-                enc = lambda t: tokenizer.encode(t, add_special_tokens=False)  # noqa: E731
                 dropped[gap] = enc(f"a{gap}b") == enc("ab")
             if dropped[gap]:
                 return True
