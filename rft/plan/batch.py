@@ -485,15 +485,22 @@ def _unused_overlong_factor(algo) -> None:
 
 
 ALGORITHM_FN_KEYS = ("advantage_fn", "policy_loss_fn")
+# keys that turn on what makes an algorithm of conf/algorithm/ more than its parent's functions (mix's
+# SFT term, dapo's dynamic sampling and overlong penalty, opd's teacher), each with the value it is
+# off at or below: mix and dapo keep grpo's functions, so the functions alone let
+# algorithm.algorithm_type=mix run plain GRPO under the name mix
+ALGORITHM_SWITCHES = {"sft_loss_weight": 0, "distill_coef": 0, "dynamic_sampling_max_tries": 1,
+                      "overlong_buffer_frac": 0}
 
 
 def check_algorithm_label(cfg, _=None) -> None:
     """algorithm.algorithm_type is a label here; in Trinity-RFT it picks the algorithm. A stage (or
     an override) that names an algorithm of conf/algorithm/ there, other than the `algorithm=`
-    group chosen, while its functions are another algorithm's, would run that other algorithm under
-    the name it gives (Trinity's stage `algorithm: {algorithm_type: sft}` ran GRPO labelled sft).
-    Checked where the stages are split (rft.runtime.main.split_stages), under the job's own
-    HydraConfig: a sweep's driver plans each job with the driver's."""
+    group chosen, while its functions are another algorithm's, or none of the file's switches
+    (ALGORITHM_SWITCHES) is on, would run that other algorithm under the name it gives (Trinity's
+    stage `algorithm: {algorithm_type: sft}` ran GRPO labelled sft; `algorithm_type: mix` GRPO
+    without its SFT term). Checked where the stages are split (rft.runtime.main.split_stages), under
+    the job's own HydraConfig: a sweep's driver plans each job with the driver's."""
     from pathlib import Path
 
     from hydra.core.hydra_config import HydraConfig
@@ -503,21 +510,33 @@ def check_algorithm_label(cfg, _=None) -> None:
     label = cfg.algorithm.algorithm_type
     if label == HydraConfig.get().runtime.choices.get("algorithm"):
         return  # the label the chosen group gave, whatever functions were overridden after it
-    wants = algorithm_file_fns(label, Path(__file__).resolve().parents[2] / "conf")
+    conf = Path(__file__).resolve().parents[2] / "conf"
+    wants = algorithm_file_fns(label, conf)
+    if not wants:
+        return
     runs = {k: cfg.algorithm[k] for k in ALGORITHM_FN_KEYS}
-    if wants and any(wants.get(k, runs[k]) != runs[k] for k in ALGORITHM_FN_KEYS):
-        said = ", ".join(f"{k}={v}" for k, v in runs.items())
-        raise ConfigError(
-            f"algorithm.algorithm_type={label} is only a name for logs and outputs here (in Trinity-RFT it picks "
-            f"the algorithm): this stage would run {said}, not {label}'s "
-            f"{', '.join(f'{k}={v}' for k, v in wants.items())}. Choose the algorithm with algorithm={label} "
-            f"(conf/algorithm/{label}.yaml; in a stage's entry, its algorithm keys as that file sets them), or "
-            f"give a name that is no algorithm's.")
+    said = ", ".join(f"{k}={v}" for k, v in runs.items())
+    if any(wants.get(k, runs[k]) != runs[k] for k in ALGORITHM_FN_KEYS):
+        missing = ", ".join(f"{k}={v}" for k, v in wants.items())
+    else:
+        # the same functions: the file's switches that are on there, unless the run has one of them on
+        on = {k: v for k, v in algorithm_file_fns(label, conf, tuple(ALGORITHM_SWITCHES)).items()
+              if v > ALGORITHM_SWITCHES[k]}
+        if not on or any(cfg.algorithm[k] > ALGORITHM_SWITCHES[k] for k in on):
+            return
+        said += " with " + ", ".join(f"{k}={cfg.algorithm[k]}" for k in on)
+        missing = ", ".join(f"{k}={v}" for k, v in on.items())
+    raise ConfigError(
+        f"algorithm.algorithm_type={label} is only a name for logs and outputs here (in Trinity-RFT it picks "
+        f"the algorithm): this stage would run {said}, not {label}'s {missing}. Choose the algorithm with "
+        f"algorithm={label} (conf/algorithm/{label}.yaml; in a stage's entry, its algorithm keys as that file "
+        f"sets them), or give a name that is no algorithm's.")
 
 
-def algorithm_file_fns(name: str, conf_dir) -> dict[str, str] | None:
-    """advantage_fn and policy_loss_fn as conf/algorithm/<name>.yaml sets them, through the files of
-    its group that it extends (`defaults: [grpo]`); None when there is no such file."""
+def algorithm_file_fns(name: str, conf_dir, keys: tuple = ALGORITHM_FN_KEYS) -> dict[str, Any] | None:
+    """The keys (advantage_fn and policy_loss_fn unless told) as conf/algorithm/<name>.yaml sets
+    them, through the files of its group that it extends (`defaults: [grpo]`); None when there is
+    no such file."""
     import yaml
 
     from rft.plan.overlays import _PACKAGE, entries
@@ -525,16 +544,16 @@ def algorithm_file_fns(name: str, conf_dir) -> dict[str, str] | None:
     path = conf_dir / "algorithm" / f"{name}.yaml"
     if not path.is_file():
         return None
-    got: dict[str, str] = {}
+    got: dict[str, Any] = {}
     for e in entries(path, conf_dir):
         if e.bare and e.option != name:
-            got.update(algorithm_file_fns(e.option, conf_dir) or {})
+            got.update(algorithm_file_fns(e.option, conf_dir, keys) or {})
     text = path.read_text()
     own = yaml.safe_load(text) or {}
     package = _PACKAGE.search(text)
     if package and package.group(1) == "_global_":
         own = own.get("algorithm") or {}
-    got.update({k: own[k] for k in ALGORITHM_FN_KEYS if k in own})
+    got.update({k: own[k] for k in keys if k in own})
     return got
 
 
