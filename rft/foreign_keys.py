@@ -14,7 +14,7 @@ the exact keys) and a `ForeignKey`. Its meanings were checked against each syste
 configuration reference and against rft/config.py; tests/test_foreign_keys.py checks that every
 key of rft an entry names exists. A study may add its own: `FOREIGN_KEYS["my.key"] = ForeignKey(...)`.
 Trinity-RFT's keys are rft's own names (rft/config.py's comments name its renamed ones); the table
-holds those of its keys rft lacks, and its trainer.trainer_config, whose verl keys are verl's entries.
+holds those of its keys rft lacks or renamed, and its trainer.trainer_config, whose verl keys are verl's entries.
 """
 
 from __future__ import annotations
@@ -88,6 +88,26 @@ def _envs(systems: tuple[str, ...]) -> ForeignKey:
 
 
 _ENVS = _envs(ROLL)
+_WORKFLOWS = ("Trinity-RFT's math_workflow and simple_workflow are single_turn here (the default; the reward is "
+              "named apart, reward_fn), a conversation with an environment multi_turn, an agent through the "
+              "OpenAI API openai_agent, a study's own its dotted path (module.function).")
+_TASKSET_STORAGE = ("a taskset is read from its path: a JSONL, Parquet or CSV file, a folder of them or a Hugging "
+                    "Face dataset id (Trinity-RFT's file); there are no sql or queue tasksets. Remove the key.")
+# Trinity-RFT's <fn>_args dicts: rft's algorithm section holds the built-in functions' settings itself
+_FN_ARGS = (
+    ("kl_loss_fn", "algorithm.kl_loss_coef", "Trinity-RFT's kl_coef is algorithm.kl_loss_coef (0.001 by default, "
+                                             "as there)."),
+    ("kl_penalty_fn", "algorithm.kl_penalty_coef", "Trinity-RFT's kl_coef is algorithm.kl_penalty_coef."),
+    ("entropy_loss_fn", "algorithm.entropy_coef", "Trinity-RFT's entropy_coef is algorithm.entropy_coef."),
+    ("policy_loss_fn", "algorithm.args", (
+        "The built-in losses read the algorithm section's own keys (clip_ratio_low, clip_ratio_high, clip_ratio_c, "
+        "loss_agg_mode); the mix algorithm's mu, the SFT term's weight, is nearest algorithm.sft_loss_weight "
+        "(algorithm=mix adds sft_loss_weight x the SFT loss to the RL loss); a study's own loss takes its "
+        "keywords from algorithm.args.")),
+    ("advantage_fn", "algorithm.advantage_args", (
+        "The built-in advantage functions read the algorithm section's own keys (gamma, lam, tau); a study's own "
+        "function takes its keywords from algorithm.advantage_args.")),
+)
 _NO_SP = ("there is no sequence parallelism; for long sequences lower trainer.max_token_len_per_gpu (with "
           "trainer.use_dynamic_bsz=true), or set trainer.logprob_chunk_size and trainer.gradient_checkpointing=true.")
 
@@ -390,6 +410,34 @@ FOREIGN_KEYS = Registry("a key of another system", shape="a ForeignKey (rft/fore
     "explorer.dynamic_timeout.*": ForeignKey(TRINITY, ("explorer.max_timeout",), "A fixed time a task may take."),
     "explorer.env_vars": _envs(TRINITY),
     "trainer.ulysses_sequence_parallel_size": ForeignKey(TRINITY, (), _NO_SP),
+    # its renamed keys (rft/config.py's comments name them): the schema's nearest names pointed a
+    # taskset's storage_type at the experience buffer's, and default_workflow_type nowhere
+    "buffer.explorer_input.default_workflow_type": ForeignKey(TRINITY, (f"{_TASKSET}.workflow",), (
+        "Each taskset names its own (an eval set's too, buffer.explorer_input.eval_tasksets.<i>.workflow). "
+        + _WORKFLOWS)),
+    "buffer.explorer_input.default_eval_workflow_type": ForeignKey(TRINITY, ("buffer.explorer_input.eval_tasksets",), (
+        "Each eval set names its own workflow (buffer.explorer_input.eval_tasksets.<i>.workflow, single_turn "
+        "unless set). " + _WORKFLOWS)),
+    f"{_TASKSET}.default_workflow_type": ForeignKey(TRINITY, (f"{_TASKSET}.workflow",), _WORKFLOWS),
+    "buffer.explorer_input.eval_tasksets.*.default_workflow_type": ForeignKey(TRINITY, (
+        "buffer.explorer_input.eval_tasksets",), "The set's own workflow key (buffer.explorer_input.eval_tasksets.<i>"
+        ".workflow). " + _WORKFLOWS),
+    f"{_TASKSET}.default_reward_fn_type": ForeignKey(TRINITY, (f"{_TASKSET}.reward_fn",), (
+        "buffer.explorer_input.default_reward_fn_type is the run's default, as in Trinity-RFT.")),
+    "buffer.explorer_input.eval_tasksets.*.default_reward_fn_type": ForeignKey(TRINITY, (
+        "buffer.explorer_input.eval_tasksets",), "The set's own reward_fn key (buffer.explorer_input.eval_tasksets.<i>"
+        ".reward_fn); buffer.explorer_input.default_reward_fn_type is the run's default."),
+    f"{_TASKSET}.storage_type": ForeignKey(TRINITY, (), _TASKSET_STORAGE),
+    "buffer.explorer_input.eval_tasksets.*.storage_type": ForeignKey(TRINITY, (), _TASKSET_STORAGE),
+    "trainer.total_steps": ForeignKey(TRINITY, ("buffer.total_steps",), (
+        "Trinity-RFT's two keys are one here.")),
+    "algorithm.optimizer.lr_warmup_steps_ratio": ForeignKey(TRINITY, ("algorithm.optimizer.warmup_steps",), (
+        "Give the optimizer steps; `dry_run=true` prints a stage's steps.")),
+    **{f"algorithm.{fn}_args{tail}": ForeignKey(TRINITY, (ours,), note)
+       for fn, ours, note in _FN_ARGS for tail in ("", ".*")},
+    "explorer.runner_state_report_interval": ForeignKey(TRINITY, (), (
+        "the workflow runners do not report their state; a task that fails or runs past explorer.max_timeout is "
+        "counted in the step's metrics (rollout/failed_tasks, rollout/timeouts).")),
     # ---------------------------------------------------------------- TRL (GRPOConfig's fields)
     "num_generations": ForeignKey(TRL, ("algorithm.repeat_times",), "Responses sampled per prompt."),
     "per_device_train_batch_size": ForeignKey(ROLL + TRL, ("trainer.micro_batch_size_per_gpu",), (

@@ -145,11 +145,11 @@ def test_what_differs_from_trinity_rft():
 
 @pytest.mark.parametrize("override, where", [
     ("ray_namespace=rft", "Config"),
-    ("buffer.explorer_input.taskset.storage_type=file", "TasksetConfig"),
     ("trainer.save_strategy=whole", "TrainerConfig"),
     ("log.group_by_node=true", "LogConfig"),
     # the rest are rft/foreign_keys.py's: one paragraph naming rft's key, or that there is none
     ("algorithm.sample_strategy=warmup", None),
+    ("buffer.explorer_input.taskset.storage_type=file", None),
     ("algorithm.entropy_loss_fn=default", None),
     ("model.chat_template_path=t.jinja", None),
     ("model.min_response_tokens=1", None),
@@ -451,6 +451,7 @@ def test_every_run_py_command_of_the_readmes_composes():
 NOT_RFT_KEYS = {"algorithm.adv_estimator", "algorithm.kl_ctrl.type", "algorithm.sample_strategy", "explorer.env_vars",
                 "log.group_by_node", "model.chat_template_path", "trainer.save_strategy", "trainer.total_steps",
                 "monitor.monitor_args", "trainer.trainer_type", "trainer.trainer_config",
+                "buffer.explorer_input.default_workflow_type", "algorithm.kl_loss_fn_args.kl_coef",
                 "buffer.db", "buffer.py", "model.safetensors", "monitor.py"}
 
 

@@ -3,10 +3,16 @@ translated into rft's keys, then the keys, modes and habits such a user brings. 
 defect that study met."""
 
 import pytest
-from conftest import compose_cfg
+from conftest import CONF, compose_cfg
 
 from rft.errors import ConfigError
+from rft.plan.overlays import misspelt_override
 from rft.runtime.main import split_stages
+
+GROUPS = {p.name for p in CONF.iterdir() if p.is_dir()}
+_WORKFLOWS = ("Trinity-RFT's math_workflow and simple_workflow are single_turn here (the default; the reward is "
+              "named apart, reward_fn), a conversation with an environment multi_turn, an agent through the "
+              "OpenAI API openai_agent, a study's own its dotted path (module.function).")
 
 
 # ---------------------------------------------------------------- algorithm_type: mix, dapo
@@ -40,3 +46,41 @@ def test_trinity_algorithm_type_with_grpos_functions_stops(label, said, missing)
 def test_a_label_whose_switch_is_on_passes(overrides, label):
     stages, _ = split_stages(compose_cfg([*overrides, "stages=[]"]))
     assert [s.algorithm.algorithm_type for s in stages] == [label]
+
+
+# ---------------------------------------------------------------- Trinity-RFT's renamed keys
+
+@pytest.mark.parametrize("override, message", [
+    # before: "Did you mean buffer.trainer_input.experience_buffer.storage_type or ...": another key, of the
+    # trainer's buffer, which the README's line on the guide's keys does not promise
+    ("buffer.explorer_input.taskset.storage_type=file",
+     "that is Trinity-RFT's key, not rft's, and rft has no counterpart: a taskset is read from its path: a JSONL, "
+     "Parquet or CSV file, a folder of them or a Hugging Face dataset id (Trinity-RFT's file); there are no sql or "
+     "queue tasksets. Remove the key."),
+    # before: "Did you mean buffer.explorer_input.default_reward_fn_type or buffer.explorer_input.generator?"
+    ("buffer.explorer_input.default_workflow_type=math_workflow",
+     "that is Trinity-RFT's key, not rft's; rft's is buffer.explorer_input.taskset.workflow. Each taskset names its "
+     "own (an eval set's too, buffer.explorer_input.eval_tasksets.<i>.workflow). " + _WORKFLOWS),
+    ("buffer.explorer_input.eval_tasksets.0.default_workflow_type=math_workflow",
+     "that is Trinity-RFT's key, not rft's; rft's is buffer.explorer_input.eval_tasksets. The set's own workflow "
+     "key (buffer.explorer_input.eval_tasksets.<i>.workflow). " + _WORKFLOWS),
+    # before: "Did you mean algorithm.policy_loss_fn or algorithm.kl_loss_fn?"
+    ("algorithm.kl_loss_fn_args.kl_coef=0.01",
+     "that is Trinity-RFT's key, not rft's; rft's is algorithm.kl_loss_coef. Trinity-RFT's kl_coef is "
+     "algorithm.kl_loss_coef (0.001 by default, as there)."),
+    ("algorithm.policy_loss_fn_args.mu=0.1",
+     "that is Trinity-RFT's key, not rft's; rft's is algorithm.args. The built-in losses read the algorithm "
+     "section's own keys (clip_ratio_low, clip_ratio_high, clip_ratio_c, loss_agg_mode); the mix algorithm's mu, "
+     "the SFT term's weight, is nearest algorithm.sft_loss_weight (algorithm=mix adds sft_loss_weight x the SFT "
+     "loss to the RL loss); a study's own loss takes its keywords from algorithm.args."),
+])
+def test_trinitys_renamed_keys_name_rfts(override, message):
+    key = override.split("=")[0]
+    assert misspelt_override([override], GROUPS) == f"Could not override '{key}': {message}"
+
+
+def test_a_trinity_key_in_a_stage_names_the_stages_key():
+    assert misspelt_override(["stages.1.buffer.explorer_input.taskset.default_reward_fn_type=countdown"], GROUPS) == (
+        "Could not override 'stages.1.buffer.explorer_input.taskset.default_reward_fn_type': that is Trinity-RFT's "
+        "key, not rft's; rft's is stages.1.buffer.explorer_input.taskset.reward_fn. "
+        "buffer.explorer_input.default_reward_fn_type is the run's default, as in Trinity-RFT.")
