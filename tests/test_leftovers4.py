@@ -22,11 +22,23 @@ LONG = ["stages=[]", "cluster=inline", "monitor=console", "buffer.total_steps=40
         "explorer.eval_interval=1000", "explorer.eval_on_startup=false", "buffer.batch_size=4", "algorithm.repeat_times=2"]
 
 
+def _env(root: Path) -> dict[str, str]:
+    """This environment with RFT_CACHE_DIR (the session's cache) and RFT_CHECKPOINT_ROOT_DIR=`root` its only
+    RFT_* variables: the resume command starts with them (`_prefix`)."""
+    return {**{k: v for k, v in os.environ.items() if not k.startswith("RFT_")},
+            "RFT_CACHE_DIR": os.environ["RFT_CACHE_DIR"], "RFT_CHECKPOINT_ROOT_DIR": str(root)}
+
+
+def _prefix(root: Path) -> str:
+    """What the resume command starts with for `_env(root)`: typed in a new shell without them, the
+    same command started a fresh run in ./checkpoints."""
+    return f"RFT_CACHE_DIR={shlex.quote(os.environ['RFT_CACHE_DIR'])} RFT_CHECKPOINT_ROOT_DIR={shlex.quote(str(root))} "
+
+
 def _terminated_at_step_2(args: list[str], root: Path, checkpoints: str) -> tuple[int, str]:
     """`python run.py <args>`, sent SIGTERM once the checkpoint of step 2 matching `checkpoints` (a
     glob under `root`) is whole; its exit status and stderr."""
-    proc = subprocess.Popen([sys.executable, str(ROOT / "run.py"), *args], cwd=ROOT,
-                            env={**os.environ, "RFT_CHECKPOINT_ROOT_DIR": str(root)},
+    proc = subprocess.Popen([sys.executable, str(ROOT / "run.py"), *args], cwd=ROOT, env=_env(root),
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 300
     while not list(root.glob(checkpoints)):
@@ -54,8 +66,8 @@ def test_sigterm_stops_a_run_with_where_it_stopped_and_the_command_that_resumes_
     # the newest whole checkpoint at the signal: step 2 or a later one (every 2 steps), at most the last to end
     assert newest.parent == run / "checkpoints" and (newest / "state.json").exists()
     assert 2 <= int(newest.name.removeprefix("step_")) <= step
-    # as a shell takes it: stages=[] quoted (a glob's brackets)
-    assert said[3] == shlex.join(["python", str(ROOT / "run.py"), *args])
+    # as a shell takes it: stages=[] quoted (a glob's brackets), after the RFT_* variables the run was started with
+    assert said[3] == _prefix(tmp_path) + shlex.join(["python", str(ROOT / "run.py"), *args])
     # and the run's log ends with the same line
     assert (run / "run.log").read_text().rstrip().endswith(said[0].removeprefix("rft: "))
 
@@ -65,7 +77,8 @@ def test_sigterm_to_a_sweep_of_the_basic_launcher_names_the_sweeps_directory(tmp
     rc, err = _terminated_at_step_2(["-m", *LONG, "seed=1,2"], tmp_path, "rft/multirun/*/0/checkpoints/step_2/state.json")
     [sweep] = (tmp_path / "rft" / "multirun").iterdir()
     assert rc == 143 and "Traceback" not in err, err[-3000:]
-    command = shlex.join(["python", str(ROOT / "run.py"), "-m", *LONG, "seed=1,2", f"hydra.sweep.dir={sweep}"])
+    command = _prefix(tmp_path) + shlex.join(["python", str(ROOT / "run.py"), "-m", *LONG, "seed=1,2",
+                                              f"hydra.sweep.dir={sweep}"])
     said = (rf"^rft: stopped by SIGTERM after step \d+ of stage grpo\. Run the same command again with "
             rf"hydra\.sweep\.dir={sweep} to resume this sweep \(the newest checkpoint: {sweep}/0/checkpoints/"
             rf"step_\d+\); without it, the sweep starts over in a new directory\. The command: ")

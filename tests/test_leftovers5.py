@@ -2,6 +2,7 @@
 
 import os
 import re
+import shlex
 import subprocess
 import sys
 import textwrap
@@ -13,6 +14,18 @@ import pytest
 from conftest import ROOT, compose_cfg
 
 from rft.runtime import reaper
+
+
+def _env() -> dict[str, str]:
+    """This environment with RFT_CACHE_DIR (the session's cache) its only RFT_* variable: the resume
+    command starts with it (`_prefix`)."""
+    return {**{k: v for k, v in os.environ.items() if not k.startswith("RFT_")},
+            "RFT_CACHE_DIR": os.environ["RFT_CACHE_DIR"]}
+
+
+def _prefix() -> str:
+    return re.escape(f"RFT_CACHE_DIR={shlex.quote(os.environ['RFT_CACHE_DIR'])} ")
+
 
 # a driver whose ray.init never returns, in the way it hung: blocked in C while holding Python's lock
 # (ctypes.PyDLL keeps the GIL through the call), so no thread or signal handler of the driver runs
@@ -34,7 +47,8 @@ HUNG_DRIVER = textwrap.dedent("""
 def test_a_ray_init_that_hangs_holding_the_gil_is_stopped_past_init_timeout_s_with_a_paragraph(tmp_path):
     # it waited for ever (20 minutes seen, under memory pressure and a load of 18), printing nothing
     code = HUNG_DRIVER.format(root=str(ROOT), tmp=str(tmp_path))
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env=_env())
     assert proc.returncode == -9, proc.stderr[-3000:]  # the reaper's SIGKILL: a shell says 137
     assert "ray.init returned" not in proc.stdout
     # lines from 1 s on, each at twice the time of the one before (1, 2, 4 s: said at the reaper's next
@@ -48,7 +62,7 @@ def test_a_ray_init_that_hangs_holding_the_gil_is_stopped_past_init_timeout_s_wi
                      r"Ray's processes of this run are stopped\. Try again when memory and load are lower \(or with "
                      r"a larger cluster\.init_timeout_s where the machine is slow but not stuck; cluster=inline runs "
                      r"without Ray\): Run the same command again to resume \(no checkpoint was saved yet: the run "
-                     r"starts over\)\. The command: python -c$", proc.stderr, re.M)
+                     r"starts over\)\. The command: " + _prefix() + "python -c$", proc.stderr, re.M)
     assert said and int(said[1]) >= 5 and lines[-1] <= int(said[1]), proc.stderr
     assert said[2].endswith("or Ray's session files (/tmp/ray) are on a disk that is full or slow. ")
     assert "Traceback" not in proc.stderr
@@ -62,13 +76,14 @@ def test_a_driver_that_ray_ends_in_ray_init_gets_the_paragraph_after_rays_line(t
         "ray.init = lambda **kw: ctypes.PyDLL(None).sleep(600)",
         "import os, time; ray.init = lambda **kw: (time.sleep(2), print('Worker will terminate.', file=sys.stderr, "
         "flush=True), os._exit(1))").replace("main.INIT_PROGRESS_S = 1.0", "main.INIT_PROGRESS_S = 100.0")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env=_env())
     assert proc.returncode == 1, proc.stderr[-3000:]
     said = re.search(r"^Worker will terminate\.\n\nrft: the run stopped: the run's process ended (\d+) s into "
                      r"ray\.init, before Ray's local instance answered \(Ray's line above, if any, says why\)\. "
                      r"Likely causes: memory or load .*\. Ray's processes of this run are stopped\. Try again when "
                      r"memory and load are lower .*: Run the same command again to resume \(no checkpoint was saved "
-                     r"yet: the run starts over\)\. The command: python -c\n", proc.stderr, re.M)
+                     r"yet: the run starts over\)\. The command: " + _prefix() + r"python -c\n", proc.stderr, re.M)
     assert said and int(said[1]) >= 2, proc.stderr
 
 
@@ -133,7 +148,7 @@ def test_a_run_whose_raylet_stalls_in_ray_init_stops_past_the_bound_and_leaves_n
     (hook / "sitecustomize.py").write_text(FREEZE_RAYLET.format(out=str(pids)))
     args = ["cluster=local", "cluster.init_timeout_s=25", "monitor=console", "stages=[]", "name=stalled"]
     run = subprocess.Popen([sys.executable, str(ROOT / "run.py"), *args], cwd=ROOT, stdout=subprocess.PIPE,
-                           stderr=subprocess.PIPE, text=True, env={**os.environ, "RFT_CHECKPOINT_ROOT_DIR": str(tmp_path),
+                           stderr=subprocess.PIPE, text=True, env={**_env(), "RFT_CHECKPOINT_ROOT_DIR": str(tmp_path),
                                                                    "PYTHONPATH": os.pathsep.join([str(hook), str(ROOT)])})
     out, err = run.communicate(timeout=300)
     proc = subprocess.CompletedProcess(run.args, run.returncode, out, err)
@@ -142,7 +157,9 @@ def test_a_run_whose_raylet_stalls_in_ray_init_stops_past_the_bound_and_leaves_n
                      r"and raylet to answer, past cluster\.init_timeout_s=25, and the driver is stopped \(exit 137\)\.",
                      proc.stderr, re.M), proc.stderr[-3000:]
     assert "Ray's processes of this run are stopped." in proc.stderr
-    assert f"The command: python {ROOT / 'run.py'} {' '.join(args[:3])} 'stages=[]' name=stalled" in proc.stderr
+    # after the RFT_* variables it was started with (a new shell has neither)
+    assert re.search("The command: " + _prefix() + re.escape(f"RFT_CHECKPOINT_ROOT_DIR={shlex.quote(str(tmp_path))} "
+                     f"python {ROOT / 'run.py'} {' '.join(args[:3])} 'stages=[]' name=stalled"), proc.stderr)
     assert "Traceback" not in proc.stderr
     # the GCS, the raylet (frozen) and what they started: each ended (a zombie has, its parent gone)
     time.sleep(2)
@@ -174,6 +191,8 @@ def test_rays_own_startup_timeout_is_a_paragraph_not_its_traceback(tmp_path, mon
                         "failed to startup or the GCS has become overloaded.")
 
     monkeypatch.setattr(ray, "init", times_out)
+    for name in [k for k in os.environ if k.startswith("RFT_")]:  # none set: the command line alone
+        monkeypatch.delenv(name)
     monkeypatch.setattr(main, "_start_reaper", lambda: None)
     cfg = compose_cfg(["cluster=local", f"checkpoint_root_dir={tmp_path}", "name=slow"])
     with pytest.raises(SystemExit) as e:

@@ -6,6 +6,7 @@ import io
 import json
 import os
 import re
+import shlex
 import socket
 import threading
 import time
@@ -24,7 +25,10 @@ def test_the_studios_stop_of_a_ray_run_ends_it_with_the_paragraph_not_its_sigkil
     # group until the studio's SIGKILL 15 s later, and the console ended without the paragraph. Ray's
     # shutdown waits on the dead GCS too (~10 s on an idle machine), so the paragraph comes before it
     root = tmp_path / "root"
-    launches = Launches(ROOT, tmp_path / "logs", env={**os.environ, "RFT_CHECKPOINT_ROOT_DIR": str(root)})
+    # RFT_CACHE_DIR (the session's cache) and RFT_CHECKPOINT_ROOT_DIR its only RFT_* variables
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("RFT_")},
+           "RFT_CACHE_DIR": os.environ["RFT_CACHE_DIR"], "RFT_CHECKPOINT_ROOT_DIR": str(root)}
+    launches = Launches(ROOT, tmp_path / "logs", env=env)
     launch = launches.start(["stages=[]", "cluster=local", "monitor=console", "buffer.total_steps=400",
                              "trainer.save_interval=2", "explorer.eval_interval=1000", "name=stopped"])
     deadline = time.time() + 300
@@ -37,9 +41,12 @@ def test_the_studios_stop_of_a_ray_run_ends_it_with_the_paragraph_not_its_sigkil
     # 143, or the SIGKILL's -9 where Ray's shutdown outlasts the grace on a busy machine
     assert launch.proc.returncode in (143, -9), console[-3000:]
     said = re.search(r"^rft: stopped by SIGTERM after step (\d+) of stage grpo\. Run the same command again to "
-                     r"resume \(the newest checkpoint: (\S+)\)\. The command: ", console, re.M)
+                     r"resume \(the newest checkpoint: (\S+)\)\. The command: (.*)$", console, re.M)
     assert said, console[-3000:]
     assert int(said[1]) >= 2 and Path(said[2]).parent == root / "rft" / "stopped" / "checkpoints"
+    # the variables the studio started it with first: typed in a shell without them, a fresh run elsewhere
+    assert said[3].startswith(f"RFT_CACHE_DIR={shlex.quote(env['RFT_CACHE_DIR'])} "
+                              f"RFT_CHECKPOINT_ROOT_DIR={shlex.quote(str(root))} python "), said[3]
     assert console.count("rft: stopped by SIGTERM") == 1  # once: said before the shutdown, not again at the end
     assert launches.read(launch.id)["status"] == "stopped"
 

@@ -56,7 +56,7 @@ def main(cfg: DictConfig) -> float | None:
         if preemption.terminated(e) is not None:
             _say_terminated(cfg, e)
             sys.exit(128 + 15)  # a shell's status of a process SIGTERM ended
-        print(f"\nrft: interrupted. {_how_to_resume(cfg)}\n", file=sys.stderr)
+        print(f"\nrft: interrupted. {_how_to_resume(cfg)}{_env_note()}\n", file=sys.stderr)
         sys.exit(130)
     except OSError as e:
         # a disk that fills (or turns read-only) while a log, buffer or record is written; a
@@ -97,14 +97,48 @@ def _how_to_resume(cfg: DictConfig) -> str:
 
 def _resume_command() -> str:
     """The command line of this process, with the sweep's directory for a sweep (SIGTERM often comes
-    from a program, not from the terminal the command was typed in)."""
+    from a program, not from the terminal the command was typed in), after the RFT_* variables it
+    was started with: typed in a new shell without `RFT_CHECKPOINT_ROOT_DIR=/x`, it started a fresh
+    run in ./checkpoints instead of resuming."""
     import shlex
 
     argv = ["python", *sys.argv]
     sweep = _sweep_dir()
     if sweep and not any(a.startswith("hydra.sweep.dir=") for a in argv):
         argv.append(f"hydra.sweep.dir={sweep}")
-    return shlex.join(argv)
+    shown, secret = _rft_environment()
+    line = " ".join([*(f"{k}={shlex.quote(v)}" for k, v in shown.items()), shlex.join(argv)])
+    return line + (f" ({_secrets_named(secret)})" if secret else "")
+
+
+# rft sets these itself (an actor's devices; the Ray-on-Slurm script's requeue signal): not the user's
+_OWN_VARIABLES = frozenset({"RFT_DEVICES", "RFT_REQUEUE_SIGNAL"})
+_SECRET_PARTS = ("TOKEN", "KEY", "SECRET", "PASSWORD")
+
+
+def _rft_environment() -> tuple[dict[str, str], list[str]]:
+    """The RFT_* variables set for this run (conf/ reads RFT_CHECKPOINT_ROOT_DIR, RFT_CACHE_DIR, ...
+    through oc.env; a study's own config may read others), by name: those a resume needs again, and
+    the names of secrets among them (a token is never printed, and a log keeps what is)."""
+    names = sorted(k for k in os.environ if k.startswith("RFT_") and k not in _OWN_VARIABLES)
+    secret = [k for k in names if any(p in k for p in _SECRET_PARTS)]
+    return {k: os.environ[k] for k in names if k not in secret}, secret
+
+
+def _secrets_named(names: list[str], too: str = " too") -> str:
+    return f"set {', '.join(names)} again{too}: {'a secret' if len(names) == 1 else 'secrets'}, not shown here"
+
+
+def _env_note() -> str:
+    """For Ctrl-C's paragraph, which names no command (it was typed just now): the RFT_* variables
+    a new shell needs set again, where any were set."""
+    import shlex
+
+    shown, secret = _rft_environment()
+    if not shown:
+        return f" In a new shell, {_secrets_named(secret, '')}." if secret else ""
+    text = " ".join(f"{k}={shlex.quote(v)}" for k, v in shown.items())
+    return f" In a new shell, set the same environment: {text}" + (f" ({_secrets_named(secret)})" if secret else "") + "."
 
 
 def _out_of_memory(cfg: DictConfig, e: Exception) -> str:

@@ -1,0 +1,71 @@
+"""The resume command with the run's RFT_* variables, the cosine schedule past its end, a reward of
+the wrong type, lines of unbounded length, a launcher log outside the sweep."""
+
+import os
+import sys
+
+import pytest
+from conftest import compose_cfg
+
+# ---------------------------------------------------------------- the resume command and RFT_* variables
+
+
+def _no_rft_variables(monkeypatch) -> None:
+    for name in [k for k in os.environ if k.startswith("RFT_")]:
+        monkeypatch.delenv(name)
+
+
+def _stopped(monkeypatch, tmp_path, capsys, stop: BaseException) -> tuple[int, str]:
+    """main.main of a run that `stop` ends at once, started as
+    `RFT_CACHE_DIR=/c RFT_CHECKPOINT_ROOT_DIR='<tmp>/a b' RFT_REWARD_TOKEN=... python run.py name=inline`;
+    its exit status and stderr."""
+    import rft.runtime.main as main
+
+    _no_rft_variables(monkeypatch)
+    root = tmp_path / "a b"  # a space: the value is shell-quoted
+    monkeypatch.setenv("RFT_CACHE_DIR", "/c")
+    monkeypatch.setenv("RFT_CHECKPOINT_ROOT_DIR", str(root))
+    monkeypatch.setenv("RFT_REWARD_TOKEN", "s3cr3t-token")
+    monkeypatch.setenv("RFT_DEVICES", "0,1")  # rft's own (an actor's devices): not the user's
+    monkeypatch.setattr(sys, "argv", ["run.py", "name=inline"])
+    cfg = compose_cfg(["name=inline"])
+
+    def stops(cfg):
+        raise stop
+
+    monkeypatch.setattr(main, "_main", stops)
+    with pytest.raises(SystemExit) as e:
+        main.main(cfg)
+    return e.value.code, capsys.readouterr().err
+
+
+def test_the_command_sigterm_prints_starts_with_the_rft_variables_the_run_was_started_with(monkeypatch, tmp_path,
+                                                                                          capsys):
+    # it said `python run.py name=inline`: typed in a new shell it started a fresh run in ./checkpoints
+    from rft.runtime import preemption
+
+    code, err = _stopped(monkeypatch, tmp_path, capsys, preemption.Terminated("after step 3 of stage grpo"))
+    assert code == 143, err
+    assert err.rstrip().endswith(
+        f"The command: RFT_CACHE_DIR=/c RFT_CHECKPOINT_ROOT_DIR='{tmp_path}/a b' python run.py name=inline (set "
+        f"RFT_REWARD_TOKEN again too: a secret, not shown here)"), err
+    assert "s3cr3t" not in err and "RFT_DEVICES" not in err
+
+
+def test_ctrl_c_names_the_rft_variables_a_new_shell_needs(monkeypatch, tmp_path, capsys):
+    code, err = _stopped(monkeypatch, tmp_path, capsys, KeyboardInterrupt())
+    assert code == 130, err
+    assert err.strip() == (
+        f"rft: interrupted. Run the same command again to resume (no checkpoint was saved yet: the run starts "
+        f"over). In a new shell, set the same environment: RFT_CACHE_DIR=/c RFT_CHECKPOINT_ROOT_DIR='{tmp_path}/a b' "
+        f"(set RFT_REWARD_TOKEN again too: a secret, not shown here).")
+
+
+def test_without_rft_variables_the_command_is_the_command_line_alone(monkeypatch):
+    import rft.runtime.main as main
+
+    _no_rft_variables(monkeypatch)
+    monkeypatch.setattr(sys, "argv", ["run.py", "stages=[]"])
+    assert main._resume_command() == "python run.py 'stages=[]'"
+    assert main._env_note() == ""
+
