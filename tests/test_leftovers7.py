@@ -69,3 +69,24 @@ def test_without_rft_variables_the_command_is_the_command_line_alone(monkeypatch
     assert main._resume_command() == "python run.py 'stages=[]'"
     assert main._env_note() == ""
 
+
+# ---------------------------------------------------------------- the cosine schedule past its planned end
+
+
+def test_the_cosine_lr_stays_at_its_minimum_past_the_planned_updates():
+    # transformers' cosine went on round the circle: update 7 of a 6-update plan took 2.318e-4 again, and
+    # update 2 x 6 - 2 = 10 (p = 8/4 = 2) lr itself
+    import math
+
+    from test_formula_audit5 import _applied, _scheduled
+
+    # lr 1e-3, warm-up 2 of 6, min 0.1: 0, 5e-4, then p = 0/4 .. 3/4: 1e-3, 8.682e-4, 5.5e-4, 2.318e-4;
+    # update 6 (p = 4/4) takes 1e-4 + 9e-4 x (1 + cos(pi)) / 2 = 1e-4, and so do 7..10 (p held at 1)
+    c = math.cos(math.pi / 4)
+    within = [0, 5e-4, 1e-3, 1e-4 + 9e-4 * (1 + c) / 2, 5.5e-4, 1e-4 + 9e-4 * (1 - c) / 2]
+    assert _applied(_scheduled("cosine", 2, 6), 11) == pytest.approx(within + [1e-4] * 5, rel=1e-12)
+    # without warm-up: 4 updates planned, 1e-3 at 0, then 1e-4 from update 4 on (old: 1e-3 again at 8)
+    assert _applied(_scheduled("cosine", 0, 4), 9)[4:] == pytest.approx([1e-4] * 5, rel=1e-12)
+    # the constant schedule's linear warm-up ends at lr and stays there: 0, 2.5e-4 .. 7.5e-4, then 1e-3
+    assert _applied(_scheduled("constant", 4, 6), 9) == pytest.approx([0, 2.5e-4, 5e-4, 7.5e-4] + [1e-3] * 5)
+

@@ -20,6 +20,8 @@ and the methods that must gather or scatter the shards (weights, checkpoints).
 
 from __future__ import annotations
 
+import functools
+import math
 import os
 import time
 from pathlib import Path
@@ -70,6 +72,19 @@ def _held_out_pairs(cfg, tokenizer):
 def _lengths(full) -> list[int]:
     """Each row's token count (rows are right-padded)."""
     return full["attention_mask"].sum(-1).tolist()
+
+
+def cosine_to_min(step: int, warmup: int, total: int, min_ratio: float) -> float:
+    """The lr factor of update `step` (from 0): transformers' cosine_with_min_lr (linear warm-up, then
+    half a cosine from 1 to min_ratio at update `total`), with the progress held at 1 past `total`:
+    transformers' goes on round the cosine, so a run past its planned updates saw its lr rise back
+    towards lr (at 2 x total, after warm-up, lr itself). Written in transformers' order of operations:
+    within the plan the lrs are its own, bit for bit."""
+    if step < warmup:
+        return float(step) / float(max(1, warmup))
+    progress = min(1.0, float(step - warmup) / float(max(1, total - warmup)))
+    factor = 0.5 * (1.0 + math.cos(math.pi * 0.5 * 2.0 * progress))
+    return max(0.0, factor * (1 - min_ratio) + min_ratio)
 
 
 class Trainer(StepMixin, MetricsMixin, WeightsMixin, CheckpointMixin):
@@ -202,10 +217,8 @@ class Trainer(StepMixin, MetricsMixin, WeightsMixin, CheckpointMixin):
         )
         total = plan.total_steps * plan.optimizer_steps_per_step
         if opt.warmup_style == "cosine":
-            self.scheduler = get_scheduler(
-                "cosine_with_min_lr", self.optimizer, opt.warmup_steps, total,
-                scheduler_specific_kwargs={"min_lr_rate": opt.min_lr_ratio},
-            )
+            self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, functools.partial(
+                cosine_to_min, warmup=opt.warmup_steps, total=total, min_ratio=opt.min_lr_ratio))
         else:
             self.scheduler = get_scheduler("constant_with_warmup", self.optimizer, opt.warmup_steps, total)
 
