@@ -90,3 +90,61 @@ def test_the_cosine_lr_stays_at_its_minimum_past_the_planned_updates():
     # the constant schedule's linear warm-up ends at lr and stays there: 0, 2.5e-4 .. 7.5e-4, then 1e-3
     assert _applied(_scheduled("constant", 4, 6), 9) == pytest.approx([0, 2.5e-4, 5e-4, 7.5e-4] + [1e-3] * 5)
 
+
+# ---------------------------------------------------------------- a reward of the wrong type is not retried
+
+
+@pytest.mark.parametrize("value, said", [
+    (None, "reward 'p0' returned NoneType None, not a number"),
+    ("1.0", "reward 'p0' returned str '1.0', not a number (text is never read as one: return a float, e.g. "
+            "float(answer == task.answer))"),
+    ({}, "reward 'p0' returned an empty dict: give it at least one part, e.g. {'correct': 0.0}"),
+    ([1.0], "reward 'p0' returned 1 values for 2 responses"),  # served (the group at once): a list one short
+    ("yes", "reward 'p0' returned str 'yes' for a group of 2 responses: a served reward returns a list of one "
+            "reward per response"),
+])
+def test_a_reward_of_the_wrong_type_is_called_once_not_retried(value, said):
+    # it was called 1 + explorer.max_retry_times (here 2) = 3 times, as a flaky one, each time the same
+    from test_user_faults import _scorer, _task
+
+    from rft.rewards.scoring import Part, Scorer
+    from rft.rollout.explorer import run_jobs
+
+    calls = []
+
+    def per_response(prompt, response, task):
+        calls.append(response)
+        return value
+
+    def served(prompt, responses, task):  # a served reward (rft.rewards.remote's kind) is given the group
+        calls.append(responses)
+        return value
+
+    group = isinstance(value, list) or value == "yes"
+    scorer = Scorer([Part("p0", 1.0, served)]) if group else _scorer(per_response)
+    # a function scored per response is given one response here: one call an attempt
+    results, c = run_jobs(lambda job: scorer(*job), [("q", ["357", "1"] if group else ["357"], _task())], runners=1,
+                          timeout=5.0, retries=2)
+    assert len(calls) == 1, calls
+    assert results == [None] and (c["errors"], c["retries"], c["failed"]) == (1, 0, 1)
+    assert c["last_error"] == f"ValueError: {said}"  # the message as before
+
+
+def test_a_reward_that_raises_or_is_not_finite_is_still_retried():
+    from test_user_faults import _scorer, _task
+
+    from rft.rollout.explorer import run_jobs
+
+    for value in (RuntimeError("the judge's server dropped the call"), float("nan")):
+        calls = []
+
+        def flaky(prompt, response, task, value=value):
+            calls.append(response)
+            if isinstance(value, Exception):
+                raise value
+            return value
+
+        results, c = run_jobs(lambda job: _scorer(flaky)(*job), [("q", ["357"], _task())], runners=1, timeout=5.0,
+                              retries=2)
+        # 1 call + 2 retries, each of the one response
+        assert len(calls) == 3 and results == [None] and (c["errors"], c["retries"], c["failed"]) == (3, 2, 1)

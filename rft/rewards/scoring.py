@@ -59,6 +59,17 @@ _ANSWER_NAMES = {"answer", "answers", "ground_truth", "gt", "reference", "ref", 
                  "expected", "truth"}
 
 
+def wrong_type(text: str) -> ValueError:
+    """The error of a reward that returned what is no reward (text, None, a dict of no parts, a list
+    of another length than the group's): a bug of the reward's own, which returns the same again
+    when called again. rft.rollout.explorer.run_jobs retries an error explorer.max_retry_times times,
+    as for a flaky one (a server that dropped the call), unless it says `retry = False`: the task
+    fails at once. A ValueError still, as its message names it."""
+    e = ValueError(text)
+    e.retry = False
+    return e
+
+
 class Reward(float):
     """A reward as a float that also carries its parts (`.parts`, values before weighting).
 
@@ -103,10 +114,10 @@ class Scorer:
             with stdout_cap.capped(p.name, self.printed):  # a print in it is multiplied by every response
                 values = p.call(prompt, list(responses), own_copy(task))
             if not isinstance(values, (list, tuple)):  # a dict of 2 keys would pass as 2 rewards (its keys)
-                raise ValueError(f"reward {p.name!r} returned {type(values).__name__} {_short(values)} for a group of "
+                raise wrong_type(f"reward {p.name!r} returned {type(values).__name__} {_short(values)} for a group of "
                                  f"{len(responses)} responses: a served reward returns a list of one reward per response")
             if len(values) != len(responses):
-                raise ValueError(f"reward {p.name!r} returned {len(values)} values for {len(responses)} responses")
+                raise wrong_type(f"reward {p.name!r} returned {len(values)} values for {len(responses)} responses")
             per_part.append(values)
         out = []
         for i in range(len(responses)):
@@ -198,19 +209,19 @@ def _named(name: str, value) -> dict[str, float]:
     """A reward's value as {part: float}: a float is the part `name`, a dict's entries `name/key`."""
     if isinstance(value, dict):
         if not value:  # its sum would be a reward of 0 that no part explains
-            raise ValueError(f"reward {name!r} returned an empty dict: give it at least one part, e.g. {{'correct': 0.0}}")
+            raise wrong_type(f"reward {name!r} returned an empty dict: give it at least one part, e.g. {{'correct': 0.0}}")
         return {f"{name}/{k}": _number(v, f"{name}/{k}") for k, v in value.items()}
     return {name: _number(value, name)}
 
 
 def _number(v, name: str) -> float:
     if isinstance(v, (str, bytes)):  # float("357") would make a regex's match, the model's answer, the reward
-        raise ValueError(f"reward {name!r} returned {type(v).__name__} {v!r}, not a number (text is never read as "
+        raise wrong_type(f"reward {name!r} returned {type(v).__name__} {v!r}, not a number (text is never read as "
                          f"one: return a float, e.g. float(answer == task.answer))")
     try:
         x = float(v)
     except (TypeError, ValueError):
-        raise ValueError(f"reward {name!r} returned {type(v).__name__} {v!r}, not a number") from None
+        raise wrong_type(f"reward {name!r} returned {type(v).__name__} {v!r}, not a number") from None
     if not math.isfinite(x):  # one inf makes every mean, std and advantage of its step inf or NaN
         raise ValueError(f"reward {name!r} returned {x}, not a finite number")
     return x

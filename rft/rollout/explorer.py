@@ -137,8 +137,8 @@ class _JobRun:
             # the call, not a thread that dies and a call that times out
             return i, attempt, False, e
 
-    def failed(self, i: int) -> None:
-        if self.tries[i] <= self.retries:
+    def failed(self, i: int, retry: bool = True) -> None:
+        if retry and self.tries[i] <= self.retries:
             self.counters["retries"] += 1
             self.todo.append(i)
         else:
@@ -173,7 +173,8 @@ class _JobRun:
                 else:
                     self.logged.add(self.last_error)
                     log.warning("job %d attempt %d raised %s", i, attempt, self.last_error)
-                self.failed(i)
+                # a reward of the wrong type (rft.rewards.scoring.wrong_type) returns it again: a bug, not flakiness
+                self.failed(i, getattr(value, "retry", True))
 
     def abandon_late(self, now: float, timeout: float) -> None:
         """Calls running longer than `timeout` no longer hold a runner: they time out."""
