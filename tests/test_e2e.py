@@ -1,16 +1,12 @@
 """End-to-end runs of the real entry point: the default learns, and a killed run resumes exactly."""
 
 import os
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, driver_modules_env, run_cli
-from resume_support import VOLATILE, run_here, run_to_end
+from conftest import driver_modules_env, run_cli
+from resume_support import VOLATILE, kill_when, run_here, run_to_end
 from safetensors.torch import load_file
 
 from rft.reporting.monitor import read_metrics
@@ -105,22 +101,18 @@ def stable(metrics, first):
 
 def test_killed_run_resumes_bit_exactly(tmp_path):
     env = {**os.environ, "RFT_CHECKPOINT_ROOT_DIR": str(tmp_path)}
-    straight = run_cli(*RESUME_ARGS, "name=straight", env=env)
-    assert straight.returncode == 0, straight.stderr[-3000:]
+    # the straight run in this process, the killed and the resumed one each a run.py process forked
+    # from one that imported torch (resume_support: the same bits and output without a fresh
+    # interpreter's imports, ~4 s a run; the resume is still a new process reading what the kill left)
+    run_here([*RESUME_ARGS, "name=straight"], tmp_path)
 
     # the same command, killed with SIGKILL once the step-4 checkpoint of the GRPO stage exists
-    cmd = [sys.executable, str(ROOT / "run.py"), *RESUME_ARGS, "name=killed"]
     grpo_dir = tmp_path / "rft" / "killed" / "grpo"
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 300
-    while not (grpo_dir / "checkpoints" / "step_4" / "state.json").exists():
-        assert proc.poll() is None and time.time() < deadline, "the run ended before its step-4 checkpoint"
-        time.sleep(0.02)
-    proc.send_signal(signal.SIGKILL)
-    assert proc.wait() == -signal.SIGKILL
+    kill_when([*RESUME_ARGS, "name=killed"], env, lambda: (grpo_dir / "checkpoints" / "step_4" / "state.json").exists(),
+              tmp_path / "killed_run")
     assert not (grpo_dir / "checkpoints" / "step_8").exists(), "killed too late to test anything"
 
-    resumed = run_cli(*RESUME_ARGS, "name=killed", env=env)
+    resumed = run_to_end([*RESUME_ARGS, "name=killed"], env, tmp_path / "resumed_run")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "[sft_warmup] already finished" in resumed.stdout
 
