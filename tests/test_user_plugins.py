@@ -11,7 +11,8 @@ import sys
 
 import pytest
 import torch
-from conftest import ROOT, compose_cfg, kill_at_checkpoint, run_cli
+from conftest import ROOT, compose_cfg
+from resume_support import forked_to_end, kill_when, run_to_end
 
 from rft.algorithms.contract import check_advantages, check_loss, checked
 from rft.data.experience import Experience
@@ -259,9 +260,13 @@ def test_the_study_resumes_after_a_kill_to_the_uninterrupted_result_and_sweeps_a
 
     env = {**os.environ, "RFT_CHECKPOINT_ROOT_DIR": str(tmp_path)}
     args = [*TINY, *STUDY, "buffer.total_steps=3", "trainer.save_interval=1", "objective=reward/mean"]
-    assert run_cli(*args, "name=whole", env=env).returncode == 0
-    kill_at_checkpoint([*args, "name=killed"], tmp_path / "rft" / "killed", 1, env)
-    r = run_cli(*args, "name=killed", env=env)
+    # each command a run.py process forked from one that imported torch (resume_support: the same
+    # command, argv and working directory without a fresh interpreter's imports, ~4 s a run)
+    assert run_to_end([*args, "name=whole"], env, tmp_path / "whole_run").returncode == 0
+    killed = tmp_path / "rft" / "killed"
+    kill_when([*args, "name=killed"], env, lambda: (killed / "checkpoints" / "step_1" / "state.json").exists(),
+              tmp_path / "killed_run")
+    r = run_to_end([*args, "name=killed"], env, tmp_path / "resumed_run")
     assert r.returncode == 0, r.stderr[-2000:]
     whole, killed = tmp_path / "rft" / "whole", tmp_path / "rft" / "killed"
     assert (killed / "batches.jsonl").read_text() == (whole / "batches.jsonl").read_text()
@@ -273,8 +278,8 @@ def test_the_study_resumes_after_a_kill_to_the_uninterrupted_result_and_sweeps_a
 
     # a sweep: the study's advantage against grpo's, then the sweep report naming both
     sweep = [a for a in args if not a.startswith(("algorithm.advantage_fn", "+algorithm.advantage_args"))]
-    r = run_cli("-m", f"algorithm.advantage_fn=grpo,{P}.sign_advantage", *sweep, "buffer.total_steps=2",
-                "name=sweep", env=env)
+    r = forked_to_end(["-m", f"algorithm.advantage_fn=grpo,{P}.sign_advantage", *sweep, "buffer.total_steps=2",
+                       "name=sweep"], env, tmp_path / "sweep_run")
     assert r.returncode == 0, r.stderr[-2000:]
     (multirun,) = (tmp_path / "rft" / "multirun").iterdir()
     r = subprocess.run([sys.executable, "-m", "rft.reporting.report", str(multirun)], cwd=ROOT, capture_output=True,
