@@ -8,7 +8,8 @@ import sys
 
 import pytest
 import torch
-from conftest import ROOT, compose_cfg, run_cli
+from conftest import ROOT, compose_cfg
+from resume_support import forked_to_end
 from safetensors.torch import load_file
 
 import rft.runtime.main
@@ -114,22 +115,28 @@ def snapshot(d):
 
 @pytest.mark.slow
 def test_a_dry_run_writes_nothing_and_a_restart_keeps_the_old_record(tmp_path):
-    env = {"RFT_CHECKPOINT_ROOT_DIR": str(tmp_path)}
+    env = {**os.environ, "RFT_CHECKPOINT_ROOT_DIR": str(tmp_path)}
     run = tmp_path / "rft" / "rec"
-    r = run_cli(*TINY, "name=rec", "seed=3", env=env)
+
+    def cli(*args):
+        """`python run.py <args>`, forked from a process that imported torch (resume_support.Forked:
+        the same command, argv and files without a fresh interpreter's imports, ~4 s a run)"""
+        return forked_to_end(list(args), env, tmp_path / f"run{len(list(tmp_path.glob('run*.out')))}")
+
+    r = cli(*TINY, "name=rec", "seed=3")
     assert r.returncode == 0, r.stderr[-3000:]
     assert "seed=3" in (run / ".hydra" / "overrides.yaml").read_text()
     assert (run / ".hydra" / "config.yaml").exists() and (run / "run.log").exists()
     before = snapshot(run)
 
-    r = run_cli(*TINY, "name=rec", "seed=3", "dry_run=true", env=env)
+    r = cli(*TINY, "name=rec", "seed=3", "dry_run=true")
     assert r.returncode == 0, r.stderr
     assert "batch plan" in r.stdout and f"outputs        {run}" in r.stdout
     assert snapshot(run) == before  # not one file added, changed or touched
-    r = run_cli(*TINY, "name=never_run", "dry_run=true", env=env)
+    r = cli(*TINY, "name=never_run", "dry_run=true")
     assert r.returncode == 0 and not (tmp_path / "rft" / "never_run").exists()
 
-    r = run_cli(*TINY, "name=rec", "seed=4", "continue_from_checkpoint=false", env=env)
+    r = cli(*TINY, "name=rec", "seed=4", "continue_from_checkpoint=false")
     assert r.returncode == 0, r.stderr[-3000:]
     (old,) = run.glob("previous_*")
     assert "moved the earlier outputs to" in r.stdout
