@@ -167,31 +167,37 @@ def read_regular(path: Path, most: int = -1) -> bytes:
         return f.read(most)
 
 
-def read_lines(f, start: int = 0, most: int = MAX_LINE):
+def read_lines(f, start: int = 0, most: int = MAX_LINE, step: int = 1 << 20):
     """Each line of regular file `f` (open_regular) from byte `start`, one at a time: (its bytes, the
     newline included where it has one, and the offset after it); None for the bytes of a line longer
     than `most`, passed without being held. A log read whole (metrics.jsonl, batches.jsonl: a run's,
     or a handed-over one's, read by the monitor, the report and the studio) took the memory of its
-    size: a sparse 20 GB file (truncate -s), one line of zeros, was a MemoryError or the OOM killer."""
+    size: a sparse 20 GB file (truncate -s), one line of zeros, was a MemoryError or the OOM killer.
+    `step`: the bytes read at a time, held beside the line (a reader of long lines one at a time,
+    a buffer's experiences, keeps its peak near one line with a smaller one)."""
     fd, pos = f.fileno(), start  # pos: the offset of buf[0]; pread leaves f's own position alone
-    buf, i = b"", 0  # i: where the next line starts in buf
+    # buf: from the next line's start on, grown in place, and searched from `seen` (before it, no
+    # newline): copied whole and searched again at each MiB, a line near a bound of 64 MiB took ~2 s
+    buf, seen = bytearray(), 0
     while True:
-        nl = buf.find(b"\n", i)
-        if nl < 0 and len(buf) - i <= most:  # no whole line left, the one begun within the bound: read on
-            chunk = os.pread(fd, 1 << 20, pos + len(buf))
+        nl = buf.find(b"\n", seen)
+        if nl < 0 and len(buf) <= most:  # no whole line left, the one begun within the bound: read on
+            chunk = os.pread(fd, step, pos + len(buf))
             if chunk:
-                buf, pos, i = buf[i:] + chunk, pos + i, 0
+                seen = len(buf)
+                buf += chunk
                 continue
-            if i < len(buf):
-                yield buf[i:], pos + len(buf)  # the last line, with no newline (a kill cut it, or it is being written)
+            if buf:
+                yield bytes(buf), pos + len(buf)  # the last line, with no newline (a kill cut it, or it is being written)
             return
-        if nl >= 0 and nl - i <= most:
-            yield buf[i:nl + 1], pos + nl + 1
-            i = nl + 1
+        if nl >= 0 and nl <= most:
+            yield bytes(buf[:nl + 1]), pos + nl + 1
+            del buf[:nl + 1]  # a bytearray drops its front without moving the rest
+            pos, seen = pos + nl + 1, 0
             continue
         end = pos + nl + 1 if nl >= 0 else _past_line(fd, pos + len(buf))
         yield None, end
-        buf, pos, i = b"", end, 0
+        buf, pos, seen = bytearray(), end, 0
 
 
 def _past_line(fd: int, pos: int) -> int:

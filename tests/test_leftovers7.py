@@ -148,3 +148,88 @@ def test_a_reward_that_raises_or_is_not_finite_is_still_retried():
                               retries=2)
         # 1 call + 2 retries, each of the one response
         assert len(calls) == 3 and results == [None] and (c["errors"], c["retries"], c["failed"]) == (3, 2, 1)
+
+
+# ---------------------------------------------------------------- lines of unbounded length
+
+HOLE = 4 << 30  # a sparse file's 4 GiB of zeros, one line: read whole, a MemoryError or the OOM killer
+
+
+def _sparse_line_after(path, text: str = "") -> None:
+    """`path` holding `text`, then a 4 GiB line of zeros (a hole: no disk taken) and a newline."""
+    with open(path, "wb") as f:
+        f.write(text.encode())
+    os.truncate(path, len(text.encode()) + HOLE)
+    with open(path, "ab") as f:
+        f.write(b"\n")
+
+
+def _fast(fn, *args):
+    """fn(*args)'s error (it must raise), within a few seconds: the line is passed, not read."""
+    import time
+
+    t0 = time.monotonic()
+    with pytest.raises(Exception) as e:
+        fn(*args)
+    assert time.monotonic() - t0 < 15, "the line was read"
+    return e
+
+
+def test_a_file_buffer_with_a_line_longer_than_any_experience_names_it(tmp_path):
+    import json
+
+    from test_buffers import buf_cfg, exps, ids
+
+    from rft.data.buffer import FileBuffer, count_experiences
+    from rft.errors import ConfigError, RunError
+
+    path = tmp_path / "b.jsonl"
+    good = "".join(json.dumps(e.to_dict()) + "\n" for e in exps(2))
+    _sparse_line_after(path, good)
+    buf = FileBuffer(buf_cfg("file", path=str(path)))
+    assert len(buf) == 3  # the two experiences and the long line (read, it is named)
+    assert ids(buf.get(2, timeout=0.1)) == ["t0", "t1"]
+    e = _fast(buf.get, 1, 0.1)
+    assert e.type is RunError and str(e.value) == (
+        f"the buffer {path}: line 3 is longer than 64 MiB, which no stored experience is: the file is damaged (by "
+        f"something other than rft's writer, or it is a sparse file). Repair or delete that line, then run the same "
+        f"command again to resume from the newest checkpoint.")
+    # counting what it holds (mode=train's plan, python -m rft.data.buffer, the studio's list)
+    e = _fast(count_experiences, str(path))
+    assert e.type is ConfigError and str(e.value) == (
+        f"{path}: line 3 is longer than 64 MiB, which no stored experience is: the file is damaged (by something other "
+        f"than rft's writer, or it is a sparse file). Repair or delete that line.")
+
+
+def test_is_experience_file_names_a_first_line_longer_than_any_experience(tmp_path):
+    from rft.data.experience import is_experience_file
+    from rft.errors import ConfigError
+
+    path = tmp_path / "data.jsonl"
+    _sparse_line_after(path, "\n")  # an empty first line, then the long one
+    e = _fast(is_experience_file, path)
+    assert e.type is ConfigError and str(e.value) == (
+        f"{path}: line 2 is longer than 64 MiB, which no stored experience is: the file is damaged (by something other "
+        f"than rft's writer, or it is a sparse file). Repair or delete that line, or give another file.")
+
+
+def test_an_eval_trajectory_file_with_a_line_longer_than_any_is_named_in_the_studio(tmp_path):
+    import json
+
+    from rft.studio import rollouts
+
+    run = tmp_path / "run"
+    path = run / "eval_trajectories" / "step_0" / "math.jsonl"
+    path.parent.mkdir(parents=True)
+    row = {"task_id": "t0", "reward": 1.0, "messages": [{"role": "user", "content": "1+1"},
+                                                        {"role": "assistant", "content": "2"}]}
+    _sparse_line_after(path, json.dumps(row) + "\n")
+    source = "eval_trajectories/step_0/math.jsonl"
+    e = _fast(rollouts.read, run, source)
+    assert e.type is ValueError and str(e.value) == (
+        f"{source}, line 2: longer than 16 MiB, which no conversation rft saves is: the file is damaged (or a "
+        f"sparse file).")
+    # the run's list of files counts it (2 lines), fast
+    [entry] = [s for s in rollouts.sources(run) if s["kind"] == "eval"]
+    assert entry["count"] == 2
+

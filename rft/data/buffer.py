@@ -35,8 +35,10 @@ import sqlalchemy as sa
 from filelock import FileLock
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 
-from rft.data.experience import PRIORITY_FNS, WHERE, Experience, check_priority_fn, is_experience_file
+from rft.data.experience import (MAX_EXPERIENCE_LINE, PRIORITY_FNS, WHERE, Experience, check_priority_fn,
+                                 is_experience_file, too_long)
 from rft.errors import ConfigError, RunError
+from rft.manifest import read_lines
 from rft.registry import Registry
 
 POLL_S = 0.05  # how often a waiting reader looks again where no writer can wake it
@@ -730,17 +732,22 @@ class FileBuffer(_KeepsWhatItWrote):
             os.fsync(f.fileno())
 
     def _read_lines(self, n: int) -> tuple[list[bytes], int]:
-        """Up to n whole lines after the offset, and the offset after them."""
+        """Up to n whole lines after the offset, and the offset after them. A line longer than any
+        experience is a RunError naming it: read whole (readline), a sparse 20 GB file was a
+        MemoryError or the OOM killer."""
         lines, offset = [], self.offset
         if not self.path.exists():
             return lines, offset
         with open(self.path, "rb") as f:
-            f.seek(offset)
-            while len(lines) < n:
-                line = f.readline()
+            for line, end in _lines(f, offset):
+                if len(lines) >= n:
+                    break
+                if line is None:
+                    raise RunError(f"the buffer {too_long(self.path, _line_at(f, offset))}. Repair or delete that "
+                                   f"line, then run the same command again to resume from the newest checkpoint.")
                 if not line.endswith(b"\n"):  # the end, or a line still being written
                     break
-                offset += len(line)
+                offset = end
                 if line.strip():
                     lines.append(line)
         return lines, offset
@@ -768,9 +775,8 @@ class FileBuffer(_KeepsWhatItWrote):
     def _line_number(self, line: bytes) -> int:
         """The number of the first line after the read offset equal to `line` (for a message)."""
         with open(self.path, "rb") as f:
-            # a MiB at a time: the offset may be GBs into the file
-            before = sum(chunk.count(b"\n") for chunk in iter(lambda: f.read(min(1 << 20, self.offset - f.tell())), b""))
-            for n, candidate in enumerate(f, before + 1):
+            before = _line_at(f, self.offset) - 1
+            for n, (candidate, _) in enumerate(_lines(f, self.offset), before + 1):
                 if candidate == line:
                     return n
         return before + 1
@@ -808,8 +814,7 @@ class FileBuffer(_KeepsWhatItWrote):
         if not self.path.exists():
             return 0
         with self.lock, open(self.path, "rb+") as f:
-            f.seek(last_id)
-            dropped = sum(1 for line in f if line.strip())
+            dropped = sum(1 for line, _ in _lines(f, last_id) if line is None or line.strip())
             f.truncate(last_id)
         return dropped
 
@@ -822,9 +827,8 @@ class FileBuffer(_KeepsWhatItWrote):
             return []
         groups = []
         with open(self.path, "rb") as f:
-            f.seek(last_id)
-            for line in f:
-                if line.endswith(b"\n"):  # else a cut last line: a killed writer's
+            for line, _ in _lines(f, last_id):  # None: longer than any experience, no writer's
+                if line is not None and line.endswith(b"\n"):  # else a cut last line: a killed writer's
                     group = _group_of(line)
                     if group is not None and own(group):
                         groups.append(group)
@@ -836,9 +840,27 @@ class FileBuffer(_KeepsWhatItWrote):
     def __len__(self) -> int:
         if not self.path.exists():
             return 0
-        with open(self.path, "rb") as f:
-            f.seek(self.offset)
-            return sum(1 for line in f if line.endswith(b"\n") and line.strip())
+        with open(self.path, "rb") as f:  # a line longer than any experience counts: get names it
+            return sum(1 for line, _ in _lines(f, self.offset) if line is None or line.endswith(b"\n") and line.strip())
+
+
+def _lines(f, start: int = 0):
+    """(each line, the offset after it) of file `f` from byte `start`, one at a time (rft.manifest's
+    read_lines): None for a line longer than MAX_EXPERIENCE_LINE, passed unread. Read 64 KiB at a
+    time: the rows after a checkpoint are read with a peak of about one row (a MiB at a time, 4.2 MB
+    at rows of 140 KB, where 2.9 MB is one row and its JSON)."""
+    return read_lines(f, start, MAX_EXPERIENCE_LINE, 1 << 16)
+
+
+def _line_at(f, pos: int) -> int:
+    """The number of the line of file `f` that starts at byte `pos` (a MiB at a time: it may be GBs in)."""
+    n, at = 1, 0
+    while at < pos:
+        chunk = os.pread(f.fileno(), min(1 << 20, pos - at), at)
+        if not chunk:
+            break
+        n, at = n + chunk.count(b"\n"), at + len(chunk)
+    return n
 
 
 def _group_of(line: bytes) -> str | None:
@@ -911,7 +933,9 @@ def _stored(path: str, limit: int, offset: int, located: bool = False) -> tuple[
             raise ConfigError(f"{path} is not a file of stored experiences (a dataset of prompt/response rows?).")
         total, out = 0, []
         with open(local, "rb") as f:
-            for n, line in enumerate(f, 1):
+            for n, (line, _) in enumerate(_lines(f), 1):
+                if line is None:  # read whole, a sparse 20 GB file was a MemoryError
+                    raise ConfigError(f"{too_long(path, n)}. Repair or delete that line.")
                 if line.endswith(b"\n") and line.strip():
                     if offset <= total < offset + limit:
                         out.append((total, _read_back(lambda x: Experience.from_dict(json.loads(x)), line,

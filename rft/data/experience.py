@@ -179,14 +179,31 @@ def batch_record(step: int, exps: list[Experience]) -> dict:
             "versions": sorted(e.policy_version for e in exps), "digest": h.hexdigest()[:16]}
 
 
+# the longest line of a stored experience read: ~17 bytes a token (its id, log-prob and mask as JSON),
+# so 64 MiB is ~4M tokens, past any context. A longer line is damage (a sparse 20 GB file is one line
+# of zeros: read whole, a MemoryError or the OOM killer), named by `too_long`
+MAX_EXPERIENCE_LINE = 64 << 20
+
+
+def too_long(path, n: int) -> str:
+    """What a line of a stored buffer longer than MAX_EXPERIENCE_LINE is, for its reader's error."""
+    return (f"{path}: line {n} is longer than {MAX_EXPERIENCE_LINE >> 20} MiB, which no stored experience is: "
+            f"the file is damaged (by something other than rft's writer, or it is a sparse file)")
+
+
 def is_experience_file(path) -> bool:
     """True for a JSONL file written by `FileBuffer` (its first line has "tokens"), false for
-    anything else, such as a dataset of prompt/response rows."""
+    anything else, such as a dataset of prompt/response rows. A first line longer than any
+    experience is a ConfigError naming it (read whole, a sparse 20 GB file was a MemoryError)."""
+    from rft.manifest import read_lines
+
     path = Path(os.path.expanduser(str(path)))
     if path.suffix != ".jsonl" or not path.is_file():
         return False
     with open(path, "rb") as f:
-        for line in f:
+        for n, (line, _) in enumerate(read_lines(f, 0, MAX_EXPERIENCE_LINE), 1):
+            if line is None:
+                raise ConfigError(f"{too_long(path, n)}. Repair or delete that line, or give another file.")
             if line.strip():
                 try:
                     row = json.loads(line)

@@ -86,9 +86,9 @@ def sources(run: Path) -> list[dict]:
         except ValueError:
             out.append({**entry, "count": None, "error": "a link out of the run directory: not read"})
             continue
-        if kind == "eval":
+        if kind == "eval":  # a line at a time (rft.manifest.read_lines): a line too long counts, read names it
             with open(p, "rb") as f:
-                out.append({**entry, "count": sum(1 for line in f if line.strip())})
+                out.append({**entry, "count": sum(1 for line, _ in manifest.read_lines(f) if line is None or line.strip())})
             continue
         try:
             out.append({**entry, "count": count_experiences(str(p))})
@@ -170,10 +170,14 @@ def _eval_row(i: int, step: int | None, d: dict) -> dict:
 
 def _eval_rows(path: Path, source: str, step: int | None) -> tuple[list[dict], int]:
     """(the rows of an eval trajectory file's first MAX_ROWS conversations, how many it holds); a
-    ValueError naming the line that is not a JSON object."""
+    ValueError naming the line that is not a JSON object, or is longer than any (read whole, a sparse
+    20 GB file was a MemoryError or the OOM killer: rft.manifest.read_lines passes it unread)."""
     rows, total = [], 0
     with manifest.open_regular(path) as f:  # a FIFO or device: an OSError, not a request that never ends
-        for i, line in enumerate(f):
+        for i, (line, _) in enumerate(manifest.read_lines(f)):
+            if line is None:
+                raise ValueError(f"{source}, line {i + 1}: longer than {manifest.MAX_LINE >> 20} MiB, which no "
+                                 f"conversation rft saves is: the file is damaged (or a sparse file).")
             if not line.strip():
                 continue
             total += 1
