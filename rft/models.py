@@ -23,17 +23,27 @@ from rft.registry import Registry
 log = logging.getLogger(__name__)
 
 # Bump when the tiny model's architecture or tokenizer changes: the cache is keyed on it.
-TINY_VERSION = "v1"  # tiny_tools has its own directory name (conf/model/tiny_tools.yaml)
+TINY_VERSION = "v2"  # tiny_tools has its own directory name (conf/model/tiny_tools.yaml)
 
 # One token per character keeps the arithmetic task short and the vocabulary tiny. Role names
 # are single tokens so the chat template costs few positions.
 _SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>"]
 _ROLE_TOKENS = ["system", "user", "assistant"]
-_CHARS = list(string.digits + string.ascii_letters + string.punctuation + " \n")
+# Space and newline under their byte-level names (GPT-2's byte-to-unicode map: byte 0x20 is "Ġ", 0x0A
+# "Ċ"): transformers loads this tokenizer as Qwen2's, whose pre-tokenizer turns each byte of the text
+# into that map's character before the vocabulary is read, so a vocabulary holding " " and "\n"
+# themselves (TINY_VERSION v1) dropped every space and newline of a prompt. Same ids (101, 102) as
+# v1's " " and "\n": the model's random weights are the same. A tab and non-ASCII characters have no
+# token (rft.data.readers warns where a prompt holds one).
+_CHARS = [{" ": "\u0120", "\n": "\u010a"}.get(c, c)
+          for c in string.digits + string.ascii_letters + string.punctuation + " \n"]
 
+# No newline after the role or the end of a message (Qwen's template has both): v1's tokenizer
+# dropped them, so the tiny model's prompts never held them, and every built-in task's ids (and the
+# figures measured on them) stay those of v1. A newline inside a message is a token of its own.
 CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}{{ m['content'] }}<|im_end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant{% endif %}"
 )
 
 # head_dim must be >= 32: vLLM's CPU attention rejects smaller heads.
@@ -61,7 +71,7 @@ def _quiet_transformers() -> None:
 # call costs 4 tokens and the expression's characters, so the digits the model copies from the
 # question sit a dozen positions back, a distance the tiny model learns (at ~50, one character
 # per token, 200 warm-up steps did not). The chat template renders every role alike, the tool's
-# answers included: <|im_start|>tool\n{answer}<|im_end|>\n
+# answers included: <|im_start|>tool{answer}<|im_end|>
 _TOOL_TOKENS = ["tool", "<tool_call>", "</tool_call>", '{"name":"calculator","arguments":{"expression":"', '"}}']
 # Its template also renders what an OpenAI client sends (rft/serving/openai_api.py): `tools` as one
 # system line of signatures, "tools:add(a,b);upper(text)" (a tool's JSON schema, ~100 characters a
@@ -69,15 +79,15 @@ _TOOL_TOKENS = ["tool", "<tool_call>", "</tool_call>", '{"name":"calculator","ar
 # model writes them, <tool_call>{"name":"add","arguments":{"a":1}}</tool_call>, compact, so a reply
 # sent back renders to the ids that were sampled. Without tools it renders as CHAT_TEMPLATE does.
 TOOLS_CHAT_TEMPLATE = (
-    "{% if tools %}<|im_start|>system\ntools:{% for t in tools %}{% set f = t.function if t.function is defined else t %}"
+    "{% if tools %}<|im_start|>systemtools:{% for t in tools %}{% set f = t.function if t.function is defined else t %}"
     "{{ f.name }}({{ (f.parameters.properties if f.parameters is defined and f.parameters.properties is defined "
-    "else {}) | join(',') }}){% if not loop.last %};{% endif %}{% endfor %}<|im_end|>\n{% endif %}"
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] %}{{ m['content'] }}{% endif %}"
+    "else {}) | join(',') }}){% if not loop.last %};{% endif %}{% endfor %}<|im_end|>{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}{% if m['content'] %}{{ m['content'] }}{% endif %}"
     "{% for c in (m['tool_calls'] if m['tool_calls'] is defined and m['tool_calls'] else []) %}"
     "{% set f = c.function if c.function is defined else c %}<tool_call>{\"name\":\"{{ f.name }}\",\"arguments\":"
     "{% if f.arguments is string %}{{ f.arguments }}{% else %}{{ f.arguments | tojson(separators=(',', ':')) }}"
-    "{% endif %}}</tool_call>{% endfor %}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    "{% endif %}}</tool_call>{% endfor %}<|im_end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant{% endif %}"
 )
 
 

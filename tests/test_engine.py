@@ -18,7 +18,7 @@ from rft.trainer.trainer import token_logprobs
 
 def tiny_engine_and_prompts(cache_dir, generate_batch_size: int, questions: list[str]):
     """The tiny model's HF engine and the questions' encoded prompts (also used by test_step_work)."""
-    path = build_tiny_model(cache_dir / "models" / "tiny-qwen2-v1")
+    path = build_tiny_model(cache_dir / "models" / "tiny-qwen2-v2")
     model_cfg = OmegaConf.create(dict(model_path=str(path), dtype="float32", trust_remote_code=False,
                                       custom_chat_template=None, max_response_tokens=6))
     tok = load_tokenizer(model_cfg)
@@ -49,8 +49,8 @@ def test_tiny_model_is_an_hf_model_with_a_chat_template(tiny):
     assert engine.model.config.model_type == "qwen2"
     assert engine.model.config.head_dim >= 32  # vLLM's CPU attention needs it
     text = tok.apply_chat_template([{"role": "user", "content": "1+2"}], tokenize=False, add_generation_prompt=True)
-    assert text == "<|im_start|>user\n1+2<|im_end|>\n<|im_start|>assistant\n"
-    # one token per character: "1+2" is three tokens between the role's newline and <|im_end|>
+    assert text == "<|im_start|>user1+2<|im_end|><|im_start|>assistant"
+    # one token per character: "1+2" is three tokens between the role and <|im_end|>
     assert len(prompts[1]) == len(prompts[0]) - 4
 
 
@@ -288,7 +288,7 @@ def test_sampled_logprobs_equal_those_of_the_kept_scores(cache_dir, tiny, temper
     both within 1e-6 of the float64 log-softmax of the same scores)."""
     tok, _, _ = tiny
     prompts = tiny_engine_and_prompts(cache_dir, 64, ["123+456", "7+2", "000+000", "98765+1", "3*4-5"])[2]
-    cfg = OmegaConf.create(dict(model_path=str(cache_dir / "models" / "tiny-qwen2-v1"), dtype="float32",
+    cfg = OmegaConf.create(dict(model_path=str(cache_dir / "models" / "tiny-qwen2-v2"), dtype="float32",
                                 trust_remote_code=False, custom_chat_template=None, max_response_tokens=24))
     kept_scores = engine_memory_benchmark().kept_scores_engine()
     engine, kept = (cls(cfg, SimpleNamespace(generate_batch_size=64), tok) for cls in (HFEngine, kept_scores))
@@ -316,7 +316,7 @@ def test_a_checkpoints_generation_config_does_not_change_the_rollouts(cache_dir,
     import shutil
 
     tok, engine, prompts = tiny
-    src = cache_dir / "models" / "tiny-qwen2-v1"
+    src = cache_dir / "models" / "tiny-qwen2-v2"
     dst = tmp_path / "tiny-with-generation-config"
     shutil.copytree(src, dst)
     config = json.loads((dst / "generation_config.json").read_text())

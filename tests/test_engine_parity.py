@@ -87,7 +87,7 @@ def _write(model, path, base):
 def models(cache_dir, tmp_path_factory):
     from transformers import AutoModelForCausalLM
 
-    base = build_tiny_model(cache_dir / "models" / "tiny-qwen2-v1")
+    base = build_tiny_model(cache_dir / "models" / "tiny-qwen2-v2")
     root = tmp_path_factory.mktemp("parity-models")
     fixed = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     V, H = fixed.config.vocab_size, fixed.config.hidden_size

@@ -582,8 +582,8 @@ def test_two_algorithms_print_different_dry_runs(capsys):
 @pytest.mark.slow  # a real engine, Ray or training run
 def test_prompts_and_responses_past_the_token_budgets_are_counted_and_warned_about(tmp_path, capsys):
     # the tiny model's chat template takes 5 tokens (<|im_start|> user ... <|im_end|> <|im_start|>
-    # assistant; its tokenizer drops whitespace) around one token per other character: the long
-    # question's 24 characters make 29 > max_prompt_tokens=24. An answer keeps
+    # assistant) around one token per character, spaces included: the long question's 30
+    # characters make 35 > max_prompt_tokens=24. An answer keeps
     # max_response_tokens=6 - 1 tokens (then the end token): "4444444444" + end = 11 > 6
     rows = [{"question": "1+1", "answer": "2"}, {"question": "what is 1+1 plus 2+2 plus 3+3?", "answer": "12"},
             {"question": "2+2", "answer": "4444444444"}, {"question": "3+3", "answer": "6"}]
@@ -597,7 +597,7 @@ def test_prompts_and_responses_past_the_token_budgets_are_counted_and_warned_abo
 
     assert gc.get_freeze_count() == 0  # what the stage froze (rft.runtime.actors.long_lived), unfrozen at its end
     assert (f"rft: warning: stage grpo: 1 of the first 4 prompts of buffer.explorer_input.taskset ({data}) are "
-            f"longer than model.max_prompt_tokens=24 tokens (the longest has 29, chat template included) and "
+            f"longer than model.max_prompt_tokens=24 tokens (the longest has 35, chat template included) and "
             f"will be cut from the left") in out
     from rft.reporting.monitor import read_metrics
 

@@ -200,7 +200,7 @@ def test_the_gpu_acceptance_runs_its_cpu_twin_here(tmp_path):
         assert row["generate_tokens_per_s"] > 0 and row["train_tokens_per_s"] > 0 and row["sync_s"] > 0
         assert row["trainer_peak_gb"] > 0.1
         assert all(row[k] is None for k in ("mfu", "sleep_s", "wake_s", "memory_awake_gb", "memory_asleep_gb"))
-    assert "| tiny | vllm | tiny-qwen2-v1 |" in r.stdout and "| tiny-lora | vllm | tiny-qwen2-v1 |" in r.stdout
+    assert "| tiny | vllm | tiny-qwen2-v2 |" in r.stdout and "| tiny-lora | vllm | tiny-qwen2-v2 |" in r.stdout
 
 
 ACCEPTANCE_WITHOUT_VLLM = """
@@ -231,7 +231,7 @@ def test_the_gpu_acceptance_runs_the_hf_engine_where_vllm_is_missing(tmp_path):
     [row] = table["rows"]  # the -lora arm needs vLLM: left out
     assert (row["arm"], row["engine"]) == ("tiny", "hf")
     assert row["generate_tokens_per_s"] > 0 and row["train_tokens_per_s"] > 0 and row["sync_s"] > 0
-    assert "| tiny | hf | tiny-qwen2-v1 |" in r.stdout
+    assert "| tiny | hf | tiny-qwen2-v2 |" in r.stdout
     # asked for by name, a LoRA arm is refused before anything starts
     r = script_to_end(without, ["--arms", "tiny-lora"], tmp_path / "lora_refused", timeout=120)
     assert r.returncode == 2

@@ -267,7 +267,7 @@ def test_the_built_tiny_model_damaged_is_built_again(tmp_path, capsys):
     from, exit 0."""
     from rft.models import build_tiny_model
 
-    path = tmp_path / "models" / "tiny-qwen2-v1"
+    path = tmp_path / "models" / "tiny-qwen2-v2"
     build_tiny_model(path)
     files = {f.name: f.read_bytes() for f in path.iterdir()}
     weights = bytearray(files["model.safetensors"])
@@ -277,7 +277,7 @@ def test_the_built_tiny_model_damaged_is_built_again(tmp_path, capsys):
         build_tiny_model(path)
         assert {f.name: f.read_bytes() for f in path.iterdir()} == files  # the same model, built again
         assert f"rft: warning: the tiny model in {path} is damaged ({path / name}: " in capsys.readouterr().err
-    assert len(list(path.parent.glob("tiny-qwen2-v1.damaged-*"))) == 2
+    assert len(list(path.parent.glob("tiny-qwen2-v2.damaged-*"))) == 2
 
 
 @pytest.mark.slow  # an export in a subprocess, killed, then one that finishes (~20 s)
@@ -287,7 +287,7 @@ def test_an_export_killed_midway_leaves_no_folder_that_looks_exported(tmp_path, 
     'not an empty folder'."""
     from rft.models import build_tiny_model
 
-    model = build_tiny_model(cache_dir / "models" / "tiny-qwen2-v1")
+    model = build_tiny_model(cache_dir / "models" / "tiny-qwen2-v2")
     d = checkpoint.write(tmp_path / "grpo", 1, {},
                          lambda tmp: shutil.copytree(model, tmp / "hf", ignore=shutil.ignore_patterns("manifest.json"))
                          and {}, owner=OWNER)

@@ -22,16 +22,15 @@ from rft.rollout.environments.tools import CalculatorEnv, ToolCall, ToolError, c
 from rft.rollout.workflows.multi_turn import multi_turn
 from rft.rollout.workflows.single_turn import WorkflowContext
 
-# the tiny tokenizer drops whitespace (transformers' Qwen2 pre-tokenizer on a character vocabulary),
-# so a template's newline after <|im_end|> is no token: this template puts a visible "#" there,
-# a token the template writes after every turn, which the model never samples
+# the tiny model's template writes nothing after <|im_end|> (Qwen's writes a newline): this one puts
+# a visible "#" there, a token the template writes after every turn, which the model never samples
 HASH_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}:{{ m['content'] }}<|im_end|>#{% endfor %}"
                  "{% if add_generation_prompt %}<|im_start|>assistant:{% endif %}")
 
 
 @pytest.fixture(scope="module")
 def tools_model(cache_dir):
-    return build_tiny_model(cache_dir / "models" / "tiny-qwen2-tools-v2", tools=True)
+    return build_tiny_model(cache_dir / "models" / "tiny-qwen2-tools-v4", tools=True)
 
 
 def tokenizer(path, template=None):

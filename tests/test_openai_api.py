@@ -33,7 +33,7 @@ def engine_for(path):
 
 @pytest.fixture(scope="module")
 def served(cache_dir, tmp_path_factory):
-    engine, tok = engine_for(build_tiny_model(cache_dir / "models" / "tiny-qwen2-v1"))
+    engine, tok = engine_for(build_tiny_model(cache_dir / "models" / "tiny-qwen2-v2"))
     judge, judge_tok = engine_for(build_tiny_model(tmp_path_factory.mktemp("judge") / "m", seed=1))
     server = OpenAIServer({"policy": (engine, tok), "judge": (judge, judge_tok)}, "policy", ARGS, 6).start()
     yield server, engine, tok
@@ -275,8 +275,9 @@ def test_a_prompt_that_takes_seconds_to_render_holds_up_no_other_request(served)
         slow.join()
     finally:
         server.limits["policy"], server.max_messages = saved
-    assert_refused(answers[0], 400, "prompt", "the prompt's 2060002 tokens and max_tokens=6 are over the model's "
-                                              "context of 2000000 tokens")  # 20,000 x 103 tokens + 2
+    # 20,000 x 123 tokens (<|im_start|> user, 120 characters, spaces included, <|im_end|>) + 2
+    assert_refused(answers[0], 400, "prompt", "the prompt's 2460002 tokens and max_tokens=6 are over the model's "
+                                              "context of 2000000 tokens")
     # a render on the event loop let none answer until it ended (then at most the one waiting)
     assert answered >= 3, answered
 
@@ -292,10 +293,10 @@ def test_a_prompt_too_long_for_the_context_is_refused_before_it_is_tokenised(ser
     text = "hello world " * (20 * 2**20 // 12)  # 20,971,512 bytes
     r = httpx.post(server.url + "/completions", json={"prompt": text}, headers=auth, timeout=60)
     assert_refused(r, 400, "prompt", f"the prompt's 20971512 bytes of text are {limit}")
-    # rendered by the chat template: + "<|im_start|>user\n" (17) + "<|im_end|>\n" (11) + "<|im_start|>assistant\n" (22)
+    # rendered by the chat template: + "<|im_start|>user" (16) + "<|im_end|>" (10) + "<|im_start|>assistant" (21)
     r = httpx.post(server.url + "/chat/completions", json={"messages": [{"role": "user", "content": text}]},
                    headers=auth, timeout=60)
-    assert_refused(r, 400, "messages", f"the prompt's 20971562 bytes of text are {limit}")
+    assert_refused(r, 400, "messages", f"the prompt's 20971559 bytes of text are {limit}")
     # 3,328 bytes exactly may fit (a token of 13 bytes each): tokenised, and then refused by its tokens
     r = httpx.post(server.url + "/completions", json={"prompt": "1" * 3328}, headers=auth, timeout=60)
     assert_refused(r, 400, "prompt", "the prompt's 3328 tokens and max_tokens=6 are over the model's context of "
@@ -311,10 +312,10 @@ def test_more_messages_than_the_context_has_tokens_are_refused_before_they_are_r
                    json={"messages": [{"role": "user", "content": "hi"}] * 1_000_000})
     assert_refused(r, 400, "messages", "1000000 messages cannot fit the served models' context of 256 tokens "
                                        "(a message is one token at least)")
-    # 256 are read and rendered: 256 x 30 bytes ("<|im_start|>user\nhi<|im_end|>\n") + 22 = 7,702 bytes
+    # 256 are read and rendered: 256 x 28 bytes ("<|im_start|>userhi<|im_end|>") + 21 = 7,189 bytes
     r = httpx.post(server.url + "/chat/completions", headers=auth, timeout=60,
                    json={"messages": [{"role": "user", "content": "hi"}] * 256})
-    assert_refused(r, 400, "messages", "the prompt's 7702 bytes of text are over the 3328 bytes that can fit the "
+    assert_refused(r, 400, "messages", "the prompt's 7189 bytes of text are over the 3328 bytes that can fit the "
                                        "model's context of 256 tokens (13 bytes per token at most); it was not tokenised")
 
 
@@ -353,7 +354,7 @@ def test_a_body_over_32_mib_is_a_413(served):
 
 
 def test_the_history_of_rollouts_nobody_opens_or_takes_is_bounded(cache_dir, caplog):
-    engine, tok = engine_for(build_tiny_model(cache_dir / "models" / "tiny-qwen2-v1"))
+    engine, tok = engine_for(build_tiny_model(cache_dir / "models" / "tiny-qwen2-v2"))
     server = OpenAIServer({"policy": (engine, tok)}, "policy", ARGS, 6, max_rollouts=2).start()
     try:
         c = lambda key: client(server, default_headers={ROLLOUT_HEADER: key})  # noqa: E731

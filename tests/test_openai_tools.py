@@ -76,7 +76,7 @@ MUL = tool_call_text("mul", {"a": 5, "b": 4})
 
 @pytest.fixture(scope="module")
 def tok(cache_dir):
-    path = build_tiny_model(cache_dir / "models" / "tiny-qwen2-tools-v3", tools=True)
+    path = build_tiny_model(cache_dir / "models" / "tiny-qwen2-tools-v4", tools=True)
     return load_tokenizer(OmegaConf.create(dict(model_path=str(path), trust_remote_code=False, custom_chat_template=None)))
 
 
@@ -134,7 +134,7 @@ def test_a_request_with_tools_gets_tool_calls_and_renders_them_back(serve, tok):
     assert (call.function.name, json.loads(call.function.arguments)) == ("add", {"a": 2, "b": 3})
     # the tools reach the model through its template: one system line of signatures
     assert tok.decode(engine.prompts[0]) == "<|im_start|>systemtools:add(a,b);mul(a,b)<|im_end|><|im_start|>user(2+3)*4" \
-                                            "<|im_end|><|im_start|>assistant"  # (the tiny tokenizer drops newlines)
+                                            "<|im_end|><|im_start|>assistant"  # (the tiny template writes no newlines)
     # the call and the tool's result sent back, as an agent does: rendered as the model wrote the call
     back = QUESTION + [choice.message.model_dump(exclude_none=True),
                        {"role": "tool", "tool_call_id": call.id, "content": "5"}]
@@ -151,7 +151,7 @@ def test_a_call_that_does_not_parse_is_plain_content_and_tool_choice_none_reads_
     server, _ = serve(["<tool_call>{name: add}</tool_call>"])
     r = post(server, {"tools": TOOLS})
     assert r.status_code == 200
-    assert r.json()["choices"][0]["message"] == {"role": "assistant", "content": "<tool_call>{name:add}</tool_call>"}
+    assert r.json()["choices"][0]["message"] == {"role": "assistant", "content": "<tool_call>{name: add}</tool_call>"}
     assert r.json()["choices"][0]["finish_reason"] == "stop"
     server, _ = serve([ADD])
     none = post(server, {"tools": TOOLS, "tool_choice": "none"}).json()["choices"][0]

@@ -24,7 +24,7 @@ from rft.trainer.trainer import token_logprobs
 @pytest.fixture(scope="module")
 def tiny(cache_dir):
     """A randomly initialised tiny model (it rarely samples end-of-sequence: rows run to the budget)."""
-    path = build_tiny_model(cache_dir / "models" / "tiny-qwen2-v1")
+    path = build_tiny_model(cache_dir / "models" / "tiny-qwen2-v2")
     model_cfg = OmegaConf.create(dict(model_path=str(path), dtype="float32", trust_remote_code=False,
                                       custom_chat_template=None, max_response_tokens=12))
     tok = load_tokenizer(model_cfg)

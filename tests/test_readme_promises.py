@@ -83,7 +83,7 @@ def test_python_run_py_with_no_arguments(monkeypatch):
                                     "monitor")} == {
         "algorithm": "grpo", "model": "tiny", "task": "arithmetic", "cluster": "local", "sync": "memory",
         "buffer": "queue", "explorer": "hf", "trainer": "torch", "monitor": "tensorboard"}
-    assert (cfg.cache_dir, cfg.model.model_path) == ("~/.cache/rft", "~/.cache/rft/models/tiny-qwen2-v1")
+    assert (cfg.cache_dir, cfg.model.model_path) == ("~/.cache/rft", "~/.cache/rft/models/tiny-qwen2-v2")
     assert cfg.hydra.run.dir == "./checkpoints/rft/grpo-tiny-arithmetic"
     # "A sweep (`-m`) puts each job in `<checkpoint_root_dir>/<project>/multirun/<date_time>/<job number>/`"
     assert re.fullmatch(r"\./checkpoints/rft/multirun/\d{4}-\d\d-\d\d_\d\d-\d\d-\d\d", cfg.hydra.sweep.dir)
@@ -95,7 +95,7 @@ def test_python_run_py_with_no_arguments(monkeypatch):
     monkeypatch.setenv("RFT_CACHE_DIR", "/data/cache")
     cfg = compose_cfg(keep_hydra=True)
     assert cfg.hydra.run.dir == "/data/runs/rft/grpo-tiny-arithmetic"
-    assert cfg.model.model_path == "/data/cache/models/tiny-qwen2-v1"
+    assert cfg.model.model_path == "/data/cache/models/tiny-qwen2-v2"
 
 
 def test_what_a_gpu_model_brings_beyond_what_test_memory_plan_checks():
@@ -321,7 +321,7 @@ def test_an_empty_stop_token_ids_lets_every_response_run_to_max_tokens(cache_dir
     from rft.models import build_tiny_model, load_tokenizer
     from rft.rollout.engines.hf import HFEngine
 
-    path = build_tiny_model(cache_dir / "models" / "tiny-qwen2-v1")
+    path = build_tiny_model(cache_dir / "models" / "tiny-qwen2-v2")
     ends = {}
     for stops in (None, []):
         cfg = OmegaConf.create(dict(model_path=str(path), dtype="float32", trust_remote_code=False,

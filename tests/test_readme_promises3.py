@@ -147,7 +147,7 @@ def test_the_explorers_endpoint_gives_a_slot_held_without_the_token_to_a_client_
     from rft.serving.auth import MAX_CONNECTIONS
     from rft.serving.openai_api import OpenAIServer
 
-    engine, tok = engine_for(build_tiny_model(cache_dir / "models" / "tiny-qwen2-v1"))
+    engine, tok = engine_for(build_tiny_model(cache_dir / "models" / "tiny-qwen2-v2"))
     server = OpenAIServer({"policy": (engine, tok)}, "policy", ARGS, 6).start()
     base = f"http://{server.host}:{server.port}"
     held = []

@@ -157,16 +157,16 @@ def test_a_path_of_another_section_is_not_reused(tmp_path):
 @pytest.mark.slow  # composes (and writes) the config
 def test_the_study_fits_the_tiny_model(tmp_path):
     """experiment=reasoning_gym: every prompt and answer within the tiny model's budgets and
-    characters (one token a character, whitespace dropped, 5 tokens of chat template)."""
+    characters (one token a character, spaces included, 5 tokens of chat template)."""
     import string
 
     cfg = compose_cfg(["experiment=reasoning_gym"])
     data = write(tmp_path / "spell", cfg.buffer.explorer_input.reasoning_gym)
     every = rows(data, "train") + rows(data, "test")
     known = set(string.ascii_letters + string.digits + string.punctuation)
-    assert all(set(r["question"].replace(" ", "")) <= known and set(r["answer"]) <= known for r in every)
-    # "Spell this word backward (example: sun -> nus): " is 40 characters without spaces, the word 3..5
-    assert max(len(r["question"].replace(" ", "")) for r in every) + 5 == 50 <= cfg.model.max_prompt_tokens
+    assert all(set(r["question"]) <= known | {" "} and set(r["answer"]) <= known for r in every)
+    # "Spell this word backward (example: sun -> nus): " is 48 characters (8 spaces), the word 3..5
+    assert max(len(r["question"]) for r in every) + 5 == 58 == cfg.model.max_prompt_tokens
     assert max(len(r["answer"]) for r in every) == 5 == cfg.model.max_response_tokens - 1  # and end-of-sequence
     # the sloppy teacher: 60% of demonstrations end one letter too high
     assert sum(r["teacher_answer"] != r["answer"] for r in every) / len(every) == pytest.approx(0.6, abs=0.03)

@@ -15,7 +15,7 @@ from tests.test_multi_turn import CALL, Scripted, ctx_for, tokenizer
 
 @pytest.fixture(scope="module")
 def tools_model(cache_dir):
-    return build_tiny_model(cache_dir / "models" / "tiny-qwen2-tools-v2", tools=True)
+    return build_tiny_model(cache_dir / "models" / "tiny-qwen2-tools-v4", tools=True)
 
 
 # ---------------------------------------------------------------- multi_turn's budget

@@ -133,8 +133,9 @@ def test_yes_no_judge_is_p_yes_over_p_yes_plus_p_no_at_the_last_real_token(tiny)
 
 
 def test_yes_no_tokens_must_be_single_tokens(tiny):
-    # the tiny tokenizer has a token per character (and drops spaces): " yes" (the default) is three
-    with pytest.raises(ConfigError, match=r"yes_token=' yes' is 3 tokens \['y', 'e', 's'\] for the reward model"):
+    # the tiny tokenizer has a token per character: " yes" (the default) is four, each shown as its text
+    # (its vocabulary's space is the byte-level 'Ġ')
+    with pytest.raises(ConfigError, match=r"yes_token=' yes' is 4 tokens \[' ', 'y', 'e', 's'\] for the reward model"):
         RewardModelWorker(str(tiny), kind="yes_no")
     with pytest.raises(ConfigError, match="no_token='no' is 2 tokens"):
         RewardModelWorker(str(tiny), kind="yes_no", yes_token="y", no_token="no")

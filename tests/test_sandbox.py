@@ -542,7 +542,7 @@ def test_the_python_environment_runs_in_the_multi_turn_workflow_on_the_explorers
 def tools_model(cache_dir):
     from rft.models import build_tiny_model
 
-    return build_tiny_model(cache_dir / "models" / "tiny-qwen2-tools-v2", tools=True)
+    return build_tiny_model(cache_dir / "models" / "tiny-qwen2-tools-v4", tools=True)
 
 
 def test_a_run_with_the_python_environment_on_a_machine_without_a_sandbox_stops_when_planned(no_bwrap):

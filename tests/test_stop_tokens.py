@@ -34,7 +34,7 @@ FOUR, TWO, X = 11, 9, 40  # "4", "2", "x"
 def turn_end_model(cache_dir, tmp_path_factory):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    base = build_tiny_model(cache_dir / "models" / "tiny-qwen2-v1")
+    base = build_tiny_model(cache_dir / "models" / "tiny-qwen2-v2")
     path = tmp_path_factory.mktemp("turn-end-model")
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     V, H = model.config.vocab_size, model.config.hidden_size  # 103 tokens, 128 wide: one dimension each
@@ -76,7 +76,7 @@ def args(t):
 def test_the_stop_ids_are_the_tokenizers_eos_then_the_generation_configs(turn_end_model, cache_dir, tmp_path):
     assert load_tokenizer(model_cfg(turn_end_model)).rft_stop_ids == [EOT, IM_END]
     # the tiny default: eos <|im_end|>, and its generation_config.json says the same
-    assert load_tokenizer(model_cfg(cache_dir / "models" / "tiny-qwen2-v1")).rft_stop_ids == [IM_END]
+    assert load_tokenizer(model_cfg(cache_dir / "models" / "tiny-qwen2-v2")).rft_stop_ids == [IM_END]
     # without generation_config.json, config.json's eos_token_id (as vLLM reads it): 2
     bare = tmp_path / "bare"
     shutil.copytree(turn_end_model, bare)
@@ -133,7 +133,7 @@ def test_sft_ends_a_response_with_the_templates_turn_end_not_the_tokenizers_eos(
     ids, n, mask = conversation_ids(tok, [{"role": "user", "content": "6*7"}, {"role": "assistant", "content": "42"}])
     assert (ids[n:], mask) == ([FOUR, TWO, IM_END], [1, 1, 1])
     # the tiny default: its eos is its turn end, unchanged
-    tiny = load_tokenizer(model_cfg(cache_dir / "models" / "tiny-qwen2-v1"))
+    tiny = load_tokenizer(model_cfg(cache_dir / "models" / "tiny-qwen2-v2"))
     [[e]] = DatasetReader(buf, tiny, 24, 8, seed=0).items
     assert turn_end_id(tiny) == tiny.eos_token_id == IM_END and e.tokens[e.prompt_length:] == [FOUR, TWO, IM_END]
     # stop ids of which the template writes none: the tokenizer's eos, as before

@@ -291,7 +291,7 @@ def test_with_the_stages_tokenizer_a_response_shows_its_loss_mask_token_exact(tm
     from rft.data.experience import Experience
     from rft.models import build_tiny_model
 
-    tok = AutoTokenizer.from_pretrained(build_tiny_model(cache_dir / "models" / "tiny-qwen2-v1"))
+    tok = AutoTokenizer.from_pretrained(build_tiny_model(cache_dir / "models" / "tiny-qwen2-v2"))
     run = tmp_path / "rft" / "r"
     tok.save_pretrained(run / "grpo" / "checkpoints" / "step_2" / "hf")
     ids = lambda text: tok.encode(text, add_special_tokens=False)  # noqa: E731

@@ -226,7 +226,7 @@ def test_characters_the_tokenizer_does_not_know_are_warned_about(tmp_path):
     from rft.models import ensure_model, load_tokenizer
 
     data = tmp_path / "t.jsonl"
-    rows = [{"question": "Σ数 1+1 🙂", "answer": "2"}, {"question": "1+2", "answer": "3"}, {"question": "2+2", "answer": "四"}]
+    rows = [{"question": "Σ数 1+1\t🙂", "answer": "2"}, {"question": "1+2", "answer": "3"}, {"question": "2+2", "answer": "四"}]
     data.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
     cfg = compose_cfg(["stages=[]", f"buffer.explorer_input.taskset.path={data}"])
     ensure_model(cfg.model)
@@ -236,8 +236,8 @@ def test_characters_the_tokenizer_does_not_know_are_warned_about(tmp_path):
     assert text == (f"1 of the first 3 prompts of {where} ({data}) hold characters the tokenizer has no token for "
                     f"('Σ', '数', '🙂'): the model does not see them (each is dropped or read as the one unknown "
                     f"token). Use a model whose tokenizer has them, or data without them. 1 of the first 3 prompts "
-                    f"of {where} ({data}) hold whitespace between two characters that the tokenizer drops ('Σ数 1+1 🙂' "
-                    f"reaches the model as 'Σ数1+1🙂'): the model cannot see where a word ends, nor write an answer "
+                    f"of {where} ({data}) hold whitespace between two characters that the tokenizer drops ('Σ数 1+1\\t🙂' "
+                    f"reaches the model as 'Σ数 1+1🙂'): the model cannot see where a word ends, nor write an answer "
                     f"that holds a space. Join the parts with a character it keeps (a comma, as task=countdown does), "
                     f"or use a model whose tokenizer keeps spaces.")
     # a training dataset's responses too
@@ -248,10 +248,11 @@ def test_characters_the_tokenizer_does_not_know_are_warned_about(tmp_path):
 
 
 def test_spaces_the_tokenizer_drops_between_words_are_warned_about():
-    """The tiny model's tokenizer drops spaces and newlines (transformers loads its character
-    vocabulary into Qwen2's byte-level pre-tokenizer, whose space is a byte the vocabulary lacks):
-    a study's "sort gadf" reached the model as "sortgadf", its answer "12 34" could never be
-    written, and the run said nothing. A space at a prompt's end joins nothing: no sentence."""
+    """A tokenizer that drops whitespace between words: the tiny model's v1 dropped spaces and
+    newlines (transformers loads its character vocabulary into Qwen2's byte-level pre-tokenizer,
+    whose space was a byte the vocabulary lacked): a study's "sort gadf" reached the model as
+    "sortgadf", its answer "12 34" could never be written, and the run said nothing. v2 keeps
+    spaces and newlines, and still drops a tab. A space at a prompt's end joins nothing: no sentence."""
     from conftest import compose_cfg
 
     from rft.data.readers import dropped_spaces
@@ -260,16 +261,24 @@ def test_spaces_the_tokenizer_drops_between_words_are_warned_about():
     cfg = compose_cfg(["stages=[]"])
     ensure_model(cfg.model)
     tok = load_tokenizer(cfg.model)
-    assert tok.encode("sort gadf", add_special_tokens=False) == tok.encode("sortgadf", add_special_tokens=False)
-    prompts = [["sort gadf"], ["1+2"], ["Add.", "3+4 "]]  # a system prompt and a trailing space: kept apart
+
+    def enc(text):
+        return tok.encode(text, add_special_tokens=False)
+
+    # a token a character, the space and the newline included (101 and 102: v1's ids for them)
+    assert enc("sort gadf")[4] == 101 and enc("a b\nc") == [17, 101, 18, 102, 19]
+    assert enc("sort\tgadf") == enc("sortgadf")
+    assert dropped_spaces(tok, [["sort gadf"], ["a\nb"]], ["12 34"], "of X (x.jsonl)") is None
+    prompts = [["sort\tgadf"], ["1+2"], ["Add.", "3+4\t"]]  # a system prompt and a trailing tab: kept apart
     assert dropped_spaces(tok, prompts[1:], ["3", "7"], "of X (x.jsonl)") is None
-    assert dropped_spaces(tok, prompts, ["12 34", "3", "7"], "of X (x.jsonl)") == (
-        # 2 of 6: "sort gadf" and the answer "12 34" (3 prompts + 3 answers)
+    assert dropped_spaces(tok, prompts, ["12 \t34", "3", "7"], "of X (x.jsonl)") == (
+        # 2 of 6: "sort\tgadf" and the answer "12 \t34", whose tab goes and space stays (3 prompts + 3 answers)
         "2 of the first 6 prompts and answers of X (x.jsonl) hold whitespace between two characters that the "
-        "tokenizer drops ('sort gadf' reaches the model as 'sortgadf'): the model cannot see where a word ends, nor "
-        "write an answer that holds a space. Join the parts with a character it keeps (a comma, as task=countdown "
-        "does), or use a model whose tokenizer keeps spaces.")
+        "tokenizer drops ('sort\\tgadf' reaches the model as 'sortgadf'): the model cannot see where a word ends, "
+        "nor write an answer that holds a space. Join the parts with a character it keeps (a comma, as "
+        "task=countdown does), or use a model whose tokenizer keeps spaces.")
     assert dropped_spaces(tok, prompts, [], "of X (x.jsonl)").startswith("1 of the first 3 prompts of X")
+    assert "('12 \\t34' reaches the model as '12 34')" in dropped_spaces(tok, [], ["12 \t34"], "of X")
 
     class KeepsSpaces:  # a tokenizer with a token for every character, whitespace included
         def encode(self, text, add_special_tokens=False):
@@ -282,8 +291,8 @@ def test_spaces_the_tokenizer_drops_between_words_are_warned_about():
 def test_the_tiny_models_budget_holds_a_19_character_question_and_a_5_character_answer():
     """README "Starting a new study": with the tiny model, keep questions within 19 characters and
     answers within 5 (or raise model.max_prompt_tokens / max_response_tokens). One token a
-    character: the chat template's 5 tokens (<|im_start|>, user, newline ... <|im_end|>, the
-    assistant's header) + 19 = 24 = max_prompt_tokens; 5 + the end token = 6 = max_response_tokens."""
+    character: the chat template's 5 tokens (<|im_start|>, user ... <|im_end|>, the assistant's
+    header: <|im_start|>, assistant) + 19 = 24 = max_prompt_tokens; 5 + the end token = 6 = max_response_tokens."""
     from conftest import compose_cfg
 
     from rft.data.readers import prompt_ids

@@ -199,7 +199,7 @@ def test_an_environment_without_info_is_scored(cache_dir):
     from rft.models import build_tiny_model, load_tokenizer
     from rft.rollout.workflows.single_turn import WorkflowContext
 
-    path = build_tiny_model(cache_dir / "models" / "tiny-qwen2-v1")
+    path = build_tiny_model(cache_dir / "models" / "tiny-qwen2-v2")
     tok = load_tokenizer(OmegaConf.create(dict(model_path=str(path), trust_remote_code=False, custom_chat_template=None)))
     ctx = WorkflowContext(tokenizer=tok, n=2, rollout_args=SimpleNamespace(temperature=1.0, top_p=1.0, top_k=-1,
                           max_tokens=None, stop=[]), max_prompt_tokens=24, policy_version=0, seed=5, step=1,

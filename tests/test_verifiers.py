@@ -288,7 +288,7 @@ def test_countdown_generator_sorted_order_and_sizes(tmp_path):
 def test_countdown_prompts_and_answers_fit_the_tiny_model():
     """The tiny model's budget (conf/model/tiny.yaml): 24 prompt tokens (5 of them the chat
     template), 6 response tokens (5 characters and the end-of-sequence token)."""
-    assert countdown_prompt([8, 2, 3], 3) == "8,2,3->3"  # commas: the tokenizer drops spaces
+    assert countdown_prompt([8, 2, 3], 3) == "8,2,3->3"  # commas: no spaces, a token fewer each
     problems = countdown_problems()
     assert max(len(countdown_prompt(numbers, target)) for numbers, target in problems) + 5 <= 24
     assert max(len(a) for a in problems.values()) + 1 <= 6

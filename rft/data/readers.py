@@ -229,22 +229,21 @@ def budget_report(ds, tokenizer, model_cfg, responses: bool, where: str, first: 
 
 def dropped_spaces(tokenizer, prompts: list[list[str]], answers: list[str], where: str) -> str | None:
     """A sentence when the tokenizer drops the whitespace between two other characters of the
-    `prompts` (each its messages' contents) or `answers`, None when it keeps it. The tiny model's does: transformers loads its
-    character vocabulary into Qwen2's byte-level pre-tokenizer, whose space and newline are bytes
-    the vocabulary lacks, so "sort dbca" reaches the model as "sortdbca" and an answer "12 34" can
-    never be written. The built-in tasks carry no such space (countdown's numbers are joined by
-    commas); a study's own data may."""
+    `prompts` (each its messages' contents) or `answers`, None when it keeps it. A byte-level
+    tokenizer whose vocabulary lacks a whitespace byte's token drops it: the tiny model's keeps
+    spaces and newlines but not a tab (its v1 dropped all three: "sort dbca" reached the model as
+    "sortdbca", and an answer "12 34" could never be written)."""
     gaps = re.compile(r"\S(\s+)\S")
-    dropped: dict[str, bool] = {}  # each gap's answer, asked of the tokenizer once
+    dropped: dict[str, bool] = {}  # each whitespace character's answer, asked of the tokenizer once
 
     def enc(text: str) -> list[int]:
         return tokenizer.encode(text, add_special_tokens=False)
 
-    def drops(text: str) -> bool:
-        for gap in {m.group(1) for m in gaps.finditer(text)}:
-            if gap not in dropped:
-                dropped[gap] = enc(f"a{gap}b") == enc("ab")
-            if dropped[gap]:
+    def drops(text: str) -> bool:  # per character: a gap " \t" loses its tab where the space is kept
+        for c in {c for m in gaps.finditer(text) for c in m.group(1)}:
+            if c not in dropped:
+                dropped[c] = enc(f"a{c}b") == enc("ab")
+            if dropped[c]:
                 return True
         return False
 
@@ -253,8 +252,9 @@ def dropped_spaces(tokenizer, prompts: list[list[str]], answers: list[str], wher
     if not hit:
         return None
     what, shown = "prompts and answers" if answers else "prompts", hit[0][:40]
+    seen = "".join(c for c in shown if not dropped.get(c))  # what the tokenizer keeps stays
     return (f"{len(hit)} of the first {len(rows)} {what} {where} hold whitespace between two characters "
-            f"that the tokenizer drops ({shown!r} reaches the model as {''.join(shown.split())!r}): the "
+            f"that the tokenizer drops ({shown!r} reaches the model as {seen!r}): the "
             f"model cannot see where a word ends, nor write an answer that holds a space. Join the parts with a "
             f"character it keeps (a comma, as task=countdown does), or use a model whose tokenizer keeps spaces.")
 

@@ -130,7 +130,7 @@ def countdown_problems(n_numbers: int = 3, max_number: int = 9, ops: str = "+-*"
 
 
 def countdown_prompt(numbers, target: int) -> str:
-    """"2,3,7->23": the numbers (commas: the tiny model's tokenizer drops spaces), then the target."""
+    """"2,3,7->23": the numbers (commas: a token fewer each than ", "), then the target."""
     return ",".join(map(str, numbers)) + "->" + str(target)
 
 
@@ -210,7 +210,7 @@ def _countdown_row(rng, numbers, target: int, answer: str, max_number: int, teac
 
 def tool_call_text(name: str, arguments: dict) -> str:
     """A tool call as Qwen and Hermes write it (what rft.rollout.environments.tools.parse_tool_calls reads),
-    compact JSON: the tiny tokenizer drops spaces, and model=tiny_tools has the calculator's JSON
+    compact JSON: the tiny tokenizer has a token a character, and model=tiny_tools has the calculator's JSON
     as tokens of their own."""
     return "<tool_call>" + json.dumps({"name": name, "arguments": arguments}, separators=(",", ":")) + "</tool_call>"
 

@@ -171,8 +171,9 @@ class RewardModelWorker:
         word = "yes" if key == "yes_token" else "no"
         single = [s for s in (f" {word}", word, f" {word.title()}", word.title())
                   if len(self.tokenizer.encode(s, add_special_tokens=False)) == 1]
+        pieces = [self.tokenizer.decode([i]) for i in ids]  # the text of each: a byte-level vocabulary's 'Ġ' is ' '
         raise ConfigError(
-            f"{key}={text!r} is {len(ids)} tokens {self.tokenizer.convert_ids_to_tokens(ids)} for the reward model "
+            f"{key}={text!r} is {len(ids)} tokens {pieces} for the reward model "
             f"{self.args['model_path']!r}; kind=yes_no reads the probability of one next token, so give a "
             f"string that is a single token of its tokenizer"
             + (f" (single tokens here: {single})." if single else ".")

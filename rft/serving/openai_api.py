@@ -30,7 +30,7 @@ recorded: the agent never read it). Each call is one experience, unless a call's
 start with the previous call's prompt + sampled ids: then they are one experience, the loss mask 1
 on both calls' sampled tokens and 0 between. That holds for an agent continuing its own token ids
 through /v1/completions, and for a chat agent wherever the template renders the conversation so
-far to the ids sampled (model=tiny_tools's, whose tokenizer drops the newline after <|im_end|>,
+far to the ids sampled (model=tiny_tools's, whose template writes nothing after <|im_end|>,
 tool calls included: rft/serving/openai_chat.py); where it re-renders them otherwise (Qwen's adds
 a newline after <|im_end|> that the model never sampled) the calls are separate experiences, and
 the token-exact multi-turn alternative is the multi_turn workflow
