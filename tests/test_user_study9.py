@@ -84,3 +84,55 @@ def test_a_trinity_key_in_a_stage_names_the_stages_key():
         "Could not override 'stages.1.buffer.explorer_input.taskset.default_reward_fn_type': that is Trinity-RFT's "
         "key, not rft's; rft's is stages.1.buffer.explorer_input.taskset.reward_fn. "
         "buffer.explorer_input.default_reward_fn_type is the run's default, as in Trinity-RFT.")
+
+
+# ---------------------------------------------------------------- mode=train from an explore job's buffer
+
+TRAIN = ["stages=[]", "mode=train", "buffer=sql", "buffer.batch_size=4", "algorithm.repeat_times=4",
+         "buffer.trainer_input.experience_buffer.path=/runs/gen/buffer.db"]
+
+
+def test_train_mode_for_more_steps_than_stored_says_so_at_the_start(caplog):
+    """The README's split (mode=explore, then mode=train from its buffer) with model=tiny, whose file
+    sets buffer.total_steps=60: 3 stored steps trained, then each step waited 30 min unannounced."""
+    from rft.plan.batch import make_plan, stage_configs
+
+    with caplog.at_level("WARNING", logger="rft.plan.batch"):
+        plan = make_plan(stage_configs(compose_cfg(TRAIN))[0], 48)
+    assert (plan.input_kind, plan.total_steps, plan.experiences_per_step) == ("experiences", 60, 16)
+    # 48 stored experiences / 16 a step = 3 steps; the 4th waits
+    assert [r.getMessage() for r in caplog.records if r.name == "rft.plan.batch"] == [
+        "mode=train: buffer.total_steps=60, but /runs/gen/buffer.db holds 48 experiences, 3 steps of "
+        "buffer.train_batch_size=16: from step 4 on each step waits up to "
+        "buffer.trainer_input.experience_buffer.max_read_timeout=1800.0s for an explore job still writing there, "
+        "then stops. If no explore job writes there any more, set buffer.total_steps=null (the steps stored) or "
+        "at most 3."]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="rft.plan.batch"):
+        assert make_plan(stage_configs(compose_cfg([*TRAIN, "buffer.total_steps=3"]))[0], 48).total_steps == 3
+        assert make_plan(stage_configs(compose_cfg([*TRAIN, "buffer.total_steps=null"]))[0], 48).total_steps == 3
+    assert not [r for r in caplog.records if r.name == "rft.plan.batch"]
+
+
+def test_a_read_past_max_read_timeout_is_one_paragraph():
+    """It ended in a TimeoutError's traceback through schedule.py and buffer.py (exit 1)."""
+    from types import SimpleNamespace
+
+    from rft.errors import RunError
+    from rft.plan.batch import make_plan, stage_configs
+    from rft.runtime.schedule import Schedule
+
+    cfg = stage_configs(compose_cfg(TRAIN))[0]
+
+    class Empty:
+        def get(self, n, timeout):
+            raise TimeoutError(f"buffer 'experience_buffer': no experiences arrived within {timeout}s (wanted {n}).")
+
+    stage = SimpleNamespace(cfg=cfg, plan=make_plan(cfg, 48), buffer=Empty(), fixed_policy=False)
+    with pytest.raises(RunError) as e:
+        Schedule._read_batch(stage, 4, None)
+    assert str(e.value) == (
+        "step 4 of 60: buffer 'experience_buffer': no experiences arrived within 1800.0s (wanted 16). In mode=train "
+        "the stage has buffer.total_steps=60 steps: if no explore job writes to /runs/gen/buffer.db any more, it "
+        "holds no more; set buffer.total_steps=null (the steps stored) and resume_with_changes=true (the same "
+        "command with both goes on from the newest checkpoint).")

@@ -184,6 +184,7 @@ def make_plan(cfg, dataset_size: int) -> BatchPlan:
                                      ("trainer.micro_batch_size_per_gpu", micro)])
     total, opt_per_step = _length(cfg, per_epoch, train_bs // mini * cfg.trainer.ppo_epochs)
     _check_schedule(cfg, needs, kind, train_bs, total)
+    _warn_stored_steps(cfg, kind, dataset_size, train_bs, total)
     explores = cfg.mode in ("both", "explore")
     return BatchPlan(
         mode=cfg.mode,
@@ -759,6 +760,21 @@ def _length(cfg, per_epoch: int, opt_per_step: int) -> tuple[int, int]:
             f"{total * opt_per_step} optimizer steps ({total} steps x {opt_per_step} per step)."
         )
     return total, opt_per_step
+
+
+def _warn_stored_steps(cfg, kind: str, stored: int, train_bs: int, total: int) -> None:
+    """mode=train from an explore job's buffer, for more steps than it holds: each later step waits
+    max_read_timeout (30 min) for rows a live explore job may still write, then stops. Said at the
+    start, as the steps set may not be the user's (model=tiny's file sets buffer.total_steps=60)."""
+    if kind != "experiences" or cfg.buffer.total_steps is None or total * train_bs <= stored:
+        return
+    eb = cfg.buffer.trainer_input.experience_buffer
+    log.warning(
+        "mode=train: buffer.total_steps=%s, but %s holds %s experiences, %s steps of buffer.train_batch_size=%s: from "
+        "step %s on each step waits up to buffer.trainer_input.experience_buffer.max_read_timeout=%ss for an explore "
+        "job still writing there, then stops. If no explore job writes there any more, set buffer.total_steps=null "
+        "(the steps stored) or at most %s.", total, eb.path, stored, stored // train_bs, train_bs,
+        stored // train_bs + 1, eb.max_read_timeout, stored // train_bs)
 
 
 def _check_schedule(cfg, needs: Needs, kind: str, train_bs: int, total: int) -> None:

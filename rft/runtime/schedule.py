@@ -29,6 +29,7 @@ from rft.data.curriculum import make_curriculum
 from rft.config import fixed_policy
 from rft.data.pipeline import ExperiencePipeline, experience_operators
 from rft.data.experience import batch_record
+from rft.errors import RunError
 from rft.rewards import scoring
 from rft.rollout.explorer import step_metrics
 from rft.runtime import preemption
@@ -63,6 +64,18 @@ def reward_norm(cfg, saved: dict) -> scoring.RunningNorm:
     norm = scoring.RunningNorm({e["name"]: e["weight"] for e in parts}, [e["name"] for e in parts if e["normalize"]])
     norm.load(saved.get("reward_norm"))
     return norm
+
+
+def read_timeout(cfg, plan, step: int, e: TimeoutError) -> str:
+    """The paragraph of a step whose experiences did not arrive within max_read_timeout; in
+    mode=train from a stored buffer most often a buffer.total_steps past what an explore job wrote."""
+    text = f"step {step} of {plan.total_steps}: {e}"
+    if plan.input_kind == "experiences":
+        text += (f" In mode=train the stage has buffer.total_steps={plan.total_steps} steps: if no explore job "
+                 f"writes to {cfg.buffer.trainer_input.experience_buffer.path} any more, it holds no more; set "
+                 f"buffer.total_steps=null (the steps stored) and resume_with_changes=true (the same command "
+                 f"with both goes on from the newest checkpoint).")
+    return text
 
 
 class Schedule:
@@ -192,7 +205,10 @@ class Schedule:
         if produced == 0:
             return [], {}
         eb = self.cfg.buffer.trainer_input.experience_buffer
-        batch = self.buffer.get(produced or self.plan.experiences_per_step, eb.max_read_timeout)
+        try:
+            batch = self.buffer.get(produced or self.plan.experiences_per_step, eb.max_read_timeout)
+        except TimeoutError as e:  # a paragraph, not a traceback: what stopped, and what to set
+            raise RunError(read_timeout(self.cfg, self.plan, step, e)) from None
         if self.fixed_policy:  # sampled by the fixed policy: no staleness to count or bound
             return batch, {}
         # step - 1 trainer steps are trained so far: the version about to learn from them
