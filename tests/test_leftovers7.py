@@ -233,3 +233,81 @@ def test_an_eval_trajectory_file_with_a_line_longer_than_any_is_named_in_the_stu
     [entry] = [s for s in rollouts.sources(run) if s["kind"] == "eval"]
     assert entry["count"] == 2
 
+
+# ---------------------------------------------------------------- a recorded launcher log outside the sweep
+
+
+def _stopped_log(path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("rft: the run stopped: a line of a log the sweep does not own\n")
+
+
+def test_a_recorded_launcher_log_outside_the_sweep_is_refused_with_a_warning(tmp_path, capsys):
+    # .launcher_log (in a folder others may write to) named a submitit log anywhere, and the report quoted
+    # that file's last line as why the job stopped
+    from test_readme_promises3 import _local_sweep
+
+    from rft.reporting import report
+
+    sweep = _local_sweep(tmp_path / "two", jobs=2)
+    other = tmp_path / "another_sweep" / ".submitit" / "77" / "77_0_log.err"
+    _stopped_log(other)
+    (sweep / "1" / ".launcher_log").write_text(f"{other}\n")
+    assert {j.num: report.why_stopped(j) for j in report.read_jobs(sweep)} == {"0": None, "1": None}
+    err = capsys.readouterr().err
+    assert err == (f"rft.reporting.report: warning: job 1's .launcher_log names {other}, which is not in the sweep's "
+                   f"folder {sweep} (and no submitit_folder of its own): a log the sweep does not own, not read.\n")
+    # relative, out of the sweep by '..': the same
+    (sweep / "1" / ".launcher_log").write_text(f"{os.path.relpath(other, sweep)}\n")
+    assert report.why_stopped(next(j for j in report.read_jobs(sweep) if j.num == "1")) is None
+    assert "a log the sweep does not own, not read" in capsys.readouterr().err
+
+
+def test_a_recorded_launcher_log_linked_out_of_the_sweep_is_refused(tmp_path, capsys):
+    from test_readme_promises3 import _local_sweep
+
+    from rft.reporting import report
+
+    sweep = _local_sweep(tmp_path / "two", jobs=2)
+    other = tmp_path / "elsewhere" / "9_0_log.err"
+    _stopped_log(other)
+    link = sweep / ".submitit" / "9" / "9_0_log.err"  # in the sweep's folder, a link out of it
+    link.parent.mkdir()
+    link.symlink_to(other)
+    (sweep / "1" / ".launcher_log").write_text(".submitit/9/9_0_log.err\n")
+    assert report.why_stopped(next(j for j in report.read_jobs(sweep) if j.num == "1")) is None
+    assert capsys.readouterr().err == (
+        f"rft.reporting.report: warning: job 1's .launcher_log names {link} (a link to {other}), which is not in "
+        f"the sweep's folder {sweep} (and no submitit_folder of its own): a log the sweep does not own, not read.\n")
+
+
+def test_a_recorded_launcher_log_in_the_configured_submitit_folder_is_read_and_another_is_not(tmp_path, capsys):
+    # hydra.launcher.submitit_folder may name a folder outside the sweep: its logs are the sweep's
+    from test_readme_promises3 import _local_sweep
+
+    from rft.reporting import report
+
+    sweep = _local_sweep(tmp_path / "two", jobs=2)
+    logs = tmp_path / "scratch" / "logs"
+    (sweep / "multirun.yaml").write_text(
+        "hydra:\n  launcher:\n    _target_: hydra_plugins.hydra_submitit_launcher.submitit_launcher.LocalLauncher\n"
+        f"    submitit_folder: {logs}/%j\n")
+    own = logs / "41" / "41_0_log.err"
+    _stopped_log(own)
+    (sweep / "1" / ".launcher_log").write_text(f"{own}\n")
+    job = next(j for j in report.read_jobs(sweep) if j.num == "1")
+    assert report.why_stopped(job) == ("the run stopped: a line of a log the sweep does not own", own)
+    # relative to Hydra's working directory, and under the sweep by its own interpolation (the default)
+    (sweep / "multirun.yaml").write_text(
+        "hydra:\n  launcher:\n    _target_: hydra_plugins.hydra_submitit_launcher.submitit_launcher.LocalLauncher\n"
+        f"    submitit_folder: scratch/logs/%j\n  runtime:\n    cwd: {tmp_path}\n")
+    assert report.why_stopped(job) == ("the run stopped: a line of a log the sweep does not own", own)
+    assert capsys.readouterr().err == ""
+    # Hydra's working directory elsewhere: the folder is another, and the log is not of this sweep
+    (sweep / "multirun.yaml").write_text(
+        "hydra:\n  launcher:\n    _target_: hydra_plugins.hydra_submitit_launcher.submitit_launcher.LocalLauncher\n"
+        f"    submitit_folder: scratch/logs/%j\n  runtime:\n    cwd: {sweep}\n")
+    assert report.why_stopped(job) is None
+    assert capsys.readouterr().err == (
+        f"rft.reporting.report: warning: job 1's .launcher_log names {own}, which is not in the sweep's folder {sweep} "
+        f"nor in its hydra.launcher.submitit_folder ({sweep}/scratch/logs): a log the sweep does not own, not read.\n")

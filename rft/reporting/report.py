@@ -58,7 +58,7 @@ from omegaconf import OmegaConf
 from rft import manifest
 from rft.config import near_args
 from rft.reporting.redact import redact_overrides
-from rft.reporting.sweep import own_log
+from rft.reporting.sweep import OWN_LOG, own_log
 
 TIMING_KEYS = ("timing/step_s", "timing/eval_s", "timing/save_s")
 NO_METRICS = "no metrics (failed before its first step, or not started)"
@@ -626,7 +626,7 @@ def _launcher_log(job: Job) -> Path | None:
     """The job's newest launcher log: the one it recorded as its own as it started
     (rft.reporting.sweep.OWN_LOG), else found by its folder's name under <sweep>/.submitit/."""
     log = own_log(job.path)
-    if log is not None and log.is_file():
+    if log is not None and log.is_file() and _owned(str(log), str(job.path.parent), f"job {job.num}"):
         return log
     sub = job.path.parent / ".submitit"
     if not sub.is_dir():
@@ -640,6 +640,54 @@ def _launcher_log(job: Job) -> Path | None:
             if (m := re.fullmatch(r"\d+(?:_(\d+))?", d.name)) and (m[1] or "0") == job.path.name and (m[1] or alone)]
     logs = [d / f"{d.name}_0_log.err" for d in dirs if (d / f"{d.name}_0_log.err").is_file()]
     return max(logs, key=lambda p: p.stat().st_mtime) if logs else None  # a resumed sweep's newest attempt
+
+
+_WARNED: set[tuple[str, str]] = set()  # (log, sweep) refused and said: a job's stages each ask
+
+
+def _owned(log: str, sweep: str, job: str) -> bool:
+    """Whether the launcher log a job recorded as its own (`log`) lies in the sweep's folder or in its
+    configured hydra.launcher.submitit_folder, a link followed: else, with a warning naming it, it is
+    not read. The record is in a folder others may write to: it named a *_log.err anywhere (another
+    sweep's, another user's), and the report quoted that file's last line as the job's end."""
+    root = _submitit_root(Path(sweep))
+    real = Path(log).resolve()
+    if any(real.is_relative_to(d.resolve()) for d in (Path(sweep), root) if d is not None):
+        return True
+    if (log, sweep) in _WARNED:
+        return False
+    _WARNED.add((log, sweep))
+    where = f"nor in its hydra.launcher.submitit_folder ({root})" if root is not None else "(and no submitit_folder of its own)"
+    print(f"rft.reporting.report: warning: {job}'s {OWN_LOG} names {log}{f' (a link to {real})' if str(real) != log else ''}, "
+          f"which is not in the sweep's folder {sweep} {where}: a log the sweep does not own, not read.", file=sys.stderr)
+    return False
+
+
+def _submitit_root(sweep: Path) -> Path | None:
+    """The folder the sweep's multirun.yaml names in hydra.launcher.submitit_folder, up to its first
+    part with a % (<folder>/%j: each job's own below it), relative ones from Hydra's runtime.cwd;
+    None where it names none or does not resolve here."""
+    try:
+        path = sweep / "multirun.yaml"
+        if path.stat().st_size > MAX_MULTIRUN_BYTES:
+            return None
+        cfg = OmegaConf.create(manifest.read_regular(path).decode())
+        # the sweep is here (its ${now:...} would resolve to another time now)
+        OmegaConf.update(cfg, "hydra.sweep.dir", str(sweep), force_add=True)
+        folder, cwd = OmegaConf.select(cfg, "hydra.launcher.submitit_folder"), OmegaConf.select(cfg, "hydra.runtime.cwd")
+    except Exception:  # no such file, not YAML, an interpolation that does not resolve here: the sweep's folder alone
+        return None
+    if not isinstance(folder, str):
+        return None
+    parts = []
+    for part in Path(os.path.expanduser(folder)).parts:
+        if "%" in part:
+            break
+        parts.append(part)
+    root = Path(*parts) if parts else None
+    if root is None or not (root.is_absolute() or isinstance(cwd, str)):
+        return None
+    return root if root.is_absolute() else Path(cwd) / root
 
 
 def why_stopped(job: Job) -> tuple[str, Path] | None:
