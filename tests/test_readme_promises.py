@@ -41,7 +41,8 @@ def test_the_groups_table_names_every_option_of_its_groups():
         if group == "algorithm":
             assert named < options(group), named
         else:
-            assert named == options(group), (group, named ^ options(group))
+            assert named == options(group), (f"README's `{group}` row and conf/{group}/ differ by "
+                                              f"{sorted(named ^ options(group))}: a new option is named in the row")
     # "`trainer` (`torch`: one process; `fsdp2`: ...), `monitor` (`console`, `tensorboard`, `wandb`, `mlflow`..."
     assert {"torch", "fsdp2"} == options("trainer")
     assert {"console", "tensorboard", "wandb", "mlflow"} == options("monitor")
@@ -57,7 +58,8 @@ def test_the_defaults_list_comments_name_every_option_of_their_groups():
     for group, comment in re.findall(r"^  - (\w+): \S+ +# (.*)$", text, re.M):
         if (CONF / group).is_dir() and group != "experiment":  # studies: experiments/ lists them
             named = set(re.findall(r"[\w.-]+", comment))
-            assert options(group) <= named, (group, options(group) - named)
+            assert options(group) <= named, (f"conf/config.yaml's comment beside `- {group}:` lacks "
+                                             f"{sorted(options(group) - named)}: name every option of conf/{group}/ there")
             checked += 1
     assert checked == 9  # buffer, algorithm, task, explorer, trainer, sync, monitor, cluster, model
 
