@@ -510,3 +510,25 @@ def foreign_value(key: str, value) -> str:
     when the value is no other system's."""
     entry = f"{key}={value}"
     return " " + FOREIGN_VALUES[entry].note if entry in FOREIGN_VALUES else ""
+
+
+# verl's metric names (Trinity-RFT's trainer is verl's, so its monitor shows them), each with rft's
+# and what differs, for objective and monitor.console_keys (rft.plan.batch._check_metric_names)
+FOREIGN_METRICS = {
+    "actor/pg_loss": ("loss/policy", ""),
+    "actor/pg_clipfrac": ("actor/clip_frac", " (rft leaves out the tokens whose advantage is 0)"),
+    "actor/ppo_kl": ("actor/approx_kl", " (verl's is the token mean of log(old/new), rft's of r - 1 - log r: two "
+                                        "estimates of the same KL)"),
+    "actor/kl_loss": ("actor/kl", ""),
+    "critic/score/mean": ("reward/mean", ""),
+    "critic/score/max": ("reward/max", ""),
+    "critic/score/min": ("reward/min", ""),
+    "critic/rewards/mean": ("reward/mean", " (verl's is after its KL penalty, rft's before it: with "
+                                           "algorithm.kl_penalty_fn set, subtract algorithm.kl_penalty_coef x "
+                                           "reward/kl_penalty)"),
+    "critic/advantages/mean": ("advantage/mean", ""),
+    "critic/vf_loss": ("critic/value_loss", ""),
+    "critic/vf_clipfrac": ("critic/vf_clip_frac", ""),
+    "critic/vpred_mean": ("critic/values_mean", ""),
+    "timing_s/step": ("timing/step_s", ""),
+}

@@ -136,3 +136,40 @@ def test_a_read_past_max_read_timeout_is_one_paragraph():
         "the stage has buffer.total_steps=60 steps: if no explore job writes to /runs/gen/buffer.db any more, it "
         "holds no more; set buffer.total_steps=null (the steps stored) and resume_with_changes=true (the same "
         "command with both goes on from the newest checkpoint).")
+
+
+# ---------------------------------------------------------------- metrics by verl's (Trinity's trainer's) names
+
+@pytest.mark.parametrize("override, message", [
+    # before: accepted; the progress line never showed it, and a sweep's objective was None at the end
+    ("monitor.console_keys=[reward/mean,actor/pg_loss]",
+     "monitor.console_keys names actor/pg_loss, verl's (and Trinity-RFT's trainer's) name of a metric that rft logs "
+     "as loss/policy; actor/pg_loss is never logged here. Write loss/policy (the metrics of a run are the keys of "
+     "its <stage>/metrics.jsonl)."),
+    ("objective=critic/rewards/mean",
+     "objective names critic/rewards/mean, verl's (and Trinity-RFT's trainer's) name of a metric that rft logs as "
+     "reward/mean (verl's is after its KL penalty, rft's before it: with algorithm.kl_penalty_fn set, subtract "
+     "algorithm.kl_penalty_coef x reward/kl_penalty); critic/rewards/mean is never logged here. Write reward/mean "
+     "(the metrics of a run are the keys of its <stage>/metrics.jsonl)."),
+])
+def test_a_verl_metric_name_is_told_rfts(override, message):
+    from rft.plan.batch import check_config, stage_configs
+
+    with pytest.raises(ConfigError) as e:
+        check_config(stage_configs(compose_cfg(["stages=[]", override]))[0])
+    assert str(e.value) == message
+
+
+def test_every_metric_translated_to_is_one_rft_logs():
+    """The table names rft's metrics as the code writes them (a name of its own would be as silent)."""
+    import re
+
+    from conftest import ROOT
+
+    from rft.foreign_keys import FOREIGN_METRICS
+
+    logged = set(re.findall(r'"((?:actor|loss|reward|advantage|critic|timing)/[a-z_]+)"',
+                            "\n".join(p.read_text() for p in (ROOT / "rft").rglob("*.py")
+                                      if p.name != "foreign_keys.py")))
+    assert {ours for ours, _ in FOREIGN_METRICS.values()} <= logged
+    assert not set(FOREIGN_METRICS) & logged  # a verl name rft logs itself would be refused wrongly

@@ -235,8 +235,25 @@ def check_config(cfg) -> None:
         log.warning("monitor.enable_ray_timeline=true writes Ray's timeline, and cluster=inline runs without Ray: no "
                     "timeline.json will be written. Use cluster=local for one.")
     check_lora_sync(cfg)
+    _check_metric_names(cfg)
     if cfg.mode in ("both", "explore"):
         _check_rollouts(cfg)
+
+
+def _check_metric_names(cfg) -> None:
+    """objective and monitor.console_keys as verl (Trinity-RFT's trainer) names its metrics: such a
+    name is never logged here, so the progress line left it out and a sweep got None, unsaid."""
+    from rft.foreign_keys import FOREIGN_METRICS
+
+    named = [("objective", cfg.objective)] + [("monitor.console_keys", k) for k in cfg.monitor.console_keys]
+    for key, name in named:
+        if name in FOREIGN_METRICS:
+            ours, differs = FOREIGN_METRICS[name]
+            raise ConfigError(
+                f"{key} names {name}, verl's (and Trinity-RFT's trainer's) name of a metric that rft logs as "
+                f"{ours}{differs}; "
+                f"{name} is never logged here. Write {ours} (the metrics of a run are the keys of its "
+                f"<stage>/metrics.jsonl).")
 
 
 def check_run_name(cfg) -> None:
