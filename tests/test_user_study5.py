@@ -15,7 +15,8 @@ from safetensors.torch import load_file, save_file
 
 from rft.models import build_tiny_model, ensure_model
 from rft.reporting.monitor import read_metrics
-from conftest import ROOT, kill_at_checkpoint, load_script, run_cli
+from conftest import ROOT, load_script
+from resume_support import kill_when, run_to_end
 
 
 def _trained_copy(tmp_path: Path) -> Path:
@@ -68,8 +69,10 @@ def _study_args(data: Path, name: str) -> list[str]:
 
 @pytest.mark.slow
 def test_study_stages_say_what_they_start_from_and_a_kill_in_grpo_resumes_there(tmp_path):
-    data, env = _study_data(tmp_path), {"RFT_CHECKPOINT_ROOT_DIR": str(tmp_path / "out")}
-    straight = run_cli(*_study_args(data, "straight"), env=env)
+    data, env = _study_data(tmp_path), {**os.environ, "RFT_CHECKPOINT_ROOT_DIR": str(tmp_path / "out")}
+    # each command a run.py process forked from one that imported torch (resume_support: the same
+    # command, output and files without a fresh interpreter's imports, ~4 s a run)
+    straight = run_to_end(_study_args(data, "straight"), env, tmp_path / "straight_run")
     assert straight.returncode == 0, straight.stderr[-3000:]
     run = tmp_path / "out" / "rft" / "straight"
     # each later stage names the model it starts from (its config.yaml's model.model_path is the
@@ -83,8 +86,9 @@ def test_study_stages_say_what_they_start_from_and_a_kill_in_grpo_resumes_there(
     assert all(0 <= m["dpo/accuracy"] <= 1 for m in dpo if m["step"] > 0)
 
     killed = tmp_path / "out" / "rft" / "killed"
-    kill_at_checkpoint(_study_args(data, "killed"), killed / "grpo", 2, {**os.environ, **env})
-    resumed = run_cli(*_study_args(data, "killed"), env=env)
+    kill_when(_study_args(data, "killed"), env, lambda: (killed / "grpo" / "checkpoints" / "step_2" / "state.json").exists(),
+              tmp_path / "killed_run")
+    resumed = run_to_end(_study_args(data, "killed"), env, tmp_path / "resumed_run")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     # the finished stages are not trained again; GRPO goes on from its step-2 checkpoint
     assert "[sft_warmup] already finished (step 4)" in resumed.stdout
