@@ -173,3 +173,25 @@ def test_every_metric_translated_to_is_one_rft_logs():
                                       if p.name != "foreign_keys.py")))
     assert {ours for ours, _ in FOREIGN_METRICS.values()} <= logged
     assert not set(FOREIGN_METRICS) & logged  # a verl name rft logs itself would be refused wrongly
+
+
+# ---------------------------------------------------------------- total_epochs under a model's total_steps
+
+def test_total_epochs_under_a_set_total_steps_is_said(caplog):
+    """The guide: total_steps, if set, makes total_epochs ineffective. model=tiny's file sets
+    total_steps=60, so a user's buffer.total_epochs=2 ran 60 steps, not 2 x 69, unsaid."""
+    from rft.plan.batch import make_plan, stage_configs
+
+    with caplog.at_level("WARNING", logger="rft.plan.batch"):
+        plan = make_plan(stage_configs(compose_cfg(["task=countdown", "stages=[]", "buffer.total_epochs=2"]))[0], 1113)
+    # 1113 countdown tasks // batch_size 16 = 69 steps an epoch; the model's 60 steps run
+    assert (plan.steps_per_epoch, plan.total_steps) == (69, 60)
+    assert [r.getMessage() for r in caplog.records if r.name == "rft.plan.batch"] == [
+        "buffer.total_epochs=2 has no effect: buffer.total_steps=60 is set and wins (a model or experiment file may "
+        "set it: model=tiny's sets 60, its warm-up stage 400). For 2 epochs of 69 steps, set buffer.total_steps=null "
+        "(a stage's own, stages.<i>.buffer.total_steps=null)."]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="rft.plan.batch"):
+        plan = make_plan(stage_configs(compose_cfg(["task=countdown", "stages=[]", "buffer.total_epochs=2",
+                                                    "buffer.total_steps=null"]))[0], 1113)
+    assert plan.total_steps == 138 and not [r for r in caplog.records if r.name == "rft.plan.batch"]  # 2 x 69

@@ -769,6 +769,14 @@ def _length(cfg, per_epoch: int, opt_per_step: int) -> tuple[int, int]:
     """(total steps, optimizer steps per step), with the warm-up checked against them."""
     buf = cfg.buffer
     total = buf.total_steps if buf.total_steps is not None else buf.total_epochs * per_epoch
+    if buf.total_steps is not None and buf.total_epochs != C.BufferConfig().total_epochs:
+        # total_steps wins, as in Trinity-RFT; but a model file may set it (model=tiny: 60), so a
+        # user's total_epochs=2 ran 60 steps unsaid
+        where = f"stage {cfg.stage_name}: " if cfg.get("stage_name") else ""
+        log.warning("%sbuffer.total_epochs=%s has no effect: buffer.total_steps=%s is set and wins (a model or "
+                    "experiment file may set it: model=tiny's sets 60, its warm-up stage 400). For %s epochs of %s "
+                    "steps, set buffer.total_steps=null (a stage's own, stages.<i>.buffer.total_steps=null).",
+                    where, buf.total_epochs, buf.total_steps, buf.total_epochs, per_epoch)
     opt = cfg.algorithm.optimizer
     warmup = opt.warmup_steps
     if not 0 <= warmup <= total * opt_per_step:
