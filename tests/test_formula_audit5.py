@@ -503,9 +503,14 @@ def test_qwen7b_memory_parts_by_hand():
     kv_bytes = int(0.9 * 80 * gib) - 2 * P - 2 * gib
     assert explorer["KV cache (holds 64 of 64 sequences at 4,096 tokens)"] == kv_bytes
     assert kv_bytes // (2 * L * kv * 2) // 4096 >= 64  # 255 sequences of 4,096 tokens fit
-    # the README's line: ~39.9 GiB a rank (GPU parts only)
+    # FSDP2 keeps the root unit (embedding and untied head) whole from its forward to its backward
+    assert trainer["gathered embedding and head"] == 2 * V * H * 2
+    # two decoder layers in bfloat16: what is not embedding or head, over the layers (the final norm's
+    # H shared among them): 2 x (L layer + H) / L x 2 bytes
+    assert trainer["gathered layers"] == 2 * (L * layer + H) // L * 2 == 932_213_248
+    # the README's line: ~41.8 GiB a rank (GPU parts only)
     gpu = sum(v for k, v in trainer.items() if "CPU" not in k)
-    assert round(gpu / gib, 1) == 39.9
+    assert round(gpu / gib, 1) == 41.8
 
 
 # ---------------------------------------------------------------- the experience pipeline's reward shaping

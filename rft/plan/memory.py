@@ -23,6 +23,8 @@ shards the weights, gradients and optimizer state; trainer=torch is N = 1):
                                          in CPU memory)
     gathered     2 layers' weights      (FSDP2 unshards one layer at a time, the next prefetched;
                                          also on one rank with fp32 master weights: the cast copies)
+                 + V H b (x2 untied)    (the root unit's embedding and head, which FSDP2 does not
+                                         reshard after the forward: whole until its backward)
     fp32 master weights (trainer.fp32_master_weights): weights, gradients, Adam and the critic's
                  at 4 bytes instead of b; the reference stays at b
     activations  T tokens x L layers x (6 H + 2 kv + 4 I) b   (what autograd keeps of a decoder
@@ -421,7 +423,11 @@ def trainer_role(cfg, plan, s: Shape, dev: Devices) -> Role:
     if plan.needs.critic:
         parts.append(("critic" + where * (gpu and (t.critic_offload or t.param_offload)), 4 * s.parameters * mb // n))
     if n > 1 or mb != b:  # a block's weights whole (or cast) for its compute, and the next one's
-        parts.append(("gathered layers", 2 * (s.parameters - s.vocab * s.hidden) // s.layers * b))
+        outer = s.vocab * s.hidden * (1 if s.tied else 2)  # the embedding and the head: the root unit's
+        parts.append(("gathered layers", 2 * (s.parameters - outer) // s.layers * b))
+        # the root unit is whole from its forward to its backward (FSDP2 does not reshard the root
+        # after the forward: torch's FSDPState._lazy_init), beside the shard "weights" counts
+        parts.append(("gathered embedding and head", outer * b))
     parts += [(k + where * gpu, v) for k, v in _host_copies(cfg, s.parameters * b, ranks=n, gathered=s.parameters * mb)]
     tokens = _tokens(cfg, plan)
     parts.append(_activations(cfg, s, tokens))
