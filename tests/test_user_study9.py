@@ -195,3 +195,22 @@ def test_total_epochs_under_a_set_total_steps_is_said(caplog):
         plan = make_plan(stage_configs(compose_cfg(["task=countdown", "stages=[]", "buffer.total_epochs=2",
                                                     "buffer.total_steps=null"]))[0], 1113)
     assert plan.total_steps == 138 and not [r for r in caplog.records if r.name == "rft.plan.batch"]  # 2 x 69
+
+
+# ---------------------------------------------------------------- sync_offset=0 with sync_interval > 1
+
+@pytest.mark.parametrize("interval, said", [
+    (1, "on-policy: generates, then waits while the trainer learns (synchronizer.sync_offset=0)"),
+    # the guide's sync_offset 0 with an interval of 2: the study's run logged staleness/max 1 at every even step
+    (2, "generates, then waits while the trainer learns (synchronizer.sync_offset=0); the weights come every 2 "
+        "steps (synchronizer.sync_interval), so experiences are up to 1 step stale (off_policy_correction=behavior)"),
+    (10, "generates, then waits while the trainer learns (synchronizer.sync_offset=0); the weights come every 10 "
+         "steps (synchronizer.sync_interval), so experiences are up to 9 steps stale (off_policy_correction=behavior)"),
+])
+def test_the_dry_run_says_on_policy_only_when_it_is(interval, said):
+    """It said 'on-policy' for any sync_interval (the guide's example: sync_offset 0, sync_interval 10)."""
+    from rft.plan.batch import _sync_rows, stage_configs
+
+    cfg = stage_configs(compose_cfg(["stages=[]", "synchronizer.sync_offset=0",
+                                     f"synchronizer.sync_interval={interval}"]))[0]
+    assert dict(_sync_rows(cfg))["explorer"] == said

@@ -1390,10 +1390,15 @@ def _sync_rows(cfg) -> list[tuple[str, str]]:
                              "reward model (algorithm.rm_pairs=groups); each group whose rewards differ gives it one "
                              "pair, its best response over its worst (best_worst_pairs)")]
     rows = [("sync style", _dynamic_row(cfg))] if cfg.synchronizer.sync_style == "dynamic_by_explorer" else []
-    o, algo = cfg.synchronizer.sync_offset, cfg.algorithm
+    o, algo, k = cfg.synchronizer.sync_offset, cfg.algorithm, cfg.synchronizer.sync_interval
+    # sync_offset=0 with sync_interval > 1 (Trinity-RFT's guide: 0 and 10) is not on-policy: the
+    # weights arrive every k steps, so a step between syncs samples from weights up to k - 1 steps old
+    waits = ("on-policy: generates, then waits while the trainer learns (synchronizer.sync_offset=0)" if k == 1 else
+             f"generates, then waits while the trainer learns (synchronizer.sync_offset=0); the weights come every "
+             f"{k} steps (synchronizer.sync_interval), so experiences are up to {k - 1} step{'s' * (k != 2)} stale "
+             f"(off_policy_correction={algo.off_policy_correction})")
     rows.append(("explorer", f"{o} step{'s' * (o != 1)} ahead of the trainer (synchronizer.sync_offset; stale "
-                             f"experiences: off_policy_correction={algo.off_policy_correction})" if o else
-                             "on-policy: generates, then waits while the trainer learns (synchronizer.sync_offset=0)"))
+                             f"experiences: off_policy_correction={algo.off_policy_correction})" if o else waits))
     from rft.plan.sync import route
 
     way, warning = route(cfg)
