@@ -270,8 +270,10 @@ def test_mlflow_holds_the_runs_params_and_every_metric_of_metrics_jsonl(warm_sta
     """monitor=mlflow: read back with MLflow's own client, each step's value of each metric equals
     metrics.jsonl's (names as mlflow_name writes them), the params hold the whole config, and the
     artifacts hold metrics.jsonl; a second run of the same name (a resume) goes on in the same run."""
-    from conftest import run_cli
+    import os
+
     from mlflow.tracking import MlflowClient
+    from resume_support import run_to_end
 
     from rft.reporting.monitor import mlflow_name, read_metrics
 
@@ -279,7 +281,10 @@ def test_mlflow_holds_the_runs_params_and_every_metric_of_metrics_jsonl(warm_sta
             "monitor=mlflow", "buffer.total_steps=2", "explorer.eval_interval=2", "trainer.save_interval=2",
             "buffer.explorer_input.eval_tasksets.0.repeat_times=2", "buffer.explorer_input.eval_tasksets.0.pass_k=[2]",
             "buffer.explorer_input.eval_tasksets.0.rollout_args.temperature=1.0"]  # two samples that may differ
-    r = run_cli(*args, env={"RFT_CHECKPOINT_ROOT_DIR": str(tmp_path)})
+    # both commands run.py processes forked from one that imported torch (resume_support.run_to_end: the
+    # same command without a fresh interpreter's imports, ~4 s a run)
+    env = {**os.environ, "RFT_CHECKPOINT_ROOT_DIR": str(tmp_path)}
+    r = run_to_end(args, env, tmp_path / "first_run")
     assert r.returncode == 0, r.stderr[-3000:]
     client = MlflowClient(f"sqlite:///{tmp_path / 'rft' / 'mlflow.db'}")
     runs = client.search_runs([client.get_experiment_by_name("rft").experiment_id])
@@ -301,8 +306,8 @@ def test_mlflow_holds_the_runs_params_and_every_metric_of_metrics_jsonl(warm_sta
     arts = {a.path for a in client.list_artifacts(run_id)}
     assert {"metrics.jsonl", "batches.jsonl"} <= arts
     # the same command again: the stage is finished, nothing new; a longer one resumes in the same run
-    r = run_cli(*[a.replace("buffer.total_steps=2", "buffer.total_steps=3") for a in args], "resume_with_changes=true",
-                env={"RFT_CHECKPOINT_ROOT_DIR": str(tmp_path)})
+    r = run_to_end([*[a.replace("buffer.total_steps=2", "buffer.total_steps=3") for a in args], "resume_with_changes=true"],
+                   env, tmp_path / "longer_run")
     assert r.returncode == 0, r.stderr[-3000:]
     runs = client.search_runs([client.get_experiment_by_name("rft").experiment_id])
     assert len(runs) == 1 and max(m.step for m in client.get_metric_history(run_id, "reward/mean")) == 3
