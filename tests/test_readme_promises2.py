@@ -265,9 +265,13 @@ def test_a_run_under_a_path_with_a_space_and_a_non_ascii_letter_trains_and_resum
     budget = ["cluster=inline", "monitor=console", "stages.0.buffer.total_steps=4",
               "stages.0.algorithm.optimizer.warmup_steps=0", "buffer.total_steps=2", "buffer.batch_size=4",
               "algorithm.repeat_times=2", "explorer.eval_interval=2", "explorer.eval_on_startup=false", "name=spaced"]
-    from conftest import run_cli
+    import os
 
-    r = run_cli(*budget, quoted, timeout=300)
+    from resume_support import forked_to_end
+
+    # each command a run.py process forked from one that imported torch (resume_support: the same argv,
+    # quoted path included, without a fresh interpreter's imports, ~4 s a run)
+    r = forked_to_end([*budget, quoted], dict(os.environ), tmp_path / "first_run")
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     run = root / "rft" / "spaced"
     for stage, steps in (("sft_warmup", 4), ("grpo", 2)):
@@ -276,6 +280,6 @@ def test_a_run_under_a_path_with_a_space_and_a_non_ascii_letter_trains_and_resum
         assert (run / stage / "checkpoints" / f"step_{steps}" / "manifest.json").is_file()
     assert f"starts from sft_warmup's final model: {run}/sft_warmup/checkpoints/step_4/hf" in " ".join(
         r.stdout.split())
-    again = run_cli(*budget, quoted, timeout=300)
+    again = forked_to_end([*budget, quoted], dict(os.environ), tmp_path / "again_run")
     assert again.returncode == 0, again.stderr[-3000:]
     assert "already finished" in again.stdout + again.stderr
