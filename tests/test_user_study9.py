@@ -214,3 +214,47 @@ def test_the_dry_run_says_on_policy_only_when_it_is(interval, said):
     cfg = stage_configs(compose_cfg(["stages=[]", "synchronizer.sync_offset=0",
                                      f"synchronizer.sync_interval={interval}"]))[0]
     assert dict(_sync_rows(cfg))["explorer"] == said
+
+
+# ---------------------------------------------------------------- mode=bench with other eval settings than the run's
+
+def test_a_bench_with_other_eval_settings_than_the_run_says_which(tmp_path):
+    """mode=bench of experiments/from_trinity with the eval temperature left at the default (0.0, the
+    run's 0.1) evaluated every checkpoint greedily: grpo's last one 0.625 where the run logged 0.605,
+    with nothing said (a Trinity-RFT user's bench reads the run's own file)."""
+    from rft.plan.batch import stage_configs
+    from rft.runtime.bench import eval_differences
+    from rft.runtime.rundir import write_config
+
+    run = ["stages=[]", "task=countdown", "buffer.explorer_input.eval_tasksets.0.rollout_args.temperature=0.1"]
+    write_config(stage_configs(compose_cfg(run))[0], tmp_path)
+    assert eval_differences(stage_configs(compose_cfg(run))[0], "grpo", tmp_path) == []
+    # an eval set's repeat_times null is its 1 sample
+    assert eval_differences(stage_configs(compose_cfg(
+        [*run, "buffer.explorer_input.eval_tasksets.0.repeat_times=1"]))[0], "grpo", tmp_path) == []
+    assert eval_differences(stage_configs(compose_cfg(run[:2]))[0], "grpo", tmp_path) == [
+        "[bench] warning: stage grpo was evaluated in its run with other settings than this command's, which the "
+        "bench uses for its checkpoints: buffer.explorer_input.eval_tasksets.0.rollout_args.temperature: 0.1 -> 0.0. "
+        "Give the run's overrides (its task=, experiment=, eval set keys) to evaluate as it did."]
+    # task=countdown left off too: another eval set and reward
+    (said,) = eval_differences(stage_configs(compose_cfg(["stages=[]"]))[0], "grpo", tmp_path)
+    assert ("buffer.explorer_input.default_reward_fn_type: 'countdown' -> 'exact_match'; "
+            "buffer.explorer_input.eval_tasksets.0.name: 'countdown_test' -> 'arithmetic_test'") in said
+
+
+# ---------------------------------------------------------------- a home-relative path on the command line
+
+def test_a_tilde_path_is_told_to_be_quoted_and_the_quoted_form_parses():
+    """Trinity-RFT's guide writes paths as the shell does; `path=~/data` did not parse, and the paragraph's
+    list of characters to quote left ~ out."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from rft.plan.overlays import unparsable_override
+
+    said = unparsable_override(["buffer.explorer_input.taskset.path=~/data"])
+    assert said == (
+        "the override 'buffer.explorer_input.taskset.path=~/data' does not parse (LexerNoViableAltException: "
+        "buffer.explorer_input.taskset.path=~/data). A value holding any of ( ) [ ] { } , : = ~ ' \" is quoted: "
+        "'buffer.explorer_input.taskset.path=\"~/data\"'; a list is [a,b] and a dict {k: v} (Hydra's override grammar).")
+    (override,) = OverridesParser.create().parse_overrides(['buffer.explorer_input.taskset.path="~/data"'])
+    assert override.value() == "~/data"

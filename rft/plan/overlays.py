@@ -579,8 +579,9 @@ def unparsable_override(args: list[str]) -> str | None:
                 return (f"the override {arg!r} does not parse: Hydra's override grammar takes only ASCII letters "
                         f"in a value that is not quoted. Quote the value, with single quotes around the whole "
                         f"for the shell: {quoted}.")
+            # ~ too (a home-relative path, ~/data: Hydra's grammar takes no ~ in a value not quoted)
             return (f"the override {arg!r} does not parse ({str(e).splitlines()[0]}). A value holding any of "
-                    f"( ) [ ] {{ }} , : = ' \" is quoted: {quoted}; a list is [a,b] and a dict {{k: v}} "
+                    f"( ) [ ] {{ }} , : = ~ ' \" is quoted: {quoted}; a list is [a,b] and a dict {{k: v}} "
                     f"(Hydra's override grammar).")
     return None
 

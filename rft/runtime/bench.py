@@ -39,6 +39,10 @@ def bench(cfg, run_dir: Path) -> float | None:
             f"mode=bench found no checkpoints under {run_dir}. Give the trained run's name "
             f"(name=...) and the same project and checkpoint_root_dir."
         )
+    for s in stages:  # every checkpoint is evaluated with the first stage's config (the Explorer below)
+        for line in eval_differences(first, s.stage_name or s.algorithm.algorithm_type,
+                                     run_dir / s.stage_name if s.stage_name else run_dir):
+            print(line)
     latest_only = cfg.explorer.bench_on_latest_checkpoint
     if latest_only:
         found = found[-1:]
@@ -66,6 +70,44 @@ def bench(cfg, run_dir: Path) -> float | None:
 
     _write(out, rows)
     return rows[-1].get("eval/accuracy")
+
+
+# what an eval's score depends on besides the weights: the bench evaluates every checkpoint with this
+# command's config, so a run's overrides left off (task=countdown, an eval set's temperature) changed the
+# scores unsaid (a Trinity-RFT user's bench reads the run's own config file)
+EVAL_KEYS = ("model.max_prompt_tokens", "model.max_response_tokens", "model.custom_chat_template",
+             "buffer.explorer_input.default_reward_fn_type", "buffer.explorer_input.eval_tasksets")
+
+
+def eval_differences(used, name: str, stage_dir: Path) -> list[str]:
+    """A warning naming each EVAL_KEYS value (an eval set's key by key) that differs between the
+    stage's saved config.yaml and `used`, the config the bench evaluates with; none for a stage
+    without a readable record."""
+    from rft.config import flat
+    from rft.runtime.rundir import saved_config
+
+    saved = saved_config(stage_dir)
+    if saved is None:
+        return []
+    old, new = _eval_keys(flat(saved)), _eval_keys(flat(used))
+    differ = [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
+    if not differ:
+        return []
+    return [f"[bench] warning: stage {name} was evaluated in its run with other settings than this command's, which "
+            f"the bench uses for its checkpoints: {'; '.join(differ)}. Give the run's overrides (its task=, "
+            f"experiment=, eval set keys) to evaluate as it did."]
+
+
+def _eval_keys(keys: dict) -> dict:
+    """EVAL_KEYS of a flat config, the eval sets' list spread key by key (eval_tasksets.0.rollout_args.temperature)."""
+    from rft.config import flat
+
+    out = {k: keys.get(k) for k in EVAL_KEYS[:-1]}
+    for i, ts in enumerate(keys.get(EVAL_KEYS[-1]) or []):
+        # an eval set's repeat_times null is 1 sample (rft.config.TasksetConfig)
+        out.update({f"{EVAL_KEYS[-1]}.{i}.{k}": 1 if k == "repeat_times" and v is None else v
+                    for k, v in flat(dict(ts)).items()})
+    return out
 
 
 def _write(out: Path, rows: list[dict]) -> None:
