@@ -258,3 +258,41 @@ def test_a_tilde_path_is_told_to_be_quoted_and_the_quoted_form_parses():
         "'buffer.explorer_input.taskset.path=\"~/data\"'; a list is [a,b] and a dict {k: v} (Hydra's override grammar).")
     (override,) = OverridesParser.create().parse_overrides(['buffer.explorer_input.taskset.path="~/data"'])
     assert override.value() == "~/data"
+
+
+# ---------------------------------------------------------------- the study's overlay, run short
+
+STUDY = ["hydra.searchpath=[file://experiments/from_trinity/conf]", "experiment=from_trinity"]
+
+
+@pytest.mark.slow
+def test_train_mode_past_an_explore_jobs_rows_stops_in_one_paragraph(tmp_path, capsys):
+    """The README's split on the study's overlay: mode=explore writes 1 step (4 tasks x 8) into a sql
+    buffer, mode=train reads it with buffer.total_steps=2: step 1 trains on the 32 stored experiences,
+    step 2 finds none. It waited max_read_timeout, then a TimeoutError's traceback; now a warning when
+    planning and one paragraph (RunError: exit 1) naming buffer.total_steps=null."""
+    import rft.runtime.main
+    from rft.errors import RunError
+    from rft.reporting.monitor import read_metrics
+
+    common = [*STUDY, "stages=[]", "cluster=inline", "monitor=console", "buffer=sql", "buffer.batch_size=4",
+              "buffer.train_batch_size=32", f"checkpoint_root_dir={tmp_path}"]
+    cfg = compose_cfg([*common, "mode=explore", "name=gen", "buffer.total_steps=1"])
+    inp = cfg.buffer.explorer_input  # the guide's values, as the overlay gives them
+    assert (cfg.synchronizer.sync_offset, cfg.synchronizer.sync_interval, cfg.algorithm.kl_loss_fn,
+            cfg.algorithm.kl_loss_coef, inp.taskset.rollout_args.temperature,
+            inp.eval_tasksets[0].rollout_args.temperature) == (0, 2, "k2", 0.001, 1.0, 0.1)
+    rft.runtime.main.main(cfg)
+    db = tmp_path / "rft" / "gen" / "buffer.db"
+    with pytest.raises(RunError) as e:
+        rft.runtime.main._main(compose_cfg([*common, "mode=train", "name=learn", "buffer.total_steps=2",
+                                            f"buffer.trainer_input.experience_buffer.path={db}",
+                                            "buffer.trainer_input.experience_buffer.max_read_timeout=1"]))
+    assert str(e.value) == (
+        f"step 2 of 2: buffer 'experience_buffer': no experiences arrived within 1.0s (wanted 32). The writer "
+        f"(explorer) may have stopped or be slow; raise buffer.trainer_input.experience_buffer.max_read_timeout to "
+        f"wait longer. In mode=train the stage has buffer.total_steps=2 steps: if no explore job writes to {db} any "
+        f"more, it holds no more; set buffer.total_steps=null (the steps stored) and resume_with_changes=true (the "
+        f"same command with both goes on from the newest checkpoint).")
+    (step1,) = [m for m in read_metrics(tmp_path / "rft" / "learn" / "metrics.jsonl") if m["step"] == 1]
+    assert (step1["train/experiences"], step1["staleness/count_0"]) == (32, 32)
