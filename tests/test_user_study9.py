@@ -296,3 +296,24 @@ def test_train_mode_past_an_explore_jobs_rows_stops_in_one_paragraph(tmp_path, c
         f"same command with both goes on from the newest checkpoint).")
     (step1,) = [m for m in read_metrics(tmp_path / "rft" / "learn" / "metrics.jsonl") if m["step"] == 1]
     assert (step1["train/experiences"], step1["staleness/count_0"]) == (32, 32)
+
+
+# ---------------------------------------------------------------- a queue buffer's path
+
+def test_a_queue_buffers_path_is_said_not_to_be_written(caplog):
+    """Trinity-RFT's guide: a queue's path, if set, is an SQLite or JSON file backing it up. Here a queue
+    never reads its path: the user's backup was never written, unsaid."""
+    from rft.plan.batch import make_plan, stage_configs
+
+    with caplog.at_level("WARNING", logger="rft.plan.batch"):
+        make_plan(stage_configs(compose_cfg(["stages=[]", "buffer.trainer_input.experience_buffer.path=/runs/b.db"]))[0],
+                  2000)
+    assert [r.getMessage() for r in caplog.records if r.name == "rft.plan.batch"] == [
+        "buffer.trainer_input.experience_buffer.path=/runs/b.db is not written: a queue buffer keeps its experiences "
+        "in memory only (Trinity-RFT backs a queue up to its path). For a copy on disk use buffer=sql (a SQLite file "
+        "at that path, read by `python -m rft.data.buffer`), or remove the path."]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="rft.plan.batch"):
+        make_plan(stage_configs(compose_cfg(["stages=[]", "buffer=sql",
+                                             "buffer.trainer_input.experience_buffer.path=/runs/b.db"]))[0], 2000)
+    assert not [r for r in caplog.records if r.name == "rft.plan.batch"]

@@ -811,6 +811,13 @@ def _check_schedule(cfg, needs: Needs, kind: str, train_bs: int, total: int) -> 
             f"algorithm.critic_warmup={warmup} steps train only the critic, but the stage has {total} steps: the policy "
             f"would never be trained. Lower critic_warmup below {total} (0: none), or train for more steps.")
     eb = cfg.buffer.trainer_input.experience_buffer
+    if kind == "rollouts" and eb.storage_type == "queue" and eb.path and not eb.eval_split:
+        # Trinity-RFT backs a queue up to its path; here nothing is written there, unsaid (an online
+        # reward model's queue names its held-out pairs there: eval_split, experiments/rm_online)
+        log.warning("buffer.trainer_input.experience_buffer.path=%s is not written: a queue buffer keeps its "
+                    "experiences in memory only (Trinity-RFT backs a queue up to its path). For a copy on disk use "
+                    "buffer=sql (a SQLite file at that path, read by `python -m rft.data.buffer`), or remove the path.",
+                    eb.path)
     if kind == "rollouts" and eb.storage_type == "queue" and eb.capacity < train_bs:
         # the trainer waits for a whole step's batch that the queue can never hold
         raise ConfigError(
