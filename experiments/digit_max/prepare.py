@@ -1,5 +1,5 @@
 """The study's inputs: data/train.jsonl and data/test.jsonl (columns `puzzle`, "max 381", and
-`target`, "8"; seed 0), and a base model at <cache_dir>/models/digit-max-base: the project's tiny
+`target`, "8"; seed 0), and a base model at <cache_dir>/models/digit-max-base-v2: the project's tiny
 model with its chat template removed, as a base model's tokenizer comes.
 
     python experiments/digit_max/prepare.py [--cache-dir ~/.cache/rft]
@@ -34,7 +34,9 @@ def write_data(folder: Path) -> None:
 
 
 def write_base_model(cache_dir: Path) -> Path:
-    dest = cache_dir / "models" / "digit-max-base"
+    # named by the tiny model's version (rft.models.TINY_VERSION): one built by v1, whose tokenizer
+    # dropped spaces, is not taken for it (conf/model/digit_max_base.yaml names the same folder)
+    dest = cache_dir / "models" / "digit-max-base-v2"
     if not dest.exists():
         tmp = dest.with_name(dest.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
