@@ -3,13 +3,15 @@
 the curriculum's draws against fixed pass rates, the errors; one short run through run.py."""
 
 import json
+import os
 import random
 from collections import Counter
 
 import pytest
 from omegaconf import OmegaConf
 
-from conftest import ROOT, run_cli
+from conftest import ROOT
+from resume_support import run_to_end
 from rft.config import Config
 from rft.data import operators as ops
 from rft.data.curriculum import OnlineCurriculum
@@ -310,8 +312,10 @@ def test_a_run_with_both_pipelines_and_the_curriculum(tmp_path):
             "buffer.explorer_input.eval_tasksets=[]", "buffer.explorer_input.default_reward_fn_type=test_data_pipeline.even_answer",
             f"data_processor.task_pipeline.operators={ops_}", "data_processor.online_curriculum.enable=true",
             "data_processor.experience_pipeline.operators=[{name: reward_filter, args: {min_reward: 0.5}}]"]
-    env = {"RFT_CHECKPOINT_ROOT_DIR": str(tmp_path / "runs"), "PYTHONPATH": str(ROOT / "tests")}
-    r = run_cli(*args, env=env)
+    env = {**os.environ, "RFT_CHECKPOINT_ROOT_DIR": str(tmp_path / "runs"), "PYTHONPATH": str(ROOT / "tests")}
+    # run.py forked from a process that imported torch (resume_support: the same command without a fresh
+    # interpreter's imports, ~4 s a run)
+    r = run_to_end(args, env, tmp_path / "first_run")
     assert r.returncode == 0, r.stderr[-3000:]
     run = tmp_path / "runs" / "rft" / "dp"
     report = json.loads((run / "task_pipeline.json").read_text())
@@ -326,7 +330,7 @@ def test_a_run_with_both_pipelines_and_the_curriculum(tmp_path):
     assert all(m["reward/mean"] == 1.0 and m["experience_pipeline/kept"] == 4 for m in steps)
     assert [m["curriculum/solved_frac"] for m in steps] == [1.0, 1.0]
     assert "task pipeline: 10 rows of" in r.stdout
-    again = run_cli(*args, env=env)
+    again = run_to_end(args, env, tmp_path / "again_run")
     assert again.returncode == 0 and "task pipeline (cached): 10 rows of" in again.stdout, again.stderr[-3000:]
 
 

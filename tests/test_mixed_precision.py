@@ -3,10 +3,13 @@ bfloat16 compute. The engines get the weights cast to bfloat16 (the fingerprint 
 checkpoint keeps the float32 ones, and over 50 steps the float32 masters track a float32 run where
 pure bfloat16 loses almost every update (each smaller than a weight's rounding step)."""
 
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import compose_cfg, run_cli
+from conftest import compose_cfg
+from resume_support import run_to_end
 from test_runtime import base, env_for
 from test_trainer import experiences
 
@@ -106,8 +109,10 @@ def test_fp32_masters_track_a_float32_run_where_pure_bfloat16_loses_the_updates(
 @pytest.mark.slow  # a training run
 def test_a_run_with_fp32_masters_syncs_the_bfloat16_weights_to_its_engine(warm_start, tmp_path):
     # every sync compares the engine's fingerprint with the trainer's: a run that finishes agreed
-    r = run_cli(*base(warm_start, "masters", "cluster=inline", "trainer=fsdp2", "trainer.ranks=1", *MASTERS,
-                      "buffer.total_steps=3"), env=env_for(tmp_path))
+    # run.py forked from a process that imported torch (resume_support.run_to_end: the same command
+    # without a fresh interpreter's imports, ~4 s)
+    r = run_to_end(base(warm_start, "masters", "cluster=inline", "trainer=fsdp2", "trainer.ranks=1", *MASTERS,
+                        "buffer.total_steps=3"), {**os.environ, **env_for(tmp_path)}, tmp_path / "run")
     assert r.returncode == 0, r.stderr[-3000:]
     metrics = read_metrics(next(tmp_path.rglob("metrics.jsonl")))
     assert [m["step"] for m in metrics if "loss/policy" in m] == [1, 2, 3]

@@ -6,11 +6,12 @@ split, not an eval set's), no group is trained twice nor a task twice in a step,
 trains a full batch."""
 
 import json
+import os
 from collections import Counter
 from pathlib import Path
 
 import pytest
-from conftest import run_cli
+from resume_support import run_to_end
 from omegaconf import OmegaConf
 
 from rft.reporting.monitor import read_metrics
@@ -35,7 +36,10 @@ def salt_of(step: int, seed: int) -> int:
 
 
 def test_what_the_trainer_trained_on_is_what_the_run_could_draw(warm_start, tmp_path):
-    done = run_cli(*ARGS, f"model.model_path={warm_start}", f"checkpoint_root_dir={tmp_path}", "name=counted")
+    # run.py forked from a process that imported torch (resume_support: the same command without a fresh
+    # interpreter's imports, ~4 s a run)
+    done = run_to_end([*ARGS, f"model.model_path={warm_start}", f"checkpoint_root_dir={tmp_path}", "name=counted"],
+                      dict(os.environ), tmp_path / "run")
     assert done.returncode == 0, done.stderr[-3000:]
     run = tmp_path / "rft" / "counted"
     cfg = OmegaConf.load(run / "config.yaml")
