@@ -171,7 +171,7 @@ def main() -> None:
     root = Path(args.root)
     # where model=qwen2.5-0.5b-shape is built (conf/model: ${cache_dir}/models/...)
     cache = Path(os.path.expanduser(os.environ.get("RFT_CACHE_DIR", "~/.cache/rft")))
-    starting = cache / "models" / "qwen2.5-0.5b-shape-v1"
+    starting = cache / "models" / "qwen2.5-0.5b-shape-v2"
     sys.path.insert(0, str(ROOT))
     from rft.models import build_qwen05_shape_model
 

@@ -173,7 +173,7 @@ def trl_arm(arm: str, seed: int, args, warm: Path | None, out: Path, py: Path) -
     name = f"{arm}-s{seed}"
     res = out / f"{name}.json"
     cache = Path(os.path.expanduser(os.environ.get("RFT_CACHE_DIR", "~/.cache/rft")))
-    model = warm or cache / "models" / "qwen2.5-0.5b-shape-v1"
+    model = warm or cache / "models" / "qwen2.5-0.5b-shape-v2"
     cmd = [str(py), str(Path(__file__).with_name("trl_arm.py")), "--model", str(model), "--data",
            str(cache / "data" / "arithmetic-v4"), "--out", str(res), "--seed", str(seed), "--steps", str(args.steps),
            "--eval-interval", str(args.eval_interval if warm else 0), "--threads", str(threads),
@@ -245,7 +245,7 @@ def build_shape_model() -> Path:
 
     cache = Path(os.path.expanduser(os.environ.get("RFT_CACHE_DIR", "~/.cache/rft")))
     print("the model of Qwen2.5-0.5B's shape (built once, ~20 s)", flush=True)
-    return BUILDERS["qwen2.5-0.5b-shape"](str(cache / "models" / "qwen2.5-0.5b-shape-v1"))
+    return BUILDERS["qwen2.5-0.5b-shape"](str(cache / "models" / "qwen2.5-0.5b-shape-v2"))
 
 
 def report(results: dict[str, list[dict]], args) -> None:
