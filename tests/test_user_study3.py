@@ -14,6 +14,7 @@ import sys
 import pytest
 
 from conftest import ROOT, load_script, run_cli
+from resume_support import Forked, run_to_end
 
 STUDY = ["hydra.searchpath=[file://experiments/kv_lookup/conf]", "experiment=kv_lookup"]
 HERE = ROOT / "experiments" / "kv_lookup"
@@ -166,20 +167,21 @@ def test_the_study_learns_stops_on_ctrl_c_resumes_and_exports_a_policy_transform
     args = [*STUDY, "cluster=inline", "buffer.total_steps=6", "trainer.save_interval=3", "explorer.eval_interval=3",
             "stages.0.explorer.eval_interval=250"]
     grpo = tmp_path / "runs" / "rft" / "kv_lookup" / "grpo"
-    proc = subprocess.Popen([sys.executable, str(ROOT / "run.py"), *args], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # each command a run.py process forked from one that imported torch (resume_support.Forked: the
+    # same command, argv and signals without a fresh interpreter's imports, ~4 s a run)
+    proc = Forked(args, env, tmp_path / "first_run")
     deadline = time.time() + 400
     while not (grpo / "checkpoints" / "step_3" / "state.json").exists():
         assert proc.poll() is None and time.time() < deadline, "the run ended before its step-3 checkpoint"
         time.sleep(0.05)
-    proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=120)
-    assert proc.returncode == 130, err[-2000:]
+    os.kill(proc.pid, signal.SIGINT)
+    assert proc.wait(timeout=120) == 130, (tmp_path / "first_run.err").read_text()[-2000:]
+    err = (tmp_path / "first_run.err").read_text()
     newest = err.split("the newest checkpoint: ")[1].split(")")[0]
     assert err.strip().startswith("rft: interrupted. Run the same command again to resume")
     assert newest.startswith(str(grpo / "checkpoints" / "step_"))
 
-    r = run_cli(*args, env=env)
+    r = run_to_end(args, env, tmp_path / "resumed_run")
     assert r.returncode == 0, r.stderr[-2000:]
     assert f"[grpo] resuming from step {newest.rsplit('_', 1)[1]} ({newest})" in r.stdout
     evals = {json.loads(line)["step"]: json.loads(line)["eval/kv_test/accuracy"]
