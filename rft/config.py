@@ -979,8 +979,6 @@ def key_mistake(schema, key: str, adding: bool = False, prefix: str = "") -> str
     None when it has it, or when the key is inside a dict- or list-typed value (checked when
     planning). A stage's keys (`stages.<i>.<key>`) are the whole config's; `prefix` is put before
     the names suggested for one."""
-    import difflib
-
     from omegaconf import DictConfig, ListConfig, OmegaConf
     from omegaconf._utils import is_structured_config
     from omegaconf.nodes import AnyNode
@@ -1022,7 +1020,7 @@ def key_mistake(schema, key: str, adding: bool = False, prefix: str = "") -> str
             # the same name under another parent (trainer.lr -> algorithm.optimizer.lr), then
             # the nearest names at the same level (a typo)
             near = [k for k in keys if k.rpartition(".")[2] == parts[-1] and len(parts) == i + 1][:2]
-            near += [k for k in difflib.get_close_matches(key, siblings, n=2, cutoff=0.6) if k not in near]
+            near += [k for k in _close(parts, i, siblings, keys) if k not in near]
             where = f"'{OmegaConf.get_type(node).__name__}'"
             hint = f" Did you mean {' or '.join(prefix + k for k in near[:3])}?" if near else ""
             also = (f" ({where} is a section of the schema: a + adds keys only to free-form ones such as "
@@ -1031,6 +1029,20 @@ def key_mistake(schema, key: str, adding: bool = False, prefix: str = "") -> str
                     f"rft/config.py; `python run.py --cfg job` prints the composed config.")
         node = node._get_node(part)
     return None
+
+
+def _close(parts: list[str], i: int, siblings: list[str], keys) -> list[str]:
+    """The siblings nearest the missing part `parts[i]` (a typo), each with the rest of the key after
+    it where that is a key (else the nearest sibling alone): a misspelt section (synchroniser.sync_interval,
+    a British spelling) was compared whole with the section names and got no suggestion."""
+    import difflib
+
+    upto, rest = ".".join(parts[: i + 1]), ".".join(parts[i + 1:])
+    close = difflib.get_close_matches(upto, siblings, n=2, cutoff=0.6)
+    if not rest:
+        return close
+    full = [f"{k}.{rest}" for k in close if f"{k}.{rest}" in keys]
+    return full or close[:1]
 
 
 def flat(cfg) -> dict[str, Any]:

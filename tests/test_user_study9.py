@@ -317,3 +317,23 @@ def test_a_queue_buffers_path_is_said_not_to_be_written(caplog):
         make_plan(stage_configs(compose_cfg(["stages=[]", "buffer=sql",
                                              "buffer.trainer_input.experience_buffer.path=/runs/b.db"]))[0], 2000)
     assert not [r for r in caplog.records if r.name == "rft.plan.batch"]
+
+
+# ---------------------------------------------------------------- a misspelt section
+
+@pytest.mark.parametrize("override, hint", [
+    # British spellings of a section: the whole key was compared with the section names, no suggestion
+    ("synchroniser.sync_interval=2", " Did you mean synchronizer.sync_interval?"),
+    ("algorithm.optimiser.lr=1e-6", " Did you mean algorithm.optimizer.lr?"),
+    # a leaf's typo as before
+    ("buffer.batchsize=8", " Did you mean buffer.batch_size or buffer.train_batch_size?"),
+    # the rest of the key no key under the near section: the section alone, as before
+    ("synchroniser.foo=1", " Did you mean synchronizer?"),
+])
+def test_a_misspelt_section_gets_a_did_you_mean(override, hint):
+    key = override.split("=")[0]
+    section = key.split(".")[0] if key.startswith("synchro") else key.split(".")[1] if "optimiser" in key else "batchsize"
+    where = {"synchroniser": "Config", "optimiser": "AlgorithmConfig", "batchsize": "BufferConfig"}[section]
+    assert misspelt_override([override], GROUPS) == (
+        f"Could not override '{key}': Key '{section}' not in '{where}'.{hint} The keys, each with a comment, are in "
+        f"rft/config.py; `python run.py --cfg job` prints the composed config.")
