@@ -337,3 +337,20 @@ def test_a_misspelt_section_gets_a_did_you_mean(override, hint):
     assert misspelt_override([override], GROUPS) == (
         f"Could not override '{key}': Key '{section}' not in '{where}'.{hint} The keys, each with a comment, are in "
         f"rft/config.py; `python run.py --cfg job` prints the composed config.")
+
+
+# ---------------------------------------------------------------- the dry run shows how an eval set samples
+
+def test_the_dry_run_shows_each_eval_sets_sampling():
+    """The translation's eval temperature (0.1, the guide's) and samples could not be checked in the dry
+    run: its rollouts line shows the taskset's temperature, its eval sets line none."""
+    from pathlib import Path
+
+    from rft.plan.batch import describe, stage_configs
+
+    said = describe(stage_configs(compose_cfg([*STUDY, "stages=[]"]))[0], Path("/runs/x"))
+    assert "\neval sampling  countdown_test: temperature 0.1, top_p 1, 1 sample a task\n" in said
+    said = describe(stage_configs(compose_cfg([*STUDY, "stages=[]", "buffer.explorer_input.eval_tasksets.0.repeat_times=4",
+                                               "buffer.explorer_input.eval_tasksets.0.rollout_args.temperature=1.0"]))[0],
+                    Path("/runs/x"))
+    assert "\neval sampling  countdown_test: temperature 1, top_p 1, 4 samples a task\n" in said

@@ -1378,6 +1378,7 @@ def describe(cfg, stage_dir, plan: BatchPlan | None = None, more_rows: list | tu
                      "none (buffer.trainer_input.experience_buffer.eval_split names held-out pairs)"))
     elif cfg.mode != "explore":
         rows.append(("eval sets", "; ".join(evals) + f", every {cfg.explorer.eval_interval} steps" if evals else "none"))
+        rows += [("eval sampling", _eval_sampling(inp.eval_tasksets))] if evals else []
     if plan is not None:
         from rft.plan.disk import describe_disk
         from rft.plan.memory import describe_devices, estimate
@@ -1388,6 +1389,16 @@ def describe(cfg, stage_dir, plan: BatchPlan | None = None, more_rows: list | tu
     rows += [*more_rows, ("outputs", str(stage_dir))]  # more_rows: the runtime's (the data pipelines)
     w = max(len(r[0]) for r in rows)
     return "\n".join(f"{a:<{w}}  {b}" for a, b in rows)
+
+
+def _eval_sampling(eval_tasksets) -> str:
+    """dry_run's line on how each eval set samples (the rollouts line shows the taskset's; an eval set's
+    temperature and samples a task were nowhere, so a translated eval temperature could not be checked)."""
+    def one(ts) -> str:
+        n = ts.repeat_times or 1
+        return (f"{ts.name}: temperature {ts.rollout_args.temperature:g}, top_p {ts.rollout_args.top_p:g}, "
+                f"{n} sample{'s' * (n != 1)} a task")
+    return "; ".join(one(ts) for ts in eval_tasksets)
 
 
 def _sync_rows(cfg) -> list[tuple[str, str]]:
