@@ -92,26 +92,32 @@ TRAIN = ["stages=[]", "mode=train", "buffer=sql", "buffer.batch_size=4", "algori
          "buffer.trainer_input.experience_buffer.path=/runs/gen/buffer.db"]
 
 
+def planned(caplog, overrides: list[str], tasks: int):
+    """The plan of the first stage of `overrides` over `tasks` tasks, and what rft.plan.batch warned
+    while it was made."""
+    from rft.plan.batch import make_plan, stage_configs
+
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="rft.plan.batch"):
+        plan = make_plan(stage_configs(compose_cfg(overrides))[0], tasks)
+    return plan, [r.getMessage() for r in caplog.records if r.name == "rft.plan.batch"]
+
+
 def test_train_mode_for_more_steps_than_stored_says_so_at_the_start(caplog):
     """The README's split (mode=explore, then mode=train from its buffer) with model=tiny, whose file
     sets buffer.total_steps=60: 3 stored steps trained, then each step waited 30 min unannounced."""
-    from rft.plan.batch import make_plan, stage_configs
-
-    with caplog.at_level("WARNING", logger="rft.plan.batch"):
-        plan = make_plan(stage_configs(compose_cfg(TRAIN))[0], 48)
+    plan, warned = planned(caplog, TRAIN, 48)
     assert (plan.input_kind, plan.total_steps, plan.experiences_per_step) == ("experiences", 60, 16)
     # 48 stored experiences / 16 a step = 3 steps; the 4th waits
-    assert [r.getMessage() for r in caplog.records if r.name == "rft.plan.batch"] == [
+    assert warned == [
         "mode=train: buffer.total_steps=60, but /runs/gen/buffer.db holds 48 experiences, 3 steps of "
         "buffer.train_batch_size=16: from step 4 on each step waits up to "
         "buffer.trainer_input.experience_buffer.max_read_timeout=1800.0s for an explore job still writing there, "
         "then stops. If no explore job writes there any more, set buffer.total_steps=null (the steps stored) or "
         "at most 3."]
-    caplog.clear()
-    with caplog.at_level("WARNING", logger="rft.plan.batch"):
-        assert make_plan(stage_configs(compose_cfg([*TRAIN, "buffer.total_steps=3"]))[0], 48).total_steps == 3
-        assert make_plan(stage_configs(compose_cfg([*TRAIN, "buffer.total_steps=null"]))[0], 48).total_steps == 3
-    assert not [r for r in caplog.records if r.name == "rft.plan.batch"]
+    for steps in ("3", "null"):
+        plan, warned = planned(caplog, [*TRAIN, f"buffer.total_steps={steps}"], 48)
+        assert (plan.total_steps, warned) == (3, [])
 
 
 def test_a_read_past_max_read_timeout_is_one_paragraph():
@@ -180,21 +186,16 @@ def test_every_metric_translated_to_is_one_rft_logs():
 def test_total_epochs_under_a_set_total_steps_is_said(caplog):
     """The guide: total_steps, if set, makes total_epochs ineffective. model=tiny's file sets
     total_steps=60, so a user's buffer.total_epochs=2 ran 60 steps, not 2 x 69, unsaid."""
-    from rft.plan.batch import make_plan, stage_configs
-
-    with caplog.at_level("WARNING", logger="rft.plan.batch"):
-        plan = make_plan(stage_configs(compose_cfg(["task=countdown", "stages=[]", "buffer.total_epochs=2"]))[0], 1113)
+    plan, warned = planned(caplog, ["task=countdown", "stages=[]", "buffer.total_epochs=2"], 1113)
     # 1113 countdown tasks // batch_size 16 = 69 steps an epoch; the model's 60 steps run
     assert (plan.steps_per_epoch, plan.total_steps) == (69, 60)
-    assert [r.getMessage() for r in caplog.records if r.name == "rft.plan.batch"] == [
+    assert warned == [
         "buffer.total_epochs=2 has no effect: buffer.total_steps=60 is set and wins (a model or experiment file may "
         "set it: model=tiny's sets 60, its warm-up stage 400). For 2 epochs of 69 steps, set buffer.total_steps=null "
         "(a stage's own, stages.<i>.buffer.total_steps=null)."]
-    caplog.clear()
-    with caplog.at_level("WARNING", logger="rft.plan.batch"):
-        plan = make_plan(stage_configs(compose_cfg(["task=countdown", "stages=[]", "buffer.total_epochs=2",
-                                                    "buffer.total_steps=null"]))[0], 1113)
-    assert plan.total_steps == 138 and not [r for r in caplog.records if r.name == "rft.plan.batch"]  # 2 x 69
+    plan, warned = planned(caplog, ["task=countdown", "stages=[]", "buffer.total_epochs=2", "buffer.total_steps=null"],
+                           1113)
+    assert (plan.total_steps, warned) == (138, [])  # 2 x 69
 
 
 # ---------------------------------------------------------------- sync_offset=0 with sync_interval > 1
@@ -303,20 +304,12 @@ def test_train_mode_past_an_explore_jobs_rows_stops_in_one_paragraph(tmp_path, c
 def test_a_queue_buffers_path_is_said_not_to_be_written(caplog):
     """Trinity-RFT's guide: a queue's path, if set, is an SQLite or JSON file backing it up. Here a queue
     never reads its path: the user's backup was never written, unsaid."""
-    from rft.plan.batch import make_plan, stage_configs
-
-    with caplog.at_level("WARNING", logger="rft.plan.batch"):
-        make_plan(stage_configs(compose_cfg(["stages=[]", "buffer.trainer_input.experience_buffer.path=/runs/b.db"]))[0],
-                  2000)
-    assert [r.getMessage() for r in caplog.records if r.name == "rft.plan.batch"] == [
+    path = "buffer.trainer_input.experience_buffer.path=/runs/b.db"
+    assert planned(caplog, ["stages=[]", path], 2000)[1] == [
         "buffer.trainer_input.experience_buffer.path=/runs/b.db is not written: a queue buffer keeps its experiences "
         "in memory only (Trinity-RFT backs a queue up to its path). For a copy on disk use buffer=sql (a SQLite file "
         "at that path, read by `python -m rft.data.buffer`), or remove the path."]
-    caplog.clear()
-    with caplog.at_level("WARNING", logger="rft.plan.batch"):
-        make_plan(stage_configs(compose_cfg(["stages=[]", "buffer=sql",
-                                             "buffer.trainer_input.experience_buffer.path=/runs/b.db"]))[0], 2000)
-    assert not [r for r in caplog.records if r.name == "rft.plan.batch"]
+    assert planned(caplog, ["stages=[]", "buffer=sql", path], 2000)[1] == []
 
 
 # ---------------------------------------------------------------- a misspelt section
