@@ -347,3 +347,36 @@ def test_the_dry_run_shows_each_eval_sets_sampling():
                                                "buffer.explorer_input.eval_tasksets.0.rollout_args.temperature=1.0"]))[0],
                     Path("/runs/x"))
     assert "\neval sampling  countdown_test: temperature 1, top_p 1, 4 samples a task\n" in said
+
+
+# ---------------------------------------------------------------- a stage past the list
+
+def test_a_stage_key_past_the_runs_stage_list_names_the_stages_there_are(capsys):
+    """`stages.2.buffer.total_steps=5` on model=tiny's two stages (counting from 1, as a user of a
+    list of stages may) was Hydra's "Error merging override ... list index out of range" (exit 1),
+    naming no stage; run.py's check now names them."""
+    from conftest import CONF
+
+    from rft.plan.overlays import exit_on_config_mistakes
+
+    def said(args):
+        with pytest.raises(SystemExit) as e:
+            exit_on_config_mistakes(args, CONF)
+        assert e.value.code == 2
+        return capsys.readouterr().err.strip().removeprefix("rft: configuration error: ")
+
+    assert said(["stages.2.buffer.total_steps=5"]) == (
+        "stages.2.buffer.total_steps=5: this command's run has 2 stages, numbered from 0: stages.0 (sft_warmup), "
+        "stages.1 (grpo). Name one of them (the list comes from the model or experiment file chosen; "
+        "`python run.py --cfg job -p stages` prints it).")
+    # the stage list the command composes: an experiment's (its RL stage is rloo), or none at all
+    assert said(["-m", "experiment=word_sort", "stages.0.buffer.total_steps=3,4", "stages.3.seed=1"]).startswith(
+        "stages.3.seed=1: this command's run has 2 stages, numbered from 0: stages.0 (sft_warmup), stages.1 (rloo).")
+    assert said(["stages=[]", "stages.0.buffer.total_steps=3"]) == (
+        "stages.0.buffer.total_steps=3: this command's run has no stages list (stages=[], or none in the files "
+        "chosen): it is one stage, set by the keys themselves (buffer.total_steps=..., not "
+        "stages.0.buffer.total_steps=...).")
+    # a stage there is passes (nothing said); a command that does not compose is left to Hydra
+    exit_on_config_mistakes(["stages.1.algorithm.optimizer.lr=1e-3"], CONF)
+    exit_on_config_mistakes(["seed=1,2", "stages.5.seed=1"], CONF)
+    assert capsys.readouterr().err == ""

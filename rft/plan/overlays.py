@@ -632,10 +632,46 @@ def exit_on_config_mistakes(args: list[str], conf_dir) -> None:
                or bad_yaml(Path(conf_dir)) or unparsable_override(args)
                or misspelt_override(args, groups) or scalar_for_list(args, groups)
                or wrong_value_override(args, groups)
-               or missing_option(args, roots) or check(args, roots) or args_override_mistake(args, conf_dir))
+               or missing_option(args, roots) or check(args, roots) or args_override_mistake(args, conf_dir)
+               or stage_past_list(args, Path(conf_dir)))
     if message:
         print(f"\nrft: configuration error: {message}\n", file=sys.stderr)
         sys.exit(2)
+
+
+_STAGE_KEY = re.compile(r"^[+~]{0,2}stages\.(\d+)[.=]")
+
+
+def stage_past_list(args: list[str], conf_dir: Path) -> str | None:
+    """The message for `stages.<i>.key=value` past the run's stage list (`stages.2.buffer.total_steps=5`
+    on model=tiny's two): Hydra says "list index out of range" with no word of the stages there
+    are. Composes the command's config without those overrides (only when one is given) to count
+    them; a command that does not compose is left to Hydra's own message."""
+    given = [(a, int(m.group(1))) for a in args if (m := _STAGE_KEY.match(a))]
+    if not given:
+        return None
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    rest = [a for a in args if not _STAGE_KEY.match(a) and not a.startswith("-")]
+    try:
+        GlobalHydra.instance().clear()
+        with initialize_config_dir(str(conf_dir.resolve()), version_base="1.3"):
+            stages = compose("config", overrides=rest).stages
+        names = [f"stages.{k} ({s.get('stage_name') or 'unnamed'})" for k, s in enumerate(stages)]
+    except Exception:  # (a sweep's a,b values, a mistake Hydra names itself)
+        return None
+    finally:
+        GlobalHydra.instance().clear()
+    over = next((a for a, i in given if i >= len(names)), None)
+    if over is None:
+        return None
+    if not names:
+        return (f"{over}: this command's run has no stages list (stages=[], or none in the files chosen): it is "
+                f"one stage, set by the keys themselves (buffer.total_steps=..., not stages.0.buffer.total_steps=...).")
+    return (f"{over}: this command's run has {len(names)} stage{'s' * (len(names) != 1)}, numbered from 0: "
+            f"{', '.join(names)}. Name one of them (the list comes from the model or experiment file chosen; "
+            f"`python run.py --cfg job -p stages` prints it).")
 
 
 def modes_at_once(args: list[str]) -> str | None:
