@@ -284,6 +284,10 @@ def test_train_mode_past_an_explore_jobs_rows_stops_in_one_paragraph(tmp_path, c
             cfg.algorithm.kl_loss_coef, inp.taskset.rollout_args.temperature,
             inp.eval_tasksets[0].rollout_args.temperature) == (0, 2, "k2", 0.001, 1.0, 0.1)
     rft.runtime.main.main(cfg)
+    # it evaluates nothing: the default objective's warning says why (it said only "never logged")
+    assert (f"rft: warning: objective=eval/accuracy was never logged in {tmp_path / 'rft' / 'gen' / 'metrics.jsonl'} "
+            f"(mode=explore runs no evals: the mode=train job that reads its buffer does), so the run returns None"
+            ) in capsys.readouterr().err
     db = tmp_path / "rft" / "gen" / "buffer.db"
     with pytest.raises(RunError) as e:
         rft.runtime.main._main(compose_cfg([*common, "mode=train", "name=learn", "buffer.total_steps=2",

@@ -725,7 +725,10 @@ def _run_locked(cfg: DictConfig, stages: list, plans: list, stage_dirs: list[Pat
     print(f"outputs: {run_dir}")
     values = [m[cfg.objective] for m in read_metrics(stage_dir / "metrics.jsonl") if cfg.objective in m]
     if not values:
-        print(f"rft: warning: objective={cfg.objective} was never logged in {stage_dir / 'metrics.jsonl'}, "
+        # mode=explore evaluates nothing (the mode=train job reading its buffer does): the default
+        # objective, eval/accuracy, is never there
+        why = " (mode=explore runs no evals: the mode=train job that reads its buffer does)" if stages[-1].mode == "explore" else ""
+        print(f"rft: warning: objective={cfg.objective} was never logged in {stage_dir / 'metrics.jsonl'}{why}, "
               f"so the run returns None; set objective to one of its metric names (e.g. reward/mean).",
               file=sys.stderr)
         return None
