@@ -69,6 +69,7 @@ def foreign_key(key: str, prefix: str = "") -> str | None:
 VERL, ROLL, TRL, TRINITY = ("verl",), ("ROLL",), ("TRL",), ("Trinity-RFT",)
 _TRINITY_VERL = "trainer.trainer_config"
 LIGHTRFT = ("LightRFT", "OpenRLHF")  # LightRFT extends OpenRLHF: the same flags
+OPENRLHF = LIGHTRFT[1:]
 _TASKSET = "buffer.explorer_input.taskset"
 _ROLLOUT = "explorer.rollout_model"
 # sentences several entries share
@@ -108,6 +109,10 @@ _FN_ARGS = (
         "The built-in advantage functions read the algorithm section's own keys (gamma, lam, tau); a study's own "
         "function takes its keywords from algorithm.advantage_args.")),
 )
+# gspo's and gmpo's files set other bounds, of another quantity: a PPO-style 0.2 there is no translation
+_CLIP = ("The ratio is clipped to [1 - clip_ratio_low, 1 + clip_ratio_high]: give both the value. Not so under "
+         "algorithm=gspo, whose bounds are the sequence's ratio's (3e-4 and 4e-4 there), or algorithm=gmpo, whose are "
+         "the log-ratio's (0.4 there): 0.2 with them is another clip than PPO's.")
 _NO_SP = ("there is no sequence parallelism; for long sequences lower trainer.max_token_len_per_gpu (with "
           "trainer.use_dynamic_bsz=true), or set trainer.logprob_chunk_size and trainer.gradient_checkpointing=true.")
 
@@ -155,8 +160,8 @@ FOREIGN_KEYS = Registry("a key of another system", shape="a ForeignKey (rft/fore
         "[tokens, vocab] logits never exist at once.")),
     "actor_rollout_ref.actor.ulysses_sequence_parallel_size": ForeignKey(VERL, (), _NO_SP),
     "actor_rollout_ref.actor.grad_clip": ForeignKey(VERL, ("trainer.grad_clip",)),
-    "actor_rollout_ref.actor.clip_ratio": ForeignKey(VERL, ("algorithm.clip_ratio_low", "algorithm.clip_ratio_high"), (
-        "The ratio is clipped to [1 - clip_ratio_low, 1 + clip_ratio_high]: give both the value.")),
+    "actor_rollout_ref.actor.clip_ratio": ForeignKey(VERL, ("algorithm.clip_ratio_low", "algorithm.clip_ratio_high"),
+                                                     _CLIP),
     "actor_rollout_ref.actor.clip_ratio_low": ForeignKey(VERL, ("algorithm.clip_ratio_low",)),
     "actor_rollout_ref.actor.clip_ratio_high": ForeignKey(VERL, ("algorithm.clip_ratio_high",)),
     "actor_rollout_ref.actor.clip_ratio_c": ForeignKey(VERL, ("algorithm.clip_ratio_c",), (
@@ -231,7 +236,9 @@ FOREIGN_KEYS = Registry("a key of another system", shape="a ForeignKey (rft/fore
         "trainer.resume_from_path.")),
     "trainer.critic_warmup": ForeignKey(VERL, ("algorithm.critic_warmup",)),
     "trainer.max_actor_ckpt_to_keep": ForeignKey(VERL, ("trainer.max_ckpt_to_keep",)),
-    "trainer.wandb_proxy": ForeignKey(VERL, (), "set a proxy in the environment run.py starts from."),
+    "trainer.wandb_proxy": ForeignKey(VERL, (), (
+        "set WANDB_HTTPS_PROXY (and WANDB_HTTP_PROXY) in the environment run.py starts from: wandb alone uses it, as "
+        "verl's key, where HTTPS_PROXY would also send a judge's and a remote reward's requests through the proxy.")),
     "ray_init.num_cpus": ForeignKey(VERL, ("cluster.num_cpus",), (
         "CPUs of the Ray instance rft starts itself (not of a running cluster it joins).")),
     "ray_init.timeline_file": ForeignKey(VERL, ("monitor.enable_ray_timeline",), (
@@ -284,8 +291,7 @@ FOREIGN_KEYS = Registry("a key of another system", shape="a ForeignKey (rft/fore
     "num_gpus_per_node": ForeignKey(ROLL, ("cluster.gpu_per_node",)),
     "num_nodes": ForeignKey(ROLL, ("cluster.node_num",)),
     "track_with": ForeignKey(ROLL, ("monitor.monitor_type",), "A list: tensorboard, wandb, mlflow."),
-    "pg_clip": ForeignKey(ROLL, ("algorithm.clip_ratio_low", "algorithm.clip_ratio_high"), (
-        "The ratio is clipped to [1 - clip_ratio_low, 1 + clip_ratio_high]: give both the value.")),
+    "pg_clip": ForeignKey(ROLL, ("algorithm.clip_ratio_low", "algorithm.clip_ratio_high"), _CLIP),
     "pg_clip_low": ForeignKey(ROLL, ("algorithm.clip_ratio_low",)),
     "pg_clip_high": ForeignKey(ROLL, ("algorithm.clip_ratio_high",)),
     "dual_clip_loss": ForeignKey(ROLL, ("algorithm.clip_ratio_c",), (
@@ -321,7 +327,8 @@ FOREIGN_KEYS = Registry("a key of another system", shape="a ForeignKey (rft/fore
     "critic_pretrain": ForeignKey(LIGHTRFT, ("model.critic_model_path",)),
     "advantage_estimator": ForeignKey(LIGHTRFT, ("algorithm=<name>",), (
         "The algorithm is a config group here (conf/algorithm/): group_norm is algorithm=grpo, gae algorithm=ppo, "
-        "rloo algorithm=rloo, reinforce algorithm=reinforce_pp, reinforce_baseline algorithm=reinforce_pp_baseline.")),
+        "rloo algorithm=rloo, reinforce algorithm=reinforce_pp, reinforce_baseline algorithm=reinforce_pp_baseline, "
+        "OpenRLHF's dr_grpo algorithm=dr_grpo.")),
     "init_kl_coef": ForeignKey(ROLL + LIGHTRFT, ("algorithm.kl_penalty_coef", "algorithm.kl_loss_coef"), (
         "A KL to the reference subtracted from the reward is algorithm.kl_penalty_coef (with algorithm.kl_penalty_fn, "
         "none by default); LightRFT's and OpenRLHF's with --use_kl_loss weigh a loss term, algorithm.kl_loss_coef "
@@ -335,16 +342,16 @@ FOREIGN_KEYS = Registry("a key of another system", shape="a ForeignKey (rft/fore
     "critic_learning_rate": ForeignKey(LIGHTRFT, ("algorithm.critic_lr",)),
     "lr_warmup_ratio": ForeignKey(LIGHTRFT, ("algorithm.optimizer.warmup_steps",), (
         "Give the optimizer steps; `dry_run=true` prints a stage's steps.")),
-    "adam_betas": ForeignKey(LIGHTRFT, ("algorithm.optimizer.betas",)),
-    "l2": ForeignKey(LIGHTRFT, ("algorithm.optimizer.weight_decay",)),
+    "adam_betas": ForeignKey(LIGHTRFT, ("algorithm.optimizer.betas",), (
+        "A list, [0.9, 0.999] by default here (OpenRLHF's 0.9 0.95).")),
+    "l2": ForeignKey(LIGHTRFT, ("algorithm.optimizer.weight_decay",), "0.01 by default here (OpenRLHF's 0)."),
     "max_norm": ForeignKey(LIGHTRFT, ("trainer.grad_clip",)),
-    "lambd": ForeignKey(ROLL + LIGHTRFT, ("algorithm.lam",), "GAE's lambda: 1.0 by default here (there: 0.95)."),
+    "lambd": ForeignKey(ROLL + LIGHTRFT, ("algorithm.lam",), "GAE's lambda: 1.0 by default here, as OpenRLHF's (ROLL's 0.95)."),
     "max_epochs": ForeignKey(LIGHTRFT, ("trainer.ppo_epochs",), "Passes over each step's experiences."),
     "num_episodes": ForeignKey(LIGHTRFT, ("buffer.total_epochs",), "Passes over the prompts."),
     "prompt_max_len": ForeignKey(LIGHTRFT, ("model.max_prompt_tokens",)),
     "generate_max_len": ForeignKey(LIGHTRFT, ("model.max_response_tokens",)),
-    "eps_clip": ForeignKey(LIGHTRFT, ("algorithm.clip_ratio_low", "algorithm.clip_ratio_high"), (
-        "The ratio is clipped to [1 - clip_ratio_low, 1 + clip_ratio_high]: give both the value.")),
+    "eps_clip": ForeignKey(LIGHTRFT, ("algorithm.clip_ratio_low", "algorithm.clip_ratio_high"), _CLIP),
     "zero_stage": ForeignKey(LIGHTRFT, (), (
         "there is no DeepSpeed here; trainer=fsdp2 shards the weights, gradients and optimizer state over its "
         "ranks.")),
@@ -377,6 +384,55 @@ FOREIGN_KEYS = Registry("a key of another system", shape="a ForeignKey (rft/fore
         "On by default here: a run of the same name resumes from its newest checkpoint.")),
     "max_ckpt_num": ForeignKey(LIGHTRFT, ("trainer.max_ckpt_to_keep",)),
     "save_interval": ForeignKey(LIGHTRFT[:1], ("trainer.save_interval",)),
+    # the flags of OpenRLHF's train_ppo_ray.py a user types first (LightRFT renamed its vllm_* ones engine_*)
+    "eps_clip_low_high": ForeignKey(OPENRLHF, ("algorithm.clip_ratio_low", "algorithm.clip_ratio_high"), (
+        "Its two values are the two keys': --eps_clip_low_high 0.2 0.28 (clip-higher) is algorithm.clip_ratio_low=0.2 "
+        "algorithm.clip_ratio_high=0.28, which algorithm=dapo sets.")),
+    "dual_clip": ForeignKey(OPENRLHF, ("algorithm.clip_ratio_c",), "Off (null) by default, as there."),
+    "policy_loss_type": ForeignKey(OPENRLHF, ("algorithm=gspo",), (
+        "The loss comes with its algorithm's file here: algorithm=gspo also sets its clip bounds (3e-4, 4e-4) and "
+        "loss_agg_mode=seq-mean-token-mean; ppo is the other files' ppo_clip.")),
+    "no_advantage_std_norm": ForeignKey(OPENRLHF, ("algorithm.advantage_fn",), (
+        "algorithm.advantage_fn=dr_grpo subtracts the group's mean without dividing by its std (algorithm=dr_grpo "
+        "also sets loss_agg_mode=seq-mean-token-sum-norm).")),
+    "entropy_loss_coef": ForeignKey(OPENRLHF, ("algorithm.entropy_coef",), "0 (no bonus) by default here."),
+    "async_train": ForeignKey(OPENRLHF, ("synchronizer.sync_offset",), (
+        "Training one step behind generation is synchronizer.sync_offset=1, which the default (null) already is "
+        "where the explorer and the trainer have resources of their own; OpenRLHF's synchronous default is "
+        "synchronizer.sync_offset=0. The dry run's explorer line says which a run gets.")),
+    "prompt_data": ForeignKey(OPENRLHF, (f"{_TASKSET}.path",), (
+        "A JSONL, Parquet or CSV file, a folder of them or a Hugging Face dataset id.")),
+    "input_key": ForeignKey(OPENRLHF, (f"{_TASKSET}.format.prompt_key",)),
+    "label_key": ForeignKey(OPENRLHF, (f"{_TASKSET}.format.response_key",), (
+        "The reward function gets that column's value as its task's answer.")),
+    "eval_dataset": ForeignKey(OPENRLHF, ("buffer.explorer_input.eval_tasksets",), (
+        "A list of tasksets, each with its own name, path and rollout_args.")),
+    "eval_temperature": ForeignKey(OPENRLHF, ("buffer.explorer_input.eval_tasksets",), (
+        "Each eval taskset's rollout_args.temperature: 0 (greedy) by default here, OpenRLHF's 0.6; its "
+        "repeat_times is OpenRLHF's --eval_n_samples_per_prompt (1 here, 4 there).")),
+    "remote_rm_url": ForeignKey(OPENRLHF, (f"{_TASKSET}.reward_fn",), (
+        "A reward part {fn: remote, args: {url: ...}} in the reward_fn list, which speaks to rft's own reward "
+        "server (rft/serving/reward_server.py, POST /score), not to OpenRLHF's; README, \"Rewards served "
+        "by a model or a server\".")),
+    "reward_pretrain": ForeignKey(OPENRLHF, (f"{_TASKSET}.reward_fn",), (
+        "A reward part {fn: reward_model, args: {model_path: ..., kind: classifier}} in the reward_fn list; "
+        "several parts, each with its weight, are summed.")),
+    "normalize_reward": ForeignKey(OPENRLHF, (f"{_TASKSET}.reward_fn",), (
+        "A reward part's normalize: true ({fn: ..., normalize: true} in the reward_fn list): the running mean "
+        "subtracted, then divided by the running std.")),
+    "vllm_num_engines": ForeignKey(OPENRLHF, (f"{_ROLLOUT}.engine_num",), "With explorer=vllm on GPUs."),
+    "vllm_enable_sleep": ForeignKey(OPENRLHF, (f"{_ROLLOUT}.enable_sleep_mode",), (
+        "Off by default here; vLLM on GPUs, the engines sharing the trainer's devices.")),
+    "colocate_all_models": ForeignKey(OPENRLHF, ("cluster.colocate",)),
+    "adam_offload": ForeignKey(OPENRLHF, ("trainer.optimizer_offload",), "With trainer=fsdp2."),
+    "ref_reward_offload": ForeignKey(OPENRLHF, ("trainer.ref_offload",), (
+        "With trainer=fsdp2; a reward model runs on a worker of its own.")),
+    "dynamic_filtering": ForeignKey(OPENRLHF, ("algorithm.dynamic_sampling_max_tries",), (
+        "Groups whose rewards are all alike are replaced by new tries, up to that many (algorithm=dapo: 4).")),
+    "use_tensorboard": ForeignKey(OPENRLHF, ("monitor.monitor_type",), (
+        "TensorBoard is on by default here, written to <stage>/tensorboard/ (not to a path of its own).")),
+    "save_hf_ckpt": ForeignKey(OPENRLHF, ("trainer.save_hf_checkpoint",), (
+        "always by default here: each checkpoint's hf/ loads with from_pretrained.")),
     # ---------------------------------------------------------------- Trinity-RFT's keys that rft lacks
     _TRINITY_VERL: ForeignKey(TRINITY, None, (
         "it hands verl's keys to verl; here each is one of rft's own keys, set by itself (name one as "
@@ -473,8 +529,8 @@ FOREIGN_KEYS = Registry("a key of another system", shape="a ForeignKey (rft/fore
     "lr_scheduler_type": ForeignKey(TRL, ("algorithm.optimizer.warmup_style",), (
         "constant or cosine after the warm-up; TRL's default linear decay has no counterpart.")),
     "use_vllm": ForeignKey(TRL, ("explorer=vllm",)),
-    "vllm_gpu_memory_utilization": ForeignKey(TRL, (f"{_ROLLOUT}.gpu_memory_utilization",)),
-    "vllm_tensor_parallel_size": ForeignKey(TRL, (f"{_ROLLOUT}.tensor_parallel_size",)),
+    "vllm_gpu_memory_utilization": ForeignKey(OPENRLHF + TRL, (f"{_ROLLOUT}.gpu_memory_utilization",)),
+    "vllm_tensor_parallel_size": ForeignKey(OPENRLHF + TRL, (f"{_ROLLOUT}.tensor_parallel_size",)),
     "temperature": ForeignKey(LIGHTRFT + TRL, (f"{_TASKSET}.rollout_args.temperature",)),
     "top_p": ForeignKey(LIGHTRFT + TRL, (f"{_TASKSET}.rollout_args.top_p",)),
     "top_k": ForeignKey(TRL, (f"{_TASKSET}.rollout_args.top_k",), "-1 disables it here (TRL: 0)."),

@@ -126,8 +126,9 @@ def test_another_systems_key_on_the_command_line_is_translated(override, message
 
 def test_added_with_plus_or_in_a_stage_the_same_paragraph():
     assert misspelt_override(["+trainer.wandb_proxy=http://proxy:3128"], GROUPS) == (
-        "Could not add 'trainer.wandb_proxy': that is verl's key, not rft's, and rft has no counterpart: set a "
-        "proxy in the environment run.py starts from.")
+        "Could not add 'trainer.wandb_proxy': that is verl's key, not rft's, and rft has no counterpart: set "
+        "WANDB_HTTPS_PROXY (and WANDB_HTTP_PROXY) in the environment run.py starts from: wandb alone uses it, as verl's "
+        "key, where HTTPS_PROXY would also send a judge's and a remote reward's requests through the proxy.")
     # a stage's keys are the whole config's: rft's key is named as the stage writes it
     assert misspelt_override(["stages.1.actor_rollout_ref.rollout.n=4"], GROUPS) == (
         "Could not override 'stages.1.actor_rollout_ref.rollout.n': that is verl's key, not rft's; rft's is "

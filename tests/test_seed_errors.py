@@ -54,9 +54,10 @@ def test_wandb_without_a_key_names_the_variables_that_fix_it(tmp_path, monkeypat
     assert str(e.value).startswith("monitor.monitor_type: the tracker wandb did not start: UsageError: ")
     assert str(e.value).endswith(
         ". wandb takes its key from WANDB_API_KEY (or `wandb login`); without a network to its server, "
-        "WANDB_MODE=offline logs into the run's directory (`wandb sync` uploads it later), and HTTPS_PROXY sets a "
-        "proxy, each in the environment run.py starts from, or leave it out of monitor.monitor_type (the console and "
-        "metrics.jsonl are always on).")
+        "WANDB_MODE=offline logs into the run's directory (`wandb sync` uploads it later), and WANDB_HTTPS_PROXY sets "
+        "a proxy for wandb alone (HTTPS_PROXY would take a judge's and a remote reward's requests too), each in the "
+        "environment run.py starts from, or leave it out of monitor.monitor_type (the console and metrics.jsonl are "
+        "always on).")
 
 
 def test_tensor_parallel_with_the_hf_engine_stops_the_plan():

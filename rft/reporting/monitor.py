@@ -228,8 +228,9 @@ class WandB:
 
     # what start_trackers says when wandb.init raises: its own errors name neither variable
     fix = ("wandb takes its key from WANDB_API_KEY (or `wandb login`); without a network to its server, "
-           "WANDB_MODE=offline logs into the run's directory (`wandb sync` uploads it later), and HTTPS_PROXY sets "
-           "a proxy, each in the environment run.py starts from")
+           "WANDB_MODE=offline logs into the run's directory (`wandb sync` uploads it later), and WANDB_HTTPS_PROXY "
+           "sets a proxy for wandb alone (HTTPS_PROXY would take a judge's and a remote reward's requests too), each "
+           "in the environment run.py starts from")
 
     def __init__(self, cfg, run_dir: Path, stage: str, start_step: int):
         import wandb
