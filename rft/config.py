@@ -521,6 +521,8 @@ class ExplorerConfig:
     over_rollout: OverRolloutConfig = field(default_factory=OverRolloutConfig)
     # mode=bench: evaluate only the newest checkpoint (false: every checkpoint and the starting model)
     bench_on_latest_checkpoint: bool = False
+    # mode=bench: evaluate only the starting model (model.model_path), no trained run needed
+    bench_on_starting_model: bool = False
     # evaluate on buffer.explorer_input.eval_tasksets every this many steps (and after the last)
     eval_interval: int = 100
     # evaluate before the first step (skipped on resume)

@@ -224,6 +224,9 @@ FOREIGN_KEYS = Registry("a key of another system", shape="a ForeignKey (rft/fore
     "trainer.save_freq": ForeignKey(VERL, ("trainer.save_interval",)),
     "trainer.test_freq": ForeignKey(VERL, ("explorer.eval_interval",)),
     "trainer.val_before_train": ForeignKey(VERL, ("explorer.eval_on_startup",)),
+    "trainer.val_only": ForeignKey(VERL, ("explorer.bench_on_starting_model",), (
+        "It is a mode=bench run's, with a name of its own: python run.py mode=bench "
+        "explorer.bench_on_starting_model=true name=base_eval (the table in <run>/bench/results.md).")),
     "trainer.project_name": ForeignKey(VERL, ("project",)),
     "trainer.experiment_name": ForeignKey(VERL, ("name",)),
     "trainer.logger": ForeignKey(VERL, ("monitor.monitor_type",), (

@@ -454,7 +454,7 @@ NOT_RFT_KEYS = {"algorithm.adv_estimator", "algorithm.kl_ctrl.type", "algorithm.
                 "log.group_by_node", "model.chat_template_path", "trainer.save_strategy", "trainer.total_steps",
                 "monitor.monitor_args", "trainer.trainer_type", "trainer.trainer_config",
                 "buffer.explorer_input.default_workflow_type", "algorithm.kl_loss_fn_args.kl_coef",
-                "buffer.db", "buffer.py", "model.safetensors", "monitor.py"}
+                "trainer.val_only", "buffer.db", "buffer.py", "model.safetensors", "monitor.py"}
 
 
 def test_every_key_the_readme_names_is_a_key_of_the_config():

@@ -3,7 +3,8 @@
     python run.py mode=bench name=<the run's name>      # same project / checkpoint_root_dir
 
 Every complete checkpoint of every stage, oldest first, after the starting model
-(explorer.bench_on_latest_checkpoint=true: only the newest one). The explorer runs in this process
+(explorer.bench_on_latest_checkpoint=true: only the newest one; explorer.bench_on_starting_model=true:
+only the starting model, model.model_path, with no trained run: an eval-only run). The explorer runs in this process
 with greedy settings as configured for the eval tasksets. Output: <run>/bench/results.md and
 results.csv, one row per checkpoint, one column per eval taskset.
 """
@@ -34,10 +35,12 @@ def bench(cfg, run_dir: Path) -> float | None:
         stage_dir = run_dir / s.stage_name if s.stage_name else run_dir
         found += [(s.stage_name or s.algorithm.algorithm_type, c) for c in list_checkpoints(stage_dir)
                   if c.problem is None]
-    if not found:
+    start_only = _start_only(cfg, first, run_dir, found)
+    if not found and not start_only:
         raise ConfigError(
             f"mode=bench found no checkpoints under {run_dir}. Give the trained run's name "
-            f"(name=...) and the same project and checkpoint_root_dir."
+            f"(name=...) and the same project and checkpoint_root_dir; or, to evaluate the starting model alone "
+            f"(model.model_path={first.model.model_path}), add explorer.bench_on_starting_model=true."
         )
     for s in stages:  # every checkpoint is evaluated with the first stage's config (the Explorer below)
         for line in eval_differences(first, s.stage_name or s.algorithm.algorithm_type,
@@ -46,6 +49,8 @@ def bench(cfg, run_dir: Path) -> float | None:
     latest_only = cfg.explorer.bench_on_latest_checkpoint
     if latest_only:
         found = found[-1:]
+    if start_only:  # found is empty (_start_only)
+        print(f"[bench] evaluating the starting model alone (explorer.bench_on_starting_model): {first.model.model_path}")
     ensure_model(first.model)
     ensure_task_data(first.buffer.explorer_input)
     explorer = Explorer(first)
@@ -70,6 +75,24 @@ def bench(cfg, run_dir: Path) -> float | None:
 
     _write(out, rows)
     return rows[-1].get("eval/accuracy")
+
+
+def _start_only(cfg, first, run_dir: Path, found: list) -> bool:
+    """explorer.bench_on_starting_model, checked: not with bench_on_latest_checkpoint (the opposite
+    ask), and not over a trained run's outputs, whose bench table (bench/results.md, its start row
+    the same starting model's) it would overwrite with one row."""
+    if not cfg.explorer.bench_on_starting_model:
+        return False
+    if cfg.explorer.bench_on_latest_checkpoint:
+        raise ConfigError("explorer.bench_on_starting_model=true evaluates the starting model alone, and "
+                          "explorer.bench_on_latest_checkpoint=true the newest checkpoint alone: set one of them.")
+    if found:
+        raise ConfigError(
+            f"explorer.bench_on_starting_model=true, but {run_dir} holds a trained run ({len(found)} checkpoints): its "
+            f"bench table would be overwritten with the starting model's row alone. Its bench without the key "
+            f"evaluates the starting model too (the table's start row); for the starting model alone give a name of "
+            f"its own (name=...).")
+    return True
 
 
 # what an eval's score depends on besides the weights: the bench evaluates every checkpoint with this
