@@ -90,3 +90,33 @@ def test_a_proxy_for_wandb_alone_is_wandbs_own_variable():
     settings = wandb.Settings()
     settings.update_from_env_vars({"WANDB_HTTPS_PROXY": "http://proxy:3128"})
     assert settings.https_proxy == "http://proxy:3128"
+
+
+# ---------------------------------------------------------------- vLLM's knobs under the hf engine
+
+def engine_warnings(caplog, overrides: list[str]) -> list[str]:
+    """What planning the one stage of `overrides` over 64 tasks warned of vLLM's keys."""
+    from rft.plan.batch import make_plan, stage_configs
+
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="rft.plan.ranges"):
+        make_plan(stage_configs(compose_cfg(["stages=[]", *overrides]))[0], 64)
+    return [r.getMessage() for r in caplog.records if "vLLM engine" in r.getMessage()]
+
+
+def test_vllms_knobs_under_the_hf_engine_are_said_to_do_nothing(caplog):
+    # LightRFT's --engine_mem_util 0.4 is gpu_memory_utilization=0.4 (rft/foreign_keys.py); under the
+    # CPU default's hf engine it was accepted and read by nothing, exit 0
+    assert engine_warnings(caplog, ["explorer.rollout_model.gpu_memory_utilization=0.4"]) == [
+        "explorer.rollout_model.gpu_memory_utilization=0.4: it has no effect, as only the vLLM engine reads it and "
+        "this stage's engine is explorer.rollout_model.engine_type=hf (transformers' generate). Use explorer=vllm, or "
+        "leave it out."]
+    assert engine_warnings(caplog, ["explorer.rollout_model.enforce_eager=false",
+                                    "explorer.rollout_model.enable_prefix_caching=true"]) == [
+        "explorer.rollout_model.enable_prefix_caching=True, enforce_eager=False: they have no effect, as only the vLLM "
+        "engine reads them and this stage's engine is explorer.rollout_model.engine_type=hf (transformers' generate). "
+        "Use explorer=vllm, or leave them out."]
+    # the defaults, an hf key, and vLLM reading its own: nothing said
+    assert engine_warnings(caplog, []) == []
+    assert engine_warnings(caplog, ["explorer.rollout_model.generate_batch_size=8"]) == []
+    assert engine_warnings(caplog, ["explorer=vllm", "explorer.rollout_model.gpu_memory_utilization=0.4"]) == []

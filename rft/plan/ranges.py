@@ -308,11 +308,32 @@ UNREAD = (
 )
 
 
+# the engine's keys only vLLM reads (rft/rollout/engines/vllm.py): LightRFT's --engine_mem_util 0.4 translated
+# to gpu_memory_utilization=0.4 under the CPU default's hf engine changed nothing, without a word
+VLLM_ONLY = ("gpu_memory_utilization", "enable_prefix_caching", "enforce_eager", "dtype", "seed", "cpu_kvcache_space_gb")
+
+
+def warn_unread_engine(cfg) -> None:
+    """vLLM's keys set (away from the schema's default) while the engine is hf: one warning naming them. A
+    study's own engine (a dotted path) may read anything: left alone."""
+    from rft.config import RolloutModelConfig
+
+    rm, defaults = cfg.explorer.rollout_model, RolloutModelConfig()
+    given = [f"{k}={rm[k]}" for k in VLLM_ONLY if rm[k] != getattr(defaults, k)]
+    if rm.engine_type == "hf" and given:
+        one = len(given) == 1
+        log.warning("explorer.rollout_model.%s: %s no effect, as only the vLLM engine reads %s and this stage's engine "
+                    "is explorer.rollout_model.engine_type=hf (transformers' generate). Use explorer=vllm, or leave %s "
+                    "out.", ", ".join(given), "it has" if one else "they have", "it" if one else "them",
+                    "it" if one else "them")
+
+
 def warn_unread(cfg) -> None:
     """A key of another algorithm's set in this RL stage: a warning naming what reads it. Functions
     given as a study's dotted path may read anything: left alone."""
     from rft.config import Config
 
+    warn_unread_engine(cfg)
     algo = cfg.algorithm
     if algo.advantage_fn == "none" or "." in algo.advantage_fn or "." in algo.policy_loss_fn:
         return
