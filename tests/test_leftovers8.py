@@ -69,3 +69,59 @@ def test_verls_val_only_names_the_eval_only_bench():
         "that is verl's key, not rft's; rft's is explorer.bench_on_starting_model. It is a mode=bench run's, with a "
         "name of its own: python run.py mode=bench explorer.bench_on_starting_model=true name=base_eval (the table "
         "in <run>/bench/results.md).")
+
+
+# ---------------------------------------------------------------- the studio's stop of a Ray run
+
+@pytest.mark.slow  # processes started and signalled (~1 s)
+def test_the_studios_stop_leaves_rays_processes_to_the_runs_driver(tmp_path):
+    """The studio's stop sent SIGTERM to the launch's whole process group, a Ray instance's GCS and
+    raylet with it: the run's ray.shutdown then waited ~8 s on the dead GCS (a Ray run stopped from the
+    page ended 10.0 s after the signal, 2.8 s when the driver alone had it; tests/test_review8.py
+    runs one). A group as a run's: the driver, a Ray worker (renamed ray::...) and what it started, a
+    Ray service naming its session's folder, and a process of the run's own (a sandboxed tool)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from rft.studio.launch import _terminate
+
+    # the service's session folder comes in the environment: the driver's own command line names none
+    script = f"""
+import os, subprocess, sys, time
+sleep = [sys.executable, "-c", "import time; time.sleep(60)"]
+procs = [subprocess.Popen(["bash", "-c", "exec -a ray::IDLE bash -c 'sleep 60 & wait'"]),
+         subprocess.Popen([*sleep, os.environ["SESSION_LOGS"]]),
+         subprocess.Popen(sleep)]
+open({str(tmp_path / 'pids')!r}, "w").write(" ".join(str(p.pid) for p in procs))
+time.sleep(60)
+"""
+    env = {**os.environ, "SESSION_LOGS": "--log_dir=/tmp/ray/session_2026-11-29_19-35-24_481651_5244/logs"}
+    driver = subprocess.Popen([sys.executable, "-c", script], start_new_session=True, env=env)
+    try:
+        while not (tmp_path / "pids").exists() or len((tmp_path / "pids").read_text().split()) < 3:
+            time.sleep(0.05)
+        worker, service, own = map(int, (tmp_path / "pids").read_text().split())
+        time.sleep(0.5)  # the worker's child started, its name set
+        worker_child = [int(p) for p in open(f"/proc/{worker}/task/{worker}/children").read().split()]
+        assert len(worker_child) == 1
+        _terminate(driver.pid)
+        assert driver.wait(timeout=10) == -signal.SIGTERM
+        deadline = time.time() + 10
+        while _alive(own) and time.time() < deadline:
+            time.sleep(0.05)
+        assert not _alive(own)
+        assert all(_alive(p) for p in (worker, service, *worker_child))
+    finally:
+        os.killpg(driver.pid, signal.SIGKILL)
+
+
+def _alive(pid: int) -> bool:
+    """Running, not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

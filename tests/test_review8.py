@@ -22,8 +22,10 @@ from rft.studio.launch import STOP_GRACE_S, Launches
 def test_the_studios_stop_of_a_ray_run_ends_it_with_the_paragraph_not_its_sigkill(tmp_path):
     # the studio's stop sends SIGTERM to the run's whole process group, Ray's own processes (GCS,
     # raylet) with it: the run's clean-up then waited on the dead GCS to remove the stage's placement
-    # group until the studio's SIGKILL 15 s later, and the console ended without the paragraph. Ray's
-    # shutdown waits on the dead GCS too (~10 s on an idle machine), so the paragraph comes before it
+    # group until the studio's SIGKILL 15 s later, and the console ended without the paragraph, which
+    # now comes before Ray's shutdown. The stop now leaves Ray's processes to the driver, whose shutdown
+    # took ~8 s more where they were signalled too (tests/test_leftovers8.py): 2.7 s from stop to exit,
+    # 8.4 s before, under load
     root = tmp_path / "root"
     # RFT_CACHE_DIR (the session's cache) and RFT_CHECKPOINT_ROOT_DIR its only RFT_* variables
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("RFT_")},
@@ -38,8 +40,8 @@ def test_the_studios_stop_of_a_ray_run_ends_it_with_the_paragraph_not_its_sigkil
     launches.stop(launch.id)
     launch.proc.wait(timeout=STOP_GRACE_S + 60)
     console = launches.read(launch.id)["text"]
-    # 143, or the SIGKILL's -9 where Ray's shutdown outlasts the grace on a busy machine
-    assert launch.proc.returncode in (143, -9), console[-3000:]
+    # 143: its own SIGTERM path, not the SIGKILL 15 s later
+    assert launch.proc.returncode == 143, console[-3000:]
     said = re.search(r"^rft: stopped by SIGTERM after step (\d+) of stage grpo\. Run the same command again to "
                      r"resume \(the newest checkpoint: (\S+)\)\. The command: (.*)$", console, re.M)
     assert said, console[-3000:]

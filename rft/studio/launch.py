@@ -1,6 +1,7 @@
 """Runs and sweeps started from the studio: `python run.py [-m] <overrides>` as child processes in
 a session of their own, each one's console (stdout and stderr) written to a log file that the
-page reads as it grows; stop sends SIGTERM to the child's whole process group (SIGKILL 15 s later).
+page reads as it grows; stop sends SIGTERM to the child's whole process group but a Ray instance's
+own processes, which the run's driver stops itself (SIGKILL to the whole group 15 s later).
 
 Every launch is recorded in `<root>/.studio/jobs.json` (its command, process, log, times, exit
 code, and the run or sweep directory it writes), so the jobs panel lists them after a reload and
@@ -206,7 +207,7 @@ class Launches:
             launch.stopped = True
             with self._lock:
                 self._save()
-            _signal(launch.pid, signal.SIGTERM)
+            _terminate(launch.pid)
             threading.Thread(target=self._kill_later, args=(launch,), daemon=True).start()
         return launch.state()
 
@@ -264,3 +265,39 @@ def _signal(pid: int, sig) -> None:
         os.killpg(pid, sig)  # the child leads its session's process group
     except (ProcessLookupError, PermissionError):
         pass
+
+
+def _terminate(pgid: int) -> None:
+    """SIGTERM to each process of the launch's process group but a Ray instance's own (its GCS, raylet,
+    agents, workers, and what they started): the run's driver, told, stops them in its ray.shutdown
+    (~3 s). Signalled with it, they ended first, and that shutdown waited ~8 s more on the dead GCS,
+    past the stop's grace on a busy machine. A process not known as Ray's gets the signal as before."""
+    import psutil
+
+    group = {}
+    for p in psutil.process_iter(["ppid", "cmdline"]):
+        try:
+            if os.getpgid(p.pid) == pgid:
+                group[p.pid] = p.info
+        except (ProcessLookupError, PermissionError):
+            pass
+    for pid in group:
+        if not _under_ray(pid, group, pgid):
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+
+def _under_ray(pid: int, group: dict, leader: int) -> bool:
+    """Whether the process or one it descends from within the group, below its leader (the run's driver,
+    never Ray's), is Ray's: a Ray session's folder on its command line (the GCS, raylet, log monitor,
+    dashboard), or a name Ray gives (ray::IDLE, ray::Trainer)."""
+    seen = set()
+    while pid in group and pid != leader and pid not in seen:
+        seen.add(pid)
+        argv = group[pid].get("cmdline") or []
+        if (argv and argv[0].startswith("ray::")) or re.search(r"/session_\d{4}-\d\d-\d\d_", " ".join(argv)):
+            return True
+        pid = group[pid].get("ppid")
+    return False
