@@ -393,8 +393,10 @@ FOREIGN_KEYS = Registry("a key of another system", shape="a ForeignKey (rft/fore
         "algorithm.clip_ratio_high=0.28, which algorithm=dapo sets.")),
     "dual_clip": ForeignKey(OPENRLHF, ("algorithm.clip_ratio_c",), "Off (null) by default, as there."),
     "policy_loss_type": ForeignKey(OPENRLHF, ("algorithm=gspo",), (
-        "The loss comes with its algorithm's file here: algorithm=gspo also sets its clip bounds (3e-4, 4e-4) and "
-        "loss_agg_mode=seq-mean-token-mean; ppo is the other files' ppo_clip.")),
+        "The loss comes with its algorithm's file here: algorithm=gspo also sets loss_agg_mode=seq-mean-token-mean "
+        "and the paper's clip bounds on the sequence's ratio, 3e-4 and 4e-4, where OpenRLHF clips it at --eps_clip "
+        "(0.2): algorithm.clip_ratio_low=0.2 algorithm.clip_ratio_high=0.2 for OpenRLHF's. ppo is the other files' "
+        "ppo_clip.")),
     "no_advantage_std_norm": ForeignKey(OPENRLHF, ("algorithm.advantage_fn",), (
         "algorithm.advantage_fn=dr_grpo subtracts the group's mean without dividing by its std (algorithm=dr_grpo "
         "also sets loss_agg_mode=seq-mean-token-sum-norm).")),

@@ -41,6 +41,12 @@ _FLAG = "rft takes key=value overrides, not flags; that is OpenRLHF's key, not r
      "--eval_temperature 0.6: " + _FLAG + "rft's is buffer.explorer_input.eval_tasksets. Each eval taskset's "
      "rollout_args.temperature: 0 (greedy) by default here, OpenRLHF's 0.6; its repeat_times is OpenRLHF's "
      "--eval_n_samples_per_prompt (1 here, 4 there)."),
+    # GSPO: the same loss, the paper's clip here, OpenRLHF's --eps_clip there (its loss.py PolicyLoss)
+    (["--policy_loss_type", "gspo"],
+     "--policy_loss_type gspo: " + _FLAG + "rft's is algorithm=gspo. The loss comes with its algorithm's file here: "
+     "algorithm=gspo also sets loss_agg_mode=seq-mean-token-mean and the paper's clip bounds on the sequence's ratio, "
+     "3e-4 and 4e-4, where OpenRLHF clips it at --eps_clip (0.2): algorithm.clip_ratio_low=0.2 "
+     "algorithm.clip_ratio_high=0.2 for OpenRLHF's. ppo is the other files' ppo_clip."),
     (["--vllm_num_engines", "4"],
      "--vllm_num_engines 4: " + _FLAG + "rft's is explorer.rollout_model.engine_num. With explorer=vllm on GPUs."),
 ])
