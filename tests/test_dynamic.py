@@ -41,11 +41,21 @@ def _pid(log_file) -> int:
     return int(re.findall(r"started in process (\d+)", log_file.read_text())[-1])
 
 
-def test_a_killed_driver_resumes_to_the_uninterrupted_run_bit_for_bit_in_the_test_mode(warm_start, tmp_path):
+@pytest.fixture(scope="module")
+def straight(warm_start, tmp_path_factory):
+    """The uninterrupted run in the test mode (FIXED), once for both kill tests (a Ray run, ~20 s):
+    the driver's kill resumes to it bit for bit; the explorer's kill, free-running, trains its
+    groups, since explore step k's groups are the tasks of step k's seed whichever weights sample
+    them (measured: the same 16 groups at each of the 6 steps in both modes)."""
+    root = tmp_path_factory.mktemp("dynamic")
+    r = run_cli(*base(warm_start, "straight", *FIXED), env={**os.environ, "RFT_CHECKPOINT_ROOT_DIR": str(root)})
+    assert r.returncode == 0, r.stderr[-3000:]
+    return root / "rft" / "straight"
+
+
+def test_a_killed_driver_resumes_to_the_uninterrupted_run_bit_for_bit_in_the_test_mode(warm_start, straight, tmp_path):
     env = {**os.environ, "RFT_CHECKPOINT_ROOT_DIR": str(tmp_path)}
-    straight = run_cli(*base(warm_start, "straight", *FIXED), env=env)
-    assert straight.returncode == 0, straight.stderr[-3000:]
-    metrics = read_metrics(tmp_path / "rft" / "straight" / "metrics.jsonl")
+    metrics = read_metrics(straight / "metrics.jsonl")
     # explore step s >= 1 takes version s after its first chunk: responses hold tokens of two
     # versions (three, for a group carried over from the step before), of several ages
     assert {m["rollout/max_token_versions"] for m in metrics[2:] if "rollout/max_token_versions" in m} <= {2, 3}
@@ -60,27 +70,25 @@ def test_a_killed_driver_resumes_to_the_uninterrupted_run_bit_for_bit_in_the_tes
     resumed = run_cli(*base(warm_start, "killed", *FIXED), env=env)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resuming from step 3" in resumed.stdout
-    a = read_metrics(tmp_path / "rft" / "straight" / "batches.jsonl")
+    a = read_metrics(straight / "batches.jsonl")
     b = read_metrics(run / "batches.jsonl")
     assert [x["step"] for x in b] == list(range(1, 7))
     assert a == b  # the same groups, policy versions and tokens, step by step
     groups = [g for x in b for g in x["groups"]]
     assert len(groups) == len(set(groups))  # no group trained twice
-    wa = load_file(tmp_path / "rft" / "straight" / "checkpoints" / "step_6" / "hf" / "model.safetensors")
+    wa = load_file(straight / "checkpoints" / "step_6" / "hf" / "model.safetensors")
     wb = load_file(run / "checkpoints" / "step_6" / "hf" / "model.safetensors")
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
-def test_an_explorer_killed_mid_generation_leaves_every_group_trained_once(warm_start, tmp_path):
+def test_an_explorer_killed_mid_generation_leaves_every_group_trained_once(warm_start, straight, tmp_path):
     """Free-running dynamic mode (which version writes which token depends on timing): the explorer
     is killed while it generates; Ray restarts it, the driver gives it back its groups in flight and
     it redoes the lost explore steps. Every step trains a full batch, no group twice, and the
-    groups trained are those of the uninterrupted run."""
+    groups trained are those of the uninterrupted run (the module's, of the same 6 steps)."""
     args = [*DYNAMIC, "buffer.total_steps=6", "trainer.save_interval=100", "explorer.eval_interval=100",
             "explorer.eval_on_startup=false"]
     env = {**os.environ, "RFT_CHECKPOINT_ROOT_DIR": str(tmp_path)}
-    straight = run_cli(*base(warm_start, "straight", *args), env=env)
-    assert straight.returncode == 0, straight.stderr[-3000:]
     run = tmp_path / "rft" / "killed"
     proc = subprocess.Popen([sys.executable, str(ROOT / "run.py"), *base(warm_start, "killed", *args)],
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -97,7 +105,7 @@ def test_an_explorer_killed_mid_generation_leaves_every_group_trained_once(warm_
     assert all(len(x["versions"]) == 128 for x in b)  # buffer.batch_size 16 x repeat_times 8
     groups = [g for x in b for g in x["groups"]]
     assert len(groups) == len(set(groups)) == 6 * 16
-    assert set(groups) == {g for x in read_metrics(tmp_path / "rft" / "straight" / "batches.jsonl") for g in x["groups"]}
+    assert set(groups) == {g for x in read_metrics(straight / "batches.jsonl") for g in x["groups"]}
 
 
 def test_dry_run_says_how_weights_reach_the_explorers(warm_start, tmp_path):
