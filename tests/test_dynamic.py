@@ -1,6 +1,7 @@
 """synchronizer.sync_style=dynamic_by_explorer with partial rollouts, end to end: a driver killed
-and resumed (in the test mode synchronizer.fixed_interrupts: bit for bit the uninterrupted run),
-an explorer killed mid-generation (every group trained once), the dry run's account of it.
+(no process of Ray's left behind) and resumed (in the test mode synchronizer.fixed_interrupts: bit
+for bit the uninterrupted run), an explorer killed mid-generation (every group trained once), the
+dry run's account of it.
 
 Runs start from the session's SFT warm start (conftest.warm_start), without the warm-up stage.
 """
@@ -12,9 +13,10 @@ import subprocess
 import sys
 import time
 
+import psutil
 import pytest
 import torch
-from conftest import ROOT, kill_at_checkpoint, run_cli
+from conftest import ROOT, run_cli
 from resume_support import forked_to_end
 from safetensors.torch import load_file
 
@@ -53,7 +55,8 @@ def straight(warm_start, tmp_path_factory):
     return root / "rft" / "straight"
 
 
-def test_a_killed_driver_resumes_to_the_uninterrupted_run_bit_for_bit_in_the_test_mode(warm_start, straight, tmp_path):
+def test_a_killed_driver_leaves_no_ray_process_and_resumes_to_the_uninterrupted_run_bit_for_bit(warm_start, straight,
+                                                                                                 tmp_path):
     env = {**os.environ, "RFT_CHECKPOINT_ROOT_DIR": str(tmp_path)}
     metrics = read_metrics(straight / "metrics.jsonl")
     # explore step s >= 1 takes version s after its first chunk: responses hold tokens of two
@@ -61,8 +64,23 @@ def test_a_killed_driver_resumes_to_the_uninterrupted_run_bit_for_bit_in_the_tes
     assert {m["rollout/max_token_versions"] for m in metrics[2:] if "rollout/max_token_versions" in m} <= {2, 3}
     assert any(m.get("staleness/token_frac_0", 0) > 0 and m.get("staleness/token_frac_1", 0) > 0 for m in metrics[2:])
 
+    # the driver SIGKILLed once its step-3 checkpoint is written: what it started of Ray goes with it
+    # (the dashboard and runtime-env agents outlive a driver so killed: rft.runtime.reaper ends them),
+    # checked on this run rather than on a Ray run of its own
     run = tmp_path / "rft" / "killed"
-    kill_at_checkpoint(base(warm_start, "killed", *FIXED), run, 3, env)
+    proc = subprocess.Popen([sys.executable, str(ROOT / "run.py"), *base(warm_start, "killed", *FIXED)], cwd=ROOT,
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    while not (run / "checkpoints" / "step_3" / "state.json").exists():
+        assert proc.poll() is None and time.time() < deadline, "the run ended before its step-3 checkpoint"
+        time.sleep(0.02)
+    started = psutil.Process(proc.pid).children(recursive=True)
+    names = {p.name() for p in started}
+    assert any("raylet" in n for n in names), names
+    proc.kill()
+    proc.wait()
+    gone, alive = psutil.wait_procs(started, timeout=30)
+    assert not alive, [(p.pid, p.name()) for p in alive]  # the dashboard and runtime-env agents too
     assert not (run / "checkpoints" / "step_6").exists(), "killed too late to test anything"
     state = json.loads((run / "checkpoints" / "step_3" / "state.json").read_text())
     assert "partial" in state and "available" in state  # the groups in flight, the unread experiences

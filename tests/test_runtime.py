@@ -337,19 +337,5 @@ def test_an_eval_whose_every_task_fails_stops_the_run_before_it_trains(warm_star
     assert not (tmp_path / "rft" / "broken" / "checkpoints").exists()  # nothing trained
 
 
-def test_a_killed_driver_leaves_no_ray_process_behind(tmp_path):
-    import psutil
-
-    run = tmp_path / "rft" / "orphans"
-    proc = subprocess.Popen([sys.executable, str(ROOT / "run.py"), "stages=[]", "name=orphans", "monitor=console",
-                             "buffer.batch_size=4", "algorithm.repeat_times=2", "buffer.total_steps=200"],
-                            cwd=ROOT, env={**os.environ, **env_for(tmp_path)}, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-    _wait_for_step(proc, run / "metrics.jsonl", 1)
-    started = psutil.Process(proc.pid).children(recursive=True)
-    names = {p.name() for p in started}
-    assert any("raylet" in n for n in names), names
-    proc.kill()
-    proc.wait()
-    gone, alive = psutil.wait_procs(started, timeout=30)
-    assert not alive, [(p.pid, p.name()) for p in alive]  # the dashboard and runtime-env agents too
+# a driver SIGKILLed leaves no process of Ray's behind: checked on the Ray run whose driver
+# tests/test_dynamic.py kills (test_a_killed_driver_leaves_no_ray_process_and_resumes_...)
