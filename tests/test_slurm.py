@@ -333,17 +333,20 @@ def test_a_sweep_of_two_tiny_runs_on_slurm_and_its_report(slurm, tmp_path):
 
 @pytest.mark.slow
 def test_a_killed_slurm_job_ends_the_sweep_with_a_clear_error_and_the_same_sweep_resumes_it(slurm, tmp_path):
-    """Job 1 (1000 steps, a checkpoint every 100) is cancelled while it trains; job 0 (2 steps)
+    """Job 1 (700 steps, a checkpoint every 100) is cancelled while it trains; job 0 (2 steps)
     finishes. The sweep ends with one paragraph naming the job and its state, not a traceback, and
     not a wait forever. The same sweep again skips job 0, resumes job 1 from its newest checkpoint,
     and job 1's metrics end up whole: each step once.
 
     submitit's job ignores scancel's SIGTERM; Slurm kills it KillWait seconds later (5 with
     launchers/slurm_local.sh), so job 1 must have well more than that left to run when cancelled:
-    a tiny step takes ~0.02 s on 2 cores, so 200 steps were not enough on a quiet machine. (A
-    checkpoint every 100, not 10: the resumed job saves 9 checkpoints, not 90.)"""
+    a tiny step takes ~0.02 s on 2 cores, so 200 steps were not enough on a quiet machine; 700
+    leave ~590 after step ~110 (cancelled once step 101 is logged, polled every 0.2 s): ~12 s there,
+    2.4 x KillWait (1000 steps left 3.6 x, at the cost of 300 more steps for the resumed job: ~12 s
+    in CI at ~0.04 s a step). (A checkpoint every 100, not 10: the resumed job saves 6 checkpoints,
+    not 60.)"""
     sweep = tmp_path / "sweep"
-    args = ["-m", "hydra/launcher=slurm", *TINY, "buffer.total_steps=2,1000", "trainer.save_interval=100",
+    args = ["-m", "hydra/launcher=slurm", *TINY, "buffer.total_steps=2,700", "trainer.save_interval=100",
             "explorer.eval_interval=1000", f"hydra.sweep.dir={sweep}"]
     proc = sweep_process(args)
     try:
@@ -364,7 +367,7 @@ def test_a_killed_slurm_job_ends_the_sweep_with_a_clear_error_and_the_same_sweep
     # the other job's outputs are kept
     assert [m["step"] for m in read_metrics(sweep / "0" / "metrics.jsonl")] == [0, 1, 2]
     newest = latest_checkpoint(sweep / "1").step
-    assert 100 <= newest < 1000 and newest % 100 == 0
+    assert 100 <= newest < 700 and newest % 100 == 0
 
     r = run_cli(*args)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
@@ -373,7 +376,7 @@ def test_a_killed_slurm_job_ends_the_sweep_with_a_clear_error_and_the_same_sweep
     assert "[grpo] already finished (step 2)" in Path(logs["0"]).read_text()
     assert f"[grpo] resuming from step {newest} (" in Path(logs["1"]).read_text()
     assert [m["step"] for m in read_metrics(sweep / "0" / "metrics.jsonl")] == [0, 1, 2]
-    assert [m["step"] for m in read_metrics(sweep / "1" / "metrics.jsonl")] == list(range(1001))
+    assert [m["step"] for m in read_metrics(sweep / "1" / "metrics.jsonl")] == list(range(701))
 
 
 def test_the_slurm_launcher_requeues_a_job_by_default():
