@@ -125,3 +125,53 @@ def _alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+# ---------------------------------------------------------------- resuming after an update of rft that added keys
+
+def _as_an_older_rft(monkeypatch):
+    """rft as it was before explorer.bench_on_starting_model and an eval set's pass_threshold were
+    keys: its records (a stage's config.yaml, the config fingerprint of its checkpoints) lack them."""
+    import copy
+
+    from omegaconf import OmegaConf
+
+    import rft.runtime.rundir as rundir
+
+    def older(cfg, resolve=True) -> dict:
+        tree = copy.deepcopy(cfg if isinstance(cfg, dict) else OmegaConf.to_container(cfg, resolve=resolve,
+                                                                                     enum_to_str=True))
+        if "explorer" in tree:  # a run's config, not Hydra's own (hydra.yaml)
+            tree["explorer"].pop("bench_on_starting_model")
+            for ts in tree["buffer"]["explorer_input"]["eval_tasksets"]:
+                ts.pop("pass_threshold")
+        return tree
+
+    flat, config_yaml = rundir.flat, rundir.config_yaml
+    monkeypatch.setattr(rundir, "flat", lambda cfg: flat(older(cfg)))
+    monkeypatch.setattr(rundir, "config_yaml", lambda cfg, resolve=False: config_yaml(older(cfg, resolve)))
+
+
+@pytest.mark.slow  # three short runs of the tiny model in this process (~20 s)
+def test_a_run_resumes_after_an_update_that_added_keys_at_their_defaults(tmp_path, monkeypatch, capsys):
+    """A run made before rft added a key (40b750b's explorer.bench_on_starting_model, found by a new
+    user whose run spanned that commit): the same command refused to resume it ("the run directory
+    ... holds a run made with another configuration (stage grpo: explorer.bench_on_starting_model:
+    '(absent)' -> False)") unless resume_with_changes=true. A key new since, at its default, is no
+    change; set to another value it still is one."""
+    base = ["stages=[]", "cluster=inline", "monitor=console", "name=upgraded", f"checkpoint_root_dir={tmp_path}",
+            "trainer.save_interval=1", "explorer.eval_interval=1000"]
+    with monkeypatch.context() as m:
+        _as_an_older_rft(m)
+        rft.runtime.main.main(compose_cfg([*base, "buffer.total_steps=2"]))
+    run = tmp_path / "rft" / "upgraded"
+    assert "bench_on_starting_model" not in (run / "config.yaml").read_text()
+    capsys.readouterr()
+    rft.runtime.main.main(compose_cfg([*base, "buffer.total_steps=3"]))  # refused before
+    steps = [m["step"] for m in read_metrics(run / "metrics.jsonl")]
+    assert steps == [0, 1, 2, 3], steps  # step 3 trained from step 2's checkpoint, nothing again
+    # named by the eval set's key (the refusal showed both eval set lists whole, ~900 characters)
+    with pytest.raises(ConfigError, match=r"holds a run made with another configuration \(stage grpo: "
+                                          r"buffer\.explorer_input\.eval_tasksets\.0\.pass_threshold: 1\.0 -> 0\.5\)\. "):
+        rft.runtime.main._main(compose_cfg([*base, "buffer.total_steps=4",
+                                            "buffer.explorer_input.eval_tasksets.0.pass_threshold=0.5"]))

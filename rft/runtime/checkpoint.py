@@ -52,13 +52,16 @@ class Owner:
     # `config` as an rft from before secrets were masked in it wrote it (a token whole): the same
     # configuration, so its checkpoints resume after an upgrade
     unmasked_config: str = ""
+    # `config` less the keys an update of rft added since the stage ran, at their defaults
+    # (rundir.upgraded): the same configuration, so its checkpoints resume after the update
+    upgraded_config: str = ""
 
     def identity(self, step: int) -> dict:
         return {"run": self.run, "stage": self.stage, "step": step, "config": self.config, "model": self.model}
 
     def differences(self, saved: dict, keys=("stage", "model", "config")) -> list[str]:
-        return [k for k in keys if saved.get(k) != getattr(self, k)
-                and not (k == "config" and self.unmasked_config and saved.get(k) == self.unmasked_config)]
+        also = {c for c in (self.unmasked_config, self.upgraded_config) if c}
+        return [k for k in keys if saved.get(k) != getattr(self, k) and not (k == "config" and saved.get(k) in also)]
 
 
 @dataclass

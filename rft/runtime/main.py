@@ -704,7 +704,7 @@ def _run_locked(cfg: DictConfig, stages: list, plans: list, stage_dirs: list[Pat
         reward_models: dict[str, str] = {}  # a reward-model stage's title -> its final model
         for i, (s, plan, stage_dir, key) in enumerate(zip(stages, plans, stage_dirs, cache_keys(stages, plans))):
             title = s.stage_name or s.algorithm.algorithm_type
-            owner = rundir.owner(s, title, before)  # whose checkpoints the stage writes and resumes
+            owner = rundir.owner(s, title, before, rundir.saved_config(stage_dir))  # whose checkpoints it writes and resumes
             # a stage another one starts from (a warm-up), not the run's own last stage: a re-run
             # of a whole config (a benchmark, a check of reproducibility) trains, not copies
             shared = i < len(stages) - 1 and rundir.cacheable(s)

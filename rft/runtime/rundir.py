@@ -100,14 +100,67 @@ def config_fingerprint(cfg, masked: bool = True) -> str:
     return fingerprint({k: v for k, v in identity(cfg, masked).items() if k not in MAY_GROW})
 
 
-def owner(cfg, title: str, after: str | None) -> Owner:
+def owner(cfg, title: str, after: str | None, saved: dict | None = None) -> Owner:
     """Whose checkpoints stage `title` writes: this run, this stage, its config, and what it starts
-    from (model.model_path, then the stage `after`, whose final model a later stage starts from)."""
+    from (model.model_path, then the stage `after`, whose final model a later stage starts from).
+    `saved`: the config the stage ran with (saved_config), whose checkpoints an rft that has added
+    keys since resumes (`upgraded`)."""
     model = os.path.expanduser(str(cfg.model.model_path))
     return Owner(run=f"{cfg.project}/{cfg.name}", stage=title, config=config_fingerprint(cfg),
                  unmasked_config=config_fingerprint(cfg, masked=False),
+                 upgraded_config=config_fingerprint(upgraded(saved, cfg)) if saved else "",
                  model=model if after is None else f"{model}, then stage {after}",
                  changes_ok=bool(cfg.resume_with_changes))
+
+
+_NO = object()  # no schema default to compare with
+
+
+def upgraded(saved: dict, cfg) -> dict:
+    """`cfg`, a stage's config now (as containers), less each key that its `saved` config (the one it
+    ran with) lacks and that holds the schema's default: a key an update of rft added since the stage
+    ran, at the value that keeps what the rft before it did. Without this a run could not resume after
+    such an update ("explorer.bench_on_starting_model: '(absent)' -> False") unless
+    resume_with_changes=true. A new key at another value (the command's, a conf file's) stays a change."""
+    from rft.config import Config
+
+    current = cfg if isinstance(cfg, dict) else OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
+    return _less_new_defaults(saved, current, OmegaConf.structured(Config))
+
+
+def _less_new_defaults(saved, current, schema):
+    if isinstance(saved, dict) and isinstance(current, dict):
+        return {k: v if k not in saved else _less_new_defaults(saved[k], v, _schema_part(schema, k))
+                for k, v in current.items() if k in saved or _default(_schema_part(schema, k)) != v}
+    if isinstance(saved, list) and isinstance(current, list) and len(saved) == len(current):
+        # a list of structured entries (eval_tasksets): each entry against its type's defaults
+        kind = getattr(getattr(schema, "_metadata", None), "element_type", None)
+        entry = OmegaConf.structured(kind) if isinstance(kind, type) and hasattr(kind, "__dataclass_fields__") else _NO
+        return [_less_new_defaults(a, b, entry) for a, b in zip(saved, current)]
+    return current
+
+
+def _schema_part(schema, key: str):
+    """The schema's node or value under `key`, or _NO (no such key, or no value without a run's config)."""
+    from omegaconf import DictConfig
+
+    try:
+        return schema[key] if isinstance(schema, DictConfig) and key in schema else _NO
+    except Exception:  # an interpolation or a mandatory value (???) the schema alone cannot resolve
+        return _NO
+
+
+def _default(part):
+    """A schema part's default as a config's containers hold it (_NO where there is none)."""
+    from omegaconf import Container
+
+    if part is _NO:
+        return _NO
+    try:
+        return OmegaConf.to_container(part, resolve=True, enum_to_str=True) if isinstance(part, Container) else (
+            part.name if hasattr(part, "name") and hasattr(type(part), "__members__") else part)
+    except Exception:
+        return _NO
 
 
 def path_identity(path: str | None) -> Any:
@@ -278,6 +331,11 @@ def differences(old: dict, new: dict) -> list[str]:
             continue
         if k in MAY_GROW and isinstance(a, int) and isinstance(b, int) and b > a:
             continue
+        if isinstance(a, list) and isinstance(b, list) and len(a) == len(b) and all(isinstance(x, dict) for x in a + b):
+            # a list of sections (eval sets): the keys that differ in them, not both lists whole
+            out += differences(*({f"{k}.{i}.{key}": v for i, x in enumerate(side) for key, v in flat(x).items()}
+                                 for side in (a, b)))
+            continue
         out.append(f"{k}: {a!r} -> {b!r}")
     return out
 
@@ -306,7 +364,8 @@ def check_unchanged(cfg, stages, stage_dirs, run_dir: Path) -> dict[str, list[st
                 f"from the newest checkpoint (resume_with_changes=true), or start over "
                 f"(continue_from_checkpoint=false: the old outputs move to {run_dir}/previous_<time>/)."
             )
-        diff = [f"config.yaml {problem}: written anew"] if problem else differences(identity(saved_config(d)), identity(s))
+        saved = None if problem else saved_config(d)
+        diff = [f"config.yaml {problem}: written anew"] if problem else differences(identity(saved), identity(upgraded(saved, s)))
         diff += data_differences(d, s)
         later = next((t.stage_name for t, e in zip(stages[i + 1:], stage_dirs[i + 1:]) if has_outputs(e)), None)
         if later and not problem:
