@@ -116,21 +116,3 @@ def run_cli(*args, env=None, timeout=600):
         [sys.executable, str(ROOT / "run.py"), *args],
         cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout,
     )
-
-
-def kill_at_checkpoint(args: list[str], run: Path, step: int, env: dict, timeout: float = 300) -> None:
-    """`python run.py <args>`, killed with SIGKILL as soon as its step-`step` checkpoint is written
-    (its state.json, the last file); fails if the run ends first."""
-    import signal
-    import subprocess
-    import sys
-    import time
-
-    proc = subprocess.Popen([sys.executable, str(ROOT / "run.py"), *args], cwd=ROOT, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + timeout
-    while not (run / "checkpoints" / f"step_{step}" / "state.json").exists():
-        assert proc.poll() is None and time.time() < deadline, f"the run ended before its step-{step} checkpoint"
-        time.sleep(0.02)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
