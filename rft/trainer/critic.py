@@ -38,7 +38,9 @@ class ValueModel(torch.nn.Module):
 
     def forward(self, input_ids, attention_mask):
         hidden = self.base(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
-        return self.head(hidden[:, :-1]).squeeze(-1).float()
+        # float32 whatever the model's dtype, and a tensor of its own, not a view of the head's output:
+        # FSDP2 warns at a view that an in-place op on it would skip its pre-backward hook (wrong gradients)
+        return self.head(hidden[:, :-1]).squeeze(-1).to(torch.float32, copy=True)
 
 
 class Critic:
