@@ -1,6 +1,6 @@
 # make run        train the embedded default (tiny model, arithmetic, SFT warm-up then GRPO) on CPU
 # make test       run the whole test suite
-# make test-fast  the tests of under a second each: no training run, engine, Ray, server or browser (~2 min), to iterate
+# make test-fast  the tests of under a second each: no training run, engine, Ray, server or browser (~2.5 min), to iterate
 # make studio     the studio: compose, launch and watch runs in a local web page (python -m rft.studio)
 # make help       these lines
 # Both create or refresh .venv first; nothing else needs installing by hand.
@@ -64,8 +64,9 @@ sandbox:
 
 # two pytest workers, a test file each at a time (--dist loadfile: a file's module fixtures, the
 # local Slurm cluster's tests among them, stay on one worker): much of a run is waiting (Ray and
-# processes starting, servers, Slurm), which the other worker fills: the suite's tests take ~45 min
-# summed over the two workers and ~24 min of wall time on 2 cores (.ci/run on a fresh clone: ~26 min)
+# processes starting, servers, Slurm), which the other worker fills: the suite's tests take ~58 min
+# summed over the two workers and ~30 min of wall time on 2 cores (.ci/run on a fresh clone: ~32 min);
+# the CPUs are ~88% busy throughout, and a third worker was slower
 test: $(VLLM_STAMP) browser sandbox
 	$(PY) -m pytest tests -n 2 --dist loadfile --durations=30
 

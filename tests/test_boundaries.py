@@ -456,6 +456,7 @@ def run_job_script(tmp_path, warn_after: str | None, ray_wait_s=0.0, import_s=0.
     # while it runs: passed on, as before
     ("fake: driver watching", 0, 0, "ray_slurm: Slurm warns that it will stop this job: passed on to the driver\n"),
 ])
+@pytest.mark.slow  # 8.6 s alone, over the fast tier's second
 def test_slurms_warning_at_any_time_ends_in_a_requeue(tmp_path, warn_after, ray_wait_s, import_s, says):
     out, rc, called = run_job_script(tmp_path, warn_after, ray_wait_s, import_s)
     assert called == "requeue 42\n", out
@@ -475,6 +476,7 @@ def test_a_wrapper_as_rft_python_gets_the_warning_to_the_python_it_started(tmp_p
     assert "rft: requeueing Slurm job 42 (scontrol requeue)" in out and "fake: driver done" not in out
 
 
+@pytest.mark.slow  # 3.2 s alone, over the fast tier's second
 def test_without_a_warning_the_job_script_runs_the_driver_to_its_end(tmp_path):
     out, rc, called = run_job_script(tmp_path, None)
     assert rc == 0 and called == "" and "fake: driver done" in out

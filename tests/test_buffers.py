@@ -412,6 +412,7 @@ def big_rows(n: int, start: int = 0, tokens: int = 20_000) -> list:
     return out
 
 
+@pytest.mark.slow  # 1.9 s alone, over the fast tier's second
 def test_a_resumed_file_writer_reads_the_rows_after_its_checkpoint_a_line_at_a_time(tmp_path):
     """keep_written over 40 lines of ~140 KB each (5.6 MB after the checkpoint; in a run other
     explorers' rows among them, written while this one was down): Python's allocations peak at
@@ -480,6 +481,7 @@ print(json.dumps(got))
 """
 
 
+@pytest.mark.slow  # 3.3 s alone, over the fast tier's second
 @pytest.mark.parametrize("kind", ["sql", "file"])
 def test_a_trainer_reading_live_reads_each_row_once_across_an_explorers_resume(tmp_path, kind):
     """README's explore/train split: a mode=train job reads the buffer while the mode=explore run

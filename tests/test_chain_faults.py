@@ -2,6 +2,7 @@
 model than this run's (a reward model of an earlier stage, stage:<title>; a teacher or a reward
 model given by directory), as if it were the same stage."""
 
+import pytest
 from conftest import compose_cfg
 from omegaconf import OmegaConf, open_dict
 
@@ -21,6 +22,7 @@ def _keys(*overrides, teacher: str | None = None):
     return main.cache_keys(stages, [make_plan(s, 2000) for s in stages])
 
 
+@pytest.mark.slow  # 1.5 s alone, over the fast tier's second
 def test_a_stage_reading_a_reward_model_of_the_run_is_cached_by_that_reward_model(tmp_path):
     """Two runs whose reward-model stages differ (its learning rate) trained their GRPO stages on
     different reward models: the second copied the first's GRPO stage from the stage cache ("reused:

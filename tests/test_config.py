@@ -260,6 +260,7 @@ def test_sampling_settings_at_their_limits_plan():
     assert (plan.mode, plan.tasks_per_step, plan.rollouts_per_task) == ("both", 16, 8)
 
 
+@pytest.mark.slow  # 1.3 s alone, over the fast tier's second
 def test_an_actors_frozen_config_reads_as_the_resolved_config_and_cannot_change():
     """The explorer and trainer keep their config as rft.config.Frozen (plain dicts: an OmegaConf
     lookup costs ~6 us a level, ~0.5 ms a step). Every value must read as OmegaConf resolves it."""
@@ -366,6 +367,7 @@ def _safetensors_header_only(path, tensors: dict) -> None:
     path.write_bytes(len(blob).to_bytes(8, "little") + blob)
 
 
+@pytest.mark.slow  # 1.4 s alone, over the fast tier's second
 def test_the_plan_says_how_much_a_weight_sync_moves_and_where(tmp_path, capsys):
     """The dry run's `weight sync` line: the bytes per sync (from the safetensors headers, or a hub
     id's name), the way they travel, and a warning where a large model goes the slow way every step."""

@@ -266,6 +266,7 @@ def test_a_log_level_that_logging_does_not_know_fails_when_composed():
     (["algorithm.tau=0.5"], "algorithm.tau=0.5", "OPMD (algorithm=opmd)"),
     (["algorithm.dpo_beta=0.5"], "algorithm.dpo_beta=0.5", "DPO's loss (algorithm=dpo)"),
 ])
+@pytest.mark.slow  # 1.8 s alone, over the fast tier's second
 def test_a_key_of_another_algorithm_is_warned_about(caplog, overrides, key, what):
     # a sweep over it ran the same job each time, without a word
     with caplog.at_level(logging.WARNING):
@@ -361,6 +362,7 @@ def test_a_replay_priority_argument_that_is_no_number_is_one_paragraph(value, sh
     assert plan_for([f"{rb}.enable=true", f"{rb}.priority_fn_args.decay=0.5"]).experiences_per_step == 128
 
 
+@pytest.mark.slow  # 1.2 s alone, over the fast tier's second
 def test_a_reward_that_reads_the_answer_on_a_taskset_without_one_stops_the_plan():
     """format.response_key=null makes every task's answer None: exact_match (the default task's reward),
     last_number and math then score every response 0, and the run was warned of it only after 3 steps

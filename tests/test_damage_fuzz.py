@@ -40,6 +40,7 @@ def test_a_stage_cache_lock_replaced_by_a_link_is_one_paragraph(tmp_path):
         f"(stage_cache_dir=null). A stage cache others can write to is not guarded: keep it writable by you alone.")
 
 
+@pytest.mark.slow  # 1.1 s alone, over the fast tier's second
 def test_a_stage_cache_lock_that_becomes_a_link_while_a_job_waits_is_the_same_paragraph(tmp_path):
     # another job holds the lock; while this one waits, the lock file is replaced by a link. The
     # wait's own acquire was outside the handler: a raw "OSError: [Errno 40]" after the wait

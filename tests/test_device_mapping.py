@@ -115,6 +115,7 @@ def test_a_mapping_that_does_not_fit_names_the_role_and_the_devices(overrides, m
     assert error(*overrides) == message
 
 
+@pytest.mark.slow  # 1.5 s alone, over the fast tier's second
 def test_nccl_takes_one_process_per_gpu_so_a_collective_sync_needs_the_trainers_gpu_to_itself():
     # the group: the trainer's first rank and each engine; a second process on a GPU is NCCL's
     # "Duplicate GPU detected" (an error from NCCL 2.5)

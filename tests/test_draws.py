@@ -98,6 +98,7 @@ def curriculum_of(cfg, n_tasks: int, outcomes: dict):
     return cur
 
 
+@pytest.mark.slow  # 1.4 s alone, over the fast tier's second
 def test_curriculum_draws_the_extras_and_the_explorers_run_them():
     """With the online curriculum the driver's draw holds the extras (batch_size 2, 3 tries: 6 rows);
     the explorers run its first 2, then 2 and 2 more, in its order, each explorer its share."""
@@ -113,6 +114,7 @@ def test_curriculum_draws_the_extras_and_the_explorers_run_them():
         assert cur.draw(step, 2) == rows  # a function of (seed, step) and the pass rates: a resumed run's
 
 
+@pytest.mark.slow  # 2.0 s alone, over the fast tier's second
 def test_curriculum_extras_follow_its_weights():
     """4 tasks: task 0 unseen (p = 0.5: weight 0.25 + 0.05 = 0.3), tasks 1-3 always solved (weight
     0.05); batch_size 1, 2 tries. The step's task is 0 with probability 0.3 / 0.45 = 2/3; when it is

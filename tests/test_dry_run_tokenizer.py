@@ -26,6 +26,7 @@ def base_model(cache_dir, tmp_path):
     return d
 
 
+@pytest.mark.slow  # 1.0 s alone, over the fast tier's second
 def test_a_dry_run_stops_on_a_base_models_missing_chat_template(base_model, tmp_path, capsys):
     """It printed the plan and exited 0; the run then stopped in its actors with this paragraph."""
     import rft.runtime.main

@@ -280,6 +280,7 @@ def test_sdpa_grouped_equals_the_repeated_heads():
     (1.3, 0.9, 5, ()),          # top-k then top-p, at a temperature
     (1.2, 1.0, -1, ("1", "a")),  # stop strings
 ])
+@pytest.mark.slow  # 3.8 s alone, over the fast tier's second
 def test_sampled_logprobs_equal_those_of_the_kept_scores(cache_dir, tiny, temperature, top_p, top_k, stop):
     """The recorder (one step's log-softmax at a time) samples the same tokens as the engine that
     kept every step's scores (generate's output_scores, compute_transition_scores), with the same log-probs to float32 rounding: per step, log_softmax

@@ -223,6 +223,7 @@ def test_dry_run_prints_the_plan_and_starts_nothing(run_root):
     assert_nothing_started(run_root)
 
 
+@pytest.mark.slow  # 1.1 s alone, over the fast tier's second
 def test_dry_run_never_touches_ray_or_a_model(monkeypatch):
     """In-process: dry_run returns before any model load or Ray start (both would raise here)."""
     import ray

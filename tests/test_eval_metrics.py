@@ -317,6 +317,7 @@ def test_last_number_vote_joins_exactly_the_answers_its_reward_calls_equal():
     assert last_number_maj("0.5", ["1/2", ".5", "5e-1", "7", "7"]) == 1.0
 
 
+@pytest.mark.slow  # 2.5 s alone, over the fast tier's second
 def test_math_votes_on_what_its_reward_scores():
     """The vote read a response without a box by its last number ("the answer is $\\frac{1}{2}$"
     voted 2, which the reward scored as 1/2) and a last box never closed by the number in it (the

@@ -215,6 +215,7 @@ def test_an_unwritable_home_gives_the_local_ray_instance_its_token_through_the_e
     assert len(os.environ["RAY_AUTH_TOKEN"]) == 64
 
 
+@pytest.mark.slow  # 3.6 s alone, over the fast tier's second
 def test_runs_starting_at_once_on_a_fresh_machine_share_one_ray_token(tmp_path):
     """Ray wrote ~/.ray/auth_token (opened "w": truncated, then written) in each run that found none:
     two starting at once on a fresh machine (a sweep's jobs, the test session's workers) each wrote

@@ -321,6 +321,7 @@ def test_a_reward_that_prints_a_megabyte_a_call_leaves_a_console_of_about_a_mega
     assert "[grpo] step 3/3" in r.stdout
 
 
+@pytest.mark.slow  # 6.9 s alone, over the fast tier's second
 def test_the_runs_pages_sweep_list_reads_4_of_6_jobs_and_counts_on_as_jobs_start(browser, tmp_path):
     from test_studio import _stop, _studio
 

@@ -44,6 +44,7 @@ HUNG_DRIVER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # 6.0 s alone, over the fast tier's second
 def test_a_ray_init_that_hangs_holding_the_gil_is_stopped_past_init_timeout_s_with_a_paragraph(tmp_path):
     # it waited for ever (20 minutes seen, under memory pressure and a load of 18), printing nothing
     code = HUNG_DRIVER.format(root=str(ROOT), tmp=str(tmp_path))
@@ -68,6 +69,7 @@ def test_a_ray_init_that_hangs_holding_the_gil_is_stopped_past_init_timeout_s_wi
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.slow  # 2.9 s alone, over the fast tier's second
 def test_a_driver_that_ray_ends_in_ray_init_gets_the_paragraph_after_rays_line(tmp_path):
     # a raylet frozen as the driver connects: after 30 s Ray's C++ code ends the driver (exit 1) with its
     # one line, "Failed to get the system config from raylet because it is dead. Worker will terminate.",
@@ -87,6 +89,7 @@ def test_a_driver_that_ray_ends_in_ray_init_gets_the_paragraph_after_rays_line(t
     assert said and int(said[1]) >= 2, proc.stderr
 
 
+@pytest.mark.slow  # 1.6 s alone, over the fast tier's second
 def test_the_reaper_counts_a_ray_init_bound_only_while_the_driver_says_it_waits():
     # ray.init done ({"init": null}) before its bound of 0.5 s: the driver is left alone after it
     import threading
@@ -179,6 +182,7 @@ def test_a_run_whose_raylet_stalls_in_ray_init_stops_past_the_bound_and_leaves_n
             pass
 
 
+@pytest.mark.slow  # 2.2 s alone, over the fast tier's second
 def test_rays_own_startup_timeout_is_a_paragraph_not_its_traceback(tmp_path, monkeypatch, capsys):
     # a raylet that never registers (stopped before it did): after Ray's own 30 s, Hydra's "Error
     # executing job" and Ray's bare Exception ("The current node timed out during startup...")
@@ -207,6 +211,7 @@ def test_rays_own_startup_timeout_is_a_paragraph_not_its_traceback(tmp_path, mon
                           "starts over). The command: python "), err
 
 
+@pytest.mark.slow  # 5.5 s alone, over the fast tier's second
 def test_a_start_refused_after_the_run_lock_leaves_no_run_directory(tmp_path):
     # monitor.ray_dashboard=true on minimal Ray is refused as Ray starts, after the run took its lock:
     # it left <run>/.hydra/ (the refused config as the run's record), .run.lock and run.log (its line

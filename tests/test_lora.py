@@ -24,6 +24,7 @@ def numel(module) -> int:
     return sum(p.numel() for p in module.parameters())
 
 
+@pytest.mark.slow  # 2.2 s alone, over the fast tier's second
 def test_only_the_adapters_train_and_the_base_stays_bitwise():
     t = make_trainer(128, LORA)
     base = {n: p.detach().clone() for n, p in t.model.named_parameters() if not p.requires_grad}
@@ -62,6 +63,7 @@ def test_the_reference_is_the_base_with_no_second_copy():
     assert (ref[full["response_mask"].bool()] < 0).all()
 
 
+@pytest.mark.slow  # 2.5 s alone, over the fast tier's second
 def test_the_engine_gets_the_merged_model_and_computes_what_the_trainer_does():
     t = make_trainer(128, LORA)
     for seed in range(3):

@@ -59,6 +59,7 @@ def test_the_plan_takes_lora_with_fsdp2():
     assert make_plan(cfg, 2000).dp_size == 2
 
 
+@pytest.mark.slow  # 3.6 s alone, over the fast tier's second
 def test_one_rank_trains_the_adapters_bit_for_bit_as_trainer_torch():
     # one rank, micro-batches of 64 as trainer=torch's: the same computation in the same order, so
     # the same bits (two ranks: tests below, equal up to summation order)
@@ -86,6 +87,7 @@ def test_one_rank_trains_the_adapters_bit_for_bit_as_trainer_torch():
 
 @pytest.mark.parametrize("extra", [[], ["model.dtype=bfloat16", "trainer.fp32_master_weights=true"]],
                          ids=["float32", "fp32_masters"])
+@pytest.mark.slow  # 2.0 s alone, over the fast tier's second
 def test_the_engine_gets_the_merged_model_and_its_fingerprint(extra):
     t = one_rank(*extra)
     try:
@@ -137,6 +139,7 @@ def test_the_collective_send_is_the_merged_model_in_the_manifests_order():
         t.close()
 
 
+@pytest.mark.slow  # 2.1 s alone, over the fast tier's second
 def test_checkpoints_are_trainer_torch_lora_checkpoints_both_ways(tmp_path):
     from safetensors.torch import load_file
 

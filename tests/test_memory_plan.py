@@ -73,6 +73,7 @@ def test_the_readme_command_brings_what_7b_needs_and_the_command_line_still_wins
     assert (cfg.explorer.rollout_model.engine_type, cfg.synchronizer.sync_method, cfg.cluster.gpu_per_node) == ("vllm", "collective", 2)
 
 
+@pytest.mark.slow  # 2.4 s alone, over the fast tier's second
 def test_the_shape_from_the_architecture_and_the_parameters_counted(tmp_path):
     cfg = compose_cfg(["model=qwen7b"])
     s, source = M.shape_of(cfg.model)
@@ -312,6 +313,7 @@ def test_a_gpu_memory_that_is_not_a_size(no_gpu):
     assert str(e.value) == "cluster.gpu_per_node=-1 must be >= 0 (0: a CPU-only cluster)."
 
 
+@pytest.mark.slow  # 8.4 s alone, over the fast tier's second
 def test_a_slurm_sweep_asks_for_the_gpus_it_plans_for_and_fits_them(no_gpu):
     """`python run.py -m hydra/launcher=slurm model=qwen7b seed=1,2` on a login node without GPUs:
     every job is planned before anything is queued (rft.runtime.callbacks.plan_jobs)."""
@@ -349,6 +351,7 @@ def test_a_slurm_sweep_asks_for_the_gpus_it_plans_for_and_fits_them(no_gpu):
             "have). No job has started: every job is planned first.")
 
 
+@pytest.mark.slow  # 9.9 s alone, over the fast tier's second
 def test_a_slurm_sweep_warns_once_when_a_save_would_not_fit_in_the_early_warning(no_gpu, capsys):
     """Slurm warns signal_delay_s before a job's time limit; the step in progress and its save must
     end 30 s before the stop. qwen7b (7,615,487,488 parameters, fp32 masters): hf/ 4 bytes each =
@@ -389,6 +392,7 @@ def test_a_slurm_sweep_warns_once_when_a_save_would_not_fit_in_the_early_warning
         assert warned("model=qwen2.5-0.5b", "cluster.gpu_per_node=8") == []  # ~6 GB: 36 s <= 60
 
 
+@pytest.mark.slow  # 4.6 s alone, over the fast tier's second
 def test_a_dry_run_sweep_on_slurm_plans_every_job_here_and_queues_nothing(no_gpu, capsys, tmp_path):
     """`python run.py -m hydra/launcher=slurm ... dry_run=true` queued every job, each to wait for
     its allocation and then print a plan: a dry run starts nothing."""
@@ -453,6 +457,7 @@ def test_the_estimate_against_measured_peaks_at_the_tiny_shape(tmp_path, monkeyp
     assert 1 / 1.5 < est["explorer"] / explorer < 1.5, (est, explorer)
 
 
+@pytest.mark.slow  # 1.2 s alone, over the fast tier's second
 def test_the_memory_benchmark_plans_each_of_its_arms():
     """experiments/memory_plan/benchmark.py's estimates (its measured side: the slow test above,
     and its README's figures): a trainer and an explorer for every arm, the 0.5B shape's from its
@@ -601,6 +606,7 @@ def test_a_local_path_or_a_name_that_is_no_hub_id_is_left_to_the_plan(monkeypatc
         assert M.check_model_here(compose_cfg([f"model.model_path={path}", "model.builder=null"])) is None
 
 
+@pytest.mark.slow  # 1.0 s alone, over the fast tier's second
 def test_the_jsd_teachers_top_tokens_are_counted_for_the_whole_step(no_gpu):
     # algorithm=opd at 7B with the JSD on the teacher's top 20 tokens: every rank holds the step's
     # 32 tasks x 8 rollouts = 256 rows x 4,096 positions x 20 tokens x (4 bytes log-prob + 8 id)
@@ -649,6 +655,7 @@ def test_the_readmes_two_node_7b_recipe_halves_each_ranks_weight_state(no_gpu):
     assert "323.0 MB per sync (161.5M LoRA adapter parameters" in way and "323 MB instead of 15 GB" in readme
 
 
+@pytest.mark.slow  # 1.6 s alone, over the fast tier's second
 def test_the_checkpoints_disk_row_counts_saves_bytes_and_the_free_space(monkeypatch, tmp_path, capsys):
     import shutil
     from collections import namedtuple

@@ -35,6 +35,7 @@ def one_rank(*extra, lr=1e-5, init_path=None, resume=None) -> FSDPTrainer:
     return trainer
 
 
+@pytest.mark.slow  # 1.2 s alone, over the fast tier's second
 def test_masters_are_float32_and_the_engines_get_the_bfloat16_compute_weights(tmp_path):
     t = one_rank(*MASTERS)
     try:
@@ -118,6 +119,7 @@ def test_a_run_with_fp32_masters_syncs_the_bfloat16_weights_to_its_engine(warm_s
     assert [m["step"] for m in metrics if "loss/policy" in m] == [1, 2, 3]
 
 
+@pytest.mark.slow  # 10.1 s alone, over the fast tier's second
 def test_the_reference_and_the_critic_offload_on_their_own_and_train_alike():
     # PPO with a KL term: a reference and a critic beside the policy; offloaded, only where their
     # shards live changes (the CPU here too), not one number

@@ -323,6 +323,7 @@ def test_mlflow_metric_names_spell_at_and_equals_out():
     assert mlflow_name("reward/a-b.c: d") == "reward/a-b.c: d" and mlflow_name("reward/a+b") == "reward/a_b"
 
 
+@pytest.mark.slow  # 5.0 s alone, over the fast tier's second
 def test_an_mlflow_server_that_does_not_answer_is_one_paragraph_within_seconds(tmp_path, monkeypatch):
     import time
 

@@ -303,6 +303,7 @@ def test_a_prompt_too_long_for_the_context_is_refused_before_it_is_tokenised(ser
                                      "256 tokens")
 
 
+@pytest.mark.slow  # 1.4 s alone, over the fast tier's second
 def test_more_messages_than_the_context_has_tokens_are_refused_before_they_are_read(served):
     server, _, _ = served
     auth = {"Authorization": f"Bearer {server.token}"}
@@ -319,6 +320,7 @@ def test_more_messages_than_the_context_has_tokens_are_refused_before_they_are_r
                                        "model's context of 256 tokens (13 bytes per token at most); it was not tokenised")
 
 
+@pytest.mark.slow  # 1.2 s alone, over the fast tier's second
 def test_a_reply_the_client_left_before_is_not_recorded(served):
     import time
 

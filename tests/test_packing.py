@@ -44,6 +44,7 @@ def trainer():
 
 @pytest.mark.parametrize("kw", [{"packed": True}, {"chunk_size": 7}, {"chunk_size": 1},
                                 {"packed": True, "chunk_size": 16}, {"fp32_head": True}])
+@pytest.mark.slow  # 2.8 s alone, over the fast tier's second
 def test_packed_and_chunked_log_probs_and_gradients_equal_the_padded_ones(trainer, kw):
     full = collate(batch(), trainer.tokenizer.pad_token_id)
     # responses of 1 to 6 tokens after 15-token prompts: rows of 16 to 21 tokens, so the padded

@@ -170,6 +170,7 @@ def test_the_trainer_state_as_saved_still_loads(saved, tmp_path):
     assert fresh.fingerprint() == t.fingerprint() and fresh.version == 1
 
 
+@pytest.mark.slow  # 1.8 s alone, over the fast tier's second
 @pytest.mark.parametrize("drop", [1, 28])  # one tensor, every one (an adapter file saved by another PEFT naming)
 def test_a_lora_adapter_missing_tensors_is_refused_not_resumed_half_fresh(tmp_path, drop):
     """set_peft_model_state_dict loads the tensors an adapter file has and says nothing of the ones
@@ -394,6 +395,7 @@ def renamed(state):
     opt["param_groups"][0]["params"][0] = "nosuch.weight"
 
 
+@pytest.mark.slow  # 1.1 s alone, over the fast tier's second
 def test_trainer_fsdp2_refuses_a_state_of_another_shape_in_either_form(saved, tmp_path):
     # fsdp2's load did not check: its set_optimizer_state_dict took what torch's form or its own gave
     import torch.distributed as dist

@@ -594,6 +594,7 @@ def test_every_dotted_name_of_rft_the_readme_gives_resolves():
     assert unresolved == []
 
 
+@pytest.mark.slow  # 1.0 s alone, over the fast tier's second
 def test_the_readmes_data_processor_example_plans():
     """"### Data pipelines": the `data_processor:` example, as written in the README, is a section of
     the config whose every operator is known and takes its args (planning's check), its operators in

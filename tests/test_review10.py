@@ -105,6 +105,7 @@ def test_extra_tokens_a_started_from_model_lacks_are_refused(tmp_path):
     assert sorted(p.name for p in hf.parent.iterdir()) == ["hf"]  # nothing moved aside or built
 
 
+@pytest.mark.slow  # 1.4 s alone, over the fast tier's second
 def test_a_hub_id_under_a_builder_is_refused_not_built_as_a_random_model(tmp_path, monkeypatch):
     # model.model_path=<hub id> keeping model=tiny's builder: the builder built a random tiny model in
     # ./Qwen/Qwen2.5-0.5B-Instruct and the run trained it, exit 0 (the dry run said nothing)

@@ -127,6 +127,7 @@ def test_a_sweeps_plan_is_read_again_only_when_its_multirun_yaml_changed(tmp_pat
     assert runs._planned(sweep) is None and runs._planned(sweep) is None  # no plan: nothing to remember
 
 
+@pytest.mark.slow  # 1.0 s alone, over the fast tier's second
 def test_a_connection_whose_answer_is_under_way_keeps_its_slot():
     # 02f5649: over --max-connections a new connection closes the oldest one that has not sent the
     # token, and that was also one whose request was being answered: a page or asset the studio

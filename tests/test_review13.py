@@ -237,6 +237,7 @@ def test_a_logged_row_whose_step_is_not_a_whole_number_is_a_damaged_line_not_a_t
 
 # ---------------------------------------------------------------- a sql buffer under a run name of URL characters
 
+@pytest.mark.slow  # 1.1 s alone, over the fast tier's second
 def test_a_sql_buffer_is_the_file_its_path_names_whatever_characters_the_run_name_holds(tmp_path):
     # f"sqlite:///{path}" parsed the path as a URL: in a run named "lr?seed=1" the rest was the URL's
     # query, so the first two runs below wrote one database, <project>/lr, and their buffer.db was

@@ -144,6 +144,7 @@ def with_ratios(trainer, exps, ratios):
     return with_engine_logprobs(trainer, exps, [-LN(r) for r in ratios])
 
 
+@pytest.mark.slow  # 2.3 s alone, over the fast tier's second
 @pytest.mark.parametrize("mode", ["tis", "mis"])
 def test_step_gradient_is_the_hand_weighted_policy_gradient(mode):
     extra = ["trainer.grad_clip=1e9", f"algorithm.rollout_is={mode}"]  # no clip: the raw gradient

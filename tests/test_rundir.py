@@ -263,6 +263,7 @@ def test_a_longer_warm_up_under_a_later_stage_that_already_trained_is_a_change(t
     assert check_unchanged(grown[0], grown, dirs, tmp_path) == {}
 
 
+@pytest.mark.slow  # 1.4 s alone, over the fast tier's second
 def test_regenerated_data_under_a_started_stage_is_a_change(tmp_path):
     """A study's generator run again (a bug fixed, another seed) wrote other rows under the same
     path; the same command said "[grpo] already finished" and kept the results of the old rows, or

@@ -545,6 +545,7 @@ def tools_model(cache_dir):
     return build_tiny_model(cache_dir / "models" / "tiny-qwen2-tools-v4", tools=True)
 
 
+@pytest.mark.slow  # 1.0 s alone, over the fast tier's second
 def test_a_run_with_the_python_environment_on_a_machine_without_a_sandbox_stops_when_planned(no_bwrap):
     # before, the plan passed; every conversation's environment then failed to build, and the run
     # stopped only after explorer.max_failed_steps steps of failed tasks, blaming its tasks

@@ -185,6 +185,7 @@ time.sleep(5)
 """
 
 
+@pytest.mark.slow  # 1.3 s alone, over the fast tier's second
 def test_many_mappings_count_against_the_memory_limit(no_guard):
     # before: 65477 mappings held 82 MiB of slab (vm_area_struct 12, shmem_inode_cache 47, filp 12,
     # dentry 6) at ~15 MiB resident; RLIMIT_AS (memory_mb) allows 65530 (vm.max_map_count) a process,
@@ -331,6 +332,7 @@ os.read(r, 1)
 """
 
 
+@pytest.mark.slow  # 2.0 s alone, over the fast tier's second
 def test_code_that_ignores_signals_and_blocks_in_a_read_still_times_out(no_guard):
     # SIGKILL is neither blocked nor ignored, and a pipe read sleeps interruptibly: the tool call
     # answers the timeout's reason, and the caller never waits on the code

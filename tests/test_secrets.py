@@ -180,6 +180,7 @@ def _answer(s) -> bytes:
     return data
 
 
+@pytest.mark.slow  # 1.4 s alone, over the fast tier's second
 def test_connections_without_the_token_never_keep_a_client_with_it_out():
     """The slots are the server's (every local user is 127.0.0.1). Measured before: 7 connections
     held by a local user without the token (half-sent heads, or kept alive with a request refused
@@ -253,6 +254,7 @@ def test_a_sweeps_table_follows_no_job_link_that_leaves_the_root(tmp_path):
     assert runs.listing()["sweeps"] == [{"id": "p/multirun/d", "jobs": 1, "planned": None}]
 
 
+@pytest.mark.slow  # 1.2 s alone, over the fast tier's second
 def test_the_studios_preview_shows_a_token_from_conf_masked():
     """A token written in a file under conf/ (here the same override) is shown *** in the preview's
     YAML and values, as the trackers show it; the form then sends *** back, which the remote reward

@@ -293,6 +293,7 @@ def with_engine_logprobs(trainer, exps, offsets):
     return exps
 
 
+@pytest.mark.slow  # 1.4 s alone, over the fast tier's second
 @pytest.mark.parametrize("path", ["on-policy", "old forward"])
 def test_logprob_diff_is_the_offset_of_the_stored_logprobs(monkeypatch, path):
     trainer = make_trainer(4)

@@ -427,6 +427,7 @@ def test_a_token_of_probability_0_adds_0_to_the_entropy_and_its_gradient(dtype):
         assert all(torch.isfinite(p.grad).all() for p in model.parameters()), chunk
 
 
+@pytest.mark.slow  # 1.1 s alone, over the fast tier's second
 def test_stale_experiences_sampled_at_another_temperature_start_at_ratio_one():
     # mode=train on a stored buffer sampled at T=0.7: the stale rows' ratio is taken against their
     # stored sampling log-probs (off_policy_correction=behavior); recomputed at T=0.7 with the

@@ -115,6 +115,7 @@ def _sweeps(root):
     return sorted(p.name for p in d.iterdir()) if d.exists() else []
 
 
+@pytest.mark.slow  # 2.7 s alone, over the fast tier's second
 def test_a_sweep_refused_before_it_starts_leaves_no_sweep_directory(tmp_path):
     """The README: a sweep killed outright prints nothing, and "its directory is the newest under
     <checkpoint_root_dir>/<project>/multirun/". A sweep refused at its plan (a batch size of 0 among

@@ -64,6 +64,7 @@ def test_a_target_module_the_model_lacks_stops_the_dry_run(tiny):
     assert adapter_parameters(str(tiny), cfg.model.lora) == 4608
 
 
+@pytest.mark.slow  # 3.8 s alone, over the fast tier's second
 def test_the_dry_run_says_what_lora_trains(tiny):
     # Nothing in the dry run or the run's logs said LoRA was on, or how much trained: a study's
     # `model.lora.rank=8` and a misspelt or ignored one (rank 0 is "no LoRA", every weight trains)
@@ -136,6 +137,7 @@ def _study(*overrides: str) -> list[str]:
     return [f"hydra.searchpath=[file://{STUDY / 'conf'}]", "experiment=lora_sweep", *overrides]
 
 
+@pytest.mark.slow  # 7.7 s alone, over the fast tier's second
 def test_the_study_plans_as_its_readme_says(tiny):
     # the overlay's sweep as README.md gives it: the warm-up trains every weight, the RL stage adapters
     out = run_cli("-m", *_study("+stages.1.model.lora.rank=4,16", "algorithm.optimizer.lr=1e-3,3e-3",
@@ -228,6 +230,7 @@ def _sweep_with_a_stopped_job(tmp_path: Path, err: str) -> Path:
      "srun: error: vm: task 0: Killed\n",
      "Slurm: *** STEP 170.0 ON vm CANCELLED AT 2026-11-29T07:36:41 ***"),
 ])
+@pytest.mark.slow  # 3.0 s alone, over the fast tier's second
 def test_the_report_says_why_a_sweep_job_stopped(tmp_path, err, why):
     # a sweep job that failed (its reward raised) or was killed showed in the report as
     # `incomplete (6/30 steps)`, as a job still running does: why it stopped was in the sweep's closing

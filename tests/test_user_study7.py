@@ -88,6 +88,7 @@ def test_a_misspelt_argument_of_a_reward_given_as_one_part_is_the_same_paragraph
     assert "Did you mean partial (not parial)?" in r.stderr
 
 
+@pytest.mark.slow  # 2.2 s alone, over the fast tier's second
 def test_the_dry_run_shows_the_reward_arguments_a_sweep_varies(data):
     """The dry run's reward line said `1 * experiments.word_sort.rewards.sorted_credit` whatever
     `reward_fn.0.args.partial` was, so a sweep's override could not be seen to reach it; a reward
@@ -111,6 +112,7 @@ def _keys(*overrides):
     return main.cache_keys(stages, [make_plan(s, 400) for s in stages])
 
 
+@pytest.mark.slow  # 1.4 s alone, over the fast tier's second
 def test_a_sweep_over_the_rl_reward_shares_the_sft_warm_up(data):
     """`-m hydra/launcher=local experiment=word_sort ...reward_fn.0.args.partial=0.0,0.5` trained
     the same SFT warm-up in both jobs at once (two stage-cache keys): the warm-up's key held the

@@ -183,6 +183,7 @@ def test_every_metric_translated_to_is_one_rft_logs():
 
 # ---------------------------------------------------------------- total_epochs under a model's total_steps
 
+@pytest.mark.slow  # 1.2 s alone, over the fast tier's second
 def test_total_epochs_under_a_set_total_steps_is_said(caplog):
     """The guide: total_steps, if set, makes total_epochs ineffective. model=tiny's file sets
     total_steps=60, so a user's buffer.total_epochs=2 ran 60 steps, not 2 x 69, unsaid."""
@@ -355,6 +356,7 @@ def test_the_dry_run_shows_each_eval_sets_sampling():
 
 # ---------------------------------------------------------------- a stage past the list
 
+@pytest.mark.slow  # 1.8 s alone, over the fast tier's second
 def test_a_stage_key_past_the_runs_stage_list_names_the_stages_there_are(capsys):
     """`stages.2.buffer.total_steps=5` on model=tiny's two stages (counting from 1, as a user of a
     list of stages may) was Hydra's "Error merging override ... list index out of range" (exit 1),

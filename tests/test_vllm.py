@@ -297,6 +297,7 @@ def test_vllm_not_installed_is_a_config_error(monkeypatch):
         VLLMEngine(cfg.model, cfg.explorer.rollout_model, None)
 
 
+@pytest.mark.slow  # 1.6 s alone, over the fast tier's second
 def test_a_vllm_without_the_in_place_reload_is_a_config_error_before_its_engine_starts(monkeypatch):
     # vLLM 0.11 (which the vllm extra allowed) would generate, then fail at the first weight sync:
     # its workers' reload_weights() takes no weights_iterator
