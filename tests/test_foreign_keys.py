@@ -174,6 +174,11 @@ def test_rfts_own_keys_and_their_typos_behave_as_before():
      "key, not rft's; rft's is trainer.gradient_checkpointing."),
 ])
 def test_a_flag_of_another_system_is_one_paragraph(capsys, args, message):
+    flag_is_one_paragraph(capsys, args, message)
+
+
+def flag_is_one_paragraph(capsys, args, message):
+    """run.py's check of `args` stops with `message`, one paragraph, exit 2 (tests/test_user_study10 too)."""
     assert foreign_flag(args) == message
     with pytest.raises(SystemExit) as e:
         exit_on_config_mistakes(args, CONF)
