@@ -4,7 +4,7 @@ is a defect that study met."""
 
 import pytest
 from conftest import compose_cfg
-from test_foreign_keys import flag_is_one_paragraph
+from test_foreign_keys import flag_refusal
 
 from rft.foreign_keys import foreign_key
 from rft.reporting.monitor import WandB
@@ -52,7 +52,7 @@ _FLAG = "rft takes key=value overrides, not flags; that is OpenRLHF's key, not r
 ])
 def test_openrlhfs_flags_name_rfts_keys(capsys, args, message):
     # before, foreign_flag left them to Hydra: "run.py: error: unrecognized arguments: --async_train"
-    flag_is_one_paragraph(capsys, args, message)
+    assert flag_refusal(capsys, args) == (message, 2, f"\nrft: configuration error: {message}\n\n")
 
 
 def test_the_eval_defaults_the_flag_names_are_rfts():
